@@ -1,0 +1,24 @@
+"""llmtailor: layer-wise tailoring of LLM training checkpoints.
+
+Save only the layers a policy picks at each checkpoint (with their optimizer state), and
+resume exactly from the composite: each unit from its newest saved version.
+"""
+
+from llmtailor.errors import TailorError
+from llmtailor.policies import Filter, Full, Interval, Parity, Policy
+from llmtailor.store.run import Run
+from llmtailor.tailor import RestoreReport, SaveReport, Tailor
+
+__all__ = [
+    "Filter",
+    "Full",
+    "Interval",
+    "Parity",
+    "Policy",
+    "RestoreReport",
+    "Run",
+    "SaveReport",
+    "Tailor",
+    "TailorError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""The ``llmtailor`` command line: parses arguments, calls the library, renders results.
+
+A user's mistake (a TailorError) prints one clear line and exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from llmtailor.errors import TailorError
+from llmtailor.store.run import Run
+
+app = typer.Typer(
+    help="Layer-wise tailoring of LLM training checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+errors = Console(stderr=True)
+
+RunArg = Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")]
+StepOpt = Annotated[int | None, typer.Option("--step", help="Composite as of this step (default: newest).")]
+
+
+def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except TailorError as err:
+            errors.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _existing_run(path: Path) -> Run:
+    if not path.is_dir():
+        raise TailorError(f"{path}: no such run directory")
+    return Run(path)
+
+
+@app.command()
+@_user_errors
+def demo(
+    out: Annotated[Path, typer.Option(help="Where the demo writes its runs.")] = Path("runs/demo"),
+    steps: Annotated[int, typer.Option(min=10, help="Training steps.")] = 120,
+) -> None:
+    """Train a tiny Llama on real text with Full, Parity and Filter checkpointing, crash,
+    resume from the composite, and print the savings."""
+    from llmtailor.demo import run_demo
+
+    run_demo(out, steps=steps, console=console)
+
+
+@app.command()
+@_user_errors
+def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
+    """Show every snapshot (which units it saved, bytes) and the composite of a step
+    (where each unit's version comes from, and how stale it is)."""
+    from llmtailor.cli.render import composite_table, snapshots_table
+
+    run = _existing_run(run_dir)
+    composite = run.resolve(step)
+    console.print(snapshots_table(run, composite.step))
+    console.print(composite_table(run, composite))
+
+
+@app.command()
+@_user_errors
+def verify(run_dir: RunArg, step: StepOpt = None) -> None:
+    """Check every file against the manifest's checksum (all snapshots, or the files the
+    composite of --step needs). Exit 0 when all match; 1 naming each bad file."""
+    run = _existing_run(run_dir)
+    steps = run.steps()
+    if not steps:
+        raise TailorError(f"{run_dir}: no committed snapshot in this run directory")
+    problems = run.verify(step)
+    if problems:
+        for problem in problems:
+            errors.print(f"[red]bad:[/] {problem}", highlight=False, soft_wrap=True)
+        errors.print(f"[bold red]{len(problems)} problem(s)[/]")
+        raise typer.Exit(1)
+    scope = f"composite of step {step}" if step is not None else f"{len(steps)} snapshot(s)"
+    console.print(f"[green]ok[/]: every checksum matches ({scope})")
+
+
+def main() -> None:
+    app()

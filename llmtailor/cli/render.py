@@ -1,0 +1,56 @@
+"""Rich tables for ``llmtailor inspect``."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from llmtailor.constants import LAYER_PREFIX
+from llmtailor.store.run import Composite, Run
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def _short(unit: str) -> str:
+    return unit.removeprefix(LAYER_PREFIX)
+
+
+def snapshots_table(run: Run, current: int) -> Table:
+    """Snapshots x units: ● where the snapshot wrote the unit, otherwise how many steps old the
+    unit's version in that snapshot's composite is."""
+    steps = run.steps()
+    units = list(run.manifest(current).composite)
+    table = Table(title=f"{run.root}: {len(steps)} snapshot(s); ● saved here, N = version N steps old")
+    table.add_column("step", justify="right")
+    for unit in units:
+        table.add_column(_short(unit), justify="center")
+    table.add_column("bytes", justify="right")
+    table.add_column("policy")
+    for step in steps:
+        manifest = run.manifest(step)
+        cells = []
+        for unit in units:
+            source = manifest.composite.get(unit)
+            cells.append("·" if source is None else "[green]●[/]" if source == step else f"[yellow]{step - source}[/]")
+        marker = " *" if step == current else ""
+        table.add_row(f"{step}{marker}", *cells, human_bytes(sum(f.bytes for f in manifest.files)), manifest.policy)
+    return table
+
+
+def composite_table(run: Run, composite: Composite) -> Table:
+    """Where each unit of the composite comes from, its bytes and staleness."""
+    table = Table(title=f"composite as of step {composite.step}")
+    for name, justify in (("unit", "left"), ("version (step)", "right"), ("stale by (steps)", "right"), ("bytes", "right")):
+        table.add_column(name, justify=justify)
+    total = 0
+    for unit, source in composite.sources.items():
+        size = run.manifest(source).unit_bytes(unit)
+        total += size
+        table.add_row(unit, str(source), str(composite.step - source), human_bytes(size))
+    table.add_row("[bold]total[/]", "", "", f"[bold]{human_bytes(total)}[/]")
+    return table

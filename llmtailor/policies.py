@@ -1,0 +1,170 @@
+"""Policies: which units each save writes.
+
+A policy sees a ``SaveContext`` (save index, step, the units, when each was last saved, and
+on demand per-unit statistics) and returns the units to write. ``Policy.choose`` wraps every
+policy with two rules no policy can break: a unit with no saved version yet is always
+written (so every composite is complete), and ``full_every=N`` forces a full baseline every
+N-th save (bounding how far back a composite reaches).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmtailor.constants import LAYER_PREFIX, layer_unit
+from llmtailor.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    save_index: int
+    """0 for the first save of a run; continues across restores."""
+    step: int
+    units: tuple[str, ...]
+    """Every unit of the layout, canonical order (embed, layer.0.., norm, head, other)."""
+    last_saved: Mapping[str, int]
+    """Unit -> step of its newest saved version; units never saved are absent."""
+    unit_stats: Callable[[str], Mapping[str, float]] | None = None
+    """Per-unit statistics computed on demand (e.g. relative update since last save)."""
+
+    @property
+    def layer_units(self) -> list[str]:
+        return [u for u in self.units if u.startswith(LAYER_PREFIX)]
+
+    @property
+    def aux_units(self) -> list[str]:
+        return [u for u in self.units if not u.startswith(LAYER_PREFIX)]
+
+
+@dataclass(frozen=True)
+class Policy(ABC):
+    full_every: int | None = field(default=None, kw_only=True)
+    """Force a full save every N-th save (save index 0, N, 2N, ...)."""
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if self.full_every is not None and (not isinstance(self.full_every, int) or self.full_every < 1):
+            problems.append(f"full_every={self.full_every!r} must be a positive integer or None")
+        if problems:
+            raise ConfigError(f"{type(self).__name__}: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        return []
+
+    @abstractmethod
+    def select(self, ctx: SaveContext) -> set[str]:
+        """The units this policy wants written at this save."""
+
+    def choose(self, ctx: SaveContext) -> list[str]:
+        """The units to write, in canonical order: ``select`` plus the rules above."""
+        if self.full_every is not None and ctx.save_index % self.full_every == 0:
+            return list(ctx.units)
+        wanted = self.select(ctx) | {u for u in ctx.units if u not in ctx.last_saved}
+        return [u for u in ctx.units if u in wanted]
+
+    def describe(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if v is not None}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+@dataclass(frozen=True)
+class Full(Policy):
+    """Every unit at every save."""
+
+    def select(self, ctx: SaveContext) -> set[str]:
+        return set(ctx.units)
+
+
+@dataclass(frozen=True)
+class Parity(Policy):
+    """Even layers at even saves, odd layers at odd saves, auxiliary units every save
+    (the LLMTailor paper's use case 1)."""
+
+    def select(self, ctx: SaveContext) -> set[str]:
+        parity = ctx.save_index % 2
+        layers = {layer_unit(i) for i in range(len(ctx.layer_units)) if i % 2 == parity}
+        return layers & set(ctx.units) | set(ctx.aux_units)
+
+
+@dataclass(frozen=True)
+class Filter(Policy):
+    """Some units every save, the others every ``every``-th save (the paper's use case 2).
+
+    ``always`` holds layer indices (negative counts from the last layer) and unit names or
+    shell patterns (``"layer.1*"``). Default: the first two and last two layers, plus every
+    auxiliary unit (``aux=True``)."""
+
+    always: tuple[int | str, ...] = (0, 1, -2, -1)
+    every: int = 4
+    aux: bool = True
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if not isinstance(self.every, int) or self.every < 1:
+            problems.append(f"every={self.every!r} must be a positive integer")
+        for item in self.always:
+            if not isinstance(item, (int, str)) or isinstance(item, bool):
+                problems.append(f"always entry {item!r} must be a layer index or a unit name/pattern")
+        return problems
+
+    def select(self, ctx: SaveContext) -> set[str]:
+        if ctx.save_index % self.every == 0:
+            return set(ctx.units)
+        layers = ctx.layer_units
+        chosen = set(ctx.aux_units) if self.aux else set()
+        for item in self.always:
+            if isinstance(item, int):
+                if -len(layers) <= item < len(layers):
+                    chosen.add(layers[item])
+            else:
+                chosen.update(fnmatch.filter(ctx.units, item))
+        return chosen
+
+
+@dataclass(frozen=True)
+class Interval(Policy):
+    """A period per unit: a unit is written at saves whose index is a multiple of its period.
+
+    ``periods`` maps unit names or shell patterns to periods (first match wins);
+    unmatched units use ``default``."""
+
+    periods: Mapping[str, int] = field(default_factory=dict)
+    default: int = 1
+
+    def _problems(self) -> list[str]:
+        return [
+            f"period of {key!r} is {value!r}; it must be a positive integer"
+            for key, value in [*self.periods.items(), ("default", self.default)]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ]
+
+    def period_of(self, unit: str) -> int:
+        for pattern, period in self.periods.items():
+            if fnmatch.fnmatchcase(unit, pattern):
+                return period
+        return self.default
+
+    def select(self, ctx: SaveContext) -> set[str]:
+        return {u for u in ctx.units if ctx.save_index % self.period_of(u) == 0}
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.periods.items()), self.default, self.full_every))
+
+
+def policy_names() -> Sequence[str]:
+    return ("full", "parity", "filter", "interval")
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """Build a policy by name (for the CLI and configuration files)."""
+    classes: dict[str, type[Policy]] = {"full": Full, "parity": Parity, "filter": Filter, "interval": Interval}
+    if name not in classes:
+        raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}")
+    try:
+        return classes[name](**options)
+    except TypeError as err:
+        raise ConfigError(f"policy {name!r}: {err}") from None

@@ -1,0 +1,223 @@
+"""A run directory: its committed snapshots, its ``latest`` pointer and its composites.
+
+Layout on disk::
+
+    RUN/
+      latest                       name of the newest committed snapshot (replaced atomically)
+      snapshots/step-00000100/     one committed snapshot
+        manifest.json              written last: no manifest, no snapshot
+        global.json                step, optimizer groups, scheduler, RNG, extras (JSON)
+        global.safetensors         the tensors global.json refers to
+        units/<unit>.safetensors   weights and optimizer state of each unit saved at this step
+      .tmp/                        snapshots being written; never read
+
+This module only reads; ``writer.py`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtailor.constants import (
+    GLOBAL_JSON,
+    GLOBAL_TENSORS,
+    LATEST_FILE,
+    MANIFEST_FILE,
+    SNAPSHOT_PREFIX,
+    SNAPSHOTS_DIR,
+    TMP_DIR,
+    snapshot_dirname,
+)
+from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.state import tree
+from llmtailor.store.files import check_file, read_tensors, read_verified
+from llmtailor.store.manifest import Manifest, TensorEntry, load_manifest
+
+
+@dataclass(frozen=True)
+class Composite:
+    """The checkpoint as of ``step``: each unit from the snapshot at ``sources[unit]``, global
+    state from ``step`` itself."""
+
+    step: int
+    manifest: Manifest
+    sources: dict[str, int]
+
+
+class Run:
+    """Read access to a run directory. Manifests are cached; tensor bytes are read per unit."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._manifests: dict[int, Manifest] = {}
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.root / SNAPSHOTS_DIR
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.root / TMP_DIR
+
+    def snapshot_dir(self, step: int) -> Path:
+        return self.snapshots_dir / snapshot_dirname(step)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed snapshots (those whose manifest exists), ascending."""
+        if not self.snapshots_dir.is_dir():
+            return []
+        found = []
+        for child in self.snapshots_dir.iterdir():
+            digits = child.name.removeprefix(SNAPSHOT_PREFIX)
+            if child.name.startswith(SNAPSHOT_PREFIX) and digits.isdigit() and (child / MANIFEST_FILE).is_file():
+                found.append(int(digits))
+        return sorted(found)
+
+    def manifest(self, step: int) -> Manifest:
+        if step not in self._manifests:
+            path = self.snapshot_dir(step) / MANIFEST_FILE
+            if not path.is_file():
+                raise SnapshotNotFoundError(self._no_snapshot_message(step))
+            manifest = load_manifest(path)
+            if manifest.step != step:
+                raise IntegrityError(f"{path}: manifest says step {manifest.step}, directory says {step}")
+            self._manifests[step] = manifest
+        return self._manifests[step]
+
+    def latest_step(self) -> int | None:
+        """The newest committed composite: the ``latest`` pointer, followed forward through any
+        snapshot committed after it whose parent it is (a crash can fall between the commit
+        and the pointer update). Snapshots of an abandoned branch are not followed."""
+        steps = self.steps()
+        if not steps:
+            return None
+        pointer = self._read_pointer()
+        if pointer is None or pointer not in steps:
+            return steps[-1]
+        current = pointer
+        while True:
+            children = [s for s in steps if s > current and self.manifest(s).parent == current]
+            if not children:
+                return current
+            current = max(children)
+
+    def _read_pointer(self) -> int | None:
+        try:
+            name = (self.root / LATEST_FILE).read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        digits = name.removeprefix(SNAPSHOT_PREFIX)
+        return int(digits) if name.startswith(SNAPSHOT_PREFIX) and digits.isdigit() else None
+
+    def resolve(self, step: int | None = None) -> Composite:
+        """The composite as of ``step`` (default: the newest). Reads one manifest."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise SnapshotNotFoundError(self._no_snapshot_message(None))
+        manifest = self.manifest(step)
+        return Composite(step=step, manifest=manifest, sources=dict(manifest.composite))
+
+    def read_unit(self, step: int, unit: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """Tensors (by key) and non-tensor optimizer values of ``unit`` as saved at ``step``.
+
+        Every file is checked against its checksum; every tensor against the manifest's dtype
+        and shape. Chunks are assembled into the global tensor."""
+        manifest = self.manifest(step)
+        if unit not in manifest.units:
+            raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
+        entry = manifest.units[unit]
+        root = self.snapshot_dir(step)
+        loaded: dict[str, dict[str, torch.Tensor]] = {}
+        for path in sorted({c.file for t in entry.tensors for c in t.chunks}):
+            loaded[path] = read_tensors(root, manifest.file_entry(path))
+        tensors = {t.key: _assemble(t, loaded, root) for t in entry.tensors}
+        return tensors, {name: dict(values) for name, values in entry.values.items()}
+
+    def read_global(self, step: int) -> dict[str, Any]:
+        manifest = self.manifest(step)
+        root = self.snapshot_dir(step)
+        raw = read_verified(root, manifest.file_entry(GLOBAL_JSON))
+        try:
+            doc = json.loads(raw)
+        except ValueError as err:
+            raise IntegrityError(f"{root / GLOBAL_JSON}: not valid JSON ({err})") from None
+        tensors = read_tensors(root, manifest.file_entry(GLOBAL_TENSORS))
+        state = tree.decode(doc, tensors, where=f"{root / GLOBAL_JSON}")
+        if not isinstance(state, dict):
+            raise IntegrityError(f"{root / GLOBAL_JSON}: expected an object at the top level")
+        return state
+
+    def verify(self, step: int | None = None) -> list[str]:
+        """Problems with the composite as of ``step`` (default: every committed snapshot).
+
+        Checks every file a composite needs (or every file of every snapshot) against its
+        checksum; an empty list means all is well."""
+        problems: list[str] = []
+        if step is None:
+            targets = {s: None for s in self.steps()}
+        else:
+            composite = self.resolve(step)
+            targets = {}
+            for unit, source in composite.sources.items():
+                targets.setdefault(source, set()).add(unit)
+            targets[step] = None  # the snapshot of `step` is needed whole (global state)
+        for source, units in sorted(targets.items()):
+            try:
+                manifest = self.manifest(source)
+            except TailorError as err:
+                problems.append(str(err))
+                continue
+            root = self.snapshot_dir(source)
+            wanted = {c.file for u in (units or manifest.units) for t in manifest.units[u].tensors for c in t.chunks}
+            for entry in manifest.files:
+                if units is None or entry.path in wanted:
+                    problem = check_file(root, entry)
+                    if problem:
+                        problems.append(problem)
+        return problems
+
+    def _no_snapshot_message(self, step: int | None) -> str:
+        steps = self.steps()
+        if not steps:
+            return f"{self.root}: no committed snapshot in this run directory"
+        if step is None:
+            return f"{self.root}: no committed snapshot"
+        return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
+
+
+def _assemble(entry: TensorEntry, loaded: dict[str, dict[str, torch.Tensor]], root: Path) -> torch.Tensor:
+    pieces = []
+    for chunk in entry.chunks:
+        tensors = loaded[chunk.file]
+        if chunk.key not in tensors:
+            raise IntegrityError(f"{root / chunk.file}: tensor {chunk.key!r} is missing")
+        piece = tensors[chunk.key]
+        if piece.dtype != entry.torch_dtype or list(piece.shape) != chunk.shape:
+            raise IntegrityError(
+                f"{root / chunk.file}: tensor {chunk.key!r} is {piece.dtype} {list(piece.shape)}, "
+                f"manifest says {entry.dtype} {chunk.shape}"
+            )
+        pieces.append((chunk, piece))
+    if len(pieces) == 1 and pieces[0][0].shape == entry.shape:
+        return pieces[0][1]
+    whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
+    for chunk, piece in pieces:
+        index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
+        whole[index] = piece
+    return whole
+
+
+def _ranges(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:12])
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > 12 else "")
+
+
+def tensor_bytes(entry: TensorEntry) -> int:
+    return math.prod(entry.shape) * entry.torch_dtype.itemsize

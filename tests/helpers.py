@@ -1,0 +1,75 @@
+"""Shared test helpers: tiny real models, a few real training steps, state fingerprints.
+
+Importable from any test as ``helpers`` (pytest's ``pythonpath`` includes tests/)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from llmtailor.training_example import (
+    TinyConfig,
+    batch_at,
+    build_model,
+    build_optimizer,
+    corpus_tokens,
+)
+
+
+def tiny(layers: int = 4, hidden: int = 32, family: str = "llama", tie: bool = False, seed: int = 0):
+    """A tiny causal LM with HF-style AdamW groups and a LambdaLR schedule."""
+    config = TinyConfig(
+        hidden_size=hidden, layers=layers, heads=4, kv_heads=2, intermediate_size=2 * hidden,
+        seq_len=32, tie_embeddings=tie, family=family,
+    )
+    model = build_model(config, seed=seed)
+    optimizer, scheduler = build_optimizer(model, total_steps=50)
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, tokens, steps, batch_size: int = 2, seq_len: int = 32) -> list[float]:
+    losses = []
+    for step in steps:
+        batch = batch_at(tokens, step, batch_size, seq_len)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def unit_versions(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Clone of every parameter's weight and optimizer state, by parameter name."""
+    out = {}
+    for name, param in model.named_parameters():
+        entry = {"weight": param.detach().clone()}
+        for key, value in optimizer.state.get(param, {}).items():
+            entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        out[name] = entry
+    return out
+
+
+def assert_bitwise(actual: dict, expected: dict, where: str = "") -> None:
+    assert actual.keys() == expected.keys(), f"{where}: keys differ"
+    for name in expected:
+        assert actual[name].keys() == expected[name].keys(), f"{where}{name}: state keys differ"
+        for key, value in expected[name].items():
+            got = actual[name][key]
+            if isinstance(value, torch.Tensor):
+                assert got.dtype == value.dtype and torch.equal(got, value), f"{where}{name}/{key} differs"
+            else:
+                assert got == value, f"{where}{name}/{key} differs"
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Path -> sha256 of every file below ``root``: to show nothing on disk changed."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

@@ -1,0 +1,290 @@
+"""Tailor end to end in one process: save, restore, compare bit for bit."""
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
+
+from llmtailor import Filter, Full, Interval, Parity, Tailor
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.store.run import Run
+
+
+def test_full_roundtrip_continues_bitwise(tmp_path, tokens):
+    model, opt, sched = tiny()
+    reference = tiny()
+    train(*reference, tokens, range(1, 7))
+    expected_tail = train(*reference, tokens, range(7, 11))
+
+    train(model, opt, sched, tokens, range(1, 7))
+    Tailor(tmp_path, model, opt, sched).save(6, extra={"next": 7, "note": ("a", 1)})
+    random.random(), np.random.rand(), torch.rand(3)  # disturb every RNG; restore must undo it
+
+    fresh = tiny(seed=123)
+    report = Tailor(tmp_path, *fresh).restore()
+    assert report.step == 6 and report.extra == {"next": 7, "note": ("a", 1)}
+    assert train(*fresh, tokens, range(7, 11)) == expected_tail
+    for a, b in zip(fresh[0].parameters(), reference[0].parameters()):
+        assert torch.equal(a, b)
+
+
+# Saves at steps 2, 4, 6, 8, 10 (save indices 0..4); the composite at step 10 the policy implies.
+EXPECTED_AT_10 = {
+    "parity": (Parity(), {"embed": 10, "layer.0": 10, "layer.1": 8, "layer.2": 10, "layer.3": 8, "norm": 10, "head": 10}),
+    "filter": (
+        Filter(always=(0, -1), every=3),
+        {"embed": 10, "layer.0": 10, "layer.1": 8, "layer.2": 8, "layer.3": 10, "norm": 10, "head": 10},
+    ),
+    "interval": (
+        Interval({"layer.1": 2, "layer.*": 4, "embed": 3}),
+        {"embed": 8, "layer.0": 10, "layer.1": 10, "layer.2": 10, "layer.3": 10, "norm": 10, "head": 10},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED_AT_10)
+def test_restore_brings_back_exactly_the_versions_the_composite_names(tmp_path, tokens, name):
+    policy, expected = EXPECTED_AT_10[name]
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=policy)
+    versions, lrs = {}, {}
+    for step in range(1, 11):
+        train(model, opt, sched, tokens, [step])
+        if step % 2 == 0:
+            tailor.save(step)
+            versions[step] = unit_versions(model, opt)
+            lrs[step] = sched.get_last_lr()
+
+    composite = Run(tmp_path).resolve()
+    assert composite.sources == expected
+    for at in (10, 6):
+        fresh = tiny(seed=7)
+        restored = Tailor(tmp_path, *fresh, policy=policy)
+        sources = restored.restore(step=at).sources
+        live = unit_versions(fresh[0], fresh[1])
+        for param, state in live.items():
+            source = sources[restored.layout.unit_of(param)]
+            assert_bitwise({param: state}, {param: versions[source][param]}, where=f"step {at}: ")
+        assert fresh[2].get_last_lr() == lrs[at]
+
+
+def test_parity_bytes_stay_within_two_percent_of_its_tensor_share(tmp_path, tokens):
+    model, opt, sched = tiny(layers=4, hidden=256)
+    train(model, opt, sched, tokens, [1])
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity())
+    full = tailor.save(1)
+    train(model, opt, sched, tokens, [2])
+    parity = tailor.save(2)
+
+    def tensor_bytes(unit):
+        total = 0
+        for name in tailor.layout.units[unit]:
+            param = dict(model.named_parameters())[name]
+            total += param.numel() * param.element_size()
+            total += sum(v.numel() * v.element_size() for v in opt.state[param].values())
+        return total
+
+    share = sum(tensor_bytes(u) for u in parity.units) / sum(tensor_bytes(u) for u in full.units)
+    assert set(parity.units) == {"embed", "layer.1", "layer.3", "norm", "head"}
+    assert parity.bytes <= 1.02 * share * full.bytes, (parity.bytes / full.bytes, share)
+
+
+class Toy(torch.nn.Module):
+    """Unknown family (generic layout), with a frozen parameter and one that never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(256, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(16)
+        self.lm_head = torch.nn.Linear(16, 256, bias=False)
+        self.unused = torch.nn.Parameter(torch.zeros(4))
+        self.blocks[1].bias.requires_grad_(False)
+
+    def forward(self, ids):
+        hidden = self.embed_tokens(ids)
+        for block in self.blocks:
+            hidden = torch.tanh(block(hidden))
+        return self.lm_head(self.norm(hidden))
+
+
+def toy_loss(model, tokens, step):
+    from llmtailor.training_example import batch_at
+
+    batch = batch_at(tokens, step, 2, 17)
+    logits = model(batch[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+
+OPTIMIZERS = {
+    "adamw_hf_groups": lambda m: torch.optim.AdamW(
+        [
+            {"params": [p for n, p in m.named_parameters() if p.requires_grad and "norm" not in n and "bias" not in n]},
+            {"params": [p for n, p in m.named_parameters() if p.requires_grad and ("norm" in n or "bias" in n)],
+             "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    ),
+    "adam": lambda m: torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2),
+    "sgd_momentum": lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_optimizers_frozen_and_gradless_parameters_roundtrip(tmp_path, tokens, name):
+    def run(model, optimizer, steps):
+        losses = []
+        for step in steps:
+            loss = toy_loss(model, tokens, step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    model = Toy()
+    optimizer = OPTIMIZERS[name](model)
+    run(model, optimizer, range(3))
+    tailor = Tailor(tmp_path, model, optimizer, policy=Full())
+    assert tailor.layout.family == "generic" and "other" in tailor.layout.units
+    tailor.save(3)
+    assert "unused" not in {n for n, p in model.named_parameters() if p in optimizer.state}
+
+    torch.manual_seed(1)
+    fresh = Toy()
+    fresh_optimizer = OPTIMIZERS[name](fresh)
+    Tailor(tmp_path, fresh, fresh_optimizer).restore()
+    assert_bitwise(unit_versions(fresh, fresh_optimizer), unit_versions(model, optimizer))
+    assert run(fresh, fresh_optimizer, range(3, 6)) == run(model, optimizer, range(3, 6))
+
+
+def test_restore_never_unpickles(tmp_path, tokens, monkeypatch):
+    model, opt, sched = tiny()
+    train(model, opt, sched, tokens, [1])
+    Tailor(tmp_path, model, opt, sched, policy=Parity()).save(1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("something tried to unpickle")
+
+    for target, attr in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+        monkeypatch.setattr(target, attr, refuse)
+    fresh = tiny(seed=3)
+    Tailor(tmp_path, *fresh).restore()
+    assert torch.equal(fresh[0].lm_head.weight, model.lm_head.weight)
+
+
+@pytest.fixture
+def saved_run(tmp_path, tokens):
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity())
+    for step in (1, 2, 3):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    return tmp_path
+
+
+def _damage_flip(run):
+    path = run / "snapshots/step-00000003/units/layer.0.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return "layer.0.safetensors: checksum mismatch"
+
+
+def _damage_truncate(run):
+    path = run / "snapshots/step-00000002/units/layer.1.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    return "layer.1.safetensors: 100 bytes on disk"
+
+
+def _damage_delete(run):
+    (run / "snapshots/step-00000003/units/embed.safetensors").unlink()
+    return "embed.safetensors: file is missing"
+
+
+def _damage_manifest(run):
+    (run / "snapshots/step-00000003/manifest.json").write_text('{"format": "llmtailor.snapshot", "step": 3')
+    return "step-00000003/manifest.json: invalid manifest"
+
+
+@pytest.mark.parametrize("damage", [_damage_flip, _damage_truncate, _damage_delete, _damage_manifest])
+def test_damaged_files_are_refused_by_name_and_nothing_changes(saved_run, damage):
+    fragment = damage(saved_run)
+    before = tree_digest(saved_run)
+    with pytest.raises(TailorError) as err:
+        Tailor(saved_run, *tiny(seed=5)).restore(step=3)
+    assert fragment in str(err.value)
+    assert tree_digest(saved_run) == before
+
+
+@pytest.mark.parametrize(
+    "build, error, fragment",
+    [
+        (lambda: tiny(hidden=48), IncompatibleModelError, "model.embed_tokens.weight: model has float32 [256, 48]"),
+        (lambda: tiny(layers=5), IncompatibleModelError, "layer.4"),
+        (lambda: tiny(family="qwen2"), IncompatibleModelError, "q_proj.bias"),
+        (lambda: (Toy(), None, None), IncompatibleModelError, "generic"),
+    ],
+)
+def test_other_model_is_refused_before_reading_tensors(saved_run, build, error, fragment):
+    before = tree_digest(saved_run)
+    with pytest.raises(error) as err:
+        Tailor(saved_run, *build()).restore()
+    assert fragment in str(err.value)
+    assert tree_digest(saved_run) == before
+
+
+def test_other_optimizer_grouping_is_refused(saved_run):
+    model, _, _ = tiny()
+    one_group = torch.optim.AdamW(model.parameters())
+    with pytest.raises(IncompatibleModelError, match="param groups differ"):
+        Tailor(saved_run, model, one_group).restore()
+
+
+def test_empty_run_and_unknown_step(tmp_path, saved_run):
+    with pytest.raises(SnapshotNotFoundError, match="no committed snapshot in this run directory"):
+        Tailor(tmp_path / "empty", *tiny()).restore()
+    with pytest.raises(SnapshotNotFoundError, match=r"no committed snapshot at step 7; committed steps: 1, 2, 3"):
+        Tailor(saved_run, *tiny()).restore(step=7)
+
+
+def test_saves_never_overwrite_or_go_backwards(saved_run):
+    tailor = Tailor(saved_run, *tiny())
+    before = tree_digest(saved_run)
+    with pytest.raises(TailorError, match="refusing to overwrite"):
+        tailor.save(2)
+    tailor.restore()
+    with pytest.raises(ConfigError, match="not after the previous snapshot's step 3"):
+        tailor.save(3)
+    assert tree_digest(saved_run) == before
+    assert not any((saved_run / ".tmp").iterdir())
+
+
+def test_unstorable_extra_is_refused_without_writing(tmp_path):
+    tailor = Tailor(tmp_path, *tiny())
+    with pytest.raises(TailorError, match=r"global state.extra.fn is a builtins.function"):
+        tailor.save(1, extra={"fn": lambda: 0})
+    assert Run(tmp_path).steps() == []
+
+
+def test_latest_follows_a_commit_whose_pointer_update_was_lost(saved_run):
+    (saved_run / "latest").write_text("step-00000001\n")
+    assert Run(saved_run).latest_step() == 3
+
+
+def test_resuming_an_older_step_starts_a_branch(saved_run, tokens):
+    model, opt, sched = tiny()
+    tailor = Tailor(saved_run, model, opt, sched, policy=Parity())
+    assert tailor.restore(step=2).step == 2
+    train(model, opt, sched, tokens, [3])
+    with pytest.raises(TailorError, match="refusing to overwrite"):
+        tailor.save(3)
+    train(model, opt, sched, tokens, [4])
+    tailor.save(4)
+    run = Run(saved_run)
+    assert run.manifest(4).parent == 2 and run.latest_step() == 4
+    assert set(run.resolve(4).sources.values()) <= {1, 2, 4}
