@@ -5,7 +5,7 @@ resume exactly from the composite: each unit from its newest saved version.
 """
 
 from llmtailor.errors import TailorError
-from llmtailor.policies import Filter, Full, Interval, Parity, Policy
+from llmtailor.policies import Filter, Full, Interval, Parity, Policy, make_policy
 from llmtailor.store.run import Run
 from llmtailor.tailor import RestoreReport, SaveReport, Tailor
 
@@ -20,5 +20,6 @@ __all__ = [
     "SaveReport",
     "Tailor",
     "TailorError",
+    "make_policy",
 ]
 __version__ = "0.1.0"

@@ -50,7 +50,8 @@ class _Strict(BaseModel):
             return cls.model_validate_json(data) if isinstance(data, str) else cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(f"{where}: " + "; ".join(
-                f"key {'.'.join(map(str, err['loc']))!r}: {err['msg']}" for err in e.errors())) from None
+                f"key {'.'.join(map(str, err['loc']))!r}: {err['msg']}" if err["loc"] else err["msg"]
+                for err in e.errors())) from None
 
 
 class _LayoutRecord(_Strict):

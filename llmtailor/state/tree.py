@@ -29,6 +29,8 @@ def encode(obj: Any, where: str = "state") -> tuple[Any, dict[str, torch.Tensor]
 
 
 def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, np.generic):  # before scalars: np.float64 is a float subclass
+        return {"$npscalar": obj.dtype.str, "value": obj.item()}
     if isinstance(obj, _SCALARS):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -44,8 +46,6 @@ def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
         key = str(len(tensors))
         tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).copy())
         return {"$ndarray": key}
-    if isinstance(obj, np.generic):
-        return {"$npscalar": obj.dtype.str, "value": obj.item()}
     if isinstance(obj, list):
         return [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):

@@ -1,0 +1,56 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from llmtailor.errors import UnsupportedStateError
+from llmtailor.state import rng, tree
+
+
+def roundtrip(obj):
+    import json
+
+    doc, tensors = tree.encode(obj)
+    return tree.decode(json.loads(json.dumps(doc)), tensors)
+
+
+def test_nested_state_roundtrips_exactly():
+    state = {
+        "betas": (0.9, 0.999),
+        "lr": 0.1 + 0.2,
+        "bad": [math.inf, -math.inf],
+        3: "int key",
+        "$looks_like_a_tag": {"$tensor": "user data"},
+        "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "scalar": torch.tensor(3.0),
+        "np": np.arange(4, dtype=np.uint32),
+        "np_scalar": np.float64(1.5),
+        "none": None,
+        "flag": True,
+    }
+    back = roundtrip(state)
+    assert back.keys() == state.keys()
+    assert back["betas"] == (0.9, 0.999) and isinstance(back["betas"], tuple)
+    assert back["lr"] == 0.1 + 0.2 and back["bad"] == [math.inf, -math.inf]
+    assert back[3] == "int key" and back["$looks_like_a_tag"] == {"$tensor": "user data"}
+    assert back["t"].dtype == torch.bfloat16 and torch.equal(back["t"], state["t"])
+    assert torch.equal(back["scalar"], state["scalar"])
+    assert back["np"].dtype == np.uint32 and (back["np"] == state["np"]).all()
+    assert back["np_scalar"] == 1.5 and isinstance(back["np_scalar"], np.float64)
+    assert back["none"] is None and back["flag"] is True
+
+
+def test_rng_state_roundtrips():
+    import random
+
+    captured = roundtrip(rng.capture_rng())
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    rng.restore_rng(captured)
+    again = (random.random(), np.random.rand(), torch.rand(2))
+    assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+def test_unsupported_value_names_its_path():
+    with pytest.raises(UnsupportedStateError, match=r"state\.sched\.fn\[1\] is a builtins\.function"):
+        tree.encode({"sched": {"fn": [1, lambda: 0]}})
