@@ -4,7 +4,7 @@ A tiny Llama-style model is trained on real text four times: once without checkp
 reference), then once per policy (Full, Parity, Filter) with a ``Tailor`` saving every few
 steps. Each checkpointed run "crashes" part-way — its model, optimizer and scheduler are
 thrown away — and resumes from the newest composite into objects built from another seed,
-then trains to the end. The table compares what each policy wrote and how close its final
+then trains to the end. Two tables compare what each policy wrote and how close its final
 loss lands to the reference.
 """
 
@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 import torch
 from rich.console import Console
@@ -29,7 +29,7 @@ from llmtailor.tailor import SaveReport, Tailor
 from llmtailor.training_example import TinyConfig, build_model, build_optimizer, corpus_tokens, train_steps
 
 # 16 layers, so that Filter's "first two and last two layers" really skips most of them
-# (with 8 it would write as many layers per save as Parity). About 0.1 s a step on 2 cores.
+# (with 8 it would write as many layers per save as Parity). About 0.15 s a step on one core.
 DEMO_CONFIG = TinyConfig(hidden_size=64, layers=16, heads=4, kv_heads=2, intermediate_size=128, seq_len=128)
 DEMO_BATCH_SIZE = 8
 SEED = 0
@@ -63,8 +63,9 @@ class PolicyRun:
         return mean(self.save_bytes[1:] or self.save_bytes)
 
     @property
-    def mean_seconds(self) -> float:
-        return mean(self.save_seconds)
+    def median_seconds(self) -> float:
+        """Median, not mean: one fsync stalled by other I/O on the disk would swamp a mean."""
+        return median(self.save_seconds)
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,8 @@ def run_demo(
 ) -> DemoResult:
     """Train, checkpoint with each policy into ``out_dir/<policy>``, crash, resume, compare.
 
-    Earlier demo runs in ``out_dir/<policy>`` are replaced. Prints a progress bar, the
-    comparison table and an explanation on ``console``; returns the figures."""
+    Earlier demo runs in ``out_dir/<policy>`` are replaced. Prints a progress bar, two
+    comparison tables and an explanation on ``console``; returns the figures."""
     problems = [f"{k}={v!r} must be a positive integer" for k, v in
                 {"steps": steps, "save_every": save_every, "crash_at": crash_at, "batch_size": batch_size}.items()
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1]
@@ -112,11 +113,18 @@ def run_demo(
     start = time.perf_counter()
     job = _Job(corpus_tokens(), config, batch_size, steps, save_every,
                Progress(*_COLUMNS, console=console))
-    with job.progress:
-        task = job.progress.add_task("uninterrupted (reference)", total=steps, loss=float("nan"))
-        reference = job.train(job.fresh(SEED), 1, steps, task)
-        runs = {name: _run_with_crash(job, name, policy, run_dirs[name], crash_at)
-                for name, policy in POLICIES.items()}
+    # One thread: the model is too small to gain from more, and extra threads spinning on a
+    # busy machine slowed training several-fold. It also leaves a core free for the saves' I/O.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with job.progress:
+            task = job.progress.add_task("uninterrupted (reference)", total=steps, loss=float("nan"))
+            reference, _ = job.train(job.fresh(SEED), 1, steps, task)
+            runs = {name: _run_with_crash(job, name, policy, run_dirs[name], crash_at)
+                    for name, policy in POLICIES.items()}
+    finally:
+        torch.set_num_threads(threads)
     result = DemoResult(steps, save_every, crash_at, reference, runs, time.perf_counter() - start)
     _print_report(result, config, console)
     return result
@@ -141,17 +149,17 @@ class _Job:
         model = build_model(self.config, seed)
         return (model, *build_optimizer(model, total_steps=self.steps))
 
-    def train(self, objects: tuple, first: int, last: int, task, tailor: Tailor | None = None,
-              saves: list[SaveReport] | None = None) -> list[float]:
-        """Steps ``first..last``; with a ``tailor``, save every ``save_every`` steps into ``saves``."""
-        losses = []
+    def train(self, objects: tuple, first: int, last: int, task,
+              tailor: Tailor | None = None) -> tuple[list[float], list[SaveReport]]:
+        """Steps ``first..last``; with a ``tailor``, a save every ``save_every`` steps."""
+        losses, saves = [], []
         for step, loss in train_steps(*objects, self.tokens, range(first, last + 1),
                                       self.batch_size, self.config.seq_len):
             losses.append(loss)
             self.progress.update(task, advance=1, loss=loss)
             if tailor is not None and step % self.save_every == 0:
                 saves.append(tailor.save(step, extra={"step": step}))
-        return losses
+        return losses, saves
 
 
 def _run_with_crash(job: _Job, name: str, policy: Policy, run_dir: Path, crash_at: int) -> PolicyRun:
@@ -159,9 +167,8 @@ def _run_with_crash(job: _Job, name: str, policy: Policy, run_dir: Path, crash_a
     # The resumed run replays the steps between the last save and the crash.
     replayed = crash_at % job.save_every
     task = job.progress.add_task(f"{name}: crash at {crash_at}", total=job.steps + replayed, loss=float("nan"))
-    saves: list[SaveReport] = []
     objects = job.fresh(SEED)
-    job.train(objects, 1, crash_at, task, Tailor(run_dir, *objects, policy=policy), saves)
+    _, saves = job.train(objects, 1, crash_at, task, Tailor(run_dir, *objects, policy=policy))
     # The crash: only what the Tailor committed survives. Building from another seed makes
     # sure every restored value comes from disk, not from a lucky identical initialisation.
     del objects
@@ -169,7 +176,8 @@ def _run_with_crash(job: _Job, name: str, policy: Policy, run_dir: Path, crash_a
     tailor = Tailor(run_dir, *objects, policy=policy)
     restored = tailor.restore()
     job.progress.update(task, description=f"{name}: resumed from {restored.step}")
-    losses = job.train(objects, restored.step + 1, job.steps, task, tailor, saves)
+    losses, later_saves = job.train(objects, restored.step + 1, job.steps, task, tailor)
+    saves += later_saves
     return PolicyRun(
         name=name, policy=policy.describe(), run_dir=run_dir,
         save_steps=[s.step for s in saves], save_bytes=[s.bytes for s in saves],
@@ -191,24 +199,25 @@ def _clear_previous_runs(paths: list[Path]) -> None:
 
 def _print_report(result: DemoResult, config: TinyConfig, console: Console) -> None:
     full = result.runs["full"]
-    table = Table(title=f"Checkpoint every {result.save_every} steps, crash at step {result.crash_at}, "
-                        f"resume, train to step {result.steps}",
+    saves = Table(title=f"Saves, one every {result.save_every} steps",
                   caption="; ".join(f"{run.name} = {run.policy}" for run in result.runs.values()))
-    for header in ("policy", "saves", "total", "mean/save", "bytes vs Full", "mean save s (vs Full)",
-                   "restored from", "unit sources at restore", "final loss", "vs uninterrupted"):
-        table.add_column(header, justify="left" if header in ("policy", "unit sources at restore") else "right")
-    table.add_row("uninterrupted", "0", "-", "-", "-", "-", "-", "-", f"{result.reference_final_loss:.6f}", "-")
+    for header in ("policy", "saves", "total", "mean/save", "vs Full", "median save s", "vs Full"):
+        saves.add_column(header, justify="left" if header == "policy" else "right")
+    for run in result.runs.values():
+        saves.add_row(run.name, str(len(run.save_bytes)), f"{sum(run.save_bytes) / 1e6:.1f} MB",
+                      f"{run.mean_bytes / 1e6:.2f} MB",
+                      f"{run.mean_bytes / full.mean_bytes:.2f}x", f"{run.median_seconds:.3f}",
+                      f"{run.median_seconds / full.median_seconds:.2f}x")
+    resume = Table(title=f"Crash at step {result.crash_at}, restore, train to step {result.steps}\n"
+                         f"(uninterrupted run's final loss: {result.reference_final_loss:.6f})")
+    for header in ("policy", "restored", "units from", "final loss", "vs uninterrupted"):
+        resume.add_column(header, justify="left" if header in ("policy", "units from") else "right")
     for run in result.runs.values():
         delta = run.final_loss - result.reference_final_loss
-        table.add_row(
-            run.name, str(len(run.save_bytes)), _human(sum(run.save_bytes)), _human(run.mean_bytes),
-            f"{run.mean_bytes / full.mean_bytes:.2f}x",
-            f"{run.mean_seconds:.3f} ({run.mean_seconds / full.mean_seconds:.2f}x)",
-            str(run.restored_step), _summarize_sources(run.sources), f"{run.final_loss:.6f}",
-            "identical (bitwise)" if delta == 0 else
-            f"{delta:+.6f} ({100 * delta / result.reference_final_loss:+.2f}%)",
-        )
-    console.print(table)
+        resume.add_row(run.name, f"step {run.restored_step}", _summarize_sources(run.sources),
+                       f"{run.final_loss:.6f}", "bitwise identical" if delta == 0 else
+                       f"{delta:+.4f} ({100 * delta / result.reference_final_loss:+.2f}%)")
+    console.print(saves, "", resume, "")
     exact = full.final_loss == result.reference_final_loss
     parity, filter_ = (result.runs[n].mean_bytes_after_first / full.mean_bytes for n in ("parity", "filter"))
     console.print(
@@ -228,22 +237,12 @@ def _print_report(result: DemoResult, config: TinyConfig, console: Console) -> N
 
 
 def _summarize_sources(sources: dict[str, int]) -> str:
-    """E.g. ``3 aux + 8 layers @70; 8 layers @60``: which saves the restored units came from."""
-    by_step: dict[int, list[str]] = {}
-    for unit, step in sources.items():
-        by_step.setdefault(step, []).append(unit)
-    parts = []
-    for step in sorted(by_step, reverse=True):
-        layers = sum(u.startswith(LAYER_PREFIX) for u in by_step[step])
-        aux = len(by_step[step]) - layers
-        kinds = [f"{aux} aux" if aux else "", f"{layers} layers" if layers else ""]
-        parts.append(" + ".join(k for k in kinds if k) + f" @{step}")
-    return "; ".join(parts)
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if size < 1000:
-            return f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} GB"
+    """Which saves the restored units came from, one line per save: ``@70: 3 aux, 8 layers``."""
+    lines = []
+    for step in sorted(set(sources.values()), reverse=True):
+        units = [unit for unit, source in sources.items() if source == step]
+        layers = sum(unit.startswith(LAYER_PREFIX) for unit in units)
+        aux = len(units) - layers
+        kinds = ([f"{aux} aux"] if aux else []) + ([f"{layers} layers"] if layers else [])
+        lines.append(f"@{step}: " + ", ".join(kinds))
+    return "\n".join(lines)
