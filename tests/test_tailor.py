@@ -288,3 +288,18 @@ def test_resuming_an_older_step_starts_a_branch(saved_run, tokens):
     run = Run(saved_run)
     assert run.manifest(4).parent == 2 and run.latest_step() == 4
     assert set(run.resolve(4).sources.values()) <= {1, 2, 4}
+
+
+def test_plain_and_nested_optimizer_values(tmp_path):
+    model, opt, sched = tiny()
+    param = model.lm_head.weight
+    opt.state[param] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(param), "count": 3, "flags": (True, None)}
+    Tailor(tmp_path / "ok", model, opt, sched).save(1)
+    fresh = tiny(seed=2)
+    Tailor(tmp_path / "ok", *fresh).restore()
+    state = fresh[1].state[fresh[0].lm_head.weight]
+    assert state["count"] == 3 and state["flags"] == (True, None)
+
+    opt.state[param]["bad"] = [torch.ones(1)]
+    with pytest.raises(TailorError, match=r"optimizer state lm_head.weight.bad nests tensors"):
+        Tailor(tmp_path / "bad", model, opt, sched).save(1)

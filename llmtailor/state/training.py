@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmtailor.constants import KIND_OPTIM, KIND_WEIGHT
-from llmtailor.errors import IncompatibleModelError, IntegrityError
+from llmtailor.errors import IncompatibleModelError, IntegrityError, UnsupportedStateError
 from llmtailor.layouts import Layout
 from llmtailor.state import optimizer as optim_state
 from llmtailor.state import rng, tree
@@ -36,6 +36,14 @@ def split_key(key: str) -> tuple[str, str, str | None]:
         name, _, state_key = rest.rpartition("/")
         return kind, name, state_key
     return kind, rest, None
+
+
+def _plain_value(value: Any, where: str) -> Any:
+    """A non-tensor optimizer state value as JSON (it is stored in the manifest)."""
+    doc, nested = tree.encode(value, where)
+    if nested:
+        raise UnsupportedStateError(f"{where} nests tensors inside a {type(value).__name__}; store them directly")
+    return doc
 
 
 class TrainingState:
@@ -78,7 +86,7 @@ class TrainingState:
                 if isinstance(value, torch.Tensor):
                     staged[optim_key(name, key)] = value.detach()
                 else:
-                    values.setdefault(name, {})[key] = tree.encode(value, f"optimizer state {name}.{key}")[0]
+                    values.setdefault(name, {})[key] = _plain_value(value, f"optimizer state {name}.{key}")
         if copy:
             staged = {k: t.to("cpu", copy=True) for k, t in staged.items()}
         return StagedUnit(unit=unit, tensors=staged, values=values)

@@ -1,0 +1,44 @@
+"""Our streaming safetensors writer: safetensors itself reads back every tensor exactly."""
+
+import pytest
+import torch
+import xxhash
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from llmtailor.errors import IntegrityError
+from llmtailor.store.files import read_tensors, write_tensors
+from llmtailor.store.manifest import DTYPES
+
+
+def varied_tensors():
+    tensors = {f"t/{name}": torch.arange(6).reshape(2, 3).to(dtype) for name, dtype in DTYPES.items()}
+    tensors["step"] = torch.tensor(7.0)
+    tensors["empty"] = torch.zeros(0, 4)
+    tensors["big"] = torch.randn(5 << 20)  # 20 MiB: written in several pieces
+    tensors["strided"] = torch.randn(4, 6).t()
+    return tensors
+
+
+def test_safetensors_reads_our_files_exactly(tmp_path):
+    tensors = varied_tensors()
+    entry = write_tensors(tmp_path / "u.safetensors", tensors, tmp_path)
+    data = (tmp_path / "u.safetensors").read_bytes()
+    assert entry.bytes == len(data) and entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+    for loaded in (load_file(tmp_path / "u.safetensors"), read_tensors(tmp_path, entry)):
+        assert loaded.keys() == tensors.keys()
+        for key, tensor in tensors.items():
+            assert loaded[key].dtype == tensor.dtype and loaded[key].shape == tensor.shape
+            assert torch.equal(loaded[key], tensor), key
+    with safe_open(tmp_path / "u.safetensors", "pt") as handle:
+        assert set(handle.keys()) == set(tensors)
+
+
+def test_a_changed_byte_is_caught(tmp_path):
+    entry = write_tensors(tmp_path / "u.safetensors", {"w": torch.ones(8)}, tmp_path)
+    path = tmp_path / "u.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        read_tensors(tmp_path, entry)
