@@ -43,6 +43,7 @@ class TinyConfig:
     seq_len: int = 64
     tie_embeddings: bool = False
     family: str = "llama"
+    vocab_size: int = VOCAB
 
 
 def build_model(config: TinyConfig = TinyConfig(), seed: int = 0) -> torch.nn.Module:
@@ -51,7 +52,7 @@ def build_model(config: TinyConfig = TinyConfig(), seed: int = 0) -> torch.nn.Mo
 
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
     hf_config = classes[config.family](
-        vocab_size=VOCAB,
+        vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.layers,

@@ -68,6 +68,9 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> F
             out.write(piece)
         out.flush()
         os.fsync(out.fileno())
+        # The bytes are durable and will not be read soon: drop them from the page cache, so
+        # a save's cache footprint is about one unit instead of the whole checkpoint.
+        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
 
 
