@@ -5,6 +5,8 @@ SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"
 TMP_DIR = ".tmp"
+TRASH_DIR = ".trash"
+LOCK_FILE = ".lock"
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 UNITS_DIR = "units"

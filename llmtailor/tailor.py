@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import ConfigError, IntegrityError
+from llmtailor.errors import ConfigError, IntegrityError, TailorError
 from llmtailor.layouts import Layout, build_layout
 from llmtailor.policies import Full, Policy, SaveContext
 from llmtailor.state import tree
 from llmtailor.state.training import TrainingState
+from llmtailor.store.lock import WriterLock
+from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, persist
 
@@ -50,6 +52,8 @@ class RestoreReport:
     extra: Any
     sources: dict[str, int]
     seconds: float
+    skipped: dict[int, str]
+    """With ``fallback=True``: newer composites passed over, and why."""
 
 
 class Tailor:
@@ -58,7 +62,8 @@ class Tailor:
     Invariants: a save never touches an earlier snapshot; after ``restore(T)`` every weight and
     optimizer tensor equals, bit for bit, the version the composite of T names, and with the
     ``Full`` policy training continues bitwise as if uninterrupted (on CPU). Optimizer state is
-    matched by parameter name. Restoring never unpickles.
+    matched by parameter name. Restoring never unpickles. One ``Tailor`` at a time may write to
+    a run directory (a lock, taken at the first save, released by ``close`` or process exit).
     """
 
     def __init__(
@@ -70,10 +75,15 @@ class Tailor:
         policy: Policy | None = None,
         *,
         family: str | None = None,
+        keep: int | None = None,
     ):
+        """``keep=K``: after each save, delete every snapshot that the newest K composites do not
+        need (``llmtailor gc`` does the same on demand)."""
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {policy!r}")
+        self.keep = keep if keep is None else check_keep(keep)
         self.run = Run(run_dir)
+        self._lock = WriterLock(self.run.root)
         self.layout: Layout = build_layout(model, family)
         self.policy: Policy = policy or Full()
         self.state = TrainingState(model, optimizer, lr_scheduler, self.layout)
@@ -97,6 +107,7 @@ class Tailor:
         if self._parent is not None and step <= self._parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self._parent}")
         start = time.perf_counter()
+        self._lock.acquire()
         tensors = self.state.tensors()
         units = self.policy.choose(
             SaveContext(
@@ -121,6 +132,8 @@ class Tailor:
         )
         result = persist(self.run, staged)
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
+        if self.keep is not None:
+            apply_retention(self.run, plan_retention(self.run, self.keep))
         return SaveReport(
             step=step,
             units=units,
@@ -130,12 +143,44 @@ class Tailor:
             unit_bytes=result.unit_bytes,
         )
 
-    def restore(self, step: int | None = None) -> RestoreReport:
+    def restore(self, step: int | None = None, *, fallback: bool = False) -> RestoreReport:
         """Load the newest committed composite (or the one as of ``step``) in place.
 
         Compatibility (layout, names, shapes, dtypes, optimizer groups) is checked from the
         manifests before any tensor byte is read; every file is checked against its checksum
-        as it is read."""
+        as it is read. With ``fallback=True`` (and no ``step``), a composite any of whose files
+        fails verification is passed over for the newest older one that verifies whole; the
+        report's ``skipped`` says what was passed over and why."""
+        if not fallback or step is not None:
+            try:
+                return self._restore(step, {})
+            except IntegrityError as err:
+                raise IntegrityError(
+                    f"{err}. Nothing was written to disk; the live model may be partly restored. "
+                    "restore(fallback=True) loads the newest composite that verifies"
+                ) from None
+        skipped: dict[int, str] = {}
+        for candidate in self._lineage_newest_first():
+            problems = self._problems_of(candidate)
+            if not problems:
+                return self._restore(candidate, skipped)
+            skipped[candidate] = "; ".join(problems[:3])
+        raise IntegrityError(
+            f"{self.run.root}: no composite verifies: "
+            + " | ".join(f"step {s}: {why}" for s, why in skipped.items())
+        )
+
+    def close(self) -> None:
+        """Release the run's writer lock (also released when the process exits)."""
+        self._lock.release()
+
+    def __enter__(self) -> Tailor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _restore(self, step: int | None, skipped: dict[int, str]) -> RestoreReport:
         start = time.perf_counter()
         composite = self.run.resolve(step)
         sources = {unit: self.run.manifest(source) for unit, source in composite.sources.items()}
@@ -158,4 +203,31 @@ class Tailor:
             extra=extra,
             sources=dict(composite.sources),
             seconds=time.perf_counter() - start,
+            skipped=skipped,
         )
+
+    def _problems_of(self, step: int) -> list[str]:
+        try:
+            return self.run.verify(step)
+        except TailorError as err:
+            return [str(err)]
+
+    def _lineage_newest_first(self) -> list[int]:
+        """The newest composite and its ancestors; where a manifest is unreadable (so its
+        parent is unknown), the next older committed snapshot stands in."""
+        steps = self.run.steps()
+        if not steps:
+            raise IntegrityError(f"{self.run.root}: no committed snapshot in this run directory")
+        try:
+            current: int | None = self.run.latest_step()
+        except TailorError:
+            current = steps[-1]
+        lineage = []
+        while current is not None:
+            lineage.append(current)
+            try:
+                current = self.run.manifest(current).parent
+            except TailorError:
+                current = max((s for s in steps if s < current), default=None)
+        return lineage
+

@@ -261,7 +261,7 @@ def test_saves_never_overwrite_or_go_backwards(saved_run):
     with pytest.raises(ConfigError, match="not after the previous snapshot's step 3"):
         tailor.save(3)
     assert tree_digest(saved_run) == before
-    assert not any((saved_run / ".tmp").iterdir())
+    assert not list((saved_run / ".tmp").glob("*"))
 
 
 def test_unstorable_extra_is_refused_without_writing(tmp_path):
@@ -303,3 +303,21 @@ def test_plain_and_nested_optimizer_values(tmp_path):
     opt.state[param]["bad"] = [torch.ones(1)]
     with pytest.raises(TailorError, match=r"optimizer state lm_head.weight.bad nests tensors"):
         Tailor(tmp_path / "bad", model, opt, sched).save(1)
+
+
+def test_fallback_restores_the_newest_composite_that_verifies(saved_run):
+    _damage_flip(saved_run)  # breaks step 3's layer.0, which the composite of 3 needs
+    with pytest.raises(IntegrityError, match=r"restore\(fallback=True\) loads the newest composite that verifies"):
+        Tailor(saved_run, *tiny(seed=5)).restore()
+    before = tree_digest(saved_run)
+    report = Tailor(saved_run, *tiny(seed=5)).restore(fallback=True)
+    assert report.step == 2 and list(report.skipped) == [3]
+    assert "layer.0.safetensors: checksum mismatch" in report.skipped[3]
+    assert tree_digest(saved_run) == before
+
+
+def test_fallback_when_nothing_verifies_names_every_step(saved_run):
+    for step in (1, 2, 3):
+        (saved_run / f"snapshots/step-{step:08d}/units/norm.safetensors").write_bytes(b"junk")
+    with pytest.raises(IntegrityError, match=r"no composite verifies: step 3: .* \| step 2: .* \| step 1: "):
+        Tailor(saved_run, *tiny()).restore(fallback=True)

@@ -92,5 +92,34 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
     console.print(f"[green]ok[/]: every checksum matches ({scope})")
 
 
+@app.command()
+@_user_errors
+def gc(
+    run_dir: RunArg,
+    keep: Annotated[int, typer.Option("--keep", help="How many newest composites to keep whole.")],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; delete nothing.")] = False,
+) -> None:
+    """Delete every snapshot that the newest K composites do not need. Crash-safe: a
+    snapshot is moved out of snapshots/ atomically before its files are removed."""
+    from llmtailor.cli.render import retention_table
+    from llmtailor.store.lock import WriterLock
+    from llmtailor.store.retention import apply_retention, plan_retention
+
+    run = _existing_run(run_dir)
+    lock = WriterLock(run.root)
+    if not dry_run:
+        lock.acquire()  # deleting is writing: never beside a live writer
+    try:
+        plan = plan_retention(run, keep)
+        console.print(retention_table(run, plan, dry_run))
+        if not dry_run:
+            problems = apply_retention(run, plan)
+            for problem in problems:
+                errors.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+            console.print(f"deleted {len(plan.delete) - len(problems)} snapshot(s); kept {len(plan.keep)}")
+    finally:
+        lock.release()
+
+
 def main() -> None:
     app()

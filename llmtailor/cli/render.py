@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from llmtailor.constants import LAYER_PREFIX
+from llmtailor.store.retention import RetentionPlan
 from llmtailor.store.run import Composite, Run
 
 
@@ -54,3 +55,25 @@ def composite_table(run: Run, composite: Composite) -> Table:
         table.add_row(unit, str(source), str(composite.step - source), human_bytes(size))
     table.add_row("[bold]total[/]", "", "", f"[bold]{human_bytes(total)}[/]")
     return table
+
+
+def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Table:
+    """Each committed snapshot: kept (and for which composite) or deleted, with its bytes."""
+    verb = "would delete" if dry_run else "delete"
+    table = Table(title=f"{run.root}: keep the composites of steps {', '.join(map(str, plan.composites)) or '-'}")
+    for name, justify in (("step", "right"), ("action", "left"), ("bytes", "right")):
+        table.add_column(name, justify=justify)
+    freed = 0
+    for step in sorted(plan.keep + plan.delete):
+        size = sum(f.bytes for f in run.manifest(step).files) if step in plan.keep else _dir_bytes(run, step)
+        if step in plan.delete:
+            freed += size
+        action = "keep" if step in plan.keep else f"[red]{verb}[/]"
+        table.add_row(str(step), action, human_bytes(size))
+    table.add_row("", f"[bold]{verb}: {len(plan.delete)}[/]", f"[bold]{human_bytes(freed)}[/]")
+    return table
+
+
+def _dir_bytes(run: Run, step: int) -> int:
+    # A doomed snapshot's manifest may be damaged: measure the directory, not the manifest.
+    return sum(p.stat().st_size for p in run.snapshot_dir(step).rglob("*") if p.is_file())

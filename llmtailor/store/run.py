@@ -90,6 +90,11 @@ class Run:
             self._manifests[step] = manifest
         return self._manifests[step]
 
+    def forget(self, steps: list[int]) -> None:
+        """Drop cached manifests of snapshots that were removed."""
+        for step in steps:
+            self._manifests.pop(step, None)
+
     def latest_step(self) -> int | None:
         """The newest committed composite: the ``latest`` pointer, followed forward through any
         snapshot committed after it whose parent it is (a crash can fall between the commit

@@ -1,0 +1,64 @@
+"""One writer per run: a second process gets a clear error; a killed writer leaves no stale lock."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import tiny
+
+from llmtailor import Tailor
+from llmtailor.errors import TailorError
+
+SECOND_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from llmtailor import Tailor
+    from llmtailor.errors import TailorError
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    tailor = Tailor(sys.argv[1], model)  # the lock lives as long as the Tailor
+    try:
+        tailor.save(int(sys.argv[2]))
+    except TailorError as err:
+        print(err)
+        sys.exit(3)
+    if len(sys.argv) > 3:  # hold the lock until killed
+        print("saved", flush=True)
+        sys.stdin.read()
+    """
+)
+
+
+def writer(run, step, *extra, **kwargs):
+    return subprocess.Popen(
+        [sys.executable, "-c", SECOND_WRITER, str(run), str(step), *extra],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+@pytest.mark.slow
+def test_a_second_writer_process_is_refused_and_a_killed_one_leaves_no_lock(tmp_path):
+    holder = writer(tmp_path, 1, "hold")
+    assert holder.stdout.readline().strip() == "saved"
+    second = writer(tmp_path, 2)
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 3, err
+    assert f"{tmp_path} is being written by another writer (pid {holder.pid} on" in out
+
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    third = writer(tmp_path, 2)
+    out, err = third.communicate(timeout=120)
+    assert third.returncode == 0, out + err
+
+
+def test_a_second_writer_in_the_same_process_is_refused(tmp_path):
+    first = Tailor(tmp_path, *tiny())
+    first.save(1)
+    with pytest.raises(TailorError, match="one writer at a time"):
+        Tailor(tmp_path, *tiny()).save(2)
+    first.close()
+    second = Tailor(tmp_path, *tiny())
+    second.restore()
+    second.save(2)

@@ -1,0 +1,86 @@
+"""Retention keeps exactly what the newest K composites need, and survives a crash mid-deletion."""
+
+import os
+
+import pytest
+from helpers import tiny, train, tree_digest
+from typer.testing import CliRunner
+
+from llmtailor import Parity, Run, Tailor
+from llmtailor.cli import app
+from llmtailor.errors import ConfigError
+from llmtailor.store.retention import apply_retention, plan_retention
+
+
+@pytest.fixture
+def parity_run(tmp_path, tokens):
+    """Parity saves at steps 1..6: each composite needs its own snapshot and the previous one."""
+    model, opt, sched = tiny()
+    with Tailor(tmp_path, model, opt, sched, policy=Parity()) as tailor:
+        for step in range(1, 7):
+            train(model, opt, sched, tokens, [step])
+            tailor.save(step)
+    return tmp_path
+
+
+def test_plan_keeps_what_the_newest_composites_need(parity_run):
+    run = Run(parity_run)
+    plan = plan_retention(run, 2)
+    assert plan.composites == [6, 5] and plan.keep == [4, 5, 6] and plan.delete == [1, 2, 3]
+    assert plan_retention(run, 1).keep == [5, 6]
+    assert plan_retention(run, 10).delete == []
+
+
+def test_gc_deletes_only_unneeded_snapshots_and_the_rest_restores(parity_run):
+    run = Run(parity_run)
+    needed = {p: h for p, h in tree_digest(parity_run).items() if p.startswith(("snapshots/step-00000005", "snapshots/step-00000006"))}
+    assert apply_retention(run, plan_retention(run, 1)) == []
+    assert Run(parity_run).steps() == [5, 6] and Run(parity_run).verify() == []
+    assert {p: h for p, h in tree_digest(parity_run).items() if p.startswith("snapshots/")} == needed
+    assert Tailor(parity_run, *tiny(seed=4)).restore().step == 6
+
+
+def test_a_crash_mid_deletion_leaves_kept_composites_whole(parity_run, monkeypatch):
+    import shutil
+
+    def crash(path, *args, **kwargs):
+        raise KeyboardInterrupt("killed while deleting")
+
+    run = Run(parity_run)
+    monkeypatch.setattr(shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        apply_retention(run, plan_retention(run, 1))
+    monkeypatch.undo()
+    after = Run(parity_run)
+    assert after.steps() == [5, 6] and after.verify() == []  # doomed ones left snapshots/ first
+    assert os.listdir(parity_run / ".trash")
+    # The next writer clears the trash.
+    model, opt, sched = tiny()
+    tailor = Tailor(parity_run, model, opt, sched, policy=Parity())
+    tailor.restore()
+    tailor.save(7)
+    assert not (parity_run / ".trash").exists()
+
+
+def test_tailor_keep_applies_retention_after_each_save(tmp_path, tokens):
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), keep=2)
+    for step in range(1, 6):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    assert Run(tmp_path).steps() == [3, 4, 5]
+    with pytest.raises(ConfigError, match="keep=0 must be a positive integer"):
+        Tailor(tmp_path, model, keep=0)
+
+
+def test_gc_cli_dry_run_lists_and_deletes_nothing(parity_run):
+    runner = CliRunner()
+    before = tree_digest(parity_run)
+    result = runner.invoke(app, ["gc", str(parity_run), "--keep", "2", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "would delete: 3" in result.output and tree_digest(parity_run) == before
+    result = runner.invoke(app, ["gc", str(parity_run), "--keep", "2"])
+    assert result.exit_code == 0 and "deleted 3 snapshot(s); kept 3" in result.output
+    assert Run(parity_run).steps() == [4, 5, 6]
+    bad = runner.invoke(app, ["gc", str(parity_run), "--keep", "0"])
+    assert bad.exit_code == 2 and "keep=0" in bad.output and "Traceback" not in bad.output
