@@ -8,6 +8,7 @@ the same keys and chunk offsets.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -36,6 +37,13 @@ def split_key(key: str) -> tuple[str, str, str | None]:
         name, _, state_key = rest.rpartition("/")
         return kind, name, state_key
     return kind, rest, None
+
+
+def _hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The Hugging Face config of ``model`` as plain JSON (exports need it), or None."""
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return json.loads(to_json(use_diff=False)) if callable(to_json) else None
 
 
 def _plain_value(value: Any, where: str) -> Any:
@@ -100,6 +108,7 @@ class TrainingState:
             ),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "rng": rng.capture_rng(),
+            "model_config": _hf_config(self.model),
             "extra": extra,
         }
 
