@@ -27,7 +27,7 @@ from llmtailor.state import tree
 from llmtailor.state.training import TrainingState
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.retention import apply_retention, check_keep, plan_retention
-from llmtailor.store.run import Run
+from llmtailor.store.run import Composite, Run
 from llmtailor.store.writer import StagedSnapshot, persist
 
 
@@ -170,6 +170,17 @@ class Tailor:
             + " | ".join(f"step {s}: {why}" for s, why in skipped.items())
         )
 
+    def continue_from(self, step: int) -> None:
+        """Make the next save extend the composite of ``step`` without loading anything: for a
+        caller that has already loaded that composite by other means (the HF integration, which
+        resumes through Trainer's own loader). ``restore`` does this itself."""
+        self._extend(self.run.resolve(step))
+
+    def _extend(self, composite: Composite) -> None:
+        self._parent = composite.step
+        self._save_index = composite.manifest.save_index + 1
+        self._composite = dict(composite.sources)
+
     def close(self) -> None:
         """Release the run's writer lock (also released when the process exits)."""
         self._lock.release()
@@ -195,9 +206,7 @@ class Tailor:
             loaded, values = self.run.read_unit(source.step, unit)
             self.state.apply_unit(unit, loaded, values, live, optimizer_state)
         extra = self.state.apply_global(global_state, optimizer_state, live)
-        self._parent = composite.step
-        self._save_index = composite.manifest.save_index + 1
-        self._composite = dict(composite.sources)
+        self._extend(composite)
         return RestoreReport(
             step=composite.step,
             extra=extra,

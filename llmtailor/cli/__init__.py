@@ -121,5 +121,10 @@ def gc(
         lock.release()
 
 
+from llmtailor.cli.assemble import register as _register_assemble  # noqa: E402
+
+_register_assemble(app)
+
+
 def main() -> None:
     app()

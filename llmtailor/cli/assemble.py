@@ -1,0 +1,60 @@
+"""``llmtailor assemble RUN [--step N] --format hf -o OUT``: write a composite in another
+checkpoint format (Hugging Face Trainer's ``checkpoint-N/`` today).
+
+Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class ExportFormat(str, Enum):
+    hf = "hf"
+
+
+def assemble(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write checkpoint-<step>/ into.")],
+    format: Annotated[
+        ExportFormat, typer.Option("--format", help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from.")
+    ] = ExportFormat.hf,
+    step: Annotated[int | None, typer.Option("--step", help="Composite as of this step (default: newest).")] = None,
+) -> None:
+    """Write the composite of a step (each unit from its newest saved version) as a standard
+    checkpoint directory; `transformers.Trainer.train(resume_from_checkpoint=...)` resumes
+    from it with no llmtailor code. Written under a temporary name and renamed when whole;
+    an existing checkpoint directory is never overwritten."""
+    from llmtailor.cli import _existing_run, console
+    from llmtailor.interop.hf_export import export_hf
+
+    run = _existing_run(run_dir)
+    with Progress(
+        TextColumn("[bold]reading units[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(unit: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=unit)
+
+        target = export_hf(run, step, out, progress=progress)
+    console.print(f"[green]wrote[/] {target}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``assemble`` to the ``llmtailor`` app (once), with its user-error handling."""
+    from llmtailor.cli import _user_errors
+
+    if any(info.name == "assemble" for info in app.registered_commands):
+        return  # idempotent: llmtailor.cli and tests may both register it
+    app.command(name="assemble")(_user_errors(assemble))

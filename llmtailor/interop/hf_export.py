@@ -1,0 +1,297 @@
+"""Export a composite as a Hugging Face Trainer ``checkpoint-N/`` directory.
+
+Vanilla ``transformers.Trainer.train(resume_from_checkpoint=OUT/checkpoint-N)`` resumes from
+the result with no llmtailor code: the files are the ones Trainer's own ``_save_checkpoint``
+writes, in the formats its ``_load_*`` methods read::
+
+    model.safetensors        every canonical weight under its HF name (tied aliases once, as
+                             ``save_pretrained`` does), metadata {"format": "pt"}
+    config.json              the model config saved with the run
+    generation_config.json   ``GenerationConfig.from_model_config`` of that config
+    optimizer.pt             ``Optimizer.state_dict()`` layout: indices follow the run's param
+                             groups, which must be Trainer's own decay / no-decay groups
+    scheduler.pt             the LR scheduler's state dict (Trainer loads it only beside optimizer.pt)
+    rng_state.pth            {"python", "numpy", "cpu"[, "cuda"]} as ``Trainer._save_rng_state``
+    trainer_state.json       the TrainerState saved by ``TailorTrainer`` (else a minimal one)
+
+Every ``.pt``/``.pth`` file loads with ``torch.load(..., weights_only=True)`` (rng_state.pth
+under transformers' ``safe_globals()``, like Trainer's own). Not written: ``training_args.bin``
+(a pickled TrainingArguments; resuming does not read it) and tokenizer files (the run does not
+know the tokenizer).
+
+Invariants: before any tensor byte is read, the run's optimizer groups are checked against the
+groups vanilla Trainer builds for the model (same parameters, same order), so optimizer state
+lands on the right parameter; the directory appears whole (written under a temporary name,
+fsynced, renamed) or not at all; an existing ``checkpoint-N`` is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtailor.constants import KIND_OPTIM, KIND_WEIGHT
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.layouts import Layout
+from llmtailor.state import tree
+from llmtailor.state.training import split_key
+from llmtailor.store.files import fsync_dir
+from llmtailor.store.run import Run
+
+CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng_state.pth"
+TRAINER_STATE_FILE = "trainer_state.json"
+
+Progress = Callable[[str, int, int], None]
+"""Called after each unit is read: ``(unit, units done, units in all)``."""
+
+
+def checkpoint_dirname(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}-{step}"
+
+
+def export_hf(run: Run, step: int | None, out_dir: str | Path, *, progress: Progress | None = None) -> Path:
+    """Write the composite of ``step`` (default: the newest) as ``out_dir/checkpoint-<step>/``
+    and return that path.
+
+    Reads one unit at a time; the weights and optimizer state are gathered in memory only
+    because model.safetensors and optimizer.pt are single files. Raises TailorError (nothing
+    written) when the run lacks what the format needs, when its optimizer groups are not the
+    ones vanilla Trainer builds, or when the target directory exists."""
+    out_dir = Path(out_dir)
+    composite = run.resolve(step)
+    step = composite.step
+    layout = Layout.from_record(composite.manifest.layout)
+    missing = [u for u in layout.units if u not in composite.sources]
+    if missing:
+        raise IntegrityError(f"composite of step {step} names no version of units {missing}")
+    state = run.read_global(step)
+    config = state.get("model_config")
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{run.root}: the snapshot of step {step} holds no Hugging Face model config; "
+            "an HF export needs a transformers model (one with .config)"
+        )
+    groups, scheduler = state.get("optimizer_groups"), state.get("lr_scheduler")
+    if (groups is None) != (scheduler is None):
+        have, lack = ("optimizer", "LR scheduler") if scheduler is None else ("LR scheduler", "optimizer")
+        raise ConfigError(
+            f"{run.root}: the snapshot of step {step} holds {have} state but no {lack}; "
+            "Trainer loads optimizer.pt and scheduler.pt only as a pair"
+        )
+    if groups is not None:
+        check_trainer_groups(config, layout, groups)
+
+    target = out_dir / checkpoint_dirname(step)
+    if target.exists():
+        raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dirname(step)}.tmp-", dir=out_dir))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
+        weights, per_param = _read_units(run, composite.sources, layout, progress)
+        _write_weights(tmp / WEIGHTS_FILE, weights)
+        del weights
+        _write_config(tmp, config)
+        if groups is not None:
+            _save_torch(tmp / OPTIMIZER_FILE, optimizer_state_dict(groups, per_param))
+            _save_torch(tmp / SCHEDULER_FILE, scheduler)
+        del per_param
+        _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
+        _write_text(tmp / TRAINER_STATE_FILE, _trainer_state_json(state.get("extra"), step))
+        fsync_dir(tmp)
+        if target.exists():  # os.rename would replace an empty directory created meanwhile
+            raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
+        os.rename(tmp, target)
+        fsync_dir(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+# -- Trainer's parameter groups ------------------------------------------------------------
+
+
+def trainer_param_groups(config: dict[str, Any]) -> list[list[str]]:
+    """Parameter names of the two groups vanilla Trainer's ``create_optimizer`` builds for the
+    model of ``config`` (decay, then no-decay; each in ``named_parameters`` order). The model
+    is built on the meta device: no memory, no weights."""
+    import transformers
+
+    model = _meta_model(config)
+    # Trainer.get_decay_parameter_names does not use `self`; calling it keeps us on exactly the
+    # rule of the installed transformers (layer types and name patterns).
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+
+
+def check_trainer_groups(config: dict[str, Any], layout: Layout, groups: list[dict[str, Any]]) -> None:
+    """Raise IncompatibleModelError naming the first parameter whose group or position differs
+    between the run's optimizer and the one vanilla Trainer would build; optimizer.pt is
+    matched by position, so anything else would load state onto the wrong parameters."""
+    expected = trainer_param_groups(config)
+    held = set(layout.tensor_names()) | set(layout.aliases)
+    unknown = [n for names in expected for n in names if n not in held]
+    if unknown:
+        raise IncompatibleModelError(
+            f"the run's model config builds parameters the run does not hold, e.g. {sorted(unknown)[:3]}"
+        )
+    saved = [list(g.get("params", [])) for g in groups]
+    flat_saved = [(i, n) for i, names in enumerate(saved) for n in names]
+    flat_expected = [(i, n) for i, names in enumerate(expected) for n in names]
+    rule = (
+        "vanilla Trainer builds 2 groups: weight decay for every trainable parameter except biases "
+        "and norm weights, then the rest (Trainer.create_optimizer); a run must use those groups to "
+        "export to HF"
+    )
+    for position, (have, want) in enumerate(zip(flat_saved, flat_expected)):
+        if have != want:
+            raise IncompatibleModelError(
+                f"optimizer parameter {position}: the run has {have[1]!r} in group {have[0]}, "
+                f"vanilla Trainer would put {want[1]!r} in group {want[0]} there; {rule}"
+            )
+    if len(flat_saved) != len(flat_expected) or len(saved) != len(expected):
+        extra = flat_saved[len(flat_expected):] or flat_expected[len(flat_saved):]
+        first = f"; first differing parameter: {extra[0][1]!r}" if extra else ""
+        raise IncompatibleModelError(
+            f"the run's optimizer has {len(saved)} group(s) of {[len(s) for s in saved]} parameters, "
+            f"vanilla Trainer would build {len(expected)} of {[len(e) for e in expected]}{first}; {rule}"
+        )
+
+
+def _meta_model(config: dict[str, Any]) -> torch.nn.Module:
+    import transformers
+
+    model_type = config.get("model_type")
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise ConfigError(f"model config: unknown model_type {model_type!r} for this transformers") from None
+    hf_config = config_class.from_dict(config)
+    architectures = config.get("architectures") or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    with torch.device("meta"):
+        if model_class is not None:
+            return model_class._from_config(hf_config)
+        return transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+# -- Reading the composite -----------------------------------------------------------------
+
+
+def _read_units(
+    run: Run, sources: dict[str, int], layout: Layout, progress: Progress | None
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    weights: dict[str, torch.Tensor] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for done, unit in enumerate(layout.units, start=1):
+        tensors, values = run.read_unit(sources[unit], unit)
+        for key, tensor in tensors.items():
+            kind, name, state_key = split_key(key)
+            if kind == KIND_WEIGHT:
+                weights[name] = tensor
+            elif kind == KIND_OPTIM:
+                per_param.setdefault(name, {})[state_key] = tensor
+            # other kinds (fp32 master copies of distributed runs) have no place in a Trainer checkpoint
+        for name, plain in values.items():
+            for key, encoded in plain.items():
+                per_param.setdefault(name, {})[key] = tree.decode(encoded, {}, f"{unit}.{name}.{key}")
+        absent = [n for n in layout.units[unit] if n not in weights]
+        if absent:
+            raise IntegrityError(f"unit {unit!r} of step {sources[unit]} lacks weights {absent[:3]}")
+        if progress is not None:
+            progress(unit, done, len(layout.units))
+    return weights, per_param
+
+
+def optimizer_state_dict(groups: list[dict[str, Any]], per_param: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``Optimizer.state_dict()`` of the saved groups: parameters numbered across the groups in
+    their order, as torch does; parameters without state yet get no entry."""
+    index: dict[str, int] = {}
+    param_groups = []
+    for group in groups:
+        numbers = [index.setdefault(name, len(index)) for name in group["params"]]
+        param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+    state = {index[name]: dict(values) for name, values in per_param.items() if name in index and values}
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
+    """Our RNG record in ``Trainer._save_rng_state``'s non-distributed format."""
+    out = {"python": rng["python"], "numpy": rng["numpy"], "cpu": rng["torch"]}
+    cuda = rng.get("cuda")
+    if cuda is not None:
+        # Non-distributed Trainer saves (and loads) one device's state, not the list of all.
+        out["cuda"] = cuda[0] if isinstance(cuda, (list, tuple)) else cuda
+    return out
+
+
+def _trainer_state_json(extra: Any, step: int) -> str:
+    state = extra.get("trainer_state") if isinstance(extra, dict) else None
+    if state is None:
+        from dataclasses import asdict
+
+        from transformers import TrainerState
+
+        state = asdict(TrainerState(global_step=step))
+    elif state.get("global_step") != step:
+        raise IntegrityError(f"trainer_state of step {step} says global_step {state.get('global_step')}")
+    return json.dumps(state, indent=2, sort_keys=True) + "\n"
+
+
+# -- Writing -------------------------------------------------------------------------------
+
+
+def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+    _fsync(path)
+
+
+def _write_config(root: Path, config: dict[str, Any]) -> None:
+    _write_text(root / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    try:
+        import transformers
+
+        hf_config = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        generation = transformers.GenerationConfig.from_model_config(hf_config)
+    except Exception:  # optional file: a config transformers cannot turn into one is left out
+        return
+    _write_text(root / GENERATION_CONFIG_FILE, generation.to_json_string(use_diff=True))
+
+
+def _save_torch(path: Path, obj: Any) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    _fsync(path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())

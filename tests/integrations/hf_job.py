@@ -1,0 +1,158 @@
+"""A real Hugging Face Trainer job, run as a fresh process by the integration and export tests.
+
+    python hf_job.py --out DIR --result FILE [--trainer tailor|vanilla] [--policy full|parity]
+        [--family llama|qwen2] [--tie] [--max-steps 12] [--save-steps 4] [--crash-at STEP]
+        [--resume true|PATH] [--dump FILE]
+
+--trainer vanilla imports no llmtailor code at all (checked at the end): the model is built from
+the checkpoint's config.json. --crash-at SIGKILLs the process right after the save of that step.
+--dump writes, when training begins (after any resume), every weight and optimizer tensor by
+parameter name, the global step and the LR. The result file holds the logged loss of every step
+(float.hex), the LR after every step, a digest of every step's batch, and a digest of the final
+weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+SEQ_LEN, WINDOWS = 32, 20  # 20 windows in batches of 2: 10 steps an epoch, so step 12 is in epoch 2
+
+
+def corpus_windows() -> torch.Tensor:
+    """Fixed windows of the real corpus (pydoc_data.topics as bytes), as in llmtailor.training_example."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
+    stride = (tokens.numel() - SEQ_LEN) // WINDOWS
+    return torch.stack([tokens[i * stride : i * stride + SEQ_LEN] for i in range(WINDOWS)])
+
+
+class Windows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.windows = corpus_windows()
+
+    def __len__(self):
+        return len(self.windows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.windows[index], "labels": self.windows[index]}
+
+
+def model_config(family: str, tie: bool):
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+    return classes[family](
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=tie,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def params_digest(model) -> str:
+    h = hashlib.sha256()
+    for name, param in model.named_parameters():
+        h.update(name.encode() + param.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Recorder(transformers.TrainerCallback):
+    def __init__(self, args):
+        self.args, self.lrs = args, {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        if self.args.dump:
+            names = {id(p): n for n, p in model.named_parameters()}
+            tensors = {f"weight/{n}": t.detach().clone() for n, t in model.state_dict().items()}
+            for param, values in optimizer.state.items():
+                for key, value in values.items():
+                    tensors[f"optim/{names[id(param)]}/{key}"] = value.detach().clone()
+            torch.save(
+                {"tensors": tensors, "global_step": state.global_step, "lr": lr_scheduler.get_last_lr()},
+                self.args.dump,
+            )
+
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kw):
+        self.lrs[state.global_step] = lr_scheduler.get_last_lr()[0]
+
+    def on_save(self, args, state, control, **kw):
+        if state.global_step == self.args.crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def recording(base):
+    class Recording(base):
+        batches: dict[int, str] = {}
+
+        def training_step(self, model, inputs, *rest, **kw):
+            self.batches[self.state.global_step + 1] = digest(inputs["input_ids"])
+            return super().training_step(model, inputs, *rest, **kw)
+
+    return Recording
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--trainer", default="tailor", choices=["tailor", "vanilla"])
+    parser.add_argument("--policy", default="full", choices=["full", "parity"])
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--tie", action="store_true")
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--save-steps", type=int, default=4)
+    parser.add_argument("--crash-at", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--dump")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    resume = {"true": True, None: None}.get(args.resume, args.resume)
+    if args.trainer == "vanilla" and resume:
+        config = transformers.AutoConfig.from_pretrained(resume)  # the exported checkpoint's config.json
+    else:
+        config = model_config(args.family, args.tie)
+    torch.manual_seed(99 if resume else 0)  # a resumed run must get every weight from the checkpoint
+    model = transformers.AutoModelForCausalLM.from_config(config)
+
+    training_args = transformers.TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=2, max_steps=args.max_steps, save_steps=args.save_steps,
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, learning_rate=3e-3,
+        weight_decay=0.01, warmup_steps=2, disable_tqdm=True, save_total_limit=None,
+    )
+    recorder = Recorder(args)
+    common = dict(model=model, args=training_args, train_dataset=Windows(), callbacks=[recorder])
+    if args.trainer == "vanilla":
+        trainer = recording(transformers.Trainer)(**common)
+    else:
+        from llmtailor import Full, Parity
+        from llmtailor.integrations.hf import TailorTrainer
+
+        policy = {"full": Full(), "parity": Parity()}[args.policy]
+        trainer = recording(TailorTrainer)(**common, tailor_policy=policy)
+    trainer.train(resume_from_checkpoint=resume)
+
+    if args.trainer == "vanilla":
+        assert not [m for m in sys.modules if m.startswith("llmtailor")], "vanilla run imported llmtailor"
+    losses = {e["step"]: e["loss"].hex() for e in trainer.state.log_history if "loss" in e}
+    Path(args.result).write_text(json.dumps({
+        "losses": losses, "lrs": recorder.lrs, "batches": trainer.batches, "params": params_digest(model),
+        "global_step": trainer.state.global_step,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""TailorTrainer with the real Hugging Face Trainer, each run a fresh process (hf_job.py):
+crash by SIGKILL after a save, resume with ``train(resume_from_checkpoint=True)``, and a
+vanilla Trainer process (no llmtailor code) resuming from ``llmtailor assemble --format hf``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmtailor import Parity
+from llmtailor.cli import app
+from llmtailor.cli.assemble import register
+from llmtailor.errors import ConfigError
+from llmtailor.integrations.hf import TailorTrainer
+from llmtailor.store.run import Run
+
+JOB = Path(__file__).with_name("hf_job.py")
+MODELS = {"llama": [], "qwen2": ["--tie"]}  # untied Llama, Qwen2 with tied embeddings
+CRASH_AT, LAST = 8, 12
+
+
+def job(out: Path, result: Path, *flags: str, crash: bool = False) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--out", str(out), "--result", str(result), *flags],
+        capture_output=True, text=True, timeout=180,
+    )
+    if crash:
+        assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILLed right after its save
+        return {}
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Lazily made runs, shared by the tests of this module: ("reference", family) is an
+    uninterrupted run; ("crashed", family, policy) was SIGKILLed after its save at step 8."""
+    root = tmp_path_factory.mktemp("hf")
+    made: dict[tuple, Path | dict] = {}
+
+    def get(*key: str):
+        if key not in made:
+            name = "-".join(key)
+            if key[0] == "reference":
+                made[key] = job(root / name, root / f"{name}.json", "--family", key[1], *MODELS[key[1]])
+            else:
+                flags = ["--family", key[1], *MODELS[key[1]], "--policy", key[2], "--crash-at", str(CRASH_AT)]
+                job(root / name, root / f"{name}.json", *flags, crash=True)
+                made[key] = root / name
+        return made[key]
+
+    return get
+
+
+@pytest.mark.slow
+def test_full_policy_resume_in_fresh_process_logs_the_same_losses_bit_for_bit(runs, tmp_path):
+    reference = runs("reference", "llama")
+    out = runs("crashed", "llama", "full")
+    assert Run(out / "tailored").steps() == [4, 8]
+    assert not list(out.glob("checkpoint-*")), "Trainer's own checkpoint dirs must not be written"
+
+    resumed = job(out, tmp_path / "resumed.json", "--family", "llama", "--resume", "true")
+    assert resumed["global_step"] == LAST
+    # log_history comes back from the snapshot's TrainerState: steps 1..8 logged before the crash.
+    assert resumed["losses"] == reference["losses"]
+    assert sorted(map(int, resumed["batches"])) == list(range(CRASH_AT + 1, LAST + 1))
+    assert resumed["batches"] == {s: reference["batches"][s] for s in resumed["batches"]}
+    assert resumed["params"] == reference["params"]
+    assert Run(out / "tailored").steps() == [4, 8, 12]
+    assert not [p for p in out.iterdir() if p.name.startswith(".tailor-resume-")], "temporary export left behind"
+
+
+@pytest.mark.slow
+def test_parity_resume_restores_composite_versions_step_lr_and_data_position(runs, tmp_path):
+    reference = runs("reference", "qwen2")
+    out = runs("crashed", "qwen2", "parity")
+    run = Run(out / "tailored")
+    composite = run.resolve()
+    assert composite.step == CRASH_AT
+    assert sorted(set(composite.sources.values())) == [4, 8]  # half the layers come from step 4
+
+    dump = tmp_path / "dump.pt"
+    resumed = job(out, tmp_path / "resumed.json", "--family", "qwen2", "--tie", "--policy", "parity",
+                  "--resume", "true", "--dump", str(dump))
+    begin = torch.load(dump, weights_only=True)
+    assert begin["global_step"] == CRASH_AT
+    assert begin["lr"][0] == reference["lrs"][str(CRASH_AT)]  # the LR of every group (decay, no-decay)
+    assert len(set(begin["lr"])) == 1
+    # Data position: the resumed run trains on exactly the batches the uninterrupted one did.
+    assert resumed["batches"] == {str(s): reference["batches"][str(s)] for s in range(CRASH_AT + 1, LAST + 1)}
+
+    live = begin["tensors"]
+    checked = 0
+    for unit, source in composite.sources.items():
+        tensors, _ = run.read_unit(source, unit)
+        for key, tensor in tensors.items():
+            assert live[key].dtype == tensor.dtype and torch.equal(live[key], tensor), f"{key} (from step {source})"
+            checked += 1
+    optim_keys = {k for k in live if k.startswith("optim/")}
+    assert optim_keys and checked >= len(optim_keys)
+    # The resumed run continues the lineage: its save at 12 is a parity save, not a full one.
+    assert run.steps() == [4, 8, 12]
+    assert len(Run(out / "tailored").manifest(12).units) < len(composite.sources)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MODELS))
+def test_vanilla_trainer_resumes_from_hf_export_bit_for_bit(runs, tmp_path, family):
+    reference = runs("reference", family)
+    out = runs("crashed", family, "full")
+    register(app)
+    result = CliRunner().invoke(app, ["assemble", str(out / "tailored"), "--step", str(CRASH_AT), "--format", "hf", "-o", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    checkpoint = tmp_path / "hf" / f"checkpoint-{CRASH_AT}"
+    assert checkpoint.is_dir()
+
+    resumed = job(tmp_path / "vanilla", tmp_path / "vanilla.json", "--trainer", "vanilla", "--resume", str(checkpoint))
+    assert resumed["global_step"] == LAST
+    assert resumed["losses"] == reference["losses"]
+    assert resumed["params"] == reference["params"]
+
+
+def _job_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_job", JOB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_first_run_with_resume_true_starts_fresh_and_saves_only_tailored_snapshots(tmp_path):
+    import transformers
+
+    hf_job = _job_module()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_job.model_config("llama", False))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, save_steps=2, save_total_limit=1,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    trainer = TailorTrainer(model=model, args=args, train_dataset=hf_job.Windows(), tailor_policy=Parity())
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["tailored"]
+    run = Run(tmp_path / "tailored")
+    assert run.latest_step() == 4  # save_total_limit=1 keeps what the newest composite needs
+    assert set(run.resolve().sources.values()) <= set(run.steps())
+    extra = run.read_global(4)["extra"]
+    assert extra["trainer_state"]["global_step"] == 4 and extra["training_args"]["save_steps"] == 2
+
+
+def test_options_trainer_cannot_honour_are_refused(tmp_path):
+    import transformers
+
+    hf_job = _job_module()
+    model = transformers.AutoModelForCausalLM.from_config(hf_job.model_config("llama", False))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, save_steps=2, eval_steps=2, eval_strategy="steps",
+        load_best_model_at_end=True, report_to=[], use_cpu=True,
+    )
+    with pytest.raises(ConfigError, match="load_best_model_at_end"):
+        TailorTrainer(model=model, args=args, train_dataset=hf_job.Windows(), eval_dataset=hf_job.Windows())
+    with pytest.raises(ConfigError, match="tailor_policy"):
+        TailorTrainer(model=model, args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True),
+                      tailor_policy="parity")
