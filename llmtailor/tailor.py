@@ -132,6 +132,8 @@ class Tailor:
         )
         result = persist(self.run, staged)
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
+        if result.pointer_error:
+            raise TailorError(result.pointer_error)
         if self.keep is not None:
             apply_retention(self.run, plan_retention(self.run, self.keep))
         return SaveReport(

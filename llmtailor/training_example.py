@@ -1,18 +1,28 @@
 """A tiny real training job: a Llama-style model built from a config, trained on real text.
 
-Used by ``llmtailor demo``, the end-to-end tests and the benchmarks. The corpus is the
-Python standard library's ``pydoc_data.topics`` (about 1 MB of English reference text),
-tokenized as bytes so no tokenizer is downloaded. Batches are a pure function of the step,
-so the data position is the step itself and a resumed run sees exactly the batches an
-uninterrupted one would.
+Used by ``llmtailor demo``, the end-to-end tests and the benchmarks; ``python -m
+llmtailor.training_example`` runs it as a checkpointed process (``job_main``) for the crash
+and resume tests. The corpus is the Python standard library's ``pydoc_data.topics`` (about
+1 MB of English reference text), tokenized as bytes so no tokenizer is downloaded. Batches
+are a pure function of the step, so the data position is the step itself and a resumed run
+sees exactly the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from llmtailor.policies import make_policy
+from llmtailor.tailor import Tailor
 
 VOCAB = 256  # byte-level
 
@@ -112,3 +122,69 @@ def train_steps(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         yield step, loss.item()
+
+
+def job_config(hidden: int = 32, layers: int = 4) -> TinyConfig:
+    """The model of ``job_main``: ``layers`` Llama layers of width ``hidden`` on 32-token windows."""
+    return TinyConfig(hidden_size=hidden, layers=layers, intermediate_size=2 * hidden, seq_len=32)
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name and bytes: equal digests, bitwise equal weights."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode() + param.detach().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def job_main(argv: list[str] | None = None) -> None:
+    """A checkpointed training job, run as a real process by the crash and resume tests::
+
+        python -m llmtailor.training_example --run DIR --out FILE [--policy full|parity|filter]
+            [--steps 12] [--save-every 3] [--kill-at STEP] [--resume] [--hidden 32] [--layers 4]
+
+    Trains ``job_config(hidden, layers)`` with batches of 2, saving with a ``Tailor`` every
+    --save-every steps. --resume first restores the newest composite into weights from another
+    seed (so everything must come from the checkpoint) and continues at its ``next_step``;
+    --kill-at SIGKILLs the process after that step. Prints one JSON line per step, flushed, so a
+    killer knows how far it got: ``{"step", "loss", "train_s"}`` after the optimizer step and
+    ``{"saved", "save_s"}`` after a save. At the end, writes the losses of the steps it ran
+    (``float.hex``) and ``params_digest`` of the final weights to --out.
+    """
+    parser = argparse.ArgumentParser(prog="python -m llmtailor.training_example", description=job_main.__doc__)
+    parser.add_argument("--run", required=True, help="run directory of the checkpoints")
+    parser.add_argument("--out", required=True, help="JSON file for the losses and the final digest")
+    parser.add_argument("--policy", default="full", choices=["full", "parity", "filter"])
+    parser.add_argument("--steps", type=int, default=12, help="last step of the run (also sets the LR schedule)")
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--kill-at", type=int, help="SIGKILL this process after this step (and its save)")
+    parser.add_argument("--resume", action="store_true", help="restore the newest composite first")
+    parser.add_argument("--hidden", type=int, default=32, help="model width (a multiple of 4)")
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    # A resumed process starts from other random weights: everything must come from the checkpoint.
+    model = build_model(job_config(args.hidden, args.layers), seed=99 if args.resume else 0)
+    optimizer, scheduler = build_optimizer(model, total_steps=args.steps)
+    tailor = Tailor(args.run, model, optimizer, scheduler, policy=make_policy(args.policy))
+    start = tailor.restore().extra["next_step"] if args.resume else 1
+
+    losses = {}
+    clock = time.perf_counter()
+    for step, loss in train_steps(model, optimizer, scheduler, corpus_tokens(), range(start, args.steps + 1), 2, 32):
+        losses[step] = loss
+        print(json.dumps({"step": step, "loss": loss.hex(), "train_s": time.perf_counter() - clock}), flush=True)
+        if step % args.save_every == 0:
+            report = tailor.save(step, extra={"next_step": step + 1})
+            print(json.dumps({"saved": step, "save_s": report.seconds}), flush=True)
+        if step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        clock = time.perf_counter()
+
+    with open(args.out, "w") as out:
+        json.dump({"losses": {str(k): v.hex() for k, v in losses.items()}, "params": params_digest(model)}, out)
+
+
+if __name__ == "__main__":
+    job_main()

@@ -9,12 +9,14 @@ the same keys and chunk offsets.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from llmtailor.constants import KIND_OPTIM, KIND_WEIGHT
-from llmtailor.errors import IncompatibleModelError, IntegrityError, UnsupportedStateError
+from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError, UnsupportedStateError
 from llmtailor.layouts import Layout
 from llmtailor.state import optimizer as optim_state
 from llmtailor.state import rng, tree
@@ -122,6 +124,9 @@ class TrainingState:
         if not problems:
             live = self.tensors()
             for unit, source in units.items():
+                if unit not in source.units:
+                    problems.append(f"the composite names snapshot {source.step} for unit {unit!r}, which it does not hold")
+                    continue
                 for entry in source.units[unit].tensors:
                     kind, name, _ = split_key(entry.key)
                     if kind != KIND_WEIGHT:
@@ -171,14 +176,34 @@ class TrainingState:
     ) -> Any:
         """Load optimizer (groups from the composite's step, per-parameter state from each unit's
         source), scheduler and RNG; return the user extras."""
+        step = state.get("step")
         if self.optimizer is not None:
             groups = state.get("optimizer_groups")
             if groups is None:
                 raise IncompatibleModelError("the snapshot was saved without an optimizer, but one was given")
-            optim_state.load_by_name(self.optimizer, groups, optimizer_state, self.name_of(live))
+            with _loading("optimizer state", step):
+                optim_state.load_by_name(self.optimizer, groups, optimizer_state, self.name_of(live))
         if self.lr_scheduler is not None:
             if state.get("lr_scheduler") is None:
                 raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        rng.restore_rng(state["rng"])
+            with _loading("LR scheduler state", step):
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        with _loading("RNG state", step):
+            rng.restore_rng(state["rng"])
         return state.get("extra")
+
+
+@contextmanager
+def _loading(what: str, step: Any) -> Iterator[None]:
+    """Turn torch's or Python's complaint about malformed saved state into an IntegrityError.
+
+    The saved state passed its checksum, so a malformed value means a crafted or buggy
+    snapshot; the live object's own loader is the judge of its shape."""
+    try:
+        yield
+    except TailorError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError, RuntimeError) as err:
+        raise IntegrityError(
+            f"the {what} in the snapshot of step {step} is malformed ({type(err).__name__}: {err})"
+        ) from None

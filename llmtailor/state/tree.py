@@ -67,36 +67,82 @@ def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def decode(doc: Any, tensors: dict[str, torch.Tensor], where: str = "state") -> Any:
-    """Inverse of ``encode``. Raises TailorError on a malformed document."""
+    """Inverse of ``encode``. Raises TailorError on a malformed document: a tag with the wrong
+    payload, a reference to a missing tensor, nesting deeper than the interpreter's stack."""
+    try:
+        return _decode(doc, tensors, where)
+    except RecursionError:
+        raise TailorError(f"{where}: nested too deeply to decode") from None
+
+
+def _decode(doc: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     if isinstance(doc, _SCALARS):
         return doc
     if isinstance(doc, list):
-        return [decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(doc)]
+        return [_decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(doc)]
     if not isinstance(doc, dict):
         raise TailorError(f"{where}: unexpected JSON value of type {type(doc).__name__}")
     if "$tensor" in doc:
         tensor = _lookup(tensors, doc["$tensor"], where)
         device = doc.get("device")
-        if device and _device_available(device):
+        if device and _device_available(device, where):
             tensor = tensor.to(device)
         return tensor
     if "$ndarray" in doc:
-        return _lookup(tensors, doc["$ndarray"], where).numpy()
+        tensor = _lookup(tensors, doc["$ndarray"], where)
+        try:
+            return tensor.numpy()
+        except TypeError:  # bfloat16 and the float8 types have no numpy dtype
+            raise TailorError(f"{where}: a numpy array cannot hold the {tensor.dtype} tensor it names") from None
     if "$npscalar" in doc:
-        return np.dtype(doc["$npscalar"]).type(doc["value"])
+        return _npscalar(doc["$npscalar"], doc.get("value"), where)
     if "$tuple" in doc:
-        return tuple(decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(doc["$tuple"]))
+        return tuple(_decode(v, tensors, f"{where}[{i}]") for i, v in enumerate(_list(doc, "$tuple", where)))
     if "$dict" in doc:
-        return {decode(k, tensors, where): decode(v, tensors, f"{where}[{k!r}]") for k, v in doc["$dict"]}
-    return {k: decode(v, tensors, f"{where}.{k}") for k, v in doc.items()}
+        pairs = _list(doc, "$dict", where)
+        if not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
+            raise TailorError(f"{where}: $dict must hold [key, value] pairs")
+        out = {}
+        for k, v in pairs:
+            key = _decode(k, tensors, where)
+            try:
+                hash(key)
+            except TypeError:  # a list, dict or array
+                raise TailorError(f"{where}: $dict key {k!r} is not hashable") from None
+            out[key] = _decode(v, tensors, f"{where}[{key!r}]")
+        return out
+    return {k: _decode(v, tensors, f"{where}.{k}") for k, v in doc.items()}
+
+
+def _list(doc: dict[str, Any], tag: str, where: str) -> list:
+    if not isinstance(doc[tag], list):
+        raise TailorError(f"{where}: {tag} must hold a list, got {type(doc[tag]).__name__}")
+    return doc[tag]
+
+
+def _npscalar(code: Any, value: Any, where: str) -> np.generic:
+    # Only the kinds encode can write: a numpy scalar whose item() is a JSON scalar.
+    try:
+        dtype = np.dtype(code) if isinstance(code, str) else None
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.kind not in "biufU" or isinstance(value, (list, dict)):
+        raise TailorError(f"{where}: $npscalar {code!r} with value {value!r} is not a numpy number or string")
+    try:
+        return dtype.type(value)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TailorError(f"{where}: value {value!r} is not a numpy {dtype} ({err})") from None
 
 
 def _lookup(tensors: dict[str, torch.Tensor], key: Any, where: str) -> torch.Tensor:
-    if key not in tensors:
+    if not isinstance(key, str) or key not in tensors:
         raise TailorError(f"{where}: tensor {key!r} is missing from the global tensors file")
     return tensors[key]
 
 
-def _device_available(device: str) -> bool:
-    kind = torch.device(device).type
+def _device_available(device: Any, where: str) -> bool:
+    try:
+        kind = torch.device(device).type
+    except (TypeError, RuntimeError):
+        raise TailorError(f"{where}: device {device!r} is not a torch device name") from None
     return kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())

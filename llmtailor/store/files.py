@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import xxhash
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from llmtailor.errors import IntegrityError
@@ -91,16 +91,17 @@ def _checksum_of_open_file(handle) -> str:
         return checksum(view)
 
 
+def _check_size(path: Path, size: int, entry: FileEntry) -> None:
+    if size != entry.bytes:
+        raise IntegrityError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or replaced)")
+
+
 def verify_file(root: Path, entry: FileEntry) -> Path:
     """``entry``'s path after checking its size and checksum against the manifest."""
     path = root / entry.path
     try:
         with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size != entry.bytes:
-                raise IntegrityError(
-                    f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or replaced)"
-                )
+            _check_size(path, os.fstat(handle.fileno()).st_size, entry)
             if _checksum_of_open_file(handle) != entry.xxh3_64:
                 raise IntegrityError(f"{path}: checksum mismatch (file is corrupted)")
     except FileNotFoundError:
@@ -108,6 +109,31 @@ def verify_file(root: Path, entry: FileEntry) -> Path:
     except OSError as err:
         raise IntegrityError(f"{path}: cannot read ({err.strerror})") from None
     return path
+
+
+def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[torch.dtype, list[int]]]) -> None:
+    """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
+    it holds: each key present, with the manifest's dtype and shape."""
+    path = root / entry.path
+    names = {code: dtype for dtype, code in _CODES.items()}
+    try:
+        _check_size(path, path.stat().st_size, entry)
+        with safe_open(path, "pt") as handle:
+            present = set(handle.keys())
+            for key, (dtype, shape) in expected.items():
+                if key not in present:
+                    raise IntegrityError(f"{path}: tensor {key!r} is missing")
+                piece = handle.get_slice(key)
+                found = (names.get(piece.get_dtype()), list(piece.get_shape()))
+                if found != (dtype, shape):
+                    raise IntegrityError(
+                        f"{path}: tensor {key!r} is {piece.get_dtype()} {found[1]}, manifest says "
+                        f"{str(dtype).removeprefix('torch.')} {shape}"
+                    )
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: file is missing") from None
+    except (SafetensorError, OSError) as err:
+        raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def read_verified(root: Path, entry: FileEntry) -> bytes:
@@ -144,9 +170,13 @@ def fsync_dir(path: Path) -> None:
 def replace_text_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also leave a stray temporary file
+        raise
     fsync_dir(path.parent)

@@ -57,6 +57,8 @@ class FileEntry(_Strict):
         pure = PurePosixPath(path)
         if pure.is_absolute() or ".." in pure.parts or "\\" in path or not pure.parts:
             raise ValueError(f"file path {path!r} leaves the snapshot directory")
+        if "\x00" in path:  # the OS refuses such a name with a ValueError, not an OSError
+            raise ValueError(f"file path {path!r} holds a NUL character")
         return path
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from llmtailor.constants import (
 )
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.state import tree
-from llmtailor.store.files import check_file, read_tensors, read_verified
+from llmtailor.store.files import check_file, check_header, read_tensors, read_verified
 from llmtailor.store.manifest import Manifest, TensorEntry, load_manifest
 
 
@@ -74,9 +75,9 @@ class Run:
             return []
         found = []
         for child in self.snapshots_dir.iterdir():
-            digits = child.name.removeprefix(SNAPSHOT_PREFIX)
-            if child.name.startswith(SNAPSHOT_PREFIX) and digits.isdigit() and (child / MANIFEST_FILE).is_file():
-                found.append(int(digits))
+            step = parse_snapshot_name(child.name)
+            if step is not None and (child / MANIFEST_FILE).is_file():
+                found.append(step)
         return sorted(found)
 
     def manifest(self, step: int) -> Manifest:
@@ -115,10 +116,9 @@ class Run:
     def _read_pointer(self) -> int | None:
         try:
             name = (self.root / LATEST_FILE).read_text(encoding="utf-8").strip()
-        except OSError:
-            return None
-        digits = name.removeprefix(SNAPSHOT_PREFIX)
-        return int(digits) if name.startswith(SNAPSHOT_PREFIX) and digits.isdigit() else None
+        except (OSError, UnicodeDecodeError):
+            return None  # a damaged pointer is ignored: the newest committed snapshot stands in
+        return parse_snapshot_name(name)
 
     def resolve(self, step: int | None = None) -> Composite:
         """The composite as of ``step`` (default: the newest). Reads one manifest."""
@@ -139,9 +139,13 @@ class Run:
             raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
         entry = manifest.units[unit]
         root = self.snapshot_dir(step)
-        loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for path in sorted({c.file for t in entry.tensors for c in t.chunks}):
-            loaded[path] = read_tensors(root, manifest.file_entry(path))
+        expected: dict[str, dict[str, tuple[torch.dtype, list[int]]]] = {}
+        for tensor in entry.tensors:
+            for chunk in tensor.chunks:
+                expected.setdefault(chunk.file, {})[chunk.key] = (tensor.torch_dtype, chunk.shape)
+        for path, tensors in expected.items():  # every header first: no tensor byte read yet
+            check_header(root, manifest.file_entry(path), tensors)
+        loaded = {path: read_tensors(root, manifest.file_entry(path)) for path in sorted(expected)}
         tensors = {t.key: _assemble(t, loaded, root) for t in entry.tensors}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
@@ -151,7 +155,7 @@ class Run:
         raw = read_verified(root, manifest.file_entry(GLOBAL_JSON))
         try:
             doc = json.loads(raw)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             raise IntegrityError(f"{root / GLOBAL_JSON}: not valid JSON ({err})") from None
         tensors = read_tensors(root, manifest.file_entry(GLOBAL_TENSORS))
         state = tree.decode(doc, tensors, where=f"{root / GLOBAL_JSON}")
@@ -180,7 +184,12 @@ class Run:
                 problems.append(str(err))
                 continue
             root = self.snapshot_dir(source)
-            wanted = {c.file for u in (units or manifest.units) for t in manifest.units[u].tensors for c in t.chunks}
+            lacking = sorted(set(units or ()) - set(manifest.units))
+            if lacking:
+                problems.append(f"snapshot {source} holds no unit {lacking} although the composite of step {step} names it")
+            wanted = {
+                c.file for u in (units or manifest.units) if u in manifest.units for t in manifest.units[u].tensors for c in t.chunks
+            }
             for entry in manifest.files:
                 if units is None or entry.path in wanted:
                     problem = check_file(root, entry)
@@ -195,6 +204,12 @@ class Run:
         if step is None:
             return f"{self.root}: no committed snapshot"
         return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
+
+
+def parse_snapshot_name(name: str) -> int | None:
+    """The step of a snapshot directory name (``step-00000100``), or None for any other name."""
+    match = re.fullmatch(re.escape(SNAPSHOT_PREFIX) + r"([0-9]+)", name)
+    return int(match.group(1)) if match else None
 
 
 def _assemble(entry: TensorEntry, loaded: dict[str, dict[str, torch.Tensor]], root: Path) -> torch.Tensor:

@@ -72,6 +72,8 @@ class PersistResult:
     bytes: int
     seconds: float
     unit_bytes: dict[str, int]
+    pointer_error: str | None = None
+    """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
 
 
 def persist(run: Run, staged: StagedSnapshot, on_unit: Callable[[str, int], None] | None = None) -> PersistResult:
@@ -123,9 +125,21 @@ def persist(run: Run, staged: StagedSnapshot, on_unit: Callable[[str, int], None
                 "the partial snapshot was removed and earlier snapshots are intact"
             ) from None
         raise
-    replace_text_atomically(run.root / LATEST_FILE, final.name + "\n")
+    pointer_error = None
+    try:
+        replace_text_atomically(run.root / LATEST_FILE, final.name + "\n")
+    except OSError as err:
+        # The snapshot is committed and loadable: its manifest names its parent, which the old
+        # pointer names, so Run.latest_step() finds it. Report, do not undo.
+        reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
+        pointer_error = (
+            f"step {staged.step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
+            f"could not be updated ({reason}); restore still finds step {staged.step} through its parent link"
+        )
     total = sum(f.bytes for f in files) + (final / MANIFEST_FILE).stat().st_size
-    return PersistResult(path=final, bytes=total, seconds=time.perf_counter() - start, unit_bytes=unit_bytes)
+    return PersistResult(
+        path=final, bytes=total, seconds=time.perf_counter() - start, unit_bytes=unit_bytes, pointer_error=pointer_error
+    )
 
 
 def _write_unit(tmp: Path, staged: StagedUnit) -> tuple[UnitEntry, FileEntry]:

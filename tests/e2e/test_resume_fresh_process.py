@@ -4,18 +4,15 @@ import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from llmtailor import Run
 
-JOB = Path(__file__).with_name("train_job.py")
-
 
 def job(tmp_path, run, out, *flags, expect=0):
     proc = subprocess.run(
-        [sys.executable, str(JOB), "--run", str(run), "--out", str(tmp_path / out), *flags],
+        [sys.executable, "-m", "llmtailor.training_example", "--run", str(run), "--out", str(tmp_path / out), *flags],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == expect, proc.stderr[-3000:]
