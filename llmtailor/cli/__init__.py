@@ -123,7 +123,10 @@ def gc(
 
 from llmtailor.cli.assemble import register as _register_assemble  # noqa: E402
 
+from llmtailor.cli.import_hf import register as _register_import_hf  # noqa: E402
+
 _register_assemble(app)
+_register_import_hf(app)
 
 
 def main() -> None:

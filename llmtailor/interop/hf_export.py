@@ -131,7 +131,7 @@ def trainer_param_groups(config: dict[str, Any]) -> list[list[str]]:
     is built on the meta device: no memory, no weights."""
     import transformers
 
-    model = _meta_model(config)
+    model = meta_model(config)
     # Trainer.get_decay_parameter_names does not use `self`; calling it keeps us on exactly the
     # rule of the installed transformers (layer types and name patterns).
     decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
@@ -173,7 +173,7 @@ def check_trainer_groups(config: dict[str, Any], layout: Layout, groups: list[di
         )
 
 
-def _meta_model(config: dict[str, Any]) -> torch.nn.Module:
+def meta_model(config: dict[str, Any]) -> torch.nn.Module:
     import transformers
 
     model_type = config.get("model_type")

@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,7 +59,8 @@ class StagedSnapshot:
     save_index: int
     policy: str
     layout: dict[str, Any]
-    units: list[StagedUnit]
+    units: Iterable[StagedUnit]
+    """Iterated once, in order: a generator stages one unit at a time (bounded memory)."""
     composite: dict[str, int]
     # Global state, already encoded (``tree.encode``) so it is a copy taken at staging time.
     global_doc: Any

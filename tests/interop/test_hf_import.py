@@ -1,0 +1,206 @@
+"""import_hf / ``llmtailor import-hf``: a checkpoint written by the real, plain Trainer becomes a
+tailored snapshot that inspect / verify / assemble use unchanged; exported back it is tensor for
+tensor the original; bad input is refused naming the file, with nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from integrations.hf_job import Windows, model_config
+from safetensors.torch import load_file
+from transformers.trainer_pt_utils import safe_globals
+from typer.testing import CliRunner
+
+from llmtailor.cli import app
+from llmtailor.cli.assemble import register as register_assemble
+from llmtailor.cli.import_hf import register
+from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.interop.hf_export import export_hf
+from llmtailor.interop.hf_import import import_hf
+from llmtailor.store.run import Run
+
+register_assemble(app)
+register(app)
+register(app)  # harmless twice
+runner = CliRunner()
+STEP = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Lazily made ``checkpoint-2/`` directories of plain Trainer runs, by family."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            out = tmp_path_factory.mktemp(f"trainer-{family}")
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(model_config(family, tie=family == "qwen2"))
+            args = transformers.TrainingArguments(
+                output_dir=str(out), per_device_train_batch_size=2, max_steps=STEP, save_steps=STEP, report_to=[],
+                use_cpu=True, seed=0, learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, disable_tqdm=True,
+            )
+            transformers.Trainer(model=model, args=args, train_dataset=Windows()).train()
+            made[family] = out / f"checkpoint-{STEP}"
+        return made[family]
+
+    return get
+
+
+def load_rng(path):
+    with safe_globals():
+        return torch.load(path, weights_only=True)
+
+
+def assert_same_tree(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b) and a.dtype == b.dtype, where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied embeddings
+def test_imported_then_exported_is_tensor_for_tensor_the_original(tmp_path, checkpoint, family):
+    source = checkpoint(family)
+    seen = []
+    assert import_hf(source, tmp_path / "run", progress=lambda unit, done, total: seen.append((done, total))) == STEP
+    run = Run(tmp_path / "run")
+    assert run.steps() == [STEP] and seen[-1] == (len(run.resolve().sources),) * 2
+    assert run.verify() == []
+
+    target = export_hf(run, None, tmp_path / "out")
+    assert target.name == f"checkpoint-{STEP}"
+    original, exported = load_file(source / "model.safetensors"), load_file(target / "model.safetensors")
+    assert ("lm_head.weight" in original) is (family == "llama")
+    assert_same_tree(exported, original, "model.safetensors")
+    # optimizer.pt: the same indices in the same groups, every state tensor bit for bit.
+    assert_same_tree(
+        torch.load(target / "optimizer.pt", weights_only=True),
+        torch.load(source / "optimizer.pt", weights_only=True),
+        "optimizer.pt",
+    )
+    assert_same_tree(
+        torch.load(target / "scheduler.pt", weights_only=True),
+        torch.load(source / "scheduler.pt", weights_only=True),
+        "scheduler.pt",
+    )
+    assert_same_tree(load_rng(target / "rng_state.pth"), load_rng(source / "rng_state.pth"), "rng_state.pth")
+    for name in ("trainer_state.json", "config.json"):
+        assert json.loads((target / name).read_text()) == json.loads((source / name).read_text()), name
+
+
+@pytest.mark.slow
+def test_cli_import_then_inspect_verify_and_assemble(tmp_path, checkpoint):
+    run_dir = tmp_path / "run"
+    imported = runner.invoke(app, ["import-hf", str(checkpoint("llama")), "-o", str(run_dir)])
+    assert imported.exit_code == 0, imported.output
+    assert f"imported step {STEP}: 7 units" in imported.output  # embed, layer.0-3, norm, head
+    inspected = runner.invoke(app, ["inspect", str(run_dir)])
+    assert inspected.exit_code == 0 and "layer.3" in inspected.output, inspected.output
+    verified = runner.invoke(app, ["verify", str(run_dir)])
+    assert verified.exit_code == 0 and "every checksum matches" in verified.output, verified.output
+    assembled = runner.invoke(app, ["assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "out")])
+    assert assembled.exit_code == 0 and (tmp_path / "out" / f"checkpoint-{STEP}" / "optimizer.pt").is_file()
+    again = runner.invoke(app, ["import-hf", str(checkpoint("llama")), "-o", str(run_dir)])
+    assert again.exit_code == 2 and "already holds snapshots" in again.output and "Traceback" not in again.output
+    assert Run(run_dir).steps() == [STEP]
+
+
+def _drop(name):
+    return lambda ckpt: (ckpt / name).unlink()
+
+
+def _bigger_model(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "intermediate_size": 128}))
+
+
+def _rewrite_optimizer(change):
+    def mutate(ckpt):
+        saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
+        change(saved)
+        torch.save(saved, ckpt / "optimizer.pt")
+
+    return mutate
+
+
+def _one_group(saved):
+    first, second = saved["param_groups"]
+    saved["param_groups"] = [{**first, "params": first["params"] + second["params"]}]
+
+
+def _reversed_decay_group(saved):
+    saved["param_groups"][0]["params"].reverse()  # same sizes, indices on the wrong parameters
+
+
+BAD = {
+    "missing scheduler": (_drop("scheduler.pt"), IntegrityError, r"scheduler\.pt is missing beside optimizer\.pt"),
+    "missing config": (_drop("config.json"), IntegrityError, r"config\.json is missing"),
+    "missing rng": (_drop("rng_state.pth"), IntegrityError, r"rng_state\.pth is missing"),
+    "mismatched model": (
+        _bigger_model, IncompatibleModelError, r"model\.safetensors does not fit .*config\.json.*model\.embed_tokens"
+    ),
+    "one optimizer group": (
+        _rewrite_optimizer(_one_group), IncompatibleModelError, r"optimizer\.pt: 'param_groups' has 1 group.*ambiguous"
+    ),
+    "groups in another order": (
+        _rewrite_optimizer(_reversed_decay_group),
+        IncompatibleModelError,
+        r"optimizer\.pt: state\[\d+\]\['exp_avg'\] is .* but index \d+ is 'model\.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoints_are_refused_naming_the_file_with_nothing_written(tmp_path, checkpoint, case):
+    mutate, error, message = BAD[case]
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    shutil.copytree(checkpoint("llama"), ckpt)
+    mutate(ckpt)
+    (tmp_path / "empty-run").mkdir()
+    for run_dir in (tmp_path / "new-run", tmp_path / "empty-run"):
+        with pytest.raises(error, match=message):
+            import_hf(ckpt, run_dir)
+    assert not (tmp_path / "new-run").exists() and not list((tmp_path / "empty-run").iterdir())
+
+    result = runner.invoke(app, ["import-hf", str(ckpt), "-o", str(tmp_path / "new-run")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "new-run").exists()
+
+
+def test_global_step_must_match_the_directory_name(tmp_path, checkpoint):
+    ckpt = tmp_path / "checkpoint-7"
+    shutil.copytree(checkpoint("llama"), ckpt)
+    with pytest.raises(TailorError, match=r"trainer_state\.json: global_step is 2 but the directory is named"):
+        import_hf(ckpt, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sharded_weights_are_read_through_their_index(tmp_path, checkpoint):
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    shutil.copytree(checkpoint("llama"), ckpt)
+    original = load_file(ckpt / "model.safetensors")
+    transformers.AutoModelForCausalLM.from_pretrained(ckpt).save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    (ckpt / "model.safetensors").unlink()
+    for shard in (tmp_path / "sharded").glob("model*"):
+        shutil.copy(shard, ckpt / shard.name)
+    assert (ckpt / "model.safetensors.index.json").is_file()
+    import_hf(ckpt, tmp_path / "run")
+    exported = export_hf(Run(tmp_path / "run"), None, tmp_path / "out")
+    assert_same_tree(load_file(exported / "model.safetensors"), original)
