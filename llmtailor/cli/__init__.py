@@ -41,6 +41,13 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> None:
+    """Register ``command`` as ``name`` with the CLI's user-error handling; a second call with
+    the same name does nothing (the package and tests may both register a command)."""
+    if not any(info.name == name for info in target.registered_commands):
+        target.command(name=name)(_user_errors(command))
+
+
 def _existing_run(path: Path) -> Run:
     if not path.is_dir():
         raise TailorError(f"{path}: no such run directory")

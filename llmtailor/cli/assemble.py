@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 class ExportFormat(str, Enum):
@@ -30,31 +29,17 @@ def assemble(
     from it with no llmtailor code. Written under a temporary name and renamed when whole;
     an existing checkpoint directory is never overwritten."""
     from llmtailor.cli import _existing_run, console
+    from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf_export import export_hf
 
     run = _existing_run(run_dir)
-    with Progress(
-        TextColumn("[bold]reading units[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("", total=None)
-
-        def progress(unit: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, description=unit)
-
+    with unit_progress(console, "reading units") as progress:
         target = export_hf(run, step, out, progress=progress)
     console.print(f"[green]wrote[/] {target}")
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``assemble`` to the ``llmtailor`` app (once), with its user-error handling."""
-    from llmtailor.cli import _user_errors
+    """Add ``assemble`` to the ``llmtailor`` app."""
+    from llmtailor.cli import add_command
 
-    if any(info.name == "assemble" for info in app.registered_commands):
-        return  # idempotent: llmtailor.cli and tests may both register it
-    app.command(name="assemble")(_user_errors(assemble))
+    add_command(app, "assemble", assemble)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 def import_hf(
@@ -21,23 +20,11 @@ def import_hf(
     is checked first (files, weights against config.json's model, optimizer.pt's groups against
     the ones Trainer builds); bad input writes nothing."""
     from llmtailor.cli import console
+    from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf_import import import_hf as run_import
     from llmtailor.store.run import Run
 
-    with Progress(
-        TextColumn("[bold]writing units[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("", total=None)
-
-        def progress(unit: str, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total, description=unit)
-
+    with unit_progress(console, "writing units") as progress:
         step = run_import(checkpoint_dir, out, progress=progress)
     manifest = Run(out).manifest(step)
     size = sum(f.bytes for f in manifest.files)
@@ -48,9 +35,7 @@ def import_hf(
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``import-hf`` to the ``llmtailor`` app (once), with its user-error handling."""
-    from llmtailor.cli import _user_errors
+    """Add ``import-hf`` to the ``llmtailor`` app."""
+    from llmtailor.cli import add_command
 
-    if any(info.name == "import-hf" for info in app.registered_commands):
-        return  # idempotent: llmtailor.cli and tests may both register it
-    app.command(name="import-hf")(_user_errors(import_hf))
+    add_command(app, "import-hf", import_hf)

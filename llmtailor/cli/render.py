@@ -1,7 +1,12 @@
-"""Rich tables for ``llmtailor inspect``."""
+"""Rich output of the CLI: tables for ``inspect`` and ``gc``, progress over units."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from llmtailor.constants import LAYER_PREFIX
@@ -77,3 +82,24 @@ def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Table:
 def _dir_bytes(run: Run, step: int) -> int:
     # A doomed snapshot's manifest may be damaged: measure the directory, not the manifest.
     return sum(p.stat().st_size for p in run.snapshot_dir(step).rglob("*") if p.is_file())
+
+
+@contextmanager
+def unit_progress(console: Console, label: str) -> Iterator[Callable[[str, int, int], None]]:
+    """A transient progress bar; yields the ``progress(unit, done, total)`` callback that the
+    library's long operations (export, import, merge) accept."""
+    with Progress(
+        TextColumn(f"[bold]{label}[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(unit: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, description=unit)
+
+        yield progress
