@@ -51,7 +51,7 @@ from llmtailor.interop.hf_export import (
 )
 from llmtailor.layouts import Layout, build_layout
 from llmtailor.state import tree
-from llmtailor.state.training import optim_key, weight_key
+from llmtailor.state.training import optim_key, plain_value, weight_key
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, persist
@@ -295,17 +295,11 @@ def _map_optimizer(
 
 
 def _plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in entries.items():
-        if isinstance(value, torch.Tensor):
-            continue
-        doc, nested = tree.encode(value, f"{OPTIMIZER_FILE} state of {name}.{key}")
-        if nested:
-            raise IntegrityError(
-                f"{OPTIMIZER_FILE}: state of {name}.{key} nests tensors inside a {type(value).__name__}"
-            )
-        out[key] = doc
-    return out
+    return {
+        key: plain_value(value, f"{OPTIMIZER_FILE} state of {name}.{key}")
+        for key, value in entries.items()
+        if not isinstance(value, torch.Tensor)
+    }
 
 
 def _rng_state(path: Path) -> dict[str, Any]:

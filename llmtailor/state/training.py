@@ -48,7 +48,7 @@ def _hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
     return json.loads(to_json(use_diff=False)) if callable(to_json) else None
 
 
-def _plain_value(value: Any, where: str) -> Any:
+def plain_value(value: Any, where: str) -> Any:
     """A non-tensor optimizer state value as JSON (it is stored in the manifest)."""
     doc, nested = tree.encode(value, where)
     if nested:
@@ -96,7 +96,7 @@ class TrainingState:
                 if isinstance(value, torch.Tensor):
                     staged[optim_key(name, key)] = value.detach()
                 else:
-                    values.setdefault(name, {})[key] = _plain_value(value, f"optimizer state {name}.{key}")
+                    values.setdefault(name, {})[key] = plain_value(value, f"optimizer state {name}.{key}")
         if copy:
             staged = {k: t.to("cpu", copy=True) for k, t in staged.items()}
         return StagedUnit(unit=unit, tensors=staged, values=values)
