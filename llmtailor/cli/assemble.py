@@ -23,6 +23,9 @@ def assemble(
         ExportFormat, typer.Option("--format", help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from.")
     ] = ExportFormat.hf,
     step: Annotated[int | None, typer.Option("--step", help="Composite as of this step (default: newest).")] = None,
+    train_batch_size: Annotated[
+        int, typer.Option(min=1, help="Recorded in trainer_state.json when the run holds no TrainerState (plain Tailor runs).")
+    ] = 1,
 ) -> None:
     """Write the composite of a step (each unit from its newest saved version) as a standard
     checkpoint directory; `transformers.Trainer.train(resume_from_checkpoint=...)` resumes
@@ -34,7 +37,7 @@ def assemble(
 
     run = _existing_run(run_dir)
     with unit_progress(console, "reading units") as progress:
-        target = export_hf(run, step, out, progress=progress)
+        target = export_hf(run, step, out, progress=progress, train_batch_size=train_batch_size)
     console.print(f"[green]wrote[/] {target}")
 
 

@@ -62,7 +62,14 @@ def checkpoint_dirname(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}-{step}"
 
 
-def export_hf(run: Run, step: int | None, out_dir: str | Path, *, progress: Progress | None = None) -> Path:
+def export_hf(
+    run: Run,
+    step: int | None,
+    out_dir: str | Path,
+    *,
+    progress: Progress | None = None,
+    train_batch_size: int = 1,
+) -> Path:
     """Write the composite of ``step`` (default: the newest) as ``out_dir/checkpoint-<step>/``
     and return that path.
 
@@ -110,7 +117,7 @@ def export_hf(run: Run, step: int | None, out_dir: str | Path, *, progress: Prog
             _save_torch(tmp / SCHEDULER_FILE, scheduler)
         del per_param
         _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
-        _write_text(tmp / TRAINER_STATE_FILE, _trainer_state_json(state.get("extra"), step))
+        _write_text(tmp / TRAINER_STATE_FILE, _trainer_state_json(state.get("extra"), step, train_batch_size))
         fsync_dir(tmp)
         if target.exists():  # os.rename would replace an empty directory created meanwhile
             raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
@@ -240,14 +247,17 @@ def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _trainer_state_json(extra: Any, step: int) -> str:
+def _trainer_state_json(extra: Any, step: int, train_batch_size: int) -> str:
+    """The run's TrainerState (TailorTrainer saves it), or a minimal one for a plain Tailor run.
+    Trainer divides the state's ``train_batch_size`` on resume (it only warns on a mismatch),
+    so a minimal state must carry an integer one."""
     state = extra.get("trainer_state") if isinstance(extra, dict) else None
     if state is None:
         from dataclasses import asdict
 
         from transformers import TrainerState
 
-        state = asdict(TrainerState(global_step=step))
+        state = asdict(TrainerState(global_step=step, train_batch_size=train_batch_size))
     elif state.get("global_step") != step:
         raise IntegrityError(f"trainer_state of step {step} says global_step {state.get('global_step')}")
     return json.dumps(state, indent=2, sort_keys=True) + "\n"

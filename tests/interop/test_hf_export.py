@@ -125,3 +125,19 @@ def test_bad_run_arguments_are_one_line_errors(tmp_path, tokens):
     step = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--step", "3", "-o", str(tmp_path / "out")])
     assert step.exit_code == 2 and "no committed snapshot at step 3" in step.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plain_tailor_run_exports_a_trainer_state_trainer_accepts(tmp_path, tokens):
+    """A plain Tailor run holds no TrainerState: the minimal one must pass Trainer's own
+    resume check (which divides its train_batch_size)."""
+    from transformers import TrainerState, TrainingArguments
+    from transformers.trainer_utils import compare_trainer_and_checkpoint_args
+
+    model, opt, sched = tiny()
+    train(model, opt, sched, tokens, [1])
+    Tailor(tmp_path / "run", model, opt, sched).save(1)
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "-o", str(tmp_path / "out"), "--train-batch-size", "4"])
+    assert result.exit_code == 0, result.output
+    state = TrainerState.load_from_json(str(tmp_path / "out/checkpoint-1/trainer_state.json"))
+    assert state.global_step == 1 and state.train_batch_size == 4
+    compare_trainer_and_checkpoint_args(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]), state)

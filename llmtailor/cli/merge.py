@@ -1,0 +1,77 @@
+"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf] [--dry-run [--verbose]]``: assemble
+layers and their optimizer state from several checkpoints, as a YAML plan says.
+
+Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+class MergeFormat(str, Enum):
+    tailor = "tailor"
+    hf = "hf"
+
+
+def merge(
+    plan_file: Annotated[Path, typer.Argument(help="The merge plan (YAML, mergekit or LLMTailor form).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Run directory (tailor) or directory for checkpoint-N/ (hf).")],
+    format: Annotated[
+        MergeFormat, typer.Option("--format", help="tailor: a run with one snapshot; hf: a Trainer checkpoint-N/.")
+    ] = MergeFormat.tailor,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the planned actions; write nothing.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="With --dry-run: one row per tensor.")] = False,
+) -> None:
+    """Plan the merge (every check made from manifests, before any tensor byte is read), then
+    stream it unit by unit into one atomically committed snapshot. A bad plan writes nothing."""
+    from llmtailor.cli import console, errors
+    from llmtailor.cli.render import unit_progress
+    from llmtailor.merge.execute import execute
+    from llmtailor.merge.planner import open_plan
+
+    with open_plan(plan_file, out) as plan:
+        for warning in plan.warnings:
+            errors.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+        if dry_run:
+            console.print(actions_table(plan, verbose))
+            return
+        with unit_progress(console, "merging units") as progress:
+            target = execute(plan, out, format=format.value, progress=progress)
+    console.print(f"[green]wrote[/] {target} ({len(plan.layout.units)} units, step {plan.step})")
+
+
+def actions_table(plan, verbose: bool = False):
+    """One row per (destination unit, source unit) with tensor counts, or one per tensor. The
+    source is the composite the plan names (label@step); the unit's bytes come from the
+    snapshot that saved its version (``saved at step``)."""
+    from rich.table import Table
+
+    title = (
+        f"{plan.plan_file}: {len(plan.actions)} tensor actions into {len(plan.layout.units)} units; "
+        f"state (step {plan.step}) from {plan.state_from}; optimizer state {'moved' if plan.optimizer else 'dropped'}"
+    )
+    table = Table(title=title)
+    for column in ("destination unit", "destination tensor", "source", "source tensor"):
+        table.add_column(column)
+    for unit, actions in plan.actions_by_unit().items():
+        first = actions[0]
+        composite_step = plan.sources[first.source].step
+        source = first.source if first.source.endswith(f"@{composite_step}") else f"{first.source}@{composite_step}"
+        if verbose:
+            for a in actions:
+                table.add_row(unit, a.dest_key, source, a.source_key)
+        else:
+            saved = f"{first.source_unit}, saved at step {first.step}"
+            table.add_row(unit, f"{len(actions)} tensors", source, saved)
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``merge`` to the ``llmtailor`` app."""
+    from llmtailor.cli import add_command
+
+    add_command(app, "merge", merge)

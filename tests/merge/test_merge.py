@@ -1,0 +1,230 @@
+"""``llmtailor merge``: plans resolved into per-tensor actions, bitwise outputs, Parity / Filter
+composites reproduced, HF sources and output, and bad plans refused with nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import tiny, train
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from llmtailor import Filter, Full, Parity, Tailor
+from llmtailor.cli import app
+from llmtailor.cli.merge import register
+from llmtailor.errors import ConfigError
+from llmtailor.interop.hf_export import export_hf
+from llmtailor.merge import merge, open_plan
+from llmtailor.store.run import Run
+
+register(app)
+runner = CliRunner()
+HF_JOB = Path(__file__).parents[1] / "integrations" / "hf_job.py"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, tokens):
+    """full/parity/filter: one training (4 layers), saved at steps 2, 4, 6 by three policies;
+    wide: hidden size 64; hf/checkpoint-2: full@2 exported as a Trainer checkpoint."""
+    root = tmp_path_factory.mktemp("merge")
+    model, opt, sched = tiny()
+    policies = {"full": Full(), "parity": Parity(), "filter": Filter(always=(0,), every=3)}
+    tailors = [Tailor(root / name, model, opt, sched, policy=p) for name, p in policies.items()]
+    for step in range(1, 7):
+        train(model, opt, sched, tokens, [step])
+        if step % 2 == 0:
+            for t in tailors:
+                t.save(step)
+    wide = tiny(hidden=64)
+    train(*wide, tokens, [1, 2])
+    wide_tailor = Tailor(root / "wide", *wide)
+    wide_tailor.save(2)
+    for t in [*tailors, wide_tailor]:
+        t.close()
+    export_hf(Run(root / "full"), 2, root / "hf")
+    return root
+
+
+def write_plan(path: Path, plan: dict | str) -> Path:
+    path.write_text(plan if isinstance(plan, str) else yaml.safe_dump(plan))
+    return path
+
+
+def layers(*ranges) -> list[dict]:
+    return [{"sources": [{"model": str(model), "layer_range": list(r)}]} for model, r in ranges]
+
+
+def expected_unit(source: Path, step: int, unit: str, dest_unit: str):
+    """The source unit's tensors and values as the composite of ``step`` holds them, keys moved
+    from ``layers.<j>.`` to ``layers.<i>.`` (plain string renaming, independent of the planner)."""
+    run = Run(source)
+    tensors, values = run.read_unit(run.resolve(step).sources[unit], unit)
+    if unit == dest_unit:
+        return tensors, values
+    j, i = f"layers.{unit.split('.')[1]}.", f"layers.{dest_unit.split('.')[1]}."
+    return {k.replace(j, i): t for k, t in tensors.items()}, {k.replace(j, i): v for k, v in values.items()}
+
+
+def assert_unit_equal(out: Run, unit: str, expected) -> None:
+    tensors, values = out.read_unit(out.resolve().step, unit)
+    want_tensors, want_values = expected
+    assert tensors.keys() == want_tensors.keys(), unit
+    for key, tensor in want_tensors.items():
+        assert tensors[key].dtype == tensor.dtype and torch.equal(tensors[key], tensor), f"{unit}: {key}"
+    assert values == want_values, unit
+
+
+def test_every_output_tensor_is_the_source_tensor_the_plan_names(root, tmp_path, tokens):
+    full = root / "full"
+    plan = write_plan(tmp_path / "swap.yaml", {
+        "merge_method": "passthrough", "dtype": "float32", "base_model": f"{full}@6", "embed": f"{full}@2",
+        "slices": layers((f"{full}@4", (2, 4)), (f"{full}@6", (0, 2))),
+    })
+    with open_plan(plan, tmp_path / "out") as planned:
+        moved = [a for a in planned.actions if a.dest_unit == "layer.0"]
+        assert {a.source_unit for a in moved} == {"layer.2"} and any(a.dest_key.startswith("optim/") for a in moved)
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    out = Run(tmp_path / "out")
+    assert out.steps() == [6] and list(out.resolve().sources) == ["embed", *(f"layer.{i}" for i in range(4)), "norm", "head"]
+    sources = {"embed": (2, "embed"), "layer.0": (4, "layer.2"), "layer.1": (4, "layer.3"), "layer.2": (6, "layer.0"),
+               "layer.3": (6, "layer.1"), "norm": (6, "norm"), "head": (6, "head")}
+    for unit, (step, source_unit) in sources.items():
+        assert_unit_equal(out, unit, expected_unit(full, step, source_unit, unit))
+    assert out.read_global(6)["optimizer_groups"] == Run(full).read_global(6)["optimizer_groups"]
+    fresh = tiny(seed=5)
+    assert Tailor(tmp_path / "out", *fresh).restore().step == 6  # loads into a live model and optimizer
+    train(*fresh, tokens, [7])
+
+    again = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out")])
+    assert again.exit_code == 2 and "already holds a snapshot at step 6" in again.output
+
+
+@pytest.mark.parametrize("policy", ["parity", "filter"])
+def test_a_plan_reproduces_the_composite_a_policy_assembles(root, tmp_path, policy):
+    composite = Run(root / policy).resolve(6).sources
+    assert len(set(composite.values())) > 1  # the policy did mix versions
+    full = root / "full"
+    plan = write_plan(tmp_path / f"{policy}.yaml", {
+        "slices": layers(*((f"{full}@{composite[f'layer.{i}']}", (i, i + 1)) for i in range(4))),
+        **{unit: f"{full}@{composite[unit]}" for unit in ("embed", "norm", "head")}, "state_from": f"{full}@6",
+    })
+    merge(plan, tmp_path / "out")
+    out, reference = Run(tmp_path / "out"), Run(root / policy)
+    for unit, step in composite.items():
+        assert_unit_equal(out, unit, reference.read_unit(step, unit))
+
+
+def test_published_llmtailor_form_with_an_hf_source_and_a_zero_width_slice(root):
+    plan = write_plan(root / "published.yaml", {  # relative paths: against the plan's directory
+        "slices": layers(("full@4", (0, 2)), ("hf/checkpoint-2", (2, 2)), ("hf/checkpoint-2", (2, 4))),
+        "pre_weights": [{"name": "model.embed_tokens.weight", "model": "hf/checkpoint-2"}],
+        "post_weights": [{"name": "model.norm.weight", "model": "full@4"}, {"name": "lm_head.weight", "model": "full@4"}],
+        "merge_method": "passthrough", "tokenizer_source": "base",
+    })
+    with open_plan(plan, root / "published") as planned:
+        assert any("zero-width layer_range [2, 2]" in w for w in planned.warnings)
+        assert planned.step == 4 and planned.state_from == "full@4"
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(root / "published")])
+    assert result.exit_code == 0 and "zero-width" in result.output, result.output
+    assert not list(root.glob(".published.merge-*"))  # the imported HF source was removed
+    out = Run(root / "published")
+    hf = load_file(root / "hf" / "checkpoint-2" / "model.safetensors")
+    for unit in ("embed", "layer.2", "layer.3"):
+        tensors, _ = out.read_unit(4, unit)
+        for key, tensor in tensors.items():
+            if key.startswith("weight/"):
+                assert torch.equal(tensor, hf[key.removeprefix("weight/")]), key
+        assert_unit_equal(out, unit, expected_unit(root / "full", 2, unit, unit))  # HF round trip is exact
+    for unit in ("layer.0", "layer.1", "norm", "head"):
+        assert_unit_equal(out, unit, expected_unit(root / "full", 4, unit, unit))
+
+
+def test_weights_only_plan_may_drop_layers_and_drops_optimizer_state(root, tmp_path):
+    plan = write_plan(tmp_path / "short.yaml", {"slices": layers((f"{root / 'full'}@6", (0, 3))), "optimizer": False})
+    merge(plan, tmp_path / "out")
+    out = Run(tmp_path / "out")
+    assert out.resolve().sources.keys() == {"embed", "layer.0", "layer.1", "layer.2", "norm", "head"}
+    assert all(k.startswith("weight/") for u in out.resolve().sources for k in out.read_unit(6, u)[0])
+    state = out.read_global(6)
+    assert state["optimizer_groups"] is None and state["model_config"]["num_hidden_layers"] == 3
+
+
+BAD_PLANS = {
+    "gap": ({"slices": [("full@6", (0, 1)), ("full@6", (2, 4))]}, "layer gap: no slice covers layers [1]"),
+    "overlap": ({"slices": [("full@6", (0, 2)), ("full@6", (1, 4))]}, "layers [1] are covered more than once"),
+    "missing source": ({"slices": [("nope@6", (0, 4))]}, "nope is neither a tailored run nor an HF checkpoint"),
+    "missing step": ({"slices": [("full@3", (0, 4))]}, "no committed snapshot at step 3"),
+    "shape": ({"slices": [("full@6", (0, 2)), ("wide@2", (2, 4))]}, "the destination expects float32"),
+    "unknown key": ({"slices": [("full@6", (0, 4))], "lora_rank": 8}, "unknown key 'lora_rank'"),
+    "method": ({"slices": [("full@6", (0, 4))], "merge_method": "slerp"}, "only layer assembly (passthrough) is supported"),
+    "dtype": ({"slices": [("full@6", (0, 4))], "dtype": "bfloat16"}, "casting would break the exact optimizer state"),
+    "depth": ({"slices": [("full@6", (0, 3))]}, "renumbering optimizer groups for another depth is not supported"),
+    "yaml": ("slices:\n  - sources: [{model: full@6, layer_range: [0, 4]\nmerge_method: passthrough\n", "malformed YAML at line"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PLANS)
+def test_bad_plans_are_one_clear_error_and_write_nothing(root, tmp_path, case):
+    spec, message = BAD_PLANS[case]
+    if isinstance(spec, dict):
+        spec = {**spec, "slices": layers(*((root / m, r) for m, r in spec["slices"]))}
+    plan = write_plan(tmp_path / "bad.yaml", spec)
+    with pytest.raises(ConfigError, match=str(plan).replace(".", r"\.")):
+        merge(plan, tmp_path / "out")
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_dry_run_lists_the_actions_and_writes_nothing(root, tmp_path):
+    plan = write_plan(tmp_path / "p.yaml", {"slices": layers((root / "full@4", (0, 2)), (root / "full@6", (2, 4)))})
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "layer.1" in text and "tensors" in text and "step 6" in text
+    verbose = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out"), "--dry-run", "--verbose"])
+    assert verbose.exit_code == 0 and "optim/" in verbose.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+
+def hf_job(tmp_path: Path, name: str, *flags: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(HF_JOB), "--out", str(tmp_path / name), "--result", str(tmp_path / f"{name}.json"),
+         "--trainer", "vanilla", *flags],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+@pytest.mark.slow
+def test_hf_output_of_hf_sources_resumes_in_vanilla_trainer(tmp_path):
+    """Sources: two checkpoints of a vanilla Trainer run (so trainer_state.json is Trainer's);
+    output: --format hf, resumed by a vanilla Trainer process whose loaded weights and
+    optimizer state must be the merged ones."""
+    hf_job(tmp_path, "train", "--max-steps", "6", "--save-steps", "2")
+    plan = write_plan(tmp_path / "p.yaml", {"slices": layers(("train/checkpoint-4", (0, 2)), ("train/checkpoint-6", (2, 4)))})
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "hf"), "--format", "hf"])
+    assert result.exit_code == 0, result.output
+    assert not list(tmp_path.glob(".hf.merge-*"))  # imported sources and the temporary run are gone
+    resumed = hf_job(tmp_path, "resume", "--resume", str(tmp_path / "hf" / "checkpoint-6"), "--max-steps", "8",
+                     "--dump", str(tmp_path / "d.pt"))
+    assert resumed["global_step"] == 8
+    dump = torch.load(tmp_path / "d.pt", weights_only=True)
+    assert dump["global_step"] == 6
+    merge(plan, tmp_path / "tailored")
+    out = Run(tmp_path / "tailored")
+    checked = 0
+    for unit in out.resolve().sources:
+        for key, tensor in out.read_unit(6, unit)[0].items():
+            assert torch.equal(dump["tensors"][key], tensor), key
+            checked += 1
+    assert checked == len(dump["tensors"])
