@@ -18,9 +18,8 @@ The properties run derandomized (the same examples every run) so the suite stays
 deterministic; ``LLMTAILOR_FUZZ_EXAMPLES=N`` explores N fresh random examples per property.
 Every crash the fuzzer found is kept, one reproducer each, in ``test_known_crash``.
 
-Merge plan files do not exist yet: the untrusted inputs fuzzed here are manifests,
-global.json, tensor-file headers and the ``latest`` pointer. Plan files join them when the
-plan parser lands.
+The untrusted inputs fuzzed here are manifests, global.json, tensor-file headers and the
+``latest`` pointer; merge plan files are fuzzed in ``tests/merge/test_plan_fuzz.py``.
 """
 
 from __future__ import annotations
