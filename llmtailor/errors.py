@@ -5,6 +5,12 @@ the message without a traceback and exits non-zero.
 """
 
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+
 class TailorError(Exception):
     """Base class: a problem the user can act on."""
 
@@ -27,3 +33,17 @@ class IncompatibleModelError(TailorError):
 
 class UnsupportedStateError(TailorError):
     """Some state cannot be stored without pickle (e.g. a callable in a scheduler)."""
+
+
+def describe_validation(error: "ValidationError", limit: int = 10) -> str:
+    """Every problem of a pydantic ValidationError in one line, each naming its key."""
+    problems = []
+    for item in error.errors()[:limit]:
+        key = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            problems.append(f"unknown key {key!r}")
+        else:
+            problems.append(f"key {key!r}: {message}" if key else message)
+    more = len(error.errors()) - limit
+    return "; ".join(problems) + (f"; ... ({more} more)" if more > 0 else "")

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from llmtailor.constants import EMBED, HEAD, LAYER_PREFIX, NORM, OTHER, layer_unit
-from llmtailor.errors import ConfigError, IncompatibleModelError
+from llmtailor.errors import ConfigError, IncompatibleModelError, describe_validation
 
 GENERIC = "generic"
 _INDEX = "{i}"
@@ -48,10 +48,8 @@ class _Strict(BaseModel):
         """Validate JSON text or objects, or raise one ConfigError naming ``where`` and every bad key."""
         try:
             return cls.model_validate_json(data) if isinstance(data, str) else cls.model_validate(data)
-        except ValidationError as e:
-            raise ConfigError(f"{where}: " + "; ".join(
-                f"key {'.'.join(map(str, err['loc']))!r}: {err['msg']}" if err["loc"] else err["msg"]
-                for err in e.errors())) from None
+        except ValidationError as err:
+            raise ConfigError(f"{where}: {describe_validation(err, limit=50)}") from None
 
 
 class _LayoutRecord(_Strict):

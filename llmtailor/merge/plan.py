@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmtailor.errors import ConfigError
+from llmtailor.errors import ConfigError, describe_validation
 
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
@@ -147,12 +147,4 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
     try:
         return PlanSpec.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{path}: invalid plan: " + "; ".join(_describe(e) for e in err.errors())) from None
-
-
-def _describe(error: dict) -> str:
-    loc = ".".join(str(p) for p in error["loc"])
-    if error["type"] == "extra_forbidden":
-        return f"unknown key {loc!r}"
-    message = error["msg"].removeprefix("Value error, ")
-    return f"key {loc!r}: {message}" if loc else message
+        raise ConfigError(f"{path}: invalid plan: {describe_validation(err, limit=50)}") from None

@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtailor.constants import SCHEMA_VERSION, SNAPSHOT_FORMAT
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import IntegrityError, TailorError, describe_validation
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -184,7 +184,4 @@ def load_manifest(path: Path) -> Manifest:
     try:
         return Manifest.model_validate_json(raw)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()[:10]
-        )
-        raise TailorError(f"{path}: invalid manifest: {problems}") from None
+        raise TailorError(f"{path}: invalid manifest: {describe_validation(err)}") from None
