@@ -54,7 +54,7 @@ from llmtailor.state import tree
 from llmtailor.state.training import optim_key, plain_value, weight_key
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
-from llmtailor.store.writer import StagedSnapshot, StagedUnit, persist
+from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
 
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
@@ -123,20 +123,12 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
         global_doc=global_doc,
         global_tensors=global_tensors,
     )
-    done = 0
-
-    def on_unit(unit: str, _bytes: int) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(unit, done, len(layout.units))
-
     lock = WriterLock(run.root)
     lock.acquire()
     try:
         if run.steps():  # written meanwhile, before we held the lock
             raise ConfigError(f"{run.root} already holds snapshots (steps {run.steps()}); import into a new one")
-        persist(run, staged, on_unit=on_unit)
+        persist(run, staged, on_unit=counting(progress, len(layout.units)))
     finally:
         lock.release()
     return step

@@ -24,7 +24,7 @@ from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.state import tree
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
-from llmtailor.store.writer import StagedSnapshot, StagedUnit, persist
+from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
 
 Progress = Callable[[str, int, int], None]
 """Called after each unit is written: ``(unit, units done, units in all)``."""
@@ -80,15 +80,6 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
                 raise ConfigError("cannot change the depth of a model whose config mixes layer_types")
             config["layer_types"] = [kinds.pop()] * plan.layout.num_layers
     global_doc, global_tensors = tree.encode(state, where="global state")
-    total = len(plan.layout.units)
-    done = 0
-
-    def on_unit(unit: str, _bytes: int) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(unit, done, total)
-
     staged = StagedSnapshot(
         step=plan.step,
         parent=None,
@@ -103,7 +94,7 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
     lock = WriterLock(run.root)
     lock.acquire()
     try:
-        return persist(run, staged, on_unit=on_unit)
+        return persist(run, staged, on_unit=counting(progress, len(plan.layout.units)))
     finally:
         lock.release()
 

@@ -77,6 +77,20 @@ class PersistResult:
     """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
 
 
+def counting(progress: Callable[[str, int, int], None] | None, total: int) -> Callable[[str, int], None]:
+    """Adapt a ``progress(unit, done, total)`` callback (the CLI's bars) to ``persist``'s
+    ``on_unit(unit, bytes)``."""
+    done = 0
+
+    def on_unit(unit: str, _bytes: int) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(unit, done, total)
+
+    return on_unit
+
+
 def persist(run: Run, staged: StagedSnapshot, on_unit: Callable[[str, int], None] | None = None) -> PersistResult:
     """Write ``staged`` into ``run`` and commit it. ``on_unit(unit, bytes)`` reports progress."""
     start = time.perf_counter()
