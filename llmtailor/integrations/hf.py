@@ -127,8 +127,8 @@ class TailorTrainer(transformers.Trainer):
         Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".tailor-resume-", dir=self.args.output_dir))
         try:
-            checkpoint = export_hf(run, None, scratch)
-            self._resumed_from = run.resolve().step
+            self._resumed_from = run.latest_step()
+            checkpoint = export_hf(run, self._resumed_from, scratch)
             return super().train(str(checkpoint), *args, **kwargs)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -37,11 +37,10 @@ from typing import Any
 
 import torch
 
-from llmtailor.constants import KIND_OPTIM, KIND_WEIGHT
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
-from llmtailor.state import tree
-from llmtailor.state.training import split_key
+from llmtailor.state.optimizer import positional_state_dict
+from llmtailor.state.training import split_unit
 from llmtailor.store.files import fsync_dir
 from llmtailor.store.run import Run
 
@@ -113,7 +112,7 @@ def export_hf(
         del weights
         _write_config(tmp, config)
         if groups is not None:
-            _save_torch(tmp / OPTIMIZER_FILE, optimizer_state_dict(groups, per_param))
+            _save_torch(tmp / OPTIMIZER_FILE, positional_state_dict(groups, per_param))
             _save_torch(tmp / SCHEDULER_FILE, scheduler)
         del per_param
         _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
@@ -206,35 +205,12 @@ def _read_units(
     weights: dict[str, torch.Tensor] = {}
     per_param: dict[str, dict[str, Any]] = {}
     for done, unit in enumerate(layout.units, start=1):
-        tensors, values = run.read_unit(sources[unit], unit)
-        for key, tensor in tensors.items():
-            kind, name, state_key = split_key(key)
-            if kind == KIND_WEIGHT:
-                weights[name] = tensor
-            elif kind == KIND_OPTIM:
-                per_param.setdefault(name, {})[state_key] = tensor
-            # other kinds (fp32 master copies of distributed runs) have no place in a Trainer checkpoint
-        for name, plain in values.items():
-            for key, encoded in plain.items():
-                per_param.setdefault(name, {})[key] = tree.decode(encoded, {}, f"{unit}.{name}.{key}")
-        absent = [n for n in layout.units[unit] if n not in weights]
-        if absent:
-            raise IntegrityError(f"unit {unit!r} of step {sources[unit]} lacks weights {absent[:3]}")
+        unit_weights, unit_state = split_unit(unit, layout.units[unit], *run.read_unit(sources[unit], unit))
+        weights.update(unit_weights)
+        per_param.update(unit_state)
         if progress is not None:
             progress(unit, done, len(layout.units))
     return weights, per_param
-
-
-def optimizer_state_dict(groups: list[dict[str, Any]], per_param: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``Optimizer.state_dict()`` of the saved groups: parameters numbered across the groups in
-    their order, as torch does; parameters without state yet get no entry."""
-    index: dict[str, int] = {}
-    param_groups = []
-    for group in groups:
-        numbers = [index.setdefault(name, len(index)) for name in group["params"]]
-        param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
-    state = {index[name]: dict(values) for name, values in per_param.items() if name in index and values}
-    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
 
 def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:

@@ -46,16 +46,21 @@ def load_by_name(
     own rules (dtype and device of state, hooks) apply."""
     live = [[_name(name_of, p, i) for p in g["params"]] for i, g in enumerate(optimizer.param_groups)]
     ordered = _match_groups(live, groups)
-    position = {name: i for i, name in enumerate(n for names in live for n in names)}
-    optimizer.load_state_dict(
-        {
-            "state": {position[name]: s for name, s in state.items() if name in position and s},
-            "param_groups": [
-                {**{k: v for k, v in saved.items() if k != "params"}, "params": [position[n] for n in names]}
-                for saved, names in zip(ordered, live)
-            ],
-        }
-    )
+    live_order = [{**saved, "params": names} for saved, names in zip(ordered, live)]
+    optimizer.load_state_dict(positional_state_dict(live_order, state))
+
+
+def positional_state_dict(groups: list[dict[str, Any]], state: dict[str, ParamState]) -> dict[str, Any]:
+    """``Optimizer.state_dict()``'s form of ``groups`` (``params`` as names) and per-name
+    ``state``: parameters numbered across the groups in their order, as torch does; a
+    parameter without state gets no entry."""
+    index: dict[str, int] = {}
+    param_groups = []
+    for group in groups:
+        numbers = [index.setdefault(name, len(index)) for name in group["params"]]
+        param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": numbers})
+    numbered = {index[name]: dict(entries) for name, entries in state.items() if name in index and entries}
+    return {"state": dict(sorted(numbered.items())), "param_groups": param_groups}
 
 
 def _match_groups(live: list[list[str]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -41,6 +41,29 @@ def split_key(key: str) -> tuple[str, str, str | None]:
     return kind, rest, None
 
 
+def split_unit(
+    unit: str, names: tuple[str, ...], loaded: dict[str, torch.Tensor], values: dict[str, dict[str, Any]]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """A unit as read (``Run.read_unit``): its weights by parameter name, and its optimizer
+    state by parameter name (tensors, and plain values decoded). Refuses a unit lacking the
+    weight of any of ``names``. Other kinds (fp32 master copies) are left out."""
+    missing = [name for name in names if weight_key(name) not in loaded]
+    if missing:
+        raise IntegrityError(f"unit {unit!r}: snapshot lacks the weights of {missing[:3]}")
+    weights: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for key, tensor in loaded.items():
+        kind, name, state_key = split_key(key)
+        if kind == KIND_WEIGHT:
+            weights[name] = tensor
+        elif kind == KIND_OPTIM:
+            state.setdefault(name, {})[state_key] = tensor
+    for name, plain in values.items():
+        for key, encoded in plain.items():
+            state.setdefault(name, {})[key] = tree.decode(encoded, {}, f"{unit}.{name}.{key}")
+    return weights, state
+
+
 def _hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
     """The Hugging Face config of ``model`` as plain JSON (exports need it), or None."""
     config = getattr(model, "config", None)
@@ -156,20 +179,12 @@ class TrainingState:
     ) -> None:
         """Copy the unit's weights into the live tensors in place; collect its optimizer state
         into ``optimizer_state`` (loaded by ``apply_global`` once every unit is in)."""
-        expected = {weight_key(name) for name in self.layout.units[unit]}
-        missing = expected - loaded.keys()
-        if missing:
-            raise IntegrityError(f"unit {unit!r}: snapshot lacks {sorted(missing)[:3]}")
+        weights, state = split_unit(unit, self.layout.units[unit], loaded, values)
         with torch.no_grad():
-            for key, tensor in loaded.items():
-                kind, name, state_key = split_key(key)
-                if kind == KIND_WEIGHT:
-                    live[name].copy_(tensor)
-                elif kind == KIND_OPTIM:
-                    optimizer_state.setdefault(name, {})[state_key] = tensor
-        for name, plain in values.items():
-            for key, encoded in plain.items():
-                optimizer_state.setdefault(name, {})[key] = tree.decode(encoded, {}, f"{unit}.{name}.{key}")
+            for name, tensor in weights.items():
+                live[name].copy_(tensor)
+        for name, entries in state.items():
+            optimizer_state.setdefault(name, {}).update(entries)
 
     def apply_global(
         self, state: dict[str, Any], optimizer_state: dict[str, dict[str, Any]], live: dict[str, torch.Tensor]
