@@ -114,7 +114,7 @@ def load_family(name: str) -> FamilySpec:
     return FamilySpec.from_json(_FAMILIES_DIR / f"{name}.json")
 
 
-def _unit_rank(unit: str) -> tuple[int, int] | None:
+def unit_rank(unit: str) -> tuple[int, int] | None:
     """Sort key of the canonical unit order; None for a string that is not a unit name."""
     m = _LAYER_UNIT.fullmatch(unit)
     return (1, int(m.group(1))) if m else ((_AUX_RANK[unit], 0) if unit in _AUX_RANK else None)
@@ -134,7 +134,7 @@ class Layout:
     _unit_by_name: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        ordered = {u: tuple(self.units[u]) for u in sorted(self.units, key=_unit_rank)}
+        ordered = {u: tuple(self.units[u]) for u in sorted(self.units, key=unit_rank)}
         object.__setattr__(self, "units", ordered)  # canonical order, whoever built the dict
         index = self._canonical_units()
         index.update({alias: index[target] for alias, target in self.aliases.items()})
@@ -173,7 +173,7 @@ class Layout:
         r = _LayoutRecord.parse(record, "layout record")
         counts = Counter(name for names in r.units.values() for name in names)
         problems = [f"units[{u!r}]: expected a unit (embed, layer.<i>, norm, head, other) with tensors"
-                    for u, names in r.units.items() if _unit_rank(u) is None or not names]
+                    for u, names in r.units.items() if unit_rank(u) is None or not names]
         problems += [f"units: tensor {n!r} is listed {c} times" for n, c in counts.items() if c > 1]
         problems += [f"aliases[{a!r}]: must map a non-canonical name to a canonical one"
                      for a, target in r.aliases.items() if a in counts or target not in counts]

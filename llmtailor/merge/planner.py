@@ -32,10 +32,10 @@ from pathlib import Path
 
 from llmtailor.constants import EMBED, HEAD, KIND_OPTIM, KIND_WEIGHT, LAYER_PREFIX, NORM, layer_unit
 from llmtailor.errors import ConfigError, TailorError
-from llmtailor.layouts import Layout, load_family
+from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
 from llmtailor.merge.plan import PlanSpec, SourceRef, load_plan, parse_source
-from llmtailor.state.training import split_key
+from llmtailor.state.training import join_key, split_key
 from llmtailor.store.manifest import TensorEntry
 from llmtailor.store.run import Composite, Run
 
@@ -179,7 +179,7 @@ def _build(plan_file: Path, spec: PlanSpec, scratch: _Scratch) -> MergePlan:
     dest_units: dict[str, list[str]] = {}
     actions: list[Action] = []
     renames: dict[str, dict[str, str]] = {}
-    for unit in sorted(assignment, key=_unit_order):
+    for unit in sorted(assignment, key=unit_rank):
         label, source_unit = assignment[unit]
         source = sources[label]
         expected = _expected_entries(state, unit, family)
@@ -199,7 +199,7 @@ def _build(plan_file: Path, spec: PlanSpec, scratch: _Scratch) -> MergePlan:
                 problems.append(f"source {label!r}: tensor {name!r} of {source_unit} does not follow the layer naming")
                 continue
             renames[unit][name] = dest_name
-            dest_key = f"{kind}/{dest_name}" + (f"/{state_key}" if state_key is not None else "")
+            dest_key = join_key(kind, dest_name, state_key)
             got[dest_key] = entry
             actions.append(Action(label, version, source_unit, entry.key, unit, dest_key))
         problems += _entry_problems(unit, label, source_unit, got, expected, spec)
@@ -295,12 +295,6 @@ def _aux_sources(spec: PlanSpec, sources: dict[str, Source], problems: list[str]
     return chosen
 
 
-def _unit_order(unit: str) -> tuple[int, int]:
-    if unit.startswith(LAYER_PREFIX):
-        return (1, int(unit.removeprefix(LAYER_PREFIX)))
-    return ({EMBED: 0, NORM: 2, HEAD: 3}.get(unit, 4), 0)
-
-
 def _renamer(family, source_unit: str, dest_unit: str):
     """Parameter name in ``source_unit`` -> its name in ``dest_unit`` (None: not a layer name)."""
     if not source_unit.startswith(LAYER_PREFIX):
@@ -328,7 +322,7 @@ def _expected_entries(state: Source, unit: str, family) -> dict[str, TensorEntry
     out = {}
     for entry in state.run.manifest(version).units[own].tensors:
         kind, name, state_key = split_key(entry.key)
-        out[f"{kind}/{rename(name)}" + (f"/{state_key}" if state_key is not None else "")] = entry
+        out[join_key(kind, rename(name), state_key)] = entry
     return out
 
 

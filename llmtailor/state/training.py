@@ -24,12 +24,17 @@ from llmtailor.store.manifest import Manifest, dtype_name
 from llmtailor.store.writer import StagedUnit
 
 
+def join_key(kind: str, name: str, state_key: str | None = None) -> str:
+    """A unit tensor key: ``<kind>/<parameter name>[/<state key>]`` (inverse of ``split_key``)."""
+    return f"{kind}/{name}" if state_key is None else f"{kind}/{name}/{state_key}"
+
+
 def weight_key(name: str) -> str:
-    return f"{KIND_WEIGHT}/{name}"
+    return join_key(KIND_WEIGHT, name)
 
 
 def optim_key(name: str, state_key: str) -> str:
-    return f"{KIND_OPTIM}/{name}/{state_key}"
+    return join_key(KIND_OPTIM, name, state_key)
 
 
 def split_key(key: str) -> tuple[str, str, str | None]:
