@@ -1,6 +1,7 @@
 """File names, schema versions and state keys of the llmtailor on-disk format, in one place."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"
@@ -12,6 +13,7 @@ MANIFEST_FILE = "manifest.json"
 UNITS_DIR = "units"
 GLOBAL_JSON = "global.json"
 GLOBAL_TENSORS = "global.safetensors"
+RANKS_DIR = "ranks"
 
 SNAPSHOT_PREFIX = "step-"
 
@@ -30,6 +32,19 @@ LAYER_PREFIX = "layer."
 
 def snapshot_dirname(step: int) -> str:
     return f"{SNAPSHOT_PREFIX}{step:08d}"
+
+
+def rank_state_files(rank: int) -> tuple[str, str]:
+    """The JSON and tensor files of rank ``rank``'s own global state (RNG, user extras) for
+    ranks >= 1; rank 0's live in ``global.json`` / ``global.safetensors`` with the shared state."""
+    stem = f"{RANKS_DIR}/rank-{rank:05d}"
+    return f"{stem}.json", f"{stem}.safetensors"
+
+
+def unit_filename(unit: str, rank: int, world_size: int) -> str:
+    """Path of the tensor file rank ``rank`` writes for ``unit`` (one file per unit in a
+    single-process save)."""
+    return f"{UNITS_DIR}/{unit}.safetensors" if world_size == 1 else f"{UNITS_DIR}/{unit}.rank-{rank:05d}.safetensors"
 
 
 def layer_unit(index: int) -> str:

@@ -8,7 +8,9 @@
 
 Each save writes the units the policy picks plus the global state; ``restore`` loads the
 composite (each unit from its newest version, global state from the composite's step) into
-the live objects in place.
+the live objects in place. In a torch.distributed job every rank makes the same calls (they
+are collective): each rank writes its own shards, one manifest commits them all, and a run
+saved at one world size restores at another.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from typing import Any
 import torch
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
-from llmtailor.layouts import Layout, build_layout
+from llmtailor.layouts import Layout
 from llmtailor.policies import Full, Policy, SaveContext
-from llmtailor.state import tree
-from llmtailor.state.training import TrainingState
+from llmtailor.providers import StateProvider, make_provider
+from llmtailor.store import codec
+from llmtailor.store.coordinator import DEFAULT_TIMEOUT, Coordinator, make_coordinator
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 from llmtailor.store.run import Composite, Run
-from llmtailor.store.writer import StagedSnapshot, persist
+from llmtailor.store.writer import PersistResult, StagedSnapshot, persist
 
 
 @dataclass(frozen=True)
@@ -38,15 +41,19 @@ class SaveReport:
     step: int
     units: list[str]
     bytes: int
+    """Bytes of the whole snapshot (every rank's files)."""
     seconds: float
     path: Path
     unit_bytes: dict[str, int]
+    """Bytes this rank wrote per unit."""
+    rank_bytes: int = 0
+    """Bytes this rank wrote in all."""
 
 
 @dataclass(frozen=True)
 class RestoreReport:
-    """What a restore loaded: the composite's step, the user extras saved with it, and the
-    step each unit came from."""
+    """What a restore loaded: the composite's step, the user extras saved with it (this rank's),
+    and the step each unit came from."""
 
     step: int
     extra: Any
@@ -54,16 +61,24 @@ class RestoreReport:
     seconds: float
     skipped: dict[int, str]
     """With ``fallback=True``: newer composites passed over, and why."""
+    saved_world_size: int = 1
+    unmapped: tuple[str, ...] = ()
+    """Per-rank state that could not be mapped at this world size (empty at the saved one)."""
 
 
 class Tailor:
-    """Save and restore tailored checkpoints of one process's model, optimizer and scheduler.
+    """Save and restore tailored checkpoints of a model, optimizer and LR scheduler.
+
+    ``model`` is a plain ``torch.nn.Module``, a DDP-wrapped one, or one sharded with FSDP2
+    (``fully_shard``); in a torch.distributed job, every rank constructs its Tailor and calls
+    ``save`` and ``restore`` (collectives).
 
     Invariants: a save never touches an earlier snapshot; after ``restore(T)`` every weight and
     optimizer tensor equals, bit for bit, the version the composite of T names, and with the
     ``Full`` policy training continues bitwise as if uninterrupted (on CPU). Optimizer state is
     matched by parameter name. Restoring never unpickles. One ``Tailor`` at a time may write to
-    a run directory (a lock, taken at the first save, released by ``close`` or process exit).
+    a run directory (a lock, taken by rank 0 at the first save, released by ``close`` or
+    process exit).
     """
 
     def __init__(
@@ -76,39 +91,53 @@ class Tailor:
         *,
         family: str | None = None,
         keep: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ):
         """``keep=K``: after each save, delete every snapshot that the newest K composites do not
-        need (``llmtailor gc`` does the same on demand)."""
+        need (``llmtailor gc`` does the same on demand). ``timeout``: seconds a rank waits for
+        the others during a collective save or restore before failing with an error naming
+        the ranks that did not answer."""
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {policy!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
         self.keep = keep if keep is None else check_keep(keep)
         self.run = Run(run_dir)
         self._lock = WriterLock(self.run.root)
-        self.layout: Layout = build_layout(model, family)
+        self.coordinator: Coordinator = make_coordinator(timeout)
+        self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, family)
+        self.layout: Layout = self.provider.layout
         self.policy: Policy = policy or Full()
-        self.state = TrainingState(model, optimizer, lr_scheduler, self.layout)
         # The lineage this process extends: set by restore() or by its own saves. A fresh
         # Tailor starts a new lineage, whose first save is full.
         self._parent: int | None = None
         self._save_index = 0
         self._composite: dict[str, int] = {}
 
+    @property
+    def rank(self) -> int:
+        return self.coordinator.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.coordinator.world_size
+
     def latest_step(self) -> int | None:
         """Step of the newest committed composite in the run directory, or None."""
         return self.run.latest_step()
+
+    # -- saving -------------------------------------------------------------------------------
 
     def save(self, step: int, extra: Any = None) -> SaveReport:
         """Write the units the policy picks, plus global state, as the snapshot of ``step``.
 
         ``extra`` is any tree of dicts, lists, tuples, numbers, strings, tensors and numpy
-        arrays (data position, epoch, ...); ``restore`` returns it."""
+        arrays (data position, epoch, ...); ``restore`` returns it, each rank its own."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
         if self._parent is not None and step <= self._parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self._parent}")
         start = time.perf_counter()
-        self._lock.acquire()
-        tensors = self.state.tensors()
         units = self.policy.choose(
             SaveContext(
                 save_index=self._save_index,
@@ -118,24 +147,10 @@ class Tailor:
             )
         )
         composite = {**self._composite, **{unit: step for unit in units}}
-        doc, global_tensors = tree.encode(self.state.capture_global(step, extra, tensors), where="global state")
-        staged = StagedSnapshot(
-            step=step,
-            parent=self._parent,
-            save_index=self._save_index,
-            policy=self.policy.describe(),
-            layout=self.layout.to_record(),
-            units=[self.state.stage_unit(unit, tensors) for unit in units],
-            composite=composite,
-            global_doc=doc,
-            global_tensors=global_tensors,
-        )
-        result = persist(self.run, staged)
+        staged = self._stage(step, units, composite, extra)
+        result = persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
-        if result.pointer_error:
-            raise TailorError(result.pointer_error)
-        if self.keep is not None:
-            apply_retention(self.run, plan_retention(self.run, self.keep))
+        self._after_commit(result)
         return SaveReport(
             step=step,
             units=units,
@@ -143,29 +158,92 @@ class Tailor:
             seconds=time.perf_counter() - start,
             path=result.path,
             unit_bytes=result.unit_bytes,
+            rank_bytes=result.rank_bytes,
         )
 
-    def restore(self, step: int | None = None, *, fallback: bool = False) -> RestoreReport:
+    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any) -> StagedSnapshot:
+        """What this rank writes: its pieces of the units it holds (staged one at a time, as
+        the writer asks for them) and the global state, encoded now (a copy)."""
+        error: BaseException | None = None
+        global_doc = global_tensors = rank_doc = rank_tensors = None
+        try:
+            own = {**self.provider.capture_rank(), "extra": extra}
+            if self.coordinator.is_leader:
+                state = {"step": step, **self.provider.capture_shared(), **own}
+                global_doc, global_tensors = codec.encode(state, where="global state")
+            else:
+                rank_doc, rank_tensors = codec.encode(own, where=f"global state of rank {self.rank}")
+        except TailorError as err:
+            if self.world_size == 1:
+                raise  # refused before anything is written
+            error = err  # the save must fail on every rank: persisting reports it
+        return StagedSnapshot(
+            step=step,
+            parent=self._parent,
+            save_index=self._save_index,
+            policy=self.policy.describe(),
+            layout=self.layout.to_record(),
+            units=(self.provider.stage_unit(unit) for unit in self.provider.writes(units)),
+            composite=composite,
+            global_doc=global_doc,
+            global_tensors=global_tensors,
+            rank_doc=rank_doc,
+            rank_tensors=rank_tensors,
+            world_size=self.world_size,
+            provider=self.provider.kind,
+            notes=self.provider.notes(),
+            error=error,
+        )
+
+    def _after_commit(self, result: PersistResult) -> None:
+        if result.pointer_error:
+            raise TailorError(result.pointer_error)
+        if self.keep is not None and self.coordinator.is_leader:
+            apply_retention(self.run, plan_retention(self.run, self.keep))
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool = True) -> RestoreReport:
         """Load the newest committed composite (or the one as of ``step``) in place.
 
         Compatibility (layout, names, shapes, dtypes, optimizer groups) is checked from the
-        manifests before any tensor byte is read; every file is checked against its checksum
-        as it is read. With ``fallback=True`` (and no ``step``), a composite any of whose files
-        fails verification is passed over for the newest older one that verifies whole; the
-        report's ``skipped`` says what was passed over and why."""
+        manifests before any tensor byte is read. ``verify=True`` checks every chunk read
+        against its checksum; ``verify=False`` (distributed providers) reads only the byte
+        ranges this rank holds and leaves checking to ``llmtailor verify``. With
+        ``fallback=True`` (and no ``step``), a composite any of whose files fails verification
+        is passed over for the newest older one that verifies whole; the report's ``skipped``
+        says what was passed over and why. Collective in a distributed job: rank 0 picks the
+        composite, every rank loads its part, and a failure on any rank fails all."""
+        round_ = self.coordinator.new_round()
+        choice = self.coordinator.broadcast(
+            f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
+        )
+        try:
+            report: Any = self._restore(choice["step"], {int(k): v for k, v in choice["skipped"].items()}, verify)
+        except BaseException as err:
+            report = err
+        outcome = report if self.world_size == 1 else self._agree(round_, report)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _agree(self, round_: str, report: Any) -> Any:
+        """Every rank's restore succeeded, or every rank raises."""
+        results = self.coordinator.gather(f"{round_}/loaded", report if isinstance(report, BaseException) else True)
+        if self.coordinator.is_leader:
+            self.coordinator.broadcast(f"{round_}/outcome", lambda: len(results or []))
+        else:
+            self.coordinator.broadcast(f"{round_}/outcome", None, patience=2.0)
+        return report
+
+    def _choose(self, step: int | None, fallback: bool) -> dict[str, Any]:
         if not fallback or step is not None:
-            try:
-                return self._restore(step, {})
-            except IntegrityError as err:
-                raise IntegrityError(
-                    f"{err}. Nothing was written to disk; the live model may be partly restored. "
-                    "restore(fallback=True) loads the newest composite that verifies"
-                ) from None
+            return {"step": self.run.resolve(step).step, "skipped": {}}
         skipped: dict[int, str] = {}
         for candidate in self._lineage_newest_first():
             problems = self._problems_of(candidate)
             if not problems:
-                return self._restore(candidate, skipped)
+                return {"step": candidate, "skipped": skipped}
             skipped[candidate] = "; ".join(problems[:3])
         raise IntegrityError(
             f"{self.run.root}: no composite verifies: "
@@ -193,21 +271,23 @@ class Tailor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _restore(self, step: int | None, skipped: dict[int, str]) -> RestoreReport:
+    def _restore(self, step: int, skipped: dict[int, str], verify: bool) -> RestoreReport:
         start = time.perf_counter()
         composite = self.run.resolve(step)
         sources = {unit: self.run.manifest(source) for unit, source in composite.sources.items()}
-        self.state.check_compatible(composite.manifest, sources)
+        self.provider.check_compatible(composite.manifest, sources)
         missing = set(self.layout.units) - set(sources)
         if missing:
             raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
-        global_state = self.run.read_global(composite.step)
-        live = self.state.tensors()
-        optimizer_state: dict[str, dict[str, Any]] = {}
-        for unit, source in sources.items():
-            loaded, values = self.run.read_unit(source.step, unit)
-            self.state.apply_unit(unit, loaded, values, live, optimizer_state)
-        extra = self.state.apply_global(global_state, optimizer_state, live)
+        shared = self.run.read_global(composite.step)
+        try:
+            self.provider.load(self.run, dict(composite.sources), shared, verify)
+        except IntegrityError as err:
+            raise IntegrityError(
+                f"{err}. Nothing was written to disk; the live model may be partly restored. "
+                "restore(fallback=True) loads the newest composite that verifies"
+            ) from None
+        extra, unmapped = self._load_rank_state(composite)
         self._extend(composite)
         return RestoreReport(
             step=composite.step,
@@ -215,7 +295,27 @@ class Tailor:
             sources=dict(composite.sources),
             seconds=time.perf_counter() - start,
             skipped=skipped,
+            saved_world_size=composite.manifest.world_size,
+            unmapped=unmapped,
         )
+
+    def _load_rank_state(self, composite: Composite) -> tuple[Any, tuple[str, ...]]:
+        """This rank's RNG states and extras: its own at the saved world size. At another world
+        size rank r takes saved rank r's where there is one; a rank beyond the saved world
+        keeps its RNG streams and gets rank 0's extras; saved ranks beyond the current world
+        are not used. Both are reported in ``unmapped``."""
+        saved, world, rank = composite.manifest.world_size, self.world_size, self.rank
+        unmapped: list[str] = []
+        if saved != world:
+            if world > saved:
+                unmapped.append(f"ranks {saved}..{world - 1} kept their RNG streams and got rank 0's extras (saved at world size {saved})")
+            else:
+                unmapped.append(f"the RNG states and extras of saved ranks {world}..{saved - 1} were not used (saved at world size {saved})")
+        own = self.run.read_rank_state(composite.step, rank) if rank < saved else None
+        if own is None:
+            return self.run.read_rank_state(composite.step, 0)["extra"], tuple(unmapped)
+        self.provider.load_rank(own)
+        return own.get("extra"), tuple(unmapped)
 
     def _problems_of(self, step: int) -> list[str]:
         try:
@@ -241,4 +341,3 @@ class Tailor:
             except TailorError:
                 current = max((s for s in steps if s < current), default=None)
         return lineage
-

@@ -39,8 +39,8 @@ import torch
 
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
-from llmtailor.state.optimizer import positional_state_dict
-from llmtailor.state.training import split_unit
+from llmtailor.providers.optimizer import positional_state_dict
+from llmtailor.store.keys import split_unit
 from llmtailor.store.files import fsync_dir
 from llmtailor.store.run import Run
 

@@ -50,8 +50,9 @@ from llmtailor.interop.hf_export import (
     trainer_param_groups,
 )
 from llmtailor.layouts import Layout, build_layout
-from llmtailor.state import tree
-from llmtailor.state.training import optim_key, plain_value, weight_key
+from llmtailor.store import codec
+from llmtailor.store.codec import plain_value
+from llmtailor.store.keys import optim_key, weight_key
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
@@ -105,7 +106,7 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
         "model_config": config,
         "extra": {"trainer_state": trainer_state},
     }
-    global_doc, global_tensors = tree.encode(state, where="global state")
+    global_doc, global_tensors = codec.encode(state, where="global state")
     # Non-tensor optimizer values go into the manifest as JSON: encode them now, so a value
     # that needs pickle is refused before anything is written.
     values = {name: _plain_values(name, entries) for name, entries in per_param.items()}
@@ -295,7 +296,7 @@ def _plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rng_state(path: Path) -> dict[str, Any]:
-    """Trainer's ``_save_rng_state`` record in llmtailor's format (``llmtailor.state.rng``)."""
+    """Trainer's ``_save_rng_state`` record in llmtailor's format (``llmtailor.providers.rng``)."""
     from transformers.trainer_pt_utils import safe_globals
 
     with safe_globals():  # numpy's RNG tuple, as Trainer's own _load_rng_state allows
@@ -339,4 +340,4 @@ def _stream_units(
                     tensors[optim_key(name, state_key)] = value
             if values.get(name):
                 unit_values[name] = values[name]
-        yield StagedUnit(unit=unit, tensors=tensors, values=unit_values)
+        yield StagedUnit.whole(unit, tensors, unit_values)

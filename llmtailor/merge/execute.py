@@ -21,7 +21,7 @@ from pathlib import Path
 
 from llmtailor.errors import ConfigError
 from llmtailor.merge.planner import MergePlan, open_plan
-from llmtailor.state import tree
+from llmtailor.store import codec
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
@@ -79,7 +79,7 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
             if len(kinds) != 1:
                 raise ConfigError("cannot change the depth of a model whose config mixes layer_types")
             config["layer_types"] = [kinds.pop()] * plan.layout.num_layers
-    global_doc, global_tensors = tree.encode(state, where="global state")
+    global_doc, global_tensors = codec.encode(state, where="global state")
     staged = StagedSnapshot(
         step=plan.step,
         parent=None,
@@ -106,4 +106,4 @@ def _stream_units(plan: MergePlan) -> Iterator[StagedUnit]:
         renamed = {a.dest_key: tensors[a.source_key] for a in actions}
         names = plan.renames[unit]
         kept = {names[name]: v for name, v in values.items()} if plan.optimizer else {}
-        yield StagedUnit(unit=unit, tensors=renamed, values=kept)
+        yield StagedUnit.whole(unit, renamed, kept)

@@ -35,7 +35,7 @@ from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
 from llmtailor.merge.plan import PlanSpec, SourceRef, load_plan, parse_source
-from llmtailor.state.training import join_key, split_key
+from llmtailor.store.keys import join_key, split_key
 from llmtailor.store.manifest import TensorEntry
 from llmtailor.store.run import Composite, Run
 

@@ -27,7 +27,7 @@ from llmtailor.store.manifest import FileEntry
 
 _PIECE = 16 << 20
 # safetensors' dtype codes for the dtypes a manifest may name.
-_CODES = {
+DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
     torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32",
@@ -50,37 +50,59 @@ def write_durable(path: Path, data: bytes, root: Path) -> FileEntry:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> FileEntry:
-    """Write ``tensors`` as one safetensors file, durably; return its manifest entry.
+    """Write ``tensors`` as one safetensors file, durably; return its manifest entry."""
+    return write_tensor_file(path, tensors, root)[0]
 
-    Memory: no copy of a contiguous CPU tensor is made."""
+
+def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> tuple[FileEntry, dict[str, str]]:
+    """Write ``tensors`` as one safetensors file, durably; return its manifest entry and the
+    xxh3-64 checksum of each tensor's bytes (both computed on the way out, in one pass).
+
+    Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
+    to the CPU one tensor at a time."""
     ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
     header, offset = {}, 0
     for key, tensor in ordered:
         size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     hasher = xxhash.xxh3_64()
+    sums: dict[str, str] = {}
     with open(path, "wb") as out:
-        for piece in _pieces(struct.pack("<Q", len(encoded)) + encoded, ordered):
-            hasher.update(piece)
-            out.write(piece)
+        head = struct.pack("<Q", len(encoded)) + encoded
+        hasher.update(head)
+        out.write(head)
+        for key, tensor in ordered:
+            piece_hasher = xxhash.xxh3_64()
+            for piece in _pieces(tensor):
+                hasher.update(piece)
+                piece_hasher.update(piece)
+                out.write(piece)
+            sums[key] = piece_hasher.hexdigest()
         out.flush()
         os.fsync(out.fileno())
         # The bytes are durable and will not be read soon: drop them from the page cache, so
         # a save's cache footprint is about one unit instead of the whole checkpoint.
         os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
+    entry = FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
+    return entry, sums
 
 
-def _pieces(head: bytes, ordered: list[tuple[str, torch.Tensor]]):
-    yield head
-    for _, tensor in ordered:
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-        for start in range(0, len(data), _PIECE):
-            yield data[start : start + _PIECE]
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """xxh3-64 of a tensor's bytes, as ``write_tensor_file`` records it per tensor."""
+    hasher = xxhash.xxh3_64()
+    for piece in _pieces(tensor):
+        hasher.update(piece)
+    return hasher.hexdigest()
+
+
+def _pieces(tensor: torch.Tensor):
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    for start in range(0, len(data), _PIECE):
+        yield data[start : start + _PIECE]
 
 
 def _checksum_of_open_file(handle) -> str:
@@ -115,7 +137,7 @@ def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[torch.d
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
     it holds: each key present, with the manifest's dtype and shape."""
     path = root / entry.path
-    names = {code: dtype for dtype, code in _CODES.items()}
+    names = {code: dtype for dtype, code in DTYPE_CODES.items()}
     try:
         _check_size(path, path.stat().st_size, entry)
         with safe_open(path, "pt") as handle:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmtailor.constants import SCHEMA_VERSION, SNAPSHOT_FORMAT
+from llmtailor.constants import READABLE_SCHEMA_VERSIONS, SNAPSHOT_FORMAT
 from llmtailor.errors import IntegrityError, TailorError, describe_validation
 
 DTYPES: dict[str, torch.dtype] = {
@@ -64,12 +64,15 @@ class FileEntry(_Strict):
 
 class Chunk(_Strict):
     """Where a piece of a tensor lies: ``file`` holds it under ``key``; its corner in the global
-    tensor is ``offsets`` and its extent ``shape``."""
+    tensor is ``offsets`` and its extent ``shape``. ``xxh3_64`` is the checksum of the piece's
+    bytes alone, so a reader that needs one piece of a file can check it without reading the
+    rest (absent in schema 1)."""
 
     file: str
     key: str
     offsets: list[int]
     shape: list[int]
+    xxh3_64: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
 
 
 class TensorEntry(_Strict):
@@ -118,6 +121,9 @@ class UnitEntry(_Strict):
 
 
 class Manifest(_Strict):
+    """Schema 2 adds ``provider``, ``notes``, ``decision`` and per-chunk checksums to schema 1;
+    both are read."""
+
     format: Literal["llmtailor.snapshot"] = SNAPSHOT_FORMAT
     schema_version: int
     step: int = Field(ge=0)
@@ -125,7 +131,14 @@ class Manifest(_Strict):
     save_index: int = Field(ge=0)
     created: str
     world_size: int = Field(default=1, ge=1)
+    provider: str = "local"
+    """The state provider that saved it: ``local`` (one process), ``ddp``, ``fsdp2``, ``deepspeed``."""
+    notes: dict[str, Any] = {}
+    """What a reader must know about the provider's state, e.g. how DeepSpeed's optimizer steps
+    are kept (``llmtailor.providers``)."""
     policy: str
+    decision: dict[str, Any] = {}
+    """The policy's record of why it chose these units (Adaptive: the measured drift)."""
     layout: dict[str, Any]
     units: dict[str, UnitEntry]
     composite: dict[str, int]
@@ -134,8 +147,10 @@ class Manifest(_Strict):
     @field_validator("schema_version")
     @classmethod
     def _supported_version(cls, value: int) -> int:
-        if value != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {value} is not supported (this llmtailor reads {SCHEMA_VERSION})")
+        if value not in READABLE_SCHEMA_VERSIONS:
+            raise ValueError(
+                f"schema_version {value} is not supported (this llmtailor reads {list(READABLE_SCHEMA_VERSIONS)})"
+            )
         return value
 
     @model_validator(mode="after")
@@ -164,10 +179,20 @@ class Manifest(_Strict):
                 return entry
         raise IntegrityError(f"manifest of step {self.step} lists no file {path!r}")
 
+    def unit_files(self, unit: str) -> set[str]:
+        """Paths of the files holding ``unit`` in this snapshot (one per rank that wrote a piece)."""
+        return {c.file for t in self.units[unit].tensors for c in t.chunks}
+
     def unit_bytes(self, unit: str) -> int:
         """Bytes on disk of the files holding ``unit`` in this snapshot."""
-        paths = {c.file for t in self.units[unit].tensors for c in t.chunks}
+        paths = self.unit_files(unit)
         return sum(f.bytes for f in self.files if f.path in paths)
+
+    def tensor_entry(self, unit: str, key: str) -> TensorEntry | None:
+        for entry in self.units[unit].tensors:
+            if entry.key == key:
+                return entry
+        return None
 
     def dumps(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False)

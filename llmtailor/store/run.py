@@ -33,10 +33,11 @@ from llmtailor.constants import (
     SNAPSHOT_PREFIX,
     SNAPSHOTS_DIR,
     TMP_DIR,
+    rank_state_files,
     snapshot_dirname,
 )
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.state import tree
+from llmtailor.store import codec
 from llmtailor.store.files import check_file, check_header, read_tensors, read_verified
 from llmtailor.store.manifest import Manifest, TensorEntry, load_manifest
 
@@ -150,17 +151,33 @@ class Run:
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
     def read_global(self, step: int) -> dict[str, Any]:
+        """The global state saved at ``step``: what all ranks share (step, optimizer groups, LR
+        scheduler, model config) and rank 0's own RNG states and extras."""
+        return self._read_state(step, GLOBAL_JSON, GLOBAL_TENSORS)
+
+    def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s own RNG states and extras as saved at ``step`` (rank 0: from the
+        global state), or None when no rank of that number took part in the save."""
+        if rank == 0:
+            state = self.read_global(step)
+            return {key: state.get(key) for key in ("rng", "extra")}
+        doc, tensors = rank_state_files(rank)
+        if not any(entry.path == doc for entry in self.manifest(step).files):
+            return None
+        return self._read_state(step, doc, tensors)
+
+    def _read_state(self, step: int, doc_path: str, tensors_path: str) -> dict[str, Any]:
         manifest = self.manifest(step)
         root = self.snapshot_dir(step)
-        raw = read_verified(root, manifest.file_entry(GLOBAL_JSON))
+        raw = read_verified(root, manifest.file_entry(doc_path))
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as err:
-            raise IntegrityError(f"{root / GLOBAL_JSON}: not valid JSON ({err})") from None
-        tensors = read_tensors(root, manifest.file_entry(GLOBAL_TENSORS))
-        state = tree.decode(doc, tensors, where=f"{root / GLOBAL_JSON}")
+            raise IntegrityError(f"{root / doc_path}: not valid JSON ({err})") from None
+        tensors = read_tensors(root, manifest.file_entry(tensors_path))
+        state = codec.decode(doc, tensors, where=f"{root / doc_path}")
         if not isinstance(state, dict):
-            raise IntegrityError(f"{root / GLOBAL_JSON}: expected an object at the top level")
+            raise IntegrityError(f"{root / doc_path}: expected an object at the top level")
         return state
 
     def verify(self, step: int | None = None) -> list[str]:

@@ -1,19 +1,32 @@
 """Writing a snapshot: staged state in, one committed directory out.
 
-Staging (``StagedSnapshot``) is separate from writing (``persist``): a synchronous save stages
-references to the live tensors and persists at once, one unit in memory at a time; an async
-save stages private copies and persists them on a background thread. Persisting follows the
-commit protocol: write every file into a private temporary directory and fsync it, write
-the manifest last and fsync it, rename the directory into ``snapshots/`` atomically, fsync
-``snapshots/``, then replace the ``latest`` pointer atomically. A crash at any instant leaves
-every earlier snapshot and the previous composite loadable; a failure removes the partial
-temporary directory.
+Staging (``StagedSnapshot``: what to write) is separate from persisting (``persist``: writing
+and committing it). A synchronous save stages references to the live tensors and persists at
+once, one unit in memory at a time; an async save stages copies in reusable host buffers and
+persists them on a background thread (``llmtailor.store.saver``). Both go through ``persist``.
+
+The commit protocol, for any number of ranks (``llmtailor.store.coordinator`` carries the
+messages; one process is a world of one):
+
+1. the leader (rank 0) creates a private temporary directory under ``.tmp/`` and announces it;
+2. every rank writes its part into it — its pieces of the units it holds, its own global state
+   (RNG, user extras), the leader also the shared global state — fsyncs every file, and
+   reports the file entries and checksums, or its failure;
+3. once every rank has reported success, the leader writes the manifest last and fsyncs it,
+   renames the directory into ``snapshots/`` atomically, fsyncs ``snapshots/``, replaces the
+   ``latest`` pointer atomically, and announces the outcome.
+
+A failure on any rank, or a rank that does not report in time, makes the save raise on every
+rank; the leader removes the temporary directory and every earlier snapshot and the previous
+composite stay as they were. A crash at any instant has the same effect (leftovers in
+``.tmp/`` are removed by the next writer).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import time
@@ -31,29 +44,61 @@ from llmtailor.constants import (
     GLOBAL_TENSORS,
     LATEST_FILE,
     MANIFEST_FILE,
+    RANKS_DIR,
     SCHEMA_VERSION,
     UNITS_DIR,
+    rank_state_files,
     snapshot_dirname,
+    unit_filename,
 )
 from llmtailor.errors import TailorError
-from llmtailor.store.files import fsync_dir, replace_text_atomically, write_durable, write_tensors
+from llmtailor.store.coordinator import Coordinator, LocalCoordinator
+from llmtailor.store.files import fsync_dir, replace_text_atomically, write_durable, write_tensor_file
+from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import Chunk, FileEntry, Manifest, TensorEntry, UnitEntry, dtype_name
 from llmtailor.store.run import Run
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A box of one unit tensor as this rank holds it: ``tensor`` (any device) is the part of
+    the global tensor of shape ``global_shape`` whose corner is ``offsets``."""
+
+    key: str
+    """``weight/<param>``, ``optim/<param>/<state key>`` or ``master/<param>``."""
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, key: str, tensor: torch.Tensor) -> Piece:
+        return cls(key, tensor, (0,) * tensor.dim(), tuple(tensor.shape))
+
+    @property
+    def is_whole(self) -> bool:
+        return tuple(self.tensor.shape) == self.global_shape
+
+
 @dataclass
 class StagedUnit:
-    """One unit's state, ready to write. ``tensors`` maps ``weight/<param>``,
-    ``optim/<param>/<key>`` ... to tensors (live references for a synchronous save);
-    ``values`` holds non-tensor optimizer state by parameter name."""
+    """What one rank writes of one unit: its pieces (live references for a synchronous save)
+    and the optimizer state values that are not tensors, by parameter name."""
 
     unit: str
-    tensors: dict[str, torch.Tensor]
+    pieces: list[Piece]
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def whole(cls, unit: str, tensors: dict[str, torch.Tensor], values: dict[str, dict[str, Any]] | None = None) -> StagedUnit:
+        """A unit of whole tensors by key (one process holds all of it)."""
+        return cls(unit, [Piece.whole(key, t) for key, t in tensors.items()], values or {})
 
 
 @dataclass
 class StagedSnapshot:
+    """One rank's share of a snapshot. Everything but ``units`` and the encoded state is the
+    same on every rank."""
+
     step: int
     parent: int | None
     save_index: int
@@ -62,17 +107,32 @@ class StagedSnapshot:
     units: Iterable[StagedUnit]
     """Iterated once, in order: a generator stages one unit at a time (bounded memory)."""
     composite: dict[str, int]
-    # Global state, already encoded (``tree.encode``) so it is a copy taken at staging time.
     global_doc: Any
-    global_tensors: dict[str, torch.Tensor]
+    """The leader's shared global state and its own RNG and extras, encoded (``codec.encode``,
+    so it is a copy taken at staging time); None on other ranks."""
+    global_tensors: dict[str, torch.Tensor] | None
+    rank_doc: Any = None
+    """Ranks >= 1: their own RNG states and extras, encoded."""
+    rank_tensors: dict[str, torch.Tensor] | None = None
+    world_size: int = 1
+    provider: str = "local"
+    notes: dict[str, Any] = field(default_factory=dict)
+    decision: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    """A failure met while staging on this rank: persisting reports it to the other ranks (so
+    the save fails everywhere, promptly) instead of writing."""
 
 
 @dataclass(frozen=True)
 class PersistResult:
     path: Path
     bytes: int
+    """Bytes of the whole snapshot, every rank's files and the manifest."""
     seconds: float
     unit_bytes: dict[str, int]
+    """Bytes this rank wrote per unit."""
+    rank_bytes: int
+    """Bytes this rank wrote in all."""
     pointer_error: str | None = None
     """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
 
@@ -91,83 +151,191 @@ def counting(progress: Callable[[str, int, int], None] | None, total: int) -> Ca
     return on_unit
 
 
-def persist(run: Run, staged: StagedSnapshot, on_unit: Callable[[str, int], None] | None = None) -> PersistResult:
-    """Write ``staged`` into ``run`` and commit it. ``on_unit(unit, bytes)`` reports progress."""
+def persist(
+    run: Run,
+    staged: StagedSnapshot,
+    on_unit: Callable[[str, int], None] | None = None,
+    coordinator: Coordinator | None = None,
+    prepare: Callable[[], None] | None = None,
+) -> PersistResult:
+    """Write this rank's share of ``staged`` into ``run`` and commit the snapshot with the other
+    ranks (module docstring). Collective: every rank calls it for the same snapshot. The
+    leader calls ``prepare()`` (taking the run's writer lock, say) before anything is written;
+    if it raises, the save fails on every rank."""
+    coord = coordinator or LocalCoordinator()
     start = time.perf_counter()
+    round_ = coord.new_round()
     final = run.snapshot_dir(staged.step)
+
+    def open_tmp() -> str:
+        if prepare is not None:
+            prepare()
+        return _open_tmp(run, staged.step, staged.world_size)
+
+    tmp_name = coord.broadcast(f"{round_}/open", open_tmp if coord.is_leader else None)
+    tmp = run.tmp_dir / tmp_name
+    try:
+        if staged.error is not None:
+            raise staged.error
+        part: Any = _write_part(tmp, staged, coord.rank, on_unit)
+    except BaseException as err:
+        part = _friendly(err, run, staged.step)
+    if coord.is_leader:
+
+        def commit() -> dict[str, Any]:
+            try:
+                parts = coord.gather(f"{round_}/parts", part)  # raises when any rank failed
+                manifest = _manifest(staged, parts)
+                # The manifest is written last: a directory without one is not a snapshot.
+                write_durable(tmp / MANIFEST_FILE, manifest.dumps().encode(), tmp)
+                for sub in {Path(f.path).parent for f in manifest.files} - {Path(".")}:
+                    fsync_dir(tmp / sub)
+                fsync_dir(tmp)
+                run.snapshots_dir.mkdir(parents=True, exist_ok=True)
+                os.rename(tmp, final)
+                fsync_dir(run.snapshots_dir)
+            except BaseException as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise _friendly(err, run, staged.step) from None
+            total = sum(f.bytes for f in manifest.files) + (final / MANIFEST_FILE).stat().st_size
+            return {"bytes": total, "pointer_error": _replace_latest(run, final, staged.step)}
+
+        outcome = coord.broadcast(f"{round_}/outcome", commit)
+    else:
+        coord.gather(f"{round_}/parts", part)  # re-raises this rank's own failure, once reported
+        outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
+    return PersistResult(
+        path=final,
+        bytes=outcome["bytes"],
+        seconds=time.perf_counter() - start,
+        unit_bytes=part["unit_bytes"],
+        rank_bytes=sum(f["bytes"] for f in part["files"]),
+        pointer_error=outcome["pointer_error"],
+    )
+
+
+def _open_tmp(run: Run, step: int, world_size: int) -> str:
+    final = run.snapshot_dir(step)
     if final.exists():
         raise TailorError(f"{final} already exists; refusing to overwrite a committed snapshot")
-    run.tmp_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run.tmp_dir / f"{snapshot_dirname(staged.step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    try:
-        (tmp / UNITS_DIR).mkdir(parents=True)
-        files: list[FileEntry] = []
-        units: dict[str, UnitEntry] = {}
-        unit_bytes: dict[str, int] = {}
-        for staged_unit in staged.units:
-            entry, file = _write_unit(tmp, staged_unit)
-            units[staged_unit.unit] = entry
-            files.append(file)
-            unit_bytes[staged_unit.unit] = file.bytes
-            if on_unit:
-                on_unit(staged_unit.unit, file.bytes)
-        files.append(write_tensors(tmp / GLOBAL_TENSORS, staged.global_tensors, tmp))
+    name = f"{snapshot_dirname(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    (run.tmp_dir / name / UNITS_DIR).mkdir(parents=True)
+    if world_size > 1:
+        (run.tmp_dir / name / RANKS_DIR).mkdir()
+    return name
+
+
+def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[[str, int], None] | None) -> dict:
+    """Write this rank's files; return its report: unit tensor entries, non-tensor values,
+    file entries (JSON-able, for the leader's manifest)."""
+    units: dict[str, Any] = {}
+    files: list[FileEntry] = []
+    unit_bytes: dict[str, int] = {}
+    for staged_unit in staged.units:
+        relpath = unit_filename(staged_unit.unit, rank, staged.world_size)
+        tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
+        if len(tensors) != len(staged_unit.pieces):
+            raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
+        file, sums = write_tensor_file(tmp / relpath, tensors, tmp)
+        files.append(file)
+        unit_bytes[staged_unit.unit] = file.bytes
+        entries = [
+            TensorEntry(
+                key=p.key,
+                dtype=dtype_name(p.tensor.dtype),
+                shape=list(p.global_shape),
+                chunks=[
+                    Chunk(
+                        file=relpath,
+                        key=(key := piece_key(p.key, p.offsets, p.is_whole)),
+                        offsets=list(p.offsets),
+                        shape=list(p.tensor.shape),
+                        xxh3_64=sums[key],
+                    )
+                ],
+            ).model_dump(mode="json")
+            for p in staged_unit.pieces
+        ]
+        units[staged_unit.unit] = {"tensors": entries, "values": staged_unit.values}
+        if on_unit:
+            on_unit(staged_unit.unit, file.bytes)
+    if staged.global_doc is not None:
+        files.append(write_tensor_file(tmp / GLOBAL_TENSORS, staged.global_tensors or {}, tmp)[0])
         files.append(write_durable(tmp / GLOBAL_JSON, json.dumps(staged.global_doc).encode(), tmp))
-        manifest = Manifest(
-            schema_version=SCHEMA_VERSION,
-            step=staged.step,
-            parent=staged.parent,
-            save_index=staged.save_index,
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            policy=staged.policy,
-            layout=staged.layout,
-            units=units,
-            composite=staged.composite,
-            files=files,
-        )
-        # The manifest is written last: a directory without one is not a snapshot.
-        write_durable(tmp / MANIFEST_FILE, manifest.dumps().encode(), tmp)
-        fsync_dir(tmp / UNITS_DIR)
-        fsync_dir(tmp)
-        run.snapshots_dir.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, final)
-        fsync_dir(run.snapshots_dir)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise TailorError(
-                f"no space left on the device of {run.root} while saving step {staged.step}; "
-                "the partial snapshot was removed and earlier snapshots are intact"
-            ) from None
-        raise
-    pointer_error = None
+    if staged.rank_doc is not None:
+        doc_path, tensor_path = rank_state_files(rank)
+        files.append(write_tensor_file(tmp / tensor_path, staged.rank_tensors or {}, tmp)[0])
+        files.append(write_durable(tmp / doc_path, json.dumps(staged.rank_doc).encode(), tmp))
+    return {"units": units, "files": [f.model_dump(mode="json") for f in files], "unit_bytes": unit_bytes}
+
+
+def _manifest(staged: StagedSnapshot, parts: list[dict]) -> Manifest:
+    """The manifest of every rank's part: the chunks of each tensor from all ranks, checked
+    for agreement on dtype and global shape (the manifest's own validation then checks that
+    the chunks cover each tensor)."""
+    tensors: dict[str, dict[str, dict[str, Any]]] = {}
+    values: dict[str, dict[str, dict[str, Any]]] = {}
+    files: list[dict[str, Any]] = []
+    for rank, part in enumerate(parts):
+        files += part["files"]
+        for unit, entry in part["units"].items():
+            merged = tensors.setdefault(unit, {})
+            for tensor in entry["tensors"]:
+                held = merged.get(tensor["key"])
+                if held is None:
+                    merged[tensor["key"]] = {**tensor, "chunks": list(tensor["chunks"])}
+                elif (held["dtype"], held["shape"]) != (tensor["dtype"], tensor["shape"]):
+                    raise TailorError(
+                        f"unit {unit!r}: rank {rank} has {tensor['key']} as {tensor['dtype']} {tensor['shape']}, "
+                        f"another rank as {held['dtype']} {held['shape']}"
+                    )
+                else:
+                    held["chunks"] += tensor["chunks"]
+            for name, plain in entry["values"].items():
+                values.setdefault(unit, {}).setdefault(name, {}).update(plain)
+    missing = sorted(set(u for u, s in staged.composite.items() if s == staged.step) - set(tensors))
+    if missing:
+        raise TailorError(f"step {staged.step}: no rank wrote units {missing}")
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        step=staged.step,
+        parent=staged.parent,
+        save_index=staged.save_index,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        world_size=staged.world_size,
+        provider=staged.provider,
+        notes=staged.notes,
+        policy=staged.policy,
+        decision=staged.decision,
+        layout=staged.layout,
+        units={
+            unit: UnitEntry(tensors=list(merged.values()), values=values.get(unit, {}))
+            for unit, merged in tensors.items()
+        },
+        composite=staged.composite,
+        files=files,
+    )
+
+
+def _replace_latest(run: Run, final: Path, step: int) -> str | None:
     try:
         replace_text_atomically(run.root / LATEST_FILE, final.name + "\n")
     except OSError as err:
         # The snapshot is committed and loadable: its manifest names its parent, which the old
         # pointer names, so Run.latest_step() finds it. Report, do not undo.
         reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
-        pointer_error = (
-            f"step {staged.step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
-            f"could not be updated ({reason}); restore still finds step {staged.step} through its parent link"
+        return (
+            f"step {step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
+            f"could not be updated ({reason}); restore still finds step {step} through its parent link"
         )
-    total = sum(f.bytes for f in files) + (final / MANIFEST_FILE).stat().st_size
-    return PersistResult(
-        path=final, bytes=total, seconds=time.perf_counter() - start, unit_bytes=unit_bytes, pointer_error=pointer_error
-    )
+    return None
 
 
-def _write_unit(tmp: Path, staged: StagedUnit) -> tuple[UnitEntry, FileEntry]:
-    relpath = f"{UNITS_DIR}/{staged.unit}.safetensors"
-    tensors = {key: t.detach().contiguous() for key, t in staged.tensors.items()}
-    file = write_tensors(tmp / relpath, tensors, tmp)
-    entries = [
-        TensorEntry(
-            key=key,
-            dtype=dtype_name(t.dtype),
-            shape=list(t.shape),
-            chunks=[Chunk(file=relpath, key=key, offsets=[0] * t.dim(), shape=list(t.shape))],
+def _friendly(err: BaseException, run: Run, step: int) -> BaseException:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TailorError(
+            f"no space left on the device of {run.root} while saving step {step}; "
+            "the partial snapshot was removed and earlier snapshots are intact"
         )
-        for key, t in tensors.items()
-    ]
-    return UnitEntry(tensors=entries, values=staged.values), file
+    return err
+

@@ -83,7 +83,7 @@ class WriteSpy:
 
     def __init__(self, monkeypatch):
         self.failed: list[str] = []
-        for name in ("write_tensors", "write_durable", "replace_text_atomically"):
+        for name in ("write_tensor_file", "write_durable", "replace_text_atomically"):
             monkeypatch.setattr(llmtailor.store.writer, name, self._wrap(getattr(llmtailor.store.writer, name)))
 
     def _wrap(self, write):

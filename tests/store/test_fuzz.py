@@ -46,7 +46,7 @@ import llmtailor.store.files
 from llmtailor import Parity, Tailor
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFEST_FILE
 from llmtailor.errors import TailorError
-from llmtailor.state import rng
+from llmtailor.providers import rng
 from llmtailor.store.run import Run
 from llmtailor.training_example import build_optimizer
 

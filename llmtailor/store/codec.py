@@ -146,3 +146,11 @@ def _device_available(device: Any, where: str) -> bool:
     except (TypeError, RuntimeError):
         raise TailorError(f"{where}: device {device!r} is not a torch device name") from None
     return kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())
+
+
+def plain_value(value: Any, where: str) -> Any:
+    """A non-tensor optimizer state value (a step count, say) as JSON: the manifest stores it."""
+    doc, nested = encode(value, where)
+    if nested:
+        raise UnsupportedStateError(f"{where} nests tensors inside a {type(value).__name__}; store them directly")
+    return doc

@@ -1,6 +1,6 @@
 """Capture and restore the random number generators that training consumes.
 
-The states are plain Python / numpy / tensor values, encoded by ``llmtailor.state.tree``.
+The states are plain Python / numpy / tensor values, encoded by ``llmtailor.store.codec``.
 """
 
 from __future__ import annotations

@@ -5,14 +5,15 @@ import pytest
 import torch
 
 from llmtailor.errors import UnsupportedStateError
-from llmtailor.state import rng, tree
+from llmtailor.providers import rng
+from llmtailor.store import codec
 
 
 def roundtrip(obj):
     import json
 
-    doc, tensors = tree.encode(obj)
-    return tree.decode(json.loads(json.dumps(doc)), tensors)
+    doc, tensors = codec.encode(obj)
+    return codec.decode(json.loads(json.dumps(doc)), tensors)
 
 
 def test_nested_state_roundtrips_exactly():
@@ -53,4 +54,4 @@ def test_rng_state_roundtrips():
 
 def test_unsupported_value_names_its_path():
     with pytest.raises(UnsupportedStateError, match=r"state\.sched\.fn\[1\] is a builtins\.function"):
-        tree.encode({"sched": {"fn": [1, lambda: 0]}})
+        codec.encode({"sched": {"fn": [1, lambda: 0]}})

@@ -1,0 +1,163 @@
+"""The state-provider interface: one rank's live training state, seen by unit and name.
+
+One store, many providers. Each training backend is a provider: ``LocalProvider`` (one
+process, and DDP's replicated state), ``FSDPProvider`` (FSDP2 / DTensor shards) and
+``DeepSpeedProvider`` (ZeRO-1/2/3 fragments). A provider
+
+- stages a unit as pieces keyed by canonical parameter name (``weight/<name>``,
+  ``optim/<name>/<state key>``, ``master/<name>``) with their offsets in the global tensor:
+  only the pieces this rank writes;
+- captures the global state: what all ranks share (optimizer hyperparameters by group,
+  scheduler, model config) and what is each rank's own (RNG states);
+- checks a composite against the live state from manifests alone, then loads it in place,
+  reading only what this rank holds.
+
+Names are canonical: no ``module.`` (DDP), ``_orig_mod.`` (torch.compile) or FSDP wrapper
+prefixes, so a run saved by one provider at one world size restores through another.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from llmtailor.constants import KIND_MASTER, KIND_WEIGHT
+from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.layouts import Layout
+from llmtailor.providers import rng
+from llmtailor.store.coordinator import Coordinator
+from llmtailor.store.keys import split_key
+from llmtailor.store.manifest import Manifest, dtype_name
+from llmtailor.store.run import Run
+from llmtailor.store.writer import StagedUnit
+
+
+class StateProvider(ABC):
+    """The live state of one rank (module docstring)."""
+
+    kind: str = "local"
+    """Recorded in the manifest as ``provider``."""
+
+    def __init__(self, layout: Layout, coordinator: Coordinator):
+        self.layout = layout
+        self.coordinator = coordinator
+
+    # -- save side ----------------------------------------------------------------------------
+
+    def writes(self, units: list[str]) -> list[str]:
+        """Of the units chosen for a save, those this rank writes pieces of (all, by default:
+        each rank writes its own shards of every unit)."""
+        return list(units)
+
+    @abstractmethod
+    def stage_unit(self, unit: str) -> StagedUnit:
+        """This rank's pieces of ``unit``: live references, valid until the next optimizer step."""
+
+    @abstractmethod
+    def capture_shared(self) -> dict[str, Any]:
+        """State all ranks share: ``optimizer_groups``, ``lr_scheduler``, ``model_config`` (and
+        what else the provider needs back). Called on the leader only."""
+
+    def capture_rank(self) -> dict[str, Any]:
+        """This rank's own state (its RNG streams); user extras are added by ``Tailor``."""
+        return {"rng": rng.capture_rng()}
+
+    def notes(self) -> dict[str, Any]:
+        """What a reader of the manifest must know about this provider's state."""
+        return {}
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose ``step`` changes the staged tensors: an async save fences
+        their steps until its copies are taken."""
+        return []
+
+    # -- restore side -------------------------------------------------------------------------
+
+    @abstractmethod
+    def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        """Canonical name -> (global shape, dtype) of every live tensor of the layout."""
+
+    def check_compatible(self, manifest: Manifest, sources: dict[str, Manifest]) -> None:
+        """Refuse, before any tensor byte is read, a composite whose layout, names, shapes or
+        dtypes differ from the live state. ``sources`` maps each unit to its source manifest.
+        A parameter saved only as an fp32 master may load into a model of another float dtype
+        (mixed precision keeps the master); any other dtype must match."""
+        saved = Layout.from_record(manifest.layout)
+        problems = self.layout.diff(saved)
+        if not problems:
+            live = self.live_specs()
+            for unit, source in sources.items():
+                if unit not in source.units:
+                    problems.append(f"the composite names snapshot {source.step} for unit {unit!r}, which it does not hold")
+                    continue
+                weights = {split_key(e.key)[1]: e for e in source.units[unit].tensors if split_key(e.key)[0] == KIND_WEIGHT}
+                masters = {split_key(e.key)[1]: e for e in source.units[unit].tensors if split_key(e.key)[0] == KIND_MASTER}
+                for name, entry in {**masters, **weights}.items():
+                    spec = live.get(name)
+                    if spec is None:
+                        problems.append(f"snapshot {source.step} holds {name!r}, which the model lacks")
+                        continue
+                    shape, dtype = spec
+                    dtype_ok = dtype_name(dtype) == entry.dtype or (
+                        name not in weights and dtype.is_floating_point and entry.torch_dtype.is_floating_point
+                    )
+                    if list(shape) != entry.shape or not dtype_ok:
+                        problems.append(
+                            f"{name}: model has {dtype_name(dtype)} {list(shape)}, "
+                            f"snapshot {source.step} has {entry.dtype} {entry.shape}"
+                        )
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} in all)" if len(problems) > 8 else "")
+            raise IncompatibleModelError(
+                f"the snapshot at step {manifest.step} does not fit this model "
+                f"(snapshot layout {saved.family!r}, model layout {self.layout.family!r}): {shown}"
+            )
+
+    @abstractmethod
+    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
+        """Load the composite in place: each unit from the snapshot ``sources[unit]`` (weights
+        and per-parameter optimizer state), then optimizer groups and LR scheduler from
+        ``shared`` (the composite step's global state). Reads one unit at a time."""
+
+    def load_rank(self, state: dict[str, Any]) -> None:
+        """Set this rank's own state (RNG streams) from what ``capture_rank`` saved."""
+        with loading("RNG state", None):
+            rng.restore_rng(state["rng"])
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose parameter names are canonical: inside DDP (``module.``) and
+    torch.compile (``_orig_mod.``) wrappers."""
+    while True:
+        inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
+        inner = inner or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The Hugging Face config of ``model`` as plain JSON (exports need it), or None."""
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return json.loads(to_json(use_diff=False)) if callable(to_json) else None
+
+
+@contextmanager
+def loading(what: str, step: Any) -> Iterator[None]:
+    """Turn torch's or Python's complaint about malformed saved state into an IntegrityError.
+
+    The saved state passed its checksum, so a malformed value means a crafted or buggy
+    snapshot; the live object's own loader is the judge of its shape."""
+    try:
+        yield
+    except TailorError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, AttributeError, RuntimeError) as err:
+        where = f" in the snapshot of step {step}" if step is not None else ""
+        raise IntegrityError(f"the {what}{where} is malformed ({type(err).__name__}: {err})") from None

@@ -1,0 +1,138 @@
+"""``LocalProvider``: a model, optimizer and LR scheduler held whole by each process.
+
+One process, or DDP (every rank holds the same replicated state). A single process writes
+every chosen unit. Under DDP the chosen units are spread over the ranks so that each writes a
+disjoint, byte-balanced subset (the same deterministic assignment on every rank, so no
+message is needed): a snapshot's bytes equal a single-process one's, split between ranks.
+Restoring reads every unit whole on every rank (each needs all of it), verifying each file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmtailor.errors import IncompatibleModelError
+from llmtailor.layouts import Layout
+from llmtailor.providers import optimizer as optim_state
+from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
+from llmtailor.store.codec import plain_value
+from llmtailor.store.coordinator import Coordinator
+from llmtailor.store.keys import optim_key, split_unit, weight_key
+from llmtailor.store.run import Run
+from llmtailor.store.writer import Piece, StagedUnit
+
+
+class LocalProvider(StateProvider):
+    """Model, optimizer and LR scheduler of one process (or one DDP rank), by unit and name."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any | None,
+        layout: Layout,
+        coordinator: Coordinator,
+    ):
+        super().__init__(layout, coordinator)
+        self.model = unwrap(model)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.kind = "local" if coordinator.world_size == 1 else "ddp"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> live parameter or persistent buffer (refreshed on each call, so a
+        model moved or re-wrapped after construction is still seen correctly)."""
+        live = self.model.state_dict(keep_vars=True)
+        return {name: live[name] for name in self.layout.tensor_names()}
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer] if self.optimizer is not None else []
+
+    def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        return {name: (list(t.shape), t.dtype) for name, t in self.tensors().items()}
+
+    # -- save side ----------------------------------------------------------------------------
+
+    def writes(self, units: list[str]) -> list[str]:
+        """Every unit in one process; under DDP this rank's share of a byte-balanced split:
+        units by size, largest first, each to the rank with the fewest bytes so far (ties to
+        the lowest rank)."""
+        world = self.coordinator.world_size
+        if world == 1:
+            return list(units)
+        tensors = self.tensors()
+        sizes = {unit: sum(_bytes(p.tensor) for p in self._pieces(unit, tensors)) for unit in units}
+        load = [0] * world
+        mine = set()
+        for unit in sorted(units, key=lambda u: (-sizes[u], units.index(u))):
+            rank = min(range(world), key=lambda r: (load[r], r))
+            load[rank] += sizes[unit]
+            if rank == self.coordinator.rank:
+                mine.add(unit)
+        return [u for u in units if u in mine]
+
+    def stage_unit(self, unit: str) -> StagedUnit:
+        tensors = self.tensors()
+        values: dict[str, dict[str, Any]] = {}
+        if self.optimizer is not None:
+            for name in self.layout.units[unit]:
+                for key, value in optim_state.param_state(self.optimizer, tensors[name]).items():
+                    if not isinstance(value, torch.Tensor):
+                        values.setdefault(name, {})[key] = plain_value(value, f"optimizer state {name}.{key}")
+        return StagedUnit(unit, self._pieces(unit, tensors), values)
+
+    def _pieces(self, unit: str, tensors: dict[str, torch.Tensor]) -> list[Piece]:
+        pieces = []
+        for name in self.layout.units[unit]:
+            param = tensors[name]
+            pieces.append(Piece.whole(weight_key(name), param.detach()))
+            if self.optimizer is None:
+                continue
+            for key, value in optim_state.param_state(self.optimizer, param).items():
+                if isinstance(value, torch.Tensor):
+                    pieces.append(Piece.whole(optim_key(name, key), value.detach()))
+        return pieces
+
+    def capture_shared(self) -> dict[str, Any]:
+        name_of = {id(t): name for name, t in self.tensors().items()}
+        return {
+            "optimizer_groups": optim_state.group_records(self.optimizer, name_of) if self.optimizer else None,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "model_config": hf_config(self.model),
+        }
+
+    # -- restore side -------------------------------------------------------------------------
+
+    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
+        """Each unit read whole (file checksums always verified), copied into the live weights
+        in place; optimizer state collected by name and loaded once every unit is in, through
+        ``Optimizer.load_state_dict`` (torch's own dtype and device rules apply)."""
+        live = self.tensors()
+        optimizer_state: dict[str, dict[str, Any]] = {}
+        for unit, source in sources.items():
+            loaded, values = run.read_unit(source, unit)
+            weights, state = split_unit(unit, self.layout.units[unit], loaded, values)
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    live[name].copy_(tensor)
+            for name, entries in state.items():
+                optimizer_state.setdefault(name, {}).update(entries)
+        step = shared.get("step")
+        if self.optimizer is not None:
+            groups = shared.get("optimizer_groups")
+            if groups is None:
+                raise IncompatibleModelError("the snapshot was saved without an optimizer, but one was given")
+            with loading("optimizer state", step):
+                name_of = {id(t): name for name, t in live.items()}
+                optim_state.load_by_name(self.optimizer, groups, optimizer_state, name_of)
+        if self.lr_scheduler is not None:
+            if shared.get("lr_scheduler") is None:
+                raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")
+            with loading("LR scheduler state", step):
+                self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,200 @@
+"""The commit coordinator: who writes what, and has everyone finished?
+
+A save at world size N is one snapshot written by N ranks into one shared temporary
+directory. The coordinator carries the few small messages that need: the leader (rank 0)
+announces the temporary directory, every rank reports its part (its file entries and
+checksums) or its failure, and the leader announces the outcome. Only the leader writes the
+manifest, and only once every rank has reported success.
+
+``LocalCoordinator`` serves one process. ``StoreCoordinator`` carries the messages through
+torch.distributed's own key-value store (the ``c10d`` store the process group was set up
+with), not through collectives, so it works from a background thread (async saves) while the
+training thread runs its own collectives, and every wait has a deadline: a rank that died or
+hangs makes the others fail with an error naming it, never hang.
+
+Invariant: each message tag is used once per coordinator (tags carry the save's sequence
+number), and every rank of a job creates its coordinators in the same order, so the same tag
+means the same save on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from llmtailor.errors import TailorError
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT = 600.0
+_instances = itertools.count()
+
+
+class CoordinationError(TailorError):
+    """Another rank failed, died or did not answer in time; the save or restore was abandoned."""
+
+
+class Coordinator(ABC):
+    """Messages between the ranks of one job (see the module docstring)."""
+
+    rank: int = 0
+    world_size: int = 1
+    timeout: float = DEFAULT_TIMEOUT
+
+    _rounds: int = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def new_round(self) -> str:
+        """A fresh tag prefix for one exchange (a save, a restore): each rank calls it once per
+        exchange, in the same order, so equal prefixes mean the same exchange."""
+        self._rounds += 1
+        return f"r{self._rounds}"
+
+    @abstractmethod
+    def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
+        """The leader's ``compute()`` (JSON-able), on every rank. Followers pass None and wait
+        up to ``patience`` x the timeout. If the leader's ``compute`` raises, the leader
+        re-raises it and every follower raises a CoordinationError carrying its message."""
+
+    @abstractmethod
+    def gather(self, tag: str, value: Any) -> list[Any] | None:
+        """On the leader: every rank's ``value`` (JSON-able), in rank order; None on followers.
+        A rank passes an exception as its value to report a failure: the leader then raises
+        a CoordinationError naming the failed ranks and their messages; so it does when a rank
+        does not report within the timeout."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of ``tensor`` over the ranks (a collective: call from the training thread, on
+        every rank, in the same order)."""
+        return tensor
+
+
+class LocalCoordinator(Coordinator):
+    """One process: every message is to itself."""
+
+    def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
+        assert compute is not None, "the leader computes what it broadcasts"
+        return compute()
+
+    def gather(self, tag: str, value: Any) -> list[Any] | None:
+        if isinstance(value, BaseException):
+            raise value
+        return [value]
+
+
+class StoreCoordinator(Coordinator):
+    """Ranks of a torch.distributed job, talking through its c10d store with deadlines."""
+
+    _POLL = 0.05
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, group: Any = None):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self._dist = dist
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout = float(timeout)
+        # The store the process group was set up with; every rank reaches the same one.
+        self._store = distributed_c10d._get_default_store()
+        self._prefix = f"llmtailor/{next(_instances)}/"
+
+    def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
+        key = self._prefix + tag
+        if self.is_leader:
+            assert compute is not None, "the leader computes what it broadcasts"
+            try:
+                value = compute()
+            except BaseException as err:
+                self._store.set(key, json.dumps({"error": _describe(err)}))
+                raise
+            self._store.set(key, json.dumps({"ok": value}))
+            return value
+        message = self._wait_one(key, f"the leader (rank 0) did not announce {tag!r}", patience)
+        if "error" in message:
+            raise CoordinationError(f"rank 0 failed: {message['error']}")
+        return message["ok"]
+
+    def gather(self, tag: str, value: Any) -> list[Any] | None:
+        key = f"{self._prefix}{tag}/"
+        message = {"error": _describe(value)} if isinstance(value, BaseException) else {"ok": value}
+        self._store.set(key + str(self.rank), json.dumps(message))
+        if not self.is_leader:
+            if isinstance(value, BaseException):
+                raise value
+            return None
+        keys = [key + str(r) for r in range(self.world_size)]
+        self._wait_all(keys, lambda missing: f"rank(s) {missing} did not report on {tag!r}")
+        messages = [json.loads(self._store.get(k)) for k in keys]
+        for k in keys:
+            self._store.delete_key(k)
+        failed = {r: m["error"] for r, m in enumerate(messages) if "error" in m}
+        if failed:
+            if isinstance(value, BaseException) and len(failed) == 1:
+                raise value
+            raise CoordinationError("; ".join(f"rank {r} failed: {why}" for r, why in failed.items()))
+        return [m["ok"] for m in messages]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        nccl = self._dist.get_backend(self._group) == "nccl"
+        reduced = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else tensor.device)
+        self._dist.all_reduce(reduced, group=self._group)
+        return reduced.to(tensor.device)
+
+    # -- waiting with a deadline ---------------------------------------------------------------
+
+    def _wait_one(self, key: str, what: str, patience: float = 1.0) -> dict[str, Any]:
+        self._wait_all([key], lambda missing: what, patience)
+        return json.loads(self._store.get(key))
+
+    def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0) -> None:
+        """Wait until every key is set, or raise CoordinationError naming the ranks that are
+        not, after ``patience`` x ``timeout`` seconds. Polls ``check`` (never blocks inside the
+        store), so a deadline holds whatever the store's own timeout is."""
+        limit = self.timeout * patience
+        deadline = time.monotonic() + limit
+        pending = list(keys)
+        while pending:
+            pending = [k for k in pending if not self._store.check([k])]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                missing = [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in pending]
+                raise CoordinationError(
+                    f"{describe(missing)} within {limit:g} s: a rank died or is stuck "
+                    f"(timeout: Tailor(..., timeout=...))"
+                )
+            time.sleep(self._POLL)
+
+
+def make_coordinator(timeout: float = DEFAULT_TIMEOUT) -> Coordinator:
+    """A StoreCoordinator inside an initialised torch.distributed job of several ranks, else a
+    LocalCoordinator."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return StoreCoordinator(timeout)
+    return LocalCoordinator()
+
+
+def _describe(err: BaseException) -> str:
+    return str(err) if isinstance(err, TailorError) else f"{type(err).__name__}: {err}"
+
+
+__all__ = [
+    "CoordinationError",
+    "Coordinator",
+    "DEFAULT_TIMEOUT",
+    "LocalCoordinator",
+    "StoreCoordinator",
+    "make_coordinator",
+]
