@@ -41,6 +41,15 @@ class SaveContext:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """The units a save writes, and the policy's record of why (stored in the manifest as
+    ``decision``, so a choice can be audited and reproduced)."""
+
+    units: list[str]
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Policy(ABC):
     full_every: int | None = field(default=None, kw_only=True)
     """Force a full save every N-th save (save index 0, N, 2N, ...)."""
@@ -65,6 +74,10 @@ class Policy(ABC):
             return list(ctx.units)
         wanted = self.select(ctx) | {u for u in ctx.units if u not in ctx.last_saved}
         return [u for u in ctx.units if u in wanted]
+
+    def decide(self, ctx: SaveContext) -> Decision:
+        """``choose`` with the record kept in the manifest (fixed rules record nothing)."""
+        return Decision(self.choose(ctx))
 
     def describe(self) -> str:
         fields = {k: v for k, v in self.__dict__.items() if v is not None}

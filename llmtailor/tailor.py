@@ -138,7 +138,7 @@ class Tailor:
         if self._parent is not None and step <= self._parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self._parent}")
         start = time.perf_counter()
-        units = self.policy.choose(
+        decision = self.policy.decide(
             SaveContext(
                 save_index=self._save_index,
                 step=step,
@@ -146,8 +146,10 @@ class Tailor:
                 last_saved=self._composite,
             )
         )
+        units = decision.units
         composite = {**self._composite, **{unit: step for unit in units}}
         staged = self._stage(step, units, composite, extra)
+        staged.decision = decision.record
         result = persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
         self._after_commit(result)
