@@ -1,7 +1,6 @@
 """File names, schema versions and state keys of the llmtailor on-disk format, in one place."""
 
 SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"
@@ -14,6 +13,7 @@ UNITS_DIR = "units"
 GLOBAL_JSON = "global.json"
 GLOBAL_TENSORS = "global.safetensors"
 RANKS_DIR = "ranks"
+INDEX_DIR = "index"
 
 SNAPSHOT_PREFIX = "step-"
 
@@ -45,6 +45,11 @@ def unit_filename(unit: str, rank: int, world_size: int) -> str:
     """Path of the tensor file rank ``rank`` writes for ``unit`` (one file per unit in a
     single-process save)."""
     return f"{UNITS_DIR}/{unit}.safetensors" if world_size == 1 else f"{UNITS_DIR}/{unit}.rank-{rank:05d}.safetensors"
+
+
+def unit_index_path(unit: str) -> str:
+    """Path of a unit's index (its files, tensors and chunks) inside a snapshot."""
+    return f"{INDEX_DIR}/{unit}.json"
 
 
 def layer_unit(index: int) -> str:

@@ -276,9 +276,8 @@ class Tailor:
     def _restore(self, step: int, skipped: dict[int, str], verify: bool) -> RestoreReport:
         start = time.perf_counter()
         composite = self.run.resolve(step)
-        sources = {unit: self.run.manifest(source) for unit, source in composite.sources.items()}
-        self.provider.check_compatible(composite.manifest, sources)
-        missing = set(self.layout.units) - set(sources)
+        self.provider.check_compatible(composite.manifest, lambda unit: self.run.unit_entry(composite.sources[unit], unit))
+        missing = set(self.layout.units) - set(composite.sources)
         if missing:
             raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
         shared = self.run.read_global(composite.step)

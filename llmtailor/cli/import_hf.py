@@ -27,7 +27,7 @@ def import_hf(
     with unit_progress(console, "writing units") as progress:
         step = run_import(checkpoint_dir, out, progress=progress)
     manifest = Run(out).manifest(step)
-    size = sum(f.bytes for f in manifest.files)
+    size = manifest.total_bytes()
     console.print(
         f"[green]imported[/] step {step}: {len(manifest.units)} units, {size / 2**20:.1f} MiB "
         f"from {checkpoint_dir} into {out}"

@@ -44,7 +44,7 @@ def snapshots_table(run: Run, current: int) -> Table:
             source = manifest.composite.get(unit)
             cells.append("·" if source is None else "[green]●[/]" if source == step else f"[yellow]{step - source}[/]")
         marker = " *" if step == current else ""
-        table.add_row(f"{step}{marker}", *cells, human_bytes(sum(f.bytes for f in manifest.files)), manifest.policy)
+        table.add_row(f"{step}{marker}", *cells, human_bytes(manifest.total_bytes()), manifest.policy)
     return table
 
 
@@ -70,7 +70,7 @@ def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Table:
         table.add_column(name, justify=justify)
     freed = 0
     for step in sorted(plan.keep + plan.delete):
-        size = sum(f.bytes for f in run.manifest(step).files) if step in plan.keep else _dir_bytes(run, step)
+        size = run.manifest(step).total_bytes() if step in plan.keep else _dir_bytes(run, step)
         if step in plan.delete:
             freed += size
         action = "keep" if step in plan.keep else f"[red]{verb}[/]"

@@ -190,7 +190,7 @@ def _build(plan_file: Path, spec: PlanSpec, scratch: _Scratch) -> MergePlan:
             continue
         got: dict[str, TensorEntry] = {}
         renames[unit] = {}
-        for entry in source.run.manifest(version).units[source_unit].tensors:
+        for entry in source.run.unit_entry(version, source_unit).tensors:
             kind, name, state_key = split_key(entry.key)
             if kind == KIND_OPTIM and not spec.optimizer:
                 continue
@@ -320,7 +320,7 @@ def _expected_entries(state: Source, unit: str, family) -> dict[str, TensorEntry
     version = state.composite.sources[own]
     rename = _renamer(family, own, unit)
     out = {}
-    for entry in state.run.manifest(version).units[own].tensors:
+    for entry in state.run.unit_entry(version, own).tensors:
         kind, name, state_key = split_key(entry.key)
         out[join_key(kind, rename(name), state_key)] = entry
     return out

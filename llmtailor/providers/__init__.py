@@ -24,6 +24,11 @@ def make_provider(
     or a plain / DDP-wrapped module."""
     module = unwrap(model)
     layout = build_layout(module, family)
+    if coordinator.world_size > 1 or torch.distributed.is_initialized():
+        from llmtailor.providers.fsdp import FSDPProvider, is_sharded
+
+        if is_sharded(module):
+            return FSDPProvider(module, optimizer, lr_scheduler, layout, coordinator)
     return LocalProvider(module, optimizer, lr_scheduler, layout, coordinator)
 
 

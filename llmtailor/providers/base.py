@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,7 +32,7 @@ from llmtailor.layouts import Layout
 from llmtailor.providers import rng
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import split_key
-from llmtailor.store.manifest import Manifest, dtype_name
+from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedUnit
 
@@ -82,21 +82,20 @@ class StateProvider(ABC):
     def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         """Canonical name -> (global shape, dtype) of every live tensor of the layout."""
 
-    def check_compatible(self, manifest: Manifest, sources: dict[str, Manifest]) -> None:
+    def check_compatible(self, manifest: Manifest, index_of: Callable[[str], UnitEntry]) -> None:
         """Refuse, before any tensor byte is read, a composite whose layout, names, shapes or
-        dtypes differ from the live state. ``sources`` maps each unit to its source manifest.
+        dtypes differ from the live state. ``index_of(unit)`` is the unit's index in the
+        snapshot the composite names (read only once the layouts agree).
         A parameter saved only as an fp32 master may load into a model of another float dtype
         (mixed precision keeps the master); any other dtype must match."""
         saved = Layout.from_record(manifest.layout)
         problems = self.layout.diff(saved)
         if not problems:
             live = self.live_specs()
-            for unit, source in sources.items():
-                if unit not in source.units:
-                    problems.append(f"the composite names snapshot {source.step} for unit {unit!r}, which it does not hold")
-                    continue
-                weights = {split_key(e.key)[1]: e for e in source.units[unit].tensors if split_key(e.key)[0] == KIND_WEIGHT}
-                masters = {split_key(e.key)[1]: e for e in source.units[unit].tensors if split_key(e.key)[0] == KIND_MASTER}
+            for unit in manifest.composite:
+                source = index_of(unit)
+                weights = {split_key(e.key)[1]: e for e in source.tensors if split_key(e.key)[0] == KIND_WEIGHT}
+                masters = {split_key(e.key)[1]: e for e in source.tensors if split_key(e.key)[0] == KIND_MASTER}
                 for name, entry in {**masters, **weights}.items():
                     spec = live.get(name)
                     if spec is None:

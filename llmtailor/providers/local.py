@@ -87,13 +87,17 @@ class LocalProvider(StateProvider):
         pieces = []
         for name in self.layout.units[unit]:
             param = tensors[name]
-            pieces.append(Piece.whole(weight_key(name), param.detach()))
+            pieces += self._tensor_pieces(unit, weight_key(name), param.detach())
             if self.optimizer is None:
                 continue
             for key, value in optim_state.param_state(self.optimizer, param).items():
                 if isinstance(value, torch.Tensor):
-                    pieces.append(Piece.whole(optim_key(name, key), value.detach()))
+                    pieces += self._tensor_pieces(unit, optim_key(name, key), value.detach())
         return pieces
+
+    def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:
+        """What this rank writes of one tensor: all of it (a process holds it whole)."""
+        return [Piece.whole(key, tensor)]
 
     def capture_shared(self) -> dict[str, Any]:
         name_of = {id(t): name for name, t in self.tensors().items()}
@@ -106,10 +110,18 @@ class LocalProvider(StateProvider):
     # -- restore side -------------------------------------------------------------------------
 
     def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
-        """Each unit read whole (file checksums always verified), copied into the live weights
-        in place; optimizer state collected by name and loaded once every unit is in, through
+        """Every unit's weights into the live tensors in place (``load_units``); optimizer
+        state collected by name and loaded once every unit is in, through
         ``Optimizer.load_state_dict`` (torch's own dtype and device rules apply)."""
         live = self.tensors()
+        optimizer_state = self.load_units(run, sources, live, verify)
+        self._load_optimizer_and_scheduler(shared, live, optimizer_state)
+
+    def load_units(
+        self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool
+    ) -> dict[str, dict[str, Any]]:
+        """Read each unit whole (file checksums always verified: a process needs all of it),
+        copy its weights in place; return its optimizer state by parameter name."""
         optimizer_state: dict[str, dict[str, Any]] = {}
         for unit, source in sources.items():
             loaded, values = run.read_unit(source, unit)
@@ -119,6 +131,11 @@ class LocalProvider(StateProvider):
                     live[name].copy_(tensor)
             for name, entries in state.items():
                 optimizer_state.setdefault(name, {}).update(entries)
+        return optimizer_state
+
+    def _load_optimizer_and_scheduler(
+        self, shared: dict[str, Any], live: dict[str, torch.Tensor], optimizer_state: dict[str, dict[str, Any]]
+    ) -> None:
         step = shared.get("step")
         if self.optimizer is not None:
             groups = shared.get("optimizer_groups")

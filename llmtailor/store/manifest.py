@@ -1,12 +1,18 @@
-"""The snapshot manifest: the one small file that makes a snapshot exist.
+"""The snapshot manifest: the one small file that makes a snapshot exist, and the unit indexes.
 
 A snapshot directory counts only once its ``manifest.json`` is in place (it is written last).
-The manifest lists every file with its size and xxh3-64 checksum, every tensor of every unit
-saved in this snapshot with its global shape and the chunks that hold it (one chunk in a
-single-process save; one per rank and shard in a distributed save, each with its offsets in
-the global tensor), and the composite table: for every unit of the layout, the step of the
-snapshot that holds its newest version at or before this step. Resolving a composite
-therefore reads one manifest, whatever the model size.
+The manifest is small whatever the model and world size: it holds what resolving a composite
+needs — the composite table (for every unit of the layout, the step of the snapshot holding
+its newest version at or before this step), the layout, the lineage — plus, per unit saved
+here, the size and checksum of that unit's index, and the files of the global state.
+
+A unit's index (``index/<unit>.json``, read only when the unit is) lists its tensor files
+(one per rank that wrote a piece) with their sizes and xxh3-64 checksums, and every tensor
+with its dtype, global shape and the chunks that hold it: one chunk in a single-process save;
+one per rank and shard in a distributed save, each with its offsets in the global tensor and
+the checksum of its own bytes (so a rank reading one chunk can check it alone). A chunk names
+its file by position in the index's file list; its key in that file is the tensor key, with
+``#<offsets>`` for a piece (``store.keys.piece_key``).
 
 Everything here is validated before any tensor byte is read: paths stay inside the snapshot,
 dtypes come from a fixed list, shapes and chunk extents are consistent and bounded.
@@ -22,8 +28,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmtailor.constants import READABLE_SCHEMA_VERSIONS, SNAPSHOT_FORMAT
+from llmtailor.constants import SCHEMA_VERSION, SNAPSHOT_FORMAT, unit_index_path
 from llmtailor.errors import IntegrityError, TailorError, describe_validation
+from llmtailor.store.keys import piece_key
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -63,16 +70,14 @@ class FileEntry(_Strict):
 
 
 class Chunk(_Strict):
-    """Where a piece of a tensor lies: ``file`` holds it under ``key``; its corner in the global
-    tensor is ``offsets`` and its extent ``shape``. ``xxh3_64`` is the checksum of the piece's
-    bytes alone, so a reader that needs one piece of a file can check it without reading the
-    rest (absent in schema 1)."""
+    """Where a piece of a tensor lies: in the ``file``-th file of its unit index; its corner in
+    the global tensor is ``offsets`` and its extent ``shape``; ``xxh3_64`` is the checksum of
+    the piece's bytes alone."""
 
-    file: str
-    key: str
+    file: int = Field(ge=0)
     offsets: list[int]
     shape: list[int]
-    xxh3_64: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
 
 
 class TensorEntry(_Strict):
@@ -103,26 +108,63 @@ class TensorEntry(_Strict):
                 if off < 0 or ext < 0 or off + ext > dim:
                     raise ValueError(f"tensor {self.key!r}: chunk {chunk.offsets}+{chunk.shape} exceeds {self.shape}")
             covered += math.prod(chunk.shape)
-        if covered != math.prod(self.shape):
-            raise ValueError(f"tensor {self.key!r}: chunks cover {covered} of {math.prod(self.shape)} elements")
+        if covered != math.prod(self.shape) or _overlapping(self.chunks):
+            raise ValueError(
+                f"tensor {self.key!r}: chunks cover {covered} of {math.prod(self.shape)} elements"
+                + (" and overlap" if _overlapping(self.chunks) else "")
+            )
         return self
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def chunk_key(self, chunk: Chunk) -> str:
+        """The key ``chunk`` is stored under in its file."""
+        return piece_key(self.key, chunk.offsets, chunk.shape == self.shape)
+
 
 class UnitEntry(_Strict):
-    """What a snapshot holds of one unit: its tensors, and the optimizer state values that are
-    not tensors (plain numbers), by parameter name."""
+    """A unit's index (``index/<unit>.json``): its tensor files, its tensors, and the optimizer
+    state values that are not tensors (plain numbers), by parameter name."""
 
+    unit: str
+    step: int = Field(ge=0)
+    files: list[FileEntry] = Field(min_length=1)
     tensors: list[TensorEntry]
     values: dict[str, dict[str, Any]] = {}
 
+    @model_validator(mode="after")
+    def _chunks_name_files(self) -> UnitEntry:
+        for tensor in self.tensors:
+            for chunk in tensor.chunks:
+                if chunk.file >= len(self.files):
+                    raise ValueError(f"tensor {tensor.key!r} names file {chunk.file} of {len(self.files)}")
+        return self
+
+    def chunk_file(self, chunk: Chunk) -> FileEntry:
+        return self.files[chunk.file]
+
+    def tensor(self, key: str) -> TensorEntry | None:
+        for entry in self.tensors:
+            if entry.key == key:
+                return entry
+        return None
+
+    def dumps(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), separators=(",", ":"))
+
+
+class UnitRef(_Strict):
+    """The manifest's line for a unit saved in this snapshot: its index file, and the bytes of
+    its tensor files (all ranks)."""
+
+    index: FileEntry
+    bytes: int = Field(ge=0)
+
 
 class Manifest(_Strict):
-    """Schema 2 adds ``provider``, ``notes``, ``decision`` and per-chunk checksums to schema 1;
-    both are read."""
+    """The manifest (module docstring). Schema 2; earlier schemas are refused by name."""
 
     format: Literal["llmtailor.snapshot"] = SNAPSHOT_FORMAT
     schema_version: int
@@ -140,17 +182,16 @@ class Manifest(_Strict):
     decision: dict[str, Any] = {}
     """The policy's record of why it chose these units (Adaptive: the measured drift)."""
     layout: dict[str, Any]
-    units: dict[str, UnitEntry]
+    units: dict[str, UnitRef]
     composite: dict[str, int]
     files: list[FileEntry]
+    """The global state's files (and each rank's own); unit files are listed in unit indexes."""
 
     @field_validator("schema_version")
     @classmethod
     def _supported_version(cls, value: int) -> int:
-        if value not in READABLE_SCHEMA_VERSIONS:
-            raise ValueError(
-                f"schema_version {value} is not supported (this llmtailor reads {list(READABLE_SCHEMA_VERSIONS)})"
-            )
+        if value != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {value} is not supported (this llmtailor reads {SCHEMA_VERSION})")
         return value
 
     @model_validator(mode="after")
@@ -165,37 +206,44 @@ class Manifest(_Strict):
         unknown = set(self.units) - set(self.composite)
         if unknown:
             raise ValueError(f"units {sorted(unknown)} are missing from the composite table")
-        listed = {f.path for f in self.files}
-        for unit, entry in self.units.items():
-            for tensor in entry.tensors:
-                for chunk in tensor.chunks:
-                    if chunk.file not in listed:
-                        raise ValueError(f"tensor {tensor.key!r} of unit {unit!r} names unlisted file {chunk.file!r}")
+        for unit, ref in self.units.items():
+            if ref.index.path != unit_index_path(unit):
+                raise ValueError(f"unit {unit!r}: index file {ref.index.path!r}, expected {unit_index_path(unit)!r}")
         return self
 
     def file_entry(self, path: str) -> FileEntry:
         for entry in self.files:
             if entry.path == path:
                 return entry
+        for ref in self.units.values():
+            if ref.index.path == path:
+                return ref.index
         raise IntegrityError(f"manifest of step {self.step} lists no file {path!r}")
 
-    def unit_files(self, unit: str) -> set[str]:
-        """Paths of the files holding ``unit`` in this snapshot (one per rank that wrote a piece)."""
-        return {c.file for t in self.units[unit].tensors for c in t.chunks}
-
     def unit_bytes(self, unit: str) -> int:
-        """Bytes on disk of the files holding ``unit`` in this snapshot."""
-        paths = self.unit_files(unit)
-        return sum(f.bytes for f in self.files if f.path in paths)
+        """Bytes on disk of the tensor files holding ``unit`` in this snapshot."""
+        return self.units[unit].bytes
 
-    def tensor_entry(self, unit: str, key: str) -> TensorEntry | None:
-        for entry in self.units[unit].tensors:
-            if entry.key == key:
-                return entry
-        return None
+    def total_bytes(self) -> int:
+        """Bytes of every file of the snapshot but the manifest itself."""
+        return sum(f.bytes for f in self.files) + sum(r.index.bytes + r.bytes for r in self.units.values())
 
     def dumps(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False)
+
+
+def _overlapping(chunks: list[Chunk]) -> bool:
+    """Whether two chunks share an element: a sweep over the first dimension, comparing only
+    chunks whose first-dimension extents meet (shards along it are checked in n log n)."""
+    boxes = sorted((c.offsets, c.shape) for c in chunks if c.shape and math.prod(c.shape))
+    active: list[tuple[list[int], list[int]]] = []
+    for offsets, shape in boxes:
+        active = [b for b in active if b[0][0] + b[1][0] > offsets[0]]
+        for other, extent in active:
+            if all(o < p + n and p < o + m for o, m, p, n in zip(offsets, shape, other, extent)):
+                return True
+        active.append((offsets, shape))
+    return False
 
 
 def load_manifest(path: Path) -> Manifest:
@@ -210,3 +258,15 @@ def load_manifest(path: Path) -> Manifest:
         return Manifest.model_validate_json(raw)
     except ValidationError as err:
         raise TailorError(f"{path}: invalid manifest: {describe_validation(err)}") from None
+
+
+def load_unit_entry(raw: bytes, path: Path, unit: str, step: int) -> UnitEntry:
+    """Validate a unit index's (checksummed) bytes; every problem becomes a TailorError naming
+    the file."""
+    try:
+        entry = UnitEntry.model_validate_json(raw)
+    except ValidationError as err:
+        raise TailorError(f"{path}: invalid unit index: {describe_validation(err)}") from None
+    if (entry.unit, entry.step) != (unit, step):
+        raise IntegrityError(f"{path}: index of unit {entry.unit!r} at step {entry.step}, expected {unit!r} at {step}")
+    return entry

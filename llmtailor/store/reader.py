@@ -2,9 +2,8 @@
 
 A rank restoring its own shards reads only the boxes of the stored chunks that overlap them
 (safetensors slices: only those bytes are read from the file). ``verify=True`` reads each
-chunk it touches whole, once, and checks it against the chunk's checksum in the manifest
-before slicing it (schema-1 snapshots have no chunk checksums: the whole file is checked);
-``verify=False`` reads only the byte ranges needed and leaves checking to ``llmtailor verify``.
+chunk it touches whole, once, and checks it against the chunk's checksum in the unit index
+before slicing it; ``verify=False`` reads only the byte ranges needed and leaves checking to ``llmtailor verify``.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from llmtailor.errors import IntegrityError
-from llmtailor.store.files import DTYPE_CODES, tensor_checksum, verify_file
-from llmtailor.store.manifest import Chunk, TensorEntry
+from llmtailor.store.files import DTYPE_CODES, tensor_checksum
+from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -69,76 +68,73 @@ class ChunkReader:
         self.run = run
         self.verify = verify
         self._handles: dict[Path, object] = {}
-        self._checked: dict[tuple[int, str, str], torch.Tensor] = {}
-        self._verified_files: set[Path] = set()
+        self._checked: dict[tuple[int, str, str, int], torch.Tensor] = {}
 
     def close(self) -> None:
         self._handles.clear()
         self._checked.clear()
 
-    def read_box(self, step: int, chunk: Chunk, dtype: torch.dtype, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The box (``offsets``/``shape`` relative to the chunk) of ``chunk`` saved at ``step``."""
+    def read_box(
+        self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk, offsets: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The box (``offsets``/``shape`` relative to the chunk) of ``chunk`` of ``tensor``, in
+        the index ``unit`` of the snapshot at ``step``."""
         index = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
         if self.verify:
-            return self._checked_chunk(step, chunk, dtype)[index]
-        return self._slice(step, chunk, dtype)[index or ...]
+            return self._checked_chunk(step, unit, tensor, chunk)[index]
+        return self._slice(step, unit, tensor, chunk)[index or ...]
 
-    def read_region(self, step: int, entry: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The box ``offsets``/``shape`` of the global tensor ``entry`` (saved at ``step``),
-        assembled from the chunks that overlap it."""
-        out = torch.empty(shape, dtype=entry.torch_dtype)
+    def read_region(
+        self, step: int, unit: UnitEntry, tensor: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The box ``offsets``/``shape`` of the global tensor ``tensor`` (of the unit index
+        ``unit`` at ``step``), assembled from the chunks that overlap it."""
+        out = torch.empty(shape, dtype=tensor.torch_dtype)
         wanted: Box = (tuple(offsets), tuple(shape))
         covered = 0
-        for chunk in entry.chunks:
+        for chunk in tensor.chunks:
             overlap = intersect(wanted, (tuple(chunk.offsets), tuple(chunk.shape)))
             if overlap is None:
                 continue
             lo, extent = overlap
             inside = tuple(l - c for l, c in zip(lo, chunk.offsets))
             target = tuple(slice(l - o, l - o + n) for l, o, n in zip(lo, offsets, extent))
-            out[target] = self.read_box(step, chunk, entry.torch_dtype, inside, extent)
+            out[target] = self.read_box(step, unit, tensor, chunk, inside, extent)
             covered += _numel(extent)
         if covered != _numel(shape):
-            raise IntegrityError(f"snapshot {step}: the chunks of {entry.key!r} do not cover {list(offsets)}+{list(shape)}")
+            raise IntegrityError(f"snapshot {step}: the chunks of {tensor.key!r} do not cover {list(offsets)}+{list(shape)}")
         return out
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _path(self, step: int, chunk: Chunk) -> Path:
-        return self.run.snapshot_dir(step) / chunk.file
-
-    def _slice(self, step: int, chunk: Chunk, dtype: torch.dtype):
-        path = self._path(step, chunk)
+    def _slice(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk):
+        path = self.run.snapshot_dir(step) / unit.chunk_file(chunk).path
+        key = tensor.chunk_key(chunk)
         try:
             handle = self._handles.get(path)
             if handle is None:
                 handle = self._handles[path] = safe_open(str(path), framework="pt")
-            piece = handle.get_slice(chunk.key)
+            piece = handle.get_slice(key)
         except FileNotFoundError:
             raise IntegrityError(f"{path}: file is missing") from None
         except (SafetensorError, OSError) as err:
-            raise IntegrityError(f"{path}: cannot read tensor {chunk.key!r} ({err})") from None
-        if list(piece.get_shape()) != chunk.shape or _dtype_code(dtype) != piece.get_dtype():
+            raise IntegrityError(f"{path}: cannot read tensor {key!r} ({err})") from None
+        if list(piece.get_shape()) != chunk.shape or DTYPE_CODES[tensor.torch_dtype] != piece.get_dtype():
             raise IntegrityError(
-                f"{path}: tensor {chunk.key!r} is {piece.get_dtype()} {piece.get_shape()}, "
-                f"manifest says {dtype} {chunk.shape}"
+                f"{path}: tensor {key!r} is {piece.get_dtype()} {piece.get_shape()}, index says {tensor.dtype} {chunk.shape}"
             )
         return piece
 
-    def _checked_chunk(self, step: int, chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
-        cache_key = (step, chunk.file, chunk.key)
-        if cache_key in self._checked:
-            return self._checked[cache_key]
-        path = self._path(step, chunk)
-        if chunk.xxh3_64 is None and path not in self._verified_files:
-            verify_file(self.run.snapshot_dir(step), self.run.manifest(step).file_entry(chunk.file))
-            self._verified_files.add(path)
-        whole = self._slice(step, chunk, dtype)[...]
-        if chunk.xxh3_64 is not None and tensor_checksum(whole) != chunk.xxh3_64:
-            raise IntegrityError(f"{path}: checksum mismatch in tensor {chunk.key!r} (file is corrupted)")
-        # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
-        self._checked = {cache_key: whole}
-        return whole
+    def _checked_chunk(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
+        cache_key = (step, unit.unit, tensor.key, chunk.file)
+        if cache_key not in self._checked:
+            whole = self._slice(step, unit, tensor, chunk)[...]
+            if tensor_checksum(whole) != chunk.xxh3_64:
+                path = self.run.snapshot_dir(step) / unit.chunk_file(chunk).path
+                raise IntegrityError(f"{path}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} (file is corrupted)")
+            # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
+            self._checked = {cache_key: whole}
+        return self._checked[cache_key]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -148,5 +144,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def _dtype_code(dtype: torch.dtype) -> str:
-    return DTYPE_CODES[dtype]

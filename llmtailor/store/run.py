@@ -5,10 +5,15 @@ Layout on disk::
     RUN/
       latest                       name of the newest committed snapshot (replaced atomically)
       snapshots/step-00000100/     one committed snapshot
-        manifest.json              written last: no manifest, no snapshot
-        global.json                step, optimizer groups, scheduler, RNG, extras (JSON)
+        manifest.json              written last: no manifest, no snapshot (small at any size)
+        global.json                step, optimizer groups, scheduler, model config; rank 0's RNG
+                                   states and extras (JSON)
         global.safetensors         the tensors global.json refers to
+        ranks/rank-00001.json      rank 1's own RNG states and extras (+ .safetensors); one per
+                                   rank >= 1 in a distributed save
+        index/<unit>.json          the unit's files, tensors and chunks
         units/<unit>.safetensors   weights and optimizer state of each unit saved at this step
+                                   (units/<unit>.rank-00001.safetensors: rank 1's pieces of it)
       .tmp/                        snapshots being written; never read
 
 This module only reads; ``writer.py`` writes.
@@ -39,7 +44,10 @@ from llmtailor.constants import (
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.store import codec
 from llmtailor.store.files import check_file, check_header, read_tensors, read_verified
-from llmtailor.store.manifest import Manifest, TensorEntry, load_manifest
+from llmtailor.store.manifest import Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
+
+
+_UNIT_CACHE = 64  # unit indexes kept in memory (each is small; a run can hold thousands)
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class Run:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self._manifests: dict[int, Manifest] = {}
+        self._units: dict[tuple[int, str], UnitEntry] = {}
 
     @property
     def snapshots_dir(self) -> Path:
@@ -96,6 +105,7 @@ class Run:
         """Drop cached manifests of snapshots that were removed."""
         for step in steps:
             self._manifests.pop(step, None)
+        self._units = {k: v for k, v in self._units.items() if k[0] not in steps}
 
     def latest_step(self) -> int | None:
         """The newest committed composite: the ``latest`` pointer, followed forward through any
@@ -130,24 +140,37 @@ class Run:
         manifest = self.manifest(step)
         return Composite(step=step, manifest=manifest, sources=dict(manifest.composite))
 
+    def unit_entry(self, step: int, unit: str) -> UnitEntry:
+        """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
+        against the manifest's checksum. Reads one small file; no tensor byte."""
+        key = (step, unit)
+        if key not in self._units:
+            manifest = self.manifest(step)
+            ref = manifest.units.get(unit)
+            if ref is None:
+                raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
+            root = self.snapshot_dir(step)
+            entry = load_unit_entry(read_verified(root, ref.index), root / ref.index.path, unit, step)
+            if len(self._units) >= _UNIT_CACHE:
+                self._units.pop(next(iter(self._units)))
+            self._units[key] = entry
+        return self._units[key]
+
     def read_unit(self, step: int, unit: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
         """Tensors (by key) and non-tensor optimizer values of ``unit`` as saved at ``step``.
 
-        Every file is checked against its checksum; every tensor against the manifest's dtype
+        Every file is checked against its checksum; every tensor against the index's dtype
         and shape. Chunks are assembled into the global tensor."""
-        manifest = self.manifest(step)
-        if unit not in manifest.units:
-            raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
-        entry = manifest.units[unit]
+        entry = self.unit_entry(step, unit)
         root = self.snapshot_dir(step)
-        expected: dict[str, dict[str, tuple[torch.dtype, list[int]]]] = {}
+        expected: dict[int, dict[str, tuple[torch.dtype, list[int]]]] = {}
         for tensor in entry.tensors:
             for chunk in tensor.chunks:
-                expected.setdefault(chunk.file, {})[chunk.key] = (tensor.torch_dtype, chunk.shape)
-        for path, tensors in expected.items():  # every header first: no tensor byte read yet
-            check_header(root, manifest.file_entry(path), tensors)
-        loaded = {path: read_tensors(root, manifest.file_entry(path)) for path in sorted(expected)}
-        tensors = {t.key: _assemble(t, loaded, root) for t in entry.tensors}
+                expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.torch_dtype, chunk.shape)
+        for position, tensors in expected.items():  # every header first: no tensor byte read yet
+            check_header(root, entry.files[position], tensors)
+        loaded = {position: read_tensors(root, entry.files[position]) for position in sorted(expected)}
+        tensors = {t.key: _assemble(t, entry, loaded, root) for t in entry.tensors}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
     def read_global(self, step: int) -> dict[str, Any]:
@@ -187,7 +210,7 @@ class Run:
         checksum; an empty list means all is well."""
         problems: list[str] = []
         if step is None:
-            targets = {s: None for s in self.steps()}
+            targets: dict[int, set[str] | None] = {s: None for s in self.steps()}
         else:
             composite = self.resolve(step)
             targets = {}
@@ -204,14 +227,17 @@ class Run:
             lacking = sorted(set(units or ()) - set(manifest.units))
             if lacking:
                 problems.append(f"snapshot {source} holds no unit {lacking} although the composite of step {step} names it")
-            wanted = {
-                c.file for u in (units or manifest.units) if u in manifest.units for t in manifest.units[u].tensors for c in t.chunks
-            }
             for entry in manifest.files:
-                if units is None or entry.path in wanted:
-                    problem = check_file(root, entry)
-                    if problem:
-                        problems.append(problem)
+                problem = check_file(root, entry)
+                if problem:
+                    problems.append(problem)
+            for unit in sorted(set(units or manifest.units) & set(manifest.units)):
+                try:
+                    files = self.unit_entry(source, unit).files
+                except TailorError as err:
+                    problems.append(str(err))
+                    continue
+                problems += [p for p in (check_file(root, f) for f in files) if p]
         return problems
 
     def _no_snapshot_message(self, step: int | None) -> str:
@@ -229,17 +255,18 @@ def parse_snapshot_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _assemble(entry: TensorEntry, loaded: dict[str, dict[str, torch.Tensor]], root: Path) -> torch.Tensor:
+def _assemble(
+    entry: TensorEntry, unit: UnitEntry, loaded: dict[int, dict[str, torch.Tensor]], root: Path
+) -> torch.Tensor:
     pieces = []
     for chunk in entry.chunks:
-        tensors = loaded[chunk.file]
-        if chunk.key not in tensors:
-            raise IntegrityError(f"{root / chunk.file}: tensor {chunk.key!r} is missing")
-        piece = tensors[chunk.key]
+        tensors, path, key = loaded[chunk.file], root / unit.files[chunk.file].path, entry.chunk_key(chunk)
+        if key not in tensors:
+            raise IntegrityError(f"{path}: tensor {key!r} is missing")
+        piece = tensors[key]
         if piece.dtype != entry.torch_dtype or list(piece.shape) != chunk.shape:
             raise IntegrityError(
-                f"{root / chunk.file}: tensor {chunk.key!r} is {piece.dtype} {list(piece.shape)}, "
-                f"manifest says {entry.dtype} {chunk.shape}"
+                f"{path}: tensor {key!r} is {piece.dtype} {list(piece.shape)}, index says {entry.dtype} {chunk.shape}"
             )
         pieces.append((chunk, piece))
     if len(pieces) == 1 and pieces[0][0].shape == entry.shape:

@@ -42,6 +42,7 @@ import torch
 from llmtailor.constants import (
     GLOBAL_JSON,
     GLOBAL_TENSORS,
+    INDEX_DIR,
     LATEST_FILE,
     MANIFEST_FILE,
     RANKS_DIR,
@@ -50,12 +51,13 @@ from llmtailor.constants import (
     rank_state_files,
     snapshot_dirname,
     unit_filename,
+    unit_index_path,
 )
 from llmtailor.errors import TailorError
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
 from llmtailor.store.files import fsync_dir, replace_text_atomically, write_durable, write_tensor_file
 from llmtailor.store.keys import piece_key
-from llmtailor.store.manifest import Chunk, FileEntry, Manifest, TensorEntry, UnitEntry, dtype_name
+from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
 
 
@@ -185,11 +187,12 @@ def persist(
         def commit() -> dict[str, Any]:
             try:
                 parts = coord.gather(f"{round_}/parts", part)  # raises when any rank failed
-                manifest = _manifest(staged, parts)
+                manifest = _commit_indexes(tmp, staged, parts)
+                for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
+                    if (tmp / sub).is_dir():
+                        fsync_dir(tmp / sub)
                 # The manifest is written last: a directory without one is not a snapshot.
                 write_durable(tmp / MANIFEST_FILE, manifest.dumps().encode(), tmp)
-                for sub in {Path(f.path).parent for f in manifest.files} - {Path(".")}:
-                    fsync_dir(tmp / sub)
                 fsync_dir(tmp)
                 run.snapshots_dir.mkdir(parents=True, exist_ok=True)
                 os.rename(tmp, final)
@@ -197,7 +200,7 @@ def persist(
             except BaseException as err:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise _friendly(err, run, staged.step) from None
-            total = sum(f.bytes for f in manifest.files) + (final / MANIFEST_FILE).stat().st_size
+            total = manifest.total_bytes() + (final / MANIFEST_FILE).stat().st_size
             return {"bytes": total, "pointer_error": _replace_latest(run, final, staged.step)}
 
         outcome = coord.broadcast(f"{round_}/outcome", commit)
@@ -209,7 +212,7 @@ def persist(
         bytes=outcome["bytes"],
         seconds=time.perf_counter() - start,
         unit_bytes=part["unit_bytes"],
-        rank_bytes=sum(f["bytes"] for f in part["files"]),
+        rank_bytes=sum(part["unit_bytes"].values()) + sum(f["bytes"] for f in part["files"]),
         pointer_error=outcome["pointer_error"],
     )
 
@@ -226,8 +229,9 @@ def _open_tmp(run: Run, step: int, world_size: int) -> str:
 
 
 def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[[str, int], None] | None) -> dict:
-    """Write this rank's files; return its report: unit tensor entries, non-tensor values,
-    file entries (JSON-able, for the leader's manifest)."""
+    """Write this rank's files; return its report (JSON-able, for the leader's indexes and
+    manifest): per unit, its file entry, its tensors' chunks and non-tensor values; the files
+    of its global state; its bytes per unit."""
     units: dict[str, Any] = {}
     files: list[FileEntry] = []
     unit_bytes: dict[str, int] = {}
@@ -237,26 +241,24 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
         if len(tensors) != len(staged_unit.pieces):
             raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
         file, sums = write_tensor_file(tmp / relpath, tensors, tmp)
-        files.append(file)
         unit_bytes[staged_unit.unit] = file.bytes
+        # This rank's chunks only: the leader validates the merged entries (coverage included).
         entries = [
-            TensorEntry(
-                key=p.key,
-                dtype=dtype_name(p.tensor.dtype),
-                shape=list(p.global_shape),
-                chunks=[
-                    Chunk(
-                        file=relpath,
-                        key=(key := piece_key(p.key, p.offsets, p.is_whole)),
-                        offsets=list(p.offsets),
-                        shape=list(p.tensor.shape),
-                        xxh3_64=sums[key],
-                    )
+            {
+                "key": p.key,
+                "dtype": dtype_name(p.tensor.dtype),
+                "shape": list(p.global_shape),
+                "chunks": [
+                    {
+                        "offsets": list(p.offsets),
+                        "shape": list(p.tensor.shape),
+                        "xxh3_64": sums[piece_key(p.key, p.offsets, p.is_whole)],
+                    }
                 ],
-            ).model_dump(mode="json")
+            }
             for p in staged_unit.pieces
         ]
-        units[staged_unit.unit] = {"tensors": entries, "values": staged_unit.values}
+        units[staged_unit.unit] = {"file": file.model_dump(mode="json"), "tensors": entries, "values": staged_unit.values}
         if on_unit:
             on_unit(staged_unit.unit, file.bytes)
     if staged.global_doc is not None:
@@ -269,33 +271,45 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
     return {"units": units, "files": [f.model_dump(mode="json") for f in files], "unit_bytes": unit_bytes}
 
 
-def _manifest(staged: StagedSnapshot, parts: list[dict]) -> Manifest:
-    """The manifest of every rank's part: the chunks of each tensor from all ranks, checked
-    for agreement on dtype and global shape (the manifest's own validation then checks that
-    the chunks cover each tensor)."""
-    tensors: dict[str, dict[str, dict[str, Any]]] = {}
-    values: dict[str, dict[str, dict[str, Any]]] = {}
+def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[dict]) -> Manifest:
+    """Write each unit's index from every rank's part and return the manifest naming them.
+    The chunks of a tensor from all ranks are checked for agreement on dtype and global
+    shape; the index's own validation then checks that they cover the tensor."""
+    merged: dict[str, dict[str, Any]] = {}
     files: list[dict[str, Any]] = []
     for rank, part in enumerate(parts):
         files += part["files"]
         for unit, entry in part["units"].items():
-            merged = tensors.setdefault(unit, {})
+            target = merged.setdefault(unit, {"files": [], "tensors": {}, "values": {}})
+            position = len(target["files"])
+            target["files"].append(entry["file"])
             for tensor in entry["tensors"]:
-                held = merged.get(tensor["key"])
+                chunks = [{**chunk, "file": position} for chunk in tensor["chunks"]]
+                held = target["tensors"].get(tensor["key"])
                 if held is None:
-                    merged[tensor["key"]] = {**tensor, "chunks": list(tensor["chunks"])}
+                    target["tensors"][tensor["key"]] = {**tensor, "chunks": chunks}
                 elif (held["dtype"], held["shape"]) != (tensor["dtype"], tensor["shape"]):
                     raise TailorError(
                         f"unit {unit!r}: rank {rank} has {tensor['key']} as {tensor['dtype']} {tensor['shape']}, "
                         f"another rank as {held['dtype']} {held['shape']}"
                     )
                 else:
-                    held["chunks"] += tensor["chunks"]
+                    held["chunks"] += chunks
             for name, plain in entry["values"].items():
-                values.setdefault(unit, {}).setdefault(name, {}).update(plain)
-    missing = sorted(set(u for u, s in staged.composite.items() if s == staged.step) - set(tensors))
+                target["values"].setdefault(name, {}).update(plain)
+    missing = sorted(set(u for u, s in staged.composite.items() if s == staged.step) - set(merged))
     if missing:
         raise TailorError(f"step {staged.step}: no rank wrote units {missing}")
+    (tmp / INDEX_DIR).mkdir(exist_ok=True)
+    refs = {}
+    for unit in staged.composite:  # layout order
+        if unit not in merged:
+            continue
+        content = merged[unit]
+        index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
+                          values=content["values"])
+        entry = write_durable(tmp / unit_index_path(unit), index.dumps().encode(), tmp)
+        refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files))
     return Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
@@ -308,10 +322,7 @@ def _manifest(staged: StagedSnapshot, parts: list[dict]) -> Manifest:
         policy=staged.policy,
         decision=staged.decision,
         layout=staged.layout,
-        units={
-            unit: UnitEntry(tensors=list(merged.values()), values=values.get(unit, {}))
-            for unit, merged in tensors.items()
-        },
+        units=refs,
         composite=staged.composite,
         files=files,
     )

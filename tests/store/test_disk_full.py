@@ -71,11 +71,15 @@ def leave_free(mount: Path, free: int) -> Path:
 
 
 def written_in_order(run: Path, step: int) -> list[tuple[str, int]]:
-    """(path, bytes) of a snapshot's files in the order a save writes them: the manifest
-    lists units, then global.safetensors, then global.json; the manifest itself comes last."""
-    manifest = Run(run).manifest(step)
-    size = (Run(run).snapshot_dir(step) / MANIFEST_FILE).stat().st_size
-    return [(f.path, f.bytes) for f in manifest.files] + [(MANIFEST_FILE, size)]
+    """(path, bytes) of a snapshot's files in the order a save writes them: the unit files,
+    global.safetensors and global.json (the manifest's files), the unit indexes; the manifest
+    itself comes last."""
+    reader = Run(run)
+    manifest = reader.manifest(step)
+    size = (reader.snapshot_dir(step) / MANIFEST_FILE).stat().st_size
+    units = [(f.path, f.bytes) for unit in manifest.units for f in reader.unit_entry(step, unit).files]
+    indexes = [(ref.index.path, ref.index.bytes) for ref in manifest.units.values()]
+    return units + [(f.path, f.bytes) for f in manifest.files] + indexes + [(MANIFEST_FILE, size)]
 
 
 class WriteSpy:

@@ -1,25 +1,26 @@
 """Untrusted snapshot input, fuzzed: our own clear errors, never a crash.
 
 One real run (a tiny Llama trained with Parity, snapshots at steps 1, 2 and 3) is built once.
-Each example damages one file of it in place — a ``manifest.json``, a ``global.json``, the
-safetensors header (length field and JSON header) of a tensor file, or the ``latest``
-pointer — and puts the original bytes back afterwards. ``Run.verify``, ``Run.resolve`` and
+Each example damages one file of it in place — a ``manifest.json``, a unit index
+(``index/<unit>.json``), a ``global.json``, the safetensors header (length field and JSON
+header) of a tensor file, or the ``latest`` pointer — and puts the original bytes back
+afterwards. ``Run.verify``, ``Run.resolve`` and
 ``Tailor.restore`` (plain and with ``fallback=True``) must then succeed or raise a
 ``TailorError``: any other exception (KeyError, TypeError, pydantic's ValidationError,
 RecursionError, ...) is a bug. Paths leaving the snapshot, wrong dtypes, absurd shapes and
 sizes must moreover be refused before the tensor bytes concerned are read.
 
-global.json and tensor headers are damaged two ways: raw (the manifest's checksum must catch
-it) and re-hashed (the manifest's size and checksum are updated to match, as in a crafted
-snapshot), which drives the damage past the checksum into the JSON and safetensors decoders
-and the code that applies the state.
+Unit indexes, global.json and tensor headers are damaged two ways: raw (the checksum of the
+file listing them must catch it) and re-hashed (the sizes and checksums are updated to match,
+up to the manifest, as in a crafted snapshot), which drives the damage past the checksums into
+the JSON and safetensors decoders and the code that applies the state.
 
 The properties run derandomized (the same examples every run) so the suite stays
 deterministic; ``LLMTAILOR_FUZZ_EXAMPLES=N`` explores N fresh random examples per property.
 Every crash the fuzzer found is kept, one reproducer each, in ``test_known_crash``.
 
-The untrusted inputs fuzzed here are manifests, global.json, tensor-file headers and the
-``latest`` pointer; merge plan files are fuzzed in ``tests/merge/test_plan_fuzz.py``.
+The untrusted inputs fuzzed here are manifests, unit indexes, global.json, tensor-file headers
+and the ``latest`` pointer; merge plan files are fuzzed in ``tests/merge/test_plan_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -234,13 +235,36 @@ def edit_header(data: bytes, edit: Edit) -> bytes:
     return struct.pack("<Q", len(header)) + header + data[head_end:]
 
 
-def rehashed_manifest(saved: Saved, step: int, name: str, data: bytes) -> bytes:
-    """Step ``step``'s manifest with the size and checksum of file ``name`` set to ``data``'s."""
-    doc = json.loads(saved.original[saved.path(step, MANIFEST_FILE)])
-    for entry in doc["files"]:
-        if entry["path"] == name:
-            entry.update(bytes=len(data), xxh3_64=xxhash.xxh3_64_hexdigest(data))
-    return json.dumps(doc, indent=1).encode()
+def rehashed(saved: Saved, step: int, name: str, data: bytes) -> dict[Path, bytes]:
+    """New contents of the files of snapshot ``step`` that list file ``name`` (its unit index,
+    then the manifest), with its size and checksum set to ``data``'s: a crafted snapshot."""
+    manifest = json.loads(saved.original[saved.path(step, MANIFEST_FILE)])
+    out: dict[Path, bytes] = {}
+    listed = [e for e in manifest["files"] if e["path"] == name]
+    listed += [ref["index"] for ref in manifest["units"].values() if ref["index"]["path"] == name]
+    for ref in manifest["units"].values():
+        index_path = saved.path(step, ref["index"]["path"])
+        index = json.loads(saved.original[index_path])
+        hits = [f for f in index["files"] if f["path"] == name]
+        if hits:
+            for entry in hits:
+                entry.update(bytes=len(data), xxh3_64=xxhash.xxh3_64_hexdigest(data))
+            text = json.dumps(index, separators=(",", ":")).encode()
+            out[index_path] = text
+            ref["index"].update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
+    for entry in listed:
+        entry.update(bytes=len(data), xxh3_64=xxhash.xxh3_64_hexdigest(data))
+    out[saved.path(step, MANIFEST_FILE)] = json.dumps(manifest, indent=1).encode()
+    return out
+
+
+def index_files(saved: Saved) -> list[tuple[int, str]]:
+    """(step, path in the snapshot) of every unit index, in a fixed order."""
+    return sorted(
+        (step, path.relative_to(Run(saved.root).snapshot_dir(step)).as_posix())
+        for step in STEPS
+        for path in Run(saved.root).snapshot_dir(step).glob("index/*.json")
+    )
 
 
 # -- strategies -------------------------------------------------------------------------------
@@ -312,7 +336,7 @@ def damaged_json(saved: Saved, step: int, name: str, edits: list[Edit], rehash: 
             break
     contents = {path: text}
     if rehash:
-        contents[saved.path(step, MANIFEST_FILE)] = rehashed_manifest(saved, step, name, text)
+        contents = {**rehashed(saved, step, name, text), **contents}
     return contents
 
 
@@ -322,6 +346,17 @@ def damaged_json(saved: Saved, step: int, name: str, edits: list[Edit], rehash: 
 @example(step=3, edits=[Edit("replace", (), Nested(100_000))])
 def test_damaged_manifest_gives_only_our_errors(saved, step, edits):
     with damaged(saved, damaged_json(saved, step, MANIFEST_FILE, edits, rehash=False)):
+        read_everything(saved)
+
+
+@FUZZ
+@given(file=NODE, edits=st.lists(JSON_EDITS, min_size=1, max_size=3), rehash=st.booleans())
+@example(file=0, edits=[Edit("replace", ("files", 0, "path"), "../x")], rehash=True)
+@example(file=0, edits=[Edit("replace", ("tensors", 0, "chunks", 0, "file"), 7)], rehash=True)
+def test_damaged_unit_index_gives_only_our_errors(saved, file, edits, rehash):
+    files = index_files(saved)
+    step, name = files[file % len(files)]
+    with damaged(saved, damaged_json(saved, step, name, edits, rehash)):
         read_everything(saved)
 
 
@@ -364,7 +399,7 @@ def test_damaged_tensor_header_gives_only_our_errors(saved, file, edits, rehash)
             break
     contents = {path: data}
     if rehash:
-        contents[saved.path(step, MANIFEST_FILE)] = rehashed_manifest(saved, step, name, data)
+        contents = {**rehashed(saved, step, name, data), **contents}
     with damaged(saved, contents):
         read_everything(saved)
 
@@ -382,23 +417,27 @@ def test_damaged_latest_pointer_gives_only_our_errors(saved, content):
 _Q = "model.layers.0.self_attn.q_proj.weight"
 
 
+LAYER0_INDEX = "index/layer.0.json"
+
+
 def _without_tensor(key: str):
     def change(doc):
-        tensors = doc["units"]["layer.0"]["tensors"]
+        tensors = doc["tensors"]
         tensors[:] = [t for t in tensors if t["key"] != key]
 
     return change
 
 
-def _manifest(step: int, *edits: Edit, change=None):
-    def contents(saved: Saved) -> dict[Path, bytes]:
-        if change is None:
-            return damaged_json(saved, step, MANIFEST_FILE, list(edits), rehash=False)
-        doc = json.loads(saved.original[saved.path(step, MANIFEST_FILE)])
-        change(doc)
-        return {saved.path(step, MANIFEST_FILE): json.dumps(doc, indent=1).encode()}
+def _manifest(step: int, *edits: Edit):
+    return lambda saved: damaged_json(saved, step, MANIFEST_FILE, list(edits), rehash=False)
 
-    return contents
+
+def crafted_index(saved: Saved, step: int, change) -> dict[Path, bytes]:
+    """Step ``step``'s index of layer.0 after ``change(doc)``, re-hashed into its manifest."""
+    doc = json.loads(saved.original[saved.path(step, LAYER0_INDEX)])
+    change(doc)
+    text = json.dumps(doc).encode()
+    return {**rehashed(saved, step, LAYER0_INDEX, text), saved.path(step, LAYER0_INDEX): text}
 
 
 def _global(step: int, *edits: Edit):
@@ -426,8 +465,8 @@ def _bug(id: str, damage, reason: str):
         ),
         _bug(
             "manifest-unit-lacks-an-optimizer-state-tensor",
-            _manifest(3, change=_without_tensor(f"optim/{_Q}/step")),
-            "KeyError 'step' inside torch's Adam.__setstate__: a unit whose manifest drops one "
+            lambda saved: crafted_index(saved, 3, _without_tensor(f"optim/{_Q}/step")),
+            "KeyError 'step' inside torch's Adam.__setstate__: a unit whose index drops one "
             "optimizer-state tensor of a parameter (here its `step`) reaches "
             "Optimizer.load_state_dict with the parameter's state incomplete",
         ),
@@ -541,33 +580,45 @@ def composite_needs(saved: Saved) -> set[int]:
 
 
 @FUZZ
-@given(step=st.sampled_from(STEPS), entry=NODE, escape=ESCAPES, also_chunks=st.booleans())
-def test_paths_leaving_the_snapshot_are_refused_before_any_tensor_file_is_opened(
-    saved, step, entry, escape, also_chunks
-):
+@given(step=st.sampled_from(STEPS), entry=NODE, escape=ESCAPES)
+def test_paths_leaving_the_snapshot_are_refused_before_any_tensor_file_is_opened(saved, step, entry, escape):
     path = saved.path(step, MANIFEST_FILE)
     doc = json.loads(saved.original[path])
-    target = doc["files"][entry % len(doc["files"])]
-    if also_chunks:  # so only the path itself is wrong, not the reference to it
-        for unit in doc["units"].values():
-            for tensor in unit["tensors"]:
-                for chunk in tensor["chunks"]:
-                    if chunk["file"] == target["path"]:
-                        chunk["file"] = escape
-    target["path"] = escape
+    targets = doc["files"] + [ref["index"] for ref in doc["units"].values()]
+    targets[entry % len(targets)]["path"] = escape
     snapshot = saved.path(step, "")
     needed = composite_needs(saved)
     with damaged(saved, {path: json.dumps(doc).encode()}), Opened.watch() as opened:
         problems = Run(saved.root).verify()
-        assert any(f"{path}: invalid manifest" in p and "leaves the snapshot directory" in p for p in problems)
+        assert any(f"{path}: invalid manifest" in p and ("leaves the snapshot directory" in p or "index file" in p) for p in problems)
         assert not [p for p in opened.paths + opened.loaded if p.is_relative_to(snapshot) and p != path]
         opened.paths.clear()
         if step in needed:
-            with pytest.raises(TailorError, match="leaves the snapshot directory"):
+            with pytest.raises(TailorError, match="leaves the snapshot directory|index file"):
                 Tailor(saved.root, *fresh(saved.template)).restore()
             assert opened.tensor_files() == []
         else:
             Tailor(saved.root, *fresh(saved.template)).restore()
+    run_root = saved.root.resolve()
+    assert all(p.resolve().is_relative_to(run_root) for p in opened.paths + opened.loaded)
+
+
+@FUZZ
+@given(file=NODE, entry=NODE, escape=ESCAPES)
+def test_unit_file_paths_leaving_the_snapshot_are_refused_before_any_tensor_file_is_opened(saved, file, entry, escape):
+    step, name = index_files(saved)[file % len(index_files(saved))]
+    doc = json.loads(saved.original[saved.path(step, name)])
+    doc["files"][entry % len(doc["files"])]["path"] = escape
+    text = json.dumps(doc).encode()
+    contents = {**rehashed(saved, step, name, text), saved.path(step, name): text}
+    with damaged(saved, contents), Opened.watch() as opened:
+        problems = Run(saved.root).verify()
+        assert any("invalid unit index" in p and "leaves the snapshot directory" in p for p in problems)
+        if step in composite_needs(saved):
+            try:
+                Tailor(saved.root, *fresh(saved.template)).restore()
+            except TailorError:
+                pass
     run_root = saved.root.resolve()
     assert all(p.resolve().is_relative_to(run_root) for p in opened.paths + opened.loaded)
 
@@ -577,7 +628,7 @@ OPTIM = "optim/model.layers.0.self_attn.q_proj.weight/exp_avg"
 
 
 def _tensor(doc: dict, key: str) -> dict:
-    return next(t for t in doc["units"]["layer.0"]["tensors"] if t["key"] == key)
+    return next(t for t in doc["tensors"] if t["key"] == key)
 
 
 def _set_dtype(key: str, dtype: str):
@@ -622,11 +673,8 @@ def _set_bytes(size: int):
 def test_wrong_dtypes_shapes_and_sizes_are_refused_before_the_tensor_bytes_are_read(
     saved, change, message, opens_no_tensor_file
 ):
-    path = saved.path(3, MANIFEST_FILE)
-    doc = json.loads(saved.original[path])
-    change(doc)
     unit_file = saved.path(3, "units/layer.0.safetensors")
-    with damaged(saved, {path: json.dumps(doc).encode()}), Opened.watch() as opened:
+    with damaged(saved, crafted_index(saved, 3, change)), Opened.watch() as opened:
         with pytest.raises(TailorError) as err:
             Tailor(saved.root, *fresh(saved.template)).restore()
     assert message in str(err.value)
