@@ -307,11 +307,12 @@ class Tailor:
         are not used. Both are reported in ``unmapped``."""
         saved, world, rank = composite.manifest.world_size, self.world_size, self.rank
         unmapped: list[str] = []
-        if saved != world:
-            if world > saved:
-                unmapped.append(f"ranks {saved}..{world - 1} kept their RNG streams and got rank 0's extras (saved at world size {saved})")
-            else:
-                unmapped.append(f"the RNG states and extras of saved ranks {world}..{saved - 1} were not used (saved at world size {saved})")
+        if world > saved:
+            who = f"rank {saved} kept its" if world - saved == 1 else f"ranks {saved}..{world - 1} kept their"
+            unmapped.append(f"{who} RNG streams and got rank 0's extras (saved at world size {saved})")
+        elif world < saved:
+            who = f"rank {world}" if saved - world == 1 else f"ranks {world}..{saved - 1}"
+            unmapped.append(f"the RNG states and extras of saved {who} were not used (saved at world size {saved})")
         own = self.run.read_rank_state(composite.step, rank) if rank < saved else None
         if own is None:
             return self.run.read_rank_state(composite.step, 0)["extra"], tuple(unmapped)

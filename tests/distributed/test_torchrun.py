@@ -1,0 +1,159 @@
+"""Distributed saves and restores with real processes: torchrun, gloo, CPU (``torch_job.py``).
+
+Launches are few and batched (each costs 10-20 s): one 2-rank FSDP2 job trains, saves, resumes
+and restores; a 3-rank job restores the same run; a 2-rank DDP job; two processes started by
+hand for the SIGKILL case (torchrun would kill the surviving rank itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny, train
+
+from llmtailor import Parity, Tailor
+from llmtailor.store.run import Run
+
+JOB = Path(__file__).with_name("torch_job.py")
+pytestmark = pytest.mark.slow
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(nproc: int, scenario: str, out: Path) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario, str(out)],
+        capture_output=True, text=True, timeout=600, env=env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(nproc)]
+
+
+def job_module():
+    import importlib.util
+
+    if "torch_job" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("torch_job", JOB)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["torch_job"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["torch_job"]
+
+
+def restore_in_one_process(out: Path, run_name: str) -> tuple[list[str], object]:
+    """Restore a distributed run into a plain model and optimizer (no process group)."""
+    model, optimizer, scheduler = tiny(seed=11)
+    report = Tailor(out / run_name, model, optimizer, scheduler).restore()
+    return job_module().compare_with_composite(out, out / run_name, model, optimizer), report
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    return out, torchrun(2, "fsdp-train", out)
+
+
+def test_fsdp2_parity_restores_exact_versions_at_world_sizes_2_3_and_1(fsdp):
+    out, results = fsdp
+    for rank, result in enumerate(results):  # restored at 2, in the same job
+        assert result["restored"] == 8 and result["mismatches"] == []
+        assert result["extra"] == {"rank": rank, "next": 9} and result["unmapped"] == []
+    sources = Run(out / "parity").resolve().sources
+    assert sources["layer.1"] == 8 and sources["layer.0"] == 6  # a real composite
+    three = torchrun(3, "fsdp-restore", out)
+    for rank, result in enumerate(three):
+        assert result["restored"] == 8 and result["mismatches"] == []
+        assert result["extra"] == {"rank": rank if rank < 2 else 0, "next": 9}
+        assert "rank 2 kept its RNG streams and got rank 0's extras" in " ".join(result["unmapped"])
+    mismatches, report = restore_in_one_process(out, "parity")
+    assert mismatches == [] and report.saved_world_size == 2 and report.extra == {"rank": 0, "next": 9}
+    assert Run(out / "parity").verify() == []
+
+
+def test_fsdp2_full_resume_continues_bitwise(fsdp):
+    _, results = fsdp
+    for result in results:
+        assert result["resumed"] == result["uninterrupted"]
+
+
+def test_fsdp2_ranks_write_their_own_shards_about_evenly(fsdp):
+    out, results = fsdp
+    for save in zip(*(r["saves"] for r in results)):
+        total = save[0]["bytes"]
+        assert all(s["bytes"] == total for s in save)
+        for s in save:
+            assert 0.9 <= s["rank_bytes"] / (total / 2) <= 1.1, s
+    manifest = Run(out / "parity").manifest(8)
+    assert manifest.world_size == 2 and manifest.provider == "fsdp2"
+    index = Run(out / "parity").unit_entry(8, "layer.1")
+    assert [f.path for f in index.files] == ["units/layer.1.rank-00000.safetensors", "units/layer.1.rank-00001.safetensors"]
+    q = index.tensor("weight/model.layers.1.self_attn.q_proj.weight")
+    assert sorted(c.offsets for c in q.chunks) == [[0, 0], [16, 0]]  # dim-0 shards, no full tensor anywhere
+
+
+def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(tmp_path, tokens):
+    results = torchrun(2, "ddp", tmp_path)
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+    mismatches, _ = restore_in_one_process(tmp_path, "ddp")
+    assert mismatches == []
+
+    # The same model and policy in one process: the same unit files, byte for byte in size.
+    model, optimizer, scheduler = tiny()
+    single = Tailor(tmp_path / "single", model, optimizer, scheduler, policy=Parity())
+    for step in (1, 2, 3, 4):
+        train(model, optimizer, scheduler, tokens, [step])
+        if step % 2 == 0:
+            single.save(step)
+    ddp, one = Run(tmp_path / "ddp"), Run(tmp_path / "single")
+    for step, save in zip((2, 4), zip(*(r["saves"] for r in results))):
+        assert ddp.manifest(step).composite.keys() == one.manifest(step).composite.keys()
+        for unit in ddp.manifest(step).units:
+            assert ddp.manifest(step).unit_bytes(unit) == one.manifest(step).unit_bytes(unit)
+            assert len(ddp.unit_entry(step, unit).files) == 1  # written once, by one rank
+        unit_total = sum(ddp.manifest(step).unit_bytes(u) for u in ddp.manifest(step).units)
+        ranks = [s["rank_bytes"] for s in save]
+        assert all(r > 0.3 * unit_total for r in ranks)  # both ranks wrote a share
+        # Beyond the unit files: rank 1's own RNG state, and longer file names in the indexes.
+        rank_state = sum(f.bytes for f in ddp.manifest(step).files if f.path.startswith("ranks/"))
+        extra = ddp.manifest(step).total_bytes() - rank_state - one.manifest(step).total_bytes()
+        assert 0 <= extra <= 40 * len(ddp.manifest(step).units)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), "kill", str(tmp_path)],
+            env={**env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == 0, outputs[0][1][-3000:]
+    result = json.loads((tmp_path / "result-kill-0.json").read_text())
+    assert "rank(s) [1] did not report" in result["outcome"] and "within 5 s" in result["outcome"]
+    assert result["seconds"] < 30
+    run = Run(tmp_path / "killed")
+    assert run.latest_step() == 2 and run.verify() == []
+    model, optimizer, scheduler = tiny(seed=3)
+    assert Tailor(run.root, model, optimizer, scheduler).restore().step == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -1,0 +1,217 @@
+"""Distributed training jobs for the torchrun tests: FSDP2 and DDP on gloo, CPU, real processes.
+
+    python -m torch.distributed.run --standalone --nproc_per_node N torch_job.py SCENARIO DIR
+
+Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
+
+``fsdp-train``  world 2, FSDP2. A tiny Llama trains steps 1..8 with a Parity ``Tailor`` saving
+    every 2 steps into ``DIR/parity``; at every save rank 0 writes the full value of every
+    weight and optimizer tensor (gathered from the shards) to ``DIR/versions/<step>``. A second
+    model trains 1..10 with a Full save at 6 into ``DIR/full`` and logs the losses of 7..10;
+    then a third model, from another seed, restores ``DIR/full`` and trains 7..10: its losses
+    must equal the uninterrupted ones bit for bit. Finally ``DIR/parity`` is restored into a
+    fresh model at this world size and compared with the versions its composite names.
+``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` and compare.
+``ddp``  world 2, DDP. Parity saves at steps 2 and 4 into ``DIR/ddp`` (bytes per rank
+    recorded), versions written as above, then a restore at this world size, compared.
+``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
+    FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
+    writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
+    it took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+
+from helpers import tiny  # noqa: E402
+
+from llmtailor import Full, Parity, Tailor  # noqa: E402
+from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
+from llmtailor.training_example import batch_at, corpus_tokens  # noqa: E402
+
+TOKENS = corpus_tokens()
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build(kind: str, seed: int):
+    """Model, AdamW (HF-style groups) and scheduler, sharded or wrapped after building."""
+    from llmtailor.training_example import build_optimizer
+
+    model, _, _ = tiny(seed=seed)
+    if kind == "fsdp":
+        model = shard(model)
+    elif kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer, scheduler = build_optimizer(model, total_steps=50)
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, steps) -> list[str]:
+    """Each rank trains on its own batches (rank-dependent data, as a data-parallel job)."""
+    losses = []
+    for step in steps:
+        batch = batch_at(TOKENS, step * 100 + rank(), 2, 32)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item().hex())
+    return losses
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def versions(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every weight and optimizer tensor, whole, by unit tensor key (collective for DTensors)."""
+    inner = getattr(model, "module", model)
+    out = {}
+    for name, param in inner.named_parameters():
+        out[weight_key(name)] = full(param.detach()).clone()
+        for key, value in optimizer.state.get(param, {}).items():
+            out[optim_key(name, key)] = full(value).clone()
+    return out
+
+
+def write_versions(out: Path, step: int, model, optimizer) -> None:
+    values = versions(model, optimizer)
+    if rank() == 0:
+        (out / "versions").mkdir(parents=True, exist_ok=True)
+        save_file(values, str(out / "versions" / f"{step}.safetensors"))
+
+
+def compare_with_composite(out: Path, run_dir: Path, model, optimizer) -> list[str]:
+    """Keys whose restored value differs from the version the composite names."""
+    from llmtailor.layouts import build_layout
+
+    composite = Run(run_dir).resolve()
+    layout = build_layout(getattr(model, "module", model))
+    restored = versions(model, optimizer)
+    saved = {step: load_file(str(out / "versions" / f"{step}.safetensors")) for step in set(composite.sources.values())}
+    bad = []
+    for key, value in restored.items():
+        name = key.split("/")[1]
+        expected = saved[composite.sources[layout.unit_of(name)]][key]
+        if value.dtype != expected.dtype or not torch.equal(value, expected):
+            bad.append(key)
+    return bad
+
+
+def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int) -> dict:
+    model, optimizer, scheduler = build(kind, seed=0)
+    tailor = Tailor(out / run_name, model, optimizer, scheduler, policy=policy, timeout=60)
+    saves = []
+    for step in range(1, last + 1):
+        train(model, optimizer, scheduler, [step])
+        if step % every == 0:
+            report = tailor.save(step, extra={"rank": rank(), "next": step + 1})
+            write_versions(out, step, model, optimizer)
+            saves.append({"step": step, "units": report.units, "bytes": report.bytes, "rank_bytes": report.rank_bytes})
+    return {"saves": saves}
+
+
+def restore_and_compare(kind: str, out: Path, run_name: str) -> dict:
+    model, optimizer, scheduler = build(kind, seed=5)
+    report = Tailor(out / run_name, model, optimizer, scheduler, timeout=60).restore()
+    return {
+        "restored": report.step,
+        "extra": report.extra,
+        "unmapped": list(report.unmapped),
+        "mismatches": compare_with_composite(out, out / run_name, model, optimizer),
+    }
+
+
+def resume_bitwise(out: Path) -> dict:
+    """An uninterrupted FSDP2 run vs one restored from its Full save at step 6."""
+    model, optimizer, scheduler = build("fsdp", seed=0)
+    tailor = Tailor(out / "full", model, optimizer, scheduler, policy=Full(), timeout=60)
+    train(model, optimizer, scheduler, range(1, 7))
+    tailor.save(6, extra={"next": 7})
+    uninterrupted = train(model, optimizer, scheduler, range(7, 11))
+    fresh = build("fsdp", seed=9)
+    Tailor(out / "full", *fresh, timeout=60).restore()
+    resumed = train(*fresh, range(7, 11))
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def kill_during_save(out: Path) -> dict:
+    import llmtailor.store.writer as writer
+
+    model, optimizer, scheduler = build("fsdp", seed=0)
+    tailor = Tailor(out / "killed", model, optimizer, scheduler, policy=Parity(), timeout=5)
+    train(model, optimizer, scheduler, [1, 2])
+    tailor.save(2)
+    if rank() == 1:
+        real = writer.write_tensor_file
+
+        def die_after_first(path, *args, **kwargs):
+            result = real(path, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        writer.write_tensor_file = die_after_first
+    train(model, optimizer, scheduler, [3, 4])
+    start = time.perf_counter()
+    try:
+        tailor.save(4)
+        outcome = "saved"
+    except Exception as err:  # the error a surviving rank gets is the point of this scenario
+        outcome = f"{type(err).__name__}: {err}"
+    return {"outcome": outcome, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if scenario == "fsdp-train":
+        result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
+        result.update(resume_bitwise(out))
+        result.update(restore_and_compare("fsdp", out, "parity"))
+    elif scenario == "fsdp-restore":
+        result = restore_and_compare("fsdp", out, "parity")
+    elif scenario == "ddp":
+        result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
+        result.update(restore_and_compare("ddp", out, "ddp"))
+    elif scenario == "kill":
+        result = kill_during_save(out)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+    if scenario == "kill":
+        os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
