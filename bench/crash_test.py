@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/crash_test.py --kills 50                 # Full loop, then a shorter Parity loop
     .venv/bin/python bench/crash_test.py --kills 50 --policy full --seed 1
+    .venv/bin/python bench/crash_test.py --kills 50 --policy full --async   # kills during async persists
 
 Each loop trains ``python -m llmtailor.training_example`` (a Llama of ``--hidden`` x
 ``--layers``, saving every step; at 256 x 8 a save is about 60% of a step on our VM) as a real
@@ -29,8 +30,10 @@ update are not counted; ``done 1st`` jobs that finished before their kill; ``max
 trained but not committed at a kill; ``.tmp left`` leftovers at the end; ``save/step`` the mean
 save's share of a step; ``losses eq`` logged losses bitwise equal to the reference's.
 
-Only synchronous saves exist so far; async saves (which issue 5 also asks to crash) are not
-exercised. A SIGKILL ends the process, not the machine: the page cache survives, so this tests
+With ``--async`` the job saves with ``async_save=True``: ``save`` returns at once and the
+snapshot is written by a background thread while the next steps train, so kills land during
+background persists; everything above must hold the same way (a save in flight when the kill
+lands is simply not committed). A SIGKILL ends the process, not the machine: the page cache survives, so this tests
 the commit protocol's ordering and atomicity, not fsync against power loss.
 """
 
@@ -64,6 +67,7 @@ class CrashReport:
     """What one crash loop saw. ``problems`` is empty when every check passed."""
 
     policy: str
+    async_save: bool = False
     kills: int = 0
     kills_mid_write: int = 0  # a partial snapshot directory appeared in .tmp/
     kills_before_pointer: int = 0  # committed, ``latest`` not yet replaced
@@ -93,6 +97,7 @@ def crash_loop(
     hidden: int = 256,
     layers: int = 8,
     steps: int | None = None,
+    async_save: bool = False,
     log=print,
 ) -> CrashReport:
     """Kill a training job ``kills`` times in ``workdir`` (emptied first), check the store after
@@ -102,8 +107,8 @@ def crash_loop(
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     run_dir = workdir / "run"
-    report = CrashReport(policy)
-    job = _JobCommand(policy, steps, hidden, layers)
+    report = CrashReport(policy, async_save)
+    job = _JobCommand(policy, steps, hidden, layers, async_save)
     rng = random.Random(seed)
 
     reference = None
@@ -212,12 +217,14 @@ class _JobCommand:
     steps: int
     hidden: int
     layers: int
+    async_save: bool = False
 
     def args(self, run: Path, out: Path, resume: bool) -> list[str]:
         return [
             sys.executable, "-m", "llmtailor.training_example", "--run", str(run), "--out", str(out),
             "--policy", self.policy, "--steps", str(self.steps), "--save-every", "1",
             "--hidden", str(self.hidden), "--layers", str(self.layers), *(["--resume"] if resume else []),
+            *(["--async"] if self.async_save else []),
         ]  # fmt: skip
 
 
@@ -292,7 +299,7 @@ def summary_table(reports: list[CrashReport]) -> str:
         return sum(values) / len(values) if values else float("nan")
 
     header = (
-        f"{'policy':<7} {'kills':>5} {'in save':>7} {'mid-write':>9} {'pre-ptr':>7} {'done 1st':>8} {'max lost':>8} "
+        f"{'policy':<12} {'kills':>5} {'in save':>7} {'mid-write':>9} {'pre-ptr':>7} {'done 1st':>8} {'max lost':>8} "
         f"{'.tmp left':>9} {'save/step':>9} {'losses eq':>10} {'digest eq':>9} {'problems':>8} {'time s':>7}"
     )
     rows = [header, "-" * len(header)]
@@ -300,8 +307,9 @@ def summary_table(reports: list[CrashReport]) -> str:
         fraction = mean(r.save_s) / (mean(r.save_s) + mean(r.train_s))
         losses = f"{r.steps_compared - r.loss_mismatches}/{r.steps_compared}" if r.steps_compared else "n/a"
         digest = "n/a" if r.digest_match is None else "yes" if r.digest_match else "NO"
+        name = r.policy + (" async" if r.async_save else "")
         rows.append(
-            f"{r.policy:<7} {r.kills:>5} {r.kills_in_save:>7} {r.kills_mid_write:>9} {r.kills_before_pointer:>7} "
+            f"{name:<12} {r.kills:>5} {r.kills_in_save:>7} {r.kills_mid_write:>9} {r.kills_before_pointer:>7} "
             f"{r.finished_before_kill:>8} {r.max_steps_lost:>8} {r.leftovers:>9} {fraction:>9.2f} "
             f"{losses:>10} {digest:>9} {len(r.problems):>8} {r.seconds:>7.0f}"
         )
@@ -317,13 +325,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--workdir", type=Path, default=Path("bench/out/crash"))
+    parser.add_argument("--async", dest="async_save", action="store_true", help="the job saves asynchronously")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     parity_kills = args.parity_kills or max(2, args.kills // 5)
     loops = [(args.policy, args.kills)] if args.policy else [("full", args.kills), ("parity", parity_kills)]
     reports = [
-        crash_loop(args.workdir / policy, kills=kills, policy=policy, seed=args.seed, hidden=args.hidden, layers=args.layers)
+        crash_loop(
+            args.workdir / policy, kills=kills, policy=policy, seed=args.seed, hidden=args.hidden, layers=args.layers,
+            async_save=args.async_save,
+        )
         for policy, kills in loops
     ]
     print()

@@ -15,7 +15,9 @@ saved at one world size restores at another.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,10 @@ from llmtailor.store.coordinator import DEFAULT_TIMEOUT, Coordinator, make_coord
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 from llmtailor.store.run import Composite, Run
+from llmtailor.store.staging import AsyncStager, BackgroundSave
 from llmtailor.store.writer import PersistResult, StagedSnapshot, persist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,26 @@ class SaveReport:
     """Bytes this rank wrote per unit."""
     rank_bytes: int = 0
     """Bytes this rank wrote in all."""
+
+
+class PendingSave:
+    """An async save in flight: ``save`` returned once the units were chosen and the global
+    state captured; the copies and the write go on in the background."""
+
+    def __init__(self, job: BackgroundSave, to_report: Callable[[PersistResult, float], SaveReport]):
+        self._job, self._to_report = job, to_report
+        self.step: int = job.step
+        self.units: list[str] = job.units
+        self.blocked_seconds: float = job.blocked_seconds
+        """How long ``save`` blocked the training loop."""
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    def result(self, timeout: float | None = None) -> SaveReport:
+        """Wait until the snapshot is committed and durable; raise what failed in the background."""
+        outcome = self._job.result(timeout)
+        return self._to_report(outcome, self._job.copy_seconds + self._job.persist_seconds)
 
 
 @dataclass(frozen=True)
@@ -91,11 +116,15 @@ class Tailor:
         *,
         family: str | None = None,
         keep: int | None = None,
+        async_save: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
     ):
         """``keep=K``: after each save, delete every snapshot that the newest K composites do not
-        need (``llmtailor gc`` does the same on demand). ``timeout``: seconds a rank waits for
-        the others during a collective save or restore before failing with an error naming
+        need (``llmtailor gc`` does the same on demand). ``async_save=True``: ``save`` returns
+        at once (a ``PendingSave``); the tensors are copied and written in the background, and
+        the next ``optimizer.step()`` waits only until the copies are taken (a step pre-hook
+        installed here; nothing to add to the training loop). ``timeout``: seconds a rank waits
+        for the others during a collective save or restore before failing with an error naming
         the ranks that did not answer."""
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {policy!r}")
@@ -113,6 +142,10 @@ class Tailor:
         self._parent: int | None = None
         self._save_index = 0
         self._composite: dict[str, int] = {}
+        self.async_save = bool(async_save)
+        self._stager = AsyncStager(self.provider.optimizers()) if self.async_save else None
+        self._inflight: tuple[PendingSave, int, dict[str, int]] | None = None
+        """The async save in flight: its job, step and composite (the lineage once it commits)."""
 
     @property
     def rank(self) -> int:
@@ -128,13 +161,20 @@ class Tailor:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def save(self, step: int, extra: Any = None) -> SaveReport:
+    def save(self, step: int, extra: Any = None, *, blocking: bool | None = None) -> SaveReport | PendingSave:
         """Write the units the policy picks, plus global state, as the snapshot of ``step``.
 
         ``extra`` is any tree of dicts, lists, tuples, numbers, strings, tensors and numpy
-        arrays (data position, epoch, ...); ``restore`` returns it, each rank its own."""
+        arrays (data position, epoch, ...); ``restore`` returns it, each rank its own.
+
+        Synchronous (the default, or ``blocking=True``): returns a ``SaveReport`` once the
+        snapshot is committed. With ``async_save=True`` (and ``blocking`` not True): waits for
+        the save still in flight, if any (raising its error), and returns a ``PendingSave`` at
+        once. The final save of a run is best made with ``blocking=True`` (or followed by
+        ``wait()``/``close()``)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        self._settle(raise_error=True)
         if self._parent is not None and step <= self._parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self._parent}")
         start = time.perf_counter()
@@ -150,18 +190,55 @@ class Tailor:
         composite = {**self._composite, **{unit: step for unit in units}}
         staged = self._stage(step, units, composite, extra)
         staged.decision = decision.record
-        result = persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)
+
+        def report(result: PersistResult, seconds: float) -> SaveReport:
+            return SaveReport(step, units, result.bytes, seconds, result.path, result.unit_bytes, result.rank_bytes)
+
+        if blocking or (blocking is None and not self.async_save):
+            result = self._persist(staged)
+            self._extend_to(step, composite)
+            self._raise_pointer_error(result)
+            self._retain(result)
+            return report(result, time.perf_counter() - start)
+        if self._stager is None:
+            raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
+        units_now = list(staged.units)  # this rank's pieces: references, no bytes copied yet
+        job = self._stager.start(staged, units_now, self._persist, after=self._retain)
+        job.blocked_seconds = time.perf_counter() - start
+        pending = PendingSave(job, report)
+        self._inflight = (pending, step, composite)
+        return pending
+
+    def wait(self) -> SaveReport | None:
+        """Block until the async save in flight (if any) is committed and durable; return its
+        report, or raise what failed in the background (once)."""
+        if self._inflight is None:
+            return None
+        pending = self._inflight[0]
+        self._settle(raise_error=True)
+        return pending.result()
+
+    def _settle(self, raise_error: bool) -> None:
+        """Wait for the async save in flight; on success, make its composite the lineage's.
+        Its failure is raised here (once) when ``raise_error``, else kept for the next call."""
+        if self._inflight is None:
+            return
+        pending, step, composite = self._inflight
+        job = pending._job
+        job.finished.wait()
+        if job.error is None:
+            self._inflight = None
+            self._extend_to(step, composite)
+            self._raise_pointer_error(job.outcome)
+        elif raise_error:
+            self._inflight = None
+            raise job.error
+
+    def _persist(self, staged: StagedSnapshot) -> PersistResult:
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)
+
+    def _extend_to(self, step: int, composite: dict[str, int]) -> None:
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
-        self._after_commit(result)
-        return SaveReport(
-            step=step,
-            units=units,
-            bytes=result.bytes,
-            seconds=time.perf_counter() - start,
-            path=result.path,
-            unit_bytes=result.unit_bytes,
-            rank_bytes=result.rank_bytes,
-        )
 
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
@@ -197,11 +274,19 @@ class Tailor:
             error=error,
         )
 
-    def _after_commit(self, result: PersistResult) -> None:
-        if result.pointer_error:
+    @staticmethod
+    def _raise_pointer_error(result: PersistResult | None) -> None:
+        if result is not None and result.pointer_error:
             raise TailorError(result.pointer_error)
-        if self.keep is not None and self.coordinator.is_leader:
+
+    def _retain(self, result: PersistResult) -> None:
+        """Retention after a commit (rank 0): a failure is logged, never fatal to the save."""
+        if self.keep is None or not self.coordinator.is_leader or result.pointer_error:
+            return
+        try:
             apply_retention(self.run, plan_retention(self.run, self.keep))
+        except (TailorError, OSError) as err:
+            log.warning("llmtailor retention after step %s: %s", result.path.name, err)
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -216,6 +301,7 @@ class Tailor:
         is passed over for the newest older one that verifies whole; the report's ``skipped``
         says what was passed over and why. Collective in a distributed job: rank 0 picks the
         composite, every rank loads its part, and a failure on any rank fails all."""
+        self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         round_ = self.coordinator.new_round()
         choice = self.coordinator.broadcast(
             f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
@@ -264,8 +350,14 @@ class Tailor:
         self._composite = dict(composite.sources)
 
     def close(self) -> None:
-        """Release the run's writer lock (also released when the process exits)."""
-        self._lock.release()
+        """Wait for the async save in flight (raising its error), remove the fence, release the
+        run's writer lock (also released when the process exits)."""
+        try:
+            self._settle(raise_error=True)
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+            self._lock.release()
 
     def __enter__(self) -> Tailor:
         return self

@@ -142,14 +142,17 @@ def job_main(argv: list[str] | None = None) -> None:
 
         python -m llmtailor.training_example --run DIR --out FILE [--policy full|parity|filter]
             [--steps 12] [--save-every 3] [--kill-at STEP] [--resume] [--hidden 32] [--layers 4]
+            [--async]
 
     Trains ``job_config(hidden, layers)`` with batches of 2, saving with a ``Tailor`` every
     --save-every steps. --resume first restores the newest composite into weights from another
     seed (so everything must come from the checkpoint) and continues at its ``next_step``;
     --kill-at SIGKILLs the process after that step. Prints one JSON line per step, flushed, so a
     killer knows how far it got: ``{"step", "loss", "train_s"}`` after the optimizer step and
-    ``{"saved", "save_s"}`` after a save. At the end, writes the losses of the steps it ran
-    (``float.hex``) and ``params_digest`` of the final weights to --out.
+    ``{"saved", "save_s"}`` after a save (``save_s``: how long ``save`` blocked). --async saves
+    with ``async_save=True``: a save returns at once and is written in the background, and the
+    last one is waited for before the job ends. At the end, writes the losses of the steps it
+    ran (``float.hex``) and ``params_digest`` of the final weights to --out.
     """
     parser = argparse.ArgumentParser(prog="python -m llmtailor.training_example", description=job_main.__doc__)
     parser.add_argument("--run", required=True, help="run directory of the checkpoints")
@@ -161,13 +164,14 @@ def job_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="restore the newest composite first")
     parser.add_argument("--hidden", type=int, default=32, help="model width (a multiple of 4)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--async", dest="async_save", action="store_true", help="save asynchronously")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     # A resumed process starts from other random weights: everything must come from the checkpoint.
     model = build_model(job_config(args.hidden, args.layers), seed=99 if args.resume else 0)
     optimizer, scheduler = build_optimizer(model, total_steps=args.steps)
-    tailor = Tailor(args.run, model, optimizer, scheduler, policy=make_policy(args.policy))
+    tailor = Tailor(args.run, model, optimizer, scheduler, policy=make_policy(args.policy), async_save=args.async_save)
     start = tailor.restore().extra["next_step"] if args.resume else 1
 
     losses = {}
@@ -176,12 +180,14 @@ def job_main(argv: list[str] | None = None) -> None:
         losses[step] = loss
         print(json.dumps({"step": step, "loss": loss.hex(), "train_s": time.perf_counter() - clock}), flush=True)
         if step % args.save_every == 0:
-            report = tailor.save(step, extra={"next_step": step + 1})
-            print(json.dumps({"saved": step, "save_s": report.seconds}), flush=True)
+            started = time.perf_counter()
+            tailor.save(step, extra={"next_step": step + 1})
+            print(json.dumps({"saved": step, "save_s": time.perf_counter() - started}), flush=True)
         if step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         clock = time.perf_counter()
 
+    tailor.close()  # an async save still in flight is committed before the job reports
     with open(args.out, "w") as out:
         json.dump({"losses": {str(k): v.hex() for k, v in losses.items()}, "params": params_digest(model)}, out)
 

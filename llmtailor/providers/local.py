@@ -9,6 +9,7 @@ Restoring reads every unit whole on every rank (each needs all of it), verifying
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -87,7 +88,10 @@ class LocalProvider(StateProvider):
         pieces = []
         for name in self.layout.units[unit]:
             param = tensors[name]
-            pieces += self._tensor_pieces(unit, weight_key(name), param.detach())
+            weight = self._tensor_pieces(unit, weight_key(name), param.detach())
+            if not isinstance(param, torch.nn.Parameter):  # a buffer: forward may update it
+                weight = [replace(p, stable=False) for p in weight]
+            pieces += weight
             if self.optimizer is None:
                 continue
             for key, value in optim_state.param_state(self.optimizer, param).items():

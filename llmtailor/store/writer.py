@@ -71,10 +71,13 @@ class Piece:
     tensor: torch.Tensor
     offsets: tuple[int, ...]
     global_shape: tuple[int, ...]
+    stable: bool = True
+    """False for a tensor that may change outside the optimizer step (a buffer updated in
+    forward): an async save copies it before ``save`` returns."""
 
     @classmethod
-    def whole(cls, key: str, tensor: torch.Tensor) -> Piece:
-        return cls(key, tensor, (0,) * tensor.dim(), tuple(tensor.shape))
+    def whole(cls, key: str, tensor: torch.Tensor, stable: bool = True) -> Piece:
+        return cls(key, tensor, (0,) * tensor.dim(), tuple(tensor.shape), stable)
 
     @property
     def is_whole(self) -> bool:

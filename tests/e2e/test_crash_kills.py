@@ -1,5 +1,5 @@
-"""SIGKILL a real training process at random instants (a handful of times, fixed seed), with the
-loop of ``bench/crash_test.py``: after every kill the store verifies, has no partial snapshot
+"""SIGKILL a real training process at random instants (a handful of times, fixed seed, also
+while async saves persist in the background), with the loop of ``bench/crash_test.py``: after every kill the store verifies, has no partial snapshot
 outside ``.tmp/``, names the largest committed step as latest and restores it; a Full run
 resumed through every kill ends bitwise equal to an uninterrupted one."""
 
@@ -23,9 +23,11 @@ def crash_test_module():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy, kills", [("full", 4), ("parity", 2)])
-def test_store_survives_sigkills_during_saves(tmp_path, policy, kills):
-    report = crash_test_module().crash_loop(tmp_path, kills=kills, policy=policy, seed=5, log=lambda line: None)
+@pytest.mark.parametrize("policy, kills, async_save", [("full", 4, False), ("parity", 2, False), ("full", 3, True)])
+def test_store_survives_sigkills_during_saves(tmp_path, policy, kills, async_save):
+    report = crash_test_module().crash_loop(
+        tmp_path, kills=kills, policy=policy, seed=5, async_save=async_save, log=lambda line: None
+    )
     assert report.problems == []
     assert report.kills == kills
     if policy == "full":

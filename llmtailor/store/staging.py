@@ -1,0 +1,176 @@
+"""Async saves: the same staging and persisting as a synchronous save, run in the background.
+
+A synchronous save stages references to the live tensors and persists them before returning.
+An async save stages the same pieces, but ``BackgroundSave`` copies them into reusable host
+buffers on a background thread while training goes on (forward and backward do not change
+weights or optimizer state), then persists the copies on that thread with the very same
+``persist`` (same files, same commit protocol, same cross-rank commit).
+
+The fence: ``Fence`` is an optimizer step pre-hook installed on every optimizer whose step
+changes staged tensors; it makes ``optimizer.step()`` wait until the copies are taken, so a
+snapshot never holds a value from after the step. Pieces that can change outside the
+optimizer step (a buffer updated in forward) are copied before ``save`` returns.
+
+At most one save is in flight: the next one waits for it. The buffers are reused from save to
+save (pinned where CUDA is available, so device-to-host copies run on a side stream), so the
+extra memory is that of the largest save. A failure on the background thread is kept and
+raised by the caller's next ``save``, ``wait`` or ``close`` (``BackgroundSave.result``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from llmtailor.store.writer import PersistResult, Piece, StagedSnapshot, StagedUnit
+
+_ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
+
+
+class HostBuffers:
+    """One flat host buffer, grown to the largest save seen and reused, carved into views."""
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._flat is None else self._flat.numel()
+
+    def views(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """An empty host tensor for each piece (its dtype and shape), inside the buffer."""
+        offsets, total = [], 0
+        for piece in pieces:
+            offsets.append(total)
+            total += -(-piece.tensor.numel() * piece.tensor.element_size() // _ALIGN) * _ALIGN
+        if self._flat is None or self._flat.numel() < total:
+            self._flat = None  # free the old buffer before taking a larger one
+            pin = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
+            self._flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+        views = []
+        for piece, start in zip(pieces, offsets):
+            size = piece.tensor.numel() * piece.tensor.element_size()
+            views.append(self._flat[start : start + size].view(piece.tensor.dtype).view(piece.tensor.shape))
+        return views
+
+
+@dataclass
+class BackgroundSave:
+    """One async save: copying, then persisting, on its own thread."""
+
+    step: int
+    units: list[str]
+    blocked_seconds: float = 0.0
+    """How long ``save`` blocked the caller (choosing units, encoding global state, copying
+    the pieces that must be copied at once, starting the thread)."""
+    copied: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    outcome: PersistResult | None = None
+    error: BaseException | None = None
+    copy_seconds: float = 0.0
+    persist_seconds: float = 0.0
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def result(self, timeout: float | None = None) -> PersistResult:
+        """Wait until the snapshot is committed (durable) and return what persisting returned;
+        raise the error the background thread met."""
+        if not self.finished.wait(timeout):
+            raise TimeoutError(f"the save of step {self.step} is still in flight after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return self.outcome
+
+
+class AsyncStager:
+    """Runs async saves (module docstring): host buffers, the fence, one save in flight."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.buffers = HostBuffers()
+        self.current: BackgroundSave | None = None
+        self.fence_seconds = 0.0
+        """Total time optimizer steps waited at the fence."""
+        self._hooks = [opt.register_step_pre_hook(self._fence) for opt in optimizers]
+
+    def start(
+        self,
+        staged: StagedSnapshot,
+        units: list[StagedUnit],
+        persist: Callable[[StagedSnapshot], PersistResult],
+        after: Callable[[PersistResult], Any] | None = None,
+    ) -> BackgroundSave:
+        """Begin a save of ``units`` (live references, this rank's pieces): take the copies and
+        persist in the background. The caller has waited for any earlier save."""
+        assert self.current is None or self.current.done(), "one save in flight at a time"
+        job = BackgroundSave(step=staged.step, units=[u.unit for u in units])
+        pieces = [piece for unit in units for piece in unit.pieces]
+        views = self.buffers.views(pieces)
+        for piece, view in zip(pieces, views):
+            if not piece.stable:  # may change before the next optimizer step: copy it now
+                view.copy_(piece.tensor)
+        # Device tensors: the copies wait for what the training stream has queued so far.
+        ready = None
+        if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
+            ready = torch.cuda.Event()
+            ready.record()
+        self.current = job
+        thread = threading.Thread(
+            target=self._run, args=(job, staged, units, views, ready, persist, after), name=f"llmtailor-save-{staged.step}"
+        )
+        thread.start()
+        return job
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _run(self, job, staged, units, views, ready, persist, after) -> None:
+        try:
+            start = time.perf_counter()
+            try:
+                copies = iter(views)
+                stream = torch.cuda.Stream() if ready is not None else None
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    if stream is not None:
+                        stream.wait_event(ready)
+                    staged_units = [
+                        StagedUnit(u.unit, [_copied(p, next(copies)) for p in u.pieces], u.values) for u in units
+                    ]
+                if stream is not None:
+                    stream.synchronize()
+            finally:
+                job.copy_seconds = time.perf_counter() - start
+                job.copied.set()  # released on failure too: a failed save must not stall training
+            start = time.perf_counter()
+            job.outcome = persist(replace(staged, units=staged_units))
+            job.persist_seconds = time.perf_counter() - start
+            if after is not None:
+                after(job.outcome)
+        except BaseException as err:  # kept for the caller's next save, wait or close
+            job.error = err
+        finally:
+            job.finished.set()
+
+    def _fence(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        job = self.current
+        if job is not None and not job.copied.is_set():
+            start = time.perf_counter()
+            job.copied.wait()
+            self.fence_seconds += time.perf_counter() - start
+
+
+def _copied(piece: Piece, view: torch.Tensor) -> Piece:
+    if piece.stable:
+        view.copy_(piece.tensor, non_blocking=view.is_pinned())
+    return Piece(piece.key, view, piece.offsets, piece.global_shape)
+
+

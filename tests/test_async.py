@@ -1,0 +1,162 @@
+"""Async saves: same snapshots as sync ones, the fence holds, failures are never lost."""
+
+import errno
+import json
+import time
+
+import pytest
+import torch
+from helpers import assert_bitwise, tiny, train, unit_versions
+
+import llmtailor.store.staging as staging
+import llmtailor.store.writer as writer
+from llmtailor import Full, Parity, Tailor
+from llmtailor.constants import MANIFEST_FILE
+from llmtailor.errors import ConfigError
+from llmtailor.store.run import Run
+from llmtailor.tailor import PendingSave
+
+
+def snapshot_files(run: Run, step: int) -> dict[str, bytes]:
+    root = run.snapshot_dir(step)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_async_and_sync_saves_of_the_same_run_are_identical_file_for_file(tmp_path, tokens):
+    runs = {}
+    for mode in ("sync", "async"):
+        model, opt, sched = tiny()
+        tailor = Tailor(tmp_path / mode, model, opt, sched, policy=Parity(), async_save=mode == "async")
+        for step in range(1, 9):
+            train(model, opt, sched, tokens, [step])
+            if step % 2 == 0:
+                report = tailor.save(step, extra={"next": step + 1})
+                assert isinstance(report, PendingSave) == (mode == "async")
+        tailor.close()
+        runs[mode] = Run(tmp_path / mode)
+    assert runs["sync"].steps() == runs["async"].steps() == [2, 4, 6, 8]
+    for step in (2, 4, 6, 8):
+        sync, async_ = snapshot_files(runs["sync"], step), snapshot_files(runs["async"], step)
+        assert sync.keys() == async_.keys()
+        for name in sync:
+            if name == MANIFEST_FILE:
+                a, b = json.loads(sync[name]), json.loads(async_[name])
+                a.pop("created"), b.pop("created")
+                assert a == b
+            else:
+                assert sync[name] == async_[name], name
+
+
+def test_the_fence_keeps_the_next_optimizer_step_out_of_the_snapshot(tmp_path, tokens, monkeypatch):
+    model, opt, sched = tiny()
+    train(model, opt, sched, tokens, [1])
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True)
+    expected = unit_versions(model, opt)
+    slow_copy = staging._copied
+
+    def slowly(piece, view):  # copies slower than a training step: only the fence can wait
+        time.sleep(0.01)
+        return slow_copy(piece, view)
+
+    monkeypatch.setattr(staging, "_copied", slowly)
+    pending = tailor.save(1)
+    train(model, opt, sched, tokens, [2])  # steps the optimizer at once
+    assert tailor._stager.fence_seconds > 0.05  # the step did wait
+    report = pending.result()
+    assert report.step == 1 and report.bytes > 0
+    tailor.close()
+    fresh = tiny(seed=3)
+    Tailor(tmp_path, *fresh).restore()
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), expected)
+
+
+def test_a_background_write_error_surfaces_on_the_next_call_and_leaves_nothing(tmp_path, tokens, monkeypatch):
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), async_save=True)
+    train(model, opt, sched, tokens, [1])
+    tailor.save(1).result()
+    real = writer.write_tensor_file
+    calls = []
+
+    def failing(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_tensor_file", failing)
+    train(model, opt, sched, tokens, [2])
+    pending = tailor.save(2)  # returns at once; the failure happens in the background
+    with pytest.raises(OSError, match="Input/output error"):
+        tailor.save(3)
+    assert pending.done()
+    run = Run(tmp_path)
+    assert run.steps() == [1] and run.latest_step() == 1 and list(run.tmp_dir.iterdir()) == []
+    monkeypatch.setattr(writer, "write_tensor_file", real)
+    # The lineage did not advance: the next save extends step 1's composite.
+    train(model, opt, sched, tokens, [3])
+    tailor.save(3)
+    assert tailor.wait().step == 3
+    assert run.manifest(3).parent == 1 and run.verify() == []
+    tailor.close()
+
+
+@pytest.mark.parametrize("call", ["wait", "close"])
+def test_wait_and_close_raise_a_background_failure(tmp_path, tokens, monkeypatch, call):
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, async_save=True)
+    train(model, opt, sched, tokens, [1])
+
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "disk gone")
+
+    monkeypatch.setattr(writer, "write_tensor_file", broken)
+    tailor.save(1)
+    with pytest.raises(OSError, match="disk gone"):
+        getattr(tailor, call)()
+    assert Run(tmp_path).steps() == []
+    assert tailor.wait() is None  # raised once, then gone
+    tailor.close()
+
+
+def test_blocking_save_and_wait_on_an_async_tailor(tmp_path, tokens):
+    model, opt, sched = tiny()
+    with Tailor(tmp_path, model, opt, sched, async_save=True) as tailor:
+        train(model, opt, sched, tokens, [1])
+        pending = tailor.save(1)
+        train(model, opt, sched, tokens, [2])
+        final = tailor.save(2, blocking=True)  # waits for step 1 first
+        assert pending.done() and final.step == 2 and Run(tmp_path).latest_step() == 2
+        assert tailor.wait() is None
+    with pytest.raises(ConfigError, match="async_save=True"):
+        Tailor(tmp_path / "other", model, opt, sched).save(1, blocking=False)
+
+
+def test_buffers_are_reused_across_saves(tmp_path, tokens):
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), async_save=True)
+    sizes = []
+    for step in range(1, 5):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step).result()
+        sizes.append(tailor._stager.buffers.nbytes)
+    tailor.close()
+    # The first (full) save sets the size; the smaller Parity saves reuse the same buffer.
+    assert sizes == [sizes[0]] * 4
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    assert sizes[0] < 1.1 * full_bytes
+
+
+def test_buffers_updated_in_forward_are_copied_before_save_returns(tmp_path, tokens):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    tailor = Tailor(tmp_path, model, opt, async_save=True)
+    expected = model[1].running_mean.clone()
+    pending = tailor.save(1)
+    model(torch.randn(8, 4))  # forward updates the running statistics
+    pending.result()
+    tailor.close()
+    loaded, _ = Run(tmp_path).read_unit(1, "other")  # no family pattern matches a Sequential
+    assert torch.equal(loaded["weight/1.running_mean"], expected)
