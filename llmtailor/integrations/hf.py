@@ -11,22 +11,25 @@ On Trainer's own save schedule (``save_strategy`` / ``save_steps``) ``TailorTrai
 tailored snapshot to ``args.output_dir/tailored`` (the units the policy picks, plus optimizer
 groups, LR scheduler, RNG, and the TrainerState and TrainingArguments as JSON) instead of a
 ``checkpoint-N/`` directory. ``args.save_total_limit`` becomes ``keep``: snapshots the newest
-K composites do not need are deleted.
+K composites do not need are deleted. ``tailor_async=True`` saves asynchronously (training
+waits only for the copies; the last save is waited for when ``train`` returns).
 
-Resume: ``train(resume_from_checkpoint=True)`` (or the path of a tailored run directory)
-exports the newest composite to a temporary ``checkpoint-N/`` directory in ``output_dir``
-(``llmtailor.interop.hf_export``) and hands it to ``Trainer.train``, so everything Trainer
-restores itself — global step, epoch, batches skipped, LR schedule, RNG, log history, best
-metric, callbacks' state, weights and optimizer state — goes through Trainer's own code. The
-temporary directory is removed when ``train`` returns or fails. Without a committed snapshot,
-``resume_from_checkpoint=True`` falls back to Trainer's own ``checkpoint-N/`` directories in
-``output_dir`` and, if there are none, starts from scratch (so one script serves the first run
-and every restart); a path to an ordinary ``checkpoint-N/`` directory goes to Trainer unchanged.
+Launched with ``torchrun`` (DDP on several processes), every process takes part in each save:
+the units are spread over the ranks, each writes its share and its own RNG states, and one
+manifest commits them (``llmtailor.providers.local``).
 
-Limits: one process (no DeepSpeed / FSDP / multi-GPU yet); ``load_best_model_at_end`` is
-refused (it needs Trainer's checkpoint directories); the optimizer must use Trainer's own
-decay / no-decay groups for the resume export (a custom ``create_optimizer`` is refused there,
-with the first differing parameter named).
+Resume, in place: ``train(resume_from_checkpoint=True)`` (or the path of a tailored run
+directory) hands Trainer a small directory holding only the composite's ``trainer_state.json``,
+so Trainer restores global step, epoch, batches to skip, log history, best metric and
+callbacks' state with its own code; where Trainer would load weights, optimizer and scheduler
+from files, ``Tailor.restore`` loads the composite into the live model, optimizer and
+scheduler instead, and where Trainer would load its RNG file, this rank's saved RNG states are
+set. No full checkpoint is exported. Without a committed snapshot, ``resume_from_checkpoint=True``
+falls back to Trainer's own ``checkpoint-N/`` directories in ``output_dir`` and, if there are
+none, starts from scratch (so one script serves the first run and every restart); a path to an
+ordinary ``checkpoint-N/`` directory goes to Trainer unchanged.
+
+Limits: ``load_best_model_at_end`` is refused (it needs Trainer's checkpoint directories).
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from llmtailor.errors import ConfigError
-from llmtailor.interop.hf_export import export_hf
+from llmtailor.interop.hf_export import TRAINER_STATE_FILE as TRAINER_STATE_NAME
+from llmtailor.interop.hf_export import trainer_state_json
 from llmtailor.policies import Full, Policy
+from llmtailor.providers.rng import restore_rng
+from llmtailor.store.coordinator import DEFAULT_TIMEOUT
 from llmtailor.store.run import Run
 from llmtailor.tailor import Tailor
 
@@ -54,11 +60,20 @@ RUN_DIRNAME = "tailored"
 class TailorTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose checkpoints are tailored snapshots (module docstring).
 
-    Extra keyword arguments: ``tailor_policy`` (default ``Full()``) and ``tailor_keep`` (default
-    ``args.save_total_limit``). The run directory is ``args.output_dir/tailored``
-    (``self.tailor_run_dir``)."""
+    Extra keyword arguments: ``tailor_policy`` (default ``Full()``), ``tailor_keep`` (default
+    ``args.save_total_limit``), ``tailor_async`` (default False) and ``tailor_timeout`` (seconds
+    a rank waits for the others in a collective save). The run directory is
+    ``args.output_dir/tailored`` (``self.tailor_run_dir``)."""
 
-    def __init__(self, *args: Any, tailor_policy: Policy | None = None, tailor_keep: int | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        tailor_policy: Policy | None = None,
+        tailor_keep: int | None = None,
+        tailor_async: bool = False,
+        tailor_timeout: float = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         if tailor_policy is not None and not isinstance(tailor_policy, Policy):
             raise ConfigError(f"tailor_policy must be a llmtailor policy (Full(), Parity(), ...), got {tailor_policy!r}")
@@ -67,22 +82,21 @@ class TailorTrainer(transformers.Trainer):
                 "TailorTrainer does not support load_best_model_at_end=True: it needs Trainer's own "
                 "checkpoint-N directories, which TailorTrainer does not write"
             )
-        if self.args.world_size > 1:
-            raise ConfigError("TailorTrainer runs in one process for now (world_size is %d)" % self.args.world_size)
         self.tailor_policy: Policy = tailor_policy or Full()
         self.tailor_keep = tailor_keep if tailor_keep is not None else self.args.save_total_limit
+        self.tailor_async = bool(tailor_async)
+        self.tailor_timeout = tailor_timeout
         self.tailor_run_dir = Path(self.args.output_dir) / RUN_DIRNAME
         self._tailor: Tailor | None = None
-        self._resumed_from: int | None = None  # step of the composite this train() resumed
+        self._resume: tuple[Run, int, Path] | None = None  # run, composite step, Trainer's resume dir
 
     # -- saving ------------------------------------------------------------------------------
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """One tailored snapshot at ``state.global_step`` in place of ``checkpoint-N/``."""
+        """One tailored snapshot at ``state.global_step`` in place of ``checkpoint-N/``. Every
+        process takes part (a collective save)."""
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
-        if not self.args.should_save:
-            return
         # As Trainer does: record the stateful callbacks' state in the TrainerState first.
         for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]:
             name = cb.__class__.__name__
@@ -106,34 +120,65 @@ class TailorTrainer(transformers.Trainer):
                 self.lr_scheduler,
                 self.tailor_policy,
                 keep=self.tailor_keep,
+                async_save=self.tailor_async,
+                timeout=self.tailor_timeout,
             )
-            if self._resumed_from is not None:
-                self._tailor.continue_from(self._resumed_from)
         return self._tailor
 
     # -- resuming ----------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; ``resume_from_checkpoint=True`` or a tailored run directory resumes
-        from the newest composite through Trainer's own resume path (module docstring)."""
+        from the newest composite in place (module docstring)."""
         run = self._tailored_run(resume_from_checkpoint)
-        if run is None:
-            if resume_from_checkpoint is True and get_last_checkpoint(self.args.output_dir) is None:
-                resume_from_checkpoint = None  # nothing saved yet: a first run starts fresh
-            try:
-                return super().train(resume_from_checkpoint, *args, **kwargs)
-            finally:
-                self._close_tailor()
-        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".tailor-resume-", dir=self.args.output_dir))
         try:
-            self._resumed_from = run.latest_step()
-            checkpoint = export_hf(run, self._resumed_from, scratch)
-            return super().train(str(checkpoint), *args, **kwargs)
+            if run is None:
+                if resume_from_checkpoint is True and get_last_checkpoint(self.args.output_dir) is None:
+                    resume_from_checkpoint = None  # nothing saved yet: a first run starts fresh
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            step = run.latest_step()
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=".tailor-resume-", dir=self.args.output_dir))
+            self._resume = (run, step, scratch)
+            state = run.read_global(step)
+            (scratch / TRAINER_STATE_NAME).write_text(
+                trainer_state_json(state.get("extra"), step, self.args.per_device_train_batch_size), encoding="utf-8"
+            )
+            return super().train(str(scratch), *args, **kwargs)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if self._resume is not None:
+                shutil.rmtree(self._resume[2], ignore_errors=True)
+                self._resume = None
             self._close_tailor()
-            self._resumed_from = None
+
+    def _resuming(self, checkpoint: Any) -> bool:
+        return self._resume is not None and checkpoint is not None and Path(checkpoint) == self._resume[2]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not self._resuming(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # Resuming a tailored run: the weights are loaded with the optimizer state, below.
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._resuming(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        run, step, _ = self._resume
+        if run.root.resolve() == self.tailor_run_dir.resolve():
+            self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
+        else:
+            # Another run: loaded from there; this run's own snapshots start a lineage (full first).
+            with Tailor(run.root, self.model, self.optimizer, self.lr_scheduler, timeout=self.tailor_timeout) as source:
+                source.restore(step)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self._resuming(checkpoint):
+            return super()._load_rng_state(checkpoint)
+        # Trainer sets the RNG right before the resumed epoch iterates; so do we (restore() set
+        # it earlier, and data loading may have drawn from it since).
+        run, step, _ = self._resume
+        own = run.read_rank_state(step, self.args.process_index)
+        if own is not None:
+            restore_rng(own["rng"])
 
     def _tailored_run(self, resume_from_checkpoint: str | bool | None) -> Run | None:
         """The tailored run to resume from, or None to let Trainer handle the argument."""
@@ -146,7 +191,9 @@ class TailorTrainer(transformers.Trainer):
         return None
 
     def _close_tailor(self) -> None:
-        # The next train() in this process continues the lineage from a fresh restore.
+        # The last async save is waited for here; the next train() continues from a restore.
         if self._tailor is not None:
-            self._tailor.close()
-            self._tailor = None
+            try:
+                self._tailor.close()
+            finally:
+                self._tailor = None

@@ -116,7 +116,7 @@ def export_hf(
             _save_torch(tmp / SCHEDULER_FILE, scheduler)
         del per_param
         _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
-        _write_text(tmp / TRAINER_STATE_FILE, _trainer_state_json(state.get("extra"), step, train_batch_size))
+        _write_text(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), step, train_batch_size))
         fsync_dir(tmp)
         if target.exists():  # os.rename would replace an empty directory created meanwhile
             raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
@@ -223,7 +223,7 @@ def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _trainer_state_json(extra: Any, step: int, train_batch_size: int) -> str:
+def trainer_state_json(extra: Any, step: int, train_batch_size: int) -> str:
     """The run's TrainerState (TailorTrainer saves it), or a minimal one for a plain Tailor run.
     Trainer divides the state's ``train_batch_size`` on resume (it only warns on a mismatch),
     so a minimal state must carry an integer one."""

@@ -49,7 +49,7 @@ class LocalProvider(StateProvider):
         return {name: live[name] for name in self.layout.tensor_names()}
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer] if self.optimizer is not None else []
+        return [optim_state.innermost(self.optimizer)] if self.optimizer is not None else []
 
     def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         return {name: (list(t.shape), t.dtype) for name, t in self.tensors().items()}

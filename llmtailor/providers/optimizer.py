@@ -18,6 +18,14 @@ from llmtailor.errors import IncompatibleModelError
 ParamState = dict[str, Any]
 
 
+def innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers such as accelerate's ``AcceleratedOptimizer``: the
+    one whose ``step`` runs the update (and fires step hooks)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def group_records(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> list[dict[str, Any]]:
     """The optimizer's param groups as saved: hyperparameters, and ``params`` as names."""
     records = []

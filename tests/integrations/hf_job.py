@@ -2,7 +2,10 @@
 
     python hf_job.py --out DIR --result FILE [--trainer tailor|vanilla] [--policy full|parity]
         [--family llama|qwen2] [--tie] [--max-steps 12] [--save-steps 4] [--crash-at STEP]
-        [--resume true|PATH] [--dump FILE]
+        [--resume true|PATH] [--dump FILE] [--async]
+
+Under ``torchrun --nproc_per_node N`` it is a DDP job (gloo, CPU): each process trains on its
+share of the batches, and only rank 0 writes the result file.
 
 --trainer vanilla imports no llmtailor code at all (checked at the end): the model is built from
 the checkpoint's config.json. --crash-at SIGKILLs the process right after the save of that step.
@@ -117,6 +120,7 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--dump")
+    parser.add_argument("--async", dest="async_save", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -142,12 +146,14 @@ def main() -> None:
         from llmtailor.integrations.hf import TailorTrainer
 
         policy = {"full": Full(), "parity": Parity()}[args.policy]
-        trainer = recording(TailorTrainer)(**common, tailor_policy=policy)
+        trainer = recording(TailorTrainer)(**common, tailor_policy=policy, tailor_async=args.async_save)
     trainer.train(resume_from_checkpoint=resume)
 
     if args.trainer == "vanilla":
         assert not [m for m in sys.modules if m.startswith("llmtailor")], "vanilla run imported llmtailor"
     losses = {e["step"]: e["loss"].hex() for e in trainer.state.log_history if "loss" in e}
+    if trainer.args.process_index != 0:
+        return
     Path(args.result).write_text(json.dumps({
         "losses": losses, "lrs": recorder.lrs, "batches": trainer.batches, "params": params_digest(model),
         "global_step": trainer.state.global_step,
