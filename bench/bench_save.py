@@ -188,8 +188,7 @@ CONTENDERS = {
 
 def tensor_bytes(tailor: Tailor, units: list[str]) -> int:
     """Bytes of the tensors (weights + per-parameter optimizer state) of ``units``."""
-    live = tailor.state.tensors()
-    return sum(t.nbytes for u in units for t in tailor.state.stage_unit(u, live).tensors.values())
+    return sum(p.tensor.nbytes for u in units for p in tailor.provider.stage_unit(u).pieces)
 
 
 def report(by: dict[str, Result], share: dict[str, float], full_tensor_bytes: int) -> None:

@@ -69,6 +69,16 @@ class PendingSave:
     def done(self) -> bool:
         return self._job.done()
 
+    @property
+    def copy_seconds(self) -> float:
+        """Seconds the background thread spent copying into host buffers (once done)."""
+        return self._job.copy_seconds
+
+    @property
+    def persist_seconds(self) -> float:
+        """Seconds the background thread spent writing and committing (once done)."""
+        return self._job.persist_seconds
+
     def result(self, timeout: float | None = None) -> SaveReport:
         """Wait until the snapshot is committed and durable; raise what failed in the background."""
         outcome = self._job.result(timeout)
