@@ -5,12 +5,13 @@
 
 A Llama-style model of a few hundred million parameters (``transformers.LlamaConfig``, fp32,
 never downloaded) trains with AdamW (HF Trainer's decay / no-decay groups) on real text
-(``pydoc_data.topics``), one sequence of ``--seq`` tokens per step. Each contender trains the
-same steps with a checkpoint every ``--steps-between`` steps (``--saves`` of them), then as
-many steps again so the last save has training to overlap with; a contender with a save still
-in flight is then drained (``wait``), which is reported apart. The **stall per save** is the
-contender's extra wall time over those steps compared with the same steps without
-checkpointing (the ``none`` row, measured in the same run), divided by the number of saves.
+(``pydoc_data.topics``), one sequence of ``--seq`` tokens per step. Each contender trains
+``--steps-between`` steps, then saves and trains ``--steps-between`` steps again, ``--saves``
+times; a save still in flight at the end is drained (``wait``), reported apart. Every step and
+every save call is timed. The **stall per save** is the time the save call blocked plus the
+extra time of the steps that follow it (fence waits, contention with the background write),
+each step against the median step of the ``none`` run (no checkpointing, same run); the
+``none`` row's own figure is the noise floor of this estimate.
 
 Contenders: ``HF Trainer`` (a real ``transformers.Trainer`` given the model and optimizer,
 its own ``_save_checkpoint``), ``torch.save`` (model and optimizer state dicts), ``dcp.save``
@@ -54,8 +55,10 @@ MB = 1e6
 class Outcome:
     name: str
     threads: str
-    wall: float = 0.0
-    """Seconds of the measured steps, save calls included."""
+    save_calls: list[float] = field(default_factory=list)
+    """Seconds each ``save`` call blocked."""
+    after: list[list[float]] = field(default_factory=list)
+    """Seconds of the steps between each save and the next one (or the end)."""
     drain: float = 0.0
     """Seconds spent waiting for a save still in flight after the last step."""
     saves: int = 0
@@ -79,14 +82,19 @@ class Job:
         self.step = 0
         self.train_steps(1)  # optimizer state exists from here on
 
-    def train_steps(self, count: int) -> None:
+    def train_steps(self, count: int) -> list[float]:
+        """Train ``count`` steps; return each one's wall seconds."""
+        durations = []
         for _ in range(count):
+            start = time.perf_counter()
             self.step += 1
             batch = batch_at(self.tokens, self.step, 1, self.seq)
             self.model(input_ids=batch, labels=batch).loss.backward()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            durations.append(time.perf_counter() - start)
+        return durations
 
     def full_bytes(self) -> int:
         total = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -163,12 +171,14 @@ class DCPSave(Contender):
 
 
 class OursSave(Contender):
-    """A ``Tailor``; its first save (always full) is made before the measured steps."""
+    """A ``Tailor``; its first save (always full) is made and waited for before the measured
+    steps (for an async one this also allocates the reused host buffers, as in a long run)."""
 
     def __init__(self, job: Job, out: Path, policy, asynchronous: bool):
         super().__init__(job, out)
         self.tailor = Tailor(out / "run", job.model, job.optimizer, job.scheduler, policy=policy, async_save=asynchronous)
-        self.tailor.save(job.step, blocking=True)
+        self.tailor.save(job.step)
+        self.tailor.wait()
         self.pending = None
 
     def save(self, step: int) -> None:
@@ -205,20 +215,21 @@ CONTENDERS: dict[str, Callable[[Job, Path], Contender]] = {
 
 
 def run_contender(job: Job, contender: Contender, outcome: Outcome, between: int, saves: int) -> None:
-    """Train ``between`` steps then save, ``saves`` times, then ``between`` more steps; drain."""
+    """Train ``between`` steps then save, ``saves`` times, then ``between`` more steps; drain.
+    Every step and every save call is timed."""
     os.sync()
     gc.collect()
-    start = time.perf_counter()
-    for _ in range(saves):
-        job.train_steps(between)
-        contender.save(job.step)
+    job.train_steps(1)  # settle after the contender's set-up
     job.train_steps(between)
-    outcome.wall = time.perf_counter() - start
+    for _ in range(saves):
+        start = time.perf_counter()
+        contender.save(job.step)
+        outcome.save_calls.append(time.perf_counter() - start)
+        outcome.after.append(job.train_steps(between))
     start = time.perf_counter()
     contender.drain()
     outcome.drain = time.perf_counter() - start
     contender.close()
-    outcome.saves = 0 if isinstance(contender, NoCheckpoint) else saves
     outcome.fence = contender.fence_seconds
     outcome.persist = contender.persist
 
@@ -249,11 +260,13 @@ def measure(args: argparse.Namespace, job: Job, threads: str) -> list[Outcome]:
         out.mkdir(parents=True, exist_ok=True)
         contender = make(job, out)
         outcome = Outcome(name, threads)
+        before = _bytes(out)
         run_contender(job, contender, outcome, args.steps_between, args.saves)
-        outcome.bytes = _bytes(out)
+        outcome.bytes = (_bytes(out) - before) // max(1, args.saves)
         results.append(outcome)
-        print(f"  [threads={threads}] {name:<18} wall {outcome.wall:7.2f} s  drain {outcome.drain:5.2f} s  "
-              f"fence {outcome.fence:5.2f} s  {outcome.bytes / 1e9:6.2f} GB on disk", flush=True)
+        steps = [round(d, 2) for after in outcome.after for d in after]
+        print(f"  [threads={threads}] {name:<18} save calls {[round(c, 2) for c in outcome.save_calls]} s, steps {steps} s, "
+              f"drain {outcome.drain:.2f} s, fence {outcome.fence:.2f} s", flush=True)
         del contender
         shutil.rmtree(out, ignore_errors=True)
         gc.collect()
@@ -304,20 +317,24 @@ def main() -> None:
 
 
 def report(results: list[Outcome], threads: str, args: argparse.Namespace) -> None:
-    base = next(r for r in results if r.name == "none")
-    stall = {r.name: (r.wall - base.wall) / r.saves for r in results if r.saves}
-    print(f"\nthreads={threads}: {args.saves} saves, {args.steps_between} steps apart; no checkpointing: "
-          f"{base.wall / ((args.saves + 1) * args.steps_between):.2f} s a step")
-    header = f"{'contender':<18} {'stall/save s':>12} {'HF / this':>10} {'drain s':>8} {'fence s':>8} {'GB on disk':>10}"
+    """Stall per save: the save call plus the extra time of the steps after it, each against the
+    median step of the run without checkpointing."""
+    base = statistics.median(d for after in results[0].after for d in after)
+    print(f"\nthreads={threads}: {args.saves} saves, {args.steps_between} steps apart; a step without "
+          f"checkpointing: {base:.2f} s (median)")
+    stall = {r.name: statistics.mean(c + sum(d - base for d in after) for c, after in zip(r.save_calls, r.after))
+             for r in results}
+    header = (f"{'contender':<18} {'stall/save s':>12} {'HF / this':>10} {'save call s':>11} {'fence s':>8} "
+              f"{'drain s':>8} {'GB/save':>8}")
     print(header)
     print("-" * len(header))
-    for r in results:
-        if not r.saves:
-            continue
+    for r in results[1:]:
         ratio = stall["HF Trainer"] / stall[r.name] if stall[r.name] > 0 else float("inf")
-        print(f"{r.name:<18} {stall[r.name]:>12.3f} {ratio:>10.1f} {r.drain:>8.2f} {r.fence:>8.2f} {r.bytes / 1e9:>10.2f}")
-    print("(stall/save: extra wall time of the training steps over the run without checkpointing, per save; "
-          "HF / this: how many times less than HF Trainer's own save; target for ours async: >= 50x at threads=1)")
+        print(f"{r.name:<18} {stall[r.name]:>12.3f} {ratio:>10.1f} {statistics.mean(r.save_calls):>11.3f} "
+              f"{r.fence / len(r.save_calls):>8.3f} {r.drain:>8.2f} {r.bytes / 1e9:>8.2f}")
+    print(f"(none row, the baseline: mean stall {stall['none']:+.3f} s: the noise floor of this estimate; "
+          "stall/save: the save call plus the extra time of the steps after it, vs the baseline's median step; "
+          "fence: optimizer steps' wait for the copies, per save; target for ours async: >= 50x less than HF at threads=1)")
 
 
 if __name__ == "__main__":
