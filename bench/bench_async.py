@@ -10,8 +10,8 @@ never downloaded) trains with AdamW (HF Trainer's decay / no-decay groups) on re
 times; a save still in flight at the end is drained (``wait``), reported apart. Every step and
 every save call is timed. The **stall per save** is the time the save call blocked plus the
 extra time of the steps that follow it (fence waits, contention with the background write),
-each step against the median step of the ``none`` run (no checkpointing, same run); the
-``none`` row's own figure is the noise floor of this estimate.
+each step against the median of the same contender's steps before its first save; the ``none``
+row (no checkpointing, same run) measured the same way gives the noise floor of this estimate.
 
 Contenders: ``HF Trainer`` (a real ``transformers.Trainer`` given the model and optimizer,
 its own ``_save_checkpoint``), ``torch.save`` (model and optimizer state dicts), ``dcp.save``
@@ -55,6 +55,8 @@ MB = 1e6
 class Outcome:
     name: str
     threads: str
+    before: list[float] = field(default_factory=list)
+    """Seconds of the steps before the first save: this contender's own baseline."""
     save_calls: list[float] = field(default_factory=list)
     """Seconds each ``save`` call blocked."""
     after: list[list[float]] = field(default_factory=list)
@@ -220,7 +222,7 @@ def run_contender(job: Job, contender: Contender, outcome: Outcome, between: int
     os.sync()
     gc.collect()
     job.train_steps(1)  # settle after the contender's set-up
-    job.train_steps(between)
+    outcome.before = job.train_steps(between)
     for _ in range(saves):
         start = time.perf_counter()
         contender.save(job.step)
@@ -265,7 +267,7 @@ def measure(args: argparse.Namespace, job: Job, threads: str) -> list[Outcome]:
         outcome.bytes = (_bytes(out) - before) // max(1, args.saves)
         results.append(outcome)
         steps = [round(d, 2) for after in outcome.after for d in after]
-        print(f"  [threads={threads}] {name:<18} save calls {[round(c, 2) for c in outcome.save_calls]} s, steps {steps} s, "
+        print(f"  [threads={threads}] {name:<18} before {[round(d, 2) for d in outcome.before]} s, save calls {[round(c, 2) for c in outcome.save_calls]} s, steps {steps} s, "
               f"drain {outcome.drain:.2f} s, fence {outcome.fence:.2f} s", flush=True)
         del contender
         shutil.rmtree(out, ignore_errors=True)
@@ -318,12 +320,15 @@ def main() -> None:
 
 def report(results: list[Outcome], threads: str, args: argparse.Namespace) -> None:
     """Stall per save: the save call plus the extra time of the steps after it, each against the
-    median step of the run without checkpointing."""
-    base = statistics.median(d for after in results[0].after for d in after)
+    median of the same contender's steps before its first save (so a machine whose speed drifts
+    during the run does not bias one contender)."""
+    base = statistics.median(results[0].before + [d for after in results[0].after for d in after])
     print(f"\nthreads={threads}: {args.saves} saves, {args.steps_between} steps apart; a step without "
           f"checkpointing: {base:.2f} s (median)")
-    stall = {r.name: statistics.mean(c + sum(d - base for d in after) for c, after in zip(r.save_calls, r.after))
-             for r in results}
+    stall = {}
+    for r in results:
+        own = statistics.median(r.before)
+        stall[r.name] = statistics.mean(c + sum(d - own for d in after) for c, after in zip(r.save_calls, r.after))
     header = (f"{'contender':<18} {'stall/save s':>12} {'HF / this':>10} {'save call s':>11} {'fence s':>8} "
               f"{'drain s':>8} {'GB/save':>8}")
     print(header)
@@ -332,8 +337,8 @@ def report(results: list[Outcome], threads: str, args: argparse.Namespace) -> No
         ratio = stall["HF Trainer"] / stall[r.name] if stall[r.name] > 0 else float("inf")
         print(f"{r.name:<18} {stall[r.name]:>12.3f} {ratio:>10.1f} {statistics.mean(r.save_calls):>11.3f} "
               f"{r.fence / len(r.save_calls):>8.3f} {r.drain:>8.2f} {r.bytes / 1e9:>8.2f}")
-    print(f"(none row, the baseline: mean stall {stall['none']:+.3f} s: the noise floor of this estimate; "
-          "stall/save: the save call plus the extra time of the steps after it, vs the baseline's median step; "
+    print(f"(none row, no checkpointing: {stall['none']:+.3f} s, the noise floor of this estimate; "
+          "stall/save: the save call plus the extra time of the steps after it, vs the contender's own steps before; "
           "fence: optimizer steps' wait for the copies, per save; target for ours async: >= 50x less than HF at threads=1)")
 
 

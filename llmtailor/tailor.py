@@ -418,7 +418,8 @@ class Tailor:
         own = self.run.read_rank_state(composite.step, rank) if rank < saved else None
         if own is None:
             return self.run.read_rank_state(composite.step, 0)["extra"], tuple(unmapped)
-        self.provider.load_rank(own)
+        if not self.provider.load_rank(own):
+            unmapped.append("the snapshot holds no RNG state (imported from a checkpoint that keeps none): RNG streams left as they were")
         return own.get("extra"), tuple(unmapped)
 
     def _problems_of(self, step: int) -> list[str]:

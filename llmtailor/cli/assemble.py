@@ -1,5 +1,6 @@
-"""``llmtailor assemble RUN [--step N] --format hf -o OUT``: write a composite in another
-checkpoint format (Hugging Face Trainer's ``checkpoint-N/`` today).
+"""``llmtailor assemble RUN [--step N] --format hf|deepspeed -o OUT``: write a composite in
+another checkpoint format: Hugging Face Trainer's ``checkpoint-N/``, or a DeepSpeed universal
+checkpoint.
 
 Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
 
@@ -14,13 +15,19 @@ import typer
 
 class ExportFormat(str, Enum):
     hf = "hf"
+    deepspeed = "deepspeed"
 
 
 def assemble(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write checkpoint-<step>/ into.")],
     format: Annotated[
-        ExportFormat, typer.Option("--format", help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from.")
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from; deepspeed: a universal "
+            "checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size, 'load_universal': true).",
+        ),
     ] = ExportFormat.hf,
     step: Annotated[int | None, typer.Option("--step", help="Composite as of this step (default: newest).")] = None,
     train_batch_size: Annotated[
@@ -37,7 +44,12 @@ def assemble(
 
     run = _existing_run(run_dir)
     with unit_progress(console, "reading units") as progress:
-        target = export_hf(run, step, out, progress=progress, train_batch_size=train_batch_size)
+        if format is ExportFormat.deepspeed:
+            from llmtailor.interop.deepspeed_export import export_deepspeed
+
+            target = export_deepspeed(run, step, out, progress=progress)
+        else:
+            target = export_hf(run, step, out, progress=progress, train_batch_size=train_batch_size)
     console.print(f"[green]wrote[/] {target}")
 
 

@@ -16,15 +16,18 @@ waits only for the copies; the last save is waited for when ``train`` returns).
 
 Launched with ``torchrun`` (DDP on several processes), every process takes part in each save:
 the units are spread over the ranks, each writes its share and its own RNG states, and one
-manifest commits them (``llmtailor.providers.local``).
+manifest commits them (``llmtailor.providers.local``). With ``TrainingArguments(deepspeed=...)``
+the Tailor is given the DeepSpeed engine (``llmtailor.providers.deepspeed``): each rank writes
+its own ZeRO fragments.
 
 Resume, in place: ``train(resume_from_checkpoint=True)`` (or the path of a tailored run
 directory) hands Trainer a small directory holding only the composite's ``trainer_state.json``,
 so Trainer restores global step, epoch, batches to skip, log history, best metric and
 callbacks' state with its own code; where Trainer would load weights, optimizer and scheduler
 from files, ``Tailor.restore`` loads the composite into the live model, optimizer and
-scheduler instead, and where Trainer would load its RNG file, this rank's saved RNG states are
-set. No full checkpoint is exported. Without a committed snapshot, ``resume_from_checkpoint=True``
+scheduler instead (under DeepSpeed: into the engine Trainer built, in place of
+``deepspeed_load_checkpoint``), and where Trainer would load its RNG file, this rank's saved RNG
+states are set. No full checkpoint is exported. Without a committed snapshot, ``resume_from_checkpoint=True``
 falls back to Trainer's own ``checkpoint-N/`` directories in ``output_dir`` and, if there are
 none, starts from scratch (so one script serves the first run and every restart); a path to an
 ordinary ``checkpoint-N/`` directory goes to Trainer unchanged.
@@ -37,6 +40,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -115,15 +120,20 @@ class TailorTrainer(transformers.Trainer):
         if self._tailor is None:
             self._tailor = Tailor(
                 self.tailor_run_dir,
-                self.model,
-                self.optimizer,
-                self.lr_scheduler,
+                *self._live_objects(),
                 self.tailor_policy,
                 keep=self.tailor_keep,
                 async_save=self.tailor_async,
                 timeout=self.tailor_timeout,
             )
         return self._tailor
+
+    def _live_objects(self) -> tuple[Any, Any, Any]:
+        """(model, optimizer, scheduler) as Tailor takes them: under DeepSpeed, the engine
+        (which holds the optimizer) and Trainer's scheduler."""
+        if self.is_deepspeed_enabled:
+            return self.model_wrapped, None, self.lr_scheduler
+        return self.model, self.optimizer, self.lr_scheduler
 
     # -- resuming ----------------------------------------------------------------------------
 
@@ -144,7 +154,8 @@ class TailorTrainer(transformers.Trainer):
             (scratch / TRAINER_STATE_NAME).write_text(
                 trainer_state_json(state.get("extra"), step, self.args.per_device_train_batch_size), encoding="utf-8"
             )
-            return super().train(str(scratch), *args, **kwargs)
+            with _deepspeed_loads_nothing_from(scratch):
+                return super().train(str(scratch), *args, **kwargs)
         finally:
             if self._resume is not None:
                 shutil.rmtree(self._resume[2], ignore_errors=True)
@@ -167,7 +178,7 @@ class TailorTrainer(transformers.Trainer):
             self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
         else:
             # Another run: loaded from there; this run's own snapshots start a lineage (full first).
-            with Tailor(run.root, self.model, self.optimizer, self.lr_scheduler, timeout=self.tailor_timeout) as source:
+            with Tailor(run.root, *self._live_objects(), timeout=self.tailor_timeout) as source:
                 source.restore(step)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
@@ -177,7 +188,7 @@ class TailorTrainer(transformers.Trainer):
         # it earlier, and data loading may have drawn from it since).
         run, step, _ = self._resume
         own = run.read_rank_state(step, self.args.process_index)
-        if own is not None:
+        if own is not None and own.get("rng") is not None:
             restore_rng(own["rng"])
 
     def _tailored_run(self, resume_from_checkpoint: str | bool | None) -> Run | None:
@@ -197,3 +208,24 @@ class TailorTrainer(transformers.Trainer):
                 self._tailor.close()
             finally:
                 self._tailor = None
+
+
+@contextmanager
+def _deepspeed_loads_nothing_from(scratch: Path) -> Iterator[None]:
+    """Under DeepSpeed, Trainer loads a resumed checkpoint into the engine with the module-level
+    ``deepspeed_load_checkpoint``, which has no method to override: for our resume directory it
+    does nothing (``_load_optimizer_and_scheduler`` restores the composite into the engine)."""
+    import transformers.trainer as trainer_module
+
+    original = trainer_module.deepspeed_load_checkpoint
+
+    def load(engine: Any, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
+        if Path(checkpoint_path) == scratch:
+            return None
+        return original(engine, checkpoint_path, *args, **kwargs)
+
+    trainer_module.deepspeed_load_checkpoint = load
+    try:
+        yield
+    finally:
+        trainer_module.deepspeed_load_checkpoint = original

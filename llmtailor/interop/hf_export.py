@@ -115,7 +115,8 @@ def export_hf(
             _save_torch(tmp / OPTIMIZER_FILE, positional_state_dict(groups, per_param))
             _save_torch(tmp / SCHEDULER_FILE, scheduler)
         del per_param
-        _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
+        if state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
+            _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
         _write_text(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), step, train_batch_size))
         fsync_dir(tmp)
         if target.exists():  # os.rename would replace an empty directory created meanwhile

@@ -3,6 +3,14 @@
 Model families are JSON data in ``families/``; one generic code path in ``layout.py`` reads them.
 """
 
-from llmtailor.layouts.layout import FamilySpec, Layout, build_layout, list_families, load_family, unit_rank
+from llmtailor.layouts.layout import (
+    FamilySpec,
+    Layout,
+    build_layout,
+    layout_from_names,
+    list_families,
+    load_family,
+    unit_rank,
+)
 
-__all__ = ["FamilySpec", "Layout", "build_layout", "list_families", "load_family", "unit_rank"]
+__all__ = ["FamilySpec", "Layout", "build_layout", "layout_from_names", "list_families", "load_family", "unit_rank"]

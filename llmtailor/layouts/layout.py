@@ -213,6 +213,17 @@ def build_layout(model: torch.nn.Module, family: str | None = None) -> Layout:
     return Layout(spec.family, units, aliases)
 
 
+def layout_from_names(names: list[str], family: str = GENERIC, aliases: dict[str, str] | None = None) -> Layout:
+    """The layout of a model known only by its tensor names (in model order), e.g. from a
+    checkpoint without a model config; ``aliases`` maps tied names to their canonical one."""
+    spec = load_family(family)
+    units: dict[str, list[str]] = {}
+    for name in names:
+        if name not in (aliases or {}):
+            units.setdefault(spec.unit_for(name), []).append(name)
+    return Layout(spec.family, units, dict(aliases or {}))
+
+
 def _detect_family(model: torch.nn.Module) -> FamilySpec:
     # Pre-order, so the outermost config wins; wrappers (DDP, torch.compile, PEFT) hold the HF model.
     types = (getattr(getattr(m, "config", None), "model_type", None) for m in model.modules())

@@ -123,10 +123,14 @@ class StateProvider(ABC):
         and per-parameter optimizer state), then optimizer groups and LR scheduler from
         ``shared`` (the composite step's global state). Reads one unit at a time."""
 
-    def load_rank(self, state: dict[str, Any]) -> None:
-        """Set this rank's own state (RNG streams) from what ``capture_rank`` saved."""
+    def load_rank(self, state: dict[str, Any]) -> bool:
+        """Set this rank's own state (RNG streams) from what ``capture_rank`` saved; False when
+        the snapshot holds none (an import from a format that keeps no RNG state)."""
+        if state.get("rng", ...) is None:
+            return False
         with loading("RNG state", None):
             rng.restore_rng(state["rng"])
+        return True
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -2,10 +2,11 @@
 
     python hf_job.py --out DIR --result FILE [--trainer tailor|vanilla] [--policy full|parity]
         [--family llama|qwen2] [--tie] [--max-steps 12] [--save-steps 4] [--crash-at STEP]
-        [--resume true|PATH] [--dump FILE] [--async]
+        [--resume true|PATH] [--dump FILE] [--async] [--deepspeed STAGE]
 
 Under ``torchrun --nproc_per_node N`` it is a DDP job (gloo, CPU): each process trains on its
-share of the batches, and only rank 0 writes the result file.
+share of the batches, and only rank 0 writes the result file. --deepspeed STAGE runs Trainer
+with DeepSpeed ZeRO (CPU: launch with DS_ACCELERATOR=cpu under torchrun).
 
 --trainer vanilla imports no llmtailor code at all (checked at the end): the model is built from
 the checkpoint's config.json. --crash-at SIGKILLs the process right after the save of that step.
@@ -121,7 +122,16 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--dump")
     parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--deepspeed", type=int, choices=[1, 2, 3])
     args = parser.parse_args()
+    deepspeed_config = None
+    if args.deepspeed:
+        import importlib
+
+        # The shared-memory collective DeepSpeed compiles at start-up (~90 s) serves inference only.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        deepspeed_config = {"zero_optimization": {"stage": args.deepspeed}, "train_micro_batch_size_per_gpu": "auto",
+                            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9}
 
     torch.set_num_threads(1)
     resume = {"true": True, None: None}.get(args.resume, args.resume)
@@ -135,7 +145,7 @@ def main() -> None:
     training_args = transformers.TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=2, max_steps=args.max_steps, save_steps=args.save_steps,
         logging_steps=1, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, learning_rate=3e-3,
-        weight_decay=0.01, warmup_steps=2, disable_tqdm=True, save_total_limit=None,
+        weight_decay=0.01, warmup_steps=2, disable_tqdm=True, save_total_limit=None, deepspeed=deepspeed_config,
     )
     recorder = Recorder(args)
     common = dict(model=model, args=training_args, train_dataset=Windows(), callbacks=[recorder])

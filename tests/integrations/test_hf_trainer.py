@@ -32,7 +32,7 @@ def job(out: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 
     ]
     proc = subprocess.run(
         [*launch, "--out", str(out), "--result", str(result), *flags],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
     )
     if crash:
         # SIGKILLed right after its save (under torchrun, the launcher then stops every rank)
@@ -146,6 +146,24 @@ def test_ddp_under_torchrun_crash_and_resume_bit_for_bit(tmp_path):
     resumed = job(tmp_path / "run", tmp_path / "resumed.json", "--resume", "true", nproc=2)
     assert resumed["global_step"] == LAST
     assert resumed["losses"] == reference["losses"] and resumed["params"] == reference["params"]
+    assert resumed["batches"] == {s: reference["batches"][s] for s in resumed["batches"]}
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_under_torchrun_crash_and_resume_in_place_bit_for_bit(tmp_path):
+    """HF Trainer + DeepSpeed ZeRO-3, two processes: TailorTrainer saves from the engine on
+    Trainer's schedule; after a SIGKILL of the job it resumes in place (the composite loaded
+    into the engine Trainer built, no checkpoint exported) and logs the same losses as an
+    uninterrupted job, bit for bit."""
+    pytest.importorskip("deepspeed")
+    reference = job(tmp_path / "ref", tmp_path / "ref.json", "--deepspeed", "3", nproc=2)
+    job(tmp_path / "run", tmp_path / "crashed.json", "--deepspeed", "3", "--crash-at", str(CRASH_AT), crash=True, nproc=2)
+    run = Run(tmp_path / "run" / "tailored")
+    assert run.steps() == [4, CRASH_AT]
+    assert run.manifest(CRASH_AT).provider == "deepspeed" and run.manifest(CRASH_AT).notes["zero_stage"] == 3
+    resumed = job(tmp_path / "run", tmp_path / "resumed.json", "--deepspeed", "3", "--resume", "true", nproc=2)
+    assert resumed["global_step"] == LAST and run.steps() == [4, CRASH_AT, LAST]
+    assert resumed["losses"] == reference["losses"]
     assert resumed["batches"] == {s: reference["batches"][s] for s in resumed["batches"]}
 
 

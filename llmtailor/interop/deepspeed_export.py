@@ -1,0 +1,155 @@
+"""Export a composite as a DeepSpeed *universal* checkpoint, which ``engine.load_checkpoint``
+loads into ZeRO-1/2 engines of any world size (DeepSpeed config ``"checkpoint":
+{"load_universal": true}``).
+
+Written (DeepSpeed's own universal layout, as ``deepspeed.checkpoint.ds_to_universal`` makes
+it; ``.pt`` files written with ``torch.save``, as DeepSpeed reads them)::
+
+    OUT/latest_universal                            the tag, ``global_step<N>``
+    OUT/global_step<N>/mp_rank_00_model_states.pt   module weights (the fp32 masters), parameter
+                                                    names and shapes by optimizer group, tied
+                                                    names, buffers, LR scheduler, global step
+    OUT/global_step<N>/zero/<name>/fp32.pt          {"param": master, "cat_dim": 0}
+    OUT/global_step<N>/zero/<name>/<key>.pt         each optimizer state tensor, likewise
+    OUT/global_step<N>/zero/<name>/step.pt          the optimizer step of the parameter's group
+    OUT/global_step<N>/zero/optimizer_state.pt      the groups' hyperparameters
+
+DeepSpeed keeps one step per group: each group gets the composite's own step (the step of its
+parameters saved at the composite's step), as a restore into an engine does. Every
+parameter's optimizer state must be in the composite (one optimizer group per saved
+group, matched by names). ZeRO-3 engines load universal checkpoints through per-rank optimizer
+files this layout does not have: restore those with ``Tailor(run, engine).restore()`` (any
+stage, any world size) instead. The directory appears whole (written under a temporary name,
+renamed) or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtailor.errors import ConfigError, IncompatibleModelError
+from llmtailor.interop.hf_export import Progress
+from llmtailor.layouts import Layout
+from llmtailor.store.files import fsync_dir
+from llmtailor.store.keys import split_unit
+from llmtailor.store.run import Run
+
+LATEST = "latest_universal"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progress: Progress | None = None) -> Path:
+    """Write the composite of ``step`` (default: the newest) as a universal checkpoint in
+    ``out_dir`` and return its ``global_step<N>`` directory. Reads one unit at a time."""
+    out_dir = Path(out_dir)
+    composite = run.resolve(step)
+    step = composite.step
+    layout = Layout.from_record(composite.manifest.layout)
+    state = run.read_global(step)
+    groups = state.get("optimizer_groups")
+    if not groups:
+        raise ConfigError(f"{run.root}: the snapshot of step {step} holds no optimizer state; a DeepSpeed checkpoint needs it")
+    tag = f"global_step{step}"
+    target = out_dir / tag
+    if target.exists():
+        raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=out_dir))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        module: dict[str, torch.Tensor] = OrderedDict()
+        shapes: dict[str, torch.Size] = {}
+        buffers = []
+        trainable = {name for group in groups for name in group["params"]}
+        steps: dict[str, float] = {}
+        for done, unit in enumerate(layout.units, start=1):
+            weights, per_param = split_unit(unit, layout.units[unit], *run.read_unit(composite.sources[unit], unit))
+            for name, weight in weights.items():
+                module[name] = weight
+                shapes[name] = weight.shape
+                if name not in trainable:
+                    buffers.append(name)
+                    continue
+                entries = per_param.get(name)
+                if not entries:
+                    raise IncompatibleModelError(f"composite of step {step}: {name!r} has no optimizer state to export")
+                folder = tmp / "zero" / name
+                folder.mkdir(parents=True)
+                _save(folder / "fp32.pt", {"param": weight.float(), "cat_dim": 0})
+                for key, value in entries.items():
+                    if key == "step":
+                        steps[name] = float(value)
+                    elif isinstance(value, torch.Tensor) and value.shape == weight.shape:
+                        _save(folder / f"{key}.pt", {"param": value.float(), "cat_dim": 0})
+            if progress is not None:
+                progress(unit, done, len(layout.units))
+        # DeepSpeed holds one step per group: the composite's own (see providers.deepspeed).
+        for group in groups:
+            own = [steps[n] for n in group["params"] if n in steps and composite.sources[layout.unit_of(n)] == step]
+            value = max(own or [steps[n] for n in group["params"] if n in steps] or [0.0])
+            for name in group["params"]:
+                _save(tmp / "zero" / name / "step.pt", torch.tensor(value))
+        _save(tmp / "zero" / "optimizer_state.pt", {
+            "ds_version": _ds_version(),
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]} for i, g in enumerate(groups)],
+        })
+        _save(tmp / MODEL_STATES, _model_states(module, shapes, groups, buffers, layout, state, step))
+        fsync_dir(tmp)
+        if target.exists():
+            raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
+        os.rename(tmp, target)
+        latest = out_dir / LATEST
+        latest.write_text(tag, encoding="utf-8")
+        fsync_dir(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _ds_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def _model_states(module, shapes, groups, buffers, layout: Layout, state: dict[str, Any], step: int) -> dict[str, Any]:
+    return {
+        "module": module,
+        "buffer_names": buffers,
+        "optimizer": None,
+        "param_shapes": [OrderedDict((name, shapes[name]) for name in group["params"]) for group in groups],
+        "frozen_param_shapes": None,
+        "shared_params": dict(layout.aliases),
+        "frozen_param_fragments": None,
+        "lr_scheduler": state.get("lr_scheduler"),
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": step,
+        "global_samples": 0,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": {},
+        "ds_version": _ds_version(),
+    }
+
+
+def _save(path: Path, obj: Any) -> None:
+    torch.save(obj, path)
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,262 @@
+"""Import a DeepSpeed checkpoint (``engine.save_checkpoint``'s ``global_stepN/``) as a snapshot.
+
+The result is one committed Full snapshot at DeepSpeed's ``global_steps``, written by the
+store's own writer, with the units a ``DeepSpeedProvider`` writes: ``master/<name>`` (the fp32
+master), ``optim/<name>/<key>`` (every optimizer state tensor) and ``optim/<name>/step`` (the
+step of the parameter's group), plus buffers as ``weight/<name>``. So ``inspect``, ``verify``,
+``assemble``, merge plans and restores (into an engine of any stage and world size, or into a
+plain torch model) treat it like any snapshot.
+
+How it is read — DeepSpeed's own readers, on an explicit import only (its files are pickles,
+loaded with ``weights_only=False``; a restore never reads them):
+
+- ``deepspeed.checkpoint.ds_to_universal`` turns the ZeRO-1/2/3 shards into one file per
+  parameter and state (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...), in a scratch directory
+  beside the run, removed afterwards (one temporary copy of the checkpoint);
+- the model-states file gives the global step, the LR scheduler's state, the parameter names by
+  group in order (``param_shapes``), tied names (``shared_params``) and buffers; the rank-0
+  optimizer-states file gives each group's hyperparameters and step.
+
+The layout comes from a Hugging Face ``config.json`` when one is given or found beside the
+checkpoint (an HF Trainer + DeepSpeed ``checkpoint-N/`` holds one); otherwise from the names
+(``--family``, default: the name-based fallback). DeepSpeed saves no RNG state: the snapshot
+holds none, and a restore leaves the RNG streams alone and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.interop.hf_export import Progress, meta_model
+from llmtailor.layouts import Layout, build_layout, layout_from_names
+from llmtailor.store import codec
+from llmtailor.store.keys import master_key, optim_key, weight_key
+from llmtailor.store.lock import WriterLock
+from llmtailor.store.run import Run
+from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
+
+STEP_DIR = re.compile(r"global_step(\d+)")
+
+
+def find_step_dir(path: Path) -> Path:
+    """``global_stepN/`` itself, or the one a DeepSpeed save directory's ``latest`` names."""
+    if STEP_DIR.fullmatch(path.name) and path.is_dir():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        tag = latest.read_text(encoding="utf-8").strip()
+        if (path / tag).is_dir():
+            return path / tag
+        raise IntegrityError(f"{latest} names {tag!r}, which is not a directory in {path}")
+    tags = sorted((p for p in path.glob("global_step*") if STEP_DIR.fullmatch(p.name)), key=lambda p: int(p.name[11:]))
+    if tags:
+        return tags[-1]
+    raise ConfigError(f"{path}: not a DeepSpeed checkpoint (no global_stepN/ directory, no 'latest' file)")
+
+
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    try:
+        step_dir = find_step_dir(path)
+    except TailorError:
+        return False
+    return any(step_dir.glob("*optim_states.pt"))
+
+
+def import_deepspeed(
+    checkpoint: str | Path,
+    run_dir: str | Path,
+    *,
+    config: str | Path | None = None,
+    family: str | None = None,
+    progress: Progress | None = None,
+) -> int:
+    """Write the DeepSpeed checkpoint ``checkpoint`` into ``run_dir`` (new or without snapshots)
+    as one committed snapshot and return its step (module docstring)."""
+    step_dir = find_step_dir(Path(checkpoint))
+    run = Run(run_dir)
+    if run.steps():
+        raise ConfigError(f"{run.root} already holds snapshots (steps {run.steps()}); import into a new or empty run directory")
+    model_states = _model_states(step_dir)
+    step = model_states.get("global_steps")
+    if not isinstance(step, int) or step < 0:
+        raise IntegrityError(f"{step_dir}: the model states hold no global step ({step!r})")
+    groups_shapes = model_states.get("param_shapes")
+    if not isinstance(groups_shapes, list) or not groups_shapes:
+        raise IntegrityError(f"{step_dir}: the model states hold no parameter names ('param_shapes')")
+    names = [name for group in groups_shapes for name in group]
+    shapes = {name: tuple(shape) for group in groups_shapes for name, shape in group.items()}
+    aliases = {alias: target for alias, target in (model_states.get("shared_params") or {}).items() if target in shapes}
+    buffers = {n: t for n, t in (model_states.get("module") or {}).items() if n in set(model_states.get("buffer_names") or [])}
+    hf_config = _find_config(Path(checkpoint), step_dir, config)
+    layout = _layout(hf_config, [*names, *buffers], aliases, family, step_dir)
+    hyper, group_steps, stage = _optimizer_groups(step_dir)
+    if len(hyper) != len(groups_shapes):
+        raise IntegrityError(f"{step_dir}: {len(hyper)} optimizer groups but {len(groups_shapes)} groups of parameters")
+    state = {
+        "step": step,
+        "optimizer_groups": [{**h, "params": list(g)} for h, g in zip(hyper, groups_shapes)],
+        "lr_scheduler": model_states.get("lr_scheduler"),
+        "rng": None,
+        "model_config": hf_config,
+        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps)},
+        "extra": {"imported_from": str(step_dir)},
+    }
+    global_doc, global_tensors = codec.encode(state, where=f"{step_dir}: global state")
+    group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
+
+    scratch_parent = run.root.parent
+    scratch_parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
+    try:
+        _to_universal(step_dir, scratch / "universal", stage)
+        staged = StagedSnapshot(
+            step=step, parent=None, save_index=0, policy=f"imported from {step_dir}", layout=layout.to_record(),
+            units=_stream_units(layout, scratch / "universal" / "zero", shapes, buffers, group_of, group_steps),
+            composite={unit: step for unit in layout.units}, global_doc=global_doc, global_tensors=global_tensors,
+            provider="deepspeed", notes={"imported_from": str(step_dir), "zero_stage": stage},
+        )
+        lock = WriterLock(run.root)
+        lock.acquire()
+        try:
+            persist(run, staged, on_unit=counting(progress, len(layout.units)))
+        finally:
+            lock.release()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return step
+
+
+# -- DeepSpeed's files ------------------------------------------------------------------------
+
+
+def _load(path: Path) -> Any:
+    """A DeepSpeed pickle: the user's own file, read on an explicit import only."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # truncated, not a torch file, a class that no longer exists
+        raise IntegrityError(f"{path}: cannot be loaded ({type(err).__name__}: {err})") from None
+
+
+def _model_states(step_dir: Path) -> dict[str, Any]:
+    files = sorted(step_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise IntegrityError(f"{step_dir}: no *model_states.pt file (not written by engine.save_checkpoint?)")
+    states = _load(files[0])
+    if not isinstance(states, dict):
+        raise IntegrityError(f"{files[0]}: expected a dict, found {type(states).__name__}")
+    return states
+
+
+def _optimizer_groups(step_dir: Path) -> tuple[list[dict[str, Any]], list[Any], int]:
+    """Hyperparameters of each group, its step, and the ZeRO stage (rank 0's optimizer file)."""
+    files = sorted(step_dir.glob("*rank_0_*optim_states.pt")) or sorted(step_dir.glob("*optim_states.pt"))
+    if not files:
+        raise IntegrityError(f"{step_dir}: no *optim_states.pt file; a checkpoint without optimizer state cannot resume")
+    saved = _load(files[0]).get("optimizer_state_dict", {})
+    stage = int(saved.get("zero_stage", 3 if "fp32_flat_groups" in saved else 2))
+    base = saved.get("base_optimizer_state") if stage < 3 else saved.get("optimizer_state_dict")
+    if not isinstance(base, dict) or "param_groups" not in base:
+        raise IntegrityError(f"{files[0]}: no base optimizer state with param groups")
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+    states = base.get("state", {})
+    steps = [states.get(i, {}).get("step") for i in range(len(hyper))]
+    if isinstance(states, list):
+        steps = [s.get("step") for s in states]
+    return hyper, steps, stage
+
+
+def _to_universal(step_dir: Path, out: Path, stage: int) -> None:
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=stage < 3)
+    noise = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
+            ds_to_universal(args)
+    except Exception as err:  # DeepSpeed's reader refusing the checkpoint
+        raise IntegrityError(f"{step_dir}: DeepSpeed's ds_to_universal cannot read it ({type(err).__name__}: {err})") from None
+
+
+def _find_config(checkpoint: Path, step_dir: Path, config: str | Path | None) -> dict[str, Any] | None:
+    candidates = [Path(config)] if config is not None else [step_dir.parent / "config.json", checkpoint / "config.json"]
+    for path in candidates:
+        if path.is_file():
+            try:
+                return json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"{path}: not readable JSON ({err})") from None
+    if config is not None:
+        raise ConfigError(f"{config}: no such config file")
+    return None
+
+
+def _layout(config: dict[str, Any] | None, names: list[str], aliases: dict[str, str], family: str | None, where: Path) -> Layout:
+    if config is not None:
+        layout = build_layout(meta_model(config), family)
+        missing = sorted(set(layout.tensor_names()) - set(names))
+        extra = sorted(set(names) - set(layout.tensor_names()) - set(layout.aliases))
+        if missing or extra:
+            raise IncompatibleModelError(
+                f"{where} does not fit its model config: lacks {missing[:3]}, has {extra[:3]} that the config's model lacks"
+            )
+        return layout
+    return layout_from_names(names, family or "generic", aliases)
+
+
+def _universal_tensor(folder: Path, name: str, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    path = folder / name / f"{key}.pt"
+    if not path.is_file():
+        return None
+    loaded = _load(path)
+    tensor = loaded.get("param") if isinstance(loaded, dict) else loaded
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() != torch.Size(shape).numel():
+        raise IntegrityError(f"{path}: expected a tensor of {list(shape)} elements")
+    return tensor.reshape(shape).contiguous()
+
+
+def _stream_units(
+    layout: Layout,
+    folder: Path,
+    shapes: dict[str, tuple[int, ...]],
+    buffers: dict[str, torch.Tensor],
+    group_of: dict[str, int],
+    group_steps: list[Any],
+) -> Iterator[StagedUnit]:
+    """One unit at a time, read from the universal checkpoint's per-parameter files."""
+    for unit, names in layout.units.items():
+        tensors: dict[str, torch.Tensor] = {}
+        values: dict[str, dict[str, Any]] = {}
+        for name in names:
+            if name in buffers:
+                tensors[weight_key(name)] = buffers[name].detach().contiguous()
+                continue
+            master = _universal_tensor(folder, name, "fp32", shapes[name])
+            if master is None:
+                raise IntegrityError(f"{folder}: DeepSpeed's conversion holds no fp32 master of {name!r}")
+            tensors[master_key(name)] = master
+            for path in sorted((folder / name).glob("*.pt")):
+                key = path.stem
+                if key in ("fp32", "step"):
+                    continue
+                state = _universal_tensor(folder, name, key, shapes[name])
+                if state is not None:
+                    tensors[optim_key(name, key)] = state
+            step = group_steps[group_of[name]]
+            if isinstance(step, torch.Tensor):
+                tensors[optim_key(name, "step")] = step.detach().clone().float().reshape(())
+            elif step is not None:
+                values.setdefault(name, {})["step"] = codec.plain_value(step, f"optimizer step of {name}")
+        yield StagedUnit.whole(unit, tensors, values)

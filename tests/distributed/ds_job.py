@@ -1,0 +1,204 @@
+"""DeepSpeed jobs for the tests: ZeRO-1/2/3 engines on gloo, CPU, real processes.
+
+    DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node N ds_job.py SCENARIO DIR [STAGE]
+
+Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
+
+``save``  ZeRO-STAGE. A tiny Llama with a client ``torch.optim.AdamW`` in HF Trainer's decay /
+    no-decay groups trains steps 1..6, a Parity ``Tailor(DIR/parity, engine)`` saving every 2
+    steps; at every save, rank 0 writes every master and optimizer state, whole (DeepSpeed's own
+    accessors), to ``DIR/versions/<step>``. Then a Full run: saved at 4, continued to 8, and a
+    fresh engine from another seed restored from it and trained 5..8: losses compared bitwise.
+    Then ``DIR/parity`` is restored into a fresh engine and compared.
+``restore``  ZeRO-STAGE at this world size: restore ``DIR/parity`` and compare.
+``bf16``  ZeRO-STAGE with bf16 weights and fp32 masters: Parity saves into ``DIR/bf16``, a
+    restore into a fresh engine; masters compared with the versions, and the bf16 weights with
+    the masters cast.
+``checkpoint``  ZeRO-STAGE: 3 steps, then DeepSpeed's own ``engine.save_checkpoint(DIR/ds)``
+    (with the model's ``config.json`` beside it, as HF Trainer writes one) and the versions.
+``universal``  ZeRO-STAGE: ``engine.load_checkpoint(DIR/universal)`` with DeepSpeed's
+    ``load_universal``; every master and state compared with ``DIR/ds/versions``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+# The shared-memory collective DeepSpeed compiles at start-up (~90 s) serves inference only.
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+from llmtailor import Full, Parity, Tailor  # noqa: E402
+from llmtailor.layouts import build_layout  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
+from llmtailor.training_example import batch_at, corpus_tokens, hf_param_groups  # noqa: E402
+
+TOKENS = corpus_tokens()
+
+
+def rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def model_config():
+    return transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                    eos_token_id=None, pad_token_id=None)
+
+
+def engine(stage: int, seed: int, bf16: bool = False):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(model_config())
+    optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    return engine
+
+
+def train(engine, steps) -> list[str]:
+    losses = []
+    for step in steps:
+        batch = batch_at(TOKENS, step * 100 + rank(), 2, 32)
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item().hex())
+    return losses
+
+
+def versions(engine) -> dict[str, torch.Tensor]:
+    """Every master and optimizer state tensor, whole, through DeepSpeed's accessors (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero = engine.optimizer
+    if hasattr(zero, "_hp_optimizer_states_linked"):  # (re)link its per-parameter state views
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, param in engine.module.named_parameters():
+        out[f"master/{name}"] = safe_get_full_fp32_param(param).detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"optim/{name}/{key}"] = safe_get_full_optimizer_state(param, key).detach().clone()
+    return out
+
+
+def write_versions(out: Path, step: int, engine) -> None:
+    values = versions(engine)
+    if rank() == 0:
+        (out / "versions").mkdir(parents=True, exist_ok=True)
+        save_file(values, str(out / "versions" / f"{step}.safetensors"))
+
+
+def compare_with_composite(out: Path, run_dir: Path, values: dict[str, torch.Tensor], module) -> list[str]:
+    composite = Run(run_dir).resolve()
+    layout = build_layout(module)
+    saved = {s: load_file(str(out / "versions" / f"{s}.safetensors")) for s in set(composite.sources.values())}
+    return [key for key, value in values.items()
+            if not torch.equal(value, saved[composite.sources[layout.unit_of(key.split("/")[1])]][key])]
+
+
+def save_scenario(out: Path, stage: int) -> dict:
+    e = engine(stage, seed=0)
+    tailor = Tailor(out / "parity", e, policy=Parity(), timeout=60)
+    saves = []
+    for step in range(1, 7):
+        train(e, [step])
+        if step % 2 == 0:
+            report = tailor.save(step, extra={"rank": rank()})
+            write_versions(out, step, e)
+            saves.append({"step": step, "bytes": report.bytes, "rank_bytes": report.rank_bytes})
+    tailor.close()
+    result = {"saves": saves}
+
+    full = engine(stage, seed=0)
+    with Tailor(out / "full", full, policy=Full(), timeout=60) as tailor:
+        train(full, range(1, 5))
+        tailor.save(4)
+        result["uninterrupted"] = train(full, range(5, 9))
+    fresh = engine(stage, seed=7)
+    Tailor(out / "full", fresh, timeout=60).restore()
+    result["resumed"] = train(fresh, range(5, 9))
+    result.update(restore_scenario(out, stage))
+    return result
+
+
+def restore_scenario(out: Path, stage: int) -> dict:
+    e = engine(stage, seed=5)
+    report = Tailor(out / "parity", e, timeout=60).restore()
+    return {"restored": report.step, "extra": report.extra,
+            "mismatches": compare_with_composite(out, out / "parity", versions(e), e.module)}
+
+
+def bf16_scenario(out: Path, stage: int) -> dict:
+    e = engine(stage, seed=0, bf16=True)
+    with Tailor(out / "bf16", e, policy=Parity(), timeout=60) as tailor:
+        for step in range(1, 5):
+            train(e, [step])
+            if step % 2 == 0:
+                tailor.save(step)
+                write_versions(out / "bf16-versions", step, e)
+    fresh = engine(stage, seed=5, bf16=True)
+    Tailor(out / "bf16", fresh, timeout=60).restore()
+    values = versions(fresh)
+    mismatches = compare_with_composite(out / "bf16-versions", out / "bf16", values, fresh.module)
+    lp_dtypes, lp_mismatches = set(), []
+    for name, param in fresh.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=stage == 3):
+            lp = param.detach().clone()
+        lp_dtypes.add(str(lp.dtype))
+        if not torch.equal(lp, values[f"master/{name}"].to(lp.dtype)):
+            lp_mismatches.append(name)
+    return {"mismatches": mismatches, "lp_dtypes": sorted(lp_dtypes), "lp_mismatches": lp_mismatches}
+
+
+def checkpoint_scenario(out: Path, stage: int) -> dict:
+    e = engine(stage, seed=0)
+    train(e, [1, 2, 3])
+    e.save_checkpoint(str(out / "ds"))
+    values = versions(e)
+    if rank() == 0:
+        model_config().to_json_file(str(out / "ds" / "config.json"))
+        save_file(values, str(out / "ds" / "versions.safetensors"))
+    return {"global_steps": e.global_steps}
+
+
+def universal_scenario(out: Path, stage: int) -> dict:
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(model_config())
+    optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "checkpoint": {"load_universal": True}}
+    e, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    path, _ = e.load_checkpoint(str(out / "universal"))
+    values = versions(e)
+    reference = load_file(str(out / "ds" / "versions.safetensors"))
+    return {"loaded": path is not None, "global_steps": e.global_steps,
+            "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    stage = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    torch.set_num_threads(1)
+    deepspeed.init_distributed("gloo")
+    run = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
+           "checkpoint": checkpoint_scenario, "universal": universal_scenario}[scenario]
+    result = run(out, stage)
+    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
