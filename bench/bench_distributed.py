@@ -1,21 +1,26 @@
-"""A 2-rank FSDP2 save, side by side in one job: ours (Full, Parity) vs ``dcp.save`` of the full state.
+"""Distributed saves side by side in one job: ours vs the framework's own checkpoint.
 
-    .venv/bin/python bench/bench_distributed.py                       # launches itself with torchrun
+    .venv/bin/python bench/bench_distributed.py                          # FSDP2, 2 ranks: ours vs dcp.save
+    .venv/bin/python bench/bench_distributed.py --deepspeed 3            # ZeRO-3, 2 ranks: ours vs engine.save_checkpoint
     .venv/bin/python bench/bench_distributed.py --nproc 2 --layers 16 --hidden 1024 --repeats 3
 
-The model is a Llama-style one built from ``transformers.LlamaConfig`` (fp32, never
-downloaded), sharded with ``fully_shard`` per decoder layer and at the root on a gloo CPU mesh;
-AdamW (HF Trainer's decay / no-decay groups) has moments from one real training step.
-Contenders, taking turns within each repeat, every output deleted after it is measured:
+The model is a Llama-style one built from ``transformers.LlamaConfig`` (fp32, vocab 32000, MLP
+3.5x hidden: Llama-3.1-8B's proportions scaled down, never downloaded); AdamW in HF Trainer's
+decay / no-decay groups has moments from one real training step; gloo, CPU.
 
-- ``dcp.save``    ``torch.distributed.checkpoint.save`` of ``{"model": get_model_state_dict,
-                  "optim": get_optimizer_state_dict}`` (every rank writes its shards);
-- ``ours Full``   ``Tailor.save`` with the Full policy;
-- ``ours Parity`` the second save of a Parity run (save index 1: the odd layers + aux units).
+- FSDP2 (``fully_shard`` per decoder layer and at the root): ``dcp.save`` of
+  ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}`` vs ``Tailor.save``
+  with Full and Parity.
+- DeepSpeed (``--deepspeed STAGE``, the client AdamW, ``DS_ACCELERATOR=cpu``):
+  ``engine.save_checkpoint`` vs ``Tailor(run, engine).save`` with Full, Parity and Filter (the
+  paper's 4.3x / 2.8x comparison).
 
-Wall time per save runs from a barrier before the call to a barrier after ``os.sync()`` on
-every rank (our saves fsync every file, DCP's do not, so the synced time is the fair one).
-Bytes: the files each rank wrote. Medians over ``--repeats``; ratios against ``dcp.save``.
+Ours is measured on the second save of a run (its first is always full), so Parity writes the
+odd layers and Filter layers 0, 1, -2, -1, both with embed, norm and head. Contenders take
+turns within each repeat; every output is deleted after it is measured. Wall time per save runs
+from a barrier before the call to a barrier after ``os.sync()`` on every rank (our saves fsync
+every file, the others do not, so the synced time is the fair one). Bytes: the files each rank
+wrote. Medians over ``--repeats``; ratios against the framework's own save.
 """
 
 from __future__ import annotations
@@ -34,37 +39,81 @@ from pathlib import Path
 def launch(args: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
            "--worker", "--layers", str(args.layers), "--hidden", str(args.hidden), "--repeats", str(args.repeats),
-           "--out", str(args.out)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
+           "--out", str(args.out), "--deepspeed", str(args.deepspeed)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc)), "DS_ACCELERATOR": "cpu"}
     raise SystemExit(subprocess.call(cmd, env=env))
 
 
-def worker(args: argparse.Namespace) -> None:
+def build(args: argparse.Namespace):
+    """(what Tailor takes, the framework's own save(target) -> this rank's bytes, a description)."""
     import torch
     import torch.distributed as dist
+
+    from llmtailor.training_example import TinyConfig, batch_at, build_model, corpus_tokens, hf_param_groups
+
+    config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=16, kv_heads=8,
+                        intermediate_size=int(3.5 * args.hidden), seq_len=64, vocab_size=32000)
+    model = build_model(config, seed=0)
+    rank = dist.get_rank()
+    batch = batch_at(corpus_tokens(), rank, 1, 16)
+    if args.deepspeed:
+        import deepspeed
+
+        ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+                     "zero_optimization": {"stage": args.deepspeed}, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(hf_param_groups(model), lr=1e-4),
+                                          config=ds_config)
+        engine.backward(engine(input_ids=batch, labels=batch).loss)
+        engine.step()
+
+        def own_save(target: Path) -> int:
+            engine.save_checkpoint(str(target), tag="bench")
+            return sum(p.stat().st_size for p in (target / "bench").glob(f"*rank_{rank}_*"))
+
+        return (engine,), own_save, f"DeepSpeed ZeRO-{args.deepspeed}", "engine.save_checkpoint"
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from llmtailor import Full, Parity, Tailor
-    from llmtailor.training_example import TinyConfig, batch_at, build_model, corpus_tokens, hf_param_groups
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=16, kv_heads=8,
-                        intermediate_size=int(3.5 * args.hidden), seq_len=64, vocab_size=32000)
-    model = build_model(config, seed=0)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(hf_param_groups(model), lr=1e-4)
-    batch = batch_at(corpus_tokens(), rank, 1, 16)
     model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+    def own_save(target: Path) -> int:
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=str(target))
+        return sum(p.stat().st_size for p in target.glob(f"__{rank}_*.distcp"))
+
+    return (model, optimizer), own_save, "FSDP2", "dcp.save"
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from llmtailor import Filter, Full, Parity, Tailor
+
+    if args.deepspeed:
+        import importlib
+
+        import deepspeed
+
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # an inference-only op
+        deepspeed.init_distributed("gloo")
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    objects, own_save, setting, own_name = build(args)
     out = Path(args.out)
+    policies = {"ours Full": Full(), "ours Parity": Parity()}
+    if args.deepspeed:
+        policies["ours Filter"] = Filter()
 
     def timed(save) -> tuple[float, int]:
         dist.barrier()
@@ -76,31 +125,15 @@ def worker(args: argparse.Namespace) -> None:
         dist.barrier()
         return time.perf_counter() - start, written
 
-    def dcp_save(repeat: int) -> int:
-        target = out / f"dcp-{repeat}"
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=str(target))
-        return sum(p.stat().st_size for p in target.glob(f"__{rank}_*.distcp"))
-
-    def ours(policy, repeat: int, name: str):
-        run = out / f"{name}-{repeat}"
-        tailor = Tailor(run, model, optimizer, policy=policy, timeout=600)
-        if name == "parity":
-            tailor.save(1)  # the first save of a run is full; the measured one is the second
-
-        def save() -> int:
-            return tailor.save(2).rank_bytes
-
-        return tailor, save
-
-    results: dict[str, dict[str, list]] = {n: {"seconds": [], "bytes": []} for n in ("dcp.save", "ours Full", "ours Parity")}
+    results: dict[str, dict[str, list]] = {n: {"seconds": [], "bytes": []} for n in (own_name, *policies)}
     for repeat in range(args.repeats):
-        seconds, written = timed(lambda: dcp_save(repeat))
-        results["dcp.save"]["seconds"].append(seconds)
-        results["dcp.save"]["bytes"].append(written)
-        for name, policy in (("ours Full", Full()), ("ours Parity", Parity())):
-            tailor, save = ours(policy, repeat, name.split()[1].lower())
-            seconds, written = timed(save)
+        seconds, written = timed(lambda: own_save(out / f"own-{repeat}"))
+        results[own_name]["seconds"].append(seconds)
+        results[own_name]["bytes"].append(written)
+        for name, policy in policies.items():
+            tailor = Tailor(out / f"{name.split()[1].lower()}-{repeat}", *objects, policy=policy, timeout=600)
+            tailor.save(1)  # the first save of a run is full; the measured one is the second
+            seconds, written = timed(lambda: tailor.save(2).rank_bytes)
             tailor.close()
             results[name]["seconds"].append(seconds)
             results[name]["bytes"].append(written)
@@ -113,23 +146,28 @@ def worker(args: argparse.Namespace) -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
-        print(f"FSDP2, {world} ranks (gloo, CPU), Llama hidden {args.hidden} x {args.layers} layers, fp32 + AdamW; "
-              f"median of {args.repeats}, synced")
-        base = statistics.median(gathered[0]["dcp.save"]["seconds"])
-        base_bytes = sum(statistics.median(g["dcp.save"]["bytes"]) for g in gathered)
-        header = f"{'contender':<12} {'seconds':>8} {'vs dcp':>7} {'GB total':>9} {'vs dcp':>7} " + " ".join(
-            f"{'GB r' + str(r):>7}" for r in range(world)) + f" {'max/mean':>8}"
-        print(header)
-        print("-" * len(header))
-        for name in results:
-            seconds = statistics.median(gathered[0][name]["seconds"])
-            per_rank = [statistics.median(g[name]["bytes"]) for g in gathered]
-            total = sum(per_rank)
-            print(f"{name:<12} {seconds:>8.2f} {seconds / base:>7.3f} {total / 1e9:>9.3f} {total / base_bytes:>7.3f} "
-                  + " ".join(f"{b / 1e9:>7.3f}" for b in per_rank) + f" {max(per_rank) / (total / world):>8.3f}")
-        Path(args.out).joinpath("..", "bench_distributed.json").resolve().write_text(json.dumps(gathered))
+        report(gathered, world, setting, own_name, args)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def report(gathered: list[dict], world: int, setting: str, own_name: str, args: argparse.Namespace) -> None:
+    print(f"{setting}, {world} ranks (gloo, CPU), Llama hidden {args.hidden} x {args.layers} layers, fp32 + AdamW; "
+          f"median of {args.repeats}, synced")
+    base = statistics.median(gathered[0][own_name]["seconds"])
+    base_bytes = sum(statistics.median(g[own_name]["bytes"]) for g in gathered)
+    header = f"{'contender':<22} {'seconds':>8} {'time ratio':>10} {'GB total':>9} {'bytes ratio':>11} " + " ".join(
+        f"{'GB r' + str(r):>7}" for r in range(world)) + f" {'max/mean':>8}"
+    print(header)
+    print("-" * len(header))
+    for name in gathered[0]:
+        seconds = statistics.median(gathered[0][name]["seconds"])
+        per_rank = [statistics.median(g[name]["bytes"]) for g in gathered]
+        total = sum(per_rank)
+        print(f"{name:<22} {seconds:>8.2f} {seconds / base:>10.3f} {total / 1e9:>9.3f} {total / base_bytes:>11.3f} "
+              + " ".join(f"{b / 1e9:>7.3f}" for b in per_rank) + f" {max(per_rank) / (total / world):>8.3f}")
+    print(f"(ratios against {own_name}; PRODUCT.md target: Parity <= 0.6x their time, each rank ~1/world of the bytes)")
+    (Path(args.out).parent / "bench_distributed.json").write_text(json.dumps(gathered))
 
 
 def main() -> None:
@@ -138,6 +176,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deepspeed", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (0: FSDP2)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/distributed"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
