@@ -5,15 +5,17 @@ resume exactly from the composite: each unit from its newest saved version.
 """
 
 from llmtailor.errors import TailorError
-from llmtailor.policies import Filter, Full, Interval, Parity, Policy, make_policy
+from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
 from llmtailor.store.run import Run
-from llmtailor.tailor import RestoreReport, SaveReport, Tailor
+from llmtailor.tailor import PendingSave, RestoreReport, SaveReport, Tailor
 
 __all__ = [
+    "Adaptive",
     "Filter",
     "Full",
     "Interval",
     "Parity",
+    "PendingSave",
     "Policy",
     "RestoreReport",
     "Run",

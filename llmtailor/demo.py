@@ -1,11 +1,12 @@
 """The end-to-end demo behind ``make demo`` / ``llmtailor demo``.
 
-A tiny Llama-style model is trained on real text four times: once without checkpoints (the
-reference), then once per policy (Full, Parity, Filter) with a ``Tailor`` saving every few
-steps. Each checkpointed run "crashes" part-way — its model, optimizer and scheduler are
+A tiny Llama-style model is trained on real text five times: once without checkpoints (the
+reference), then once per policy (Full, Parity, Filter, Adaptive) with a ``Tailor`` saving
+every few steps. Each checkpointed run "crashes" part-way — its model, optimizer and scheduler are
 thrown away — and resumes from the newest composite into objects built from another seed,
 then trains to the end. Two tables compare what each policy wrote and how close its final
-loss lands to the reference.
+loss lands to the reference; ``drift.png`` beside the runs shows the Adaptive run's measured
+drift per unit and save (``llmtailor drift``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rich.table import Table
 
 from llmtailor.constants import LAYER_PREFIX
 from llmtailor.errors import ConfigError, TailorError
-from llmtailor.policies import Filter, Full, Parity, Policy
+from llmtailor.policies import Adaptive, Filter, Full, Parity, Policy
 from llmtailor.store.run import Run
 from llmtailor.tailor import SaveReport, Tailor
 from llmtailor.training_example import TinyConfig, build_model, build_optimizer, corpus_tokens, train_steps
@@ -34,7 +35,9 @@ DEMO_CONFIG = TinyConfig(hidden_size=64, layers=16, heads=4, kv_heads=2, interme
 DEMO_BATCH_SIZE = 8
 SEED = 0
 CRASH_SEED = 1  # fresh objects after the crash start from other weights, so nothing can leak
-POLICIES: dict[str, Policy] = {"full": Full(), "parity": Parity(), "filter": Filter()}
+POLICIES: dict[str, Policy] = {
+    "full": Full(), "parity": Parity(), "filter": Filter(), "adaptive": Adaptive(budget=0.5, max_staleness=4),
+}
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,12 @@ def run_demo(
         torch.set_num_threads(threads)
     result = DemoResult(steps, save_every, crash_at, reference, runs, time.perf_counter() - start)
     _print_report(result, config, console)
+    from llmtailor.cli.plots import plot_drift
+    from llmtailor.drift import drift_history
+
+    plot_drift(drift_history(Run(run_dirs["adaptive"])), "weight", Path(out_dir) / "drift.png")
+    console.print(f"Drift of the Adaptive run, per unit and save: {Path(out_dir) / 'drift.png'} "
+                  f"(llmtailor drift {run_dirs['adaptive']} --plot FILE)")
     return result
 
 
@@ -219,7 +228,8 @@ def _print_report(result: DemoResult, config: TinyConfig, console: Console) -> N
                        f"{delta:+.4f} ({100 * delta / result.reference_final_loss:+.2f}%)")
     console.print(saves, "", resume, "")
     exact = full.final_loss == result.reference_final_loss
-    parity, filter_ = (result.runs[n].mean_bytes_after_first / full.mean_bytes for n in ("parity", "filter"))
+    parity, filter_, adaptive = (result.runs[n].mean_bytes_after_first / full.mean_bytes
+                                 for n in ("parity", "filter", "adaptive"))
     console.print(
         f"Each run trained the same {config.layers}-layer Llama-style model on the same batches of pydoc text. "
         f"At step {result.crash_at} its model, optimizer and scheduler were discarded; fresh ones built from "
@@ -230,7 +240,9 @@ def _print_report(result: DemoResult, config: TinyConfig, console: Console) -> N
            "[bold red]did not reproduce the uninterrupted run's loss: a bug.[/] ")
         + f"Parity wrote half the layers per save ({parity:.2f}x Full's bytes after its first, full save); "
         f"Filter the first and last two layers every save and the rest every {POLICIES['filter'].every}th "
-        f"({filter_:.2f}x). Their composites mix layers from older steps, so they resumed from a slightly "
+        f"({filter_:.2f}x); Adaptive the units that drifted most since their last save, within half a Full "
+        f"save and none staler than {POLICIES['adaptive'].max_staleness} saves ({adaptive:.2f}x). "
+        "Their composites mix layers from older steps, so they resumed from a slightly "
         f"different state; the last column shows what that cost. Runs: {full.run_dir.parent}/; "
         f"took {result.seconds:.0f} s."
     )

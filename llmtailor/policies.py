@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,15 @@ class SaveContext:
     """Every unit of the layout, canonical order (embed, layer.0.., norm, head, other)."""
     last_saved: Mapping[str, int]
     """Unit -> step of its newest saved version; units never saved are absent."""
-    unit_stats: Callable[[str], Mapping[str, float]] | None = None
-    """Per-unit statistics computed on demand (e.g. relative update since last save)."""
+    last_saved_index: Mapping[str, int] = field(default_factory=dict)
+    """Unit -> save index of its newest saved version (for staleness counted in saves)."""
+    drift: Mapping[str, Mapping[str, float | None]] | None = None
+    """Unit -> {"weight": d, "moments": d}: relative change since its last saved version,
+    measured (``llmtailor.drift``); None where nothing is measured."""
+    unit_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Unit -> bytes of its newest saved version (all ranks)."""
+    frozen: frozenset[str] = frozenset()
+    """Units whose parameters are all frozen (no optimizer step can change them)."""
 
     @property
     def layer_units(self) -> list[str]:
@@ -168,13 +175,112 @@ class Interval(Policy):
         return hash((tuple(self.periods.items()), self.default, self.full_every))
 
 
+@dataclass(frozen=True)
+class Adaptive(Policy):
+    """Units chosen by their measured drift since their last saved version (``llmtailor.drift``).
+
+    Exactly one mode: ``threshold=t`` writes every unit whose drift exceeds ``t``;
+    ``budget=B`` writes the units with the most drift that fit B bytes (an int) or that
+    fraction of a full save (a float in (0, 1]), measured by each unit's last saved size.
+    Always, whatever the drift: a unit not saved for ``max_staleness`` saves is written (units
+    whose parameters are all frozen excepted: nothing can change them), a unit never saved is
+    written, and ``full_every`` forces full baselines. With ``aux=True`` (default) the auxiliary
+    units (embed, norm, head) are written at every save, as Parity and Filter write them, and the
+    drift decides among the layers (their bytes count against the budget). A unit's score is
+    its weight drift (``on="weight"``, default), its moments' (``on="moments"``) or the larger
+    (``on="max"``).
+
+    The manifest records the figures and the decision (``decision``); ``replay`` re-derives the
+    units from that record alone, so every decision can be audited."""
+
+    threshold: float | None = None
+    budget: float | int | None = None
+    max_staleness: int = 4
+    on: str = "weight"
+    aux: bool = True
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if (self.threshold is None) == (self.budget is None):
+            problems.append("give exactly one of threshold= (drift) or budget= (bytes, or a fraction of a full save)")
+        if self.threshold is not None and (isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float))
+                                           or not self.threshold >= 0):
+            problems.append(f"threshold={self.threshold!r} must be a non-negative number")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+                problems.append(f"budget={self.budget!r} must be bytes (an int) or a fraction of a full save (a float)")
+            elif isinstance(self.budget, float) and not 0 < self.budget <= 1:
+                problems.append(f"budget={self.budget!r}: a fraction of a full save must be in (0, 1]")
+            elif isinstance(self.budget, int) and self.budget < 0:
+                problems.append(f"budget={self.budget!r} bytes must not be negative")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 1:
+            problems.append(f"max_staleness={self.max_staleness!r} must be a positive integer (saves)")
+        if self.on not in ("max", "weight", "moments"):
+            problems.append(f"on={self.on!r} must be 'max', 'weight' or 'moments'")
+        return problems
+
+    def select(self, ctx: SaveContext) -> set[str]:
+        return set(self.decide(ctx).units)
+
+    def decide(self, ctx: SaveContext) -> Decision:
+        if self.full_every is not None and ctx.save_index % self.full_every == 0:
+            return Decision(list(ctx.units), {"policy": "Adaptive", "full_every": True})
+        record = {
+            "policy": "Adaptive",
+            "save_index": ctx.save_index,
+            "units": list(ctx.units),
+            "never_saved": [u for u in ctx.units if u not in ctx.last_saved],
+            "age": {u: ctx.save_index - ctx.last_saved_index[u] for u in ctx.units if u in ctx.last_saved_index},
+            "score": {u: self._score((ctx.drift or {}).get(u)) for u in ctx.units},
+            "bytes": {u: ctx.unit_bytes[u] for u in ctx.units if u in ctx.unit_bytes},
+            "frozen": sorted(ctx.frozen),
+            "always": ctx.aux_units if self.aux else [],
+        }
+        units = self.replay(record)
+        return Decision(units, {**record, "chosen": units})
+
+    def _score(self, figures: Mapping[str, float | None] | None) -> float | None:
+        if not figures:
+            return None
+        values = [figures.get(kind) for kind in (("weight", "moments") if self.on == "max" else (self.on,))]
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    def replay(self, record: Mapping[str, object]) -> list[str]:
+        """The units a save writes, from a decision record alone (what ``decide`` stores)."""
+        units: list[str] = list(record["units"])  # type: ignore[arg-type]
+        age: Mapping[str, int] = record["age"]  # type: ignore[assignment]
+        score: Mapping[str, float | None] = record["score"]  # type: ignore[assignment]
+        sizes: Mapping[str, int] = record["bytes"]  # type: ignore[assignment]
+        frozen = set(record["frozen"])  # type: ignore[arg-type]
+        forced = set(record["never_saved"]) | set(record.get("always", []))  # type: ignore[arg-type]
+        forced |= {u for u in units if u not in frozen and age.get(u, 0) >= self.max_staleness}
+        forced |= {u for u in units if score.get(u) is None and u not in frozen}  # nothing measured: save it
+        candidates = [u for u in units if u not in forced and score.get(u) is not None]
+        if self.threshold is not None:
+            chosen = {u for u in candidates if score[u] > self.threshold}  # type: ignore[operator]
+        else:
+            total = sum(sizes.get(u, 0) for u in units)
+            budget = self.budget * total if isinstance(self.budget, float) else self.budget
+            room = budget - sum(sizes.get(u, 0) for u in forced)  # type: ignore[operator]
+            chosen = set()
+            for unit in sorted(candidates, key=lambda u: (-score[u], units.index(u))):  # type: ignore[operator]
+                if score[unit] > 0 and sizes.get(unit, 0) <= room:  # type: ignore[operator]
+                    chosen.add(unit)
+                    room -= sizes.get(unit, 0)
+        picked = forced | chosen
+        return [u for u in units if u in picked]
+
+
 def policy_names() -> Sequence[str]:
-    return ("full", "parity", "filter", "interval")
+    return ("full", "parity", "filter", "interval", "adaptive")
 
 
 def make_policy(name: str, **options: Any) -> Policy:
     """Build a policy by name (for the CLI and configuration files)."""
-    classes: dict[str, type[Policy]] = {"full": Full, "parity": Parity, "filter": Filter, "interval": Interval}
+    classes: dict[str, type[Policy]] = {
+        "full": Full, "parity": Parity, "filter": Filter, "interval": Interval, "adaptive": Adaptive,
+    }
     if name not in classes:
         raise ConfigError(f"unknown policy {name!r}; choose one of {', '.join(policy_names())}")
     try:

@@ -26,7 +26,8 @@ import torch
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
-from llmtailor.policies import Full, Policy, SaveContext
+from llmtailor.drift import DriftTracker, drift_figures
+from llmtailor.policies import Adaptive, Full, Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.store import codec
 from llmtailor.store.coordinator import DEFAULT_TIMEOUT, Coordinator, make_coordinator
@@ -127,15 +128,18 @@ class Tailor:
         family: str | None = None,
         keep: int | None = None,
         async_save: bool = False,
+        track_drift: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
     ):
         """``keep=K``: after each save, delete every snapshot that the newest K composites do not
         need (``llmtailor gc`` does the same on demand). ``async_save=True``: ``save`` returns
         at once (a ``PendingSave``); the tensors are copied and written in the background, and
         the next ``optimizer.step()`` waits only until the copies are taken (a step pre-hook
-        installed here; nothing to add to the training loop). ``timeout``: seconds a rank waits
-        for the others during a collective save or restore before failing with an error naming
-        the ranks that did not answer."""
+        installed here; nothing to add to the training loop). ``track_drift``: measure each unit's
+        drift since its last saved version at every save (``llmtailor.drift``; recorded in the
+        manifest, what the ``Adaptive`` policy decides by and ``llmtailor drift`` plots).
+        ``timeout``: seconds a rank waits for the others during a collective save or restore
+        before failing with an error naming the ranks that did not answer."""
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {policy!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
@@ -156,6 +160,12 @@ class Tailor:
         self._stager = AsyncStager(self.provider.optimizers()) if self.async_save else None
         self._inflight: tuple[PendingSave, int, dict[str, int]] | None = None
         """The async save in flight: its job, step and composite (the lineage once it commits)."""
+        if isinstance(self.policy, Adaptive) and not track_drift:
+            raise ConfigError("the Adaptive policy decides by measured drift: it needs track_drift=True")
+        self._drift = DriftTracker() if track_drift else None
+        self._saved_index: dict[str, int] = {}
+        self._unit_bytes: dict[str, int] = {}
+        self._pending_drift: dict | None = None
 
     @property
     def rank(self) -> int:
@@ -188,18 +198,25 @@ class Tailor:
         if self._parent is not None and step <= self._parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self._parent}")
         start = time.perf_counter()
+        drift, gathered = self._measure_drift()
         decision = self.policy.decide(
             SaveContext(
                 save_index=self._save_index,
                 step=step,
                 units=tuple(self.layout.units),
                 last_saved=self._composite,
+                last_saved_index=self._saved_index,
+                drift=drift,
+                unit_bytes=self._unit_bytes,
+                frozen=frozenset(self.provider.frozen_units()),
             )
         )
         units = decision.units
         composite = {**self._composite, **{unit: step for unit in units}}
         staged = self._stage(step, units, composite, extra)
-        staged.decision = decision.record
+        staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {})}
+        # The saved units' sampled values, taken now (before the next step): their new references.
+        self._pending_drift = {unit: gathered[unit] for unit in units} if gathered is not None else None
 
         def report(result: PersistResult, seconds: float) -> SaveReport:
             return SaveReport(step, units, result.bytes, seconds, result.path, result.unit_bytes, result.rank_bytes)
@@ -248,7 +265,28 @@ class Tailor:
         return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)
 
     def _extend_to(self, step: int, composite: dict[str, int]) -> None:
+        saved = [unit for unit, source in composite.items() if source == step]
+        self._saved_index.update({unit: self._save_index for unit in saved})
+        manifest = self.run.manifest(step)
+        self._unit_bytes.update({unit: manifest.unit_bytes(unit) for unit in saved})
+        if self._drift is not None and self._pending_drift is not None:
+            self._drift.adopt(self._pending_drift)
+        self._pending_drift = None
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
+
+    def _sample_all(self):
+        units = list(self.layout.units)
+        return self._drift.gather(units, self.provider.pieces_by_unit(units).__getitem__)
+
+    def _measure_drift(self) -> tuple[dict[str, dict[str, float | None]] | None, dict | None]:
+        """Each unit's drift since its last saved version, the same on every rank (one
+        all-reduce of the per-rank sums), and the sample it was measured on."""
+        if self._drift is None:
+            return None, None
+        units = list(self.layout.units)
+        gathered = self._sample_all()
+        sums = self.coordinator.all_reduce_sum(self._drift.partial_sums(units, gathered))
+        return drift_figures(units, sums, self._drift.known()), gathered
 
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
@@ -358,6 +396,10 @@ class Tailor:
         self._parent = composite.step
         self._save_index = composite.manifest.save_index + 1
         self._composite = dict(composite.sources)
+        for unit, source in composite.sources.items():
+            manifest = self.run.manifest(source)
+            self._saved_index[unit] = manifest.save_index
+            self._unit_bytes[unit] = manifest.unit_bytes(unit)
 
     def close(self) -> None:
         """Wait for the async save in flight (raising its error), remove the fence, release the
@@ -392,6 +434,8 @@ class Tailor:
             ) from None
         extra, unmapped = self._load_rank_state(composite)
         self._extend(composite)
+        if self._drift is not None:  # the live state now is the composite: every unit's reference
+            self._drift.adopt(self._sample_all())
         return RestoreReport(
             step=composite.step,
             extra=extra,

@@ -1,4 +1,5 @@
-"""The demo end to end, at a small size: Full resumes bitwise, Parity and Filter write less."""
+"""The demo end to end, at a small size: Full resumes bitwise, Parity, Filter and Adaptive write
+less, and the drift plot is written."""
 
 import io
 
@@ -45,16 +46,19 @@ def test_tailored_policies_write_less(demo):
     assert set(parity.sources.values()) == {10, 20}
     assert set(filter_.sources.values()) == {10, 20}
     # Resuming from a composite changes training a little, not a lot.
-    for run in (parity, filter_):
+    adaptive = result.runs["adaptive"]
+    assert adaptive.mean_bytes_after_first < 0.75 * full.mean_bytes_after_first
+    for run in (parity, filter_, adaptive):
         assert abs(run.final_loss - result.reference_final_loss) < 0.05 * result.reference_final_loss
 
 
 @pytest.mark.slow
 def test_every_run_verifies(demo):
-    out, _, _ = demo
-    for name in ("full", "parity", "filter"):
+    out, _, printed = demo
+    for name in ("full", "parity", "filter", "adaptive"):
         assert Run(out / name).verify() == []
         assert Run(out / name).steps() == [10, 20, 30, 40]
+    assert (out / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "drift.png" in printed
 
 
 def test_bad_settings_are_reported_together(tmp_path):

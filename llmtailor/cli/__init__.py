@@ -130,6 +130,7 @@ def gc(
 
 from llmtailor.cli.assemble import register as _register_assemble  # noqa: E402
 
+from llmtailor.cli.drift import register as _register_drift  # noqa: E402
 from llmtailor.cli.import_deepspeed import register as _register_import_deepspeed  # noqa: E402
 from llmtailor.cli.import_hf import register as _register_import_hf  # noqa: E402
 from llmtailor.cli.merge import register as _register_merge  # noqa: E402
@@ -137,6 +138,7 @@ from llmtailor.cli.merge import register as _register_merge  # noqa: E402
 _register_assemble(app)
 _register_import_hf(app)
 _register_import_deepspeed(app)
+_register_drift(app)
 _register_merge(app)
 
 

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmtailor.constants import LAYER_PREFIX
+from llmtailor.drift import DriftHistory
 from llmtailor.store.retention import RetentionPlan
 from llmtailor.store.run import Composite, Run
 
@@ -103,3 +104,21 @@ def unit_progress(console: Console, label: str) -> Iterator[Callable[[str, int, 
             bar.update(task, completed=done, total=total, description=unit)
 
         yield progress
+
+
+def drift_table(history: DriftHistory, kind: str) -> Table:
+    """Units x saves: each unit's drift as that save measured it; bold where the save wrote it."""
+    table = Table(title=f"{kind} drift since each unit's last saved version (bold: saved at that step)")
+    table.add_column("unit")
+    for step in history.steps:
+        table.add_column(str(step), justify="right")
+    for unit in history.units:
+        cells = []
+        for step in history.steps:
+            value = history.drift.get(step, {}).get(unit, {}).get(kind)
+            text = "-" if value is None else f"{value:.2e}"
+            cells.append(f"[bold green]{text}[/]" if unit in history.saved[step] else text)
+        table.add_row(_short(unit), *cells)
+    table.add_row("[bold]MB written[/]", *[f"{history.bytes[s] / 1e6:.2f}" for s in history.steps])
+    table.add_row("[bold]vs Full[/]", *[f"{history.bytes[s] / history.full_bytes[s]:.2f}x" for s in history.steps])
+    return table

@@ -34,7 +34,7 @@ from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import split_key
 from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
 from llmtailor.store.run import Run
-from llmtailor.store.writer import StagedUnit
+from llmtailor.store.writer import Piece, StagedUnit
 
 
 class StateProvider(ABC):
@@ -58,6 +58,10 @@ class StateProvider(ABC):
     def stage_unit(self, unit: str) -> StagedUnit:
         """This rank's pieces of ``unit``: live references, valid until the next optimizer step."""
 
+    def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]:
+        """This rank's pieces of each of ``units`` (live references), in one pass."""
+        return {unit: self.stage_unit(unit).pieces for unit in units}
+
     @abstractmethod
     def capture_shared(self) -> dict[str, Any]:
         """State all ranks share: ``optimizer_groups``, ``lr_scheduler``, ``model_config`` (and
@@ -70,6 +74,17 @@ class StateProvider(ABC):
     def notes(self) -> dict[str, Any]:
         """What a reader of the manifest must know about this provider's state."""
         return {}
+
+    def frozen_units(self) -> list[str]:
+        """Units whose tensors are all parameters that do not require grad (nothing in training
+        changes them)."""
+        params = dict(self.named_parameters())
+        return [unit for unit, names in self.layout.units.items()
+                if all(n in params and not params[n].requires_grad for n in names)]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters by canonical name."""
+        return iter(())
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers whose ``step`` changes the staged tensors: an async save fences

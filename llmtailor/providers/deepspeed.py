@@ -148,6 +148,9 @@ class DeepSpeedProvider(StateProvider):
 
     # -- save side ----------------------------------------------------------------------------
 
+    def named_parameters(self):
+        return iter(self.params.items())
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.zero.optimizer]  # its step changes the masters and moments
 

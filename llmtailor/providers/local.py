@@ -48,6 +48,9 @@ class LocalProvider(StateProvider):
         live = self.model.state_dict(keep_vars=True)
         return {name: live[name] for name in self.layout.tensor_names()}
 
+    def named_parameters(self):
+        return self.model.named_parameters()
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [optim_state.innermost(self.optimizer)] if self.optimizer is not None else []
 
@@ -73,6 +76,10 @@ class LocalProvider(StateProvider):
             if rank == self.coordinator.rank:
                 mine.add(unit)
         return [u for u in units if u in mine]
+
+    def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]:
+        tensors = self.tensors()
+        return {unit: self._pieces(unit, tensors) for unit in units}
 
     def stage_unit(self, unit: str) -> StagedUnit:
         tensors = self.tensors()

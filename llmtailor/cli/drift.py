@@ -1,0 +1,48 @@
+"""``llmtailor drift RUN [--step N] [--kind weight|moments] [--plot FILE.png]``: per-unit drift
+over the saves of a run, as a table and as a heatmap, with bytes per snapshot vs Full.
+
+Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+class Kind(str, Enum):
+    weight = "weight"
+    moments = "moments"
+
+
+def drift(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")],
+    step: Annotated[int | None, typer.Option("--step", help="Lineage of the composite of this step (default: newest).")] = None,
+    kind: Annotated[Kind, typer.Option("--kind", help="Drift of the weights or of the optimizer moments.")] = Kind.weight,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw a heatmap and the bytes per save into this PNG.")] = None,
+) -> None:
+    """Each unit's drift since its last saved version, at every save of the run (as each save
+    measured it; saved units marked), and the bytes each save wrote vs a Full save."""
+    from llmtailor.cli import _existing_run, console
+    from llmtailor.cli.render import drift_table
+    from llmtailor.drift import drift_history
+    from llmtailor.errors import TailorError
+
+    history = drift_history(_existing_run(run_dir), step)
+    if not any(history.drift[s] for s in history.steps):
+        raise TailorError(f"{run_dir}: no save of this run recorded drift (saved with track_drift=False?)")
+    console.print(drift_table(history, kind.value))
+    if plot is not None:
+        from llmtailor.cli.plots import plot_drift
+
+        plot_drift(history, kind.value, plot)
+        console.print(f"[green]wrote[/] {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``drift`` to the ``llmtailor`` app."""
+    from llmtailor.cli import add_command
+
+    add_command(app, "drift", drift)
