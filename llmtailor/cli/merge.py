@@ -1,5 +1,5 @@
-"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf] [--dry-run [--verbose]]``: assemble
-layers and their optimizer state from several checkpoints, as a YAML plan says.
+"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf|model] [--dry-run [--verbose]]``:
+assemble layers and their optimizer state from several checkpoints, as a YAML plan says.
 
 Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
 
@@ -15,19 +15,25 @@ import typer
 class MergeFormat(str, Enum):
     tailor = "tailor"
     hf = "hf"
+    model = "model"
 
 
 def merge(
     plan_file: Annotated[Path, typer.Argument(help="The merge plan (YAML, mergekit or LLMTailor form).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Run directory (tailor) or directory for checkpoint-N/ (hf).")],
+    out: Annotated[
+        Path, typer.Option("-o", "--out", help="Run directory (tailor), directory for checkpoint-N/ (hf), model directory (model).")
+    ],
     format: Annotated[
-        MergeFormat, typer.Option("--format", help="tailor: a run with one snapshot; hf: a Trainer checkpoint-N/.")
+        MergeFormat,
+        typer.Option("--format", help="tailor: a run with one snapshot; hf: a Trainer checkpoint-N/; model: a "
+                     "save_pretrained directory (weights, config, tokenizer)."),
     ] = MergeFormat.tailor,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the planned actions; write nothing.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="With --dry-run: one row per tensor.")] = False,
 ) -> None:
-    """Plan the merge (every check made from manifests, before any tensor byte is read), then
-    stream it unit by unit into one atomically committed snapshot. A bad plan writes nothing."""
+    """Plan the merge (every check made from headers and manifests, before any tensor byte is
+    read), then stream it unit by unit into the output, committed atomically. A bad plan
+    writes nothing."""
     from llmtailor.cli import console, errors
     from llmtailor.cli.render import unit_progress
     from llmtailor.merge.execute import execute
@@ -59,13 +65,14 @@ def actions_table(plan, verbose: bool = False):
         table.add_column(column)
     for unit, actions in plan.actions_by_unit().items():
         first = actions[0]
-        composite_step = plan.sources[first.source].step
-        source = first.source if first.source.endswith(f"@{composite_step}") else f"{first.source}@{composite_step}"
+        step = plan.sources[first.source].step
+        source = first.source if step is None or first.source.endswith(f"@{step}") else f"{first.source}@{step}"
         if verbose:
             for a in actions:
-                table.add_row(unit, a.dest_key, source, a.source_key)
+                note = "".join(f", {k} {v}" for k, v in (("scale", a.scale), ("as", a.dtype)) if v is not None)
+                table.add_row(unit, a.dest_key, source, a.source_key + note)
         else:
-            saved = f"{first.source_unit}, saved at step {first.step}"
+            saved = first.source_unit + (f", saved at step {first.step}" if first.step is not None else "")
             table.add_row(unit, f"{len(actions)} tensors", source, saved)
     return table
 

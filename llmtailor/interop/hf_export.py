@@ -68,9 +68,10 @@ def export_hf(
     *,
     progress: Progress | None = None,
     train_batch_size: int = 1,
+    extra_files: list[Path] = (),
 ) -> Path:
     """Write the composite of ``step`` (default: the newest) as ``out_dir/checkpoint-<step>/``
-    and return that path.
+    and return that path. ``extra_files`` (a tokenizer's, say) are copied in beside.
 
     Reads one unit at a time; the weights and optimizer state are gathered in memory only
     because model.safetensors and optimizer.pt are single files. Raises TailorError (nothing
@@ -118,6 +119,8 @@ def export_hf(
         if state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
             _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
         _write_text(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), step, train_batch_size))
+        for path in extra_files:  # tokenizer files, say
+            shutil.copyfile(path, tmp / Path(path).name)
         fsync_dir(tmp)
         if target.exists():  # os.rename would replace an empty directory created meanwhile
             raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")

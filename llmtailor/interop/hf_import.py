@@ -79,9 +79,9 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
     source = Path(checkpoint_dir)
     run = Run(run_dir)
     _require_files(source)
-    config = _read_json(source / CONFIG_FILE)
-    trainer_state = _read_json(source / TRAINER_STATE_FILE)
-    step = _step_of(source, trainer_state)
+    config = read_json(source / CONFIG_FILE)
+    trainer_state = read_json(source / TRAINER_STATE_FILE)
+    step = step_of(source, trainer_state)
     if run.steps():
         raise ConfigError(
             f"{run.root} already holds snapshots (steps {run.steps()}); import into a new or empty run directory"
@@ -94,22 +94,22 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
     except Exception as err:  # transformers' own config validation
         raise ConfigError(f"{source / CONFIG_FILE}: transformers cannot build a model from it ({err})") from None
     layout = build_layout(model)
-    weight_files = _weight_sources(source, model, layout)
+    weight_files = weight_sources(source, model, layout)
 
-    optimizer = _torch_load(source / OPTIMIZER_FILE)
-    groups, per_param = _map_optimizer(source / OPTIMIZER_FILE, optimizer, trainer_param_groups(config), model)
+    optimizer = torch_load(source / OPTIMIZER_FILE)
+    groups, per_param = map_optimizer(source / OPTIMIZER_FILE, optimizer, trainer_param_groups(config), model)
     state = {
         "step": step,
         "optimizer_groups": groups,
-        "lr_scheduler": _torch_load(source / SCHEDULER_FILE),
-        "rng": _rng_state(source / RNG_FILE),
+        "lr_scheduler": torch_load(source / SCHEDULER_FILE),
+        "rng": rng_state(source / RNG_FILE),
         "model_config": config,
         "extra": {"trainer_state": trainer_state},
     }
     global_doc, global_tensors = codec.encode(state, where="global state")
     # Non-tensor optimizer values go into the manifest as JSON: encode them now, so a value
     # that needs pickle is refused before anything is written.
-    values = {name: _plain_values(name, entries) for name, entries in per_param.items()}
+    values = {name: plain_values(name, entries) for name, entries in per_param.items()}
 
     staged = StagedSnapshot(
         step=step,
@@ -158,7 +158,7 @@ def _require_files(source: Path) -> None:
         raise IntegrityError(f"{source}: not an importable Trainer checkpoint: " + "; ".join(problems))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -168,7 +168,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _step_of(source: Path, trainer_state: dict[str, Any]) -> int:
+def step_of(source: Path, trainer_state: dict[str, Any]) -> int:
     step = trainer_state.get("global_step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise IntegrityError(f"{source / TRAINER_STATE_FILE}: key 'global_step' is {step!r}, expected a step number")
@@ -180,7 +180,7 @@ def _step_of(source: Path, trainer_state: dict[str, Any]) -> int:
     return step
 
 
-def _weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dict[str, tuple[Path, str]]:
+def weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dict[str, tuple[Path, str]]:
     """Canonical tensor name -> (file, key in it), from safetensors headers only. Every tensor
     of the file must be one of the model's, with its shape and dtype; a tied alias may stand
     in for its canonical name (save_pretrained writes one of them)."""
@@ -190,7 +190,7 @@ def _weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dic
     if (source / WEIGHTS_FILE).is_file():
         files = [source / WEIGHTS_FILE]
     else:
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise IntegrityError(f"{index}: key 'weight_map' is missing or empty")
         files = [source / name for name in sorted(set(map(str, weight_map.values())))]
@@ -227,14 +227,14 @@ def _weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dic
     return found
 
 
-def _torch_load(path: Path) -> Any:
+def torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # weights_only refusals, truncation, not a torch file at all
         raise IntegrityError(f"{path}: cannot be loaded with torch.load(weights_only=True) ({err})") from None
 
 
-def _map_optimizer(
+def map_optimizer(
     path: Path, saved: Any, expected: list[list[str]], model: torch.nn.Module
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Param group records with names, and per-parameter state by name. optimizer.pt numbers
@@ -287,7 +287,7 @@ def _map_optimizer(
     return groups, per_param
 
 
-def _plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
+def plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
     return {
         key: plain_value(value, f"{OPTIMIZER_FILE} state of {name}.{key}")
         for key, value in entries.items()
@@ -295,12 +295,12 @@ def _plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rng_state(path: Path) -> dict[str, Any]:
+def rng_state(path: Path) -> dict[str, Any]:
     """Trainer's ``_save_rng_state`` record in llmtailor's format (``llmtailor.providers.rng``)."""
     from transformers.trainer_pt_utils import safe_globals
 
     with safe_globals():  # numpy's RNG tuple, as Trainer's own _load_rng_state allows
-        saved = _torch_load(path)
+        saved = torch_load(path)
     if not isinstance(saved, dict) or not {"python", "numpy", "cpu"} <= saved.keys():
         keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
         raise IntegrityError(f"{path}: expected keys 'python', 'numpy' and 'cpu', found {keys}")

@@ -4,7 +4,9 @@ Families are data: one JSON file each in ``families/``, read by the one code pat
 ``generic.json`` is the fallback for models no family claims. A family file holds ``family``
 (its file's stem), ``model_types`` (the HF ``config.model_type`` values it serves), an optional
 ``_doc`` note, and for ``embed``, ``layer``, ``norm`` and ``head`` a list of name patterns, e.g.
-``"layer": ["model.layers.{i}.", "layers.{i}."]``; any other key is an error.
+``"layer": ["model.layers.{i}.", "layers.{i}."]``, and ``num_layers_key``: the key of the
+model's HF config holding its number of layers (``num_hidden_layers``, gpt2's ``n_layer``),
+which a merge that changes the depth updates; any other key is an error.
 
 A pattern is a dotted name prefix ending in ``.``; ``{i}`` captures the layer index. It matches
 at the start of a name or after any ``.``, so wrapped models (``module.``, ``_orig_mod.``) need
@@ -62,6 +64,7 @@ class FamilySpec(_Strict):
     """One family's name patterns, validated from its JSON file (schema: module docstring)."""
     family: str
     model_types: tuple[str, ...] = ()
+    num_layers_key: str | None = None
     embed: tuple[str, ...] = ()
     layer: tuple[str, ...] = ()
     norm: tuple[str, ...] = ()

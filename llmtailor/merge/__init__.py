@@ -1,7 +1,9 @@
 """Merge plans: assemble layers, and their optimizer state, from several checkpoints.
 
-``plan.py`` reads the YAML, ``planner.py`` resolves it into per-tensor actions and validates
-them from manifests alone, ``execute.py`` streams the units into one committed snapshot.
+``plan.py`` reads the YAML, ``sources.py`` opens every kind of source lazily, ``planner.py``
+resolves the plan into per-tensor actions and validates them from headers and manifests alone,
+``execute.py`` streams the units into the output (a snapshot, a Trainer checkpoint or a model
+directory).
 """
 
 from llmtailor.merge.execute import merge

@@ -1,41 +1,62 @@
-"""Executing a merge plan: stream one destination unit at a time into one committed snapshot.
+"""Executing a merge plan: stream one destination unit at a time into the output.
 
-The output is a tailored run holding one Full snapshot at ``state_from``'s step (parent none,
-policy ``merge of <plan file>``), written with the snapshot commit protocol (``persist``):
-nothing appears in OUT unless the whole snapshot is committed. Memory holds one unit's tensors
-at a time. Global state (step, scheduler, RNG, trainer state, model config) comes from
-``state_from``; the optimizer's param groups are kept unchanged (same parameter names, same
-depth) or, with ``optimizer: false``, dropped together with the LR scheduler state (a
-scheduler without its optimizer cannot be resumed, and Trainer loads them only as a pair).
+Tensors that move unchanged are copied as byte ranges from their source files (no decode, no
+re-encode; hashed on the way and, from a tailored run, checked against their recorded
+checksums); a cast or a scale reads the tensor and writes the result. Memory holds at most one
+unit's transformed tensors.
 
-``--format hf`` writes the tailored snapshot into a temporary run beside OUT and exports it
-with ``export_hf`` into ``OUT/checkpoint-<step>/``: the merged bytes are written twice.
+Output formats:
+
+- ``tailor`` (default): a run holding one Full snapshot at the state source's step (parent
+  none, policy ``merge of <plan file>``), written with the snapshot commit protocol
+  (``persist``): nothing appears in OUT unless the whole snapshot is committed. Global state
+  (step, scheduler, RNG, trainer state) comes from the state source; optimizer groups are the
+  plan's (``MergePlan.optimizer_groups``) or, weights only, dropped with the LR scheduler (a
+  scheduler without its optimizer cannot be resumed, and Trainer loads them only as a pair);
+  the model config has the plan's depth.
+- ``hf``: a Trainer ``checkpoint-<step>/`` (the snapshot written into a temporary run beside
+  OUT and exported with ``export_hf``: the merged bytes are written twice), with the tokenizer.
+- ``model``: a ``save_pretrained``-style directory: ``model.safetensors``, ``config.json``,
+  ``generation_config.json`` and the tokenizer, weights only, written once; appears whole or
+  not at all.
+
+Tokenizer files come from ``tokenizer_source`` (a source label, or ``base`` for the base
+model), else from the base model, else the first slice's model, where they have any.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from llmtailor.errors import ConfigError
 from llmtailor.merge.planner import MergePlan, open_plan
+from llmtailor.merge.sources import CONFIG_FILE, WEIGHTS_FILE
 from llmtailor.store import codec
+from llmtailor.store.files import ByteSource, fsync_dir, write_tensor_file
+from llmtailor.store.keys import split_key
 from llmtailor.store.lock import WriterLock
+from llmtailor.store.manifest import DTYPES
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
 
 Progress = Callable[[str, int, int], None]
 """Called after each unit is written: ``(unit, units done, units in all)``."""
 
-FORMATS = ("tailor", "hf")
+FORMATS = ("tailor", "hf", "model")
 
 
 def merge(plan_file: str | Path, out: str | Path, *, format: str = "tailor", progress: Progress | None = None) -> Path:
-    """Plan and execute ``plan_file`` into ``out``; return the snapshot (tailor) or
-    ``checkpoint-<step>`` (hf) directory written. Raises TailorError, with nothing written,
-    for a bad plan or an existing output at that step."""
+    """Plan and execute ``plan_file`` into ``out``; return the snapshot (tailor),
+    ``checkpoint-<step>`` (hf) or model (model) directory written. Raises TailorError, with
+    nothing written, for a bad plan or an existing output."""
     with open_plan(plan_file, out) as plan:
         return execute(plan, out, format=format, progress=progress)
 
@@ -49,6 +70,8 @@ def execute(plan: MergePlan, out: str | Path, *, format: str = "tailor", progres
         if Run(out).snapshot_dir(plan.step).exists():
             raise ConfigError(f"{out} already holds a snapshot at step {plan.step}; refusing to overwrite it")
         return _write_snapshot(plan, Run(out), progress).path
+    if format == "model":
+        return _write_model(plan, out, progress)
 
     from llmtailor.interop.hf_export import checkpoint_dirname, export_hf
 
@@ -60,26 +83,35 @@ def execute(plan: MergePlan, out: str | Path, *, format: str = "tailor", progres
     try:
         run = Run(scratch / "run")
         _write_snapshot(plan, run, progress)
-        return export_hf(run, plan.step, out, progress=progress)
+        return export_hf(run, plan.step, out, progress=progress, extra_files=tokenizer_files(plan))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def tokenizer_files(plan: MergePlan) -> list[Path]:
+    """The tokenizer files an hf / model output gets (module docstring)."""
+    spec = plan.spec
+    label = spec.tokenizer_source
+    if label in (None, "base"):
+        label = spec.base_model or (spec.models[0].model if spec.models else spec.slices[0].sources[0].model)
+    elif label == "union":
+        raise ConfigError(f"{plan.plan_file}: tokenizer_source 'union' builds a new vocabulary; a layer assembly keeps one")
+    return plan.sources[label].tokenizer_files()
+
+
+def _global_state(plan: MergePlan) -> dict[str, Any]:
+    state = plan.sources[plan.state_from].global_state(plan.optimizer)
+    state = dict(state) if state is not None else {"lr_scheduler": None, "rng": None, "extra": None}
+    state.update(step=plan.step, model_config=plan.model_config)
+    if plan.optimizer:
+        state["optimizer_groups"] = plan.optimizer_groups
+    else:
+        state["optimizer_groups"] = state["lr_scheduler"] = None
+    return state
+
+
 def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
-    state_from = plan.sources[plan.state_from]
-    state = state_from.run.read_global(plan.step)
-    if not plan.optimizer:
-        state["optimizer_groups"] = None
-        state["lr_scheduler"] = None
-    config = state.get("model_config")
-    if isinstance(config, dict) and config.get("num_hidden_layers") not in (None, plan.layout.num_layers):
-        config["num_hidden_layers"] = plan.layout.num_layers
-        if isinstance(config.get("layer_types"), list):
-            kinds = set(config["layer_types"])
-            if len(kinds) != 1:
-                raise ConfigError("cannot change the depth of a model whose config mixes layer_types")
-            config["layer_types"] = [kinds.pop()] * plan.layout.num_layers
-    global_doc, global_tensors = codec.encode(state, where="global state")
+    global_doc, global_tensors = codec.encode(_global_state(plan), where="global state")
     staged = StagedSnapshot(
         step=plan.step,
         parent=None,
@@ -101,9 +133,79 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
 
 def _stream_units(plan: MergePlan) -> Iterator[StagedUnit]:
     for unit, actions in plan.actions_by_unit().items():
-        first = actions[0]
-        tensors, values = plan.sources[first.source].run.read_unit(first.step, first.source_unit)
-        renamed = {a.dest_key: tensors[a.source_key] for a in actions}
-        names = plan.renames[unit]
-        kept = {names[name]: v for name, v in values.items()} if plan.optimizer else {}
-        yield StagedUnit.whole(unit, renamed, kept)
+        yield StagedUnit.whole(unit, _tensors(plan, actions), _values(plan, unit, actions))
+
+
+def _tensors(plan: MergePlan, actions) -> dict[str, torch.Tensor | ByteSource]:
+    out = {}
+    for a in actions:
+        value = plan.sources[a.source].read(a.source_unit, a.source_key)
+        if not a.unchanged:
+            tensor = value.load() if isinstance(value, ByteSource) else value
+            if a.scale not in (None, 1.0):
+                tensor = tensor * a.scale
+            value = tensor.to(DTYPES[a.dtype]) if a.dtype is not None else tensor
+        out[a.dest_key] = value
+    return out
+
+
+def _values(plan: MergePlan, unit: str, actions) -> dict[str, dict[str, Any]]:
+    if not plan.optimizer or not actions:
+        return {}
+    first = actions[0]
+    names = plan.renames[unit]
+    return {names[name]: v for name, v in plan.sources[first.source].values(first.source_unit).items() if name in names}
+
+
+def _write_model(plan: MergePlan, out: Path, progress: Progress | None) -> Path:
+    """A ``save_pretrained``-style directory of the merged weights (module docstring)."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; refusing to overwrite it (choose another -o)")
+    if plan.model_config is None:
+        raise ConfigError(f"{plan.plan_file}: no source holds a model config; --format model needs one")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        weights: dict[str, torch.Tensor | ByteSource] = {}
+        units = plan.actions_by_unit()
+        for done, (unit, actions) in enumerate(units.items(), start=1):
+            weights.update({split_key(key)[1]: value for key, value in _tensors(
+                plan, [a for a in actions if split_key(a.dest_key)[0] == "weight"]).items()})
+            if progress is not None:
+                progress(unit, done, len(units))
+        write_tensor_file(tmp / WEIGHTS_FILE, weights, tmp, metadata={"format": "pt"})
+        _write_json(tmp / CONFIG_FILE, plan.model_config)
+        _write_generation_config(tmp, plan.model_config)
+        for path in tokenizer_files(plan):
+            shutil.copyfile(path, tmp / path.name)
+        fsync_dir(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _write_generation_config(root: Path, config: dict[str, Any]) -> None:
+    try:
+        import transformers
+
+        hf_config = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        generation = transformers.GenerationConfig.from_model_config(hf_config)
+    except Exception:  # optional file: a config transformers cannot turn into one is left out
+        return
+    (root / "generation_config.json").write_text(generation.to_json_string(use_diff=True), encoding="utf-8")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,27 +1,43 @@
 """The merge plan file: a strict, validated reading of the YAML a user writes.
 
-Two spellings are accepted, so mergekit and LLMTailor users can bring their plans::
+Three spellings are accepted, so mergekit and LLMTailor users can bring their plans::
 
-    # mergekit form
+    # mergekit's slices form
     merge_method: passthrough          # the only method: layer assembly, nothing is blended
     slices:
       - sources: [{model: runs/a@400, layer_range: [0, 16]}]    # half-open, as in mergekit
-      - sources: [{model: runs/b@500, layer_range: [16, 32]}]
-    base_model: runs/b@500             # default source of embed / norm / head and of state
-    dtype: bfloat16                    # only if it is the sources' dtype (no casting)
-    tokenizer_source: base             # accepted and recorded; tokenizers are not copied
+      - sources: [{model: runs/b@500, layer_range: [8, 32]}]    # overlaps and depth changes allowed
+    base_model: runs/b@500             # default source of training state (below)
+    dtype: bfloat16                    # cast the weights (weights-only merges only)
+    parameters: {scale: [{filter: o_proj, value: 0.5}, {value: 1.0}]}   # mergekit's passthrough scale
+    tokenizer_source: base             # copied into --format hf / model outputs ("base" or a source)
     embed: runs/a@400                  # optional per auxiliary unit: embed, norm, head
-    optimizer: true                    # move each layer's optimizer state with it
-    state_from: runs/b@500             # step, scheduler, RNG, trainer state (default: newest)
+    optimizer: true                    # move optimizer state with each parameter (default: when every source has some)
+    state_from: runs/b@500             # step, scheduler, RNG, trainer state
+
+    # mergekit's models form: one model, copied (passthrough allows no blending)
+    models: [{model: runs/a@400, parameters: {scale: 1.0}}]
 
     # published LLMTailor form: auxiliary tensors by name (mapped to units via the layout)
     pre_weights:  [{name: model.embed_tokens.weight, model: runs/a@400}]
     post_weights: [{name: model.norm.weight, model: runs/b@500}, {name: lm_head.weight, model: runs/b@500}]
 
+What mergekit makes of a passthrough plan, so do we: the output's layers are the slices' layer
+ranges concatenated in order (any depth, layers repeated or skipped); the embeddings come from
+the first slice's model and the final norm and LM head from the last slice's model, unless the
+plan names them (``embed`` / ``norm`` / ``head`` or ``pre_weights`` / ``post_weights``);
+``parameters: scale`` multiplies a tensor (the first entry whose ``filter`` is a substring of
+its name wins; slice-source, then slice, then top-level parameters).
+
+Training state (step, LR scheduler, RNG, trainer state, optimizer hyperparameters) comes from
+``state_from``; by default from ``base_model``; without either, from the source with the
+newest step (the last slice's among equals).
+
 A source (SRC) is ``RUN@STEP`` (a tailored run's composite at a step), ``RUN`` (its newest
-composite) or a Hugging Face Trainer ``checkpoint-N/`` directory. Relative paths resolve
-against the plan file's directory. Every problem of a plan is reported at once in one
-ConfigError naming the plan file and the key.
+composite), a model directory (``save_pretrained``: ``config.json`` and ``model.safetensors``,
+sharded or not, or ``pytorch_model.bin``), a Hugging Face Trainer ``checkpoint-N/`` directory,
+or a DeepSpeed checkpoint. Relative paths resolve against the plan file's directory. Every
+problem of a plan is reported at once in one ConfigError naming the plan file and the key.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -37,16 +54,40 @@ from llmtailor.errors import ConfigError, describe_validation
 
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ScaleRule(_Strict):
+    """One entry of mergekit's conditional parameter list: ``filter`` (a substring of the tensor
+    name; none: every tensor) and the ``value``."""
+
+    filter: str | None = None
+    value: float
+
+
+class Parameters(_Strict):
+    """The parameters passthrough takes: ``scale``, a number or a list of ``ScaleRule``."""
+
+    scale: float | list[ScaleRule] | None = None
+
+    def scale_for(self, name: str) -> float | None:
+        if self.scale is None or isinstance(self.scale, float):
+            return self.scale
+        for rule in self.scale:
+            if rule.filter is None or rule.filter in name:
+                return rule.value
+        return None
+
+
 class SliceSource(_Strict):
     model: str = Field(min_length=1)
     layer_range: tuple[int, int]
     """Half-open ``[a, b)`` range of the source's layers, as in mergekit."""
+    parameters: Parameters | None = None
 
     @field_validator("layer_range")
     @classmethod
@@ -58,13 +99,23 @@ class SliceSource(_Strict):
 
 class Slice(_Strict):
     sources: list[SliceSource]
+    parameters: Parameters | None = None
 
     @field_validator("sources")
     @classmethod
     def _one_source(cls, value: list[SliceSource]) -> list[SliceSource]:
         if len(value) != 1:
-            raise ValueError(f"a passthrough slice takes exactly one source, got {len(value)}")
+            raise ValueError(
+                f"a passthrough slice takes exactly one source, got {len(value)} (blending several is not layer assembly)"
+            )
         return value
+
+
+class ModelEntry(_Strict):
+    """An entry of mergekit's ``models`` form."""
+
+    model: str = Field(min_length=1)
+    parameters: Parameters | None = None
 
 
 class NamedWeight(_Strict):
@@ -77,9 +128,12 @@ class NamedWeight(_Strict):
 class PlanSpec(_Strict):
     """The plan file's keys (see the module docstring)."""
 
-    slices: list[Slice] = Field(min_length=1)
+    slices: list[Slice] | None = None
+    models: list[ModelEntry] | None = None
     merge_method: str = PASSTHROUGH
     dtype: str | None = None
+    out_dtype: str | None = None
+    parameters: Parameters | None = None
     base_model: str | None = None
     tokenizer_source: str | None = None
     embed: str | None = None
@@ -87,7 +141,9 @@ class PlanSpec(_Strict):
     head: str | None = None
     pre_weights: list[NamedWeight] = []
     post_weights: list[NamedWeight] = []
-    optimizer: bool = True
+    optimizer: bool | None = None
+    """Move each parameter's optimizer state with it. Default: when every source holds
+    optimizer state (a model directory holds none)."""
     state_from: str | None = None
 
     @field_validator("merge_method")
@@ -100,17 +156,44 @@ class PlanSpec(_Strict):
             )
         return value
 
+    @field_validator("dtype", "out_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value not in DTYPE_NAMES:
+            raise ValueError(f"dtype {value!r} is not one of {list(DTYPE_NAMES)}")
+        return value
+
     @model_validator(mode="after")
-    def _some_layer(self) -> PlanSpec:
-        if all(s.sources[0].layer_range[0] == s.sources[0].layer_range[1] for s in self.slices):
-            raise ValueError("every slice is empty: the plan names no layer")
+    def _one_form(self) -> PlanSpec:
+        problems = []
+        if (self.slices is None) == (self.models is None):
+            problems.append("give either 'slices' or 'models' (mergekit's two forms), not both or neither")
+        if self.models is not None and len(self.models) != 1:
+            problems.append(
+                f"'models' with passthrough copies one model; got {len(self.models)} (blending is not layer assembly)"
+            )
+        if self.slices is not None and not self.slices:
+            problems.append("'slices' is empty: the plan names no layer")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+    @property
+    def output_dtype(self) -> str | None:
+        return self.out_dtype or self.dtype
+
+    @property
+    def transforms_weights(self) -> bool:
+        """Whether the plan casts or scales any weight (allowed only without optimizer state)."""
+        scales = [self.parameters] + [s.parameters for s in self.slices or []]
+        scales += [src.parameters for s in self.slices or [] for src in s.sources] + [m.parameters for m in self.models or []]
+        return any(p is not None and p.scale is not None for p in scales)
 
 
 @dataclass(frozen=True)
 class SourceRef:
     """A source as the plan names it: ``label`` is the text of the plan; ``step`` is None for
-    a run's newest composite or an HF checkpoint directory."""
+    a run's newest composite or a checkpoint directory."""
 
     label: str
     path: Path
@@ -118,7 +201,7 @@ class SourceRef:
 
 
 def parse_source(text: str, base_dir: Path) -> SourceRef:
-    """``RUN@STEP``, ``RUN`` or a checkpoint directory; relative paths against ``base_dir``."""
+    """``RUN@STEP``, ``RUN`` or a directory; relative paths against ``base_dir``."""
     match = _STEP_SUFFIX.match(text)
     path_text, step = (match.group(1), int(match.group(2))) if match else (text, None)
     path = Path(path_text).expanduser()
@@ -148,3 +231,4 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         return PlanSpec.model_validate(data)
     except ValidationError as err:
         raise ConfigError(f"{path}: invalid plan: {describe_validation(err, limit=50)}") from None
+

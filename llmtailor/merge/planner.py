@@ -1,95 +1,84 @@
 """Planning a merge: a plan file resolved into an explicit list of per-tensor actions, and
-every check that can be made from manifests, before any tensor byte is read.
+every check that can be made from headers and manifests, before any tensor byte is read.
 
 Invariants of a ``MergePlan``:
 
-- every destination unit (the layout of ``state_from`` with the plan's N layers) is taken
-  whole from exactly one source unit, and each of its tensors has one ``Action``;
-- output layer i taken from source layer j renames every key ``...layers.<j>....`` to
-  ``...layers.<i>....``, weights and optimizer state together (``weight/<name>``,
-  ``optim/<name>/<state key>``), using the family's own layer patterns;
-- the layer ranges of the slices cover layer indices 0..N-1 exactly once (a plan assembles
-  one model position by position; repeating or skipping a layer, as mergekit's depth-changing
-  frankenmerges do, is refused as an overlap or a gap);
-- names, shapes and dtypes of every renamed tensor equal what the destination expects, and
-  with ``optimizer: true`` its optimizer state keys too; with ``optimizer: false`` no
-  ``optim/*`` key is planned.
-
-A Hugging Face ``checkpoint-N/`` source is imported (``import_hf``) into a temporary run in
-a scratch directory beside OUT, removed when the plan is closed: this costs one copy of that
-checkpoint, made before planning because its layout is only known after reading it.
+- the output's layers are the slices' layer ranges concatenated (mergekit's passthrough):
+  output layer i is source layer j of the slice it falls in; any depth, layers repeated,
+  skipped or reordered; the auxiliary units come from the first slice's model (embed) and the
+  last slice's model (norm, head) unless the plan names their sources;
+- every destination unit is taken whole from exactly one source unit, and each of its tensors
+  has one ``Action``; output layer i taken from source layer j renames every key
+  ``...layers.<j>....`` to ``...layers.<i>....``, weights and optimizer state together, with
+  the family's own layer patterns;
+- names, shapes and dtypes of every renamed tensor equal what the destination expects (the
+  layer template of the state source), with its optimizer state keys too when optimizer state
+  moves; with it, each output parameter joins the optimizer param group its source parameter
+  was in, so a model deepened by repeating layers resumes training with their moments;
+- casts (``dtype``) and ``parameters: scale`` apply to weights only and are refused with
+  optimizer state (exactness first).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmtailor.constants import EMBED, HEAD, KIND_OPTIM, KIND_WEIGHT, LAYER_PREFIX, NORM, layer_unit
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
-from llmtailor.merge.plan import PlanSpec, SourceRef, load_plan, parse_source
+from llmtailor.merge.plan import Parameters, PlanSpec, load_plan, parse_source
+from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
 from llmtailor.store.keys import join_key, split_key
-from llmtailor.store.manifest import TensorEntry
-from llmtailor.store.run import Composite, Run
-
-HF_MARKERS = ("trainer_state.json", "config.json")
 
 
 @dataclass(frozen=True)
 class Action:
-    """Copy ``source_key`` of ``source_unit`` (as saved at ``step`` in source ``source``) to
-    ``dest_key`` of ``dest_unit``."""
+    """Copy ``source_key`` of ``source_unit`` (of source ``source``, its version saved at
+    ``step``) to ``dest_key`` of ``dest_unit``, multiplied by ``scale`` and cast to ``dtype``
+    when set (weights only)."""
 
     source: str
-    step: int
+    step: int | None
     source_unit: str
     source_key: str
     dest_unit: str
     dest_key: str
-
-
-@dataclass(frozen=True)
-class Source:
-    """An opened source: ``composite`` is the one the plan names (``RUN@STEP``, or newest)."""
-
-    label: str
-    run: Run
-    composite: Composite
-    layout: Layout
-    imported_from: Path | None = None
+    scale: float | None = None
+    dtype: str | None = None
 
     @property
-    def step(self) -> int:
-        return self.composite.step
+    def unchanged(self) -> bool:
+        return self.scale in (None, 1.0) and self.dtype is None
 
 
 @dataclass
 class MergePlan:
     plan_file: Path
     spec: PlanSpec
-    sources: dict[str, Source]
+    sources: dict[str, MergeSource]
     state_from: str
     layout: Layout
-    """The destination layout: ``state_from``'s, with the plan's number of layers."""
+    """The destination layout."""
     actions: list[Action]
     renames: dict[str, dict[str, str]]
     """Destination unit -> {source parameter name: destination parameter name}."""
+    optimizer: bool
+    optimizer_groups: list[dict[str, Any]] | None
+    """The output's param groups (names), with ``optimizer``."""
+    model_config: dict[str, Any] | None
+    """The output's HF model config (its layer count the plan's)."""
     warnings: list[str] = field(default_factory=list)
 
     @property
     def step(self) -> int:
-        return self.sources[self.state_from].step
-
-    @property
-    def optimizer(self) -> bool:
-        return self.spec.optimizer
+        return self.sources[self.state_from].step or 0
 
     def actions_by_unit(self) -> dict[str, list[Action]]:
         grouped: dict[str, list[Action]] = {unit: [] for unit in self.layout.units}
@@ -102,180 +91,193 @@ class MergePlan:
 def open_plan(plan_file: str | Path, out: str | Path) -> Iterator[MergePlan]:
     """Load, resolve and validate ``plan_file``; yields the ``MergePlan``. Raises ConfigError
     (or another TailorError) naming every problem found, before any tensor byte is read.
-    Temporary runs of imported HF sources live beside ``out`` until the block ends."""
+    Temporary copies (a DeepSpeed source's import) live beside ``out`` until the block ends."""
     plan_file = Path(plan_file)
     spec = load_plan(plan_file)
     scratch = _Scratch(Path(out))
+    sources: dict[str, MergeSource] = {}
     try:
-        yield _build(plan_file, spec, scratch)
+        sources = _open_sources(spec, plan_file.resolve().parent, scratch, str(plan_file))
+        yield _build(plan_file, spec, sources)
     finally:
+        for source in sources.values():
+            source.close()
         scratch.remove()
 
 
 class _Scratch:
-    """A temporary directory beside OUT, made only when an HF source needs importing."""
+    """A temporary directory beside OUT, made only when a source needs a copy."""
 
     def __init__(self, out: Path):
         self.out, self.path = out, None
 
-    def new_run_dir(self) -> Path:
+    def get(self) -> Path:
         if self.path is None:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.merge-", dir=self.out.parent))
-        return self.path / f"source-{len(list(self.path.iterdir()))}"
+        return self.path
 
     def remove(self) -> None:
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _build(plan_file: Path, spec: PlanSpec, scratch: _Scratch) -> MergePlan:
+def _labels(spec: PlanSpec) -> list[str]:
+    labels = [s.sources[0].model for s in spec.slices or []] + [m.model for m in spec.models or []]
+    labels += [x for x in (spec.base_model, spec.embed, spec.norm, spec.head, spec.state_from) if x]
+    labels += [w.model for w in (*spec.pre_weights, *spec.post_weights)]
+    if spec.tokenizer_source not in (None, "base", "union"):
+        labels.append(spec.tokenizer_source)
+    return list(dict.fromkeys(labels))
+
+
+def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str) -> dict[str, MergeSource]:
+    problems, sources = [], {}
+    for label in _labels(spec):
+        ref = parse_source(label, base_dir)
+        try:
+            sources[label] = open_source(label, ref.path, ref.step, scratch.get() if _needs_scratch(ref.path) else Path("."))
+        except TailorError as err:
+            problems.append(f"source {label!r}: {err}")
+    if problems:
+        for source in sources.values():
+            source.close()
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    return sources
+
+
+def _needs_scratch(path: Path) -> bool:
+    from llmtailor.interop.deepspeed_import import is_deepspeed_checkpoint
+
+    return path.is_dir() and is_deepspeed_checkpoint(path)
+
+
+def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> MergePlan:
     where = str(plan_file)
     warnings: list[str] = []
-    sources = _open_sources(spec, plan_file.resolve().parent, scratch, where)
+    problems: list[str] = []
 
-    # Output layer i <- (source label, source layer j), in slice order, as mergekit concatenates.
-    layers: list[tuple[str, int]] = []
-    for k, s in enumerate(spec.slices):
-        src = s.sources[0]
-        a, b = src.layer_range
-        if a == b:
-            warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
-        layers += [(src.model, j) for j in range(a, b)]
-    problems = _coverage_problems([j for _, j in layers])
+    # Output layer i <- (source label, source layer j, its parameters), in slice order.
+    layers: list[tuple[str, int, list[Parameters | None]]] = []
+    if spec.models:
+        entry = spec.models[0]
+        layers = [(entry.model, j, [entry.parameters, spec.parameters]) for j in range(sources[entry.model].layout.num_layers)]
+        first = last = entry.model
+    else:
+        for k, s in enumerate(spec.slices):
+            src = s.sources[0]
+            a, b = src.layer_range
+            if a == b:
+                warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
+            for j in range(a, b):
+                if layer_unit(j) not in sources[src.model].layout.units:
+                    problems.append(
+                        f"slices[{k}]: source {src.model!r} has {sources[src.model].layout.num_layers} layers; "
+                        f"layer_range {list(src.layer_range)} names its layer {j}"
+                    )
+                    break
+                layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters]))
+        first, last = spec.slices[0].sources[0].model, spec.slices[-1].sources[0].model
+    if not layers:
+        problems.append("every slice is empty: the plan names no layer")
 
-    state_label = spec.state_from or max(sources, key=lambda label: sources[label].step)
-    state = sources[state_label]
-    n = len(layers)
-    if spec.optimizer and n != state.layout.num_layers:
-        problems.append(
-            f"the plan assembles {n} layers but state_from {state_label!r} has {state.layout.num_layers}; "
-            "with optimizer: true the optimizer's param groups must keep the same parameters (renumbering "
-            "optimizer groups for another depth is not supported); use optimizer: false to assemble weights only"
-        )
-    for label, source in sources.items():
-        if source.layout.family != state.layout.family:
-            problems.append(
-                f"source {label!r} is a {source.layout.family!r} model, state_from {state_label!r} a "
-                f"{state.layout.family!r} one: sources must share one architecture"
-            )
+    families = {label: s.layout.family for label, s in sources.items()}
+    family_name = families[first]
+    problems += [f"source {label!r} is a {fam!r} model, {first!r} a {family_name!r} one: sources must share one architecture"
+                 for label, fam in families.items() if fam != family_name]
+    state_label = spec.state_from or spec.base_model or max(
+        sources, key=lambda label: (sources[label].step is not None, sources[label].step or 0, label == last)
+    )
+    # Every source but one named only for its tokenizer contributes tensors or state.
+    tensor_sources = {label: s for label, s in sources.items() if label in _labels(spec.model_copy(update={"tokenizer_source": None}))}
+    stateless = [label for label, s in tensor_sources.items() if not s.has_optimizer()]
+    optimizer = spec.optimizer if spec.optimizer is not None else not stateless
+    if spec.optimizer is None and stateless:
+        warnings.append(f"weights only: {stateless} hold no optimizer state (optimizer: false by default)")
+    if optimizer:
+        problems += [f"optimizer: true, but source {label!r} ({sources[label].kind}) holds no optimizer state; set "
+                     "optimizer: false" for label in stateless]
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
+
+    # Destination unit -> (source label, source unit, parameters).
+    assignment: dict[str, tuple[str, str, list[Parameters | None]]] = {}
+    aux = _aux_sources(spec, sources, first, last, problems)
+    template = sources[state_label].layout
+    for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
+        assignment[unit] = (aux.get(unit, first), unit, [spec.parameters])
+    for i, (label, j, params) in enumerate(layers):
+        assignment[layer_unit(i)] = (label, layer_unit(j), params)
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
 
-    # Destination unit -> (source label, source unit).
-    assignment: dict[str, tuple[str, str]] = {}
-    default = spec.base_model or spec.slices[0].sources[0].model
-    aux = _aux_sources(spec, sources, problems)
-    for unit in state.layout.aux_units():
-        assignment[unit] = (aux.get(unit, default), unit)
-    for i, (label, j) in enumerate(layers):
-        if layer_unit(j) not in sources[label].layout.units:
-            problems.append(f"source {label!r} has {sources[label].layout.num_layers} layers; the plan names its layer {j}")
-        assignment[layer_unit(i)] = (label, layer_unit(j))
-    if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
-
-    family = load_family(state.layout.family)
+    family = load_family(family_name)
     dest_units: dict[str, list[str]] = {}
     actions: list[Action] = []
     renames: dict[str, dict[str, str]] = {}
+    cast = spec.output_dtype
     for unit in sorted(assignment, key=unit_rank):
-        label, source_unit = assignment[unit]
+        label, source_unit, params = assignment[unit]
         source = sources[label]
-        expected = _expected_entries(state, unit, family)
-        rename = _renamer(family, source_unit, unit)
-        version = source.composite.sources.get(source_unit)
-        if version is None:
-            problems.append(f"source {label!r}: its composite names no version of unit {source_unit}")
+        if source_unit not in source.layout.units:
+            problems.append(f"source {label!r} has no unit {source_unit} (its layout: {list(source.layout.units)})")
             continue
-        got: dict[str, TensorEntry] = {}
+        rename = _renamer(family, source_unit, unit)
+        got: dict[str, TensorInfo] = {}
         renames[unit] = {}
-        for entry in source.run.unit_entry(version, source_unit).tensors:
-            kind, name, state_key = split_key(entry.key)
-            if kind == KIND_OPTIM and not spec.optimizer:
-                continue
+        for key, info in source.tensors(source_unit, optimizer).items():
+            kind, name, state_key = split_key(key)
             dest_name = rename(name)
             if dest_name is None:
                 problems.append(f"source {label!r}: tensor {name!r} of {source_unit} does not follow the layer naming")
                 continue
             renames[unit][name] = dest_name
             dest_key = join_key(kind, dest_name, state_key)
-            got[dest_key] = entry
-            actions.append(Action(label, version, source_unit, entry.key, unit, dest_key))
-        problems += _entry_problems(unit, label, source_unit, got, expected, spec)
+            got[dest_key] = info
+            scale = _scale(params, dest_name) if kind == KIND_WEIGHT else None
+            dtype = cast if kind == KIND_WEIGHT and cast is not None and cast != _dtype_name(info.dtype) else None
+            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype))
+        problems += _entry_problems(unit, label, source_unit, got, _expected(sources[state_label], unit, family, optimizer))
         dest_units[unit] = [split_key(k)[1] for k in got if split_key(k)[0] == KIND_WEIGHT]
+    changed = sorted({f"{a.dest_key} ({'scale ' + str(a.scale) if a.scale not in (None, 1.0) else 'to ' + str(a.dtype)})"
+                      for a in actions if not a.unchanged})
+    if optimizer and changed:
+        problems.append(
+            f"dtype / parameters: scale would change weights {changed[:3]}, which the optimizer state was computed "
+            "for: allowed only with optimizer: false (a merge that moves optimizer state never casts or scales)"
+        )
     if problems:
         problems = list(dict.fromkeys(problems))
         shown = problems[:12] + ([f"... ({len(problems)} problems in all)"] if len(problems) > 12 else [])
         raise ConfigError(f"{where}: " + "; ".join(shown))
 
     canonical = {name for names in dest_units.values() for name in names}
-    aliases = {a: t for a, t in state.layout.aliases.items() if t in canonical and a not in canonical}
-    layout = Layout(state.layout.family, dest_units, aliases)
-    return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, warnings)
+    aliases = {a: t for a, t in template.aliases.items() if t in canonical and a not in canonical}
+    layout = Layout(family_name, dest_units, aliases)
+    groups = _optimizer_groups(sources, state_label, layout, assignment, renames, where) if optimizer else None
+    config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, cast, where)
+    return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config, warnings)
 
 
-def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str) -> dict[str, Source]:
-    labels = [s.sources[0].model for s in spec.slices]
-    labels += [x for x in (spec.base_model, spec.embed, spec.norm, spec.head, spec.state_from) if x]
-    labels += [w.model for w in (*spec.pre_weights, *spec.post_weights)]
-    refs = {label: parse_source(label, base_dir) for label in dict.fromkeys(labels)}
-    problems, runs = [], {}
-    for label, ref in refs.items():
-        if _is_hf_checkpoint(ref.path):
-            if ref.step is not None:
-                problems.append(f"source {label!r}: an HF checkpoint directory takes no @STEP")
-            runs[label] = None
-        elif ref.path.is_dir() and Run(ref.path).steps():
-            runs[label] = Run(ref.path)
-        else:
-            problems.append(f"source {label!r}: {ref.path} is neither a tailored run nor an HF checkpoint-N/ directory")
-    if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
-    sources = {}
-    for label, ref in refs.items():
-        try:
-            sources[label] = _open(label, ref, runs[label], scratch)
-        except TailorError as err:
-            problems.append(f"source {label!r}: {err}")
-    if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
-    return sources
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _open(label: str, ref: SourceRef, run: Run | None, scratch: _Scratch) -> Source:
-    imported = None
-    if run is None:
-        from llmtailor.interop.hf_import import import_hf
-
-        run = Run(scratch.new_run_dir())
-        import_hf(ref.path, run.root)
-        imported = ref.path
-    composite = run.resolve(ref.step)
-    return Source(label, run, composite, Layout.from_record(composite.manifest.layout), imported)
+def _scale(params: list[Parameters | None], name: str) -> float | None:
+    """The first scale that applies: slice source, slice, then top-level parameters."""
+    for p in params:
+        if p is not None:
+            value = p.scale_for(name)
+            if value is not None:
+                return value
+    return None
 
 
-def _is_hf_checkpoint(path: Path) -> bool:
-    return all((path / marker).is_file() for marker in HF_MARKERS)
-
-
-def _coverage_problems(indices: list[int]) -> list[str]:
-    counts = Counter(indices)
-    gaps = [j for j in range(max(indices, default=-1) + 1) if j not in counts]
-    overlaps = sorted(j for j, c in counts.items() if c > 1)
-    problems = []
-    if gaps:
-        problems.append(f"layer gap: no slice covers layers {gaps}")
-    if overlaps:
-        problems.append(f"layer overlap: layers {overlaps} are covered more than once")
-    if problems:
-        problems[-1] += " (the slices must cover layers 0..N-1 each exactly once)"
-    return problems
-
-
-def _aux_sources(spec: PlanSpec, sources: dict[str, Source], problems: list[str]) -> dict[str, str]:
-    """Auxiliary unit -> source label from ``embed``/``norm``/``head`` and ``pre_weights`` /
-    ``post_weights`` (a name moves its whole unit; tied names resolve through aliases)."""
+def _aux_sources(spec: PlanSpec, sources: dict[str, MergeSource], first: str, last: str, problems: list[str]) -> dict[str, str]:
+    """Auxiliary unit -> source label: as mergekit does (embed from the first slice's model,
+    norm and head from the last slice's), unless ``embed``/``norm``/``head`` or ``pre_weights``
+    / ``post_weights`` name them (a name moves its whole unit; tied names resolve through
+    aliases)."""
     chosen: dict[str, str] = {}
     for key, weights in (("pre_weights", spec.pre_weights), ("post_weights", spec.post_weights)):
         for w in weights:
@@ -289,10 +291,11 @@ def _aux_sources(spec: PlanSpec, sources: dict[str, Source], problems: list[str]
             elif chosen.setdefault(unit, w.model) != w.model:
                 problems.append(f"{key}: unit {unit} is named from both {chosen[unit]!r} and {w.model!r}; a unit moves whole")
     for unit, label in ((EMBED, spec.embed), (NORM, spec.norm), (HEAD, spec.head)):
-        if label is not None:
-            if chosen.setdefault(unit, label) != label:
-                problems.append(f"key {unit!r}: {label!r} disagrees with pre/post_weights naming {chosen[unit]!r}")
-    return chosen
+        if label is not None and chosen.setdefault(unit, label) != label:
+            problems.append(f"key {unit!r}: {label!r} disagrees with pre/post_weights naming {chosen[unit]!r}")
+    defaults = {EMBED: first, NORM: last, HEAD: last}
+    return {**{u: chosen.get(u, defaults.get(u, first)) for u in (EMBED, NORM, HEAD)},
+            **{u: l for u, l in chosen.items() if u not in defaults}}
 
 
 def _renamer(family, source_unit: str, dest_unit: str):
@@ -313,34 +316,73 @@ def _renamer(family, source_unit: str, dest_unit: str):
     return rename
 
 
-def _expected_entries(state: Source, unit: str, family) -> dict[str, TensorEntry]:
-    """What the destination expects in ``unit``: state_from's own version of it (its layer 0,
-    renamed, for a layer index it does not have)."""
+def _expected(state: MergeSource, unit: str, family, optimizer: bool) -> dict[str, TensorInfo]:
+    """What the destination expects in ``unit``: the state source's own version of it (its layer
+    0, renamed, for a layer)."""
     own = unit if unit in state.layout.units else layer_unit(0)
-    version = state.composite.sources[own]
+    if own not in state.layout.units:
+        return {}
     rename = _renamer(family, own, unit)
     out = {}
-    for entry in state.run.unit_entry(version, own).tensors:
-        kind, name, state_key = split_key(entry.key)
-        out[join_key(kind, rename(name), state_key)] = entry
+    for key, info in state.tensors(own, optimizer).items():
+        kind, name, state_key = split_key(key)
+        out[join_key(kind, rename(name), state_key)] = info
     return out
 
 
-def _entry_problems(unit, label, source_unit, got, expected, spec: PlanSpec) -> list[str]:
+def _entry_problems(unit: str, label: str, source_unit: str, got: dict[str, TensorInfo], expected: dict[str, TensorInfo]) -> list[str]:
     problems = []
-    wanted = {k for k in expected if spec.optimizer or split_key(k)[0] != KIND_OPTIM}
     origin = f"{unit} from {label!r} {source_unit}"
-    missing, extra = sorted(wanted - got.keys()), sorted(got.keys() - wanted)
-    if missing or extra:
-        problems.append(f"{origin}: architecture or optimizer state differs from state_from "
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    if expected and (missing or extra):
+        problems.append(f"{origin}: architecture or optimizer state differs from the state source's "
                         f"(lacks {missing[:3]}, has extra {extra[:3]})")
-    for key in sorted(wanted & got.keys()):
+    for key in sorted(expected.keys() & got.keys()):
         have, want = got[key], expected[key]
         if (have.dtype, have.shape) != (want.dtype, want.shape):
-            problems.append(f"{origin}: {key} is {have.dtype} {have.shape}, the destination expects {want.dtype} {want.shape}")
-        elif spec.dtype is not None and split_key(key)[0] == KIND_WEIGHT and have.dtype != spec.dtype:
-            problems.append(
-                f"key 'dtype': {spec.dtype} differs from the sources' {have.dtype}; a merge never casts, "
-                "since casting would break the exact optimizer state"
-            )
+            problems.append(f"{origin}: {key} is {_dtype_name(have.dtype)} {list(have.shape)}, the destination expects "
+                            f"{_dtype_name(want.dtype)} {list(want.shape)}")
     return problems
+
+
+def _optimizer_groups(sources, state_label, layout, assignment, renames, where) -> list[dict[str, Any]]:
+    """The output's param groups: the state source's hyperparameters; each output parameter in
+    the group (by index) its source parameter was in; within a group, layout order."""
+    state_groups = sources[state_label].global_state()["optimizer_groups"]
+    membership: dict[str, dict[str, int]] = {}
+    problems = []
+    for label, source in sources.items():
+        if not source.has_optimizer():
+            continue  # a tokenizer's source only
+        groups = source.global_state()["optimizer_groups"]
+        if len(groups) != len(state_groups):
+            problems.append(f"source {label!r} has {len(groups)} optimizer groups, the state source {len(state_groups)}")
+        membership[label] = {name: index for index, group in enumerate(groups) for name in group["params"]}
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    members: list[list[str]] = [[] for _ in state_groups]
+    for unit, names in layout.units.items():
+        label, _, _ = assignment[unit]
+        for source_name, dest_name in renames[unit].items():
+            if dest_name in names and source_name in membership[label]:
+                members[membership[label][source_name]].append(dest_name)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(state_groups, members)]
+
+
+def _model_config(sources, state_label, first, num_layers_key, num_layers, cast, where) -> dict[str, Any] | None:
+    """The output's HF config: the state source's (else the first slice's), its layer count
+    under the family's own key, its ``layer_types`` (per layer) resized, its dtype the cast's."""
+    config = sources[state_label].config or sources[first].config
+    if config is None:
+        return None
+    config = dict(config)
+    if num_layers_key is not None and config.get(num_layers_key) not in (None, num_layers):
+        config[num_layers_key] = num_layers
+        if isinstance(config.get("layer_types"), list):
+            kinds = set(config["layer_types"])
+            if len(kinds) != 1:
+                raise ConfigError(f"{where}: cannot change the depth of a model whose config mixes layer_types {sorted(kinds)}")
+            config["layer_types"] = [kinds.pop()] * num_layers
+    if cast is not None:
+        config["torch_dtype"] = config["dtype"] = cast
+    return config

@@ -11,6 +11,8 @@ safetensors' own ``save_file`` wrote a 6.2 GB checkpoint at 0.3-0.8 GB/s and the
 safetensors' published one; tensors are ordered by item size, so each is naturally aligned.
 """
 
+from __future__ import annotations
+
 import json
 import mmap
 import os
@@ -54,14 +56,65 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> F
     return write_tensor_file(path, tensors, root)[0]
 
 
-def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> tuple[FileEntry, dict[str, str]]:
+class ByteSource:
+    """A tensor's bytes as they lie in a file (a range of a safetensors file, say), copied to a
+    new file without being decoded: ``write_tensor_file`` streams them through and hashes them
+    on the way. ``expect_xxh3`` (the checksum the source recorded for these bytes) is checked
+    against the bytes copied; a mismatch fails the write."""
+
+    def __init__(self, path: Path, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...],
+                 expect_xxh3: str | None = None):
+        self.path, self.offset, self.length = Path(path), offset, length
+        self.dtype, self.shape, self.expect_xxh3 = dtype, torch.Size(shape), expect_xxh3
+
+    def numel(self) -> int:
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def load(self) -> torch.Tensor:
+        """The tensor itself, read from the file (for a merge that transforms it)."""
+        data = bytearray()
+        for piece in _file_pieces(self):
+            data += piece
+        return torch.frombuffer(data, dtype=self.dtype).reshape(self.shape) if self.length else torch.empty(self.shape, dtype=self.dtype)
+
+    def detach(self) -> ByteSource:
+        return self
+
+    def contiguous(self) -> ByteSource:
+        return self
+
+
+def safetensors_layout(path: Path) -> tuple[int, dict[str, dict]]:
+    """``(offset of the data, header)`` of a safetensors file, from its header alone (the
+    format: a little-endian u64 header size, then the JSON header, then the data)."""
+    with open(path, "rb") as handle:
+        (size,) = struct.unpack("<Q", handle.read(8))
+        if size > 100 << 20:
+            raise IntegrityError(f"{path}: safetensors header of {size} bytes is not credible")
+        header = json.loads(handle.read(size))
+    return 8 + size, header
+
+
+def write_tensor_file(
+    path: Path, tensors: dict[str, torch.Tensor | ByteSource], root: Path, metadata: dict[str, str] | None = None
+) -> tuple[FileEntry, dict[str, str]]:
     """Write ``tensors`` as one safetensors file, durably; return its manifest entry and the
     xxh3-64 checksum of each tensor's bytes (both computed on the way out, in one pass).
 
     Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
-    to the CPU one tensor at a time."""
+    to the CPU one tensor at a time; a ``ByteSource`` is copied from its file in pieces."""
     ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
-    header, offset = {}, 0
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
     for key, tensor in ordered:
         size = tensor.numel() * tensor.element_size()
         header[key] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
@@ -81,6 +134,8 @@ def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], root: Path) 
                 piece_hasher.update(piece)
                 out.write(piece)
             sums[key] = piece_hasher.hexdigest()
+            if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
+                raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
         out.flush()
         os.fsync(out.fileno())
         # The bytes are durable and will not be read soon: drop them from the page cache, so
@@ -98,11 +153,34 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
-def _pieces(tensor: torch.Tensor):
+def _pieces(tensor: torch.Tensor | ByteSource):
+    if isinstance(tensor, ByteSource):
+        yield from _file_pieces(tensor)
+        return
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
     for start in range(0, len(data), _PIECE):
         yield data[start : start + _PIECE]
+
+
+def _file_pieces(source: ByteSource):
+    """The bytes of ``source``, read from its file in pieces into one reused buffer (no decode)."""
+    try:
+        handle = open(source.path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise IntegrityError(f"{source.path}: file is missing") from None
+    with handle:
+        if os.fstat(handle.fileno()).st_size < source.offset + source.length:
+            raise IntegrityError(f"{source.path}: shorter than the tensor it should hold (truncated)")
+        buffer = memoryview(bytearray(min(_PIECE, source.length)))
+        handle.seek(source.offset)
+        left = source.length
+        while left:
+            got = handle.readinto(buffer[: min(left, len(buffer))])
+            if not got:
+                raise IntegrityError(f"{source.path}: ended while reading a tensor (truncated)")
+            left -= got
+            yield buffer[:got]
 
 
 def _checksum_of_open_file(handle) -> str:

@@ -157,15 +157,15 @@ def test_weights_only_plan_may_drop_layers_and_drops_optimizer_state(root, tmp_p
 
 
 BAD_PLANS = {
-    "gap": ({"slices": [("full@6", (0, 1)), ("full@6", (2, 4))]}, "layer gap: no slice covers layers [1]"),
-    "overlap": ({"slices": [("full@6", (0, 2)), ("full@6", (1, 4))]}, "layers [1] are covered more than once"),
-    "missing source": ({"slices": [("nope@6", (0, 4))]}, "nope is neither a tailored run nor an HF checkpoint"),
+    "missing source": ({"slices": [("nope@6", (0, 4))]}, "nope: no such directory"),
+    "beyond source": ({"slices": [("full@6", (2, 6))]}, "has 4 layers; layer_range [2, 6] names its layer 4"),
     "missing step": ({"slices": [("full@3", (0, 4))]}, "no committed snapshot at step 3"),
     "shape": ({"slices": [("full@6", (0, 2)), ("wide@2", (2, 4))]}, "the destination expects float32"),
     "unknown key": ({"slices": [("full@6", (0, 4))], "lora_rank": 8}, "unknown key 'lora_rank'"),
     "method": ({"slices": [("full@6", (0, 4))], "merge_method": "slerp"}, "only layer assembly (passthrough) is supported"),
-    "dtype": ({"slices": [("full@6", (0, 4))], "dtype": "bfloat16"}, "casting would break the exact optimizer state"),
-    "depth": ({"slices": [("full@6", (0, 3))]}, "renumbering optimizer groups for another depth is not supported"),
+    "dtype": ({"slices": [("full@6", (0, 4))], "dtype": "bfloat16"}, "allowed only with optimizer: false"),
+    "scale": ({"slices": [("full@6", (0, 4))], "parameters": {"scale": 0.5}}, "scale 0.5"),
+    "both forms": ({"slices": [("full@6", (0, 4))], "models": [{"model": "full@6"}]}, "give either 'slices' or 'models'"),
     "yaml": ("slices:\n  - sources: [{model: full@6, layer_range: [0, 4]\nmerge_method: passthrough\n", "malformed YAML at line"),
 }
 

@@ -1,0 +1,325 @@
+"""Merge sources, read lazily: headers first, then only the bytes a plan moves.
+
+Every kind of source answers the same questions about a unit (which tensors it holds, with
+their dtypes and shapes; their values; its non-tensor optimizer values) and about its state:
+
+- ``RunSource``: a tailored run's composite at a step. Tensor bytes are copied straight from
+  the unit files (``ByteSource``), each checked against its chunk checksum on the way.
+- ``ModelDirSource``: a ``save_pretrained`` directory: ``config.json`` (the layout comes from
+  the model it describes, built on the meta device) and ``model.safetensors`` (single or
+  sharded with its index; byte ranges copied) or ``pytorch_model.bin`` (torch's weights-only
+  loader, memory-mapped). No optimizer or training state.
+- ``CheckpointSource``: an HF Trainer ``checkpoint-N/``: its weights as above; ``optimizer.pt``
+  is read only when the plan moves optimizer state (indices mapped to names by Trainer's own
+  decay / no-decay groups); ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` give
+  the state.
+- a DeepSpeed checkpoint: imported (``import_deepspeed``, one temporary copy made with
+  DeepSpeed's own converter) and read as a ``RunSource``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtailor.constants import KIND_OPTIM
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.layouts import Layout, build_layout
+from llmtailor.store.files import DTYPE_CODES, ByteSource, safetensors_layout
+from llmtailor.store.keys import optim_key, split_key, weight_key
+from llmtailor.store.reader import ChunkReader
+from llmtailor.store.run import Run
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    step: int | None = None
+    """The snapshot that saved this version (a run's composite), for the dry run."""
+
+
+class MergeSource(ABC):
+    """A checkpoint a plan draws from (module docstring)."""
+
+    label: str
+    layout: Layout
+    step: int | None
+    """The step its state belongs to (None: a model directory, which has no training state)."""
+    config: dict[str, Any] | None
+    """Its Hugging Face model config."""
+    kind: str
+
+    @abstractmethod
+    def has_optimizer(self) -> bool:
+        """Whether it holds optimizer state."""
+
+    @abstractmethod
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        """Tensor key -> dtype and shape of ``unit`` (``optim/`` keys only with ``optimizer``)."""
+
+    @abstractmethod
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        """The value of a tensor: its bytes where they can be copied as they are."""
+
+    def values(self, unit: str) -> dict[str, dict[str, Any]]:
+        """Non-tensor optimizer state of ``unit`` by parameter name (as stored: JSON-encoded)."""
+        return {}
+
+    def global_state(self, optimizer: bool = True) -> dict[str, Any] | None:
+        """Step, optimizer groups (by name), LR scheduler, RNG, model config, extras; None for a
+        source without training state. ``optimizer=False``: without optimizer groups and LR
+        scheduler (a source may then skip reading them)."""
+        return None
+
+    def tokenizer_files(self) -> list[Path]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class RunSource(MergeSource):
+    kind = "tailored run"
+
+    def __init__(self, label: str, run: Run, step: int | None):
+        self.label, self.run = label, run
+        self.composite = run.resolve(step)
+        self.step = self.composite.step
+        self.layout = Layout.from_record(self.composite.manifest.layout)
+        self._state: dict[str, Any] | None = None
+        self._reader = ChunkReader(run, verify=True)
+
+    @property
+    def config(self) -> dict[str, Any] | None:  # type: ignore[override]
+        return self.global_state().get("model_config")
+
+    def has_optimizer(self) -> bool:
+        return self.global_state().get("optimizer_groups") is not None
+
+    def _entry(self, unit: str):
+        return self.run.unit_entry(self.composite.sources[unit], unit)
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        entry = self._entry(unit)
+        return {
+            t.key: TensorInfo(t.torch_dtype, tuple(t.shape), entry.step)
+            for t in entry.tensors
+            if optimizer or split_key(t.key)[0] != KIND_OPTIM
+        }
+
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        entry = self._entry(unit)
+        tensor = entry.tensor(key)
+        if tensor is None:
+            raise IntegrityError(f"{self.label}: unit {unit!r} holds no tensor {key!r}")
+        if len(tensor.chunks) == 1 and tensor.chunks[0].shape == tensor.shape:
+            chunk = tensor.chunks[0]
+            path = self.run.snapshot_dir(entry.step) / entry.chunk_file(chunk).path
+            start, header = _layout_of(path)
+            stored = header.get(tensor.chunk_key(chunk))
+            if not isinstance(stored, dict) or (stored.get("dtype"), stored.get("shape")) != (DTYPE_CODES[tensor.torch_dtype], tensor.shape):
+                raise IntegrityError(f"{path}: tensor {tensor.chunk_key(chunk)!r} is missing or not as its index says")
+            begin, end = stored["data_offsets"]
+            return ByteSource(path, start + begin, end - begin, tensor.torch_dtype, tuple(tensor.shape), chunk.xxh3_64)
+        return self._reader.read_region(entry.step, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+
+    def values(self, unit: str) -> dict[str, dict[str, Any]]:
+        return {name: dict(v) for name, v in self._entry(unit).values.items()}
+
+    def global_state(self, optimizer: bool = True) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self.run.read_global(self.step)
+        return self._state
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class ModelDirSource(MergeSource):
+    kind = "model directory"
+
+    def __init__(self, label: str, path: Path):
+        from llmtailor.interop.hf_export import meta_model
+        from llmtailor.interop.hf_import import read_json, weight_sources
+
+        self.label, self.path = label, path
+        self.step = None
+        self.config = read_json(path / CONFIG_FILE)
+        try:
+            model = meta_model(self.config)
+        except TailorError:
+            raise
+        except Exception as err:  # transformers' own config validation
+            raise ConfigError(f"{path / CONFIG_FILE}: transformers cannot build a model from it ({err})") from None
+        self.layout = build_layout(model)
+        self._meta = dict(model.state_dict(keep_vars=True))
+        self._bin: dict[str, torch.Tensor] | None = None
+        if (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX_FILE).is_file():
+            self._files = weight_sources(path, model, self.layout)
+        elif (path / BIN_FILE).is_file():
+            self._files = {}
+            self._bin = self._load_bin(path / BIN_FILE)
+        else:
+            raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {BIN_FILE}")
+
+    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        try:
+            weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # a pickle needing more than weights, truncation, not a torch file
+            raise IntegrityError(
+                f"{path}: cannot be read with torch's weights-only loader ({type(err).__name__}: {err}); "
+                "convert it to safetensors (save_pretrained(safe_serialization=True))"
+            ) from None
+        found = {self.layout.aliases.get(k, k): v for k, v in weights.items()}
+        missing = [n for n in self.layout.tensor_names() if n not in found]
+        if missing:
+            raise IncompatibleModelError(f"{path}: lacks {missing[:3]} of the model {CONFIG_FILE} describes")
+        return found
+
+    def has_optimizer(self) -> bool:
+        return False
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        return {weight_key(n): TensorInfo(self._meta[n].dtype, tuple(self._meta[n].shape)) for n in self.layout.units[unit]}
+
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        kind, name, _ = split_key(key)
+        if self._bin is not None:
+            return self._bin[name]
+        path, stored_key = self._files[name]
+        start, header = _layout_of(path)
+        stored = header[stored_key]
+        begin, end = stored["data_offsets"]
+        return ByteSource(path, start + begin, end - begin, _BY_CODE[stored["dtype"]], tuple(stored["shape"]))
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()]
+
+
+class CheckpointSource(ModelDirSource):
+    """An HF Trainer ``checkpoint-N/``: weights as a model directory, state and optimizer
+    from Trainer's own files, ``optimizer.pt`` read only when asked for."""
+
+    kind = "Trainer checkpoint"
+
+    def __init__(self, label: str, path: Path):
+        from llmtailor.interop.hf_import import read_json, step_of
+
+        super().__init__(label, path)
+        self.trainer_state = read_json(path / "trainer_state.json")
+        self.step = step_of(path, self.trainer_state)
+        self._optimizer: tuple[list[dict[str, Any]], dict[str, dict[str, Any]]] | None = None
+
+    def has_optimizer(self) -> bool:
+        return (self.path / "optimizer.pt").is_file() and (self.path / "scheduler.pt").is_file()
+
+    def _optimizer_state(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        if self._optimizer is None:
+            from llmtailor.interop.hf_export import meta_model, trainer_param_groups
+            from llmtailor.interop.hf_import import map_optimizer, torch_load
+
+            saved = torch_load(self.path / "optimizer.pt")
+            self._optimizer = map_optimizer(self.path / "optimizer.pt", saved, trainer_param_groups(self.config),
+                                            meta_model(self.config))
+        return self._optimizer
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        out = super().tensors(unit, optimizer)
+        if optimizer and self.has_optimizer():
+            _, per_param = self._optimizer_state()
+            for name in self.layout.units[unit]:
+                for key, value in per_param.get(name, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[optim_key(name, key)] = TensorInfo(value.dtype, tuple(value.shape))
+        return out
+
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        kind, name, state_key = split_key(key)
+        if kind == KIND_OPTIM:
+            return self._optimizer_state()[1][name][state_key]
+        return super().read(unit, key)
+
+    def values(self, unit: str) -> dict[str, dict[str, Any]]:
+        if not self.has_optimizer():
+            return {}
+        from llmtailor.interop.hf_import import plain_values
+
+        _, per_param = self._optimizer_state()
+        out = {n: plain_values(n, per_param[n]) for n in self.layout.units[unit] if n in per_param}
+        return {n: v for n, v in out.items() if v}
+
+    def global_state(self, optimizer: bool = True) -> dict[str, Any]:
+        from llmtailor.interop.hf_import import rng_state, torch_load
+
+        groups = self._optimizer_state()[0] if optimizer and self.has_optimizer() else None
+        rng = rng_state(self.path / "rng_state.pth") if (self.path / "rng_state.pth").is_file() else None
+        return {
+            "step": self.step,
+            "optimizer_groups": groups,
+            "lr_scheduler": torch_load(self.path / "scheduler.pt") if groups is not None else None,
+            "rng": rng,
+            "model_config": self.config,
+            "extra": {"trainer_state": self.trainer_state},
+        }
+
+
+def open_source(label: str, path: Path, step: int | None, scratch: Path) -> MergeSource:
+    """The source at ``path`` (kinds tried in the module docstring's order)."""
+    from llmtailor.interop.deepspeed_import import import_deepspeed, is_deepspeed_checkpoint
+
+    if path.is_dir() and Run(path).steps():
+        return RunSource(label, Run(path), step)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such directory")
+    if step is not None:
+        raise ConfigError(f"{path} is a checkpoint directory: @STEP names a step of a tailored run only")
+    if is_deepspeed_checkpoint(path):
+        run_dir = Path(tempfile.mkdtemp(prefix="deepspeed-", dir=scratch))
+        shutil.rmtree(run_dir)
+        import_deepspeed(path, run_dir)
+        return RunSource(label, Run(run_dir), None)
+    if (path / CONFIG_FILE).is_file() and (path / "trainer_state.json").is_file():
+        return CheckpointSource(label, path)
+    if (path / CONFIG_FILE).is_file():
+        return ModelDirSource(label, path)
+    raise ConfigError(
+        f"{path} is not a tailored run, a model directory (config.json + model.safetensors), a Trainer "
+        "checkpoint-N/ or a DeepSpeed checkpoint"
+    )
+
+
+_HEADERS: dict[tuple[Path, int, int], tuple[int, dict[str, Any]]] = {}
+
+
+def _layout_of(path: Path) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's data offset and header, read once per version of the file."""
+    try:
+        stat = path.stat()
+        key = (path, stat.st_mtime_ns, stat.st_size)
+        if key not in _HEADERS:
+            if len(_HEADERS) > 512:
+                _HEADERS.clear()
+            _HEADERS[key] = safetensors_layout(path)
+        return _HEADERS[key]
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: file is missing") from None
+    except (OSError, ValueError) as err:
+        raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
+

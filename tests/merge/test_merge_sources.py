@@ -1,0 +1,246 @@
+"""Merge plans as people write them (issue 11): plain model directories as sources, mergekit's
+own semantics, depth changes and overlapping slices, ``models:``, casts, tokenizers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from helpers import tiny, train
+from safetensors.torch import load_file
+
+from llmtailor import Full, Tailor
+from llmtailor.interop.hf_export import export_hf
+from llmtailor.merge import merge, open_plan
+from llmtailor.store.run import Run
+
+HF_JOB = Path(__file__).parents[1] / "integrations" / "hf_job.py"
+
+
+def save_model(path: Path, family: str, layers: int, seed: int, tie: bool = False, shard: str | None = None):
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "gpt2": transformers.GPT2Config}
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=layers, n_head=4)
+    else:
+        config = classes[family](vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
+    return model
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(["[UNK]", "[PAD]", *"abcdefghij"])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    made = {
+        "a": save_model(root / "a", "llama", 4, seed=1),
+        "b": save_model(root / "b", "llama", 4, seed=2, shard="20KB"),  # sharded, with an index
+        "tied": save_model(root / "tied", "qwen2", 4, seed=3, tie=True, shard="20KB"),
+        "gpt2": save_model(root / "gpt2", "gpt2", 12, seed=4),
+    }
+    save_tokenizer(root / "a")
+    return root, made
+
+
+def plan(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def slices(*ranges) -> list[dict]:
+    return [{"sources": [{"model": str(model), "layer_range": list(r)}]} for model, r in ranges]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    run = Run(out)
+    step = run.resolve().step
+    return {k.removeprefix("weight/"): t for u in run.resolve().sources for k, t in run.read_unit(step, u)[0].items()}
+
+
+def test_plain_directories_single_and_sharded_tied_and_untied(models, tmp_path):
+    root, made = models
+    assert (root / "b" / "model.safetensors.index.json").is_file() and (root / "tied" / "model.safetensors.index.json").is_file()
+    for name in ("a", "b", "tied"):
+        out = tmp_path / name
+        result = merge(plan(tmp_path / f"{name}.yaml", {"models": [{"model": str(root / name)}]}), out)
+        assert result.is_dir()
+        got = weights(out)
+        expected = made[name].state_dict()
+        for key, tensor in got.items():
+            assert torch.equal(tensor, expected[key]), key
+        assert set(got) == {k for k in expected if not (name == "tied" and k == "lm_head.weight")}
+        state = Run(out).read_global(Run(out).resolve().step)
+        assert state["optimizer_groups"] is None and state["model_config"]["model_type"] == made[name].config.model_type
+
+
+def test_without_base_model_the_aux_units_come_as_mergekit_takes_them(models, tmp_path):
+    """mergekit's passthrough: embeddings from the first slice's model, final norm and LM head
+    from the last slice's."""
+    root, made = models
+    p = plan(tmp_path / "p.yaml", {"merge_method": "passthrough", "slices": slices((root / "a", (0, 2)), (root / "b", (2, 4)))})
+    with open_plan(p, tmp_path / "out") as planned:
+        sources = {a.dest_unit: a.source for a in planned.actions}
+        assert sources["embed"] == str(root / "a") and sources["norm"] == sources["head"] == str(root / "b")
+    merge(p, tmp_path / "out")
+    got, a, b = weights(tmp_path / "out"), made["a"].state_dict(), made["b"].state_dict()
+    assert torch.equal(got["model.embed_tokens.weight"], a["model.embed_tokens.weight"])
+    assert torch.equal(got["model.norm.weight"], b["model.norm.weight"])
+    assert torch.equal(got["lm_head.weight"], b["lm_head.weight"])
+    assert torch.equal(got["model.layers.1.mlp.up_proj.weight"], a["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(got["model.layers.3.mlp.up_proj.weight"], b["model.layers.3.mlp.up_proj.weight"])
+
+
+def test_a_gpt2_cut_from_12_to_8_layers_loads_with_no_missing_or_new_weights(models, tmp_path):
+    root, made = models
+    p = plan(tmp_path / "cut.yaml", {"slices": slices((root / "gpt2", (0, 6)), (root / "gpt2", (10, 12)))})
+    out = merge(p, tmp_path / "cut", format="model")
+    config = json.loads((out / "config.json").read_text())
+    assert config["n_layer"] == 8
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    source = made["gpt2"].state_dict()
+    live = model.state_dict()
+    for i, j in enumerate([0, 1, 2, 3, 4, 5, 10, 11]):
+        assert torch.equal(live[f"transformer.h.{i}.attn.c_attn.weight"], source[f"transformer.h.{j}.attn.c_attn.weight"])
+    assert torch.equal(live["transformer.ln_f.weight"], source["transformer.ln_f.weight"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tokens):
+    """A tailored run (Full, saves at 2 and 4) of a 4-layer Llama with AdamW state."""
+    root = tmp_path_factory.mktemp("trained")
+    model, optimizer, scheduler = tiny()
+    with Tailor(root / "run", model, optimizer, scheduler, policy=Full()) as tailor:
+        for step in (1, 2, 3, 4):
+            train(model, optimizer, scheduler, tokens, [step])
+            if step % 2 == 0:
+                tailor.save(step)
+    return root / "run"
+
+
+def test_an_overlapping_stack_takes_every_layer_from_its_named_source(trained, tmp_path):
+    p = plan(tmp_path / "stack.yaml", {"slices": slices((f"{trained}@2", (0, 3)), (f"{trained}@4", (1, 4))), "optimizer": False})
+    merge(p, tmp_path / "out")
+    out = Run(tmp_path / "out")
+    assert out.read_global(4)["model_config"]["num_hidden_layers"] == 6
+    source = Run(trained)
+    for i, (step, j) in enumerate([(2, 0), (2, 1), (2, 2), (4, 1), (4, 2), (4, 3)]):
+        got, _ = out.read_unit(4, f"layer.{i}")
+        want = {k: t for k, t in source.read_unit(step, f"layer.{j}")[0].items() if k.startswith("weight/")}
+        assert {k.replace(f"layers.{i}.", f"layers.{j}.") for k in got} == want.keys()  # weights only
+        for key, tensor in want.items():
+            assert torch.equal(got[key.replace(f"layers.{j}.", f"layers.{i}.")], tensor), (i, key)
+
+
+def test_the_stack_with_optimizer_state_keeps_each_duplicated_layers_moments(trained, tmp_path, tokens):
+    p = plan(tmp_path / "stack.yaml", {"slices": slices((f"{trained}@4", (0, 3)), (f"{trained}@4", (1, 4)))})
+    merge(p, tmp_path / "out")
+    out, source = Run(tmp_path / "out"), Run(trained)
+    groups = out.read_global(4)["optimizer_groups"]
+    assert sum(len(g["params"]) for g in groups) == sum(len(n) for n in out.resolve().manifest.layout["units"].values())
+    decay = set(groups[0]["params"])
+    assert "model.layers.5.mlp.up_proj.weight" in decay and "model.layers.5.input_layernorm.weight" not in decay
+    for i, j in enumerate([0, 1, 2, 1, 2, 3]):
+        got, values = out.read_unit(4, f"layer.{i}")
+        want, _ = source.read_unit(4, f"layer.{j}")
+        for key, tensor in want.items():
+            if key.startswith("optim/"):
+                assert torch.equal(got[key.replace(f"layers.{j}.", f"layers.{i}.")], tensor)
+    # A 6-layer model and optimizer take it and train on.
+    model, optimizer, scheduler = tiny(layers=6, seed=8)
+    Tailor(tmp_path / "out", model, optimizer, scheduler).restore()
+    assert torch.isfinite(torch.tensor(train(model, optimizer, scheduler, tokens, [5, 6]))).all()
+
+
+@pytest.mark.slow
+def test_a_depth_up_scaled_checkpoint_resumes_in_a_vanilla_trainer(tmp_path):
+    """Sources: a vanilla Trainer run's checkpoint; a 6-layer stack of its 4 layers with
+    optimizer state, as --format hf; a vanilla Trainer process resumes it and its duplicated
+    layers' moments are their sources'."""
+    def job(name: str, *flags: str) -> dict:
+        proc = subprocess.run([sys.executable, str(HF_JOB), "--out", str(tmp_path / name), "--result",
+                               str(tmp_path / f"{name}.json"), "--trainer", "vanilla", *flags],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    job("train", "--max-steps", "4", "--save-steps", "4")
+    source = tmp_path / "train" / "checkpoint-4"
+    p = plan(tmp_path / "up.yaml", {"slices": slices((source, (0, 3)), (source, (1, 4))), "tokenizer_source": "base"})
+    merge(p, tmp_path / "hf", format="hf")
+    resumed = job("resume", "--resume", str(tmp_path / "hf" / "checkpoint-4"), "--max-steps", "6", "--dump", str(tmp_path / "d.pt"))
+    assert resumed["global_step"] == 6
+    dump = torch.load(tmp_path / "d.pt", weights_only=True)
+    original = torch.load(source / "optimizer.pt", weights_only=True)
+    assert len(dump["tensors"]) > len(original["state"])
+    # Output layers 1 and 3 both come from source layer 1, 2 and 4 from source layer 2.
+    for copy, first in ((3, 1), (4, 2)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            a = dump["tensors"][f"optim/model.layers.{copy}.mlp.up_proj.weight/{key}"]
+            b = dump["tensors"][f"optim/model.layers.{first}.mlp.up_proj.weight/{key}"]
+            assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+def test_models_form_copies_a_model_with_scale_and_cast(models, tmp_path):
+    root, made = models
+    p = plan(tmp_path / "copy.yaml", {
+        "merge_method": "passthrough", "dtype": "bfloat16",
+        "models": [{"model": str(root / "a"), "parameters": {"scale": [{"filter": "o_proj", "value": 0.5}, {"value": 1.0}]}}],
+    })
+    out = merge(p, tmp_path / "copy", format="model")
+    got = load_file(out / "model.safetensors")
+    source = made["a"].state_dict()
+    assert got["model.layers.0.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["model.layers.0.self_attn.o_proj.weight"], (source["model.layers.0.self_attn.o_proj.weight"] * 0.5).bfloat16())
+    assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], source["model.layers.0.mlp.up_proj.weight"].bfloat16())
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # The tokenizer of the (base) model comes along, and loads.
+    assert (out / "tokenizer.json").is_file()
+    assert transformers.AutoTokenizer.from_pretrained(out)("a b")["input_ids"] == [2, 3]
+
+
+def test_tokenizer_source_is_copied_into_an_hf_checkpoint(models, trained, tmp_path):
+    root, _ = models
+    p = plan(tmp_path / "p.yaml", {"slices": slices((f"{trained}@4", (0, 4))), "tokenizer_source": str(root / "a")})
+    checkpoint = merge(p, tmp_path / "hf", format="hf")
+    assert (checkpoint / "tokenizer.json").is_file() and (checkpoint / "optimizer.pt").is_file()
+
+
+def test_optimizer_true_with_a_source_without_optimizer_state_is_refused_with_the_fix(models, tmp_path):
+    from llmtailor.errors import ConfigError
+
+    root, _ = models
+    p = plan(tmp_path / "p.yaml", {"slices": slices((root / "a", (0, 2)), (root / "b", (2, 4))), "optimizer": True})
+    with pytest.raises(ConfigError, match="holds no optimizer state; set optimizer: false"):
+        merge(p, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_hf_checkpoint_source_reads_optimizer_pt_only_when_the_plan_moves_state(trained, tmp_path, monkeypatch):
+    import llmtailor.interop.hf_import as hf_import
+
+    export_hf(Run(trained), 4, tmp_path / "hf")
+    loads = []
+    real = hf_import.torch_load
+    monkeypatch.setattr(hf_import, "torch_load", lambda path: loads.append(Path(path).name) or real(path))
+    source = tmp_path / "hf" / "checkpoint-4"
+    merge(plan(tmp_path / "w.yaml", {"models": [{"model": str(source)}], "optimizer": False}), tmp_path / "w")
+    assert "optimizer.pt" not in loads
+    merge(plan(tmp_path / "o.yaml", {"models": [{"model": str(source)}]}), tmp_path / "o")
+    assert "optimizer.pt" in loads
