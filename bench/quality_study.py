@@ -1,6 +1,6 @@
 """Quality study: does resuming from a tailored composite cost anything? One command.
 
-    .venv/bin/python bench/quality_study.py                  # ~15 minutes on 2 cores; writes bench/out/quality/
+    .venv/bin/python bench/quality_study.py                  # ~20 minutes on 2 cores; writes bench/out/quality/
     .venv/bin/python bench/quality_study.py --steps 120 --crash 70 --save-every 10   # quick look
 
 A Llama-style model of a few million parameters (hidden 192, 8 layers, built from a config,
@@ -11,8 +11,8 @@ sees the same seeds and the same batches (a batch is a function of the step).
 1. One run trains to the crash step with four ``Tailor`` objects saving it every
    ``--save-every`` steps, one per arm: Full, Parity, Filter (layers 0, 1, -2, -1 and the
    auxiliary units every save, the rest every 4th) and Adaptive with a byte budget equal to
-   Parity's share of a full save. Saving does not change training, so the four runs record the
-   very same training.
+   Parity's share of a full save (by the bytes the first, full save wrote per unit; it joins at
+   that save). Saving does not change training, so the four runs record the very same training.
 2. The crash: every live object is thrown away. The same run also goes on uninterrupted to
    the end (the reference).
 3. Each arm restores its newest composite into a model built from another seed, replays the
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from llmtailor import Adaptive, Filter, Full, Parity, Tailor
+from llmtailor import Adaptive, Filter, Full, Parity, Policy, Tailor
 from llmtailor.training_example import TinyConfig, build_model, build_optimizer, corpus_tokens
 
 CONFIG = TinyConfig(hidden_size=192, layers=8, heads=4, kv_heads=2, intermediate_size=768, seq_len=128)
@@ -95,16 +95,11 @@ def held_out_loss(model, data: Data) -> float:
     return statistics.mean(losses)
 
 
-def parity_fraction(model) -> float:
-    """Parity's share of a full save: the auxiliary units and half the layers (by tensor bytes;
-    AdamW state is proportional to the weights)."""
-    from llmtailor.layouts import build_layout
-
-    layout = build_layout(model)
-    sizes = dict(model.state_dict(keep_vars=True))
-    unit_bytes = {u: sum(sizes[n].numel() * sizes[n].element_size() for n in names) for u, names in layout.units.items()}
-    layers = layout.layer_units()
-    saved = sum(unit_bytes[u] for u in layout.aux_units()) + sum(unit_bytes[u] for u in layers[: (len(layers) + 1) // 2])
+def parity_fraction(unit_bytes: dict[str, int]) -> float:
+    """Parity's share of a full save: the auxiliary units and half the layers, by the bytes a
+    full save wrote per unit."""
+    layers = [u for u in unit_bytes if u.startswith("layer.")]
+    saved = sum(b for u, b in unit_bytes.items() if u not in layers) + sum(unit_bytes[u] for u in layers[: (len(layers) + 1) // 2])
     return saved / sum(unit_bytes.values())
 
 
@@ -114,16 +109,11 @@ def run(args: argparse.Namespace) -> dict[str, Arm]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     objects = fresh(SEED, args.steps)
-    budget = parity_fraction(objects[0])
-    policies = {
-        "full": Full(), "parity": Parity(), "filter": Filter(),
-        "adaptive": Adaptive(budget=budget, max_staleness=args.max_staleness),
-    }
+    policies: dict[str, Policy] = {"full": Full(), "parity": Parity(), "filter": Filter()}
     print(f"model: {sum(p.numel() for p in objects[0].parameters()) / 1e6:.2f}M params; {args.steps} steps, a save every "
-          f"{args.save_every}, crash at {args.crash}; Adaptive budget = Parity's share = {budget:.3f} of a full save",
-          flush=True)
+          f"{args.save_every}, crash at {args.crash}", flush=True)
     tailors = {name: Tailor(out / name, *objects, policy=policy) for name, policy in policies.items()}
-    arms = {name: Arm(name) for name in ["uninterrupted", *policies]}
+    arms = {name: Arm(name) for name in ["uninterrupted", *policies, "adaptive"]}
     reference = arms["uninterrupted"]
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -131,14 +121,21 @@ def run(args: argparse.Namespace) -> dict[str, Arm]:
         if step % args.eval_every == 0:
             reference.held_out[step] = held_out_loss(objects[0], data)
         if step < args.crash and step % args.save_every == 0:
-            for name, tailor in tailors.items():
-                arms[name].save_bytes[step] = tailor.save(step).bytes
+            for name, tailor in list(tailors.items()):
+                report = tailor.save(step)
+                arms[name].save_bytes[step] = report.bytes
+                if name == "full" and "adaptive" not in tailors:
+                    # Adaptive's budget: Parity's share of a full save, by the files' bytes.
+                    policies["adaptive"] = Adaptive(budget=parity_fraction(report.unit_bytes), max_staleness=args.max_staleness)
+                    print(f"  Adaptive budget = Parity's share = {policies['adaptive'].budget:.3f} of a full save", flush=True)
+                    tailors["adaptive"] = Tailor(out / "adaptive", *objects, policy=policies["adaptive"])
+                    arms["adaptive"].save_bytes[step] = tailors["adaptive"].save(step).bytes
         if step % 100 == 0:
             print(f"  uninterrupted step {step}: loss {reference.losses[step]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
     for tailor in tailors.values():
         tailor.close()
     # The crash happened at args.crash; each arm resumes from its newest composite.
-    for name, policy in policies.items():
+    for name, policy in policies.items():  # full, parity, filter, adaptive
         arm = arms[name]
         resumed = fresh(CRASH_SEED, args.steps)
         tailor = Tailor(out / name, *resumed, policy=policy)
@@ -164,16 +161,18 @@ def report(arms: dict[str, Arm], args: argparse.Namespace) -> None:
     last_eval = max(reference.held_out)
     print(f"\nfinal training loss = mean of steps {args.steps - 19}..{args.steps}; held-out loss at step {last_eval}")
     header = (f"{'arm':<14} {'resumed':>8} {'train loss':>11} {'vs uninterr.':>13} {'vs Full':>9} {'held-out':>9} "
-              f"{'vs Full':>9} {'ckpt MB':>9} {'vs Full':>8}")
+              f"{'vs Full':>9} {'ckpt MB':>9} {'vs Full':>8} {'MB/save':>8}")
     print(header)
     print("-" * len(header))
     for name, arm in arms.items():
         t, h = final(arm), arm.held_out[last_eval]
         total = sum(arm.save_bytes.values())
         full_total = sum(full.save_bytes.values())
+        later = [b for s, b in sorted(arm.save_bytes.items())[1:]]  # after the first, always full, save
+        per_save = statistics.mean(later) / 1e6 if later else 0.0
         print(f"{name:<14} {str(arm.restored_from or '-'):>8} {t:>11.4f} {100 * (t / final(reference) - 1):>+12.2f}% "
               f"{100 * (t / final(full) - 1):>+8.2f}% {h:>9.4f} {100 * (h / full.held_out[last_eval] - 1):>+8.2f}% "
-              f"{total / 1e6:>9.1f} {total / full_total if name != 'uninterrupted' else 0:>7.2f}x")
+              f"{total / 1e6:>9.1f} {total / full_total if name != 'uninterrupted' else 0:>7.2f}x {per_save:>8.2f}")
     print("(targets: every arm within 1% of resume-from-Full; Adaptive at least as close as Parity at Parity's bytes)")
 
 
@@ -185,14 +184,18 @@ def plot(arms: dict[str, Arm], args: argparse.Namespace) -> None:
 
     fig, (curves, held, sizes) = plt.subplots(3, 1, figsize=(9, 11), constrained_layout=True)
     window = 20
+    colors = dict(zip(arms, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red"]))
     for name, arm in arms.items():
         steps = sorted(arm.losses)
         smooth = [statistics.mean(arm.losses[s] for s in steps[max(0, i - window + 1) : i + 1]) for i in range(len(steps))]
         keep = [(s, v) for s, v in zip(steps, smooth) if s >= args.crash - 60]
-        curves.plot([s for s, _ in keep], [v for _, v in keep], label=name, linewidth=1.2 if name != "uninterrupted" else 2.2)
-        held.plot(sorted(arm.held_out), [arm.held_out[s] for s in sorted(arm.held_out)], marker="o", markersize=3, label=name)
+        curves.plot([s for s, _ in keep], [v for _, v in keep], label=name, color=colors[name],
+                    linewidth=1.2 if name != "uninterrupted" else 2.2)
+        held.plot(sorted(arm.held_out), [arm.held_out[s] for s in sorted(arm.held_out)], marker="o", markersize=3,
+                  label=name, color=colors[name])
         if arm.save_bytes:
-            sizes.plot(sorted(arm.save_bytes), [arm.save_bytes[s] / 1e6 for s in sorted(arm.save_bytes)], marker=".", label=name)
+            sizes.plot(sorted(arm.save_bytes), [arm.save_bytes[s] / 1e6 for s in sorted(arm.save_bytes)], marker=".",
+                       label=name, color=colors[name])
     for axis in (curves, held):
         axis.axvline(args.crash, color="grey", linestyle=":", linewidth=1)
     curves.set_title(f"training loss ({window}-step mean) around and after the crash at step {args.crash}")
@@ -214,8 +217,8 @@ def plot(arms: dict[str, Arm], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--crash", type=int, default=370)
+    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--crash", type=int, default=570)
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--max-staleness", type=int, default=4, help="Adaptive's staleness bound (saves)")

@@ -181,7 +181,8 @@ class Adaptive(Policy):
 
     Exactly one mode: ``threshold=t`` writes every unit whose drift exceeds ``t``;
     ``budget=B`` writes the units with the most drift that fit B bytes (an int) or that
-    fraction of a full save (a float in (0, 1]), measured by each unit's last saved size.
+    fraction of a full save (a float in (0, 1]), measured by each unit's last saved size
+    (with 1% slack, so file headers do not push out a unit that fits by its tensors).
     Always, whatever the drift: a unit not saved for ``max_staleness`` saves is written (units
     whose parameters are all frozen excepted: nothing can change them), a unit never saved is
     written, and ``full_every`` forces full baselines. With ``aux=True`` (default) the auxiliary
@@ -261,7 +262,7 @@ class Adaptive(Policy):
             chosen = {u for u in candidates if score[u] > self.threshold}  # type: ignore[operator]
         else:
             total = sum(sizes.get(u, 0) for u in units)
-            budget = self.budget * total if isinstance(self.budget, float) else self.budget
+            budget = (self.budget * total if isinstance(self.budget, float) else self.budget) * 1.01
             room = budget - sum(sizes.get(u, 0) for u in forced)  # type: ignore[operator]
             chosen = set()
             for unit in sorted(candidates, key=lambda u: (-score[u], units.index(u))):  # type: ignore[operator]
