@@ -50,16 +50,21 @@ def snapshots_table(run: Run, current: int) -> Table:
 
 
 def composite_table(run: Run, composite: Composite) -> Table:
-    """Where each unit of the composite comes from, its bytes and staleness."""
+    """Where each unit of the composite comes from, its bytes and staleness (in steps, and in
+    saves: how many saves of the lineage since its version was written)."""
     table = Table(title=f"composite as of step {composite.step}")
-    for name, justify in (("unit", "left"), ("version (step)", "right"), ("stale by (steps)", "right"), ("bytes", "right")):
+    columns = (("unit", "left"), ("version (step)", "right"), ("stale by (steps)", "right"),
+               ("stale by (saves)", "right"), ("bytes", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     total = 0
+    index = composite.manifest.save_index
     for unit, source in composite.sources.items():
-        size = run.manifest(source).unit_bytes(unit)
+        manifest = run.manifest(source)
+        size = manifest.unit_bytes(unit)
         total += size
-        table.add_row(unit, str(source), str(composite.step - source), human_bytes(size))
-    table.add_row("[bold]total[/]", "", "", f"[bold]{human_bytes(total)}[/]")
+        table.add_row(unit, str(source), str(composite.step - source), str(index - manifest.save_index), human_bytes(size))
+    table.add_row("[bold]total[/]", "", "", "", f"[bold]{human_bytes(total)}[/]")
     return table
 
 

@@ -17,8 +17,8 @@ Output formats:
 - ``hf``: a Trainer ``checkpoint-<step>/`` (the snapshot written into a temporary run beside
   OUT and exported with ``export_hf``: the merged bytes are written twice), with the tokenizer.
 - ``model``: a ``save_pretrained``-style directory: ``model.safetensors``, ``config.json``,
-  ``generation_config.json`` and the tokenizer, weights only, written once; appears whole or
-  not at all.
+  the sources' ``generation_config.json`` and the tokenizer, weights only, written once;
+  appears whole or not at all.
 
 Tokenizer files come from ``tokenizer_source`` (a source label, or ``base`` for the base
 model), else from the base model, else the first slice's model, where they have any.
@@ -175,7 +175,7 @@ def _write_model(plan: MergePlan, out: Path, progress: Progress | None) -> Path:
                 progress(unit, done, len(units))
         write_tensor_file(tmp / WEIGHTS_FILE, weights, tmp, metadata={"format": "pt"})
         _write_json(tmp / CONFIG_FILE, plan.model_config)
-        _write_generation_config(tmp, plan.model_config)
+        _write_generation_config(tmp, plan)
         for path in tokenizer_files(plan):
             shutil.copyfile(path, tmp / path.name)
         fsync_dir(tmp)
@@ -194,15 +194,13 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_generation_config(root: Path, config: dict[str, Any]) -> None:
-    try:
-        import transformers
-
-        hf_config = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(config)
-        generation = transformers.GenerationConfig.from_model_config(hf_config)
-    except Exception:  # optional file: a config transformers cannot turn into one is left out
-        return
-    (root / "generation_config.json").write_text(generation.to_json_string(use_diff=True), encoding="utf-8")
+def _write_generation_config(root: Path, plan: MergePlan) -> None:
+    """The state source's (or first slice's) ``generation_config.json``, where it has one."""
+    for label in (plan.state_from, *plan.sources):
+        found = getattr(plan.sources[label], "generation_config", lambda: None)()
+        if found is not None:
+            shutil.copyfile(found, root / found.name)
+            return
 
 
 def _umask() -> int:

@@ -347,9 +347,12 @@ def _entry_problems(unit: str, label: str, source_unit: str, got: dict[str, Tens
 
 def _optimizer_groups(sources, state_label, layout, assignment, renames, where) -> list[dict[str, Any]]:
     """The output's param groups: the state source's hyperparameters; each output parameter in
-    the group (by index) its source parameter was in; within a group, layout order."""
+    the group (by index) its source parameter was in; within a group, units in layout order and
+    within a unit the order of its source's group (the model's own order, which Trainer's
+    positional optimizer.pt follows)."""
     state_groups = sources[state_label].global_state()["optimizer_groups"]
     membership: dict[str, dict[str, int]] = {}
+    position: dict[str, dict[str, int]] = {}
     problems = []
     for label, source in sources.items():
         if not source.has_optimizer():
@@ -358,14 +361,15 @@ def _optimizer_groups(sources, state_label, layout, assignment, renames, where) 
         if len(groups) != len(state_groups):
             problems.append(f"source {label!r} has {len(groups)} optimizer groups, the state source {len(state_groups)}")
         membership[label] = {name: index for index, group in enumerate(groups) for name in group["params"]}
+        position[label] = {name: i for group in groups for i, name in enumerate(group["params"])}
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
     members: list[list[str]] = [[] for _ in state_groups]
     for unit, names in layout.units.items():
         label, _, _ = assignment[unit]
-        for source_name, dest_name in renames[unit].items():
-            if dest_name in names and source_name in membership[label]:
-                members[membership[label][source_name]].append(dest_name)
+        moved = [(position[label][s], s, d) for s, d in renames[unit].items() if d in names and s in membership[label]]
+        for _, source_name, dest_name in sorted(moved):
+            members[membership[label][source_name]].append(dest_name)
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(state_groups, members)]
 
 

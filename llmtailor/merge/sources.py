@@ -5,10 +5,11 @@ their dtypes and shapes; their values; its non-tensor optimizer values) and abou
 
 - ``RunSource``: a tailored run's composite at a step. Tensor bytes are copied straight from
   the unit files (``ByteSource``), each checked against its chunk checksum on the way.
-- ``ModelDirSource``: a ``save_pretrained`` directory: ``config.json`` (the layout comes from
-  the model it describes, built on the meta device) and ``model.safetensors`` (single or
-  sharded with its index; byte ranges copied) or ``pytorch_model.bin`` (torch's weights-only
-  loader, memory-mapped). No optimizer or training state.
+- ``ModelDirSource``: a ``save_pretrained`` directory: ``config.json`` (its ``model_type``
+  picks the layout family) and ``model.safetensors`` (single or sharded with its index; names,
+  dtypes and shapes from the headers, byte ranges copied; no model is built, so transformers
+  is not even imported) or ``pytorch_model.bin`` (torch's weights-only loader, memory-mapped).
+  No optimizer or training state.
 - ``CheckpointSource``: an HF Trainer ``checkpoint-N/``: its weights as above; ``optimizer.pt``
   is read only when the plan moves optimizer state (indices mapped to names by Trainer's own
   decay / no-decay groups); ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` give
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 
 from llmtailor.constants import KIND_OPTIM
-from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, TailorError
-from llmtailor.layouts import Layout, build_layout
+from llmtailor.errors import ConfigError, IntegrityError, TailorError
+from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store.files import DTYPE_CODES, ByteSource, safetensors_layout
 from llmtailor.store.keys import optim_key, split_key, weight_key
 from llmtailor.store.reader import ChunkReader
@@ -156,28 +157,32 @@ class ModelDirSource(MergeSource):
     kind = "model directory"
 
     def __init__(self, label: str, path: Path):
-        from llmtailor.interop.hf_export import meta_model
-        from llmtailor.interop.hf_import import read_json, weight_sources
+        from llmtailor.interop.hf_import import read_json
 
         self.label, self.path = label, path
         self.step = None
         self.config = read_json(path / CONFIG_FILE)
-        try:
-            model = meta_model(self.config)
-        except TailorError:
-            raise
-        except Exception as err:  # transformers' own config validation
-            raise ConfigError(f"{path / CONFIG_FILE}: transformers cannot build a model from it ({err})") from None
-        self.layout = build_layout(model)
-        self._meta = dict(model.state_dict(keep_vars=True))
+        family = family_of(self.config)
         self._bin: dict[str, torch.Tensor] | None = None
+        self._files: dict[str, tuple[Path, str]] = {}
+        self._info: dict[str, TensorInfo] = {}
         if (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX_FILE).is_file():
-            self._files = weight_sources(path, model, self.layout)
+            # Names, dtypes and shapes from the safetensors headers alone: no model is built.
+            for file in _weight_files(path):
+                _, header = _layout_of(file)
+                for key, stored in header.items():
+                    if key == "__metadata__":
+                        continue
+                    if stored.get("dtype") not in _BY_CODE:
+                        raise IntegrityError(f"{file}: tensor {key!r} has dtype {stored.get('dtype')!r}, not one llmtailor reads")
+                    self._files[key] = (file, key)
+                    self._info[key] = TensorInfo(_BY_CODE[stored["dtype"]], tuple(stored["shape"]))
         elif (path / BIN_FILE).is_file():
-            self._files = {}
             self._bin = self._load_bin(path / BIN_FILE)
+            self._info = {k: TensorInfo(t.dtype, tuple(t.shape)) for k, t in self._bin.items()}
         else:
             raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {BIN_FILE}")
+        self.layout = layout_from_names(list(self._info), family)
 
     def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
         try:
@@ -187,17 +192,17 @@ class ModelDirSource(MergeSource):
                 f"{path}: cannot be read with torch's weights-only loader ({type(err).__name__}: {err}); "
                 "convert it to safetensors (save_pretrained(safe_serialization=True))"
             ) from None
-        found = {self.layout.aliases.get(k, k): v for k, v in weights.items()}
-        missing = [n for n in self.layout.tensor_names() if n not in found]
-        if missing:
-            raise IncompatibleModelError(f"{path}: lacks {missing[:3]} of the model {CONFIG_FILE} describes")
-        return found
+        if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+            raise IntegrityError(f"{path}: expected a dict of tensors (a state dict)")
+        # Tied weights are one tensor under two names: keep the first name, as save_pretrained does.
+        seen: dict[int, str] = {}
+        return {k: t for k, t in weights.items() if seen.setdefault(id(t), k) == k}
 
     def has_optimizer(self) -> bool:
         return False
 
     def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
-        return {weight_key(n): TensorInfo(self._meta[n].dtype, tuple(self._meta[n].shape)) for n in self.layout.units[unit]}
+        return {weight_key(n): self._info[n] for n in self.layout.units[unit]}
 
     def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
         kind, name, _ = split_key(key)
@@ -211,6 +216,10 @@ class ModelDirSource(MergeSource):
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()]
+
+    def generation_config(self) -> Path | None:
+        path = self.path / "generation_config.json"
+        return path if path.is_file() else None
 
 
 class CheckpointSource(ModelDirSource):
@@ -278,6 +287,31 @@ class CheckpointSource(ModelDirSource):
             "model_config": self.config,
             "extra": {"trainer_state": self.trainer_state},
         }
+
+
+def family_of(config: dict[str, Any]) -> str:
+    """The layout family serving the config's ``model_type`` (the name-based fallback else)."""
+    from llmtailor.layouts import list_families, load_family
+
+    model_type = config.get("model_type")
+    served = [f for f in list_families() if model_type in load_family(f).model_types]
+    return served[0] if served else "generic"
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    from llmtailor.interop.hf_import import read_json
+
+    index = read_json(path / WEIGHTS_INDEX_FILE)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise IntegrityError(f"{path / WEIGHTS_INDEX_FILE}: key 'weight_map' is missing or empty")
+    files = [path / name for name in sorted(set(map(str, weight_map.values())))]
+    absent = [f.name for f in files if not f.is_file() or f.parent != path]
+    if absent:
+        raise IntegrityError(f"{path / WEIGHTS_INDEX_FILE}: names shard files that are missing: {absent[:3]}")
+    return files
 
 
 def open_source(label: str, path: Path, step: int | None, scratch: Path) -> MergeSource:

@@ -130,6 +130,16 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(tmp_pa
                 assert torch.equal(tensor, fp32[key.split("/", 1)[1]]), key
     assert checked == len(reference)
 
+    # The same checkpoint as a merge source (read through DeepSpeed's converter too).
+    import yaml
+
+    from llmtailor.merge import merge
+
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(tmp_path / "ds")}]}))
+    merged = Run(merge(tmp_path / "plan.yaml", tmp_path / "merged").parent.parent)
+    for key, tensor in merged.read_unit(3, "layer.1")[0].items():
+        assert key not in reference or torch.equal(tensor, reference[key]), key
+
     result = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--format", "deepspeed", "-o", str(tmp_path / "universal")])
     assert result.exit_code == 0, result.output
     for loaded in launch(2, "universal", tmp_path, stage=2):
