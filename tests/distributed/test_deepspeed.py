@@ -2,8 +2,9 @@
 restores at another world size and ZeRO stage, into one plain process, bf16 with fp32 masters.
 
 Launches are few (each costs 10-20 s): ZeRO-3 at 2 ranks saves, resumes bitwise and restores;
-the same run is restored under ZeRO-2 at 3 ranks and under ZeRO-1 in one process; ZeRO-2 at 2
-ranks with bf16."""
+the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and into a plain
+torch model; ZeRO-2 at 2 ranks likewise, restored under ZeRO-3 at 3 ranks and into plain torch;
+ZeRO-2 at 2 ranks with bf16."""
 
 from __future__ import annotations
 
@@ -73,24 +74,47 @@ def test_restore_under_zero2_at_3_ranks_and_zero1_in_one_process(zero3):
     assert single["mismatches"] == [] and single["extra"] == {"rank": 0}
 
 
-def test_restore_into_a_plain_torch_model_uses_each_units_own_step(zero3):
+def assert_plain_torch_restore_matches(out: Path) -> None:
+    """Restore a DeepSpeed run into a plain model + torch AdamW in this process: every weight and
+    moment is its composite version, and each parameter gets its own unit's step."""
     from safetensors.torch import load_file
 
-    out, _ = zero3
+    from llmtailor.layouts import build_layout
+
     model, optimizer, scheduler = tiny(layers=4, hidden=32)
     report = Tailor(out / "parity", model, optimizer, scheduler).restore()
     assert report.saved_world_size == 2 and report.unmapped
-    run = Run(out / "parity")
-    sources = run.resolve().sources
+    sources = Run(out / "parity").resolve().sources
     saved = {s: load_file(str(out / "versions" / f"{s}.safetensors")) for s in set(sources.values())}
-    from llmtailor.layouts import build_layout
-
     layout = build_layout(model)
     for name, param in model.named_parameters():
         step = sources[layout.unit_of(name)]
         assert torch.equal(param.detach(), saved[step][f"master/{name}"]), name
         assert torch.equal(optimizer.state[param]["exp_avg"], saved[step][f"optim/{name}/exp_avg"]), name
         assert optimizer.state[param]["step"].item() == step  # one optimizer step per training step here
+
+
+def test_restore_into_a_plain_torch_model_uses_each_units_own_step(zero3):
+    assert_plain_torch_restore_matches(zero3[0])
+
+
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero2")
+    return out, launch(2, "save", out, stage=2)
+
+
+def test_zero2_parity_restores_at_2_under_zero3_at_3_and_into_plain_torch_and_full_resumes_bitwise(zero2):
+    out, results = zero2
+    for rank, result in enumerate(results):
+        assert result["restored"] == 6 and result["extra"] == {"rank": rank}
+        assert result["mismatches"] == [] and result["resumed"] == result["uninterrupted"]
+        for s in result["saves"]:
+            assert 0.9 <= s["rank_bytes"] / (s["bytes"] / 2) <= 1.1, s
+    assert Run(out / "parity").manifest(6).notes["zero_stage"] == 2
+    for result in launch(3, "restore", out, stage=3):
+        assert result["restored"] == 6 and result["mismatches"] == []
+    assert_plain_torch_restore_matches(out)
 
 
 def test_bf16_weights_are_the_restored_masters_cast(tmp_path):
