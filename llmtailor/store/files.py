@@ -28,6 +28,9 @@ from llmtailor.errors import IntegrityError
 from llmtailor.store.manifest import FileEntry
 
 _PIECE = 16 << 20
+_FLUSH_EVERY = 256 << 20
+"""A file larger than this is made durable and dropped from the page cache as it is written:
+growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
 # safetensors' dtype codes for the dtypes a manifest may name.
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -127,12 +130,17 @@ def write_tensor_file(
         head = struct.pack("<Q", len(encoded)) + encoded
         hasher.update(head)
         out.write(head)
+        written = flushed = len(head)
         for key, tensor in ordered:
             piece_hasher = xxhash.xxh3_64()
             for piece in _pieces(tensor):
                 hasher.update(piece)
                 piece_hasher.update(piece)
                 out.write(piece)
+                written += len(piece)
+                if written - flushed >= _FLUSH_EVERY:  # a large file: keep its cache footprint bounded
+                    _drop_written(out, flushed, written)
+                    flushed = written
             sums[key] = piece_hasher.hexdigest()
             if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
                 raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
@@ -143,6 +151,13 @@ def write_tensor_file(
         os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     entry = FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
     return entry, sums
+
+
+def _drop_written(out, start: int, end: int) -> None:
+    """Make ``[start, end)`` of an open file durable and drop it from the page cache."""
+    out.flush()
+    os.fdatasync(out.fileno())
+    os.posix_fadvise(out.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -20,7 +20,10 @@ def varied_tensors():
     return tensors
 
 
-def test_safetensors_reads_our_files_exactly(tmp_path):
+@pytest.mark.parametrize("flush_every", [None, 1 << 20], ids=["one-flush", "flushed-while-written"])
+def test_safetensors_reads_our_files_exactly(tmp_path, monkeypatch, flush_every):
+    if flush_every is not None:  # a large file is made durable and dropped from the cache as it goes
+        monkeypatch.setattr("llmtailor.store.files._FLUSH_EVERY", flush_every)
     tensors = varied_tensors()
     entry = write_tensors(tmp_path / "u.safetensors", tensors, tmp_path)
     data = (tmp_path / "u.safetensors").read_bytes()
