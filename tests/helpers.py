@@ -54,6 +54,20 @@ def unit_versions(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+# The documented bound (README, "Adaptive"): relative error of the sampled drift estimate vs
+# the exact drift, for units whose tensors are larger than the sample.
+WEIGHT_BOUND, MOMENTS_BOUND = 0.25, 0.6
+
+
+def exact_drift(before: dict, now: dict, kind: str) -> float:
+    """Exact relative L2 drift of a unit's tensors (by tensor key) of one kind, as
+    ``llmtailor.drift`` defines it."""
+    keys = [k for k in before if (k.startswith("weight/") if kind == "weight" else k.startswith("optim/") and not k.endswith("/step"))]
+    diff = sum((now[k].double() - before[k].double()).square().sum() for k in keys)
+    ref = sum(before[k].double().square().sum() for k in keys)
+    return float((diff / ref) ** 0.5)
+
+
 def assert_bitwise(actual: dict, expected: dict, where: str = "") -> None:
     assert actual.keys() == expected.keys(), f"{where}: keys differ"
     for name in expected:

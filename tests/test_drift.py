@@ -3,7 +3,7 @@ the staleness bound under any drift, decisions reproducible from the manifest.""
 
 import pytest
 import torch
-from helpers import tiny, train
+from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, tiny, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,17 +14,6 @@ from llmtailor.policies import SaveContext, make_policy
 from llmtailor.providers import make_provider
 from llmtailor.store.coordinator import LocalCoordinator
 from llmtailor.store.run import Run
-
-# The documented bound (README, "Adaptive"): relative error of the sampled estimate vs the exact
-# drift, for units whose tensors are larger than the sample.
-WEIGHT_BOUND, MOMENTS_BOUND = 0.25, 0.6
-
-
-def exact_drift(before: dict, now: dict, kind: str) -> float:
-    keys = [k for k in before if (k.startswith("weight/") if kind == "weight" else k.startswith("optim/") and not k.endswith("/step"))]
-    diff = sum((now[k].double() - before[k].double()).square().sum() for k in keys)
-    ref = sum(before[k].double().square().sum() for k in keys)
-    return float((diff / ref) ** 0.5)
 
 
 def test_the_sampled_estimate_is_within_the_documented_bound(tokens):

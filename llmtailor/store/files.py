@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -108,10 +109,16 @@ def safetensors_layout(path: Path) -> tuple[int, dict[str, dict]]:
 
 
 def write_tensor_file(
-    path: Path, tensors: dict[str, torch.Tensor | ByteSource], root: Path, metadata: dict[str, str] | None = None
+    path: Path,
+    tensors: dict[str, torch.Tensor | ByteSource],
+    root: Path,
+    metadata: dict[str, str] | None = None,
+    syncer: Syncer | None = None,
 ) -> tuple[FileEntry, dict[str, str]]:
     """Write ``tensors`` as one safetensors file, durably; return its manifest entry and the
     xxh3-64 checksum of each tensor's bytes (both computed on the way out, in one pass).
+    With a ``syncer``, the final fsync is left to it (durable once ``syncer.drain()`` returns),
+    so the next file is written while this one is flushed.
 
     Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
     to the CPU one tensor at a time; a ``ByteSource`` is copied from its file in pieces."""
@@ -139,25 +146,77 @@ def write_tensor_file(
                 out.write(piece)
                 written += len(piece)
                 if written - flushed >= _FLUSH_EVERY:  # a large file: keep its cache footprint bounded
-                    _drop_written(out, flushed, written)
+                    out.flush()
+                    if syncer is not None:
+                        syncer.submit(path, os.dup(out.fileno()), flushed, written)
+                    else:
+                        _make_durable(out.fileno(), flushed, written)
                     flushed = written
             sums[key] = piece_hasher.hexdigest()
             if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
                 raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
         out.flush()
-        os.fsync(out.fileno())
-        # The bytes are durable and will not be read soon: drop them from the page cache, so
-        # a save's cache footprint is about one unit instead of the whole checkpoint.
-        os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        if syncer is not None:
+            syncer.submit(path, os.dup(out.fileno()), flushed)
+        else:
+            _make_durable(out.fileno(), flushed)
     entry = FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
     return entry, sums
 
 
-def _drop_written(out, start: int, end: int) -> None:
-    """Make ``[start, end)`` of an open file durable and drop it from the page cache."""
-    out.flush()
-    os.fdatasync(out.fileno())
-    os.posix_fadvise(out.fileno(), start, end - start, os.POSIX_FADV_DONTNEED)
+def _make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
+    """fsync a file, then drop its bytes ``[start, end)`` (to the end of the file by default)
+    from the page cache: they are durable and will not be read soon, so a save's cache
+    footprint stays about one unit instead of the whole checkpoint."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
+
+
+class Syncer:
+    """Makes written files durable on a background thread, in order, while the caller writes
+    the next ones: at most ``depth`` files wait, so the dirty page cache stays a few files.
+    ``drain()`` returns once every submitted file is durable, or raises the first failure;
+    use it as a context manager so its thread and descriptors are released on any exit."""
+
+    def __init__(self, depth: int = 2):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-fsync")
+        self._pending: list[tuple[Path, Future]] = []
+        self._depth = depth
+
+    def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None) -> None:
+        """Take over ``fd`` (a descriptor of a written file): fsync it, drop ``[start, end)``
+        from the page cache (``_make_durable``), close it."""
+        self._pending.append((path, self._pool.submit(self._sync, fd, start, end)))
+        while len(self._pending) > self._depth:
+            self._wait_first()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._wait_first()
+
+    def _wait_first(self) -> None:
+        path, future = self._pending.pop(0)
+        try:
+            future.result()
+        except OSError as error:
+            raise OSError(error.errno, f"making {path} durable failed: {error.strerror}") from error
+
+    @staticmethod
+    def _sync(fd: int, start: int, end: int | None) -> None:
+        try:
+            _make_durable(fd, start, end)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> Syncer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.drain()
+        finally:
+            self._pool.shutdown(wait=True)  # descriptors still queued are closed by their task
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -10,7 +10,8 @@ messages; one process is a world of one):
 
 1. the leader (rank 0) creates a private temporary directory under ``.tmp/`` and announces it;
 2. every rank writes its part into it — its pieces of the units it holds, its own global state
-   (RNG, user extras), the leader also the shared global state — fsyncs every file, and
+   (RNG, user extras), the leader also the shared global state — fsyncs every file (each on
+   a helper thread while the next is written; all are durable before the report), and
    reports the file entries and checksums, or its failure;
 3. once every rank has reported success, the leader writes the manifest last and fsyncs it,
    renames the directory into ``snapshots/`` atomically, fsyncs ``snapshots/``, replaces the
@@ -55,7 +56,7 @@ from llmtailor.constants import (
 )
 from llmtailor.errors import TailorError
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
-from llmtailor.store.files import fsync_dir, replace_text_atomically, write_durable, write_tensor_file
+from llmtailor.store.files import Syncer, fsync_dir, replace_text_atomically, write_durable, write_tensor_file
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
@@ -235,43 +236,46 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
     """Write this rank's files; return its report (JSON-able, for the leader's indexes and
     manifest): per unit, its file entry, its tensors' chunks and non-tensor values; the files
     of its global state; its bytes per unit."""
-    units: dict[str, Any] = {}
-    files: list[FileEntry] = []
-    unit_bytes: dict[str, int] = {}
-    for staged_unit in staged.units:
-        relpath = unit_filename(staged_unit.unit, rank, staged.world_size)
-        tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
-        if len(tensors) != len(staged_unit.pieces):
-            raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
-        file, sums = write_tensor_file(tmp / relpath, tensors, tmp)
-        unit_bytes[staged_unit.unit] = file.bytes
-        # This rank's chunks only: the leader validates the merged entries (coverage included).
-        entries = [
-            {
-                "key": p.key,
-                "dtype": dtype_name(p.tensor.dtype),
-                "shape": list(p.global_shape),
-                "chunks": [
-                    {
-                        "offsets": list(p.offsets),
-                        "shape": list(p.tensor.shape),
-                        "xxh3_64": sums[piece_key(p.key, p.offsets, p.is_whole)],
-                    }
-                ],
-            }
-            for p in staged_unit.pieces
-        ]
-        units[staged_unit.unit] = {"file": file.model_dump(mode="json"), "tensors": entries, "values": staged_unit.values}
-        if on_unit:
-            on_unit(staged_unit.unit, file.bytes)
-    if staged.global_doc is not None:
-        files.append(write_tensor_file(tmp / GLOBAL_TENSORS, staged.global_tensors or {}, tmp)[0])
-        files.append(write_durable(tmp / GLOBAL_JSON, json.dumps(staged.global_doc).encode(), tmp))
-    if staged.rank_doc is not None:
-        doc_path, tensor_path = rank_state_files(rank)
-        files.append(write_tensor_file(tmp / tensor_path, staged.rank_tensors or {}, tmp)[0])
-        files.append(write_durable(tmp / doc_path, json.dumps(staged.rank_doc).encode(), tmp))
-    return {"units": units, "files": [f.model_dump(mode="json") for f in files], "unit_bytes": unit_bytes}
+    # Each file's fsync runs on the syncer's thread while the next file is written; every file
+    # is durable before the part is reported (the commit depends on it).
+    with Syncer() as syncer:
+        units: dict[str, Any] = {}
+        files: list[FileEntry] = []
+        unit_bytes: dict[str, int] = {}
+        for staged_unit in staged.units:
+            relpath = unit_filename(staged_unit.unit, rank, staged.world_size)
+            tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
+            if len(tensors) != len(staged_unit.pieces):
+                raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
+            file, sums = write_tensor_file(tmp / relpath, tensors, tmp, syncer=syncer)
+            unit_bytes[staged_unit.unit] = file.bytes
+            # This rank's chunks only: the leader validates the merged entries (coverage included).
+            entries = [
+                {
+                    "key": p.key,
+                    "dtype": dtype_name(p.tensor.dtype),
+                    "shape": list(p.global_shape),
+                    "chunks": [
+                        {
+                            "offsets": list(p.offsets),
+                            "shape": list(p.tensor.shape),
+                            "xxh3_64": sums[piece_key(p.key, p.offsets, p.is_whole)],
+                        }
+                    ],
+                }
+                for p in staged_unit.pieces
+            ]
+            units[staged_unit.unit] = {"file": file.model_dump(mode="json"), "tensors": entries, "values": staged_unit.values}
+            if on_unit:
+                on_unit(staged_unit.unit, file.bytes)
+        if staged.global_doc is not None:
+            files.append(write_tensor_file(tmp / GLOBAL_TENSORS, staged.global_tensors or {}, tmp, syncer=syncer)[0])
+            files.append(write_durable(tmp / GLOBAL_JSON, json.dumps(staged.global_doc).encode(), tmp))
+        if staged.rank_doc is not None:
+            doc_path, tensor_path = rank_state_files(rank)
+            files.append(write_tensor_file(tmp / tensor_path, staged.rank_tensors or {}, tmp, syncer=syncer)[0])
+            files.append(write_durable(tmp / doc_path, json.dumps(staged.rank_doc).encode(), tmp))
+        return {"units": units, "files": [f.model_dump(mode="json") for f in files], "unit_bytes": unit_bytes}
 
 
 def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[dict]) -> Manifest:

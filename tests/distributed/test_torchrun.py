@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny, train
+from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, tiny, train
 
 from llmtailor import Parity, Tailor
 from llmtailor.store.run import Run
@@ -77,6 +77,29 @@ def test_fsdp2_parity_restores_exact_versions_at_world_sizes_2_3_and_1(fsdp):
     mismatches, report = restore_in_one_process(out, "parity")
     assert mismatches == [] and report.saved_world_size == 2 and report.extra == {"rank": 0, "next": 9}
     assert Run(out / "parity").verify() == []
+
+
+def test_fsdp2_drift_is_measured_over_the_shards_of_every_rank(fsdp):
+    """Each rank samples its own shards; one all-reduce gives the figures the manifest records,
+    which match the exact drift of the whole tensors since each unit's last saved version."""
+    from safetensors.torch import load_file
+
+    from llmtailor.layouts import build_layout
+
+    out, _ = fsdp
+    run = Run(out / "parity")
+    unit_of = build_layout(tiny()[0]).unit_of  # the job's model
+    last_saved = run.resolve(6).sources
+    versions = {s: load_file(str(out / "versions" / f"{s}.safetensors")) for s in {*last_saved.values(), 8}}
+    drift = run.manifest(8).decision["drift"]
+    checked = 0
+    for unit, figures in drift.items():
+        before = {k: v for k, v in versions[last_saved[unit]].items() if unit_of(k.split("/")[1]) == unit}
+        for kind, bound in (("weight", WEIGHT_BOUND), ("moments", MOMENTS_BOUND)):
+            exact = exact_drift(before, versions[8], kind)
+            assert exact > 0 and abs(figures[kind] - exact) <= bound * exact, (unit, kind, figures[kind], exact)
+            checked += 1
+    assert checked == 2 * len(run.manifest(8).composite)
 
 
 def test_fsdp2_full_resume_continues_bitwise(fsdp):

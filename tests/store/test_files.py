@@ -45,3 +45,38 @@ def test_a_changed_byte_is_caught(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="checksum mismatch"):
         read_tensors(tmp_path, entry)
+
+
+def test_a_failed_background_fsync_fails_the_write_and_leaks_no_descriptor(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from llmtailor.store import files
+
+    def failing(fd):
+        raise OSError(errno.EIO, "injected fsync failure")
+
+    open_before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(files.os, "fsync", failing)
+    with pytest.raises(OSError, match=r"0\.safetensors durable failed: injected fsync failure"):
+        with files.Syncer() as syncer:
+            for i in range(4):
+                files.write_tensor_file(tmp_path / f"{i}.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_files_handed_to_the_syncer_are_durable_and_intact_after_drain(tmp_path, monkeypatch):
+    from llmtailor.store import files
+
+    monkeypatch.setattr(files, "_FLUSH_EVERY", 1 << 20)  # large-file flushes go through the syncer too
+    synced = []
+    real = files._make_durable
+    monkeypatch.setattr(files, "_make_durable", lambda fd, *span: (real(fd, *span), synced.append(fd)))
+    tensors = varied_tensors()
+    with files.Syncer() as syncer:
+        entries = [files.write_tensor_file(tmp_path / f"{i}.safetensors", tensors, tmp_path, syncer=syncer)[0] for i in range(3)]
+    assert len(synced) > 3  # a final fsync per file, plus the flushes while the 20 MiB tensor was written
+    for entry in entries:
+        loaded = read_tensors(tmp_path, entry)
+        assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
