@@ -37,7 +37,7 @@ import torch
 from llmtailor.errors import ConfigError, IncompatibleModelError
 from llmtailor.interop.hf_export import Progress
 from llmtailor.layouts import Layout
-from llmtailor.store.files import fsync_dir
+from llmtailor.store.files import fsync_dir, replace_text_atomically
 from llmtailor.store.keys import split_unit
 from llmtailor.store.run import Run
 
@@ -106,7 +106,7 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
             raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
         os.rename(tmp, target)
         latest = out_dir / LATEST
-        latest.write_text(tag, encoding="utf-8")
+        replace_text_atomically(latest, tag)
         fsync_dir(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -41,7 +41,7 @@ from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.providers.optimizer import positional_state_dict
 from llmtailor.store.keys import split_unit
-from llmtailor.store.files import fsync_dir
+from llmtailor.store.files import copy_durable, fsync_dir, fsync_file, write_text_durable
 from llmtailor.store.run import Run
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
@@ -118,9 +118,9 @@ def export_hf(
         del per_param
         if state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
             _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
-        _write_text(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), step, train_batch_size))
+        write_text_durable(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), step, train_batch_size))
         for path in extra_files:  # tokenizer files, say
-            shutil.copyfile(path, tmp / Path(path).name)
+            copy_durable(Path(path), tmp / Path(path).name)
         fsync_dir(tmp)
         if target.exists():  # os.rename would replace an empty directory created meanwhile
             raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
@@ -251,11 +251,11 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
 
     save_file({n: t.contiguous() for n, t in weights.items()}, str(path), metadata={"format": "pt"})
     os.chmod(path, 0o666 & ~_umask())
-    _fsync(path)
+    fsync_file(path)
 
 
 def _write_config(root: Path, config: dict[str, Any]) -> None:
-    _write_text(root / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_text_durable(root / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
     try:
         import transformers
 
@@ -263,17 +263,12 @@ def _write_config(root: Path, config: dict[str, Any]) -> None:
         generation = transformers.GenerationConfig.from_model_config(hf_config)
     except Exception:  # optional file: a config transformers cannot turn into one is left out
         return
-    _write_text(root / GENERATION_CONFIG_FILE, generation.to_json_string(use_diff=True))
+    write_text_durable(root / GENERATION_CONFIG_FILE, generation.to_json_string(use_diff=True))
 
 
 def _save_torch(path: Path, obj: Any) -> None:
     torch.save(obj, path)
-    _fsync(path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
-    _fsync(path)
+    fsync_file(path)
 
 
 def _umask() -> int:
@@ -282,6 +277,3 @@ def _umask() -> int:
     return mask
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())

@@ -40,7 +40,7 @@ from llmtailor.errors import ConfigError
 from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.merge.sources import CONFIG_FILE, WEIGHTS_FILE
 from llmtailor.store import codec
-from llmtailor.store.files import ByteSource, fsync_dir, write_tensor_file
+from llmtailor.store.files import ByteSource, Syncer, copy_durable, fsync_dir, write_tensor_file, write_text_durable
 from llmtailor.store.keys import split_key
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.manifest import DTYPES
@@ -173,11 +173,12 @@ def _write_model(plan: MergePlan, out: Path, progress: Progress | None) -> Path:
                 plan, [a for a in actions if split_key(a.dest_key)[0] == "weight"]).items()})
             if progress is not None:
                 progress(unit, done, len(units))
-        write_tensor_file(tmp / WEIGHTS_FILE, weights, tmp, metadata={"format": "pt"})
+        with Syncer() as syncer:  # the file's flushes overlap its writing
+            write_tensor_file(tmp / WEIGHTS_FILE, weights, tmp, metadata={"format": "pt"}, syncer=syncer)
         _write_json(tmp / CONFIG_FILE, plan.model_config)
         _write_generation_config(tmp, plan)
         for path in tokenizer_files(plan):
-            shutil.copyfile(path, tmp / path.name)
+            copy_durable(path, tmp / path.name)
         fsync_dir(tmp)
         os.chmod(tmp, 0o777 & ~_umask())
         if out.exists():
@@ -191,7 +192,7 @@ def _write_model(plan: MergePlan, out: Path, progress: Progress | None) -> Path:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_text_durable(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _write_generation_config(root: Path, plan: MergePlan) -> None:
@@ -199,7 +200,7 @@ def _write_generation_config(root: Path, plan: MergePlan) -> None:
     for label in (plan.state_from, *plan.sources):
         found = getattr(plan.sources[label], "generation_config", lambda: None)()
         if found is not None:
-            shutil.copyfile(found, root / found.name)
+            copy_durable(found, root / found.name)
             return
 
 

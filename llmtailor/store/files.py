@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -331,6 +332,22 @@ def check_file(root: Path, entry: FileEntry) -> str | None:
     except IntegrityError as err:
         return str(err)
     return None
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def write_text_durable(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+    fsync_file(path)
+
+
+def copy_durable(source: Path, target: Path) -> None:
+    """Copy a small side file (a config, a tokenizer file) and fsync the copy."""
+    shutil.copyfile(source, target)
+    fsync_file(target)
 
 
 def fsync_dir(path: Path) -> None:

@@ -198,6 +198,7 @@ def main() -> None:
     result = run(out, stage)
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # without it gloo can abort at exit (pytorch#190489)
 
 
 if __name__ == "__main__":

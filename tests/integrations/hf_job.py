@@ -162,6 +162,9 @@ def main() -> None:
     if args.trainer == "vanilla":
         assert not [m for m in sys.modules if m.startswith("llmtailor")], "vanilla run imported llmtailor"
     losses = {e["step"]: e["loss"].hex() for e in trainer.state.log_history if "loss" in e}
+    if torch.distributed.is_initialized():  # leave together: without it gloo can abort at exit (pytorch#190489)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if trainer.args.process_index != 0:
         return
     Path(args.result).write_text(json.dumps({

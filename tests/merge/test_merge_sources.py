@@ -244,3 +244,25 @@ def test_an_hf_checkpoint_source_reads_optimizer_pt_only_when_the_plan_moves_sta
     assert "optimizer.pt" not in loads
     merge(plan(tmp_path / "o.yaml", {"models": [{"model": str(source)}]}), tmp_path / "o")
     assert "optimizer.pt" in loads
+
+
+@pytest.mark.parametrize("form", ["hf", "model"])
+def test_every_file_of_a_merged_directory_is_fsynced_before_it_appears(models, trained, tmp_path, monkeypatch, form):
+    """Side files too (config, generation config, tokenizer): a crash after the rename must not
+    leave an empty ``config.json`` beside durable weights."""
+    import os
+
+    synced = set()
+    real = os.fsync
+
+    def recording(fd):
+        synced.add(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    root, _ = models
+    p = plan(tmp_path / "p.yaml", {"slices": slices((f"{trained}@4", (0, 4))), "tokenizer_source": str(root / "a")})
+    out = merge(p, tmp_path / form, format=form)
+    written = {f.name for f in out.rglob("*") if f.is_file()}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= written
+    assert written <= synced, written - synced
