@@ -4,10 +4,23 @@ Save only the layers a policy picks at each checkpoint (with their optimizer sta
 resume exactly from the composite: each unit from its newest saved version.
 """
 
-from llmtailor.errors import TailorError
-from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
-from llmtailor.store.run import Run
-from llmtailor.tailor import PendingSave, RestoreReport, SaveReport, Tailor
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmtailor.errors import TailorError
+    from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
+    from llmtailor.store.run import Run
+    from llmtailor.tailor import PendingSave, RestoreReport, SaveReport, Tailor
+
+# Each public name is imported on first use (PEP 562), so the command line's byte-moving paths
+# (``llmtailor merge`` of weights) do not pay for importing torch (store/dtypes.py).
+_HOMES = {
+    "TailorError": "llmtailor.errors",
+    **dict.fromkeys(("Adaptive", "Filter", "Full", "Interval", "Parity", "Policy", "make_policy"), "llmtailor.policies"),
+    "Run": "llmtailor.store.run",
+    **dict.fromkeys(("PendingSave", "RestoreReport", "SaveReport", "Tailor"), "llmtailor.tailor"),
+}
 
 __all__ = [
     "Adaptive",
@@ -25,3 +38,15 @@ __all__ = [
     "make_policy",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'llmtailor' has no attribute {name!r}")
+    value = getattr(import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from llmtailor.constants import LAYER_PREFIX
-from llmtailor.drift import DriftHistory
-from llmtailor.store.retention import RetentionPlan
 from llmtailor.store.run import Composite, Run
+
+if TYPE_CHECKING:  # the drift module imports torch, which rendering a merge's progress does not need
+    from llmtailor.drift import DriftHistory
+    from llmtailor.store.retention import RetentionPlan
 
 
 def human_bytes(count: float) -> str:

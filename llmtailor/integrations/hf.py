@@ -51,7 +51,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from llmtailor.errors import ConfigError
-from llmtailor.interop.hf_export import TRAINER_STATE_FILE as TRAINER_STATE_NAME
+from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE as TRAINER_STATE_NAME
 from llmtailor.interop.hf_export import trainer_state_json
 from llmtailor.policies import Full, Policy
 from llmtailor.providers.rng import restore_rng

@@ -1,5 +1,4 @@
-"""Exports of a composite into other checkpoint formats (Hugging Face Trainer today)."""
-
-from llmtailor.interop.hf_export import export_hf
-
-__all__ = ["export_hf"]
+"""The checkpoint formats users bring and take away: Hugging Face Trainer and model
+directories (``hf_import``, ``hf_export``), DeepSpeed (``deepspeed_import``,
+``deepspeed_export``), and recognising their directories (``checkpoint_dirs``, which imports
+neither torch nor DeepSpeed). Import the module you need."""

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import io
 import json
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -38,7 +37,8 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.interop.checkpoint_dirs import find_step_dir
 from llmtailor.interop.hf_export import Progress, meta_model
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.store import codec
@@ -46,33 +46,6 @@ from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
-
-STEP_DIR = re.compile(r"global_step(\d+)")
-
-
-def find_step_dir(path: Path) -> Path:
-    """``global_stepN/`` itself, or the one a DeepSpeed save directory's ``latest`` names."""
-    if STEP_DIR.fullmatch(path.name) and path.is_dir():
-        return path
-    latest = path / "latest"
-    if latest.is_file():
-        tag = latest.read_text(encoding="utf-8").strip()
-        if (path / tag).is_dir():
-            return path / tag
-        raise IntegrityError(f"{latest} names {tag!r}, which is not a directory in {path}")
-    tags = sorted((p for p in path.glob("global_step*") if STEP_DIR.fullmatch(p.name)), key=lambda p: int(p.name[11:]))
-    if tags:
-        return tags[-1]
-    raise ConfigError(f"{path}: not a DeepSpeed checkpoint (no global_stepN/ directory, no 'latest' file)")
-
-
-def is_deepspeed_checkpoint(path: Path) -> bool:
-    try:
-        step_dir = find_step_dir(path)
-    except TailorError:
-        return False
-    return any(step_dir.glob("*optim_states.pt"))
-
 
 def import_deepspeed(
     checkpoint: str | Path,

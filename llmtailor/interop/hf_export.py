@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE
 from llmtailor.layouts import Layout
 from llmtailor.providers.optimizer import positional_state_dict
 from llmtailor.store.keys import split_unit
@@ -51,7 +52,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng_state.pth"
-TRAINER_STATE_FILE = "trainer_state.json"
 
 Progress = Callable[[str, int, int], None]
 """Called after each unit is read: ``(unit, units done, units in all)``."""

@@ -29,8 +29,6 @@ refused. optimizer.pt is one pickle, so it is in memory whole; weights are read 
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,19 +36,19 @@ from typing import Any
 import torch
 
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE, read_json, step_of
 from llmtailor.interop.hf_export import (
     CONFIG_FILE,
     OPTIMIZER_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
-    TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     Progress,
     meta_model,
     trainer_param_groups,
 )
 from llmtailor.layouts import Layout, build_layout
-from llmtailor.store import codec
+from llmtailor.store import codec, dtypes
 from llmtailor.store.codec import plain_value
 from llmtailor.store.keys import optim_key, weight_key
 from llmtailor.store.lock import WriterLock
@@ -58,14 +56,6 @@ from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
 
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-
-# safetensors header dtype codes -> torch dtypes
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
 
 def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Progress | None = None) -> int:
     """Write the Trainer checkpoint ``checkpoint_dir`` into ``run_dir`` as one committed Full
@@ -158,28 +148,6 @@ def _require_files(source: Path) -> None:
         raise IntegrityError(f"{source}: not an importable Trainer checkpoint: " + "; ".join(problems))
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise IntegrityError(f"{path}: not readable JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise IntegrityError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
-
-
-def step_of(source: Path, trainer_state: dict[str, Any]) -> int:
-    step = trainer_state.get("global_step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise IntegrityError(f"{source / TRAINER_STATE_FILE}: key 'global_step' is {step!r}, expected a step number")
-    named = re.fullmatch(r"checkpoint-(\d+)", source.name)
-    if named and int(named.group(1)) != step:
-        raise IntegrityError(
-            f"{source / TRAINER_STATE_FILE}: global_step is {step} but the directory is named {source.name}"
-        )
-    return step
-
-
 def weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dict[str, tuple[Path, str]]:
     """Canonical tensor name -> (file, key in it), from safetensors headers only. Every tensor
     of the file must be one of the model's, with its shape and dtype; a tied alias may stand
@@ -213,7 +181,7 @@ def weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dict
             if want is None:
                 problems.append(f"{key!r} is not a tensor of the {layout.family!r} model config.json describes")
                 continue
-            if list(shape) != list(want.shape) or _SAFETENSORS_DTYPES.get(dtype) != want.dtype:
+            if list(shape) != list(want.shape) or dtypes.from_code(dtype) != dtypes.name_of(want.dtype):
                 problems.append(f"{key!r} is {dtype} {list(shape)}, the model has {want.dtype} {list(want.shape)}")
             canonical = layout.aliases.get(key, key)
             if canonical not in found or key == canonical:

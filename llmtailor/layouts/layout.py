@@ -21,12 +21,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from llmtailor.constants import EMBED, HEAD, LAYER_PREFIX, NORM, OTHER, layer_unit
 from llmtailor.errors import ConfigError, IncompatibleModelError, describe_validation
+
+if TYPE_CHECKING:
+    import torch
 
 GENERIC = "generic"
 _INDEX = "{i}"

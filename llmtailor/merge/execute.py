@@ -32,20 +32,25 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llmtailor.errors import ConfigError
 from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.merge.sources import CONFIG_FILE, WEIGHTS_FILE
-from llmtailor.store import codec
+from llmtailor.store import dtypes
 from llmtailor.store.files import ByteSource, Syncer, copy_durable, fsync_dir, write_tensor_file, write_text_durable
 from llmtailor.store.keys import split_key
 from llmtailor.store.lock import WriterLock
-from llmtailor.store.manifest import DTYPES
 from llmtailor.store.run import Run
-from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmtailor.store.writer import StagedUnit
+
+# torch is imported only where a tensor is built or transformed (a cast, a scale, optimizer
+# state, a tailored-run output): a merge that moves bytes alone, into a model directory, runs
+# without it (store/dtypes.py).
 
 Progress = Callable[[str, int, int], None]
 """Called after each unit is written: ``(unit, units done, units in all)``."""
@@ -111,6 +116,9 @@ def _global_state(plan: MergePlan) -> dict[str, Any]:
 
 
 def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
+    from llmtailor.store import codec
+    from llmtailor.store.writer import StagedSnapshot, counting, persist
+
     global_doc, global_tensors = codec.encode(_global_state(plan), where="global state")
     staged = StagedSnapshot(
         step=plan.step,
@@ -132,6 +140,8 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
 
 
 def _stream_units(plan: MergePlan) -> Iterator[StagedUnit]:
+    from llmtailor.store.writer import StagedUnit
+
     for unit, actions in plan.actions_by_unit().items():
         yield StagedUnit.whole(unit, _tensors(plan, actions), _values(plan, unit, actions))
 
@@ -144,7 +154,7 @@ def _tensors(plan: MergePlan, actions) -> dict[str, torch.Tensor | ByteSource]:
             tensor = value.load() if isinstance(value, ByteSource) else value
             if a.scale not in (None, 1.0):
                 tensor = tensor * a.scale
-            value = tensor.to(DTYPES[a.dtype]) if a.dtype is not None else tensor
+            value = tensor.to(dtypes.to_torch(a.dtype)) if a.dtype is not None else tensor
         out[a.dest_key] = value
     return out
 

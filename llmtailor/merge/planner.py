@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmtailor.constants import EMBED, HEAD, KIND_OPTIM, KIND_WEIGHT, LAYER_PREFIX, NORM, layer_unit
+from llmtailor.constants import EMBED, HEAD, KIND_WEIGHT, LAYER_PREFIX, NORM, layer_unit
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
@@ -147,7 +147,7 @@ def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str)
 
 
 def _needs_scratch(path: Path) -> bool:
-    from llmtailor.interop.deepspeed_import import is_deepspeed_checkpoint
+    from llmtailor.interop.checkpoint_dirs import is_deepspeed_checkpoint
 
     return path.is_dir() and is_deepspeed_checkpoint(path)
 

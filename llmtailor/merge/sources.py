@@ -25,17 +25,19 @@ import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_OPTIM
-from llmtailor.errors import ConfigError, IntegrityError, TailorError
+from llmtailor.errors import ConfigError, IntegrityError
 from llmtailor.layouts import Layout, layout_from_names
-from llmtailor.store.files import DTYPE_CODES, ByteSource, safetensors_layout
+from llmtailor.store import dtypes
+from llmtailor.store.files import ByteSource, safetensors_layout
 from llmtailor.store.keys import optim_key, split_key, weight_key
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.run import Run
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -45,12 +47,12 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
-_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    dtype: torch.dtype
+    dtype: str
+    """By name, as a manifest writes it (``float32``)."""
     shape: tuple[int, ...]
     step: int | None = None
     """The snapshot that saved this version (a run's composite), for the dry run."""
@@ -120,7 +122,7 @@ class RunSource(MergeSource):
     def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
         entry = self._entry(unit)
         return {
-            t.key: TensorInfo(t.torch_dtype, tuple(t.shape), entry.step)
+            t.key: TensorInfo(t.dtype, tuple(t.shape), entry.step)
             for t in entry.tensors
             if optimizer or split_key(t.key)[0] != KIND_OPTIM
         }
@@ -135,10 +137,10 @@ class RunSource(MergeSource):
             path = self.run.snapshot_dir(entry.step) / entry.chunk_file(chunk).path
             start, header = _layout_of(path)
             stored = header.get(tensor.chunk_key(chunk))
-            if not isinstance(stored, dict) or (stored.get("dtype"), stored.get("shape")) != (DTYPE_CODES[tensor.torch_dtype], tensor.shape):
+            if not isinstance(stored, dict) or (stored.get("dtype"), stored.get("shape")) != (dtypes.code_of(tensor.dtype), tensor.shape):
                 raise IntegrityError(f"{path}: tensor {tensor.chunk_key(chunk)!r} is missing or not as its index says")
             begin, end = stored["data_offsets"]
-            return ByteSource(path, start + begin, end - begin, tensor.torch_dtype, tuple(tensor.shape), chunk.xxh3_64)
+            return ByteSource(path, start + begin, end - begin, tensor.dtype, tuple(tensor.shape), chunk.xxh3_64)
         return self._reader.read_region(entry.step, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
 
     def values(self, unit: str) -> dict[str, dict[str, Any]]:
@@ -157,7 +159,7 @@ class ModelDirSource(MergeSource):
     kind = "model directory"
 
     def __init__(self, label: str, path: Path):
-        from llmtailor.interop.hf_import import read_json
+        from llmtailor.interop.checkpoint_dirs import read_json
 
         self.label, self.path = label, path
         self.step = None
@@ -173,18 +175,21 @@ class ModelDirSource(MergeSource):
                 for key, stored in header.items():
                     if key == "__metadata__":
                         continue
-                    if stored.get("dtype") not in _BY_CODE:
+                    dtype = dtypes.from_code(stored.get("dtype"))
+                    if dtype is None:
                         raise IntegrityError(f"{file}: tensor {key!r} has dtype {stored.get('dtype')!r}, not one llmtailor reads")
                     self._files[key] = (file, key)
-                    self._info[key] = TensorInfo(_BY_CODE[stored["dtype"]], tuple(stored["shape"]))
+                    self._info[key] = TensorInfo(dtype, tuple(stored["shape"]))
         elif (path / BIN_FILE).is_file():
             self._bin = self._load_bin(path / BIN_FILE)
-            self._info = {k: TensorInfo(t.dtype, tuple(t.shape)) for k, t in self._bin.items()}
+            self._info = {k: TensorInfo(dtypes.name_of(t.dtype), tuple(t.shape)) for k, t in self._bin.items()}
         else:
             raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {BIN_FILE}")
         self.layout = layout_from_names(list(self._info), family)
 
     def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        import torch
+
         try:
             weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # a pickle needing more than weights, truncation, not a torch file
@@ -212,7 +217,7 @@ class ModelDirSource(MergeSource):
         start, header = _layout_of(path)
         stored = header[stored_key]
         begin, end = stored["data_offsets"]
-        return ByteSource(path, start + begin, end - begin, _BY_CODE[stored["dtype"]], tuple(stored["shape"]))
+        return ByteSource(path, start + begin, end - begin, self._info[name].dtype, tuple(stored["shape"]))
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()]
@@ -229,7 +234,7 @@ class CheckpointSource(ModelDirSource):
     kind = "Trainer checkpoint"
 
     def __init__(self, label: str, path: Path):
-        from llmtailor.interop.hf_import import read_json, step_of
+        from llmtailor.interop.checkpoint_dirs import read_json, step_of
 
         super().__init__(label, path)
         self.trainer_state = read_json(path / "trainer_state.json")
@@ -252,11 +257,13 @@ class CheckpointSource(ModelDirSource):
     def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
         out = super().tensors(unit, optimizer)
         if optimizer and self.has_optimizer():
+            import torch  # loaded already: optimizer.pt is read with it
+
             _, per_param = self._optimizer_state()
             for name in self.layout.units[unit]:
                 for key, value in per_param.get(name, {}).items():
                     if isinstance(value, torch.Tensor):
-                        out[optim_key(name, key)] = TensorInfo(value.dtype, tuple(value.shape))
+                        out[optim_key(name, key)] = TensorInfo(dtypes.name_of(value.dtype), tuple(value.shape))
         return out
 
     def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
@@ -301,7 +308,7 @@ def family_of(config: dict[str, Any]) -> str:
 def _weight_files(path: Path) -> list[Path]:
     if (path / WEIGHTS_FILE).is_file():
         return [path / WEIGHTS_FILE]
-    from llmtailor.interop.hf_import import read_json
+    from llmtailor.interop.checkpoint_dirs import read_json
 
     index = read_json(path / WEIGHTS_INDEX_FILE)
     weight_map = index.get("weight_map")
@@ -316,7 +323,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 def open_source(label: str, path: Path, step: int | None, scratch: Path) -> MergeSource:
     """The source at ``path`` (kinds tried in the module docstring's order)."""
-    from llmtailor.interop.deepspeed_import import import_deepspeed, is_deepspeed_checkpoint
+    from llmtailor.interop.checkpoint_dirs import is_deepspeed_checkpoint
 
     if path.is_dir() and Run(path).steps():
         return RunSource(label, Run(path), step)
@@ -325,6 +332,8 @@ def open_source(label: str, path: Path, step: int | None, scratch: Path) -> Merg
     if step is not None:
         raise ConfigError(f"{path} is a checkpoint directory: @STEP names a step of a tailored run only")
     if is_deepspeed_checkpoint(path):
+        from llmtailor.interop.deepspeed_import import import_deepspeed
+
         run_dir = Path(tempfile.mkdtemp(prefix="deepspeed-", dir=scratch))
         shutil.rmtree(run_dir)
         import_deepspeed(path, run_dir)

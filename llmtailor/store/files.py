@@ -20,27 +20,22 @@ import shutil
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from llmtailor.errors import IntegrityError
+from llmtailor.store import dtypes
 from llmtailor.store.manifest import FileEntry
+
+if TYPE_CHECKING:
+    import torch
 
 _PIECE = 16 << 20
 _FLUSH_EVERY = 256 << 20
 """A file larger than this is made durable and dropped from the page cache as it is written:
 growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
-# safetensors' dtype codes for the dtypes a manifest may name.
-DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32",
-    torch.uint64: "U64", torch.bool: "BOOL",
-}
-
 
 def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
@@ -65,12 +60,13 @@ class ByteSource:
     """A tensor's bytes as they lie in a file (a range of a safetensors file, say), copied to a
     new file without being decoded: ``write_tensor_file`` streams them through and hashes them
     on the way. ``expect_xxh3`` (the checksum the source recorded for these bytes) is checked
-    against the bytes copied; a mismatch fails the write."""
+    against the bytes copied; a mismatch fails the write. ``dtype`` is a manifest dtype name
+    (``float32``): copying bytes needs no torch."""
 
-    def __init__(self, path: Path, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...],
+    def __init__(self, path: Path, offset: int, length: int, dtype: str, shape: tuple[int, ...],
                  expect_xxh3: str | None = None):
         self.path, self.offset, self.length = Path(path), offset, length
-        self.dtype, self.shape, self.expect_xxh3 = dtype, torch.Size(shape), expect_xxh3
+        self.dtype, self.shape, self.expect_xxh3 = dtypes.name_of(dtype), tuple(shape), expect_xxh3
 
     def numel(self) -> int:
         count = 1
@@ -79,17 +75,20 @@ class ByteSource:
         return count
 
     def element_size(self) -> int:
-        return self.dtype.itemsize
+        return dtypes.itemsize(self.dtype)
 
     def dim(self) -> int:
         return len(self.shape)
 
     def load(self) -> torch.Tensor:
         """The tensor itself, read from the file (for a merge that transforms it)."""
+        import torch
+
         data = bytearray()
         for piece in _file_pieces(self):
             data += piece
-        return torch.frombuffer(data, dtype=self.dtype).reshape(self.shape) if self.length else torch.empty(self.shape, dtype=self.dtype)
+        dtype = dtypes.to_torch(self.dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(self.shape) if self.length else torch.empty(self.shape, dtype=dtype)
 
     def detach(self) -> ByteSource:
         return self
@@ -128,7 +127,7 @@ def write_tensor_file(
     offset = 0
     for key, tensor in ordered:
         size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": dtypes.code_of(tensor.dtype), "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -232,6 +231,8 @@ def _pieces(tensor: torch.Tensor | ByteSource):
     if isinstance(tensor, ByteSource):
         yield from _file_pieces(tensor)
         return
+    import torch  # a tensor is given: torch is loaded already
+
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
     for start in range(0, len(data), _PIECE):
@@ -286,11 +287,10 @@ def verify_file(root: Path, entry: FileEntry) -> Path:
     return path
 
 
-def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[torch.dtype, list[int]]]) -> None:
+def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[str, list[int]]]) -> None:
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
-    it holds: each key present, with the manifest's dtype and shape."""
+    it holds: each key present, with the manifest's dtype (by name) and shape."""
     path = root / entry.path
-    names = {code: dtype for dtype, code in DTYPE_CODES.items()}
     try:
         _check_size(path, path.stat().st_size, entry)
         with safe_open(path, "pt") as handle:
@@ -299,11 +299,10 @@ def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[torch.d
                 if key not in present:
                     raise IntegrityError(f"{path}: tensor {key!r} is missing")
                 piece = handle.get_slice(key)
-                found = (names.get(piece.get_dtype()), list(piece.get_shape()))
+                found = (dtypes.from_code(piece.get_dtype()), list(piece.get_shape()))
                 if found != (dtype, shape):
                     raise IntegrityError(
-                        f"{path}: tensor {key!r} is {piece.get_dtype()} {found[1]}, manifest says "
-                        f"{str(dtype).removeprefix('torch.')} {shape}"
+                        f"{path}: tensor {key!r} is {piece.get_dtype()} {found[1]}, manifest says {dtype} {shape}"
                     )
     except FileNotFoundError:
         raise IntegrityError(f"{path}: file is missing") from None
@@ -318,6 +317,8 @@ def read_verified(root: Path, entry: FileEntry) -> bytes:
 
 def read_tensors(root: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
     """Load a verified safetensors file (never unpickles)."""
+    from safetensors.torch import load_file
+
     path = verify_file(root, entry)
     try:
         return load_file(path)

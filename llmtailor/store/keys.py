@@ -12,13 +12,13 @@ e.g. ``weight/lm_head.weight#128,0``; a whole tensor under its key alone.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
 from llmtailor.errors import IntegrityError
-from llmtailor.store import codec
+
+if TYPE_CHECKING:
+    import torch
 
 
 def join_key(kind: str, name: str, state_key: str | None = None) -> str:
@@ -60,6 +60,8 @@ def split_unit(
     state by parameter name (tensors, and plain values decoded). A parameter saved only as an
     fp32 master (mixed-precision training stores the master, not its low-precision copy) gets
     the master as its weight. Refuses a unit lacking both for any of ``names``."""
+    from llmtailor.store import codec  # imports torch: not needed for keys alone (store/dtypes.py)
+
     missing = [name for name in names if weight_key(name) not in loaded and master_key(name) not in loaded]
     if missing:
         raise IntegrityError(f"unit {unit!r}: snapshot lacks the weights of {missing[:3]}")

@@ -23,28 +23,24 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtailor.constants import SCHEMA_VERSION, SNAPSHOT_FORMAT, unit_index_path
 from llmtailor.errors import IntegrityError, TailorError, describe_validation
+from llmtailor.store import dtypes
 from llmtailor.store.keys import piece_key
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-    )
-}
+if TYPE_CHECKING:
+    import torch
+
 # No tensor in a checkpoint legitimately has more elements than this (2**48, ~281e12).
 MAX_ELEMENTS = 1 << 48
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return dtypes.name_of(dtype)
 
 
 class _Strict(BaseModel):
@@ -92,8 +88,8 @@ class TensorEntry(_Strict):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"dtype {value!r} is not one of {sorted(DTYPES)}")
+        if value not in dtypes.NAMES:
+            raise ValueError(f"dtype {value!r} is not one of {sorted(dtypes.NAMES)}")
         return value
 
     @model_validator(mode="after")
@@ -117,7 +113,7 @@ class TensorEntry(_Strict):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return dtypes.to_torch(self.dtype)
 
     def chunk_key(self, chunk: Chunk) -> str:
         """The key ``chunk`` is stored under in its file."""

@@ -9,14 +9,18 @@ before slicing it; ``verify=False`` reads only the byte ranges needed and leaves
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from llmtailor.errors import IntegrityError
-from llmtailor.store.files import DTYPE_CODES, tensor_checksum
+from llmtailor.store import dtypes
+from llmtailor.store.files import tensor_checksum
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
+
+if TYPE_CHECKING:
+    import torch
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, shape)`` of a box inside a tensor."""
@@ -89,6 +93,8 @@ class ChunkReader:
     ) -> torch.Tensor:
         """The box ``offsets``/``shape`` of the global tensor ``tensor`` (of the unit index
         ``unit`` at ``step``), assembled from the chunks that overlap it."""
+        import torch
+
         out = torch.empty(shape, dtype=tensor.torch_dtype)
         wanted: Box = (tuple(offsets), tuple(shape))
         covered = 0
@@ -119,7 +125,7 @@ class ChunkReader:
             raise IntegrityError(f"{path}: file is missing") from None
         except (SafetensorError, OSError) as err:
             raise IntegrityError(f"{path}: cannot read tensor {key!r} ({err})") from None
-        if list(piece.get_shape()) != chunk.shape or DTYPE_CODES[tensor.torch_dtype] != piece.get_dtype():
+        if list(piece.get_shape()) != chunk.shape or dtypes.code_of(tensor.dtype) != piece.get_dtype():
             raise IntegrityError(
                 f"{path}: tensor {key!r} is {piece.get_dtype()} {piece.get_shape()}, index says {tensor.dtype} {chunk.shape}"
             )

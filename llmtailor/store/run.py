@@ -26,9 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import (
     GLOBAL_JSON,
@@ -42,9 +40,12 @@ from llmtailor.constants import (
     snapshot_dirname,
 )
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store import codec
 from llmtailor.store.files import check_file, check_header, read_tensors, read_verified
+from llmtailor.store import dtypes
 from llmtailor.store.manifest import Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
+
+if TYPE_CHECKING:
+    import torch
 
 
 _UNIT_CACHE = 64  # unit indexes kept in memory (each is small; a run can hold thousands)
@@ -163,10 +164,10 @@ class Run:
         and shape. Chunks are assembled into the global tensor."""
         entry = self.unit_entry(step, unit)
         root = self.snapshot_dir(step)
-        expected: dict[int, dict[str, tuple[torch.dtype, list[int]]]] = {}
+        expected: dict[int, dict[str, tuple[str, list[int]]]] = {}
         for tensor in entry.tensors:
             for chunk in tensor.chunks:
-                expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.torch_dtype, chunk.shape)
+                expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape)
         for position, tensors in expected.items():  # every header first: no tensor byte read yet
             check_header(root, entry.files[position], tensors)
         loaded = {position: read_tensors(root, entry.files[position]) for position in sorted(expected)}
@@ -190,6 +191,8 @@ class Run:
         return self._read_state(step, doc, tensors)
 
     def _read_state(self, step: int, doc_path: str, tensors_path: str) -> dict[str, Any]:
+        from llmtailor.store import codec  # imports torch, which reading a layout does not need
+
         manifest = self.manifest(step)
         root = self.snapshot_dir(step)
         raw = read_verified(root, manifest.file_entry(doc_path))
@@ -271,6 +274,8 @@ def _assemble(
         pieces.append((chunk, piece))
     if len(pieces) == 1 and pieces[0][0].shape == entry.shape:
         return pieces[0][1]
+    import torch  # the pieces are tensors: torch is loaded already
+
     whole = torch.empty(entry.shape, dtype=entry.torch_dtype)
     for chunk, piece in pieces:
         index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
@@ -284,4 +289,4 @@ def _ranges(steps: list[int]) -> str:
 
 
 def tensor_bytes(entry: TensorEntry) -> int:
-    return math.prod(entry.shape) * entry.torch_dtype.itemsize
+    return math.prod(entry.shape) * dtypes.itemsize(entry.dtype)

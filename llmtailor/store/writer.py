@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import shutil
 import time

@@ -266,3 +266,38 @@ def test_every_file_of_a_merged_directory_is_fsynced_before_it_appears(models, t
     written = {f.name for f in out.rglob("*") if f.is_file()}
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= written
     assert written <= synced, written - synced
+
+
+def test_a_weights_only_merge_of_hf_directories_runs_without_importing_torch(models, trained, tmp_path):
+    """Importing torch is most of a small merge's time (bench/RESULTS.md): the command line's
+    byte-moving path must not do it. A cast needs torch, and gets it."""
+    root, made = models
+    export_hf(Run(trained), 4, tmp_path / "hf")
+    checkpoint = tmp_path / "hf" / "checkpoint-4"
+    stack = {"slices": slices((root / "a", (0, 2)), (root / "b", (2, 4))), "merge_method": "passthrough"}
+    script = (
+        "import sys\n"
+        "from llmtailor.cli import main\n"
+        "sys.argv = ['llmtailor', 'merge', *sys.argv[1:]]\n"
+        "try:\n    main()\nexcept SystemExit as done:\n    assert not done.code, done.code\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    cases = {  # name: plan, torch needed, {output key: expected tensor}
+        "bytes": (stack, False, {"model.layers.1.mlp.up_proj.weight": made["a"].state_dict(),
+                                 "model.layers.3.mlp.up_proj.weight": made["b"].state_dict(),
+                                 "lm_head.weight": made["b"].state_dict()}),
+        "checkpoint": ({"models": [{"model": str(checkpoint)}], "optimizer": False}, False,
+                       dict.fromkeys(["model.layers.2.self_attn.q_proj.weight", "model.embed_tokens.weight"],
+                                     load_file(checkpoint / "model.safetensors"))),
+        "cast": ({**stack, "dtype": "bfloat16"}, True, {"model.layers.1.mlp.up_proj.weight": made["a"].state_dict()}),
+    }
+    for name, (spec, torch_needed, expected) in cases.items():
+        out = tmp_path / name
+        command = [sys.executable, "-c", script, str(plan(tmp_path / f"{name}.yaml", spec)), "--format", "model", "-o", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert f"torch imported: {torch_needed}" in done.stdout, done.stdout + done.stderr
+        got = load_file(out / "model.safetensors")
+        for key, source in expected.items():
+            want = source[key].to(torch.bfloat16) if name == "cast" else source[key]
+            assert got[key].dtype == want.dtype and torch.equal(got[key], want), (name, key)

@@ -8,11 +8,13 @@ from safetensors.torch import load_file
 
 from llmtailor.errors import IntegrityError
 from llmtailor.store.files import read_tensors, write_tensors
-from llmtailor.store.manifest import DTYPES
+from llmtailor.store import dtypes
 
 
 def varied_tensors():
-    tensors = {f"t/{name}": torch.arange(6).reshape(2, 3).to(dtype) for name, dtype in DTYPES.items()}
+    """One tensor of every dtype a snapshot may hold (safetensors reading each back with its
+    dtype checks our torch-free table of codes), and awkward shapes."""
+    tensors = {f"t/{name}": torch.arange(6).reshape(2, 3).to(dtypes.to_torch(name)) for name in dtypes.NAMES}
     tensors["step"] = torch.tensor(7.0)
     tensors["empty"] = torch.zeros(0, 4)
     tensors["big"] = torch.randn(5 << 20)  # 20 MiB: written in several pieces
@@ -35,6 +37,14 @@ def test_safetensors_reads_our_files_exactly(tmp_path, monkeypatch, flush_every)
             assert torch.equal(loaded[key], tensor), key
     with safe_open(tmp_path / "u.safetensors", "pt") as handle:
         assert set(handle.keys()) == set(tensors)
+
+
+def test_the_dtype_table_agrees_with_torch():
+    for name in dtypes.NAMES:
+        dtype = dtypes.to_torch(name)
+        assert dtypes.name_of(dtype) == name and dtypes.itemsize(dtype) == dtype.itemsize
+        assert dtypes.from_code(dtypes.code_of(dtype)) == name
+    assert dtypes.from_code("C64") is None
 
 
 def test_a_changed_byte_is_caught(tmp_path):

@@ -548,7 +548,6 @@ class Opened:
         cls.paths, cls.loaded, cls.recording = [], [], True
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(safetensors.torch, "load_file", spy)
-            patch.setattr(llmtailor.store.files, "load_file", spy)
             try:
                 yield cls
             finally:
