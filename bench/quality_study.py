@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/quality_study.py                  # ~20 minutes on 2 cores; writes bench/out/quality/
     .venv/bin/python bench/quality_study.py --steps 120 --crash 70 --save-every 10   # quick look
+    .venv/bin/python bench/quality_study.py --seed 1 --out /tmp/q1   # another initialisation and batch order
 
 A Llama-style model of a few million parameters (hidden 192, 8 layers, built from a config,
 never downloaded) trains on ``pydoc_data.topics`` (byte tokens; the last 10% of the text is
@@ -40,22 +41,23 @@ from llmtailor import Adaptive, Filter, Full, Parity, Policy, Tailor
 from llmtailor.training_example import TinyConfig, build_model, build_optimizer, corpus_tokens
 
 CONFIG = TinyConfig(hidden_size=192, layers=8, heads=4, kv_heads=2, intermediate_size=768, seq_len=128)
-BATCH, EVAL_BATCHES, SEED, CRASH_SEED = 8, 16, 0, 1
+BATCH, EVAL_BATCHES = 8, 16
 
 
 @dataclass
 class Data:
     train: torch.Tensor
     held_out: torch.Tensor
+    seed: int
 
     @classmethod
-    def split(cls) -> Data:
+    def split(cls, seed: int) -> Data:
         tokens = corpus_tokens()
         cut = int(0.9 * tokens.numel())
-        return cls(tokens[:cut], tokens[cut:])
+        return cls(tokens[:cut], tokens[cut:], seed)
 
     def batch(self, tokens: torch.Tensor, index: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(1_000_003 * SEED + index)
+        generator = torch.Generator().manual_seed(1_000_003 * self.seed + index)
         starts = torch.randint(0, tokens.numel() - CONFIG.seq_len - 1, (BATCH,), generator=generator)
         return torch.stack([tokens[s : s + CONFIG.seq_len] for s in starts.tolist()])
 
@@ -104,11 +106,11 @@ def parity_fraction(unit_bytes: dict[str, int]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Arm]:
-    data = Data.split()
+    data = Data.split(args.seed)
     out = args.out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    objects = fresh(SEED, args.steps)
+    objects = fresh(args.seed, args.steps)
     policies: dict[str, Policy] = {"full": Full(), "parity": Parity(), "filter": Filter()}
     print(f"model: {sum(p.numel() for p in objects[0].parameters()) / 1e6:.2f}M params; {args.steps} steps, a save every "
           f"{args.save_every}, crash at {args.crash}", flush=True)
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Arm]:
     # The crash happened at args.crash; each arm resumes from its newest composite.
     for name, policy in policies.items():  # full, parity, filter, adaptive
         arm = arms[name]
-        resumed = fresh(CRASH_SEED, args.steps)
+        resumed = fresh(args.seed + 1, args.steps)  # another initialisation: the restore must overwrite it
         tailor = Tailor(out / name, *resumed, policy=policy)
         arm.restored_from = tailor.restore().step
         for step in range(arm.restored_from + 1, args.steps + 1):
@@ -222,6 +224,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--max-staleness", type=int, default=4, help="Adaptive's staleness bound (saves)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation and batch order (the resumed model: seed + 1)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/quality"))
     args = parser.parse_args()
     torch.set_num_threads(1)
