@@ -44,13 +44,13 @@ def main() -> None:
     step_s, measure_s, sample_s = [], [], []
     steps = iter(train_steps(model, optimizer, scheduler, tokens, range(1, 10**6), DEMO_BATCH_SIZE, config.seq_len))
     next(steps)
-    tracker.adopt(tracker.gather(units, provider.pieces_by_unit(units).__getitem__))
+    tracker.adopt(tracker.gather(units, provider))
     for _ in range(args.repeats):
         start = time.perf_counter()
         next(steps)
         step_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        gathered = tracker.gather(units, provider.pieces_by_unit(units).__getitem__)
+        gathered = tracker.gather(units, provider)
         sample_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         drift_figures(units, tracker.partial_sums(units, gathered), tracker.known())

@@ -8,24 +8,28 @@ saved, per kind: ``weight`` (the parameters, or fp32 masters under DeepSpeed) an
     drift(unit, kind) = || x_now - x_saved || / || x_saved ||    over the unit's tensors of that kind
 
 **An estimate, from a fixed sample.** Keeping a copy of every saved tensor would double the
-memory of training, so the tracker keeps, per tensor piece a rank holds, a fixed uniform random
-sample of up to ``SAMPLE`` elements (the same positions at every save, drawn once from a seed
-and the piece's key) and their values at the unit's last save. Drift is computed over those
-samples. The sums of squares are per-rank partial sums, added up over the ranks with one
-all-reduce per save, so every rank sees the same figures (and a policy decides the same) on
-any provider: FSDP2 shards, DeepSpeed fragments, DDP replicas (whose equal copies cancel in
-the ratio). ``tests/test_drift.py`` measures the estimate against the exact value; the
-documented bound (README) is what it checks.
+memory of training, so the tracker keeps, per tensor piece a rank holds, a fixed systematic
+sample of up to ``SAMPLE`` elements (every k-th element from a start drawn once from a seed
+and the piece's key, k sharing no factor with the row length, so the sample spreads over rows
+and columns; the same positions at every save) and their values at the unit's last save.
+Drift is computed over those samples. The sums of squares are per-rank partial sums, added up
+over the ranks with one all-reduce per save, so every rank sees the same figures (and a
+policy decides the same) on any provider: FSDP2 shards, DeepSpeed fragments, DDP replicas
+(whose equal copies cancel in the ratio). ``tests/test_drift.py`` measures the estimate
+against the exact value; the documented bound (README) is what it checks.
 
-Cost: one gather of ``SAMPLE`` elements per tensor piece and a few reductions, at save time
-only; ``bench/bench_drift.py`` measures it against a training step.
+Cost, at save time only: the samples are strided views of the live tensors, built once and
+kept while the provider's tensors keep their memory (checked at every gather by their data
+pointers), so a gather is one ``torch.cat`` per kind and the comparison a few vector
+operations; ``bench/bench_drift.py`` measures it against a training step.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -48,8 +52,56 @@ def kind_of(key: str, piece: Piece, weight_shapes: dict[str, tuple[int, ...]]) -
     return None
 
 
-Sample = dict[str, tuple[tuple, torch.Tensor, torch.Tensor]]
-"""Per kind: (the pieces' signature, the sampled values, each value's weight), float32."""
+class SampleSource(Protocol):
+    """What the tracker samples: a provider (``StateProvider``) or anything alike."""
+
+    def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]: ...
+
+    def live_tensors(self, units: list[str]) -> list[torch.Tensor]: ...
+
+
+@dataclass
+class _KindPlan:
+    """How to read one kind's sample of every unit with one ``torch.cat``."""
+
+    views: list[torch.Tensor | None]
+    """Per sampled piece, a strided view of its live memory (None: sampled at each gather)."""
+    copies: list[tuple[int, torch.Tensor, int, int]]
+    """Non-contiguous pieces, sampled from a flat copy at each gather: (index in ``views``,
+    tensor, first element, spacing)."""
+    weights: torch.Tensor
+    """Each sampled value's weight (its tensor's elements per sampled element), float32."""
+    spans: dict[str, tuple[tuple, int, int]]
+    """Unit -> (its pieces' signature, first and end index in the flat sample), in sample order."""
+    lengths: torch.Tensor
+    """The spans' lengths, in the same order."""
+
+
+@dataclass
+class _Plan:
+    units: tuple[str, ...]
+    fingerprint: tuple[int, ...] | None
+    """The data pointers of ``held``: equal pointers, same live memory (``held`` keeps it
+    allocated, so no other tensor can take its addresses). None: some piece is not a view of
+    ``held`` (a copy), so the plan serves one gather only."""
+    held: list[torch.Tensor]
+    kinds: dict[str, _KindPlan]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One gather: every unit's sampled values, flat per kind (float32 copies)."""
+
+    plan: _Plan
+    values: dict[str, torch.Tensor]
+
+    def of(self, unit: str, kind: str) -> tuple[tuple, torch.Tensor] | None:
+        """``unit``'s (signature, sampled values) of ``kind``; None if it has none."""
+        part = self.plan.kinds.get(kind)
+        if part is None or unit not in part.spans:
+            return None
+        signature, start, end = part.spans[unit]
+        return signature, self.values[kind][start:end]
 
 
 class DriftTracker:
@@ -57,92 +109,140 @@ class DriftTracker:
 
     ``gather`` takes one sample of the live values per save; ``partial_sums`` compares it with
     the references; ``adopt`` makes (part of) it the new references once those units are saved.
+    The sample is read through strided views of the live tensors built once and kept while
+    the provider's tensors keep their memory, so a gather is one ``torch.cat`` per kind.
     """
 
     def __init__(self, sample_size: int = SAMPLE, seed: int = 0):
         self.sample_size = sample_size
         self.seed = seed
-        self._indices: dict[tuple[str, tuple[int, ...]], torch.Tensor | None] = {}
-        self._reference: dict[str, Sample] = {}
-        self._plans: dict[str, tuple[tuple, dict]] = {}
+        self._reference: dict[str, dict[str, tuple[tuple, torch.Tensor, float]]] = {}
+        """Unit -> kind -> (signature, sampled values at its last save, their weighted sum of squares)."""
+        self._plan: _Plan | None = None
+        self.plans_built = 0
+        """How many times the views were (re)built: once, unless the live tensors moved."""
 
-    def _positions(self, piece: Piece) -> torch.Tensor | None:
-        """The sampled positions of a piece (None: all of it, a piece no larger than the sample)."""
-        key = (piece.key, piece.offsets)
-        if key not in self._indices:
-            numel = piece.tensor.numel()
-            if numel <= self.sample_size:
-                self._indices[key] = None
-            else:
-                digest = hashlib.sha256(f"{self.seed}/{piece.key}/{piece.offsets}".encode()).digest()
-                generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-                self._indices[key] = torch.randperm(numel, generator=generator)[: self.sample_size]
-        return self._indices[key]
-
-    def gather(self, units: list[str], pieces_of: Callable[[str], list[Piece]]) -> dict[str, Sample]:
+    def gather(self, units: list[str], source: SampleSource) -> Sample:
         """The current sampled values of ``units`` (copies), per kind."""
-        out: dict[str, Sample] = {}
+        held = source.live_tensors(units)
+        fingerprint = tuple(t.data_ptr() for t in held)
+        plan = self._plan
+        if plan is None or plan.units != tuple(units) or plan.fingerprint != fingerprint:
+            plan = self._plan = self._build(units, source.pieces_by_unit(units), held, fingerprint)
+        values = {}
         with torch.no_grad():
-            for unit in units:
-                pieces = pieces_of(unit)
-                plan = self._plan(unit, pieces)
-                sample: Sample = {}
-                for kind, (signature, steps, weights) in plan.items():
-                    chunks = [
-                        _flat(pieces[i].tensor) if positions is None else torch.take(pieces[i].tensor, positions)
-                        for i, positions in steps
-                    ]
-                    sample[kind] = (signature, torch.cat(chunks).to("cpu", torch.float32, copy=True), weights)
-                out[unit] = sample
-        return out
+            for kind, part in plan.kinds.items():
+                views = part.views
+                if part.copies:
+                    views = list(views)
+                    for index, tensor, start, spacing in part.copies:
+                        views[index] = _flat(tensor)[start::spacing][: self.sample_size]
+                values[kind] = torch.cat(views).to("cpu", torch.float32)
+        return Sample(plan, values)
 
-    def _plan(self, unit: str, pieces: list[Piece]) -> dict[str, tuple[tuple, list, torch.Tensor]]:
-        """Per kind: the pieces' signature, ``(piece index, positions)`` to read, and each sampled
-        value's weight. Cached while the unit's pieces keep their keys and offsets."""
-        keys = tuple((p.key, p.offsets) for p in pieces)
-        cached = self._plans.get(unit)
-        if cached is not None and cached[0] == keys:
-            return cached[1]
-        shapes = {split_key(p.key)[1]: p.global_shape for p in pieces if split_key(p.key)[0] in ("weight", "master")}
-        parts: dict[str, tuple[list, list, list]] = {}
-        for i, piece in enumerate(pieces):
-            kind = kind_of(piece.key, piece, shapes)
-            numel = piece.tensor.numel()
-            if kind is None or numel == 0:
-                continue
-            positions = self._positions(piece)
-            taken = numel if positions is None else len(positions)
-            signature, steps, weights = parts.setdefault(kind, ([], [], []))
-            signature.append(keys[i])
-            steps.append((i, positions))
-            # Each sampled element stands for numel / sample elements of its tensor, so the sums
-            # estimate the whole unit's, whatever the tensors' sizes.
-            weights.append(torch.full((taken,), numel / taken, dtype=torch.float32))
-        plan = {kind: (tuple(sig), steps, torch.cat(w)) for kind, (sig, steps, w) in parts.items()}
-        self._plans[unit] = (keys, plan)
-        return plan
+    def _build(self, units: list[str], pieces: dict[str, list[Piece]], held: list[torch.Tensor], fingerprint: tuple) -> _Plan:
+        self.plans_built += 1
+        memory = {t.untyped_storage().data_ptr() for t in held}
+        kept = True
+        parts: dict[str, _KindPlan] = {}
+        weights: dict[str, list[torch.Tensor]] = {}
+        filled: dict[str, int] = {}
+        for unit in units:
+            unit_pieces = pieces[unit]
+            shapes = {split_key(p.key)[1]: p.global_shape for p in unit_pieces if split_key(p.key)[0] in ("weight", "master")}
+            signatures: dict[str, list] = {}
+            starts = dict(filled)
+            for piece in unit_pieces:
+                kind = kind_of(piece.key, piece, shapes)
+                numel = piece.tensor.numel()
+                if kind is None or numel == 0:
+                    continue
+                # A piece outside the held tensors' memory (a copy) goes stale: list again next time.
+                kept = kept and piece.tensor.untyped_storage().data_ptr() in memory
+                part = parts.setdefault(kind, _KindPlan([], [], torch.empty(0), {}, torch.empty(0)))
+                start, spacing = self._spacing(piece)
+                taken = len(range(start, numel, spacing)[: self.sample_size])
+                if piece.tensor.is_contiguous():
+                    flat = piece.tensor.view(-1)
+                    part.views.append(flat.as_strided((taken,), (spacing,), flat.storage_offset() + start))
+                else:
+                    part.copies.append((len(part.views), piece.tensor, start, spacing))
+                    part.views.append(None)
+                # Each sampled element stands for numel / taken elements of its tensor, so the
+                # sums estimate the whole unit's, whatever the tensors' sizes.
+                weights.setdefault(kind, []).append(torch.full((taken,), numel / taken, dtype=torch.float32))
+                signatures.setdefault(kind, []).append((piece.key, piece.offsets))
+                filled[kind] = filled.get(kind, 0) + taken
+            for kind, signature in signatures.items():
+                parts[kind].spans[unit] = (tuple(signature), starts.get(kind, 0), filled[kind])
+        for kind, part in parts.items():
+            part.weights = torch.cat(weights[kind])
+            part.lengths = torch.tensor([end - start for _, start, end in part.spans.values()])
+        return _Plan(tuple(units), fingerprint if kept else None, held, parts)
 
-    def partial_sums(self, units: list[str], now: dict[str, Sample]) -> torch.Tensor:
+    def _spacing(self, piece: Piece) -> tuple[int, int]:
+        """A piece's sampled elements: every ``spacing``-th from ``start`` (``sample_size`` of
+        them; all of a piece no larger). The spacing has no factor in common with the row
+        length, so the sample walks through every column as well as down the rows; the start
+        is drawn once from the seed and the piece's key."""
+        numel = piece.tensor.numel()
+        if numel <= self.sample_size:
+            return 0, 1
+        spacing = numel // self.sample_size
+        row = piece.tensor.shape[-1]
+        while spacing > 1 and math.gcd(spacing, row) != 1:
+            spacing -= 1
+        digest = hashlib.sha256(f"{self.seed}/{piece.key}/{piece.offsets}".encode()).digest()
+        start = int.from_bytes(digest[:8], "little") % (numel - (self.sample_size - 1) * spacing)
+        return start, spacing
+
+    def partial_sums(self, units: list[str], now: Sample) -> torch.Tensor:
         """This rank's sums over its samples: ``[unit, kind, (||now - saved||^2, ||saved||^2)]``;
         zeros for units without a reference (or whose tensors changed since it was taken)."""
-        sums = torch.zeros(len(units), len(KINDS), 2, dtype=torch.float64)
-        for i, unit in enumerate(units):
-            reference = self._reference.get(unit, {})
-            for kind, (signature, values, weights) in now.get(unit, {}).items():
-                saved = reference.get(kind)
-                if saved is None or saved[0] != signature:
-                    continue
-                k = KINDS.index(kind)
-                sums[i, k, 0] = torch.dot(weights, (values - saved[1]).square())
-                sums[i, k, 1] = torch.dot(weights, saved[1].square())
-        return sums
+        if tuple(units) != now.plan.units:
+            raise ValueError("partial_sums needs the units the sample was gathered for")
+        rows = {unit: i for i, unit in enumerate(units)}
+        change = torch.zeros(len(units), len(KINDS), dtype=torch.float64)
+        norm = torch.zeros(len(units), len(KINDS), dtype=torch.float64)
+        for k, kind in enumerate(KINDS):
+            part = now.plan.kinds.get(kind)
+            if part is None:
+                continue
+            saved, compared, norms = [], [], []
+            for unit, (signature, start, end) in part.spans.items():
+                reference = self._reference.get(unit, {}).get(kind)
+                if reference is not None and reference[0] == signature:
+                    saved.append(reference[1])
+                    compared.append(rows[unit])
+                    norms.append(reference[2])
+                else:  # no comparable reference: its span compares with itself, unread
+                    saved.append(now.values[kind][start:end])
+                    compared.append(-1)
+            per_unit = _segment_sums((now.values[kind] - torch.cat(saved)).square_().mul_(part.weights), part)
+            index = torch.tensor(compared)
+            mine = index >= 0
+            change[index[mine], k] = per_unit[mine]
+            norm[index[mine], k] = torch.tensor(norms, dtype=torch.float64)
+        return torch.stack((change, norm), dim=-1)
 
-    def adopt(self, samples: dict[str, Sample]) -> None:
-        """Take ``samples`` (from ``gather``) as the units' last saved versions."""
-        self._reference.update(samples)
+    def adopt(self, sample: Sample, units: list[str] | None = None) -> None:
+        """Take ``sample`` (from ``gather``) as the last saved versions of ``units`` (default:
+        every unit it holds)."""
+        chosen = set(sample.plan.units if units is None else units)
+        for kind, part in sample.plan.kinds.items():
+            values = sample.values[kind]
+            norms = _segment_sums(values.square().mul_(part.weights), part).tolist()
+            for (unit, (signature, start, end)), norm in zip(part.spans.items(), norms):
+                if unit in chosen:
+                    self._reference.setdefault(unit, {})[kind] = (signature, values[start:end], norm)
 
     def known(self) -> set[str]:
         return set(self._reference)
+
+
+def _segment_sums(values: torch.Tensor, part: _KindPlan) -> torch.Tensor:
+    """Per unit of ``part.spans`` (in its order), the sum of its span of ``values``, as float64."""
+    return torch.segment_reduce(values, "sum", lengths=part.lengths).double()
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -153,10 +253,9 @@ def drift_figures(units: list[str], sums: torch.Tensor, known: set[str]) -> dict
     """``{unit: {"weight": d, "moments": d}}`` from all-reduced sums; None where a unit has no
     reference (never saved by this process) or no tensor of that kind."""
     out: dict[str, dict[str, float | None]] = {}
-    for i, unit in enumerate(units):
+    for unit, row in zip(units, sums.tolist()):
         figures: dict[str, float | None] = {}
-        for k, kind in enumerate(KINDS):
-            diff, ref = float(sums[i, k, 0]), float(sums[i, k, 1])
+        for kind, (diff, ref) in zip(KINDS, row):
             # None: no reference yet, nothing of that kind, or a reference of zeros (no scale).
             figures[kind] = (diff / ref) ** 0.5 if unit in known and ref > 0 else None
         out[unit] = figures

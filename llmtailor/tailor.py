@@ -26,7 +26,7 @@ import torch
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
-from llmtailor.drift import DriftTracker, drift_figures
+from llmtailor.drift import DriftTracker, Sample, drift_figures
 from llmtailor.policies import Adaptive, Full, Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.store import codec
@@ -165,7 +165,7 @@ class Tailor:
         self._drift = DriftTracker() if track_drift else None
         self._saved_index: dict[str, int] = {}
         self._unit_bytes: dict[str, int] = {}
-        self._pending_drift: dict | None = None
+        self._pending_drift: tuple[Sample, list[str]] | None = None
 
     @property
     def rank(self) -> int:
@@ -216,7 +216,7 @@ class Tailor:
         staged = self._stage(step, units, composite, extra)
         staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {})}
         # The saved units' sampled values, taken now (before the next step): their new references.
-        self._pending_drift = {unit: gathered[unit] for unit in units} if gathered is not None else None
+        self._pending_drift = (gathered, units) if gathered is not None else None
 
         def report(result: PersistResult, seconds: float) -> SaveReport:
             return SaveReport(step, units, result.bytes, seconds, result.path, result.unit_bytes, result.rank_bytes)
@@ -270,13 +270,13 @@ class Tailor:
         manifest = self.run.manifest(step)
         self._unit_bytes.update({unit: manifest.unit_bytes(unit) for unit in saved})
         if self._drift is not None and self._pending_drift is not None:
-            self._drift.adopt(self._pending_drift)
+            self._drift.adopt(*self._pending_drift)
         self._pending_drift = None
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
 
     def _sample_all(self):
         units = list(self.layout.units)
-        return self._drift.gather(units, self.provider.pieces_by_unit(units).__getitem__)
+        return self._drift.gather(units, self.provider)
 
     def _measure_drift(self) -> tuple[dict[str, dict[str, float | None]] | None, dict | None]:
         """Each unit's drift since its last saved version, the same on every rank (one

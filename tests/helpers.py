@@ -14,7 +14,6 @@ from llmtailor.training_example import (
     batch_at,
     build_model,
     build_optimizer,
-    corpus_tokens,
 )
 
 

@@ -14,6 +14,7 @@ from llmtailor.policies import SaveContext, make_policy
 from llmtailor.providers import make_provider
 from llmtailor.store.coordinator import LocalCoordinator
 from llmtailor.store.run import Run
+from llmtailor.store.writer import Piece
 
 
 def test_the_sampled_estimate_is_within_the_documented_bound(tokens):
@@ -22,10 +23,10 @@ def test_the_sampled_estimate_is_within_the_documented_bound(tokens):
     provider = make_provider(model, optimizer, scheduler, LocalCoordinator())
     units = list(provider.layout.units)
     tracker = DriftTracker()
-    tracker.adopt(tracker.gather(units, provider.pieces_by_unit(units).__getitem__))
+    tracker.adopt(tracker.gather(units, provider))
     before = {u: {p.key: p.tensor.clone() for p in provider.stage_unit(u).pieces} for u in units}
     train(model, optimizer, scheduler, tokens, range(3, 8))
-    figures = drift_figures(units, tracker.partial_sums(units, tracker.gather(units, provider.pieces_by_unit(units).__getitem__)), tracker.known())
+    figures = drift_figures(units, tracker.partial_sums(units, tracker.gather(units, provider)), tracker.known())
     checked = 0
     for unit in units:
         now = {p.key: p.tensor for p in provider.stage_unit(unit).pieces}
@@ -35,6 +36,70 @@ def test_the_sampled_estimate_is_within_the_documented_bound(tokens):
             assert abs(figures[unit][kind] - exact) <= bound * exact, (unit, kind, figures[unit][kind], exact)
             checked += 1
     assert checked == 2 * len(units)
+
+
+def test_the_sample_views_are_kept_while_the_tensors_keep_their_memory_and_rebuilt_when_not(tokens):
+    model, optimizer, scheduler = tiny(layers=2, hidden=64)
+    train(model, optimizer, scheduler, tokens, range(1, 3))
+    provider = make_provider(model, optimizer, scheduler, LocalCoordinator())
+    units = list(provider.layout.units)
+    tracker = DriftTracker()
+    for step in range(3, 6):  # training updates in place: the same views serve every gather
+        tracker.adopt(tracker.gather(units, provider))
+        train(model, optimizer, scheduler, tokens, [step])
+    assert tracker.plans_built == 1
+    # load_state_dict replaces the optimizer's state tensors: the views must follow them.
+    state = optimizer.state_dict()
+    for entry in state["state"].values():
+        entry["exp_avg"] = torch.full_like(entry["exp_avg"], 0.5)
+    optimizer.load_state_dict(state)
+    seen = tracker.gather(units, provider)
+    assert tracker.plans_built == 2
+    fresh = DriftTracker().gather(units, provider)
+    for kind in ("weight", "moments"):
+        assert torch.equal(seen.values[kind], fresh.values[kind])
+    assert (seen.values["moments"] == 0.5).sum() > 0
+
+
+class _Source:
+    """A sample source of one unit whose tensors are whatever the test sets."""
+
+    def __init__(self, **tensors):
+        self.tensors = tensors
+
+    def pieces_by_unit(self, units):
+        return {"layer.0": [Piece.whole(key.replace("__", "/"), t) for key, t in self.tensors.items()]}
+
+    def live_tensors(self, units):
+        return list(self.tensors.values())
+
+
+def test_non_contiguous_pieces_are_sampled_from_their_current_values():
+    base = torch.randn(300, 200)
+    source = _Source(weight__w=base.t())  # a transposed view: no strided view of it is kept
+    tracker = DriftTracker(sample_size=64)
+    tracker.adopt(tracker.gather(["layer.0"], source))
+    base.mul_(1.5)  # in place: the same memory, 50% larger values
+    sums = tracker.partial_sums(["layer.0"], tracker.gather(["layer.0"], source))
+    figures = drift_figures(["layer.0"], sums, tracker.known())
+    assert figures["layer.0"]["weight"] == pytest.approx(0.5, rel=1e-5)
+    assert tracker.plans_built == 1
+
+
+def test_pieces_that_are_copies_are_listed_again_at_every_gather():
+    live = torch.randn(400, 300)
+
+    class Copies(_Source):
+        def pieces_by_unit(self, units):
+            return {"layer.0": [Piece.whole("weight/w", live.clone())]}
+
+    source = Copies(weight__w=live)
+    tracker = DriftTracker()
+    tracker.adopt(tracker.gather(["layer.0"], source))
+    live.mul_(2.0)
+    sums = tracker.partial_sums(["layer.0"], tracker.gather(["layer.0"], source))
+    assert drift_figures(["layer.0"], sums, tracker.known())["layer.0"]["weight"] == pytest.approx(1.0, rel=1e-5)
+    assert tracker.plans_built == 2
 
 
 def test_every_save_records_the_drift_of_every_unit(tmp_path, tokens):

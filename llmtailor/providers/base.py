@@ -62,6 +62,12 @@ class StateProvider(ABC):
         """This rank's pieces of each of ``units`` (live references), in one pass."""
         return {unit: self.stage_unit(unit).pieces for unit in units}
 
+    def live_tensors(self, units: list[str]) -> list[torch.Tensor]:
+        """The live tensors behind ``pieces_by_unit(units)``, in a fixed order: while their data
+        pointers stay the same, so do the pieces' memory (what ``DriftTracker`` keeps views
+        of). Override with something cheaper than listing the pieces where there is."""
+        return [p.tensor for pieces in self.pieces_by_unit(units).values() for p in pieces]
+
     @abstractmethod
     def capture_shared(self) -> dict[str, Any]:
         """State all ranks share: ``optimizer_groups``, ``lr_scheduler``, ``model_config`` (and

@@ -54,6 +54,9 @@ class FSDPProvider(LocalProvider):
     def writes(self, units: list[str]) -> list[str]:
         return list(units)  # every rank holds a shard of every unit
 
+    def _memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
     def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:
         if not isinstance(tensor, DTensor):
             owner = self._unit_index[unit] % self.coordinator.world_size

@@ -91,19 +91,34 @@ class LocalProvider(StateProvider):
                         values.setdefault(name, {})[key] = plain_value(value, f"optimizer state {name}.{key}")
         return StagedUnit(unit, self._pieces(unit, tensors), values)
 
-    def _pieces(self, unit: str, tensors: dict[str, torch.Tensor]) -> list[Piece]:
-        pieces = []
+    def live_tensors(self, units: list[str]) -> list[torch.Tensor]:
+        """Each unit's parameters, buffers and optimizer state tensors, without building pieces
+        (their pieces are views of these, or these themselves)."""
+        tensors = self.tensors()
+        return [self._memory(tensor) for unit in units for _, tensor, _ in self._unit_tensors(unit, tensors)]
+
+    def _memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What holds ``tensor``'s values on this rank."""
+        return tensor
+
+    def _unit_tensors(self, unit: str, tensors: dict[str, torch.Tensor]):
+        """``(key, live tensor, is_buffer)`` of a unit's weights and optimizer state tensors."""
         for name in self.layout.units[unit]:
             param = tensors[name]
-            weight = self._tensor_pieces(unit, weight_key(name), param.detach())
-            if not isinstance(param, torch.nn.Parameter):  # a buffer: forward may update it
-                weight = [replace(p, stable=False) for p in weight]
-            pieces += weight
+            yield weight_key(name), param, not isinstance(param, torch.nn.Parameter)
             if self.optimizer is None:
                 continue
             for key, value in optim_state.param_state(self.optimizer, param).items():
                 if isinstance(value, torch.Tensor):
-                    pieces += self._tensor_pieces(unit, optim_key(name, key), value.detach())
+                    yield optim_key(name, key), value, False
+
+    def _pieces(self, unit: str, tensors: dict[str, torch.Tensor]) -> list[Piece]:
+        pieces = []
+        for key, tensor, is_buffer in self._unit_tensors(unit, tensors):
+            found = self._tensor_pieces(unit, key, tensor.detach())
+            if is_buffer:  # forward may update it
+                found = [replace(p, stable=False) for p in found]
+            pieces += found
         return pieces
 
     def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:

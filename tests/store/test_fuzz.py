@@ -43,7 +43,6 @@ from helpers import tiny, train
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import llmtailor.store.files
 from llmtailor import Parity, Tailor
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFEST_FILE
 from llmtailor.errors import TailorError
