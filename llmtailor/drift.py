@@ -196,6 +196,11 @@ class DriftTracker:
         start = int.from_bytes(digest[:8], "little") % (numel - (self.sample_size - 1) * spacing)
         return start, spacing
 
+    def forget(self) -> None:
+        """Drop the views of the live tensors (the references stay): the next gather rebuilds
+        them. For when the live tensors are replaced, so their old memory is not held."""
+        self._plan = None
+
     def partial_sums(self, units: list[str], now: Sample) -> torch.Tensor:
         """This rank's sums over its samples: ``[unit, kind, (||now - saved||^2, ||saved||^2)]``;
         zeros for units without a reference (or whose tensors changed since it was taken)."""

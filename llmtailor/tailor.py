@@ -163,6 +163,16 @@ class Tailor:
         if isinstance(self.policy, Adaptive) and not track_drift:
             raise ConfigError("the Adaptive policy decides by measured drift: it needs track_drift=True")
         self._drift = DriftTracker() if track_drift else None
+        # The tracker keeps views of the live tensors; an optimizer loading new state replaces
+        # them, so it lets go at once rather than holding the old state's memory until a save.
+        # (The hook holds the tracker only: an optimizer must not keep this Tailor, and its
+        # writer lock, alive.)
+        tracker = self._drift
+        self._drift_hooks = [
+            opt.register_load_state_dict_pre_hook(lambda *_: tracker.forget())
+            for opt in (self.provider.optimizers() if tracker is not None else [])
+            if hasattr(opt, "register_load_state_dict_pre_hook")
+        ]
         self._saved_index: dict[str, int] = {}
         self._unit_bytes: dict[str, int] = {}
         self._pending_drift: tuple[Sample, list[str]] | None = None
@@ -402,13 +412,18 @@ class Tailor:
             self._unit_bytes[unit] = manifest.unit_bytes(unit)
 
     def close(self) -> None:
-        """Wait for the async save in flight (raising its error), remove the fence, release the
-        run's writer lock (also released when the process exits)."""
+        """Wait for the async save in flight (raising its error), remove the fence and hooks,
+        release the run's writer lock (also released when the process exits)."""
         try:
             self._settle(raise_error=True)
         finally:
             if self._stager is not None:
                 self._stager.close()
+            for hook in self._drift_hooks:
+                hook.remove()
+            self._drift_hooks = []
+            if self._drift is not None:
+                self._drift.forget()
             self._lock.release()
 
     def __enter__(self) -> Tailor:

@@ -1,6 +1,9 @@
 """Drift measurement and the Adaptive policy: the estimate's error, frozen vs training layers,
 the staleness bound under any drift, decisions reproducible from the manifest."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, tiny, train
@@ -59,6 +62,24 @@ def test_the_sample_views_are_kept_while_the_tensors_keep_their_memory_and_rebui
     for kind in ("weight", "moments"):
         assert torch.equal(seen.values[kind], fresh.values[kind])
     assert (seen.values["moments"] == 0.5).sum() > 0
+
+
+def test_an_optimizer_loading_new_state_releases_the_old_state_at_once(tmp_path, tokens):
+    model, optimizer, scheduler = tiny(layers=2, hidden=64)
+    tailor = Tailor(tmp_path, model, optimizer, scheduler, policy=Parity())
+    train(model, optimizer, scheduler, tokens, [1])
+    tailor.save(1)
+    old = weakref.ref(next(iter(optimizer.state.values()))["exp_avg"])
+    state = optimizer.state_dict()
+    fresh = {**state, "state": {i: {k: v.clone() for k, v in entry.items()} for i, entry in state["state"].items()}}
+    del state
+    optimizer.load_state_dict(fresh)
+    gc.collect()
+    assert old() is None  # the drift views no longer hold it
+    train(model, optimizer, scheduler, tokens, [2])
+    tailor.save(2)  # measured on the new state's tensors
+    assert all(f["weight"] > 0 and f["moments"] > 0 for f in Run(tmp_path).manifest(2).decision["drift"].values())
+    tailor.close()
 
 
 class _Source:
