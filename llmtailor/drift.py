@@ -81,10 +81,10 @@ class _KindPlan:
 class _Plan:
     units: tuple[str, ...]
     fingerprint: tuple[int, ...] | None
-    """The data pointers of ``held``: equal pointers, same live memory (``held`` keeps it
-    allocated, so no other tensor can take its addresses). None: some piece is not a view of
-    ``held`` (a copy), so the plan serves one gather only."""
-    held: list[torch.Tensor]
+    """The data pointers of the provider's live tensors when the views were built: equal
+    pointers, same memory (the views keep what they read allocated, so no other tensor can take
+    its addresses). None: some piece is not a view of those tensors (a copy), so the plan
+    serves one gather only."""
     kinds: dict[str, _KindPlan]
 
 
@@ -95,13 +95,6 @@ class Sample:
     plan: _Plan
     values: dict[str, torch.Tensor]
 
-    def of(self, unit: str, kind: str) -> tuple[tuple, torch.Tensor] | None:
-        """``unit``'s (signature, sampled values) of ``kind``; None if it has none."""
-        part = self.plan.kinds.get(kind)
-        if part is None or unit not in part.spans:
-            return None
-        signature, start, end = part.spans[unit]
-        return signature, self.values[kind][start:end]
 
 
 class DriftTracker:
@@ -178,7 +171,7 @@ class DriftTracker:
         for kind, part in parts.items():
             part.weights = torch.cat(weights[kind])
             part.lengths = torch.tensor([end - start for _, start, end in part.spans.values()])
-        return _Plan(tuple(units), fingerprint if kept else None, held, parts)
+        return _Plan(tuple(units), fingerprint if kept else None, parts)
 
     def _spacing(self, piece: Piece) -> tuple[int, int]:
         """A piece's sampled elements: every ``spacing``-th from ``start`` (``sample_size`` of

@@ -284,11 +284,11 @@ class Tailor:
         self._pending_drift = None
         self._parent, self._save_index, self._composite = step, self._save_index + 1, composite
 
-    def _sample_all(self):
+    def _sample_all(self) -> Sample:
         units = list(self.layout.units)
         return self._drift.gather(units, self.provider)
 
-    def _measure_drift(self) -> tuple[dict[str, dict[str, float | None]] | None, dict | None]:
+    def _measure_drift(self) -> tuple[dict[str, dict[str, float | None]] | None, Sample | None]:
         """Each unit's drift since its last saved version, the same on every rank (one
         all-reduce of the per-rank sums), and the sample it was measured on."""
         if self._drift is None:
