@@ -30,7 +30,7 @@ from llmtailor.drift import DriftTracker, Sample, drift_figures
 from llmtailor.policies import Adaptive, Full, Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.store import codec
-from llmtailor.store.coordinator import DEFAULT_TIMEOUT, Coordinator, make_coordinator
+from llmtailor.store.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator, describe_error, make_coordinator
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 from llmtailor.store.run import Composite, Run
@@ -176,6 +176,8 @@ class Tailor:
         self._saved_index: dict[str, int] = {}
         self._unit_bytes: dict[str, int] = {}
         self._pending_drift: tuple[Sample, list[str]] | None = None
+        self._partly_restored: str | None = None
+        """Set when a restore failed after the live state was touched: saving is refused."""
 
     @property
     def rank(self) -> int:
@@ -205,6 +207,11 @@ class Tailor:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
         self._settle(raise_error=True)
+        if self._partly_restored is not None:
+            raise TailorError(
+                f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving them is "
+                "refused: restore() again (fallback=True passes over damaged composites) before saving"
+            )
         if self._parent is not None and step <= self._parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self._parent}")
         start = time.perf_counter()
@@ -351,36 +358,86 @@ class Tailor:
     def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool = True) -> RestoreReport:
         """Load the newest committed composite (or the one as of ``step``) in place.
 
-        Compatibility (layout, names, shapes, dtypes, optimizer groups) is checked from the
-        manifests before any tensor byte is read. ``verify=True`` checks every chunk read
-        against its checksum; ``verify=False`` (distributed providers) reads only the byte
+        Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked
+        from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
+        read against its checksum; ``verify=False`` (distributed providers) reads only the byte
         ranges this rank holds and leaves checking to ``llmtailor verify``. With
         ``fallback=True`` (and no ``step``), a composite any of whose files fails verification
         is passed over for the newest older one that verifies whole; the report's ``skipped``
-        says what was passed over and why. Collective in a distributed job: rank 0 picks the
-        composite, every rank loads its part, and a failure on any rank fails all."""
+        says what was passed over and why.
+
+        Collective in a distributed job: rank 0 picks the composite, every rank reads its part
+        into its live state, then the ranks agree that every read succeeded before any of them
+        enters a collective to finish (DeepSpeed's low-precision refresh), so a failure on one
+        rank makes every rank raise, naming the rank and its error, instead of leaving the
+        others blocked in a collective. A restore that failed after the live state was touched
+        (on any rank) leaves this Tailor refusing to save until a restore succeeds: a mix of
+        states is never written as a snapshot."""
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         round_ = self.coordinator.new_round()
         choice = self.coordinator.broadcast(
             f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
         )
+        start = time.perf_counter()
+        composite, touched, error = None, False, None
         try:
-            report: Any = self._restore(choice["step"], {int(k): v for k, v in choice["skipped"].items()}, verify)
+            composite = self.run.resolve(choice["step"])
+            self.provider.check_compatible(
+                composite.manifest, lambda unit: self.run.unit_entry(composite.sources[unit], unit)
+            )
+            missing = set(self.layout.units) - set(composite.sources)
+            if missing:
+                raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
+            shared = self.run.read_global(composite.step)
+            touched = True  # from here on the live state changes
+            self.provider.load(self.run, dict(composite.sources), shared, verify)
         except BaseException as err:
-            report = err
-        outcome = report if self.world_size == 1 else self._agree(round_, report)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+            error = err
+        self._agree(f"{round_}/loaded", choice["step"], error, touched)
+        assert composite is not None
+        self.provider.finish_load()
+        extra, unmapped = self._load_rank_state(composite)
+        self._extend(composite)
+        if self._drift is not None:  # the live state now is the composite: every unit's reference
+            self._drift.adopt(self._sample_all())
+        return RestoreReport(
+            step=composite.step,
+            extra=extra,
+            sources=dict(composite.sources),
+            seconds=time.perf_counter() - start,
+            skipped={int(k): v for k, v in choice["skipped"].items()},
+            saved_world_size=composite.manifest.world_size,
+            unmapped=unmapped,
+        )
 
-    def _agree(self, round_: str, report: Any) -> Any:
-        """Every rank's restore succeeded, or every rank raises."""
-        results = self.coordinator.gather(f"{round_}/loaded", report if isinstance(report, BaseException) else True)
-        if self.coordinator.is_leader:
-            self.coordinator.broadcast(f"{round_}/outcome", lambda: len(results or []))
-        else:
-            self.coordinator.broadcast(f"{round_}/outcome", None, patience=2.0)
-        return report
+    def _agree(self, tag: str, step: int, error: BaseException | None, touched: bool) -> None:
+        """Return when every rank's reads succeeded; else raise on every rank, the same error
+        type everywhere (so ranks handling it alike stay in step), naming each failed rank and
+        its error. Marks this Tailor partly restored when any rank had touched its live state."""
+        mine = {"touched": touched, "error": None if error is None else describe_error(error),
+                "integrity": isinstance(error, IntegrityError)}
+        outcomes = self.coordinator.exchange(tag, mine)
+        failed = {rank: o for rank, o in enumerate(outcomes) if o["error"] is not None}
+        if not failed:
+            self._partly_restored = None
+            return
+        partly = any(o["touched"] for o in outcomes)
+        if partly:
+            self._partly_restored = f"the restore of step {step} failed part-way"
+        if self.world_size == 1:
+            assert error is not None
+            if isinstance(error, IntegrityError) and touched:
+                raise IntegrityError(
+                    f"{error}. Nothing was written to disk; the live model may be partly restored. "
+                    "restore(fallback=True) loads the newest composite that verifies"
+                ) from None
+            raise error
+        kind = IntegrityError if all(o["integrity"] for o in failed.values()) else CoordinationError
+        where = "; ".join(f"rank {rank}: {o['error']}" for rank, o in failed.items())
+        state = ("the live model and optimizer may be partly restored on every rank" if partly
+                 else "no rank's live state was changed")
+        raise kind(f"restore of step {step} failed on rank(s) {sorted(failed)} ({where}); {state}; nothing was "
+                   "written to disk. restore(fallback=True) loads the newest composite that verifies") from error
 
     def _choose(self, step: int | None, fallback: bool) -> dict[str, Any]:
         if not fallback or step is not None:
@@ -431,35 +488,6 @@ class Tailor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _restore(self, step: int, skipped: dict[int, str], verify: bool) -> RestoreReport:
-        start = time.perf_counter()
-        composite = self.run.resolve(step)
-        self.provider.check_compatible(composite.manifest, lambda unit: self.run.unit_entry(composite.sources[unit], unit))
-        missing = set(self.layout.units) - set(composite.sources)
-        if missing:
-            raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
-        shared = self.run.read_global(composite.step)
-        try:
-            self.provider.load(self.run, dict(composite.sources), shared, verify)
-        except IntegrityError as err:
-            raise IntegrityError(
-                f"{err}. Nothing was written to disk; the live model may be partly restored. "
-                "restore(fallback=True) loads the newest composite that verifies"
-            ) from None
-        extra, unmapped = self._load_rank_state(composite)
-        self._extend(composite)
-        if self._drift is not None:  # the live state now is the composite: every unit's reference
-            self._drift.adopt(self._sample_all())
-        return RestoreReport(
-            step=composite.step,
-            extra=extra,
-            sources=dict(composite.sources),
-            seconds=time.perf_counter() - start,
-            skipped=skipped,
-            saved_world_size=composite.manifest.world_size,
-            unmapped=unmapped,
-        )
 
     def _load_rank_state(self, composite: Composite) -> tuple[Any, tuple[str, ...]]:
         """This rank's RNG states and extras: its own at the saved world size. At another world

@@ -144,6 +144,12 @@ class StateProvider(ABC):
         and per-parameter optimizer state), then optimizer groups and LR scheduler from
         ``shared`` (the composite step's global state). Reads one unit at a time."""
 
+    def finish_load(self) -> None:
+        """What completes a ``load`` with collectives (DeepSpeed refreshes its low-precision
+        weights with an all-gather). ``Tailor.restore`` calls it only once every rank's
+        ``load`` succeeded, so ``load`` itself must not enter a collective: a rank whose read
+        failed would leave the others blocked in it."""
+
     def load_rank(self, state: dict[str, Any]) -> bool:
         """Set this rank's own state (RNG streams) from what ``capture_rank`` saved; False when
         the snapshot holds none (an import from a format that keeps no RNG state)."""

@@ -97,8 +97,15 @@ class DeepSpeedProvider(StateProvider):
     # -- where DeepSpeed keeps things ----------------------------------------------------------
 
     def _groups(self) -> list[list[torch.nn.Parameter]]:
-        """The user's param groups as lists of low-precision parameters."""
-        return self.zero.bit16_groups if self.stage < 3 else self.zero.fp16_groups
+        """The user's param groups as lists of low-precision parameters, in the order of the
+        optimizer's ``param_groups``. ZeRO-3 splits a group into sub-groups of about
+        ``sub_group_size`` elements (``fp16_groups`` is per sub-group): joined back here."""
+        if self.stage < 3:
+            return self.zero.bit16_groups
+        groups: list[list[torch.nn.Parameter]] = [[] for _ in self.zero.optimizer.param_groups]
+        for sub_group, params in enumerate(self.zero.fp16_groups):
+            groups[self.zero.sub_group_to_group_id[sub_group]].extend(params)
+        return groups
 
     def _flat_partitions(self) -> list[torch.Tensor]:
         """This rank's fp32 flat partitions: one per group (ZeRO-1/2) or sub-group (ZeRO-3)."""
@@ -239,7 +246,6 @@ class DeepSpeedProvider(StateProvider):
         finally:
             reader.close()
         self._load_groups(groups, shared, sources, unit_steps)
-        self._refresh_low_precision()
         if self.lr_scheduler is not None:
             if shared.get("lr_scheduler") is None:
                 raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but the engine has one")
@@ -339,9 +345,9 @@ class DeepSpeedProvider(StateProvider):
         every = [_plain_step(unit_steps[names[id(p)]]) for p in group if names[id(p)] in unit_steps]
         return max(own) if own else max(every) if every else None
 
-    def _refresh_low_precision(self) -> None:
+    def finish_load(self) -> None:
         """The low-precision weights from the restored masters, as DeepSpeed's own checkpoint
-        loading refreshes them."""
+        loading refreshes them (an all-gather: only once every rank has loaded)."""
         if self.stage < 3:
             # Re-link DeepSpeed's own per-parameter state accessors to the (possibly new) state.
             self.zero._hp_optimizer_states_linked = False

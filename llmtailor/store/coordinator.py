@@ -71,6 +71,13 @@ class Coordinator(ABC):
         a CoordinationError naming the failed ranks and their messages; so it does when a rank
         does not report within the timeout."""
 
+    @abstractmethod
+    def exchange(self, tag: str, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON-able), in rank order, on every rank: each rank learns
+        how every other fared (a restore's reads, say) before any of them goes on into a
+        collective. A rank that does not report within the timeout makes every other raise a
+        CoordinationError naming it and carrying the failures the others did report."""
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over the ranks (a collective: call from the training thread, on
         every rank, in the same order)."""
@@ -87,6 +94,9 @@ class LocalCoordinator(Coordinator):
     def gather(self, tag: str, value: Any) -> list[Any] | None:
         if isinstance(value, BaseException):
             raise value
+        return [value]
+
+    def exchange(self, tag: str, value: Any) -> list[Any]:
         return [value]
 
 
@@ -115,7 +125,7 @@ class StoreCoordinator(Coordinator):
             try:
                 value = compute()
             except BaseException as err:
-                self._store.set(key, json.dumps({"error": _describe(err)}))
+                self._store.set(key, json.dumps({"error": describe_error(err)}))
                 raise
             self._store.set(key, json.dumps({"ok": value}))
             return value
@@ -126,7 +136,7 @@ class StoreCoordinator(Coordinator):
 
     def gather(self, tag: str, value: Any) -> list[Any] | None:
         key = f"{self._prefix}{tag}/"
-        message = {"error": _describe(value)} if isinstance(value, BaseException) else {"ok": value}
+        message = {"error": describe_error(value)} if isinstance(value, BaseException) else {"ok": value}
         self._store.set(key + str(self.rank), json.dumps(message))
         if not self.is_leader:
             if isinstance(value, BaseException):
@@ -143,6 +153,22 @@ class StoreCoordinator(Coordinator):
                 raise value
             raise CoordinationError("; ".join(f"rank {r} failed: {why}" for r, why in failed.items()))
         return [m["ok"] for m in messages]
+
+    def exchange(self, tag: str, value: Any) -> list[Any]:
+        key = f"{self._prefix}{tag}/"
+        self._store.set(key + str(self.rank), json.dumps(value))
+        keys = [key + str(r) for r in range(self.world_size)]
+
+        def describe(missing: list[int]) -> str:
+            # What the ranks that did answer said, so a rank's own failure is not hidden
+            # behind the silence of another.
+            reported = {r: json.loads(self._store.get(k)) for r, k in enumerate(keys) if r not in missing}
+            failed = "; ".join(f"rank {r} failed: {v['error']}" for r, v in reported.items()
+                               if isinstance(v, dict) and v.get("error"))
+            return f"rank(s) {missing} did not report on {tag!r}" + (f" ({failed})" if failed else "")
+
+        self._wait_all(keys, describe)
+        return [json.loads(self._store.get(k)) for k in keys]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"
@@ -186,7 +212,8 @@ def make_coordinator(timeout: float = DEFAULT_TIMEOUT) -> Coordinator:
     return LocalCoordinator()
 
 
-def _describe(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
+    """An error as one line for another rank: a TailorError's own message, else its type too."""
     return str(err) if isinstance(err, TailorError) else f"{type(err).__name__}: {err}"
 
 
@@ -196,5 +223,6 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "LocalCoordinator",
     "StoreCoordinator",
+    "describe_error",
     "make_coordinator",
 ]

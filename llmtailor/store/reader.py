@@ -72,7 +72,7 @@ class ChunkReader:
         self.run = run
         self.verify = verify
         self._handles: dict[Path, object] = {}
-        self._checked: dict[tuple[int, str, str, int], torch.Tensor] = {}
+        self._checked: dict[tuple, torch.Tensor] = {}
 
     def close(self) -> None:
         self._handles.clear()
@@ -132,7 +132,9 @@ class ChunkReader:
         return piece
 
     def _checked_chunk(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
-        cache_key = (step, unit.unit, tensor.key, chunk.file)
+        # A chunk is named by its offsets, not its file: one rank's file holds several chunks of
+        # a tensor when a flat ZeRO fragment starts or ends mid-row.
+        cache_key = (step, unit.unit, tensor.key, chunk.file, tuple(chunk.offsets))
         if cache_key not in self._checked:
             whole = self._slice(step, unit, tensor, chunk)[...]
             if tensor_checksum(whole) != chunk.xxh3_64:

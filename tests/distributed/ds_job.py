@@ -1,6 +1,10 @@
 """DeepSpeed jobs for the tests: ZeRO-1/2/3 engines on gloo, CPU, real processes.
 
-    DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node N ds_job.py SCENARIO DIR [STAGE]
+    DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node N ds_job.py SCENARIO DIR [STAGE [SHAPE]]
+
+SHAPE ``plain`` (default) is a tiny Llama of even sizes; ``odd`` has sizes that make ZeRO
+partitions end mid-row (hidden 33, 3 heads of 8, vocab 129, MLP 65, attention biases) and, under
+ZeRO-3, a ``sub_group_size`` that splits every param group into several sub-groups.
 
 Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 
@@ -18,6 +22,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     (with the model's ``config.json`` beside it, as HF Trainer writes one) and the versions.
 ``universal``  ZeRO-STAGE: ``engine.load_checkpoint(DIR/universal)`` with DeepSpeed's
     ``load_universal``; every master and state compared with ``DIR/ds/versions``.
+``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
+    damaged: every rank must raise within the timeout (none blocked in a collective), and a
+    save afterwards must be refused.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.training_example import batch_at, corpus_tokens, hf_param_groups  # noqa: E402
 
 TOKENS = corpus_tokens()
+SHAPE = "plain"
+SUB_GROUP_SIZE = 500  # elements: under ZeRO-3 with the odd shape, one or two parameters per sub-group
 
 
 def rank() -> int:
@@ -51,9 +60,19 @@ def rank() -> int:
 
 
 def model_config():
+    if SHAPE == "odd":
+        return transformers.LlamaConfig(vocab_size=129, hidden_size=33, intermediate_size=65, num_hidden_layers=4,
+                                        num_attention_heads=3, num_key_value_heads=3, head_dim=8, attention_bias=True,
+                                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
     return transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
                                     eos_token_id=None, pad_token_id=None)
+
+
+def zero_config(stage: int) -> dict:
+    if SHAPE == "odd" and stage == 3:
+        return {"stage": 3, "sub_group_size": SUB_GROUP_SIZE}
+    return {"stage": stage}
 
 
 def engine(stage: int, seed: int, bf16: bool = False):
@@ -62,7 +81,7 @@ def engine(stage: int, seed: int, bf16: bool = False):
     optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
+              "zero_optimization": zero_config(stage), "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
 
@@ -70,7 +89,7 @@ def engine(stage: int, seed: int, bf16: bool = False):
 def train(engine, steps) -> list[str]:
     losses = []
     for step in steps:
-        batch = batch_at(TOKENS, step * 100 + rank(), 2, 32)
+        batch = batch_at(TOKENS, step * 100 + rank(), 2, 32) % model_config().vocab_size
         loss = engine(input_ids=batch, labels=batch).loss
         engine.backward(loss)
         engine.step()
@@ -141,6 +160,27 @@ def restore_scenario(out: Path, stage: int) -> dict:
             "mismatches": compare_with_composite(out, out / "parity", versions(e), e.module)}
 
 
+def restore_fail_scenario(out: Path, stage: int) -> dict:
+    import time
+
+    e = engine(stage, seed=5)
+    tailor = Tailor(out / "parity", e, timeout=20)
+    start = time.monotonic()
+    try:
+        tailor.restore()
+        error = None
+    except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+        error = f"{type(err).__name__}: {err}"
+    elapsed = time.monotonic() - start
+    try:
+        tailor.save(100)
+        refused = None
+    except Exception as err:  # noqa: BLE001
+        refused = f"{type(err).__name__}: {err}"
+    tailor.close()
+    return {"error": error, "elapsed": elapsed, "save_refused": refused}
+
+
 def bf16_scenario(out: Path, stage: int) -> dict:
     e = engine(stage, seed=0, bf16=True)
     with Tailor(out / "bf16", e, policy=Parity(), timeout=60) as tailor:
@@ -189,11 +229,13 @@ def universal_scenario(out: Path, stage: int) -> dict:
 
 
 def main() -> None:
+    global SHAPE
     scenario, out = sys.argv[1], Path(sys.argv[2])
     stage = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    SHAPE = sys.argv[4] if len(sys.argv) > 4 else "plain"
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo")
-    run = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
+    run = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario, "restore_fail": restore_fail_scenario,
            "checkpoint": checkpoint_scenario, "universal": universal_scenario}[scenario]
     result = run(out, stage)
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))

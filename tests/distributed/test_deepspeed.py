@@ -4,7 +4,9 @@ restores at another world size and ZeRO stage, into one plain process, bf16 with
 Launches are few (each costs 10-20 s): ZeRO-3 at 2 ranks saves, resumes bitwise and restores;
 the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and into a plain
 torch model; ZeRO-2 at 2 ranks likewise, restored under ZeRO-3 at 3 ranks and into plain torch;
-ZeRO-2 at 2 ranks with bf16."""
+ZeRO-2 at 2 ranks with bf16; the odd shapes that end ZeRO partitions mid-row (several chunks
+of a tensor in one rank's file) with several ZeRO-3 sub-groups per param group; a restore that
+fails on one rank."""
 
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ JOB = Path(__file__).with_name("ds_job.py")
 pytestmark = pytest.mark.slow
 
 
-def launch(nproc: int, scenario: str, out: Path, stage: int) -> list[dict]:
+def launch(nproc: int, scenario: str, out: Path, stage: int, shape: str = "plain", timeout: float = 600) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario,
-         str(out), str(stage)],
-        capture_output=True, text=True, timeout=600,
+         str(out), str(stage), shape],
+        capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -179,3 +181,48 @@ def test_import_deepspeed_refuses_what_is_not_a_checkpoint(tmp_path):
     result = CliRunner().invoke(app, ["import-deepspeed", str(tmp_path / "empty"), "-o", str(tmp_path / "run")])
     assert result.exit_code == 2 and "not a DeepSpeed checkpoint" in result.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def odd_zero3(tmp_path_factory):
+    """ZeRO-3 x 2 on odd sizes (partitions end mid-row) with several sub-groups per param group."""
+    out = tmp_path_factory.mktemp("odd-zero3")
+    return out, launch(2, "save", out, stage=3, shape="odd")
+
+
+def test_odd_sizes_and_sub_groups_save_restore_and_resume_bitwise_under_zero3(odd_zero3):
+    out, results = odd_zero3
+    for rank, result in enumerate(results):
+        assert result["restored"] == 6 and result["extra"] == {"rank": rank}
+        assert result["mismatches"] == [] and result["resumed"] == result["uninterrupted"]
+    # The shape that found the bug: one rank's file holds several chunks of one tensor.
+    run = Run(out / "parity")
+    entry = run.unit_entry(6, "layer.0")
+    assert any(len(t.chunks) > len({c.file for c in t.chunks}) for t in entry.tensors)
+
+
+def test_odd_zero3_run_restores_under_zero2_at_3_ranks(odd_zero3):
+    out, _ = odd_zero3
+    for result in launch(3, "restore", out, stage=2, shape="odd"):
+        assert result["restored"] == 6 and result["mismatches"] == []
+
+
+def test_a_restore_failing_on_one_rank_fails_every_rank_promptly_and_blocks_saving(zero2, tmp_path):
+    """A damaged file only rank 1 reads: rank 1's read fails; rank 0 must not wait in DeepSpeed's
+    all-gather for it, and both must name rank 1's error; the half-restored engines refuse to save."""
+    import shutil
+
+    out, _ = zero2
+    shutil.copytree(out / "parity", tmp_path / "parity")
+    run = Run(tmp_path / "parity")
+    step = run.resolve().sources["layer.3"]
+    victim = run.snapshot_dir(step) / next(f.path for f in run.unit_entry(step, "layer.3").files if "rank-00001" in f.path)
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # a tensor byte near the end of rank 1's piece of layer.3
+    victim.write_bytes(bytes(data))
+    results = launch(2, "restore_fail", tmp_path, stage=2, timeout=240)
+    for result in results:
+        assert result["error"] is not None and result["error"].startswith("IntegrityError"), result
+        assert "rank(s) [1]" in result["error"] and "checksum mismatch" in result["error"], result
+        assert result["elapsed"] < 20, result  # well within the Tailor's timeout: nobody waited for a dead peer
+        assert result["save_refused"] is not None and "restore() again" in result["save_refused"], result

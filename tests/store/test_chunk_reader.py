@@ -1,0 +1,52 @@
+"""Ranged reads of chunks when one rank's file holds several chunks of one tensor: a ZeRO
+partition boundary that falls mid-row stores a flat fragment as a partial row, whole rows and
+another partial row, all in that rank's file (``providers/deepspeed.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtailor.layouts import layout_from_names
+from llmtailor.store.reader import ChunkReader, flat_range_boxes
+from llmtailor.store.run import Run
+from llmtailor.store.writer import Piece, StagedSnapshot, StagedUnit, persist
+
+SHAPE = (5, 7)
+FULL = torch.arange(35, dtype=torch.float32).view(SHAPE)
+
+
+def _pieces(start: int, numel: int) -> list[Piece]:
+    return [
+        Piece("weight/w", FULL[tuple(slice(o, o + n) for o, n in zip(offsets, extent))].clone(), tuple(offsets), SHAPE)
+        for offsets, extent in flat_range_boxes(SHAPE, start, numel)
+    ]
+
+
+@pytest.fixture
+def run(tmp_path) -> Run:
+    """One snapshot whose only file holds the tensor as five boxes: elements 0..3 (a partial
+    row), 3..31 (a partial row and whole rows) and 31..35 (two partial rows' worth)."""
+    layout = layout_from_names(["w"])
+    pieces = _pieces(0, 3) + _pieces(3, 28) + _pieces(31, 4)
+    assert len(pieces) >= 4
+    staged = StagedSnapshot(
+        step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),
+        units=iter([StagedUnit(layout.unit_of("w"), pieces)]), composite={u: 1 for u in layout.units},
+        global_doc={}, global_tensors={},
+    )
+    persist(Run(tmp_path), staged)
+    return Run(tmp_path)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_every_chunk_of_a_file_is_read_as_itself(run, verify):
+    unit = run.unit_entry(1, next(iter(run.manifest(1).units)))
+    [tensor] = unit.tensors
+    assert len({c.file for c in tensor.chunks}) == 1 and len(tensor.chunks) >= 4
+    reader = ChunkReader(run, verify=verify)
+    assert torch.equal(reader.read_region(1, unit, tensor, (0, 0), SHAPE), FULL)
+    # Box by box, in an order that alternates between chunks.
+    for row in (3, 0, 4, 1):
+        assert torch.equal(reader.read_region(1, unit, tensor, (row, 0), (1, 7)), FULL[row : row + 1])
+    reader.close()
