@@ -31,6 +31,11 @@ class IncompatibleModelError(TailorError):
     """The live model or optimizer does not match what the snapshot holds."""
 
 
+class BackgroundSaveError(TailorError):
+    """An async save failed in the background; nothing of it was committed. The original error
+    is its ``__cause__``."""
+
+
 class UnsupportedStateError(TailorError):
     """Some state cannot be stored without pickle (e.g. a callable in a scheduler)."""
 

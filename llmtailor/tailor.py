@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import ConfigError, IntegrityError, TailorError
+from llmtailor.errors import BackgroundSaveError, ConfigError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
 from llmtailor.drift import DriftTracker, Sample, drift_figures
 from llmtailor.policies import Adaptive, Full, Policy, SaveContext
@@ -206,7 +206,7 @@ class Tailor:
         ``wait()``/``close()``)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
-        self._settle(raise_error=True)
+        self._settle(raise_error=True, next_step=step)
         if self._partly_restored is not None:
             raise TailorError(
                 f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving them is "
@@ -247,7 +247,7 @@ class Tailor:
         if self._stager is None:
             raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
         units_now = list(staged.units)  # this rank's pieces: references, no bytes copied yet
-        job = self._stager.start(staged, units_now, self._persist, after=self._retain)
+        job = self._stager.start(staged, units_now, self._persist, after=self._retain, target=str(self.run.root))
         job.blocked_seconds = time.perf_counter() - start
         pending = PendingSave(job, report)
         self._inflight = (pending, step, composite)
@@ -262,9 +262,20 @@ class Tailor:
         self._settle(raise_error=True)
         return pending.result()
 
-    def _settle(self, raise_error: bool) -> None:
+    def fence(self) -> None:
+        """Block until the async save in flight (if any) has taken its copies. Call it before
+        changing weights or optimizer state in place outside ``optimizer.step()`` (loading a
+        state dict, an EMA swap, ...) while a save may be in flight; ``optimizer.step()`` and
+        the ``train()`` / ``eval()`` of schedule-free optimizers are fenced for you. A change
+        made without it fails that save (version counters), never commits a mix of values."""
+        if self._stager is not None:
+            self._stager.wait_copied()
+
+    def _settle(self, raise_error: bool, next_step: int | None = None) -> None:
         """Wait for the async save in flight; on success, make its composite the lineage's.
-        Its failure is raised here (once) when ``raise_error``, else kept for the next call."""
+        Its failure is raised here (once, as a BackgroundSaveError saying what was and was not
+        saved; ``next_step``: the save that is refused because of it) when ``raise_error``,
+        else kept for the next call."""
         if self._inflight is None:
             return
         pending, step, composite = self._inflight
@@ -276,7 +287,17 @@ class Tailor:
             self._raise_pointer_error(job.outcome)
         elif raise_error:
             self._inflight = None
-            raise job.error
+            try:
+                job.result()
+            except BaseException as err:
+                newest = "no composite" if self._parent is None else f"step {self._parent}"
+                failed = (
+                    f"the async save of step {step} failed in the background ({describe_error(err)}); nothing of "
+                    f"it was committed and the run's newest composite is still {newest}"
+                )
+                if next_step is not None:
+                    failed = f"step {next_step} was not saved: {failed}. Call save({next_step}) again to save this step"
+                raise BackgroundSaveError(failed) from err
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)

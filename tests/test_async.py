@@ -12,7 +12,7 @@ import llmtailor.store.staging as staging
 import llmtailor.store.writer as writer
 from llmtailor import Full, Parity, Tailor
 from llmtailor.constants import MANIFEST_FILE
-from llmtailor.errors import ConfigError
+from llmtailor.errors import BackgroundSaveError, ConfigError
 from llmtailor.store.run import Run
 from llmtailor.tailor import PendingSave
 
@@ -87,8 +87,11 @@ def test_a_background_write_error_surfaces_on_the_next_call_and_leaves_nothing(t
     monkeypatch.setattr(writer, "write_tensor_file", failing)
     train(model, opt, sched, tokens, [2])
     pending = tailor.save(2)  # returns at once; the failure happens in the background
-    with pytest.raises(OSError, match="Input/output error"):
+    with pytest.raises(BackgroundSaveError, match="Input/output error") as err:
         tailor.save(3)
+    # Plainly: which step failed, and that this one was not saved either.
+    assert str(err.value).startswith("step 3 was not saved: the async save of step 2 failed")
+    assert "newest composite is still step 1" in str(err.value) and isinstance(err.value.__cause__, OSError)
     assert pending.done()
     run = Run(tmp_path)
     assert run.steps() == [1] and run.latest_step() == 1 and list(run.tmp_dir.iterdir()) == []
@@ -112,7 +115,7 @@ def test_wait_and_close_raise_a_background_failure(tmp_path, tokens, monkeypatch
 
     monkeypatch.setattr(writer, "write_tensor_file", broken)
     tailor.save(1)
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(BackgroundSaveError, match="async save of step 1 failed in the background .*disk gone"):
         getattr(tailor, call)()
     assert Run(tmp_path).steps() == []
     assert tailor.wait() is None  # raised once, then gone
@@ -160,3 +163,111 @@ def test_buffers_updated_in_forward_are_copied_before_save_returns(tmp_path, tok
     tailor.close()
     loaded, _ = Run(tmp_path).read_unit(1, "other")  # no family pattern matches a Sequential
     assert torch.equal(loaded["weight/1.running_mean"], expected)
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from helpers import tiny, train
+import llmtailor.store.writer as writer
+from llmtailor import Full, Tailor
+from llmtailor.training_example import corpus_tokens
+
+model, opt, sched = tiny()
+train(model, opt, sched, corpus_tokens(), range(1, 3))
+tailor = Tailor({run!r}, model, opt, sched, policy=Full(), async_save=True)
+if {fail!r}:
+    def broken(*args, **kwargs):
+        raise OSError(5, "disk gone")
+    writer.write_tensor_file = broken
+tailor.save(2)
+if {end!r} == "raise":
+    raise RuntimeError("the script fails right after save")
+# the script ends here without tailor.close() or wait()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path, end):
+    """The interpreter waits for the save thread; the fsync helper must still take work then."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = SCRIPT.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"), fail=False, end=end)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == (1 if end == "raise" else 0), proc.stderr[-2000:]
+    run = Run(tmp_path / "run")
+    assert run.steps() == [2] and run.verify() == []
+
+
+@pytest.mark.slow
+def test_a_background_failure_nobody_collected_is_reported_at_exit(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = SCRIPT.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"), fail=True, end="return")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "llmtailor: ERROR: the async save of step 2" in proc.stderr and "NOT saved" in proc.stderr, proc.stderr
+    assert "disk gone" in proc.stderr and Run(tmp_path / "run").steps() == []
+
+
+def test_schedule_free_eval_save_train_gives_the_synchronous_snapshot(tmp_path, tokens, monkeypatch):
+    """The documented schedule-free pattern: ``eval()`` (weights to x), save, ``train()`` (back to
+    y), both in place; the async copy must see the eval weights, as a synchronous save does."""
+    schedulefree = pytest.importorskip("schedulefree")
+    slow_copy = staging._copied
+
+    def slowly(piece, view):  # copies slower than the next call: only a fence can wait
+        time.sleep(0.005)
+        return slow_copy(piece, view)
+
+    monkeypatch.setattr(staging, "_copied", slowly)
+    snapshots = {}
+    for mode in ("sync", "async"):
+        model, _, _ = tiny()
+        opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=3e-3, warmup_steps=2)
+        opt.train()
+        tailor = Tailor(tmp_path / mode, model, opt, policy=Full(), async_save=mode == "async")
+        for step in range(1, 4):
+            train(model, opt, None, tokens, [step])
+        opt.eval()
+        tailor.save(3)
+        opt.train()
+        train(model, opt, None, tokens, [4])
+        tailor.close()
+        snapshots[mode] = snapshot_files(Run(tmp_path / mode), 3)
+    units = [name for name in snapshots["sync"] if name.startswith("units/")]
+    assert units and all(snapshots["sync"][n] == snapshots["async"][n] for n in units)
+
+
+def test_an_unfenced_in_place_change_fails_that_save_and_a_fenced_one_is_kept_out(tmp_path, tokens, monkeypatch):
+    model, opt, sched = tiny()
+    train(model, opt, sched, tokens, [1])
+    slow_copy = staging._copied
+
+    def slowly(piece, view):
+        time.sleep(0.005)
+        return slow_copy(piece, view)
+
+    monkeypatch.setattr(staging, "_copied", slowly)
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True)
+    last = list(model.parameters())[-1]
+    tailor.save(1)
+    with torch.no_grad():
+        last.mul_(2)  # an in-place change outside optimizer.step(), unfenced
+    with pytest.raises(BackgroundSaveError, match="changed in place after save"):
+        tailor.wait()
+    assert Run(tmp_path).steps() == []
+    expected = unit_versions(model, opt)
+    tailor.save(2)
+    tailor.fence()  # the documented way: wait for the copies, then change
+    with torch.no_grad():
+        last.mul_(2)
+    assert tailor.wait().step == 2
+    tailor.close()
+    fresh = tiny(seed=3)
+    Tailor(tmp_path, *fresh).restore()
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), expected)

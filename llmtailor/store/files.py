@@ -18,7 +18,9 @@ import mmap
 import os
 import shutil
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -176,17 +178,25 @@ class Syncer:
     """Makes written files durable on a background thread, in order, while the caller writes
     the next ones: at most ``depth`` files wait, so the dirty page cache stays a few files.
     ``drain()`` returns once every submitted file is durable, or raises the first failure;
-    use it as a context manager so its thread and descriptors are released on any exit."""
+    use it as a context manager so its thread and descriptors are released on any exit.
+
+    Its own thread, not a ``ThreadPoolExecutor``: an executor refuses new work once the
+    interpreter begins to exit, and an async save still in flight when a script ends (one that
+    forgot ``close()``) must still become durable while the interpreter waits for it."""
 
     def __init__(self, depth: int = 2):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-fsync")
+        self._queue: queue.SimpleQueue[tuple[int, int, int | None, Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
+        self._thread.start()
         self._pending: list[tuple[Path, Future]] = []
         self._depth = depth
 
     def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None) -> None:
         """Take over ``fd`` (a descriptor of a written file): fsync it, drop ``[start, end)``
         from the page cache (``_make_durable``), close it."""
-        self._pending.append((path, self._pool.submit(self._sync, fd, start, end)))
+        done: Future = Future()
+        self._queue.put((fd, start, end, done))
+        self._pending.append((path, done))
         while len(self._pending) > self._depth:
             self._wait_first()
 
@@ -201,12 +211,16 @@ class Syncer:
         except OSError as error:
             raise OSError(error.errno, f"making {path} durable failed: {error.strerror}") from error
 
-    @staticmethod
-    def _sync(fd: int, start: int, end: int | None) -> None:
-        try:
-            _make_durable(fd, start, end)
-        finally:
-            os.close(fd)
+    def _work(self) -> None:
+        while (task := self._queue.get()) is not None:
+            fd, start, end, done = task
+            try:
+                _make_durable(fd, start, end)
+                done.set_result(None)
+            except BaseException as error:  # handed to the writer, which raises it
+                done.set_exception(error)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> Syncer:
         return self
@@ -216,7 +230,8 @@ class Syncer:
             if exc[0] is None:
                 self.drain()
         finally:
-            self._pool.shutdown(wait=True)  # descriptors still queued are closed by their task
+            self._queue.put(None)  # descriptors still queued are closed by the thread first
+            self._thread.join()
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -6,19 +6,28 @@ buffers on a background thread while training goes on (forward and backward do n
 weights or optimizer state), then persists the copies on that thread with the very same
 ``persist`` (same files, same commit protocol, same cross-rank commit).
 
-The fence: ``Fence`` is an optimizer step pre-hook installed on every optimizer whose step
-changes staged tensors; it makes ``optimizer.step()`` wait until the copies are taken, so a
-snapshot never holds a value from after the step. Pieces that can change outside the
-optimizer step (a buffer updated in forward) are copied before ``save`` returns.
+The fence: an optimizer step pre-hook installed on every optimizer whose step changes staged
+tensors makes ``optimizer.step()`` wait until the copies are taken, so a snapshot never holds a
+value from after the step; so do the ``train()`` / ``eval()`` of schedule-free optimizers, which
+swap the weights in place (their documented pattern is ``eval()``, save, ``train()``). Pieces
+that can change outside the optimizer step (a buffer updated in forward) are copied before
+``save`` returns. Any other in-place change of staged state while a save is in flight must
+wait for ``AsyncStager.wait_copied`` (``Tailor.fence()``); one that does not is caught by the
+tensors' version counters, and that save fails rather than commit a mix of values.
 
 At most one save is in flight: the next one waits for it. The buffers are reused from save to
 save (pinned where CUDA is available, so device-to-host copies run on a side stream), so the
 extra memory is that of the largest save. A failure on the background thread is kept and
-raised by the caller's next ``save``, ``wait`` or ``close`` (``BackgroundSave.result``).
+raised by the caller's next ``save``, ``wait`` or ``close`` (``BackgroundSave.result``); one the
+caller never collects (a script that ends without ``close()``) is printed on stderr at exit.
+The background thread is not a daemon: a save in flight when a script ends is finished and
+committed before the interpreter exits.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +37,7 @@ from typing import Any
 
 import torch
 
+from llmtailor.errors import TailorError
 from llmtailor.store.writer import PersistResult, Piece, StagedSnapshot, StagedUnit
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
@@ -60,12 +70,14 @@ class HostBuffers:
         return views
 
 
-@dataclass
+@dataclass(eq=False)
 class BackgroundSave:
     """One async save: copying, then persisting, on its own thread."""
 
     step: int
     units: list[str]
+    target: str = ""
+    """Where it is saved (the run), for messages."""
     blocked_seconds: float = 0.0
     """How long ``save`` blocked the caller (choosing units, encoding global state, copying
     the pieces that must be copied at once, starting the thread)."""
@@ -84,10 +96,27 @@ class BackgroundSave:
         raise the error the background thread met."""
         if not self.finished.wait(timeout):
             raise TimeoutError(f"the save of step {self.step} is still in flight after {timeout} s")
+        _UNREPORTED.discard(self)
         if self.error is not None:
             raise self.error
         assert self.outcome is not None
         return self.outcome
+
+
+_UNREPORTED: set[BackgroundSave] = set()
+"""Failed saves whose error no caller has collected yet (``result``)."""
+
+
+@atexit.register
+def _report_uncollected() -> None:
+    """At exit (after the interpreter waited for the save threads): a failure nobody collected
+    must not vanish with the process."""
+    for job in list(_UNREPORTED):
+        print(
+            f"llmtailor: ERROR: the async save of step {job.step} to {job.target} failed in the background and was "
+            f"NOT saved (the script ended without tailor.wait() or close()): {type(job.error).__name__}: {job.error}",
+            file=sys.stderr,
+        )
 
 
 class AsyncStager:
@@ -99,6 +128,9 @@ class AsyncStager:
         self.fence_seconds = 0.0
         """Total time optimizer steps waited at the fence."""
         self._hooks = [opt.register_step_pre_hook(self._fence) for opt in optimizers]
+        self._swaps = [(opt, name) for opt in optimizers for name in _weight_swaps(opt)]
+        for opt, name in self._swaps:
+            setattr(opt, name, self._fenced(getattr(opt, name)))
 
     def start(
         self,
@@ -106,16 +138,18 @@ class AsyncStager:
         units: list[StagedUnit],
         persist: Callable[[StagedSnapshot], PersistResult],
         after: Callable[[PersistResult], Any] | None = None,
+        target: str = "",
     ) -> BackgroundSave:
         """Begin a save of ``units`` (live references, this rank's pieces): take the copies and
         persist in the background. The caller has waited for any earlier save."""
         assert self.current is None or self.current.done(), "one save in flight at a time"
-        job = BackgroundSave(step=staged.step, units=[u.unit for u in units])
+        job = BackgroundSave(step=staged.step, units=[u.unit for u in units], target=target)
         pieces = [piece for unit in units for piece in unit.pieces]
         views = self.buffers.views(pieces)
         for piece, view in zip(pieces, views):
             if not piece.stable:  # may change before the next optimizer step: copy it now
                 view.copy_(piece.tensor)
+        versions = [_version(p.tensor) for p in pieces]
         # Device tensors: the copies wait for what the training stream has queued so far.
         ready = None
         if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
@@ -123,17 +157,38 @@ class AsyncStager:
             ready.record()
         self.current = job
         thread = threading.Thread(
-            target=self._run, args=(job, staged, units, views, ready, persist, after), name=f"llmtailor-save-{staged.step}"
+            target=self._run, args=(job, staged, units, views, versions, ready, persist, after),
+            name=f"llmtailor-save-{staged.step}",
         )
         thread.start()
         return job
+
+    def wait_copied(self) -> None:
+        """Block until the save in flight (if any) has taken its copies: after this, the live
+        weights and optimizer state may change in place."""
+        job = self.current
+        if job is not None and not job.copied.is_set():
+            start = time.perf_counter()
+            job.copied.wait()
+            self.fence_seconds += time.perf_counter() - start
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for opt, name in self._swaps:
+            if name in vars(opt):
+                delattr(opt, name)  # the class's own method shows through again
+        self._swaps = []
 
-    def _run(self, job, staged, units, views, ready, persist, after) -> None:
+    def _fenced(self, method: Callable[[], Any]) -> Callable[[], Any]:
+        def fenced(*args: Any, **kwargs: Any) -> Any:
+            self.wait_copied()
+            return method(*args, **kwargs)
+
+        return fenced
+
+    def _run(self, job, staged, units, views, versions, ready, persist, after) -> None:
         try:
             start = time.perf_counter()
             try:
@@ -147,6 +202,14 @@ class AsyncStager:
                     ]
                 if stream is not None:
                     stream.synchronize()
+                pieces = [piece for unit in units for piece in unit.pieces]
+                for piece, before in zip(pieces, versions):
+                    if piece.stable and _version(piece.tensor) != before:
+                        raise TailorError(
+                            f"the async save of step {staged.step} was abandoned: {piece.key} was changed in place "
+                            "after save() returned and before its copy was taken; change weights or optimizer state "
+                            "outside optimizer.step() only after tailor.fence() (or save with blocking=True)"
+                        )
             finally:
                 job.copy_seconds = time.perf_counter() - start
                 job.copied.set()  # released on failure too: a failed save must not stall training
@@ -157,15 +220,26 @@ class AsyncStager:
                 after(job.outcome)
         except BaseException as err:  # kept for the caller's next save, wait or close
             job.error = err
+            _UNREPORTED.add(job)
         finally:
             job.finished.set()
 
     def _fence(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        job = self.current
-        if job is not None and not job.copied.is_set():
-            start = time.perf_counter()
-            job.copied.wait()
-            self.fence_seconds += time.perf_counter() - start
+        self.wait_copied()
+
+
+def _weight_swaps(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The methods of ``optimizer`` that change the weights in place outside ``step``: the
+    ``train()`` / ``eval()`` of schedule-free optimizers (a torch optimizer defines neither)."""
+    return [name for name in ("train", "eval") if callable(getattr(optimizer, name, None))]
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place change), or None where it has none."""
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference-mode tensor keeps none
+        return None
 
 
 def _copied(piece: Piece, view: torch.Tensor) -> Piece:
