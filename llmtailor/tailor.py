@@ -171,7 +171,7 @@ class Tailor:
         self._drift_hooks = [
             opt.register_load_state_dict_pre_hook(lambda *_: tracker.forget())
             for opt in (self.provider.optimizers() if tracker is not None else [])
-            if hasattr(opt, "register_load_state_dict_pre_hook")
+            if hasattr(opt, "_optimizer_load_state_dict_pre_hooks")  # a torch Optimizer that ran its __init__
         ]
         self._saved_index: dict[str, int] = {}
         self._unit_bytes: dict[str, int] = {}
@@ -410,6 +410,7 @@ class Tailor:
             if missing:
                 raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
             shared = self.run.read_global(composite.step)
+            self.provider.check_global(shared)
             touched = True  # from here on the live state changes
             self.provider.load(self.run, dict(composite.sources), shared, verify)
         except BaseException as err:

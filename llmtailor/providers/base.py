@@ -138,6 +138,10 @@ class StateProvider(ABC):
                 f"(snapshot layout {saved.family!r}, model layout {self.layout.family!r}): {shown}"
             )
 
+    def check_global(self, shared: dict[str, Any]) -> None:
+        """Refuse, from the composite's global state and before any live tensor is touched,
+        what cannot be restored into the live objects (another optimizer class, say)."""
+
     @abstractmethod
     def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
         """Load the composite in place: each unit from the snapshot ``sources[unit]`` (weights

@@ -40,6 +40,7 @@ import torch
 from llmtailor.errors import IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.providers.base import StateProvider, hf_config, loading
+from llmtailor.providers.optimizer import check_classes, class_name
 from llmtailor.store import codec
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import master_key, optim_key, weight_key
@@ -215,6 +216,7 @@ class DeepSpeedProvider(StateProvider):
         steps = [self.zero.optimizer.state.get(flat, {}).get(STEP) for flat in self._flat_partitions()]
         return {
             "optimizer_groups": groups,
+            "optimizer_class": [class_name(self.zero.optimizer)],
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "model_config": hf_config(self.module),
             "deepspeed": {"stage": self.stage, "steps": [_plain_step(s) for s in steps]},
@@ -225,13 +227,20 @@ class DeepSpeedProvider(StateProvider):
 
     # -- restore side -------------------------------------------------------------------------
 
+    def check_global(self, shared: dict[str, Any]) -> None:
+        if shared.get("optimizer_groups") is None:
+            raise IncompatibleModelError("the snapshot was saved without an optimizer; a DeepSpeed engine needs one")
+        check_classes(shared.get("optimizer_class"), [class_name(self.zero.optimizer)])
+        with loading("optimizer groups", shared.get("step")):
+            self._check_groups(shared["optimizer_groups"])
+        if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
+            raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but the engine has one")
+
     def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
         """Every parameter's fragment read by byte range into the masters and optimizer state
-        in place; group hyperparameters and steps set; low-precision weights refreshed."""
-        groups = shared.get("optimizer_groups")
-        if groups is None:
-            raise IncompatibleModelError("the snapshot was saved without an optimizer; a DeepSpeed engine needs one")
-        self._check_groups(groups)
+        in place; group hyperparameters and steps set (``finish_load`` refreshes the
+        low-precision weights)."""
+        groups = shared["optimizer_groups"]
         keys = sorted({k for unit, step in sources.items() for k in _state_keys(run.unit_entry(step, unit))})
         self._ensure_state(keys)
         reader = ChunkReader(run, verify)
@@ -247,8 +256,6 @@ class DeepSpeedProvider(StateProvider):
             reader.close()
         self._load_groups(groups, shared, sources, unit_steps)
         if self.lr_scheduler is not None:
-            if shared.get("lr_scheduler") is None:
-                raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but the engine has one")
             with loading("LR scheduler state", shared.get("step")):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
 

@@ -107,7 +107,7 @@ class FSDPProvider(LocalProvider):
         """Where a saved optimizer state tensor is loaded: the live one if it has the saved
         global shape and dtype; else a new tensor, sharded like the parameter when it has the
         parameter's shape (moments), whole otherwise (``step`` scalars)."""
-        current = self.optimizer.state.get(param, {}).get(state_key) if self.optimizer is not None else None
+        current = self.chain.param_state(param).get(state_key) if self.chain is not None else None
         if isinstance(current, torch.Tensor) and list(current.shape) == saved.shape and current.dtype == saved.torch_dtype:
             return current.detach()
         if isinstance(param, DTensor) and list(param.shape) == saved.shape:

@@ -39,6 +39,7 @@ class LocalProvider(StateProvider):
         super().__init__(layout, coordinator)
         self.model = unwrap(model)
         self.optimizer = optimizer
+        self.chain = optim_state.OptimizerChain(optimizer) if optimizer is not None else None
         self.lr_scheduler = lr_scheduler
         self.kind = "local" if coordinator.world_size == 1 else "ddp"
 
@@ -52,7 +53,7 @@ class LocalProvider(StateProvider):
         return self.model.named_parameters()
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [optim_state.innermost(self.optimizer)] if self.optimizer is not None else []
+        return self.chain.hookable() if self.chain is not None else []
 
     def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         return {name: (list(t.shape), t.dtype) for name, t in self.tensors().items()}
@@ -84,9 +85,9 @@ class LocalProvider(StateProvider):
     def stage_unit(self, unit: str) -> StagedUnit:
         tensors = self.tensors()
         values: dict[str, dict[str, Any]] = {}
-        if self.optimizer is not None:
+        if self.chain is not None:
             for name in self.layout.units[unit]:
-                for key, value in optim_state.param_state(self.optimizer, tensors[name]).items():
+                for key, value in self.chain.param_state(tensors[name]).items():
                     if not isinstance(value, torch.Tensor):
                         values.setdefault(name, {})[key] = plain_value(value, f"optimizer state {name}.{key}")
         return StagedUnit(unit, self._pieces(unit, tensors), values)
@@ -106,9 +107,9 @@ class LocalProvider(StateProvider):
         for name in self.layout.units[unit]:
             param = tensors[name]
             yield weight_key(name), param, not isinstance(param, torch.nn.Parameter)
-            if self.optimizer is None:
+            if self.chain is None:
                 continue
-            for key, value in optim_state.param_state(self.optimizer, param).items():
+            for key, value in self.chain.param_state(param).items():
                 if isinstance(value, torch.Tensor):
                     yield optim_key(name, key), value, False
 
@@ -127,13 +128,28 @@ class LocalProvider(StateProvider):
 
     def capture_shared(self) -> dict[str, Any]:
         name_of = {id(t): name for name, t in self.tensors().items()}
+        if self.chain is not None:
+            self.chain.check_keys()
         return {
-            "optimizer_groups": optim_state.group_records(self.optimizer, name_of) if self.optimizer else None,
+            "optimizer_groups": self.chain.group_records(name_of) if self.chain is not None else None,
+            "optimizer_class": self.chain.classes() if self.chain is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "model_config": hf_config(self.model),
         }
 
     # -- restore side -------------------------------------------------------------------------
+
+    def check_global(self, shared: dict[str, Any]) -> None:
+        """Refuse, before the live state is touched, a snapshot saved without an optimizer or
+        LR scheduler when one is given, or from another optimizer class."""
+        if self.chain is not None:
+            if shared.get("optimizer_groups") is None:
+                raise IncompatibleModelError("the snapshot was saved without an optimizer, but one was given")
+            self.chain.check_restorable(shared.get("optimizer_class"))
+            with loading("optimizer groups", shared.get("step")):
+                self.chain.check_groups(shared["optimizer_groups"], {id(t): name for name, t in self.tensors().items()})
+        if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
+            raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")
 
     def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
         """Every unit's weights into the live tensors in place (``load_units``); optimizer
@@ -163,16 +179,12 @@ class LocalProvider(StateProvider):
         self, shared: dict[str, Any], live: dict[str, torch.Tensor], optimizer_state: dict[str, dict[str, Any]]
     ) -> None:
         step = shared.get("step")
-        if self.optimizer is not None:
+        if self.chain is not None:
             groups = shared.get("optimizer_groups")
-            if groups is None:
-                raise IncompatibleModelError("the snapshot was saved without an optimizer, but one was given")
             with loading("optimizer state", step):
                 name_of = {id(t): name for name, t in live.items()}
-                optim_state.load_by_name(self.optimizer, groups, optimizer_state, name_of)
+                self.chain.load_by_name(groups, optimizer_state, name_of)
         if self.lr_scheduler is not None:
-            if shared.get("lr_scheduler") is None:
-                raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")
             with loading("LR scheduler state", step):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
 

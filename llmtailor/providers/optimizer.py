@@ -5,6 +5,16 @@ in the param groups. A snapshot stores each parameter's state under its name, an
 groups with names in place of positions, so state saved from one optimizer loads into another
 built with the same parameters in any group order, and a unit's state can be taken from one
 snapshot and its neighbour's from another.
+
+Wrapper optimizers (``OptimizerChain``): an optimizer holding an inner torch optimizer, such as
+pytorch_optimizer's ``Lookahead`` (its own per-parameter slow weights over AdamW's moments) or
+accelerate's ``AcceleratedOptimizer`` (no state of its own), is seen as the chain of optimizers
+that keep state. Each parameter's state is saved from every level: the innermost torch
+optimizer's under its own keys (``exp_avg``), a wrapper's under its class name
+(``Lookahead.slow_params``); param groups are the innermost's, which the wrappers share. What a
+chain cannot be captured completely from (several inner optimizers, a wrapper with param groups
+of its own, state not keyed by parameters, a sharded optimizer such as
+``ZeroRedundancyOptimizer``) is refused when the ``Tailor`` is built, naming what is missing.
 """
 
 from __future__ import annotations
@@ -13,17 +23,146 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import IncompatibleModelError
+from llmtailor.errors import IncompatibleModelError, IntegrityError, UnsupportedStateError
 
 ParamState = dict[str, Any]
 
+# Optimizers whose per-parameter state is the same (exp_avg, exp_avg_sq, step): a snapshot of
+# one restores into another (a DeepSpeed run with FusedAdam into torch's AdamW, say).
+_ADAM_FAMILY = {"Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam"}
+# Optimizers that shard their state over ranks in their own way: a rank holds only its share.
+_SHARDED = {"ZeroRedundancyOptimizer"}
 
-def innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer inside wrappers such as accelerate's ``AcceleratedOptimizer``: the
-    one whose ``step`` runs the update (and fires step hooks)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+
+def class_name(optimizer: Any) -> str:
+    kind = type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+class OptimizerChain:
+    """A user's optimizer as the levels that keep per-parameter state, outermost first (module
+    docstring). ``levels`` pairs each with the prefix of its state keys in a snapshot."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        chain = [optimizer]
+        while True:
+            inner = [v for v in vars(chain[-1]).values() if isinstance(v, torch.optim.Optimizer) and v is not chain[-1]]
+            name = type(chain[-1]).__name__
+            if name in _SHARDED:
+                raise UnsupportedStateError(
+                    f"{name} shards the optimizer state over the ranks in its own way, so no rank can save it by "
+                    "parameter: llmtailor needs a plain torch optimizer (under DDP), FSDP2 or a DeepSpeed ZeRO engine"
+                )
+            if len(inner) > 1:
+                raise UnsupportedStateError(
+                    f"{name} holds several optimizers ({', '.join(type(o).__name__ for o in inner)}): llmtailor cannot "
+                    "tell which state belongs where; give Tailor one optimizer"
+                )
+            if not inner:
+                break
+            chain.append(inner[0])
+        self.innermost = chain[-1]
+        self.chain = chain
+        """Every level, outermost first (wrappers without state of their own included)."""
+        seen: set[int] = set()
+        levels: list[tuple[str, torch.optim.Optimizer]] = []
+        for level in reversed(chain):  # innermost first: a wrapper sharing its state is skipped
+            state = getattr(level, "state", None)
+            if state is None or id(state) in seen:
+                continue
+            seen.add(id(state))
+            levels.append(("" if level is self.innermost else f"{type(level).__name__}.", level))
+        self.levels = levels[::-1]
+        for _, level in self.levels:
+            groups = getattr(level, "param_groups", None)
+            if groups is not None and groups is not self.innermost.param_groups:
+                raise UnsupportedStateError(
+                    f"{type(level).__name__} keeps param groups of its own beside {type(self.innermost).__name__}'s; "
+                    "llmtailor saves the innermost optimizer's groups only"
+                )
+        self.check_keys()
+
+    def hookable(self) -> list[torch.optim.Optimizer]:
+        """The levels whose ``step`` fires torch's step hooks (the innermost always does; a
+        wrapper that never ran ``Optimizer.__init__``, like accelerate's, does not)."""
+        return [level for level in self.chain if hasattr(level, "_optimizer_step_pre_hooks")]
+
+    def classes(self) -> list[str]:
+        """The classes of the levels that keep state, outermost first (recorded in a snapshot)."""
+        return [class_name(level) for _, level in self.levels]
+
+    def check_keys(self) -> None:
+        """Refuse state not keyed by parameter (a global counter under a string key, say): it
+        has no unit to travel with."""
+        for _, level in self.levels:
+            odd = [key for key in level.state if not isinstance(key, torch.Tensor)]
+            if odd:
+                raise UnsupportedStateError(
+                    f"{type(level).__name__} keeps state under {odd[:3]!r}, not by parameter: llmtailor saves "
+                    "optimizer state by parameter name and cannot capture it"
+                )
+
+    def param_state(self, param: torch.Tensor) -> ParamState:
+        """Every level's live state of ``param`` (references), wrapper keys prefixed."""
+        merged: ParamState = {}
+        for prefix, level in self.levels:
+            for key, value in level.state.get(param, {}).items():
+                merged[prefix + key] = value
+        return merged
+
+    def group_records(self, name_of: dict[int, str]) -> list[dict[str, Any]]:
+        return group_records(self.innermost, name_of)
+
+    def load_by_name(self, groups: list[dict[str, Any]], state: dict[str, ParamState], name_of: dict[int, str]) -> None:
+        """The innermost optimizer's groups and state through ``load_by_name``; each wrapper's
+        per-parameter state set directly (its own ``load_state_dict`` has a format of its own)."""
+        prefixes = [prefix for prefix, _ in self.levels if prefix]
+        own = {name: {k: v for k, v in entries.items() if not k.startswith(tuple(prefixes))} for name, entries in state.items()}
+        load_by_name(self.innermost, groups, own, name_of)
+        params = {name: p for g in self.innermost.param_groups for p in g["params"] if (name := name_of.get(id(p)))}
+        for prefix, level in self.levels:
+            if not prefix:
+                continue
+            for name, entries in state.items():
+                values = {k[len(prefix):]: v for k, v in entries.items() if k.startswith(prefix)}
+                if values and name in params:
+                    param = params[name]
+                    level.state[param] = {
+                        k: v.to(param.device) if isinstance(v, torch.Tensor) else v for k, v in values.items()
+                    }
+
+    def check_groups(self, groups: list[dict[str, Any]], name_of: dict[int, str]) -> None:
+        """Refuse saved ``groups`` that do not hold the live groups' parameters (names)."""
+        _match_groups([[_name(name_of, p, i) for p in g["params"]] for i, g in enumerate(self.innermost.param_groups)], groups)
+
+    def check_restorable(self, saved: list[str] | None) -> None:
+        check_classes(saved, self.classes())
+
+
+def check_classes(saved: list[str] | None, live: list[str]) -> None:
+    """Refuse a snapshot saved from another optimizer (before any byte is read): its state
+    would load and the next step fail, or worse. The same wrappers over optimizers of one
+    family of equal per-parameter state pass (Adam, AdamW, DeepSpeed's FusedAdam and CPU
+    Adam). Snapshots that record no class (imports, merges, earlier versions) are not checked."""
+    if not saved:
+        return
+    if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
+        raise IntegrityError(f"the snapshot's optimizer_class {saved!r} is malformed (a list of class names expected)")
+    if _same_kind(saved, live):
+        return
+    raise IncompatibleModelError(
+        f"the snapshot's optimizer is {' over '.join(saved)}, the live one {' over '.join(live)}: their state does "
+        "not carry over; build the optimizer the run was saved with"
+    )
+
+
+def _same_kind(saved: list[str], live: list[str]) -> bool:
+    if saved == live:
+        return True
+    short = [[name.rsplit(".", 1)[-1] for name in names] for names in (saved, live)]
+    # The same wrappers over members of one family of equal per-parameter state.
+    return (len(short[0]) == len(short[1]) and short[0][:-1] == short[1][:-1]
+            and {short[0][-1], short[1][-1]} <= _ADAM_FAMILY)
 
 
 def group_records(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> list[dict[str, Any]]:
