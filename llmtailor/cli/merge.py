@@ -69,8 +69,8 @@ def actions_table(plan, verbose: bool = False):
         source = first.source if step is None or first.source.endswith(f"@{step}") else f"{first.source}@{step}"
         if verbose:
             for a in actions:
-                note = "".join(f", {k} {v}" for k, v in (("scale", a.scale), ("as", a.dtype)) if v is not None)
-                table.add_row(unit, a.dest_key, source, a.source_key + note)
+                note = a.describe()
+                table.add_row(unit, a.dest_key, source, a.source_key + (f" ({note})" if note else ""))
         else:
             saved = first.source_unit + (f", saved at step {first.step}" if first.step is not None else "")
             table.add_row(unit, f"{len(actions)} tensors", source, saved)

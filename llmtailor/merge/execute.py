@@ -150,8 +150,10 @@ def _tensors(plan: MergePlan, actions) -> dict[str, torch.Tensor | ByteSource]:
     out = {}
     for a in actions:
         value = plan.sources[a.source].read(a.source_unit, a.source_key)
-        if not a.unchanged:
+        if not a.unchanged:  # mergekit's order: cast as read, scale, cast as written
             tensor = value.load() if isinstance(value, ByteSource) else value
+            if a.read_dtype is not None:
+                tensor = tensor.to(dtypes.to_torch(a.read_dtype))
             if a.scale not in (None, 1.0):
                 tensor = tensor * a.scale
             value = tensor.to(dtypes.to_torch(a.dtype)) if a.dtype is not None else tensor

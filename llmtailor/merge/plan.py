@@ -45,9 +45,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtailor.errors import ConfigError, describe_validation
 
@@ -60,25 +61,63 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _number_or_gradient(value: object) -> object:
+    """Only the shapes mergekit gives a scale: a number (or a number's text, as YAML leaves
+    ``1e-3``) or a list of them."""
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in items):
+        raise ValueError(f"a scale value is a number or a list of numbers (a gradient over the layers), got {value!r}")
+    return value
+
+
 class ScaleRule(_Strict):
-    """One entry of mergekit's conditional parameter list: ``filter`` (a substring of the tensor
-    name; none: every tensor) and the ``value``."""
+    """One entry of mergekit's conditional parameter list: ``filter`` (a substring of the source
+    tensor's name; ``*`` or none: every tensor) and the ``value``, a number or a gradient."""
 
     filter: str | None = None
-    value: float
+    value: Annotated[float | list[float], BeforeValidator(_number_or_gradient)]
+
+    def matches(self, name: str) -> bool:
+        return self.filter is None or self.filter == "*" or self.filter in name
+
+
+def _rules(value: object) -> object:
+    """Every spelling of ``scale`` as a list of rules: a number or a gradient is one rule with no
+    filter (mergekit resolves both alike), a single ``{filter, value}`` a list of one."""
+    if value is None or isinstance(value, dict):
+        return value if value is None else [value]
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+        return value
+    if isinstance(value, list) and any(isinstance(x, dict) for x in value):
+        raise ValueError("scale mixes {filter, value} entries and numbers; give a list of one kind")
+    return [{"value": _number_or_gradient(value)}]
+
+
+def _gradient(values: list[float], t: float) -> float | None:
+    """The value at ``t`` in [0, 1] of numbers spread evenly over [0, 1], linearly
+    interpolated, with mergekit's own arithmetic (so the result is the same float)."""
+    if not values:
+        return None
+    position = t * (len(values) - 1)
+    low = int(position)
+    high = min(len(values) - 1, low + 1)
+    frac = position - low
+    return (1 - frac) * values[low] + frac * values[high]
 
 
 class Parameters(_Strict):
-    """The parameters passthrough takes: ``scale``, a number or a list of ``ScaleRule``."""
+    """The parameters passthrough takes: ``scale``, in any of mergekit's spellings: a number, a
+    gradient (a list of numbers, interpolated over a slice's layers), ``{filter, value}`` or a
+    list of them (the first whose filter matches decides)."""
 
-    scale: float | list[ScaleRule] | None = None
+    scale: Annotated[list[ScaleRule] | None, BeforeValidator(_rules)] = None
 
-    def scale_for(self, name: str) -> float | None:
-        if self.scale is None or isinstance(self.scale, float):
-            return self.scale
-        for rule in self.scale:
-            if rule.filter is None or rule.filter in name:
-                return rule.value
+    def scale_for(self, name: str, t: float) -> float | None:
+        """The scale of the source tensor ``name`` at position ``t`` of its slice (0 for the
+        embeddings and the final norm and head); None: these parameters leave it to the next."""
+        for rule in self.scale or []:
+            if rule.matches(name):
+                return _gradient(rule.value, t) if isinstance(rule.value, list) else rule.value
         return None
 
 
@@ -158,9 +197,10 @@ class PlanSpec(_Strict):
     @field_validator("dtype", "out_dtype")
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
-        if value is not None and value not in DTYPE_NAMES:
+        name = value.removeprefix("torch.") if value is not None else None  # mergekit reads both spellings
+        if name is not None and name not in DTYPE_NAMES:
             raise ValueError(f"dtype {value!r} is not one of {list(DTYPE_NAMES)}")
-        return value
+        return name
 
     @model_validator(mode="after")
     def _one_form(self) -> PlanSpec:

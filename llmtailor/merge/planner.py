@@ -33,7 +33,7 @@ from llmtailor.constants import EMBED, HEAD, KIND_WEIGHT, LAYER_PREFIX, NORM, la
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
-from llmtailor.merge.plan import Parameters, PlanSpec, load_plan, parse_source
+from llmtailor.merge.plan import Parameters, PlanSpec, Slice, SliceSource, load_plan, parse_source
 from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
 from llmtailor.store.keys import join_key, split_key
 
@@ -41,8 +41,9 @@ from llmtailor.store.keys import join_key, split_key
 @dataclass(frozen=True)
 class Action:
     """Copy ``source_key`` of ``source_unit`` (of source ``source``, its version saved at
-    ``step``) to ``dest_key`` of ``dest_unit``, multiplied by ``scale`` and cast to ``dtype``
-    when set (weights only)."""
+    ``step``) to ``dest_key`` of ``dest_unit``; weights only, in mergekit's order: cast to
+    ``read_dtype`` (the plan's ``dtype``) as read, multiplied by ``scale``, cast to ``dtype``
+    (``out_dtype``) as written, each when set."""
 
     source: str
     step: int | None
@@ -52,10 +53,17 @@ class Action:
     dest_key: str
     scale: float | None = None
     dtype: str | None = None
+    read_dtype: str | None = None
 
     @property
     def unchanged(self) -> bool:
-        return self.scale in (None, 1.0) and self.dtype is None
+        return self.scale in (None, 1.0) and self.dtype is None and self.read_dtype is None
+
+    def describe(self) -> str:
+        """What happens to the tensor, for messages and the dry run (empty: copied as it is)."""
+        steps = [f"as {self.read_dtype}" if self.read_dtype else "", f"scale {self.scale}" if self.scale not in (None, 1.0) else "",
+                 f"to {self.dtype}" if self.dtype else ""]
+        return ", ".join(x for x in steps if x)
 
 
 @dataclass
@@ -157,27 +165,29 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
     warnings: list[str] = []
     problems: list[str] = []
 
-    # Output layer i <- (source label, source layer j, its parameters), in slice order.
-    layers: list[tuple[str, int, list[Parameters | None]]] = []
-    if spec.models:
-        entry = spec.models[0]
-        layers = [(entry.model, j, [entry.parameters, spec.parameters]) for j in range(sources[entry.model].layout.num_layers)]
-        first = last = entry.model
-    else:
-        for k, s in enumerate(spec.slices):
-            src = s.sources[0]
-            a, b = src.layer_range
-            if a == b:
-                warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
-            for j in range(a, b):
-                if layer_unit(j) not in sources[src.model].layout.units:
-                    problems.append(
-                        f"slices[{k}]: source {src.model!r} has {sources[src.model].layout.num_layers} layers; "
-                        f"layer_range {list(src.layer_range)} names its layer {j}"
-                    )
-                    break
-                layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters]))
-        first, last = spec.slices[0].sources[0].model, spec.slices[-1].sources[0].model
+    # mergekit's models form is one slice of the model's whole depth, its parameters the source's.
+    slices = spec.slices or [
+        Slice(sources=[SliceSource(model=m.model, layer_range=(0, sources[m.model].layout.num_layers), parameters=m.parameters)])
+        for m in spec.models
+    ]
+    # Output layer i <- (source label, source layer j, its parameters, its position t in its slice).
+    layers: list[tuple[str, int, list[Parameters | None], float]] = []
+    for k, s in enumerate(slices):
+        src = s.sources[0]
+        a, b = src.layer_range
+        if a == b:
+            warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
+        for j in range(a, b):
+            if layer_unit(j) not in sources[src.model].layout.units:
+                problems.append(
+                    f"slices[{k}]: source {src.model!r} has {sources[src.model].layout.num_layers} layers; "
+                    f"layer_range {list(src.layer_range)} names its layer {j}"
+                )
+                break
+            # A gradient runs from the slice's first layer (t = 0) to its last (t = 1); one layer: t = 1.
+            t = (j - a) / (b - a - 1) if b - a > 1 else 1
+            layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters], t))
+    first, last = slices[0].sources[0].model, slices[-1].sources[0].model
     if not layers:
         problems.append("every slice is empty: the plan names no layer")
 
@@ -200,14 +210,20 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
 
-    # Destination unit -> (source label, source unit, parameters).
-    assignment: dict[str, tuple[str, str, list[Parameters | None]]] = {}
+    # Destination unit -> (source label, source unit, parameters, t).
+    assignment: dict[str, tuple[str, str, list[Parameters | None], float]] = {}
     aux = _aux_sources(spec, sources, first, last, problems)
     template = sources[state_label].layout
     for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
-        assignment[unit] = (aux.get(unit, first), unit, [spec.parameters])
-    for i, (label, j, params) in enumerate(layers):
-        assignment[layer_unit(i)] = (label, layer_unit(j), params)
+        label = aux.get(unit, first)
+        # mergekit: the embeddings take the first slice's parameters, the final norm and head the
+        # last slice's (a source's own only where it is the unit's source), at t = 0.
+        s = slices[0] if unit == EMBED else slices[-1] if unit in (NORM, HEAD) else None
+        params = [spec.parameters] if s is None else [
+            *(src.parameters for src in s.sources if src.model == label), s.parameters, spec.parameters]
+        assignment[unit] = (label, unit, params, 0.0)
+    for i, (label, j, params, t) in enumerate(layers):
+        assignment[layer_unit(i)] = (label, layer_unit(j), params, t)
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
 
@@ -217,7 +233,7 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
     renames: dict[str, dict[str, str]] = {}
     cast = spec.output_dtype
     for unit in sorted(assignment, key=unit_rank):
-        label, source_unit, params = assignment[unit]
+        label, source_unit, params, t = assignment[unit]
         source = sources[label]
         if source_unit not in source.layout.units:
             problems.append(f"source {label!r} has no unit {source_unit} (its layout: {list(source.layout.units)})")
@@ -234,13 +250,19 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
             renames[unit][name] = dest_name
             dest_key = join_key(kind, dest_name, state_key)
             got[dest_key] = info
-            scale = _scale(params, dest_name) if kind == KIND_WEIGHT else None
-            dtype = cast if kind == KIND_WEIGHT and cast is not None and cast != _dtype_name(info.dtype) else None
-            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype))
+            if kind == KIND_WEIGHT:
+                # mergekit matches a filter against the source's name of the tensor; casts to
+                # ``dtype`` as it reads, scales, then casts to ``out_dtype`` as it writes.
+                scale = _scale(params, name, t)
+                read_dtype = spec.dtype if spec.dtype not in (None, _dtype_name(info.dtype)) else None
+                computed = read_dtype or _dtype_name(info.dtype)
+                dtype = spec.out_dtype if spec.out_dtype not in (None, computed) else None
+            else:
+                scale = dtype = read_dtype = None
+            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype))
         problems += _entry_problems(unit, label, source_unit, got, _expected(sources[state_label], unit, family, optimizer))
         dest_units[unit] = [split_key(k)[1] for k in got if split_key(k)[0] == KIND_WEIGHT]
-    changed = sorted({f"{a.dest_key} ({'scale ' + str(a.scale) if a.scale not in (None, 1.0) else 'to ' + str(a.dtype)})"
-                      for a in actions if not a.unchanged})
+    changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
         problems.append(
             f"dtype / parameters: scale would change weights {changed[:3]}, which the optimizer state was computed "
@@ -263,11 +285,11 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _scale(params: list[Parameters | None], name: str) -> float | None:
+def _scale(params: list[Parameters | None], name: str, t: float) -> float | None:
     """The first scale that applies: slice source, slice, then top-level parameters."""
     for p in params:
         if p is not None:
-            value = p.scale_for(name)
+            value = p.scale_for(name, t)
             if value is not None:
                 return value
     return None
@@ -366,7 +388,7 @@ def _optimizer_groups(sources, state_label, layout, assignment, renames, where) 
         raise ConfigError(f"{where}: " + "; ".join(problems))
     members: list[list[str]] = [[] for _ in state_groups]
     for unit, names in layout.units.items():
-        label, _, _ = assignment[unit]
+        label = assignment[unit][0]
         moved = [(position[label][s], s, d) for s, d in renames[unit].items() if d in names and s in membership[label]]
         for _, source_name, dest_name in sorted(moved):
             members[membership[label][source_name]].append(dest_name)
