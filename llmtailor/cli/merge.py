@@ -39,7 +39,7 @@ def merge(
     from llmtailor.merge.execute import execute
     from llmtailor.merge.planner import open_plan
 
-    with open_plan(plan_file, out) as plan:
+    with open_plan(plan_file, out, format.value) as plan:
         for warning in plan.warnings:
             errors.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
         if dry_run:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.errors import ConfigError
+from llmtailor.merge.plan import FORMATS
 from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.merge.sources import CONFIG_FILE, WEIGHTS_FILE
 from llmtailor.store import dtypes
@@ -55,14 +56,12 @@ if TYPE_CHECKING:
 Progress = Callable[[str, int, int], None]
 """Called after each unit is written: ``(unit, units done, units in all)``."""
 
-FORMATS = ("tailor", "hf", "model")
-
 
 def merge(plan_file: str | Path, out: str | Path, *, format: str = "tailor", progress: Progress | None = None) -> Path:
     """Plan and execute ``plan_file`` into ``out``; return the snapshot (tailor),
     ``checkpoint-<step>`` (hf) or model (model) directory written. Raises TailorError, with
     nothing written, for a bad plan or an existing output."""
-    with open_plan(plan_file, out) as plan:
+    with open_plan(plan_file, out, format) as plan:
         return execute(plan, out, format=format, progress=progress)
 
 

@@ -55,6 +55,8 @@ from llmtailor.errors import ConfigError, describe_validation
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+FORMATS = ("tailor", "hf", "model")
+"""Output formats; ``model`` holds weights only, so a plan written as one moves no optimizer state."""
 
 
 class _Strict(BaseModel):

@@ -33,7 +33,7 @@ from llmtailor.constants import EMBED, HEAD, KIND_WEIGHT, LAYER_PREFIX, NORM, la
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
-from llmtailor.merge.plan import Parameters, PlanSpec, Slice, SliceSource, load_plan, parse_source
+from llmtailor.merge.plan import FORMATS, Parameters, PlanSpec, Slice, SliceSource, load_plan, parse_source
 from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
 from llmtailor.store.keys import join_key, split_key
 
@@ -96,17 +96,21 @@ class MergePlan:
 
 
 @contextmanager
-def open_plan(plan_file: str | Path, out: str | Path) -> Iterator[MergePlan]:
-    """Load, resolve and validate ``plan_file``; yields the ``MergePlan``. Raises ConfigError
-    (or another TailorError) naming every problem found, before any tensor byte is read.
-    Temporary copies (a DeepSpeed source's import) live beside ``out`` until the block ends."""
+def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") -> Iterator[MergePlan]:
+    """Load, resolve and validate ``plan_file`` for an output in ``format``; yields the
+    ``MergePlan``. Raises ConfigError (or another TailorError) naming every problem found,
+    before any tensor byte is read. Temporary copies (a DeepSpeed source's import) live beside
+    ``out`` until the block ends. A ``model`` output holds no optimizer state, so its plan moves
+    none (and may cast and scale whatever its sources hold)."""
+    if format not in FORMATS:
+        raise ConfigError(f"unknown output format {format!r}; expected one of {FORMATS}")
     plan_file = Path(plan_file)
     spec = load_plan(plan_file)
     scratch = _Scratch(Path(out))
     sources: dict[str, MergeSource] = {}
     try:
         sources = _open_sources(spec, plan_file.resolve().parent, scratch, str(plan_file))
-        yield _build(plan_file, spec, sources)
+        yield _build(plan_file, spec, sources, writes_optimizer=format != "model")
     finally:
         for source in sources.values():
             source.close()
@@ -160,7 +164,7 @@ def _needs_scratch(path: Path) -> bool:
     return path.is_dir() and is_deepspeed_checkpoint(path)
 
 
-def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> MergePlan:
+def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], writes_optimizer: bool) -> MergePlan:
     where = str(plan_file)
     warnings: list[str] = []
     problems: list[str] = []
@@ -202,7 +206,11 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
     tensor_sources = {label: s for label, s in sources.items() if label in _labels(spec.model_copy(update={"tokenizer_source": None}))}
     stateless = [label for label, s in tensor_sources.items() if not s.has_optimizer()]
     optimizer = spec.optimizer if spec.optimizer is not None else not stateless
-    if spec.optimizer is None and stateless:
+    if not writes_optimizer:
+        if spec.optimizer:
+            warnings.append("optimizer: true ignored: --format model writes weights only")
+        optimizer = False
+    elif spec.optimizer is None and stateless:
         warnings.append(f"weights only: {stateless} hold no optimizer state (optimizer: false by default)")
     if optimizer:
         problems += [f"optimizer: true, but source {label!r} ({sources[label].kind}) holds no optimizer state; set "
@@ -266,7 +274,8 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
     if optimizer and changed:
         problems.append(
             f"dtype / parameters: scale would change weights {changed[:3]}, which the optimizer state was computed "
-            "for: allowed only with optimizer: false (a merge that moves optimizer state never casts or scales)"
+            "for: allowed only with optimizer: false or --format model (a merge that moves optimizer state never casts "
+            "or scales)"
         )
     if problems:
         problems = list(dict.fromkeys(problems))

@@ -146,6 +146,52 @@ def test_published_llmtailor_form_with_an_hf_source_and_a_zero_width_slice(root)
         assert_unit_equal(out, unit, expected_unit(root / "full", 4, unit, unit))
 
 
+def published_plan(shape: str, a: str, b: str, layers: int) -> dict:
+    """The published LLMTailor example plans (examples/Qwen_cut.yaml, Llama_cut.yaml) as they
+    are written, for two checkpoints A and B of a model of ``layers`` layers: a zero-width first
+    slice, zero-width slices past the last layer, auxiliary weights by name (Llama_cut lists the
+    embeddings under post_weights and the norm under pre_weights), ``dtype: bfloat16``."""
+    def one(model, r):
+        return {"sources": [{"model": model, "layer_range": list(r)}]}
+    if shape == "Qwen_cut":  # one slice per layer, alternating B, A, B, ...
+        middle = [one(b if i % 2 == 0 else a, (i, i + 1)) for i in range(layers)]
+        aux = {"post_weights": [{"name": "lm_head.weight", "model": b}, {"name": "model.norm.weight", "model": a}],
+               "pre_weights": [{"name": "model.embed_tokens.weight", "model": a}]}
+    else:  # first half of the layers from A, the rest from B
+        middle = [one(a, (0, layers // 2)), one(b, (layers // 2, layers))]
+        aux = {"post_weights": [{"name": "lm_head.weight", "model": b}, {"name": "model.embed_tokens.weight", "model": a}],
+               "pre_weights": [{"name": "model.norm.weight", "model": a}]}
+    slices = [one(a, (0, 0)), *middle, one(b, (layers + 1, layers + 1)), one(a, (layers + 2, layers + 2))]
+    return {"slices": slices, **aux, "merge_method": "passthrough", "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("shape", ["Qwen_cut", "Llama_cut"])
+def test_published_llmtailor_plans_verbatim_on_fp32_trainer_checkpoints(root, tmp_path, shape):
+    """``--format model`` writes no optimizer state, so the plans' ``dtype`` is theirs to use
+    even though the checkpoints hold some; a resumable output still refuses the cast."""
+    for step in (4, 6):
+        export_hf(Run(root / "full"), step, tmp_path / "hf")
+    a, b = tmp_path / "hf" / "checkpoint-4", tmp_path / "hf" / "checkpoint-6"
+    plan = write_plan(tmp_path / f"{shape}.yaml", published_plan(shape, str(a), str(b), 4))
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "model"), "--format", "model"])
+    assert result.exit_code == 0, result.output
+    got = load_file(tmp_path / "model" / "model.safetensors")
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa["model.norm.weight"].dtype == torch.float32
+    odd_from_a = shape == "Qwen_cut"
+    for key, tensor in got.items():
+        if ".layers." in key:
+            i = int(key.split(".layers.")[1].split(".")[0])
+            source = (wa if i % 2 == 1 else wb) if odd_from_a else (wa if i < 2 else wb)
+        else:
+            source = wb if key == "lm_head.weight" else wa
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, source[key].to(torch.bfloat16)), key
+    assert len(got) == len(wa)
+    refused = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "run")])
+    assert refused.exit_code == 2 and "allowed only with optimizer: false or --format model" in " ".join(refused.output.split())
+    assert not (tmp_path / "run").exists()
+
+
 def test_weights_only_plan_may_drop_layers_and_drops_optimizer_state(root, tmp_path):
     plan = write_plan(tmp_path / "short.yaml", {"slices": layers((f"{root / 'full'}@6", (0, 3))), "optimizer": False})
     merge(plan, tmp_path / "out")
