@@ -271,5 +271,43 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
     try:
         return PlanSpec.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{path}: invalid plan: {describe_validation(err, limit=50)}") from None
+        # The method first: under another method, the other problems (unknown parameters,
+        # several sources per slice) are its consequences.
+        ordered = _Errors(sorted(err.errors(), key=lambda e: tuple(e["loc"][:1]) != ("merge_method",)))
+        problems = [f"invalid plan: {describe_validation(ordered, limit=_SHOWN)}"]
+        problems += _missing_sources(data, path.resolve().parent)
+        raise ConfigError(f"{path}: " + "; ".join(problems)) from None
+
+
+_SHOWN = 8
+"""Validation problems a refusal lists; the rest are counted."""
+_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source")
+
+
+class _Errors:
+    """A validation error's problems in another order, for ``describe_validation``."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def errors(self) -> list:
+        return self.items
+
+
+def _missing_sources(node: object, base_dir: Path, key: str | None = None) -> list[str]:
+    """Sources named anywhere in a plan that failed validation whose directory does not exist,
+    so they are reported with its other problems (a valid plan's sources are opened and
+    checked fully by the planner)."""
+    if isinstance(node, dict):
+        return list(dict.fromkeys(p for k, v in node.items() for p in _missing_sources(v, base_dir, k)))
+    if isinstance(node, list):
+        return list(dict.fromkeys(p for v in node for p in _missing_sources(v, base_dir, key)))
+    if key in _SOURCE_KEYS and isinstance(node, str) and node and node not in ("base", "union"):
+        try:
+            exists = parse_source(node, base_dir).path.exists()
+        except (OSError, ValueError, RuntimeError):  # a name no filesystem holds (a NUL byte, ~nobody)
+            exists = False
+        if not exists:
+            return [f"source {node!r}: no such directory"]
+    return []
 

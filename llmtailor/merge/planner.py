@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from llmtailor.constants import EMBED, HEAD, KIND_WEIGHT, LAYER_PREFIX, NORM, layer_unit
 from llmtailor.errors import ConfigError, TailorError
@@ -109,8 +109,8 @@ def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") ->
     scratch = _Scratch(Path(out))
     sources: dict[str, MergeSource] = {}
     try:
-        sources = _open_sources(spec, plan_file.resolve().parent, scratch, str(plan_file))
-        yield _build(plan_file, spec, sources, writes_optimizer=format != "model")
+        sources, problems = _open_sources(spec, plan_file.resolve().parent, scratch)
+        yield _build(plan_file, spec, sources, writes_optimizer=format != "model", problems=problems)
     finally:
         for source in sources.values():
             source.close()
@@ -143,7 +143,9 @@ def _labels(spec: PlanSpec) -> list[str]:
     return list(dict.fromkeys(labels))
 
 
-def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str) -> dict[str, MergeSource]:
+def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[dict[str, MergeSource], list[str]]:
+    """The sources that open, and a problem for each that does not (planning goes on without
+    it, so the plan's other problems are reported with it)."""
     problems, sources = [], {}
     for label in _labels(spec):
         ref = parse_source(label, base_dir)
@@ -151,11 +153,7 @@ def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str)
             sources[label] = open_source(label, ref.path, ref.step, scratch.get() if _needs_scratch(ref.path) else Path("."))
         except TailorError as err:
             problems.append(f"source {label!r}: {err}")
-    if problems:
-        for source in sources.values():
-            source.close()
-        raise ConfigError(f"{where}: " + "; ".join(problems))
-    return sources
+    return sources, problems
 
 
 def _needs_scratch(path: Path) -> bool:
@@ -164,14 +162,20 @@ def _needs_scratch(path: Path) -> bool:
     return path.is_dir() and is_deepspeed_checkpoint(path)
 
 
-def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], writes_optimizer: bool) -> MergePlan:
+def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], writes_optimizer: bool,
+           problems: list[str]) -> MergePlan:
+    """The plan, or one ConfigError with every problem: ``problems`` (the sources that did not
+    open) first; what can be checked without those sources is checked all the same."""
     where = str(plan_file)
     warnings: list[str] = []
-    problems: list[str] = []
+    problems = list(problems)
+    if not sources:
+        _refuse(where, problems)
 
     # mergekit's models form is one slice of the model's whole depth, its parameters the source's.
     slices = spec.slices or [
-        Slice(sources=[SliceSource(model=m.model, layer_range=(0, sources[m.model].layout.num_layers), parameters=m.parameters)])
+        Slice(sources=[SliceSource(model=m.model, layer_range=(0, sources[m.model].layout.num_layers if m.model in sources else 0),
+                                   parameters=m.parameters)])
         for m in spec.models
     ]
     # Output layer i <- (source label, source layer j, its parameters, its position t in its slice).
@@ -181,6 +185,8 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
         a, b = src.layer_range
         if a == b:
             warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
+        if src.model not in sources:
+            continue  # reported already
         for j in range(a, b):
             if layer_unit(j) not in sources[src.model].layout.units:
                 problems.append(
@@ -192,14 +198,16 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
             t = (j - a) / (b - a - 1) if b - a > 1 else 1
             layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters], t))
     first, last = slices[0].sources[0].model, slices[-1].sources[0].model
-    if not layers:
+    if not layers and not problems:
         problems.append("every slice is empty: the plan names no layer")
 
     families = {label: s.layout.family for label, s in sources.items()}
+    if first not in families:
+        first = next(iter(families))  # for the checks below; the plan is refused already
     family_name = families[first]
     problems += [f"source {label!r} is a {fam!r} model, {first!r} a {family_name!r} one: sources must share one architecture"
                  for label, fam in families.items() if fam != family_name]
-    state_label = spec.state_from or spec.base_model or max(
+    state_label = spec.state_from if spec.state_from in sources else spec.base_model if spec.base_model in sources else max(
         sources, key=lambda label: (sources[label].step is not None, sources[label].step or 0, label == last)
     )
     # Every source but one named only for its tokenizer contributes tensors or state.
@@ -216,7 +224,7 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
         problems += [f"optimizer: true, but source {label!r} ({sources[label].kind}) holds no optimizer state; set "
                      "optimizer: false" for label in stateless]
     if problems:
-        raise ConfigError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
+        _refuse(where, problems)
 
     # Destination unit -> (source label, source unit, parameters, t).
     assignment: dict[str, tuple[str, str, list[Parameters | None], float]] = {}
@@ -233,13 +241,14 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
     for i, (label, j, params, t) in enumerate(layers):
         assignment[layer_unit(i)] = (label, layer_unit(j), params, t)
     if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
+        _refuse(where, problems)
 
     family = load_family(family_name)
     dest_units: dict[str, list[str]] = {}
     actions: list[Action] = []
     renames: dict[str, dict[str, str]] = {}
     cast = spec.output_dtype
+    misfits: dict[str, list[str]] = {}  # source label -> a line per misfitting unit, summarised below
     for unit in sorted(assignment, key=unit_rank):
         label, source_unit, params, t = assignment[unit]
         source = sources[label]
@@ -268,8 +277,13 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
             else:
                 scale = dtype = read_dtype = None
             actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype))
-        problems += _entry_problems(unit, label, source_unit, got, _expected(sources[state_label], unit, family, optimizer))
+        misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
+        if misfit:
+            misfits.setdefault(label, []).append(misfit)
         dest_units[unit] = [split_key(k)[1] for k in got if split_key(k)[0] == KIND_WEIGHT]
+    for label, lines in misfits.items():
+        more = f" (and {len(lines) - 1} more units like it)" if len(lines) > 1 else ""
+        problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")
     changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
         problems.append(
@@ -278,9 +292,7 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
             "or scales)"
         )
     if problems:
-        problems = list(dict.fromkeys(problems))
-        shown = problems[:12] + ([f"... ({len(problems)} problems in all)"] if len(problems) > 12 else [])
-        raise ConfigError(f"{where}: " + "; ".join(shown))
+        _refuse(where, problems)
 
     canonical = {name for names in dest_units.values() for name in names}
     aliases = {a: t for a, t in template.aliases.items() if t in canonical and a not in canonical}
@@ -288,6 +300,18 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
     groups = _optimizer_groups(sources, state_label, layout, assignment, renames, where) if optimizer else None
     config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, cast, where)
     return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config, warnings)
+
+
+_SHOWN = 8
+"""Problems a refusal lists; the rest are counted."""
+
+
+def _refuse(where: str, problems: list[str]) -> NoReturn:
+    """Raise one ConfigError naming the plan file and its problems, each once, the first
+    ``_SHOWN`` of them in full."""
+    problems = list(dict.fromkeys(problems))
+    shown = problems[:_SHOWN] + ([f"... ({len(problems)} problems in all)"] if len(problems) > _SHOWN else [])
+    raise ConfigError(f"{where}: " + "; ".join(shown))
 
 
 def _dtype_name(dtype) -> str:
@@ -361,19 +385,24 @@ def _expected(state: MergeSource, unit: str, family, optimizer: bool) -> dict[st
     return out
 
 
-def _entry_problems(unit: str, label: str, source_unit: str, got: dict[str, TensorInfo], expected: dict[str, TensorInfo]) -> list[str]:
-    problems = []
-    origin = f"{unit} from {label!r} {source_unit}"
+def _misfit(source_unit: str, got: dict[str, TensorInfo], expected: dict[str, TensorInfo]) -> str | None:
+    """One short line on how ``source_unit``'s tensors differ from what the destination expects
+    (None: they fit): the keys it lacks or has extra, else how many differ in shape or dtype,
+    with one example."""
+    if not expected:
+        return None
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    if expected and (missing or extra):
-        problems.append(f"{origin}: architecture or optimizer state differs from the state source's "
-                        f"(lacks {missing[:3]}, has extra {extra[:3]})")
-    for key in sorted(expected.keys() & got.keys()):
-        have, want = got[key], expected[key]
-        if (have.dtype, have.shape) != (want.dtype, want.shape):
-            problems.append(f"{origin}: {key} is {_dtype_name(have.dtype)} {list(have.shape)}, the destination expects "
-                            f"{_dtype_name(want.dtype)} {list(want.shape)}")
-    return problems
+    if missing or extra:
+        return (f"its {source_unit} lacks {len(missing)} tensors ({', '.join(missing[:2])}) and has {len(extra)} "
+                f"extra ({', '.join(extra[:2])}): another architecture, or other optimizer state")
+    differ = [k for k in sorted(got, key=lambda k: (split_key(k)[0] != KIND_WEIGHT, k))
+              if (got[k].dtype, got[k].shape) != (expected[k].dtype, expected[k].shape)]
+    if not differ:
+        return None
+    key = differ[0]
+    return (f"{len(differ)} of the {len(got)} tensors of its {source_unit} differ in shape or dtype, e.g. {key} is "
+            f"{_dtype_name(got[key].dtype)} {list(got[key].shape)}, expected {_dtype_name(expected[key].dtype)} "
+            f"{list(expected[key].shape)}")
 
 
 def _optimizer_groups(sources, state_label, layout, assignment, renames, where) -> list[dict[str, Any]]:
