@@ -98,8 +98,6 @@ def tokenizer_files(plan: MergePlan) -> list[Path]:
     label = spec.tokenizer_source
     if label in (None, "base"):
         label = spec.base_model or (spec.models[0].model if spec.models else spec.slices[0].sources[0].model)
-    elif label == "union":
-        raise ConfigError(f"{plan.plan_file}: tokenizer_source 'union' builds a new vocabulary; a layer assembly keeps one")
     return plan.sources[label].tokenizer_files()
 
 
@@ -153,10 +151,23 @@ def _tensors(plan: MergePlan, actions) -> dict[str, torch.Tensor | ByteSource]:
             tensor = value.load() if isinstance(value, ByteSource) else value
             if a.read_dtype is not None:
                 tensor = tensor.to(dtypes.to_torch(a.read_dtype))
+            if a.rows is not None:
+                tensor = _take_rows(tensor, a.rows)
             if a.scale not in (None, 1.0):
                 tensor = tensor * a.scale
             value = tensor.to(dtypes.to_torch(a.dtype)) if a.dtype is not None else tensor
         out[a.dest_key] = value
+    return out
+
+
+def _take_rows(tensor: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """Row i of the result is ``tensor``'s row ``rows[i]``, a zero row where that is -1."""
+    import torch
+
+    index = torch.tensor(rows, dtype=torch.long)
+    out = tensor.new_zeros((len(rows), *tensor.shape[1:]))
+    keep = index >= 0
+    out[keep] = tensor[index[keep]]
     return out
 
 

@@ -196,6 +196,14 @@ class PlanSpec(_Strict):
             )
         return value
 
+    @field_validator("tokenizer_source")
+    @classmethod
+    def _one_vocabulary(cls, value: str | None) -> str | None:
+        if value == "union":
+            raise ValueError("tokenizer_source 'union' (a new vocabulary merged from every source's tokenizer) is not "
+                             "supported: name one source's tokenizer, or base")
+        return value
+
     @field_validator("dtype", "out_dtype")
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:

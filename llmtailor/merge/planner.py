@@ -35,6 +35,7 @@ from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
 from llmtailor.merge.plan import FORMATS, Parameters, PlanSpec, Slice, SliceSource, load_plan, parse_source
 from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
+from llmtailor.merge.vocab import VOCAB_UNITS, build_vocabulary, vocab_size_of
 from llmtailor.store.keys import join_key, split_key
 
 
@@ -54,15 +55,19 @@ class Action:
     scale: float | None = None
     dtype: str | None = None
     read_dtype: str | None = None
+    rows: tuple[int, ...] | None = None
+    """A vocabulary tensor's rows for ``tokenizer_source`` (merge/vocab.py), taken after the read
+    cast: row i is source row ``rows[i]``, a zero row where that is -1."""
 
     @property
     def unchanged(self) -> bool:
-        return self.scale in (None, 1.0) and self.dtype is None and self.read_dtype is None
+        return self.scale in (None, 1.0) and self.dtype is None and self.read_dtype is None and self.rows is None
 
     def describe(self) -> str:
         """What happens to the tensor, for messages and the dry run (empty: copied as it is)."""
-        steps = [f"as {self.read_dtype}" if self.read_dtype else "", f"scale {self.scale}" if self.scale not in (None, 1.0) else "",
-                 f"to {self.dtype}" if self.dtype else ""]
+        steps = [f"as {self.read_dtype}" if self.read_dtype else "",
+                 f"{len(self.rows)} vocabulary rows" if self.rows is not None else "",
+                 f"scale {self.scale}" if self.scale not in (None, 1.0) else "", f"to {self.dtype}" if self.dtype else ""]
         return ", ".join(x for x in steps if x)
 
 
@@ -138,7 +143,7 @@ def _labels(spec: PlanSpec) -> list[str]:
     labels = [s.sources[0].model for s in spec.slices or []] + [m.model for m in spec.models or []]
     labels += [x for x in (spec.base_model, spec.embed, spec.norm, spec.head, spec.state_from) if x]
     labels += [w.model for w in (*spec.pre_weights, *spec.post_weights)]
-    if spec.tokenizer_source not in (None, "base", "union"):
+    if spec.tokenizer_source not in (None, "base"):
         labels.append(spec.tokenizer_source)
     return list(dict.fromkeys(labels))
 
@@ -240,6 +245,10 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
         assignment[unit] = (label, unit, params, 0.0)
     for i, (label, j, params, t) in enumerate(layers):
         assignment[layer_unit(i)] = (label, layer_unit(j), params, t)
+    vocab = None
+    if spec.tokenizer_source is not None:
+        vocab = build_vocabulary(spec.tokenizer_source, spec.base_model or first,
+                                 [assignment[u][0] for u in VOCAB_UNITS if u in assignment], sources, problems, warnings)
     if problems:
         _refuse(where, problems)
 
@@ -274,9 +283,10 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
                 read_dtype = spec.dtype if spec.dtype not in (None, _dtype_name(info.dtype)) else None
                 computed = read_dtype or _dtype_name(info.dtype)
                 dtype = spec.out_dtype if spec.out_dtype not in (None, computed) else None
+                rows = vocab.rows_of(label, unit, info, vocab_size_of(source)) if vocab is not None else None
             else:
-                scale = dtype = read_dtype = None
-            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype))
+                scale = dtype = read_dtype = rows = None
+            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype, rows))
         misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
         if misfit:
             misfits.setdefault(label, []).append(misfit)
@@ -287,9 +297,9 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
     changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
         problems.append(
-            f"dtype / parameters: scale would change weights {changed[:3]}, which the optimizer state was computed "
-            "for: allowed only with optimizer: false or --format model (a merge that moves optimizer state never casts "
-            "or scales)"
+            f"dtype / parameters: scale / tokenizer_source would change weights {changed[:3]}, which the optimizer state "
+            "was computed for: allowed only with optimizer: false or --format model (a merge that moves optimizer state "
+            "never casts, scales or cuts)"
         )
     if problems:
         _refuse(where, problems)
@@ -299,6 +309,8 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
     layout = Layout(family_name, dest_units, aliases)
     groups = _optimizer_groups(sources, state_label, layout, assignment, renames, where) if optimizer else None
     config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, cast, where)
+    if config is not None and vocab is not None:
+        config["vocab_size"] = vocab.size  # mergekit: the output tokenizer's size
     return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config, warnings)
 
 

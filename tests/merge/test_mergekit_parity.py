@@ -75,6 +75,9 @@ def inputs(tmp_path_factory, tokens) -> Path:
     ]:
         save_model(root / name, family, layers, seed, **kwargs)
         save_tokenizer(root / name, words)
+    # Another tokenizer: some of a's tokens at other ids, one token a's lacks.
+    save_model(root / "c", "llama", 4, 6)
+    save_tokenizer(root / "c", ["[UNK]", "[PAD]", "j", "i", "x", *"abcdefgh"])
     # Trainer checkpoints (fp32, with AdamW state) of a tailored run, as LLMTailor's users have them.
     model, optimizer, scheduler = tiny(layers=6)
     with Tailor(root / "run", model, optimizer, scheduler, policy=Full()) as tailor:
@@ -131,6 +134,8 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
                                                  "base_model": "a"},
     "tokenizer_source a model": {"slices": stack(("b", (0, 4))), "tokenizer_source": "a", "dtype": "bfloat16",
                                  "parameters": {"scale": 0.5}},
+    "tokenizer_source re-maps tokens": {"slices": stack(("a", (0, 2)), ("b", (2, 4))), "tokenizer_source": "c",
+                                       "parameters": {"scale": -0.5}},
     "tied": {"models": [{"model": "tied", "parameters": {"scale": 0.5}}]},
     "gpt2 cut": {"slices": stack(("gpt2", (0, 3)), ("gpt2", (4, 6))), "parameters": {"scale": [1.0, 0.5]}},
     "Trainer checkpoints, LLMTailor's shape": {

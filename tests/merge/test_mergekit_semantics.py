@@ -4,6 +4,7 @@ parameters reaching the embeddings and the head, gradients, tokenizer cuts (issu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,72 @@ def test_the_dry_run_shows_each_tensors_cast_and_scale(models, tmp_path):
         by_key = {a.dest_key: a for a in planned.actions}
     assert by_key["weight/model.layers.0.mlp.up_proj.weight"].describe() == "as bfloat16, scale 0.5, to float16"
     assert by_key["weight/model.layers.1.mlp.up_proj.weight"].describe() == "as bfloat16, to float16"  # t = 1: scale 1.0
+
+
+def save_tokenizer(path: Path, tokens: list[str]) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(path)
+
+
+WORDS = ["[UNK]", "[PAD]", *"abcdefghij"]  # 12 tokens; the models' embeddings have 64 rows
+
+
+def test_a_tokenizer_smaller_than_the_embedding_cuts_its_rows_and_sets_vocab_size(models, tmp_path):
+    """Qwen2.5's shape: the embedding padded past the tokenizer. mergekit keeps one row per
+    token (embeddings from the first slice's model, LM head from the last's)."""
+    root, made = models
+    for name in ("a", "b"):
+        save_tokenizer(root / name, WORDS)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"slices": one_slice(root / "a", (0, 2)) + one_slice(root / "b", (2, 4)),
+                                    "tokenizer_source": "base", "dtype": "bfloat16"}))
+    out = merge(plan, tmp_path / "out", format="model")
+    got = load_file(out / "model.safetensors")
+    assert bits_equal(got["model.embed_tokens.weight"], made["a"]["model.embed_tokens.weight"][:12].to(torch.bfloat16))
+    assert bits_equal(got["lm_head.weight"], made["b"]["lm_head.weight"][:12].to(torch.bfloat16))
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 12
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    assert transformers.AutoTokenizer.from_pretrained(out)("a j")["input_ids"] == [2, 11]
+
+
+def test_a_cut_with_optimizer_state_is_refused(tmp_path, tokens):
+    """Moments computed for 256 rows cannot follow a cut to the tokenizer's 12 silently."""
+    from helpers import tiny, train
+
+    from llmtailor import Tailor
+    from llmtailor.errors import ConfigError
+    from llmtailor.interop.hf_export import export_hf
+    from llmtailor.store.run import Run
+
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [1])
+    with Tailor(tmp_path / "run", model, optimizer, scheduler) as tailor:
+        tailor.save(1)
+    checkpoint = export_hf(Run(tmp_path / "run"), 1, tmp_path / "hf")
+    save_tokenizer(checkpoint, WORDS)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"models": [{"model": str(checkpoint)}], "tokenizer_source": "base"}))
+    with pytest.raises(ConfigError, match="tokenizer_source would change weights .*12 vocabulary rows.* --format model"):
+        merge(plan, tmp_path / "out", format="hf")
+    assert not (tmp_path / "out").exists()
+    got = load_file(merge(plan, tmp_path / "model", format="model") / "model.safetensors")  # weights only: cut
+    assert got["model.embed_tokens.weight"].shape[0] == 12
+
+
+@pytest.mark.parametrize("format", ["tailor", "hf", "model"])
+def test_tokenizer_source_union_is_refused_while_planning_in_every_format(models, tmp_path, format):
+    from llmtailor.errors import ConfigError
+
+    root, _ = models
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"slices": one_slice(root / "a"), "tokenizer_source": "union"}))
+    with pytest.raises(ConfigError, match="tokenizer_source 'union' .* is not supported"):
+        with open_plan(plan, tmp_path / "out", format):
+            pass
+    with pytest.raises(ConfigError, match="union"):
+        merge(plan, tmp_path / "out", format=format)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
