@@ -31,7 +31,7 @@ $(MKSTAMP): | $(STAMP)
 mergekit: $(MKSTAMP)
 
 test: $(STAMP) $(MKSTAMP)
-	LLMTAILOR_MERGEKIT=$(MKVENV)/bin/python $(PY) -m pytest -q
+	LLMTAILOR_MERGEKIT=$(CURDIR)/$(MKVENV)/bin/python $(PY) -m pytest -q
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

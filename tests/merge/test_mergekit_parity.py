@@ -71,7 +71,7 @@ def inputs(tmp_path_factory, tokens) -> Path:
     assert len(words) == TOKENS
     for name, family, layers, seed, kwargs in [
         ("a", "llama", 4, 1, {}), ("b", "llama", 4, 2, {"shard": "20KB"}), ("half", "llama", 4, 3, {"dtype": torch.bfloat16}),
-        ("tied", "qwen2", 4, 4, {"tie": True}), ("gpt2", "gpt2", 6, 5, {}),
+        ("tied", "qwen2", 4, 4, {"tie": True}), ("gpt2", "gpt2", 6, 5, {}), ("q", "qwen2", 4, 7, {}),
     ]:
         save_model(root / name, family, layers, seed, **kwargs)
         save_tokenizer(root / name, words)
@@ -136,6 +136,13 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
                                  "parameters": {"scale": 0.5}},
     "tokenizer_source re-maps tokens": {"slices": stack(("a", (0, 2)), ("b", (2, 4))), "tokenizer_source": "c",
                                        "parameters": {"scale": -0.5}},
+    # (same depth: mergekit 0.1.5 cannot change a qwen2's depth, its config's layer_types stay as they were)
+    "qwen2 with biases, filter on bias": {"slices": stack(("q", (2, 4)), ("q", (0, 2))),
+                                          "parameters": {"scale": [{"filter": "bias", "value": 0.5}, {"value": 1.25}]}},
+    "sharded source, a cut": {"slices": stack(("b", (1, 3)))},
+    "bf16 source, out_dtype float32": {"models": [{"model": "half"}], "out_dtype": "float32"},
+    "bf16 source, dtype float16, gradient": {"slices": stack(("half", (0, 4)), parameters={"scale": [2.0, 0.5]}),
+                                             "dtype": "float16"},
     "tied": {"models": [{"model": "tied", "parameters": {"scale": 0.5}}]},
     "gpt2 cut": {"slices": stack(("gpt2", (0, 3)), ("gpt2", (4, 6))), "parameters": {"scale": [1.0, 0.5]}},
     "Trainer checkpoints, LLMTailor's shape": {
