@@ -8,9 +8,9 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
       - sources: [{model: runs/a@400, layer_range: [0, 16]}]    # half-open, as in mergekit
       - sources: [{model: runs/b@500, layer_range: [8, 32]}]    # overlaps and depth changes allowed
     base_model: runs/b@500             # default source of training state (below)
-    dtype: bfloat16                    # cast the weights (weights-only merges only)
-    parameters: {scale: [{filter: o_proj, value: 0.5}, {value: 1.0}]}   # mergekit's passthrough scale
-    tokenizer_source: base             # copied into --format hf / model outputs ("base" or a source)
+    dtype: bfloat16                    # cast the weights (weights-only merges only); out_dtype: as written
+    parameters: {scale: [{filter: o_proj, value: 0.5}, {value: [1.0, 0.5]}]}   # mergekit's passthrough scale
+    tokenizer_source: base             # the output's tokenizer ("base" or a source; not "union")
     embed: runs/a@400                  # optional per auxiliary unit: embed, norm, head
     optimizer: true                    # move optimizer state with each parameter (default: when every source has some)
     state_from: runs/b@500             # step, scheduler, RNG, trainer state
@@ -22,12 +22,20 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
     pre_weights:  [{name: model.embed_tokens.weight, model: runs/a@400}]
     post_weights: [{name: model.norm.weight, model: runs/b@500}, {name: lm_head.weight, model: runs/b@500}]
 
-What mergekit makes of a passthrough plan, so do we: the output's layers are the slices' layer
+What mergekit (0.1.5) makes of a passthrough plan, so do we, bit for bit
+(tests/merge/test_mergekit_parity.py runs both): the output's layers are the slices' layer
 ranges concatenated in order (any depth, layers repeated or skipped); the embeddings come from
 the first slice's model and the final norm and LM head from the last slice's model, unless the
-plan names them (``embed`` / ``norm`` / ``head`` or ``pre_weights`` / ``post_weights``);
-``parameters: scale`` multiplies a tensor (the first entry whose ``filter`` is a substring of
-its name wins; slice-source, then slice, then top-level parameters).
+plan names them (``embed`` / ``norm`` / ``head`` or ``pre_weights`` / ``post_weights``).
+``parameters: scale`` multiplies a weight: slice-source, then slice, then top-level parameters,
+the first that gives a value wins; the embeddings take the first slice's, the final norm and
+head the last slice's. A scale is a number, a gradient (numbers spread evenly over a slice's
+layers, linearly interpolated: its first layer at 0, its last at 1, a one-layer slice at 1, the
+embeddings, norm and head at 0), ``{filter, value}`` or a list of them: the first whose
+``filter`` is a substring of the *source's* name of the tensor, or ``*``, or none, wins.
+A weight is cast to ``dtype`` as read, then scaled, then cast to ``out_dtype``.
+``tokenizer_source`` rebuilds the embedding and LM head rows for that tokenizer and sets
+``vocab_size`` (merge/vocab.py).
 
 Training state (step, LR scheduler, RNG, trainer state, optimizer hyperparameters) comes from
 ``state_from``; by default from ``base_model``; without either, from the source with the
@@ -37,7 +45,8 @@ A source (SRC) is ``RUN@STEP`` (a tailored run's composite at a step), ``RUN`` (
 composite), a model directory (``save_pretrained``: ``config.json`` and ``model.safetensors``,
 sharded or not, or ``pytorch_model.bin``), a Hugging Face Trainer ``checkpoint-N/`` directory,
 or a DeepSpeed checkpoint. Relative paths resolve against the plan file's directory. Every
-problem of a plan is reported at once in one ConfigError naming the plan file and the key.
+problem of a plan is reported at once in one ConfigError naming the plan file and the key
+(with the sources it names that do not exist, and a method other than passthrough first).
 """
 
 from __future__ import annotations
