@@ -64,6 +64,8 @@ from llmtailor.errors import ConfigError, describe_validation
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+SHOWN_PROBLEMS = 8
+"""How many problems a refusal lists in full; the rest are counted (messages stay short)."""
 FORMATS = ("tailor", "hf", "model")
 """Output formats; ``model`` holds weights only, so a plan written as one moves no optimizer state."""
 
@@ -291,13 +293,11 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         # The method first: under another method, the other problems (unknown parameters,
         # several sources per slice) are its consequences.
         ordered = _Errors(sorted(err.errors(), key=lambda e: tuple(e["loc"][:1]) != ("merge_method",)))
-        problems = [f"invalid plan: {describe_validation(ordered, limit=_SHOWN)}"]
+        problems = [f"invalid plan: {describe_validation(ordered, limit=SHOWN_PROBLEMS)}"]
         problems += _missing_sources(data, path.resolve().parent)
         raise ConfigError(f"{path}: " + "; ".join(problems)) from None
 
 
-_SHOWN = 8
-"""Validation problems a refusal lists; the rest are counted."""
 _SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source")
 
 

@@ -15,8 +15,12 @@ Invariants of a ``MergePlan``:
   layer template of the state source), with its optimizer state keys too when optimizer state
   moves; with it, each output parameter joins the optimizer param group its source parameter
   was in, so a model deepened by repeating layers resumes training with their moments;
-- casts (``dtype``) and ``parameters: scale`` apply to weights only and are refused with
-  optimizer state (exactness first).
+- a weight is cast to ``dtype`` as read, has its vocabulary rows taken (``tokenizer_source``),
+  is scaled, then cast to ``out_dtype``, as mergekit does (``Action``); each of these applies to
+  weights only and is refused with optimizer state (exactness first); a ``model`` output moves
+  no optimizer state;
+- every problem is reported in one ConfigError: the sources that do not open do not stop the
+  checks that can be made without them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,16 @@ from llmtailor.constants import EMBED, HEAD, KIND_WEIGHT, LAYER_PREFIX, NORM, la
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
-from llmtailor.merge.plan import FORMATS, Parameters, PlanSpec, Slice, SliceSource, load_plan, parse_source
+from llmtailor.merge.plan import (
+    FORMATS,
+    SHOWN_PROBLEMS,
+    Parameters,
+    PlanSpec,
+    Slice,
+    SliceSource,
+    load_plan,
+    parse_source,
+)
 from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
 from llmtailor.merge.vocab import VOCAB_UNITS, build_vocabulary, vocab_size_of
 from llmtailor.store.keys import join_key, split_key
@@ -314,15 +327,12 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
     return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config, warnings)
 
 
-_SHOWN = 8
-"""Problems a refusal lists; the rest are counted."""
-
-
 def _refuse(where: str, problems: list[str]) -> NoReturn:
     """Raise one ConfigError naming the plan file and its problems, each once, the first
-    ``_SHOWN`` of them in full."""
+    ``SHOWN_PROBLEMS`` of them in full."""
     problems = list(dict.fromkeys(problems))
-    shown = problems[:_SHOWN] + ([f"... ({len(problems)} problems in all)"] if len(problems) > _SHOWN else [])
+    shown = problems[:SHOWN_PROBLEMS]
+    shown += [f"... ({len(problems)} problems in all)"] if len(problems) > SHOWN_PROBLEMS else []
     raise ConfigError(f"{where}: " + "; ".join(shown))
 
 

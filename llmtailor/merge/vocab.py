@@ -70,7 +70,8 @@ def build_vocabulary(tokenizer_label: str, base_label: str, labels: list[str], s
         return None
 
 
-def _build(tokenizer_label, base_label, labels, sources, problems, warnings) -> Vocabulary | None:
+def _build(tokenizer_label: str, base_label: str, labels: list[str], sources: dict[str, MergeSource],
+           problems: list[str], warnings: list[str]) -> Vocabulary | None:
     full = _vocab(sources[base_label])
     if full is None:
         warnings.append(f"tokenizer_source: the base model {base_label!r} has no tokenizer files, so the embeddings are "
