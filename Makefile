@@ -3,8 +3,12 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# mergekit, in a venv of its own (its dependencies must not enter ours), for the parity tests
+# (tests/merge/test_mergekit_parity.py); transformers pinned to the version our venv has.
+MKVENV  := .venv-mergekit
+MKSTAMP := $(MKVENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench clean mergekit
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -18,8 +22,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/llmtailor demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+$(MKSTAMP): | $(STAMP)
+	$(PYTHON) -m venv $(MKVENV)
+	$(MKVENV)/bin/python -m pip install -q torch==2.13.0
+	$(MKVENV)/bin/python -m pip install -q mergekit==0.1.5 "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+	touch $(MKSTAMP)
+
+mergekit: $(MKSTAMP)
+
+test: $(STAMP) $(MKSTAMP)
+	LLMTAILOR_MERGEKIT=$(CURDIR)/$(MKVENV)/bin/python $(PY) -m pytest -q
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -28,4 +40,4 @@ bench: $(STAMP)
 	$(PY) bench/bench_save.py
 
 clean:
-	rm -rf $(VENV) runs bench/out
+	rm -rf $(VENV) $(MKVENV) runs bench/out

@@ -39,7 +39,7 @@ def merge(
     from llmtailor.merge.execute import execute
     from llmtailor.merge.planner import open_plan
 
-    with open_plan(plan_file, out) as plan:
+    with open_plan(plan_file, out, format.value) as plan:
         for warning in plan.warnings:
             errors.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
         if dry_run:
@@ -69,8 +69,8 @@ def actions_table(plan, verbose: bool = False):
         source = first.source if step is None or first.source.endswith(f"@{step}") else f"{first.source}@{step}"
         if verbose:
             for a in actions:
-                note = "".join(f", {k} {v}" for k, v in (("scale", a.scale), ("as", a.dtype)) if v is not None)
-                table.add_row(unit, a.dest_key, source, a.source_key + note)
+                note = a.describe()
+                table.add_row(unit, a.dest_key, source, a.source_key + (f" ({note})" if note else ""))
         else:
             saved = first.source_unit + (f", saved at step {first.step}" if first.step is not None else "")
             table.add_row(unit, f"{len(actions)} tensors", source, saved)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.errors import ConfigError
+from llmtailor.merge.plan import FORMATS
 from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.merge.sources import CONFIG_FILE, WEIGHTS_FILE
 from llmtailor.store import dtypes
@@ -55,14 +56,12 @@ if TYPE_CHECKING:
 Progress = Callable[[str, int, int], None]
 """Called after each unit is written: ``(unit, units done, units in all)``."""
 
-FORMATS = ("tailor", "hf", "model")
-
 
 def merge(plan_file: str | Path, out: str | Path, *, format: str = "tailor", progress: Progress | None = None) -> Path:
     """Plan and execute ``plan_file`` into ``out``; return the snapshot (tailor),
     ``checkpoint-<step>`` (hf) or model (model) directory written. Raises TailorError, with
     nothing written, for a bad plan or an existing output."""
-    with open_plan(plan_file, out) as plan:
+    with open_plan(plan_file, out, format) as plan:
         return execute(plan, out, format=format, progress=progress)
 
 
@@ -99,8 +98,6 @@ def tokenizer_files(plan: MergePlan) -> list[Path]:
     label = spec.tokenizer_source
     if label in (None, "base"):
         label = spec.base_model or (spec.models[0].model if spec.models else spec.slices[0].sources[0].model)
-    elif label == "union":
-        raise ConfigError(f"{plan.plan_file}: tokenizer_source 'union' builds a new vocabulary; a layer assembly keeps one")
     return plan.sources[label].tokenizer_files()
 
 
@@ -150,12 +147,27 @@ def _tensors(plan: MergePlan, actions) -> dict[str, torch.Tensor | ByteSource]:
     out = {}
     for a in actions:
         value = plan.sources[a.source].read(a.source_unit, a.source_key)
-        if not a.unchanged:
+        if not a.unchanged:  # mergekit's order: cast as read, scale, cast as written
             tensor = value.load() if isinstance(value, ByteSource) else value
+            if a.read_dtype is not None:
+                tensor = tensor.to(dtypes.to_torch(a.read_dtype))
+            if a.rows is not None:
+                tensor = _take_rows(tensor, a.rows)
             if a.scale not in (None, 1.0):
                 tensor = tensor * a.scale
             value = tensor.to(dtypes.to_torch(a.dtype)) if a.dtype is not None else tensor
         out[a.dest_key] = value
+    return out
+
+
+def _take_rows(tensor: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """Row i of the result is ``tensor``'s row ``rows[i]``, a zero row where that is -1."""
+    import torch
+
+    index = torch.tensor(rows, dtype=torch.long)
+    out = tensor.new_zeros((len(rows), *tensor.shape[1:]))
+    keep = index >= 0
+    out[keep] = tensor[index[keep]]
     return out
 
 

@@ -8,9 +8,9 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
       - sources: [{model: runs/a@400, layer_range: [0, 16]}]    # half-open, as in mergekit
       - sources: [{model: runs/b@500, layer_range: [8, 32]}]    # overlaps and depth changes allowed
     base_model: runs/b@500             # default source of training state (below)
-    dtype: bfloat16                    # cast the weights (weights-only merges only)
-    parameters: {scale: [{filter: o_proj, value: 0.5}, {value: 1.0}]}   # mergekit's passthrough scale
-    tokenizer_source: base             # copied into --format hf / model outputs ("base" or a source)
+    dtype: bfloat16                    # cast the weights (weights-only merges only); out_dtype: as written
+    parameters: {scale: [{filter: o_proj, value: 0.5}, {value: [1.0, 0.5]}]}   # mergekit's passthrough scale
+    tokenizer_source: base             # the output's tokenizer ("base" or a source; not "union")
     embed: runs/a@400                  # optional per auxiliary unit: embed, norm, head
     optimizer: true                    # move optimizer state with each parameter (default: when every source has some)
     state_from: runs/b@500             # step, scheduler, RNG, trainer state
@@ -22,12 +22,20 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
     pre_weights:  [{name: model.embed_tokens.weight, model: runs/a@400}]
     post_weights: [{name: model.norm.weight, model: runs/b@500}, {name: lm_head.weight, model: runs/b@500}]
 
-What mergekit makes of a passthrough plan, so do we: the output's layers are the slices' layer
+What mergekit (0.1.5) makes of a passthrough plan, so do we, bit for bit
+(tests/merge/test_mergekit_parity.py runs both): the output's layers are the slices' layer
 ranges concatenated in order (any depth, layers repeated or skipped); the embeddings come from
 the first slice's model and the final norm and LM head from the last slice's model, unless the
-plan names them (``embed`` / ``norm`` / ``head`` or ``pre_weights`` / ``post_weights``);
-``parameters: scale`` multiplies a tensor (the first entry whose ``filter`` is a substring of
-its name wins; slice-source, then slice, then top-level parameters).
+plan names them (``embed`` / ``norm`` / ``head`` or ``pre_weights`` / ``post_weights``).
+``parameters: scale`` multiplies a weight: slice-source, then slice, then top-level parameters,
+the first that gives a value wins; the embeddings take the first slice's, the final norm and
+head the last slice's. A scale is a number, a gradient (numbers spread evenly over a slice's
+layers, linearly interpolated: its first layer at 0, its last at 1, a one-layer slice at 1, the
+embeddings, norm and head at 0), ``{filter, value}`` or a list of them: the first whose
+``filter`` is a substring of the *source's* name of the tensor, or ``*``, or none, wins.
+A weight is cast to ``dtype`` as read, then scaled, then cast to ``out_dtype``.
+``tokenizer_source`` rebuilds the embedding and LM head rows for that tokenizer and sets
+``vocab_size`` (merge/vocab.py).
 
 Training state (step, LR scheduler, RNG, trainer state, optimizer hyperparameters) comes from
 ``state_from``; by default from ``base_model``; without either, from the source with the
@@ -37,7 +45,8 @@ A source (SRC) is ``RUN@STEP`` (a tailored run's composite at a step), ``RUN`` (
 composite), a model directory (``save_pretrained``: ``config.json`` and ``model.safetensors``,
 sharded or not, or ``pytorch_model.bin``), a Hugging Face Trainer ``checkpoint-N/`` directory,
 or a DeepSpeed checkpoint. Relative paths resolve against the plan file's directory. Every
-problem of a plan is reported at once in one ConfigError naming the plan file and the key.
+problem of a plan is reported at once in one ConfigError naming the plan file and the key
+(with the sources it names that do not exist, and a method other than passthrough first).
 """
 
 from __future__ import annotations
@@ -45,40 +54,83 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtailor.errors import ConfigError, describe_validation
 
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+SHOWN_PROBLEMS = 8
+"""How many problems a refusal lists in full; the rest are counted (messages stay short)."""
+FORMATS = ("tailor", "hf", "model")
+"""Output formats; ``model`` holds weights only, so a plan written as one moves no optimizer state."""
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _number_or_gradient(value: object) -> object:
+    """Only the shapes mergekit gives a scale: a number (or a number's text, as YAML leaves
+    ``1e-3``) or a list of them."""
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in items):
+        raise ValueError(f"a scale value is a number or a list of numbers (a gradient over the layers), got {value!r}")
+    return value
+
+
 class ScaleRule(_Strict):
-    """One entry of mergekit's conditional parameter list: ``filter`` (a substring of the tensor
-    name; none: every tensor) and the ``value``."""
+    """One entry of mergekit's conditional parameter list: ``filter`` (a substring of the source
+    tensor's name; ``*`` or none: every tensor) and the ``value``, a number or a gradient."""
 
     filter: str | None = None
-    value: float
+    value: Annotated[float | list[float], BeforeValidator(_number_or_gradient)]
+
+    def matches(self, name: str) -> bool:
+        return self.filter is None or self.filter == "*" or self.filter in name
+
+
+def _rules(value: object) -> object:
+    """Every spelling of ``scale`` as a list of rules: a number or a gradient is one rule with no
+    filter (mergekit resolves both alike), a single ``{filter, value}`` a list of one."""
+    if value is None or isinstance(value, dict):
+        return value if value is None else [value]
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+        return value
+    if isinstance(value, list) and any(isinstance(x, dict) for x in value):
+        raise ValueError("scale mixes {filter, value} entries and numbers; give a list of one kind")
+    return [{"value": _number_or_gradient(value)}]
+
+
+def _gradient(values: list[float], t: float) -> float | None:
+    """The value at ``t`` in [0, 1] of numbers spread evenly over [0, 1], linearly
+    interpolated, with mergekit's own arithmetic (so the result is the same float)."""
+    if not values:
+        return None
+    position = t * (len(values) - 1)
+    low = int(position)
+    high = min(len(values) - 1, low + 1)
+    frac = position - low
+    return (1 - frac) * values[low] + frac * values[high]
 
 
 class Parameters(_Strict):
-    """The parameters passthrough takes: ``scale``, a number or a list of ``ScaleRule``."""
+    """The parameters passthrough takes: ``scale``, in any of mergekit's spellings: a number, a
+    gradient (a list of numbers, interpolated over a slice's layers), ``{filter, value}`` or a
+    list of them (the first whose filter matches decides)."""
 
-    scale: float | list[ScaleRule] | None = None
+    scale: Annotated[list[ScaleRule] | None, BeforeValidator(_rules)] = None
 
-    def scale_for(self, name: str) -> float | None:
-        if self.scale is None or isinstance(self.scale, float):
-            return self.scale
-        for rule in self.scale:
-            if rule.filter is None or rule.filter in name:
-                return rule.value
+    def scale_for(self, name: str, t: float) -> float | None:
+        """The scale of the source tensor ``name`` at position ``t`` of its slice (0 for the
+        embeddings and the final norm and head); None: these parameters leave it to the next."""
+        for rule in self.scale or []:
+            if rule.matches(name):
+                return _gradient(rule.value, t) if isinstance(rule.value, list) else rule.value
         return None
 
 
@@ -155,12 +207,21 @@ class PlanSpec(_Strict):
             )
         return value
 
+    @field_validator("tokenizer_source")
+    @classmethod
+    def _one_vocabulary(cls, value: str | None) -> str | None:
+        if value == "union":
+            raise ValueError("tokenizer_source 'union' (a new vocabulary merged from every source's tokenizer) is not "
+                             "supported: name one source's tokenizer, or base")
+        return value
+
     @field_validator("dtype", "out_dtype")
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
-        if value is not None and value not in DTYPE_NAMES:
+        name = value.removeprefix("torch.") if value is not None else None  # mergekit reads both spellings
+        if name is not None and name not in DTYPE_NAMES:
             raise ValueError(f"dtype {value!r} is not one of {list(DTYPE_NAMES)}")
-        return value
+        return name
 
     @model_validator(mode="after")
     def _one_form(self) -> PlanSpec:
@@ -229,5 +290,41 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
     try:
         return PlanSpec.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(f"{path}: invalid plan: {describe_validation(err, limit=50)}") from None
+        # The method first: under another method, the other problems (unknown parameters,
+        # several sources per slice) are its consequences.
+        ordered = _Errors(sorted(err.errors(), key=lambda e: tuple(e["loc"][:1]) != ("merge_method",)))
+        problems = [f"invalid plan: {describe_validation(ordered, limit=SHOWN_PROBLEMS)}"]
+        problems += _missing_sources(data, path.resolve().parent)
+        raise ConfigError(f"{path}: " + "; ".join(problems)) from None
+
+
+_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source")
+
+
+class _Errors:
+    """A validation error's problems in another order, for ``describe_validation``."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def errors(self) -> list:
+        return self.items
+
+
+def _missing_sources(node: object, base_dir: Path, key: str | None = None) -> list[str]:
+    """Sources named anywhere in a plan that failed validation whose directory does not exist,
+    so they are reported with its other problems (a valid plan's sources are opened and
+    checked fully by the planner)."""
+    if isinstance(node, dict):
+        return list(dict.fromkeys(p for k, v in node.items() for p in _missing_sources(v, base_dir, k)))
+    if isinstance(node, list):
+        return list(dict.fromkeys(p for v in node for p in _missing_sources(v, base_dir, key)))
+    if key in _SOURCE_KEYS and isinstance(node, str) and node and node not in ("base", "union"):
+        try:
+            exists = parse_source(node, base_dir).path.exists()
+        except (OSError, ValueError, RuntimeError):  # a name no filesystem holds (a NUL byte, ~nobody)
+            exists = False
+        if not exists:
+            return [f"source {node!r}: no such directory"]
+    return []
 

@@ -15,8 +15,12 @@ Invariants of a ``MergePlan``:
   layer template of the state source), with its optimizer state keys too when optimizer state
   moves; with it, each output parameter joins the optimizer param group its source parameter
   was in, so a model deepened by repeating layers resumes training with their moments;
-- casts (``dtype``) and ``parameters: scale`` apply to weights only and are refused with
-  optimizer state (exactness first).
+- a weight is cast to ``dtype`` as read, has its vocabulary rows taken (``tokenizer_source``),
+  is scaled, then cast to ``out_dtype``, as mergekit does (``Action``); each of these applies to
+  weights only and is refused with optimizer state (exactness first); a ``model`` output moves
+  no optimizer state;
+- every problem is reported in one ConfigError: the sources that do not open do not stop the
+  checks that can be made without them.
 """
 
 from __future__ import annotations
@@ -27,22 +31,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from llmtailor.constants import EMBED, HEAD, KIND_WEIGHT, LAYER_PREFIX, NORM, layer_unit
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.layouts import Layout, load_family, unit_rank
 from llmtailor.layouts.layout import UnknownTensorError
-from llmtailor.merge.plan import Parameters, PlanSpec, load_plan, parse_source
+from llmtailor.merge.plan import (
+    FORMATS,
+    SHOWN_PROBLEMS,
+    Parameters,
+    PlanSpec,
+    Slice,
+    SliceSource,
+    load_plan,
+    parse_source,
+)
 from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
+from llmtailor.merge.vocab import VOCAB_UNITS, build_vocabulary, vocab_size_of
 from llmtailor.store.keys import join_key, split_key
 
 
 @dataclass(frozen=True)
 class Action:
     """Copy ``source_key`` of ``source_unit`` (of source ``source``, its version saved at
-    ``step``) to ``dest_key`` of ``dest_unit``, multiplied by ``scale`` and cast to ``dtype``
-    when set (weights only)."""
+    ``step``) to ``dest_key`` of ``dest_unit``; weights only, in mergekit's order: cast to
+    ``read_dtype`` (the plan's ``dtype``) as read, multiplied by ``scale``, cast to ``dtype``
+    (``out_dtype``) as written, each when set."""
 
     source: str
     step: int | None
@@ -52,10 +67,21 @@ class Action:
     dest_key: str
     scale: float | None = None
     dtype: str | None = None
+    read_dtype: str | None = None
+    rows: tuple[int, ...] | None = None
+    """A vocabulary tensor's rows for ``tokenizer_source`` (merge/vocab.py), taken after the read
+    cast: row i is source row ``rows[i]``, a zero row where that is -1."""
 
     @property
     def unchanged(self) -> bool:
-        return self.scale in (None, 1.0) and self.dtype is None
+        return self.scale in (None, 1.0) and self.dtype is None and self.read_dtype is None and self.rows is None
+
+    def describe(self) -> str:
+        """What happens to the tensor, for messages and the dry run (empty: copied as it is)."""
+        steps = [f"as {self.read_dtype}" if self.read_dtype else "",
+                 f"{len(self.rows)} vocabulary rows" if self.rows is not None else "",
+                 f"scale {self.scale}" if self.scale not in (None, 1.0) else "", f"to {self.dtype}" if self.dtype else ""]
+        return ", ".join(x for x in steps if x)
 
 
 @dataclass
@@ -88,17 +114,21 @@ class MergePlan:
 
 
 @contextmanager
-def open_plan(plan_file: str | Path, out: str | Path) -> Iterator[MergePlan]:
-    """Load, resolve and validate ``plan_file``; yields the ``MergePlan``. Raises ConfigError
-    (or another TailorError) naming every problem found, before any tensor byte is read.
-    Temporary copies (a DeepSpeed source's import) live beside ``out`` until the block ends."""
+def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") -> Iterator[MergePlan]:
+    """Load, resolve and validate ``plan_file`` for an output in ``format``; yields the
+    ``MergePlan``. Raises ConfigError (or another TailorError) naming every problem found,
+    before any tensor byte is read. Temporary copies (a DeepSpeed source's import) live beside
+    ``out`` until the block ends. A ``model`` output holds no optimizer state, so its plan moves
+    none (and may cast and scale whatever its sources hold)."""
+    if format not in FORMATS:
+        raise ConfigError(f"unknown output format {format!r}; expected one of {FORMATS}")
     plan_file = Path(plan_file)
     spec = load_plan(plan_file)
     scratch = _Scratch(Path(out))
     sources: dict[str, MergeSource] = {}
     try:
-        sources = _open_sources(spec, plan_file.resolve().parent, scratch, str(plan_file))
-        yield _build(plan_file, spec, sources)
+        sources, problems = _open_sources(spec, plan_file.resolve().parent, scratch)
+        yield _build(plan_file, spec, sources, writes_optimizer=format != "model", problems=problems)
     finally:
         for source in sources.values():
             source.close()
@@ -126,12 +156,14 @@ def _labels(spec: PlanSpec) -> list[str]:
     labels = [s.sources[0].model for s in spec.slices or []] + [m.model for m in spec.models or []]
     labels += [x for x in (spec.base_model, spec.embed, spec.norm, spec.head, spec.state_from) if x]
     labels += [w.model for w in (*spec.pre_weights, *spec.post_weights)]
-    if spec.tokenizer_source not in (None, "base", "union"):
+    if spec.tokenizer_source not in (None, "base"):
         labels.append(spec.tokenizer_source)
     return list(dict.fromkeys(labels))
 
 
-def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str) -> dict[str, MergeSource]:
+def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[dict[str, MergeSource], list[str]]:
+    """The sources that open, and a problem for each that does not (planning goes on without
+    it, so the plan's other problems are reported with it)."""
     problems, sources = [], {}
     for label in _labels(spec):
         ref = parse_source(label, base_dir)
@@ -139,11 +171,7 @@ def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch, where: str)
             sources[label] = open_source(label, ref.path, ref.step, scratch.get() if _needs_scratch(ref.path) else Path("."))
         except TailorError as err:
             problems.append(f"source {label!r}: {err}")
-    if problems:
-        for source in sources.values():
-            source.close()
-        raise ConfigError(f"{where}: " + "; ".join(problems))
-    return sources
+    return sources, problems
 
 
 def _needs_scratch(path: Path) -> bool:
@@ -152,72 +180,99 @@ def _needs_scratch(path: Path) -> bool:
     return path.is_dir() and is_deepspeed_checkpoint(path)
 
 
-def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> MergePlan:
+def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], writes_optimizer: bool,
+           problems: list[str]) -> MergePlan:
+    """The plan, or one ConfigError with every problem: ``problems`` (the sources that did not
+    open) first; what can be checked without those sources is checked all the same."""
     where = str(plan_file)
     warnings: list[str] = []
-    problems: list[str] = []
+    problems = list(problems)
+    if not sources:
+        _refuse(where, problems)
 
-    # Output layer i <- (source label, source layer j, its parameters), in slice order.
-    layers: list[tuple[str, int, list[Parameters | None]]] = []
-    if spec.models:
-        entry = spec.models[0]
-        layers = [(entry.model, j, [entry.parameters, spec.parameters]) for j in range(sources[entry.model].layout.num_layers)]
-        first = last = entry.model
-    else:
-        for k, s in enumerate(spec.slices):
-            src = s.sources[0]
-            a, b = src.layer_range
-            if a == b:
-                warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
-            for j in range(a, b):
-                if layer_unit(j) not in sources[src.model].layout.units:
-                    problems.append(
-                        f"slices[{k}]: source {src.model!r} has {sources[src.model].layout.num_layers} layers; "
-                        f"layer_range {list(src.layer_range)} names its layer {j}"
-                    )
-                    break
-                layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters]))
-        first, last = spec.slices[0].sources[0].model, spec.slices[-1].sources[0].model
-    if not layers:
+    # mergekit's models form is one slice of the model's whole depth, its parameters the source's.
+    slices = spec.slices or [
+        Slice(sources=[SliceSource(model=m.model, layer_range=(0, sources[m.model].layout.num_layers if m.model in sources else 0),
+                                   parameters=m.parameters)])
+        for m in spec.models
+    ]
+    # Output layer i <- (source label, source layer j, its parameters, its position t in its slice).
+    layers: list[tuple[str, int, list[Parameters | None], float]] = []
+    for k, s in enumerate(slices):
+        src = s.sources[0]
+        a, b = src.layer_range
+        if a == b:
+            warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
+        if src.model not in sources:
+            continue  # reported already
+        for j in range(a, b):
+            if layer_unit(j) not in sources[src.model].layout.units:
+                problems.append(
+                    f"slices[{k}]: source {src.model!r} has {sources[src.model].layout.num_layers} layers; "
+                    f"layer_range {list(src.layer_range)} names its layer {j}"
+                )
+                break
+            # A gradient runs from the slice's first layer (t = 0) to its last (t = 1); one layer: t = 1.
+            t = (j - a) / (b - a - 1) if b - a > 1 else 1
+            layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters], t))
+    first, last = slices[0].sources[0].model, slices[-1].sources[0].model
+    if not layers and not problems:
         problems.append("every slice is empty: the plan names no layer")
 
     families = {label: s.layout.family for label, s in sources.items()}
+    if first not in families:
+        first = next(iter(families))  # for the checks below; the plan is refused already
     family_name = families[first]
     problems += [f"source {label!r} is a {fam!r} model, {first!r} a {family_name!r} one: sources must share one architecture"
                  for label, fam in families.items() if fam != family_name]
-    state_label = spec.state_from or spec.base_model or max(
+    state_label = spec.state_from if spec.state_from in sources else spec.base_model if spec.base_model in sources else max(
         sources, key=lambda label: (sources[label].step is not None, sources[label].step or 0, label == last)
     )
     # Every source but one named only for its tokenizer contributes tensors or state.
     tensor_sources = {label: s for label, s in sources.items() if label in _labels(spec.model_copy(update={"tokenizer_source": None}))}
     stateless = [label for label, s in tensor_sources.items() if not s.has_optimizer()]
     optimizer = spec.optimizer if spec.optimizer is not None else not stateless
-    if spec.optimizer is None and stateless:
+    if not writes_optimizer:
+        if spec.optimizer:
+            warnings.append("optimizer: true ignored: --format model writes weights only")
+        optimizer = False
+    elif spec.optimizer is None and stateless:
         warnings.append(f"weights only: {stateless} hold no optimizer state (optimizer: false by default)")
     if optimizer:
         problems += [f"optimizer: true, but source {label!r} ({sources[label].kind}) holds no optimizer state; set "
                      "optimizer: false" for label in stateless]
     if problems:
-        raise ConfigError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
+        _refuse(where, problems)
 
-    # Destination unit -> (source label, source unit, parameters).
-    assignment: dict[str, tuple[str, str, list[Parameters | None]]] = {}
+    # Destination unit -> (source label, source unit, parameters, t).
+    assignment: dict[str, tuple[str, str, list[Parameters | None], float]] = {}
     aux = _aux_sources(spec, sources, first, last, problems)
     template = sources[state_label].layout
     for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
-        assignment[unit] = (aux.get(unit, first), unit, [spec.parameters])
-    for i, (label, j, params) in enumerate(layers):
-        assignment[layer_unit(i)] = (label, layer_unit(j), params)
+        label = aux.get(unit, first)
+        # mergekit: the embeddings take the first slice's parameters, the final norm and head the
+        # last slice's (a source's own only where it is the unit's source), at t = 0.
+        s = slices[0] if unit == EMBED else slices[-1] if unit in (NORM, HEAD) else None
+        params = [spec.parameters] if s is None else [
+            *(src.parameters for src in s.sources if src.model == label), s.parameters, spec.parameters]
+        assignment[unit] = (label, unit, params, 0.0)
+    for i, (label, j, params, t) in enumerate(layers):
+        assignment[layer_unit(i)] = (label, layer_unit(j), params, t)
+    vocab = None
+    if spec.tokenizer_source is not None:
+        vocab = build_vocabulary(spec.tokenizer_source, spec.base_model or first,
+                                 [assignment[u][0] for u in VOCAB_UNITS if u in assignment], sources, problems, warnings)
     if problems:
-        raise ConfigError(f"{where}: " + "; ".join(problems))
+        _refuse(where, problems)
 
     family = load_family(family_name)
     dest_units: dict[str, list[str]] = {}
     actions: list[Action] = []
     renames: dict[str, dict[str, str]] = {}
     cast = spec.output_dtype
+    misfits: dict[str, list[str]] = {}  # source label -> a line per misfitting unit, summarised below
     for unit in sorted(assignment, key=unit_rank):
-        label, source_unit, params = assignment[unit]
+        label, source_unit, params, t = assignment[unit]
         source = sources[label]
         if source_unit not in source.layout.units:
             problems.append(f"source {label!r} has no unit {source_unit} (its layout: {list(source.layout.units)})")
@@ -234,40 +289,62 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource]) -> 
             renames[unit][name] = dest_name
             dest_key = join_key(kind, dest_name, state_key)
             got[dest_key] = info
-            scale = _scale(params, dest_name) if kind == KIND_WEIGHT else None
-            dtype = cast if kind == KIND_WEIGHT and cast is not None and cast != _dtype_name(info.dtype) else None
-            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype))
-        problems += _entry_problems(unit, label, source_unit, got, _expected(sources[state_label], unit, family, optimizer))
+            if kind == KIND_WEIGHT:
+                # mergekit matches a filter against the source's name of the tensor; casts to
+                # ``dtype`` as it reads, scales, then casts to ``out_dtype`` as it writes.
+                scale = _scale(params, name, t)
+                read_dtype = spec.dtype if spec.dtype not in (None, _dtype_name(info.dtype)) else None
+                computed = read_dtype or _dtype_name(info.dtype)
+                dtype = spec.out_dtype if spec.out_dtype not in (None, computed) else None
+                rows = vocab.rows_of(label, unit, info, vocab_size_of(source)) if vocab is not None else None
+            else:
+                scale = dtype = read_dtype = rows = None
+            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype, rows))
+        misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
+        if misfit:
+            misfits.setdefault(label, []).append(misfit)
         dest_units[unit] = [split_key(k)[1] for k in got if split_key(k)[0] == KIND_WEIGHT]
-    changed = sorted({f"{a.dest_key} ({'scale ' + str(a.scale) if a.scale not in (None, 1.0) else 'to ' + str(a.dtype)})"
-                      for a in actions if not a.unchanged})
+    for label, lines in misfits.items():
+        more = f" (and {len(lines) - 1} more units like it)" if len(lines) > 1 else ""
+        problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")
+    changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
         problems.append(
-            f"dtype / parameters: scale would change weights {changed[:3]}, which the optimizer state was computed "
-            "for: allowed only with optimizer: false (a merge that moves optimizer state never casts or scales)"
+            f"dtype / parameters: scale / tokenizer_source would change weights {changed[:3]}, which the optimizer state "
+            "was computed for: allowed only with optimizer: false or --format model (a merge that moves optimizer state "
+            "never casts, scales or cuts)"
         )
     if problems:
-        problems = list(dict.fromkeys(problems))
-        shown = problems[:12] + ([f"... ({len(problems)} problems in all)"] if len(problems) > 12 else [])
-        raise ConfigError(f"{where}: " + "; ".join(shown))
+        _refuse(where, problems)
 
     canonical = {name for names in dest_units.values() for name in names}
     aliases = {a: t for a, t in template.aliases.items() if t in canonical and a not in canonical}
     layout = Layout(family_name, dest_units, aliases)
     groups = _optimizer_groups(sources, state_label, layout, assignment, renames, where) if optimizer else None
     config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, cast, where)
+    if config is not None and vocab is not None:
+        config["vocab_size"] = vocab.size  # mergekit: the output tokenizer's size
     return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config, warnings)
+
+
+def _refuse(where: str, problems: list[str]) -> NoReturn:
+    """Raise one ConfigError naming the plan file and its problems, each once, the first
+    ``SHOWN_PROBLEMS`` of them in full."""
+    problems = list(dict.fromkeys(problems))
+    shown = problems[:SHOWN_PROBLEMS]
+    shown += [f"... ({len(problems)} problems in all)"] if len(problems) > SHOWN_PROBLEMS else []
+    raise ConfigError(f"{where}: " + "; ".join(shown))
 
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _scale(params: list[Parameters | None], name: str) -> float | None:
+def _scale(params: list[Parameters | None], name: str, t: float) -> float | None:
     """The first scale that applies: slice source, slice, then top-level parameters."""
     for p in params:
         if p is not None:
-            value = p.scale_for(name)
+            value = p.scale_for(name, t)
             if value is not None:
                 return value
     return None
@@ -330,19 +407,24 @@ def _expected(state: MergeSource, unit: str, family, optimizer: bool) -> dict[st
     return out
 
 
-def _entry_problems(unit: str, label: str, source_unit: str, got: dict[str, TensorInfo], expected: dict[str, TensorInfo]) -> list[str]:
-    problems = []
-    origin = f"{unit} from {label!r} {source_unit}"
+def _misfit(source_unit: str, got: dict[str, TensorInfo], expected: dict[str, TensorInfo]) -> str | None:
+    """One short line on how ``source_unit``'s tensors differ from what the destination expects
+    (None: they fit): the keys it lacks or has extra, else how many differ in shape or dtype,
+    with one example."""
+    if not expected:
+        return None
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    if expected and (missing or extra):
-        problems.append(f"{origin}: architecture or optimizer state differs from the state source's "
-                        f"(lacks {missing[:3]}, has extra {extra[:3]})")
-    for key in sorted(expected.keys() & got.keys()):
-        have, want = got[key], expected[key]
-        if (have.dtype, have.shape) != (want.dtype, want.shape):
-            problems.append(f"{origin}: {key} is {_dtype_name(have.dtype)} {list(have.shape)}, the destination expects "
-                            f"{_dtype_name(want.dtype)} {list(want.shape)}")
-    return problems
+    if missing or extra:
+        return (f"its {source_unit} lacks {len(missing)} tensors ({', '.join(missing[:2])}) and has {len(extra)} "
+                f"extra ({', '.join(extra[:2])}): another architecture, or other optimizer state")
+    differ = [k for k in sorted(got, key=lambda k: (split_key(k)[0] != KIND_WEIGHT, k))
+              if (got[k].dtype, got[k].shape) != (expected[k].dtype, expected[k].shape)]
+    if not differ:
+        return None
+    key = differ[0]
+    return (f"{len(differ)} of the {len(got)} tensors of its {source_unit} differ in shape or dtype, e.g. {key} is "
+            f"{_dtype_name(got[key].dtype)} {list(got[key].shape)}, expected {_dtype_name(expected[key].dtype)} "
+            f"{list(expected[key].shape)}")
 
 
 def _optimizer_groups(sources, state_label, layout, assignment, renames, where) -> list[dict[str, Any]]:
@@ -366,7 +448,7 @@ def _optimizer_groups(sources, state_label, layout, assignment, renames, where) 
         raise ConfigError(f"{where}: " + "; ".join(problems))
     members: list[list[str]] = [[] for _ in state_groups]
     for unit, names in layout.units.items():
-        label, _, _ = assignment[unit]
+        label = assignment[unit][0]
         moved = [(position[label][s], s, d) for s, d in renames[unit].items() if d in names and s in membership[label]]
         for _, source_name, dest_name in sorted(moved):
             members[membership[label][source_name]].append(dest_name)

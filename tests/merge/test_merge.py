@@ -146,6 +146,52 @@ def test_published_llmtailor_form_with_an_hf_source_and_a_zero_width_slice(root)
         assert_unit_equal(out, unit, expected_unit(root / "full", 4, unit, unit))
 
 
+def published_plan(shape: str, a: str, b: str, layers: int) -> dict:
+    """The published LLMTailor example plans (examples/Qwen_cut.yaml, Llama_cut.yaml) as they
+    are written, for two checkpoints A and B of a model of ``layers`` layers: a zero-width first
+    slice, zero-width slices past the last layer, auxiliary weights by name (Llama_cut lists the
+    embeddings under post_weights and the norm under pre_weights), ``dtype: bfloat16``."""
+    def one(model, r):
+        return {"sources": [{"model": model, "layer_range": list(r)}]}
+    if shape == "Qwen_cut":  # one slice per layer, alternating B, A, B, ...
+        middle = [one(b if i % 2 == 0 else a, (i, i + 1)) for i in range(layers)]
+        aux = {"post_weights": [{"name": "lm_head.weight", "model": b}, {"name": "model.norm.weight", "model": a}],
+               "pre_weights": [{"name": "model.embed_tokens.weight", "model": a}]}
+    else:  # first half of the layers from A, the rest from B
+        middle = [one(a, (0, layers // 2)), one(b, (layers // 2, layers))]
+        aux = {"post_weights": [{"name": "lm_head.weight", "model": b}, {"name": "model.embed_tokens.weight", "model": a}],
+               "pre_weights": [{"name": "model.norm.weight", "model": a}]}
+    slices = [one(a, (0, 0)), *middle, one(b, (layers + 1, layers + 1)), one(a, (layers + 2, layers + 2))]
+    return {"slices": slices, **aux, "merge_method": "passthrough", "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("shape", ["Qwen_cut", "Llama_cut"])
+def test_published_llmtailor_plans_verbatim_on_fp32_trainer_checkpoints(root, tmp_path, shape):
+    """``--format model`` writes no optimizer state, so the plans' ``dtype`` is theirs to use
+    even though the checkpoints hold some; a resumable output still refuses the cast."""
+    for step in (4, 6):
+        export_hf(Run(root / "full"), step, tmp_path / "hf")
+    a, b = tmp_path / "hf" / "checkpoint-4", tmp_path / "hf" / "checkpoint-6"
+    plan = write_plan(tmp_path / f"{shape}.yaml", published_plan(shape, str(a), str(b), 4))
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "model"), "--format", "model"])
+    assert result.exit_code == 0, result.output
+    got = load_file(tmp_path / "model" / "model.safetensors")
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa["model.norm.weight"].dtype == torch.float32
+    odd_from_a = shape == "Qwen_cut"
+    for key, tensor in got.items():
+        if ".layers." in key:
+            i = int(key.split(".layers.")[1].split(".")[0])
+            source = (wa if i % 2 == 1 else wb) if odd_from_a else (wa if i < 2 else wb)
+        else:
+            source = wb if key == "lm_head.weight" else wa
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, source[key].to(torch.bfloat16)), key
+    assert len(got) == len(wa)
+    refused = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "run")])
+    assert refused.exit_code == 2 and "allowed only with optimizer: false or --format model" in " ".join(refused.output.split())
+    assert not (tmp_path / "run").exists()
+
+
 def test_weights_only_plan_may_drop_layers_and_drops_optimizer_state(root, tmp_path):
     plan = write_plan(tmp_path / "short.yaml", {"slices": layers((f"{root / 'full'}@6", (0, 3))), "optimizer": False})
     merge(plan, tmp_path / "out")
@@ -160,7 +206,7 @@ BAD_PLANS = {
     "missing source": ({"slices": [("nope@6", (0, 4))]}, "nope: no such directory"),
     "beyond source": ({"slices": [("full@6", (2, 6))]}, "has 4 layers; layer_range [2, 6] names its layer 4"),
     "missing step": ({"slices": [("full@3", (0, 4))]}, "no committed snapshot at step 3"),
-    "shape": ({"slices": [("full@6", (0, 2)), ("wide@2", (2, 4))]}, "the destination expects float32"),
+    "shape": ({"slices": [("full@6", (0, 2)), ("wide@2", (2, 4))]}, "differ in shape or dtype, e.g."),
     "unknown key": ({"slices": [("full@6", (0, 4))], "lora_rank": 8}, "unknown key 'lora_rank'"),
     "method": ({"slices": [("full@6", (0, 4))], "merge_method": "slerp"}, "only layer assembly (passthrough) is supported"),
     "dtype": ({"slices": [("full@6", (0, 4))], "dtype": "bfloat16"}, "allowed only with optimizer: false"),
@@ -182,6 +228,51 @@ def test_bad_plans_are_one_clear_error_and_write_nothing(root, tmp_path, case):
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert message in " ".join(result.output.split()), result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def refusal(tmp_path: Path, spec: dict | str) -> str:
+    """The one line the CLI prints for a bad plan (exit 2, nothing written), spaces normalised."""
+    plan = write_plan(tmp_path / "bad.yaml", spec)
+    result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+    return " ".join(result.output.split())
+
+
+def test_a_missing_source_does_not_hide_the_plans_other_problems(root, tmp_path):
+    message = refusal(tmp_path, {"slices": layers((root / "full@6", (0, 2)), (root / "nope", (0, 2)), (root / "full@6", (2, 6)))})
+    assert "source '" in message and "nope: no such directory" in message
+    assert "has 4 layers; layer_range [2, 6] names its layer 4" in message
+    # Also when the plan itself is invalid: an unknown key, a missing source, a bad layer_range.
+    message = refusal(tmp_path, {"slices": layers((root / "nope", (0, 2)), (root / "full@6", (3, 1))), "lora_rank": 8})
+    assert "unknown key 'lora_rank'" in message and "nope': no such directory" in message
+    assert "layer_range" in message and "with 0 <= a <= b" in message
+
+
+def test_a_method_other_than_passthrough_is_the_first_problem_named(root, tmp_path):
+    """A slerp plan as mergekit's README writes one: its unknown parameter and its two sources
+    per slice follow from the method, which comes first."""
+    full = str(root / "full@6")
+    message = refusal(tmp_path, {
+        "slices": [{"sources": [{"model": full, "layer_range": [0, 4]}, {"model": full, "layer_range": [0, 4]}]}],
+        "merge_method": "slerp", "base_model": full, "parameters": {"t": [0, 0.5, 1]}, "dtype": "bfloat16",
+    })
+    first = message.split("invalid plan: ")[1]
+    assert first.startswith("key 'merge_method': merge method 'slerp' is not supported"), message
+    assert "unknown key 'parameters.t'" in message
+
+
+def test_a_width_mismatch_is_one_short_line(root, tmp_path):
+    message = refusal(tmp_path, {"slices": layers((root / "full@6", (0, 2)), (root / "wide@2", (2, 4)))})
+    assert "wide@2' does not fit the state source" in message and "(and 3 more units like it)" in message
+    assert "differ in shape or dtype, e.g. weight/model.layers.2." in message
+    assert len(message) < 500, message
+
+
+def test_the_cli_shows_bracketed_values_of_a_message(root, tmp_path):
+    """rich markup must not eat ``[5, 2]`` (the escaping lives in llmtailor/cli/__init__.py)."""
+    message = refusal(tmp_path, {"slices": layers((root / "full@6", (5, 2)))})
+    assert "layer_range [5, 2] must be [a, b]" in message, message
 
 
 def test_dry_run_lists_the_actions_and_writes_nothing(root, tmp_path):

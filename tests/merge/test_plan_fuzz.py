@@ -18,7 +18,8 @@ SCALARS = st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=12)
 KEYS = st.sampled_from(
     ["slices", "sources", "model", "layer_range", "merge_method", "dtype", "base_model", "embed", "norm", "head",
-     "pre_weights", "post_weights", "name", "optimizer", "state_from", "tokenizer_source"]
+     "pre_weights", "post_weights", "name", "optimizer", "state_from", "tokenizer_source", "parameters", "scale",
+     "filter", "value", "out_dtype"]
 )
 
 
@@ -37,6 +38,8 @@ VALID = {
     "merge_method": "passthrough",
     "slices": [{"sources": [{"model": "run@1", "layer_range": [0, 1]}]}, {"sources": [{"model": "run@2", "layer_range": [1, 2]}]}],
     "base_model": "run@2",
+    "optimizer": False,
+    "parameters": {"scale": [{"filter": "mlp", "value": [0.5, 1.0]}, {"value": 1.0}]},
 }
 
 
