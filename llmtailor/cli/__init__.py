@@ -76,7 +76,7 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
 
     run = _existing_run(run_dir)
     composite = run.resolve(step)
-    console.print(snapshots_table(run, composite.step))
+    console.print(snapshots_table(run, composite.step, console.width))
     console.print(composite_table(run, composite))
 
 

@@ -33,7 +33,7 @@ def drift(
     history = drift_history(_existing_run(run_dir), step)
     if not any(history.drift[s] for s in history.steps):
         raise TailorError(f"{run_dir}: no save of this run recorded drift (saved with track_drift=False?)")
-    console.print(drift_table(history, kind.value))
+    console.print(drift_table(history, kind.value, console.width))
     if plot is not None:
         from llmtailor.cli.plots import plot_drift
 

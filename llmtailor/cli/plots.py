@@ -8,15 +8,32 @@ from pathlib import Path
 from llmtailor.drift import DriftHistory
 from llmtailor.errors import TailorError
 
+ZERO_COLOR = "#c8c8c8"  # units whose drift is exactly zero: a grey no colour of the scale takes
+
 
 def plot_drift(history: DriftHistory, kind: str, out: Path) -> None:
+    """Write ``drift_figure`` to ``out`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = drift_figure(history, kind)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as err:
+        raise TailorError(f"{out}: cannot write the plot ({err.strerror})") from None
+    finally:
+        plt.close(fig)
+
+
+def drift_figure(history: DriftHistory, kind: str):
     """A heatmap of drift (units in layout order, top to bottom; saves left to right; a dot
-    where the save wrote the unit) over a line chart of bytes per save vs a Full save."""
+    where the save wrote the unit; exactly zero in grey, unlike a blank: not measured) over a
+    line chart of bytes per save vs a Full save."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.patches import Patch
 
     steps, units = history.steps, history.units
     grid = [[_value(history, s, u, kind) for s in steps] for u in units]
@@ -28,6 +45,9 @@ def plot_drift(history: DriftHistory, kind: str, out: Path) -> None:
     masked = [[math.nan if v is None or v <= 0 else v for v in row] for row in grid]
     norm = LogNorm(vmin=min(finite), vmax=max(finite)) if finite else None
     image = top.imshow(masked, aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
+    # Exactly zero (nothing changed: frozen) is a measurement, unlike a blank (not measured).
+    zeros = [[1.0 if v == 0 else math.nan for v in row] for row in grid]
+    top.imshow(zeros, aspect="auto", cmap=ListedColormap([ZERO_COLOR]), vmin=0, vmax=1, interpolation="nearest")
     for x, s in enumerate(steps):
         for y, unit in enumerate(units):
             if unit in history.saved[s]:
@@ -36,7 +56,12 @@ def plot_drift(history: DriftHistory, kind: str, out: Path) -> None:
     top.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7, rotation=90)
     top.set_xlabel("step of the save")
     top.set_ylabel("unit (layout order)")
-    top.set_title(f"{kind} drift since each unit's last saved version (relative L2; dot: saved at this step)")
+    top.set_title(f"{kind} drift since each unit's last saved version\n(relative L2; dot: saved at this step)", fontsize=10)
+    fig.legend(
+        handles=[Patch(facecolor=ZERO_COLOR, edgecolor="black", label="0: unchanged (frozen)"),
+                 Patch(facecolor="white", edgecolor="black", label="blank: not measured")],
+        loc="outside upper right", ncol=2, fontsize=7, frameon=False,
+    )
     fig.colorbar(image, ax=top, label=f"{kind} drift")
     bottom.plot(range(len(steps)), [history.bytes[s] / 1e6 for s in steps], marker="o", label="this save")
     bottom.plot(range(len(steps)), [history.full_bytes[s] / 1e6 for s in steps], linestyle="--", label="a Full save")
@@ -45,12 +70,7 @@ def plot_drift(history: DriftHistory, kind: str, out: Path) -> None:
     bottom.set_ylabel("MB written")
     bottom.set_ylim(bottom=0)
     bottom.legend(fontsize=8)
-    try:
-        fig.savefig(out, dpi=120)
-    except OSError as err:
-        raise TailorError(f"{out}: cannot write the plot ({err.strerror})") from None
-    finally:
-        plt.close(fig)
+    return fig
 
 
 def _value(history: DriftHistory, step: int, unit: str, kind: str) -> float | None:

@@ -1,17 +1,27 @@
-"""Rich output of the CLI: tables for ``inspect`` and ``gc``, progress over units."""
+"""Rich output of the CLI: tables for ``inspect``, ``drift`` and ``gc``, progress over units.
+
+Grids with a column per unit or per save (``inspect``, ``drift``) are laid out for the width
+they have (a terminal's, or 80 columns when piped): borderless, one-letter labels where a name
+is long, and paged by columns when they still do not fit, never cut to ``…``."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from llmtailor.constants import LAYER_PREFIX
 from llmtailor.store.run import Composite, Run
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:  # the drift module imports torch, which rendering a merge's progress does not need
     from llmtailor.drift import DriftHistory
@@ -30,26 +40,96 @@ def _short(unit: str) -> str:
     return unit.removeprefix(LAYER_PREFIX)
 
 
-def snapshots_table(run: Run, current: int) -> Table:
-    """Snapshots x units: ● where the snapshot wrote the unit, otherwise how many steps old the
-    unit's version in that snapshot's composite is."""
+# One-letter column labels for the auxiliary units in grids (layers are their index).
+_LETTERS = {"embed": "E", "norm": "N", "head": "H", "other": "O"}
+
+
+def _label(unit: str) -> str:
+    return _LETTERS.get(unit, _short(unit))
+
+
+def _grid() -> Table:
+    """A borderless table whose columns sit one space apart: grids of many narrow columns."""
+    return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0, 0, 1), collapse_padding=True)
+
+
+def paged(build: Callable[[list[T]], Table], columns: list[T], width: int) -> list[Table]:
+    """Tables of ``build(page)`` for consecutive pages of ``columns``, each page as long as
+    still fits ``width`` (at least one column): a wide grid is read page after page, never
+    squeezed into ``…``."""
+    pages: list[list[T]] = []
+    rest = list(columns)
+    while rest:
+        fit = 1
+        low, high = 1, len(rest)
+        while low <= high:  # the longest page that fits (widths grow with the page)
+            middle = (low + high) // 2
+            if _width(build(rest[:middle])) <= width:
+                fit, low = middle, middle + 1
+            else:
+                high = middle - 1
+        pages.append(rest[:fit])
+        rest = rest[fit:]
+    return [build(page) for page in pages] or [build([])]
+
+
+def _width(table: Table) -> int:
+    console = Console(width=10_000, file=io.StringIO())
+    return Measurement.get(console, console.options, table).maximum
+
+
+def snapshots_table(run: Run, current: int, width: int = 80) -> Group:
+    """Snapshots x units, paged to ``width``: ● where the snapshot wrote the unit, otherwise how
+    many saves old the unit's version in that snapshot's composite is (× where that version's
+    snapshot is no longer in the run)."""
     steps = run.steps()
     units = list(run.manifest(current).composite)
-    table = Table(title=f"{run.root}: {len(steps)} snapshot(s); ● saved here, N = version N steps old")
-    table.add_column("step", justify="right")
-    for unit in units:
-        table.add_column(_short(unit), justify="center")
-    table.add_column("bytes", justify="right")
-    table.add_column("policy")
+    rows = []
     for step in steps:
         manifest = run.manifest(step)
-        cells = []
+        cells = {}
         for unit in units:
             source = manifest.composite.get(unit)
-            cells.append("·" if source is None else "[green]●[/]" if source == step else f"[yellow]{step - source}[/]")
-        marker = " *" if step == current else ""
-        table.add_row(f"{step}{marker}", *cells, human_bytes(manifest.total_bytes()), manifest.policy)
-    return table
+            if source is None:
+                cells[unit] = "·"
+            elif source == step:
+                cells[unit] = "[green]●[/]"
+            elif source not in steps:
+                cells[unit] = "[red]×[/]"
+            else:
+                cells[unit] = f"[yellow]{manifest.save_index - run.manifest(source).save_index}[/]"
+        rows.append((f"{step}{' *' if step == current else ''}", cells, human_bytes(manifest.total_bytes())))
+
+    def build(page: list[str]) -> Table:
+        table = _grid()
+        table.add_column("step", justify="right", no_wrap=True)
+        for unit in page:
+            table.add_column(_label(unit), justify="center", no_wrap=True)
+        table.add_column("bytes", justify="right", no_wrap=True)
+        for step, cells, size in rows:
+            table.add_row(step, *(cells[u] for u in page), size)
+        return table
+
+    tables = paged(build, units, width)
+    aux = ", ".join(f"{_LETTERS[u]} {u}" for u in units if u in _LETTERS)
+    head = Text.from_markup(
+        f"[bold]{run.root}[/]: {len(steps)} snapshot(s); * the composite shown below\n"
+        f"● saved here; N: that composite's version is N saves old; × its snapshot is gone. "
+        f"Columns: layers by index; {aux}."
+    )
+    return Group(head, *tables, Text(_policies(run, steps), style="dim"))
+
+
+def _policies(run: Run, steps: list[int]) -> str:
+    """Which policy wrote which snapshots, as runs of steps: ``policy Parity(): steps 2-30``."""
+    spans: list[tuple[str, int, int]] = []
+    for step in steps:
+        policy = run.manifest(step).policy
+        if spans and spans[-1][0] == policy:
+            spans[-1] = (policy, spans[-1][1], step)
+        else:
+            spans.append((policy, step, step))
+    return "; ".join(f"policy {p}: step {a}" if a == b else f"policy {p}: steps {a}-{b}" for p, a, b in spans)
 
 
 def composite_table(run: Run, composite: Composite) -> Table:
@@ -114,19 +194,40 @@ def unit_progress(console: Console, label: str) -> Iterator[Callable[[str, int, 
         yield progress
 
 
-def drift_table(history: DriftHistory, kind: str) -> Table:
-    """Units x saves: each unit's drift as that save measured it; bold where the save wrote it."""
-    table = Table(title=f"{kind} drift since each unit's last saved version (bold: saved at that step)")
-    table.add_column("unit")
-    for step in history.steps:
-        table.add_column(str(step), justify="right")
-    for unit in history.units:
-        cells = []
-        for step in history.steps:
-            value = history.drift.get(step, {}).get(unit, {}).get(kind)
-            text = "-" if value is None else f"{value:.2e}"
-            cells.append(f"[bold green]{text}[/]" if unit in history.saved[step] else text)
-        table.add_row(_short(unit), *cells)
-    table.add_row("[bold]MB written[/]", *[f"{history.bytes[s] / 1e6:.2f}" for s in history.steps])
-    table.add_row("[bold]vs Full[/]", *[f"{history.bytes[s] / history.full_bytes[s]:.2f}x" for s in history.steps])
-    return table
+def drift_table(history: DriftHistory, kind: str, width: int = 80) -> Group:
+    """Units x saves, paged to ``width``: each unit's drift as that save measured it (``*`` where
+    the save wrote it, readable piped too; 0: unchanged, e.g. frozen; -: not measured), then the
+    bytes written."""
+
+    def build(page: list[int]) -> Table:
+        table = _grid()
+        table.add_column("unit", no_wrap=True)
+        for step in page:
+            table.add_column(str(step), justify="right", no_wrap=True)
+        for unit in history.units:
+            cells = []
+            for step in page:
+                text = _sci(history.drift.get(step, {}).get(unit, {}).get(kind))
+                cells.append(f"[bold green]{text}*[/]" if unit in history.saved[step] else f"{text} ")
+            table.add_row(_short(unit), *cells)
+        table.add_section()
+        table.add_row("MB", *[f"{history.bytes[s] / 1e6:.2f} " for s in page])
+        table.add_row("x Full", *[f"{history.bytes[s] / history.full_bytes[s]:.2f} " for s in page])
+        return table
+
+    head = Text.from_markup(
+        f"[bold]{kind} drift[/] since each unit's last saved version, at each save (columns: steps); "
+        "[bold green]*[/]: saved at that step; 0: unchanged (frozen); -: not measured. "
+        "MB: bytes the save wrote; x Full: that over a Full save's."
+    )
+    return Group(head, *paged(build, history.steps, width))
+
+
+def _sci(value: float | None) -> str:
+    """Drift in 6 characters at most: ``8.1e-3``; ``0`` exactly zero; ``-`` not measured."""
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
