@@ -5,8 +5,9 @@ reference), then once per policy (Full, Parity, Filter, Adaptive) with a ``Tailo
 every few steps. Each checkpointed run "crashes" part-way — its model, optimizer and scheduler are
 thrown away — and resumes from the newest composite into objects built from another seed,
 then trains to the end. Two tables compare what each policy wrote and how close its final
-loss lands to the reference; ``drift.png`` beside the runs shows the Adaptive run's measured
-drift per unit and save (``llmtailor drift``).
+loss lands to the reference; ``demo.png`` beside the runs draws both for the four policies
+(bytes per save over the run; loss after the resume against the uninterrupted run), and
+``drift.png`` the Adaptive run's measured drift per unit and save (``llmtailor drift``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class PolicyRun:
     sources: dict[str, int]
     """Unit -> step its restored version came from."""
     final_loss: float
+    resumed_losses: list[float]
+    """Loss of each step after the restore (``restored_step + 1`` .. the last step)."""
 
     @property
     def mean_bytes(self) -> float:
@@ -90,8 +93,8 @@ class DemoResult:
 def run_demo(
     out_dir: Path,
     steps: int = 120,
-    save_every: int = 10,
-    crash_at: int = 75,
+    save_every: int | None = None,
+    crash_at: int | None = None,
     console: Console | None = None,
     *,
     config: TinyConfig = DEMO_CONFIG,
@@ -99,8 +102,11 @@ def run_demo(
 ) -> DemoResult:
     """Train, checkpoint with each policy into ``out_dir/<policy>``, crash, resume, compare.
 
-    Earlier demo runs in ``out_dir/<policy>`` are replaced. Prints a progress bar, two
-    comparison tables and an explanation on ``console``; returns the figures."""
+    By default a save every ``steps // 12`` steps (10 of 120) and the crash five eighths of the
+    way (75 of 120), between two saves so that steps are replayed. Earlier demo runs in
+    ``out_dir/<policy>`` are replaced. Prints progress bars, two comparison tables and an
+    explanation on ``console``, writes ``demo.png`` and ``drift.png``; returns the figures."""
+    save_every, crash_at = schedule(steps, save_every, crash_at)
     problems = [f"{k}={v!r} must be a positive integer" for k, v in
                 {"steps": steps, "save_every": save_every, "crash_at": crash_at, "batch_size": batch_size}.items()
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1]
@@ -109,6 +115,7 @@ def run_demo(
                         f"the crash, and below steps ({steps})")
     if problems:
         raise ConfigError("demo: " + "; ".join(problems))
+    assert isinstance(save_every, int) and isinstance(crash_at, int)
     # Checked before any training, so a wrong directory fails fast and is left untouched.
     run_dirs = {name: Path(out_dir) / name for name in POLICIES}
     _clear_previous_runs(list(run_dirs.values()))
@@ -130,16 +137,33 @@ def run_demo(
         torch.set_num_threads(threads)
     result = DemoResult(steps, save_every, crash_at, reference, runs, time.perf_counter() - start)
     _print_report(result, config, console)
-    from llmtailor.cli.plots import plot_drift
     from llmtailor.drift import drift_history
+    from llmtailor.plots import plot_demo, plot_drift
 
     plot_drift(drift_history(Run(run_dirs["adaptive"])), "weight", Path(out_dir) / "drift.png")
-    console.print(f"Drift of the Adaptive run, per unit and save: {Path(out_dir) / 'drift.png'} "
-                  f"(llmtailor drift {run_dirs['adaptive']} --plot FILE)")
+    plot_demo(result, Path(out_dir) / "demo.png")
+    console.print(
+        f"The four policies side by side (bytes per save; loss after the resume): [bold]{Path(out_dir) / 'demo.png'}[/]\n"
+        f"Drift of the Adaptive run, per unit and save: {Path(out_dir) / 'drift.png'} "
+        f"(llmtailor drift {run_dirs['adaptive']} --plot FILE)"
+    )
     return result
 
 
-_COLUMNS = (TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(),
+def schedule(steps: int, save_every: int | None = None, crash_at: int | None = None) -> tuple:
+    """``(save_every, crash_at)`` for a demo of ``steps`` steps, each derived where not given:
+    a save every ``steps // 12`` steps (at least 2), the crash five eighths of the way, moved
+    off a save's step so that the resumed run replays some steps. Unchecked (``run_demo`` checks)."""
+    if save_every is None and isinstance(steps, int):
+        save_every = max(2, steps // 12)
+    if crash_at is None and isinstance(steps, int) and isinstance(save_every, int) and save_every > 0:
+        crash_at = max(save_every, steps * 5 // 8)
+        if crash_at % save_every == 0 and crash_at + 1 < steps:
+            crash_at += 1
+    return save_every, crash_at
+
+
+_COLUMNS = (TextColumn("{task.description:<31}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn())
 
 
@@ -173,9 +197,9 @@ class _Job:
 
 def _run_with_crash(job: _Job, name: str, policy: Policy, run_dir: Path, crash_at: int) -> PolicyRun:
     """Train with checkpoints to ``crash_at``, lose every live object, restore, finish."""
-    # The resumed run replays the steps between the last save and the crash.
-    replayed = crash_at % job.save_every
-    task = job.progress.add_task(f"{name}: crash at {crash_at}", total=job.steps + replayed, loss=float("nan"))
+    # The bar counts training steps: after the restore it steps back to the restored step, and
+    # the steps between it and the crash are trained again.
+    task = job.progress.add_task(f"{name}: crash at {crash_at}", total=job.steps, loss=float("nan"))
     objects = job.fresh(SEED)
     _, saves = job.train(objects, 1, crash_at, task, Tailor(run_dir, *objects, policy=policy))
     # The crash: only what the Tailor committed survives. Building from another seed makes
@@ -184,14 +208,14 @@ def _run_with_crash(job: _Job, name: str, policy: Policy, run_dir: Path, crash_a
     objects = job.fresh(CRASH_SEED)
     tailor = Tailor(run_dir, *objects, policy=policy)
     restored = tailor.restore()
-    job.progress.update(task, description=f"{name}: resumed from {restored.step}")
+    job.progress.update(task, completed=restored.step, description=f"{name}: crashed {crash_at}, resumed {restored.step}")
     losses, later_saves = job.train(objects, restored.step + 1, job.steps, task, tailor)
     saves += later_saves
     return PolicyRun(
         name=name, policy=policy.describe(), run_dir=run_dir,
         save_steps=[s.step for s in saves], save_bytes=[s.bytes for s in saves],
         save_seconds=[s.seconds for s in saves], save_units=[len(s.units) for s in saves],
-        restored_step=restored.step, sources=restored.sources, final_loss=losses[-1],
+        restored_step=restored.step, sources=restored.sources, final_loss=losses[-1], resumed_losses=losses,
     )
 
 
@@ -210,7 +234,7 @@ def _print_report(result: DemoResult, config: TinyConfig, console: Console) -> N
     full = result.runs["full"]
     saves = Table(title=f"Saves, one every {result.save_every} steps",
                   caption="; ".join(f"{run.name} = {run.policy}" for run in result.runs.values()))
-    for header in ("policy", "saves", "total", "mean/save", "vs Full", "median save s", "vs Full"):
+    for header in ("policy", "saves", "total", "mean/save", "bytes vs Full", "median save s", "time vs Full"):
         saves.add_column(header, justify="left" if header == "policy" else "right")
     for run in result.runs.values():
         saves.add_row(run.name, str(len(run.save_bytes)), f"{sum(run.save_bytes) / 1e6:.1f} MB",

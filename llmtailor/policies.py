@@ -71,6 +71,17 @@ class Policy(ABC):
     def _problems(self) -> list[str]:
         return []
 
+    def check_units(self, units: Sequence[str]) -> None:
+        """Refuse options that name no unit of this layout (a layer index beyond the model, a
+        pattern that matches nothing): they would be ignored silently. Called once the layout
+        is known (``Tailor`` does, when it is built)."""
+        problems = self._unit_problems(list(units))
+        if problems:
+            raise ConfigError(f"{type(self).__name__}: " + "; ".join(problems) + f" (units: {_span(list(units))})")
+
+    def _unit_problems(self, units: list[str]) -> list[str]:
+        return []
+
     @abstractmethod
     def select(self, ctx: SaveContext) -> set[str]:
         """The units this policy wants written at this save."""
@@ -131,6 +142,16 @@ class Filter(Policy):
                 problems.append(f"always entry {item!r} must be a layer index or a unit name/pattern")
         return problems
 
+    def _unit_problems(self, units: list[str]) -> list[str]:
+        layers = [u for u in units if u.startswith(LAYER_PREFIX)]
+        problems = []
+        for item in self.always:
+            if isinstance(item, int) and not -len(layers) <= item < len(layers):
+                problems.append(f"always entry {item} is not a layer index of this model ({len(layers)} layers)")
+            elif isinstance(item, str) and not fnmatch.filter(units, item):
+                problems.append(f"always entry {item!r} matches no unit")
+        return problems
+
     def select(self, ctx: SaveContext) -> set[str]:
         if ctx.save_index % self.every == 0:
             return set(ctx.units)
@@ -161,6 +182,10 @@ class Interval(Policy):
             for key, value in [*self.periods.items(), ("default", self.default)]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1
         ]
+
+    def _unit_problems(self, units: list[str]) -> list[str]:
+        return [f"pattern {pattern!r} matches no unit" for pattern in self.periods
+                if not any(fnmatch.fnmatchcase(u, pattern) for u in units)]
 
     def period_of(self, unit: str) -> int:
         for pattern, period in self.periods.items():
@@ -271,6 +296,13 @@ class Adaptive(Policy):
                     room -= sizes.get(unit, 0)
         picked = forced | chosen
         return [u for u in units if u in picked]
+
+
+def _span(units: list[str]) -> str:
+    layers = [u for u in units if u.startswith(LAYER_PREFIX)]
+    aux = [u for u in units if not u.startswith(LAYER_PREFIX)]
+    shown = [f"{layers[0]}..{layers[-1]}"] if len(layers) > 2 else layers
+    return ", ".join(aux[:1] + shown + aux[1:])
 
 
 def policy_names() -> Sequence[str]:

@@ -151,6 +151,7 @@ class Tailor:
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, family)
         self.layout: Layout = self.provider.layout
         self.policy: Policy = policy or Full()
+        self.policy.check_units(list(self.layout.units))
         # The lineage this process extends: set by restore() or by its own saves. A fresh
         # Tailor starts a new lineage, whose first save is full.
         self._parent: int | None = None

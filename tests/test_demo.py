@@ -59,6 +59,40 @@ def test_every_run_verifies(demo):
         assert Run(out / name).verify() == []
         assert Run(out / name).steps() == [10, 20, 30, 40]
     assert (out / "drift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "drift.png" in printed
+    # The picture comparing the four policies, named at the end.
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "demo.png" in "".join(printed.splitlines(keepends=True)[-4:])
+
+
+@pytest.mark.slow
+def test_the_report_reads_plainly(demo):
+    _, _, printed = demo
+    assert "bytes vs Full" in printed and "time vs Full" in printed
+    # Each bar counts training steps: resumed arms end at 40/40 too (no replayed steps added).
+    assert printed.count("40/40") == 5 and "45/4" not in printed
+
+
+def test_every_step_count_the_help_allows_has_a_schedule():
+    from llmtailor.demo import schedule
+
+    for steps in range(10, 1001):
+        save_every, crash_at = schedule(steps)
+        assert 1 <= save_every <= crash_at < steps, steps
+        assert steps // save_every >= 2, steps  # a save before the crash and one after
+
+
+def test_a_short_demo_runs(tmp_path):
+    result = run_demo(tmp_path, steps=10, console=Console(file=io.StringIO(), width=120), config=SMALL, batch_size=2)
+    assert result.runs["full"].final_loss == result.reference_final_loss
+
+
+def test_the_demo_help_names_the_four_policies():
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    output = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"}).output
+    assert "Full, Parity, Filter and Adaptive" in output
 
 
 def test_bad_settings_are_reported_together(tmp_path):

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from llmtailor import Filter, Full, Interval, Parity
@@ -90,3 +92,24 @@ def test_all_errors_reported_at_once():
     with pytest.raises(ConfigError) as err:
         Filter(every=0, full_every=0)
     assert "every=0" in str(err.value) and "full_every=0" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "policy, why",
+    [
+        (Filter(always=(99,)), "always entry 99 is not a layer index of this model (4 layers)"),
+        (Filter(always=(0, -5)), "always entry -5 is not a layer index"),
+        (Filter(always=("layer.9*",)), "always entry 'layer.9*' matches no unit"),
+        (Interval({"nosuch.*": 2}), "pattern 'nosuch.*' matches no unit"),
+    ],
+)
+def test_options_that_name_no_unit_of_the_model_are_refused_when_the_tailor_is_built(tmp_path, policy, why):
+    from helpers import tiny
+
+    from llmtailor import Tailor
+
+    model, opt, sched = tiny(layers=4)
+    with pytest.raises(ConfigError, match=re.escape(why)) as err:
+        Tailor(tmp_path, model, opt, sched, policy=policy)
+    assert "units: embed, layer.0..layer.3, norm, head" in str(err.value)
+    Tailor(tmp_path, model, opt, sched, policy=Filter(always=(0, -1, "layer.3"))).close()  # every entry names a unit

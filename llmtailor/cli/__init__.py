@@ -58,10 +58,10 @@ def _existing_run(path: Path) -> Run:
 @_user_errors
 def demo(
     out: Annotated[Path, typer.Option(help="Where the demo writes its runs.")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(min=10, help="Training steps.")] = 120,
+    steps: Annotated[int, typer.Option(min=10, help="Training steps (a save every steps/12, the crash 5/8 of the way).")] = 120,
 ) -> None:
-    """Train a tiny Llama on real text with Full, Parity and Filter checkpointing, crash,
-    resume from the composite, and print the savings."""
+    """Train a tiny Llama on real text with Full, Parity, Filter and Adaptive checkpointing,
+    crash, resume from each composite, print the savings and draw them (demo.png)."""
     from llmtailor.demo import run_demo
 
     run_demo(out, steps=steps, console=console)

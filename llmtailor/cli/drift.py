@@ -35,7 +35,7 @@ def drift(
         raise TailorError(f"{run_dir}: no save of this run recorded drift (saved with track_drift=False?)")
     console.print(drift_table(history, kind.value, console.width))
     if plot is not None:
-        from llmtailor.cli.plots import plot_drift
+        from llmtailor.plots import plot_drift
 
         plot_drift(history, kind.value, plot)
         console.print(f"[green]wrote[/] {plot}")

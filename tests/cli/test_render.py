@@ -74,7 +74,7 @@ def test_the_heatmap_shows_zero_drift_apart_from_not_measured(run_dir):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from llmtailor.cli.plots import drift_figure
+    from llmtailor.plots import drift_figure
     from llmtailor.drift import drift_history
     from llmtailor.store.run import Run
 
