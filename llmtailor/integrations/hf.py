@@ -175,11 +175,14 @@ class TailorTrainer(transformers.Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         run, step, _ = self._resume
         if run.root.resolve() == self.tailor_run_dir.resolve():
-            self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
+            report = self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
         else:
             # Another run: loaded from there; this run's own snapshots start a lineage (full first).
             with Tailor(run.root, *self._live_objects(), timeout=self.tailor_timeout) as source:
-                source.restore(step)
+                report = source.restore(step)
+        if self.is_world_process_zero():
+            print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "
+                  f"({describe_sources(report.sources)})", flush=True)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self._resuming(checkpoint):
@@ -208,6 +211,23 @@ class TailorTrainer(transformers.Trainer):
                 self._tailor.close()
             finally:
                 self._tailor = None
+
+
+def describe_sources(sources: dict[str, int]) -> str:
+    """Which snapshot each unit came from, shortest first: ``every unit from step 8`` or
+    ``12 units from step 8, 4 from step 6 (layer.1, layer.3, ...)``."""
+    by_step: dict[int, list[str]] = {}
+    for unit, step in sources.items():
+        by_step.setdefault(step, []).append(unit)
+    if len(by_step) == 1:
+        return f"every unit from step {next(iter(by_step))}"
+    ordered = sorted(by_step.items(), key=lambda item: -item[0])
+    newest, *older = ordered
+    parts = [f"{len(newest[1])} units from step {newest[0]}"]
+    for step, units in older:
+        shown = ", ".join(units[:3]) + (", ..." if len(units) > 3 else "")
+        parts.append(f"{len(units)} from step {step} ({shown})")
+    return ", ".join(parts)
 
 
 @contextmanager

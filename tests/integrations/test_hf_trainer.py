@@ -39,7 +39,7 @@ def job(out: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 
         assert proc.returncode == (-9 if nproc == 1 else 1), proc.stderr[-3000:]
         return {}
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(result.read_text())
+    return {**json.loads(result.read_text()), "stdout": proc.stdout}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,9 @@ def test_full_policy_resume_in_fresh_process_logs_the_same_losses_bit_for_bit(ru
 
     resumed = job(out, tmp_path / "resumed.json", "--family", "llama", "--resume", "true")
     assert resumed["global_step"] == LAST
+    # One line says what was restored.
+    said = [line for line in resumed["stdout"].splitlines() if line.startswith("llmtailor:")]
+    assert said == [f"llmtailor: resumed from the composite of step {CRASH_AT} in {out / 'tailored'} (every unit from step {CRASH_AT})"]
     # log_history comes back from the snapshot's TrainerState: steps 1..8 logged before the crash.
     assert resumed["losses"] == reference["losses"]
     assert sorted(map(int, resumed["batches"])) == list(range(CRASH_AT + 1, LAST + 1))
@@ -95,6 +98,9 @@ def test_parity_resume_restores_composite_versions_step_lr_and_data_position(run
                   "--resume", "true", "--dump", str(dump))
     begin = torch.load(dump, weights_only=True)
     assert begin["global_step"] == CRASH_AT
+    [said] = [line for line in resumed["stdout"].splitlines() if line.startswith("llmtailor:")]
+    assert said.startswith(f"llmtailor: resumed from the composite of step {CRASH_AT} in ")
+    assert f"units from step {CRASH_AT}, " in said and "from step 4 (layer." in said
     assert begin["lr"][0] == reference["lrs"][str(CRASH_AT)]  # the LR of every group (decay, no-decay)
     assert len(set(begin["lr"])) == 1
     # Data position: the resumed run trains on exactly the batches the uninterrupted one did.
