@@ -44,7 +44,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class FileEntry(_Strict):
@@ -242,14 +242,24 @@ def _overlapping(chunks: list[Chunk]) -> bool:
     return False
 
 
-def load_manifest(path: Path) -> Manifest:
-    """Read and validate ``path``; every problem becomes a TailorError naming the file."""
+def load_manifest(path: Path, step: int | None = None) -> Manifest:
+    """Read and validate ``path`` (strictly: a step written as ``"200"`` is refused); every
+    problem becomes a TailorError naming the file. With ``step`` (the step its directory
+    names), a manifest of another step is refused as that, before its other fields are judged
+    (a moved or copied manifest would otherwise fail on a field that depends on the step)."""
     try:
         raw = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise IntegrityError(f"{path}: manifest is missing") from None
     except (OSError, UnicodeDecodeError) as err:
         raise IntegrityError(f"{path}: cannot read manifest ({err})") from None
+    if step is not None:
+        try:
+            said = json.loads(raw).get("step")
+        except (ValueError, AttributeError, RecursionError):
+            said = step  # not a JSON object: validation below names the problem
+        if said != step and isinstance(said, int) and not isinstance(said, bool):
+            raise IntegrityError(f"{path}: manifest says step {said}, its directory says step {step}")
     try:
         return Manifest.model_validate_json(raw)
     except ValidationError as err:

@@ -66,6 +66,8 @@ def tensor(*path):
         (("schema_version",), 1, "schema_version 1 is not supported"),
         (("surprise",), 1, "unknown key 'surprise'"),
         (("files", 0, "xxh3_64"), "nothex", "files.0.xxh3_64"),
+        (("step",), "4", "key 'step': Input should be a valid integer"),  # strict: no string for a number
+        (("save_index",), 1.0, "key 'save_index'"),
     ],
 )
 def test_bad_manifests_are_refused_with_the_key_named(tmp_path, path, value, fragment):
@@ -113,3 +115,9 @@ def test_not_json(tmp_path):
     (tmp_path / "manifest.json").write_bytes(b"\xff\x00garbage")
     with pytest.raises(TailorError, match="manifest"):
         load_manifest(tmp_path / "manifest.json")
+
+
+def test_a_manifest_of_another_step_than_its_directory_is_named_as_that(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps(edited(GOOD, ("step",), 6)))
+    with pytest.raises(TailorError, match="manifest says step 6, its directory says step 4"):
+        load_manifest(tmp_path / "manifest.json", step=4)
