@@ -365,7 +365,8 @@ class Tailor:
             f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
         )
         try:
-            report: Any = self._restore(choice["step"], {int(k): v for k, v in choice["skipped"].items()}, verify)
+            report: Any = self._restore(choice["step"], {int(k): v for k, v in choice["skipped"].items()}, verify,
+                                        newest=step is None and self.world_size == 1)
         except BaseException as err:
             report = err
         outcome = report if self.world_size == 1 else self._agree(round_, report)
@@ -432,9 +433,15 @@ class Tailor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _restore(self, step: int, skipped: dict[int, str], verify: bool) -> RestoreReport:
+    def _restore(self, step: int, skipped: dict[int, str], verify: bool, newest: bool = False) -> RestoreReport:
+        # Leased: retention elsewhere (gc, keep=) cannot remove what is read. A composite it
+        # removed first gives way to the newest if that was asked for (one process: ranks
+        # resolving again on their own could disagree), else fails before any byte is read.
+        with self.run.reading(step, newest_if_removed=newest) as composite:
+            return self._restore_leased(composite, skipped, verify)
+
+    def _restore_leased(self, composite: Composite, skipped: dict[int, str], verify: bool) -> RestoreReport:
         start = time.perf_counter()
-        composite = self.run.resolve(step)
         self.provider.check_compatible(composite.manifest, lambda unit: self.run.unit_entry(composite.sources[unit], unit))
         missing = set(self.layout.units) - set(composite.sources)
         if missing:
