@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, TailorError
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.checkpoint_dirs import find_step_dir
 from llmtailor.interop.hf_export import Progress, meta_model
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.store import codec
 from llmtailor.store.keys import master_key, optim_key, weight_key
-from llmtailor.store.files import describe_os_error
+from llmtailor.store.files import StorageError, describe_os_error
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
@@ -95,7 +95,7 @@ def import_deepspeed(
         scratch_parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
     except OSError as err:
-        raise TailorError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}") from None
+        raise StorageError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}", err) from None
     try:
         _to_universal(step_dir, scratch / "universal", stage)
         staged = StagedSnapshot(

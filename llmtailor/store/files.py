@@ -405,6 +405,21 @@ def replace_text_atomically(path: Path, text: str) -> None:
 
 # -- OS errors in plain words ------------------------------------------------------------------
 
+
+class StorageError(TailorError, OSError):
+    """An OS error met while reading or writing a run or an export: a TailorError whose message
+    names the path and the reason in one line, and still an OSError (with the original
+    ``errno``), so code that caught the OS error before catches this one."""
+
+    def __init__(self, message: str, cause: OSError | None = None):
+        super().__init__(message)
+        if cause is not None:
+            self.errno = os_errno(cause)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 _REASONS = {
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
@@ -479,7 +494,7 @@ def open_output(path: Path, prefix: str) -> tuple[Path, list[Path]]:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=path)), created
     except OSError as err:
         _remove_empty(created)
-        raise TailorError(f"cannot create the output directory: {describe_os_error(err, path)}") from None
+        raise StorageError(f"cannot create the output directory: {describe_os_error(err, path)}", err) from None
 
 
 def abandon_output(err: BaseException, created: list[Path], path: Path) -> BaseException:
@@ -488,7 +503,7 @@ def abandon_output(err: BaseException, created: list[Path], path: Path) -> BaseE
     the error to raise (an OS error as a TailorError naming the path and the reason)."""
     _remove_empty(created)
     if isinstance(err, OSError):
-        return TailorError(f"{describe_os_error(err, path)}; nothing was written to {path}")
+        return StorageError(f"{describe_os_error(err, path)}; nothing was written to {path}", err)
     return err
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import TailorError
-from llmtailor.store.files import describe_os_error
+from llmtailor.store.files import StorageError, describe_os_error
 
 LEASE_FILE = ".readers"
 """The lease file inside each snapshot directory (empty; never listed in a manifest)."""
@@ -95,7 +95,7 @@ class WriterLock:
             self.root.mkdir(parents=True, exist_ok=True)
             handle = open(self.root / LOCK_FILE, "a+", encoding="utf-8")
         except OSError as err:
-            raise TailorError(f"cannot write to the run: {describe_os_error(err, self.root)}") from None
+            raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root)}", err) from None
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -112,7 +112,7 @@ class WriterLock:
             handle.flush()
         except OSError as err:
             handle.close()
-            raise TailorError(f"cannot write to the run: {describe_os_error(err, self.root / LOCK_FILE)}") from None
+            raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root / LOCK_FILE)}", err) from None
         self._handle = handle
         for leftover in (TMP_DIR, TRASH_DIR):
             shutil.rmtree(self.root / leftover, ignore_errors=True)
@@ -124,7 +124,7 @@ class WriterLock:
         try:
             fresh = not self.root.exists() or (self.root.is_dir() and not any(self.root.iterdir()))
         except OSError as err:
-            raise TailorError(describe_os_error(err, self.root)) from None
+            raise StorageError(describe_os_error(err, self.root), err) from None
         if self.new_run and fresh:
             return
         raise TailorError(f"{why}; refusing to {'write into' if self.new_run else 'clean'} it")
@@ -210,7 +210,7 @@ def _open_lease(directory: Path) -> int | None:
             return _GONE
         if err.errno in _CANNOT_CREATE or err.errno == errno.ELOOP:
             return None
-        raise TailorError(describe_os_error(err, path)) from None
+        raise StorageError(describe_os_error(err, path), err) from None
     try:
         return os.open(path, flags | os.O_CREAT, 0o644)
     except (FileNotFoundError, NotADirectoryError):
@@ -218,7 +218,7 @@ def _open_lease(directory: Path) -> int | None:
     except OSError as err:
         if err.errno in _CANNOT_CREATE or err.errno == errno.ELOOP:
             return None
-        raise TailorError(describe_os_error(err, path)) from None
+        raise StorageError(describe_os_error(err, path), err) from None
 
 
 def _still_in_place(fd: int, directory: Path) -> bool:

@@ -53,7 +53,15 @@ from llmtailor.constants import (
     snapshot_dirname,
 )
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store.files import check_file, check_header, confine, describe_os_error, read_tensors, read_verified
+from llmtailor.store.files import (
+    StorageError,
+    check_file,
+    check_header,
+    confine,
+    describe_os_error,
+    read_tensors,
+    read_verified,
+)
 from llmtailor.store.lock import Lease, lease_for_reading
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
@@ -107,7 +115,7 @@ class ReadLeases:
         try:
             committed = (directory / MANIFEST_FILE).is_file()
         except OSError as err:
-            raise TailorError(describe_os_error(err, directory)) from None
+            raise StorageError(describe_os_error(err, directory), err) from None
         lease = lease_for_reading(directory) if committed else None
         if lease is None:
             self.run.forget([step])  # a snapshot of this step written later is another one
@@ -172,7 +180,7 @@ class Run:
                 if step is not None and (child / MANIFEST_FILE).is_file():
                     found.append(step)
         except OSError as err:
-            raise TailorError(describe_os_error(err, self.snapshots_dir)) from None
+            raise StorageError(describe_os_error(err, self.snapshots_dir), err) from None
         return sorted(found)
 
     def manifest(self, step: int) -> Manifest:
@@ -181,7 +189,7 @@ class Run:
             try:
                 present = path.is_file()
             except OSError as err:
-                raise TailorError(describe_os_error(err, path)) from None
+                raise StorageError(describe_os_error(err, path), err) from None
             if not present:
                 raise SnapshotNotFoundError(self._no_snapshot_message(step))
             try:

@@ -56,6 +56,7 @@ from llmtailor.constants import (
 from llmtailor.errors import TailorError
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
 from llmtailor.store.files import (
+    StorageError,
     Syncer,
     describe_os_error,
     fsync_dir,
@@ -368,16 +369,16 @@ def _replace_latest(run: Run, final: Path, step: int) -> str | None:
 def _friendly(err: BaseException, run: Run, step: int, written: bool = True) -> BaseException:
     """An OS error met while saving, as one TailorError naming the path and the reason (and
     what became of the save); any other error as it is."""
-    if not isinstance(err, OSError):
+    if not isinstance(err, OSError) or isinstance(err, TailorError):  # a StorageError says it already
         return err
     aftermath = "the partial snapshot was removed" if written else f"step {step} was not saved"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return TailorError(
+        return StorageError(
             f"no space left on the device of {run.root} while saving step {step}; "
-            f"{aftermath} and earlier snapshots are intact"
+            f"{aftermath} and earlier snapshots are intact", err
         )
-    return TailorError(
+    return StorageError(
         f"{describe_os_error(err, run.root)} while saving step {step} to {run.root}; "
-        f"{aftermath} and earlier snapshots are intact"
+        f"{aftermath} and earlier snapshots are intact", err
     )
 

@@ -149,7 +149,7 @@ def test_a_run_whose_snapshots_cannot_be_listed_is_one_line(saved, tmp_path):
     for line in (verify, inspect):
         assert line.startswith("exit 2: error:") and f"{run}/snapshots: permission denied" in line
         assert "Traceback" not in line
-    assert restore == f"TailorError: {run}/snapshots: permission denied"
+    assert restore == f"StorageError: {run}/snapshots: permission denied"  # a TailorError and an OSError
 
 
 def test_a_unit_file_that_cannot_be_opened_raises_permission_denied_in_the_library(saved, tmp_path, monkeypatch):
@@ -198,3 +198,13 @@ def test_a_save_that_meets_an_os_error_is_a_tailor_error_naming_the_path(tmp_pat
     with pytest.raises(TailorError, match=rf"{run}/\.tmp/step-00000002\..*: read-only file system while saving step 2 to {run}; step 2 was not saved"):
         tailor.save(2)
     assert Run(run).steps() == [1]
+
+
+def test_an_os_error_in_the_library_is_still_an_os_error(tmp_path):
+    """Code that caught the raw OSError before still catches it (StorageError is both)."""
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    with pytest.raises(OSError) as caught:
+        Tailor(file / "run", *tiny()).save(1)
+    assert isinstance(caught.value, TailorError) and caught.value.errno == errno.ENOTDIR
+    assert str(caught.value) == f"cannot write to the run: {file}/run: a part of the path is a file, not a directory"
