@@ -16,6 +16,7 @@ saved at one world size restores at another.
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -401,25 +402,30 @@ class Tailor:
             f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
         )
         start = time.perf_counter()
-        composite, touched, error = None, False, None
-        try:
-            composite = self.run.resolve(choice["step"])
-            self.provider.check_compatible(
-                composite.manifest, lambda unit: self.run.unit_entry(composite.sources[unit], unit)
-            )
-            missing = set(self.layout.units) - set(composite.sources)
-            if missing:
-                raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
-            shared = self.run.read_global(composite.step)
-            self.provider.check_global(shared)
-            touched = True  # from here on the live state changes
-            self.provider.load(self.run, dict(composite.sources), shared, verify)
-        except BaseException as err:
-            error = err
-        self._agree(f"{round_}/loaded", choice["step"], error, touched)
-        assert composite is not None
-        self.provider.finish_load()
-        extra, unmapped = self._load_rank_state(composite)
+        # Leased: retention elsewhere (gc, keep=) cannot remove what is read. A composite it
+        # removed first gives way to the newest if that was asked for (one process: ranks
+        # resolving again on their own could disagree), else fails before any byte is read.
+        newest = step is None and self.world_size == 1
+        with ExitStack() as held:
+            composite, touched, error = None, False, None
+            try:
+                composite = held.enter_context(self.run.reading(choice["step"], newest_if_removed=newest))
+                self.provider.check_compatible(
+                    composite.manifest, lambda unit: self.run.unit_entry(composite.sources[unit], unit)
+                )
+                missing = set(self.layout.units) - set(composite.sources)
+                if missing:
+                    raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
+                shared = self.run.read_global(composite.step)
+                self.provider.check_global(shared)
+                touched = True  # from here on the live state changes
+                self.provider.load(self.run, dict(composite.sources), shared, verify)
+            except BaseException as err:
+                error = err
+            self._agree(f"{round_}/loaded", choice["step"], error, touched)
+            assert composite is not None
+            self.provider.finish_load()
+            extra, unmapped = self._load_rank_state(composite)
         self._extend(composite)
         if self._drift is not None:  # the live state now is the composite: every unit's reference
             self._drift.adopt(self._sample_all())

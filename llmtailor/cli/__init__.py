@@ -1,6 +1,9 @@
 """The ``llmtailor`` command line: parses arguments, calls the library, renders results.
 
 A user's mistake (a TailorError) prints one clear line and exits with status 2; no traceback.
+So does an OS error that reaches the CLI (permission denied, read-only file system, an output
+path through a file): one line naming the path and the reason. Messages are printed as text,
+never as rich markup (``layer_range must be [a, b]`` keeps its brackets).
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from llmtailor.errors import TailorError
+from llmtailor.store.files import describe_os_error
+from llmtailor.store.lock import describe_non_run
 from llmtailor.store.run import Run
 
 app = typer.Typer(
@@ -35,10 +41,17 @@ def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except TailorError as err:
-            errors.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(err))
+        except OSError as err:  # the last line of defence: the library names paths itself
+            fail(describe_os_error(err))
 
     return wrapper
+
+
+def fail(message: str) -> None:
+    """Print ``message`` (plain text) as the CLI's one error line and exit with status 2."""
+    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2) from None
 
 
 def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> None:
@@ -49,8 +62,14 @@ def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> 
 
 
 def _existing_run(path: Path) -> Run:
-    if not path.is_dir():
-        raise TailorError(f"{path}: no such run directory")
+    """The run at ``path``; TailorError saying what ``path`` is when it is not a directory or
+    is another kind of checkpoint (an empty directory passes: it reports no snapshot later)."""
+    why = describe_non_run(path)
+    try:
+        if why is not None and (not path.is_dir() or any(path.iterdir())):
+            raise TailorError(why)
+    except OSError as err:
+        raise TailorError(describe_os_error(err, path)) from None
     return Run(path)
 
 
@@ -75,27 +94,32 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     from llmtailor.cli.render import composite_table, snapshots_table
 
     run = _existing_run(run_dir)
-    composite = run.resolve(step)
-    console.print(snapshots_table(run, composite.step, console.width))
-    console.print(composite_table(run, composite))
+    with run.reading(step) as composite:  # its snapshots stay while they are shown
+        run.load_manifests()
+        console.print(snapshots_table(run, composite.step, console.width))
+        console.print(composite_table(run, composite))
 
 
 @app.command()
 @_user_errors
 def verify(run_dir: RunArg, step: StepOpt = None) -> None:
     """Check every file against the manifest's checksum (all snapshots, or the files the
-    composite of --step needs). Exit 0 when all match; 1 naming each bad file."""
+    composite of --step needs) and that the composite (the newest, or --step's) restores.
+    Exit 0 when all is well; 1 naming each problem. Older composites that no longer restore
+    because retention removed what they need are listed as notes."""
     run = _existing_run(run_dir)
     steps = run.steps()
     if not steps:
         raise TailorError(f"{run_dir}: no committed snapshot in this run directory")
-    problems = run.verify(step)
-    if problems:
-        for problem in problems:
-            errors.print(f"[red]bad:[/] {problem}", highlight=False, soft_wrap=True)
-        errors.print(f"[bold red]{len(problems)} problem(s)[/]")
+    result = run.check(step)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    if result.problems:
+        for problem in result.problems:
+            errors.print(f"[red]bad:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+        errors.print(f"[bold red]{len(result.problems)} problem(s)[/]")
         raise typer.Exit(1)
-    scope = f"composite of step {step}" if step is not None else f"{len(steps)} snapshot(s)"
+    scope = f"composite of step {step}" if step is not None else f"{len(result.checked)} snapshot(s)"
     console.print(f"[green]ok[/]: every checksum matches ({scope})")
 
 
@@ -107,23 +131,30 @@ def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; delete nothing.")] = False,
 ) -> None:
     """Delete every snapshot that the newest K composites do not need. Crash-safe: a
-    snapshot is moved out of snapshots/ atomically before its files are removed."""
+    snapshot is moved out of snapshots/ atomically before its files are removed; one being
+    read is left for the next gc. Refuses a directory that is not a run, touching nothing."""
     from llmtailor.cli.render import retention_table
     from llmtailor.store.lock import WriterLock
-    from llmtailor.store.retention import apply_retention, plan_retention
+    from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 
-    run = _existing_run(run_dir)
-    lock = WriterLock(run.root)
+    check_keep(keep)
+    why = describe_non_run(run_dir)
+    if why is not None:
+        raise TailorError(f"{why}; gc deletes only the snapshots of a run")
+    run = Run(run_dir)
+    lock = WriterLock(run.root, new_run=False)
     if not dry_run:
         lock.acquire()  # deleting is writing: never beside a live writer
     try:
         plan = plan_retention(run, keep)
         console.print(retention_table(run, plan, dry_run))
         if not dry_run:
-            problems = apply_retention(run, plan)
-            for problem in problems:
-                errors.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
-            console.print(f"deleted {len(plan.delete) - len(problems)} snapshot(s); kept {len(plan.keep)}")
+            outcome = apply_retention(run, plan)
+            for problem in outcome.problems:
+                errors.print(f"[yellow]warning:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            if outcome.in_use:
+                console.print(f"in use by a reader, left for the next gc: {', '.join(map(str, outcome.in_use))}")
+            console.print(f"deleted {len(outcome.deleted)} snapshot(s); kept {len(plan.keep)}")
     finally:
         lock.release()
 

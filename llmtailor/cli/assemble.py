@@ -43,13 +43,14 @@ def assemble(
     from llmtailor.interop.hf_export import export_hf
 
     run = _existing_run(run_dir)
-    with unit_progress(console, "reading units") as progress:
+    # Leased: retention running meanwhile (gc, a writer's keep=) leaves the composite whole.
+    with run.reading(step) as composite, unit_progress(console, "reading units") as progress:
         if format is ExportFormat.deepspeed:
             from llmtailor.interop.deepspeed_export import export_deepspeed
 
-            target = export_deepspeed(run, step, out, progress=progress)
+            target = export_deepspeed(run, composite.step, out, progress=progress)
         else:
-            target = export_hf(run, step, out, progress=progress, train_batch_size=train_batch_size)
+            target = export_hf(run, composite.step, out, progress=progress, train_batch_size=train_batch_size)
     console.print(f"[green]wrote[/] {target}")
 
 

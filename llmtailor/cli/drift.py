@@ -30,7 +30,10 @@ def drift(
     from llmtailor.drift import drift_history
     from llmtailor.errors import TailorError
 
-    history = drift_history(_existing_run(run_dir), step)
+    run = _existing_run(run_dir)
+    with run.reading(step) as composite:  # the lineage's manifests are read while it is leased
+        run.load_manifests()
+        history = drift_history(run, composite.step)
     if not any(history.drift[s] for s in history.steps):
         raise TailorError(f"{run_dir}: no save of this run recorded drift (saved with track_drift=False?)")
     console.print(drift_table(history, kind.value, console.width))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 from llmtailor.errors import ConfigError, IncompatibleModelError
 from llmtailor.interop.hf_export import Progress
 from llmtailor.layouts import Layout
-from llmtailor.store.files import fsync_dir, replace_text_atomically
+from llmtailor.store.files import abandon_output, fsync_dir, open_output, replace_text_atomically
 from llmtailor.store.keys import split_unit
 from llmtailor.store.run import Run
 
@@ -60,8 +59,7 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
     target = out_dir / tag
     if target.exists():
         raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=out_dir))
+    tmp, created = open_output(out_dir, f".{tag}.tmp-")  # a failure removes what it created
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         module: dict[str, torch.Tensor] = OrderedDict()
@@ -108,9 +106,12 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
         latest = out_dir / LATEST
         replace_text_atomically(latest, tag)
         fsync_dir(out_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        failure = abandon_output(err, created, out_dir)
+        if failure is err:
+            raise
+        raise failure from None
     return target
 
 

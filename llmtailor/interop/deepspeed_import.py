@@ -43,6 +43,7 @@ from llmtailor.interop.hf_export import Progress, meta_model
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.store import codec
 from llmtailor.store.keys import master_key, optim_key, weight_key
+from llmtailor.store.files import StorageError, describe_os_error
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
@@ -90,8 +91,11 @@ def import_deepspeed(
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
 
     scratch_parent = run.root.parent
-    scratch_parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
+    try:
+        scratch_parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
+    except OSError as err:
+        raise StorageError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}", err) from None
     try:
         _to_universal(step_dir, scratch / "universal", stage)
         staged = StagedSnapshot(

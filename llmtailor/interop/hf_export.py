@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE
 from llmtailor.layouts import Layout
 from llmtailor.providers.optimizer import positional_state_dict
 from llmtailor.store.keys import split_unit
-from llmtailor.store.files import copy_durable, fsync_dir, fsync_file, write_text_durable
+from llmtailor.store.files import abandon_output, copy_durable, fsync_dir, fsync_file, open_output, write_text_durable
 from llmtailor.store.run import Run
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
@@ -104,8 +103,7 @@ def export_hf(
     target = out_dir / checkpoint_dirname(step)
     if target.exists():
         raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{checkpoint_dirname(step)}.tmp-", dir=out_dir))
+    tmp, created = open_output(out_dir, f".{checkpoint_dirname(step)}.tmp-")  # a failure removes what it created
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
         weights, per_param = _read_units(run, composite.sources, layout, progress)
@@ -126,9 +124,12 @@ def export_hf(
             raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
         os.rename(tmp, target)
         fsync_dir(out_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        failure = abandon_output(err, created, out_dir)
+        if failure is err:
+            raise
+        raise failure from None
     return target
 
 

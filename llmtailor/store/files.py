@@ -13,9 +13,11 @@ safetensors' published one; tensors are ordered by item size, so each is natural
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import re
 import shutil
 import struct
 import queue
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING
 import xxhash
 from safetensors import SafetensorError, safe_open
 
-from llmtailor.errors import IntegrityError
+from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import FileEntry
 
@@ -260,6 +262,8 @@ def _file_pieces(source: ByteSource):
         handle = open(source.path, "rb", buffering=0)
     except FileNotFoundError:
         raise IntegrityError(f"{source.path}: file is missing") from None
+    except OSError as err:
+        raise IntegrityError(describe_os_error(err, source.path)) from None
     with handle:
         if os.fstat(handle.fileno()).st_size < source.offset + source.length:
             raise IntegrityError(f"{source.path}: shorter than the tensor it should hold (truncated)")
@@ -287,9 +291,10 @@ def _check_size(path: Path, size: int, entry: FileEntry) -> None:
         raise IntegrityError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or replaced)")
 
 
-def verify_file(root: Path, entry: FileEntry) -> Path:
-    """``entry``'s path after checking its size and checksum against the manifest."""
-    path = root / entry.path
+def verify_file(root: Path, entry: FileEntry, within: Path | None = None) -> Path:
+    """``entry``'s path after checking its size and checksum against the manifest (and, with
+    ``within``, that it resolves inside that directory: ``confine``)."""
+    path = _located(root, entry, within)
     try:
         with open(path, "rb") as handle:
             _check_size(path, os.fstat(handle.fileno()).st_size, entry)
@@ -298,14 +303,31 @@ def verify_file(root: Path, entry: FileEntry) -> Path:
     except FileNotFoundError:
         raise IntegrityError(f"{path}: file is missing") from None
     except OSError as err:
-        raise IntegrityError(f"{path}: cannot read ({err.strerror})") from None
+        raise IntegrityError(describe_os_error(err, path)) from None
     return path
 
 
-def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[str, list[int]]]) -> None:
+def _located(root: Path, entry: FileEntry, within: Path | None) -> Path:
+    path = root / entry.path
+    return path if within is None else confine(path, within)
+
+
+def confine(path: Path, within: Path) -> Path:
+    """``path``, after checking that it resolves (every symlink followed) inside ``within``, a
+    resolved directory; IntegrityError naming both otherwise. A run's files are read only
+    inside the run: a link out of it is not part of the checkpoint, whatever it points to."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(within):
+        raise IntegrityError(
+            f"{path}: resolves to {real}, outside the run {within}; llmtailor does not follow links out of a run"
+        )
+    return path
+
+
+def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[str, list[int]]], within: Path | None = None) -> None:
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
     it holds: each key present, with the manifest's dtype (by name) and shape."""
-    path = root / entry.path
+    path = _located(root, entry, within)
     try:
         _check_size(path, path.stat().st_size, entry)
         with safe_open(path, "pt") as handle:
@@ -319,32 +341,39 @@ def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[str, li
                     raise IntegrityError(
                         f"{path}: tensor {key!r} is {piece.get_dtype()} {found[1]}, manifest says {dtype} {shape}"
                     )
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: file is missing") from None
-    except (SafetensorError, OSError) as err:
+    except SafetensorError as err:
         raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
+    except OSError as err:
+        raise IntegrityError(describe_open_error(err, path)) from None
 
 
-def read_verified(root: Path, entry: FileEntry) -> bytes:
-    """The bytes of ``entry``'s (small) file, after checking size and checksum."""
-    return verify_file(root, entry).read_bytes()
+def read_verified(root: Path, entry: FileEntry, within: Path | None = None) -> bytes:
+    """The bytes of ``entry``'s (small) file, after checking size and checksum. (Read again
+    after the check: a small file, and the check must not hold its bytes.)"""
+    path = verify_file(root, entry, within)
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise IntegrityError(describe_os_error(err, path)) from None
 
 
-def read_tensors(root: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
+def read_tensors(root: Path, entry: FileEntry, within: Path | None = None) -> dict[str, torch.Tensor]:
     """Load a verified safetensors file (never unpickles)."""
     from safetensors.torch import load_file
 
-    path = verify_file(root, entry)
+    path = verify_file(root, entry, within)
     try:
         return load_file(path)
     except SafetensorError as err:
         raise IntegrityError(f"{path}: not a valid safetensors file ({err})") from None
+    except OSError as err:
+        raise IntegrityError(describe_open_error(err, path)) from None
 
 
-def check_file(root: Path, entry: FileEntry) -> str | None:
+def check_file(root: Path, entry: FileEntry, within: Path | None = None) -> str | None:
     """A problem with ``entry``'s file, or None when size and checksum match."""
     try:
-        verify_file(root, entry)
+        verify_file(root, entry, within)
     except IntegrityError as err:
         return str(err)
     return None
@@ -387,3 +416,115 @@ def replace_text_atomically(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)  # a full disk must not also leave a stray temporary file
         raise
     fsync_dir(path.parent)
+
+
+# -- OS errors in plain words ------------------------------------------------------------------
+
+
+class StorageError(TailorError, OSError):
+    """An OS error met while reading or writing a run or an export: a TailorError whose message
+    names the path and the reason in one line, and still an OSError (with the original
+    ``errno``), so code that caught the OS error before catches this one."""
+
+    def __init__(self, message: str, cause: OSError | None = None):
+        super().__init__(message)
+        if cause is not None:
+            self.errno = os_errno(cause)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+_REASONS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "is a directory",
+    errno.EEXIST: "already exists",
+    errno.ENOTEMPTY: "already exists and is not empty",
+    errno.ENODEV: "no such device (not a place to read or write files)",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.ENAMETOOLONG: "file name too long",
+}
+_BY_TYPE = ((PermissionError, errno.EACCES), (FileNotFoundError, errno.ENOENT), (FileExistsError, errno.EEXIST),
+            (NotADirectoryError, errno.ENOTDIR), (IsADirectoryError, errno.EISDIR))
+
+
+def os_errno(err: OSError) -> int | None:
+    """``err``'s errno, also for errors raised without one (safetensors names it in the
+    message, or by the exception's class only)."""
+    if err.errno is not None:
+        return err.errno
+    found = re.search(r"os error (\d+)", str(err))
+    if found:
+        return int(found.group(1))
+    return next((code for kind, code in _BY_TYPE if isinstance(err, kind)), None)
+
+
+def describe_open_error(err: OSError, path: Path) -> str:
+    """``describe_os_error`` for a failure to open ``path`` reported by safetensors, which
+    calls every failure to open a file "No such file or directory" (a file it may not read
+    included): the file is opened again here to learn the real reason."""
+    if isinstance(err, FileNotFoundError):
+        try:
+            with open(path, "rb"):
+                pass
+        except FileNotFoundError:
+            return f"{path}: file is missing"
+        except OSError as real:
+            return describe_os_error(real, path)
+    return describe_os_error(err, path)
+
+
+def describe_os_error(err: OSError, path: Path | str | None = None) -> str:
+    """One line for an OS error: the path it concerns (the error's own, else ``path``) and the
+    reason in plain words (``/run/x: permission denied``)."""
+    code = os_errno(err)
+    reason = _REASONS.get(code) or err.strerror or (os.strerror(code) if code else None) or str(err) or type(err).__name__
+    where = err.filename if err.filename is not None else path
+    if err.filename2 is not None:
+        where = f"{where} -> {err.filename2}"
+    return f"{where}: {reason}" if where is not None else reason
+
+
+def open_output(path: Path, prefix: str) -> tuple[Path, list[Path]]:
+    """Create the output directory ``path`` (and its missing parents) and a private temporary
+    directory in it (named ``prefix`` + random) for an export to write into and rename when
+    whole. Returns the temporary directory and the directories created here, innermost first,
+    for ``abandon_output``. An OS error becomes a TailorError naming the path, with nothing
+    left behind."""
+    import tempfile
+
+    path = Path(path)
+    created: list[Path] = []
+    try:
+        if path.exists() and not path.is_dir():
+            raise TailorError(f"{path}: is a file, not a directory; choose another output directory")
+        created = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=path)), created
+    except OSError as err:
+        _remove_empty(created)
+        raise StorageError(f"cannot create the output directory: {describe_os_error(err, path)}", err) from None
+
+
+def abandon_output(err: BaseException, created: list[Path], path: Path) -> BaseException:
+    """After a failed export (its temporary directory removed): remove the directories
+    ``open_output`` created, if still empty, so a failure leaves no empty directory; return
+    the error to raise (an OS error as a TailorError naming the path and the reason)."""
+    _remove_empty(created)
+    if isinstance(err, OSError):
+        return StorageError(f"{describe_os_error(err, path)}; nothing was written to {path}", err)
+    return err
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for made in directories:  # innermost first
+        try:
+            made.rmdir()  # only if empty: anything else is not ours to remove
+        except OSError:
+            return

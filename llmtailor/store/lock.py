@@ -1,27 +1,84 @@
-"""One writer per run: an exclusive advisory lock on ``RUN/.lock``.
+"""Locks of a run directory: one writer per run, and reader leases on snapshots.
 
-``flock`` is released by the kernel when its holder exits, however it exits (SIGKILL
-included), so a lock can never be left stale. Holding it also proves that nothing under
-``.tmp/`` or ``.trash/`` belongs to a live writer: the holder clears both.
+**Writer lock.** An exclusive advisory lock on ``RUN/.lock``. ``flock`` is released by the
+kernel when its holder exits, however it exits (SIGKILL included), so a lock can never be
+left stale. Holding it also proves that nothing under ``.tmp/`` or ``.trash/`` belongs to a
+live writer: the holder clears both. It is taken only in a run directory, or in a missing or
+empty directory a writer is about to make one (``describe_non_run``): a directory that is
+something else (a Trainer ``checkpoint-N/``, a project folder with its own ``.tmp/``) is
+refused before anything in it is created or deleted.
+
+**Reader leases.** Every committed snapshot holds a lease file (``LEASE_FILE``, created in the
+temporary directory before the commit rename; for a snapshot written before leases existed,
+created on first use where the directory is writable). A reader holds ``flock(LOCK_SH)`` on
+it while it reads; retention takes ``LOCK_EX | LOCK_NB`` before it moves a snapshot out of
+``snapshots/`` and leaves a snapshot in use alone. After taking a shared lease the reader
+checks that the lease file it holds is still the one in ``snapshots/`` (same inode): if not,
+the snapshot was removed before the lease was taken, and the reader treats it as gone. So a
+snapshot is never removed while a lease on it is held, and a reader never reads a snapshot
+that is being removed.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
 import socket
 from pathlib import Path
 
-from llmtailor.constants import LOCK_FILE, TMP_DIR, TRASH_DIR
+from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import TailorError
+from llmtailor.store.files import StorageError, describe_os_error
+
+LEASE_FILE = ".readers"
+"""The lease file inside each snapshot directory (empty; never listed in a manifest)."""
+
+# Where these errors come from, the directory is one we may not write to (a run on read-only
+# storage, or someone else's): its snapshots are read without a lease.
+_CANNOT_CREATE = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def describe_non_run(path: Path) -> str | None:
+    """Why ``path`` is not an llmtailor run directory, or None when it is one: a directory
+    holding ``snapshots/``, ``latest`` or ``.lock`` (what a writer leaves)."""
+    try:
+        if not path.exists():
+            return f"{path}: no such run directory"
+        if not path.is_dir():
+            return f"{path}: is a file, not a run directory"
+        if any((path / name).exists() for name in (SNAPSHOTS_DIR, LATEST_FILE, LOCK_FILE)):
+            return None
+        kind = _foreign_kind(path)
+    except OSError as err:
+        return describe_os_error(err, path)
+    if kind:
+        return f"{path}: is {kind}, not an llmtailor run"
+    return f"{path}: not an llmtailor run directory (no {SNAPSHOTS_DIR}/ in it)"
+
+
+def _foreign_kind(path: Path) -> str | None:
+    from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE, is_deepspeed_checkpoint
+
+    if (path / TRAINER_STATE_FILE).is_file():
+        return f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf`)"
+    if is_deepspeed_checkpoint(path):
+        return "a DeepSpeed checkpoint (import it with `llmtailor import-deepspeed`)"
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return "a model directory (config.json and safetensors weights)"
+    return None
 
 
 class WriterLock:
-    """Exclusive write access to a run directory, held until ``release`` or process exit."""
+    """Exclusive write access to a run directory, held until ``release`` or process exit.
 
-    def __init__(self, root: Path):
+    ``new_run=True`` (a writer): the directory may also be missing or empty, and becomes a
+    run. ``new_run=False`` (gc): it must already be a run."""
+
+    def __init__(self, root: Path, *, new_run: bool = True):
         self.root = root
+        self.new_run = new_run
         self._handle = None
 
     @property
@@ -29,12 +86,16 @@ class WriterLock:
         return self._handle is not None
 
     def acquire(self) -> None:
-        """Take the lock or raise TailorError naming the holder; then clear what crashed
-        writers left behind."""
+        """Take the lock or raise TailorError naming the holder (or saying why the directory
+        is not a run); then clear what crashed writers left behind."""
         if self.held:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        handle = open(self.root / LOCK_FILE, "a+", encoding="utf-8")
+        self._refuse_non_run()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            handle = open(self.root / LOCK_FILE, "a+", encoding="utf-8")
+        except OSError as err:
+            raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root)}", err) from None
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -44,15 +105,126 @@ class WriterLock:
             raise TailorError(
                 f"{self.root} is being written by another writer ({holder}); a run has one writer at a time"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.flush()
+        except OSError as err:
+            handle.close()
+            raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root / LOCK_FILE)}", err) from None
         self._handle = handle
         for leftover in (TMP_DIR, TRASH_DIR):
             shutil.rmtree(self.root / leftover, ignore_errors=True)
+
+    def _refuse_non_run(self) -> None:
+        why = describe_non_run(self.root)
+        if why is None:
+            return
+        try:
+            fresh = not self.root.exists() or (self.root.is_dir() and not any(self.root.iterdir()))
+        except OSError as err:
+            raise StorageError(describe_os_error(err, self.root), err) from None
+        if self.new_run and fresh:
+            return
+        raise TailorError(f"{why}; refusing to {'write into' if self.new_run else 'clean'} it")
 
     def release(self) -> None:
         if self._handle is not None:
             self._handle.close()  # closing the descriptor releases the flock
             self._handle = None
+
+
+class Lease:
+    """A lease on one snapshot (module docstring), held until ``release``. ``held`` is False
+    for a snapshot that cannot be leased (its directory is not writable and holds no lease
+    file): it is read unprotected."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+def lease_for_reading(directory: Path) -> Lease | None:
+    """A shared lease on the snapshot in ``directory``, or None when the snapshot is no longer
+    there (removed, or being removed: this waits the moment retention holds it)."""
+    fd = _open_lease(directory)
+    if fd is _GONE:
+        return None
+    if fd is None:
+        return Lease(None)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError:  # a filesystem without flock: read unprotected, as before leases
+            return Lease(fd)
+        if not _still_in_place(fd, directory):
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return Lease(fd)
+
+
+def lease_for_removal(directory: Path) -> Lease | None:
+    """An exclusive lease on the snapshot in ``directory``, taken without waiting; None while
+    a reader holds it (or when the snapshot is gone already)."""
+    fd = _open_lease(directory)
+    if fd is _GONE:
+        return None
+    if fd is None:
+        return Lease(None)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:  # a filesystem without flock: no reader can hold a lease either
+        pass
+    return Lease(fd)
+
+
+_GONE = -1
+
+
+def _open_lease(directory: Path) -> int | None:
+    """A descriptor of ``directory``'s lease file, created if missing; None when it cannot be
+    created; ``_GONE`` when the directory itself is not there."""
+    path = directory / LEASE_FILE
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        if err.errno == errno.ENOTDIR:
+            return _GONE
+        if err.errno in _CANNOT_CREATE or err.errno == errno.ELOOP:
+            return None
+        raise StorageError(describe_os_error(err, path), err) from None
+    try:
+        return os.open(path, flags | os.O_CREAT, 0o644)
+    except (FileNotFoundError, NotADirectoryError):
+        return _GONE
+    except OSError as err:
+        if err.errno in _CANNOT_CREATE or err.errno == errno.ELOOP:
+            return None
+        raise StorageError(describe_os_error(err, path), err) from None
+
+
+def _still_in_place(fd: int, directory: Path) -> bool:
+    try:
+        now = os.stat(directory / LEASE_FILE, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)

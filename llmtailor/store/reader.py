@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from llmtailor.errors import IntegrityError
 from llmtailor.store import dtypes
-from llmtailor.store.files import tensor_checksum
+from llmtailor.store.files import confine, describe_open_error, tensor_checksum
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
 
@@ -119,12 +119,13 @@ class ChunkReader:
         try:
             handle = self._handles.get(path)
             if handle is None:
+                confine(path, self.run.boundary())  # checked once per file: its handle is kept
                 handle = self._handles[path] = safe_open(str(path), framework="pt")
             piece = handle.get_slice(key)
-        except FileNotFoundError:
-            raise IntegrityError(f"{path}: file is missing") from None
-        except (SafetensorError, OSError) as err:
+        except SafetensorError as err:
             raise IntegrityError(f"{path}: cannot read tensor {key!r} ({err})") from None
+        except OSError as err:
+            raise IntegrityError(describe_open_error(err, path)) from None
         if list(piece.get_shape()) != chunk.shape or dtypes.code_of(tensor.dtype) != piece.get_dtype():
             raise IntegrityError(
                 f"{path}: tensor {key!r} is {piece.get_dtype()} {piece.get_shape()}, index says {tensor.dtype} {chunk.shape}"

@@ -9,6 +9,10 @@ Deleting is crash-safe: each doomed snapshot directory is first renamed into ``.
 (atomic; from then on it is not a committed snapshot and nothing refers to it), the rename
 is made durable, and only then is the directory removed. A crash at any point leaves every
 kept composite whole; leftovers in ``.trash/`` are removed by the next writer.
+
+Deleting never pulls files from under a reader: a snapshot is moved only while retention
+holds its lease exclusively (``store.lock``); one a reader holds is left in place for the next
+retention (logged). A reader that comes after the move finds the snapshot gone, never half.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmtailor.constants import TRASH_DIR
-from llmtailor.errors import ConfigError
-from llmtailor.store.files import fsync_dir
+from llmtailor.errors import ConfigError, TailorError
+from llmtailor.store.files import describe_os_error, fsync_dir
+from llmtailor.store.lock import Lease, lease_for_removal
 from llmtailor.store.run import Run
 
 log = logging.getLogger(__name__)
@@ -35,6 +41,18 @@ class RetentionPlan:
     """Snapshots those composites need, ascending."""
     delete: list[int]
     """Every other committed snapshot, ascending."""
+
+
+@dataclass(frozen=True)
+class RetentionOutcome:
+    """What ``apply_retention`` did."""
+
+    deleted: list[int] = field(default_factory=list)
+    """Snapshots moved out of ``snapshots/`` (their files removed, or left in ``.trash/``)."""
+    in_use: list[int] = field(default_factory=list)
+    """Doomed snapshots a reader held: left in place for the next retention."""
+    problems: list[str] = field(default_factory=list)
+    """Failures met (logged, not raised)."""
 
 
 def check_keep(keep: object) -> int:
@@ -64,30 +82,51 @@ def plan_retention(run: Run, keep: int) -> RetentionPlan:
     )
 
 
-def apply_retention(run: Run, plan: RetentionPlan) -> list[str]:
-    """Delete ``plan.delete``. Returns the problems met (logged, not raised): a snapshot that
-    could not be moved stays committed and whole; one moved but not removed stays in the
-    trash for the next writer."""
+def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
+    """Delete ``plan.delete``, except the snapshots a reader holds (module docstring). Failures
+    are logged, not raised: a snapshot that could not be moved stays committed and whole; one
+    moved but not removed stays in the trash for the next writer. The caller holds the run's
+    writer lock."""
     if not plan.delete:
-        return []
+        return RetentionOutcome()
     trash = run.root / TRASH_DIR
-    trash.mkdir(exist_ok=True)
-    moved, problems = [], []
-    for step in plan.delete:
-        source = run.snapshot_dir(step)
-        target = trash / f"{source.name}.{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(source, target)
-            moved.append(target)
-        except OSError as err:
-            problems.append(f"could not remove snapshot {step}: {err.strerror}")
-    fsync_dir(run.snapshots_dir)
-    for target in moved:
+    moved: list[tuple[int, Path]] = []
+    in_use: list[int] = []
+    problems: list[str] = []
+    claims: list[Lease] = []
+    try:
+        trash.mkdir(exist_ok=True)
+        for step in plan.delete:
+            source = run.snapshot_dir(step)
+            try:
+                claim = lease_for_removal(source)
+            except TailorError as err:
+                problems.append(f"could not remove snapshot {step}: {err}")
+                continue
+            if claim is None:
+                in_use.append(step)
+                continue
+            claims.append(claim)
+            target = trash / f"{source.name}.{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(source, target)
+                moved.append((step, target))
+            except OSError as err:
+                problems.append(f"could not remove snapshot {step}: {describe_os_error(err, source)}")
+        fsync_dir(run.snapshots_dir)
+    except OSError as err:
+        problems.append(f"could not remove snapshots: {describe_os_error(err)}")
+    finally:
+        for claim in claims:  # a reader waiting on one now finds its snapshot gone
+            claim.release()
+    for _, target in moved:
         try:
             shutil.rmtree(target)
         except OSError as err:
             problems.append(f"{target}: could not delete ({err.strerror}); the next writer retries")
+    if in_use:
+        log.info("llmtailor retention: snapshot(s) %s are being read; left for the next retention", in_use)
     for problem in problems:
         log.warning("llmtailor retention: %s", problem)
-    run.forget(plan.delete)
-    return problems
+    run.forget([step for step, _ in moved])
+    return RetentionOutcome(deleted=[step for step, _ in moved], in_use=in_use, problems=problems)

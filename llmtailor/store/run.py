@@ -14,17 +14,30 @@ Layout on disk::
         index/<unit>.json          the unit's files, tensors and chunks
         units/<unit>.safetensors   weights and optimizer state of each unit saved at this step
                                    (units/<unit>.rank-00001.safetensors: rank 1's pieces of it)
+        .readers                   the snapshot's reader lease (``store.lock``; not in the manifest)
       .tmp/                        snapshots being written; never read
 
 This module only reads; ``writer.py`` writes.
+
+Invariants of reading:
+
+- Every file read resolves (symlinks followed) inside the run root, itself resolved first: a
+  link out of the run is refused with an IntegrityError naming it.
+- A reader that must not lose what it reads to retention (``gc``, ``keep=K``) holds a lease on
+  every snapshot of its composite (``reading``): retention leaves leased snapshots in place.
+  A composite that lost a snapshot before its lease was taken is never read in part: it is
+  resolved again (the newest) or refused, before any tensor byte is read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +53,16 @@ from llmtailor.constants import (
     snapshot_dirname,
 )
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store.files import check_file, check_header, read_tensors, read_verified
+from llmtailor.store.files import (
+    StorageError,
+    check_file,
+    check_header,
+    confine,
+    describe_os_error,
+    read_tensors,
+    read_verified,
+)
+from llmtailor.store.lock import Lease, lease_for_reading
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
 
@@ -49,6 +71,9 @@ if TYPE_CHECKING:
 
 
 _UNIT_CACHE = 64  # unit indexes kept in memory (each is small; a run can hold thousands)
+_RESOLVE_ATTEMPTS = 50
+"""How often the newest composite is resolved again when retention removed part of it before
+it could be leased (each time, a writer committed a newer one meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +84,62 @@ class Composite:
     step: int
     manifest: Manifest
     sources: dict[str, int]
+
+
+@dataclass
+class Verification:
+    """What ``Run.check`` found. ``problems``: damage (exit 1 at the CLI). ``notes``: what is not
+    damage but worth saying (a snapshot removed by retention while the check ran, an older
+    composite no longer restorable because retention removed a snapshot it needs)."""
+
+    checked: list[int] = field(default_factory=list)
+    """Snapshots whose files were checked, ascending."""
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class ReadLeases:
+    """Shared leases on snapshots of one run (``store.lock``), held until ``close``; a context
+    manager. While a lease is held, retention does not remove that snapshot."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self._held: dict[int, Lease] = {}
+
+    def take(self, step: int) -> bool:
+        """Lease the snapshot of ``step``; False when it is not (or no longer) a committed
+        snapshot of the run. A snapshot directory that resolves outside the run raises."""
+        if step in self._held:
+            return True
+        directory = self.run.snapshot_root(step)
+        try:
+            committed = (directory / MANIFEST_FILE).is_file()
+        except OSError as err:
+            raise StorageError(describe_os_error(err, directory), err) from None
+        lease = lease_for_reading(directory) if committed else None
+        if lease is None:
+            self.run.forget([step])  # a snapshot of this step written later is another one
+            return False
+        self._held[step] = lease
+        return True
+
+    def holds(self, step: int) -> bool:
+        return step in self._held
+
+    def release(self, step: int) -> None:
+        lease = self._held.pop(step, None)
+        if lease is not None:
+            lease.release()
+
+    def close(self) -> None:
+        for step in list(self._held):
+            self.release(step)
+
+    def __enter__(self) -> ReadLeases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Run:
@@ -80,27 +161,60 @@ class Run:
     def snapshot_dir(self, step: int) -> Path:
         return self.snapshots_dir / snapshot_dirname(step)
 
+    def boundary(self) -> Path:
+        """The run root with every symlink resolved: no file outside it is read."""
+        return Path(os.path.realpath(self.root))
+
+    def snapshot_root(self, step: int) -> Path:
+        """``snapshot_dir(step)``, checked to resolve inside the run (IntegrityError if not)."""
+        return confine(self.snapshot_dir(step), self.boundary())
+
     def steps(self) -> list[int]:
         """Steps of the committed snapshots (those whose manifest exists), ascending."""
-        if not self.snapshots_dir.is_dir():
-            return []
         found = []
-        for child in self.snapshots_dir.iterdir():
-            step = parse_snapshot_name(child.name)
-            if step is not None and (child / MANIFEST_FILE).is_file():
-                found.append(step)
+        try:
+            if not self.snapshots_dir.is_dir():
+                return []
+            for child in self.snapshots_dir.iterdir():
+                step = parse_snapshot_name(child.name)
+                if step is not None and (child / MANIFEST_FILE).is_file():
+                    found.append(step)
+        except OSError as err:
+            raise StorageError(describe_os_error(err, self.snapshots_dir), err) from None
         return sorted(found)
 
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
-            path = self.snapshot_dir(step) / MANIFEST_FILE
-            if not path.is_file():
+            path = self.snapshot_root(step) / MANIFEST_FILE
+            try:
+                present = path.is_file()
+            except OSError as err:
+                raise StorageError(describe_os_error(err, path), err) from None
+            if not present:
                 raise SnapshotNotFoundError(self._no_snapshot_message(step))
-            manifest = load_manifest(path)
+            try:
+                manifest = load_manifest(confine(path, self.boundary()))
+            except IntegrityError:
+                if not path.exists():  # removed (by retention) since it was found
+                    raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
+                raise
             if manifest.step != step:
                 raise IntegrityError(f"{path}: manifest says step {manifest.step}, directory says {step}")
             self._manifests[step] = manifest
         return self._manifests[step]
+
+    def load_manifests(self) -> list[int]:
+        """Read (and cache) the manifest of every committed snapshot, each under a lease, so a
+        caller listing them all (``inspect``, ``drift``) meets none removed half-way; returns
+        the steps read. A snapshot removed before it was leased is left out."""
+        read = []
+        with ReadLeases(self) as leases:
+            for step in self.steps():
+                if leases.take(step):
+                    self.manifest(step)
+                    read.append(step)
+                    leases.release(step)
+        return read
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached manifests of snapshots that were removed."""
@@ -120,10 +234,17 @@ class Run:
             return steps[-1]
         current = pointer
         while True:
-            children = [s for s in steps if s > current and self.manifest(s).parent == current]
+            children = [s for s in steps if s > current and self._parent_if_present(s) == current]
             if not children:
                 return current
             current = max(children)
+
+    def _parent_if_present(self, step: int) -> int | None:
+        """The parent of the snapshot of ``step``; None also when it was removed since listed."""
+        try:
+            return self.manifest(step).parent
+        except SnapshotNotFoundError:
+            return None
 
     def _read_pointer(self) -> int | None:
         try:
@@ -133,13 +254,71 @@ class Run:
         return parse_snapshot_name(name)
 
     def resolve(self, step: int | None = None) -> Composite:
-        """The composite as of ``step`` (default: the newest). Reads one manifest."""
-        if step is None:
-            step = self.latest_step()
-            if step is None:
+        """The composite as of ``step`` (default: the newest). Reads one manifest. Takes no
+        lease: a reader of the composite's files uses ``reading``."""
+        if step is not None:
+            manifest = self.manifest(step)
+            return Composite(step=step, manifest=manifest, sources=dict(manifest.composite))
+        for _ in range(_RESOLVE_ATTEMPTS):
+            newest = self.latest_step()
+            if newest is None:
                 raise SnapshotNotFoundError(self._no_snapshot_message(None))
-        manifest = self.manifest(step)
-        return Composite(step=step, manifest=manifest, sources=dict(manifest.composite))
+            try:
+                return self.resolve(newest)
+            except SnapshotNotFoundError:
+                if self.snapshot_dir(newest).exists():
+                    raise  # still there: not a snapshot removed meanwhile
+        raise SnapshotNotFoundError(self._unsettled_message())
+
+    @contextmanager
+    def reading(self, step: int | None = None, *, newest_if_removed: bool = False) -> Iterator[Composite]:
+        """The composite as of ``step`` (default: the newest), with a lease on every snapshot it
+        needs, held until the block ends: retention leaves them in place meanwhile.
+
+        When a snapshot of the composite was removed before its lease was taken (a writer
+        with ``keep=K`` moved on), the newest composite is resolved and leased instead if
+        ``step`` is None or ``newest_if_removed``; otherwise, and when a snapshot the newest
+        composite needs is simply not in the run, SnapshotNotFoundError names it. Either way
+        this happens before the block runs, so before any tensor byte is read."""
+        with ReadLeases(self) as leases:
+            composite, lost = self._lease_composite(leases, step, follow=step is None or newest_if_removed)
+            if lost:
+                raise SnapshotNotFoundError(f"{self.root}: {_not_restorable(composite.step, lost)}; nothing was read")
+            yield composite
+
+    def _lease_composite(
+        self, leases: ReadLeases, step: int | None, follow: bool
+    ) -> tuple[Composite, dict[int, list[str]]]:
+        """The composite of ``step`` (default: the newest) with every snapshot of it that is in
+        the run leased, and those that are not (step -> the units it should give)."""
+        wanted = step
+        for _ in range(_RESOLVE_ATTEMPTS):
+            target = self.latest_step() if wanted is None else wanted
+            if target is None:
+                raise SnapshotNotFoundError(self._no_snapshot_message(None))
+            composite, lost = None, {}
+            if leases.take(target):
+                composite = self.resolve(target)
+                for unit, source in composite.sources.items():
+                    if not leases.take(source):
+                        lost.setdefault(source, []).append(unit)
+                if not lost:
+                    return composite, lost
+            # Lost to retention only if a newer composite took over meanwhile (retention never
+            # removes what the newest composite needs); otherwise the snapshot is just absent.
+            if not follow or self.latest_step() == target:
+                if composite is None:
+                    raise SnapshotNotFoundError(self._no_snapshot_message(target))
+                return composite, lost
+            leases.close()
+            wanted = None
+        raise SnapshotNotFoundError(self._unsettled_message())
+
+    def _unsettled_message(self) -> str:
+        return (
+            f"{self.root}: the newest composite changed {_RESOLVE_ATTEMPTS} times while it was being resolved "
+            "(a writer with keep= removes what the older ones need); try again"
+        )
 
     def unit_entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
@@ -150,8 +329,8 @@ class Run:
             ref = manifest.units.get(unit)
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
-            root = self.snapshot_dir(step)
-            entry = load_unit_entry(read_verified(root, ref.index), root / ref.index.path, unit, step)
+            root = self.snapshot_root(step)
+            entry = load_unit_entry(read_verified(root, ref.index, self.boundary()), root / ref.index.path, unit, step)
             if len(self._units) >= _UNIT_CACHE:
                 self._units.pop(next(iter(self._units)))
             self._units[key] = entry
@@ -163,14 +342,14 @@ class Run:
         Every file is checked against its checksum; every tensor against the index's dtype
         and shape. Chunks are assembled into the global tensor."""
         entry = self.unit_entry(step, unit)
-        root = self.snapshot_dir(step)
+        root, within = self.snapshot_root(step), self.boundary()
         expected: dict[int, dict[str, tuple[str, list[int]]]] = {}
         for tensor in entry.tensors:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape)
         for position, tensors in expected.items():  # every header first: no tensor byte read yet
-            check_header(root, entry.files[position], tensors)
-        loaded = {position: read_tensors(root, entry.files[position]) for position in sorted(expected)}
+            check_header(root, entry.files[position], tensors, within)
+        loaded = {position: read_tensors(root, entry.files[position], within) for position in sorted(expected)}
         tensors = {t.key: _assemble(t, entry, loaded, root) for t in entry.tensors}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
@@ -194,54 +373,114 @@ class Run:
         from llmtailor.store import codec  # imports torch, which reading a layout does not need
 
         manifest = self.manifest(step)
-        root = self.snapshot_dir(step)
-        raw = read_verified(root, manifest.file_entry(doc_path))
+        root, within = self.snapshot_root(step), self.boundary()
+        raw = read_verified(root, manifest.file_entry(doc_path), within)
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as err:
             raise IntegrityError(f"{root / doc_path}: not valid JSON ({err})") from None
-        tensors = read_tensors(root, manifest.file_entry(tensors_path))
+        tensors = read_tensors(root, manifest.file_entry(tensors_path), within)
         state = codec.decode(doc, tensors, where=f"{root / doc_path}")
         if not isinstance(state, dict):
             raise IntegrityError(f"{root / doc_path}: expected an object at the top level")
         return state
 
     def verify(self, step: int | None = None) -> list[str]:
-        """Problems with the composite as of ``step`` (default: every committed snapshot).
+        """The problems ``check`` finds; an empty list means all is well."""
+        return self.check(step).problems
 
-        Checks every file a composite needs (or every file of every snapshot) against its
-        checksum; an empty list means all is well."""
-        problems: list[str] = []
-        if step is None:
-            targets: dict[int, set[str] | None] = {s: None for s in self.steps()}
-        else:
-            composite = self.resolve(step)
-            targets = {}
-            for unit, source in composite.sources.items():
-                targets.setdefault(source, set()).add(unit)
-            targets[step] = None  # the snapshot of `step` is needed whole (global state)
-        for source, units in sorted(targets.items()):
+    def check(self, step: int | None = None) -> Verification:
+        """Verify the run: every file of every committed snapshot (or of the composite as of
+        ``step``) against its size and checksum, and that the composites restore.
+
+        The rule: a problem is a file that is missing, damaged, unreadable or outside the run,
+        a composite naming a snapshot that does not hold the unit, or the composite checked
+        (``step``'s, or the newest) not restorable because a snapshot it needs is not in the
+        run; an older composite that no longer restores because retention removed a snapshot
+        it needs is a note (retention keeps only what the newest K composites need). The
+        checked composite is leased for the whole check, each other snapshot while its files
+        are checked; a snapshot removed by retention before it was leased is a note."""
+        result = Verification()
+        with ReadLeases(self) as leases:
             try:
-                manifest = self.manifest(source)
-            except TailorError as err:
-                problems.append(str(err))
-                continue
-            root = self.snapshot_dir(source)
-            lacking = sorted(set(units or ()) - set(manifest.units))
-            if lacking:
-                problems.append(f"snapshot {source} holds no unit {lacking} although the composite of step {step} names it")
-            for entry in manifest.files:
-                problem = check_file(root, entry)
-                if problem:
-                    problems.append(problem)
-            for unit in sorted(set(units or manifest.units) & set(manifest.units)):
+                composite, lost = self._lease_composite(leases, step, follow=step is None)
+            except SnapshotNotFoundError:
+                raise  # no snapshot (at that step): the user's mistake, not damage
+            except TailorError as err:  # a damaged manifest on the way to the newest composite
+                result.problems.append(str(err))
+                composite, lost = None, {}
+            if composite is not None and lost:
+                result.problems.append(f"{_not_restorable(composite.step, lost)}, so it cannot be restored")
+            if step is None:
+                targets: dict[int, set[str] | None] = {s: None for s in self.steps()}
+            elif composite is None:
+                targets = {step: None}
+            else:
+                targets = {}
+                for unit, source in composite.sources.items():
+                    if source not in lost:
+                        targets.setdefault(source, set()).add(unit)
+                targets[composite.step] = None  # the snapshot of `step` is needed whole (global state)
+            for source, units in sorted(targets.items()):
+                pinned = leases.holds(source)
                 try:
-                    files = self.unit_entry(source, unit).files
+                    if not leases.take(source):
+                        result.notes.append(f"snapshot {source} was removed while verify ran (by retention); not checked")
+                        continue
+                    self._check_snapshot(source, units, step, result)
                 except TailorError as err:
-                    problems.append(str(err))
+                    result.problems.append(str(err))
+                finally:
+                    if not pinned:
+                        leases.release(source)  # one at a time: a run may hold more snapshots than descriptors
+            if step is None:
+                self._check_composites(composite.step if composite else None, result)
+        result.checked.sort()
+        result.problems = list(dict.fromkeys(result.problems))  # a damaged manifest is met twice
+        return result
+
+    def _check_snapshot(self, source: int, units: set[str] | None, step: int | None, result: Verification) -> None:
+        manifest = self.manifest(source)
+        root, within = self.snapshot_root(source), self.boundary()
+        lacking = sorted(set(units or ()) - set(manifest.units))
+        if lacking:
+            result.problems.append(f"snapshot {source} holds no unit {lacking} although the composite of step {step} names it")
+        for entry in manifest.files:
+            problem = check_file(root, entry, within)
+            if problem:
+                result.problems.append(problem)
+        for unit in sorted(set(units or manifest.units) & set(manifest.units)):
+            try:
+                files = self.unit_entry(source, unit).files
+            except TailorError as err:
+                result.problems.append(str(err))
+                continue
+            result.problems += [p for p in (check_file(root, f, within) for f in files) if p]
+        result.checked.append(source)
+
+    def _check_composites(self, newest: int | None, result: Verification) -> None:
+        """Every checked snapshot's composite: a source present but lacking the unit is damage
+        (retention removes whole snapshots); a source not in the run is a note, but for the
+        newest composite (a problem already)."""
+        present = set(self.steps())
+        for step in result.checked:
+            lost: dict[int, list[str]] = {}
+            for unit, source in self.manifest(step).composite.items():
+                if source == step:
                     continue
-                problems += [p for p in (check_file(root, f) for f in files) if p]
-        return problems
+                if source not in present:
+                    lost.setdefault(source, []).append(unit)
+                    continue
+                try:
+                    holds = unit in self.manifest(source).units
+                except TailorError:
+                    continue  # its manifest is damaged: reported with that snapshot
+                if not holds:
+                    result.problems.append(
+                        f"snapshot {source} holds no unit {[unit]} although the composite of step {step} names it"
+                    )
+            if lost and step != newest:
+                result.notes.append(f"{_not_restorable(step, lost)} (removed by retention?)")
 
     def _no_snapshot_message(self, step: int | None) -> str:
         steps = self.steps()
@@ -250,6 +489,14 @@ class Run:
         if step is None:
             return f"{self.root}: no committed snapshot"
         return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
+
+
+def _not_restorable(step: int, lost: dict[int, list[str]]) -> str:
+    def named(units: list[str]) -> str:
+        return ", ".join(units) if len(units) <= 6 else f"{', '.join(units[:6])}, ... ({len(units)} in all)"
+
+    needs = "; ".join(f"step {source} (units {named(units)})" for source, units in sorted(lost.items()))
+    return f"the composite of step {step} needs {needs}, which is not in the run"
 
 
 def parse_snapshot_name(name: str) -> int | None:

@@ -55,7 +55,16 @@ from llmtailor.constants import (
 )
 from llmtailor.errors import TailorError
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
-from llmtailor.store.files import Syncer, fsync_dir, replace_text_atomically, write_durable, write_tensor_file
+from llmtailor.store.files import (
+    StorageError,
+    Syncer,
+    describe_os_error,
+    fsync_dir,
+    replace_text_atomically,
+    write_durable,
+    write_tensor_file,
+)
+from llmtailor.store.lock import LEASE_FILE
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
@@ -177,7 +186,13 @@ def persist(
             prepare()
         return _open_tmp(run, staged.step, staged.world_size)
 
-    tmp_name = coord.broadcast(f"{round_}/open", open_tmp if coord.is_leader else None)
+    def open_tmp_friendly() -> str:
+        try:
+            return open_tmp()
+        except BaseException as err:
+            raise _friendly(err, run, staged.step, written=False) from None
+
+    tmp_name = coord.broadcast(f"{round_}/open", open_tmp_friendly if coord.is_leader else None)
     tmp = run.tmp_dir / tmp_name
     try:
         if staged.error is not None:
@@ -226,6 +241,9 @@ def _open_tmp(run: Run, step: int, world_size: int) -> str:
         raise TailorError(f"{final} already exists; refusing to overwrite a committed snapshot")
     name = f"{snapshot_dirname(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     (run.tmp_dir / name / UNITS_DIR).mkdir(parents=True)
+    # The reader lease exists from the commit on: a reader never has to create one in a
+    # snapshot of this version (store.lock).
+    (run.tmp_dir / name / LEASE_FILE).touch()
     if world_size > 1:
         (run.tmp_dir / name / RANKS_DIR).mkdir()
     return name
@@ -348,11 +366,19 @@ def _replace_latest(run: Run, final: Path, step: int) -> str | None:
     return None
 
 
-def _friendly(err: BaseException, run: Run, step: int) -> BaseException:
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return TailorError(
+def _friendly(err: BaseException, run: Run, step: int, written: bool = True) -> BaseException:
+    """An OS error met while saving, as one TailorError naming the path and the reason (and
+    what became of the save); any other error as it is."""
+    if not isinstance(err, OSError) or isinstance(err, TailorError):  # a StorageError says it already
+        return err
+    aftermath = "the partial snapshot was removed" if written else f"step {step} was not saved"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(
             f"no space left on the device of {run.root} while saving step {step}; "
-            "the partial snapshot was removed and earlier snapshots are intact"
+            f"{aftermath} and earlier snapshots are intact", err
         )
-    return err
+    return StorageError(
+        f"{describe_os_error(err, run.root)} while saving step {step} to {run.root}; "
+        f"{aftermath} and earlier snapshots are intact", err
+    )
 

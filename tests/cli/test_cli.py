@@ -1,6 +1,9 @@
 """The CLI over a real run: tables, exit codes, no tracebacks for user mistakes."""
 
+import shutil
+
 import pytest
+import typer
 from helpers import tiny, train
 from typer.testing import CliRunner
 
@@ -55,3 +58,127 @@ def test_user_mistakes_exit_2_without_traceback(run_dir, args, fragment):
     result = runner.invoke(app, [a.format(run=run_dir) for a in args])
     assert result.exit_code == 2
     assert fragment in result.output and "Traceback" not in result.output
+
+
+def _listing(root):
+    """Every path below ``root`` (hidden ones included) with its bytes: to show nothing changed."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def trainer_checkpoint(run_dir, tmp_path_factory):
+    """A real Trainer ``checkpoint-6/`` (the run's composite exported), holding ``.tmp/`` and
+    ``.trash/`` directories of its own."""
+    out = tmp_path_factory.mktemp("exported")
+    result = runner.invoke(app, ["assemble", str(run_dir), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    checkpoint = out / "checkpoint-6"
+    for own in (".tmp", ".trash"):
+        (checkpoint / own).mkdir()
+        (checkpoint / own / "notes.txt").write_text("not llmtailor's")
+    return checkpoint
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_gc_refuses_a_trainer_checkpoint_touching_nothing(trainer_checkpoint, dry_run):
+    """The shape that found it: gc deleted a checkpoint-N/'s .tmp/ and .trash/ and left a .lock."""
+    before = _listing(trainer_checkpoint)
+    result = runner.invoke(app, ["gc", str(trainer_checkpoint), "--keep", "1", *(["--dry-run"] if dry_run else [])])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{trainer_checkpoint}: is a Hugging Face Trainer checkpoint" in result.output
+    assert _listing(trainer_checkpoint) == before
+
+
+def test_gc_refuses_a_directory_or_a_file_that_is_not_a_run(tmp_path):
+    plain = tmp_path / "project"
+    (plain / ".tmp").mkdir(parents=True)
+    (plain / ".tmp" / "work.txt").write_text("mine")
+    (plain / "data.txt").write_text("mine")
+    before = _listing(plain)
+    result = runner.invoke(app, ["gc", str(plain), "--keep", "1"])
+    assert result.exit_code == 2 and "not an llmtailor run directory (no snapshots/ in it)" in result.output
+    assert _listing(plain) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert runner.invoke(app, ["gc", str(empty), "--keep", "1"]).exit_code == 2 and not any(empty.iterdir())
+    result = runner.invoke(app, ["gc", str(plain / "data.txt"), "--keep", "1"])
+    assert result.exit_code == 2 and "data.txt: is a file, not a run directory" in result.output
+
+
+def _one_line_error(result, *fragments):
+    """Exit status 2 and one ``error:`` line holding every fragment; no traceback."""
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert all(fragment in lines[0] for fragment in fragments), lines[0]
+
+
+def test_messages_keep_their_brackets(run_dir, trainer_checkpoint):
+    """Messages are text, not rich markup: "[2, 4, 6]" used to vanish."""
+    result = runner.invoke(app, ["import-hf", str(trainer_checkpoint), "-o", str(run_dir)])
+    _one_line_error(result, "already holds snapshots (steps [2, 4, 6])")
+
+    from llmtailor.cli import add_command
+    from llmtailor.errors import ConfigError
+
+    def bracketed() -> None:
+        raise ConfigError("layer_range must be [a, b], got [5, 2]; see [bold]docs[/bold]")
+
+    probe = typer.Typer()
+    add_command(probe, "probe", bracketed)
+    add_command(probe, "other", lambda: None)  # two commands: typer then wants the name
+    _one_line_error(runner.invoke(probe, ["probe"]), "layer_range must be [a, b], got [5, 2]; see [bold]docs[/bold]")
+
+
+@pytest.mark.parametrize(
+    "out, fragments",
+    [
+        ("{file}", ["{file}: is a file, not a directory"]),
+        ("{file}/sub", ["{file}/sub: a part of the path is a file, not a directory"]),
+        ("/proc/llmtailor-out", ["cannot create the output directory: /proc/llmtailor-out"]),
+    ],
+)
+def test_assemble_to_an_output_it_cannot_create_names_it(run_dir, tmp_path, out, fragments):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    result = runner.invoke(app, ["assemble", str(run_dir), "-o", out.format(file=file)])
+    _one_line_error(result, *(f.format(file=file) for f in fragments))
+    assert file.read_text() == "x"
+
+
+def test_a_failed_assemble_leaves_no_empty_output_directory(run_dir, tmp_path):
+    damaged = tmp_path / "run"
+    shutil.copytree(run_dir, damaged)
+    unit = damaged / "snapshots/step-00000006/units/layer.0.safetensors"
+    unit.write_bytes(unit.read_bytes()[:-1] + b"\x01")
+    result = runner.invoke(app, ["assemble", str(damaged), "-o", str(tmp_path / "out" / "deeper")])
+    _one_line_error(result, "layer.0.safetensors: checksum mismatch")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "kept").mkdir()  # a directory that was there before stays
+    runner.invoke(app, ["assemble", str(damaged), "-o", str(tmp_path / "kept")])
+    assert (tmp_path / "kept").is_dir() and not any((tmp_path / "kept").iterdir())
+
+
+@pytest.mark.parametrize(
+    "out, fragments",
+    [
+        ("{file}", ["{file}: is a file, not a run directory; refusing to write into it"]),
+        ("/proc/llmtailor-run", ["/proc/llmtailor-run: no such file or directory"]),
+        ("{file}/run", ["{file}/run: a part of the path is a file, not a directory"]),
+    ],
+)
+def test_import_hf_into_a_place_it_cannot_write_names_it(trainer_checkpoint, tmp_path, out, fragments):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    result = runner.invoke(app, ["import-hf", str(trainer_checkpoint), "-o", out.format(file=file)])
+    _one_line_error(result, *(f.format(file=file) for f in fragments))
+
+
+def test_merge_into_a_place_it_cannot_write_names_it(run_dir, tmp_path):
+    import yaml
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"slices": [{"sources": [{"model": f"{run_dir}@6", "layer_range": [0, 4]}]}]}))
+    for out in ("/proc/llmtailor-merge", "/proc/llmtailor-merge/deeper"):
+        result = runner.invoke(app, ["merge", str(plan), "-o", out, "--format", "model"])
+        _one_line_error(result, "/proc/", "no such file or directory")

@@ -62,3 +62,24 @@ def test_a_second_writer_in_the_same_process_is_refused(tmp_path):
     second = Tailor(tmp_path, *tiny())
     second.restore()
     second.save(2)
+
+
+def test_a_writer_refuses_a_directory_that_is_not_a_run_before_touching_it(tmp_path):
+    """WriterLock (every writer's, and gc's) creates or deletes nothing in a non-run: a
+    directory that is something else keeps its own .tmp/ and gets no .lock."""
+    from llmtailor.store.lock import WriterLock
+
+    checkpoint = tmp_path / "checkpoint-5"
+    (checkpoint / ".tmp").mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    before = sorted(p.name for p in checkpoint.rglob("*"))
+    with pytest.raises(TailorError, match=r"checkpoint-5: is a Hugging Face Trainer checkpoint .* refusing to write into it"):
+        Tailor(checkpoint, *tiny()).save(1)
+    with pytest.raises(TailorError, match="refusing to clean it"):
+        WriterLock(checkpoint, new_run=False).acquire()
+    assert sorted(p.name for p in checkpoint.rglob("*")) == before
+    # A missing or empty directory becomes a run; gc's lock wants a run already.
+    with pytest.raises(TailorError, match="no such run directory"):
+        WriterLock(tmp_path / "new", new_run=False).acquire()
+    assert not (tmp_path / "new").exists()
+    Tailor(tmp_path / "new", *tiny()).save(1)

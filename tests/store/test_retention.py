@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from llmtailor import Parity, Run, Tailor
 from llmtailor.cli import app
 from llmtailor.errors import ConfigError
-from llmtailor.store.retention import apply_retention, plan_retention
+from llmtailor.store.retention import RetentionOutcome, apply_retention, plan_retention
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def test_plan_keeps_what_the_newest_composites_need(parity_run):
 def test_gc_deletes_only_unneeded_snapshots_and_the_rest_restores(parity_run):
     run = Run(parity_run)
     needed = {p: h for p, h in tree_digest(parity_run).items() if p.startswith(("snapshots/step-00000005", "snapshots/step-00000006"))}
-    assert apply_retention(run, plan_retention(run, 1)) == []
+    assert apply_retention(run, plan_retention(run, 1)) == RetentionOutcome(deleted=[1, 2, 3, 4])
     assert Run(parity_run).steps() == [5, 6] and Run(parity_run).verify() == []
     assert {p: h for p, h in tree_digest(parity_run).items() if p.startswith("snapshots/")} == needed
     assert Tailor(parity_run, *tiny(seed=4)).restore().step == 6

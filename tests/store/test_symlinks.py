@@ -1,0 +1,88 @@
+"""Links out of a run are not followed: a unit file or a snapshot directory that resolves
+outside the run is refused by verify and restore, naming the path; the run root itself may be
+a link."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from helpers import assert_bitwise, tiny, train, unit_versions
+from typer.testing import CliRunner
+
+from llmtailor import Parity, Tailor
+from llmtailor.cli import app
+from llmtailor.errors import IntegrityError
+from llmtailor.store.lock import LEASE_FILE
+from llmtailor.store.reader import ChunkReader
+from llmtailor.store.run import Run
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokens):
+    """Parity saves at steps 1..3."""
+    path = tmp_path_factory.mktemp("links") / "run"
+    model, opt, sched = tiny()
+    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
+        for step in range(1, 4):
+            train(model, opt, sched, tokens, [step])
+            tailor.save(step)
+    return path
+
+
+@pytest.fixture
+def run_dir(saved, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(saved, copy)
+    return copy
+
+
+def _link_out(path, outside):
+    """Move ``path`` to ``outside`` and leave a symlink to it: the bytes are the same."""
+    shutil.move(path, outside)
+    os.symlink(outside, path)
+
+
+def test_a_unit_file_linked_outside_the_run_is_refused(run_dir, tmp_path):
+    unit_file = run_dir / "snapshots/step-00000003/units/layer.0.safetensors"
+    _link_out(unit_file, tmp_path / "elsewhere.safetensors")
+    result = runner.invoke(app, ["verify", str(run_dir)])
+    assert result.exit_code == 1
+    assert f"{unit_file}: resolves to {tmp_path / 'elsewhere.safetensors'}, outside the run" in result.output
+    with pytest.raises(IntegrityError, match=f"{unit_file}: resolves to .*, outside the run"):
+        Tailor(run_dir, *tiny(seed=2)).restore()
+    # The ranged reader (FSDP2, DeepSpeed, merge sources) refuses it too.
+    run = Run(run_dir)
+    entry = run.unit_entry(3, "layer.0")
+    tensor = entry.tensors[0]
+    with pytest.raises(IntegrityError, match="outside the run"):
+        ChunkReader(run).read_region(3, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+
+
+def test_a_snapshot_directory_linked_outside_the_run_is_refused_and_nothing_is_created_there(run_dir, tmp_path):
+    snapshot = run_dir / "snapshots/step-00000002"
+    outside = tmp_path / "step-2-elsewhere"
+    _link_out(snapshot, outside)
+    (outside / LEASE_FILE).unlink(missing_ok=True)
+    result = runner.invoke(app, ["verify", str(run_dir)])
+    assert result.exit_code == 1 and f"{snapshot}: resolves to {outside}, outside the run" in result.output
+    with pytest.raises(IntegrityError, match=f"{snapshot}: resolves to {outside}, outside the run"):
+        Tailor(run_dir, *tiny(seed=2)).restore()  # the composite of 3 needs step 2
+    assert not (outside / LEASE_FILE).exists()
+
+
+def test_a_run_reached_through_a_link_and_links_inside_it_are_fine(saved, run_dir, tmp_path):
+    inside = run_dir / "spare.safetensors"  # a unit file linked to a place inside the run
+    unit_file = run_dir / "snapshots/step-00000003/units/layer.0.safetensors"
+    _link_out(unit_file, inside)
+    link = tmp_path / "run-link"
+    os.symlink(run_dir, link)
+    assert runner.invoke(app, ["verify", str(link)]).exit_code == 0
+    model, opt, sched = tiny(seed=2)
+    assert Tailor(link, model, opt, sched).restore().step == 3
+    twin, twin_opt, twin_sched = tiny(seed=2)
+    Tailor(saved, twin, twin_opt, twin_sched).restore()  # the same composite, by the plain path
+    assert_bitwise(unit_versions(model, opt), unit_versions(twin, twin_opt))
