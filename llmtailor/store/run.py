@@ -401,6 +401,8 @@ class Run:
         checked composite is leased for the whole check, each other snapshot while its files
         are checked; a snapshot removed by retention before it was leased is a note."""
         result = Verification()
+        if step is None and not self.steps():
+            return result  # nothing committed (yet): nothing to be wrong
         with ReadLeases(self) as leases:
             try:
                 composite, lost = self._lease_composite(leases, step, follow=step is None)

@@ -86,3 +86,12 @@ def test_older_composites_retention_left_unrestorable_are_notes(run_dir):
     # Asked for by step, that composite is a problem: it cannot be restored.
     result = runner.invoke(app, ["verify", str(run_dir), "--step", "4"])
     assert result.exit_code == 1 and "cannot be restored" in result.output
+
+
+def test_a_run_with_nothing_committed_yet_has_no_problems(tmp_path):
+    """As after a kill during the first save: the library's verify finds nothing wrong (the
+    CLI says there is no committed snapshot)."""
+    from llmtailor.store.run import Run
+
+    (tmp_path / "run" / ".tmp" / "step-00000002.123.abcd").mkdir(parents=True)
+    assert Run(tmp_path / "run").verify() == []
