@@ -32,7 +32,8 @@ console = Console()
 errors = Console(stderr=True)
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")]
-StepOpt = Annotated[int | None, typer.Option("--step", help="Composite as of this step (default: newest).")]
+STEP_HELP = "Composite as of this step: the newest committed snapshot at or before it (default: the newest)."
+StepOpt = Annotated[int | None, typer.Option("--step", help=STEP_HELP)]
 
 
 def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,6 +87,22 @@ def demo(
     run_demo(out, steps=steps, console=console)
 
 
+def as_of(run: Run, step: int | None) -> int | None:
+    """The committed step whose composite is the run's state as of ``step``: the newest at or
+    before it (a note on stderr when that is not ``step`` itself); None stays None."""
+    if step is None:
+        return None
+    steps = run.steps()
+    before = [s for s in steps if s <= step]
+    if not before:
+        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        raise TailorError(f"{run.root}: no committed snapshot at or before step {step} (committed steps: {shown or 'none'})")
+    if before[-1] != step:
+        errors.print(f"note: step {step} falls between snapshots; using the composite as of step {before[-1]}",
+                     highlight=False, soft_wrap=True)
+    return before[-1]
+
+
 @app.command()
 @_user_errors
 def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
@@ -94,6 +111,7 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     from llmtailor.cli.render import composite_table, snapshots_table
 
     run = _existing_run(run_dir)
+    step = as_of(run, step)
     with run.reading(step) as composite:  # its snapshots stay while they are shown
         run.load_manifests()
         console.print(snapshots_table(run, composite.step, console.width))
@@ -111,6 +129,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
     steps = run.steps()
     if not steps:
         raise TailorError(f"{run_dir}: no committed snapshot in this run directory")
+    step = as_of(run, step)
     result = run.check(step)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)

@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from llmtailor.cli import STEP_HELP
+
 
 class ExportFormat(str, Enum):
     hf = "hf"
@@ -29,7 +31,7 @@ def assemble(
             "checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size, 'load_universal': true).",
         ),
     ] = ExportFormat.hf,
-    step: Annotated[int | None, typer.Option("--step", help="Composite as of this step (default: newest).")] = None,
+    step: Annotated[int | None, typer.Option("--step", help=STEP_HELP)] = None,
     train_batch_size: Annotated[
         int, typer.Option(min=1, help="Recorded in trainer_state.json when the run holds no TrainerState (plain Tailor runs).")
     ] = 1,
@@ -38,11 +40,12 @@ def assemble(
     checkpoint directory; `transformers.Trainer.train(resume_from_checkpoint=...)` resumes
     from it with no llmtailor code. Written under a temporary name and renamed when whole;
     an existing checkpoint directory is never overwritten."""
-    from llmtailor.cli import _existing_run, console
+    from llmtailor.cli import _existing_run, as_of, console
     from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf_export import export_hf
 
     run = _existing_run(run_dir)
+    step = as_of(run, step)
     # Leased: retention running meanwhile (gc, a writer's keep=) leaves the composite whole.
     with run.reading(step) as composite, unit_progress(console, "reading units") as progress:
         if format is ExportFormat.deepspeed:

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from llmtailor.cli import STEP_HELP
+
 
 class Kind(str, Enum):
     weight = "weight"
@@ -19,18 +21,19 @@ class Kind(str, Enum):
 
 def drift(
     run_dir: Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")],
-    step: Annotated[int | None, typer.Option("--step", help="Lineage of the composite of this step (default: newest).")] = None,
+    step: Annotated[int | None, typer.Option("--step", help=STEP_HELP)] = None,
     kind: Annotated[Kind, typer.Option("--kind", help="Drift of the weights or of the optimizer moments.")] = Kind.weight,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw a heatmap and the bytes per save into this PNG.")] = None,
 ) -> None:
     """Each unit's drift since its last saved version, at every save of the run (as each save
     measured it; saved units marked), and the bytes each save wrote vs a Full save."""
-    from llmtailor.cli import _existing_run, console
+    from llmtailor.cli import _existing_run, as_of, console
     from llmtailor.cli.render import drift_table
     from llmtailor.drift import drift_history
     from llmtailor.errors import TailorError
 
     run = _existing_run(run_dir)
+    step = as_of(run, step)
     with run.reading(step) as composite:  # the lineage's manifests are read while it is leased
         run.load_manifests()
         history = drift_history(run, composite.step)

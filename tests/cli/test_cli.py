@@ -51,7 +51,7 @@ def test_verify_ok_then_names_the_bad_file(tmp_path, run_dir):
     "args, fragment",
     [
         (["verify", "/nonexistent/run"], "no such run directory"),
-        (["inspect", "{run}", "--step", "5"], "no committed snapshot at step 5"),
+        (["inspect", "{run}", "--step", "1"], "no committed snapshot at or before step 1"),
     ],
 )
 def test_user_mistakes_exit_2_without_traceback(run_dir, args, fragment):
@@ -182,3 +182,15 @@ def test_merge_into_a_place_it_cannot_write_names_it(run_dir, tmp_path):
     for out in ("/proc/llmtailor-merge", "/proc/llmtailor-merge/deeper"):
         result = runner.invoke(app, ["merge", str(plan), "-o", out, "--format", "model"])
         _one_line_error(result, "/proc/", "no such file or directory")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "drift"])
+def test_a_step_between_snapshots_means_the_composite_as_of_it(run_dir, command):
+    between = runner.invoke(app, [command, str(run_dir), "--step", "5"])
+    assert between.exit_code == 0, between.output
+    assert "step 5 falls between snapshots; using the composite as of step 4" in between.output
+    if command == "inspect":
+        assert "composite as of step 4" in between.output
+    before = runner.invoke(app, [command, str(run_dir), "--step", "1"])
+    assert before.exit_code == 2 and "no committed snapshot at or before step 1 (committed steps: 2, 4, 6)" in before.output
+    assert len(before.output.strip().splitlines()) == 1
