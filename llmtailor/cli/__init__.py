@@ -9,6 +9,7 @@ never as rich markup (``layer_range must be [a, b]`` keeps its brackets).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,8 +29,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-errors = Console(stderr=True)
+console = Console(soft_wrap=True)  # a path in a result line is never broken in two
+errors = Console(stderr=True, soft_wrap=True)
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")]
 STEP_HELP = "Composite as of this step: the newest committed snapshot at or before it (default: the newest)."
@@ -114,7 +115,7 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     step = as_of(run, step)
     with run.reading(step) as composite:  # its snapshots stay while they are shown
         run.load_manifests()
-        console.print(snapshots_table(run, composite.step, console.width))
+        console.print(snapshots_table(run, composite.step, console.width), soft_wrap=False)
         console.print(composite_table(run, composite))
 
 
@@ -193,4 +194,10 @@ _register_merge(app)
 
 
 def main() -> None:
+    """The ``llmtailor`` command. The libraries it may load for a command say only what the
+    user asked for: transformers' warnings about a model config (bos / eos ids, say) are
+    silenced, and DeepSpeed is told it runs on the CPU (the CLI only reads and writes its
+    files), which it would otherwise announce on every start."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     app()

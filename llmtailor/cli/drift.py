@@ -39,7 +39,7 @@ def drift(
         history = drift_history(run, composite.step)
     if not any(history.drift[s] for s in history.steps):
         raise TailorError(f"{run_dir}: no save of this run recorded drift (saved with track_drift=False?)")
-    console.print(drift_table(history, kind.value, console.width))
+    console.print(drift_table(history, kind.value, console.width), soft_wrap=False)
     if plot is not None:
         from llmtailor.plots import plot_drift
 

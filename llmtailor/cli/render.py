@@ -185,6 +185,7 @@ def unit_progress(console: Console, label: str) -> Iterator[Callable[[str, int, 
         TimeElapsedColumn(),
         console=console,
         transient=True,
+        disable=not console.is_terminal,  # piped: no bar, and no blank line where it was
     ) as bar:
         task = bar.add_task("", total=None)
 

@@ -194,3 +194,30 @@ def test_a_step_between_snapshots_means_the_composite_as_of_it(run_dir, command)
     before = runner.invoke(app, [command, str(run_dir), "--step", "1"])
     assert before.exit_code == 2 and "no committed snapshot at or before step 1 (committed steps: 2, 4, 6)" in before.output
     assert len(before.output.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_command_says_only_what_was_asked(run_dir, tmp_path):
+    """The real entry point (a fresh process, piped): no warnings of the libraries it loads
+    (transformers' config warnings, DeepSpeed's accelerator line), no blank line before an
+    error, one line per result."""
+    import os
+    import subprocess
+    import sys
+
+    def llmtailor(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "DS_ACCELERATOR")}
+        return subprocess.run([sys.executable, "-c", "from llmtailor.cli import main; main()", *args],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    for args, said in [
+        (["assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf")], f"wrote {tmp_path / 'hf' / 'checkpoint-6'}"),
+        (["assemble", str(run_dir), "--format", "deepspeed", "-o", str(tmp_path / "ds")], f"wrote {tmp_path / 'ds' / 'global_step6'}"),
+        (["import-hf", str(tmp_path / "hf" / "checkpoint-6"), "-o", str(tmp_path / "imported")], "imported step 6"),
+    ]:
+        done = llmtailor(*args)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout.count("\n") == 1 and done.stdout.startswith(said), done.stdout
+    again = llmtailor("assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf"))
+    assert again.returncode == 2 and again.stdout == ""
+    assert again.stderr.startswith("error: ") and again.stderr.count("\n") == 1, again.stderr
