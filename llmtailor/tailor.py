@@ -131,6 +131,7 @@ class Tailor:
         async_save: bool = False,
         track_drift: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
+        read_only: bool = False,
     ):
         """``keep=K``: after each save, delete every snapshot that the newest K composites do not
         need (``llmtailor gc`` does the same on demand). ``async_save=True``: ``save`` returns
@@ -140,7 +141,9 @@ class Tailor:
         drift since its last saved version at every save (``llmtailor.drift``; recorded in the
         manifest, what the ``Adaptive`` policy decides by and ``llmtailor drift`` plots).
         ``timeout``: seconds a rank waits for the others during a collective save or restore
-        before failing with an error naming the ranks that did not answer."""
+        before failing with an error naming the ranks that did not answer. ``read_only=True``:
+        a Tailor that only restores (an evaluation job beside the trainer): it does not mind a
+        writer on the run, and refuses to save."""
         if policy is not None and not isinstance(policy, Policy):
             raise ConfigError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {policy!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
@@ -180,6 +183,17 @@ class Tailor:
         self._pending_drift: tuple[Sample, list[str]] | None = None
         self._partly_restored: str | None = None
         """Set when a restore failed after the live state was touched: saving is refused."""
+        # One writer per run, settled before any training is spent: a second trainer on a run
+        # another process writes fails here, not at its first save. Rank 0 takes the lock;
+        # every rank learns how it went.
+        self.read_only = bool(read_only)
+        try:
+            if not self.read_only:
+                round_ = self.coordinator.new_round()
+                self.coordinator.broadcast(f"{round_}/lock", self._lock.acquire_or_look if self.coordinator.is_leader else None)
+        except BaseException:
+            self._remove_hooks()
+            raise
 
     @property
     def rank(self) -> int:
@@ -208,6 +222,8 @@ class Tailor:
         ``wait()``/``close()``)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        if self.read_only:
+            raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
         self._settle(raise_error=True, next_step=step)
         if self._partly_restored is not None:
             raise TailorError(
@@ -302,7 +318,7 @@ class Tailor:
                 raise BackgroundSaveError(failed) from err
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.acquire)
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.claim)
 
     def _extend_to(self, step: int, composite: dict[str, int]) -> None:
         saved = [unit for unit, source in composite.items() if source == step]
@@ -503,14 +519,17 @@ class Tailor:
         try:
             self._settle(raise_error=True)
         finally:
-            if self._stager is not None:
-                self._stager.close()
-            for hook in self._drift_hooks:
-                hook.remove()
-            self._drift_hooks = []
-            if self._drift is not None:
-                self._drift.forget()
+            self._remove_hooks()
             self._lock.release()
+
+    def _remove_hooks(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+        for hook in self._drift_hooks:
+            hook.remove()
+        self._drift_hooks = []
+        if self._drift is not None:
+            self._drift.forget()
 
     def __enter__(self) -> Tailor:
         return self

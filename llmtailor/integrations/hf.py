@@ -178,7 +178,7 @@ class TailorTrainer(transformers.Trainer):
             report = self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
         else:
             # Another run: loaded from there; this run's own snapshots start a lineage (full first).
-            with Tailor(run.root, *self._live_objects(), timeout=self.tailor_timeout) as source:
+            with Tailor(run.root, *self._live_objects(), timeout=self.tailor_timeout, read_only=True) as source:
                 report = source.restore(step)
         if self.is_world_process_zero():
             print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "

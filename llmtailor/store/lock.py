@@ -87,8 +87,17 @@ class WriterLock:
 
     def acquire(self) -> None:
         """Take the lock or raise TailorError naming the holder (or saying why the directory
-        is not a run); then clear what crashed writers left behind."""
+        is not a run); then clear what crashed writers left behind.
+
+        Within one process the lock is shared: a second ``Tailor`` of the same run (one that
+        saved, another that restores) holds it too, and only the first clears leftovers (the
+        other's save may be in flight in ``.tmp/``). Between processes it is exclusive."""
         if self.held:
+            return
+        key = _key(self.root)
+        if key in _HELD:
+            _HELD[key][1] += 1
+            self._handle = _HELD[key][0]
             return
         self._refuse_non_run()
         try:
@@ -108,14 +117,66 @@ class WriterLock:
         try:
             handle.seek(0)
             handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.write(_holder() + "\n")
             handle.flush()
         except OSError as err:
             handle.close()
             raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root / LOCK_FILE)}", err) from None
         self._handle = handle
+        _HELD[key] = [handle, 1, None]
         for leftover in (TMP_DIR, TRASH_DIR):
             shutil.rmtree(self.root / leftover, ignore_errors=True)
+
+    def claim(self) -> None:
+        """``acquire``, and be the one writer of this process's share of the lock: another
+        holder of it in this process that writes (a second Tailor saving to the run) is
+        refused until this one releases."""
+        self.acquire()
+        held = _HELD.get(_key(self.root))
+        if held is None:  # not shared (acquired before the registry knew it): exclusive anyway
+            return
+        if held[2] not in (None, id(self)):
+            raise TailorError(
+                f"{self.root} is being written by another writer ({_holder()}, another Tailor of this process); "
+                "a run has one writer at a time"
+            )
+        held[2] = id(self)
+
+    def acquire_or_look(self) -> None:
+        """``acquire`` where the run can be written; where it cannot (a read-only copy), only
+        refuse a run another process holds: restoring from it still works, saving will fail
+        then, naming why."""
+        try:
+            self.acquire()
+        except StorageError as err:
+            if err.errno not in _CANNOT_CREATE:
+                raise
+            self.refuse_if_held()
+
+    def refuse_if_held(self) -> None:
+        """Raise TailorError naming the holder when another process holds the lock now; take
+        nothing (a reader may only read the run, even a read-only one). A writer calls it when
+        it is built, so a second trainer fails before it trains; ``acquire`` at its first save
+        still decides a race between two that both looked."""
+        try:
+            fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return  # no lock file (a new run), or not readable: the first save will tell
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts only with a writer's LOCK_EX
+            except BlockingIOError:
+                with os.fdopen(os.dup(fd), encoding="utf-8") as handle:
+                    holder = handle.read().strip()
+                if holder != _holder():  # this very process (another Tailor of it) may hold it
+                    raise TailorError(
+                        f"{self.root} is being written by another writer ({holder or 'unknown process'}); "
+                        "a run has one writer at a time"
+                    ) from None
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def _refuse_non_run(self) -> None:
         why = describe_non_run(self.root)
@@ -130,9 +191,37 @@ class WriterLock:
         raise TailorError(f"{why}; refusing to {'write into' if self.new_run else 'clean'} it")
 
     def release(self) -> None:
-        if self._handle is not None:
-            self._handle.close()  # closing the descriptor releases the flock
-            self._handle = None
+        if self._handle is None:
+            return
+        key = _key(self.root)
+        held = _HELD.get(key)
+        if held is not None and held[0] is self._handle:
+            held[1] -= 1
+            if held[2] == id(self):
+                held[2] = None
+            if held[1] == 0:
+                del _HELD[key]
+                self._handle.close()  # closing the descriptor releases the flock
+        else:
+            self._handle.close()
+        self._handle = None
+
+    def __del__(self) -> None:
+        self.release()  # a Tailor dropped without close(): its share of the lock goes with it
+
+
+_HELD: dict[str, list] = {}
+"""The runs this process holds the lock of: resolved root -> [lock file handle, holders, id of
+the holder that writes (or None)]."""
+
+
+def _key(root: Path) -> str:
+    return os.path.realpath(root)
+
+
+def _holder() -> str:
+    """How the lock file names its holder: this process."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
 class Lease:

@@ -122,8 +122,8 @@ def test_bad_run_arguments_are_one_line_errors(tmp_path, tokens):
     missing = runner.invoke(app, ["assemble", str(tmp_path / "nope"), "-o", str(tmp_path / "out")])
     assert missing.exit_code == 2 and "no such run directory" in missing.output
     saved_run(tmp_path / "run", tokens)
-    step = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--step", "3", "-o", str(tmp_path / "out")])
-    assert step.exit_code == 2 and "no committed snapshot at step 3" in step.output
+    step = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--step", "1", "-o", str(tmp_path / "out")])
+    assert step.exit_code == 2 and "no committed snapshot at or before step 1" in step.output
     assert not (tmp_path / "out").exists()
 
 

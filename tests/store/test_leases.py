@@ -84,7 +84,7 @@ def test_readers_racing_a_keep_1_writer_never_fail_and_restore_whole_composites(
             result = runner.invoke(app, ["verify", str(run)])
             assert result.exit_code == 0, result.output
             model = _model()
-            reader = Tailor(run, model, torch.optim.AdamW(model.parameters()), track_drift=False)
+            reader = Tailor(run, model, torch.optim.AdamW(model.parameters()), track_drift=False, read_only=True)
             report = reader.restore()
             # Each unit equals its version in the snapshot the composite names: nothing from a
             # snapshot removed under the read, nothing mixed.

@@ -17,8 +17,8 @@ SECOND_WRITER = textwrap.dedent(
     from llmtailor import Tailor
     from llmtailor.errors import TailorError
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    tailor = Tailor(sys.argv[1], model)  # the lock lives as long as the Tailor
     try:
+        tailor = Tailor(sys.argv[1], model)  # the lock lives as long as the Tailor (refused here, or at save)
         tailor.save(int(sys.argv[2]))
     except TailorError as err:
         print(err)
@@ -83,3 +83,38 @@ def test_a_writer_refuses_a_directory_that_is_not_a_run_before_touching_it(tmp_p
         WriterLock(tmp_path / "new", new_run=False).acquire()
     assert not (tmp_path / "new").exists()
     Tailor(tmp_path / "new", *tiny()).save(1)
+
+
+BUILT_ONLY = textwrap.dedent(
+    """
+    import sys, torch
+    from llmtailor import Tailor
+    tailor = Tailor(sys.argv[1], torch.nn.Sequential(torch.nn.Linear(2, 2)))  # built, not saved yet
+    print("built", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_second_trainer_is_refused_when_its_tailor_is_built_not_at_its_first_save(tmp_path):
+    """The first trainer has built its Tailor and is training toward its first save: a second
+    one on the run fails before it spends any compute. A read-only Tailor (an evaluation job)
+    may still restore beside the writer, and refuses to save."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    Tailor(tmp_path, model).save(1)
+    holder = subprocess.Popen([sys.executable, "-c", BUILT_ONLY, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "built"
+        with pytest.raises(TailorError, match=rf"being written by another writer \(pid {holder.pid} on"):
+            Tailor(tmp_path, torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        reader = Tailor(tmp_path, torch.nn.Sequential(torch.nn.Linear(2, 2)), read_only=True)
+        assert reader.restore().step == 1
+        with pytest.raises(TailorError, match="read_only=True"):
+            reader.save(2)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
