@@ -35,7 +35,7 @@ import torch
 
 from llmtailor.store.keys import split_key
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece
+from llmtailor.store.staged import Piece
 
 SAMPLE = 1024
 KINDS = ("weight", "moments")

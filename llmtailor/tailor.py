@@ -36,7 +36,8 @@ from llmtailor.store.lock import WriterLock
 from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 from llmtailor.store.run import Composite, Run
 from llmtailor.store.staging import AsyncStager, BackgroundSave
-from llmtailor.store.writer import PersistResult, StagedSnapshot, persist
+from llmtailor.store.staged import PersistResult, StagedSnapshot
+from llmtailor.store.writer import persist
 
 log = logging.getLogger(__name__)
 

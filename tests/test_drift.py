@@ -17,7 +17,7 @@ from llmtailor.policies import SaveContext, make_policy
 from llmtailor.providers import make_provider
 from llmtailor.store.coordinator import LocalCoordinator
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece
+from llmtailor.store.staged import Piece
 
 
 def test_the_sampled_estimate_is_within_the_documented_bound(tokens):

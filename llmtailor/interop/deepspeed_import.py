@@ -46,7 +46,8 @@ from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.files import StorageError, describe_os_error
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
-from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
+from llmtailor.store.staged import StagedSnapshot, StagedUnit
+from llmtailor.store.writer import counting, persist
 
 def import_deepspeed(
     checkpoint: str | Path,

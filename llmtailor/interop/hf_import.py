@@ -53,7 +53,8 @@ from llmtailor.store.codec import plain_value
 from llmtailor.store.keys import optim_key, weight_key
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
-from llmtailor.store.writer import StagedSnapshot, StagedUnit, counting, persist
+from llmtailor.store.staged import StagedSnapshot, StagedUnit
+from llmtailor.store.writer import counting, persist
 
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 

@@ -47,7 +47,7 @@ from llmtailor.store.run import Run
 if TYPE_CHECKING:
     import torch
 
-    from llmtailor.store.writer import StagedUnit
+    from llmtailor.store.staged import StagedUnit
 
 # torch is imported only where a tensor is built or transformed (a cast, a scale, optimizer
 # state, a tailored-run output): a merge that moves bytes alone, into a model directory, runs
@@ -114,7 +114,8 @@ def _global_state(plan: MergePlan) -> dict[str, Any]:
 
 def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
     from llmtailor.store import codec
-    from llmtailor.store.writer import StagedSnapshot, counting, persist
+    from llmtailor.store.staged import StagedSnapshot
+    from llmtailor.store.writer import counting, persist
 
     global_doc, global_tensors = codec.encode(_global_state(plan), where="global state")
     staged = StagedSnapshot(
@@ -137,7 +138,7 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
 
 
 def _stream_units(plan: MergePlan) -> Iterator[StagedUnit]:
-    from llmtailor.store.writer import StagedUnit
+    from llmtailor.store.staged import StagedUnit
 
     for unit, actions in plan.actions_by_unit().items():
         yield StagedUnit.whole(unit, _tensors(plan, actions), _values(plan, unit, actions))

@@ -34,7 +34,7 @@ from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import split_key
 from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece, StagedUnit
+from llmtailor.store.staged import Piece, StagedUnit
 
 
 class StateProvider(ABC):

@@ -47,7 +47,7 @@ from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader, flat_range_boxes
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece, StagedUnit
+from llmtailor.store.staged import Piece, StagedUnit
 
 STEP = "step"
 NOTES = {

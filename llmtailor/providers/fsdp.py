@@ -35,7 +35,7 @@ from llmtailor.store.manifest import TensorEntry
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.dcp import SnapshotReader
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece
+from llmtailor.store.staged import Piece
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

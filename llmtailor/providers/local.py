@@ -22,7 +22,7 @@ from llmtailor.store.codec import plain_value
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import optim_key, split_unit, weight_key
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece, StagedUnit
+from llmtailor.store.staged import Piece, StagedUnit
 
 
 class LocalProvider(StateProvider):

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from llmtailor.errors import TailorError
-from llmtailor.store.writer import PersistResult, Piece, StagedSnapshot, StagedUnit
+from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
 

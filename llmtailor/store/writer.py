@@ -1,6 +1,6 @@
 """Writing a snapshot: staged state in, one committed directory out.
 
-Staging (``StagedSnapshot``: what to write) is separate from persisting (``persist``: writing
+Staging (``store/staged.py``: what to write) is separate from persisting (``persist``: writing
 and committing it). A synchronous save stages references to the live tensors and persists at
 once, one unit in memory at a time; an async save stages copies in reusable host buffers and
 persists them on a background thread (``llmtailor.store.saver``). Both go through ``persist``.
@@ -31,13 +31,11 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from llmtailor.constants import (
     GLOBAL_JSON,
@@ -68,87 +66,7 @@ from llmtailor.store.lock import LEASE_FILE
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A box of one unit tensor as this rank holds it: ``tensor`` (any device) is the part of
-    the global tensor of shape ``global_shape`` whose corner is ``offsets``."""
-
-    key: str
-    """``weight/<param>``, ``optim/<param>/<state key>`` or ``master/<param>``."""
-    tensor: torch.Tensor
-    offsets: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    stable: bool = True
-    """False for a tensor that may change outside the optimizer step (a buffer updated in
-    forward): an async save copies it before ``save`` returns."""
-
-    @classmethod
-    def whole(cls, key: str, tensor: torch.Tensor, stable: bool = True) -> Piece:
-        return cls(key, tensor, (0,) * tensor.dim(), tuple(tensor.shape), stable)
-
-    @property
-    def is_whole(self) -> bool:
-        return tuple(self.tensor.shape) == self.global_shape
-
-
-@dataclass
-class StagedUnit:
-    """What one rank writes of one unit: its pieces (live references for a synchronous save)
-    and the optimizer state values that are not tensors, by parameter name."""
-
-    unit: str
-    pieces: list[Piece]
-    values: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @classmethod
-    def whole(cls, unit: str, tensors: dict[str, torch.Tensor], values: dict[str, dict[str, Any]] | None = None) -> StagedUnit:
-        """A unit of whole tensors by key (one process holds all of it)."""
-        return cls(unit, [Piece.whole(key, t) for key, t in tensors.items()], values or {})
-
-
-@dataclass
-class StagedSnapshot:
-    """One rank's share of a snapshot. Everything but ``units`` and the encoded state is the
-    same on every rank."""
-
-    step: int
-    parent: int | None
-    save_index: int
-    policy: str
-    layout: dict[str, Any]
-    units: Iterable[StagedUnit]
-    """Iterated once, in order: a generator stages one unit at a time (bounded memory)."""
-    composite: dict[str, int]
-    global_doc: Any
-    """The leader's shared global state and its own RNG and extras, encoded (``codec.encode``,
-    so it is a copy taken at staging time); None on other ranks."""
-    global_tensors: dict[str, torch.Tensor] | None
-    rank_doc: Any = None
-    """Ranks >= 1: their own RNG states and extras, encoded."""
-    rank_tensors: dict[str, torch.Tensor] | None = None
-    world_size: int = 1
-    provider: str = "local"
-    notes: dict[str, Any] = field(default_factory=dict)
-    decision: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | None = None
-    """A failure met while staging on this rank: persisting reports it to the other ranks (so
-    the save fails everywhere, promptly) instead of writing."""
-
-
-@dataclass(frozen=True)
-class PersistResult:
-    path: Path
-    bytes: int
-    """Bytes of the whole snapshot, every rank's files and the manifest."""
-    seconds: float
-    unit_bytes: dict[str, int]
-    """Bytes this rank wrote per unit."""
-    rank_bytes: int
-    """Bytes this rank wrote in all."""
-    pointer_error: str | None = None
-    """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
+from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, TensorPart, UnitPart
 
 
 def counting(progress: Callable[[str, int, int], None] | None, total: int) -> Callable[[str, int], None]:
@@ -197,15 +115,16 @@ def persist(
     try:
         if staged.error is not None:
             raise staged.error
-        part: Any = _write_part(tmp, staged, coord.rank, on_unit)
+        part: RankPart | BaseException = _write_part(tmp, staged, coord.rank, on_unit)
     except BaseException as err:
         part = _friendly(err, run, staged.step)
+    report = part.to_message() if isinstance(part, RankPart) else part
     if coord.is_leader:
 
         def commit() -> dict[str, Any]:
             try:
-                parts = coord.gather(f"{round_}/parts", part)  # raises when any rank failed
-                manifest = _commit_indexes(tmp, staged, parts)
+                messages = coord.gather(f"{round_}/parts", report)  # raises when any rank failed
+                manifest = _commit_indexes(tmp, staged, [RankPart.from_message(m) for m in messages or []])
                 for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
                     if (tmp / sub).is_dir():
                         fsync_dir(tmp / sub)
@@ -223,14 +142,15 @@ def persist(
 
         outcome = coord.broadcast(f"{round_}/outcome", commit)
     else:
-        coord.gather(f"{round_}/parts", part)  # re-raises this rank's own failure, once reported
+        coord.gather(f"{round_}/parts", report)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
+    assert isinstance(part, RankPart)  # a failed part was raised by the gather
     return PersistResult(
         path=final,
         bytes=outcome["bytes"],
         seconds=time.perf_counter() - start,
-        unit_bytes=part["unit_bytes"],
-        rank_bytes=sum(part["unit_bytes"].values()) + sum(f["bytes"] for f in part["files"]),
+        unit_bytes=part.unit_bytes,
+        rank_bytes=part.bytes,
         pointer_error=outcome["pointer_error"],
     )
 
@@ -249,14 +169,14 @@ def _open_tmp(run: Run, step: int, world_size: int) -> str:
     return name
 
 
-def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[[str, int], None] | None) -> dict:
-    """Write this rank's files; return its report (JSON-able, for the leader's indexes and
-    manifest): per unit, its file entry, its tensors' chunks and non-tensor values; the files
-    of its global state; its bytes per unit."""
+def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[[str, int], None] | None) -> RankPart:
+    """Write this rank's files; return its report for the leader's indexes and manifest: per
+    unit, its file entry, its tensors' chunks and non-tensor values; the files of its global
+    state; its bytes per unit."""
     # Each file's fsync runs on the syncer's thread while the next file is written; every file
     # is durable before the part is reported (the commit depends on it).
     with Syncer() as syncer:
-        units: dict[str, Any] = {}
+        units: dict[str, UnitPart] = {}
         files: list[FileEntry] = []
         unit_bytes: dict[str, int] = {}
         for staged_unit in staged.units:
@@ -268,21 +188,14 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
             unit_bytes[staged_unit.unit] = file.bytes
             # This rank's chunks only: the leader validates the merged entries (coverage included).
             entries = [
-                {
-                    "key": p.key,
-                    "dtype": dtype_name(p.tensor.dtype),
-                    "shape": list(p.global_shape),
-                    "chunks": [
-                        {
-                            "offsets": list(p.offsets),
-                            "shape": list(p.tensor.shape),
-                            "xxh3_64": sums[piece_key(p.key, p.offsets, p.is_whole)],
-                        }
-                    ],
-                }
+                TensorPart(
+                    key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
+                    chunks=[ChunkPart(offsets=list(p.offsets), shape=list(p.tensor.shape),
+                                      xxh3_64=sums[piece_key(p.key, p.offsets, p.is_whole)])],
+                )
                 for p in staged_unit.pieces
             ]
-            units[staged_unit.unit] = {"file": file.model_dump(mode="json"), "tensors": entries, "values": staged_unit.values}
+            units[staged_unit.unit] = UnitPart(file=file, tensors=entries, values=staged_unit.values)
             if on_unit:
                 on_unit(staged_unit.unit, file.bytes)
         if staged.global_doc is not None:
@@ -292,34 +205,35 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
             doc_path, tensor_path = rank_state_files(rank)
             files.append(write_tensor_file(tmp / tensor_path, staged.rank_tensors or {}, tmp, syncer=syncer)[0])
             files.append(write_durable(tmp / doc_path, json.dumps(staged.rank_doc).encode(), tmp))
-        return {"units": units, "files": [f.model_dump(mode="json") for f in files], "unit_bytes": unit_bytes}
+        return RankPart(units=units, files=files, unit_bytes=unit_bytes)
 
 
-def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[dict]) -> Manifest:
+def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
     """Write each unit's index from every rank's part and return the manifest naming them.
     The chunks of a tensor from all ranks are checked for agreement on dtype and global
     shape; the index's own validation then checks that they cover the tensor."""
     merged: dict[str, dict[str, Any]] = {}
-    files: list[dict[str, Any]] = []
+    files: list[FileEntry] = []
     for rank, part in enumerate(parts):
-        files += part["files"]
-        for unit, entry in part["units"].items():
+        files += part.files
+        for unit, entry in part.units.items():
             target = merged.setdefault(unit, {"files": [], "tensors": {}, "values": {}})
             position = len(target["files"])
-            target["files"].append(entry["file"])
-            for tensor in entry["tensors"]:
-                chunks = [{**chunk, "file": position} for chunk in tensor["chunks"]]
-                held = target["tensors"].get(tensor["key"])
+            target["files"].append(entry.file)
+            for tensor in entry.tensors:
+                chunks = [{**chunk.model_dump(), "file": position} for chunk in tensor.chunks]
+                held = target["tensors"].get(tensor.key)
                 if held is None:
-                    target["tensors"][tensor["key"]] = {**tensor, "chunks": chunks}
-                elif (held["dtype"], held["shape"]) != (tensor["dtype"], tensor["shape"]):
+                    target["tensors"][tensor.key] = {"key": tensor.key, "dtype": tensor.dtype, "shape": tensor.shape,
+                                                     "chunks": chunks}
+                elif (held["dtype"], held["shape"]) != (tensor.dtype, tensor.shape):
                     raise TailorError(
-                        f"unit {unit!r}: rank {rank} has {tensor['key']} as {tensor['dtype']} {tensor['shape']}, "
+                        f"unit {unit!r}: rank {rank} has {tensor.key} as {tensor.dtype} {tensor.shape}, "
                         f"another rank as {held['dtype']} {held['shape']}"
                     )
                 else:
                     held["chunks"] += chunks
-            for name, plain in entry["values"].items():
+            for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     missing = sorted(set(u for u, s in staged.composite.items() if s == staged.step) - set(merged))
     if missing:

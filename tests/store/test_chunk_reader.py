@@ -10,7 +10,8 @@ import torch
 from llmtailor.layouts import layout_from_names
 from llmtailor.store.reader import ChunkReader, flat_range_boxes
 from llmtailor.store.run import Run
-from llmtailor.store.writer import Piece, StagedSnapshot, StagedUnit, persist
+from llmtailor.store.staged import Piece, StagedSnapshot, StagedUnit
+from llmtailor.store.writer import persist
 
 SHAPE = (5, 7)
 FULL = torch.arange(35, dtype=torch.float32).view(SHAPE)

@@ -1,0 +1,151 @@
+"""The staging contract: what a provider hands the store to write, and what each rank reports
+back to the leader once its part of a snapshot is written.
+
+``Piece``, ``StagedUnit`` and ``StagedSnapshot`` are what providers, the drift tracker and the
+async stager produce; ``persist`` (``store/writer.py``) consumes them. ``RankPart`` is a rank's
+report: it travels as JSON through the commit coordinator (``to_message`` / ``from_message``)
+and is validated on arrival like any file we read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from llmtailor.store.manifest import FileEntry
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one unit tensor as this rank holds it: ``tensor`` (any device) is the part of
+    the global tensor of shape ``global_shape`` whose corner is ``offsets``."""
+
+    key: str
+    """``weight/<param>``, ``optim/<param>/<state key>`` or ``master/<param>``."""
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    stable: bool = True
+    """False for a tensor that may change outside the optimizer step (a buffer updated in
+    forward): an async save copies it before ``save`` returns."""
+
+    @classmethod
+    def whole(cls, key: str, tensor: torch.Tensor, stable: bool = True) -> Piece:
+        return cls(key, tensor, (0,) * tensor.dim(), tuple(tensor.shape), stable)
+
+    @property
+    def is_whole(self) -> bool:
+        return tuple(self.tensor.shape) == self.global_shape
+
+
+@dataclass
+class StagedUnit:
+    """What one rank writes of one unit: its pieces (live references for a synchronous save)
+    and the optimizer state values that are not tensors, by parameter name."""
+
+    unit: str
+    pieces: list[Piece]
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def whole(cls, unit: str, tensors: dict[str, torch.Tensor], values: dict[str, dict[str, Any]] | None = None) -> StagedUnit:
+        """A unit of whole tensors by key (one process holds all of it)."""
+        return cls(unit, [Piece.whole(key, t) for key, t in tensors.items()], values or {})
+
+
+@dataclass
+class StagedSnapshot:
+    """One rank's share of a snapshot. Everything but ``units`` and the encoded state is the
+    same on every rank."""
+
+    step: int
+    parent: int | None
+    save_index: int
+    policy: str
+    layout: dict[str, Any]
+    units: Iterable[StagedUnit]
+    """Iterated once, in order: a generator stages one unit at a time (bounded memory)."""
+    composite: dict[str, int]
+    global_doc: Any
+    """The leader's shared global state and its own RNG and extras, encoded (``codec.encode``,
+    so it is a copy taken at staging time); None on other ranks."""
+    global_tensors: dict[str, torch.Tensor] | None
+    rank_doc: Any = None
+    """Ranks >= 1: their own RNG states and extras, encoded."""
+    rank_tensors: dict[str, torch.Tensor] | None = None
+    world_size: int = 1
+    provider: str = "local"
+    notes: dict[str, Any] = field(default_factory=dict)
+    decision: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    """A failure met while staging on this rank: persisting reports it to the other ranks (so
+    the save fails everywhere, promptly) instead of writing."""
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    path: Path
+    bytes: int
+    """Bytes of the whole snapshot, every rank's files and the manifest."""
+    seconds: float
+    unit_bytes: dict[str, int]
+    """Bytes this rank wrote per unit."""
+    rank_bytes: int
+    """Bytes this rank wrote in all."""
+    pointer_error: str | None = None
+    """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ChunkPart(_Message):
+    """A chunk this rank wrote: its corner and extent in the global tensor, and the checksum
+    of its bytes (the leader adds the file's position in the unit's index)."""
+
+    offsets: list[int]
+    shape: list[int]
+    xxh3_64: str
+
+
+class TensorPart(_Message):
+    key: str
+    dtype: str
+    shape: list[int]
+    """The global shape."""
+    chunks: list[ChunkPart]
+
+
+class UnitPart(_Message):
+    """What this rank wrote of one unit: its file, its tensors' chunks, its non-tensor values."""
+
+    file: FileEntry
+    tensors: list[TensorPart]
+    values: dict[str, dict[str, Any]] = {}
+
+
+class RankPart(_Message):
+    """One rank's report of its part of a snapshot."""
+
+    units: dict[str, UnitPart] = {}
+    files: list[FileEntry] = []
+    """Its global-state files."""
+    unit_bytes: dict[str, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes this rank wrote in all."""
+        return sum(self.unit_bytes.values()) + sum(f.bytes for f in self.files)
+
+    def to_message(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_message(cls, message: Any) -> RankPart:
+        return cls.model_validate(message, strict=False)
