@@ -281,12 +281,7 @@ class DriftHistory:
 def drift_history(run: Run, step: int | None = None) -> DriftHistory:
     """The lineage of the composite of ``step`` (default: newest), oldest first, from manifests
     alone (no tensor byte is read)."""
-    lineage = []
-    current: int | None = run.resolve(step).step
-    while current is not None and current in run.steps():
-        lineage.append(current)
-        current = run.manifest(current).parent
-    lineage.reverse()
+    lineage = list(run.lineage(run.resolve(step).step))[::-1]
     newest = run.manifest(lineage[-1])
     units = list(newest.composite)
     drift, saved, written, full, policy = {}, {}, {}, {}, {}

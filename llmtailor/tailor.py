@@ -489,7 +489,9 @@ class Tailor:
         if not fallback or step is not None:
             return {"step": self.run.resolve(step).step, "skipped": {}}
         skipped: dict[int, str] = {}
-        for candidate in self._lineage_newest_first():
+        if not self.run.steps():
+            raise IntegrityError(f"{self.run.root}: no committed snapshot in this run directory")
+        for candidate in self.run.lineage(through_damage=True):
             problems = self._problems_of(candidate)
             if not problems:
                 return {"step": candidate, "skipped": skipped}
@@ -498,12 +500,6 @@ class Tailor:
             f"{self.run.root}: no composite verifies: "
             + " | ".join(f"step {s}: {why}" for s, why in skipped.items())
         )
-
-    def continue_from(self, step: int) -> None:
-        """Make the next save extend the composite of ``step`` without loading anything: for a
-        caller that has already loaded that composite by other means (the HF integration, which
-        resumes through Trainer's own loader). ``restore`` does this itself."""
-        self._extend(self.run.resolve(step))
 
     def _extend(self, composite: Composite) -> None:
         self._parent = composite.step
@@ -563,22 +559,3 @@ class Tailor:
             return self.run.verify(step)
         except TailorError as err:
             return [str(err)]
-
-    def _lineage_newest_first(self) -> list[int]:
-        """The newest composite and its ancestors; where a manifest is unreadable (so its
-        parent is unknown), the next older committed snapshot stands in."""
-        steps = self.run.steps()
-        if not steps:
-            raise IntegrityError(f"{self.run.root}: no committed snapshot in this run directory")
-        try:
-            current: int | None = self.run.latest_step()
-        except TailorError:
-            current = steps[-1]
-        lineage = []
-        while current is not None:
-            lineage.append(current)
-            try:
-                current = self.run.manifest(current).parent
-            except TailorError:
-                current = max((s for s in steps if s < current), default=None)
-        return lineage

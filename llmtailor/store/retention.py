@@ -18,6 +18,7 @@ retention (logged). A reader that comes after the move finds the snapshot gone, 
 from __future__ import annotations
 
 import logging
+from itertools import islice
 import os
 import shutil
 import uuid
@@ -65,13 +66,8 @@ def plan_retention(run: Run, keep: int) -> RetentionPlan:
     """What ``keep`` newest composites need. Reads manifests only; deletes nothing."""
     check_keep(keep)
     steps = run.steps()
-    composites: list[int] = []
-    current = run.latest_step()
-    while current is not None and len(composites) < keep:
-        composites.append(current)
-        current = run.manifest(current).parent
-        if current is not None and current not in steps:
-            break  # an ancestor already removed: nothing older can be needed through it
+    # An ancestor already removed ends the lineage: nothing older can be needed through it.
+    composites = list(islice(run.lineage(), keep))
     needed = set(composites)
     for step in composites:
         needed.update(run.manifest(step).composite.values())

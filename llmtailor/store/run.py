@@ -239,6 +239,31 @@ class Run:
                 return current
             current = max(children)
 
+    def lineage(self, step: int | None = None, *, through_damage: bool = False) -> Iterator[int]:
+        """The composite of ``step`` (default: the newest) and its ancestors, newest first,
+        following ``parent`` links while the parent is a committed snapshot (an ancestor removed
+        by retention ends the walk). ``through_damage`` (``restore(fallback=True)`` looking for
+        a composite that verifies): where the newest cannot be found, a manifest cannot be read
+        or a parent is gone, the next older committed snapshot stands in."""
+        steps = self.steps()
+        try:
+            current = self.latest_step() if step is None else step
+        except TailorError:
+            if not through_damage:
+                raise
+            current = steps[-1] if steps else None
+        while current is not None and current in steps:
+            yield current
+            try:
+                parent = self.manifest(current).parent
+            except TailorError:
+                if not through_damage:
+                    raise
+                parent = None
+            if through_damage and (parent is None or parent not in steps):
+                parent = max((s for s in steps if s < current), default=None)
+            current = parent
+
     def _parent_if_present(self, step: int) -> int | None:
         """The parent of the snapshot of ``step``; None also when it was removed since listed."""
         try:
