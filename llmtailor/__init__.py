@@ -11,7 +11,9 @@ if TYPE_CHECKING:
     from llmtailor.errors import TailorError
     from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
     from llmtailor.store.run import Run
-    from llmtailor.tailor import PendingSave, RestoreReport, SaveReport, Tailor
+    from llmtailor.config import TailorConfig
+    from llmtailor.reports import PendingSave, RestoreReport, SaveReport
+    from llmtailor.tailor import Tailor
 
 # Each public name is imported on first use (PEP 562), so the command line's byte-moving paths
 # (``llmtailor merge`` of weights) do not pay for importing torch (store/dtypes.py).
@@ -19,7 +21,9 @@ _HOMES = {
     "TailorError": "llmtailor.errors",
     **dict.fromkeys(("Adaptive", "Filter", "Full", "Interval", "Parity", "Policy", "make_policy"), "llmtailor.policies"),
     "Run": "llmtailor.store.run",
-    **dict.fromkeys(("PendingSave", "RestoreReport", "SaveReport", "Tailor"), "llmtailor.tailor"),
+    **dict.fromkeys(("PendingSave", "RestoreReport", "SaveReport"), "llmtailor.reports"),
+    "Tailor": "llmtailor.tailor",
+    "TailorConfig": "llmtailor.config",
 }
 
 __all__ = [
@@ -34,6 +38,7 @@ __all__ = [
     "Run",
     "SaveReport",
     "Tailor",
+    "TailorConfig",
     "TailorError",
     "make_policy",
 ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -58,6 +59,8 @@ class SampleSource(Protocol):
     def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]: ...
 
     def live_tensors(self, units: list[str]) -> list[torch.Tensor]: ...
+
+    def optimizers(self) -> list[torch.optim.Optimizer]: ...
 
 
 @dataclass
@@ -258,6 +261,58 @@ def drift_figures(units: list[str], sums: torch.Tensor, known: set[str]) -> dict
             figures[kind] = (diff / ref) ** 0.5 if unit in known and ref > 0 else None
         out[unit] = figures
     return out
+
+
+class DriftWatch:
+    """A writer's drift measurement over its saves (what ``Tailor`` keeps): a ``DriftTracker``
+    over the layout's units, hooked to the optimizers so it lets go of replaced state at once,
+    and the sample of the save being made until that save commits.
+
+    ``measure`` at a save (collective: one all-reduce through ``reduce``); ``committed`` when
+    that save's snapshot is committed (its units' sampled values become their references);
+    ``restored`` after a restore (every unit's); ``close`` removes the hooks."""
+
+    def __init__(self, units: list[str], source: SampleSource, reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self.units, self.source, self.reduce = list(units), source, reduce
+        self.tracker = tracker = DriftTracker()
+        self._pending: tuple[Sample, list[str]] | None = None
+        # The tracker keeps views of the live tensors; an optimizer loading new state replaces
+        # them, so it lets go at once rather than holding the old state's memory until a save.
+        # (The hook holds the tracker only: an optimizer must not keep a Tailor, and its writer
+        # lock, alive.)
+        self._hooks = [
+            opt.register_load_state_dict_pre_hook(lambda *_: tracker.forget())
+            for opt in source.optimizers()
+            if hasattr(opt, "_optimizer_load_state_dict_pre_hooks")  # a torch Optimizer that ran its __init__
+        ]
+
+    def measure(self) -> dict[str, dict[str, float | None]]:
+        """Each unit's drift since its last saved version, the same on every rank; the sample
+        it was measured on is kept for ``saving``."""
+        sample = self.tracker.gather(self.units, self.source)
+        sums = self.reduce(self.tracker.partial_sums(self.units, sample))
+        self._pending = (sample, [])
+        return drift_figures(self.units, sums, self.tracker.known())
+
+    def saving(self, units: list[str]) -> None:
+        """The save just measured writes ``units``: their sample becomes their reference once it commits."""
+        if self._pending is not None:
+            self._pending = (self._pending[0], list(units))
+
+    def committed(self) -> None:
+        if self._pending is not None:
+            self.tracker.adopt(*self._pending)
+        self._pending = None
+
+    def restored(self) -> None:
+        """The live state now is a composite: every unit's reference."""
+        self.tracker.adopt(self.tracker.gather(self.units, self.source))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.tracker.forget()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from llmtailor.providers import rng
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import split_key
 from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
-from llmtailor.store.run import Run
+from llmtailor.store import codec
+from llmtailor.store.run import Composite, Run
 from llmtailor.store.staged import Piece, StagedUnit
 
 
@@ -138,6 +139,19 @@ class StateProvider(ABC):
                 f"(snapshot layout {saved.family!r}, model layout {self.layout.family!r}): {shown}"
             )
 
+    def check_composite(self, run: Run, composite: Composite) -> dict[str, Any]:
+        """Everything a restore checks before it touches the live state, from manifests, unit
+        indexes and the global state alone: layout, names, shapes and dtypes
+        (``check_compatible``), every unit present, optimizer class and groups, scheduler
+        (``check_global``). Returns the composite step's global state."""
+        self.check_compatible(composite.manifest, lambda unit: run.unit_entry(composite.sources[unit], unit))
+        missing = set(self.layout.units) - set(composite.sources)
+        if missing:
+            raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
+        shared = run.read_global(composite.step)
+        self.check_global(shared)
+        return shared
+
     def check_global(self, shared: dict[str, Any]) -> None:
         """Refuse, from the composite's global state and before any live tensor is touched,
         what cannot be restored into the live objects (another optimizer class, say)."""
@@ -153,6 +167,37 @@ class StateProvider(ABC):
         weights with an all-gather). ``Tailor.restore`` calls it only once every rank's
         ``load`` succeeded, so ``load`` itself must not enter a collective: a rank whose read
         failed would leave the others blocked in it."""
+
+    def encode_global(self, step: int, extra: Any) -> tuple[Any, Any, Any, Any]:
+        """The global state of a save, encoded now (a copy, ``codec.encode``): ``(global_doc,
+        global_tensors, rank_doc, rank_tensors)``. The leader's global files hold the shared
+        state (``capture_shared``) with its own RNG and extras; another rank's files its own.
+        Raises a TailorError for state that would need pickle."""
+        own = {**self.capture_rank(), "extra": extra}
+        if self.coordinator.is_leader:
+            return (*codec.encode({"step": step, **self.capture_shared(), **own}, where="global state"), None, None)
+        return (None, None, *codec.encode(own, where=f"global state of rank {self.coordinator.rank}"))
+
+    def restore_rank_state(self, run: Run, composite: Composite) -> tuple[Any, tuple[str, ...]]:
+        """This rank's RNG states and extras from ``composite``: its own at the saved world size.
+        At another world size rank r takes saved rank r's where there is one; a rank beyond the
+        saved world keeps its RNG streams and gets rank 0's extras; saved ranks beyond the
+        current world are not used. Returns the extras and what could not be mapped."""
+        saved, world, rank = composite.manifest.world_size, self.coordinator.world_size, self.coordinator.rank
+        unmapped: list[str] = []
+        if world > saved:
+            who = f"rank {saved} kept its" if world - saved == 1 else f"ranks {saved}..{world - 1} kept their"
+            unmapped.append(f"{who} RNG streams and got rank 0's extras (saved at world size {saved})")
+        elif world < saved:
+            who = f"rank {world}" if saved - world == 1 else f"ranks {world}..{saved - 1}"
+            unmapped.append(f"the RNG states and extras of saved {who} were not used (saved at world size {saved})")
+        own = run.read_rank_state(composite.step, rank) if rank < saved else None
+        if own is None:
+            return run.read_rank_state(composite.step, 0)["extra"], tuple(unmapped)
+        if not self.load_rank(own):
+            unmapped.append("the snapshot holds no RNG state (imported from a checkpoint that keeps none): "
+                            "RNG streams left as they were")
+        return own.get("extra"), tuple(unmapped)
 
     def load_rank(self, state: dict[str, Any]) -> bool:
         """Set this rank's own state (RNG streams) from what ``capture_rank`` saved; False when

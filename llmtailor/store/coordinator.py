@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.errors import TailorError
+from llmtailor.errors import IntegrityError, TailorError
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
@@ -82,6 +82,32 @@ class Coordinator(ABC):
         """Sum of ``tensor`` over the ranks (a collective: call from the training thread, on
         every rank, in the same order)."""
         return tensor
+
+    def agree(self, tag: str, step: int, error: BaseException | None, touched: bool) -> tuple[BaseException | None, bool]:
+        """After every rank read its part of a restore (``error``: how its read failed, if it
+        did; ``touched``: whether it changed its live state): the error every rank must raise,
+        or None when every read succeeded, and whether any rank's live state was touched (the
+        job's state is then a mix). The same error type on every rank, so ranks handling it
+        alike stay in step, naming each failed rank and its error. One process keeps its own
+        error (an IntegrityError after touching says so)."""
+        mine = {"touched": touched, "error": None if error is None else describe_error(error),
+                "integrity": isinstance(error, IntegrityError)}
+        outcomes = self.exchange(tag, mine)
+        failed = {rank: o for rank, o in enumerate(outcomes) if o["error"] is not None}
+        partly = bool(failed) and any(o["touched"] for o in outcomes)
+        if not failed:
+            return None, False
+        advice = "restore(fallback=True) loads the newest composite that verifies"
+        if self.world_size == 1:
+            assert error is not None
+            if isinstance(error, IntegrityError) and touched:
+                return IntegrityError(f"{error}. Nothing was written to disk; the live model may be partly restored. {advice}"), partly
+            return error, partly
+        kind = IntegrityError if all(o["integrity"] for o in failed.values()) else CoordinationError
+        where = "; ".join(f"rank {rank}: {o['error']}" for rank, o in failed.items())
+        state = "the live model and optimizer may be partly restored on every rank" if partly else "no rank's live state was changed"
+        return kind(f"restore of step {step} failed on rank(s) {sorted(failed)} ({where}); {state}; nothing was written "
+                    f"to disk. {advice}"), partly
 
 
 class LocalCoordinator(Coordinator):

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import TailorError
+from llmtailor.errors import BackgroundSaveError, TailorError
+from llmtailor.store.coordinator import describe_error
 from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
@@ -76,6 +77,9 @@ class BackgroundSave:
 
     step: int
     units: list[str]
+    """The units the save writes (every rank's)."""
+    composite: dict[str, int] = field(default_factory=dict)
+    """The composite it commits: the writer's lineage once it has."""
     target: str = ""
     """Where it is saved (the run), for messages."""
     blocked_seconds: float = 0.0
@@ -125,6 +129,9 @@ class AsyncStager:
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.buffers = HostBuffers()
         self.current: BackgroundSave | None = None
+        """The newest save started (its copies are what the fence waits for)."""
+        self.unsettled: BackgroundSave | None = None
+        """The save started and not yet settled by the caller (``settle``)."""
         self.fence_seconds = 0.0
         """Total time optimizer steps waited at the fence."""
         self._hooks = [opt.register_step_pre_hook(self._fence) for opt in optimizers]
@@ -139,11 +146,14 @@ class AsyncStager:
         persist: Callable[[StagedSnapshot], PersistResult],
         after: Callable[[PersistResult], Any] | None = None,
         target: str = "",
+        chosen: list[str] | None = None,
     ) -> BackgroundSave:
-        """Begin a save of ``units`` (live references, this rank's pieces): take the copies and
-        persist in the background. The caller has waited for any earlier save."""
-        assert self.current is None or self.current.done(), "one save in flight at a time"
-        job = BackgroundSave(step=staged.step, units=[u.unit for u in units], target=target)
+        """Begin a save of ``units`` (live references, this rank's pieces; ``chosen``: every
+        rank's units): take the copies and persist in the background. The caller has settled
+        any earlier save."""
+        assert self.unsettled is None, "one save in flight at a time"
+        job = BackgroundSave(step=staged.step, units=list(chosen if chosen is not None else [u.unit for u in units]),
+                             composite=dict(staged.composite), target=target)
         pieces = [piece for unit in units for piece in unit.pieces]
         views = self.buffers.views(pieces)
         for piece, view in zip(pieces, views):
@@ -155,13 +165,42 @@ class AsyncStager:
         if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
             ready = torch.cuda.Event()
             ready.record()
-        self.current = job
+        self.current = self.unsettled = job
         thread = threading.Thread(
             target=self._run, args=(job, staged, units, views, versions, ready, persist, after),
             name=f"llmtailor-save-{staged.step}",
         )
         thread.start()
         return job
+
+    def settle(self, raise_error: bool, refused: int | None = None, newest: int | None = None) -> BackgroundSave | None:
+        """Wait for the save not yet settled, if any. Returns it, once, when it committed (the
+        caller then extends its lineage with it). Its failure is raised once, when
+        ``raise_error``, as a BackgroundSaveError saying what was not saved (``refused``: the
+        step of a save refused because of it; ``newest``: the composite still in force), else
+        kept for the next call."""
+        job = self.unsettled
+        if job is None:
+            return None
+        job.finished.wait()
+        if job.error is None:
+            self.unsettled = None
+            return job
+        if not raise_error:
+            return None
+        self.unsettled = None
+        try:
+            job.result()
+        except BaseException as err:
+            failed = (
+                f"the async save of step {job.step} failed in the background ({describe_error(err)}); nothing of it "
+                f"was committed and the run's newest composite is still "
+                + ("no composite" if newest is None else f"step {newest}")
+            )
+            if refused is not None:
+                failed = f"step {refused} was not saved: {failed}. Call save({refused}) again to save this step"
+            raise BackgroundSaveError(failed) from err
+        return None  # unreachable: result() raised
 
     def wait_copied(self) -> None:
         """Block until the save in flight (if any) has taken its copies: after this, the live

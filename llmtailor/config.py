@@ -1,0 +1,86 @@
+"""``TailorConfig``: every option of a ``Tailor`` in one documented, validated object.
+
+``Tailor(run_dir, model, ..., config=TailorConfig(keep=3, async_save=True))`` and
+``Tailor(run_dir, model, ..., keep=3, async_save=True)`` mean the same; ``TailorTrainer``
+passes its ``tailor_config`` through. Every problem is reported at once, naming the option and
+the value (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmtailor.errors import ConfigError, describe_validation
+from llmtailor.policies import Adaptive, Full, Policy
+from llmtailor.store.coordinator import DEFAULT_TIMEOUT
+from llmtailor.store.retention import check_keep
+
+
+class TailorConfig(BaseModel):
+    """The options of a ``Tailor`` (each field documents itself)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, arbitrary_types_allowed=True)
+
+    policy: Policy = Field(default_factory=Full)
+    """Which units each save writes (``Full()``, ``Parity()``, ``Filter()``, ``Interval()``,
+    ``Adaptive()``); its options are checked against the model when the Tailor is built."""
+    family: str | None = None
+    """The model family's layout (``llama``, ``gpt2``, ...); default: detected from the model."""
+    keep: int | None = None
+    """After each save, delete every snapshot the newest ``keep`` composites do not need."""
+    async_save: bool = False
+    """``save`` returns at once; copies and writes go on in the background, fenced before the
+    next ``optimizer.step()``."""
+    track_drift: bool = True
+    """Measure each unit's drift since its last saved version at every save (what ``Adaptive``
+    decides by and ``llmtailor drift`` plots)."""
+    timeout: float = DEFAULT_TIMEOUT
+    """Seconds a rank waits for the others in a collective save or restore before failing,
+    naming the ranks that did not answer."""
+    read_only: bool = False
+    """Only restore (an evaluation job beside the trainer, a read-only copy of a run): no
+    writer lock, and ``save`` is refused."""
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _a_policy(cls, value: Any) -> Any:
+        if not isinstance(value, Policy):
+            raise ValueError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {value!r}")
+        return value
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _a_count(cls, value: Any) -> Any:
+        try:
+            return value if value is None else check_keep(value)
+        except ConfigError as err:  # pydantic collects a ValueError with the others
+            raise ValueError(str(err)) from None
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"timeout={value!r} must be a positive number of seconds")
+        return float(value)
+
+    @model_validator(mode="after")
+    def _adaptive_measures(self) -> TailorConfig:
+        if isinstance(self.policy, Adaptive) and not self.track_drift:
+            raise ValueError("the Adaptive policy decides by measured drift: it needs track_drift=True")
+        return self
+
+    @classmethod
+    def of(cls, config: TailorConfig | None = None, **options: Any) -> TailorConfig:
+        """``config`` with ``options`` over it (None options are left out), validated; every
+        problem in one ``ConfigError``."""
+        given = {key: value for key, value in options.items() if value is not None}
+        if config is not None and not isinstance(config, TailorConfig):
+            raise ConfigError(f"config must be a TailorConfig, got {config!r}")
+        try:
+            if config is None:
+                return cls(**given)
+            return cls(**{**dict(config), **given})
+        except ValidationError as err:
+            raise ConfigError(f"Tailor options: {describe_validation(err)}") from None

@@ -1,0 +1,79 @@
+"""What ``Tailor.save`` and ``Tailor.restore`` return: ``SaveReport``, ``PendingSave`` (an async
+save in flight) and ``RestoreReport``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtailor.store.staged import PersistResult
+from llmtailor.store.staging import BackgroundSave
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one save wrote."""
+
+    step: int
+    units: list[str]
+    bytes: int
+    """Bytes of the whole snapshot (every rank's files)."""
+    seconds: float
+    path: Path
+    unit_bytes: dict[str, int]
+    """Bytes this rank wrote per unit."""
+    rank_bytes: int = 0
+    """Bytes this rank wrote in all."""
+
+    @classmethod
+    def of(cls, step: int, units: list[str], result: PersistResult | None, seconds: float) -> SaveReport:
+        assert result is not None
+        return cls(step, units, result.bytes, seconds, result.path, result.unit_bytes, result.rank_bytes)
+
+
+class PendingSave:
+    """An async save in flight: ``save`` returned once the units were chosen and the global
+    state captured; the copies and the write go on in the background."""
+
+    def __init__(self, job: BackgroundSave, to_report: Callable[[int, list[str], PersistResult, float], SaveReport]):
+        self._job, self._to_report = job, to_report
+        self.step: int = job.step
+        self.units: list[str] = job.units
+        self.blocked_seconds: float = job.blocked_seconds
+        """How long ``save`` blocked the training loop."""
+
+    def done(self) -> bool:
+        return self._job.done()
+
+    @property
+    def copy_seconds(self) -> float:
+        """Seconds the background thread spent copying into host buffers (once done)."""
+        return self._job.copy_seconds
+
+    @property
+    def persist_seconds(self) -> float:
+        """Seconds the background thread spent writing and committing (once done)."""
+        return self._job.persist_seconds
+
+    def result(self, timeout: float | None = None) -> SaveReport:
+        """Wait until the snapshot is committed and durable; raise what failed in the background."""
+        outcome = self._job.result(timeout)
+        return self._to_report(self._job.step, self._job.units, outcome, self._job.copy_seconds + self._job.persist_seconds)
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a restore loaded: the composite's step, the user extras saved with it (this rank's),
+    and the step each unit came from."""
+
+    step: int
+    extra: Any
+    sources: dict[str, int]
+    seconds: float
+    skipped: dict[int, str]
+    """With ``fallback=True``: newer composites passed over, and why."""
+    saved_world_size: int = 1
+    unmapped: tuple[str, ...] = ()
+    """Per-rank state that could not be mapped at this world size (empty at the saved one)."""

@@ -1,0 +1,72 @@
+"""The lineage a writer extends, and the composite a restore takes.
+
+A run's snapshots form lineages: each manifest names its ``parent``, the composite the save
+extended (``Run.lineage`` walks them). A ``Tailor`` extends one: after a restore, the restored
+composite's; after its own save, that save's. ``Lineage`` is what it must know of it to choose
+and record the next save: the parent step, the next save index, the composite table, and per
+unit the save index and bytes of its newest version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.store.run import Composite, Run
+
+
+@dataclass
+class Lineage:
+    """The lineage one writer extends (module docstring). A fresh one starts a new lineage,
+    whose first save is full (no unit has a saved version)."""
+
+    parent: int | None = None
+    """Step of the composite the next save extends."""
+    save_index: int = 0
+    """Index of the next save (0 for a run's first; continues across restores)."""
+    composite: dict[str, int] = field(default_factory=dict)
+    """Unit -> step of its newest version."""
+    saved_index: dict[str, int] = field(default_factory=dict)
+    """Unit -> save index of its newest version."""
+    unit_bytes: dict[str, int] = field(default_factory=dict)
+    """Unit -> bytes of its newest version (all ranks)."""
+
+    def committed(self, run: Run, step: int, composite: dict[str, int]) -> None:
+        """This writer's save of ``step`` committed, writing the units ``composite`` names at ``step``."""
+        manifest = run.manifest(step)
+        for unit, source in composite.items():
+            if source == step:
+                self.saved_index[unit] = self.save_index
+                self.unit_bytes[unit] = manifest.unit_bytes(unit)
+        self.parent, self.save_index, self.composite = step, self.save_index + 1, dict(composite)
+
+    def restored(self, run: Run, composite: Composite) -> None:
+        """The composite this writer restored: the next save extends it."""
+        self.parent = composite.step
+        self.save_index = composite.manifest.save_index + 1
+        self.composite = dict(composite.sources)
+        for unit, source in composite.sources.items():
+            manifest = run.manifest(source)
+            self.saved_index[unit] = manifest.save_index
+            self.unit_bytes[unit] = manifest.unit_bytes(unit)
+
+
+def choose_composite(run: Run, step: int | None, fallback: bool) -> tuple[int, dict[int, str]]:
+    """The step of the composite a restore takes, and what it passed over (why, by step): the
+    newest (or ``step``'s); with ``fallback`` and no ``step``, the newest of the lineage whose
+    every file verifies and which restores (a damaged manifest's place taken by the next older
+    snapshot)."""
+    if not fallback or step is not None:
+        return run.resolve(step).step, {}
+    if not run.steps():
+        raise IntegrityError(f"{run.root}: no committed snapshot in this run directory")
+    skipped: dict[int, str] = {}
+    for candidate in run.lineage(through_damage=True):
+        try:
+            problems = run.verify(candidate)
+        except TailorError as err:
+            problems = [str(err)]
+        if not problems:
+            return candidate, skipped
+        skipped[candidate] = "; ".join(problems[:3])
+    raise IntegrityError(f"{run.root}: no composite verifies: " + " | ".join(f"step {s}: {why}" for s, why in skipped.items()))
