@@ -53,9 +53,10 @@ from transformers.trainer_utils import get_last_checkpoint
 from llmtailor.errors import ConfigError
 from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE as TRAINER_STATE_NAME
 from llmtailor.interop.hf_export import trainer_state_json
-from llmtailor.policies import Full, Policy
+from llmtailor.config import TailorConfig
+from llmtailor.policies import Policy
 from llmtailor.providers.rng import restore_rng
-from llmtailor.store.coordinator import DEFAULT_TIMEOUT
+from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.tailor import Tailor
 
@@ -65,18 +66,20 @@ RUN_DIRNAME = "tailored"
 class TailorTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose checkpoints are tailored snapshots (module docstring).
 
-    Extra keyword arguments: ``tailor_policy`` (default ``Full()``), ``tailor_keep`` (default
-    ``args.save_total_limit``), ``tailor_async`` (default False) and ``tailor_timeout`` (seconds
-    a rank waits for the others in a collective save). The run directory is
+    Extra keyword arguments: ``tailor_config`` (a ``TailorConfig``: the options of the
+    ``Tailor`` it saves with), or the shorthands ``tailor_policy`` (default ``Full()``),
+    ``tailor_keep`` (default ``args.save_total_limit``), ``tailor_async`` and
+    ``tailor_timeout``, which override the config's. The run directory is
     ``args.output_dir/tailored`` (``self.tailor_run_dir``)."""
 
     def __init__(
         self,
         *args: Any,
+        tailor_config: TailorConfig | None = None,
         tailor_policy: Policy | None = None,
         tailor_keep: int | None = None,
-        tailor_async: bool = False,
-        tailor_timeout: float = DEFAULT_TIMEOUT,
+        tailor_async: bool | None = None,
+        tailor_timeout: float | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -87,13 +90,17 @@ class TailorTrainer(transformers.Trainer):
                 "TailorTrainer does not support load_best_model_at_end=True: it needs Trainer's own "
                 "checkpoint-N directories, which TailorTrainer does not write"
             )
-        self.tailor_policy: Policy = tailor_policy or Full()
-        self.tailor_keep = tailor_keep if tailor_keep is not None else self.args.save_total_limit
-        self.tailor_async = bool(tailor_async)
-        self.tailor_timeout = tailor_timeout
+        if tailor_keep is None and (tailor_config is None or tailor_config.keep is None):
+            tailor_keep = self.args.save_total_limit  # Trainer's own retention setting, mapped
+        self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy, keep=tailor_keep,
+                                             async_save=tailor_async, timeout=tailor_timeout)
         self.tailor_run_dir = Path(self.args.output_dir) / RUN_DIRNAME
         self._tailor: Tailor | None = None
         self._resume: tuple[Run, int, Path] | None = None  # run, composite step, Trainer's resume dir
+
+    @property
+    def tailor_policy(self) -> Policy:
+        return self.tailor_config.policy
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -118,14 +125,7 @@ class TailorTrainer(transformers.Trainer):
 
     def _tailor_for_save(self) -> Tailor:
         if self._tailor is None:
-            self._tailor = Tailor(
-                self.tailor_run_dir,
-                *self._live_objects(),
-                self.tailor_policy,
-                keep=self.tailor_keep,
-                async_save=self.tailor_async,
-                timeout=self.tailor_timeout,
-            )
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config)
         return self._tailor
 
     def _live_objects(self) -> tuple[Any, Any, Any]:
@@ -141,6 +141,11 @@ class TailorTrainer(transformers.Trainer):
         """``Trainer.train``; ``resume_from_checkpoint=True`` or a tailored run directory resumes
         from the newest composite in place (module docstring)."""
         run = self._tailored_run(resume_from_checkpoint)
+        # One writer per run, from the start: a second trainer on this run fails here, before it
+        # trains (the Tailor built at the first save or restore shares this process's lock).
+        lock = WriterLock(self.tailor_run_dir)
+        if self.is_world_process_zero():
+            lock.acquire_or_look()
         try:
             if run is None:
                 if resume_from_checkpoint is True and get_last_checkpoint(self.args.output_dir) is None:
@@ -160,7 +165,10 @@ class TailorTrainer(transformers.Trainer):
             if self._resume is not None:
                 shutil.rmtree(self._resume[2], ignore_errors=True)
                 self._resume = None
-            self._close_tailor()
+            try:
+                self._close_tailor()
+            finally:
+                lock.release()
 
     def _resuming(self, checkpoint: Any) -> bool:
         return self._resume is not None and checkpoint is not None and Path(checkpoint) == self._resume[2]
@@ -178,7 +186,7 @@ class TailorTrainer(transformers.Trainer):
             report = self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
         else:
             # Another run: loaded from there; this run's own snapshots start a lineage (full first).
-            with Tailor(run.root, *self._live_objects(), timeout=self.tailor_timeout, read_only=True) as source:
+            with Tailor(run.root, *self._live_objects(), timeout=self.tailor_config.timeout, read_only=True) as source:
                 report = source.restore(step)
         if self.is_world_process_zero():
             print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "

@@ -229,3 +229,53 @@ def test_options_trainer_cannot_honour_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="tailor_policy"):
         TailorTrainer(model=model, args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True),
                       tailor_policy="parity")
+
+
+def test_a_tailor_config_passes_through_and_shorthands_override_it(tmp_path):
+    import transformers
+
+    from llmtailor import Interval, TailorConfig
+
+    hf_job = _job_module()
+    model = transformers.AutoModelForCausalLM.from_config(hf_job.model_config("llama", False))
+
+    def args(**more):
+        return transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **more)
+
+    config = TailorConfig(policy=Interval({"layer.*": 2}), async_save=True, timeout=30)
+    trainer = TailorTrainer(model=model, args=args(save_total_limit=3), tailor_config=config)
+    assert trainer.tailor_config == config.model_copy(update={"keep": 3})  # save_total_limit maps to keep
+    assert trainer.tailor_policy == Interval({"layer.*": 2})
+    trainer = TailorTrainer(model=model, args=args(), tailor_config=config, tailor_policy=Parity(), tailor_keep=1)
+    assert (trainer.tailor_config.policy, trainer.tailor_config.keep, trainer.tailor_config.async_save) == (Parity(), 1, True)
+    with pytest.raises(ConfigError, match=r"keep=0 must be a positive integer.*timeout=-1 must be a positive number"):
+        TailorTrainer(model=model, args=args(), tailor_keep=0, tailor_timeout=-1)
+
+
+def test_a_second_trainer_on_a_run_being_written_fails_before_it_trains(tmp_path):
+    import subprocess
+    import sys
+
+    import transformers
+
+    from llmtailor.errors import TailorError
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from llmtailor.store.lock import WriterLock; "
+         "lock = WriterLock(Path(sys.argv[1])); lock.acquire(); print('held', flush=True); sys.stdin.read()",
+         str(tmp_path / "tailored")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        hf_job = _job_module()
+        model = transformers.AutoModelForCausalLM.from_config(hf_job.model_config("llama", False))
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4,
+                                              save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True)
+        trainer = TailorTrainer(model=model, args=args, train_dataset=hf_job.Windows(), tailor_policy=Parity())
+        with pytest.raises(TailorError, match=f"being written by another writer \\(pid {holder.pid} on"):
+            trainer.train(resume_from_checkpoint=True)
+        assert trainer.state.global_step == 0
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
