@@ -23,7 +23,7 @@ def make_provider(
 ) -> StateProvider:
     """The provider serving ``model``: a DeepSpeed engine, an FSDP2 (``fully_shard``) model,
     or a plain / DDP-wrapped module."""
-    from llmtailor.providers.deepspeed import DeepSpeedProvider, is_engine
+    from llmtailor.providers.deepspeed import deepspeed_provider, is_engine
 
     if is_engine(model):
         if optimizer is not None or (lr_scheduler is not None and model.lr_scheduler not in (None, lr_scheduler)):
@@ -31,7 +31,7 @@ def make_provider(
                 "a DeepSpeed engine brings its own optimizer and LR scheduler: pass Tailor(run_dir, engine, policy=...) "
                 "(an LR scheduler only when the engine has none)"
             )
-        return DeepSpeedProvider(model, build_layout(model.module, family), coordinator, lr_scheduler)
+        return deepspeed_provider(model, build_layout(model.module, family), coordinator, lr_scheduler)
     module = unwrap(model)
     layout = build_layout(module, family)
     if coordinator.world_size > 1 or torch.distributed.is_initialized():

@@ -19,6 +19,7 @@ prefixes, so a run saved by one provider at one world size restores through anot
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +48,23 @@ class StateProvider(ABC):
     def __init__(self, layout: Layout, coordinator: Coordinator):
         self.layout = layout
         self.coordinator = coordinator
+        self._owners: dict[str, int] | None = None
+
+    # -- who writes what -----------------------------------------------------------------------
+
+    def unit_sizes(self) -> dict[str, int]:
+        """Each unit's bytes of weights in the global model (the same on every rank)."""
+        specs = self.live_specs()
+        return {unit: sum(math.prod(specs[n][0]) * specs[n][1].itemsize for n in names if n in specs)
+                for unit, names in self.layout.units.items()}
+
+    def owner(self, unit: str) -> int:
+        """The rank that writes what every rank holds alike of ``unit`` (step counters, buffers,
+        frozen weights that are not sharded): fixed for the run, the units balanced over the
+        ranks by bytes (``balance``)."""
+        if self._owners is None:
+            self._owners = balance(self.unit_sizes(), self.coordinator.world_size)
+        return self._owners[unit]
 
     # -- save side ----------------------------------------------------------------------------
 
@@ -207,6 +225,21 @@ class StateProvider(ABC):
         with loading("RNG state", None):
             rng.restore_rng(state["rng"])
         return True
+
+
+def balance(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Unit -> rank, balancing bytes: units by size, largest first (equal sizes in the given
+    order), each to the rank with the fewest bytes so far (ties to the lowest rank). The one
+    rule for who writes which unit, so every provider balances alike; deterministic, so every
+    rank computes the same without a message."""
+    load = [0] * world
+    owners: dict[str, int] = {}
+    order = list(sizes)
+    for unit in sorted(order, key=lambda u: (-sizes[u], order.index(u))):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        load[rank] += sizes[unit]
+        owners[unit] = rank
+    return owners
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

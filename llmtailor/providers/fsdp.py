@@ -6,8 +6,8 @@ optimizer state tensor that is a DTensor — with each shard's offsets in the gl
 DCP's own save planner computes them (no gather, no full tensor on any rank). A shard
 replicated over a mesh dimension (HSDP) is written by the rank at coordinate 0 of that
 dimension only. Plain tensors (the per-parameter ``step`` scalars, unsharded buffers) are the
-same on every rank and are written once, by the rank a unit's position assigns, so the
-ranks' shares stay balanced.
+same on every rank and are written once, by the unit's owner (``StateProvider.owner``: units
+balanced over the ranks by bytes).
 
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
@@ -49,7 +49,6 @@ class FSDPProvider(LocalProvider):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.kind = "fsdp2"
-        self._unit_index = {unit: i for i, unit in enumerate(self.layout.units)}
 
     def writes(self, units: list[str]) -> list[str]:
         return list(units)  # every rank holds a shard of every unit
@@ -59,8 +58,7 @@ class FSDPProvider(LocalProvider):
 
     def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:
         if not isinstance(tensor, DTensor):
-            owner = self._unit_index[unit] % self.coordinator.world_size
-            return [Piece.whole(key, tensor)] if owner == self.coordinator.rank else []
+            return [Piece.whole(key, tensor)] if self.owner(unit) == self.coordinator.rank else []
         if not _writes_replica(tensor):
             return []
         planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)

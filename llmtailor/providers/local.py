@@ -17,7 +17,7 @@ import torch
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
-from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
+from llmtailor.providers.base import StateProvider, balance, hf_config, loading, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import optim_key, split_unit, weight_key
@@ -61,22 +61,14 @@ class LocalProvider(StateProvider):
     # -- save side ----------------------------------------------------------------------------
 
     def writes(self, units: list[str]) -> list[str]:
-        """Every unit in one process; under DDP this rank's share of a byte-balanced split:
-        units by size, largest first, each to the rank with the fewest bytes so far (ties to
-        the lowest rank)."""
+        """Every unit in one process; under DDP (every rank holds every unit whole) this rank's
+        share of the chosen units, balanced by bytes (``balance``)."""
         world = self.coordinator.world_size
         if world == 1:
             return list(units)
-        tensors = self.tensors()
-        sizes = {unit: sum(_bytes(p.tensor) for p in self._pieces(unit, tensors)) for unit in units}
-        load = [0] * world
-        mine = set()
-        for unit in sorted(units, key=lambda u: (-sizes[u], units.index(u))):
-            rank = min(range(world), key=lambda r: (load[r], r))
-            load[rank] += sizes[unit]
-            if rank == self.coordinator.rank:
-                mine.add(unit)
-        return [u for u in units if u in mine]
+        sizes = self.unit_sizes()
+        owners = balance({unit: sizes[unit] for unit in units}, world)
+        return [u for u in units if owners[u] == self.coordinator.rank]
 
     def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]:
         tensors = self.tensors()
@@ -187,7 +179,3 @@ class LocalProvider(StateProvider):
         if self.lr_scheduler is not None:
             with loading("LR scheduler state", step):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
-
-
-def _bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

@@ -1,38 +1,9 @@
-"""``DeepSpeedProvider``: a ``deepspeed.DeepSpeedEngine`` under ZeRO stage 1, 2 or 3.
-
-What a unit holds (per parameter, by canonical name):
-
-- ``master/<name>``: the fp32 master weight. The low-precision (bf16 / fp16) weights the model
-  computes with are not stored: they are the masters cast, and a restore refreshes them from
-  the restored masters (a frozen parameter, which has no master, is stored as ``weight/``);
-- ``optim/<name>/<key>``: every optimizer state tensor of the parameter (``exp_avg``,
-  ``exp_avg_sq``, ...);
-- ``optim/<name>/step``: the step of the parameter's optimizer group (see below).
-
-Each rank writes only the fragments it owns, straight from DeepSpeed's own partitions (no
-gather): under ZeRO-1/2 the fragment a parameter's ``_hp_mapping`` names (a contiguous range of
-the flattened parameter, possibly empty, possibly split between ranks), under ZeRO-3 the
-parameter's partition (``ceil(numel / world)`` elements at ``rank x that``, the padded tail
-cut). A flat range is stored as the few boxes that tile it (``store.reader.flat_range_boxes``),
-so the manifest's chunks stay boxes of the global tensor and any provider can read them.
-
-Optimizer steps: DeepSpeed keeps one ``step`` per flat partition (per param group; per
-sub-group under ZeRO-3), not per parameter. Each unit records its parameters' group step at
-save time, so a restore into a plain torch optimizer gives every parameter the step of the
-moments it gets. A restore into DeepSpeed sets each group's step from the composite's own step
-(the global state of step T), the one value a group can hold; moments of units taken from an
-older snapshot are then bias-corrected with T's step (the published LLMTailor overwrites every
-step with the failure step; this is the same choice, made explicit). The manifest's ``notes``
-say so.
-
-Restore (any stage, any world size): for every parameter, this rank's fragment range is read
-from the composite's chunks by byte range and copied into the masters and optimizer state in
-place; the low-precision weights are then refreshed (ZeRO-1/2: ``update_lp_params``; ZeRO-3:
-DeepSpeed's own fp32-to-fp16 partition refresh and the re-gather of persistent parameters).
-"""
+"""The stage-independent part of the DeepSpeed providers (the package docstring says what a
+unit holds and how steps are kept)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -73,8 +44,10 @@ class Fragment:
         self.start, self.numel, self.master, self.states = start, numel, master, states
 
 
-class DeepSpeedProvider(StateProvider):
-    """The model, ZeRO optimizer and scheduler of one DeepSpeed engine's rank (module docstring)."""
+class DeepSpeedProvider(StateProvider, ABC):
+    """The model, ZeRO optimizer and scheduler of one DeepSpeed engine's rank (package
+    docstring). What differs by stage, where DeepSpeed keeps a parameter's master, state and
+    step, is each subclass's (``zero12.py``, ``zero3.py``); the rest reads straight through."""
 
     kind = "deepspeed"
 
@@ -84,63 +57,53 @@ class DeepSpeedProvider(StateProvider):
         self.module = engine.module
         self.zero = engine.optimizer
         self.stage = int(engine.zero_optimization_stage())
-        if self.stage not in (1, 2, 3) or not hasattr(self.zero, "optimizer"):
-            raise IncompatibleModelError(
-                f"the DeepSpeed engine runs ZeRO stage {self.stage} with {type(self.zero).__name__}; llmtailor "
-                "reads DeepSpeed's ZeRO-1/2/3 optimizers"
-            )
         # The engine's scheduler, or one the caller steps itself (HF Trainer keeps its own).
         self.lr_scheduler = engine.lr_scheduler if engine.lr_scheduler is not None else lr_scheduler
         self.params = dict(self.module.named_parameters())
-        self._unit_index = {unit: i for i, unit in enumerate(layout.units)}
-        self._group_index = {id(p): i for i, group in enumerate(self._groups()) for p in group}
+        self.names = {id(p): n for n, p in self.params.items()}
+        """id(parameter) -> canonical name, made once."""
 
     # -- where DeepSpeed keeps things ----------------------------------------------------------
 
+    @abstractmethod
     def _groups(self) -> list[list[torch.nn.Parameter]]:
         """The user's param groups as lists of low-precision parameters, in the order of the
-        optimizer's ``param_groups``. ZeRO-3 splits a group into sub-groups of about
-        ``sub_group_size`` elements (``fp16_groups`` is per sub-group): joined back here."""
-        if self.stage < 3:
-            return self.zero.bit16_groups
-        groups: list[list[torch.nn.Parameter]] = [[] for _ in self.zero.optimizer.param_groups]
-        for sub_group, params in enumerate(self.zero.fp16_groups):
-            groups[self.zero.sub_group_to_group_id[sub_group]].extend(params)
-        return groups
+        optimizer's ``param_groups``."""
 
+    @abstractmethod
     def _flat_partitions(self) -> list[torch.Tensor]:
-        """This rank's fp32 flat partitions: one per group (ZeRO-1/2) or sub-group (ZeRO-3)."""
-        return self.zero.single_partition_of_fp32_groups if self.stage < 3 else self.zero.fp32_partitioned_groups_flat
+        """This rank's fp32 flat partitions (each keyed in the optimizer's state)."""
 
+    @abstractmethod
     def _partition_of(self, param: torch.nn.Parameter) -> int:
         """Index of the flat partition holding ``param``'s master."""
-        if self.stage < 3:
-            return self._group_index[id(param)]
-        return self.zero.grad_position[self.zero.get_param_id(param)][0]
 
+    @abstractmethod
     def _group_of_partition(self, index: int) -> int:
-        return index if self.stage < 3 else self.zero.sub_group_to_group_id[index]
+        """The param group a flat partition belongs to."""
 
+    @abstractmethod
     def _fragment(self, param: torch.nn.Parameter) -> Fragment | None:
         """This rank's fragment of ``param`` (None when it holds none)."""
-        if self.stage < 3:
-            mapping = getattr(param, "_hp_mapping", None)
-            if mapping is None or mapping.lp_fragment_address.numel == 0:
-                return None
-            # The group's flat partition and its optimizer state, narrowed to this fragment. (Not
-            # the mapping's own optim_fragment: DeepSpeed links it after the first step, and with
-            # several param groups it was found linked for the first group only.)
-            flat = self.zero.single_partition_of_fp32_groups[mapping.param_group_index]
-            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            offset = mapping.hp_fragment_address.start
-        else:
-            part = param.ds_tensor.numel()
-            start = part * self.zero._get_param_partition_rank(param)
-            numel = min(part, param.ds_numel - start)
-            if numel <= 0:
-                return None
-            index, offset, _ = self.zero.grad_position[self.zero.get_param_id(param)]
-            flat = self.zero.fp32_partitioned_groups_flat[index]
+
+    @abstractmethod
+    def _global_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+        """The parameter's shape in the model (not its partition's)."""
+
+    @abstractmethod
+    def _frozen_pieces(self, name: str, param: torch.nn.Parameter, shape: tuple[int, ...], owner: bool) -> list[Piece]:
+        """What this rank writes of a frozen parameter (no master, no optimizer state)."""
+
+    @abstractmethod
+    def _load_frozen(self, reader: ChunkReader, step: int, entry: UnitEntry, saved: TensorEntry, param) -> None:
+        """Read the part of a frozen parameter this rank holds into it."""
+
+    def _before_load(self) -> None:
+        """What DeepSpeed needs before its partitions are written into (local: no collective)."""
+
+    def _narrowed(self, flat: torch.Tensor, offset: int, start: int, numel: int) -> Fragment:
+        """The fragment at ``offset`` of the flat partition ``flat`` (and of its optimizer
+        state), elements ``[start, start + numel)`` of its flattened parameter."""
         states = {
             key: value.narrow(0, offset, numel)
             for key, value in self.zero.optimizer.state.get(flat, {}).items()
@@ -150,9 +113,6 @@ class DeepSpeedProvider(StateProvider):
 
     def _step_of(self, param: torch.nn.Parameter) -> Any:
         return self.zero.optimizer.state.get(self._flat_partitions()[self._partition_of(param)], {}).get(STEP)
-
-    def _global_shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
-        return tuple(param.ds_shape) if self.stage == 3 else tuple(param.shape)
 
     # -- save side ----------------------------------------------------------------------------
 
@@ -171,7 +131,7 @@ class DeepSpeedProvider(StateProvider):
         return specs
 
     def stage_unit(self, unit: str) -> StagedUnit:
-        owner = self._unit_index[unit] % self.coordinator.world_size == self.coordinator.rank
+        owner = self.owner(unit) == self.coordinator.rank
         pieces: list[Piece] = []
         values: dict[str, dict[str, Any]] = {}
         buffers = None
@@ -188,9 +148,9 @@ class DeepSpeedProvider(StateProvider):
                 continue
             fragment = self._fragment(param)
             if fragment is not None:
-                pieces += _box_pieces(master_key(name), fragment.master, shape, fragment.start, fragment.numel)
+                pieces += box_pieces(master_key(name), fragment.master, shape, fragment.start, fragment.numel)
                 for key, state in fragment.states.items():
-                    pieces += _box_pieces(optim_key(name, key), state, shape, fragment.start, fragment.numel)
+                    pieces += box_pieces(optim_key(name, key), state, shape, fragment.start, fragment.numel)
             step = self._step_of(param)
             if owner and step is not None:
                 if isinstance(step, torch.Tensor):
@@ -199,20 +159,11 @@ class DeepSpeedProvider(StateProvider):
                     values.setdefault(name, {})[STEP] = codec.plain_value(step, f"optimizer step of {name}")
         return StagedUnit(unit, pieces, values)
 
-    def _frozen_pieces(self, name: str, param: torch.nn.Parameter, shape: tuple[int, ...], owner: bool) -> list[Piece]:
-        if self.stage < 3:
-            return [Piece.whole(weight_key(name), param.detach())] if owner else []
-        part = param.ds_tensor.numel()
-        start = part * self.zero._get_param_partition_rank(param)
-        numel = min(part, param.ds_numel - start)
-        return _box_pieces(weight_key(name), param.ds_tensor.detach().view(-1), shape, start, numel) if numel > 0 else []
-
     def capture_shared(self) -> dict[str, Any]:
-        names = {id(p): n for n, p in self.params.items()}
         groups = []
         for index, params in enumerate(self._groups()):
             hyper = {k: v for k, v in self.zero.optimizer.param_groups[index].items() if k != "params"}
-            groups.append({**hyper, "params": [names[id(p)] for p in params]})
+            groups.append({**hyper, "params": [self.names[id(p)] for p in params]})
         steps = [self.zero.optimizer.state.get(flat, {}).get(STEP) for flat in self._flat_partitions()]
         return {
             "optimizer_groups": groups,
@@ -246,8 +197,7 @@ class DeepSpeedProvider(StateProvider):
         reader = ChunkReader(run, verify)
         unit_steps: dict[str, Any] = {}
         try:
-            if self.stage == 3:
-                self.zero.checkpoint_event_prologue()  # every parameter partitioned
+            self._before_load()
             for unit, step in sources.items():
                 entry = run.unit_entry(step, unit)
                 for name in self.layout.units[unit]:
@@ -268,7 +218,7 @@ class DeepSpeedProvider(StateProvider):
         if param is None:  # a buffer
             buffer = self.module.state_dict(keep_vars=True)[name]
             with torch.no_grad():
-                buffer.copy_(_read_flat(reader, step, entry, master, 0, buffer.numel()).view(buffer.shape))
+                buffer.copy_(read_flat(reader, step, entry, master, 0, buffer.numel()).view(buffer.shape))
             return
         if not param.requires_grad:
             self._load_frozen(reader, step, entry, weight or master, param)
@@ -276,32 +226,20 @@ class DeepSpeedProvider(StateProvider):
         fragment = self._fragment(param)
         if fragment is not None:
             with torch.no_grad():
-                fragment.master.copy_(_read_flat(reader, step, entry, master, fragment.start, fragment.numel))
+                fragment.master.copy_(read_flat(reader, step, entry, master, fragment.start, fragment.numel))
                 for key, target in fragment.states.items():
                     saved = entry.tensor(optim_key(name, key))
                     if saved is None:
                         raise IntegrityError(f"snapshot {step}: {name!r} has no optimizer state {key!r}")
-                    target.copy_(_read_flat(reader, step, entry, saved, fragment.start, fragment.numel))
+                    target.copy_(read_flat(reader, step, entry, saved, fragment.start, fragment.numel))
         saved_step = entry.tensor(optim_key(name, STEP))
         if saved_step is not None:
             unit_steps[name] = reader.read_region(step, entry, saved_step, (), ())
         elif STEP in entry.values.get(name, {}):
             unit_steps[name] = codec.decode(entry.values[name][STEP], {}, f"{entry.unit}.{name}.step")
 
-    def _load_frozen(self, reader: ChunkReader, step: int, entry: UnitEntry, saved: TensorEntry, param) -> None:
-        with torch.no_grad():
-            if self.stage < 3:
-                param.copy_(_read_flat(reader, step, entry, saved, 0, param.numel()).view(param.shape))
-                return
-            part = param.ds_tensor.numel()
-            start = part * self.zero._get_param_partition_rank(param)
-            numel = min(part, param.ds_numel - start)
-            if numel > 0:
-                param.ds_tensor.view(-1)[:numel].copy_(_read_flat(reader, step, entry, saved, start, numel))
-
     def _check_groups(self, groups: list[dict[str, Any]]) -> None:
-        names = {id(p): n for n, p in self.params.items()}
-        live = [[names[id(p)] for p in params] for params in self._groups()]
+        live = [[self.names[id(p)] for p in params] for params in self._groups()]
         saved = [list(g.get("params", [])) for g in groups]
         if [sorted(g) for g in live] != [sorted(g) for g in saved]:
             raise IncompatibleModelError(
@@ -321,9 +259,8 @@ class DeepSpeedProvider(StateProvider):
         """Hyperparameters by group (matched by parameter names); each flat partition's step
         from the composite's own step (module docstring)."""
         by_members = {frozenset(g["params"]): g for g in groups}
-        names = {id(p): n for n, p in self.params.items()}
         for index, params in enumerate(self._groups()):
-            saved = by_members[frozenset(names[id(p)] for p in params)]
+            saved = by_members[frozenset(self.names[id(p)] for p in params)]
             with loading("optimizer groups", shared.get("step")):
                 self.zero.optimizer.param_groups[index].update({k: v for k, v in saved.items() if k != "params"})
         saved_steps = (shared.get("deepspeed") or {}).get("steps")
@@ -346,27 +283,13 @@ class DeepSpeedProvider(StateProvider):
         if saved_steps is not None and len(saved_steps) == len(self._flat_partitions()) and saved_steps[index] is not None:
             return saved_steps[index]
         group = self._groups()[self._group_of_partition(index)]
-        names = {id(p): n for n, p in self.params.items()}
-        own = [_plain_step(unit_steps[n]) for p in group if (n := names[id(p)]) in unit_steps
+        own = [_plain_step(unit_steps[n]) for p in group if (n := self.names[id(p)]) in unit_steps
                and sources.get(self.layout.unit_of(n)) == step]
-        every = [_plain_step(unit_steps[names[id(p)]]) for p in group if names[id(p)] in unit_steps]
+        every = [_plain_step(unit_steps[self.names[id(p)]]) for p in group if self.names[id(p)] in unit_steps]
         return max(own) if own else max(every) if every else None
 
-    def finish_load(self) -> None:
-        """The low-precision weights from the restored masters, as DeepSpeed's own checkpoint
-        loading refreshes them (an all-gather: only once every rank has loaded)."""
-        if self.stage < 3:
-            # Re-link DeepSpeed's own per-parameter state accessors to the (possibly new) state.
-            self.zero._hp_optimizer_states_linked = False
-            self.zero._lazy_init_hp_params_optimizer_state()
-            self.zero.update_lp_params()
-            return
-        for sub_group in range(len(self.zero.fp32_partitioned_groups_flat)):
-            self.zero._reassign_or_swap_out_partitioned_parameters(sub_group)
-        self.zero.checkpoint_event_epilogue()
 
-
-def _box_pieces(key: str, flat: torch.Tensor, shape: tuple[int, ...], start: int, numel: int) -> list[Piece]:
+def box_pieces(key: str, flat: torch.Tensor, shape: tuple[int, ...], start: int, numel: int) -> list[Piece]:
     """Pieces tiling elements ``[start, start + numel)`` of a tensor of ``shape``, cut from the
     1-D fragment ``flat`` (views: each box is contiguous in the flat order)."""
     pieces, position = [], 0
@@ -379,7 +302,7 @@ def _box_pieces(key: str, flat: torch.Tensor, shape: tuple[int, ...], start: int
     return pieces
 
 
-def _read_flat(reader: ChunkReader, step: int, entry: UnitEntry, tensor: TensorEntry, start: int, numel: int) -> torch.Tensor:
+def read_flat(reader: ChunkReader, step: int, entry: UnitEntry, tensor: TensorEntry, start: int, numel: int) -> torch.Tensor:
     """Elements ``[start, start + numel)`` of the flattened tensor, read box by box."""
     boxes = flat_range_boxes(tuple(tensor.shape), start, numel)
     return torch.cat([reader.read_region(step, entry, tensor, o, s).reshape(-1) for o, s in boxes]) if boxes else torch.empty(0)
