@@ -86,3 +86,16 @@ def tree_digest(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+def parity_run(path: Path, tokens, steps: int):
+    """A run of a tiny model saved with Parity at steps 1..``steps`` (step 1 full, then odd and
+    even layers in turn); returns ``path``."""
+    from llmtailor import Parity, Tailor
+
+    model, opt, sched = tiny()
+    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
+        for step in range(1, steps + 1):
+            train(model, opt, sched, tokens, [step])
+            tailor.save(step)
+    return path

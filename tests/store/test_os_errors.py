@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import tiny, train, tree_digest
+from helpers import parity_run, tiny, tree_digest
 from typer.testing import CliRunner
 
 import llmtailor.store.files
@@ -31,13 +31,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, tokens):
-    path = tmp_path_factory.mktemp("os-errors") / "run"
-    model, opt, sched = tiny()
-    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
-        for step in range(1, 4):
-            train(model, opt, sched, tokens, [step])
-            tailor.save(step)
-    return path
+    return parity_run(tmp_path_factory.mktemp("os-errors") / "run", tokens, 3)
 
 
 def _mount(args: list[str]) -> None:

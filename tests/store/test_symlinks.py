@@ -8,10 +8,10 @@ import os
 import shutil
 
 import pytest
-from helpers import assert_bitwise, tiny, train, unit_versions
+from helpers import parity_run, assert_bitwise, tiny, unit_versions
 from typer.testing import CliRunner
 
-from llmtailor import Parity, Tailor
+from llmtailor import Tailor
 from llmtailor.cli import app
 from llmtailor.errors import IntegrityError
 from llmtailor.store.lock import LEASE_FILE
@@ -24,13 +24,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, tokens):
     """Parity saves at steps 1..3."""
-    path = tmp_path_factory.mktemp("links") / "run"
-    model, opt, sched = tiny()
-    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
-        for step in range(1, 4):
-            train(model, opt, sched, tokens, [step])
-            tailor.save(step)
-    return path
+    return parity_run(tmp_path_factory.mktemp("links") / "run", tokens, 3)
 
 
 @pytest.fixture

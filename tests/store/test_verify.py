@@ -7,10 +7,10 @@ import json
 import shutil
 
 import pytest
-from helpers import tiny, train
+from helpers import parity_run, tiny
 from typer.testing import CliRunner
 
-from llmtailor import Parity, Tailor
+from llmtailor import Tailor
 from llmtailor.cli import app
 from llmtailor.constants import MANIFEST_FILE
 from llmtailor.errors import SnapshotNotFoundError
@@ -24,13 +24,7 @@ runner = CliRunner()
 def saved(tmp_path_factory, tokens):
     """Parity saves at steps 1..5: step 1 is full, then odd layers at 2 and 4, even ones at 3
     and 5; each composite needs its own snapshot and the previous one."""
-    path = tmp_path_factory.mktemp("parity") / "run"
-    model, opt, sched = tiny()
-    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
-        for step in range(1, 6):
-            train(model, opt, sched, tokens, [step])
-            tailor.save(step)
-    return path
+    return parity_run(tmp_path_factory.mktemp("parity") / "run", tokens, 5)
 
 
 @pytest.fixture
