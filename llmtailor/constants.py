@@ -1,6 +1,8 @@
 """File names, schema versions and state keys of the llmtailor on-disk format, in one place."""
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (2, 3)
+"""Schema 3 adds frozen tensors kept from an older snapshot or a base model directory."""
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"

@@ -26,6 +26,7 @@ import torch
 from llmtailor.config import TailorConfig
 from llmtailor.drift import DriftWatch
 from llmtailor.errors import ConfigError, TailorError
+from llmtailor.frozen import FrozenParts, FrozenPlan
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
@@ -74,6 +75,7 @@ class Tailor:
         self._stager = AsyncStager(self.provider.optimizers()) if self.async_save else None
         self._drift = (DriftWatch(list(self.layout.units), self.provider, self.coordinator.all_reduce_sum)
                        if self.config.track_drift else None)
+        self._frozen = FrozenParts(self.provider, self.coordinator)
         self._partly_restored: str | None = None
         """Set when a restore failed after the live state was touched: saving is refused."""
         # One writer per run, settled before any training is spent: a second trainer fails here,
@@ -114,17 +116,21 @@ class Tailor:
         self._check_save(step)
         start = time.perf_counter()
         drift = self._drift.measure() if self._drift is not None else None
+        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen")
         lineage = self.lineage
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
-            last_saved_index=lineage.saved_index, drift=drift, unit_bytes=lineage.unit_bytes,
-            frozen=frozenset(self.provider.frozen_units()),
+            last_saved_index=lineage.saved_index, drift=drift, unit_bytes=self._frozen.weighed_bytes(lineage.unit_bytes),
+            frozen=frozenset(frozen.quiet),
         ))
-        units = decision.units
+        units = frozen.written(decision.units)  # frozen, unchanged units cost nothing
+        self._frozen.saving(frozen, units)
         if self._drift is not None:
             self._drift.saving(units)  # their sampled values, taken now: their references once committed
-        staged = self._stage(step, units, {**lineage.composite, **{unit: step for unit in units}}, extra)
-        staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {})}
+        staged = self._stage(step, units, {**lineage.composite, **{unit: step for unit in units}}, extra, frozen)
+        skipped = [u for u in decision.units if u not in units]
+        staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {}),
+                           **({"frozen_unchanged": skipped} if skipped else {})}
         if blocking or (blocking is None and not self.async_save):
             result = self._persist(staged)
             self._committed(step, staged.composite, result)
@@ -183,12 +189,13 @@ class Tailor:
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
         self.lineage.committed(self.run, step, composite)
+        self._frozen.committed(step)
         if self._drift is not None:
             self._drift.committed()
         if result is not None and result.pointer_error:
             raise TailorError(result.pointer_error)
 
-    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any) -> StagedSnapshot:
+    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
         the writer asks for them) and the global state, encoded now (a copy)."""
         error: BaseException | None = None
@@ -201,7 +208,8 @@ class Tailor:
             error = err  # the save must fail on every rank: persisting reports it
         return StagedSnapshot(
             step=step, parent=self.lineage.parent, save_index=self.lineage.save_index, policy=self.policy.describe(),
-            layout=self.layout.to_record(), units=(self.provider.stage_unit(u) for u in self.provider.writes(units)),
+            layout=self.layout.to_record(),
+            units=(self._frozen.split(self.provider.stage_unit(u), frozen) for u in self.provider.writes(units)),
             composite=composite, global_doc=encoded[0], global_tensors=encoded[1], rank_doc=encoded[2],
             rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind,
             notes=self.provider.notes(), error=error,
@@ -263,6 +271,7 @@ class Tailor:
             self.provider.finish_load()
             extra, unmapped = self.provider.restore_rank_state(self.run, composite)
         self.lineage.restored(self.run, composite)
+        self._frozen.restored(self.run, composite)
         if self._drift is not None:
             self._drift.restored()
         return RestoreReport(

@@ -100,12 +100,20 @@ class StateProvider(ABC):
         """What a reader of the manifest must know about this provider's state."""
         return {}
 
+    def frozen_names(self) -> set[str]:
+        """Parameters that do not train: they require no grad, or no optimizer group holds them
+        (nothing in a training step changes them)."""
+        trained = self.trained_names()
+        return {n for n, p in self.named_parameters() if not p.requires_grad or (trained is not None and n not in trained)}
+
+    def trained_names(self) -> set[str] | None:
+        """The parameters the optimizer updates, by name (None: no optimizer, or not known)."""
+        return None
+
     def frozen_units(self) -> list[str]:
-        """Units whose tensors are all parameters that do not require grad (nothing in training
-        changes them)."""
-        params = dict(self.named_parameters())
-        return [unit for unit, names in self.layout.units.items()
-                if all(n in params and not params[n].requires_grad for n in names)]
+        """Units whose tensors are all parameters that do not train (``frozen_names``)."""
+        frozen = self.frozen_names()
+        return [unit for unit, names in self.layout.units.items() if all(n in frozen for n in names)]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The model's parameters by canonical name."""
@@ -243,14 +251,36 @@ def balance(sizes: dict[str, int], world: int) -> dict[str, int]:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose parameter names are canonical: inside DDP (``module.``) and
-    torch.compile (``_orig_mod.``) wrappers."""
+    """The module whose parameter names are canonical: inside DDP (``module.``), torch.compile
+    (``_orig_mod.``) and peft (``base_model.model.``) wrappers. Under peft the names are the
+    base model's with the adapters' modules in place (``...q_proj.base_layer.weight``,
+    ``...q_proj.lora_A.default.weight``), so the layout is the base model family's."""
     while True:
         inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
         inner = inner or getattr(model, "_orig_mod", None)
+        if inner is None and is_peft(model):
+            inner = model.get_base_model()
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
+
+
+def is_peft(model: Any) -> bool:
+    """Whether ``model`` is a peft ``PeftModel`` (adapters over a base model)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def peft_config(model: Any) -> dict[str, Any] | None:
+    """The adapters' configs of a peft model as plain JSON, by adapter name (an export to
+    peft's adapter format needs them), or None for another model."""
+    while not is_peft(model):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return None
+        model = inner
+    return {name: json.loads(config.to_json_string()) if hasattr(config, "to_json_string")
+            else json.loads(json.dumps(config.to_dict(), default=sorted))
+            for name, config in model.peft_config.items()}
 
 
 def hf_config(model: torch.nn.Module) -> dict[str, Any] | None:

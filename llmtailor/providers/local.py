@@ -17,7 +17,7 @@ import torch
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
-from llmtailor.providers.base import StateProvider, balance, hf_config, loading, unwrap
+from llmtailor.providers.base import StateProvider, balance, hf_config, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import optim_key, split_unit, weight_key
@@ -38,6 +38,8 @@ class LocalProvider(StateProvider):
     ):
         super().__init__(layout, coordinator)
         self.model = unwrap(model)
+        self.adapters = peft_config(model)
+        """The peft adapters' configs (a ``PeftModel``), saved with the global state; else None."""
         self.optimizer = optimizer
         self.chain = optim_state.OptimizerChain(optimizer) if optimizer is not None else None
         self.lr_scheduler = lr_scheduler
@@ -51,6 +53,12 @@ class LocalProvider(StateProvider):
 
     def named_parameters(self):
         return self.model.named_parameters()
+
+    def trained_names(self) -> set[str] | None:
+        if self.chain is None:
+            return None
+        name_of = {id(t): name for name, t in self.model.named_parameters()}
+        return {name_of[id(p)] for g in self.chain.innermost.param_groups for p in g["params"] if id(p) in name_of}
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return self.chain.hookable() if self.chain is not None else []
@@ -127,6 +135,7 @@ class LocalProvider(StateProvider):
             "optimizer_class": self.chain.classes() if self.chain is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "model_config": hf_config(self.model),
+            **({"peft_config": self.adapters} if self.adapters is not None else {}),
         }
 
     # -- restore side -------------------------------------------------------------------------

@@ -370,6 +370,27 @@ def read_tensors(root: Path, entry: FileEntry, within: Path | None = None) -> di
         raise IntegrityError(describe_open_error(err, path)) from None
 
 
+def read_checked_tensors(path: Path, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (name -> xxh3-64 of its bytes) of the safetensors file ``path``,
+    each read alone and checked against its checksum: for a large file of which only a few
+    tensors are wanted (a base model's shard), never unpickles."""
+    from safetensors.torch import safe_open as open_tensors
+
+    out = {}
+    try:
+        with open_tensors(str(path), framework="pt") as handle:
+            for name, expected in names.items():
+                tensor = handle.get_tensor(name)
+                if tensor_checksum(tensor) != expected:
+                    raise IntegrityError(f"{path}: tensor {name!r} differs from the one the run recorded (checksum mismatch)")
+                out[name] = tensor
+    except SafetensorError as err:
+        raise IntegrityError(f"{path}: cannot read ({err})") from None
+    except OSError as err:
+        raise IntegrityError(describe_open_error(err, path)) from None
+    return out
+
+
 def check_file(root: Path, entry: FileEntry, within: Path | None = None) -> str | None:
     """A problem with ``entry``'s file, or None when size and checksum match."""
     try:

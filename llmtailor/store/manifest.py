@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmtailor.constants import SCHEMA_VERSION, SNAPSHOT_FORMAT, unit_index_path
+from llmtailor.constants import READABLE_SCHEMAS, SNAPSHOT_FORMAT, unit_index_path
 from llmtailor.errors import IntegrityError, TailorError, describe_validation
 from llmtailor.store import dtypes
 from llmtailor.store.keys import piece_key
@@ -53,6 +53,9 @@ class FileEntry(_Strict):
     path: str
     bytes: int = Field(ge=0)
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
+    origin: int | Literal["base"] | None = Field(default=None, exclude=True)
+    """In memory only (never written): where a file of a unit's merged view lies — the snapshot
+    of that step, or the base model directory; None: the snapshot whose index lists it."""
 
     @field_validator("path")
     @classmethod
@@ -74,6 +77,8 @@ class Chunk(_Strict):
     offsets: list[int]
     shape: list[int]
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
+    stored_as: str | None = Field(default=None, exclude=True)
+    """In memory only: the tensor's name in its file when not its key (a base model's file)."""
 
 
 class TensorEntry(_Strict):
@@ -117,18 +122,46 @@ class TensorEntry(_Strict):
 
     def chunk_key(self, chunk: Chunk) -> str:
         """The key ``chunk`` is stored under in its file."""
-        return piece_key(self.key, chunk.offsets, chunk.shape == self.shape)
+        return chunk.stored_as or piece_key(self.key, chunk.offsets, chunk.shape == self.shape)
+
+
+class BaseRef(_Strict):
+    """A frozen tensor kept from the base model directory: tensor ``name`` of its ``file`` (a
+    path relative to the directory), whose bytes have checksum ``xxh3_64``."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: list[int]
+    xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        return TensorEntry._known_dtype(value)
+
+    @field_validator("file")
+    @classmethod
+    def _inside_base(cls, path: str) -> str:
+        return FileEntry._inside_snapshot(path)
 
 
 class UnitEntry(_Strict):
     """A unit's index (``index/<unit>.json``): its tensor files, its tensors, and the optimizer
-    state values that are not tensors (plain numbers), by parameter name."""
+    state values that are not tensors (plain numbers), by parameter name.
+
+    Frozen tensors unchanged since an older version are not written again: ``kept`` names, by
+    tensor key, the step of the snapshot whose index holds each (the one that wrote it);
+    ``base``, those kept from the run's base model directory. ``Run.unit_entry`` merges them
+    into one view, their files tagged with their ``origin``."""
 
     unit: str
     step: int = Field(ge=0)
     files: list[FileEntry] = Field(min_length=1)
     tensors: list[TensorEntry]
     values: dict[str, dict[str, Any]] = {}
+    kept: dict[str, int] = {}
+    base: dict[str, BaseRef] = {}
 
     @model_validator(mode="after")
     def _chunks_name_files(self) -> UnitEntry:
@@ -136,6 +169,12 @@ class UnitEntry(_Strict):
             for chunk in tensor.chunks:
                 if chunk.file >= len(self.files):
                     raise ValueError(f"tensor {tensor.key!r} names file {chunk.file} of {len(self.files)}")
+        own = {t.key for t in self.tensors}
+        for key, holder in self.kept.items():
+            if key in own or key in self.base:
+                raise ValueError(f"tensor {key!r} is both held here and kept from elsewhere")
+            if holder >= self.step:
+                raise ValueError(f"tensor {key!r} is kept from step {holder}, not before step {self.step}")
         return self
 
     def chunk_file(self, chunk: Chunk) -> FileEntry:
@@ -157,6 +196,17 @@ class UnitRef(_Strict):
 
     index: FileEntry
     bytes: int = Field(ge=0)
+    kept: list[int] = []
+    """Steps of the older snapshots whose files hold the frozen tensors the index keeps: the
+    unit's version needs them too (retention keeps them; ``verify`` checks them)."""
+
+
+class BaseDir(_Strict):
+    """The base model directory a run keeps frozen tensors from (``Tailor(..., base=...)``):
+    its absolute path and the safetensors files used, with their sizes and checksums."""
+
+    path: str
+    files: list[FileEntry]
 
 
 class Manifest(_Strict):
@@ -181,13 +231,15 @@ class Manifest(_Strict):
     units: dict[str, UnitRef]
     composite: dict[str, int]
     files: list[FileEntry]
+    base: BaseDir | None = None
+    """The base model directory frozen tensors of this snapshot's units are kept from."""
     """The global state's files (and each rank's own); unit files are listed in unit indexes."""
 
     @field_validator("schema_version")
     @classmethod
     def _supported_version(cls, value: int) -> int:
-        if value != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {value} is not supported (this llmtailor reads {SCHEMA_VERSION})")
+        if value not in READABLE_SCHEMAS:
+            raise ValueError(f"schema_version {value} is not supported (this llmtailor reads {list(READABLE_SCHEMAS)})")
         return value
 
     @model_validator(mode="after")
@@ -203,6 +255,8 @@ class Manifest(_Strict):
         if unknown:
             raise ValueError(f"units {sorted(unknown)} are missing from the composite table")
         for unit, ref in self.units.items():
+            if any(step >= self.step for step in ref.kept):
+                raise ValueError(f"unit {unit!r} keeps tensors of step {max(ref.kept)}, not before step {self.step}")
             if ref.index.path != unit_index_path(unit):
                 raise ValueError(f"unit {unit!r}: index file {ref.index.path!r}, expected {unit_index_path(unit)!r}")
         return self

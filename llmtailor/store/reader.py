@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from llmtailor.errors import IntegrityError
 from llmtailor.store import dtypes
-from llmtailor.store.files import confine, describe_open_error, tensor_checksum
+from llmtailor.store.files import describe_open_error, tensor_checksum
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
 
@@ -114,12 +114,14 @@ class ChunkReader:
     # -- internals -----------------------------------------------------------------------------
 
     def _slice(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk):
-        path = self.run.snapshot_dir(step) / unit.chunk_file(chunk).path
+        file = unit.chunk_file(chunk)
+        path = (self.run.snapshot_dir(step if file.origin is None else file.origin) / file.path
+                if file.origin != "base" else None)
         key = tensor.chunk_key(chunk)
         try:
-            handle = self._handles.get(path)
+            handle = self._handles.get(path) if path is not None else None
             if handle is None:
-                confine(path, self.run.boundary())  # checked once per file: its handle is kept
+                path = self.run.file_path(step, file)  # checked once per file: its handle is kept
                 handle = self._handles[path] = safe_open(str(path), framework="pt")
             piece = handle.get_slice(key)
         except SafetensorError as err:
@@ -139,7 +141,7 @@ class ChunkReader:
         if cache_key not in self._checked:
             whole = self._slice(step, unit, tensor, chunk)[...]
             if tensor_checksum(whole) != chunk.xxh3_64:
-                path = self.run.snapshot_dir(step) / unit.chunk_file(chunk).path
+                path = self.run.file_path(step, unit.chunk_file(chunk))
                 raise IntegrityError(f"{path}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} (file is corrupted)")
             # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
             self._checked = {cache_key: whole}

@@ -70,7 +70,7 @@ def plan_retention(run: Run, keep: int) -> RetentionPlan:
     composites = list(islice(run.lineage(), keep))
     needed = set(composites)
     for step in composites:
-        needed.update(run.manifest(step).composite.values())
+        needed.update(run.needs(run.resolve(step)))  # its units' versions and the frozen tensors they keep
     return RetentionPlan(
         composites=composites,
         keep=sorted(s for s in steps if s in needed),

@@ -58,13 +58,14 @@ from llmtailor.store.files import (
     check_file,
     check_header,
     confine,
+    read_checked_tensors,
     describe_os_error,
     read_tensors,
     read_verified,
 )
 from llmtailor.store.lock import Lease, lease_for_reading
 from llmtailor.store import dtypes
-from llmtailor.store.manifest import Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
+from llmtailor.store.manifest import Chunk, FileEntry, Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
 
 if TYPE_CHECKING:
     import torch
@@ -96,6 +97,8 @@ class Verification:
     """Snapshots whose files were checked, ascending."""
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    base_checked: set[tuple[Path, str]] = field(default_factory=set)
+    """Base model directory files checked (each once)."""
 
 
 class ReadLeases:
@@ -324,9 +327,9 @@ class Run:
             composite, lost = None, {}
             if leases.take(target):
                 composite = self.resolve(target)
-                for unit, source in composite.sources.items():
+                for source, units in self.needs(composite).items():
                     if not leases.take(source):
-                        lost.setdefault(source, []).append(unit)
+                        lost.setdefault(source, []).extend(units)
                 if not lost:
                     return composite, lost
             # Lost to retention only if a newer composite took over meanwhile (retention never
@@ -347,7 +350,17 @@ class Run:
 
     def unit_entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
-        against the manifest's checksum. Reads one small file; no tensor byte."""
+        against the manifest's checksum; frozen tensors it keeps from older snapshots or the
+        base model directory merged in (their files tagged with their ``origin``). Reads small
+        files only; no tensor byte."""
+        key = (step, unit, "merged")
+        if key not in self._units:
+            stored = self._stored_entry(step, unit)
+            self._cache(key, self._merged(stored) if stored.kept or stored.base else stored)
+        return self._units[key]
+
+    def _stored_entry(self, step: int, unit: str) -> UnitEntry:
+        """The index file of ``unit`` at ``step`` as written (only what it holds itself)."""
         key = (step, unit)
         if key not in self._units:
             manifest = self.manifest(step)
@@ -355,27 +368,98 @@ class Run:
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
             root = self.snapshot_root(step)
-            entry = load_unit_entry(read_verified(root, ref.index, self.boundary()), root / ref.index.path, unit, step)
-            if len(self._units) >= _UNIT_CACHE:
-                self._units.pop(next(iter(self._units)))
-            self._units[key] = entry
+            self._cache(key, load_unit_entry(read_verified(root, ref.index, self.boundary()), root / ref.index.path, unit, step))
         return self._units[key]
+
+    def _cache(self, key: tuple, entry: UnitEntry) -> None:
+        if len(self._units) >= _UNIT_CACHE:
+            self._units.pop(next(iter(self._units)))
+        self._units[key] = entry
+
+    def _merged(self, stored: UnitEntry) -> UnitEntry:
+        """``stored`` with the tensors it keeps: each from the index of the snapshot that wrote
+        it (which must hold it itself), or from the base directory."""
+        files = list(stored.files)
+        tensors = list(stored.tensors)
+        holders: dict[int, list[str]] = {}
+        for tensor_key, holder in stored.kept.items():
+            holders.setdefault(holder, []).append(tensor_key)
+        for holder, keys in sorted(holders.items()):
+            source = self._stored_entry(holder, stored.unit)
+            for tensor_key in keys:
+                held = source.tensor(tensor_key)
+                if held is None:
+                    raise IntegrityError(f"snapshot {stored.step} keeps {tensor_key!r} of unit {stored.unit!r} from step "
+                                         f"{holder}, which does not hold it")
+                chunks = []
+                for chunk in held.chunks:
+                    files.append(source.files[chunk.file].model_copy(update={"origin": holder}))
+                    chunks.append(chunk.model_copy(update={"file": len(files) - 1}))
+                tensors.append(held.model_copy(update={"chunks": chunks}))
+        if stored.base:
+            base = self.manifest(stored.step).base
+            listed = {f.path: f for f in (base.files if base is not None else [])}
+            for tensor_key, ref in stored.base.items():
+                if ref.file not in listed:
+                    raise IntegrityError(f"snapshot {stored.step}: {tensor_key!r} is kept from base file {ref.file!r}, "
+                                         "which its manifest does not list")
+                files.append(listed[ref.file].model_copy(update={"origin": "base"}))
+                whole = Chunk(file=len(files) - 1, offsets=[0] * len(ref.shape), shape=list(ref.shape), xxh3_64=ref.xxh3_64)
+                tensors.append(TensorEntry(key=tensor_key, dtype=ref.dtype, shape=list(ref.shape),
+                                           chunks=[whole.model_copy(update={"stored_as": ref.name})]))
+        return stored.model_copy(update={"files": files, "tensors": tensors})
+
+    def needs(self, composite: Composite) -> dict[int, list[str]]:
+        """Every snapshot the composite reads, with the units it reads there: its own step (the
+        global state), each unit's version, and the older snapshots whose files hold the frozen
+        tensors a version keeps. Manifests only."""
+        needed: dict[int, list[str]] = {composite.step: []}
+        for unit, source in composite.sources.items():
+            needed.setdefault(source, []).append(unit)
+            try:
+                ref = self.manifest(source).units.get(unit)
+            except SnapshotNotFoundError:
+                continue  # the version itself is gone: what it keeps is moot
+            for holder in ref.kept if ref is not None else ():
+                needed.setdefault(holder, []).append(unit)
+        return needed
+
+    def file_path(self, step: int, file: FileEntry) -> Path:
+        """Where a file of a unit's merged view (saved at ``step``) lies, checked to resolve
+        inside the run (or the base directory, for a base file)."""
+        if file.origin == "base":
+            base = self.manifest(step).base
+            if base is None:
+                raise IntegrityError(f"snapshot {step} keeps a base file {file.path!r} but names no base directory")
+            root = Path(base.path)
+            return confine(root / file.path, Path(os.path.realpath(root)))
+        return confine(self.snapshot_dir(step if file.origin is None else file.origin) / file.path, self.boundary())
 
     def read_unit(self, step: int, unit: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
         """Tensors (by key) and non-tensor optimizer values of ``unit`` as saved at ``step``.
 
-        Every file is checked against its checksum; every tensor against the index's dtype
-        and shape. Chunks are assembled into the global tensor."""
+        Every snapshot file is checked against its checksum; every tensor against the index's
+        dtype and shape; a tensor kept from the base directory against its own checksum (its
+        file may be large and hold other units). Chunks are assembled into the global tensor."""
         entry = self.unit_entry(step, unit)
-        root, within = self.snapshot_root(step), self.boundary()
-        expected: dict[int, dict[str, tuple[str, list[int]]]] = {}
+        expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
         for tensor in entry.tensors:
             for chunk in tensor.chunks:
-                expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape)
+                expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
+        paths = {position: self.file_path(step, entry.files[position]) for position in expected}
         for position, tensors in expected.items():  # every header first: no tensor byte read yet
-            check_header(root, entry.files[position], tensors, within)
-        loaded = {position: read_tensors(root, entry.files[position], within) for position in sorted(expected)}
-        tensors = {t.key: _assemble(t, entry, loaded, root) for t in entry.tensors}
+            file = entry.files[position]
+            check_header(paths[position].parent, file.model_copy(update={"path": paths[position].name}),
+                         {k: v[:2] for k, v in tensors.items()}, None if file.origin == "base" else self.boundary())
+        loaded = {}
+        for position in sorted(expected):
+            file = entry.files[position]
+            if file.origin == "base":
+                loaded[position] = read_checked_tensors(paths[position], {k: v[2] for k, v in expected[position].items()})
+            else:
+                loaded[position] = read_tensors(paths[position].parent, file.model_copy(update={"path": paths[position].name}),
+                                                self.boundary())
+        tensors = {t.key: _assemble(t, entry, loaded, paths) for t in entry.tensors}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
     def read_global(self, step: int) -> dict[str, Any]:
@@ -443,10 +527,7 @@ class Run:
             elif composite is None:
                 targets = {step: None}
             else:
-                targets = {}
-                for unit, source in composite.sources.items():
-                    if source not in lost:
-                        targets.setdefault(source, set()).add(unit)
+                targets = {source: set(units) for source, units in self.needs(composite).items() if source not in lost}
                 targets[composite.step] = None  # the snapshot of `step` is needed whole (global state)
             for source, units in sorted(targets.items()):
                 pinned = leases.holds(source)
@@ -478,11 +559,20 @@ class Run:
                 result.problems.append(problem)
         for unit in sorted(set(units or manifest.units) & set(manifest.units)):
             try:
-                files = self.unit_entry(source, unit).files
+                files = self._stored_entry(source, unit).files  # what this snapshot holds itself
+                self.unit_entry(source, unit)  # and what it keeps resolves
             except TailorError as err:
                 result.problems.append(str(err))
                 continue
             result.problems += [p for p in (check_file(root, f, within) for f in files) if p]
+        if manifest.base is not None:
+            base = Path(manifest.base.path)
+            for file in manifest.base.files:
+                if (base, file.path) not in result.base_checked:
+                    result.base_checked.add((base, file.path))
+                    problem = check_file(base, file, Path(os.path.realpath(base)))
+                    if problem:
+                        result.problems.append(f"base model directory: {problem}")
         result.checked.append(source)
 
     def _check_composites(self, newest: int | None, result: Verification) -> None:
@@ -533,11 +623,11 @@ def parse_snapshot_name(name: str) -> int | None:
 
 
 def _assemble(
-    entry: TensorEntry, unit: UnitEntry, loaded: dict[int, dict[str, torch.Tensor]], root: Path
+    entry: TensorEntry, unit: UnitEntry, loaded: dict[int, dict[str, torch.Tensor]], paths: dict[int, Path]
 ) -> torch.Tensor:
     pieces = []
     for chunk in entry.chunks:
-        tensors, path, key = loaded[chunk.file], root / unit.files[chunk.file].path, entry.chunk_key(chunk)
+        tensors, path, key = loaded[chunk.file], paths[chunk.file], entry.chunk_key(chunk)
         if key not in tensors:
             raise IntegrityError(f"{path}: tensor {key!r} is missing")
         piece = tensors[key]

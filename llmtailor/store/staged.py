@@ -51,6 +51,10 @@ class StagedUnit:
     unit: str
     pieces: list[Piece]
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kept: dict[str, int] = field(default_factory=dict)
+    """Frozen tensors not written: tensor key -> step of the snapshot that holds it."""
+    base: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Frozen tensors not written: tensor key -> where the base directory holds it (``BaseRef``)."""
 
     @classmethod
     def whole(cls, unit: str, tensors: dict[str, torch.Tensor], values: dict[str, dict[str, Any]] | None = None) -> StagedUnit:
@@ -82,6 +86,8 @@ class StagedSnapshot:
     provider: str = "local"
     notes: dict[str, Any] = field(default_factory=dict)
     decision: dict[str, Any] = field(default_factory=dict)
+    base: dict[str, Any] | None = None
+    """The base model directory frozen tensors are kept from (``BaseDir``), if any."""
     error: BaseException | None = None
     """A failure met while staging on this rank: persisting reports it to the other ranks (so
     the save fails everywhere, promptly) instead of writing."""
@@ -125,9 +131,12 @@ class TensorPart(_Message):
 class UnitPart(_Message):
     """What this rank wrote of one unit: its file, its tensors' chunks, its non-tensor values."""
 
-    file: FileEntry
+    file: FileEntry | None
+    """None where this rank wrote no tensor of the unit (all it holds of it is kept)."""
     tensors: list[TensorPart]
     values: dict[str, dict[str, Any]] = {}
+    kept: dict[str, int] = {}
+    base: dict[str, dict[str, Any]] = {}
 
 
 class RankPart(_Message):

@@ -184,8 +184,8 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
             tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
             if len(tensors) != len(staged_unit.pieces):
                 raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
-            file, sums = write_tensor_file(tmp / relpath, tensors, tmp, syncer=syncer)
-            unit_bytes[staged_unit.unit] = file.bytes
+            file, sums = write_tensor_file(tmp / relpath, tensors, tmp, syncer=syncer) if tensors else (None, {})
+            unit_bytes[staged_unit.unit] = file.bytes if file is not None else 0
             # This rank's chunks only: the leader validates the merged entries (coverage included).
             entries = [
                 TensorPart(
@@ -195,9 +195,10 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
                 )
                 for p in staged_unit.pieces
             ]
-            units[staged_unit.unit] = UnitPart(file=file, tensors=entries, values=staged_unit.values)
+            units[staged_unit.unit] = UnitPart(file=file, tensors=entries, values=staged_unit.values,
+                                               kept=staged_unit.kept, base=staged_unit.base)
             if on_unit:
-                on_unit(staged_unit.unit, file.bytes)
+                on_unit(staged_unit.unit, unit_bytes[staged_unit.unit])
         if staged.global_doc is not None:
             files.append(write_tensor_file(tmp / GLOBAL_TENSORS, staged.global_tensors or {}, tmp, syncer=syncer)[0])
             files.append(write_durable(tmp / GLOBAL_JSON, json.dumps(staged.global_doc).encode(), tmp))
@@ -217,9 +218,12 @@ def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) ->
     for rank, part in enumerate(parts):
         files += part.files
         for unit, entry in part.units.items():
-            target = merged.setdefault(unit, {"files": [], "tensors": {}, "values": {}})
+            target = merged.setdefault(unit, {"files": [], "tensors": {}, "values": {}, "kept": {}, "base": {}})
+            target["kept"].update(entry.kept)
+            target["base"].update(entry.base)
             position = len(target["files"])
-            target["files"].append(entry.file)
+            if entry.file is not None:
+                target["files"].append(entry.file)
             for tensor in entry.tensors:
                 chunks = [{**chunk.model_dump(), "file": position} for chunk in tensor.chunks]
                 held = target["tensors"].get(tensor.key)
@@ -245,9 +249,9 @@ def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) ->
             continue
         content = merged[unit]
         index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
-                          values=content["values"])
+                          values=content["values"], kept=content["kept"], base=content["base"])
         entry = write_durable(tmp / unit_index_path(unit), index.dumps().encode(), tmp)
-        refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files))
+        refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
     return Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
@@ -263,6 +267,7 @@ def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) ->
         units=refs,
         composite=staged.composite,
         files=files,
+        base=staged.base,
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from llmtailor.errors import IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
-from llmtailor.providers.base import StateProvider, hf_config, loading
+from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
 from llmtailor.providers.optimizer import check_classes, class_name
 from llmtailor.store import codec
 from llmtailor.store.coordinator import Coordinator
@@ -54,7 +54,7 @@ class DeepSpeedProvider(StateProvider, ABC):
     def __init__(self, engine: Any, layout: Layout, coordinator: Coordinator, lr_scheduler: Any = None):
         super().__init__(layout, coordinator)
         self.engine = engine
-        self.module = engine.module
+        self.module = unwrap(engine.module)
         self.zero = engine.optimizer
         self.stage = int(engine.zero_optimization_stage())
         # The engine's scheduler, or one the caller steps itself (HF Trainer keeps its own).

@@ -1,0 +1,140 @@
+"""Frozen tensors are written once: LoRA / PEFT and partly frozen training save only what trains.
+
+A unit is the granule a policy picks, but a unit can hold parameters that do not train (a
+LoRA layer's base weights, frozen embeddings; ``StateProvider.frozen_names``). Such a tensor,
+once saved, is not written again while it does not change: the unit's new version *keeps* it
+from the snapshot that holds it (``UnitEntry.kept``), and a unit whose tensors are all frozen
+and unchanged is not written at all, whatever the policy picks.
+
+"Has not changed" is checked, not assumed: each frozen tensor's fingerprint (the data pointer
+and version counter of every piece this rank holds: an in-place change bumps the counter, a
+replaced tensor moves the pointer) is recorded when its bytes are saved or restored; a
+tensor whose fingerprint differs is written again (a parameter frozen mid-run is saved once
+more after its last change). Until then its unit is not quiet: it still counts for
+``Adaptive``'s staleness bound. In a distributed job the ranks agree: a tensor changed on any
+rank is written by every rank holding a piece of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmtailor.providers.base import StateProvider
+from llmtailor.store.coordinator import Coordinator
+from llmtailor.store.keys import split_key, weight_key
+from llmtailor.store.run import Composite, Run
+from llmtailor.store.staged import Piece, StagedUnit
+
+Holder = int | str
+"""Where a frozen tensor's saved bytes are: a snapshot's step, or ``"base"``."""
+
+
+def fingerprint(pieces: list[Piece]) -> tuple:
+    """What changes when a tensor's values may have: every piece's memory and version counter."""
+    return tuple((p.offsets, p.tensor.data_ptr(), p.tensor._version) for p in pieces)
+
+
+@dataclass
+class FrozenPlan:
+    """What one save leaves out: which frozen tensors it keeps, and which units it skips."""
+
+    kept: dict[str, Holder]
+    """Frozen tensor key -> where its unchanged bytes are; every other frozen tensor of a
+    written unit is written again."""
+    quiet: set[str]
+    """Units whose tensors are all frozen and unchanged: never written (a policy may pick them:
+    they cost nothing), exempt from staleness bounds."""
+    fingerprints: dict[str, tuple] = field(default_factory=dict)
+    """This rank's fingerprint of every frozen tensor, taken now."""
+
+    def written(self, units: list[str]) -> list[str]:
+        """Of the units a policy picked, those the save writes."""
+        return [u for u in units if u not in self.quiet]
+
+
+class FrozenParts:
+    """Which frozen tensors a writer can leave out (module docstring)."""
+
+    def __init__(self, provider: StateProvider, coordinator: Coordinator):
+        self.provider, self.coordinator = provider, coordinator
+        self._held: dict[str, tuple[Holder, tuple]] = {}
+        """Frozen tensor key -> (where its saved bytes are, its fingerprint then)."""
+        self._written_bytes: dict[str, int] = {}
+        """Unit -> bytes of frozen tensors its newest version wrote (not what a policy weighs)."""
+        self._pending: tuple[FrozenPlan, list[str]] | None = None
+
+    def plan(self, tag: str) -> FrozenPlan:
+        """This save's plan, the same on every rank (one exchange in a distributed job)."""
+        frozen = {weight_key(n) for n in self.provider.frozen_names()}
+        units = list(self.provider.layout.units)
+        pieces: dict[str, list[Piece]] = {}
+        unit_of: dict[str, str] = {}
+        for unit, unit_pieces in self.provider.pieces_by_unit(units).items():
+            for piece in unit_pieces:
+                if piece.key in frozen:
+                    pieces.setdefault(piece.key, []).append(piece)
+                    unit_of[piece.key] = unit
+        prints = {key: fingerprint(found) for key, found in pieces.items()}
+        changed = sorted(key for key, now in prints.items() if key not in self._held or self._held[key][1] != now)
+        if self.coordinator.world_size > 1:
+            changed = sorted({key for report in self.coordinator.exchange(tag, changed) for key in report})
+        kept = {key: self._held[key][0] for key in prints if key not in changed}
+        quiet = {u for u in self.provider.frozen_units()
+                 if not any(unit_of.get(k) == u for k in changed) and self._any_held(u)}
+        return FrozenPlan(kept=kept, quiet=quiet, fingerprints=prints)
+
+    def _any_held(self, unit: str) -> bool:
+        """Whether the unit has a saved version to keep (its first save writes it whole)."""
+        return any(weight_key(n) in self._held for n in self.provider.layout.units[unit])
+
+    def split(self, staged: StagedUnit, plan: FrozenPlan) -> StagedUnit:
+        """``staged`` without the pieces of the tensors ``plan`` keeps; the unit records where they are."""
+        kept = {p.key for p in staged.pieces if p.key in plan.kept}
+        staged.pieces = [p for p in staged.pieces if p.key not in kept]
+        staged.kept = {k: plan.kept[k] for k in kept if plan.kept[k] != "base"}
+        return staged
+
+    def saving(self, plan: FrozenPlan, written: list[str]) -> None:
+        """The save being made follows ``plan`` and writes ``written`` (recorded on commit)."""
+        self._pending = (plan, written)
+
+    def committed(self, step: int) -> None:
+        """The save of ``step`` committed: the frozen tensors it wrote are now held there."""
+        if self._pending is None:
+            return
+        (plan, written), self._pending = self._pending, None
+        sizes = self._sizes()
+        for unit in written:
+            names = self.provider.layout.units[unit]
+            wrote = [weight_key(n) for n in names if weight_key(n) in plan.fingerprints and weight_key(n) not in plan.kept]
+            for key in wrote:
+                self._held[key] = (step, plan.fingerprints[key])
+            self._written_bytes[unit] = sum(sizes.get(split_key(k)[1], 0) for k in wrote)
+
+    def restored(self, run: Run, composite: Composite) -> None:
+        """After a restore: every frozen tensor's saved bytes are where the composite read them
+        from, and its fingerprint is the restored value's."""
+        frozen = {weight_key(n) for n in self.provider.frozen_names()}
+        pieces = self.provider.pieces_by_unit(list(self.provider.layout.units))
+        self._held.clear()
+        for unit, source in composite.sources.items():
+            entry = run.unit_entry(source, unit)
+            origin = {t.key: entry.files[t.chunks[0].file].origin for t in entry.tensors}
+            for key in frozen & set(origin):
+                where = origin[key]
+                found = [p for p in pieces.get(unit, []) if p.key == key]
+                if found:
+                    self._held[key] = (source if where is None else where, fingerprint(found))
+        self._written_bytes.clear()
+
+    def weighed_bytes(self, unit_bytes: dict[str, int]) -> dict[str, int]:
+        """What each unit's next version would cost: its newest version's bytes without the
+        frozen tensors that version wrote (a budget weighs what a save writes)."""
+        return {u: max(0, b - self._written_bytes.get(u, 0)) for u, b in unit_bytes.items()}
+
+    def _sizes(self) -> dict[str, int]:
+        return {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.provider.live_specs().items()}
+
+
+__all__ = ["FrozenParts", "FrozenPlan", "fingerprint"]

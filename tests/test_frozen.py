@@ -1,0 +1,196 @@
+"""Frozen weights are written once (llmtailor/frozen.py): LoRA with real peft, partly frozen
+models, a parameter frozen mid-run, an in-place change of a frozen tensor, retention."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bitwise, tiny, train, unit_versions
+
+from llmtailor import Adaptive, Full, Parity, Tailor
+from llmtailor.store.run import Run
+from llmtailor.training_example import batch_at
+
+peft = pytest.importorskip("peft")
+
+
+def lora(seed: int = 0, r: int = 4):
+    """A tiny Llama (the same base weights whatever ``seed``) with LoRA on q and v, its AdamW
+    over the adapters only."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, optimizer
+
+
+def step(model, optimizer, tokens, s: int) -> float:
+    batch = batch_at(tokens, s, 2, 32)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def written_keys(run: Run, step: int) -> set[str]:
+    return {t.key for unit in run.manifest(step).units for t in run._stored_entry(step, unit).tensors}
+
+
+def trainable_keys(model) -> set[str]:
+    from llmtailor.providers.base import unwrap
+
+    return {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def test_a_lora_run_writes_its_base_weights_once_and_then_only_what_trains(tmp_path, tokens):
+    model, optimizer = lora()
+    tailor = Tailor(tmp_path, model, optimizer, policy=Full())
+    for s in range(1, 5):
+        step(model, optimizer, tokens, s)
+        tailor.save(s)
+    tailor.close()
+    run = Run(tmp_path)
+    trained = trainable_keys(model)
+    assert any(k.startswith("weight/") and k.split("/", 1)[1] not in trained for k in written_keys(run, 1))
+    for s in (2, 3, 4):
+        manifest = run.manifest(s)
+        # Embeddings, final norm and head are all frozen: not written again, whatever Full picks.
+        assert sorted(manifest.units) == [f"layer.{i}" for i in range(4)]
+        assert manifest.decision["frozen_unchanged"] == ["embed", "norm", "head"]
+        names = {k.split("/")[1] for k in written_keys(run, s)}
+        assert names == trained  # adapters, their moments and steps: nothing frozen
+        assert all(ref.kept == [1] for ref in manifest.units.values())
+    # The tensors written are the trainable state exactly: each adapter, its two moments, its step.
+    from llmtailor.store.run import tensor_bytes
+
+    state = sum(p.numel() * p.element_size() * 3 + 4 for n, p in model.named_parameters() if p.requires_grad)
+    assert sum(tensor_bytes(t) for u in run.manifest(4).units for t in run._stored_entry(4, u).tensors) == state
+    assert run.verify() == []
+
+
+RESUME = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    import torch
+    from test_frozen import lora, step
+    from llmtailor import Tailor
+    from llmtailor.training_example import corpus_tokens
+    model, optimizer = lora(seed=7)  # other adapter values: everything must come from the run
+    report = Tailor(sys.argv[1], model, optimizer).restore()
+    tokens = corpus_tokens()
+    losses = [step(model, optimizer, tokens, s) for s in range(report.step + 1, int(sys.argv[2]) + 1)]
+    print(" ".join(v.hex() for v in losses))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "parity"])
+def test_a_lora_run_restores_exactly_in_a_fresh_process(tmp_path, tokens, policy):
+    """Full: training continues bit for bit; Parity: every tensor is its composite version."""
+    reference, reference_opt = lora()
+    expected = [step(reference, reference_opt, tokens, s) for s in range(1, 9)]
+    model, optimizer = lora()
+    versions = {}
+    with Tailor(tmp_path, model, optimizer, policy=Full() if policy == "full" else Parity()) as tailor:
+        for s in range(1, 6):
+            step(model, optimizer, tokens, s)
+            if s % 2 == 1:
+                tailor.save(s)
+                versions[s] = unit_versions(model, optimizer)
+    if policy == "full":
+        done = subprocess.run([sys.executable, "-c", RESUME, str(tmp_path), "8", str(Path(__file__).parent)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == [v.hex() for v in expected[5:]]
+        return
+    fresh, fresh_opt = lora(seed=7)
+    Tailor(tmp_path, fresh, fresh_opt).restore()
+    sources = Run(tmp_path).resolve().sources
+    from llmtailor.layouts import build_layout
+    from llmtailor.providers.base import unwrap
+
+    layout = build_layout(unwrap(fresh))
+    got = unit_versions(fresh, fresh_opt)
+    for name in got:
+        canonical = name.removeprefix("base_model.model.")
+        assert_bitwise({name: got[name]}, {name: versions[sources[layout.unit_of(canonical)]][name]}, f"{name}: ")
+
+
+def test_a_frozen_tensor_changed_in_place_is_written_again(tmp_path, tokens):
+    model, opt, sched = tiny()
+    frozen = model.model.layers[1].mlp.up_proj.weight
+    frozen.requires_grad_(False)
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Full())
+    for s in (1, 2):
+        train(model, opt, sched, tokens, [s])
+        tailor.save(s)
+    key = "weight/model.layers.1.mlp.up_proj.weight"
+    run = Run(tmp_path)
+    assert key not in written_keys(run, 2) and run._stored_entry(2, "layer.1").kept[key] == 1
+    with torch.no_grad():
+        frozen.mul_(0.5)  # a frozen tensor changed outside training
+    train(model, opt, sched, tokens, [3])
+    tailor.save(3)
+    assert key in written_keys(run, 3)
+    expected = unit_versions(model, opt)
+    tailor.close()
+    fresh = tiny(seed=4)
+    fresh[0].model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    Tailor(tmp_path, *fresh).restore()
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), expected)
+
+
+def test_a_unit_frozen_mid_run_is_saved_once_more_within_the_staleness_bound(tmp_path, tokens):
+    """The case that found it: frozen right after a save, its unit changed since its last saved
+    version; it must still reach a composite within max_staleness saves, then cost nothing."""
+    model, opt, sched = tiny(layers=4)
+    # A budget too small for any layer: only the staleness bound brings a layer in.
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Adaptive(budget=1, max_staleness=2, aux=False))
+    saves = []
+    for s in range(1, 21):
+        train(model, opt, sched, tokens, [s])
+        if s == 7:
+            for p in model.model.layers[2].parameters():
+                p.requires_grad_(False)  # frozen mid-run: its values changed since it was last saved
+        if s % 2 == 0:
+            saves.append((s, tailor.save(s).units))
+    tailor.close()
+    run = Run(tmp_path)
+    written_after = [s for s, units in saves if s > 7 and "layer.2" in units]
+    last_before = max(s for s, units in saves if s <= 7 and "layer.2" in units)
+    assert written_after and (written_after[0] - last_before) // 2 <= 2  # within max_staleness saves
+    assert len(written_after) == 1  # then frozen and unchanged: never again
+    assert run.resolve().sources["layer.2"] == written_after[0]
+    fresh = tiny(seed=3)
+    Tailor(tmp_path, *fresh).restore()
+    for a, b in zip(fresh[0].model.layers[2].parameters(), model.model.layers[2].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_retention_keeps_the_snapshot_that_holds_kept_frozen_tensors(tmp_path, tokens):
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full(), keep=1) as tailor:
+        for s in range(1, 7):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path)
+    assert run.steps() == [1, 6]  # 1 holds the frozen base weights every later version keeps
+    assert run.verify() == []
+    fresh, fresh_opt = lora(seed=7)
+    Tailor(tmp_path, fresh, fresh_opt).restore()
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
