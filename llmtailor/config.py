@@ -8,6 +8,7 @@ the value (``ConfigError``).
 
 from __future__ import annotations
 
+from os import PathLike
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,6 +40,9 @@ class TailorConfig(BaseModel):
     timeout: float = DEFAULT_TIMEOUT
     """Seconds a rank waits for the others in a collective save or restore before failing,
     naming the ranks that did not answer."""
+    base: str | None = None
+    """A ``save_pretrained`` directory of the model being fine-tuned: frozen tensors equal to its
+    own are never copied into the run, only referenced (sizes and checksums recorded)."""
     read_only: bool = False
     """Only restore (an evaluation job beside the trainer, a read-only copy of a run): no
     writer lock, and ``save`` is refused."""
@@ -49,6 +53,11 @@ class TailorConfig(BaseModel):
         if not isinstance(value, Policy):
             raise ValueError(f"policy must be a llmtailor policy (Full(), Parity(), ...), got {value!r}")
         return value
+
+    @field_validator("base", mode="before")
+    @classmethod
+    def _a_path(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, PathLike) else value
 
     @field_validator("keep", mode="before")
     @classmethod

@@ -13,16 +13,32 @@ tensor whose fingerprint differs is written again (a parameter frozen mid-run is
 more after its last change). Until then its unit is not quiet: it still counts for
 ``Adaptive``'s staleness bound. In a distributed job the ranks agree: a tensor changed on any
 rank is written by every rank holding a piece of it.
+
+A base model by reference (``Tailor(..., base=DIR)``, a ``save_pretrained`` directory): a
+frozen tensor equal to the base's (compared by checksum when first seen; under peft,
+``q_proj.base_layer.weight`` is the base's ``q_proj.weight``) is never copied: the unit keeps
+it from the base (``UnitEntry.base``) and the manifest lists the base's files with their
+sizes and checksums (``BaseDir``); a restore reads those tensors from there, each checked
+against its checksum. One process or DDP (frozen tensors whole on a rank); sharded frozen
+tensors are written once instead.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import torch
+
+from llmtailor.errors import ConfigError
 from llmtailor.providers.base import StateProvider
+from llmtailor.store import dtypes
 from llmtailor.store.coordinator import Coordinator
+from llmtailor.store.files import checksum_file, describe_os_error, safetensors_layout, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
+from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Composite, Run
 from llmtailor.store.staged import Piece, StagedUnit
 
@@ -33,6 +49,67 @@ Holder = int | str
 def fingerprint(pieces: list[Piece]) -> tuple:
     """What changes when a tensor's values may have: every piece's memory and version counter."""
     return tuple((p.offsets, p.tensor.data_ptr(), p.tensor._version) for p in pieces)
+
+
+class BaseModel:
+    """A ``save_pretrained`` directory frozen tensors may be kept from: its safetensors files'
+    headers (read when built), their sizes and checksums (computed once, when a save first
+    keeps something from it)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+        if not self.path.is_dir():
+            raise ConfigError(f"base={path}: no such model directory")
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"base={path}: no *.safetensors file in it (a save_pretrained directory expected)")
+        self.tensors: dict[str, tuple[str, str, list[int]]] = {}
+        """Tensor name -> (file, dtype name, shape)."""
+        for file in files:
+            try:
+                _, header = safetensors_layout(file)
+            except OSError as err:
+                raise ConfigError(f"base={path}: {describe_os_error(err, file)}") from None
+            except ValueError as err:
+                raise ConfigError(f"base={path}: {file.name} is not a safetensors file ({err})") from None
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self.tensors[name] = (file.name, dtypes.from_code(info["dtype"]), list(info["shape"]))
+        self._record: BaseDir | None = None
+
+    def find(self, name: str) -> str | None:
+        """The base's name of the model's parameter ``name`` (peft's ``.base_layer`` wraps the
+        base's module), or None."""
+        for candidate in (name, name.replace(".base_layer.", ".")):
+            if candidate in self.tensors:
+                return candidate
+        return None
+
+    def ref(self, name: str, tensor: torch.Tensor) -> dict[str, Any] | None:
+        """Where the base holds a tensor equal, bit for bit, to ``tensor`` (a ``BaseRef``), or None."""
+        found = self.find(name)
+        if found is None:
+            return None
+        file, dtype, shape = self.tensors[found]
+        if dtype != dtypes.name_of(tensor.dtype) or shape != list(tensor.shape):
+            return None
+        mine = tensor_checksum(tensor)
+        from safetensors import safe_open
+
+        with safe_open(str(self.path / file), framework="pt") as handle:
+            if tensor_checksum(handle.get_tensor(found)) != mine:
+                return None
+        return {"file": file, "name": found, "dtype": dtype, "shape": shape, "xxh3_64": mine}
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's ``BaseDir``: every safetensors file with its size and checksum."""
+        if self._record is None:
+            entries = []
+            for file in sorted({f for f, _, _ in self.tensors.values()}):
+                path = self.path / file
+                entries.append(FileEntry(path=file, bytes=path.stat().st_size, xxh3_64=checksum_file(path)))
+            self._record = BaseDir(path=str(self.path), files=entries)
+        return self._record.model_dump(mode="json")
 
 
 @dataclass
@@ -47,25 +124,31 @@ class FrozenPlan:
     they cost nothing), exempt from staleness bounds."""
     fingerprints: dict[str, tuple] = field(default_factory=dict)
     """This rank's fingerprint of every frozen tensor, taken now."""
+    base: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Frozen tensor key -> where the base directory holds it (for those kept from the base)."""
 
     def written(self, units: list[str]) -> list[str]:
-        """Of the units a policy picked, those the save writes."""
+        """Of the units a policy picked, those the save writes: all but the quiet ones (which
+        have a version to keep: ``quiet`` holds no unit the writer has never saved)."""
         return [u for u in units if u not in self.quiet]
 
 
 class FrozenParts:
     """Which frozen tensors a writer can leave out (module docstring)."""
 
-    def __init__(self, provider: StateProvider, coordinator: Coordinator):
-        self.provider, self.coordinator = provider, coordinator
+    def __init__(self, provider: StateProvider, coordinator: Coordinator, base: BaseModel | None = None):
+        self.provider, self.coordinator, self.base = provider, coordinator, base
+        self._base_refs: dict[str, dict[str, Any]] = {}
+        """Frozen tensor key -> its ``BaseRef``, for those held by the base."""
         self._held: dict[str, tuple[Holder, tuple]] = {}
         """Frozen tensor key -> (where its saved bytes are, its fingerprint then)."""
         self._written_bytes: dict[str, int] = {}
         """Unit -> bytes of frozen tensors its newest version wrote (not what a policy weighs)."""
         self._pending: tuple[FrozenPlan, list[str]] | None = None
 
-    def plan(self, tag: str) -> FrozenPlan:
-        """This save's plan, the same on every rank (one exchange in a distributed job)."""
+    def plan(self, tag: str, versioned: set[str]) -> FrozenPlan:
+        """This save's plan, the same on every rank (one exchange in a distributed job);
+        ``versioned``: the units the writer's lineage has a version of."""
         frozen = {weight_key(n) for n in self.provider.frozen_names()}
         units = list(self.provider.layout.units)
         pieces: dict[str, list[Piece]] = {}
@@ -77,22 +160,30 @@ class FrozenParts:
                     unit_of[piece.key] = unit
         prints = {key: fingerprint(found) for key, found in pieces.items()}
         changed = sorted(key for key, now in prints.items() if key not in self._held or self._held[key][1] != now)
+        if self.base is not None:  # first seen (or changed): equal to the base's? then kept from there
+            for key in list(changed):
+                found = pieces[key]
+                ref = self.base.ref(split_key(key)[1], found[0].tensor) if len(found) == 1 and found[0].is_whole else None
+                if ref is not None:
+                    self._held[key], self._base_refs[key] = ("base", prints[key]), ref
+                    changed.remove(key)
         if self.coordinator.world_size > 1:
             changed = sorted({key for report in self.coordinator.exchange(tag, changed) for key in report})
         kept = {key: self._held[key][0] for key in prints if key not in changed}
-        quiet = {u for u in self.provider.frozen_units()
-                 if not any(unit_of.get(k) == u for k in changed) and self._any_held(u)}
-        return FrozenPlan(kept=kept, quiet=quiet, fingerprints=prints)
+        quiet = {u for u in self.provider.frozen_units() if u in versioned and not any(unit_of.get(k) == u for k in changed)}
+        base = {key: self._base_refs[key] for key, holder in kept.items() if holder == "base"}
+        return FrozenPlan(kept=kept, quiet=quiet, fingerprints=prints, base=base)
 
-    def _any_held(self, unit: str) -> bool:
-        """Whether the unit has a saved version to keep (its first save writes it whole)."""
-        return any(weight_key(n) in self._held for n in self.provider.layout.units[unit])
+    def base_record(self) -> dict[str, Any] | None:
+        """The manifest's ``base`` for a save: the base directory, while anything is kept from it."""
+        return self.base.record() if self.base is not None and self._base_refs else None
 
     def split(self, staged: StagedUnit, plan: FrozenPlan) -> StagedUnit:
         """``staged`` without the pieces of the tensors ``plan`` keeps; the unit records where they are."""
         kept = {p.key for p in staged.pieces if p.key in plan.kept}
         staged.pieces = [p for p in staged.pieces if p.key not in kept]
         staged.kept = {k: plan.kept[k] for k in kept if plan.kept[k] != "base"}
+        staged.base = {k: plan.base[k] for k in kept if plan.kept[k] == "base"}
         return staged
 
     def saving(self, plan: FrozenPlan, written: list[str]) -> None:
@@ -118,6 +209,7 @@ class FrozenParts:
         frozen = {weight_key(n) for n in self.provider.frozen_names()}
         pieces = self.provider.pieces_by_unit(list(self.provider.layout.units))
         self._held.clear()
+        self._base_refs.clear()
         for unit, source in composite.sources.items():
             entry = run.unit_entry(source, unit)
             origin = {t.key: entry.files[t.chunks[0].file].origin for t in entry.tensors}
@@ -126,6 +218,10 @@ class FrozenParts:
                 found = [p for p in pieces.get(unit, []) if p.key == key]
                 if found:
                     self._held[key] = (source if where is None else where, fingerprint(found))
+                if where == "base":
+                    self._base_refs[key] = run.base_ref(source, unit, key)
+        if self._base_refs and self.base is None:  # kept from a base this Tailor was not given: keep it
+            self.base = BaseModel(composite.manifest.base.path) if composite.manifest.base is not None else None
         self._written_bytes.clear()
 
     def weighed_bytes(self, unit_bytes: dict[str, int]) -> dict[str, int]:
@@ -137,4 +233,4 @@ class FrozenParts:
         return {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.provider.live_specs().items()}
 
 
-__all__ = ["FrozenParts", "FrozenPlan", "fingerprint"]
+__all__ = ["BaseModel", "FrozenParts", "FrozenPlan", "fingerprint"]

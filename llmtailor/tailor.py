@@ -26,7 +26,7 @@ import torch
 from llmtailor.config import TailorConfig
 from llmtailor.drift import DriftWatch
 from llmtailor.errors import ConfigError, TailorError
-from llmtailor.frozen import FrozenParts, FrozenPlan
+from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
@@ -75,7 +75,8 @@ class Tailor:
         self._stager = AsyncStager(self.provider.optimizers()) if self.async_save else None
         self._drift = (DriftWatch(list(self.layout.units), self.provider, self.coordinator.all_reduce_sum)
                        if self.config.track_drift else None)
-        self._frozen = FrozenParts(self.provider, self.coordinator)
+        self._frozen = FrozenParts(self.provider, self.coordinator,
+                                   BaseModel(self.config.base) if self.config.base is not None else None)
         self._partly_restored: str | None = None
         """Set when a restore failed after the live state was touched: saving is refused."""
         # One writer per run, settled before any training is spent: a second trainer fails here,
@@ -116,8 +117,8 @@ class Tailor:
         self._check_save(step)
         start = time.perf_counter()
         drift = self._drift.measure() if self._drift is not None else None
-        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen")
         lineage = self.lineage
+        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite))
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
             last_saved_index=lineage.saved_index, drift=drift, unit_bytes=self._frozen.weighed_bytes(lineage.unit_bytes),
@@ -212,7 +213,7 @@ class Tailor:
             units=(self._frozen.split(self.provider.stage_unit(u), frozen) for u in self.provider.writes(units)),
             composite=composite, global_doc=encoded[0], global_tensors=encoded[1], rank_doc=encoded[2],
             rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind,
-            notes=self.provider.notes(), error=error,
+            notes=self.provider.notes(), base=self._frozen.base_record(), error=error,
         )
 
     def _retain(self, result: PersistResult) -> None:

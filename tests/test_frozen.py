@@ -19,16 +19,21 @@ from llmtailor.training_example import batch_at
 peft = pytest.importorskip("peft")
 
 
-def lora(seed: int = 0, r: int = 4):
-    """A tiny Llama (the same base weights whatever ``seed``) with LoRA on q and v, its AdamW
-    over the adapters only."""
+def base_model():
+    """The tiny Llama every LoRA here adapts (always the same weights)."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
                                       eos_token_id=None, pad_token_id=None)
-    base = transformers.AutoModelForCausalLM.from_config(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def lora(seed: int = 0, r: int = 4):
+    """``base_model()`` with LoRA on q and v (adapters drawn from ``seed``), its AdamW over the
+    adapters only."""
+    base = base_model()
     torch.manual_seed(seed)
     model = peft.get_peft_model(base, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -194,3 +199,60 @@ def test_retention_keeps_the_snapshot_that_holds_kept_frozen_tensors(tmp_path, t
     Tailor(tmp_path, fresh, fresh_opt).restore()
     for a, b in zip(fresh.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+def base_dir(tmp_path: Path) -> Path:
+    """The base model of ``lora()`` as ``save_pretrained`` writes it."""
+    base_model().save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def test_a_base_directory_is_referenced_never_copied_and_checked_on_restore(tmp_path, tokens):
+    base = base_dir(tmp_path)
+    model, optimizer = lora()
+    with Tailor(tmp_path / "run", model, optimizer, policy=Full(), base=base) as tailor:
+        for s in range(1, 4):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path / "run")
+    trained = trainable_keys(model)
+    for s in (1, 2, 3):  # not even the first save copies a base weight
+        assert {k.split("/")[1] for k in written_keys(run, s)} == trained
+    manifest = run.manifest(1)
+    assert manifest.base is not None and manifest.base.path == str(base.resolve())
+    assert [f.path for f in manifest.base.files] == ["model.safetensors"]
+    # The first save: every unit, the all-frozen ones as indexes alone (no file, no byte).
+    assert [u for u, ref in manifest.units.items() if ref.bytes == 0] == ["embed", "norm", "head"]
+    assert sorted(run.manifest(2).units) == [f"layer.{i}" for i in range(4)] and run.verify() == []
+    ref = run._stored_entry(1, "layer.0").base["weight/model.layers.0.self_attn.q_proj.base_layer.weight"]
+    assert ref.name == "model.layers.0.self_attn.q_proj.weight"  # peft's base_layer is the base's module
+
+    fresh, fresh_opt = lora(seed=7)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)  # every base weight too: they must come back from the base directory
+    Tailor(tmp_path / "run", fresh, fresh_opt, read_only=True).restore()
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+    # A changed base file is named, never loaded silently.
+    weights = base / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    problems = run.verify()
+    assert problems and all("model.safetensors" in p for p in problems) and "base model directory" in problems[0]
+    from llmtailor.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="model.safetensors"):
+        Tailor(tmp_path / "run", *lora(seed=7), read_only=True).restore()
+    weights.unlink()
+    with pytest.raises(IntegrityError, match="model.safetensors: file is missing"):
+        Tailor(tmp_path / "run", *lora(seed=7), read_only=True).restore()
+
+
+def test_a_missing_base_directory_is_refused_when_the_tailor_is_built(tmp_path):
+    from llmtailor.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="base=.*nope: no such model directory"):
+        Tailor(tmp_path / "run", *lora(), base=tmp_path / "nope")

@@ -45,6 +45,15 @@ def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def checksum_file(path: Path) -> str:
+    """xxh3-64 of a whole file, read in pieces."""
+    hasher = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as handle:
+        while piece := handle.read(_PIECE):
+            hasher.update(piece)
+    return hasher.hexdigest()
+
+
 def write_durable(path: Path, data: bytes, root: Path) -> FileEntry:
     """Write ``data`` to ``path`` and fsync it; return its manifest entry relative to ``root``."""
     digest = checksum(data)

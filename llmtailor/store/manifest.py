@@ -157,7 +157,7 @@ class UnitEntry(_Strict):
 
     unit: str
     step: int = Field(ge=0)
-    files: list[FileEntry] = Field(min_length=1)
+    files: list[FileEntry]
     tensors: list[TensorEntry]
     values: dict[str, dict[str, Any]] = {}
     kept: dict[str, int] = {}
@@ -165,6 +165,8 @@ class UnitEntry(_Strict):
 
     @model_validator(mode="after")
     def _chunks_name_files(self) -> UnitEntry:
+        if not self.files and not self.kept and not self.base:
+            raise ValueError("no files listed and no tensor kept: an empty unit index")
         for tensor in self.tensors:
             for chunk in tensor.chunks:
                 if chunk.file >= len(self.files):

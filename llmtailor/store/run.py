@@ -409,6 +409,14 @@ class Run:
                                            chunks=[whole.model_copy(update={"stored_as": ref.name})]))
         return stored.model_copy(update={"files": files, "tensors": tensors})
 
+    def base_ref(self, step: int, unit: str, key: str) -> dict[str, Any]:
+        """Where the version of ``unit`` at ``step`` keeps tensor ``key`` from the base model
+        directory (a ``BaseRef`` as JSON)."""
+        ref = self._stored_entry(step, unit).base.get(key)
+        if ref is None:
+            raise IntegrityError(f"snapshot {step}: unit {unit!r} keeps no {key!r} from the base directory")
+        return ref.model_dump(mode="json")
+
     def needs(self, composite: Composite) -> dict[int, list[str]]:
         """Every snapshot the composite reads, with the units it reads there: its own step (the
         global state), each unit's version, and the older snapshots whose files hold the frozen
