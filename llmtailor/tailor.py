@@ -15,7 +15,6 @@ saved at one world size restores at another.
 
 from __future__ import annotations
 
-import logging
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,13 +33,12 @@ from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.coordinator import Coordinator, make_coordinator
 from llmtailor.store.lineage import Lineage, choose_composite
 from llmtailor.store.lock import WriterLock
-from llmtailor.store.retention import apply_retention, plan_retention
+from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.staging import AsyncStager
 from llmtailor.store.writer import persist
 
-log = logging.getLogger(__name__)
 
 
 class Tailor:
@@ -63,22 +61,19 @@ class Tailor:
                  **options: Any):
         self.config = TailorConfig.of(config, policy=policy, **options)
         self.policy, self.keep, self.read_only = self.config.policy, self.config.keep, self.config.read_only
-        self.async_save = self.config.async_save
         self.run = Run(run_dir)
         self._lock = WriterLock(self.run.root)
         self.coordinator: Coordinator = make_coordinator(self.config.timeout)
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, self.config.family)
         self.layout: Layout = self.provider.layout
         self.policy.check_units(list(self.layout.units))
-        self.lineage = Lineage()
-        """The lineage this Tailor extends: set by ``restore`` and by its own saves."""
-        self._stager = AsyncStager(self.provider.optimizers()) if self.async_save else None
+        self.lineage = Lineage()  # the lineage it extends: set by restore() and by its own saves
+        self._stager = AsyncStager(self.provider.optimizers()) if self.config.async_save else None
         self._drift = (DriftWatch(list(self.layout.units), self.provider, self.coordinator.all_reduce_sum)
                        if self.config.track_drift else None)
         self._frozen = FrozenParts(self.provider, self.coordinator,
                                    BaseModel(self.config.base) if self.config.base is not None else None)
-        self._partly_restored: str | None = None
-        """Set when a restore failed after the live state was touched: saving is refused."""
+        self._partly_restored: str | None = None  # a restore failed after touching the live state
         # One writer per run, settled before any training is spent: a second trainer fails here,
         # not at its first save. Rank 0 takes the lock; every rank learns how it went.
         try:
@@ -112,8 +107,7 @@ class Tailor:
         Synchronous (the default, or ``blocking=True``): returns a ``SaveReport`` once the
         snapshot is committed. With ``async_save=True`` (and ``blocking`` not True): waits for
         the save still in flight, if any (raising its error), and returns a ``PendingSave`` at
-        once. The final save of a run is best made with ``blocking=True`` (or followed by
-        ``wait()``/``close()``)."""
+        once; ``wait()`` / ``close()`` (or ``blocking=True``) make the last save durable."""
         self._check_save(step)
         start = time.perf_counter()
         drift = self._drift.measure() if self._drift is not None else None
@@ -132,7 +126,7 @@ class Tailor:
         skipped = [u for u in decision.units if u not in units]
         staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {}),
                            **({"frozen_unchanged": skipped} if skipped else {})}
-        if blocking or (blocking is None and not self.async_save):
+        if blocking or (blocking is None and self._stager is None):
             result = self._persist(staged)
             self._committed(step, staged.composite, result)
             self._retain(result)
@@ -217,13 +211,8 @@ class Tailor:
         )
 
     def _retain(self, result: PersistResult) -> None:
-        """Retention after a commit (rank 0): a failure is logged, never fatal to the save."""
-        if self.keep is None or not self.coordinator.is_leader or result.pointer_error:
-            return
-        try:
-            apply_retention(self.run, plan_retention(self.run, self.keep))
-        except (TailorError, OSError) as err:
-            log.warning("llmtailor retention after step %s: %s", result.path.name, err)
+        if self.keep is not None and self.coordinator.is_leader and not result.pointer_error:
+            retain_after_commit(self.run, self.keep, result.path.name)
 
     # -- restoring ----------------------------------------------------------------------------
 

@@ -224,6 +224,14 @@ def test_a_base_directory_is_referenced_never_copied_and_checked_on_restore(tmp_
     # The first save: every unit, the all-frozen ones as indexes alone (no file, no byte).
     assert [u for u, ref in manifest.units.items() if ref.bytes == 0] == ["embed", "norm", "head"]
     assert sorted(run.manifest(2).units) == [f"layer.{i}" for i in range(4)] and run.verify() == []
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "run")], env={"COLUMNS": "100"}).output
+    assert "frozen kept" in shown and "32.8 KB base" in shown and str(base.resolve()) in shown
+    verified = CliRunner().invoke(app, ["verify", str(tmp_path / "run")])
+    assert verified.exit_code == 0 and "base model directory" in verified.output
     ref = run._stored_entry(1, "layer.0").base["weight/model.layers.0.self_attn.q_proj.base_layer.weight"]
     assert ref.name == "model.layers.0.self_attn.q_proj.weight"  # peft's base_layer is the base's module
 

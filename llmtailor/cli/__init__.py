@@ -140,6 +140,9 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
         errors.print(f"[bold red]{len(result.problems)} problem(s)[/]")
         raise typer.Exit(1)
     scope = f"composite of step {step}" if step is not None else f"{len(result.checked)} snapshot(s)"
+    bases = sorted({str(base) for base, _ in result.base_checked})
+    if bases:
+        scope += f"; and the base model directory {', '.join(bases)} ({len(result.base_checked)} file(s))"
     console.print(f"[green]ok[/]: every checksum matches ({scope})")
 
 

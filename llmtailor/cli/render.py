@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtailor.constants import LAYER_PREFIX
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Composite, Run, tensor_bytes
 
 T = TypeVar("T")
 
@@ -133,21 +133,35 @@ def _policies(run: Run, steps: list[int]) -> str:
 
 
 def composite_table(run: Run, composite: Composite) -> Table:
-    """Where each unit of the composite comes from, its bytes and staleness (in steps, and in
-    saves: how many saves of the lineage since its version was written)."""
+    """Where each unit of the composite comes from, its staleness (in steps, and in saves: how
+    many saves of the lineage since its version was written), the bytes its version wrote, and
+    the frozen tensors it keeps (bytes, and from where: an older snapshot, or the base model)."""
     table = Table(title=f"composite as of step {composite.step}")
-    columns = (("unit", "left"), ("version (step)", "right"), ("stale by (steps)", "right"),
-               ("stale by (saves)", "right"), ("bytes", "right"))
+    columns = (("unit", "left"), ("version", "right"), ("stale: steps", "right"), ("saves", "right"),
+               ("written", "right"), ("frozen kept", "right"))
     for name, justify in columns:
-        table.add_column(name, justify=justify)
-    total = 0
+        table.add_column(name, justify=justify, no_wrap=True)
+    written = kept = 0
     index = composite.manifest.save_index
     for unit, source in composite.sources.items():
         manifest = run.manifest(source)
         size = manifest.unit_bytes(unit)
-        total += size
-        table.add_row(unit, str(source), str(composite.step - source), str(index - manifest.save_index), human_bytes(size))
-    table.add_row("[bold]total[/]", "", "", "", f"[bold]{human_bytes(total)}[/]")
+        entry = run.unit_entry(source, unit)
+        origins: dict[str, int] = {}
+        for tensor in entry.tensors:
+            origin = entry.files[tensor.chunks[0].file].origin
+            if origin is not None:
+                where = "base" if origin == "base" else f"@{origin}"
+                origins[where] = origins.get(where, 0) + tensor_bytes(tensor)
+        written += size
+        kept += sum(origins.values())
+        held = ", ".join(f"{human_bytes(b)} {w}" for w, b in origins.items()) or "-"
+        table.add_row(unit, str(source), str(composite.step - source), str(index - manifest.save_index),
+                      human_bytes(size), held)
+    table.add_row("[bold]total[/]", "", "", "", f"[bold]{human_bytes(written)}[/]", f"[bold]{human_bytes(kept)}[/]")
+    base = composite.manifest.base
+    if base is not None:
+        table.caption = f"frozen tensors kept from the base model directory {base.path} ({len(base.files)} file(s))"
     return table
 
 

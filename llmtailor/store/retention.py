@@ -126,3 +126,12 @@ def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
         log.warning("llmtailor retention: %s", problem)
     run.forget([step for step, _ in moved])
     return RetentionOutcome(deleted=[step for step, _ in moved], in_use=in_use, problems=problems)
+
+
+def retain_after_commit(run: Run, keep: int, committed: str) -> None:
+    """Retention after a writer's commit (``Tailor(keep=K)``): a failure is logged, never fatal
+    to the save that was just committed (``committed`` names it)."""
+    try:
+        apply_retention(run, plan_retention(run, keep))
+    except (TailorError, OSError) as err:
+        log.warning("llmtailor retention after %s: %s", committed, err)
