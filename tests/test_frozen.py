@@ -264,3 +264,32 @@ def test_a_missing_base_directory_is_refused_when_the_tailor_is_built(tmp_path):
 
     with pytest.raises(ConfigError, match="base=.*nope: no such model directory"):
         Tailor(tmp_path / "run", *lora(), base=tmp_path / "nope")
+
+
+def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens):
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    model, optimizer = lora()
+    with Tailor(tmp_path / "run", model, optimizer, policy=Parity()) as tailor:
+        for s in range(1, 4):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    model.save_pretrained(tmp_path / "reference")  # peft's own: the same file names and keys
+    with safe_open(str(tmp_path / "out" / "adapter_model.safetensors"), "pt") as ours, \
+            safe_open(str(tmp_path / "reference" / "adapter_model.safetensors"), "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys())
+    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "out")  # no llmtailor code
+    sources = Run(tmp_path / "run").resolve().sources
+    assert {sources[f"layer.{i}"] for i in range(4)} == {2, 3}  # a Parity composite: adapters from two snapshots
+    fresh, fresh_opt = lora(seed=7)
+    Tailor(tmp_path / "run", fresh, fresh_opt, read_only=True).restore()  # the composite, as restore gives it
+    expected = dict(fresh.named_parameters())
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    again = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
+    assert again.exit_code == 2 and "refusing to overwrite" in again.output

@@ -1,6 +1,6 @@
-"""``llmtailor assemble RUN [--step N] --format hf|deepspeed -o OUT``: write a composite in
-another checkpoint format: Hugging Face Trainer's ``checkpoint-N/``, or a DeepSpeed universal
-checkpoint.
+"""``llmtailor assemble RUN [--step N] --format hf|deepspeed|peft -o OUT``: write a composite in
+another checkpoint format: Hugging Face Trainer's ``checkpoint-N/``, a DeepSpeed universal
+checkpoint, or a peft adapter directory.
 
 Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
 
@@ -18,6 +18,7 @@ from llmtailor.cli import STEP_HELP
 class ExportFormat(str, Enum):
     hf = "hf"
     deepspeed = "deepspeed"
+    peft = "peft"
 
 
 def assemble(
@@ -28,7 +29,8 @@ def assemble(
         typer.Option(
             "--format",
             help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from; deepspeed: a universal "
-            "checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size, 'load_universal': true).",
+            "checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size, 'load_universal': true); "
+            "peft: the adapters as a directory PeftModel.from_pretrained(base, OUT) loads (OUT itself).",
         ),
     ] = ExportFormat.hf,
     step: Annotated[int | None, typer.Option("--step", help=STEP_HELP)] = None,
@@ -52,6 +54,10 @@ def assemble(
             from llmtailor.interop.deepspeed_export import export_deepspeed
 
             target = export_deepspeed(run, composite.step, out, progress=progress)
+        elif format is ExportFormat.peft:
+            from llmtailor.interop.peft_export import export_peft
+
+            target = export_peft(run, composite.step, out)
         else:
             target = export_hf(run, composite.step, out, progress=progress, train_batch_size=train_batch_size)
     console.print(f"[green]wrote[/] {target}")

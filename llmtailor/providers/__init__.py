@@ -31,15 +31,15 @@ def make_provider(
                 "a DeepSpeed engine brings its own optimizer and LR scheduler: pass Tailor(run_dir, engine, policy=...) "
                 "(an LR scheduler only when the engine has none)"
             )
-        return deepspeed_provider(model, build_layout(model.module, family), coordinator, lr_scheduler)
+        return deepspeed_provider(model, build_layout(unwrap(model.module), family), coordinator, lr_scheduler)
     module = unwrap(model)
     layout = build_layout(module, family)
     if coordinator.world_size > 1 or torch.distributed.is_initialized():
         from llmtailor.providers.fsdp import FSDPProvider, is_sharded
 
         if is_sharded(module):
-            return FSDPProvider(module, optimizer, lr_scheduler, layout, coordinator)
-    return LocalProvider(module, optimizer, lr_scheduler, layout, coordinator)
+            return FSDPProvider(model, optimizer, lr_scheduler, layout, coordinator)
+    return LocalProvider(model, optimizer, lr_scheduler, layout, coordinator)  # it sees through the wrappers
 
 
 __all__ = ["LocalProvider", "StateProvider", "make_provider"]

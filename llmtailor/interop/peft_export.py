@@ -1,0 +1,93 @@
+"""Export a composite's adapters as a peft adapter directory.
+
+``PeftModel.from_pretrained(base_model, OUT)`` loads the result with no llmtailor code, the
+adapters equal bit for bit to the composite's: the files are peft's own ``save_pretrained``
+ones::
+
+    OUT/adapter_config.json          the adapter's config as the run saved it (``peft_config``)
+    OUT/adapter_model.safetensors    every adapter tensor, under peft's names (the adapter's
+                                     own name left out: ``...q_proj.lora_A.weight``)
+    OUT/<name>/...                   the same for each further adapter, as peft nests them
+
+The run must have been saved from a ``PeftModel`` (its global state holds ``peft_config``).
+Reads one unit at a time; the directory appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from llmtailor.errors import ConfigError
+from llmtailor.layouts import Layout
+from llmtailor.store.files import fsync_dir, write_tensor_file, write_text_durable
+from llmtailor.store.keys import split_unit
+from llmtailor.store.run import Run
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_name(name: str, adapter: str) -> str | None:
+    """peft's file name of the model's parameter ``name`` if it belongs to ``adapter``."""
+    if f".{adapter}." in name:
+        return PEFT_PREFIX + name.replace(f".{adapter}.", ".", 1)
+    if name.endswith(f".{adapter}"):
+        return PEFT_PREFIX + name[: -len(adapter) - 1]
+    return None
+
+
+def export_peft(run: Run, step: int | None, out_dir: str | Path) -> Path:
+    """Write the adapters of the composite of ``step`` (default: the newest) as a peft adapter
+    directory ``out_dir`` (which must not exist, or be empty) and return it."""
+    out_dir = Path(out_dir)
+    composite = run.resolve(step)
+    state = run.read_global(composite.step)
+    configs: dict[str, Any] | None = state.get("peft_config")
+    if not configs:
+        raise ConfigError(f"{run.root}: the snapshot of step {composite.step} was not saved from a peft model "
+                          "(no adapter config): nothing to export as adapters")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it (choose another -o)")
+    layout = Layout.from_record(composite.manifest.layout)
+    adapters: dict[str, dict[str, Any]] = {name: {} for name in configs}
+    for unit in layout.units:
+        weights, _ = split_unit(unit, layout.units[unit], *run.read_unit(composite.sources[unit], unit))
+        for name, tensor in weights.items():
+            for adapter, found in adapters.items():
+                key = peft_name(name, adapter)
+                if key is not None:
+                    found[key] = tensor.contiguous()
+    empty = [name for name, found in adapters.items() if not found]
+    if empty:
+        raise ConfigError(f"{run.root}: the composite of step {composite.step} holds no tensor of adapter(s) {empty}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        for adapter, tensors in adapters.items():
+            where = tmp if adapter == "default" else tmp / adapter
+            where.mkdir(exist_ok=True)
+            config = {**configs[adapter], "inference_mode": True}  # as peft's save_pretrained writes it
+            write_text_durable(where / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_tensor_file(where / ADAPTER_WEIGHTS, tensors, where, metadata={"format": "pt"})
+        fsync_dir(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above): replaced by the whole new directory
+        os.rename(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
