@@ -293,3 +293,46 @@ def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_pa
         assert torch.equal(param, expected[name]), name
     again = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
     assert again.exit_code == 2 and "refusing to overwrite" in again.output
+
+
+@pytest.mark.slow
+def test_tailor_trainer_with_a_peft_model_saves_the_adapters_and_resumes_bitwise(tmp_path):
+    """TailorTrainer around a real PeftModel: after the first save only adapters and their
+    state are written; a new trainer over a fresh PeftModel resumes from the composite and ends
+    with the uninterrupted run's adapters, bit for bit."""
+    import importlib.util
+
+    import transformers
+
+    from llmtailor.integrations.hf import TailorTrainer
+
+    spec = importlib.util.spec_from_file_location("hf_job", Path(__file__).parent / "integrations" / "hf_job.py")
+    hf_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_job)
+
+    def trainer(out: Path, steps: int, seed: int, cls=TailorTrainer):
+        model, _ = lora(seed=seed)
+        args = transformers.TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=2, max_steps=steps, save_steps=2, report_to=[],
+            use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2,
+            **({"save_strategy": "no"} if cls is transformers.Trainer else {}),
+        )
+        return cls(model=model, args=args, train_dataset=hf_job.Windows())
+
+    class StopAt4(transformers.TrainerCallback):  # a crash after the save of step 4, same schedule
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    reference = trainer(tmp_path / "reference", 8, seed=0, cls=transformers.Trainer)
+    reference.train()
+    first = trainer(tmp_path / "run", 8, seed=0)
+    first.add_callback(StopAt4())
+    first.train()
+    run = Run(tmp_path / "run" / "tailored")
+    assert run.steps() == [2, 4]
+    assert sorted(run.manifest(4).units) == [f"layer.{i}" for i in range(4)]  # adapters only
+    resumed = trainer(tmp_path / "run", 8, seed=7)
+    resumed.train(resume_from_checkpoint=True)
+    expected = dict(reference.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, expected[name]), name
