@@ -336,3 +336,45 @@ def test_tailor_trainer_with_a_peft_model_saves_the_adapters_and_resumes_bitwise
     expected = dict(reference.model.named_parameters())
     for name, param in resumed.model.named_parameters():
         assert torch.equal(param, expected[name]), name
+
+
+@pytest.mark.slow
+def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_peft_model(tmp_path):
+    import importlib.util
+
+    import transformers
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+    from llmtailor.integrations.hf import TailorTrainer
+
+    spec = importlib.util.spec_from_file_location("hf_job", Path(__file__).parent / "integrations" / "hf_job.py")
+    hf_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_job)
+
+    def trainer(out: Path, seed: int, cls):
+        model, _ = lora(seed=seed)
+        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=8,
+                                              save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                                              learning_rate=1e-2, save_strategy="steps" if cls is TailorTrainer else "no")
+        return cls(model=model, args=args, train_dataset=hf_job.Windows())
+
+    class StopAt4(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    reference = trainer(tmp_path / "reference", 0, transformers.Trainer)
+    reference.train()
+    tailored = trainer(tmp_path / "run", 0, TailorTrainer)
+    tailored.add_callback(StopAt4())
+    tailored.train()
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run" / "tailored"), "--format", "hf",
+                                      "-o", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    checkpoint = tmp_path / "hf" / "checkpoint-4"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    vanilla = trainer(tmp_path / "vanilla", 7, transformers.Trainer)  # other adapters: all must come from the files
+    vanilla.train(resume_from_checkpoint=str(checkpoint))
+    expected = dict(reference.model.named_parameters())
+    for name, param in vanilla.model.named_parameters():
+        assert torch.equal(param, expected[name]), name

@@ -97,8 +97,9 @@ def export_hf(
             f"{run.root}: the snapshot of step {step} holds {have} state but no {lack}; "
             "Trainer loads optimizer.pt and scheduler.pt only as a pair"
         )
+    adapters = state.get("peft_config")  # a PeftModel's run: Trainer checkpoints hold the adapters only
     if groups is not None:
-        check_trainer_groups(config, layout, groups)
+        check_trainer_groups(config, layout, groups, adapters)
 
     target = out_dir / checkpoint_dirname(step)
     if target.exists():
@@ -107,7 +108,12 @@ def export_hf(
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would outlive the rename
         weights, per_param = _read_units(run, composite.sources, layout, progress)
-        _write_weights(tmp / WEIGHTS_FILE, weights)
+        if adapters:
+            from llmtailor.interop.peft_export import write_adapters
+
+            write_adapters(run, composite, adapters, tmp)
+        else:
+            _write_weights(tmp / WEIGHTS_FILE, weights)
         del weights
         _write_config(tmp, config)
         if groups is not None:
@@ -136,25 +142,36 @@ def export_hf(
 # -- Trainer's parameter groups ------------------------------------------------------------
 
 
-def trainer_param_groups(config: dict[str, Any]) -> list[list[str]]:
+def trainer_param_groups(config: dict[str, Any], adapters: dict[str, Any] | None = None) -> list[list[str]]:
     """Parameter names of the two groups vanilla Trainer's ``create_optimizer`` builds for the
-    model of ``config`` (decay, then no-decay; each in ``named_parameters`` order). The model
-    is built on the meta device: no memory, no weights."""
+    model of ``config`` (decay, then no-decay; each in ``named_parameters`` order), under the
+    canonical names; with ``adapters`` (peft configs), for that ``PeftModel``: its trainable
+    parameters only. The model is built on the meta device: no memory, no weights."""
     import transformers
 
     model = meta_model(config)
+    if adapters:
+        import peft
+
+        (first, settings), *others = adapters.items()
+        with torch.device("meta"):
+            model = peft.get_peft_model(model, peft.get_peft_config(settings), adapter_name=first)
+            for name, more in others:
+                model.add_adapter(name, peft.get_peft_config(more))
     # Trainer.get_decay_parameter_names does not use `self`; calling it keeps us on exactly the
     # rule of the installed transformers (layer types and name patterns).
     decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+    canonical = (lambda n: n.removeprefix("base_model.model.")) if adapters else (lambda n: n)
+    return [[canonical(n) for n, _ in named if n in decay], [canonical(n) for n, _ in named if n not in decay]]
 
 
-def check_trainer_groups(config: dict[str, Any], layout: Layout, groups: list[dict[str, Any]]) -> None:
+def check_trainer_groups(config: dict[str, Any], layout: Layout, groups: list[dict[str, Any]],
+                         adapters: dict[str, Any] | None = None) -> None:
     """Raise IncompatibleModelError naming the first parameter whose group or position differs
     between the run's optimizer and the one vanilla Trainer would build; optimizer.pt is
     matched by position, so anything else would load state onto the wrong parameters."""
-    expected = trainer_param_groups(config)
+    expected = trainer_param_groups(config, adapters)
     held = set(layout.tensor_names()) | set(layout.aliases)
     unknown = [n for names in expected for n in names if n not in held]
     if unknown:

@@ -26,7 +26,7 @@ from llmtailor.errors import ConfigError
 from llmtailor.layouts import Layout
 from llmtailor.store.files import fsync_dir, write_tensor_file, write_text_durable
 from llmtailor.store.keys import split_unit
-from llmtailor.store.run import Run
+from llmtailor.store.run import Composite, Run
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,6 +54,25 @@ def export_peft(run: Run, step: int | None, out_dir: str | Path) -> Path:
                           "(no adapter config): nothing to export as adapters")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it (choose another -o)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        write_adapters(run, composite, configs, tmp)
+        fsync_dir(tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above): replaced by the whole new directory
+        os.rename(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def write_adapters(run: Run, composite: Composite, configs: dict[str, Any], where: Path) -> None:
+    """The adapter files of ``composite`` into the directory ``where``, as peft's
+    ``save_pretrained`` lays them out (the default adapter at the top, others in subdirectories)."""
     layout = Layout.from_record(composite.manifest.layout)
     adapters: dict[str, dict[str, Any]] = {name: {} for name in configs}
     for unit in layout.units:
@@ -66,25 +85,12 @@ def export_peft(run: Run, step: int | None, out_dir: str | Path) -> Path:
     empty = [name for name, found in adapters.items() if not found]
     if empty:
         raise ConfigError(f"{run.root}: the composite of step {composite.step} holds no tensor of adapter(s) {empty}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())
-        for adapter, tensors in adapters.items():
-            where = tmp if adapter == "default" else tmp / adapter
-            where.mkdir(exist_ok=True)
-            config = {**configs[adapter], "inference_mode": True}  # as peft's save_pretrained writes it
-            write_text_durable(where / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-            write_tensor_file(where / ADAPTER_WEIGHTS, tensors, where, metadata={"format": "pt"})
-        fsync_dir(tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above): replaced by the whole new directory
-        os.rename(tmp, out_dir)
-        fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    for adapter, tensors in adapters.items():
+        target = where if adapter == "default" else where / adapter
+        target.mkdir(exist_ok=True)
+        config = {**configs[adapter], "inference_mode": True}  # as peft's save_pretrained writes it
+        write_text_durable(target / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_tensor_file(target / ADAPTER_WEIGHTS, tensors, target, metadata={"format": "pt"})
 
 
 def _umask() -> int:
