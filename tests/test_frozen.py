@@ -252,9 +252,22 @@ def test_a_base_directory_is_referenced_never_copied_and_checked_on_restore(tmp_
     assert problems and all("model.safetensors" in p for p in problems) and "base model directory" in problems[0]
     from llmtailor.errors import IntegrityError
 
-    with pytest.raises(IntegrityError, match="model.safetensors"):
-        Tailor(tmp_path / "run", *lora(seed=7), read_only=True).restore()
-    weights.unlink()
+    def other_weights():
+        fresh, fresh_opt = lora(seed=7)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.mul_(0.5)  # the base weights must then be read from the base directory
+        return fresh, fresh_opt
+
+    with pytest.raises(IntegrityError, match="model.safetensors.*checksum mismatch"):
+        Tailor(tmp_path / "run", *other_weights(), read_only=True).restore()
+    # A model that holds the base weights already (from_pretrained of the base, say) reads
+    # nothing from the base directory: each tensor checked against its recorded checksum.
+    held, held_opt = lora(seed=7)
+    Tailor(tmp_path / "run", held, held_opt, read_only=True).restore()
+    for (name, a), b in zip(held.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    weights.unlink()  # a missing base file is named, whatever the live model holds
     with pytest.raises(IntegrityError, match="model.safetensors: file is missing"):
         Tailor(tmp_path / "run", *lora(seed=7), read_only=True).restore()
 

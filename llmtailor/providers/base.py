@@ -168,12 +168,14 @@ class StateProvider(ABC):
     def check_composite(self, run: Run, composite: Composite) -> dict[str, Any]:
         """Everything a restore checks before it touches the live state, from manifests, unit
         indexes and the global state alone: layout, names, shapes and dtypes
-        (``check_compatible``), every unit present, optimizer class and groups, scheduler
-        (``check_global``). Returns the composite step's global state."""
+        (``check_compatible``), every unit present, the base model directory there
+        (``Run.check_base``), optimizer class and groups, scheduler (``check_global``).
+        Returns the composite step's global state."""
         self.check_compatible(composite.manifest, lambda unit: run.unit_entry(composite.sources[unit], unit))
         missing = set(self.layout.units) - set(composite.sources)
         if missing:
             raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
+        run.check_base(composite)
         shared = run.read_global(composite.step)
         self.check_global(shared)
         return shared

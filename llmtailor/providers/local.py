@@ -20,7 +20,10 @@ from llmtailor.providers import optimizer as optim_state
 from llmtailor.providers.base import StateProvider, balance, hf_config, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.store.coordinator import Coordinator
-from llmtailor.store.keys import optim_key, split_unit, weight_key
+from llmtailor.constants import KIND_WEIGHT
+from llmtailor.store.files import tensor_checksum
+from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
+from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedUnit
 
@@ -164,17 +167,36 @@ class LocalProvider(StateProvider):
         self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool
     ) -> dict[str, dict[str, Any]]:
         """Read each unit whole (file checksums always verified: a process needs all of it),
-        copy its weights in place; return its optimizer state by parameter name."""
+        copy its weights in place; return its optimizer state by parameter name. A frozen
+        tensor the version keeps (from an older snapshot or the base model) that the live
+        model already holds, bit for bit (its checksum is the saved one: a model loaded with
+        ``from_pretrained`` of the base, say), is not read again."""
         optimizer_state: dict[str, dict[str, Any]] = {}
         for unit, source in sources.items():
-            loaded, values = run.read_unit(source, unit)
-            weights, state = split_unit(unit, self.layout.units[unit], loaded, values)
+            held = self._already_held(run.unit_entry(source, unit), live)
+            loaded, values = run.read_unit(source, unit, skip=set(held))
+            weights, state = split_unit(unit, self.layout.units[unit], {**loaded, **held}, values)
             with torch.no_grad():
                 for name, tensor in weights.items():
-                    live[name].copy_(tensor)
+                    if tensor is not live[name]:
+                        live[name].copy_(tensor)
             for name, entries in state.items():
                 optimizer_state.setdefault(name, {}).update(entries)
         return optimizer_state
+
+    @staticmethod
+    def _already_held(entry: UnitEntry, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The kept frozen tensors of ``entry`` the live model holds already, by key."""
+        held = {}
+        for tensor in entry.tensors:
+            kind, name, _ = split_key(tensor.key)
+            if kind != KIND_WEIGHT or entry.files[tensor.chunks[0].file].origin is None or name not in live:
+                continue
+            target = live[name]
+            if (len(tensor.chunks) == 1 and list(target.shape) == tensor.shape and dtype_name(target.dtype) == tensor.dtype
+                    and tensor_checksum(target.detach()) == tensor.chunks[0].xxh3_64):
+                held[tensor.key] = target
+        return held
 
     def _load_optimizer_and_scheduler(
         self, shared: dict[str, Any], live: dict[str, torch.Tensor], optimizer_state: dict[str, dict[str, Any]]

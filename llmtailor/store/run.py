@@ -417,6 +417,24 @@ class Run:
             raise IntegrityError(f"snapshot {step}: unit {unit!r} keeps no {key!r} from the base directory")
         return ref.model_dump(mode="json")
 
+    def check_base(self, composite: Composite) -> None:
+        """The base model directory the composite keeps tensors from is there, every file of
+        it at its recorded size (a cheap check before a restore; each tensor read from it is
+        checked against its checksum). IntegrityError naming the file otherwise."""
+        bases = {self.manifest(s).base.path: self.manifest(s).base for s in self.needs(composite) if self.manifest(s).base}
+        for base in bases.values():
+            for file in base.files:
+                path = Path(base.path) / file.path
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    raise IntegrityError(f"{path}: file is missing (the base model directory the run keeps frozen "
+                                         "tensors from)") from None
+                except OSError as err:
+                    raise IntegrityError(describe_os_error(err, path)) from None
+                if size != file.bytes:
+                    raise IntegrityError(f"{path}: {size} bytes, the run recorded {file.bytes} (the base model changed)")
+
     def needs(self, composite: Composite) -> dict[int, list[str]]:
         """Every snapshot the composite reads, with the units it reads there: its own step (the
         global state), each unit's version, and the older snapshots whose files hold the frozen
@@ -443,15 +461,17 @@ class Run:
             return confine(root / file.path, Path(os.path.realpath(root)))
         return confine(self.snapshot_dir(step if file.origin is None else file.origin) / file.path, self.boundary())
 
-    def read_unit(self, step: int, unit: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-        """Tensors (by key) and non-tensor optimizer values of ``unit`` as saved at ``step``.
+    def read_unit(self, step: int, unit: str, skip: set[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """Tensors (by key, but those in ``skip``) and non-tensor optimizer values of ``unit`` as
+        saved at ``step``.
 
         Every snapshot file is checked against its checksum; every tensor against the index's
         dtype and shape; a tensor kept from the base directory against its own checksum (its
         file may be large and hold other units). Chunks are assembled into the global tensor."""
         entry = self.unit_entry(step, unit)
         expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
-        for tensor in entry.tensors:
+        wanted = [t for t in entry.tensors if t.key not in skip]
+        for tensor in wanted:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
         paths = {position: self.file_path(step, entry.files[position]) for position in expected}
@@ -467,7 +487,7 @@ class Run:
             else:
                 loaded[position] = read_tensors(paths[position].parent, file.model_copy(update={"path": paths[position].name}),
                                                 self.boundary())
-        tensors = {t.key: _assemble(t, entry, loaded, paths) for t in entry.tensors}
+        tensors = {t.key: _assemble(t, entry, loaded, paths) for t in wanted}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
     def read_global(self, step: int) -> dict[str, Any]:
