@@ -110,6 +110,7 @@ class Tailor:
         once; ``wait()`` / ``close()`` (or ``blocking=True``) make the last save durable."""
         self._check_save(step)
         start = time.perf_counter()
+        self.provider.refresh()
         drift = self._drift.measure() if self._drift is not None else None
         lineage = self.lineage
         frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite))
@@ -235,6 +236,7 @@ class Tailor:
         (on any rank) leaves this Tailor refusing to save until a restore succeeds: a mix of
         states is never written as a snapshot."""
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
+        self.provider.refresh()
         round_ = self.coordinator.new_round()
         chosen, skipped = self.coordinator.broadcast(
             f"{round_}/choose", (lambda: choose_composite(self.run, step, fallback)) if self.coordinator.is_leader else None

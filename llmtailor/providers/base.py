@@ -50,6 +50,10 @@ class StateProvider(ABC):
         self.coordinator = coordinator
         self._owners: dict[str, int] | None = None
 
+    def refresh(self) -> None:
+        """A save or restore begins: forget what was looked up of the live objects (a model may
+        have been moved, re-wrapped or had modules replaced since the last)."""
+
     # -- who writes what -----------------------------------------------------------------------
 
     def unit_sizes(self) -> dict[str, int]:

@@ -41,6 +41,7 @@ class LocalProvider(StateProvider):
     ):
         super().__init__(layout, coordinator)
         self.model = unwrap(model)
+        self._tensors: dict[str, torch.Tensor] | None = None
         self.adapters = peft_config(model)
         """The peft adapters' configs (a ``PeftModel``), saved with the global state; else None."""
         self.optimizer = optimizer
@@ -49,18 +50,23 @@ class LocalProvider(StateProvider):
         self.kind = "local" if coordinator.world_size == 1 else "ddp"
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Canonical name -> live parameter or persistent buffer (refreshed on each call, so a
-        model moved or re-wrapped after construction is still seen correctly)."""
-        live = self.model.state_dict(keep_vars=True)
-        return {name: live[name] for name in self.layout.tensor_names()}
+        """Canonical name -> live parameter or persistent buffer, looked up once per save or
+        restore (``refresh``): ``state_dict`` walks every module, which a peft model has many of."""
+        if self._tensors is None:
+            live = self.model.state_dict(keep_vars=True)
+            self._tensors = {name: live[name] for name in self.layout.tensor_names()}
+        return self._tensors
+
+    def refresh(self) -> None:
+        self._tensors = None
 
     def named_parameters(self):
-        return self.model.named_parameters()
+        return ((name, t) for name, t in self.tensors().items() if isinstance(t, torch.nn.Parameter))
 
     def trained_names(self) -> set[str] | None:
         if self.chain is None:
             return None
-        name_of = {id(t): name for name, t in self.model.named_parameters()}
+        name_of = {id(t): name for name, t in self.tensors().items()}
         return {name_of[id(p)] for g in self.chain.innermost.param_groups for p in g["params"] if id(p) in name_of}
 
     def optimizers(self) -> list[torch.optim.Optimizer]:

@@ -54,13 +54,17 @@ def checksum_file(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def write_durable(path: Path, data: bytes, root: Path) -> FileEntry:
-    """Write ``data`` to ``path`` and fsync it; return its manifest entry relative to ``root``."""
+def write_durable(path: Path, data: bytes, root: Path, syncer: Syncer | None = None) -> FileEntry:
+    """Write ``data`` to ``path`` and fsync it (with a ``syncer``: on its thread, durable once
+    it drains); return its manifest entry relative to ``root``."""
     digest = checksum(data)
     with open(path, "wb") as out:
         out.write(data)
         out.flush()
-        os.fsync(out.fileno())
+        if syncer is not None:
+            syncer.submit(path, os.dup(out.fileno()), size=len(data))
+        else:
+            os.fsync(out.fileno())
     return FileEntry(path=path.relative_to(root).as_posix(), bytes=len(data), xxh3_64=digest)
 
 
@@ -161,7 +165,7 @@ def write_tensor_file(
                 if written - flushed >= _FLUSH_EVERY:  # a large file: keep its cache footprint bounded
                     out.flush()
                     if syncer is not None:
-                        syncer.submit(path, os.dup(out.fileno()), flushed, written)
+                        syncer.submit(path, os.dup(out.fileno()), flushed, written, size=written - flushed)
                     else:
                         _make_durable(out.fileno(), flushed, written)
                     flushed = written
@@ -170,7 +174,7 @@ def write_tensor_file(
                 raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
         out.flush()
         if syncer is not None:
-            syncer.submit(path, os.dup(out.fileno()), flushed)
+            syncer.submit(path, os.dup(out.fileno()), flushed, size=written - flushed)
         else:
             _make_durable(out.fileno(), flushed)
     entry = FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
@@ -187,7 +191,8 @@ def _make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
 
 class Syncer:
     """Makes written files durable on a background thread, in order, while the caller writes
-    the next ones: at most ``depth`` files wait, so the dirty page cache stays a few files.
+    the next ones: at most ``depth`` bytes wait (the dirty page cache stays bounded; many small
+    files queue up without holding the writer back).
     ``drain()`` returns once every submitted file is durable, or raises the first failure;
     use it as a context manager so its thread and descriptors are released on any exit.
 
@@ -195,20 +200,20 @@ class Syncer:
     interpreter begins to exit, and an async save still in flight when a script ends (one that
     forgot ``close()``) must still become durable while the interpreter waits for it."""
 
-    def __init__(self, depth: int = 2):
+    def __init__(self, depth: int = 2 * _FLUSH_EVERY):
         self._queue: queue.SimpleQueue[tuple[int, int, int | None, Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
         self._thread.start()
-        self._pending: list[tuple[Path, Future]] = []
+        self._pending: list[tuple[Path, Future, int]] = []
         self._depth = depth
 
-    def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None) -> None:
-        """Take over ``fd`` (a descriptor of a written file): fsync it, drop ``[start, end)``
-        from the page cache (``_make_durable``), close it."""
+    def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0) -> None:
+        """Take over ``fd`` (a descriptor of a written file, ``size`` bytes not yet durable):
+        fsync it, drop ``[start, end)`` from the page cache (``_make_durable``), close it."""
         done: Future = Future()
         self._queue.put((fd, start, end, done))
-        self._pending.append((path, done))
-        while len(self._pending) > self._depth:
+        self._pending.append((path, done, size))
+        while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
             self._wait_first()
 
     def drain(self) -> None:
@@ -216,7 +221,7 @@ class Syncer:
             self._wait_first()
 
     def _wait_first(self) -> None:
-        path, future = self._pending.pop(0)
+        path, future, _ = self._pending.pop(0)
         try:
             future.result()
         except OSError as error:

@@ -244,14 +244,15 @@ def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) ->
         raise TailorError(f"step {staged.step}: no rank wrote units {missing}")
     (tmp / INDEX_DIR).mkdir(exist_ok=True)
     refs = {}
-    for unit in staged.composite:  # layout order
-        if unit not in merged:
-            continue
-        content = merged[unit]
-        index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
-                          values=content["values"], kept=content["kept"], base=content["base"])
-        entry = write_durable(tmp / unit_index_path(unit), index.dumps().encode(), tmp)
-        refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
+    with Syncer() as syncer:  # the indexes are small and many: their fsyncs overlap; durable on exit
+        for unit in staged.composite:  # layout order
+            if unit not in merged:
+                continue
+            content = merged[unit]
+            index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
+                              values=content["values"], kept=content["kept"], base=content["base"])
+            entry = write_durable(tmp / unit_index_path(unit), index.dumps().encode(), tmp, syncer=syncer)
+            refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
     return Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
