@@ -103,14 +103,15 @@ RESUME = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["full", "parity"])
+@pytest.mark.parametrize("policy", ["full", "parity", "adaptive"])
 def test_a_lora_run_restores_exactly_in_a_fresh_process(tmp_path, tokens, policy):
-    """Full: training continues bit for bit; Parity: every tensor is its composite version."""
+    """Full: training continues bit for bit; Parity, Adaptive: every tensor is its composite version."""
     reference, reference_opt = lora()
     expected = [step(reference, reference_opt, tokens, s) for s in range(1, 9)]
     model, optimizer = lora()
     versions = {}
-    with Tailor(tmp_path, model, optimizer, policy=Full() if policy == "full" else Parity()) as tailor:
+    chosen = {"full": Full(), "parity": Parity(), "adaptive": Adaptive(budget=0.5, max_staleness=2)}[policy]
+    with Tailor(tmp_path, model, optimizer, policy=chosen) as tailor:
         for s in range(1, 6):
             step(model, optimizer, tokens, s)
             if s % 2 == 1:
@@ -390,4 +391,26 @@ def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_p
     vanilla.train(resume_from_checkpoint=str(checkpoint))
     expected = dict(reference.model.named_parameters())
     for name, param in vanilla.model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+def test_a_second_adapter_type_ia3_saves_only_what_trains_and_exports_for_peft(tmp_path, tokens):
+    model = peft.get_peft_model(base_model(), peft.IA3Config(target_modules=["k_proj", "down_proj"],
+                                                             feedforward_modules=["down_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with Tailor(tmp_path / "run", model, optimizer, policy=Full()) as tailor:
+        for s in range(1, 3):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path / "run")
+    assert {k.split("/")[1] for k in written_keys(run, 2)} == trainable_keys(model)
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "out")
+    expected = dict(model.named_parameters())
+    for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
