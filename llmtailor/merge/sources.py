@@ -103,7 +103,9 @@ class RunSource(MergeSource):
 
     def __init__(self, label: str, run: Run, step: int | None):
         self.label, self.run = label, run
-        self.composite = run.resolve(step)
+        # Leased for as long as the merge reads it: retention elsewhere leaves it whole.
+        self._lease = run.reading(step)
+        self.composite = self._lease.__enter__()
         self.step = self.composite.step
         self.layout = Layout.from_record(self.composite.manifest.layout)
         self._state: dict[str, Any] | None = None
@@ -134,7 +136,7 @@ class RunSource(MergeSource):
             raise IntegrityError(f"{self.label}: unit {unit!r} holds no tensor {key!r}")
         if len(tensor.chunks) == 1 and tensor.chunks[0].shape == tensor.shape:
             chunk = tensor.chunks[0]
-            path = self.run.snapshot_dir(entry.step) / entry.chunk_file(chunk).path
+            path = self.run.file_path(entry.step, entry.chunk_file(chunk))  # confined to the run (or its base)
             start, header = _layout_of(path)
             stored = header.get(tensor.chunk_key(chunk))
             if not isinstance(stored, dict) or (stored.get("dtype"), stored.get("shape")) != (dtypes.code_of(tensor.dtype), tensor.shape):
@@ -153,6 +155,7 @@ class RunSource(MergeSource):
 
     def close(self) -> None:
         self._reader.close()
+        self._lease.__exit__(None, None, None)
 
 
 class ModelDirSource(MergeSource):
