@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from helpers import tiny, train
 from typer.testing import CliRunner
@@ -46,6 +47,19 @@ def test_the_training_loop_snippet_saves_then_resumes(tmp_path, tokens, monkeypa
     assert sorted(p.name for p in (tmp_path / "runs/exp1/snapshots").iterdir()) == ["step-00000100", "step-00000200"]
 
 
+def save_lora_run(path: Path, tokens) -> None:
+    peft = pytest.importorskip("peft")
+    from llmtailor import Parity, Tailor
+
+    model, _, _ = tiny()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with Tailor(path, model, optimizer, policy=Parity()) as tailor:
+        for step in (1, 2):
+            train(model, optimizer, None, tokens, [step])
+            tailor.save(step)
+
+
 # Lines not run here, and where they are tested: the demo (tests/test_demo.py) and the
 # DeepSpeed import, which needs a checkpoint written by real DeepSpeed processes
 # (tests/distributed/test_deepspeed.py).
@@ -67,6 +81,7 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
     values = {"RUN": str(run), "N": "4", "K": "2", "PLAN.yaml": str(tmp_path / "plan.yaml"),
               "FILE.png": str(tmp_path / "drift.png"), "CHECKPOINT_DIR": str(tmp_path / "hf" / "checkpoint-6")}
     lines = [line.split("#")[0].strip() for line in block("## Command line").splitlines() if line.strip()]
+    peft_run = tmp_path / "peft-run"  # what --format peft exports: a run saved from a peft model
     ran = 0
     for number, line in enumerate(lines):
         if line.startswith(ELSEWHERE):
@@ -76,6 +91,10 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
             text = re.sub(r"\[([^\[\]]*)\]", (lambda m: m.group(1).split("|")[0]) if optional else "", line)
             text = text.replace("hf|model", "hf")
             args = [values.get(word, word) for word in shlex.split(text)[1:]]
+            if "peft" in args:
+                if not peft_run.exists():
+                    save_lora_run(peft_run, tokens)
+                args = [str(peft_run) if a == str(run) else a for a in args]
             # Fresh outputs each time: OUT for writers; import-hf writes a new RUN.
             args = [str(tmp_path / f"out-{number}-{optional}") if a == "OUT" else a for a in args]
             if args[0] == "import-hf":
