@@ -66,7 +66,7 @@ class RoundRobin(Policy):
 
 def build_inputs(root: Path, layers: int, hidden: int) -> None:
     from llmtailor import Full, Tailor
-    from llmtailor.interop.hf_export import export_hf
+    from llmtailor.interop.hf.export import export_hf
     from llmtailor.store.run import Run
 
     model, optimizer, scheduler, step_once = _job(layers, hidden)

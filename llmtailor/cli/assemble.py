@@ -44,18 +44,18 @@ def assemble(
     an existing checkpoint directory is never overwritten."""
     from llmtailor.cli import _existing_run, as_of, console
     from llmtailor.cli.render import unit_progress
-    from llmtailor.interop.hf_export import export_hf
+    from llmtailor.interop.hf.export import export_hf
 
     run = _existing_run(run_dir)
     step = as_of(run, step)
     # Leased: retention running meanwhile (gc, a writer's keep=) leaves the composite whole.
     with run.reading(step) as composite, unit_progress(console, "reading units") as progress:
         if format is ExportFormat.deepspeed:
-            from llmtailor.interop.deepspeed_export import export_deepspeed
+            from llmtailor.interop.deepspeed.export import export_deepspeed
 
             target = export_deepspeed(run, composite.step, out, progress=progress)
         elif format is ExportFormat.peft:
-            from llmtailor.interop.peft_export import export_peft
+            from llmtailor.interop.hf.peft import export_peft
 
             target = export_peft(run, composite.step, out)
         else:

@@ -24,7 +24,7 @@ def import_deepspeed(
     (ds_to_universal). Its files are pickles: they are loaded here, on this explicit import only."""
     from llmtailor.cli import console
     from llmtailor.cli.render import unit_progress
-    from llmtailor.interop.deepspeed_import import import_deepspeed as run_import
+    from llmtailor.interop.deepspeed.importer import import_deepspeed as run_import
     from llmtailor.store.run import Run
 
     with unit_progress(console, "writing units") as progress:

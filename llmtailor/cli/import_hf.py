@@ -21,7 +21,7 @@ def import_hf(
     the ones Trainer builds); bad input writes nothing."""
     from llmtailor.cli import console
     from llmtailor.cli.render import unit_progress
-    from llmtailor.interop.hf_import import import_hf as run_import
+    from llmtailor.interop.hf.importer import import_hf as run_import
     from llmtailor.store.run import Run
 
     with unit_progress(console, "writing units") as progress:

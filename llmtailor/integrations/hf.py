@@ -51,8 +51,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from llmtailor.errors import ConfigError
-from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE as TRAINER_STATE_NAME
-from llmtailor.interop.hf_export import trainer_state_json
+from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
+from llmtailor.interop.hf.export import trainer_state_json
 from llmtailor.config import TailorConfig
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import restore_rng

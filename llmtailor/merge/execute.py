@@ -9,7 +9,7 @@ Output formats:
 
 - ``tailor`` (default): a run holding one Full snapshot at the state source's step (parent
   none, policy ``merge of <plan file>``), written with the snapshot commit protocol
-  (``persist``): nothing appears in OUT unless the whole snapshot is committed. Global state
+  (``store/single.py``): nothing appears in OUT unless the whole snapshot is committed. Global state
   (step, scheduler, RNG, trainer state) comes from the state source; optimizer groups are the
   plan's (``MergePlan.optimizer_groups``) or, weights only, dropped with the LR scheduler (a
   scheduler without its optimizer cannot be resumed, and Trainer loads them only as a pair);
@@ -26,23 +26,20 @@ model), else from the base model, else the first slice's model, where they have 
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.errors import ConfigError
 from llmtailor.merge.plan import FORMATS
 from llmtailor.merge.planner import MergePlan, open_plan
-from llmtailor.merge.sources import CONFIG_FILE, WEIGHTS_FILE
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource, Syncer, copy_durable, fsync_dir, write_tensor_file, write_text_durable
+from llmtailor.store.files import ByteSource
 from llmtailor.store.keys import split_key
-from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
+from llmtailor.store import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -52,10 +49,6 @@ if TYPE_CHECKING:
 # torch is imported only where a tensor is built or transformed (a cast, a scale, optimizer
 # state, a tailored-run output): a merge that moves bytes alone, into a model directory, runs
 # without it (store/dtypes.py).
-
-Progress = Callable[[str, int, int], None]
-"""Called after each unit is written: ``(unit, units done, units in all)``."""
-
 
 def merge(plan_file: str | Path, out: str | Path, *, format: str = "tailor", progress: Progress | None = None) -> Path:
     """Plan and execute ``plan_file`` into ``out``; return the snapshot (tailor),
@@ -71,13 +64,14 @@ def execute(plan: MergePlan, out: str | Path, *, format: str = "tailor", progres
     if format not in FORMATS:
         raise ConfigError(f"unknown output format {format!r}; expected one of {FORMATS}")
     if format == "tailor":
-        if Run(out).snapshot_dir(plan.step).exists():
-            raise ConfigError(f"{out} already holds a snapshot at step {plan.step}; refusing to overwrite it")
+        if Run(out).steps():
+            raise ConfigError(f"{out} already holds snapshots (steps {Run(out).steps()}); merge into a new or empty directory")
         return _write_snapshot(plan, Run(out), progress).path
     if format == "model":
         return _write_model(plan, out, progress)
 
-    from llmtailor.interop.hf_export import checkpoint_dirname, export_hf
+    from llmtailor.interop.hf.export import export_hf
+    from llmtailor.interop.hf.files import checkpoint_dirname
 
     target = out / checkpoint_dirname(plan.step)
     if target.exists():
@@ -113,28 +107,13 @@ def _global_state(plan: MergePlan) -> dict[str, Any]:
 
 
 def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
-    from llmtailor.store import codec
-    from llmtailor.store.staged import StagedSnapshot
-    from llmtailor.store.writer import counting, persist
+    from llmtailor.store.single import write_single_snapshot
 
-    global_doc, global_tensors = codec.encode(_global_state(plan), where="global state")
-    staged = StagedSnapshot(
-        step=plan.step,
-        parent=None,
-        save_index=0,
-        policy=f"merge of {plan.plan_file}",
-        layout=plan.layout.to_record(),
+    return write_single_snapshot(
+        run.root, step=plan.step, layout=plan.layout.to_record(),
         units=_stream_units(plan),  # read just before written: one unit in memory at a time
-        composite={unit: plan.step for unit in plan.layout.units},
-        global_doc=global_doc,
-        global_tensors=global_tensors,
+        state=_global_state(plan), origin=f"merge of {plan.plan_file}", progress=progress,
     )
-    lock = WriterLock(run.root)
-    lock.acquire()
-    try:
-        return persist(run, staged, on_unit=counting(progress, len(plan.layout.units)))
-    finally:
-        lock.release()
 
 
 def _stream_units(plan: MergePlan) -> Iterator[StagedUnit]:
@@ -182,52 +161,26 @@ def _values(plan: MergePlan, unit: str, actions) -> dict[str, dict[str, Any]]:
 
 def _write_model(plan: MergePlan, out: Path, progress: Progress | None) -> Path:
     """A ``save_pretrained``-style directory of the merged weights (module docstring)."""
+    from llmtailor.interop.hf.export import write_model_dir
+
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; refusing to overwrite it (choose another -o)")
     if plan.model_config is None:
         raise ConfigError(f"{plan.plan_file}: no source holds a model config; --format model needs one")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        weights: dict[str, torch.Tensor | ByteSource] = {}
-        units = plan.actions_by_unit()
-        for done, (unit, actions) in enumerate(units.items(), start=1):
-            weights.update({split_key(key)[1]: value for key, value in _tensors(
-                plan, [a for a in actions if split_key(a.dest_key)[0] == "weight"]).items()})
-            if progress is not None:
-                progress(unit, done, len(units))
-        with Syncer() as syncer:  # the file's flushes overlap its writing
-            write_tensor_file(tmp / WEIGHTS_FILE, weights, tmp, metadata={"format": "pt"}, syncer=syncer)
-        _write_json(tmp / CONFIG_FILE, plan.model_config)
-        _write_generation_config(tmp, plan)
-        for path in tokenizer_files(plan):
-            copy_durable(path, tmp / path.name)
-        fsync_dir(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    weights: dict[str, torch.Tensor | ByteSource] = {}
+    units = plan.actions_by_unit()
+    for done, (unit, actions) in enumerate(units.items(), start=1):
+        weights.update({split_key(key)[1]: value for key, value in _tensors(
+            plan, [a for a in actions if split_key(a.dest_key)[0] == "weight"]).items()})
+        if progress is not None:
+            progress(unit, done, len(units))
+    return write_model_dir(out, weights, plan.model_config, [*_generation_config(plan), *tokenizer_files(plan)])
 
 
-def _write_json(path: Path, data: Any) -> None:
-    write_text_durable(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _write_generation_config(root: Path, plan: MergePlan) -> None:
+def _generation_config(plan: MergePlan) -> list[Path]:
     """The state source's (or first slice's) ``generation_config.json``, where it has one."""
     for label in (plan.state_from, *plan.sources):
         found = getattr(plan.sources[label], "generation_config", lambda: None)()
         if found is not None:
-            copy_durable(found, root / found.name)
-            return
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+            return [found]
+    return []

@@ -242,13 +242,6 @@ class PlanSpec(_Strict):
     def output_dtype(self) -> str | None:
         return self.out_dtype or self.dtype
 
-    @property
-    def transforms_weights(self) -> bool:
-        """Whether the plan casts or scales any weight (allowed only without optimizer state)."""
-        scales = [self.parameters] + [s.parameters for s in self.slices or []]
-        scales += [src.parameters for s in self.slices or [] for src in s.sources] + [m.parameters for m in self.models or []]
-        return any(p is not None and p.scale is not None for p in scales)
-
 
 @dataclass(frozen=True)
 class SourceRef:

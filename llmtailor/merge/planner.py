@@ -47,7 +47,8 @@ from llmtailor.merge.plan import (
     load_plan,
     parse_source,
 )
-from llmtailor.merge.sources import MergeSource, TensorInfo, open_source
+from llmtailor.interop.source import Source, TensorInfo
+from llmtailor.interop.sources import open_source
 from llmtailor.merge.vocab import VOCAB_UNITS, build_vocabulary, vocab_size_of
 from llmtailor.store.keys import join_key, split_key
 
@@ -88,7 +89,7 @@ class Action:
 class MergePlan:
     plan_file: Path
     spec: PlanSpec
-    sources: dict[str, MergeSource]
+    sources: dict[str, Source]
     state_from: str
     layout: Layout
     """The destination layout."""
@@ -125,7 +126,7 @@ def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") ->
     plan_file = Path(plan_file)
     spec = load_plan(plan_file)
     scratch = _Scratch(Path(out))
-    sources: dict[str, MergeSource] = {}
+    sources: dict[str, Source] = {}
     try:
         sources, problems = _open_sources(spec, plan_file.resolve().parent, scratch)
         yield _build(plan_file, spec, sources, writes_optimizer=format != "model", problems=problems)
@@ -161,7 +162,7 @@ def _labels(spec: PlanSpec) -> list[str]:
     return list(dict.fromkeys(labels))
 
 
-def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[dict[str, MergeSource], list[str]]:
+def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[dict[str, Source], list[str]]:
     """The sources that open, and a problem for each that does not (planning goes on without
     it, so the plan's other problems are reported with it)."""
     problems, sources = [], {}
@@ -175,39 +176,83 @@ def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[di
 
 
 def _needs_scratch(path: Path) -> bool:
-    from llmtailor.interop.checkpoint_dirs import is_deepspeed_checkpoint
+    from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
 
     return path.is_dir() and is_deepspeed_checkpoint(path)
 
 
-def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], writes_optimizer: bool,
+@dataclass
+class _Findings:
+    """What planning has found wrong (refused together, as one error) and worth a warning."""
+
+    where: str
+    problems: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+    def refuse_if_any(self) -> None:
+        if self.problems:
+            _refuse(self.where, self.problems)
+
+
+# Output layer i <- (source label, source layer j, its parameters, its position t in its slice).
+_Layer = tuple[str, int, list[Parameters | None], float]
+# Destination unit -> (source label, source unit, parameters, t).
+_Assignment = dict[str, tuple[str, str, list[Parameters | None], float]]
+
+
+def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, Source], writes_optimizer: bool,
            problems: list[str]) -> MergePlan:
     """The plan, or one ConfigError with every problem: ``problems`` (the sources that did not
-    open) first; what can be checked without those sources is checked all the same."""
-    where = str(plan_file)
-    warnings: list[str] = []
-    problems = list(problems)
+    open) first; what can be checked without those sources is checked all the same. Each
+    phase refuses before the next, which needs what it checked."""
+    found = _Findings(str(plan_file), list(problems))
     if not sources:
-        _refuse(where, problems)
+        _refuse(found.where, found.problems)
+    slices, layers = _slices_and_layers(spec, sources, found)
+    first, last = slices[0].sources[0].model, slices[-1].sources[0].model
+    family_name, state_label, optimizer = _state_and_optimizer(spec, sources, first, last, writes_optimizer, found)
+    found.refuse_if_any()
+    assignment = _assign(spec, sources, slices, layers, first, last, state_label, found)
+    vocab = None
+    if spec.tokenizer_source is not None:
+        vocab = build_vocabulary(spec.tokenizer_source, spec.base_model or first,
+                                 [assignment[u][0] for u in VOCAB_UNITS if u in assignment], sources, found.problems,
+                                 found.warnings)
+    found.refuse_if_any()
+    family = load_family(family_name)
+    actions, renames, dest_units = _actions(spec, sources, assignment, state_label, family, optimizer, vocab, found)
+    found.refuse_if_any()
+    canonical = {name for names in dest_units.values() for name in names}
+    template = sources[state_label].layout
+    aliases = {a: t for a, t in template.aliases.items() if t in canonical and a not in canonical}
+    layout = Layout(family_name, dest_units, aliases)
+    groups = _optimizer_groups(sources, state_label, layout, assignment, renames, found.where) if optimizer else None
+    config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, spec.output_dtype, found.where)
+    if config is not None and vocab is not None:
+        config["vocab_size"] = vocab.size  # mergekit: the output tokenizer's size
+    return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config,
+                     found.warnings)
 
-    # mergekit's models form is one slice of the model's whole depth, its parameters the source's.
+
+def _slices_and_layers(spec: PlanSpec, sources: dict[str, Source], found: _Findings) -> tuple[list[Slice], list[_Layer]]:
+    """The plan's slices (mergekit's models form is one slice of the model's whole depth, its
+    parameters the source's) and the output's layers, in order."""
     slices = spec.slices or [
         Slice(sources=[SliceSource(model=m.model, layer_range=(0, sources[m.model].layout.num_layers if m.model in sources else 0),
                                    parameters=m.parameters)])
         for m in spec.models
     ]
-    # Output layer i <- (source label, source layer j, its parameters, its position t in its slice).
-    layers: list[tuple[str, int, list[Parameters | None], float]] = []
+    layers: list[_Layer] = []
     for k, s in enumerate(slices):
         src = s.sources[0]
         a, b = src.layer_range
         if a == b:
-            warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
+            found.warnings.append(f"slices[{k}]: zero-width layer_range [{a}, {b}] of {src.model!r} ignored")
         if src.model not in sources:
             continue  # reported already
         for j in range(a, b):
             if layer_unit(j) not in sources[src.model].layout.units:
-                problems.append(
+                found.problems.append(
                     f"slices[{k}]: source {src.model!r} has {sources[src.model].layout.num_layers} layers; "
                     f"layer_range {list(src.layer_range)} names its layer {j}"
                 )
@@ -215,16 +260,23 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
             # A gradient runs from the slice's first layer (t = 0) to its last (t = 1); one layer: t = 1.
             t = (j - a) / (b - a - 1) if b - a > 1 else 1
             layers.append((src.model, j, [src.parameters, s.parameters, spec.parameters], t))
-    first, last = slices[0].sources[0].model, slices[-1].sources[0].model
-    if not layers and not problems:
-        problems.append("every slice is empty: the plan names no layer")
+    if not layers and not found.problems:
+        found.problems.append("every slice is empty: the plan names no layer")
+    return slices, layers
 
+
+def _state_and_optimizer(spec: PlanSpec, sources: dict[str, Source], first: str, last: str, writes_optimizer: bool,
+                         found: _Findings) -> tuple[str, str, bool]:
+    """The shared architecture, the source the training state comes from, and whether the
+    output holds optimizer state."""
     families = {label: s.layout.family for label, s in sources.items()}
     if first not in families:
         first = next(iter(families))  # for the checks below; the plan is refused already
     family_name = families[first]
-    problems += [f"source {label!r} is a {fam!r} model, {first!r} a {family_name!r} one: sources must share one architecture"
-                 for label, fam in families.items() if fam != family_name]
+    found.problems += [
+        f"source {label!r} is a {fam!r} model, {first!r} a {family_name!r} one: sources must share one architecture"
+        for label, fam in families.items() if fam != family_name
+    ]
     state_label = spec.state_from if spec.state_from in sources else spec.base_model if spec.base_model in sources else max(
         sources, key=lambda label: (sources[label].step is not None, sources[label].step or 0, label == last)
     )
@@ -234,19 +286,21 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
     optimizer = spec.optimizer if spec.optimizer is not None else not stateless
     if not writes_optimizer:
         if spec.optimizer:
-            warnings.append("optimizer: true ignored: --format model writes weights only")
+            found.warnings.append("optimizer: true ignored: --format model writes weights only")
         optimizer = False
     elif spec.optimizer is None and stateless:
-        warnings.append(f"weights only: {stateless} hold no optimizer state (optimizer: false by default)")
+        found.warnings.append(f"weights only: {stateless} hold no optimizer state (optimizer: false by default)")
     if optimizer:
-        problems += [f"optimizer: true, but source {label!r} ({sources[label].kind}) holds no optimizer state; set "
-                     "optimizer: false" for label in stateless]
-    if problems:
-        _refuse(where, problems)
+        found.problems += [f"optimizer: true, but source {label!r} ({sources[label].kind}) holds no optimizer state; set "
+                           "optimizer: false" for label in stateless]
+    return family_name, state_label, optimizer
 
-    # Destination unit -> (source label, source unit, parameters, t).
-    assignment: dict[str, tuple[str, str, list[Parameters | None], float]] = {}
-    aux = _aux_sources(spec, sources, first, last, problems)
+
+def _assign(spec: PlanSpec, sources: dict[str, Source], slices: list[Slice], layers: list[_Layer], first: str, last: str,
+            state_label: str, found: _Findings) -> _Assignment:
+    """Which source unit each destination unit comes from, with the parameters that apply."""
+    assignment: _Assignment = {}
+    aux = _aux_sources(spec, sources, first, last, found.problems)
     template = sources[state_label].layout
     for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
         label = aux.get(unit, first)
@@ -258,73 +312,71 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, MergeSource], wri
         assignment[unit] = (label, unit, params, 0.0)
     for i, (label, j, params, t) in enumerate(layers):
         assignment[layer_unit(i)] = (label, layer_unit(j), params, t)
-    vocab = None
-    if spec.tokenizer_source is not None:
-        vocab = build_vocabulary(spec.tokenizer_source, spec.base_model or first,
-                                 [assignment[u][0] for u in VOCAB_UNITS if u in assignment], sources, problems, warnings)
-    if problems:
-        _refuse(where, problems)
+    return assignment
 
-    family = load_family(family_name)
+
+def _actions(spec: PlanSpec, sources: dict[str, Source], assignment: _Assignment, state_label: str, family,
+             optimizer: bool, vocab, found: _Findings) -> tuple[list[Action], dict[str, dict[str, str]], dict[str, list[str]]]:
+    """One action per destination tensor; the parameter renames per unit; the destination
+    units' weight names. Sources that do not fit the state source are summarised per source."""
     dest_units: dict[str, list[str]] = {}
     actions: list[Action] = []
     renames: dict[str, dict[str, str]] = {}
-    cast = spec.output_dtype
     misfits: dict[str, list[str]] = {}  # source label -> a line per misfitting unit, summarised below
     for unit in sorted(assignment, key=unit_rank):
         label, source_unit, params, t = assignment[unit]
         source = sources[label]
         if source_unit not in source.layout.units:
-            problems.append(f"source {label!r} has no unit {source_unit} (its layout: {list(source.layout.units)})")
+            found.problems.append(f"source {label!r} has no unit {source_unit} (its layout: {list(source.layout.units)})")
             continue
-        rename = _renamer(family, source_unit, unit)
-        got: dict[str, TensorInfo] = {}
-        renames[unit] = {}
-        for key, info in source.tensors(source_unit, optimizer).items():
-            kind, name, state_key = split_key(key)
-            dest_name = rename(name)
-            if dest_name is None:
-                problems.append(f"source {label!r}: tensor {name!r} of {source_unit} does not follow the layer naming")
-                continue
-            renames[unit][name] = dest_name
-            dest_key = join_key(kind, dest_name, state_key)
-            got[dest_key] = info
-            if kind == KIND_WEIGHT:
-                # mergekit matches a filter against the source's name of the tensor; casts to
-                # ``dtype`` as it reads, scales, then casts to ``out_dtype`` as it writes.
-                scale = _scale(params, name, t)
-                read_dtype = spec.dtype if spec.dtype not in (None, _dtype_name(info.dtype)) else None
-                computed = read_dtype or _dtype_name(info.dtype)
-                dtype = spec.out_dtype if spec.out_dtype not in (None, computed) else None
-                rows = vocab.rows_of(label, unit, info, vocab_size_of(source)) if vocab is not None else None
-            else:
-                scale = dtype = read_dtype = rows = None
-            actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype, rows))
+        got, renames[unit] = _unit_actions(spec, label, source, source_unit, unit, params, t, family, optimizer, vocab,
+                                           actions, found)
         misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
         if misfit:
             misfits.setdefault(label, []).append(misfit)
         dest_units[unit] = [split_key(k)[1] for k in got if split_key(k)[0] == KIND_WEIGHT]
     for label, lines in misfits.items():
         more = f" (and {len(lines) - 1} more units like it)" if len(lines) > 1 else ""
-        problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")
+        found.problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")
     changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
-        problems.append(
+        found.problems.append(
             f"dtype / parameters: scale / tokenizer_source would change weights {changed[:3]}, which the optimizer state "
             "was computed for: allowed only with optimizer: false or --format model (a merge that moves optimizer state "
             "never casts, scales or cuts)"
         )
-    if problems:
-        _refuse(where, problems)
+    return actions, renames, dest_units
 
-    canonical = {name for names in dest_units.values() for name in names}
-    aliases = {a: t for a, t in template.aliases.items() if t in canonical and a not in canonical}
-    layout = Layout(family_name, dest_units, aliases)
-    groups = _optimizer_groups(sources, state_label, layout, assignment, renames, where) if optimizer else None
-    config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, cast, where)
-    if config is not None and vocab is not None:
-        config["vocab_size"] = vocab.size  # mergekit: the output tokenizer's size
-    return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config, warnings)
+
+def _unit_actions(spec: PlanSpec, label: str, source: Source, source_unit: str, unit: str, params: list[Parameters | None],
+                  t: float, family, optimizer: bool, vocab, actions: list[Action],
+                  found: _Findings) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Append the actions of one destination unit; return its tensors (by destination key) and
+    its renames."""
+    rename = _renamer(family, source_unit, unit)
+    got: dict[str, TensorInfo] = {}
+    renames: dict[str, str] = {}
+    for key, info in source.tensors(source_unit, optimizer).items():
+        kind, name, state_key = split_key(key)
+        dest_name = rename(name)
+        if dest_name is None:
+            found.problems.append(f"source {label!r}: tensor {name!r} of {source_unit} does not follow the layer naming")
+            continue
+        renames[name] = dest_name
+        dest_key = join_key(kind, dest_name, state_key)
+        got[dest_key] = info
+        if kind == KIND_WEIGHT:
+            # mergekit matches a filter against the source's name of the tensor; casts to
+            # ``dtype`` as it reads, scales, then casts to ``out_dtype`` as it writes.
+            scale = _scale(params, name, t)
+            read_dtype = spec.dtype if spec.dtype not in (None, _dtype_name(info.dtype)) else None
+            computed = read_dtype or _dtype_name(info.dtype)
+            dtype = spec.out_dtype if spec.out_dtype not in (None, computed) else None
+            rows = vocab.rows_of(label, unit, info, vocab_size_of(source)) if vocab is not None else None
+        else:
+            scale = dtype = read_dtype = rows = None
+        actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype, rows))
+    return got, renames
 
 
 def _refuse(where: str, problems: list[str]) -> NoReturn:
@@ -350,7 +402,7 @@ def _scale(params: list[Parameters | None], name: str, t: float) -> float | None
     return None
 
 
-def _aux_sources(spec: PlanSpec, sources: dict[str, MergeSource], first: str, last: str, problems: list[str]) -> dict[str, str]:
+def _aux_sources(spec: PlanSpec, sources: dict[str, Source], first: str, last: str, problems: list[str]) -> dict[str, str]:
     """Auxiliary unit -> source label: as mergekit does (embed from the first slice's model,
     norm and head from the last slice's), unless ``embed``/``norm``/``head`` or ``pre_weights``
     / ``post_weights`` name them (a name moves its whole unit; tied names resolve through
@@ -393,7 +445,7 @@ def _renamer(family, source_unit: str, dest_unit: str):
     return rename
 
 
-def _expected(state: MergeSource, unit: str, family, optimizer: bool) -> dict[str, TensorInfo]:
+def _expected(state: Source, unit: str, family, optimizer: bool) -> dict[str, TensorInfo]:
     """What the destination expects in ``unit``: the state source's own version of it (its layer
     0, renamed, for a layer)."""
     own = unit if unit in state.layout.units else layer_unit(0)

@@ -30,7 +30,7 @@ from llmtailor.constants import EMBED, HEAD
 from llmtailor.errors import ConfigError
 
 if TYPE_CHECKING:
-    from llmtailor.merge.sources import MergeSource, TensorInfo
+    from llmtailor.interop.source import Source, TensorInfo
 
 VOCAB_UNITS = (EMBED, HEAD)
 
@@ -52,12 +52,12 @@ class Vocabulary:
         return None if rows == tuple(range(info.shape[0])) else rows
 
 
-def vocab_size_of(source: MergeSource) -> int | None:
+def vocab_size_of(source: Source) -> int | None:
     value = (source.config or {}).get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def build_vocabulary(tokenizer_label: str, base_label: str, labels: list[str], sources: dict[str, MergeSource],
+def build_vocabulary(tokenizer_label: str, base_label: str, labels: list[str], sources: dict[str, Source],
                      problems: list[str], warnings: list[str]) -> Vocabulary | None:
     """The vocabulary of a plan whose ``tokenizer_source`` is ``tokenizer_label`` (``base``:
     the base model ``base_label``'s) for the vocabulary tensors of ``labels``. None: the base
@@ -70,7 +70,7 @@ def build_vocabulary(tokenizer_label: str, base_label: str, labels: list[str], s
         return None
 
 
-def _build(tokenizer_label: str, base_label: str, labels: list[str], sources: dict[str, MergeSource],
+def _build(tokenizer_label: str, base_label: str, labels: list[str], sources: dict[str, Source],
            problems: list[str], warnings: list[str]) -> Vocabulary | None:
     full = _vocab(sources[base_label])
     if full is None:
@@ -116,7 +116,7 @@ def _build(tokenizer_label: str, base_label: str, labels: list[str], sources: di
     return Vocabulary(size, rows)
 
 
-def _vocab(source: MergeSource) -> dict[str, int] | None:
+def _vocab(source: Source) -> dict[str, int] | None:
     """Token -> id of the source's tokenizer, loaded as mergekit loads it; None: it has none."""
     files = source.tokenizer_files()
     if not files:

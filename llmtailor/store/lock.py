@@ -59,13 +59,15 @@ def describe_non_run(path: Path) -> str | None:
 
 
 def _foreign_kind(path: Path) -> str | None:
-    from llmtailor.interop.checkpoint_dirs import TRAINER_STATE_FILE, is_deepspeed_checkpoint
+    # The interop modules that only know file names (they import nothing but errors).
+    from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
+    from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
 
     if (path / TRAINER_STATE_FILE).is_file():
         return f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf`)"
     if is_deepspeed_checkpoint(path):
         return "a DeepSpeed checkpoint (import it with `llmtailor import-deepspeed`)"
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    if (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors")):
         return "a model directory (config.json and safetensors weights)"
     return None
 

@@ -52,6 +52,7 @@ from llmtailor.constants import (
     unit_index_path,
 )
 from llmtailor.errors import TailorError
+from llmtailor.store import Progress
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
 from llmtailor.store.files import (
     StorageError,
@@ -69,7 +70,7 @@ from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, TensorPart, UnitPart
 
 
-def counting(progress: Callable[[str, int, int], None] | None, total: int) -> Callable[[str, int], None]:
+def counting(progress: Progress | None, total: int) -> Callable[[str, int], None]:
     """Adapt a ``progress(unit, done, total)`` callback (the CLI's bars) to ``persist``'s
     ``on_unit(unit, bytes)``."""
     done = 0

@@ -16,7 +16,8 @@ from llmtailor import Parity, Tailor
 from llmtailor.cli import app
 from llmtailor.cli.assemble import register
 from llmtailor.errors import IncompatibleModelError
-from llmtailor.interop.hf_export import export_hf, trainer_param_groups
+from llmtailor.interop.hf.export import export_hf
+from llmtailor.interop.hf.model import trainer_param_groups
 from llmtailor.store.run import Run
 
 register(app)

@@ -20,8 +20,8 @@ from llmtailor.cli import app
 from llmtailor.cli.assemble import register as register_assemble
 from llmtailor.cli.import_hf import register
 from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
-from llmtailor.interop.hf_export import export_hf
-from llmtailor.interop.hf_import import import_hf
+from llmtailor.interop.hf.export import export_hf
+from llmtailor.interop.hf.importer import import_hf
 from llmtailor.store.run import Run
 
 register_assemble(app)

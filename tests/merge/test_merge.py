@@ -19,7 +19,7 @@ from llmtailor import Filter, Full, Parity, Tailor
 from llmtailor.cli import app
 from llmtailor.cli.merge import register
 from llmtailor.errors import ConfigError
-from llmtailor.interop.hf_export import export_hf
+from llmtailor.interop.hf.export import export_hf
 from llmtailor.merge import merge, open_plan
 from llmtailor.store.run import Run
 
@@ -103,7 +103,7 @@ def test_every_output_tensor_is_the_source_tensor_the_plan_names(root, tmp_path,
     train(*fresh, tokens, [7])
 
     again = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out")])
-    assert again.exit_code == 2 and "already holds a snapshot at step 6" in again.output
+    assert again.exit_code == 2 and "already holds snapshots (steps [6])" in again.output
 
 
 @pytest.mark.parametrize("policy", ["parity", "filter"])

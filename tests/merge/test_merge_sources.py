@@ -16,7 +16,7 @@ from helpers import tiny, train
 from safetensors.torch import load_file
 
 from llmtailor import Full, Tailor
-from llmtailor.interop.hf_export import export_hf
+from llmtailor.interop.hf.export import export_hf
 from llmtailor.merge import merge, open_plan
 from llmtailor.store.run import Run
 
@@ -233,12 +233,12 @@ def test_optimizer_true_with_a_source_without_optimizer_state_is_refused_with_th
 
 
 def test_an_hf_checkpoint_source_reads_optimizer_pt_only_when_the_plan_moves_state(trained, tmp_path, monkeypatch):
-    import llmtailor.interop.hf_import as hf_import
+    import llmtailor.interop.hf.reader as hf_reader
 
     export_hf(Run(trained), 4, tmp_path / "hf")
     loads = []
-    real = hf_import.torch_load
-    monkeypatch.setattr(hf_import, "torch_load", lambda path: loads.append(Path(path).name) or real(path))
+    real = hf_reader.torch_load
+    monkeypatch.setattr(hf_reader, "torch_load", lambda path: loads.append(Path(path).name) or real(path))
     source = tmp_path / "hf" / "checkpoint-4"
     merge(plan(tmp_path / "w.yaml", {"models": [{"model": str(source)}], "optimizer": False}), tmp_path / "w")
     assert "optimizer.pt" not in loads

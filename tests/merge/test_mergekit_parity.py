@@ -26,7 +26,7 @@ from helpers import tiny, train
 from safetensors.torch import load_file
 
 from llmtailor import Full, Tailor
-from llmtailor.interop.hf_export import export_hf
+from llmtailor.interop.hf.export import export_hf
 from llmtailor.merge import merge
 from llmtailor.store.run import Run
 

@@ -185,7 +185,7 @@ def test_a_cut_with_optimizer_state_is_refused(tmp_path, tokens):
 
     from llmtailor import Tailor
     from llmtailor.errors import ConfigError
-    from llmtailor.interop.hf_export import export_hf
+    from llmtailor.interop.hf.export import export_hf
     from llmtailor.store.run import Run
 
     model, optimizer, scheduler = tiny(layers=2)

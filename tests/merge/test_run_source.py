@@ -4,7 +4,6 @@ LoRA run), links out of the run refused, and retention kept away while a merge r
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,7 @@ def test_a_unit_file_linked_out_of_the_run_is_refused_by_a_merge(tmp_path, token
 
 
 def test_retention_leaves_what_an_open_merge_source_reads(tmp_path, tokens):
-    from llmtailor.merge.sources import RunSource
+    from llmtailor.interop.tailored import RunSource
 
     model, opt, sched = tiny()
     with Tailor(tmp_path / "run", model, opt, sched) as tailor:

@@ -1,6 +1,6 @@
 """Ranged reads of chunks when one rank's file holds several chunks of one tensor: a ZeRO
 partition boundary that falls mid-row stores a flat fragment as a partial row, whole rows and
-another partial row, all in that rank's file (``providers/deepspeed.py``)."""
+another partial row, all in that rank's file (``providers/deepspeed/``)."""
 
 from __future__ import annotations
 

@@ -16,15 +16,13 @@ Reads one unit at a time; the directory appears whole or not at all.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from llmtailor.errors import ConfigError
 from llmtailor.layouts import Layout
-from llmtailor.store.files import fsync_dir, write_tensor_file, write_text_durable
+from llmtailor.store.files import write_tensor_file, write_text_durable
+from llmtailor.store.publish import publishing
 from llmtailor.store.keys import split_unit
 from llmtailor.store.run import Composite, Run
 
@@ -52,21 +50,8 @@ def export_peft(run: Run, step: int | None, out_dir: str | Path) -> Path:
     if not configs:
         raise ConfigError(f"{run.root}: the snapshot of step {composite.step} was not saved from a peft model "
                           "(no adapter config): nothing to export as adapters")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ConfigError(f"{out_dir} exists and is not an empty directory; refusing to overwrite it (choose another -o)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())
+    with publishing(out_dir.parent, out_dir.name, replace_empty=True) as tmp:
         write_adapters(run, composite, configs, tmp)
-        fsync_dir(tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above): replaced by the whole new directory
-        os.rename(tmp, out_dir)
-        fsync_dir(out_dir.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -91,9 +76,3 @@ def write_adapters(run: Run, composite: Composite, configs: dict[str, Any], wher
         config = {**configs[adapter], "inference_mode": True}  # as peft's save_pretrained writes it
         write_text_durable(target / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
         write_tensor_file(target / ADAPTER_WEIGHTS, tensors, target, metadata={"format": "pt"})
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -32,22 +32,38 @@ import json
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
-from llmtailor.interop.checkpoint_dirs import find_step_dir
-from llmtailor.interop.hf_export import Progress, meta_model
+from llmtailor.interop.deepspeed.files import find_step_dir
+from llmtailor.store import Progress
+from llmtailor.interop.hf.model import meta_model
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.store import codec
-from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.files import StorageError, describe_os_error
-from llmtailor.store.lock import WriterLock
+from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.run import Run
-from llmtailor.store.staged import StagedSnapshot, StagedUnit
-from llmtailor.store.writer import counting, persist
+from llmtailor.store.single import write_single_snapshot
+from llmtailor.store.staged import StagedUnit
+
+@dataclass
+class _Checkpoint:
+    """What a DeepSpeed save directory holds, read from its model and optimizer files."""
+
+    step_dir: Path
+    step: int
+    layout: Layout
+    state: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    buffers: dict[str, torch.Tensor]
+    group_of: dict[str, int]
+    group_steps: list[Any]
+    stage: int
+
 
 def import_deepspeed(
     checkpoint: str | Path,
@@ -59,10 +75,31 @@ def import_deepspeed(
 ) -> int:
     """Write the DeepSpeed checkpoint ``checkpoint`` into ``run_dir`` (new or without snapshots)
     as one committed snapshot and return its step (module docstring)."""
-    step_dir = find_step_dir(Path(checkpoint))
     run = Run(run_dir)
     if run.steps():
         raise ConfigError(f"{run.root} already holds snapshots (steps {run.steps()}); import into a new or empty run directory")
+    found = _read(Path(checkpoint), config, family)
+    scratch_parent = run.root.parent
+    try:
+        scratch_parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
+    except OSError as err:
+        raise StorageError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}", err) from None
+    try:
+        _to_universal(found.step_dir, scratch / "universal", found.stage)
+        units = _stream_units(found.layout, scratch / "universal" / "zero", found.shapes, found.buffers, found.group_of,
+                              found.group_steps)
+        write_single_snapshot(run.root, step=found.step, layout=found.layout.to_record(), units=units, state=found.state,
+                              origin=f"imported from {found.step_dir}", provider="deepspeed", progress=progress,
+                              notes={"imported_from": str(found.step_dir), "zero_stage": found.stage})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return found.step
+
+
+def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _Checkpoint:
+    """The checkpoint's step, layout, global state and parameter groups, validated (nothing written)."""
+    step_dir = find_step_dir(checkpoint)
     model_states = _model_states(step_dir)
     step = model_states.get("global_steps")
     if not isinstance(step, int) or step < 0:
@@ -74,7 +111,7 @@ def import_deepspeed(
     shapes = {name: tuple(shape) for group in groups_shapes for name, shape in group.items()}
     aliases = {alias: target for alias, target in (model_states.get("shared_params") or {}).items() if target in shapes}
     buffers = {n: t for n, t in (model_states.get("module") or {}).items() if n in set(model_states.get("buffer_names") or [])}
-    hf_config = _find_config(Path(checkpoint), step_dir, config)
+    hf_config = _find_config(checkpoint, step_dir, config)
     layout = _layout(hf_config, [*names, *buffers], aliases, family, step_dir)
     hyper, group_steps, stage = _optimizer_groups(step_dir)
     if len(hyper) != len(groups_shapes):
@@ -88,32 +125,8 @@ def import_deepspeed(
         "deepspeed": {"stage": stage, "steps": [None] * len(group_steps)},
         "extra": {"imported_from": str(step_dir)},
     }
-    global_doc, global_tensors = codec.encode(state, where=f"{step_dir}: global state")
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
-
-    scratch_parent = run.root.parent
-    try:
-        scratch_parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
-    except OSError as err:
-        raise StorageError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}", err) from None
-    try:
-        _to_universal(step_dir, scratch / "universal", stage)
-        staged = StagedSnapshot(
-            step=step, parent=None, save_index=0, policy=f"imported from {step_dir}", layout=layout.to_record(),
-            units=_stream_units(layout, scratch / "universal" / "zero", shapes, buffers, group_of, group_steps),
-            composite={unit: step for unit in layout.units}, global_doc=global_doc, global_tensors=global_tensors,
-            provider="deepspeed", notes={"imported_from": str(step_dir), "zero_stage": stage},
-        )
-        lock = WriterLock(run.root)
-        lock.acquire()
-        try:
-            persist(run, staged, on_unit=counting(progress, len(layout.units)))
-        finally:
-            lock.release()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return step
+    return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage)
 
 
 # -- DeepSpeed's files ------------------------------------------------------------------------

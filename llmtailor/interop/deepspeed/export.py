@@ -26,22 +26,32 @@ renamed) or not at all.
 from __future__ import annotations
 
 import os
-import shutil
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmtailor.errors import ConfigError, IncompatibleModelError
-from llmtailor.interop.hf_export import Progress
 from llmtailor.layouts import Layout
-from llmtailor.store.files import abandon_output, fsync_dir, open_output, replace_text_atomically
+from llmtailor.store.files import fsync_dir, replace_text_atomically
 from llmtailor.store.keys import split_unit
-from llmtailor.store.run import Run
+from llmtailor.store.publish import publishing
+from llmtailor.store.run import Composite, Run
+from llmtailor.store import Progress
 
 LATEST = "latest_universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+@dataclass
+class _Module:
+    """What ``mp_rank_00_model_states.pt`` gathers while the units are written."""
+
+    weights: dict[str, torch.Tensor] = field(default_factory=OrderedDict)
+    buffers: list[str] = field(default_factory=list)
+    steps: dict[str, float] = field(default_factory=dict)  # optimizer step of each parameter
 
 
 def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progress: Progress | None = None) -> Path:
@@ -56,63 +66,52 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
     if not groups:
         raise ConfigError(f"{run.root}: the snapshot of step {step} holds no optimizer state; a DeepSpeed checkpoint needs it")
     tag = f"global_step{step}"
-    target = out_dir / tag
-    if target.exists():
-        raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
-    tmp, created = open_output(out_dir, f".{tag}.tmp-")  # a failure removes what it created
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())
-        module: dict[str, torch.Tensor] = OrderedDict()
-        shapes: dict[str, torch.Size] = {}
-        buffers = []
+    with publishing(out_dir, tag) as tmp:
+        module = _Module()
         trainable = {name for group in groups for name in group["params"]}
-        steps: dict[str, float] = {}
         for done, unit in enumerate(layout.units, start=1):
             weights, per_param = split_unit(unit, layout.units[unit], *run.read_unit(composite.sources[unit], unit))
             for name, weight in weights.items():
-                module[name] = weight
-                shapes[name] = weight.shape
-                if name not in trainable:
-                    buffers.append(name)
-                    continue
-                entries = per_param.get(name)
-                if not entries:
-                    raise IncompatibleModelError(f"composite of step {step}: {name!r} has no optimizer state to export")
-                folder = tmp / "zero" / name
-                folder.mkdir(parents=True)
-                _save(folder / "fp32.pt", {"param": weight.float(), "cat_dim": 0})
-                for key, value in entries.items():
-                    if key == "step":
-                        steps[name] = float(value)
-                    elif isinstance(value, torch.Tensor) and value.shape == weight.shape:
-                        _save(folder / f"{key}.pt", {"param": value.float(), "cat_dim": 0})
+                module.weights[name] = weight
+                if name in trainable:
+                    _write_parameter(tmp / "zero" / name, weight, per_param.get(name), module, step)
+                else:
+                    module.buffers.append(name)
             if progress is not None:
                 progress(unit, done, len(layout.units))
-        # DeepSpeed holds one step per group: the composite's own (see providers.deepspeed).
-        for group in groups:
-            own = [steps[n] for n in group["params"] if n in steps and composite.sources[layout.unit_of(n)] == step]
-            value = max(own or [steps[n] for n in group["params"] if n in steps] or [0.0])
-            for name in group["params"]:
-                _save(tmp / "zero" / name / "step.pt", torch.tensor(value))
+        _write_steps(tmp, groups, module.steps, composite, layout)
         _save(tmp / "zero" / "optimizer_state.pt", {
             "ds_version": _ds_version(),
             "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]} for i, g in enumerate(groups)],
         })
-        _save(tmp / MODEL_STATES, _model_states(module, shapes, groups, buffers, layout, state, step))
-        fsync_dir(tmp)
-        if target.exists():
-            raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
-        os.rename(tmp, target)
-        latest = out_dir / LATEST
-        replace_text_atomically(latest, tag)
-        fsync_dir(out_dir)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        failure = abandon_output(err, created, out_dir)
-        if failure is err:
-            raise
-        raise failure from None
-    return target
+        _save(tmp / MODEL_STATES, _model_states(module, groups, layout, state, step))
+    replace_text_atomically(out_dir / LATEST, tag)
+    fsync_dir(out_dir)
+    return out_dir / tag
+
+
+def _write_parameter(folder: Path, weight: torch.Tensor, entries: dict[str, Any] | None, module: _Module, step: int) -> None:
+    """``zero/<name>/``: the fp32 master and each optimizer state tensor of one parameter."""
+    name = folder.name
+    if not entries:
+        raise IncompatibleModelError(f"composite of step {step}: {name!r} has no optimizer state to export")
+    folder.mkdir(parents=True)
+    _save(folder / "fp32.pt", {"param": weight.float(), "cat_dim": 0})
+    for key, value in entries.items():
+        if key == "step":
+            module.steps[name] = float(value)
+        elif isinstance(value, torch.Tensor) and value.shape == weight.shape:
+            _save(folder / f"{key}.pt", {"param": value.float(), "cat_dim": 0})
+
+
+def _write_steps(tmp: Path, groups: list[dict[str, Any]], steps: dict[str, float], composite: Composite, layout: Layout) -> None:
+    """DeepSpeed holds one step per group: the composite's own (see providers.deepspeed), the
+    step of the group's parameters saved at the composite's step."""
+    for group in groups:
+        own = [steps[n] for n in group["params"] if n in steps and composite.sources[layout.unit_of(n)] == composite.step]
+        value = max(own or [steps[n] for n in group["params"] if n in steps] or [0.0])
+        for name in group["params"]:
+            _save(tmp / "zero" / name / "step.pt", torch.tensor(value))
 
 
 def _ds_version() -> str:
@@ -121,10 +120,11 @@ def _ds_version() -> str:
     return deepspeed.__version__
 
 
-def _model_states(module, shapes, groups, buffers, layout: Layout, state: dict[str, Any], step: int) -> dict[str, Any]:
+def _model_states(module: _Module, groups, layout: Layout, state: dict[str, Any], step: int) -> dict[str, Any]:
+    shapes = {name: weight.shape for name, weight in module.weights.items()}
     return {
-        "module": module,
-        "buffer_names": buffers,
+        "module": module.weights,
+        "buffer_names": module.buffers,
         "optimizer": None,
         "param_shapes": [OrderedDict((name, shapes[name]) for name in group["params"]) for group in groups],
         "frozen_param_shapes": None,
@@ -148,9 +148,3 @@ def _save(path: Path, obj: Any) -> None:
     torch.save(obj, path)
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

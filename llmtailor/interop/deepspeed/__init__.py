@@ -1,0 +1,2 @@
+"""DeepSpeed checkpoints: recognised (``files``), imported with DeepSpeed's own converter
+(``importer``), written as universal checkpoints (``export``)."""

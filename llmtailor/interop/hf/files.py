@@ -1,0 +1,72 @@
+"""Hugging Face's file names, and reading a Trainer ``checkpoint-N/`` or ``save_pretrained``
+directory's JSON files: torch-free, so a merge that only moves bytes never imports torch
+(``store/dtypes.py``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from llmtailor.errors import IntegrityError
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng_state.pth"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+
+
+def checkpoint_dirname(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}-{step}"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; IntegrityError naming the file for anything else."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise IntegrityError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise IntegrityError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def step_of(source: Path, trainer_state: dict[str, Any]) -> int:
+    """The step of a Trainer checkpoint: ``global_step``, which must agree with the
+    directory's ``checkpoint-N`` name."""
+    step = trainer_state.get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise IntegrityError(f"{source / TRAINER_STATE_FILE}: key 'global_step' is {step!r}, expected a step number")
+    named = re.fullmatch(r"checkpoint-(\d+)", source.name)
+    if named and int(named.group(1)) != step:
+        raise IntegrityError(
+            f"{source / TRAINER_STATE_FILE}: global_step is {step} but the directory is named {source.name}"
+        )
+    return step
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory: ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` names (each must be there, in the directory itself)."""
+    if (path / WEIGHTS_FILE).is_file():
+        return [path / WEIGHTS_FILE]
+    index = path / WEIGHTS_INDEX_FILE
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise IntegrityError(f"{index}: key 'weight_map' is missing or empty")
+    files = [path / name for name in sorted(set(map(str, weight_map.values())))]
+    absent = [f.name for f in files if not f.is_file() or f.parent != path]
+    if absent:
+        raise IntegrityError(f"{index}: names shard files that are missing: {absent[:3]}")
+    return files

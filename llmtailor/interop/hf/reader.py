@@ -1,0 +1,340 @@
+"""Hugging Face directories as lazy sources (``interop/source.py``), and the readers of
+Trainer's own files.
+
+- ``ModelDirSource``: a ``save_pretrained`` directory: ``config.json`` (its ``model_type`` picks
+  the layout family) and ``model.safetensors`` (single or sharded with its index; names, dtypes
+  and shapes from the headers, byte ranges copied; no model is built, so neither torch nor
+  transformers is imported) or ``pytorch_model.bin`` (torch's weights-only loader, memory-
+  mapped). No optimizer or training state.
+- ``CheckpointSource``: a Trainer ``checkpoint-N/``: its weights as above; ``optimizer.pt`` is
+  read only when asked for (indices mapped to names by Trainer's own decay / no-decay groups);
+  ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` give the state.
+
+Trainer's ``.pt`` files are read with ``torch.load(weights_only=True)``; ``training_args.bin``
+(a pickled TrainingArguments) never is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llmtailor.constants import KIND_OPTIM
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.interop.hf.files import (
+    BIN_FILE,
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SCHEDULER_FILE,
+    TOKENIZER_FILES,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    read_json,
+    step_of,
+    weight_files,
+)
+from llmtailor.interop.source import Source, TensorInfo, layout_of
+from llmtailor.layouts import Layout, layout_from_names
+from llmtailor.store import dtypes
+from llmtailor.store.files import ByteSource
+from llmtailor.store.keys import optim_key, split_key, weight_key
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ModelDirSource(Source):
+    kind = "model directory"
+
+    def __init__(self, label: str, path: Path):
+        self.label, self.path = label, path
+        self.step = None
+        self.config = read_json(path / CONFIG_FILE)
+        family = family_of(self.config)
+        self._bin: dict[str, torch.Tensor] | None = None
+        self._files: dict[str, tuple[Path, str]] = {}
+        self._info: dict[str, TensorInfo] = {}
+        if (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX_FILE).is_file():
+            # Names, dtypes and shapes from the safetensors headers alone: no model is built.
+            for file in weight_files(path):
+                _, header = layout_of(file)
+                for key, stored in header.items():
+                    if key == "__metadata__":
+                        continue
+                    dtype = dtypes.from_code(stored.get("dtype"))
+                    if dtype is None:
+                        raise IntegrityError(f"{file}: tensor {key!r} has dtype {stored.get('dtype')!r}, not one llmtailor reads")
+                    self._files[key] = (file, key)
+                    self._info[key] = TensorInfo(dtype, tuple(stored["shape"]))
+        elif (path / BIN_FILE).is_file():
+            self._bin = self._load_bin(path / BIN_FILE)
+            self._info = {k: TensorInfo(dtypes.name_of(t.dtype), tuple(t.shape)) for k, t in self._bin.items()}
+        else:
+            raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {BIN_FILE}")
+        self.layout = layout_from_names(list(self._info), family)
+
+    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        import torch
+
+        try:
+            weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # a pickle needing more than weights, truncation, not a torch file
+            raise IntegrityError(
+                f"{path}: cannot be read with torch's weights-only loader ({type(err).__name__}: {err}); "
+                "convert it to safetensors (save_pretrained(safe_serialization=True))"
+            ) from None
+        if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+            raise IntegrityError(f"{path}: expected a dict of tensors (a state dict)")
+        # Tied weights are one tensor under two names: keep the first name, as save_pretrained does.
+        seen: dict[int, str] = {}
+        return {k: t for k, t in weights.items() if seen.setdefault(id(t), k) == k}
+
+    def has_optimizer(self) -> bool:
+        return False
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        return {weight_key(n): self._info[n] for n in self.layout.units[unit]}
+
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        kind, name, _ = split_key(key)
+        if self._bin is not None:
+            return self._bin[name]
+        path, stored_key = self._files[name]
+        start, header = layout_of(path)
+        stored = header[stored_key]
+        begin, end = stored["data_offsets"]
+        return ByteSource(path, start + begin, end - begin, self._info[name].dtype, tuple(stored["shape"]))
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()]
+
+    def generation_config(self) -> Path | None:
+        path = self.path / GENERATION_CONFIG_FILE
+        return path if path.is_file() else None
+
+
+class CheckpointSource(ModelDirSource):
+    """An HF Trainer ``checkpoint-N/``: weights as a model directory, state and optimizer
+    from Trainer's own files, ``optimizer.pt`` read only when asked for."""
+
+    kind = "Trainer checkpoint"
+
+    def __init__(self, label: str, path: Path):
+        super().__init__(label, path)
+        self.trainer_state = read_json(path / TRAINER_STATE_FILE)
+        self.step = step_of(path, self.trainer_state)
+        self._optimizer: tuple[list[dict[str, Any]], dict[str, dict[str, Any]]] | None = None
+
+    def has_optimizer(self) -> bool:
+        return (self.path / OPTIMIZER_FILE).is_file() and (self.path / SCHEDULER_FILE).is_file()
+
+    def _optimizer_state(self) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+        if self._optimizer is None:
+            from llmtailor.interop.hf.model import meta_model, trainer_param_groups
+
+            saved = torch_load(self.path / OPTIMIZER_FILE)
+            self._optimizer = map_optimizer(self.path / OPTIMIZER_FILE, saved, trainer_param_groups(self.config),
+                                            meta_model(self.config))
+        return self._optimizer
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        out = super().tensors(unit, optimizer)
+        if optimizer and self.has_optimizer():
+            import torch  # loaded already: optimizer.pt is read with it
+
+            _, per_param = self._optimizer_state()
+            for name in self.layout.units[unit]:
+                for key, value in per_param.get(name, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[optim_key(name, key)] = TensorInfo(dtypes.name_of(value.dtype), tuple(value.shape))
+        return out
+
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        kind, name, state_key = split_key(key)
+        if kind == KIND_OPTIM:
+            return self._optimizer_state()[1][name][state_key]
+        return super().read(unit, key)
+
+    def values(self, unit: str) -> dict[str, dict[str, Any]]:
+        if not self.has_optimizer():
+            return {}
+        _, per_param = self._optimizer_state()
+        out = {n: plain_values(n, per_param[n]) for n in self.layout.units[unit] if n in per_param}
+        return {n: v for n, v in out.items() if v}
+
+    def global_state(self, optimizer: bool = True) -> dict[str, Any]:
+        groups = self._optimizer_state()[0] if optimizer and self.has_optimizer() else None
+        rng = rng_state(self.path / RNG_FILE) if (self.path / RNG_FILE).is_file() else None
+        return {
+            "step": self.step,
+            "optimizer_groups": groups,
+            "lr_scheduler": torch_load(self.path / SCHEDULER_FILE) if groups is not None else None,
+            "rng": rng,
+            "model_config": self.config,
+            "extra": {"trainer_state": self.trainer_state},
+        }
+
+
+def family_of(config: dict[str, Any]) -> str:
+    """The layout family serving the config's ``model_type`` (the name-based fallback else)."""
+    from llmtailor.layouts import list_families, load_family
+
+    model_type = config.get("model_type")
+    served = [f for f in list_families() if model_type in load_family(f).model_types]
+    return served[0] if served else "generic"
+
+
+def require_importable(source: Path) -> None:
+    if not source.is_dir():
+        raise ConfigError(f"{source}: no such checkpoint directory")
+    problems = [f"{name} is missing" for name in (CONFIG_FILE, TRAINER_STATE_FILE) if not (source / name).is_file()]
+    if not (source / WEIGHTS_FILE).is_file() and not (source / WEIGHTS_INDEX_FILE).is_file():
+        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing")
+    have_optimizer, have_scheduler = (source / OPTIMIZER_FILE).is_file(), (source / SCHEDULER_FILE).is_file()
+    if have_optimizer != have_scheduler:
+        present, absent = (OPTIMIZER_FILE, SCHEDULER_FILE) if have_optimizer else (SCHEDULER_FILE, OPTIMIZER_FILE)
+        problems.append(f"{absent} is missing beside {present} (Trainer loads them only as a pair)")
+    elif not have_optimizer:
+        problems.append(f"{OPTIMIZER_FILE} and {SCHEDULER_FILE} are missing (a weights-only checkpoint cannot resume)")
+    if not (source / RNG_FILE).is_file():
+        ranked = sorted(p.name for p in source.glob("rng_state_*.pth"))
+        why = f"; found {ranked}: multi-process checkpoints are not supported yet" if ranked else ""
+        problems.append(f"{RNG_FILE} is missing (llmtailor snapshots always carry RNG state){why}")
+    if problems:
+        raise IntegrityError(f"{source}: not an importable Trainer checkpoint: " + "; ".join(problems))
+
+
+def weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dict[str, tuple[Path, str]]:
+    """Canonical tensor name -> (file, key in it), from safetensors headers only. Every tensor
+    of the file must be one of the model's, with its shape and dtype; a tied alias may stand
+    in for its canonical name (save_pretrained writes one of them)."""
+    from safetensors import safe_open
+
+    files = weight_files(source)
+    expected = model.state_dict(keep_vars=True)
+    found: dict[str, tuple[Path, str]] = {}
+    problems: list[str] = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                slices = {key: handle.get_slice(key) for key in handle.keys()}  # headers only, no bytes
+                header = {key: (piece.get_shape(), piece.get_dtype()) for key, piece in slices.items()}
+        except Exception as err:  # safetensors raises its own error types for a damaged header
+            raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
+        for key, (shape, dtype) in header.items():
+            want = expected.get(key)
+            if want is None:
+                problems.append(f"{key!r} is not a tensor of the {layout.family!r} model config.json describes")
+                continue
+            if list(shape) != list(want.shape) or dtypes.from_code(dtype) != dtypes.name_of(want.dtype):
+                problems.append(f"{key!r} is {dtype} {list(shape)}, the model has {want.dtype} {list(want.shape)}")
+            canonical = layout.aliases.get(key, key)
+            if canonical not in found or key == canonical:
+                found[canonical] = (path, key)
+    missing = [name for name in layout.tensor_names() if name not in found]
+    problems += [f"{name!r} is missing" for name in missing[:5]]
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} in all)" if len(problems) > 6 else "")
+        where = files[0] if len(files) == 1 else source / WEIGHTS_INDEX_FILE
+        raise IncompatibleModelError(f"{where} does not fit the model of {source / CONFIG_FILE}: {shown}")
+    return found
+
+
+def torch_load(path: Path) -> Any:
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refusals, truncation, not a torch file at all
+        raise IntegrityError(f"{path}: cannot be loaded with torch.load(weights_only=True) ({err})") from None
+
+
+def map_optimizer(
+    path: Path, saved: Any, expected: list[list[str]], model: torch.nn.Module
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Param group records with names, and per-parameter state by name. optimizer.pt numbers
+    parameters by position; only Trainer's own grouping tells which position is which, so the
+    saved groups must have exactly its group count and sizes, and every state tensor the shape
+    of the parameter it then lands on."""
+    import torch
+
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) or not isinstance(
+        saved.get("state"), dict
+    ):
+        raise IntegrityError(f"{path}: expected an Optimizer.state_dict() with 'state' and 'param_groups'")
+    ambiguous = (
+        "so the mapping of its indices to parameters is ambiguous; import reads checkpoints of vanilla Trainer's "
+        "AdamW-style optimizer with its 2 groups (weight decay for every trainable parameter except biases and "
+        "norm weights, then the rest)"
+    )
+    sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
+    if sizes != [len(names) for names in expected]:
+        raise IncompatibleModelError(
+            f"{path}: 'param_groups' has {len(sizes)} group(s) of {sizes} parameters, vanilla Trainer builds "
+            f"{len(expected)} of {[len(n) for n in expected]} for the model of {CONFIG_FILE}; {ambiguous}"
+        )
+    name_of: dict[Any, str] = {}
+    groups: list[dict[str, Any]] = []
+    for number, (group, names) in enumerate(zip(saved["param_groups"], expected)):
+        for position, (index, name) in enumerate(zip(group["params"], names)):
+            if index in name_of:
+                raise IntegrityError(
+                    f"{path}: param_groups[{number}].params[{position}] repeats index {index!r} ({name_of[index]!r})"
+                )
+            name_of[index] = name
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(names)})
+
+    params = dict(model.named_parameters())
+    per_param: dict[str, dict[str, Any]] = {}
+    for index, entries in saved["state"].items():
+        name = name_of.get(index)
+        if name is None:
+            raise IntegrityError(f"{path}: 'state' has index {index!r}, which no param group lists")
+        if not isinstance(entries, dict):
+            raise IntegrityError(f"{path}: state[{index!r}] ({name!r}) is a {type(entries).__name__}, expected a dict")
+        shape = list(params[name].shape)
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and list(value.shape) != shape:
+                raise IncompatibleModelError(
+                    f"{path}: state[{index}][{key!r}] is {list(value.shape)}, but index {index} is {name!r} of "
+                    f"shape {shape} under Trainer's grouping; the optimizer state does not fit the model "
+                    f"(state tensors must be scalars or of their parameter's shape), {ambiguous}"
+                )
+        per_param[name] = dict(entries)
+    return groups, per_param
+
+
+def plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor entries of one parameter's ``optimizer.pt`` state, as a manifest stores them."""
+    import torch
+
+    from llmtailor.store.codec import plain_value
+
+    return {
+        key: plain_value(value, f"{OPTIMIZER_FILE} state of {name}.{key}")
+        for key, value in entries.items()
+        if not isinstance(value, torch.Tensor)
+    }
+
+
+def rng_state(path: Path) -> dict[str, Any]:
+    """Trainer's ``_save_rng_state`` record in llmtailor's format (``llmtailor.providers.rng``)."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    with safe_globals():  # numpy's RNG tuple, as Trainer's own _load_rng_state allows
+        saved = torch_load(path)
+    if not isinstance(saved, dict) or not {"python", "numpy", "cpu"} <= saved.keys():
+        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise IntegrityError(f"{path}: expected keys 'python', 'numpy' and 'cpu', found {keys}")
+    rng = {"python": saved["python"], "numpy": saved["numpy"], "torch": saved["cpu"]}
+    if saved.get("cuda") is not None:
+        cuda = saved["cuda"]
+        # Single-process Trainer saves one device's state; llmtailor keeps a list of all devices.
+        rng["cuda"] = list(cuda) if isinstance(cuda, (list, tuple)) else [cuda]
+    # Other accelerators' states (xpu, npu, mps, ...) are kept under their own keys; neither
+    # restore nor the HF export sets them today.
+    rng.update({k: v for k, v in saved.items() if k not in ("python", "numpy", "cpu", "cuda")})
+    return rng

@@ -1,0 +1,56 @@
+"""Which kind of checkpoint a path is, and the lazy ``Source`` that reads it.
+
+Kinds are tried in this order:
+
+- a tailored run (``snapshots/`` with at least one committed step): ``RunSource``, its
+  composite at a step (``interop/tailored.py``);
+- a DeepSpeed checkpoint (``global_stepN/`` with ``*optim_states.pt``, perhaps named by
+  ``latest``): imported (``import_deepspeed``, DeepSpeed's own converter, one temporary copy in
+  ``scratch``) and read as a ``RunSource``;
+- a Hugging Face Trainer ``checkpoint-N/`` (``config.json`` and ``trainer_state.json``):
+  ``CheckpointSource``;
+- a ``save_pretrained`` model directory (``config.json``): ``ModelDirSource``.
+
+Only names are looked at here; nothing heavy (torch, DeepSpeed) is imported until a source
+needs it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from llmtailor.errors import ConfigError
+from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
+from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
+from llmtailor.interop.hf.reader import CheckpointSource, ModelDirSource
+from llmtailor.interop.source import Source
+from llmtailor.interop.tailored import RunSource
+from llmtailor.store.run import Run
+
+
+def open_source(label: str, path: Path, step: int | None, scratch: Path) -> Source:
+    """The source at ``path`` (kinds tried in the module docstring's order); ``step`` names a
+    step of a tailored run (None: its newest)."""
+    if path.is_dir() and Run(path).steps():
+        return RunSource(label, Run(path), step)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no such directory")
+    if step is not None:
+        raise ConfigError(f"{path} is a checkpoint directory: @STEP names a step of a tailored run only")
+    if is_deepspeed_checkpoint(path):
+        from llmtailor.interop.deepspeed.importer import import_deepspeed
+
+        run_dir = Path(tempfile.mkdtemp(prefix="deepspeed-", dir=scratch))
+        shutil.rmtree(run_dir)  # import_deepspeed makes the run directory itself
+        import_deepspeed(path, run_dir)
+        return RunSource(label, Run(run_dir), None)
+    if (path / CONFIG_FILE).is_file() and (path / TRAINER_STATE_FILE).is_file():
+        return CheckpointSource(label, path)
+    if (path / CONFIG_FILE).is_file():
+        return ModelDirSource(label, path)
+    raise ConfigError(
+        f"{path} is not a tailored run, a model directory (config.json + model.safetensors), a Trainer "
+        "checkpoint-N/ or a DeepSpeed checkpoint"
+    )

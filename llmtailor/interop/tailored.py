@@ -1,0 +1,80 @@
+"""A tailored run's composite as a lazy source (``interop/source.py``): tensor bytes copied
+straight from the unit files (``ByteSource``), each checked against its chunk checksum on the
+way; leased for as long as it is read."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from llmtailor.constants import KIND_OPTIM
+from llmtailor.errors import IntegrityError
+from llmtailor.interop.source import Source, TensorInfo, layout_of
+from llmtailor.layouts import Layout
+from llmtailor.store import dtypes
+from llmtailor.store.files import ByteSource
+from llmtailor.store.keys import split_key
+from llmtailor.store.reader import ChunkReader
+from llmtailor.store.run import Run
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RunSource(Source):
+    kind = "tailored run"
+
+    def __init__(self, label: str, run: Run, step: int | None):
+        self.label, self.run = label, run
+        # Leased for as long as the merge reads it: retention elsewhere leaves it whole.
+        self._lease = run.reading(step)
+        self.composite = self._lease.__enter__()
+        self.step = self.composite.step
+        self.layout = Layout.from_record(self.composite.manifest.layout)
+        self._state: dict[str, Any] | None = None
+        self._reader = ChunkReader(run, verify=True)
+
+    @property
+    def config(self) -> dict[str, Any] | None:  # type: ignore[override]
+        return self.global_state().get("model_config")
+
+    def has_optimizer(self) -> bool:
+        return self.global_state().get("optimizer_groups") is not None
+
+    def _entry(self, unit: str):
+        return self.run.unit_entry(self.composite.sources[unit], unit)
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        entry = self._entry(unit)
+        return {
+            t.key: TensorInfo(t.dtype, tuple(t.shape), entry.step)
+            for t in entry.tensors
+            if optimizer or split_key(t.key)[0] != KIND_OPTIM
+        }
+
+    def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
+        entry = self._entry(unit)
+        tensor = entry.tensor(key)
+        if tensor is None:
+            raise IntegrityError(f"{self.label}: unit {unit!r} holds no tensor {key!r}")
+        if len(tensor.chunks) == 1 and tensor.chunks[0].shape == tensor.shape:
+            chunk = tensor.chunks[0]
+            path = self.run.file_path(entry.step, entry.chunk_file(chunk))  # confined to the run (or its base)
+            start, header = layout_of(path)
+            stored = header.get(tensor.chunk_key(chunk))
+            if not isinstance(stored, dict) or (stored.get("dtype"), stored.get("shape")) != (dtypes.code_of(tensor.dtype), tensor.shape):
+                raise IntegrityError(f"{path}: tensor {tensor.chunk_key(chunk)!r} is missing or not as its index says")
+            begin, end = stored["data_offsets"]
+            return ByteSource(path, start + begin, end - begin, tensor.dtype, tuple(tensor.shape), chunk.xxh3_64)
+        return self._reader.read_region(entry.step, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+
+    def values(self, unit: str) -> dict[str, dict[str, Any]]:
+        return {name: dict(v) for name, v in self._entry(unit).values.items()}
+
+    def global_state(self, optimizer: bool = True) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self.run.read_global(self.step)
+        return self._state
+
+    def close(self) -> None:
+        self._reader.close()
+        self._lease.__exit__(None, None, None)
