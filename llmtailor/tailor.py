@@ -40,7 +40,6 @@ from llmtailor.store.staging import AsyncStager
 from llmtailor.store.writer import persist
 
 
-
 class Tailor:
     """Save and restore tailored checkpoints of a model, optimizer and LR scheduler.
 
@@ -194,8 +193,7 @@ class Tailor:
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
         the writer asks for them) and the global state, encoded now (a copy)."""
-        error: BaseException | None = None
-        encoded: tuple[Any, Any, Any, Any] = (None, None, None, None)
+        error, encoded = None, (None, None, None, None)
         try:
             encoded = self.provider.encode_global(step, extra)
         except TailorError as err:
@@ -259,7 +257,6 @@ class Tailor:
             self._partly_restored = f"the restore of step {chosen} failed part-way" if partly else None
             if failure is not None:
                 raise failure
-            assert composite is not None
             self.provider.finish_load()
             extra, unmapped = self.provider.restore_rank_state(self.run, composite)
         self.lineage.restored(self.run, composite)

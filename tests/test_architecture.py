@@ -108,3 +108,11 @@ def test_the_rules_see_the_code():
     assert {"store", "interop", "merge", "cli", "providers", "layouts"} <= parts
     store_imports = [m for path, part, tree in MODULES if part == "store" for m, _ in _imports(tree)]
     assert "llmtailor.interop.hf.files" in store_imports and "llmtailor.errors" in store_imports
+
+
+def test_tailor_delegates_rather_than_grows():
+    """``Tailor`` keeps the public methods and hands lineage, staging, drift, frozen parts and
+    the restore agreement to their own objects: the class stays under 250 lines."""
+    tree = ast.parse((PACKAGE / "tailor.py").read_text(encoding="utf-8"))
+    (tailor,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Tailor"]
+    assert tailor.end_lineno - tailor.lineno + 1 < 250

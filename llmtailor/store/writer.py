@@ -3,7 +3,7 @@
 Staging (``store/staged.py``: what to write) is separate from persisting (``persist``: writing
 and committing it). A synchronous save stages references to the live tensors and persists at
 once, one unit in memory at a time; an async save stages copies in reusable host buffers and
-persists them on a background thread (``llmtailor.store.saver``). Both go through ``persist``.
+persists them on a background thread (``store/staging.py``). Both go through ``persist``.
 
 The commit protocol, for any number of ranks (``llmtailor.store.coordinator`` carries the
 messages; one process is a world of one):

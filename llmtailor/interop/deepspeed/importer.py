@@ -41,6 +41,7 @@ import torch
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir
 from llmtailor.store import Progress
+from llmtailor.interop.hf.files import CONFIG_FILE
 from llmtailor.interop.hf.model import meta_model
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.store import codec
@@ -182,7 +183,7 @@ def _to_universal(step_dir: Path, out: Path, stage: int) -> None:
 
 
 def _find_config(checkpoint: Path, step_dir: Path, config: str | Path | None) -> dict[str, Any] | None:
-    candidates = [Path(config)] if config is not None else [step_dir.parent / "config.json", checkpoint / "config.json"]
+    candidates = [Path(config)] if config is not None else [step_dir.parent / CONFIG_FILE, checkpoint / CONFIG_FILE]
     for path in candidates:
         if path.is_file():
             try:
