@@ -77,3 +77,20 @@ class RestoreReport:
     saved_world_size: int = 1
     unmapped: tuple[str, ...] = ()
     """Per-rank state that could not be mapped at this world size (empty at the saved one)."""
+
+
+def describe_sources(sources: dict[str, int]) -> str:
+    """Which snapshot each unit came from, shortest first: ``every unit from step 8`` or
+    ``12 units from step 8, 4 from step 6 (layer.1, layer.3, ...)``."""
+    by_step: dict[int, list[str]] = {}
+    for unit, step in sources.items():
+        by_step.setdefault(step, []).append(unit)
+    if len(by_step) == 1:
+        return f"every unit from step {next(iter(by_step))}"
+    ordered = sorted(by_step.items(), key=lambda item: -item[0])
+    newest, *older = ordered
+    parts = [f"{len(newest[1])} units from step {newest[0]}"]
+    for step, units in older:
+        shown = ", ".join(units[:3]) + (", ..." if len(units) > 3 else "")
+        parts.append(f"{len(units)} from step {step} ({shown})")
+    return ", ".join(parts)

@@ -5,6 +5,10 @@ Importable from any test as ``helpers`` (pytest's ``pythonpath`` includes tests/
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -99,3 +103,19 @@ def parity_run(path: Path, tokens, steps: int):
             train(model, opt, sched, tokens, [step])
             tailor.save(step)
     return path
+
+
+def run_job(script: Path, args: list[str], result: Path, *, crash: bool = False, nproc: int = 1) -> dict:
+    """Run a job script as a fresh process (``nproc`` > 1: under torchrun, ``args`` going to every
+    rank) and return the JSON its rank 0 wrote to ``result``, with its stdout. ``crash=True``: it
+    must have been SIGKILLed (under torchrun the launcher then stops every rank and exits 1)."""
+    launch = [sys.executable, str(script)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)
+    ]
+    proc = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    if crash:
+        assert proc.returncode == (-9 if nproc == 1 else 1), proc.stderr[-3000:]
+        return {}
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**json.loads(result.read_text()), "stdout": proc.stdout}

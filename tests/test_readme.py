@@ -60,6 +60,29 @@ def save_lora_run(path: Path, tokens) -> None:
             tailor.save(step)
 
 
+def save_lightning_run(path: Path, tokens) -> None:
+    L = pytest.importorskip("lightning")
+    from llmtailor.integrations.lightning import TailorCheckpoint
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.optimizer, _ = tiny()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return self.optimizer
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(tokens[: 4 * 32].view(4, 32), batch_size=2)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, callbacks=[TailorCheckpoint(path, every_n_train_steps=1)],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Module())
+
+
 # Lines not run here, and where they are tested: the demo (tests/test_demo.py) and the
 # DeepSpeed import, which needs a checkpoint written by real DeepSpeed processes
 # (tests/distributed/test_deepspeed.py).
@@ -81,7 +104,7 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
     values = {"RUN": str(run), "N": "4", "K": "2", "PLAN.yaml": str(tmp_path / "plan.yaml"),
               "FILE.png": str(tmp_path / "drift.png"), "CHECKPOINT_DIR": str(tmp_path / "hf" / "checkpoint-6")}
     lines = [line.split("#")[0].strip() for line in block("## Command line").splitlines() if line.strip()]
-    peft_run = tmp_path / "peft-run"  # what --format peft exports: a run saved from a peft model
+    peft_run, lightning_run = tmp_path / "peft-run", tmp_path / "lightning-run"
     ran = 0
     for number, line in enumerate(lines):
         if line.startswith(ELSEWHERE):
@@ -91,10 +114,11 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
             text = re.sub(r"\[([^\[\]]*)\]", (lambda m: m.group(1).split("|")[0]) if optional else "", line)
             text = text.replace("hf|model", "hf")
             args = [values.get(word, word) for word in shlex.split(text)[1:]]
-            if "peft" in args:
-                if not peft_run.exists():
-                    save_lora_run(peft_run, tokens)
-                args = [str(peft_run) if a == str(run) else a for a in args]
+            for fmt, other, save in (("peft", peft_run, save_lora_run), ("lightning", lightning_run, save_lightning_run)):
+                if fmt in args:  # these export runs saved from a peft model / by TailorCheckpoint
+                    if not other.exists():
+                        save(other, tokens)
+                    args = [str(other) if a == str(run) else a for a in args]
             # Fresh outputs each time: OUT for writers; import-hf writes a new RUN.
             args = [str(tmp_path / f"out-{number}-{optional}") if a == "OUT" else a for a in args]
             if args[0] == "import-hf":

@@ -1,6 +1,6 @@
-"""``llmtailor assemble RUN [--step N] --format hf|deepspeed|peft -o OUT``: write a composite in
-another checkpoint format: Hugging Face Trainer's ``checkpoint-N/``, a DeepSpeed universal
-checkpoint, or a peft adapter directory.
+"""``llmtailor assemble RUN [--step N] --format hf|deepspeed|peft|lightning -o OUT``: write a
+composite in another checkpoint format: Hugging Face Trainer's ``checkpoint-N/``, a DeepSpeed
+universal checkpoint, a peft adapter directory, or a Lightning ``.ckpt`` file.
 
 Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
 
@@ -19,6 +19,7 @@ class ExportFormat(str, Enum):
     hf = "hf"
     deepspeed = "deepspeed"
     peft = "peft"
+    lightning = "lightning"
 
 
 def assemble(
@@ -30,7 +31,9 @@ def assemble(
             "--format",
             help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from; deepspeed: a universal "
             "checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size, 'load_universal': true); "
-            "peft: the adapters as a directory PeftModel.from_pretrained(base, OUT) loads (OUT itself).",
+            "peft: the adapters as a directory PeftModel.from_pretrained(base, OUT) loads (OUT itself); "
+            "lightning: OUT/epoch=E-step=S.ckpt, which Trainer.fit(model, ckpt_path=...) resumes from (runs saved by "
+            "TailorCheckpoint).",
         ),
     ] = ExportFormat.hf,
     step: Annotated[int | None, typer.Option("--step", help=STEP_HELP)] = None,
@@ -58,6 +61,10 @@ def assemble(
             from llmtailor.interop.hf.peft import export_peft
 
             target = export_peft(run, composite.step, out)
+        elif format is ExportFormat.lightning:
+            from llmtailor.interop.lightning import export_lightning
+
+            target = export_lightning(run, composite.step, out, progress=progress)
         else:
             target = export_hf(run, composite.step, out, progress=progress, train_batch_size=train_batch_size)
     console.print(f"[green]wrote[/] {target}")

@@ -55,6 +55,7 @@ from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
 from llmtailor.interop.hf.export import trainer_state_json
 from llmtailor.config import TailorConfig
 from llmtailor.policies import Policy
+from llmtailor.reports import describe_sources
 from llmtailor.providers.rng import restore_rng
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
@@ -219,23 +220,6 @@ class TailorTrainer(transformers.Trainer):
                 self._tailor.close()
             finally:
                 self._tailor = None
-
-
-def describe_sources(sources: dict[str, int]) -> str:
-    """Which snapshot each unit came from, shortest first: ``every unit from step 8`` or
-    ``12 units from step 8, 4 from step 6 (layer.1, layer.3, ...)``."""
-    by_step: dict[int, list[str]] = {}
-    for unit, step in sources.items():
-        by_step.setdefault(step, []).append(unit)
-    if len(by_step) == 1:
-        return f"every unit from step {next(iter(by_step))}"
-    ordered = sorted(by_step.items(), key=lambda item: -item[0])
-    newest, *older = ordered
-    parts = [f"{len(newest[1])} units from step {newest[0]}"]
-    for step, units in older:
-        shown = ", ".join(units[:3]) + (", ..." if len(units) > 3 else "")
-        parts.append(f"{len(units)} from step {step} ({shown})")
-    return ", ".join(parts)
 
 
 @contextmanager

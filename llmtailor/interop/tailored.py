@@ -1,6 +1,7 @@
-"""A tailored run's composite as a lazy source (``interop/source.py``): tensor bytes copied
-straight from the unit files (``ByteSource``), each checked against its chunk checksum on the
-way; leased for as long as it is read."""
+"""A tailored run's composite read for another format: whole, one unit at a time
+(``read_composite``, for the exports), or as a lazy source (``interop/source.py``) whose tensor
+bytes are copied straight from the unit files (``ByteSource``), each checked against its chunk
+checksum on the way, leased for as long as it is read (``RunSource``, for merges)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,30 @@ from llmtailor.interop.source import Source, TensorInfo, layout_of
 from llmtailor.layouts import Layout
 from llmtailor.store import dtypes
 from llmtailor.store.files import ByteSource
-from llmtailor.store.keys import split_key
+from llmtailor.store import Progress
+from llmtailor.store.keys import split_key, split_unit
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.run import Run
 
 if TYPE_CHECKING:
     import torch
+
+
+def read_composite(
+    run: Run, sources: dict[str, int], layout: Layout, progress: Progress | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """Every weight of the composite ``sources`` names (unit -> step), by parameter name, and
+    each parameter's optimizer state (state key -> value), read one unit at a time with its
+    checksums verified."""
+    weights: dict[str, torch.Tensor] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for done, unit in enumerate(layout.units, start=1):
+        unit_weights, unit_state = split_unit(unit, layout.units[unit], *run.read_unit(sources[unit], unit))
+        weights.update(unit_weights)
+        per_param.update(unit_state)
+        if progress is not None:
+            progress(unit, done, len(layout.units))
+    return weights, per_param
 
 
 class RunSource(Source):

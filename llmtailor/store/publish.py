@@ -1,4 +1,5 @@
-"""Writing a directory outside a run so that it appears whole or not at all (exports, merges).
+"""Writing a directory (or one file) outside a run so that it appears whole or not at all
+(exports, merges).
 
     with publishing(out_dir, "checkpoint-500") as tmp:
         ...write files durably into tmp...
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from llmtailor.errors import ConfigError
-from llmtailor.store.files import abandon_output, fsync_dir, open_output
+from llmtailor.store.files import abandon_output, fsync_dir, fsync_file, open_output
 
 
 @contextmanager
@@ -50,6 +51,31 @@ def publishing(parent: str | Path, name: str, *, replace_empty: bool = False) ->
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise abandon_output(err, created, parent) from None
+
+
+def publish_file(parent: str | Path, name: str, write: Callable[[Path], None]) -> Path:
+    """``parent/name``, written by ``write(path)`` under a temporary name beside it, fsynced,
+    then linked into place (an existing file is never replaced: a ``ConfigError``), the
+    parent fsynced. On failure nothing is left, not even a directory made for it."""
+    parent = Path(parent)
+    target = parent / name
+    if target.exists():
+        raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)")
+    tmp, created = open_output(parent, f".{name}.tmp-")
+    try:
+        write(tmp / name)
+        fsync_file(tmp / name)
+        os.chmod(tmp / name, 0o666 & ~_umask())
+        try:
+            os.link(tmp / name, target)  # unlike rename, never replaces a file made meanwhile
+        except FileExistsError:
+            raise ConfigError(f"{target} already exists; refusing to overwrite it (choose another -o)") from None
+        shutil.rmtree(tmp)
+        fsync_dir(parent)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise abandon_output(err, created, parent) from None
+    return target
 
 
 def _umask() -> int:

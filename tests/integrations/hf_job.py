@@ -32,14 +32,15 @@ import transformers
 SEQ_LEN, WINDOWS = 32, 20  # 20 windows in batches of 2: 10 steps an epoch, so step 12 is in epoch 2
 
 
-def corpus_windows() -> torch.Tensor:
-    """Fixed windows of the real corpus (pydoc_data.topics as bytes), as in llmtailor.training_example."""
+def corpus_windows(windows: int = WINDOWS) -> torch.Tensor:
+    """``windows`` fixed windows of the real corpus (pydoc_data.topics as bytes), as in
+    llmtailor.training_example."""
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
     tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
-    stride = (tokens.numel() - SEQ_LEN) // WINDOWS
-    return torch.stack([tokens[i * stride : i * stride + SEQ_LEN] for i in range(WINDOWS)])
+    stride = (tokens.numel() - SEQ_LEN) // windows
+    return torch.stack([tokens[i * stride : i * stride + SEQ_LEN] for i in range(windows)])
 
 
 class Windows(torch.utils.data.Dataset):

@@ -5,13 +5,13 @@ vanilla Trainer process (no llmtailor code) resuming from ``llmtailor assemble -
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_job
 from typer.testing import CliRunner
 
 from llmtailor import Parity
@@ -27,19 +27,7 @@ CRASH_AT, LAST = 8, 12
 
 
 def job(out: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 1) -> dict:
-    launch = [sys.executable, str(JOB)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB)
-    ]
-    proc = subprocess.run(
-        [*launch, "--out", str(out), "--result", str(result), *flags],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
-    )
-    if crash:
-        # SIGKILLed right after its save (under torchrun, the launcher then stops every rank)
-        assert proc.returncode == (-9 if nproc == 1 else 1), proc.stderr[-3000:]
-        return {}
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**json.loads(result.read_text()), "stdout": proc.stdout}
+    return run_job(JOB, ["--out", str(out), "--result", str(result), *flags], result, crash=crash, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +241,6 @@ def test_a_tailor_config_passes_through_and_shorthands_override_it(tmp_path):
 
 
 def test_a_second_trainer_on_a_run_being_written_fails_before_it_trains(tmp_path):
-    import subprocess
-    import sys
 
     import transformers
 

@@ -44,9 +44,9 @@ from llmtailor.interop.hf.files import (
 )
 from llmtailor.layouts import Layout
 from llmtailor.store.files import ByteSource, Syncer, copy_durable, fsync_file, write_tensor_file, write_text_durable
-from llmtailor.store.keys import split_unit
 from llmtailor.store.publish import publishing
 from llmtailor.store.run import Run
+from llmtailor.interop.tailored import read_composite
 from llmtailor.store import Progress
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def export_hf(
     config, groups, scheduler, state = _checked_state(run, composite, layout)
     adapters = state.get("peft_config")  # a PeftModel's run: Trainer checkpoints hold the adapters only
     with publishing(out_dir, checkpoint_dirname(composite.step)) as tmp:
-        weights, per_param = _read_units(run, composite.sources, layout, progress)
+        weights, per_param = read_composite(run, composite.sources, layout, progress)
         if adapters:
             from llmtailor.interop.hf.peft import write_adapters
 
@@ -141,23 +141,6 @@ def write_model_dir(out: str | Path, weights: dict[str, torch.Tensor | ByteSourc
         for path in side_files:
             copy_durable(Path(path), tmp / Path(path).name)
     return out
-
-
-# -- Reading the composite -----------------------------------------------------------------
-
-
-def _read_units(
-    run: Run, sources: dict[str, int], layout: Layout, progress: Progress | None
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    weights: dict[str, torch.Tensor] = {}
-    per_param: dict[str, dict[str, Any]] = {}
-    for done, unit in enumerate(layout.units, start=1):
-        unit_weights, unit_state = split_unit(unit, layout.units[unit], *run.read_unit(sources[unit], unit))
-        weights.update(unit_weights)
-        per_param.update(unit_state)
-        if progress is not None:
-            progress(unit, done, len(layout.units))
-    return weights, per_param
 
 
 def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:

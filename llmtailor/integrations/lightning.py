@@ -1,0 +1,244 @@
+"""Tailored checkpoints for PyTorch Lightning: one callback, and the usual resume line.
+
+    from llmtailor import Parity
+    from llmtailor.integrations.lightning import TailorCheckpoint
+
+    checkpoint = TailorCheckpoint("runs/exp", Parity(), every_n_train_steps=100, save_top_k=3)
+    trainer = L.Trainer(callbacks=[checkpoint], ...)
+    trainer.fit(model, ckpt_path=checkpoint.resume_path())   # None on the first run
+
+``TailorCheckpoint`` is a Lightning ``Checkpoint`` (so Lightning adds no ``ModelCheckpoint`` of
+its own) that saves on Lightning's schedule — every ``every_n_train_steps`` optimizer steps
+and / or at the end of every ``every_n_epochs`` epochs (the default: every epoch, as
+``ModelCheckpoint``) — one tailored snapshot at ``trainer.global_step``: the units the policy
+picks with their optimizer state, the LR scheduler, each rank's RNG streams, and, as the
+snapshot's extras, everything else Lightning's own checkpoint holds (epoch, global step, the
+loops' progress and a resumable dataloader's position, callbacks' state, hyperparameters, a
+datamodule's state). ``save_top_k=K`` keeps the newest K composites (Lightning's "newest K"
+when no metric is monitored); ``TailorCheckpoint.like(model_checkpoint)`` maps an existing
+``ModelCheckpoint``'s settings and refuses the ones a tailored run cannot honour.
+
+Resume is Lightning's own: ``trainer.fit(model, ckpt_path="runs/exp")``. The callback puts a
+checkpoint I/O in front of the strategy's that answers a run directory with the Lightning
+checkpoint dict assembled from its newest composite (``interop/lightning.py``: each unit from its
+newest saved version), so Lightning restores model, optimizer, LR scheduler, loops and callbacks
+with its own code; when training starts, ``Tailor.restore`` of that composite then loads it again
+in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
+starts the next snapshots from that composite's lineage). Any other ``ckpt_path`` goes to the
+strategy's checkpoint I/O unchanged. ``llmtailor assemble RUN --format lightning`` writes the
+same dict as a ``.ckpt`` file plain Lightning resumes from.
+
+Strategies: single device and DDP (each rank writes its share of the units). FSDP, DeepSpeed and
+model-parallel strategies hold sharded state Lightning gathers its own way: refused at
+``setup``; use ``Tailor`` directly in a torchrun loop there. One optimizer and at most one LR
+scheduler (several are refused).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+
+from llmtailor.config import TailorConfig
+from llmtailor.errors import ConfigError, UnsupportedStateError
+from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
+from llmtailor.policies import Policy
+from llmtailor.reports import describe_sources
+from llmtailor.store.run import Run
+from llmtailor.tailor import Tailor
+
+# Lightning's strategies whose state is one full copy per rank: what a Tailor on the LightningModule sees.
+SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+# Kept when they encode, left out (with a warning) when they hold objects only pickle could store:
+# Lightning reads them in load_from_checkpoint, never to resume.
+OPTIONAL_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
+class TailorCheckpoint(Checkpoint):
+    """Lightning callback saving tailored snapshots on Lightning's schedule (module docstring).
+
+    ``policy`` and ``**options`` are ``Tailor``'s (``TailorConfig`` fields, or ``config=``);
+    ``save_top_k`` is ``keep`` under Lightning's name (-1: keep every snapshot)."""
+
+    def __init__(self, run_dir: str | Path, policy: Policy | None = None, *, every_n_train_steps: int | None = None,
+                 every_n_epochs: int | None = None, save_top_k: int | None = None, config: TailorConfig | None = None,
+                 **options: Any):
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be a positive number (or None)")
+        if save_top_k is not None and (not isinstance(save_top_k, int) or save_top_k == 0 or save_top_k < -1):
+            raise ConfigError(f"save_top_k={save_top_k!r}: keep the newest K >= 1 composites, or -1 for all "
+                              "(0 would save nothing: leave the callback out instead)")
+        if save_top_k is not None and "keep" in options:
+            raise ConfigError("save_top_k is keep under Lightning's name: give one of them")
+        if save_top_k not in (None, -1):
+            options["keep"] = save_top_k
+        self.config = TailorConfig.of(config, policy=policy, **options)
+        self.run_dir = Path(run_dir)
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_train_steps else 1
+        self._tailor: Tailor | None = None
+        self._resume: tuple[Run, int] | None = None  # set when Lightning loads a run through our I/O
+        self._last_saved: int | None = None
+
+    @classmethod
+    def like(cls, checkpoint: ModelCheckpoint, run_dir: str | Path | None = None, policy: Policy | None = None,
+             **options: Any) -> TailorCheckpoint:
+        """A ``TailorCheckpoint`` on ``checkpoint``'s schedule (``every_n_train_steps``,
+        ``every_n_epochs``, ``save_top_k``), in ``run_dir`` (default: its ``dirpath``). Settings
+        a tailored run cannot honour are refused, all named at once."""
+        problems = []
+        if checkpoint.monitor is not None:
+            problems.append(f"monitor={checkpoint.monitor!r}: tailored runs keep the newest composites, not the best by "
+                            "a metric (keep a ModelCheckpoint beside it for best-model files)")
+        if checkpoint.save_weights_only:
+            problems.append("save_weights_only=True: a tailored snapshot holds what resuming needs")
+        if getattr(checkpoint, "_train_time_interval", None) is not None:
+            problems.append("train_time_interval: save every N steps or epochs instead")
+        if run_dir is None and checkpoint.dirpath is None:
+            problems.append("no dirpath: pass run_dir")
+        if problems:
+            raise ConfigError("TailorCheckpoint.like(ModelCheckpoint): " + "; ".join(problems))
+        return cls(run_dir if run_dir is not None else checkpoint.dirpath, policy,
+                   every_n_train_steps=getattr(checkpoint, "_every_n_train_steps", 0) or None,
+                   every_n_epochs=checkpoint.every_n_epochs or None, save_top_k=checkpoint.save_top_k, **options)
+
+    def resume_path(self) -> str | None:
+        """The run directory when it holds a committed composite (pass it as ``ckpt_path``),
+        else None: one script serves the first run and every restart."""
+        return str(self.run_dir) if Run(self.run_dir).latest_step() is not None else None
+
+    # -- Lightning's hooks -----------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_strategy(trainer.strategy)
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, _RunCheckpointIO):
+            trainer.strategy.checkpoint_io = _RunCheckpointIO(io, self)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        live = _one_optimizer(trainer)
+        self._tailor = Tailor(self.run_dir, pl_module, *live, config=self.config)
+        if self._resume is None:
+            return
+        run, step = self._resume
+        if run.root.resolve() == self.run_dir.resolve():
+            report = self._tailor.restore(step)  # later saves extend this composite's lineage
+            self._last_saved = report.step
+        else:  # another run: loaded from there; this run's own snapshots start a lineage (full first)
+            with Tailor(run.root, pl_module, *live, timeout=self.config.timeout, read_only=True) as source:
+                report = source.restore(step)
+        if trainer.is_global_zero:
+            print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "
+                  f"({describe_sources(report.sources)})", flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.every_n_train_steps and trainer.global_step % self.every_n_train_steps == 0:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(raise_error=True)  # an async save in flight becomes durable, or raises
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close(raise_error=False)  # the training error is the one to see
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(raise_error=False)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        step = trainer.global_step
+        if self._tailor is None or step == 0 or step == self._last_saved:
+            return  # no optimizer step yet, or this step saved already (accumulation, epoch end)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        lightning = {key: value for key, value in checkpoint.items() if key not in TENSOR_KEYS}
+        self._tailor.save(step, extra={LIGHTNING_KEY: _storable(lightning)})
+        self._last_saved = step
+
+    def _close(self, raise_error: bool) -> None:
+        tailor, self._tailor = self._tailor, None
+        if tailor is None:
+            return
+        try:
+            tailor.close()
+        except Exception:
+            if raise_error:
+                raise
+
+
+def check_strategy(strategy: Any) -> None:
+    """Refuse a strategy whose state is not one full copy per rank (module docstring)."""
+    names = [cls.__name__ for cls in type(strategy).__mro__]
+    if not any(name in SUPPORTED_STRATEGIES for name in names) or any("FSDP" in n or "DeepSpeed" in n for n in names):
+        raise ConfigError(
+            f"TailorCheckpoint supports Lightning's single-device and DDP strategies, not {type(strategy).__name__}: "
+            "its state is sharded the strategy's own way. Use Tailor(run_dir, model, optimizer) in a torchrun loop "
+            "(FSDP2, DeepSpeed) instead"
+        )
+
+
+def _one_optimizer(trainer: pl.Trainer) -> tuple[Any, Any]:
+    optimizers, schedulers = trainer.optimizers, trainer.lr_scheduler_configs
+    if len(optimizers) != 1 or len(schedulers) > 1:
+        raise ConfigError(
+            f"TailorCheckpoint saves one optimizer and at most one LR scheduler; configure_optimizers returned "
+            f"{len(optimizers)} optimizers and {len(schedulers)} schedulers"
+        )
+    return optimizers[0], schedulers[0].scheduler if schedulers else None
+
+
+def _storable(lightning: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's own state as the snapshot's extras stores it (no pickle): the optional keys
+    that hold objects only pickle could store are left out, with a warning; anything else that
+    cannot be stored is an error naming the key."""
+    from llmtailor.store import codec
+
+    kept = {}
+    for key, value in lightning.items():
+        try:
+            codec.encode(value, where=f"Lightning checkpoint key {key!r}")
+        except UnsupportedStateError as err:
+            if key not in OPTIONAL_KEYS:
+                raise ConfigError(f"{err}: TailorCheckpoint stores Lightning's state without pickle") from None
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"llmtailor: {key} left out of the snapshot ({err}); resuming does not need it")
+            continue
+        kept[key] = value
+    return kept
+
+
+class _RunCheckpointIO(CheckpointIO):
+    """The strategy's checkpoint I/O, except that a run directory loads as the Lightning
+    checkpoint of its newest composite (module docstring)."""
+
+    def __init__(self, inner: CheckpointIO, callback: TailorCheckpoint):
+        self.inner, self.callback = inner, callback
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        run = Run(path)
+        if not Path(path).is_dir() or run.latest_step() is None:
+            return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        with run.reading(None) as composite:
+            checkpoint = lightning_checkpoint(run, composite)
+        self.callback._resume = (run, composite.step)
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()

@@ -1,0 +1,157 @@
+"""A real PyTorch Lightning job, run as a fresh process by the Lightning tests.
+
+    python lightning_job.py --run-dir DIR --result FILE [--checkpoint tailor|model] [--policy full|parity]
+        [--max-steps 10] [--every 4] [--crash-at STEP] [--resume PATH] [--dump FILE] [--devices N]
+
+--checkpoint tailor trains with ``TailorCheckpoint`` saving every --every steps into --run-dir;
+--checkpoint model uses Lightning's own ``ModelCheckpoint`` (and imports no llmtailor code, checked
+at the end) and --resume is a ``.ckpt`` file. --crash-at SIGKILLs the process right after the
+save of that step (when the next step starts). --devices 2 trains with Lightning's
+DDP strategy on CPU; launch it with torchrun (Lightning then uses torchrun's processes).
+
+The data is fixed windows of a real corpus (pydoc_data.topics) served by a dataloader that is
+resumable in Lightning's sense (``state_dict`` / ``load_state_dict``: the batches it has served),
+so a resume mid-epoch continues with the next batch. --dump writes, when training starts (after
+any resume), every weight and optimizer tensor by name, the global step and the LR. The result
+file holds the loss of every step (float.hex), a digest of every step's batch and of the final
+weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import transformers
+from hf_job import SEQ_LEN, corpus_windows, digest, params_digest
+
+WINDOWS, BATCH = 16, 2  # 8 batches an epoch on one device: step 10 is in epoch 2
+
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    """A DataLoader Lightning can resume mid-epoch: it counts the batches it has served and, once
+    loaded, skips that many at the start of its next pass."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served, self.skip = 0, 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        self.served = skip
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.served += 1
+                yield batch
+
+    def state_dict(self):
+        return {"served": self.served}
+
+    def load_state_dict(self, state):
+        self.skip = state["served"]
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ_LEN, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None,
+        ))
+        self.batches: dict[int, str] = {}
+        self.losses: dict[int, str] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.batches[self.global_step + 1] = digest(batch)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses[self.global_step + 1] = loss.item().hex()
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=3e-3, betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self):
+        sampler = None
+        if self.trainer.world_size > 1:  # each rank its share, in a fixed order
+            sampler = torch.utils.data.DistributedSampler(corpus_windows(WINDOWS), shuffle=False)
+        return ResumableLoader(corpus_windows(WINDOWS), batch_size=BATCH, shuffle=False, sampler=sampler)
+
+
+class Recorder(L.Callback):
+    def __init__(self, args):
+        self.args = args
+
+    def on_train_start(self, trainer, pl_module):
+        if not self.args.dump or not trainer.is_global_zero:
+            return
+        optimizer = trainer.optimizers[0]
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        tensors = {f"weight/{n}": t.detach().clone() for n, t in pl_module.state_dict().items()}
+        for param, values in optimizer.state.items():
+            for key, value in values.items():
+                tensors[f"optim/{names[id(param)]}/{key}"] = value.detach().clone()
+        lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+        torch.save({"tensors": tensors, "global_step": trainer.global_step, "lr": lr}, self.args.dump)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # Lightning runs checkpoint callbacks last: the save of step N is done when step N+1 starts.
+        if trainer.global_step == self.args.crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--checkpoint", default="tailor", choices=["tailor", "model"])
+    parser.add_argument("--policy", default="full", choices=["full", "parity"])
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--crash-at", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--dump")
+    parser.add_argument("--devices", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    model = TinyLM(seed=99 if args.resume else 0)  # a resumed run must get every weight from the checkpoint
+
+    if args.checkpoint == "model":
+        checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.run_dir, every_n_train_steps=args.every, save_top_k=-1)
+    else:
+        from llmtailor import Full, Parity
+        from llmtailor.integrations.lightning import TailorCheckpoint
+
+        policy = {"full": Full(), "parity": Parity()}[args.policy]
+        checkpoint = TailorCheckpoint(args.run_dir, policy, every_n_train_steps=args.every)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+        max_steps=args.max_steps, callbacks=[checkpoint, Recorder(args)], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, deterministic=True,
+    )
+    trainer.fit(model, ckpt_path=args.resume)
+
+    if args.checkpoint == "model":
+        assert not [m for m in sys.modules if m.startswith("llmtailor")], "a plain Lightning run imported llmtailor"
+    if not trainer.is_global_zero:
+        return
+    Path(args.result).write_text(json.dumps({
+        "losses": model.losses, "batches": model.batches, "params": params_digest(model), "global_step": trainer.global_step,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""PyTorch Lightning with ``TailorCheckpoint``, with the real library and real processes: saves on
+Lightning's schedule, a SIGKILL after a save, ``trainer.fit(ckpt_path=RUN)`` in a fresh process
+(single device and DDP under torchrun), then the same losses, batches and final weights bit for
+bit as an uninterrupted run (Full), or each unit at the version the composite names (Parity).
+``assemble --format lightning`` writes a ``.ckpt`` plain Lightning resumes from, bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_job
+
+L = pytest.importorskip("lightning")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from llmtailor import Parity  # noqa: E402
+from llmtailor.cli import app  # noqa: E402
+from llmtailor.errors import ConfigError  # noqa: E402
+from llmtailor.integrations.lightning import TailorCheckpoint, check_strategy  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
+
+JOB = Path(__file__).with_name("lightning_job.py")
+CRASH_AT, LAST = 4, 10  # 8 batches an epoch: the crash is mid-epoch
+
+
+def job(run_dir: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 1) -> dict:
+    devices = ["--devices", str(nproc)] if nproc > 1 else []
+    return run_job(JOB, ["--run-dir", str(run_dir), "--result", str(result), *devices, *flags], result, crash=crash,
+                   nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Lazily made single-device jobs shared by this module's tests: "reference" runs 10 steps
+    uninterrupted; ("crashed", policy) saved every 4 steps and was SIGKILLed after a save."""
+    root = tmp_path_factory.mktemp("lightning")
+    made: dict = {}
+
+    def get(*key: str):
+        if key not in made:
+            name = "-".join(key)
+            if key == ("reference",):
+                made[key] = job(root / name, root / f"{name}.json")
+            else:
+                crash_at = {"full": CRASH_AT, "parity": 8}[key[1]]
+                job(root / name, root / f"{name}.json", "--policy", key[1], "--crash-at", str(crash_at), crash=True)
+                made[key] = root / name
+        return made[key]
+
+    return get
+
+
+def continues(reference: dict, resumed: dict, after: int) -> None:
+    steps = [str(s) for s in range(after + 1, LAST + 1)]
+    assert sorted(resumed["losses"], key=int) == steps
+    assert resumed["losses"] == {s: reference["losses"][s] for s in steps}  # float.hex: bit for bit
+    assert resumed["batches"] == {s: reference["batches"][s] for s in steps}  # the dataloader's position
+    assert resumed["params"] == reference["params"] and resumed["global_step"] == LAST
+
+
+@pytest.mark.slow
+def test_full_resume_after_sigkill_continues_bit_for_bit(runs, tmp_path):
+    reference, run_dir = runs("reference"), runs("crashed", "full")
+    assert Run(run_dir).steps() == [CRASH_AT]
+    resumed = job(run_dir, tmp_path / "resumed.json", "--resume", str(run_dir))
+    continues(reference, resumed, CRASH_AT)
+    assert f"llmtailor: resumed from the composite of step {CRASH_AT} in {run_dir} (every unit from step {CRASH_AT})" \
+        in resumed["stdout"]
+    assert Run(run_dir).steps() == [4, 8]
+
+
+@pytest.mark.slow
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(runs, tmp_path):
+    run_dir = runs("crashed", "parity")
+    run = Run(run_dir)
+    composite = run.resolve()
+    assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
+    dump = tmp_path / "dump.pt"
+    resumed = job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", str(run_dir), "--dump",
+                  str(dump), "--max-steps", "12")
+    begin = torch.load(dump, weights_only=True)
+    assert begin["global_step"] == 8 and resumed["global_step"] == 12
+    live, checked = begin["tensors"], 0
+    for unit, source in composite.sources.items():
+        tensors, _ = run.read_unit(source, unit)
+        for key, tensor in tensors.items():
+            assert torch.equal(live[key], tensor), f"{key} (from step {source})"
+            checked += 1
+    assert checked >= len([k for k in live if k.startswith("optim/")]) > 0
+    assert begin["lr"] == pytest.approx([3e-3, 3e-3])  # the scheduler's state after 8 steps (warm-up over)
+    # The resumed run extends the lineage: its save at 12 is a parity save, not a full one.
+    assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)
+
+
+@pytest.mark.slow
+def test_assembled_ckpt_resumes_in_plain_lightning_bit_for_bit(runs, tmp_path):
+    reference, run_dir = runs("reference"), runs("crashed", "full")
+    result = CliRunner().invoke(app, ["assemble", str(run_dir), "--step", str(CRASH_AT), "--format", "lightning",
+                                      "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    ckpt = tmp_path / "out" / f"epoch=0-step={CRASH_AT}.ckpt"
+    assert ckpt.is_file()
+    # Lightning's own ModelCheckpoint in the resumed job; the job checks it imported no llmtailor.
+    resumed = job(tmp_path / "plain", tmp_path / "plain.json", "--checkpoint", "model", "--resume", str(ckpt))
+    continues(reference, resumed, CRASH_AT)
+    again = CliRunner().invoke(app, ["assemble", str(run_dir), "--step", str(CRASH_AT), "--format", "lightning",
+                                     "-o", str(tmp_path / "out")])
+    assert again.exit_code == 2 and "already exists" in again.output
+
+
+@pytest.mark.slow
+def test_ddp_under_torchrun_crash_and_resume_bit_for_bit(tmp_path):
+    """Two processes, Lightning's DDP on CPU: each rank writes its share of the units; 4 batches an
+    epoch per rank, so a crash after step 3 is mid-epoch."""
+    reference = job(tmp_path / "reference", tmp_path / "reference.json", "--every", "3", nproc=2)
+    run_dir = tmp_path / "crashed"
+    job(run_dir, tmp_path / "crashed.json", "--every", "3", "--crash-at", "3", crash=True, nproc=2)
+    assert Run(run_dir).manifest(3).world_size == 2
+    written = {path.name.split(".rank-")[1] for path in Run(run_dir).snapshot_dir(3).glob("units/*.safetensors")}
+    assert written == {"00000.safetensors", "00001.safetensors"}  # both ranks wrote units
+    resumed = job(run_dir, tmp_path / "resumed.json", "--every", "3", "--resume", str(run_dir), nproc=2)
+    continues(reference, resumed, 3)
+
+
+# -- in one process --------------------------------------------------------------------------
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self, optimizers: int = 1, note: object = None):
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizers"])
+        self.layer = torch.nn.Linear(4, 4)
+        self.optimizer_count = optimizers
+        self.automatic_optimization = optimizers == 1  # Lightning steps several optimizers manually only
+
+    def training_step(self, batch, batch_idx):
+        loss = self.layer(batch).pow(2).mean()
+        if self.automatic_optimization:
+            return loss
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.parameters(), lr=0.1) for _ in range(self.optimizer_count)] \
+            if self.optimizer_count > 1 else torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
+
+
+def _fit(module: L.LightningModule, callback: TailorCheckpoint, **kwargs) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, callbacks=[callback], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, **kwargs)
+    trainer.fit(module)
+    return trainer
+
+
+def test_options_are_checked_when_the_callback_is_made(tmp_path):
+    with pytest.raises(ConfigError, match="save_top_k=0"):
+        TailorCheckpoint(tmp_path, save_top_k=0)
+    with pytest.raises(ConfigError, match="every_n_train_steps=0"):
+        TailorCheckpoint(tmp_path, every_n_train_steps=0)
+    with pytest.raises(ConfigError, match="keep"):
+        TailorCheckpoint(tmp_path, keep="three")
+    with pytest.raises(ConfigError, match="give one of them"):
+        TailorCheckpoint(tmp_path, save_top_k=2, keep=3)
+    assert TailorCheckpoint(tmp_path, save_top_k=3).config.keep == 3
+    assert TailorCheckpoint(tmp_path, save_top_k=-1).config.keep is None
+    assert TailorCheckpoint(tmp_path).every_n_epochs == 1  # ModelCheckpoint's default: every epoch
+
+
+def test_like_maps_a_model_checkpoint_and_names_every_setting_it_cannot_honour(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mapped = TailorCheckpoint.like(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=1), policy=Parity())
+    assert (mapped.run_dir, mapped.every_n_train_steps, mapped.every_n_epochs, mapped.config.keep) == (tmp_path, 5, None, 1)
+    assert isinstance(mapped.config.policy, Parity)
+    with pytest.raises(ConfigError) as refused:
+        TailorCheckpoint.like(ModelCheckpoint(monitor="val_loss", save_weights_only=True))
+    assert "monitor='val_loss'" in str(refused.value) and "save_weights_only" in str(refused.value) \
+        and "pass run_dir" in str(refused.value)
+
+
+def test_sharded_strategies_are_refused_naming_the_alternative():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    for strategy in (FSDPStrategy(), ModelParallelStrategy()):
+        with pytest.raises(ConfigError, match="torchrun loop"):
+            check_strategy(strategy)
+    check_strategy(DDPStrategy())
+
+
+def test_two_optimizers_are_refused_before_anything_is_saved(tmp_path):
+    with pytest.raises(ConfigError, match="2 optimizers"):
+        _fit(_Tiny(optimizers=2), TailorCheckpoint(tmp_path / "run", every_n_train_steps=2))
+    assert not (tmp_path / "run" / "snapshots").exists()
+
+
+def test_hyperparameters_only_pickle_could_store_are_left_out_with_a_warning(tmp_path):
+    callback = TailorCheckpoint(tmp_path / "run", every_n_train_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(_Tiny(note=object()), callback)
+    assert any("hyper_parameters left out" in str(w.message) for w in caught)
+    run = Run(tmp_path / "run")
+    assert run.steps() == [2, 4]
+    lightning = run.read_global(4)["extra"]["lightning"]
+    assert "hyper_parameters" not in lightning and lightning["global_step"] == 4 and "loops" in lightning
+    assert callback.resume_path() == str(tmp_path / "run")
+    assert TailorCheckpoint(tmp_path / "empty").resume_path() is None
+
+
+def test_a_run_not_saved_through_lightning_is_refused_by_the_lightning_export(tmp_path, tokens):
+    from helpers import parity_run
+
+    run = parity_run(tmp_path / "run", tokens, steps=2)
+    result = CliRunner().invoke(app, ["assemble", str(run), "--format", "lightning", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "was not saved by TailorCheckpoint" in result.output
+    assert not (tmp_path / "out").exists()
