@@ -107,6 +107,11 @@ class TailorCheckpoint(Checkpoint):
                    every_n_train_steps=getattr(checkpoint, "_every_n_train_steps", 0) or None,
                    every_n_epochs=checkpoint.every_n_epochs or None, save_top_k=checkpoint.save_top_k, **options)
 
+    @property
+    def state_key(self) -> str:
+        """One per run directory, so several of these callbacks can live in one Trainer."""
+        return self._generate_state_key(run_dir=str(self.run_dir))
+
     def resume_path(self) -> str | None:
         """The run directory when it holds a committed composite (pass it as ``ckpt_path``),
         else None: one script serves the first run and every restart."""
@@ -158,8 +163,9 @@ class TailorCheckpoint(Checkpoint):
 
     def _save(self, trainer: pl.Trainer) -> None:
         step = trainer.global_step
-        if self._tailor is None or step == 0 or step == self._last_saved:
-            return  # no optimizer step yet, or this step saved already (accumulation, epoch end)
+        if self._tailor is None or step == 0 or step == self._last_saved or trainer.fast_dev_run \
+                or trainer.sanity_checking:
+            return  # no optimizer step yet, this step saved already (accumulation, epoch end), or a dry run
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         lightning = {key: value for key, value in checkpoint.items() if key not in TENSOR_KEYS}
         self._tailor.save(step, extra={LIGHTNING_KEY: _storable(lightning)})

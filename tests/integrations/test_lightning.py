@@ -173,6 +173,8 @@ def test_options_are_checked_when_the_callback_is_made(tmp_path):
     assert TailorCheckpoint(tmp_path, save_top_k=3).config.keep == 3
     assert TailorCheckpoint(tmp_path, save_top_k=-1).config.keep is None
     assert TailorCheckpoint(tmp_path).every_n_epochs == 1  # ModelCheckpoint's default: every epoch
+    # One per run directory: several can live in one Trainer (bench/bench_lightning.py has two).
+    assert TailorCheckpoint(tmp_path / "a").state_key != TailorCheckpoint(tmp_path / "b").state_key
 
 
 def test_like_maps_a_model_checkpoint_and_names_every_setting_it_cannot_honour(tmp_path):
