@@ -24,12 +24,9 @@ to Lightning's, then issue 25's targets: Full <= 1.0x and Parity <= 0.6x Lightni
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import platform
-import shutil
-import statistics
 import time
 from pathlib import Path
 
@@ -38,12 +35,13 @@ import torch
 import transformers
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from common import MB, dir_bytes, model_arguments, print_ratios, scratch
+
 from llmtailor import Full, Parity
 from llmtailor.integrations.lightning import TailorCheckpoint
 from llmtailor.store.run import Run
 from llmtailor.training_example import TinyConfig, batch_at, build_model, corpus_tokens, hf_param_groups
 
-MB = 1e6
 
 
 class Module(L.LightningModule):
@@ -69,10 +67,6 @@ class Module(L.LightningModule):
         return torch.utils.data.DataLoader(batches, batch_size=1)
 
 
-def dir_bytes(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def timed(save, record: list[tuple[int, float, int]], size_of):
     """``save`` (a callback's own save method) timed durable, with the bytes it wrote."""
 
@@ -88,19 +82,11 @@ def timed(save, record: list[tuple[int, float, int]], size_of):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sizes = {"layers": 32, "hidden": 1024, "intermediate": 3584, "heads": 16, "kv-heads": 8, "vocab": 32000}
-    for flag, default in sizes.items():
-        parser.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    args = parser.parse_args()
+    args = model_arguments(__doc__)
     transformers.utils.logging.set_verbosity_error()
     print(f"python {platform.python_version()}, torch {torch.__version__}, lightning {L.__version__}, "
           f"{os.cpu_count()} CPUs")
-    out = args.out / f"bench_lightning.{os.getpid()}"
-    out.mkdir(parents=True)
-    try:
+    with scratch(args.out, "bench_lightning") as out:
         lightning = ModelCheckpoint(dirpath=out / "lightning", every_n_train_steps=1, save_top_k=1)
         ours = {name: TailorCheckpoint(out / name, policy, every_n_train_steps=1, save_top_k=1)
                 for name, policy in (("Full", Full()), ("Parity", Parity()))}
@@ -120,20 +106,8 @@ def main() -> None:
             for step, seconds, size in values:
                 print(f"  step {step} {name:<12} {size / MB:9.1f} MB  durable {seconds:6.2f} s")
         measured = {name: [(s, b) for step, s, b in values if step > 1] for name, values in records.items()}
-        base_s = statistics.median(s for s, _ in measured["Lightning"])
-        base_b = statistics.median(b for _, b in measured["Lightning"])
-        print(f"\n{'contender':<14}{'MB':>9}{'bytes/L':>9}{'durable s':>11}{'time/L':>8}")
-        for name, values in measured.items():
-            seconds, size = statistics.median(s for s, _ in values), statistics.median(b for _, b in values)
-            print(f"{name:<14}{size / MB:>9.1f}{size / base_b:>9.3f}{seconds:>11.2f}{seconds / base_s:>8.3f}")
-        print("\nissue 25 targets (time vs Lightning's ModelCheckpoint: Full <= 1.0x, Parity <= 0.6x)")
-        for name, target in (("ours Full", 1.0), ("ours Parity", 0.6)):
-            ratio = statistics.median(s for s, _ in measured[name]) / base_s
-            print(f"  {name:<12} {ratio:.3f}x: {'PASS' if ratio <= target else 'FAIL'}")
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            args.out.rmdir()
+        print_ratios(measured, "Lightning", "L", {"ours Full": 1.0, "ours Parity": 0.6},
+                     "issue 25 targets (time vs Lightning's ModelCheckpoint: Full <= 1.0x, Parity <= 0.6x)")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,17 +106,37 @@ def parity_run(path: Path, tokens, steps: int):
     return path
 
 
-def run_job(script: Path, args: list[str], result: Path, *, crash: bool = False, nproc: int = 1) -> dict:
-    """Run a job script as a fresh process (``nproc`` > 1: under torchrun, ``args`` going to every
-    rank) and return the JSON its rank 0 wrote to ``result``, with its stdout. ``crash=True``: it
-    must have been SIGKILLed (under torchrun the launcher then stops every rank and exits 1)."""
-    launch = [sys.executable, str(script)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)
-    ]
+def run_job(script: Path, args: list[str], result: Path, *, crash: bool = False, nproc: int = 1,
+            launcher: list[str] | None = None) -> dict:
+    """Run a job script as a fresh process (``nproc`` > 1: under torchrun, or ``launcher``, ``args``
+    going to every rank) and return the JSON its rank 0 wrote to ``result``, with its stdout.
+    ``crash=True``: it must have been SIGKILLed (a launcher then stops every rank and exits 1)."""
+    if launcher is None and nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launch = [*(launcher or [sys.executable]), str(script)]
     proc = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     if crash:
-        assert proc.returncode == (-9 if nproc == 1 else 1), proc.stderr[-3000:]
+        assert proc.returncode == (-9 if launcher is None else 1), proc.stderr[-3000:]
         return {}
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {**json.loads(result.read_text()), "stdout": proc.stdout}
+
+
+def assert_composite_loaded(run, composite, live: dict[str, torch.Tensor]) -> None:
+    """Every tensor of every unit ``composite`` names (``weight/...``, ``optim/...``) equals, bit
+    for bit, its key in ``live`` (a job's dump of its model and optimizer after a resume)."""
+    checked = 0
+    for unit, source in composite.sources.items():
+        tensors, _ = run.read_unit(source, unit)
+        for key, tensor in tensors.items():
+            assert torch.equal(live[key], tensor), f"{key} (from step {source})"
+            checked += 1
+    assert checked >= len([k for k in live if k.startswith("optim/")]) > 0
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a launcher's rendezvous, a test server)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

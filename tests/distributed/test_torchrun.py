@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, tiny, train
+from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, free_port, tiny, train
 
 from llmtailor import Parity, Tailor
 from llmtailor.store.run import Run
@@ -150,12 +149,6 @@ def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(tmp_path, tok
         rank_state = sum(f.bytes for f in ddp.manifest(step).files if f.path.startswith("ranks/"))
         extra = ddp.manifest(step).total_bytes() - rank_state - one.manifest(step).total_bytes()
         assert 0 <= extra <= 40 * len(ddp.manifest(step).units)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):

@@ -1,0 +1,172 @@
+"""Tailored checkpoints for Hugging Face accelerate custom loops: one changed line.
+
+    from llmtailor import Parity
+    from llmtailor.integrations.accelerate import TailorAccelerator
+
+    accelerator = TailorAccelerator(tailor_run_dir="runs/exp", tailor_policy=Parity())   # was Accelerator()
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    start = accelerator.load_state().step if accelerator.tailor_resumable() else 0
+    for step, batch in enumerate(accelerator.skip_first_batches(dataloader, start), start=start + 1):
+        ...                                                    # forward, accelerator.backward, step
+        if step % 100 == 0:
+            accelerator.save_state(step=step)
+    accelerator.end_training()                                 # waits for an async save in flight
+
+``TailorAccelerator`` is an ``accelerate.Accelerator`` whose ``save_state`` and ``load_state``
+go through llmtailor. ``save_state(step=N)`` writes one tailored snapshot of the prepared model,
+optimizer and LR scheduler (the units the policy picks, with their optimizer state; each
+process's RNG streams) plus, as the snapshot's extras, what ``Accelerator.save_state`` keeps
+beside them: the gradient-accumulation step counter, each object registered with
+``register_for_checkpointing`` (its ``state_dict``), each stateful dataloader's position
+(``DataLoaderConfiguration(use_stateful_dataloader=True)``) and the gradient scaler; ``extra=``
+adds anything of yours (a data position for ``skip_first_batches``, say). ``load_state()``
+restores the newest composite in place (``Tailor.restore``: the live objects ``prepare``
+returned) and all of that, and returns the ``RestoreReport`` (``step``, ``extra``: yours).
+``load_state(RUN)`` of another tailored run loads from there (this run's own snapshots then
+start a lineage of their own); any other directory, and ``save_state(DIR)`` of a directory
+other than the run's, are ``Accelerator``'s own, unchanged.
+
+Objects: one model and one optimizer (several are refused), at most one LR scheduler; plain,
+DDP (``accelerate launch --multi_gpu --num_processes N`` with ``Accelerator(cpu=True)`` runs N
+CPU processes) or a DeepSpeed engine (``accelerate launch --use_deepspeed``; on CPU with
+``DS_ACCELERATOR=cpu``). The run's writer lock is taken at the first ``save_state`` /
+``load_state`` and released by ``end_training`` (or at exit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+from llmtailor.config import TailorConfig
+from llmtailor.errors import ConfigError, UnsupportedStateError
+from llmtailor.policies import Policy
+from llmtailor.reports import PendingSave, RestoreReport, SaveReport
+from llmtailor.store.run import Run
+from llmtailor.tailor import Tailor
+
+ACCELERATE_KEY = "accelerate"
+"""The key of the snapshot's extras under which the accelerator's own state is kept."""
+USER_KEY = "user"
+
+
+class TailorAccelerator(Accelerator):
+    """``accelerate.Accelerator`` saving and loading state as tailored snapshots (module
+    docstring). ``tailor_run_dir``: the run; ``tailor_policy`` / ``tailor_config``: the options
+    of its ``Tailor``; every other argument is ``Accelerator``'s."""
+
+    def __init__(self, *args: Any, tailor_run_dir: str | Path, tailor_policy: Policy | None = None,
+                 tailor_config: TailorConfig | None = None, **kwargs: Any):
+        self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy)  # checked before any set-up
+        self.tailor_run_dir = Path(tailor_run_dir)
+        self._tailor: Tailor | None = None
+        super().__init__(*args, **kwargs)
+
+    def tailor_resumable(self) -> bool:
+        """Whether the run holds a committed composite for ``load_state`` to restore."""
+        return Run(self.tailor_run_dir).latest_step() is not None
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *, step: int | None = None,
+                   extra: Any = None, **kwargs: Any) -> SaveReport | PendingSave | str:
+        """A tailored snapshot of ``step`` (default: the run's newest step + 1) with the
+        accelerator's state and ``extra``; ``output_dir`` other than the run: accelerate's own save."""
+        if not self._ours(output_dir):
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        own = self._own_state()  # refused before the run is touched
+        tailor = self._tailor_for_run()
+        if step is None:
+            step = (Run(self.tailor_run_dir).latest_step() or 0) + 1
+        return tailor.save(step, extra={ACCELERATE_KEY: own, USER_KEY: extra})
+
+    def load_state(self, input_dir: str | None = None, *, step: int | None = None, **kwargs: Any) -> RestoreReport | None:
+        """Restore the composite of ``step`` (default: the newest) and the accelerator's state;
+        return the report, its ``extra`` the one given to ``save_state``. A directory that is not
+        a tailored run: accelerate's own load."""
+        if not self._ours(input_dir) and Run(input_dir).latest_step() is None:
+            return super().load_state(input_dir, **kwargs)
+        if self._ours(input_dir):
+            report = self._tailor_for_run().restore(step)
+        else:  # another run: read from there; this run's snapshots start a lineage of their own
+            model, optimizer, scheduler = self._live_objects()
+            with Tailor(input_dir, model, optimizer, scheduler, timeout=self.tailor_config.timeout,
+                        read_only=True) as source:
+                report = source.restore(step)
+        saved = report.extra if isinstance(report.extra, dict) else {}
+        self._load_own_state(saved.get(ACCELERATE_KEY) or {})
+        return dataclasses.replace(report, extra=saved.get(USER_KEY))
+
+    def end_training(self) -> None:
+        """Wait for an async save in flight (raising its error), release the run's lock, then
+        accelerate's own ``end_training``."""
+        tailor, self._tailor = self._tailor, None
+        try:
+            if tailor is not None:
+                tailor.close()
+        finally:
+            super().end_training()
+
+    # -- the accelerator's own state -------------------------------------------------------
+
+    def _own_state(self) -> dict[str, Any]:
+        from llmtailor.store import codec
+
+        state = {
+            "step": self.step,
+            "custom": [obj.state_dict() for obj in self._custom_objects],
+            "dataloaders": [dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None
+                            for dl in self._dataloaders],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+        try:
+            codec.encode(state, where="the accelerator's state")
+        except UnsupportedStateError as err:
+            raise ConfigError(f"{err}: objects registered for checkpointing must hold tensors, numbers, strings, "
+                              "lists and dicts (TailorAccelerator stores no pickle)") from None
+        return state
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        if "step" in state:
+            self.step = state["step"]
+        custom = state.get("custom") or []
+        if len(custom) != len(self._custom_objects):
+            raise ConfigError(f"the snapshot holds {len(custom)} objects registered for checkpointing, this run "
+                              f"registered {len(self._custom_objects)}: register the same ones, in the same order")
+        for obj, saved in zip(self._custom_objects, custom):
+            obj.load_state_dict(saved)
+        for dl, saved in zip(self._dataloaders, state.get("dataloaders") or []):
+            if saved is not None and getattr(dl, "use_stateful_dataloader", False):
+                dl.load_state_dict(saved)
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+    # -- the Tailor ------------------------------------------------------------------------
+
+    def _ours(self, directory: str | Path | None) -> bool:
+        return directory is None or Path(directory).resolve() == self.tailor_run_dir.resolve()
+
+    def _tailor_for_run(self) -> Tailor:
+        if self._tailor is None:
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config)
+        return self._tailor
+
+    def _live_objects(self) -> tuple[Any, Any, Any]:
+        """The prepared model, optimizer and LR scheduler (a DeepSpeed engine brings its own
+        optimizer, and its scheduler unless it has none)."""
+        from llmtailor.providers.deepspeed import is_engine
+
+        models, optimizers, schedulers = self._models, self._optimizers, self._schedulers
+        if len(models) != 1 or len(optimizers) > 1 or len(schedulers) > 1:
+            raise ConfigError(
+                f"TailorAccelerator saves one model, one optimizer and at most one LR scheduler; prepare() was given "
+                f"{len(models)} models, {len(optimizers)} optimizers and {len(schedulers)} schedulers"
+            )
+        model = models[0]
+        scheduler = schedulers[0] if schedulers else None
+        if is_engine(model):
+            return model, None, scheduler if model.lr_scheduler is None else None
+        if not optimizers:
+            raise ConfigError("TailorAccelerator needs the optimizer passed through prepare()")
+        return model, optimizers[0], scheduler

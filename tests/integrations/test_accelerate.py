@@ -1,0 +1,144 @@
+"""Hugging Face accelerate custom loops with ``TailorAccelerator``, with the real library and real
+processes: ``save_state(step=...)`` in the loop, a SIGKILL after a save, ``load_state()`` in a
+fresh process (one process; 2 CPU processes under ``accelerate launch --multi_gpu``; a DeepSpeed
+ZeRO-2 engine under ``accelerate launch --use_deepspeed``), then the same losses, batches and
+final weights bit for bit as an uninterrupted run (Full), or each unit at the version the
+composite names (Parity); a registered object's state comes back too."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_composite_loaded, free_port, run_job
+
+accelerate = pytest.importorskip("accelerate")
+
+from llmtailor.errors import ConfigError  # noqa: E402
+from llmtailor.integrations.accelerate import TailorAccelerator  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
+
+JOB = Path(__file__).with_name("accelerate_job.py")
+LAST = 10
+
+
+def launcher(kind: str) -> list[str] | None:
+    """``accelerate launch`` for 2 CPU processes (DDP) or a DeepSpeed engine on each; None: one
+    plain process."""
+    if kind == "single":
+        return None
+    flags = {"ddp": ["--multi_gpu"], "deepspeed": ["--use_deepspeed"]}[kind]
+    # A port of its own: two launches at once (another test run) must not meet on the default one.
+    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2", "--num_machines", "1",
+            "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def job(run_dir: Path, result: Path, *flags: str, kind: str = "single", crash: bool = False) -> dict:
+    more = ["--deepspeed", "2"] if kind == "deepspeed" else []
+    return run_job(JOB, ["--run-dir", str(run_dir), "--result", str(result), *more, *flags], result, crash=crash,
+                   launcher=launcher(kind))
+
+
+def continues(reference: dict, resumed: dict, after: int) -> None:
+    steps = [str(s) for s in range(after + 1, LAST + 1)]
+    assert sorted(resumed["losses"], key=int) == steps
+    assert resumed["losses"] == {s: reference["losses"][s] for s in steps}  # float.hex: bit for bit
+    assert resumed["batches"] == {s: reference["batches"][s] for s in steps}  # skip_first_batches from the step
+    assert resumed["params"] == reference["params"] and resumed["tokens"] == reference["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["single", "ddp", "deepspeed"])
+def test_full_crash_and_resume_continues_bit_for_bit(tmp_path, kind):
+    """A crash after step 3 is mid-epoch (8 batches an epoch in one process, 4 per rank in two)."""
+    reference = job(tmp_path / "reference", tmp_path / "reference.json", "--every", "3", kind=kind)
+    run_dir = tmp_path / "crashed"
+    job(run_dir, tmp_path / "crashed.json", "--every", "3", "--crash-at", "3", kind=kind, crash=True)
+    assert Run(run_dir).steps() == [3] and Run(run_dir).manifest(3).world_size == (1 if kind == "single" else 2)
+    resumed = job(run_dir, tmp_path / "resumed.json", "--every", "3", "--resume", kind=kind)
+    continues(reference, resumed, 3)
+    assert Run(run_dir).steps() == [3, 6, 9]
+
+
+@pytest.mark.slow
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path):
+    run_dir, dump = tmp_path / "run", tmp_path / "dump.pt"
+    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", crash=True)
+    run = Run(run_dir)
+    composite = run.resolve()
+    assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
+    job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", "--dump", str(dump), "--max-steps", "12")
+    assert_composite_loaded(run, composite, torch.load(dump, weights_only=True)["tensors"])
+    assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)  # the lineage goes on
+
+
+# -- in one process --------------------------------------------------------------------------
+
+
+def _prepared(accelerator: TailorAccelerator, optimizers: int = 1):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    made = [torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(optimizers)]
+    return accelerator.prepare(model, *made)
+
+
+def _step(model, optimizer) -> None:
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+class _Opaque:
+    def state_dict(self):
+        return {"handle": object()}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_save_and_load_state_round_trip_with_extras_and_registered_objects(tmp_path):
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
+    counter = torch.nn.Linear(1, 1)  # any object with state_dict / load_state_dict
+    accelerator.register_for_checkpointing(counter)
+    model, optimizer = _prepared(accelerator)
+    _step(model, optimizer)
+    assert not accelerator.tailor_resumable()
+    accelerator.save_state(step=7, extra={"batch": 3})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    kept = counter.weight.detach().clone()
+    _step(model, optimizer)
+    with torch.no_grad():
+        counter.weight.add_(1)
+    report = accelerator.load_state()
+    assert (report.step, report.extra) == (7, {"batch": 3}) and accelerator.tailor_resumable()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert torch.equal(counter.weight, kept)
+    accelerator.save_state()  # no step: the run's newest + 1
+    assert Run(tmp_path / "run").steps() == [7, 8]
+    accelerator.end_training()
+
+
+def test_other_directories_are_accelerates_own(tmp_path):
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
+    model, optimizer = _prepared(accelerator)
+    accelerator.save_state(str(tmp_path / "plain"))
+    assert (tmp_path / "plain" / "optimizer.bin").is_file() and not (tmp_path / "run").exists()
+    assert accelerator.load_state(str(tmp_path / "plain")) is None
+    accelerator.end_training()
+
+
+def test_what_cannot_be_saved_is_refused_naming_it(tmp_path):
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
+    _prepared(accelerator, optimizers=2)
+    with pytest.raises(ConfigError, match="2 optimizers"):
+        accelerator.save_state(step=1)
+    opaque = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "opaque")
+    opaque.register_for_checkpointing(_Opaque())
+    _prepared(opaque)
+    with pytest.raises(ConfigError, match="registered for checkpointing"):
+        opaque.save_state(step=1)
+    assert not Run(tmp_path / "opaque").steps()
+    opaque.end_training()
+    with pytest.raises(ConfigError, match="policy"):
+        TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "x", tailor_policy="parity")
