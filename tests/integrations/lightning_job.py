@@ -155,3 +155,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Leave without the interpreter's teardown: with DDP on gloo, torch 2.13 can deadlock there
+    # (the reducer's process group joins a worker thread that waits for the GIL). Everything the
+    # tests read was written and flushed by main().
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
