@@ -46,6 +46,11 @@ class TailorConfig(BaseModel):
     read_only: bool = False
     """Only restore (an evaluation job beside the trainer, a read-only copy of a run): no
     writer lock, and ``save`` is refused."""
+    storage_options: dict[str, Any] | None = None
+    """For a run at an object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``): the
+    store's options (``endpoint``, ``region``, credentials, ``allow_http``, ``retry_config``,
+    ``lock_ttl``); anything not given comes from the environment, as the cloud's own tools
+    read it."""
 
     @field_validator("policy", mode="before")
     @classmethod

@@ -60,8 +60,8 @@ class Tailor:
                  **options: Any):
         self.config = TailorConfig.of(config, policy=policy, **options)
         self.policy, self.keep, self.read_only = self.config.policy, self.config.keep, self.config.read_only
-        self.run = Run(run_dir)
-        self._lock = WriterLock(self.run.root)
+        self.run = Run(run_dir, self.config.storage_options)
+        self._lock = WriterLock(self.run.storage)
         self.coordinator: Coordinator = make_coordinator(self.config.timeout)
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, self.config.family)
         self.layout: Layout = self.provider.layout
@@ -180,7 +180,7 @@ class Tailor:
             self._committed(job.step, job.composite, job.outcome)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.claim)
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.claim, confirm=self._lock.check_held)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
         self.lineage.committed(self.run, step, composite)
@@ -211,7 +211,7 @@ class Tailor:
 
     def _retain(self, result: PersistResult) -> None:
         if self.keep is not None and self.coordinator.is_leader and not result.pointer_error:
-            retain_after_commit(self.run, self.keep, result.path.name)
+            retain_after_commit(self.run, self.keep, str(result.path))
 
     # -- restoring ----------------------------------------------------------------------------
 

@@ -75,16 +75,17 @@ def test_a_background_write_error_surfaces_on_the_next_call_and_leaves_nothing(t
     tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), async_save=True)
     train(model, opt, sched, tokens, [1])
     tailor.save(1).result()
-    real = writer.write_tensor_file
+    real = writer.stream_tensors
     calls = []
 
-    def failing(path, *args, **kwargs):
-        calls.append(path)
+    def failing(sink, *args, **kwargs):
+        calls.append(sink)
         if len(calls) == 3:
+            sink.abort()
             raise OSError(errno.EIO, "Input/output error")
-        return real(path, *args, **kwargs)
+        return real(sink, *args, **kwargs)
 
-    monkeypatch.setattr(writer, "write_tensor_file", failing)
+    monkeypatch.setattr(writer, "stream_tensors", failing)
     train(model, opt, sched, tokens, [2])
     pending = tailor.save(2)  # returns at once; the failure happens in the background
     with pytest.raises(BackgroundSaveError, match="Input/output error") as err:
@@ -95,7 +96,7 @@ def test_a_background_write_error_surfaces_on_the_next_call_and_leaves_nothing(t
     assert pending.done()
     run = Run(tmp_path)
     assert run.steps() == [1] and run.latest_step() == 1 and list(run.tmp_dir.iterdir()) == []
-    monkeypatch.setattr(writer, "write_tensor_file", real)
+    monkeypatch.setattr(writer, "stream_tensors", real)
     # The lineage did not advance: the next save extends step 1's composite.
     train(model, opt, sched, tokens, [3])
     tailor.save(3)
@@ -110,10 +111,11 @@ def test_wait_and_close_raise_a_background_failure(tmp_path, tokens, monkeypatch
     tailor = Tailor(tmp_path, model, opt, sched, async_save=True)
     train(model, opt, sched, tokens, [1])
 
-    def broken(*args, **kwargs):
+    def broken(sink, *args, **kwargs):
+        sink.abort()
         raise OSError(errno.EIO, "disk gone")
 
-    monkeypatch.setattr(writer, "write_tensor_file", broken)
+    monkeypatch.setattr(writer, "stream_tensors", broken)
     tailor.save(1)
     with pytest.raises(BackgroundSaveError, match="async save of step 1 failed in the background .*disk gone"):
         getattr(tailor, call)()
@@ -177,9 +179,10 @@ model, opt, sched = tiny()
 train(model, opt, sched, corpus_tokens(), range(1, 3))
 tailor = Tailor({run!r}, model, opt, sched, policy=Full(), async_save=True)
 if {fail!r}:
-    def broken(*args, **kwargs):
+    def broken(sink, *args, **kwargs):
+        sink.abort()
         raise OSError(5, "disk gone")
-    writer.write_tensor_file = broken
+    writer.stream_tensors = broken
 tailor.save(2)
 if {end!r} == "raise":
     raise RuntimeError("the script fails right after save")

@@ -198,7 +198,7 @@ def _damage_flip(run):
 def _damage_truncate(run):
     path = run / "snapshots/step-00000002/units/layer.1.safetensors"
     path.write_bytes(path.read_bytes()[:100])
-    return "layer.1.safetensors: 100 bytes on disk"
+    return "layer.1.safetensors: 100 bytes stored, manifest says"
 
 
 def _damage_delete(run):

@@ -9,6 +9,7 @@ never as rich markup (``layer_range must be [a, b]`` keeps its brackets).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +21,8 @@ from rich.markup import escape
 
 from llmtailor.errors import TailorError
 from llmtailor.store.files import describe_os_error
-from llmtailor.store.lock import describe_non_run
 from llmtailor.store.run import Run
+from llmtailor.store.storage.objects import OPTIONS_ENV
 
 app = typer.Typer(
     help="Layer-wise tailoring of LLM training checkpoints.",
@@ -32,7 +33,7 @@ app = typer.Typer(
 console = Console(soft_wrap=True)  # a path in a result line is never broken in two
 errors = Console(stderr=True, soft_wrap=True)
 
-RunArg = Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")]
+RunArg = Annotated[str, typer.Argument(help="Run directory or URL (s3://bucket/prefix, gs://, az://): the one given to Tailor.")]
 STEP_HELP = "Composite as of this step: the newest committed snapshot at or before it (default: the newest)."
 StepOpt = Annotated[int | None, typer.Option("--step", help=STEP_HELP)]
 
@@ -63,16 +64,35 @@ def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> 
         target.command(name=name)(_user_errors(command))
 
 
-def _existing_run(path: Path) -> Run:
-    """The run at ``path``; TailorError saying what ``path`` is when it is not a directory or
-    is another kind of checkpoint (an empty directory passes: it reports no snapshot later)."""
-    why = describe_non_run(path)
-    try:
-        if why is not None and (not path.is_dir() or any(path.iterdir())):
-            raise TailorError(why)
-    except OSError as err:
-        raise TailorError(describe_os_error(err, path)) from None
-    return Run(path)
+@app.callback()
+def _options(
+    storage_option: Annotated[
+        list[str] | None,
+        typer.Option("--storage-option", "-S", metavar="KEY=VALUE",
+                     help="An option of the object store runs at URLs live in (endpoint=..., region=..., "
+                     "allow_http=true, lock_ttl=...); repeatable. The cloud's environment variables apply too."),
+    ] = None,
+) -> None:
+    """Layer-wise tailoring of LLM training checkpoints."""
+    if storage_option:
+        options = {}
+        for item in storage_option:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                fail(f"--storage-option {item!r}: expected KEY=VALUE")
+            options[key.strip()] = value
+        os.environ[OPTIONS_ENV] = json.dumps(options)
+
+
+def _existing_run(location: str | Path) -> Run:
+    """The run at ``location`` (a path or URL); TailorError saying what it is when it is not
+    a run (a file, another kind of checkpoint; an empty directory passes: it reports no
+    snapshot later)."""
+    run = Run(location)
+    why = run.storage.describe_non_run()
+    if why is not None and not (run.is_local and Path(run.root).is_dir() and run.storage.is_fresh()):
+        raise TailorError(why)
+    return run
 
 
 @app.command()
@@ -161,11 +181,11 @@ def gc(
     from llmtailor.store.retention import apply_retention, check_keep, plan_retention
 
     check_keep(keep)
-    why = describe_non_run(run_dir)
+    run = Run(run_dir)
+    why = run.storage.describe_non_run()
     if why is not None:
         raise TailorError(f"{why}; gc deletes only the snapshots of a run")
-    run = Run(run_dir)
-    lock = WriterLock(run.root, new_run=False)
+    lock = WriterLock(run.storage, new_run=False)
     if not dry_run:
         lock.acquire()  # deleting is writing: never beside a live writer
     try:

@@ -23,7 +23,7 @@ class ExportFormat(str, Enum):
 
 
 def assemble(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")],
+    run_dir: Annotated[str, typer.Argument(help="Run directory or URL (the one given to Tailor).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write checkpoint-<step>/ into.")],
     format: Annotated[
         ExportFormat,

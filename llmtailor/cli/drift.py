@@ -20,7 +20,7 @@ class Kind(str, Enum):
 
 
 def drift(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory (the one given to Tailor).")],
+    run_dir: Annotated[str, typer.Argument(help="Run directory or URL (the one given to Tailor).")],
     step: Annotated[int | None, typer.Option("--step", help=STEP_HELP)] = None,
     kind: Annotated[Kind, typer.Option("--kind", help="Drift of the weights or of the optimizer moments.")] = Kind.weight,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw a heatmap and the bytes per save into this PNG.")] = None,

@@ -13,7 +13,7 @@ import typer
 
 def import_deepspeed(
     checkpoint: Annotated[Path, typer.Argument(help="A DeepSpeed save directory (with 'latest') or its global_stepN/.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Run directory to create (new or without snapshots).")],
+    out: Annotated[str, typer.Option("-o", "--out", help="Run directory or URL to create (new or without snapshots).")],
     config: Annotated[
         Path | None, typer.Option("--config", help="The model's Hugging Face config.json (default: one beside the checkpoint).")
     ] = None,

@@ -14,7 +14,7 @@ import typer
 
 def import_hf(
     checkpoint_dir: Annotated[Path, typer.Argument(help="A Trainer checkpoint-N/ directory.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Run directory to create (new or without snapshots).")],
+    out: Annotated[str, typer.Option("-o", "--out", help="Run directory or URL to create (new or without snapshots).")],
 ) -> None:
     """Import a Trainer checkpoint-N/ directory as a tailored snapshot at step N. Everything
     is checked first (files, weights against config.json's model, optimizer.pt's groups against

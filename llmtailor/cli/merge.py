@@ -21,7 +21,7 @@ class MergeFormat(str, Enum):
 def merge(
     plan_file: Annotated[Path, typer.Argument(help="The merge plan (YAML, mergekit or LLMTailor form).")],
     out: Annotated[
-        Path, typer.Option("-o", "--out", help="Run directory (tailor), directory for checkpoint-N/ (hf), model directory (model).")
+        str, typer.Option("-o", "--out", help="Run directory or URL (tailor), directory for checkpoint-N/ (hf), model directory (model).")
     ],
     format: Annotated[
         MergeFormat,

@@ -184,7 +184,7 @@ def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Table:
 
 def _dir_bytes(run: Run, step: int) -> int:
     # A doomed snapshot's manifest may be damaged: measure the directory, not the manifest.
-    return sum(p.stat().st_size for p in run.snapshot_dir(step).rglob("*") if p.is_file())
+    return sum(size for _, size in run.storage.walk(run.snapshot_key(step)))
 
 
 @contextmanager

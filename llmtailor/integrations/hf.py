@@ -183,7 +183,7 @@ class TailorTrainer(transformers.Trainer):
         if not self._resuming(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         run, step, _ = self._resume
-        if run.root.resolve() == self.tailor_run_dir.resolve():
+        if run.storage.same_place(Run(self.tailor_run_dir).storage):
             report = self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
         else:
             # Another run: loaded from there; this run's own snapshots start a lineage (full first).

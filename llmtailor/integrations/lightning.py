@@ -131,7 +131,7 @@ class TailorCheckpoint(Checkpoint):
         if self._resume is None:
             return
         run, step = self._resume
-        if run.root.resolve() == self.run_dir.resolve():
+        if run.storage.same_place(Run(self.run_dir).storage):
             report = self._tailor.restore(step)  # later saves extend this composite's lineage
             self._last_saved = report.step
         else:  # another run: loaded from there; this run's own snapshots start a lineage (full first)

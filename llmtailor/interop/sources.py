@@ -30,9 +30,14 @@ from llmtailor.interop.tailored import RunSource
 from llmtailor.store.run import Run
 
 
-def open_source(label: str, path: Path, step: int | None, scratch: Path) -> Source:
+def open_source(label: str, path: Path | str, step: int | None, scratch: Path) -> Source:
     """The source at ``path`` (kinds tried in the module docstring's order); ``step`` names a
-    step of a tailored run (None: its newest)."""
+    step of a tailored run (None: its newest). A URL names a tailored run on an object store."""
+    if not isinstance(path, Path):  # a URL
+        run = Run(path)
+        if not run.steps():
+            raise ConfigError(run.storage.describe_non_run() or f"{path}: no committed snapshot in this run")
+        return RunSource(label, run, step)
     if path.is_dir() and Run(path).steps():
         return RunSource(label, Run(path), step)
     if not path.is_dir():

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import IntegrityError
-from llmtailor.interop.source import Source, TensorInfo, layout_of
+from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource
+from llmtailor.store.files import ByteSource, stored_header
 from llmtailor.store import Progress
 from llmtailor.store.keys import split_key, split_unit
 from llmtailor.store.reader import ChunkReader
@@ -77,13 +77,15 @@ class RunSource(Source):
             raise IntegrityError(f"{self.label}: unit {unit!r} holds no tensor {key!r}")
         if len(tensor.chunks) == 1 and tensor.chunks[0].shape == tensor.shape:
             chunk = tensor.chunks[0]
-            path = self.run.file_path(entry.step, entry.chunk_file(chunk))  # confined to the run (or its base)
-            start, header = layout_of(path)
+            file = entry.chunk_file(chunk)
+            storage, key = self.run.file_location(entry.step, file)  # inside the run (or its base)
+            start, header = stored_header(storage, key, file)
             stored = header.get(tensor.chunk_key(chunk))
             if not isinstance(stored, dict) or (stored.get("dtype"), stored.get("shape")) != (dtypes.code_of(tensor.dtype), tensor.shape):
-                raise IntegrityError(f"{path}: tensor {tensor.chunk_key(chunk)!r} is missing or not as its index says")
+                raise IntegrityError(f"{storage.where(key)}: tensor {tensor.chunk_key(chunk)!r} is missing or not as its index says")
             begin, end = stored["data_offsets"]
-            return ByteSource(path, start + begin, end - begin, tensor.dtype, tuple(tensor.shape), chunk.xxh3_64)
+            return ByteSource(storage.where(key), start + begin, end - begin, tensor.dtype, tuple(tensor.shape), chunk.xxh3_64,
+                              storage=storage, key=key)
         return self._reader.read_region(entry.step, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
 
     def values(self, unit: str) -> dict[str, dict[str, Any]]:

@@ -59,14 +59,21 @@ def merge(plan_file: str | Path, out: str | Path, *, format: str = "tailor", pro
 
 
 def execute(plan: MergePlan, out: str | Path, *, format: str = "tailor", progress: Progress | None = None) -> Path:
-    """Write ``plan`` into ``out`` (see the module docstring)."""
-    out = Path(out)
+    """Write ``plan`` into ``out`` (see the module docstring); a run (``tailor``) may be at an
+    object-store URL."""
+    from llmtailor.store.storage import is_url
+
     if format not in FORMATS:
         raise ConfigError(f"unknown output format {format!r}; expected one of {FORMATS}")
     if format == "tailor":
-        if Run(out).steps():
-            raise ConfigError(f"{out} already holds snapshots (steps {Run(out).steps()}); merge into a new or empty directory")
-        return _write_snapshot(plan, Run(out), progress).path
+        run = Run(out)
+        if run.steps():
+            raise ConfigError(f"{out} already holds snapshots (steps {run.steps()}); merge into a new or empty directory")
+        return _write_snapshot(plan, run, progress).path
+    if is_url(out):
+        raise ConfigError(f"{out}: --format {format} writes a local directory; write it there and upload it, or "
+                          "merge into a run at the URL with --format tailor")
+    out = Path(out)
     if format == "model":
         return _write_model(plan, out, progress)
 
@@ -110,7 +117,7 @@ def _write_snapshot(plan: MergePlan, run: Run, progress: Progress | None):
     from llmtailor.store.single import write_single_snapshot
 
     return write_single_snapshot(
-        run.root, step=plan.step, layout=plan.layout.to_record(),
+        run.storage, step=plan.step, layout=plan.layout.to_record(),
         units=_stream_units(plan),  # read just before written: one unit in memory at a time
         state=_global_state(plan), origin=f"merge of {plan.plan_file}", progress=progress,
     )

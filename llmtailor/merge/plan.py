@@ -249,14 +249,20 @@ class SourceRef:
     a run's newest composite or a checkpoint directory."""
 
     label: str
-    path: Path
+    path: Path | str
+    """A local path, or the URL of a run on an object store (``s3://bucket/run``)."""
     step: int | None
 
 
 def parse_source(text: str, base_dir: Path) -> SourceRef:
-    """``RUN@STEP``, ``RUN`` or a directory; relative paths against ``base_dir``."""
+    """``RUN@STEP``, ``RUN`` or a directory; relative paths against ``base_dir``; a URL
+    (``s3://bucket/run@400``) as it is."""
+    from llmtailor.store.storage import is_url
+
     match = _STEP_SUFFIX.match(text)
     path_text, step = (match.group(1), int(match.group(2))) if match else (text, None)
+    if is_url(path_text):
+        return SourceRef(label=text, path=path_text, step=step)
     path = Path(path_text).expanduser()
     return SourceRef(label=text, path=path if path.is_absolute() else base_dir / path, step=step)
 

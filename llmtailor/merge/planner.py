@@ -125,7 +125,7 @@ def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") ->
         raise ConfigError(f"unknown output format {format!r}; expected one of {FORMATS}")
     plan_file = Path(plan_file)
     spec = load_plan(plan_file)
-    scratch = _Scratch(Path(out))
+    scratch = _Scratch(out)
     sources: dict[str, Source] = {}
     try:
         sources, problems = _open_sources(spec, plan_file.resolve().parent, scratch)
@@ -137,15 +137,22 @@ def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") ->
 
 
 class _Scratch:
-    """A temporary directory beside OUT, made only when a source needs a copy."""
+    """A temporary directory beside OUT (in the system's temporary directory for an output at a
+    URL), made only when a source needs a copy."""
 
-    def __init__(self, out: Path):
-        self.out, self.path = out, None
+    def __init__(self, out: Path | str):
+        from llmtailor.store.storage import is_url
+
+        self.out = None if is_url(out) else Path(out)
+        self.path: Path | None = None
 
     def get(self) -> Path:
         if self.path is None:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.merge-", dir=self.out.parent))
+            if self.out is None:
+                self.path = Path(tempfile.mkdtemp(prefix="llmtailor-merge-"))
+            else:
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.merge-", dir=self.out.parent))
         return self.path
 
     def remove(self) -> None:
@@ -175,10 +182,10 @@ def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[di
     return sources, problems
 
 
-def _needs_scratch(path: Path) -> bool:
+def _needs_scratch(path: Path | str) -> bool:
     from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
 
-    return path.is_dir() and is_deepspeed_checkpoint(path)
+    return isinstance(path, Path) and path.is_dir() and is_deepspeed_checkpoint(path)
 
 
 @dataclass

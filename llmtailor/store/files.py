@@ -2,20 +2,23 @@
 
 Checksums are xxh3-64 over a file's bytes, computed while the bytes are written.
 
-Tensor files are safetensors files, read back with safetensors itself. They are *written*
-here, streaming: the header, then each tensor's bytes straight from its memory in 16 MiB
+Files are written through a storage's sinks and read through the storage
+(``store.storage``: a local directory or an object store), so one path serves both. Tensor
+files are safetensors files. They are *written* here, streaming: the header, then each tensor's bytes straight from its memory in 16 MiB
 pieces, hashed on the way. On this project's VM, with a training process's memory in use,
 safetensors' own ``save_file`` wrote a 6.2 GB checkpoint at 0.3-0.8 GB/s and these pieces at
 1.6 GB/s (``bench/RESULTS.md``), and hashing on the way spares a read-back. The format
 (little-endian u64 header size, JSON header padded with spaces to 8 bytes, then the data) is
 safetensors' published one; tensors are ordered by item size, so each is naturally aligned.
+They are *read* from their header (validated: every tensor's range inside the file, matching
+its dtype and shape) and byte ranges, so a reader of part of a file, local or remote, reads
+only that part.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import re
 import shutil
@@ -27,19 +30,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
-from safetensors import SafetensorError, safe_open
 
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import FileEntry
 
+
 if TYPE_CHECKING:
     import torch
 
+    from llmtailor.store.storage.base import Sink, Storage
+
 _PIECE = 16 << 20
-_FLUSH_EVERY = 256 << 20
+FLUSH_EVERY = 256 << 20
 """A file larger than this is made durable and dropped from the page cache as it is written:
 growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
+MAX_HEADER = 100 << 20
+"""No credible safetensors header is larger (a header's size is read before the header)."""
+
 
 def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
@@ -68,6 +76,17 @@ def write_durable(path: Path, data: bytes, root: Path, syncer: Syncer | None = N
     return FileEntry(path=path.relative_to(root).as_posix(), bytes=len(data), xxh3_64=digest)
 
 
+def write_bytes_to(sink: Sink, data: bytes, relpath: str) -> FileEntry:
+    """Write ``data`` through ``sink`` and close it; its manifest entry as ``relpath``."""
+    try:
+        sink.write(data)
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    return FileEntry(path=relpath, bytes=len(data), xxh3_64=checksum(data))
+
+
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> FileEntry:
     """Write ``tensors`` as one safetensors file, durably; return its manifest entry."""
     return write_tensor_file(path, tensors, root)[0]
@@ -75,15 +94,17 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], root: Path) -> F
 
 class ByteSource:
     """A tensor's bytes as they lie in a file (a range of a safetensors file, say), copied to a
-    new file without being decoded: ``write_tensor_file`` streams them through and hashes them
-    on the way. ``expect_xxh3`` (the checksum the source recorded for these bytes) is checked
+    new file without being decoded: ``stream_tensors`` streams them through and hashes them on
+    the way. ``expect_xxh3`` (the checksum the source recorded for these bytes) is checked
     against the bytes copied; a mismatch fails the write. ``dtype`` is a manifest dtype name
-    (``float32``): copying bytes needs no torch."""
+    (``float32``): copying bytes needs no torch. The file is a local ``path``, or ``key`` of a
+    ``storage`` (a run's file wherever the run lies; ``path`` then names it in messages)."""
 
-    def __init__(self, path: Path, offset: int, length: int, dtype: str, shape: tuple[int, ...],
-                 expect_xxh3: str | None = None):
-        self.path, self.offset, self.length = Path(path), offset, length
+    def __init__(self, path: Path | str, offset: int, length: int, dtype: str, shape: tuple[int, ...],
+                 expect_xxh3: str | None = None, *, storage: Storage | None = None, key: str | None = None):
+        self.path, self.offset, self.length = path if storage is not None else Path(path), offset, length
         self.dtype, self.shape, self.expect_xxh3 = dtypes.name_of(dtype), tuple(shape), expect_xxh3
+        self.storage, self.key = storage, key
 
     def numel(self) -> int:
         count = 1
@@ -119,7 +140,7 @@ def safetensors_layout(path: Path) -> tuple[int, dict[str, dict]]:
     format: a little-endian u64 header size, then the JSON header, then the data)."""
     with open(path, "rb") as handle:
         (size,) = struct.unpack("<Q", handle.read(8))
-        if size > 100 << 20:
+        if size > MAX_HEADER:
             raise IntegrityError(f"{path}: safetensors header of {size} bytes is not credible")
         header = json.loads(handle.read(size))
     return 8 + size, header
@@ -132,10 +153,22 @@ def write_tensor_file(
     metadata: dict[str, str] | None = None,
     syncer: Syncer | None = None,
 ) -> tuple[FileEntry, dict[str, str]]:
-    """Write ``tensors`` as one safetensors file, durably; return its manifest entry and the
-    xxh3-64 checksum of each tensor's bytes (both computed on the way out, in one pass).
+    """Write ``tensors`` as one safetensors file at ``path``, durably; return its manifest
+    entry (relative to ``root``) and the xxh3-64 checksum of each tensor's bytes (``stream_tensors``).
     With a ``syncer``, the final fsync is left to it (durable once ``syncer.drain()`` returns),
-    so the next file is written while this one is flushed.
+    so the next file is written while this one is flushed."""
+    from llmtailor.store.storage.local import LocalSink
+
+    entry, sums = stream_tensors(LocalSink(path, syncer), tensors, path.relative_to(root).as_posix(), metadata)
+    return entry, sums
+
+
+def stream_tensors(
+    sink: Sink, tensors: dict[str, torch.Tensor | ByteSource], relpath: str, metadata: dict[str, str] | None = None
+) -> tuple[FileEntry, dict[str, str]]:
+    """Write ``tensors`` as one safetensors file through ``sink`` (closed at the end, aborted on
+    failure); return its manifest entry as ``relpath`` and the xxh3-64 checksum of each
+    tensor's bytes (both computed on the way out, in one pass).
 
     Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
     to the CPU one tensor at a time; a ``ByteSource`` is copied from its file in pieces."""
@@ -150,38 +183,28 @@ def write_tensor_file(
     encoded += b" " * (-len(encoded) % 8)
     hasher = xxhash.xxh3_64()
     sums: dict[str, str] = {}
-    with open(path, "wb") as out:
+    try:
         head = struct.pack("<Q", len(encoded)) + encoded
         hasher.update(head)
-        out.write(head)
-        written = flushed = len(head)
+        sink.write(head)
         for key, tensor in ordered:
             piece_hasher = xxhash.xxh3_64()
             for piece in _pieces(tensor):
                 hasher.update(piece)
                 piece_hasher.update(piece)
-                out.write(piece)
-                written += len(piece)
-                if written - flushed >= _FLUSH_EVERY:  # a large file: keep its cache footprint bounded
-                    out.flush()
-                    if syncer is not None:
-                        syncer.submit(path, os.dup(out.fileno()), flushed, written, size=written - flushed)
-                    else:
-                        _make_durable(out.fileno(), flushed, written)
-                    flushed = written
+                sink.write(piece)
             sums[key] = piece_hasher.hexdigest()
             if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
                 raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
-        out.flush()
-        if syncer is not None:
-            syncer.submit(path, os.dup(out.fileno()), flushed, size=written - flushed)
-        else:
-            _make_durable(out.fileno(), flushed)
-    entry = FileEntry(path=path.relative_to(root).as_posix(), bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    entry = FileEntry(path=relpath, bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
     return entry, sums
 
 
-def _make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
+def make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
     """fsync a file, then drop its bytes ``[start, end)`` (to the end of the file by default)
     from the page cache: they are durable and will not be read soon, so a save's cache
     footprint stays about one unit instead of the whole checkpoint."""
@@ -200,7 +223,7 @@ class Syncer:
     interpreter begins to exit, and an async save still in flight when a script ends (one that
     forgot ``close()``) must still become durable while the interpreter waits for it."""
 
-    def __init__(self, depth: int = 2 * _FLUSH_EVERY):
+    def __init__(self, depth: int = 2 * FLUSH_EVERY):
         self._queue: queue.SimpleQueue[tuple[int, int, int | None, Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
         self._thread.start()
@@ -209,7 +232,7 @@ class Syncer:
 
     def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0) -> None:
         """Take over ``fd`` (a descriptor of a written file, ``size`` bytes not yet durable):
-        fsync it, drop ``[start, end)`` from the page cache (``_make_durable``), close it."""
+        fsync it, drop ``[start, end)`` from the page cache (``make_durable``), close it."""
         done: Future = Future()
         self._queue.put((fd, start, end, done))
         self._pending.append((path, done, size))
@@ -231,7 +254,7 @@ class Syncer:
         while (task := self._queue.get()) is not None:
             fd, start, end, done = task
             try:
-                _make_durable(fd, start, end)
+                make_durable(fd, start, end)
                 done.set_result(None)
             except BaseException as error:  # handed to the writer, which raises it
                 done.set_exception(error)
@@ -251,7 +274,7 @@ class Syncer:
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """xxh3-64 of a tensor's bytes, as ``write_tensor_file`` records it per tensor."""
+    """xxh3-64 of a tensor's bytes, as ``stream_tensors`` records it per tensor."""
     hasher = xxhash.xxh3_64()
     for piece in _pieces(tensor):
         hasher.update(piece)
@@ -271,7 +294,10 @@ def _pieces(tensor: torch.Tensor | ByteSource):
 
 
 def _file_pieces(source: ByteSource):
-    """The bytes of ``source``, read from its file in pieces into one reused buffer (no decode)."""
+    """The bytes of ``source``, read from its file in pieces (no decode)."""
+    if source.storage is not None:
+        yield from source.storage.pieces(source.key, source.offset, source.length)
+        return
     try:
         handle = open(source.path, "rb", buffering=0)
     except FileNotFoundError:
@@ -292,38 +318,163 @@ def _file_pieces(source: ByteSource):
             yield buffer[:got]
 
 
-def _checksum_of_open_file(handle) -> str:
-    size = os.fstat(handle.fileno()).st_size
-    if size == 0:
-        return checksum(b"")
-    with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-        return checksum(view)
+# -- reading a run's files through its storage -------------------------------------------------
 
 
-def _check_size(path: Path, size: int, entry: FileEntry) -> None:
+def _check_size(storage: Storage, key: str, entry: FileEntry) -> None:
+    size = storage.size(key)
+    if size is None:
+        raise IntegrityError(f"{storage.where(key)}: file is missing")
     if size != entry.bytes:
-        raise IntegrityError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or replaced)")
+        raise IntegrityError(f"{storage.where(key)}: {size} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
 
 
-def verify_file(root: Path, entry: FileEntry, within: Path | None = None) -> Path:
-    """``entry``'s path after checking its size and checksum against the manifest (and, with
-    ``within``, that it resolves inside that directory: ``confine``)."""
-    path = _located(root, entry, within)
+def verify_stored(storage: Storage, key: str, entry: FileEntry) -> None:
+    """Check the file ``key`` against its manifest ``entry``: size, then checksum (streamed)."""
+    _check_size(storage, key, entry)
+    hasher = xxhash.xxh3_64()
+    seen = 0
+    for piece in storage.pieces(key):
+        hasher.update(piece)
+        seen += len(piece)
+    if seen != entry.bytes:
+        raise IntegrityError(f"{storage.where(key)}: {seen} bytes read, manifest says {entry.bytes} (changed while read)")
+    if hasher.hexdigest() != entry.xxh3_64:
+        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+
+
+def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
+    """A problem with the file ``key`` (``verify_stored``), or None when it matches."""
     try:
-        with open(path, "rb") as handle:
-            _check_size(path, os.fstat(handle.fileno()).st_size, entry)
-            if _checksum_of_open_file(handle) != entry.xxh3_64:
-                raise IntegrityError(f"{path}: checksum mismatch (file is corrupted)")
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: file is missing") from None
-    except OSError as err:
-        raise IntegrityError(describe_os_error(err, path)) from None
-    return path
+        verify_stored(storage, key, entry)
+    except IntegrityError as err:
+        return str(err)
+    except StorageError as err:
+        return str(err)
+    return None
 
 
-def _located(root: Path, entry: FileEntry, within: Path | None) -> Path:
-    path = root / entry.path
-    return path if within is None else confine(path, within)
+def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray:
+    """The bytes of the file ``key``, read once and checked against ``entry`` (size and
+    checksum) before they are returned."""
+    data = storage.read(key)
+    if len(data) != entry.bytes:
+        raise IntegrityError(f"{storage.where(key)}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
+    if checksum(data) != entry.xxh3_64:
+        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+    return data if isinstance(data, bytearray) else bytearray(data)
+
+
+def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """Every tensor of a checked safetensors file (``read_stored``); never unpickles."""
+    return decode_tensors(read_stored(storage, key, entry), storage.where(key))
+
+
+def stored_header(storage: Storage, key: str, entry: FileEntry) -> tuple[int, dict[str, dict]]:
+    """``(offset of the data, header)`` of the safetensors file ``key``, from its header alone,
+    after checking its size against ``entry``."""
+    _check_size(storage, key, entry)
+    return parse_header(lambda start, length: storage.read_range(key, start, length), entry.bytes, storage.where(key))
+
+
+def parse_header(read, size: int, where: str) -> tuple[int, dict[str, dict]]:
+    """``(offset of the data, header)`` of a safetensors file of ``size`` bytes whose bytes
+    ``read(start, length)`` gives; IntegrityError naming ``where`` when it is not one."""
+    if size < 8:
+        raise IntegrityError(f"{where}: not a readable safetensors file (too short for a header)")
+    (length,) = struct.unpack("<Q", bytes(read(0, 8)))
+    if length > MAX_HEADER or 8 + length > size:
+        raise IntegrityError(f"{where}: not a readable safetensors file (header of {length} bytes)")
+    try:
+        header = json.loads(bytes(read(8, length)))
+    except (ValueError, RecursionError) as err:
+        raise IntegrityError(f"{where}: not a readable safetensors file (header: {err})") from None
+    if not isinstance(header, dict):
+        raise IntegrityError(f"{where}: not a readable safetensors file (header is not an object)")
+    data = 8 + length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            count = 1
+            for d in info["shape"]:
+                count *= int(d)
+            itemsize = dtypes.itemsize(dtypes.from_code(info["dtype"]))
+            valid = isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end and data + end <= size
+            valid = valid and end - begin == count * itemsize
+        except (TypeError, KeyError, ValueError, IntegrityError):
+            valid = False
+        if not valid:
+            raise IntegrityError(f"{where}: not a readable safetensors file (tensor {name!r} is malformed)")
+    return data, header
+
+
+def decode_tensors(data: bytearray, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a whole safetensors file held in ``data`` (views into it, no copy)."""
+    import torch
+
+    offset, header = parse_header(lambda start, length: memoryview(data)[start : start + length], len(data), where)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = dtypes.to_torch(dtypes.from_code(info["dtype"]))
+        begin, end = info["data_offsets"]
+        shape = [int(d) for d in info["shape"]]
+        if end == begin:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtypes.itemsize(dtypes.from_code(info["dtype"])),
+                                         offset=offset + begin).reshape(shape)
+    return out
+
+
+def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]]) -> None:
+    """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
+    it holds: each key present, with the manifest's dtype (by name) and shape."""
+    _, header = stored_header(storage, key, entry)
+    where = storage.where(key)
+    for name, (dtype, shape) in expected.items():
+        info = header.get(name)
+        if info is None or name == "__metadata__":
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        found = (dtypes.from_code(info["dtype"]), [int(d) for d in info["shape"]])
+        if found != (dtype, shape):
+            raise IntegrityError(f"{where}: tensor {name!r} is {info['dtype']} {found[1]}, manifest says {dtype} {shape}")
+
+
+def read_tensors(root: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """Load a verified safetensors file of the directory ``root`` (never unpickles)."""
+    from llmtailor.store.storage.local import LocalStorage
+
+    return read_stored_tensors(LocalStorage(root), entry.path, entry)
+
+
+def read_checked_tensors(storage: Storage, key: str, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (name -> xxh3-64 of its bytes) of the safetensors file ``key``,
+    each read alone (its byte range) and checked against its checksum: for a large file of
+    which only a few tensors are wanted (a base model's shard); never unpickles."""
+    import torch
+
+    size = storage.size(key)
+    if size is None:
+        raise IntegrityError(f"{storage.where(key)}: file is missing")
+    where = storage.where(key)
+    offset, header = parse_header(lambda start, length: storage.read_range(key, start, length), size, where)
+    out = {}
+    for name, expected in names.items():
+        info = header.get(name)
+        if info is None or name == "__metadata__":
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        begin, end = info["data_offsets"]
+        data = bytearray(storage.read_range(key, offset + begin, end - begin))
+        if checksum(data) != expected:
+            raise IntegrityError(f"{where}: tensor {name!r} differs from the one the run recorded (checksum mismatch)")
+        dtype = dtypes.to_torch(dtypes.from_code(info["dtype"]))
+        shape = [int(d) for d in info["shape"]]
+        out[name] = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+    return out
 
 
 def confine(path: Path, within: Path) -> Path:
@@ -336,82 +487,6 @@ def confine(path: Path, within: Path) -> Path:
             f"{path}: resolves to {real}, outside the run {within}; llmtailor does not follow links out of a run"
         )
     return path
-
-
-def check_header(root: Path, entry: FileEntry, expected: dict[str, tuple[str, list[int]]], within: Path | None = None) -> None:
-    """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
-    it holds: each key present, with the manifest's dtype (by name) and shape."""
-    path = _located(root, entry, within)
-    try:
-        _check_size(path, path.stat().st_size, entry)
-        with safe_open(path, "pt") as handle:
-            present = set(handle.keys())
-            for key, (dtype, shape) in expected.items():
-                if key not in present:
-                    raise IntegrityError(f"{path}: tensor {key!r} is missing")
-                piece = handle.get_slice(key)
-                found = (dtypes.from_code(piece.get_dtype()), list(piece.get_shape()))
-                if found != (dtype, shape):
-                    raise IntegrityError(
-                        f"{path}: tensor {key!r} is {piece.get_dtype()} {found[1]}, manifest says {dtype} {shape}"
-                    )
-    except SafetensorError as err:
-        raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
-    except OSError as err:
-        raise IntegrityError(describe_open_error(err, path)) from None
-
-
-def read_verified(root: Path, entry: FileEntry, within: Path | None = None) -> bytes:
-    """The bytes of ``entry``'s (small) file, after checking size and checksum. (Read again
-    after the check: a small file, and the check must not hold its bytes.)"""
-    path = verify_file(root, entry, within)
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise IntegrityError(describe_os_error(err, path)) from None
-
-
-def read_tensors(root: Path, entry: FileEntry, within: Path | None = None) -> dict[str, torch.Tensor]:
-    """Load a verified safetensors file (never unpickles)."""
-    from safetensors.torch import load_file
-
-    path = verify_file(root, entry, within)
-    try:
-        return load_file(path)
-    except SafetensorError as err:
-        raise IntegrityError(f"{path}: not a valid safetensors file ({err})") from None
-    except OSError as err:
-        raise IntegrityError(describe_open_error(err, path)) from None
-
-
-def read_checked_tensors(path: Path, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` (name -> xxh3-64 of its bytes) of the safetensors file ``path``,
-    each read alone and checked against its checksum: for a large file of which only a few
-    tensors are wanted (a base model's shard), never unpickles."""
-    from safetensors.torch import safe_open as open_tensors
-
-    out = {}
-    try:
-        with open_tensors(str(path), framework="pt") as handle:
-            for name, expected in names.items():
-                tensor = handle.get_tensor(name)
-                if tensor_checksum(tensor) != expected:
-                    raise IntegrityError(f"{path}: tensor {name!r} differs from the one the run recorded (checksum mismatch)")
-                out[name] = tensor
-    except SafetensorError as err:
-        raise IntegrityError(f"{path}: cannot read ({err})") from None
-    except OSError as err:
-        raise IntegrityError(describe_open_error(err, path)) from None
-    return out
-
-
-def check_file(root: Path, entry: FileEntry, within: Path | None = None) -> str | None:
-    """A problem with ``entry``'s file, or None when size and checksum match."""
-    try:
-        verify_file(root, entry, within)
-    except IntegrityError as err:
-        return str(err)
-    return None
 
 
 def fsync_file(path: Path) -> None:
@@ -440,10 +515,15 @@ def fsync_dir(path: Path) -> None:
 
 def replace_text_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
+    replace_bytes_atomically(path, text.encode("utf-8"))
+
+
+def replace_bytes_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as out:
-            out.write(text)
+        with open(tmp, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

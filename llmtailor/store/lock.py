@@ -1,4 +1,9 @@
-"""Locks of a run directory: one writer per run, and reader leases on snapshots.
+"""Locks of a run: one writer per run, and reader leases on snapshots.
+
+``WriterLock`` is the rule (one writer per run, shared by the Tailors of one process, leftovers
+of crashed writers cleared by the holder); each storage brings its mechanism
+(``Storage.writer_lock``, ``Storage.lease_for_reading``). What follows is the local
+filesystem's; an object store's is in ``store.storage.objects``.
 
 **Writer lock.** An exclusive advisory lock on ``RUN/.lock``. ``flock`` is released by the
 kernel when its holder exits, however it exits (SIGKILL included), so a lock can never be
@@ -24,13 +29,17 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import shutil
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR
 from llmtailor.errors import TailorError
 from llmtailor.store.files import StorageError, describe_os_error
+from llmtailor.store.storage.base import Lease as LeaseBase, WriterLockBackend
+
+if TYPE_CHECKING:
+    from llmtailor.store.storage.base import Storage
 
 LEASE_FILE = ".readers"
 """The lease file inside each snapshot directory (empty; never listed in a manifest)."""
@@ -73,35 +82,136 @@ def _foreign_kind(path: Path) -> str | None:
 
 
 class WriterLock:
-    """Exclusive write access to a run directory, held until ``release`` or process exit.
+    """Exclusive write access to a run, held until ``release`` or process exit. The run is a
+    local directory (``flock``, module docstring) or an object-store URL (a lease object:
+    ``store.storage.objects``); ``root`` is a path, a URL or a ``Storage``.
 
-    ``new_run=True`` (a writer): the directory may also be missing or empty, and becomes a
+    ``new_run=True`` (a writer): the location may also be missing or empty, and becomes a
     run. ``new_run=False`` (gc): it must already be a run."""
 
-    def __init__(self, root: Path, *, new_run: bool = True):
-        self.root = root
+    def __init__(self, root: Path | str | Storage, *, new_run: bool = True, storage_options: dict | None = None):
+        from llmtailor.store.storage import open_storage
+
+        self.storage = open_storage(root, storage_options)
+        self.root = self.storage.root
         self.new_run = new_run
-        self._handle = None
+        self._backend: WriterLockBackend | None = None
 
     @property
     def held(self) -> bool:
-        return self._handle is not None
+        return self._backend is not None
 
     def acquire(self) -> None:
-        """Take the lock or raise TailorError naming the holder (or saying why the directory
+        """Take the lock or raise TailorError naming the holder (or saying why the location
         is not a run); then clear what crashed writers left behind.
 
         Within one process the lock is shared: a second ``Tailor`` of the same run (one that
         saved, another that restores) holds it too, and only the first clears leftovers (the
-        other's save may be in flight in ``.tmp/``). Between processes it is exclusive."""
+        other's save may be in flight). Between processes it is exclusive."""
         if self.held:
             return
-        key = _key(self.root)
+        key = self._key()
         if key in _HELD:
             _HELD[key][1] += 1
-            self._handle = _HELD[key][0]
+            self._backend = _HELD[key][0]
             return
         self._refuse_non_run()
+        backend = self.storage.writer_lock()
+        backend.take()
+        self._backend = backend
+        _HELD[key] = [backend, 1, None]
+        self.storage.clear_leftovers()
+
+    def claim(self) -> None:
+        """``acquire``, and be the one writer of this process's share of the lock: another
+        holder of it in this process that writes (a second Tailor saving to the run) is
+        refused until this one releases."""
+        self.acquire()
+        held = _HELD.get(self._key())
+        if held is None:  # not shared (acquired before the registry knew it): exclusive anyway
+            return
+        if held[2] not in (None, id(self)):
+            raise TailorError(
+                f"{self.root} is being written by another writer ({_holder()}, another Tailor of this process); "
+                "a run has one writer at a time"
+            )
+        held[2] = id(self)
+
+    def check_held(self) -> None:
+        """Raise TailorError if the lock was lost since it was taken (an object-store lease
+        another writer took over after this one failed to renew it)."""
+        if self._backend is not None:
+            self._backend.check_held()
+
+    def acquire_or_look(self) -> None:
+        """``acquire`` where the run can be written; where it cannot (a read-only copy), only
+        refuse a run another process holds: restoring from it still works, saving will fail
+        then, naming why."""
+        try:
+            self.acquire()
+        except StorageError as err:
+            if err.errno not in _CANNOT_CREATE:
+                raise
+            self.refuse_if_held()
+
+    def refuse_if_held(self) -> None:
+        """Raise TailorError naming the holder when another process holds the lock now; take
+        nothing (a reader may only read the run, even a read-only one). A writer calls it when
+        it is built, so a second trainer fails before it trains; ``acquire`` at its first save
+        still decides a race between two that both looked."""
+        holder = self.storage.writer_lock().holder_if_other()
+        if holder is not None and holder != _holder():  # this very process (another Tailor of it) may hold it
+            raise TailorError(f"{self.root} is being written by another writer ({holder}); a run has one writer at a time")
+
+    def _refuse_non_run(self) -> None:
+        why = self.storage.describe_non_run()
+        if why is None:
+            return
+        if self.new_run and self.storage.is_fresh():
+            return
+        raise TailorError(f"{why}; refusing to {'write into' if self.new_run else 'clean'} it")
+
+    def _key(self) -> str:
+        return f"{type(self.storage).__name__}:{self.storage.identity()}"
+
+    def release(self) -> None:
+        if self._backend is None:
+            return
+        key = self._key()
+        held = _HELD.get(key)
+        if held is not None and held[0] is self._backend:
+            held[1] -= 1
+            if held[2] == id(self):
+                held[2] = None
+            if held[1] == 0:
+                del _HELD[key]
+                self._backend.release()
+        else:
+            self._backend.release()
+        self._backend = None
+
+    def __del__(self) -> None:
+        self.release()  # a Tailor dropped without close(): its share of the lock goes with it
+
+
+_HELD: dict[str, list] = {}
+"""The runs this process holds the lock of: storage identity -> [lock backend, holders, id of
+the holder that writes (or None)]."""
+
+
+def _holder() -> str:
+    """How the lock file names its holder: this process."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+class FlockWriter(WriterLockBackend):
+    """The writer lock of a local run: ``flock(LOCK_EX)`` on ``RUN/.lock`` (module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._handle = None
+
+    def take(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             handle = open(self.root / LOCK_FILE, "a+", encoding="utf-8")
@@ -125,108 +235,30 @@ class WriterLock:
             handle.close()
             raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root / LOCK_FILE)}", err) from None
         self._handle = handle
-        _HELD[key] = [handle, 1, None]
-        for leftover in (TMP_DIR, TRASH_DIR):
-            shutil.rmtree(self.root / leftover, ignore_errors=True)
 
-    def claim(self) -> None:
-        """``acquire``, and be the one writer of this process's share of the lock: another
-        holder of it in this process that writes (a second Tailor saving to the run) is
-        refused until this one releases."""
-        self.acquire()
-        held = _HELD.get(_key(self.root))
-        if held is None:  # not shared (acquired before the registry knew it): exclusive anyway
-            return
-        if held[2] not in (None, id(self)):
-            raise TailorError(
-                f"{self.root} is being written by another writer ({_holder()}, another Tailor of this process); "
-                "a run has one writer at a time"
-            )
-        held[2] = id(self)
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the descriptor releases the flock
+            self._handle = None
 
-    def acquire_or_look(self) -> None:
-        """``acquire`` where the run can be written; where it cannot (a read-only copy), only
-        refuse a run another process holds: restoring from it still works, saving will fail
-        then, naming why."""
-        try:
-            self.acquire()
-        except StorageError as err:
-            if err.errno not in _CANNOT_CREATE:
-                raise
-            self.refuse_if_held()
-
-    def refuse_if_held(self) -> None:
-        """Raise TailorError naming the holder when another process holds the lock now; take
-        nothing (a reader may only read the run, even a read-only one). A writer calls it when
-        it is built, so a second trainer fails before it trains; ``acquire`` at its first save
-        still decides a race between two that both looked."""
+    def holder_if_other(self) -> str | None:
         try:
             fd = os.open(self.root / LOCK_FILE, os.O_RDONLY)
         except OSError:
-            return  # no lock file (a new run), or not readable: the first save will tell
+            return None  # no lock file (a new run), or not readable: the first save will tell
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts only with a writer's LOCK_EX
             except BlockingIOError:
                 with os.fdopen(os.dup(fd), encoding="utf-8") as handle:
-                    holder = handle.read().strip()
-                if holder != _holder():  # this very process (another Tailor of it) may hold it
-                    raise TailorError(
-                        f"{self.root} is being written by another writer ({holder or 'unknown process'}); "
-                        "a run has one writer at a time"
-                    ) from None
-                return
+                    return handle.read().strip() or "unknown process"
             fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
         finally:
             os.close(fd)
 
-    def _refuse_non_run(self) -> None:
-        why = describe_non_run(self.root)
-        if why is None:
-            return
-        try:
-            fresh = not self.root.exists() or (self.root.is_dir() and not any(self.root.iterdir()))
-        except OSError as err:
-            raise StorageError(describe_os_error(err, self.root), err) from None
-        if self.new_run and fresh:
-            return
-        raise TailorError(f"{why}; refusing to {'write into' if self.new_run else 'clean'} it")
 
-    def release(self) -> None:
-        if self._handle is None:
-            return
-        key = _key(self.root)
-        held = _HELD.get(key)
-        if held is not None and held[0] is self._handle:
-            held[1] -= 1
-            if held[2] == id(self):
-                held[2] = None
-            if held[1] == 0:
-                del _HELD[key]
-                self._handle.close()  # closing the descriptor releases the flock
-        else:
-            self._handle.close()
-        self._handle = None
-
-    def __del__(self) -> None:
-        self.release()  # a Tailor dropped without close(): its share of the lock goes with it
-
-
-_HELD: dict[str, list] = {}
-"""The runs this process holds the lock of: resolved root -> [lock file handle, holders, id of
-the holder that writes (or None)]."""
-
-
-def _key(root: Path) -> str:
-    return os.path.realpath(root)
-
-
-def _holder() -> str:
-    """How the lock file names its holder: this process."""
-    return f"pid {os.getpid()} on {socket.gethostname()}"
-
-
-class Lease:
+class Lease(LeaseBase):
     """A lease on one snapshot (module docstring), held until ``release``. ``held`` is False
     for a snapshot that cannot be leased (its directory is not writable and holds no lease
     file): it is read unprotected."""

@@ -299,30 +299,39 @@ def _overlapping(chunks: list[Chunk]) -> bool:
 
 
 def load_manifest(path: Path, step: int | None = None) -> Manifest:
-    """Read and validate ``path`` (strictly: a step written as ``"200"`` is refused); every
-    problem becomes a TailorError naming the file. With ``step`` (the step its directory
+    """Read and validate the manifest file ``path`` (``parse_manifest``)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: manifest is missing") from None
+    except OSError as err:
+        raise IntegrityError(f"{path}: cannot read manifest ({err})") from None
+    return parse_manifest(raw, str(path), step)
+
+
+def parse_manifest(raw: bytes, where: str, step: int | None = None) -> Manifest:
+    """Validate a manifest's bytes (strictly: a step written as ``"200"`` is refused); every
+    problem becomes a TailorError naming ``where``. With ``step`` (the step its directory
     names), a manifest of another step is refused as that, before its other fields are judged
     (a moved or copied manifest would otherwise fail on a field that depends on the step)."""
     try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: manifest is missing") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise IntegrityError(f"{path}: cannot read manifest ({err})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise IntegrityError(f"{where}: cannot read manifest ({err})") from None
     if step is not None:
         try:
-            said = json.loads(raw).get("step")
+            said = json.loads(text).get("step")
         except (ValueError, AttributeError, RecursionError):
             said = step  # not a JSON object: validation below names the problem
         if said != step and isinstance(said, int) and not isinstance(said, bool):
-            raise IntegrityError(f"{path}: manifest says step {said}, its directory says step {step}")
+            raise IntegrityError(f"{where}: manifest says step {said}, its directory says step {step}")
     try:
-        return Manifest.model_validate_json(raw)
+        return Manifest.model_validate_json(text)
     except ValidationError as err:
-        raise TailorError(f"{path}: invalid manifest: {describe_validation(err)}") from None
+        raise TailorError(f"{where}: invalid manifest: {describe_validation(err)}") from None
 
 
-def load_unit_entry(raw: bytes, path: Path, unit: str, step: int) -> UnitEntry:
+def load_unit_entry(raw: bytes, path: Path | str, unit: str, step: int) -> UnitEntry:
     """Validate a unit index's (checksummed) bytes; every problem becomes a TailorError naming
     the file."""
     try:

@@ -1,23 +1,22 @@
 """Reading parts of tensors from committed snapshots, by byte range.
 
-A rank restoring its own shards reads only the boxes of the stored chunks that overlap them
-(safetensors slices: only those bytes are read from the file). ``verify=True`` reads each
+A rank restoring its own shards reads only the boxes of the stored chunks that overlap them:
+the file's header, then the byte range of each box, from a local file or an object store
+alike (``Storage.read_range``). ``verify=True`` reads each
 chunk it touches whole, once, and checks it against the chunk's checksum in the unit index
 before slicing it; ``verify=False`` reads only the byte ranges needed and leaves checking to ``llmtailor verify``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-from safetensors import SafetensorError, safe_open
 
 from llmtailor.errors import IntegrityError
 from llmtailor.store import dtypes
-from llmtailor.store.files import describe_open_error, tensor_checksum
+from llmtailor.store.files import checksum, stored_header
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
+from llmtailor.store.storage import Storage
 
 if TYPE_CHECKING:
     import torch
@@ -65,17 +64,17 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, length: int) -> list[Bo
 
 
 class ChunkReader:
-    """Reads boxes of chunks of one run's snapshots (module docstring). Keeps the files it has
-    opened (memory maps) and the chunks it has checked until ``close``."""
+    """Reads boxes of chunks of one run's snapshots (module docstring). Keeps the headers of
+    the files it has read and the chunk it checked last until ``close``."""
 
     def __init__(self, run: Run, verify: bool = True):
         self.run = run
         self.verify = verify
-        self._handles: dict[Path, object] = {}
+        self._headers: dict[tuple[str, str], tuple[int, dict]] = {}
         self._checked: dict[tuple, torch.Tensor] = {}
 
     def close(self) -> None:
-        self._handles.clear()
+        self._headers.clear()
         self._checked.clear()
 
     def read_box(
@@ -83,10 +82,10 @@ class ChunkReader:
     ) -> torch.Tensor:
         """The box (``offsets``/``shape`` relative to the chunk) of ``chunk`` of ``tensor``, in
         the index ``unit`` of the snapshot at ``step``."""
-        index = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
         if self.verify:
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
             return self._checked_chunk(step, unit, tensor, chunk)[index]
-        return self._slice(step, unit, tensor, chunk)[index or ...]
+        return self._read_box(step, unit, tensor, chunk, tuple(offsets), tuple(shape))
 
     def read_region(
         self, step: int, unit: UnitEntry, tensor: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]
@@ -113,39 +112,67 @@ class ChunkReader:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _slice(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk):
+    def _located(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> tuple[Storage, str, int]:
+        """The storage and key of the file holding ``chunk``, and where its bytes begin there
+        (checked against the file's header: the key present, with the index's dtype and shape)."""
         file = unit.chunk_file(chunk)
-        path = (self.run.snapshot_dir(step if file.origin is None else file.origin) / file.path
-                if file.origin != "base" else None)
-        key = tensor.chunk_key(chunk)
-        try:
-            handle = self._handles.get(path) if path is not None else None
-            if handle is None:
-                path = self.run.file_path(step, file)  # checked once per file: its handle is kept
-                handle = self._handles[path] = safe_open(str(path), framework="pt")
-            piece = handle.get_slice(key)
-        except SafetensorError as err:
-            raise IntegrityError(f"{path}: cannot read tensor {key!r} ({err})") from None
-        except OSError as err:
-            raise IntegrityError(describe_open_error(err, path)) from None
-        if list(piece.get_shape()) != chunk.shape or dtypes.code_of(tensor.dtype) != piece.get_dtype():
-            raise IntegrityError(
-                f"{path}: tensor {key!r} is {piece.get_dtype()} {piece.get_shape()}, index says {tensor.dtype} {chunk.shape}"
-            )
-        return piece
+        storage, key = self.run.file_location(step, file)
+        cached = (storage.identity(), key)
+        if cached not in self._headers:
+            self._headers[cached] = stored_header(storage, key, file)
+        data, header = self._headers[cached]
+        name = tensor.chunk_key(chunk)
+        info = header.get(name) if name != "__metadata__" else None
+        where = storage.where(key)
+        if info is None:
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        if [int(d) for d in info["shape"]] != chunk.shape or dtypes.code_of(tensor.dtype) != info["dtype"]:
+            raise IntegrityError(f"{where}: tensor {name!r} is {info['dtype']} {info['shape']}, index says {tensor.dtype} {chunk.shape}")
+        return storage, key, data + info["data_offsets"][0]
+
+    def _read_box(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk,
+                  offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """Only the bytes of the box: the span from its first to its last element in the
+        chunk's row-major order (exact for a box of whole rows, or inside one row)."""
+        import torch
+
+        if _numel(shape) == 0:
+            return torch.empty(shape, dtype=tensor.torch_dtype)
+        storage, key, begin = self._located(step, unit, tensor, chunk)
+        strides = _strides(chunk.shape)
+        first = sum(o * s for o, s in zip(offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, shape, strides))
+        item = dtypes.itemsize(tensor.dtype)
+        data = bytearray(storage.read_range(key, begin + first * item, (last - first + 1) * item))
+        span = torch.frombuffer(data, dtype=tensor.torch_dtype)
+        return span.as_strided(shape, strides)
 
     def _checked_chunk(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
+        import torch
+
         # A chunk is named by its offsets, not its file: one rank's file holds several chunks of
         # a tensor when a flat ZeRO fragment starts or ends mid-row.
         cache_key = (step, unit.unit, tensor.key, chunk.file, tuple(chunk.offsets))
         if cache_key not in self._checked:
-            whole = self._slice(step, unit, tensor, chunk)[...]
-            if tensor_checksum(whole) != chunk.xxh3_64:
-                path = self.run.file_path(step, unit.chunk_file(chunk))
-                raise IntegrityError(f"{path}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} (file is corrupted)")
+            storage, key, begin = self._located(step, unit, tensor, chunk)
+            length = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
+            data = bytearray(storage.read_range(key, begin, length)) if length else bytearray()
+            if checksum(data) != chunk.xxh3_64:
+                raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
+                                     "(file is corrupted)")
+            whole = (torch.frombuffer(data, dtype=tensor.torch_dtype).reshape(chunk.shape) if length
+                     else torch.empty(chunk.shape, dtype=tensor.torch_dtype))
             # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
             self._checked = {cache_key: whole}
         return self._checked[cache_key]
+
+
+def _strides(shape: list[int]) -> list[int]:
+    strides, running = [], 1
+    for d in reversed(shape):
+        strides.append(running)
+        running *= d
+    return list(reversed(strides))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

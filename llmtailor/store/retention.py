@@ -5,31 +5,26 @@ ancestors along the ``parent`` links, so snapshots of an abandoned branch (writt
 restore of an older step) are never counted as kept. A snapshot survives when it is one of
 those composites or a composite table of one names it.
 
-Deleting is crash-safe: each doomed snapshot directory is first renamed into ``.trash/``
-(atomic; from then on it is not a committed snapshot and nothing refers to it), the rename
-is made durable, and only then is the directory removed. A crash at any point leaves every
-kept composite whole; leftovers in ``.trash/`` are removed by the next writer.
+Deleting is crash-safe: each doomed snapshot is first made not a snapshot, at once and
+durably (``Storage.discard_snapshot``: locally, its directory renamed into ``.trash/``; on an
+object store, its manifest deleted first), and only then are its files removed. A crash at any
+point leaves every kept composite whole; leftovers are removed by the next writer.
 
-Deleting never pulls files from under a reader: a snapshot is moved only while retention
-holds its lease exclusively (``store.lock``); one a reader holds is left in place for the next
-retention (logged). A reader that comes after the move finds the snapshot gone, never half.
+Deleting never pulls files from under a reader: a snapshot is discarded only while retention
+holds its removal lease (``Storage.lease_for_removal``); one a reader holds is left in place
+for the next retention (logged). A reader that comes after finds the snapshot gone, never half.
 """
 
 from __future__ import annotations
 
 import logging
 from itertools import islice
-import os
-import shutil
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from llmtailor.constants import TRASH_DIR
 from llmtailor.errors import ConfigError, TailorError
-from llmtailor.store.files import describe_os_error, fsync_dir
-from llmtailor.store.lock import Lease, lease_for_removal
+from llmtailor.store.files import describe_os_error
 from llmtailor.store.run import Run
+from llmtailor.store.storage import Lease
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +44,7 @@ class RetentionOutcome:
     """What ``apply_retention`` did."""
 
     deleted: list[int] = field(default_factory=list)
-    """Snapshots moved out of ``snapshots/`` (their files removed, or left in ``.trash/``)."""
+    """Snapshots discarded (their files removed, or left for the next writer)."""
     in_use: list[int] = field(default_factory=list)
     """Doomed snapshots a reader held: left in place for the next retention."""
     problems: list[str] = field(default_factory=list)
@@ -85,17 +80,16 @@ def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
     writer lock."""
     if not plan.delete:
         return RetentionOutcome()
-    trash = run.root / TRASH_DIR
-    moved: list[tuple[int, Path]] = []
+    storage = run.storage
+    moved: list[tuple[int, str]] = []
     in_use: list[int] = []
     problems: list[str] = []
     claims: list[Lease] = []
     try:
-        trash.mkdir(exist_ok=True)
         for step in plan.delete:
-            source = run.snapshot_dir(step)
+            source = run.snapshot_key(step)
             try:
-                claim = lease_for_removal(source)
+                claim = storage.lease_for_removal(source)
             except TailorError as err:
                 problems.append(f"could not remove snapshot {step}: {err}")
                 continue
@@ -103,23 +97,20 @@ def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
                 in_use.append(step)
                 continue
             claims.append(claim)
-            target = trash / f"{source.name}.{uuid.uuid4().hex[:8]}"
             try:
-                os.rename(source, target)
-                moved.append((step, target))
+                moved.append((step, storage.discard_snapshot(source)))
+            except TailorError as err:
+                problems.append(f"could not remove snapshot {step}: {err}")
             except OSError as err:
-                problems.append(f"could not remove snapshot {step}: {describe_os_error(err, source)}")
-        fsync_dir(run.snapshots_dir)
-    except OSError as err:
-        problems.append(f"could not remove snapshots: {describe_os_error(err)}")
+                problems.append(f"could not remove snapshot {step}: {describe_os_error(err, storage.where(source))}")
     finally:
         for claim in claims:  # a reader waiting on one now finds its snapshot gone
             claim.release()
-    for _, target in moved:
+    for _, token in moved:
         try:
-            shutil.rmtree(target)
-        except OSError as err:
-            problems.append(f"{target}: could not delete ({err.strerror}); the next writer retries")
+            storage.purge(token)
+        except (TailorError, OSError) as err:
+            problems.append(str(err))
     if in_use:
         log.info("llmtailor retention: snapshot(s) %s are being read; left for the next retention", in_use)
     for problem in problems:

@@ -1,6 +1,8 @@
-"""A run directory: its committed snapshots, its ``latest`` pointer and its composites.
+"""A run: its committed snapshots, its ``latest`` pointer and its composites.
 
-Layout on disk::
+A run lives at a local directory or an object-store URL; every byte is read through its
+``Storage`` (``store.storage``), so what follows holds for both. Layout (directories are key
+prefixes on an object store)::
 
     RUN/
       latest                       name of the newest committed snapshot (replaced atomically)
@@ -15,14 +17,15 @@ Layout on disk::
         units/<unit>.safetensors   weights and optimizer state of each unit saved at this step
                                    (units/<unit>.rank-00001.safetensors: rank 1's pieces of it)
         .readers                   the snapshot's reader lease (``store.lock``; not in the manifest)
-      .tmp/                        snapshots being written; never read
+      .tmp/                        snapshots being written (local runs); never read
 
 This module only reads; ``writer.py`` writes.
 
 Invariants of reading:
 
-- Every file read resolves (symlinks followed) inside the run root, itself resolved first: a
-  link out of the run is refused with an IntegrityError naming it.
+- Every file read lies inside the run: a local run's files resolve (symlinks followed) inside
+  its root, itself resolved first; a link out of the run is refused with an IntegrityError
+  naming it.
 - A reader that must not lose what it reads to retention (``gc``, ``keep=K``) holds a lease on
   every snapshot of its composite (``reading``): retention leaves leased snapshots in place.
   A composite that lost a snapshot before its lease was taken is never read in part: it is
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,18 +56,15 @@ from llmtailor.constants import (
 )
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.store.files import (
-    StorageError,
-    check_file,
-    check_header,
-    confine,
+    check_stored_header,
     read_checked_tensors,
-    describe_os_error,
-    read_tensors,
-    read_verified,
+    read_stored,
+    read_stored_tensors,
+    stored_problem,
 )
-from llmtailor.store.lock import Lease, lease_for_reading
+from llmtailor.store.storage import Lease, Storage, open_storage
 from llmtailor.store import dtypes
-from llmtailor.store.manifest import Chunk, FileEntry, Manifest, TensorEntry, UnitEntry, load_manifest, load_unit_entry
+from llmtailor.store.manifest import Chunk, FileEntry, Manifest, TensorEntry, UnitEntry, load_unit_entry, parse_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +96,7 @@ class Verification:
     """Snapshots whose files were checked, ascending."""
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    base_checked: set[tuple[Path, str]] = field(default_factory=set)
+    base_checked: set[tuple[str, str]] = field(default_factory=set)
     """Base model directory files checked (each once)."""
 
 
@@ -114,12 +113,9 @@ class ReadLeases:
         snapshot of the run. A snapshot directory that resolves outside the run raises."""
         if step in self._held:
             return True
-        directory = self.run.snapshot_root(step)
-        try:
-            committed = (directory / MANIFEST_FILE).is_file()
-        except OSError as err:
-            raise StorageError(describe_os_error(err, directory), err) from None
-        lease = lease_for_reading(directory) if committed else None
+        snapshot = self.run.snapshot_key(step)
+        storage = self.run.storage
+        lease = storage.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
         if lease is None:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False
@@ -146,63 +142,67 @@ class ReadLeases:
 
 
 class Run:
-    """Read access to a run directory. Manifests are cached; tensor bytes are read per unit."""
+    """Read access to a run, at a local path or an object-store URL (``storage_options``: the
+    store's options, ``store.storage.open_storage``). Manifests are cached; tensor bytes are
+    read per unit."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
+    def __init__(self, root: str | Path | Storage, storage_options: dict[str, Any] | None = None):
+        self.storage: Storage = open_storage(root, storage_options)
+        self.root = self.storage.root
         self._manifests: dict[int, Manifest] = {}
         self._units: dict[tuple[int, str], UnitEntry] = {}
+        self._bases: dict[str, Storage] = {}
 
     @property
-    def snapshots_dir(self) -> Path:
-        return self.root / SNAPSHOTS_DIR
+    def is_local(self) -> bool:
+        return isinstance(self.root, Path)
 
     @property
     def tmp_dir(self) -> Path:
-        return self.root / TMP_DIR
+        """Where a local run's snapshots are written before their commit."""
+        return self._local_path(TMP_DIR)
 
     def snapshot_dir(self, step: int) -> Path:
-        return self.snapshots_dir / snapshot_dirname(step)
+        """The directory of the snapshot of ``step`` (a local run's)."""
+        return self._local_path(self.snapshot_key(step))
 
-    def boundary(self) -> Path:
-        """The run root with every symlink resolved: no file outside it is read."""
-        return Path(os.path.realpath(self.root))
+    def _local_path(self, key: str) -> Path:
+        if not isinstance(self.root, Path):
+            raise TailorError(f"{self.root} is not a local directory (no path for {key})")
+        return self.root / key
 
-    def snapshot_root(self, step: int) -> Path:
-        """``snapshot_dir(step)``, checked to resolve inside the run (IntegrityError if not)."""
-        return confine(self.snapshot_dir(step), self.boundary())
+    @staticmethod
+    def snapshot_key(step: int) -> str:
+        """Where the snapshot of ``step`` lies in the run (``snapshots/step-00000100``)."""
+        return f"{SNAPSHOTS_DIR}/{snapshot_dirname(step)}"
+
+    def where(self, step: int, relpath: str = "") -> str:
+        """How a message names a file of the snapshot of ``step``."""
+        return self.storage.where(f"{self.snapshot_key(step)}/{relpath}" if relpath else self.snapshot_key(step))
 
     def steps(self) -> list[int]:
         """Steps of the committed snapshots (those whose manifest exists), ascending."""
         found = []
-        try:
-            if not self.snapshots_dir.is_dir():
-                return []
-            for child in self.snapshots_dir.iterdir():
-                step = parse_snapshot_name(child.name)
-                if step is not None and (child / MANIFEST_FILE).is_file():
-                    found.append(step)
-        except OSError as err:
-            raise StorageError(describe_os_error(err, self.snapshots_dir), err) from None
+        for name in self.storage.list_dir(SNAPSHOTS_DIR):
+            step = parse_snapshot_name(name)
+            if step is not None and self.storage.is_file(f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}"):
+                found.append(step)
         return sorted(found)
 
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
-            path = self.snapshot_root(step) / MANIFEST_FILE
-            try:
-                present = path.is_file()
-            except OSError as err:
-                raise StorageError(describe_os_error(err, path), err) from None
-            if not present:
+            key = f"{self.snapshot_key(step)}/{MANIFEST_FILE}"
+            if not self.storage.is_file(key):
                 raise SnapshotNotFoundError(self._no_snapshot_message(step))
             try:
-                manifest = load_manifest(confine(path, self.boundary()))
+                raw = self.storage.read(key)
             except IntegrityError:
-                if not path.exists():  # removed (by retention) since it was found
+                if not self.storage.is_file(key):  # removed (by retention) since it was found
                     raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
                 raise
+            manifest = parse_manifest(bytes(raw), self.storage.where(key))
             if manifest.step != step:
-                raise IntegrityError(f"{path}: manifest says step {manifest.step}, directory says {step}")
+                raise IntegrityError(f"{self.storage.where(key)}: manifest says step {manifest.step}, directory says {step}")
             self._manifests[step] = manifest
         return self._manifests[step]
 
@@ -276,8 +276,8 @@ class Run:
 
     def _read_pointer(self) -> int | None:
         try:
-            name = (self.root / LATEST_FILE).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
+            name = bytes(self.storage.read(LATEST_FILE)).decode("utf-8").strip()
+        except (TailorError, OSError, UnicodeDecodeError):
             return None  # a damaged pointer is ignored: the newest committed snapshot stands in
         return parse_snapshot_name(name)
 
@@ -294,7 +294,7 @@ class Run:
             try:
                 return self.resolve(newest)
             except SnapshotNotFoundError:
-                if self.snapshot_dir(newest).exists():
+                if self.storage.exists(self.snapshot_key(newest)):
                     raise  # still there: not a snapshot removed meanwhile
         raise SnapshotNotFoundError(self._unsettled_message())
 
@@ -367,8 +367,9 @@ class Run:
             ref = manifest.units.get(unit)
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
-            root = self.snapshot_root(step)
-            self._cache(key, load_unit_entry(read_verified(root, ref.index, self.boundary()), root / ref.index.path, unit, step))
+            where = f"{self.snapshot_key(step)}/{ref.index.path}"
+            raw = read_stored(self.storage, where, ref.index)
+            self._cache(key, load_unit_entry(bytes(raw), self.storage.where(where), unit, step))
         return self._units[key]
 
     def _cache(self, key: tuple, entry: UnitEntry) -> None:
@@ -421,19 +422,20 @@ class Run:
         """The base model directory the composite keeps tensors from is there, every file of
         it at its recorded size (a cheap check before a restore; each tensor read from it is
         checked against its checksum). IntegrityError naming the file otherwise."""
-        bases = {self.manifest(s).base.path: self.manifest(s).base for s in self.needs(composite) if self.manifest(s).base}
-        for base in bases.values():
-            for file in base.files:
-                path = Path(base.path) / file.path
+        bases = {self.manifest(s).base.path: s for s in self.needs(composite) if self.manifest(s).base}
+        for step in bases.values():
+            storage = self.base_storage(step)
+            for file in self.manifest(step).base.files:
                 try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
-                    raise IntegrityError(f"{path}: file is missing (the base model directory the run keeps frozen "
-                                         "tensors from)") from None
-                except OSError as err:
-                    raise IntegrityError(describe_os_error(err, path)) from None
+                    size = storage.size(file.path)
+                except TailorError as err:
+                    raise IntegrityError(str(err)) from None
+                if size is None:
+                    raise IntegrityError(f"{storage.where(file.path)}: file is missing (the base model directory the run "
+                                         "keeps frozen tensors from)")
                 if size != file.bytes:
-                    raise IntegrityError(f"{path}: {size} bytes, the run recorded {file.bytes} (the base model changed)")
+                    raise IntegrityError(f"{storage.where(file.path)}: {size} bytes, the run recorded {file.bytes} "
+                                         "(the base model changed)")
 
     def needs(self, composite: Composite) -> dict[int, list[str]]:
         """Every snapshot the composite reads, with the units it reads there: its own step (the
@@ -450,16 +452,22 @@ class Run:
                 needed.setdefault(holder, []).append(unit)
         return needed
 
-    def file_path(self, step: int, file: FileEntry) -> Path:
-        """Where a file of a unit's merged view (saved at ``step``) lies, checked to resolve
-        inside the run (or the base directory, for a base file)."""
+    def base_storage(self, step: int) -> Storage:
+        """The storage of the base model directory the snapshot of ``step`` keeps tensors from
+        (its files resolve inside it)."""
+        base = self.manifest(step).base
+        if base is None:
+            raise IntegrityError(f"snapshot {step} keeps a base file but names no base directory")
+        if base.path not in self._bases:
+            self._bases[base.path] = open_storage(base.path)
+        return self._bases[base.path]
+
+    def file_location(self, step: int, file: FileEntry) -> tuple[Storage, str]:
+        """Where a file of a unit's merged view (saved at ``step``) lies: the storage and key
+        (the run's, or the base directory's for a base file)."""
         if file.origin == "base":
-            base = self.manifest(step).base
-            if base is None:
-                raise IntegrityError(f"snapshot {step} keeps a base file {file.path!r} but names no base directory")
-            root = Path(base.path)
-            return confine(root / file.path, Path(os.path.realpath(root)))
-        return confine(self.snapshot_dir(step if file.origin is None else file.origin) / file.path, self.boundary())
+            return self.base_storage(step), file.path
+        return self.storage, f"{self.snapshot_key(step if file.origin is None else file.origin)}/{file.path}"
 
     def read_unit(self, step: int, unit: str, skip: set[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
         """Tensors (by key, but those in ``skip``) and non-tensor optimizer values of ``unit`` as
@@ -474,20 +482,19 @@ class Run:
         for tensor in wanted:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
-        paths = {position: self.file_path(step, entry.files[position]) for position in expected}
+        places = {position: self.file_location(step, entry.files[position]) for position in expected}
         for position, tensors in expected.items():  # every header first: no tensor byte read yet
-            file = entry.files[position]
-            check_header(paths[position].parent, file.model_copy(update={"path": paths[position].name}),
-                         {k: v[:2] for k, v in tensors.items()}, None if file.origin == "base" else self.boundary())
+            storage, key = places[position]
+            check_stored_header(storage, key, entry.files[position], {k: v[:2] for k, v in tensors.items()})
         loaded = {}
         for position in sorted(expected):
-            file = entry.files[position]
-            if file.origin == "base":
-                loaded[position] = read_checked_tensors(paths[position], {k: v[2] for k, v in expected[position].items()})
+            storage, key = places[position]
+            if entry.files[position].origin == "base":
+                loaded[position] = read_checked_tensors(storage, key, {k: v[2] for k, v in expected[position].items()})
             else:
-                loaded[position] = read_tensors(paths[position].parent, file.model_copy(update={"path": paths[position].name}),
-                                                self.boundary())
-        tensors = {t.key: _assemble(t, entry, loaded, paths) for t in wanted}
+                loaded[position] = read_stored_tensors(storage, key, entry.files[position])
+        names = {position: storage.where(key) for position, (storage, key) in places.items()}
+        tensors = {t.key: _assemble(t, entry, loaded, names) for t in wanted}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
 
     def read_global(self, step: int) -> dict[str, Any]:
@@ -510,16 +517,16 @@ class Run:
         from llmtailor.store import codec  # imports torch, which reading a layout does not need
 
         manifest = self.manifest(step)
-        root, within = self.snapshot_root(step), self.boundary()
-        raw = read_verified(root, manifest.file_entry(doc_path), within)
+        snapshot, where = self.snapshot_key(step), self.where(step, doc_path)
+        raw = read_stored(self.storage, f"{snapshot}/{doc_path}", manifest.file_entry(doc_path))
         try:
-            doc = json.loads(raw)
+            doc = json.loads(bytes(raw))
         except (ValueError, RecursionError) as err:
-            raise IntegrityError(f"{root / doc_path}: not valid JSON ({err})") from None
-        tensors = read_tensors(root, manifest.file_entry(tensors_path), within)
-        state = codec.decode(doc, tensors, where=f"{root / doc_path}")
+            raise IntegrityError(f"{where}: not valid JSON ({err})") from None
+        tensors = read_stored_tensors(self.storage, f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
+        state = codec.decode(doc, tensors, where=where)
         if not isinstance(state, dict):
-            raise IntegrityError(f"{root / doc_path}: expected an object at the top level")
+            raise IntegrityError(f"{where}: expected an object at the top level")
         return state
 
     def verify(self, step: int | None = None) -> list[str]:
@@ -577,12 +584,16 @@ class Run:
 
     def _check_snapshot(self, source: int, units: set[str] | None, step: int | None, result: Verification) -> None:
         manifest = self.manifest(source)
-        root, within = self.snapshot_root(source), self.boundary()
+        snapshot = self.snapshot_key(source)
+
+        def problem_of(entry: FileEntry) -> str | None:
+            return stored_problem(self.storage, f"{snapshot}/{entry.path}", entry)
+
         lacking = sorted(set(units or ()) - set(manifest.units))
         if lacking:
             result.problems.append(f"snapshot {source} holds no unit {lacking} although the composite of step {step} names it")
         for entry in manifest.files:
-            problem = check_file(root, entry, within)
+            problem = problem_of(entry)
             if problem:
                 result.problems.append(problem)
         for unit in sorted(set(units or manifest.units) & set(manifest.units)):
@@ -592,13 +603,13 @@ class Run:
             except TailorError as err:
                 result.problems.append(str(err))
                 continue
-            result.problems += [p for p in (check_file(root, f, within) for f in files) if p]
+            result.problems += [p for p in (problem_of(f) for f in files) if p]
         if manifest.base is not None:
-            base = Path(manifest.base.path)
+            base = self.base_storage(source)
             for file in manifest.base.files:
-                if (base, file.path) not in result.base_checked:
-                    result.base_checked.add((base, file.path))
-                    problem = check_file(base, file, Path(os.path.realpath(base)))
+                if (manifest.base.path, file.path) not in result.base_checked:
+                    result.base_checked.add((manifest.base.path, file.path))
+                    problem = stored_problem(base, file.path, file)
                     if problem:
                         result.problems.append(f"base model directory: {problem}")
         result.checked.append(source)
@@ -651,7 +662,7 @@ def parse_snapshot_name(name: str) -> int | None:
 
 
 def _assemble(
-    entry: TensorEntry, unit: UnitEntry, loaded: dict[int, dict[str, torch.Tensor]], paths: dict[int, Path]
+    entry: TensorEntry, unit: UnitEntry, loaded: dict[int, dict[str, torch.Tensor]], paths: dict[int, str]
 ) -> torch.Tensor:
     pieces = []
     for chunk in entry.chunks:

@@ -17,13 +17,14 @@ from llmtailor.errors import ConfigError
 from llmtailor.store import codec
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
+from llmtailor.store.storage import Storage
 from llmtailor.store.staged import PersistResult, StagedSnapshot, StagedUnit
 from llmtailor.store import Progress
 from llmtailor.store.writer import counting, persist
 
 
 def write_single_snapshot(
-    run_dir: str | Path,
+    run_dir: str | Path | Storage,
     *,
     step: int,
     layout: dict[str, Any],
@@ -47,7 +48,7 @@ def write_single_snapshot(
         composite={unit: step for unit in unit_names}, global_doc=global_doc, global_tensors=global_tensors,
         provider=provider, notes=dict(notes or {}),
     )
-    lock = WriterLock(run.root)
+    lock = WriterLock(run.storage)
     lock.acquire()
     try:
         if run.steps():  # written meanwhile, before the lock was held

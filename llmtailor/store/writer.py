@@ -6,46 +6,43 @@ once, one unit in memory at a time; an async save stages copies in reusable host
 persists them on a background thread (``store/staging.py``). Both go through ``persist``.
 
 The commit protocol, for any number of ranks (``llmtailor.store.coordinator`` carries the
-messages; one process is a world of one):
+messages; one process is a world of one) and any storage (``store.storage``: a local directory
+or an object store, each rank writing straight to it, so no filesystem is shared between nodes):
 
-1. the leader (rank 0) creates a private temporary directory under ``.tmp/`` and announces it;
-2. every rank writes its part into it — its pieces of the units it holds, its own global state
-   (RNG, user extras), the leader also the shared global state — fsyncs every file (each on
-   a helper thread while the next is written; all are durable before the report), and
-   reports the file entries and checksums, or its failure;
-3. once every rank has reported success, the leader writes the manifest last and fsyncs it,
-   renames the directory into ``snapshots/`` atomically, fsyncs ``snapshots/``, replaces the
+1. the leader (rank 0) opens the snapshot's staging place (``Storage.begin_snapshot``: a
+   private directory under ``.tmp/`` locally; on an object store the final prefix itself) and
+   announces it;
+2. every rank writes its part there — its pieces of the units it holds, its own global state
+   (RNG, user extras), the leader also the shared global state — makes every file durable
+   (fsync on a helper thread while the next is written; an upload completed), and reports the
+   file entries and checksums, or its failure;
+3. once every rank has reported success, the leader writes the unit indexes, then the
+   manifest last, only if absent (on an object store that write is the commit), commits the
+   staging place (locally: fsync, atomic rename into ``snapshots/``, fsync), replaces the
    ``latest`` pointer atomically, and announces the outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
-rank; the leader removes the temporary directory and every earlier snapshot and the previous
-composite stay as they were. A crash at any instant has the same effect (leftovers in
-``.tmp/`` are removed by the next writer).
+rank; the leader removes what was staged, and every earlier snapshot and the previous composite
+stay as they were. A crash at any instant has the same effect (what a crash leaves is never
+read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 
 from llmtailor.constants import (
     GLOBAL_JSON,
     GLOBAL_TENSORS,
-    INDEX_DIR,
     LATEST_FILE,
     MANIFEST_FILE,
-    RANKS_DIR,
     SCHEMA_VERSION,
-    UNITS_DIR,
     rank_state_files,
     snapshot_dirname,
     unit_filename,
@@ -54,16 +51,7 @@ from llmtailor.constants import (
 from llmtailor.errors import TailorError
 from llmtailor.store import Progress
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
-from llmtailor.store.files import (
-    StorageError,
-    Syncer,
-    describe_os_error,
-    fsync_dir,
-    replace_text_atomically,
-    write_durable,
-    write_tensor_file,
-)
-from llmtailor.store.lock import LEASE_FILE
+from llmtailor.store.files import StorageError, describe_os_error, stream_tensors, write_bytes_to
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
@@ -90,20 +78,23 @@ def persist(
     on_unit: Callable[[str, int], None] | None = None,
     coordinator: Coordinator | None = None,
     prepare: Callable[[], None] | None = None,
+    confirm: Callable[[], None] | None = None,
 ) -> PersistResult:
     """Write this rank's share of ``staged`` into ``run`` and commit the snapshot with the other
     ranks (module docstring). Collective: every rank calls it for the same snapshot. The
-    leader calls ``prepare()`` (taking the run's writer lock, say) before anything is written;
-    if it raises, the save fails on every rank."""
+    leader calls ``prepare()`` (taking the run's writer lock, say) before anything is written,
+    and ``confirm()`` (that it still holds the lock) just before the manifest; if either
+    raises, the save fails on every rank."""
     coord = coordinator or LocalCoordinator()
     start = time.perf_counter()
     round_ = coord.new_round()
-    final = run.snapshot_dir(staged.step)
+    storage = run.storage
+    final = run.snapshot_key(staged.step)
 
     def open_tmp() -> str:
         if prepare is not None:
             prepare()
-        return _open_tmp(run, staged.step, staged.world_size)
+        return storage.begin_snapshot(snapshot_dirname(staged.step), final, staged.world_size)
 
     def open_tmp_friendly() -> str:
         try:
@@ -111,12 +102,11 @@ def persist(
         except BaseException as err:
             raise _friendly(err, run, staged.step, written=False) from None
 
-    tmp_name = coord.broadcast(f"{round_}/open", open_tmp_friendly if coord.is_leader else None)
-    tmp = run.tmp_dir / tmp_name
+    staging = coord.broadcast(f"{round_}/open", open_tmp_friendly if coord.is_leader else None)
     try:
         if staged.error is not None:
             raise staged.error
-        part: RankPart | BaseException = _write_part(tmp, staged, coord.rank, on_unit)
+        part: RankPart | BaseException = _write_part(run, staging, staged, coord.rank, on_unit)
     except BaseException as err:
         part = _friendly(err, run, staged.step)
     report = part.to_message() if isinstance(part, RankPart) else part
@@ -125,21 +115,18 @@ def persist(
         def commit() -> dict[str, Any]:
             try:
                 messages = coord.gather(f"{round_}/parts", report)  # raises when any rank failed
-                manifest = _commit_indexes(tmp, staged, [RankPart.from_message(m) for m in messages or []])
-                for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
-                    if (tmp / sub).is_dir():
-                        fsync_dir(tmp / sub)
-                # The manifest is written last: a directory without one is not a snapshot.
-                write_durable(tmp / MANIFEST_FILE, manifest.dumps().encode(), tmp)
-                fsync_dir(tmp)
-                run.snapshots_dir.mkdir(parents=True, exist_ok=True)
-                os.rename(tmp, final)
-                fsync_dir(run.snapshots_dir)
+                manifest = _commit_indexes(run, staging, staged, [RankPart.from_message(m) for m in messages or []])
+                if confirm is not None:
+                    confirm()
+                # The manifest is written last, only if absent: without one there is no snapshot.
+                encoded = manifest.dumps().encode()
+                storage.put(storage.staging_key(staging, MANIFEST_FILE), encoded, exclusive=True)
+                storage.commit_snapshot(staging, final)
             except BaseException as err:
-                shutil.rmtree(tmp, ignore_errors=True)
+                storage.abandon_snapshot(staging)
                 raise _friendly(err, run, staged.step) from None
-            total = manifest.total_bytes() + (final / MANIFEST_FILE).stat().st_size
-            return {"bytes": total, "pointer_error": _replace_latest(run, final, staged.step)}
+            total = manifest.total_bytes() + len(encoded)
+            return {"bytes": total, "pointer_error": _replace_latest(run, staged.step)}
 
         outcome = coord.broadcast(f"{round_}/outcome", commit)
     else:
@@ -147,7 +134,7 @@ def persist(
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     return PersistResult(
-        path=final,
+        path=run.snapshot_dir(staged.step) if run.is_local else run.where(staged.step),
         bytes=outcome["bytes"],
         seconds=time.perf_counter() - start,
         unit_bytes=part.unit_bytes,
@@ -156,27 +143,19 @@ def persist(
     )
 
 
-def _open_tmp(run: Run, step: int, world_size: int) -> str:
-    final = run.snapshot_dir(step)
-    if final.exists():
-        raise TailorError(f"{final} already exists; refusing to overwrite a committed snapshot")
-    name = f"{snapshot_dirname(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    (run.tmp_dir / name / UNITS_DIR).mkdir(parents=True)
-    # The reader lease exists from the commit on: a reader never has to create one in a
-    # snapshot of this version (store.lock).
-    (run.tmp_dir / name / LEASE_FILE).touch()
-    if world_size > 1:
-        (run.tmp_dir / name / RANKS_DIR).mkdir()
-    return name
-
-
-def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[[str, int], None] | None) -> RankPart:
+def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
+                on_unit: Callable[[str, int], None] | None) -> RankPart:
     """Write this rank's files; return its report for the leader's indexes and manifest: per
     unit, its file entry, its tensors' chunks and non-tensor values; the files of its global
     state; its bytes per unit."""
-    # Each file's fsync runs on the syncer's thread while the next file is written; every file
-    # is durable before the part is reported (the commit depends on it).
-    with Syncer() as syncer:
+    storage = run.storage
+
+    def create(relpath: str):
+        return batch.create(storage.staging_key(staging, relpath))
+
+    # Locally each file's fsync runs on a helper thread while the next file is written; every
+    # file is durable before the part is reported (the commit depends on it).
+    with storage.batch() as batch:
         units: dict[str, UnitPart] = {}
         files: list[FileEntry] = []
         unit_bytes: dict[str, int] = {}
@@ -185,7 +164,7 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
             tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
             if len(tensors) != len(staged_unit.pieces):
                 raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
-            file, sums = write_tensor_file(tmp / relpath, tensors, tmp, syncer=syncer) if tensors else (None, {})
+            file, sums = stream_tensors(create(relpath), tensors, relpath) if tensors else (None, {})
             unit_bytes[staged_unit.unit] = file.bytes if file is not None else 0
             # This rank's chunks only: the leader validates the merged entries (coverage included).
             entries = [
@@ -201,16 +180,16 @@ def _write_part(tmp: Path, staged: StagedSnapshot, rank: int, on_unit: Callable[
             if on_unit:
                 on_unit(staged_unit.unit, unit_bytes[staged_unit.unit])
         if staged.global_doc is not None:
-            files.append(write_tensor_file(tmp / GLOBAL_TENSORS, staged.global_tensors or {}, tmp, syncer=syncer)[0])
-            files.append(write_durable(tmp / GLOBAL_JSON, json.dumps(staged.global_doc).encode(), tmp))
+            files.append(stream_tensors(create(GLOBAL_TENSORS), staged.global_tensors or {}, GLOBAL_TENSORS)[0])
+            files.append(write_bytes_to(create(GLOBAL_JSON), json.dumps(staged.global_doc).encode(), GLOBAL_JSON))
         if staged.rank_doc is not None:
             doc_path, tensor_path = rank_state_files(rank)
-            files.append(write_tensor_file(tmp / tensor_path, staged.rank_tensors or {}, tmp, syncer=syncer)[0])
-            files.append(write_durable(tmp / doc_path, json.dumps(staged.rank_doc).encode(), tmp))
-        return RankPart(units=units, files=files, unit_bytes=unit_bytes)
+            files.append(stream_tensors(create(tensor_path), staged.rank_tensors or {}, tensor_path)[0])
+            files.append(write_bytes_to(create(doc_path), json.dumps(staged.rank_doc).encode(), doc_path))
+    return RankPart(units=units, files=files, unit_bytes=unit_bytes)
 
 
-def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
+def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
     """Write each unit's index from every rank's part and return the manifest naming them.
     The chunks of a tensor from all ranks are checked for agreement on dtype and global
     shape; the index's own validation then checks that they cover the tensor."""
@@ -243,16 +222,17 @@ def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) ->
     missing = sorted(set(u for u, s in staged.composite.items() if s == staged.step) - set(merged))
     if missing:
         raise TailorError(f"step {staged.step}: no rank wrote units {missing}")
-    (tmp / INDEX_DIR).mkdir(exist_ok=True)
     refs = {}
-    with Syncer() as syncer:  # the indexes are small and many: their fsyncs overlap; durable on exit
+    storage = run.storage
+    with storage.batch() as batch:  # the indexes are small and many: their fsyncs overlap; durable on exit
         for unit in staged.composite:  # layout order
             if unit not in merged:
                 continue
             content = merged[unit]
             index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
                               values=content["values"], kept=content["kept"], base=content["base"])
-            entry = write_durable(tmp / unit_index_path(unit), index.dumps().encode(), tmp, syncer=syncer)
+            relpath = unit_index_path(unit)
+            entry = write_bytes_to(batch.create(storage.staging_key(staging, relpath)), index.dumps().encode(), relpath)
             refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
     return Manifest(
         schema_version=SCHEMA_VERSION,
@@ -273,9 +253,9 @@ def _commit_indexes(tmp: Path, staged: StagedSnapshot, parts: list[RankPart]) ->
     )
 
 
-def _replace_latest(run: Run, final: Path, step: int) -> str | None:
+def _replace_latest(run: Run, step: int) -> str | None:
     try:
-        replace_text_atomically(run.root / LATEST_FILE, final.name + "\n")
+        run.storage.replace(LATEST_FILE, (snapshot_dirname(step) + "\n").encode())
     except OSError as err:
         # The snapshot is committed and loadable: its manifest names its parent, which the old
         # pointer names, so Run.latest_step() finds it. Report, do not undo.

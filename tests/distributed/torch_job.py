@@ -171,14 +171,14 @@ def kill_during_save(out: Path) -> dict:
     train(model, optimizer, scheduler, [1, 2])
     tailor.save(2)
     if rank() == 1:
-        real = writer.write_tensor_file
+        real = writer.stream_tensors
 
-        def die_after_first(path, *args, **kwargs):
-            result = real(path, *args, **kwargs)
+        def die_after_first(sink, *args, **kwargs):
+            result = real(sink, *args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
             return result
 
-        writer.write_tensor_file = die_after_first
+        writer.stream_tensors = die_after_first
     train(model, optimizer, scheduler, [3, 4])
     start = time.perf_counter()
     try:

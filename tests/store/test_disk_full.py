@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
 
-import llmtailor.store.writer
+
 from llmtailor import Full, Tailor
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFEST_FILE, TMP_DIR
 from llmtailor.errors import TailorError
 from llmtailor.store.files import replace_text_atomically
 from llmtailor.store.run import Run
+from llmtailor.store.storage.local import LocalSink, LocalStorage
 
 PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs allocates whole pages
 
@@ -83,20 +84,23 @@ def written_in_order(run: Path, step: int) -> list[tuple[str, int]]:
 
 
 class WriteSpy:
-    """Which file a save was writing when it ran out of space."""
+    """Which file a save was writing when it ran out of space (through the local storage's
+    sinks and small-file writes)."""
 
     def __init__(self, monkeypatch):
         self.failed: list[str] = []
-        for name in ("write_tensor_file", "write_durable", "replace_text_atomically"):
-            monkeypatch.setattr(llmtailor.store.writer, name, self._wrap(getattr(llmtailor.store.writer, name)))
+        for name in ("write", "close"):
+            monkeypatch.setattr(LocalSink, name, self._wrap(getattr(LocalSink, name), lambda sink, *a: sink.path))
+        for name in ("put", "replace"):
+            monkeypatch.setattr(LocalStorage, name, self._wrap(getattr(LocalStorage, name), lambda storage, key, *a: key))
 
-    def _wrap(self, write):
-        def spy(path, *args, **kwargs):
+    def _wrap(self, write, name_of):
+        def spy(*args, **kwargs):
             try:
-                return write(path, *args, **kwargs)
+                return write(*args, **kwargs)
             except OSError as err:
                 if err.errno == errno.ENOSPC:
-                    self.failed.append(Path(path).name)
+                    self.failed.append(Path(name_of(*args)).name)
                 raise
 
         return spy

@@ -25,7 +25,7 @@ def varied_tensors():
 @pytest.mark.parametrize("flush_every", [None, 1 << 20], ids=["one-flush", "flushed-while-written"])
 def test_safetensors_reads_our_files_exactly(tmp_path, monkeypatch, flush_every):
     if flush_every is not None:  # a large file is made durable and dropped from the cache as it goes
-        monkeypatch.setattr("llmtailor.store.files._FLUSH_EVERY", flush_every)
+        monkeypatch.setattr("llmtailor.store.files.FLUSH_EVERY", flush_every)
     tensors = varied_tensors()
     entry = write_tensors(tmp_path / "u.safetensors", tensors, tmp_path)
     data = (tmp_path / "u.safetensors").read_bytes()
@@ -79,10 +79,10 @@ def test_a_failed_background_fsync_fails_the_write_and_leaks_no_descriptor(tmp_p
 def test_files_handed_to_the_syncer_are_durable_and_intact_after_drain(tmp_path, monkeypatch):
     from llmtailor.store import files
 
-    monkeypatch.setattr(files, "_FLUSH_EVERY", 1 << 20)  # large-file flushes go through the syncer too
+    monkeypatch.setattr(files, "FLUSH_EVERY", 1 << 20)  # large-file flushes go through the syncer too
     synced = []
-    real = files._make_durable
-    monkeypatch.setattr(files, "_make_durable", lambda fd, *span: (real(fd, *span), synced.append(fd)))
+    real = files.make_durable
+    monkeypatch.setattr(files, "make_durable", lambda fd, *span: (real(fd, *span), synced.append(fd)))
     tensors = varied_tensors()
     with files.Syncer() as syncer:
         entries = [files.write_tensor_file(tmp_path / f"{i}.safetensors", tensors, tmp_path, syncer=syncer)[0] for i in range(3)]

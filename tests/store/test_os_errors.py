@@ -19,7 +19,6 @@ import pytest
 from helpers import parity_run, tiny, tree_digest
 from typer.testing import CliRunner
 
-import llmtailor.store.files
 from llmtailor import Parity, Tailor
 from llmtailor.cli import app
 from llmtailor.errors import IntegrityError, TailorError
@@ -147,25 +146,18 @@ def test_a_run_whose_snapshots_cannot_be_listed_is_one_line(saved, tmp_path):
 
 
 def test_a_unit_file_that_cannot_be_opened_raises_permission_denied_in_the_library(saved, tmp_path, monkeypatch):
-    """The library half, in process: as safetensors reports it (FileNotFoundError for any
-    failure to open) while the file is there but may not be read."""
+    """The library half, in process: the file is there but may not be read."""
     run = tmp_path / "run"
     shutil.copytree(saved, run)
     unit = run / "snapshots/step-00000003/units/layer.0.safetensors"
-    real_open, real_safe_open = open, llmtailor.store.files.safe_open
+    real_open = open
 
     def guarded_open(path, *args, **kwargs):
         if Path(path) == unit:
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *args, **kwargs)
 
-    def guarded_safe_open(path, *args, **kwargs):
-        if Path(path) == unit:
-            raise FileNotFoundError(f"No such file or directory: {path}")
-        return real_safe_open(path, *args, **kwargs)
-
     monkeypatch.setattr("builtins.open", guarded_open)
-    monkeypatch.setattr(llmtailor.store.files, "safe_open", guarded_safe_open)
     with pytest.raises(IntegrityError, match=f"{unit}: permission denied"):
         Tailor(run, *tiny(seed=1)).restore()
     assert f"{unit}: permission denied" in Run(run).verify()

@@ -80,17 +80,18 @@ def import_deepspeed(
     if run.steps():
         raise ConfigError(f"{run.root} already holds snapshots (steps {run.steps()}); import into a new or empty run directory")
     found = _read(Path(checkpoint), config, family)
-    scratch_parent = run.root.parent
+    # Beside a local run (same filesystem); in the system's temporary directory for a URL.
+    scratch_parent = run.root.parent if run.is_local else Path(tempfile.gettempdir())
     try:
         scratch_parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{run.root.name}.deepspeed-", dir=scratch_parent))
+        scratch = Path(tempfile.mkdtemp(prefix=".llmtailor.deepspeed-", dir=scratch_parent))
     except OSError as err:
         raise StorageError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}", err) from None
     try:
         _to_universal(found.step_dir, scratch / "universal", found.stage)
         units = _stream_units(found.layout, scratch / "universal" / "zero", found.shapes, found.buffers, found.group_of,
                               found.group_steps)
-        write_single_snapshot(run.root, step=found.step, layout=found.layout.to_record(), units=units, state=found.state,
+        write_single_snapshot(run.storage, step=found.step, layout=found.layout.to_record(), units=units, state=found.state,
                               origin=f"imported from {found.step_dir}", provider="deepspeed", progress=progress,
                               notes={"imported_from": str(found.step_dir), "zero_stage": found.stage})
     finally:

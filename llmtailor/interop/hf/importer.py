@@ -88,7 +88,7 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
     # Non-tensor optimizer values go into the indexes as JSON: encoded now, so a value that
     # needs pickle is refused before anything is written.
     values = {name: plain_values(name, entries) for name, entries in per_param.items()}
-    write_single_snapshot(run.root, step=step, layout=layout.to_record(), state=state, origin=f"imported from {source}",
+    write_single_snapshot(run.storage, step=step, layout=layout.to_record(), state=state, origin=f"imported from {source}",
                           units=_stream_units(layout, weights, per_param, values), progress=progress)
     return step
 

@@ -1,0 +1,323 @@
+"""The local filesystem as a ``Storage``: a run is a directory.
+
+- Durability: every file is fsynced (on a helper thread while the next one is written:
+  ``files.Syncer``), large files in 256 MiB steps that are then dropped from the page cache;
+  directories are fsynced after entries are added, renamed or removed.
+- Commit: a save writes into a private directory under ``.tmp/`` and renames it into
+  ``snapshots/`` atomically (``begin_snapshot`` / ``commit_snapshot``); retention renames a
+  snapshot into ``.trash/`` before removing its files.
+- Locks: ``flock`` (``store.lock``): an exclusive lock on ``.lock`` for the writer, a shared
+  lease on each snapshot's ``.readers`` file for readers.
+- Confinement: every file read resolves (symlinks followed) inside the run's directory, itself
+  resolved once; a link out of it is refused with an IntegrityError naming it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from llmtailor.constants import TMP_DIR, TRASH_DIR, INDEX_DIR, RANKS_DIR, UNITS_DIR
+from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.store import files
+from llmtailor.store.files import (
+    StorageError,
+    Syncer,
+    confine,
+    describe_os_error,
+    fsync_dir,
+    replace_bytes_atomically,
+)
+from llmtailor.store.storage.base import Batch, Lease, Sink, Storage, WriterLockBackend
+
+
+class LocalStorage(Storage):
+    """A run directory on the local filesystem (module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = str(root)
+        self._boundary: Path | None = None
+
+    def identity(self) -> str:
+        return os.path.realpath(self.root)
+
+    def where(self, key: str) -> str:
+        return str(self.root / key) if key else str(self.root)
+
+    def boundary(self) -> Path:
+        """The run root with every symlink resolved: no file outside it is read."""
+        if self._boundary is None:
+            self._boundary = Path(os.path.realpath(self.root))
+        return self._boundary
+
+    def path(self, key: str) -> Path:
+        """Where the file ``key`` lies, checked to resolve inside the run; a link out of it is
+        named at its own place (a linked snapshot directory, not a file in it)."""
+        if not key:
+            return self.root
+        try:
+            return confine(self.root / key, self.boundary())
+        except IntegrityError:
+            parts = key.split("/")
+            for depth in range(1, len(parts) + 1):
+                confine(self.root.joinpath(*parts[:depth]), self.boundary())  # raises at the first link out
+            raise
+
+    # -- reading ------------------------------------------------------------------------------
+
+    # Looking (size, presence, listing) follows links anywhere; reading refuses links out of
+    # the run (``path``), naming them.
+
+    def size(self, key: str) -> int | None:
+        path = self.root / key
+        try:
+            return path.stat().st_size if path.is_file() else None
+        except OSError as err:
+            raise StorageError(describe_os_error(err, path), err) from None
+
+    def exists(self, key: str) -> bool:
+        path = self.root / key
+        try:
+            return path.exists()
+        except OSError as err:
+            raise StorageError(describe_os_error(err, path), err) from None
+
+    def is_file(self, key: str) -> bool:
+        path = self.root / key
+        try:
+            return path.is_file()
+        except OSError as err:
+            raise StorageError(describe_os_error(err, path), err) from None
+
+    def read(self, key: str) -> bytearray:
+        path = self.path(key)
+        with _opened(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < size:
+                count = handle.readinto(view[got:])
+                if not count:
+                    raise IntegrityError(f"{path}: ended while being read (truncated meanwhile)")
+                got += count
+            return data
+
+    def read_range(self, key: str, start: int, length: int) -> memoryview:
+        path = self.path(key)
+        with _opened(path) as handle:
+            if os.fstat(handle.fileno()).st_size < start + length:
+                raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
+            data = bytearray(length)
+            view, got = memoryview(data), 0
+            handle.seek(start)
+            while got < length:
+                count = handle.readinto(view[got:])
+                if not count:
+                    raise IntegrityError(f"{path}: ended while being read (truncated)")
+                got += count
+            return view
+
+    def list_dir(self, prefix: str) -> list[str]:
+        path = self.root / prefix
+        try:
+            return os.listdir(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as err:
+            raise StorageError(describe_os_error(err, path), err) from None
+
+    def walk(self, prefix: str) -> Iterator[tuple[str, int]]:
+        top = self.root / prefix if prefix else self.root
+        for path in top.rglob("*"):
+            try:
+                if path.is_file() and not path.is_symlink():
+                    yield path.relative_to(self.root).as_posix(), path.stat().st_size
+            except FileNotFoundError:
+                continue  # removed meanwhile
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def batch(self) -> LocalBatch:
+        return LocalBatch(self)
+
+    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        path = self.root / key
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+        try:
+            fd = os.open(path, flags, 0o666)
+        except FileExistsError:
+            raise TailorError(f"{path} already exists; refusing to overwrite it") from None
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def replace(self, key: str, data: bytes) -> None:
+        replace_bytes_atomically(self.root / key, data)
+
+    def remove(self, key: str) -> None:
+        (self.root / key).unlink(missing_ok=True)
+
+    def remove_tree(self, prefix: str) -> None:
+        shutil.rmtree(self.root / prefix, ignore_errors=True)
+
+    # -- the snapshot commit ------------------------------------------------------------------
+
+    def begin_snapshot(self, name: str, final: str, world_size: int) -> str:
+        from llmtailor.store.lock import LEASE_FILE
+
+        if (self.root / final).exists():
+            raise TailorError(f"{self.root / final} already exists; refusing to overwrite a committed snapshot")
+        staging = f"{TMP_DIR}/{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        (self.root / staging / UNITS_DIR).mkdir(parents=True)
+        # The reader lease exists from the commit on: a reader never has to create one in a
+        # snapshot of this version (store.lock).
+        (self.root / staging / LEASE_FILE).touch()
+        if world_size > 1:
+            (self.root / staging / RANKS_DIR).mkdir()
+        return staging
+
+    def commit_snapshot(self, staging: str, final: str) -> None:
+        tmp, target = self.root / staging, self.root / final
+        for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
+            if (tmp / sub).is_dir():
+                fsync_dir(tmp / sub)
+        fsync_dir(tmp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+
+    def abandon_snapshot(self, staging: str) -> None:
+        shutil.rmtree(self.root / staging, ignore_errors=True)
+
+    def staging_key(self, staging: str, relpath: str) -> str:
+        return f"{staging}/{relpath}"
+
+    # -- locks and retention ------------------------------------------------------------------
+
+    def writer_lock(self) -> WriterLockBackend:
+        from llmtailor.store.lock import FlockWriter
+
+        return FlockWriter(self.root)
+
+    def lease_for_reading(self, snapshot: str) -> Lease | None:
+        from llmtailor.store.lock import lease_for_reading
+
+        return lease_for_reading(self.path(snapshot))
+
+    def lease_for_removal(self, snapshot: str) -> Lease | None:
+        from llmtailor.store.lock import lease_for_removal
+
+        return lease_for_removal(self.root / snapshot)
+
+    def discard_snapshot(self, snapshot: str) -> str:
+        source = self.root / snapshot
+        token = f"{TRASH_DIR}/{source.name}.{uuid.uuid4().hex[:8]}"
+        (self.root / TRASH_DIR).mkdir(exist_ok=True)
+        os.rename(source, self.root / token)
+        fsync_dir(source.parent)
+        return token
+
+    def purge(self, token: str) -> None:
+        target = self.root / token
+        try:
+            shutil.rmtree(target)
+        except OSError as err:
+            raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
+
+    def clear_leftovers(self) -> None:
+        for leftover in (TMP_DIR, TRASH_DIR):
+            shutil.rmtree(self.root / leftover, ignore_errors=True)
+
+    def describe_non_run(self) -> str | None:
+        from llmtailor.store.lock import describe_non_run
+
+        return describe_non_run(self.root)
+
+    def is_fresh(self) -> bool:
+        try:
+            return not self.root.exists() or (self.root.is_dir() and not any(self.root.iterdir()))
+        except OSError as err:
+            raise StorageError(describe_os_error(err, self.root), err) from None
+
+
+class _opened:
+    """``open(path, "rb")`` whose failures are IntegrityErrors naming the file: missing, or the
+    reason in plain words (a file that may not be read is not "missing")."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.handle = open(self.path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise IntegrityError(f"{self.path}: file is missing") from None
+        except OSError as err:
+            raise IntegrityError(describe_os_error(err, self.path)) from None
+        return self.handle
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+class LocalSink(Sink):
+    """A file being written: large files made durable (and dropped from the page cache) every
+    ``FLUSH_EVERY`` bytes, the rest by the batch's syncer once closed."""
+
+    def __init__(self, path: Path, syncer: Syncer | None):
+        self.path, self._syncer = path, syncer
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._out = open(path, "wb")
+        self._written = self._flushed = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        self._out.write(data)
+        self._written += len(data)
+        if self._written - self._flushed >= files.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
+            self._durable(self._flushed, self._written)
+            self._flushed = self._written
+
+    def close(self) -> None:
+        try:
+            self._durable(self._flushed, None)
+        finally:
+            self._out.close()
+
+    def abort(self) -> None:
+        self._out.close()
+        self.path.unlink(missing_ok=True)
+
+    def _durable(self, start: int, end: int | None) -> None:
+        self._out.flush()
+        if self._syncer is not None:
+            self._syncer.submit(self.path, os.dup(self._out.fileno()), start, end, size=(end or self._written) - start)
+        else:
+            files.make_durable(self._out.fileno(), start, end)
+
+
+class LocalBatch(Batch):
+    """Files of one batch: each file's fsync runs on the syncer's thread while the next file is
+    written; every file is durable when ``drain`` returns."""
+
+    def __init__(self, storage: LocalStorage):
+        self.storage = storage
+        self._syncer = Syncer()
+
+    def create(self, key: str, size_hint: int = 0) -> LocalSink:
+        return LocalSink(self.storage.root / key, self._syncer)
+
+    def drain(self) -> None:
+        self._syncer.drain()
+
+    def __exit__(self, *exc: object) -> None:
+        self._syncer.__exit__(*exc)
+
+
+def _is_missing(err: OSError) -> bool:
+    return err.errno in (errno.ENOENT, errno.ENOTDIR)

@@ -1,0 +1,141 @@
+"""An S3-compatible server on loopback for the object-storage tests: moto's standalone server
+(the real S3 HTTP protocol), started by the tests on a free port, in a process of its own or,
+where a test injects faults, in a thread behind a WSGI layer that answers some requests with
+errors. Clients are the ones users run (obstore through llmtailor, boto3 to look).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from helpers import free_port
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+def environment(endpoint: str) -> dict[str, str]:
+    """What a client (and a job started by a test) needs to reach the server: the variables the
+    AWS tools read, and http allowed."""
+    return {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
+
+
+def wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.list_buckets()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@contextmanager
+def moto_process() -> Iterator[str]:
+    """moto's standalone server in a process of its own; yields its endpoint."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(endpoint)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+class Faults:
+    """Which requests the faulty server answers with an error: ``rule(method, key)`` returns an
+    HTTP status to answer with, or None to pass the request to moto."""
+
+    def __init__(self):
+        self.rule: Callable[[str, str], int | None] = lambda method, key: None
+        self.seen: list[tuple[str, str, int | None]] = []
+
+
+@contextmanager
+def faulty_moto() -> Iterator[tuple[str, Faults]]:
+    """moto's server app in a thread, behind a layer that answers the requests ``Faults.rule``
+    picks with that status (a 503 "SlowDown", as S3 throttles, say); yields the endpoint and the
+    ``Faults`` to set."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    faults = Faults()
+    moto_app = DomainDispatcherApplication(create_backend_app)
+
+    def app(environ, start_response):
+        method = environ["REQUEST_METHOD"]
+        key = environ.get("PATH_INFO", "")
+        status = faults.rule(method, key)
+        faults.seen.append((method, key, status))
+        if status is not None:
+            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                    b"<Message>Please reduce your request rate.</Message></Error>")
+            start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            return [body]
+        return moto_app(environ, start_response)
+
+    port = free_port()
+    server = make_server("127.0.0.1", port, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(endpoint)
+        yield endpoint, faults
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def new_bucket(endpoint: str) -> str:
+
+    name = f"run-{uuid.uuid4().hex[:12]}"
+    client(endpoint).create_bucket(Bucket=name)
+    return name
+
+
+def client(endpoint: str):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                        region_name="us-east-1")
+
+
+def keys(endpoint: str, bucket: str, prefix: str = "") -> list[str]:
+    """Every object key under ``prefix`` (boto3, as an operator would look)."""
+    found, token = [], None
+    while True:
+        page = client(endpoint).list_objects_v2(Bucket=bucket, Prefix=prefix, **({"ContinuationToken": token} if token else {}))
+        found += [o["Key"] for o in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return found
+        token = page["NextContinuationToken"]
+
+
+def uploads(endpoint: str, bucket: str) -> list[str]:
+    """Keys of the unfinished multipart uploads in ``bucket``."""
+    return [u["Key"] for u in client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def set_environment(monkeypatch, endpoint: str) -> None:
+    for name, value in environment(endpoint).items():
+        monkeypatch.setenv(name, value)
+
+
+__all__ = ["Faults", "environment", "faulty_moto", "keys", "moto_process", "new_bucket", "set_environment", "uploads",
+           "client", "os"]
