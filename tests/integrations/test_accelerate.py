@@ -7,6 +7,7 @@ composite names (Parity); a registered object's state comes back too."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from helpers import assert_composite_loaded, free_port, run_job
 
 accelerate = pytest.importorskip("accelerate")
 
-from llmtailor.errors import ConfigError  # noqa: E402
+from llmtailor.errors import ConfigError, TailorError  # noqa: E402
 from llmtailor.integrations.accelerate import TailorAccelerator  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
@@ -123,7 +124,7 @@ def test_other_directories_are_accelerates_own(tmp_path):
     accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
     model, optimizer = _prepared(accelerator)
     accelerator.save_state(str(tmp_path / "plain"))
-    assert (tmp_path / "plain" / "optimizer.bin").is_file() and not (tmp_path / "run").exists()
+    assert (tmp_path / "plain" / "optimizer.bin").is_file() and Run(tmp_path / "run").steps() == []
     assert accelerator.load_state(str(tmp_path / "plain")) is None
     accelerator.end_training()
 
@@ -142,3 +143,38 @@ def test_what_cannot_be_saved_is_refused_naming_it(tmp_path):
     opaque.end_training()
     with pytest.raises(ConfigError, match="policy"):
         TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "x", tailor_policy="parity")
+
+
+def _holding(run_dir: Path, how: str) -> subprocess.Popen:
+    """Another process holding ``run_dir`` (``how``: Python that takes it, given the path as
+    ``run``), until killed; returned once it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; run = sys.argv[1]; {how}; print('held', flush=True); sys.stdin.read()",
+         str(run_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_accelerator_on_a_run_being_written_fails_when_it_is_built(tmp_path):
+    """The lock is taken by the constructor, not at the first save_state: a second trainer on the
+    run fails before it trains. In one process the Tailor built later shares it; end_training
+    lets it go."""
+    run_dir = tmp_path / "run"
+    holder = _holding(run_dir, "from llmtailor.integrations.accelerate import TailorAccelerator; "
+                               "accelerator = TailorAccelerator(cpu=True, tailor_run_dir=run)")
+    try:
+        with pytest.raises(TailorError, match=f"being written by another writer \\(pid {holder.pid} on"):
+            TailorAccelerator(cpu=True, tailor_run_dir=run_dir)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=run_dir)
+    _prepared(accelerator)
+    accelerator.save_state(step=1)
+    accelerator.end_training()
+    holder = _holding(run_dir, "from pathlib import Path; from llmtailor.store.lock import WriterLock; "
+                               "WriterLock(Path(run)).acquire()")
+    holder.kill()
+    holder.wait(timeout=30)
