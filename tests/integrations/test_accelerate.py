@@ -1,9 +1,10 @@
 """Hugging Face accelerate custom loops with ``TailorAccelerator``, with the real library and real
 processes: ``save_state(step=...)`` in the loop, a SIGKILL after a save, ``load_state()`` in a
-fresh process (one process; 2 CPU processes under ``accelerate launch --multi_gpu``; a DeepSpeed
-ZeRO-2 engine under ``accelerate launch --use_deepspeed``), then the same losses, batches and
-final weights bit for bit as an uninterrupted run (Full), or each unit at the version the
-composite names (Parity); a registered object's state comes back too."""
+fresh process (one process and 2 CPU processes under ``accelerate launch --multi_gpu``, each
+with Full and Parity; a DeepSpeed ZeRO-2 engine under ``accelerate launch --use_deepspeed``),
+then the same losses, batches and final weights bit for bit as an uninterrupted run (Full), or
+each unit at the version the composite names (Parity); a registered object's state comes back
+too; a second accelerator on a run being written fails when it is built."""
 
 from __future__ import annotations
 
@@ -64,13 +65,17 @@ def test_full_crash_and_resume_continues_bit_for_bit(tmp_path, kind):
 
 
 @pytest.mark.slow
-def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path):
+@pytest.mark.parametrize("kind", ["single", "ddp"])
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path, kind):
+    """Under DDP (2 processes) each rank wrote its share of the units, and each rank loads them all."""
     run_dir, dump = tmp_path / "run", tmp_path / "dump.pt"
-    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", crash=True)
+    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", kind=kind, crash=True)
     run = Run(run_dir)
     composite = run.resolve()
     assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
-    job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", "--dump", str(dump), "--max-steps", "12")
+    assert run.manifest(8).world_size == (1 if kind == "single" else 2)
+    job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", "--dump", str(dump), "--max-steps", "12",
+        kind=kind)
     assert_composite_loaded(run, composite, torch.load(dump, weights_only=True)["tensors"])
     assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)  # the lineage goes on
 
