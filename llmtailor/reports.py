@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmtailor.store.run import Composite
 from llmtailor.store.staged import PersistResult
 from llmtailor.store.staging import BackgroundSave
 
@@ -77,6 +78,13 @@ class RestoreReport:
     saved_world_size: int = 1
     unmapped: tuple[str, ...] = ()
     """Per-rank state that could not be mapped at this world size (empty at the saved one)."""
+
+    @classmethod
+    def of(cls, composite: Composite, extra: Any, seconds: float, skipped: dict[Any, str],
+           unmapped: tuple[str, ...]) -> RestoreReport:
+        return cls(step=composite.step, extra=extra, sources=dict(composite.sources), seconds=seconds,
+                   skipped={int(k): v for k, v in skipped.items()}, saved_world_size=composite.manifest.world_size,
+                   unmapped=unmapped)
 
 
 def describe_sources(sources: dict[str, int]) -> str:

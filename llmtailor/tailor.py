@@ -231,8 +231,8 @@ class Tailor:
         enters a collective to finish (DeepSpeed's low-precision refresh), so a failure on one
         rank makes every rank raise, naming the rank and its error, instead of leaving the
         others blocked in a collective. A restore that failed after the live state was touched
-        (on any rank) leaves this Tailor refusing to save until a restore succeeds: a mix of
-        states is never written as a snapshot."""
+        (on any rank, or the ranks could not agree) leaves this Tailor refusing to save until a
+        restore succeeds: a mix of states is never written as a snapshot."""
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         round_ = self.coordinator.new_round()
@@ -249,25 +249,24 @@ class Tailor:
             try:
                 composite = held.enter_context(self.run.reading(chosen, newest_if_removed=newest))
                 shared = self.provider.check_composite(self.run, composite)
-                touched = True  # from here on the live state changes
+                # The live state changes from here: a mix until the ranks agree (agree may itself raise).
+                touched, self._partly_restored = True, f"the restore of step {chosen} did not complete"
                 self.provider.load(self.run, dict(composite.sources), shared, verify)
             except BaseException as err:
                 error = err
             failure, partly = self.coordinator.agree(f"{round_}/loaded", chosen, error, touched)
-            self._partly_restored = f"the restore of step {chosen} failed part-way" if partly else None
+            if partly:  # a failure that touched no rank's state leaves the mark as it was
+                self._partly_restored = f"the restore of step {chosen} failed part-way"
             if failure is not None:
                 raise failure
             self.provider.finish_load()
+            self._partly_restored = None
             extra, unmapped = self.provider.restore_rank_state(self.run, composite)
         self.lineage.restored(self.run, composite)
         self._frozen.restored(self.run, composite)
         if self._drift is not None:
             self._drift.restored()
-        return RestoreReport(
-            step=composite.step, extra=extra, sources=dict(composite.sources), seconds=time.perf_counter() - start,
-            skipped={int(k): v for k, v in skipped.items()}, saved_world_size=composite.manifest.world_size,
-            unmapped=unmapped,
-        )
+        return RestoreReport.of(composite, extra, time.perf_counter() - start, skipped, unmapped)
 
     def close(self) -> None:
         """Wait for the async save in flight (raising its error), remove the fence and hooks,

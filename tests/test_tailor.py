@@ -10,6 +10,7 @@ from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
 
 from llmtailor import Filter, Full, Interval, Parity, Tailor
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.store.coordinator import CoordinationError, LocalCoordinator
 from llmtailor.store.run import Run
 
 
@@ -321,3 +322,30 @@ def test_fallback_when_nothing_verifies_names_every_step(saved_run):
         (saved_run / f"snapshots/step-{step:08d}/units/norm.safetensors").write_bytes(b"junk")
     with pytest.raises(IntegrityError, match=r"no composite verifies: step 3: .* \| step 2: .* \| step 1: "):
         Tailor(saved_run, *tiny()).restore(fallback=True)
+
+
+class Unanswered(LocalCoordinator):
+    """A coordinator whose restore agreement times out, as when another rank never answers."""
+
+    def agree(self, tag, step, error, touched):
+        raise CoordinationError(f"rank 1 did not answer {tag!r} within 1s")
+
+
+def test_a_restore_whose_ranks_cannot_agree_leaves_saving_refused(saved_run):
+    """The live state was loaded before the agreement failed: the other ranks' may not have been,
+    so the job holds a mix of states. Saving stays refused, also after a later restore that
+    fails before touching anything, until one succeeds."""
+    tailor = Tailor(saved_run, *tiny(seed=5))
+    tailor.coordinator = Unanswered()
+    with pytest.raises(CoordinationError, match="did not answer"):
+        tailor.restore()
+    with pytest.raises(TailorError, match="the restore of step 3 did not complete, so the live model"):
+        tailor.save(4)
+    tailor.coordinator = LocalCoordinator()
+    (saved_run / "snapshots/step-00000001/index/embed.json").write_text("{")  # refused before touching
+    with pytest.raises(IntegrityError, match="embed.json"):
+        tailor.restore(step=1)
+    with pytest.raises(TailorError, match="step 3 did not complete"):
+        tailor.save(4)
+    assert tailor.restore(step=2).step == 2
+    tailor.save(4)

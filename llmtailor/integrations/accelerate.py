@@ -29,8 +29,9 @@ other than the run's, are ``Accelerator``'s own, unchanged.
 Objects: one model and one optimizer (several are refused), at most one LR scheduler; plain,
 DDP (``accelerate launch --multi_gpu --num_processes N`` with ``Accelerator(cpu=True)`` runs N
 CPU processes) or a DeepSpeed engine (``accelerate launch --use_deepspeed``; on CPU with
-``DS_ACCELERATOR=cpu``). The run's writer lock is taken at the first ``save_state`` /
-``load_state`` and released by ``end_training`` (or at exit).
+``DS_ACCELERATOR=cpu``). The run's writer lock is taken when the ``TailorAccelerator`` is built
+(by the main process: a second trainer on the run fails there, before it trains) and released by
+``end_training`` (or at exit).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.policies import Policy
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
+from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.tailor import Tailor
 
@@ -63,7 +65,12 @@ class TailorAccelerator(Accelerator):
         self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy)  # checked before any set-up
         self.tailor_run_dir = Path(tailor_run_dir)
         self._tailor: Tailor | None = None
+        self._lock = WriterLock(self.tailor_run_dir)
         super().__init__(*args, **kwargs)
+        # One writer per run, from the start: a second trainer on this run fails here, before it
+        # trains (the Tailor built at the first save_state / load_state shares this process's lock).
+        if self._is_rank_zero() and not self.tailor_config.read_only:
+            self._lock.acquire_or_look()
 
     def tailor_resumable(self) -> bool:
         """Whether the run holds a committed composite for ``load_state`` to restore."""
@@ -106,7 +113,10 @@ class TailorAccelerator(Accelerator):
             if tailor is not None:
                 tailor.close()
         finally:
-            super().end_training()
+            try:
+                self._lock.release()
+            finally:
+                super().end_training()
 
     # -- the accelerator's own state -------------------------------------------------------
 
@@ -143,6 +153,16 @@ class TailorAccelerator(Accelerator):
             self.scaler.load_state_dict(state["scaler"])
 
     # -- the Tailor ------------------------------------------------------------------------
+
+    def _is_rank_zero(self) -> bool:
+        """Whether this is the job's first process, by torch.distributed's rank where it is set
+        up: under DeepSpeed on CPU, accelerate's own state counts one process, so every rank
+        would take itself for the main one (and race the others for the lock)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+        return self.is_main_process
 
     def _ours(self, directory: str | Path | None) -> bool:
         return directory is None or Path(directory).resolve() == self.tailor_run_dir.resolve()

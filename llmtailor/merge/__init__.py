@@ -1,9 +1,9 @@
 """Merge plans: assemble layers, and their optimizer state, from several checkpoints.
 
-``plan.py`` reads the YAML, ``sources.py`` opens every kind of source lazily, ``planner.py``
-resolves the plan into per-tensor actions and validates them from headers and manifests alone,
-``execute.py`` streams the units into the output (a snapshot, a Trainer checkpoint or a model
-directory).
+``plan.py`` reads the YAML, ``llmtailor/interop/sources.py`` opens every kind of source
+lazily, ``planner.py`` resolves the plan into per-tensor actions and validates them from
+headers and manifests alone, ``execute.py`` streams the units into the output (a snapshot, a
+Trainer checkpoint or a model directory).
 """
 
 from llmtailor.merge.execute import merge

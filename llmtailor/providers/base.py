@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.constants import KIND_MASTER, KIND_WEIGHT
+from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
 from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
 from llmtailor.providers import rng
@@ -181,12 +181,13 @@ class StateProvider(ABC):
             raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
         run.check_base(composite)
         shared = run.read_global(composite.step)
-        self.check_global(shared)
+        self.check_global(shared, saved_state_keys(run, composite))
         return shared
 
-    def check_global(self, shared: dict[str, Any]) -> None:
-        """Refuse, from the composite's global state and before any live tensor is touched,
-        what cannot be restored into the live objects (another optimizer class, say)."""
+    def check_global(self, shared: dict[str, Any], saved_state: dict[str, set[str]]) -> None:
+        """Refuse, from the composite's global state and the optimizer state keys its units hold
+        by parameter name (``saved_state``), before any live tensor is touched, what cannot be
+        restored into the live objects (another optimizer class, say)."""
 
     @abstractmethod
     def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
@@ -294,6 +295,21 @@ def hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
     return json.loads(to_json(use_diff=False)) if callable(to_json) else None
+
+
+def saved_state_keys(run: Run, composite: Composite) -> dict[str, set[str]]:
+    """The per-parameter optimizer state keys the units of ``composite`` hold (tensors and plain
+    values), by parameter name, from their indexes alone."""
+    keys: dict[str, set[str]] = {}
+    for unit, step in composite.sources.items():
+        entry = run.unit_entry(step, unit)
+        for tensor in entry.tensors:
+            kind, name, state_key = split_key(tensor.key)
+            if kind == KIND_OPTIM and state_key is not None:
+                keys.setdefault(name, set()).add(state_key)
+        for name, values in entry.values.items():
+            keys.setdefault(name, set()).update(values)
+    return keys
 
 
 @contextmanager

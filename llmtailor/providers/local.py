@@ -149,14 +149,15 @@ class LocalProvider(StateProvider):
 
     # -- restore side -------------------------------------------------------------------------
 
-    def check_global(self, shared: dict[str, Any]) -> None:
+    def check_global(self, shared: dict[str, Any], saved_state: dict[str, set[str]]) -> None:
         """Refuse, before the live state is touched, a snapshot saved without an optimizer or
-        LR scheduler when one is given, or from another optimizer class."""
+        LR scheduler when one is given, or from another kind of optimizer (its class, else its
+        group and state keys: ``OptimizerChain.check_restorable``)."""
         if self.chain is not None:
             if shared.get("optimizer_groups") is None:
                 raise IncompatibleModelError("the snapshot was saved without an optimizer, but one was given")
-            self.chain.check_restorable(shared.get("optimizer_class"))
             with loading("optimizer groups", shared.get("step")):
+                self.chain.check_restorable(shared, saved_state, self.tensors())
                 self.chain.check_groups(shared["optimizer_groups"], {id(t): name for name, t in self.tensors().items()})
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
             raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")

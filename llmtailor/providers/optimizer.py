@@ -135,15 +135,24 @@ class OptimizerChain:
         """Refuse saved ``groups`` that do not hold the live groups' parameters (names)."""
         _match_groups([[_name(name_of, p, i) for p in g["params"]] for i, g in enumerate(self.innermost.param_groups)], groups)
 
-    def check_restorable(self, saved: list[str] | None) -> None:
-        check_classes(saved, self.classes())
+    def check_restorable(
+        self, shared: dict[str, Any], saved_state: dict[str, set[str]], tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """Refuse a snapshot saved from another kind of optimizer (before any byte is read): by
+        its recorded class, else by what its groups and state hold (``check_group_keys``,
+        ``check_state_keys``); ``tensors`` are the live parameters by name."""
+        check_classes(shared.get("optimizer_class"), self.classes())
+        live = type(self.innermost).__name__
+        check_group_keys(shared["optimizer_groups"], self.innermost)
+        check_state_keys(saved_state, {name: set(self.param_state(t)) for name, t in tensors.items()}, live)
 
 
 def check_classes(saved: list[str] | None, live: list[str]) -> None:
     """Refuse a snapshot saved from another optimizer (before any byte is read): its state
     would load and the next step fail, or worse. The same wrappers over optimizers of one
     family of equal per-parameter state pass (Adam, AdamW, DeepSpeed's FusedAdam and CPU
-    Adam). Snapshots that record no class (imports, merges, earlier versions) are not checked."""
+    Adam). Snapshots that record no class (imports, merges, earlier versions) are judged by
+    their keys alone (``check_group_keys``, ``check_state_keys``)."""
     if not saved:
         return
     if not isinstance(saved, list) or not all(isinstance(name, str) for name in saved):
@@ -154,6 +163,59 @@ def check_classes(saved: list[str] | None, live: list[str]) -> None:
         f"the snapshot's optimizer is {' over '.join(saved)}, the live one {' over '.join(live)}: their state does "
         "not carry over; build the optimizer the run was saved with"
     )
+
+
+def check_group_keys(groups: list[dict[str, Any]], live: torch.optim.Optimizer) -> None:
+    """Refuse saved param groups that lack a hyperparameter the live optimizer's ``step`` reads.
+
+    ``load_state_dict`` replaces the live groups with the saved ones, and an optimizer fills in
+    by itself only the switches torch added over versions (``foreach``, ``maximize``, ...): a
+    snapshot from AdamW would load into ``SGD(momentum=0.9)`` and its next step raise
+    ``KeyError: 'momentum'``. This is what tells another optimizer apart in a snapshot that
+    records no class (``import-hf``, ``import-deepspeed``). Keys beyond the live optimizer's (an
+    LR scheduler's ``initial_lr``, FusedAdam's ``bias_correction``) are harmless and pass."""
+    filled = filled_on_load(live)
+    needed = {key for group in live.param_groups for key in group} - filled
+    for index, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise IntegrityError(f"the snapshot's optimizer param group {index} is malformed (a dict expected)")
+        missing = sorted(needed - set(group))
+        if missing:
+            extra = sorted(set(group) - needed - filled)
+            raise IncompatibleModelError(
+                f"the snapshot's optimizer param group {index} lacks {missing}, which the live {type(live).__name__} "
+                f"reads (it holds {extra} instead): the run was saved with another optimizer; build the one it was "
+                "saved with"
+            )
+
+
+def filled_on_load(optimizer: torch.optim.Optimizer) -> set[str]:
+    """The group keys ``optimizer``'s class sets itself when loading groups that lack them (its
+    ``__setstate__``, which ``load_state_dict`` calls), found by loading an empty group into a
+    blank instance; with ``params``. An optimizer whose own loading cannot take an empty group
+    is not second-guessed: every key counts as filled."""
+    kind = type(optimizer)
+    try:
+        probe = kind.__new__(kind)
+        probe.__setstate__({"defaults": dict(optimizer.defaults), "state": {}, "param_groups": [{"params": []}]})
+        return set(probe.param_groups[0])
+    except Exception:  # noqa: BLE001 - a custom __setstate__: leave the judgement to its own load
+        return {key for group in optimizer.param_groups for key in group}
+
+
+def check_state_keys(saved: dict[str, set[str]], live: dict[str, set[str]], optimizer: str) -> None:
+    """Refuse a snapshot whose per-parameter state lacks keys the live optimizer keeps, for the
+    parameters both hold state of (``saved``: the composite's keys by parameter name, from
+    its unit indexes; ``live``: the live optimizer's). Loaded, it would leave the next step
+    without them (Adamax's ``exp_inf`` in an AdamW snapshot: both have the same group keys). A
+    fresh optimizer keeps no state yet, so only its group keys speak for it."""
+    for name in sorted(saved.keys() & live.keys()):
+        missing = sorted(live[name] - saved[name])
+        if saved[name] and live[name] and missing:
+            raise IncompatibleModelError(
+                f"the snapshot's optimizer state of {name!r} holds {sorted(saved[name])}, but the live {optimizer} "
+                f"keeps {missing} too: the run was saved with another optimizer; build the one it was saved with"
+            )
 
 
 def _same_kind(saved: list[str], live: list[str]) -> bool:

@@ -73,11 +73,13 @@ def _foreign_kind(path: Path) -> str | None:
     from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
 
     if (path / TRAINER_STATE_FILE).is_file():
-        return f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf`)"
+        return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
+                f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")
     if is_deepspeed_checkpoint(path):
-        return "a DeepSpeed checkpoint (import it with `llmtailor import-deepspeed`)"
+        return ("a DeepSpeed checkpoint (import it with `llmtailor import-deepspeed` to inspect, verify or assemble "
+                "it, or name it as a source of a `llmtailor merge` plan)")
     if (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors")):
-        return "a model directory (config.json and safetensors weights)"
+        return "a model directory (config.json and safetensors weights; a source for a `llmtailor merge` plan)"
     return None
 
 

@@ -105,6 +105,24 @@ def test_gc_refuses_a_directory_or_a_file_that_is_not_a_run(tmp_path):
     assert result.exit_code == 2 and "data.txt: is a file, not a run directory" in result.output
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("target", ["checkpoint", "file"])
+def test_inspect_and_verify_of_what_is_not_a_run_say_what_it_is_in_one_line(trainer_checkpoint, tmp_path, command,
+                                                                             target):
+    """A Trainer checkpoint-N/ is pointed to the commands that take it: import-hf (then
+    inspect, verify, assemble) and merge (it can be a merge source)."""
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    path, fragments = {
+        "checkpoint": (trainer_checkpoint, ["is a Hugging Face Trainer checkpoint", "`llmtailor import-hf` to inspect, "
+                                            "verify or assemble it", "a source of a `llmtailor merge` plan"]),
+        "file": (file, ["notes.txt: is a file, not a run directory"]),
+    }[target]
+    result = runner.invoke(app, [command, str(path)])
+    _one_line_error(result, str(path), *fragments)
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
 def _one_line_error(result, *fragments):
     """Exit status 2 and one ``error:`` line holding every fragment; no traceback."""
     assert result.exit_code == 2, result.output

@@ -1,12 +1,14 @@
 """Hugging Face accelerate custom loops with ``TailorAccelerator``, with the real library and real
 processes: ``save_state(step=...)`` in the loop, a SIGKILL after a save, ``load_state()`` in a
-fresh process (one process; 2 CPU processes under ``accelerate launch --multi_gpu``; a DeepSpeed
-ZeRO-2 engine under ``accelerate launch --use_deepspeed``), then the same losses, batches and
-final weights bit for bit as an uninterrupted run (Full), or each unit at the version the
-composite names (Parity); a registered object's state comes back too."""
+fresh process (one process and 2 CPU processes under ``accelerate launch --multi_gpu``, each
+with Full and Parity; a DeepSpeed ZeRO-2 engine under ``accelerate launch --use_deepspeed``),
+then the same losses, batches and final weights bit for bit as an uninterrupted run (Full), or
+each unit at the version the composite names (Parity); a registered object's state comes back
+too; a second accelerator on a run being written fails when it is built."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from helpers import assert_composite_loaded, free_port, run_job
 
 accelerate = pytest.importorskip("accelerate")
 
-from llmtailor.errors import ConfigError  # noqa: E402
+from llmtailor.errors import ConfigError, TailorError  # noqa: E402
 from llmtailor.integrations.accelerate import TailorAccelerator  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
@@ -63,13 +65,17 @@ def test_full_crash_and_resume_continues_bit_for_bit(tmp_path, kind):
 
 
 @pytest.mark.slow
-def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path):
+@pytest.mark.parametrize("kind", ["single", "ddp"])
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path, kind):
+    """Under DDP (2 processes) each rank wrote its share of the units, and each rank loads them all."""
     run_dir, dump = tmp_path / "run", tmp_path / "dump.pt"
-    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", crash=True)
+    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", kind=kind, crash=True)
     run = Run(run_dir)
     composite = run.resolve()
     assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
-    job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", "--dump", str(dump), "--max-steps", "12")
+    assert run.manifest(8).world_size == (1 if kind == "single" else 2)
+    job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", "--dump", str(dump), "--max-steps", "12",
+        kind=kind)
     assert_composite_loaded(run, composite, torch.load(dump, weights_only=True)["tensors"])
     assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)  # the lineage goes on
 
@@ -123,7 +129,7 @@ def test_other_directories_are_accelerates_own(tmp_path):
     accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
     model, optimizer = _prepared(accelerator)
     accelerator.save_state(str(tmp_path / "plain"))
-    assert (tmp_path / "plain" / "optimizer.bin").is_file() and not (tmp_path / "run").exists()
+    assert (tmp_path / "plain" / "optimizer.bin").is_file() and Run(tmp_path / "run").steps() == []
     assert accelerator.load_state(str(tmp_path / "plain")) is None
     accelerator.end_training()
 
@@ -142,3 +148,38 @@ def test_what_cannot_be_saved_is_refused_naming_it(tmp_path):
     opaque.end_training()
     with pytest.raises(ConfigError, match="policy"):
         TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "x", tailor_policy="parity")
+
+
+def _holding(run_dir: Path, how: str) -> subprocess.Popen:
+    """Another process holding ``run_dir`` (``how``: Python that takes it, given the path as
+    ``run``), until killed; returned once it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; run = sys.argv[1]; {how}; print('held', flush=True); sys.stdin.read()",
+         str(run_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_second_accelerator_on_a_run_being_written_fails_when_it_is_built(tmp_path):
+    """The lock is taken by the constructor, not at the first save_state: a second trainer on the
+    run fails before it trains. In one process the Tailor built later shares it; end_training
+    lets it go."""
+    run_dir = tmp_path / "run"
+    holder = _holding(run_dir, "from llmtailor.integrations.accelerate import TailorAccelerator; "
+                               "accelerator = TailorAccelerator(cpu=True, tailor_run_dir=run)")
+    try:
+        with pytest.raises(TailorError, match=f"being written by another writer \\(pid {holder.pid} on"):
+            TailorAccelerator(cpu=True, tailor_run_dir=run_dir)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=run_dir)
+    _prepared(accelerator)
+    accelerator.save_state(step=1)
+    accelerator.end_training()
+    holder = _holding(run_dir, "from pathlib import Path; from llmtailor.store.lock import WriterLock; "
+                               "WriterLock(Path(run)).acquire()")
+    holder.kill()
+    holder.wait(timeout=30)

@@ -1,7 +1,8 @@
 """PyTorch Lightning with ``TailorCheckpoint``, with the real library and real processes: saves on
 Lightning's schedule, a SIGKILL after a save, ``trainer.fit(ckpt_path=RUN)`` in a fresh process
-(single device and DDP under torchrun), then the same losses, batches and final weights bit for
-bit as an uninterrupted run (Full), or each unit at the version the composite names (Parity).
+(single device and DDP under torchrun, each with Full and Parity), then the same losses, batches
+and final weights bit for bit as an uninterrupted run (Full), or each unit at the version the
+composite names (Parity).
 ``assemble --format lightning`` writes a ``.ckpt`` plain Lightning resumes from, bit for bit."""
 
 from __future__ import annotations
@@ -219,3 +220,21 @@ def test_a_run_not_saved_through_lightning_is_refused_by_the_lightning_export(tm
     result = CliRunner().invoke(app, ["assemble", str(run), "--format", "lightning", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "was not saved by TailorCheckpoint" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_ddp_under_torchrun_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path):
+    """Two processes, Parity: the composite of 8 takes units from the saves of 4 and 8, each written
+    in shares by both ranks; each rank loads every unit at the version the composite names."""
+    run_dir, dump = tmp_path / "crashed", tmp_path / "dump.pt"
+    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", crash=True, nproc=2)
+    run = Run(run_dir)
+    composite = run.resolve()
+    assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
+    assert run.manifest(8).world_size == 2
+    resumed = job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", str(run_dir), "--dump",
+                  str(dump), "--max-steps", "12", nproc=2)
+    begin = torch.load(dump, weights_only=True)
+    assert begin["global_step"] == 8 and resumed["global_step"] == 12
+    assert_composite_loaded(run, composite, begin["tensors"])
+    assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)

@@ -1,6 +1,7 @@
 """Optimizers users bring: wrappers with state of their own (pytorch_optimizer's Lookahead over
 AdamW), accelerate's stateless wrapper, optimizers llmtailor cannot capture (refused when the
-Tailor is built), and a restore into another optimizer class (refused before any byte)."""
+Tailor is built), and a restore into another kind of optimizer (refused before any byte, by its
+class or, for an imported run that records none, by its group and state keys)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from helpers import tiny, train
 from llmtailor import Full, Parity, Tailor
 from llmtailor.errors import IncompatibleModelError, UnsupportedStateError
 from llmtailor.store.run import Run
+from llmtailor.training_example import hf_param_groups
 
 
 def lookahead(model):
@@ -105,6 +107,66 @@ def test_restoring_into_another_optimizer_class_is_refused_before_any_byte(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
     assert sgd.state == {} and sgd.param_groups[0]["momentum"] == 0.9
     # Adam and AdamW keep the same per-parameter state: accepted.
-    from llmtailor.training_example import hf_param_groups
-
     Tailor(tmp_path, fresh, torch.optim.Adam(hf_param_groups(fresh))).restore()
+
+
+@pytest.fixture(scope="module")
+def imported_run(tmp_path_factory):
+    """A run imported (``import_hf``) from the checkpoint of a real, plain Trainer (AdamW, two
+    steps): it records no optimizer class. Returns a function making a model to restore into."""
+    import transformers
+    from integrations.hf_job import Windows, model_config
+
+    from llmtailor.interop.hf.importer import import_hf
+
+    out = tmp_path_factory.mktemp("trainer")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=2, save_steps=2, report_to=[], use_cpu=True,
+        seed=0, learning_rate=3e-3, weight_decay=0.01, disable_tqdm=True,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=Windows()).train()
+    import_hf(out / "checkpoint-2", out / "run")
+    assert Run(out / "run").read_global(2).get("optimizer_class") is None
+    return out / "run", lambda: transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+
+
+def one_step(model, optimizer, tokens):
+    train(model, optimizer, None, tokens, [0])
+
+
+@pytest.mark.parametrize(
+    "build, stepped, why",
+    [
+        # SGD's step reads group["momentum"], which AdamW's groups lack: KeyError at the next step.
+        (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9), False,
+         r"lacks \['dampening', 'momentum'\], which the live SGD reads"),
+        # Adamax's groups hold nothing AdamW's lack; its state (once it has stepped) does.
+        (lambda groups: torch.optim.Adamax(groups), True, r"the live Adamax keeps \['exp_inf'\] too"),
+    ],
+    ids=["sgd-groups", "adamax-state"],
+)
+def test_an_imported_run_recording_no_optimizer_class_is_refused_by_its_keys_before_any_byte(
+    imported_run, tokens, build, stepped, why
+):
+    run_dir, make_model = imported_run
+    model = make_model()
+    optimizer = build(hf_param_groups(model))
+    if stepped:
+        one_step(model, optimizer, tokens)
+    before = [p.detach().clone() for p in model.parameters()]
+    state_keys = {id(p): set(s) for p, s in optimizer.state.items()}
+    with pytest.raises(IncompatibleModelError, match=why):
+        Tailor(run_dir, model, optimizer, read_only=True).restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert {id(p): set(s) for p, s in optimizer.state.items()} == state_keys
+
+
+def test_an_imported_run_restores_into_the_optimizer_it_was_saved_with(imported_run, tokens):
+    run_dir, make_model = imported_run
+    model = make_model()
+    optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
+    one_step(model, optimizer, tokens)  # a live state with the same keys passes too
+    Tailor(run_dir, model, optimizer, read_only=True).restore()
+    one_step(model, optimizer, tokens)

@@ -11,7 +11,7 @@ import torch
 from llmtailor.errors import IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
-from llmtailor.providers.optimizer import check_classes, class_name
+from llmtailor.providers.optimizer import check_classes, check_state_keys, class_name
 from llmtailor.store import codec
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import master_key, optim_key, weight_key
@@ -178,10 +178,16 @@ class DeepSpeedProvider(StateProvider, ABC):
 
     # -- restore side -------------------------------------------------------------------------
 
-    def check_global(self, shared: dict[str, Any]) -> None:
+    def check_global(self, shared: dict[str, Any], saved_state: dict[str, set[str]]) -> None:
+        """Refuse, before the live state is touched, a snapshot without an optimizer, from another
+        kind of optimizer (its class, else its state keys: a ZeRO engine holds state from the
+        start; the group keys it lacks keep the engine's values, ``_load_groups``), with other
+        param groups, or without the engine's LR scheduler."""
         if shared.get("optimizer_groups") is None:
             raise IncompatibleModelError("the snapshot was saved without an optimizer; a DeepSpeed engine needs one")
         check_classes(shared.get("optimizer_class"), [class_name(self.zero.optimizer)])
+        check_state_keys({name: keys - {STEP} for name, keys in saved_state.items()}, self._live_state_keys(),
+                         type(self.zero.optimizer).__name__)
         with loading("optimizer groups", shared.get("step")):
             self._check_groups(shared["optimizer_groups"])
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
@@ -237,6 +243,15 @@ class DeepSpeedProvider(StateProvider, ABC):
             unit_steps[name] = reader.read_region(step, entry, saved_step, (), ())
         elif STEP in entry.values.get(name, {}):
             unit_steps[name] = codec.decode(entry.values[name][STEP], {}, f"{entry.unit}.{name}.step")
+
+    def _live_state_keys(self) -> dict[str, set[str]]:
+        """The state keys of each trained parameter's flat partition (its step aside), by name."""
+        state, groups = self.zero.optimizer.state, self._groups()
+        keys = {}
+        for index, flat in enumerate(self._flat_partitions()):
+            held = set(state.get(flat, {})) - {STEP}
+            keys.update({self.names[id(p)]: held for p in groups[self._group_of_partition(index)]})
+        return keys
 
     def _check_groups(self, groups: list[dict[str, Any]]) -> None:
         live = [[self.names[id(p)] for p in params] for params in self._groups()]
