@@ -14,6 +14,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` and compare.
 ``ddp``  world 2, DDP. Parity saves at steps 2 and 4 into ``DIR/ddp`` (bytes per rank
     recorded), versions written as above, then a restore at this world size, compared.
+``fsdp-url``  as the first half of ``fsdp-train`` (Parity saves every 2 steps up to 8, then a
+    restore at this world size), with the run at ``$RUN_ROOT/parity`` (an ``s3://`` URL): each
+    rank uploads its own parts; launched as two single-process "nodes" with no shared directory.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
@@ -109,13 +112,22 @@ def write_versions(out: Path, step: int, model, optimizer) -> None:
         save_file(values, str(out / "versions" / f"{step}.safetensors"))
 
 
-def compare_with_composite(out: Path, run_dir: Path, model, optimizer) -> list[str]:
-    """Keys whose restored value differs from the version the composite names."""
+def location(out: Path, name: str) -> Path | str:
+    """Where the run ``name`` lives: under ``$RUN_ROOT`` (a URL) when it is set, else in ``out``."""
+    root = os.environ.get("RUN_ROOT")
+    return f"{root}/{name}" if root else out / name
+
+
+def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer) -> list[str] | None:
+    """Keys whose restored value differs from the version the composite names (None on a node
+    whose ``out`` holds no versions: they are written on rank 0's)."""
     from llmtailor.layouts import build_layout
 
     composite = Run(run_dir).resolve()
     layout = build_layout(getattr(model, "module", model))
-    restored = versions(model, optimizer)
+    restored = versions(model, optimizer)  # collective: every rank takes part
+    if not (out / "versions").is_dir():
+        return None  # another node's rank: the versions lie on node 0's own disk
     saved = {step: load_file(str(out / "versions" / f"{step}.safetensors")) for step in set(composite.sources.values())}
     bad = []
     for key, value in restored.items():
@@ -128,7 +140,7 @@ def compare_with_composite(out: Path, run_dir: Path, model, optimizer) -> list[s
 
 def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int) -> dict:
     model, optimizer, scheduler = build(kind, seed=0)
-    tailor = Tailor(out / run_name, model, optimizer, scheduler, policy=policy, timeout=60)
+    tailor = Tailor(location(out, run_name), model, optimizer, scheduler, policy=policy, timeout=60)
     saves = []
     for step in range(1, last + 1):
         train(model, optimizer, scheduler, [step])
@@ -141,12 +153,12 @@ def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int
 
 def restore_and_compare(kind: str, out: Path, run_name: str) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
-    report = Tailor(out / run_name, model, optimizer, scheduler, timeout=60).restore()
+    report = Tailor(location(out, run_name), model, optimizer, scheduler, timeout=60).restore()
     return {
         "restored": report.step,
         "extra": report.extra,
         "unmapped": list(report.unmapped),
-        "mismatches": compare_with_composite(out, out / run_name, model, optimizer),
+        "mismatches": compare_with_composite(out, location(out, run_name), model, optimizer),
     }
 
 
@@ -196,6 +208,9 @@ def main() -> None:
     if scenario == "fsdp-train":
         result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(resume_bitwise(out))
+        result.update(restore_and_compare("fsdp", out, "parity"))
+    elif scenario == "fsdp-url":
+        result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(restore_and_compare("fsdp", out, "parity"))
     elif scenario == "fsdp-restore":
         result = restore_and_compare("fsdp", out, "parity")
