@@ -126,7 +126,7 @@ def main() -> None:
                 break
     accelerator.end_training()
     if not accelerator.is_main_process:
-        return
+        leave()
     weights = accelerator.get_state_dict(model)  # gathered from the ranks' partitions under ZeRO-3
     h = hashlib.sha256()
     for name in sorted(weights):
@@ -135,13 +135,19 @@ def main() -> None:
         "losses": losses, "batches": batches, "params": h.hexdigest(), "global_step": step,
         "tokens": int(counter.seen),
     }))
+    leave()
+
+
+def leave() -> None:
+    """Exit at once, from inside ``main`` while the model is still referenced: with DDP on gloo,
+    torch 2.13 can deadlock when the DDP model is freed (its reducer's process group joins a gloo
+    worker thread that waits for the GIL while the freeing thread holds it), at main's return or
+    at interpreter teardown. Everything the tests read was written and flushed before this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown: with DDP on gloo, torch 2.13 can deadlock there
-    # (the reducer's process group joins a worker thread that waits for the GIL). Everything the
-    # tests read was written and flushed by main().
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -147,17 +147,23 @@ def main() -> None:
     if args.checkpoint == "model":
         assert not [m for m in sys.modules if m.startswith("llmtailor")], "a plain Lightning run imported llmtailor"
     if not trainer.is_global_zero:
-        return
+        leave()
     Path(args.result).write_text(json.dumps({
         "losses": model.losses, "batches": model.batches, "params": params_digest(model), "global_step": trainer.global_step,
     }))
+    leave()
+
+
+def leave() -> None:
+    """Exit at once, from inside ``main`` while the model is still referenced: with DDP on gloo,
+    torch 2.13 can deadlock when the DDP model is freed (its reducer's process group joins a gloo
+    worker thread that waits for the GIL while the freeing thread holds it), at main's return or
+    at interpreter teardown. Everything the tests read was written and flushed before this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's teardown: with DDP on gloo, torch 2.13 can deadlock there
-    # (the reducer's process group joins a worker thread that waits for the GIL). Everything the
-    # tests read was written and flushed by main().
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
