@@ -158,6 +158,11 @@ class Run:
         return isinstance(self.root, Path)
 
     @property
+    def snapshots_dir(self) -> Path:
+        """Where a local run's committed snapshots lie."""
+        return self._local_path(SNAPSHOTS_DIR)
+
+    @property
     def tmp_dir(self) -> Path:
         """Where a local run's snapshots are written before their commit."""
         return self._local_path(TMP_DIR)
