@@ -1,8 +1,9 @@
 """File names, schema versions and state keys of the llmtailor on-disk format, in one place."""
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (2, 3)
-"""Schema 3 adds frozen tensors kept from an older snapshot or a base model directory."""
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (2, 3, 4)
+"""Schema 3 adds frozen tensors kept from an older snapshot or a base model directory; schema 4,
+page checksums of large chunks (a reader of part of a chunk checks only the pages it reads)."""
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"

@@ -47,6 +47,15 @@ FLUSH_EVERY = 256 << 20
 growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
 MAX_HEADER = 100 << 20
 """No credible safetensors header is larger (a header's size is read before the header)."""
+MIN_PAGE, MAX_PAGES = 4096, 256
+
+
+def page_size(nbytes: int) -> int:
+    """The page of a chunk of ``nbytes`` bytes: at most ``MAX_PAGES`` pages (so a chunk's page
+    list stays small), each a multiple of ``MIN_PAGE`` bytes (every item size divides it). A
+    reader of a range reads at most one page more at each end: about 1% of a chunk."""
+    pages = -(-nbytes // MAX_PAGES)
+    return max(MIN_PAGE, -(-pages // MIN_PAGE) * MIN_PAGE)
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -164,11 +173,13 @@ def write_tensor_file(
 
 
 def stream_tensors(
-    sink: Sink, tensors: dict[str, torch.Tensor | ByteSource], relpath: str, metadata: dict[str, str] | None = None
+    sink: Sink, tensors: dict[str, torch.Tensor | ByteSource], relpath: str, metadata: dict[str, str] | None = None,
+    pages: dict[str, list[str]] | None = None,
 ) -> tuple[FileEntry, dict[str, str]]:
     """Write ``tensors`` as one safetensors file through ``sink`` (closed at the end, aborted on
     failure); return its manifest entry as ``relpath`` and the xxh3-64 checksum of each
-    tensor's bytes (both computed on the way out, in one pass).
+    tensor's bytes (both computed on the way out, in one pass). ``pages``, when given, receives
+    the page checksums (``page_size``) of each tensor larger than one page.
 
     Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
     to the CPU one tensor at a time; a ``ByteSource`` is copied from its file in pieces."""
@@ -189,11 +200,17 @@ def stream_tensors(
         sink.write(head)
         for key, tensor in ordered:
             piece_hasher = xxhash.xxh3_64()
+            nbytes = tensor.numel() * tensor.element_size()
+            paged = _Pages(page_size(nbytes)) if pages is not None and nbytes > page_size(nbytes) else None
             for piece in _pieces(tensor):
                 hasher.update(piece)
                 piece_hasher.update(piece)
+                if paged is not None:
+                    paged.update(piece)
                 sink.write(piece)
             sums[key] = piece_hasher.hexdigest()
+            if paged is not None:
+                pages[key] = paged.finish()
             if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
                 raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
         sink.close()
@@ -202,6 +219,31 @@ def stream_tensors(
         raise
     entry = FileEntry(path=relpath, bytes=8 + len(encoded) + offset, xxh3_64=hasher.hexdigest())
     return entry, sums
+
+
+class _Pages:
+    """xxh3-64 of consecutive pages of a byte stream fed in pieces of any size."""
+
+    def __init__(self, size: int):
+        self.size, self.filled, self.sums = size, 0, []
+        self.hasher = xxhash.xxh3_64()
+
+    def update(self, piece: memoryview | bytes) -> None:
+        view = memoryview(piece)
+        while len(view):
+            take = min(self.size - self.filled, len(view))
+            self.hasher.update(view[:take])
+            self.filled += take
+            view = view[take:]
+            if self.filled == self.size:
+                self.sums.append(self.hasher.hexdigest())
+                self.hasher.reset()
+                self.filled = 0
+
+    def finish(self) -> list[str]:
+        if self.filled:
+            self.sums.append(self.hasher.hexdigest())
+        return self.sums
 
 
 def make_durable(fd: int, start: int = 0, end: int | None = None) -> None:

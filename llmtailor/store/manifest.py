@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from llmtailor.constants import READABLE_SCHEMAS, SNAPSHOT_FORMAT, unit_index_path
 from llmtailor.errors import IntegrityError, TailorError, describe_validation
@@ -77,8 +77,27 @@ class Chunk(_Strict):
     offsets: list[int]
     shape: list[int]
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
+    page_bytes: int | None = Field(default=None, gt=0)
+    pages: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] | None = None
+    """A large chunk's bytes also hashed in pages of ``page_bytes`` (the last one shorter): a
+    reader of part of the chunk (a rank restoring at another world size) reads and checks the
+    pages its range covers, not the whole chunk (``store.files.page_size``)."""
     stored_as: str | None = Field(default=None, exclude=True)
     """In memory only: the tensor's name in its file when not its key (a base model's file)."""
+
+    @model_validator(mode="after")
+    def _pages_together(self) -> Chunk:
+        if (self.page_bytes is None) != (self.pages is None):
+            raise ValueError("page_bytes and pages go together")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_pages(self, handler):
+        data = handler(self)
+        if self.pages is None:  # a chunk of one page: written as schema 3 wrote it
+            data.pop("pages", None)
+            data.pop("page_bytes", None)
+        return data
 
 
 class TensorEntry(_Strict):
@@ -109,6 +128,11 @@ class TensorEntry(_Strict):
                 if off < 0 or ext < 0 or off + ext > dim:
                     raise ValueError(f"tensor {self.key!r}: chunk {chunk.offsets}+{chunk.shape} exceeds {self.shape}")
             covered += math.prod(chunk.shape)
+            if chunk.pages is not None:
+                size = math.prod(chunk.shape) * dtypes.itemsize(self.dtype)
+                if len(chunk.pages) != -(-size // chunk.page_bytes):
+                    raise ValueError(f"tensor {self.key!r}: chunk {chunk.offsets} lists {len(chunk.pages)} pages "
+                                     f"of {chunk.page_bytes} bytes for {size} bytes")
         if covered != math.prod(self.shape) or _overlapping(self.chunks):
             raise ValueError(
                 f"tensor {self.key!r}: chunks cover {covered} of {math.prod(self.shape)} elements"

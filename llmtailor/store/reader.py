@@ -82,10 +82,10 @@ class ChunkReader:
     ) -> torch.Tensor:
         """The box (``offsets``/``shape`` relative to the chunk) of ``chunk`` of ``tensor``, in
         the index ``unit`` of the snapshot at ``step``."""
-        if self.verify:
+        if self.verify and chunk.pages is None:  # a chunk of one page: read and checked whole
             index = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
             return self._checked_chunk(step, unit, tensor, chunk)[index]
-        return self._read_box(step, unit, tensor, chunk, tuple(offsets), tuple(shape))
+        return self._read_box(step, unit, tensor, chunk, tuple(offsets), tuple(shape), check=self.verify)
 
     def read_region(
         self, step: int, unit: UnitEntry, tensor: TensorEntry, offsets: tuple[int, ...], shape: tuple[int, ...]
@@ -131,9 +131,10 @@ class ChunkReader:
         return storage, key, data + info["data_offsets"][0]
 
     def _read_box(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk,
-                  offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+                  offsets: tuple[int, ...], shape: tuple[int, ...], check: bool = False) -> torch.Tensor:
         """Only the bytes of the box: the span from its first to its last element in the
-        chunk's row-major order (exact for a box of whole rows, or inside one row)."""
+        chunk's row-major order (exact for a box of whole rows, or inside one row); with
+        ``check``, the pages that span covers, each checked against its checksum."""
         import torch
 
         if _numel(shape) == 0:
@@ -143,9 +144,27 @@ class ChunkReader:
         first = sum(o * s for o, s in zip(offsets, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(offsets, shape, strides))
         item = dtypes.itemsize(tensor.dtype)
-        data = bytearray(storage.read_range(key, begin + first * item, (last - first + 1) * item))
+        start, end = first * item, (last + 1) * item
+        if check:
+            data = self._checked_pages(storage, key, begin, tensor, chunk, start, end)
+        else:
+            data = bytearray(storage.read_range(key, begin + start, end - start))
         span = torch.frombuffer(data, dtype=tensor.torch_dtype)
         return span.as_strided(shape, strides)
+
+    @staticmethod
+    def _checked_pages(storage: Storage, key: str, begin: int, tensor: TensorEntry, chunk: Chunk,
+                       start: int, end: int) -> bytearray:
+        """Bytes ``[start, end)`` of the chunk, read as the whole pages they lie in, each page
+        checked against the chunk's page checksums."""
+        size, page = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype), chunk.page_bytes
+        low, high = start // page * page, min(-(-end // page) * page, size)
+        raw = memoryview(storage.read_range(key, begin + low, high - low))
+        for at in range(low, high, page):
+            if checksum(raw[at - low : min(at + page, high) - low]) != chunk.pages[at // page]:
+                raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
+                                     f"bytes {at}-{min(at + page, high)} (file is corrupted)")
+        return bytearray(raw[start - low : end - low])
 
     def _checked_chunk(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
         import torch

@@ -118,6 +118,8 @@ class ChunkPart(_Message):
     offsets: list[int]
     shape: list[int]
     xxh3_64: str
+    page_bytes: int | None = None
+    pages: list[str] | None = None
 
 
 class TensorPart(_Message):

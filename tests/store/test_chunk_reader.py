@@ -51,3 +51,51 @@ def test_every_chunk_of_a_file_is_read_as_itself(run, verify):
     for row in (3, 0, 4, 1):
         assert torch.equal(reader.read_region(1, unit, tensor, (row, 0), (1, 7)), FULL[row : row + 1])
     reader.close()
+
+
+def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
+    """A chunk larger than a page carries page checksums: a box (a rank's shard at another world
+    size) reads only the pages it lies in, each checked; damage in another page goes unread,
+    damage in its own pages is named with its byte range."""
+    from llmtailor.store.files import page_size
+    from llmtailor.store.storage.local import LocalStorage
+
+    big = torch.randn(512, 300)  # 600 KiB in one chunk: pages of 4 KiB
+    layout = layout_from_names(["w"])
+    staged = StagedSnapshot(
+        step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),
+        units=iter([StagedUnit(layout.unit_of("w"), [Piece("weight/w", big, (0, 0), tuple(big.shape))])]),
+        composite={u: 1 for u in layout.units}, global_doc={}, global_tensors={},
+    )
+    persist(Run(tmp_path), staged)
+    run = Run(tmp_path)
+    unit = run.unit_entry(1, next(iter(run.manifest(1).units)))
+    [tensor] = unit.tensors
+    [chunk] = tensor.chunks
+    assert chunk.page_bytes == page_size(big.numel() * 4) and len(chunk.pages) == -(-big.numel() * 4 // chunk.page_bytes)
+    fetched = []
+    real = LocalStorage.read_range
+
+    def counted(self, key, start, length):
+        fetched.append(length)
+        return real(self, key, start, length)
+
+    LocalStorage.read_range = counted
+    try:
+        reader = ChunkReader(run, verify=True)
+        rows = (100, 300)  # a fifth of the rows, as a rank of 5 would hold
+        assert torch.equal(reader.read_region(1, unit, tensor, (200, 0), rows), big[200:300])
+        needed = 100 * 300 * 4
+        assert needed <= sum(fetched) - 8 - 1000 <= needed + 2 * chunk.page_bytes  # header reads aside
+        # Damage a byte in the last page: the box above does not read it ...
+        path = tmp_path / "snapshots/step-00000001" / unit.files[0].path
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        fresh = ChunkReader(Run(tmp_path), verify=True)
+        assert torch.equal(fresh.read_region(1, unit, tensor, (200, 0), rows), big[200:300])
+        # ... the last rows do, and name the damaged bytes.
+        with pytest.raises(Exception, match=r"checksum mismatch in tensor 'weight/w', bytes \d+-\d+"):
+            fresh.read_region(1, unit, tensor, (500, 0), (12, 300))
+    finally:
+        LocalStorage.read_range = real
