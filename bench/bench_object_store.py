@@ -1,0 +1,365 @@
+"""Saves to object storage: ours (Full, Parity) vs boto3's transfer manager uploading the same
+bytes and vs ``dcp.save`` through its fsspec writer (s3fs), against one S3 server (moto's, on
+loopback), side by side in one process run; then the two clients we could build on (obstore,
+fsspec + s3fs) on the operations our store does; then a restore at another world size, bytes
+fetched against bytes needed.
+
+Phases (one server for all):
+
+1. **Clients.** The same files (``--files`` x ``--file-mb`` MB) uploaded as a save does (one
+   after another, each streamed in parts) and read back as a restore does (ranged reads),
+   with obstore and with s3fs; and a training thread's stand-in (a pure-Python loop) timed
+   alone and while a background thread uploads with each client: the share of the
+   interpreter an upload takes from training (an async save uploads on a background thread).
+2. **Saves.** The Llama of ``bench_save.py`` scaled by the flags (fp32, AdamW in HF's decay /
+   no-decay groups, moments from one real step). Each repeat: ours Full (a run's first save)
+   and Parity (a run's second save) to s3://; boto3 ``upload_file`` (its transfer manager:
+   multipart, 10 threads) of the files of a local Full snapshot of the same state; ``dcp.save``
+   of the model and optimizer state dicts through ``FsspecWriter`` (s3fs). Objects are deleted
+   between contenders. Throughput = bytes / seconds; medians over ``--repeats``; targets
+   (issue 23): ours Full >= 0.9x boto3's throughput, ours Parity <= 0.6x dcp.save's time.
+3. **Restore at another world size.** A 2-rank FSDP2 job (torchrun) saves the model with Full
+   to s3://; a 3-rank job restores it (``verify=False``: only the byte ranges each rank
+   holds; and ``verify=True``: whole chunks, to check them). Each rank counts the bytes it
+   fetched (through the store's reads) and the bytes of its own shards; target: fetched <=
+   1.05x needed.
+
+    .venv/bin/python bench/bench_object_store.py --repeats 3
+    .venv/bin/python bench/bench_object_store.py --layers 2 --hidden 128 --intermediate 256 --vocab 1024 --repeats 1 --files 2  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MB, scratch  # noqa: E402
+
+SIZES = {"layers": 8, "hidden": 512, "intermediate": 1792, "heads": 8, "kv-heads": 4, "vocab": 16000}
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+         "AWS_ALLOW_HTTP": "true"}
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for flag, default in SIZES.items():
+        parser.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--files", type=int, default=6, help="files of phase 1")
+    parser.add_argument("--file-mb", type=int, default=64, help="size of each file of phase 1")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update({**CREDS, "AWS_ENDPOINT_URL": endpoint})
+    for _ in range(300):
+        try:
+            s3().list_buckets()
+            return proc, endpoint
+        except Exception:
+            time.sleep(0.1)
+    raise SystemExit("the S3 server did not start")
+
+
+def s3():
+    import boto3
+
+    return boto3.client("s3")
+
+
+def new_bucket() -> str:
+    name = f"bench-{uuid.uuid4().hex[:10]}"
+    s3().create_bucket(Bucket=name)
+    return name
+
+
+def empty(bucket: str) -> None:
+    client = s3()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objects:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
+
+
+# -- phase 1: the clients ----------------------------------------------------------------------
+
+
+def phase_clients(args) -> None:
+    import obstore
+    import s3fs
+
+    bucket = new_bucket()
+    payload = os.urandom(args.file_mb << 20)
+    store = obstore.store.from_url(f"s3://{bucket}", client_options={"allow_http": True})
+    fs = s3fs.S3FileSystem()
+    total = args.files * len(payload)
+
+    def obstore_put():
+        for i in range(args.files):
+            writer = obstore.open_writer(store, f"o/{i}", buffer_size=16 << 20, max_concurrency=8)
+            for start in range(0, len(payload), 16 << 20):
+                writer.write(payload[start : start + (16 << 20)])
+            writer.close()
+
+    def s3fs_put():
+        for i in range(args.files):
+            with fs.open(f"{bucket}/f/{i}", "wb", block_size=16 << 20) as out:
+                for start in range(0, len(payload), 16 << 20):
+                    out.write(payload[start : start + (16 << 20)])
+
+    ranges = [(start, 1 << 20) for start in range(0, len(payload), 4 << 20)]
+
+    def obstore_get():
+        for i in range(args.files):
+            obstore.get_ranges(store, f"o/{i}", starts=[s for s, _ in ranges], lengths=[n for _, n in ranges])
+
+    def s3fs_get():
+        for i in range(args.files):
+            fs.cat_ranges([f"{bucket}/f/{i}"] * len(ranges), [s for s, _ in ranges], [s + n for s, n in ranges])
+
+    def spin(seconds: float) -> float:
+        """Iterations per second of a pure-Python loop (a training thread's stand-in)."""
+        count, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            count += 1
+        return count / seconds
+
+    print(f"\n== phase 1: clients ({args.files} files x {args.file_mb} MB, the same server)")
+    print(f"{'client':<10}{'upload MB/s':>13}{'ranged read MB/s':>18}{'loop speed while uploading':>29}")
+    alone = spin(2.0)
+    for name, put, get in (("obstore", obstore_put, obstore_get), ("s3fs", s3fs_put, s3fs_get)):
+        ups, reads, shares = [], [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            put()
+            ups.append(total / (time.perf_counter() - start) / MB)
+            start = time.perf_counter()
+            get()
+            reads.append(args.files * len(ranges) * (1 << 20) / (time.perf_counter() - start) / MB)
+            thread = threading.Thread(target=put)
+            thread.start()
+            rate = spin(1.5)
+            thread.join()
+            shares.append(rate / alone)
+        print(f"{name:<10}{statistics.median(ups):>13.0f}{statistics.median(reads):>18.0f}"
+              f"{statistics.median(shares):>28.0%}")
+    empty(bucket)
+
+
+# -- phase 2: saves ------------------------------------------------------------------------------
+
+
+def model_and_state(args):
+    from llmtailor.training_example import TinyConfig, batch_at, build_model, corpus_tokens, hf_param_groups
+
+    config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                        intermediate_size=args.intermediate, vocab_size=args.vocab, seq_len=64)
+    model = build_model(config, seed=0)
+    optimizer = torch.optim.AdamW(hf_param_groups(model), lr=1e-3)
+    batch = batch_at(corpus_tokens(), 0, 1, 64) % args.vocab
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def phase_saves(args, out: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from boto3.s3.transfer import TransferConfig
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # DCP's fsspec writer (not re-exported)
+
+    from llmtailor import Full, Parity, Tailor
+
+    model, optimizer = model_and_state(args)
+    params = sum(p.numel() for p in model.parameters())
+    local = out / "local"
+    with Tailor(local, model, optimizer, policy=Full(), track_drift=False) as tailor:
+        tailor.save(1)
+    files = [p for p in local.rglob("*") if p.is_file() and ".readers" not in p.name and p.name != ".lock"]
+    full_bytes = sum(p.stat().st_size for p in files)
+    print(f"\n== phase 2: saves ({params / 1e6:.1f}M params, fp32 + AdamW; a Full snapshot is {full_bytes / MB:.0f} MB)")
+    bucket = new_bucket()
+    results: dict[str, list[tuple[float, int]]] = {k: [] for k in ("boto3", "dcp.save", "ours Full", "ours Parity")}
+    transfer = TransferConfig()  # boto3's defaults: multipart from 8 MB, 8 MB parts, 10 threads
+    client = s3()
+    for repeat in range(args.repeats):
+        start = time.perf_counter()
+        for path in files:
+            client.upload_file(str(path), bucket, f"boto3/{repeat}/{path.relative_to(local)}", Config=transfer)
+        results["boto3"].append((time.perf_counter() - start, full_bytes))
+        empty(bucket)
+
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        start = time.perf_counter()
+        dcp.save(state, storage_writer=FsspecWriter(f"s3://{bucket}/dcp/{repeat}", sync_files=False))
+        results["dcp.save"].append((time.perf_counter() - start, bucket_bytes(bucket)))
+        empty(bucket)
+
+        url = f"s3://{bucket}/ours/full-{repeat}"
+        with Tailor(url, model, optimizer, policy=Full(), track_drift=False) as tailor:
+            report = tailor.save(1)
+        results["ours Full"].append((report.seconds, report.bytes))
+        empty(bucket)
+
+        url = f"s3://{bucket}/ours/parity-{repeat}"
+        with Tailor(url, model, optimizer, policy=Parity(), track_drift=False) as tailor:
+            tailor.save(1)  # a run's first save is full
+            report = tailor.save(2)
+        results["ours Parity"].append((report.seconds, report.bytes))
+        empty(bucket)
+        print(f"  repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1][0]:.2f} s" for k, v in results.items()))
+    print(f"\n{'contender':<14}{'MB':>9}{'seconds':>10}{'MB/s':>9}{'time/boto3':>12}{'time/dcp':>10}")
+    med = {k: (statistics.median(s for s, _ in v), statistics.median(b for _, b in v)) for k, v in results.items()}
+    for name, (seconds, size) in med.items():
+        print(f"{name:<14}{size / MB:>9.1f}{seconds:>10.2f}{size / MB / seconds:>9.0f}"
+              f"{seconds / med['boto3'][0]:>12.3f}{seconds / med['dcp.save'][0]:>10.3f}")
+    ours_rate = med["ours Full"][1] / med["ours Full"][0]
+    boto_rate = med["boto3"][1] / med["boto3"][0]
+    parity_vs_dcp = med["ours Parity"][0] / med["dcp.save"][0]
+    print("\nissue 23 targets")
+    print(f"  ours Full throughput vs boto3's: {ours_rate / boto_rate:.3f}x (target >= 0.9x): "
+          f"{'PASS' if ours_rate / boto_rate >= 0.9 else 'FAIL'}")
+    print(f"  ours Parity time vs dcp.save's:  {parity_vs_dcp:.3f}x (target <= 0.6x): {'PASS' if parity_vs_dcp <= 0.6 else 'FAIL'}")
+
+
+def bucket_bytes(bucket: str) -> int:
+    total = 0
+    for page in s3().get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        total += sum(o["Size"] for o in page.get("Contents", []))
+    return total
+
+
+# -- phase 3: a restore at another world size ---------------------------------------------------
+
+
+def phase_reshard(args, out: Path) -> None:
+    bucket = new_bucket()
+    url = f"s3://{bucket}/fsdp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_URL": url, "BENCH_SIZES": json.dumps(vars(args), default=str)}
+    print("\n== phase 3: an FSDP2 run saved at 2 ranks, restored at 3")
+    for nproc, role in ((2, "save"), (3, "restore")):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                               __file__, "--worker", role, "--out", str(out)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr[-4000:])
+    print(f"{'rank':<6}{'verify':<8}{'needed MB':>11}{'fetched MB':>12}{'fetched/needed':>16}")
+    worst = {}
+    for rank in range(3):
+        for verify in (False, True):
+            result = json.loads((out / f"reshard-{rank}-{verify}.json").read_text())
+            ratio = result["fetched"] / result["needed"]
+            worst[verify] = max(worst.get(verify, 0), ratio)
+            print(f"{rank:<6}{str(verify):<8}{result['needed'] / MB:>11.2f}{result['fetched'] / MB:>12.2f}{ratio:>16.3f}")
+    print("\nissue 23 target: fetched <= 1.05x needed")
+    for verify, ratio in worst.items():
+        print(f"  verify={verify}: worst rank {ratio:.3f}x: {'PASS' if ratio <= 1.05 else 'FAIL'}")
+
+
+def worker(role: str, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from llmtailor import Full, Tailor
+    from llmtailor.store.storage import objects
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    args = argparse.Namespace(**json.loads(os.environ["BENCH_SIZES"]))
+    from llmtailor.training_example import TinyConfig, build_model, hf_param_groups
+
+    config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                        intermediate_size=args.intermediate, vocab_size=args.vocab, seq_len=64)
+    model = build_model(config, seed=0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(hf_param_groups(model), lr=1e-3)
+    batch = torch.randint(0, args.vocab, (1, 64))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    url = os.environ["BENCH_URL"]
+    if role == "save":
+        with Tailor(url, model, optimizer, policy=Full(), track_drift=False) as tailor:
+            tailor.save(1)
+    else:
+        fetched = [0]
+        for name in ("read", "read_range"):
+            real = getattr(objects.ObjectStorage, name)
+
+            def counted(self, *a, _real=real, **k):
+                data = _real(self, *a, **k)
+                fetched[0] += len(data)
+                return data
+
+            setattr(objects.ObjectStorage, name, counted)
+        real_ranges = objects.ObjectStorage.read_ranges
+
+        def counted_ranges(self, *a, **k):
+            data = real_ranges(self, *a, **k)
+            fetched[0] += sum(len(d) for d in data)
+            return data
+
+        objects.ObjectStorage.read_ranges = counted_ranges
+        needed = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        needed += sum(v.to_local().numel() * v.element_size() for s in optimizer.state.values()
+                      for v in s.values() if hasattr(v, "to_local") and v.dim() > 0)
+        for verify in (False, True):
+            fetched[0] = 0
+            Tailor(url, model, optimizer, track_drift=False, read_only=True).restore(verify=verify)
+            (out / f"reshard-{dist.get_rank()}-{verify}.json").write_text(json.dumps({"fetched": fetched[0], "needed": needed}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = arguments()
+    if args.worker:
+        worker(args.worker, args.out)
+        return
+    import moto
+    import obstore
+    import s3fs
+
+    print(f"python {platform.python_version()}, torch {torch.__version__}, obstore {obstore.__version__}, "
+          f"s3fs {s3fs.__version__}, moto {moto.__version__}, {os.cpu_count()} CPUs")
+    server, endpoint = start_server()
+    print(f"S3 server: moto on {endpoint} (a process of its own)")
+    try:
+        with scratch(args.out, "bench_object_store") as out:
+            phase_clients(args)
+            phase_saves(args, out)
+            phase_reshard(args, out)
+    finally:
+        server.terminate()
+
+
+if __name__ == "__main__":
+    main()
