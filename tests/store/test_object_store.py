@@ -289,3 +289,20 @@ def test_local_options_are_refused_and_a_bad_endpoint_is_named(monkeypatch, tmp_
         run.steps()
 
 
+
+
+def test_an_async_save_to_s3_goes_the_same_background_path_and_restores_bitwise(url, tokens):
+    model, opt, sched = tiny()
+    with Tailor(url, model, opt, sched, policy=Parity(), async_save=True) as tailor:
+        for step in (1, 2, 3):
+            train(model, opt, sched, tokens, [step])
+            pending = tailor.save(step)  # returns at once; uploads in the background
+        saved = unit_versions(model, opt)  # the fence: step 3's copies were taken before any later step
+        assert pending.result().step == 3
+    fresh = tiny(seed=4)
+    with Tailor(url, *fresh, read_only=True) as reader:
+        report = reader.restore()
+    assert report.step == 3 and Run(url).verify() == []
+    # Units saved at step 3 hold exactly the values the model had at save(3).
+    restored = [n for n, _ in fresh[0].named_parameters() if report.sources[reader.layout.unit_of(n)] == 3]
+    assert restored and all(torch.equal(dict(fresh[0].named_parameters())[n], saved[n]["weight"]) for n in restored)
