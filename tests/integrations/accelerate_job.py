@@ -21,12 +21,11 @@ import hashlib
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
 import transformers
-from hf_job import SEQ_LEN, corpus_windows, digest
+from hf_job import SEQ_LEN, corpus_windows, digest, leave
 
 WINDOWS, BATCH = 16, 2
 
@@ -136,16 +135,6 @@ def main() -> None:
         "tokens": int(counter.seen),
     }))
     leave()
-
-
-def leave() -> None:
-    """Exit at once, from inside ``main`` while the model is still referenced: with DDP on gloo,
-    torch 2.13 can deadlock when the DDP model is freed (its reducer's process group joins a gloo
-    worker thread that waits for the GIL while the freeing thread holds it), at main's return or
-    at interpreter teardown. Everything the tests read was written and flushed before this."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

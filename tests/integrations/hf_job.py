@@ -109,6 +109,17 @@ def recording(base):
     return Recording
 
 
+def leave() -> None:
+    """Exit at once (for jobs under DDP on gloo, called from inside ``main`` while the model is
+    still referenced): torch 2.13 can deadlock when a DDP model is freed (its reducer's process
+    group joins a gloo worker thread that waits for the GIL while the freeing thread holds it),
+    at main's return or at interpreter teardown. Everything the tests read is written and
+    flushed before this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

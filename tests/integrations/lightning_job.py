@@ -29,7 +29,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import transformers
-from hf_job import SEQ_LEN, corpus_windows, digest, params_digest
+from hf_job import SEQ_LEN, corpus_windows, digest, leave, params_digest
 
 WINDOWS, BATCH = 16, 2  # 8 batches an epoch on one device: step 10 is in epoch 2
 
@@ -152,16 +152,6 @@ def main() -> None:
         "losses": model.losses, "batches": model.batches, "params": params_digest(model), "global_step": trainer.global_step,
     }))
     leave()
-
-
-def leave() -> None:
-    """Exit at once, from inside ``main`` while the model is still referenced: with DDP on gloo,
-    torch 2.13 can deadlock when the DDP model is freed (its reducer's process group joins a gloo
-    worker thread that waits for the GIL while the freeing thread holds it), at main's return or
-    at interpreter teardown. Everything the tests read was written and flushed before this."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import uuid
@@ -73,54 +72,33 @@ class LocalStorage(Storage):
     # Looking (size, presence, listing) follows links anywhere; reading refuses links out of
     # the run (``path``), naming them.
 
-    def size(self, key: str) -> int | None:
+    def _look(self, key: str, look):
         path = self.root / key
         try:
-            return path.stat().st_size if path.is_file() else None
+            return look(path)
         except OSError as err:
             raise StorageError(describe_os_error(err, path), err) from None
+
+    def size(self, key: str) -> int | None:
+        return self._look(key, lambda path: path.stat().st_size if path.is_file() else None)
 
     def exists(self, key: str) -> bool:
-        path = self.root / key
-        try:
-            return path.exists()
-        except OSError as err:
-            raise StorageError(describe_os_error(err, path), err) from None
+        return self._look(key, Path.exists)
 
     def is_file(self, key: str) -> bool:
-        path = self.root / key
-        try:
-            return path.is_file()
-        except OSError as err:
-            raise StorageError(describe_os_error(err, path), err) from None
+        return self._look(key, Path.is_file)
 
     def read(self, key: str) -> bytearray:
         path = self.path(key)
         with _opened(path) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            data = bytearray(size)
-            view, got = memoryview(data), 0
-            while got < size:
-                count = handle.readinto(view[got:])
-                if not count:
-                    raise IntegrityError(f"{path}: ended while being read (truncated meanwhile)")
-                got += count
-            return data
+            return _read_into(handle, path, 0, os.fstat(handle.fileno()).st_size)
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
         path = self.path(key)
         with _opened(path) as handle:
             if os.fstat(handle.fileno()).st_size < start + length:
                 raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
-            data = bytearray(length)
-            view, got = memoryview(data), 0
-            handle.seek(start)
-            while got < length:
-                count = handle.readinto(view[got:])
-                if not count:
-                    raise IntegrityError(f"{path}: ended while being read (truncated)")
-                got += count
-            return view
+            return memoryview(_read_into(handle, path, start, length))
 
     def list_dir(self, prefix: str) -> list[str]:
         path = self.root / prefix
@@ -246,6 +224,19 @@ class LocalStorage(Storage):
             raise StorageError(describe_os_error(err, self.root), err) from None
 
 
+def _read_into(handle, path: Path, start: int, length: int) -> bytearray:
+    """``length`` bytes of the open file from ``start``, into a new buffer."""
+    data = bytearray(length)
+    view, got = memoryview(data), 0
+    handle.seek(start)
+    while got < length:
+        count = handle.readinto(view[got:])
+        if not count:
+            raise IntegrityError(f"{path}: ended while being read (truncated)")
+        got += count
+    return data
+
+
 class _opened:
     """``open(path, "rb")`` whose failures are IntegrityErrors naming the file: missing, or the
     reason in plain words (a file that may not be read is not "missing")."""
@@ -317,7 +308,3 @@ class LocalBatch(Batch):
 
     def __exit__(self, *exc: object) -> None:
         self._syncer.__exit__(*exc)
-
-
-def _is_missing(err: OSError) -> bool:
-    return err.errno in (errno.ENOENT, errno.ENOTDIR)
