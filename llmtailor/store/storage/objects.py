@@ -483,7 +483,8 @@ class ObjectWriterLock(WriterLockBackend):
             if current is None:
                 continue  # released meanwhile: try again
             holder, etag = current
-            if not self._dead_here(holder) and not self._stale(etag):
+            here = self._on_this_host(holder)
+            if here is True or (here is None and not self._stale(etag)):
                 raise TailorError(
                     f"{self.storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
                     "a run has one writer at a time"
@@ -515,19 +516,23 @@ class ObjectWriterLock(WriterLockBackend):
         return (holder if isinstance(holder, dict) else {}), etag
 
     @staticmethod
-    def _dead_here(holder: dict) -> bool:
-        """A holder on this host whose process is gone (a crash): its lease is void at once."""
-        text = str(holder.get("holder", ""))
-        parts = text.split()
+    def _on_this_host(holder: dict) -> bool | None:
+        """For a holder on this host: whether its process lives (True: refused at once; False:
+        a crash, its lease void at once); None for a holder elsewhere (watched)."""
+        parts = str(holder.get("holder", "")).split()
         if len(parts) != 4 or parts[0] != "pid" or parts[2] != "on" or parts[3] != socket.gethostname():
-            return False
+            return None
         try:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
-            return True
-        except (PermissionError, ValueError):
             return False
-        return False
+        except (PermissionError, ValueError):
+            return True
+        return True
+
+    @classmethod
+    def _dead_here(cls, holder: dict) -> bool:
+        return cls._on_this_host(holder) is False
 
     def _stale(self, etag: str) -> bool:
         """Watch the lease for up to ``lock_ttl`` seconds: renewed (its ETag changed) means a
@@ -572,9 +577,12 @@ class ObjectWriterLock(WriterLockBackend):
             self._thread.join()
             self._thread = None
         if self._lost is None and self._etag is not None:
-            current = self._current()
-            if current is not None and current[1] == self._etag:
-                self.storage.remove(LOCK_FILE)
+            try:
+                current = self._current()
+                if current is not None and current[1] == self._etag:
+                    self.storage.remove(LOCK_FILE)
+            except TailorError:  # the lease expires on its own; a release never fails a program
+                pass
         self._etag = None
 
     def holder_if_other(self) -> str | None:
