@@ -320,14 +320,6 @@ def worker(role: str, out: Path) -> None:
                 return data
 
             setattr(objects.ObjectStorage, name, counted)
-        real_ranges = objects.ObjectStorage.read_ranges
-
-        def counted_ranges(self, *a, **k):
-            data = real_ranges(self, *a, **k)
-            fetched[0] += sum(len(d) for d in data)
-            return data
-
-        objects.ObjectStorage.read_ranges = counted_ranges
         needed = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         needed += sum(v.to_local().numel() * v.element_size() for s in optimizer.state.values()
                       for v in s.values() if hasattr(v, "to_local") and v.dim() > 0)

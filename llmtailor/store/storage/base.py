@@ -150,11 +150,6 @@ class Storage(ABC):
         """``length`` bytes of ``key`` from ``start`` (errors as ``read``; a file shorter than
         the range is IntegrityError ``... (truncated)``)."""
 
-    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview | bytes]:
-        """Several ``(start, length)`` ranges of one file (an object store fetches them
-        concurrently)."""
-        return [self.read_range(key, start, length) for start, length in ranges]
-
     def pieces(self, key: str, start: int = 0, length: int | None = None) -> Iterator[memoryview | bytes]:
         """The bytes of ``key`` (from ``start``, ``length`` of them or to the end) in pieces of
         at most ``PIECE`` bytes, streamed."""

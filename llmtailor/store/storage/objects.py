@@ -154,20 +154,6 @@ class ObjectStorage(Storage):
             raise IntegrityError(f"{self.where(key)}: shorter than the data it should hold (truncated)")
         return memoryview(data)
 
-    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview | bytes]:
-        wanted = [(s, n) for s, n in ranges if n]
-        try:
-            got = _obstore().get_ranges(self.store, key, starts=[s for s, _ in wanted], lengths=[n for _, n in wanted]) if wanted else []
-        except Exception as err:
-            raise self._truncated_or(err, key) from None
-        out, pieces = [], iter(got)
-        for _, length in ranges:
-            piece = memoryview(next(pieces)) if length else b""
-            if len(piece) != length:
-                raise IntegrityError(f"{self.where(key)}: shorter than the data it should hold (truncated)")
-            out.append(piece)
-        return out
-
     def _truncated_or(self, err: Exception, key: str) -> TailorError:
         if "range" in str(err).lower() and not isinstance(err, FileNotFoundError):
             return IntegrityError(f"{self.where(key)}: shorter than the data it should hold (truncated)")
