@@ -71,20 +71,6 @@ def checksum_file(path: Path) -> str:
     return hasher.hexdigest()
 
 
-def write_durable(path: Path, data: bytes, root: Path, syncer: Syncer | None = None) -> FileEntry:
-    """Write ``data`` to ``path`` and fsync it (with a ``syncer``: on its thread, durable once
-    it drains); return its manifest entry relative to ``root``."""
-    digest = checksum(data)
-    with open(path, "wb") as out:
-        out.write(data)
-        out.flush()
-        if syncer is not None:
-            syncer.submit(path, os.dup(out.fileno()), size=len(data))
-        else:
-            os.fsync(out.fileno())
-    return FileEntry(path=path.relative_to(root).as_posix(), bytes=len(data), xxh3_64=digest)
-
-
 def write_bytes_to(sink: Sink, data: bytes, relpath: str) -> FileEntry:
     """Write ``data`` through ``sink`` and close it; its manifest entry as ``relpath``."""
     try:
@@ -620,21 +606,6 @@ def os_errno(err: OSError) -> int | None:
     if found:
         return int(found.group(1))
     return next((code for kind, code in _BY_TYPE if isinstance(err, kind)), None)
-
-
-def describe_open_error(err: OSError, path: Path) -> str:
-    """``describe_os_error`` for a failure to open ``path`` reported by safetensors, which
-    calls every failure to open a file "No such file or directory" (a file it may not read
-    included): the file is opened again here to learn the real reason."""
-    if isinstance(err, FileNotFoundError):
-        try:
-            with open(path, "rb"):
-                pass
-        except FileNotFoundError:
-            return f"{path}: file is missing"
-        except OSError as real:
-            return describe_os_error(real, path)
-    return describe_os_error(err, path)
 
 
 def describe_os_error(err: OSError, path: Path | str | None = None) -> str:
