@@ -27,7 +27,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -160,12 +160,13 @@ def write_tensor_file(
 
 def stream_tensors(
     sink: Sink, tensors: dict[str, torch.Tensor | ByteSource], relpath: str, metadata: dict[str, str] | None = None,
-    pages: dict[str, list[str]] | None = None,
+    pages: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[FileEntry, dict[str, str]]:
     """Write ``tensors`` as one safetensors file through ``sink`` (closed at the end, aborted on
     failure); return its manifest entry as ``relpath`` and the xxh3-64 checksum of each
     tensor's bytes (both computed on the way out, in one pass). ``pages``, when given, receives
-    the page checksums (``page_size``) of each tensor larger than one page.
+    for each tensor larger than one page its ``page_bytes`` (``page_size``) and ``pages`` (their
+    checksums), as a chunk of the unit index records them.
 
     Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
     to the CPU one tensor at a time; a ``ByteSource`` is copied from its file in pieces."""
@@ -187,7 +188,8 @@ def stream_tensors(
         for key, tensor in ordered:
             piece_hasher = xxhash.xxh3_64()
             nbytes = tensor.numel() * tensor.element_size()
-            paged = _Pages(page_size(nbytes)) if pages is not None and nbytes > page_size(nbytes) else None
+            page = page_size(nbytes)
+            paged = _Pages(page) if pages is not None and nbytes > page else None
             for piece in _pieces(tensor):
                 hasher.update(piece)
                 piece_hasher.update(piece)
@@ -196,7 +198,7 @@ def stream_tensors(
                 sink.write(piece)
             sums[key] = piece_hasher.hexdigest()
             if paged is not None:
-                pages[key] = paged.finish()
+                pages[key] = {"page_bytes": page, "pages": paged.finish()}
             if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
                 raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
         sink.close()
@@ -375,9 +377,7 @@ def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
     """A problem with the file ``key`` (``verify_stored``), or None when it matches."""
     try:
         verify_stored(storage, key, entry)
-    except IntegrityError as err:
-        return str(err)
-    except StorageError as err:
+    except TailorError as err:  # damaged or missing (IntegrityError), or unreadable (StorageError)
         return str(err)
     return None
 

@@ -51,7 +51,7 @@ from llmtailor.constants import (
 from llmtailor.errors import TailorError
 from llmtailor.store import Progress
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
-from llmtailor.store.files import StorageError, describe_os_error, page_size, stream_tensors, write_bytes_to
+from llmtailor.store.files import StorageError, describe_os_error, stream_tensors, write_bytes_to
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
@@ -164,7 +164,7 @@ def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
             tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
             if len(tensors) != len(staged_unit.pieces):
                 raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
-            pages: dict[str, list[str]] = {}
+            pages: dict[str, dict[str, Any]] = {}
             file, sums = stream_tensors(create(relpath), tensors, relpath, pages=pages) if tensors else (None, {})
             unit_bytes[staged_unit.unit] = file.bytes if file is not None else 0
             # This rank's chunks only: the leader validates the merged entries (coverage included).
@@ -173,7 +173,7 @@ def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
                     key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
                     chunks=[ChunkPart(offsets=list(p.offsets), shape=list(p.tensor.shape),
                                       xxh3_64=sums[piece_key(p.key, p.offsets, p.is_whole)],
-                                      **_paged(pages.get(piece_key(p.key, p.offsets, p.is_whole)), p.tensor))],
+                                      **pages.get(piece_key(p.key, p.offsets, p.is_whole), {}))],
                 )
                 for p in staged_unit.pieces
             ]
@@ -189,13 +189,6 @@ def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
             files.append(stream_tensors(create(tensor_path), staged.rank_tensors or {}, tensor_path)[0])
             files.append(write_bytes_to(create(doc_path), json.dumps(staged.rank_doc).encode(), doc_path))
     return RankPart(units=units, files=files, unit_bytes=unit_bytes)
-
-
-def _paged(sums: list[str] | None, tensor) -> dict[str, Any]:
-    """A chunk's page checksums (written for chunks larger than one page)."""
-    if sums is None:
-        return {}
-    return {"page_bytes": page_size(tensor.numel() * tensor.element_size()), "pages": sums}
 
 
 def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
