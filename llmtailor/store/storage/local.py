@@ -300,7 +300,7 @@ class LocalBatch(Batch):
         self.storage = storage
         self._syncer = Syncer()
 
-    def create(self, key: str, size_hint: int = 0) -> LocalSink:
+    def create(self, key: str) -> LocalSink:
         return LocalSink(self.storage.root / key, self._syncer)
 
     def drain(self) -> None:

@@ -351,7 +351,7 @@ class ObjectSink(Sink):
     ``UPLOAD_CONCURRENCY`` in flight (one PUT for a small file); durable once closed (in a
     batch: once the batch drains, its last parts finishing while the next file is written)."""
 
-    def __init__(self, storage: ObjectStorage, key: str, batch: ObjectBatch | None = None):
+    def __init__(self, storage: ObjectStorage, key: str, batch: ObjectBatch):
         self.storage, self.key, self._batch = storage, key, batch
         try:
             self._writer = _obstore().open_writer(storage.store, key, buffer_size=UPLOAD_PART,
@@ -366,10 +366,7 @@ class ObjectSink(Sink):
             raise self.storage._fail(err, self.key) from None
 
     def close(self) -> None:
-        if self._batch is not None:
-            self._batch.closing(self)
-        else:
-            self.finish()
+        self._batch.closing(self)
 
     def finish(self) -> None:
         """Complete the upload (blocks until its last parts are stored)."""
@@ -401,7 +398,7 @@ class ObjectBatch(Batch):
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
 
-    def create(self, key: str, size_hint: int = 0) -> ObjectSink:
+    def create(self, key: str) -> ObjectSink:
         self._raise_first()
         return ObjectSink(self.storage, key, self)
 
