@@ -8,22 +8,22 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmtailor.errors import TailorError
+    from llmtailor.errors import PromotionError, TailorError
     from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
     from llmtailor.store.run import Run
-    from llmtailor.config import TailorConfig
+    from llmtailor.config import TailorConfig, Tier
     from llmtailor.reports import PendingSave, RestoreReport, SaveReport
     from llmtailor.tailor import Tailor
 
 # Each public name is imported on first use (PEP 562), so the command line's byte-moving paths
 # (``llmtailor merge`` of weights) do not pay for importing torch (store/dtypes.py).
 _HOMES = {
-    "TailorError": "llmtailor.errors",
+    **dict.fromkeys(("PromotionError", "TailorError"), "llmtailor.errors"),
     **dict.fromkeys(("Adaptive", "Filter", "Full", "Interval", "Parity", "Policy", "make_policy"), "llmtailor.policies"),
     "Run": "llmtailor.store.run",
     **dict.fromkeys(("PendingSave", "RestoreReport", "SaveReport"), "llmtailor.reports"),
     "Tailor": "llmtailor.tailor",
-    "TailorConfig": "llmtailor.config",
+    **dict.fromkeys(("TailorConfig", "Tier"), "llmtailor.config"),
 }
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "Interval",
     "Parity",
     "PendingSave",
+    "PromotionError",
     "Policy",
     "RestoreReport",
     "Run",
@@ -40,6 +41,7 @@ __all__ = [
     "Tailor",
     "TailorConfig",
     "TailorError",
+    "Tier",
     "make_policy",
 ]
 __version__ = "0.1.0"

@@ -3,7 +3,8 @@
 ``Tailor(run_dir, model, ..., config=TailorConfig(keep=3, async_save=True))`` and
 ``Tailor(run_dir, model, ..., keep=3, async_save=True)`` mean the same; ``TailorTrainer``
 passes its ``tailor_config`` through. Every problem is reported at once, naming the option and
-the value (``ConfigError``).
+the value (``ConfigError``). ``Tier`` declares a faster storage tier in front of the run
+directory (``store/tiers.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,64 @@ from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.policies import Adaptive, Full, Policy
 from llmtailor.store.coordinator import DEFAULT_TIMEOUT
 from llmtailor.store.retention import check_keep
+
+
+class Tier(BaseModel):
+    """A faster store in front of the run directory (host memory, node-local disk): a complete
+    llmtailor run of its own at ``location``, in the same format. ``TailorConfig.tiers`` lists
+    them fastest first; the run directory itself is the last, durable tier. Saves commit to the
+    first tier; a background promoter copies committed composites down the tiers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    location: str
+    """A local directory (``/dev/shm/exp1``: host memory, outlives the training process but not
+    the node; ``/local/nvme/exp1``) or an object-store URL."""
+    keep: int | None = 2
+    """Retention in this tier: the newest ``keep`` composites (and what they need); None keeps
+    everything (a memory tier then fills up)."""
+    promote_every: int = 1
+    """Cadence of the next tier: a composite committed here is promoted to the next slower tier
+    once it is at least this many steps after the newest composite that tier holds (each
+    promotion takes the newest composite here; ``close()`` promotes the last save everywhere)."""
+    storage_options: dict[str, Any] | None = None
+    """The store's options for an object-store URL (as ``TailorConfig.storage_options``)."""
+
+    def __init__(self, location: str | PathLike | None = None, /, **options: Any):
+        """``Tier("/dev/shm/exp1", keep=2, promote_every=50)``; every problem in one ConfigError."""
+        if location is not None:
+            options["location"] = location
+        try:
+            super().__init__(**options)
+        except ValidationError as err:
+            raise ConfigError(f"Tier options: {describe_validation(err)}") from None
+
+    @field_validator("location", mode="before")
+    @classmethod
+    def _a_location(cls, value: Any) -> Any:
+        value = str(value) if isinstance(value, PathLike) else value
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"a tier's location must be a path or URL, got {value!r}")
+        return value
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _a_count(cls, value: Any) -> Any:
+        return _keep_count(value)
+
+    @field_validator("promote_every", mode="before")
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"promote_every={value!r} must be a positive number of steps")
+        return value
+
+
+def _keep_count(value: Any) -> Any:
+    try:
+        return value if value is None else check_keep(value)
+    except ConfigError as err:  # pydantic collects a ValueError with the others
+        raise ValueError(str(err)) from None
 
 
 class TailorConfig(BaseModel):
@@ -52,6 +111,11 @@ class TailorConfig(BaseModel):
     ``lock_ttl``); anything not given comes from the environment, as the cloud's own tools
     read it."""
 
+    tiers: tuple[Tier, ...] = ()
+    """Faster tiers in front of the run directory, fastest first (``Tier``): each save commits
+    to the first; committed composites are promoted down to the run directory in the
+    background; ``restore`` takes the newest composite of any tier (the fastest on a tie)."""
+
     @field_validator("policy", mode="before")
     @classmethod
     def _a_policy(cls, value: Any) -> Any:
@@ -67,10 +131,18 @@ class TailorConfig(BaseModel):
     @field_validator("keep", mode="before")
     @classmethod
     def _a_count(cls, value: Any) -> Any:
-        try:
-            return value if value is None else check_keep(value)
-        except ConfigError as err:  # pydantic collects a ValueError with the others
-            raise ValueError(str(err)) from None
+        return _keep_count(value)
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tier_list(cls, value: Any) -> Any:
+        items = list(value) if isinstance(value, (list, tuple)) else value
+        if not isinstance(items, list) or not all(isinstance(t, Tier) for t in items):
+            raise ValueError(f"tiers must be a list of llmtailor.Tier, fastest first, got {value!r}")
+        locations = [t.location.rstrip("/") for t in items]
+        if len(set(locations)) != len(locations):
+            raise ValueError(f"tiers name one location twice: {locations}")
+        return tuple(items)
 
     @field_validator("timeout", mode="before")
     @classmethod

@@ -36,6 +36,11 @@ class BackgroundSaveError(TailorError):
     is its ``__cause__``."""
 
 
+class PromotionError(TailorError):
+    """Copying a composite to a slower tier failed after its retries (``store/promote.py``);
+    both tiers are as they were, and the composite stays in the faster one."""
+
+
 class UnsupportedStateError(TailorError):
     """Some state cannot be stored without pickle (e.g. a callable in a scheduler)."""
 

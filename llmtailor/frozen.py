@@ -224,6 +224,11 @@ class FrozenParts:
             self.base = BaseModel(composite.manifest.base.path) if composite.manifest.base is not None else None
         self._written_bytes.clear()
 
+    def forget_snapshots(self) -> None:
+        """Frozen tensors are no longer counted as held by a snapshot (the next save writes
+        them); those kept from the base model directory still are."""
+        self._held = {key: held for key, held in self._held.items() if held[0] == "base"}
+
     def weighed_bytes(self, unit_bytes: dict[str, int]) -> dict[str, int]:
         """What each unit's next version would cost: its newest version's bytes without the
         frozen tensors that version wrote (a budget weighs what a save writes)."""

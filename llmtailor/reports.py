@@ -78,13 +78,15 @@ class RestoreReport:
     saved_world_size: int = 1
     unmapped: tuple[str, ...] = ()
     """Per-rank state that could not be mapped at this world size (empty at the saved one)."""
+    tier: str = ""
+    """Where the composite was read from: the run directory, or the tier (``Tier``) holding it."""
 
     @classmethod
     def of(cls, composite: Composite, extra: Any, seconds: float, skipped: dict[Any, str],
-           unmapped: tuple[str, ...]) -> RestoreReport:
+           unmapped: tuple[str, ...], tier: str = "") -> RestoreReport:
         return cls(step=composite.step, extra=extra, sources=dict(composite.sources), seconds=seconds,
                    skipped={int(k): v for k, v in skipped.items()}, saved_world_size=composite.manifest.world_size,
-                   unmapped=unmapped)
+                   unmapped=unmapped, tier=tier)
 
 
 def describe_sources(sources: dict[str, int]) -> str:

@@ -6,6 +6,10 @@
     ...
     tailor.save(step, extra={"epoch": epoch})
 
+With ``tiers=[Tier("/dev/shm/exp1", keep=2, promote_every=50)]`` saves commit to host memory
+and composites reach the run directory in the background (``store/tiers.py``,
+``store/promote.py``); ``restore`` takes the newest composite of any tier.
+
 Each save writes the units the policy picks plus the global state; ``restore`` loads the
 composite (each unit from its newest version, global state from the composite's step) into
 the live objects in place. In a torch.distributed job every rank makes the same calls (they
@@ -24,19 +28,19 @@ import torch
 
 from llmtailor.config import TailorConfig
 from llmtailor.drift import DriftWatch
-from llmtailor.errors import ConfigError, TailorError
+from llmtailor.errors import ConfigError, PromotionError, TailorError
 from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.coordinator import Coordinator, make_coordinator
-from llmtailor.store.lineage import Lineage, choose_composite
-from llmtailor.store.lock import WriterLock
+from llmtailor.store.lineage import Lineage
+from llmtailor.store.promote import Promoter
 from llmtailor.store.retention import retain_after_commit
-from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.staging import AsyncStager
+from llmtailor.store.tiers import Tiers
 from llmtailor.store.writer import persist
 
 
@@ -52,7 +56,8 @@ class Tailor:
     optimizer tensor equals, bit for bit, the version the composite of T names, and with the
     ``Full`` policy training continues bitwise as if uninterrupted (on CPU). Optimizer state is
     matched by parameter name. Restoring never unpickles. One writer per run: rank 0 locks it
-    when the Tailor is built (``read_only=True``: no lock), until ``close`` or process exit.
+    (and each of its tiers) when the Tailor is built (``read_only=True``: no lock), until
+    ``close`` or process exit.
     """
 
     def __init__(self, run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -60,8 +65,9 @@ class Tailor:
                  **options: Any):
         self.config = TailorConfig.of(config, policy=policy, **options)
         self.policy, self.keep, self.read_only = self.config.policy, self.config.keep, self.config.read_only
-        self.run = Run(run_dir, self.config.storage_options)
-        self._lock = WriterLock(self.run.storage)
+        self.tiers = Tiers(run_dir, self.config.tiers, self.keep, self.config.storage_options)
+        self.run = self.tiers.first.run  # where saves commit: the run directory, or the fastest tier
+        self._lock = self.tiers.first.lock
         self.coordinator: Coordinator = make_coordinator(self.config.timeout)
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, self.config.family)
         self.layout: Layout = self.provider.layout
@@ -73,15 +79,22 @@ class Tailor:
         self._frozen = FrozenParts(self.provider, self.coordinator,
                                    BaseModel(self.config.base) if self.config.base is not None else None)
         self._partly_restored: str | None = None  # a restore failed after touching the live state
+        self._promoter: Promoter | None = None  # rank 0 of a writer: copies composites down the tiers
         # One writer per run, settled before any training is spent: a second trainer fails here,
-        # not at its first save. Rank 0 takes the lock; every rank learns how it went.
+        # not at its first save. Rank 0 takes the locks; every rank learns how it went.
         try:
             if not self.read_only:
-                take = self._lock.acquire_or_look if self.coordinator.is_leader else None
+                take = self._take_tiers if self.coordinator.is_leader else None
                 self.coordinator.broadcast(f"{self.coordinator.new_round()}/lock", take)
         except BaseException:
             self._remove_hooks()
             raise
+
+    def _take_tiers(self) -> None:
+        self.tiers.take_locks()
+        if self.tiers.first.lock.held:
+            self.tiers.write_record()
+        self._promoter = Promoter(self.tiers.levels, [level.run.latest_step() for level in self.tiers.levels])
 
     @property
     def rank(self) -> int:
@@ -92,8 +105,8 @@ class Tailor:
         return self.coordinator.world_size
 
     def latest_step(self) -> int | None:
-        """Step of the newest committed composite in the run directory, or None."""
-        return self.run.latest_step()
+        """Step of the newest committed composite in the run directory (or any of its tiers), or None."""
+        return self.tiers.latest_step()
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -129,11 +142,12 @@ class Tailor:
         if blocking or (blocking is None and self._stager is None):
             result = self._persist(staged)
             self._committed(step, staged.composite, result)
-            self._retain(result)
+            self._after_commit(step, result)
             return SaveReport.of(step, units, result, time.perf_counter() - start)
         if self._stager is None:
             raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
-        job = self._stager.start(staged, list(staged.units), self._persist, after=self._retain,
+        job = self._stager.start(staged, list(staged.units), self._persist,
+                                 after=lambda result: self._after_commit(step, result),
                                  target=str(self.run.root), chosen=units)
         job.blocked_seconds = time.perf_counter() - start
         return PendingSave(job, SaveReport.of)
@@ -144,6 +158,7 @@ class Tailor:
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
         self._settle(raise_error=True, refused=step)
+        self._raise_promotion_failure()
         if self._partly_restored is not None:
             raise TailorError(
                 f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving them is "
@@ -157,8 +172,10 @@ class Tailor:
         report, or raise what failed in the background (once)."""
         job = self._stager.unsettled if self._stager is not None else None
         if job is None:
+            self._raise_promotion_failure()
             return None
         self._settle(raise_error=True)
+        self._raise_promotion_failure()
         return SaveReport.of(job.step, job.units, job.outcome, job.copy_seconds + job.persist_seconds)
 
     def fence(self) -> None:
@@ -209,9 +226,34 @@ class Tailor:
             notes=self.provider.notes(), base=self._frozen.base_record(), error=error,
         )
 
-    def _retain(self, result: PersistResult) -> None:
-        if self.keep is not None and self.coordinator.is_leader and not result.pointer_error:
-            retain_after_commit(self.run, self.keep, str(result.path))
+    def _after_commit(self, step: int, result: PersistResult) -> None:
+        """Rank 0, once the save of ``step`` committed: the first tier's retention, then the
+        promotions due (in the background)."""
+        if not self.coordinator.is_leader:
+            return
+        keep = self.tiers.first.keep
+        if keep is not None and not result.pointer_error:
+            retain_after_commit(self.run, keep, str(result.path))
+        if self._promoter is not None:
+            self._promoter.committed(step)
+
+    def _raise_promotion_failure(self) -> None:
+        """Raise, on every rank, the promotion failures rank 0 met since the last call."""
+        if len(self.tiers) == 1:
+            return
+
+        def failure() -> str | None:
+            try:
+                if self._promoter is not None:
+                    self._promoter.raise_failure()
+            except PromotionError as err:
+                return str(err)
+            return None
+
+        message = self.coordinator.broadcast(f"{self.coordinator.new_round()}/promotion",
+                                             failure if self.coordinator.is_leader else None)
+        if message is not None:
+            raise PromotionError(message)
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -236,9 +278,10 @@ class Tailor:
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         round_ = self.coordinator.new_round()
-        chosen, skipped = self.coordinator.broadcast(
-            f"{round_}/choose", (lambda: choose_composite(self.run, step, fallback)) if self.coordinator.is_leader else None
+        level, chosen, skipped = self.coordinator.broadcast(
+            f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
         )
+        run = self.tiers.levels[level].run
         start = time.perf_counter()
         # Leased: retention elsewhere (gc, keep=) cannot remove what is read. A composite it
         # removed first gives way to the newest if that was asked for (one process: ranks
@@ -247,11 +290,11 @@ class Tailor:
         with ExitStack() as held:
             composite, touched, error = None, False, None
             try:
-                composite = held.enter_context(self.run.reading(chosen, newest_if_removed=newest))
-                shared = self.provider.check_composite(self.run, composite)
+                composite = held.enter_context(run.reading(chosen, newest_if_removed=newest))
+                shared = self.provider.check_composite(run, composite)
                 # The live state changes from here: a mix until the ranks agree (agree may itself raise).
                 touched, self._partly_restored = True, f"the restore of step {chosen} did not complete"
-                self.provider.load(self.run, dict(composite.sources), shared, verify)
+                self.provider.load(run, dict(composite.sources), shared, verify)
             except BaseException as err:
                 error = err
             failure, partly = self.coordinator.agree(f"{round_}/loaded", chosen, error, touched)
@@ -261,21 +304,35 @@ class Tailor:
                 raise failure
             self.provider.finish_load()
             self._partly_restored = None
-            extra, unmapped = self.provider.restore_rank_state(self.run, composite)
-        self.lineage.restored(self.run, composite)
-        self._frozen.restored(self.run, composite)
+            extra, unmapped = self.provider.restore_rank_state(run, composite)
+        self._frozen.restored(run, composite)
+        if level == 0:
+            self.lineage.restored(run, composite)
+        else:  # the first tier may lack what this composite needs: the next save is full
+            self.lineage.restored_elsewhere(composite)
+            self._frozen.forget_snapshots()
+        if self._promoter is not None:
+            self._promoter.restored(level, composite.step)
         if self._drift is not None:
             self._drift.restored()
-        return RestoreReport.of(composite, extra, time.perf_counter() - start, skipped, unmapped)
+        return RestoreReport.of(composite, extra, time.perf_counter() - start, skipped, unmapped, str(run.root))
+
+    def _choose(self, step: int | None, fallback: bool) -> tuple[int, int, dict[int, str]]:
+        choice = self.tiers.choose(step, fallback)
+        return choice.level, choice.step, choice.skipped
 
     def close(self) -> None:
-        """Wait for the async save in flight (raising its error), remove the fence and hooks,
-        release the run's writer lock (also released when the process exits)."""
+        """Wait for the async save in flight (raising its error); with tiers, promote the last
+        composite to every tier and wait for it (raising a promotion's failure); remove the
+        fence and hooks, release the writer locks (also released when the process exits)."""
         try:
             self._settle(raise_error=True)
+            if self._promoter is not None:
+                self._promoter.finish()
+            self._raise_promotion_failure()
         finally:
             self._remove_hooks()
-            self._lock.release()
+            self.tiers.release_locks()
 
     def _remove_hooks(self) -> None:
         if self._stager is not None:

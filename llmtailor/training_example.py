@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtailor.policies import make_policy
+from llmtailor.config import Tier
 from llmtailor.tailor import Tailor
 
 VOCAB = 256  # byte-level
@@ -142,7 +143,7 @@ def job_main(argv: list[str] | None = None) -> None:
 
         python -m llmtailor.training_example --run DIR --out FILE [--policy full|parity|filter]
             [--steps 12] [--save-every 3] [--kill-at STEP] [--resume] [--hidden 32] [--layers 4]
-            [--async]
+            [--async] [--tier DIR --promote-every N]
 
     Trains ``job_config(hidden, layers)`` with batches of 2, saving with a ``Tailor`` every
     --save-every steps. --resume first restores the newest composite into weights from another
@@ -151,7 +152,9 @@ def job_main(argv: list[str] | None = None) -> None:
     killer knows how far it got: ``{"step", "loss", "train_s"}`` after the optimizer step and
     ``{"saved", "save_s"}`` after a save (``save_s``: how long ``save`` blocked). --async saves
     with ``async_save=True``: a save returns at once and is written in the background, and the
-    last one is waited for before the job ends. At the end, writes the losses of the steps it
+    last one is waited for before the job ends. --tier saves to that faster tier (host memory,
+    ``/dev/shm/...``) in front of --run, promoting a composite there every --promote-every steps;
+    the restore prints ``{"restored", "tier"}``. At the end, writes the losses of the steps it
     ran (``float.hex``) and ``params_digest`` of the final weights to --out.
     """
     parser = argparse.ArgumentParser(prog="python -m llmtailor.training_example", description=job_main.__doc__)
@@ -165,14 +168,22 @@ def job_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=32, help="model width (a multiple of 4)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--async", dest="async_save", action="store_true", help="save asynchronously")
+    parser.add_argument("--tier", help="a faster tier in front of --run (e.g. /dev/shm/exp1)")
+    parser.add_argument("--promote-every", type=int, default=1, help="steps between promotions from --tier to --run")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     # A resumed process starts from other random weights: everything must come from the checkpoint.
     model = build_model(job_config(args.hidden, args.layers), seed=99 if args.resume else 0)
     optimizer, scheduler = build_optimizer(model, total_steps=args.steps)
-    tailor = Tailor(args.run, model, optimizer, scheduler, policy=make_policy(args.policy), async_save=args.async_save)
-    start = tailor.restore().extra["next_step"] if args.resume else 1
+    tiers = [Tier(args.tier, promote_every=args.promote_every)] if args.tier else []
+    tailor = Tailor(args.run, model, optimizer, scheduler, policy=make_policy(args.policy), async_save=args.async_save,
+                    tiers=tiers)
+    start = 1
+    if args.resume:
+        report = tailor.restore()
+        print(json.dumps({"restored": report.step, "tier": report.tier}), flush=True)
+        start = report.extra["next_step"]
 
     losses = {}
     clock = time.perf_counter()

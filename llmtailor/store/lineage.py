@@ -50,6 +50,14 @@ class Lineage:
             self.saved_index[unit] = manifest.save_index
             self.unit_bytes[unit] = manifest.unit_bytes(unit)
 
+    def restored_elsewhere(self, composite: Composite) -> None:
+        """The composite this writer restored from a slower tier, which its first tier may lack
+        in part: the next save extends its step, and is full (no unit's version is counted as
+        saved where this writer saves)."""
+        self.parent = composite.step
+        self.save_index = composite.manifest.save_index + 1
+        self.composite, self.saved_index, self.unit_bytes = {}, {}, {}
+
 
 def choose_composite(run: Run, step: int | None, fallback: bool) -> tuple[int, dict[int, str]]:
     """The step of the composite a restore takes, and what it passed over (why, by step): the

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import (
+    CARRIED_FOR,
     GLOBAL_JSON,
     GLOBAL_TENSORS,
     LATEST_FILE,
@@ -377,6 +378,17 @@ class Run:
             self._cache(key, load_unit_entry(bytes(raw), self.storage.where(where), unit, step))
         return self._units[key]
 
+    def stored_files(self, step: int) -> list[FileEntry]:
+        """Every file the snapshot of ``step`` holds itself but its manifest: its global state
+        and rank files, its unit indexes and the unit files they list (not what a unit keeps
+        from older snapshots or the base directory). Reads the indexes, checked."""
+        manifest = self.manifest(step)
+        files = list(manifest.files)
+        for unit, ref in manifest.units.items():
+            files.append(ref.index)
+            files += self._stored_entry(step, unit).files
+        return files
+
     def _cache(self, key: tuple, entry: UnitEntry) -> None:
         if len(self._units) >= _UNIT_CACHE:
             self._units.pop(next(iter(self._units)))
@@ -625,6 +637,7 @@ class Run:
         newest composite (a problem already)."""
         present = set(self.steps())
         for step in result.checked:
+            carrier = CARRIED_FOR in self.manifest(step).notes  # promoted to a tier for a newer composite only
             lost: dict[int, list[str]] = {}
             for unit, source in self.manifest(step).composite.items():
                 if source == step:
@@ -640,7 +653,7 @@ class Run:
                     result.problems.append(
                         f"snapshot {source} holds no unit {[unit]} although the composite of step {step} names it"
                     )
-            if lost and step != newest:
+            if lost and step != newest and not carrier:
                 result.notes.append(f"{_not_restorable(step, lost)} (removed by retention?)")
 
     def _no_snapshot_message(self, step: int | None) -> str:

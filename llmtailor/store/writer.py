@@ -126,7 +126,7 @@ def persist(
                 storage.abandon_snapshot(staging)
                 raise _friendly(err, run, staged.step) from None
             total = manifest.total_bytes() + len(encoded)
-            return {"bytes": total, "pointer_error": _replace_latest(run, staged.step)}
+            return {"bytes": total, "pointer_error": replace_latest(run, staged.step)}
 
         outcome = coord.broadcast(f"{round_}/outcome", commit)
     else:
@@ -255,7 +255,9 @@ def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[
     )
 
 
-def _replace_latest(run: Run, step: int) -> str | None:
+def replace_latest(run: Run, step: int) -> str | None:
+    """Point the run's ``latest`` at the snapshot of ``step``; a failure is returned as a
+    message (the snapshot stays committed and found through its parent link), not raised."""
     try:
         run.storage.replace(LATEST_FILE, (snapshot_dirname(step) + "\n").encode())
     except OSError as err:

@@ -1,0 +1,82 @@
+"""A job for test_tier_crashes: ``tier_crash_job.py HOME MEMORY POINT``.
+
+POINT ``file`` / ``carrier`` / ``manifest``: save Parity composites at steps 1..4 to the memory
+tier (``promote_every=3``: step 1 is promoted, then step 4 with step 3 as its carrier) and
+SIGKILL this process inside the promotion of step 4 — while the carrier's first file is being
+written, once the carrier is committed, or just before the manifest of step 4.
+POINT ``resume``: restore the newest composite of any tier, close (promoting it), and print
+``{"restored", "tier", "promoted_to_disk"}``.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+
+import torch
+
+from llmtailor import Parity, Run, Tailor, Tier
+from llmtailor.store import promote
+from llmtailor.store.lock import WriterLock
+from llmtailor.training_example import batch_at, build_model, build_optimizer, corpus_tokens, job_config
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(point: str) -> None:
+    copy_file, copy_snapshot, check_held = promote._copy_file, promote._copy_snapshot, WriterLock.check_held
+    if point == "file":
+        def killing_copy_file(source, key, sink, entry):
+            if "step-00000003" in key:
+                sink.write(b"part of a file")
+                die()
+            copy_file(source, key, sink, entry)
+        promote._copy_file = killing_copy_file
+    elif point == "carrier":
+        def killing_copy_snapshot(source, target, step, composite):
+            copy_snapshot(source, target, step, composite)
+            if step == 3:
+                die()
+        promote._copy_snapshot = killing_copy_snapshot
+    elif point == "manifest":
+        calls = []
+
+        def killing_check_held(lock):
+            if threading.current_thread().name == "llmtailor-promote":
+                calls.append(1)
+                if len(calls) == 3:  # step 1's commit, the carrier's, then step 4's
+                    die()
+            check_held(lock)
+        WriterLock.check_held = killing_check_held
+
+
+def main(home: str, memory: str, point: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(job_config(), seed=0)
+    optimizer, scheduler = build_optimizer(model, total_steps=10)
+    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), tiers=[Tier(memory, keep=3, promote_every=3)])
+    if point == "resume":
+        report = tailor.restore()
+        tailor.close()
+        print(json.dumps({"restored": report.step, "tier": report.tier, "promoted_to_disk": Run(home).latest_step()}))
+        return
+    arm(point)
+    tokens = corpus_tokens()
+    for step in range(1, 5):
+        batch = batch_at(tokens, step, 2, 32)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        tailor.save(step)
+        if step == 1:
+            tailor._promoter.wait()  # step 1 reaches the disk before step 2 is saved: a known start
+    tailor.close()  # the promotion of step 4 is in flight, or starts here: the process dies in it
+    sys.exit("the job was meant to die during the promotion")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
