@@ -1,0 +1,180 @@
+"""Storage tiers in one process: promotion makes composites whole in the slower tier, each tier
+keeps its own retention, restore takes the newest composite of any tier (the faster on a tie)
+and says which, a failed promotion is reported and damages nothing, a full memory tier fails
+the save clearly and loses no composite. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+
+import pytest
+import torch
+from helpers import assert_bitwise, tiny, train, unit_versions
+
+from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, Tier
+from llmtailor.constants import CARRIED_FOR, TIERS_FILE
+from llmtailor.errors import ConfigError, TailorError
+from llmtailor.store import promote
+from llmtailor.store.tiers import read_record
+
+
+def tiered(home, memory, policy=None, seed=0, home_keep=None, **tier):
+    model, opt, sched = tiny(seed=seed)
+    tailor = Tailor(home, model, opt, sched, policy=policy or Parity(), keep=home_keep, tiers=[Tier(memory, **tier)])
+    return tailor, model, opt, sched
+
+
+def save_steps(tailor, model, opt, sched, tokens, steps, settle=True):
+    for step in steps:
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+        if settle:
+            tailor._promoter.wait()  # a known cadence: each promotion done before the next save
+
+
+def test_promoted_composites_are_whole_in_the_slower_tier(tmp_path, tokens):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=None, promote_every=3)  # every snapshot kept in both
+    save_steps(tailor, model, opt, sched, tokens, range(1, 9))
+    on_disk, in_memory = Run(home), Run(memory)
+    # 1 (the first), 4 (3 steps on) and 7; each Parity composite needs the step before it too.
+    assert on_disk.steps() == [1, 3, 4, 6, 7] and on_disk.latest_step() == 7
+    assert [on_disk.manifest(s).parent for s in on_disk.steps()] == [None, None, 1, None, 4]
+    assert on_disk.manifest(6).notes[CARRIED_FOR] == 7 and CARRIED_FOR not in on_disk.manifest(7).notes
+    for step in on_disk.steps():  # the same snapshots: every file equal, manifests but for the links
+        assert on_disk.stored_files(step) == in_memory.stored_files(step)
+        assert on_disk.manifest(step).composite == in_memory.manifest(step).composite
+    check = on_disk.check()
+    assert check.problems == [] and check.notes == []  # a carrier's own composite is not missed
+    tailor.close()  # promotes the last save whatever the cadence
+    assert Run(home).latest_step() == 8
+    assert read_record(Run(home)) == read_record(Run(memory)) == [
+        {"location": str(memory), "keep": None, "promote_every": 3},
+        {"location": str(home), "keep": None, "promote_every": None},
+    ]
+
+    restored = {}
+    for where in ("memory", "disk"):
+        if where == "disk":
+            shutil.rmtree(memory)  # the node is lost
+        other, model2, opt2, _ = tiered(home, memory, seed=7, promote_every=3)
+        report = other.restore()
+        assert report.step == 8 and report.tier == str(memory if where == "memory" else home)
+        restored[where] = unit_versions(model2, opt2)
+        other.close()
+    assert_bitwise(restored["disk"], restored["memory"])
+
+
+def test_each_tier_keeps_its_own_composites_and_what_they_need(tmp_path, tokens):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, home_keep=2, keep=2, promote_every=3)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 12))
+    assert Run(memory).steps() == [9, 10, 11]  # its 2 newest composites need 9, 10, 11
+    assert Run(home).steps() == [6, 7, 9, 10]  # composites 10 and 7, with their carriers
+    tailor.close()
+    assert Run(home).steps() == [9, 10, 11] and Run(home).verify() == []
+
+
+def test_restore_prefers_the_faster_tier_and_passes_over_an_incomplete_composite(tmp_path, tokens):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 5))
+    tailor.close()
+    assert Run(home).latest_step() == Run(memory).latest_step() == 4
+    other, *_ = tiered(home, memory, seed=3)
+    assert other.restore().tier == str(memory)  # a tie: the faster tier
+    other.close()
+
+    shutil.rmtree(Run(memory).snapshot_dir(3))  # the memory tier's composite of 4 lost what it needs
+    other, model2, opt2, sched2 = tiered(home, memory, seed=3)
+    report = other.restore()
+    assert (report.step, report.tier) == (4, str(home))
+    train(model2, opt2, sched2, tokens, [5])
+    assert len(other.save(5).units) == len(other.layout.units)  # the memory tier lacks step 3: a full save
+    other.close()
+    assert Run(memory).verify() == [] and Run(home).latest_step() == 5
+
+
+def test_restore_of_a_step_reads_the_fastest_tier_holding_it(tmp_path, tokens):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=2)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 7))
+    tailor.close()
+    assert Run(memory).steps() == [5, 6] and Run(home).steps() == [1, 2, 3, 4, 5, 6]
+    other, *_ = tiered(home, memory, seed=3)
+    # the composite of 5 needs 4 too, which only the run directory holds
+    assert (other.restore(5).tier, other.restore(1).tier, other.restore(6).tier) == (str(home), str(home), str(memory))
+    with pytest.raises(TailorError, match="no tier holds the composite of step 7"):
+        other.restore(7)
+    other.close()
+
+
+def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_path, tokens, monkeypatch):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    monkeypatch.setattr(promote, "RETRY_WAIT", 0.01)
+    copy_file, calls = promote._copy_file, []
+
+    def failing(source, key, sink, entry):
+        calls.append(key)
+        if len(calls) > 1:  # the first promotion's first file only goes through
+            raise OSError(errno.EIO, "Input/output error")
+        copy_file(source, key, sink, entry)
+
+    monkeypatch.setattr(promote, "_copy_file", failing)
+    tailor, model, opt, sched = tiered(home, memory, promote_every=1, policy=Full())
+    save_steps(tailor, model, opt, sched, tokens, [1])
+    assert Run(home).steps() == []
+    train(model, opt, sched, tokens, [2])
+    with pytest.raises(PromotionError, match=r"promoting step 1 from .*memory to .*home failed 3 times .*both tiers are intact"):
+        tailor.save(2)  # reported before anything of step 2 is written
+    assert Run(memory).latest_step() == 1 and Run(memory).verify() == []
+    assert Run(home).steps() == [] and not any((home / ".tmp").iterdir())
+    monkeypatch.setattr(promote, "_copy_file", copy_file)
+    tailor.save(2)  # reported once; the next promotion goes through
+    expected = unit_versions(model, opt)
+    tailor.close()
+    assert Run(home).latest_step() == 2 and Run(home).verify() == []
+    shutil.rmtree(memory)
+    other, model2, opt2, _ = tiered(home, memory, seed=3, policy=Full())
+    assert other.restore().tier == str(home)
+    assert_bitwise(unit_versions(model2, opt2), expected)
+    other.close()
+
+
+def test_a_full_memory_tier_fails_the_save_clearly_and_keeps_every_composite(small_fs, tmp_path, tokens):
+    home, memory = tmp_path / "home", small_fs / "memory"
+    model, opt, sched = tiny()
+    tailor = Tailor(home, model, opt, sched, policy=Full(), tiers=[Tier(memory, keep=None, promote_every=1)])
+    saved, expected = [], None
+    with pytest.raises(TailorError, match=r"no space left on the device of .*memory while saving step \d+; the partial "
+                                          r"snapshot was removed and earlier snapshots are intact"):
+        for step in range(1, 40):
+            train(model, opt, sched, tokens, [step])
+            expected = unit_versions(model, opt)
+            tailor.save(step)
+            saved.append(step)
+    assert len(saved) >= 2 and Run(memory).latest_step() == saved[-1] and Run(memory).verify() == []
+    tailor._promoter.wait()
+    assert Run(home).latest_step() == saved[-1]
+    model2, opt2, sched2 = tiny(seed=3)
+    other = Tailor(home, model2, opt2, sched2, policy=Full(), tiers=[Tier(memory, keep=None)], read_only=True)
+    assert other.restore().step == saved[-1]
+    live = unit_versions(model2, opt2)
+    assert not all(torch.equal(live[n]["weight"], expected[n]["weight"]) for n in live)  # the failed step's state is not there
+    tailor.close()
+
+
+def test_tiers_are_declared_and_checked(tmp_path):
+    model, opt, sched = tiny()
+    with pytest.raises(ConfigError, match="tiers name one location twice"):
+        TailorConfig.of(tiers=[Tier(tmp_path / "a"), Tier(tmp_path / "a")])
+    with pytest.raises(ConfigError, match="are one location: every tier needs its own"):
+        Tailor(tmp_path / "home", model, opt, sched, tiers=[Tier(tmp_path / "home")])
+    with pytest.raises(ConfigError, match="promote_every=0 must be a positive number of steps"):
+        Tier(tmp_path / "a", promote_every=0)
+    with pytest.raises(ConfigError, match="tiers must be a list of llmtailor.Tier"):
+        TailorConfig.of(tiers=[str(tmp_path / "a")])
+    tailor = Tailor(tmp_path / "home", model, opt, sched, config=TailorConfig(tiers=[Tier(tmp_path / "m", keep=None)]))
+    assert (tmp_path / "m" / TIERS_FILE).is_file() and (tmp_path / "home" / TIERS_FILE).is_file()
+    tailor.close()
