@@ -128,10 +128,20 @@ def as_of(run: Run, step: int | None) -> int | None:
 @_user_errors
 def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     """Show every snapshot (which units it saved, bytes) and the composite of a step
-    (where each unit's version comes from, and how stale it is)."""
+    (where each unit's version comes from, and how stale it is); for a run with tiers, first
+    every tier (retention, cadence, what it holds)."""
     from llmtailor.cli.render import composite_table, snapshots_table
 
+    from llmtailor.cli.render import tiers_table
+    from llmtailor.store.tiers import tier_states
+
     run = _existing_run(run_dir)
+    tiers = tier_states(run)
+    if tiers is not None:
+        console.print(tiers_table(tiers))
+        if not run.steps():
+            console.print(f"{run.root}: no composite in this tier yet (* above); inspect a faster one")
+            return
     step = as_of(run, step)
     with run.reading(step) as composite:  # its snapshots stay while they are shown
         run.load_manifests()
@@ -170,21 +180,42 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
 @_user_errors
 def gc(
     run_dir: RunArg,
-    keep: Annotated[int, typer.Option("--keep", help="How many newest composites to keep whole.")],
+    keep: Annotated[int | None, typer.Option(
+        "--keep", help="How many newest composites to keep whole. Without it: each tier the run records keeps its "
+        "own number (a run without tiers needs --keep).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would go; delete nothing.")] = False,
 ) -> None:
     """Delete every snapshot that the newest K composites do not need. Crash-safe: a
     snapshot is moved out of snapshots/ atomically before its files are removed; one being
     read is left for the next gc. Refuses a directory that is not a run, touching nothing."""
-    from llmtailor.cli.render import retention_table
-    from llmtailor.store.lock import WriterLock
-    from llmtailor.store.retention import apply_retention, check_keep, plan_retention
+    from llmtailor.store.retention import check_keep
+    from llmtailor.store.tiers import tier_states
 
-    check_keep(keep)
     run = Run(run_dir)
     why = run.storage.describe_non_run()
     if why is not None:
         raise TailorError(f"{why}; gc deletes only the snapshots of a run")
+    if keep is not None:
+        _collect(run, check_keep(keep), dry_run)
+        return
+    tiers = tier_states(run)
+    if tiers is None:
+        fail(f"{run_dir} records no tiers: give --keep K (how many newest composites to keep)")
+    for tier in tiers:
+        if tier.steps is None:
+            console.print(f"{tier.location}: {tier.problem}; not collected")
+        elif tier.keep is None:
+            console.print(f"{tier.location}: keeps every snapshot (keep=None); not collected")
+        else:
+            _collect(Run(tier.location), tier.keep, dry_run)
+
+
+def _collect(run: Run, keep: int, dry_run: bool) -> None:
+    """Retention of ``keep`` composites in ``run``, under its writer lock, printed."""
+    from llmtailor.cli.render import retention_table
+    from llmtailor.store.lock import WriterLock
+    from llmtailor.store.retention import apply_retention, plan_retention
+
     lock = WriterLock(run.storage, new_run=False)
     if not dry_run:
         lock.acquire()  # deleting is writing: never beside a live writer

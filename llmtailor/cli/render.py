@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 if TYPE_CHECKING:  # the drift module imports torch, which rendering a merge's progress does not need
     from llmtailor.drift import DriftHistory
+    from llmtailor.store.tiers import TierState
     from llmtailor.store.retention import RetentionPlan
 
 
@@ -162,6 +163,24 @@ def composite_table(run: Run, composite: Composite) -> Table:
     base = composite.manifest.base
     if base is not None:
         table.caption = f"frozen tensors kept from the base model directory {base.path} ({len(base.files)} file(s))"
+    return table
+
+
+def tiers_table(states: list[TierState]) -> Table:
+    """The tiers a run records, fastest first: retention, cadence, what each holds now."""
+    table = Table(title="tiers, fastest first (saves commit to the first; composites move down)", title_justify="left")
+    for name, justify in (("tier", "left"), ("keep", "right"), ("promote", "right"), ("snapshots", "right"),
+                          ("newest", "right")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for state in states:
+        this = " *" if state.here else ""
+        every = f"every {state.promote_every}" if state.promote_every is not None else "-"
+        keep = "all" if state.keep is None else str(state.keep)
+        if state.steps is None:
+            table.add_row(state.location + this, keep, every, f"[yellow]{state.problem}[/]", "")
+        else:
+            table.add_row(state.location + this, keep, every, str(len(state.steps)),
+                          "-" if state.newest is None else str(state.newest))
     return table
 
 

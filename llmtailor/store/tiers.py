@@ -27,6 +27,7 @@ from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError,
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
+from llmtailor.store.storage import open_storage
 
 if TYPE_CHECKING:
     from llmtailor.config import Tier
@@ -49,7 +50,8 @@ class Level:
         return str(self.run.root)
 
     def record(self) -> dict[str, Any]:
-        return {"location": self.run.storage.url, "keep": self.keep, "promote_every": self.promote_every}
+        location = str(Path(self.run.root).resolve()) if self.run.is_local else self.run.storage.url
+        return {"location": location, "keep": self.keep, "promote_every": self.promote_every}
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,43 @@ class Tiers:
         return best
 
 
+@dataclass(frozen=True)
+class TierState:
+    """What ``inspect`` shows of one tier a run records."""
+
+    location: str
+    keep: int | None
+    promote_every: int | None
+    steps: list[int] | None
+    """Its committed snapshots; None when it cannot be read here (``problem`` says why)."""
+    newest: int | None = None
+    problem: str | None = None
+    here: bool = False
+    """Whether it is the run asked about."""
+
+
+def tier_states(run: Run) -> list[TierState] | None:
+    """Every tier ``run`` records (``tiers.json``), fastest first, as found now; None when the
+    run records no tiers. A tier that is not here (another node's memory, wiped) is shown so."""
+    record = read_record(run)
+    if record is None:
+        return None
+    states = []
+    for entry in record:
+        location = str(entry.get("location"))
+        keep, every = entry.get("keep"), entry.get("promote_every")
+        try:
+            here = open_storage(location).same_place(run.storage)
+            tier = run if here else Run(location)
+            if not tier.storage.exists(TIERS_FILE):
+                states.append(TierState(location, keep, every, None, problem="not here (another node's, or wiped)"))
+                continue
+            states.append(TierState(location, keep, every, tier.steps(), tier.latest_step(), here=here))
+        except TailorError as err:
+            states.append(TierState(location, keep, every, None, problem=str(err)))
+    return states
+
+
 def _level(run: Run, keep: int | None, promote_every: int | None) -> Level:
     return Level(run, WriterLock(run.storage), keep, promote_every)
 
@@ -191,4 +230,4 @@ def read_record(run: Run) -> list[dict[str, Any]] | None:
     return data["tiers"]
 
 
-__all__ = ["Choice", "Level", "Tiers", "read_record"]
+__all__ = ["Choice", "Level", "TierState", "Tiers", "read_record", "tier_states"]

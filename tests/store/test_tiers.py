@@ -16,7 +16,7 @@ from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, T
 from llmtailor.constants import CARRIED_FOR, TIERS_FILE
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.store import promote
-from llmtailor.store.tiers import read_record
+from llmtailor.store.tiers import TierState, read_record, tier_states
 
 
 def tiered(home, memory, policy=None, seed=0, home_keep=None, **tier):
@@ -178,3 +178,35 @@ def test_tiers_are_declared_and_checked(tmp_path):
     tailor = Tailor(tmp_path / "home", model, opt, sched, config=TailorConfig(tiers=[Tier(tmp_path / "m", keep=None)]))
     assert (tmp_path / "m" / TIERS_FILE).is_file() and (tmp_path / "home" / TIERS_FILE).is_file()
     tailor.close()
+
+
+def test_inspect_shows_every_tier_and_gc_keeps_each_tiers_own_number(tmp_path, tokens):
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=None, promote_every=2)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 7))
+    tailor.close()
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect", str(home)], env={"COLUMNS": "80"})
+    assert shown.exit_code == 0, shown.output
+    assert max(len(line) for line in shown.output.splitlines()) <= 80
+    assert "tiers, fastest first" in shown.output and "every 2" in shown.output and "*" in shown.output
+    assert tier_states(Run(home)) == [
+        TierState(str(memory), None, 2, list(range(1, 7)), 6),
+        TierState(str(home), None, None, [1, 2, 3, 4, 5, 6], 6, here=True),  # 1, 3 (+2), 5 (+4), 6 at close
+    ]
+
+    assert runner.invoke(app, ["gc", str(memory)]).exit_code == 0  # memory keeps all; home keeps all
+    assert Run(memory).steps() == list(range(1, 7))
+    collected = runner.invoke(app, ["gc", str(memory), "--keep", "1"])
+    assert collected.exit_code == 0 and Run(memory).steps() == [5, 6] and Run(home).steps() == list(range(1, 7))
+    shutil.rmtree(memory)
+    shown = runner.invoke(app, ["inspect", str(home)], env={"COLUMNS": "80"})
+    assert shown.exit_code == 0 and "not here" in shown.output
+    plain = tmp_path / "plain"
+    Tailor(plain, *tiny()).close()
+    refused = runner.invoke(app, ["gc", str(plain)])
+    assert refused.exit_code == 2 and "records no tiers: give --keep" in refused.output
