@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from llmtailor.errors import PromotionError, TailorError
     from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
     from llmtailor.store.run import Run
-    from llmtailor.config import TailorConfig, Tier
+    from llmtailor.config import TailorConfig
+    from llmtailor.store.tiers import Tier
     from llmtailor.reports import PendingSave, RestoreReport, SaveReport
     from llmtailor.tailor import Tailor
 
@@ -23,7 +24,8 @@ _HOMES = {
     "Run": "llmtailor.store.run",
     **dict.fromkeys(("PendingSave", "RestoreReport", "SaveReport"), "llmtailor.reports"),
     "Tailor": "llmtailor.tailor",
-    **dict.fromkeys(("TailorConfig", "Tier"), "llmtailor.config"),
+    "TailorConfig": "llmtailor.config",
+    "Tier": "llmtailor.store.tiers",
 }
 
 __all__ = [

@@ -3,8 +3,7 @@
 ``Tailor(run_dir, model, ..., config=TailorConfig(keep=3, async_save=True))`` and
 ``Tailor(run_dir, model, ..., keep=3, async_save=True)`` mean the same; ``TailorTrainer``
 passes its ``tailor_config`` through. Every problem is reported at once, naming the option and
-the value (``ConfigError``). ``Tier`` declares a faster storage tier in front of the run
-directory (``store/tiers.py``).
+the value (``ConfigError``). ``tiers`` takes ``Tier``s (``store/tiers.py``).
 """
 
 from __future__ import annotations
@@ -17,65 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.policies import Adaptive, Full, Policy
 from llmtailor.store.coordinator import DEFAULT_TIMEOUT
-from llmtailor.store.retention import check_keep
-
-
-class Tier(BaseModel):
-    """A faster store in front of the run directory (host memory, node-local disk): a complete
-    llmtailor run of its own at ``location``, in the same format. ``TailorConfig.tiers`` lists
-    them fastest first; the run directory itself is the last, durable tier. Saves commit to the
-    first tier; a background promoter copies committed composites down the tiers."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    location: str
-    """A local directory (``/dev/shm/exp1``: host memory, outlives the training process but not
-    the node; ``/local/nvme/exp1``) or an object-store URL."""
-    keep: int | None = 2
-    """Retention in this tier: the newest ``keep`` composites (and what they need); None keeps
-    everything (a memory tier then fills up)."""
-    promote_every: int = 1
-    """Cadence of the next tier: a composite committed here is promoted to the next slower tier
-    once it is at least this many steps after the newest composite that tier holds (each
-    promotion takes the newest composite here; ``close()`` promotes the last save everywhere)."""
-    storage_options: dict[str, Any] | None = None
-    """The store's options for an object-store URL (as ``TailorConfig.storage_options``)."""
-
-    def __init__(self, location: str | PathLike | None = None, /, **options: Any):
-        """``Tier("/dev/shm/exp1", keep=2, promote_every=50)``; every problem in one ConfigError."""
-        if location is not None:
-            options["location"] = location
-        try:
-            super().__init__(**options)
-        except ValidationError as err:
-            raise ConfigError(f"Tier options: {describe_validation(err)}") from None
-
-    @field_validator("location", mode="before")
-    @classmethod
-    def _a_location(cls, value: Any) -> Any:
-        value = str(value) if isinstance(value, PathLike) else value
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"a tier's location must be a path or URL, got {value!r}")
-        return value
-
-    @field_validator("keep", mode="before")
-    @classmethod
-    def _a_count(cls, value: Any) -> Any:
-        return _keep_count(value)
-
-    @field_validator("promote_every", mode="before")
-    @classmethod
-    def _steps(cls, value: Any) -> Any:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"promote_every={value!r} must be a positive number of steps")
-        return value
-
-
-def _keep_count(value: Any) -> Any:
-    try:
-        return value if value is None else check_keep(value)
-    except ConfigError as err:  # pydantic collects a ValueError with the others
-        raise ValueError(str(err)) from None
+from llmtailor.store.retention import keep_field
+from llmtailor.store.tiers import Tier
 
 
 class TailorConfig(BaseModel):
@@ -131,7 +73,7 @@ class TailorConfig(BaseModel):
     @field_validator("keep", mode="before")
     @classmethod
     def _a_count(cls, value: Any) -> Any:
-        return _keep_count(value)
+        return keep_field(value)
 
     @field_validator("tiers", mode="before")
     @classmethod

@@ -203,9 +203,11 @@ class FrozenParts:
                 self._held[key] = (step, plan.fingerprints[key])
             self._written_bytes[unit] = sum(sizes.get(split_key(k)[1], 0) for k in wrote)
 
-    def restored(self, run: Run, composite: Composite) -> None:
+    def restored(self, run: Run, composite: Composite, held: bool = True) -> None:
         """After a restore: every frozen tensor's saved bytes are where the composite read them
-        from, and its fingerprint is the restored value's."""
+        from, and its fingerprint is the restored value's. ``held=False`` (read from a slower
+        tier): only those kept from the base model directory count as saved; the next save
+        writes the others."""
         frozen = {weight_key(n) for n in self.provider.frozen_names()}
         pieces = self.provider.pieces_by_unit(list(self.provider.layout.units))
         self._held.clear()
@@ -222,12 +224,9 @@ class FrozenParts:
                     self._base_refs[key] = run.base_ref(source, unit, key)
         if self._base_refs and self.base is None:  # kept from a base this Tailor was not given: keep it
             self.base = BaseModel(composite.manifest.base.path) if composite.manifest.base is not None else None
+        if not held:
+            self._held = {key: where for key, where in self._held.items() if where[0] == "base"}
         self._written_bytes.clear()
-
-    def forget_snapshots(self) -> None:
-        """Frozen tensors are no longer counted as held by a snapshot (the next save writes
-        them); those kept from the base model directory still are."""
-        self._held = {key: held for key, held in self._held.items() if held[0] == "base"}
 
     def weighed_bytes(self, unit_bytes: dict[str, int]) -> dict[str, int]:
         """What each unit's next version would cost: its newest version's bytes without the

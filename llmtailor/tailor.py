@@ -28,7 +28,7 @@ import torch
 
 from llmtailor.config import TailorConfig
 from llmtailor.drift import DriftWatch
-from llmtailor.errors import ConfigError, PromotionError, TailorError
+from llmtailor.errors import ConfigError, TailorError
 from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
@@ -36,8 +36,6 @@ from llmtailor.providers import StateProvider, make_provider
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.coordinator import Coordinator, make_coordinator
 from llmtailor.store.lineage import Lineage
-from llmtailor.store.promote import Promoter
-from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.staging import AsyncStager
 from llmtailor.store.tiers import Tiers
@@ -67,7 +65,6 @@ class Tailor:
         self.policy, self.keep, self.read_only = self.config.policy, self.config.keep, self.config.read_only
         self.tiers = Tiers(run_dir, self.config.tiers, self.keep, self.config.storage_options)
         self.run = self.tiers.first.run  # where saves commit: the run directory, or the fastest tier
-        self._lock = self.tiers.first.lock
         self.coordinator: Coordinator = make_coordinator(self.config.timeout)
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, self.config.family)
         self.layout: Layout = self.provider.layout
@@ -79,22 +76,11 @@ class Tailor:
         self._frozen = FrozenParts(self.provider, self.coordinator,
                                    BaseModel(self.config.base) if self.config.base is not None else None)
         self._partly_restored: str | None = None  # a restore failed after touching the live state
-        self._promoter: Promoter | None = None  # rank 0 of a writer: copies composites down the tiers
-        # One writer per run, settled before any training is spent: a second trainer fails here,
-        # not at its first save. Rank 0 takes the locks; every rank learns how it went.
-        try:
-            if not self.read_only:
-                take = self._take_tiers if self.coordinator.is_leader else None
-                self.coordinator.broadcast(f"{self.coordinator.new_round()}/lock", take)
+        try:  # one writer per run, settled before any training is spent: a second trainer fails here
+            self.tiers.open_for_writing(self.coordinator, self.read_only)
         except BaseException:
             self._remove_hooks()
             raise
-
-    def _take_tiers(self) -> None:
-        self.tiers.take_locks()
-        if self.tiers.first.lock.held:
-            self.tiers.write_record()
-        self._promoter = Promoter(self.tiers.levels, [level.run.latest_step() for level in self.tiers.levels])
 
     @property
     def rank(self) -> int:
@@ -111,15 +97,13 @@ class Tailor:
     # -- saving -------------------------------------------------------------------------------
 
     def save(self, step: int, extra: Any = None, *, blocking: bool | None = None) -> SaveReport | PendingSave:
-        """Write the units the policy picks, plus global state, as the snapshot of ``step``.
-
-        ``extra`` is any tree of dicts, lists, tuples, numbers, strings, tensors and numpy
-        arrays (data position, epoch, ...); ``restore`` returns it, each rank its own.
-
-        Synchronous (the default, or ``blocking=True``): returns a ``SaveReport`` once the
-        snapshot is committed. With ``async_save=True`` (and ``blocking`` not True): waits for
-        the save still in flight, if any (raising its error), and returns a ``PendingSave`` at
-        once; ``wait()`` / ``close()`` (or ``blocking=True``) make the last save durable."""
+        """Write the units the policy picks, plus global state, as the snapshot of ``step`` (to
+        the first tier, with tiers). ``extra``: any tree of dicts, lists, tuples, numbers,
+        strings, tensors and numpy arrays (data position, epoch, ...); ``restore`` returns it,
+        each rank its own. Synchronous (the default, or ``blocking=True``): returns a
+        ``SaveReport`` once the snapshot is committed. With ``async_save=True`` (and ``blocking``
+        not True): waits for the save still in flight, if any (raising its error), and returns
+        a ``PendingSave`` at once; ``wait()`` / ``close()`` make the last save durable."""
         self._check_save(step)
         start = time.perf_counter()
         self.provider.refresh()
@@ -153,43 +137,42 @@ class Tailor:
         return PendingSave(job, SaveReport.of)
 
     def _check_save(self, step: int) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        self.lineage.check_next(step)
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
         self._settle(raise_error=True, refused=step)
-        self._raise_promotion_failure()
+        self.tiers.raise_failure(self.coordinator)
         if self._partly_restored is not None:
             raise TailorError(
                 f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving them is "
                 "refused: restore() again (fallback=True passes over damaged composites) before saving"
             )
-        if self.lineage.parent is not None and step <= self.lineage.parent:
-            raise ConfigError(f"step {step} is not after the previous snapshot's step {self.lineage.parent}")
 
-    def wait(self) -> SaveReport | None:
+    def wait(self, *, promoted: bool = False) -> SaveReport | None:
         """Block until the async save in flight (if any) is committed and durable; return its
-        report, or raise what failed in the background (once)."""
+        report, or raise what failed in the background (once). ``promoted=True``: and the
+        promotion to a slower tier in flight."""
+        if promoted:
+            self._settle(raise_error=False)  # its commit starts the promotion waited for
+            self.tiers.wait_promotions()
         job = self._stager.unsettled if self._stager is not None else None
-        if job is None:
-            self._raise_promotion_failure()
-            return None
         self._settle(raise_error=True)
-        self._raise_promotion_failure()
+        self.tiers.raise_failure(self.coordinator)
+        if job is None:
+            return None
         return SaveReport.of(job.step, job.units, job.outcome, job.copy_seconds + job.persist_seconds)
 
     def fence(self) -> None:
-        """Block until the async save in flight (if any) has taken its copies. Call it before
-        changing weights or optimizer state in place outside ``optimizer.step()`` (loading a
-        state dict, an EMA swap, ...) while a save may be in flight; ``optimizer.step()`` and
-        the ``train()`` / ``eval()`` of schedule-free optimizers are fenced for you. A change
-        made without it fails that save (version counters), never commits a mix of values."""
+        """Block until the async save in flight (if any) has taken its copies: call it before an
+        in-place change of weights or optimizer state outside ``optimizer.step()`` (loading a
+        state dict, an EMA swap) while a save may be in flight (``optimizer.step()`` and the
+        ``train()`` / ``eval()`` of schedule-free optimizers are fenced for you); one made
+        without it fails that save (version counters), never commits a mix."""
         if self._stager is not None:
             self._stager.wait_copied()
 
     def _settle(self, raise_error: bool, refused: int | None = None) -> None:
-        """Settle the async save in flight (``AsyncStager.settle``): once committed, its
-        composite becomes the lineage's."""
+        """Settle the async save in flight (``AsyncStager.settle``): its composite, committed, becomes the lineage's."""
         if self._stager is None:
             return
         job = self._stager.settle(raise_error, refused=refused, newest=self.lineage.parent)
@@ -197,7 +180,8 @@ class Tailor:
             self._committed(job.step, job.composite, job.outcome)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=self._lock.claim, confirm=self._lock.check_held)
+        lock = self.tiers.first.lock
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=lock.claim, confirm=lock.check_held)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
         self.lineage.committed(self.run, step, composite)
@@ -227,59 +211,32 @@ class Tailor:
         )
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
-        """Rank 0, once the save of ``step`` committed: the first tier's retention, then the
-        promotions due (in the background)."""
-        if not self.coordinator.is_leader:
-            return
-        keep = self.tiers.first.keep
-        if keep is not None and not result.pointer_error:
-            retain_after_commit(self.run, keep, str(result.path))
-        if self._promoter is not None:
-            self._promoter.committed(step)
-
-    def _raise_promotion_failure(self) -> None:
-        """Raise, on every rank, the promotion failures rank 0 met since the last call."""
-        if len(self.tiers) == 1:
-            return
-
-        def failure() -> str | None:
-            try:
-                if self._promoter is not None:
-                    self._promoter.raise_failure()
-            except PromotionError as err:
-                return str(err)
-            return None
-
-        message = self.coordinator.broadcast(f"{self.coordinator.new_round()}/promotion",
-                                             failure if self.coordinator.is_leader else None)
-        if message is not None:
-            raise PromotionError(message)
+        if self.coordinator.is_leader and not result.pointer_error:
+            self.tiers.committed(step, str(result.path))  # retention, then promotions due
 
     # -- restoring ----------------------------------------------------------------------------
 
     def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool = True) -> RestoreReport:
-        """Load the newest committed composite (or the one as of ``step``) in place.
+        """Load the newest committed composite (or the one as of ``step``) in place; with tiers,
+        from the fastest tier holding the newest whole (the report's ``tier`` says which).
 
         Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked
         from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
         read against its checksum; ``verify=False`` (distributed providers) reads only the byte
-        ranges this rank holds and leaves checking to ``llmtailor verify``. With
-        ``fallback=True`` (and no ``step``), a composite any of whose files fails verification
-        is passed over for the newest older one that verifies whole; the report's ``skipped``
-        says what was passed over and why.
+        ranges this rank holds and leaves checking to ``llmtailor verify``. ``fallback=True``
+        (no ``step``): a composite any of whose files fails verification is passed over for the
+        newest that verifies whole (``skipped`` says what and why).
 
-        Collective in a distributed job: rank 0 picks the composite, every rank reads its part
-        into its live state, then the ranks agree that every read succeeded before any of them
-        enters a collective to finish (DeepSpeed's low-precision refresh), so a failure on one
-        rank makes every rank raise, naming the rank and its error, instead of leaving the
-        others blocked in a collective. A restore that failed after the live state was touched
-        (on any rank, or the ranks could not agree) leaves this Tailor refusing to save until a
-        restore succeeds: a mix of states is never written as a snapshot."""
+        Collective in a distributed job: rank 0 picks the composite, every rank reads its part,
+        then the ranks agree that every read succeeded before any enters a collective to finish
+        (DeepSpeed's low-precision refresh): a failure on one rank makes every rank raise, naming
+        it. A restore that failed after the live state was touched (on any rank, or the ranks
+        could not agree) leaves this Tailor refusing to save until a restore succeeds."""
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         round_ = self.coordinator.new_round()
         level, chosen, skipped = self.coordinator.broadcast(
-            f"{round_}/choose", (lambda: self._choose(step, fallback)) if self.coordinator.is_leader else None
+            f"{round_}/choose", (lambda: self.tiers.choose(step, fallback)) if self.coordinator.is_leader else None
         )
         run = self.tiers.levels[level].run
         start = time.perf_counter()
@@ -305,34 +262,23 @@ class Tailor:
             self.provider.finish_load()
             self._partly_restored = None
             extra, unmapped = self.provider.restore_rank_state(run, composite)
-        self._frozen.restored(run, composite)
-        if level == 0:
-            self.lineage.restored(run, composite)
-        else:  # the first tier may lack what this composite needs: the next save is full
-            self.lineage.restored_elsewhere(composite)
-            self._frozen.forget_snapshots()
-        if self._promoter is not None:
-            self._promoter.restored(level, composite.step)
+        # From a slower tier, which the first tier may lack parts of: the next save is full.
+        self.lineage.restored(run, composite, extend=level == 0)
+        self._frozen.restored(run, composite, held=level == 0)
+        self.tiers.restored(level, composite.step)
         if self._drift is not None:
             self._drift.restored()
         return RestoreReport.of(composite, extra, time.perf_counter() - start, skipped, unmapped, str(run.root))
 
-    def _choose(self, step: int | None, fallback: bool) -> tuple[int, int, dict[int, str]]:
-        choice = self.tiers.choose(step, fallback)
-        return choice.level, choice.step, choice.skipped
-
     def close(self) -> None:
-        """Wait for the async save in flight (raising its error); with tiers, promote the last
-        composite to every tier and wait for it (raising a promotion's failure); remove the
-        fence and hooks, release the writer locks (also released when the process exits)."""
+        """Wait for the async save in flight and, with tiers, for the last composite's promotion to
+        every tier (raising what failed); remove the fence and hooks; release the writer locks."""
         try:
             self._settle(raise_error=True)
-            if self._promoter is not None:
-                self._promoter.finish()
-            self._raise_promotion_failure()
         finally:
             self._remove_hooks()
-            self.tiers.release_locks()
+            self.tiers.close()  # the last promotion, then the locks
+        self.tiers.raise_failure(self.coordinator)
 
     def _remove_hooks(self) -> None:
         if self._stager is not None:

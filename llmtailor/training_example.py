@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtailor.policies import make_policy
-from llmtailor.config import Tier
+from llmtailor.store.tiers import Tier
 from llmtailor.tailor import Tailor
 
 VOCAB = 256  # byte-level

@@ -59,6 +59,7 @@ from llmtailor.reports import describe_sources
 from llmtailor.providers.rng import restore_rng
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
+from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
 RUN_DIRNAME = "tailored"
@@ -183,7 +184,7 @@ class TailorTrainer(transformers.Trainer):
         if not self._resuming(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         run, step, _ = self._resume
-        if run.storage.same_place(Run(self.tailor_run_dir).storage):
+        if self._tiers().index_of(run) is not None:  # the run directory, or one of its tiers
             report = self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
         else:
             # Another run: loaded from there; this run's own snapshots start a lineage (full first).
@@ -203,11 +204,16 @@ class TailorTrainer(transformers.Trainer):
         if own is not None and own.get("rng") is not None:
             restore_rng(own["rng"])
 
+    def _tiers(self) -> Tiers:
+        return Tiers(self.tailor_run_dir, self.tailor_config.tiers, self.tailor_config.keep)
+
     def _tailored_run(self, resume_from_checkpoint: str | bool | None) -> Run | None:
         """The tailored run to resume from, or None to let Trainer handle the argument."""
-        if resume_from_checkpoint is True:
-            run = Run(self.tailor_run_dir)
-            return run if run.latest_step() is not None else None
+        if resume_from_checkpoint is True:  # the newest composite of the run directory or its tiers
+            tiers = self._tiers()
+            if tiers.latest_step() is None:
+                return None
+            return tiers.levels[tiers.choose(None, fallback=False).level].run
         if isinstance(resume_from_checkpoint, (str, Path)):
             run = Run(resume_from_checkpoint)
             return run if run.steps() else None

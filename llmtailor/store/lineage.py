@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import ConfigError, IntegrityError, TailorError
 from llmtailor.store.run import Composite, Run
 
 
@@ -31,6 +31,14 @@ class Lineage:
     unit_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> bytes of its newest version (all ranks)."""
 
+    def check_next(self, step: int) -> None:
+        """ConfigError unless ``step`` can be the next save's: a non-negative integer after the
+        parent's step."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        if self.parent is not None and step <= self.parent:
+            raise ConfigError(f"step {step} is not after the previous snapshot's step {self.parent}")
+
     def committed(self, run: Run, step: int, composite: dict[str, int]) -> None:
         """This writer's save of ``step`` committed, writing the units ``composite`` names at ``step``."""
         manifest = run.manifest(step)
@@ -40,23 +48,20 @@ class Lineage:
                 self.unit_bytes[unit] = manifest.unit_bytes(unit)
         self.parent, self.save_index, self.composite = step, self.save_index + 1, dict(composite)
 
-    def restored(self, run: Run, composite: Composite) -> None:
-        """The composite this writer restored: the next save extends it."""
+    def restored(self, run: Run, composite: Composite, extend: bool = True) -> None:
+        """The composite this writer restored: the next save extends it. ``extend=False`` (read
+        from a slower tier, which the tier saves go to may lack parts of): the next save extends
+        its step, but counts no unit's version as saved, so it is full."""
         self.parent = composite.step
         self.save_index = composite.manifest.save_index + 1
+        if not extend:
+            self.composite, self.saved_index, self.unit_bytes = {}, {}, {}
+            return
         self.composite = dict(composite.sources)
         for unit, source in composite.sources.items():
             manifest = run.manifest(source)
             self.saved_index[unit] = manifest.save_index
             self.unit_bytes[unit] = manifest.unit_bytes(unit)
-
-    def restored_elsewhere(self, composite: Composite) -> None:
-        """The composite this writer restored from a slower tier, which its first tier may lack
-        in part: the next save extends its step, and is full (no unit's version is counted as
-        saved where this writer saves)."""
-        self.parent = composite.step
-        self.save_index = composite.manifest.save_index + 1
-        self.composite, self.saved_index, self.unit_bytes = {}, {}, {}
 
 
 def choose_composite(run: Run, step: int | None, fallback: bool) -> tuple[int, dict[int, str]]:

@@ -14,7 +14,7 @@ none. A crash or failure at any point leaves B as it was plus, at most, whole ol
 commit to the first tier it wakes, and for each pair of tiers promotes the newest composite of
 the faster one when it is at least ``promote_every`` steps after the slower one's newest (so a
 lagging promoter skips composites, never queues them). A failed promotion is retried, then kept
-and raised once by ``raise_failure`` (the writer's next save, wait or close); neither tier is
+and reported once by ``take_failure`` (the writer's next save, wait or close); neither tier is
 damaged by it. Training never waits for a promotion but at ``finish`` (``close``), which
 promotes the last composite to every tier.
 """
@@ -24,17 +24,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR, MANIFEST_FILE, snapshot_dirname
-from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError
+from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Sink, Storage
-from llmtailor.store.tiers import Level
 from llmtailor.store.writer import replace_latest
+
+if TYPE_CHECKING:
+    from llmtailor.store.tiers import Level
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,18 @@ def _copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:
         raise
 
 
+@dataclass(frozen=True)
+class Promotion:
+    """One promotion done: the composite of ``step`` copied to the tier at ``tier``."""
+
+    tier: str
+    step: int
+    copied: list[int]
+    """The snapshots copied (the composite's own and those it needs that the tier lacked)."""
+    bytes: int
+    seconds: float
+
+
 class Promoter:
     """Background promotion down a run's tiers (module docstring). ``newest`` is the newest
     composite each tier holds, as this writer knows it (the first tier's is set by
@@ -127,15 +143,15 @@ class Promoter:
 
     def __init__(self, levels: list[Level], newest: list[int | None]):
         # Its own Run objects: their caches are not shared with the training thread's.
-        self._levels = [Level(Run(level.run.storage), level.lock, level.keep, level.promote_every) for level in levels]
+        self._levels = [replace(level, run=Run(level.run.storage)) for level in levels]
         self._newest = list(newest)
         self._guard = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wanted = False
         self._final = False
         self._failures: list[str] = []
-        self.promoted: list[tuple[int, int]] = []
-        """(tier index, step) of every promotion done, in order."""
+        self.done: list[Promotion] = []
+        """Every promotion done, in order."""
 
     def committed(self, step: int) -> None:
         """The first tier committed ``step``: promote what is due, in the background."""
@@ -166,12 +182,11 @@ class Promoter:
         if thread is not None:
             thread.join()
 
-    def raise_failure(self) -> None:
-        """Raise the failures kept since the last call (once), as one PromotionError."""
+    def take_failure(self) -> str | None:
+        """The failures kept since the last call (each reported once), or None."""
         with self._guard:
             failures, self._failures = self._failures, []
-        if failures:
-            raise PromotionError("; ".join(failures))
+        return "; ".join(failures) if failures else None
 
     def _wake(self) -> None:
         self._wanted = True
@@ -199,10 +214,10 @@ class Promoter:
         if step is None or (there is not None and (step <= there or (not final and step - there < every))):
             return
         source, level = self._levels[target - 1].run, self._levels[target]
-        wait = RETRY_WAIT
+        wait, start = RETRY_WAIT, time.perf_counter()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                promote(source, level, step)
+                copied = promote(source, level, step)
             except SnapshotNotFoundError:
                 return  # the source moved on: its newer composite comes with the next commit
             except (TailorError, OSError) as err:
@@ -214,9 +229,11 @@ class Promoter:
                 wait *= 2
                 continue
             break
+        done = Promotion(level.name, step, copied, sum(source.manifest(s).total_bytes() for s in copied),
+                         time.perf_counter() - start)
         with self._guard:
             self._newest[target] = step
-            self.promoted.append((target, step))
+            self.done.append(done)
         if level.keep is not None:
             retain_after_commit(level.run, level.keep, level.run.where(step))
 
@@ -226,4 +243,4 @@ class Promoter:
             self._failures.append(message)
 
 
-__all__ = ["ATTEMPTS", "Promoter", "promote"]
+__all__ = ["ATTEMPTS", "Promoter", "Promotion", "promote"]

@@ -57,6 +57,15 @@ def check_keep(keep: object) -> int:
     return keep
 
 
+def keep_field(value: object) -> object:
+    """``check_keep`` for a pydantic field validator (None allowed; a ValueError, which pydantic
+    collects with the other problems)."""
+    try:
+        return value if value is None else check_keep(value)
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+
+
 def plan_retention(run: Run, keep: int) -> RetentionPlan:
     """What ``keep`` newest composites need. Reads manifests only; deletes nothing."""
     check_keep(keep)

@@ -20,19 +20,80 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from os import PathLike
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from llmtailor.constants import TIERS_FILE
-from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.errors import (
+    ConfigError,
+    IntegrityError,
+    PromotionError,
+    SnapshotNotFoundError,
+    TailorError,
+    describe_validation,
+)
+from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock
+from llmtailor.store.promote import Promoter, Promotion
+from llmtailor.store.retention import keep_field, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import open_storage
 
-if TYPE_CHECKING:
-    from llmtailor.config import Tier
-
 TIERS_FORMAT = "llmtailor.tiers"
+
+
+class Tier(BaseModel):
+    """A faster store in front of the run directory (host memory, node-local disk): a complete
+    llmtailor run of its own at ``location``, in the same format. ``TailorConfig.tiers`` lists
+    them fastest first; the run directory itself is the last, durable tier. Saves commit to the
+    first tier; a background promoter copies committed composites down the tiers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    location: str
+    """A local directory (``/dev/shm/exp1``: host memory, outlives the training process but not
+    the node; ``/local/nvme/exp1``) or an object-store URL."""
+    keep: int | None = 2
+    """Retention in this tier: the newest ``keep`` composites (and what they need); None keeps
+    everything (a memory tier then fills up)."""
+    promote_every: int = 1
+    """Cadence of the next tier: a composite committed here is promoted to the next slower tier
+    once it is at least this many steps after the newest composite that tier holds (each
+    promotion takes the newest composite here; ``close()`` promotes the last save everywhere)."""
+    storage_options: dict[str, Any] | None = None
+    """The store's options for an object-store URL (as ``TailorConfig.storage_options``)."""
+
+    def __init__(self, location: str | PathLike | None = None, /, **options: Any):
+        """``Tier("/dev/shm/exp1", keep=2, promote_every=50)``; every problem in one ConfigError."""
+        if location is not None:
+            options["location"] = location
+        try:
+            super().__init__(**options)
+        except ValidationError as err:
+            raise ConfigError(f"Tier options: {describe_validation(err)}") from None
+
+    @field_validator("location", mode="before")
+    @classmethod
+    def _a_location(cls, value: Any) -> Any:
+        value = str(value) if isinstance(value, PathLike) else value
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"a tier's location must be a path or URL, got {value!r}")
+        return value
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _a_count(cls, value: Any) -> Any:
+        return keep_field(value)
+
+    @field_validator("promote_every", mode="before")
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"promote_every={value!r} must be a positive number of steps")
+        return value
 
 
 @dataclass
@@ -54,10 +115,9 @@ class Level:
         return {"location": location, "keep": self.keep, "promote_every": self.promote_every}
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """What a restore reads: the tier (its index, fastest 0) and the composite's step, and the
-    newer composites passed over, and why."""
+    newer composites passed over, and why (a tuple: it travels to every rank as JSON)."""
 
     level: int
     step: int
@@ -76,6 +136,8 @@ class Tiers:
                 if level.run.storage.same_place(other.run.storage):
                     raise ConfigError(f"tier {other.name} and {level.name} are one location: every tier needs its own")
         self.levels = levels
+        self.promoter: Promoter | None = None
+        """Set by ``open_for_writing`` (the writer's rank 0)."""
 
     @property
     def first(self) -> Level:
@@ -98,9 +160,15 @@ class Tiers:
 
     # -- locks and the record -------------------------------------------------------------
 
-    def take_locks(self) -> None:
-        """Take every tier's writer lock (or, where a tier cannot be written, refuse one another
-        process holds: ``WriterLock.acquire_or_look``); all or none."""
+    def open_for_writing(self, coordinator: Coordinator, read_only: bool = False) -> None:
+        """Collective: rank 0 takes every tier's writer lock (all or none; where a tier cannot
+        be written, it only refuses one another process holds: ``WriterLock.acquire_or_look``),
+        records the tiers in each and starts promoting; every rank raises what failed. Nothing
+        for a reader (``read_only``)."""
+        if not read_only:
+            coordinator.broadcast(f"{coordinator.new_round()}/lock", self._open if coordinator.is_leader else None)
+
+    def _open(self) -> None:
         taken = []
         try:
             for level in self.levels:
@@ -110,14 +178,54 @@ class Tiers:
             for level in taken:
                 level.lock.release()
             raise
+        if self.first.lock.held:
+            self._write_record()
+        self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
 
-    def release_locks(self) -> None:
-        for level in self.levels:
-            level.lock.release()
+    def committed(self, step: int, where: str) -> None:
+        """Rank 0, once the save of ``step`` committed to the first tier (at ``where``): that
+        tier's retention, then the promotions due (in the background)."""
+        if self.first.keep is not None:
+            retain_after_commit(self.first.run, self.first.keep, where)
+        if self.promoter is not None:
+            self.promoter.committed(step)
 
-    def write_record(self) -> None:
+    def restored(self, level: int, step: int) -> None:
+        if self.promoter is not None:
+            self.promoter.restored(level, step)
+
+    @property
+    def promotions(self) -> list[Promotion]:
+        """The promotions this writer made so far (rank 0; empty elsewhere)."""
+        return list(self.promoter.done) if self.promoter is not None else []
+
+    def wait_promotions(self) -> None:
+        """Wait for the promotion in flight, if any (rank 0)."""
+        if self.promoter is not None:
+            self.promoter.wait()
+
+    def raise_failure(self, coordinator: Coordinator) -> None:
+        """Collective: raise on every rank the promotion failures rank 0 met since the last
+        call (each once), as a PromotionError. With one tier, nothing to do and no message."""
+        if len(self.levels) > 1:
+            failure = (lambda: self.promoter.take_failure() if self.promoter else None) if coordinator.is_leader else None
+            message = coordinator.broadcast(f"{coordinator.new_round()}/promotion", failure)
+            if message is not None:
+                raise PromotionError(message)
+
+    def close(self) -> None:
+        """Promote the newest composite of the first tier to every tier and wait for it; then
+        release the locks (also when that fails)."""
+        try:
+            if self.promoter is not None:
+                self.promoter.finish()
+        finally:
+            for level in self.levels:
+                level.lock.release()
+
+    def _write_record(self) -> None:
         """Record the tiers in each of them (``tiers.json``), so ``inspect`` and ``gc`` of any
-        tier find the others. Only with more than one tier; by the lock holder."""
+        tier find the others. Only with more than one tier."""
         if len(self.levels) == 1:
             return
         data = json.dumps({"format": TIERS_FORMAT, "tiers": [level.record() for level in self.levels]}, indent=1)
@@ -230,4 +338,4 @@ def read_record(run: Run) -> list[dict[str, Any]] | None:
     return data["tiers"]
 
 
-__all__ = ["Choice", "Level", "TierState", "Tiers", "read_record", "tier_states"]
+__all__ = ["Choice", "Level", "Tier", "TierState", "Tiers", "read_record", "tier_states"]

@@ -73,7 +73,7 @@ def main(home: str, memory: str, point: str) -> None:
         optimizer.zero_grad(set_to_none=True)
         tailor.save(step)
         if step == 1:
-            tailor._promoter.wait()  # step 1 reaches the disk before step 2 is saved: a known start
+            tailor.wait(promoted=True)  # step 1 reaches the disk before step 2 is saved: a known start
     tailor.close()  # the promotion of step 4 is in flight, or starts here: the process dies in it
     sys.exit("the job was meant to die during the promotion")
 

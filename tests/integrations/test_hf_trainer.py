@@ -265,3 +265,34 @@ def test_a_second_trainer_on_a_run_being_written_fails_before_it_trains(tmp_path
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_trainer_with_a_memory_tier_saves_there_promotes_and_resumes_from_it(tmp_path, capsys):
+    import shutil
+
+    import transformers
+
+    from llmtailor import TailorConfig, Tier
+
+    hf_job = _job_module()
+    memory = tmp_path / "memory"
+
+    def trainer(max_steps: int) -> TailorTrainer:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(hf_job.model_config("llama", False))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=max_steps, save_steps=1,
+            report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        )
+        config = TailorConfig(policy=Parity(), tiers=[Tier(memory, keep=1, promote_every=3)])
+        return TailorTrainer(model=model, args=args, train_dataset=hf_job.Windows(), tailor_config=config)
+
+    trainer(4).train()
+    home = tmp_path / "out" / "tailored"
+    assert Run(memory).steps() == [3, 4] and Run(home).latest_step() == 4  # train() ends with close(): promoted
+    shutil.rmtree(Run(home).snapshot_dir(4))  # the run directory is behind the memory tier (as after a crash)
+    (home / "latest").unlink()
+    resumed = trainer(6)
+    resumed.train(resume_from_checkpoint=True)
+    assert f"resumed from the composite of step 4 in {memory}" in capsys.readouterr().out
+    assert resumed.state.global_step == 6 and Run(home).latest_step() == 6 and Run(home).verify() == []

@@ -30,7 +30,7 @@ def save_steps(tailor, model, opt, sched, tokens, steps, settle=True):
         train(model, opt, sched, tokens, [step])
         tailor.save(step)
         if settle:
-            tailor._promoter.wait()  # a known cadence: each promotion done before the next save
+            tailor.wait(promoted=True)  # a known cadence: each promotion done before the next save
 
 
 def test_promoted_composites_are_whole_in_the_slower_tier(tmp_path, tokens):
@@ -123,7 +123,8 @@ def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_pat
 
     monkeypatch.setattr(promote, "_copy_file", failing)
     tailor, model, opt, sched = tiered(home, memory, promote_every=1, policy=Full())
-    save_steps(tailor, model, opt, sched, tokens, [1])
+    save_steps(tailor, model, opt, sched, tokens, [1], settle=False)
+    tailor.tiers.wait_promotions()  # waits, reports nothing (wait(promoted=True) would raise)
     assert Run(home).steps() == []
     train(model, opt, sched, tokens, [2])
     with pytest.raises(PromotionError, match=r"promoting step 1 from .*memory to .*home failed 3 times .*both tiers are intact"):
@@ -155,7 +156,7 @@ def test_a_full_memory_tier_fails_the_save_clearly_and_keeps_every_composite(sma
             tailor.save(step)
             saved.append(step)
     assert len(saved) >= 2 and Run(memory).latest_step() == saved[-1] and Run(memory).verify() == []
-    tailor._promoter.wait()
+    tailor.wait(promoted=True)
     assert Run(home).latest_step() == saved[-1]
     model2, opt2, sched2 = tiny(seed=3)
     other = Tailor(home, model2, opt2, sched2, policy=Full(), tiers=[Tier(memory, keep=None)], read_only=True)
