@@ -17,6 +17,7 @@ one-tier case: the run directory alone.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,11 +165,35 @@ class Tiers:
         """Collective: rank 0 takes every tier's writer lock (all or none; where a tier cannot
         be written, it only refuses one another process holds: ``WriterLock.acquire_or_look``),
         records the tiers in each and starts promoting; every rank raises what failed. Nothing
-        for a reader (``read_only``)."""
-        if not read_only:
-            coordinator.broadcast(f"{coordinator.new_round()}/lock", self._open if coordinator.is_leader else None)
+        for a reader (``read_only``).
 
-    def _open(self) -> None:
+        In a distributed job every tier must be one store that every rank reaches (rank 0
+        commits every rank's files there, and promotes them): each rank looks for the record
+        rank 0 just wrote, and a tier some rank cannot see (node-local storage on another node)
+        fails the Tailor on every rank, naming it. Per-node tiers are not supported."""
+        if read_only:
+            return
+        round_ = coordinator.new_round()
+        token = coordinator.broadcast(f"{round_}/lock", self._open if coordinator.is_leader else None)
+        if token is None or coordinator.world_size == 1:
+            return
+        blind = [level.name for level in self.levels if not self._sees(level, token)]
+        unseen = {rank: names for rank, names in enumerate(coordinator.exchange(f"{round_}/seen", blind)) if names}
+        if unseen:
+            which = "; ".join(f"rank {rank} cannot see {', '.join(names)}" for rank, names in unseen.items())
+            raise ConfigError(f"every tier must be one store all ranks reach (rank 0 commits and promotes every "
+                              f"rank's files there): {which} (node-local storage on another node?). Tiers per node "
+                              "are not supported: give tiers every rank reaches (a shared or object store), or none")
+
+    @staticmethod
+    def _sees(level: Level, token: str) -> bool:
+        try:
+            return json.loads(bytes(level.run.storage.read(TIERS_FILE))).get("writer") == token
+        except (TailorError, OSError, ValueError, AttributeError):
+            return False
+
+    def _open(self) -> str | None:
+        """Rank 0's part of ``open_for_writing``; the record's token (None: nothing recorded)."""
         taken = []
         try:
             for level in self.levels:
@@ -178,9 +203,8 @@ class Tiers:
             for level in taken:
                 level.lock.release()
             raise
-        if self.first.lock.held:
-            self._write_record()
         self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
+        return self._write_record() if self.first.lock.held else None
 
     def committed(self, step: int, where: str) -> None:
         """Rank 0, once the save of ``step`` committed to the first tier (at ``where``): that
@@ -223,14 +247,16 @@ class Tiers:
             for level in self.levels:
                 level.lock.release()
 
-    def _write_record(self) -> None:
+    def _write_record(self) -> str | None:
         """Record the tiers in each of them (``tiers.json``), so ``inspect`` and ``gc`` of any
-        tier find the others. Only with more than one tier."""
+        tier find the others; returns the record's token (this writer's), None with one tier."""
         if len(self.levels) == 1:
-            return
-        data = json.dumps({"format": TIERS_FORMAT, "tiers": [level.record() for level in self.levels]}, indent=1)
+            return None
+        token = uuid.uuid4().hex
+        record = {"format": TIERS_FORMAT, "writer": token, "tiers": [level.record() for level in self.levels]}
         for level in self.levels:
-            level.run.storage.replace(TIERS_FILE, data.encode())
+            level.run.storage.replace(TIERS_FILE, json.dumps(record, indent=1).encode())
+        return token
 
     # -- reading ----------------------------------------------------------------------------
 

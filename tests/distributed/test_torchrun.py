@@ -28,10 +28,10 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(nproc: int, scenario: str, out: Path) -> list[dict]:
+def torchrun(nproc: int, scenario: str, out: Path, **more_env: str) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario, str(out)],
-        capture_output=True, text=True, timeout=600, env=env(),
+        capture_output=True, text=True, timeout=600, env={**env(), **more_env},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(nproc)]
@@ -173,3 +173,23 @@ def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_pat
     model, optimizer, scheduler = tiny(seed=3)
     assert Tailor(run.root, model, optimizer, scheduler).restore().step == 2
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fsdp2_with_a_memory_tier_promotes_every_ranks_parts_and_restores_from_either(tmp_path):
+    import shutil
+    import uuid
+
+    memory = Path("/dev/shm") / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    try:
+        results = torchrun(2, "fsdp-tiers", tmp_path, TIER_DIR=str(memory))
+        for result in results:  # restored at 2 ranks from the memory tier, every tensor its composite's
+            assert result["restored"] == 8 and result["tier"] == str(memory) and result["mismatches"] == []
+        assert results[0]["promoted"][0] == 1 and results[1]["promoted"] == []  # rank 0 promotes
+        home = Run(tmp_path / "tiered")
+        assert home.latest_step() == 8 and home.verify() == [] and home.manifest(8).world_size == 2
+        assert Run(memory).steps() == [6, 7, 8]
+        shutil.rmtree(memory)  # the node is lost: the run directory alone restores, in one process
+        mismatches, report = restore_in_one_process(tmp_path, "tiered")
+        assert mismatches == [] and report.step == 8 and report.saved_world_size == 2
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)

@@ -17,6 +17,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``fsdp-url``  as the first half of ``fsdp-train`` (Parity saves every 2 steps up to 8, then a
     restore at this world size), with the run at ``$RUN_ROOT/parity`` (an ``s3://`` URL): each
     rank uploads its own parts; launched as two single-process "nodes" with no shared directory.
+``fsdp-tiers``  world 2, FSDP2: Parity saves at every step up to 8 into ``DIR/tiered``, async,
+    committed to a host-memory tier at ``$TIER_DIR`` (``promote_every=3``) in front of it, closed
+    (the last save promoted), then a restore at this world size, which reads the memory tier.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 
 from helpers import tiny  # noqa: E402
 
-from llmtailor import Full, Parity, Tailor  # noqa: E402
+from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.training_example import batch_at, corpus_tokens  # noqa: E402
@@ -140,22 +143,30 @@ def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer) -> 
 
 def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int) -> dict:
     model, optimizer, scheduler = build(kind, seed=0)
-    tailor = Tailor(location(out, run_name), model, optimizer, scheduler, policy=policy, timeout=60)
+    tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
+    tailor = Tailor(location(out, run_name), model, optimizer, scheduler, policy=policy, timeout=60, tiers=tiers,
+                    async_save=bool(tiers))
     saves = []
     for step in range(1, last + 1):
         train(model, optimizer, scheduler, [step])
         if step % every == 0:
             report = tailor.save(step, extra={"rank": rank(), "next": step + 1})
-            write_versions(out, step, model, optimizer)
+            write_versions(out, step, model, optimizer)  # collective: an async save's copies are taken by then
+            if tiers:
+                report = tailor.wait()
             saves.append({"step": step, "units": report.units, "bytes": report.bytes, "rank_bytes": report.rank_bytes})
-    return {"saves": saves}
+    promoted = [p.step for p in tailor.tiers.promotions]
+    tailor.close()
+    return {"saves": saves, "promoted": promoted}
 
 
 def restore_and_compare(kind: str, out: Path, run_name: str) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
-    report = Tailor(location(out, run_name), model, optimizer, scheduler, timeout=60).restore()
+    tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
+    report = Tailor(location(out, run_name), model, optimizer, scheduler, timeout=60, tiers=tiers).restore()
     return {
         "restored": report.step,
+        "tier": report.tier,
         "extra": report.extra,
         "unmapped": list(report.unmapped),
         "mismatches": compare_with_composite(out, location(out, run_name), model, optimizer),
@@ -212,6 +223,9 @@ def main() -> None:
     elif scenario == "fsdp-url":
         result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(restore_and_compare("fsdp", out, "parity"))
+    elif scenario == "fsdp-tiers":
+        result = save_loop("fsdp", out, "tiered", Parity(), last=8, every=1)
+        result.update(restore_and_compare("fsdp", out, "tiered"))
     elif scenario == "fsdp-restore":
         result = restore_and_compare("fsdp", out, "parity")
     elif scenario == "ddp":

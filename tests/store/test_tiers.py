@@ -211,3 +211,24 @@ def test_inspect_shows_every_tier_and_gc_keeps_each_tiers_own_number(tmp_path, t
     Tailor(plain, *tiny()).close()
     refused = runner.invoke(app, ["gc", str(plain)])
     assert refused.exit_code == 2 and "records no tiers: give --keep" in refused.output
+
+
+def test_a_tier_some_rank_cannot_see_fails_the_writer_on_every_rank(tmp_path):
+    """Rank 0 records the tiers with a fresh token; a rank that does not find it (its node's
+    /dev/shm is another directory) makes the Tailor fail everywhere, naming the tier."""
+    from llmtailor.store.coordinator import LocalCoordinator
+    from llmtailor.store.tiers import Tiers
+
+    class TwoRanks(LocalCoordinator):
+        world_size = 2
+
+        def exchange(self, tag, value):
+            return [value, [str(tmp_path / "memory")]]  # rank 1, on another node, saw no record there
+
+    tiers = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
+    with pytest.raises(ConfigError, match=r"rank 1 cannot see .*memory \(node-local storage on another node\?\)"):
+        tiers.open_for_writing(TwoRanks())
+    tiers.close()
+    seeing = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
+    seeing.open_for_writing(type("Seeing", (LocalCoordinator,), {"world_size": 2, "exchange": lambda s, t, v: [v, v]})())
+    seeing.close()
