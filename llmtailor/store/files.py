@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import re
 import shutil
@@ -382,7 +383,7 @@ def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
     return None
 
 
-def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray:
+def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray | mmap.mmap:
     """The bytes of the file ``key``, read once and checked against ``entry`` (size and
     checksum) before they are returned."""
     data = storage.read(key)
@@ -390,7 +391,7 @@ def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray:
         raise IntegrityError(f"{storage.where(key)}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
     if checksum(data) != entry.xxh3_64:
         raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
-    return data if isinstance(data, bytearray) else bytearray(data)
+    return data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
 
 
 def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[str, torch.Tensor]:
@@ -438,7 +439,7 @@ def parse_header(read, size: int, where: str) -> tuple[int, dict[str, dict]]:
     return data, header
 
 
-def decode_tensors(data: bytearray, where: str) -> dict[str, torch.Tensor]:
+def decode_tensors(data: bytearray | mmap.mmap, where: str) -> dict[str, torch.Tensor]:
     """The tensors of a whole safetensors file held in ``data`` (views into it, no copy)."""
     import torch
 

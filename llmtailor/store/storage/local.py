@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import uuid
@@ -88,7 +89,7 @@ class LocalStorage(Storage):
     def is_file(self, key: str) -> bool:
         return self._look(key, Path.is_file)
 
-    def read(self, key: str) -> bytearray:
+    def read(self, key: str) -> bytearray | mmap.mmap:
         path = self.path(key)
         with _opened(path) as handle:
             return _read_into(handle, path, 0, os.fstat(handle.fileno()).st_size)
@@ -224,9 +225,14 @@ class LocalStorage(Storage):
             raise StorageError(describe_os_error(err, self.root), err) from None
 
 
-def _read_into(handle, path: Path, start: int, length: int) -> bytearray:
-    """``length`` bytes of the open file from ``start``, into a new buffer."""
-    data = bytearray(length)
+_LARGE = 1 << 20
+"""Bytes from which a read goes into fresh anonymous memory (``mmap``): a bytearray is zeroed
+first, which costs as much as the read itself from host memory."""
+
+
+def _read_into(handle, path: Path, start: int, length: int) -> bytearray | mmap.mmap:
+    """``length`` bytes of the open file from ``start``, into a new writable buffer."""
+    data = mmap.mmap(-1, length) if length >= _LARGE else bytearray(length)
     view, got = memoryview(data), 0
     handle.seek(start)
     while got < length:
