@@ -152,7 +152,8 @@ class Storage(ABC):
 
     def pieces(self, key: str, start: int = 0, length: int | None = None) -> Iterator[memoryview | bytes]:
         """The bytes of ``key`` (from ``start``, ``length`` of them or to the end) in pieces of
-        at most ``PIECE`` bytes, streamed."""
+        at most ``PIECE`` bytes, streamed. A piece may be reused for the next one: use it (hash
+        it, write it) before taking the next."""
         total = self.size(key) if length is None else start + length
         if total is None:
             self.read(key)  # raises the missing-file error

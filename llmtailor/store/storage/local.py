@@ -32,7 +32,7 @@ from llmtailor.store.files import (
     fsync_dir,
     replace_bytes_atomically,
 )
-from llmtailor.store.storage.base import Batch, Lease, Sink, Storage, WriterLockBackend
+from llmtailor.store.storage.base import PIECE, Batch, Lease, Sink, Storage, WriterLockBackend
 
 
 class LocalStorage(Storage):
@@ -93,6 +93,24 @@ class LocalStorage(Storage):
         path = self.path(key)
         with _opened(path) as handle:
             return _read_into(handle, path, 0, os.fstat(handle.fileno()).st_size)
+
+    def pieces(self, key: str, start: int = 0, length: int | None = None) -> Iterator[memoryview]:
+        """``Storage.pieces`` from one open file into one reused buffer."""
+        path = self.path(key)
+        with _opened(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            end = size if length is None else start + length
+            if size < end:
+                raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
+            buffer = memoryview(mmap.mmap(-1, min(PIECE, end - start)) if end > start else bytearray())
+            handle.seek(start)
+            position = start
+            while position < end:
+                got = handle.readinto(buffer[: min(len(buffer), end - position)])
+                if not got:
+                    raise IntegrityError(f"{path}: ended while being read (truncated)")
+                position += got
+                yield buffer[:got]
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
         path = self.path(key)
