@@ -47,6 +47,38 @@ def test_the_training_loop_snippet_saves_then_resumes(tmp_path, tokens, monkeypa
     assert sorted(p.name for p in (tmp_path / "runs/exp1/snapshots").iterdir()) == ["step-00000100", "step-00000200"]
 
 
+def test_the_tiers_snippet_saves_to_memory_promotes_and_resumes_after_losing_it(tmp_path, tokens):
+    import shutil
+
+    from llmtailor import Run
+
+    places = {"s3://ckpt/exp1": tmp_path / "home", "/dev/shm/exp1": tmp_path / "memory",
+              "/local/nvme/exp1": tmp_path / "nvme"}
+    code = block("### Storage tiers", "python")
+    for shown, used in places.items():
+        assert shown in code
+        code = code.replace(shown, str(used))
+    trained = []
+
+    def run(seed, total_steps):
+        model, optimizer, lr_scheduler = tiny(seed=seed)
+
+        def train_one_step(step):
+            train(model, optimizer, lr_scheduler, tokens, [step])
+            trained.append(step)
+
+        exec(code, {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler,
+                    "train_one_step": train_one_step, "total_steps": total_steps})
+
+    run(0, 30)
+    assert [Run(places[p]).latest_step() for p in places] == [30, 30, 30]  # close() promoted the last save
+    assert len(Run(places["/local/nvme/exp1"]).steps()) < 30
+    shutil.rmtree(places["/dev/shm/exp1"])
+    shutil.rmtree(places["/local/nvme/exp1"])
+    run(3, 35)
+    assert trained == [*range(1, 31), *range(31, 36)]
+
+
 def save_lora_run(path: Path, tokens) -> None:
     peft = pytest.importorskip("peft")
     from llmtailor import Parity, Tailor

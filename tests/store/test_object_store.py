@@ -306,3 +306,36 @@ def test_an_async_save_to_s3_goes_the_same_background_path_and_restores_bitwise(
     # Units saved at step 3 hold exactly the values the model had at save(3).
     restored = [n for n, _ in fresh[0].named_parameters() if report.sources[reader.layout.unit_of(n)] == 3]
     assert restored and all(torch.equal(dict(fresh[0].named_parameters())[n], saved[n]["weight"]) for n in restored)
+
+
+def test_a_memory_tier_in_front_of_an_s3_run_promotes_there_and_restores_from_it(url, tokens, tmp_path):
+    """The durable tier is the bucket: promotions upload whole composites (Parity's carriers too),
+    and with the memory tier lost, the bucket alone restores the newest promoted composite."""
+    from llmtailor import Tier
+
+    memory = tmp_path / "memory"
+    model, opt, sched = tiny()
+    tailor = Tailor(url, model, opt, sched, policy=Parity(), async_save=True, keep=2,
+                    tiers=[Tier(memory, keep=2, promote_every=3)])
+    for step in range(1, 9):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+        tailor.wait(promoted=True)
+    assert [p.step for p in tailor.tiers.promotions] == [1, 4, 7]
+    assert Run(url).steps() == [3, 4, 6, 7] and Run(url).verify() == []  # keep=2: composites 7 and 4
+    in_memory = tiny(seed=3)
+    with Tailor(url, *in_memory, tiers=[Tier(memory)], read_only=True) as reader:
+        report = reader.restore(7)
+        assert report.tier == str(memory)
+    tailor.close()
+    assert Run(url).latest_step() == 8
+    import shutil
+
+    shutil.rmtree(memory)
+    from_bucket = tiny(seed=3)
+    with Tailor(url, *from_bucket, tiers=[Tier(memory)], read_only=True) as reader:
+        assert (reader.restore(7).tier, reader.restore().step) == (url, 8)
+    again = tiny(seed=3)
+    with Tailor(url, *again, read_only=True) as reader:
+        reader.restore(7)
+    assert_bitwise(unit_versions(again[0], again[1]), unit_versions(in_memory[0], in_memory[1]))
