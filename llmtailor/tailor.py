@@ -80,6 +80,7 @@ class Tailor:
             self.tiers.open_for_writing(self.coordinator, self.read_only)
         except BaseException:
             self._remove_hooks()
+            self.tiers.release()
             raise
 
     @property
@@ -262,8 +263,7 @@ class Tailor:
             self.provider.finish_load()
             self._partly_restored = None
             extra, unmapped = self.provider.restore_rank_state(run, composite)
-        # From a slower tier, which the first tier may lack parts of: the next save is full.
-        self.lineage.restored(run, composite, extend=level == 0)
+        self.lineage.restored(run, composite, extend=level == 0)  # from a slower tier: the next save is full
         self._frozen.restored(run, composite, held=level == 0)
         self.tiers.restored(level, composite.step)
         if self._drift is not None:

@@ -6,8 +6,9 @@ checked against its checksum on the way (a damaged source is never promoted), ea
 committed in B with B's own protocol (files, then the manifest only if absent, then the
 commit; ``Storage.begin_snapshot``), then B's ``latest``. A copied manifest is A's but for its
 ``parent``: the composite's names B's previous newest composite (B's lineage is the promoted
-composites, so B's retention counts them), a snapshot copied only for what it holds names
-none. A crash or failure at any point leaves B as it was plus, at most, whole older snapshots
+composites, so B's retention counts them); a snapshot copied only for what the composite needs
+(a carrier) names none, and a ``carried_for`` note says so (``verify`` does not miss its own
+composite there). A crash or failure at any point leaves B as it was plus, at most, whole older snapshots
 (never read as the newest: ``latest`` and the parent links do not lead to them).
 
 ``Promoter`` runs promotions in the background, one at a time, down every tier: after each
@@ -48,13 +49,13 @@ RETRY_WAIT = 1.0
 """Seconds before the second try; doubled before each next one."""
 
 
-def promote(source: Run, target: Level, step: int) -> list[int]:
+def promote(source: Run, target: Level, step: int) -> tuple[list[int], int]:
     """Copy the composite of ``step`` from ``source`` into the tier ``target`` (module
-    docstring); returns the snapshots copied. The caller holds ``target``'s writer lock (each
+    docstring); returns the snapshots copied and their bytes. The caller holds ``target``'s writer lock (each
     commit confirms it). SnapshotNotFoundError when ``source`` no longer holds the composite
     (its retention moved on to a newer one)."""
     dst = target.run
-    copied = []
+    copied, size = [], 0
     with source.reading(step) as composite:  # leased: the source's retention leaves it in place
         target.lock.claim()
         held = set(dst.steps())
@@ -64,10 +65,11 @@ def promote(source: Run, target: Level, step: int) -> list[int]:
                 continue
             _copy_snapshot(source, target, needed, step)
             copied.append(needed)
+            size += source.manifest(needed).total_bytes()
     failure = replace_latest(dst, step)
     if failure is not None:
         log.warning("llmtailor promotion: %s", failure)
-    return copied
+    return copied, size
 
 
 def _check_same(source: Run, dst: Run, step: int) -> None:
@@ -142,8 +144,7 @@ class Promoter:
     ``committed``)."""
 
     def __init__(self, levels: list[Level], newest: list[int | None]):
-        # Its own Run objects: their caches are not shared with the training thread's.
-        self._levels = [replace(level, run=Run(level.run.storage)) for level in levels]
+        self._levels = levels
         self._newest = list(newest)
         self._guard = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -204,7 +205,10 @@ class Promoter:
                     return
                 self._wanted, final = False, self._final
             for target in range(1, len(self._levels)):
-                self._pass(target, final)
+                try:
+                    self._pass(target, final)
+                except Exception as err:  # never a dead promoter: reported like a failed promotion
+                    self._fail(f"promotion to {self._levels[target].name} failed: {type(err).__name__}: {err}")
 
     def _pass(self, target: int, final: bool) -> None:
         """Promote tier ``target - 1``'s newest composite to ``target`` if it is due."""
@@ -213,11 +217,14 @@ class Promoter:
         every = self._levels[target - 1].promote_every or 1
         if step is None or (there is not None and (step <= there or (not final and step - there < every))):
             return
-        source, level = self._levels[target - 1].run, self._levels[target]
+        # Runs of its own, fresh for each promotion: no manifest cached from another promotion
+        # (a step saved again after a restore is another snapshot), none shared with training.
+        source = Run(self._levels[target - 1].run.storage)
+        level = replace(self._levels[target], run=Run(self._levels[target].run.storage))
         wait, start = RETRY_WAIT, time.perf_counter()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                copied = promote(source, level, step)
+                copied, size = promote(source, level, step)
             except SnapshotNotFoundError:
                 return  # the source moved on: its newer composite comes with the next commit
             except (TailorError, OSError) as err:
@@ -229,8 +236,7 @@ class Promoter:
                 wait *= 2
                 continue
             break
-        done = Promotion(level.name, step, copied, sum(source.manifest(s).total_bytes() for s in copied),
-                         time.perf_counter() - start)
+        done = Promotion(level.name, step, copied, size, time.perf_counter() - start)
         with self._guard:
             self._newest[target] = step
             self.done.append(done)

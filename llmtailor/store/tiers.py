@@ -180,6 +180,7 @@ class Tiers:
         blind = [level.name for level in self.levels if not self._sees(level, token)]
         unseen = {rank: names for rank, names in enumerate(coordinator.exchange(f"{round_}/seen", blind)) if names}
         if unseen:
+            self.release()
             which = "; ".join(f"rank {rank} cannot see {', '.join(names)}" for rank, names in unseen.items())
             raise ConfigError(f"every tier must be one store all ranks reach (rank 0 commits and promotes every "
                               f"rank's files there): {which} (node-local storage on another node?). Tiers per node "
@@ -194,17 +195,14 @@ class Tiers:
 
     def _open(self) -> str | None:
         """Rank 0's part of ``open_for_writing``; the record's token (None: nothing recorded)."""
-        taken = []
         try:
             for level in self.levels:
                 level.lock.acquire_or_look()
-                taken.append(level)
+            self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
+            return self._write_record() if self.first.lock.held else None
         except BaseException:
-            for level in taken:
-                level.lock.release()
+            self.release()
             raise
-        self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
-        return self._write_record() if self.first.lock.held else None
 
     def committed(self, step: int, where: str) -> None:
         """Rank 0, once the save of ``step`` committed to the first tier (at ``where``): that
@@ -244,8 +242,12 @@ class Tiers:
             if self.promoter is not None:
                 self.promoter.finish()
         finally:
-            for level in self.levels:
-                level.lock.release()
+            self.release()
+
+    def release(self) -> None:
+        """Release every tier's lock (held or not); promote nothing more."""
+        for level in self.levels:
+            level.lock.release()
 
     def _write_record(self) -> str | None:
         """Record the tiers in each of them (``tiers.json``), so ``inspect`` and ``gc`` of any
