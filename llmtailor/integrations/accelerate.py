@@ -48,6 +48,7 @@ from llmtailor.policies import Policy
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
+from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
 ACCELERATE_KEY = "accelerate"
@@ -74,7 +75,7 @@ class TailorAccelerator(Accelerator):
 
     def tailor_resumable(self) -> bool:
         """Whether the run holds a committed composite for ``load_state`` to restore."""
-        return Run(self.tailor_run_dir).latest_step() is not None
+        return Tiers(self.tailor_run_dir, self.tailor_config.tiers, self.tailor_config.keep).latest_step() is not None
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *, step: int | None = None,
                    extra: Any = None, **kwargs: Any) -> SaveReport | PendingSave | str:
@@ -85,7 +86,7 @@ class TailorAccelerator(Accelerator):
         own = self._own_state()  # refused before the run is touched
         tailor = self._tailor_for_run()
         if step is None:
-            step = (Run(self.tailor_run_dir).latest_step() or 0) + 1
+            step = (tailor.latest_step() or 0) + 1
         return tailor.save(step, extra={ACCELERATE_KEY: own, USER_KEY: extra})
 
     def load_state(self, input_dir: str | None = None, *, step: int | None = None, **kwargs: Any) -> RestoreReport | None:

@@ -49,6 +49,7 @@ from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_ch
 from llmtailor.policies import Policy
 from llmtailor.reports import describe_sources
 from llmtailor.store.run import Run
+from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
 # Lightning's strategies whose state is one full copy per rank: what a Tailor on the LightningModule sees.
@@ -115,7 +116,11 @@ class TailorCheckpoint(Checkpoint):
     def resume_path(self) -> str | None:
         """The run directory when it holds a committed composite (pass it as ``ckpt_path``),
         else None: one script serves the first run and every restart."""
-        return str(self.run_dir) if Run(self.run_dir).latest_step() is not None else None
+        return str(self.run_dir) if self.tiers().latest_step() is not None else None
+
+    def tiers(self) -> Tiers:
+        """The run directory and the faster tiers in front of it (``TailorConfig.tiers``)."""
+        return Tiers(self.run_dir, self.config.tiers, self.config.keep)
 
     # -- Lightning's hooks -----------------------------------------------------------------
 
@@ -131,7 +136,7 @@ class TailorCheckpoint(Checkpoint):
         if self._resume is None:
             return
         run, step = self._resume
-        if run.storage.same_place(Run(self.run_dir).storage):
+        if self.tiers().index_of(run) is not None:  # the run directory, or one of its tiers
             report = self._tailor.restore(step)  # later saves extend this composite's lineage
             self._last_saved = report.step
         else:  # another run: loaded from there; this run's own snapshots start a lineage (full first)
@@ -236,6 +241,9 @@ class _RunCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         run = Run(path)
+        tiers = self.callback.tiers()
+        if Path(path).is_dir() and tiers.index_of(run) is not None and tiers.latest_step() is not None:
+            run = tiers.levels[tiers.choose(None, fallback=False).level].run  # the newest composite of any tier
         if not Path(path).is_dir() or run.latest_step() is None:
             return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         with run.reading(None) as composite:

@@ -125,6 +125,26 @@ def test_save_and_load_state_round_trip_with_extras_and_registered_objects(tmp_p
     accelerator.end_training()
 
 
+def test_with_a_memory_tier_saves_land_there_and_reach_the_run_directory_at_the_end(tmp_path):
+    from llmtailor import TailorConfig, Tier
+
+    memory = tmp_path / "memory"
+    config = TailorConfig(tiers=[Tier(memory, keep=1, promote_every=5)])
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run", tailor_config=config)
+    model, optimizer = _prepared(accelerator)
+    for _ in range(3):
+        _step(model, optimizer)
+        accelerator.save_state()  # steps 1, 2, 3: the newest of any tier + 1
+    assert accelerator.tailor_resumable() and Run(memory).steps() == [3]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, optimizer)
+    report = accelerator.load_state()
+    assert (report.step, report.tier) == (3, str(memory))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    accelerator.end_training()  # closes the Tailor: the last save promoted to the run directory
+    assert Run(tmp_path / "run").latest_step() == 3
+
+
 def test_other_directories_are_accelerates_own(tmp_path):
     accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
     model, optimizer = _prepared(accelerator)

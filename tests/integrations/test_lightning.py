@@ -238,3 +238,26 @@ def test_ddp_under_torchrun_parity_resume_loads_each_unit_at_the_version_its_com
     assert begin["global_step"] == 8 and resumed["global_step"] == 12
     assert_composite_loaded(run, composite, begin["tensors"])
     assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)
+
+
+def test_a_memory_tier_saves_promotes_and_the_resume_takes_the_newest_composite_of_any_tier(tmp_path, capsys):
+    import shutil
+
+    from llmtailor import Tier
+
+    memory, home = tmp_path / "memory", tmp_path / "run"
+
+    def callback():
+        return TailorCheckpoint(home, every_n_train_steps=1, tiers=[Tier(memory, keep=1, promote_every=3)])
+
+    _fit(_Tiny(), callback())
+    assert Run(memory).steps() == [4] and Run(home).latest_step() == 4  # the last save promoted at the end
+    shutil.rmtree(Run(home).snapshot_dir(4))  # the run directory behind the memory tier, as after a crash
+    (home / "latest").unlink()
+    assert Run(home).latest_step() == 1
+    resumed = callback()
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(_Tiny(), ckpt_path=resumed.resume_path())
+    assert f"resumed from the composite of step 4 in {memory}" in capsys.readouterr().out
+    assert trainer.global_step == 6 and Run(home).latest_step() == 6 and Run(home).verify() == []
