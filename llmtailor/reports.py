@@ -74,7 +74,8 @@ class RestoreReport:
     sources: dict[str, int]
     seconds: float
     skipped: dict[int, str]
-    """With ``fallback=True``: newer composites passed over, and why."""
+    """Newer composites passed over, and why: with ``fallback=True``, those that did not verify;
+    with tiers, also those a faster tier did not hold whole (the reason names the tier)."""
     saved_world_size: int = 1
     unmapped: tuple[str, ...] = ()
     """Per-rank state that could not be mapped at this world size (empty at the saved one)."""

@@ -282,32 +282,36 @@ class Tiers:
     def choose(self, step: int | None, fallback: bool) -> Choice:
         """The composite a restore reads (module docstring): of ``step`` (default: the newest),
         from the fastest tier holding it whole; with ``fallback``, the newest that verifies in
-        any tier. Raises SnapshotNotFoundError naming what each tier lacked."""
+        any tier. ``skipped``: the newer (or equal) composites passed over, in any tier, each
+        with its tier and why. Raises SnapshotNotFoundError naming what each tier lacked."""
         if len(self.levels) == 1:  # one tier: its own choice and errors, as they are
             chosen, skipped = choose_composite(self.home.run, step, fallback)
             return Choice(0, chosen, skipped)
         why: list[str] = []
+        passed: dict[int, str] = {}  # newer composites passed over, in any tier: step -> "tier: why"
         best: Choice | None = None
         candidates = sorted(self._newest(), key=lambda found: (-found[0], found[1])) if step is None else \
             [(step, i) for i in range(len(self.levels))]
         for newest, i in candidates:
             if best is not None and best.step >= newest:
                 break  # no slower tier can do better
-            run = self.levels[i].run
+            run, name = self.levels[i].run, self.levels[i].name
             try:
                 chosen, skipped = choose_composite(run, step, fallback)
                 with run.reading(chosen):  # whole in this tier: every snapshot it needs is there
                     pass
             except TailorError as err:
-                why.append(f"{self.levels[i].name}: {err}")
+                why.append(f"{name}: {err}")
+                passed.setdefault(newest, f"{name}: {err}")
                 continue
+            passed.update({s: f"{name}: {reason}" for s, reason in skipped.items() if s not in passed})
             if best is None or chosen > best.step:
-                best = Choice(i, chosen, skipped)
+                best = Choice(i, chosen, {})
         if best is None:
             what = f"the composite of step {step}" if step is not None else "a committed composite"
             detail = "; ".join(why) if why else "every tier is empty"
             raise SnapshotNotFoundError(f"no tier holds {what} whole ({detail})")
-        return best
+        return best._replace(skipped={s: reason for s, reason in passed.items() if s >= best.step})
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,19 @@ def test_a_tier_some_rank_cannot_see_fails_the_writer_on_every_rank(tmp_path):
     seeing = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
     seeing.open_for_writing(type("Seeing", (LocalCoordinator,), {"world_size": 2, "exchange": lambda s, t, v: [v, v]})())
     seeing.close()
+
+
+def test_restore_with_fallback_takes_the_newest_composite_that_verifies_in_any_tier(tmp_path, tokens):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 7))
+    tailor.close()
+    damaged = Run(memory).snapshot_dir(6) / "units" / "layer.1.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    other, *_ = tiered(home, memory, seed=3)
+    report = other.restore(fallback=True)
+    assert (report.step, report.tier) == (6, str(home))
+    assert list(report.skipped) == [6] and report.skipped[6].startswith(f"{memory}: ")  # what was passed over, where
+    other.close()
