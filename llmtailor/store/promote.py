@@ -5,8 +5,8 @@ every snapshot it needs that B lacks is copied, oldest first, each file streamed
 checked against its checksum on the way (a damaged source is never promoted), each snapshot
 committed in B with B's own protocol (files, then the manifest only if absent, then the
 commit; ``Storage.begin_snapshot``), then B's ``latest``. A copied manifest is A's but for its
-``parent``: the composite's names B's previous newest composite (B's lineage is the promoted
-composites, so B's retention counts them); a snapshot copied only for what the composite needs
+``parent``: the composite's names the composite promoted to B before it on the same lineage
+(B's lineage is the promoted composites, so B's retention counts them); a snapshot copied only for what the composite needs
 (a carrier) names none, and a ``carried_for`` note says so (``verify`` does not miss its own
 composite there). A crash or failure at any point leaves B as it was plus, at most, whole older snapshots
 (never read as the newest: ``latest`` and the parent links do not lead to them).
@@ -49,9 +49,11 @@ RETRY_WAIT = 1.0
 """Seconds before the second try; doubled before each next one."""
 
 
-def promote(source: Run, target: Level, step: int) -> tuple[list[int], int]:
+def promote(source: Run, target: Level, step: int, parent: int | None = None) -> tuple[list[int], int]:
     """Copy the composite of ``step`` from ``source`` into the tier ``target`` (module
-    docstring); returns the snapshots copied and their bytes. The caller holds ``target``'s writer lock (each
+    docstring), its ``parent`` link naming ``parent`` when that is a snapshot of ``target``
+    older than ``step`` (the composite promoted there before on this lineage); returns the
+    snapshots copied and their bytes. The caller holds ``target``'s writer lock (each
     commit confirms it). SnapshotNotFoundError when ``source`` no longer holds the composite
     (its retention moved on to a newer one)."""
     dst = target.run
@@ -63,7 +65,7 @@ def promote(source: Run, target: Level, step: int) -> tuple[list[int], int]:
             if needed in held:
                 _check_same(source, dst, needed)
                 continue
-            _copy_snapshot(source, target, needed, step)
+            _copy_snapshot(source, target, needed, step, parent if parent in held and parent < step else None)
             copied.append(needed)
             size += source.manifest(needed).total_bytes()
     failure = replace_latest(dst, step)
@@ -84,14 +86,14 @@ def _check_same(source: Run, dst: Run, step: int) -> None:
                           "(written by another lineage); it is not replaced")
 
 
-def _copy_snapshot(source: Run, target: Level, step: int, composite: int) -> None:
-    """Copy the snapshot of ``step``, which the composite of ``composite`` needs."""
+def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent: int | None) -> None:
+    """Copy the snapshot of ``step``, which the composite of ``composite`` needs (``parent``: the
+    link the composite's copy gets)."""
     dst = target.run
     storage = dst.storage
     manifest = source.manifest(step)
     if step == composite:
-        newest = dst.latest_step()
-        manifest = manifest.model_copy(update={"parent": newest if newest is not None and newest < step else None})
+        manifest = manifest.model_copy(update={"parent": parent})
     else:
         manifest = manifest.model_copy(update={"parent": None, "notes": {**manifest.notes, CARRIED_FOR: composite}})
     final = dst.snapshot_key(step)
@@ -162,9 +164,16 @@ class Promoter:
                 self._wake()
 
     def restored(self, level: int, step: int) -> None:
-        """The writer restored the composite of ``step`` from tier ``level``: that tier holds it."""
+        """The writer restored the composite of ``step`` from tier ``level``: the lineage it
+        extends now ends there in that tier. Another tier's newer composites (of a branch left,
+        or not whole there) are not this lineage's: no cadence counts from them, no parent
+        link names them; the next promotion there links to ``step`` if that tier holds it."""
+        beyond = [i for i, newest in enumerate(self._newest) if i != level and newest is not None and newest > step]
+        holding = {i for i in beyond if step in self._levels[i].run.steps()}
         with self._guard:
-            self._newest[level] = step if self._newest[level] is None else max(self._newest[level], step)
+            self._newest[level] = step
+            for i in beyond:
+                self._newest[i] = step if i in holding else None
 
     def finish(self) -> None:
         """Promote the newest composite of the first tier to every tier, whatever the cadence,
@@ -224,7 +233,7 @@ class Promoter:
         wait, start = RETRY_WAIT, time.perf_counter()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                copied, size = promote(source, level, step)
+                copied, size = promote(source, level, step, there)
             except SnapshotNotFoundError:
                 return  # the source moved on: its newer composite comes with the next commit
             except (TailorError, OSError) as err:

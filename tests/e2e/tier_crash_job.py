@@ -36,8 +36,8 @@ def arm(point: str) -> None:
             copy_file(source, key, sink, entry)
         promote._copy_file = killing_copy_file
     elif point == "carrier":
-        def killing_copy_snapshot(source, target, step, composite):
-            copy_snapshot(source, target, step, composite)
+        def killing_copy_snapshot(source, target, step, composite, parent):
+            copy_snapshot(source, target, step, composite, parent)
             if step == 3:
                 die()
         promote._copy_snapshot = killing_copy_snapshot

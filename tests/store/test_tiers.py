@@ -248,3 +248,17 @@ def test_restore_with_fallback_takes_the_newest_composite_that_verifies_in_any_t
     assert (report.step, report.tier) == (6, str(home))
     assert list(report.skipped) == [6] and report.skipped[6].startswith(f"{memory}: ")  # what was passed over, where
     other.close()
+
+
+def test_after_restoring_an_older_step_promotions_extend_that_lineage_in_every_tier(tmp_path, tokens):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=None, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 7))
+    tailor.close()
+    other, model2, opt2, sched2 = tiered(home, memory, seed=3, keep=None, promote_every=1)
+    assert other.restore(3).tier == str(memory)  # rolled back: 4..6 are a branch left behind
+    save_steps(other, model2, opt2, sched2, tokens, [7, 8])
+    other.close()
+    for tier in (memory, home):
+        assert [Run(tier).manifest(s).parent for s in (7, 8)] == [3, 7]
+        assert list(Run(tier).lineage()) == [8, 7, 3, 2, 1]
