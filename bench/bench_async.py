@@ -73,9 +73,9 @@ class Outcome:
 class Job:
     """The model, its optimizer and data; each contender trains it for a while."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, vocab: int = 32000):
         config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=16, kv_heads=8,
-                            intermediate_size=int(3.5 * args.hidden), seq_len=args.seq, vocab_size=32000)
+                            intermediate_size=int(3.5 * args.hidden), seq_len=args.seq, vocab_size=vocab)
         self.model = build_model(config, seed=0)
         self.optimizer = torch.optim.AdamW(hf_param_groups(self.model), lr=1e-5)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)

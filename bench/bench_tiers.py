@@ -75,7 +75,7 @@ from bench_async import Contender, DCPSave, Job, NoCheckpoint, TrainerSave
 from common import MB, scratch
 
 from llmtailor import Adaptive, Parity, Tailor, Tier
-from llmtailor.training_example import TinyConfig, build_model, corpus_tokens, hf_param_groups, params_digest
+from llmtailor.training_example import params_digest
 
 QUICK = {"layers": 4, "hidden": 256, "seq": 128, "vocab": 1024, "steps": 8, "rounds": 1, "every": 4, "restores": 2,
          "kills": 1}
@@ -87,15 +87,7 @@ class TiersJob(Job):
     256 up fits), remembering its initial state so every contender starts from it."""
 
     def __init__(self, args: argparse.Namespace):
-        config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=16, kv_heads=8,
-                            intermediate_size=int(3.5 * args.hidden), seq_len=args.seq, vocab_size=args.vocab)
-        self.model = build_model(config, seed=0)
-        self.optimizer = torch.optim.AdamW(hf_param_groups(self.model), lr=1e-5)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
-        self.tokens = corpus_tokens()
-        self.seq = args.seq
-        self.step = 0
-        self.train_steps(1)  # optimizer state exists from here on
+        super().__init__(args, vocab=args.vocab)
         self.initial = (self.step, copy.deepcopy(self.state()))
 
     def state(self) -> dict:
