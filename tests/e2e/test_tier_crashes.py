@@ -93,3 +93,29 @@ def test_sigkill_during_promotion_leaves_both_tiers_whole(tmp_path, memory, poin
     assert result == {"restored": 4, "tier": str(memory), "promoted_to_disk": 4}
     assert Run(home).latest_step() == 4 and Run(home).verify() == []
     assert not (home / ".tmp").exists() or not any((home / ".tmp").iterdir())
+
+
+@pytest.mark.slow
+def test_a_script_that_ends_without_close_commits_its_last_save_and_promotes_what_is_due(tmp_path, memory):
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        "from llmtailor import Parity, Tailor, Tier\n"
+        "from llmtailor.training_example import batch_at, build_model, build_optimizer, corpus_tokens, job_config\n"
+        "model = build_model(job_config(), seed=0)\n"
+        "optimizer, scheduler = build_optimizer(model, total_steps=10)\n"
+        f"tailor = Tailor({str(tmp_path / 'home')!r}, model, optimizer, scheduler, policy=Parity(), async_save=True,\n"
+        f"                tiers=[Tier({str(memory)!r}, promote_every=1)])\n"
+        "tokens = corpus_tokens()\n"
+        "for step in range(1, 6):\n"
+        "    batch = batch_at(tokens, step, 2, 32)\n"
+        "    model(input_ids=batch, labels=batch).loss.backward()\n"
+        "    optimizer.step()\n"
+        "    scheduler.step()\n"
+        "    optimizer.zero_grad(set_to_none=True)\n"
+        "    tailor.save(step)\n"
+        "# no close(): the save in flight is committed at exit, and its promotion (due) runs\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert Run(memory).latest_step() == 5 and Run(memory).verify() == []
+    assert Run(tmp_path / "home").latest_step() == 5 and Run(tmp_path / "home").verify() == []

@@ -262,3 +262,29 @@ def test_after_restoring_an_older_step_promotions_extend_that_lineage_in_every_t
     for tier in (memory, home):
         assert [Run(tier).manifest(s).parent for s in (7, 8)] == [3, 7]
         assert list(Run(tier).lineage()) == [8, 7, 3, 2, 1]
+
+
+def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_on(tmp_path, tokens, monkeypatch):
+    """Promotions much slower than saves, in a memory tier keeping one composite: the composite a
+    promotion wanted is often gone when it starts; it takes the newest instead, reports nothing,
+    and every composite it promoted is whole in the run directory."""
+    import time
+
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    copy_file = promote._copy_file
+
+    def slow(source, key, sink, entry):
+        time.sleep(0.01)
+        copy_file(source, key, sink, entry)
+
+    monkeypatch.setattr(promote, "_copy_file", slow)
+    tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 16), settle=False)
+    tailor.close()  # raises a promotion failure, if any
+    promoted = [p.step for p in tailor.tiers.promotions]
+    assert promoted[-1] == 15 and len(promoted) < 15  # skipped, never queued
+    on_disk = Run(home)
+    assert on_disk.verify() == [] and set(promoted) <= set(on_disk.steps())
+    for step in promoted:
+        with on_disk.reading(step):  # each whole: every snapshot it needs is there
+            pass
