@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from os import PathLike
@@ -263,34 +263,50 @@ class Tiers:
     # -- reading ----------------------------------------------------------------------------
 
     def latest_step(self) -> int | None:
-        """The newest composite step of any tier (tiers that cannot be read are passed over)."""
-        found = [step for step, _ in self._newest()]
+        """The newest composite step of any tier; a tier that cannot be read raises (a script
+        must not start afresh because its store did not answer)."""
+        found = [step for step, _ in self._newest(self._problems_raise)]
         return max(found) if found else None
 
-    def _newest(self) -> list[tuple[int, int]]:
-        """(newest step, tier index) of every tier holding a committed snapshot."""
+    def _newest(self, on_problem: Callable[[int, TailorError], None]) -> list[tuple[int, int]]:
+        """(newest step, tier index) of every tier holding a committed snapshot; a tier that
+        cannot be read goes to ``on_problem``."""
         found = []
         for i, level in enumerate(self.levels):
             try:
                 step = level.run.latest_step()
-            except TailorError:
+            except TailorError as err:
+                on_problem(i, err)
                 continue
             if step is not None:
                 found.append((step, i))
         return found
 
+    @staticmethod
+    def _problems_raise(level: int, err: TailorError) -> None:
+        raise err
+
     def choose(self, step: int | None, fallback: bool) -> Choice:
         """The composite a restore reads (module docstring): of ``step`` (default: the newest),
         from the fastest tier holding it whole; with ``fallback``, the newest that verifies in
         any tier. ``skipped``: the newer (or equal) composites passed over, in any tier, each
-        with its tier and why. Raises SnapshotNotFoundError naming what each tier lacked."""
+        with its tier and why. Raises SnapshotNotFoundError naming what each tier lacked; a tier
+        that cannot be read raises its error, but with ``fallback`` (the restore then takes what
+        the others hold, and ``skipped`` names the tier)."""
         if len(self.levels) == 1:  # one tier: its own choice and errors, as they are
             chosen, skipped = choose_composite(self.home.run, step, fallback)
             return Choice(0, chosen, skipped)
         why: list[str] = []
         passed: dict[int, str] = {}  # newer composites passed over, in any tier: step -> "tier: why"
+        unread: list[str] = []
+
+        def unreadable(level: int, err: TailorError) -> None:
+            if not fallback:
+                raise err
+            unread.append(f"{self.levels[level].name} could not be read: {err}")
+
         best: Choice | None = None
-        candidates = sorted(self._newest(), key=lambda found: (-found[0], found[1])) if step is None else \
+        candidates = sorted(self._newest(unreadable), key=lambda found: (-found[0], found[1])) if step is None else \
             [(step, i) for i in range(len(self.levels))]
         for newest, i in candidates:
             if best is not None and best.step >= newest:
@@ -311,6 +327,8 @@ class Tiers:
             what = f"the composite of step {step}" if step is not None else "a committed composite"
             detail = "; ".join(why) if why else "every tier is empty"
             raise SnapshotNotFoundError(f"no tier holds {what} whole ({detail})")
+        if unread:  # its newest is unknown: said with the composite chosen
+            passed[best.step] = "; ".join([*unread, *([passed[best.step]] if best.step in passed else [])])
         return best._replace(skipped={s: reason for s, reason in passed.items() if s >= best.step})
 
 

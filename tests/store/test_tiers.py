@@ -288,3 +288,28 @@ def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_
     for step in promoted:
         with on_disk.reading(step):  # each whole: every snapshot it needs is there
             pass
+
+
+def test_a_tier_that_does_not_answer_is_an_error_but_fallback_restores_from_the_others(tmp_path, tokens, monkeypatch):
+    """A script must not start afresh because its durable store did not answer: latest_step()
+    and restore() raise; restore(fallback=True) takes what the memory tier holds and says why."""
+    pytest.importorskip("obstore")
+    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=None, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 4))
+    tailor.close()
+    dead = {"endpoint": "http://127.0.0.1:9", "allow_http": "true", "region": "us-east-1", "access_key_id": "k",
+            "secret_access_key": "s", "retry_config": {"max_retries": 0, "retry_timeout": 1}}
+    model2, opt2, sched2 = tiny(seed=3)
+    reader = Tailor("s3://unreachable/run", model2, opt2, sched2, read_only=True,
+                    tiers=[Tier(memory), Tier("s3://unreachable/durable", storage_options=dead)], storage_options=dead)
+    with pytest.raises(TailorError, match="127.0.0.1:9"):
+        reader.latest_step()
+    with pytest.raises(TailorError, match="127.0.0.1:9"):
+        reader.restore()
+    report = reader.restore(fallback=True)
+    assert (report.step, report.tier) == (3, str(memory))
+    assert "s3://unreachable/durable could not be read" in report.skipped[3]
+    reader.close()

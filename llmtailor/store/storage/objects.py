@@ -62,6 +62,9 @@ _OWN_OPTIONS = {"lock_ttl"}
 ``retry_config``, ...)."""
 _ALIASES = {"endpoint_url": "endpoint", "aws_endpoint_url": "endpoint", "key": "access_key_id",
             "secret": "secret_access_key", "token": "session_token"}
+_CLIENT_OPTIONS = {"allow_http", "allow_invalid_certificates", "timeout", "connect_timeout", "proxy_url",
+                   "user_agent", "http1_only", "http2_only", "pool_idle_timeout", "pool_max_idle_per_host"}
+"""Options of the HTTP client, not of the store: given with the others, passed to the client."""
 DEFAULT_RETRY = {"max_retries": 6, "retry_timeout": 120.0,
                  "backoff": {"init_backoff": 0.1, "max_backoff": 5.0, "base": 2.0}}
 """Transient errors (5xx, throttling, dropped connections) are retried with exponential backoff
@@ -94,13 +97,17 @@ class ObjectStorage(Storage):
         self.options = dict(given)
         self.lock_ttl = float(given.pop("lock_ttl", DEFAULT_LOCK_TTL))
         retry = _retry_config(given.pop("retry_config", DEFAULT_RETRY))
-        client = given.pop("client_options", None)
+        client = {**{k: given.pop(k) for k in list(given) if k in _CLIENT_OPTIONS}, **(given.pop("client_options", None) or {})}
         if "endpoint" in given and str(given["endpoint"]).startswith("http://"):
-            client = {"allow_http": True, **(client or {})}
+            client = {"allow_http": True, **client}
         try:
-            self.store = obstore.store.from_url(self.url, retry_config=retry, client_options=client, **given)
+            self.store = obstore.store.from_url(self.url, retry_config=retry, client_options=client or None, **given)
         except Exception as err:  # obstore's configuration errors
             raise ConfigError(f"{self.url}: cannot use this location ({_reason(err)})") from None
+        except BaseException as err:  # an option obstore's Rust side does not know panics (not an Exception)
+            if type(err).__name__ != "PanicException":
+                raise
+            raise ConfigError(f"{self.url}: cannot use these storage options {sorted(given)} ({err})") from None
         self._errors = obstore.exceptions
         self._discarding: set[str] = set()
 
