@@ -17,9 +17,10 @@ time of the measured steps against the ``none`` contender's (ratio and percent s
 target for ours: < 5%); each contender's final weights are also checked against ``none``'s
 (a checkpointer must not change training).
 
-Contenders: ``none`` (no checkpointing); ``ours tiers Parity`` and ``ours tiers Adaptive``
-(``Tailor(async_save=True, tiers=[Tier(/dev/shm/..., keep=2, promote_every=N)])`` with
-``Parity()`` or ``Adaptive(budget=0.5)``, ``save`` after every step; the run directory on disk
+Contenders: ``none`` (no checkpointing); ``ours tiers Parity``, ``ours tiers Parity nodrift``
+and ``ours tiers Adaptive`` (``Tailor(async_save=True, tiers=[Tier(/dev/shm/..., keep=2,
+promote_every=N)])`` with ``Parity()`` (drift measured at each save, the default, or not:
+``track_drift=False``, which Parity does not need) or ``Adaptive(budget=0.5)``, ``save`` after every step; the run directory on disk
 is the durable tier; the first save, always full, is made and waited for before the measured
 steps, as in ``bench_async.py``, and reaches disk by promotion like the later ones);
 ``dcp.async_save disk`` and ``shm`` (torch.distributed.checkpoint on a 1-rank gloo group after
@@ -112,9 +113,9 @@ class OursTiers(Contender):
     """An async ``Tailor`` saving to the memory tier; its first save (always full) is made and
     waited for at set-up, which also allocates the reused host buffers, as in a long run."""
 
-    def __init__(self, job: Job, out: Path, mem: Path, every: int, policy):
+    def __init__(self, job: Job, out: Path, mem: Path, every: int, policy, **options):
         super().__init__(job, out)
-        self.tailor = tiered(job, out / "run", mem, every, policy, async_save=True)
+        self.tailor = tiered(job, out / "run", mem, every, policy, async_save=True, **options)
         self.tailor.save(job.step)
         self.tailor.wait()
 
@@ -162,6 +163,8 @@ class Entry:
 ENTRIES = [
     Entry("none", lambda job, out, shm, n: NoCheckpoint(job, out)),
     Entry("ours tiers Parity", lambda job, out, shm, n: OursTiers(job, out, shm / "mem", n, Parity())),
+    Entry("ours tiers Parity nodrift",
+          lambda job, out, shm, n: OursTiers(job, out, shm / "mem", n, Parity(), track_drift=False)),
     Entry("ours tiers Adaptive", lambda job, out, shm, n: OursTiers(job, out, shm / "mem", n, Adaptive(budget=0.5))),
     Entry("dcp.async_save disk", lambda job, out, shm, n: DCPEveryStep(job, out)),
     Entry("dcp.async_save shm", lambda job, out, shm, n: DCPEveryStep(job, shm)),
