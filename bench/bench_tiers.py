@@ -17,7 +17,7 @@ time of the measured steps against the ``none`` contender's (ratio and percent s
 target for ours: < 5%); each contender's final weights are also checked against ``none``'s
 (a checkpointer must not change training).
 
-Contenders: ``none`` (no checkpointing); ``ours tiers Parity``, ``ours tiers Parity nodrift``
+Contenders: ``none`` (no checkpointing); ``ours tiers Parity``, ``ours tiers Par nodrift``
 and ``ours tiers Adaptive`` (``Tailor(async_save=True, tiers=[Tier(/dev/shm/..., keep=2,
 promote_every=N)])`` with ``Parity()`` (drift measured at each save, the default, or not:
 ``track_drift=False``, which Parity does not need) or ``Adaptive(budget=0.5)``, ``save`` after every step; the run directory on disk
@@ -163,7 +163,7 @@ class Entry:
 ENTRIES = [
     Entry("none", lambda job, out, shm, n: NoCheckpoint(job, out)),
     Entry("ours tiers Parity", lambda job, out, shm, n: OursTiers(job, out, shm / "mem", n, Parity())),
-    Entry("ours tiers Parity nodrift",
+    Entry("ours tiers Par nodrift",
           lambda job, out, shm, n: OursTiers(job, out, shm / "mem", n, Parity(), track_drift=False)),
     Entry("ours tiers Adaptive", lambda job, out, shm, n: OursTiers(job, out, shm / "mem", n, Adaptive(budget=0.5))),
     Entry("dcp.async_save disk", lambda job, out, shm, n: DCPEveryStep(job, out)),
