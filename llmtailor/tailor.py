@@ -138,7 +138,6 @@ class Tailor:
         return PendingSave(job, SaveReport.of)
 
     def _check_save(self, step: int) -> None:
-        self.lineage.check_next(step)
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
         self._settle(raise_error=True, refused=step)
@@ -148,6 +147,7 @@ class Tailor:
                 f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving them is "
                 "refused: restore() again (fallback=True passes over damaged composites) before saving"
             )
+        self.lineage.check_next(step)  # after the save in flight settled: its step is the parent then
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
         """Block until the async save in flight (if any) is committed and durable; return its

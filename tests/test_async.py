@@ -274,3 +274,17 @@ def test_an_unfenced_in_place_change_fails_that_save_and_a_fenced_one_is_kept_ou
     fresh = tiny(seed=3)
     Tailor(tmp_path, *fresh).restore()
     assert_bitwise(unit_versions(fresh[0], fresh[1]), expected)
+
+
+def test_a_step_already_saved_by_the_save_in_flight_is_refused_before_anything_is_written(tmp_path, tokens):
+    """The order check comes after the save in flight is settled: its step is the parent then."""
+    from llmtailor.errors import ConfigError
+
+    model, opt, sched = tiny()
+    with Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True) as tailor:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)  # in flight
+        with pytest.raises(ConfigError, match="step 1 is not after the previous snapshot's step 1"):
+            tailor.save(1)
+        tailor.save(2)
+        assert tailor.wait().step == 2
