@@ -313,3 +313,26 @@ def test_a_tier_that_does_not_answer_is_an_error_but_fallback_restores_from_the_
     assert (report.step, report.tier) == (3, str(memory))
     assert "s3://unreachable/durable could not be read" in report.skipped[3]
     reader.close()
+
+
+def test_an_unexpected_error_in_the_promoter_is_reported_and_promotion_goes_on(tmp_path, tokens, monkeypatch):
+    """A bug in the background (here: retention after a promotion raising) must not leave a dead
+    promoter that silently never promotes again."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    retain, calls = promote.retain_after_commit, []
+
+    def broken(run, keep, where):
+        calls.append(where)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        retain(run, keep, where)
+
+    monkeypatch.setattr(promote, "retain_after_commit", broken)
+    tailor, model, opt, sched = tiered(home, memory, home_keep=1, keep=1, promote_every=1)
+    train(model, opt, sched, tokens, [1])
+    tailor.save(1)
+    with pytest.raises(PromotionError, match="RuntimeError: boom"):
+        tailor.wait(promoted=True)
+    save_steps(tailor, model, opt, sched, tokens, [2, 3])
+    tailor.close()
+    assert [p.step for p in tailor.tiers.promotions] == [1, 2, 3] and Run(home).latest_step() == 3
