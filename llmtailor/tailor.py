@@ -63,7 +63,7 @@ class Tailor:
                  **options: Any):
         self.config = TailorConfig.of(config, policy=policy, **options)
         self.policy, self.keep, self.read_only = self.config.policy, self.config.keep, self.config.read_only
-        self.tiers = Tiers(run_dir, self.config.tiers, self.keep, self.config.storage_options)
+        self.tiers = Tiers.of(run_dir, self.config)
         self.run = self.tiers.first.run  # where saves commit: the run directory, or the fastest tier
         self.coordinator: Coordinator = make_coordinator(self.config.timeout)
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, self.config.family)

@@ -75,7 +75,7 @@ class TailorAccelerator(Accelerator):
 
     def tailor_resumable(self) -> bool:
         """Whether the run holds a committed composite for ``load_state`` to restore."""
-        return Tiers(self.tailor_run_dir, self.tailor_config.tiers, self.tailor_config.keep).latest_step() is not None
+        return Tiers.of(self.tailor_run_dir, self.tailor_config).latest_step() is not None
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *, step: int | None = None,
                    extra: Any = None, **kwargs: Any) -> SaveReport | PendingSave | str:

@@ -205,15 +205,12 @@ class TailorTrainer(transformers.Trainer):
             restore_rng(own["rng"])
 
     def _tiers(self) -> Tiers:
-        return Tiers(self.tailor_run_dir, self.tailor_config.tiers, self.tailor_config.keep)
+        return Tiers.of(self.tailor_run_dir, self.tailor_config)
 
     def _tailored_run(self, resume_from_checkpoint: str | bool | None) -> Run | None:
         """The tailored run to resume from, or None to let Trainer handle the argument."""
         if resume_from_checkpoint is True:  # the newest composite of the run directory or its tiers
-            tiers = self._tiers()
-            if tiers.latest_step() is None:
-                return None
-            return tiers.levels[tiers.choose(None, fallback=False).level].run
+            return self._tiers().newest_run()
         if isinstance(resume_from_checkpoint, (str, Path)):
             run = Run(resume_from_checkpoint)
             return run if run.steps() else None

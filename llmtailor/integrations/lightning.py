@@ -120,7 +120,7 @@ class TailorCheckpoint(Checkpoint):
 
     def tiers(self) -> Tiers:
         """The run directory and the faster tiers in front of it (``TailorConfig.tiers``)."""
-        return Tiers(self.run_dir, self.config.tiers, self.config.keep)
+        return Tiers.of(self.run_dir, self.config)
 
     # -- Lightning's hooks -----------------------------------------------------------------
 
@@ -242,8 +242,8 @@ class _RunCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         run = Run(path)
         tiers = self.callback.tiers()
-        if Path(path).is_dir() and tiers.index_of(run) is not None and tiers.latest_step() is not None:
-            run = tiers.levels[tiers.choose(None, fallback=False).level].run  # the newest composite of any tier
+        if Path(path).is_dir() and tiers.index_of(run) is not None:
+            run = tiers.newest_run() or run  # the newest composite of any tier
         if not Path(path).is_dir() or run.latest_step() is None:
             return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         with run.reading(None) as composite:

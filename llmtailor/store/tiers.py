@@ -140,6 +140,12 @@ class Tiers:
         self.promoter: Promoter | None = None
         """Set by ``open_for_writing`` (the writer's rank 0)."""
 
+    @classmethod
+    def of(cls, home: str | Path, config: Any) -> Tiers:
+        """The tiers a ``TailorConfig`` declares in front of the run directory ``home`` (its
+        ``tiers``, ``keep`` and ``storage_options``)."""
+        return cls(home, config.tiers, config.keep, config.storage_options)
+
     @property
     def first(self) -> Level:
         """Where saves commit."""
@@ -267,6 +273,12 @@ class Tiers:
         must not start afresh because its store did not answer)."""
         found = [step for step, _ in self._newest(self._problems_raise)]
         return max(found) if found else None
+
+    def newest_run(self) -> Run | None:
+        """The run (tier) holding the newest composite whole, or None when no tier holds one."""
+        if self.latest_step() is None:
+            return None
+        return self.levels[self.choose(None, fallback=False).level].run
 
     def _newest(self, on_problem: Callable[[int, TailorError], None]) -> list[tuple[int, int]]:
         """(newest step, tier index) of every tier holding a committed snapshot; a tier that
