@@ -204,3 +204,43 @@ def test_sharded_weights_are_read_through_their_index(tmp_path, checkpoint):
     import_hf(ckpt, tmp_path / "run")
     exported = export_hf(Run(tmp_path / "run"), None, tmp_path / "out")
     assert_same_tree(load_file(exported / "model.safetensors"), original)
+
+
+def test_an_imported_trainer_checkpoint_goes_on_with_a_memory_tier_in_front(tmp_path, checkpoint, tokens):
+    """A run made from a plain Trainer's checkpoint (no llmtailor code wrote it) gets a memory tier:
+    the restore reads the run directory, the saves land in memory (the first full: memory lacks
+    the imported versions), promotions make them whole in the run directory, which restores
+    what the memory tier holds."""
+    from llmtailor import Parity, Tailor, Tier
+    from llmtailor.training_example import batch_at, hf_param_groups
+
+    run_dir, memory = tmp_path / "run", tmp_path / "memory"
+    import_hf(checkpoint("llama"), run_dir)
+
+    def live(seed):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+        return model, torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
+
+    model, opt = live(5)
+    tailor = Tailor(run_dir, model, opt, policy=Parity(), tiers=[Tier(memory, keep=2, promote_every=2)])
+    assert (tailor.restore().step, tailor.restore().tier) == (STEP, str(run_dir))
+    written = []
+    for step in (STEP + 1, STEP + 2, STEP + 3):
+        batch = batch_at(tokens, step, 2, 16)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        written.append(len(tailor.save(step).units))
+    tailor.close()
+    assert written[0] == 7 and written[1] < 7  # the first save after it is full, then Parity
+    assert Run(run_dir).latest_step() == STEP + 3 and Run(run_dir).verify() == []
+    states = []
+    for tiers in ([Tier(memory)], []):
+        fresh, fresh_opt = live(9)
+        report = Tailor(run_dir, fresh, fresh_opt, tiers=tiers, read_only=True).restore()
+        assert report.step == STEP + 3 and report.tier == str(memory if tiers else run_dir)
+        states.append({**fresh.state_dict(), **{f"{i}/{k}": v for i, s in enumerate(fresh_opt.state.values())
+                                                for k, v in s.items()}})
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
