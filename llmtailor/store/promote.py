@@ -160,8 +160,7 @@ class Promoter:
         """The first tier committed ``step``: promote what is due, in the background."""
         with self._guard:
             self._newest[0] = step
-            if len(self._levels) > 1:
-                self._wake()
+            self._wake()
 
     def restored(self, level: int, step: int) -> None:
         """The writer restored the composite of ``step`` from tier ``level``: the lineage it
@@ -181,9 +180,7 @@ class Promoter:
         with self._guard:
             self._final = True
             self._wake()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        self.wait()
 
     def wait(self) -> None:
         """Wait for the promotion in flight, if any."""
@@ -234,6 +231,7 @@ class Promoter:
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 copied, size = promote(source, level, step, there)
+                break
             except SnapshotNotFoundError:
                 return  # the source moved on: its newer composite comes with the next commit
             except (TailorError, OSError) as err:
@@ -243,8 +241,6 @@ class Promoter:
                     return
                 time.sleep(wait)
                 wait *= 2
-                continue
-            break
         done = Promotion(level.name, step, copied, size, time.perf_counter() - start)
         with self._guard:
             self._newest[target] = step

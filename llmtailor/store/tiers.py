@@ -138,7 +138,7 @@ class Tiers:
                     raise ConfigError(f"tier {other.name} and {level.name} are one location: every tier needs its own")
         self.levels = levels
         self.promoter: Promoter | None = None
-        """Set by ``open_for_writing`` (the writer's rank 0)."""
+        """Set by ``open_for_writing`` (the writer's rank 0, with more than one tier)."""
 
     @classmethod
     def of(cls, home: str | Path, config: Any) -> Tiers:
@@ -204,7 +204,8 @@ class Tiers:
         try:
             for level in self.levels:
                 level.lock.acquire_or_look()
-            self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
+            if len(self.levels) > 1:  # one tier: nothing to promote, no thread
+                self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
             return self._write_record() if self.first.lock.held else None
         except BaseException:
             self.release()
