@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.policies import Adaptive, Full, Policy
 from llmtailor.store.coordinator import DEFAULT_TIMEOUT
-from llmtailor.store.retention import keep_field
+from llmtailor.store.retention import Keep
 from llmtailor.store.tiers import Tier
 
 
@@ -30,7 +30,7 @@ class TailorConfig(BaseModel):
     ``Adaptive()``); its options are checked against the model when the Tailor is built."""
     family: str | None = None
     """The model family's layout (``llama``, ``gpt2``, ...); default: detected from the model."""
-    keep: int | None = None
+    keep: Keep = None
     """After each save, delete every snapshot the newest ``keep`` composites do not need."""
     async_save: bool = False
     """``save`` returns at once; copies and writes go on in the background, fenced before the
@@ -69,11 +69,6 @@ class TailorConfig(BaseModel):
     @classmethod
     def _a_path(cls, value: Any) -> Any:
         return str(value) if isinstance(value, PathLike) else value
-
-    @field_validator("keep", mode="before")
-    @classmethod
-    def _a_count(cls, value: Any) -> Any:
-        return keep_field(value)
 
     @field_validator("tiers", mode="before")
     @classmethod

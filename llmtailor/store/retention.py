@@ -20,6 +20,9 @@ from __future__ import annotations
 import logging
 from itertools import islice
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.store.files import describe_os_error
@@ -57,13 +60,17 @@ def check_keep(keep: object) -> int:
     return keep
 
 
-def keep_field(value: object) -> object:
-    """``check_keep`` for a pydantic field validator (None allowed; a ValueError, which pydantic
-    collects with the other problems)."""
+def _keep_field(value: object) -> object:
+    """``check_keep`` for a pydantic field (None allowed; a ValueError, which pydantic collects
+    with the other problems)."""
     try:
         return value if value is None else check_keep(value)
     except ConfigError as err:
         raise ValueError(str(err)) from None
+
+
+Keep = Annotated[int | None, BeforeValidator(_keep_field)]
+"""The type of a ``keep`` option of a pydantic model (``TailorConfig.keep``, ``Tier.keep``)."""
 
 
 def plan_retention(run: Run, keep: int) -> RetentionPlan:

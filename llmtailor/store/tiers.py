@@ -39,7 +39,7 @@ from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.promote import Promoter, Promotion
-from llmtailor.store.retention import keep_field, retain_after_commit
+from llmtailor.store.retention import Keep, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import open_storage
 
@@ -57,7 +57,7 @@ class Tier(BaseModel):
     location: str
     """A local directory (``/dev/shm/exp1``: host memory, outlives the training process but not
     the node; ``/local/nvme/exp1``) or an object-store URL."""
-    keep: int | None = 2
+    keep: Keep = 2
     """Retention in this tier: the newest ``keep`` composites (and what they need); None keeps
     everything (a memory tier then fills up)."""
     promote_every: int = 1
@@ -83,11 +83,6 @@ class Tier(BaseModel):
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"a tier's location must be a path or URL, got {value!r}")
         return value
-
-    @field_validator("keep", mode="before")
-    @classmethod
-    def _a_count(cls, value: Any) -> Any:
-        return keep_field(value)
 
     @field_validator("promote_every", mode="before")
     @classmethod
