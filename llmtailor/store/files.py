@@ -27,6 +27,7 @@ import struct
 import queue
 import threading
 from concurrent.futures import Future
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -336,17 +337,24 @@ def _file_pieces(source: ByteSource):
     except OSError as err:
         raise IntegrityError(describe_os_error(err, source.path)) from None
     with handle:
-        if os.fstat(handle.fileno()).st_size < source.offset + source.length:
-            raise IntegrityError(f"{source.path}: shorter than the tensor it should hold (truncated)")
-        buffer = memoryview(bytearray(min(_PIECE, source.length)))
-        handle.seek(source.offset)
-        left = source.length
-        while left:
-            got = handle.readinto(buffer[: min(left, len(buffer))])
-            if not got:
-                raise IntegrityError(f"{source.path}: ended while reading a tensor (truncated)")
-            left -= got
-            yield buffer[:got]
+        yield from read_pieces(handle, source.path, source.offset, source.offset + source.length, "the tensor")
+
+
+def read_pieces(handle, where: Path | str, start: int, end: int, what: str = "the data") -> Iterator[memoryview]:
+    """Bytes ``start`` to ``end`` of the open file ``handle``, in pieces of at most 16 MiB read
+    into one reused buffer (a piece is valid until the next is taken). IntegrityError naming
+    ``where`` when the file is shorter than ``what`` it should hold."""
+    if os.fstat(handle.fileno()).st_size < end:
+        raise IntegrityError(f"{where}: shorter than {what} it should hold (truncated)")
+    buffer = memoryview(mmap.mmap(-1, min(_PIECE, end - start)) if end > start else bytearray())
+    handle.seek(start)
+    position = start
+    while position < end:
+        got = handle.readinto(buffer[: min(len(buffer), end - position)])
+        if not got:
+            raise IntegrityError(f"{where}: ended while reading {what} (truncated)")
+        position += got
+        yield buffer[:got]
 
 
 # -- reading a run's files through its storage -------------------------------------------------

@@ -32,7 +32,7 @@ from llmtailor.store.files import (
     fsync_dir,
     replace_bytes_atomically,
 )
-from llmtailor.store.storage.base import PIECE, Batch, Lease, Sink, Storage, WriterLockBackend
+from llmtailor.store.storage.base import Batch, Lease, Sink, Storage, WriterLockBackend
 
 
 class LocalStorage(Storage):
@@ -98,19 +98,8 @@ class LocalStorage(Storage):
         """``Storage.pieces`` from one open file into one reused buffer."""
         path = self.path(key)
         with _opened(path) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            end = size if length is None else start + length
-            if size < end:
-                raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
-            buffer = memoryview(mmap.mmap(-1, min(PIECE, end - start)) if end > start else bytearray())
-            handle.seek(start)
-            position = start
-            while position < end:
-                got = handle.readinto(buffer[: min(len(buffer), end - position)])
-                if not got:
-                    raise IntegrityError(f"{path}: ended while being read (truncated)")
-                position += got
-                yield buffer[:got]
+            end = os.fstat(handle.fileno()).st_size if length is None else start + length
+            yield from files.read_pieces(handle, path, start, end)
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
         path = self.path(key)
