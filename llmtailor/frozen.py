@@ -51,6 +51,10 @@ def fingerprint(pieces: list[Piece]) -> tuple:
     return tuple((p.offsets, p.tensor.data_ptr(), p.tensor._version) for p in pieces)
 
 
+PEFT_WRAPPED = (".base_layer.", ".original_module.")
+"""The parts peft puts in a base module's names when it wraps the module (``BaseModel.find``)."""
+
+
 class BaseModel:
     """A ``save_pretrained`` directory frozen tensors may be kept from: its safetensors files'
     headers (read when built), their sizes and checksums (computed once, when a save first
@@ -78,9 +82,15 @@ class BaseModel:
         self._record: BaseDir | None = None
 
     def find(self, name: str) -> str | None:
-        """The base's name of the model's parameter ``name`` (peft's ``.base_layer`` wraps the
-        base's module), or None."""
-        for candidate in (name, name.replace(".base_layer.", ".")):
+        """The base's name of the model's parameter ``name``, or None. peft wraps a base module
+        in place and keeps it as ``X.base_layer`` (an adapter's layer) or ``X.original_module``
+        (a module trained whole, ``modules_to_save``: its trained copy is not the base's); the
+        base's name leaves those parts out. A name matched wrongly costs nothing: ``ref``
+        compares the bytes."""
+        unwrapped = name
+        for wrapper in PEFT_WRAPPED:
+            unwrapped = unwrapped.replace(wrapper, ".")
+        for candidate in (name, unwrapped):
             if candidate in self.tensors:
                 return candidate
         return None

@@ -414,3 +414,161 @@ def test_a_second_adapter_type_ia3_saves_only_what_trains_and_exports_for_peft(t
     expected = dict(model.named_parameters())
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
+
+
+# -- modules_to_save: a module trained whole beside the adapters. peft wraps it as
+# X.original_module.* (the base's, frozen) and X.modules_to_save.<adapter>.* (the trained copy),
+# and its adapter file names the trained copy X.* (ModulesToSaveWrapper.adapter_state_dict).
+
+SAVED_WHOLE = [("lm_head", "untied", "lm_head"), ("embed_tokens", "tied", "model.embed_tokens")]
+"""(module, tying, its path): the head, and an embedding its head is tied to."""
+TIED_COPIES = ("embed_tokens", "tied copies", "model.embed_tokens")
+"""With peft's ``ensure_weight_tying``: the head's trained copy is the embedding's too."""
+
+
+def base_model_tied(tying: str):
+    """``base_model()``, its head tied to its embedding unless ``tying`` is "untied" (same seed, same weights)."""
+    import transformers
+
+    config = base_model().config
+    config.tie_word_embeddings = tying != "untied"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def lora_saving(module: str, tying: str = "untied", seed: int = 0):
+    """``lora()`` with ``module`` trained whole too (peft's ``modules_to_save``)."""
+    base = base_model_tied(tying)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=[module], init_lora_weights=False,
+                             ensure_weight_tying=tying == "tied copies")
+    model = peft.get_peft_model(base, config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("module,tying,path", [*SAVED_WHOLE, TIED_COPIES])
+def test_modules_to_save_assemble_peft_loads_in_peft_bit_for_bit(tmp_path, tokens, module, tying, path):
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    model, optimizer = lora_saving(module, tying)
+    with Tailor(tmp_path / "run", model, optimizer, policy=Parity()) as tailor:
+        for s in range(1, 4):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    model.save_pretrained(tmp_path / "reference")  # peft's own file: the trained copy as `module`'s own weight
+    with safe_open(str(tmp_path / "out" / "adapter_model.safetensors"), "pt") as ours, \
+            safe_open(str(tmp_path / "reference" / "adapter_model.safetensors"), "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys())
+    loaded = peft.PeftModel.from_pretrained(base_model_tied(tying), tmp_path / "out")  # no llmtailor code
+    fresh, fresh_opt = lora_saving(module, tying, seed=7)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)  # the trained copy starts as the base's: it too must come from the run
+    Tailor(tmp_path / "run", fresh, fresh_opt, read_only=True).restore()  # the composite, as restore gives it
+    expected = dict(fresh.named_parameters())
+    trained = expected[f"base_model.model.{path}.modules_to_save.default.weight"]
+    assert not torch.equal(trained, dict(base_model_tied(tying).named_parameters())[f"{path}.weight"])  # it trained
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+@pytest.mark.slow
+def test_modules_to_save_assembled_as_hf_resumes_in_a_vanilla_trainer(tmp_path):
+    import importlib.util
+
+    import transformers
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+    from llmtailor.integrations.hf import TailorTrainer
+
+    spec = importlib.util.spec_from_file_location("hf_job", Path(__file__).parent / "integrations" / "hf_job.py")
+    hf_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_job)
+
+    def trainer(out: Path, seed: int, cls):
+        model, _ = lora_saving("lm_head", seed=seed)
+        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=6,
+                                              save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                                              learning_rate=1e-2, save_strategy="steps" if cls is TailorTrainer else "no")
+        return cls(model=model, args=args, train_dataset=hf_job.Windows())
+
+    class StopAt4(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    reference = trainer(tmp_path / "reference", 0, transformers.Trainer)
+    reference.train()
+    tailored = trainer(tmp_path / "run", 0, TailorTrainer)
+    tailored.add_callback(StopAt4())
+    tailored.train()
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run" / "tailored"), "--format", "hf",
+                                      "-o", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    vanilla = trainer(tmp_path / "vanilla", 7, transformers.Trainer)
+    with torch.no_grad():
+        vanilla.model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(0.5)  # must come from the files
+    vanilla.train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-4"))
+    expected = dict(reference.model.named_parameters())
+    for name, param in vanilla.model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+RESTORE_SAVING = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from test_frozen import lora_saving, state_digest
+    from llmtailor import Tailor
+    model, optimizer = lora_saving(sys.argv[3], sys.argv[4], seed=7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)  # every tensor must come from the run or the base directory
+    Tailor(sys.argv[2], model, optimizer, read_only=True).restore()
+    print(json.dumps(state_digest(model, optimizer)))
+    """
+)
+
+
+def state_digest(model, optimizer) -> dict[str, str]:
+    """sha256 of every parameter and optimizer state tensor (dtype and shape included), by name."""
+    import hashlib
+
+    out = {}
+    for name, entry in unit_versions(model, optimizer).items():
+        for key, value in entry.items():
+            data = value.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode()
+            tag = f"{value.dtype}{tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+            out[f"{name}/{key}"] = tag + hashlib.sha256(data).hexdigest()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,tying,path", SAVED_WHOLE)
+def test_modules_to_save_with_a_base_directory_keeps_the_original_module_from_it(tmp_path, tokens, module, tying, path):
+    import json
+
+    base_model_tied(tying).save_pretrained(tmp_path / "base")
+    model, optimizer = lora_saving(module, tying)
+    with Tailor(tmp_path / "run", model, optimizer, policy=Full(), base=tmp_path / "base") as tailor:
+        for s in range(1, 4):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path / "run")
+    for s in (1, 2, 3):  # not even the first save copies the wrapped module's frozen original
+        assert {k.split("/")[1] for k in written_keys(run, s)} == trainable_keys(model)
+    unit = "head" if module == "lm_head" else "embed"
+    ref = run._stored_entry(1, unit).base[f"weight/{path}.original_module.weight"]
+    assert ref.name == f"{path}.weight"  # the base's own module
+    assert run.verify() == []
+    done = subprocess.run([sys.executable, "-c", RESTORE_SAVING, str(Path(__file__).parent), str(tmp_path / "run"),
+                           module, tying], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == state_digest(model, optimizer)

@@ -32,11 +32,23 @@ PEFT_PREFIX = "base_model.model."
 
 
 def peft_name(name: str, adapter: str) -> str | None:
-    """peft's file name of the model's parameter ``name`` if it belongs to ``adapter``."""
-    if f".{adapter}." in name:
-        return PEFT_PREFIX + name.replace(f".{adapter}.", ".", 1)
-    if name.endswith(f".{adapter}"):
-        return PEFT_PREFIX + name[: -len(adapter) - 1]
+    """peft's file name of the model's parameter ``name`` if it belongs to ``adapter``, else None;
+    the names ``get_peft_model_state_dict`` gives and ``set_peft_model_state_dict`` reads:
+
+    - a module trained whole (``modules_to_save``) is held as ``X.original_module.*`` (the
+      base's, frozen: not the adapter's) and ``X.modules_to_save.<adapter>.*`` (the trained
+      copy), saved as ``X.*``, the module's own names;
+    - an adapter's own tensor holds the adapter's name as its last or next to last part
+      (``q_proj.lora_A.<adapter>.weight``, ``k_proj.ia3_l.<adapter>``) and is saved without it.
+    """
+    trained_copy = f".modules_to_save.{adapter}."
+    if trained_copy in name:
+        return PEFT_PREFIX + name.replace(trained_copy, ".", 1)
+    parts = name.split(".")
+    if len(parts) > 1 and parts[-1] == adapter:
+        return PEFT_PREFIX + ".".join(parts[:-1])
+    if len(parts) > 2 and parts[-2] == adapter:
+        return PEFT_PREFIX + ".".join(parts[:-2] + parts[-1:])
     return None
 
 
@@ -57,16 +69,23 @@ def export_peft(run: Run, step: int | None, out_dir: str | Path) -> Path:
 
 def write_adapters(run: Run, composite: Composite, configs: dict[str, Any], where: Path) -> None:
     """The adapter files of ``composite`` into the directory ``where``, as peft's
-    ``save_pretrained`` lays them out (the default adapter at the top, others in subdirectories)."""
+    ``save_pretrained`` lays them out (the default adapter at the top, others in subdirectories).
+    A tied tensor is written under each of its names the adapter holds, as peft does (with
+    ``ensure_weight_tying`` the embedding's and the head's trained copies are one tensor, and
+    peft's load looks up both)."""
     layout = Layout.from_record(composite.manifest.layout)
+    names_of: dict[str, list[str]] = {}
+    for alias, canonical in layout.aliases.items():
+        names_of.setdefault(canonical, [canonical]).append(alias)
     adapters: dict[str, dict[str, Any]] = {name: {} for name in configs}
     for unit in layout.units:
         weights, _ = split_unit(unit, layout.units[unit], *run.read_unit(composite.sources[unit], unit))
-        for name, tensor in weights.items():
-            for adapter, found in adapters.items():
-                key = peft_name(name, adapter)
-                if key is not None:
-                    found[key] = tensor.contiguous()
+        for canonical, tensor in weights.items():
+            for name in names_of.get(canonical, [canonical]):
+                for adapter, found in adapters.items():
+                    key = peft_name(name, adapter)
+                    if key is not None:
+                        found[key] = tensor.contiguous()
     empty = [name for name, found in adapters.items() if not found]
     if empty:
         raise ConfigError(f"{run.root}: the composite of step {composite.step} holds no tensor of adapter(s) {empty}")
