@@ -234,7 +234,7 @@ def test_a_commit_whose_answer_is_lost_after_the_server_stored_it_succeeds(token
 
 
 @pytest.mark.parametrize("how", [503, DROP])
-def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(tokens, monkeypatch, how):
+def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how):
     """The answers to the lease's first PUT (taking it) and to a renewal are lost after the
     server stored them: the retry meets the writer's own lease, which it still holds (not
     "another writer", not "lost"); the saves commit; the lease's release, its answer lost too,
@@ -446,6 +446,7 @@ def test_a_bad_storage_option_is_one_line_naming_it(url, option, expected):
     assert expected in one_line_error(runner.invoke(app, ["--storage-option", option, "inspect", url], env={OPTIONS_ENV: None}))
 
 
+@pytest.mark.slow
 def test_a_bad_storage_option_exits_without_a_traceback(url):
     """The shape of the report: the command itself, in a process of its own."""
     command = [sys.executable, "-c", "from llmtailor.cli import main; main()"]
