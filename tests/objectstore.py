@@ -1,12 +1,14 @@
 """An S3-compatible server on loopback for the object-storage tests: moto's standalone server
 (the real S3 HTTP protocol), started by the tests on a free port, in a process of its own or,
 where a test injects faults, in a thread behind a WSGI layer that answers some requests with
-errors. Clients are the ones users run (obstore through llmtailor, boto3 to look).
+errors, or lets moto act on a request and then loses its answer. Clients are the ones users run
+(obstore through llmtailor, boto3 to look).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -27,14 +29,14 @@ def environment(endpoint: str) -> dict[str, str]:
 
 
 def wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
-    import boto3
+    """Wait for the server's answer to moto's own API (not an S3 request: a server checking
+    credentials counts those)."""
+    import urllib.request
 
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                          region_name="us-east-1")
     deadline = time.monotonic() + timeout
     while True:
         try:
-            client.list_buckets()
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=5).close()
             return
         except Exception:
             if time.monotonic() > deadline:
@@ -43,11 +45,13 @@ def wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def moto_process() -> Iterator[str]:
-    """moto's standalone server in a process of its own; yields its endpoint."""
+def moto_process(settings: dict[str, str] | None = None) -> Iterator[str]:
+    """moto's standalone server in a process of its own, with moto's environment ``settings``
+    (``INITIAL_NO_AUTH_ACTION_COUNT``: check credentials after that many requests); yields its
+    endpoint."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(settings or {})})
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(endpoint)
@@ -57,13 +61,20 @@ def moto_process() -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+DROP = "drop"
+"""``Faults.lose``: the connection is closed without an answer."""
+
+
 class Faults:
     """Which requests the faulty server answers with an error: ``rule(method, key)`` returns an
-    HTTP status to answer with, or None to pass the request to moto."""
+    HTTP status to answer with, or None to pass the request to moto. ``lose(method, key)``, for
+    a request passed to moto, returns how its answer is lost after moto acted on it (the client
+    cannot know it did): an HTTP status sent in its place, or ``DROP``; None relays it."""
 
     def __init__(self):
         self.rule: Callable[[str, str], int | None] = lambda method, key: None
-        self.seen: list[tuple[str, str, int | None]] = []
+        self.lose: Callable[[str, str], int | str | None] = lambda method, key: None
+        self.seen: list[tuple[str, str, int | str | None]] = []
 
 
 @contextmanager
@@ -81,7 +92,15 @@ def faulty_moto() -> Iterator[tuple[str, Faults]]:
         method = environ["REQUEST_METHOD"]
         key = environ.get("PATH_INFO", "")
         status = faults.rule(method, key)
+        if status is None and (lost := faults.lose(method, key)) is not None:
+            for _ in moto_app(environ, lambda *answer: lambda data: None):  # moto acts; its answer goes nowhere
+                pass
+            status = lost
         faults.seen.append((method, key, status))
+        if status == DROP:
+            start_response("500 Dropped", [("Content-Length", "0")])
+            environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+            return []
         if status is not None:
             body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
                     b"<Message>Please reduce your request rate.</Message></Error>")
@@ -110,9 +129,14 @@ def new_bucket(endpoint: str) -> str:
 
 
 def client(endpoint: str):
+    return boto3_client("s3", endpoint)
+
+
+def boto3_client(service: str, endpoint: str):
+    """A boto3 client of ``service`` at the server, with the credentials the tests use."""
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+    return boto3.client(service, endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                         region_name="us-east-1")
 
 
@@ -137,5 +161,5 @@ def set_environment(monkeypatch, endpoint: str) -> None:
         monkeypatch.setenv(name, value)
 
 
-__all__ = ["Faults", "environment", "faulty_moto", "keys", "moto_process", "new_bucket", "set_environment", "uploads",
+__all__ = ["DROP", "Faults", "boto3_client", "environment", "faulty_moto", "keys", "moto_process", "new_bucket", "set_environment", "uploads",
            "client", "os"]

@@ -203,16 +203,17 @@ def gc(
         fail(f"{run_dir} records no tiers: give --keep K (how many newest composites to keep)")
     for tier in tiers:
         if tier.steps is None:
-            console.print(f"{tier.location}: {tier.problem}; not collected")
+            _wrapped(f"{escape(tier.location)}: {escape(tier.problem)}; not collected")
         elif tier.keep is None:
-            console.print(f"{tier.location}: keeps every snapshot (keep=None); not collected")
+            _wrapped(f"{escape(tier.location)}: keeps every snapshot (keep=None); not collected")
         else:
             _collect(Run(tier.location), tier.keep, dry_run)
 
 
 def _collect(run: Run, keep: int, dry_run: bool) -> None:
-    """Retention of ``keep`` composites in ``run``, under its writer lock, printed."""
-    from llmtailor.cli.render import retention_table
+    """Retention of ``keep`` composites in ``run``, under its writer lock, printed: what it
+    deleted, and what crashed writers left that taking the lock cleared."""
+    from llmtailor.cli.render import leftovers_line, retention_table
     from llmtailor.store.lock import WriterLock
     from llmtailor.store.retention import apply_retention, plan_retention
 
@@ -221,16 +222,25 @@ def _collect(run: Run, keep: int, dry_run: bool) -> None:
         lock.acquire()  # deleting is writing: never beside a live writer
     try:
         plan = plan_retention(run, keep)
-        console.print(retention_table(run, plan, dry_run))
+        _wrapped(retention_table(run, plan, dry_run))
         if not dry_run:
             outcome = apply_retention(run, plan)
             for problem in outcome.problems:
-                errors.print(f"[yellow]warning:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+                _wrapped(f"[yellow]warning:[/] {escape(problem)}", errors)
             if outcome.in_use:
-                console.print(f"in use by a reader, left for the next gc: {', '.join(map(str, outcome.in_use))}")
-            console.print(f"deleted {len(outcome.deleted)} snapshot(s); kept {len(plan.keep)}")
+                _wrapped(f"in use by a reader, left for the next gc: {', '.join(map(str, outcome.in_use))}")
+            _wrapped(f"deleted {len(outcome.deleted)} snapshot(s); kept {len(plan.keep)}")
+            cleared = leftovers_line(lock.cleared)
+            if cleared:
+                _wrapped(cleared)
     finally:
         lock.release()
+
+
+def _wrapped(renderable: Any, to: Console = console) -> None:
+    """Print ``renderable`` wrapped at spaces to the terminal's width (80 columns piped), as
+    gc's lines are: they may name long paths and URLs."""
+    to.print(renderable, soft_wrap=False, highlight=False)
 
 
 from llmtailor.cli.assemble import register as _register_assemble  # noqa: E402

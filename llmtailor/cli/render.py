@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the drift module imports torch, which rendering a merge's p
     from llmtailor.drift import DriftHistory
     from llmtailor.store.tiers import TierState
     from llmtailor.store.retention import RetentionPlan
+    from llmtailor.store.storage import Leftovers
 
 
 def human_bytes(count: float) -> str:
@@ -184,10 +185,13 @@ def tiers_table(states: list[TierState]) -> Table:
     return table
 
 
-def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Table:
-    """Each committed snapshot: kept (and for which composite) or deleted, with its bytes."""
+def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Group:
+    """Each committed snapshot: kept (and for which composite) or deleted, with its bytes;
+    under a heading naming the run (a line of its own, wrapped: a run's path may be long)."""
     verb = "would delete" if dry_run else "delete"
-    table = Table(title=f"{run.root}: keep the composites of steps {', '.join(map(str, plan.composites)) or '-'}")
+    steps = ", ".join(map(str, plan.composites)) or "-"
+    head = Text.assemble((str(run.root), "bold"), f": keep the composites of steps {steps}")
+    table = Table()
     for name, justify in (("step", "right"), ("action", "left"), ("bytes", "right")):
         table.add_column(name, justify=justify)
     freed = 0
@@ -198,7 +202,15 @@ def retention_table(run: Run, plan: RetentionPlan, dry_run: bool) -> Table:
         action = "keep" if step in plan.keep else f"[red]{verb}[/]"
         table.add_row(str(step), action, human_bytes(size))
     table.add_row("", f"[bold]{verb}: {len(plan.delete)}[/]", f"[bold]{human_bytes(freed)}[/]")
-    return table
+    return Group(head, table)
+
+
+def leftovers_line(cleared: Leftovers) -> str | None:
+    """What clearing crashed writers' leftovers removed, in a line; None when nothing."""
+    done = [f"removed {cleared.files} {cleared.noun}(s)"] if cleared.files else []
+    if cleared.uploads:
+        done.append(f"aborted {cleared.uploads} upload(s)")
+    return f"leftovers of interrupted saves: {', '.join(done)}" if done else None
 
 
 def _dir_bytes(run: Run, step: int) -> int:

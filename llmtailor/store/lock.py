@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR
 from llmtailor.errors import TailorError
 from llmtailor.store.files import StorageError, describe_os_error
-from llmtailor.store.storage.base import Lease as LeaseBase, WriterLockBackend
+from llmtailor.store.storage.base import Lease as LeaseBase, Leftovers, WriterLockBackend
 
 if TYPE_CHECKING:
     from llmtailor.store.storage.base import Storage
@@ -98,6 +98,8 @@ class WriterLock:
         self.root = self.storage.root
         self.new_run = new_run
         self._backend: WriterLockBackend | None = None
+        self.cleared = Leftovers()
+        """What this lock's ``acquire`` cleared of crashed writers' leftovers."""
 
     @property
     def held(self) -> bool:
@@ -122,7 +124,7 @@ class WriterLock:
         backend.take()
         self._backend = backend
         _HELD[key] = [backend, 1, None]
-        self.storage.clear_leftovers()
+        self.cleared = self.storage.clear_leftovers()
 
     def claim(self) -> None:
         """``acquire``, and be the one writer of this process's share of the lock: another

@@ -90,3 +90,27 @@ def test_the_heatmap_shows_zero_drift_apart_from_not_measured(run_dir):
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["0: unchanged (frozen)", "blank: not measured"]
     plt.close(fig)
+
+
+def test_gc_fits_80_columns(tmp_path, tokens):
+    """gc on a run at a long path, with a snapshot a reader holds and a crashed save's
+    leftovers: every line (heading, table, notes) within 80 columns, the path unbroken."""
+    root = tmp_path / ("run" + "-" * max(0, 72 - len(str(tmp_path))))  # 76 characters: a line of its own
+    model, opt, sched = tiny()
+    with Tailor(root, model, opt, sched, policy=Parity()) as tailor:
+        for step in range(1, 5):
+            train(model, opt, sched, tokens, [step])
+            tailor.save(step)
+    crashed = root / ".tmp" / "step-00000005.123.abcdef01" / "units"
+    crashed.mkdir(parents=True)
+    (crashed / "embed.safetensors").write_bytes(b"x")
+    from llmtailor.store.run import Run
+
+    assert len(str(root) + ": keep the composites of steps 4") > 80  # the heading does not fit one line
+    check_fits(invoke("gc", str(root), "--keep", "1", "--dry-run"), 80)
+    with Run(root).reading(2):
+        output = invoke("gc", str(root), "--keep", "1")
+    check_fits(output, 80)
+    assert str(root) in output.splitlines()[0]
+    assert "in use by a reader, left for the next gc: 1, 2" in output and "deleted 0 snapshot(s); kept 2" in output
+    assert "leftovers of interrupted saves: removed 1 file(s)" in output

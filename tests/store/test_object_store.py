@@ -11,24 +11,27 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise, parity_run, tiny, train, unit_versions
+from helpers import assert_bitwise, free_port, parity_run, tiny, train, unit_versions
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
-from objectstore import client, faulty_moto, keys, moto_process, new_bucket, set_environment, uploads  # noqa: E402
+from objectstore import (DROP, boto3_client, client, faulty_moto, keys, moto_process, new_bucket,  # noqa: E402
+                         set_environment, uploads)
 from typer.testing import CliRunner  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor  # noqa: E402
 from llmtailor.cli import app  # noqa: E402
-from llmtailor.errors import IntegrityError, TailorError  # noqa: E402
+from llmtailor.errors import ConfigError, IntegrityError, TailorError  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
-from llmtailor.store.storage.objects import ObjectStorage  # noqa: E402
+from llmtailor.store.storage.objects import OPTIONS_ENV, ObjectStorage  # noqa: E402
 
 runner = CliRunner()
 FAST_RETRY = {"max_retries": 3, "retry_timeout": 20.0, "backoff": {"init_backoff": 0.01, "max_backoff": 0.05, "base": 2.0}}
@@ -187,6 +190,85 @@ def test_transient_errors_are_retried_and_a_persistent_one_fails_cleanly(tokens,
         assert not any("step-00000002" in k for k in keys(endpoint, url.split("/")[2]))
 
 
+def lose_once(faults, method: str, suffix: str, how: int | str) -> list[str]:
+    """Make the server act on the first ``method`` request for a key ending in ``suffix`` and
+    lose its answer ``how``; returns the list the lost request's key is appended to."""
+    lost: list[str] = []
+
+    def lose(m, key):
+        if m == method and key.endswith(suffix) and not lost:
+            lost.append(key)
+            return how
+        return None
+
+    faults.lose = lose
+    return lost
+
+
+@pytest.mark.parametrize("how", [503, DROP])
+def test_a_commit_whose_answer_is_lost_after_the_server_stored_it_succeeds(tokens, monkeypatch, how):
+    """The manifest's conditional PUT of step 2 reaches the server, which stores it; its answer
+    is lost (a 503 in its place, or the connection dropped), so the client retries and meets
+    "already exists": its own bytes. save(2) succeeds, step 3's parent is 2; a conditional put
+    that meets other bytes is still refused."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        manifest = "snapshots/step-00000002/manifest.json"
+        lost = lose_once(faults, "PUT", manifest, how)
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options={"retry_config": FAST_RETRY}) as tailor:
+            for step in (1, 2, 3):
+                train(model, opt, sched, tokens, [step])
+                tailor.save(step)
+        assert lost and ("PUT", lost[0], how) in faults.seen  # the answer was lost, the server had acted
+        run = Run(url)
+        assert run.steps() == [1, 2, 3] and run.latest_step() == 3 and run.verify() == []
+        assert {step: run.manifest(step).parent for step in (2, 3)} == {2: 1, 3: 2}
+        storage = ObjectStorage(url)
+        stored = bytes(storage.read(manifest))
+        storage.put(manifest, stored, exclusive=True)  # its own bytes: written already, a success
+        with pytest.raises(TailorError, match="step-00000002/manifest.json already exists; refusing to overwrite"):
+            storage.put(manifest, stored.replace(b'"step": 2', b'"step": 2 '), exclusive=True)
+        assert bytes(storage.read(manifest)) == stored
+
+
+@pytest.mark.parametrize("how", [503, DROP])
+def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how):
+    """The answers to the lease's first PUT (taking it) and to a renewal are lost after the
+    server stored them: the retry meets the writer's own lease, which it still holds (not
+    "another writer", not "lost"); the saves commit; the lease's release, its answer lost too,
+    leaves no lease behind."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        puts: list[str] = []
+        seen_put = threading.Condition()
+
+        def lose(method, key):
+            if method == "POST":  # a delete (obstore deletes in bulk, even one object)
+                return how
+            if not key.endswith("/.lock") or method != "PUT":
+                return None
+            with seen_put:
+                puts.append(key)
+                seen_put.notify_all()
+                # 1: taking the lease (2: its retry, meeting it); 3: the first renewal (4: its retry)
+                return how if len(puts) in (1, 3) else None
+
+        faults.lose = lose
+        model, opt, sched = tiny()
+        options = {"retry_config": FAST_RETRY, "lock_ttl": 3}
+        with Tailor(url, model, opt, sched, storage_options=options) as tailor:
+            tailor.save(1)
+            with seen_put:  # the renewal after the one whose answer was lost
+                assert seen_put.wait_for(lambda: len(puts) >= 5, timeout=120), f"renewals stopped after {len(puts)} PUTs"
+            tailor.save(2)
+        assert ("POST", f"/{bucket_of(url)}", how) in faults.seen
+        assert Run(url).steps() == [1, 2]
+        assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
+
+
 def test_a_crash_before_the_manifest_leaves_nothing_readable_and_the_next_writer_clears_it(url, endpoint, tmp_path):
     """A process killed after uploading a snapshot's files (one large enough to go as a
     multipart upload left unfinished) but before its manifest: readers see the previous
@@ -279,14 +361,125 @@ def test_a_merge_reads_runs_at_urls_and_writes_a_run_at_a_url(url, tokens, tmp_p
     assert all(torch.equal(tensors[k], want[k]) for k in tensors if k.startswith("weight/"))
 
 
-def test_local_options_are_refused_and_a_bad_endpoint_is_named(monkeypatch, tmp_path):
+def test_local_options_are_refused_and_a_dead_endpoint_is_named(monkeypatch, tmp_path):
+    """Nothing listens at the endpoint: the error says the connection was refused, naming the
+    run's URL and the endpoint, in one line."""
     with pytest.raises(TailorError, match="apply to object-store URLs"):
         Run(tmp_path, {"endpoint": "http://x"})
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    run = Run("s3://nowhere/run", {"endpoint": "http://127.0.0.1:9", "retry_config": FAST_RETRY})
-    with pytest.raises(TailorError, match="s3://nowhere/run"):
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = Run("s3://nowhere/run", {"endpoint": dead, "retry_config": FAST_RETRY})
+    with pytest.raises(TailorError, match=rf"^s3://nowhere/run\S*: connection refused by {dead} \(") as failed:
         run.steps()
+    assert "\n" not in str(failed.value)
+
+
+def one_line_error(result) -> str:
+    """The CLI's error: exit status 2, one line, no traceback."""
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output, result.output
+    return result.output
+
+
+def test_a_missing_bucket_is_named_with_the_servers_code_and_message(endpoint, monkeypatch):
+    set_environment(monkeypatch, endpoint)
+    url = f"s3://no-such-{uuid.uuid4().hex[:8]}/run"
+    with pytest.raises(TailorError, match=rf"^{url}.*: NoSuchBucket: The specified bucket does not exist "
+                                          rf"\(HTTP 404 from {endpoint}\)$") as failed:
+        Run(url).steps()
+    assert "\n" not in str(failed.value) and "<?xml" not in str(failed.value)
+    assert "NoSuchBucket" in one_line_error(runner.invoke(app, ["inspect", url]))
+    with pytest.raises(TailorError, match="NoSuchBucket"):  # a write says the same, not "file is missing"
+        ObjectStorage(url).put("latest", b"x")
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """moto checking credentials (it lets the first 3 requests through: a bucket, a user and
+    its key are made); yields the endpoint, the bucket and the user's key (no rights granted)."""
+    with moto_process({"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as url:  # the first 3 S3 or IAM requests
+        name = new_bucket(url)
+        iam = boto3_client("iam", url)
+        iam.create_user(UserName="trainer")
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        yield url, name, key
+
+
+@pytest.mark.parametrize("code", ["InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied"])
+def test_credentials_refused_say_permission_denied_with_the_servers_code(guarded, monkeypatch, code):
+    endpoint, bucket, key = guarded
+    set_environment(monkeypatch, endpoint)
+    credentials = {"InvalidAccessKeyId": ("AKIANOSUCHKEY", "x"), "SignatureDoesNotMatch": (key["AccessKeyId"], "wrong"),
+                   "AccessDenied": (key["AccessKeyId"], key["SecretAccessKey"])}[code]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", credentials[0])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", credentials[1])
+    url = f"s3://{bucket}/run"
+    with pytest.raises(TailorError, match=rf"^{url}.*: permission denied \({code}: .*; HTTP 403 from {endpoint}\)$"):
+        Run(url, {"retry_config": FAST_RETRY}).steps()
+    assert "permission denied" in one_line_error(runner.invoke(app, ["verify", url]))
+
+
+def test_an_http_endpoint_from_the_environment_needs_no_aws_allow_http(url, endpoint, monkeypatch, tokens):
+    """AWS_ENDPOINT_URL=http://... alone: the run is written and read (as with the endpoint
+    given as an option)."""
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    model, opt, sched = tiny()
+    with Tailor(url, model, opt, sched) as tailor:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)
+    assert Run(url).steps() == [1] and Run(url).verify() == []
+    with pytest.raises(TailorError, match=rf"plain HTTP to {endpoint} is not allowed \(allow_http is false\)$"):
+        Run(url, {"allow_http": "false"}).steps()
+
+
+@pytest.mark.parametrize("option, expected", [
+    ("lock_ttl=soon", "storage option lock_ttl='soon': expected seconds, a number > 0"),
+    ("lock_ttl=0", "storage option lock_ttl='0': expected seconds, a number > 0"),
+    ("lock_ttl=nan", "storage option lock_ttl='nan': expected seconds, a number > 0"),
+    ("retry_config=often", "storage option retry_config='often': expected a JSON object"),
+    ("client_options=[1]", "storage option client_options=[1]: expected a JSON object"),
+    ('retry_config={"max_retries": "many"}', "cannot use this location with storage options ['retry_config']"),
+])
+def test_a_bad_storage_option_is_one_line_naming_it(url, option, expected):
+    # (env: the option the CLI sets for the command's process does not outlive the command here)
+    assert expected in one_line_error(runner.invoke(app, ["--storage-option", option, "inspect", url], env={OPTIONS_ENV: None}))
+
+
+@pytest.mark.slow
+def test_a_bad_storage_option_exits_without_a_traceback(url):
+    """The shape of the report: the command itself, in a process of its own."""
+    command = [sys.executable, "-c", "from llmtailor.cli import main; main()"]
+    proc = subprocess.run([*command, "--storage-option", "lock_ttl=soon", "inspect", url],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == "error: storage option lock_ttl='soon': expected seconds, a number > 0 " \
+        "(how long a writer's lease holds unrenewed; default 30)"
+    with pytest.raises(ConfigError, match="lock_ttl=-1"):
+        Tailor(url, *tiny(), storage_options={"lock_ttl": -1})
+
+
+def test_gc_says_what_it_cleared_of_a_crashs_leftovers_in_80_columns(url, endpoint, tokens):
+    """A crash's leftovers: 5 objects of a snapshot without manifest and 2 unfinished multipart
+    uploads. gc removes them and says so (not only "deleted 0 snapshot(s)"), every line within
+    80 columns."""
+    model, opt, sched = tiny()
+    with Tailor(url, model, opt, sched) as tailor:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)
+    s3, bucket = client(endpoint), bucket_of(url)
+    for name in ("global.json", "global.safetensors", "units/embed.safetensors", "units/head.safetensors", "index/embed.json"):
+        s3.put_object(Bucket=bucket, Key=f"runs/exp/snapshots/step-00000002/{name}", Body=b"x" * 10)
+    for name in ("layer.0", "layer.1"):
+        s3.create_multipart_upload(Bucket=bucket, Key=f"runs/exp/snapshots/step-00000002/units/{name}.safetensors")
+    result = runner.invoke(app, ["gc", url, "--keep", "1"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "deleted 0 snapshot(s); kept 1" in result.output
+    assert "leftovers of interrupted saves: removed 5 object(s), aborted 2 upload(s)" in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80, result.output
+    assert not [k for k in keys(endpoint, bucket) if "step-00000002" in k] and not uploads(endpoint, bucket)
+    again = runner.invoke(app, ["gc", url, "--keep", "1"], env={"COLUMNS": "80"})
+    assert again.exit_code == 0 and "leftovers" not in again.output
 
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,17 @@ class WriterLockBackend(ABC):
         else None; takes nothing."""
 
 
+@dataclass(frozen=True)
+class Leftovers:
+    """What ``Storage.clear_leftovers`` removed: ``files`` of saves that never committed and
+    of snapshots discarded but not yet purged (``noun``: what the storage calls a file), and
+    unfinished multipart ``uploads`` aborted."""
+
+    files: int = 0
+    uploads: int = 0
+    noun: str = "file"
+
+
 class Storage(ABC):
     """Where a run lives (module docstring). ``root``: how messages name it (a ``Path`` for a
     local directory, the URL for an object store)."""
@@ -182,7 +194,10 @@ class Storage(ABC):
     @abstractmethod
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         """Write a small file durably. ``exclusive``: only if no file ``key`` exists (an
-        object store's conditional write); else TailorError ``... already exists``."""
+        object store's conditional write); else TailorError ``... already exists``. Where a
+        put's answer can be lost after the file was stored (an object store: the client's
+        retry meets the file), a file found holding exactly ``data`` is this put's own:
+        written, a success."""
 
     @abstractmethod
     def replace(self, key: str, data: bytes) -> None:
@@ -190,7 +205,8 @@ class Storage(ABC):
 
     @abstractmethod
     def remove(self, key: str) -> None:
-        """Remove one file; a missing one is no error."""
+        """Remove one file; a missing one is no error (nor is a retried removal that meets
+        the file gone: its first attempt removed it, and its answer was lost)."""
 
     @abstractmethod
     def remove_tree(self, prefix: str) -> None:
@@ -243,9 +259,9 @@ class Storage(ABC):
         writer retries)."""
 
     @abstractmethod
-    def clear_leftovers(self) -> None:
+    def clear_leftovers(self) -> Leftovers:
         """Remove what crashed writers left (temporary snapshots, discarded ones, unfinished
-        uploads); called by the holder of the writer lock."""
+        uploads) and say what that was; called by the holder of the writer lock."""
 
     @abstractmethod
     def describe_non_run(self) -> str | None:
@@ -280,5 +296,5 @@ def open_storage(location: str | Path | Storage, options: Mapping[str, Any] | No
     return LocalStorage(Path(text))
 
 
-__all__ = ["Batch", "Lease", "PIECE", "Sink", "Storage", "WriterLockBackend", "is_url", "open_storage"]
+__all__ = ["Batch", "Lease", "Leftovers", "PIECE", "Sink", "Storage", "WriterLockBackend", "is_url", "open_storage"]
 

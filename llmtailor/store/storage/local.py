@@ -32,7 +32,7 @@ from llmtailor.store.files import (
     fsync_dir,
     replace_bytes_atomically,
 )
-from llmtailor.store.storage.base import Batch, Lease, Sink, Storage, WriterLockBackend
+from llmtailor.store.storage.base import Batch, Lease, Leftovers, Sink, Storage, WriterLockBackend
 
 
 class LocalStorage(Storage):
@@ -216,9 +216,12 @@ class LocalStorage(Storage):
         except OSError as err:
             raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
 
-    def clear_leftovers(self) -> None:
+    def clear_leftovers(self) -> Leftovers:
+        files = 0
         for leftover in (TMP_DIR, TRASH_DIR):
+            files += sum(len(names) for _, _, names in os.walk(self.root / leftover))  # unreadable: not counted
             shutil.rmtree(self.root / leftover, ignore_errors=True)
+        return Leftovers(files=files)
 
     def describe_non_run(self) -> str | None:
         from llmtailor.store.lock import describe_non_run

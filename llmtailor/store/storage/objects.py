@@ -19,6 +19,12 @@ How the store's guarantees hold without rename or ``flock``:
   is replaced (one PUT: atomic). A crash before the manifest leaves objects no reader trusts;
   the next writer (holding the lock) or ``gc`` removes them, and aborts unfinished multipart
   uploads under the run (S3: through boto3, obstore has no call to list them).
+- **Lost answers.** The server may act on a request whose answer never arrives (a 503 in its
+  place, a dropped connection); obstore retries it. A conditional write retried so meets its
+  own object ("already exists", or an ETag that moved): ``put_if`` reads the object back, and
+  one holding exactly the bytes it meant to write is its own, written. So the manifest's
+  commit and the lease's writes succeed; other bytes are still refused. A retried delete
+  meets nothing, which is no error.
 - **One writer.** ``.lock`` is a lease object written only if absent, naming its holder; the
   holder rewrites it (conditionally on its own ETag) every ``lock_ttl / 3`` seconds. A
   contender that finds it watches its ETag: one that changes is a live writer (refused, naming
@@ -35,6 +41,7 @@ How the store's guarantees hold without rename or ``flock``:
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -46,7 +53,8 @@ from typing import Any
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
 from llmtailor.store.files import StorageError
-from llmtailor.store.storage.base import PIECE, Batch, Lease, Sink, Storage, WriterLockBackend
+from llmtailor.store.storage.base import PIECE, Batch, Lease, Leftovers, Sink, Storage, WriterLockBackend
+from llmtailor.store.storage.object_errors import MISSING, explain
 
 READERS_DIR = ".readers"
 REMOVING_MARK = ".removing"
@@ -95,15 +103,18 @@ class ObjectStorage(Storage):
         self.bucket, _, self.prefix = rest.partition("/")
         given = {_ALIASES.get(k.lower(), k.lower()): v for k, v in {**_env_options(), **(options or {})}.items()}
         self.options = dict(given)
-        self.lock_ttl = float(given.pop("lock_ttl", DEFAULT_LOCK_TTL))
-        retry = _retry_config(given.pop("retry_config", DEFAULT_RETRY))
-        client = {**{k: given.pop(k) for k in list(given) if k in _CLIENT_OPTIONS}, **(given.pop("client_options", None) or {})}
-        if "endpoint" in given and str(given["endpoint"]).startswith("http://"):
-            client = {"allow_http": True, **client}
+        self.lock_ttl = _lock_ttl(given.pop("lock_ttl", DEFAULT_LOCK_TTL))
+        retry = _retry_config(_mapping("retry_config", given.pop("retry_config", DEFAULT_RETRY)))
+        client = {**{k: given.pop(k) for k in list(given) if k in _CLIENT_OPTIONS},
+                  **_mapping("client_options", given.pop("client_options", None) or {})}
+        endpoint = given.get("endpoint") or (_env_endpoint() if self.scheme == "s3" else None)
+        if str(endpoint or "").lower().startswith("http://"):
+            client = {"allow_http": True, **client}  # the endpoint names http: what was meant (allow_http=false wins)
         try:
             self.store = obstore.store.from_url(self.url, retry_config=retry, client_options=client or None, **given)
-        except Exception as err:  # obstore's configuration errors
-            raise ConfigError(f"{self.url}: cannot use this location ({_reason(err)})") from None
+        except Exception as err:  # obstore's configuration errors: a value it cannot parse, a bad URL
+            named = f" with storage options {sorted(self.options)}" if self.options else ""
+            raise ConfigError(f"{self.url}: cannot use this location{named} ({explain(err).text})") from None
         except BaseException as err:  # an option obstore's Rust side does not know panics (not an Exception)
             if type(err).__name__ != "PanicException":
                 raise
@@ -120,11 +131,11 @@ class ObjectStorage(Storage):
         """An obstore error as one line naming the object: IntegrityError when it is missing,
         StorageError otherwise (after obstore's retries of transient errors)."""
         where = self.where(key)
-        if isinstance(err, FileNotFoundError):
+        denied = isinstance(err, self._errors.PermissionDeniedError | self._errors.UnauthenticatedError)
+        explained = explain(err, denied=denied, missing=isinstance(err, FileNotFoundError))
+        if explained.kind == MISSING:
             return IntegrityError(f"{where}: {missing}")
-        if isinstance(err, self._errors.PermissionDeniedError | self._errors.UnauthenticatedError):
-            return StorageError(f"{where}: permission denied ({_reason(err)})")
-        return StorageError(f"{where}: {_reason(err)}")
+        return StorageError(f"{where}: {explained.text}")
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -203,13 +214,41 @@ class ObjectStorage(Storage):
     def batch(self) -> ObjectBatch:
         return ObjectBatch(self)
 
-    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> dict:
+    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        if exclusive:
+            if self.put_if(key, data, "create") is None:
+                raise TailorError(f"{self.where(key)} already exists; refusing to overwrite it")
+            return
         try:
-            return _obstore().put(self.store, key, data, mode="create" if exclusive else "overwrite")
-        except self._errors.AlreadyExistsError:
-            raise TailorError(f"{self.where(key)} already exists; refusing to overwrite it") from None
+            _obstore().put(self.store, key, data, mode="overwrite")
         except Exception as err:
             raise self._fail(err, key) from None
+
+    def put_if(self, key: str, data: bytes, mode: str | dict[str, str]) -> str | None:
+        """A conditional write: ``mode="create"``, only if ``key`` is absent; ``{"e_tag": E}``,
+        only if it still has ETag E. Returns the ETag written, or None when the condition does
+        not hold (another object is there, or it changed or vanished). An object found holding
+        exactly ``data`` is this write's own, a success: the server stored it and its answer
+        was lost (a 503, a dropped connection), so the client's retry met it, or gave up."""
+        errors = self._errors
+        try:
+            return _obstore().put(self.store, key, data, mode=mode)["e_tag"]
+        except Exception as err:
+            found = self._etag_if_holding(key, data)
+            if found is not None:
+                return found
+            if isinstance(err, errors.AlreadyExistsError | errors.PreconditionError | FileNotFoundError):
+                return None
+            raise self._fail(err, key) from None
+
+    def _etag_if_holding(self, key: str, data: bytes) -> str | None:
+        """The ETag of ``key`` when it holds exactly ``data``; None when it does not, is
+        missing, or cannot be read now (the caller reports its own failure then)."""
+        try:
+            result = _obstore().get(self.store, key)
+            return result.meta["e_tag"] if bytes(result.bytes()) == data else None
+        except Exception:
+            return None
 
     def replace(self, key: str, data: bytes) -> None:
         self.put(key, data)  # one PUT replaces an object whole
@@ -223,12 +262,21 @@ class ObjectStorage(Storage):
             raise self._fail(err, key) from None
 
     def remove_tree(self, prefix: str) -> None:
+        self._remove_all(prefix)
+
+    def _remove_all(self, prefix: str) -> int:
+        """Remove every object under ``prefix``; returns how many there were."""
         keys = [key for key, _ in self.walk(prefix)]
         for start in range(0, len(keys), 1000):
+            chunk = keys[start : start + 1000]
             try:
-                _obstore().delete(self.store, keys[start : start + 1000])
+                _obstore().delete(self.store, chunk)
+            except FileNotFoundError:  # one gone meanwhile (a store that says so): the rest one by one
+                for key in chunk:
+                    self.remove(key)
             except Exception as err:
                 raise self._fail(err, prefix) from None
+        return len(keys)
 
     # -- the snapshot commit ------------------------------------------------------------------
 
@@ -299,17 +347,18 @@ class ObjectStorage(Storage):
     def purge(self, token: str) -> None:
         self.remove_tree(token)
 
-    def clear_leftovers(self) -> None:
+    def clear_leftovers(self) -> Leftovers:
         """Snapshots without a manifest (a crashed save, a removal cut short), temporary
         objects, and unfinished multipart uploads under the run: the caller holds the lock, so
         none of them belongs to a live writer."""
+        objects = 0
         for name in self.list_dir(SNAPSHOTS_DIR):
             snapshot = f"{SNAPSHOTS_DIR}/{name}"
             if not self.is_file(f"{snapshot}/{MANIFEST_FILE}"):
-                self.remove_tree(snapshot)
+                objects += self._remove_all(snapshot)
         for leftover in (TMP_DIR, TRASH_DIR):
-            self.remove_tree(leftover)
-        abort_multipart_uploads(self)
+            objects += self._remove_all(leftover)
+        return Leftovers(files=objects, uploads=abort_multipart_uploads(self), noun="object")
 
     def describe_non_run(self) -> str | None:
         names = set(self.list_dir(""))
@@ -458,17 +507,11 @@ class ObjectWriterLock(WriterLockBackend):
         return json.dumps({"holder": _holder(), "renewed": time.time(), "ttl": self.storage.lock_ttl}).encode()
 
     def take(self) -> None:
-        obstore = _obstore()
-        errors = self.storage._errors
-        key, store = LOCK_FILE, self.storage.store
+        storage = self.storage
         while True:
-            try:
-                self._etag = obstore.put(store, key, self._record(), mode="create")["e_tag"]
+            self._etag = storage.put_if(LOCK_FILE, self._record(), "create")
+            if self._etag is not None:
                 break
-            except errors.AlreadyExistsError:
-                pass
-            except Exception as err:
-                raise self.storage._fail(err, key) from None
             current = self._current()
             if current is None:
                 continue  # released meanwhile: try again
@@ -476,16 +519,13 @@ class ObjectWriterLock(WriterLockBackend):
             here = self._on_this_host(holder)
             if here is True or (here is None and not self._stale(etag)):
                 raise TailorError(
-                    f"{self.storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
+                    f"{storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
                     "a run has one writer at a time"
                 )
-            try:  # taken over only if nobody else did first
-                self._etag = obstore.put(store, key, self._record(), mode={"e_tag": etag})["e_tag"]
+            # Taken over only if nobody else did first.
+            self._etag = storage.put_if(LOCK_FILE, self._record(), {"e_tag": etag})
+            if self._etag is not None:
                 break
-            except (errors.PreconditionError, errors.AlreadyExistsError, FileNotFoundError):
-                continue
-            except Exception as err:
-                raise self.storage._fail(err, key) from None
         self._lost = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew, name="llmtailor-lock", daemon=True)
@@ -541,20 +581,20 @@ class ObjectWriterLock(WriterLockBackend):
         return True
 
     def _renew(self) -> None:
-        obstore, errors = _obstore(), self.storage._errors
         period = self.storage.lock_ttl / 3
         last = time.monotonic()
         while not self._stop.wait(period):
             try:
-                self._etag = obstore.put(self.storage.store, LOCK_FILE, self._record(), mode={"e_tag": self._etag})["e_tag"]
-                last = time.monotonic()
-            except (errors.PreconditionError, FileNotFoundError):
+                renewed = self.storage.put_if(LOCK_FILE, self._record(), {"e_tag": self._etag})
+            except TailorError as err:  # transient: retried at the next period while the lease holds
+                if time.monotonic() - last > self.storage.lock_ttl:
+                    self._lost = f"the run's lock could not be renewed for {self.storage.lock_ttl:g} s ({err})"
+                    return
+                continue
+            if renewed is None:
                 self._lost = "another writer took the run's lock over"
                 return
-            except Exception as err:  # transient: retried at the next period while the lease holds
-                if time.monotonic() - last > self.storage.lock_ttl:
-                    self._lost = f"the run's lock could not be renewed for {self.storage.lock_ttl:g} s ({_reason(err)})"
-                    return
+            self._etag, last = renewed, time.monotonic()
 
     def check_held(self) -> None:
         if self._lost is not None:
@@ -595,7 +635,7 @@ def abort_multipart_uploads(storage: ObjectStorage) -> int:
     except ImportError:
         return 0
     options = storage.options
-    endpoint = options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or _env_endpoint()
     client = boto3.client(
         "s3", endpoint_url=endpoint,
         aws_access_key_id=options.get("access_key_id"), aws_secret_access_key=options.get("secret_access_key"),
@@ -614,6 +654,35 @@ def abort_multipart_uploads(storage: ObjectStorage) -> int:
 
         logging.getLogger(__name__).warning("llmtailor: could not abort unfinished uploads under %s: %s", storage.url, err)
     return aborted
+
+
+def _lock_ttl(value: Any) -> float:
+    try:
+        ttl = float(value)
+    except (TypeError, ValueError):
+        ttl = math.nan
+    if not (math.isfinite(ttl) and ttl > 0):
+        raise ConfigError(f"storage option lock_ttl={value!r}: expected seconds, a number > 0 "
+                          f"(how long a writer's lease holds unrenewed; default {DEFAULT_LOCK_TTL:g})")
+    return ttl
+
+
+def _mapping(name: str, value: Any) -> Mapping[str, Any]:
+    """A structured option (``retry_config``, ``client_options``): a mapping, or a JSON object
+    as text (``--storage-option retry_config={"max_retries": 3}``)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"storage option {name}={value!r}: expected a JSON object of its settings")
+    return value
+
+
+def _env_endpoint() -> str | None:
+    """The S3 endpoint the environment names, as obstore (and the AWS tools) read it."""
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
 
 
 def _retry_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -655,9 +724,3 @@ def _env_options() -> dict[str, Any]:
     if not isinstance(options, dict):
         raise ConfigError(f"{OPTIONS_ENV} is not a JSON object")
     return options
-
-
-def _reason(err: BaseException) -> str:
-    """The first line of an obstore error, without its request dump."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,113 @@
+"""obstore's errors as one line each, for ``ObjectStorage``'s messages.
+
+obstore's text of a failed request is a dump over many lines: a first line ending in the start
+of the server's XML body (``... 404 Not Found: <?xml version="1.0" ...>``), the body on the
+next, then a debug print of the Rust error chain. What a user needs is in the middle: the
+server's error ``Code`` and ``Message`` (``NoSuchBucket``, ``SignatureDoesNotMatch``,
+``InvalidAccessKeyId``, ``AccessDenied``, ...) and its HTTP status, or, when no server
+answered, why (the connection refused, the host unknown); and which endpoint was asked.
+``explain`` finds those and says what kind of failure it was.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+MISSING, DENIED, NO_BUCKET, OTHER = "missing", "denied", "no bucket", "other"
+
+AUTH_CODES = frozenset({
+    "AccessDenied", "AllAccessDisabled", "AccountProblem", "AuthenticationFailed", "AuthorizationFailure",
+    "ExpiredToken", "InvalidAccessKeyId", "InvalidToken", "SignatureDoesNotMatch", "TokenRefreshRequired",
+})
+"""Error codes of S3 and Azure that mean the credentials or their rights are wrong."""
+NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
+_AUTH_STATUSES = {401, 403}
+_LONGEST = 300
+
+
+@dataclass(frozen=True)
+class Explained:
+    """A failure's ``kind`` (``MISSING``: no such object; ``DENIED``; ``NO_BUCKET``;
+    ``OTHER``) and ``text``: one line saying what the server said, or why none answered."""
+
+    kind: str
+    text: str
+
+
+def explain(err: BaseException, denied: bool = False, missing: bool = False) -> Explained:
+    """``err`` (an obstore error) explained; ``denied`` / ``missing``: obstore classed it so
+    (its permission or not-found exception types)."""
+    text = str(err)
+    code, message = _tag(text, "Code"), _tag(text, "Message")
+    status = _number(r"status code: (\d{3})", text)
+    origin = _origin(text)
+    if code or message:
+        said = ": ".join(part for part in (code, message) if part)
+    else:
+        said = _json_message(text) or ""
+    where = f"HTTP {status} from {origin}" if status else f"from {origin}"
+    retries = _number(r"after (\d+) retries", text)
+    if retries:
+        where += f", after {retries} retries"
+    if code in NO_BUCKET_CODES:
+        return Explained(NO_BUCKET, _shorten(f"{said} ({where})"))
+    if denied or code in AUTH_CODES or status in _AUTH_STATUSES:
+        return Explained(DENIED, _shorten(f"permission denied ({said + '; ' if said else ''}{where})"))
+    if missing:
+        return Explained(MISSING, _shorten(f"not found ({said + '; ' if said else ''}{where})"))
+    if said:
+        return Explained(OTHER, _shorten(f"{said} ({where})"))
+    return Explained(OTHER, _shorten(_unanswered(text, origin) or _first_line(err)))
+
+
+def _unanswered(text: str, origin: str) -> str | None:
+    """Why no server answered, from the error chain's debug print; None when one did."""
+    if "ConnectionRefused" in text:
+        return f"connection refused by {origin} (no server listening there: check the endpoint)"
+    if "dns error" in text:
+        return f"cannot resolve the host of {origin} (check the endpoint)"
+    if "kind: Connect" in text:
+        reasons = re.findall(r'message: "([^"]*)"', text)
+        return f"cannot connect to {origin}" + (f" ({reasons[-1]})" if reasons else "")
+    if "builder error" in text and origin.startswith("http://"):  # the client's https-only setting
+        return f"plain HTTP to {origin} is not allowed (allow_http is false)"
+    if "kind: Timeout" in text or "TimedOut" in text:
+        return f"no answer from {origin} in time"
+    return None
+
+
+def _tag(text: str, name: str) -> str | None:
+    match = re.search(rf"<{name}>([^<]*)</{name}>", text)
+    return match.group(1).strip().rstrip(".") if match else None
+
+
+def _json_message(text: str) -> str | None:
+    """The ``message`` of a JSON error body (Google Cloud Storage's)."""
+    match = re.search(r'"message"\s*:\s*"([^"]*)"', text)
+    return match.group(1).rstrip(".") if match else None
+
+
+def _number(pattern: str, text: str) -> int | None:
+    match = re.search(pattern, text)
+    return int(match.group(1)) if match else None
+
+
+def _origin(text: str) -> str:
+    """``scheme://host:port`` of the request that failed, or "the object store"."""
+    match = re.search(r"Error performing [A-Z]+ (\S+)", text)
+    if not match:
+        return "the object store"
+    parts = urlsplit(match.group(1))
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else "the object store"
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an error, without the start of a body it quotes."""
+    line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return line.split("<?xml", 1)[0].rstrip(" :") or type(err).__name__
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _LONGEST else text[: _LONGEST - 3] + "..."
