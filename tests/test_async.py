@@ -290,26 +290,6 @@ def test_a_step_already_saved_by_the_save_in_flight_is_refused_before_anything_i
         assert tailor.wait().step == 2
 
 
-RESTORE_LORA = """
-import sys
-sys.path.insert(0, sys.argv[1])
-import torch
-from safetensors.torch import save_file
-from helpers import unit_versions
-from test_frozen import lora
-from llmtailor import Tailor
-
-for run, out in zip(sys.argv[2::2], sys.argv[3::2]):
-    model, optimizer = lora(seed=7)  # other adapters, and every weight halved: all must come from the run
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(0.5)
-    Tailor(run, model, optimizer, read_only=True).restore()
-    save_file({f"{name}/{key}": value for name, state in unit_versions(model, optimizer).items()
-               for key, value in state.items()}, out)
-"""
-
-
 @pytest.mark.slow
 def test_async_lora_snapshots_equal_sync_ones_and_restore_in_a_fresh_process(tmp_path, tokens):
     """Partly frozen units (LoRA on q and v: each layer unit holds frozen base weights and
@@ -317,14 +297,8 @@ def test_async_lora_snapshots_equal_sync_ones_and_restore_in_a_fresh_process(tmp
     directory: each async snapshot is the synchronous one, file for file (unit indexes with
     their ``kept`` and ``base`` records included), and a fresh process restores the async run to
     the composite's versions."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
     pytest.importorskip("peft")
-    from test_frozen import base_dir, lora, step
+    from test_frozen import base_dir, lora, restored_in_a_fresh_process, step
 
     from llmtailor import Adaptive, Filter, Interval
     from llmtailor.layouts import build_layout
@@ -367,15 +341,10 @@ def test_async_lora_snapshots_equal_sync_ones_and_restore_in_a_fresh_process(tmp
                 else:
                     assert files[name] == async_files[name], f"{case}, step {s}: {name} differs"
 
-    tests = Path(__file__).parent
-    args = [arg for case in cases for arg in (str(tmp_path / case / "async"), str(tmp_path / f"{case}.safetensors"))]
-    done = subprocess.run([sys.executable, "-c", RESTORE_LORA, str(tests), *args], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    everything = restored_in_a_fresh_process([tmp_path / case / "async" for case in cases])
     model, _ = lora()
     layout = build_layout(unwrap(model))
-    for case in cases:
-        restored = load_file(tmp_path / f"{case}.safetensors")
+    for case, restored in zip(cases, everything):
         run = Run(tmp_path / case / "async")
         sources = run.resolve().sources
         assert any(run._stored_entry(s, u).kept or run._stored_entry(s, u).base for u, s in sources.items()), case
