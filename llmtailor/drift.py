@@ -53,6 +53,30 @@ def kind_of(key: str, piece: Piece, weight_shapes: dict[str, tuple[int, ...]]) -
     return None
 
 
+def sample_slots(piece: Piece, size: int = SAMPLE, seed: int = 0) -> tuple[int, int]:
+    """A piece's sampled elements, the same at every call: every ``spacing``-th element of it
+    (flat) from ``start``, ``size`` of them (all of a piece no larger). The spacing has no factor
+    in common with the row length, so the sample walks through every column as well as down the
+    rows; the start is drawn from ``seed`` and the piece's key and offsets."""
+    numel = piece.tensor.numel()
+    if numel <= size:
+        return 0, 1
+    spacing = numel // size
+    row = piece.tensor.shape[-1]
+    while spacing > 1 and math.gcd(spacing, row) != 1:
+        spacing -= 1
+    digest = hashlib.sha256(f"{seed}/{piece.key}/{piece.offsets}".encode()).digest()
+    start = int.from_bytes(digest[:8], "little") % (numel - (size - 1) * spacing)
+    return start, spacing
+
+
+def sampled(piece: Piece, size: int = SAMPLE, seed: int = 0) -> torch.Tensor:
+    """The piece's sampled elements (``sample_slots``), flat: a view of its memory where it is
+    contiguous, else a copy."""
+    start, spacing = sample_slots(piece, size, seed)
+    return _flat(piece.tensor)[start::spacing][:size]
+
+
 class SampleSource(Protocol):
     """What the tracker samples: a provider (``StateProvider``) or anything alike."""
 
@@ -156,7 +180,7 @@ class DriftTracker:
                 # A piece outside the held tensors' memory (a copy) goes stale: list again next time.
                 kept = kept and piece.tensor.untyped_storage().data_ptr() in memory
                 part = parts.setdefault(kind, _KindPlan([], [], torch.empty(0), {}, torch.empty(0)))
-                start, spacing = self._spacing(piece)
+                start, spacing = sample_slots(piece, self.sample_size, self.seed)
                 taken = len(range(start, numel, spacing)[: self.sample_size])
                 if piece.tensor.is_contiguous():
                     flat = piece.tensor.view(-1)
@@ -175,22 +199,6 @@ class DriftTracker:
             part.weights = torch.cat(weights[kind])
             part.lengths = torch.tensor([end - start for _, start, end in part.spans.values()])
         return _Plan(tuple(units), fingerprint if kept else None, parts)
-
-    def _spacing(self, piece: Piece) -> tuple[int, int]:
-        """A piece's sampled elements: every ``spacing``-th from ``start`` (``sample_size`` of
-        them; all of a piece no larger). The spacing has no factor in common with the row
-        length, so the sample walks through every column as well as down the rows; the start
-        is drawn once from the seed and the piece's key."""
-        numel = piece.tensor.numel()
-        if numel <= self.sample_size:
-            return 0, 1
-        spacing = numel // self.sample_size
-        row = piece.tensor.shape[-1]
-        while spacing > 1 and math.gcd(spacing, row) != 1:
-            spacing -= 1
-        digest = hashlib.sha256(f"{self.seed}/{piece.key}/{piece.offsets}".encode()).digest()
-        start = int.from_bytes(digest[:8], "little") % (numel - (self.sample_size - 1) * spacing)
-        return start, spacing
 
     def forget(self) -> None:
         """Drop the views of the live tensors (the references stay): the next gather rebuilds

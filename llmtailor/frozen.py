@@ -6,13 +6,20 @@ once saved, is not written again while it does not change: the unit's new versio
 from the snapshot that holds it (``UnitEntry.kept``), and a unit whose tensors are all frozen
 and unchanged is not written at all, whatever the policy picks.
 
-"Has not changed" is checked, not assumed: each frozen tensor's fingerprint (the data pointer
-and version counter of every piece this rank holds: an in-place change bumps the counter, a
-replaced tensor moves the pointer) is recorded when its bytes are saved or restored; a
-tensor whose fingerprint differs is written again (a parameter frozen mid-run is saved once
-more after its last change). Until then its unit is not quiet: it still counts for
-``Adaptive``'s staleness bound. In a distributed job the ranks agree: a tensor changed on any
-rank is written by every rank holding a piece of it.
+"Has not changed" is checked, not assumed: each frozen tensor's fingerprint is recorded when
+its bytes are saved or restored, and a tensor whose fingerprint differs is written again (a
+parameter frozen mid-run is saved once more after its last change). The fingerprint of every
+piece this rank holds: its data pointer (a replaced tensor moves it), its version counter (any
+in-place change made through the tensor bumps it) and the checksum of a fixed sample of its
+values (``drift.sampled``, up to ``drift.SAMPLE`` elements spread over it). The sample is for
+changes that bump no counter, made through ``param.data``: every such change of a tensor no
+larger than the sample is seen, and in a larger one every change that alters a sampled element
+(a change of the whole tensor, or of much of it); a change confined to a few elements of a
+larger tensor may be missed. Reading every frozen byte at every save would be certain but costs
+a pass over the frozen weights (gigabytes for a LoRA's base); the sample costs about a cache
+line per sampled element. Until a changed tensor is written its unit is not quiet: it still
+counts for ``Adaptive``'s staleness bound. In a distributed job the ranks agree: a tensor
+changed on any rank is written by every rank holding a piece of it.
 
 A base model by reference (``Tailor(..., base=DIR)``, a ``save_pretrained`` directory): a
 frozen tensor equal to the base's (compared by checksum when first seen; under peft,
@@ -32,11 +39,12 @@ from typing import Any
 
 import torch
 
+from llmtailor.drift import sampled
 from llmtailor.errors import ConfigError
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
 from llmtailor.store.coordinator import Coordinator
-from llmtailor.store.files import checksum_file, describe_os_error, safetensors_layout, tensor_checksum
+from llmtailor.store.files import checksum, checksum_file, describe_os_error, safetensors_layout, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Composite, Run
@@ -46,9 +54,33 @@ Holder = int | str
 """Where a frozen tensor's saved bytes are: a snapshot's step, or ``"base"``."""
 
 
-def fingerprint(pieces: list[Piece]) -> tuple:
-    """What changes when a tensor's values may have: every piece's memory and version counter."""
-    return tuple((p.offsets, p.tensor.data_ptr(), p.tensor._version) for p in pieces)
+def fingerprints(pieces: dict[str, list[Piece]]) -> dict[str, tuple]:
+    """Per tensor key, what changes when the tensor's values may have: of every piece, its
+    memory and version counter (a change made through the tensor bumps the counter, a replaced
+    tensor moves the memory) and the checksum of a fixed sample of its values (``drift.sampled``:
+    a change through ``.data`` bumps no counter; it shows when it alters a sampled element)."""
+    found = [piece for key_pieces in pieces.values() for piece in key_pieces]
+    sums = iter(_sample_checksums(found))
+    return {key: tuple((p.offsets, p.tensor.data_ptr(), p.tensor._version, next(sums)) for p in key_pieces)
+            for key, key_pieces in pieces.items()}
+
+
+def _sample_checksums(pieces: list[Piece]) -> list[str]:
+    """The xxh3-64 of each piece's sampled elements' bytes, read with one copy per device and
+    dtype (one transfer from an accelerator)."""
+    samples = [sampled(piece).detach() for piece in pieces]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, sample in enumerate(samples):
+        groups.setdefault((sample.device, sample.dtype), []).append(index)
+    sums = [""] * len(samples)
+    for indexes in groups.values():
+        raw = memoryview(torch.cat([samples[i] for i in indexes]).cpu().view(torch.uint8).numpy())
+        start = 0
+        for index in indexes:
+            end = start + samples[index].numel() * samples[index].element_size()
+            sums[index] = checksum(raw[start:end])
+            start = end
+    return sums
 
 
 PEFT_WRAPPED = (".base_layer.", ".original_module.")
@@ -168,7 +200,7 @@ class FrozenParts:
                 if piece.key in frozen:
                     pieces.setdefault(piece.key, []).append(piece)
                     unit_of[piece.key] = unit
-        prints = {key: fingerprint(found) for key, found in pieces.items()}
+        prints = fingerprints(pieces)
         changed = sorted(key for key, now in prints.items() if key not in self._held or self._held[key][1] != now)
         if self.base is not None:  # first seen (or changed): equal to the base's? then kept from there
             for key in list(changed):
@@ -222,16 +254,20 @@ class FrozenParts:
         pieces = self.provider.pieces_by_unit(list(self.provider.layout.units))
         self._held.clear()
         self._base_refs.clear()
+        holders: dict[str, Holder] = {}
+        found: dict[str, list[Piece]] = {}
         for unit, source in composite.sources.items():
             entry = run.unit_entry(source, unit)
             origin = {t.key: entry.files[t.chunks[0].file].origin for t in entry.tensors}
             for key in frozen & set(origin):
                 where = origin[key]
-                found = [p for p in pieces.get(unit, []) if p.key == key]
-                if found:
-                    self._held[key] = (source if where is None else where, fingerprint(found))
+                mine = [p for p in pieces.get(unit, []) if p.key == key]
+                if mine:
+                    holders[key], found[key] = source if where is None else where, mine
                 if where == "base":
                     self._base_refs[key] = run.base_ref(source, unit, key)
+        prints = fingerprints(found)
+        self._held = {key: (holder, prints[key]) for key, holder in holders.items()}
         if self._base_refs and self.base is None:  # kept from a base this Tailor was not given: keep it
             self.base = BaseModel(composite.manifest.base.path) if composite.manifest.base is not None else None
         if not held:
@@ -247,4 +283,4 @@ class FrozenParts:
         return {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.provider.live_specs().items()}
 
 
-__all__ = ["BaseModel", "FrozenParts", "FrozenPlan", "fingerprint"]
+__all__ = ["BaseModel", "FrozenParts", "FrozenPlan", "fingerprints"]

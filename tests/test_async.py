@@ -288,3 +288,68 @@ def test_a_step_already_saved_by_the_save_in_flight_is_refused_before_anything_i
             tailor.save(1)
         tailor.save(2)
         assert tailor.wait().step == 2
+
+
+@pytest.mark.slow
+def test_async_lora_snapshots_equal_sync_ones_and_restore_in_a_fresh_process(tmp_path, tokens):
+    """Partly frozen units (LoRA on q and v: each layer unit holds frozen base weights and
+    adapters) under every policy that writes some layers but not others, and with a base model
+    directory: each async snapshot is the synchronous one, file for file (unit indexes with
+    their ``kept`` and ``base`` records included), and a fresh process restores the async run to
+    the composite's versions."""
+    pytest.importorskip("peft")
+    from test_frozen import base_dir, lora, restored_in_a_fresh_process, step
+
+    from llmtailor import Adaptive, Filter, Interval
+    from llmtailor.layouts import build_layout
+    from llmtailor.providers.base import unwrap
+
+    cases = {
+        "parity": (Parity(), None),
+        "filter": (Filter(always=(1,), every=2), None),
+        "interval": (Interval(periods={"layer.[02]": 2}), None),
+        "adaptive": (Adaptive(budget=0.5, max_staleness=2), None),
+        "parity-base": (Parity(), base_dir(tmp_path)),
+    }
+    versions: dict[str, dict[int, dict]] = {}
+    for case, (policy, base) in cases.items():
+        runs = {}
+        for mode in ("sync", "async"):
+            model, optimizer = lora()
+            versions[case] = {}
+            with Tailor(tmp_path / case / mode, model, optimizer, policy=policy, base=base,
+                        async_save=mode == "async") as tailor:
+                for s in range(1, 7):
+                    step(model, optimizer, tokens, s)
+                    if s % 2 == 0:
+                        tailor.save(s)
+                        versions[case][s] = unit_versions(model, optimizer)
+            runs[mode] = Run(tmp_path / case / mode)
+        sync, async_ = runs["sync"], runs["async"]
+        assert sync.steps() == async_.steps() == [2, 4, 6], case
+        held = [(s, u) for s in (4, 6) for u in sync.manifest(s).units
+                if sync._stored_entry(s, u).kept or sync._stored_entry(s, u).base]
+        assert held, f"{case}: no later save keeps a frozen tensor, so the test shows nothing"
+        for s in (2, 4, 6):
+            files, async_files = snapshot_files(sync, s), snapshot_files(async_, s)
+            assert files.keys() == async_files.keys(), f"{case}, step {s}"
+            for name in files:
+                if name == MANIFEST_FILE:
+                    a, b = json.loads(files[name]), json.loads(async_files[name])
+                    a.pop("created"), b.pop("created")
+                    assert a == b, f"{case}, step {s}: manifests differ"
+                else:
+                    assert files[name] == async_files[name], f"{case}, step {s}: {name} differs"
+
+    everything = restored_in_a_fresh_process([tmp_path / case / "async" for case in cases])
+    model, _ = lora()
+    layout = build_layout(unwrap(model))
+    for case, restored in zip(cases, everything):
+        run = Run(tmp_path / case / "async")
+        sources = run.resolve().sources
+        assert any(run._stored_entry(s, u).kept or run._stored_entry(s, u).base for u, s in sources.items()), case
+        for key, value in restored.items():
+            name, state = key.rsplit("/", 1)
+            source = sources[layout.unit_of(name.removeprefix("base_model.model."))]
+            assert torch.equal(value, versions[case][source][name][state]), f"{case}: {key} (from step {source})"
+        assert len(restored) == sum(len(state) for state in versions[case][6].values()), case

@@ -53,6 +53,11 @@ def written_keys(run: Run, step: int) -> set[str]:
     return {t.key for unit in run.manifest(step).units for t in run._stored_entry(step, unit).tensors}
 
 
+def stored_keys(names: list[str]) -> set[str]:
+    """The weight keys a run stores the PeftModel parameters ``names`` under."""
+    return {f"weight/{name.removeprefix('base_model.model.')}" for name in names}
+
+
 def trainable_keys(model) -> set[str]:
     from llmtailor.providers.base import unwrap
 
@@ -134,6 +139,115 @@ def test_a_lora_run_restores_exactly_in_a_fresh_process(tmp_path, tokens, policy
     for name in got:
         canonical = name.removeprefix("base_model.model.")
         assert_bitwise({name: got[name]}, {name: versions[sources[layout.unit_of(canonical)]][name]}, f"{name}: ")
+
+
+RESTORE_AND_DUMP = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from safetensors.torch import save_file
+    from helpers import unit_versions
+    from test_frozen import lora
+    from llmtailor import Tailor
+
+    for run, out in zip(sys.argv[2::2], sys.argv[3::2]):
+        model, optimizer = lora(seed=7)  # other adapters, every weight halved: all must come from the run
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(0.5)
+        Tailor(run, model, optimizer, read_only=True).restore()
+        save_file({f"{name}/{key}": value for name, state in unit_versions(model, optimizer).items()
+                   for key, value in state.items()}, out)
+    """
+)
+
+
+def restored_in_a_fresh_process(runs: list[Path]) -> list[dict[str, torch.Tensor]]:
+    """Each LoRA run (of ``lora()``) restored by one fresh process into a fresh ``lora()``: its
+    weights and optimizer state, ``"<parameter name>/<state key>"`` -> tensor."""
+    from safetensors.torch import load_file
+
+    outs = [Path(f"{run}.restored.safetensors") for run in runs]
+    args = [str(arg) for pair in zip(runs, outs) for arg in pair]
+    done = subprocess.run([sys.executable, "-c", RESTORE_AND_DUMP, str(Path(__file__).parent), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [load_file(out) for out in outs]
+
+
+LAYER_WEIGHT = "base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight"  # 32 x 32: all sampled
+EMBEDDING = "base_model.model.model.embed_tokens.weight"  # 256 x 32: larger than the sample
+
+CHANGES_THROUGH_DATA = {  # way -> (the change, the frozen tensors it changes); none bumps a version counter
+    "data.copy_": (lambda param, new: param.data.copy_(new), [LAYER_WEIGHT, EMBEDDING]),
+    "data[...] =": (lambda param, new: param.data.__setitem__(Ellipsis, new), [LAYER_WEIGHT, EMBEDDING]),
+    # One row: caught for certain only in a tensor no larger than the sample (README).
+    "data[row] =": (lambda param, new: param.data.__setitem__(1, new[1]), [LAYER_WEIGHT]),
+    "data = new": (lambda param, new: setattr(param, "data", new.clone()), [LAYER_WEIGHT, EMBEDDING]),
+}
+
+
+@pytest.mark.slow
+def test_a_frozen_tensor_changed_through_data_is_written_again_and_restored_new(tmp_path, tokens):
+    """LoRA: a base weight of a layer (a partly frozen unit) and the embedding (an all-frozen
+    unit), changed through ``.data`` after two saves (each way in its own run), must be written
+    by the next save; a fresh process restores the new values, never the old ones."""
+    original = unit_versions(*lora())
+    expected = {}
+    for change, (apply, changed) in CHANGES_THROUGH_DATA.items():
+        model, optimizer = lora()
+        params = dict(model.named_parameters())
+        with Tailor(tmp_path / change, model, optimizer, policy=Full()) as tailor:
+            for s in (1, 2):
+                step(model, optimizer, tokens, s)
+                tailor.save(s)
+            assert written_keys(Run(tmp_path / change), 2).isdisjoint(stored_keys(changed))
+            for name in changed:
+                apply(params[name], torch.randn_like(params[name]))
+                assert not params[name].requires_grad
+            step(model, optimizer, tokens, 3)
+            tailor.save(3)
+            expected[change] = unit_versions(model, optimizer)
+    everything = restored_in_a_fresh_process([tmp_path / change for change in CHANGES_THROUGH_DATA])
+    for (change, (_, changed)), restored in zip(CHANGES_THROUGH_DATA.items(), everything):
+        for name in changed:
+            assert not torch.equal(expected[change][name]["weight"], original[name]["weight"])
+            assert torch.equal(restored[f"{name}/weight"], expected[change][name]["weight"]), \
+                f"{change}: {name} restored with its old value"
+        for name, state in expected[change].items():
+            for key, value in state.items():
+                assert torch.equal(restored[f"{name}/{key}"], value), f"{change}: {name}/{key}"
+        assert stored_keys(changed) <= written_keys(Run(tmp_path / change), 3), change
+
+
+def test_a_fingerprint_sees_changes_through_data_to_sampled_elements_and_any_through_the_tensor():
+    """``fingerprints`` on a tensor larger than the sample: what README promises is seen."""
+    from llmtailor.drift import SAMPLE, sample_slots
+    from llmtailor.frozen import fingerprints
+    from llmtailor.store.staged import Piece
+
+    param = torch.nn.Parameter(torch.randn(512, 96), requires_grad=False)
+    assert param.numel() > SAMPLE
+
+    def now() -> tuple:
+        return fingerprints({"weight/w": [Piece.whole("weight/w", param.detach())]})["weight/w"]
+
+    before = now()
+    assert now() == before  # reading it changes nothing
+    param.data.mul_(2)  # the whole tensor, through .data: no version bump
+    assert param._version == 0 and now() != before
+    start, spacing = sample_slots(Piece.whole("weight/w", param.detach()))
+    before = now()
+    param.data.view(-1)[start + 7 * spacing] += 1  # one sampled element
+    assert now() != before
+    before = now()
+    with torch.no_grad():
+        param.view(-1)[start + 1] += 1  # an element off the sample, through the tensor: its version
+    assert now() != before
+    before = now()
+    param.data = param.data.clone()  # replaced, equal values: its memory moved
+    assert now() != before
 
 
 def test_a_frozen_tensor_changed_in_place_is_written_again(tmp_path, tokens):

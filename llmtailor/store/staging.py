@@ -236,9 +236,9 @@ class AsyncStager:
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     if stream is not None:
                         stream.wait_event(ready)
-                    staged_units = [
-                        StagedUnit(u.unit, [_copied(p, next(copies)) for p in u.pieces], u.values) for u in units
-                    ]
+                    # replace(): the copy differs from the live unit by its pieces alone; every
+                    # other field (the frozen tensors it keeps, from a snapshot or the base) carries over.
+                    staged_units = [replace(u, pieces=[_copied(p, next(copies)) for p in u.pieces]) for u in units]
                 if stream is not None:
                     stream.synchronize()
                 pieces = [piece for unit in units for piece in unit.pieces]
@@ -284,6 +284,6 @@ def _version(tensor: torch.Tensor) -> int | None:
 def _copied(piece: Piece, view: torch.Tensor) -> Piece:
     if piece.stable:
         view.copy_(piece.tensor, non_blocking=view.is_pinned())
-    return Piece(piece.key, view, piece.offsets, piece.global_shape)
+    return replace(piece, tensor=view)
 
 

@@ -193,3 +193,15 @@ def test_fsdp2_with_a_memory_tier_promotes_every_ranks_parts_and_restores_from_e
         assert mismatches == [] and report.step == 8 and report.saved_world_size == 2
     finally:
         shutil.rmtree(memory, ignore_errors=True)
+
+
+def test_fsdp2_async_saves_of_partly_frozen_units_equal_sync_ones_and_restore(tmp_path):
+    """Each layer unit holds frozen and trained tensors: the async snapshots record the same
+    kept frozen tensors as the synchronous ones, and restore to the composite's versions."""
+    results = torchrun(2, "fsdp-frozen", tmp_path)
+    assert [r["mismatches"] for r in results] == [[], []] and results[0]["restored"] == 6
+    sync, async_ = Run(tmp_path / "sync" / "frozen"), Run(tmp_path / "async" / "frozen")
+    for step in (4, 6):
+        assert any(sync._stored_entry(step, unit).kept for unit in sync.manifest(step).units)
+        for unit in sync.manifest(step).units:
+            assert async_._stored_entry(step, unit) == sync._stored_entry(step, unit), f"step {step}, {unit}"

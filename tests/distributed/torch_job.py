@@ -20,6 +20,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``fsdp-tiers``  world 2, FSDP2: Parity saves at every step up to 8 into ``DIR/tiered``, async,
     committed to a host-memory tier at ``$TIER_DIR`` (``promote_every=3``) in front of it, closed
     (the last save promoted), then a restore at this world size, which reads the memory tier.
+``fsdp-frozen``  world 2, FSDP2, the q and v projections of every layer frozen (as a LoRA
+    freezes its base weights): Parity saves at steps 2, 4, 6 into ``DIR/sync/frozen`` and, async,
+    into ``DIR/async/frozen`` (versions under each), then ``DIR/async/frozen`` restored at this
+    world size and compared.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
@@ -66,11 +70,15 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build(kind: str, seed: int):
-    """Model, AdamW (HF-style groups) and scheduler, sharded or wrapped after building."""
+def build(kind: str, seed: int, freeze: bool = False):
+    """Model, AdamW (HF-style groups) and scheduler, sharded or wrapped after building;
+    ``freeze``: the q and v projections of every layer do not train."""
     from llmtailor.training_example import build_optimizer
 
     model, _, _ = tiny(seed=seed)
+    for layer in model.model.layers if freeze else []:
+        layer.self_attn.q_proj.weight.requires_grad_(False)
+        layer.self_attn.v_proj.weight.requires_grad_(False)
     if kind == "fsdp":
         model = shard(model)
     elif kind == "ddp":
@@ -141,18 +149,19 @@ def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer) -> 
     return bad
 
 
-def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int) -> dict:
-    model, optimizer, scheduler = build(kind, seed=0)
+def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int, freeze: bool = False,
+              async_save: bool = False) -> dict:
+    model, optimizer, scheduler = build(kind, seed=0, freeze=freeze)
     tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
     tailor = Tailor(location(out, run_name), model, optimizer, scheduler, policy=policy, timeout=60, tiers=tiers,
-                    async_save=bool(tiers))
+                    async_save=async_save or bool(tiers))
     saves = []
     for step in range(1, last + 1):
         train(model, optimizer, scheduler, [step])
         if step % every == 0:
             report = tailor.save(step, extra={"rank": rank(), "next": step + 1})
             write_versions(out, step, model, optimizer)  # collective: an async save's copies are taken by then
-            if tiers:
+            if tiers or async_save:
                 report = tailor.wait()
             saves.append({"step": step, "units": report.units, "bytes": report.bytes, "rank_bytes": report.rank_bytes})
     promoted = [p.step for p in tailor.tiers.promotions]
@@ -160,8 +169,8 @@ def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int
     return {"saves": saves, "promoted": promoted}
 
 
-def restore_and_compare(kind: str, out: Path, run_name: str) -> dict:
-    model, optimizer, scheduler = build(kind, seed=5)
+def restore_and_compare(kind: str, out: Path, run_name: str, freeze: bool = False) -> dict:
+    model, optimizer, scheduler = build(kind, seed=5, freeze=freeze)
     tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
     report = Tailor(location(out, run_name), model, optimizer, scheduler, timeout=60, tiers=tiers).restore()
     return {
@@ -226,6 +235,12 @@ def main() -> None:
     elif scenario == "fsdp-tiers":
         result = save_loop("fsdp", out, "tiered", Parity(), last=8, every=1)
         result.update(restore_and_compare("fsdp", out, "tiered"))
+    elif scenario == "fsdp-frozen":
+        result = {}
+        for mode in ("sync", "async"):
+            result[mode] = save_loop("fsdp", out / mode, "frozen", Parity(), last=6, every=2, freeze=True,
+                                     async_save=mode == "async")
+        result.update(restore_and_compare("fsdp", out / "async", "frozen", freeze=True))
     elif scenario == "fsdp-restore":
         result = restore_and_compare("fsdp", out, "parity")
     elif scenario == "ddp":
