@@ -31,6 +31,11 @@ class IncompatibleModelError(TailorError):
     """The live model or optimizer does not match what the snapshot holds."""
 
 
+class UnsupportedLayoutError(TailorError):
+    """The ranks of a job hold different layouts (pipeline stages, each holding some of the
+    layers; models built differently): refused on every rank when the ``Tailor`` is built."""
+
+
 class BackgroundSaveError(TailorError):
     """An async save failed in the background; nothing of it was committed. The original error
     is its ``__cause__``."""

@@ -14,7 +14,9 @@ Each save writes the units the policy picks plus the global state; ``restore`` l
 composite (each unit from its newest version, global state from the composite's step) into
 the live objects in place. In a torch.distributed job every rank makes the same calls (they
 are collective): each rank writes its own shards, one manifest commits them all, and a run
-saved at one world size restores at another.
+saved at one world size restores at another. Every rank must hold the same layout (its pieces of
+every unit): ranks holding different layers (pipeline stages) are refused on every rank when the
+Tailor is built, before any other collective (``providers/agreement.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from llmtailor.layouts.layout import (
     layout_from_names,
     list_families,
     load_family,
+    name_units,
     unit_rank,
 )
 
-__all__ = ["FamilySpec", "Layout", "build_layout", "layout_from_names", "list_families", "load_family", "unit_rank"]
+__all__ = ["FamilySpec", "Layout", "build_layout", "layout_from_names", "list_families", "load_family", "name_units",
+           "unit_rank"]

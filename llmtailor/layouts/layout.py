@@ -126,6 +126,11 @@ def unit_rank(unit: str) -> tuple[int, int] | None:
     return (1, int(m.group(1))) if m else ((_AUX_RANK[unit], 0) if unit in _AUX_RANK else None)
 
 
+def name_units(units: list[str], limit: int = 6) -> str:
+    """Unit names for a message: all of them, or the first ``limit`` and how many in all."""
+    return ", ".join(units) if len(units) <= limit else f"{', '.join(units[:limit])}, ... ({len(units)} in all)"
+
+
 @dataclass(frozen=True)
 class Layout:
     """Which unit each tensor of one model belongs to. Invariants: ``units`` is in canonical

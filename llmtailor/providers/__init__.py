@@ -9,6 +9,7 @@ import torch
 
 from llmtailor.errors import ConfigError
 from llmtailor.layouts import build_layout
+from llmtailor.providers.agreement import check_same_layout
 from llmtailor.providers.base import StateProvider, unwrap
 from llmtailor.providers.local import LocalProvider
 from llmtailor.store.coordinator import Coordinator
@@ -22,7 +23,16 @@ def make_provider(
     family: str | None = None,
 ) -> StateProvider:
     """The provider serving ``model``: a DeepSpeed engine, an FSDP2 (``fully_shard``) model,
-    or a plain / DDP-wrapped module."""
+    or a plain / DDP-wrapped module. Collective in a distributed job, and the first collective
+    a ``Tailor`` makes: ranks holding different layouts (pipeline stages) are refused on every
+    rank (``agreement.check_same_layout``) before any other could hang or commit part of the model."""
+    provider = _provider(model, optimizer, lr_scheduler, coordinator, family)
+    check_same_layout(provider, f"{coordinator.new_round()}/layout")
+    return provider
+
+
+def _provider(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any | None, coordinator: Coordinator,
+              family: str | None) -> StateProvider:
     from llmtailor.providers.deepspeed import deepspeed_provider, is_engine
 
     if is_engine(model):

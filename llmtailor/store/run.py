@@ -52,10 +52,12 @@ from llmtailor.constants import (
     SNAPSHOT_PREFIX,
     SNAPSHOTS_DIR,
     TMP_DIR,
+    layer_unit,
     rank_state_files,
     snapshot_dirname,
 )
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.layouts import Layout, load_family, name_units
 from llmtailor.store.files import (
     check_stored_header,
     read_checked_tensors,
@@ -555,7 +557,9 @@ class Run:
         ``step``) against its size and checksum, and that the composites restore.
 
         The rule: a problem is a file that is missing, damaged, unreadable or outside the run,
-        a composite naming a snapshot that does not hold the unit, or the composite checked
+        a composite naming a snapshot that does not hold the unit, a snapshot lacking part of
+        the model (``_model_problems``: a unit of its layout its composite does not name, a
+        layer its model config counts that its layout lacks), or the composite checked
         (``step``'s, or the newest) not restorable because a snapshot it needs is not in the
         run; an older composite that no longer restores because retention removed a snapshot
         it needs is a note (retention keeps only what the newest K composites need). The
@@ -629,7 +633,51 @@ class Run:
                     problem = stored_problem(base, file.path, file)
                     if problem:
                         result.problems.append(f"base model directory: {problem}")
+        if units is None:  # checked whole: its own composite and layout too
+            result.problems += self._model_problems(source, manifest)
         result.checked.append(source)
+
+    def _model_problems(self, step: int, manifest: Manifest) -> list[str]:
+        """Whether the snapshot of ``step`` holds the whole model: its composite names a version
+        of every unit of its layout and no other, and its layout holds every layer its model
+        config counts (where its family names the config's key). A snapshot committed by ranks
+        holding different layers (pipeline stages, before they were refused) fails here."""
+        try:
+            layout = Layout.from_record(manifest.layout)
+        except ConfigError as err:
+            return [f"the manifest of step {step}: {err}"]
+        problems = []
+        unnamed = [u for u in layout.units if u not in manifest.composite]
+        if unnamed:
+            problems.append(f"the composite of step {step} names no version of units [{name_units(unnamed)}] that its "
+                            "layout holds, so it cannot be restored")
+        foreign = [u for u in manifest.composite if u not in layout.units]
+        if foreign:
+            problems.append(f"the composite of step {step} names units [{name_units(foreign)}] that its layout lacks")
+        depth = self._configured_depth(step, manifest, layout.family)
+        if depth is not None:
+            missing = [layer_unit(i) for i in range(depth[1]) if layer_unit(i) not in layout.units]
+            if missing:
+                problems.append(f"the layout of step {step} lacks units [{name_units(missing)}] of the {depth[1]} "
+                                f"layers its model config names ({depth[0]}): part of the model was not saved")
+        return problems
+
+    def _configured_depth(self, step: int, manifest: Manifest, family: str) -> tuple[str, int] | None:
+        """(key, value) of the number of layers the model config saved at ``step`` names, where
+        the layout's family says which key holds it; None where it is not known."""
+        try:
+            key = load_family(family).num_layers_key
+        except ConfigError:
+            return None  # a family this version does not ship
+        if key is None or not any(entry.path == GLOBAL_JSON for entry in manifest.files):
+            return None
+        try:
+            raw = read_stored(self.storage, f"{self.snapshot_key(step)}/{GLOBAL_JSON}", manifest.file_entry(GLOBAL_JSON))
+            config = json.loads(bytes(raw)).get("model_config")
+        except (TailorError, OSError, ValueError, RecursionError, AttributeError):
+            return None  # a damaged file: reported with the snapshot's files
+        depth = config.get(key) if isinstance(config, dict) else None
+        return (key, depth) if isinstance(depth, int) and not isinstance(depth, bool) else None
 
     def _check_composites(self, newest: int | None, result: Verification) -> None:
         """Every checked snapshot's composite: a source present but lacking the unit is damage
@@ -666,10 +714,7 @@ class Run:
 
 
 def _not_restorable(step: int, lost: dict[int, list[str]]) -> str:
-    def named(units: list[str]) -> str:
-        return ", ".join(units) if len(units) <= 6 else f"{', '.join(units[:6])}, ... ({len(units)} in all)"
-
-    needs = "; ".join(f"step {source} (units {named(units)})" for source, units in sorted(lost.items()))
+    needs = "; ".join(f"step {source} (units {name_units(units)})" for source, units in sorted(lost.items()))
     return f"the composite of step {step} needs {needs}, which is not in the run"
 
 

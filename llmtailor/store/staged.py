@@ -148,6 +148,9 @@ class RankPart(_Message):
     files: list[FileEntry] = []
     """Its global-state files."""
     unit_bytes: dict[str, int] = {}
+    holds: list[str] = []
+    """The units of this rank's layout (it holds its pieces of them): the leader commits only a
+    snapshot whose composite names every unit some rank holds."""
 
     @property
     def bytes(self) -> int:

@@ -49,6 +49,7 @@ from llmtailor.constants import (
     unit_index_path,
 )
 from llmtailor.errors import TailorError
+from llmtailor.layouts import name_units
 from llmtailor.store import Progress
 from llmtailor.store.coordinator import Coordinator, LocalCoordinator
 from llmtailor.store.files import StorageError, describe_os_error, stream_tensors, write_bytes_to
@@ -188,7 +189,7 @@ def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
             doc_path, tensor_path = rank_state_files(rank)
             files.append(stream_tensors(create(tensor_path), staged.rank_tensors or {}, tensor_path)[0])
             files.append(write_bytes_to(create(doc_path), json.dumps(staged.rank_doc).encode(), doc_path))
-    return RankPart(units=units, files=files, unit_bytes=unit_bytes)
+    return RankPart(units=units, files=files, unit_bytes=unit_bytes, holds=list(staged.layout["units"]))
 
 
 def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
@@ -221,9 +222,7 @@ def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[
                     held["chunks"] += chunks
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
-    missing = sorted(set(u for u, s in staged.composite.items() if s == staged.step) - set(merged))
-    if missing:
-        raise TailorError(f"step {staged.step}: no rank wrote units {missing}")
+    _check_whole(staged, parts, set(merged))
     refs = {}
     storage = run.storage
     with storage.batch() as batch:  # the indexes are small and many: their fsyncs overlap; durable on exit
@@ -253,6 +252,39 @@ def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[
         files=files,
         base=staged.base,
     )
+
+
+def _check_whole(staged: StagedSnapshot, parts: list[RankPart], written: set[str]) -> None:
+    """Refuse to commit a snapshot that lacks part of the model: its composite must name exactly
+    the units of its layout, every unit some rank holds or wrote, and this step for every unit
+    some rank wrote; every unit it names at this step, some rank must have written."""
+    layout, composite = list(staged.layout["units"]), staged.composite
+    problems = []
+    unnamed = [u for u in layout if u not in composite]
+    if unnamed:
+        problems.append(f"its composite names no version of units [{name_units(unnamed)}] that its layout holds")
+    foreign = [u for u in composite if u not in layout]
+    if foreign:
+        problems.append(f"its composite names units [{name_units(foreign)}] that its layout lacks")
+    unheld = [[u for u in part.holds if u not in composite] for part in parts]
+    problems += [f"rank(s) {ranks} hold units [{name_units(units)}] that its composite does not name" for units, ranks in _by_rank(unheld)]
+    stray = [[u for u in part.units if composite.get(u) != staged.step] for part in parts]
+    problems += [f"rank(s) {ranks} wrote units [{name_units(units)}] that its composite does not name at this step"
+                 for units, ranks in _by_rank(stray)]
+    missing = [u for u, step in composite.items() if step == staged.step and u not in written]
+    if missing:
+        problems.append(f"no rank wrote units [{name_units(missing)}]")
+    if problems:
+        raise TailorError(f"step {staged.step} was not committed, as it would lack part of the model: {'; '.join(problems)}")
+
+
+def _by_rank(units_of_rank: list[list[str]]) -> list[tuple[list[str], list[int]]]:
+    """The non-empty unit lists of ``units_of_rank`` (indexed by rank), each with the ranks that have it."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for rank, units in enumerate(units_of_rank):
+        if units:
+            groups.setdefault(tuple(units), []).append(rank)
+    return [(list(units), ranks) for units, ranks in groups.items()]
 
 
 def replace_latest(run: Run, step: int) -> str | None:

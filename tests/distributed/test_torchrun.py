@@ -28,12 +28,19 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(nproc: int, scenario: str, out: Path, **more_env: str) -> list[dict]:
-    proc = subprocess.run(
+def torchrun(nproc: int, scenario: str, out: Path, timeout: float = 600, **more_env: str) -> list[dict]:
+    """Launch ``scenario`` at ``nproc`` ranks; past ``timeout`` (a hang) every rank is killed."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario, str(out)],
-        capture_output=True, text=True, timeout=600, env={**env(), **more_env},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), **more_env}, start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, not the launcher alone
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-6000:]
     return [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -149,6 +156,24 @@ def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(tmp_path, tok
         rank_state = sum(f.bytes for f in ddp.manifest(step).files if f.path.startswith("ranks/"))
         extra = ddp.manifest(step).total_bytes() - rank_state - one.manifest(step).total_bytes()
         assert 0 <= extra <= 40 * len(ddp.manifest(step).units)
+
+
+@pytest.mark.parametrize("nproc, others", [(2, "rank 1 holds"), (4, "ranks 2, 3 hold")], ids=["2-stages", "2-stages-x-2-fsdp"])
+def test_pipeline_stages_are_refused_on_every_rank_when_the_tailor_is_built(tmp_path, nproc, others):
+    """Each rank keeps its stage's half of the layers under their original names (torchtitan's
+    pipeline split), sharded over 2 data ranks at 4. Found: with drift, gloo aborted the job (2
+    stages) or two ranks hung inside save (2 x 2); without, step 1 committed holding the first
+    stage's units only and ``verify`` passed it. Now every rank refuses both Tailors at once,
+    with one message, and nothing is written (the launch's timeout stands for a hang)."""
+    results = torchrun(nproc, "pipeline", tmp_path, timeout=300)
+    refusals = {outcome["refused"] for result in results for outcome in result["outcomes"]}
+    assert [[o["drift"] for o in result["outcomes"]] for result in results] == [[False, True]] * nproc
+    (refusal,) = refusals  # the same on every rank, drift on and off
+    assert refusal.startswith("UnsupportedLayoutError: the ranks of this job hold different units of the model: "
+                              f"{others} units [layer.2, layer.3, norm, head] that rank 0 does not; ")
+    assert "lack units [embed, layer.0, layer.1] that rank 0 holds" in refusal.replace("lacks", "lack")
+    assert "(pipeline-parallel stages) are not supported yet" in refusal
+    assert not (tmp_path / "stages").exists()  # refused before the writer lock: nothing written
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):

@@ -24,6 +24,12 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     freezes its base weights): Parity saves at steps 2, 4, 6 into ``DIR/sync/frozen`` and, async,
     into ``DIR/async/frozen`` (versions under each), then ``DIR/async/frozen`` restored at this
     world size and compared.
+``pipeline``  (world 2: two pipeline stages; world 4: two stages x ``fully_shard`` over two data
+    ranks) each rank keeps its stage's half of the layers under their original names, as
+    torchtitan's pipeline split does (the first stage the embedding, the last the norm and
+    head), and builds a ``Tailor`` of ``DIR/stages`` (``timeout=20``), first with
+    ``track_drift=False``, then with ``track_drift=True``; each is refused (the error recorded)
+    or, not refused, saves step 1 (the outcome recorded).
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
@@ -195,6 +201,53 @@ def resume_bitwise(out: Path) -> dict:
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
+def pipeline_stage(stages: int) -> torch.nn.Module:
+    """This rank's stage of a tiny Llama: its half of the layers in a ModuleDict keyed by their
+    original indices (so their names stay ``model.layers.<i>.``), the embedding on the first
+    stage only, norm and head on the last; sharded over the stage's data ranks if it has several."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    data = dist.get_world_size() // stages
+    mesh = init_device_mesh("cpu", (stages, data), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    model, _, _ = tiny(seed=0)
+    layers = model.model.layers
+    per = len(layers) // stages
+    model.model.layers = torch.nn.ModuleDict({str(i): layers[i] for i in range(stage * per, (stage + 1) * per)})
+    if stage > 0:
+        model.model.embed_tokens = None
+    if stage < stages - 1:
+        model.model.norm, model.lm_head = None, None
+    if data > 1:
+        for layer in model.model.layers.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def pipeline(out: Path, stages: int = 2) -> dict:
+    from llmtailor.training_example import build_optimizer
+
+    model = pipeline_stage(stages)
+    outcomes = []
+    for drift in (False, True):
+        optimizer, scheduler = build_optimizer(model, total_steps=50)
+        try:
+            tailor = Tailor(out / "stages", model, optimizer, scheduler, policy=Full(), track_drift=drift, timeout=20)
+        except Exception as err:  # the refusal each rank gets is the point of this scenario
+            outcomes.append({"drift": drift, "refused": f"{type(err).__name__}: {err}"})
+            continue
+        try:
+            tailor.save(1)
+            outcome = "saved"
+        except Exception as err:
+            outcome = f"{type(err).__name__}: {err}"
+        tailor.close()
+        outcomes.append({"drift": drift, "refused": None, "save": outcome})
+    return {"outcomes": outcomes}
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -246,6 +299,8 @@ def main() -> None:
     elif scenario == "ddp":
         result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
         result.update(restore_and_compare("ddp", out, "ddp"))
+    elif scenario == "pipeline":
+        result = pipeline(out, stages=2)
     elif scenario == "kill":
         result = kill_during_save(out)
     else:

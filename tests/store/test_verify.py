@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from llmtailor import Tailor
 from llmtailor.cli import app
 from llmtailor.constants import MANIFEST_FILE
-from llmtailor.errors import SnapshotNotFoundError
+from llmtailor.errors import SnapshotNotFoundError, TailorError
 from llmtailor.store.retention import apply_retention, plan_retention
 from llmtailor.store.run import Run
 
@@ -66,6 +66,36 @@ def test_a_composite_naming_a_snapshot_without_the_unit_fails(run_dir, step, uni
     result = runner.invoke(app, ["verify", str(run_dir)])
     assert result.exit_code == 1
     assert f"snapshot {source} holds no unit ['{unit}'] although the composite of step {step} names it" in result.output
+
+
+def drop_unit(run_dir, step: int, unit: str, from_layout: bool) -> None:
+    """Rewrite the manifest of ``step`` without ``unit`` in its composite (and its layout)."""
+    path = Run(run_dir).snapshot_dir(step) / MANIFEST_FILE
+    doc = json.loads(path.read_text())
+    del doc["composite"][unit]
+    if from_layout:
+        del doc["layout"]["units"][unit]
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("from_layout, problem", [
+    (False, "the composite of step 5 names no version of units [layer.3] that its layout holds, so it cannot be restored"),
+    (True, "the layout of step 5 lacks units [layer.3] of the 4 layers its model config names (num_hidden_layers): "
+           "part of the model was not saved"),
+], ids=["composite-lacks-a-layout-unit", "layout-lacks-a-configured-layer"])
+def test_a_snapshot_lacking_part_of_the_model_fails(run_dir, from_layout, problem):
+    """Issue 30 item 7: a snapshot committed by ranks holding different layers (pipeline stages)
+    lacked the other stage's units, and verify passed it. Here step 5 loses layer.3 (from step
+    4) from its composite; or from its layout too, as the first stage's snapshot recorded its
+    own layout, where only the model config still counts every layer."""
+    drop_unit(run_dir, 5, "layer.3", from_layout)
+    assert problem in Run(run_dir).verify() and problem in Run(run_dir).verify(5)
+    for args in ([], ["--step", "5"]):
+        result = runner.invoke(app, ["verify", str(run_dir), *args])
+        assert result.exit_code == 1 and problem in " ".join(result.output.split()), result.output
+    assert runner.invoke(app, ["verify", str(run_dir), "--step", "4"]).exit_code == 0  # an older whole composite
+    with pytest.raises(TailorError, match="layer.3"):
+        Tailor(run_dir, *tiny(seed=3)).restore()
 
 
 def test_older_composites_retention_left_unrestorable_are_notes(run_dir):

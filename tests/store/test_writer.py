@@ -1,0 +1,85 @@
+"""The commit refuses a snapshot that would lack part of the model: its composite must name every
+unit of its layout and every unit some rank holds or wrote (``writer._check_whole``). Found with
+pipeline stages (ranks holding different layers): the leader committed its own stage's units,
+the other stage's files orphaned, and ``verify`` passed the snapshot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtailor.errors import TailorError
+from llmtailor.layouts import Layout, layout_from_names
+from llmtailor.store.coordinator import LocalCoordinator
+from llmtailor.store.manifest import FileEntry
+from llmtailor.store.run import Run
+from llmtailor.store.staged import ChunkPart, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
+from llmtailor.store.writer import persist
+
+NAMES = ["model.embed_tokens.weight", *(f"model.layers.{i}.mlp.weight" for i in range(4)), "model.norm.weight"]
+WHOLE = layout_from_names(NAMES)
+FIRST_STAGE = layout_from_names(NAMES[:3])  # embed, layer.0, layer.1
+
+
+class TwoStages(LocalCoordinator):
+    """Rank 0 of a world of two, whose rank 1 (the second pipeline stage) reported ``other``."""
+
+    world_size = 2
+
+    def __init__(self, other: dict):
+        self.other = other
+
+    def gather(self, tag, value):
+        if isinstance(value, BaseException):
+            raise value
+        return [value, self.other]
+
+
+def staged(layout: Layout, units: list[str], world_size: int = 1) -> StagedSnapshot:
+    """Step 1 writing ``units`` of ``layout`` whole, its composite naming them only."""
+    return StagedSnapshot(
+        step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),
+        units=iter([StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in units for n in layout.units[u]]),
+        composite={u: 1 for u in units}, global_doc={}, global_tensors={}, world_size=world_size,
+    )
+
+
+def second_stage_part() -> dict:
+    """Rank 1's report: it holds layers 2 and 3 and the norm, and wrote layers 2 and 3."""
+    def unit(i: int) -> UnitPart:
+        file = FileEntry(path=f"units/layer.{i}.rank-00001.safetensors", bytes=8, xxh3_64="0" * 16)
+        chunk = ChunkPart(offsets=[0], shape=[2], xxh3_64="0" * 16)
+        return UnitPart(file=file, tensors=[TensorPart(key=f"weight/model.layers.{i}.mlp.weight", dtype="float32",
+                                                       shape=[2], chunks=[chunk])])
+
+    return RankPart(units={"layer.2": unit(2), "layer.3": unit(3)}, holds=["layer.2", "layer.3", "norm"]).to_message()
+
+
+def assert_nothing_committed(root) -> None:
+    assert Run(root).steps() == [] and not (root / "latest").exists()
+    assert not any((root / ".tmp").iterdir())  # what was staged is removed
+
+
+def test_a_composite_lacking_units_of_its_layout_is_not_committed(tmp_path):
+    """The first stage's units saved under the whole model's layout: committed before."""
+    with pytest.raises(TailorError, match=r"step 1 was not committed, as it would lack part of the model: its composite "
+                                          r"names no version of units \[layer.2, layer.3, norm\] that its layout holds"):
+        persist(Run(tmp_path), staged(WHOLE, ["embed", "layer.0", "layer.1"]))
+    assert_nothing_committed(tmp_path)
+
+
+def test_units_another_rank_holds_and_wrote_that_the_composite_lacks_are_not_left_out(tmp_path):
+    """The leader holds the first stage; rank 1, the second, wrote its own units: the leader
+    committed its own only (rank 1's files orphaned in the snapshot) before."""
+    with pytest.raises(TailorError, match=r"rank\(s\) \[1\] hold units \[layer.2, layer.3, norm\] that its composite "
+                                          r"does not name; rank\(s\) \[1\] wrote units \[layer.2, layer.3\] that its "
+                                          r"composite does not name at this step"):
+        persist(Run(tmp_path), staged(FIRST_STAGE, ["embed", "layer.0", "layer.1"], world_size=2),
+                coordinator=TwoStages(second_stage_part()))
+    assert_nothing_committed(tmp_path)
+
+
+def test_a_snapshot_of_the_whole_layout_commits(tmp_path):
+    """The check passes what every save writes: the composite names every unit of the layout."""
+    persist(Run(tmp_path), staged(WHOLE, list(WHOLE.units)))
+    assert Run(tmp_path).steps() == [1] and Run(tmp_path).verify() == []
