@@ -2,6 +2,7 @@
 
 import errno
 import json
+import threading
 import time
 
 import pytest
@@ -50,18 +51,27 @@ def test_async_and_sync_saves_of_the_same_run_are_identical_file_for_file(tmp_pa
 def test_the_fence_keeps_the_next_optimizer_step_out_of_the_snapshot(tmp_path, tokens, monkeypatch):
     model, opt, sched = tiny()
     train(model, opt, sched, tokens, [1])
+    stepping, copies_taken = threading.Event(), {}
+
+    def step_begins(*_):  # registered before the Tailor's fence, so it runs first
+        copies_taken["when the step began"] = tailor._stager.current.copied.is_set()
+        stepping.set()
+
+    opt.register_step_pre_hook(step_begins)
+    opt.register_step_post_hook(lambda *_: copies_taken.update({"when it ended": tailor._stager.current.copied.is_set()}))
     tailor = Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True)
     expected = unit_versions(model, opt)
     slow_copy = staging._copied
 
-    def slowly(piece, view):  # copies slower than a training step: only the fence can wait
+    def once_the_step_began(piece, view):  # then slower than the step: only the fence can wait
+        stepping.wait(300)
         time.sleep(0.01)
         return slow_copy(piece, view)
 
-    monkeypatch.setattr(staging, "_copied", slowly)
+    monkeypatch.setattr(staging, "_copied", once_the_step_began)
     pending = tailor.save(1)
     train(model, opt, sched, tokens, [2])  # steps the optimizer at once
-    assert tailor._stager.fence_seconds > 0.05  # the step did wait
+    assert copies_taken == {"when the step began": False, "when it ended": True}  # the step waited for them
     report = pending.result()
     assert report.step == 1 and report.bytes > 0
     tailor.close()
@@ -250,17 +260,20 @@ def test_an_unfenced_in_place_change_fails_that_save_and_a_fenced_one_is_kept_ou
     model, opt, sched = tiny()
     train(model, opt, sched, tokens, [1])
     slow_copy = staging._copied
+    changed = threading.Event()
 
-    def slowly(piece, view):
+    def once_changed(piece, view):  # save(1)'s copies are taken after the change; the next ones, slowly
+        changed.wait(300)
         time.sleep(0.005)
         return slow_copy(piece, view)
 
-    monkeypatch.setattr(staging, "_copied", slowly)
+    monkeypatch.setattr(staging, "_copied", once_changed)
     tailor = Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True)
     last = list(model.parameters())[-1]
     tailor.save(1)
     with torch.no_grad():
         last.mul_(2)  # an in-place change outside optimizer.step(), unfenced
+    changed.set()
     with pytest.raises(BackgroundSaveError, match="changed in place after save"):
         tailor.wait()
     assert Run(tmp_path).steps() == []

@@ -12,19 +12,45 @@ import functools
 import json
 import os
 from collections.abc import Callable
+from inspect import cleandoc  # not `import inspect`: the name is a command's
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from llmtailor.errors import TailorError
 from llmtailor.store.files import describe_os_error
 from llmtailor.store.run import Run
 from llmtailor.store.storage.objects import OPTIONS_ENV
 
+
+def reflow(text: str | None) -> str | None:
+    """``text`` (a docstring) with each paragraph on one line, paragraphs still apart (a blank
+    line between), so that the help renderer wraps it to the terminal; a paragraph that click's
+    ``\\b`` marks as preformatted keeps its lines."""
+    if text is None:
+        return None
+    paragraphs = cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.splitlines()) for p in paragraphs)
+
+
+class ReflowingGroup(TyperGroup):
+    """The ``llmtailor`` command group: its help and every command's are reflowed when it is
+    built. Typer's rich help keeps a docstring's single line breaks in the command list and in
+    every paragraph after the first, which printed lines ending mid-sentence at any width."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        self.help = reflow(self.help)
+        for command in self.commands.values():
+            command.help = reflow(command.help)
+
+
 app = typer.Typer(
+    cls=ReflowingGroup,
     help="Layer-wise tailoring of LLM training checkpoints.",
     no_args_is_help=True,
     add_completion=False,

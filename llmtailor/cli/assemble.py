@@ -27,14 +27,8 @@ def assemble(
     out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write checkpoint-<step>/ into.")],
     format: Annotated[
         ExportFormat,
-        typer.Option(
-            "--format",
-            help="hf: a Trainer checkpoint-N/ directory vanilla Trainer resumes from; deepspeed: a universal "
-            "checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size, 'load_universal': true); "
-            "peft: the adapters as a directory PeftModel.from_pretrained(base, OUT) loads (OUT itself); "
-            "lightning: OUT/epoch=E-step=S.ckpt, which Trainer.fit(model, ckpt_path=...) resumes from (runs saved by "
-            "TailorCheckpoint).",
-        ),
+        # The formats are described in the docstring: at full width, their long names stay whole.
+        typer.Option("--format", metavar="FORMAT", help="hf, deepspeed, peft or lightning (each described above)."),
     ] = ExportFormat.hf,
     step: Annotated[int | None, typer.Option("--step", help=STEP_HELP)] = None,
     train_batch_size: Annotated[
@@ -44,7 +38,13 @@ def assemble(
     """Write the composite of a step (each unit from its newest saved version) as a standard
     checkpoint directory; `transformers.Trainer.train(resume_from_checkpoint=...)` resumes
     from it with no llmtailor code. Written under a temporary name and renamed when whole;
-    an existing checkpoint directory is never overwritten."""
+    an existing checkpoint directory is never overwritten.
+
+    The formats: hf, a Trainer checkpoint-N/ directory vanilla Trainer resumes from; deepspeed,
+    a universal checkpoint engine.load_checkpoint loads (ZeRO-1/2, any world size,
+    'load_universal': true); peft, the adapters as a directory PeftModel.from_pretrained(base,
+    OUT) loads (OUT itself); lightning, OUT/epoch=E-step=S.ckpt, which Trainer.fit(model,
+    ckpt_path=...) resumes from (runs saved by TailorCheckpoint)."""
     from llmtailor.cli import _existing_run, as_of, console
     from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf.export import export_hf

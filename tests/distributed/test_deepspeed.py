@@ -221,8 +221,9 @@ def test_a_restore_failing_on_one_rank_fails_every_rank_promptly_and_blocks_savi
     data[-5] ^= 0xFF  # a tensor byte near the end of rank 1's piece of layer.3
     victim.write_bytes(bytes(data))
     results = launch(2, "restore_fail", tmp_path, stage=2, timeout=240)
+    # Rank 0 names rank 1's error: it heard from rank 1, it did not wait out the Tailor's timeout
+    # (that error would say "did not report"), however long the restore took on a busy machine.
     for result in results:
         assert result["error"] is not None and result["error"].startswith("IntegrityError"), result
         assert "rank(s) [1]" in result["error"] and "checksum mismatch" in result["error"], result
-        assert result["elapsed"] < 20, result  # well within the Tailor's timeout: nobody waited for a dead peer
         assert result["save_refused"] is not None and "restore() again" in result["save_refused"], result

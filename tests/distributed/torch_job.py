@@ -32,8 +32,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     or, not refused, saves step 1 (the outcome recorded).
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
-    writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
-    it took.
+    writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
+    and how long it took.
 """
 
 from __future__ import annotations
@@ -170,9 +170,8 @@ def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int
             if tiers or async_save:
                 report = tailor.wait()
             saves.append({"step": step, "units": report.units, "bytes": report.bytes, "rank_bytes": report.rank_bytes})
-    promoted = [p.step for p in tailor.tiers.promotions]
-    tailor.close()
-    return {"saves": saves, "promoted": promoted}
+    tailor.close()  # waits for every promotion: how far they got before is the background's business
+    return {"saves": saves, "promoted": [p.step for p in tailor.tiers.promotions]}
 
 
 def restore_and_compare(kind: str, out: Path, run_name: str, freeze: bool = False) -> dict:
@@ -252,9 +251,11 @@ def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
     model, optimizer, scheduler = build("fsdp", seed=0)
-    tailor = Tailor(out / "killed", model, optimizer, scheduler, policy=Parity(), timeout=5)
+    tailor = Tailor(out / "killed", model, optimizer, scheduler, policy=Parity(), timeout=60)
     train(model, optimizer, scheduler, [1, 2])
     tailor.save(2)
+    # Short only for the save a rank dies in: a busy machine may keep a live rank waiting longer.
+    tailor.coordinator.timeout = 5
     if rank() == 1:
         real = writer.stream_tensors
 

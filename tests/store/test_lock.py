@@ -42,14 +42,14 @@ def test_a_second_writer_process_is_refused_and_a_killed_one_leaves_no_lock(tmp_
     holder = writer(tmp_path, 1, "hold")
     assert holder.stdout.readline().strip() == "saved"
     second = writer(tmp_path, 2)
-    out, err = second.communicate(timeout=120)
+    out, err = second.communicate(timeout=300)
     assert second.returncode == 3, err
     assert f"{tmp_path} is being written by another writer (pid {holder.pid} on" in out
 
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)
     third = writer(tmp_path, 2)
-    out, err = third.communicate(timeout=120)
+    out, err = third.communicate(timeout=300)
     assert third.returncode == 0, out + err
 
 

@@ -267,21 +267,26 @@ def test_after_restoring_an_older_step_promotions_extend_that_lineage_in_every_t
 def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_on(tmp_path, tokens, monkeypatch):
     """Promotions much slower than saves, in a memory tier keeping one composite: the composite a
     promotion wanted is often gone when it starts; it takes the newest instead, reports nothing,
-    and every composite it promoted is whole in the run directory."""
-    import time
+    and every composite it promoted is whole in the run directory. The first promotion is held
+    until step 8 is saved (not timed: a busy machine slows saves and promotions alike)."""
+    import threading
 
     home, memory = tmp_path / "home", tmp_path / "memory"
     copy_file = promote._copy_file
+    saved_8 = threading.Event()
 
-    def slow(source, key, sink, entry):
-        time.sleep(0.01)
+    def lagging(source, key, sink, entry):
+        assert saved_8.wait(300), "step 8 was never saved"  # reported as a failed promotion
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", slow)
+    monkeypatch.setattr(promote, "_copy_file", lagging)
     tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
-    save_steps(tailor, model, opt, sched, tokens, range(1, 16), settle=False)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 9), settle=False)
+    saved_8.set()
+    save_steps(tailor, model, opt, sched, tokens, range(9, 16), settle=False)
     tailor.close()  # raises a promotion failure, if any
     promoted = [p.step for p in tailor.tiers.promotions]
+    # No promotion commits between the saves of steps 1 and 8: at least six of them are skipped.
     assert promoted[-1] == 15 and len(promoted) < 15  # skipped, never queued
     on_disk = Run(home)
     assert on_disk.verify() == [] and set(promoted) <= set(on_disk.steps())
