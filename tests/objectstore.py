@@ -28,9 +28,10 @@ def environment(endpoint: str) -> dict[str, str]:
     return {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
 
 
-def wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
+def wait_until_up(endpoint: str, server: subprocess.Popen | None = None, timeout: float = 300.0) -> None:
     """Wait for the server's answer to moto's own API (not an S3 request: a server checking
-    credentials counts those)."""
+    credentials counts those); raise at once if its process ``server`` ended, and after
+    ``timeout`` s only for a server that hangs (a busy machine may take long to import moto)."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -39,6 +40,8 @@ def wait_until_up(endpoint: str, timeout: float = 30.0) -> None:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=5).close()
             return
         except Exception:
+            if server is not None and server.poll() is not None:
+                raise RuntimeError(f"the S3 server for {endpoint} exited with status {server.returncode}") from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
@@ -54,7 +57,7 @@ def moto_process(settings: dict[str, str] | None = None) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(settings or {})})
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        wait_until_up(endpoint)
+        wait_until_up(endpoint, proc)
         yield endpoint
     finally:
         proc.terminate()
