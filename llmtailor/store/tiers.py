@@ -38,7 +38,7 @@ from llmtailor.errors import (
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock
-from llmtailor.store.promote import Promoter, Promotion
+from llmtailor.store.promote import Promoter, Promotion, clear_stray_carriers
 from llmtailor.store.retention import Keep, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import open_storage
@@ -165,8 +165,9 @@ class Tiers:
     def open_for_writing(self, coordinator: Coordinator, read_only: bool = False) -> None:
         """Collective: rank 0 takes every tier's writer lock (all or none; where a tier cannot
         be written, it only refuses one another process holds: ``WriterLock.acquire_or_look``),
-        records the tiers in each and starts promoting; every rank raises what failed. Nothing
-        for a reader (``read_only``).
+        records the tiers in each, removes the carriers a killed promotion left
+        (``promote.clear_stray_carriers``) and starts promoting; every rank raises what failed.
+        Nothing for a reader (``read_only``).
 
         In a distributed job every tier must be one store that every rank reaches (rank 0
         commits every rank's files there, and promotes them): each rank looks for the record
@@ -199,6 +200,9 @@ class Tiers:
         try:
             for level in self.levels:
                 level.lock.acquire_or_look()
+            for level in self.levels:
+                if level.lock.held:
+                    clear_stray_carriers(level.run)
             if len(self.levels) > 1:  # one tier: nothing to promote, no thread
                 self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
             return self._write_record() if self.first.lock.held else None

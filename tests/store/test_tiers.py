@@ -1,12 +1,16 @@
 """Storage tiers in one process: promotion makes composites whole in the slower tier, each tier
 keeps its own retention, restore takes the newest composite of any tier (the faster on a tie)
-and says which, a failed promotion is reported and damages nothing, a full memory tier fails
-the save clearly and loses no composite. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
+and says which, a failed promotion is reported and damages nothing (never dropped without a
+word), what it left never blocks a later lineage, and a full memory tier fails the save clearly
+and loses no composite. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
 
 from __future__ import annotations
 
 import errno
+import logging
+import re
 import shutil
+import threading
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, T
 from llmtailor.constants import CARRIED_FOR, TIERS_FILE
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.store import promote
+from llmtailor.store import tiers as tiers_module
 from llmtailor.store.tiers import TierState, read_record, tier_states
 
 
@@ -336,3 +341,100 @@ def test_an_unexpected_error_in_the_promoter_is_reported_and_promotion_goes_on(t
     save_steps(tailor, model, opt, sched, tokens, [2, 3])
     tailor.close()
     assert [p.step for p in tailor.tiers.promotions] == [1, 2, 3] and Run(home).latest_step() == 3
+
+
+def test_a_carrier_whose_composite_never_landed_does_not_block_a_later_lineage(tmp_path, tokens, monkeypatch, caplog):
+    """The promotion of step 4 fails once its carrier (step 3) committed in the run directory;
+    the node is lost (the memory tier wiped); the next writer restores step 1 from the run
+    directory and trains on, and the promotion of its step 4 needs its own step 3. That failed
+    3 times ("is another snapshot of step 3 ... it is not replaced"). The next writer removes
+    the stray carrier when it starts; one it did not remove is replaced by the promotion."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    caplog.set_level(logging.INFO, logger="llmtailor.store.promote")
+    monkeypatch.setattr(promote, "RETRY_WAIT", 0.0)
+    copy_snapshot = promote._copy_snapshot
+
+    def failing_composite(source, target, step, composite, parent):
+        if step == composite == 4:
+            raise OSError(errno.EIO, "Input/output error")
+        copy_snapshot(source, target, step, composite, parent)
+
+    monkeypatch.setattr(promote, "_copy_snapshot", failing_composite)
+    tailor, model, opt, sched = tiered(home, memory, promote_every=3)
+    save_steps(tailor, model, opt, sched, tokens, [1, 2, 3])
+    with pytest.raises(PromotionError, match="promoting step 4 .* failed 3 times"):
+        save_steps(tailor, model, opt, sched, tokens, [4])
+    with pytest.raises(PromotionError, match="promoting step 4 .* failed 3 times"):
+        tailor.close()  # tries step 4 once more
+    monkeypatch.setattr(promote, "_copy_snapshot", copy_snapshot)
+    assert Run(home).steps() == [1, 3] and Run(home).manifest(3).notes[CARRIED_FOR] == 4
+    shutil.rmtree(memory)  # the node is lost
+    untouched = tmp_path / "home-copy"
+    shutil.copytree(home, untouched)
+
+    resumed = {}
+    for run_dir, clears in ((home, True), (untouched, False)):
+        if not clears:  # the carrier stays at the start: the promotion that needs its step replaces it
+            monkeypatch.setattr(tiers_module, "clear_stray_carriers", lambda run: [])
+        other, model2, opt2, sched2 = tiered(run_dir, tmp_path / f"memory-{run_dir.name}", promote_every=3)
+        assert Run(run_dir).steps() == ([1] if clears else [1, 3])
+        assert other.restore().tier == str(run_dir)
+        save_steps(other, model2, opt2, sched2, tokens, [2, 3, 4])
+        other.close()
+        assert [p.step for p in other.tiers.promotions] == [4]
+        on_disk = Run(run_dir)
+        assert on_disk.steps() == [1, 3, 4] and on_disk.verify() == [] and list(on_disk.lineage()) == [4, 1]
+        assert on_disk.manifest(3).notes[CARRIED_FOR] == 4
+        resumed[clears] = {step: on_disk.stored_files(step) for step in (3, 4)}
+    assert resumed[True] == resumed[False]  # the same snapshots, this lineage's
+    assert "a carrier no composite there needs" in caplog.text
+
+
+@pytest.mark.parametrize("newer_fails", [False, True])
+def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_dropped_silently(
+        tmp_path, tokens, monkeypatch, caplog, newer_fails):
+    """Its first try fails; while it waits to try again, the memory tier (keep=1) commits a newer
+    composite and removes that one. The promotion was dropped without a word; now the newer
+    composite is promoted in its place at once, and the Promotion names the one it superseded
+    and why (the log too); where the newer one fails as well, the PromotionError names both."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    waiting, go = threading.Event(), threading.Event()
+
+    def held(seconds):
+        waiting.set()
+        go.wait(120)
+
+    monkeypatch.setattr(promote, "_pause_before_retry", held)
+    copy_file, failed = promote._copy_file, []
+
+    def failing(source, key, sink, entry):
+        if "step-00000002" in key and not failed or newer_fails and "step-00000003" in key:
+            failed.append(key)
+            raise OSError(errno.EIO, "Input/output error")
+        copy_file(source, key, sink, entry)
+
+    monkeypatch.setattr(promote, "_copy_file", failing)
+    tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1, policy=Full())
+    save_steps(tailor, model, opt, sched, tokens, [1])
+    save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
+    assert waiting.wait(120)  # its promotion failed once and waits to try again
+    save_steps(tailor, model, opt, sched, tokens, [3], settle=False)
+    assert Run(memory).steps() == [3]  # the memory tier's retention removed step 2
+    go.set()
+    try:
+        tailor.wait(promoted=True)
+    except PromotionError as err:
+        failure = str(err)
+    else:
+        failure = None
+    assert "promoting step 2 from" in caplog.text and "so step 3, its newest composite, is promoted in its place" in caplog.text
+    if newer_fails:
+        assert re.match(r"promoting step 3 from .*memory to .*home failed 3 times \(step 2: Input/output error; "
+                        r"step 3: Input/output error\)", failure or "")
+        assert [p.step for p in tailor.tiers.promotions] == [1]
+    else:
+        assert failure is None and [p.step for p in tailor.tiers.promotions] == [1, 3]
+        assert tailor.tiers.promotions[-1].superseded == {2: "Input/output error"}
+    monkeypatch.setattr(promote, "_copy_file", copy_file)
+    tailor.close()
+    assert Run(home).steps() == [1, 3] and Run(home).verify() == []
