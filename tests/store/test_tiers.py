@@ -1,8 +1,9 @@
 """Storage tiers in one process: promotion makes composites whole in the slower tier, each tier
 keeps its own retention, restore takes the newest composite of any tier (the faster on a tie)
 and says which, a failed promotion is reported and damages nothing (never dropped without a
-word), what it left never blocks a later lineage, and a full memory tier fails the save clearly
-and loses no composite. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
+word), what it left never blocks a later lineage, a full memory tier fails the save clearly and
+loses no composite, and a tier that cannot be written fails the writer at its start, leaving
+every tier as it was. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import errno
 import logging
 import re
 import shutil
+import subprocess
 import threading
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise, tiny, train, unit_versions
+from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
 
 from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, Tier
 from llmtailor.constants import CARRIED_FOR, TIERS_FILE
@@ -446,3 +450,68 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
     monkeypatch.setattr(promote, "_copy_file", copy_file)
     tailor.close()
     assert Run(home).steps() == [1, 3] and Run(home).verify() == []
+
+
+@pytest.fixture
+def read_only_dir(small_fs):
+    """A directory on a file system mounted read-only (root may not write there either)."""
+    (small_fs / "tier").mkdir()
+    result = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot remount read-only here: {result.stderr.strip()}")
+    return small_fs / "tier"
+
+
+def test_a_tier_that_cannot_be_written_fails_the_writer_at_once_and_leaves_every_tier_as_it_was(tmp_path, read_only_dir):
+    """A run directory or memory tier that cannot be written (read-only, under /sys or /proc, under
+    a file) was a raw FileNotFoundError naming `.tiers.json.PID.tmp` with a record left in the
+    memory tier naming a tier that is not there, or accepted until the first save; a failed start
+    left a `.lock`. Now: a ConfigError naming the path and why, and nothing written anywhere."""
+    (tmp_path / "a-file").write_text("not a directory")
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    earlier = Tailor(home, *tiny(), tiers=[Tier(memory)])  # an existing run: its record and locks stay as they are
+    earlier.close()
+    found = tree_digest(tmp_path)
+    in_sys, in_proc = (Path(f"/{top}/llmtailor-{uuid.uuid4().hex[:8]}") for top in ("sys/kernel", "proc"))
+    unwritable = {  # where -> the path the message names, and why
+        read_only_dir: (read_only_dir / ".lock", "read-only file system"),
+        in_sys: (in_sys, "operation not permitted"),
+        in_proc / "tier": (in_proc, "no such file or directory"),
+        tmp_path / "a-file" / "tier": (tmp_path / "a-file" / "tier", "a part of the path is a file, not a directory"),
+    }
+    for where, (named, why) in unwritable.items():
+        for run_dir, tiers in ((where, [Tier(memory)]), (home, [Tier(where)]), (home, [Tier(memory), Tier(where)]),
+                               (tmp_path / "new-home", [Tier(tmp_path / "new-memory"), Tier(where)])):
+            with pytest.raises(ConfigError, match=rf"^cannot write to the run: {re.escape(str(named))}: {why} \(a tier "
+                                                  r"of this writer, which saves to every tier"):
+                Tailor(run_dir, *tiny(), tiers=tiers)
+            assert tree_digest(tmp_path) == found and not (tmp_path / "new-home").exists()
+            assert not (tmp_path / "new-memory").exists()
+    assert read_record(Run(memory)) == read_record(Run(home)) == [
+        {"location": str(memory), "keep": 2, "promote_every": 1}, {"location": str(home), "keep": None, "promote_every": None}]
+    reader = Tailor(read_only_dir, *tiny(), tiers=[Tier(memory)], read_only=True)  # a reader writes nothing: no check
+    reader.close()
+
+
+def test_a_record_that_cannot_be_written_is_put_back_everywhere(tmp_path, monkeypatch):
+    """Each tier's tiers.json is replaced only once every lock is taken; one that fails (here:
+    the disk full at the run directory's) puts back those written before it."""
+    from llmtailor.store.storage.local import LocalStorage
+
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    Tailor(home, *tiny(), tiers=[Tier(memory)]).close()
+    before = tree_digest(tmp_path)
+    replace = LocalStorage.replace
+
+    def full_at_home(storage, key, data):
+        if key == TIERS_FILE and storage.root.name.endswith("home"):  # the last tier: every other one written first
+            raise OSError(errno.ENOSPC, "No space left on device", str(storage.root / f".{TIERS_FILE}.1.tmp"))
+        replace(storage, key, data)
+
+    monkeypatch.setattr(LocalStorage, "replace", full_at_home)
+    with pytest.raises(ConfigError, match=rf"^cannot record the tiers in tier {home}: {home}/{TIERS_FILE}: no space left"):
+        Tailor(home, *tiny(), tiers=[Tier(memory, keep=5)])
+    assert tree_digest(tmp_path) == before
+    with pytest.raises(ConfigError, match="cannot record the tiers"):
+        Tailor(tmp_path / "new-home", *tiny(), tiers=[Tier(tmp_path / "new-memory")])
+    assert not (tmp_path / "new-home").exists() and not (tmp_path / "new-memory").exists()
