@@ -82,7 +82,7 @@ class Tailor:
             self.tiers.open_for_writing(self.coordinator, self.read_only)
         except BaseException:
             self._remove_hooks()
-            self.tiers.release()
+            self.tiers.abandon()  # a failed construction leaves every tier as it found it
             raise
 
     @property

@@ -645,7 +645,7 @@ def open_output(path: Path, prefix: str) -> tuple[Path, list[Path]]:
         path.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=prefix, dir=path)), created
     except OSError as err:
-        _remove_empty(created)
+        remove_empty(created)
         raise StorageError(f"cannot create the output directory: {describe_os_error(err, path)}", err) from None
 
 
@@ -653,15 +653,19 @@ def abandon_output(err: BaseException, created: list[Path], path: Path) -> BaseE
     """After a failed export (its temporary directory removed): remove the directories
     ``open_output`` created, if still empty, so a failure leaves no empty directory; return
     the error to raise (an OS error as a TailorError naming the path and the reason)."""
-    _remove_empty(created)
+    remove_empty(created)
     if isinstance(err, OSError):
         return StorageError(f"{describe_os_error(err, path)}; nothing was written to {path}", err)
     return err
 
 
-def _remove_empty(directories: list[Path]) -> None:
+def remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (innermost first) that a failed operation created, each only if
+    empty, stopping at the first that is not: anything in them is not the caller's to remove."""
     for made in directories:  # innermost first
         try:
             made.rmdir()  # only if empty: anything else is not ours to remove
+        except FileNotFoundError:
+            continue  # never made (the failure came first), or removed already
         except OSError:
             return

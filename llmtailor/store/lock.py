@@ -11,7 +11,11 @@ left stale. Holding it also proves that nothing under ``.tmp/`` or ``.trash/`` b
 live writer: the holder clears both. It is taken only in a run directory, or in a missing or
 empty directory a writer is about to make one (``describe_non_run``): a directory that is
 something else (a Trainer ``checkpoint-N/``, a project folder with its own ``.tmp/``) is
-refused before anything in it is created or deleted.
+refused before anything in it is created or deleted. A writer whose start failed ``abandon``s
+the lock: it removes the lock file and the directories that taking the lock created, so the
+location is left as it was found. That is safe because the holder unlinks the file while it
+holds the lock, and a taker checks, once its ``flock`` is granted, that the file it locked is
+still ``.lock`` (else it locked a file on its way out, and opens the new one).
 
 **Reader leases.** Every committed snapshot holds a lease file (``LEASE_FILE``, created in the
 temporary directory before the commit rename; for a snapshot written before leases existed,
@@ -31,11 +35,11 @@ import fcntl
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR
 from llmtailor.errors import TailorError
-from llmtailor.store.files import StorageError, describe_os_error
+from llmtailor.store.files import StorageError, describe_os_error, remove_empty
 from llmtailor.store.storage.base import Lease as LeaseBase, Leftovers, WriterLockBackend
 
 if TYPE_CHECKING:
@@ -179,19 +183,32 @@ class WriterLock:
         return f"{type(self.storage).__name__}:{self.storage.identity()}"
 
     def release(self) -> None:
-        if self._backend is None:
+        self._let_go(abandon=False)
+
+    def abandon(self) -> None:
+        """``release``, and where this is the process's last holder of the lock, remove what
+        taking it created (the lock file, the run's new directories): for a writer whose start
+        failed, which leaves the location as it found it."""
+        self._let_go(abandon=True)
+
+    def _let_go(self, abandon: bool) -> None:
+        backend = self._backend
+        if backend is None:
             return
         key = self._key()
         held = _HELD.get(key)
-        if held is not None and held[0] is self._backend:
+        last = True
+        if held is not None and held[0] is backend:
             held[1] -= 1
             if held[2] == id(self):
                 held[2] = None
-            if held[1] == 0:
+            last = held[1] == 0
+            if last:
                 del _HELD[key]
-                self._backend.release()
-        else:
-            self._backend.release()
+        if last and abandon:
+            backend.abandon()
+        elif last:
+            backend.release()
         self._backend = None
 
     def __del__(self) -> None:
@@ -214,36 +231,43 @@ class FlockWriter(WriterLockBackend):
     def __init__(self, root: Path):
         self.root = root
         self._handle = None
+        self._made_file = False
+        """Whether ``take`` created the lock file."""
+        self._made_dirs: list[Path] = []
+        """The directories ``take`` created, innermost first."""
 
     def take(self) -> None:
+        made: list[Path] = []
         try:
+            made = [p for p in (self.root, *self.root.parents) if not p.exists()]
             self.root.mkdir(parents=True, exist_ok=True)
-            handle = open(self.root / LOCK_FILE, "a+", encoding="utf-8")
-        except OSError as err:
-            raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root)}", err) from None
+            self._handle, self._made_file = _locked_file(self.root)
+        except BaseException as err:
+            remove_empty(made)  # a take that failed leaves no directory of its own
+            if isinstance(err, OSError) and not isinstance(err, StorageError):
+                raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root)}", err) from None
+            raise
+        self._made_dirs = made
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown process"
-            handle.close()
-            raise TailorError(
-                f"{self.root} is being written by another writer ({holder}); a run has one writer at a time"
-            ) from None
-        try:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(_holder() + "\n")
-            handle.flush()
+            self._handle.seek(0)
+            self._handle.truncate()
+            self._handle.write(_holder() + "\n")
+            self._handle.flush()
         except OSError as err:
-            handle.close()
+            self.abandon()
             raise StorageError(f"cannot write to the run: {describe_os_error(err, self.root / LOCK_FILE)}", err) from None
-        self._handle = handle
 
     def release(self) -> None:
         if self._handle is not None:
             self._handle.close()  # closing the descriptor releases the flock
             self._handle = None
+
+    def abandon(self) -> None:
+        if self._handle is not None and self._made_file:
+            (self.root / LOCK_FILE).unlink(missing_ok=True)  # while held: a taker that opened it meanwhile sees it gone
+        self.release()
+        remove_empty(self._made_dirs)
+        self._made_file, self._made_dirs = False, []
 
     def holder_if_other(self) -> str | None:
         try:
@@ -260,6 +284,36 @@ class FlockWriter(WriterLockBackend):
             return None
         finally:
             os.close(fd)
+
+
+_TAKE_ATTEMPTS = 20
+"""Tries at locking ``.lock`` while holders abandon it under the taker (each try, one did)."""
+
+
+def _locked_file(root: Path) -> tuple[IO[str], bool]:
+    """``root/.lock`` opened (created if missing) and locked exclusively, and whether this
+    created it; TailorError naming the holder when another writer holds it. The file locked is
+    the one at ``.lock`` once the lock is granted (module docstring)."""
+    path = root / LOCK_FILE
+    for _ in range(_TAKE_ATTEMPTS):
+        try:
+            handle, created = open(path, "x+", encoding="utf-8"), True
+        except FileExistsError:
+            handle, created = open(path, "a+", encoding="utf-8"), False
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown process"
+            handle.close()
+            raise TailorError(f"{root} is being written by another writer ({holder}); a run has one writer at a time") from None
+        except BaseException:
+            handle.close()
+            raise
+        if _still_in_place(handle.fileno(), path):
+            return handle, created
+        handle.close()  # a holder abandoning it unlinked it under us: lock the file at .lock now
+    raise StorageError(f"{path}: replaced {_TAKE_ATTEMPTS} times while being locked; try again")
 
 
 class Lease(LeaseBase):
@@ -293,7 +347,7 @@ def lease_for_reading(directory: Path) -> Lease | None:
             fcntl.flock(fd, fcntl.LOCK_SH)
         except OSError:  # a filesystem without flock: read unprotected, as before leases
             return Lease(fd)
-        if not _still_in_place(fd, directory):
+        if not _still_in_place(fd, directory / LEASE_FILE):
             os.close(fd)
             return None
     except BaseException:
@@ -348,9 +402,10 @@ def _open_lease(directory: Path) -> int | None:
         raise StorageError(describe_os_error(err, path), err) from None
 
 
-def _still_in_place(fd: int, directory: Path) -> bool:
+def _still_in_place(fd: int, path: Path) -> bool:
+    """Whether the file open at ``fd`` is still the one at ``path``."""
     try:
-        now = os.stat(directory / LEASE_FILE, follow_symlinks=False)
+        now = os.stat(path, follow_symlinks=False)
     except OSError:
         return False
     held = os.fstat(fd)

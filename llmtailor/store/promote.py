@@ -11,13 +11,25 @@ commit; ``Storage.begin_snapshot``), then B's ``latest``. A copied manifest is A
 composite there). A crash or failure at any point leaves B as it was plus, at most, whole older snapshots
 (never read as the newest: ``latest`` and the parent links do not lead to them).
 
+A carrier whose composite never committed in B (the promotion was killed or failed after the
+carrier's commit), and which no composite of B needs, belongs to no lineage: nothing restores
+it, and a later lineage (one resumed from an older composite after the faster tier was lost)
+may need a snapshot of its step. Such a *stray* carrier is replaced when a promotion needs its
+step, and the next writer removes those a killed promotion left above B's newest composite
+when it starts (``clear_stray_carriers``); a snapshot of B that a composite needs is never
+replaced (``promote`` fails, naming it).
+
 ``Promoter`` runs promotions in the background, one at a time, down every tier: after each
 commit to the first tier it wakes, and for each pair of tiers promotes the newest composite of
 the faster one when it is at least ``promote_every`` steps after the slower one's newest (so a
-lagging promoter skips composites, never queues them). A failed promotion is retried, then kept
-and reported once by ``take_failure`` (the writer's next save, wait or close); neither tier is
-damaged by it. Training never waits for a promotion but at ``finish`` (``close``), which
-promotes the last composite to every tier.
+lagging promoter skips composites, never queues them: a composite the faster tier's retention
+removed before its promotion began is passed over without a word, as its newer one is promoted
+next). A failed promotion is retried; where the faster tier's retention removed the composite
+while the promoter waited to try again, the retry promotes that tier's newest composite in its
+place, and the ``Promotion`` done names what it superseded (``superseded``; also logged). After
+``ATTEMPTS`` failed tries the failure is kept and reported once by ``take_failure`` (the writer's
+next save, wait or close); neither tier is damaged by it. Training never waits for a promotion
+but at ``finish`` (``close``), which promotes the last composite to every tier.
 """
 
 from __future__ import annotations
@@ -25,15 +37,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR, MANIFEST_FILE, snapshot_dirname
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.store.files import describe_os_error
 from llmtailor.store.manifest import FileEntry, Manifest
-from llmtailor.store.retention import retain_after_commit
+from llmtailor.store.retention import discard_snapshots, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Sink, Storage
 from llmtailor.store.writer import replace_latest
@@ -63,8 +77,9 @@ def promote(source: Run, target: Level, step: int, parent: int | None = None) ->
         held = set(dst.steps())
         for needed in sorted(source.needs(composite)):
             if needed in held:
-                _check_same(source, dst, needed)
-                continue
+                if _same_snapshot(source, dst, needed):
+                    continue
+                _replace_stray_carrier(source, dst, needed)
             _copy_snapshot(source, target, needed, step, parent if parent in held and parent < step else None)
             copied.append(needed)
             size += source.manifest(needed).total_bytes()
@@ -74,16 +89,63 @@ def promote(source: Run, target: Level, step: int, parent: int | None = None) ->
     return copied, size
 
 
-def _check_same(source: Run, dst: Run, step: int) -> None:
-    """The snapshot of ``step`` that ``dst`` holds is the one ``source`` holds (a promotion
-    repeated); not one of another lineage that reused the step."""
+def _same_snapshot(source: Run, dst: Run, step: int) -> bool:
+    """Whether the snapshot of ``step`` that ``dst`` holds is the one ``source`` holds (a
+    promotion repeated), not one of another lineage that reused the step."""
     def essence(manifest: Manifest) -> Manifest:
         notes = {k: v for k, v in manifest.notes.items() if k != CARRIED_FOR}
         return manifest.model_copy(update={"parent": None, "notes": notes})
 
-    if essence(source.manifest(step)) != essence(dst.manifest(step)):
+    return essence(source.manifest(step)) == essence(dst.manifest(step))
+
+
+def _replace_stray_carrier(source: Run, dst: Run, step: int) -> None:
+    """Remove ``dst``'s snapshot of ``step``, another than ``source``'s, for ``source``'s to be
+    copied in its place: only a stray carrier (module docstring) goes; any other raises."""
+    if step not in stray_carriers(dst, [step]):
         raise TailorError(f"{dst.where(step)} is another snapshot of step {step} than {source.where(step)} "
-                          "(written by another lineage); it is not replaced")
+                          "(written by another lineage, and a composite there needs it); it is not replaced")
+    log.info("llmtailor promotion: replacing %s, a carrier no composite there needs, with %s",
+             dst.where(step), source.where(step))
+    if step not in discard_snapshots(dst, [step]).deleted:
+        raise TailorError(f"{dst.where(step)}, a carrier no composite there needs, could not be removed to make room "
+                          f"for {source.where(step)} (being read, or see the log)")
+
+
+def stray_carriers(run: Run, steps: Iterable[int]) -> list[int]:
+    """The stray carriers among ``steps`` (module docstring): committed snapshots of ``run``
+    with a ``carried_for`` note that no composite of ``run`` needs, a composite being any of
+    its snapshots that is not a carrier, and its newest (``latest_step``: what a restore reads,
+    whatever it is). Reads the manifests of the candidates and of the snapshots after them."""
+    present, newest = run.steps(), run.latest_step()
+    carriers = [s for s in steps if s in present and s != newest and CARRIED_FOR in run.manifest(s).notes]
+    if not carriers:
+        return []
+    needed: set[int] = set()
+    for step in present:  # a composite needs no snapshot after its own
+        if step > min(carriers) and CARRIED_FOR not in run.manifest(step).notes:
+            needed.update(run.needs(run.resolve(step)))
+    return [s for s in carriers if s not in needed]
+
+
+def clear_stray_carriers(run: Run) -> list[int]:
+    """At a writer's start, holding the lock of ``run`` (a tier): remove the stray carriers a
+    killed promotion left there; returns the steps removed. A promotion commits a composite's
+    carriers, then the composite, then ``latest``: killed in between, it leaves them after the
+    tier's newest composite, so only the snapshots after it are read (any other stray carrier
+    is replaced when a promotion needs its step, and goes with the tier's retention). A
+    failure is logged, never fatal: the carrier stays, harmless until its step is needed."""
+    try:
+        newest = run.latest_step()
+        if newest is None:
+            return []
+        stray = stray_carriers(run, [step for step in run.steps() if step > newest])
+        if stray:
+            log.info("llmtailor: removing carrier(s) %s from %s, left by a promotion that did not finish", stray, run.root)
+        return discard_snapshots(run, stray).deleted
+    except (TailorError, OSError) as err:
+        log.warning("llmtailor: looking for carriers a promotion left in %s: %s", run.root, err)
+        return []
 
 
 def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent: int | None) -> None:
@@ -138,6 +200,9 @@ class Promotion:
     """The snapshots copied (the composite's own and those it needs that the tier lacked)."""
     bytes: int
     seconds: float
+    superseded: dict[int, str] = field(default_factory=dict)
+    """Composites whose promotion failed and which the faster tier's retention removed before they
+    could be tried again (step -> the failure): this one, newer, was promoted in their place."""
 
 
 class Promoter:
@@ -227,26 +292,58 @@ class Promoter:
         # (a step saved again after a restore is another snapshot), none shared with training.
         source = Run(self._levels[target - 1].run.storage)
         level = replace(self._levels[target], run=Run(self._levels[target].run.storage))
-        wait, start = RETRY_WAIT, time.perf_counter()
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                copied, size = promote(source, level, step, there)
-                break
-            except SnapshotNotFoundError:
-                return  # the source moved on: its newer composite comes with the next commit
-            except (TailorError, OSError) as err:
-                if attempt == ATTEMPTS:
-                    self._fail(f"promoting step {step} from {source.root} to {level.name} failed {ATTEMPTS} times "
-                               f"({err}); both tiers are intact, and step {step} stays in {source.root}")
-                    return
-                time.sleep(wait)
-                wait *= 2
-        done = Promotion(level.name, step, copied, size, time.perf_counter() - start)
+        start = time.perf_counter()
+        done = self._with_retries(target, source, level, step, there)
+        if done is None:
+            return
+        step, copied, size, superseded = done
         with self._guard:
             self._newest[target] = step
-            self.done.append(done)
+            self.done.append(Promotion(level.name, step, copied, size, time.perf_counter() - start, superseded))
         if level.keep is not None:
             retain_after_commit(level.run, level.keep, level.run.where(step))
+
+    def _with_retries(self, target: int, source: Run, level: Level, step: int,
+                      there: int | None) -> tuple[int, list[int], int, dict[int, str]] | None:
+        """``promote`` the composite of ``step``, retried (module docstring): the step promoted,
+        the snapshots copied and their bytes, and what it superseded; None when nothing was
+        promoted (a failure is kept for ``take_failure``)."""
+        wait, failed = RETRY_WAIT, []  # failed: this promotion's failed tries, (step, why)
+        while True:
+            try:
+                copied, size = promote(source, level, step, there)
+                return step, copied, size, {s: why for s, why in failed if s != step}
+            except SnapshotNotFoundError as gone:
+                if not failed:
+                    return None  # the source moved on before the promotion began: its newer composite comes next
+                newer = self._successor(target, step, failed, gone)
+                if newer is None:
+                    return None
+                step = newer  # the one that failed left the source meanwhile: its successor, at once
+            except (TailorError, OSError) as err:
+                failed.append((step, str(err) if isinstance(err, TailorError) else describe_os_error(err)))
+                if len(failed) == ATTEMPTS:
+                    self._fail(f"promoting step {step} from {source.root} to {level.name} failed {ATTEMPTS} times "
+                               f"({_tries(failed)}); both tiers are intact, and step {step} stays in {source.root}")
+                    return None
+                _pause_before_retry(wait)
+                wait *= 2
+
+    def _successor(self, target: int, step: int, failed: list[tuple[int, str]], gone: Exception) -> int | None:
+        """The composite to promote in place of ``step``, whose promotion failed and which then
+        left the faster tier (its retention moved on): that tier's newest, said in the log; None
+        (the failure kept for ``take_failure``) when there is no newer one."""
+        source, name = self._levels[target - 1].run.root, self._levels[target].name
+        with self._guard:
+            newer = self._newest[target - 1]
+        if newer is None or newer <= step:
+            self._fail(f"promoting step {step} from {source} to {name} failed ({_tries(failed)}), and step {step} "
+                       f"then left {source} ({gone}); it is not promoted, and {name} is intact")
+            return None
+        log.warning("llmtailor: promoting step %d from %s to %s failed (%s); %s removed it before it was tried again "
+                    "(its retention), so step %d, its newest composite, is promoted in its place",
+                    step, source, name, failed[-1][1], source, newer)
+        return newer
 
     def _fail(self, message: str) -> None:
         log.warning("llmtailor: %s", message)
@@ -254,4 +351,17 @@ class Promoter:
             self._failures.append(message)
 
 
-__all__ = ["ATTEMPTS", "Promoter", "Promotion", "promote"]
+def _tries(failed: list[tuple[int, str]]) -> str:
+    """What each failed try met, the step named where the tries were of more than one."""
+    if len({step for step, _ in failed}) == 1:
+        return "; ".join(dict.fromkeys(why for _, why in failed))
+    return "; ".join(f"step {step}: {why}" for step, why in dict.fromkeys(failed))
+
+
+def _pause_before_retry(seconds: float) -> None:
+    """The wait before a failed promotion is tried again (its own function: a test holds it to
+    act while a promotion waits)."""
+    time.sleep(seconds)
+
+
+__all__ = ["ATTEMPTS", "Promoter", "Promotion", "clear_stray_carriers", "promote", "stray_carriers"]

@@ -90,11 +90,16 @@ def plan_retention(run: Run, keep: int) -> RetentionPlan:
 
 
 def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
-    """Delete ``plan.delete``, except the snapshots a reader holds (module docstring). Failures
-    are logged, not raised: a snapshot that could not be moved stays committed and whole; one
-    moved but not removed stays in the trash for the next writer. The caller holds the run's
-    writer lock."""
-    if not plan.delete:
+    """Delete ``plan.delete``, except the snapshots a reader holds (``discard_snapshots``)."""
+    return discard_snapshots(run, plan.delete)
+
+
+def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
+    """Delete the committed snapshots of ``steps``, crash-safely, except those a reader holds
+    (module docstring). Failures are logged, not raised: a snapshot that could not be moved
+    stays committed and whole; one moved but not removed stays in the trash for the next
+    writer. The caller holds the run's writer lock."""
+    if not steps:
         return RetentionOutcome()
     storage = run.storage
     moved: list[tuple[int, str]] = []
@@ -102,7 +107,7 @@ def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
     problems: list[str] = []
     claims: list[Lease] = []
     try:
-        for step in plan.delete:
+        for step in steps:
             source = run.snapshot_key(step)
             try:
                 claim = storage.lease_for_removal(source)

@@ -12,11 +12,14 @@ one-tier case: the run directory alone.
   tier on a tie), so losing the faster tiers loses only the saves since the last promotion.
 - Each tier has its own writer lock (taken together by the writer) and its own retention.
 - ``tiers.json`` in every tier records the tiers (``inspect`` and ``gc`` read it).
+- A writer starts only where it can write every tier (taking each lock proves it), records the
+  tiers in all of them only then, and a start that fails leaves every tier as it found it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,14 +39,17 @@ from llmtailor.errors import (
     describe_validation,
 )
 from llmtailor.store.coordinator import Coordinator
+from llmtailor.store.files import StorageError, describe_os_error
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock
-from llmtailor.store.promote import Promoter, Promotion
+from llmtailor.store.promote import Promoter, Promotion, clear_stray_carriers
 from llmtailor.store.retention import Keep, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import open_storage
 
 TIERS_FORMAT = "llmtailor.tiers"
+
+log = logging.getLogger(__name__)
 
 
 class Tier(BaseModel):
@@ -134,6 +140,8 @@ class Tiers:
         self.levels = levels
         self.promoter: Promoter | None = None
         """Set by ``open_for_writing`` (the writer's rank 0, with more than one tier)."""
+        self._recorded_over: list[tuple[Level, bytes | None]] = []
+        """The tiers this writer recorded itself in, with what they recorded before (``abandon``)."""
 
     @classmethod
     def of(cls, home: str | Path, config: Any) -> Tiers:
@@ -163,10 +171,13 @@ class Tiers:
     # -- locks and the record -------------------------------------------------------------
 
     def open_for_writing(self, coordinator: Coordinator, read_only: bool = False) -> None:
-        """Collective: rank 0 takes every tier's writer lock (all or none; where a tier cannot
-        be written, it only refuses one another process holds: ``WriterLock.acquire_or_look``),
-        records the tiers in each and starts promoting; every rank raises what failed. Nothing
-        for a reader (``read_only``).
+        """Collective: rank 0 takes every tier's writer lock (all or none), records the tiers in
+        each, removes the carriers a killed promotion left (``promote.clear_stray_carriers``)
+        and starts promoting; every rank raises what failed, and a failed start leaves every
+        tier as it was (``abandon``). With more than one tier, a tier that cannot be written (a
+        read-only or foreign path) is a ConfigError naming it, before anything is recorded; a
+        run directory alone may be read-only (``WriterLock.acquire_or_look``: it restores, and
+        its first save fails, saying why). Nothing for a reader (``read_only``).
 
         In a distributed job every tier must be one store that every rank reaches (rank 0
         commits every rank's files there, and promotes them): each rank looks for the record
@@ -181,7 +192,7 @@ class Tiers:
         blind = [level.name for level in self.levels if not self._sees(level, token)]
         unseen = {rank: names for rank, names in enumerate(coordinator.exchange(f"{round_}/seen", blind)) if names}
         if unseen:
-            self.release()
+            self.abandon()
             which = "; ".join(f"rank {rank} cannot see {', '.join(names)}" for rank, names in unseen.items())
             raise ConfigError(f"every tier must be one store all ranks reach (rank 0 commits and promotes every "
                               f"rank's files there): {which} (node-local storage on another node?). Tiers per node "
@@ -197,13 +208,21 @@ class Tiers:
     def _open(self) -> str | None:
         """Rank 0's part of ``open_for_writing``; the record's token (None: nothing recorded)."""
         try:
+            if len(self.levels) == 1:  # one tier: nothing to record or promote, no thread
+                self.home.lock.acquire_or_look()
+                token = None
+            else:
+                for level in self.levels:
+                    _take(level)
+                token = self._write_record()
             for level in self.levels:
-                level.lock.acquire_or_look()
-            if len(self.levels) > 1:  # one tier: nothing to promote, no thread
+                if level.lock.held:
+                    clear_stray_carriers(level.run)
+            if len(self.levels) > 1:
                 self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
-            return self._write_record() if self.first.lock.held else None
+            return token
         except BaseException:
-            self.release()
+            self.abandon()
             raise
 
     def committed(self, step: int, where: str) -> None:
@@ -251,15 +270,41 @@ class Tiers:
         for level in self.levels:
             level.lock.release()
 
-    def _write_record(self) -> str | None:
+    def abandon(self) -> None:
+        """Undo a writer's start that failed: each tier's record put back as it was, every lock
+        released and what taking it created removed (a new tier's directory and ``.lock``)."""
+        self.promoter = None
+        for level, before in reversed(self._recorded_over):
+            storage = level.run.storage
+            try:
+                if before is None:
+                    storage.remove(TIERS_FILE)
+                else:
+                    storage.replace(TIERS_FILE, before)
+            except (TailorError, OSError) as err:
+                log.warning("llmtailor: could not put back %s: %s", storage.where(TIERS_FILE), err)
+        self._recorded_over = []
+        for level in self.levels:
+            level.lock.abandon()
+
+    def _write_record(self) -> str:
         """Record the tiers in each of them (``tiers.json``), so ``inspect`` and ``gc`` of any
-        tier find the others; returns the record's token (this writer's), None with one tier."""
-        if len(self.levels) == 1:
-            return None
+        tier find the others; returns the record's token (this writer's). Each tier's record is
+        replaced atomically; a failure raises ConfigError naming the tier, and ``abandon`` puts
+        back what was replaced."""
         token = uuid.uuid4().hex
         record = {"format": TIERS_FORMAT, "writer": token, "tiers": [level.record() for level in self.levels]}
         for level in self.levels:
-            level.run.storage.replace(TIERS_FILE, json.dumps(record, indent=1).encode())
+            storage = level.run.storage
+            try:
+                before = bytes(storage.read(TIERS_FILE)) if storage.is_file(TIERS_FILE) else None
+                storage.replace(TIERS_FILE, json.dumps(record, indent=1).encode())
+            except TailorError as err:
+                raise ConfigError(f"cannot record the tiers in tier {level.name}: {err}") from None
+            except OSError as err:  # its cause alone: the temporary file it names is not the user's
+                reason = describe_os_error(OSError(err.errno, err.strerror), storage.where(TIERS_FILE))
+                raise ConfigError(f"cannot record the tiers in tier {level.name}: {reason}") from None
+            self._recorded_over.append((level, before))
         return token
 
     # -- reading ----------------------------------------------------------------------------
@@ -379,6 +424,16 @@ def tier_states(run: Run) -> list[TierState] | None:
 
 def _level(run: Run, keep: int | None, promote_every: int | None) -> Level:
     return Level(run, WriterLock(run.storage), keep, promote_every)
+
+
+def _take(level: Level) -> None:
+    """Take a tier's writer lock, which also proves that the tier can be written (the lock file
+    is written there): one that cannot be is a ConfigError naming it and why."""
+    try:
+        level.lock.acquire()
+    except StorageError as err:
+        raise ConfigError(f"{err} (a tier of this writer, which saves to every tier: give tiers it can write, or "
+                          "read_only=True to restore only)") from None
 
 
 def read_record(run: Run) -> list[dict[str, Any]] | None:

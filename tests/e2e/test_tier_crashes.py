@@ -2,7 +2,8 @@
 tier in front of its run directory is SIGKILLed; it resumes from the memory tier (at most the
 save in flight lost), or, with the memory tier wiped (the node lost), from the run directory
 (at most the saves since the last promotion lost); both resumed runs end bitwise equal to an
-uninterrupted one. A process SIGKILLed in the middle of a promotion leaves both tiers whole."""
+uninterrupted one. A process SIGKILLed in the middle of a promotion leaves both tiers whole, and
+what it left in the run directory never blocks a later lineage's promotions."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from llmtailor import Run
+from llmtailor.constants import CARRIED_FOR
 
 SHM = Path("/dev/shm")
 JOB = Path(__file__).parent / "tier_crash_job.py"
@@ -42,6 +44,12 @@ def job(out: Path, *flags: str, expect: int = 0, promoted_at: str | None = None)
     assert proc.returncode == expect, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return (json.loads(out.read_text()) if expect == 0 else None), lines
+
+
+def crash_job(home: Path, memory: Path, point: str) -> subprocess.CompletedProcess:
+    """tier_crash_job.py at ``point`` (its docstring)."""
+    return subprocess.run([sys.executable, str(JOB), str(home), str(memory), point], capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.mark.slow
@@ -86,20 +94,45 @@ def test_sigkill_during_promotion_leaves_both_tiers_whole(tmp_path, memory, poin
     step 4. The memory tier restores step 4; the run directory still restores step 1; a new
     writer clears what the crash left and promotes again."""
     home = tmp_path / "home"
-    proc = subprocess.run([sys.executable, str(JOB), str(home), str(memory), point], capture_output=True, text=True,
-                          timeout=300)
+    proc = crash_job(home, memory, point)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     in_memory, on_disk = Run(memory), Run(home)
     assert in_memory.verify() == [] and in_memory.latest_step() == 4
     assert on_disk.verify() == [] and on_disk.latest_step() == 1
     assert on_disk.steps() == ([1, 3] if point != "file" else [1])
-    proc = subprocess.run([sys.executable, str(JOB), str(home), str(memory), "resume"], capture_output=True, text=True,
-                          timeout=300)
+    proc = crash_job(home, memory, "resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result == {"restored": 4, "tier": str(memory), "promoted_to_disk": 4}
     assert Run(home).latest_step() == 4 and Run(home).verify() == []
     assert not (home / ".tmp").exists() or not any((home / ".tmp").iterdir())
+
+
+@pytest.mark.slow
+def test_a_carrier_left_by_a_killed_promotion_does_not_block_the_lineage_resumed_from_disk(tmp_path, memory):
+    """The shape that found it: the promotion of step 4 is SIGKILLed once its carrier (step 3)
+    committed in the run directory; the node is lost (the memory tier wiped); the next writer
+    restores step 1 from the run directory and trains on, and the promotion of its step 4 needs
+    its own step 3. It failed 3 times ("is another snapshot of step 3 ... it is not replaced").
+    The next writer clears, when it starts, a carrier no composite of the tier needs."""
+    home = tmp_path / "home"
+    proc = crash_job(home, memory, "carrier")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert Run(home).steps() == [1, 3] and Run(home).manifest(3).notes[CARRIED_FOR] == 4
+    shutil.rmtree(memory)  # the node is lost
+
+    proc = crash_job(home, memory, "retrain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    # 4 (3 steps after 1; 3 carried with it) and 7 (3 steps on; 6 carried), each promoted once
+    assert result == {"at_start": [1], "restored": 1, "tier": str(home), "promoted": [4, 7], "on_disk": [1, 3, 4, 6, 7]}
+    on_disk, in_memory = Run(home), Run(memory)
+    assert on_disk.verify() == [] and on_disk.latest_step() == 7 and list(on_disk.lineage()) == [7, 4, 1]
+    for step in (4, 6, 7):  # the snapshots the memory tier still holds: the same in the run directory
+        assert on_disk.stored_files(step) == in_memory.stored_files(step)
+        assert on_disk.manifest(step).composite == in_memory.manifest(step).composite
+    with on_disk.reading(4):  # whole: its carrier is this lineage's step 3
+        pass
 
 
 @pytest.mark.slow

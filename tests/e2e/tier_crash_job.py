@@ -6,6 +6,9 @@ SIGKILL this process inside the promotion of step 4 — while the carrier's firs
 written, once the carrier is committed, or just before the manifest of step 4.
 POINT ``resume``: restore the newest composite of any tier, close (promoting it), and print
 ``{"restored", "tier", "promoted_to_disk"}``.
+POINT ``retrain``: a writer starts (noting the run directory's snapshots then), restores the
+newest composite of any tier, trains and saves on to step 7 (each promotion settled before the
+next save), closes, and prints ``{"at_start", "restored", "tier", "promoted", "on_disk"}``.
 """
 
 import json
@@ -63,15 +66,29 @@ def main(home: str, memory: str, point: str) -> None:
         tailor.close()
         print(json.dumps({"restored": report.step, "tier": report.tier, "promoted_to_disk": Run(home).latest_step()}))
         return
-    arm(point)
     tokens = corpus_tokens()
-    for step in range(1, 5):
+
+    def train_and_save(step: int) -> None:
         batch = batch_at(tokens, step, 2, 32)
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         tailor.save(step)
+
+    if point == "retrain":
+        at_start = Run(home).steps()
+        report = tailor.restore()
+        for step in range(report.step + 1, 8):
+            train_and_save(step)
+            tailor.wait(promoted=True)  # a known cadence: each promotion settled before the next save
+        tailor.close()
+        print(json.dumps({"at_start": at_start, "restored": report.step, "tier": report.tier,
+                          "promoted": [p.step for p in tailor.tiers.promotions], "on_disk": Run(home).steps()}))
+        return
+    arm(point)
+    for step in range(1, 5):
+        train_and_save(step)
         if step == 1:
             tailor.wait(promoted=True)  # step 1 reaches the disk before step 2 is saved: a known start
     tailor.close()  # the promotion of step 4 is in flight, or starts here: the process dies in it

@@ -97,6 +97,11 @@ class WriterLockBackend(ABC):
     @abstractmethod
     def release(self) -> None: ...
 
+    def abandon(self) -> None:
+        """``release`` for a writer whose start failed: also remove what ``take`` created, so
+        the location is left as it was found (an object store's lease object goes anyway)."""
+        self.release()
+
     def check_held(self) -> None:
         """Raise TailorError if the lock was lost since it was taken (an object-store lease
         another writer took over); a commit checks this before its manifest is written."""
