@@ -24,16 +24,18 @@ checkpoint dict assembled from its newest composite (``interop/lightning.py``: e
 newest saved version), so Lightning restores model, optimizer, LR scheduler, loops and callbacks
 with its own code; at ``on_fit_start``, ``Tailor.restore`` of that composite then loads it again
 in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
-starts the next snapshots from that composite's lineage). Any other ``ckpt_path`` goes to the
-strategy's checkpoint I/O unchanged. ``llmtailor assemble RUN --format lightning`` writes the
-same dict as a ``.ckpt`` file plain Lightning resumes from.
+starts the next snapshots from that composite's lineage). A directory with no committed composite
+is refused naming it; any other ``ckpt_path`` goes to the strategy's checkpoint I/O unchanged.
+``llmtailor assemble RUN --format lightning`` writes the same dict as a ``.ckpt`` file plain
+Lightning resumes from.
 
 RNG order across a resume (with the ``Full`` policy training continues bit for bit, dropout
 included): the streams are restored before Lightning sets up the training data, so a resume at an
 epoch boundary makes the next epoch's DataLoader iterator (which draws its base seed from them)
 as the uninterrupted run did after the save. A resume mid-epoch makes an iterator for the rest of
 the epoch that the uninterrupted run made at the epoch's start: the streams are set again at the
-first batch, after it, as HF Trainer does.
+first batch, after it, as HF Trainer does. Each run directory has one writer: two callbacks of one
+Trainer on the same run directory or tier are refused at ``setup``.
 
 Strategies: single device and DDP (each rank writes its share of the units). FSDP, DeepSpeed and
 model-parallel strategies hold sharded state Lightning gathers its own way: refused at
@@ -135,6 +137,7 @@ class TailorCheckpoint(Checkpoint):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_strategy(trainer.strategy)
+        self._check_sole_writer(trainer.callbacks)
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, _RunCheckpointIO):
             trainer.strategy.checkpoint_io = _RunCheckpointIO(io, self)
@@ -184,6 +187,19 @@ class TailorCheckpoint(Checkpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close(raise_error=False)
+
+    def _check_sole_writer(self, callbacks: list[Any]) -> None:
+        """Refuse, before training, another ``TailorCheckpoint`` of the Trainer that writes to one
+        of this one's locations (run directory or tier): a run has one writer, and the run's lock
+        would refuse the second only at its first save, after the first had saved."""
+        mine = self.tiers()
+        for other in callbacks:
+            if other is self or not isinstance(other, TailorCheckpoint):
+                continue
+            shared = [level.name for level in other.tiers().levels if mine.index_of(level.run) is not None]
+            if shared:
+                raise ConfigError(f"two TailorCheckpoint callbacks of this Trainer write to {shared[0]}: a run has "
+                                  "one writer; give each callback its own run directory and tiers")
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -266,7 +282,12 @@ class _RunCheckpointIO(CheckpointIO):
         if Path(path).is_dir() and tiers.index_of(run) is not None:
             run = tiers.newest_run() or run  # the newest composite of any tier
         if not Path(path).is_dir() or run.latest_step() is None:
-            return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            try:
+                return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            except IsADirectoryError:  # Lightning's own I/O reads a file
+                raise ConfigError(f"ckpt_path={path}: a directory with no committed snapshot; expected a run "
+                                  "directory holding one (TailorCheckpoint.resume_path() is None until the first "
+                                  "save commits) or a Lightning checkpoint file") from None
         with run.reading(None) as composite:
             checkpoint = lightning_checkpoint(run, composite)
         self.callback._resume = (run, composite.step)

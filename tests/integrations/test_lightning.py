@@ -7,6 +7,7 @@ mid-epoch and at an epoch boundary), or each unit at the version the composite n
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -211,6 +212,30 @@ def test_two_optimizers_are_refused_before_anything_is_saved(tmp_path):
     with pytest.raises(ConfigError, match="2 optimizers"):
         _fit(_Tiny(optimizers=2), TailorCheckpoint(tmp_path / "run", every_n_train_steps=2))
     assert not (tmp_path / "run" / "snapshots").exists()
+
+
+def test_two_callbacks_writing_to_one_run_directory_are_refused_before_training(tmp_path):
+    from llmtailor import Tier
+
+    run_dir = tmp_path / "run"
+    for second in (TailorCheckpoint(run_dir, every_n_train_steps=3),
+                   TailorCheckpoint(tmp_path / "other", tiers=[Tier(run_dir)])):
+        trainer = _trainer(TailorCheckpoint(run_dir, every_n_train_steps=2), second)
+        with pytest.raises(ConfigError, match=f"write to {re.escape(str(run_dir))}: a run has one writer"):
+            trainer.fit(_Tiny())
+        assert trainer.global_step == 0 and not run_dir.exists() and not (tmp_path / "other").exists()
+
+
+def test_fit_from_a_run_directory_with_no_snapshot_is_refused_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    callback = TailorCheckpoint(run_dir, every_n_train_steps=2)
+    assert callback.resume_path() is None
+    trainer = _trainer(callback)
+    with pytest.raises(ConfigError, match=f"^ckpt_path={re.escape(str(run_dir))}: a directory with no committed "
+                                          "snapshot; expected a run directory holding one") as refused:
+        trainer.fit(_Tiny(), ckpt_path=str(run_dir))
+    assert "\n" not in str(refused.value) and trainer.global_step == 0 and list(run_dir.iterdir()) == []
 
 
 def test_hyperparameters_only_pickle_could_store_are_left_out_with_a_warning(tmp_path):
