@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmtailor.training_example import (
@@ -134,6 +135,46 @@ def assert_composite_loaded(run, composite, live: dict[str, torch.Tensor]) -> No
             checked += 1
     assert checked >= len([k for k in live if k.startswith("optim/")]) > 0
 
+
+
+def assert_same_training_state(run, reference, step: int) -> None:
+    """The composite of ``step`` in ``run`` holds, bit for bit, what ``reference``'s holds: every
+    unit's weights and optimizer state, the optimizer groups, the LR scheduler and each rank's RNG
+    streams (the same job trained once uninterrupted, once interrupted and resumed)."""
+    mine, theirs = run.resolve(step), reference.resolve(step)
+    assert mine.sources.keys() == theirs.sources.keys()
+    for unit in theirs.sources:
+        got, got_values = run.read_unit(mine.sources[unit], unit)
+        want, want_values = reference.read_unit(theirs.sources[unit], unit)
+        assert got.keys() == want.keys() and got_values == want_values, f"{unit} at step {step}"
+        for key, tensor in want.items():
+            assert torch.equal(got[key], tensor), f"{key} differs at step {step}"
+    shared, expected = run.read_global(step), reference.read_global(step)
+    for key in ("optimizer_groups", "lr_scheduler"):
+        assert_same_tree(shared[key], expected[key], f"{key} at step {step}")
+    for rank in range(reference.manifest(step).world_size):
+        assert_same_tree(run.read_rank_state(step, rank)["rng"], reference.read_rank_state(step, rank)["rng"],
+                         f"rank {rank}'s RNG streams at step {step}")
+
+
+
+def assert_same_tree(a, b, where=""):
+    """Two decoded state trees (dicts, lists, tuples, tensors, numpy arrays, scalars) are equal,
+    tensors and arrays bit for bit with their dtypes; ``where`` names the first difference."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b) and a.dtype == b.dtype, where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
 
 def free_port() -> int:
     """A TCP port free on loopback now (for a launcher's rendezvous, a test server)."""

@@ -26,6 +26,14 @@ returned) and all of that, and returns the ``RestoreReport`` (``step``, ``extra`
 start a lineage of their own); any other directory, and ``save_state(DIR)`` of a directory
 other than the run's, are ``Accelerator``'s own, unchanged.
 
+RNG order across a resume (with the ``Full`` policy training continues bit for bit, dropout
+included): resuming mid-epoch, ``skip_first_batches`` makes a DataLoader iterator, which draws a
+base seed from the RNG, that the uninterrupted run made at the epoch's start, before the save; so
+``skip_first_batches`` right after ``load_state`` gives a loader that sets the RNG streams back to
+what ``load_state`` restored when it gives its first batch (as HF Trainer does). At an epoch
+boundary, iterate the dataloader itself (or skip 0 batches): its iterator draws as the
+uninterrupted run's next epoch did.
+
 Objects: one model and one optimizer (several are refused), at most one LR scheduler; plain,
 DDP (``accelerate launch --multi_gpu --num_processes N`` with ``Accelerator(cpu=True)`` runs N
 CPU processes) or a DeepSpeed engine (``accelerate launch --use_deepspeed``; on CPU with
@@ -45,6 +53,7 @@ from accelerate import Accelerator
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.policies import Policy
+from llmtailor.providers.rng import capture_rng, restore_rng
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
@@ -66,6 +75,7 @@ class TailorAccelerator(Accelerator):
         self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy)  # checked before any set-up
         self.tailor_run_dir = Path(tailor_run_dir)
         self._tailor: Tailor | None = None
+        self._resumed_rng: dict[str, Any] | None = None  # the RNG streams load_state set, until training goes on
         self._lock = WriterLock(self.tailor_run_dir)
         super().__init__(*args, **kwargs)
         # One writer per run, from the start: a second trainer on this run fails here, before it
@@ -104,7 +114,22 @@ class TailorAccelerator(Accelerator):
                 report = source.restore(step)
         saved = report.extra if isinstance(report.extra, dict) else {}
         self._load_own_state(saved.get(ACCELERATE_KEY) or {})
+        self._resumed_rng = capture_rng()
         return dataclasses.replace(report, extra=saved.get(USER_KEY))
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """accelerate's ``skip_first_batches``; right after ``load_state``, resuming mid-epoch
+        (``num_batches`` > 0), the loader returned sets each process's RNG streams back to what
+        ``load_state`` restored once it has made its iterator (which draws a base seed from them)
+        and before it gives its first batch: the steps after it draw what the uninterrupted run's
+        did (that run made its iterator at the epoch's start, before the save)."""
+        skipped = super().skip_first_batches(dataloader, num_batches)
+        rng, self._resumed_rng = self._resumed_rng, None
+        return _RngSetAtFirstBatch(skipped, rng) if rng is not None and num_batches > 0 else skipped
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        self._resumed_rng = None  # training went on: a later skip_first_batches is no resume
+        super().backward(loss, **kwargs)
 
     def end_training(self) -> None:
         """Wait for an async save in flight (raising its error), release the run's lock, then
@@ -191,3 +216,26 @@ class TailorAccelerator(Accelerator):
         if not optimizers:
             raise ConfigError("TailorAccelerator needs the optimizer passed through prepare()")
         return model, optimizers[0], scheduler
+
+
+class _RngSetAtFirstBatch:
+    """A loader that sets the RNG streams to ``rng`` when it gives its first batch (after its
+    iterator is made), once; anything else is the wrapped loader's."""
+
+    def __init__(self, loader: Any, rng: dict[str, Any]):
+        self.loader, self._rng = loader, rng
+
+    def __iter__(self) -> Any:
+        for batch in self.loader:
+            if self._rng is not None:
+                restore_rng(self._rng)
+                self._rng = None
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)

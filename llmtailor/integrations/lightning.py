@@ -22,11 +22,20 @@ Resume is Lightning's own: ``trainer.fit(model, ckpt_path="runs/exp")``. The cal
 checkpoint I/O in front of the strategy's that answers a run directory with the Lightning
 checkpoint dict assembled from its newest composite (``interop/lightning.py``: each unit from its
 newest saved version), so Lightning restores model, optimizer, LR scheduler, loops and callbacks
-with its own code; when training starts, ``Tailor.restore`` of that composite then loads it again
+with its own code; at ``on_fit_start``, ``Tailor.restore`` of that composite then loads it again
 in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
-starts the next snapshots from that composite's lineage). Any other ``ckpt_path`` goes to the
-strategy's checkpoint I/O unchanged. ``llmtailor assemble RUN --format lightning`` writes the
-same dict as a ``.ckpt`` file plain Lightning resumes from.
+starts the next snapshots from that composite's lineage). A directory with no committed composite
+is refused naming it; any other ``ckpt_path`` goes to the strategy's checkpoint I/O unchanged.
+``llmtailor assemble RUN --format lightning`` writes the same dict as a ``.ckpt`` file plain
+Lightning resumes from.
+
+RNG order across a resume (with the ``Full`` policy training continues bit for bit, dropout
+included): the streams are restored before Lightning sets up the training data, so a resume at an
+epoch boundary makes the next epoch's DataLoader iterator (which draws its base seed from them)
+as the uninterrupted run did after the save. A resume mid-epoch makes an iterator for the rest of
+the epoch that the uninterrupted run made at the epoch's start: the streams are set again at the
+first batch, after it, as HF Trainer does. Each run directory has one writer: two callbacks of one
+Trainer on the same run directory or tier are refused at ``setup``.
 
 Strategies: single device and DDP (each rank writes its share of the units). FSDP, DeepSpeed and
 model-parallel strategies hold sharded state Lightning gathers its own way: refused at
@@ -47,6 +56,7 @@ from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
 from llmtailor.policies import Policy
+from llmtailor.providers.rng import capture_rng, restore_rng
 from llmtailor.reports import describe_sources
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
@@ -84,6 +94,7 @@ class TailorCheckpoint(Checkpoint):
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_train_steps else 1
         self._tailor: Tailor | None = None
         self._resume: tuple[Run, int] | None = None  # set when Lightning loads a run through our I/O
+        self._resumed_rng: dict[str, Any] | None = None  # the RNG streams restored, until the first batch
         self._last_saved: int | None = None
 
     @classmethod
@@ -126,11 +137,14 @@ class TailorCheckpoint(Checkpoint):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         check_strategy(trainer.strategy)
+        self._check_sole_writer(trainer.callbacks)
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, _RunCheckpointIO):
             trainer.strategy.checkpoint_io = _RunCheckpointIO(io, self)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before Lightning sets up the training data: the DataLoader iterator it makes then draws its
+        # base seed from the RNG streams restored here, as the uninterrupted run's next epoch did.
         live = _one_optimizer(trainer)
         self._tailor = Tailor(self.run_dir, pl_module, *live, config=self.config)
         if self._resume is None:
@@ -142,9 +156,19 @@ class TailorCheckpoint(Checkpoint):
         else:  # another run: loaded from there; this run's own snapshots start a lineage (full first)
             with Tailor(run.root, pl_module, *live, timeout=self.config.timeout, read_only=True) as source:
                 report = source.restore(step)
+        self._resumed_rng = capture_rng()
         if trainer.is_global_zero:
             print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "
                   f"({describe_sources(report.sources)})", flush=True)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        rng, self._resumed_rng = self._resumed_rng, None
+        if rng is not None and batch_idx > 0:
+            # Resumed mid-epoch: the iterator Lightning made for the rest of the epoch drew from the
+            # restored streams (the uninterrupted run made it at the epoch's start); set them again,
+            # so that this step draws what the uninterrupted run's did.
+            restore_rng(rng)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -163,6 +187,19 @@ class TailorCheckpoint(Checkpoint):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close(raise_error=False)
+
+    def _check_sole_writer(self, callbacks: list[Any]) -> None:
+        """Refuse, before training, another ``TailorCheckpoint`` of the Trainer that writes to one
+        of this one's locations (run directory or tier): a run has one writer, and the run's lock
+        would refuse the second only at its first save, after the first had saved."""
+        mine = self.tiers()
+        for other in callbacks:
+            if other is self or not isinstance(other, TailorCheckpoint):
+                continue
+            shared = [level.name for level in other.tiers().levels if mine.index_of(level.run) is not None]
+            if shared:
+                raise ConfigError(f"two TailorCheckpoint callbacks of this Trainer write to {shared[0]}: a run has "
+                                  "one writer; give each callback its own run directory and tiers")
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -245,7 +282,12 @@ class _RunCheckpointIO(CheckpointIO):
         if Path(path).is_dir() and tiers.index_of(run) is not None:
             run = tiers.newest_run() or run  # the newest composite of any tier
         if not Path(path).is_dir() or run.latest_step() is None:
-            return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            try:
+                return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            except IsADirectoryError:  # Lightning's own I/O reads a file
+                raise ConfigError(f"ckpt_path={path}: a directory with no committed snapshot; expected a run "
+                                  "directory holding one (TailorCheckpoint.resume_path() is None until the first "
+                                  "save commits) or a Lightning checkpoint file") from None
         with run.reading(None) as composite:
             checkpoint = lightning_checkpoint(run, composite)
         self.callback._resume = (run, composite.step)

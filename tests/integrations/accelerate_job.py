@@ -1,14 +1,17 @@
 """A real accelerate custom training loop, run as a fresh process by the accelerate tests.
 
     python accelerate_job.py --run-dir DIR --result FILE [--policy full|parity] [--max-steps 10]
-        [--every 4] [--crash-at STEP] [--resume] [--dump FILE] [--deepspeed STAGE]
+        [--every 4] [--crash-at STEP] [--resume] [--dump FILE] [--deepspeed STAGE] [--dropout P]
 
 Under ``accelerate launch --multi_gpu --num_processes 2`` it trains as 2 CPU processes (DDP,
 gloo); with --deepspeed STAGE (launch with ``--use_deepspeed`` and DS_ACCELERATOR=cpu) the model
 is a DeepSpeed ZeRO engine. It saves with ``TailorAccelerator.save_state(step=...)`` every
 --every steps, and --crash-at SIGKILLs the process right after the save of that step. --resume
 restores with ``load_state()`` and skips the batches of the epoch already trained
-(``skip_first_batches``). An object registered for checkpointing counts the tokens seen.
+(``skip_first_batches``: the DataLoader iterator it makes draws its base seed from torch's RNG).
+--dropout P sets the model's attention dropout (the only dropout a Llama applies): every step
+then draws from each process's torch RNG, seeded with python's and numpy's by ``set_seed(0)``.
+An object registered for checkpointing counts the tokens seen.
 --dump writes, after any resume, every weight and optimizer tensor by name (rank 0). The result
 file holds the loss of every step (float.hex), a digest of every step's batch and of the final
 weights, and the token count.
@@ -43,11 +46,12 @@ class TokenCounter:
         self.seen = state["seen"].clone()
 
 
-def build(seed: int):
+def build(seed: int, dropout: float = 0.0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=SEQ_LEN, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        attention_dropout=dropout,
     ))
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -78,8 +82,12 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--dump")
     parser.add_argument("--deepspeed", type=int, choices=[1, 2, 3])
+    parser.add_argument("--dropout", type=float, default=0.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from accelerate.utils import set_seed
+
+    set_seed(0)  # python's, numpy's and torch's RNG: each process's streams are in the snapshots
     from llmtailor import Full, Parity
     from llmtailor.integrations.accelerate import TailorAccelerator
 
@@ -96,7 +104,7 @@ def main() -> None:
             "train_batch_size": BATCH * world, "gradient_accumulation_steps": 1, "steps_per_print": 10**9})}
     policy = {"full": Full(), "parity": Parity()}[args.policy]
     accelerator = TailorAccelerator(tailor_run_dir=args.run_dir, tailor_policy=policy, **kwargs)
-    model, optimizer, scheduler = build(99 if args.resume else 0)  # a resume must get every weight from the run
+    model, optimizer, scheduler = build(99 if args.resume else 0, args.dropout)  # a resume: every weight from the run
     data = torch.utils.data.DataLoader(corpus_windows(WINDOWS), batch_size=BATCH, shuffle=False)
     counter = TokenCounter()
     accelerator.register_for_checkpointing(counter)

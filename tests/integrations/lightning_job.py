@@ -2,19 +2,25 @@
 
     python lightning_job.py --run-dir DIR --result FILE [--checkpoint tailor|model] [--policy full|parity]
         [--max-steps 10] [--every 4] [--crash-at STEP] [--resume PATH] [--dump FILE] [--devices N]
+        [--dropout P] [--loader lazy|eager]
 
 --checkpoint tailor trains with ``TailorCheckpoint`` saving every --every steps into --run-dir;
 --checkpoint model uses Lightning's own ``ModelCheckpoint`` (and imports no llmtailor code, checked
 at the end) and --resume is a ``.ckpt`` file. --crash-at SIGKILLs the process right after the
 save of that step (when the next step starts). --devices 2 trains with Lightning's
 DDP strategy on CPU; launch it with torchrun (Lightning then uses torchrun's processes).
+--dropout P sets the model's attention dropout (the only dropout a Llama applies): every training
+step then draws from each rank's torch RNG, so a resume that restores it one draw off shows.
 
 The data is fixed windows of a real corpus (pydoc_data.topics) served by a dataloader that is
 resumable in Lightning's sense (``state_dict`` / ``load_state_dict``: the batches it has served),
-so a resume mid-epoch continues with the next batch. --dump writes, when training starts (after
-any resume), every weight and optimizer tensor by name, the global step and the LR. The result
-file holds the loss of every step (float.hex), a digest of every step's batch and of the final
-weights.
+so a resume mid-epoch continues with the next batch. The torch DataLoader iterator it wraps,
+which draws its base seed from torch's RNG when it is made, is made at the first batch of a pass
+(--loader lazy: its ``__iter__`` is a generator) or by ``iter()`` (eager, as a plain DataLoader's
+is): Lightning calls ``iter()`` when it sets up the data, before ``on_train_start``, and at the
+start of each later epoch. --dump writes, when training starts (after any resume), every weight
+and optimizer tensor by name, the global step and the LR. The result file holds the loss of every
+step (float.hex), a digest of every step's batch and of the final weights.
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ WINDOWS, BATCH = 16, 2  # 8 batches an epoch on one device: step 10 is in epoch 
 
 class ResumableLoader(torch.utils.data.DataLoader):
     """A DataLoader Lightning can resume mid-epoch: it counts the batches it has served and, once
-    loaded, skips that many at the start of its next pass."""
+    loaded, skips that many at the start of its next pass. Its DataLoader iterator is made at the
+    first batch (``eager``: when ``iter()`` is called, see the module docstring)."""
+
+    eager = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -45,7 +54,10 @@ class ResumableLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         skip, self.skip = self.skip, 0
         self.served = skip
-        for index, batch in enumerate(super().__iter__()):
+        return self._serve(skip, super().__iter__() if self.eager else None)
+
+    def _serve(self, skip, batches):
+        for index, batch in enumerate(batches if batches is not None else super().__iter__()):
             if index >= skip:
                 self.served += 1
                 yield batch
@@ -54,17 +66,23 @@ class ResumableLoader(torch.utils.data.DataLoader):
         return {"served": self.served}
 
     def load_state_dict(self, state):
-        self.skip = state["served"]
+        # Saved after the last batch of a pass, the pass is over: the next one starts a new epoch.
+        self.skip = state["served"] if state["served"] < len(self) else 0
+
+
+class EagerLoader(ResumableLoader):
+    eager = True
 
 
 class TinyLM(L.LightningModule):
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, dropout: float = 0.0, loader: type = ResumableLoader):
         super().__init__()
+        self.loader = loader
         torch.manual_seed(seed)
         self.model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
             vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=SEQ_LEN, bos_token_id=None, eos_token_id=None,
-            pad_token_id=None,
+            pad_token_id=None, attention_dropout=dropout,
         ))
         self.batches: dict[int, str] = {}
         self.losses: dict[int, str] = {}
@@ -87,7 +105,7 @@ class TinyLM(L.LightningModule):
         sampler = None
         if self.trainer.world_size > 1:  # each rank its share, in a fixed order
             sampler = torch.utils.data.DistributedSampler(corpus_windows(WINDOWS), shuffle=False)
-        return ResumableLoader(corpus_windows(WINDOWS), batch_size=BATCH, shuffle=False, sampler=sampler)
+        return self.loader(corpus_windows(WINDOWS), batch_size=BATCH, shuffle=False, sampler=sampler)
 
 
 class Recorder(L.Callback):
@@ -124,10 +142,13 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--dump")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--loader", default="lazy", choices=["lazy", "eager"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
-    model = TinyLM(seed=99 if args.resume else 0)  # a resumed run must get every weight from the checkpoint
+    loader = {"lazy": ResumableLoader, "eager": EagerLoader}[args.loader]
+    model = TinyLM(seed=99 if args.resume else 0, dropout=args.dropout, loader=loader)  # weights from the checkpoint
 
     if args.checkpoint == "model":
         checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.run_dir, every_n_train_steps=args.every, save_top_k=-1)

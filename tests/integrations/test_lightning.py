@@ -1,18 +1,19 @@
 """PyTorch Lightning with ``TailorCheckpoint``, with the real library and real processes: saves on
 Lightning's schedule, a SIGKILL after a save, ``trainer.fit(ckpt_path=RUN)`` in a fresh process
 (single device and DDP under torchrun, each with Full and Parity), then the same losses, batches
-and final weights bit for bit as an uninterrupted run (Full), or each unit at the version the
-composite names (Parity).
+and final weights bit for bit as an uninterrupted run (Full; under DDP with dropout, resumed
+mid-epoch and at an epoch boundary), or each unit at the version the composite names (Parity).
 ``assemble --format lightning`` writes a ``.ckpt`` plain Lightning resumes from, bit for bit."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_composite_loaded, run_job
+from helpers import assert_composite_loaded, assert_same_training_state, run_job
 
 L = pytest.importorskip("lightning")
 
@@ -108,17 +109,27 @@ def test_assembled_ckpt_resumes_in_plain_lightning_bit_for_bit(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_under_torchrun_crash_and_resume_bit_for_bit(tmp_path):
-    """Two processes, Lightning's DDP on CPU: each rank writes its share of the units; 4 batches an
-    epoch per rank, so a crash after step 3 is mid-epoch."""
-    reference = job(tmp_path / "reference", tmp_path / "reference.json", "--every", "3", nproc=2)
+def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(tmp_path):
+    """Two processes, Lightning's DDP on CPU, attention dropout 0.1 (each step draws from each
+    rank's RNG), a save every 2 steps, 4 batches an epoch per rank. One run is SIGKILLed after its
+    save of 6 (mid-epoch), resumed in a fresh launch and SIGKILLed after its save of 8 (the last
+    batch of the second epoch), then resumed to 10: its snapshots of 8 and 10 (weights, optimizer
+    state, each rank's RNG), its losses and final weights equal an uninterrupted run's, bit for
+    bit. The DataLoader draws its base seed from the RNG when its iterator is made: the mid-epoch
+    resume makes it at the first batch (lazy loader), the epoch-boundary one when Lightning sets
+    up the data (eager loader), the shapes in which each resume was one draw off."""
+    flags = ["--every", "2", "--dropout", "0.1"]
+    reference = job(tmp_path / "reference", tmp_path / "reference.json", *flags, nproc=2)
     run_dir = tmp_path / "crashed"
-    job(run_dir, tmp_path / "crashed.json", "--every", "3", "--crash-at", "3", crash=True, nproc=2)
-    assert Run(run_dir).manifest(3).world_size == 2
-    written = {path.name.split(".rank-")[1] for path in Run(run_dir).snapshot_dir(3).glob("units/*.safetensors")}
+    job(run_dir, tmp_path / "crashed.json", *flags, "--crash-at", "6", crash=True, nproc=2)
+    assert Run(run_dir).manifest(6).world_size == 2
+    written = {path.name.split(".rank-")[1] for path in Run(run_dir).snapshot_dir(6).glob("units/*.safetensors")}
     assert written == {"00000.safetensors", "00001.safetensors"}  # both ranks wrote units
-    resumed = job(run_dir, tmp_path / "resumed.json", "--every", "3", "--resume", str(run_dir), nproc=2)
-    continues(reference, resumed, 3)
+    job(run_dir, tmp_path / "again.json", *flags, "--resume", str(run_dir), "--crash-at", "8", crash=True, nproc=2)
+    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), 8)
+    resumed = job(run_dir, tmp_path / "resumed.json", *flags, "--loader", "eager", "--resume", str(run_dir), nproc=2)
+    continues(reference, resumed, 8)
+    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), LAST)
 
 
 # -- in one process --------------------------------------------------------------------------
@@ -149,9 +160,13 @@ class _Tiny(L.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2)
 
 
+def _trainer(*callbacks: L.Callback, max_steps: int = 4, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", max_steps=max_steps, callbacks=list(callbacks), logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
 def _fit(module: L.LightningModule, callback: TailorCheckpoint, **kwargs) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, callbacks=[callback], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, **kwargs)
+    trainer = _trainer(callback, **kwargs)
     trainer.fit(module)
     return trainer
 
@@ -197,6 +212,30 @@ def test_two_optimizers_are_refused_before_anything_is_saved(tmp_path):
     with pytest.raises(ConfigError, match="2 optimizers"):
         _fit(_Tiny(optimizers=2), TailorCheckpoint(tmp_path / "run", every_n_train_steps=2))
     assert not (tmp_path / "run" / "snapshots").exists()
+
+
+def test_two_callbacks_writing_to_one_run_directory_are_refused_before_training(tmp_path):
+    from llmtailor import Tier
+
+    run_dir = tmp_path / "run"
+    for second in (TailorCheckpoint(run_dir, every_n_train_steps=3),
+                   TailorCheckpoint(tmp_path / "other", tiers=[Tier(run_dir)])):
+        trainer = _trainer(TailorCheckpoint(run_dir, every_n_train_steps=2), second)
+        with pytest.raises(ConfigError, match=f"write to {re.escape(str(run_dir))}: a run has one writer"):
+            trainer.fit(_Tiny())
+        assert trainer.global_step == 0 and not run_dir.exists() and not (tmp_path / "other").exists()
+
+
+def test_fit_from_a_run_directory_with_no_snapshot_is_refused_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    callback = TailorCheckpoint(run_dir, every_n_train_steps=2)
+    assert callback.resume_path() is None
+    trainer = _trainer(callback)
+    with pytest.raises(ConfigError, match=f"^ckpt_path={re.escape(str(run_dir))}: a directory with no committed "
+                                          "snapshot; expected a run directory holding one") as refused:
+        trainer.fit(_Tiny(), ckpt_path=str(run_dir))
+    assert "\n" not in str(refused.value) and trainer.global_step == 0 and list(run_dir.iterdir()) == []
 
 
 def test_hyperparameters_only_pickle_could_store_are_left_out_with_a_warning(tmp_path):
@@ -256,8 +295,7 @@ def test_a_memory_tier_saves_promotes_and_the_resume_takes_the_newest_composite_
     (home / "latest").unlink()
     assert Run(home).latest_step() == 1
     resumed = callback()
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, callbacks=[resumed], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = _trainer(resumed, max_steps=6)
     trainer.fit(_Tiny(), ckpt_path=resumed.resume_path())
     assert f"resumed from the composite of step 4 in {memory}" in capsys.readouterr().out
     assert trainer.global_step == 6 and Run(home).latest_step() == 6 and Run(home).verify() == []

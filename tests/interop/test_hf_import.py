@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import assert_same_tree
 from integrations.hf_job import Windows, model_config
 from safetensors.torch import load_file
 from transformers.trainer_pt_utils import safe_globals
@@ -55,23 +55,6 @@ def checkpoint(tmp_path_factory):
 def load_rng(path):
     with safe_globals():
         return torch.load(path, weights_only=True)
-
-
-def assert_same_tree(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b) and a.dtype == b.dtype, where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same_tree(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tree(x, y, f"{where}[{i}]")
-    else:
-        assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
 
 
 @pytest.mark.slow
