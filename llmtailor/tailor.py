@@ -238,7 +238,7 @@ class Tailor:
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         round_ = self.coordinator.new_round()
-        level, chosen, skipped = self.coordinator.broadcast(
+        level, chosen, skipped, floor = self.coordinator.broadcast(
             f"{round_}/choose", (lambda: self.tiers.choose(step, fallback)) if self.coordinator.is_leader else None
         )
         run = self.tiers.levels[level].run
@@ -265,7 +265,7 @@ class Tailor:
             self.provider.finish_load()
             self._partly_restored = None
             extra, unmapped = self.provider.restore_rank_state(run, composite)
-        self.lineage.restored(run, composite, extend=level == 0)  # from a slower tier: the next save is full
+        self.lineage.restored(run, composite, extend=level == 0, newest=floor)  # from a slower tier: the next save is full
         self._frozen.restored(run, composite, held=level == 0)
         self.tiers.restored(level, composite.step)
         if self._drift is not None:

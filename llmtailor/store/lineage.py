@@ -30,6 +30,12 @@ class Lineage:
     """Unit -> save index of its newest version."""
     unit_bytes: dict[str, int] = field(default_factory=dict)
     """Unit -> bytes of its newest version (all ranks)."""
+    floor: int | None = None
+    """After a restore of an older composite: the newest step the run's tiers held then, of the
+    lineage left behind. The next save must come after it, so a step number names one snapshot
+    in every tier and a parent link (a step) is never taken for another snapshot's; saving a
+    step that a newer snapshot names as its parent would have made that snapshot the run's
+    newest, and retention then removed the save."""
 
     def check_next(self, step: int) -> None:
         """ConfigError unless ``step`` can be the next save's: a non-negative integer after the
@@ -38,6 +44,12 @@ class Lineage:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
         if self.parent is not None and step <= self.parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self.parent}")
+        if self.floor is not None and step <= self.floor:
+            raise ConfigError(
+                f"step {step} is not after step {self.floor}, the newest snapshot of this run (of the lineage "
+                f"left when step {self.parent} was restored): save steps after {self.floor}, so each step "
+                "names one snapshot (the newer ones stay until retention or gc removes them)"
+            )
 
     def committed(self, run: Run, step: int, composite: dict[str, int]) -> None:
         """This writer's save of ``step`` committed, writing the units ``composite`` names at ``step``."""
@@ -48,11 +60,13 @@ class Lineage:
                 self.unit_bytes[unit] = manifest.unit_bytes(unit)
         self.parent, self.save_index, self.composite = step, self.save_index + 1, dict(composite)
 
-    def restored(self, run: Run, composite: Composite, extend: bool = True) -> None:
+    def restored(self, run: Run, composite: Composite, extend: bool = True, newest: int | None = None) -> None:
         """The composite this writer restored: the next save extends it. ``extend=False`` (read
         from a slower tier, which the tier saves go to may lack parts of): the next save extends
-        its step, but counts no unit's version as saved, so it is full."""
+        its step, but counts no unit's version as saved, so it is full. ``newest``: the newest
+        step the run's tiers hold (``floor``)."""
         self.parent = composite.step
+        self.floor = newest if newest is not None and newest > composite.step else None
         self.save_index = composite.manifest.save_index + 1
         if not extend:
             self.composite, self.saved_index, self.unit_bytes = {}, {}, {}

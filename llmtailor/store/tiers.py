@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from llmtailor.constants import TIERS_FILE
+from llmtailor.constants import CARRIED_FOR, TIERS_FILE
 from llmtailor.errors import (
     ConfigError,
     IntegrityError,
@@ -119,11 +119,14 @@ class Level:
 
 class Choice(NamedTuple):
     """What a restore reads: the tier (its index, fastest 0) and the composite's step, and the
-    newer composites passed over, and why (a tuple: it travels to every rank as JSON)."""
+    newer composites passed over, and why (a tuple: it travels to every rank as JSON).
+    ``newest``: the newest step any tier holds (of any lineage), which the writer's next save
+    must come after when it is newer than ``step`` (``Lineage.check_next``)."""
 
     level: int
     step: int
     skipped: dict[int, str]
+    newest: int | None = None
 
 
 class Tiers:
@@ -348,7 +351,7 @@ class Tiers:
         the others hold, and ``skipped`` names the tier)."""
         if len(self.levels) == 1:  # one tier: its own choice and errors, as they are
             chosen, skipped = choose_composite(self.home.run, step, fallback)
-            return Choice(0, chosen, skipped)
+            return Choice(0, chosen, skipped, self._newest_held())
         why: list[str] = []
         passed: dict[int, str] = {}  # newer composites passed over, in any tier: step -> "tier: why"
         unread: list[str] = []
@@ -382,7 +385,31 @@ class Tiers:
             raise SnapshotNotFoundError(f"no tier holds {what} whole ({detail})")
         if unread:  # its newest is unknown: said with the composite chosen
             passed[best.step] = "; ".join([*unread, *([passed[best.step]] if best.step in passed else [])])
-        return best._replace(skipped={s: reason for s, reason in passed.items() if s >= best.step})
+        return best._replace(skipped={s: reason for s, reason in passed.items() if s >= best.step},
+                             newest=self._newest_held())
+
+    def _newest_held(self) -> int | None:
+        """The newest step of a composite any readable tier holds, whatever its lineage (a
+        restore of an older composite leaves newer ones of the lineage it left). Carriers do not
+        count: one a composite needs is older than it, and a stray one is replaced when a
+        promotion needs its step."""
+        held = []
+        for level in self.levels:
+            try:
+                steps = level.run.steps()
+            except TailorError:
+                continue  # a tier that cannot be read: reported by choose, when it matters
+            held += [next((s for s in reversed(steps) if not _is_carrier(level.run, s)), None)]
+        return max((s for s in held if s is not None), default=None)
+
+
+def _is_carrier(run: Run, step: int) -> bool:
+    """Whether the snapshot of ``step`` was promoted as a carrier (one whose manifest cannot be
+    read counts as a composite: it may be one)."""
+    try:
+        return CARRIED_FOR in run.manifest(step).notes
+    except TailorError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,43 @@ def test_after_restoring_an_older_step_promotions_extend_that_lineage_in_every_t
         assert list(Run(tier).lineage()) == [8, 7, 3, 2, 1]
 
 
+def test_after_restoring_an_older_step_from_a_slower_tier_no_save_takes_a_step_the_lineage_left_holds(tmp_path, tokens):
+    """The memory tier keeps one composite (4, and 3 it needs); step 1 is restored from the run
+    directory, so 2 to 4 are a lineage left behind, and memory's 3 names 2 as its parent. A save
+    of 2 committed there was then taken for 3's parent: 4 stayed the tier's newest, retention
+    removed the new 2 at once and its promotion was skipped, with no error. A step at or below
+    the newest any tier holds is refused before anything is written; one after it extends 1."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, range(1, 5))
+    assert Run(memory).steps() == [3, 4] and Run(home).steps() == [1, 2, 3, 4]
+    assert tailor.restore(1).tier == str(home)
+    before = {tier: tree_digest(tier) for tier in (memory, home)}
+    train(model, opt, sched, tokens, [2])
+    for step in (2, 4):
+        with pytest.raises(ConfigError, match=f"step {step} is not after step 4, the newest snapshot of this run"):
+            tailor.save(step)
+    assert {tier: tree_digest(tier) for tier in (memory, home)} == before
+    save_steps(tailor, model, opt, sched, tokens, [5])
+    tailor.close()
+    for tier in (memory, home):
+        assert Run(tier).latest_step() == 5 and Run(tier).manifest(5).parent == 1
+    other, *_ = tiered(home, memory, seed=3, keep=1, promote_every=1)
+    assert other.restore().step == 5
+    other.close()
+
+
+def test_one_tier_after_restoring_an_older_step_no_save_takes_a_step_the_lineage_left_holds(tmp_path, tokens):
+    model, opt, sched = tiny()
+    with Tailor(tmp_path / "run", model, opt, sched, policy=Parity(), keep=None) as tailor:
+        save_steps(tailor, model, opt, sched, tokens, range(1, 5))
+        tailor.restore(2)
+        with pytest.raises(ConfigError, match="step 3 is not after step 4"):
+            tailor.save(3)
+        save_steps(tailor, model, opt, sched, tokens, [5])
+    assert Run(tmp_path / "run").latest_step() == 5 and list(Run(tmp_path / "run").lineage()) == [5, 2, 1]
+
+
 def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_on(tmp_path, tokens, monkeypatch, caplog):
     """A promotion slower than the saves, in a memory tier keeping one composite: while the
     promotion of step 2 is held, steps 3 to 6 are saved and (but for the one being read) removed;
