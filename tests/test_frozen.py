@@ -250,6 +250,51 @@ def test_a_fingerprint_sees_changes_through_data_to_sampled_elements_and_any_thr
     assert now() != before
 
 
+def with_an_inference_mode_embedding(seed: int):
+    """``tiny(seed=seed)`` whose embedding is frozen and made under ``torch.inference_mode()``
+    (an inference tensor: no version counter, changed in place only in inference mode; autograd
+    can use it as an embedding's weight, which backward does not need); its optimizer over the rest."""
+    from llmtailor.training_example import build_optimizer
+
+    model, _, _ = tiny(seed=seed)
+    embed = model.model.embed_tokens
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        model.model.embed_tokens = torch.nn.Embedding(embed.num_embeddings, embed.embedding_dim)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert model.model.embed_tokens.weight.is_inference()
+    return (model, *build_optimizer(model, total_steps=50))
+
+
+def test_a_frozen_parameter_made_under_inference_mode_saves_async_and_restores(tmp_path, tokens):
+    """Fingerprints, the async save's version check and the restore's in-place copy all meet
+    a tensor that keeps no version counter."""
+    model, opt, sched = with_an_inference_mode_embedding(seed=0)
+    with Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True) as tailor:
+        for s in (1, 2, 3):
+            train(model, opt, sched, tokens, [s])
+            tailor.save(s, blocking=False)
+    run = Run(tmp_path)
+    assert "embed" in run.manifest(1).units and "embed" not in run.manifest(3).units  # kept, not written again
+    expected = unit_versions(model, opt)
+    fresh = with_an_inference_mode_embedding(seed=4)
+    Tailor(tmp_path, *fresh).restore()
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), expected)
+
+
+def test_a_fingerprint_of_an_inference_tensor_has_no_version_but_sees_changes():
+    from llmtailor.frozen import fingerprints
+    from llmtailor.store.staged import Piece
+
+    with torch.inference_mode():
+        tensor = torch.randn(8, 8)
+    pieces = {"weight/w": [Piece.whole("weight/w", tensor)]}
+    before = fingerprints(pieces)
+    with torch.inference_mode():
+        tensor[0, 0] += 1
+    assert fingerprints(pieces) != before
+
+
 def test_a_frozen_tensor_changed_in_place_is_written_again(tmp_path, tokens):
     model, opt, sched = tiny()
     frozen = model.model.layers[1].mlp.up_proj.weight

@@ -22,7 +22,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -310,6 +310,14 @@ def saved_state_keys(run: Run, composite: Composite) -> dict[str, set[str]]:
         for name, values in entry.values.items():
             keys.setdefault(name, set()).update(values)
     return keys
+
+
+def copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` into the live tensor in place, recording nothing for autograd. An
+    inference-mode tensor (a module made under ``torch.inference_mode()``) takes an in-place
+    change only in inference mode."""
+    with torch.no_grad(), torch.inference_mode() if live.is_inference() else nullcontext():
+        live.copy_(value)
 
 
 @contextmanager

@@ -39,7 +39,7 @@ import torch
 
 from llmtailor.errors import BackgroundSaveError, TailorError
 from llmtailor.store.coordinator import describe_error
-from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit
+from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
 
@@ -159,7 +159,7 @@ class AsyncStager:
         for piece, view in zip(pieces, views):
             if not piece.stable:  # may change before the next optimizer step: copy it now
                 view.copy_(piece.tensor)
-        versions = [_version(p.tensor) for p in pieces]
+        versions = [version_of(p.tensor) for p in pieces]
         # Device tensors: the copies wait for what the training stream has queued so far.
         ready = None
         if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
@@ -243,7 +243,7 @@ class AsyncStager:
                     stream.synchronize()
                 pieces = [piece for unit in units for piece in unit.pieces]
                 for piece, before in zip(pieces, versions):
-                    if piece.stable and _version(piece.tensor) != before:
+                    if piece.stable and version_of(piece.tensor) != before:
                         raise TailorError(
                             f"the async save of step {staged.step} was abandoned: {piece.key} was changed in place "
                             "after save() returned and before its copy was taken; change weights or optimizer state "
@@ -271,14 +271,6 @@ def _weight_swaps(optimizer: torch.optim.Optimizer) -> list[str]:
     """The methods of ``optimizer`` that change the weights in place outside ``step``: the
     ``train()`` / ``eval()`` of schedule-free optimizers (a torch optimizer defines neither)."""
     return [name for name in ("train", "eval") if callable(getattr(optimizer, name, None))]
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (bumped by every in-place change), or None where it has none."""
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference-mode tensor keeps none
-        return None
 
 
 def _copied(piece: Piece, view: torch.Tensor) -> Piece:
