@@ -12,8 +12,11 @@ value from after the step; so do the ``train()`` / ``eval()`` of schedule-free o
 swap the weights in place (their documented pattern is ``eval()``, save, ``train()``). Pieces
 that can change outside the optimizer step (a buffer updated in forward) are copied before
 ``save`` returns. Any other in-place change of staged state while a save is in flight must
-wait for ``AsyncStager.wait_copied`` (``Tailor.fence()``); one that does not is caught by the
-tensors' version counters, and that save fails rather than commit a mix of values.
+wait for ``AsyncStager.wait_copied`` (``Tailor.fence()``). One that does not, made through the
+tensor itself, bumps the tensor's version counter: compared once the copies are taken, it fails
+that save rather than commit a mix of values. One made through ``.data``, or to an inference-mode
+tensor, bumps no counter and is not caught: the snapshot may hold old values, new ones or a mix.
+A tensor replaced (``param.data = new``) is harmless: the staged piece keeps the old one.
 
 At most one save is in flight: the next one waits for it. The buffers are reused from save to
 save (pinned where CUDA is available, so device-to-host copies run on a side stream), so the
