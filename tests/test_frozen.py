@@ -511,8 +511,14 @@ def test_tailor_trainer_with_a_peft_model_saves_the_adapters_and_resumes_bitwise
         assert torch.equal(param, expected[name]), name
 
 
+PEFT_MODELS = {"lora": lambda seed: lora(seed=seed), "lora_saving_lm_head": lambda seed: lora_saving("lm_head", seed=seed)}
+"""The PeftModels a vanilla Trainer resumes from an assembled checkpoint: adapters only, and
+adapters with a module trained whole (``modules_to_save``)."""
+
+
 @pytest.mark.slow
-def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_peft_model(tmp_path):
+@pytest.mark.parametrize("peft_model", PEFT_MODELS)
+def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_peft_model(tmp_path, peft_model):
     import importlib.util
 
     import transformers
@@ -526,7 +532,7 @@ def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_p
     spec.loader.exec_module(hf_job)
 
     def trainer(out: Path, seed: int, cls):
-        model, _ = lora(seed=seed)
+        model, _ = PEFT_MODELS[peft_model](seed)
         args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=8,
                                               save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                                               learning_rate=1e-2, save_strategy="steps" if cls is TailorTrainer else "no")
@@ -547,6 +553,11 @@ def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_p
     checkpoint = tmp_path / "hf" / "checkpoint-4"
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
     vanilla = trainer(tmp_path / "vanilla", 7, transformers.Trainer)  # other adapters: all must come from the files
+    copies = [p for name, p in vanilla.model.named_parameters() if ".modules_to_save." in name]
+    assert bool(copies) == (peft_model != "lora")
+    with torch.no_grad():
+        for copy in copies:
+            copy.mul_(0.5)  # a trained copy starts as the base's module: it too must come from the files
     vanilla.train(resume_from_checkpoint=str(checkpoint))
     expected = dict(reference.model.named_parameters())
     for name, param in vanilla.model.named_parameters():
@@ -634,48 +645,6 @@ def test_modules_to_save_assemble_peft_loads_in_peft_bit_for_bit(tmp_path, token
     trained = expected[f"base_model.model.{path}.modules_to_save.default.weight"]
     assert not torch.equal(trained, dict(base_model_tied(tying).named_parameters())[f"{path}.weight"])  # it trained
     for name, param in loaded.named_parameters():
-        assert torch.equal(param, expected[name]), name
-
-
-@pytest.mark.slow
-def test_modules_to_save_assembled_as_hf_resumes_in_a_vanilla_trainer(tmp_path):
-    import importlib.util
-
-    import transformers
-    from typer.testing import CliRunner
-
-    from llmtailor.cli import app
-    from llmtailor.integrations.hf import TailorTrainer
-
-    spec = importlib.util.spec_from_file_location("hf_job", Path(__file__).parent / "integrations" / "hf_job.py")
-    hf_job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hf_job)
-
-    def trainer(out: Path, seed: int, cls):
-        model, _ = lora_saving("lm_head", seed=seed)
-        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=6,
-                                              save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                                              learning_rate=1e-2, save_strategy="steps" if cls is TailorTrainer else "no")
-        return cls(model=model, args=args, train_dataset=hf_job.Windows())
-
-    class StopAt4(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 4
-
-    reference = trainer(tmp_path / "reference", 0, transformers.Trainer)
-    reference.train()
-    tailored = trainer(tmp_path / "run", 0, TailorTrainer)
-    tailored.add_callback(StopAt4())
-    tailored.train()
-    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run" / "tailored"), "--format", "hf",
-                                      "-o", str(tmp_path / "hf")])
-    assert result.exit_code == 0, result.output
-    vanilla = trainer(tmp_path / "vanilla", 7, transformers.Trainer)
-    with torch.no_grad():
-        vanilla.model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(0.5)  # must come from the files
-    vanilla.train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-4"))
-    expected = dict(reference.model.named_parameters())
-    for name, param in vanilla.model.named_parameters():
         assert torch.equal(param, expected[name]), name
 
 
