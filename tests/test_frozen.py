@@ -30,12 +30,13 @@ def base_model():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def lora(seed: int = 0, r: int = 4):
-    """``base_model()`` with LoRA on q and v (adapters drawn from ``seed``), its AdamW over the
-    adapters only."""
+def lora(seed: int = 0, r: int = 4, dora: bool = False):
+    """``base_model()`` with LoRA on q and v (adapters drawn from ``seed``; ``dora``: DoRA's,
+    with a magnitude vector per layer), its AdamW over the adapters only."""
     base = base_model()
     torch.manual_seed(seed)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    config = peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=dora)
+    model = peft.get_peft_model(base, config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return model, optimizer
 
@@ -439,13 +440,17 @@ def test_a_missing_base_directory_is_refused_when_the_tailor_is_built(tmp_path):
         Tailor(tmp_path / "run", *lora(), base=tmp_path / "nope")
 
 
-def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens):
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens, dora):
+    """The adapter file's keys are those of peft's own ``save_pretrained`` (DoRA's magnitude
+    vector included: peft saves it as ``...lora_magnitude_vector``, not as its parameter's
+    ``...lora_magnitude_vector.default.weight``); peft loads every tensor bit for bit."""
     from safetensors import safe_open
     from typer.testing import CliRunner
 
     from llmtailor.cli import app
 
-    model, optimizer = lora()
+    model, optimizer = lora(dora=dora)
     with Tailor(tmp_path / "run", model, optimizer, policy=Parity()) as tailor:
         for s in range(1, 4):
             step(model, optimizer, tokens, s)
@@ -459,9 +464,14 @@ def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_pa
     loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "out")  # no llmtailor code
     sources = Run(tmp_path / "run").resolve().sources
     assert {sources[f"layer.{i}"] for i in range(4)} == {2, 3}  # a Parity composite: adapters from two snapshots
-    fresh, fresh_opt = lora(seed=7)
+    fresh, fresh_opt = lora(seed=7, dora=dora)
     Tailor(tmp_path / "run", fresh, fresh_opt, read_only=True).restore()  # the composite, as restore gives it
     expected = dict(fresh.named_parameters())
+    magnitudes = [name for name in expected if ".lora_magnitude_vector." in name]
+    assert bool(magnitudes) == dora
+    initial = dict(lora(dora=dora)[0].named_parameters())
+    for name in magnitudes:  # trained: peft's load must find it, not keep the value it starts with
+        assert not torch.equal(expected[name], initial[name]), name
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
     again = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
