@@ -24,6 +24,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     freezes its base weights): Parity saves at steps 2, 4, 6 into ``DIR/sync/frozen`` and, async,
     into ``DIR/async/frozen`` (versions under each), then ``DIR/async/frozen`` restored at this
     world size and compared.
+``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
+    forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
+    lacks the weight ``model.layers.1.mlp.up_proj.weight``; every rank restores it into a fresh
+    model and records the error it got and which live tensors changed.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (``timeout=5``) records the error it gets and how long
@@ -45,7 +49,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
-from helpers import tiny  # noqa: E402
+from helpers import drop_from_unit_index, tiny  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
@@ -195,6 +199,26 @@ def resume_bitwise(out: Path) -> dict:
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
+def restore_lacking_a_weight(out: Path) -> dict:
+    save_loop("fsdp", out, "lacking", Parity(), last=4, every=2)
+    source = Run(out / "lacking").resolve().sources["layer.1"]
+    if rank() == 0:
+        drop_from_unit_index(out / "lacking", source, "layer.1", weight_key(LACKING))
+    dist.barrier()
+    model, optimizer, scheduler = build("fsdp", seed=5)
+    before = versions(model, optimizer)
+    try:
+        Tailor(out / "lacking", model, optimizer, scheduler, timeout=60).restore()
+        error = None
+    except Exception as err:  # the error every rank gets is the point of this scenario
+        error = f"{type(err).__name__}: {err}"
+    after = versions(model, optimizer)
+    return {"source": source, "error": error, "changed": sorted(k for k in before if not torch.equal(before[k], after[k]))}
+
+
+LACKING = "model.layers.1.mlp.up_proj.weight"
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -246,6 +270,8 @@ def main() -> None:
     elif scenario == "ddp":
         result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
         result.update(restore_and_compare("ddp", out, "ddp"))
+    elif scenario == "fsdp-lacking":
+        result = restore_lacking_a_weight(out)
     elif scenario == "kill":
         result = kill_during_save(out)
     else:
