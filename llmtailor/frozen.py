@@ -48,7 +48,7 @@ from llmtailor.store.files import checksum, checksum_file, describe_os_error, sa
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Composite, Run
-from llmtailor.store.staged import Piece, StagedUnit
+from llmtailor.store.staged import Piece, StagedUnit, version_of
 
 Holder = int | str
 """Where a frozen tensor's saved bytes are: a snapshot's step, or ``"base"``."""
@@ -57,11 +57,12 @@ Holder = int | str
 def fingerprints(pieces: dict[str, list[Piece]]) -> dict[str, tuple]:
     """Per tensor key, what changes when the tensor's values may have: of every piece, its
     memory and version counter (a change made through the tensor bumps the counter, a replaced
-    tensor moves the memory) and the checksum of a fixed sample of its values (``drift.sampled``:
-    a change through ``.data`` bumps no counter; it shows when it alters a sampled element)."""
+    tensor moves the memory; an inference-mode tensor keeps no counter: ``version_of``) and the
+    checksum of a fixed sample of its values (``drift.sampled``: a change through ``.data``, or
+    to an inference tensor, bumps no counter; it shows when it alters a sampled element)."""
     found = [piece for key_pieces in pieces.values() for piece in key_pieces]
     sums = iter(_sample_checksums(found))
-    return {key: tuple((p.offsets, p.tensor.data_ptr(), p.tensor._version, next(sums)) for p in key_pieces)
+    return {key: tuple((p.offsets, p.tensor.data_ptr(), version_of(p.tensor), next(sums)) for p in key_pieces)
             for key, key_pieces in pieces.items()}
 
 

@@ -181,3 +181,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def drop_from_unit_index(run_dir: Path, step: int, unit: str, key: str) -> None:
+    """Forge the snapshot of ``step`` so that its version of ``unit`` lacks the tensor ``key``:
+    the key leaves the unit's index (its file keeps the bytes), and the manifest records the
+    index's new size and checksum, so every checksum still holds."""
+    import xxhash
+
+    from llmtailor.constants import MANIFEST_FILE
+    from llmtailor.store.run import Run
+
+    snapshot = Run(run_dir).snapshot_dir(step)
+    manifest = json.loads((snapshot / MANIFEST_FILE).read_text())
+    ref = manifest["units"][unit]["index"]
+    index = json.loads((snapshot / ref["path"]).read_text())
+    kept = [t for t in index["tensors"] if t["key"] != key]
+    assert len(kept) == len(index["tensors"]) - 1, f"{unit} at step {step} holds no {key}"
+    index["tensors"] = kept
+    text = json.dumps(index, separators=(",", ":")).encode()
+    (snapshot / ref["path"]).write_bytes(text)
+    ref.update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
+    (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))

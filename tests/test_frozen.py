@@ -30,12 +30,13 @@ def base_model():
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def lora(seed: int = 0, r: int = 4):
-    """``base_model()`` with LoRA on q and v (adapters drawn from ``seed``), its AdamW over the
-    adapters only."""
+def lora(seed: int = 0, r: int = 4, dora: bool = False):
+    """``base_model()`` with LoRA on q and v (adapters drawn from ``seed``; ``dora``: DoRA's,
+    with a magnitude vector per layer), its AdamW over the adapters only."""
     base = base_model()
     torch.manual_seed(seed)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    config = peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=dora)
+    model = peft.get_peft_model(base, config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return model, optimizer
 
@@ -250,6 +251,51 @@ def test_a_fingerprint_sees_changes_through_data_to_sampled_elements_and_any_thr
     assert now() != before
 
 
+def with_an_inference_mode_embedding(seed: int):
+    """``tiny(seed=seed)`` whose embedding is frozen and made under ``torch.inference_mode()``
+    (an inference tensor: no version counter, changed in place only in inference mode; autograd
+    can use it as an embedding's weight, which backward does not need); its optimizer over the rest."""
+    from llmtailor.training_example import build_optimizer
+
+    model, _, _ = tiny(seed=seed)
+    embed = model.model.embed_tokens
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        model.model.embed_tokens = torch.nn.Embedding(embed.num_embeddings, embed.embedding_dim)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert model.model.embed_tokens.weight.is_inference()
+    return (model, *build_optimizer(model, total_steps=50))
+
+
+def test_a_frozen_parameter_made_under_inference_mode_saves_async_and_restores(tmp_path, tokens):
+    """Fingerprints, the async save's version check and the restore's in-place copy all meet
+    a tensor that keeps no version counter."""
+    model, opt, sched = with_an_inference_mode_embedding(seed=0)
+    with Tailor(tmp_path, model, opt, sched, policy=Full(), async_save=True) as tailor:
+        for s in (1, 2, 3):
+            train(model, opt, sched, tokens, [s])
+            tailor.save(s, blocking=False)
+    run = Run(tmp_path)
+    assert "embed" in run.manifest(1).units and "embed" not in run.manifest(3).units  # kept, not written again
+    expected = unit_versions(model, opt)
+    fresh = with_an_inference_mode_embedding(seed=4)
+    Tailor(tmp_path, *fresh).restore()
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), expected)
+
+
+def test_a_fingerprint_of_an_inference_tensor_has_no_version_but_sees_changes():
+    from llmtailor.frozen import fingerprints
+    from llmtailor.store.staged import Piece
+
+    with torch.inference_mode():
+        tensor = torch.randn(8, 8)
+    pieces = {"weight/w": [Piece.whole("weight/w", tensor)]}
+    before = fingerprints(pieces)
+    with torch.inference_mode():
+        tensor[0, 0] += 1
+    assert fingerprints(pieces) != before
+
+
 def test_a_frozen_tensor_changed_in_place_is_written_again(tmp_path, tokens):
     model, opt, sched = tiny()
     frozen = model.model.layers[1].mlp.up_proj.weight
@@ -394,13 +440,17 @@ def test_a_missing_base_directory_is_refused_when_the_tailor_is_built(tmp_path):
         Tailor(tmp_path / "run", *lora(), base=tmp_path / "nope")
 
 
-def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens):
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens, dora):
+    """The adapter file's keys are those of peft's own ``save_pretrained`` (DoRA's magnitude
+    vector included: peft saves it as ``...lora_magnitude_vector``, not as its parameter's
+    ``...lora_magnitude_vector.default.weight``); peft loads every tensor bit for bit."""
     from safetensors import safe_open
     from typer.testing import CliRunner
 
     from llmtailor.cli import app
 
-    model, optimizer = lora()
+    model, optimizer = lora(dora=dora)
     with Tailor(tmp_path / "run", model, optimizer, policy=Parity()) as tailor:
         for s in range(1, 4):
             step(model, optimizer, tokens, s)
@@ -414,9 +464,14 @@ def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_pa
     loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "out")  # no llmtailor code
     sources = Run(tmp_path / "run").resolve().sources
     assert {sources[f"layer.{i}"] for i in range(4)} == {2, 3}  # a Parity composite: adapters from two snapshots
-    fresh, fresh_opt = lora(seed=7)
+    fresh, fresh_opt = lora(seed=7, dora=dora)
     Tailor(tmp_path / "run", fresh, fresh_opt, read_only=True).restore()  # the composite, as restore gives it
     expected = dict(fresh.named_parameters())
+    magnitudes = [name for name in expected if ".lora_magnitude_vector." in name]
+    assert bool(magnitudes) == dora
+    initial = dict(lora(dora=dora)[0].named_parameters())
+    for name in magnitudes:  # trained: peft's load must find it, not keep the value it starts with
+        assert not torch.equal(expected[name], initial[name]), name
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
     again = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
@@ -466,8 +521,14 @@ def test_tailor_trainer_with_a_peft_model_saves_the_adapters_and_resumes_bitwise
         assert torch.equal(param, expected[name]), name
 
 
+PEFT_MODELS = {"lora": lambda seed: lora(seed=seed), "lora_saving_lm_head": lambda seed: lora_saving("lm_head", seed=seed)}
+"""The PeftModels a vanilla Trainer resumes from an assembled checkpoint: adapters only, and
+adapters with a module trained whole (``modules_to_save``)."""
+
+
 @pytest.mark.slow
-def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_peft_model(tmp_path):
+@pytest.mark.parametrize("peft_model", PEFT_MODELS)
+def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_peft_model(tmp_path, peft_model):
     import importlib.util
 
     import transformers
@@ -481,7 +542,7 @@ def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_p
     spec.loader.exec_module(hf_job)
 
     def trainer(out: Path, seed: int, cls):
-        model, _ = lora(seed=seed)
+        model, _ = PEFT_MODELS[peft_model](seed)
         args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=8,
                                               save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                                               learning_rate=1e-2, save_strategy="steps" if cls is TailorTrainer else "no")
@@ -502,6 +563,11 @@ def test_a_peft_run_assembled_as_hf_resumes_in_a_vanilla_trainer_with_the_same_p
     checkpoint = tmp_path / "hf" / "checkpoint-4"
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
     vanilla = trainer(tmp_path / "vanilla", 7, transformers.Trainer)  # other adapters: all must come from the files
+    copies = [p for name, p in vanilla.model.named_parameters() if ".modules_to_save." in name]
+    assert bool(copies) == (peft_model != "lora")
+    with torch.no_grad():
+        for copy in copies:
+            copy.mul_(0.5)  # a trained copy starts as the base's module: it too must come from the files
     vanilla.train(resume_from_checkpoint=str(checkpoint))
     expected = dict(reference.model.named_parameters())
     for name, param in vanilla.model.named_parameters():
@@ -589,48 +655,6 @@ def test_modules_to_save_assemble_peft_loads_in_peft_bit_for_bit(tmp_path, token
     trained = expected[f"base_model.model.{path}.modules_to_save.default.weight"]
     assert not torch.equal(trained, dict(base_model_tied(tying).named_parameters())[f"{path}.weight"])  # it trained
     for name, param in loaded.named_parameters():
-        assert torch.equal(param, expected[name]), name
-
-
-@pytest.mark.slow
-def test_modules_to_save_assembled_as_hf_resumes_in_a_vanilla_trainer(tmp_path):
-    import importlib.util
-
-    import transformers
-    from typer.testing import CliRunner
-
-    from llmtailor.cli import app
-    from llmtailor.integrations.hf import TailorTrainer
-
-    spec = importlib.util.spec_from_file_location("hf_job", Path(__file__).parent / "integrations" / "hf_job.py")
-    hf_job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hf_job)
-
-    def trainer(out: Path, seed: int, cls):
-        model, _ = lora_saving("lm_head", seed=seed)
-        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=6,
-                                              save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                                              learning_rate=1e-2, save_strategy="steps" if cls is TailorTrainer else "no")
-        return cls(model=model, args=args, train_dataset=hf_job.Windows())
-
-    class StopAt4(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == 4
-
-    reference = trainer(tmp_path / "reference", 0, transformers.Trainer)
-    reference.train()
-    tailored = trainer(tmp_path / "run", 0, TailorTrainer)
-    tailored.add_callback(StopAt4())
-    tailored.train()
-    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run" / "tailored"), "--format", "hf",
-                                      "-o", str(tmp_path / "hf")])
-    assert result.exit_code == 0, result.output
-    vanilla = trainer(tmp_path / "vanilla", 7, transformers.Trainer)
-    with torch.no_grad():
-        vanilla.model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(0.5)  # must come from the files
-    vanilla.train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-4"))
-    expected = dict(reference.model.named_parameters())
-    for name, param in vanilla.model.named_parameters():
         assert torch.equal(param, expected[name]), name
 
 

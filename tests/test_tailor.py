@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
+from helpers import assert_bitwise, drop_from_unit_index, tiny, train, tree_digest, unit_versions
 
 from llmtailor import Filter, Full, Interval, Parity, Tailor
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, SnapshotNotFoundError, TailorError
@@ -322,6 +322,29 @@ def test_fallback_when_nothing_verifies_names_every_step(saved_run):
         (saved_run / f"snapshots/step-{step:08d}/units/norm.safetensors").write_bytes(b"junk")
     with pytest.raises(IntegrityError, match=r"no composite verifies: step 3: .* \| step 2: .* \| step 1: "):
         Tailor(saved_run, *tiny()).restore(fallback=True)
+
+
+def test_a_unit_version_lacking_a_weight_is_refused_before_any_byte_is_read(tmp_path, tokens, monkeypatch):
+    """A forged snapshot (every checksum holds) whose layer.2 lacks one weight: the restore
+    refuses it from the indexes alone, naming the unit, the step and the tensor, before it
+    reads a unit or touches the live model (the units before layer.2 would load first)."""
+    model, opt, sched = tiny()
+    with Tailor(tmp_path, model, opt, sched, policy=Full()) as tailor:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)
+    drop_from_unit_index(tmp_path, 1, "layer.2", "weight/model.layers.2.mlp.up_proj.weight")
+    fresh = tiny(seed=3)
+    before = unit_versions(fresh[0], fresh[1])
+    reads = []
+    real_read = Run.read_unit
+    monkeypatch.setattr(Run, "read_unit", lambda run, step, unit, *args, **kwargs:
+                        reads.append(unit) or real_read(run, step, unit, *args, **kwargs))
+    tailor = Tailor(tmp_path, *fresh)
+    with pytest.raises(IntegrityError, match=r"unit 'layer\.2' from snapshot 1, .*lacks .*'model\.layers\.2\.mlp\.up_proj\.weight'"):
+        tailor.restore()
+    assert reads == []
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), before)
+    tailor.save(2)  # nothing was touched: saving is not refused
 
 
 class Unanswered(LocalCoordinator):

@@ -92,6 +92,7 @@ def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> 
 
 @app.callback()
 def _options(
+    ctx: typer.Context,
     storage_option: Annotated[
         list[str] | None,
         typer.Option("--storage-option", "-S", metavar="KEY=VALUE",
@@ -107,7 +108,18 @@ def _options(
             if not sep or not key:
                 fail(f"--storage-option {item!r}: expected KEY=VALUE")
             options[key.strip()] = value
+        # Through the environment: every store the command opens (its run, merge sources,
+        # tiers, outputs) reads it. For this command only: the next one in the same process (a
+        # test's CliRunner, a library caller's second main()) must not inherit them.
+        ctx.call_on_close(functools.partial(_restore_env, OPTIONS_ENV, os.environ.get(OPTIONS_ENV)))
         os.environ[OPTIONS_ENV] = json.dumps(options)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _existing_run(location: str | Path) -> Run:

@@ -22,7 +22,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
 from llmtailor.providers import rng
 from llmtailor.store.coordinator import Coordinator
-from llmtailor.store.keys import split_key
+from llmtailor.store.keys import lacking_weights, split_key
 from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
 from llmtailor.store import codec
 from llmtailor.store.run import Composite, Run
@@ -172,17 +172,30 @@ class StateProvider(ABC):
     def check_composite(self, run: Run, composite: Composite) -> dict[str, Any]:
         """Everything a restore checks before it touches the live state, from manifests, unit
         indexes and the global state alone: layout, names, shapes and dtypes
-        (``check_compatible``), every unit present, the base model directory there
-        (``Run.check_base``), optimizer class and groups, scheduler (``check_global``).
-        Returns the composite step's global state."""
+        (``check_compatible``), every unit present with every weight (``check_held``), the base
+        model directory there (``Run.check_base``), optimizer class, groups and state keys,
+        scheduler (``check_global``). Returns the composite step's global state."""
         self.check_compatible(composite.manifest, lambda unit: run.unit_entry(composite.sources[unit], unit))
         missing = set(self.layout.units) - set(composite.sources)
         if missing:
             raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
+        self.check_held(run, composite)
         run.check_base(composite)
         shared = run.read_global(composite.step)
         self.check_global(shared, saved_state_keys(run, composite))
         return shared
+
+    def check_held(self, run: Run, composite: Composite) -> None:
+        """Refuse a composite a unit version of which lacks a weight of the unit, written or
+        kept (from an older snapshot or the base directory): every provider loads a unit by
+        the keys its index lists, so a weight it lacks would keep its live value unseen."""
+        for unit, source in composite.sources.items():
+            keys = {tensor.key for tensor in run.unit_entry(source, unit).tensors}
+            lacking = lacking_weights(self.layout.units[unit], keys)
+            if lacking:
+                shown = ", ".join(map(repr, lacking[:3])) + (f", ... ({len(lacking)} in all)" if len(lacking) > 3 else "")
+                raise IntegrityError(f"the composite of step {composite.step} takes unit {unit!r} from snapshot {source}, "
+                                     f"which lacks (neither writes nor keeps) the weights of {shown}")
 
     def check_global(self, shared: dict[str, Any], saved_state: dict[str, set[str]]) -> None:
         """Refuse, from the composite's global state and the optimizer state keys its units hold
@@ -310,6 +323,14 @@ def saved_state_keys(run: Run, composite: Composite) -> dict[str, set[str]]:
         for name, values in entry.values.items():
             keys.setdefault(name, set()).update(values)
     return keys
+
+
+def copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` into the live tensor in place, recording nothing for autograd. An
+    inference-mode tensor (a module made under ``torch.inference_mode()``) takes an in-place
+    change only in inference mode."""
+    with torch.no_grad(), torch.inference_mode() if live.is_inference() else nullcontext():
+        live.copy_(value)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import torch
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
-from llmtailor.providers.base import StateProvider, balance, hf_config, loading, peft_config, unwrap
+from llmtailor.providers.base import StateProvider, balance, copy_into, hf_config, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.store.coordinator import Coordinator
 from llmtailor.constants import KIND_WEIGHT
@@ -183,10 +183,9 @@ class LocalProvider(StateProvider):
             held = self._already_held(run.unit_entry(source, unit), live)
             loaded, values = run.read_unit(source, unit, skip=set(held))
             weights, state = split_unit(unit, self.layout.units[unit], {**loaded, **held}, values)
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    if tensor is not live[name]:
-                        live[name].copy_(tensor)
+            for name, tensor in weights.items():
+                if tensor is not live[name]:
+                    copy_into(live[name], tensor)
             for name, entries in state.items():
                 optimizer_state.setdefault(name, {}).update(entries)
         return optimizer_state

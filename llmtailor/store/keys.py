@@ -53,6 +53,13 @@ def piece_key(key: str, offsets: tuple[int, ...] | list[int], whole: bool) -> st
     return key if whole else f"{key}#{','.join(map(str, offsets))}"
 
 
+def lacking_weights(names: tuple[str, ...] | list[str], keys: set[str]) -> list[str]:
+    """Of a unit's parameter ``names``, those a version of the unit (its tensor ``keys``, kept
+    ones included) holds neither the weight nor the fp32 master of: the names it cannot restore
+    (a parameter saved only as its master gets the master as its weight)."""
+    return [name for name in names if weight_key(name) not in keys and master_key(name) not in keys]
+
+
 def split_unit(
     unit: str, names: tuple[str, ...], loaded: dict[str, torch.Tensor], values: dict[str, dict[str, Any]]
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -62,7 +69,7 @@ def split_unit(
     the master as its weight. Refuses a unit lacking both for any of ``names``."""
     from llmtailor.store import codec  # imports torch: not needed for keys alone (store/dtypes.py)
 
-    missing = [name for name in names if weight_key(name) not in loaded and master_key(name) not in loaded]
+    missing = lacking_weights(names, set(loaded))
     if missing:
         raise IntegrityError(f"unit {unit!r}: snapshot lacks the weights of {missing[:3]}")
     weights: dict[str, torch.Tensor] = {}

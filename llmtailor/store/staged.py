@@ -20,6 +20,16 @@ from pydantic import BaseModel, ConfigDict
 from llmtailor.store.manifest import FileEntry
 
 
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place change made through the tensor,
+    not by one made through ``.data``), or None where it has none: an inference-mode tensor
+    (made under ``torch.inference_mode()``) keeps no counter, and reading it raises."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 @dataclass(frozen=True)
 class Piece:
     """A box of one unit tensor as this rank holds it: ``tensor`` (any device) is the part of

@@ -12,8 +12,11 @@ value from after the step; so do the ``train()`` / ``eval()`` of schedule-free o
 swap the weights in place (their documented pattern is ``eval()``, save, ``train()``). Pieces
 that can change outside the optimizer step (a buffer updated in forward) are copied before
 ``save`` returns. Any other in-place change of staged state while a save is in flight must
-wait for ``AsyncStager.wait_copied`` (``Tailor.fence()``); one that does not is caught by the
-tensors' version counters, and that save fails rather than commit a mix of values.
+wait for ``AsyncStager.wait_copied`` (``Tailor.fence()``). One that does not, made through the
+tensor itself, bumps the tensor's version counter: compared once the copies are taken, it fails
+that save rather than commit a mix of values. One made through ``.data``, or to an inference-mode
+tensor, bumps no counter and is not caught: the snapshot may hold old values, new ones or a mix.
+A tensor replaced (``param.data = new``) is harmless: the staged piece keeps the old one.
 
 At most one save is in flight: the next one waits for it. The buffers are reused from save to
 save (pinned where CUDA is available, so device-to-host copies run on a side stream), so the
@@ -39,7 +42,7 @@ import torch
 
 from llmtailor.errors import BackgroundSaveError, TailorError
 from llmtailor.store.coordinator import describe_error
-from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit
+from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
 
@@ -159,7 +162,7 @@ class AsyncStager:
         for piece, view in zip(pieces, views):
             if not piece.stable:  # may change before the next optimizer step: copy it now
                 view.copy_(piece.tensor)
-        versions = [_version(p.tensor) for p in pieces]
+        versions = [version_of(p.tensor) for p in pieces]
         # Device tensors: the copies wait for what the training stream has queued so far.
         ready = None
         if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
@@ -243,7 +246,7 @@ class AsyncStager:
                     stream.synchronize()
                 pieces = [piece for unit in units for piece in unit.pieces]
                 for piece, before in zip(pieces, versions):
-                    if piece.stable and _version(piece.tensor) != before:
+                    if piece.stable and version_of(piece.tensor) != before:
                         raise TailorError(
                             f"the async save of step {staged.step} was abandoned: {piece.key} was changed in place "
                             "after save() returned and before its copy was taken; change weights or optimizer state "
@@ -271,14 +274,6 @@ def _weight_swaps(optimizer: torch.optim.Optimizer) -> list[str]:
     """The methods of ``optimizer`` that change the weights in place outside ``step``: the
     ``train()`` / ``eval()`` of schedule-free optimizers (a torch optimizer defines neither)."""
     return [name for name in ("train", "eval") if callable(getattr(optimizer, name, None))]
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (bumped by every in-place change), or None where it has none."""
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference-mode tensor keeps none
-        return None
 
 
 def _copied(piece: Piece, view: torch.Tensor) -> Piece:

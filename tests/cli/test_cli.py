@@ -239,3 +239,23 @@ def test_the_command_says_only_what_was_asked(run_dir, tmp_path):
     again = llmtailor("assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf"))
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.startswith("error: ") and again.stderr.count("\n") == 1, again.stderr
+
+
+@pytest.mark.parametrize("before", [None, '{"lock_ttl": 5}'])
+def test_storage_options_apply_to_their_own_command_only(monkeypatch, before):
+    """``--storage-option`` reaches every store the command opens through the environment: the
+    environment is the caller's again once the command is over (the next command in the same
+    process, a CliRunner's or a library caller's, sees none of them)."""
+    import os
+
+    from llmtailor.store.storage.objects import OPTIONS_ENV
+
+    if before is None:
+        monkeypatch.delenv(OPTIONS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(OPTIONS_ENV, before)
+    first = runner.invoke(app, ["--storage-option", "lock_ttl=soon", "inspect", "memory:///run"])
+    assert first.exit_code == 2 and "storage option lock_ttl='soon'" in first.output
+    assert os.environ.get(OPTIONS_ENV) == before
+    second = runner.invoke(app, ["inspect", "memory:///run"])  # the store opens: lock_ttl=soon is gone
+    assert second.exit_code == 2 and "memory:///run: no such run" in second.output, second.output

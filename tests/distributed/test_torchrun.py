@@ -232,3 +232,17 @@ def test_fsdp2_async_saves_of_partly_frozen_units_equal_sync_ones_and_restore(tm
         assert any(sync._stored_entry(step, unit).kept for unit in sync.manifest(step).units)
         for unit in sync.manifest(step).units:
             assert async_._stored_entry(step, unit) == sync._stored_entry(step, unit), f"step {step}, {unit}"
+
+
+def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touching_anything(tmp_path):
+    """A forged run (every checksum holds) whose composite's layer.1 lacks a weight: every rank
+    refuses it from the indexes, naming the unit, the snapshot and the tensor, and no rank's
+    live model or optimizer changed (FSDP2 loads by the keys a unit's index lists: without the
+    check the weight would silently keep its live value)."""
+    results = torchrun(2, "fsdp-lacking", tmp_path)
+    for result in results:
+        error = result["error"]
+        assert error is not None and error.startswith("IntegrityError"), error
+        assert f"unit 'layer.1' from snapshot {result['source']}" in error and "'model.layers.1.mlp.up_proj.weight'" in error
+        assert "no rank's live state was changed" in error
+        assert result["changed"] == []

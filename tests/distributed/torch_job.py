@@ -30,6 +30,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     head), and builds a ``Tailor`` of ``DIR/stages`` (``timeout=20``), first with
     ``track_drift=False``, then with ``track_drift=True``; each is refused (the error recorded)
     or, not refused, saves step 1 (the outcome recorded).
+``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
+    forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
+    lacks the weight ``model.layers.1.mlp.up_proj.weight``; every rank restores it into a fresh
+    model and records the error it got and which live tensors changed.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -51,7 +55,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
-from helpers import tiny  # noqa: E402
+from helpers import drop_from_unit_index, tiny  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
@@ -247,6 +251,26 @@ def pipeline(out: Path, stages: int = 2) -> dict:
     return {"outcomes": outcomes}
 
 
+def restore_lacking_a_weight(out: Path) -> dict:
+    save_loop("fsdp", out, "lacking", Parity(), last=4, every=2)
+    source = Run(out / "lacking").resolve().sources["layer.1"]
+    if rank() == 0:
+        drop_from_unit_index(out / "lacking", source, "layer.1", weight_key(LACKING))
+    dist.barrier()
+    model, optimizer, scheduler = build("fsdp", seed=5)
+    before = versions(model, optimizer)
+    try:
+        Tailor(out / "lacking", model, optimizer, scheduler, timeout=60).restore()
+        error = None
+    except Exception as err:  # the error every rank gets is the point of this scenario
+        error = f"{type(err).__name__}: {err}"
+    after = versions(model, optimizer)
+    return {"source": source, "error": error, "changed": sorted(k for k in before if not torch.equal(before[k], after[k]))}
+
+
+LACKING = "model.layers.1.mlp.up_proj.weight"
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -302,6 +326,8 @@ def main() -> None:
         result.update(restore_and_compare("ddp", out, "ddp"))
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
+    elif scenario == "fsdp-lacking":
+        result = restore_lacking_a_weight(out)
     elif scenario == "kill":
         result = kill_during_save(out)
     else:

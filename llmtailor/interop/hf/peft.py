@@ -31,19 +31,29 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_name(name: str, adapter: str) -> str | None:
-    """peft's file name of the model's parameter ``name`` if it belongs to ``adapter``, else None;
-    the names ``get_peft_model_state_dict`` gives and ``set_peft_model_state_dict`` reads:
+DORA_MAGNITUDE = "lora_magnitude_vector"
+"""DoRA's magnitude module: its parameter ``X.lora_magnitude_vector.<adapter>.weight`` is saved
+as ``X.lora_magnitude_vector`` (peft's LoRA tuner keeps the key of the days it was a parameter)."""
+
+
+def peft_name(name: str, adapter: str, config: dict[str, Any]) -> str | None:
+    """peft's file name of the model's parameter ``name`` if it belongs to ``adapter`` (whose
+    saved ``config``: ``peft_config[adapter]``), else None; the names
+    ``get_peft_model_state_dict`` gives and ``set_peft_model_state_dict`` reads:
 
     - a module trained whole (``modules_to_save``) is held as ``X.original_module.*`` (the
       base's, frozen: not the adapter's) and ``X.modules_to_save.<adapter>.*`` (the trained
       copy), saved as ``X.*``, the module's own names;
     - an adapter's own tensor holds the adapter's name as its last or next to last part
-      (``q_proj.lora_A.<adapter>.weight``, ``k_proj.ia3_l.<adapter>``) and is saved without it.
+      (``q_proj.lora_A.<adapter>.weight``, ``k_proj.ia3_l.<adapter>``) and is saved without it;
+    - under DoRA (a LoRA config with ``use_dora``), ``X.lora_magnitude_vector.<adapter>.weight``
+      is saved without its ``.weight`` too: ``X.lora_magnitude_vector``.
     """
     trained_copy = f".modules_to_save.{adapter}."
     if trained_copy in name:
         return PEFT_PREFIX + name.replace(trained_copy, ".", 1)
+    if config.get("use_dora") and name.endswith(f".{DORA_MAGNITUDE}.{adapter}.weight"):
+        name = name.removesuffix(".weight")
     parts = name.split(".")
     if len(parts) > 1 and parts[-1] == adapter:
         return PEFT_PREFIX + ".".join(parts[:-1])
@@ -83,7 +93,7 @@ def write_adapters(run: Run, composite: Composite, configs: dict[str, Any], wher
         for canonical, tensor in weights.items():
             for name in names_of.get(canonical, [canonical]):
                 for adapter, found in adapters.items():
-                    key = peft_name(name, adapter)
+                    key = peft_name(name, adapter, configs[adapter])
                     if key is not None:
                         found[key] = tensor.contiguous()
     empty = [name for name, found in adapters.items() if not found]

@@ -710,7 +710,7 @@ def _holder() -> str:
 
 OPTIONS_ENV = "LLMTAILOR_STORAGE_OPTIONS"
 """An environment variable holding default storage options as a JSON object (the CLI's
-``--storage-option KEY=VALUE`` sets it); options given in code win."""
+``--storage-option KEY=VALUE`` sets it for the one command); options given in code win."""
 
 
 def _env_options() -> dict[str, Any]:
