@@ -345,6 +345,9 @@ def test_a_unit_version_lacking_a_weight_is_refused_before_any_byte_is_read(tmp_
     assert reads == []
     assert_bitwise(unit_versions(fresh[0], fresh[1]), before)
     tailor.save(2)  # nothing was touched: saving is not refused
+    # verify reports it too (it passed the forged snapshot: every checksum holds).
+    assert "unit 'layer.2' of step 1 lacks (neither writes nor keeps) the weights of [model.layers.2.mlp.up_proj.weight]" \
+        in Run(tmp_path).verify(1)
 
 
 class Unanswered(LocalCoordinator):

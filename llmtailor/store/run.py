@@ -67,6 +67,7 @@ from llmtailor.store.files import (
 )
 from llmtailor.store.storage import Lease, Storage, open_storage
 from llmtailor.store import dtypes
+from llmtailor.store.keys import lacking_weights
 from llmtailor.store.manifest import Chunk, FileEntry, Manifest, TensorEntry, UnitEntry, load_unit_entry, parse_manifest
 
 if TYPE_CHECKING:
@@ -660,6 +661,15 @@ class Run:
             if missing:
                 problems.append(f"the layout of step {step} lacks units [{name_units(missing)}] of the {depth[1]} "
                                 f"layers its model config names ({depth[0]}): part of the model was not saved")
+        for unit in manifest.units:  # each version written here holds (or keeps) every weight of its unit
+            try:
+                keys = {tensor.key for tensor in self.unit_entry(step, unit).tensors}
+            except TailorError:
+                continue  # a damaged index: reported with the snapshot's files
+            lacking = lacking_weights(layout.units.get(unit, ()), keys)
+            if lacking:
+                problems.append(f"unit {unit!r} of step {step} lacks (neither writes nor keeps) the weights of "
+                                f"[{name_units(lacking)}]")
         return problems
 
     def _configured_depth(self, step: int, manifest: Manifest, family: str) -> tuple[str, int] | None:
