@@ -18,6 +18,9 @@ datamodule's state). ``save_top_k=K`` keeps the newest K composites (Lightning's
 when no metric is monitored); ``TailorCheckpoint.like(model_checkpoint)`` maps an existing
 ``ModelCheckpoint``'s settings and refuses the ones a tailored run cannot honour.
 
+The run directory is what ``Tailor`` takes: a local path or an object-store URL
+(``TailorCheckpoint("s3://bucket/exp", storage_options={...})``; ``integrations/location.py``).
+
 Resume is Lightning's own: ``trainer.fit(model, ckpt_path="runs/exp")``. The callback puts a
 checkpoint I/O in front of the strategy's that answers a run directory with the Lightning
 checkpoint dict assembled from its newest composite (``interop/lightning.py``: each unit from its
@@ -26,6 +29,7 @@ with its own code; at ``on_fit_start``, ``Tailor.restore`` of that composite the
 in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
 starts the next snapshots from that composite's lineage). A directory with no committed composite
 is refused naming it; any other ``ckpt_path`` goes to the strategy's checkpoint I/O unchanged.
+Which run a ``ckpt_path`` names is the storage's identity (``file:///data/exp`` is ``/data/exp``).
 ``llmtailor assemble RUN --format lightning`` writes the same dict as a ``.ckpt`` file plain
 Lightning resumes from.
 
@@ -45,7 +49,7 @@ scheduler (several are refused).
 
 from __future__ import annotations
 
-from pathlib import Path
+from os import PathLike
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,6 +58,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
+from llmtailor.integrations.location import run_location
 from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
@@ -75,7 +80,7 @@ class TailorCheckpoint(Checkpoint):
     ``policy`` and ``**options`` are ``Tailor``'s (``TailorConfig`` fields, or ``config=``);
     ``save_top_k`` is ``keep`` under Lightning's name (-1: keep every snapshot)."""
 
-    def __init__(self, run_dir: str | Path, policy: Policy | None = None, *, every_n_train_steps: int | None = None,
+    def __init__(self, run_dir: str | PathLike, policy: Policy | None = None, *, every_n_train_steps: int | None = None,
                  every_n_epochs: int | None = None, save_top_k: int | None = None, config: TailorConfig | None = None,
                  **options: Any):
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
@@ -89,7 +94,8 @@ class TailorCheckpoint(Checkpoint):
         if save_top_k not in (None, -1):
             options["keep"] = save_top_k
         self.config = TailorConfig.of(config, policy=policy, **options)
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_location(run_dir)
+        self.tiers()  # a location the store cannot use (storage options for a local path) is refused now
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_train_steps else 1
         self._tailor: Tailor | None = None
@@ -98,7 +104,7 @@ class TailorCheckpoint(Checkpoint):
         self._last_saved: int | None = None
 
     @classmethod
-    def like(cls, checkpoint: ModelCheckpoint, run_dir: str | Path | None = None, policy: Policy | None = None,
+    def like(cls, checkpoint: ModelCheckpoint, run_dir: str | PathLike | None = None, policy: Policy | None = None,
              **options: Any) -> TailorCheckpoint:
         """A ``TailorCheckpoint`` on ``checkpoint``'s schedule (``every_n_train_steps``,
         ``every_n_epochs``, ``save_top_k``), in ``run_dir`` (default: its ``dirpath``). Settings
@@ -132,6 +138,20 @@ class TailorCheckpoint(Checkpoint):
     def tiers(self) -> Tiers:
         """The run directory and the faster tiers in front of it (``TailorConfig.tiers``)."""
         return Tiers.of(self.run_dir, self.config)
+
+    def run_named(self, ckpt_path: str | PathLike) -> Run | None:
+        """The run ``ckpt_path`` names, by the storage's identity: this callback's run directory or
+        one of its tiers gives the tier holding the newest composite (a ConfigError when none
+        holds one); another run with a committed composite gives that run; anything else (a
+        Lightning checkpoint file) None."""
+        tiers = self.tiers()
+        named = Run(ckpt_path)
+        if tiers.index_of(named) is None:
+            return named if named.latest_step() is not None else None
+        newest = tiers.newest_run()
+        if newest is None:
+            raise _no_snapshot(ckpt_path)
+        return newest
 
     # -- Lightning's hooks -----------------------------------------------------------------
 
@@ -224,6 +244,12 @@ class TailorCheckpoint(Checkpoint):
                 raise
 
 
+def _no_snapshot(ckpt_path: Any) -> ConfigError:
+    return ConfigError(f"ckpt_path={ckpt_path}: no committed snapshot there; expected a run directory holding one "
+                       "(TailorCheckpoint.resume_path() is None until the first save commits) or a Lightning "
+                       "checkpoint file")
+
+
 def check_strategy(strategy: Any) -> None:
     """Refuse a strategy whose state is not one full copy per rank (module docstring)."""
     names = [cls.__name__ for cls in type(strategy).__mro__]
@@ -277,17 +303,12 @@ class _RunCheckpointIO(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        run = Run(path)
-        tiers = self.callback.tiers()
-        if Path(path).is_dir() and tiers.index_of(run) is not None:
-            run = tiers.newest_run() or run  # the newest composite of any tier
-        if not Path(path).is_dir() or run.latest_step() is None:
+        run = self.callback.run_named(path)
+        if run is None:
             try:
                 return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             except IsADirectoryError:  # Lightning's own I/O reads a file
-                raise ConfigError(f"ckpt_path={path}: a directory with no committed snapshot; expected a run "
-                                  "directory holding one (TailorCheckpoint.resume_path() is None until the first "
-                                  "save commits) or a Lightning checkpoint file") from None
+                raise _no_snapshot(path) from None
         with run.reading(None) as composite:
             checkpoint = lightning_checkpoint(run, composite)
         self.callback._resume = (run, composite.step)

@@ -232,8 +232,8 @@ def test_fit_from_a_run_directory_with_no_snapshot_is_refused_naming_it(tmp_path
     callback = TailorCheckpoint(run_dir, every_n_train_steps=2)
     assert callback.resume_path() is None
     trainer = _trainer(callback)
-    with pytest.raises(ConfigError, match=f"^ckpt_path={re.escape(str(run_dir))}: a directory with no committed "
-                                          "snapshot; expected a run directory holding one") as refused:
+    with pytest.raises(ConfigError, match=f"^ckpt_path={re.escape(str(run_dir))}: no committed snapshot there; "
+                                          "expected a run directory holding one") as refused:
         trainer.fit(_Tiny(), ckpt_path=str(run_dir))
     assert "\n" not in str(refused.value) and trainer.global_step == 0 and list(run_dir.iterdir()) == []
 
