@@ -197,7 +197,7 @@ class TailorCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self._save(trainer)
+            self._save(trainer, epoch_end=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(raise_error=True)  # an async save in flight becomes durable, or raises
@@ -223,13 +223,15 @@ class TailorCheckpoint(Checkpoint):
 
     # -- saving ------------------------------------------------------------------------------
 
-    def _save(self, trainer: pl.Trainer) -> None:
+    def _save(self, trainer: pl.Trainer, epoch_end: bool = False) -> None:
         step = trainer.global_step
         if self._tailor is None or step == 0 or step == self._last_saved or trainer.fast_dev_run \
                 or trainer.sanity_checking:
             return  # no optimizer step yet, this step saved already (accumulation, epoch end), or a dry run
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         lightning = {key: value for key, value in checkpoint.items() if key not in TENSOR_KEYS}
+        if epoch_end and "loops" in lightning:
+            lightning["loops"] = next_epoch_loops(lightning["loops"])
         self._tailor.save(step, extra={LIGHTNING_KEY: _storable(lightning)})
         self._last_saved = step
 
@@ -259,6 +261,52 @@ def check_strategy(strategy: Any) -> None:
             "its state is sharded the strategy's own way. Use Tailor(run_dir, model, optimizer) in a torchrun loop "
             "(FSDP2, DeepSpeed) instead"
         )
+
+
+# Lightning 2.x's fit-loop state (``_FitLoop.state_dict``): the per-epoch counters its training
+# epoch loop resets when an epoch starts (``_TrainingEpochLoop.reset``, not restarting). The
+# ``current`` part of each, and the validation loop's ``total`` (it counts the batches of an epoch).
+_PER_EPOCH_COUNTERS = ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress",
+                       "epoch_loop.automatic_optimization.optim_progress")
+_VAL_BATCHES = "epoch_loop.val_loop.batch_progress"
+
+
+def next_epoch_loops(loops: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's loop state dumped in ``on_train_epoch_end`` as the loops hold it when the next
+    epoch starts: the epoch counted complete (Lightning counts it after the hook) and the epoch
+    loop's per-epoch counters reset (as it resets them at an epoch's start).
+
+    Why: resumed from the state as dumped (epoch processed, not completed, its last batch done),
+    a Trainer with ``max_steps`` always restarts its loops, finds the epoch loop at its last batch
+    and trains one more batch in the finished epoch (Lightning's own ``ModelCheckpoint`` does the
+    same); from this state it starts the next epoch as the uninterrupted run did, and one with
+    only ``max_epochs`` (no restart) does too. A state of another shape (another Lightning
+    version) is returned unchanged."""
+    import copy
+
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    needed = ("epoch_progress", _VAL_BATCHES, *_PER_EPOCH_COUNTERS)
+    if not isinstance(fit, dict) or not all(isinstance(fit.get(key), dict) for key in needed):
+        return loops
+    fit = copy.deepcopy(fit)
+    for tracker in fit["epoch_progress"].values():
+        tracker["completed"] = tracker["processed"]
+    for key in _PER_EPOCH_COUNTERS:
+        _zero(fit[key], "current")
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    _zero(fit[_VAL_BATCHES], "total")
+    return {**loops, "fit_loop": fit}
+
+
+def _zero(progress: dict[str, Any], part: str) -> None:
+    """Set every counter of the trackers named ``part`` in ``progress`` (nested: an optimizer's
+    ``step`` and ``zero_grad``) to 0."""
+    for name, value in progress.items():
+        if name == part and isinstance(value, dict):
+            for counter in value:
+                value[counter] = 0
+        elif isinstance(value, dict):
+            _zero(value, part)
 
 
 def _one_optimizer(trainer: pl.Trainer) -> tuple[Any, Any]:
