@@ -49,6 +49,7 @@ scheduler (several are refused).
 
 from __future__ import annotations
 
+import copy
 from os import PathLike
 from typing import Any
 
@@ -231,7 +232,7 @@ class TailorCheckpoint(Checkpoint):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         lightning = {key: value for key, value in checkpoint.items() if key not in TENSOR_KEYS}
         if epoch_end and "loops" in lightning:
-            lightning["loops"] = next_epoch_loops(lightning["loops"])
+            lightning["loops"] = _next_epoch_loops(lightning["loops"])
         self._tailor.save(step, extra={LIGHTNING_KEY: _storable(lightning)})
         self._last_saved = step
 
@@ -271,7 +272,7 @@ _PER_EPOCH_COUNTERS = ("epoch_loop.batch_progress", "epoch_loop.scheduler_progre
 _VAL_BATCHES = "epoch_loop.val_loop.batch_progress"
 
 
-def next_epoch_loops(loops: dict[str, Any]) -> dict[str, Any]:
+def _next_epoch_loops(loops: dict[str, Any]) -> dict[str, Any]:
     """Lightning's loop state dumped in ``on_train_epoch_end`` as the loops hold it when the next
     epoch starts: the epoch counted complete (Lightning counts it after the hook) and the epoch
     loop's per-epoch counters reset (as it resets them at an epoch's start).
@@ -282,8 +283,6 @@ def next_epoch_loops(loops: dict[str, Any]) -> dict[str, Any]:
     same); from this state it starts the next epoch as the uninterrupted run did, and one with
     only ``max_epochs`` (no restart) does too. A state of another shape (another Lightning
     version) is returned unchanged."""
-    import copy
-
     fit = loops.get("fit_loop") if isinstance(loops, dict) else None
     needed = ("epoch_progress", _VAL_BATCHES, *_PER_EPOCH_COUNTERS)
     if not isinstance(fit, dict) or not all(isinstance(fit.get(key), dict) for key in needed):

@@ -20,6 +20,7 @@ pytest.importorskip("moto")
 from objectstore import keys, moto_process, new_bucket, set_environment  # noqa: E402
 
 from llmtailor import Parity, TailorConfig  # noqa: E402
+from llmtailor.errors import ConfigError  # noqa: E402
 from llmtailor.integrations.accelerate import TailorAccelerator  # noqa: E402
 from llmtailor.integrations.lightning import TailorCheckpoint  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
@@ -206,3 +207,16 @@ def test_trainer_with_a_url_run_saves_to_the_bucket_and_resumes_from_it(endpoint
     assert f"llmtailor: resumed from the composite of step 4 in {url}" in capsys.readouterr().out
     assert resumed.state.global_step == 6 and Run(url, options(endpoint)).steps() == [2, 4, 6]
     nothing_local()
+
+
+def test_storage_options_for_a_local_run_are_refused_when_each_integration_is_built(tmp_path):
+    """Refused before any training, not at the first save."""
+    config = TailorConfig(storage_options={"region": "us-east-1"})
+    refused = "storage options \\['region'\\] were given for .*, a local path; they apply to object-store URLs"
+    with pytest.raises(ConfigError, match=refused):
+        TailorCheckpoint(tmp_path / "run", config=config)
+    with pytest.raises(ConfigError, match=refused):
+        TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run", tailor_config=config)
+    with pytest.raises(ConfigError, match=refused):
+        _hf_trainer(tmp_path / "out", 4, tailor_config=config)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out" / "tailored").exists()
