@@ -26,6 +26,11 @@ returned) and all of that, and returns the ``RestoreReport`` (``step``, ``extra`
 start a lineage of their own); any other directory, and ``save_state(DIR)`` of a directory
 other than the run's, are ``Accelerator``'s own, unchanged.
 
+The run is what ``Tailor`` takes: a local path or an object-store URL
+(``tailor_run_dir="s3://bucket/exp"``, with ``TailorConfig(storage_options=...)``); a directory
+given to ``save_state`` / ``load_state`` is the run when its storage is the run's or a tier's
+(``file:///data/exp`` is ``/data/exp``; ``integrations/location.py``).
+
 RNG order across a resume (with the ``Full`` policy training continues bit for bit, dropout
 included): resuming mid-epoch, ``skip_first_batches`` makes a DataLoader iterator, which draws a
 base seed from the RNG, that the uninterrupted run made at the epoch's start, before the save; so
@@ -45,17 +50,17 @@ CPU processes) or a DeepSpeed engine (``accelerate launch --use_deepspeed``; on 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+from os import PathLike
 from typing import Any
 
 from accelerate import Accelerator
 
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
+from llmtailor.integrations.location import run_location
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
-from llmtailor.store.lock import WriterLock
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
@@ -67,16 +72,17 @@ USER_KEY = "user"
 
 class TailorAccelerator(Accelerator):
     """``accelerate.Accelerator`` saving and loading state as tailored snapshots (module
-    docstring). ``tailor_run_dir``: the run; ``tailor_policy`` / ``tailor_config``: the options
-    of its ``Tailor``; every other argument is ``Accelerator``'s."""
+    docstring). ``tailor_run_dir``: the run (a local path or a URL); ``tailor_policy`` /
+    ``tailor_config``: the options of its ``Tailor``; every other argument is ``Accelerator``'s."""
 
-    def __init__(self, *args: Any, tailor_run_dir: str | Path, tailor_policy: Policy | None = None,
+    def __init__(self, *args: Any, tailor_run_dir: str | PathLike, tailor_policy: Policy | None = None,
                  tailor_config: TailorConfig | None = None, **kwargs: Any):
-        self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy)  # checked before any set-up
-        self.tailor_run_dir = Path(tailor_run_dir)
+        # Checked before any set-up: the options, and a location the store can use.
+        self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy)
+        self.tailor_run_dir = run_location(tailor_run_dir, "tailor_run_dir")
         self._tailor: Tailor | None = None
         self._resumed_rng: dict[str, Any] | None = None  # the RNG streams load_state set, until training goes on
-        self._lock = WriterLock(self.tailor_run_dir)
+        self._lock = self._tiers().home.lock  # the run directory's writer lock (with the storage options)
         super().__init__(*args, **kwargs)
         # One writer per run, from the start: a second trainer on this run fails here, before it
         # trains (the Tailor built at the first save_state / load_state shares this process's lock).
@@ -85,7 +91,7 @@ class TailorAccelerator(Accelerator):
 
     def tailor_resumable(self) -> bool:
         """Whether the run holds a committed composite for ``load_state`` to restore."""
-        return Tiers.of(self.tailor_run_dir, self.tailor_config).latest_step() is not None
+        return self._tiers().latest_step() is not None
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *, step: int | None = None,
                    extra: Any = None, **kwargs: Any) -> SaveReport | PendingSave | str:
@@ -105,7 +111,7 @@ class TailorAccelerator(Accelerator):
         a tailored run: accelerate's own load."""
         if not self._ours(input_dir) and Run(input_dir).latest_step() is None:
             return super().load_state(input_dir, **kwargs)
-        if self._ours(input_dir):
+        if self._ours(input_dir):  # the newest composite of any tier, or the step given
             report = self._tailor_for_run().restore(step)
         else:  # another run: read from there; this run's snapshots start a lineage of their own
             model, optimizer, scheduler = self._live_objects()
@@ -190,8 +196,13 @@ class TailorAccelerator(Accelerator):
             return dist.get_rank() == 0
         return self.is_main_process
 
-    def _ours(self, directory: str | Path | None) -> bool:
-        return directory is None or Path(directory).resolve() == self.tailor_run_dir.resolve()
+    def _tiers(self) -> Tiers:
+        return Tiers.of(self.tailor_run_dir, self.tailor_config)
+
+    def _ours(self, directory: str | PathLike | None) -> bool:
+        """Whether ``directory`` is this run (its run directory or one of its tiers), by the
+        storage's identity."""
+        return directory is None or self._tiers().index_of(Run(directory)) is not None
 
     def _tailor_for_run(self) -> Tailor:
         if self._tailor is None:

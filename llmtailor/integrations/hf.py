@@ -8,9 +8,11 @@
     trainer.train(resume_from_checkpoint=True)                   # 3: resume after a crash
 
 On Trainer's own save schedule (``save_strategy`` / ``save_steps``) ``TailorTrainer`` writes one
-tailored snapshot to ``args.output_dir/tailored`` (the units the policy picks, plus optimizer
-groups, LR scheduler, RNG, and the TrainerState and TrainingArguments as JSON) instead of a
-``checkpoint-N/`` directory. ``args.save_total_limit`` becomes ``keep``: snapshots the newest
+tailored snapshot (the units the policy picks, plus optimizer groups, LR scheduler, RNG, and the
+TrainerState and TrainingArguments as JSON) to its run instead of a ``checkpoint-N/`` directory:
+``args.output_dir/tailored``, or ``tailor_run_dir``, a local path or an object-store URL as
+``Tailor`` takes it (``TailorConfig.storage_options`` for the store, ``TailorConfig.tiers`` in
+front of it). ``args.save_total_limit`` becomes ``keep``: snapshots the newest
 K composites do not need are deleted. ``tailor_async=True`` saves asynchronously (training
 waits only for the copies; the last save is waited for when ``train`` returns).
 
@@ -43,6 +45,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +54,14 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from llmtailor.errors import ConfigError
+from llmtailor.integrations.location import child_location, run_location
 from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
 from llmtailor.interop.hf.export import trainer_state_json
 from llmtailor.config import TailorConfig
 from llmtailor.policies import Policy
 from llmtailor.reports import describe_sources
 from llmtailor.providers.rng import restore_rng
-from llmtailor.store.lock import WriterLock
+from llmtailor.store.storage import is_url
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
@@ -69,10 +73,11 @@ class TailorTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose checkpoints are tailored snapshots (module docstring).
 
     Extra keyword arguments: ``tailor_config`` (a ``TailorConfig``: the options of the
-    ``Tailor`` it saves with), or the shorthands ``tailor_policy`` (default ``Full()``),
-    ``tailor_keep`` (default ``args.save_total_limit``), ``tailor_async`` and
-    ``tailor_timeout``, which override the config's. The run directory is
-    ``args.output_dir/tailored`` (``self.tailor_run_dir``)."""
+    ``Tailor`` it saves with: tiers, storage options, ...), or the shorthands ``tailor_policy``
+    (default ``Full()``), ``tailor_keep`` (default ``args.save_total_limit``), ``tailor_async``
+    and ``tailor_timeout``, which override the config's; ``tailor_run_dir``: the run, a local
+    path or an object-store URL as ``Tailor`` takes it (default ``args.output_dir/tailored``;
+    ``self.tailor_run_dir``)."""
 
     def __init__(
         self,
@@ -82,6 +87,7 @@ class TailorTrainer(transformers.Trainer):
         tailor_keep: int | None = None,
         tailor_async: bool | None = None,
         tailor_timeout: float | None = None,
+        tailor_run_dir: str | PathLike | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -96,7 +102,9 @@ class TailorTrainer(transformers.Trainer):
             tailor_keep = self.args.save_total_limit  # Trainer's own retention setting, mapped
         self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy, keep=tailor_keep,
                                              async_save=tailor_async, timeout=tailor_timeout)
-        self.tailor_run_dir = Path(self.args.output_dir) / RUN_DIRNAME
+        self.tailor_run_dir = (run_location(tailor_run_dir, "tailor_run_dir") if tailor_run_dir is not None
+                               else child_location(run_location(self.args.output_dir, "output_dir"), RUN_DIRNAME))
+        self._tiers()  # a location the store cannot use (storage options for a local path) is refused now
         self._tailor: Tailor | None = None
         self._resume: tuple[Run, int, Path] | None = None  # run, composite step, Trainer's resume dir
 
@@ -145,7 +153,7 @@ class TailorTrainer(transformers.Trainer):
         run = self._tailored_run(resume_from_checkpoint)
         # One writer per run, from the start: a second trainer on this run fails here, before it
         # trains (the Tailor built at the first save or restore shares this process's lock).
-        lock = WriterLock(self.tailor_run_dir)
+        lock = self._tiers().home.lock  # the run directory's writer lock (with the storage options)
         if self.is_world_process_zero():
             lock.acquire_or_look()
         try:
@@ -154,8 +162,7 @@ class TailorTrainer(transformers.Trainer):
                     resume_from_checkpoint = None  # nothing saved yet: a first run starts fresh
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             step = run.latest_step()
-            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            scratch = Path(tempfile.mkdtemp(prefix=".tailor-resume-", dir=self.args.output_dir))
+            scratch = self._scratch_dir()
             self._resume = (run, step, scratch)
             state = run.read_global(step)
             (scratch / TRAINER_STATE_NAME).write_text(
@@ -207,12 +214,23 @@ class TailorTrainer(transformers.Trainer):
     def _tiers(self) -> Tiers:
         return Tiers.of(self.tailor_run_dir, self.tailor_config)
 
+    def _scratch_dir(self) -> Path:
+        """A new local directory for the resume's ``trainer_state.json``: in ``output_dir``, or
+        the system's temporary directory where ``output_dir`` is a URL."""
+        output_dir = None if is_url(self.args.output_dir) else Path(self.args.output_dir)
+        if output_dir is not None:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".tailor-resume-", dir=output_dir))
+
     def _tailored_run(self, resume_from_checkpoint: str | bool | None) -> Run | None:
         """The tailored run to resume from, or None to let Trainer handle the argument."""
         if resume_from_checkpoint is True:  # the newest composite of the run directory or its tiers
             return self._tiers().newest_run()
-        if isinstance(resume_from_checkpoint, (str, Path)):
-            run = Run(resume_from_checkpoint)
+        if isinstance(resume_from_checkpoint, (str, PathLike)):
+            tiers, run = self._tiers(), Run(resume_from_checkpoint)
+            index = tiers.index_of(run)  # by the storage's identity
+            if index is not None:
+                run = tiers.levels[index].run  # this run's own tier, opened with its storage options
             return run if run.steps() else None
         return None
 

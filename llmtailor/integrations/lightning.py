@@ -18,6 +18,9 @@ datamodule's state). ``save_top_k=K`` keeps the newest K composites (Lightning's
 when no metric is monitored); ``TailorCheckpoint.like(model_checkpoint)`` maps an existing
 ``ModelCheckpoint``'s settings and refuses the ones a tailored run cannot honour.
 
+The run directory is what ``Tailor`` takes: a local path or an object-store URL
+(``TailorCheckpoint("s3://bucket/exp", storage_options={...})``; ``integrations/location.py``).
+
 Resume is Lightning's own: ``trainer.fit(model, ckpt_path="runs/exp")``. The callback puts a
 checkpoint I/O in front of the strategy's that answers a run directory with the Lightning
 checkpoint dict assembled from its newest composite (``interop/lightning.py``: each unit from its
@@ -26,6 +29,7 @@ with its own code; at ``on_fit_start``, ``Tailor.restore`` of that composite the
 in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
 starts the next snapshots from that composite's lineage). A directory with no committed composite
 is refused naming it; any other ``ckpt_path`` goes to the strategy's checkpoint I/O unchanged.
+Which run a ``ckpt_path`` names is the storage's identity (``file:///data/exp`` is ``/data/exp``).
 ``llmtailor assemble RUN --format lightning`` writes the same dict as a ``.ckpt`` file plain
 Lightning resumes from.
 
@@ -45,7 +49,8 @@ scheduler (several are refused).
 
 from __future__ import annotations
 
-from pathlib import Path
+import copy
+from os import PathLike
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,6 +59,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
+from llmtailor.integrations.location import run_location
 from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
@@ -75,7 +81,7 @@ class TailorCheckpoint(Checkpoint):
     ``policy`` and ``**options`` are ``Tailor``'s (``TailorConfig`` fields, or ``config=``);
     ``save_top_k`` is ``keep`` under Lightning's name (-1: keep every snapshot)."""
 
-    def __init__(self, run_dir: str | Path, policy: Policy | None = None, *, every_n_train_steps: int | None = None,
+    def __init__(self, run_dir: str | PathLike, policy: Policy | None = None, *, every_n_train_steps: int | None = None,
                  every_n_epochs: int | None = None, save_top_k: int | None = None, config: TailorConfig | None = None,
                  **options: Any):
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
@@ -89,7 +95,8 @@ class TailorCheckpoint(Checkpoint):
         if save_top_k not in (None, -1):
             options["keep"] = save_top_k
         self.config = TailorConfig.of(config, policy=policy, **options)
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_location(run_dir)
+        self.tiers()  # a location the store cannot use (storage options for a local path) is refused now
         self.every_n_train_steps = every_n_train_steps
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_train_steps else 1
         self._tailor: Tailor | None = None
@@ -98,7 +105,7 @@ class TailorCheckpoint(Checkpoint):
         self._last_saved: int | None = None
 
     @classmethod
-    def like(cls, checkpoint: ModelCheckpoint, run_dir: str | Path | None = None, policy: Policy | None = None,
+    def like(cls, checkpoint: ModelCheckpoint, run_dir: str | PathLike | None = None, policy: Policy | None = None,
              **options: Any) -> TailorCheckpoint:
         """A ``TailorCheckpoint`` on ``checkpoint``'s schedule (``every_n_train_steps``,
         ``every_n_epochs``, ``save_top_k``), in ``run_dir`` (default: its ``dirpath``). Settings
@@ -132,6 +139,20 @@ class TailorCheckpoint(Checkpoint):
     def tiers(self) -> Tiers:
         """The run directory and the faster tiers in front of it (``TailorConfig.tiers``)."""
         return Tiers.of(self.run_dir, self.config)
+
+    def run_named(self, ckpt_path: str | PathLike) -> Run | None:
+        """The run ``ckpt_path`` names, by the storage's identity: this callback's run directory or
+        one of its tiers gives the tier holding the newest composite (a ConfigError when none
+        holds one); another run with a committed composite gives that run; anything else (a
+        Lightning checkpoint file) None."""
+        tiers = self.tiers()
+        named = Run(ckpt_path)
+        if tiers.index_of(named) is None:
+            return named if named.latest_step() is not None else None
+        newest = tiers.newest_run()
+        if newest is None:
+            raise _no_snapshot(ckpt_path)
+        return newest
 
     # -- Lightning's hooks -----------------------------------------------------------------
 
@@ -177,7 +198,7 @@ class TailorCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self._save(trainer)
+            self._save(trainer, epoch_end=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(raise_error=True)  # an async save in flight becomes durable, or raises
@@ -203,13 +224,15 @@ class TailorCheckpoint(Checkpoint):
 
     # -- saving ------------------------------------------------------------------------------
 
-    def _save(self, trainer: pl.Trainer) -> None:
+    def _save(self, trainer: pl.Trainer, epoch_end: bool = False) -> None:
         step = trainer.global_step
         if self._tailor is None or step == 0 or step == self._last_saved or trainer.fast_dev_run \
                 or trainer.sanity_checking:
             return  # no optimizer step yet, this step saved already (accumulation, epoch end), or a dry run
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         lightning = {key: value for key, value in checkpoint.items() if key not in TENSOR_KEYS}
+        if epoch_end and "loops" in lightning:
+            lightning["loops"] = _next_epoch_loops(lightning["loops"])
         self._tailor.save(step, extra={LIGHTNING_KEY: _storable(lightning)})
         self._last_saved = step
 
@@ -224,6 +247,12 @@ class TailorCheckpoint(Checkpoint):
                 raise
 
 
+def _no_snapshot(ckpt_path: Any) -> ConfigError:
+    return ConfigError(f"ckpt_path={ckpt_path}: no committed snapshot there; expected a run directory holding one "
+                       "(TailorCheckpoint.resume_path() is None until the first save commits) or a Lightning "
+                       "checkpoint file")
+
+
 def check_strategy(strategy: Any) -> None:
     """Refuse a strategy whose state is not one full copy per rank (module docstring)."""
     names = [cls.__name__ for cls in type(strategy).__mro__]
@@ -233,6 +262,50 @@ def check_strategy(strategy: Any) -> None:
             "its state is sharded the strategy's own way. Use Tailor(run_dir, model, optimizer) in a torchrun loop "
             "(FSDP2, DeepSpeed) instead"
         )
+
+
+# Lightning 2.x's fit-loop state (``_FitLoop.state_dict``): the per-epoch counters its training
+# epoch loop resets when an epoch starts (``_TrainingEpochLoop.reset``, not restarting). The
+# ``current`` part of each, and the validation loop's ``total`` (it counts the batches of an epoch).
+_PER_EPOCH_COUNTERS = ("epoch_loop.batch_progress", "epoch_loop.scheduler_progress",
+                       "epoch_loop.automatic_optimization.optim_progress")
+_VAL_BATCHES = "epoch_loop.val_loop.batch_progress"
+
+
+def _next_epoch_loops(loops: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's loop state dumped in ``on_train_epoch_end`` as the loops hold it when the next
+    epoch starts: the epoch counted complete (Lightning counts it after the hook) and the epoch
+    loop's per-epoch counters reset (as it resets them at an epoch's start).
+
+    Why: resumed from the state as dumped (epoch processed, not completed, its last batch done),
+    a Trainer with ``max_steps`` always restarts its loops, finds the epoch loop at its last batch
+    and trains one more batch in the finished epoch (Lightning's own ``ModelCheckpoint`` does the
+    same); from this state it starts the next epoch as the uninterrupted run did, and one with
+    only ``max_epochs`` (no restart) does too. A state of another shape (another Lightning
+    version) is returned unchanged."""
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    needed = ("epoch_progress", _VAL_BATCHES, *_PER_EPOCH_COUNTERS)
+    if not isinstance(fit, dict) or not all(isinstance(fit.get(key), dict) for key in needed):
+        return loops
+    fit = copy.deepcopy(fit)
+    for tracker in fit["epoch_progress"].values():
+        tracker["completed"] = tracker["processed"]
+    for key in _PER_EPOCH_COUNTERS:
+        _zero(fit[key], "current")
+    fit["epoch_loop.batch_progress"]["is_last_batch"] = False
+    _zero(fit[_VAL_BATCHES], "total")
+    return {**loops, "fit_loop": fit}
+
+
+def _zero(progress: dict[str, Any], part: str) -> None:
+    """Set every counter of the trackers named ``part`` in ``progress`` (nested: an optimizer's
+    ``step`` and ``zero_grad``) to 0."""
+    for name, value in progress.items():
+        if name == part and isinstance(value, dict):
+            for counter in value:
+                value[counter] = 0
+        elif isinstance(value, dict):
+            _zero(value, part)
 
 
 def _one_optimizer(trainer: pl.Trainer) -> tuple[Any, Any]:
@@ -277,17 +350,12 @@ class _RunCheckpointIO(CheckpointIO):
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        run = Run(path)
-        tiers = self.callback.tiers()
-        if Path(path).is_dir() and tiers.index_of(run) is not None:
-            run = tiers.newest_run() or run  # the newest composite of any tier
-        if not Path(path).is_dir() or run.latest_step() is None:
+        run = self.callback.run_named(path)
+        if run is None:
             try:
                 return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             except IsADirectoryError:  # Lightning's own I/O reads a file
-                raise ConfigError(f"ckpt_path={path}: a directory with no committed snapshot; expected a run "
-                                  "directory holding one (TailorCheckpoint.resume_path() is None until the first "
-                                  "save commits) or a Lightning checkpoint file") from None
+                raise _no_snapshot(path) from None
         with run.reading(None) as composite:
             checkpoint = lightning_checkpoint(run, composite)
         self.callback._resume = (run, composite.step)

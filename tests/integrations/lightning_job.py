@@ -1,10 +1,11 @@
 """A real PyTorch Lightning job, run as a fresh process by the Lightning tests.
 
     python lightning_job.py --run-dir DIR --result FILE [--checkpoint tailor|model] [--policy full|parity]
-        [--max-steps 10] [--every 4] [--crash-at STEP] [--resume PATH] [--dump FILE] [--devices N]
-        [--dropout P] [--loader lazy|eager]
+        [--max-steps 10] [--every 4] [--every-epochs N] [--crash-at STEP] [--resume PATH] [--dump FILE]
+        [--devices N] [--dropout P] [--loader lazy|eager]
 
---checkpoint tailor trains with ``TailorCheckpoint`` saving every --every steps into --run-dir;
+--checkpoint tailor trains with ``TailorCheckpoint`` saving every --every steps into --run-dir
+(--every-epochs N: at the end of every N epochs instead);
 --checkpoint model uses Lightning's own ``ModelCheckpoint`` (and imports no llmtailor code, checked
 at the end) and --resume is a ``.ckpt`` file. --crash-at SIGKILLs the process right after the
 save of that step (when the next step starts). --devices 2 trains with Lightning's
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--policy", default="full", choices=["full", "parity"])
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--every-epochs", type=int)
     parser.add_argument("--crash-at", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--dump")
@@ -157,7 +159,8 @@ def main() -> None:
         from llmtailor.integrations.lightning import TailorCheckpoint
 
         policy = {"full": Full(), "parity": Parity()}[args.policy]
-        checkpoint = TailorCheckpoint(args.run_dir, policy, every_n_train_steps=args.every)
+        steps = None if args.every_epochs else args.every
+        checkpoint = TailorCheckpoint(args.run_dir, policy, every_n_train_steps=steps, every_n_epochs=args.every_epochs)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
         max_steps=args.max_steps, callbacks=[checkpoint, Recorder(args)], logger=False, enable_progress_bar=False,

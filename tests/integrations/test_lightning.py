@@ -56,12 +56,12 @@ def runs(tmp_path_factory):
     return get
 
 
-def continues(reference: dict, resumed: dict, after: int) -> None:
-    steps = [str(s) for s in range(after + 1, LAST + 1)]
+def continues(reference: dict, resumed: dict, after: int, last: int = LAST) -> None:
+    steps = [str(s) for s in range(after + 1, last + 1)]
     assert sorted(resumed["losses"], key=int) == steps
     assert resumed["losses"] == {s: reference["losses"][s] for s in steps}  # float.hex: bit for bit
     assert resumed["batches"] == {s: reference["batches"][s] for s in steps}  # the dataloader's position
-    assert resumed["params"] == reference["params"] and resumed["global_step"] == LAST
+    assert resumed["params"] == reference["params"] and resumed["global_step"] == last
 
 
 @pytest.mark.slow
@@ -132,6 +132,26 @@ def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary
     assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), LAST)
 
 
+@pytest.mark.slow
+def test_with_dropout_a_resume_from_an_epochs_end_save_continues_bit_for_bit(tmp_path):
+    """TailorCheckpoint's default schedule (a save at every epoch's end), attention dropout 0.1, a
+    plain DataLoader's iterator (made when Lightning sets up the data), 8 batches an epoch: a run
+    SIGKILLed after its save of 8 (the first epoch's end) and resumed in a fresh process trains
+    steps 9 to 16 with the uninterrupted run's batches and losses, and its snapshot of 16
+    (weights, optimizer state, LR scheduler, RNG) and final weights equal that run's, bit for
+    bit. From the loop state Lightning dumps at an epoch's end, a resume with ``max_steps``
+    trained one more batch in the finished epoch."""
+    flags = ["--every-epochs", "1", "--dropout", "0.1", "--loader", "eager", "--max-steps", "16"]
+    reference = job(tmp_path / "reference", tmp_path / "reference.json", *flags)
+    run_dir = tmp_path / "crashed"
+    job(run_dir, tmp_path / "crashed.json", *flags, "--crash-at", "8", crash=True)
+    assert Run(run_dir).steps() == [8]
+    resumed = job(run_dir, tmp_path / "resumed.json", *flags, "--resume", str(run_dir))
+    continues(reference, resumed, 8, last=16)
+    assert Run(run_dir).steps() == [8, 16]
+    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), 16)
+
+
 # -- in one process --------------------------------------------------------------------------
 
 
@@ -169,6 +189,30 @@ def _fit(module: L.LightningModule, callback: TailorCheckpoint, **kwargs) -> L.T
     trainer = _trainer(callback, **kwargs)
     trainer.fit(module)
     return trainer
+
+
+class _Dropout(L.LightningModule):
+    """An MLP with dropout on fixed data shuffled every epoch, 4 batches an epoch, an LR stepped
+    every epoch: each step draws from the RNG, and each epoch's DataLoader iterator too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+        self.losses: dict[int, tuple[int, int, str]] = {}
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch).pow(2).mean()
+        self.losses[self.global_step + 1] = (self.current_epoch, batch_idx, loss.item().hex())
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+    def train_dataloader(self):
+        data = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
 
 
 def test_options_are_checked_when_the_callback_is_made(tmp_path):
@@ -232,8 +276,8 @@ def test_fit_from_a_run_directory_with_no_snapshot_is_refused_naming_it(tmp_path
     callback = TailorCheckpoint(run_dir, every_n_train_steps=2)
     assert callback.resume_path() is None
     trainer = _trainer(callback)
-    with pytest.raises(ConfigError, match=f"^ckpt_path={re.escape(str(run_dir))}: a directory with no committed "
-                                          "snapshot; expected a run directory holding one") as refused:
+    with pytest.raises(ConfigError, match=f"^ckpt_path={re.escape(str(run_dir))}: no committed snapshot there; "
+                                          "expected a run directory holding one") as refused:
         trainer.fit(_Tiny(), ckpt_path=str(run_dir))
     assert "\n" not in str(refused.value) and trainer.global_step == 0 and list(run_dir.iterdir()) == []
 
@@ -299,3 +343,32 @@ def test_a_memory_tier_saves_promotes_and_the_resume_takes_the_newest_composite_
     trainer.fit(_Tiny(), ckpt_path=resumed.resume_path())
     assert f"resumed from the composite of step 4 in {memory}" in capsys.readouterr().out
     assert trainer.global_step == 6 and Run(home).latest_step() == 6 and Run(home).verify() == []
+
+
+@pytest.mark.parametrize("limit", ["max_steps", "max_epochs"])
+def test_a_save_at_an_epochs_end_resumes_at_the_next_epochs_start_bit_for_bit(tmp_path, limit):
+    """TailorCheckpoint's default schedule (every epoch): fitting one epoch, then resuming from
+    its save in a new Trainer with other RNG streams, trains the next two epochs as the
+    uninterrupted run did (each step's epoch, batch index and loss; the snapshots of the next
+    epochs' ends: weights, optimizer state, LR scheduler, RNG). With ``max_steps`` Lightning
+    restarts its loops, and from the state it dumps in ``on_train_epoch_end`` it trained one more
+    batch in the finished epoch."""
+
+    def fit(run_dir: Path, epochs: int, ckpt_path: str | None = None) -> tuple[L.Trainer, _Dropout]:
+        module, limits = _Dropout(), {"max_steps": 4 * epochs} if limit == "max_steps" else {"max_steps": -1,
+                                                                                              "max_epochs": epochs}
+        trainer = _trainer(TailorCheckpoint(run_dir), **limits)
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return trainer, module
+
+    L.seed_everything(0, verbose=False)
+    _, reference = fit(tmp_path / "reference", 3)
+    L.seed_everything(0, verbose=False)
+    fit(tmp_path / "run", 1)
+    assert Run(tmp_path / "run").steps() == [4]
+    L.seed_everything(1, verbose=False)  # the resume sets the streams the save kept
+    trainer, resumed = fit(tmp_path / "run", 3, str(tmp_path / "run"))
+    assert resumed.losses == {step: reference.losses[step] for step in range(5, 13)}
+    assert trainer.global_step == 12 and trainer.current_epoch == 3
+    for step in (8, 12):
+        assert_same_training_state(Run(tmp_path / "run"), Run(tmp_path / "reference"), step)
