@@ -440,17 +440,15 @@ def test_a_missing_base_directory_is_refused_when_the_tailor_is_built(tmp_path):
         Tailor(tmp_path / "run", *lora(), base=tmp_path / "nope")
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens, dora):
-    """The adapter file's keys are those of peft's own ``save_pretrained`` (DoRA's magnitude
-    vector included: peft saves it as ``...lora_magnitude_vector``, not as its parameter's
-    ``...lora_magnitude_vector.default.weight``); peft loads every tensor bit for bit."""
+def assembled_as_peft_saves(model, optimizer, tokens, tmp_path) -> None:
+    """Parity saves at steps 1 to 3 of ``model`` into ``tmp_path/run``, assembled by the CLI as a
+    peft adapter directory at ``tmp_path/out``, whose file holds exactly the keys peft's own
+    ``save_pretrained`` writes (at ``tmp_path/reference``)."""
     from safetensors import safe_open
     from typer.testing import CliRunner
 
     from llmtailor.cli import app
 
-    model, optimizer = lora(dora=dora)
     with Tailor(tmp_path / "run", model, optimizer, policy=Parity()) as tailor:
         for s in range(1, 4):
             step(model, optimizer, tokens, s)
@@ -461,6 +459,18 @@ def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_pa
     with safe_open(str(tmp_path / "out" / "adapter_model.safetensors"), "pt") as ours, \
             safe_open(str(tmp_path / "reference" / "adapter_model.safetensors"), "pt") as theirs:
         assert sorted(ours.keys()) == sorted(theirs.keys())
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_assemble_peft_writes_an_adapter_directory_peft_loads_bit_for_bit(tmp_path, tokens, dora):
+    """The adapter file's keys are those of peft's own ``save_pretrained`` (DoRA's magnitude
+    vector included: peft saves it as ``...lora_magnitude_vector``, not as its parameter's
+    ``...lora_magnitude_vector.default.weight``); peft loads every tensor bit for bit."""
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    assembled_as_peft_saves(*lora(dora=dora), tokens, tmp_path)
     loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "out")  # no llmtailor code
     sources = Run(tmp_path / "run").resolve().sources
     assert {sources[f"layer.{i}"] for i in range(4)} == {2, 3}  # a Parity composite: adapters from two snapshots
@@ -629,22 +639,8 @@ def lora_saving(module: str, tying: str = "untied", seed: int = 0):
 
 @pytest.mark.parametrize("module,tying,path", [*SAVED_WHOLE, TIED_COPIES])
 def test_modules_to_save_assemble_peft_loads_in_peft_bit_for_bit(tmp_path, tokens, module, tying, path):
-    from safetensors import safe_open
-    from typer.testing import CliRunner
-
-    from llmtailor.cli import app
-
-    model, optimizer = lora_saving(module, tying)
-    with Tailor(tmp_path / "run", model, optimizer, policy=Parity()) as tailor:
-        for s in range(1, 4):
-            step(model, optimizer, tokens, s)
-            tailor.save(s)
-    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
-    assert result.exit_code == 0, result.output
-    model.save_pretrained(tmp_path / "reference")  # peft's own file: the trained copy as `module`'s own weight
-    with safe_open(str(tmp_path / "out" / "adapter_model.safetensors"), "pt") as ours, \
-            safe_open(str(tmp_path / "reference" / "adapter_model.safetensors"), "pt") as theirs:
-        assert sorted(ours.keys()) == sorted(theirs.keys())
+    # peft's own file holds the trained copy as `module`'s own weight: so must ours.
+    assembled_as_peft_saves(*lora_saving(module, tying), tokens, tmp_path)
     loaded = peft.PeftModel.from_pretrained(base_model_tied(tying), tmp_path / "out")  # no llmtailor code
     fresh, fresh_opt = lora_saving(module, tying, seed=7)
     with torch.no_grad():
