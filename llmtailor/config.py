@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT
 from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.policies import Adaptive, Full, Policy
-from llmtailor.store.coordinator import DEFAULT_TIMEOUT
 from llmtailor.store.retention import Keep
 from llmtailor.store.tiers import Tier
 

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.drift import sampled
 from llmtailor.errors import ConfigError
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
-from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.files import checksum, checksum_file, describe_os_error, safetensors_layout, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry

@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
+from llmtailor.async_stager import AsyncStager
 from llmtailor.config import TailorConfig
+from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.drift import DriftWatch
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
@@ -36,10 +38,8 @@ from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
-from llmtailor.store.coordinator import Coordinator, make_coordinator
 from llmtailor.store.lineage import Lineage
 from llmtailor.store.staged import PersistResult, StagedSnapshot
-from llmtailor.store.staging import AsyncStager
 from llmtailor.store.tiers import Tiers
 from llmtailor.store.writer import persist
 

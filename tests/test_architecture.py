@@ -16,10 +16,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llmtailor"
 BELOW = {
     "constants": set(),
     "errors": set(),
+    "distributed": {"errors"},
     "layouts": {"constants", "errors"},
     "policies": {"constants", "errors"},
-    "store": {"constants", "errors", "layouts", "interop"},  # interop: its files modules only (below)
-    "providers": {"constants", "errors", "layouts", "store"},
+    "store": {"constants", "errors", "distributed", "layouts", "interop"},  # interop: its files modules only (below)
+    "providers": {"constants", "errors", "distributed", "layouts", "store"},
     "interop": {"constants", "errors", "layouts", "store", "providers"},
     "merge": {"constants", "errors", "layouts", "store", "interop"},
 }

@@ -38,7 +38,7 @@ from llmtailor.errors import (
     TailorError,
     describe_validation,
 )
-from llmtailor.store.coordinator import Coordinator
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.store.files import StorageError, describe_os_error
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock

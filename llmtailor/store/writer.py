@@ -3,9 +3,9 @@
 Staging (``store/staged.py``: what to write) is separate from persisting (``persist``: writing
 and committing it). A synchronous save stages references to the live tensors and persists at
 once, one unit in memory at a time; an async save stages copies in reusable host buffers and
-persists them on a background thread (``store/staging.py``). Both go through ``persist``.
+persists them on a background thread (``llmtailor/async_stager.py``). Both go through ``persist``.
 
-The commit protocol, for any number of ranks (``llmtailor.store.coordinator`` carries the
+The commit protocol, for any number of ranks (``llmtailor.distributed.coordinator`` carries the
 messages; one process is a world of one) and any storage (``store.storage``: a local directory
 or an object store, each rank writing straight to it, so no filesystem is shared between nodes):
 
@@ -48,10 +48,10 @@ from llmtailor.constants import (
     unit_filename,
     unit_index_path,
 )
+from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import TailorError
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
-from llmtailor.store.coordinator import Coordinator, LocalCoordinator
 from llmtailor.store.files import StorageError, describe_os_error, stream_tensors, write_bytes_to
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name

@@ -225,7 +225,7 @@ def test_inspect_shows_every_tier_and_gc_keeps_each_tiers_own_number(tmp_path, t
 def test_a_tier_some_rank_cannot_see_fails_the_writer_on_every_rank(tmp_path):
     """Rank 0 records the tiers with a fresh token; a rank that does not find it (its node's
     /dev/shm is another directory) makes the Tailor fail everywhere, naming the tier."""
-    from llmtailor.store.coordinator import LocalCoordinator
+    from llmtailor.distributed.coordinator import LocalCoordinator
     from llmtailor.store.tiers import Tiers
 
     class TwoRanks(LocalCoordinator):
