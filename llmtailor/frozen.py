@@ -41,10 +41,10 @@ import torch
 
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.drift import sampled
-from llmtailor.errors import ConfigError
+from llmtailor.errors import ConfigError, describe_os_error
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
-from llmtailor.store.files import checksum, checksum_file, describe_os_error, safetensors_layout, tensor_checksum
+from llmtailor.store.files import checksum, checksum_file, safetensors_layout, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Composite, Run

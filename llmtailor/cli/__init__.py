@@ -21,8 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from llmtailor.errors import TailorError
-from llmtailor.store.files import describe_os_error
+from llmtailor.errors import TailorError, describe_os_error
 from llmtailor.store.run import Run
 from llmtailor.store.storage.objects import OPTIONS_ENV
 

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR
-from llmtailor.errors import TailorError
-from llmtailor.store.files import StorageError, describe_os_error, remove_empty
+from llmtailor.errors import StorageError, TailorError, describe_os_error
+from llmtailor.store.files import remove_empty
 from llmtailor.store.storage.base import Lease as LeaseBase, Leftovers, WriterLockBackend
 
 if TYPE_CHECKING:

@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR, MANIFEST_FILE, snapshot_dirname
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store.files import describe_os_error
+from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError, describe_os_error
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import discard_snapshots, retain_after_commit
 from llmtailor.store.run import Run

@@ -24,8 +24,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator
 
-from llmtailor.errors import ConfigError, TailorError
-from llmtailor.store.files import describe_os_error
+from llmtailor.errors import ConfigError, TailorError, describe_os_error
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Lease
 

@@ -39,7 +39,7 @@ from llmtailor.errors import (
     describe_validation,
 )
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.store.files import StorageError, describe_os_error
+from llmtailor.errors import StorageError, describe_os_error
 from llmtailor.store.lineage import choose_composite
 from llmtailor.store.lock import WriterLock
 from llmtailor.store.promote import Promoter, Promotion, clear_stray_carriers

@@ -38,14 +38,13 @@ from typing import Any
 
 import torch
 
-from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, StorageError, describe_os_error
 from llmtailor.interop.deepspeed.files import find_step_dir
 from llmtailor.store import Progress
 from llmtailor.interop.hf.files import CONFIG_FILE
 from llmtailor.interop.hf.model import meta_model
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.store import codec
-from llmtailor.store.files import StorageError, describe_os_error
 from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.run import Run
 from llmtailor.store.single import write_single_snapshot

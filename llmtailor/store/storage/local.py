@@ -22,16 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from llmtailor.constants import TMP_DIR, TRASH_DIR, INDEX_DIR, RANKS_DIR, UNITS_DIR
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import IntegrityError, StorageError, TailorError, describe_os_error
 from llmtailor.store import files
-from llmtailor.store.files import (
-    StorageError,
-    Syncer,
-    confine,
-    describe_os_error,
-    fsync_dir,
-    replace_bytes_atomically,
-)
+from llmtailor.store.files import Syncer, confine, fsync_dir, replace_bytes_atomically
 from llmtailor.store.storage.base import Batch, Lease, Leftovers, Sink, Storage, WriterLockBackend
 
 

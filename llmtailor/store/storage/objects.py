@@ -51,8 +51,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
-from llmtailor.errors import ConfigError, IntegrityError, TailorError
-from llmtailor.store.files import StorageError
+from llmtailor.errors import ConfigError, IntegrityError, StorageError, TailorError
 from llmtailor.store.storage.base import PIECE, Batch, Lease, Leftovers, Sink, Storage, WriterLockBackend
 from llmtailor.store.storage.object_errors import MISSING, explain
 
