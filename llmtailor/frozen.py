@@ -41,10 +41,10 @@ import torch
 
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.drift import sampled
-from llmtailor.errors import ConfigError, describe_os_error
+from llmtailor.errors import ConfigError, IntegrityError, describe_os_error
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
-from llmtailor.store.files import checksum, checksum_file, safetensors_layout, tensor_checksum
+from llmtailor.store.tensor_files import checksum, checksum_file, read_header, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Composite, Run
@@ -104,11 +104,11 @@ class BaseModel:
         """Tensor name -> (file, dtype name, shape)."""
         for file in files:
             try:
-                _, header = safetensors_layout(file)
+                _, header = read_header(file)
             except OSError as err:
                 raise ConfigError(f"base={path}: {describe_os_error(err, file)}") from None
-            except ValueError as err:
-                raise ConfigError(f"base={path}: {file.name} is not a safetensors file ({err})") from None
+            except IntegrityError as err:  # not a safetensors file (read_header validates it)
+                raise ConfigError(f"base={path}: {err}") from None
             for name, info in header.items():
                 if name != "__metadata__":
                     self.tensors[name] = (file.name, dtypes.from_code(info["dtype"]), list(info["shape"]))

@@ -12,7 +12,8 @@ from llmtailor.errors import IntegrityError
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource, stored_header
+from llmtailor.store.checked import stored_header
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store import Progress
 from llmtailor.store.keys import split_key, split_unit
 from llmtailor.store.reader import ChunkReader

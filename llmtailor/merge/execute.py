@@ -36,7 +36,7 @@ from llmtailor.errors import ConfigError
 from llmtailor.merge.plan import FORMATS
 from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store.keys import split_key
 from llmtailor.store.run import Run
 from llmtailor.store import Progress

@@ -39,7 +39,7 @@ from typing import IO, TYPE_CHECKING
 
 from llmtailor.constants import LATEST_FILE, LOCK_FILE, SNAPSHOTS_DIR
 from llmtailor.errors import StorageError, TailorError, describe_os_error
-from llmtailor.store.files import remove_empty
+from llmtailor.store.storage.local_durable import remove_empty
 from llmtailor.store.storage.base import Lease as LeaseBase, Leftovers, WriterLockBackend
 
 if TYPE_CHECKING:

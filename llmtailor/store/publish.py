@@ -23,7 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from llmtailor.errors import ConfigError
-from llmtailor.store.files import abandon_output, fsync_dir, fsync_file, open_output
+from llmtailor.store.files import abandon_output, open_output
+from llmtailor.store.storage.local_durable import fsync_dir, fsync_file
 
 
 @contextmanager

@@ -58,13 +58,7 @@ from llmtailor.constants import (
 )
 from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.layouts import Layout, load_family, name_units
-from llmtailor.store.files import (
-    check_stored_header,
-    read_checked_tensors,
-    read_stored,
-    read_stored_tensors,
-    stored_problem,
-)
+from llmtailor.store.checked import check_stored_header, read_checked_tensors, read_stored, read_stored_tensors, stored_problem
 from llmtailor.store.storage import Lease, Storage, open_storage
 from llmtailor.store import dtypes
 from llmtailor.store.keys import lacking_weights

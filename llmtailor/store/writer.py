@@ -52,7 +52,8 @@ from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
-from llmtailor.store.files import stream_tensors, write_bytes_to
+from llmtailor.store.checked import write_bytes_to
+from llmtailor.store.tensor_files import stream_tensors
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run

@@ -43,7 +43,9 @@ from llmtailor.interop.hf.files import (
     checkpoint_dirname,
 )
 from llmtailor.layouts import Layout
-from llmtailor.store.files import ByteSource, Syncer, copy_durable, fsync_file, write_tensor_file, write_text_durable
+from llmtailor.store.files import copy_durable, write_text_durable
+from llmtailor.store.storage.local_durable import Syncer, fsync_file
+from llmtailor.store.tensor_files import ByteSource, write_tensor_file
 from llmtailor.store.publish import publishing
 from llmtailor.store.run import Run
 from llmtailor.interop.tailored import read_composite

@@ -1,7 +1,7 @@
 """The local filesystem as a ``Storage``: a run is a directory.
 
 - Durability: every file is fsynced (on a helper thread while the next one is written:
-  ``files.Syncer``), large files in 256 MiB steps that are then dropped from the page cache;
+  ``local_durable.Syncer``), large files in 256 MiB steps that are then dropped from the page cache;
   directories are fsynced after entries are added, renamed or removed.
 - Commit: a save writes into a private directory under ``.tmp/`` and renames it into
   ``snapshots/`` atomically (``begin_snapshot`` / ``commit_snapshot``); retention renames a
@@ -23,9 +23,21 @@ from pathlib import Path
 
 from llmtailor.constants import TMP_DIR, TRASH_DIR, INDEX_DIR, RANKS_DIR, UNITS_DIR
 from llmtailor.errors import IntegrityError, StorageError, TailorError, describe_os_error
-from llmtailor.store import files
-from llmtailor.store.files import Syncer, confine, fsync_dir, replace_bytes_atomically
+from llmtailor.store.storage import local_durable
 from llmtailor.store.storage.base import Batch, Lease, Leftovers, Sink, Storage, WriterLockBackend
+from llmtailor.store.storage.local_durable import Syncer, fsync_dir, replace_bytes_atomically
+
+
+def confine(path: Path, within: Path) -> Path:
+    """``path``, after checking that it resolves (every symlink followed) inside ``within``, a
+    resolved directory; IntegrityError naming both otherwise. A run's files are read only
+    inside the run: a link out of it is not part of the checkpoint, whatever it points to."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(within):
+        raise IntegrityError(
+            f"{path}: resolves to {real}, outside the run {within}; llmtailor does not follow links out of a run"
+        )
+    return path
 
 
 class LocalStorage(Storage):
@@ -92,7 +104,7 @@ class LocalStorage(Storage):
         path = self.path(key)
         with _opened(path) as handle:
             end = os.fstat(handle.fileno()).st_size if length is None else start + length
-            yield from files.read_pieces(handle, path, start, end)
+            yield from local_durable.read_pieces(handle, path, start, end)
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
         path = self.path(key)
@@ -279,7 +291,7 @@ class LocalSink(Sink):
     def write(self, data: memoryview | bytes) -> None:
         self._out.write(data)
         self._written += len(data)
-        if self._written - self._flushed >= files.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
+        if self._written - self._flushed >= local_durable.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
             self._durable(self._flushed, self._written)
             self._flushed = self._written
 
@@ -298,7 +310,7 @@ class LocalSink(Sink):
         if self._syncer is not None:
             self._syncer.submit(self.path, os.dup(self._out.fileno()), start, end, size=(end or self._written) - start)
         else:
-            files.make_durable(self._out.fileno(), start, end)
+            local_durable.make_durable(self._out.fileno(), start, end)
 
 
 class LocalBatch(Batch):
