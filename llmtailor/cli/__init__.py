@@ -23,7 +23,7 @@ from typer.core import TyperGroup
 
 from llmtailor.errors import TailorError, describe_os_error
 from llmtailor.store.run import Run
-from llmtailor.store.storage.objects import OPTIONS_ENV
+from llmtailor.store.storage.object_options import OPTIONS_ENV
 
 
 def reflow(text: str | None) -> str | None:
@@ -126,8 +126,8 @@ def _existing_run(location: str | Path) -> Run:
     a run (a file, another kind of checkpoint; an empty directory passes: it reports no
     snapshot later)."""
     run = Run(location)
-    why = run.storage.describe_non_run()
-    if why is not None and not (run.is_local and Path(run.root).is_dir() and run.storage.is_fresh()):
+    why = run.storage.detection.describe_non_run()
+    if why is not None and not (run.is_local and Path(run.root).is_dir() and run.storage.detection.is_fresh()):
         raise TailorError(why)
     return run
 
@@ -229,7 +229,7 @@ def gc(
     from llmtailor.store.tiers import tier_states
 
     run = Run(run_dir)
-    why = run.storage.describe_non_run()
+    why = run.storage.detection.describe_non_run()
     if why is not None:
         raise TailorError(f"{why}; gc deletes only the snapshots of a run")
     if keep is not None:

@@ -4,7 +4,7 @@
 every snapshot it needs that B lacks is copied, oldest first, each file streamed from A and
 checked against its checksum on the way (a damaged source is never promoted), each snapshot
 committed in B with B's own protocol (files, then the manifest only if absent, then the
-commit; ``Storage.begin_snapshot``), then B's ``latest``. A copied manifest is A's but for its
+commit; ``SnapshotCommits.begin``), then B's ``latest``. A copied manifest is A's but for its
 ``parent``: the composite's names the composite promoted to B before it on the same lineage
 (B's lineage is the promoted composites, so B's retention counts them); a snapshot copied only for what the composite needs
 (a carrier) names none, and a ``carried_for`` note says so (``verify`` does not miss its own
@@ -158,17 +158,17 @@ def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent
     else:
         manifest = manifest.model_copy(update={"parent": None, "notes": {**manifest.notes, CARRIED_FOR: composite}})
     final = dst.snapshot_key(step)
-    staging = storage.begin_snapshot(snapshot_dirname(step), final, 1)
+    staging = storage.commits.begin(snapshot_dirname(step), final, 1)
     try:
         with storage.batch() as batch:
             for entry in source.stored_files(step):
                 _copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}",
-                           batch.create(storage.staging_key(staging, entry.path)), entry)
+                           batch.create(storage.commits.key(staging, entry.path)), entry)
         target.lock.check_held()
-        storage.put(storage.staging_key(staging, MANIFEST_FILE), manifest.dumps().encode(), exclusive=True)
-        storage.commit_snapshot(staging, final)
+        storage.put(storage.commits.key(staging, MANIFEST_FILE), manifest.dumps().encode(), exclusive=True)
+        storage.commits.commit(staging, final)
     except BaseException:
-        storage.abandon_snapshot(staging)
+        storage.commits.abandon(staging)
         raise
 
 

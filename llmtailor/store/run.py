@@ -16,7 +16,7 @@ prefixes on an object store)::
         index/<unit>.json          the unit's files, tensors and chunks
         units/<unit>.safetensors   weights and optimizer state of each unit saved at this step
                                    (units/<unit>.rank-00001.safetensors: rank 1's pieces of it)
-        .readers                   the snapshot's reader lease (``store.lock``; not in the manifest)
+        .readers                   the snapshot's reader lease (``storage.local_lock``; not in the manifest)
       .tmp/                        snapshots being written (local runs); never read
 
 This module only reads; ``writer.py`` writes.
@@ -99,7 +99,7 @@ class Verification:
 
 
 class ReadLeases:
-    """Shared leases on snapshots of one run (``store.lock``), held until ``close``; a context
+    """Shared leases on snapshots of one run (``storage.locks``), held until ``close``; a context
     manager. While a lease is held, retention does not remove that snapshot."""
 
     def __init__(self, run: Run):
@@ -113,7 +113,7 @@ class ReadLeases:
             return True
         snapshot = self.run.snapshot_key(step)
         storage = self.run.storage
-        lease = storage.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
+        lease = storage.locks.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
         if lease is None:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False

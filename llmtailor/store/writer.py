@@ -9,7 +9,7 @@ The commit protocol, for any number of ranks (``llmtailor.distributed.coordinato
 messages; one process is a world of one) and any storage (``store.storage``: a local directory
 or an object store, each rank writing straight to it, so no filesystem is shared between nodes):
 
-1. the leader (rank 0) opens the snapshot's staging place (``Storage.begin_snapshot``: a
+1. the leader (rank 0) opens the snapshot's staging place (``SnapshotCommits.begin``: a
    private directory under ``.tmp/`` locally; on an object store the final prefix itself) and
    announces it;
 2. every rank writes its part there — its pieces of the units it holds, its own global state
@@ -96,7 +96,7 @@ def persist(
     def open_tmp() -> str:
         if prepare is not None:
             prepare()
-        return storage.begin_snapshot(snapshot_dirname(staged.step), final, staged.world_size)
+        return storage.commits.begin(snapshot_dirname(staged.step), final, staged.world_size)
 
     def open_tmp_friendly() -> str:
         try:
@@ -122,10 +122,10 @@ def persist(
                     confirm()
                 # The manifest is written last, only if absent: without one there is no snapshot.
                 encoded = manifest.dumps().encode()
-                storage.put(storage.staging_key(staging, MANIFEST_FILE), encoded, exclusive=True)
-                storage.commit_snapshot(staging, final)
+                storage.put(storage.commits.key(staging, MANIFEST_FILE), encoded, exclusive=True)
+                storage.commits.commit(staging, final)
             except BaseException as err:
-                storage.abandon_snapshot(staging)
+                storage.commits.abandon(staging)
                 raise _friendly(err, run, staged.step) from None
             total = manifest.total_bytes() + len(encoded)
             return {"bytes": total, "pointer_error": replace_latest(run, staged.step)}
@@ -153,7 +153,7 @@ def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
     storage = run.storage
 
     def create(relpath: str):
-        return batch.create(storage.staging_key(staging, relpath))
+        return batch.create(storage.commits.key(staging, relpath))
 
     # Locally each file's fsync runs on a helper thread while the next file is written; every
     # file is durable before the part is reported (the commit depends on it).
@@ -234,7 +234,7 @@ def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[
             index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
                               values=content["values"], kept=content["kept"], base=content["base"])
             relpath = unit_index_path(unit)
-            entry = write_bytes_to(batch.create(storage.staging_key(staging, relpath)), index.dumps().encode(), relpath)
+            entry = write_bytes_to(batch.create(storage.commits.key(staging, relpath)), index.dumps().encode(), relpath)
             refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
     return Manifest(
         schema_version=SCHEMA_VERSION,

@@ -248,7 +248,7 @@ def test_storage_options_apply_to_their_own_command_only(monkeypatch, before):
     process, a CliRunner's or a library caller's, sees none of them)."""
     import os
 
-    from llmtailor.store.storage.objects import OPTIONS_ENV
+    from llmtailor.store.storage.object_options import OPTIONS_ENV
 
     if before is None:
         monkeypatch.delenv(OPTIONS_ENV, raising=False)

@@ -14,10 +14,15 @@ strategy a ``Storage`` carries, written next to its backend.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+CANNOT_CREATE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+"""Errors that say a location is one this process may not write to (a run on read-only storage,
+or someone else's): its snapshots are read without a lease, and a writer is refused there."""
 
 
 def this_process() -> str:
