@@ -44,10 +44,11 @@ from llmtailor.drift import sampled
 from llmtailor.errors import ConfigError, IntegrityError, describe_os_error
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
+from llmtailor.store.catalog import Composite
 from llmtailor.store.tensor_files import checksum, checksum_file, read_header, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedUnit, version_of
 
 Holder = int | str

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtailor.async_stager import BackgroundSave
-from llmtailor.store.run import Composite
+from llmtailor.store.catalog import Composite
 from llmtailor.store.staged import PersistResult
 
 

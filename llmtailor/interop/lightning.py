@@ -25,8 +25,9 @@ from llmtailor.errors import ConfigError, IntegrityError
 from llmtailor.interop.tailored import read_composite
 from llmtailor.layouts import Layout
 from llmtailor.store import Progress
+from llmtailor.store.catalog import Composite
 from llmtailor.store.publish import publish_file
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Run
 
 LIGHTNING_KEY = "lightning"
 """The key of the snapshot's extras under which ``TailorCheckpoint`` keeps Lightning's own state."""

@@ -365,3 +365,8 @@ def load_unit_entry(raw: bytes, path: Path | str, unit: str, step: int) -> UnitE
     if (entry.unit, entry.step) != (unit, step):
         raise IntegrityError(f"{path}: index of unit {entry.unit!r} at step {entry.step}, expected {unit!r} at {step}")
     return entry
+
+
+def tensor_bytes(entry: TensorEntry) -> int:
+    """Bytes of the whole tensor ``entry`` describes."""
+    return math.prod(entry.shape) * dtypes.itemsize(entry.dtype)

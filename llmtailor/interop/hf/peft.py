@@ -21,11 +21,12 @@ from typing import Any
 
 from llmtailor.errors import ConfigError
 from llmtailor.layouts import Layout
+from llmtailor.store.catalog import Composite
 from llmtailor.store.files import write_text_durable
 from llmtailor.store.tensor_files import write_tensor_file
 from llmtailor.store.publish import publishing
 from llmtailor.store.keys import split_unit
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Run
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
