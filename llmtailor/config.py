@@ -3,7 +3,7 @@
 ``Tailor(run_dir, model, ..., config=TailorConfig(keep=3, async_save=True))`` and
 ``Tailor(run_dir, model, ..., keep=3, async_save=True)`` mean the same; ``TailorTrainer``
 passes its ``tailor_config`` through. Every problem is reported at once, naming the option and
-the value (``ConfigError``). ``tiers`` takes ``Tier``s (``store/tiers.py``).
+the value (``ConfigError``). ``tiers`` takes ``Tier``s (``store/tiers/``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class BackgroundSaveError(TailorError):
 
 
 class PromotionError(TailorError):
-    """Copying a composite to a slower tier failed after its retries (``store/promote.py``);
+    """Copying a composite to a slower tier failed after its retries (``store/tiers/promote.py``);
     both tiers are as they were, and the composite stays in the faster one."""
 
 

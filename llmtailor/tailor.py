@@ -7,8 +7,8 @@
     tailor.save(step, extra={"epoch": epoch})
 
 With ``tiers=[Tier("/dev/shm/exp1", keep=2, promote_every=50)]`` saves commit to host memory
-and composites reach the run directory in the background (``store/tiers.py``,
-``store/promote.py``); ``restore`` takes the newest composite of any tier.
+and composites reach the run directory in the background (``store/tiers/``, its
+``promote.py``); ``restore`` takes the newest composite of any tier.
 
 Each save writes the units the policy picks plus the global state; ``restore`` loads the
 composite (each unit from its newest version, global state from the composite's step) into

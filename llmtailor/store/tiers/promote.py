@@ -39,7 +39,6 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -50,9 +49,7 @@ from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import discard_snapshots, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Sink, Storage
-
-if TYPE_CHECKING:
-    from llmtailor.store.tiers import Level
+from llmtailor.store.tiers.levels import Level
 
 log = logging.getLogger(__name__)
 
