@@ -1,5 +1,6 @@
-"""The README's examples run as written: the training-loop snippet (a first run, then a resume)
-and every line of its "Command line" block, placeholders filled in with real inputs."""
+"""The documentation's examples run as written: README's training-loop snippet (a first run, then a
+resume), the storage tiers snippet of docs/storage-and-tiers.md and every line of the block of
+docs/command-line.md, placeholders filled in with real inputs."""
 
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ from typer.testing import CliRunner
 
 from llmtailor.cli import app
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def block(after: str, language: str = "") -> str:
-    """The first fenced block (of ``language``) after the line ``after``."""
-    text = README.read_text(encoding="utf-8")
+def block(page: str, after: str, language: str = "") -> str:
+    """The first fenced block (of ``language``) after the line ``after`` of ``page`` (a path from
+    the repository root: ``README.md``, ``docs/command-line.md``)."""
+    text = (ROOT / page).read_text(encoding="utf-8")
     start = text.index(after)
     match = re.compile(rf"^```{language}\n(.*?)^```", re.S | re.M).search(text, start)
-    assert match, f"no ```{language} block after {after!r}"
+    assert match, f"no ```{language} block after {after!r} in {page}"
     return match.group(1)
 
 
 def test_the_training_loop_snippet_saves_then_resumes(tmp_path, tokens, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = block("## Use it in a training loop", "python")
+    code = block("README.md", "## Use it in a training loop", "python")
     model, optimizer, lr_scheduler = tiny()
     trained = []
 
@@ -54,7 +56,7 @@ def test_the_tiers_snippet_saves_to_memory_promotes_and_resumes_after_losing_it(
 
     places = {"s3://ckpt/exp1": tmp_path / "home", "/dev/shm/exp1": tmp_path / "memory",
               "/local/nvme/exp1": tmp_path / "nvme"}
-    code = block("### Storage tiers", "python")
+    code = block("docs/storage-and-tiers.md", "## Storage tiers", "python")
     for shown, used in places.items():
         assert shown in code
         code = code.replace(shown, str(used))
@@ -135,7 +137,7 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(run)}]}))
     values = {"RUN": str(run), "N": "4", "K": "2", "PLAN.yaml": str(tmp_path / "plan.yaml"),
               "FILE.png": str(tmp_path / "drift.png"), "CHECKPOINT_DIR": str(tmp_path / "hf" / "checkpoint-6")}
-    lines = [line.split("#")[0].strip() for line in block("## Command line").splitlines() if line.strip()]
+    lines = [line.split("#")[0].strip() for line in block("docs/command-line.md", "# Command line").splitlines() if line.strip()]
     peft_run, lightning_run = tmp_path / "peft-run", tmp_path / "lightning-run"
     ran = 0
     for number, line in enumerate(lines):
