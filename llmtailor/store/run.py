@@ -51,6 +51,7 @@ from llmtailor.constants import (
     MANIFEST_FILE,
     SNAPSHOT_PREFIX,
     SNAPSHOTS_DIR,
+    STATEFUL_KEY,
     TMP_DIR,
     layer_unit,
     rank_state_files,
@@ -519,15 +520,16 @@ class Run:
 
     def read_global(self, step: int) -> dict[str, Any]:
         """The global state saved at ``step``: what all ranks share (step, optimizer groups, LR
-        scheduler, model config) and rank 0's own RNG states and extras."""
+        scheduler, model config) and rank 0's own RNG states, extras and stateful objects' states."""
         return self._read_state(step, GLOBAL_JSON, GLOBAL_TENSORS)
 
     def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
-        """Rank ``rank``'s own RNG states and extras as saved at ``step`` (rank 0: from the
-        global state), or None when no rank of that number took part in the save."""
+        """Rank ``rank``'s own RNG states, extras and stateful objects' states as saved at
+        ``step`` (rank 0: from the global state), or None when no rank of that number took part
+        in the save."""
         if rank == 0:
             state = self.read_global(step)
-            return {key: state.get(key) for key in ("rng", "extra")}
+            return {key: state.get(key) for key in ("rng", "extra", STATEFUL_KEY)}
         doc, tensors = rank_state_files(rank)
         if not any(entry.path == doc for entry in self.manifest(step).files):
             return None

@@ -12,7 +12,8 @@ writes, in the formats its ``_load_*`` methods read::
                              groups, which must be Trainer's own decay / no-decay groups
     scheduler.pt             the LR scheduler's state dict (Trainer loads it only beside optimizer.pt)
     rng_state.pth            {"python", "numpy", "cpu"[, "cuda"]} as ``Trainer._save_rng_state``
-    trainer_state.json       the TrainerState saved by ``TailorTrainer`` (else a minimal one)
+    trainer_state.json       the TrainerState saved by ``TailorTrainer`` (``TRAINER_STATE_KEY``),
+                             or kept by an import of a Trainer checkpoint (else a minimal one)
 
 Every ``.pt``/``.pth`` file loads with ``torch.load(..., weights_only=True)`` (rng_state.pth
 under transformers' ``safe_globals()``, like Trainer's own). Not written: ``training_args.bin``
@@ -43,6 +44,7 @@ from llmtailor.interop.hf.files import (
     checkpoint_dirname,
 )
 from llmtailor.layouts import Layout
+from llmtailor.providers.stateful import saved_state
 from llmtailor.store.files import ByteSource, Syncer, copy_durable, fsync_file, write_tensor_file, write_text_durable
 from llmtailor.store.publish import publishing
 from llmtailor.store.run import Run
@@ -53,6 +55,11 @@ if TYPE_CHECKING:
     import torch
 
 """Called after each unit is read: ``(unit, units done, units in all)``."""
+
+TRAINER_STATE_KEY = "trainer_state"
+"""The name under which a run keeps Trainer's TrainerState (as JSON): ``TailorTrainer``'s stateful
+object (``providers/stateful.py``), and the extras' key of an imported Trainer checkpoint (and of
+a ``TailorTrainer`` run written before stateful objects)."""
 
 
 def export_hf(
@@ -93,7 +100,8 @@ def export_hf(
         del per_param
         if state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
             _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
-        write_text_durable(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), composite.step, train_batch_size))
+        trainer_state = saved_state(state, TRAINER_STATE_KEY)
+        write_text_durable(tmp / TRAINER_STATE_FILE, trainer_state_json(trainer_state, composite.step, train_batch_size))
         for path in extra_files:  # tokenizer files, say
             copy_durable(Path(path), tmp / Path(path).name)
     return Path(out_dir) / checkpoint_dirname(composite.step)
@@ -153,12 +161,12 @@ def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trainer_state_json(extra: Any, step: int, train_batch_size: int) -> str:
-    """The run's TrainerState (TailorTrainer saves it), or a minimal one for a plain Tailor run.
-    Trainer divides the state's ``train_batch_size`` on resume (it only warns on a mismatch),
-    so a minimal state must carry an integer one."""
-    state = extra.get("trainer_state") if isinstance(extra, dict) else None
-    if state is None:
+def trainer_state_json(state: Any, step: int, train_batch_size: int) -> str:
+    """The run's TrainerState ``state`` (as ``TailorTrainer`` saves it: ``saved_state(global
+    state, TRAINER_STATE_KEY)``), or, for None (a plain Tailor run), a minimal one. Trainer
+    divides the state's ``train_batch_size`` on resume (it only warns on a mismatch), so a
+    minimal state must carry an integer one."""
+    if not isinstance(state, dict):
         from dataclasses import asdict
 
         from transformers import TrainerState
