@@ -27,7 +27,7 @@ from llmtailor.interop.tailored import read_composite
 from llmtailor.layouts import Layout
 from llmtailor.providers.stateful import saved_state
 from llmtailor.store import Progress
-from llmtailor.store.publish import publish_file
+from llmtailor.outputs.directory import publish_file
 from llmtailor.store.run import Composite, Run
 
 LIGHTNING_KEY = "lightning"

@@ -37,7 +37,7 @@ from llmtailor.errors import ConfigError, IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.store.files import fsync_dir, replace_text_atomically
 from llmtailor.store.keys import split_unit
-from llmtailor.store.publish import publishing
+from llmtailor.outputs.directory import publishing
 from llmtailor.store.run import Composite, Run
 from llmtailor.store import Progress
 
