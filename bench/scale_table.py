@@ -16,7 +16,7 @@ Bytes per rank are the tensor bytes a Full save writes (bf16 weights, fp32 AdamW
 step scalars, written once) divided as the shards fall; files are the unit files (one per
 rank per unit), the unit indexes, the rank-state files, the global files and the manifest.
 
-    .venv/bin/python bench/scale_table.py                  # the table in the README
+    .venv/bin/python bench/scale_table.py                  # the table in docs/distributed.md
     .venv/bin/python bench/scale_table.py --layers 32 --ranks 8 64
 """
 

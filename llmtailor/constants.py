@@ -24,6 +24,10 @@ INDEX_DIR = "index"
 
 SNAPSHOT_PREFIX = "step-"
 
+STATEFUL_KEY = "stateful"
+"""The key of a rank's global state (``global.json``, ``ranks/``) under which the states of a
+``Tailor``'s stateful objects are kept, by name (``providers/stateful.py``)."""
+
 # Tensor keys inside a unit file: "<kind>/<parameter name>[/<optimizer state key>]".
 KIND_WEIGHT = "weight"
 KIND_OPTIM = "optim"

@@ -16,7 +16,7 @@ Drift is computed over those samples. The sums of squares are per-rank partial s
 over the ranks with one all-reduce per save, so every rank sees the same figures (and a
 policy decides the same) on any provider: FSDP2 shards, DeepSpeed fragments, DDP replicas
 (whose equal copies cancel in the ratio). ``tests/test_drift.py`` measures the estimate
-against the exact value; the documented bound (README) is what it checks.
+against the exact value; the documented bound (docs/training-loops.md) is what it checks.
 
 Cost, at save time only: the samples are strided views of the live tensors, built once and
 kept while the provider's tensors keep their memory (checked at every gather by their data

@@ -41,11 +41,12 @@ import torch
 
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.drift import sampled
-from llmtailor.errors import ConfigError, IntegrityError, describe_os_error
+from llmtailor.errors import ConfigError, TailorError
+from llmtailor.interop.hf.weights import ModelWeights, has_weights
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
 from llmtailor.store.catalog import Composite
-from llmtailor.store.tensor_files import checksum, checksum_file, read_header, tensor_checksum
+from llmtailor.store.tensor_files import checksum, checksum_file, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Run
@@ -98,21 +99,16 @@ class BaseModel:
         self.path = Path(path).resolve()
         if not self.path.is_dir():
             raise ConfigError(f"base={path}: no such model directory")
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"base={path}: no *.safetensors file in it (a save_pretrained directory expected)")
-        self.tensors: dict[str, tuple[str, str, list[int]]] = {}
+        if not has_weights(self.path):
+            raise ConfigError(f"base={path}: no model.safetensors (or its index) in it (a save_pretrained directory expected)")
+        try:
+            self._weights = ModelWeights(self.path)
+        except TailorError as err:
+            raise ConfigError(f"base={path}: {err}") from None
+        self.tensors: dict[str, tuple[str, str, list[int]]] = {
+            name: (t.file.name, t.dtype, list(t.shape)) for name, t in self._weights.tensors.items()
+        }
         """Tensor name -> (file, dtype name, shape)."""
-        for file in files:
-            try:
-                _, header = read_header(file)
-            except OSError as err:
-                raise ConfigError(f"base={path}: {describe_os_error(err, file)}") from None
-            except IntegrityError as err:  # not a safetensors file (read_header validates it)
-                raise ConfigError(f"base={path}: {err}") from None
-            for name, info in header.items():
-                if name != "__metadata__":
-                    self.tensors[name] = (file.name, dtypes.from_code(info["dtype"]), list(info["shape"]))
         self._record: BaseDir | None = None
 
     def find(self, name: str) -> str | None:
@@ -138,11 +134,8 @@ class BaseModel:
         if dtype != dtypes.name_of(tensor.dtype) or shape != list(tensor.shape):
             return None
         mine = tensor_checksum(tensor)
-        from safetensors import safe_open
-
-        with safe_open(str(self.path / file), framework="pt") as handle:
-            if tensor_checksum(handle.get_tensor(found)) != mine:
-                return None
+        if tensor_checksum(self._weights.read(found).load()) != mine:
+            return None
         return {"file": file, "name": found, "dtype": dtype, "shape": shape, "xxh3_64": mine}
 
     def record(self) -> dict[str, Any]:

@@ -78,7 +78,8 @@ class RestoreReport:
     with tiers, also those a faster tier did not hold whole (the reason names the tier)."""
     saved_world_size: int = 1
     unmapped: tuple[str, ...] = ()
-    """Per-rank state that could not be mapped at this world size (empty at the saved one)."""
+    """Per-rank state that could not be mapped at this world size (empty at the saved one), and
+    stateful objects the snapshot holds no state for (``providers/stateful.py``)."""
     tier: str = ""
     """Where the composite was read from: the run directory, or the tier (``Tier``) holding it."""
 

@@ -6,6 +6,10 @@
     ...
     tailor.save(step, extra={"epoch": epoch})
 
+More of the job's own state (a data loader's position, a framework's loop state) goes in as
+stateful objects, saved at each save and loaded back by ``restore``, each rank its own
+(``providers/stateful.py``): ``Tailor(..., stateful={"loader": loader})``.
+
 With ``tiers=[Tier("/dev/shm/exp1", keep=2, promote_every=50)]`` saves commit to host memory
 and composites reach the run directory in the background (``store/tiers/``, its
 ``promote.py``); ``restore`` takes the newest composite of any tier.
@@ -22,6 +26,7 @@ Tailor is built, before any other collective (``providers/agreement.py``).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -37,6 +42,7 @@ from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
+from llmtailor.providers.stateful import Stateful, StatefulObjects
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.lineage import Lineage
 from llmtailor.store.staged import PersistResult, StagedSnapshot
@@ -50,7 +56,8 @@ class Tailor:
     ``model`` is a plain ``torch.nn.Module``, a DDP-wrapped one, one sharded with FSDP2
     (``fully_shard``), or a DeepSpeed engine; in a torch.distributed job, every rank constructs
     its Tailor and calls ``save`` and ``restore`` (collectives). Options: ``TailorConfig``'s
-    fields, as keyword arguments or ``config=``.
+    fields, as keyword arguments or ``config=``. ``stateful``: name -> object with ``state_dict``
+    and ``load_state_dict``, saved at each save and loaded by ``restore`` (``providers/stateful.py``).
 
     Invariants: a save never touches an earlier snapshot; after ``restore(T)`` every weight and
     optimizer tensor equals, bit for bit, the version the composite of T names, and with the
@@ -62,8 +69,9 @@ class Tailor:
 
     def __init__(self, run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  lr_scheduler: Any | None = None, policy: Policy | None = None, *, config: TailorConfig | None = None,
-                 **options: Any):
+                 stateful: Mapping[str, Stateful] | None = None, **options: Any):
         self.config = TailorConfig.of(config, policy=policy, **options)
+        self.stateful = StatefulObjects.of(stateful)  # saved and loaded per rank with the extras
         self.policy, self.keep, self.read_only = self.config.policy, self.config.keep, self.config.read_only
         self.tiers = Tiers.of(run_dir, self.config)
         self.run = self.tiers.first.run  # where saves commit: the run directory, or the fastest tier
@@ -145,10 +153,8 @@ class Tailor:
         self._settle(raise_error=True, refused=step)
         self.tiers.raise_failure(self.coordinator)
         if self._partly_restored is not None:
-            raise TailorError(
-                f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving them is "
-                "refused: restore() again (fallback=True passes over damaged composites) before saving"
-            )
+            raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
+                              "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
         self.lineage.check_next(step)  # after the save in flight settled: its step is the parent then
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
@@ -199,7 +205,7 @@ class Tailor:
         the writer asks for them) and the global state, encoded now (a copy)."""
         error, encoded = None, (None, None, None, None)
         try:
-            encoded = self.provider.encode_global(step, extra)
+            encoded = self.provider.encode_global(step, extra, self.stateful)
         except TailorError as err:
             if self.world_size == 1:
                 raise  # refused before anything is written
@@ -264,7 +270,7 @@ class Tailor:
                 raise failure
             self.provider.finish_load()
             self._partly_restored = None
-            extra, unmapped = self.provider.restore_rank_state(run, composite)
+            extra, unmapped = self.provider.restore_rank_state(run, composite, self.stateful)
         self.lineage.restored(run, composite, extend=level == 0, newest=floor)  # from a slower tier: the next save is full
         self._frozen.restored(run, composite, held=level == 0)
         self.tiers.restored(level, composite.step)

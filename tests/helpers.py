@@ -59,7 +59,7 @@ def unit_versions(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-# The documented bound (README, "Adaptive"): relative error of the sampled drift estimate vs
+# The documented bound (docs/training-loops.md, "Drift and Adaptive"): relative error of the sampled drift estimate vs
 # the exact drift, for units whose tensors are larger than the sample.
 WEIGHT_BOUND, MOMENTS_BOUND = 0.25, 0.6
 

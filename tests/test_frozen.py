@@ -183,7 +183,7 @@ EMBEDDING = "base_model.model.model.embed_tokens.weight"  # 256 x 32: larger tha
 CHANGES_THROUGH_DATA = {  # way -> (the change, the frozen tensors it changes); none bumps a version counter
     "data.copy_": (lambda param, new: param.data.copy_(new), [LAYER_WEIGHT, EMBEDDING]),
     "data[...] =": (lambda param, new: param.data.__setitem__(Ellipsis, new), [LAYER_WEIGHT, EMBEDDING]),
-    # One row: caught for certain only in a tensor no larger than the sample (README).
+    # One row: caught for certain only in a tensor no larger than the sample (docs/training-loops.md).
     "data[row] =": (lambda param, new: param.data.__setitem__(1, new[1]), [LAYER_WEIGHT]),
     "data = new": (lambda param, new: setattr(param, "data", new.clone()), [LAYER_WEIGHT, EMBEDDING]),
 }
@@ -223,7 +223,7 @@ def test_a_frozen_tensor_changed_through_data_is_written_again_and_restored_new(
 
 
 def test_a_fingerprint_sees_changes_through_data_to_sampled_elements_and_any_through_the_tensor():
-    """``fingerprints`` on a tensor larger than the sample: what README promises is seen."""
+    """``fingerprints`` on a tensor larger than the sample: what docs/training-loops.md promises is seen."""
     from llmtailor.drift import SAMPLE, sample_slots
     from llmtailor.frozen import fingerprints
     from llmtailor.store.staged import Piece

@@ -1,8 +1,12 @@
-"""The README's examples run as written: the training-loop snippet (a first run, then a resume)
-and every line of its "Command line" block, placeholders filled in with real inputs."""
+"""The documentation's examples run as written: README's training-loop snippet (a first run, then a
+resume), the storage tiers snippet of docs/storage-and-tiers.md and every line of the block of
+docs/command-line.md, placeholders filled in with real inputs; every other snippet parses; README
+stays a short entry that opens with the two commands and links every page of docs/, and every
+relative link resolves."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from pathlib import Path
@@ -15,21 +19,79 @@ from typer.testing import CliRunner
 
 from llmtailor.cli import app
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def block(after: str, language: str = "") -> str:
-    """The first fenced block (of ``language``) after the line ``after``."""
-    text = README.read_text(encoding="utf-8")
+def block(page: str, after: str, language: str = "") -> str:
+    """The first fenced block (of ``language``) after the line ``after`` of ``page`` (a path from
+    the repository root: ``README.md``, ``docs/command-line.md``)."""
+    text = (ROOT / page).read_text(encoding="utf-8")
     start = text.index(after)
     match = re.compile(rf"^```{language}\n(.*?)^```", re.S | re.M).search(text, start)
-    assert match, f"no ```{language} block after {after!r}"
+    assert match, f"no ```{language} block after {after!r} in {page}"
     return match.group(1)
+
+
+# The manual's pages, one per topic, each linked from README's map of the docs.
+DOCS = ("training-loops.md", "distributed.md", "deepspeed.md", "storage-and-tiers.md", "integrations.md",
+        "merge.md", "command-line.md", "format.md", "failures.md", "benchmarks.md")
+PAGES = ("README.md", *(f"docs/{name}" for name in DOCS))
+FENCED = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+LINK = re.compile(r"\[[^\]]*\]\(([^()\s]+)\)")
+
+
+def test_readme_opens_with_the_two_commands_and_stays_short():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines"
+    assert lines[:3] == ["# llmtailor", "", "```"]
+    assert [line.split("#")[0].strip() for line in lines[3:6]] == ["make demo", "make test", "```"]
+
+
+def test_every_docs_page_exists_and_is_linked_from_readme():
+    assert sorted(p.name for p in (ROOT / "docs").glob("*.md")) == sorted(DOCS)  # no page left out of the map
+    linked = set(LINK.findall((ROOT / "README.md").read_text(encoding="utf-8")))
+    assert [page for page in PAGES[1:] if page not in linked] == []
+
+
+def anchor(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCED.sub("", page.read_text(encoding="utf-8"))
+    return {anchor(m.group(1)) for m in re.finditer(r"^#+ (.*)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_resolves(page):
+    source = ROOT / page
+    broken = []
+    for target in LINK.findall(FENCED.sub("", source.read_text(encoding="utf-8"))):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, fragment = target.partition("#")
+        resolved = (source.parent / path).resolve() if path else source
+        if not resolved.exists():
+            broken.append(f"{target}: no file {resolved}")
+        elif fragment and fragment not in anchors(resolved):
+            broken.append(f"{target}: no heading #{fragment} in {resolved.name}")
+    assert broken == []
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_python_and_yaml_snippet_parses(page):
+    for language, code in FENCED.findall((ROOT / page).read_text(encoding="utf-8")):
+        if language == "python":
+            ast.parse(code)
+        elif language == "yaml":
+            yaml.safe_load(code)
 
 
 def test_the_training_loop_snippet_saves_then_resumes(tmp_path, tokens, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = block("## Use it in a training loop", "python")
+    code = block("README.md", "## Use it in a training loop", "python")
     model, optimizer, lr_scheduler = tiny()
     trained = []
 
@@ -54,7 +116,7 @@ def test_the_tiers_snippet_saves_to_memory_promotes_and_resumes_after_losing_it(
 
     places = {"s3://ckpt/exp1": tmp_path / "home", "/dev/shm/exp1": tmp_path / "memory",
               "/local/nvme/exp1": tmp_path / "nvme"}
-    code = block("### Storage tiers", "python")
+    code = block("docs/storage-and-tiers.md", "## Storage tiers", "python")
     for shown, used in places.items():
         assert shown in code
         code = code.replace(shown, str(used))
@@ -135,7 +197,7 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(run)}]}))
     values = {"RUN": str(run), "N": "4", "K": "2", "PLAN.yaml": str(tmp_path / "plan.yaml"),
               "FILE.png": str(tmp_path / "drift.png"), "CHECKPOINT_DIR": str(tmp_path / "hf" / "checkpoint-6")}
-    lines = [line.split("#")[0].strip() for line in block("## Command line").splitlines() if line.strip()]
+    lines = [line.split("#")[0].strip() for line in block("docs/command-line.md", "# Command line").splitlines() if line.strip()]
     peft_run, lightning_run = tmp_path / "peft-run", tmp_path / "lightning-run"
     ran = 0
     for number, line in enumerate(lines):

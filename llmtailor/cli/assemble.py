@@ -1,4 +1,4 @@
-"""``llmtailor assemble RUN [--step N] --format hf|deepspeed|peft|lightning -o OUT``: write a
+"""``llmtailor assemble RUN [--step N] --format hf|deepspeed|peft|lightning -o OUT [--max-shard-size 5GB]``: write a
 composite in another checkpoint format: Hugging Face Trainer's ``checkpoint-N/``, a DeepSpeed
 universal checkpoint, a peft adapter directory, or a Lightning ``.ckpt`` file.
 
@@ -34,6 +34,10 @@ def assemble(
     train_batch_size: Annotated[
         int, typer.Option(min=1, help="Recorded in trainer_state.json when the run holds no TrainerState (plain Tailor runs).")
     ] = 1,
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", help="hf: the largest weights file (5GB, 500MB, 100KB or bytes); larger "
+                          "weights are split into shards with an index, as save_pretrained does.")
+    ] = "5GB",
 ) -> None:
     """Write the composite of a step (each unit from its newest saved version) as a standard
     checkpoint directory; `transformers.Trainer.train(resume_from_checkpoint=...)` resumes
@@ -49,6 +53,9 @@ def assemble(
     from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf.export import export_hf
 
+    from llmtailor.outputs.sink import parse_size
+
+    shard_bytes = parse_size(max_shard_size)  # refused before the run is read
     run = _existing_run(run_dir)
     step = as_of(run, step)
     # Leased: retention running meanwhile (gc, a writer's keep=) leaves the composite whole.
@@ -60,13 +67,14 @@ def assemble(
         elif format is ExportFormat.peft:
             from llmtailor.interop.hf.peft import export_peft
 
-            target = export_peft(run, composite.step, out)
+            target = export_peft(run, composite.step, out, progress=progress)
         elif format is ExportFormat.lightning:
             from llmtailor.interop.lightning import export_lightning
 
             target = export_lightning(run, composite.step, out, progress=progress)
         else:
-            target = export_hf(run, composite.step, out, progress=progress, train_batch_size=train_batch_size)
+            target = export_hf(run, composite.step, out, progress=progress, train_batch_size=train_batch_size,
+                               max_shard_size=shard_bytes)
     console.print(f"[green]wrote[/] {target}")
 
 

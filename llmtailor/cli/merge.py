@@ -1,4 +1,4 @@
-"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf|model] [--dry-run [--verbose]]``:
+"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf|model] [--max-shard-size 5GB] [--dry-run [--verbose]]``:
 assemble layers and their optimizer state from several checkpoints, as a YAML plan says.
 
 Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
@@ -28,6 +28,10 @@ def merge(
         typer.Option("--format", help="tailor: a run with one snapshot; hf: a Trainer checkpoint-N/; model: a "
                      "save_pretrained directory (weights, config, tokenizer)."),
     ] = MergeFormat.tailor,
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", help="hf, model: the largest weights file (5GB, 500MB, 100KB or bytes); "
+                          "larger weights are split into shards with an index, as save_pretrained does.")
+    ] = "5GB",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the planned actions; write nothing.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="With --dry-run: one row per tensor.")] = False,
 ) -> None:
@@ -38,7 +42,9 @@ def merge(
     from llmtailor.cli.render import unit_progress
     from llmtailor.merge.execute import execute
     from llmtailor.merge.planner import open_plan
+    from llmtailor.outputs.sink import parse_size
 
+    shard_bytes = parse_size(max_shard_size)  # refused before the plan is read
     with open_plan(plan_file, out, format.value) as plan:
         for warning in plan.warnings:
             errors.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
@@ -46,7 +52,7 @@ def merge(
             console.print(actions_table(plan, verbose))
             return
         with unit_progress(console, "merging units") as progress:
-            target = execute(plan, out, format=format.value, progress=progress)
+            target = execute(plan, out, format=format.value, progress=progress, max_shard_size=shard_bytes)
     console.print(f"[green]wrote[/] {target} ({len(plan.layout.units)} units, step {plan.step})")
 
 

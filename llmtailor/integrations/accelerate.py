@@ -15,12 +15,14 @@
 ``TailorAccelerator`` is an ``accelerate.Accelerator`` whose ``save_state`` and ``load_state``
 go through llmtailor. ``save_state(step=N)`` writes one tailored snapshot of the prepared model,
 optimizer and LR scheduler (the units the policy picks, with their optimizer state; each
-process's RNG streams) plus, as the snapshot's extras, what ``Accelerator.save_state`` keeps
-beside them: the gradient-accumulation step counter, each object registered with
-``register_for_checkpointing`` (its ``state_dict``), each stateful dataloader's position
+process's RNG streams) plus, as the state of its Tailor's stateful object ``accelerate``
+(``integrations/resume.py``), what ``Accelerator.save_state`` keeps beside them: the
+gradient-accumulation step counter, each object registered with ``register_for_checkpointing``
+(its ``state_dict``), each stateful dataloader's position
 (``DataLoaderConfiguration(use_stateful_dataloader=True)``) and the gradient scaler; ``extra=``
-adds anything of yours (a data position for ``skip_first_batches``, say). ``load_state()``
-restores the newest composite in place (``Tailor.restore``: the live objects ``prepare``
+is the snapshot's extras, yours (a data position for ``skip_first_batches``, say). A run written
+before stateful objects (its extras ``{"accelerate": state, "user": yours}``) loads as well.
+``load_state()`` restores the newest composite in place (``Tailor.restore``: the live objects ``prepare``
 returned) and all of that, and returns the ``RestoreReport`` (``step``, ``extra``: yours).
 ``load_state(RUN)`` of another tailored run loads from there (this run's own snapshots then
 start a lineage of their own); any other directory, and ``save_state(DIR)`` of a directory
@@ -58,16 +60,19 @@ from accelerate import Accelerator
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.integrations.location import run_location
+from llmtailor.integrations.resume import restore_composite
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
+from llmtailor.providers.stateful import not_saved
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
 ACCELERATE_KEY = "accelerate"
-"""The key of the snapshot's extras under which the accelerator's own state is kept."""
+"""The name of the stateful object keeping the accelerator's own state (``providers/stateful.py``)."""
 USER_KEY = "user"
+"""Before stateful objects, the snapshot's extras were ``{ACCELERATE_KEY: state, USER_KEY: yours}``."""
 
 
 class TailorAccelerator(Accelerator):
@@ -81,6 +86,7 @@ class TailorAccelerator(Accelerator):
         self.tailor_config = TailorConfig.of(tailor_config, policy=tailor_policy)
         self.tailor_run_dir = run_location(tailor_run_dir, "tailor_run_dir")
         self._tailor: Tailor | None = None
+        self._own = _OwnState(self)  # the accelerator's own state, a stateful object of its Tailor
         self._resumed_rng: dict[str, Any] | None = None  # the RNG streams load_state set, until training goes on
         self._lock = self._tiers().home.lock  # the run directory's writer lock (with the storage options)
         super().__init__(*args, **kwargs)
@@ -99,11 +105,10 @@ class TailorAccelerator(Accelerator):
         accelerator's state and ``extra``; ``output_dir`` other than the run: accelerate's own save."""
         if not self._ours(output_dir):
             return super().save_state(output_dir, safe_serialization, **kwargs)
-        own = self._own_state()  # refused before the run is touched
         tailor = self._tailor_for_run()
         if step is None:
             step = (tailor.latest_step() or 0) + 1
-        return tailor.save(step, extra={ACCELERATE_KEY: own, USER_KEY: extra})
+        return tailor.save(step, extra=extra)  # the accelerator's own state refused before anything is written
 
     def load_state(self, input_dir: str | None = None, *, step: int | None = None, **kwargs: Any) -> RestoreReport | None:
         """Restore the composite of ``step`` (default: the newest) and the accelerator's state;
@@ -111,17 +116,14 @@ class TailorAccelerator(Accelerator):
         a tailored run: accelerate's own load."""
         if not self._ours(input_dir) and Run(input_dir).latest_step() is None:
             return super().load_state(input_dir, **kwargs)
-        if self._ours(input_dir):  # the newest composite of any tier, or the step given
-            report = self._tailor_for_run().restore(step)
-        else:  # another run: read from there; this run's snapshots start a lineage of their own
-            model, optimizer, scheduler = self._live_objects()
-            with Tailor(input_dir, model, optimizer, scheduler, timeout=self.tailor_config.timeout,
-                        read_only=True) as source:
-                report = source.restore(step)
-        saved = report.extra if isinstance(report.extra, dict) else {}
-        self._load_own_state(saved.get(ACCELERATE_KEY) or {})
+        tailor = self._tailor_for_run()
+        run = tailor.run if input_dir is None else Run(input_dir)  # this run: the newest composite of any tier
+        self._own.restored = False
+        report = restore_composite(tailor, run, step, self._live_objects())
+        if not self._own.restored:
+            report = self._load_from_extras(report)
         self._resumed_rng = capture_rng()
-        return dataclasses.replace(report, extra=saved.get(USER_KEY))
+        return report
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """accelerate's ``skip_first_batches``; right after ``load_state``, resuming mid-epoch
@@ -169,6 +171,16 @@ class TailorAccelerator(Accelerator):
                               "lists and dicts (TailorAccelerator stores no pickle)") from None
         return state
 
+    def _load_from_extras(self, report: RestoreReport) -> RestoreReport:
+        """A snapshot without the accelerator's state as a stateful object: written before there
+        were any, with the extras ``{ACCELERATE_KEY: state, USER_KEY: yours}``, or by another
+        writer (no state of the accelerator's own: refused if objects are registered). Loaded as
+        before stateful objects; the report's extras are yours."""
+        saved = report.extra if isinstance(report.extra, dict) else {}
+        self._load_own_state(saved.get(ACCELERATE_KEY) or {})
+        unmapped = tuple(note for note in report.unmapped if note != not_saved(ACCELERATE_KEY))
+        return dataclasses.replace(report, extra=saved.get(USER_KEY), unmapped=unmapped)
+
     def _load_own_state(self, state: dict[str, Any]) -> None:
         if "step" in state:
             self.step = state["step"]
@@ -206,7 +218,8 @@ class TailorAccelerator(Accelerator):
 
     def _tailor_for_run(self) -> Tailor:
         if self._tailor is None:
-            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config)
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config,
+                                  stateful={ACCELERATE_KEY: self._own})
         return self._tailor
 
     def _live_objects(self) -> tuple[Any, Any, Any]:
@@ -227,6 +240,21 @@ class TailorAccelerator(Accelerator):
         if not optimizers:
             raise ConfigError("TailorAccelerator needs the optimizer passed through prepare()")
         return model, optimizers[0], scheduler
+
+
+class _OwnState:
+    """The accelerator's own state (``_own_state``) as a stateful object of its Tailor;
+    ``restored``: whether a restore loaded it since the flag was cleared."""
+
+    def __init__(self, accelerator: TailorAccelerator):
+        self.accelerator, self.restored = accelerator, False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.accelerator._own_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accelerator._load_own_state(state)
+        self.restored = True
 
 
 class _RngSetAtFirstBatch:

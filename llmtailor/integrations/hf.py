@@ -9,7 +9,9 @@
 
 On Trainer's own save schedule (``save_strategy`` / ``save_steps``) ``TailorTrainer`` writes one
 tailored snapshot (the units the policy picks, plus optimizer groups, LR scheduler, RNG, and the
-TrainerState and TrainingArguments as JSON) to its run instead of a ``checkpoint-N/`` directory:
+TrainerState and TrainingArguments as JSON, stateful objects of its Tailor named
+``trainer_state`` and ``training_args``: ``integrations/resume.py``) to its run instead of a
+``checkpoint-N/`` directory:
 ``args.output_dir/tailored``, or ``tailor_run_dir``, a local path or an object-store URL as
 ``Tailor`` takes it (``TailorConfig.storage_options`` for the store, ``TailorConfig.tiers`` in
 front of it). ``args.save_total_limit`` becomes ``keep``: snapshots the newest
@@ -56,17 +58,20 @@ from transformers.trainer_utils import get_last_checkpoint
 from llmtailor.errors import ConfigError
 from llmtailor.integrations.location import child_location, run_location
 from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
-from llmtailor.interop.hf.export import trainer_state_json
+from llmtailor.integrations.resume import Recorded, announce, restore_composite
+from llmtailor.interop.hf.export import TRAINER_STATE_KEY, trainer_state_json
 from llmtailor.config import TailorConfig
 from llmtailor.policies import Policy
-from llmtailor.reports import describe_sources
 from llmtailor.providers.rng import restore_rng
+from llmtailor.providers.stateful import saved_state
 from llmtailor.store.storage import is_url
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
 RUN_DIRNAME = "tailored"
+TRAINING_ARGS_KEY = "training_args"
+"""The stateful object of the Tailor recording the TrainingArguments (as JSON) at each save."""
 
 
 class TailorTrainer(transformers.Trainer):
@@ -126,16 +131,15 @@ class TailorTrainer(transformers.Trainer):
                 self.state.stateful_callbacks[name].append(cb.state())
             else:
                 self.state.stateful_callbacks[name] = cb.state()
-        extra = {
-            # JSON round trips: only plain dicts, lists, numbers and strings go into the snapshot.
-            "trainer_state": json.loads(json.dumps(asdict(self.state))),
-            "training_args": json.loads(self.args.to_json_string()),
-        }
-        self._tailor_for_save().save(self.state.global_step, extra=extra)
+        self._tailor_for_save().save(self.state.global_step)  # with the TrainerState as it is now
 
     def _tailor_for_save(self) -> Tailor:
         if self._tailor is None:
-            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config)
+            # JSON round trips: only plain dicts, lists, numbers and strings go into the snapshot.
+            stateful = {TRAINER_STATE_KEY: Recorded(lambda: json.loads(json.dumps(asdict(self.state)))),
+                        TRAINING_ARGS_KEY: Recorded(lambda: json.loads(self.args.to_json_string()))}
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config,
+                                  stateful=stateful)
         return self._tailor
 
     def _live_objects(self) -> tuple[Any, Any, Any]:
@@ -164,9 +168,9 @@ class TailorTrainer(transformers.Trainer):
             step = run.latest_step()
             scratch = self._scratch_dir()
             self._resume = (run, step, scratch)
-            state = run.read_global(step)
+            trainer_state = saved_state(run.read_global(step), TRAINER_STATE_KEY)
             (scratch / TRAINER_STATE_NAME).write_text(
-                trainer_state_json(state.get("extra"), step, self.args.per_device_train_batch_size), encoding="utf-8"
+                trainer_state_json(trainer_state, step, self.args.per_device_train_batch_size), encoding="utf-8"
             )
             with _deepspeed_loads_nothing_from(scratch):
                 return super().train(str(scratch), *args, **kwargs)
@@ -191,15 +195,9 @@ class TailorTrainer(transformers.Trainer):
         if not self._resuming(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         run, step, _ = self._resume
-        if self._tiers().index_of(run) is not None:  # the run directory, or one of its tiers
-            report = self._tailor_for_save().restore(step)  # later saves extend this composite's lineage
-        else:
-            # Another run: loaded from there; this run's own snapshots start a lineage (full first).
-            with Tailor(run.root, *self._live_objects(), timeout=self.tailor_config.timeout, read_only=True) as source:
-                report = source.restore(step)
+        report = restore_composite(self._tailor_for_save(), run, step, self._live_objects())
         if self.is_world_process_zero():
-            print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "
-                  f"({describe_sources(report.sources)})", flush=True)
+            announce(report, run)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self._resuming(checkpoint):

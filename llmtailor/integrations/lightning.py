@@ -11,12 +11,13 @@
 its own) that saves on Lightning's schedule — every ``every_n_train_steps`` optimizer steps
 and / or at the end of every ``every_n_epochs`` epochs (the default: every epoch, as
 ``ModelCheckpoint``) — one tailored snapshot at ``trainer.global_step``: the units the policy
-picks with their optimizer state, the LR scheduler, each rank's RNG streams, and, as the
-snapshot's extras, everything else Lightning's own checkpoint holds (epoch, global step, the
-loops' progress and a resumable dataloader's position, callbacks' state, hyperparameters, a
-datamodule's state). ``save_top_k=K`` keeps the newest K composites (Lightning's "newest K"
-when no metric is monitored); ``TailorCheckpoint.like(model_checkpoint)`` maps an existing
-``ModelCheckpoint``'s settings and refuses the ones a tailored run cannot honour.
+picks with their optimizer state, the LR scheduler, each rank's RNG streams, and, as the state of
+its Tailor's stateful object ``lightning`` (``integrations/resume.py``), everything else
+Lightning's own checkpoint holds (epoch, global step, the loops' progress and a resumable
+dataloader's position, callbacks' state, hyperparameters, a datamodule's state).
+``save_top_k=K`` keeps the newest K composites (Lightning's "newest K" when no metric is
+monitored); ``TailorCheckpoint.like(model_checkpoint)`` maps an existing ``ModelCheckpoint``'s
+settings and refuses the ones a tailored run cannot honour.
 
 The run directory is what ``Tailor`` takes: a local path or an object-store URL
 (``TailorCheckpoint("s3://bucket/exp", storage_options={...})``; ``integrations/location.py``).
@@ -60,10 +61,10 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.integrations.location import run_location
+from llmtailor.integrations.resume import Recorded, announce, restore_composite
 from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
-from llmtailor.reports import describe_sources
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
@@ -103,6 +104,7 @@ class TailorCheckpoint(Checkpoint):
         self._resume: tuple[Run, int] | None = None  # set when Lightning loads a run through our I/O
         self._resumed_rng: dict[str, Any] | None = None  # the RNG streams restored, until the first batch
         self._last_saved: int | None = None
+        self._epoch_end = False  # whether the save being made is an epoch's end (the Lightning state it records)
 
     @classmethod
     def like(cls, checkpoint: ModelCheckpoint, run_dir: str | PathLike | None = None, policy: Policy | None = None,
@@ -166,21 +168,18 @@ class TailorCheckpoint(Checkpoint):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Before Lightning sets up the training data: the DataLoader iterator it makes then draws its
         # base seed from the RNG streams restored here, as the uninterrupted run's next epoch did.
-        live = _one_optimizer(trainer)
-        self._tailor = Tailor(self.run_dir, pl_module, *live, config=self.config)
+        live = (pl_module, *_one_optimizer(trainer))
+        stateful = {LIGHTNING_KEY: Recorded(lambda: self._lightning_state(trainer))}
+        self._tailor = Tailor(self.run_dir, *live, config=self.config, stateful=stateful)
         if self._resume is None:
             return
         run, step = self._resume
-        if self.tiers().index_of(run) is not None:  # the run directory, or one of its tiers
-            report = self._tailor.restore(step)  # later saves extend this composite's lineage
+        report = restore_composite(self._tailor, run, step, live)
+        if self.tiers().index_of(run) is not None:  # its lineage goes on: that step is saved
             self._last_saved = report.step
-        else:  # another run: loaded from there; this run's own snapshots start a lineage (full first)
-            with Tailor(run.root, pl_module, *live, timeout=self.config.timeout, read_only=True) as source:
-                report = source.restore(step)
         self._resumed_rng = capture_rng()
         if trainer.is_global_zero:
-            print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "
-                  f"({describe_sources(report.sources)})", flush=True)
+            announce(report, run)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -229,12 +228,18 @@ class TailorCheckpoint(Checkpoint):
         if self._tailor is None or step == 0 or step == self._last_saved or trainer.fast_dev_run \
                 or trainer.sanity_checking:
             return  # no optimizer step yet, this step saved already (accumulation, epoch end), or a dry run
+        self._epoch_end = epoch_end
+        self._tailor.save(step)  # with Lightning's own state (``_lightning_state``)
+        self._last_saved = step
+
+    def _lightning_state(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Lightning's own checkpoint, less what the units and the global state hold, as a save
+        records it: at an epoch's end, with the loops as they are when the next epoch starts."""
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         lightning = {key: value for key, value in checkpoint.items() if key not in TENSOR_KEYS}
-        if epoch_end and "loops" in lightning:
+        if self._epoch_end and "loops" in lightning:
             lightning["loops"] = _next_epoch_loops(lightning["loops"])
-        self._tailor.save(step, extra={LIGHTNING_KEY: _storable(lightning)})
-        self._last_saved = step
+        return _storable(lightning)
 
     def _close(self, raise_error: bool) -> None:
         tailor, self._tailor = self._tailor, None

@@ -6,8 +6,9 @@ tied names included), ``optimizer_states`` (each optimizer's positional ``state_
 ``lr_schedulers`` (each scheduler's ``state_dict``), and what Lightning keeps of its own:
 ``epoch``, ``global_step``, ``loops`` (progress counters and, for resumable dataloaders,
 their position), ``callbacks``, hyperparameters, a datamodule's state. ``TailorCheckpoint``
-(``integrations/lightning.py``) saves that last part as the snapshot's extras under
-``LIGHTNING_KEY``; the tensors are the units'. So the assembled dict is, key for key, the one
+(``integrations/lightning.py``) saves that last part as the state of its Tailor's stateful object
+``LIGHTNING_KEY`` (a run written before stateful objects: its extras' key); the tensors are the
+units'. So the assembled dict is, key for key, the one
 Lightning would have written at that step, with each unit's newest saved version.
 
 Invariant: a composite saved by ``TailorCheckpoint`` with ``Full`` assembles to a dict that
@@ -24,13 +25,15 @@ from typing import Any
 from llmtailor.errors import ConfigError, IntegrityError
 from llmtailor.interop.tailored import read_composite
 from llmtailor.layouts import Layout
+from llmtailor.providers.stateful import saved_state
 from llmtailor.store import Progress
+from llmtailor.outputs.directory import publish_file
 from llmtailor.store.catalog import Composite
-from llmtailor.store.publish import publish_file
 from llmtailor.store.run import Run
 
 LIGHTNING_KEY = "lightning"
-"""The key of the snapshot's extras under which ``TailorCheckpoint`` keeps Lightning's own state."""
+"""The name of the stateful object under which ``TailorCheckpoint`` keeps Lightning's own state
+(``providers/stateful.py``; in a run written before stateful objects, the key of its extras)."""
 TENSOR_KEYS = ("state_dict", "optimizer_states", "lr_schedulers")
 """The keys of a Lightning checkpoint the units and the global state hold, not the extras."""
 
@@ -40,7 +43,7 @@ def lightning_checkpoint(run: Run, composite: Composite, progress: Progress | No
     before any tensor byte is read, for a run not saved through ``TailorCheckpoint``."""
     step = composite.step
     state = run.read_global(step)
-    lightning = state.get("extra", {}).get(LIGHTNING_KEY) if isinstance(state.get("extra"), dict) else None
+    lightning = saved_state(state, LIGHTNING_KEY)
     if not isinstance(lightning, dict):
         raise ConfigError(
             f"{run.root}: the snapshot of step {step} was not saved by TailorCheckpoint (no Lightning loop state); "

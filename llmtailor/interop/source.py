@@ -11,6 +11,7 @@ bytes are checked against the checksum its source recorded where it recorded one
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmtailor.errors import IntegrityError
 from llmtailor.layouts import Layout
+from llmtailor.store import dtypes
 from llmtailor.store.tensor_files import ByteSource, read_header
 
 if TYPE_CHECKING:
@@ -31,6 +33,10 @@ class TensorInfo:
     shape: tuple[int, ...]
     step: int | None = None
     """The snapshot that saved this version (a run's composite), for the dry run."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.itemsize(self.dtype)
 
 
 class Source(ABC):

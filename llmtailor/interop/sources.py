@@ -5,8 +5,8 @@ Kinds are tried in this order:
 - a tailored run (``snapshots/`` with at least one committed step): ``RunSource``, its
   composite at a step (``interop/tailored.py``);
 - a DeepSpeed checkpoint (``global_stepN/`` with ``*optim_states.pt``, perhaps named by
-  ``latest``): imported (``import_deepspeed``, DeepSpeed's own converter, one temporary copy in
-  ``scratch``) and read as a ``RunSource``;
+  ``latest``): ``DeepSpeedSource``, converted with DeepSpeed's own converter (one temporary
+  copy, in ``scratch``) and read from the conversion unit by unit;
 - a Hugging Face Trainer ``checkpoint-N/`` (``config.json`` and ``trainer_state.json``):
   ``CheckpointSource``;
 - a ``save_pretrained`` model directory (``config.json``): ``ModelDirSource``.
@@ -17,9 +17,8 @@ needs it.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmtailor.errors import ConfigError
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
@@ -29,10 +28,14 @@ from llmtailor.interop.source import Source
 from llmtailor.interop.tailored import RunSource
 from llmtailor.store.run import Run
 
+if TYPE_CHECKING:
+    from llmtailor.outputs.directory import Scratch
 
-def open_source(label: str, path: Path | str, step: int | None, scratch: Path) -> Source:
+
+def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch) -> Source:
     """The source at ``path`` (kinds tried in the module docstring's order); ``step`` names a
-    step of a tailored run (None: its newest). A URL names a tailored run on an object store."""
+    step of a tailored run (None: its newest). A URL names a tailored run on an object store.
+    ``scratch`` is made only for a source that needs a copy."""
     if not isinstance(path, Path):  # a URL
         run = Run(path)
         if not run.steps():
@@ -45,12 +48,9 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Path) -
     if step is not None:
         raise ConfigError(f"{path} is a checkpoint directory: @STEP names a step of a tailored run only")
     if is_deepspeed_checkpoint(path):
-        from llmtailor.interop.deepspeed.importer import import_deepspeed
+        from llmtailor.interop.deepspeed.importer import DeepSpeedSource
 
-        run_dir = Path(tempfile.mkdtemp(prefix="deepspeed-", dir=scratch))
-        shutil.rmtree(run_dir)  # import_deepspeed makes the run directory itself
-        import_deepspeed(path, run_dir)
-        return RunSource(label, Run(run_dir), None)
+        return DeepSpeedSource(label, path, scratch.get())
     if (path / CONFIG_FILE).is_file() and (path / TRAINER_STATE_FILE).is_file():
         return CheckpointSource(label, path)
     if (path / CONFIG_FILE).is_file():

@@ -1,10 +1,14 @@
-"""A tailored run's composite read for another format: whole, one unit at a time
-(``read_composite``, for the exports), or as a lazy source (``interop/source.py``) whose tensor
-bytes are copied straight from the unit files (``ByteSource``), each checked against its chunk
-checksum on the way, leased for as long as it is read (``RunSource``, for merges)."""
+"""A tailored run's composite read for another format: unit by unit as an output takes them
+(``composite_units``; the size of every weight before any byte is read:
+``composite_weight_sizes``), whole (``read_composite``), or as a lazy source
+(``interop/source.py``) whose tensor bytes are copied straight from the unit files
+(``ByteSource``), each checked against its chunk checksum on the way, leased for as long as it
+is read (``RunSource``, for merges)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_OPTIM
@@ -15,7 +19,8 @@ from llmtailor.store import dtypes
 from llmtailor.store.checked import stored_header
 from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store import Progress
-from llmtailor.store.keys import split_key, split_unit
+from llmtailor.outputs.sink import OutputUnit, counted
+from llmtailor.store.keys import split_key, split_unit, unit_weights
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.run import Run
 
@@ -31,13 +36,28 @@ def read_composite(
     checksums verified."""
     weights: dict[str, torch.Tensor] = {}
     per_param: dict[str, dict[str, Any]] = {}
-    for done, unit in enumerate(layout.units, start=1):
-        unit_weights, unit_state = split_unit(unit, layout.units[unit], *run.read_unit(sources[unit], unit))
+    for unit in counted(composite_units(run, sources, layout), len(layout.units), progress):
+        unit_weights, unit_state = split_unit(unit.name, layout.units[unit.name], unit.tensors, unit.values)
         weights.update(unit_weights)
         per_param.update(unit_state)
-        if progress is not None:
-            progress(unit, done, len(layout.units))
     return weights, per_param
+
+
+def composite_units(run: Run, sources: dict[str, int], layout: Layout) -> Iterator[OutputUnit]:
+    """The units of the composite ``sources`` names (unit -> step), in layout order, each read
+    (checksums verified) when asked for."""
+    for unit in layout.units:
+        yield OutputUnit(unit, *run.read_unit(sources[unit], unit))
+
+
+def composite_weight_sizes(run: Run, sources: dict[str, int], layout: Layout) -> dict[str, int]:
+    """Every weight of the composite (``keys.unit_weights``) by name, with its bytes, in layout
+    order: from the unit indexes, before any tensor byte is read."""
+    sizes: dict[str, int] = {}
+    for unit in layout.units:
+        entries = {t.key: t for t in run.unit_entry(sources[unit], unit).tensors}
+        sizes.update({name: math.prod(t.shape) * dtypes.itemsize(t.dtype) for name, t in unit_weights(entries).items()})
+    return sizes
 
 
 class RunSource(Source):

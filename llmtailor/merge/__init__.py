@@ -2,8 +2,8 @@
 
 ``plan.py`` reads the YAML, ``llmtailor/interop/sources.py`` opens every kind of source
 lazily, ``planner.py`` resolves the plan into per-tensor actions and validates them from
-headers and manifests alone, ``execute.py`` streams the units into the output (a snapshot, a
-Trainer checkpoint or a model directory).
+headers and manifests alone, ``execute.py`` streams the units into the output's sink (a
+snapshot, a Trainer checkpoint or a model directory: ``llmtailor/outputs/``).
 """
 
 from llmtailor.merge.execute import merge

@@ -25,8 +25,6 @@ Invariants of a ``MergePlan``:
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from llmtailor.merge.plan import (
 )
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.interop.sources import open_source
+from llmtailor.outputs.directory import Scratch
 from llmtailor.merge.vocab import VOCAB_UNITS, build_vocabulary, vocab_size_of
 from llmtailor.store.keys import join_key, split_key
 
@@ -72,6 +71,8 @@ class Action:
     rows: tuple[int, ...] | None = None
     """A vocabulary tensor's rows for ``tokenizer_source`` (merge/vocab.py), taken after the read
     cast: row i is source row ``rows[i]``, a zero row where that is -1."""
+    written: TensorInfo | None = None
+    """The tensor as it is written: its dtype and shape after the casts and the rows taken."""
 
     @property
     def unchanged(self) -> bool:
@@ -118,46 +119,23 @@ class MergePlan:
 def open_plan(plan_file: str | Path, out: str | Path, format: str = "tailor") -> Iterator[MergePlan]:
     """Load, resolve and validate ``plan_file`` for an output in ``format``; yields the
     ``MergePlan``. Raises ConfigError (or another TailorError) naming every problem found,
-    before any tensor byte is read. Temporary copies (a DeepSpeed source's import) live beside
-    ``out`` until the block ends. A ``model`` output holds no optimizer state, so its plan moves
+    before any tensor byte is read. Temporary copies (a DeepSpeed source's conversion) live
+    beside ``out`` until the block ends. A ``model`` output holds no optimizer state, so its plan moves
     none (and may cast and scale whatever its sources hold)."""
+    from llmtailor.store.storage import is_url
+
     if format not in FORMATS:
         raise ConfigError(f"unknown output format {format!r}; expected one of {FORMATS}")
     plan_file = Path(plan_file)
     spec = load_plan(plan_file)
-    scratch = _Scratch(out)
     sources: dict[str, Source] = {}
-    try:
-        sources, problems = _open_sources(spec, plan_file.resolve().parent, scratch)
-        yield _build(plan_file, spec, sources, writes_optimizer=format != "model", problems=problems)
-    finally:
-        for source in sources.values():
-            source.close()
-        scratch.remove()
-
-
-class _Scratch:
-    """A temporary directory beside OUT (in the system's temporary directory for an output at a
-    URL), made only when a source needs a copy."""
-
-    def __init__(self, out: Path | str):
-        from llmtailor.store.storage import is_url
-
-        self.out = None if is_url(out) else Path(out)
-        self.path: Path | None = None
-
-    def get(self) -> Path:
-        if self.path is None:
-            if self.out is None:
-                self.path = Path(tempfile.mkdtemp(prefix="llmtailor-merge-"))
-            else:
-                self.out.parent.mkdir(parents=True, exist_ok=True)
-                self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.merge-", dir=self.out.parent))
-        return self.path
-
-    def remove(self) -> None:
-        if self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
+    with Scratch(None if is_url(out) else Path(out), "merge") as scratch:
+        try:
+            sources, problems = _open_sources(spec, plan_file.resolve().parent, scratch)
+            yield _build(plan_file, spec, sources, writes_optimizer=format != "model", problems=problems)
+        finally:
+            for source in sources.values():
+                source.close()
 
 
 def _labels(spec: PlanSpec) -> list[str]:
@@ -169,23 +147,17 @@ def _labels(spec: PlanSpec) -> list[str]:
     return list(dict.fromkeys(labels))
 
 
-def _open_sources(spec: PlanSpec, base_dir: Path, scratch: _Scratch) -> tuple[dict[str, Source], list[str]]:
+def _open_sources(spec: PlanSpec, base_dir: Path, scratch: Scratch) -> tuple[dict[str, Source], list[str]]:
     """The sources that open, and a problem for each that does not (planning goes on without
     it, so the plan's other problems are reported with it)."""
     problems, sources = [], {}
     for label in _labels(spec):
         ref = parse_source(label, base_dir)
         try:
-            sources[label] = open_source(label, ref.path, ref.step, scratch.get() if _needs_scratch(ref.path) else Path("."))
+            sources[label] = open_source(label, ref.path, ref.step, scratch)
         except TailorError as err:
             problems.append(f"source {label!r}: {err}")
     return sources, problems
-
-
-def _needs_scratch(path: Path | str) -> bool:
-    from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
-
-    return isinstance(path, Path) and path.is_dir() and is_deepspeed_checkpoint(path)
 
 
 @dataclass
@@ -382,7 +354,9 @@ def _unit_actions(spec: PlanSpec, label: str, source: Source, source_unit: str, 
             rows = vocab.rows_of(label, unit, info, vocab_size_of(source)) if vocab is not None else None
         else:
             scale = dtype = read_dtype = rows = None
-        actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype, rows))
+        shape = (len(rows), *info.shape[1:]) if rows is not None else tuple(info.shape)
+        written = TensorInfo(dtype or read_dtype or _dtype_name(info.dtype), shape)
+        actions.append(Action(label, info.step, source_unit, key, unit, dest_key, scale, dtype, read_dtype, rows, written))
     return got, renames
 
 

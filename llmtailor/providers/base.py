@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
 from llmtailor.store import codec
 from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedUnit
+
+if TYPE_CHECKING:
+    from llmtailor.providers.stateful import StatefulObjects
 
 
 class StateProvider(ABC):
@@ -215,21 +218,24 @@ class StateProvider(ABC):
         ``load`` succeeded, so ``load`` itself must not enter a collective: a rank whose read
         failed would leave the others blocked in it."""
 
-    def encode_global(self, step: int, extra: Any) -> tuple[Any, Any, Any, Any]:
+    def encode_global(self, step: int, extra: Any, stateful: StatefulObjects | None = None) -> tuple[Any, Any, Any, Any]:
         """The global state of a save, encoded now (a copy, ``codec.encode``): ``(global_doc,
         global_tensors, rank_doc, rank_tensors)``. The leader's global files hold the shared
-        state (``capture_shared``) with its own RNG and extras; another rank's files its own.
-        Raises a TailorError for state that would need pickle."""
-        own = {**self.capture_rank(), "extra": extra}
+        state (``capture_shared``) with its own RNG, extras and stateful objects' states
+        (``providers/stateful.py``); another rank's files its own. Raises a TailorError for state
+        that would need pickle."""
+        own = {**self.capture_rank(), "extra": extra, **(stateful.captured() if stateful is not None else {})}
         if self.coordinator.is_leader:
             return (*codec.encode({"step": step, **self.capture_shared(), **own}, where="global state"), None, None)
         return (None, None, *codec.encode(own, where=f"global state of rank {self.coordinator.rank}"))
 
-    def restore_rank_state(self, run: Run, composite: Composite) -> tuple[Any, tuple[str, ...]]:
-        """This rank's RNG states and extras from ``composite``: its own at the saved world size.
-        At another world size rank r takes saved rank r's where there is one; a rank beyond the
-        saved world keeps its RNG streams and gets rank 0's extras; saved ranks beyond the
-        current world are not used. Returns the extras and what could not be mapped."""
+    def restore_rank_state(self, run: Run, composite: Composite,
+                           stateful: StatefulObjects | None = None) -> tuple[Any, tuple[str, ...]]:
+        """This rank's RNG states, extras and stateful objects' states from ``composite``: its own
+        at the saved world size. At another world size rank r takes saved rank r's where there is
+        one; a rank beyond the saved world keeps its RNG streams and gets rank 0's extras and
+        stateful objects' states; saved ranks beyond the current world are not used. Loads the RNG
+        streams and ``stateful``; returns the extras and what could not be mapped."""
         saved, world, rank = composite.manifest.world_size, self.coordinator.world_size, self.coordinator.rank
         unmapped: list[str] = []
         if world > saved:
@@ -240,10 +246,12 @@ class StateProvider(ABC):
             unmapped.append(f"the RNG states and extras of saved {who} were not used (saved at world size {saved})")
         own = run.read_rank_state(composite.step, rank) if rank < saved else None
         if own is None:
-            return run.read_rank_state(composite.step, 0)["extra"], tuple(unmapped)
-        if not self.load_rank(own):
+            own = run.read_rank_state(composite.step, 0)  # its extras and stateful objects' states, not its RNG
+        elif not self.load_rank(own):
             unmapped.append("the snapshot holds no RNG state (imported from a checkpoint that keeps none): "
                             "RNG streams left as they were")
+        if stateful is not None:
+            unmapped += stateful.load(own)
         return own.get("extra"), tuple(unmapped)
 
     def load_rank(self, state: dict[str, Any]) -> bool:

@@ -12,13 +12,15 @@ e.g. ``weight/lm_head.weight#128,0``; a whole tensor under its key alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
 from llmtailor.errors import IntegrityError
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 def join_key(kind: str, name: str, state_key: str | None = None) -> str:
@@ -60,6 +62,18 @@ def lacking_weights(names: tuple[str, ...] | list[str], keys: set[str]) -> list[
     return [name for name in names if weight_key(name) not in keys and master_key(name) not in keys]
 
 
+def unit_weights(tensors: dict[str, T]) -> dict[str, T]:
+    """A unit's weights by parameter name, from its tensors by key: each ``weight/``, and the
+    fp32 master of a parameter the unit holds no weight of (mixed-precision training stores the
+    master, not its low-precision copy)."""
+    out = {}
+    for key, tensor in tensors.items():
+        kind, name, _ = split_key(key)
+        if kind == KIND_WEIGHT or (kind == KIND_MASTER and weight_key(name) not in tensors):
+            out[name] = tensor
+    return out
+
+
 def split_unit(
     unit: str, names: tuple[str, ...], loaded: dict[str, torch.Tensor], values: dict[str, dict[str, Any]]
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
@@ -72,13 +86,11 @@ def split_unit(
     missing = lacking_weights(names, set(loaded))
     if missing:
         raise IntegrityError(f"unit {unit!r}: snapshot lacks the weights of {missing[:3]}")
-    weights: dict[str, torch.Tensor] = {}
+    weights = unit_weights(loaded)
     state: dict[str, dict[str, Any]] = {}
     for key, tensor in loaded.items():
         kind, name, state_key = split_key(key)
-        if kind == KIND_WEIGHT or (kind == KIND_MASTER and weight_key(name) not in loaded):
-            weights[name] = tensor
-        elif kind == KIND_OPTIM:
+        if kind == KIND_OPTIM:
             state.setdefault(name, {})[state_key] = tensor
     for name, plain in values.items():
         for key, encoded in plain.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, rank_state_files
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store.catalog import Catalog, Composite
 from llmtailor.store.checked import check_stored_header, read_checked_tensors, read_stored, read_stored_tensors
@@ -183,15 +183,16 @@ class UnitReader:
 
     def read_global(self, step: int) -> dict[str, Any]:
         """The global state saved at ``step``: what all ranks share (step, optimizer groups, LR
-        scheduler, model config) and rank 0's own RNG states and extras."""
+        scheduler, model config) and rank 0's own RNG states, extras and stateful objects' states."""
         return self._read_state(step, GLOBAL_JSON, GLOBAL_TENSORS)
 
     def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
-        """Rank ``rank``'s own RNG states and extras as saved at ``step`` (rank 0: from the
-        global state), or None when no rank of that number took part in the save."""
+        """Rank ``rank``'s own RNG states, extras and stateful objects' states as saved at
+        ``step`` (rank 0: from the global state), or None when no rank of that number took part
+        in the save."""
         if rank == 0:
             state = self.read_global(step)
-            return {key: state.get(key) for key in ("rng", "extra")}
+            return {key: state.get(key) for key in ("rng", "extra", STATEFUL_KEY)}
         doc, tensors = rank_state_files(rank)
         if not any(entry.path == doc for entry in self.catalog.manifest(step).files):
             return None

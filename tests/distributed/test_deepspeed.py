@@ -172,6 +172,36 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(tmp_pa
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
 
 
+def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(tmp_path, monkeypatch):
+    """A merge reads a DeepSpeed checkpoint from DeepSpeed's own conversion, unit by unit: the
+    only runs written are the outputs (it was imported into a scratch run first, written twice
+    before the output), and the output is, bit for bit, what a merge of the imported run makes."""
+    import yaml
+    from helpers import assert_same_tree, assert_same_training_state
+
+    from llmtailor.interop.deepspeed.importer import import_deepspeed
+    from llmtailor.merge import merge
+    from llmtailor.outputs.run import RunSink
+
+    launch(2, "checkpoint", tmp_path, stage=2)
+    import_deepspeed(tmp_path / "ds", tmp_path / "imported")
+    written, made = [], []
+    write, mkdir = RunSink.write, os.mkdir
+    monkeypatch.setattr(RunSink, "write", lambda sink, *a, **k: written.append(sink.run.root) or write(sink, *a, **k))
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: made.append(Path(path)) or mkdir(path, *a, **k))
+    for name, source in (("direct", tmp_path / "ds"), ("via-run", tmp_path / "imported")):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"models": [{"model": str(source)}]}))
+        merge(tmp_path / f"{name}.yaml", tmp_path / name)
+    assert written == [tmp_path / "direct", tmp_path / "via-run"]
+    outputs = (tmp_path / "direct", tmp_path / "via-run")
+    assert not [p for p in made if p.name == "snapshots" and not any(p.is_relative_to(o) for o in outputs)]
+    assert not list(tmp_path.glob(".direct.merge-*"))  # the conversion is gone
+    direct, via_run = Run(tmp_path / "direct"), Run(tmp_path / "via-run")
+    assert direct.steps() == via_run.steps() == [3]
+    assert_same_training_state(direct, via_run, 3)
+    assert_same_tree(direct.read_global(3), via_run.read_global(3), "global state")
+
+
 def test_import_deepspeed_refuses_what_is_not_a_checkpoint(tmp_path):
     from typer.testing import CliRunner
 

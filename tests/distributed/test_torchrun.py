@@ -158,6 +158,19 @@ def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(tmp_path, tok
         assert 0 <= extra <= 40 * len(ddp.manifest(step).units)
 
 
+def test_each_rank_saves_and_restores_its_own_stateful_objects(tmp_path):
+    """Stateful objects are per rank, as the extras: at the saved world size each rank gets its
+    own; in one process (a smaller world), rank 0's, and the report says the others were not used."""
+    results = torchrun(2, "stateful", tmp_path)
+    for rank, result in enumerate(results):
+        assert result["restored"] == 2 and result["unmapped"] == []
+        assert result["position"] == {"seen": 20 + rank, "order": [20 + rank] * 3}
+    position = job_module().Position()
+    report = Tailor(tmp_path / "stateful", *tiny(seed=11), stateful={"position": position}).restore()
+    assert position.record() == {"seen": 20, "order": [20] * 3}
+    assert "were not used (saved at world size 2)" in " ".join(report.unmapped)
+
+
 @pytest.mark.parametrize("nproc, others", [(2, "rank 1 holds"), (4, "ranks 2, 3 hold")], ids=["2-stages", "2-stages-x-2-fsdp"])
 def test_pipeline_stages_are_refused_on_every_rank_when_the_tailor_is_built(tmp_path, nproc, others):
     """Each rank keeps its stage's half of the layers under their original names (torchtitan's

@@ -34,6 +34,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
     lacks the weight ``model.layers.1.mlp.up_proj.weight``; every rank restores it into a fresh
     model and records the error it got and which live tensors changed.
+``stateful``  world 2, DDP: each rank's stateful object (its own data position, a number and a
+    tensor) saved at steps 1 and 2 into ``DIR/stateful``, then restored at this world size into
+    fresh objects (each rank records what its object got).
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -204,6 +207,36 @@ def resume_bitwise(out: Path) -> dict:
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
+class Position:
+    """A rank's data position: what a job keeps beside its model, each rank its own."""
+
+    def __init__(self, seen: int = -1):
+        self.seen, self.order = seen, torch.full((3,), seen)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "order": self.order}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.order = state["seen"], state["order"]
+
+    def record(self) -> dict:
+        return {"seen": self.seen, "order": self.order.tolist()}
+
+
+def stateful_per_rank(out: Path) -> dict:
+    model, optimizer, scheduler = build("ddp", seed=0)
+    position = Position()
+    with Tailor(out / "stateful", model, optimizer, scheduler, timeout=60, stateful={"position": position}) as tailor:
+        for step in (1, 2):
+            train(model, optimizer, scheduler, [step])
+            position.seen, position.order = 10 * step + rank(), torch.full((3,), 10 * step + rank())
+            tailor.save(step)
+    fresh = Position()
+    report = Tailor(out / "stateful", *build("ddp", seed=5), timeout=60, stateful={"position": fresh},
+                    read_only=True).restore()
+    return {"restored": report.step, "position": fresh.record(), "unmapped": list(report.unmapped)}
+
+
 def pipeline_stage(stages: int) -> torch.nn.Module:
     """This rank's stage of a tiny Llama: its half of the layers in a ModuleDict keyed by their
     original indices (so their names stay ``model.layers.<i>.``), the embedding on the first
@@ -328,6 +361,8 @@ def main() -> None:
         result = pipeline(out, stages=2)
     elif scenario == "fsdp-lacking":
         result = restore_lacking_a_weight(out)
+    elif scenario == "stateful":
+        result = stateful_per_rank(out)
     elif scenario == "kill":
         result = kill_during_save(out)
     else:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_composite_loaded, assert_same_training_state, free_port, run_job
+from helpers import assert_composite_loaded, assert_same_training_state, free_port, run_job, tree_digest
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -144,6 +144,60 @@ def test_save_and_load_state_round_trip_with_extras_and_registered_objects(tmp_p
     assert torch.equal(counter.weight, kept)
     accelerator.save_state()  # no step: the run's newest + 1
     assert Run(tmp_path / "run").steps() == [7, 8]
+    accelerator.end_training()
+
+
+def test_a_run_written_with_the_accelerator_state_in_its_extras_loads_it(tmp_path):
+    """Backward compatibility of the stored format: before stateful objects, the accelerator's own
+    state and the user's extras were the snapshot's extras ``{"accelerate": ..., "user": ...}``."""
+    from llmtailor import Tailor
+    from llmtailor.integrations.accelerate import ACCELERATE_KEY, USER_KEY
+
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
+    counter = torch.nn.Linear(1, 1)
+    accelerator.register_for_checkpointing(counter)
+    model, optimizer = _prepared(accelerator)
+    _step(model, optimizer)
+    own = {"step": 5, "custom": [counter.state_dict()], "dataloaders": [None], "scaler": None}
+    with Tailor(tmp_path / "run", model, optimizer) as tailor:  # in this process: it shares the accelerator's lock
+        tailor.save(7, extra={ACCELERATE_KEY: own, USER_KEY: {"batch": 3}})
+    assert "stateful" not in Run(tmp_path / "run").read_global(7)
+    saved, kept = {k: v.clone() for k, v in model.state_dict().items()}, counter.weight.detach().clone()
+    _step(model, optimizer)
+    with torch.no_grad():
+        counter.weight.add_(1)
+    report = accelerator.load_state()
+    assert (report.step, report.extra, report.unmapped) == (7, {"batch": 3}, ())
+    assert torch.equal(counter.weight, kept) and accelerator.step == 5
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    accelerator.save_state(step=8, extra={"batch": 4})
+    assert Run(tmp_path / "run").read_global(8)["extra"] == {"batch": 4}  # the extras are the user's now
+    accelerator.end_training()
+
+
+def test_load_state_of_another_run_loads_it_all_and_this_run_saves_a_lineage_of_its_own(tmp_path):
+    source = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "a")
+    counter = torch.nn.Linear(1, 1)
+    source.register_for_checkpointing(counter)
+    model, optimizer = _prepared(source)
+    _step(model, optimizer)
+    source.save_state(step=3, extra={"batch": 1})
+    source.end_training()
+    saved, kept = {k: v.clone() for k, v in model.state_dict().items()}, counter.weight.detach().clone()
+    before = tree_digest(tmp_path / "a")
+
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "b")
+    other = torch.nn.Linear(1, 1)
+    accelerator.register_for_checkpointing(other)
+    model, optimizer = _prepared(accelerator)
+    report = accelerator.load_state(str(tmp_path / "a"))
+    assert (report.step, report.extra, report.unmapped) == (3, {"batch": 1}, ())
+    assert torch.equal(other.weight, kept) and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    _step(model, optimizer)
+    accelerator.save_state(step=4)
+    run = Run(tmp_path / "b")
+    assert run.steps() == [4] and run.manifest(4).parent is None  # a lineage of its own: the first save is full
+    assert tree_digest(tmp_path / "a") == before  # read only
     accelerator.end_training()
 
 

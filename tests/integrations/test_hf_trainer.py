@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_job
+from helpers import run_job, tree_digest
 from typer.testing import CliRunner
 
 from llmtailor import Parity
@@ -199,7 +199,7 @@ def test_first_run_with_resume_true_starts_fresh_and_saves_only_tailored_snapsho
     run = Run(tmp_path / "tailored")
     assert run.latest_step() == 4  # save_total_limit=1 keeps what the newest composite needs
     assert set(run.resolve().sources.values()) <= set(run.steps())
-    extra = run.read_global(4)["extra"]
+    extra = run.read_global(4)["stateful"]
     assert extra["trainer_state"]["global_step"] == 4 and extra["training_args"]["save_steps"] == 2
 
 
@@ -296,3 +296,71 @@ def test_trainer_with_a_memory_tier_saves_there_promotes_and_resumes_from_it(tmp
     resumed.train(resume_from_checkpoint=True)
     assert f"resumed from the composite of step 4 in {memory}" in capsys.readouterr().out
     assert resumed.state.global_step == 6 and Run(home).latest_step() == 6 and Run(home).verify() == []
+
+
+def _trainer(out: Path, max_steps: int, cls: type = TailorTrainer, **kwargs) -> TailorTrainer:
+    """A TailorTrainer (or ``cls``) of a tiny Llama in one process, saving every 2 steps, logging every step."""
+    import transformers
+
+    hf_job = _job_module()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_job.model_config("llama", False))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=max_steps, save_steps=2, logging_steps=1,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    return cls(model=model, args=args, train_dataset=hf_job.Windows(), **kwargs)
+
+
+class _ExtrasLayoutTrainer(TailorTrainer):
+    """Saves as TailorTrainer did before stateful objects: TrainerState and TrainingArguments as
+    keys of the snapshot's extras, written through a plain Tailor."""
+
+    def _save_checkpoint(self, model, trial):
+        from dataclasses import asdict
+
+        from llmtailor import Tailor
+
+        if self._tailor is None:
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config)
+        self._tailor.save(self.state.global_step, extra={"trainer_state": json.loads(json.dumps(asdict(self.state))),
+                                                         "training_args": json.loads(self.args.to_json_string())})
+
+
+def test_a_run_written_with_the_trainer_state_in_its_extras_resumes_with_it(tmp_path):
+    """Backward compatibility of the stored format: Trainer's state, kept as keys of the extras by
+    TailorTrainer before stateful objects, is what the resume hands Trainer (its log history
+    goes on) and what ``assemble --format hf`` writes."""
+    old = _trainer(tmp_path, 2, _ExtrasLayoutTrainer)
+    old.train()
+    saved = Run(tmp_path / "tailored").read_global(2)
+    assert "stateful" not in saved and saved["extra"]["trainer_state"]["global_step"] == 2
+    logged = [entry["step"] for entry in old.state.log_history if "loss" in entry]
+    assert logged == [1, 2]
+    resumed = _trainer(tmp_path, 4)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    assert resumed.state.log_history[:2] == old.state.log_history[:2]  # a minimal TrainerState would hold none
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "tailored"), "--step", "2", "--format", "hf",
+                                      "-o", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    exported = json.loads((tmp_path / "hf" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert exported["log_history"] == old.state.log_history[:2]
+
+
+def test_resuming_from_another_run_reads_it_and_saves_a_lineage_of_its_own(tmp_path, capsys):
+    _trainer(tmp_path / "a", 4).train()
+    source = Run(tmp_path / "a" / "tailored")
+    before = tree_digest(tmp_path / "a" / "tailored")
+    trainer = _trainer(tmp_path / "b", 6, tailor_policy=Parity())
+    trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "tailored"))
+    assert f"resumed from the composite of step 4 in {source.root}" in capsys.readouterr().out
+    assert trainer.state.global_step == 6 and trainer.state.log_history[:4] == _logged_until(source, 4)
+    run = Run(tmp_path / "b" / "tailored")
+    assert run.steps() == [6] and run.manifest(6).parent is None  # its own lineage: the first save is full
+    assert sorted(run.manifest(6).units) == sorted(source.manifest(4).units)
+    assert tree_digest(tmp_path / "a" / "tailored") == before  # read only
+
+
+def _logged_until(run: Run, step: int) -> list:
+    return run.read_global(step)["stateful"]["trainer_state"]["log_history"]

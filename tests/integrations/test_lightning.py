@@ -290,7 +290,7 @@ def test_hyperparameters_only_pickle_could_store_are_left_out_with_a_warning(tmp
     assert any("hyper_parameters left out" in str(w.message) for w in caught)
     run = Run(tmp_path / "run")
     assert run.steps() == [2, 4]
-    lightning = run.read_global(4)["extra"]["lightning"]
+    lightning = run.read_global(4)["stateful"]["lightning"]
     assert "hyper_parameters" not in lightning and lightning["global_step"] == 4 and "loops" in lightning
     assert callback.resume_path() == str(tmp_path / "run")
     assert TailorCheckpoint(tmp_path / "empty").resume_path() is None
@@ -372,3 +372,52 @@ def test_a_save_at_an_epochs_end_resumes_at_the_next_epochs_start_bit_for_bit(tm
     assert trainer.global_step == 12 and trainer.current_epoch == 3
     for step in (8, 12):
         assert_same_training_state(Run(tmp_path / "run"), Run(tmp_path / "reference"), step)
+
+
+def test_a_run_written_with_lightnings_state_in_its_extras_resumes_bit_for_bit(tmp_path):
+    """Backward compatibility of the stored format: before stateful objects, TailorCheckpoint kept
+    Lightning's own state as the key ``lightning`` of the snapshot's extras. Such a run (forged
+    here: the epoch's-end save of a fit, written again by a plain Tailor in that layout) resumes
+    as the uninterrupted run went on, and assembles as a Lightning checkpoint."""
+    from llmtailor import Tailor
+
+    def fit(run_dir: Path, epochs: int, ckpt_path: str | None = None) -> _Dropout:
+        module = _Dropout()
+        _trainer(TailorCheckpoint(run_dir), max_steps=4 * epochs).fit(module, ckpt_path=ckpt_path)
+        return module
+
+    L.seed_everything(0, verbose=False)
+    reference = fit(tmp_path / "reference", 2)
+    L.seed_everything(0, verbose=False)
+    fit(tmp_path / "new", 1)
+    lightning = Run(tmp_path / "new").read_global(4)["stateful"]["lightning"]
+    module = _Dropout()
+    optimizers = module.configure_optimizers()
+    live = (module, optimizers["optimizer"], optimizers["lr_scheduler"])
+    Tailor(tmp_path / "new", *live, read_only=True).restore()  # its RNG streams too: the save keeps them
+    with Tailor(tmp_path / "old", *live) as tailor:
+        tailor.save(4, extra={"lightning": lightning})
+    assert "stateful" not in Run(tmp_path / "old").read_global(4)
+
+    L.seed_everything(1, verbose=False)  # the resume sets the streams the save kept
+    resumed = fit(tmp_path / "old", 2, str(tmp_path / "old"))
+    assert resumed.losses == {step: reference.losses[step] for step in range(5, 9)}
+    assert_same_training_state(Run(tmp_path / "old"), Run(tmp_path / "reference"), 8)
+    result = CliRunner().invoke(app, ["assemble", str(tmp_path / "old"), "--step", "4", "--format", "lightning",
+                                      "-o", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=True)["loops"] == lightning["loops"]
+
+
+def test_fit_from_another_run_reads_it_and_saves_a_lineage_of_its_own(tmp_path, capsys):
+    from helpers import tree_digest
+
+    _fit(_Tiny(), TailorCheckpoint(tmp_path / "a", every_n_train_steps=2))
+    before = tree_digest(tmp_path / "a")
+    callback = TailorCheckpoint(tmp_path / "b", Parity(), every_n_train_steps=2)
+    trainer = _trainer(callback, max_steps=6)
+    trainer.fit(_Tiny(), ckpt_path=str(tmp_path / "a"))
+    assert f"resumed from the composite of step 4 in {tmp_path / 'a'}" in capsys.readouterr().out
+    run = Run(tmp_path / "b")
+    assert trainer.global_step == 6 and run.steps() == [6] and run.manifest(6).parent is None  # full: its own lineage
+    assert tree_digest(tmp_path / "a") == before  # read only

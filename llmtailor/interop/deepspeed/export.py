@@ -38,7 +38,7 @@ from llmtailor.layouts import Layout
 from llmtailor.store.catalog import Composite
 from llmtailor.store.storage.local_durable import fsync_dir, replace_text_atomically
 from llmtailor.store.keys import split_unit
-from llmtailor.store.publish import publishing
+from llmtailor.outputs.directory import publishing
 from llmtailor.store.run import Run
 from llmtailor.store import Progress
 

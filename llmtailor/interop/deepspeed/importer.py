@@ -12,7 +12,8 @@ loaded with ``weights_only=False``; a restore never reads them):
 
 - ``deepspeed.checkpoint.ds_to_universal`` turns the ZeRO-1/2/3 shards into one file per
   parameter and state (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...), in a scratch directory
-  beside the run, removed afterwards (one temporary copy of the checkpoint);
+  beside the run, removed afterwards (one temporary copy of the checkpoint, memory-mapped as it
+  is read);
 - the model-states file gives the global step, the LR scheduler's state, the parameter names by
   group in order (``param_shapes``), tied names (``shared_params``) and buffers; the rank-0
   optimizer-states file gives each group's hyperparameters and step.
@@ -21,6 +22,10 @@ The layout comes from a Hugging Face ``config.json`` when one is given or found 
 checkpoint (an HF Trainer + DeepSpeed ``checkpoint-N/`` holds one); otherwise from the names
 (``--family``, default: the name-based fallback). DeepSpeed saves no RNG state: the snapshot
 holds none, and a restore leaves the RNG streams alone and says so.
+
+A merge reads a DeepSpeed checkpoint as a source (``DeepSpeedSource``) the same way, converted
+once into the merge's scratch directory and read unit by unit from the conversion: the units
+an import would write, never written as a run first.
 """
 
 from __future__ import annotations
@@ -29,26 +34,26 @@ import argparse
 import contextlib
 import io
 import json
-import shutil
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, StorageError, describe_os_error
+from llmtailor.constants import KIND_OPTIM
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir
-from llmtailor.store import Progress
 from llmtailor.interop.hf.files import CONFIG_FILE
 from llmtailor.interop.hf.model import meta_model
+from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, build_layout, layout_from_names
-from llmtailor.store import codec
-from llmtailor.store.keys import master_key, optim_key, weight_key
+from llmtailor.outputs.directory import Scratch
+from llmtailor.outputs.run import RunSink, refuse_holding_snapshots
+from llmtailor.outputs.sink import OutputUnit
+from llmtailor.store import Progress, codec, dtypes
+from llmtailor.store.keys import master_key, optim_key, split_key, weight_key
 from llmtailor.store.run import Run
-from llmtailor.store.single import write_single_snapshot
-from llmtailor.store.staged import StagedUnit
 
 @dataclass
 class _Checkpoint:
@@ -76,26 +81,53 @@ def import_deepspeed(
     """Write the DeepSpeed checkpoint ``checkpoint`` into ``run_dir`` (new or without snapshots)
     as one committed snapshot and return its step (module docstring)."""
     run = Run(run_dir)
-    if run.steps():
-        raise ConfigError(f"{run.root} already holds snapshots (steps {run.steps()}); import into a new or empty run directory")
+    refuse_holding_snapshots(run)
     found = _read(Path(checkpoint), config, family)
     # Beside a local run (same filesystem); in the system's temporary directory for a URL.
-    scratch_parent = run.root.parent if run.is_local else Path(tempfile.gettempdir())
-    try:
-        scratch_parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".llmtailor.deepspeed-", dir=scratch_parent))
-    except OSError as err:
-        raise StorageError(f"cannot write beside the run: {describe_os_error(err, scratch_parent)}", err) from None
-    try:
-        _to_universal(found.step_dir, scratch / "universal", found.stage)
-        units = _stream_units(found.layout, scratch / "universal" / "zero", found.shapes, found.buffers, found.group_of,
-                              found.group_steps)
-        write_single_snapshot(run.storage, step=found.step, layout=found.layout.to_record(), units=units, state=found.state,
-                              origin=f"imported from {found.step_dir}", provider="deepspeed", progress=progress,
-                              notes={"imported_from": str(found.step_dir), "zero_stage": found.stage})
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with Scratch(run.root if run.is_local else None, "deepspeed") as scratch:
+        folder = _to_universal(found, scratch.get())
+        sink = RunSink(run.storage, step=found.step, layout=found.layout.to_record(), state=found.state,
+                       origin=f"imported from {found.step_dir}", provider="deepspeed",
+                       notes={"imported_from": str(found.step_dir), "zero_stage": found.stage})
+        sink.write((OutputUnit(unit, *_unit_tensors(found, folder, unit)) for unit in found.layout.units),
+                   len(found.layout.units), progress)
     return found.step
+
+
+class DeepSpeedSource(Source):
+    """A DeepSpeed checkpoint as a merge source (module docstring): converted into ``scratch``
+    when opened, each unit read from the conversion (memory-mapped) when first asked for."""
+
+    kind = "DeepSpeed checkpoint"
+
+    def __init__(self, label: str, path: Path, scratch: Path):
+        self.label = label
+        self._found = _read(path, None, None)
+        self._folder = _to_universal(self._found, scratch)
+        self.step, self.layout = self._found.step, self._found.layout
+        self.config = self._found.state["model_config"]
+        self._units: dict[str, tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]] = {}
+
+    def _unit(self, unit: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        if unit not in self._units:
+            self._units[unit] = _unit_tensors(self._found, self._folder, unit)
+        return self._units[unit]
+
+    def has_optimizer(self) -> bool:
+        return True
+
+    def tensors(self, unit: str, optimizer: bool) -> dict[str, TensorInfo]:
+        return {key: TensorInfo(dtypes.name_of(t.dtype), tuple(t.shape), self.step) for key, t in self._unit(unit)[0].items()
+                if optimizer or split_key(key)[0] != KIND_OPTIM}
+
+    def read(self, unit: str, key: str) -> torch.Tensor:
+        return self._unit(unit)[0][key]
+
+    def values(self, unit: str) -> dict[str, dict[str, Any]]:
+        return self._unit(unit)[1]
+
+    def global_state(self, optimizer: bool = True) -> dict[str, Any]:
+        return self._found.state
 
 
 def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _Checkpoint:
@@ -133,10 +165,11 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
 # -- DeepSpeed's files ------------------------------------------------------------------------
 
 
-def _load(path: Path) -> Any:
-    """A DeepSpeed pickle: the user's own file, read on an explicit import only."""
+def _load(path: Path, mmap: bool = False) -> Any:
+    """A DeepSpeed pickle: the user's own file, read on an explicit import only (``mmap``: its
+    tensors' bytes read when used)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as err:  # truncated, not a torch file, a class that no longer exists
         raise IntegrityError(f"{path}: cannot be loaded ({type(err).__name__}: {err})") from None
 
@@ -169,17 +202,22 @@ def _optimizer_groups(step_dir: Path) -> tuple[list[dict[str, Any]], list[Any], 
     return hyper, steps, stage
 
 
-def _to_universal(step_dir: Path, out: Path, stage: int) -> None:
+def _to_universal(found: _Checkpoint, scratch: Path) -> Path:
+    """Convert the checkpoint with DeepSpeed's ``ds_to_universal`` into ``scratch``; return the
+    folder of its per-parameter files."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=stage < 3)
+    out = Path(tempfile.mkdtemp(prefix="deepspeed-", dir=scratch)) / "universal"  # one per checkpoint
+    args = argparse.Namespace(input_folder=str(found.step_dir), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=found.stage < 3)
     noise = io.StringIO()
     try:
         with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
             ds_to_universal(args)
     except Exception as err:  # DeepSpeed's reader refusing the checkpoint
-        raise IntegrityError(f"{step_dir}: DeepSpeed's ds_to_universal cannot read it ({type(err).__name__}: {err})") from None
+        raise IntegrityError(f"{found.step_dir}: DeepSpeed's ds_to_universal cannot read it ({type(err).__name__}: {err})") from None
+    return out / "zero"
 
 
 def _find_config(checkpoint: Path, step_dir: Path, config: str | Path | None) -> dict[str, Any] | None:
@@ -212,43 +250,36 @@ def _universal_tensor(folder: Path, name: str, key: str, shape: tuple[int, ...])
     path = folder / name / f"{key}.pt"
     if not path.is_file():
         return None
-    loaded = _load(path)
+    loaded = _load(path, mmap=True)
     tensor = loaded.get("param") if isinstance(loaded, dict) else loaded
     if not isinstance(tensor, torch.Tensor) or tensor.numel() != torch.Size(shape).numel():
         raise IntegrityError(f"{path}: expected a tensor of {list(shape)} elements")
     return tensor.reshape(shape).contiguous()
 
 
-def _stream_units(
-    layout: Layout,
-    folder: Path,
-    shapes: dict[str, tuple[int, ...]],
-    buffers: dict[str, torch.Tensor],
-    group_of: dict[str, int],
-    group_steps: list[Any],
-) -> Iterator[StagedUnit]:
-    """One unit at a time, read from the universal checkpoint's per-parameter files."""
-    for unit, names in layout.units.items():
-        tensors: dict[str, torch.Tensor] = {}
-        values: dict[str, dict[str, Any]] = {}
-        for name in names:
-            if name in buffers:
-                tensors[weight_key(name)] = buffers[name].detach().contiguous()
+def _unit_tensors(found: _Checkpoint, folder: Path, unit: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """The tensors (by unit key) and non-tensor optimizer values of ``unit``, read from the
+    universal checkpoint's per-parameter files in ``folder``: the unit an import writes."""
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, dict[str, Any]] = {}
+    for name in found.layout.units[unit]:
+        if name in found.buffers:
+            tensors[weight_key(name)] = found.buffers[name].detach().contiguous()
+            continue
+        master = _universal_tensor(folder, name, "fp32", found.shapes[name])
+        if master is None:
+            raise IntegrityError(f"{folder}: DeepSpeed's conversion holds no fp32 master of {name!r}")
+        tensors[master_key(name)] = master
+        for path in sorted((folder / name).glob("*.pt")):
+            key = path.stem
+            if key in ("fp32", "step"):
                 continue
-            master = _universal_tensor(folder, name, "fp32", shapes[name])
-            if master is None:
-                raise IntegrityError(f"{folder}: DeepSpeed's conversion holds no fp32 master of {name!r}")
-            tensors[master_key(name)] = master
-            for path in sorted((folder / name).glob("*.pt")):
-                key = path.stem
-                if key in ("fp32", "step"):
-                    continue
-                state = _universal_tensor(folder, name, key, shapes[name])
-                if state is not None:
-                    tensors[optim_key(name, key)] = state
-            step = group_steps[group_of[name]]
-            if isinstance(step, torch.Tensor):
-                tensors[optim_key(name, "step")] = step.detach().clone().float().reshape(())
-            elif step is not None:
-                values.setdefault(name, {})["step"] = codec.plain_value(step, f"optimizer step of {name}")
-        yield StagedUnit.whole(unit, tensors, values)
+            state = _universal_tensor(folder, name, key, found.shapes[name])
+            if state is not None:
+                tensors[optim_key(name, key)] = state
+        step = found.group_steps[found.group_of[name]]
+        if isinstance(step, torch.Tensor):
+            tensors[optim_key(name, "step")] = step.detach().clone().float().reshape(())
+        elif step is not None:
+            values.setdefault(name, {})["step"] = codec.plain_value(step, f"optimizer step of {name}")
+    return tensors, values

@@ -1,35 +1,49 @@
-"""Export a composite as a Hugging Face Trainer ``checkpoint-N/`` directory.
+"""Hugging Face directories as sinks (``outputs/sink.py``): a Trainer ``checkpoint-N/``
+(``TrainerCheckpointSink``; ``export_hf`` writes a composite through it, ``merge --format hf`` a
+merge) and a ``save_pretrained`` model directory (``ModelDirSink``, ``merge --format model``).
 
 Vanilla ``transformers.Trainer.train(resume_from_checkpoint=OUT/checkpoint-N)`` resumes from
-the result with no llmtailor code: the files are the ones Trainer's own ``_save_checkpoint``
+the checkpoint with no llmtailor code: the files are the ones Trainer's own ``_save_checkpoint``
 writes, in the formats its ``_load_*`` methods read::
 
     model.safetensors        every canonical weight under its HF name (tied aliases once, as
-                             ``save_pretrained`` does), metadata {"format": "pt"}
+                             ``save_pretrained`` does), metadata {"format": "pt"}; over
+                             ``max_shard_size`` bytes (default 5 GB, mergekit's), shards
+                             ``model-00001-of-0000N.safetensors`` and their index
+                             ``model.safetensors.index.json``, as ``save_pretrained`` writes them
     config.json              the model config saved with the run
     generation_config.json   ``GenerationConfig.from_model_config`` of that config
     optimizer.pt             ``Optimizer.state_dict()`` layout: indices follow the run's param
                              groups, which must be Trainer's own decay / no-decay groups
     scheduler.pt             the LR scheduler's state dict (Trainer loads it only beside optimizer.pt)
     rng_state.pth            {"python", "numpy", "cpu"[, "cuda"]} as ``Trainer._save_rng_state``
-    trainer_state.json       the TrainerState saved by ``TailorTrainer`` (else a minimal one)
+    trainer_state.json       the TrainerState saved by ``TailorTrainer`` (``TRAINER_STATE_KEY``),
+                             or kept by an import of a Trainer checkpoint (else a minimal one)
 
 Every ``.pt``/``.pth`` file loads with ``torch.load(..., weights_only=True)`` (rng_state.pth
 under transformers' ``safe_globals()``, like Trainer's own). Not written: ``training_args.bin``
 (a pickled TrainingArguments; resuming does not read it) and tokenizer files (the run does not
-know the tokenizer).
+know the tokenizer; ``extra_files`` copies a merge's in). A peft model's checkpoint holds its
+adapters (``interop/hf/peft.py``) instead of the weights, as Trainer writes it.
 
-Invariants: before any tensor byte is read, the run's optimizer groups are checked against the
-groups vanilla Trainer builds for the model (same parameters, same order), so optimizer state
-lands on the right parameter; the directory appears whole (written under a temporary name,
+A model directory holds the weights as above (sharded alike), ``config.json`` and side files
+copied in (a generation config, tokenizer files): weights only, and no torch imported for
+weights copied as bytes.
+
+Invariants: everything a checkpoint needs is checked when its sink is built, before any tensor
+byte is read, with the run's optimizer groups against the groups vanilla Trainer builds for the
+model (same parameters, same order), so optimizer state lands on the right parameter; weights
+are written shard by shard as the units come (memory: one shard), optimizer state is gathered
+(optimizer.pt is one file); the directory appears whole (written under a temporary name,
 fsynced, renamed) or not at all; an existing ``checkpoint-N`` is never overwritten.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmtailor.errors import ConfigError, IntegrityError
 from llmtailor.interop.hf.files import (
@@ -40,21 +54,26 @@ from llmtailor.interop.hf.files import (
     SCHEDULER_FILE,
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
     checkpoint_dirname,
+    weights_shard_name,
 )
+from llmtailor.interop.tailored import composite_units, composite_weight_sizes
 from llmtailor.layouts import Layout
-from llmtailor.store.files import copy_durable, write_text_durable
-from llmtailor.store.storage.local_durable import Syncer, fsync_file
-from llmtailor.store.tensor_files import ByteSource, write_tensor_file
-from llmtailor.store.publish import publishing
-from llmtailor.store.run import Run
-from llmtailor.interop.tailored import read_composite
+from llmtailor.providers.stateful import saved_state
+from llmtailor.outputs.directory import copy_durable, publishing, write_text_durable
+from llmtailor.outputs.shards import ShardPlan, ShardWriter
+from llmtailor.outputs.sink import DEFAULT_MAX_SHARD_SIZE, OutputUnit, Sink, counted, parse_size
 from llmtailor.store import Progress
+from llmtailor.store.storage.local_durable import Syncer, fsync_file
+from llmtailor.store.tensor_files import ByteSource
+from llmtailor.store.keys import split_unit, unit_weights
+from llmtailor.store.run import Run
 
-if TYPE_CHECKING:
-    import torch
-
-"""Called after each unit is read: ``(unit, units done, units in all)``."""
+TRAINER_STATE_KEY = "trainer_state"
+"""The name under which a run keeps Trainer's TrainerState (as JSON): ``TailorTrainer``'s stateful
+object (``providers/stateful.py``), and the extras' key of an imported Trainer checkpoint (and of
+a ``TailorTrainer`` run written before stateful objects)."""
 
 
 def export_hf(
@@ -65,84 +84,124 @@ def export_hf(
     progress: Progress | None = None,
     train_batch_size: int = 1,
     extra_files: list[Path] = (),
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write the composite of ``step`` (default: the newest) as ``out_dir/checkpoint-<step>/``
     and return that path. ``extra_files`` (a tokenizer's, say) are copied in beside.
 
-    Reads one unit at a time; the weights and optimizer state are gathered in memory only
-    because model.safetensors and optimizer.pt are single files. Raises TailorError (nothing
-    written) when the run lacks what the format needs, when its optimizer groups are not the
-    ones vanilla Trainer builds, or when the target directory exists."""
+    Reads one unit at a time. Raises TailorError (nothing written) when the run lacks what the
+    format needs, when its optimizer groups are not the ones vanilla Trainer builds, or when
+    the target directory exists."""
     composite = run.resolve(step)
     layout = Layout.from_record(composite.manifest.layout)
-    config, groups, scheduler, state = _checked_state(run, composite, layout)
-    adapters = state.get("peft_config")  # a PeftModel's run: Trainer checkpoints hold the adapters only
-    with publishing(out_dir, checkpoint_dirname(composite.step)) as tmp:
-        weights, per_param = read_composite(run, composite.sources, layout, progress)
-        if adapters:
-            from llmtailor.interop.hf.peft import write_adapters
-
-            write_adapters(run, composite, adapters, tmp)
-        else:
-            _write_weights(tmp / WEIGHTS_FILE, weights)
-        del weights
-        _write_config(tmp, config)
-        if groups is not None:
-            from llmtailor.providers.optimizer import positional_state_dict
-
-            _save_torch(tmp / OPTIMIZER_FILE, positional_state_dict(groups, per_param))
-            _save_torch(tmp / SCHEDULER_FILE, scheduler)
-        del per_param
-        if state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
-            _save_torch(tmp / RNG_FILE, trainer_rng_state(state["rng"]))
-        write_text_durable(tmp / TRAINER_STATE_FILE, trainer_state_json(state.get("extra"), composite.step, train_batch_size))
-        for path in extra_files:  # tokenizer files, say
-            copy_durable(Path(path), tmp / Path(path).name)
-    return Path(out_dir) / checkpoint_dirname(composite.step)
-
-
-def _checked_state(run: Run, composite, layout: Layout) -> tuple[dict[str, Any], Any, Any, dict[str, Any]]:
-    """The composite's model config, optimizer groups, LR scheduler and global state, after
-    checking it holds what a Trainer checkpoint needs (before any tensor byte is read)."""
-    from llmtailor.interop.hf.model import check_trainer_groups
-
-    step = composite.step
     missing = [u for u in layout.units if u not in composite.sources]
     if missing:
-        raise IntegrityError(f"composite of step {step} names no version of units {missing}")
-    state = run.read_global(step)
+        raise IntegrityError(f"composite of step {composite.step} names no version of units {missing}")
+    sink = TrainerCheckpointSink(
+        out_dir, composite.step, run.read_global(composite.step), layout,
+        composite_weight_sizes(run, composite.sources, layout), origin=f"{run.root}: the snapshot of step {composite.step}",
+        train_batch_size=train_batch_size, extra_files=extra_files, max_shard_size=max_shard_size,
+    )
+    return sink.write(composite_units(run, composite.sources, layout), len(layout.units), progress)
+
+
+def weight_shards(sizes: dict[str, int], max_shard_size: int | str) -> ShardPlan:
+    """The split of a model's weights (name -> bytes, in the order they come) into
+    ``model.safetensors`` or its shards, as ``save_pretrained`` names them."""
+    return ShardPlan.split(sizes, parse_size(max_shard_size), WEIGHTS_FILE, weights_shard_name)
+
+
+class TrainerCheckpointSink(Sink):
+    """``out_dir/checkpoint-<step>/`` of the units and the global ``state`` (module docstring).
+    ``layout`` is the units' layout; ``sizes`` the bytes of every weight (``keys.unit_weights``)
+    in the order they come; ``origin`` names what is written in messages."""
+
+    def __init__(self, out_dir: str | Path, step: int, state: dict[str, Any], layout: Layout, sizes: dict[str, int], *,
+                 origin: str, train_batch_size: int = 1, extra_files: Iterable[Path] = (),
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+        self.config, self.groups, self.scheduler = _checked_state(state, layout, origin)
+        self.out_dir, self.step, self.state, self.layout, self.origin = Path(out_dir), step, state, layout, origin
+        self.adapters = state.get("peft_config")  # a PeftModel's run: Trainer checkpoints hold the adapters only
+        self.shards = None if self.adapters else weight_shards(sizes, max_shard_size)
+        self.train_batch_size, self.extra_files = train_batch_size, [Path(p) for p in extra_files]
+
+    def write(self, units: Iterable[OutputUnit], count: int, progress: Progress | None = None) -> Path:
+        with publishing(self.out_dir, checkpoint_dirname(self.step)) as tmp:
+            per_param = self._write_weights(tmp, counted(units, count, progress))
+            _write_config(tmp, self.config)
+            if self.groups is not None:
+                from llmtailor.providers.optimizer import positional_state_dict
+
+                _save_torch(tmp / OPTIMIZER_FILE, positional_state_dict(self.groups, per_param))
+                _save_torch(tmp / SCHEDULER_FILE, self.scheduler)
+            del per_param
+            if self.state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
+                _save_torch(tmp / RNG_FILE, trainer_rng_state(self.state["rng"]))
+            write_text_durable(tmp / TRAINER_STATE_FILE,
+                               trainer_state_json(saved_state(self.state, TRAINER_STATE_KEY), self.step, self.train_batch_size))
+            for path in self.extra_files:  # tokenizer files, say
+                copy_durable(path, tmp / path.name)
+        return self.out_dir / checkpoint_dirname(self.step)
+
+    def _write_weights(self, tmp: Path, units: Iterator[OutputUnit]) -> dict[str, dict[str, Any]]:
+        """The weights (a peft model's: its adapters) into ``tmp`` as the units come; their
+        optimizer state by parameter name, gathered."""
+        from llmtailor.interop.hf.peft import AdapterFiles
+
+        per_param: dict[str, dict[str, Any]] = {}
+        with Syncer() as syncer:  # a shard's flushes overlap the writing of the next
+            files = (AdapterFiles(tmp, self.adapters, self.layout, self.origin) if self.adapters
+                     else ShardWriter(tmp, self.shards, WEIGHTS_INDEX_FILE, syncer))
+            for unit in units:
+                weights, state = split_unit(unit.name, self.layout.units[unit.name], unit.tensors, unit.values)
+                files.add(weights)
+                per_param.update({name: {k: _loaded(v) for k, v in entries.items()} for name, entries in state.items()})
+            files.finish()
+        return per_param
+
+
+class ModelDirSink(Sink):
+    """A ``save_pretrained``-style directory ``out`` (missing or empty; module docstring): the
+    weights of every unit (``keys.unit_weights``; byte ranges of source files copied as they
+    are) in the shards of ``sizes`` (name -> bytes, in the order they come), ``config.json``,
+    and ``side_files`` (a generation config, tokenizer files) copied in. Appears whole or not
+    at all; imports no torch for byte sources."""
+
+    def __init__(self, out: str | Path, config: dict[str, Any], sizes: dict[str, int], side_files: Iterable[Path] = (),
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+        self.out, self.config, self.side_files = Path(out), config, [Path(p) for p in side_files]
+        self.shards = weight_shards(sizes, max_shard_size)
+
+    def write(self, units: Iterable[OutputUnit], count: int, progress: Progress | None = None) -> Path:
+        with publishing(self.out.parent, self.out.name, replace_empty=True) as tmp:
+            with Syncer() as syncer:  # a shard's flushes overlap the writing of the next
+                shards = ShardWriter(tmp, self.shards, WEIGHTS_INDEX_FILE, syncer)
+                for unit in counted(units, count, progress):
+                    shards.add(unit_weights(unit.tensors))
+                shards.finish()
+            write_text_durable(tmp / CONFIG_FILE, _config_json(self.config))
+            for path in self.side_files:
+                copy_durable(path, tmp / path.name)
+        return self.out
+
+
+def _checked_state(state: dict[str, Any], layout: Layout, origin: str) -> tuple[dict[str, Any], Any, Any]:
+    """The model config, optimizer groups and LR scheduler of ``state``, after checking it holds
+    what a Trainer checkpoint needs (before any tensor byte is read)."""
+    from llmtailor.interop.hf.model import check_trainer_groups
+
     config = state.get("model_config")
     if not isinstance(config, dict):
-        raise ConfigError(
-            f"{run.root}: the snapshot of step {step} holds no Hugging Face model config; "
-            "an HF export needs a transformers model (one with .config)"
-        )
+        raise ConfigError(f"{origin} holds no Hugging Face model config; an HF export needs a transformers model "
+                          "(one with .config)")
     groups, scheduler = state.get("optimizer_groups"), state.get("lr_scheduler")
     if (groups is None) != (scheduler is None):
         have, lack = ("optimizer", "LR scheduler") if scheduler is None else ("LR scheduler", "optimizer")
-        raise ConfigError(
-            f"{run.root}: the snapshot of step {step} holds {have} state but no {lack}; "
-            "Trainer loads optimizer.pt and scheduler.pt only as a pair"
-        )
+        raise ConfigError(f"{origin} holds {have} state but no {lack}; Trainer loads optimizer.pt and scheduler.pt "
+                          "only as a pair")
     if groups is not None:
         check_trainer_groups(config, layout, groups, state.get("peft_config"))
-    return config, groups, scheduler, state
-
-
-def write_model_dir(out: str | Path, weights: dict[str, torch.Tensor | ByteSource], config: dict[str, Any],
-                    side_files: list[Path] = ()) -> Path:
-    """A ``save_pretrained``-style directory ``out`` (missing or empty): ``model.safetensors``
-    of ``weights`` (by name; byte ranges of source files copied as they are), ``config.json``,
-    and ``side_files`` (a generation config, tokenizer files) copied in. Appears whole or not at
-    all; imports no torch for byte sources."""
-    out = Path(out)
-    with publishing(out.parent, out.name, replace_empty=True) as tmp:
-        with Syncer() as syncer:  # the file's flushes overlap its writing
-            write_tensor_file(tmp / WEIGHTS_FILE, weights, tmp, metadata={"format": "pt"}, syncer=syncer)
-        write_text_durable(tmp / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for path in side_files:
-            copy_durable(Path(path), tmp / Path(path).name)
-    return out
+    return config, groups, scheduler
 
 
 def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
@@ -155,12 +214,12 @@ def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def trainer_state_json(extra: Any, step: int, train_batch_size: int) -> str:
-    """The run's TrainerState (TailorTrainer saves it), or a minimal one for a plain Tailor run.
-    Trainer divides the state's ``train_batch_size`` on resume (it only warns on a mismatch),
-    so a minimal state must carry an integer one."""
-    state = extra.get("trainer_state") if isinstance(extra, dict) else None
-    if state is None:
+def trainer_state_json(state: Any, step: int, train_batch_size: int) -> str:
+    """The run's TrainerState ``state`` (as ``TailorTrainer`` saves it: ``saved_state(global
+    state, TRAINER_STATE_KEY)``), or, for None (a plain Tailor run), a minimal one. Trainer
+    divides the state's ``train_batch_size`` on resume (it only warns on a mismatch), so a
+    minimal state must carry an integer one."""
+    if not isinstance(state, dict):
         from dataclasses import asdict
 
         from transformers import TrainerState
@@ -174,12 +233,17 @@ def trainer_state_json(extra: Any, step: int, train_batch_size: int) -> str:
 # -- Writing -------------------------------------------------------------------------------
 
 
-def _write_weights(path: Path, weights: dict[str, torch.Tensor]) -> None:
-    write_tensor_file(path, weights, path.parent, metadata={"format": "pt"})  # durable when it returns
+def _loaded(value: Any) -> Any:
+    """An optimizer state value as ``optimizer.pt`` holds it: bytes from a file loaded."""
+    return value.load() if isinstance(value, ByteSource) else value
+
+
+def _config_json(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def _write_config(root: Path, config: dict[str, Any]) -> None:
-    write_text_durable(root / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_text_durable(root / CONFIG_FILE, _config_json(config))
     try:
         import transformers
 

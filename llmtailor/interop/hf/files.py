@@ -31,6 +31,11 @@ def checkpoint_dirname(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}-{step}"
 
 
+def weights_shard_name(index: int, count: int) -> str:
+    """``save_pretrained``'s name of shard ``index`` (from 1) of ``count``: ``model-00001-of-00003.safetensors``."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; IntegrityError naming the file for anything else."""
     try:

@@ -39,12 +39,14 @@ from llmtailor.errors import ConfigError, TailorError
 from llmtailor.interop.hf.files import CONFIG_FILE, OPTIMIZER_FILE, RNG_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE, read_json, step_of
 from llmtailor.interop.hf.model import meta_model, trainer_param_groups
 from llmtailor.interop.hf.reader import map_optimizer, plain_values, require_importable, rng_state, torch_load, weight_sources
+from llmtailor.interop.hf.weights import ModelWeights
 from llmtailor.layouts import Layout, build_layout
+from llmtailor.outputs.run import RunSink, refuse_holding_snapshots
+from llmtailor.outputs.sink import OutputUnit
+from llmtailor.store import Progress
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store.keys import optim_key, weight_key
 from llmtailor.store.run import Run
-from llmtailor.store.single import write_single_snapshot
-from llmtailor.store.staged import StagedUnit
-from llmtailor.store import Progress
 
 """Called after each unit: ``(unit, units done, units in all)``."""
 
@@ -63,10 +65,7 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
     config = read_json(source / CONFIG_FILE)
     trainer_state = read_json(source / TRAINER_STATE_FILE)
     step = step_of(source, trainer_state)
-    if run.steps():
-        raise ConfigError(
-            f"{run.root} already holds snapshots (steps {run.steps()}); import into a new or empty run directory"
-        )
+    refuse_holding_snapshots(run)
     try:
         model = meta_model(config)
     except TailorError:
@@ -74,7 +73,8 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
     except Exception as err:  # transformers' own config validation
         raise ConfigError(f"{source / CONFIG_FILE}: transformers cannot build a model from it ({err})") from None
     layout = build_layout(model)
-    weights = weight_sources(source, model, layout)
+    weights = ModelWeights(source)
+    names = weight_sources(weights, model, layout)
     optimizer = torch_load(source / OPTIMIZER_FILE)
     groups, per_param = map_optimizer(source / OPTIMIZER_FILE, optimizer, trainer_param_groups(config), model)
     state = {
@@ -88,8 +88,8 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
     # Non-tensor optimizer values go into the indexes as JSON: encoded now, so a value that
     # needs pickle is refused before anything is written.
     values = {name: plain_values(name, entries) for name, entries in per_param.items()}
-    write_single_snapshot(run.storage, step=step, layout=layout.to_record(), state=state, origin=f"imported from {source}",
-                          units=_stream_units(layout, weights, per_param, values), progress=progress)
+    sink = RunSink(run.storage, step=step, layout=layout.to_record(), state=state, origin=f"imported from {source}")
+    sink.write(_stream_units(layout, weights, names, per_param, values), len(layout.units), progress)
     return step
 
 
@@ -98,24 +98,21 @@ def import_hf(checkpoint_dir: str | Path, run_dir: str | Path, *, progress: Prog
 
 def _stream_units(
     layout: Layout,
-    weight_files: dict[str, tuple[Path, str]],
+    weights: ModelWeights,
+    names: dict[str, str],
     per_param: dict[str, dict[str, Any]],
     values: dict[str, dict[str, Any]],
-) -> Iterator[StagedUnit]:
-    from safetensors import safe_open
-
-    handles: dict[Path, Any] = {}  # safe_open maps a file; a shard is opened once
-    for unit, names in layout.units.items():
-        tensors: dict[str, torch.Tensor] = {}
+) -> Iterator[OutputUnit]:
+    """One unit at a time: its weights' bytes copied from the checkpoint's files as they are
+    (``names``: canonical name -> name in the files), its optimizer state from optimizer.pt."""
+    for unit, unit_names in layout.units.items():
+        tensors: dict[str, torch.Tensor | ByteSource] = {}
         unit_values: dict[str, dict[str, Any]] = {}
-        for name in names:
-            path, key = weight_files[name]
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt")
-            tensors[weight_key(name)] = handles[path].get_tensor(key)
+        for name in unit_names:
+            tensors[weight_key(name)] = weights.read(names[name])
             for state_key, value in per_param.get(name, {}).items():
                 if isinstance(value, torch.Tensor):
                     tensors[optim_key(name, state_key)] = value
             if values.get(name):
                 unit_values[name] = values[name]
-        yield StagedUnit.whole(unit, tensors, unit_values)
+        yield OutputUnit(unit, tensors, unit_values)

@@ -10,21 +10,25 @@ ones::
     OUT/<name>/...                   the same for each further adapter, as peft nests them
 
 The run must have been saved from a ``PeftModel`` (its global state holds ``peft_config``).
-Reads one unit at a time; the directory appears whole or not at all.
+Written through a sink (``PeftSink``; ``AdapterFiles`` also serves a peft model's Trainer
+checkpoint): reads one unit at a time, keeps the adapters' tensors; the directory appears whole
+or not at all.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from llmtailor.errors import ConfigError
+from llmtailor.interop.tailored import composite_units
 from llmtailor.layouts import Layout
-from llmtailor.store.catalog import Composite
-from llmtailor.store.files import write_text_durable
+from llmtailor.outputs.directory import publishing, write_text_durable
+from llmtailor.outputs.sink import OutputUnit, Sink, counted
+from llmtailor.store import Progress
 from llmtailor.store.tensor_files import write_tensor_file
-from llmtailor.store.publish import publishing
 from llmtailor.store.keys import split_unit
 from llmtailor.store.run import Run
 
@@ -64,46 +68,68 @@ def peft_name(name: str, adapter: str, config: dict[str, Any]) -> str | None:
     return None
 
 
-def export_peft(run: Run, step: int | None, out_dir: str | Path) -> Path:
+def export_peft(run: Run, step: int | None, out_dir: str | Path, *, progress: Progress | None = None) -> Path:
     """Write the adapters of the composite of ``step`` (default: the newest) as a peft adapter
     directory ``out_dir`` (which must not exist, or be empty) and return it."""
-    out_dir = Path(out_dir)
     composite = run.resolve(step)
     state = run.read_global(composite.step)
     configs: dict[str, Any] | None = state.get("peft_config")
     if not configs:
         raise ConfigError(f"{run.root}: the snapshot of step {composite.step} was not saved from a peft model "
                           "(no adapter config): nothing to export as adapters")
-    with publishing(out_dir.parent, out_dir.name, replace_empty=True) as tmp:
-        write_adapters(run, composite, configs, tmp)
-    return out_dir
-
-
-def write_adapters(run: Run, composite: Composite, configs: dict[str, Any], where: Path) -> None:
-    """The adapter files of ``composite`` into the directory ``where``, as peft's
-    ``save_pretrained`` lays them out (the default adapter at the top, others in subdirectories).
-    A tied tensor is written under each of its names the adapter holds, as peft does (with
-    ``ensure_weight_tying`` the embedding's and the head's trained copies are one tensor, and
-    peft's load looks up both)."""
     layout = Layout.from_record(composite.manifest.layout)
-    names_of: dict[str, list[str]] = {}
-    for alias, canonical in layout.aliases.items():
-        names_of.setdefault(canonical, [canonical]).append(alias)
-    adapters: dict[str, dict[str, Any]] = {name: {} for name in configs}
-    for unit in layout.units:
-        weights, _ = split_unit(unit, layout.units[unit], *run.read_unit(composite.sources[unit], unit))
+    sink = PeftSink(out_dir, configs, layout, origin=f"{run.root}: the composite of step {composite.step}")
+    return sink.write(composite_units(run, composite.sources, layout), len(layout.units), progress)
+
+
+class PeftSink(Sink):
+    """A peft adapter directory ``out_dir`` (missing or empty) of the adapters ``configs``
+    (``peft_config``) from the units of a peft model (module docstring); appears whole or not
+    at all. ``origin`` names what is written in messages."""
+
+    def __init__(self, out_dir: str | Path, configs: dict[str, Any], layout: Layout, *, origin: str):
+        self.out, self.configs, self.layout, self.origin = Path(out_dir), configs, layout, origin
+
+    def write(self, units: Iterable[OutputUnit], count: int, progress: Progress | None = None) -> Path:
+        with publishing(self.out.parent, self.out.name, replace_empty=True) as tmp:
+            files = AdapterFiles(tmp, self.configs, self.layout, self.origin)
+            for unit in counted(units, count, progress):
+                files.add(split_unit(unit.name, self.layout.units[unit.name], unit.tensors, unit.values)[0])
+            files.finish()
+        return self.out
+
+
+class AdapterFiles:
+    """The adapter files of a peft model's weights, gathered unit by unit (``add``) and written
+    into ``folder`` (``finish``) as peft's ``save_pretrained`` lays them out: the default adapter
+    at the top, others in subdirectories. A tied tensor is written under each of its names the
+    adapter holds, as peft does (with ``ensure_weight_tying`` the embedding's and the head's
+    trained copies are one tensor, and peft's load looks up both)."""
+
+    def __init__(self, folder: Path, configs: dict[str, Any], layout: Layout, origin: str):
+        self.folder, self.configs, self.origin = folder, configs, origin
+        self._names_of: dict[str, list[str]] = {}
+        for alias, canonical in layout.aliases.items():
+            self._names_of.setdefault(canonical, [canonical]).append(alias)
+        self._found: dict[str, dict[str, Any]] = {name: {} for name in configs}
+
+    def add(self, weights: dict[str, Any]) -> None:
+        """Take a unit's weights (by parameter name); keep those of an adapter."""
         for canonical, tensor in weights.items():
-            for name in names_of.get(canonical, [canonical]):
-                for adapter, found in adapters.items():
-                    key = peft_name(name, adapter, configs[adapter])
+            for name in self._names_of.get(canonical, [canonical]):
+                for adapter, found in self._found.items():
+                    key = peft_name(name, adapter, self.configs[adapter])
                     if key is not None:
                         found[key] = tensor.contiguous()
-    empty = [name for name, found in adapters.items() if not found]
-    if empty:
-        raise ConfigError(f"{run.root}: the composite of step {composite.step} holds no tensor of adapter(s) {empty}")
-    for adapter, tensors in adapters.items():
-        target = where if adapter == "default" else where / adapter
-        target.mkdir(exist_ok=True)
-        config = {**configs[adapter], "inference_mode": True}  # as peft's save_pretrained writes it
-        write_text_durable(target / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
-        write_tensor_file(target / ADAPTER_WEIGHTS, tensors, target, metadata={"format": "pt"})
+
+    def finish(self) -> None:
+        """Write every adapter's files; ConfigError (nothing written) for an adapter no unit holds."""
+        empty = [name for name, found in self._found.items() if not found]
+        if empty:
+            raise ConfigError(f"{self.origin} holds no tensor of adapter(s) {empty}")
+        for adapter, tensors in self._found.items():
+            target = self.folder if adapter == "default" else self.folder / adapter
+            target.mkdir(exist_ok=True)
+            config = {**self.configs[adapter], "inference_mode": True}  # as peft's save_pretrained writes it
+            write_text_durable(target / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            write_tensor_file(target / ADAPTER_WEIGHTS, tensors, target, metadata={"format": "pt"})

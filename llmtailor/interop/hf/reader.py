@@ -34,9 +34,9 @@ from llmtailor.interop.hf.files import (
     WEIGHTS_INDEX_FILE,
     read_json,
     step_of,
-    weight_files,
 )
-from llmtailor.interop.source import Source, TensorInfo, layout_of
+from llmtailor.interop.hf.weights import ModelWeights, has_weights
+from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store import dtypes
 from llmtailor.store.tensor_files import ByteSource
@@ -55,20 +55,11 @@ class ModelDirSource(Source):
         self.config = read_json(path / CONFIG_FILE)
         family = family_of(self.config)
         self._bin: dict[str, torch.Tensor] | None = None
-        self._files: dict[str, tuple[Path, str]] = {}
-        self._info: dict[str, TensorInfo] = {}
-        if (path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX_FILE).is_file():
+        self._weights: ModelWeights | None = None
+        if has_weights(path):
             # Names, dtypes and shapes from the safetensors headers alone: no model is built.
-            for file in weight_files(path):
-                _, header = layout_of(file)
-                for key, stored in header.items():
-                    if key == "__metadata__":
-                        continue
-                    dtype = dtypes.from_code(stored.get("dtype"))
-                    if dtype is None:
-                        raise IntegrityError(f"{file}: tensor {key!r} has dtype {stored.get('dtype')!r}, not one llmtailor reads")
-                    self._files[key] = (file, key)
-                    self._info[key] = TensorInfo(dtype, tuple(stored["shape"]))
+            self._weights = ModelWeights(path)
+            self._info = {k: TensorInfo(t.dtype, t.shape) for k, t in self._weights.tensors.items()}
         elif (path / BIN_FILE).is_file():
             self._bin = self._load_bin(path / BIN_FILE)
             self._info = {k: TensorInfo(dtypes.name_of(t.dtype), tuple(t.shape)) for k, t in self._bin.items()}
@@ -102,11 +93,7 @@ class ModelDirSource(Source):
         kind, name, _ = split_key(key)
         if self._bin is not None:
             return self._bin[name]
-        path, stored_key = self._files[name]
-        start, header = layout_of(path)
-        stored = header[stored_key]
-        begin, end = stored["data_offsets"]
-        return ByteSource(path, start + begin, end - begin, self._info[name].dtype, tuple(stored["shape"]))
+        return self._weights.read(name)
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()]
@@ -191,7 +178,7 @@ def require_importable(source: Path) -> None:
     if not source.is_dir():
         raise ConfigError(f"{source}: no such checkpoint directory")
     problems = [f"{name} is missing" for name in (CONFIG_FILE, TRAINER_STATE_FILE) if not (source / name).is_file()]
-    if not (source / WEIGHTS_FILE).is_file() and not (source / WEIGHTS_INDEX_FILE).is_file():
+    if not has_weights(source):
         problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing")
     have_optimizer, have_scheduler = (source / OPTIMIZER_FILE).is_file(), (source / SCHEDULER_FILE).is_file()
     if have_optimizer != have_scheduler:
@@ -207,39 +194,29 @@ def require_importable(source: Path) -> None:
         raise IntegrityError(f"{source}: not an importable Trainer checkpoint: " + "; ".join(problems))
 
 
-def weight_sources(source: Path, model: torch.nn.Module, layout: Layout) -> dict[str, tuple[Path, str]]:
-    """Canonical tensor name -> (file, key in it), from safetensors headers only. Every tensor
-    of the file must be one of the model's, with its shape and dtype; a tied alias may stand
-    in for its canonical name (save_pretrained writes one of them)."""
-    from safetensors import safe_open
-
-    files = weight_files(source)
+def weight_sources(weights: ModelWeights, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
+    """Canonical tensor name -> its name in ``weights``, from the headers only. Every tensor of
+    the files must be one of the model's, with its shape and dtype; a tied alias may stand in
+    for its canonical name (save_pretrained writes one of them)."""
     expected = model.state_dict(keep_vars=True)
-    found: dict[str, tuple[Path, str]] = {}
+    found: dict[str, str] = {}
     problems: list[str] = []
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                slices = {key: handle.get_slice(key) for key in handle.keys()}  # headers only, no bytes
-                header = {key: (piece.get_shape(), piece.get_dtype()) for key, piece in slices.items()}
-        except Exception as err:  # safetensors raises its own error types for a damaged header
-            raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
-        for key, (shape, dtype) in header.items():
-            want = expected.get(key)
-            if want is None:
-                problems.append(f"{key!r} is not a tensor of the {layout.family!r} model config.json describes")
-                continue
-            if list(shape) != list(want.shape) or dtypes.from_code(dtype) != dtypes.name_of(want.dtype):
-                problems.append(f"{key!r} is {dtype} {list(shape)}, the model has {want.dtype} {list(want.shape)}")
-            canonical = layout.aliases.get(key, key)
-            if canonical not in found or key == canonical:
-                found[canonical] = (path, key)
+    for key, stored in weights.tensors.items():
+        want = expected.get(key)
+        if want is None:
+            problems.append(f"{key!r} is not a tensor of the {layout.family!r} model config.json describes")
+            continue
+        if list(stored.shape) != list(want.shape) or stored.dtype != dtypes.name_of(want.dtype):
+            problems.append(f"{key!r} is {dtypes.code_of(stored.dtype)} {list(stored.shape)}, the model has {want.dtype} "
+                            f"{list(want.shape)}")
+        canonical = layout.aliases.get(key, key)
+        if canonical not in found or key == canonical:
+            found[canonical] = key
     missing = [name for name in layout.tensor_names() if name not in found]
     problems += [f"{name!r} is missing" for name in missing[:5]]
     if problems:
         shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} in all)" if len(problems) > 6 else "")
-        where = files[0] if len(files) == 1 else source / WEIGHTS_INDEX_FILE
-        raise IncompatibleModelError(f"{where} does not fit the model of {source / CONFIG_FILE}: {shown}")
+        raise IncompatibleModelError(f"{weights.where} does not fit the model of {weights.path / CONFIG_FILE}: {shown}")
     return found
 
 
