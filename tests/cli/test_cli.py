@@ -136,7 +136,7 @@ def test_messages_keep_their_brackets(run_dir, trainer_checkpoint):
     result = runner.invoke(app, ["import-hf", str(trainer_checkpoint), "-o", str(run_dir)])
     _one_line_error(result, "already holds snapshots (steps [2, 4, 6])")
 
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
     from llmtailor.errors import ConfigError
 
     def bracketed() -> None:
