@@ -21,9 +21,9 @@ from dataclasses import replace
 import torch
 
 from llmtailor.demo import DEMO_BATCH_SIZE, DEMO_CONFIG
+from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.drift import SAMPLE, DriftTracker, drift_figures
 from llmtailor.providers import make_provider
-from llmtailor.store.coordinator import LocalCoordinator
 from llmtailor.training_example import build_model, build_optimizer, corpus_tokens, train_steps
 
 

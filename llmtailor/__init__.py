@@ -7,6 +7,9 @@ resume exactly from the composite: each unit from its newest saved version.
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from llmtailor.interop.formats import describe_other_format
+from llmtailor.store.storage.local_detect import recognise_other_formats
+
 if TYPE_CHECKING:
     from llmtailor.errors import PromotionError, TailorError
     from llmtailor.policies import Adaptive, Filter, Full, Interval, Parity, Policy, make_policy
@@ -15,6 +18,11 @@ if TYPE_CHECKING:
     from llmtailor.store.tiers import Tier
     from llmtailor.reports import PendingSave, RestoreReport, SaveReport
     from llmtailor.tailor import Tailor
+
+# The store's run detection knows no other format: the package tells it those interop knows by
+# their file names (torch-free), so a writer refused in a Trainer checkpoint names it. Done here,
+# where every import of llmtailor passes first.
+recognise_other_formats(describe_other_format)
 
 # Each public name is imported on first use (PEP 562), so the command line's byte-moving paths
 # (``llmtailor merge`` of weights) do not pay for importing torch (store/dtypes.py).

@@ -3,7 +3,7 @@
 ``Tailor(run_dir, model, ..., config=TailorConfig(keep=3, async_save=True))`` and
 ``Tailor(run_dir, model, ..., keep=3, async_save=True)`` mean the same; ``TailorTrainer``
 passes its ``tailor_config`` through. Every problem is reported at once, naming the option and
-the value (``ConfigError``). ``tiers`` takes ``Tier``s (``store/tiers.py``).
+the value (``ConfigError``). ``tiers`` takes ``Tier``s (``store/tiers/``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT
 from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.policies import Adaptive, Full, Policy
-from llmtailor.store.coordinator import DEFAULT_TIMEOUT
 from llmtailor.store.retention import Keep
 from llmtailor.store.tiers import Tier
 

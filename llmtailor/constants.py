@@ -14,7 +14,7 @@ LATEST_FILE = "latest"
 TIERS_FILE = "tiers.json"
 CARRIED_FOR = "carried_for"
 """A manifest note of a snapshot promoted to a tier only for what a newer composite there needs
-(``store/promote.py``): its own composite is not meant to restore there."""
+(``store/tiers/promote.py``): its own composite is not meant to restore there."""
 MANIFEST_FILE = "manifest.json"
 UNITS_DIR = "units"
 GLOBAL_JSON = "global.json"

@@ -39,16 +39,17 @@ from typing import Any
 
 import torch
 
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.drift import sampled
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.interop.hf.weights import ModelWeights, has_weights
 from llmtailor.providers.base import StateProvider
 from llmtailor.store import dtypes
-from llmtailor.store.coordinator import Coordinator
-from llmtailor.store.files import checksum, checksum_file, tensor_checksum
+from llmtailor.store.catalog import Composite
+from llmtailor.store.tensor_files import checksum, checksum_file, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedUnit, version_of
 
 Holder = int | str

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmtailor.store.run import Composite
+from llmtailor.async_stager import BackgroundSave
+from llmtailor.store.catalog import Composite
 from llmtailor.store.staged import PersistResult
-from llmtailor.store.staging import BackgroundSave
 
 
 @dataclass(frozen=True)

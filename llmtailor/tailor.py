@@ -11,8 +11,8 @@ stateful objects, saved at each save and loaded back by ``restore``, each rank i
 (``providers/stateful.py``): ``Tailor(..., stateful={"loader": loader})``.
 
 With ``tiers=[Tier("/dev/shm/exp1", keep=2, promote_every=50)]`` saves commit to host memory
-and composites reach the run directory in the background (``store/tiers.py``,
-``store/promote.py``); ``restore`` takes the newest composite of any tier.
+and composites reach the run directory in the background (``store/tiers/``, its
+``promote.py``); ``restore`` takes the newest composite of any tier.
 
 Each save writes the units the policy picks plus the global state; ``restore`` loads the
 composite (each unit from its newest version, global state from the composite's step) into
@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from llmtailor.async_stager import AsyncStager
 from llmtailor.config import TailorConfig
+from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.drift import DriftWatch
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
@@ -42,10 +44,8 @@ from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.providers.stateful import Stateful, StatefulObjects
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
-from llmtailor.store.coordinator import Coordinator, make_coordinator
 from llmtailor.store.lineage import Lineage
 from llmtailor.store.staged import PersistResult, StagedSnapshot
-from llmtailor.store.staging import AsyncStager
 from llmtailor.store.tiers import Tiers
 from llmtailor.store.writer import persist
 

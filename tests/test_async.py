@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_bitwise, tiny, train, unit_versions
 
-import llmtailor.store.staging as staging
+import llmtailor.async_stager as staging
 import llmtailor.store.writer as writer
 from llmtailor import Full, Parity, Tailor
 from llmtailor.constants import MANIFEST_FILE

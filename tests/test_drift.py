@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmtailor import Adaptive, Full, Parity, Tailor
+from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.drift import DriftTracker, drift_figures
 from llmtailor.errors import ConfigError
 from llmtailor.policies import SaveContext, make_policy
 from llmtailor.providers import make_provider
-from llmtailor.store.coordinator import LocalCoordinator
 from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece
 

@@ -84,7 +84,7 @@ def test_a_lora_run_writes_its_base_weights_once_and_then_only_what_trains(tmp_p
         assert names == trained  # adapters, their moments and steps: nothing frozen
         assert all(ref.kept == [1] for ref in manifest.units.values())
     # The tensors written are the trainable state exactly: each adapter, its two moments, its step.
-    from llmtailor.store.run import tensor_bytes
+    from llmtailor.store.manifest import tensor_bytes
 
     state = sum(p.numel() * p.element_size() * 3 + 4 for n, p in model.named_parameters() if p.requires_grad)
     assert sum(tensor_bytes(t) for u in run.manifest(4).units for t in run._stored_entry(4, u).tensors) == state

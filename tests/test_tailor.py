@@ -9,8 +9,8 @@ import torch
 from helpers import assert_bitwise, drop_from_unit_index, tiny, train, tree_digest, unit_versions
 
 from llmtailor import Filter, Full, Interval, Parity, Tailor
+from llmtailor.distributed.coordinator import CoordinationError, LocalCoordinator
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store.coordinator import CoordinationError, LocalCoordinator
 from llmtailor.store.run import Run
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable
 from inspect import cleandoc  # not `import inspect`: the name is a command's
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,10 +20,10 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from llmtailor.cli.common import STEP_HELP, as_of, console, errors, existing_run, fail, user_errors
 from llmtailor.errors import TailorError
-from llmtailor.store.files import describe_os_error
 from llmtailor.store.run import Run
-from llmtailor.store.storage.objects import OPTIONS_ENV
+from llmtailor.store.storage.object_options import OPTIONS_ENV
 
 
 def reflow(text: str | None) -> str | None:
@@ -56,38 +55,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(soft_wrap=True)  # a path in a result line is never broken in two
-errors = Console(stderr=True, soft_wrap=True)
 
 RunArg = Annotated[str, typer.Argument(help="Run directory or URL (s3://bucket/prefix, gs://, az://): the one given to Tailor.")]
-STEP_HELP = "Composite as of this step: the newest committed snapshot at or before it (default: the newest)."
 StepOpt = Annotated[int | None, typer.Option("--step", help=STEP_HELP)]
-
-
-def _user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except TailorError as err:
-            fail(str(err))
-        except OSError as err:  # the last line of defence: the library names paths itself
-            fail(describe_os_error(err))
-
-    return wrapper
-
-
-def fail(message: str) -> None:
-    """Print ``message`` (plain text) as the CLI's one error line and exit with status 2."""
-    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2) from None
-
-
-def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> None:
-    """Register ``command`` as ``name`` with the CLI's user-error handling; a second call with
-    the same name does nothing (the package and tests may both register a command)."""
-    if not any(info.name == name for info in target.registered_commands):
-        target.command(name=name)(_user_errors(command))
 
 
 @app.callback()
@@ -122,19 +92,8 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _existing_run(location: str | Path) -> Run:
-    """The run at ``location`` (a path or URL); TailorError saying what it is when it is not
-    a run (a file, another kind of checkpoint; an empty directory passes: it reports no
-    snapshot later)."""
-    run = Run(location)
-    why = run.storage.describe_non_run()
-    if why is not None and not (run.is_local and Path(run.root).is_dir() and run.storage.is_fresh()):
-        raise TailorError(why)
-    return run
-
-
 @app.command()
-@_user_errors
+@user_errors
 def demo(
     out: Annotated[Path, typer.Option(help="Where the demo writes its runs.")] = Path("runs/demo"),
     steps: Annotated[int, typer.Option(min=10, help="Training steps (a save every steps/12, the crash 5/8 of the way).")] = 120,
@@ -146,24 +105,8 @@ def demo(
     run_demo(out, steps=steps, console=console)
 
 
-def as_of(run: Run, step: int | None) -> int | None:
-    """The committed step whose composite is the run's state as of ``step``: the newest at or
-    before it (a note on stderr when that is not ``step`` itself); None stays None."""
-    if step is None:
-        return None
-    steps = run.steps()
-    before = [s for s in steps if s <= step]
-    if not before:
-        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
-        raise TailorError(f"{run.root}: no committed snapshot at or before step {step} (committed steps: {shown or 'none'})")
-    if before[-1] != step:
-        errors.print(f"note: step {step} falls between snapshots; using the composite as of step {before[-1]}",
-                     highlight=False, soft_wrap=True)
-    return before[-1]
-
-
 @app.command()
-@_user_errors
+@user_errors
 def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     """Show every snapshot (which units it saved, bytes) and the composite of a step
     (where each unit's version comes from, and how stale it is); for a run with tiers, first
@@ -173,7 +116,7 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     from llmtailor.cli.render import tiers_table
     from llmtailor.store.tiers import tier_states
 
-    run = _existing_run(run_dir)
+    run = existing_run(run_dir)
     tiers = tier_states(run)
     if tiers is not None:
         console.print(tiers_table(tiers))
@@ -188,13 +131,13 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
 
 
 @app.command()
-@_user_errors
+@user_errors
 def verify(run_dir: RunArg, step: StepOpt = None) -> None:
     """Check every file against the manifest's checksum (all snapshots, or the files the
     composite of --step needs) and that the composite (the newest, or --step's) restores.
     Exit 0 when all is well; 1 naming each problem. Older composites that no longer restore
     because retention removed what they need are listed as notes."""
-    run = _existing_run(run_dir)
+    run = existing_run(run_dir)
     steps = run.steps()
     if not steps:
         raise TailorError(f"{run_dir}: no committed snapshot in this run directory")
@@ -215,7 +158,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
 
 
 @app.command()
-@_user_errors
+@user_errors
 def gc(
     run_dir: RunArg,
     keep: Annotated[int | None, typer.Option(
@@ -230,7 +173,7 @@ def gc(
     from llmtailor.store.tiers import tier_states
 
     run = Run(run_dir)
-    why = run.storage.describe_non_run()
+    why = run.storage.detection.describe_non_run()
     if why is not None:
         raise TailorError(f"{why}; gc deletes only the snapshots of a run")
     if keep is not None:

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from llmtailor.cli import STEP_HELP
+from llmtailor.cli.common import STEP_HELP
 
 
 class ExportFormat(str, Enum):
@@ -49,14 +49,14 @@ def assemble(
     'load_universal': true); peft, the adapters as a directory PeftModel.from_pretrained(base,
     OUT) loads (OUT itself); lightning, OUT/epoch=E-step=S.ckpt, which Trainer.fit(model,
     ckpt_path=...) resumes from (runs saved by TailorCheckpoint)."""
-    from llmtailor.cli import _existing_run, as_of, console
+    from llmtailor.cli.common import as_of, console, existing_run
     from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf.export import export_hf
 
     from llmtailor.outputs.sink import parse_size
 
     shard_bytes = parse_size(max_shard_size)  # refused before the run is read
-    run = _existing_run(run_dir)
+    run = existing_run(run_dir)
     step = as_of(run, step)
     # Leased: retention running meanwhile (gc, a writer's keep=) leaves the composite whole.
     with run.reading(step) as composite, unit_progress(console, "reading units") as progress:
@@ -80,6 +80,6 @@ def assemble(
 
 def register(app: typer.Typer) -> None:
     """Add ``assemble`` to the ``llmtailor`` app."""
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
 
     add_command(app, "assemble", assemble)

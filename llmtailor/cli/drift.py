@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from llmtailor.cli import STEP_HELP
+from llmtailor.cli.common import STEP_HELP
 
 
 class Kind(str, Enum):
@@ -27,12 +27,12 @@ def drift(
 ) -> None:
     """Each unit's drift since its last saved version, at every save of the run (as each save
     measured it; saved units marked), and the bytes each save wrote vs a Full save."""
-    from llmtailor.cli import _existing_run, as_of, console
+    from llmtailor.cli.common import as_of, console, existing_run
     from llmtailor.cli.render import drift_table
     from llmtailor.drift import drift_history
     from llmtailor.errors import TailorError
 
-    run = _existing_run(run_dir)
+    run = existing_run(run_dir)
     step = as_of(run, step)
     with run.reading(step) as composite:  # the lineage's manifests are read while it is leased
         run.load_manifests()
@@ -49,6 +49,6 @@ def drift(
 
 def register(app: typer.Typer) -> None:
     """Add ``drift`` to the ``llmtailor`` app."""
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
 
     add_command(app, "drift", drift)

@@ -22,7 +22,7 @@ def import_deepspeed(
     """Import a DeepSpeed checkpoint as a tailored snapshot: fp32 masters, every optimizer state
     tensor and each group's step, by parameter name, read with DeepSpeed's own converter
     (ds_to_universal). Its files are pickles: they are loaded here, on this explicit import only."""
-    from llmtailor.cli import console
+    from llmtailor.cli.common import console
     from llmtailor.cli.render import unit_progress
     from llmtailor.interop.deepspeed.importer import import_deepspeed as run_import
     from llmtailor.store.run import Run
@@ -38,6 +38,6 @@ def import_deepspeed(
 
 def register(app: typer.Typer) -> None:
     """Add ``import-deepspeed`` to the ``llmtailor`` app."""
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
 
     add_command(app, "import-deepspeed", import_deepspeed)

@@ -19,7 +19,7 @@ def import_hf(
     """Import a Trainer checkpoint-N/ directory as a tailored snapshot at step N. Everything
     is checked first (files, weights against config.json's model, optimizer.pt's groups against
     the ones Trainer builds); bad input writes nothing."""
-    from llmtailor.cli import console
+    from llmtailor.cli.common import console
     from llmtailor.cli.render import unit_progress
     from llmtailor.interop.hf.importer import import_hf as run_import
     from llmtailor.store.run import Run
@@ -36,6 +36,6 @@ def import_hf(
 
 def register(app: typer.Typer) -> None:
     """Add ``import-hf`` to the ``llmtailor`` app."""
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
 
     add_command(app, "import-hf", import_hf)

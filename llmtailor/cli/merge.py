@@ -38,7 +38,7 @@ def merge(
     """Plan the merge (every check made from headers and manifests, before any tensor byte is
     read), then stream it unit by unit into the output, committed atomically. A bad plan
     writes nothing."""
-    from llmtailor.cli import console, errors
+    from llmtailor.cli.common import console, errors
     from llmtailor.cli.render import unit_progress
     from llmtailor.merge.execute import execute
     from llmtailor.merge.planner import open_plan
@@ -85,6 +85,6 @@ def actions_table(plan, verbose: bool = False):
 
 def register(app: typer.Typer) -> None:
     """Add ``merge`` to the ``llmtailor`` app."""
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
 
     add_command(app, "merge", merge)

@@ -19,7 +19,9 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtailor.constants import LAYER_PREFIX
-from llmtailor.store.run import Composite, Run, tensor_bytes
+from llmtailor.store.catalog import Composite
+from llmtailor.store.manifest import tensor_bytes
+from llmtailor.store.run import Run
 
 T = TypeVar("T")
 

@@ -28,7 +28,8 @@ from llmtailor.layouts import Layout
 from llmtailor.providers.stateful import saved_state
 from llmtailor.store import Progress
 from llmtailor.outputs.directory import publish_file
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.catalog import Composite
+from llmtailor.store.run import Run
 
 LIGHTNING_KEY = "lightning"
 """The name of the stateful object under which ``TailorCheckpoint`` keeps Lightning's own state

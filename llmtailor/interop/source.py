@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.errors import IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource, safetensors_layout
+from llmtailor.store.tensor_files import ByteSource, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +90,7 @@ def layout_of(path: Path) -> tuple[int, dict[str, Any]]:
         if key not in _HEADERS:
             if len(_HEADERS) > 512:
                 _HEADERS.clear()
-            _HEADERS[key] = safetensors_layout(path)
+            _HEADERS[key] = read_header(path)
         return _HEADERS[key]
     except FileNotFoundError:
         raise IntegrityError(f"{path}: file is missing") from None

@@ -39,7 +39,7 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch
     if not isinstance(path, Path):  # a URL
         run = Run(path)
         if not run.steps():
-            raise ConfigError(run.storage.describe_non_run() or f"{path}: no committed snapshot in this run")
+            raise ConfigError(run.storage.detection.describe_non_run() or f"{path}: no committed snapshot in this run")
         return RunSource(label, run, step)
     if path.is_dir() and Run(path).steps():
         return RunSource(label, Run(path), step)

@@ -16,7 +16,8 @@ from llmtailor.errors import IntegrityError
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource, stored_header
+from llmtailor.store.checked import stored_header
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store import Progress
 from llmtailor.outputs.sink import OutputUnit, counted
 from llmtailor.store.keys import split_key, split_unit, unit_weights

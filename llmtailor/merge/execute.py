@@ -41,7 +41,7 @@ from llmtailor.merge.plan import FORMATS
 from llmtailor.merge.planner import MergePlan, open_plan
 from llmtailor.outputs.sink import DEFAULT_MAX_SHARD_SIZE, OutputUnit, Sink
 from llmtailor.store import Progress, dtypes
-from llmtailor.store.files import ByteSource
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store.keys import unit_weights
 
 if TYPE_CHECKING:

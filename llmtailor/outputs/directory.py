@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from llmtailor.errors import ConfigError, TailorError
-from llmtailor.store.files import StorageError, describe_os_error, fsync_dir, fsync_file, remove_empty
+from llmtailor.errors import ConfigError, StorageError, TailorError, describe_os_error
+from llmtailor.store.storage.local_durable import fsync_dir, fsync_file, remove_empty
 
 
 @contextmanager

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 
 from llmtailor.errors import IntegrityError
 from llmtailor.outputs.directory import write_text_durable
-from llmtailor.store.files import Syncer, write_tensor_file
+from llmtailor.store.storage.local_durable import Syncer
+from llmtailor.store.tensor_files import write_tensor_file
 
 if TYPE_CHECKING:
     import torch
 
-    from llmtailor.store.files import ByteSource
+    from llmtailor.store.tensor_files import ByteSource
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from llmtailor.store import Progress
 if TYPE_CHECKING:
     import torch
 
-    from llmtailor.store.files import ByteSource
+    from llmtailor.store.tensor_files import ByteSource
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """5 GB, mergekit's default shard size (transformers names sizes in the same decimal units)."""

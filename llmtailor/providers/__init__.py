@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import ConfigError
 from llmtailor.layouts import build_layout
 from llmtailor.providers.agreement import check_same_layout
 from llmtailor.providers.base import StateProvider, unwrap
 from llmtailor.providers.local import LocalProvider
-from llmtailor.store.coordinator import Coordinator
 
 
 def make_provider(

@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
 from llmtailor.providers import rng
-from llmtailor.store.coordinator import Coordinator
+from llmtailor.store.catalog import Composite
 from llmtailor.store.keys import lacking_weights, split_key
 from llmtailor.store.manifest import Manifest, UnitEntry, dtype_name
 from llmtailor.store import codec
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedUnit
 
 if TYPE_CHECKING:

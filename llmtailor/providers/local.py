@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
 from llmtailor.providers.base import StateProvider, balance, copy_into, hf_config, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
-from llmtailor.store.coordinator import Coordinator
 from llmtailor.constants import KIND_WEIGHT
-from llmtailor.store.files import tensor_checksum
+from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.run import Run

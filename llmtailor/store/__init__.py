@@ -1,6 +1,6 @@
 """The run store: format, atomic commit, retention, leases, composite resolution. Imports
-nothing of llmtailor but ``constants``, ``errors`` and ``layouts`` (name recognisers of
-``interop/*/files.py`` aside), and nothing heavy here."""
+nothing of llmtailor but ``constants``, ``errors``, ``distributed`` and ``layouts`` (what other
+formats a directory may hold is told to ``storage`` from above), and nothing heavy here."""
 
 from __future__ import annotations
 

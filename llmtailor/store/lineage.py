@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.catalog import Composite
+from llmtailor.store.run import Run
 
 
 @dataclass

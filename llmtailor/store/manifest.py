@@ -81,7 +81,7 @@ class Chunk(_Strict):
     pages: list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]] | None = None
     """A large chunk's bytes also hashed in pages of ``page_bytes`` (the last one shorter): a
     reader of part of the chunk (a rank restoring at another world size) reads and checks the
-    pages its range covers, not the whole chunk (``store.files.page_size``)."""
+    pages its range covers, not the whole chunk (``store.tensor_files.page_size``)."""
     stored_as: str | None = Field(default=None, exclude=True)
     """In memory only: the tensor's name in its file when not its key (a base model's file)."""
 
@@ -365,3 +365,8 @@ def load_unit_entry(raw: bytes, path: Path | str, unit: str, step: int) -> UnitE
     if (entry.unit, entry.step) != (unit, step):
         raise IntegrityError(f"{path}: index of unit {entry.unit!r} at step {entry.step}, expected {unit!r} at {step}")
     return entry
+
+
+def tensor_bytes(entry: TensorEntry) -> int:
+    """Bytes of the whole tensor ``entry`` describes."""
+    return math.prod(entry.shape) * dtypes.itemsize(entry.dtype)

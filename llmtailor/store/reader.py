@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from llmtailor.errors import IntegrityError
 from llmtailor.store import dtypes
-from llmtailor.store.files import checksum, stored_header
+from llmtailor.store.checked import stored_header
+from llmtailor.store.tensor_files import checksum
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Storage

@@ -6,12 +6,12 @@ restore of an older step) are never counted as kept. A snapshot survives when it
 those composites or a composite table of one names it.
 
 Deleting is crash-safe: each doomed snapshot is first made not a snapshot, at once and
-durably (``Storage.discard_snapshot``: locally, its directory renamed into ``.trash/``; on an
+durably (``SnapshotCommits.discard``: locally, its directory renamed into ``.trash/``; on an
 object store, its manifest deleted first), and only then are its files removed. A crash at any
 point leaves every kept composite whole; leftovers are removed by the next writer.
 
 Deleting never pulls files from under a reader: a snapshot is discarded only while retention
-holds its removal lease (``Storage.lease_for_removal``); one a reader holds is left in place
+holds its removal lease (``RunLocks.lease_for_removal``); one a reader holds is left in place
 for the next retention (logged). A reader that comes after finds the snapshot gone, never half.
 """
 
@@ -24,8 +24,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator
 
-from llmtailor.errors import ConfigError, TailorError
-from llmtailor.store.files import describe_os_error
+from llmtailor.errors import ConfigError, TailorError, describe_os_error
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Lease
 
@@ -110,7 +109,7 @@ def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
         for step in steps:
             source = run.snapshot_key(step)
             try:
-                claim = storage.lease_for_removal(source)
+                claim = storage.locks.lease_for_removal(source)
             except TailorError as err:
                 problems.append(f"could not remove snapshot {step}: {err}")
                 continue
@@ -119,7 +118,7 @@ def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
                 continue
             claims.append(claim)
             try:
-                moved.append((step, storage.discard_snapshot(source)))
+                moved.append((step, storage.commits.discard(source)))
             except TailorError as err:
                 problems.append(f"could not remove snapshot {step}: {err}")
             except OSError as err:
@@ -129,7 +128,7 @@ def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
             claim.release()
     for _, token in moved:
         try:
-            storage.purge(token)
+            storage.commits.purge(token)
         except (TailorError, OSError) as err:
             problems.append(str(err))
     if in_use:

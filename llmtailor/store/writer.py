@@ -3,13 +3,13 @@
 Staging (``store/staged.py``: what to write) is separate from persisting (``persist``: writing
 and committing it). A synchronous save stages references to the live tensors and persists at
 once, one unit in memory at a time; an async save stages copies in reusable host buffers and
-persists them on a background thread (``store/staging.py``). Both go through ``persist``.
+persists them on a background thread (``llmtailor/async_stager.py``). Both go through ``persist``.
 
-The commit protocol, for any number of ranks (``llmtailor.store.coordinator`` carries the
+The commit protocol, for any number of ranks (``llmtailor.distributed.coordinator`` carries the
 messages; one process is a world of one) and any storage (``store.storage``: a local directory
 or an object store, each rank writing straight to it, so no filesystem is shared between nodes):
 
-1. the leader (rank 0) opens the snapshot's staging place (``Storage.begin_snapshot``: a
+1. the leader (rank 0) opens the snapshot's staging place (``store.commit.SnapshotCommit``: a
    private directory under ``.tmp/`` locally; on an object store the final prefix itself) and
    announces it;
 2. every rank writes its part there — its pieces of the units it holds, its own global state
@@ -30,33 +30,25 @@ read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-
-from llmtailor.constants import (
-    GLOBAL_JSON,
-    GLOBAL_TENSORS,
-    LATEST_FILE,
-    MANIFEST_FILE,
-    SCHEMA_VERSION,
-    rank_state_files,
-    snapshot_dirname,
-    unit_filename,
-    unit_index_path,
-)
-from llmtailor.errors import TailorError
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, SCHEMA_VERSION, rank_state_files, unit_filename, unit_index_path
+from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
+from llmtailor.errors import StorageError, TailorError, describe_os_error
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
-from llmtailor.store.coordinator import Coordinator, LocalCoordinator
-from llmtailor.store.files import StorageError, describe_os_error, stream_tensors, write_bytes_to
+from llmtailor.store.checked import write_bytes_to
+from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
 from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, TensorPart, UnitPart
+from llmtailor.store.tensor_files import stream_tensors
 
 
 def counting(progress: Progress | None, total: int) -> Callable[[str, int], None]:
@@ -89,47 +81,26 @@ def persist(
     coord = coordinator or LocalCoordinator()
     start = time.perf_counter()
     round_ = coord.new_round()
-    storage = run.storage
-    final = run.snapshot_key(staged.step)
 
-    def open_tmp() -> str:
-        if prepare is not None:
-            prepare()
-        return storage.begin_snapshot(snapshot_dirname(staged.step), final, staged.world_size)
-
-    def open_tmp_friendly() -> str:
+    def begin() -> str:
         try:
-            return open_tmp()
+            if prepare is not None:
+                prepare()
+            return SnapshotCommit.begin(run, staged.step, staged.world_size).staging
         except BaseException as err:
             raise _friendly(err, run, staged.step, written=False) from None
 
-    staging = coord.broadcast(f"{round_}/open", open_tmp_friendly if coord.is_leader else None)
+    snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
     try:
         if staged.error is not None:
             raise staged.error
-        part: RankPart | BaseException = _write_part(run, staging, staged, coord.rank, on_unit)
+        part: RankPart | BaseException = _write_part(snapshot, staged, coord.rank, on_unit)
     except BaseException as err:
         part = _friendly(err, run, staged.step)
     report = part.to_message() if isinstance(part, RankPart) else part
     if coord.is_leader:
-
-        def commit() -> dict[str, Any]:
-            try:
-                messages = coord.gather(f"{round_}/parts", report)  # raises when any rank failed
-                manifest = _commit_indexes(run, staging, staged, [RankPart.from_message(m) for m in messages or []])
-                if confirm is not None:
-                    confirm()
-                # The manifest is written last, only if absent: without one there is no snapshot.
-                encoded = manifest.dumps().encode()
-                storage.put(storage.staging_key(staging, MANIFEST_FILE), encoded, exclusive=True)
-                storage.commit_snapshot(staging, final)
-            except BaseException as err:
-                storage.abandon_snapshot(staging)
-                raise _friendly(err, run, staged.step) from None
-            total = manifest.total_bytes() + len(encoded)
-            return {"bytes": total, "pointer_error": replace_latest(run, staged.step)}
-
-        outcome = coord.broadcast(f"{round_}/outcome", commit)
+        gather = functools.partial(coord.gather, f"{round_}/parts", report)
+        outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm))
     else:
         coord.gather(f"{round_}/parts", report)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
@@ -144,19 +115,31 @@ def persist(
     )
 
 
-def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
+def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[Any] | None],
+            confirm: Callable[[], None] | None) -> dict[str, Any]:
+    """The leader's step 3 (module docstring), once ``gather()`` has every rank's report (it
+    raises when any rank failed): the unit indexes, then the manifest and the commit; what was
+    staged is removed on any failure. Returns the outcome the leader announces."""
+    run = snapshot.run
+    try:
+        with snapshot.abandoned_on_failure():
+            manifest = _commit_indexes(snapshot, staged, [RankPart.from_message(m) for m in gather() or []])
+            # The manifest is written last, only if absent: without one there is no snapshot.
+            encoded = manifest.dumps().encode()
+            snapshot.commit(encoded, confirm)
+    except BaseException as err:
+        raise _friendly(err, run, staged.step) from None
+    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step)}
+
+
+def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
                 on_unit: Callable[[str, int], None] | None) -> RankPart:
     """Write this rank's files; return its report for the leader's indexes and manifest: per
     unit, its file entry, its tensors' chunks and non-tensor values; the files of its global
     state; its bytes per unit."""
-    storage = run.storage
-
-    def create(relpath: str):
-        return batch.create(storage.staging_key(staging, relpath))
-
     # Locally each file's fsync runs on a helper thread while the next file is written; every
     # file is durable before the part is reported (the commit depends on it).
-    with storage.batch() as batch:
+    with snapshot.files() as create:
         units: dict[str, UnitPart] = {}
         files: list[FileEntry] = []
         unit_bytes: dict[str, int] = {}
@@ -192,7 +175,7 @@ def _write_part(run: Run, staging: str, staged: StagedSnapshot, rank: int,
     return RankPart(units=units, files=files, unit_bytes=unit_bytes, holds=list(staged.layout["units"]))
 
 
-def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
+def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
     """Write each unit's index from every rank's part and return the manifest naming them.
     The chunks of a tensor from all ranks are checked for agreement on dtype and global
     shape; the index's own validation then checks that they cover the tensor."""
@@ -224,8 +207,7 @@ def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
     refs = {}
-    storage = run.storage
-    with storage.batch() as batch:  # the indexes are small and many: their fsyncs overlap; durable on exit
+    with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
         for unit in staged.composite:  # layout order
             if unit not in merged:
                 continue
@@ -233,7 +215,7 @@ def _commit_indexes(run: Run, staging: str, staged: StagedSnapshot, parts: list[
             index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
                               values=content["values"], kept=content["kept"], base=content["base"])
             relpath = unit_index_path(unit)
-            entry = write_bytes_to(batch.create(storage.staging_key(staging, relpath)), index.dumps().encode(), relpath)
+            entry = write_bytes_to(create(relpath), index.dumps().encode(), relpath)
             refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
     return Manifest(
         schema_version=SCHEMA_VERSION,
@@ -285,22 +267,6 @@ def _by_rank(units_of_rank: list[list[str]]) -> list[tuple[list[str], list[int]]
         if units:
             groups.setdefault(tuple(units), []).append(rank)
     return [(list(units), ranks) for units, ranks in groups.items()]
-
-
-def replace_latest(run: Run, step: int) -> str | None:
-    """Point the run's ``latest`` at the snapshot of ``step``; a failure is returned as a
-    message (the snapshot stays committed and found through its parent link), not raised."""
-    try:
-        run.storage.replace(LATEST_FILE, (snapshot_dirname(step) + "\n").encode())
-    except OSError as err:
-        # The snapshot is committed and loadable: its manifest names its parent, which the old
-        # pointer names, so Run.latest_step() finds it. Report, do not undo.
-        reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
-        return (
-            f"step {step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
-            f"could not be updated ({reason}); restore still finds step {step} through its parent link"
-        )
-    return None
 
 
 def _friendly(err: BaseException, run: Run, step: int, written: bool = True) -> BaseException:

@@ -136,7 +136,7 @@ def test_messages_keep_their_brackets(run_dir, trainer_checkpoint):
     result = runner.invoke(app, ["import-hf", str(trainer_checkpoint), "-o", str(run_dir)])
     _one_line_error(result, "already holds snapshots (steps [2, 4, 6])")
 
-    from llmtailor.cli import add_command
+    from llmtailor.cli.common import add_command
     from llmtailor.errors import ConfigError
 
     def bracketed() -> None:
@@ -248,7 +248,7 @@ def test_storage_options_apply_to_their_own_command_only(monkeypatch, before):
     process, a CliRunner's or a library caller's, sees none of them)."""
     import os
 
-    from llmtailor.store.storage.objects import OPTIONS_ENV
+    from llmtailor.store.storage.object_options import OPTIONS_ENV
 
     if before is None:
         monkeypatch.delenv(OPTIONS_ENV, raising=False)

@@ -20,7 +20,7 @@ import threading
 import torch
 
 from llmtailor import Parity, Run, Tailor, Tier
-from llmtailor.store import promote
+from llmtailor.store.tiers import promote
 from llmtailor.store.lock import WriterLock
 from llmtailor.training_example import batch_at, build_model, build_optimizer, corpus_tokens, job_config
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import tiny
 
+from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.errors import UnsupportedLayoutError
 from llmtailor.providers import make_provider
 from llmtailor.providers.agreement import check_same_layout, held_layout, layout_digest
-from llmtailor.store.coordinator import LocalCoordinator
 
 
 class RankZeroOfTwo(LocalCoordinator):

@@ -57,7 +57,7 @@ def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
     """A chunk larger than a page carries page checksums: a box (a rank's shard at another world
     size) reads only the pages it lies in, each checked; damage in another page goes unread,
     damage in its own pages is named with its byte range."""
-    from llmtailor.store.files import page_size
+    from llmtailor.store.tensor_files import page_size
     from llmtailor.store.storage.local import LocalStorage
 
     big = torch.randn(512, 300)  # 600 KiB in one chunk: pages of 4 KiB

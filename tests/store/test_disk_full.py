@@ -22,7 +22,7 @@ from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
 from llmtailor import Full, Tailor
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFEST_FILE, TMP_DIR
 from llmtailor.errors import TailorError
-from llmtailor.store.files import replace_text_atomically
+from llmtailor.store.storage.local_durable import replace_text_atomically
 from llmtailor.store.run import Run
 from llmtailor.store.storage.local import LocalSink, LocalStorage
 

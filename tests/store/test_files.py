@@ -7,7 +7,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from llmtailor.errors import IntegrityError
-from llmtailor.store.files import read_tensors, write_tensors
+from llmtailor.store.checked import read_tensors
+from llmtailor.store.tensor_files import write_tensors
 from llmtailor.store import dtypes
 
 
@@ -25,7 +26,7 @@ def varied_tensors():
 @pytest.mark.parametrize("flush_every", [None, 1 << 20], ids=["one-flush", "flushed-while-written"])
 def test_safetensors_reads_our_files_exactly(tmp_path, monkeypatch, flush_every):
     if flush_every is not None:  # a large file is made durable and dropped from the cache as it goes
-        monkeypatch.setattr("llmtailor.store.files.FLUSH_EVERY", flush_every)
+        monkeypatch.setattr("llmtailor.store.storage.local_durable.FLUSH_EVERY", flush_every)
     tensors = varied_tensors()
     entry = write_tensors(tmp_path / "u.safetensors", tensors, tmp_path)
     data = (tmp_path / "u.safetensors").read_bytes()
@@ -61,31 +62,33 @@ def test_a_failed_background_fsync_fails_the_write_and_leaks_no_descriptor(tmp_p
     import errno
     import os
 
-    from llmtailor.store import files
+    from llmtailor.store import tensor_files
+    from llmtailor.store.storage import local_durable
 
     def failing(fd):
         raise OSError(errno.EIO, "injected fsync failure")
 
     open_before = len(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(files.os, "fsync", failing)
+    monkeypatch.setattr(local_durable.os, "fsync", failing)
     with pytest.raises(OSError, match=r"0\.safetensors durable failed: injected fsync failure"):
-        with files.Syncer() as syncer:
+        with local_durable.Syncer() as syncer:
             for i in range(4):
-                files.write_tensor_file(tmp_path / f"{i}.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
+                tensor_files.write_tensor_file(tmp_path / f"{i}.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
     monkeypatch.undo()
     assert len(os.listdir("/proc/self/fd")) == open_before
 
 
 def test_files_handed_to_the_syncer_are_durable_and_intact_after_drain(tmp_path, monkeypatch):
-    from llmtailor.store import files
+    from llmtailor.store import tensor_files
+    from llmtailor.store.storage import local_durable
 
-    monkeypatch.setattr(files, "FLUSH_EVERY", 1 << 20)  # large-file flushes go through the syncer too
+    monkeypatch.setattr(local_durable, "FLUSH_EVERY", 1 << 20)  # large-file flushes go through the syncer too
     synced = []
-    real = files.make_durable
-    monkeypatch.setattr(files, "make_durable", lambda fd, *span: (real(fd, *span), synced.append(fd)))
+    real = local_durable.make_durable
+    monkeypatch.setattr(local_durable, "make_durable", lambda fd, *span: (real(fd, *span), synced.append(fd)))
     tensors = varied_tensors()
-    with files.Syncer() as syncer:
-        entries = [files.write_tensor_file(tmp_path / f"{i}.safetensors", tensors, tmp_path, syncer=syncer)[0] for i in range(3)]
+    with local_durable.Syncer() as syncer:
+        entries = [tensor_files.write_tensor_file(tmp_path / f"{i}.safetensors", tensors, tmp_path, syncer=syncer)[0] for i in range(3)]
     assert len(synced) > 3  # a final fsync per file, plus the flushes while the 20 MiB tensor was written
     for entry in entries:
         loaded = read_tensors(tmp_path, entry)

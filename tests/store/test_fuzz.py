@@ -47,8 +47,8 @@ from llmtailor import Parity, Tailor
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFEST_FILE
 from llmtailor.errors import TailorError
 from llmtailor.providers import rng
-from llmtailor.store.lock import LEASE_FILE
 from llmtailor.store.run import Run
+from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.training_example import build_optimizer
 
 STEPS = (1, 2, 3)

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 from llmtailor import Parity, Tailor
 from llmtailor.cli import app
 from llmtailor.errors import SnapshotNotFoundError
-from llmtailor.store import lock
-from llmtailor.store.lock import LEASE_FILE, lease_for_reading, lease_for_removal
 from llmtailor.store.retention import apply_retention, plan_retention
 from llmtailor.store.run import Run
+from llmtailor.store.storage import local_lock as lock
+from llmtailor.store.storage.local_lock import LEASE_FILE, lease_for_reading, lease_for_removal
 
 runner = CliRunner()
 

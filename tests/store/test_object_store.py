@@ -31,7 +31,8 @@ from llmtailor import Full, Parity, Tailor  # noqa: E402
 from llmtailor.cli import app  # noqa: E402
 from llmtailor.errors import ConfigError, IntegrityError, TailorError  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
-from llmtailor.store.storage.objects import OPTIONS_ENV, ObjectStorage  # noqa: E402
+from llmtailor.store.storage.object_options import OPTIONS_ENV  # noqa: E402
+from llmtailor.store.storage.objects import ObjectStorage  # noqa: E402
 
 runner = CliRunner()
 FAST_RETRY = {"max_retries": 3, "retry_timeout": 20.0, "backoff": {"init_backoff": 0.01, "max_backoff": 0.05, "base": 2.0}}

@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 from llmtailor import Parity, Tailor
 from llmtailor.cli import app
 from llmtailor.errors import IntegrityError, TailorError
-from llmtailor.store.lock import LEASE_FILE
 from llmtailor.store.run import Run
+from llmtailor.store.storage.local_lock import LEASE_FILE
 
 runner = CliRunner()
 

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from llmtailor import Tailor
 from llmtailor.cli import app
 from llmtailor.errors import IntegrityError
-from llmtailor.store.lock import LEASE_FILE
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.run import Run
+from llmtailor.store.storage.local_lock import LEASE_FILE
 
 runner = CliRunner()
 

@@ -23,8 +23,8 @@ from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
 from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, Tier
 from llmtailor.constants import CARRIED_FOR, TIERS_FILE
 from llmtailor.errors import ConfigError, TailorError
-from llmtailor.store import promote
-from llmtailor.store import tiers as tiers_module
+from llmtailor.store.tiers import promote
+from llmtailor.store.tiers import runtime as tiers_module
 from llmtailor.store.tiers import TierState, read_record, tier_states
 
 
@@ -225,7 +225,7 @@ def test_inspect_shows_every_tier_and_gc_keeps_each_tiers_own_number(tmp_path, t
 def test_a_tier_some_rank_cannot_see_fails_the_writer_on_every_rank(tmp_path):
     """Rank 0 records the tiers with a fresh token; a rank that does not find it (its node's
     /dev/shm is another directory) makes the Tailor fail everywhere, naming the tier."""
-    from llmtailor.store.coordinator import LocalCoordinator
+    from llmtailor.distributed.coordinator import LocalCoordinator
     from llmtailor.store.tiers import Tiers
 
     class TwoRanks(LocalCoordinator):
@@ -399,7 +399,7 @@ def test_a_carrier_whose_composite_never_landed_does_not_block_a_later_lineage(t
     3 times ("is another snapshot of step 3 ... it is not replaced"). The next writer removes
     the stray carrier when it starts; one it did not remove is replaced by the promotion."""
     home, memory = tmp_path / "home", tmp_path / "memory"
-    caplog.set_level(logging.INFO, logger="llmtailor.store.promote")
+    caplog.set_level(logging.INFO, logger="llmtailor.store.tiers.promote")
     monkeypatch.setattr(promote, "RETRY_WAIT", 0.0)
     copy_snapshot = promote._copy_snapshot
 

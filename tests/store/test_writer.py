@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.errors import TailorError
 from llmtailor.layouts import Layout, layout_from_names
-from llmtailor.store.coordinator import LocalCoordinator
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart

@@ -35,10 +35,11 @@ import torch
 
 from llmtailor.errors import ConfigError, IncompatibleModelError
 from llmtailor.layouts import Layout
-from llmtailor.store.files import fsync_dir, replace_text_atomically
+from llmtailor.store.catalog import Composite
+from llmtailor.store.storage.local_durable import fsync_dir, replace_text_atomically
 from llmtailor.store.keys import split_unit
 from llmtailor.outputs.directory import publishing
-from llmtailor.store.run import Composite, Run
+from llmtailor.store.run import Run
 from llmtailor.store import Progress
 
 LATEST = "latest_universal"

@@ -60,12 +60,12 @@ from llmtailor.interop.hf.files import (
 )
 from llmtailor.interop.tailored import composite_units, composite_weight_sizes
 from llmtailor.layouts import Layout
-from llmtailor.providers.stateful import saved_state
 from llmtailor.outputs.directory import copy_durable, publishing, write_text_durable
 from llmtailor.outputs.shards import ShardPlan, ShardWriter
 from llmtailor.outputs.sink import DEFAULT_MAX_SHARD_SIZE, OutputUnit, Sink, counted, parse_size
 from llmtailor.store import Progress
-from llmtailor.store.files import ByteSource, Syncer, fsync_file
+from llmtailor.store.storage.local_durable import Syncer, fsync_file
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store.keys import split_unit, unit_weights
 from llmtailor.store.run import Run
 
@@ -136,6 +136,8 @@ class TrainerCheckpointSink(Sink):
             del per_param
             if self.state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
                 _save_torch(tmp / RNG_FILE, trainer_rng_state(self.state["rng"]))
+            from llmtailor.providers.stateful import saved_state  # providers/ imports torch: not on a merge's byte path
+
             write_text_durable(tmp / TRAINER_STATE_FILE,
                                trainer_state_json(saved_state(self.state, TRAINER_STATE_KEY), self.step, self.train_batch_size))
             for path in self.extra_files:  # tokenizer files, say

@@ -44,7 +44,7 @@ from llmtailor.layouts import Layout, build_layout
 from llmtailor.outputs.run import RunSink, refuse_holding_snapshots
 from llmtailor.outputs.sink import OutputUnit
 from llmtailor.store import Progress
-from llmtailor.store.files import ByteSource
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store.keys import optim_key, weight_key
 from llmtailor.store.run import Run
 

@@ -28,7 +28,7 @@ from llmtailor.layouts import Layout
 from llmtailor.outputs.directory import publishing, write_text_durable
 from llmtailor.outputs.sink import OutputUnit, Sink, counted
 from llmtailor.store import Progress
-from llmtailor.store.files import write_tensor_file
+from llmtailor.store.tensor_files import write_tensor_file
 from llmtailor.store.keys import split_unit
 from llmtailor.store.run import Run
 

@@ -39,7 +39,7 @@ from llmtailor.interop.hf.weights import ModelWeights, has_weights
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource
+from llmtailor.store.tensor_files import ByteSource
 from llmtailor.store.keys import optim_key, split_key, weight_key
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from llmtailor.errors import IntegrityError
 from llmtailor.interop.hf.files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, weight_files
 from llmtailor.interop.source import layout_of
 from llmtailor.store import dtypes
-from llmtailor.store.files import ByteSource
+from llmtailor.store.tensor_files import ByteSource
 
 
 def has_weights(path: Path) -> bool:

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers.deepspeed.base import DeepSpeedProvider, is_engine
-from llmtailor.store.coordinator import Coordinator
 
 
 def deepspeed_provider(engine: Any, layout: Layout, coordinator: Coordinator, lr_scheduler: Any = None) -> DeepSpeedProvider:

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
 from llmtailor.providers.optimizer import check_classes, check_state_keys, class_name
 from llmtailor.store import codec
-from llmtailor.store.coordinator import Coordinator
 from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader, flat_range_boxes

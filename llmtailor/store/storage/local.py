@@ -1,13 +1,14 @@
 """The local filesystem as a ``Storage``: a run is a directory.
 
 - Durability: every file is fsynced (on a helper thread while the next one is written:
-  ``files.Syncer``), large files in 256 MiB steps that are then dropped from the page cache;
-  directories are fsynced after entries are added, renamed or removed.
-- Commit: a save writes into a private directory under ``.tmp/`` and renames it into
-  ``snapshots/`` atomically (``begin_snapshot`` / ``commit_snapshot``); retention renames a
-  snapshot into ``.trash/`` before removing its files.
-- Locks: ``flock`` (``store.lock``): an exclusive lock on ``.lock`` for the writer, a shared
+  ``local_durable.Syncer``), large files in 256 MiB steps that are then dropped from the page
+  cache; directories are fsynced after entries are added, renamed or removed.
+- Commit (``local_commit``): a save writes into a private directory under ``.tmp/`` and renames
+  it into ``snapshots/`` atomically; retention renames a snapshot into ``.trash/`` before
+  removing its files.
+- Locks (``local_lock``): ``flock``: an exclusive lock on ``.lock`` for the writer, a shared
   lease on each snapshot's ``.readers`` file for readers.
+- Run detection (``local_detect``): a run directory, a missing or empty one, or what else it is.
 - Confinement: every file read resolves (symlinks followed) inside the run's directory, itself
   resolved once; a link out of it is refused with an IntegrityError naming it.
 """
@@ -16,23 +17,28 @@ from __future__ import annotations
 
 import mmap
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from llmtailor.constants import TMP_DIR, TRASH_DIR, INDEX_DIR, RANKS_DIR, UNITS_DIR
-from llmtailor.errors import IntegrityError, TailorError
-from llmtailor.store import files
-from llmtailor.store.files import (
-    StorageError,
-    Syncer,
-    confine,
-    describe_os_error,
-    fsync_dir,
-    replace_bytes_atomically,
-)
-from llmtailor.store.storage.base import Batch, Lease, Leftovers, Sink, Storage, WriterLockBackend
+from llmtailor.errors import IntegrityError, StorageError, TailorError, describe_os_error
+from llmtailor.store.storage import local_durable
+from llmtailor.store.storage.base import Batch, Sink, Storage
+from llmtailor.store.storage.local_commit import LocalCommits
+from llmtailor.store.storage.local_detect import LocalDetection
+from llmtailor.store.storage.local_durable import Syncer, replace_bytes_atomically
+from llmtailor.store.storage.local_lock import FlockLocks
+
+
+def confine(path: Path, within: Path) -> Path:
+    """``path``, after checking that it resolves (every symlink followed) inside ``within``, a
+    resolved directory; IntegrityError naming both otherwise. A run's files are read only
+    inside the run: a link out of it is not part of the checkpoint, whatever it points to."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(within):
+        raise IntegrityError(
+            f"{path}: resolves to {real}, outside the run {within}; llmtailor does not follow links out of a run"
+        )
+    return path
 
 
 class LocalStorage(Storage):
@@ -42,6 +48,9 @@ class LocalStorage(Storage):
         self.root = Path(root)
         self.url = str(root)
         self._boundary: Path | None = None
+        self.commits = LocalCommits(self.root)
+        self.locks = FlockLocks(self.root, self.path)
+        self.detection = LocalDetection(self.root)
 
     def identity(self) -> str:
         return os.path.realpath(self.root)
@@ -99,7 +108,7 @@ class LocalStorage(Storage):
         path = self.path(key)
         with _opened(path) as handle:
             end = os.fstat(handle.fileno()).st_size if length is None else start + length
-            yield from files.read_pieces(handle, path, start, end)
+            yield from local_durable.read_pieces(handle, path, start, end)
 
     def read_range(self, key: str, start: int, length: int) -> memoryview:
         path = self.path(key)
@@ -148,91 +157,6 @@ class LocalStorage(Storage):
 
     def remove(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
-
-    def remove_tree(self, prefix: str) -> None:
-        shutil.rmtree(self.root / prefix, ignore_errors=True)
-
-    # -- the snapshot commit ------------------------------------------------------------------
-
-    def begin_snapshot(self, name: str, final: str, world_size: int) -> str:
-        from llmtailor.store.lock import LEASE_FILE
-
-        if (self.root / final).exists():
-            raise TailorError(f"{self.root / final} already exists; refusing to overwrite a committed snapshot")
-        staging = f"{TMP_DIR}/{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        (self.root / staging / UNITS_DIR).mkdir(parents=True)
-        # The reader lease exists from the commit on: a reader never has to create one in a
-        # snapshot of this version (store.lock).
-        (self.root / staging / LEASE_FILE).touch()
-        if world_size > 1:
-            (self.root / staging / RANKS_DIR).mkdir()
-        return staging
-
-    def commit_snapshot(self, staging: str, final: str) -> None:
-        tmp, target = self.root / staging, self.root / final
-        for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
-            if (tmp / sub).is_dir():
-                fsync_dir(tmp / sub)
-        fsync_dir(tmp)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, target)
-        fsync_dir(target.parent)
-
-    def abandon_snapshot(self, staging: str) -> None:
-        shutil.rmtree(self.root / staging, ignore_errors=True)
-
-    def staging_key(self, staging: str, relpath: str) -> str:
-        return f"{staging}/{relpath}"
-
-    # -- locks and retention ------------------------------------------------------------------
-
-    def writer_lock(self) -> WriterLockBackend:
-        from llmtailor.store.lock import FlockWriter
-
-        return FlockWriter(self.root)
-
-    def lease_for_reading(self, snapshot: str) -> Lease | None:
-        from llmtailor.store.lock import lease_for_reading
-
-        return lease_for_reading(self.path(snapshot))
-
-    def lease_for_removal(self, snapshot: str) -> Lease | None:
-        from llmtailor.store.lock import lease_for_removal
-
-        return lease_for_removal(self.root / snapshot)
-
-    def discard_snapshot(self, snapshot: str) -> str:
-        source = self.root / snapshot
-        token = f"{TRASH_DIR}/{source.name}.{uuid.uuid4().hex[:8]}"
-        (self.root / TRASH_DIR).mkdir(exist_ok=True)
-        os.rename(source, self.root / token)
-        fsync_dir(source.parent)
-        return token
-
-    def purge(self, token: str) -> None:
-        target = self.root / token
-        try:
-            shutil.rmtree(target)
-        except OSError as err:
-            raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
-
-    def clear_leftovers(self) -> Leftovers:
-        files = 0
-        for leftover in (TMP_DIR, TRASH_DIR):
-            files += sum(len(names) for _, _, names in os.walk(self.root / leftover))  # unreadable: not counted
-            shutil.rmtree(self.root / leftover, ignore_errors=True)
-        return Leftovers(files=files)
-
-    def describe_non_run(self) -> str | None:
-        from llmtailor.store.lock import describe_non_run
-
-        return describe_non_run(self.root)
-
-    def is_fresh(self) -> bool:
-        try:
-            return not self.root.exists() or (self.root.is_dir() and not any(self.root.iterdir()))
-        except OSError as err:
-            raise StorageError(describe_os_error(err, self.root), err) from None
 
 
 _LARGE = 1 << 20
@@ -286,7 +210,7 @@ class LocalSink(Sink):
     def write(self, data: memoryview | bytes) -> None:
         self._out.write(data)
         self._written += len(data)
-        if self._written - self._flushed >= files.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
+        if self._written - self._flushed >= local_durable.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
             self._durable(self._flushed, self._written)
             self._flushed = self._written
 
@@ -305,7 +229,7 @@ class LocalSink(Sink):
         if self._syncer is not None:
             self._syncer.submit(self.path, os.dup(self._out.fileno()), start, end, size=(end or self._written) - start)
         else:
-            files.make_durable(self._out.fileno(), start, end)
+            local_durable.make_durable(self._out.fileno(), start, end)
 
 
 class LocalBatch(Batch):

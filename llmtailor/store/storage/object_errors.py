@@ -6,7 +6,8 @@ next, then a debug print of the Rust error chain. What a user needs is in the mi
 server's error ``Code`` and ``Message`` (``NoSuchBucket``, ``SignatureDoesNotMatch``,
 ``InvalidAccessKeyId``, ``AccessDenied``, ...) and its HTTP status, or, when no server
 answered, why (the connection refused, the host unknown); and which endpoint was asked.
-``explain`` finds those and says what kind of failure it was.
+``explain`` finds those and says what kind of failure it was; ``failure`` turns one into the
+error the storage raises, naming the object.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from llmtailor.errors import IntegrityError, StorageError, TailorError
 
 MISSING, DENIED, NO_BUCKET, OTHER = "missing", "denied", "no bucket", "other"
 
@@ -111,3 +114,15 @@ def _first_line(err: BaseException) -> str:
 
 def _shorten(text: str) -> str:
     return text if len(text) <= _LONGEST else text[: _LONGEST - 3] + "..."
+
+
+def failure(err: Exception, where: str, missing: str = "file is missing") -> TailorError:
+    """An obstore error as one line naming the object ``where``: IntegrityError when it is
+    missing, StorageError otherwise (after obstore's retries of transient errors)."""
+    from obstore import exceptions  # loaded: obstore raised ``err``
+
+    denied = isinstance(err, exceptions.PermissionDeniedError | exceptions.UnauthenticatedError)
+    explained = explain(err, denied=denied, missing=isinstance(err, FileNotFoundError))
+    if explained.kind == MISSING:
+        return IntegrityError(f"{where}: {missing}")
+    return StorageError(f"{where}: {explained.text}")

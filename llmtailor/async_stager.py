@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from llmtailor.distributed.coordinator import describe_error
 from llmtailor.errors import BackgroundSaveError, TailorError
-from llmtailor.store.coordinator import describe_error
 from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies

@@ -4,7 +4,7 @@
 every snapshot it needs that B lacks is copied, oldest first, each file streamed from A and
 checked against its checksum on the way (a damaged source is never promoted), each snapshot
 committed in B with B's own protocol (files, then the manifest only if absent, then the
-commit; ``Storage.begin_snapshot``), then B's ``latest``. A copied manifest is A's but for its
+commit: ``store.commit.SnapshotCommit``, as a save), then B's ``latest``. A copied manifest is A's but for its
 ``parent``: the composite's names the composite promoted to B before it on the same lineage
 (B's lineage is the promoted composites, so B's retention counts them); a snapshot copied only for what the composite needs
 (a carrier) names none, and a ``carried_for`` note says so (``verify`` does not miss its own
@@ -39,21 +39,17 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import xxhash
 
-from llmtailor.constants import CARRIED_FOR, MANIFEST_FILE, snapshot_dirname
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store.files import describe_os_error
+from llmtailor.constants import CARRIED_FOR
+from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import discard_snapshots, retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Sink, Storage
-from llmtailor.store.writer import replace_latest
-
-if TYPE_CHECKING:
-    from llmtailor.store.tiers import Level
+from llmtailor.store.tiers.levels import Level
 
 log = logging.getLogger(__name__)
 
@@ -152,25 +148,17 @@ def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent
     """Copy the snapshot of ``step``, which the composite of ``composite`` needs (``parent``: the
     link the composite's copy gets)."""
     dst = target.run
-    storage = dst.storage
     manifest = source.manifest(step)
     if step == composite:
         manifest = manifest.model_copy(update={"parent": parent})
     else:
         manifest = manifest.model_copy(update={"parent": None, "notes": {**manifest.notes, CARRIED_FOR: composite}})
-    final = dst.snapshot_key(step)
-    staging = storage.begin_snapshot(snapshot_dirname(step), final, 1)
-    try:
-        with storage.batch() as batch:
+    snapshot = SnapshotCommit.begin(dst, step)
+    with snapshot.abandoned_on_failure():
+        with snapshot.files() as create:
             for entry in source.stored_files(step):
-                _copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}",
-                           batch.create(storage.staging_key(staging, entry.path)), entry)
-        target.lock.check_held()
-        storage.put(storage.staging_key(staging, MANIFEST_FILE), manifest.dumps().encode(), exclusive=True)
-        storage.commit_snapshot(staging, final)
-    except BaseException:
-        storage.abandon_snapshot(staging)
-        raise
+                _copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
+        snapshot.commit(manifest.dumps().encode(), confirm=target.lock.check_held)
 
 
 def _copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:

@@ -1,0 +1,355 @@
+"""A run's catalog: its committed snapshots, its ``latest`` pointer, its lineages and composites,
+and the leases that keep what a reader reads from retention.
+
+A run lives at a local directory or an object-store URL; every byte is read through its
+``Storage`` (``store.storage``), so what follows holds for both. Layout (directories are key
+prefixes on an object store)::
+
+    RUN/
+      latest                       name of the newest committed snapshot (replaced atomically)
+      snapshots/step-00000100/     one committed snapshot
+        manifest.json              written last: no manifest, no snapshot (small at any size)
+        global.json                step, optimizer groups, scheduler, model config; rank 0's RNG
+                                   states and extras (JSON)
+        global.safetensors         the tensors global.json refers to
+        ranks/rank-00001.json      rank 1's own RNG states and extras (+ .safetensors); one per
+                                   rank >= 1 in a distributed save
+        index/<unit>.json          the unit's files, tensors and chunks
+        units/<unit>.safetensors   weights and optimizer state of each unit saved at this step
+                                   (units/<unit>.rank-00001.safetensors: rank 1's pieces of it)
+        .readers                   the snapshot's reader lease (``storage.local_lock``; not in the manifest)
+      .tmp/                        snapshots being written (local runs); never read
+
+This module only reads (manifests and pointers; a unit's tensors: ``units.py``); ``writer.py``
+writes. ``Run`` (``run.py``) is the catalog with its units' read path and verification.
+
+Invariants of reading:
+
+- Every file read lies inside the run: a local run's files resolve (symlinks followed) inside
+  its root, itself resolved first; a link out of the run is refused with an IntegrityError
+  naming it.
+- A reader that must not lose what it reads to retention (``gc``, ``keep=K``) holds a lease on
+  every snapshot of its composite (``reading``): retention leaves leased snapshots in place.
+  A composite that lost a snapshot before its lease was taken is never read in part: it is
+  resolved again (the newest) or refused, before any tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, SNAPSHOT_PREFIX, SNAPSHOTS_DIR, TMP_DIR, snapshot_dirname
+from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.layouts import name_units
+from llmtailor.store.manifest import Manifest, parse_manifest
+from llmtailor.store.storage import Lease, Storage, open_storage
+
+_RESOLVE_ATTEMPTS = 50
+"""How often the newest composite is resolved again when retention removed part of it before
+it could be leased (each time, a writer committed a newer one meanwhile)."""
+
+
+@dataclass(frozen=True)
+class Composite:
+    """The checkpoint as of ``step``: each unit from the snapshot at ``sources[unit]``, global
+    state from ``step`` itself."""
+
+    step: int
+    manifest: Manifest
+    sources: dict[str, int]
+
+
+class ReadLeases:
+    """Shared leases on snapshots of one run (``storage.locks``), held until ``close``; a context
+    manager. While a lease is held, retention does not remove that snapshot."""
+
+    def __init__(self, run: Catalog):
+        self.run = run
+        self._held: dict[int, Lease] = {}
+
+    def take(self, step: int) -> bool:
+        """Lease the snapshot of ``step``; False when it is not (or no longer) a committed
+        snapshot of the run. A snapshot directory that resolves outside the run raises."""
+        if step in self._held:
+            return True
+        snapshot = self.run.snapshot_key(step)
+        storage = self.run.storage
+        lease = storage.locks.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
+        if lease is None:
+            self.run.forget([step])  # a snapshot of this step written later is another one
+            return False
+        self._held[step] = lease
+        return True
+
+    def holds(self, step: int) -> bool:
+        return step in self._held
+
+    def release(self, step: int) -> None:
+        lease = self._held.pop(step, None)
+        if lease is not None:
+            lease.release()
+
+    def close(self) -> None:
+        for step in list(self._held):
+            self.release(step)
+
+    def __enter__(self) -> ReadLeases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Catalog:
+    """What a run holds, at a local path or an object-store URL (``storage_options``: the
+    store's options, ``store.storage.open_storage``): its committed snapshots, their manifests
+    (cached), ``latest``, lineages and composites, and the read leases that keep a composite
+    from retention while it is read (module docstring)."""
+
+    def __init__(self, root: str | Path | Storage, storage_options: dict[str, Any] | None = None):
+        self.storage: Storage = open_storage(root, storage_options)
+        self.root = self.storage.root
+        self._manifests: dict[int, Manifest] = {}
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.root, Path)
+
+    @property
+    def snapshots_dir(self) -> Path:
+        """Where a local run's committed snapshots lie."""
+        return self._local_path(SNAPSHOTS_DIR)
+
+    @property
+    def tmp_dir(self) -> Path:
+        """Where a local run's snapshots are written before their commit."""
+        return self._local_path(TMP_DIR)
+
+    def snapshot_dir(self, step: int) -> Path:
+        """The directory of the snapshot of ``step`` (a local run's)."""
+        return self._local_path(self.snapshot_key(step))
+
+    def _local_path(self, key: str) -> Path:
+        if not isinstance(self.root, Path):
+            raise TailorError(f"{self.root} is not a local directory (no path for {key})")
+        return self.root / key
+
+    @staticmethod
+    def snapshot_key(step: int) -> str:
+        """Where the snapshot of ``step`` lies in the run (``snapshots/step-00000100``)."""
+        return f"{SNAPSHOTS_DIR}/{snapshot_dirname(step)}"
+
+    def where(self, step: int, relpath: str = "") -> str:
+        """How a message names a file of the snapshot of ``step``."""
+        return self.storage.where(f"{self.snapshot_key(step)}/{relpath}" if relpath else self.snapshot_key(step))
+
+    def steps(self) -> list[int]:
+        """Steps of the committed snapshots (those whose manifest exists), ascending."""
+        found = []
+        for name in self.storage.list_dir(SNAPSHOTS_DIR):
+            step = parse_snapshot_name(name)
+            if step is not None and self.storage.is_file(f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}"):
+                found.append(step)
+        return sorted(found)
+
+    def manifest(self, step: int) -> Manifest:
+        if step not in self._manifests:
+            key = f"{self.snapshot_key(step)}/{MANIFEST_FILE}"
+            if not self.storage.is_file(key):
+                raise SnapshotNotFoundError(self._no_snapshot_message(step))
+            try:
+                raw = self.storage.read(key)
+            except IntegrityError:
+                if not self.storage.is_file(key):  # removed (by retention) since it was found
+                    raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
+                raise
+            manifest = parse_manifest(bytes(raw), self.storage.where(key))
+            if manifest.step != step:
+                raise IntegrityError(f"{self.storage.where(key)}: manifest says step {manifest.step}, directory says {step}")
+            self._manifests[step] = manifest
+        return self._manifests[step]
+
+    def load_manifests(self) -> list[int]:
+        """Read (and cache) the manifest of every committed snapshot, each under a lease, so a
+        caller listing them all (``inspect``, ``drift``) meets none removed half-way; returns
+        the steps read. A snapshot removed before it was leased is left out."""
+        read = []
+        with ReadLeases(self) as leases:
+            for step in self.steps():
+                if leases.take(step):
+                    self.manifest(step)
+                    read.append(step)
+                    leases.release(step)
+        return read
+
+    def forget(self, steps: list[int]) -> None:
+        """Drop cached manifests of snapshots that were removed."""
+        for step in steps:
+            self._manifests.pop(step, None)
+
+    def latest_step(self) -> int | None:
+        """The newest committed composite: the ``latest`` pointer, followed forward through any
+        snapshot committed after it whose parent it is (a crash can fall between the commit
+        and the pointer update). Snapshots of an abandoned branch are not followed."""
+        steps = self.steps()
+        if not steps:
+            return None
+        pointer = self._read_pointer()
+        if pointer is None or pointer not in steps:
+            return steps[-1]
+        current = pointer
+        while True:
+            children = [s for s in steps if s > current and self._parent_if_present(s) == current]
+            if not children:
+                return current
+            current = max(children)
+
+    def lineage(self, step: int | None = None, *, through_damage: bool = False) -> Iterator[int]:
+        """The composite of ``step`` (default: the newest) and its ancestors, newest first,
+        following ``parent`` links while the parent is a committed snapshot (an ancestor removed
+        by retention ends the walk). ``through_damage`` (``restore(fallback=True)`` looking for
+        a composite that verifies): where the newest cannot be found, a manifest cannot be read
+        or a parent is gone, the next older committed snapshot stands in."""
+        steps = self.steps()
+        try:
+            current = self.latest_step() if step is None else step
+        except TailorError:
+            if not through_damage:
+                raise
+            current = steps[-1] if steps else None
+        while current is not None and current in steps:
+            yield current
+            try:
+                parent = self.manifest(current).parent
+            except TailorError:
+                if not through_damage:
+                    raise
+                parent = None
+            if through_damage and (parent is None or parent not in steps):
+                parent = max((s for s in steps if s < current), default=None)
+            current = parent
+
+    def _parent_if_present(self, step: int) -> int | None:
+        """The parent of the snapshot of ``step``; None also when it was removed since listed."""
+        try:
+            return self.manifest(step).parent
+        except SnapshotNotFoundError:
+            return None
+
+    def _read_pointer(self) -> int | None:
+        try:
+            name = bytes(self.storage.read(LATEST_FILE)).decode("utf-8").strip()
+        except (TailorError, OSError, UnicodeDecodeError):
+            return None  # a damaged pointer is ignored: the newest committed snapshot stands in
+        return parse_snapshot_name(name)
+
+    def resolve(self, step: int | None = None) -> Composite:
+        """The composite as of ``step`` (default: the newest). Reads one manifest. Takes no
+        lease: a reader of the composite's files uses ``reading``."""
+        if step is not None:
+            manifest = self.manifest(step)
+            return Composite(step=step, manifest=manifest, sources=dict(manifest.composite))
+        for _ in range(_RESOLVE_ATTEMPTS):
+            newest = self.latest_step()
+            if newest is None:
+                raise SnapshotNotFoundError(self._no_snapshot_message(None))
+            try:
+                return self.resolve(newest)
+            except SnapshotNotFoundError:
+                if self.storage.exists(self.snapshot_key(newest)):
+                    raise  # still there: not a snapshot removed meanwhile
+        raise SnapshotNotFoundError(self._unsettled_message())
+
+    @contextmanager
+    def reading(self, step: int | None = None, *, newest_if_removed: bool = False) -> Iterator[Composite]:
+        """The composite as of ``step`` (default: the newest), with a lease on every snapshot it
+        needs, held until the block ends: retention leaves them in place meanwhile.
+
+        When a snapshot of the composite was removed before its lease was taken (a writer
+        with ``keep=K`` moved on), the newest composite is resolved and leased instead if
+        ``step`` is None or ``newest_if_removed``; otherwise, and when a snapshot the newest
+        composite needs is simply not in the run, SnapshotNotFoundError names it. Either way
+        this happens before the block runs, so before any tensor byte is read."""
+        with ReadLeases(self) as leases:
+            composite, lost = self.lease_composite(leases, step, follow=step is None or newest_if_removed)
+            if lost:
+                raise SnapshotNotFoundError(f"{self.root}: {not_restorable(composite.step, lost)}; nothing was read")
+            yield composite
+
+    def lease_composite(
+        self, leases: ReadLeases, step: int | None, follow: bool
+    ) -> tuple[Composite, dict[int, list[str]]]:
+        """The composite of ``step`` (default: the newest) with every snapshot of it that is in
+        the run leased, and those that are not (step -> the units it should give)."""
+        wanted = step
+        for _ in range(_RESOLVE_ATTEMPTS):
+            target = self.latest_step() if wanted is None else wanted
+            if target is None:
+                raise SnapshotNotFoundError(self._no_snapshot_message(None))
+            composite, lost = None, {}
+            if leases.take(target):
+                composite = self.resolve(target)
+                for source, units in self.needs(composite).items():
+                    if not leases.take(source):
+                        lost.setdefault(source, []).extend(units)
+                if not lost:
+                    return composite, lost
+            # Lost to retention only if a newer composite took over meanwhile (retention never
+            # removes what the newest composite needs); otherwise the snapshot is just absent.
+            if not follow or self.latest_step() == target:
+                if composite is None:
+                    raise SnapshotNotFoundError(self._no_snapshot_message(target))
+                return composite, lost
+            leases.close()
+            wanted = None
+        raise SnapshotNotFoundError(self._unsettled_message())
+
+    def _unsettled_message(self) -> str:
+        return (
+            f"{self.root}: the newest composite changed {_RESOLVE_ATTEMPTS} times while it was being resolved "
+            "(a writer with keep= removes what the older ones need); try again"
+        )
+
+    def needs(self, composite: Composite) -> dict[int, list[str]]:
+        """Every snapshot the composite reads, with the units it reads there: its own step (the
+        global state), each unit's version, and the older snapshots whose files hold the frozen
+        tensors a version keeps. Manifests only."""
+        needed: dict[int, list[str]] = {composite.step: []}
+        for unit, source in composite.sources.items():
+            needed.setdefault(source, []).append(unit)
+            try:
+                ref = self.manifest(source).units.get(unit)
+            except SnapshotNotFoundError:
+                continue  # the version itself is gone: what it keeps is moot
+            for holder in ref.kept if ref is not None else ():
+                needed.setdefault(holder, []).append(unit)
+        return needed
+
+    def _no_snapshot_message(self, step: int | None) -> str:
+        steps = self.steps()
+        if not steps:
+            return f"{self.root}: no committed snapshot in this run directory"
+        if step is None:
+            return f"{self.root}: no committed snapshot"
+        return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
+
+
+def not_restorable(step: int, lost: dict[int, list[str]]) -> str:
+    needs = "; ".join(f"step {source} (units {name_units(units)})" for source, units in sorted(lost.items()))
+    return f"the composite of step {step} needs {needs}, which is not in the run"
+
+
+def parse_snapshot_name(name: str) -> int | None:
+    """The step of a snapshot directory name (``step-00000100``), or None for any other name."""
+    match = re.fullmatch(re.escape(SNAPSHOT_PREFIX) + r"([0-9]+)", name)
+    return int(match.group(1)) if match else None
+
+
+def _ranges(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:12])
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > 12 else "")

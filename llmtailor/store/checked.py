@@ -1,0 +1,132 @@
+"""A run's files against their manifest entries: each written with its size and checksum
+(``write_bytes_to``; tensor files: ``tensor_files.stream_tensors``), and read through the run's
+storage checked against them (``read_stored``, ``verify_stored``, ``stored_header``...) before
+anything read is trusted."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.store import dtypes
+from llmtailor.store.manifest import FileEntry
+from llmtailor.store.storage.base import Sink, Storage
+from llmtailor.store.storage.local import LocalStorage
+from llmtailor.store.tensor_files import checksum, decode_tensors, parse_header
+
+if TYPE_CHECKING:
+    import torch
+
+
+def write_bytes_to(sink: Sink, data: bytes, relpath: str) -> FileEntry:
+    """Write ``data`` through ``sink`` and close it; its manifest entry as ``relpath``."""
+    try:
+        sink.write(data)
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    return FileEntry(path=relpath, bytes=len(data), xxh3_64=checksum(data))
+
+
+def _check_size(storage: Storage, key: str, entry: FileEntry) -> None:
+    size = storage.size(key)
+    if size is None:
+        raise IntegrityError(f"{storage.where(key)}: file is missing")
+    if size != entry.bytes:
+        raise IntegrityError(f"{storage.where(key)}: {size} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
+
+
+def verify_stored(storage: Storage, key: str, entry: FileEntry) -> None:
+    """Check the file ``key`` against its manifest ``entry``: size, then checksum (streamed)."""
+    _check_size(storage, key, entry)
+    hasher = xxhash.xxh3_64()
+    seen = 0
+    for piece in storage.pieces(key):
+        hasher.update(piece)
+        seen += len(piece)
+    if seen != entry.bytes:
+        raise IntegrityError(f"{storage.where(key)}: {seen} bytes read, manifest says {entry.bytes} (changed while read)")
+    if hasher.hexdigest() != entry.xxh3_64:
+        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+
+
+def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
+    """A problem with the file ``key`` (``verify_stored``), or None when it matches."""
+    try:
+        verify_stored(storage, key, entry)
+    except TailorError as err:  # damaged or missing (IntegrityError), or unreadable (StorageError)
+        return str(err)
+    return None
+
+
+def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray | mmap.mmap:
+    """The bytes of the file ``key``, read once and checked against ``entry`` (size and
+    checksum) before they are returned."""
+    data = storage.read(key)
+    if len(data) != entry.bytes:
+        raise IntegrityError(f"{storage.where(key)}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
+    if checksum(data) != entry.xxh3_64:
+        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+    return data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
+
+
+def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """Every tensor of a checked safetensors file (``read_stored``); never unpickles."""
+    return decode_tensors(read_stored(storage, key, entry), storage.where(key))
+
+
+def stored_header(storage: Storage, key: str, entry: FileEntry) -> tuple[int, dict[str, dict]]:
+    """``(offset of the data, header)`` of the safetensors file ``key``, from its header alone,
+    after checking its size against ``entry``."""
+    _check_size(storage, key, entry)
+    return parse_header(lambda start, length: storage.read_range(key, start, length), entry.bytes, storage.where(key))
+
+
+def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]]) -> None:
+    """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
+    it holds: each key present, with the manifest's dtype (by name) and shape."""
+    _, header = stored_header(storage, key, entry)
+    where = storage.where(key)
+    for name, (dtype, shape) in expected.items():
+        info = header.get(name)
+        if info is None or name == "__metadata__":
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        found = (dtypes.from_code(info["dtype"]), [int(d) for d in info["shape"]])
+        if found != (dtype, shape):
+            raise IntegrityError(f"{where}: tensor {name!r} is {info['dtype']} {found[1]}, manifest says {dtype} {shape}")
+
+
+def read_tensors(root: Path, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """Load a verified safetensors file of the directory ``root`` (never unpickles)."""
+    return read_stored_tensors(LocalStorage(root), entry.path, entry)
+
+
+def read_checked_tensors(storage: Storage, key: str, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (name -> xxh3-64 of its bytes) of the safetensors file ``key``,
+    each read alone (its byte range) and checked against its checksum: for a large file of
+    which only a few tensors are wanted (a base model's shard); never unpickles."""
+    import torch
+
+    size = storage.size(key)
+    if size is None:
+        raise IntegrityError(f"{storage.where(key)}: file is missing")
+    where = storage.where(key)
+    offset, header = parse_header(lambda start, length: storage.read_range(key, start, length), size, where)
+    out = {}
+    for name, expected in names.items():
+        info = header.get(name)
+        if info is None or name == "__metadata__":
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        begin, end = info["data_offsets"]
+        data = bytearray(storage.read_range(key, offset + begin, end - begin))
+        if checksum(data) != expected:
+            raise IntegrityError(f"{where}: tensor {name!r} differs from the one the run recorded (checksum mismatch)")
+        dtype = dtypes.to_torch(dtypes.from_code(info["dtype"]))
+        shape = [int(d) for d in info["shape"]]
+        out[name] = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+    return out

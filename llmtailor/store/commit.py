@@ -1,0 +1,84 @@
+"""One snapshot's commit into a run, the same for a save (``writer.persist``, its ranks' files)
+and a promotion (``tiers.promote``, a copy from a faster tier): ``begin`` (the storage's staging
+place: a private directory under ``.tmp/`` locally, the final prefix on an object store), write
+the files there (``files``), then ``commit``: confirm that the writer lock is still held, write
+the manifest last and only if absent (on an object store that write is the commit), commit the
+staging place (locally: fsync, atomic rename into ``snapshots/``, fsync). Any failure from the
+first file written to the commit abandons what was staged (``abandoned_on_failure``): every
+earlier snapshot stays as it was. Then ``replace_latest`` points the run at the new composite.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, snapshot_dirname
+from llmtailor.store.run import Run
+from llmtailor.store.storage import Sink
+
+
+class SnapshotCommit:
+    """The commit of the snapshot of ``step`` into ``run``, staged at ``staging`` (module
+    docstring). Every rank of a save builds one from the staging place its leader began."""
+
+    def __init__(self, run: Run, step: int, staging: str):
+        self.run, self.step, self.staging = run, step, staging
+        self.final = run.snapshot_key(step)
+
+    @classmethod
+    def begin(cls, run: Run, step: int, world_size: int = 1) -> SnapshotCommit:
+        """Open the staging place of the snapshot of ``step``, for ``world_size`` ranks to write
+        into; TailorError when that snapshot is committed already."""
+        final = run.snapshot_key(step)
+        return cls(run, step, run.storage.commits.begin(snapshot_dirname(step), final, world_size))
+
+    def key(self, relpath: str) -> str:
+        """The key the snapshot's file ``relpath`` has while it is staged."""
+        return self.run.storage.commits.key(self.staging, relpath)
+
+    @contextmanager
+    def files(self) -> Iterator[Callable[[str], Sink]]:
+        """A batch of the snapshot's files: yields ``create(relpath)``, a sink for each; every
+        file closed in the block is durable when the block ends (``Storage.batch``)."""
+        with self.run.storage.batch() as batch:
+            yield lambda relpath: batch.create(self.key(relpath))
+
+    def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None) -> None:
+        """``confirm()`` (that the writer lock is still held: raises if not), then the manifest,
+        last and only if absent, then the storage's commit. Staged files must be durable."""
+        if confirm is not None:
+            confirm()
+        storage = self.run.storage
+        storage.put(self.key(MANIFEST_FILE), manifest, exclusive=True)
+        storage.commits.commit(self.staging, self.final)
+
+    def abandon(self) -> None:
+        """Remove what was staged (never a committed snapshot)."""
+        self.run.storage.commits.abandon(self.staging)
+
+    @contextmanager
+    def abandoned_on_failure(self) -> Iterator[None]:
+        """``abandon`` if the block raises (and re-raise)."""
+        try:
+            yield
+        except BaseException:
+            self.abandon()
+            raise
+
+
+def replace_latest(run: Run, step: int) -> str | None:
+    """Point the run's ``latest`` at the snapshot of ``step``; a failure is returned as a
+    message (the snapshot stays committed and found through its parent link), not raised."""
+    try:
+        run.storage.replace(LATEST_FILE, (snapshot_dirname(step) + "\n").encode())
+    except OSError as err:
+        # The snapshot is committed and loadable: its manifest names its parent, which the old
+        # pointer names, so Run.latest_step() finds it. Report, do not undo.
+        reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
+        return (
+            f"step {step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
+            f"could not be updated ({reason}); restore still finds step {step} through its parent link"
+        )
+    return None

@@ -1,0 +1,71 @@
+"""How a local run commits a snapshot: a save writes into a private directory under ``.tmp/``
+and renames it into ``snapshots/`` atomically (fsyncing what it adds first, the parent after);
+retention renames a snapshot into ``.trash/`` before removing its files. The writer lock's
+holder clears both of what crashed writers left."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from llmtailor.constants import INDEX_DIR, RANKS_DIR, TMP_DIR, TRASH_DIR, UNITS_DIR
+from llmtailor.errors import StorageError, TailorError
+from llmtailor.store.storage.local_durable import fsync_dir
+from llmtailor.store.storage.local_lock import LEASE_FILE
+from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
+
+
+class LocalCommits(SnapshotCommits):
+    """The snapshot commit of the local run at ``root`` (module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def begin(self, name: str, final: str, world_size: int) -> str:
+        if (self.root / final).exists():
+            raise TailorError(f"{self.root / final} already exists; refusing to overwrite a committed snapshot")
+        staging = f"{TMP_DIR}/{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        (self.root / staging / UNITS_DIR).mkdir(parents=True)
+        # The reader lease exists from the commit on: a reader never has to create one in a
+        # snapshot of this version (local_lock).
+        (self.root / staging / LEASE_FILE).touch()
+        if world_size > 1:
+            (self.root / staging / RANKS_DIR).mkdir()
+        return staging
+
+    def commit(self, staging: str, final: str) -> None:
+        tmp, target = self.root / staging, self.root / final
+        for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
+            if (tmp / sub).is_dir():
+                fsync_dir(tmp / sub)
+        fsync_dir(tmp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+
+    def abandon(self, staging: str) -> None:
+        shutil.rmtree(self.root / staging, ignore_errors=True)
+
+    def discard(self, snapshot: str) -> str:
+        source = self.root / snapshot
+        token = f"{TRASH_DIR}/{source.name}.{uuid.uuid4().hex[:8]}"
+        (self.root / TRASH_DIR).mkdir(exist_ok=True)
+        os.rename(source, self.root / token)
+        fsync_dir(source.parent)
+        return token
+
+    def purge(self, token: str) -> None:
+        target = self.root / token
+        try:
+            shutil.rmtree(target)
+        except OSError as err:
+            raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
+
+    def clear_leftovers(self) -> Leftovers:
+        files = 0
+        for leftover in (TMP_DIR, TRASH_DIR):
+            files += sum(len(names) for _, _, names in os.walk(self.root / leftover))  # unreadable: not counted
+            shutil.rmtree(self.root / leftover, ignore_errors=True)
+        return Leftovers(files=files)

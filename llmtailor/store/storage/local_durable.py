@@ -1,0 +1,153 @@
+"""Durable local file I/O: fsync (on a helper thread while the next file is written), atomic
+replacement, streamed reads of an open file, and removing what a failed operation created.
+
+Part of the storage floor: imports nothing of llmtailor but ``errors``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+from llmtailor.errors import IntegrityError
+from llmtailor.store.storage.base import PIECE
+
+FLUSH_EVERY = 256 << 20
+"""A file larger than this is made durable and dropped from the page cache as it is written:
+growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
+
+
+def make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
+    """fsync a file, then drop its bytes ``[start, end)`` (to the end of the file by default)
+    from the page cache: they are durable and will not be read soon, so a save's cache
+    footprint stays about one unit instead of the whole checkpoint."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
+
+
+class Syncer:
+    """Makes written files durable on a background thread, in order, while the caller writes
+    the next ones: at most ``depth`` bytes wait (the dirty page cache stays bounded; many small
+    files queue up without holding the writer back).
+    ``drain()`` returns once every submitted file is durable, or raises the first failure;
+    use it as a context manager so its thread and descriptors are released on any exit.
+
+    Its own thread, not a ``ThreadPoolExecutor``: an executor refuses new work once the
+    interpreter begins to exit, and an async save still in flight when a script ends (one that
+    forgot ``close()``) must still become durable while the interpreter waits for it."""
+
+    def __init__(self, depth: int = 2 * FLUSH_EVERY):
+        self._queue: queue.SimpleQueue[tuple[int, int, int | None, Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
+        self._thread.start()
+        self._pending: list[tuple[Path, Future, int]] = []
+        self._depth = depth
+
+    def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0) -> None:
+        """Take over ``fd`` (a descriptor of a written file, ``size`` bytes not yet durable):
+        fsync it, drop ``[start, end)`` from the page cache (``make_durable``), close it."""
+        done: Future = Future()
+        self._queue.put((fd, start, end, done))
+        self._pending.append((path, done, size))
+        while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
+            self._wait_first()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._wait_first()
+
+    def _wait_first(self) -> None:
+        path, future, _ = self._pending.pop(0)
+        try:
+            future.result()
+        except OSError as error:
+            raise OSError(error.errno, f"making {path} durable failed: {error.strerror}") from error
+
+    def _work(self) -> None:
+        while (task := self._queue.get()) is not None:
+            fd, start, end, done = task
+            try:
+                make_durable(fd, start, end)
+                done.set_result(None)
+            except BaseException as error:  # handed to the writer, which raises it
+                done.set_exception(error)
+            finally:
+                os.close(fd)
+
+    def __enter__(self) -> Syncer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.drain()
+        finally:
+            self._queue.put(None)  # descriptors still queued are closed by the thread first
+            self._thread.join()
+
+
+def read_pieces(handle, where: Path | str, start: int, end: int, what: str = "the data") -> Iterator[memoryview]:
+    """Bytes ``start`` to ``end`` of the open file ``handle``, in pieces of at most 16 MiB read
+    into one reused buffer (a piece is valid until the next is taken). IntegrityError naming
+    ``where`` when the file is shorter than ``what`` it should hold."""
+    if os.fstat(handle.fileno()).st_size < end:
+        raise IntegrityError(f"{where}: shorter than {what} it should hold (truncated)")
+    buffer = memoryview(mmap.mmap(-1, min(PIECE, end - start)) if end > start else bytearray())
+    handle.seek(start)
+    position = start
+    while position < end:
+        got = handle.readinto(buffer[: min(len(buffer), end - position)])
+        if not got:
+            raise IntegrityError(f"{where}: ended while reading {what} (truncated)")
+        position += got
+        yield buffer[:got]
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
+    replace_bytes_atomically(path, text.encode("utf-8"))
+
+
+def replace_bytes_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also leave a stray temporary file
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_empty(directories: list[Path]) -> None:
+    """Remove ``directories`` (innermost first) that a failed operation created, each only if
+    empty, stopping at the first that is not: anything in them is not the caller's to remove."""
+    for made in directories:  # innermost first
+        try:
+            made.rmdir()  # only if empty: anything else is not ours to remove
+        except FileNotFoundError:
+            continue  # never made (the failure came first), or removed already
+        except OSError:
+            return

@@ -1,0 +1,40 @@
+"""Which storage a location is: a local path or ``file://`` URL, or an object-store URL."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from llmtailor.errors import ConfigError
+from llmtailor.store.storage.base import Storage
+from llmtailor.store.storage.local import LocalStorage
+from llmtailor.store.storage.objects import ObjectStorage
+
+URL_SCHEMES = ("s3", "gs", "az", "abfs", "abfss", "memory")
+"""Schemes of object stores (``file://`` is the local filesystem)."""
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether ``location`` names an object store (``s3://...``) or a ``file://`` URL rather
+    than a plain local path."""
+    text = str(location)
+    return "://" in text and text.split("://", 1)[0].lower() in (*URL_SCHEMES, "file")
+
+
+def open_storage(location: str | Path | Storage, options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage of ``location``: a local path or ``file://`` URL (``LocalStorage``), or an
+    object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``:
+    ``ObjectStorage``, configured by ``options`` and the environment, as obstore and each
+    cloud's tools configure themselves). A ``Storage`` is returned as it is."""
+    if isinstance(location, Storage):
+        return location
+    text = str(location)
+    if is_url(text) and not text.lower().startswith("file://"):
+        return ObjectStorage(text, options)
+    if options:
+        raise ConfigError(f"storage options {sorted(options)} were given for {text}, a local path; "
+                          "they apply to object-store URLs (s3://, gs://, az://)")
+    if text.lower().startswith("file://"):
+        text = text[len("file://"):]
+    return LocalStorage(Path(text))

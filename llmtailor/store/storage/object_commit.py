@@ -1,0 +1,96 @@
+"""How a run on an object store commits a snapshot, with no rename: its files go straight to
+their final keys under ``snapshots/step-N/``; the manifest, written last and only if absent (a
+conditional write), is the commit marker (``Catalog.steps`` lists only snapshots whose
+manifest exists). A crash before the manifest leaves objects no reader trusts; the next writer
+(holding the lock) or ``gc`` removes them, and aborts unfinished multipart uploads under the run
+(S3: through boto3, obstore has no call to list them). Retention deletes a snapshot's manifest
+first (it stops being a snapshot at once), then the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.errors import TailorError
+from llmtailor.store.storage.object_lock import ObjectLocks
+from llmtailor.store.storage.object_options import env_endpoint
+from llmtailor.store.storage.object_store import ObjectStore
+from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
+
+
+class ObjectCommits(SnapshotCommits):
+    """The snapshot commit of a run on an object store (module docstring); ``locks``: its
+    reader leases (a discarded snapshot's removal lease keeps its mark)."""
+
+    def __init__(self, storage: ObjectStore, locks: ObjectLocks):
+        self.storage, self.locks = storage, locks
+
+    def begin(self, name: str, final: str, world_size: int) -> str:
+        if self.storage.is_file(f"{final}/{MANIFEST_FILE}"):
+            raise TailorError(f"{self.storage.where(final)} already exists; refusing to overwrite a committed snapshot")
+        return final  # the files go to their final keys; the manifest commits them
+
+    def commit(self, staging: str, final: str) -> None:
+        """Nothing: the manifest, written last only if absent, committed the snapshot."""
+
+    def abandon(self, staging: str) -> None:
+        if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):
+            return  # committed after all (an answer lost after the write): never remove it
+        try:
+            self.storage.remove_tree(staging)
+        except TailorError:
+            pass  # left for the next writer or gc: no reader trusts a snapshot without manifest
+
+    def discard(self, snapshot: str) -> str:
+        # The manifest goes first: from then on the snapshot is not one, at once.
+        self.storage.remove(f"{snapshot}/{MANIFEST_FILE}")
+        self.locks.discarding.discard(snapshot)
+        return snapshot
+
+    def purge(self, token: str) -> None:
+        self.storage.remove_tree(token)
+
+    def clear_leftovers(self) -> Leftovers:
+        """Snapshots without a manifest (a crashed save, a removal cut short), temporary
+        objects, and unfinished multipart uploads under the run: the caller holds the lock, so
+        none of them belongs to a live writer."""
+        storage, objects = self.storage, 0
+        for name in storage.list_dir(SNAPSHOTS_DIR):
+            snapshot = f"{SNAPSHOTS_DIR}/{name}"
+            if not storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):
+                objects += storage.remove_tree(snapshot)
+        for leftover in (TMP_DIR, TRASH_DIR):
+            objects += storage.remove_tree(leftover)
+        return Leftovers(files=objects, uploads=abort_multipart_uploads(storage), noun="object")
+
+
+def abort_multipart_uploads(storage: ObjectStore) -> int:
+    """Abort the unfinished multipart uploads under the run (S3; a crashed writer's). Uses
+    boto3 when it is installed (obstore cannot list uploads); returns how many were aborted."""
+    if storage.scheme != "s3":
+        return 0  # GCS and Azure discard uncommitted uploads (blocks) on their own
+    try:
+        import boto3
+    except ImportError:
+        return 0
+    options = storage.options
+    endpoint = options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or env_endpoint()
+    client = boto3.client(
+        "s3", endpoint_url=endpoint,
+        aws_access_key_id=options.get("access_key_id"), aws_secret_access_key=options.get("secret_access_key"),
+        aws_session_token=options.get("session_token"),
+        region_name=options.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+    )
+    prefix = f"{storage.prefix.rstrip('/')}/" if storage.prefix else ""
+    aborted = 0
+    try:
+        listed = client.list_multipart_uploads(Bucket=storage.bucket, Prefix=prefix)
+        for upload in listed.get("Uploads", []):
+            client.abort_multipart_upload(Bucket=storage.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            aborted += 1
+    except Exception as err:  # cleaning up is best effort: the uploads are invisible to readers
+        import logging
+
+        logging.getLogger(__name__).warning("llmtailor: could not abort unfinished uploads under %s: %s", storage.url, err)
+    return aborted

@@ -1,0 +1,247 @@
+"""The locks of a run on an object store, made of conditional writes (``ObjectStore.put_if``).
+
+- **One writer.** ``.lock`` is a lease object written only if absent, naming its holder; the
+  holder rewrites it (conditionally on its own ETag) every ``lock_ttl / 3`` seconds. A
+  contender that finds it watches its ETag: one that changes is a live writer (refused, naming
+  it); one unchanged for ``lock_ttl`` seconds is a dead writer's, taken over conditionally (so
+  two contenders cannot both win). A holder on this host whose process is gone is taken over
+  at once. A writer that lost its lease refuses to commit.
+- **Reader leases.** A reader writes ``snapshots/step-N/.readers/<id>`` (with an expiry), then
+  checks that the snapshot is committed and not marked ``.removing``; retention writes
+  ``.removing``, then looks for unexpired reader leases and backs off if it finds one. Each side
+  writes before it reads the other's mark, so at least one of them sees the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+from llmtailor.constants import LOCK_FILE, MANIFEST_FILE
+from llmtailor.errors import StorageError, TailorError
+from llmtailor.store.storage.object_options import DEFAULT_LOCK_TTL, load_obstore
+from llmtailor.store.storage.object_store import ObjectStore
+from llmtailor.store.storage.strategies import Lease, RunLocks, WriterLockBackend, this_process
+
+READERS_DIR = ".readers"
+
+
+REMOVING_MARK = ".removing"
+
+
+READER_LEASE_SECONDS = 6 * 3600.0
+"""How long a reader's lease holds if the reader never releases it (it died)."""
+
+
+class ObjectLocks(RunLocks):
+    """The writer lock and reader leases of a run on an object store (module docstring)."""
+
+    def __init__(self, storage: ObjectStore):
+        self.storage = storage
+        self.discarding: set[str] = set()
+        """Snapshots retention holds the removal lease of and has not discarded yet."""
+
+    def writer(self) -> ObjectWriterLock:
+        return ObjectWriterLock(self.storage)
+
+    def lease_for_reading(self, snapshot: str) -> Lease | None:
+        key = f"{snapshot}/{READERS_DIR}/{uuid.uuid4().hex}"
+        record = {"holder": this_process(), "expires": time.time() + READER_LEASE_SECONDS}
+        try:
+            self.storage.put(key, json.dumps(record).encode())
+        except StorageError as err:
+            if "permission denied" in str(err):
+                return _ObjectLease(self.storage, None) if self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
+            raise
+        lease = _ObjectLease(self.storage, key)
+        # Written first, then read: retention writes its mark first, then reads the leases.
+        if self.storage.is_file(f"{snapshot}/{REMOVING_MARK}") or not self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):
+            lease.release()
+            return None
+        return lease
+
+    def lease_for_removal(self, snapshot: str) -> Lease | None:
+        if not self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):
+            return None
+        mark = f"{snapshot}/{REMOVING_MARK}"
+        self.storage.put(mark, this_process().encode())
+        now = time.time()
+        for key, _ in self.storage.walk(f"{snapshot}/{READERS_DIR}"):
+            try:
+                expires = json.loads(bytes(self.storage.read(key)))["expires"]
+            except (TailorError, ValueError, KeyError, TypeError):
+                continue  # gone meanwhile, or not a lease
+            if expires > now:
+                self.storage.remove(mark)
+                return None
+            self.storage.remove(key)  # a reader that died: its lease has expired
+        self.discarding.add(snapshot)
+        return _RemovalLease(self, snapshot)
+
+
+class _ObjectLease(Lease):
+    def __init__(self, storage: ObjectStore, key: str | None):
+        self.storage, self.key = storage, key
+        self.held = key is not None
+
+    def release(self) -> None:
+        if self.key is not None:
+            key, self.key = self.key, None
+            try:
+                self.storage.remove(key)
+            except TailorError:
+                pass  # it expires on its own
+
+
+class _RemovalLease(Lease):
+    """Retention's claim on a snapshot: its ``.removing`` mark, taken back on release unless
+    the snapshot was discarded meanwhile."""
+
+    def __init__(self, locks: ObjectLocks, snapshot: str):
+        self.locks, self.snapshot = locks, snapshot
+
+    def release(self) -> None:
+        if self.snapshot in self.locks.discarding:
+            self.locks.discarding.discard(self.snapshot)
+            try:
+                self.locks.storage.remove(f"{self.snapshot}/{REMOVING_MARK}")
+            except TailorError:
+                pass
+
+
+class ObjectWriterLock(WriterLockBackend):
+    """The run's writer lease object ``.lock`` (module docstring)."""
+
+    POLL = 0.5
+
+    def __init__(self, storage: ObjectStore):
+        self.storage = storage
+        self._etag: str | None = None
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"holder": this_process(), "renewed": time.time(), "ttl": self.storage.lock_ttl}).encode()
+
+    def take(self) -> None:
+        storage = self.storage
+        while True:
+            self._etag = storage.put_if(LOCK_FILE, self._record(), "create")
+            if self._etag is not None:
+                break
+            current = self._current()
+            if current is None:
+                continue  # released meanwhile: try again
+            holder, etag = current
+            here = self._on_this_host(holder)
+            if here is True or (here is None and not self._stale(etag)):
+                raise TailorError(
+                    f"{storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
+                    "a run has one writer at a time"
+                )
+            # Taken over only if nobody else did first.
+            self._etag = storage.put_if(LOCK_FILE, self._record(), {"e_tag": etag})
+            if self._etag is not None:
+                break
+        self._lost = None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew, name="llmtailor-lock", daemon=True)
+        self._thread.start()
+
+    def _current(self) -> tuple[dict, str] | None:
+        try:
+            result = load_obstore().get(self.storage.store, LOCK_FILE)
+            data, etag = bytes(result.bytes()), result.meta["e_tag"]
+        except FileNotFoundError:
+            return None
+        except Exception as err:
+            raise self.storage.failure(err, LOCK_FILE) from None
+        try:
+            holder = json.loads(data)
+        except ValueError:
+            holder = {}
+        return (holder if isinstance(holder, dict) else {}), etag
+
+    @staticmethod
+    def _on_this_host(holder: dict) -> bool | None:
+        """For a holder on this host: whether its process lives (True: refused at once; False:
+        a crash, its lease void at once); None for a holder elsewhere (watched)."""
+        parts = str(holder.get("holder", "")).split()
+        if len(parts) != 4 or parts[0] != "pid" or parts[2] != "on" or parts[3] != socket.gethostname():
+            return None
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError):
+            return True
+        return True
+
+    @classmethod
+    def _dead_here(cls, holder: dict) -> bool:
+        return cls._on_this_host(holder) is False
+
+    def _stale(self, etag: str) -> bool:
+        """Watch the lease for up to ``lock_ttl`` seconds: renewed (its ETag changed) means a
+        live holder; unchanged that long, a dead one."""
+        deadline = time.monotonic() + self.storage.lock_ttl
+        while time.monotonic() < deadline:
+            time.sleep(min(self.POLL, max(0.0, deadline - time.monotonic())))
+            try:
+                now = load_obstore().head(self.storage.store, LOCK_FILE)["e_tag"]
+            except FileNotFoundError:
+                return True
+            except Exception as err:
+                raise self.storage.failure(err, LOCK_FILE) from None
+            if now != etag:
+                return False
+        return True
+
+    def _renew(self) -> None:
+        period = self.storage.lock_ttl / 3
+        last = time.monotonic()
+        while not self._stop.wait(period):
+            try:
+                renewed = self.storage.put_if(LOCK_FILE, self._record(), {"e_tag": self._etag})
+            except TailorError as err:  # transient: retried at the next period while the lease holds
+                if time.monotonic() - last > self.storage.lock_ttl:
+                    self._lost = f"the run's lock could not be renewed for {self.storage.lock_ttl:g} s ({err})"
+                    return
+                continue
+            if renewed is None:
+                self._lost = "another writer took the run's lock over"
+                return
+            self._etag, last = renewed, time.monotonic()
+
+    def check_held(self) -> None:
+        if self._lost is not None:
+            raise TailorError(f"{self.storage.url}: this writer no longer holds the run's lock ({self._lost}); "
+                              "nothing more is committed")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._lost is None and self._etag is not None:
+            try:
+                current = self._current()
+                if current is not None and current[1] == self._etag:
+                    self.storage.remove(LOCK_FILE)
+            except TailorError:  # the lease expires on its own; a release never fails a program
+                pass
+        self._etag = None
+
+    def holder_if_other(self) -> str | None:
+        current = self._current()
+        if current is None or current[1] == self._etag:
+            return None
+        holder, _ = current
+        if self._dead_here(holder) or time.time() - float(holder.get("renewed", 0)) > float(holder.get("ttl", DEFAULT_LOCK_TTL)):
+            return None
+        return str(holder.get("holder", "unknown process"))

@@ -1,0 +1,197 @@
+"""An object store's files as a ``Storage``'s bytes: S3 and compatible stores, GCS, Azure,
+through obstore (why obstore, and how the store's guarantees hold without rename or ``flock``:
+``storage/objects.py``). Conditional writes (``put_if``) are here too: the commit marker and the
+lease-object lock are made of them.
+
+**Lost answers.** The server may act on a request whose answer never arrives (a 503 in its
+place, a dropped connection); obstore retries it. A conditional write retried so meets its own
+object ("already exists", or an ETag that moved): ``put_if`` reads the object back, and one
+holding exactly the bytes it meant to write is its own, written. A retried delete meets nothing,
+which is no error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from llmtailor.errors import ConfigError, IntegrityError, TailorError
+from llmtailor.store.storage.base import PIECE, Storage
+from llmtailor.store.storage.object_errors import explain, failure
+from llmtailor.store.storage.object_options import load_obstore, resolve_options
+from llmtailor.store.storage.object_uploads import ObjectBatch
+
+
+class ObjectStore(Storage):
+    """The files of a run at an object-store URL (module docstring). ``options``: obstore's
+    store options (``endpoint``, ``region``, credentials, ``allow_http``, ``client_options``,
+    ``retry_config``) and ``lock_ttl`` (seconds; default 30); anything not given is read from
+    the environment as the cloud's own tools do (``object_options``)."""
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None):
+        obstore = load_obstore()
+        self.url = url.rstrip("/")
+        self.root = self.url
+        scheme, _, rest = self.url.partition("://")
+        self.scheme = scheme.lower()
+        self.bucket, _, self.prefix = rest.partition("/")
+        resolved = resolve_options(self.scheme, options)
+        self.options, self.lock_ttl, given = resolved.given, resolved.lock_ttl, resolved.store
+        try:
+            self.store = obstore.store.from_url(self.url, retry_config=resolved.retry,
+                                                client_options=resolved.client or None, **given)
+        except Exception as err:  # obstore's configuration errors: a value it cannot parse, a bad URL
+            named = f" with storage options {sorted(self.options)}" if self.options else ""
+            raise ConfigError(f"{self.url}: cannot use this location{named} ({explain(err).text})") from None
+        except BaseException as err:  # an option obstore's Rust side does not know panics (not an Exception)
+            if type(err).__name__ != "PanicException":
+                raise
+            raise ConfigError(f"{self.url}: cannot use these storage options {sorted(given)} ({err})") from None
+        self._errors = obstore.exceptions
+
+    def identity(self) -> str:
+        return self.url
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def failure(self, err: Exception, key: str, missing: str = "file is missing") -> TailorError:
+        """An obstore error as one line naming the object ``key`` (``object_errors.failure``)."""
+        return failure(err, self.where(key), missing)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(load_obstore().head(self.store, key)["size"])
+        except FileNotFoundError:
+            return None
+        except Exception as err:
+            raise self.failure(err, key) from None
+
+    def exists(self, key: str) -> bool:
+        if self.size(key) is not None:
+            return True
+        return bool(self._children(key))
+
+    def is_file(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def read(self, key: str) -> bytearray:
+        try:
+            return bytearray(load_obstore().get(self.store, key).bytes())
+        except Exception as err:
+            raise self.failure(err, key) from None
+
+    def read_range(self, key: str, start: int, length: int) -> memoryview | bytes:
+        if length == 0:
+            return b""
+        try:
+            data = load_obstore().get_range(self.store, key, start=start, length=length)
+        except Exception as err:
+            raise self._truncated_or(err, key) from None
+        if len(data) != length:
+            raise IntegrityError(f"{self.where(key)}: shorter than the data it should hold (truncated)")
+        return memoryview(data)
+
+    def _truncated_or(self, err: Exception, key: str) -> TailorError:
+        if "range" in str(err).lower() and not isinstance(err, FileNotFoundError):
+            return IntegrityError(f"{self.where(key)}: shorter than the data it should hold (truncated)")
+        return self.failure(err, key)
+
+    def pieces(self, key: str, start: int = 0, length: int | None = None) -> Iterator[memoryview | bytes]:
+        if start or length is not None:
+            yield from super().pieces(key, start, length)
+            return
+        try:
+            result = load_obstore().get(self.store, key)
+            for piece in result.stream(min_chunk_size=PIECE):
+                yield memoryview(piece)
+        except Exception as err:
+            raise self.failure(err, key) from None
+
+    def _children(self, prefix: str) -> tuple[list[str], list[dict]]:
+        base = f"{prefix.rstrip('/')}/" if prefix else None
+        try:
+            listed = load_obstore().list_with_delimiter(self.store, base)
+        except Exception as err:
+            raise self.failure(err, prefix) from None
+        return listed["common_prefixes"], listed["objects"]
+
+    def list_dir(self, prefix: str) -> list[str]:
+        dirs, objects = self._children(prefix)
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in dirs] + [o["path"].rsplit("/", 1)[-1] for o in objects]
+
+    def walk(self, prefix: str) -> Iterator[tuple[str, int]]:
+        base = f"{prefix.rstrip('/')}/" if prefix else None
+        try:
+            for chunk in load_obstore().list(self.store, base):
+                for meta in chunk:
+                    yield meta["path"], int(meta["size"])
+        except Exception as err:
+            raise self.failure(err, prefix) from None
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def batch(self) -> ObjectBatch:
+        return ObjectBatch(self.store, self.where)
+
+    def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        if exclusive:
+            if self.put_if(key, data, "create") is None:
+                raise TailorError(f"{self.where(key)} already exists; refusing to overwrite it")
+            return
+        try:
+            load_obstore().put(self.store, key, data, mode="overwrite")
+        except Exception as err:
+            raise self.failure(err, key) from None
+
+    def put_if(self, key: str, data: bytes, mode: str | dict[str, str]) -> str | None:
+        """A conditional write: ``mode="create"``, only if ``key`` is absent; ``{"e_tag": E}``,
+        only if it still has ETag E. Returns the ETag written, or None when the condition does
+        not hold (another object is there, or it changed or vanished). An object found holding
+        exactly ``data`` is this write's own, a success: the server stored it and its answer
+        was lost (a 503, a dropped connection), so the client's retry met it, or gave up."""
+        errors = self._errors
+        try:
+            return load_obstore().put(self.store, key, data, mode=mode)["e_tag"]
+        except Exception as err:
+            found = self._etag_if_holding(key, data)
+            if found is not None:
+                return found
+            if isinstance(err, errors.AlreadyExistsError | errors.PreconditionError | FileNotFoundError):
+                return None
+            raise self.failure(err, key) from None
+
+    def _etag_if_holding(self, key: str, data: bytes) -> str | None:
+        """The ETag of ``key`` when it holds exactly ``data``; None when it does not, is
+        missing, or cannot be read now (the caller reports its own failure then)."""
+        try:
+            result = load_obstore().get(self.store, key)
+            return result.meta["e_tag"] if bytes(result.bytes()) == data else None
+        except Exception:
+            return None
+
+    def replace(self, key: str, data: bytes) -> None:
+        self.put(key, data)  # one PUT replaces an object whole
+
+    def remove(self, key: str) -> None:
+        try:
+            load_obstore().delete(self.store, key)
+        except FileNotFoundError:
+            pass
+        except Exception as err:
+            raise self.failure(err, key) from None
+
+    def remove_tree(self, prefix: str) -> int:
+        """Remove every object under ``prefix``; returns how many there were."""
+        keys = [key for key, _ in self.walk(prefix)]
+        for start in range(0, len(keys), 1000):
+            chunk = keys[start : start + 1000]
+            try:
+                load_obstore().delete(self.store, chunk)
+            except FileNotFoundError:  # one gone meanwhile (a store that says so): the rest one by one
+                for key in chunk:
+                    self.remove(key)
+            except Exception as err:
+                raise self.failure(err, prefix) from None
+        return len(keys)

@@ -1,0 +1,155 @@
+"""What differs most between a filesystem and an object store, beside the bytes: each a small
+strategy a ``Storage`` carries, written next to its backend.
+
+- ``SnapshotCommits`` (``storage.commits``): how a snapshot becomes committed at once, and stops
+  being one. A filesystem writes into a private temporary directory and renames it into
+  ``snapshots/`` atomically; an object store has no rename, so files go straight to their final
+  keys and the manifest, written last and only if absent, is the commit marker (``store.commit``
+  writes it the same way on both).
+- ``RunLocks`` (``storage.locks``): the writer lock (``flock`` on a filesystem; a lease object
+  written conditionally, with its holder, renewed while held, on an object store) and reader
+  leases (retention never removes a snapshot a reader holds).
+- ``RunDetection`` (``storage.detection``): whether a location is a run, or may become one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+CANNOT_CREATE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+"""Errors that say a location is one this process may not write to (a run on read-only storage,
+or someone else's): its snapshots are read without a lease, and a writer is refused there."""
+
+
+def this_process() -> str:
+    """How a lock names its holder: this process (``pid P on HOST``)."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+# -- the snapshot commit ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What ``SnapshotCommits.clear_leftovers`` removed: ``files`` of saves that never committed
+    and of snapshots discarded but not yet purged (``noun``: what the storage calls a file), and
+    unfinished multipart ``uploads`` aborted."""
+
+    files: int = 0
+    uploads: int = 0
+    noun: str = "file"
+
+
+class SnapshotCommits(ABC):
+    """How snapshots are committed and discarded in one storage (module docstring)."""
+
+    @abstractmethod
+    def begin(self, name: str, final: str, world_size: int) -> str:
+        """A staging prefix for the snapshot that will be ``final`` (``snapshots/<name>``),
+        ready to be written into by every rank. Raises TailorError when ``final`` is committed
+        already."""
+
+    def key(self, staging: str, relpath: str) -> str:
+        """The key a file of the snapshot being written at ``staging`` has."""
+        return f"{staging}/{relpath}"
+
+    @abstractmethod
+    def commit(self, staging: str, final: str) -> None:
+        """Make the snapshot written at ``staging`` (its manifest written last) committed at
+        ``final``, durably."""
+
+    @abstractmethod
+    def abandon(self, staging: str) -> None:
+        """Remove what a failed save wrote at ``staging`` (never a committed snapshot)."""
+
+    @abstractmethod
+    def discard(self, snapshot: str) -> str:
+        """Make the committed snapshot at ``snapshot`` not a snapshot any more, at once and
+        durably (the caller holds its removal lease and the writer lock); returns a token for
+        ``purge`` to remove its files."""
+
+    @abstractmethod
+    def purge(self, token: str) -> None:
+        """Remove the files of a discarded snapshot; raises StorageError on failure (the next
+        writer retries)."""
+
+    @abstractmethod
+    def clear_leftovers(self) -> Leftovers:
+        """Remove what crashed writers left (temporary snapshots, discarded ones, unfinished
+        uploads) and say what that was; called by the holder of the writer lock."""
+
+
+# -- locks and leases ---------------------------------------------------------------------------
+
+
+class Lease(ABC):
+    """A lease on one snapshot (``RunLocks.lease_for_reading`` / ``lease_for_removal``), held
+    until ``release``. ``held`` is False for a snapshot read unprotected (storage the reader may
+    not write to)."""
+
+    held: bool = True
+
+    @abstractmethod
+    def release(self) -> None: ...
+
+
+class WriterLockBackend(ABC):
+    """One process's hold on a run's writer lock (``store.lock.WriterLock`` shares it between
+    the Tailors of a process). ``take`` raises TailorError naming the holder when another
+    writer holds it."""
+
+    @abstractmethod
+    def take(self) -> None: ...
+
+    @abstractmethod
+    def release(self) -> None: ...
+
+    def abandon(self) -> None:
+        """``release`` for a writer whose start failed: also remove what ``take`` created, so
+        the location is left as it was found (an object store's lease object goes anyway)."""
+        self.release()
+
+    def check_held(self) -> None:
+        """Raise TailorError if the lock was lost since it was taken (an object-store lease
+        another writer took over); a commit checks this before its manifest is written."""
+
+    @abstractmethod
+    def holder_if_other(self) -> str | None:
+        """The holder's description when a writer other than this process holds the lock now,
+        else None; takes nothing."""
+
+
+class RunLocks(ABC):
+    """The writer lock and the reader leases of one storage (module docstring)."""
+
+    @abstractmethod
+    def writer(self) -> WriterLockBackend:
+        """The run's writer lock, not taken yet."""
+
+    @abstractmethod
+    def lease_for_reading(self, snapshot: str) -> Lease | None:
+        """A shared lease on the committed snapshot at ``snapshot``, or None when it is gone
+        (or being removed)."""
+
+    @abstractmethod
+    def lease_for_removal(self, snapshot: str) -> Lease | None:
+        """An exclusive lease, taken without waiting; None while a reader holds one."""
+
+
+# -- what a location is -------------------------------------------------------------------------
+
+
+class RunDetection(ABC):
+    """Whether a storage's location is a run (module docstring)."""
+
+    @abstractmethod
+    def describe_non_run(self) -> str | None:
+        """Why this location is not an llmtailor run, or None when it is one."""
+
+    @abstractmethod
+    def is_fresh(self) -> bool:
+        """Whether this location is missing or empty (a writer may make a run of it)."""

@@ -1,0 +1,58 @@
+"""A tier as a ``TailorConfig`` declares it: ``Tier`` (validated; every problem in one
+ConfigError)."""
+
+from __future__ import annotations
+
+from os import PathLike
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from llmtailor.errors import ConfigError, describe_validation
+from llmtailor.store.retention import Keep
+
+
+class Tier(BaseModel):
+    """A faster store in front of the run directory (host memory, node-local disk): a complete
+    llmtailor run of its own at ``location``, in the same format. ``TailorConfig.tiers`` lists
+    them fastest first; the run directory itself is the last, durable tier. Saves commit to the
+    first tier; a background promoter copies committed composites down the tiers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    location: str
+    """A local directory (``/dev/shm/exp1``: host memory, outlives the training process but not
+    the node; ``/local/nvme/exp1``) or an object-store URL."""
+    keep: Keep = 2
+    """Retention in this tier: the newest ``keep`` composites (and what they need); None keeps
+    everything (a memory tier then fills up)."""
+    promote_every: int = 1
+    """Cadence of the next tier: a composite committed here is promoted to the next slower tier
+    once it is at least this many steps after the newest composite that tier holds (each
+    promotion takes the newest composite here; ``close()`` promotes the last save everywhere)."""
+    storage_options: dict[str, Any] | None = None
+    """The store's options for an object-store URL (as ``TailorConfig.storage_options``)."""
+
+    def __init__(self, location: str | PathLike | None = None, /, **options: Any):
+        """``Tier("/dev/shm/exp1", keep=2, promote_every=50)``; every problem in one ConfigError."""
+        if location is not None:
+            options["location"] = location
+        try:
+            super().__init__(**options)
+        except ValidationError as err:
+            raise ConfigError(f"Tier options: {describe_validation(err)}") from None
+
+    @field_validator("location", mode="before")
+    @classmethod
+    def _a_location(cls, value: Any) -> Any:
+        value = str(value) if isinstance(value, PathLike) else value
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"a tier's location must be a path or URL, got {value!r}")
+        return value
+
+    @field_validator("promote_every", mode="before")
+    @classmethod
+    def _steps(cls, value: Any) -> Any:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"promote_every={value!r} must be a positive number of steps")
+        return value

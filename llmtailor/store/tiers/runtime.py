@@ -1,0 +1,186 @@
+"""The tiers of a writer at run time: ``Tiers`` takes every tier's writer lock (all or none),
+records the tiers in each, commits retention after each save to the first tier, and runs the
+``Promoter`` (``promote.py``) that copies committed composites down the tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from llmtailor.distributed.coordinator import Coordinator
+from llmtailor.errors import ConfigError, PromotionError
+from llmtailor.store.retention import retain_after_commit
+from llmtailor.store.run import Run
+from llmtailor.store.tiers.choice import Choice, choose, newest_steps, raise_problem
+from llmtailor.store.tiers.config import Tier
+from llmtailor.store.tiers.levels import Level
+from llmtailor.store.tiers.promote import Promoter, Promotion, clear_stray_carriers
+from llmtailor.store.tiers.record import TierRecord
+
+
+class Tiers:
+    """The tiers of a run, fastest first; the run directory ``home`` is the last."""
+
+    def __init__(self, home: str | Path, tiers: Sequence[Tier] = (), keep: int | None = None,
+                 storage_options: dict[str, Any] | None = None):
+        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every) for t in tiers]
+        levels.append(Level.of(Run(home, storage_options), keep, None))
+        for i, level in enumerate(levels):
+            for other in levels[:i]:
+                if level.run.storage.same_place(other.run.storage):
+                    raise ConfigError(f"tier {other.name} and {level.name} are one location: every tier needs its own")
+        self.levels = levels
+        self.promoter: Promoter | None = None
+        """Set by ``open_for_writing`` (the writer's rank 0, with more than one tier)."""
+        self._record = TierRecord(levels)
+        """This writer's ``tiers.json`` in each tier (``abandon`` puts back what it replaced)."""
+
+    @classmethod
+    def of(cls, home: str | Path, config: Any) -> Tiers:
+        """The tiers a ``TailorConfig`` declares in front of the run directory ``home`` (its
+        ``tiers``, ``keep`` and ``storage_options``)."""
+        return cls(home, config.tiers, config.keep, config.storage_options)
+
+    @property
+    def first(self) -> Level:
+        """Where saves commit."""
+        return self.levels[0]
+
+    @property
+    def home(self) -> Level:
+        return self.levels[-1]
+
+    def __len__(self) -> int:
+        return len(self.levels)
+
+    def index_of(self, run: Run) -> int | None:
+        """The tier ``run`` is, or None."""
+        for i, level in enumerate(self.levels):
+            if level.run.storage.same_place(run.storage):
+                return i
+        return None
+
+    # -- locks and the record -------------------------------------------------------------
+
+    def open_for_writing(self, coordinator: Coordinator, read_only: bool = False) -> None:
+        """Collective: rank 0 takes every tier's writer lock (all or none), records the tiers in
+        each, removes the carriers a killed promotion left (``promote.clear_stray_carriers``)
+        and starts promoting; every rank raises what failed, and a failed start leaves every
+        tier as it was (``abandon``). With more than one tier, a tier that cannot be written (a
+        read-only or foreign path) is a ConfigError naming it, before anything is recorded; a
+        run directory alone may be read-only (``WriterLock.acquire_or_look``: it restores, and
+        its first save fails, saying why). Nothing for a reader (``read_only``).
+
+        In a distributed job every tier must be one store that every rank reaches (rank 0
+        commits every rank's files there, and promotes them): each rank looks for the record
+        rank 0 just wrote, and a tier some rank cannot see (node-local storage on another node)
+        fails the Tailor on every rank, naming it. Per-node tiers are not supported."""
+        if read_only:
+            return
+        round_ = coordinator.new_round()
+        token = coordinator.broadcast(f"{round_}/lock", self._open if coordinator.is_leader else None)
+        if token is None or coordinator.world_size == 1:
+            return
+        blind = [level.name for level in self.levels if not TierRecord.seen(level, token)]
+        unseen = {rank: names for rank, names in enumerate(coordinator.exchange(f"{round_}/seen", blind)) if names}
+        if unseen:
+            self.abandon()
+            which = "; ".join(f"rank {rank} cannot see {', '.join(names)}" for rank, names in unseen.items())
+            raise ConfigError(f"every tier must be one store all ranks reach (rank 0 commits and promotes every "
+                              f"rank's files there): {which} (node-local storage on another node?). Tiers per node "
+                              "are not supported: give tiers every rank reaches (a shared or object store), or none")
+
+    def _open(self) -> str | None:
+        """Rank 0's part of ``open_for_writing``; the record's token (None: nothing recorded)."""
+        try:
+            if len(self.levels) == 1:  # one tier: nothing to record or promote, no thread
+                self.home.lock.acquire_or_look()
+                token = None
+            else:
+                for level in self.levels:
+                    level.take()
+                token = self._record.write()
+            for level in self.levels:
+                if level.lock.held:
+                    clear_stray_carriers(level.run)
+            if len(self.levels) > 1:
+                self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
+            return token
+        except BaseException:
+            self.abandon()
+            raise
+
+    def committed(self, step: int, where: str) -> None:
+        """Rank 0, once the save of ``step`` committed to the first tier (at ``where``): that
+        tier's retention, then the promotions due (in the background)."""
+        if self.first.keep is not None:
+            retain_after_commit(self.first.run, self.first.keep, where)
+        if self.promoter is not None:
+            self.promoter.committed(step)
+
+    def restored(self, level: int, step: int) -> None:
+        if self.promoter is not None:
+            self.promoter.restored(level, step)
+
+    @property
+    def promotions(self) -> list[Promotion]:
+        """The promotions this writer made so far (rank 0; empty elsewhere)."""
+        return list(self.promoter.done) if self.promoter is not None else []
+
+    def wait_promotions(self) -> None:
+        """Wait for the promotion in flight, if any (rank 0)."""
+        if self.promoter is not None:
+            self.promoter.wait()
+
+    def raise_failure(self, coordinator: Coordinator) -> None:
+        """Collective: raise on every rank the promotion failures rank 0 met since the last
+        call (each once), as a PromotionError. With one tier, nothing to do and no message."""
+        if len(self.levels) > 1:
+            failure = (lambda: self.promoter.take_failure() if self.promoter else None) if coordinator.is_leader else None
+            message = coordinator.broadcast(f"{coordinator.new_round()}/promotion", failure)
+            if message is not None:
+                raise PromotionError(message)
+
+    def close(self) -> None:
+        """Promote the newest composite of the first tier to every tier and wait for it; then
+        release the locks (also when that fails)."""
+        try:
+            if self.promoter is not None:
+                self.promoter.finish()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Release every tier's lock (held or not); promote nothing more."""
+        for level in self.levels:
+            level.lock.release()
+
+    def abandon(self) -> None:
+        """Undo a writer's start that failed: each tier's record put back as it was, every lock
+        released and what taking it created removed (a new tier's directory and ``.lock``)."""
+        self.promoter = None
+        self._record.put_back()
+        for level in self.levels:
+            level.lock.abandon()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        """The newest composite step of any tier; a tier that cannot be read raises (a script
+        must not start afresh because its store did not answer)."""
+        found = [step for step, _ in newest_steps(self.levels, raise_problem)]
+        return max(found) if found else None
+
+    def newest_run(self) -> Run | None:
+        """The run (tier) holding the newest composite whole, or None when no tier holds one."""
+        if self.latest_step() is None:
+            return None
+        return self.levels[self.choose(None, fallback=False).level].run
+
+    def choose(self, step: int | None, fallback: bool) -> Choice:
+        """The composite a restore reads: of ``step`` (default: the newest), from the fastest
+        tier holding it whole; with ``fallback``, the newest that verifies in any tier
+        (``choice.choose``)."""
+        return choose(self.levels, step, fallback)
