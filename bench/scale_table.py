@@ -32,7 +32,8 @@ from pathlib import Path
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, rank_state_files, unit_filename, unit_index_path
 from llmtailor.layouts import load_family
-from llmtailor.store.manifest import SCHEMA_VERSION, FileEntry, Manifest, UnitEntry, UnitRef
+from llmtailor.constants import SCHEMA_VERSION
+from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
 from llmtailor.store.run import Run
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 4096, 14336, 32, 8, 128256

@@ -270,7 +270,7 @@ def test_a_width_mismatch_is_one_short_line(root, tmp_path):
 
 
 def test_the_cli_shows_bracketed_values_of_a_message(root, tmp_path):
-    """rich markup must not eat ``[5, 2]`` (the escaping lives in llmtailor/cli/__init__.py)."""
+    """rich markup must not eat ``[5, 2]`` (the escaping lives in llmtailor/cli/common.py)."""
     message = refusal(tmp_path, {"slices": layers((root / "full@6", (5, 2)))})
     assert "layer_range [5, 2] must be [a, b]" in message, message
 
