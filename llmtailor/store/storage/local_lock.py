@@ -171,40 +171,50 @@ class Lease(LeaseBase):
 def lease_for_reading(directory: Path) -> Lease | None:
     """A shared lease on the snapshot in ``directory``, or None when the snapshot is no longer
     there (removed, or being removed: this waits the moment retention holds it)."""
-    fd = _open_lease(directory)
-    if fd is _GONE:
-        return None
-    if fd is None:
-        return Lease(None)
-    try:
+
+    def shared(fd: int) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
         except OSError:  # a filesystem without flock: read unprotected, as before leases
-            return Lease(fd)
-        if not _still_in_place(fd, directory / LEASE_FILE):
-            os.close(fd)
-            return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return Lease(fd)
+            return True
+        return _still_in_place(fd, directory / LEASE_FILE)
+
+    return _leased(directory, shared)
 
 
 def lease_for_removal(directory: Path) -> Lease | None:
     """An exclusive lease on the snapshot in ``directory``, taken without waiting; None while
     a reader holds it (or when the snapshot is gone already)."""
+
+    def exclusive(fd: int) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError:  # a filesystem without flock: no reader can hold a lease either
+            pass
+        return True
+
+    return _leased(directory, exclusive)
+
+
+def _leased(directory: Path, take: Callable[[int], bool]) -> Lease | None:
+    """A lease on ``directory``'s lease file once ``take(fd)`` says it holds it; None when
+    ``take`` does not or the snapshot is gone; an unprotected lease where no lease file can be
+    made."""
     fd = _open_lease(directory)
     if fd is _GONE:
         return None
     if fd is None:
         return Lease(None)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        taken = take(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not taken:
         os.close(fd)
         return None
-    except OSError:  # a filesystem without flock: no reader can hold a lease either
-        pass
     return Lease(fd)
 
 
