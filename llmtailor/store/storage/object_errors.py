@@ -82,8 +82,12 @@ def _unanswered(text: str, origin: str) -> str | None:
 
 
 def _tag(text: str, name: str) -> str | None:
+    """The first line of the XML element ``name`` (Azure's ``Message`` goes on with lines of its
+    own: ``RequestId:...``, ``Time:...``)."""
     match = re.search(rf"<{name}>([^<]*)</{name}>", text)
-    return match.group(1).strip().rstrip(".") if match else None
+    if not match or not match.group(1).strip():
+        return None
+    return match.group(1).strip().splitlines()[0].strip().rstrip(".")
 
 
 def _json_message(text: str) -> str | None:

@@ -1,11 +1,12 @@
 """The locks of a run on an object store, made of conditional writes (``ObjectStore.put_if``).
 
 - **One writer.** ``.lock`` is a lease object written only if absent, naming its holder; the
-  holder rewrites it (conditionally on its own ETag) every ``lock_ttl / 3`` seconds. A
-  contender that finds it watches its ETag: one that changes is a live writer (refused, naming
-  it); one unchanged for ``lock_ttl`` seconds is a dead writer's, taken over conditionally (so
-  two contenders cannot both win). A holder on this host whose process is gone is taken over
-  at once. A writer that lost its lease refuses to commit.
+  holder rewrites it (conditionally on its own version: ETag, or GCS's generation) every
+  ``lock_ttl / 3`` seconds. A contender that finds it watches its version: one that changes is
+  a live writer (refused, naming it); one unchanged for ``lock_ttl`` seconds is a dead
+  writer's, taken over conditionally (so two contenders cannot both win). A holder on this
+  host whose process is gone is taken over at once. A writer that lost its lease refuses to
+  commit.
 - **Reader leases.** A reader writes ``snapshots/step-N/.readers/<id>`` (with an expiry), then
   checks that the snapshot is committed and not marked ``.removing``; retention writes
   ``.removing``, then looks for unexpired reader leases and backs off if it finds one. Each side
@@ -24,7 +25,7 @@ import uuid
 from llmtailor.constants import LOCK_FILE, MANIFEST_FILE
 from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.object_options import DEFAULT_LOCK_TTL, load_obstore
-from llmtailor.store.storage.object_store import ObjectStore
+from llmtailor.store.storage.object_store import ObjectStore, Version
 from llmtailor.store.storage.strategies import Lease, RunLocks, WriterLockBackend, this_process
 
 READERS_DIR = ".readers"
@@ -120,7 +121,7 @@ class ObjectWriterLock(WriterLockBackend):
 
     def __init__(self, storage: ObjectStore):
         self.storage = storage
-        self._etag: str | None = None
+        self._held: Version | None = None
         self._lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,32 +132,32 @@ class ObjectWriterLock(WriterLockBackend):
     def take(self) -> None:
         storage = self.storage
         while True:
-            self._etag = storage.put_if(LOCK_FILE, self._record(), "create")
-            if self._etag is not None:
+            self._held = storage.put_if(LOCK_FILE, self._record(), None)
+            if self._held is not None:
                 break
             current = self._current()
             if current is None:
                 continue  # released meanwhile: try again
-            holder, etag = current
+            holder, version = current
             here = self._on_this_host(holder)
-            if here is True or (here is None and not self._stale(etag)):
+            if here is True or (here is None and not self._stale(version)):
                 raise TailorError(
                     f"{storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
                     "a run has one writer at a time"
                 )
             # Taken over only if nobody else did first.
-            self._etag = storage.put_if(LOCK_FILE, self._record(), {"e_tag": etag})
-            if self._etag is not None:
+            self._held = storage.put_if(LOCK_FILE, self._record(), version)
+            if self._held is not None:
                 break
         self._lost = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew, name="llmtailor-lock", daemon=True)
         self._thread.start()
 
-    def _current(self) -> tuple[dict, str] | None:
+    def _current(self) -> tuple[dict, Version] | None:
         try:
             result = load_obstore().get(self.storage.store, LOCK_FILE)
-            data, etag = bytes(result.bytes()), result.meta["e_tag"]
+            data, version = bytes(result.bytes()), Version.of(result.meta)
         except FileNotFoundError:
             return None
         except Exception as err:
@@ -165,7 +166,7 @@ class ObjectWriterLock(WriterLockBackend):
             holder = json.loads(data)
         except ValueError:
             holder = {}
-        return (holder if isinstance(holder, dict) else {}), etag
+        return (holder if isinstance(holder, dict) else {}), version
 
     @staticmethod
     def _on_this_host(holder: dict) -> bool | None:
@@ -186,19 +187,19 @@ class ObjectWriterLock(WriterLockBackend):
     def _dead_here(cls, holder: dict) -> bool:
         return cls._on_this_host(holder) is False
 
-    def _stale(self, etag: str) -> bool:
-        """Watch the lease for up to ``lock_ttl`` seconds: renewed (its ETag changed) means a
+    def _stale(self, version: Version) -> bool:
+        """Watch the lease for up to ``lock_ttl`` seconds: renewed (its version changed) means a
         live holder; unchanged that long, a dead one."""
         deadline = time.monotonic() + self.storage.lock_ttl
         while time.monotonic() < deadline:
             time.sleep(min(self.POLL, max(0.0, deadline - time.monotonic())))
             try:
-                now = load_obstore().head(self.storage.store, LOCK_FILE)["e_tag"]
+                now = Version.of(load_obstore().head(self.storage.store, LOCK_FILE))
             except FileNotFoundError:
                 return True
             except Exception as err:
                 raise self.storage.failure(err, LOCK_FILE) from None
-            if now != etag:
+            if now != version:
                 return False
         return True
 
@@ -207,7 +208,7 @@ class ObjectWriterLock(WriterLockBackend):
         last = time.monotonic()
         while not self._stop.wait(period):
             try:
-                renewed = self.storage.put_if(LOCK_FILE, self._record(), {"e_tag": self._etag})
+                renewed = self.storage.put_if(LOCK_FILE, self._record(), self._held)
             except TailorError as err:  # transient: retried at the next period while the lease holds
                 if time.monotonic() - last > self.storage.lock_ttl:
                     self._lost = f"the run's lock could not be renewed for {self.storage.lock_ttl:g} s ({err})"
@@ -216,7 +217,7 @@ class ObjectWriterLock(WriterLockBackend):
             if renewed is None:
                 self._lost = "another writer took the run's lock over"
                 return
-            self._etag, last = renewed, time.monotonic()
+            self._held, last = renewed, time.monotonic()
 
     def check_held(self) -> None:
         if self._lost is not None:
@@ -228,18 +229,18 @@ class ObjectWriterLock(WriterLockBackend):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._lost is None and self._etag is not None:
+        if self._lost is None and self._held is not None:
             try:
                 current = self._current()
-                if current is not None and current[1] == self._etag:
+                if current is not None and current[1] == self._held:
                     self.storage.remove(LOCK_FILE)
             except TailorError:  # the lease expires on its own; a release never fails a program
                 pass
-        self._etag = None
+        self._held = None
 
     def holder_if_other(self) -> str | None:
         current = self._current()
-        if current is None or current[1] == self._etag:
+        if current is None or current[1] == self._held:
             return None
         holder, _ = current
         if self._dead_here(holder) or time.time() - float(holder.get("renewed", 0)) > float(holder.get("ttl", DEFAULT_LOCK_TTL)):

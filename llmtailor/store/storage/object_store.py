@@ -5,7 +5,7 @@ lease-object lock are made of them.
 
 **Lost answers.** The server may act on a request whose answer never arrives (a 503 in its
 place, a dropped connection); obstore retries it. A conditional write retried so meets its own
-object ("already exists", or an ETag that moved): ``put_if`` reads the object back, and one
+object ("already exists", or a version that moved): ``put_if`` reads the object back, and one
 holding exactly the bytes it meant to write is its own, written. A retried delete meets nothing,
 which is no error.
 """
@@ -13,6 +13,7 @@ which is no error.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
@@ -20,6 +21,26 @@ from llmtailor.store.storage.base import PIECE, Storage
 from llmtailor.store.storage.object_errors import explain, failure
 from llmtailor.store.storage.object_options import load_obstore, resolve_options
 from llmtailor.store.storage.object_uploads import ObjectBatch
+
+
+@dataclass(frozen=True)
+class Version:
+    """Which write of an object this is: its ETag, and its ``generation`` where the store keeps
+    one (GCS; S3 with versioning). A conditional overwrite names both: S3 and Azure match the
+    ETag, GCS only the generation (obstore refuses a GCS update without it)."""
+
+    e_tag: str | None
+    generation: str | None = None
+
+    @classmethod
+    def of(cls, meta: Mapping[str, Any]) -> Version:
+        """The version in obstore's ``PutResult`` or ``ObjectMeta``."""
+        return cls(meta.get("e_tag"), meta.get("version"))
+
+    def mode(self) -> dict[str, str]:
+        """obstore's ``put`` mode writing only over this version (``None`` fields left out:
+        obstore refuses them)."""
+        return {name: value for name, value in (("e_tag", self.e_tag), ("version", self.generation)) if value is not None}
 
 
 class ObjectStore(Storage):
@@ -137,7 +158,7 @@ class ObjectStore(Storage):
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         if exclusive:
-            if self.put_if(key, data, "create") is None:
+            if self.put_if(key, data, None) is None:
                 raise TailorError(f"{self.where(key)} already exists; refusing to overwrite it")
             return
         try:
@@ -145,29 +166,30 @@ class ObjectStore(Storage):
         except Exception as err:
             raise self.failure(err, key) from None
 
-    def put_if(self, key: str, data: bytes, mode: str | dict[str, str]) -> str | None:
-        """A conditional write: ``mode="create"``, only if ``key`` is absent; ``{"e_tag": E}``,
-        only if it still has ETag E. Returns the ETag written, or None when the condition does
-        not hold (another object is there, or it changed or vanished). An object found holding
-        exactly ``data`` is this write's own, a success: the server stored it and its answer
-        was lost (a 503, a dropped connection), so the client's retry met it, or gave up."""
+    def put_if(self, key: str, data: bytes, over: Version | None) -> Version | None:
+        """A conditional write: with ``over=None``, only if ``key`` is absent; with a
+        ``Version``, only if the object still is that version. Returns the version written, or
+        None when the condition does not hold (another object is there, or it changed or
+        vanished). An object found holding exactly ``data`` is this write's own, a success:
+        the server stored it and its answer was lost (a 503, a dropped connection), so the
+        client's retry met it, or gave up."""
         errors = self._errors
         try:
-            return load_obstore().put(self.store, key, data, mode=mode)["e_tag"]
+            return Version.of(load_obstore().put(self.store, key, data, mode="create" if over is None else over.mode()))
         except Exception as err:
-            found = self._etag_if_holding(key, data)
+            found = self._version_if_holding(key, data)
             if found is not None:
                 return found
             if isinstance(err, errors.AlreadyExistsError | errors.PreconditionError | FileNotFoundError):
                 return None
             raise self.failure(err, key) from None
 
-    def _etag_if_holding(self, key: str, data: bytes) -> str | None:
-        """The ETag of ``key`` when it holds exactly ``data``; None when it does not, is
+    def _version_if_holding(self, key: str, data: bytes) -> Version | None:
+        """The version of ``key`` when it holds exactly ``data``; None when it does not, is
         missing, or cannot be read now (the caller reports its own failure then)."""
         try:
             result = load_obstore().get(self.store, key)
-            return result.meta["e_tag"] if bytes(result.bytes()) == data else None
+            return Version.of(result.meta) if bytes(result.bytes()) == data else None
         except Exception:
             return None
 

@@ -3,8 +3,8 @@
 Why obstore (measured against fsspec + s3fs on the same server: ``bench/bench_object_store.py``,
 figures in ``bench/RESULTS.md``): its uploads were faster (147 vs 115 MB/s streaming 64 MB files
 in 16 MB parts; ranged reads equal), and it is one client for S3, GCS and Azure with the same
-conditional writes on all three (``mode="create"`` and an ETag match: the lease-object lock
-needs both), multipart uploads and concurrent ranged reads, retries with backoff built in, and
+conditional writes on all three (``mode="create"`` and a version match, the ETag or GCS's
+generation: the lease-object lock needs both), multipart uploads and concurrent ranged reads, retries with backoff built in, and
 configuration the way each cloud's own tools read it (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``
 environment variables) or as options. Not a reason: its work outside Python's interpreter lock
 did not spare a Python thread running beside an upload on the 2-core machine measured (the
