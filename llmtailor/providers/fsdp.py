@@ -3,11 +3,14 @@ parameters are DTensors, and its optimizer.
 
 Save: each rank writes only its local shards of the chosen units — weights and every
 optimizer state tensor that is a DTensor — with each shard's offsets in the global tensor as
-DCP's own save planner computes them (no gather, no full tensor on any rank). A shard
-replicated over a mesh dimension (HSDP) is written by the rank at coordinate 0 of that
-dimension only. Plain tensors (the per-parameter ``step`` scalars, unsharded buffers) are the
-same on every rank and are written once, by the unit's owner (``StateProvider.owner``: units
-balanced over the ranks by bytes).
+DCP's own save planner computes them (no gather, no full tensor on any rank). Each shard is
+written once, whatever mix of meshes the parameters live on (``writes_shard``): by the rank
+at coordinate 0 of every dimension of the tensor's own mesh it is replicated over (HSDP), and
+of every dimension of the global mesh that mesh was cut from that it does not span (a tensor
+on the ``dp`` sub-mesh of a ``dp`` x ``tp`` job has a copy on each ``tp`` rank: those at
+``tp`` coordinate 0 write it). Plain tensors (the per-parameter ``step`` scalars, unsharded
+buffers) are the same on every rank and are written once, by the unit's owner
+(``StateProvider.owner``: units balanced over the ranks by bytes).
 
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
@@ -20,11 +23,14 @@ interchangeable with single-process and DDP ones.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
@@ -59,7 +65,7 @@ class FSDPProvider(LocalProvider):
     def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:
         if not isinstance(tensor, DTensor):
             return [Piece.whole(key, tensor)] if self.owner(unit) == self.coordinator.rank else []
-        if not _writes_replica(tensor):
+        if not writes_shard(tensor):
             return []
         planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         planner.set_up_planner({key: tensor}, None, True)
@@ -113,10 +119,34 @@ class FSDPProvider(LocalProvider):
         return torch.empty(saved.shape, dtype=saved.torch_dtype)
 
 
-def _writes_replica(tensor: DTensor) -> bool:
-    """Whether this rank writes its shard of ``tensor``: the rank at coordinate 0 of every
-    mesh dimension over which the shard is replicated."""
-    coordinate = tensor.device_mesh.get_coordinate()
+def writes_shard(tensor: DTensor) -> bool:
+    """Whether this rank writes its shard of ``tensor``: the one rank, among all those of the
+    job holding the same shard, at coordinate 0 of every dimension of the tensor's mesh that the
+    shard is replicated over and of every dimension of the global mesh the tensor's mesh does
+    not span (the ranks there hold their own copy of the tensor's mesh, thus of the shard)."""
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False
-    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate())
+    if any(c != 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate()):
+        return False
+    return _first_copy_of(mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def _first_copy_of(mesh: DeviceMesh) -> bool:
+    """Whether this rank's group of ``mesh`` is the first copy of it in the global mesh it was
+    cut from (``init_device_mesh(...)["dp"]``): this rank's coordinates are 0 on every global
+    dimension along which the ranks of its group do not vary. True for a mesh cut from nothing
+    (a mesh spanning the job; or one made apart, whose copies cannot be known here: two ranks
+    writing the same chunk then fail the save in one line naming them, see ``store.writer``).
+    Every rank is taken to hold every unit (ranks holding different units are refused when the
+    ``Tailor`` is built): pipeline stages cut from one global mesh will need the ranks holding
+    each unit here, else a later stage's units are refused at commit as written by no rank."""
+    root = mesh._get_root_mesh()  # torch's only link from a sub-mesh to the mesh it was cut from
+    if root.mesh.numel() == mesh.mesh.numel():
+        return True
+    group = torch.stack([(root.mesh == r).nonzero()[0] for r in mesh.mesh.flatten().tolist()])
+    spanned = group.amax(0) != group.amin(0)
+    mine = (root.mesh == dist.get_rank()).nonzero()[0]
+    return bool(((mine == 0) | spanned).all())
