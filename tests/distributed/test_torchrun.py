@@ -280,13 +280,14 @@ def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into
     assert run.verify() == [] and run.manifest(4).world_size == 4
     assert run.resolve().sources["layer.0"] == 2 and run.resolve().sources["layer.1"] == 4  # a real composite
     # Each byte once: the chunks of every tensor tile it (the index's validation) and hold as many
-    # bytes as one copy of the state; a tensor on the dp mesh only is written by the tp-0 ranks.
+    # bytes as one copy of the state; the tensors on the dp mesh only have a copy on each tp rank:
+    # the embedding's are written by the tp-0 ranks, the head's by the tp-1 ranks (balanced by bytes).
     one_copy = load_file(str(tmp_path / "versions" / "2.safetensors"))
     written = {t.key: sum(math.prod(c.shape) for c in t.chunks)
                for unit in run.manifest(2).units for t in run.unit_entry(2, unit).tensors}
     assert written == {key: value.numel() for key, value in one_copy.items()}
-    embed = run.unit_entry(2, "embed")
-    assert sorted(f.path for f in embed.files) == ["units/embed.rank-00000.safetensors", "units/embed.rank-00002.safetensors"]
+    for unit, ranks in (("embed", (0, 2)), ("head", (1, 3))):
+        assert sorted(f.path for f in run.unit_entry(2, unit).files) == [f"units/{unit}.rank-0000{r}.safetensors" for r in ranks]
     q = run.unit_entry(2, "layer.0").tensor("weight/model.layers.0.self_attn.q_proj.weight")
     assert len(q.chunks) == 4  # dp x tp shards, one per rank
     three = torchrun(3, "fsdp-restore", tmp_path, RUN_NAME="mesh")
