@@ -1,13 +1,16 @@
 """``FSDPProvider``: a model sharded with FSDP2 (``fully_shard``), or any model whose
 parameters are DTensors, and its optimizer.
 
-Save: each rank writes only its local shards of the chosen units — weights and every
-optimizer state tensor that is a DTensor — with each shard's offsets in the global tensor as
-DCP's own save planner computes them (no gather, no full tensor on any rank). A shard
-replicated over a mesh dimension (HSDP) is written by the rank at coordinate 0 of that
-dimension only. Plain tensors (the per-parameter ``step`` scalars, unsharded buffers) are the
-same on every rank and are written once, by the unit's owner (``StateProvider.owner``: units
-balanced over the ranks by bytes).
+Save: each rank writes only its local shards of the chosen units — weights and every optimizer
+state tensor that is a DTensor — with each shard's offsets in the global tensor as DCP's own
+save planner computes them (no gather, no full tensor on any rank). Each shard is written once,
+whatever mix of meshes the parameters live on, by one of the ranks holding a copy of it
+(``shard_copy``): copies lie along the dimensions of the tensor's own mesh it is replicated
+over (HSDP) and along the dimensions of the global mesh that mesh was cut from which it does
+not span (a tensor on the ``dp`` sub-mesh of a ``dp`` x ``tp`` job has a copy on each ``tp``
+rank); which copy writes is balanced by unit bytes (``copy_writer``). Plain tensors (the
+per-parameter ``step`` scalars, unsharded buffers) are the same on every rank and are written
+once, by the unit's owner (``StateProvider.owner``: units balanced over the ranks by bytes).
 
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
@@ -20,14 +23,18 @@ interchangeable with single-process and DDP ones.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
+from llmtailor.providers.base import balance
 from llmtailor.providers.local import LocalProvider
 from llmtailor.store import codec
 from llmtailor.store.keys import split_key, weight_key
@@ -49,6 +56,7 @@ class FSDPProvider(LocalProvider):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.kind = "fsdp2"
+        self._copy_writers: dict[int, dict[str, int]] = {}
 
     def writes(self, units: list[str]) -> list[str]:
         return list(units)  # every rank holds a shard of every unit
@@ -59,7 +67,8 @@ class FSDPProvider(LocalProvider):
     def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:
         if not isinstance(tensor, DTensor):
             return [Piece.whole(key, tensor)] if self.owner(unit) == self.coordinator.rank else []
-        if not _writes_replica(tensor):
+        copy = shard_copy(tensor)
+        if copy is None or copy[0] != self.copy_writer(unit, copy[1]):
             return []
         planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         planner.set_up_planner({key: tensor}, None, True)
@@ -70,6 +79,16 @@ class FSDPProvider(LocalProvider):
                 Piece(key, planner.resolve_data(item), tuple(chunk.offsets), tuple(item.tensor_data.size))
             )
         return pieces
+
+    def copy_writer(self, unit: str, copies: int) -> int:
+        """Which of ``copies`` copies of a shard of ``unit`` writes it (``shard_copy`` numbers
+        them): the units balanced over the copies by bytes (``balance``), as ``owner`` balances
+        them over the ranks, so that ranks holding copies share the writing."""
+        if copies == 1:
+            return 0
+        if copies not in self._copy_writers:
+            self._copy_writers[copies] = balance(self.unit_sizes(), copies)
+        return self._copy_writers[copies][unit]
 
     def load_units(
         self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool
@@ -113,10 +132,41 @@ class FSDPProvider(LocalProvider):
         return torch.empty(saved.shape, dtype=saved.torch_dtype)
 
 
-def _writes_replica(tensor: DTensor) -> bool:
-    """Whether this rank writes its shard of ``tensor``: the rank at coordinate 0 of every
-    mesh dimension over which the shard is replicated."""
+def shard_copy(tensor: DTensor) -> tuple[int, int] | None:
+    """``(index, count)``: how many ranks of the job hold this rank's shard of ``tensor`` and
+    which of them this rank is (the same numbering on every rank holding the shard); None if
+    this rank holds none. The copies lie along the dimensions of the tensor's mesh it is
+    replicated over and the dimensions of the global mesh that mesh was cut from which it does
+    not span (the ranks there hold their own copy of the tensor's mesh)."""
     coordinate = tensor.device_mesh.get_coordinate()
     if coordinate is None:
-        return False
-    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate())
+        return None
+    index, count = _copy_across_global_mesh(tensor.device_mesh)
+    for c, size, placement in zip(coordinate, tensor.device_mesh.mesh.shape, tensor.placements):
+        if placement.is_replicate():
+            index, count = index * size + c, count * size
+    return index, count
+
+
+@functools.lru_cache(maxsize=64)
+def _copy_across_global_mesh(mesh: DeviceMesh) -> tuple[int, int]:
+    """``(index, count)`` of this rank's group of ``mesh`` among the copies of that group in the
+    global mesh it was cut from (``init_device_mesh(...)["dp"]``): the copies lie along the
+    global dimensions over which the ranks of one group do not vary. ``(0, 1)`` for a mesh cut
+    from nothing (one spanning the job; or one made apart, whose copies cannot be known here:
+    two ranks writing the same chunk then fail the save in one line naming them, see
+    ``store.writer``). Every rank is taken to hold every unit (ranks holding different units are
+    refused when the ``Tailor`` is built): pipeline stages cut from one global mesh will need
+    the ranks holding each unit here, else a stage's units are refused at commit as written by
+    no rank."""
+    root = mesh._get_root_mesh()  # torch's only link from a sub-mesh to the mesh it was cut from
+    if root.mesh.numel() == mesh.mesh.numel():
+        return 0, 1
+    group = torch.stack([(root.mesh == r).nonzero()[0] for r in mesh.mesh.flatten().tolist()])
+    spanned = (group.amax(0) != group.amin(0)).tolist()
+    mine = (root.mesh == dist.get_rank()).nonzero()[0].tolist()
+    index, count = 0, 1
+    for c, size, inside in zip(mine, root.mesh.shape, spanned):
+        if not inside:
+            index, count = index * size + c, count * size
+    return index, count

@@ -309,17 +309,25 @@ class Manifest(_Strict):
 
 
 def _overlapping(chunks: list[Chunk]) -> bool:
-    """Whether two chunks share an element: a sweep over the first dimension, comparing only
-    chunks whose first-dimension extents meet (shards along it are checked in n log n)."""
-    boxes = sorted((c.offsets, c.shape) for c in chunks if c.shape and math.prod(c.shape))
-    active: list[tuple[list[int], list[int]]] = []
-    for offsets, shape in boxes:
-        active = [b for b in active if b[0][0] + b[1][0] > offsets[0]]
-        for other, extent in active:
+    """Whether two chunks share an element (``first_overlap``)."""
+    return first_overlap([(c.offsets, c.shape) for c in chunks]) is not None
+
+
+def first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple[int, int] | None:
+    """The positions of two ``(offsets, shape)`` boxes of one tensor that share an element, or
+    None: a sweep over the first dimension, comparing only boxes whose first-dimension extents
+    meet (shards along it are checked in n log n)."""
+    order = sorted((i for i, (_, shape) in enumerate(boxes) if shape and math.prod(shape)), key=lambda i: boxes[i])
+    active: list[int] = []
+    for i in order:
+        offsets, shape = boxes[i]
+        active = [j for j in active if boxes[j][0][0] + boxes[j][1][0] > offsets[0]]
+        for j in active:
+            other, extent = boxes[j]
             if all(o < p + n and p < o + m for o, m, p, n in zip(offsets, shape, other, extent)):
-                return True
-        active.append((offsets, shape))
-    return False
+                return j, i
+        active.append(i)
+    return None
 
 
 def load_manifest(path: Path, step: int | None = None) -> Manifest:

@@ -37,15 +37,17 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
+from pydantic import ValidationError
+
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, SCHEMA_VERSION, rank_state_files, unit_filename, unit_index_path
 from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
-from llmtailor.errors import StorageError, TailorError, describe_os_error
+from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
 from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.keys import piece_key
-from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name
+from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap
 from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, TensorPart, UnitPart
 from llmtailor.store.tensor_files import stream_tensors
@@ -180,6 +182,7 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
     The chunks of a tensor from all ranks are checked for agreement on dtype and global
     shape; the index's own validation then checks that they cover the tensor."""
     merged: dict[str, dict[str, Any]] = {}
+    writers: dict[tuple[str, str], list[int]] = {}  # (unit, tensor key) -> the rank of each of its chunks
     files: list[FileEntry] = []
     for rank, part in enumerate(parts):
         files += part.files
@@ -192,6 +195,7 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
                 target["files"].append(entry.file)
             for tensor in entry.tensors:
                 chunks = [{**chunk.model_dump(), "file": position} for chunk in tensor.chunks]
+                writers.setdefault((unit, tensor.key), []).extend([rank] * len(chunks))
                 held = target["tensors"].get(tensor.key)
                 if held is None:
                     target["tensors"][tensor.key] = {"key": tensor.key, "dtype": tensor.dtype, "shape": tensor.shape,
@@ -211,9 +215,7 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
         for unit in staged.composite:  # layout order
             if unit not in merged:
                 continue
-            content = merged[unit]
-            index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
-                              values=content["values"], kept=content["kept"], base=content["base"])
+            index = _unit_index(staged.step, unit, merged[unit], writers)
             relpath = unit_index_path(unit)
             entry = write_bytes_to(create(relpath), index.dumps().encode(), relpath)
             refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
@@ -233,6 +235,35 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
         composite=staged.composite,
         files=files,
         base=staged.base,
+    )
+
+
+def _unit_index(step: int, unit: str, content: dict[str, Any], writers: dict[tuple[str, str], list[int]]) -> UnitEntry:
+    """The index of ``unit`` from the ranks' merged ``content``; a TailorError in one line if
+    two ranks wrote the same elements of a tensor or the index is otherwise invalid (never a
+    raw ValidationError)."""
+    for tensor in content["tensors"].values():
+        _check_written_once(step, unit, tensor, writers[unit, tensor["key"]])
+    try:
+        return UnitEntry(unit=unit, step=step, files=content["files"], tensors=list(content["tensors"].values()),
+                         values=content["values"], kept=content["kept"], base=content["base"])
+    except ValidationError as err:
+        raise TailorError(f"step {step} was not committed: the index of unit {unit!r} the ranks reported is invalid: "
+                          f"{describe_validation(err)}") from None
+
+
+def _check_written_once(step: int, unit: str, tensor: dict[str, Any], ranks: list[int]) -> None:
+    """Refuse a tensor two of whose chunks share elements (two ranks holding the same shard,
+    each writing it), naming the tensor, the ranks and the chunks."""
+    boxes = [(chunk["offsets"], chunk["shape"]) for chunk in tensor["chunks"]]
+    pair = first_overlap(boxes)
+    if pair is None:
+        return
+    (a, b) = pair
+    raise TailorError(
+        f"step {step} was not committed: tensor {tensor['key']!r} of unit {unit!r} was written twice in part: rank "
+        f"{ranks[a]} wrote its chunk at {boxes[a][0]} of shape {boxes[a][1]}, rank {ranks[b]} its chunk at "
+        f"{boxes[b][0]} of shape {boxes[b][1]} (the ranks hold copies of one shard, and each wrote it)"
     )
 
 

@@ -7,6 +7,7 @@ hand for the SIGKILL case (torchrun would kill the surviving rank itself)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -259,3 +260,37 @@ def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touc
         assert f"unit 'layer.1' from snapshot {result['source']}" in error and "'model.layers.1.mlp.up_proj.weight'" in error
         assert "no rank's live state was changed" in error
         assert result["changed"] == []
+
+
+def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into_any_layout(tmp_path):
+    """dp 2 x tp 2, tensor parallel on the attention and MLP linears only (the snippet of
+    docs/distributed.md): the embedding, norms and head live on the ``dp`` sub-mesh, the linears
+    on both. Found: the first save failed on every rank with a raw pydantic ValidationError
+    ("chunks cover 16384 of 8192 elements and overlap"): both tensor-parallel ranks wrote the
+    same chunks of every tensor on the ``dp`` mesh. Now each chunk is written by one rank and
+    the run restores into the same layout, into FSDP2 alone at 4 and 3 ranks (tp 2 -> 1, dp 2
+    -> 3) and into one process, every weight and optimizer tensor its composite's version."""
+    from safetensors.torch import load_file
+
+    results = torchrun(4, "mesh", tmp_path)
+    for result in results:
+        for layout in ("same", "fsdp"):  # restored at 4 ranks: dp 2 x tp 2, and FSDP2 over 4 (tp 1)
+            assert result[layout]["restored"] == 4 and result[layout]["mismatches"] == [], (layout, result[layout])
+    run = Run(tmp_path / "mesh")
+    assert run.verify() == [] and run.manifest(4).world_size == 4
+    assert run.resolve().sources["layer.0"] == 2 and run.resolve().sources["layer.1"] == 4  # a real composite
+    # Each byte once: the chunks of every tensor tile it (the index's validation) and hold as many
+    # bytes as one copy of the state; the tensors on the dp mesh only have a copy on each tp rank:
+    # the embedding's are written by the tp-0 ranks, the head's by the tp-1 ranks (balanced by bytes).
+    one_copy = load_file(str(tmp_path / "versions" / "2.safetensors"))
+    written = {t.key: sum(math.prod(c.shape) for c in t.chunks)
+               for unit in run.manifest(2).units for t in run.unit_entry(2, unit).tensors}
+    assert written == {key: value.numel() for key, value in one_copy.items()}
+    for unit, ranks in (("embed", (0, 2)), ("head", (1, 3))):
+        assert sorted(f.path for f in run.unit_entry(2, unit).files) == [f"units/{unit}.rank-0000{r}.safetensors" for r in ranks]
+    q = run.unit_entry(2, "layer.0").tensor("weight/model.layers.0.self_attn.q_proj.weight")
+    assert len(q.chunks) == 4  # dp x tp shards, one per rank
+    three = torchrun(3, "fsdp-restore", tmp_path, RUN_NAME="mesh")
+    assert [(r["restored"], r["mismatches"]) for r in three] == [(4, [])] * 3
+    mismatches, report = restore_in_one_process(tmp_path, "mesh")
+    assert mismatches == [] and report.saved_world_size == 4

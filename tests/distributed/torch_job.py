@@ -11,7 +11,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     then a third model, from another seed, restores ``DIR/full`` and trains 7..10: its losses
     must equal the uninterrupted ones bit for bit. Finally ``DIR/parity`` is restored into a
     fresh model at this world size and compared with the versions its composite names.
-``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` and compare.
+``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` (or ``DIR/$RUN_NAME``)
+    into FSDP2 and compare.
 ``ddp``  world 2, DDP. Parity saves at steps 2 and 4 into ``DIR/ddp`` (bytes per rank
     recorded), versions written as above, then a restore at this world size, compared.
 ``fsdp-url``  as the first half of ``fsdp-train`` (Parity saves every 2 steps up to 8, then a
@@ -37,6 +38,11 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``stateful``  world 2, DDP: each rank's stateful object (its own data position, a number and a
     tensor) saved at steps 1 and 2 into ``DIR/stateful``, then restored at this world size into
     fresh objects (each rank records what its object got).
+``mesh``  world 4, dp 2 x tp 2 (the snippet of docs/distributed.md, run as written: tensor parallel
+    on the attention and MLP linears, ``fully_shard`` on the data sub-mesh; the tensor-parallel
+    ranks of a data rank train on the same batches). Parity saves at steps 2 and 4 into
+    ``DIR/mesh`` (the full versions written as in ``fsdp-train``), then restored at 4 ranks
+    into the same layout and into FSDP2 alone (tp 2 -> 1), each compared with the composite.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -83,6 +89,27 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def tensor_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The data x tensor parallel snippet of docs/distributed.md, run as written on ``model``."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text(encoding="utf-8")
+    start = text.index("## Tensor parallel and FSDP2")
+    code = re.compile(r"^```python\n(.*?)^```", re.S | re.M).search(text, start).group(1)
+    exec(code, {"model": model})
+    return model
+
+
+TP = 2  # the snippet's tensor-parallel degree (its mesh is dp 2 x tp 2)
+
+
+def data_rank(model: torch.nn.Module) -> int:
+    """Which data shard this rank trains on: its ``dp`` coordinate under tensor parallel (the
+    ranks of one tensor-parallel group must see the same batches), else its rank."""
+    two_d = any(getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim == 2 for p in model.parameters())
+    return rank() // TP if two_d else rank()
+
+
 def build(kind: str, seed: int, freeze: bool = False):
     """Model, AdamW (HF-style groups) and scheduler, sharded or wrapped after building;
     ``freeze``: the q and v projections of every layer do not train."""
@@ -94,6 +121,8 @@ def build(kind: str, seed: int, freeze: bool = False):
         layer.self_attn.v_proj.weight.requires_grad_(False)
     if kind == "fsdp":
         model = shard(model)
+    elif kind == "tp":
+        model = tensor_parallel(model)
     elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer, scheduler = build_optimizer(model, total_steps=50)
@@ -104,7 +133,7 @@ def train(model, optimizer, scheduler, steps) -> list[str]:
     """Each rank trains on its own batches (rank-dependent data, as a data-parallel job)."""
     losses = []
     for step in steps:
-        batch = batch_at(TOKENS, step * 100 + rank(), 2, 32)
+        batch = batch_at(TOKENS, step * 100 + data_rank(model), 2, 32)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
@@ -353,10 +382,14 @@ def main() -> None:
                                      async_save=mode == "async")
         result.update(restore_and_compare("fsdp", out / "async", "frozen", freeze=True))
     elif scenario == "fsdp-restore":
-        result = restore_and_compare("fsdp", out, "parity")
+        result = restore_and_compare("fsdp", out, os.environ.get("RUN_NAME", "parity"))
     elif scenario == "ddp":
         result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
         result.update(restore_and_compare("ddp", out, "ddp"))
+    elif scenario == "mesh":
+        result = save_loop("tp", out, "mesh", Parity(), last=4, every=2)
+        result["same"] = restore_and_compare("tp", out, "mesh")
+        result["fsdp"] = restore_and_compare("fsdp", out, "mesh")
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "fsdp-lacking":

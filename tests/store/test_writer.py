@@ -1,7 +1,8 @@
 """The commit refuses a snapshot that would lack part of the model: its composite must name every
 unit of its layout and every unit some rank holds or wrote (``writer._check_whole``). Found with
 pipeline stages (ranks holding different layers): the leader committed its own stage's units,
-the other stage's files orphaned, and ``verify`` passed the snapshot."""
+the other stage's files orphaned, and ``verify`` passed the snapshot. It refuses too, in one
+line, a tensor two ranks wrote the same elements of (``writer._check_written_once``)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,22 @@ def test_a_snapshot_of_the_whole_layout_commits(tmp_path):
     """The check passes what every save writes: the composite names every unit of the layout."""
     persist(Run(tmp_path), staged(WHOLE, list(WHOLE.units)))
     assert Run(tmp_path).steps() == [1] and Run(tmp_path).verify() == []
+
+
+def test_a_shard_two_ranks_wrote_fails_the_commit_in_one_line_naming_tensor_and_ranks(tmp_path):
+    """Rank 1 also wrote the embedding's chunk rank 0 wrote (two ranks holding one shard, as the
+    tensor-parallel ranks of a tensor on the data sub-mesh did): the commit raised a raw pydantic
+    ValidationError ("chunks cover 4 of 2 elements and overlap") before; now one TailorError
+    naming the tensor, the unit, both ranks and the chunks, and nothing is committed."""
+    file = FileEntry(path="units/embed.rank-00001.safetensors", bytes=8, xxh3_64="0" * 16)
+    chunk = ChunkPart(offsets=[0], shape=[2], xxh3_64="0" * 16)
+    again = UnitPart(file=file, tensors=[TensorPart(key="weight/model.embed_tokens.weight", dtype="float32", shape=[2],
+                                                    chunks=[chunk])])
+    other = RankPart(units={"embed": again}, holds=list(WHOLE.units)).to_message()
+    with pytest.raises(TailorError) as raised:
+        persist(Run(tmp_path), staged(WHOLE, list(WHOLE.units), world_size=2), coordinator=TwoStages(other))
+    assert str(raised.value) == (
+        "step 1 was not committed: tensor 'weight/model.embed_tokens.weight' of unit 'embed' was written twice in "
+        "part: rank 0 wrote its chunk at [0] of shape [2], rank 1 its chunk at [0] of shape [2] (the ranks hold "
+        "copies of one shard, and each wrote it)")
+    assert_nothing_committed(tmp_path)
