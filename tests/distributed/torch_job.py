@@ -37,6 +37,11 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``stateful``  world 2, DDP: each rank's stateful object (its own data position, a number and a
     tensor) saved at steps 1 and 2 into ``DIR/stateful``, then restored at this world size into
     fresh objects (each rank records what its object got).
+``ddp-read-once``  (world 3) DDP: Parity saves at steps 2 and 4 into ``$RUN_ROOT/ddp`` (an ``s3://``
+    URL), versions written as above; then a restore at this world size into a fresh model, each
+    rank counting the bytes it fetches from the object store, by key, and compared; then rank 0
+    flips the last byte of the data file of the version of ``layer.1`` the composite names, and
+    every rank restores again into a fresh model and records the error it got.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -304,6 +309,65 @@ def restore_lacking_a_weight(out: Path) -> dict:
 LACKING = "model.layers.1.mlp.up_proj.weight"
 
 
+def count_fetched() -> dict[str, int]:
+    """Bytes fetched from the object store from now on, by key (``read``, ``read_range`` and
+    streamed ``pieces`` of every ``ObjectStore``): filled in as this rank reads."""
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    fetched: dict[str, int] = {}
+
+    def counting(real):
+        def read(self, key, *args, **kwargs):
+            data = real(self, key, *args, **kwargs)
+            fetched[key] = fetched.get(key, 0) + len(data)
+            return data
+        return read
+
+    def counting_pieces(real):
+        def pieces(self, key, *args, **kwargs):
+            for piece in real(self, key, *args, **kwargs):
+                fetched[key] = fetched.get(key, 0) + len(piece)
+                yield piece
+        return pieces
+
+    ObjectStore.read, ObjectStore.read_range = counting(ObjectStore.read), counting(ObjectStore.read_range)
+    ObjectStore.pieces = counting_pieces(ObjectStore.pieces)
+    return fetched
+
+
+def corrupt_unit_file(url: str, unit: str) -> str:
+    """Flip the last byte (tensor data) of the data file of ``unit`` in the version the composite of
+    the run at ``url`` names; return its key."""
+    run = Run(url)
+    step = run.resolve().sources[unit]
+    entry = run.unit_entry(step, unit)
+    storage, key = run.file_location(step, entry.files[entry.tensors[0].chunks[0].file])
+    data = bytearray(storage.read(key))
+    data[-1] ^= 0xFF
+    import obstore
+
+    obstore.put(storage.store, key, bytes(data))
+    return key
+
+
+def ddp_read_once(out: Path) -> dict:
+    result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
+    fetched = count_fetched()
+    result.update(restore_and_compare("ddp", out, "ddp"))
+    result["fetched"] = dict(fetched)
+    dist.barrier()
+    result["corrupted"] = corrupt_unit_file(str(location(out, "ddp")), "layer.1") if rank() == 0 else None
+    dist.barrier()
+    fetched.clear()
+    try:
+        Tailor(location(out, "ddp"), *build("ddp", seed=7), timeout=60).restore()
+        result["refused"] = None
+    except Exception as err:  # the error each rank gets is the point of this scenario
+        result["refused"] = f"{type(err).__name__}: {err}"
+    result["fetched_corrupt"] = dict(fetched)
+    return result
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -357,6 +421,8 @@ def main() -> None:
     elif scenario == "ddp":
         result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
         result.update(restore_and_compare("ddp", out, "ddp"))
+    elif scenario == "ddp-read-once":
+        result = ddp_read_once(out)
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "fsdp-lacking":

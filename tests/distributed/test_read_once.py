@@ -1,0 +1,71 @@
+"""Read once, send to the rest: a 3-rank DDP job restoring from an object store (moto's S3
+server on loopback) fetches each byte of its composite once in total, not once per rank; the
+ranks that did not read a unit get it over torch.distributed from the one that did. A corrupted
+unit file is found by its one reader and the restore refused on every rank, naming that reader.
+One launch (``torch_job.py ddp-read-once``) covers both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+from objectstore import environment, moto_process, new_bucket  # noqa: E402
+
+from llmtailor.store.run import Run  # noqa: E402
+
+JOB = Path(__file__).with_name("torch_job.py")
+pytestmark = pytest.mark.slow
+RANKS = 3
+
+
+def composite_files(run: Run) -> dict[str, int]:
+    """Object key -> bytes of every data file the composite's units are read from."""
+    composite = run.resolve()
+    files = {}
+    for unit, step in composite.sources.items():
+        entry = run.unit_entry(step, unit)
+        for file in entry.files:
+            files[run.file_location(step, file)[1]] = file.bytes
+    return files
+
+
+def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
+    with moto_process() as endpoint:
+        url = f"s3://{new_bucket(endpoint)}/jobs"
+        for name, value in environment(endpoint).items():  # this process reads the bucket too
+            monkeypatch.setenv(name, value)
+        launch = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", str(JOB),
+             "ddp-read-once", str(tmp_path)],
+            env={**os.environ, **environment(endpoint), "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            capture_output=True, text=True, timeout=900,
+        )
+        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
+        results = [json.loads((tmp_path / f"result-ddp-read-once-{r}.json").read_text()) for r in range(RANKS)]
+        data = composite_files(Run(f"{url}/ddp"))
+        corrupted = results[0]["corrupted"]
+
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+    # Each data file of the composite was fetched by one rank, about once (its header and its
+    # bytes: a few hundred bytes more than the file).
+    fetched = [result["fetched"] for result in results]
+    readers = {key: [r for r in range(RANKS) if fetched[r].get(key)] for key in data}
+    assert all(len(ranks) == 1 for ranks in readers.values()), readers
+    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(data.values())
+    assert len({r for ranks in readers.values() for r in ranks}) > 1  # spread over the ranks
+
+    # The corrupted file: fetched by one rank, whose name every rank's refusal carries.
+    (reader,) = [r for r in range(RANKS) if results[r]["fetched_corrupt"].get(corrupted)]
+    for result in results:
+        refused = result["refused"]
+        assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
+        assert f"rank {reader} read unit 'layer.1'" in refused and "checksum mismatch" in refused, refused
