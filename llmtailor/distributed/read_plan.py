@@ -10,8 +10,9 @@ others receive it instead of fetching it again.
 Failures reach every rank of the group at the same item, so none is left waiting in a
 collective: a reader whose read fails broadcasts the failure in place of the bytes (every rank
 raises it, naming the reader and the item: an IntegrityError when the reader found damaged or
-missing data); a reader that died or hangs makes the broadcast fail on the others (gloo notices
-a lost connection at once) or time out after the coordinator's timeout, naming the reader.
+missing data); a rank that died or hangs makes the broadcast fail on the others (gloo notices a
+lost connection at once) or time out after the coordinator's timeout; the exchange that ends a
+restore (``Coordinator.agree``) then names the rank that no longer answers.
 
 Invariant: every rank of the group builds its ``ReadPlan`` from the same items in the same
 order and calls ``fetch`` once, with the same tensor specs per item.
@@ -20,6 +21,7 @@ order and calls ``fetch`` once, with the same tensor specs per item.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -34,6 +36,7 @@ Spec = tuple[torch.dtype, list[int]]
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
 _SENT, _DAMAGED, _FAILED = 0, 1, 2  # what a reader announces before the payload
+_AHEAD = 2  # items a rank reads ahead of their turn (memory: at most this many packed items waiting)
 
 
 def balance(sizes: dict[K, int], world: int) -> dict[K, int]:
@@ -78,24 +81,40 @@ class ReadPlan:
     def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]]) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """Every item's tensors, in plan order, on every rank of the group: ``read(item)`` on its
         reader (checked reads; its tensors as ``specs(item)`` says), received from it elsewhere.
-        Raises, on every rank alike, what the reader's read raised (module docstring)."""
+        Raises, on every rank alike, what the reader's read raised (module docstring).
+
+        A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
+        turn, so the ranks' reads overlap one another and the broadcasts (``read`` must allow
+        it: the store's reads do)."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        for item, reader in self.readers.items():
-            shapes = specs(item)
-            if reader == self.coordinator.rank:
-                tensors = self._send(item, read, shapes, device)
-            else:
-                tensors = self._receive(item, reader, shapes, device)
-            yield item, tensors
+        queue, ahead = iter(self.mine()), {}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-read") as pool:
+
+            def top_up() -> None:
+                while len(ahead) < _AHEAD and (item := next(queue, None)) is not None:
+                    ahead[item] = pool.submit(_read_packed, read, item, specs(item))
+
+            try:
+                top_up()
+                for item, reader in self.readers.items():
+                    if reader == self.coordinator.rank:
+                        reading = ahead.pop(item)
+                        top_up()
+                        tensors = self._send(item, reading, device)
+                    else:
+                        tensors = self._receive(item, reader, specs(item), device)
+                    yield item, tensors
+            finally:  # a failure, or the caller stopped: no read goes on behind its back
+                for reading in ahead.values():
+                    reading.cancel()
 
     # -- one item ------------------------------------------------------------------------------
 
-    def _send(self, item: str, read: Callable[[str], list[torch.Tensor]], shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
+    def _send(self, item: str, reading: Future, device: torch.device) -> list[torch.Tensor]:
         try:
-            tensors = read(item)
-            payload = pack(tensors, shapes)
+            tensors, payload = reading.result()
         except Exception as err:  # sent to the others in place of the bytes, then raised here too
             status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
             message = describe_error(err).encode()
@@ -125,14 +144,22 @@ class ReadPlan:
             work = dist.broadcast(moved, group=self.group, group_src=self.ranks.index(reader), async_op=True)
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout: name the reader
-            raise CoordinationError(f"rank {reader}, the reader of {item}, did not send it within "
-                                    f"{self.coordinator.timeout:g} s: a rank died or is stuck ({describe_error(err)})") from None
+            # Which rank is gone the collective does not say (a lost peer may be another receiver):
+            # the ranks' exchange that follows a restore names those that no longer answer.
+            raise CoordinationError(f"the broadcast of {item} from rank {reader}, its reader, failed: a rank of the group "
+                                    f"died, or is stuck past the {self.coordinator.timeout:g} s timeout "
+                                    f"({describe_error(err)})") from None
         return moved.cpu()
 
     @staticmethod
     def _failure(item: str, reader: int, status: int, message: str) -> Exception:
         text = f"rank {reader} read {item} and refused it: {message}"
         return IntegrityError(text) if status == _DAMAGED else CoordinationError(text)
+
+
+def _read_packed(read: Callable[[str], list[torch.Tensor]], item: str, specs: list[Spec]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    tensors = read(item)
+    return tensors, pack(tensors, specs)
 
 
 def pack(tensors: list[torch.Tensor], specs: list[Spec]) -> torch.Tensor:

@@ -1,18 +1,21 @@
 """Read once, send to the rest: a 3-rank DDP job restoring from an object store (moto's S3
 server on loopback) fetches each byte of its composite once in total, not once per rank; the
 ranks that did not read a unit get it over torch.distributed from the one that did. A corrupted
-unit file is found by its one reader and the restore refused on every rank, naming that reader.
-One launch (``torch_job.py ddp-read-once``) covers both."""
+unit file is found by its one reader and the restore refused on every rank, naming that reader
+(one launch, ``torch_job.py ddp-read-once``, covers both); a reader killed mid-restore fails the
+others within the timeout, naming it."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -69,3 +72,28 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
         refused = result["refused"]
         assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
         assert f"rank {reader} read unit 'layer.1'" in refused and "checksum mismatch" in refused, refused
+
+
+def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):
+    """Three processes started by hand (torchrun would kill the survivors itself); rank 1 dies as
+    it begins reading its first unit, which ranks 0 and 2 wait to receive from it."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), "read-kill", str(tmp_path)],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(3)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL
+    for survivor in (0, 2):
+        assert procs[survivor].returncode == 0, outputs[survivor][1][-3000:]
+        outcome = json.loads((tmp_path / f"result-read-kill-{survivor}.json").read_text())["outcome"]
+        # Every survivor gave up on rank 1 at the timeout at the latest (how many seconds that
+        # took on a busy machine is not asserted), its error naming rank 1, and the broadcast of
+        # the read plan each survivor was in when it was lost.
+        assert outcome.startswith("CoordinationError: rank(s) [1] did not report on "), outcome
+        assert f"rank {survivor} failed: the broadcast of unit " in outcome and "within 20 s" in outcome, outcome

@@ -42,6 +42,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     rank counting the bytes it fetches from the object store, by key, and compared; then rank 0
     flips the last byte of the data file of the version of ``layer.1`` the composite names, and
     every rank restores again into a fresh model and records the error it got.
+``read-kill``  started without torchrun (as ``kill``), world 3, DDP: Parity saves at steps 2 and 4
+    into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 20 s) and rank 1
+    SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
+    record the error they get.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -368,6 +372,23 @@ def ddp_read_once(out: Path) -> dict:
     return result
 
 
+def kill_a_reader(out: Path) -> dict:
+    save_loop("ddp", out, "readkill", Parity(), last=4, every=2)
+    tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=20)
+    if rank() == 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Run.read_unit = die
+    start = time.perf_counter()
+    try:
+        tailor.restore()
+        outcome = "restored"
+    except Exception as err:  # the error a surviving rank gets is the point of this scenario
+        outcome = f"{type(err).__name__}: {err}"
+    return {"outcome": outcome, "seconds": time.perf_counter() - start}
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -431,10 +452,16 @@ def main() -> None:
         result = stateful_per_rank(out)
     elif scenario == "kill":
         result = kill_during_save(out)
+    elif scenario == "read-kill":
+        result = kill_a_reader(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    if scenario == "kill":
+    if scenario == "read-kill" and rank() == 0:  # it hosts the store the other survivor may still be polling
+        deadline = time.monotonic() + 300
+        while not (out / "result-read-kill-2.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    if scenario in ("kill", "read-kill"):
         os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
     dist.barrier()
     dist.destroy_process_group()
