@@ -40,21 +40,28 @@ def composite_files(run: Run) -> dict[str, int]:
     return files
 
 
-def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
+def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[list[dict], dict[str, int]]:
+    """``scenario`` of ``torch_job.py`` at ``ranks`` ranks with ``$RUN_ROOT`` in a bucket of a
+    fresh moto server: every rank's result, and the data files of the composite of the run named
+    as the scenario's kind (``ddp``, ``hsdp``) by key, with their bytes."""
     with moto_process() as endpoint:
         url = f"s3://{new_bucket(endpoint)}/jobs"
         for name, value in environment(endpoint).items():  # this process reads the bucket too
             monkeypatch.setenv(name, value)
         launch = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", str(JOB),
-             "ddp-read-once", str(tmp_path)],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
+             scenario, str(out)],
             env={**os.environ, **environment(endpoint), "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
             capture_output=True, text=True, timeout=900,
         )
         assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
-        results = [json.loads((tmp_path / f"result-ddp-read-once-{r}.json").read_text()) for r in range(RANKS)]
-        data = composite_files(Run(f"{url}/ddp"))
-        corrupted = results[0]["corrupted"]
+        results = [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(ranks)]
+        return results, composite_files(Run(f"{url}/{scenario.split('-')[0]}"))
+
+
+def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
+    results, data = launch_on_s3("ddp-read-once", RANKS, tmp_path, monkeypatch)
+    corrupted = results[0]["corrupted"]
 
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []
@@ -72,6 +79,18 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
         refused = result["refused"]
         assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
         assert f"rank {reader} read unit 'layer.1'" in refused and "checksum mismatch" in refused, refused
+
+
+def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch):
+    """2 replicas x 2 shards: each replica group reads each unit once between its two ranks; the
+    two groups hold different shards, so the composite's bytes are fetched once in all (its
+    plain tensors, the step counters, once per group: a few bytes)."""
+    results, data = launch_on_s3("hsdp-read-once", 4, tmp_path, monkeypatch)
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+    fetched = [result["fetched"] for result in results]
+    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(data.values())
+    assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
 
 
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):

@@ -42,6 +42,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     rank counting the bytes it fetches from the object store, by key, and compared; then rank 0
     flips the last byte of the data file of the version of ``layer.1`` the composite names, and
     every rank restores again into a fresh model and records the error it got.
+``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
+    ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
+    bytes it fetches by key, and compared.
 ``read-kill``  started without torchrun (as ``kill``), world 3, DDP: Parity saves at steps 2 and 4
     into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 20 s) and rank 1
     SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
@@ -81,11 +84,17 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, replicas: int = 1) -> torch.nn.Module:
+    """FSDP2 over every rank; with ``replicas`` > 1, HSDP: sharded over world / replicas ranks,
+    each shard replicated ``replicas`` times."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -103,6 +112,8 @@ def build(kind: str, seed: int, freeze: bool = False):
         layer.self_attn.v_proj.weight.requires_grad_(False)
     if kind == "fsdp":
         model = shard(model)
+    elif kind == "hsdp":
+        model = shard(model, replicas=2)
     elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer, scheduler = build_optimizer(model, total_steps=50)
@@ -354,11 +365,17 @@ def corrupt_unit_file(url: str, unit: str) -> str:
     return key
 
 
-def ddp_read_once(out: Path) -> dict:
-    result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
+def read_once(kind: str, out: Path) -> dict:
+    result = save_loop(kind, out, kind, Parity(), last=4, every=2)
     fetched = count_fetched()
-    result.update(restore_and_compare("ddp", out, "ddp"))
+    result.update(restore_and_compare(kind, out, kind))
     result["fetched"] = dict(fetched)
+    return result
+
+
+def ddp_read_once(out: Path) -> dict:
+    result = read_once("ddp", out)
+    fetched = count_fetched()
     dist.barrier()
     result["corrupted"] = corrupt_unit_file(str(location(out, "ddp")), "layer.1") if rank() == 0 else None
     dist.barrier()
@@ -444,6 +461,8 @@ def main() -> None:
         result.update(restore_and_compare("ddp", out, "ddp"))
     elif scenario == "ddp-read-once":
         result = ddp_read_once(out)
+    elif scenario == "hsdp-read-once":
+        result = read_once("hsdp", out)
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "fsdp-lacking":
