@@ -71,8 +71,9 @@ class ReadPlan:
         self.coordinator = coordinator
         self.ranks = list(range(coordinator.world_size)) if ranks is None else list(ranks)
         self.group = group
-        self.readers = {item: self.ranks[at] for item, at in balance(items, len(self.ranks)).items()}
-        """Item -> the global rank that reads it from the store."""
+        owners = balance(items, len(self.ranks))
+        self.readers = {item: self.ranks[owners[item]] for item in items}
+        """Item -> the global rank that reads it from the store, in the items' order."""
 
     def mine(self) -> list[str]:
         """The items this rank reads from the store."""
