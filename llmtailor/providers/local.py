@@ -11,8 +11,8 @@ over torch.distributed (``distributed.read_plan``): each byte leaves the store o
 
 from __future__ import annotations
 
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -212,7 +212,7 @@ class LocalProvider(StateProvider):
         """The units read by one rank each, balanced by bytes, and sent to the others
         (``distributed.read_plan``): each byte leaves the store once per job. A tensor is sent
         unless every rank holds it already. The ranks first exchange what they hold, which also
-        keeps a rank that failed before loading from leaving the others in a collective."""
+        bounds by the timeout the wait of the others on a rank that failed before loading."""
         everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
         entries = {unit: run.unit_entry(source, unit) for unit, source in sources.items()}
         wanted = {unit: [t for t in entries[unit].tensors if not all(t.key in other.get(unit, ()) for other in everyone)]
