@@ -23,6 +23,14 @@ Phases (one server for all):
    holds; and ``verify=True``: whole chunks, to check them). Each rank counts the bytes it
    fetched (through the store's reads) and the bytes of its own shards; target: fetched <=
    1.05x needed.
+4. **A DDP restore at 3 ranks** (issue 33: read once, send to the rest). A 3-rank DDP job saves
+   the model with Full to s3:// (ours) and ``dcp.save`` of the same state through fsspec
+   (s3fs); a 3-rank job restores each, ``--repeats`` times, timed between barriers (the job
+   waits for its slowest rank). Bytes fetched: ours through the store's reads, DCP's through
+   s3fs's ranged reads (``S3File._fetch_range``), summed over the ranks, against the bytes of
+   the composite (every object of the snapshot). Also timed in this process: boto3's
+   ``download_file`` (transfer manager) of every object of the snapshot, one after another.
+   Targets: fetched <= 1.05x the composite; time <= 0.5x dcp.load's, <= 1.3x boto3's.
 
     .venv/bin/python bench/bench_object_store.py --repeats 3
     .venv/bin/python bench/bench_object_store.py --layers 2 --hidden 128 --intermediate 256 --vocab 1024 --repeats 1 --files 2  # quick
@@ -60,6 +68,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--files", type=int, default=6, help="files of phase 1")
     parser.add_argument("--file-mb", type=int, default=64, help="size of each file of phase 1")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--phases", default="clients,saves,reshard,ddp-restore",
+                        help="which phases to run, comma-separated (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -280,6 +290,110 @@ def phase_reshard(args, out: Path) -> None:
         print(f"  verify={verify}: worst rank {ratio:.3f}x: {'PASS' if ratio <= 1.05 else 'FAIL'}")
 
 
+# -- phase 4: a DDP restore at 3 ranks ----------------------------------------------------------
+
+
+def phase_ddp_restore(args, out: Path) -> None:
+    bucket = new_bucket()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_URL": f"s3://{bucket}",
+           "BENCH_SIZES": json.dumps(vars(args), default=str)}
+    print("\n== phase 4: a DDP run saved at 3 ranks (Full; and dcp.save through fsspec), restored at 3")
+    for role in ("ddp-save", "ddp-restore"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                               __file__, "--worker", role, "--out", str(out)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr[-4000:])
+    client = s3()
+    objects = {}
+    for prefix in ("ours/", "dcp/"):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            objects.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    composite = {k: v for k, v in objects.items() if k.startswith("ours/snapshots/")}
+    dcp_bytes = sum(v for k, v in objects.items() if k.startswith("dcp/"))
+    boto = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for key in composite:
+            client.download_file(bucket, key, str(out / "download.bin"))
+        boto.append(time.perf_counter() - start)
+    results = [json.loads((out / f"ddp-restore-{rank}.json").read_text()) for rank in range(3)]
+    total = sum(composite.values())
+    ours_fetched = sum(r["ours_fetched"] for r in results)
+    data_fetched = sum(r["ours_data_fetched"] for r in results)
+    data = sum(v for k, v in composite.items() if "/units/" in k)
+    dcp_fetched = sum(r["dcp_fetched"] for r in results)
+    ours_s, dcp_s, boto_s = (statistics.median(x) for x in (results[0]["ours_seconds"], results[0]["dcp_seconds"], boto))
+    print(f"composite (every object of the snapshot) {total / MB:.2f} MB, its unit data files {data / MB:.2f} MB; "
+          f"dcp.save wrote {dcp_bytes / MB:.2f} MB")
+    print(f"{'contender':<22}{'fetched MB':>12}{'fetched/composite':>19}{'seconds':>10}")
+    print(f"{'ours (3 ranks)':<22}{ours_fetched / MB:>12.2f}{ours_fetched / total:>19.3f}{ours_s:>10.2f}")
+    print(f"{'  of it unit data':<22}{data_fetched / MB:>12.2f}{data_fetched / data:>19.3f}")
+    print(f"{'dcp.load (3 ranks)':<22}{dcp_fetched / MB:>12.2f}{dcp_fetched / dcp_bytes:>19.3f}{dcp_s:>10.2f}")
+    print(f"{'boto3 download_file':<22}{total / MB:>12.2f}{1.0:>19.3f}{boto_s:>10.2f}")
+    print("\nissue 33 targets")
+    ratio = ours_fetched / total
+    print(f"  fetched / composite: {ratio:.3f}x (target <= 1.05x): {'PASS' if ratio <= 1.05 else 'FAIL'}")
+    print(f"  time vs dcp.load:    {ours_s / dcp_s:.3f}x (target <= 0.5x): {'PASS' if ours_s / dcp_s <= 0.5 else 'FAIL'}")
+    print(f"  time vs boto3:       {ours_s / boto_s:.3f}x (target <= 1.3x): {'PASS' if ours_s / boto_s <= 1.3 else 'FAIL'}")
+
+
+def count_fetched() -> dict[str, int]:
+    """Bytes this process fetches from now on, by object key: through our store's reads and
+    through s3fs's ranged reads (what ``dcp.load`` through fsspec uses)."""
+    from s3fs.core import S3File
+
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    fetched: dict[str, int] = {}
+
+    def counting(real, key_of):
+        def read(self, *a, **k):
+            data = real(self, *a, **k)
+            fetched[key_of(self, a)] = fetched.get(key_of(self, a), 0) + len(data)
+            return data
+        return read
+
+    ObjectStore.read = counting(ObjectStore.read, lambda store, a: f"ours/{a[0]}")
+    ObjectStore.read_range = counting(ObjectStore.read_range, lambda store, a: f"ours/{a[0]}")
+    S3File._fetch_range = counting(S3File._fetch_range, lambda file, a: f"dcp/{file.path}")
+    return fetched
+
+
+def ddp_worker(role: str, out: Path, model, optimizer) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from llmtailor import Full, Tailor
+
+    url = os.environ["BENCH_URL"]
+    if role == "ddp-save":
+        with Tailor(f"{url}/ours", model, optimizer, policy=Full(), track_drift=False) as tailor:
+            tailor.save(1)
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                 storage_writer=FsspecWriter(f"{url}/dcp", sync_files=False))
+        return
+    fetched = count_fetched()
+    seconds: dict[str, list[float]] = {"ours": [], "dcp": []}
+    counts: dict[str, int] = {}
+    for _ in range(json.loads(os.environ["BENCH_SIZES"])["repeats"]):
+        for name in ("ours", "dcp"):
+            fetched.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            if name == "ours":
+                Tailor(f"{url}/ours", model, optimizer, track_drift=False, read_only=True).restore()
+            else:
+                dcp.load({"model": model.state_dict(), "optim": optimizer.state_dict()}, storage_reader=FsspecReader(f"{url}/dcp"))
+            dist.barrier()
+            seconds[name].append(time.perf_counter() - start)
+            counts[name] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/"))
+            counts[f"{name}_data"] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/") and "/units/" in k)
+    (out / f"ddp-restore-{dist.get_rank()}.json").write_text(json.dumps({
+        "ours_seconds": seconds["ours"], "dcp_seconds": seconds["dcp"], "ours_fetched": counts["ours"],
+        "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"]}))
+
+
 def worker(role: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -296,6 +410,17 @@ def worker(role: str, out: Path) -> None:
     config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                         intermediate_size=args.intermediate, vocab_size=args.vocab, seq_len=64)
     model = build_model(config, seed=0)
+    if role.startswith("ddp-"):
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(hf_param_groups(model.module), lr=1e-3)
+        batch = torch.randint(0, args.vocab, (1, 64))
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ddp_worker(role, out, model, optimizer)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -346,9 +471,10 @@ def main() -> None:
     print(f"S3 server: moto on {endpoint} (a process of its own)")
     try:
         with scratch(args.out, "bench_object_store") as out:
-            phase_clients(args)
-            phase_saves(args, out)
-            phase_reshard(args, out)
+            phases = {"clients": phase_clients, "saves": phase_saves, "reshard": phase_reshard,
+                      "ddp-restore": phase_ddp_restore}
+            for name in args.phases.split(","):
+                phases[name](args) if name == "clients" else phases[name](args, out)
     finally:
         server.terminate()
 

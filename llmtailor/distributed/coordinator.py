@@ -56,6 +56,12 @@ class Coordinator(ABC):
         """A fresh tag prefix for one exchange (a save, a restore): each rank calls it once per
         exchange, in the same order, so equal prefixes mean the same exchange."""
         self._rounds += 1
+        return self.round
+
+    @property
+    def round(self) -> str:
+        """The tag prefix of the exchange under way (the last ``new_round``): what runs inside a
+        save or restore tags its own messages with it."""
         return f"r{self._rounds}"
 
     @abstractmethod

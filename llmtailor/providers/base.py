@@ -29,6 +29,7 @@ import torch
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
 from llmtailor.distributed.coordinator import Coordinator
+from llmtailor.distributed.read_plan import balance
 from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
 from llmtailor.providers import rng
@@ -262,21 +263,6 @@ class StateProvider(ABC):
         with loading("RNG state", None):
             rng.restore_rng(state["rng"])
         return True
-
-
-def balance(sizes: dict[str, int], world: int) -> dict[str, int]:
-    """Unit -> rank, balancing bytes: units by size, largest first (equal sizes in the given
-    order), each to the rank with the fewest bytes so far (ties to the lowest rank). The one
-    rule for who writes which unit, so every provider balances alike; deterministic, so every
-    rank computes the same without a message."""
-    load = [0] * world
-    owners: dict[str, int] = {}
-    order = list(sizes)
-    for unit in sorted(order, key=lambda u: (-sizes[u], order.index(u))):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        load[rank] += sizes[unit]
-        owners[unit] = rank
-    return owners
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -14,7 +14,8 @@ once, by the unit's owner (``StateProvider.owner``: units balanced over the rank
 
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
-unit by unit, at any world size. Optimizer state is loaded by name through
+unit by unit, at any world size. Under HSDP, the ranks holding the same shards (the replica
+group) read each unit once between them and broadcast it (``distributed.read_plan``). Optimizer state is loaded by name through
 ``Optimizer.load_state_dict`` as in one process.
 
 Names are the model's own canonical FQNs (FSDP2 does not rename parameters), so snapshots are
@@ -24,6 +25,7 @@ interchangeable with single-process and DDP ones.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +36,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
-from llmtailor.providers.base import balance
+from llmtailor.distributed.read_plan import ReadPlan, balance, nbytes
 from llmtailor.providers.local import LocalProvider
 from llmtailor.store import codec
 from llmtailor.store.keys import split_key, weight_key
-from llmtailor.store.manifest import TensorEntry
+from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.dcp import SnapshotReader
 from llmtailor.store.run import Run
@@ -95,30 +97,68 @@ class FSDPProvider(LocalProvider):
     ) -> dict[str, dict[str, Any]]:
         """Per unit, one DCP load into this rank's shards: weights in place; optimizer state
         into the live state tensors where they exist, else into new ones sharded like their
-        parameter. Returns the optimizer state by parameter name."""
-        reader = ChunkReader(run, verify)
+        parameter. Returns the optimizer state by parameter name. Under HSDP the replicas of a
+        shard need the same bytes: each unit is loaded by one rank of the replica group and
+        sent to the others (``_load_once``)."""
         optimizer_state: dict[str, dict[str, Any]] = {}
+        targets = {unit: self._targets(run.unit_entry(step, unit), live, optimizer_state) for unit, step in sources.items()}
+        reader = ChunkReader(run, verify)
+
+        def load(unit: str) -> None:
+            storage = SnapshotReader(reader, sources[unit], run.unit_entry(sources[unit], unit), set(targets[unit]))
+            dcp.load(targets[unit], storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
+
         try:
-            for unit, step in sources.items():
-                entry = run.unit_entry(step, unit)
-                keys = {t.key for t in entry.tensors}
-                targets: dict[str, torch.Tensor] = {}
-                for tensor in entry.tensors:
-                    kind, name, state_key = split_key(tensor.key)
-                    if kind == KIND_WEIGHT or (kind == KIND_MASTER and weight_key(name) not in keys):
-                        targets[tensor.key] = live[name].detach()
-                    elif kind == KIND_OPTIM and self.optimizer is not None:
-                        target = self._state_target(live[name], state_key, tensor)
-                        targets[tensor.key] = target
-                        optimizer_state.setdefault(name, {})[state_key] = target
-                storage = SnapshotReader(reader, step, entry, set(targets))
-                dcp.load(targets, storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
-                for name, plain in entry.values.items():
-                    for key, encoded in plain.items():
-                        optimizer_state.setdefault(name, {})[key] = codec.decode(encoded, {}, f"{unit}.{name}.{key}")
+            replicas = _replica_group(targets)
+            if replicas is None:
+                for unit in sources:
+                    load(unit)
+            else:
+                self._load_once(sources, targets, load, *replicas)
         finally:
             reader.close()
+        for unit, step in sources.items():
+            for name, plain in run.unit_entry(step, unit).values.items():
+                for key, encoded in plain.items():
+                    optimizer_state.setdefault(name, {})[key] = codec.decode(encoded, {}, f"{unit}.{name}.{key}")
         return optimizer_state
+
+    def _targets(self, entry: UnitEntry, live: dict[str, torch.Tensor],
+                 optimizer_state: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Tensor key -> where a unit's saved tensor is loaded on this rank (its optimizer state
+        targets recorded in ``optimizer_state`` by parameter name)."""
+        keys = {t.key for t in entry.tensors}
+        targets: dict[str, torch.Tensor] = {}
+        for tensor in entry.tensors:
+            kind, name, state_key = split_key(tensor.key)
+            if kind == KIND_WEIGHT or (kind == KIND_MASTER and weight_key(name) not in keys):
+                targets[tensor.key] = live[name].detach()
+            elif kind == KIND_OPTIM and self.optimizer is not None:
+                target = self._state_target(live[name], state_key, tensor)
+                targets[tensor.key] = target
+                optimizer_state.setdefault(name, {})[state_key] = target
+        return targets
+
+    def _load_once(self, sources: dict[str, int], targets: dict[str, dict[str, torch.Tensor]],
+                   load: Callable[[str], None], ranks: list[int], group: Any) -> None:
+        """Each unit loaded by one rank of this rank's replica group (``ranks``, balanced by
+        bytes) and its shards broadcast to the others, which hold the same shards
+        (``distributed.read_plan``). The ranks first exchange their groups (a rank that failed
+        before loading then leaves none of the others in a collective)."""
+        self.coordinator.exchange(f"{self.coordinator.round}/replicas", ranks)
+        local = {unit: [_local(t) for t in targets[unit].values()] for unit in sources}
+        specs = {unit: [(t.dtype, list(t.shape)) for t in local[unit]] for unit in sources}
+        units = {f"unit {unit!r} of step {step}": unit for unit, step in sources.items()}
+        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()}, ranks, group)
+
+        def read(item: str) -> list[torch.Tensor]:
+            load(units[item])
+            return local[units[item]]
+
+        for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
+            for target, value in zip(local[units[item]], tensors):
+                if value is not target:
+                    target.copy_(value)
 
     def _state_target(self, param: torch.Tensor, state_key: str, saved: TensorEntry) -> torch.Tensor:
         """Where a saved optimizer state tensor is loaded: the live one if it has the saved
@@ -130,6 +170,29 @@ class FSDPProvider(LocalProvider):
         if isinstance(param, DTensor) and list(param.shape) == saved.shape:
             return torch.empty_like(param.detach(), dtype=saved.torch_dtype)
         return torch.empty(saved.shape, dtype=saved.torch_dtype)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's memory of a load target: a DTensor's local shard (a view), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _replica_group(targets: dict[str, dict[str, torch.Tensor]]) -> tuple[list[int], Any] | None:
+    """The global ranks that hold the same shards as this one (HSDP's replicas: the one mesh
+    dimension the DTensors are replicated over) and their process group; None where no other
+    rank does (FSDP2's shards, one process) or the targets are not all alike (each rank then
+    reads its own). The same answer on every rank: it follows from the model's layout alone."""
+    import torch.distributed as dist
+
+    meshes = {(t.device_mesh, tuple(d for d, p in enumerate(t.placements) if p.is_replicate()))
+              for unit in targets.values() for t in unit.values() if isinstance(t, DTensor)}
+    if len(meshes) != 1:
+        return None
+    ((mesh, dims),) = meshes
+    if len(dims) != 1 or mesh.size(dims[0]) == 1:
+        return None
+    group = mesh.get_group(dims[0])
+    return dist.get_process_group_ranks(group), group
 
 
 def shard_copy(tensor: DTensor) -> tuple[int, int] | None:

@@ -4,17 +4,21 @@ One process, or DDP (every rank holds the same replicated state). A single proce
 every chosen unit. Under DDP the chosen units are spread over the ranks so that each writes a
 disjoint, byte-balanced subset (the same deterministic assignment on every rank, so no
 message is needed): a snapshot's bytes equal a single-process one's, split between ranks.
-Restoring reads every unit whole on every rank (each needs all of it), verifying each file.
+Restoring verifies each file read. One process reads every unit whole; DDP ranks (each needs all
+of it) read each unit once in the job between them, balanced by bytes, and send it to the others
+over torch.distributed (``distributed.read_plan``): each byte leaves the store once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from llmtailor.distributed.coordinator import Coordinator
+from llmtailor.distributed.read_plan import ReadPlan, nbytes
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
@@ -26,6 +30,9 @@ from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedUnit
+
+Loaded = tuple[str, dict[str, torch.Tensor], dict[str, dict[str, Any]]]
+"""``(unit, tensors by key, optimizer values by parameter name)`` of one unit read."""
 
 
 class LocalProvider(StateProvider):
@@ -179,16 +186,51 @@ class LocalProvider(StateProvider):
         model already holds, bit for bit (its checksum is the saved one: a model loaded with
         ``from_pretrained`` of the base, say), is not read again."""
         optimizer_state: dict[str, dict[str, Any]] = {}
-        for unit, source in sources.items():
-            held = self._already_held(run.unit_entry(source, unit), live)
-            loaded, values = run.read_unit(source, unit, skip=set(held))
-            weights, state = split_unit(unit, self.layout.units[unit], {**loaded, **held}, values)
+        for unit, loaded, values in self._read_units(run, sources, live):
+            weights, state = split_unit(unit, self.layout.units[unit], loaded, values)
             for name, tensor in weights.items():
                 if tensor is not live[name]:
                     copy_into(live[name], tensor)
             for name, entries in state.items():
                 optimizer_state.setdefault(name, {}).update(entries)
         return optimizer_state
+
+    def _read_units(self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor]) -> Iterator[Loaded]:
+        """``(unit, tensors by key, optimizer values)`` of each unit, checked, the frozen tensors
+        the live model holds already (``_already_held``) being the live ones. One process reads
+        every unit; DDP ranks (each needs every unit whole) read each once in the job between
+        them (``_read_once``)."""
+        held = {unit: self._already_held(run.unit_entry(source, unit), live) for unit, source in sources.items()}
+        if self.coordinator.world_size > 1:
+            yield from self._read_once(run, sources, held)
+            return
+        for unit, source in sources.items():
+            loaded, values = run.read_unit(source, unit, skip=set(held[unit]))
+            yield unit, {**loaded, **held[unit]}, values
+
+    def _read_once(self, run: Run, sources: dict[str, int], held: dict[str, dict[str, torch.Tensor]]) -> Iterator[Loaded]:
+        """The units read by one rank each, balanced by bytes, and sent to the others
+        (``distributed.read_plan``): each byte leaves the store once per job. A tensor is sent
+        unless every rank holds it already. The ranks first exchange what they hold, which also
+        bounds by the timeout the wait of the others on a rank that failed before loading."""
+        everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
+        entries = {unit: run.unit_entry(source, unit) for unit, source in sources.items()}
+        wanted = {unit: [t for t in entries[unit].tensors if not all(t.key in other.get(unit, ()) for other in everyone)]
+                  for unit in sources}
+        specs = {unit: [(t.torch_dtype, t.shape) for t in wanted[unit]] for unit in sources}
+        units = {f"unit {unit!r} of step {source}": unit for unit, source in sources.items()}
+        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()})
+
+        def read(item: str) -> list[torch.Tensor]:
+            unit = units[item]
+            keys = {t.key for t in wanted[unit]}
+            loaded, _ = run.read_unit(sources[unit], unit, skip={t.key for t in entries[unit].tensors} - keys)
+            return [loaded[t.key] for t in wanted[unit]]
+
+        for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
+            unit = units[item]
+            values = {name: dict(plain) for name, plain in entries[unit].values.items()}
+            yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
 
     @staticmethod
     def _already_held(entry: UnitEntry, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -43,6 +43,18 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     ranks of a data rank train on the same batches). Parity saves at steps 2 and 4 into
     ``DIR/mesh`` (the full versions written as in ``fsdp-train``), then restored at 4 ranks
     into the same layout and into FSDP2 alone (tp 2 -> 1), each compared with the composite.
+``ddp-read-once``  (world 3) DDP: Parity saves at steps 2 and 4 into ``$RUN_ROOT/ddp`` (an ``s3://``
+    URL), versions written as above; then a restore at this world size into a fresh model, each
+    rank counting the bytes it fetches from the object store, by key, and compared; then rank 0
+    flips the last byte of the data file of the version of ``layer.1`` the composite names, and
+    every rank restores again into a fresh model and records the error it got.
+``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
+    ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
+    bytes it fetches by key, and compared.
+``read-kill``  started without torchrun (as ``kill``), world 3, DDP: Parity saves at steps 2 and 4
+    into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 20 s) and rank 1
+    SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
+    record the error they get.
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -78,11 +90,17 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, replicas: int = 1) -> torch.nn.Module:
+    """FSDP2 over every rank; with ``replicas`` > 1, HSDP: sharded over world / replicas ranks,
+    each shard replicated ``replicas`` times."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -123,6 +141,8 @@ def build(kind: str, seed: int, freeze: bool = False):
         model = shard(model)
     elif kind == "tp":
         model = tensor_parallel(model)
+    elif kind == "hsdp":
+        model = shard(model, replicas=2)
     elif kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer, scheduler = build_optimizer(model, total_steps=50)
@@ -333,6 +353,88 @@ def restore_lacking_a_weight(out: Path) -> dict:
 LACKING = "model.layers.1.mlp.up_proj.weight"
 
 
+def count_fetched() -> dict[str, int]:
+    """Bytes fetched from the object store from now on, by key (``read``, ``read_range`` and
+    streamed ``pieces`` of every ``ObjectStore``): filled in as this rank reads."""
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    fetched: dict[str, int] = {}
+
+    def counting(real):
+        def read(self, key, *args, **kwargs):
+            data = real(self, key, *args, **kwargs)
+            fetched[key] = fetched.get(key, 0) + len(data)
+            return data
+        return read
+
+    def counting_pieces(real):
+        def pieces(self, key, *args, **kwargs):
+            for piece in real(self, key, *args, **kwargs):
+                fetched[key] = fetched.get(key, 0) + len(piece)
+                yield piece
+        return pieces
+
+    ObjectStore.read, ObjectStore.read_range = counting(ObjectStore.read), counting(ObjectStore.read_range)
+    ObjectStore.pieces = counting_pieces(ObjectStore.pieces)
+    return fetched
+
+
+def corrupt_unit_file(url: str, unit: str) -> str:
+    """Flip the last byte (tensor data) of the data file of ``unit`` in the version the composite of
+    the run at ``url`` names; return its key."""
+    run = Run(url)
+    step = run.resolve().sources[unit]
+    entry = run.unit_entry(step, unit)
+    storage, key = run.file_location(step, entry.files[entry.tensors[0].chunks[0].file])
+    data = bytearray(storage.read(key))
+    data[-1] ^= 0xFF
+    import obstore
+
+    obstore.put(storage.store, key, bytes(data))
+    return key
+
+
+def read_once(kind: str, out: Path) -> dict:
+    result = save_loop(kind, out, kind, Parity(), last=4, every=2)
+    fetched = count_fetched()
+    result.update(restore_and_compare(kind, out, kind))
+    result["fetched"] = dict(fetched)
+    return result
+
+
+def ddp_read_once(out: Path) -> dict:
+    result = read_once("ddp", out)
+    fetched = count_fetched()
+    dist.barrier()
+    result["corrupted"] = corrupt_unit_file(str(location(out, "ddp")), "layer.1") if rank() == 0 else None
+    dist.barrier()
+    fetched.clear()
+    try:
+        Tailor(location(out, "ddp"), *build("ddp", seed=7), timeout=60).restore()
+        result["refused"] = None
+    except Exception as err:  # the error each rank gets is the point of this scenario
+        result["refused"] = f"{type(err).__name__}: {err}"
+    result["fetched_corrupt"] = dict(fetched)
+    return result
+
+
+def kill_a_reader(out: Path) -> dict:
+    save_loop("ddp", out, "readkill", Parity(), last=4, every=2)
+    tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=20)
+    if rank() == 1:
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Run.read_unit = die
+    start = time.perf_counter()
+    try:
+        tailor.restore()
+        outcome = "restored"
+    except Exception as err:  # the error a surviving rank gets is the point of this scenario
+        outcome = f"{type(err).__name__}: {err}"
+    return {"outcome": outcome, "seconds": time.perf_counter() - start}
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -390,6 +492,10 @@ def main() -> None:
         result = save_loop("tp", out, "mesh", Parity(), last=4, every=2)
         result["same"] = restore_and_compare("tp", out, "mesh")
         result["fsdp"] = restore_and_compare("fsdp", out, "mesh")
+    elif scenario == "ddp-read-once":
+        result = ddp_read_once(out)
+    elif scenario == "hsdp-read-once":
+        result = read_once("hsdp", out)
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "fsdp-lacking":
@@ -398,10 +504,16 @@ def main() -> None:
         result = stateful_per_rank(out)
     elif scenario == "kill":
         result = kill_during_save(out)
+    elif scenario == "read-kill":
+        result = kill_a_reader(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    if scenario == "kill":
+    if scenario == "read-kill" and rank() == 0:  # it hosts the store the other survivor may still be polling
+        deadline = time.monotonic() + 300
+        while not (out / "result-read-kill-2.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    if scenario in ("kill", "read-kill"):
         os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,118 @@
+"""Read once, send to the rest: a 3-rank DDP job restoring from an object store (moto's S3
+server on loopback) fetches each byte of its composite once in total, not once per rank; the
+ranks that did not read a unit get it over torch.distributed from the one that did. A corrupted
+unit file is found by its one reader and the restore refused on every rank, naming that reader
+(one launch, ``torch_job.py ddp-read-once``, covers both); a reader killed mid-restore fails the
+others within the timeout, naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+from objectstore import environment, moto_process, new_bucket  # noqa: E402
+
+from llmtailor.store.run import Run  # noqa: E402
+
+JOB = Path(__file__).with_name("torch_job.py")
+pytestmark = pytest.mark.slow
+RANKS = 3
+
+
+def composite_files(run: Run) -> dict[str, int]:
+    """Object key -> bytes of every data file the composite's units are read from."""
+    composite = run.resolve()
+    files = {}
+    for unit, step in composite.sources.items():
+        entry = run.unit_entry(step, unit)
+        for file in entry.files:
+            files[run.file_location(step, file)[1]] = file.bytes
+    return files
+
+
+def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[list[dict], dict[str, int]]:
+    """``scenario`` of ``torch_job.py`` at ``ranks`` ranks with ``$RUN_ROOT`` in a bucket of a
+    fresh moto server: every rank's result, and the data files of the composite of the run named
+    as the scenario's kind (``ddp``, ``hsdp``) by key, with their bytes."""
+    with moto_process() as endpoint:
+        url = f"s3://{new_bucket(endpoint)}/jobs"
+        for name, value in environment(endpoint).items():  # this process reads the bucket too
+            monkeypatch.setenv(name, value)
+        launch = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
+             scenario, str(out)],
+            env={**os.environ, **environment(endpoint), "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            capture_output=True, text=True, timeout=900,
+        )
+        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
+        results = [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(ranks)]
+        return results, composite_files(Run(f"{url}/{scenario.split('-')[0]}"))
+
+
+def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
+    results, data = launch_on_s3("ddp-read-once", RANKS, tmp_path, monkeypatch)
+    corrupted = results[0]["corrupted"]
+
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+    # Each data file of the composite was fetched by one rank, about once (its header and its
+    # bytes: a few hundred bytes more than the file).
+    fetched = [result["fetched"] for result in results]
+    readers = {key: [r for r in range(RANKS) if fetched[r].get(key)] for key in data}
+    assert all(len(ranks) == 1 for ranks in readers.values()), readers
+    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(data.values())
+    assert len({r for ranks in readers.values() for r in ranks}) > 1  # spread over the ranks
+
+    # The corrupted file: fetched by one rank, whose name every rank's refusal carries.
+    (reader,) = [r for r in range(RANKS) if results[r]["fetched_corrupt"].get(corrupted)]
+    for result in results:
+        refused = result["refused"]
+        assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
+        assert f"rank {reader} read unit 'layer.1'" in refused and "checksum mismatch" in refused, refused
+
+
+def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch):
+    """2 replicas x 2 shards: each replica group reads each unit once between its two ranks; the
+    two groups hold different shards, so the composite's bytes are fetched once in all (its
+    plain tensors, the step counters, once per group: a few bytes)."""
+    results, data = launch_on_s3("hsdp-read-once", 4, tmp_path, monkeypatch)
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+    fetched = [result["fetched"] for result in results]
+    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(data.values())
+    assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
+
+
+def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):
+    """Three processes started by hand (torchrun would kill the survivors itself); rank 1 dies as
+    it begins reading its first unit, which ranks 0 and 2 wait to receive from it."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), "read-kill", str(tmp_path)],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(3)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL
+    for survivor in (0, 2):
+        assert procs[survivor].returncode == 0, outputs[survivor][1][-3000:]
+        outcome = json.loads((tmp_path / f"result-read-kill-{survivor}.json").read_text())["outcome"]
+        # Every survivor gave up on rank 1 at the timeout at the latest (how many seconds that
+        # took on a busy machine is not asserted), its error naming rank 1, and the broadcast of
+        # the read plan each survivor was in when it was lost.
+        assert outcome.startswith("CoordinationError: rank(s) [1] did not report on "), outcome
+        assert f"rank {survivor} failed: the broadcast of unit " in outcome and "within 20 s" in outcome, outcome

@@ -1,0 +1,32 @@
+"""The read plan's own rules, in one process: who reads what, and the packing of an item's
+tensors into the one buffer that is broadcast (the broadcasts themselves: test_read_once.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmtailor.distributed.coordinator import LocalCoordinator
+from llmtailor.distributed.read_plan import ReadPlan, balance, nbytes, pack, unpack
+
+
+def test_pack_and_unpack_give_back_tensors_of_every_dtype_and_shape_bit_for_bit():
+    tensors = [torch.randn(3, 5), torch.tensor(7, dtype=torch.int64), torch.randn(2, 3).to(torch.bfloat16),
+               torch.empty(0, 4), torch.tensor([True, False, True]), torch.randn(4, 6)[:, 1:4]]  # a strided view too
+    specs = [(t.dtype, list(t.shape)) for t in tensors]
+    buffer = pack(tensors, specs)
+    assert buffer.dtype == torch.uint8 and buffer.numel() >= nbytes(specs)
+    back = unpack(buffer.clone(), specs)
+    assert all(b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t) for b, t in zip(back, tensors))
+
+
+def test_each_item_has_one_reader_the_bytes_spread_over_the_group_in_the_items_order():
+    items = {"unit 'embed' of step 4": 900, "unit 'layer.0' of step 2": 400, "unit 'layer.1' of step 4": 400,
+             "unit 'norm' of step 4": 10}
+    coordinator = LocalCoordinator()
+    coordinator.world_size, coordinator.rank = 3, 1
+    plan = ReadPlan(coordinator, items, ranks=[1, 4, 7])
+    assert list(plan.readers) == list(items)  # the order every rank goes through them
+    assert plan.readers == {"unit 'embed' of step 4": 1, "unit 'layer.0' of step 2": 4, "unit 'layer.1' of step 4": 7,
+                            "unit 'norm' of step 4": 4}
+    assert plan.mine() == ["unit 'embed' of step 4"]
+    assert balance({"a": 5, "b": 5, "c": 1}, 2) == {"a": 0, "b": 1, "c": 0}  # ties: the given order, the lowest rank
