@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
+from llmtailor.providers.base import StateProvider
 from llmtailor.providers.local import LocalProvider
 from llmtailor.store import codec
 from llmtailor.store.keys import split_key, weight_key
@@ -51,7 +52,7 @@ class FSDPProvider(LocalProvider):
         self.kind = "fsdp2"
 
     def writes(self, units: list[str]) -> list[str]:
-        return list(units)  # every rank holds a shard of every unit
+        return StateProvider.writes(self, units)  # every rank holds a shard of every unit of its stage
 
     def _memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -18,7 +18,7 @@ from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
-from llmtailor.providers.base import StateProvider, balance, copy_into, hf_config, loading, peft_config, unwrap
+from llmtailor.providers.base import StateProvider, balance_over, copy_into, hf_config, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
@@ -78,14 +78,16 @@ class LocalProvider(StateProvider):
     # -- save side ----------------------------------------------------------------------------
 
     def writes(self, units: list[str]) -> list[str]:
-        """Every unit in one process; under DDP (every rank holds every unit whole) this rank's
-        share of the chosen units, balanced by bytes (``balance``)."""
-        world = self.coordinator.world_size
-        if world == 1:
-            return list(units)
+        """Every unit it holds in one process or a stage of one; under DDP (every rank of a stage
+        holds its units whole) this rank's share of the chosen units of its stage, balanced by
+        bytes over the stage's ranks (``balance_over``)."""
+        held, rank = super().writes(units), self.coordinator.rank
+        ranks = self.stages.ranks_of(rank)
+        if len(ranks) == 1:
+            return held
         sizes = self.unit_sizes()
-        owners = balance({unit: sizes[unit] for unit in units}, world)
-        return [u for u in units if owners[u] == self.coordinator.rank]
+        owners = balance_over({unit: sizes[unit] for unit in held}, ranks)
+        return [u for u in held if owners[u] == rank]
 
     def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]:
         tensors = self.tensors()
@@ -112,8 +114,9 @@ class LocalProvider(StateProvider):
         return tensor
 
     def _unit_tensors(self, unit: str, tensors: dict[str, torch.Tensor]):
-        """``(key, live tensor, is_buffer)`` of a unit's weights and optimizer state tensors."""
-        for name in self.layout.units[unit]:
+        """``(key, live tensor, is_buffer)`` of a unit's weights and optimizer state tensors (none
+        for a unit another pipeline stage holds)."""
+        for name in self.layout.units.get(unit, ()):
             param = tensors[name]
             yield weight_key(name), param, not isinstance(param, torch.nn.Parameter)
             if self.chain is None:
@@ -148,6 +151,13 @@ class LocalProvider(StateProvider):
         }
 
     # -- restore side -------------------------------------------------------------------------
+
+    def regroup(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.chain is None:
+            return groups
+        name_of = {id(t): name for name, t in self.tensors().items()}
+        live = self.chain.group_records(name_of)
+        return optim_state.regroup(groups, [g["params"] for g in live], set(self.layout.tensor_names()))
 
     def check_global(self, shared: dict[str, Any], saved_state: dict[str, set[str]]) -> None:
         """Refuse, before the live state is touched, a snapshot saved without an optimizer or
