@@ -205,7 +205,7 @@ class Tailor:
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
         the writer asks for them) and the global state, encoded now (a copy)."""
-        error, encoded = None, (None, None, None, None)
+        error, encoded, stages = None, (None, None, None, None), self.provider.stages
         try:
             encoded = self.provider.encode_global(step, extra, self.stateful)
         except TailorError as err:
@@ -218,7 +218,7 @@ class Tailor:
             units=(self._frozen.split(self.provider.stage_unit(u), frozen) for u in self.provider.writes(units)),
             composite=composite, global_doc=encoded[0], global_tensors=encoded[1], rank_doc=encoded[2],
             rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind,
-            notes=self.provider.notes(), base=self._frozen.base_record(), error=error,
+            notes={**self.provider.notes(), **({"stages": stages.record()} if stages.pipelined else {})}, base=self._frozen.base_record(), error=error,
         )
 
     def _after_commit(self, step: int, result: PersistResult) -> None:

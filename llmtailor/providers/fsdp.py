@@ -7,7 +7,8 @@ DCP's own save planner computes them (no gather, no full tensor on any rank). A 
 replicated over a mesh dimension (HSDP) is written by the rank at coordinate 0 of that
 dimension only. Plain tensors (the per-parameter ``step`` scalars, unsharded buffers) are the
 same on every rank and are written once, by the unit's owner (``StateProvider.owner``: units
-balanced over the ranks by bytes).
+balanced over the ranks by bytes; over the ranks of its stage where ranks hold different layers,
+pipeline stages each sharded over its own data ranks).
 
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),

@@ -4,7 +4,8 @@ One process, or DDP (every rank holds the same replicated state). A single proce
 every chosen unit. Under DDP the chosen units are spread over the ranks so that each writes a
 disjoint, byte-balanced subset (the same deterministic assignment on every rank, so no
 message is needed): a snapshot's bytes equal a single-process one's, split between ranks.
-Restoring reads every unit whole on every rank (each needs all of it), verifying each file.
+Pipeline stages (ranks holding different layers) spread the units of each stage over its own
+ranks alike. Restoring reads every unit a rank holds whole (it needs all of it), verifying each file.
 """
 
 from __future__ import annotations

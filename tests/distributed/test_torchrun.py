@@ -171,15 +171,16 @@ def test_each_rank_saves_and_restores_its_own_stateful_objects(tmp_path):
     assert "were not used (saved at world size 2)" in " ".join(report.unmapped)
 
 
-@pytest.mark.parametrize("nproc", [2, 4], ids=["2-stages", "2-stages-x-2-fsdp"])
-def test_pipeline_stages_save_with_parity_and_restore_into_the_stages_and_into_one_process(tmp_path, nproc):
+@pytest.mark.parametrize("nproc, into", [(2, (4, 4)), (4, (2, 2))], ids=["2-stages", "2-stages-x-2-fsdp"])
+def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into_one_process(tmp_path, nproc, into):
     """Each rank keeps its stage's half of the layers under their original names (torchtitan's
     pipeline split), sharded over 2 data ranks at 4. Found before: with drift, gloo aborted the
     job (2 stages) or two ranks hung inside save (2 x 2); without, a snapshot committed holding
     the first stage's units only. Now: Parity saves with drift commit every unit, each written
     by its stage; fresh stages restore every tensor, the scheduler and the groups of their own
-    stage; one plain process restores the whole model; a layer cut between the stages is refused
-    on every rank with one message (the launch's timeout stands for a hang)."""
+    stage; so do other stages (2 -> 4 stages; 2 x 2 -> 2 x 1) and one plain process; a layer cut
+    between the stages is refused on every rank with one message (the launch's timeout stands
+    for a hang)."""
     results = torchrun(nproc, "pipeline", tmp_path, timeout=500)
     data = nproc // 2
     run = Run(tmp_path / "stages")
@@ -208,6 +209,9 @@ def test_pipeline_stages_save_with_parity_and_restore_into_the_stages_and_into_o
 
     mismatches, report = restore_in_one_process(tmp_path, "stages")
     assert mismatches == [] and report.step == 6 and report.saved_world_size == nproc
+    world, stages = into
+    for result in torchrun(world, "pipeline-restore", tmp_path, timeout=300, STAGES=str(stages)):
+        assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):

@@ -32,6 +32,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     writing its stage's versions to ``DIR/versions/<step>.stage<k>``; fresh stages restore it
     and compare every tensor, the LR scheduler and the optimizer groups; then stages that cut
     layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=20``): the refusal recorded.
+``pipeline-restore``  ``$STAGES`` stages (over this world's ranks) restore ``DIR/stages`` and compare
+    every tensor with its composite version.
 ``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
     forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
     lacks the weight ``model.layers.1.mlp.up_proj.weight``; every rank restores it into a fresh
@@ -243,12 +245,21 @@ def stateful_per_rank(out: Path) -> dict:
     return {"restored": report.step, "position": fresh.record(), "unmapped": list(report.unmapped)}
 
 
+def documented_split():
+    """``pipeline_stage(model, stage, stages)`` as docs/distributed.md shows it (its block run here)."""
+    from test_readme import block
+
+    namespace: dict = {}
+    exec(block("docs/distributed.md", "## Pipeline stages", "python"), namespace)
+    return namespace["pipeline_stage"]
+
+
 def pipeline_stage(stages: int, seed: int = 0, split: bool = False) -> torch.nn.Module:
-    """This rank's stage of a tiny Llama: its half of the layers in a ModuleDict keyed by their
-    original indices (so their names stay ``model.layers.<i>.``), the embedding on the first
-    stage only, norm and head on the last; sharded over the stage's data ranks if it has several.
-    Its forward is the stage's part of the model's (``stage_forward``). ``split``: layer 2 is cut
-    between the stages (its attention on the first, its MLP on the second), which cannot be saved."""
+    """This rank's stage of a tiny Llama, split as the docs show (``documented_split``): its share
+    of the layers under their original names, the embedding on the first stage only, norm and
+    head on the last; sharded over the stage's data ranks if it has several. Its forward is the
+    stage's part of the model's (``stage_forward``). ``split``: layer ``per`` is cut between the
+    first two stages (its attention on the first, its MLP on the second): it cannot be saved."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -258,19 +269,14 @@ def pipeline_stage(stages: int, seed: int = 0, split: bool = False) -> torch.nn.
     mesh = init_device_mesh("cpu", (stages, data), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     model, _, _ = tiny(seed=seed)
-    layers = model.model.layers
+    layers = list(model.model.layers)
+    model = documented_split()(model, stage, stages)
     per = len(layers) // stages
-    held = range(stage * per, (stage + 1) * per + (1 if split and stage == 0 else 0))
-    model.model.layers = torch.nn.ModuleDict({str(i): layers[i] for i in held})
-    if split:
-        if stage == 0:
-            layers[per].mlp = None
-        else:
-            layers[per].self_attn = None
-    if stage > 0:
-        model.model.embed_tokens = None
-    if stage < stages - 1:
-        model.model.norm, model.lm_head = None, None
+    if split and stage == 0:
+        model.model.layers[str(per)] = layers[per]
+        layers[per].mlp = None
+    elif split and stage == 1:
+        layers[per].self_attn = None
     model.forward = partial(stage_forward, model)
     if data > 1:
         for layer in model.model.layers.values():
@@ -334,16 +340,7 @@ def pipeline(out: Path, stages: int = 2) -> dict:
                 report = tailor.save(step, extra={"rank": rank()})
                 write_versions(out, step, model, optimizer, name=f"{step}.stage{rank() // data}", writer=rank() % data == 0)
                 saves.append({"step": step, "units": report.units, "rank_bytes": report.rank_bytes})
-    fresh = pipeline_stage(stages, seed=5)
-    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, total_steps=50)
-    report = Tailor(out / "stages", fresh, fresh_optimizer, fresh_scheduler, timeout=60).restore()
-    result = {
-        "saves": saves, "restored": report.step, "extra": report.extra, "unmapped": list(report.unmapped),
-        "mismatches": compare_with_composite(out, out / "stages", fresh, fresh_optimizer),
-        "scheduler": [fresh_scheduler.state_dict() == scheduler.state_dict(), fresh_scheduler.last_epoch],
-        "groups": [{k: v for k, v in g.items() if k != "params"} for g in fresh_optimizer.param_groups]
-        == [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-    }
+    result = {"saves": saves, **restore_stages(out, stages, optimizer, scheduler)}
     split = pipeline_stage(stages, split=True)
     try:
         Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=20)
@@ -351,6 +348,26 @@ def pipeline(out: Path, stages: int = 2) -> dict:
     except Exception as err:  # the refusal each rank gets is the point of this part
         result["refused"] = f"{type(err).__name__}: {err}"
     return result
+
+
+def restore_stages(out: Path, stages: int, optimizer=None, scheduler=None) -> dict:
+    """Fresh stages restore ``DIR/stages`` and compare every tensor with its composite version,
+    and the scheduler and groups with the live ones that saved it (when given)."""
+    from llmtailor.training_example import build_optimizer
+
+    fresh = pipeline_stage(stages, seed=5)
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, total_steps=50)
+    report = Tailor(out / "stages", fresh, fresh_optimizer, fresh_scheduler, timeout=60).restore()
+
+    def hyper(opt):
+        return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    return {
+        "restored": report.step, "extra": report.extra, "unmapped": list(report.unmapped),
+        "mismatches": compare_with_composite(out, out / "stages", fresh, fresh_optimizer),
+        "scheduler": [scheduler is None or fresh_scheduler.state_dict() == scheduler.state_dict(), fresh_scheduler.last_epoch],
+        "groups": optimizer is None or hyper(fresh_optimizer) == hyper(optimizer),
+    }
 
 
 def restore_lacking_a_weight(out: Path) -> dict:
@@ -428,6 +445,8 @@ def main() -> None:
         result.update(restore_and_compare("ddp", out, "ddp"))
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
+    elif scenario == "pipeline-restore":
+        result = restore_stages(out, stages=int(os.environ["STAGES"]))
     elif scenario == "fsdp-lacking":
         result = restore_lacking_a_weight(out)
     elif scenario == "stateful":
