@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -234,13 +234,14 @@ class StateProvider(ABC):
         if saved is None and not self.stages.pipelined:
             return shared
         states = []
-        for stage in saved or [{"ranks": [0], "units": list(self.stages.layout.units)}]:
-            leader = stage["ranks"][0]
-            state = shared if leader == 0 else (run.read_rank_state(step, leader) or {}).get("stage")
-            if not isinstance(state, dict):
-                raise IntegrityError(f"the snapshot of step {step} lacks the global state of the pipeline stage of "
-                                     f"rank {leader} (units [{', '.join(stage['units'][:3])}, ...])")
-            states.append((stage["units"], state))
+        with loading("pipeline stages' global state", step):
+            for stage in saved or [{"ranks": [0], "units": list(self.stages.layout.units)}]:
+                leader = stage["ranks"][0]
+                state = shared if leader == 0 else (run.read_rank_state(step, leader) or {}).get("stage")
+                if not isinstance(state, dict):
+                    raise IntegrityError(f"the snapshot of step {step} lacks the global state of the pipeline stage "
+                                         f"of rank {leader} (units {stage['units'][:3]}...)")
+                states.append((list(stage["units"]), state))
         first = next(iter(self.layout.units))
         mine = next((state for units, state in states if first in units), states[0][1])
         groups = [g for _, state in states for g in state.get("optimizer_groups") or []]
