@@ -300,7 +300,10 @@ class DriftWatch:
         sample = self.tracker.gather(self.units, self.source)
         sums = self.reduce(self.tracker.partial_sums(self.units, sample))
         self._pending = (sample, [])
-        return drift_figures(self.units, sums, self.tracker.known())
+        # The sums are over every unit on every rank (zeros where a rank holds none of it, as a
+        # pipeline stage does): one all-reduce of one size. A unit no rank has a reference of sums
+        # to a zero norm, reported as None; a rank's own references (known()) are its stage's only.
+        return drift_figures(self.units, sums, set(self.units))
 
     def saving(self, units: list[str]) -> None:
         """The save just measured writes ``units``: their sample becomes their reference once it commits."""

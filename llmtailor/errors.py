@@ -37,8 +37,9 @@ class IncompatibleModelError(TailorError):
 
 
 class UnsupportedLayoutError(TailorError):
-    """The ranks of a job hold different layouts (pipeline stages, each holding some of the
-    layers; models built differently): refused on every rank when the ``Tailor`` is built."""
+    """The ranks of a job hold layouts that cannot be saved as one run (models built differently,
+    pipeline stages sharing a unit, stages under DeepSpeed): refused on every rank when the
+    ``Tailor`` is built."""
 
 
 class BackgroundSaveError(TailorError):

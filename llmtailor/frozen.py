@@ -189,12 +189,10 @@ class FrozenParts:
         frozen = {weight_key(n) for n in self.provider.frozen_names()}
         units = list(self.provider.layout.units)
         pieces: dict[str, list[Piece]] = {}
-        unit_of: dict[str, str] = {}
-        for unit, unit_pieces in self.provider.pieces_by_unit(units).items():
+        for unit_pieces in self.provider.pieces_by_unit(units).values():
             for piece in unit_pieces:
                 if piece.key in frozen:
                     pieces.setdefault(piece.key, []).append(piece)
-                    unit_of[piece.key] = unit
         prints = fingerprints(pieces)
         changed = sorted(key for key, now in prints.items() if key not in self._held or self._held[key][1] != now)
         if self.base is not None:  # first seen (or changed): equal to the base's? then kept from there
@@ -204,10 +202,17 @@ class FrozenParts:
                 if ref is not None:
                     self._held[key], self._base_refs[key] = ("base", prints[key]), ref
                     changed.remove(key)
+        frozen_units = set(self.provider.frozen_units())
         if self.coordinator.world_size > 1:
-            changed = sorted({key for report in self.coordinator.exchange(tag, changed) for key in report})
+            held = list(self.provider.layout.units)
+            reports = self.coordinator.exchange(tag, [changed, sorted(frozen_units), held])
+            changed = sorted({key for report in reports for key in report[0]})
+            # Frozen where every rank holding it says so: pipeline stages hold different units.
+            frozen_units = {u for u in self.provider.stages.layout.units
+                            if all(u in report[1] for report in reports if u in report[2])}
         kept = {key: self._held[key][0] for key in prints if key not in changed}
-        quiet = {u for u in self.provider.frozen_units() if u in versioned and not any(unit_of.get(k) == u for k in changed)}
+        unit_of = self.provider.stages.layout.unit_of
+        quiet = {u for u in frozen_units if u in versioned and not any(unit_of(split_key(k)[1]) == u for k in changed)}
         base = {key: self._base_refs[key] for key, holder in kept.items() if holder == "base"}
         return FrozenPlan(kept=kept, quiet=quiet, fingerprints=prints, base=base)
 
@@ -234,7 +239,7 @@ class FrozenParts:
         (plan, written), self._pending = self._pending, None
         sizes = self._sizes()
         for unit in written:
-            names = self.provider.layout.units[unit]
+            names = self.provider.layout.units.get(unit, ())  # another pipeline stage's: none here
             wrote = [weight_key(n) for n in names if weight_key(n) in plan.fingerprints and weight_key(n) not in plan.kept]
             for key in wrote:
                 self._held[key] = (step, plan.fingerprints[key])

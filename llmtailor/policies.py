@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmtailor.constants import LAYER_PREFIX, layer_unit
+from llmtailor.constants import LAYER_PREFIX
 from llmtailor.errors import ConfigError
 
 
@@ -117,8 +117,9 @@ class Parity(Policy):
 
     def select(self, ctx: SaveContext) -> set[str]:
         parity = ctx.save_index % 2
-        layers = {layer_unit(i) for i in range(len(ctx.layer_units)) if i % 2 == parity}
-        return layers & set(ctx.units) | set(ctx.aux_units)
+        # By layer index, not position: the same layers whichever of them a layout holds.
+        layers = {u for u in ctx.layer_units if int(u[len(LAYER_PREFIX):]) % 2 == parity}
+        return layers | set(ctx.aux_units)
 
 
 @dataclass(frozen=True)

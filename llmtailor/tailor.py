@@ -18,9 +18,11 @@ Each save writes the units the policy picks plus the global state; ``restore`` l
 composite (each unit from its newest version, global state from the composite's step) into
 the live objects in place. In a torch.distributed job every rank makes the same calls (they
 are collective): each rank writes its own shards, one manifest commits them all, and a run
-saved at one world size restores at another. Every rank must hold the same layout (its pieces of
-every unit): ranks holding different layers (pipeline stages) are refused on every rank when the
-Tailor is built, before any other collective (``providers/agreement.py``).
+saved at one world size restores at another. Ranks may hold different layers (pipeline stages,
+the original names kept): the run's layout is the union of theirs, each rank writes and reads
+only the units it holds, and each stage's optimizer groups and LR scheduler are saved with it;
+what cannot be saved so is refused on every rank when the Tailor is built, before any other
+collective (``providers/agreement.py``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Tailor:
         self.run = self.tiers.first.run  # where saves commit: the run directory, or the fastest tier
         self.coordinator: Coordinator = make_coordinator(self.config.timeout)
         self.provider: StateProvider = make_provider(model, optimizer, lr_scheduler, self.coordinator, self.config.family)
-        self.layout: Layout = self.provider.layout
+        self.layout: Layout = self.provider.stages.layout  # the run's: every rank's units (pipeline stages)
         self.policy.check_units(list(self.layout.units))
         self.lineage = Lineage()  # the lineage it extends: set by restore() and by its own saves
         self._stager = AsyncStager(self.provider.optimizers()) if self.config.async_save else None
@@ -203,7 +205,7 @@ class Tailor:
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
         the writer asks for them) and the global state, encoded now (a copy)."""
-        error, encoded = None, (None, None, None, None)
+        error, encoded, stages = None, (None, None, None, None), self.provider.stages
         try:
             encoded = self.provider.encode_global(step, extra, self.stateful)
         except TailorError as err:
@@ -212,11 +214,11 @@ class Tailor:
             error = err  # the save must fail on every rank: persisting reports it
         return StagedSnapshot(
             step=step, parent=self.lineage.parent, save_index=self.lineage.save_index, policy=self.policy.describe(),
-            layout=self.layout.to_record(),
+            layout=self.layout.to_record(), holds=list(self.provider.layout.units),
             units=(self._frozen.split(self.provider.stage_unit(u), frozen) for u in self.provider.writes(units)),
             composite=composite, global_doc=encoded[0], global_tensors=encoded[1], rank_doc=encoded[2],
             rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind,
-            notes=self.provider.notes(), base=self._frozen.base_record(), error=error,
+            notes={**self.provider.notes(), **({"stages": stages.record()} if stages.pipelined else {})}, base=self._frozen.base_record(), error=error,
         )
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
@@ -260,7 +262,7 @@ class Tailor:
                 shared = self.provider.check_composite(run, composite)
                 # The live state changes from here: a mix until the ranks agree (agree may itself raise).
                 touched, self._partly_restored = True, f"the restore of step {chosen} did not complete"
-                self.provider.load(run, dict(composite.sources), shared, verify)
+                self.provider.load(run, self.provider.held(composite.sources), shared, verify)
             except BaseException as err:
                 error = err
             failure, partly = self.coordinator.agree(f"{round_}/loaded", chosen, error, touched)

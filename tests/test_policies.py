@@ -36,6 +36,15 @@ def test_parity_alternates_layers_and_keeps_aux():
     assert all(AUX <= set(s) for s in saves)
 
 
+def test_parity_decides_by_layer_index_whichever_layers_the_units_hold():
+    """A pipeline stage's layers (4..7 under their own names) alternate as the whole model's do:
+    by index, not by their count (which picked layers 0..3, none of them held, before)."""
+    stage = ("layer.4", "layer.5", "layer.6", "layer.7", "norm", "head")
+    for index, expected in ((1, {5, 7}), (2, {4, 6})):
+        chosen = Parity().choose(SaveContext(save_index=index, step=index, units=stage, last_saved={u: 0 for u in stage}))
+        assert layers(chosen) == expected and {"norm", "head"} <= set(chosen)
+
+
 def test_filter_default_is_first_two_and_last_two_layers_plus_aux():
     saves = run_policy(Filter(every=3), 7)
     for index in (1, 2, 4, 5):

@@ -199,3 +199,8 @@ def _offsets(specs: list[Spec]) -> list[int]:
 
 def _packed_size(specs: list[Spec]) -> int:
     return sum(-(-_size(dtype, shape) // _ALIGN) * _ALIGN for dtype, shape in specs)
+
+
+def balance_over(sizes: dict[str, int], ranks: tuple[int, ...]) -> dict[str, int]:
+    """Unit -> one of ``ranks`` (a stage's), balancing bytes as ``balance`` does over their positions."""
+    return {unit: ranks[position] for unit, position in balance(sizes, len(ranks)).items()}

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.errors import ConfigError
+from llmtailor.errors import ConfigError, UnsupportedLayoutError
 from llmtailor.layouts import build_layout
-from llmtailor.providers.agreement import check_same_layout
+from llmtailor.providers.agreement import agree_layout
 from llmtailor.providers.base import StateProvider, unwrap
 from llmtailor.providers.local import LocalProvider
 
@@ -24,10 +24,15 @@ def make_provider(
 ) -> StateProvider:
     """The provider serving ``model``: a DeepSpeed engine, an FSDP2 (``fully_shard``) model,
     or a plain / DDP-wrapped module. Collective in a distributed job, and the first collective
-    a ``Tailor`` makes: ranks holding different layouts (pipeline stages) are refused on every
-    rank (``agreement.check_same_layout``) before any other could hang or commit part of the model."""
+    a ``Tailor`` makes: the ranks agree on the run's layout and its pipeline stages
+    (``agreement.agree_layout``), and a layout that cannot be saved is refused on every rank
+    before any other collective could hang or commit part of the model."""
     provider = _provider(model, optimizer, lr_scheduler, coordinator, family)
-    check_same_layout(provider, f"{coordinator.new_round()}/layout")
+    stages = agree_layout(provider, f"{coordinator.new_round()}/layout")
+    if stages.pipelined and provider.kind.startswith("deepspeed"):
+        raise UnsupportedLayoutError(
+            f"the ranks of this job hold different units of the model ({len(stages.stages)} pipeline stages) under "
+            "DeepSpeed: pipeline stages are supported with plain, DDP or FSDP2 models, not DeepSpeed engines")
     return provider
 
 

@@ -21,15 +21,16 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.distributed.read_plan import balance
+from llmtailor.distributed.read_plan import balance_over
 from llmtailor.errors import IncompatibleModelError, IntegrityError, TailorError
 from llmtailor.layouts import Layout
 from llmtailor.providers import rng
@@ -44,8 +45,36 @@ if TYPE_CHECKING:
     from llmtailor.providers.stateful import StatefulObjects
 
 
+@dataclass(frozen=True)
+class Stages:
+    """Which ranks hold which units, the same on every rank (``agreement.agree_layout``): the
+    run's ``layout``, the union of what the ranks hold, and its stages: ``(ranks, units)`` per
+    group of ranks holding the same units, in rank order; each unit in one stage. One stage of
+    every rank unless ranks hold different layers (pipeline-parallel stages)."""
+
+    layout: Layout
+    stages: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
+
+    @classmethod
+    def single(cls, layout: Layout, world: int) -> Stages:
+        return cls(layout, ((tuple(range(world)), tuple(layout.units)),))
+
+    @property
+    def pipelined(self) -> bool:
+        return len(self.stages) > 1
+
+    def ranks_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s stage (``rank`` among them)."""
+        return next(ranks for ranks, _ in self.stages if rank in ranks)
+
+    def record(self) -> list[dict[str, Any]]:
+        """The stages as the global state records them (JSON): each stage's ranks and units."""
+        return [{"ranks": list(ranks), "units": list(units)} for ranks, units in self.stages]
+
+
 class StateProvider(ABC):
-    """The live state of one rank (module docstring)."""
+    """The live state of one rank (module docstring). ``layout`` holds the units this rank
+    holds; ``stages.layout`` the run's (every rank's, as ``make_provider`` agreed it)."""
 
     kind: str = "local"
     """Recorded in the manifest as ``provider``."""
@@ -53,6 +82,7 @@ class StateProvider(ABC):
     def __init__(self, layout: Layout, coordinator: Coordinator):
         self.layout = layout
         self.coordinator = coordinator
+        self.stages = Stages.single(layout, coordinator.world_size)
         self._owners: dict[str, int] | None = None
 
     def refresh(self) -> None:
@@ -68,19 +98,19 @@ class StateProvider(ABC):
                 for unit, names in self.layout.units.items()}
 
     def owner(self, unit: str) -> int:
-        """The rank that writes what every rank holds alike of ``unit`` (step counters, buffers,
-        frozen weights that are not sharded): fixed for the run, the units balanced over the
-        ranks by bytes (``balance``)."""
+        """The rank that writes what the ranks of its stage hold alike of ``unit`` (step
+        counters, buffers, frozen weights that are not sharded), for a unit this rank holds:
+        fixed for the run, the stage's units balanced over its ranks by bytes (``balance_over``)."""
         if self._owners is None:
-            self._owners = balance(self.unit_sizes(), self.coordinator.world_size)
+            self._owners = balance_over(self.unit_sizes(), self.stages.ranks_of(self.coordinator.rank))
         return self._owners[unit]
 
     # -- save side ----------------------------------------------------------------------------
 
     def writes(self, units: list[str]) -> list[str]:
-        """Of the units chosen for a save, those this rank writes pieces of (all, by default:
-        each rank writes its own shards of every unit)."""
-        return list(units)
+        """Of the units chosen for a save, those this rank writes pieces of (by default those it
+        holds: each rank writes its own shards of every unit of its stage)."""
+        return [u for u in units if u in self.layout.units]
 
     @abstractmethod
     def stage_unit(self, unit: str) -> StagedUnit:
@@ -99,7 +129,8 @@ class StateProvider(ABC):
     @abstractmethod
     def capture_shared(self) -> dict[str, Any]:
         """State all ranks share: ``optimizer_groups``, ``lr_scheduler``, ``model_config`` (and
-        what else the provider needs back). Called on the leader only."""
+        what else the provider needs back). Called on the leader only (and on each pipeline
+        stage's leader, for its stage's optimizer and scheduler)."""
 
     def capture_rank(self) -> dict[str, Any]:
         """This rank's own state (its RNG streams); user extras are added by ``Tailor``."""
@@ -146,10 +177,10 @@ class StateProvider(ABC):
         A parameter saved only as an fp32 master may load into a model of another float dtype
         (mixed precision keeps the master); any other dtype must match."""
         saved = Layout.from_record(manifest.layout)
-        problems = self.layout.diff(saved)
+        problems = self.stages.layout.diff(saved)  # the run's layout: every rank's units
         if not problems:
             live = self.live_specs()
-            for unit in manifest.composite:
+            for unit in self.held(manifest.composite):
                 source = index_of(unit)
                 weights = {split_key(e.key)[1]: e for e in source.tensors if split_key(e.key)[0] == KIND_WEIGHT}
                 masters = {split_key(e.key)[1]: e for e in source.tensors if split_key(e.key)[0] == KIND_MASTER}
@@ -181,20 +212,52 @@ class StateProvider(ABC):
         model directory there (``Run.check_base``), optimizer class, groups and state keys,
         scheduler (``check_global``). Returns the composite step's global state."""
         self.check_compatible(composite.manifest, lambda unit: run.unit_entry(composite.sources[unit], unit))
-        missing = set(self.layout.units) - set(composite.sources)
+        missing = set(self.stages.layout.units) - set(composite.sources)
         if missing:
             raise IntegrityError(f"composite of step {composite.step} names no version of units {sorted(missing)}")
         self.check_held(run, composite)
         run.check_base(composite)
-        shared = run.read_global(composite.step)
+        shared = self.stage_shared(run, composite.step, run.read_global(composite.step))
         self.check_global(shared, saved_state_keys(run, composite))
         return shared
+
+    def held(self, sources: Mapping[str, int]) -> dict[str, int]:
+        """Of a composite's ``sources`` (unit -> snapshot), the units this rank holds: all it reads."""
+        return {unit: step for unit, step in sources.items() if unit in self.layout.units}
+
+    def stage_shared(self, run: Run, step: int, shared: dict[str, Any]) -> dict[str, Any]:
+        """The global state of step ``step`` (``shared``: rank 0's) as this rank's stage loads it.
+        Saved by pipeline stages, or restored into them, the optimizer groups are every saved
+        stage's, cut along the live optimizer's groups (``regroup``: each parameter keeps its
+        saved hyperparameters); the LR scheduler and optimizer class are the saved stage's
+        that held the first unit this rank holds (a stage's leader keeps them in its rank state)."""
+        saved = shared.get("stages")
+        if saved is None and not self.stages.pipelined:
+            return shared
+        states = []
+        with loading("pipeline stages' global state", step):
+            for stage in saved or [{"ranks": [0], "units": list(self.stages.layout.units)}]:
+                leader = stage["ranks"][0]
+                state = shared if leader == 0 else (run.read_rank_state(step, leader) or {}).get("stage")
+                if not isinstance(state, dict):
+                    raise IntegrityError(f"the snapshot of step {step} lacks the global state of the pipeline stage "
+                                         f"of rank {leader} (units {stage['units'][:3]}...)")
+                states.append((list(stage["units"]), state))
+        first = next(iter(self.layout.units))
+        mine = next((state for units, state in states if first in units), states[0][1])
+        groups = [g for _, state in states for g in state.get("optimizer_groups") or []]
+        return {**shared, "lr_scheduler": mine.get("lr_scheduler"), "optimizer_class": mine.get("optimizer_class"),
+                "optimizer_groups": self.regroup(groups) if mine.get("optimizer_groups") is not None else None}
+
+    def regroup(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Saved optimizer groups (every stage's) cut along this rank's live groups."""
+        return groups
 
     def check_held(self, run: Run, composite: Composite) -> None:
         """Refuse a composite a unit version of which lacks a weight of the unit, written or
         kept (from an older snapshot or the base directory): every provider loads a unit by
         the keys its index lists, so a weight it lacks would keep its live value unseen."""
-        for unit, source in composite.sources.items():
+        for unit, source in self.held(composite.sources).items():
             keys = {tensor.key for tensor in run.unit_entry(source, unit).tensors}
             lacking = lacking_weights(self.layout.units[unit], keys)
             if lacking:
@@ -226,9 +289,13 @@ class StateProvider(ABC):
         (``providers/stateful.py``); another rank's files its own. Raises a TailorError for state
         that would need pickle."""
         own = {**self.capture_rank(), "extra": extra, **(stateful.captured() if stateful is not None else {})}
+        rank, pipelined = self.coordinator.rank, self.stages.pipelined
         if self.coordinator.is_leader:
-            return (*codec.encode({"step": step, **self.capture_shared(), **own}, where="global state"), None, None)
-        return (None, None, *codec.encode(own, where=f"global state of rank {self.coordinator.rank}"))
+            stages = {"stages": self.stages.record()} if pipelined else {}
+            return (*codec.encode({"step": step, **self.capture_shared(), **stages, **own}, where="global state"), None, None)
+        if pipelined and self.stages.ranks_of(rank)[0] == rank:  # the leader of a stage: its optimizer and scheduler
+            own["stage"] = self.capture_shared()
+        return (None, None, *codec.encode(own, where=f"global state of rank {rank}"))
 
     def restore_rank_state(self, run: Run, composite: Composite,
                            stateful: StatefulObjects | None = None) -> tuple[Any, tuple[str, ...]]:

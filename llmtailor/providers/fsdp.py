@@ -11,6 +11,8 @@ not span (a tensor on the ``dp`` sub-mesh of a ``dp`` x ``tp`` job has a copy on
 rank); which copy writes is balanced by unit bytes (``copy_writer``). Plain tensors (the
 per-parameter ``step`` scalars, unsharded buffers) are the same on every rank and are written
 once, by the unit's owner (``StateProvider.owner``: units balanced over the ranks by bytes).
+Where ranks hold different layers (pipeline stages each sharded over their own data ranks) the plain
+tensors' owner is chosen over the ranks of the unit's stage.
 
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
@@ -37,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
 from llmtailor.distributed.read_plan import ReadPlan, balance, nbytes
+from llmtailor.providers.base import StateProvider
 from llmtailor.providers.local import LocalProvider
 from llmtailor.store import codec
 from llmtailor.store.keys import split_key, weight_key
@@ -61,7 +64,7 @@ class FSDPProvider(LocalProvider):
         self._copy_writers: dict[int, dict[str, int]] = {}
 
     def writes(self, units: list[str]) -> list[str]:
-        return list(units)  # every rank holds a shard of every unit
+        return StateProvider.writes(self, units)  # every rank holds a shard of every unit of its stage
 
     def _memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -69,7 +72,7 @@ class FSDPProvider(LocalProvider):
     def _tensor_pieces(self, unit: str, key: str, tensor: torch.Tensor) -> list[Piece]:
         if not isinstance(tensor, DTensor):
             return [Piece.whole(key, tensor)] if self.owner(unit) == self.coordinator.rank else []
-        copy = shard_copy(tensor)
+        copy = shard_copy(tensor, self.stages.ranks_of(self.coordinator.rank))
         if copy is None or copy[0] != self.copy_writer(unit, copy[1]):
             return []
         planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -195,16 +198,18 @@ def _replica_group(targets: dict[str, dict[str, torch.Tensor]]) -> tuple[list[in
     return dist.get_process_group_ranks(group), group
 
 
-def shard_copy(tensor: DTensor) -> tuple[int, int] | None:
+def shard_copy(tensor: DTensor, stage: tuple[int, ...] | None = None) -> tuple[int, int] | None:
     """``(index, count)``: how many ranks of the job hold this rank's shard of ``tensor`` and
     which of them this rank is (the same numbering on every rank holding the shard); None if
     this rank holds none. The copies lie along the dimensions of the tensor's mesh it is
     replicated over and the dimensions of the global mesh that mesh was cut from which it does
-    not span (the ranks there hold their own copy of the tensor's mesh)."""
+    not span (the ranks there hold their own copy of the tensor's mesh), among the ranks of
+    ``stage`` (the ranks holding the tensor's unit, where pipeline stages hold different layers:
+    a ``pp`` x ``dp`` mesh's other stages hold no copy; None: every rank)."""
     coordinate = tensor.device_mesh.get_coordinate()
     if coordinate is None:
         return None
-    index, count = _copy_across_global_mesh(tensor.device_mesh)
+    index, count = _copy_across_global_mesh(tensor.device_mesh, stage)
     for c, size, placement in zip(coordinate, tensor.device_mesh.mesh.shape, tensor.placements):
         if placement.is_replicate():
             index, count = index * size + c, count * size
@@ -212,24 +217,22 @@ def shard_copy(tensor: DTensor) -> tuple[int, int] | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _copy_across_global_mesh(mesh: DeviceMesh) -> tuple[int, int]:
+def _copy_across_global_mesh(mesh: DeviceMesh, stage: tuple[int, ...] | None) -> tuple[int, int]:
     """``(index, count)`` of this rank's group of ``mesh`` among the copies of that group in the
-    global mesh it was cut from (``init_device_mesh(...)["dp"]``): the copies lie along the
-    global dimensions over which the ranks of one group do not vary. ``(0, 1)`` for a mesh cut
-    from nothing (one spanning the job; or one made apart, whose copies cannot be known here:
-    two ranks writing the same chunk then fail the save in one line naming them, see
-    ``store.writer``). Every rank is taken to hold every unit (ranks holding different units are
-    refused when the ``Tailor`` is built): pipeline stages cut from one global mesh will need
-    the ranks holding each unit here, else a stage's units are refused at commit as written by
-    no rank."""
+    global mesh it was cut from (``init_device_mesh(...)["dp"]``): the ranks at this rank's
+    coordinates on the global dimensions the group varies over, whatever their coordinates on
+    the others, kept to those in ``stage`` (None: all), numbered in the global mesh's order.
+    ``(0, 1)`` for a mesh cut from nothing (one spanning the job; or one made apart, whose
+    copies cannot be known here: two ranks writing the same chunk then fail the save in one line
+    naming them, see ``store.writer``)."""
     root = mesh._get_root_mesh()  # torch's only link from a sub-mesh to the mesh it was cut from
     if root.mesh.numel() == mesh.mesh.numel():
         return 0, 1
     group = torch.stack([(root.mesh == r).nonzero()[0] for r in mesh.mesh.flatten().tolist()])
-    spanned = (group.amax(0) != group.amin(0)).tolist()
-    mine = (root.mesh == dist.get_rank()).nonzero()[0].tolist()
-    index, count = 0, 1
-    for c, size, inside in zip(mine, root.mesh.shape, spanned):
-        if not inside:
-            index, count = index * size + c, count * size
-    return index, count
+    spanned = group.amax(0) != group.amin(0)
+    mine = (root.mesh == dist.get_rank()).nonzero()[0]
+    flat = root.mesh.flatten().tolist()
+    coordinates = torch.cartesian_prod(*(torch.arange(n) for n in root.mesh.shape)).reshape(len(flat), root.mesh.ndim)
+    copies = [rank for rank, at in zip(flat, coordinates)
+              if bool((at[spanned] == mine[spanned]).all()) and (stage is None or rank in stage)]
+    return copies.index(dist.get_rank()), len(copies)

@@ -4,6 +4,8 @@ One process, or DDP (every rank holds the same replicated state). A single proce
 every chosen unit. Under DDP the chosen units are spread over the ranks so that each writes a
 disjoint, byte-balanced subset (the same deterministic assignment on every rank, so no
 message is needed): a snapshot's bytes equal a single-process one's, split between ranks.
+Pipeline stages (ranks holding different layers) spread the units of each stage over its own
+ranks alike.
 Restoring verifies each file read. One process reads every unit whole; DDP ranks (each needs all
 of it) read each unit once in the job between them, balanced by bytes, and send it to the others
 over torch.distributed (``distributed.read_plan``): each byte leaves the store once.
@@ -18,11 +20,11 @@ from typing import Any
 import torch
 
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.distributed.read_plan import ReadPlan, nbytes
+from llmtailor.distributed.read_plan import ReadPlan, balance_over, nbytes
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
-from llmtailor.providers.base import StateProvider, balance, copy_into, hf_config, loading, peft_config, unwrap
+from llmtailor.providers.base import StateProvider, copy_into, hf_config, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
@@ -85,14 +87,16 @@ class LocalProvider(StateProvider):
     # -- save side ----------------------------------------------------------------------------
 
     def writes(self, units: list[str]) -> list[str]:
-        """Every unit in one process; under DDP (every rank holds every unit whole) this rank's
-        share of the chosen units, balanced by bytes (``balance``)."""
-        world = self.coordinator.world_size
-        if world == 1:
-            return list(units)
+        """Every unit it holds in one process or a stage of one; under DDP (every rank of a stage
+        holds its units whole) this rank's share of the chosen units of its stage, balanced by
+        bytes over the stage's ranks (``balance_over``)."""
+        held, rank = super().writes(units), self.coordinator.rank
+        ranks = self.stages.ranks_of(rank)
+        if len(ranks) == 1:
+            return held
         sizes = self.unit_sizes()
-        owners = balance({unit: sizes[unit] for unit in units}, world)
-        return [u for u in units if owners[u] == self.coordinator.rank]
+        owners = balance_over({unit: sizes[unit] for unit in held}, ranks)
+        return [u for u in held if owners[u] == rank]
 
     def pieces_by_unit(self, units: list[str]) -> dict[str, list[Piece]]:
         tensors = self.tensors()
@@ -119,8 +123,9 @@ class LocalProvider(StateProvider):
         return tensor
 
     def _unit_tensors(self, unit: str, tensors: dict[str, torch.Tensor]):
-        """``(key, live tensor, is_buffer)`` of a unit's weights and optimizer state tensors."""
-        for name in self.layout.units[unit]:
+        """``(key, live tensor, is_buffer)`` of a unit's weights and optimizer state tensors (none
+        for a unit another pipeline stage holds)."""
+        for name in self.layout.units.get(unit, ()):
             param = tensors[name]
             yield weight_key(name), param, not isinstance(param, torch.nn.Parameter)
             if self.chain is None:
@@ -155,6 +160,13 @@ class LocalProvider(StateProvider):
         }
 
     # -- restore side -------------------------------------------------------------------------
+
+    def regroup(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.chain is None:
+            return groups
+        name_of = {id(t): name for name, t in self.tensors().items()}
+        live = self.chain.group_records(name_of)
+        return optim_state.regroup(groups, [g["params"] for g in live], set(self.layout.tensor_names()))
 
     def check_global(self, shared: dict[str, Any], saved_state: dict[str, set[str]]) -> None:
         """Refuse, before the live state is touched, a snapshot saved without an optimizer or
@@ -199,9 +211,10 @@ class LocalProvider(StateProvider):
         """``(unit, tensors by key, optimizer values)`` of each unit, checked, the frozen tensors
         the live model holds already (``_already_held``) being the live ones. One process reads
         every unit; DDP ranks (each needs every unit whole) read each once in the job between
-        them (``_read_once``)."""
+        them (``_read_once``). Pipeline stages read each rank's own units (the data ranks of one
+        stage each read them: a read plan per stage is not built yet)."""
         held = {unit: self._already_held(run.unit_entry(source, unit), live) for unit, source in sources.items()}
-        if self.coordinator.world_size > 1:
+        if self.coordinator.world_size > 1 and not self.stages.pipelined:
             yield from self._read_once(run, sources, held)
             return
         for unit, source in sources.items():

@@ -259,6 +259,33 @@ def load_by_name(
     optimizer.load_state_dict(positional_state_dict(live_order, state))
 
 
+def regroup(saved: list[dict[str, Any]], live: list[list[str]], held: set[str]) -> list[dict[str, Any]]:
+    """Saved param groups (``params`` as names; the groups of several pipeline stages' optimizers
+    together) cut along the live grouping ``live`` (names per live group): per live group, its
+    names with the hyperparameters of the saved groups holding them, which must agree. Every
+    name of ``live``, and every saved name this rank holds (``held``), in exactly one of each;
+    IncompatibleModelError naming what does not fit."""
+    group_of = {name: index for index, group in enumerate(saved) for name in group["params"]}
+    cut = []
+    for index, names in enumerate(live):
+        lacking = [name for name in names if name not in group_of]
+        sources = sorted({group_of[name] for name in names if name in group_of})
+        if lacking or not sources:
+            raise IncompatibleModelError(f"live optimizer group {index} holds {lacking[:3] or 'no parameter'}, which no "
+                                         "param group of the snapshot holds")
+        hyper = [{key: value for key, value in saved[s].items() if key != "params"} for s in sources]
+        differing = sorted({key for h in hyper[1:] for key in h.keys() | hyper[0].keys() if h.get(key) != hyper[0].get(key)})
+        if differing:
+            raise IncompatibleModelError(f"live optimizer group {index} holds parameters of saved groups {sources} whose "
+                                         f"{differing} differ: build the optimizer's groups as the run saved them")
+        cut.append({**hyper[0], "params": list(names)})
+    in_live = {name for names in live for name in names}
+    stray = sorted(name for name in group_of if name in held and name not in in_live)
+    if stray:
+        raise IncompatibleModelError(f"the snapshot's param groups hold {stray[:3]}, which no live optimizer group holds")
+    return cut
+
+
 def positional_state_dict(groups: list[dict[str, Any]], state: dict[str, ParamState]) -> dict[str, Any]:
     """``Optimizer.state_dict()``'s form of ``groups`` (``params`` as names) and per-name
     ``state``: parameters numbered across the groups in their order, as torch does; a

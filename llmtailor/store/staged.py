@@ -98,6 +98,8 @@ class StagedSnapshot:
     decision: dict[str, Any] = field(default_factory=dict)
     base: dict[str, Any] | None = None
     """The base model directory frozen tensors are kept from (``BaseDir``), if any."""
+    holds: list[str] | None = None
+    """The units this rank holds (a pipeline stage's); None: every unit of ``layout``."""
     error: BaseException | None = None
     """A failure met while staging on this rank: persisting reports it to the other ranks (so
     the save fails everywhere, promptly) instead of writing."""

@@ -174,7 +174,7 @@ def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
             doc_path, tensor_path = rank_state_files(rank)
             files.append(stream_tensors(create(tensor_path), staged.rank_tensors or {}, tensor_path)[0])
             files.append(write_bytes_to(create(doc_path), json.dumps(staged.rank_doc).encode(), doc_path))
-    return RankPart(units=units, files=files, unit_bytes=unit_bytes, holds=list(staged.layout["units"]))
+    return RankPart(units=units, files=files, unit_bytes=unit_bytes, holds=list(staged.layout["units"]) if staged.holds is None else list(staged.holds))
 
 
 def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
@@ -270,7 +270,8 @@ def _check_written_once(step: int, unit: str, tensor: dict[str, Any], ranks: lis
 def _check_whole(staged: StagedSnapshot, parts: list[RankPart], written: set[str]) -> None:
     """Refuse to commit a snapshot that lacks part of the model: its composite must name exactly
     the units of its layout, every unit some rank holds or wrote, and this step for every unit
-    some rank wrote; every unit it names at this step, some rank must have written."""
+    some rank wrote; every unit of its layout some rank must hold (the ranks' units together are
+    the layout: pipeline stages), and every unit it names at this step some rank must have written."""
     layout, composite = list(staged.layout["units"]), staged.composite
     problems = []
     unnamed = [u for u in layout if u not in composite]
@@ -284,6 +285,10 @@ def _check_whole(staged: StagedSnapshot, parts: list[RankPart], written: set[str
     stray = [[u for u in part.units if composite.get(u) != staged.step] for part in parts]
     problems += [f"rank(s) {ranks} wrote units [{name_units(units)}] that its composite does not name at this step"
                  for units, ranks in _by_rank(stray)]
+    held = {u for part in parts for u in part.holds}
+    orphans = [u for u in layout if u not in held]
+    if orphans:
+        problems.append(f"no rank holds units [{name_units(orphans)}] of its layout")
     missing = [u for u, step in composite.items() if step == staged.step and u not in written]
     if missing:
         problems.append(f"no rank wrote units [{name_units(missing)}]")

@@ -172,22 +172,47 @@ def test_each_rank_saves_and_restores_its_own_stateful_objects(tmp_path):
     assert "were not used (saved at world size 2)" in " ".join(report.unmapped)
 
 
-@pytest.mark.parametrize("nproc, others", [(2, "rank 1 holds"), (4, "ranks 2, 3 hold")], ids=["2-stages", "2-stages-x-2-fsdp"])
-def test_pipeline_stages_are_refused_on_every_rank_when_the_tailor_is_built(tmp_path, nproc, others):
+@pytest.mark.parametrize("nproc, into", [(2, (4, 4)), (4, (2, 2))], ids=["2-stages", "2-stages-x-2-fsdp"])
+def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into_one_process(tmp_path, nproc, into):
     """Each rank keeps its stage's half of the layers under their original names (torchtitan's
-    pipeline split), sharded over 2 data ranks at 4. Found: with drift, gloo aborted the job (2
-    stages) or two ranks hung inside save (2 x 2); without, step 1 committed holding the first
-    stage's units only and ``verify`` passed it. Now every rank refuses both Tailors at once,
-    with one message, and nothing is written (the launch's timeout stands for a hang)."""
-    results = torchrun(nproc, "pipeline", tmp_path, timeout=300)
-    refusals = {outcome["refused"] for result in results for outcome in result["outcomes"]}
-    assert [[o["drift"] for o in result["outcomes"]] for result in results] == [[False, True]] * nproc
-    (refusal,) = refusals  # the same on every rank, drift on and off
-    assert refusal.startswith("UnsupportedLayoutError: the ranks of this job hold different units of the model: "
-                              f"{others} units [layer.2, layer.3, norm, head] that rank 0 does not; ")
-    assert "lack units [embed, layer.0, layer.1] that rank 0 holds" in refusal.replace("lacks", "lack")
-    assert "(pipeline-parallel stages) are not supported yet" in refusal
-    assert not (tmp_path / "stages").exists()  # refused before the writer lock: nothing written
+    pipeline split), sharded over 2 data ranks at 4. Found before: with drift, gloo aborted the
+    job (2 stages) or two ranks hung inside save (2 x 2); without, a snapshot committed holding
+    the first stage's units only. Now: Parity saves with drift commit every unit, each written
+    by its stage; fresh stages restore every tensor, the scheduler and the groups of their own
+    stage; so do other stages (2 -> 4 stages; 2 x 2 -> 2 x 1) and one plain process; a layer cut
+    between the stages is refused on every rank with one message (the launch's timeout stands
+    for a hang)."""
+    results = torchrun(nproc, "pipeline", tmp_path, timeout=500)
+    data = nproc // 2
+    run = Run(tmp_path / "stages")
+    units = list(run.manifest(6).layout["units"])
+    assert units == ["embed", "layer.0", "layer.1", "layer.2", "layer.3", "norm", "head"]
+    assert run.resolve(6).sources == {"embed": 6, "layer.0": 6, "layer.1": 4, "layer.2": 6, "layer.3": 4,
+                                      "norm": 6, "head": 6}
+    assert run.verify() == [] and run.manifest(6).world_size == nproc
+    for step in (4, 6):  # drift of every unit, measured over both stages (one all-reduce of one size)
+        assert all(figures["weight"] is not None and figures["weight"] > 0
+                   for figures in run.manifest(step).decision["drift"].values()), step
+    for rank, result in enumerate(results):
+        assert result["restored"] == 6 and result["mismatches"] == [], result
+        assert result["extra"] == {"rank": rank} and result["unmapped"] == []
+        assert result["scheduler"] == [True, 6] and result["groups"] is True
+    for unit in units:  # each unit's files written by the ranks of the stage holding it
+        stage = 0 if unit in ("embed", "layer.0", "layer.1") else 1
+        writers = {int(f.path.rsplit(".rank-", 1)[1].split(".")[0]) for f in run.unit_entry(run.resolve(6).sources[unit], unit).files}
+        assert writers and writers <= set(range(stage * data, (stage + 1) * data)), (unit, writers)
+    refusals = {result["refused"] for result in results}
+    (refusal,) = refusals  # the same on every rank
+    assert refusal is not None and refusal.startswith(
+        "UnsupportedLayoutError: the ranks of this job hold different units of the model: "), refusal
+    assert "Units [layer.2] are held by ranks holding different units" in refusal
+    assert not (tmp_path / "split").exists()  # refused before the writer lock: nothing written
+
+    mismatches, report = restore_in_one_process(tmp_path, "stages")
+    assert mismatches == [] and report.step == 6 and report.saved_world_size == nproc
+    world, stages = into
+    for result in torchrun(world, "pipeline-restore", tmp_path, timeout=300, STAGES=str(stages)):
+        assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):

@@ -28,9 +28,13 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``pipeline``  (world 2: two pipeline stages; world 4: two stages x ``fully_shard`` over two data
     ranks) each rank keeps its stage's half of the layers under their original names, as
     torchtitan's pipeline split does (the first stage the embedding, the last the norm and
-    head), and builds a ``Tailor`` of ``DIR/stages`` (``timeout=20``), first with
-    ``track_drift=False``, then with ``track_drift=True``; each is refused (the error recorded)
-    or, not refused, saves step 1 (the outcome recorded).
+    head); the stages train steps 1..6 (hidden states and their gradients sent between them)
+    with Parity saves at 2, 4 and 6 into ``DIR/stages`` (drift tracked), each stage's first rank
+    writing its stage's versions to ``DIR/versions/<step>.stage<k>``; fresh stages restore it
+    and compare every tensor, the LR scheduler and the optimizer groups; then stages that cut
+    layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=20``): the refusal recorded.
+``pipeline-restore``  ``$STAGES`` stages (over this world's ranks) restore ``DIR/stages`` and compare
+    every tensor with its composite version.
 ``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
     forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
     lacks the weight ``model.layers.1.mlp.up_proj.weight``; every rank restores it into a fresh
@@ -178,11 +182,13 @@ def versions(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_versions(out: Path, step: int, model, optimizer) -> None:
+def write_versions(out: Path, step: int, model, optimizer, name: str | None = None, writer: bool | None = None) -> None:
+    """Every tensor's full value (collective), written by rank 0 (or ``writer``) to
+    ``versions/<name or step>.safetensors``; a pipeline stage's first rank writes its stage's."""
     values = versions(model, optimizer)
-    if rank() == 0:
+    if rank() == 0 if writer is None else writer:
         (out / "versions").mkdir(parents=True, exist_ok=True)
-        save_file(values, str(out / "versions" / f"{step}.safetensors"))
+        save_file(values, str(out / "versions" / f"{name or step}.safetensors"))
 
 
 def location(out: Path, name: str) -> Path | str:
@@ -201,7 +207,9 @@ def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer) -> 
     restored = versions(model, optimizer)  # collective: every rank takes part
     if not (out / "versions").is_dir():
         return None  # another node's rank: the versions lie on node 0's own disk
-    saved = {step: load_file(str(out / "versions" / f"{step}.safetensors")) for step in set(composite.sources.values())}
+    saved = {step: {key: value for path in sorted((out / "versions").glob(f"{step}.*safetensors"))  # every stage's
+                    for key, value in load_file(str(path)).items()}
+             for step in set(composite.sources.values())}
     bad = []
     for key, value in restored.items():
         name = key.split("/")[1]
@@ -286,24 +294,39 @@ def stateful_per_rank(out: Path) -> dict:
     return {"restored": report.step, "position": fresh.record(), "unmapped": list(report.unmapped)}
 
 
-def pipeline_stage(stages: int) -> torch.nn.Module:
-    """This rank's stage of a tiny Llama: its half of the layers in a ModuleDict keyed by their
-    original indices (so their names stay ``model.layers.<i>.``), the embedding on the first
-    stage only, norm and head on the last; sharded over the stage's data ranks if it has several."""
+def documented_split():
+    """``pipeline_stage(model, stage, stages)`` as docs/distributed.md shows it (its block run here)."""
+    from test_readme import block
+
+    namespace: dict = {}
+    exec(block("docs/distributed.md", "## Pipeline stages", "python"), namespace)
+    return namespace["pipeline_stage"]
+
+
+def pipeline_stage(stages: int, seed: int = 0, split: bool = False) -> torch.nn.Module:
+    """This rank's stage of a tiny Llama, split as the docs show (``documented_split``): its share
+    of the layers under their original names, the embedding on the first stage only, norm and
+    head on the last; sharded over the stage's data ranks if it has several. Its forward is the
+    stage's part of the model's (``stage_forward``). ``split``: layer ``per`` is cut between the
+    first two stages (its attention on the first, its MLP on the second): it cannot be saved."""
+    from functools import partial
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     data = dist.get_world_size() // stages
     mesh = init_device_mesh("cpu", (stages, data), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
-    model, _, _ = tiny(seed=0)
-    layers = model.model.layers
+    model, _, _ = tiny(seed=seed)
+    layers = list(model.model.layers)
+    model = documented_split()(model, stage, stages)
     per = len(layers) // stages
-    model.model.layers = torch.nn.ModuleDict({str(i): layers[i] for i in range(stage * per, (stage + 1) * per)})
-    if stage > 0:
-        model.model.embed_tokens = None
-    if stage < stages - 1:
-        model.model.norm, model.lm_head = None, None
+    if split and stage == 0:
+        model.model.layers[str(per)] = layers[per]
+        layers[per].mlp = None
+    elif split and stage == 1:
+        layers[per].self_attn = None
+    model.forward = partial(stage_forward, model)
     if data > 1:
         for layer in model.model.layers.values():
             fully_shard(layer, mesh=mesh["dp"])
@@ -311,26 +334,89 @@ def pipeline_stage(stages: int) -> torch.nn.Module:
     return model
 
 
+def stage_forward(model, inputs: torch.Tensor) -> torch.Tensor:
+    """The stage's part of the model's forward: token ids (first stage) or hidden states in,
+    hidden states or logits (last stage) out."""
+    inner = model.model
+    hidden = inner.embed_tokens(inputs) if inner.embed_tokens is not None else inputs
+    positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+    rotary = inner.rotary_emb(hidden, position_ids=positions)
+    for layer in inner.layers.values():
+        hidden = layer(hidden, position_embeddings=rotary, position_ids=positions)
+    return model.lm_head(inner.norm(hidden)) if model.lm_head is not None else hidden
+
+
+def pipeline_step(model, optimizer, scheduler, step: int, data: int) -> None:
+    """One training step of two stages (a one-micro-batch schedule): the first sends its hidden
+    states to the rank of the same data index in the second, which computes the loss and sends
+    their gradient back. Each data index trains on its own batch."""
+    stage, index = divmod(rank(), data)
+    peer = (1 - stage) * data + index
+    batch = batch_at(TOKENS, step * 100 + index, 2, 32)
+    if stage == 0:
+        hidden = model(batch)
+        dist.send(hidden.detach().contiguous(), peer)
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, peer)
+        hidden.backward(grad)
+    else:
+        hidden = torch.empty(batch.shape[0], batch.shape[1], model.config.hidden_size)
+        dist.recv(hidden, peer)
+        hidden.requires_grad_()
+        logits = model(hidden)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        dist.send(hidden.grad.contiguous(), peer)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def pipeline(out: Path, stages: int = 2) -> dict:
+    """Two stages (x data ranks): Parity saves at 2, 4, 6 into ``DIR/stages`` with drift, the
+    versions of each stage's tensors written by its first rank; a restore into fresh stages;
+    then stages that split a layer between them, refused."""
     from llmtailor.training_example import build_optimizer
 
+    data = dist.get_world_size() // stages
     model = pipeline_stage(stages)
-    outcomes = []
-    for drift in (False, True):
-        optimizer, scheduler = build_optimizer(model, total_steps=50)
-        try:
-            tailor = Tailor(out / "stages", model, optimizer, scheduler, policy=Full(), track_drift=drift, timeout=20)
-        except Exception as err:  # the refusal each rank gets is the point of this scenario
-            outcomes.append({"drift": drift, "refused": f"{type(err).__name__}: {err}"})
-            continue
-        try:
-            tailor.save(1)
-            outcome = "saved"
-        except Exception as err:
-            outcome = f"{type(err).__name__}: {err}"
-        tailor.close()
-        outcomes.append({"drift": drift, "refused": None, "save": outcome})
-    return {"outcomes": outcomes}
+    optimizer, scheduler = build_optimizer(model, total_steps=50)
+    saves = []
+    with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=60) as tailor:
+        for step in range(1, 7):
+            pipeline_step(model, optimizer, scheduler, step, data)
+            if step % 2 == 0:
+                report = tailor.save(step, extra={"rank": rank()})
+                write_versions(out, step, model, optimizer, name=f"{step}.stage{rank() // data}", writer=rank() % data == 0)
+                saves.append({"step": step, "units": report.units, "rank_bytes": report.rank_bytes})
+    result = {"saves": saves, **restore_stages(out, stages, optimizer, scheduler)}
+    split = pipeline_stage(stages, split=True)
+    try:
+        Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=20)
+        result["refused"] = None
+    except Exception as err:  # the refusal each rank gets is the point of this part
+        result["refused"] = f"{type(err).__name__}: {err}"
+    return result
+
+
+def restore_stages(out: Path, stages: int, optimizer=None, scheduler=None) -> dict:
+    """Fresh stages restore ``DIR/stages`` and compare every tensor with its composite version,
+    and the scheduler and groups with the live ones that saved it (when given)."""
+    from llmtailor.training_example import build_optimizer
+
+    fresh = pipeline_stage(stages, seed=5)
+    fresh_optimizer, fresh_scheduler = build_optimizer(fresh, total_steps=50)
+    report = Tailor(out / "stages", fresh, fresh_optimizer, fresh_scheduler, timeout=60).restore()
+
+    def hyper(opt):
+        return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+    return {
+        "restored": report.step, "extra": report.extra, "unmapped": list(report.unmapped),
+        "mismatches": compare_with_composite(out, out / "stages", fresh, fresh_optimizer),
+        "scheduler": [scheduler is None or fresh_scheduler.state_dict() == scheduler.state_dict(), fresh_scheduler.last_epoch],
+        "groups": optimizer is None or hyper(fresh_optimizer) == hyper(optimizer),
+    }
 
 
 def restore_lacking_a_weight(out: Path) -> dict:
@@ -498,6 +584,8 @@ def main() -> None:
         result = read_once("hsdp", out)
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
+    elif scenario == "pipeline-restore":
+        result = restore_stages(out, stages=int(os.environ["STAGES"]))
     elif scenario == "fsdp-lacking":
         result = restore_lacking_a_weight(out)
     elif scenario == "stateful":

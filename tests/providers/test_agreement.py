@@ -1,7 +1,7 @@
-"""Every rank of a job must hold the same layout (``providers/agreement.py``): the ranks exchange
-a digest of their units, tensor names, global shapes and dtypes, and only on a mismatch their
-layouts, to name what differs. In one process here, rank 1's answers given by a second model;
-the real job with two pipeline stages is in tests/distributed/test_torchrun.py."""
+"""The ranks of a job agree on one layout (``providers/agreement.py``): they exchange a digest of
+their units, tensor names, global shapes and dtypes, and only on a mismatch their layouts, to
+form pipeline stages or name what differs. In one process here, rank 1's answers given by a
+second model; the real jobs with two pipeline stages are in tests/distributed/test_torchrun.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import tiny
 from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.errors import UnsupportedLayoutError
 from llmtailor.providers import make_provider
-from llmtailor.providers.agreement import check_same_layout, held_layout, layout_digest
+from llmtailor.providers.agreement import agree_layout, held_layout, layout_digest
 
 
 class RankZeroOfTwo(LocalCoordinator):
@@ -41,22 +41,39 @@ def second_stage(model):
     return model
 
 
-def check(mine, theirs) -> RankZeroOfTwo:
+def first_stage(model):
+    """The embedding and layers 0 and 1 under their own names."""
+    model.model.layers = torch.nn.ModuleDict({str(i): model.model.layers[i] for i in (0, 1)})
+    model.model.norm, model.lm_head = None, None
+    return model
+
+
+def check(mine, theirs):
     coordinator = RankZeroOfTwo(provider_of(theirs))
     provider = provider_of(mine)
     provider.coordinator = coordinator
-    check_same_layout(provider, "r1/layout")
-    return coordinator
+    return agree_layout(provider, "r1/layout"), coordinator
 
 
 def test_ranks_holding_the_same_model_agree_with_one_digest_each():
-    assert check(tiny(seed=1)[0], tiny(seed=2)[0]).tags == ["digest"]
+    stages, coordinator = check(tiny(seed=1)[0], tiny(seed=2)[0])
+    assert coordinator.tags == ["digest"] and not stages.pipelined
+    assert stages.stages == (((0, 1), tuple(stages.layout.units)),)
 
 
-def test_a_pipeline_stage_is_refused_naming_the_units_each_rank_holds():
+def test_pipeline_stages_agree_on_the_union_of_their_units():
+    stages, coordinator = check(first_stage(tiny()[0]), second_stage(tiny()[0]))
+    assert coordinator.tags == ["digest", "layouts"] and stages.pipelined
+    assert stages.stages == (((0,), ("embed", "layer.0", "layer.1")), ((1,), ("layer.2", "layer.3", "norm", "head")))
+    whole = provider_of(tiny()[0]).layout
+    assert stages.layout == whole and stages.layout.diff(whole) == []
+
+
+def test_stages_that_share_a_unit_are_refused_naming_the_units_each_rank_holds():
     with pytest.raises(UnsupportedLayoutError, match=r"^the ranks of this job hold different units of the model: "
-                       r"rank 1 lacks units \[embed, layer.0, layer.1\] that rank 0 holds\. Ranks holding different "
-                       r"layers \(pipeline-parallel stages\) are not supported yet"):
+                       r"rank 1 lacks units \[embed, layer.0, layer.1\] that rank 0 holds\. Units \[layer.2, layer.3, "
+                       r"norm, head\] are held by ranks holding different units: ranks may hold different layers "
+                       r"\(pipeline-parallel stages\) only as stages of one model"):
         check(tiny()[0], second_stage(tiny()[0]))
 
 

@@ -31,7 +31,12 @@ def copies_at(rank: int) -> dict[str, tuple[int, int] | None]:
             "HSDP": DTensor.from_local(local, mesh, [Replicate(), Shard(0)]),
             "replicated": DTensor.from_local(local, mesh, [Replicate(), Replicate()]),
         }
-        return {name: fsdp.shard_copy(tensor) for name, tensor in tensors.items()}
+        copies = {name: fsdp.shard_copy(tensor) for name, tensor in tensors.items()}
+        # the same mesh read as ("pp", "dp"): stage 0 = ranks 0, 1, stage 1 = ranks 2, 3, each
+        # stage's layers sharded over its own "tp" (here: data) sub-mesh; no other stage holds them
+        stage = (0, 1) if rank < 2 else (2, 3)
+        copies["pipeline stages (dp sub-mesh of pp x dp)"] = fsdp.shard_copy(tensors["tp sub-mesh (TP only)"], stage)
+        return copies
     finally:
         fsdp._copy_across_global_mesh.cache_clear()
         dist.destroy_process_group()
@@ -49,6 +54,9 @@ def every_rank() -> list[dict[str, tuple[int, int] | None]]:
     ("both (TP + FSDP2)", [(0, 1)] * 4),                             # every shard once
     ("HSDP", [(0, 2), (0, 2), (1, 2), (1, 2)]),                      # replicated over dp
     ("replicated", [(0, 4), (1, 4), (2, 4), (3, 4)]),
+    # before: (0, 2), (0, 2), (1, 2), (1, 2): stage 1 counted as copies of stage 0's shards,
+    # so a stage's unit could be given to a copy on the other stage, which holds none of it
+    ("pipeline stages (dp sub-mesh of pp x dp)", [(0, 1)] * 4),
 ])
 def test_the_ranks_holding_one_shard_are_numbered_once_each(every_rank, layout, expected):
     assert [ranks[layout] for ranks in every_rank] == expected

@@ -170,3 +170,25 @@ def test_an_imported_run_restores_into_the_optimizer_it_was_saved_with(imported_
     one_step(model, optimizer, tokens)  # a live state with the same keys passes too
     Tailor(run_dir, model, optimizer, read_only=True).restore()
     one_step(model, optimizer, tokens)
+
+
+def test_the_groups_of_pipeline_stages_are_cut_along_the_live_groups_by_name():
+    """Two stages' optimizers saved two groups each (decay, no decay); one process's optimizer
+    holds both stages' parameters in two groups: each live group takes the names of its own and
+    the hyperparameters of the saved groups holding them, which must agree."""
+    from llmtailor.providers.optimizer import regroup
+
+    saved = [{"lr": 0.1, "weight_decay": 0.01, "params": ["a.w", "b.w"]}, {"lr": 0.1, "weight_decay": 0.0, "params": ["a.n"]},
+             {"lr": 0.1, "weight_decay": 0.01, "params": ["c.w"]}, {"lr": 0.1, "weight_decay": 0.0, "params": ["c.n"]}]
+    live = [["a.w", "b.w", "c.w"], ["a.n", "c.n"]]
+    assert regroup(saved, live, {"a.w", "b.w", "c.w", "a.n", "c.n"}) == [
+        {"lr": 0.1, "weight_decay": 0.01, "params": ["a.w", "b.w", "c.w"]},
+        {"lr": 0.1, "weight_decay": 0.0, "params": ["a.n", "c.n"]}]
+    # A stage restoring a run saved in one process: each live group a share of a saved one.
+    whole = regroup(saved, live, {"a.w"})
+    assert regroup(whole, [["a.w", "b.w"], ["a.n"]], {"a.w", "b.w", "a.n"}) == saved[:2]
+    with pytest.raises(IncompatibleModelError, match=r"live optimizer group 0 holds parameters of saved groups \[0, 1, 2, 3\] "
+                       r"whose \['weight_decay'\] differ"):
+        regroup(saved, [["a.w", "a.n", "b.w", "c.w", "c.n"]], {"a.w"})
+    with pytest.raises(IncompatibleModelError, match=r"the snapshot's param groups hold \['c.n'\], which no live"):
+        regroup(saved, live[:1], {"a.w", "b.w", "c.w", "c.n"})

@@ -1,5 +1,6 @@
 """The commit refuses a snapshot that would lack part of the model: its composite must name every
-unit of its layout and every unit some rank holds or wrote (``writer._check_whole``). Found with
+unit of its layout and every unit some rank holds or wrote, and the ranks' units together must be
+its layout (``writer._check_whole``). Found with
 pipeline stages (ranks holding different layers): the leader committed its own stage's units,
 the other stage's files orphaned, and ``verify`` passed the snapshot. It refuses too, in one
 line, a tensor two ranks wrote the same elements of (``writer._check_written_once``)."""
@@ -36,24 +37,27 @@ class TwoStages(LocalCoordinator):
         return [value, self.other]
 
 
-def staged(layout: Layout, units: list[str], world_size: int = 1) -> StagedSnapshot:
-    """Step 1 writing ``units`` of ``layout`` whole, its composite naming them only."""
+def staged(layout: Layout, units: list[str], world_size: int = 1, stage: Layout | None = None) -> StagedSnapshot:
+    """Step 1 writing ``units`` of ``layout`` whole, its composite naming them only; ``stage``:
+    the leader holds that stage's units of the run's ``layout`` and the composite names all of it."""
+    source = stage or layout
     return StagedSnapshot(
         step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),
-        units=iter([StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in units for n in layout.units[u]]),
-        composite={u: 1 for u in units}, global_doc={}, global_tensors={}, world_size=world_size,
+        units=iter([StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in units for n in source.units[u]]),
+        composite={u: 1 for u in (layout.units if stage else units)}, global_doc={}, global_tensors={},
+        world_size=world_size, holds=list(stage.units) if stage else None,
     )
 
 
-def second_stage_part() -> dict:
-    """Rank 1's report: it holds layers 2 and 3 and the norm, and wrote layers 2 and 3."""
+def second_stage_part(holds: tuple[str, ...] = ("layer.2", "layer.3", "norm")) -> dict:
+    """Rank 1's report: it holds ``holds`` (layers 2 and 3 and the norm), and wrote layers 2 and 3."""
     def unit(i: int) -> UnitPart:
         file = FileEntry(path=f"units/layer.{i}.rank-00001.safetensors", bytes=8, xxh3_64="0" * 16)
         chunk = ChunkPart(offsets=[0], shape=[2], xxh3_64="0" * 16)
         return UnitPart(file=file, tensors=[TensorPart(key=f"weight/model.layers.{i}.mlp.weight", dtype="float32",
                                                        shape=[2], chunks=[chunk])])
 
-    return RankPart(units={"layer.2": unit(2), "layer.3": unit(3)}, holds=["layer.2", "layer.3", "norm"]).to_message()
+    return RankPart(units={"layer.2": unit(2), "layer.3": unit(3)}, holds=list(holds)).to_message()
 
 
 def assert_nothing_committed(root) -> None:
@@ -102,4 +106,13 @@ def test_a_shard_two_ranks_wrote_fails_the_commit_in_one_line_naming_tensor_and_
         "step 1 was not committed: tensor 'weight/model.embed_tokens.weight' of unit 'embed' was written twice in "
         "part: rank 0 wrote its chunk at [0] of shape [2], rank 1 its chunk at [0] of shape [2] (the ranks hold "
         "copies of one shard, and each wrote it)")
+    assert_nothing_committed(tmp_path)
+
+
+def test_a_unit_of_the_run_no_stage_holds_is_not_committed(tmp_path):
+    """Two pipeline stages under the run's layout (the union of theirs), the norm held by neither."""
+    with pytest.raises(TailorError, match=r"would lack part of the model: no rank holds units \[norm\] of its layout; "
+                                          r"no rank wrote units \[norm\]$"):
+        persist(Run(tmp_path), staged(WHOLE, ["embed", "layer.0", "layer.1"], world_size=2, stage=FIRST_STAGE),
+                coordinator=TwoStages(second_stage_part(holds=("layer.2", "layer.3"))))
     assert_nothing_committed(tmp_path)
