@@ -359,7 +359,7 @@ class _Restoring:
             touched, self.partly = True, f"the restore of step {chosen} did not complete"
             self.provider.load(run, dict(lease.composite.sources), shared, verify)
         except BaseException as err:
-            error = IntegrityError(str(err)) if skippable and isinstance(err, (SnapshotNotFoundError, StorageError)) else err
+            error = _as_damage(err, skippable)
         try:
             failure, partly = self.coordinator.agree(f"{self.round}/loaded/{index}", chosen, error, touched)
         except BaseException:
@@ -374,3 +374,18 @@ class _Restoring:
             lease.close()
         # One process: its own error names the damage best (the agreed one adds advice to it).
         return None, (error if skippable and self.coordinator.world_size == 1 and error is not None else failure)
+
+
+def _as_damage(err: BaseException, skippable: bool) -> BaseException:
+    """A rank's failed read as the damage it is: an IntegrityError that DCP's load wrapped (a
+    ``CheckpointException`` holds each failure with its trace) is raised as itself, so the ranks
+    agree it is damage and name the file; with ``skippable`` (fallback), a snapshot missing or
+    unreadable counts as damage too. Anything else, as it is."""
+    inner = err
+    while type(inner).__name__ == "CheckpointException" and getattr(inner, "failures", None):
+        inner = next(iter(inner.failures.values()))[0]
+    if isinstance(inner, IntegrityError):
+        return inner
+    if skippable and isinstance(inner, (SnapshotNotFoundError, StorageError)):
+        return IntegrityError(str(inner))
+    return err

@@ -259,3 +259,13 @@ def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touc
         assert f"unit 'layer.1' from snapshot {result['source']}" in error and "'model.layers.1.mlp.up_proj.weight'" in error
         assert "no rank's live state was changed" in error
         assert result["changed"] == []
+
+
+def test_fsdp2_fallback_passes_over_a_composite_damaged_in_one_ranks_part_on_every_rank(tmp_path):
+    """restore(fallback=True) verifies while it loads: the rank that reads the damaged bytes
+    fails, the ranks agree, every rank passes over that composite and loads the previous one."""
+    results = torchrun(2, "fsdp-fallback", tmp_path)
+    assert Run(tmp_path / "fallback").resolve().sources["layer.0"] == 6
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+        assert list(result["skipped"]) == ["6"] and "checksum mismatch" in result["skipped"]["6"]
