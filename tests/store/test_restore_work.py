@@ -101,3 +101,38 @@ def test_fallback_reads_each_file_once_and_skips_a_damaged_composite(tmp_path, t
              if n > (size := (tmp_path / key).stat().st_size) + header_bytes(tmp_path / key)}
     assert not again, again  # each file's bytes read once (its header twice): verified while it is loaded
     assert_weights_of(Run(tmp_path), 2, model)
+
+
+def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_manifest_back(tmp_path, tokens, monkeypatch):
+    """The same at an s3:// URL on moto's server: a save asks for no HEAD or GET of its manifest
+    once written (only the HEAD before it writes: is that step's snapshot there already?);
+    a restore of a Parity composite reads the global state once and each file's bytes once (its
+    header aside), leasing each snapshot once."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import moto_process, new_bucket, set_environment
+
+    with moto_process() as endpoint:
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        calls = StorageCalls.install(monkeypatch)
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
+            for step in (1, 2):
+                train(model, opt, sched, tokens, [step])
+                calls.clear()
+                tailor.save(step)
+                manifest = f"{Run.snapshot_key(step)}/{MANIFEST_FILE}"
+                # One HEAD before anything is written (no snapshot of that step yet); none after.
+                assert calls.count("read", manifest) == 0 and calls.count("size", manifest) == 1, calls.calls
+        fresh = tiny(seed=3)
+        reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
+        calls.clear()
+        assert reader.restore().step == 2
+        assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
+        assert max(calls.leases().values()) == 1
+        run = Run(url)
+        sizes = dict(run.storage.walk("snapshots"))  # the snapshots' files (the pointer aside)
+        again = {key: n for key, n in calls.bytes_by_key().items() if key in sizes and n >= 2 * sizes[key]}
+        assert not again, again  # a second whole read of any file (a header read alone is less)
+        assert_weights_of(run, 2, fresh[0])
