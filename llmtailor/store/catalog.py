@@ -37,6 +37,7 @@ Invariants of reading:
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -132,8 +133,9 @@ class Catalog:
         self.storage: Storage = open_storage(root, storage_options)
         self.root = self.storage.root
         self._manifests: dict[int, Manifest] = {}
-        self._listing: list[list[int]] | None = None
-        """Inside ``listed``: the listing taken there (empty until the first)."""
+        self._listed = threading.local()
+        """``listing``: inside ``listed``, the listing taken there (empty until the first); per
+        thread, so a promoter's or a stager's thread never sees a restore's listing."""
 
     @property
     def is_local(self) -> bool:
@@ -170,11 +172,12 @@ class Catalog:
     def steps(self) -> list[int]:
         """Steps of the committed snapshots (those whose manifest exists), ascending (inside
         ``listed``: as first listed there)."""
-        if self._listing:
-            return list(self._listing[0])
+        listing = getattr(self._listed, "listing", None)
+        if listing:
+            return list(listing[0])
         found = self._list_steps()
-        if self._listing is not None:
-            self._listing.append(found)
+        if listing is not None:
+            listing.append(found)
         return list(found)
 
     def _list_steps(self) -> list[int]:
@@ -224,8 +227,9 @@ class Catalog:
         """Drop cached manifests of snapshots that were removed (and a listing that held them)."""
         for step in steps:
             self._manifests.pop(step, None)
-        if self._listing:
-            self._listing.clear()
+        listing = getattr(self._listed, "listing", None)
+        if listing:
+            listing.clear()
 
     def latest_step(self) -> int | None:
         """The newest committed composite: the ``latest`` pointer, followed forward through any
@@ -331,15 +335,16 @@ class Catalog:
     def listed(self) -> Iterator[None]:
         """Inside the block, the run's committed snapshots are listed once (``steps``): one
         decision (which composite a restore takes) reads one listing, not one per question
-        asked of it. What is committed meanwhile is seen by the next listing."""
-        outer = self._listing is not None
+        asked of it. What is committed meanwhile is seen by the next listing; other threads list
+        afresh."""
+        outer = getattr(self._listed, "listing", None) is not None
         if not outer:
-            self._listing = []
+            self._listed.listing = []
         try:
             yield
         finally:
             if not outer:
-                self._listing = None
+                self._listed.listing = None
 
     def lease_composite(
         self, leases: ReadLeases, step: int | None, follow: bool
