@@ -73,15 +73,21 @@ def test_a_restore_reads_the_global_state_once(tmp_path, tokens, calls):
     assert_weights_of(Run(tmp_path), 3, model)
 
 
-def test_a_save_does_not_read_back_its_manifest(tmp_path, tokens, calls):
+def counted_saves(location, tokens, calls: StorageCalls):
+    """Two Parity saves of a tiny model to ``location``; after each, with ``calls`` holding what
+    that save alone asked, yields the key of the manifest it committed."""
     model, opt, sched = tiny()
-    with Tailor(tmp_path, model, opt, sched, policy=Parity()) as tailor:
+    with Tailor(location, model, opt, sched, policy=Parity()) as tailor:
         for step in (1, 2):
             train(model, opt, sched, tokens, [step])
             calls.clear()
             tailor.save(step)
-            manifest = f"{Run.snapshot_key(step)}/{MANIFEST_FILE}"
-            assert not [c for c in calls.calls if c[1] == manifest and c[0] != "lease"], calls.calls
+            yield f"{Run.snapshot_key(step)}/{MANIFEST_FILE}"
+
+
+def test_a_save_does_not_read_back_its_manifest(tmp_path, tokens, calls):
+    for manifest in counted_saves(tmp_path, tokens, calls):
+        assert not [c for c in calls.calls if c[1] == manifest and c[0] != "lease"], calls.calls
     assert Run(tmp_path).manifest(2).parent == 1
 
 
@@ -116,15 +122,9 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
         calls = StorageCalls.install(monkeypatch)
-        model, opt, sched = tiny()
-        with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
-            for step in (1, 2):
-                train(model, opt, sched, tokens, [step])
-                calls.clear()
-                tailor.save(step)
-                manifest = f"{Run.snapshot_key(step)}/{MANIFEST_FILE}"
-                # One HEAD before anything is written (no snapshot of that step yet); none after.
-                assert calls.count("read", manifest) == 0 and calls.count("size", manifest) == 1, calls.calls
+        for manifest in counted_saves(url, tokens, calls):
+            # One HEAD before anything is written (no snapshot of that step yet); none after.
+            assert calls.count("read", manifest) == 0 and calls.count("size", manifest) == 1, calls.calls
         fresh = tiny(seed=3)
         reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
         calls.clear()
