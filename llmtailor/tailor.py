@@ -39,16 +39,18 @@ from llmtailor.async_stager import AsyncStager
 from llmtailor.config import TailorConfig
 from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.drift import DriftWatch
-from llmtailor.errors import ConfigError, TailorError
+from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError, StorageError, TailorError
 from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
 from llmtailor.providers.stateful import Stateful, StatefulObjects
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
+from llmtailor.store.catalog import Composite, LeasedComposite
 from llmtailor.store.lineage import Lineage
+from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, StagedSnapshot
-from llmtailor.store.tiers import Tiers
+from llmtailor.store.tiers import Choice, Tiers
 from llmtailor.store.writer import persist
 
 
@@ -235,8 +237,13 @@ class Tailor:
         from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
         read against its checksum; ``verify=False`` (distributed providers) reads only the byte
         ranges this rank holds and leaves checking to ``llmtailor verify``. ``fallback=True``
-        (no ``step``): a composite any of whose files fails verification is passed over for the
-        newest that verifies whole (``skipped`` says what and why).
+        (no ``step``): the composites of the lineage are tried newest first, each verified while
+        it loads (every byte read once, checked before it is used, whatever ``verify``); one that
+        is damaged, missing or unreadable is passed over for the next (``skipped`` says what and
+        why), the live state then being loaded whole again by the next.
+
+        One resolution and one lease per restore: rank 0 lists each tier once, picks the
+        composite and leases every snapshot it needs; the restore reads under that lease.
 
         Collective in a distributed job: rank 0 picks the composite, every rank reads its part,
         then the ranks agree that every read succeeded before any enters a collective to finish
@@ -245,33 +252,16 @@ class Tailor:
         could not agree) leaves this Tailor refusing to save until a restore succeeds."""
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
-        round_ = self.coordinator.new_round()
-        level, chosen, skipped, floor = self.coordinator.broadcast(
-            f"{round_}/choose", (lambda: self.tiers.choose(step, fallback)) if self.coordinator.is_leader else None
-        )
-        run = self.tiers.levels[level].run
         start = time.perf_counter()
-        # Leased: retention elsewhere (gc, keep=) cannot remove what is read. A composite it
-        # removed first gives way to the newest if that was asked for (one process: ranks
-        # resolving again on their own could disagree), else fails before any byte is read.
-        newest = step is None and self.world_size == 1
+        restoring = _Restoring(self.tiers, self.provider, self.coordinator)
         with ExitStack() as held:
-            composite, touched, error = None, False, None
             try:
-                composite = held.enter_context(run.reading(chosen, newest_if_removed=newest))
-                shared = self.provider.check_composite(run, composite)
-                # The live state changes from here: a mix until the ranks agree (agree may itself raise).
-                touched, self._partly_restored = True, f"the restore of step {chosen} did not complete"
-                self.provider.load(run, self.provider.held(composite.sources), shared, verify)
-            except BaseException as err:
-                error = err
-            failure, partly = self.coordinator.agree(f"{round_}/loaded", chosen, error, touched)
-            if partly:  # a failure that touched no rank's state leaves the mark as it was
-                self._partly_restored = f"the restore of step {chosen} failed part-way"
-            if failure is not None:
-                raise failure
+                level, composite, skipped, floor = restoring.load(step, fallback, verify, held)
+            finally:
+                self._partly_restored = restoring.partly or self._partly_restored
             self.provider.finish_load()
             self._partly_restored = None
+            run = self.tiers.levels[level].run
             extra, unmapped = self.provider.restore_rank_state(run, composite, self.stateful)
         self.lineage.restored(run, composite, extend=level == 0, newest=floor)  # from a slower tier: the next save is full
         self._frozen.restored(run, composite, held=level == 0)
@@ -301,3 +291,103 @@ class Tailor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Restoring:
+    """One ``Tailor.restore``'s reading (collective): what to load, decided by rank 0 and sent
+    to every rank (``plan``), then each composite tried in turn, loaded on every rank, the ranks
+    agreeing on the outcome (``attempt``). ``partly``: set once the live state was touched (a
+    mix until a load succeeds), for the Tailor to refuse saves meanwhile."""
+
+    def __init__(self, tiers: Tiers, provider: StateProvider, coordinator: Coordinator):
+        self.tiers, self.provider, self.coordinator = tiers, provider, coordinator
+        self.round = coordinator.new_round()
+        self.partly: str | None = None
+
+    def load(self, step: int | None, fallback: bool, verify: bool,
+             held: ExitStack) -> tuple[int, Composite, dict[int, str], int | None]:
+        """Load the composite into the live state, its lease held by ``held``: ``(tier, composite,
+        skipped, floor)``. With ``fallback`` (no ``step``), every byte read is verified: a damaged
+        composite fails while it loads and the next is tried (each byte read once)."""
+        attempts, skipped, unread, floor = self.plan(step, fallback, held)
+        fallback = fallback and step is None
+        for index, (level, chosen, leased) in enumerate(attempts):
+            lease, failure = self.attempt(index, self.tiers.levels[level].run, chosen, leased, verify or fallback, fallback)
+            if lease is not None:
+                composite = held.enter_context(lease)
+                break
+            if not fallback or not isinstance(failure, IntegrityError):
+                raise failure
+            name = f"{self.tiers.levels[level].name}: " if len(self.tiers) > 1 else ""
+            skipped.setdefault(chosen, f"{name}{failure}")
+        else:
+            shown = " | ".join(f"step {s}: {why}" for s, why in skipped.items())
+            raise IntegrityError(f"{self.tiers.home.run.root}: no composite verifies: {shown}")
+        if unread:  # a tier that could not be read: said with the composite chosen
+            skipped[composite.step] = "; ".join([*unread, *([skipped[composite.step]] if composite.step in skipped else [])])
+        return level, composite, {s: why for s, why in skipped.items() if s >= composite.step}, floor
+
+    def plan(self, step: int | None, fallback: bool, held: ExitStack) -> tuple[list, dict[int, str], list[str], int | None]:
+        """``(tier, step, lease)`` attempts (the lease rank 0 took choosing, None elsewhere), what
+        was passed over, the tiers that could not be read, and the floor of the next save
+        (``Lineage``). Without ``fallback`` (or with a ``step``): the one composite
+        ``Tiers.choose`` picks, leased once. With it: the candidates (``Tiers.candidates``)."""
+        leader = self.coordinator.is_leader
+        if fallback and step is None:
+            attempts, unread, floor = self.coordinator.broadcast(f"{self.round}/candidates", self.tiers.candidates if leader else None)
+            return [(level, chosen, None) for level, chosen in attempts], {}, list(unread), floor
+        leased: list[LeasedComposite] = []
+
+        def choose() -> Choice:
+            choice, lease = self.tiers.choose(step)
+            held.callback(lease.close)
+            leased.append(lease)
+            return choice
+
+        level, chosen, skipped, floor = self.coordinator.broadcast(f"{self.round}/choose", choose if leader else None)
+        return [(level, chosen, leased[0] if leased else None)], {int(s): why for s, why in skipped.items()}, [], floor
+
+    def attempt(self, index: int, run: Run, chosen: int, leased: LeasedComposite | None, verify: bool,
+                skippable: bool) -> tuple[LeasedComposite | None, BaseException | None]:
+        """Lease (unless ``leased``), check and load the composite of ``chosen`` into the live
+        state on every rank; the ranks agree on the outcome (``Coordinator.agree``). Returns the
+        lease (for the restore to hold until it ends), or None and the failure every rank shares.
+        ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
+        touched, error, lease = False, None, leased
+        try:
+            lease = lease or run.lease(chosen)
+            shared = self.provider.check_composite(run, lease.composite)
+            # The live state changes from here: a mix until the ranks agree (agree may itself raise).
+            touched, self.partly = True, f"the restore of step {chosen} did not complete"
+            self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
+        except BaseException as err:
+            error = _as_damage(err, skippable)
+        try:
+            failure, partly = self.coordinator.agree(f"{self.round}/loaded/{index}", chosen, error, touched)
+        except BaseException:
+            if lease is not None:
+                lease.close()
+            raise
+        if partly:  # a failure that touched no rank's state leaves the mark as it was
+            self.partly = f"the restore of step {chosen} failed part-way"
+        if failure is None:
+            return lease, None
+        if lease is not None:
+            lease.close()
+        # One process: its own error names the damage best (the agreed one adds advice to it).
+        return None, (error if skippable and self.coordinator.world_size == 1 and error is not None else failure)
+
+
+def _as_damage(err: BaseException, skippable: bool) -> BaseException:
+    """A rank's failed read as the damage it is: an IntegrityError that DCP's load wrapped (a
+    ``CheckpointException`` holds each failure with its trace) is raised as itself, so the ranks
+    agree it is damage and name the file; with ``skippable`` (fallback), a snapshot missing or
+    unreadable counts as damage too. Anything else, as it is."""
+    inner = err
+    while type(inner).__name__ == "CheckpointException" and getattr(inner, "failures", None):
+        inner = next(iter(inner.failures.values()))[0]
+    if isinstance(inner, IntegrityError):
+        return inner
+    if skippable and isinstance(inner, (SnapshotNotFoundError, StorageError)):
+        return IntegrityError(str(inner))
+    return err

@@ -37,6 +37,7 @@ Invariants of reading:
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,6 +106,23 @@ class ReadLeases:
         self.close()
 
 
+class LeasedComposite:
+    """A composite with the leases on every snapshot it reads (``Catalog.lease``), held until
+    ``close``; a context manager giving the composite."""
+
+    def __init__(self, composite: Composite, leases: ReadLeases):
+        self.composite, self.leases = composite, leases
+
+    def close(self) -> None:
+        self.leases.close()
+
+    def __enter__(self) -> Composite:
+        return self.composite
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Catalog:
     """What a run holds, at a local path or an object-store URL (``storage_options``: the
     store's options, ``store.storage.open_storage``): its committed snapshots, their manifests
@@ -115,6 +133,9 @@ class Catalog:
         self.storage: Storage = open_storage(root, storage_options)
         self.root = self.storage.root
         self._manifests: dict[int, Manifest] = {}
+        self._listed = threading.local()
+        """``listing``: inside ``listed``, the listing taken there (empty until the first); per
+        thread, so a promoter's or a stager's thread never sees a restore's listing."""
 
     @property
     def is_local(self) -> bool:
@@ -149,7 +170,17 @@ class Catalog:
         return self.storage.where(f"{self.snapshot_key(step)}/{relpath}" if relpath else self.snapshot_key(step))
 
     def steps(self) -> list[int]:
-        """Steps of the committed snapshots (those whose manifest exists), ascending."""
+        """Steps of the committed snapshots (those whose manifest exists), ascending (inside
+        ``listed``: as first listed there)."""
+        listing = getattr(self._listed, "listing", None)
+        if listing:
+            return list(listing[0])
+        found = self._list_steps()
+        if listing is not None:
+            listing.append(found)
+        return list(found)
+
+    def _list_steps(self) -> list[int]:
         found = []
         for name in self.storage.list_dir(SNAPSHOTS_DIR):
             step = parse_snapshot_name(name)
@@ -174,6 +205,11 @@ class Catalog:
             self._manifests[step] = manifest
         return self._manifests[step]
 
+    def remember(self, manifest: Manifest) -> None:
+        """Keep ``manifest``, the one its writer just committed (``writer.persist``), as if read:
+        a committed snapshot's manifest never changes, so reading it back would only cost."""
+        self._manifests[manifest.step] = manifest
+
     def load_manifests(self) -> list[int]:
         """Read (and cache) the manifest of every committed snapshot, each under a lease, so a
         caller listing them all (``inspect``, ``drift``) meets none removed half-way; returns
@@ -188,9 +224,12 @@ class Catalog:
         return read
 
     def forget(self, steps: list[int]) -> None:
-        """Drop cached manifests of snapshots that were removed."""
+        """Drop cached manifests of snapshots that were removed (and a listing that held them)."""
         for step in steps:
             self._manifests.pop(step, None)
+        listing = getattr(self._listed, "listing", None)
+        if listing:
+            listing.clear()
 
     def latest_step(self) -> int | None:
         """The newest committed composite: the ``latest`` pointer, followed forward through any
@@ -268,18 +307,44 @@ class Catalog:
     @contextmanager
     def reading(self, step: int | None = None, *, newest_if_removed: bool = False) -> Iterator[Composite]:
         """The composite as of ``step`` (default: the newest), with a lease on every snapshot it
-        needs, held until the block ends: retention leaves them in place meanwhile.
+        needs, held until the block ends: retention leaves them in place meanwhile (``lease``)."""
+        with self.lease(step, newest_if_removed=newest_if_removed) as composite:
+            yield composite
+
+    def lease(self, step: int | None = None, *, newest_if_removed: bool = False) -> LeasedComposite:
+        """The composite as of ``step`` (default: the newest), with a lease on every snapshot it
+        needs, held until the ``LeasedComposite`` is closed (a context manager giving the
+        composite): retention leaves them in place meanwhile.
 
         When a snapshot of the composite was removed before its lease was taken (a writer
         with ``keep=K`` moved on), the newest composite is resolved and leased instead if
         ``step`` is None or ``newest_if_removed``; otherwise, and when a snapshot the newest
         composite needs is simply not in the run, SnapshotNotFoundError names it. Either way
-        this happens before the block runs, so before any tensor byte is read."""
-        with ReadLeases(self) as leases:
+        this happens before this returns, so before any tensor byte is read."""
+        leases = ReadLeases(self)
+        try:
             composite, lost = self.lease_composite(leases, step, follow=step is None or newest_if_removed)
             if lost:
                 raise SnapshotNotFoundError(f"{self.root}: {not_restorable(composite.step, lost)}; nothing was read")
-            yield composite
+        except BaseException:
+            leases.close()
+            raise
+        return LeasedComposite(composite, leases)
+
+    @contextmanager
+    def listed(self) -> Iterator[None]:
+        """Inside the block, the run's committed snapshots are listed once (``steps``): one
+        decision (which composite a restore takes) reads one listing, not one per question
+        asked of it. What is committed meanwhile is seen by the next listing; other threads list
+        afresh."""
+        outer = getattr(self._listed, "listing", None) is not None
+        if not outer:
+            self._listed.listing = []
+        try:
+            yield
+        finally:
+            if not outer:
+                self._listed.listing = None
 
     def lease_composite(
         self, leases: ReadLeases, step: int | None, follow: bool

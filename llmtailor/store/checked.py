@@ -13,6 +13,7 @@ import xxhash
 
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
+from llmtailor.store.fetch import fetch
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.storage.base import Sink, Storage
 from llmtailor.store.storage.local import LocalStorage
@@ -75,6 +76,22 @@ def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray | mma
     return data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
 
 
+def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry,
+                         expected: dict[str, tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``key``, its bytes read once: its size checked
+    against ``entry``, then fetched in concurrent parts and checksummed on the way
+    (``store.fetch``), the checksum compared with ``entry``'s, then its header with what the
+    manifest says it holds (``check_header``), all before a tensor is made; never unpickles."""
+    _check_size(storage, key, entry)
+    where, hasher = storage.where(key), xxhash.xxh3_64()
+    data = fetch(storage, key, 0, entry.bytes, hasher)
+    if hasher.hexdigest() != entry.xxh3_64:
+        raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+    view = memoryview(data)
+    check_header(parse_header(lambda start, length: view[start : start + length], len(data), where)[1], where, expected)
+    return decode_tensors(data, where)
+
+
 def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[str, torch.Tensor]:
     """Every tensor of a checked safetensors file (``read_stored``); never unpickles."""
     return decode_tensors(read_stored(storage, key, entry), storage.where(key))
@@ -90,8 +107,13 @@ def stored_header(storage: Storage, key: str, entry: FileEntry) -> tuple[int, di
 def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]]) -> None:
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
     it holds: each key present, with the manifest's dtype (by name) and shape."""
-    _, header = stored_header(storage, key, entry)
-    where = storage.where(key)
+    check_header(stored_header(storage, key, entry)[1], storage.where(key), expected)
+
+
+def check_header(header: dict[str, dict], where: str, expected: dict[str, tuple[str, list[int]]]) -> None:
+    """A tensor file's parsed header against what the manifest says it holds (``expected``:
+    name -> (dtype name, shape)): each present, with that dtype and shape; IntegrityError
+    naming ``where`` and the tensor otherwise."""
     for name, (dtype, shape) in expected.items():
         info = header.get(name)
         if info is None or name == "__metadata__":

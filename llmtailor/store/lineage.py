@@ -1,4 +1,4 @@
-"""The lineage a writer extends, and the composite a restore takes.
+"""The lineage a writer extends (the composite a restore takes: ``tiers/choice.py``).
 
 A run's snapshots form lineages: each manifest names its ``parent``, the composite the save
 extended (``Run.lineage`` walks them). A ``Tailor`` extends one: after a restore, the restored
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtailor.errors import ConfigError, IntegrityError, TailorError
+from llmtailor.errors import ConfigError
 from llmtailor.store.catalog import Composite
 from llmtailor.store.run import Run
 
@@ -78,23 +78,3 @@ class Lineage:
             self.saved_index[unit] = manifest.save_index
             self.unit_bytes[unit] = manifest.unit_bytes(unit)
 
-
-def choose_composite(run: Run, step: int | None, fallback: bool) -> tuple[int, dict[int, str]]:
-    """The step of the composite a restore takes, and what it passed over (why, by step): the
-    newest (or ``step``'s); with ``fallback`` and no ``step``, the newest of the lineage whose
-    every file verifies and which restores (a damaged manifest's place taken by the next older
-    snapshot)."""
-    if not fallback or step is not None:
-        return run.resolve(step).step, {}
-    if not run.steps():
-        raise IntegrityError(f"{run.root}: no committed snapshot in this run directory")
-    skipped: dict[int, str] = {}
-    for candidate in run.lineage(through_damage=True):
-        try:
-            problems = run.verify(candidate)
-        except TailorError as err:
-            problems = [str(err)]
-        if not problems:
-            return candidate, skipped
-        skipped[candidate] = "; ".join(problems[:3])
-    raise IntegrityError(f"{run.root}: no composite verifies: " + " | ".join(f"step {s}: {why}" for s, why in skipped.items()))

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from llmtailor.errors import IntegrityError
 from llmtailor.store import dtypes
 from llmtailor.store.checked import stored_header
+from llmtailor.store.fetch import fetch
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
@@ -149,7 +152,7 @@ class ChunkReader:
         if check:
             data = self._checked_pages(storage, key, begin, tensor, chunk, start, end)
         else:
-            data = bytearray(storage.read_range(key, begin + start, end - start))
+            data = fetch(storage, key, begin + start, end - start)
         span = torch.frombuffer(data, dtype=tensor.torch_dtype)
         return span.as_strided(shape, strides)
 
@@ -160,7 +163,7 @@ class ChunkReader:
         checked against the chunk's page checksums."""
         size, page = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype), chunk.page_bytes
         low, high = start // page * page, min(-(-end // page) * page, size)
-        raw = memoryview(storage.read_range(key, begin + low, high - low))
+        raw = memoryview(fetch(storage, key, begin + low, high - low))
         for at in range(low, high, page):
             if checksum(raw[at - low : min(at + page, high) - low]) != chunk.pages[at // page]:
                 raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
@@ -176,8 +179,9 @@ class ChunkReader:
         if cache_key not in self._checked:
             storage, key, begin = self._located(step, unit, tensor, chunk)
             length = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
-            data = bytearray(storage.read_range(key, begin, length)) if length else bytearray()
-            if checksum(data) != chunk.xxh3_64:
+            hasher = xxhash.xxh3_64()
+            data = fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
+            if hasher.hexdigest() != chunk.xxh3_64:
                 raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
                                      "(file is corrupted)")
             whole = (torch.frombuffer(data, dtype=tensor.torch_dtype).reshape(chunk.shape) if length

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import check_stored_header, read_checked_tensors, read_stored, read_stored_tensors
+from llmtailor.store.checked import check_stored_header, fetch_stored_tensors, read_checked_tensors, read_stored
+from llmtailor.store.tensor_files import decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 _UNIT_CACHE = 64  # unit indexes kept in memory (each is small; a run can hold thousands)
+_STATE_KEPT = 64 << 20  # bytes of state tensors (RNG states, extras) kept for a second reader
 
 
 class UnitReader:
@@ -31,10 +33,14 @@ class UnitReader:
         self.catalog = catalog
         self._units: dict[tuple, UnitEntry] = {}
         self._bases: dict[str, Storage] = {}
+        self._state: tuple[tuple[int, str], bytes, bytearray] | None = None
+        """The state files read last (``_state_files``)."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
         self._units = {k: v for k, v in self._units.items() if k[0] not in steps}
+        if self._state is not None and self._state[0][0] in steps:
+            self._state = None
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
@@ -167,16 +173,15 @@ class UnitReader:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
         places = {position: self.file_location(step, entry.files[position]) for position in expected}
-        for position, tensors in expected.items():  # every header first: no tensor byte read yet
-            storage, key = places[position]
-            check_stored_header(storage, key, entry.files[position], {k: v[:2] for k, v in tensors.items()})
         loaded = {}
         for position in sorted(expected):
             storage, key = places[position]
-            if entry.files[position].origin == "base":
+            file, shapes = entry.files[position], {k: v[:2] for k, v in expected[position].items()}
+            if file.origin == "base":  # a large file of which a few tensors are wanted: those alone
+                check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, {k: v[2] for k, v in expected[position].items()})
-            else:
-                loaded[position] = read_stored_tensors(storage, key, entry.files[position])
+            else:  # each byte read once; every file's checksum and header checked before any tensor is used
+                loaded[position] = fetch_stored_tensors(storage, key, file, shapes)
         names = {position: storage.where(key) for position, (storage, key) in places.items()}
         tensors = {t.key: _assemble(t, entry, loaded, names) for t in wanted}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
@@ -201,18 +206,34 @@ class UnitReader:
     def _read_state(self, step: int, doc_path: str, tensors_path: str) -> dict[str, Any]:
         from llmtailor.store import codec  # imports torch, which reading a layout does not need
 
-        manifest = self.catalog.manifest(step)
-        snapshot, where = self.catalog.snapshot_key(step), self.catalog.where(step, doc_path)
-        raw = read_stored(self.catalog.storage, f"{snapshot}/{doc_path}", manifest.file_entry(doc_path))
+        where = self.catalog.where(step, doc_path)
+        raw, data = self._state_files(step, doc_path, tensors_path)
         try:
             doc = json.loads(bytes(raw))
         except (ValueError, RecursionError) as err:
             raise IntegrityError(f"{where}: not valid JSON ({err})") from None
-        tensors = read_stored_tensors(self.catalog.storage, f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
+        tensors = decode_tensors(data, self.catalog.where(step, tensors_path))
         state = codec.decode(doc, tensors, where=where)
         if not isinstance(state, dict):
             raise IntegrityError(f"{where}: expected an object at the top level")
         return state
+
+
+    def _state_files(self, step: int, doc_path: str, tensors_path: str) -> tuple[bytes, bytearray]:
+        """The checked bytes of a snapshot's state files (its JSON and its tensors), each read
+        once: the newest pair read is kept, up to ``_STATE_KEPT`` bytes (a restore reads rank 0's state for its checks and
+        again for its RNG and extras) and decoded afresh by each caller, so none shares
+        another's objects. A committed snapshot's files never change; ``forget`` drops them."""
+        key = (step, doc_path)
+        if self._state is None or self._state[0] != key:
+            manifest = self.catalog.manifest(step)
+            snapshot, storage = self.catalog.snapshot_key(step), self.catalog.storage
+            raw = bytes(read_stored(storage, f"{snapshot}/{doc_path}", manifest.file_entry(doc_path)))
+            data = read_stored(storage, f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
+            if len(data) > _STATE_KEPT:
+                return raw, data  # large extras: not held beyond their use
+            self._state = (key, raw, data)
+        return self._state[1], bytearray(self._state[2])
 
 
 def _assemble(

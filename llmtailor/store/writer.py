@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, SCHEMA_VERSION, rank_state_files, unit_filename, unit_index_path
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, SCHEMA_VERSION, rank_state_files, unit_filename, unit_index_path
 from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
@@ -47,7 +47,7 @@ from llmtailor.store import Progress
 from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.keys import piece_key
-from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap
+from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, TensorPart, UnitPart
 from llmtailor.store.tensor_files import stream_tensors
@@ -107,6 +107,9 @@ def persist(
         coord.gather(f"{round_}/parts", report)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
+    # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
+    # the next save read no manifest back (a HEAD and a GET on an object store).
+    run.remember(parse_manifest(outcome["manifest"].encode(), run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(
         path=run.snapshot_dir(staged.step) if run.is_local else run.where(staged.step),
         bytes=outcome["bytes"],
@@ -131,7 +134,8 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             snapshot.commit(encoded, confirm)
     except BaseException as err:
         raise _friendly(err, run, staged.step) from None
-    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step)}
+    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step),
+            "manifest": encoded.decode()}
 
 
 def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,

@@ -319,3 +319,13 @@ def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into
     assert [(r["restored"], r["mismatches"]) for r in three] == [(4, [])] * 3
     mismatches, report = restore_in_one_process(tmp_path, "mesh")
     assert mismatches == [] and report.saved_world_size == 4
+
+
+def test_fsdp2_fallback_passes_over_a_composite_damaged_in_one_ranks_part_on_every_rank(tmp_path):
+    """restore(fallback=True) verifies while it loads: the rank that reads the damaged bytes
+    fails, the ranks agree, every rank passes over that composite and loads the previous one."""
+    results = torchrun(2, "fsdp-fallback", tmp_path)
+    assert Run(tmp_path / "fallback").resolve().sources["layer.0"] == 6
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+        assert list(result["skipped"]) == ["6"] and "checksum mismatch" in result["skipped"]["6"]

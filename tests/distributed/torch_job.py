@@ -39,6 +39,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
     lacks the weight ``model.layers.1.mlp.up_proj.weight``; every rank restores it into a fresh
     model and records the error it got and which live tensors changed.
+``fsdp-fallback``  world 2, FSDP2: Parity saves at 2, 4, 6 into ``DIR/fallback``; rank 0 flips a
+    byte of rank 1's part of layer.0 at step 6; every rank restores with ``fallback=True`` and
+    records the step restored, what was skipped and the mismatches against that composite.
 ``stateful``  world 2, DDP: each rank's stateful object (its own data position, a number and a
     tensor) saved at steps 1 and 2 into ``DIR/stateful``, then restored at this world size into
     fresh objects (each rank records what its object got).
@@ -197,12 +200,12 @@ def location(out: Path, name: str) -> Path | str:
     return f"{root}/{name}" if root else out / name
 
 
-def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer) -> list[str] | None:
-    """Keys whose restored value differs from the version the composite names (None on a node
-    whose ``out`` holds no versions: they are written on rank 0's)."""
+def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer, step: int | None = None) -> list[str] | None:
+    """Keys whose restored value differs from the version the composite (of ``step``; default the
+    newest) names (None on a node whose ``out`` holds no versions: they are written on rank 0's)."""
     from llmtailor.layouts import build_layout
 
-    composite = Run(run_dir).resolve()
+    composite = Run(run_dir).resolve(step)
     layout = build_layout(getattr(model, "module", model))
     restored = versions(model, optimizer)  # collective: every rank takes part
     if not (out / "versions").is_dir():
@@ -521,6 +524,23 @@ def kill_a_reader(out: Path) -> dict:
     return {"outcome": outcome, "seconds": time.perf_counter() - start}
 
 
+def fallback_past_damage(out: Path) -> dict:
+    """Saves at 2, 4, 6; rank 0 flips a byte of rank 1's part of layer.0 at step 6 (the newest
+    composite takes layer.0 from there); every rank restores with ``fallback=True``: the damage
+    is met while loading (by the rank reading those bytes), every rank passes over 6 and loads 4."""
+    save_loop("fsdp", out, "fallback", Parity(), last=6, every=2)
+    if rank() == 0:
+        damaged = Run(out / "fallback").snapshot_dir(6) / "units" / "layer.0.rank-00001.safetensors"
+        data = bytearray(damaged.read_bytes())
+        data[-3] ^= 0x01
+        damaged.write_bytes(bytes(data))
+    dist.barrier()
+    model, optimizer, scheduler = build("fsdp", seed=5)
+    report = Tailor(out / "fallback", model, optimizer, scheduler, timeout=60).restore(fallback=True)
+    return {"restored": report.step, "skipped": {str(k): v for k, v in report.skipped.items()},
+            "mismatches": compare_with_composite(out, out / "fallback", model, optimizer, step=report.step)}
+
+
 def kill_during_save(out: Path) -> dict:
     import llmtailor.store.writer as writer
 
@@ -588,6 +608,8 @@ def main() -> None:
         result = restore_stages(out, stages=int(os.environ["STAGES"]))
     elif scenario == "fsdp-lacking":
         result = restore_lacking_a_weight(out)
+    elif scenario == "fsdp-fallback":
+        result = fallback_past_damage(out)
     elif scenario == "stateful":
         result = stateful_per_rank(out)
     elif scenario == "kill":

@@ -74,13 +74,17 @@ def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
     [chunk] = tensor.chunks
     assert chunk.page_bytes == page_size(big.numel() * 4) and len(chunk.pages) == -(-big.numel() * 4 // chunk.page_bytes)
     fetched = []
-    real = LocalStorage.read_range
+    real, real_into = LocalStorage.read_range, LocalStorage.read_into
 
     def counted(self, key, start, length):
         fetched.append(length)
         return real(self, key, start, length)
 
-    LocalStorage.read_range = counted
+    def counted_into(self, key, start, into):  # the ranged reads of a fetch (store/fetch.py)
+        fetched.append(len(into))
+        return real_into(self, key, start, into)
+
+    LocalStorage.read_range, LocalStorage.read_into = counted, counted_into
     try:
         reader = ChunkReader(run, verify=True)
         rows = (100, 300)  # a fifth of the rows, as a rank of 5 would hold
@@ -98,4 +102,4 @@ def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
         with pytest.raises(Exception, match=r"checksum mismatch in tensor 'weight/w', bytes \d+-\d+"):
             fresh.read_region(1, unit, tensor, (500, 0), (12, 300))
     finally:
-        LocalStorage.read_range = real
+        LocalStorage.read_range, LocalStorage.read_into = real, real_into

@@ -113,6 +113,11 @@ class Storage(ABC):
         """``length`` bytes of ``key`` from ``start`` (errors as ``read``; a file shorter than
         the range is IntegrityError ``... (truncated)``)."""
 
+    def read_into(self, key: str, start: int, into: memoryview) -> None:
+        """Fill ``into`` with the bytes of ``key`` from ``start`` (errors as ``read_range``).
+        Called from several threads at once (``store.fetch``), each with its own ``into``."""
+        into[:] = self.read_range(key, start, len(into))
+
     def pieces(self, key: str, start: int = 0, length: int | None = None) -> Iterator[memoryview | bytes]:
         """The bytes of ``key`` (from ``start``, ``length`` of them or to the end) in pieces of
         at most ``PIECE`` bytes, streamed. A piece may be reused for the next one: use it (hash

@@ -117,6 +117,17 @@ class LocalStorage(Storage):
                 raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
             return memoryview(_read_into(handle, path, start, length))
 
+    def read_into(self, key: str, start: int, into: memoryview) -> None:
+        """``Storage.read_into`` straight from the file into ``into`` (``preadv``: no staging copy)."""
+        path = self.path(key)
+        with _opened(path) as handle:
+            got, fd = 0, handle.fileno()
+            while got < len(into):
+                count = os.preadv(fd, [into[got:]], start + got)
+                if not count:
+                    raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
+                got += count
+
     def list_dir(self, prefix: str) -> list[str]:
         path = self.root / prefix
         try:

@@ -5,11 +5,12 @@ last promotion."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import NamedTuple
 
 from llmtailor.constants import CARRIED_FOR
-from llmtailor.errors import SnapshotNotFoundError, TailorError
-from llmtailor.store.lineage import choose_composite
+from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.store.catalog import LeasedComposite
 from llmtailor.store.run import Run
 from llmtailor.store.tiers.levels import Level
 
@@ -26,51 +27,90 @@ class Choice(NamedTuple):
     newest: int | None = None
 
 
-def choose(levels: list[Level], step: int | None, fallback: bool) -> Choice:
-    """The composite a restore reads (module docstring): of ``step`` (default: the newest),
-    from the fastest tier holding it whole; with ``fallback``, the newest that verifies in
-    any tier. ``skipped``: the newer (or equal) composites passed over, in any tier, each
-    with its tier and why. Raises SnapshotNotFoundError naming what each tier lacked; a tier
-    that cannot be read raises its error, but with ``fallback`` (the restore then takes what
-    the others hold, and ``skipped`` names the tier)."""
-    if len(levels) == 1:  # one tier: its own choice and errors, as they are
-        chosen, skipped = choose_composite(levels[-1].run, step, fallback)
-        return Choice(0, chosen, skipped, newest_held(levels))
+def choose(levels: list[Level], step: int | None) -> tuple[Choice, LeasedComposite]:
+    """The composite a restore reads (module docstring), leased: of ``step`` (default: the
+    newest), from the fastest tier holding it whole, with the lease on every snapshot it needs
+    that proved it whole, for the restore to read under (one lease, one resolution).
+    ``skipped``: the newer (or equal) composites passed over, in any tier, each with its tier
+    and why. Raises SnapshotNotFoundError naming what each tier lacked; a tier that cannot be
+    read raises its error. Each tier's snapshots are listed once."""
+    with ExitStack() as listed:
+        for level in levels:
+            listed.enter_context(level.run.listed())
+        if len(levels) == 1:  # one tier: its own choice and errors, as they are
+            held = levels[0].run.lease(step)
+            return Choice(0, held.composite.step, {}, newest_held(levels)), held
+        return _choose_among(levels, step)
+
+
+def _choose_among(levels: list[Level], step: int | None) -> tuple[Choice, LeasedComposite]:
     why: list[str] = []
     passed: dict[int, str] = {}  # newer composites passed over, in any tier: step -> "tier: why"
-    unread: list[str] = []
-
-    def unreadable(level: int, err: TailorError) -> None:
-        if not fallback:
-            raise err
-        unread.append(f"{levels[level].name} could not be read: {err}")
-
-    best: Choice | None = None
-    candidates = sorted(newest_steps(levels, unreadable), key=lambda found: (-found[0], found[1])) if step is None else \
+    best: tuple[Choice, LeasedComposite] | None = None
+    candidates = sorted(newest_steps(levels, raise_problem), key=lambda found: (-found[0], found[1])) if step is None else \
         [(step, i) for i in range(len(levels))]
-    for newest, i in candidates:
-        if best is not None and best.step >= newest:
-            break  # no slower tier can do better
-        run, name = levels[i].run, levels[i].name
-        try:
-            chosen, skipped = choose_composite(run, step, fallback)
-            with run.reading(chosen):  # whole in this tier: every snapshot it needs is there
-                pass
-        except TailorError as err:
-            why.append(f"{name}: {err}")
-            passed.setdefault(newest, f"{name}: {err}")
-            continue
-        passed.update({s: f"{name}: {reason}" for s, reason in skipped.items() if s not in passed})
-        if best is None or chosen > best.step:
-            best = Choice(i, chosen, {})
+    try:
+        for newest, i in candidates:
+            if best is not None and best[0].step >= newest:
+                break  # no slower tier can do better
+            try:
+                held = levels[i].run.lease(step)  # whole in this tier: every snapshot it needs is there
+            except TailorError as err:
+                why.append(f"{levels[i].name}: {err}")
+                passed.setdefault(newest, f"{levels[i].name}: {err}")
+                continue
+            if best is None or held.composite.step > best[0].step:
+                if best is not None:
+                    best[1].close()
+                best = Choice(i, held.composite.step, {}), held
+            else:
+                held.close()
+    except BaseException:
+        if best is not None:
+            best[1].close()
+        raise
     if best is None:
         what = f"the composite of step {step}" if step is not None else "a committed composite"
         detail = "; ".join(why) if why else "every tier is empty"
         raise SnapshotNotFoundError(f"no tier holds {what} whole ({detail})")
-    if unread:  # its newest is unknown: said with the composite chosen
-        passed[best.step] = "; ".join([*unread, *([passed[best.step]] if best.step in passed else [])])
-    return best._replace(skipped={s: reason for s, reason in passed.items() if s >= best.step},
-                         newest=newest_held(levels))
+    chosen, held = best
+    return chosen._replace(skipped={s: reason for s, reason in passed.items() if s >= chosen.step},
+                           newest=newest_held(levels)), held
+
+
+class Candidates(NamedTuple):
+    """What ``restore(fallback=True)`` tries, in order, until one loads whole, every byte
+    verified on the way: ``attempts`` (tier index, step), the newest first (the fastest tier
+    on a tie), each tier's lineage through damage; ``unread``: the tiers that could not be
+    read, and why; ``newest`` as in ``Choice``. A tuple: it travels to every rank as JSON."""
+
+    attempts: list[tuple[int, int]]
+    unread: list[str]
+    newest: int | None
+
+
+def candidates(levels: list[Level]) -> Candidates:
+    """The composites ``restore(fallback=True)`` tries (``Candidates``), from manifests alone:
+    nothing is verified here, each is verified while it is loaded (one read of each byte).
+    A single tier's problems raise as they are; of several, an unreadable one is noted."""
+    attempts: list[tuple[int, int]] = []
+    unread: list[str] = []
+    with ExitStack() as listed:
+        for level in levels:
+            listed.enter_context(level.run.listed())
+        for i, level in enumerate(levels):
+            try:
+                attempts += [(i, step) for step in level.run.lineage(through_damage=True)]
+            except TailorError as err:
+                if len(levels) == 1:
+                    raise
+                unread.append(f"{level.name} could not be read: {err}")
+        if len(levels) == 1 and not attempts:
+            raise IntegrityError(f"{levels[0].run.root}: no committed snapshot in this run directory")
+        if not attempts:
+            raise SnapshotNotFoundError(f"no tier holds a committed composite whole ({'; '.join(unread) or 'every tier is empty'})")
+        attempts.sort(key=lambda attempt: (-attempt[1], attempt[0]))
+        return Candidates(attempts, unread, newest_held(levels))
 
 
 def newest_steps(levels: list[Level], on_problem: Callable[[int, TailorError], None]) -> list[tuple[int, int]]:

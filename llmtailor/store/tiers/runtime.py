@@ -13,7 +13,8 @@ from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import ConfigError, PromotionError
 from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
-from llmtailor.store.tiers.choice import Choice, choose, newest_steps, raise_problem
+from llmtailor.store.catalog import LeasedComposite
+from llmtailor.store.tiers.choice import Candidates, Choice, candidates, choose, newest_steps, raise_problem
 from llmtailor.store.tiers.config import Tier
 from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.promote import Promoter, Promotion, clear_stray_carriers
@@ -177,10 +178,15 @@ class Tiers:
         """The run (tier) holding the newest composite whole, or None when no tier holds one."""
         if self.latest_step() is None:
             return None
-        return self.levels[self.choose(None, fallback=False).level].run
+        chosen, held = self.choose(None)
+        held.close()
+        return self.levels[chosen.level].run
 
-    def choose(self, step: int | None, fallback: bool) -> Choice:
-        """The composite a restore reads: of ``step`` (default: the newest), from the fastest
-        tier holding it whole; with ``fallback``, the newest that verifies in any tier
-        (``choice.choose``)."""
-        return choose(self.levels, step, fallback)
+    def choose(self, step: int | None) -> tuple[Choice, LeasedComposite]:
+        """The composite a restore reads, leased: of ``step`` (default: the newest), from the
+        fastest tier holding it whole (``choice.choose``); the caller closes the lease."""
+        return choose(self.levels, step)
+
+    def candidates(self) -> Candidates:
+        """What ``restore(fallback=True)`` tries, in order (``choice.candidates``)."""
+        return candidates(self.levels)

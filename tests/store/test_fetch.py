@@ -1,0 +1,85 @@
+"""Concurrent ranged reads (``store/fetch.py``): a range larger than a part is fetched as several
+parts, in parallel, into one buffer, and checksummed in order; what a chunk reader and a unit
+reader return is bit for bit what was saved, and a damaged chunk is still named with its file
+and tensor, and refused, before any byte of it is used. (Parts are made small here, so a tiny
+tensor takes the parallel path a large one takes.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from storage_calls import StorageCalls
+
+from llmtailor.errors import IntegrityError
+from llmtailor.layouts import layout_from_names
+from llmtailor.store import fetch
+from llmtailor.store.reader import ChunkReader
+from llmtailor.store.run import Run
+from llmtailor.store.staged import Piece, StagedSnapshot, StagedUnit
+from llmtailor.store.storage.local import LocalStorage
+from llmtailor.store.writer import persist
+
+SHAPE = (64, 48)
+FULL = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+PART = 1024
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch) -> Run:
+    """One snapshot of one tensor in one chunk of 12 KiB: 12 parts of ``PART`` bytes."""
+    monkeypatch.setattr(fetch, "PART", PART)
+    layout = layout_from_names(["w"])
+    staged = StagedSnapshot(
+        step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),
+        units=iter([StagedUnit(layout.unit_of("w"), [Piece("weight/w", FULL.clone(), (0, 0), SHAPE)])]),
+        composite={u: 1 for u in layout.units}, global_doc={}, global_tensors={},
+    )
+    persist(Run(tmp_path), staged)
+    return Run(tmp_path)
+
+
+def only_tensor(run: Run):
+    unit = run.unit_entry(1, next(iter(run.manifest(1).units)))
+    [tensor] = unit.tensors
+    return unit, tensor
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_chunk_is_fetched_in_parts_from_several_threads_and_equals_what_was_saved(run, monkeypatch, verify):
+    calls = StorageCalls.install(monkeypatch)
+    threads = set()
+    counted = LocalStorage.read_into  # the counting wrapper: note which thread each part runs on
+
+    def noting(storage, key, start, into):
+        threads.add(threading.get_ident())
+        return counted(storage, key, start, into)
+
+    monkeypatch.setattr(LocalStorage, "read_into", noting)
+    unit, tensor = only_tensor(run)
+    reader = ChunkReader(run, verify=verify)
+    assert torch.equal(reader.read_region(1, unit, tensor, (0, 0), SHAPE), FULL)
+    parts = [c for c in calls.calls if c[0] == "read_into"]
+    assert len(parts) == FULL.numel() * 4 // PART and all(size == PART for _, _, size in parts)
+    assert threading.get_ident() not in threads  # fetched by the pool, checksummed by the caller
+
+
+def test_a_damaged_part_names_the_file_and_tensor_and_nothing_is_returned(run):
+    unit, tensor = only_tensor(run)
+    path = run.snapshot_dir(1) / unit.files[tensor.chunks[0].file].path
+    data = bytearray(path.read_bytes())
+    data[-PART - 5] ^= 0x10  # inside the last-but-one part
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=rf"{path.name}: checksum mismatch in tensor 'weight/w'"):
+        ChunkReader(run, verify=True).read_region(1, unit, tensor, (0, 0), SHAPE)
+    with pytest.raises(IntegrityError, match=rf"{path.name}: checksum mismatch \(file is corrupted\)"):
+        run.read_unit(1, unit.unit)
+
+
+def test_a_unit_read_whole_is_fetched_in_parts(run, monkeypatch):
+    calls = StorageCalls.install(monkeypatch)
+    unit, _ = only_tensor(run)
+    tensors, _ = run.read_unit(1, unit.unit)
+    assert torch.equal(tensors["weight/w"], FULL)
+    assert calls.count("read_into") >= FULL.numel() * 4 // PART

@@ -1,0 +1,138 @@
+"""No double work on the read path, counted at the storage layer (``storage_calls``): a restore
+lists each tier's snapshots once and leases each snapshot it reads once, reads the global state
+once, and with ``fallback=True`` reads each file of the composite it loads once (verifying it on
+the way, not in a pass before); a save does not read back the manifest it just wrote."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny, train
+from storage_calls import StorageCalls
+
+from llmtailor import Parity, Run, Tailor, Tier
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, SNAPSHOTS_DIR
+from llmtailor.store.keys import KIND_WEIGHT, split_key
+
+
+def saved(path, tokens, steps=(1, 2, 3), tiers=()):
+    model, opt, sched = tiny()
+    with Tailor(path, model, opt, sched, policy=Parity(), keep=None, tiers=list(tiers)) as tailor:
+        for step in steps:
+            train(model, opt, sched, tokens, [step])
+            tailor.save(step)
+            tailor.wait(promoted=True)
+    return path
+
+
+def assert_weights_of(run, step, model):
+    """Every weight of ``model`` is, bit for bit, the one the composite of ``step`` names."""
+    live, seen = dict(model.named_parameters()), 0
+    for unit, source in run.resolve(step).sources.items():
+        for key, tensor in run.read_unit(source, unit)[0].items():
+            kind, name, _ = split_key(key)
+            if kind == KIND_WEIGHT:
+                assert torch.equal(live[name].detach(), tensor), f"{name} (from step {source})"
+                seen += 1
+    assert seen == len(live)
+
+
+def header_bytes(path) -> int:
+    """Bytes of a safetensors file's header (read alone before its tensors); 0 for another file."""
+    if path.suffix != ".safetensors":
+        return 0
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+@pytest.fixture
+def calls(monkeypatch) -> StorageCalls:
+    return StorageCalls.install(monkeypatch)
+
+
+def test_a_restore_lists_once_and_leases_each_snapshot_once(tmp_path, tokens, calls):
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    saved(home, tokens, tiers=[Tier(memory, keep=None, promote_every=1)])
+    tailor = Tailor(home, *tiny(seed=3), policy=Parity(), tiers=[Tier(memory)], read_only=True)
+    calls.clear()
+    report = tailor.restore()
+    assert report.step == 3
+    assert calls.count("list_dir", SNAPSHOTS_DIR) == 2  # each tier's snapshots, once
+    leased = calls.leases()
+    assert set(leased) == {Run.snapshot_key(2), Run.snapshot_key(3)}  # what the Parity composite of 3 reads
+    assert max(leased.values()) == 1, leased
+    assert calls.count("read", MANIFEST_FILE) <= 3  # each tier's newest, and the one older source
+
+
+def test_a_restore_reads_the_global_state_once(tmp_path, tokens, calls):
+    saved(tmp_path, tokens)
+    model, opt, sched = tiny(seed=3)
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), read_only=True)
+    calls.clear()
+    tailor.restore()
+    assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
+    assert_weights_of(Run(tmp_path), 3, model)
+
+
+def counted_saves(location, tokens, calls: StorageCalls):
+    """Two Parity saves of a tiny model to ``location``; after each, with ``calls`` holding what
+    that save alone asked, yields the key of the manifest it committed."""
+    model, opt, sched = tiny()
+    with Tailor(location, model, opt, sched, policy=Parity()) as tailor:
+        for step in (1, 2):
+            train(model, opt, sched, tokens, [step])
+            calls.clear()
+            tailor.save(step)
+            yield f"{Run.snapshot_key(step)}/{MANIFEST_FILE}"
+
+
+def test_a_save_does_not_read_back_its_manifest(tmp_path, tokens, calls):
+    for manifest in counted_saves(tmp_path, tokens, calls):
+        assert not [c for c in calls.calls if c[1] == manifest and c[0] != "lease"], calls.calls
+    assert Run(tmp_path).manifest(2).parent == 1
+
+
+def test_fallback_reads_each_file_once_and_skips_a_damaged_composite(tmp_path, tokens, calls):
+    saved(tmp_path, tokens)
+    damaged = tmp_path / "snapshots/step-00000003/units/layer.0.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    model, opt, sched = tiny(seed=5)
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), read_only=True)
+    calls.clear()
+    report = tailor.restore(fallback=True)
+    assert report.step == 2 and list(report.skipped) == [3]
+    assert "layer.0.safetensors: checksum mismatch" in report.skipped[3]
+    again = {key: (n, size) for key, n in calls.bytes_by_key().items()
+             if n > (size := (tmp_path / key).stat().st_size) + header_bytes(tmp_path / key)}
+    assert not again, again  # each file's bytes read once (its header twice): verified while it is loaded
+    assert_weights_of(Run(tmp_path), 2, model)
+
+
+def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_manifest_back(tmp_path, tokens, monkeypatch):
+    """The same at an s3:// URL on moto's server: a save asks for no HEAD or GET of its manifest
+    once written (only the HEAD before it writes: is that step's snapshot there already?);
+    a restore of a Parity composite reads the global state once and each file's bytes once (its
+    header aside), leasing each snapshot once."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import moto_process, new_bucket, set_environment
+
+    with moto_process() as endpoint:
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        calls = StorageCalls.install(monkeypatch)
+        for manifest in counted_saves(url, tokens, calls):
+            # One HEAD before anything is written (no snapshot of that step yet); none after.
+            assert calls.count("read", manifest) == 0 and calls.count("size", manifest) == 1, calls.calls
+        fresh = tiny(seed=3)
+        reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
+        calls.clear()
+        assert reader.restore().step == 2
+        assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
+        assert max(calls.leases().values()) == 1
+        run = Run(url)
+        sizes = dict(run.storage.walk("snapshots"))  # the snapshots' files (the pointer aside)
+        again = {key: n for key, n in calls.bytes_by_key().items() if key in sizes and n >= 2 * sizes[key]}
+        assert not again, again  # a second whole read of any file (a header read alone is less)
+        assert_weights_of(run, 2, fresh[0])
