@@ -181,7 +181,7 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
     by its stage; fresh stages restore every tensor, the scheduler and the groups of their own
     stage; so do other stages (2 -> 4 stages; 2 x 2 -> 2 x 1) and one plain process; a layer cut
     between the stages is refused on every rank with one message (the launch's timeout stands
-    for a hang)."""
+    for a hang); the HF and DeepSpeed exports hold every stage's groups and state."""
     results = torchrun(nproc, "pipeline", tmp_path, timeout=500)
     data = nproc // 2
     run = Run(tmp_path / "stages")
@@ -210,6 +210,7 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
 
     mismatches, report = restore_in_one_process(tmp_path, "stages")
     assert mismatches == [] and report.step == 6 and report.saved_world_size == nproc
+    check_exports_hold_every_stage(tmp_path / "stages", tmp_path / "exports")
     world, stages = into
     for result in torchrun(world, "pipeline-restore", tmp_path, timeout=300, STAGES=str(stages)):
         assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
