@@ -69,7 +69,8 @@ class Run(Catalog):
         """The global state saved at ``step`` (``UnitReader.read_global``)."""
         return self.units.read_global(step)
 
-    def stage_states(self, step: int, shared: dict[str, Any] | None = None) -> list[tuple[list[str], dict[str, Any]]] | None:
+    def stage_states(self, step: int,
+                     shared: dict[str, Any] | None = None) -> list[tuple[list[str], dict[str, Any]]] | None:
         """Each pipeline stage's global state saved at ``step`` (``UnitReader.stage_states``)."""
         return self.units.stage_states(step, shared)
 

@@ -191,7 +191,8 @@ class UnitReader:
         scheduler, model config) and rank 0's own RNG states, extras and stateful objects' states."""
         return self._read_state(step, GLOBAL_JSON, GLOBAL_TENSORS)
 
-    def stage_states(self, step: int, shared: dict[str, Any] | None = None) -> list[tuple[list[str], dict[str, Any]]] | None:
+    def stage_states(self, step: int,
+                     shared: dict[str, Any] | None = None) -> list[tuple[list[str], dict[str, Any]]] | None:
         """The global state of each pipeline stage saved at ``step``, as ``(units, state)`` in
         stage order (optimizer groups, optimizer class, LR scheduler: each stage's leader saved
         its own, rank 0's in the global state), or None for a run not saved by stages.
