@@ -42,7 +42,7 @@ def lightning_checkpoint(run: Run, composite: Composite, progress: Progress | No
     """The Lightning checkpoint dict of ``composite`` (module docstring). Raises ConfigError,
     before any tensor byte is read, for a run not saved through ``TailorCheckpoint``."""
     step = composite.step
-    state = run.read_global(step)
+    state = run.whole_global(step)
     lightning = saved_state(state, LIGHTNING_KEY)
     if not isinstance(lightning, dict):
         raise ConfigError(

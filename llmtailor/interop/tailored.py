@@ -114,7 +114,7 @@ class RunSource(Source):
 
     def global_state(self, optimizer: bool = True) -> dict[str, Any]:
         if self._state is None:
-            self._state = self.run.read_global(self.step)
+            self._state = self.run.whole_global(self.step)  # stages merged
         return self._state
 
     def close(self) -> None:

@@ -231,18 +231,10 @@ class StateProvider(ABC):
         stage's, cut along the live optimizer's groups (``regroup``: each parameter keeps its
         saved hyperparameters); the LR scheduler and optimizer class are the saved stage's
         that held the first unit this rank holds (a stage's leader keeps them in its rank state)."""
-        saved = shared.get("stages")
-        if saved is None and not self.stages.pipelined:
+        if shared.get("stages") is None and not self.stages.pipelined:
             return shared
-        states = []
         with loading("pipeline stages' global state", step):
-            for stage in saved or [{"ranks": [0], "units": list(self.stages.layout.units)}]:
-                leader = stage["ranks"][0]
-                state = shared if leader == 0 else (run.read_rank_state(step, leader) or {}).get("stage")
-                if not isinstance(state, dict):
-                    raise IntegrityError(f"the snapshot of step {step} lacks the global state of the pipeline stage "
-                                         f"of rank {leader} (units {stage['units'][:3]}...)")
-                states.append((list(stage["units"]), state))
+            states = run.stage_states(step, shared) or [(list(self.stages.layout.units), shared)]
         first = next(iter(self.layout.units))
         mine = next((state for units, state in states if first in units), states[0][1])
         groups = [g for _, state in states for g in state.get("optimizer_groups") or []]

@@ -69,6 +69,15 @@ class Run(Catalog):
         """The global state saved at ``step`` (``UnitReader.read_global``)."""
         return self.units.read_global(step)
 
+    def stage_states(self, step: int,
+                     shared: dict[str, Any] | None = None) -> list[tuple[list[str], dict[str, Any]]] | None:
+        """Each pipeline stage's global state saved at ``step`` (``UnitReader.stage_states``)."""
+        return self.units.stage_states(step, shared)
+
+    def whole_global(self, step: int) -> dict[str, Any]:
+        """The global state of ``step`` for the whole model, stages merged (``UnitReader.whole_global``)."""
+        return self.units.whole_global(step)
+
     def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s own state saved at ``step``, or None (``UnitReader.read_rank_state``)."""
         return self.units.read_rank_state(step, rank)

@@ -11,7 +11,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, rank_state_files
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
 from llmtailor.store.checked import check_stored_header, fetch_stored_tensors, read_checked_tensors, read_stored
 from llmtailor.store.tensor_files import decode_tensors
@@ -191,6 +191,44 @@ class UnitReader:
         scheduler, model config) and rank 0's own RNG states, extras and stateful objects' states."""
         return self._read_state(step, GLOBAL_JSON, GLOBAL_TENSORS)
 
+    def stage_states(self, step: int,
+                     shared: dict[str, Any] | None = None) -> list[tuple[list[str], dict[str, Any]]] | None:
+        """The global state of each pipeline stage saved at ``step``, as ``(units, state)`` in
+        stage order (optimizer groups, optimizer class, LR scheduler: each stage's leader saved
+        its own, rank 0's in the global state), or None for a run not saved by stages.
+        ``shared``: the global state of ``step`` when already read. IntegrityError where a
+        stage's is missing."""
+        shared = self.read_global(step) if shared is None else shared
+        saved = shared.get("stages")
+        if saved is None:
+            return None
+        states = []
+        for stage in saved:
+            leader = stage["ranks"][0]
+            state = shared if leader == 0 else (self.read_rank_state(step, leader) or {}).get("stage")
+            if not isinstance(state, dict):
+                raise IntegrityError(f"the snapshot of step {step} lacks the global state of the pipeline stage "
+                                     f"of rank {leader} (units {stage['units'][:3]}...)")
+            states.append((list(stage["units"]), state))
+        return states
+
+    def whole_global(self, step: int) -> dict[str, Any]:
+        """The global state of ``step`` for the whole model (an export's): ``read_global``'s, and
+        for a run saved by pipeline stages their optimizer groups merged, group i of every
+        stage into one (its parameters in stage order, which is the model's), and their one
+        LR scheduler. UnsupportedLayoutError, one line, where the stages' groups (count or
+        hyperparameters) or schedulers differ: no one optimizer of the whole model is then known."""
+        shared = self.read_global(step)
+        states = self.stage_states(step, shared)
+        if states is None:
+            return shared
+        where = f"the snapshot of step {step} (saved by {len(states)} pipeline stages)"
+        schedulers = [state.get("lr_scheduler") for _, state in states]
+        if any(s != schedulers[0] for s in schedulers[1:]):
+            raise UnsupportedLayoutError(f"{where}: the stages' LR schedulers differ; an export holds one scheduler")
+        stage_groups = [state.get("optimizer_groups") for _, state in states]
+        return {**shared, "lr_scheduler": schedulers[0], "optimizer_groups": merged_groups(stage_groups, where)}
+
     def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
         """Rank ``rank``'s own RNG states, extras and stateful objects' states as saved at
         ``step`` (rank 0: from the global state), or None when no rank of that number took part
@@ -259,3 +297,25 @@ def _assemble(
         index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.shape))
         whole[index] = piece
     return whole
+
+
+def merged_groups(stage_groups: list[list[dict[str, Any]] | None], where: str) -> list[dict[str, Any]] | None:
+    """Pipeline stages' optimizer groups (``params`` as names) as one optimizer's: group i of
+    every stage merged, its parameters in stage order, when every stage has as many groups with
+    the same hyperparameters (each stage built its optimizer by one rule); None when no stage
+    saved an optimizer. UnsupportedLayoutError naming ``where`` otherwise."""
+    if all(groups is None for groups in stage_groups):
+        return None
+
+    def hyper(group: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in group.items() if key != "params"}
+
+    first = stage_groups[0] or []
+    for number, groups in enumerate(stage_groups[1:], start=1):
+        if groups is None or len(groups) != len(first) or any(hyper(a) != hyper(b) for a, b in zip(groups, first)):
+            raise UnsupportedLayoutError(
+                f"{where}: stage {number}'s optimizer groups are not stage 0's ({len(groups or [])} vs {len(first)} "
+                "groups, or other hyperparameters); an export holds one optimizer, its groups merged from the stages' "
+                "like groups")
+    return [{**hyper(group), "params": [name for groups in stage_groups for name in groups[index]["params"]]}
+            for index, group in enumerate(first)]

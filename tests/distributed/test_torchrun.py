@@ -181,7 +181,7 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
     by its stage; fresh stages restore every tensor, the scheduler and the groups of their own
     stage; so do other stages (2 -> 4 stages; 2 x 2 -> 2 x 1) and one plain process; a layer cut
     between the stages is refused on every rank with one message (the launch's timeout stands
-    for a hang)."""
+    for a hang); the HF and DeepSpeed exports hold every stage's groups and state."""
     results = torchrun(nproc, "pipeline", tmp_path, timeout=500)
     data = nproc // 2
     run = Run(tmp_path / "stages")
@@ -210,9 +210,79 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
 
     mismatches, report = restore_in_one_process(tmp_path, "stages")
     assert mismatches == [] and report.step == 6 and report.saved_world_size == nproc
+    check_exports_hold_every_stage(tmp_path / "stages", tmp_path / "exports")
     world, stages = into
     for result in torchrun(world, "pipeline-restore", tmp_path, timeout=300, STAGES=str(stages)):
         assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
+
+
+def test_tensor_parallel_inside_pipeline_stages_saves_with_parity_and_restores_into_stages_and_one_process(tmp_path):
+    """pp 2 x tp 2 (docs/distributed.md's ``parallelize_stage``: each stage's linears tensor
+    parallel over its ``tp`` sub-mesh, its embedding, norms and head whole on both of its
+    ranks): Parity saves with drift commit every unit once, each written by its stage; fresh
+    stages of the same layout and one plain process restore every weight and optimizer tensor
+    to its composite version, and the scheduler and groups of their own stage."""
+    results = torchrun(4, "pipeline-tp", tmp_path, timeout=500)
+    run = Run(tmp_path / "stages")
+    assert run.verify() == [] and run.manifest(6).world_size == 4
+    assert run.resolve(6).sources["layer.0"] == 6 and run.resolve(6).sources["layer.1"] == 4  # a real composite
+    for rank, result in enumerate(results):
+        assert result["restored"] == 6 and result["mismatches"] == [], result
+        assert result["extra"] == {"rank": rank} and result["unmapped"] == []
+        assert result["scheduler"] == [True, 6] and result["groups"] is True
+    for unit in run.manifest(6).layout["units"]:  # written by the ranks of the stage holding it, each byte once
+        stage = 0 if unit in ("embed", "layer.0", "layer.1") else 1
+        entry = run.unit_entry(run.resolve(6).sources[unit], unit)
+        writers = {int(f.path.rsplit(".rank-", 1)[1].split(".")[0]) for f in entry.files}
+        assert writers and writers <= {2 * stage, 2 * stage + 1}, (unit, writers)
+    one_copy = stage_versions(tmp_path / "versions")[2]  # each byte once: the chunks hold one copy of the state
+    written = {t.key: sum(math.prod(c.shape) for c in t.chunks)
+               for unit in run.manifest(2).units for t in run.unit_entry(2, unit).tensors}
+    assert written == {key: value.numel() for key, value in one_copy.items()}
+    mismatches, report = restore_in_one_process(tmp_path, "stages")
+    assert mismatches == [] and report.step == 6 and report.saved_world_size == 4
+    check_exports_hold_every_stage(tmp_path / "stages", tmp_path / "exports")
+
+
+def stage_versions(folder: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Step -> every tensor's full value at that step, from the stages' version files (``torch_job``)."""
+    from safetensors.torch import load_file
+
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for path in sorted(folder.glob("*.stage*.safetensors")):
+        out.setdefault(int(path.name.split(".")[0]), {}).update(load_file(str(path)))
+    return out
+
+
+def check_exports_hold_every_stage(run_dir: Path, out: Path) -> None:
+    """A run saved by pipeline stages exports (HF Trainer checkpoint, DeepSpeed universal) with
+    the optimizer of the whole model: every parameter in the groups, with its state, and each
+    group's hyperparameters those every stage saved. Found before: both read rank 0's global
+    state only, stage 0's groups: the DeepSpeed export wrote the other stage's parameters as
+    buffers, without their optimizer state; the HF one refused, naming a parameter of stage 1."""
+    from llmtailor.interop.deepspeed.export import MODEL_STATES, export_deepspeed
+    from llmtailor.interop.hf.export import export_hf
+    from llmtailor.interop.hf.model import trainer_param_groups
+    from llmtailor.layouts import build_layout
+    from llmtailor.store.keys import optim_key
+
+    run = Run(run_dir)
+    names = [name for name, _ in tiny()[0].named_parameters()]
+    stages = run.stage_states(6)
+    assert len(stages) == 2
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in stages[0][1]["optimizer_groups"]]
+    saved = torch.load(export_hf(run, None, out / "hf") / "optimizer.pt", weights_only=True)
+    numbered = sorted(i for group in saved["param_groups"] for i in group["params"])
+    assert numbered == list(range(len(names))) and sorted(saved["state"]) == numbered
+    versions = stage_versions(run_dir.parent / "versions")
+    order = [name for group in trainer_param_groups(run.read_global(6)["model_config"]) for name in group]
+    unit_of, sources = build_layout(tiny()[0]).unit_of, run.resolve(6).sources
+    for index, name in enumerate(order):  # each parameter's state its composite version's
+        assert torch.equal(saved["state"][index]["exp_avg"], versions[sources[unit_of(name)]][optim_key(name, "exp_avg")]), name
+    assert [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]] == hyper
+    states = torch.load(export_deepspeed(run, None, out / "ds") / MODEL_STATES, weights_only=False)
+    assert sorted(n for shapes in states["param_shapes"] for n in shapes) == sorted(names)
+    assert states["buffer_names"] == [] and all((out / "ds" / "global_step6" / "zero" / n / "exp_avg.pt").is_file() for n in names)
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):

@@ -33,6 +33,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     writing its stage's versions to ``DIR/versions/<step>.stage<k>``; fresh stages restore it
     and compare every tensor, the LR scheduler and the optimizer groups; then stages that cut
     layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=20``): the refusal recorded.
+``pipeline-tp``  world 4: ``pipeline``'s two stages, each tensor parallel over two ranks (a
+    ``("pp", "tp")`` mesh, docs/distributed.md's ``parallelize_stage``): saves, versions and the
+    restore into fresh stages as there (no split layer).
 ``pipeline-restore``  ``$STAGES`` stages (over this world's ranks) restore ``DIR/stages`` and compare
     every tensor with its composite version.
 ``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
@@ -306,19 +309,34 @@ def documented_split():
     return namespace["pipeline_stage"]
 
 
-def pipeline_stage(stages: int, seed: int = 0, split: bool = False) -> torch.nn.Module:
+def documented_stage_parallel():
+    """``parallelize_stage(model, mesh)`` as docs/distributed.md shows it: tensor parallel inside a stage."""
+    from test_readme import block
+
+    namespace: dict = {}
+    exec(block("docs/distributed.md", "Tensor parallel inside each stage:", "python"), namespace)
+    return namespace["parallelize_stage"]
+
+
+def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1) -> torch.nn.Module:
     """This rank's stage of a tiny Llama, split as the docs show (``documented_split``): its share
     of the layers under their original names, the embedding on the first stage only, norm and
     head on the last; sharded over the stage's data ranks if it has several. Its forward is the
     stage's part of the model's (``stage_forward``). ``split``: layer ``per`` is cut between the
-    first two stages (its attention on the first, its MLP on the second): it cannot be saved."""
+    first two stages (its attention on the first, its MLP on the second): it cannot be saved.
+    ``tp`` > 1: tensor parallel inside each stage over ``tp`` ranks (``documented_stage_parallel``),
+    on a ``("pp", "tp")`` mesh or, with data ranks too, a ``("pp", "dp", "tp")`` one."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    data = dist.get_world_size() // stages
-    mesh = init_device_mesh("cpu", (stages, data), mesh_dim_names=("pp", "dp"))
+    data = dist.get_world_size() // stages // tp
+    if tp > 1:
+        shape, names = ((stages, data, tp), ("pp", "dp", "tp")) if data > 1 else ((stages, tp), ("pp", "tp"))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    else:
+        mesh = init_device_mesh("cpu", (stages, data), mesh_dim_names=("pp", "dp"))
     stage = mesh.get_coordinate()[0]
     model, _, _ = tiny(seed=seed)
     layers = list(model.model.layers)
@@ -330,6 +348,8 @@ def pipeline_stage(stages: int, seed: int = 0, split: bool = False) -> torch.nn.
     elif split and stage == 1:
         layers[per].self_attn = None
     model.forward = partial(stage_forward, model)
+    if tp > 1:
+        return documented_stage_parallel()(model, mesh)
     if data > 1:
         for layer in model.model.layers.values():
             fully_shard(layer, mesh=mesh["dp"])
@@ -349,13 +369,14 @@ def stage_forward(model, inputs: torch.Tensor) -> torch.Tensor:
     return model.lm_head(inner.norm(hidden)) if model.lm_head is not None else hidden
 
 
-def pipeline_step(model, optimizer, scheduler, step: int, data: int) -> None:
-    """One training step of two stages (a one-micro-batch schedule): the first sends its hidden
-    states to the rank of the same data index in the second, which computes the loss and sends
-    their gradient back. Each data index trains on its own batch."""
+def pipeline_step(model, optimizer, scheduler, step: int, data: int, tp: int = 1) -> None:
+    """One training step of two stages (a one-micro-batch schedule) of ``data`` ranks each: the
+    first sends its hidden states to the rank of the same index in the second, which computes
+    the loss and sends their gradient back. Each data index trains on its own batch (the ``tp``
+    tensor-parallel ranks of one data index on the same)."""
     stage, index = divmod(rank(), data)
     peer = (1 - stage) * data + index
-    batch = batch_at(TOKENS, step * 100 + index, 2, 32)
+    batch = batch_at(TOKENS, step * 100 + index // tp, 2, 32)
     if stage == 0:
         hidden = model(batch)
         dist.send(hidden.detach().contiguous(), peer)
@@ -375,24 +396,26 @@ def pipeline_step(model, optimizer, scheduler, step: int, data: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def pipeline(out: Path, stages: int = 2) -> dict:
-    """Two stages (x data ranks): Parity saves at 2, 4, 6 into ``DIR/stages`` with drift, the
-    versions of each stage's tensors written by its first rank; a restore into fresh stages;
-    then stages that split a layer between them, refused."""
+def pipeline(out: Path, stages: int = 2, tp: int = 1) -> dict:
+    """Two stages (x data ranks, or x ``tp`` tensor-parallel ranks): Parity saves at 2, 4, 6 into
+    ``DIR/stages`` with drift, the versions of each stage's tensors written by its first rank; a
+    restore into fresh stages; then (``tp`` 1) stages that split a layer between them, refused."""
     from llmtailor.training_example import build_optimizer
 
     data = dist.get_world_size() // stages
-    model = pipeline_stage(stages)
+    model = pipeline_stage(stages, tp=tp)
     optimizer, scheduler = build_optimizer(model, total_steps=50)
     saves = []
     with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=60) as tailor:
         for step in range(1, 7):
-            pipeline_step(model, optimizer, scheduler, step, data)
+            pipeline_step(model, optimizer, scheduler, step, data, tp)
             if step % 2 == 0:
                 report = tailor.save(step, extra={"rank": rank()})
                 write_versions(out, step, model, optimizer, name=f"{step}.stage{rank() // data}", writer=rank() % data == 0)
                 saves.append({"step": step, "units": report.units, "rank_bytes": report.rank_bytes})
-    result = {"saves": saves, **restore_stages(out, stages, optimizer, scheduler)}
+    result = {"saves": saves, **restore_stages(out, stages, optimizer, scheduler, tp)}
+    if tp > 1:
+        return result
     split = pipeline_stage(stages, split=True)
     try:
         Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=20)
@@ -402,12 +425,12 @@ def pipeline(out: Path, stages: int = 2) -> dict:
     return result
 
 
-def restore_stages(out: Path, stages: int, optimizer=None, scheduler=None) -> dict:
+def restore_stages(out: Path, stages: int, optimizer=None, scheduler=None, tp: int = 1) -> dict:
     """Fresh stages restore ``DIR/stages`` and compare every tensor with its composite version,
     and the scheduler and groups with the live ones that saved it (when given)."""
     from llmtailor.training_example import build_optimizer
 
-    fresh = pipeline_stage(stages, seed=5)
+    fresh = pipeline_stage(stages, seed=5, tp=tp)
     fresh_optimizer, fresh_scheduler = build_optimizer(fresh, total_steps=50)
     report = Tailor(out / "stages", fresh, fresh_optimizer, fresh_scheduler, timeout=60).restore()
 
@@ -604,6 +627,8 @@ def main() -> None:
         result = read_once("hsdp", out)
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
+    elif scenario == "pipeline-tp":
+        result = pipeline(out, stages=2, tp=2)
     elif scenario == "pipeline-restore":
         result = restore_stages(out, stages=int(os.environ["STAGES"]))
     elif scenario == "fsdp-lacking":

@@ -62,7 +62,7 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
     composite = run.resolve(step)
     step = composite.step
     layout = Layout.from_record(composite.manifest.layout)
-    state = run.read_global(step)
+    state = run.whole_global(step)  # a pipelined run: every stage's groups
     groups = state.get("optimizer_groups")
     if not groups:
         raise ConfigError(f"{run.root}: the snapshot of step {step} holds no optimizer state; a DeepSpeed checkpoint needs it")

@@ -97,7 +97,7 @@ def export_hf(
     if missing:
         raise IntegrityError(f"composite of step {composite.step} names no version of units {missing}")
     sink = TrainerCheckpointSink(
-        out_dir, composite.step, run.read_global(composite.step), layout,
+        out_dir, composite.step, run.whole_global(composite.step), layout,
         composite_weight_sizes(run, composite.sources, layout), origin=f"{run.root}: the snapshot of step {composite.step}",
         train_batch_size=train_batch_size, extra_files=extra_files, max_shard_size=max_shard_size,
     )
