@@ -10,17 +10,24 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, rank_state_files
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import check_stored_header, read_checked_tensors, read_stored, read_stored_tensors
+from llmtailor.store.checked import check_stored_header, read_checked_tensors, read_stored, read_stored_parts, read_stored_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     import torch
 
-_UNIT_CACHE = 64  # unit indexes kept in memory (each is small; a run can hold thousands)
+_UNIT_CACHE = 512
+"""Unit indexes kept in memory (each is small; a run can hold thousands). A restore of a
+composite looks each unit's index up several times, stored and merged, with those of the
+snapshots it keeps frozen tensors from: at 64 a 32-layer LoRA's working set (about 100) was
+evicted before it was used again, and read and validated some 300 times a restore."""
+_PACK_HEADERS = 8
+"""Pack-file headers kept (``UnitReader.read``): a pack holds every small unit of a rank, so its
+header is read and validated once for all of them, not once per unit."""
 
 
 class UnitReader:
@@ -31,10 +38,12 @@ class UnitReader:
         self.catalog = catalog
         self._units: dict[tuple, UnitEntry] = {}
         self._bases: dict[str, Storage] = {}
+        self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
         self._units = {k: v for k, v in self._units.items() if k[0] not in steps}
+        self._pack_headers.clear()
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
@@ -104,7 +113,8 @@ class UnitReader:
                     raise IntegrityError(f"snapshot {stored.step}: {tensor_key!r} is kept from base file {ref.file!r}, "
                                          "which its manifest does not list")
                 files.append(listed[ref.file].model_copy(update={"origin": "base"}))
-                whole = Chunk(file=len(files) - 1, offsets=[0] * len(ref.shape), shape=list(ref.shape), xxh3_64=ref.xxh3_64)
+                whole = Chunk(file=len(files) - 1, offsets=[0] * len(ref.shape), shape=list(ref.shape), xxh3_64=ref.xxh3_64,
+                              sample_xxh3=ref.sample_xxh3)
                 tensors.append(TensorEntry(key=tensor_key, dtype=ref.dtype, shape=list(ref.shape),
                                            chunks=[whole.model_copy(update={"stored_as": ref.name})]))
         return stored.model_copy(update={"files": files, "tensors": tensors})
@@ -158,8 +168,9 @@ class UnitReader:
         saved at ``step``.
 
         Every snapshot file is checked against its checksum; every tensor against the index's
-        dtype and shape; a tensor kept from the base directory against its own checksum (its
-        file may be large and hold other units). Chunks are assembled into the global tensor."""
+        dtype and shape; a tensor of a pack file, or kept from the base directory, is read alone
+        (its byte range) and checked against its own checksum (the file holds other units).
+        Chunks are assembled into the global tensor."""
         entry = self.entry(step, unit)
         expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
         wanted = [t for t in entry.tensors if t.key not in skip]
@@ -167,14 +178,26 @@ class UnitReader:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
         places = {position: self.file_location(step, entry.files[position]) for position in expected}
+        headers = {}
         for position, tensors in expected.items():  # every header first: no tensor byte read yet
             storage, key = places[position]
-            check_stored_header(storage, key, entry.files[position], {k: v[:2] for k, v in tensors.items()})
+            file = entry.files[position]
+            kept = (storage.where(key), file.xxh3_64)
+            headers[position] = check_stored_header(storage, key, file, {k: v[:2] for k, v in tensors.items()},
+                                                    self._pack_headers.get(kept))
+            if is_pack(file.path) and file.origin != "base":
+                # Its size is checked at each use; its bytes, each tensor's against its checksum.
+                if len(self._pack_headers) >= _PACK_HEADERS:
+                    self._pack_headers.pop(next(iter(self._pack_headers)))
+                self._pack_headers[kept] = headers[position]
         loaded = {}
         for position in sorted(expected):
             storage, key = places[position]
+            sums = {k: v[2] for k, v in expected[position].items()}
             if entry.files[position].origin == "base":
-                loaded[position] = read_checked_tensors(storage, key, {k: v[2] for k, v in expected[position].items()})
+                loaded[position] = read_checked_tensors(storage, key, sums)
+            elif is_pack(entry.files[position].path):
+                loaded[position] = read_stored_parts(storage, key, headers[position], sums)
             else:
                 loaded[position] = read_stored_tensors(storage, key, entry.files[position])
         names = {position: storage.where(key) for position, (storage, key) in places.items()}
