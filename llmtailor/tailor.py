@@ -225,14 +225,17 @@ class Tailor:
 
     # -- restoring ----------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool = True) -> RestoreReport:
+    def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool | str = True) -> RestoreReport:
         """Load the newest committed composite (or the one as of ``step``) in place; with tiers,
         from the fastest tier holding the newest whole (the report's ``tier`` says which).
 
         Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked
         from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
-        read against its checksum; ``verify=False`` (distributed providers) reads only the byte
-        ranges this rank holds and leaves checking to ``llmtailor verify``. ``fallback=True``
+        read against its checksum, and a frozen tensor the live model already holds (not read)
+        against the checksum of a sample of its values recorded at save; ``verify="exact"``,
+        that tensor against the checksum of all its bytes (a pass over it); ``verify=False``
+        (distributed providers) reads only the byte ranges this rank holds and leaves checking
+        to ``llmtailor verify``. ``fallback=True``
         (no ``step``): a composite any of whose files fails verification is passed over for the
         newest that verifies whole (``skipped`` says what and why).
 
@@ -241,6 +244,8 @@ class Tailor:
         (DeepSpeed's low-precision refresh): a failure on one rank makes every rank raise, naming
         it. A restore that failed after the live state was touched (on any rank, or the ranks
         could not agree) leaves this Tailor refusing to save until a restore succeeds."""
+        if verify not in (True, False, "exact") or not isinstance(verify, (bool, str)):
+            raise ConfigError(f"restore(verify={verify!r}): expected True, False or \"exact\"")
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         round_ = self.coordinator.new_round()
