@@ -169,7 +169,7 @@ def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
             relpath = unit_filename(staged_unit.unit, rank, staged.world_size)
             pages: dict[str, dict[str, Any]] = {}
             file, sums = stream_tensors(create(relpath), tensors, relpath, pages=pages) if tensors else (None, {})
-            record([_Written(staged_unit, file, sums, pages, file.bytes if file is not None else 0)])
+            record([_Written(staged_unit, list(tensors), file, sums, pages, file.bytes if file is not None else 0)])
         record(pack.flush())
         if staged.global_doc is not None:
             files.append(stream_tensors(create(GLOBAL_TENSORS), staged.global_tensors or {}, GLOBAL_TENSORS)[0])
@@ -182,7 +182,7 @@ def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
 
 
 def _unit_tensors(staged_unit: StagedUnit) -> dict[str, torch.Tensor]:
-    """The unit's pieces by their key in a file (``piece_key``)."""
+    """The unit's pieces by their key in a file (``piece_key``), in the order of its pieces."""
     tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
     if len(tensors) != len(staged_unit.pieces):
         raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
@@ -199,6 +199,8 @@ class _Written:
     checksums of its pieces (by key in that file), and its share of the file's bytes."""
 
     unit: StagedUnit
+    keys: list[str]
+    """Its pieces' keys in the file, in the order of ``unit.pieces``."""
     file: FileEntry | None
     sums: dict[str, str]
     pages: dict[str, dict[str, Any]]
@@ -207,15 +209,17 @@ class _Written:
 
 def _unit_part(written: _Written) -> UnitPart:
     """A written unit as this rank reports it: its file and its own chunks (the leader validates
-    the merged entries, coverage included)."""
-    def chunk(p: Piece) -> ChunkPart:
-        key = piece_key(p.key, p.offsets, p.is_whole)
-        return ChunkPart(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
-                         sample_xxh3=p.sample_xxh3, **written.pages.get(key, {}))
+    the merged entries, coverage included). Its chunks and tensors are built unvalidated: the
+    report is validated where it arrives (``RankPart.from_message``), and a LoRA's thousands of
+    pieces made validating them twice a fixed cost of every save."""
+    def chunk(p: Piece, key: str) -> ChunkPart:
+        return ChunkPart.model_construct(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
+                                         sample_xxh3=p.sample_xxh3, **written.pages.get(key, {}))
 
     staged_unit = written.unit
-    entries = [TensorPart(key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape), chunks=[chunk(p)])
-               for p in staged_unit.pieces]
+    entries = [TensorPart.model_construct(key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
+                                          chunks=[chunk(p, key)])
+               for p, key in zip(staged_unit.pieces, written.keys)]
     return UnitPart(file=written.file, tensors=entries, values=staged_unit.values, kept=staged_unit.kept, base=staged_unit.base)
 
 
@@ -253,7 +257,7 @@ class _Pack:
         groups = {key: number for number, (_, tensors) in enumerate(self.waiting) for key in tensors}
         file, sums = stream_tensors(self.create(relpath), merged, relpath, pages=pages, groups=groups)
         header = file.bytes - self.bytes
-        written = [_Written(staged_unit, file, sums, pages, _data_bytes(tensors) + (header if i == 0 else 0))
+        written = [_Written(staged_unit, list(tensors), file, sums, pages, _data_bytes(tensors) + (header if i == 0 else 0))
                    for i, (staged_unit, tensors) in enumerate(self.waiting)]
         self.waiting, self.bytes, self.number = [], 0, self.number + 1
         return written
