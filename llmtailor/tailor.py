@@ -229,23 +229,18 @@ class Tailor:
         """Load the newest committed composite (or the one as of ``step``) in place; with tiers,
         from the fastest tier holding the newest whole (the report's ``tier`` says which).
 
-        Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked
-        from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
-        read against its checksum, and a frozen tensor the live model already holds (not read)
-        against the checksum of a sample of its values recorded at save; ``verify="exact"``,
-        that tensor against the checksum of all its bytes (a pass over it); ``verify=False``
-        (distributed providers) reads only the byte ranges this rank holds and leaves checking
-        to ``llmtailor verify``. ``fallback=True``
-        (no ``step``): a composite any of whose files fails verification is passed over for the
-        newest that verifies whole (``skipped`` says what and why).
+        Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked from the manifests before
+        any tensor byte is read. ``verify=True`` checks every chunk read against its checksum, a frozen tensor the model
+        holds (unread) by a sampled one (``"exact"``: all its bytes); ``verify=False`` (distributed providers) reads only
+        the byte ranges this rank holds, leaving checks to ``llmtailor verify``. ``fallback=True`` (no ``step``): a
+        composite any of whose files fails verification gives way to the newest that verifies (``skipped`` says why).
 
         Collective in a distributed job: rank 0 picks the composite, every rank reads its part,
         then the ranks agree that every read succeeded before any enters a collective to finish
         (DeepSpeed's low-precision refresh): a failure on one rank makes every rank raise, naming
         it. A restore that failed after the live state was touched (on any rank, or the ranks
         could not agree) leaves this Tailor refusing to save until a restore succeeds."""
-        if verify not in (True, False, "exact") or not isinstance(verify, (bool, str)):
-            raise ConfigError(f"restore(verify={verify!r}): expected True, False or \"exact\"")
+        _check_verify(verify)
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         round_ = self.coordinator.new_round()
@@ -304,3 +299,9 @@ class Tailor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_verify(verify: object) -> None:
+    """``restore(verify=...)`` takes True, False or ``"exact"`` (ConfigError naming the value)."""
+    if not isinstance(verify, (bool, str)) or verify not in (True, False, "exact"):
+        raise ConfigError(f"restore(verify={verify!r}): expected True, False or \"exact\"")

@@ -296,9 +296,7 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
     _check_whole(staged, parts, set(merged))
     refs = {}
     with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
-        for unit in staged.composite:  # layout order
-            if unit not in merged:
-                continue
+        for unit in [u for u in staged.composite if u in merged]:  # layout order
             content = merged[unit]
             index = UnitEntry(unit=unit, step=staged.step, files=content["files"], tensors=list(content["tensors"].values()),
                               values=content["values"], kept=content["kept"], base=content["base"])

@@ -124,7 +124,7 @@ def test_fsdp2_ranks_write_their_own_shards_about_evenly(fsdp):
     manifest = Run(out / "parity").manifest(8)
     assert manifest.world_size == 2 and manifest.provider == "fsdp2"
     index = Run(out / "parity").unit_entry(8, "layer.1")
-    assert [f.path for f in index.files] == ["units/layer.1.rank-00000.safetensors", "units/layer.1.rank-00001.safetensors"]
+    assert [f.path for f in index.files] == ["packs/rank-00000.0.safetensors", "packs/rank-00001.0.safetensors"]  # small units: packed
     q = index.tensor("weight/model.layers.1.self_attn.q_proj.weight")
     assert sorted(c.offsets for c in q.chunks) == [[0, 0], [16, 0]]  # dim-0 shards, no full tensor anywhere
 
