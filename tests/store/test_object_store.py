@@ -7,6 +7,7 @@ removed, retention racing a reader, the CLI on URLs."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -103,17 +104,18 @@ def test_verify_names_a_corrupted_and_a_missing_object(url, endpoint, tokens):
     parity_run(url, tokens, 3)
     s3, bucket = client(endpoint), bucket_of(url)
     layer = next(u for u in Run(url).manifest(3).units if u.startswith("layer."))
-    unit = f"runs/exp/snapshots/step-00000003/units/{layer}.safetensors"
+    held = Run(url).unit_entry(3, layer).files[0].path  # the tiny model's pack file
+    unit = f"runs/exp/snapshots/step-00000003/{held}"
     data = bytearray(s3.get_object(Bucket=bucket, Key=unit)["Body"].read())
     data[-1] ^= 0xFF
     s3.put_object(Bucket=bucket, Key=unit, Body=bytes(data))
     s3.delete_object(Bucket=bucket, Key="runs/exp/snapshots/step-00000002/global.json")
     problems = Run(url).verify()
-    assert f"{url}/snapshots/step-00000003/units/{layer}.safetensors: checksum mismatch (file is corrupted)" in problems
+    assert f"{url}/snapshots/step-00000003/{held}: checksum mismatch (file is corrupted)" in problems
     assert f"{url}/snapshots/step-00000002/global.json: file is missing" in problems
     result = runner.invoke(app, ["verify", url])
     assert result.exit_code == 1 and "checksum mismatch" in result.output
-    with pytest.raises(IntegrityError, match=f"{layer}.safetensors: checksum mismatch"):
+    with pytest.raises(IntegrityError, match=rf"{re.escape(held)}: checksum mismatch"):
         Tailor(url, *tiny(seed=1), read_only=True).restore()
 
 
@@ -170,7 +172,7 @@ def test_transient_errors_are_retried_and_a_persistent_one_fails_cleanly(tokens,
         failed = set()
 
         def throttle_first(method, key):
-            if method == "PUT" and "/units/" in key and key not in failed:
+            if method == "PUT" and "/packs/" in key and key not in failed:
                 failed.add(key)
                 return 503
             return None
@@ -181,9 +183,9 @@ def test_transient_errors_are_retried_and_a_persistent_one_fails_cleanly(tokens,
             train(model, opt, sched, tokens, [1])
             tailor.save(1)
             assert failed and any(status == 503 for _, _, status in faults.seen)
-            faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith("units/layer.2.safetensors") else None
+            faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith("packs/rank-00000.0.safetensors") else None
             train(model, opt, sched, tokens, [2])
-            with pytest.raises(TailorError, match=r"snapshots/step-00000002/units/layer.2.safetensors"):
+            with pytest.raises(TailorError, match=r"snapshots/step-00000002/packs/rank-00000\.0\.safetensors"):
                 tailor.save(2)
         faults.rule = lambda method, key: None
         run = Run(url, options)
