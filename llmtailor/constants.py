@@ -1,9 +1,12 @@
 """File names, schema versions and state keys of the llmtailor on-disk format, in one place."""
 
-SCHEMA_VERSION = 4
-READABLE_SCHEMAS = (2, 3, 4)
+SCHEMA_VERSION = 5
+READABLE_SCHEMAS = (2, 3, 4, 5)
 """Schema 3 adds frozen tensors kept from an older snapshot or a base model directory; schema 4,
-page checksums of large chunks (a reader of part of a chunk checks only the pages it reads)."""
+page checksums of large chunks (a reader of part of a chunk checks only the pages it reads);
+schema 5, pack files (a rank's small units written together into one file, ``PACKS_DIR``) and
+the sampled checksum of a whole weight's values (``Chunk.sample_xxh3``, ``BaseRef.sample_xxh3``),
+against which a restore checks a frozen tensor the live model already holds."""
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"
@@ -17,6 +20,13 @@ CARRIED_FOR = "carried_for"
 (``store/tiers/promote.py``): its own composite is not meant to restore there."""
 MANIFEST_FILE = "manifest.json"
 UNITS_DIR = "units"
+PACKS_DIR = "packs"
+PACK_UNIT_BYTES = 16 << 20
+"""A unit of which a rank writes fewer bytes than this goes into the rank's pack file (one file,
+made durable once, for all its small units) rather than a file of its own."""
+PACK_FILE_BYTES = 256 << 20
+"""A pack file is closed once it holds this many bytes (the small units waiting for it are held
+in memory until it is written) and the next small unit starts another."""
 GLOBAL_JSON = "global.json"
 GLOBAL_TENSORS = "global.safetensors"
 RANKS_DIR = "ranks"
@@ -56,6 +66,17 @@ def unit_filename(unit: str, rank: int, world_size: int) -> str:
     """Path of the tensor file rank ``rank`` writes for ``unit`` (one file per unit in a
     single-process save)."""
     return f"{UNITS_DIR}/{unit}.safetensors" if world_size == 1 else f"{UNITS_DIR}/{unit}.rank-{rank:05d}.safetensors"
+
+
+def pack_filename(rank: int, number: int) -> str:
+    """Path of the ``number``-th pack file rank ``rank`` writes: its small units' tensors,
+    together (each unit's index names it; a tensor's key in it is unique across units)."""
+    return f"{PACKS_DIR}/rank-{rank:05d}.{number}.safetensors"
+
+
+def is_pack(relpath: str) -> bool:
+    """Whether a unit's file is a pack file (holding other units' tensors too)."""
+    return relpath.startswith(f"{PACKS_DIR}/")
 
 
 def unit_index_path(unit: str) -> str:

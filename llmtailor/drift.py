@@ -26,7 +26,6 @@ operations; ``bench/bench_drift.py`` measures it against a training step.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -36,9 +35,9 @@ import torch
 
 from llmtailor.store.keys import split_key
 from llmtailor.store.run import Run
+from llmtailor.store.samples import SAMPLE, flat as _flat, sample_slots, sampled  # noqa: F401 (drift.sampled, drift.SAMPLE)
 from llmtailor.store.staged import Piece
 
-SAMPLE = 1024
 KINDS = ("weight", "moments")
 
 
@@ -51,30 +50,6 @@ def kind_of(key: str, piece: Piece, weight_shapes: dict[str, tuple[int, ...]]) -
     if state_key is not None and weight_shapes.get(name) == piece.global_shape and piece.tensor.is_floating_point():
         return "moments"
     return None
-
-
-def sample_slots(piece: Piece, size: int = SAMPLE, seed: int = 0) -> tuple[int, int]:
-    """A piece's sampled elements, the same at every call: every ``spacing``-th element of it
-    (flat) from ``start``, ``size`` of them (all of a piece no larger). The spacing has no factor
-    in common with the row length, so the sample walks through every column as well as down the
-    rows; the start is drawn from ``seed`` and the piece's key and offsets."""
-    numel = piece.tensor.numel()
-    if numel <= size:
-        return 0, 1
-    spacing = numel // size
-    row = piece.tensor.shape[-1]
-    while spacing > 1 and math.gcd(spacing, row) != 1:
-        spacing -= 1
-    digest = hashlib.sha256(f"{seed}/{piece.key}/{piece.offsets}".encode()).digest()
-    start = int.from_bytes(digest[:8], "little") % (numel - (size - 1) * spacing)
-    return start, spacing
-
-
-def sampled(piece: Piece, size: int = SAMPLE, seed: int = 0) -> torch.Tensor:
-    """The piece's sampled elements (``sample_slots``), flat: a view of its memory where it is
-    contiguous, else a copy."""
-    start, spacing = sample_slots(piece, size, seed)
-    return _flat(piece.tensor)[start::spacing][:size]
 
 
 class SampleSource(Protocol):
@@ -252,10 +227,6 @@ class DriftTracker:
 def _segment_sums(values: torch.Tensor, part: _KindPlan) -> torch.Tensor:
     """Per unit of ``part.spans`` (in its order), the sum of its span of ``values``, as float64."""
     return torch.segment_reduce(values, "sum", lengths=part.lengths).double()
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
 
 
 def drift_figures(units: list[str], sums: torch.Tensor, known: set[str]) -> dict[str, dict[str, float | None]]:

@@ -11,7 +11,7 @@ its bytes are saved or restored, and a tensor whose fingerprint differs is writt
 parameter frozen mid-run is saved once more after its last change). The fingerprint of every
 piece this rank holds: its data pointer (a replaced tensor moves it), its version counter (any
 in-place change made through the tensor bumps it) and the checksum of a fixed sample of its
-values (``drift.sampled``, up to ``drift.SAMPLE`` elements spread over it). The sample is for
+values (``store.samples.sampled``, up to ``SAMPLE`` elements spread over it). The sample is for
 changes that bump no counter, made through ``param.data``: every such change of a tensor no
 larger than the sample is seen, and in a larger one every change that alters a sampled element
 (a change of the whole tensor, or of much of it); a change confined to a few elements of a
@@ -33,14 +33,13 @@ tensors are written once instead.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.drift import sampled
 from llmtailor.errors import ConfigError, TailorError
 from llmtailor.interop.hf.weights import ModelWeights, has_weights
 from llmtailor.providers.base import StateProvider
@@ -50,6 +49,7 @@ from llmtailor.store.tensor_files import checksum, checksum_file, tensor_checksu
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry
 from llmtailor.store.run import Run
+from llmtailor.store.samples import sampled
 from llmtailor.store.staged import Piece, StagedUnit, version_of
 
 Holder = int | str
@@ -60,7 +60,7 @@ def fingerprints(pieces: dict[str, list[Piece]]) -> dict[str, tuple]:
     """Per tensor key, what changes when the tensor's values may have: of every piece, its
     memory and version counter (a change made through the tensor bumps the counter, a replaced
     tensor moves the memory; an inference-mode tensor keeps no counter: ``version_of``) and the
-    checksum of a fixed sample of its values (``drift.sampled``: a change through ``.data``, or
+    checksum of a fixed sample of its values (``store.samples.sampled``: a change through ``.data``, or
     to an inference tensor, bumps no counter; it shows when it alters a sampled element)."""
     found = [piece for key_pieces in pieces.values() for piece in key_pieces]
     sums = iter(_sample_checksums(found))
@@ -170,6 +170,15 @@ class FrozenPlan:
         return [u for u in units if u not in self.quiet]
 
 
+def _with_sample(piece: Piece, plan: FrozenPlan) -> Piece:
+    """``piece``, a frozen whole weight's with its sampled checksum (recorded in its chunk: a
+    restore checks a live tensor against it, ``providers/local.py``)."""
+    prints = plan.fingerprints.get(piece.key)
+    if prints is None or len(prints) != 1 or not piece.is_whole:
+        return piece
+    return replace(piece, sample_xxh3=prints[0][3])
+
+
 class FrozenParts:
     """Which frozen tensors a writer can leave out (module docstring)."""
 
@@ -200,6 +209,7 @@ class FrozenParts:
                 found = pieces[key]
                 ref = self.base.ref(split_key(key)[1], found[0].tensor) if len(found) == 1 and found[0].is_whole else None
                 if ref is not None:
+                    ref["sample_xxh3"] = prints[key][0][3]  # a whole tensor's one piece
                     self._held[key], self._base_refs[key] = ("base", prints[key]), ref
                     changed.remove(key)
         frozen_units = set(self.provider.frozen_units())
@@ -223,7 +233,7 @@ class FrozenParts:
     def split(self, staged: StagedUnit, plan: FrozenPlan) -> StagedUnit:
         """``staged`` without the pieces of the tensors ``plan`` keeps; the unit records where they are."""
         kept = {p.key for p in staged.pieces if p.key in plan.kept}
-        staged.pieces = [p for p in staged.pieces if p.key not in kept]
+        staged.pieces = [_with_sample(p, plan) for p in staged.pieces if p.key not in kept]
         staged.kept = {k: plan.kept[k] for k in kept if plan.kept[k] != "base"}
         staged.base = {k: plan.base[k] for k in kept if plan.kept[k] == "base"}
         return staged

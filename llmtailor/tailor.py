@@ -229,13 +229,14 @@ class Tailor:
 
     # -- restoring ----------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool = True) -> RestoreReport:
+    def restore(self, step: int | None = None, *, fallback: bool = False, verify: bool | str = True) -> RestoreReport:
         """Load the newest committed composite (or the one as of ``step``) in place; with tiers,
         from the fastest tier holding the newest whole (the report's ``tier`` says which).
 
         Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked
         from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
-        read against its checksum; ``verify=False`` (distributed providers) reads only the byte
+        read against its checksum, a frozen tensor the model holds (unread) by a sampled one
+        (``"exact"``: all its bytes); ``verify=False`` (distributed providers) reads only the byte
         ranges this rank holds and leaves checking to ``llmtailor verify``. ``fallback=True``
         (no ``step``): the composites of the lineage are tried newest first, each verified while
         it loads (every byte read once, checked before it is used, whatever ``verify``); one that
@@ -250,6 +251,7 @@ class Tailor:
         (DeepSpeed's low-precision refresh): a failure on one rank makes every rank raise, naming
         it. A restore that failed after the live state was touched (on any rank, or the ranks
         could not agree) leaves this Tailor refusing to save until a restore succeeds."""
+        _check_verify(verify)
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
         start = time.perf_counter()
@@ -304,7 +306,7 @@ class _Restoring:
         self.round = coordinator.new_round()
         self.partly: str | None = None
 
-    def load(self, step: int | None, fallback: bool, verify: bool,
+    def load(self, step: int | None, fallback: bool, verify: bool | str,
              held: ExitStack) -> tuple[int, Composite, dict[int, str], int | None]:
         """Load the composite into the live state, its lease held by ``held``: ``(tier, composite,
         skipped, floor)``. With ``fallback`` (no ``step``), every byte read is verified: a damaged
@@ -347,7 +349,7 @@ class _Restoring:
         level, chosen, skipped, floor = self.coordinator.broadcast(f"{self.round}/choose", choose if leader else None)
         return [(level, chosen, leased[0] if leased else None)], {int(s): why for s, why in skipped.items()}, [], floor
 
-    def attempt(self, index: int, run: Run, chosen: int, leased: LeasedComposite | None, verify: bool,
+    def attempt(self, index: int, run: Run, chosen: int, leased: LeasedComposite | None, verify: bool | str,
                 skippable: bool) -> tuple[LeasedComposite | None, BaseException | None]:
         """Lease (unless ``leased``), check and load the composite of ``chosen`` into the live
         state on every rank; the ranks agree on the outcome (``Coordinator.agree``). Returns the
@@ -391,3 +393,9 @@ def _as_damage(err: BaseException, skippable: bool) -> BaseException:
     if skippable and isinstance(inner, (SnapshotNotFoundError, StorageError)):
         return IntegrityError(str(inner))
     return err
+
+
+def _check_verify(verify: object) -> None:
+    """``restore(verify=...)`` takes True, False or ``"exact"`` (ConfigError naming the value)."""
+    if not isinstance(verify, (bool, str)) or verify not in (True, False, "exact"):
+        raise ConfigError(f"restore(verify={verify!r}): expected True, False or \"exact\"")

@@ -203,3 +203,34 @@ def drop_from_unit_index(run_dir: Path, step: int, unit: str, key: str) -> None:
     (snapshot / ref["path"]).write_bytes(text)
     ref.update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
     (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
+def unit_file(run_dir: Path, step: int, unit: str) -> Path:
+    """The tensor file the snapshot of ``step`` holds ``unit`` in (as its index names it): the
+    unit's own file, or the pack file it shares with the snapshot's other small units."""
+    from llmtailor.constants import unit_index_path
+    from llmtailor.store.run import Run
+
+    snapshot = Run(run_dir).snapshot_dir(step)
+    index = json.loads((snapshot / unit_index_path(unit)).read_text())
+    return snapshot / index["files"][0]["path"]
+
+
+def flip_unit_byte(run_dir: Path, step: int, unit: str) -> Path:
+    """Flip one bit in the middle of the bytes of ``unit``'s first tensor in its file (in a pack
+    file, the bytes of that unit, not of another); return the file's path."""
+    from llmtailor.constants import unit_index_path
+    from llmtailor.store.keys import piece_key
+    from llmtailor.store.run import Run
+    from llmtailor.store.tensor_files import read_header
+
+    path = unit_file(run_dir, step, unit)
+    index = json.loads((Run(run_dir).snapshot_dir(step) / unit_index_path(unit)).read_text())
+    tensor = index["tensors"][0]
+    chunk = tensor["chunks"][0]
+    data_start, header = read_header(path)
+    begin, end = header[piece_key(tensor["key"], chunk["offsets"], chunk["shape"] == tensor["shape"])]["data_offsets"]
+    data = bytearray(path.read_bytes())
+    data[data_start + (begin + end) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path

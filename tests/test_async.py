@@ -90,7 +90,7 @@ def test_a_background_write_error_surfaces_on_the_next_call_and_leaves_nothing(t
 
     def failing(sink, *args, **kwargs):
         calls.append(sink)
-        if len(calls) == 3:
+        if len(calls) == 2:  # step 2 writes its pack file, then fails on its global tensors
             sink.abort()
             raise OSError(errno.EIO, "Input/output error")
         return real(sink, *args, **kwargs)
@@ -252,7 +252,7 @@ def test_schedule_free_eval_save_train_gives_the_synchronous_snapshot(tmp_path, 
         train(model, opt, None, tokens, [4])
         tailor.close()
         snapshots[mode] = snapshot_files(Run(tmp_path / mode), 3)
-    units = [name for name in snapshots["sync"] if name.startswith("units/")]
+    units = [name for name in snapshots["sync"] if name.startswith(("units/", "packs/"))]
     assert units and all(snapshots["sync"][n] == snapshots["async"][n] for n in units)
 
 

@@ -706,3 +706,45 @@ def test_modules_to_save_with_a_base_directory_keeps_the_original_module_from_it
                            module, tying], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1]) == state_digest(model, optimizer)
+
+
+def test_frozen_tensors_the_live_model_holds_are_checked_by_sample_and_exactly_on_request(tmp_path, tokens, monkeypatch):
+    """A restore into a model that holds the base weights already reads none of them and makes no
+    pass over them: each is checked against the checksum of its sample recorded at save (issue
+    33). A change confined to unsampled elements passes that check (the documented limit);
+    ``verify="exact"`` checks every byte, finds it and restores the saved tensor."""
+    import llmtailor.providers.local as local
+    from llmtailor.drift import SAMPLE, sample_slots
+    from llmtailor.store.staged import Piece
+    from llmtailor.store.tensor_files import tensor_checksum
+
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
+        for s in (1, 2):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    passes = []
+    monkeypatch.setattr(local, "tensor_checksum", lambda t: passes.append(t.numel()) or tensor_checksum(t))
+    held, held_opt = lora(seed=7)  # the same base weights, other adapters
+    Tailor(tmp_path, held, held_opt, read_only=True).restore()
+    assert passes == []
+    for (name, a), b in zip(held.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+    name = "base_model.model.model.layers.1.mlp.gate_proj.weight"  # 2048 elements: sampled, not all
+    key = "weight/model.layers.1.mlp.gate_proj.weight"
+    changed, changed_opt = lora(seed=7)
+    target = dict(changed.named_parameters())[name]
+    start, spacing = sample_slots(Piece.whole(key, target.detach()))
+    sampled = set(range(start, target.numel(), spacing)[:SAMPLE])
+    outside = next(i for i in range(target.numel()) if i not in sampled)
+    with torch.no_grad():
+        target.view(-1)[outside] += 1.0
+    Tailor(tmp_path, changed, changed_opt, read_only=True).restore()
+    assert not torch.equal(target, dict(model.named_parameters())[name])  # not seen by the sample
+    Tailor(tmp_path, changed, changed_opt, read_only=True).restore(verify="exact")
+    assert passes  # every held frozen tensor hashed whole
+    for (n, a), b in zip(changed.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), n
+    with pytest.raises(Exception, match=r"verify='full'.*expected True, False or \"exact\""):
+        Tailor(tmp_path, changed, changed_opt, read_only=True).restore(verify="full")

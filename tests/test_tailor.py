@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise, drop_from_unit_index, tiny, train, tree_digest, unit_versions
+from helpers import assert_bitwise, drop_from_unit_index, flip_unit_byte, tiny, train, tree_digest, unit_file, unit_versions
 
 from llmtailor import Filter, Full, Interval, Parity, Tailor
 from llmtailor.distributed.coordinator import CoordinationError, LocalCoordinator
@@ -189,22 +189,20 @@ def saved_run(tmp_path, tokens):
 
 
 def _damage_flip(run):
-    path = run / "snapshots/step-00000003/units/layer.0.safetensors"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-    return "layer.0.safetensors: checksum mismatch"
+    path = flip_unit_byte(run, 3, "layer.0")  # a tiny model's units share a pack file
+    return f"{path.name}: checksum mismatch in tensor 'weight/model.layers.0."
 
 
 def _damage_truncate(run):
-    path = run / "snapshots/step-00000002/units/layer.1.safetensors"
+    path = unit_file(run, 2, "layer.1")
     path.write_bytes(path.read_bytes()[:100])
-    return "layer.1.safetensors: 100 bytes stored, manifest says"
+    return f"{path.name}: 100 bytes stored, manifest says"
 
 
 def _damage_delete(run):
-    (run / "snapshots/step-00000003/units/embed.safetensors").unlink()
-    return "embed.safetensors: file is missing"
+    path = unit_file(run, 3, "embed")
+    path.unlink()
+    return f"{path.name}: file is missing"
 
 
 def _damage_manifest(run):
@@ -313,13 +311,13 @@ def test_fallback_restores_the_newest_composite_that_verifies(saved_run):
     before = tree_digest(saved_run)
     report = Tailor(saved_run, *tiny(seed=5)).restore(fallback=True)
     assert report.step == 2 and list(report.skipped) == [3]
-    assert "layer.0.safetensors: checksum mismatch" in report.skipped[3]
+    assert f"{unit_file(saved_run, 3, 'layer.0').name}: checksum mismatch" in report.skipped[3]
     assert tree_digest(saved_run) == before
 
 
 def test_fallback_when_nothing_verifies_names_every_step(saved_run):
     for step in (1, 2, 3):
-        (saved_run / f"snapshots/step-{step:08d}/units/norm.safetensors").write_bytes(b"junk")
+        unit_file(saved_run, step, "norm").write_bytes(b"junk")
     with pytest.raises(IntegrityError, match=r"no composite verifies: step 3: .* \| step 2: .* \| step 1: "):
         Tailor(saved_run, *tiny()).restore(fallback=True)
 

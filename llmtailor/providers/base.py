@@ -263,7 +263,7 @@ class StateProvider(ABC):
         restored into the live objects (another optimizer class, say)."""
 
     @abstractmethod
-    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
+    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool | str) -> None:
         """Load the composite in place: each unit from the snapshot ``sources[unit]`` (weights
         and per-parameter optimizer state), then optimizer groups and LR scheduler from
         ``shared`` (the composite step's global state). Reads one unit at a time."""

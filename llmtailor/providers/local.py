@@ -31,6 +31,7 @@ from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.run import Run
+from llmtailor.store.samples import sample_checksum
 from llmtailor.store.staged import Piece, StagedUnit
 
 Loaded = tuple[str, dict[str, torch.Tensor], dict[str, dict[str, Any]]]
@@ -181,7 +182,7 @@ class LocalProvider(StateProvider):
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
             raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")
 
-    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
+    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool | str) -> None:
         """Every unit's weights into the live tensors in place (``load_units``); optimizer
         state collected by name and loaded once every unit is in, through
         ``Optimizer.load_state_dict`` (torch's own dtype and device rules apply)."""
@@ -190,15 +191,15 @@ class LocalProvider(StateProvider):
         self._load_optimizer_and_scheduler(shared, live, optimizer_state)
 
     def load_units(
-        self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool
+        self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool | str
     ) -> dict[str, dict[str, Any]]:
         """Read each unit whole (file checksums always verified: a process needs all of it),
         copy its weights in place; return its optimizer state by parameter name. A frozen
         tensor the version keeps (from an older snapshot or the base model) that the live
-        model already holds, bit for bit (its checksum is the saved one: a model loaded with
-        ``from_pretrained`` of the base, say), is not read again."""
+        model already holds (a model loaded with ``from_pretrained`` of the base, say) is not
+        read again (``_already_held``)."""
         optimizer_state: dict[str, dict[str, Any]] = {}
-        for unit, loaded, values in self._read_units(run, sources, live):
+        for unit, loaded, values in self._read_units(run, sources, live, exact=verify == "exact"):
             weights, state = split_unit(unit, self.layout.units[unit], loaded, values)
             for name, tensor in weights.items():
                 if tensor is not live[name]:
@@ -207,13 +208,14 @@ class LocalProvider(StateProvider):
                 optimizer_state.setdefault(name, {}).update(entries)
         return optimizer_state
 
-    def _read_units(self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor]) -> Iterator[Loaded]:
+    def _read_units(self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor],
+                    exact: bool = False) -> Iterator[Loaded]:
         """``(unit, tensors by key, optimizer values)`` of each unit, checked, the frozen tensors
         the live model holds already (``_already_held``) being the live ones. One process reads
         every unit; DDP ranks (each needs every unit whole) read each once in the job between
         them (``_read_once``). Pipeline stages read each rank's own units (the data ranks of one
         stage each read them: a read plan per stage is not built yet)."""
-        held = {unit: self._already_held(run.unit_entry(source, unit), live) for unit, source in sources.items()}
+        held = {unit: self._already_held(run.unit_entry(source, unit), live, exact) for unit, source in sources.items()}
         if self.coordinator.world_size > 1 and not self.stages.pipelined:
             yield from self._read_once(run, sources, held)
             return
@@ -246,17 +248,26 @@ class LocalProvider(StateProvider):
             yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
 
     @staticmethod
-    def _already_held(entry: UnitEntry, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The kept frozen tensors of ``entry`` the live model holds already, by key."""
+    def _already_held(entry: UnitEntry, live: dict[str, torch.Tensor], exact: bool = False) -> dict[str, torch.Tensor]:
+        """The kept frozen tensors of ``entry`` the live model holds already, by key: of the
+        saved dtype and shape, and the checksum of its sampled elements the one recorded at
+        save (``Chunk.sample_xxh3``: a cache line per sampled element, not a pass over a base
+        model's weights; a tensor differing only in unsampled elements passes). ``exact``, or a
+        run saved before samples were recorded: the checksum of all its bytes instead."""
         held = {}
         for tensor in entry.tensors:
             kind, name, _ = split_key(tensor.key)
             if kind != KIND_WEIGHT or entry.files[tensor.chunks[0].file].origin is None or name not in live:
                 continue
-            target = live[name]
-            if (len(tensor.chunks) == 1 and list(target.shape) == tensor.shape and dtype_name(target.dtype) == tensor.dtype
-                    and tensor_checksum(target.detach()) == tensor.chunks[0].xxh3_64):
-                held[tensor.key] = target
+            target, chunk = live[name].detach(), tensor.chunks[0]
+            if len(tensor.chunks) != 1 or list(target.shape) != tensor.shape or dtype_name(target.dtype) != tensor.dtype:
+                continue
+            if exact or chunk.sample_xxh3 is None:
+                same = tensor_checksum(target) == chunk.xxh3_64
+            else:
+                same = sample_checksum(Piece.whole(tensor.key, target)) == chunk.sample_xxh3
+            if same:
+                held[tensor.key] = live[name]
         return held
 
     def _load_optimizer_and_scheduler(

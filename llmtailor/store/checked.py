@@ -97,17 +97,25 @@ def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[st
     return decode_tensors(read_stored(storage, key, entry), storage.where(key))
 
 
-def stored_header(storage: Storage, key: str, entry: FileEntry) -> tuple[int, dict[str, dict]]:
+def stored_header(storage: Storage, key: str, entry: FileEntry,
+                  parsed: tuple[int, dict[str, dict]] | None = None) -> tuple[int, dict[str, dict]]:
     """``(offset of the data, header)`` of the safetensors file ``key``, from its header alone,
-    after checking its size against ``entry``."""
+    after checking its size against ``entry``; ``parsed``: the header as parsed before (a pack
+    file's, read for one unit and kept for the next: it is not read again)."""
     _check_size(storage, key, entry)
+    if parsed is not None:
+        return parsed
     return parse_header(lambda start, length: storage.read_range(key, start, length), entry.bytes, storage.where(key))
 
 
-def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]]) -> None:
+def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
+                        parsed: tuple[int, dict[str, dict]] | None = None) -> tuple[int, dict[str, dict]]:
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
-    it holds: each key present, with the manifest's dtype (by name) and shape."""
-    check_header(stored_header(storage, key, entry)[1], storage.where(key), expected)
+    it holds: each key present, with the manifest's dtype (by name) and shape. Returns
+    ``stored_header``'s ``(offset of the data, header)``."""
+    offset, header = stored_header(storage, key, entry, parsed)
+    check_header(header, storage.where(key), expected)
+    return offset, header
 
 
 def check_header(header: dict[str, dict], where: str, expected: dict[str, tuple[str, list[int]]]) -> None:
@@ -151,4 +159,44 @@ def read_checked_tensors(storage: Storage, key: str, names: dict[str, str]) -> d
         dtype = dtypes.to_torch(dtypes.from_code(info["dtype"]))
         shape = [int(d) for d in info["shape"]]
         out[name] = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+    return out
+
+
+def read_stored_parts(storage: Storage, key: str, header: tuple[int, dict[str, dict]],
+                      names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (name -> xxh3-64 of its bytes) of the safetensors file ``key``
+    (a pack file, holding other units' tensors too) whose checked header (``check_stored_header``)
+    is ``header``: adjacent tensors read as one range, each checked against its own checksum;
+    never unpickles. A pack file keeps each unit's tensors adjacent (``_Pack``), so a unit
+    costs a read or two, not one per tensor."""
+    import torch
+
+    where = storage.where(key)
+    offset, header = header
+    spans = []
+    for name in names:
+        info = header.get(name)
+        if info is None or name == "__metadata__":
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        spans.append((*info["data_offsets"], name))
+    spans.sort()
+    runs: list[list] = []  # [begin, end, names]: tensors that follow each other, read at once
+    for begin, end, name in spans:
+        if runs and runs[-1][1] == begin:
+            runs[-1][1] = end
+            runs[-1][2].append((begin, end, name))
+        else:
+            runs.append([begin, end, [(begin, end, name)]])
+    out = {}
+    for run_begin, run_end, members in runs:
+        data = bytearray(storage.read_range(key, offset + run_begin, run_end - run_begin)) if run_end > run_begin else bytearray()
+        for begin, end, name in members:
+            part = memoryview(data)[begin - run_begin : end - run_begin]
+            if checksum(part) != names[name]:
+                raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
+            info = header[name]
+            dtype, shape = dtypes.to_torch(dtypes.from_code(info["dtype"])), [int(d) for d in info["shape"]]
+            count = (end - begin) // dtypes.itemsize(dtypes.from_code(info["dtype"]))
+            out[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=begin - run_begin).reshape(shape)
+                         if count else torch.empty(shape, dtype=dtype))
     return out

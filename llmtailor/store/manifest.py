@@ -7,7 +7,8 @@ its newest version at or before this step), the layout, the lineage — plus, pe
 here, the size and checksum of that unit's index, and the files of the global state.
 
 A unit's index (``index/<unit>.json``, read only when the unit is) lists its tensor files
-(one per rank that wrote a piece) with their sizes and xxh3-64 checksums, and every tensor
+(one per rank that wrote a piece: the unit's own file, or the rank's pack file that holds its
+small units together, ``constants.pack_filename``) with their sizes and xxh3-64 checksums, and every tensor
 with its dtype, global shape and the chunks that hold it: one chunk in a single-process save;
 one per rank and shard in a distributed save, each with its offsets in the global tensor and
 the checksum of its own bytes (so a rank reading one chunk can check it alone). A chunk names
@@ -82,6 +83,9 @@ class Chunk(_Strict):
     """A large chunk's bytes also hashed in pages of ``page_bytes`` (the last one shorter): a
     reader of part of the chunk (a rank restoring at another world size) reads and checks the
     pages its range covers, not the whole chunk (``store.tensor_files.page_size``)."""
+    sample_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    """A frozen whole weight's sampled checksum (``frozen.fingerprints``): a restore checks a
+    live tensor it does not read against it (``xxh3_64`` with ``verify="exact"``)."""
     stored_as: str | None = Field(default=None, exclude=True)
     """In memory only: the tensor's name in its file when not its key (a base model's file)."""
 
@@ -97,6 +101,8 @@ class Chunk(_Strict):
         if self.pages is None:  # a chunk of one page: written as schema 3 wrote it
             data.pop("pages", None)
             data.pop("page_bytes", None)
+        if self.sample_xxh3 is None:
+            data.pop("sample_xxh3", None)
         return data
 
 
@@ -158,6 +164,8 @@ class BaseRef(_Strict):
     dtype: str
     shape: list[int]
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
+    sample_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    """The tensor's sampled checksum (``Chunk.sample_xxh3``); None in runs before schema 5."""
 
     @field_validator("dtype")
     @classmethod
@@ -218,7 +226,8 @@ class UnitEntry(_Strict):
 
 class UnitRef(_Strict):
     """The manifest's line for a unit saved in this snapshot: its index file, and the bytes of
-    its tensor files (all ranks)."""
+    its tensor files (all ranks; of a pack file, its share), so the units' bytes add up to the
+    snapshot's."""
 
     index: FileEntry
     bytes: int = Field(ge=0)

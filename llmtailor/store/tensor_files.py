@@ -139,17 +139,20 @@ def write_tensor_file(
 
 def stream_tensors(
     sink: Sink, tensors: dict[str, torch.Tensor | ByteSource], relpath: str, metadata: dict[str, str] | None = None,
-    pages: dict[str, dict[str, Any]] | None = None,
+    pages: dict[str, dict[str, Any]] | None = None, groups: dict[str, int] | None = None,
 ) -> tuple[FileEntry, dict[str, str]]:
     """Write ``tensors`` as one safetensors file through ``sink`` (closed at the end, aborted on
     failure); return its manifest entry as ``relpath`` and the xxh3-64 checksum of each
     tensor's bytes (both computed on the way out, in one pass). ``pages``, when given, receives
     for each tensor larger than one page its ``page_bytes`` (``page_size``) and ``pages`` (their
-    checksums), as a chunk of the unit index records them.
+    checksums), as a chunk of the unit index records them. ``groups`` (key -> group number,
+    say the unit of a pack file) keeps each group's tensors adjacent within each item size, so
+    a reader of one group reads a few ranges, not one per tensor.
 
     Memory: no copy of a contiguous CPU tensor is made; a tensor on another device is copied
     to the CPU one tensor at a time; a ``ByteSource`` is copied from its file in pieces."""
-    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
+    group = groups or {}
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), group.get(item[0], 0), item[0]))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key, tensor in ordered:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, rank_state_files
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import check_stored_header, fetch_stored_tensors, read_checked_tensors, read_stored
+from llmtailor.store.checked import (check_stored_header, fetch_stored_tensors, read_checked_tensors, read_stored,
+                                     read_stored_parts)
 from llmtailor.store.tensor_files import decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
@@ -21,7 +22,14 @@ from llmtailor.store.storage import Storage, open_storage
 if TYPE_CHECKING:
     import torch
 
-_UNIT_CACHE = 64  # unit indexes kept in memory (each is small; a run can hold thousands)
+_UNIT_CACHE = 512
+"""Unit indexes kept in memory (each is small; a run can hold thousands). A restore of a
+composite looks each unit's index up several times, stored and merged, with those of the
+snapshots it keeps frozen tensors from: at 64 a 32-layer LoRA's working set (about 100) was
+evicted before it was used again, and read and validated some 300 times a restore."""
+_PACK_HEADERS = 8
+"""Pack-file headers kept (``UnitReader.read``): a pack holds every small unit of a rank, so its
+header is read and validated once for all of them, not once per unit."""
 _STATE_KEPT = 64 << 20  # bytes of state tensors (RNG states, extras) kept for a second reader
 
 
@@ -35,12 +43,14 @@ class UnitReader:
         self._bases: dict[str, Storage] = {}
         self._state: tuple[tuple[int, str], bytes, bytearray] | None = None
         """The state files read last (``_state_files``)."""
+        self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
         self._units = {k: v for k, v in self._units.items() if k[0] not in steps}
         if self._state is not None and self._state[0][0] in steps:
             self._state = None
+        self._pack_headers.clear()
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
@@ -65,6 +75,18 @@ class UnitReader:
             raw = read_stored(self.catalog.storage, where, ref.index)
             self._cache(key, load_unit_entry(bytes(raw), self.catalog.storage.where(where), unit, step))
         return self._units[key]
+
+    def _pack_header(self, storage: Storage, key: str, file: FileEntry,
+                     shapes: dict[str, tuple[str, list[int]]]) -> tuple[int, dict[str, dict]]:
+        """A pack file's ``(offset of the data, header)``, checked against ``shapes``: parsed once
+        for every unit in it (its size is checked at each use; its bytes, each tensor's against
+        its checksum)."""
+        kept = (storage.where(key), file.xxh3_64)
+        header = check_stored_header(storage, key, file, shapes, self._pack_headers.get(kept))
+        if kept not in self._pack_headers and len(self._pack_headers) >= _PACK_HEADERS:
+            self._pack_headers.pop(next(iter(self._pack_headers)))
+        self._pack_headers[kept] = header
+        return header
 
     def stored_files(self, step: int) -> list[FileEntry]:
         """Every file the snapshot of ``step`` holds itself but its manifest: its global state
@@ -110,7 +132,8 @@ class UnitReader:
                     raise IntegrityError(f"snapshot {stored.step}: {tensor_key!r} is kept from base file {ref.file!r}, "
                                          "which its manifest does not list")
                 files.append(listed[ref.file].model_copy(update={"origin": "base"}))
-                whole = Chunk(file=len(files) - 1, offsets=[0] * len(ref.shape), shape=list(ref.shape), xxh3_64=ref.xxh3_64)
+                whole = Chunk(file=len(files) - 1, offsets=[0] * len(ref.shape), shape=list(ref.shape), xxh3_64=ref.xxh3_64,
+                              sample_xxh3=ref.sample_xxh3)
                 tensors.append(TensorEntry(key=tensor_key, dtype=ref.dtype, shape=list(ref.shape),
                                            chunks=[whole.model_copy(update={"stored_as": ref.name})]))
         return stored.model_copy(update={"files": files, "tensors": tensors})
@@ -164,8 +187,9 @@ class UnitReader:
         saved at ``step``.
 
         Every snapshot file is checked against its checksum; every tensor against the index's
-        dtype and shape; a tensor kept from the base directory against its own checksum (its
-        file may be large and hold other units). Chunks are assembled into the global tensor."""
+        dtype and shape; a tensor of a pack file, or kept from the base directory, is read alone
+        (its byte range) and checked against its own checksum (the file holds other units).
+        Chunks are assembled into the global tensor."""
         entry = self.entry(step, unit)
         expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
         wanted = [t for t in entry.tensors if t.key not in skip]
@@ -177,9 +201,12 @@ class UnitReader:
         for position in sorted(expected):
             storage, key = places[position]
             file, shapes = entry.files[position], {k: v[:2] for k, v in expected[position].items()}
+            sums = {k: v[2] for k, v in expected[position].items()}
             if file.origin == "base":  # a large file of which a few tensors are wanted: those alone
                 check_stored_header(storage, key, file, shapes)
-                loaded[position] = read_checked_tensors(storage, key, {k: v[2] for k, v in expected[position].items()})
+                loaded[position] = read_checked_tensors(storage, key, sums)
+            elif is_pack(file.path):  # a rank's small units together: this unit's tensors alone
+                loaded[position] = read_stored_parts(storage, key, self._pack_header(storage, key, file, shapes), sums)
             else:  # each byte read once; every file's checksum and header checked before any tensor is used
                 loaded[position] = fetch_stored_tensors(storage, key, file, shapes)
         names = {position: storage.where(key) for position, (storage, key) in places.items()}

@@ -104,6 +104,7 @@ class RunCheck:
             problem = problem_of(entry)
             if problem:
                 result.problems.append(problem)
+        seen: set[str] = set()  # a pack file is listed by several units: checked once
         for unit in sorted(set(units or manifest.units) & set(manifest.units)):
             try:
                 files = self.units.stored_entry(source, unit).files  # what this snapshot holds itself
@@ -111,7 +112,8 @@ class RunCheck:
             except TailorError as err:
                 result.problems.append(str(err))
                 continue
-            result.problems += [p for p in (problem_of(f) for f in files) if p]
+            result.problems += [p for p in (problem_of(f) for f in files if f.path not in seen) if p]
+            seen.update(f.path for f in files)
         if manifest.base is not None:
             base = self.units.base_storage(source)
             for file in manifest.base.files:

@@ -2,7 +2,7 @@
 
 Staging (``store/staged.py``: what to write) is separate from persisting (``persist``: writing
 and committing it). A synchronous save stages references to the live tensors and persists at
-once, one unit in memory at a time; an async save stages copies in reusable host buffers and
+once, one unit in memory at a time (small units wait for their pack file: ``_Pack``); an async save stages copies in reusable host buffers and
 persists them on a background thread (``llmtailor/async_stager.py``). Both go through ``persist``.
 
 The commit protocol, for any number of ranks (``llmtailor.distributed.coordinator`` carries the
@@ -12,7 +12,8 @@ or an object store, each rank writing straight to it, so no filesystem is shared
 1. the leader (rank 0) opens the snapshot's staging place (``store.commit.SnapshotCommit``: a
    private directory under ``.tmp/`` locally; on an object store the final prefix itself) and
    announces it;
-2. every rank writes its part there — its pieces of the units it holds, its own global state
+2. every rank writes its part there — its pieces of the units it holds (a large unit's in a file
+   of its own, its small units' together in a pack file), its own global state
    (RNG, user extras), the leader also the shared global state — makes every file durable
    (fsync on a helper thread while the next is written; an upload completed), and reports the
    file entries and checksums, or its failure;
@@ -34,12 +35,16 @@ import functools
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, SCHEMA_VERSION, rank_state_files, unit_filename, unit_index_path
+from llmtailor.constants import (
+    GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION, pack_filename,
+    rank_state_files, unit_filename, unit_index_path,
+)
 from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
@@ -49,8 +54,11 @@ from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
-from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, TensorPart, UnitPart
+from llmtailor.store.staged import ChunkPart, PersistResult, Piece, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
 from llmtailor.store.tensor_files import stream_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 
 def counting(progress: Progress | None, total: int) -> Callable[[str, int], None]:
@@ -142,35 +150,33 @@ def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
                 on_unit: Callable[[str, int], None] | None) -> RankPart:
     """Write this rank's files; return its report for the leader's indexes and manifest: per
     unit, its file entry, its tensors' chunks and non-tensor values; the files of its global
-    state; its bytes per unit."""
+    state; its bytes per unit. A unit of fewer than ``PACK_UNIT_BYTES`` goes into this rank's
+    pack file (``_Pack``), a larger one into a file of its own."""
     # Locally each file's fsync runs on a helper thread while the next file is written; every
     # file is durable before the part is reported (the commit depends on it).
     with snapshot.files() as create:
         units: dict[str, UnitPart] = {}
         files: list[FileEntry] = []
         unit_bytes: dict[str, int] = {}
+        pack = _Pack(create, rank)
+
+        def record(written: list[_Written]) -> None:
+            for done in written:
+                units[done.unit.unit] = _unit_part(done)
+                unit_bytes[done.unit.unit] = done.bytes
+                if on_unit:
+                    on_unit(done.unit.unit, done.bytes)
+
         for staged_unit in staged.units:
+            tensors = _unit_tensors(staged_unit)
+            if 0 < _data_bytes(tensors) < PACK_UNIT_BYTES:
+                record(pack.add(staged_unit, tensors))
+                continue
             relpath = unit_filename(staged_unit.unit, rank, staged.world_size)
-            tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
-            if len(tensors) != len(staged_unit.pieces):
-                raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
             pages: dict[str, dict[str, Any]] = {}
             file, sums = stream_tensors(create(relpath), tensors, relpath, pages=pages) if tensors else (None, {})
-            unit_bytes[staged_unit.unit] = file.bytes if file is not None else 0
-            # This rank's chunks only: the leader validates the merged entries (coverage included).
-            entries = [
-                TensorPart(
-                    key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
-                    chunks=[ChunkPart(offsets=list(p.offsets), shape=list(p.tensor.shape),
-                                      xxh3_64=sums[piece_key(p.key, p.offsets, p.is_whole)],
-                                      **pages.get(piece_key(p.key, p.offsets, p.is_whole), {}))],
-                )
-                for p in staged_unit.pieces
-            ]
-            units[staged_unit.unit] = UnitPart(file=file, tensors=entries, values=staged_unit.values,
-                                               kept=staged_unit.kept, base=staged_unit.base)
-            if on_unit:
-                on_unit(staged_unit.unit, unit_bytes[staged_unit.unit])
+            record([_Written(staged_unit, list(tensors), file, sums, pages, file.bytes if file is not None else 0)])
+        record(pack.flush())
         if staged.global_doc is not None:
             files.append(stream_tensors(create(GLOBAL_TENSORS), staged.global_tensors or {}, GLOBAL_TENSORS)[0])
             files.append(write_bytes_to(create(GLOBAL_JSON), json.dumps(staged.global_doc).encode(), GLOBAL_JSON))
@@ -179,6 +185,88 @@ def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
             files.append(stream_tensors(create(tensor_path), staged.rank_tensors or {}, tensor_path)[0])
             files.append(write_bytes_to(create(doc_path), json.dumps(staged.rank_doc).encode(), doc_path))
     return RankPart(units=units, files=files, unit_bytes=unit_bytes, holds=list(staged.layout["units"]) if staged.holds is None else list(staged.holds))
+
+
+def _unit_tensors(staged_unit: StagedUnit) -> dict[str, torch.Tensor]:
+    """The unit's pieces by their key in a file (``piece_key``), in the order of its pieces."""
+    tensors = {piece_key(p.key, p.offsets, p.is_whole): p.tensor.detach().contiguous() for p in staged_unit.pieces}
+    if len(tensors) != len(staged_unit.pieces):
+        raise TailorError(f"unit {staged_unit.unit!r}: two pieces of one tensor at the same offsets")
+    return tensors
+
+
+def _data_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@dataclass
+class _Written:
+    """A unit this rank has written: its file (its own, or a pack file), the checksums and page
+    checksums of its pieces (by key in that file), and its share of the file's bytes."""
+
+    unit: StagedUnit
+    keys: list[str]
+    """Its pieces' keys in the file, in the order of ``unit.pieces``."""
+    file: FileEntry | None
+    sums: dict[str, str]
+    pages: dict[str, dict[str, Any]]
+    bytes: int
+
+
+def _unit_part(written: _Written) -> UnitPart:
+    """A written unit as this rank reports it: its file and its own chunks (the leader validates
+    the merged entries, coverage included). Its chunks and tensors are built unvalidated: the
+    report is validated where it arrives (``RankPart.from_message``), and a LoRA's thousands of
+    pieces made validating them twice a fixed cost of every save."""
+    def chunk(p: Piece, key: str) -> ChunkPart:
+        return ChunkPart.model_construct(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
+                                         sample_xxh3=p.sample_xxh3, **written.pages.get(key, {}))
+
+    staged_unit = written.unit
+    entries = [TensorPart.model_construct(key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
+                                          chunks=[chunk(p, key)])
+               for p, key in zip(staged_unit.pieces, written.keys)]
+    return UnitPart(file=written.file, tensors=entries, values=staged_unit.values, kept=staged_unit.kept, base=staged_unit.base)
+
+
+class _Pack:
+    """A rank's small units, written together into one pack file (``pack_filename``): one file
+    made durable, not one per unit. Units wait (their tensors referenced: live tensors in a
+    synchronous save, staged copies in an async one) until ``flush``, or until they reach
+    ``PACK_FILE_BYTES``; each unit's index then names the pack file, and reads its own tensors'
+    ranges of it (``UnitReader.read``). A tensor key is unique across units (a parameter
+    belongs to one unit), so a pack file holds each under its own key."""
+
+    def __init__(self, create: Callable[[str], Any], rank: int):
+        self.create, self.rank, self.number = create, rank, 0
+        self.waiting: list[tuple[StagedUnit, dict[str, torch.Tensor]]] = []
+        self.bytes = 0
+
+    def add(self, staged_unit: StagedUnit, tensors: dict[str, torch.Tensor]) -> list[_Written]:
+        self.waiting.append((staged_unit, tensors))
+        self.bytes += _data_bytes(tensors)
+        return self.flush() if self.bytes >= PACK_FILE_BYTES else []
+
+    def flush(self) -> list[_Written]:
+        """Write the waiting units' pack file; each unit's share of its bytes is its tensors'
+        bytes, the first unit's also the header (so the shares add up to the file)."""
+        if not self.waiting:
+            return []
+        merged: dict[str, torch.Tensor] = {}
+        for staged_unit, tensors in self.waiting:
+            clash = merged.keys() & tensors.keys()
+            if clash:
+                raise TailorError(f"unit {staged_unit.unit!r} holds {sorted(clash)[0]!r}, which another unit holds too")
+            merged.update(tensors)
+        relpath = pack_filename(self.rank, self.number)
+        pages: dict[str, dict[str, Any]] = {}
+        groups = {key: number for number, (_, tensors) in enumerate(self.waiting) for key in tensors}
+        file, sums = stream_tensors(self.create(relpath), merged, relpath, pages=pages, groups=groups)
+        header = file.bytes - self.bytes
+        written = [_Written(staged_unit, list(tensors), file, sums, pages, _data_bytes(tensors) + (header if i == 0 else 0))
+                   for i, (staged_unit, tensors) in enumerate(self.waiting)]
+        self.waiting, self.bytes, self.number = [], 0, self.number + 1
+        return written
 
 
 def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
@@ -216,13 +304,13 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
     _check_whole(staged, parts, set(merged))
     refs = {}
     with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
-        for unit in staged.composite:  # layout order
-            if unit not in merged:
-                continue
+        for unit in [u for u in staged.composite if u in merged]:  # layout order
             index = _unit_index(staged.step, unit, merged[unit], writers)
             relpath = unit_index_path(unit)
             entry = write_bytes_to(create(relpath), index.dumps().encode(), relpath)
-            refs[unit] = UnitRef(index=entry, bytes=sum(f.bytes for f in index.files), kept=sorted(set(index.kept.values())))
+            # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
+            refs[unit] = UnitRef(index=entry, bytes=sum(part.unit_bytes.get(unit, 0) for part in parts),
+                                 kept=sorted(set(index.kept.values())))
     return Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 import typer
-from helpers import tiny, train
+from helpers import flip_unit_byte, tiny, train
 from typer.testing import CliRunner
 
 from llmtailor import Parity, Tailor
@@ -39,10 +39,9 @@ def test_verify_ok_then_names_the_bad_file(tmp_path, run_dir):
     assert runner.invoke(app, ["verify", str(run_dir)]).exit_code == 0
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
-    bad = copy / "snapshots/step-00000004/units/layer.1.safetensors"
-    bad.write_bytes(bad.read_bytes()[:-1] + b"\x00")
+    bad = flip_unit_byte(copy, 4, "layer.1")  # in the pack file the tiny model's units share
     result = runner.invoke(app, ["verify", str(copy)])
-    assert result.exit_code == 1 and "layer.1.safetensors: checksum mismatch" in result.output
+    assert result.exit_code == 1 and f"{bad.name}: checksum mismatch" in result.output
     # The composite of step 2 does not need that file.
     assert runner.invoke(app, ["verify", str(copy), "--step", "2"]).exit_code == 0
 
@@ -167,10 +166,9 @@ def test_assemble_to_an_output_it_cannot_create_names_it(run_dir, tmp_path, out,
 def test_a_failed_assemble_leaves_no_empty_output_directory(run_dir, tmp_path):
     damaged = tmp_path / "run"
     shutil.copytree(run_dir, damaged)
-    unit = damaged / "snapshots/step-00000006/units/layer.0.safetensors"
-    unit.write_bytes(unit.read_bytes()[:-1] + b"\x01")
+    unit = flip_unit_byte(damaged, 6, "layer.0")
     result = runner.invoke(app, ["assemble", str(damaged), "-o", str(tmp_path / "out" / "deeper")])
-    _one_line_error(result, "layer.0.safetensors: checksum mismatch")
+    _one_line_error(result, f"{unit.name}: checksum mismatch")
     assert not (tmp_path / "out").exists()
     (tmp_path / "kept").mkdir()  # a directory that was there before stays
     runner.invoke(app, ["assemble", str(damaged), "-o", str(tmp_path / "kept")])

@@ -123,8 +123,8 @@ def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary
     run_dir = tmp_path / "crashed"
     job(run_dir, tmp_path / "crashed.json", *flags, "--crash-at", "6", crash=True, nproc=2)
     assert Run(run_dir).manifest(6).world_size == 2
-    written = {path.name.split(".rank-")[1] for path in Run(run_dir).snapshot_dir(6).glob("units/*.safetensors")}
-    assert written == {"00000.safetensors", "00001.safetensors"}  # both ranks wrote units
+    written = {path.name.split(".")[0] for path in Run(run_dir).snapshot_dir(6).glob("packs/*.safetensors")}
+    assert written == {"rank-00000", "rank-00001"}  # both ranks wrote units (small: each rank's in its pack file)
     job(run_dir, tmp_path / "again.json", *flags, "--resume", str(run_dir), "--crash-at", "8", crash=True, nproc=2)
     assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), 8)
     resumed = job(run_dir, tmp_path / "resumed.json", *flags, "--loader", "eager", "--resume", str(run_dir), nproc=2)

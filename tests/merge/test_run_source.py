@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import tiny, train
+from helpers import tiny, train, unit_file
 
 from llmtailor import Full, Tailor
 from llmtailor.errors import IntegrityError
@@ -45,7 +45,7 @@ def test_a_unit_file_linked_out_of_the_run_is_refused_by_a_merge(tmp_path, token
     with Tailor(tmp_path / "run", model, opt, sched) as tailor:
         train(model, opt, sched, tokens, [1])
         tailor.save(1)
-    unit = Run(tmp_path / "run").snapshot_dir(1) / "units" / "layer.1.safetensors"
+    unit = unit_file(tmp_path / "run", 1, "layer.1")  # the tiny model's pack file
     outside = tmp_path / "elsewhere.safetensors"
     unit.rename(outside)
     os.symlink(outside, unit)

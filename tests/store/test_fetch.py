@@ -19,6 +19,7 @@ from llmtailor.store.reader import ChunkReader
 from llmtailor.store.run import Run
 from llmtailor.store.staged import Piece, StagedSnapshot, StagedUnit
 from llmtailor.store.storage.local import LocalStorage
+from llmtailor.store import writer
 from llmtailor.store.writer import persist
 
 SHAPE = (64, 48)
@@ -28,8 +29,10 @@ PART = 1024
 
 @pytest.fixture
 def run(tmp_path, monkeypatch) -> Run:
-    """One snapshot of one tensor in one chunk of 12 KiB: 12 parts of ``PART`` bytes."""
+    """One snapshot of one tensor in one chunk of 12 KiB: 12 parts of ``PART`` bytes, in a file of
+    its own (a unit as large as packs leave alone: small units share a pack, read by ranges)."""
     monkeypatch.setattr(fetch, "PART", PART)
+    monkeypatch.setattr(writer, "PACK_UNIT_BYTES", 1)
     layout = layout_from_names(["w"])
     staged = StagedSnapshot(
         step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),

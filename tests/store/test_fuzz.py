@@ -40,6 +40,7 @@ import pytest
 import safetensors.torch
 import xxhash
 from helpers import tiny, train
+from helpers import unit_file as file_holding
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -648,7 +649,7 @@ def _set_shape(key: str, shape: list[int]):
 
 def _set_bytes(size: int):
     def change(doc):
-        next(f for f in doc["files"] if f["path"] == "units/layer.0.safetensors")["bytes"] = size
+        doc["files"][0]["bytes"] = size  # the file holding layer.0 (the tiny model's pack file)
 
     return change
 
@@ -673,7 +674,7 @@ def _set_bytes(size: int):
 def test_wrong_dtypes_shapes_and_sizes_are_refused_before_the_tensor_bytes_are_read(
     saved, change, message, opens_no_tensor_file
 ):
-    unit_file = saved.path(3, "units/layer.0.safetensors")
+    unit_file = file_holding(saved.root, 3, "layer.0")
     with damaged(saved, crafted_index(saved, 3, change)), Opened.watch() as opened:
         with pytest.raises(TailorError) as err:
             Tailor(saved.root, *fresh(saved.template)).restore()

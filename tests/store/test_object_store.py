@@ -11,6 +11,7 @@ layer), refused credentials, the CLI and merges on URLs."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -133,13 +134,14 @@ def assert_verify_names_a_corrupted_and_a_missing_object(url, emulator):
     own look, not llmtailor); ``verify`` and the CLI name both."""
     bucket = bucket_of(url)
     layer = next(u for u in Run(url).manifest(3).units if u.startswith("layer."))
-    unit = f"runs/exp/snapshots/step-00000003/units/{layer}.safetensors"
+    held = Run(url).unit_entry(3, layer).files[0].path  # the tiny model's pack file
+    unit = f"runs/exp/snapshots/step-00000003/{held}"
     data = bytearray(emulator.read(bucket, unit))
     data[-1] ^= 0xFF
     emulator.write(bucket, unit, bytes(data))
     emulator.delete(bucket, "runs/exp/snapshots/step-00000002/global.json")
     problems = Run(url).verify()
-    assert f"{url}/snapshots/step-00000003/units/{layer}.safetensors: checksum mismatch (file is corrupted)" in problems
+    assert f"{url}/snapshots/step-00000003/{held}: checksum mismatch (file is corrupted)" in problems
     assert f"{url}/snapshots/step-00000002/global.json: file is missing" in problems
     result = runner.invoke(app, ["verify", url])
     assert result.exit_code == 1 and "checksum mismatch" in result.output
@@ -176,11 +178,12 @@ def test_a_run_on_gcs_is_read_and_a_corrupted_object_named(gcs, gcs_bucket, toke
         want, _ = twin.read_unit(step, unit)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     layer = next(u for u in run.manifest(3).units if u.startswith("layer."))
-    key = f"runs/exp/snapshots/step-00000003/units/{layer}.safetensors"
+    held = run.unit_entry(3, layer).files[0].path  # the tiny model's pack file
+    key = f"runs/exp/snapshots/step-00000003/{held}"
     data = bytearray(gcs.read(gcs_bucket, key))
     data[-1] ^= 0xFF
     gcs.write(gcs_bucket, key, bytes(data))
-    with pytest.raises(IntegrityError, match=rf"^{url}/snapshots/step-00000003/units/{layer}.safetensors: checksum mismatch"):
+    with pytest.raises(IntegrityError, match=rf"^{url}/snapshots/step-00000003/{re.escape(held)}: checksum mismatch"):
         Run(url).read_unit(3, layer)
 
 
@@ -296,7 +299,7 @@ def test_transient_errors_are_retried_and_a_persistent_one_fails_cleanly(tokens,
         failed = set()
 
         def throttle_first(method, key):
-            if method == "PUT" and "/units/" in key and key not in failed:
+            if method == "PUT" and "/packs/" in key and key not in failed:
                 failed.add(key)
                 return 503
             return None
@@ -307,9 +310,9 @@ def test_transient_errors_are_retried_and_a_persistent_one_fails_cleanly(tokens,
             train(model, opt, sched, tokens, [1])
             tailor.save(1)
             assert failed and any(status == 503 for _, _, status in faults.seen)
-            faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith("units/layer.2.safetensors") else None
+            faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith("packs/rank-00000.0.safetensors") else None
             train(model, opt, sched, tokens, [2])
-            with pytest.raises(TailorError, match=r"snapshots/step-00000002/units/layer.2.safetensors"):
+            with pytest.raises(TailorError, match=r"snapshots/step-00000002/packs/rank-00000\.0\.safetensors"):
                 tailor.save(2)
         faults.rule = lambda method, key: None
         run = Run(url, options)

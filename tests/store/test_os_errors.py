@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import parity_run, tiny, tree_digest
+from helpers import unit_file as file_holding
 from typer.testing import CliRunner
 
 from llmtailor import Parity, Tailor
@@ -123,7 +124,7 @@ def test_a_unit_file_that_cannot_be_read_is_permission_denied_not_missing(saved,
     verify and restore said the file was missing."""
     run = tmp_path / "run"
     shutil.copytree(saved, run)
-    unit = run / "snapshots/step-00000003/units/layer.0.safetensors"
+    unit = file_holding(run, 3, "layer.0")
     unit.chmod(0)
     verify, inspect, restore = _unprivileged(run)
     assert verify.startswith("exit 1:") and f"{unit}: permission denied" in verify and "missing" not in verify
@@ -149,7 +150,7 @@ def test_a_unit_file_that_cannot_be_opened_raises_permission_denied_in_the_libra
     """The library half, in process: the file is there but may not be read."""
     run = tmp_path / "run"
     shutil.copytree(saved, run)
-    unit = run / "snapshots/step-00000003/units/layer.0.safetensors"
+    unit = file_holding(run, 3, "layer.0")
     real_open = open
 
     def guarded_open(path, *args, **kwargs):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny, train
+from helpers import flip_unit_byte, tiny, train
 from storage_calls import StorageCalls
 
 from llmtailor import Parity, Run, Tailor, Tier
@@ -93,16 +93,13 @@ def test_a_save_does_not_read_back_its_manifest(tmp_path, tokens, calls):
 
 def test_fallback_reads_each_file_once_and_skips_a_damaged_composite(tmp_path, tokens, calls):
     saved(tmp_path, tokens)
-    damaged = tmp_path / "snapshots/step-00000003/units/layer.0.safetensors"
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    damaged.write_bytes(bytes(data))
+    damaged = flip_unit_byte(tmp_path, 3, "layer.0")  # in its pack file, layer.0's own bytes
     model, opt, sched = tiny(seed=5)
     tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), read_only=True)
     calls.clear()
     report = tailor.restore(fallback=True)
     assert report.step == 2 and list(report.skipped) == [3]
-    assert "layer.0.safetensors: checksum mismatch" in report.skipped[3]
+    assert f"{damaged.name}: checksum mismatch" in report.skipped[3]
     again = {key: (n, size) for key, n in calls.bytes_by_key().items()
              if n > (size := (tmp_path / key).stat().st_size) + header_bytes(tmp_path / key)}
     assert not again, again  # each file's bytes read once (its header twice): verified while it is loaded

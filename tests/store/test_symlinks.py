@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 from helpers import parity_run, assert_bitwise, tiny, unit_versions
+from helpers import unit_file as file_holding
 from typer.testing import CliRunner
 
 from llmtailor import Tailor
@@ -41,7 +42,7 @@ def _link_out(path, outside):
 
 
 def test_a_unit_file_linked_outside_the_run_is_refused(run_dir, tmp_path):
-    unit_file = run_dir / "snapshots/step-00000003/units/layer.0.safetensors"
+    unit_file = file_holding(run_dir, 3, "layer.0")
     _link_out(unit_file, tmp_path / "elsewhere.safetensors")
     result = runner.invoke(app, ["verify", str(run_dir)])
     assert result.exit_code == 1
@@ -70,7 +71,7 @@ def test_a_snapshot_directory_linked_outside_the_run_is_refused_and_nothing_is_c
 
 def test_a_run_reached_through_a_link_and_links_inside_it_are_fine(saved, run_dir, tmp_path):
     inside = run_dir / "spare.safetensors"  # a unit file linked to a place inside the run
-    unit_file = run_dir / "snapshots/step-00000003/units/layer.0.safetensors"
+    unit_file = file_holding(run_dir, 3, "layer.0")
     _link_out(unit_file, inside)
     link = tmp_path / "run-link"
     os.symlink(run_dir, link)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise, tiny, train, tree_digest, unit_versions
+from helpers import assert_bitwise, flip_unit_byte, tiny, train, tree_digest, unit_versions
 
 from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, Tier
 from llmtailor.constants import CARRIED_FOR, TIERS_FILE
@@ -248,10 +248,7 @@ def test_restore_with_fallback_takes_the_newest_composite_that_verifies_in_any_t
     tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
     save_steps(tailor, model, opt, sched, tokens, range(1, 7))
     tailor.close()
-    damaged = Run(memory).snapshot_dir(6) / "units" / "layer.1.safetensors"
-    data = bytearray(damaged.read_bytes())
-    data[-1] ^= 0xFF
-    damaged.write_bytes(bytes(data))
+    flip_unit_byte(memory, 6, "layer.1")  # in the pack file the tiny model's units share
     other, *_ = tiered(home, memory, seed=3)
     report = other.restore(fallback=True)
     assert (report.step, report.tier) == (6, str(home))

@@ -193,7 +193,7 @@ class DeepSpeedProvider(StateProvider, ABC):
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
             raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but the engine has one")
 
-    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool) -> None:
+    def load(self, run: Run, sources: dict[str, int], shared: dict[str, Any], verify: bool | str) -> None:
         """Every parameter's fragment read by byte range into the masters and optimizer state
         in place; group hyperparameters and steps set (``finish_load`` refreshes the
         low-precision weights)."""
