@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -216,18 +217,26 @@ def unit_file(run_dir: Path, step: int, unit: str) -> Path:
     return snapshot / index["files"][0]["path"]
 
 
-def flip_unit_byte(run_dir: Path, step: int, unit: str) -> Path:
-    """Flip one bit in the middle of the bytes of ``unit``'s first tensor in its file (in a pack
-    file, the bytes of that unit, not of another); return the file's path."""
+def file_rank(path: str) -> int:
+    """The rank that wrote a snapshot's tensor file: ``units/<unit>.rank-R.safetensors`` or the
+    pack ``packs/rank-R.K.safetensors``."""
+    return int(re.search(r"rank-(\d+)", path).group(1))
+
+
+def flip_unit_byte(run_dir: Path, step: int, unit: str, rank: int | None = None) -> Path:
+    """Flip one bit in the middle of the bytes of ``unit``'s first chunk (the first ``rank``
+    wrote, if given) in its file (in a pack file, the bytes of that unit, not of another);
+    return the file's path."""
     from llmtailor.constants import unit_index_path
     from llmtailor.store.keys import piece_key
     from llmtailor.store.run import Run
     from llmtailor.store.tensor_files import read_header
 
-    path = unit_file(run_dir, step, unit)
-    index = json.loads((Run(run_dir).snapshot_dir(step) / unit_index_path(unit)).read_text())
-    tensor = index["tensors"][0]
-    chunk = tensor["chunks"][0]
+    snapshot = Run(run_dir).snapshot_dir(step)
+    index = json.loads((snapshot / unit_index_path(unit)).read_text())
+    tensor, chunk = next((t, c) for t in index["tensors"] for c in t["chunks"]
+                         if rank is None or file_rank(index["files"][c["file"]]["path"]) == rank)
+    path = snapshot / index["files"][chunk["file"]]["path"]
     data_start, header = read_header(path)
     begin, end = header[piece_key(tensor["key"], chunk["offsets"], chunk["shape"] == tensor["shape"])]["data_offsets"]
     data = bytearray(path.read_bytes())

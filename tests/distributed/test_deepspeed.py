@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny
+from helpers import flip_unit_byte, tiny
 
 from llmtailor import Tailor
 from llmtailor.store.run import Run
@@ -246,10 +246,7 @@ def test_a_restore_failing_on_one_rank_fails_every_rank_promptly_and_blocks_savi
     shutil.copytree(out / "parity", tmp_path / "parity")
     run = Run(tmp_path / "parity")
     step = run.resolve().sources["layer.3"]
-    victim = run.snapshot_dir(step) / next(f.path for f in run.unit_entry(step, "layer.3").files if "rank-00001" in f.path)
-    data = bytearray(victim.read_bytes())
-    data[-5] ^= 0xFF  # a tensor byte near the end of rank 1's piece of layer.3
-    victim.write_bytes(bytes(data))
+    flip_unit_byte(tmp_path / "parity", step, "layer.3", rank=1)  # a byte of rank 1's piece of layer.3 (in its pack)
     results = launch(2, "restore_fail", tmp_path, stage=2, timeout=240)
     # Rank 0 names rank 1's error: it heard from rank 1, it did not wait out the Tailor's timeout
     # (that error would say "did not report"), however long the restore took on a busy machine.

@@ -29,15 +29,25 @@ pytestmark = pytest.mark.slow
 RANKS = 3
 
 
-def composite_files(run: Run) -> dict[str, int]:
-    """Object key -> bytes of every data file the composite's units are read from."""
+def composite_files(run: Run) -> dict[str, tuple[int, int]]:
+    """Object key -> (bytes, header bytes) of every data file the composite's units are read from
+    (a pack file holds several units: every rank reading one of them reads its header)."""
     composite = run.resolve()
     files = {}
     for unit, step in composite.sources.items():
         entry = run.unit_entry(step, unit)
         for file in entry.files:
-            files[run.file_location(step, file)[1]] = file.bytes
+            storage, key = run.file_location(step, file)
+            files[key] = (file.bytes, 8 + int.from_bytes(storage.read_range(key, 0, 8), "little"))
     return files
+
+
+def assert_each_tensor_byte_fetched_once(fetched: list[dict[str, int]], data: dict[str, tuple[int, int]]) -> None:
+    """Over every rank, each file's bytes fetched at most once, its header once per rank reading
+    it (before the read plan every rank fetched every file whole: 3x)."""
+    for key, (size, header) in data.items():
+        readers = [f[key] for f in fetched if f.get(key)]
+        assert sum(readers) <= size - header + len(readers) * header, (key, size, header, readers)
 
 
 def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[list[dict], dict[str, int]]:
@@ -65,20 +75,19 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
 
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []
-    # Each data file of the composite was fetched by one rank, about once (its header and its
-    # bytes: a few hundred bytes more than the file).
+    # Each byte of the composite's data files was fetched once in all (headers once per reader),
+    # and the reading was spread over the ranks.
     fetched = [result["fetched"] for result in results]
-    readers = {key: [r for r in range(RANKS) if fetched[r].get(key)] for key in data}
-    assert all(len(ranks) == 1 for ranks in readers.values()), readers
-    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(data.values())
-    assert len({r for ranks in readers.values() for r in ranks}) > 1  # spread over the ranks
+    assert_each_tensor_byte_fetched_once(fetched, data)
+    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(size for size, _ in data.values())
+    assert sum(1 for f in fetched if any(f.get(key) for key in data)) > 1
 
-    # The corrupted file: fetched by one rank, whose name every rank's refusal carries.
-    (reader,) = [r for r in range(RANKS) if results[r]["fetched_corrupt"].get(corrupted)]
-    for result in results:
-        refused = result["refused"]
-        assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
-        assert f"rank {reader} read unit 'layer.1'" in refused and "checksum mismatch" in refused, refused
+    # The corrupted unit: read by one rank, whose name every rank's refusal carries, the same.
+    refusals = {result["refused"] for result in results}
+    (refused,) = refusals
+    assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
+    reader = int(refused.split(" read unit 'layer.1'")[0].rsplit("rank ", 1)[1])
+    assert results[reader]["fetched_corrupt"].get(corrupted) and "checksum mismatch" in refused, refused
 
 
 def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch):
@@ -89,7 +98,7 @@ def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch)
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []
     fetched = [result["fetched"] for result in results]
-    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(data.values())
+    assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(size for size, _ in data.values())
     assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
 
 

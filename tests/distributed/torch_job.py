@@ -86,7 +86,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
-from helpers import drop_from_unit_index, tiny  # noqa: E402
+from helpers import drop_from_unit_index, flip_unit_byte, tiny  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
@@ -492,16 +492,24 @@ def count_fetched() -> dict[str, int]:
 
 
 def corrupt_unit_file(url: str, unit: str) -> str:
-    """Flip the last byte (tensor data) of the data file of ``unit`` in the version the composite of
-    the run at ``url`` names; return its key."""
+    """Flip a byte in the middle of the first tensor of ``unit`` in its data file (in a pack, that
+    unit's bytes, not another's), in the version the composite of the run at ``url`` names;
+    return the file's key."""
+    import obstore
+
+    from llmtailor.store.keys import piece_key
+    from llmtailor.store.tensor_files import parse_header
+
     run = Run(url)
     step = run.resolve().sources[unit]
     entry = run.unit_entry(step, unit)
-    storage, key = run.file_location(step, entry.files[entry.tensors[0].chunks[0].file])
+    tensor = entry.tensors[0]
+    chunk = tensor.chunks[0]
+    storage, key = run.file_location(step, entry.files[chunk.file])
     data = bytearray(storage.read(key))
-    data[-1] ^= 0xFF
-    import obstore
-
+    start, header = parse_header(lambda at, length: data[at:at + length], len(data), key)
+    begin, end = header[piece_key(tensor.key, chunk.offsets, chunk.shape == tensor.shape)]["data_offsets"]
+    data[start + (begin + end) // 2] ^= 0xFF
     obstore.put(storage.store, key, bytes(data))
     return key
 
@@ -553,10 +561,7 @@ def fallback_past_damage(out: Path) -> dict:
     is met while loading (by the rank reading those bytes), every rank passes over 6 and loads 4."""
     save_loop("fsdp", out, "fallback", Parity(), last=6, every=2)
     if rank() == 0:
-        damaged = Run(out / "fallback").snapshot_dir(6) / "units" / "layer.0.rank-00001.safetensors"
-        data = bytearray(damaged.read_bytes())
-        data[-3] ^= 0x01
-        damaged.write_bytes(bytes(data))
+        flip_unit_byte(out / "fallback", 6, "layer.0", rank=1)  # in rank 1's file (its pack)
     dist.barrier()
     model, optimizer, scheduler = build("fsdp", seed=5)
     report = Tailor(out / "fallback", model, optimizer, scheduler, timeout=60).restore(fallback=True)
