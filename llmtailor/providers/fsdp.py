@@ -185,8 +185,6 @@ def _replica_group(targets: dict[str, dict[str, torch.Tensor]]) -> tuple[list[in
     dimension the DTensors are replicated over) and their process group; None where no other
     rank does (FSDP2's shards, one process) or the targets are not all alike (each rank then
     reads its own). The same answer on every rank: it follows from the model's layout alone."""
-    import torch.distributed as dist
-
     meshes = {(t.device_mesh, tuple(d for d, p in enumerate(t.placements) if p.is_replicate()))
               for unit in targets.values() for t in unit.values() if isinstance(t, DTensor)}
     if len(meshes) != 1:
