@@ -149,7 +149,7 @@ class FSDPProvider(LocalProvider):
         (``distributed.read_plan``). The ranks first exchange their groups (a rank that failed
         before loading then leaves none of the others in a collective)."""
         self.coordinator.exchange(f"{self.coordinator.round}/replicas", ranks)
-        local = {unit: [_local(t) for t in targets[unit].values()] for unit in sources}
+        local = {unit: [self._memory(t) for t in targets[unit].values()] for unit in sources}
         specs = {unit: [(t.dtype, list(t.shape)) for t in local[unit]] for unit in sources}
         units = {f"unit {unit!r} of step {step}": unit for unit, step in sources.items()}
         plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()}, ranks, group)
@@ -173,11 +173,6 @@ class FSDPProvider(LocalProvider):
         if isinstance(param, DTensor) and list(param.shape) == saved.shape:
             return torch.empty_like(param.detach(), dtype=saved.torch_dtype)
         return torch.empty(saved.shape, dtype=saved.torch_dtype)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's memory of a load target: a DTensor's local shard (a view), else itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _replica_group(targets: dict[str, dict[str, torch.Tensor]]) -> tuple[list[int], Any] | None:
