@@ -86,7 +86,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
-from helpers import drop_from_unit_index, flip_unit_byte, tiny  # noqa: E402
+from helpers import drop_from_unit_index, flip_unit_byte, tiny, unit_chunk_middle  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
@@ -465,22 +465,26 @@ def restore_lacking_a_weight(out: Path) -> dict:
 LACKING = "model.layers.1.mlp.up_proj.weight"
 
 
-def count_fetched() -> dict[str, int]:
+def count_fetched() -> tuple[dict[str, int], dict[str, int]]:
     """Bytes fetched from the object store from now on, by key (``read``, ``read_range`` and
-    streamed ``pieces`` of every ``ObjectStore``): filled in as this rank reads."""
+    streamed ``pieces`` of every ``ObjectStore``), and the reads asked of it, by key: filled in
+    as this rank reads."""
     from llmtailor.store.storage.object_store import ObjectStore
 
     fetched: dict[str, int] = {}
+    reads: dict[str, int] = {}
 
     def counting(real):
         def read(self, key, *args, **kwargs):
             data = real(self, key, *args, **kwargs)
             fetched[key] = fetched.get(key, 0) + len(data)
+            reads[key] = reads.get(key, 0) + 1
             return data
         return read
 
     def counting_pieces(real):
         def pieces(self, key, *args, **kwargs):
+            reads[key] = reads.get(key, 0) + 1
             for piece in real(self, key, *args, **kwargs):
                 fetched[key] = fetched.get(key, 0) + len(piece)
                 yield piece
@@ -488,54 +492,75 @@ def count_fetched() -> dict[str, int]:
 
     ObjectStore.read, ObjectStore.read_range = counting(ObjectStore.read), counting(ObjectStore.read_range)
     ObjectStore.pieces = counting_pieces(ObjectStore.pieces)
-    return fetched
+    return fetched, reads
 
 
 def corrupt_unit_file(url: str, unit: str) -> str:
-    """Flip a byte in the middle of the first tensor of ``unit`` in its data file (in a pack, that
-    unit's bytes, not another's), in the version the composite of the run at ``url`` names;
+    """Flip a byte in the middle of the first chunk of ``unit`` in its data file
+    (``helpers.unit_chunk_middle``), in the version the composite of the run at ``url`` names;
     return the file's key."""
     import obstore
 
-    from llmtailor.store.keys import piece_key
-    from llmtailor.store.tensor_files import parse_header
-
     run = Run(url)
-    step = run.resolve().sources[unit]
-    entry = run.unit_entry(step, unit)
-    tensor = entry.tensors[0]
-    chunk = tensor.chunks[0]
-    storage, key = run.file_location(step, entry.files[chunk.file])
+    storage, key, at = unit_chunk_middle(run, run.resolve().sources[unit], unit)
     data = bytearray(storage.read(key))
-    start, header = parse_header(lambda at, length: data[at:at + length], len(data), key)
-    begin, end = header[piece_key(tensor.key, chunk.offsets, chunk.shape == tensor.shape)]["data_offsets"]
-    data[start + (begin + end) // 2] ^= 0xFF
+    data[at] ^= 0xFF
     obstore.put(storage.store, key, bytes(data))
     return key
 
 
 def read_once(kind: str, out: Path) -> dict:
+    """Saves, then a restore into a fresh model, what this rank fetched from the store by key
+    counted from the Tailor's making to the restore's end (the comparison after reads the run too)."""
     result = save_loop(kind, out, kind, Parity(), last=4, every=2)
-    fetched = count_fetched()
-    result.update(restore_and_compare(kind, out, kind))
-    result["fetched"] = dict(fetched)
+    fetched, reads = count_fetched()
+    model, optimizer, scheduler = build(kind, seed=5)
+    report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
+    result.update(fetched=dict(fetched), reads=dict(reads), restored=report.step,
+                  mismatches=compare_with_composite(out, location(out, kind), model, optimizer))
     return result
 
 
+def refused_restore(out: Path, kind: str) -> str | None:
+    """A restore of the run ``kind`` into a fresh model: the error it raised on this rank, or None."""
+    try:
+        Tailor(location(out, kind), *build(kind, seed=7), timeout=60).restore()
+        return None
+    except Exception as err:  # the error each rank gets is the point of the scenarios calling this
+        return f"{type(err).__name__}: {err}"
+
+
 def ddp_read_once(out: Path) -> dict:
+    """``read_once``; then a restore after rank 0 corrupted a unit's file, then one after it also
+    corrupted the composite's global.json (read before any unit): each rank's error and fetches."""
     result = read_once("ddp", out)
-    fetched = count_fetched()
+    fetched, _ = count_fetched()
     dist.barrier()
     result["corrupted"] = corrupt_unit_file(str(location(out, "ddp")), "layer.1") if rank() == 0 else None
     dist.barrier()
     fetched.clear()
-    try:
-        Tailor(location(out, "ddp"), *build("ddp", seed=7), timeout=60).restore()
-        result["refused"] = None
-    except Exception as err:  # the error each rank gets is the point of this scenario
-        result["refused"] = f"{type(err).__name__}: {err}"
+    result["refused"] = refused_restore(out, "ddp")
     result["fetched_corrupt"] = dict(fetched)
+    dist.barrier()
+    result["corrupted_global"] = corrupt_global_json(str(location(out, "ddp"))) if rank() == 0 else None
+    dist.barrier()
+    fetched.clear()
+    result["refused_global"] = refused_restore(out, "ddp")
+    result["fetched_global"] = dict(fetched)
     return result
+
+
+def corrupt_global_json(url: str) -> str:
+    """Flip a byte in the middle of the global.json of the newest composite of the run at ``url``;
+    return its key."""
+    import obstore
+
+    run = Run(url)
+    key = f"{run.snapshot_key(run.resolve().step)}/global.json"
+    data = bytearray(run.storage.read(key))
+    data[len(data) // 2] ^= 0x01
+    obstore.put(run.storage.store, key, bytes(data))
+    return key
 
 
 def kill_a_reader(out: Path) -> dict:
