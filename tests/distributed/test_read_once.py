@@ -16,13 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, tiny, train
+from safetensors.torch import save_file
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 from objectstore import environment, moto_process, new_bucket  # noqa: E402
 
+from llmtailor import Full, Tailor  # noqa: E402
+from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
 JOB = Path(__file__).with_name("torch_job.py")
@@ -68,14 +71,18 @@ def assert_metadata_fetched_once(results: list[dict]) -> None:
         assert sum(reads) == 1, (key, reads)
 
 
-def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[list[dict], dict[str, int]]:
+def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch, before=None,
+                 run: str | None = None) -> tuple[list[dict], dict[str, int]]:
     """``scenario`` of ``torch_job.py`` at ``ranks`` ranks with ``$RUN_ROOT`` in a bucket of a
-    fresh moto server: every rank's result, and the data files of the composite of the run named
-    as the scenario's kind (``ddp``, ``hsdp``) by key, with their bytes."""
+    fresh moto server (``before(url)`` called first, in this process): every rank's result, and
+    the data files of the composite of the run named ``run`` (default: as the scenario's kind,
+    ``ddp``, ``hsdp``) by key, with their bytes."""
     with moto_process() as endpoint:
         url = f"s3://{new_bucket(endpoint)}/jobs"
         for name, value in environment(endpoint).items():  # this process reads the bucket too
             monkeypatch.setenv(name, value)
+        if before is not None:
+            before(url)
         launch = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
              scenario, str(out)],
@@ -84,7 +91,7 @@ def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[lis
         )
         assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
         results = [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(ranks)]
-        return results, composite_files(Run(f"{url}/{scenario.split('-')[0]}"))
+        return results, composite_files(Run(f"{url}/{run or scenario.split('-')[0]}"))
 
 
 def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
@@ -128,6 +135,30 @@ def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch)
     fetched = [result["fetched"] for result in results]
     assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(size for size, _ in data.values())
     assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
+    assert_metadata_fetched_once(results)
+
+
+def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(tmp_path, monkeypatch, tokens):
+    """Two pipeline stages, each DDP over two data ranks (its own process group), restore a
+    one-process save: each stage's units are read once between its two ranks, so each byte of
+    the composite once in all (before, both data ranks of a stage read all of its units)."""
+
+    def save_whole(url: str) -> None:
+        model, optimizer, scheduler = tiny()
+        train(model, optimizer, scheduler, tokens, [1])
+        with Tailor(f"{url}/single", model, optimizer, scheduler, policy=Full()) as tailor:
+            tailor.save(1)
+        values = {weight_key(n): p.detach().clone() for n, p in model.named_parameters()}
+        values.update({optim_key(n, k): v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()})
+        (tmp_path / "versions").mkdir()
+        save_file(values, str(tmp_path / "versions" / "single.safetensors"))
+
+    results, data = launch_on_s3("pipeline-ddp-read-once", 4, tmp_path, monkeypatch, before=save_whole, run="single")
+    for result in results:
+        assert result["restored"] == 1 and result["compared"] > 0 and result["mismatches"] == []
+    fetched = [result["fetched"] for result in results]
+    assert_each_tensor_byte_fetched_once(fetched, data)
+    assert all(any(f.get(key) for key in data) for f in fetched)  # every data rank read its share
     assert_metadata_fetched_once(results)
 
 

@@ -55,12 +55,16 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     into the same layout and into FSDP2 alone (tp 2 -> 1), each compared with the composite.
 ``ddp-read-once``  (world 3) DDP: Parity saves at steps 2 and 4 into ``$RUN_ROOT/ddp`` (an ``s3://``
     URL), versions written as above; then a restore at this world size into a fresh model, each
-    rank counting the bytes it fetches from the object store, by key, and compared; then rank 0
-    flips the last byte of the data file of the version of ``layer.1`` the composite names, and
-    every rank restores again into a fresh model and records the error it got.
+    rank counting the bytes and reads it asks of the object store, by key, and compared; then
+    rank 0 flips a byte of ``layer.1`` in the data file of the version the composite names, and
+    every rank restores again into a fresh model and records the error it got; then rank 0 also
+    flips a byte of the composite's global.json, and every rank restores again, its error recorded.
 ``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
     ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
     bytes it fetches by key, and compared.
+``pipeline-ddp-read-once``  (world 4) two pipeline stages, each DDP over two data ranks, restore
+    ``$RUN_ROOT/single`` (a one-process save the test made), each rank counting the bytes it
+    fetches by key, and compare with ``DIR/versions/single.safetensors``.
 ``read-kill``  started without torchrun (as ``kill``), world 3, DDP: Parity saves at steps 2 and 4
     into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 20 s) and rank 1
     SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
@@ -318,14 +322,15 @@ def documented_stage_parallel():
     return namespace["parallelize_stage"]
 
 
-def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1) -> torch.nn.Module:
+def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1, ddp: bool = False) -> torch.nn.Module:
     """This rank's stage of a tiny Llama, split as the docs show (``documented_split``): its share
     of the layers under their original names, the embedding on the first stage only, norm and
     head on the last; sharded over the stage's data ranks if it has several. Its forward is the
     stage's part of the model's (``stage_forward``). ``split``: layer ``per`` is cut between the
     first two stages (its attention on the first, its MLP on the second): it cannot be saved.
     ``tp`` > 1: tensor parallel inside each stage over ``tp`` ranks (``documented_stage_parallel``),
-    on a ``("pp", "tp")`` mesh or, with data ranks too, a ``("pp", "dp", "tp")`` one."""
+    on a ``("pp", "tp")`` mesh or, with data ranks too, a ``("pp", "dp", "tp")`` one. ``ddp``: the
+    stage replicated over its data ranks by DDP (over the ``dp`` group) instead of sharded."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -350,6 +355,8 @@ def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1)
     model.forward = partial(stage_forward, model)
     if tp > 1:
         return documented_stage_parallel()(model, mesh)
+    if data > 1 and ddp:
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     if data > 1:
         for layer in model.model.layers.values():
             fully_shard(layer, mesh=mesh["dp"])
@@ -563,6 +570,22 @@ def corrupt_global_json(url: str) -> str:
     return key
 
 
+def pipeline_ddp_read_once(out: Path) -> dict:
+    """Two pipeline stages, each DDP over two data ranks, restore ``$RUN_ROOT/single`` (saved by
+    the test in one process, its tensors in ``DIR/versions/single.safetensors``): what each rank
+    fetched by key, and the restored tensors compared with the saved ones."""
+    from llmtailor.training_example import build_optimizer
+
+    fetched, reads = count_fetched()
+    model = pipeline_stage(2, seed=5, ddp=True)
+    optimizer, scheduler = build_optimizer(model.module, total_steps=50)
+    report = Tailor(f"{os.environ['RUN_ROOT']}/single", model, optimizer, scheduler, timeout=60).restore()
+    result = {"restored": report.step, "fetched": dict(fetched), "reads": dict(reads)}
+    saved, restored = load_file(str(out / "versions" / "single.safetensors")), versions(model, optimizer)
+    result.update(compared=len(restored), mismatches=[k for k, v in restored.items() if not torch.equal(v, saved[k])])
+    return result
+
+
 def kill_a_reader(out: Path) -> dict:
     save_loop("ddp", out, "readkill", Parity(), last=4, every=2)
     tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=20)
@@ -653,6 +676,8 @@ def main() -> None:
         result["fsdp"] = restore_and_compare("fsdp", out, "mesh")
     elif scenario == "ddp-read-once":
         result = ddp_read_once(out)
+    elif scenario == "pipeline-ddp-read-once":
+        result = pipeline_ddp_read_once(out)
     elif scenario == "hsdp-read-once":
         result = read_once("hsdp", out)
     elif scenario == "pipeline":
