@@ -353,7 +353,8 @@ class _Restoring:
     def attempt(self, index: int, run: Run, chosen: int, leased: LeasedComposite | None, verify: bool | str,
                 skippable: bool) -> tuple[LeasedComposite | None, BaseException | None]:
         """Lease (unless ``leased``), check and load the composite of ``chosen`` into the live
-        state on every rank; the ranks agree on the outcome (``Coordinator.agree``). Returns the
+        state on every rank, its manifests, unit indexes and global state read once in the job
+        (``store.shared_reads``); the ranks agree on the outcome (``Coordinator.agree``). Returns the
         lease (for the restore to hold until it ends), or None and the failure every rank shares.
         ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
         touched, error, lease = False, None, None
