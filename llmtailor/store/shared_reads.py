@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
-from llmtailor.distributed.read_plan import ReadPlan
+from llmtailor.distributed.read_plan import ReadPlan, balance
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, StorageError
 from llmtailor.store.catalog import Composite, LeasedComposite
 from llmtailor.store.checked import read_stored
@@ -69,26 +69,36 @@ def share_manifests(run: Run, step: int, leased: LeasedComposite | None, coordin
 def share_small_files(run: Run, composite: Composite, coordinator: Coordinator) -> None:
     """The unit indexes and global state files of ``composite`` (``small_files``), read once in
     the job between the ranks and sent to the others (module docstring), into
-    ``run.units.received`` on every rank. Nothing in one process (it reads them as it goes)."""
+    ``run.units.received`` on every rank. Nothing in one process (it reads them as it goes).
+    The files go in one item per rank (``balance``: each rank's share of the bytes), so a
+    restore pays one broadcast per rank for them, not one per file."""
     run.units.received.clear()
     if coordinator.world_size == 1:
         return
     import torch  # a restore of a distributed job: torch is loaded already
 
     files = small_files(run, composite)
-    plan = ReadPlan(coordinator, {item: entry.bytes for item, (_, entry) in files.items()})
+    owners = balance({name: entry.bytes for name, (_, entry) in files.items()}, coordinator.world_size)
+    shares = [[name for name in files if owners[name] == rank] for rank in range(coordinator.world_size)]
+    shares = [share for share in shares if share]
+    items = {f"the unit indexes and global state of step {composite.step} (part {k + 1} of {len(shares)})": share
+             for k, share in enumerate(shares)}
+    plan = ReadPlan(coordinator, {item: sum(files[name][1].bytes for name in share) for item, share in items.items()})
 
     def read(item: str) -> list[torch.Tensor]:
-        key, entry = files[item]
-        data = read_stored(run.storage, key, entry)
-        return [torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)]
+        return [torch.frombuffer(bytearray(read_stored(run.storage, *files[name])), dtype=torch.uint8)
+                if files[name][1].bytes else torch.empty(0, dtype=torch.uint8) for name in items[item]]
 
-    for item, (data,) in plan.fetch(read, lambda item: [(torch.uint8, [files[item][1].bytes])]):
-        run.units.received[files[item][0]] = data.numpy().tobytes()
+    def specs(item: str) -> list[tuple[torch.dtype, list[int]]]:
+        return [(torch.uint8, [files[name][1].bytes]) for name in items[item]]
+
+    for item, tensors in plan.fetch(read, specs):
+        for name, data in zip(items[item], tensors):
+            run.units.received[files[name][0]] = data.numpy().tobytes()
 
 
 def small_files(run: Run, composite: Composite) -> dict[str, tuple[str, FileEntry]]:
-    """What an error calls it -> ``(key, entry)`` of each small file a restore of ``composite``
+    """Its name -> ``(key, entry)`` of each small file a restore of ``composite``
     reads on every rank: the index of every unit version it reads (and of the versions they keep
     frozen tensors from) and its step's global state files, sorted by key (the same on every
     rank: it follows from the manifests alone)."""
