@@ -31,6 +31,9 @@ Phases (one server for all):
    the composite (every object of the snapshot). Also timed in this process: boto3's
    ``download_file`` (transfer manager) of every object of the snapshot, one after another.
    Targets: fetched <= 1.05x the composite; time <= 0.5x dcp.load's, <= 1.3x boto3's.
+5. **An FSDP2 restore at another world size, against dcp.load** (issue 33): as phase 4, the run
+   (and DCP's) saved by a 2-rank FSDP2 job and restored by a 3-rank one (each rank reads the
+   byte ranges of its shards: a restore at 3 from a save at 2 reads some chunks in part).
 
     .venv/bin/python bench/bench_object_store.py --repeats 3
     .venv/bin/python bench/bench_object_store.py --layers 2 --hidden 128 --intermediate 256 --vocab 1024 --repeats 1 --files 2  # quick
@@ -68,7 +71,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--files", type=int, default=6, help="files of phase 1")
     parser.add_argument("--file-mb", type=int, default=64, help="size of each file of phase 1")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    parser.add_argument("--phases", default="clients,saves,reshard,ddp-restore",
+    parser.add_argument("--phases", default="clients,saves,reshard,ddp-restore,fsdp-restore",
                         help="which phases to run, comma-separated (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -294,12 +297,24 @@ def phase_reshard(args, out: Path) -> None:
 
 
 def phase_ddp_restore(args, out: Path) -> None:
+    print("\n== phase 4: a DDP run saved at 3 ranks (Full; and dcp.save through fsspec), restored at 3")
+    restore_phase(args, out, "ddp", saved_at=3)
+
+
+def phase_fsdp_restore(args, out: Path) -> None:
+    print("\n== phase 5: an FSDP2 run saved at 2 ranks (Full; and dcp.save through fsspec), restored at 3")
+    restore_phase(args, out, "fsdp", saved_at=2)
+
+
+def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
+    """``kind`` (ddp, fsdp) saved at ``saved_at`` ranks by us and by ``dcp.save`` through fsspec,
+    each restored at 3 ranks ``--repeats`` times; bytes fetched and times, against boto3's
+    download of the same objects."""
     bucket = new_bucket()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_URL": f"s3://{bucket}",
            "BENCH_SIZES": json.dumps(vars(args), default=str)}
-    print("\n== phase 4: a DDP run saved at 3 ranks (Full; and dcp.save through fsspec), restored at 3")
-    for role in ("ddp-save", "ddp-restore"):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+    for role, nproc in ((f"{kind}-save", saved_at), (f"{kind}-restore", 3)):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                                __file__, "--worker", role, "--out", str(out)], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-4000:])
@@ -316,11 +331,11 @@ def phase_ddp_restore(args, out: Path) -> None:
         for key in composite:
             client.download_file(bucket, key, str(out / "download.bin"))
         boto.append(time.perf_counter() - start)
-    results = [json.loads((out / f"ddp-restore-{rank}.json").read_text()) for rank in range(3)]
+    results = [json.loads((out / f"{kind}-restore-{rank}.json").read_text()) for rank in range(3)]
     total = sum(composite.values())
     ours_fetched = sum(r["ours_fetched"] for r in results)
     data_fetched = sum(r["ours_data_fetched"] for r in results)
-    data = sum(v for k, v in composite.items() if "/units/" in k)
+    data = sum(v for k, v in composite.items() if data_file(k))
     dcp_fetched = sum(r["dcp_fetched"] for r in results)
     ours_s, dcp_s, boto_s = (statistics.median(x) for x in (results[0]["ours_seconds"], results[0]["dcp_seconds"], boto))
     print(f"composite (every object of the snapshot) {total / MB:.2f} MB, its unit data files {data / MB:.2f} MB; "
@@ -335,6 +350,11 @@ def phase_ddp_restore(args, out: Path) -> None:
     print(f"  fetched / composite: {ratio:.3f}x (target <= 1.05x): {'PASS' if ratio <= 1.05 else 'FAIL'}")
     print(f"  time vs dcp.load:    {ours_s / dcp_s:.3f}x (target <= 0.5x): {'PASS' if ours_s / dcp_s <= 0.5 else 'FAIL'}")
     print(f"  time vs boto3:       {ours_s / boto_s:.3f}x (target <= 1.3x): {'PASS' if ours_s / boto_s <= 1.3 else 'FAIL'}")
+
+
+def data_file(key: str) -> bool:
+    """Whether ``key`` is one of our snapshot's unit data files (a unit's own, or a pack of small units)."""
+    return "/units/" in key or "/packs/" in key
 
 
 def count_fetched() -> dict[str, int]:
@@ -359,7 +379,9 @@ def count_fetched() -> dict[str, int]:
     return fetched
 
 
-def ddp_worker(role: str, out: Path, model, optimizer) -> None:
+def restore_worker(role: str, out: Path, model, optimizer) -> None:
+    """``<kind>-save``: ours (Full) and ``dcp.save`` through fsspec of ``model`` and ``optimizer``;
+    ``<kind>-restore``: each restored ``repeats`` times, timed between barriers, bytes counted."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -367,7 +389,7 @@ def ddp_worker(role: str, out: Path, model, optimizer) -> None:
     from llmtailor import Full, Tailor
 
     url = os.environ["BENCH_URL"]
-    if role == "ddp-save":
+    if role.endswith("-save"):
         with Tailor(f"{url}/ours", model, optimizer, policy=Full(), track_drift=False) as tailor:
             tailor.save(1)
         dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
@@ -388,8 +410,8 @@ def ddp_worker(role: str, out: Path, model, optimizer) -> None:
             dist.barrier()
             seconds[name].append(time.perf_counter() - start)
             counts[name] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/"))
-            counts[f"{name}_data"] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/") and "/units/" in k)
-    (out / f"ddp-restore-{dist.get_rank()}.json").write_text(json.dumps({
+            counts[f"{name}_data"] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/") and data_file(k))
+    (out / f"{role}-{dist.get_rank()}.json").write_text(json.dumps({
         "ours_seconds": seconds["ours"], "dcp_seconds": seconds["dcp"], "ours_fetched": counts["ours"],
         "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"]}))
 
@@ -417,7 +439,7 @@ def worker(role: str, out: Path) -> None:
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        ddp_worker(role, out, model, optimizer)
+        restore_worker(role, out, model, optimizer)
         dist.barrier()
         dist.destroy_process_group()
         return
@@ -430,6 +452,11 @@ def worker(role: str, out: Path) -> None:
     model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+    if role.startswith("fsdp-"):
+        restore_worker(role, out, model, optimizer)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     url = os.environ["BENCH_URL"]
     if role == "save":
         with Tailor(url, model, optimizer, policy=Full(), track_drift=False) as tailor:
@@ -472,7 +499,7 @@ def main() -> None:
     try:
         with scratch(args.out, "bench_object_store") as out:
             phases = {"clients": phase_clients, "saves": phase_saves, "reshard": phase_reshard,
-                      "ddp-restore": phase_ddp_restore}
+                      "ddp-restore": phase_ddp_restore, "fsdp-restore": phase_fsdp_restore}
             for name in args.phases.split(","):
                 phases[name](args) if name == "clients" else phases[name](args, out)
     finally:

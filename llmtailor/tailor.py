@@ -49,6 +49,7 @@ from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.catalog import Composite, LeasedComposite
 from llmtailor.store.lineage import Lineage
 from llmtailor.store.run import Run
+from llmtailor.store.shared_reads import share_manifests, share_small_files
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.tiers import Choice, Tiers
 from llmtailor.store.writer import persist
@@ -352,18 +353,23 @@ class _Restoring:
     def attempt(self, index: int, run: Run, chosen: int, leased: LeasedComposite | None, verify: bool | str,
                 skippable: bool) -> tuple[LeasedComposite | None, BaseException | None]:
         """Lease (unless ``leased``), check and load the composite of ``chosen`` into the live
-        state on every rank; the ranks agree on the outcome (``Coordinator.agree``). Returns the
+        state on every rank, its manifests, unit indexes and global state read once in the job
+        (``store.shared_reads``); the ranks agree on the outcome (``Coordinator.agree``). Returns the
         lease (for the restore to hold until it ends), or None and the failure every rank shares.
         ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
-        touched, error, lease = False, None, leased
+        touched, error, lease = False, None, None
         try:
-            lease = lease or run.lease(chosen)
+            # Rank 0's manifests, then the indexes and global state read once in the job (shared_reads).
+            lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}")
+            share_small_files(run, lease.composite, self.coordinator)
             shared = self.provider.check_composite(run, lease.composite)
             # The live state changes from here: a mix until the ranks agree (agree may itself raise).
             touched, self.partly = True, f"the restore of step {chosen} did not complete"
             self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
         except BaseException as err:
             error = _as_damage(err, skippable)
+        finally:
+            run.units.received.clear()  # what other ranks sent served this attempt's reads
         try:
             failure, partly = self.coordinator.agree(f"{self.round}/loaded/{index}", chosen, error, touched)
         except BaseException:

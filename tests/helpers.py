@@ -223,23 +223,32 @@ def file_rank(path: str) -> int:
     return int(re.search(r"rank-(\d+)", path).group(1))
 
 
+def unit_chunk_middle(run, step: int, unit: str, rank: int | None = None) -> tuple[object, str, int]:
+    """``(storage, key, offset)``: the file holding the first chunk of ``unit`` at ``step`` (the
+    first chunk ``rank`` wrote, if given) and where in it the middle of that chunk's bytes lies
+    (in a pack file, the bytes of that unit, not of another's). ``run``: a ``Run``, local or not."""
+    from llmtailor.store.keys import piece_key
+    from llmtailor.store.tensor_files import parse_header
+
+    entry = run.unit_entry(step, unit)
+    tensor, chunk = next((t, c) for t in entry.tensors for c in t.chunks
+                         if rank is None or file_rank(entry.files[c.file].path) == rank)
+    storage, key = run.file_location(step, entry.files[chunk.file])
+    start, header = parse_header(lambda at, length: bytes(storage.read_range(key, at, length)), storage.size(key),
+                                 storage.where(key))
+    begin, end = header[piece_key(tensor.key, chunk.offsets, chunk.shape == tensor.shape)]["data_offsets"]
+    return storage, key, start + (begin + end) // 2
+
+
 def flip_unit_byte(run_dir: Path, step: int, unit: str, rank: int | None = None) -> Path:
     """Flip one bit in the middle of the bytes of ``unit``'s first chunk (the first ``rank``
-    wrote, if given) in its file (in a pack file, the bytes of that unit, not of another);
-    return the file's path."""
-    from llmtailor.constants import unit_index_path
-    from llmtailor.store.keys import piece_key
+    wrote, if given) in its file (``unit_chunk_middle``) of a local run; return the file's path."""
     from llmtailor.store.run import Run
-    from llmtailor.store.tensor_files import read_header
 
-    snapshot = Run(run_dir).snapshot_dir(step)
-    index = json.loads((snapshot / unit_index_path(unit)).read_text())
-    tensor, chunk = next((t, c) for t in index["tensors"] for c in t["chunks"]
-                         if rank is None or file_rank(index["files"][c["file"]]["path"]) == rank)
-    path = snapshot / index["files"][chunk["file"]]["path"]
-    data_start, header = read_header(path)
-    begin, end = header[piece_key(tensor["key"], chunk["offsets"], chunk["shape"] == tensor["shape"])]["data_offsets"]
+    run = Run(run_dir)
+    _, key, at = unit_chunk_middle(run, step, unit, rank)
+    path = run.root / key
     data = bytearray(path.read_bytes())
-    data[data_start + (begin + end) // 2] ^= 0x01
+    data[at] ^= 0x01
     path.write_bytes(bytes(data))
     return path

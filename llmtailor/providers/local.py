@@ -8,7 +8,8 @@ Pipeline stages (ranks holding different layers) spread the units of each stage 
 ranks alike.
 Restoring verifies each file read. One process reads every unit whole; DDP ranks (each needs all
 of it) read each unit once in the job between them, balanced by bytes, and send it to the others
-over torch.distributed (``distributed.read_plan``): each byte leaves the store once.
+over torch.distributed (``distributed.read_plan``): each byte leaves the store once. So do the
+data ranks of a pipeline stage among themselves, over the process group DDP wraps the stage in.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class LocalProvider(StateProvider):
     ):
         super().__init__(layout, coordinator)
         self.model = unwrap(model)
+        self._ddp_group = getattr(model, "process_group", None) if type(model).__name__ == "DistributedDataParallel" else None
+        """The process group DDP averages gradients over (a pipeline stage's data ranks), if wrapped."""
         self._tensors: dict[str, torch.Tensor] | None = None
         self.adapters = peft_config(model)
         """The peft adapters' configs (a ``PeftModel``), saved with the global state; else None."""
@@ -212,29 +215,51 @@ class LocalProvider(StateProvider):
                     exact: bool = False) -> Iterator[Loaded]:
         """``(unit, tensors by key, optimizer values)`` of each unit, checked, the frozen tensors
         the live model holds already (``_already_held``) being the live ones. One process reads
-        every unit; DDP ranks (each needs every unit whole) read each once in the job between
-        them (``_read_once``). Pipeline stages read each rank's own units (the data ranks of one
-        stage each read them: a read plan per stage is not built yet)."""
+        every unit; ranks that each need the same units whole (DDP's, or the data ranks of a
+        pipeline stage: ``_replicas``) read each once between them (``_read_once``). The ranks
+        first exchange what they hold, which also bounds by the timeout the wait of the others
+        on a rank that failed before loading."""
         held = {unit: self._already_held(run.unit_entry(source, unit), live, exact) for unit, source in sources.items()}
-        if self.coordinator.world_size > 1 and not self.stages.pipelined:
-            yield from self._read_once(run, sources, held)
-            return
+        if self.coordinator.world_size > 1:
+            everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
+            replicas = self._replicas()
+            if replicas is not None:
+                ranks, group = replicas
+                yield from self._read_once(run, sources, held, [everyone[r] for r in ranks], ranks, group)
+                return
         for unit, source in sources.items():
             loaded, values = run.read_unit(source, unit, skip=set(held[unit]))
             yield unit, {**loaded, **held[unit]}, values
 
-    def _read_once(self, run: Run, sources: dict[str, int], held: dict[str, dict[str, torch.Tensor]]) -> Iterator[Loaded]:
-        """The units read by one rank each, balanced by bytes, and sent to the others
-        (``distributed.read_plan``): each byte leaves the store once per job. A tensor is sent
-        unless every rank holds it already. The ranks first exchange what they hold, which also
-        bounds by the timeout the wait of the others on a rank that failed before loading."""
-        everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
+    def _replicas(self) -> tuple[list[int], Any] | None:
+        """The ranks holding this rank's units whole (its stage's: every rank of the job unless
+        pipelined) and their process group, where several do: the job's (default) group, or for
+        a pipeline stage the group DDP wraps its model over when that is the stage's ranks (none
+        is known otherwise: each rank of such a stage reads its units itself). The same answer on
+        every rank of a stage."""
+        ranks = list(self.stages.ranks_of(self.coordinator.rank))
+        if len(ranks) == 1:
+            return None
+        if not self.stages.pipelined:
+            return ranks, None
+        import torch.distributed as dist
+
+        if self._ddp_group is not None and dist.get_process_group_ranks(self._ddp_group) == ranks:
+            return ranks, self._ddp_group
+        return None
+
+    def _read_once(self, run: Run, sources: dict[str, int], held: dict[str, dict[str, torch.Tensor]],
+                   everyone: list[dict[str, list[str]]], ranks: list[int], group: Any) -> Iterator[Loaded]:
+        """The units read by one of ``ranks`` each (``group``: their process group), balanced by
+        bytes, and sent to the others (``distributed.read_plan``): each byte leaves the store once
+        per job. A tensor is sent unless every one of ``ranks`` holds it already (``everyone``:
+        what each holds)."""
         entries = {unit: run.unit_entry(source, unit) for unit, source in sources.items()}
         wanted = {unit: [t for t in entries[unit].tensors if not all(t.key in other.get(unit, ()) for other in everyone)]
                   for unit in sources}
         specs = {unit: [(t.torch_dtype, t.shape) for t in wanted[unit]] for unit in sources}
         units = {f"unit {unit!r} of step {source}": unit for unit, source in sources.items()}
-        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()})
+        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()}, ranks, group)
 
         def read(item: str) -> list[torch.Tensor]:
             unit = units[item]

@@ -68,11 +68,15 @@ def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
 def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray | mmap.mmap:
     """The bytes of the file ``key``, read once and checked against ``entry`` (size and
     checksum) before they are returned."""
-    data = storage.read(key)
+    return check_stored(storage.read(key), entry, storage.where(key))
+
+
+def check_stored(data: bytes | bytearray | mmap.mmap, entry: FileEntry, where: str) -> bytearray | mmap.mmap:
+    """``data``, the bytes of the file ``where``, once checked against ``entry`` (size and checksum)."""
     if len(data) != entry.bytes:
-        raise IntegrityError(f"{storage.where(key)}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
+        raise IntegrityError(f"{where}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
     if checksum(data) != entry.xxh3_64:
-        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+        raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
     return data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
 
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import (check_stored_header, fetch_stored_tensors, read_checked_tensors, read_stored,
-                                     read_stored_parts)
+from llmtailor.store.checked import (check_stored, check_stored_header, fetch_stored_tensors, read_checked_tensors,
+                                     read_stored, read_stored_parts)
 from llmtailor.store.tensor_files import decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
@@ -44,6 +44,10 @@ class UnitReader:
         self._state: tuple[tuple[int, str], bytes, bytearray] | None = None
         """The state files read last (``_state_files``)."""
         self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
+        self.received: dict[str, bytes] = {}
+        """Key -> bytes of small files (unit indexes, global state) another rank read for the
+        restore under way and sent to this one (``store.shared_reads``): read from here, checked
+        again, instead of from the store; emptied when that restore ends."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
@@ -51,6 +55,7 @@ class UnitReader:
         if self._state is not None and self._state[0][0] in steps:
             self._state = None
         self._pack_headers.clear()
+        self.received.clear()
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
@@ -72,9 +77,15 @@ class UnitReader:
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
             where = f"{self.catalog.snapshot_key(step)}/{ref.index.path}"
-            raw = read_stored(self.catalog.storage, where, ref.index)
+            raw = self._read_small(where, ref.index)
             self._cache(key, load_unit_entry(bytes(raw), self.catalog.storage.where(where), unit, step))
         return self._units[key]
+
+    def _read_small(self, key: str, entry: FileEntry) -> bytearray:
+        """The checked bytes of the run's small file ``key`` (``received`` from another rank, or read)."""
+        if key in self.received:
+            return check_stored(bytearray(self.received[key]), entry, self.catalog.storage.where(key))
+        return read_stored(self.catalog.storage, key, entry)
 
     def _pack_header(self, storage: Storage, key: str, file: FileEntry,
                      shapes: dict[str, tuple[str, list[int]]]) -> tuple[int, dict[str, dict]]:
@@ -292,9 +303,9 @@ class UnitReader:
         key = (step, doc_path)
         if self._state is None or self._state[0] != key:
             manifest = self.catalog.manifest(step)
-            snapshot, storage = self.catalog.snapshot_key(step), self.catalog.storage
-            raw = bytes(read_stored(storage, f"{snapshot}/{doc_path}", manifest.file_entry(doc_path)))
-            data = read_stored(storage, f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
+            snapshot = self.catalog.snapshot_key(step)
+            raw = bytes(self._read_small(f"{snapshot}/{doc_path}", manifest.file_entry(doc_path)))
+            data = self._read_small(f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
             if len(data) > _STATE_KEPT:
                 return raw, data  # large extras: not held beyond their use
             self._state = (key, raw, data)

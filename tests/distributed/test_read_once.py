@@ -1,9 +1,10 @@
 """Read once, send to the rest: a 3-rank DDP job restoring from an object store (moto's S3
 server on loopback) fetches each byte of its composite once in total, not once per rank; the
-ranks that did not read a unit get it over torch.distributed from the one that did. A corrupted
-unit file is found by its one reader and the restore refused on every rank, naming that reader
-(one launch, ``torch_job.py ddp-read-once``, covers both); a reader killed mid-restore fails the
-others within the timeout, naming it."""
+ranks that did not read a unit get it over torch.distributed from the one that did; so are the
+composite's manifests, unit indexes and global state. A corrupted unit file, and a corrupted
+global.json, are each found by their one reader and the restore refused on every rank, naming that
+reader (one launch, ``torch_job.py ddp-read-once``, covers these); a reader killed mid-restore
+fails the others within the timeout, naming it."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, tiny, train
+from safetensors.torch import save_file
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 from objectstore import environment, moto_process, new_bucket  # noqa: E402
 
+from llmtailor import Full, Tailor  # noqa: E402
+from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
 JOB = Path(__file__).with_name("torch_job.py")
@@ -50,14 +54,35 @@ def assert_each_tensor_byte_fetched_once(fetched: list[dict[str, int]], data: di
         assert sum(readers) <= size - header + len(readers) * header, (key, size, header, readers)
 
 
-def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[list[dict], dict[str, int]]:
+def metadata(key: str) -> bool:
+    """Whether ``key`` is one of a snapshot's small files every rank needs: its manifest, global
+    state or a unit index (not a rank's own state, not a data file)."""
+    return f"/{key}".count("/snapshots/") == 1 and (key.endswith(("/manifest.json", "/global.json", "/global.safetensors"))
+                                     or "/index/" in key)
+
+
+def assert_metadata_fetched_once(results: list[dict]) -> None:
+    """Over every rank, each manifest, unit index and global state file fetched by one rank in
+    one read (before, every rank read each of them), and read at all (the restore needs them)."""
+    keys = {key for result in results for key in result["fetched"] if metadata(key)}
+    assert any(k.endswith("/global.json") for k in keys) and any("/index/" in k for k in keys), keys
+    for key in keys:
+        reads = [result["reads"].get(key, 0) for result in results]
+        assert sum(reads) == 1, (key, reads)
+
+
+def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch, before=None,
+                 run: str | None = None) -> tuple[list[dict], dict[str, int]]:
     """``scenario`` of ``torch_job.py`` at ``ranks`` ranks with ``$RUN_ROOT`` in a bucket of a
-    fresh moto server: every rank's result, and the data files of the composite of the run named
-    as the scenario's kind (``ddp``, ``hsdp``) by key, with their bytes."""
+    fresh moto server (``before(url)`` called first, in this process): every rank's result, and
+    the data files of the composite of the run named ``run`` (default: as the scenario's kind,
+    ``ddp``, ``hsdp``) by key, with their bytes."""
     with moto_process() as endpoint:
         url = f"s3://{new_bucket(endpoint)}/jobs"
         for name, value in environment(endpoint).items():  # this process reads the bucket too
             monkeypatch.setenv(name, value)
+        if before is not None:
+            before(url)
         launch = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
              scenario, str(out)],
@@ -66,7 +91,7 @@ def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch) -> tuple[lis
         )
         assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
         results = [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(ranks)]
-        return results, composite_files(Run(f"{url}/{scenario.split('-')[0]}"))
+        return results, composite_files(Run(f"{url}/{run or scenario.split('-')[0]}"))
 
 
 def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
@@ -81,6 +106,8 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     assert_each_tensor_byte_fetched_once(fetched, data)
     assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(size for size, _ in data.values())
     assert sum(1 for f in fetched if any(f.get(key) for key in data)) > 1
+    # So was each manifest, unit index and global state file (every rank read each of them before).
+    assert_metadata_fetched_once(results)
 
     # The corrupted unit: read by one rank, whose name every rank's refusal carries, the same.
     refusals = {result["refused"] for result in results}
@@ -88,6 +115,14 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
     reader = int(refused.split(" read unit 'layer.1'")[0].rsplit("rank ", 1)[1])
     assert results[reader]["fetched_corrupt"].get(corrupted) and "checksum mismatch" in refused, refused
+
+    # A corrupted global.json (read before any unit): found by its one reader, named by every rank.
+    corrupted = results[0]["corrupted_global"]
+    (refused,) = {result["refused_global"] for result in results}
+    assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
+    assert "global.json" in refused and "checksum mismatch" in refused, refused
+    reader = int(refused.split(" read ")[0].rsplit("rank ", 1)[1])
+    assert [bool(result["fetched_global"].get(corrupted)) for result in results] == [r == reader for r in range(RANKS)]
 
 
 def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch):
@@ -100,6 +135,31 @@ def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch)
     fetched = [result["fetched"] for result in results]
     assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(size for size, _ in data.values())
     assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
+    assert_metadata_fetched_once(results)
+
+
+def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(tmp_path, monkeypatch, tokens):
+    """Two pipeline stages, each DDP over two data ranks (its own process group), restore a
+    one-process save: each stage's units are read once between its two ranks, so each byte of
+    the composite once in all (before, both data ranks of a stage read all of its units)."""
+
+    def save_whole(url: str) -> None:
+        model, optimizer, scheduler = tiny()
+        train(model, optimizer, scheduler, tokens, [1])
+        with Tailor(f"{url}/single", model, optimizer, scheduler, policy=Full()) as tailor:
+            tailor.save(1)
+        values = {weight_key(n): p.detach().clone() for n, p in model.named_parameters()}
+        values.update({optim_key(n, k): v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()})
+        (tmp_path / "versions").mkdir()
+        save_file(values, str(tmp_path / "versions" / "single.safetensors"))
+
+    results, data = launch_on_s3("pipeline-ddp-read-once", 4, tmp_path, monkeypatch, before=save_whole, run="single")
+    for result in results:
+        assert result["restored"] == 1 and result["compared"] > 0 and result["mismatches"] == []
+    fetched = [result["fetched"] for result in results]
+    assert_each_tensor_byte_fetched_once(fetched, data)
+    assert all(any(f.get(key) for key in data) for f in fetched)  # every data rank read its share
+    assert_metadata_fetched_once(results)
 
 
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):

@@ -55,12 +55,16 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     into the same layout and into FSDP2 alone (tp 2 -> 1), each compared with the composite.
 ``ddp-read-once``  (world 3) DDP: Parity saves at steps 2 and 4 into ``$RUN_ROOT/ddp`` (an ``s3://``
     URL), versions written as above; then a restore at this world size into a fresh model, each
-    rank counting the bytes it fetches from the object store, by key, and compared; then rank 0
-    flips the last byte of the data file of the version of ``layer.1`` the composite names, and
-    every rank restores again into a fresh model and records the error it got.
+    rank counting the bytes and reads it asks of the object store, by key, and compared; then
+    rank 0 flips a byte of ``layer.1`` in the data file of the version the composite names, and
+    every rank restores again into a fresh model and records the error it got; then rank 0 also
+    flips a byte of the composite's global.json, and every rank restores again, its error recorded.
 ``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
     ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
     bytes it fetches by key, and compared.
+``pipeline-ddp-read-once``  (world 4) two pipeline stages, each DDP over two data ranks, restore
+    ``$RUN_ROOT/single`` (a one-process save the test made), each rank counting the bytes it
+    fetches by key, and compare with ``DIR/versions/single.safetensors``.
 ``read-kill``  started without torchrun (as ``kill``), world 3, DDP: Parity saves at steps 2 and 4
     into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 20 s) and rank 1
     SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
@@ -86,7 +90,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
-from helpers import drop_from_unit_index, flip_unit_byte, tiny  # noqa: E402
+from helpers import drop_from_unit_index, flip_unit_byte, tiny, unit_chunk_middle  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
@@ -318,14 +322,15 @@ def documented_stage_parallel():
     return namespace["parallelize_stage"]
 
 
-def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1) -> torch.nn.Module:
+def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1, ddp: bool = False) -> torch.nn.Module:
     """This rank's stage of a tiny Llama, split as the docs show (``documented_split``): its share
     of the layers under their original names, the embedding on the first stage only, norm and
     head on the last; sharded over the stage's data ranks if it has several. Its forward is the
     stage's part of the model's (``stage_forward``). ``split``: layer ``per`` is cut between the
     first two stages (its attention on the first, its MLP on the second): it cannot be saved.
     ``tp`` > 1: tensor parallel inside each stage over ``tp`` ranks (``documented_stage_parallel``),
-    on a ``("pp", "tp")`` mesh or, with data ranks too, a ``("pp", "dp", "tp")`` one."""
+    on a ``("pp", "tp")`` mesh or, with data ranks too, a ``("pp", "dp", "tp")`` one. ``ddp``: the
+    stage replicated over its data ranks by DDP (over the ``dp`` group) instead of sharded."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -350,6 +355,8 @@ def pipeline_stage(stages: int, seed: int = 0, split: bool = False, tp: int = 1)
     model.forward = partial(stage_forward, model)
     if tp > 1:
         return documented_stage_parallel()(model, mesh)
+    if data > 1 and ddp:
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     if data > 1:
         for layer in model.model.layers.values():
             fully_shard(layer, mesh=mesh["dp"])
@@ -465,22 +472,26 @@ def restore_lacking_a_weight(out: Path) -> dict:
 LACKING = "model.layers.1.mlp.up_proj.weight"
 
 
-def count_fetched() -> dict[str, int]:
+def count_fetched() -> tuple[dict[str, int], dict[str, int]]:
     """Bytes fetched from the object store from now on, by key (``read``, ``read_range`` and
-    streamed ``pieces`` of every ``ObjectStore``): filled in as this rank reads."""
+    streamed ``pieces`` of every ``ObjectStore``), and the reads asked of it, by key: filled in
+    as this rank reads."""
     from llmtailor.store.storage.object_store import ObjectStore
 
     fetched: dict[str, int] = {}
+    reads: dict[str, int] = {}
 
     def counting(real):
         def read(self, key, *args, **kwargs):
             data = real(self, key, *args, **kwargs)
             fetched[key] = fetched.get(key, 0) + len(data)
+            reads[key] = reads.get(key, 0) + 1
             return data
         return read
 
     def counting_pieces(real):
         def pieces(self, key, *args, **kwargs):
+            reads[key] = reads.get(key, 0) + 1
             for piece in real(self, key, *args, **kwargs):
                 fetched[key] = fetched.get(key, 0) + len(piece)
                 yield piece
@@ -488,53 +499,90 @@ def count_fetched() -> dict[str, int]:
 
     ObjectStore.read, ObjectStore.read_range = counting(ObjectStore.read), counting(ObjectStore.read_range)
     ObjectStore.pieces = counting_pieces(ObjectStore.pieces)
-    return fetched
+    return fetched, reads
 
 
 def corrupt_unit_file(url: str, unit: str) -> str:
-    """Flip a byte in the middle of the first tensor of ``unit`` in its data file (in a pack, that
-    unit's bytes, not another's), in the version the composite of the run at ``url`` names;
+    """Flip a byte in the middle of the first chunk of ``unit`` in its data file
+    (``helpers.unit_chunk_middle``), in the version the composite of the run at ``url`` names;
     return the file's key."""
     import obstore
 
-    from llmtailor.store.keys import piece_key
-    from llmtailor.store.tensor_files import parse_header
-
     run = Run(url)
-    step = run.resolve().sources[unit]
-    entry = run.unit_entry(step, unit)
-    tensor = entry.tensors[0]
-    chunk = tensor.chunks[0]
-    storage, key = run.file_location(step, entry.files[chunk.file])
+    storage, key, at = unit_chunk_middle(run, run.resolve().sources[unit], unit)
     data = bytearray(storage.read(key))
-    start, header = parse_header(lambda at, length: data[at:at + length], len(data), key)
-    begin, end = header[piece_key(tensor.key, chunk.offsets, chunk.shape == tensor.shape)]["data_offsets"]
-    data[start + (begin + end) // 2] ^= 0xFF
+    data[at] ^= 0xFF
     obstore.put(storage.store, key, bytes(data))
     return key
 
 
 def read_once(kind: str, out: Path) -> dict:
+    """Saves, then a restore into a fresh model, what this rank fetched from the store by key
+    counted from the Tailor's making to the restore's end (the comparison after reads the run too)."""
     result = save_loop(kind, out, kind, Parity(), last=4, every=2)
-    fetched = count_fetched()
-    result.update(restore_and_compare(kind, out, kind))
-    result["fetched"] = dict(fetched)
+    fetched, reads = count_fetched()
+    model, optimizer, scheduler = build(kind, seed=5)
+    report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
+    result.update(fetched=dict(fetched), reads=dict(reads), restored=report.step,
+                  mismatches=compare_with_composite(out, location(out, kind), model, optimizer))
     return result
 
 
+def refused_restore(out: Path, kind: str) -> str | None:
+    """A restore of the run ``kind`` into a fresh model: the error it raised on this rank, or None."""
+    try:
+        Tailor(location(out, kind), *build(kind, seed=7), timeout=60).restore()
+        return None
+    except Exception as err:  # the error each rank gets is the point of the scenarios calling this
+        return f"{type(err).__name__}: {err}"
+
+
 def ddp_read_once(out: Path) -> dict:
+    """``read_once``; then a restore after rank 0 corrupted a unit's file, then one after it also
+    corrupted the composite's global.json (read before any unit): each rank's error and fetches."""
     result = read_once("ddp", out)
-    fetched = count_fetched()
+    fetched, _ = count_fetched()
     dist.barrier()
     result["corrupted"] = corrupt_unit_file(str(location(out, "ddp")), "layer.1") if rank() == 0 else None
     dist.barrier()
     fetched.clear()
-    try:
-        Tailor(location(out, "ddp"), *build("ddp", seed=7), timeout=60).restore()
-        result["refused"] = None
-    except Exception as err:  # the error each rank gets is the point of this scenario
-        result["refused"] = f"{type(err).__name__}: {err}"
+    result["refused"] = refused_restore(out, "ddp")
     result["fetched_corrupt"] = dict(fetched)
+    dist.barrier()
+    result["corrupted_global"] = corrupt_global_json(str(location(out, "ddp"))) if rank() == 0 else None
+    dist.barrier()
+    fetched.clear()
+    result["refused_global"] = refused_restore(out, "ddp")
+    result["fetched_global"] = dict(fetched)
+    return result
+
+
+def corrupt_global_json(url: str) -> str:
+    """Flip a byte in the middle of the global.json of the newest composite of the run at ``url``;
+    return its key."""
+    import obstore
+
+    run = Run(url)
+    key = f"{run.snapshot_key(run.resolve().step)}/global.json"
+    data = bytearray(run.storage.read(key))
+    data[len(data) // 2] ^= 0x01
+    obstore.put(run.storage.store, key, bytes(data))
+    return key
+
+
+def pipeline_ddp_read_once(out: Path) -> dict:
+    """Two pipeline stages, each DDP over two data ranks, restore ``$RUN_ROOT/single`` (saved by
+    the test in one process, its tensors in ``DIR/versions/single.safetensors``): what each rank
+    fetched by key, and the restored tensors compared with the saved ones."""
+    from llmtailor.training_example import build_optimizer
+
+    fetched, reads = count_fetched()
+    model = pipeline_stage(2, seed=5, ddp=True)
+    optimizer, scheduler = build_optimizer(model.module, total_steps=50)
+    report = Tailor(f"{os.environ['RUN_ROOT']}/single", model, optimizer, scheduler, timeout=60).restore()
+    result = {"restored": report.step, "fetched": dict(fetched), "reads": dict(reads)}
+    saved, restored = load_file(str(out / "versions" / "single.safetensors")), versions(model, optimizer)
+    result.update(compared=len(restored), mismatches=[k for k, v in restored.items() if not torch.equal(v, saved[k])])
     return result
 
 
@@ -628,6 +676,8 @@ def main() -> None:
         result["fsdp"] = restore_and_compare("fsdp", out, "mesh")
     elif scenario == "ddp-read-once":
         result = ddp_read_once(out)
+    elif scenario == "pipeline-ddp-read-once":
+        result = pipeline_ddp_read_once(out)
     elif scenario == "hsdp-read-once":
         result = read_once("hsdp", out)
     elif scenario == "pipeline":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise, free_port, parity_run, tiny, train, unit_versions
+from helpers import assert_bitwise, free_port, parity_run, tiny, train, unit_chunk_middle, unit_versions
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -181,22 +181,10 @@ def test_a_run_on_gcs_is_read_and_a_corrupted_object_named(gcs, gcs_bucket, toke
     held = run.unit_entry(3, layer).files[0].path  # the tiny model's pack file
     key = f"runs/exp/snapshots/step-00000003/{held}"
     data = bytearray(gcs.read(gcs_bucket, key))
-    data[middle_of_first_tensor(run, 3, layer, data)] ^= 0xFF  # the layer's own bytes in its pack
+    data[unit_chunk_middle(run, 3, layer)[2]] ^= 0xFF  # the layer's own bytes in its pack
     gcs.write(gcs_bucket, key, bytes(data))
     with pytest.raises(IntegrityError, match=rf"^{url}/snapshots/step-00000003/{re.escape(held)}: checksum mismatch"):
         Run(url).read_unit(3, layer)
-
-
-def middle_of_first_tensor(run: Run, step: int, unit: str, data: bytes) -> int:
-    """Where in ``data`` (the unit's file) the middle of the unit's first tensor chunk lies."""
-    from llmtailor.store.keys import piece_key
-    from llmtailor.store.tensor_files import parse_header
-
-    tensor = run.unit_entry(step, unit).tensors[0]
-    chunk = tensor.chunks[0]
-    start, header = parse_header(lambda at, length: data[at:at + length], len(data), "file")
-    begin, end = header[piece_key(tensor.key, chunk.offsets, chunk.shape == tensor.shape)]["data_offsets"]
-    return start + (begin + end) // 2
 
 
 def test_writes_the_gcs_emulator_refuses_reach_it_and_fail_in_one_line(gcs, gcs_bucket):

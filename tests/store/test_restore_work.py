@@ -13,6 +13,8 @@ from storage_calls import StorageCalls
 from llmtailor import Parity, Run, Tailor, Tier
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, SNAPSHOTS_DIR
 from llmtailor.store.keys import KIND_WEIGHT, split_key
+from llmtailor.store.manifest import parse_manifest
+from llmtailor.store.shared_reads import small_files
 
 
 def saved(path, tokens, steps=(1, 2, 3), tiers=()):
@@ -71,6 +73,24 @@ def test_a_restore_reads_the_global_state_once(tmp_path, tokens, calls):
     tailor.restore()
     assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
     assert_weights_of(Run(tmp_path), 3, model)
+
+
+def test_the_small_files_a_distributed_restore_shares_are_those_a_restore_reads(tmp_path, tokens, calls):
+    """What the ranks of a job read once and send to one another (``shared_reads``): every unit
+    index and global state file a restore reads (``small_files``: so no rank reads one itself),
+    and manifests that come back equal from the JSON rank 0 sends."""
+    saved(tmp_path, tokens)
+    tailor = Tailor(tmp_path, *tiny(seed=3), policy=Parity(), read_only=True)
+    calls.clear()
+    tailor.restore()
+    small = {key for op, key, _ in calls.calls
+             if op == "read" and ("/index/" in key or key.endswith((GLOBAL_JSON, GLOBAL_TENSORS)))}
+    run = Run(tmp_path)
+    composite = run.resolve()
+    assert {run.storage.where(key) for key, _ in small_files(run, composite).values()} == {run.storage.where(k) for k in small}
+    assert sorted(run.needs(composite)) == [2, 3]  # the Parity composite of 3 reads units of 2 and 3
+    for step in run.needs(composite):
+        assert parse_manifest(run.manifest(step).model_dump_json().encode(), "sent", step) == run.manifest(step)
 
 
 def counted_saves(location, tokens, calls: StorageCalls):
