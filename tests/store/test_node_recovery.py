@@ -1,0 +1,157 @@
+"""Recovery of a node-local tier planned from what each node holds (``store/tiers/recovery.py``),
+on fake holdings written as a node-local tier lays its copies out (NODES.md): which composite a
+restore takes after a node loss, which files move from which node, and what a writer's start
+removes from every node."""
+
+from __future__ import annotations
+
+from llmtailor.constants import MANIFEST_FILE
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.store.tiers.recovery import (
+    Held, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
+)
+
+UNITS = ("embed", "layer.0", "layer.1")
+
+
+def snapshot_files(step: int, world: int) -> dict[str, list]:
+    """Every file of a snapshot of ``world`` ranks: global files, one index per unit, each rank's
+    unit files and own state (ranks >= 1), as the writer names them."""
+    files = {"global.json": [100 + step, f"{step:016x}"], "global.safetensors": [200, f"{step + 1:016x}"]}
+    for unit in UNITS:
+        files[f"index/{unit}.json"] = [50, f"{step + 2:016x}"]
+        for rank in range(world):
+            files[f"units/{unit}.rank-{rank:05d}.safetensors"] = [1000 + rank, f"{step * 10 + rank:016x}"]
+    for rank in range(1, world):
+        files[f"ranks/rank-{rank:05d}.json"] = [30, f"{rank:016x}"]
+    return files
+
+
+def copies(step: int, node_of: tuple[int, ...], replicas: int = 2, jump: int = 1, needs: tuple[int, ...] = (),
+           on: tuple[int, ...] | None = None) -> dict[int, Held]:
+    """Each node's committed copy of the snapshot of ``step`` (only nodes ``on``, default all):
+    its manifest, the global files and indexes, and the parts of the nodes it keeps."""
+    nodes = Nodes(node_of)
+    files = snapshot_files(step, len(node_of))
+    placement = {"node_of": list(node_of), "replicas": replicas, "jump": jump}
+    held = {}
+    for node in (range(nodes.count) if on is None else on):
+        kept = set(nodes.held_by(node, replicas, jump))
+        present = {path: size for path, (size, _) in files.items() if _owner(path, nodes) in kept | {None}}
+        present[MANIFEST_FILE] = 400
+        held[node] = Held([400, f"{step + 3:016x}"], placement, sorted({step, *needs}), files, present)
+    return held
+
+
+def _owner(path: str, nodes: Nodes) -> int | None:
+    if "rank-" not in path:
+        return None
+    return nodes.node_of_rank(int(path.split("rank-")[1][:5]))
+
+
+def holdings(*snapshots: dict[int, Held], count: int) -> dict[int, dict[int, Held]]:
+    """node -> step -> Held, from each snapshot's copies (steps read from the manifest's checksum)."""
+    out: dict[int, dict[int, Held]] = {node: {} for node in range(count)}
+    for held in snapshots:
+        for node, h in held.items():
+            out[node][int(h.manifest[1], 16) - 3] = h
+    return out
+
+
+TWO = (0, 0, 1, 1)  # 2 nodes x 2 ranks
+THREE = (0, 1, 2)  # 3 nodes x 1 rank
+
+
+def test_every_node_whole_takes_the_newest_and_moves_nothing():
+    held = holdings(copies(6, TWO), copies(7, TWO, needs=(6,)), count=2)
+    assert choose_on_nodes(held, TWO) == (7, {})
+    assert healing(held, 7) == []
+
+
+def test_a_wiped_node_gets_every_file_from_its_partner_checksums_and_manifest_included():
+    held = holdings(copies(6, TWO), copies(7, TWO, needs=(6,)), count=2)
+    held[1] = {}  # node 1 replaced: its memory is empty
+    choice = choose_on_nodes(held, TWO)
+    assert choice.step == 7
+    moves = healing(held, 7)
+    assert {m.dest for m in moves} == {1} and {m.source for m in moves} == {0}
+    assert {(m.step, m.path) for m in moves} == {(s, p) for s in (6, 7) for p in [*snapshot_files(s, 4), MANIFEST_FILE]}
+    some = next(m for m in moves if m.path == "units/layer.1.rank-00003.safetensors" and m.step == 7)
+    assert some == Transfer(7, some.path, 1003, f"{73:016x}", 0, 1)
+    assert served_by(moves) == {1: [0]}
+
+
+def test_three_nodes_the_wiped_node_gets_its_own_parts_from_its_replica_and_its_partners_from_their_owner():
+    held = holdings(copies(4, THREE), count=3)
+    held[1] = {}
+    assert choose_on_nodes(held, THREE).step == 4
+    moves = healing(held, 4)
+    by_path = {m.path: m.source for m in moves}
+    assert by_path["units/layer.0.rank-00001.safetensors"] == 2  # node 1's own parts: their replica is on node 2
+    assert by_path["units/layer.0.rank-00000.safetensors"] == 0  # node 0's parts, which node 1 keeps a copy of
+    assert "units/layer.0.rank-00002.safetensors" not in by_path  # node 2's parts live on nodes 2 and 0
+    assert by_path["global.json"] == 0 and by_path[MANIFEST_FILE] == 0
+    assert served_by(moves) == {1: [0, 2]}
+
+
+def test_without_replicas_a_lost_node_leaves_no_whole_composite_and_says_which_files():
+    held = holdings(copies(6, TWO, replicas=1), copies(7, TWO, replicas=1, needs=(6,)), count=2)
+    held[1] = {}
+    choice = choose_on_nodes(held, TWO)
+    assert choice.step is None
+    assert set(choice.skipped) == {6, 7}
+    assert "file(s) on no live node" in choice.skipped[7] and "rank-00002" in choice.skipped[7]
+    assert clearing(held, TWO) == {0: [6, 7]}  # nothing of them can be restored
+
+
+def test_a_crash_between_local_commits_passes_over_the_partial_snapshot_and_clearing_removes_it():
+    # Step 8 committed on node 0 only (3 nodes, 2 copies): node 1's parts are on nodes 1 and 2, which lack it.
+    held = holdings(copies(7, THREE), copies(8, THREE, needs=(7,), on=(0,)), count=3)
+    choice = choose_on_nodes(held, THREE)
+    assert choice.step == 7 and "step 8: " in choice.skipped[8] and "rank-00001" in choice.skipped[8]
+    assert clearing(held, THREE) == {0: [8]}
+    assert healing(held, 7) == []
+
+
+def test_a_snapshot_on_one_node_of_two_with_two_copies_is_whole_and_healed():
+    held = holdings(copies(7, TWO), copies(8, TWO, needs=(7,), on=(0,)), count=2)
+    assert choose_on_nodes(held, TWO).step == 8
+    assert {(m.step, m.dest) for m in healing(held, 8)} == {(8, 1)}
+    assert clearing(held, TWO) == {}
+
+
+def test_another_placement_is_passed_over_with_the_reason_and_not_cleared():
+    held = holdings(copies(5, TWO), count=2)
+    elsewhere = (0, 1, 0, 1)
+    choice = choose_on_nodes(held, elsewhere)
+    assert choice.step is None and "another placement" in choice.skipped[5]
+    assert clearing(held, elsewhere) == {}
+
+
+def test_a_composite_reading_a_lost_older_snapshot_is_not_whole():
+    held = holdings(copies(6, TWO, replicas=1), copies(7, TWO, needs=(6,)), count=2)
+    held[1].pop(6)
+    problem = composite_problem(held, 7, TWO)
+    assert problem is not None and problem.startswith("it reads step 6: ")
+    assert choose_on_nodes(held, TWO, step=7).step is None
+
+
+def test_nodes_disagreeing_on_a_manifest_is_not_whole():
+    held = holdings(copies(6, TWO), count=2)
+    held[1][6] = held[1][6]._replace(manifest=[400, "f" * 16])
+    assert "manifests of step 6 differ" in choose_on_nodes(held, TWO).skipped[6]
+
+
+def test_a_file_of_the_wrong_size_counts_as_lacking():
+    held = holdings(copies(6, TWO), count=2)
+    path = "units/layer.0.rank-00002.safetensors"
+    for node in (0, 1):
+        held[node][6].present[path] = 1
+    assert path in choose_on_nodes(held, TWO).skipped[6]
+
+
+def test_holdings_travel_as_json():
+    import json
+
+    held = holdings(copies(6, TWO), count=2)
+    assert of_json(json.loads(json.dumps(held))) == held
