@@ -155,3 +155,134 @@ def test_holdings_travel_as_json():
 
     held = holdings(copies(6, TWO), count=2)
     assert of_json(json.loads(json.dumps(held))) == held
+
+
+# -- on disk: node-local copies written by hand as NODES.md lays them out -----------------------
+
+def write_snapshot(copies: list, step: int, parent: int | None, node_of: tuple[int, ...], replicas: int) -> None:
+    """The snapshot of ``step`` (one unit, a file per rank, each rank's own state, the global
+    state) committed into each node's copy (``copies[node]``) with what that node keeps."""
+    import os
+
+    from llmtailor.constants import SCHEMA_VERSION
+    from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
+    from llmtailor.store.tensor_files import checksum
+
+    def entry(path: str, content: bytes) -> FileEntry:
+        return FileEntry(path=path, bytes=len(content), xxh3_64=checksum(content))
+
+    contents = {f"units/layer.0.rank-{r:05d}.safetensors": os.urandom(64 + r) for r in range(len(node_of))}
+    contents.update({f"ranks/rank-{r:05d}.json": f'{{"rank": {r}, "step": {step}}}'.encode() for r in range(1, len(node_of))})
+    contents["global.json"] = f'{{"step": {step}}}'.encode()
+    index = UnitEntry(unit="layer.0", step=step, files=[entry(p, contents[p]) for p in contents if p.startswith("units/")],
+                      tensors=[]).dumps().encode()
+    contents["index/layer.0.json"] = index
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION, step=step, parent=parent, save_index=step, created="now", world_size=len(node_of),
+        notes={"nodes": {"node_of": list(node_of), "replicas": replicas, "jump": 1}}, policy="full", layout={},
+        units={"layer.0": UnitRef(index=entry("index/layer.0.json", index), bytes=sum(len(contents[p]) for p in contents if p.startswith("units/")))},
+        composite={"layer.0": step}, files=[entry(p, contents[p]) for p in contents if not p.startswith(("units/", "index/"))],
+    ).dumps().encode()
+    nodes = Nodes(node_of)
+    for node, copy in enumerate(copies):
+        kept = set(nodes.held_by(node, replicas, 1))
+        where = copy / "snapshots" / f"step-{step:08d}"
+        for path, content in {**contents, MANIFEST_FILE: manifest}.items():
+            if _owner(path, nodes) in kept | {None}:
+                (where / path).parent.mkdir(parents=True, exist_ok=True)
+                (where / path).write_bytes(content)
+
+
+def node_copies(tmp_path, count: int = 2, replicas: int = 2) -> list:
+    copies = [tmp_path / f"node{n}" for n in range(count)]
+    for copy in copies:
+        copy.mkdir()
+    write_snapshot(copies, 1, None, tuple(range(count)), replicas)
+    write_snapshot(copies, 2, 1, tuple(range(count)), replicas)
+    return copies
+
+
+def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None) -> None:
+    """What ``healing.heal`` does over the courier, in one process: each destination's files read
+    from its sources' copies (node n is rank n here), checked, kept."""
+    from llmtailor.store.tiers.healing import keep, received_files
+
+    for step in sorted({m.step for m in moves}):
+        for dest in sorted({m.dest for m in moves if m.step == step}):
+            mine = [m for m in moves if m.step == step and m.dest == dest]
+            received: dict[int, list] = {}
+            for m in mine:
+                content = (runs[m.source].snapshot_dir(step) / m.path).read_bytes()
+                if m.path == damage:
+                    content = content[:-1] + bytes([content[-1] ^ 1])
+                received.setdefault(m.source, []).append((m.path, content))
+            keep(runs[dest], step, received_files(mine, received, nodes))
+
+
+def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
+    import shutil
+
+    from llmtailor.store.run import Run
+    from llmtailor.store.tiers.healing import held_here
+
+    copies = node_copies(tmp_path)
+    shutil.rmtree(copies[1])
+    copies[1].mkdir()
+    runs = [Run(copy) for copy in copies]
+    held = {node: held_here(run) for node, run in enumerate(runs)}
+    assert held[1] == {} and sorted(held[0]) == [1, 2]
+    assert choose_on_nodes(held, (0, 1)).step == 2
+    moves = healing(held, 2)
+    assert {(m.step, m.source, m.dest) for m in moves} == {(2, 0, 1)}  # the composite of step 2 reads step 2 alone
+    move_in_process(runs, moves, Nodes((0, 1)))
+    healed = Run(copies[1])
+    assert healed.steps() == [2] and healed.resolve().step == 2
+    for step in (2,):
+        for path in (copies[0] / "snapshots" / f"step-{step:08d}").rglob("*"):
+            if path.is_file():
+                twin = copies[1] / path.relative_to(copies[0])
+                assert twin.read_bytes() == path.read_bytes(), twin
+    assert not list((copies[1] / ".tmp").iterdir())  # staged, then renamed into place
+    again = {node: held_here(Run(copy)) for node, copy in enumerate(copies)}
+    assert healing(again, 2) == []
+
+
+def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path):
+    import shutil
+
+    import pytest
+
+    from llmtailor.errors import IntegrityError
+    from llmtailor.store.run import Run
+    from llmtailor.store.tiers.healing import held_here
+
+    copies = node_copies(tmp_path)
+    shutil.rmtree(copies[1])
+    copies[1].mkdir()
+    runs = [Run(copy) for copy in copies]
+    held = {node: held_here(run) for node, run in enumerate(runs)}
+    moves = [m for m in healing(held, 2) if m.step == 2]
+    with pytest.raises(IntegrityError, match=r"step 2: units/layer.0.rank-00001.safetensors from node 0: got 65 bytes"):
+        move_in_process(runs, moves, Nodes((0, 1)), damage="units/layer.0.rank-00001.safetensors")
+    assert Run(copies[1]).steps() == []
+
+
+def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
+    from llmtailor.distributed.coordinator import LocalCoordinator
+    from llmtailor.store.run import Run
+    from llmtailor.store.tiers.healing import clear, held_here
+
+    copies = node_copies(tmp_path, count=3)
+    write_snapshot(copies, 3, 2, (0, 1, 2), 2)
+    import shutil
+
+    shutil.rmtree(copies[1] / "snapshots" / "step-00000003")  # node 1 crashed before its local commit of step 3
+    shutil.rmtree(copies[2] / "snapshots" / "step-00000003")  # and node 2 too: node 1's parts are nowhere whole
+    held = {node: held_here(Run(copy)) for node, copy in enumerate(copies)}
+    assert choose_on_nodes(held, (0, 1, 2)).step == 2
+    doomed = clearing(held, (0, 1, 2))
+    assert doomed == {0: [3]}
+    run0 = Run(copies[0])
+    clear(run0, doomed, Nodes((0,)), LocalCoordinator(), "t")  # node 0's leader: rank 0 of a one-node view
+    assert run0.steps() == [1, 2]
+    assert clearing({node: held_here(Run(copy)) for node, copy in enumerate(copies)}, (0, 1, 2)) == {}
