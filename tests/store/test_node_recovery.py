@@ -286,3 +286,28 @@ def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
     clear(run0, doomed, Nodes((0,)), LocalCoordinator(), "t")  # node 0's leader: rank 0 of a one-node view
     assert run0.steps() == [1, 2]
     assert clearing({node: held_here(Run(copy)) for node, copy in enumerate(copies)}, (0, 1, 2)) == {}
+
+
+def test_the_choice_takes_what_the_nodes_offer_and_falls_back_to_the_next_tier_saying_why(tmp_path, tokens):
+    from helpers import tiny, train
+
+    from llmtailor import Parity, Tailor, Tier
+    from llmtailor.store.tiers import Tiers
+    from llmtailor.store.tiers.recovery import NodeChoice
+
+    model, opt, sched = tiny(seed=0)
+    tailor = Tailor(tmp_path / "home", model, opt, sched, policy=Parity(), keep=None,
+                    tiers=[Tier(tmp_path / "memory", keep=None, promote_every=100)])
+    for step in (1, 2, 3):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    tailor.wait(promoted=True)  # step 1 promoted (the first composite), 2 and 3 not yet
+    tiers = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
+    chosen, lease = tiers.choose(None, NodeChoice(2, {3: "node-local tier: step 3: 1 file(s) on no live node (x)"}))
+    lease.close()
+    assert (chosen.level, chosen.step) == (0, 2) and "on no live node" in chosen.skipped[3]
+    chosen, lease = tiers.choose(None, NodeChoice(None, {3: "node-local tier: why 3", 2: "node-local tier: why 2"}))
+    lease.close()
+    assert (chosen.level, chosen.step) == (1, 1)
+    assert chosen.skipped == {3: f"{tmp_path / 'memory'}: node-local tier: why 3", 2: f"{tmp_path / 'memory'}: node-local tier: why 2"}
+    tailor.close()

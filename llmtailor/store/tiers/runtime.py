@@ -19,9 +19,11 @@ from llmtailor.store.run import Run
 from llmtailor.store.catalog import LeasedComposite
 from llmtailor.store.tiers.choice import Candidates, Choice, candidates, choose, newest_steps, raise_problem
 from llmtailor.store.tiers.config import Tier
+from llmtailor.store.tiers.healing import clear_unwhole, recover
 from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.promote import Promoter, Promotion, clear_stray_carriers
 from llmtailor.store.tiers.record import TierRecord
+from llmtailor.store.tiers.recovery import NodeChoice
 
 
 class Tiers:
@@ -232,11 +234,17 @@ class Tiers:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def latest_step(self) -> int | None:
+    def latest_step(self, coordinator: Coordinator | None = None) -> int | None:
         """The newest composite step of any tier; a tier that cannot be read raises (a script
-        must not start afresh because its store did not answer)."""
+        must not start afresh because its store did not answer). With a node-local first tier
+        and a ``coordinator`` (collective then): the newest over every node's copy, so every
+        rank answers alike, a replaced node's empty copy included."""
         found = [step for step, _ in newest_steps(self.levels, raise_problem)]
-        return max(found) if found else None
+        newest = max(found) if found else None
+        if self.placement is None or coordinator is None:
+            return newest
+        everywhere = [s for s in coordinator.exchange(f"{coordinator.new_round()}/latest", newest) if s is not None]
+        return max(everywhere) if everywhere else None
 
     def newest_run(self) -> Run | None:
         """The run (tier) holding the newest composite whole, or None when no tier holds one."""
@@ -246,11 +254,31 @@ class Tiers:
         held.close()
         return self.levels[chosen.level].run
 
-    def choose(self, step: int | None) -> tuple[Choice, LeasedComposite]:
+    def choose(self, step: int | None, offer: NodeChoice | None = None) -> tuple[Choice, LeasedComposite]:
         """The composite a restore reads, leased: of ``step`` (default: the newest), from the
-        fastest tier holding it whole (``choice.choose``); the caller closes the lease."""
-        return choose(self.levels, step)
+        fastest tier holding it whole (``choice.choose``; ``offer``: a node-local first tier's,
+        from ``recover``); the caller closes the lease."""
+        return choose(self.levels, step, offer)
 
-    def candidates(self) -> Candidates:
+    def candidates(self, offer: NodeChoice | None = None) -> Candidates:
         """What ``restore(fallback=True)`` tries, in order (``choice.candidates``)."""
-        return candidates(self.levels)
+        return candidates(self.levels, offer)
+
+    # -- a node-local first tier after a node loss (healing.py) ----------------------------------
+
+    def recover(self, coordinator: Coordinator, step: int | None) -> tuple[NodeChoice | None, dict[int, list[int]]]:
+        """Collective, before a restore, with a node-local first tier: the composite the nodes
+        hold whole together (of ``step``; default the newest), every node's copy of it made whole
+        from the others' (``healing.recover``), and which nodes' copies served which node.
+        ``(None, {})`` without a node-local tier (nothing to decide across nodes)."""
+        if self.placement is None:
+            return None, {}
+        return recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator, step)
+
+    def clear_unwhole(self, coordinator: Coordinator) -> dict[int, list[int]]:
+        """Collective, at a writer's start, with a node-local first tier: remove from every
+        node's copy the snapshots above the newest composite whole across the nodes
+        (``healing.clear_unwhole``); what each node removed."""
+        if self.placement is None:
+            return {}
+        return clear_unwhole(self.first.run, self.placement.nodes, coordinator)
