@@ -5,10 +5,25 @@ removes from every node."""
 
 from __future__ import annotations
 
-from llmtailor.constants import MANIFEST_FILE
+import json
+import os
+import shutil
+
+import pytest
+from helpers import tiny, train
+
+from llmtailor import Parity, Tailor, Tier
+from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION
+from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import IntegrityError
+from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
+from llmtailor.store.run import Run
+from llmtailor.store.tensor_files import checksum
+from llmtailor.store.tiers import Tiers
+from llmtailor.store.tiers.healing import clear, held_here, keep, received_files
 from llmtailor.store.tiers.recovery import (
-    Held, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
+    Held, NodeChoice, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
 )
 
 UNITS = ("embed", "layer.0", "layer.1")
@@ -151,8 +166,6 @@ def test_a_file_of_the_wrong_size_counts_as_lacking():
 
 
 def test_holdings_travel_as_json():
-    import json
-
     held = holdings(copies(6, TWO), count=2)
     assert of_json(json.loads(json.dumps(held))) == held
 
@@ -162,12 +175,6 @@ def test_holdings_travel_as_json():
 def write_snapshot(copies: list, step: int, parent: int | None, node_of: tuple[int, ...], replicas: int) -> None:
     """The snapshot of ``step`` (one unit, a file per rank, each rank's own state, the global
     state) committed into each node's copy (``copies[node]``) with what that node keeps."""
-    import os
-
-    from llmtailor.constants import SCHEMA_VERSION
-    from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
-    from llmtailor.store.tensor_files import checksum
-
     def entry(path: str, content: bytes) -> FileEntry:
         return FileEntry(path=path, bytes=len(content), xxh3_64=checksum(content))
 
@@ -205,8 +212,6 @@ def node_copies(tmp_path, count: int = 2, replicas: int = 2) -> list:
 def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None) -> None:
     """What ``healing.heal`` does over the courier, in one process: each destination's files read
     from its sources' copies (node n is rank n here), checked, kept."""
-    from llmtailor.store.tiers.healing import keep, received_files
-
     for step in sorted({m.step for m in moves}):
         for dest in sorted({m.dest for m in moves if m.step == step}):
             mine = [m for m in moves if m.step == step and m.dest == dest]
@@ -219,17 +224,17 @@ def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str
             keep(runs[dest], step, received_files(mine, received, nodes))
 
 
-def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
-    import shutil
-
-    from llmtailor.store.run import Run
-    from llmtailor.store.tiers.healing import held_here
-
+def node_one_wiped(tmp_path) -> tuple[list, list, dict]:
+    """Two nodes' copies of steps 1 and 2, node 1's wiped: the copies, their runs, their holdings."""
     copies = node_copies(tmp_path)
     shutil.rmtree(copies[1])
     copies[1].mkdir()
     runs = [Run(copy) for copy in copies]
-    held = {node: held_here(run) for node, run in enumerate(runs)}
+    return copies, runs, {node: held_here(run) for node, run in enumerate(runs)}
+
+
+def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
+    copies, runs, held = node_one_wiped(tmp_path)
     assert held[1] == {} and sorted(held[0]) == [1, 2]
     assert choose_on_nodes(held, (0, 1)).step == 2
     moves = healing(held, 2)
@@ -248,19 +253,7 @@ def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_pa
 
 
 def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path):
-    import shutil
-
-    import pytest
-
-    from llmtailor.errors import IntegrityError
-    from llmtailor.store.run import Run
-    from llmtailor.store.tiers.healing import held_here
-
-    copies = node_copies(tmp_path)
-    shutil.rmtree(copies[1])
-    copies[1].mkdir()
-    runs = [Run(copy) for copy in copies]
-    held = {node: held_here(run) for node, run in enumerate(runs)}
+    copies, runs, held = node_one_wiped(tmp_path)
     moves = [m for m in healing(held, 2) if m.step == 2]
     with pytest.raises(IntegrityError, match=r"step 2: units/layer.0.rank-00001.safetensors from node 0: got 65 bytes"):
         move_in_process(runs, moves, Nodes((0, 1)), damage="units/layer.0.rank-00001.safetensors")
@@ -268,14 +261,8 @@ def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path)
 
 
 def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
-    from llmtailor.distributed.coordinator import LocalCoordinator
-    from llmtailor.store.run import Run
-    from llmtailor.store.tiers.healing import clear, held_here
-
     copies = node_copies(tmp_path, count=3)
     write_snapshot(copies, 3, 2, (0, 1, 2), 2)
-    import shutil
-
     shutil.rmtree(copies[1] / "snapshots" / "step-00000003")  # node 1 crashed before its local commit of step 3
     shutil.rmtree(copies[2] / "snapshots" / "step-00000003")  # and node 2 too: node 1's parts are nowhere whole
     held = {node: held_here(Run(copy)) for node, copy in enumerate(copies)}
@@ -289,12 +276,6 @@ def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
 
 
 def test_the_choice_takes_what_the_nodes_offer_and_falls_back_to_the_next_tier_saying_why(tmp_path, tokens):
-    from helpers import tiny, train
-
-    from llmtailor import Parity, Tailor, Tier
-    from llmtailor.store.tiers import Tiers
-    from llmtailor.store.tiers.recovery import NodeChoice
-
     model, opt, sched = tiny(seed=0)
     tailor = Tailor(tmp_path / "home", model, opt, sched, policy=Parity(), keep=None,
                     tiers=[Tier(tmp_path / "memory", keep=None, promote_every=100)])
