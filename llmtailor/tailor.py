@@ -353,7 +353,8 @@ class _Restoring:
         if fallback and step is None:
             attempts, unread, floor = self.coordinator.broadcast(
                 f"{self.round}/candidates", (lambda: self.tiers.candidates(offer)) if leader else None)
-            return [(level, chosen, None) for level, chosen in attempts], {}, list(unread), floor
+            passed = {s: f"{self.tiers.first.name}: {why}" for s, why in offer.skipped.items()} if offer else {}
+            return [(level, chosen, None) for level, chosen in attempts], passed, list(unread), floor
         leased: list[LeasedComposite] = []
 
         def choose() -> Choice:

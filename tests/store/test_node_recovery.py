@@ -291,4 +291,6 @@ def test_the_choice_takes_what_the_nodes_offer_and_falls_back_to_the_next_tier_s
     lease.close()
     assert (chosen.level, chosen.step) == (1, 1)
     assert chosen.skipped == {3: f"{tmp_path / 'memory'}: node-local tier: why 3", 2: f"{tmp_path / 'memory'}: node-local tier: why 2"}
+    assert tiers.candidates(NodeChoice(2, {3: "x"})).attempts == [(0, 2), (1, 1)]  # fallback: the offer, then the next tier
+    assert tiers.candidates(NodeChoice(None, {3: "x"})).attempts == [(1, 1)]
     tailor.close()

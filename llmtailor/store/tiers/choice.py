@@ -106,9 +106,8 @@ def candidates(levels: list[Level], offer: NodeChoice | None = None) -> Candidat
         for level in levels:
             listed.enter_context(level.run.listed())
         for i, level in enumerate(levels):
-            if i == 0 and offer is not None:
+            if i == 0 and offer is not None:  # what it passed over, the restore reports (offer.skipped)
                 attempts += [(0, offer.step)] if offer.step is not None else []
-                unread += [f"{level.name}: {why}" for why in offer.skipped.values()]
                 continue
             try:
                 attempts += [(i, step) for step in level.run.lineage(through_damage=True)]
