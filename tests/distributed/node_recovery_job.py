@@ -12,10 +12,15 @@ Each rank writes its pid to ``DIR/pid-<rank>`` first (the test kills ranks by it
 ``train``  Parity saves at every step from 1 to ``$LAST``, async. With ``$KILL_NODE`` and
     ``$KILL_AT``: the ranks of that node SIGKILL themselves, ``$KILL_IN`` = ``training``: after
     the save of ``$KILL_AT`` was handed over (in flight) and its versions written; ``replication``:
-    as they send their files of that save to their partner node (inside ``Courier.exchange``).
+    as they send their files of that save to their partner node (inside ``Courier.exchange``);
+    ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs).
+    ``$REPLICAS`` (default 2): copies of each node's parts.
 ``resume``  a writer that restores what ``latest_step`` finds (recording the report and the
     tensors that differ from their composite versions), then trains and saves up to ``$LAST``
-    (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``).
+    (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``); it records
+    the steps its node's copy holds once the writer started (what a crash left cleared).
+``start``  a writer's start alone: the steps its node's copy holds once it started, and what
+    ``latest_step`` answers; closed without a save (the error the close raised, if any).
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from torch_job import build, compare_with_composite, rank, train, write_versions  # noqa: E402
 
-from llmtailor import Parity, Tailor, Tier  # noqa: E402
+from llmtailor import Parity, PromotionError, Tailor, Tier  # noqa: E402
 from llmtailor.distributed.courier import Courier  # noqa: E402
+from llmtailor.store.commit import SnapshotCommit  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
 
 
 def node() -> int:
@@ -41,7 +48,7 @@ def node() -> int:
 
 
 def tailor_of(model, optimizer, scheduler) -> Tailor:
-    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=2, keep=2, promote_every=1)]
+    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=int(os.environ.get("REPLICAS", "2")), keep=2, promote_every=1)]
     return Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers, async_save=True,
                   timeout=30)
 
@@ -63,9 +70,23 @@ def die_in_replication(step: int) -> dict:
     return saving
 
 
+def die_in_commit(step: int) -> None:
+    """This node's leader SIGKILLs itself as it commits its copy of the save of ``step``."""
+    real = SnapshotCommit.commit
+
+    def commit(self, manifest, confirm=None):
+        if self.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, manifest, confirm)
+
+    SnapshotCommit.commit = commit
+
+
 def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: int, last: int) -> None:
     kill_at = int(os.environ.get("KILL_AT", "0")) if doomed() else 0
     saving = die_in_replication(kill_at) if kill_at and os.environ.get("KILL_IN") == "replication" else {}
+    if kill_at and os.environ.get("KILL_IN") == "commit":
+        die_in_commit(kill_at)
     for step in range(first, last + 1):
         train(model, optimizer, scheduler, [step])
         saving["step"] = step
@@ -78,9 +99,10 @@ def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: in
 def resume(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = tailor_of(model, optimizer, scheduler)
+    held_at_start = Run(os.environ["NODE_DIR"]).steps()
     found = tailor.latest_step()
     report = tailor.restore()
-    result = {"latest": found, "restored": report.step, "tier": report.tier, "served_by": report.served_by,
+    result = {"held_at_start": held_at_start, "latest": found, "restored": report.step, "tier": report.tier, "served_by": report.served_by,
               "skipped": report.skipped, "extra": report.extra,
               "mismatches": compare_with_composite(out, report.tier, model, optimizer)}
     save_steps(tailor, model, optimizer, scheduler, out, report.step + 1, int(os.environ.get("LAST", "0")))
@@ -103,6 +125,15 @@ def main() -> None:
         result = {"promoted": [p.step for p in tailor.tiers.promotions]}
     elif scenario == "resume":
         result = resume(kind, out)
+    elif scenario == "start":
+        tailor = tailor_of(*build(kind, seed=5))
+        result = {"held_at_start": Run(os.environ["NODE_DIR"]).steps(), "latest": tailor.latest_step()}
+        try:
+            tailor.close()  # promotes the newest composite: step 2 (what the promoter knew of 3 is gone)
+            result["closed"] = None
+        except PromotionError as err:
+            result["closed"] = str(err)
+        result["promoted"] = [p.step for p in tailor.tiers.promotions]
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))

@@ -10,6 +10,9 @@ Parity saves at every step, async, ``replicas=2`` (node_recovery_job.py).
 - A node SIGKILLed while it sends its files of a save to its partner: no copy shows that save;
   every copy verifies; the job resumes from the save before; then node 0's memory (rank 0's)
   wiped: the job resumes from node 1's copy.
+- Without replicas, a node SIGKILLed as it commits its copy of a save the other node committed:
+  the next writer's start removes that save from every copy (it is not whole across the nodes);
+  ``latest_step`` answers the save before on every rank.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,15 +94,16 @@ class Job:
     def wipe(self, node: int) -> None:
         shutil.rmtree(self.memory(node), ignore_errors=True)
 
-    def copies_whole(self) -> None:
+    def copies_whole(self, verify: bool = True) -> None:
         """Every snapshot in every node's copy is whole across the nodes (older ones kept only for
-        what a newer composite reads included), the newest composite too, and each copy verifies."""
+        what a newer composite reads included), the newest composite too, and (``verify``: each
+        copy whole alone, with 2 copies on 2 nodes) each copy verifies."""
         holdings = {n: held_here(Run(self.memory(n))) for n in range(NODES)}
         for held in holdings.values():
             for step in held:
                 assert snapshot_problem(holdings, step) is None, step
         assert composite_problem(holdings, max(s for held in holdings.values() for s in held)) is None
-        for n in range(NODES):
+        for n in range(NODES if verify else 0):
             assert Run(self.memory(n)).verify() == [], n
 
 
@@ -154,3 +159,24 @@ def test_a_node_killed_while_replicating_leaves_no_copy_of_that_save_and_rank_0s
     assert [r["restored"] for r in second] == [4, 4]
     assert second[0]["served_by"] == {"0": [1]} and second[0]["tier"] == str(job.memory(0))
     assert second[0]["mismatches"] == []
+
+
+def test_a_node_killed_in_its_local_commit_leaves_a_save_the_next_writer_clears_from_every_node(tmp_path, endpoint):
+    job = Job(tmp_path, endpoint, "fsdp")
+    job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="commit", REPLICAS="1")
+    job.launches[1].communicate(timeout=600)
+    committed = job.memory(0) / "snapshots" / "step-00000003" / "manifest.json"
+    deadline = time.monotonic() + 600  # the event waited for: node 0's own commit of step 3 (no timing asserted)
+    while not committed.exists() and time.monotonic() < deadline and job.launches[0].poll() is None:
+        time.sleep(0.2)
+    assert committed.exists()
+    job.lose(1)
+    assert 3 not in Run(job.memory(1)).steps()
+    job.launch("start", REPLICAS="1")
+    started = job.results("start")
+    assert [r["held_at_start"] for r in started] == [[1, 2], [1, 2]]  # step 3 cleared from node 0 by the writer's start
+    assert [r["latest"] for r in started] == [2, 2]
+    # close() promotes the newest composite, step 2, not the cleared step 3 (nor nothing). From one
+    # copy per node, rank 0's node lacks node 1's parts: that promotion is the collective one's to make.
+    assert 2 in started[0]["promoted"] or "promoting step 2 " in (started[0]["closed"] or ""), started[0]
+    job.copies_whole(verify=False)  # one copy of each part: a node's copy is not whole alone

@@ -281,4 +281,7 @@ class Tiers:
         (``healing.clear_unwhole``); what each node removed."""
         if self.placement is None:
             return {}
-        return clear_unwhole(self.first.run, self.placement.nodes, coordinator)
+        cleared = clear_unwhole(self.first.run, self.placement.nodes, coordinator)
+        if self.promoter is not None and cleared:  # it counted from what rank 0's copy held before
+            self.promoter.cleared(self.first.run.latest_step())
+        return cleared
