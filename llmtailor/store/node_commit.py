@@ -106,9 +106,13 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
             if staged.error is not None:
                 raise staged.error
             part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
-            report: Any = {"part": part.to_message(), "copies": _replicate(snapshot, part, placement, coord.rank)}
         except BaseException as err:
-            part = report = friendly(err, run, staged.step)
+            part = friendly(err, run, staged.step)
+        try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
+            copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank)
+            report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
+        except BaseException as err:
+            report = friendly(err, run, staged.step)
         plan = _announce(staged, placement, coord, round_, report)
         assert isinstance(part, RankPart)  # a failed part was raised by the gather
     except BaseException:
@@ -153,13 +157,15 @@ def files_of(part: RankPart) -> list[FileEntry]:
     return list(files.values())
 
 
-def _replicate(snapshot: SnapshotCommit, part: RankPart, placement: NodePlacement, rank: int) -> dict[str, list[Any]]:
+def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodePlacement,
+               rank: int) -> dict[str, list[Any]]:
     """Step 2's copies: this rank's files to its partner ranks (the global files also to the
-    nodes holding none of rank 0's parts), and the files of the ranks it keeps copies of,
-    written into this node's staging, durable. Returns, by source rank, each file received as
-    it arrived (its size and checksum), for rank 0 to check against what its writer wrote."""
+    nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
+    the ranks it keeps copies of, written into this node's staging, durable. Returns, by source
+    rank, each file received as it arrived (its size and checksum), for rank 0 to check against
+    what its writer wrote."""
     storage = snapshot.run.storage
-    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)]
+    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)] if part is not None else []
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
         shared = [(path, content) for path, content in mine if writer_rank(path) is None]
