@@ -67,7 +67,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     record the error they get.
 ``nodes-fsdp`` / ``nodes-ddp``  launched as two "nodes" (``--nnodes 2``), each with its own
     ``$NODE_DIR``: Parity saves at every step 1..4, async, into the node-local tier ``$NODE_DIR``
-    (``scope="node"``, ``replicas=2``, ``keep=2``) in front of the shared run ``$RUN_HOME``;
+    (``scope="node"``, ``replicas=2``, ``keep=2``) in front of the shared run ``$RUN_HOME``, the
+    Tailor made by docs/storage-and-tiers.md's snippet as written;
     versions written by rank 0 to its ``DIR`` (node 0's own); closed (the last save promoted).
 ``nodes-restore-fsdp`` / ``nodes-restore-ddp``  a fresh launch of the same nodes restores it (from
     each node's own copy) and compares every tensor with its composite version (rank 0).
@@ -612,10 +613,23 @@ def node_tier(location: str, keep: int | None = 2) -> list[Tier]:
     return [Tier(location, scope="node", replicas=2, keep=keep)]
 
 
+def documented_node_tier(model, optimizer, lr_scheduler) -> Tailor:
+    """The Tailor of docs/storage-and-tiers.md's node-local tiers snippet, run as written (its
+    ``/dev/shm/exp1`` this node's ``$NODE_DIR``, its ``s3://ckpt/exp1`` the shared ``$RUN_HOME``)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "storage-and-tiers.md").read_text(encoding="utf-8")
+    start = text.index("### Node-local tiers and replicas")
+    code = re.compile(r"^```python\n(.*?)^```", re.S | re.M).search(text, start).group(1)
+    code = code.replace("/dev/shm/exp1", os.environ["NODE_DIR"]).replace("s3://ckpt/exp1", os.environ["RUN_HOME"])
+    scope = {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler}
+    exec(code, scope)
+    return scope["tailor"]
+
+
 def nodes_save(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=0)
-    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), timeout=60,
-                    tiers=node_tier(os.environ["NODE_DIR"]), async_save=True)
+    tailor = documented_node_tier(model, optimizer, scheduler)
     for step in range(1, 5):
         train(model, optimizer, scheduler, [step])
         tailor.save(step, extra={"rank": rank()})
