@@ -49,7 +49,7 @@ from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, RankPart, StagedSnapshot
-from llmtailor.store.writer import friendly, index_files, write_files, write_part
+from llmtailor.store.writer import attempt_part, friendly, index_files, write_files
 
 
 @dataclass(frozen=True)
@@ -120,12 +120,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     leads = placement.leads(coord.rank)
     snapshot = _open(run, staged, placement, coord, round_, prepare)
     try:
-        try:
-            if staged.error is not None:
-                raise staged.error
-            part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
-        except BaseException as err:
-            part = friendly(err, run, staged.step)
+        part = attempt_part(snapshot, staged, coord.rank, on_unit)
         try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
             copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank)
             report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
