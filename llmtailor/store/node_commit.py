@@ -248,7 +248,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
             round_: str, committed: dict[str, Any] | None) -> str | None:
     """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
     node's, on its leader). When a node's failed, those that committed remove their copy again
-    and every rank raises, naming each failed node and why. Returns this node's pointer error."""
+    and every rank raises, naming each failed node and why. Returns the nodes' pointer errors
+    (the same on every rank, so every rank raises it alike)."""
     outcomes = coord.exchange(f"{round_}/committed", committed)
     failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
     if failed:
@@ -257,7 +258,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
                           "the nodes that did removed their copy, and every earlier snapshot is intact")
-    return outcomes[placement.leader(coord.rank)]["pointer_error"]
+    pointers = {placement.nodes.node_of_rank(rank): o["pointer_error"] for rank, o in enumerate(outcomes) if o}
+    return "; ".join(f"node {node}: {why}" for node, why in sorted(pointers.items()) if why) or None
 
 
 def _uncommit(run: Run, staged: StagedSnapshot) -> None:
