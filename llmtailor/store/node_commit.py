@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtailor.constants import writer_rank
+from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import Coordinator, describe_error
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
@@ -135,7 +135,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     committed = _commit_node(snapshot, plan, confirm) if leads else None
     outcome = _settle(snapshot, staged, placement, coord, round_, committed)
     manifest = plan["manifest"].encode()
-    run.remember(parse_manifest(manifest, run.where(staged.step, "manifest.json"), staged.step))
+    run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
                          unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome)
 
