@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtailor.constants import writer_rank
+from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import Coordinator, describe_error
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
@@ -49,7 +49,7 @@ from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, RankPart, StagedSnapshot
-from llmtailor.store.writer import friendly, index_files, write_files, write_part
+from llmtailor.store.writer import attempt_part, friendly, index_files, write_files
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,24 @@ class NodePlacement:
         return [self.nodes.leader_of(node) for node in range(self.nodes.count) if node not in holders]
 
 
+def reading_ranks(notes: dict[str, Any], paths: list[str], world_size: int) -> list[int] | None:
+    """The ranks whose node's copy of a node-local tier holds every file of ``paths`` of a
+    snapshot saved at the placement its manifest's ``notes`` record (``notes["nodes"]``): those
+    that can read them at a restore at that placement (``read_plan.balance``'s candidates).
+    None where any rank can: a snapshot saved with no node placement, or read at another world
+    size."""
+    placed = notes.get("nodes")
+    if not isinstance(placed, dict) or len(placed.get("node_of", ())) != world_size:
+        return None
+    nodes = Nodes.of_record(placed)
+    holding = set(range(nodes.count))
+    for path in paths:
+        writer = writer_rank(path)
+        if writer is not None:
+            holding &= set(nodes.holders(nodes.node_of_rank(writer), placed["replicas"], placed["jump"]))
+    return [rank for rank in range(world_size) if nodes.node_of_rank(rank) in holding]
+
+
 def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
                      on_unit: Callable[[str, int], None] | None = None, prepare: Callable[[], None] | None = None,
                      confirm: Callable[[], None] | None = None) -> PersistResult:
@@ -102,13 +120,12 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     leads = placement.leads(coord.rank)
     snapshot = _open(run, staged, placement, coord, round_, prepare)
     try:
-        try:
-            if staged.error is not None:
-                raise staged.error
-            part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
-            report: Any = {"part": part.to_message(), "copies": _replicate(snapshot, part, placement, coord.rank)}
+        part = attempt_part(snapshot, staged, coord.rank, on_unit)
+        try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
+            copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank)
+            report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
         except BaseException as err:
-            part = report = friendly(err, run, staged.step)
+            report = friendly(err, run, staged.step)
         plan = _announce(staged, placement, coord, round_, report)
         assert isinstance(part, RankPart)  # a failed part was raised by the gather
     except BaseException:
@@ -118,7 +135,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     committed = _commit_node(snapshot, plan, confirm) if leads else None
     outcome = _settle(snapshot, staged, placement, coord, round_, committed)
     manifest = plan["manifest"].encode()
-    run.remember(parse_manifest(manifest, run.where(staged.step, "manifest.json"), staged.step))
+    run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
                          unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome)
 
@@ -153,13 +170,15 @@ def files_of(part: RankPart) -> list[FileEntry]:
     return list(files.values())
 
 
-def _replicate(snapshot: SnapshotCommit, part: RankPart, placement: NodePlacement, rank: int) -> dict[str, list[Any]]:
+def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodePlacement,
+               rank: int) -> dict[str, list[Any]]:
     """Step 2's copies: this rank's files to its partner ranks (the global files also to the
-    nodes holding none of rank 0's parts), and the files of the ranks it keeps copies of,
-    written into this node's staging, durable. Returns, by source rank, each file received as
-    it arrived (its size and checksum), for rank 0 to check against what its writer wrote."""
+    nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
+    the ranks it keeps copies of, written into this node's staging, durable. Returns, by source
+    rank, each file received as it arrived (its size and checksum), for rank 0 to check against
+    what its writer wrote."""
     storage = snapshot.run.storage
-    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)]
+    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)] if part is not None else []
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
         shared = [(path, content) for path, content in mine if writer_rank(path) is None]
@@ -229,7 +248,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
             round_: str, committed: dict[str, Any] | None) -> str | None:
     """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
     node's, on its leader). When a node's failed, those that committed remove their copy again
-    and every rank raises, naming each failed node and why. Returns this node's pointer error."""
+    and every rank raises, naming each failed node and why. Returns the nodes' pointer errors
+    (the same on every rank, so every rank raises it alike)."""
     outcomes = coord.exchange(f"{round_}/committed", committed)
     failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
     if failed:
@@ -238,7 +258,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
                           "the nodes that did removed their copy, and every earlier snapshot is intact")
-    return outcomes[placement.leader(coord.rank)]["pointer_error"]
+    pointers = {placement.nodes.node_of_rank(rank): o["pointer_error"] for rank, o in enumerate(outcomes) if o}
+    return "; ".join(f"node {node}: {why}" for node, why in sorted(pointers.items()) if why) or None
 
 
 def _uncommit(run: Run, staged: StagedSnapshot) -> None:
