@@ -4,7 +4,7 @@ save in flight) and ``RestoreReport``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +82,17 @@ class RestoreReport:
     stateful objects the snapshot holds no state for (``providers/stateful.py``)."""
     tier: str = ""
     """Where the composite was read from: the run directory, or the tier (``Tier``) holding it."""
+    served_by: dict[int, list[int]] = field(default_factory=dict)
+    """With a node-local tier (``Tier(scope="node")``): node -> the nodes whose copies sent it
+    the files it lacked before the restore (a replaced node's parts came from its partner's
+    replica); empty when every node's copy was whole."""
 
     @classmethod
     def of(cls, composite: Composite, extra: Any, seconds: float, skipped: dict[Any, str],
-           unmapped: tuple[str, ...], tier: str = "") -> RestoreReport:
+           unmapped: tuple[str, ...], tier: str = "", served_by: dict[int, list[int]] | None = None) -> RestoreReport:
         return cls(step=composite.step, extra=extra, sources=dict(composite.sources), seconds=seconds,
                    skipped={int(k): v for k, v in skipped.items()}, saved_world_size=composite.manifest.world_size,
-                   unmapped=unmapped, tier=tier)
+                   unmapped=unmapped, tier=tier, served_by=dict(served_by or {}))
 
 
 def describe_sources(sources: dict[str, int]) -> str:

@@ -52,6 +52,7 @@ from llmtailor.store.run import Run
 from llmtailor.store.shared_reads import share_manifests, share_small_files
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.tiers import Choice, Tiers
+from llmtailor.store.node_commit import persist_on_nodes
 from llmtailor.store.writer import persist
 
 
@@ -93,6 +94,8 @@ class Tailor:
         self._partly_restored: str | None = None  # a restore failed after touching the live state
         try:  # one writer per run, settled before any training is spent: a second trainer fails here
             self.tiers.open_for_writing(self.coordinator, self.read_only)
+            if not self.read_only:  # what a crash left on some nodes only is never restored: gone before any save
+                self.tiers.clear_unwhole(self.coordinator)
         except BaseException:
             self._remove_hooks()
             self.tiers.abandon()  # a failed construction leaves every tier as it found it
@@ -107,8 +110,9 @@ class Tailor:
         return self.coordinator.world_size
 
     def latest_step(self) -> int | None:
-        """Step of the newest committed composite in the run directory (or any of its tiers), or None."""
-        return self.tiers.latest_step()
+        """Step of the newest committed composite in the run directory (or any of its tiers), or None.
+        With a node-local tier it is collective (every rank calls it): the newest of every node's copy."""
+        return self.tiers.latest_step(self.coordinator)
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -194,7 +198,12 @@ class Tailor:
             self._committed(job.step, job.composite, job.outcome)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
-        lock = self.tiers.first.lock
+        """The commit recipe of the first tier's placement: one copy per node of a node-local
+        tier (``store.node_commit``), else one store every rank writes (``store.writer``)."""
+        lock, placement = self.tiers.first.lock, self.tiers.placement
+        if placement is not None:
+            return persist_on_nodes(self.run, staged, placement, self.coordinator, prepare=lock.claim,
+                                    confirm=lock.check_held)
         return persist(self.run, staged, coordinator=self.coordinator, prepare=lock.claim, confirm=lock.check_held)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
@@ -225,7 +234,7 @@ class Tailor:
         )
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
-        if self.coordinator.is_leader and not result.pointer_error:
+        if self.tiers.keeps_first(self.rank) and not result.pointer_error:
             self.tiers.committed(step, str(result.path))  # retention, then promotions due
 
     # -- restoring ----------------------------------------------------------------------------
@@ -271,7 +280,8 @@ class Tailor:
         self.tiers.restored(level, composite.step)
         if self._drift is not None:
             self._drift.restored()
-        return RestoreReport.of(composite, extra, time.perf_counter() - start, skipped, unmapped, str(run.root))
+        return RestoreReport.of(composite, extra, time.perf_counter() - start, skipped, unmapped, str(run.root),
+                                restoring.served_by)
 
     def close(self) -> None:
         """Wait for the async save in flight and, with tiers, for the last composite's promotion to
@@ -306,6 +316,8 @@ class _Restoring:
         self.tiers, self.provider, self.coordinator = tiers, provider, coordinator
         self.round = coordinator.new_round()
         self.partly: str | None = None
+        self.served_by: dict[int, list[int]] = {}
+        """With a node-local tier: node -> the nodes whose copies sent it what it lacked."""
 
     def load(self, step: int | None, fallback: bool, verify: bool | str,
              held: ExitStack) -> tuple[int, Composite, dict[int, str], int | None]:
@@ -334,15 +346,20 @@ class _Restoring:
         """``(tier, step, lease)`` attempts (the lease rank 0 took choosing, None elsewhere), what
         was passed over, the tiers that could not be read, and the floor of the next save
         (``Lineage``). Without ``fallback`` (or with a ``step``): the one composite
-        ``Tiers.choose`` picks, leased once. With it: the candidates (``Tiers.candidates``)."""
+        ``Tiers.choose`` picks, leased once. With it: the candidates (``Tiers.candidates``).
+        A node-local first tier offers what the nodes hold whole together, each node's copy of
+        it made whole first (``Tiers.recover``)."""
         leader = self.coordinator.is_leader
+        offer, self.served_by = self.tiers.recover(self.coordinator, step)
         if fallback and step is None:
-            attempts, unread, floor = self.coordinator.broadcast(f"{self.round}/candidates", self.tiers.candidates if leader else None)
-            return [(level, chosen, None) for level, chosen in attempts], {}, list(unread), floor
+            attempts, unread, floor = self.coordinator.broadcast(
+                f"{self.round}/candidates", (lambda: self.tiers.candidates(offer)) if leader else None)
+            passed = {s: f"{self.tiers.first.name}: {why}" for s, why in offer.skipped.items()} if offer else {}
+            return [(level, chosen, None) for level, chosen in attempts], passed, list(unread), floor
         leased: list[LeasedComposite] = []
 
         def choose() -> Choice:
-            choice, lease = self.tiers.choose(step)
+            choice, lease = self.tiers.choose(step, offer)
             held.callback(lease.close)
             leased.append(lease)
             return choice

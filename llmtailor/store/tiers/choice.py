@@ -13,6 +13,7 @@ from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.store.catalog import LeasedComposite
 from llmtailor.store.run import Run
 from llmtailor.store.tiers.levels import Level
+from llmtailor.store.tiers.recovery import NodeChoice
 
 
 class Choice(NamedTuple):
@@ -27,34 +28,39 @@ class Choice(NamedTuple):
     newest: int | None = None
 
 
-def choose(levels: list[Level], step: int | None) -> tuple[Choice, LeasedComposite]:
+def choose(levels: list[Level], step: int | None, offer: NodeChoice | None = None) -> tuple[Choice, LeasedComposite]:
     """The composite a restore reads (module docstring), leased: of ``step`` (default: the
     newest), from the fastest tier holding it whole, with the lease on every snapshot it needs
     that proved it whole, for the restore to read under (one lease, one resolution).
     ``skipped``: the newer (or equal) composites passed over, in any tier, each with its tier
     and why. Raises SnapshotNotFoundError naming what each tier lacked; a tier that cannot be
-    read raises its error. Each tier's snapshots are listed once."""
+    read raises its error. Each tier's snapshots are listed once. ``offer``: what a node-local
+    first tier offers, decided across the nodes (``healing.recover``): that composite only (or
+    none), whatever this node's own copy holds."""
     with ExitStack() as listed:
         for level in levels:
             listed.enter_context(level.run.listed())
         if len(levels) == 1:  # one tier: its own choice and errors, as they are
             held = levels[0].run.lease(step)
             return Choice(0, held.composite.step, {}, newest_held(levels)), held
-        return _choose_among(levels, step)
+        return _choose_among(levels, step, offer)
 
 
-def _choose_among(levels: list[Level], step: int | None) -> tuple[Choice, LeasedComposite]:
-    why: list[str] = []
-    passed: dict[int, str] = {}  # newer composites passed over, in any tier: step -> "tier: why"
+def _choose_among(levels: list[Level], step: int | None, offer: NodeChoice | None) -> tuple[Choice, LeasedComposite]:
+    why: list[str] = [f"{levels[0].name}: {reason}" for reason in (offer.skipped.values() if offer else ())]
+    passed: dict[int, str] = {s: f"{levels[0].name}: {reason}" for s, reason in (offer.skipped.items() if offer else ())}
     best: tuple[Choice, LeasedComposite] | None = None
     candidates = sorted(newest_steps(levels, raise_problem), key=lambda found: (-found[0], found[1])) if step is None else \
         [(step, i) for i in range(len(levels))]
+    if offer is not None:  # the node-local tier: what the nodes hold whole together, not this node's copy
+        candidates = sorted([c for c in candidates if c[1] != 0] + ([(offer.step, 0)] if offer.step is not None else []),
+                            key=lambda found: (-found[0], found[1]))
     try:
         for newest, i in candidates:
             if best is not None and best[0].step >= newest:
                 break  # no slower tier can do better
-            try:
-                held = levels[i].run.lease(step)  # whole in this tier: every snapshot it needs is there
+            try:  # whole in this tier: every snapshot it needs is there
+                held = levels[i].run.lease(offer.step if offer is not None and i == 0 else step)
             except TailorError as err:
                 why.append(f"{levels[i].name}: {err}")
                 passed.setdefault(newest, f"{levels[i].name}: {err}")
@@ -89,16 +95,20 @@ class Candidates(NamedTuple):
     newest: int | None
 
 
-def candidates(levels: list[Level]) -> Candidates:
+def candidates(levels: list[Level], offer: NodeChoice | None = None) -> Candidates:
     """The composites ``restore(fallback=True)`` tries (``Candidates``), from manifests alone:
     nothing is verified here, each is verified while it is loaded (one read of each byte).
-    A single tier's problems raise as they are; of several, an unreadable one is noted."""
+    A single tier's problems raise as they are; of several, an unreadable one is noted.
+    ``offer`` (a node-local first tier, as in ``choose``): of that tier, its composite only."""
     attempts: list[tuple[int, int]] = []
     unread: list[str] = []
     with ExitStack() as listed:
         for level in levels:
             listed.enter_context(level.run.listed())
         for i, level in enumerate(levels):
+            if i == 0 and offer is not None:  # what it passed over, the restore reports (offer.skipped)
+                attempts += [(0, offer.step)] if offer.step is not None else []
+                continue
             try:
                 attempts += [(i, step) for step in level.run.lineage(through_damage=True)]
             except TailorError as err:

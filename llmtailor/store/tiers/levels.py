@@ -21,6 +21,11 @@ class Level:
     keep: int | None
     promote_every: int | None
     """None for the last tier (nothing after it)."""
+    scope: str = "shared"
+    """``"node"``: each node has its own copy at ``run`` (``Tier.scope``), with ``replicas``
+    copies of each node's parts, on nodes ``jump`` apart."""
+    replicas: int = 1
+    jump: int = 1
 
     @property
     def name(self) -> str:
@@ -28,12 +33,18 @@ class Level:
 
     def record(self) -> dict[str, Any]:
         location = str(Path(self.run.root).resolve()) if self.run.is_local else self.run.storage.url
-        return {"location": location, "keep": self.keep, "promote_every": self.promote_every}
+        placed = {"scope": "node", "replicas": self.replicas, "jump": self.jump} if self.node_local else {}
+        return {"location": location, "keep": self.keep, "promote_every": self.promote_every, **placed}
+
+    @property
+    def node_local(self) -> bool:
+        return self.scope == "node"
 
     @classmethod
-    def of(cls, run: Run, keep: int | None, promote_every: int | None) -> Level:
+    def of(cls, run: Run, keep: int | None, promote_every: int | None, scope: str = "shared", replicas: int = 1,
+           jump: int = 1) -> Level:
         """The tier at ``run``, with a writer lock of its own (not taken)."""
-        return cls(run, WriterLock(run.storage), keep, promote_every)
+        return cls(run, WriterLock(run.storage), keep, promote_every, scope, replicas, jump)
 
     def take(self) -> None:
         """Take the tier's writer lock, which also proves that the tier can be written (the lock

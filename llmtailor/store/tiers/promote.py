@@ -215,6 +215,13 @@ class Promoter:
             self._newest[0] = step
             self._wake()
 
+    def cleared(self, newest: int | None) -> None:
+        """The first tier's snapshots above ``newest`` were removed before any save (a writer's
+        start, ``Tiers.clear_unwhole``): its newest composite is ``newest`` again, so ``close``
+        promotes that one, not one that is gone."""
+        with self._guard:
+            self._newest[0] = newest
+
     def restored(self, level: int, step: int) -> None:
         """The writer restored the composite of ``step`` from tier ``level``: the lineage it
         extends now ends there in that tier. Another tier's newer composites (of a branch left,

@@ -1,0 +1,145 @@
+"""The job of tests/distributed/test_node_recovery.py: FSDP2 or DDP on gloo, launched as "nodes"
+(``torchrun --nnodes N --node_rank i``), each node with its own memory directory ``$NODE_DIR``
+(the node-local tier: ``scope="node"``, ``replicas=2``) in front of the run ``$RUN_HOME`` (an
+``s3://`` URL on moto's server: no directory is shared between nodes).
+
+    python -m torch.distributed.run --nnodes N --node_rank I ... node_recovery_job.py SCENARIO KIND DIR
+
+Each rank writes its pid to ``DIR/pid-<rank>`` first (the test kills ranks by it) and, at the end,
+``DIR/result-<scenario>-<rank>.json``. Rank 0 writes every tensor's full value at each save to
+``DIR/versions/<step>.safetensors`` (its node's own disk, not its memory tier).
+
+``train``  Parity saves at every step from 1 to ``$LAST``, async. With ``$KILL_NODE`` and
+    ``$KILL_AT``: the ranks of that node SIGKILL themselves, ``$KILL_IN`` = ``training``: after
+    the save of ``$KILL_AT`` was handed over (in flight) and its versions written; ``replication``:
+    as they send their files of that save to their partner node (inside ``Courier.exchange``);
+    ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs).
+    ``$REPLICAS`` (default 2): copies of each node's parts.
+``resume``  a writer that restores what ``latest_step`` finds (recording the report and the
+    tensors that differ from their composite versions), then trains and saves up to ``$LAST``
+    (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``); it records
+    the steps its node's copy holds once the writer started (what a crash left cleared).
+``start``  a writer's start alone: the steps its node's copy holds once it started, and what
+    ``latest_step`` answers; closed without a save (the error the close raised, if any).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torch_job import build, compare_with_composite, rank, train, write_versions  # noqa: E402
+
+from llmtailor import Parity, PromotionError, Tailor, Tier  # noqa: E402
+from llmtailor.distributed.courier import Courier  # noqa: E402
+from llmtailor.store.commit import SnapshotCommit  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
+
+
+def node() -> int:
+    return int(os.environ["GROUP_RANK"])
+
+
+def tailor_of(model, optimizer, scheduler) -> Tailor:
+    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=int(os.environ.get("REPLICAS", "2")), keep=2, promote_every=1)]
+    return Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers, async_save=True,
+                  timeout=30)
+
+
+def doomed() -> bool:
+    return os.environ.get("KILL_NODE", "") == str(node())
+
+
+def die_in_replication(step: int) -> dict:
+    """This rank SIGKILLs itself when it sends its files of the save of ``step`` to its partners."""
+    real, saving = Courier.exchange, {"step": None}
+
+    def exchange(self, outgoing, sources):
+        if saving["step"] == step and outgoing:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, outgoing, sources)
+
+    Courier.exchange = exchange
+    return saving
+
+
+def die_in_commit(step: int) -> None:
+    """This node's leader SIGKILLs itself as it commits its copy of the save of ``step``."""
+    real = SnapshotCommit.commit
+
+    def commit(self, manifest, confirm=None):
+        if self.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, manifest, confirm)
+
+    SnapshotCommit.commit = commit
+
+
+def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: int, last: int) -> None:
+    kill_at = int(os.environ.get("KILL_AT", "0")) if doomed() else 0
+    saving = die_in_replication(kill_at) if kill_at and os.environ.get("KILL_IN") == "replication" else {}
+    if kill_at and os.environ.get("KILL_IN") == "commit":
+        die_in_commit(kill_at)
+    for step in range(first, last + 1):
+        train(model, optimizer, scheduler, [step])
+        saving["step"] = step
+        tailor.save(step, extra={"rank": rank(), "next": step + 1})
+        write_versions(out, step, model, optimizer)  # collective: the async save's copies are taken by then
+        if step == kill_at and os.environ.get("KILL_IN") == "training":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume(kind: str, out: Path) -> dict:
+    model, optimizer, scheduler = build(kind, seed=5)
+    tailor = tailor_of(model, optimizer, scheduler)
+    held_at_start = Run(os.environ["NODE_DIR"]).steps()
+    found = tailor.latest_step()
+    report = tailor.restore()
+    result = {"held_at_start": held_at_start, "latest": found, "restored": report.step, "tier": report.tier, "served_by": report.served_by,
+              "skipped": report.skipped, "extra": report.extra,
+              "mismatches": compare_with_composite(out, report.tier, model, optimizer)}
+    save_steps(tailor, model, optimizer, scheduler, out, report.step + 1, int(os.environ.get("LAST", "0")))
+    tailor.close()
+    result["promoted"] = [p.step for p in tailor.tiers.promotions]
+    return result
+
+
+def main() -> None:
+    scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid-{rank()}").write_text(str(os.getpid()))
+    if scenario == "train":
+        model, optimizer, scheduler = build(kind, seed=0)
+        tailor = tailor_of(model, optimizer, scheduler)
+        save_steps(tailor, model, optimizer, scheduler, out, 1, int(os.environ["LAST"]))
+        tailor.close()
+        result = {"promoted": [p.step for p in tailor.tiers.promotions]}
+    elif scenario == "resume":
+        result = resume(kind, out)
+    elif scenario == "start":
+        tailor = tailor_of(*build(kind, seed=5))
+        result = {"held_at_start": Run(os.environ["NODE_DIR"]).steps(), "latest": tailor.latest_step()}
+        try:
+            tailor.close()  # promotes the newest composite: step 2 (what the promoter knew of 3 is gone)
+            result["closed"] = None
+        except PromotionError as err:
+            result["closed"] = str(err)
+        result["promoted"] = [p.step for p in tailor.tiers.promotions]
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

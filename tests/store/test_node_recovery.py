@@ -1,0 +1,296 @@
+"""Recovery of a node-local tier planned from what each node holds (``store/tiers/recovery.py``),
+on fake holdings written as a node-local tier lays its copies out (NODES.md): which composite a
+restore takes after a node loss, which files move from which node, and what a writer's start
+removes from every node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from helpers import tiny, train
+
+from llmtailor import Parity, Tailor, Tier
+from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION
+from llmtailor.distributed.coordinator import LocalCoordinator
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import IntegrityError
+from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
+from llmtailor.store.run import Run
+from llmtailor.store.tensor_files import checksum
+from llmtailor.store.tiers import Tiers
+from llmtailor.store.tiers.healing import clear, held_here, keep, received_files
+from llmtailor.store.tiers.recovery import (
+    Held, NodeChoice, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
+)
+
+UNITS = ("embed", "layer.0", "layer.1")
+
+
+def snapshot_files(step: int, world: int) -> dict[str, list]:
+    """Every file of a snapshot of ``world`` ranks: global files, one index per unit, each rank's
+    unit files and own state (ranks >= 1), as the writer names them."""
+    files = {"global.json": [100 + step, f"{step:016x}"], "global.safetensors": [200, f"{step + 1:016x}"]}
+    for unit in UNITS:
+        files[f"index/{unit}.json"] = [50, f"{step + 2:016x}"]
+        for rank in range(world):
+            files[f"units/{unit}.rank-{rank:05d}.safetensors"] = [1000 + rank, f"{step * 10 + rank:016x}"]
+    for rank in range(1, world):
+        files[f"ranks/rank-{rank:05d}.json"] = [30, f"{rank:016x}"]
+    return files
+
+
+def copies(step: int, node_of: tuple[int, ...], replicas: int = 2, jump: int = 1, needs: tuple[int, ...] = (),
+           on: tuple[int, ...] | None = None) -> dict[int, Held]:
+    """Each node's committed copy of the snapshot of ``step`` (only nodes ``on``, default all):
+    its manifest, the global files and indexes, and the parts of the nodes it keeps."""
+    nodes = Nodes(node_of)
+    files = snapshot_files(step, len(node_of))
+    placement = {"node_of": list(node_of), "replicas": replicas, "jump": jump}
+    held = {}
+    for node in (range(nodes.count) if on is None else on):
+        kept = set(nodes.held_by(node, replicas, jump))
+        present = {path: size for path, (size, _) in files.items() if _owner(path, nodes) in kept | {None}}
+        present[MANIFEST_FILE] = 400
+        held[node] = Held([400, f"{step + 3:016x}"], placement, sorted({step, *needs}), files, present)
+    return held
+
+
+def _owner(path: str, nodes: Nodes) -> int | None:
+    if "rank-" not in path:
+        return None
+    return nodes.node_of_rank(int(path.split("rank-")[1][:5]))
+
+
+def holdings(*snapshots: dict[int, Held], count: int) -> dict[int, dict[int, Held]]:
+    """node -> step -> Held, from each snapshot's copies (steps read from the manifest's checksum)."""
+    out: dict[int, dict[int, Held]] = {node: {} for node in range(count)}
+    for held in snapshots:
+        for node, h in held.items():
+            out[node][int(h.manifest[1], 16) - 3] = h
+    return out
+
+
+TWO = (0, 0, 1, 1)  # 2 nodes x 2 ranks
+THREE = (0, 1, 2)  # 3 nodes x 1 rank
+
+
+def test_every_node_whole_takes_the_newest_and_moves_nothing():
+    held = holdings(copies(6, TWO), copies(7, TWO, needs=(6,)), count=2)
+    assert choose_on_nodes(held, TWO) == (7, {})
+    assert healing(held, 7) == []
+
+
+def test_a_wiped_node_gets_every_file_from_its_partner_checksums_and_manifest_included():
+    held = holdings(copies(6, TWO), copies(7, TWO, needs=(6,)), count=2)
+    held[1] = {}  # node 1 replaced: its memory is empty
+    choice = choose_on_nodes(held, TWO)
+    assert choice.step == 7
+    moves = healing(held, 7)
+    assert {m.dest for m in moves} == {1} and {m.source for m in moves} == {0}
+    assert {(m.step, m.path) for m in moves} == {(s, p) for s in (6, 7) for p in [*snapshot_files(s, 4), MANIFEST_FILE]}
+    some = next(m for m in moves if m.path == "units/layer.1.rank-00003.safetensors" and m.step == 7)
+    assert some == Transfer(7, some.path, 1003, f"{73:016x}", 0, 1)
+    assert served_by(moves) == {1: [0]}
+
+
+def test_three_nodes_the_wiped_node_gets_its_own_parts_from_its_replica_and_its_partners_from_their_owner():
+    held = holdings(copies(4, THREE), count=3)
+    held[1] = {}
+    assert choose_on_nodes(held, THREE).step == 4
+    moves = healing(held, 4)
+    by_path = {m.path: m.source for m in moves}
+    assert by_path["units/layer.0.rank-00001.safetensors"] == 2  # node 1's own parts: their replica is on node 2
+    assert by_path["units/layer.0.rank-00000.safetensors"] == 0  # node 0's parts, which node 1 keeps a copy of
+    assert "units/layer.0.rank-00002.safetensors" not in by_path  # node 2's parts live on nodes 2 and 0
+    assert by_path["global.json"] == 0 and by_path[MANIFEST_FILE] == 0
+    assert served_by(moves) == {1: [0, 2]}
+
+
+def test_without_replicas_a_lost_node_leaves_no_whole_composite_and_says_which_files():
+    held = holdings(copies(6, TWO, replicas=1), copies(7, TWO, replicas=1, needs=(6,)), count=2)
+    held[1] = {}
+    choice = choose_on_nodes(held, TWO)
+    assert choice.step is None
+    assert set(choice.skipped) == {6, 7}
+    assert "file(s) on no live node" in choice.skipped[7] and "rank-00002" in choice.skipped[7]
+    assert clearing(held, TWO) == {0: [6, 7]}  # nothing of them can be restored
+
+
+def test_a_crash_between_local_commits_passes_over_the_partial_snapshot_and_clearing_removes_it():
+    # Step 8 committed on node 0 only (3 nodes, 2 copies): node 1's parts are on nodes 1 and 2, which lack it.
+    held = holdings(copies(7, THREE), copies(8, THREE, needs=(7,), on=(0,)), count=3)
+    choice = choose_on_nodes(held, THREE)
+    assert choice.step == 7 and "step 8: " in choice.skipped[8] and "rank-00001" in choice.skipped[8]
+    assert clearing(held, THREE) == {0: [8]}
+    assert healing(held, 7) == []
+
+
+def test_a_snapshot_on_one_node_of_two_with_two_copies_is_whole_and_healed():
+    held = holdings(copies(7, TWO), copies(8, TWO, needs=(7,), on=(0,)), count=2)
+    assert choose_on_nodes(held, TWO).step == 8
+    assert {(m.step, m.dest) for m in healing(held, 8)} == {(8, 1)}
+    assert clearing(held, TWO) == {}
+
+
+def test_another_placement_is_passed_over_with_the_reason_and_not_cleared():
+    held = holdings(copies(5, TWO), count=2)
+    elsewhere = (0, 1, 0, 1)
+    choice = choose_on_nodes(held, elsewhere)
+    assert choice.step is None and "another placement" in choice.skipped[5]
+    assert clearing(held, elsewhere) == {}
+
+
+def test_a_composite_reading_a_lost_older_snapshot_is_not_whole():
+    held = holdings(copies(6, TWO, replicas=1), copies(7, TWO, needs=(6,)), count=2)
+    held[1].pop(6)
+    problem = composite_problem(held, 7, TWO)
+    assert problem is not None and problem.startswith("it reads step 6: ")
+    assert choose_on_nodes(held, TWO, step=7).step is None
+
+
+def test_nodes_disagreeing_on_a_manifest_is_not_whole():
+    held = holdings(copies(6, TWO), count=2)
+    held[1][6] = held[1][6]._replace(manifest=[400, "f" * 16])
+    assert "manifests of step 6 differ" in choose_on_nodes(held, TWO).skipped[6]
+
+
+def test_a_file_of_the_wrong_size_counts_as_lacking():
+    held = holdings(copies(6, TWO), count=2)
+    path = "units/layer.0.rank-00002.safetensors"
+    for node in (0, 1):
+        held[node][6].present[path] = 1
+    assert path in choose_on_nodes(held, TWO).skipped[6]
+
+
+def test_holdings_travel_as_json():
+    held = holdings(copies(6, TWO), count=2)
+    assert of_json(json.loads(json.dumps(held))) == held
+
+
+# -- on disk: node-local copies written by hand as NODES.md lays them out -----------------------
+
+def write_snapshot(copies: list, step: int, parent: int | None, node_of: tuple[int, ...], replicas: int) -> None:
+    """The snapshot of ``step`` (one unit, a file per rank, each rank's own state, the global
+    state) committed into each node's copy (``copies[node]``) with what that node keeps."""
+    def entry(path: str, content: bytes) -> FileEntry:
+        return FileEntry(path=path, bytes=len(content), xxh3_64=checksum(content))
+
+    contents = {f"units/layer.0.rank-{r:05d}.safetensors": os.urandom(64 + r) for r in range(len(node_of))}
+    contents.update({f"ranks/rank-{r:05d}.json": f'{{"rank": {r}, "step": {step}}}'.encode() for r in range(1, len(node_of))})
+    contents["global.json"] = f'{{"step": {step}}}'.encode()
+    index = UnitEntry(unit="layer.0", step=step, files=[entry(p, contents[p]) for p in contents if p.startswith("units/")],
+                      tensors=[]).dumps().encode()
+    contents["index/layer.0.json"] = index
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION, step=step, parent=parent, save_index=step, created="now", world_size=len(node_of),
+        notes={"nodes": {"node_of": list(node_of), "replicas": replicas, "jump": 1}}, policy="full", layout={},
+        units={"layer.0": UnitRef(index=entry("index/layer.0.json", index), bytes=sum(len(contents[p]) for p in contents if p.startswith("units/")))},
+        composite={"layer.0": step}, files=[entry(p, contents[p]) for p in contents if not p.startswith(("units/", "index/"))],
+    ).dumps().encode()
+    nodes = Nodes(node_of)
+    for node, copy in enumerate(copies):
+        kept = set(nodes.held_by(node, replicas, 1))
+        where = copy / "snapshots" / f"step-{step:08d}"
+        for path, content in {**contents, MANIFEST_FILE: manifest}.items():
+            if _owner(path, nodes) in kept | {None}:
+                (where / path).parent.mkdir(parents=True, exist_ok=True)
+                (where / path).write_bytes(content)
+
+
+def node_copies(tmp_path, count: int = 2, replicas: int = 2) -> list:
+    copies = [tmp_path / f"node{n}" for n in range(count)]
+    for copy in copies:
+        copy.mkdir()
+    write_snapshot(copies, 1, None, tuple(range(count)), replicas)
+    write_snapshot(copies, 2, 1, tuple(range(count)), replicas)
+    return copies
+
+
+def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None) -> None:
+    """What ``healing.heal`` does over the courier, in one process: each destination's files read
+    from its sources' copies (node n is rank n here), checked, kept."""
+    for step in sorted({m.step for m in moves}):
+        for dest in sorted({m.dest for m in moves if m.step == step}):
+            mine = [m for m in moves if m.step == step and m.dest == dest]
+            received: dict[int, list] = {}
+            for m in mine:
+                content = (runs[m.source].snapshot_dir(step) / m.path).read_bytes()
+                if m.path == damage:
+                    content = content[:-1] + bytes([content[-1] ^ 1])
+                received.setdefault(m.source, []).append((m.path, content))
+            keep(runs[dest], step, received_files(mine, received, nodes))
+
+
+def node_one_wiped(tmp_path) -> tuple[list, list, dict]:
+    """Two nodes' copies of steps 1 and 2, node 1's wiped: the copies, their runs, their holdings."""
+    copies = node_copies(tmp_path)
+    shutil.rmtree(copies[1])
+    copies[1].mkdir()
+    runs = [Run(copy) for copy in copies]
+    return copies, runs, {node: held_here(run) for node, run in enumerate(runs)}
+
+
+def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
+    copies, runs, held = node_one_wiped(tmp_path)
+    assert held[1] == {} and sorted(held[0]) == [1, 2]
+    assert choose_on_nodes(held, (0, 1)).step == 2
+    moves = healing(held, 2)
+    assert {(m.step, m.source, m.dest) for m in moves} == {(2, 0, 1)}  # the composite of step 2 reads step 2 alone
+    move_in_process(runs, moves, Nodes((0, 1)))
+    healed = Run(copies[1])
+    assert healed.steps() == [2] and healed.resolve().step == 2
+    for step in (2,):
+        for path in (copies[0] / "snapshots" / f"step-{step:08d}").rglob("*"):
+            if path.is_file():
+                twin = copies[1] / path.relative_to(copies[0])
+                assert twin.read_bytes() == path.read_bytes(), twin
+    assert not list((copies[1] / ".tmp").iterdir())  # staged, then renamed into place
+    again = {node: held_here(Run(copy)) for node, copy in enumerate(copies)}
+    assert healing(again, 2) == []
+
+
+def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path):
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = [m for m in healing(held, 2) if m.step == 2]
+    with pytest.raises(IntegrityError, match=r"step 2: units/layer.0.rank-00001.safetensors from node 0: got 65 bytes"):
+        move_in_process(runs, moves, Nodes((0, 1)), damage="units/layer.0.rank-00001.safetensors")
+    assert Run(copies[1]).steps() == []
+
+
+def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
+    copies = node_copies(tmp_path, count=3)
+    write_snapshot(copies, 3, 2, (0, 1, 2), 2)
+    shutil.rmtree(copies[1] / "snapshots" / "step-00000003")  # node 1 crashed before its local commit of step 3
+    shutil.rmtree(copies[2] / "snapshots" / "step-00000003")  # and node 2 too: node 1's parts are nowhere whole
+    held = {node: held_here(Run(copy)) for node, copy in enumerate(copies)}
+    assert choose_on_nodes(held, (0, 1, 2)).step == 2
+    doomed = clearing(held, (0, 1, 2))
+    assert doomed == {0: [3]}
+    run0 = Run(copies[0])
+    clear(run0, doomed, Nodes((0,)), LocalCoordinator(), "t")  # node 0's leader: rank 0 of a one-node view
+    assert run0.steps() == [1, 2]
+    assert clearing({node: held_here(Run(copy)) for node, copy in enumerate(copies)}, (0, 1, 2)) == {}
+
+
+def test_the_choice_takes_what_the_nodes_offer_and_falls_back_to_the_next_tier_saying_why(tmp_path, tokens):
+    model, opt, sched = tiny(seed=0)
+    tailor = Tailor(tmp_path / "home", model, opt, sched, policy=Parity(), keep=None,
+                    tiers=[Tier(tmp_path / "memory", keep=None, promote_every=100)])
+    for step in (1, 2, 3):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    tailor.wait(promoted=True)  # step 1 promoted (the first composite), 2 and 3 not yet
+    tiers = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
+    chosen, lease = tiers.choose(None, NodeChoice(2, {3: "node-local tier: step 3: 1 file(s) on no live node (x)"}))
+    lease.close()
+    assert (chosen.level, chosen.step) == (0, 2) and "on no live node" in chosen.skipped[3]
+    chosen, lease = tiers.choose(None, NodeChoice(None, {3: "node-local tier: why 3", 2: "node-local tier: why 2"}))
+    lease.close()
+    assert (chosen.level, chosen.step) == (1, 1)
+    assert chosen.skipped == {3: f"{tmp_path / 'memory'}: node-local tier: why 3", 2: f"{tmp_path / 'memory'}: node-local tier: why 2"}
+    assert tiers.candidates(NodeChoice(2, {3: "x"})).attempts == [(0, 2), (1, 1)]  # fallback: the offer, then the next tier
+    assert tiers.candidates(NodeChoice(None, {3: "x"})).attempts == [(1, 1)]
+    tailor.close()
