@@ -31,7 +31,7 @@ from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
-from llmtailor.store.node_commit import reading_ranks
+from llmtailor.store.node_parts import reading_ranks
 from llmtailor.store.run import Run
 from llmtailor.store.samples import sample_checksum
 from llmtailor.store.staged import Piece, StagedUnit
@@ -277,7 +277,7 @@ class LocalProvider(StateProvider):
     def _readable(self, run: Run, sources: dict[str, int], entries: dict[str, UnitEntry],
                   units: dict[str, str]) -> dict[str, list[int]]:
         """Item -> the ranks that can read it where not every rank can: in a node-local tier, those
-        whose node's copy holds the unit's files (``node_commit.reading_ranks``)."""
+        whose node's copy holds the unit's files (``node_parts.reading_ranks``)."""
         readable = {}
         for item, unit in units.items():
             paths = [f.path for f in entries[unit].files if f.origin != "base"]

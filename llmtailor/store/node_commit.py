@@ -90,24 +90,6 @@ class NodePlacement:
         return [self.nodes.leader_of(node) for node in range(self.nodes.count) if node not in holders]
 
 
-def reading_ranks(notes: dict[str, Any], paths: list[str], world_size: int) -> list[int] | None:
-    """The ranks whose node's copy of a node-local tier holds every file of ``paths`` of a
-    snapshot saved at the placement its manifest's ``notes`` record (``notes["nodes"]``): those
-    that can read them at a restore at that placement (``read_plan.balance``'s candidates).
-    None where any rank can: a snapshot saved with no node placement, or read at another world
-    size."""
-    placed = notes.get("nodes")
-    if not isinstance(placed, dict) or len(placed.get("node_of", ())) != world_size:
-        return None
-    nodes = Nodes.of_record(placed)
-    holding = set(range(nodes.count))
-    for path in paths:
-        writer = writer_rank(path)
-        if writer is not None:
-            holding &= set(nodes.holders(nodes.node_of_rank(writer), placed["replicas"], placed["jump"]))
-    return [rank for rank in range(world_size) if nodes.node_of_rank(rank) in holding]
-
-
 def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
                      on_unit: Callable[[str, int], None] | None = None, prepare: Callable[[], None] | None = None,
                      confirm: Callable[[], None] | None = None) -> PersistResult:

@@ -45,7 +45,7 @@ def test_an_item_is_read_by_one_of_its_candidates_the_ranks_whose_node_holds_its
 
 def test_the_ranks_that_can_read_files_of_a_node_local_snapshot_are_those_on_the_nodes_holding_them():
     from llmtailor.constants import pack_filename, unit_filename
-    from llmtailor.store.node_commit import reading_ranks
+    from llmtailor.store.node_parts import reading_ranks
 
     placed = {"nodes": {"node_of": [0, 0, 1, 1, 2, 2], "replicas": 2, "jump": 1}}  # node n's parts on n and n+1
     assert reading_ranks(placed, [unit_filename("layer.1", 3, 6)], 6) == [2, 3, 4, 5]
