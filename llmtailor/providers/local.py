@@ -220,8 +220,15 @@ class LocalProvider(StateProvider):
             yield from self._read_once(run, sources, held)
             return
         for unit, source in sources.items():
-            loaded, values = run.read_unit(source, unit, skip=set(held[unit]))
+            loaded, values = run.read_unit(source, unit, skip=set(held[unit]), into=self._live_by_key(unit, live))
             yield unit, {**loaded, **held[unit]}, values
+
+    def _live_by_key(self, unit: str, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A unit's live weights and existing optimizer state tensors by key, for the read to
+        land straight in their memory where it can (``UnitReader.read``'s ``into``): a restore
+        touches the live state anyway (``Tailor.restore`` marks it so before loading), and the
+        optimizer keeps a state tensor given to ``load_state_dict`` of its dtype and device."""
+        return {key: tensor for key, tensor, _ in self._unit_tensors(unit, live)}
 
     def _read_once(self, run: Run, sources: dict[str, int], held: dict[str, dict[str, torch.Tensor]]) -> Iterator[Loaded]:
         """The units read by one rank each, balanced by bytes, and sent to the others
