@@ -196,9 +196,9 @@ class UnitReader:
         file straight into, no staging copy, where ``readable_into`` says their memory takes it;
         those returned are then these. When this raises, damaged bytes may have landed in them."""
         entry = self.entry(step, unit)
-        targets = _targets(entry, into or {})
         expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
         wanted = [t for t in entry.tensors if t.key not in skip]
+        targets = _targets(entry, wanted, into or {})
         for tensor in wanted:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
@@ -308,15 +308,17 @@ class UnitReader:
         return self._state[1], bytearray(self._state[2])
 
 
-def _targets(entry: UnitEntry, into: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-    """Of ``into`` (live tensors by key), those a tensor of ``entry`` stored whole in one file of
-    the run (not the base directory) can be read straight into (``readable_into``), by file
-    position and name in the file; a memory two keys share (tied weights) is read into once."""
+def _targets(entry: UnitEntry, wanted: list[TensorEntry],
+             into: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Of ``into`` (live tensors by key), those a ``wanted`` tensor of ``entry`` stored whole in
+    one file of the run (not the base directory) can be read straight into (``readable_into``),
+    by file position and name in the file; a memory two keys share (tied weights) is read into
+    once."""
     from llmtailor.store.tensor_files import readable_into
 
     targets: dict[int, dict[str, torch.Tensor]] = {}
     seen: set[int] = set()
-    for tensor in entry.tensors:
+    for tensor in wanted:
         live = into.get(tensor.key)
         if live is None or len(tensor.chunks) != 1 or entry.files[tensor.chunks[0].file].origin == "base":
             continue
