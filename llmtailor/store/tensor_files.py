@@ -230,11 +230,12 @@ def readable_into(tensor: torch.Tensor, dtype: torch.dtype, shape: list[int]) ->
     """Whether the bytes of a stored tensor of ``dtype`` and ``shape`` can be read straight into
     ``tensor``'s memory (``byte_view``): a plain tensor or parameter (not a subclass such as a
     DTensor, whose memory is not its global shape), in CPU memory, contiguous, of that dtype
-    and shape, not an inference tensor."""
+    and shape, not an inference tensor nor a lazily conjugated or negated view."""
     import torch
 
     return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu" and tensor.dtype == dtype
-            and list(tensor.shape) == list(shape) and tensor.is_contiguous() and not tensor.is_inference())
+            and list(tensor.shape) == list(shape) and tensor.is_contiguous() and not tensor.is_inference()
+            and not tensor.is_conj() and not tensor.is_neg())
 
 
 def _pieces(tensor: torch.Tensor | ByteSource):
