@@ -194,7 +194,8 @@ class LocalProvider(StateProvider):
         self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool | str
     ) -> dict[str, dict[str, Any]]:
         """Read each unit whole (file checksums always verified: a process needs all of it),
-        copy its weights in place; return its optimizer state by parameter name. A frozen
+        its weights in place (read straight into the live tensors' memory where it takes them,
+        ``_live_by_key``, else copied in); return its optimizer state by parameter name. A frozen
         tensor the version keeps (from an older snapshot or the base model) that the live
         model already holds (a model loaded with ``from_pretrained`` of the base, say) is not
         read again (``_already_held``)."""
