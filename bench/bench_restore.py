@@ -182,7 +182,8 @@ def report(results: dict[str, list[float]], size: int, ratios: list[tuple[str, s
 def main() -> None:
     import socket
 
-    args = model_arguments(__doc__)
+    args = model_arguments(__doc__, lambda parser: parser.add_argument(
+        "--local-only", action="store_true", help="the local phase alone (no moto server)"))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         args.port = sock.getsockname()[1]
@@ -190,7 +191,8 @@ def main() -> None:
     print(f"{platform.node()}: {os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}")
     with scratch(args.out, "restore") as out:
         phase_local(args, out)
-        phase_object_store(args, out)
+        if not args.local_only:
+            phase_object_store(args, out)
 
 
 if __name__ == "__main__":

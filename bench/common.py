@@ -14,11 +14,13 @@ from pathlib import Path
 MB = 1e6
 
 
-def model_arguments(doc: str) -> argparse.Namespace:
+def model_arguments(doc: str, more: Callable[[argparse.ArgumentParser], object] | None = None) -> argparse.Namespace:
     """The command line of a benchmark on ``bench_save.py``'s Llama (Llama-3.1-8B's proportions
-    scaled down; each size a flag), ``--repeats`` and ``--out``; ``doc``'s first paragraph is
-    its description."""
+    scaled down; each size a flag), ``--repeats`` and ``--out``, and what ``more`` adds to the
+    parser; ``doc``'s first paragraph is its description."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    if more is not None:
+        more(parser)
     sizes = {"layers": 32, "hidden": 1024, "intermediate": 3584, "heads": 16, "kv-heads": 8, "vocab": 32000}
     for flag, default in sizes.items():
         parser.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")

@@ -198,7 +198,8 @@ class LocalProvider(StateProvider):
         self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor], verify: bool | str
     ) -> dict[str, dict[str, Any]]:
         """Read each unit whole (file checksums always verified: a process needs all of it),
-        copy its weights in place; return its optimizer state by parameter name. A frozen
+        its weights in place (read straight into the live tensors' memory where it takes them,
+        ``_live_by_key``, else copied in); return its optimizer state by parameter name. A frozen
         tensor the version keeps (from an older snapshot or the base model) that the live
         model already holds (a model loaded with ``from_pretrained`` of the base, say) is not
         read again (``_already_held``)."""
@@ -229,8 +230,15 @@ class LocalProvider(StateProvider):
                 yield from self._read_once(run, sources, held, [everyone[r] for r in ranks], ranks, group)
                 return
         for unit, source in sources.items():
-            loaded, values = run.read_unit(source, unit, skip=set(held[unit]))
+            loaded, values = run.read_unit(source, unit, skip=set(held[unit]), into=self._live_by_key(unit, live))
             yield unit, {**loaded, **held[unit]}, values
+
+    def _live_by_key(self, unit: str, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A unit's live weights and existing optimizer state tensors by key, for the read to
+        land straight in their memory where it can (``UnitReader.read``'s ``into``): a restore
+        touches the live state anyway (``Tailor.restore`` marks it so before loading), and the
+        optimizer keeps a state tensor given to ``load_state_dict`` of its dtype and device."""
+        return {key: tensor for key, tensor, _ in self._unit_tensors(unit, live)}
 
     def _replicas(self) -> tuple[list[int], Any] | None:
         """The ranks holding this rank's units whole (its stage's: every rank of the job unless

@@ -13,11 +13,11 @@ import xxhash
 
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
-from llmtailor.store.fetch import fetch
+from llmtailor.store.fetch import fetch, fetch_into, new_buffer
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.storage.base import Sink, Storage
 from llmtailor.store.storage.local import LocalStorage
-from llmtailor.store.tensor_files import checksum, decode_tensors, parse_header
+from llmtailor.store.tensor_files import byte_view, checksum, decode_tensors, parse_header
 
 if TYPE_CHECKING:
     import torch
@@ -80,14 +80,24 @@ def check_stored(data: bytes | bytearray | mmap.mmap, entry: FileEntry, where: s
     return data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
 
 
-def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry,
-                         expected: dict[str, tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
+                         into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file ``key``, its bytes read once: its size checked
     against ``entry``, then fetched in concurrent parts and checksummed on the way
     (``store.fetch``), the checksum compared with ``entry``'s, then its header with what the
-    manifest says it holds (``check_header``), all before a tensor is made; never unpickles."""
+    manifest says it holds (``check_header``), all before a tensor is made; never unpickles.
+
+    ``into``: tensors to read straight into (name -> a live tensor of the manifest's dtype and
+    shape, contiguous, in CPU memory: ``readable_into``), which are the ones returned for those
+    names. Their bytes land before the file's checksum is compared: on an IntegrityError they
+    may hold damaged bytes (the caller treats them as touched). The header is then read first
+    and checked before any byte lands; a file whose tensors do not tile its data is read whole."""
     _check_size(storage, key, entry)
     where, hasher = storage.where(key), xxhash.xxh3_64()
+    if into:
+        layout = _tiled_layout(storage, key, entry, expected)
+        if layout is not None:
+            return _fetch_into(storage, key, entry, layout, into, hasher)
     data = fetch(storage, key, 0, entry.bytes, hasher)
     if hasher.hexdigest() != entry.xxh3_64:
         raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
@@ -96,6 +106,62 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry,
     return decode_tensors(data, where)
 
 
+_HEAD = 64 << 10
+"""Bytes read for a tensor file's header when the data goes straight into live tensors: a unit
+file's header is a few KiB, so one request."""
+
+
+def _tiled_layout(storage: Storage, key: str, entry: FileEntry,
+                  expected: dict[str, tuple[str, list[int]]]) -> tuple[bytes, list[tuple]] | None:
+    """``(the bytes before the data, [(begin, end, name, header entry)] in file order)`` of a tensor file
+    whose header matches ``expected`` (``check_header``) and whose tensors cover its data end to
+    end with no gap (how the writer lays them out, so hashing the header and then each tensor
+    as it lands is the file's checksum); None for any other layout."""
+    where = storage.where(key)
+    head = bytes(storage.read_range(key, 0, min(_HEAD, entry.bytes)))
+
+    def read(start: int, length: int) -> bytes:
+        return head[start : start + length] if start + length <= len(head) else bytes(storage.read_range(key, start, length))
+
+    data, header = parse_header(read, entry.bytes, where)
+    check_header(header, where, expected)
+    spans = sorted((*info["data_offsets"], name, info) for name, info in header.items() if name != "__metadata__")
+    position = 0
+    for begin, end, _, _ in spans:
+        if begin != position:
+            return None
+        position = end
+    if data + position != entry.bytes:
+        return None
+    return read(0, data), spans
+
+
+def _fetch_into(storage: Storage, key: str, entry: FileEntry, layout: tuple[bytes, list[tuple]],
+                into: dict[str, torch.Tensor], hasher: xxhash.xxh3_64) -> dict[str, torch.Tensor]:
+    """``fetch_stored_tensors`` of a tiled file (``_tiled_layout``): the tensors of ``into``
+    read straight into their memory, the others into one new buffer, all in one concurrent
+    fetch hashed in file order after the header."""
+    import torch
+
+    head, spans = layout
+    rest = sum(end - begin for begin, end, name, _ in spans if name not in into)
+    buffer = new_buffer(rest)
+    views, out, at = [], {}, 0
+    for begin, end, name, info in spans:
+        if _fits(into, name, end - begin):  # the caller checked dtype and shape; a size mismatch is not read into
+            views.append(byte_view(into[name]))
+            out[name] = into[name]
+            continue
+        views.append(memoryview(buffer)[at : at + end - begin])
+        dtype, shape = dtypes.from_code(info["dtype"]), [int(d) for d in info["shape"]]
+        out[name] = (torch.frombuffer(buffer, dtype=dtypes.to_torch(dtype), count=(end - begin) // dtypes.itemsize(dtype),
+                                      offset=at).reshape(shape) if end > begin else torch.empty(shape, dtype=dtypes.to_torch(dtype)))
+        at += end - begin
+    hasher.update(head)
+    fetch_into(storage, key, len(head), views, hasher)
+    if hasher.hexdigest() != entry.xxh3_64:
+        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+    return out
 def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[str, torch.Tensor]:
     """Every tensor of a checked safetensors file (``read_stored``); never unpickles."""
     return decode_tensors(read_stored(storage, key, entry), storage.where(key))
@@ -167,15 +233,17 @@ def read_checked_tensors(storage: Storage, key: str, names: dict[str, str]) -> d
 
 
 def read_stored_parts(storage: Storage, key: str, header: tuple[int, dict[str, dict]],
-                      names: dict[str, str]) -> dict[str, torch.Tensor]:
+                      names: dict[str, str], into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The tensors ``names`` (name -> xxh3-64 of its bytes) of the safetensors file ``key``
     (a pack file, holding other units' tensors too) whose checked header (``check_stored_header``)
     is ``header``: adjacent tensors read as one range, each checked against its own checksum;
     never unpickles. A pack file keeps each unit's tensors adjacent (``_Pack``), so a unit
-    costs a read or two, not one per tensor."""
+    costs a read or two, not one per tensor. ``into``: as ``fetch_stored_tensors``' (the
+    tensors read straight into, returned as themselves; damaged bytes may have landed in them
+    when this raises)."""
     import torch
 
-    where = storage.where(key)
+    where, into = storage.where(key), into or {}
     offset, header = header
     spans = []
     for name in names:
@@ -193,14 +261,27 @@ def read_stored_parts(storage: Storage, key: str, header: tuple[int, dict[str, d
             runs.append([begin, end, [(begin, end, name)]])
     out = {}
     for run_begin, run_end, members in runs:
-        data = bytearray(storage.read_range(key, offset + run_begin, run_end - run_begin)) if run_end > run_begin else bytearray()
+        data = new_buffer(sum(end - begin for begin, end, name in members if not _fits(into, name, end - begin)))
+        views, at = [], 0
         for begin, end, name in members:
-            part = memoryview(data)[begin - run_begin : end - run_begin]
-            if checksum(part) != names[name]:
-                raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
+            if _fits(into, name, end - begin):
+                views.append(byte_view(into[name]))
+                out[name] = into[name]
+                continue
+            views.append(memoryview(data)[at : at + end - begin])
             info = header[name]
             dtype, shape = dtypes.to_torch(dtypes.from_code(info["dtype"])), [int(d) for d in info["shape"]]
             count = (end - begin) // dtypes.itemsize(dtypes.from_code(info["dtype"]))
-            out[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=begin - run_begin).reshape(shape)
+            out[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=at).reshape(shape)
                          if count else torch.empty(shape, dtype=dtype))
+            at += end - begin
+        fetch_into(storage, key, offset + run_begin, views)
+        for (begin, end, name), view in zip(members, views):
+            if checksum(view) != names[name]:
+                raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
     return out
+
+
+def _fits(into: dict[str, torch.Tensor], name: str, length: int) -> bool:
+    """Whether the stored tensor ``name`` of ``length`` bytes is read straight into ``into``'s."""
+    return name in into and into[name].nbytes == length

@@ -30,6 +30,9 @@ WORKERS = 8
 _LARGE = 1 << 20
 """Bytes from which a buffer is fresh anonymous memory (``mmap``): a bytearray is zeroed first."""
 
+_SMALL = 256 << 10
+"""Views under this many bytes next to each other are read as one request (``_parts``)."""
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
@@ -50,27 +53,83 @@ def new_buffer(length: int) -> bytearray | mmap.mmap:
 
 def fetch(storage: Storage, key: str, start: int, length: int, hasher: Any = None) -> bytearray | mmap.mmap:
     """``length`` bytes of ``key`` from ``start``, fetched in parts concurrently (module
-    docstring); ``hasher`` (an ``xxhash`` state), when given, is fed every byte in order before
-    this returns. Errors as ``Storage.read_range`` (a short file: IntegrityError naming it)."""
+    docstring) into a new buffer; ``hasher`` as ``fetch_into``'s."""
     buffer = new_buffer(length)
-    view = memoryview(buffer)
-    if length <= PART:
-        if length:
-            storage.read_into(key, start, view)
-        if hasher is not None:
-            hasher.update(view)
-        return buffer
-    parts = [(at, min(PART, length - at)) for at in range(0, length, PART)]
+    fetch_into(storage, key, start, [memoryview(buffer)], hasher)
+    return buffer
+
+
+def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], hasher: Any = None) -> None:
+    """Fill ``views`` (writable byte views: a live tensor's memory, or a new buffer's) with the
+    consecutive bytes of ``key`` from ``start``, the first view's first, in parts fetched
+    concurrently (module docstring); ``hasher`` (an ``xxhash`` state), when given, is fed every
+    byte in file order before this returns. Errors as ``Storage.read_range`` (a short file:
+    IntegrityError naming it); once this has returned or raised, nothing writes into a view."""
+    parts = _parts(start, views)
+    if sum(len(part.view) for part in parts) <= PART:  # small: one thread, no hand-over
+        for part in parts:
+            part.read(storage, key)
+            part.done(hasher)
+        return
     pool = _workers()
-    futures: list[Future] = [pool.submit(storage.read_into, key, start + at, view[at : at + n]) for at, n in parts]
+    futures: list[Future] = [pool.submit(part.read, storage, key) for part in parts]
     try:
-        for (at, n), future in zip(parts, futures):
+        for part, future in zip(parts, futures):  # each part hashed once in: verifying overlaps fetching
             future.result()
-            if hasher is not None:
-                hasher.update(view[at : at + n])
+            part.done(hasher)
     except BaseException:
         for future in futures:
             future.cancel()
-        wait(futures)  # no part is written into the buffer once this has returned
+        wait(futures)  # no part is written into a view once this has returned
         raise
-    return buffer
+
+
+class _Part:
+    """One request: ``len(view)`` bytes of the file from ``at`` into ``view``; ``scatter``: the
+    small consecutive views it stands for (``view`` is then a staging buffer, copied out)."""
+
+    __slots__ = ("at", "view", "scatter")
+
+    def __init__(self, at: int, view: memoryview, scatter: list[memoryview] | None = None):
+        self.at, self.view, self.scatter = at, view, scatter
+
+    def read(self, storage: Storage, key: str) -> None:
+        if len(self.view):
+            storage.read_into(key, self.at, self.view)
+
+    def done(self, hasher: Any) -> None:
+        """Once read: hash it, and copy a staged part out to its views."""
+        if hasher is not None:
+            hasher.update(self.view)
+        if self.scatter is not None:
+            at = 0
+            for view in self.scatter:
+                view[:] = self.view[at : at + len(view)]
+                at += len(view)
+
+
+def _parts(start: int, views: list[memoryview]) -> list[_Part]:
+    """The requests filling ``views`` from ``start``: a view over ``PART`` bytes cut into parts of
+    ``PART``, views of under ``_SMALL`` bytes next to each other read as one (a Llama unit's
+    norms and step counters are a few bytes each: one request, not one each)."""
+    parts: list[_Part] = []
+    small: list[memoryview] = []
+    at, limit = start, min(_SMALL, PART)
+
+    def flush() -> None:
+        if small:
+            length = sum(len(view) for view in small)
+            parts.append(_Part(at - length, memoryview(bytearray(length)), list(small)) if len(small) > 1
+                         else _Part(at - length, small[0]))
+            small.clear()
+
+    for view in views:
+        if len(view) >= limit or sum(len(v) for v in small) + len(view) > limit:
+            flush()
+        if len(view) < limit:
+            small.append(view)
+        else:
+            parts += [_Part(at + offset, view[offset : offset + PART]) for offset in range(0, len(view), PART)]
+        at += len(view)
+    flush()
+    return parts

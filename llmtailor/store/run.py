@@ -61,9 +61,11 @@ class Run(Catalog):
         """The storage and key of a file of a unit's merged view (``UnitReader.file_location``)."""
         return self.units.file_location(step, file)
 
-    def read_unit(self, step: int, unit: str, skip: set[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-        """Tensors and optimizer values of ``unit`` as saved at ``step``, checked (``UnitReader.read``)."""
-        return self.units.read(step, unit, skip)
+    def read_unit(self, step: int, unit: str, skip: set[str] = frozenset(),
+                  into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """Tensors and optimizer values of ``unit`` as saved at ``step``, checked (``UnitReader.read``;
+        ``into``: live tensors read straight into where their memory takes it)."""
+        return self.units.read(step, unit, skip, into)
 
     def read_global(self, step: int) -> dict[str, Any]:
         """The global state saved at ``step`` (``UnitReader.read_global``)."""

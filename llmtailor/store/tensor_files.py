@@ -216,14 +216,35 @@ class _Pages:
         return self.sums
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor in CPU memory, as a view of that memory (writable: what
+    is written through it is the tensor's new value; autograd is not told)."""
+    import torch  # a tensor is given: torch is loaded already
+
+    if not tensor.numel():
+        return memoryview(bytearray())
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def readable_into(tensor: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether the bytes of a stored tensor of ``dtype`` and ``shape`` can be read straight into
+    ``tensor``'s memory (``byte_view``): a plain tensor or parameter (not a subclass such as a
+    DTensor, whose memory is not its global shape), in CPU memory, contiguous, of that dtype
+    and shape, not an inference tensor nor a lazily conjugated or negated view."""
+    import torch
+
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu" and tensor.dtype == dtype
+            and list(tensor.shape) == list(shape) and tensor.is_contiguous() and not tensor.is_inference()
+            and not tensor.is_conj() and not tensor.is_neg())
+
+
 def _pieces(tensor: torch.Tensor | ByteSource):
     if isinstance(tensor, ByteSource):
         yield from _file_pieces(tensor)
         return
     import torch  # a tensor is given: torch is loaded already
 
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    data = byte_view(tensor.detach().to("cpu").contiguous())
     for start in range(0, len(data), PIECE):
         yield data[start : start + PIECE]
 

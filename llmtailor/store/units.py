@@ -193,17 +193,23 @@ class UnitReader:
             return self.base_storage(step), file.path
         return self.catalog.storage, f"{self.catalog.snapshot_key(step if file.origin is None else file.origin)}/{file.path}"
 
-    def read(self, step: int, unit: str, skip: set[str] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    def read(self, step: int, unit: str, skip: set[str] = frozenset(),
+             into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
         """Tensors (by key, but those in ``skip``) and non-tensor optimizer values of ``unit`` as
         saved at ``step``.
 
         Every snapshot file is checked against its checksum; every tensor against the index's
         dtype and shape; a tensor of a pack file, or kept from the base directory, is read alone
         (its byte range) and checked against its own checksum (the file holds other units).
-        Chunks are assembled into the global tensor."""
+        Chunks are assembled into the global tensor.
+
+        ``into``: live tensors (by key) to read a tensor stored whole (one chunk) of a snapshot
+        file straight into, no staging copy, where ``readable_into`` says their memory takes it;
+        those returned are then these. When this raises, damaged bytes may have landed in them."""
         entry = self.entry(step, unit)
         expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
         wanted = [t for t in entry.tensors if t.key not in skip]
+        targets = _targets(entry, wanted, into or {})
         for tensor in wanted:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
@@ -217,9 +223,10 @@ class UnitReader:
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
             elif is_pack(file.path):  # a rank's small units together: this unit's tensors alone
-                loaded[position] = read_stored_parts(storage, key, self._pack_header(storage, key, file, shapes), sums)
+                loaded[position] = read_stored_parts(storage, key, self._pack_header(storage, key, file, shapes), sums,
+                                                     targets.get(position))
             else:  # each byte read once; every file's checksum and header checked before any tensor is used
-                loaded[position] = fetch_stored_tensors(storage, key, file, shapes)
+                loaded[position] = fetch_stored_tensors(storage, key, file, shapes, targets.get(position))
         names = {position: storage.where(key) for position, (storage, key) in places.items()}
         tensors = {t.key: _assemble(t, entry, loaded, names) for t in wanted}
         return tensors, {name: dict(values) for name, values in entry.values.items()}
@@ -310,6 +317,30 @@ class UnitReader:
                 return raw, data  # large extras: not held beyond their use
             self._state = (key, raw, data)
         return self._state[1], bytearray(self._state[2])
+
+
+def _targets(entry: UnitEntry, wanted: list[TensorEntry],
+             into: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Of ``into`` (live tensors by key), those a ``wanted`` tensor of ``entry`` stored whole in
+    one file of the run (not the base directory) can be read straight into (``readable_into``),
+    by file position and name in the file; a memory two keys share (tied weights) is read into
+    once."""
+    from llmtailor.store.tensor_files import readable_into
+
+    targets: dict[int, dict[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    for tensor in wanted:
+        live = into.get(tensor.key)
+        if live is None or len(tensor.chunks) != 1 or entry.files[tensor.chunks[0].file].origin == "base":
+            continue
+        chunk = tensor.chunks[0]
+        if chunk.shape != tensor.shape or not readable_into(live, tensor.torch_dtype, tensor.shape):
+            continue
+        if live.numel() and live.data_ptr() in seen:
+            continue
+        seen.add(live.data_ptr())
+        targets.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = live
+    return targets
 
 
 def _assemble(
