@@ -184,36 +184,71 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def read_unit_index(snapshot: Path, unit: str) -> dict:
+    """The index of ``unit`` in the snapshot directory ``snapshot``, as JSON: its line of the
+    snapshot's ``indexes.json`` (schema 6), or its own file (before)."""
+    from llmtailor.constants import MANIFEST_FILE
+
+    ref = json.loads((snapshot / MANIFEST_FILE).read_text())["units"][unit]
+    raw = (snapshot / ref["index"]["path"]).read_bytes()
+    if "index_at" in ref:
+        raw = raw[ref["index_at"]:ref["index_at"] + ref["index"]["bytes"]]
+    return json.loads(raw)
+
+
+def forge_unit_index(snapshot: Path, unit: str, index: dict) -> None:
+    """Replace the index of ``unit`` in ``snapshot`` with ``index``, recording the new sizes and
+    checksums in the manifest (of the unit's line and of ``indexes.json``, in schema 6; of its
+    own index file before), so every checksum still holds."""
+    import xxhash
+
+    from llmtailor.constants import MANIFEST_FILE
+
+    def entry(data: bytes) -> dict:
+        return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+
+    manifest = json.loads((snapshot / MANIFEST_FILE).read_text())
+    refs = manifest["units"]
+    text = json.dumps(index, separators=(",", ":")).encode()
+    if "index_at" not in refs[unit]:
+        (snapshot / refs[unit]["index"]["path"]).write_bytes(text)
+        refs[unit]["index"].update(entry(text))
+    else:
+        path = snapshot / refs[unit]["index"]["path"]
+        raw = path.read_bytes()
+        lines = {u: raw[r["index_at"]:r["index_at"] + r["index"]["bytes"]] for u, r in refs.items()}
+        lines[unit] = text + b"\n"
+        at = 0
+        for name in sorted(refs, key=lambda u: refs[u]["index_at"]):
+            refs[name].update(index_at=at, index={**refs[name]["index"], **entry(lines[name])})
+            at += len(lines[name])
+        whole = b"".join(lines[name] for name in sorted(refs, key=lambda u: refs[u]["index_at"]))
+        path.write_bytes(whole)
+        next(f for f in manifest["files"] if f["path"] == refs[unit]["index"]["path"]).update(entry(whole))
+    (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
 def drop_from_unit_index(run_dir: Path, step: int, unit: str, key: str) -> None:
     """Forge the snapshot of ``step`` so that its version of ``unit`` lacks the tensor ``key``:
     the key leaves the unit's index (its file keeps the bytes), and the manifest records the
     index's new size and checksum, so every checksum still holds."""
-    import xxhash
-
-    from llmtailor.constants import MANIFEST_FILE
     from llmtailor.store.run import Run
 
     snapshot = Run(run_dir).snapshot_dir(step)
-    manifest = json.loads((snapshot / MANIFEST_FILE).read_text())
-    ref = manifest["units"][unit]["index"]
-    index = json.loads((snapshot / ref["path"]).read_text())
+    index = read_unit_index(snapshot, unit)
     kept = [t for t in index["tensors"] if t["key"] != key]
     assert len(kept) == len(index["tensors"]) - 1, f"{unit} at step {step} holds no {key}"
     index["tensors"] = kept
-    text = json.dumps(index, separators=(",", ":")).encode()
-    (snapshot / ref["path"]).write_bytes(text)
-    ref.update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
-    (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    forge_unit_index(snapshot, unit, index)
 
 
 def unit_file(run_dir: Path, step: int, unit: str) -> Path:
     """The tensor file the snapshot of ``step`` holds ``unit`` in (as its index names it): the
     unit's own file, or the pack file it shares with the snapshot's other small units."""
-    from llmtailor.constants import unit_index_path
     from llmtailor.store.run import Run
 
     snapshot = Run(run_dir).snapshot_dir(step)
-    index = json.loads((snapshot / unit_index_path(unit)).read_text())
+    index = read_unit_index(snapshot, unit)
     return snapshot / index["files"][0]["path"]
 
 
@@ -227,13 +262,12 @@ def flip_unit_byte(run_dir: Path, step: int, unit: str, rank: int | None = None)
     """Flip one bit in the middle of the bytes of ``unit``'s first chunk (the first ``rank``
     wrote, if given) in its file (in a pack file, the bytes of that unit, not of another);
     return the file's path."""
-    from llmtailor.constants import unit_index_path
     from llmtailor.store.keys import piece_key
     from llmtailor.store.run import Run
     from llmtailor.store.tensor_files import read_header
 
     snapshot = Run(run_dir).snapshot_dir(step)
-    index = json.loads((snapshot / unit_index_path(unit)).read_text())
+    index = read_unit_index(snapshot, unit)
     tensor, chunk = next((t, c) for t in index["tensors"] for c in t["chunks"]
                          if rank is None or file_rank(index["files"][c["file"]]["path"]) == rank)
     path = snapshot / index["files"][chunk["file"]]["path"]

@@ -17,8 +17,8 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    (RNG, user extras), the leader also the shared global state — makes every file durable
    (fsync on a helper thread while the next is written; an upload completed), and reports the
    file entries and checksums, or its failure;
-3. once every rank has reported success, the leader writes the unit indexes, then the
-   manifest last, only if absent (on an object store that write is the commit), commits the
+3. once every rank has reported success, the leader writes the unit indexes (one file, a line
+   per unit), then the manifest last, only if absent (on an object store that write is the commit), commits the
    staging place (locally: fsync, atomic rename into ``snapshots/``, fsync), replaces the
    ``latest`` pointer atomically, and announces the outcome.
 
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmtailor.constants import (
-    GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION, pack_filename,
-    rank_state_files, unit_filename, unit_index_path,
+    GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION,
+    pack_filename, rank_state_files, unit_filename,
 )
 from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
@@ -55,7 +55,7 @@ from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, PersistResult, Piece, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
-from llmtailor.store.tensor_files import stream_tensors
+from llmtailor.store.tensor_files import checksum, stream_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -270,7 +270,8 @@ class _Pack:
 
 
 def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
-    """Write each unit's index from every rank's part and return the manifest naming them.
+    """Write the units' indexes from every rank's part, one line each of one file
+    (``INDEXES_FILE``), and return the manifest naming them.
     The chunks of a tensor from all ranks are checked for agreement on dtype and global
     shape; the index's own validation then checks that they cover the tensor."""
     merged: dict[str, dict[str, Any]] = {}
@@ -302,15 +303,19 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
-    refs = {}
-    with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
-        for unit in [u for u in staged.composite if u in merged]:  # layout order
-            index = _unit_index(staged.step, unit, merged[unit], writers)
-            relpath = unit_index_path(unit)
-            entry = write_bytes_to(create(relpath), index.dumps().encode(), relpath)
-            # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
-            refs[unit] = UnitRef(index=entry, bytes=sum(part.unit_bytes.get(unit, 0) for part in parts),
-                                 kept=sorted(set(index.kept.values())))
+    refs, lines = {}, []
+    at = 0
+    for unit in [u for u in staged.composite if u in merged]:  # layout order
+        index = _unit_index(staged.step, unit, merged[unit], writers)
+        line = (index.dumps() + "\n").encode()
+        lines.append(line)
+        # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
+        refs[unit] = UnitRef(index=FileEntry(path=INDEXES_FILE, bytes=len(line), xxh3_64=checksum(line)), index_at=at,
+                             bytes=sum(part.unit_bytes.get(unit, 0) for part in parts), kept=sorted(set(index.kept.values())))
+        at += len(line)
+    if lines:
+        with snapshot.files() as create:  # one file, durable on exit, before the manifest names it
+            files.append(write_bytes_to(create(INDEXES_FILE), b"".join(lines), INDEXES_FILE))
     return Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
