@@ -14,7 +14,9 @@ with its dtype, global shape and the chunks that hold it: one chunk in a single-
 one per rank and shard in a distributed save, each with its offsets in the global tensor and
 the checksum of its own bytes (so a rank reading one chunk can check it alone). A chunk names
 its file by position in the index's file list; its key in that file is the tensor key, with
-``#<offsets>`` for a piece (``store.keys.piece_key``).
+``#<offsets>`` for a piece (``store.keys.piece_key``). From schema 6 an index is written
+compactly: a chunk of the first file omits ``file``, a chunk holding its whole tensor its
+``offsets`` and ``shape``; a chunk of 256 KiB or less carries no page checksums.
 
 Everything here is validated before any tensor byte is read: paths stay inside the snapshot,
 dtypes come from a fixed list, shapes and chunk extents are consistent and bounded.
@@ -75,7 +77,7 @@ class Chunk(_Strict):
     the global tensor is ``offsets`` and its extent ``shape``; ``xxh3_64`` is the checksum of
     the piece's bytes alone."""
 
-    file: int = Field(ge=0)
+    file: int = Field(default=0, ge=0)
     offsets: list[int]
     shape: list[int]
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
@@ -104,6 +106,8 @@ class Chunk(_Strict):
             data.pop("page_bytes", None)
         if self.sample_xxh3 is None:
             data.pop("sample_xxh3", None)
+        if self.file == 0:  # from schema 6 the default (most indexes list one file)
+            data.pop("file", None)
         return data
 
 
@@ -122,6 +126,26 @@ class TensorEntry(_Strict):
         if value not in dtypes.NAMES:
             raise ValueError(f"dtype {value!r} is not one of {sorted(dtypes.NAMES)}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_chunks(cls, data: Any) -> Any:
+        """A chunk written without offsets and shape (schema 6) holds the whole tensor."""
+        if not isinstance(data, dict) or not isinstance(data.get("shape"), list) or not isinstance(data.get("chunks"), list):
+            return data  # validation names what is wrong
+        shape = data["shape"]
+        chunks = [{"offsets": [0] * len(shape), "shape": list(shape), **chunk}
+                  if isinstance(chunk, dict) and "offsets" not in chunk and "shape" not in chunk else chunk
+                  for chunk in data["chunks"]]
+        return {**data, "chunks": chunks}
+
+    @model_serializer(mode="wrap")
+    def _whole_chunks_short(self, handler):
+        data = handler(self)
+        for chunk in data["chunks"]:
+            if chunk["shape"] == data["shape"] and not any(chunk["offsets"]):
+                del chunk["offsets"], chunk["shape"]
+        return data
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> TensorEntry:
