@@ -196,6 +196,35 @@ def read_unit_index(snapshot: Path, unit: str) -> dict:
     return json.loads(raw)
 
 
+def unit_index_lines(manifest: dict, raw: bytes) -> dict[str, bytes]:
+    """The lines of a schema-6 snapshot's ``indexes.json`` (``raw``), by unit, in file order."""
+    refs = manifest["units"]
+    return {u: raw[refs[u]["index_at"]:refs[u]["index_at"] + refs[u]["index"]["bytes"]]
+            for u in sorted(refs, key=lambda u: refs[u]["index_at"])}
+
+
+def indexes_rewritten(manifest: dict, raw: bytes, lines: dict[str, bytes], rehash: bool = True) -> bytes:
+    """A schema-6 snapshot's ``indexes.json`` (``raw``) with the lines of ``lines`` (by unit)
+    replaced; with ``rehash``, ``manifest`` (JSON, changed in place) records every line's new
+    place, size and checksum and the file's, so every checksum still holds."""
+    import xxhash
+
+    def entry(data: bytes) -> dict:
+        return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+
+    refs = manifest["units"]
+    texts = {**unit_index_lines(manifest, raw), **lines}
+    whole = b"".join(texts.values())
+    if rehash:
+        at = 0
+        for unit, text in texts.items():
+            refs[unit].update(index_at=at, index={**refs[unit]["index"], **entry(text)})
+            at += len(text)
+        path = next(iter(refs.values()))["index"]["path"]
+        next(f for f in manifest["files"] if f["path"] == path).update(entry(whole))
+    return whole
+
+
 def forge_unit_index(snapshot: Path, unit: str, index: dict) -> None:
     """Replace the index of ``unit`` in ``snapshot`` with ``index``, recording the new sizes and
     checksums in the manifest (of the unit's line and of ``indexes.json``, in schema 6; of its
@@ -204,27 +233,15 @@ def forge_unit_index(snapshot: Path, unit: str, index: dict) -> None:
 
     from llmtailor.constants import MANIFEST_FILE
 
-    def entry(data: bytes) -> dict:
-        return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
-
     manifest = json.loads((snapshot / MANIFEST_FILE).read_text())
-    refs = manifest["units"]
+    ref = manifest["units"][unit]
     text = json.dumps(index, separators=(",", ":")).encode()
-    if "index_at" not in refs[unit]:
-        (snapshot / refs[unit]["index"]["path"]).write_bytes(text)
-        refs[unit]["index"].update(entry(text))
+    path = snapshot / ref["index"]["path"]
+    if "index_at" not in ref:
+        path.write_bytes(text)
+        ref["index"].update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
     else:
-        path = snapshot / refs[unit]["index"]["path"]
-        raw = path.read_bytes()
-        lines = {u: raw[r["index_at"]:r["index_at"] + r["index"]["bytes"]] for u, r in refs.items()}
-        lines[unit] = text + b"\n"
-        at = 0
-        for name in sorted(refs, key=lambda u: refs[u]["index_at"]):
-            refs[name].update(index_at=at, index={**refs[name]["index"], **entry(lines[name])})
-            at += len(lines[name])
-        whole = b"".join(lines[name] for name in sorted(refs, key=lambda u: refs[u]["index_at"]))
-        path.write_bytes(whole)
-        next(f for f in manifest["files"] if f["path"] == refs[unit]["index"]["path"]).update(entry(whole))
+        path.write_bytes(indexes_rewritten(manifest, path.read_bytes(), {unit: text + b"\n"}))
     (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
 
 

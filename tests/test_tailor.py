@@ -366,8 +366,8 @@ def test_a_restore_whose_ranks_cannot_agree_leaves_saving_refused(saved_run):
     with pytest.raises(TailorError, match="the restore of step 3 did not complete, so the live model"):
         tailor.save(4)
     tailor.coordinator = LocalCoordinator()
-    (saved_run / "snapshots/step-00000001/index/embed.json").write_text("{")  # refused before touching
-    with pytest.raises(IntegrityError, match="embed.json"):
+    (saved_run / "snapshots/step-00000001/indexes.json").write_text("{")  # refused before touching
+    with pytest.raises(IntegrityError, match="indexes.json"):
         tailor.restore(step=1)
     with pytest.raises(TailorError, match="step 3 did not complete"):
         tailor.save(4)
