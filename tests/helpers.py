@@ -185,15 +185,22 @@ def free_port() -> int:
 
 
 def read_unit_index(snapshot: Path, unit: str) -> dict:
-    """The index of ``unit`` in the snapshot directory ``snapshot``, as JSON: its line of the
-    snapshot's ``indexes.json`` (schema 6), or its own file (before)."""
+    """The index of ``unit`` in the snapshot directory ``snapshot``, as JSON, every chunk with
+    its file, offsets and shape: its line of the snapshot's ``indexes.json`` (schema 6), or its
+    own file (before)."""
     from llmtailor.constants import MANIFEST_FILE
 
     ref = json.loads((snapshot / MANIFEST_FILE).read_text())["units"][unit]
     raw = (snapshot / ref["index"]["path"]).read_bytes()
     if "index_at" in ref:
         raw = raw[ref["index_at"]:ref["index_at"] + ref["index"]["bytes"]]
-    return json.loads(raw)
+    index = json.loads(raw)
+    for tensor in index["tensors"]:  # schema 6 omits a chunk's defaults: spelled out here
+        for chunk in tensor["chunks"]:
+            chunk.setdefault("file", 0)
+            if "offsets" not in chunk and "shape" not in chunk:
+                chunk.update(offsets=[0] * len(tensor["shape"]), shape=list(tensor["shape"]))
+    return index
 
 
 def unit_index_lines(manifest: dict, raw: bytes) -> dict[str, bytes]:
