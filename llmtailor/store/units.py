@@ -49,7 +49,7 @@ class UnitReader:
         """The state files read last (``_state_files``)."""
         self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
         self._indexes: dict[int, bytes] = {}
-        """Whole ``INDEXES_FILE``s read (checked), by step (``_index_line``)."""
+        """Whole ``INDEXES_FILE``s read, by step (``_index_line``: each line checked as it is used)."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
@@ -85,8 +85,10 @@ class UnitReader:
 
     def _index_line(self, step: int, unit: str) -> bytes:
         """The line of ``INDEXES_FILE`` that is ``unit``'s index at ``step`` (schema 6), checked
-        against its size and checksum in the manifest: sliced from the whole file, read once
-        (and checked) for every unit of a snapshot, when small; else read by its range alone."""
+        against its size and checksum in the manifest: sliced from the whole file, read once for
+        every unit of a snapshot, when small; else read by its range alone. Each line is checked
+        alone, so damage to one unit's line leaves the others readable (``verify`` checks the
+        whole file against its own checksum)."""
         manifest = self.catalog.manifest(step)
         ref, whole = manifest.units[unit], manifest.file_entry(INDEXES_FILE)
         where = f"{self.catalog.snapshot_key(step)}/{INDEXES_FILE}"
@@ -95,7 +97,7 @@ class UnitReader:
             if step not in self._indexes:
                 if len(self._indexes) >= _INDEXES_KEPT:
                     self._indexes.pop(next(iter(self._indexes)))
-                self._indexes[step] = bytes(read_stored(self.catalog.storage, where, whole))
+                self._indexes[step] = bytes(self.catalog.storage.read(where))
             line = self._indexes[step][start:end]
         else:
             line = bytes(self.catalog.storage.read_range(where, start, end - start))

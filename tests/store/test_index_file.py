@@ -90,8 +90,9 @@ def test_a_save_writes_its_unit_indexes_as_lines_of_one_file_each_read_and_check
     raw[ref.index_at + 5] ^= 0x01
     (snapshot / INDEXES_FILE).write_bytes(bytes(raw))
     fresh = Run(tmp_path)
-    with pytest.raises(IntegrityError, match="checksum"):
+    with pytest.raises(IntegrityError, match="the index of unit 'layer.1'.*checksum"):
         fresh.units.stored_entry(1, "layer.1")
+    assert fresh.units.stored_entry(1, "layer.0").unit == "layer.0"  # each line checked alone
     problems = Run(tmp_path).verify()
     assert any(INDEXES_FILE in p for p in problems), problems
 
