@@ -303,19 +303,7 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
-    refs, lines = {}, []
-    at = 0
-    for unit in [u for u in staged.composite if u in merged]:  # layout order
-        index = _unit_index(staged.step, unit, merged[unit], writers)
-        line = (index.dumps() + "\n").encode()
-        lines.append(line)
-        # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
-        refs[unit] = UnitRef(index=FileEntry(path=INDEXES_FILE, bytes=len(line), xxh3_64=checksum(line)), index_at=at,
-                             bytes=sum(part.unit_bytes.get(unit, 0) for part in parts), kept=sorted(set(index.kept.values())))
-        at += len(line)
-    if lines:
-        with snapshot.files() as create:  # one file, durable on exit, before the manifest names it
-            files.append(write_bytes_to(create(INDEXES_FILE), b"".join(lines), INDEXES_FILE))
+    refs = _write_indexes(snapshot, staged, merged, writers, parts, files)
     return Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
@@ -333,6 +321,26 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
         files=files,
         base=staged.base,
     )
+
+
+def _write_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, merged: dict[str, dict[str, Any]],
+                   writers: dict[tuple[str, str], list[int]], parts: list[RankPart], files: list[FileEntry]) -> dict[str, UnitRef]:
+    """Write the units' indexes as lines of ``INDEXES_FILE`` (layout order), durable before the
+    manifest names it (appended to ``files``); return each unit's manifest line."""
+    refs, lines = {}, []
+    at = 0
+    for unit in [u for u in staged.composite if u in merged]:  # layout order
+        index = _unit_index(staged.step, unit, merged[unit], writers)
+        line = (index.dumps() + "\n").encode()
+        lines.append(line)
+        # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
+        refs[unit] = UnitRef(index=FileEntry(path=INDEXES_FILE, bytes=len(line), xxh3_64=checksum(line)), index_at=at,
+                             bytes=sum(part.unit_bytes.get(unit, 0) for part in parts), kept=sorted(set(index.kept.values())))
+        at += len(line)
+    if lines:
+        with snapshot.files() as create:  # one file, durable on exit
+            files.append(write_bytes_to(create(INDEXES_FILE), b"".join(lines), INDEXES_FILE))
+    return refs
 
 
 def _unit_index(step: int, unit: str, content: dict[str, Any], writers: dict[tuple[str, str], list[int]]) -> UnitEntry:
