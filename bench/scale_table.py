@@ -14,7 +14,7 @@ field), the rank-state entries and the manifest, with the store's own models
 
 Bytes per rank are the tensor bytes a Full save writes (bf16 weights, fp32 AdamW moments and
 step scalars, written once) divided as the shards fall; files are the unit files (one per
-rank per unit), the unit indexes, the rank-state files, the global files and the manifest.
+rank per unit), the unit indexes (one file), the rank-state files, the global files and the manifest.
 
     .venv/bin/python bench/scale_table.py                  # the table in docs/distributed.md
     .venv/bin/python bench/scale_table.py --layers 32 --ranks 8 64
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, rank_state_files, unit_filename, unit_index_path
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, rank_state_files, unit_filename
 from llmtailor.layouts import load_family
 from llmtailor.constants import SCHEMA_VERSION
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
@@ -105,20 +105,22 @@ def plan_unit(unit: str, params: dict[str, tuple[int, ...]], ranks: int, step: i
 def plan(root: Path, layers: int, ranks: int) -> dict[str, float]:
     step = 1000
     snapshot = root / "snapshots" / f"step-{step:08d}"
-    (snapshot / "index").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
     family = load_family("llama")
     layout = {"family": family.family, "units": {}, "aliases": {}}
-    refs, per_rank, index_sizes = {}, [0] * ranks, {}
+    refs, per_rank, index_sizes, lines = {}, [0] * ranks, {}, []
     for unit, params in units(layers).items():
         layout["units"][unit] = list(params)
         entry, shares = plan_unit(unit, params, ranks, step)
-        text = entry.dumps().encode()
-        (snapshot / unit_index_path(unit)).write_bytes(text)
-        refs[unit] = UnitRef(index=FileEntry(path=unit_index_path(unit), bytes=len(text), xxh3_64=FAKE_SUM),
-                             bytes=sum(shares))
+        text = entry.dumps().encode() + b"\n"
+        refs[unit] = UnitRef(index=FileEntry(path=INDEXES_FILE, bytes=len(text), xxh3_64=FAKE_SUM),
+                             index_at=sum(len(line) for line in lines), bytes=sum(shares))
+        lines.append(text)
         per_rank = [a + b for a, b in zip(per_rank, shares)]
         index_sizes[unit] = len(text)
-    files = [FileEntry(path=GLOBAL_JSON, bytes=12_000, xxh3_64=FAKE_SUM), FileEntry(path=GLOBAL_TENSORS, bytes=8_000, xxh3_64=FAKE_SUM)]
+    (snapshot / INDEXES_FILE).write_bytes(b"".join(lines))
+    files = [FileEntry(path=GLOBAL_JSON, bytes=12_000, xxh3_64=FAKE_SUM), FileEntry(path=GLOBAL_TENSORS, bytes=8_000, xxh3_64=FAKE_SUM),
+             FileEntry(path=INDEXES_FILE, bytes=sum(len(line) for line in lines), xxh3_64=FAKE_SUM)]
     for r in range(1, ranks):
         files += [FileEntry(path=p, bytes=8_000, xxh3_64=FAKE_SUM) for p in rank_state_files(r)]
     manifest = Manifest(
@@ -131,13 +133,14 @@ def plan(root: Path, layers: int, ranks: int) -> dict[str, float]:
 
     resolve_s = _best_of(3, lambda: Run(root).resolve(step))
     # Reading one layer's index as a restoring rank does (checksums are fake here: validate only).
-    raw = (snapshot / unit_index_path("layer.0")).read_bytes()
+    ref = refs["layer.0"]
+    raw = (snapshot / INDEXES_FILE).read_bytes()[ref.index_at:ref.index_at + ref.index.bytes]
     unit_s = _best_of(3, lambda: UnitEntry.model_validate_json(raw))
     n_units = len(refs)
     return {
         "layers": layers, "ranks": ranks, "snapshot_gb": sum(per_rank) / 1e9, "per_rank_gb": max(per_rank) / 1e9,
         "balance": max(per_rank) / (sum(per_rank) / ranks),
-        "files": n_units * ranks + n_units + 2 * (ranks - 1) + 3, "manifest_kb": manifest_bytes / 1e3,
+        "files": n_units * ranks + 1 + 2 * (ranks - 1) + 3, "manifest_kb": manifest_bytes / 1e3,
         "resolve_ms": resolve_s * 1e3, "unit_index_kb": index_sizes["layer.0"] / 1e3, "unit_index_ms": unit_s * 1e3,
     }
 

@@ -2,13 +2,15 @@
 
 import re
 
-SCHEMA_VERSION = 5
-READABLE_SCHEMAS = (2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_SCHEMAS = (2, 3, 4, 5, 6)
 """Schema 3 adds frozen tensors kept from an older snapshot or a base model directory; schema 4,
 page checksums of large chunks (a reader of part of a chunk checks only the pages it reads);
 schema 5, pack files (a rank's small units written together into one file, ``PACKS_DIR``) and
 the sampled checksum of a whole weight's values (``Chunk.sample_xxh3``, ``BaseRef.sample_xxh3``),
-against which a restore checks a frozen tensor the live model already holds."""
+against which a restore checks a frozen tensor the live model already holds; schema 6, the unit
+indexes of a snapshot in one file (``INDEXES_FILE``, a line per unit) instead of a file each
+(``unit_index_path``): one durable file per save, not one per unit."""
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"
@@ -33,6 +35,10 @@ GLOBAL_JSON = "global.json"
 GLOBAL_TENSORS = "global.safetensors"
 RANKS_DIR = "ranks"
 INDEX_DIR = "index"
+INDEXES_FILE = "indexes.json"
+"""A snapshot's unit indexes (schema 6 on): one compact JSON line per unit saved there, in layout
+order; the manifest names each unit's line by its first byte, size and checksum
+(``UnitRef.index_at``), and lists the file itself with the global state's."""
 
 SNAPSHOT_PREFIX = "step-"
 
@@ -88,14 +94,15 @@ def writer_rank(relpath: str) -> int | None:
     """The rank whose part a snapshot file is (a unit file or pack it wrote, its own rank
     state), or None for a file of no rank's part: the shared global state, the manifest, the
     unit indexes, and a single-process save's unit files."""
-    if relpath.startswith(f"{INDEX_DIR}/") or relpath in (GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE):
+    if relpath.startswith(f"{INDEX_DIR}/") or relpath in (GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, INDEXES_FILE):
         return None
     found = _RANK_FILE.search(relpath)
     return int(found.group(1)) if found else None
 
 
 def unit_index_path(unit: str) -> str:
-    """Path of a unit's index (its files, tensors and chunks) inside a snapshot."""
+    """Path of a unit's index (its files, tensors and chunks) inside a snapshot of schema 5 or
+    before (from schema 6, a line of ``INDEXES_FILE``)."""
     return f"{INDEX_DIR}/{unit}.json"
 
 

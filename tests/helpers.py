@@ -184,36 +184,95 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def read_unit_index(snapshot: Path, unit: str) -> dict:
+    """The index of ``unit`` in the snapshot directory ``snapshot``, as JSON, every chunk with
+    its file, offsets and shape: its line of the snapshot's ``indexes.json`` (schema 6), or its
+    own file (before)."""
+    from llmtailor.constants import MANIFEST_FILE
+
+    ref = json.loads((snapshot / MANIFEST_FILE).read_text())["units"][unit]
+    raw = (snapshot / ref["index"]["path"]).read_bytes()
+    if "index_at" in ref:
+        raw = raw[ref["index_at"]:ref["index_at"] + ref["index"]["bytes"]]
+    index = json.loads(raw)
+    for tensor in index["tensors"]:  # schema 6 omits a chunk's defaults: spelled out here
+        for chunk in tensor["chunks"]:
+            chunk.setdefault("file", 0)
+            if "offsets" not in chunk and "shape" not in chunk:
+                chunk.update(offsets=[0] * len(tensor["shape"]), shape=list(tensor["shape"]))
+    return index
+
+
+def unit_index_lines(manifest: dict, raw: bytes) -> dict[str, bytes]:
+    """The lines of a schema-6 snapshot's ``indexes.json`` (``raw``), by unit, in file order."""
+    refs = manifest["units"]
+    return {u: raw[refs[u]["index_at"]:refs[u]["index_at"] + refs[u]["index"]["bytes"]]
+            for u in sorted(refs, key=lambda u: refs[u]["index_at"])}
+
+
+def indexes_rewritten(manifest: dict, raw: bytes, lines: dict[str, bytes], rehash: bool = True) -> bytes:
+    """A schema-6 snapshot's ``indexes.json`` (``raw``) with the lines of ``lines`` (by unit)
+    replaced; with ``rehash``, ``manifest`` (JSON, changed in place) records every line's new
+    place, size and checksum and the file's, so every checksum still holds."""
+    import xxhash
+
+    def entry(data: bytes) -> dict:
+        return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+
+    refs = manifest["units"]
+    texts = {**unit_index_lines(manifest, raw), **lines}
+    whole = b"".join(texts.values())
+    if rehash:
+        at = 0
+        for unit, text in texts.items():
+            refs[unit].update(index_at=at, index={**refs[unit]["index"], **entry(text)})
+            at += len(text)
+        path = next(iter(refs.values()))["index"]["path"]
+        next(f for f in manifest["files"] if f["path"] == path).update(entry(whole))
+    return whole
+
+
+def forge_unit_index(snapshot: Path, unit: str, index: dict) -> None:
+    """Replace the index of ``unit`` in ``snapshot`` with ``index``, recording the new sizes and
+    checksums in the manifest (of the unit's line and of ``indexes.json``, in schema 6; of its
+    own index file before), so every checksum still holds."""
+    import xxhash
+
+    from llmtailor.constants import MANIFEST_FILE
+
+    manifest = json.loads((snapshot / MANIFEST_FILE).read_text())
+    ref = manifest["units"][unit]
+    text = json.dumps(index, separators=(",", ":")).encode()
+    path = snapshot / ref["index"]["path"]
+    if "index_at" not in ref:
+        path.write_bytes(text)
+        ref["index"].update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
+    else:
+        path.write_bytes(indexes_rewritten(manifest, path.read_bytes(), {unit: text + b"\n"}))
+    (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+
+
 def drop_from_unit_index(run_dir: Path, step: int, unit: str, key: str) -> None:
     """Forge the snapshot of ``step`` so that its version of ``unit`` lacks the tensor ``key``:
     the key leaves the unit's index (its file keeps the bytes), and the manifest records the
     index's new size and checksum, so every checksum still holds."""
-    import xxhash
-
-    from llmtailor.constants import MANIFEST_FILE
     from llmtailor.store.run import Run
 
     snapshot = Run(run_dir).snapshot_dir(step)
-    manifest = json.loads((snapshot / MANIFEST_FILE).read_text())
-    ref = manifest["units"][unit]["index"]
-    index = json.loads((snapshot / ref["path"]).read_text())
+    index = read_unit_index(snapshot, unit)
     kept = [t for t in index["tensors"] if t["key"] != key]
     assert len(kept) == len(index["tensors"]) - 1, f"{unit} at step {step} holds no {key}"
     index["tensors"] = kept
-    text = json.dumps(index, separators=(",", ":")).encode()
-    (snapshot / ref["path"]).write_bytes(text)
-    ref.update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
-    (snapshot / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    forge_unit_index(snapshot, unit, index)
 
 
 def unit_file(run_dir: Path, step: int, unit: str) -> Path:
     """The tensor file the snapshot of ``step`` holds ``unit`` in (as its index names it): the
     unit's own file, or the pack file it shares with the snapshot's other small units."""
-    from llmtailor.constants import unit_index_path
     from llmtailor.store.run import Run
 
     snapshot = Run(run_dir).snapshot_dir(step)
-    index = json.loads((snapshot / unit_index_path(unit)).read_text())
+    index = read_unit_index(snapshot, unit)
     return snapshot / index["files"][0]["path"]
 
 

@@ -366,8 +366,11 @@ def test_a_restore_whose_ranks_cannot_agree_leaves_saving_refused(saved_run):
     with pytest.raises(TailorError, match="the restore of step 3 did not complete, so the live model"):
         tailor.save(4)
     tailor.coordinator = LocalCoordinator()
-    (saved_run / "snapshots/step-00000001/index/embed.json").write_text("{")  # refused before touching
-    with pytest.raises(IntegrityError, match="embed.json"):
+    indexes, embed = saved_run / "snapshots/step-00000001/indexes.json", Run(saved_run).manifest(1).units["embed"]
+    damaged = bytearray(indexes.read_bytes())
+    damaged[embed.index_at + 1] ^= 0x01  # embed's line only: refused before touching
+    indexes.write_bytes(bytes(damaged))
+    with pytest.raises(IntegrityError, match="indexes.json: the index of unit 'embed'"):
         tailor.restore(step=1)
     with pytest.raises(TailorError, match="step 3 did not complete"):
         tailor.save(4)

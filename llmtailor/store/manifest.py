@@ -6,14 +6,17 @@ needs — the composite table (for every unit of the layout, the step of the sna
 its newest version at or before this step), the layout, the lineage — plus, per unit saved
 here, the size and checksum of that unit's index, and the files of the global state.
 
-A unit's index (``index/<unit>.json``, read only when the unit is) lists its tensor files
+A unit's index (a line of the snapshot's ``indexes.json``, read only when the unit is; before
+schema 6, a file of its own, ``index/<unit>.json``) lists its tensor files
 (one per rank that wrote a piece: the unit's own file, or the rank's pack file that holds its
 small units together, ``constants.pack_filename``) with their sizes and xxh3-64 checksums, and every tensor
 with its dtype, global shape and the chunks that hold it: one chunk in a single-process save;
 one per rank and shard in a distributed save, each with its offsets in the global tensor and
 the checksum of its own bytes (so a rank reading one chunk can check it alone). A chunk names
 its file by position in the index's file list; its key in that file is the tensor key, with
-``#<offsets>`` for a piece (``store.keys.piece_key``).
+``#<offsets>`` for a piece (``store.keys.piece_key``). From schema 6 an index is written
+compactly: a chunk of the first file omits ``file``, a chunk holding its whole tensor its
+``offsets`` and ``shape``; a chunk of 256 KiB or less carries no page checksums.
 
 Everything here is validated before any tensor byte is read: paths stay inside the snapshot,
 dtypes come from a fixed list, shapes and chunk extents are consistent and bounded.
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from llmtailor.constants import READABLE_SCHEMAS, SNAPSHOT_FORMAT, unit_index_path
+from llmtailor.constants import INDEXES_FILE, READABLE_SCHEMAS, SNAPSHOT_FORMAT, unit_index_path
 from llmtailor.errors import IntegrityError, TailorError, describe_validation
 from llmtailor.store import dtypes
 from llmtailor.store.keys import piece_key
@@ -74,7 +77,7 @@ class Chunk(_Strict):
     the global tensor is ``offsets`` and its extent ``shape``; ``xxh3_64`` is the checksum of
     the piece's bytes alone."""
 
-    file: int = Field(ge=0)
+    file: int = Field(default=0, ge=0)
     offsets: list[int]
     shape: list[int]
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
@@ -103,6 +106,8 @@ class Chunk(_Strict):
             data.pop("page_bytes", None)
         if self.sample_xxh3 is None:
             data.pop("sample_xxh3", None)
+        if self.file == 0:  # from schema 6 the default (most indexes list one file)
+            data.pop("file", None)
         return data
 
 
@@ -121,6 +126,26 @@ class TensorEntry(_Strict):
         if value not in dtypes.NAMES:
             raise ValueError(f"dtype {value!r} is not one of {sorted(dtypes.NAMES)}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_chunks(cls, data: Any) -> Any:
+        """A chunk written without offsets and shape (schema 6) holds the whole tensor."""
+        if not isinstance(data, dict) or not isinstance(data.get("shape"), list) or not isinstance(data.get("chunks"), list):
+            return data  # validation names what is wrong
+        shape = data["shape"]
+        chunks = [{"offsets": [0] * len(shape), "shape": list(shape), **chunk}
+                  if isinstance(chunk, dict) and "offsets" not in chunk and "shape" not in chunk else chunk
+                  for chunk in data["chunks"]]
+        return {**data, "chunks": chunks}
+
+    @model_serializer(mode="wrap")
+    def _whole_chunks_short(self, handler):
+        data = handler(self)
+        for chunk in data["chunks"]:
+            if chunk["shape"] == data["shape"] and not any(chunk["offsets"]):
+                del chunk["offsets"], chunk["shape"]
+        return data
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> TensorEntry:
@@ -225,15 +250,25 @@ class UnitEntry(_Strict):
 
 
 class UnitRef(_Strict):
-    """The manifest's line for a unit saved in this snapshot: its index file, and the bytes of
-    its tensor files (all ranks; of a pack file, its share), so the units' bytes add up to the
+    """The manifest's line for a unit saved in this snapshot: where its index lies, and the bytes
+    of its tensor files (all ranks; of a pack file, its share), so the units' bytes add up to the
     snapshot's."""
 
     index: FileEntry
+    """Its index's bytes: from schema 6, its line of ``INDEXES_FILE`` (``bytes`` and ``xxh3_64``
+    those of the line, which starts at byte ``index_at``); before, a file of its own."""
+    index_at: int | None = Field(default=None, ge=0)
     bytes: int = Field(ge=0)
     kept: list[int] = []
     """Steps of the older snapshots whose files hold the frozen tensors the index keeps: the
     unit's version needs them too (retention keeps them; ``verify`` checks them)."""
+
+    @model_serializer(mode="wrap")
+    def _without_absent_line(self, handler):
+        data = handler(self)
+        if self.index_at is None:  # an index file of its own: written as schema 5 wrote it
+            data.pop("index_at", None)
+        return data
 
 
 class BaseDir(_Strict):
@@ -266,9 +301,10 @@ class Manifest(_Strict):
     units: dict[str, UnitRef]
     composite: dict[str, int]
     files: list[FileEntry]
+    """The global state's files (and each rank's own) and, from schema 6, ``INDEXES_FILE``; unit
+    files are listed in unit indexes."""
     base: BaseDir | None = None
     """The base model directory frozen tensors of this snapshot's units are kept from."""
-    """The global state's files (and each rank's own); unit files are listed in unit indexes."""
 
     @field_validator("schema_version")
     @classmethod
@@ -292,9 +328,23 @@ class Manifest(_Strict):
         for unit, ref in self.units.items():
             if any(step >= self.step for step in ref.kept):
                 raise ValueError(f"unit {unit!r} keeps tensors of step {max(ref.kept)}, not before step {self.step}")
-            if ref.index.path != unit_index_path(unit):
-                raise ValueError(f"unit {unit!r}: index file {ref.index.path!r}, expected {unit_index_path(unit)!r}")
+            self._check_index_ref(unit, ref)
         return self
+
+    def _check_index_ref(self, unit: str, ref: UnitRef) -> None:
+        """A unit's index lies where its schema puts it: from schema 6 a line inside the listed
+        ``INDEXES_FILE``; before, in ``unit_index_path(unit)``."""
+        if self.schema_version < 6:
+            if ref.index.path != unit_index_path(unit) or ref.index_at is not None:
+                raise ValueError(f"unit {unit!r}: index file {ref.index.path!r}, expected {unit_index_path(unit)!r}")
+            return
+        whole = next((f for f in self.files if f.path == INDEXES_FILE), None)
+        if ref.index.path != INDEXES_FILE or ref.index_at is None or whole is None:
+            raise ValueError(f"unit {unit!r}: index in {ref.index.path!r} at {ref.index_at}, expected a line of "
+                             f"{INDEXES_FILE!r}, listed in the manifest's files")
+        if ref.index_at + ref.index.bytes > whole.bytes:
+            raise ValueError(f"unit {unit!r}: index at bytes {ref.index_at}+{ref.index.bytes}, past the end of "
+                             f"{INDEXES_FILE!r} ({whole.bytes} bytes)")
 
     def file_entry(self, path: str) -> FileEntry:
         for entry in self.files:
@@ -311,10 +361,12 @@ class Manifest(_Strict):
 
     def total_bytes(self) -> int:
         """Bytes of every file of the snapshot but the manifest itself."""
-        return sum(f.bytes for f in self.files) + sum(r.index.bytes + r.bytes for r in self.units.values())
+        own_indexes = sum(r.index.bytes for r in self.units.values() if r.index_at is None)  # INDEXES_FILE is in files
+        return sum(f.bytes for f in self.files) + own_indexes + sum(r.bytes for r in self.units.values())
 
     def dumps(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False)
+        """Compact JSON (``llmtailor inspect`` shows it readably): its bytes are part of every save."""
+        return json.dumps(self.model_dump(mode="json"), separators=(",", ":"))
 
 
 def _overlapping(chunks: list[Chunk]) -> bool:
@@ -326,6 +378,8 @@ def first_overlap(boxes: list[tuple[list[int], list[int]]]) -> tuple[int, int] |
     """The positions of two ``(offsets, shape)`` boxes of one tensor that share an element, or
     None: a sweep over the first dimension, comparing only boxes whose first-dimension extents
     meet (shards along it are checked in n log n)."""
+    if len(boxes) < 2:  # the common case (a tensor in one chunk), met for every tensor of every index read
+        return None
     order = sorted((i for i, (_, shape) in enumerate(boxes) if shape and math.prod(shape)), key=lambda i: boxes[i])
     active: list[int] = []
     for i in order:

@@ -21,7 +21,7 @@ same composite, in the same order, with the same tags.
 
 from __future__ import annotations
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.read_plan import ReadPlan, balance
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, StorageError
@@ -29,6 +29,7 @@ from llmtailor.store.catalog import Composite, LeasedComposite
 from llmtailor.store.checked import read_stored
 from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.run import Run
+from llmtailor.store.units import INDEXES_READ_WHOLE
 
 _KINDS = {kind.__name__: kind for kind in (IntegrityError, SnapshotNotFoundError, StorageError)}
 """The failures of rank 0's lease that other ranks raise as their own kind (else a CoordinationError)."""
@@ -100,15 +101,19 @@ def share_small_files(run: Run, composite: Composite, coordinator: Coordinator) 
 def small_files(run: Run, composite: Composite) -> dict[str, tuple[str, FileEntry]]:
     """Its name -> ``(key, entry)`` of each small file a restore of ``composite``
     reads on every rank: the index of every unit version it reads (and of the versions they keep
-    frozen tensors from) and its step's global state files, sorted by key (the same on every
-    rank: it follows from the manifests alone)."""
+    frozen tensors from; from schema 6 the snapshot's one index file, when a reader reads it
+    whole: ``UnitReader._index_line``) and its step's global state files, sorted by key (the same
+    on every rank: it follows from the manifests alone)."""
     found: dict[str, tuple[str, FileEntry]] = {}
     for source, units in run.needs(composite).items():
         manifest = run.manifest(source)
         for unit in units:
             ref = manifest.units.get(unit)
-            if ref is not None:
+            if ref is not None and ref.index_at is None:
                 found[f"the index of unit {unit!r} of step {source}"] = (f"{run.snapshot_key(source)}/{ref.index.path}", ref.index)
+            elif ref is not None and manifest.file_entry(INDEXES_FILE).bytes <= INDEXES_READ_WHOLE:
+                found[f"the unit indexes of step {source}"] = (f"{run.snapshot_key(source)}/{INDEXES_FILE}",
+                                                               manifest.file_entry(INDEXES_FILE))
     listed = {entry.path: entry for entry in run.manifest(composite.step).files}
     for path in (GLOBAL_JSON, GLOBAL_TENSORS):
         if path in listed:

@@ -43,6 +43,10 @@ MAX_HEADER = 100 << 20
 """No credible safetensors header is larger (a header's size is read before the header)."""
 
 MIN_PAGE, MAX_PAGES = 4096, 256
+PAGED_FROM = 256 << 10
+"""A chunk of more bytes than this carries page checksums; a smaller one is read and checked
+whole by a reader of part of it (at most this much more read, against ~60 bytes of index per
+page saved: a LoRA's 8 KiB chunks carried two pages each, a few % of a small save's bytes)."""
 
 
 def page_size(nbytes: int) -> int:
@@ -144,7 +148,7 @@ def stream_tensors(
     """Write ``tensors`` as one safetensors file through ``sink`` (closed at the end, aborted on
     failure); return its manifest entry as ``relpath`` and the xxh3-64 checksum of each
     tensor's bytes (both computed on the way out, in one pass). ``pages``, when given, receives
-    for each tensor larger than one page its ``page_bytes`` (``page_size``) and ``pages`` (their
+    for each tensor larger than ``PAGED_FROM`` and one page its ``page_bytes`` (``page_size``) and ``pages`` (their
     checksums), as a chunk of the unit index records them. ``groups`` (key -> group number,
     say the unit of a pack file) keeps each group's tensors adjacent within each item size, so
     a reader of one group reads a few ranges, not one per tensor.
@@ -171,7 +175,7 @@ def stream_tensors(
             piece_hasher = xxhash.xxh3_64()
             nbytes = tensor.numel() * tensor.element_size()
             page = page_size(nbytes)
-            paged = _Pages(page) if pages is not None and nbytes > page else None
+            paged = _Pages(page) if pages is not None and nbytes > max(page, PAGED_FROM) else None
             for piece in _pieces(tensor):
                 hasher.update(piece)
                 piece_hasher.update(piece)

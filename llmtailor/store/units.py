@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, STATEFUL_KEY, is_pack, rank_state_files
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
 from llmtailor.store.checked import (check_stored, check_stored_header, fetch_stored_tensors, read_checked_tensors,
                                      read_stored, read_stored_parts)
-from llmtailor.store.tensor_files import decode_tensors
+from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
 
@@ -30,6 +30,10 @@ evicted before it was used again, and read and validated some 300 times a restor
 _PACK_HEADERS = 8
 """Pack-file headers kept (``UnitReader.read``): a pack holds every small unit of a rank, so its
 header is read and validated once for all of them, not once per unit."""
+INDEXES_READ_WHOLE = 4 << 20
+"""An ``INDEXES_FILE`` of at most this many bytes is read whole, once for all its units (one read,
+one GET); a larger one (thousands of units or ranks) by each unit's line."""
+_INDEXES_KEPT = 8
 _STATE_KEPT = 64 << 20  # bytes of state tensors (RNG states, extras) kept for a second reader
 
 
@@ -48,10 +52,13 @@ class UnitReader:
         """Key -> bytes of small files (unit indexes, global state) another rank read for the
         restore under way and sent to this one (``store.shared_reads``): read from here, checked
         again, instead of from the store; emptied when that restore ends."""
+        self._indexes: dict[int, bytes] = {}
+        """Whole ``INDEXES_FILE``s read, by step (``_index_line``: each line checked as it is used)."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
         self._units = {k: v for k, v in self._units.items() if k[0] not in steps}
+        self._indexes = {k: v for k, v in self._indexes.items() if k not in steps}
         if self._state is not None and self._state[0][0] in steps:
             self._state = None
         self._pack_headers.clear()
@@ -77,9 +84,32 @@ class UnitReader:
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
             where = f"{self.catalog.snapshot_key(step)}/{ref.index.path}"
-            raw = self._read_small(where, ref.index)
+            raw = self._read_small(where, ref.index) if ref.index_at is None else self._index_line(step, unit)
             self._cache(key, load_unit_entry(bytes(raw), self.catalog.storage.where(where), unit, step))
         return self._units[key]
+
+    def _index_line(self, step: int, unit: str) -> bytes:
+        """The line of ``INDEXES_FILE`` that is ``unit``'s index at ``step`` (schema 6), checked
+        against its size and checksum in the manifest: sliced from the whole file, read once for
+        every unit of a snapshot, when small; else read by its range alone. Each line is checked
+        alone, so damage to one unit's line leaves the others readable (``verify`` checks the
+        whole file against its own checksum)."""
+        manifest = self.catalog.manifest(step)
+        ref, whole = manifest.units[unit], manifest.file_entry(INDEXES_FILE)
+        where = f"{self.catalog.snapshot_key(step)}/{INDEXES_FILE}"
+        start, end = ref.index_at, ref.index_at + ref.index.bytes
+        if whole.bytes <= INDEXES_READ_WHOLE:
+            if step not in self._indexes:
+                if len(self._indexes) >= _INDEXES_KEPT:
+                    self._indexes.pop(next(iter(self._indexes)))
+                self._indexes[step] = bytes(self.received.get(where) or self.catalog.storage.read(where))
+            line = self._indexes[step][start:end]
+        else:
+            line = bytes(self.catalog.storage.read_range(where, start, end - start))
+        if len(line) != ref.index.bytes or checksum(line) != ref.index.xxh3_64:
+            raise IntegrityError(f"{self.catalog.storage.where(where)}: the index of unit {unit!r} (bytes {start} to "
+                                 f"{end}) does not match its checksum (file is corrupted)")
+        return line
 
     def _read_small(self, key: str, entry: FileEntry) -> bytearray:
         """The checked bytes of the run's small file ``key`` (``received`` from another rank, or read)."""
@@ -104,9 +134,10 @@ class UnitReader:
         and rank files, its unit indexes and the unit files they list (not what a unit keeps
         from older snapshots or the base directory). Reads the indexes, checked."""
         manifest = self.catalog.manifest(step)
-        files = list(manifest.files)
+        files = list(manifest.files)  # INDEXES_FILE among them, from schema 6
         for unit, ref in manifest.units.items():
-            files.append(ref.index)
+            if ref.index_at is None:
+                files.append(ref.index)
             files += self.stored_entry(step, unit).files
         return files
 

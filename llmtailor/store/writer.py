@@ -17,8 +17,8 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    (RNG, user extras), the leader also the shared global state — makes every file durable
    (fsync on a helper thread while the next is written; an upload completed), and reports the
    file entries and checksums, or its failure;
-3. once every rank has reported success, the leader writes the unit indexes, then the
-   manifest last, only if absent (on an object store that write is the commit), commits the
+3. once every rank has reported success, the leader writes the unit indexes (one file, a line
+   per unit), then the manifest last, only if absent (on an object store that write is the commit), commits the
    staging place (locally: fsync, atomic rename into ``snapshots/``, fsync), replaces the
    ``latest`` pointer atomically, and announces the outcome.
 
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmtailor.constants import (
-    GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION, pack_filename,
-    rank_state_files, unit_filename, unit_index_path,
+    GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION,
+    pack_filename, rank_state_files, unit_filename,
 )
 from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
@@ -279,16 +279,16 @@ class _Pack:
 
 def write_files(snapshot: SnapshotCommit, files: dict[str, bytes]) -> None:
     """Write small files (the unit indexes) into the staged snapshot, durable on return."""
-    with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
+    with snapshot.files() as create:  # durable on exit, before the manifest names them
         for relpath, data in files.items():
             write_bytes_to(create(relpath), data, relpath)
 
 
 def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str, bytes], Manifest]:
-    """Each unit's index (relpath -> its bytes) from every rank's part, and the manifest naming
-    them (its ``notes`` are ``staged.notes``). The chunks of a tensor from all ranks are checked
-    for agreement on dtype and global shape; the index's own validation then checks that they
-    cover the tensor. Nothing is written."""
+    """The units' indexes from every rank's part, one line each of one file (``INDEXES_FILE``:
+    relpath -> its bytes), and the manifest naming them (its ``notes`` are ``staged.notes``).
+    The chunks of a tensor from all ranks are checked for agreement on dtype and global shape;
+    the index's own validation then checks that they cover the tensor. Nothing is written."""
     merged: dict[str, dict[str, Any]] = {}
     writers: dict[tuple[str, str], list[int]] = {}  # (unit, tensor key) -> the rank of each of its chunks
     files: list[FileEntry] = []
@@ -318,15 +318,10 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
-    refs, indexes = {}, {}
-    for unit in [u for u in staged.composite if u in merged]:  # layout order
-        index = _unit_index(staged.step, unit, merged[unit], writers)
-        relpath = unit_index_path(unit)
-        indexes[relpath] = index.dumps().encode()
-        entry = FileEntry(path=relpath, bytes=len(indexes[relpath]), xxh3_64=checksum(indexes[relpath]))
-        # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
-        refs[unit] = UnitRef(index=entry, bytes=sum(part.unit_bytes.get(unit, 0) for part in parts),
-                             kept=sorted(set(index.kept.values())))
+    refs, data = _index_lines(staged, merged, writers, parts)
+    indexes = {INDEXES_FILE: data} if data else {}
+    if data:  # written by the caller (``write_files``), durable before the manifest names it
+        files.append(FileEntry(path=INDEXES_FILE, bytes=len(data), xxh3_64=checksum(data)))
     return indexes, Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
@@ -344,6 +339,23 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
         files=files,
         base=staged.base,
     )
+
+
+def _index_lines(staged: StagedSnapshot, merged: dict[str, dict[str, Any]], writers: dict[tuple[str, str], list[int]],
+                 parts: list[RankPart]) -> tuple[dict[str, UnitRef], bytes]:
+    """Each unit's manifest line and the bytes of ``INDEXES_FILE``: the units' indexes as its
+    lines, in layout order."""
+    refs, lines = {}, []
+    at = 0
+    for unit in [u for u in staged.composite if u in merged]:  # layout order
+        index = _unit_index(staged.step, unit, merged[unit], writers)
+        line = (index.dumps() + "\n").encode()
+        lines.append(line)
+        # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
+        refs[unit] = UnitRef(index=FileEntry(path=INDEXES_FILE, bytes=len(line), xxh3_64=checksum(line)), index_at=at,
+                             bytes=sum(part.unit_bytes.get(unit, 0) for part in parts), kept=sorted(set(index.kept.values())))
+        at += len(line)
+    return refs, b"".join(lines)
 
 
 def _unit_index(step: int, unit: str, content: dict[str, Any], writers: dict[tuple[str, str], list[int]]) -> UnitEntry:

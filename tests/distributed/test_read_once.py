@@ -57,15 +57,15 @@ def assert_each_tensor_byte_fetched_once(fetched: list[dict[str, int]], data: di
 def metadata(key: str) -> bool:
     """Whether ``key`` is one of a snapshot's small files every rank needs: its manifest, global
     state or a unit index (not a rank's own state, not a data file)."""
-    return f"/{key}".count("/snapshots/") == 1 and (key.endswith(("/manifest.json", "/global.json", "/global.safetensors"))
-                                     or "/index/" in key)
+    return f"/{key}".count("/snapshots/") == 1 and key.endswith(
+        ("/manifest.json", "/global.json", "/global.safetensors", "/indexes.json"))
 
 
 def assert_metadata_fetched_once(results: list[dict]) -> None:
     """Over every rank, each manifest, unit index and global state file fetched by one rank in
     one read (before, every rank read each of them), and read at all (the restore needs them)."""
     keys = {key for result in results for key in result["fetched"] if metadata(key)}
-    assert any(k.endswith("/global.json") for k in keys) and any("/index/" in k for k in keys), keys
+    assert any(k.endswith("/global.json") for k in keys) and any(k.endswith("/indexes.json") for k in keys), keys
     for key in keys:
         reads = [result["reads"].get(key, 0) for result in results]
         assert sum(reads) == 1, (key, reads)

@@ -49,14 +49,15 @@ def leave_free(mount: Path, free: int) -> Path:
 
 def written_in_order(run: Path, step: int) -> list[tuple[str, int]]:
     """(path, bytes) of a snapshot's files in the order a save writes them: the unit files,
-    global.safetensors and global.json (the manifest's files), the unit indexes; the manifest
+    global.safetensors and global.json, indexes.json (the manifest's files); the manifest
     itself comes last."""
     reader = Run(run)
     manifest = reader.manifest(step)
     size = (reader.snapshot_dir(step) / MANIFEST_FILE).stat().st_size
     # Each file once: a pack file is listed by every unit it holds.
     units = list(dict.fromkeys((f.path, f.bytes) for unit in manifest.units for f in reader.unit_entry(step, unit).files))
-    indexes = [(ref.index.path, ref.index.bytes) for ref in manifest.units.values()]
+    # From schema 6 the index file is among the manifest's files (written after the global state's).
+    indexes = [(ref.index.path, ref.index.bytes) for ref in manifest.units.values() if ref.index_at is None]
     return units + [(f.path, f.bytes) for f in manifest.files] + indexes + [(MANIFEST_FILE, size)]
 
 

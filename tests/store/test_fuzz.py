@@ -2,7 +2,7 @@
 
 One real run (a tiny Llama trained with Parity, snapshots at steps 1, 2 and 3) is built once.
 Each example damages one file of it in place — a ``manifest.json``, a unit index
-(``index/<unit>.json``), a ``global.json``, the safetensors header (length field and JSON
+(a line of ``indexes.json``), a ``global.json``, the safetensors header (length field and JSON
 header) of a tensor file, or the ``latest`` pointer — and puts the original bytes back
 afterwards. ``Run.verify``, ``Run.resolve`` and
 ``Tailor.restore`` (plain and with ``fallback=True``) must then succeed or raise a
@@ -39,13 +39,13 @@ from typing import Any
 import pytest
 import safetensors.torch
 import xxhash
-from helpers import tiny, train
+from helpers import indexes_rewritten, tiny, train, unit_index_lines
 from helpers import unit_file as file_holding
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llmtailor import Parity, Tailor
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFEST_FILE
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE
 from llmtailor.errors import TailorError
 from llmtailor.providers import rng
 from llmtailor.store.run import Run
@@ -237,34 +237,58 @@ def edit_header(data: bytes, edit: Edit) -> bytes:
 
 
 def rehashed(saved: Saved, step: int, name: str, data: bytes) -> dict[Path, bytes]:
-    """New contents of the files of snapshot ``step`` that list file ``name`` (its unit index,
+    """New contents of the files of snapshot ``step`` that list file ``name`` (the index file,
     then the manifest), with its size and checksum set to ``data``'s: a crafted snapshot."""
     manifest = json.loads(saved.original[saved.path(step, MANIFEST_FILE)])
     out: dict[Path, bytes] = {}
-    listed = [e for e in manifest["files"] if e["path"] == name]
-    listed += [ref["index"] for ref in manifest["units"].values() if ref["index"]["path"] == name]
-    for ref in manifest["units"].values():
-        index_path = saved.path(step, ref["index"]["path"])
-        index = json.loads(saved.original[index_path])
+    indexes = saved.path(step, INDEXES_FILE)
+    changed = {}
+    for unit, line in unit_index_lines(manifest, saved.original[indexes]).items():
+        index = json.loads(line)
         hits = [f for f in index["files"] if f["path"] == name]
+        for entry in hits:
+            entry.update(bytes=len(data), xxh3_64=xxhash.xxh3_64_hexdigest(data))
         if hits:
-            for entry in hits:
-                entry.update(bytes=len(data), xxh3_64=xxhash.xxh3_64_hexdigest(data))
-            text = json.dumps(index, separators=(",", ":")).encode()
-            out[index_path] = text
-            ref["index"].update(bytes=len(text), xxh3_64=xxhash.xxh3_64_hexdigest(text))
-    for entry in listed:
+            changed[unit] = json.dumps(index, separators=(",", ":")).encode() + b"\n"
+    if changed:
+        out[indexes] = indexes_rewritten(manifest, saved.original[indexes], changed)
+    for entry in [e for e in manifest["files"] if e["path"] == name]:
         entry.update(bytes=len(data), xxh3_64=xxhash.xxh3_64_hexdigest(data))
     out[saved.path(step, MANIFEST_FILE)] = json.dumps(manifest, indent=1).encode()
     return out
 
 
+def original_text(saved: Saved, step: int, name: str) -> bytes:
+    """The original bytes of file ``name`` of snapshot ``step``; of a unit's index
+    (``indexes.json#<unit>``, ``index_files``), its line of the index file."""
+    if "#" not in name:
+        return saved.original[saved.path(step, name)]
+    unit = name.split("#", 1)[1]
+    manifest = json.loads(saved.original[saved.path(step, MANIFEST_FILE)])
+    return unit_index_lines(manifest, saved.original[saved.path(step, INDEXES_FILE)])[unit]
+
+
+def replaced(saved: Saved, step: int, name: str, text: bytes, rehash: bool) -> dict[Path, bytes]:
+    """New contents of the files of snapshot ``step`` once file ``name`` (or a unit's index line,
+    ``original_text``) holds ``text``; with ``rehash``, the manifest records its size and checksum."""
+    if "#" not in name:
+        contents = {saved.path(step, name): text}
+        return {**rehashed(saved, step, name, text), **contents} if rehash else contents
+    manifest = json.loads(saved.original[saved.path(step, MANIFEST_FILE)])
+    indexes = saved.path(step, INDEXES_FILE)
+    contents = {indexes: indexes_rewritten(manifest, saved.original[indexes], {name.split("#", 1)[1]: text}, rehash)}
+    if rehash:
+        contents[saved.path(step, MANIFEST_FILE)] = json.dumps(manifest, indent=1).encode()
+    return contents
+
+
 def index_files(saved: Saved) -> list[tuple[int, str]]:
-    """(step, path in the snapshot) of every unit index, in a fixed order."""
+    """(step, ``indexes.json#<unit>``) of every unit index (a line of its snapshot's index
+    file), in a fixed order."""
     return sorted(
-        (step, path.relative_to(Run(saved.root).snapshot_dir(step)).as_posix())
+        (step, f"{INDEXES_FILE}#{unit}")
         for step in STEPS
-        for path in Run(saved.root).snapshot_dir(step).glob("index/*.json")
+        for unit in json.loads(saved.original[saved.path(step, MANIFEST_FILE)])["units"]
     )
 
 
@@ -327,18 +351,13 @@ HEADER_EDITS = st.one_of(
 def damaged_json(saved: Saved, step: int, name: str, edits: list[Edit], rehash: bool) -> dict[Path, bytes]:
     """New contents for file ``name`` of snapshot ``step`` (a JSON file) after ``edits``, and for
     its manifest if ``rehash``."""
-    path = saved.path(step, name)
-    text = saved.original[path]
-    indent = 1 if name == MANIFEST_FILE else None  # as the writer writes them
+    text = original_text(saved, step, name)
     for edit in edits:
         try:
-            text = edit_json(text, edit, lambda doc: json.dumps(doc, indent=indent).encode())
+            text = edit_json(text, edit, lambda doc: json.dumps(doc).encode())
         except (ValueError, RecursionError):  # not JSON any more: later structural edits are moot
             break
-    contents = {path: text}
-    if rehash:
-        contents = {**rehashed(saved, step, name, text), **contents}
-    return contents
+    return replaced(saved, step, name, text, rehash)
 
 
 @FUZZ
@@ -418,7 +437,7 @@ def test_damaged_latest_pointer_gives_only_our_errors(saved, content):
 _Q = "model.layers.0.self_attn.q_proj.weight"
 
 
-LAYER0_INDEX = "index/layer.0.json"
+LAYER0_INDEX = f"{INDEXES_FILE}#layer.0"
 
 
 def _without_tensor(key: str):
@@ -435,10 +454,9 @@ def _manifest(step: int, *edits: Edit):
 
 def crafted_index(saved: Saved, step: int, change) -> dict[Path, bytes]:
     """Step ``step``'s index of layer.0 after ``change(doc)``, re-hashed into its manifest."""
-    doc = json.loads(saved.original[saved.path(step, LAYER0_INDEX)])
+    doc = json.loads(original_text(saved, step, LAYER0_INDEX))
     change(doc)
-    text = json.dumps(doc).encode()
-    return {**rehashed(saved, step, LAYER0_INDEX, text), saved.path(step, LAYER0_INDEX): text}
+    return replaced(saved, step, LAYER0_INDEX, json.dumps(doc).encode(), rehash=True)
 
 
 def _global(step: int, *edits: Edit):
@@ -608,10 +626,9 @@ def test_paths_leaving_the_snapshot_are_refused_before_any_tensor_file_is_opened
 @given(file=NODE, entry=NODE, escape=ESCAPES)
 def test_unit_file_paths_leaving_the_snapshot_are_refused_before_any_tensor_file_is_opened(saved, file, entry, escape):
     step, name = index_files(saved)[file % len(index_files(saved))]
-    doc = json.loads(saved.original[saved.path(step, name)])
+    doc = json.loads(original_text(saved, step, name))
     doc["files"][entry % len(doc["files"])]["path"] = escape
-    text = json.dumps(doc).encode()
-    contents = {**rehashed(saved, step, name, text), saved.path(step, name): text}
+    contents = replaced(saved, step, name, json.dumps(doc).encode(), rehash=True)
     with damaged(saved, contents), Opened.watch() as opened:
         problems = Run(saved.root).verify()
         assert any("invalid unit index" in p and "leaves the snapshot directory" in p for p in problems)
@@ -642,7 +659,8 @@ def _set_dtype(key: str, dtype: str):
 def _set_shape(key: str, shape: list[int]):
     def change(doc):
         tensor = _tensor(doc, key)
-        tensor["shape"] = tensor["chunks"][0]["shape"] = shape
+        tensor["shape"] = tensor["chunks"][0]["shape"] = shape  # a whole chunk (written without one)
+        tensor["chunks"][0].setdefault("offsets", [0] * len(shape))
 
     return change
 

@@ -185,7 +185,7 @@ def write_snapshot(copies: list, step: int, parent: int | None, node_of: tuple[i
                       tensors=[]).dumps().encode()
     contents["index/layer.0.json"] = index
     manifest = Manifest(
-        schema_version=SCHEMA_VERSION, step=step, parent=parent, save_index=step, created="now", world_size=len(node_of),
+        schema_version=5, step=step, parent=parent, save_index=step, created="now", world_size=len(node_of),
         notes={"nodes": {"node_of": list(node_of), "replicas": replicas, "jump": 1}}, policy="full", layout={},
         units={"layer.0": UnitRef(index=entry("index/layer.0.json", index), bytes=sum(len(contents[p]) for p in contents if p.startswith("units/")))},
         composite={"layer.0": step}, files=[entry(p, contents[p]) for p in contents if not p.startswith(("units/", "index/"))],

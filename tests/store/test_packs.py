@@ -17,7 +17,7 @@ from helpers import flip_unit_byte, tiny, train, unit_file
 
 import llmtailor.store.writer as writer
 from llmtailor import Full, Parity, Tailor
-from llmtailor.constants import MANIFEST_FILE, PACKS_DIR, UNITS_DIR
+from llmtailor.constants import MANIFEST_FILE, PACKS_DIR, SCHEMA_VERSION, UNITS_DIR
 from llmtailor.store.retention import apply_retention, plan_retention
 from llmtailor.store.run import Run
 from llmtailor.training_example import TinyConfig, build_model
@@ -131,7 +131,7 @@ def test_a_run_written_before_packs_restores_verifies_and_takes_packed_saves(tmp
             param.add_(1.0)
     tailor.save(3)  # packed, on top of the schema-4 snapshots
     tailor.close()
-    assert Run(run_dir).manifest(3).schema_version == 5
+    assert Run(run_dir).manifest(3).schema_version == SCHEMA_VERSION
     assert unit_file(run_dir, 3, "layer.0").parent.name == PACKS_DIR
     assert Run(run_dir).verify() == []
     again = build_model(FIXTURE_CONFIG, seed=1)

@@ -11,7 +11,7 @@ from helpers import flip_unit_byte, tiny, train
 from storage_calls import StorageCalls
 
 from llmtailor import Parity, Run, Tailor, Tier
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE, SNAPSHOTS_DIR
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, SNAPSHOTS_DIR
 from llmtailor.store.keys import KIND_WEIGHT, split_key
 from llmtailor.store.manifest import parse_manifest
 from llmtailor.store.shared_reads import small_files
@@ -84,7 +84,7 @@ def test_the_small_files_a_distributed_restore_shares_are_those_a_restore_reads(
     calls.clear()
     tailor.restore()
     small = {key for op, key, _ in calls.calls
-             if op == "read" and ("/index/" in key or key.endswith((GLOBAL_JSON, GLOBAL_TENSORS)))}
+             if op == "read" and ("/index/" in key or key.endswith((INDEXES_FILE, GLOBAL_JSON, GLOBAL_TENSORS)))}
     run = Run(tmp_path)
     composite = run.resolve()
     assert {run.storage.where(key) for key, _ in small_files(run, composite).values()} == {run.storage.where(k) for k in small}

@@ -10,7 +10,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from llmtailor.constants import INDEX_DIR, RANKS_DIR, TMP_DIR, TRASH_DIR, UNITS_DIR
+from llmtailor.constants import RANKS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.local_durable import fsync_dir
 from llmtailor.store.storage.local_lock import LEASE_FILE
@@ -27,7 +27,7 @@ class LocalCommits(SnapshotCommits):
         if (self.root / final).exists():
             raise TailorError(f"{self.root / final} already exists; refusing to overwrite a committed snapshot")
         staging = f"{TMP_DIR}/{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        (self.root / staging / UNITS_DIR).mkdir(parents=True)
+        (self.root / staging).mkdir(parents=True)  # its subdirectories, as files need them (LocalSink)
         # The reader lease exists from the commit on: a reader never has to create one in a
         # snapshot of this version (local_lock).
         (self.root / staging / LEASE_FILE).touch()
@@ -37,9 +37,11 @@ class LocalCommits(SnapshotCommits):
 
     def commit(self, staging: str, final: str) -> None:
         tmp, target = self.root / staging, self.root / final
-        for sub in (UNITS_DIR, RANKS_DIR, INDEX_DIR):
-            if (tmp / sub).is_dir():
-                fsync_dir(tmp / sub)
+        # Every directory holding a staged file, so its entries are durable: the snapshot's
+        # subdirectories (units/, packs/, ranks/ ...: whichever this save made), then itself.
+        for sub in os.scandir(tmp):
+            if sub.is_dir(follow_symlinks=False):
+                fsync_dir(Path(sub.path))
         fsync_dir(tmp)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, target)
