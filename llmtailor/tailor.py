@@ -155,7 +155,6 @@ class Tailor:
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
         self._settle(raise_error=True, refused=step)
-        self.tiers.raise_failure(self.coordinator)
         if self._partly_restored is not None:
             raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
                               "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
@@ -194,7 +193,12 @@ class Tailor:
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         lock = self.tiers.first.lock
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=lock.claim, confirm=lock.check_held)
+
+        def prepare() -> None:  # rank 0, in the save's first message: what it raises, every rank raises
+            self.tiers.before_save(staged.step, self.config.timeout)  # a promotion failure; max_lag
+            lock.claim()
+
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=lock.check_held)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
         self.lineage.committed(self.run, step, composite)

@@ -28,11 +28,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
 _instances = itertools.count()
+ALIKE: tuple[type[TailorError], ...] = (PromotionError,)
+"""Errors of the leader's ``broadcast`` that concern the job, not the leader (a promotion failure
+rank 0 met): every follower raises the same type with the same message, so ranks that handle it
+alike (catch it and train on) stay in step."""
 
 
 class CoordinationError(TailorError):
@@ -68,7 +72,8 @@ class Coordinator(ABC):
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
         """The leader's ``compute()`` (JSON-able), on every rank. Followers pass None and wait
         up to ``patience`` x the timeout. If the leader's ``compute`` raises, the leader
-        re-raises it and every follower raises a CoordinationError carrying its message."""
+        re-raises it and every follower raises a CoordinationError carrying its message (one of
+        ``ALIKE``: that error itself)."""
 
     @abstractmethod
     def gather(self, tag: str, value: Any) -> list[Any] | None:
@@ -150,6 +155,15 @@ class StoreCoordinator(Coordinator):
         self._store = distributed_c10d._get_default_store()
         self._prefix = f"llmtailor/{next(_instances)}/"
 
+    @classmethod
+    def over(cls, store: Any, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str = "llmtailor/0/") -> StoreCoordinator:
+        """A coordinator of ``rank`` among ``world_size`` over a c10d ``store`` of one's own (a
+        test's ranks as threads over one ``HashStore``); every rank passes the same ``prefix``."""
+        coordinator = cls.__new__(cls)
+        coordinator.rank, coordinator.world_size, coordinator.timeout = rank, world_size, float(timeout)
+        coordinator._dist, coordinator._group, coordinator._store, coordinator._prefix = None, None, store, prefix
+        return coordinator
+
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
         key = self._prefix + tag
         if self.is_leader:
@@ -157,13 +171,15 @@ class StoreCoordinator(Coordinator):
             try:
                 value = compute()
             except BaseException as err:
-                self._store.set(key, json.dumps({"error": describe_error(err)}))
+                alike = type(err).__name__ if isinstance(err, ALIKE) else None
+                self._store.set(key, json.dumps({"error": describe_error(err), "alike": alike}))
                 raise
             self._store.set(key, json.dumps({"ok": value}))
             return value
         message = self._wait_one(key, f"the leader (rank 0) did not announce {tag!r}", patience)
         if "error" in message:
-            raise CoordinationError(f"rank 0 failed: {message['error']}")
+            alike = {kind.__name__: kind for kind in ALIKE}.get(message.get("alike"))
+            raise alike(message["error"]) if alike else CoordinationError(f"rank 0 failed: {message['error']}")
         return message["ok"]
 
     def gather(self, tag: str, value: Any) -> list[Any] | None:

@@ -100,7 +100,10 @@ def persist(
         except BaseException as err:
             raise _friendly(err, run, staged.step, written=False) from None
 
-    snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
+    # Followers wait twice the timeout: the leader's ``prepare`` may itself wait up to the timeout
+    # (a tier beyond its max_lag) and then fail, and every rank must hear why.
+    opened = coord.broadcast(f"{round_}/open", begin if coord.is_leader else None, patience=2.0)
+    snapshot = SnapshotCommit(run, staged.step, opened)
     try:
         if staged.error is not None:
             raise staged.error

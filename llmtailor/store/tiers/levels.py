@@ -21,6 +21,9 @@ class Level:
     keep: int | None
     promote_every: int | None
     """None for the last tier (nothing after it)."""
+    max_lag: int | None = None
+    """How far (steps) the next tier may fall behind before a save waits (``Tier.max_lag``);
+    None: never waits (and the last tier)."""
 
     @property
     def name(self) -> str:
@@ -28,12 +31,12 @@ class Level:
 
     def record(self) -> dict[str, Any]:
         location = str(Path(self.run.root).resolve()) if self.run.is_local else self.run.storage.url
-        return {"location": location, "keep": self.keep, "promote_every": self.promote_every}
+        return {"location": location, "keep": self.keep, "promote_every": self.promote_every, "max_lag": self.max_lag}
 
     @classmethod
-    def of(cls, run: Run, keep: int | None, promote_every: int | None) -> Level:
+    def of(cls, run: Run, keep: int | None, promote_every: int | None, max_lag: int | None = None) -> Level:
         """The tier at ``run``, with a writer lock of its own (not taken)."""
-        return cls(run, WriterLock(run.storage), keep, promote_every)
+        return cls(run, WriterLock(run.storage), keep, promote_every, max_lag)
 
     def take(self) -> None:
         """Take the tier's writer lock, which also proves that the tier can be written (the lock

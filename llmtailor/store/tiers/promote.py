@@ -28,8 +28,10 @@ next). A failed promotion is retried; where the faster tier's retention removed 
 while the promoter waited to try again, the retry promotes that tier's newest composite in its
 place, and the ``Promotion`` done names what it superseded (``superseded``; also logged). After
 ``ATTEMPTS`` failed tries the failure is kept and reported once by ``take_failure`` (the writer's
-next save, wait or close); neither tier is damaged by it. Training never waits for a promotion
-but at ``finish`` (``close``), which promotes the last composite to every tier.
+next save, wait or close); neither tier is damaged by it. Training waits for a promotion only at
+``finish`` (``close``), which promotes the last composite to every tier, and where a tier falls
+more than its ``max_lag`` behind the faster one (``catch_up``: bounded loss): the next save then
+waits until the promotion has caught up.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field, replace
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError, describe_os_error
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import discard_snapshots, retain_after_commit
@@ -201,7 +203,10 @@ class Promoter:
     def __init__(self, levels: list[Level], newest: list[int | None]):
         self._levels = levels
         self._newest = list(newest)
-        self._guard = threading.Lock()
+        self._origin = list(newest)
+        """The oldest composite each tier held for this writer: a slower tier holding none yet
+        lags from there (``lag``)."""
+        self._guard = threading.Condition()  # notified whenever a promotion ends, done or failed
         self._thread: threading.Thread | None = None
         self._wanted = False
         self._final = False
@@ -212,8 +217,54 @@ class Promoter:
     def committed(self, step: int) -> None:
         """The first tier committed ``step``: promote what is due, in the background."""
         with self._guard:
-            self._newest[0] = step
+            self._note(0, step)
             self._wake()
+
+    def lag(self, target: int) -> int:
+        """How many steps tier ``target``'s newest composite is behind tier ``target - 1``'s (as
+        this writer knows them); a tier that holds none yet counts from the oldest composite the
+        faster one held for this writer."""
+        with self._guard:
+            ahead, there = self._newest[target - 1], self._newest[target]
+            floor = there if there is not None else self._origin[target - 1]
+        return 0 if ahead is None or floor is None else max(ahead - floor, 0)
+
+    def catch_up(self, timeout: float) -> None:
+        """Wait while some tier is more than its faster tier's ``max_lag`` behind it, until the
+        promotions have caught up or one failed (``take_failure`` has it); logged, so a stalled
+        training says why. A PromotionError when they do not catch up within ``timeout`` seconds,
+        or the promoter stops short of it."""
+        deadline = time.monotonic() + timeout
+        with self._guard:
+            behind = self._beyond_lag()
+            if behind is None:
+                return
+            log.info("llmtailor: %s: the save waits for the promotion to catch up", behind)
+            if self._thread is None:  # nothing in flight would close the gap (a restore reset it)
+                self._wake()
+            while behind is not None and not self._failures:
+                left = deadline - time.monotonic()
+                if self._thread is None or left <= 0:
+                    stopped = "the promotion stopped short of it" if left > 0 else f"it did not catch up within {timeout:g} s"
+                    raise PromotionError(f"{behind}, and {stopped} (see the log)")
+                self._guard.wait(left)
+                behind = self._beyond_lag()
+
+    def _beyond_lag(self) -> str | None:
+        """The first tier more than its faster tier's ``max_lag`` behind it, said; None when none is."""
+        for target in range(1, len(self._levels)):
+            bound = self._levels[target - 1].max_lag
+            lag = self.lag(target)
+            if bound is not None and lag > bound:
+                return (f"{self._levels[target].name} is {lag} steps behind {self._levels[target - 1].name} "
+                        f"(max_lag={bound})")
+        return None
+
+    def _note(self, level: int, step: int | None) -> None:
+        """Tier ``level``'s newest composite is now ``step`` (under the guard)."""
+        self._newest[level] = step
+        if self._origin[level] is None:
+            self._origin[level] = step
 
     def restored(self, level: int, step: int) -> None:
         """The writer restored the composite of ``step`` from tier ``level``: the lineage it
@@ -226,6 +277,7 @@ class Promoter:
             self._newest[level] = step
             for i in beyond:
                 self._newest[i] = step if i in holding else None
+            self._origin = list(self._newest)  # a lineage of its own: its lag counts from here
 
     def finish(self) -> None:
         """Promote the newest composite of the first tier to every tier, whatever the cadence,
@@ -261,6 +313,7 @@ class Promoter:
                 if not self._wanted:
                     self._thread = None
                     self._final = False
+                    self._guard.notify_all()
                     return
                 self._wanted, final = False, self._final
             for target in range(1, len(self._levels)):
@@ -286,7 +339,8 @@ class Promoter:
             return
         step, copied, size, superseded = done
         with self._guard:
-            self._newest[target] = step
+            self._note(target, step)
+            self._guard.notify_all()
             self.done.append(Promotion(level.name, step, copied, size, time.perf_counter() - start, superseded))
         if level.keep is not None:
             retain_after_commit(level.run, level.keep, level.run.where(step))
@@ -337,6 +391,7 @@ class Promoter:
         log.warning("llmtailor: %s", message)
         with self._guard:
             self._failures.append(message)
+            self._guard.notify_all()
 
 
 def _tries(failed: list[tuple[int, str]]) -> str:

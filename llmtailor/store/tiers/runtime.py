@@ -26,7 +26,7 @@ class Tiers:
 
     def __init__(self, home: str | Path, tiers: Sequence[Tier] = (), keep: int | None = None,
                  storage_options: dict[str, Any] | None = None):
-        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every) for t in tiers]
+        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every, t.max_lag) for t in tiers]
         levels.append(Level.of(Run(home, storage_options), keep, None))
         for i, level in enumerate(levels):
             for other in levels[:i]:
@@ -134,6 +134,22 @@ class Tiers:
         """Wait for the promotion in flight, if any (rank 0)."""
         if self.promoter is not None:
             self.promoter.wait()
+
+    def before_save(self, step: int, timeout: float) -> None:
+        """Rank 0, as a save of ``step`` opens (inside the save's own first message, so every
+        rank raises what this raises, and a save costs no message of its own here): raise the
+        promotion failures met since the last report, each once, as a PromotionError; then,
+        while a tier is more than its ``max_lag`` behind the one before it, wait (up to
+        ``timeout`` seconds) for the promotion to catch up. Nothing of the save is written yet."""
+        if self.promoter is None:
+            return
+        try:
+            self.promoter.catch_up(timeout)
+        except PromotionError as err:
+            raise PromotionError(f"{err}; step {step} was not saved: call save({step}) again") from None
+        failure = self.promoter.take_failure()
+        if failure is not None:
+            raise PromotionError(failure)
 
     def raise_failure(self, coordinator: Coordinator) -> None:
         """Collective: raise on every rank the promotion failures rank 0 met since the last
