@@ -1,5 +1,7 @@
 """File names, schema versions and state keys of the llmtailor on-disk format, in one place."""
 
+import re
+
 SCHEMA_VERSION = 5
 READABLE_SCHEMAS = (2, 3, 4, 5)
 """Schema 3 adds frozen tensors kept from an older snapshot or a base model directory; schema 4,
@@ -77,6 +79,19 @@ def pack_filename(rank: int, number: int) -> str:
 def is_pack(relpath: str) -> bool:
     """Whether a unit's file is a pack file (holding other units' tensors too)."""
     return relpath.startswith(f"{PACKS_DIR}/")
+
+
+_RANK_FILE = re.compile(r"rank-(\d+)(?:\.\d+)?\.(?:safetensors|json)$")  # a unit file, pack or rank state
+
+
+def writer_rank(relpath: str) -> int | None:
+    """The rank whose part a snapshot file is (a unit file or pack it wrote, its own rank
+    state), or None for a file of no rank's part: the shared global state, the manifest, the
+    unit indexes, and a single-process save's unit files."""
+    if relpath.startswith(f"{INDEX_DIR}/") or relpath in (GLOBAL_JSON, GLOBAL_TENSORS, MANIFEST_FILE):
+        return None
+    found = _RANK_FILE.search(relpath)
+    return int(found.group(1)) if found else None
 
 
 def unit_index_path(unit: str) -> str:

@@ -1,0 +1,104 @@
+"""Files between ranks over torch.distributed: the copies a node-local tier keeps on partner
+nodes, and the parts a replacement node receives back from them.
+
+``Courier`` owns a gloo process group of its own, made once on the training thread when the
+Tailor is built (``open``, collective), so that its point-to-point sends can run on the async
+save's background thread while the training thread runs collectives on the job's default
+group. One exchange at a time per courier (a save or a restore, never both: a restore settles
+the save in flight first).
+
+An exchange is pairwise: each rank sends each destination one message (the names and sizes of
+its files, then their bytes in one buffer) and receives one from each source, with matching
+calls on both sides. Nothing here checks the bytes: the receiver checks them against the
+checksums it already knows (the file entries of the snapshot) before it keeps them.
+
+Invariant: for every pair (a, b), ``b in outgoing`` on rank a exactly when ``a in sources`` on
+rank b, in the same exchange; every rank of the job calls ``exchange`` the same number of times.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError
+
+Files = list[tuple[str, bytes]]
+"""Named byte strings: ``(relpath, content)``."""
+
+_SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
+
+
+class Courier:
+    """Sends named byte strings between the ranks of a job (module docstring)."""
+
+    def __init__(self, group: object, rank: int, timeout: float = DEFAULT_TIMEOUT):
+        self.group, self.rank, self.timeout = group, rank, float(timeout)
+        self.sent_bytes = 0
+        """Bytes of file content this rank has sent so far (names and sizes not counted)."""
+
+    @classmethod
+    def open(cls, timeout: float = DEFAULT_TIMEOUT) -> Courier:
+        """Collective on every rank of the job (training thread): a courier with a gloo group of
+        its own, whatever backend training uses."""
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        return cls(group, dist.get_rank(), timeout)
+
+    def exchange(self, outgoing: dict[int, Files], sources: Sequence[int]) -> dict[int, Files]:
+        """Send ``outgoing[dst]`` to each rank ``dst``; return what each rank of ``sources`` sent
+        here. CoordinationError naming the peer when one died, hung past the timeout, or sent
+        what it did not announce."""
+        import torch.distributed as dist
+
+        sends = []
+        for dst, files in outgoing.items():
+            names = json.dumps([[name, len(content)] for name, content in files]).encode()
+            payload = b"".join(content for _, content in files)
+            sizes = torch.tensor([len(names), len(payload)], dtype=torch.int64)
+            sends.append((dst, dist.isend(sizes, dst, group=self.group, tag=_SIZES)))
+            sends.append((dst, dist.isend(_as_tensor(names), dst, group=self.group, tag=_NAMES)))
+            if payload:
+                sends.append((dst, dist.isend(_as_tensor(payload), dst, group=self.group, tag=_BYTES)))
+            self.sent_bytes += len(payload)
+        received = {src: self._receive(src) for src in sources}
+        for dst, work in sends:
+            self._wait(work, f"sending files to rank {dst}")
+        return received
+
+    def _receive(self, src: int) -> Files:
+        import torch.distributed as dist
+
+        sizes = torch.zeros(2, dtype=torch.int64)
+        self._wait(dist.irecv(sizes, src, group=self.group, tag=_SIZES), f"receiving files from rank {src}")
+        names = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), f"receiving files from rank {src}")
+        payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+        if payload.numel():
+            self._wait(dist.irecv(payload, src, group=self.group, tag=_BYTES), f"receiving files from rank {src}")
+        listed = json.loads(names.numpy().tobytes())
+        content = payload.numpy().tobytes()
+        if sum(size for _, size in listed) != len(content):
+            raise CoordinationError(f"rank {src} sent {len(content)} bytes for files announced as "
+                                    f"{sum(size for _, size in listed)} bytes")
+        files, at = [], 0
+        for name, size in listed:
+            files.append((name, content[at:at + size]))
+            at += size
+        return files
+
+    def _wait(self, work: object, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as err:
+            raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
+                                    f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+
+
+def _as_tensor(content: bytes) -> torch.Tensor:
+    """``content`` as a uint8 tensor (one copy: torch keeps no reference to immutable bytes)."""
+    return torch.frombuffer(bytearray(content), dtype=torch.uint8) if content else torch.empty(0, dtype=torch.uint8)

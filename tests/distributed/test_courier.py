@@ -1,0 +1,102 @@
+"""The courier and the placement rule: which nodes hold a node's parts (pure), and files sent
+between real processes over the courier's own gloo group (including from a thread other than
+the one that made it, as an async save does, and a peer that dies)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmtailor.distributed.coordinator import CoordinationError
+from llmtailor.distributed.courier import Courier
+from llmtailor.constants import writer_rank
+from llmtailor.distributed.nodes import Nodes, own_node_id
+from llmtailor.errors import ConfigError
+
+
+def test_each_nodes_parts_go_to_the_nodes_a_jump_apart_and_each_node_knows_whose_it_holds():
+    nodes = Nodes((0, 0, 1, 1, 2, 2, 3, 3))
+    assert nodes.count == 4 and nodes.ranks_of(2) == [4, 5] and nodes.leader_of(3) == 6
+    assert nodes.holders(1, 2) == [1, 2] and nodes.holders(3, 2) == [3, 0]
+    assert nodes.holders(0, 2, jump=2) == [0, 2] and nodes.holders(1, 3) == [1, 2, 3]
+    for replicas, jump in [(1, 1), (2, 1), (2, 2), (3, 1), (4, 3)]:
+        for node in range(4):  # held_by is the inverse of holders
+            assert all(node in nodes.holders(owner, replicas, jump) for owner in nodes.held_by(node, replicas, jump))
+            assert sum(node in nodes.holders(o, replicas, jump) for o in range(4)) == replicas
+    assert nodes.partner_ranks(3, 2) == [5] and nodes.source_ranks(5, 2) == [3]
+    assert nodes.partner_ranks(6, 3, jump=1) == [0, 2] and nodes.source_ranks(0, 3) == [6, 4]
+
+
+def test_a_placement_that_puts_two_copies_on_one_node_or_uneven_nodes_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="replicas=3 with jump=1 on 2 node"):
+        Nodes((0, 1)).holders(0, 3)
+    with pytest.raises(ConfigError, match="jump=2 on 4 node"):
+        Nodes((0, 1, 2, 3)).holders(1, 3, jump=2)  # 1, 3, 1
+    with pytest.raises(ConfigError, match="node 0: 2, node 1: 1"):
+        Nodes((0, 0, 1)).partner_ranks(0, 2)
+    with pytest.raises(ConfigError, match="0..N-1"):
+        Nodes((0, 2))
+
+
+def test_the_node_comes_from_torchruns_group_rank_then_the_local_world_size(monkeypatch):
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert own_node_id(7) == "node-3"
+    monkeypatch.delenv("GROUP_RANK")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert own_node_id(9) == "node-2"
+
+
+def test_each_file_of_a_snapshot_is_its_writers_part_or_no_ranks():
+    assert writer_rank("units/layer.3.rank-00002.safetensors") == 2
+    assert writer_rank("units/rank-7.rank-00001.safetensors") == 1  # a unit named like a rank file
+    assert writer_rank("packs/rank-00011.0.safetensors") == 11
+    assert writer_rank("ranks/rank-00004.json") == 4 and writer_rank("ranks/rank-00004.safetensors") == 4
+    assert [writer_rank(p) for p in ["global.json", "global.safetensors", "manifest.json", "index/layer.0.json",
+                                     "units/layer.0.safetensors"]] == [None] * 5
+
+
+def _exchange(rank: int, world: int, init: str, out: str, mode: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    courier = Courier.open(timeout=20 if mode == "ok" else 5)
+    try:
+        if mode == "dies" and rank == 1:
+            os._exit(0)  # a peer lost before it sends
+        mine = [(f"units/u.rank-{rank:05d}.safetensors", bytes([rank]) * (1000 + rank)), ("ranks/empty.json", b"")]
+        partner, source = (rank + 1) % world, (rank - 1) % world
+        got: dict = {}
+
+        def run() -> None:  # on another thread, as an async save does
+            try:
+                got["files"] = courier.exchange({partner: mine}, [source])
+            except CoordinationError as err:
+                got["error"] = str(err)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
+    finally:
+        if mode == "ok":
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ok", "dies"])
+def test_files_reach_their_partner_from_a_background_thread_and_a_dead_peer_is_named(tmp_path, mode):
+    world = 3 if mode == "ok" else 2
+    mp.spawn(_exchange, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path), mode), nprocs=world, join=True)
+    if mode == "ok":
+        for rank in range(world):
+            source = (rank - 1) % world
+            got = eval(Path(tmp_path, f"{rank}.txt").read_text().split("\nsent=")[0])
+            assert got == {"files": {source: [(f"units/u.rank-{source:05d}.safetensors", bytes([source]) * (1000 + source)),
+                                              ("ranks/empty.json", b"")]}}
+            assert Path(tmp_path, f"{rank}.txt").read_text().endswith(f"sent={1000 + rank}")
+    else:
+        said = Path(tmp_path, "0.txt").read_text()
+        assert "receiving files from rank 1 failed or timed out" in said
