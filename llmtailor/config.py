@@ -79,6 +79,10 @@ class TailorConfig(BaseModel):
         locations = [t.location.rstrip("/") for t in items]
         if len(set(locations)) != len(locations):
             raise ValueError(f"tiers name one location twice: {locations}")
+        later = [t.location for t in items[1:] if t.scope == "node"]
+        if later:
+            raise ValueError(f"only the first tier may be node-local (scope='node'), not {later}: saves commit to the "
+                             "first tier, and the slower ones are shared")
         return tuple(items)
 
     @field_validator("timeout", mode="before")

@@ -51,6 +51,7 @@ from llmtailor.store.lineage import Lineage
 from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.tiers import Choice, Tiers
+from llmtailor.store.node_commit import persist_on_nodes
 from llmtailor.store.writer import persist
 
 
@@ -192,12 +193,19 @@ class Tailor:
             self._committed(job.step, job.composite, job.outcome)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
-        lock = self.tiers.first.lock
+        """The commit recipe of the first tier's placement: one copy per node of a node-local
+        tier (``store.node_commit``), else one store every rank writes (``store.writer``)."""
+        lock, placement = self.tiers.first.lock, self.tiers.placement
 
         def prepare() -> None:  # rank 0, in the save's first message: what it raises, every rank raises
-            self.tiers.before_save(staged.step, self.config.timeout)  # a promotion failure; max_lag
+            # A promotion failure; a tier beyond max_lag: waited for up to half the timeout, as
+            # the other ranks wait for this message up to the timeout.
+            self.tiers.before_save(staged.step, self.config.timeout / 2)
             lock.claim()
 
+        if placement is not None:
+            return persist_on_nodes(self.run, staged, placement, self.coordinator, prepare=prepare,
+                                    confirm=lock.check_held)
         return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=lock.check_held)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
@@ -228,7 +236,7 @@ class Tailor:
         )
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
-        if self.coordinator.is_leader and not result.pointer_error:
+        if self.tiers.keeps_first(self.rank) and not result.pointer_error:
             self.tiers.committed(step, str(result.path))  # retention, then promotions due
 
     # -- restoring ----------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
 from llmtailor.store.staged import ChunkPart, PersistResult, Piece, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
-from llmtailor.store.tensor_files import stream_tensors
+from llmtailor.store.tensor_files import checksum, stream_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -98,18 +98,15 @@ def persist(
                 prepare()
             return SnapshotCommit.begin(run, staged.step, staged.world_size).staging
         except BaseException as err:
-            raise _friendly(err, run, staged.step, written=False) from None
+            raise friendly(err, run, staged.step, written=False) from None
 
-    # Followers wait twice the timeout: the leader's ``prepare`` may itself wait up to the timeout
-    # (a tier beyond its max_lag) and then fail, and every rank must hear why.
-    opened = coord.broadcast(f"{round_}/open", begin if coord.is_leader else None, patience=2.0)
-    snapshot = SnapshotCommit(run, staged.step, opened)
+    snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
     try:
         if staged.error is not None:
             raise staged.error
-        part: RankPart | BaseException = _write_part(snapshot, staged, coord.rank, on_unit)
+        part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
     except BaseException as err:
-        part = _friendly(err, run, staged.step)
+        part = friendly(err, run, staged.step)
     report = part.to_message() if isinstance(part, RankPart) else part
     if coord.is_leader:
         gather = functools.partial(coord.gather, f"{round_}/parts", report)
@@ -139,17 +136,18 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
-            manifest = _commit_indexes(snapshot, staged, [RankPart.from_message(m) for m in gather() or []])
+            indexes, manifest = index_files(staged, [RankPart.from_message(m) for m in gather() or []])
+            write_files(snapshot, indexes)
             # The manifest is written last, only if absent: without one there is no snapshot.
             encoded = manifest.dumps().encode()
             snapshot.commit(encoded, confirm)
     except BaseException as err:
-        raise _friendly(err, run, staged.step) from None
+        raise friendly(err, run, staged.step) from None
     return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step),
             "manifest": encoded.decode()}
 
 
-def _write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
+def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
                 on_unit: Callable[[str, int], None] | None) -> RankPart:
     """Write this rank's files; return its report for the leader's indexes and manifest: per
     unit, its file entry, its tensors' chunks and non-tensor values; the files of its global
@@ -272,10 +270,18 @@ class _Pack:
         return written
 
 
-def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: list[RankPart]) -> Manifest:
-    """Write each unit's index from every rank's part and return the manifest naming them.
-    The chunks of a tensor from all ranks are checked for agreement on dtype and global
-    shape; the index's own validation then checks that they cover the tensor."""
+def write_files(snapshot: SnapshotCommit, files: dict[str, bytes]) -> None:
+    """Write small files (the unit indexes) into the staged snapshot, durable on return."""
+    with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
+        for relpath, data in files.items():
+            write_bytes_to(create(relpath), data, relpath)
+
+
+def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str, bytes], Manifest]:
+    """Each unit's index (relpath -> its bytes) from every rank's part, and the manifest naming
+    them (its ``notes`` are ``staged.notes``). The chunks of a tensor from all ranks are checked
+    for agreement on dtype and global shape; the index's own validation then checks that they
+    cover the tensor. Nothing is written."""
     merged: dict[str, dict[str, Any]] = {}
     writers: dict[tuple[str, str], list[int]] = {}  # (unit, tensor key) -> the rank of each of its chunks
     files: list[FileEntry] = []
@@ -305,16 +311,16 @@ def _commit_indexes(snapshot: SnapshotCommit, staged: StagedSnapshot, parts: lis
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
-    refs = {}
-    with snapshot.files() as create:  # the indexes are small and many: their fsyncs overlap; durable on exit
-        for unit in [u for u in staged.composite if u in merged]:  # layout order
-            index = _unit_index(staged.step, unit, merged[unit], writers)
-            relpath = unit_index_path(unit)
-            entry = write_bytes_to(create(relpath), index.dumps().encode(), relpath)
-            # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
-            refs[unit] = UnitRef(index=entry, bytes=sum(part.unit_bytes.get(unit, 0) for part in parts),
-                                 kept=sorted(set(index.kept.values())))
-    return Manifest(
+    refs, indexes = {}, {}
+    for unit in [u for u in staged.composite if u in merged]:  # layout order
+        index = _unit_index(staged.step, unit, merged[unit], writers)
+        relpath = unit_index_path(unit)
+        indexes[relpath] = index.dumps().encode()
+        entry = FileEntry(path=relpath, bytes=len(indexes[relpath]), xxh3_64=checksum(indexes[relpath]))
+        # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
+        refs[unit] = UnitRef(index=entry, bytes=sum(part.unit_bytes.get(unit, 0) for part in parts),
+                             kept=sorted(set(index.kept.values())))
+    return indexes, Manifest(
         schema_version=SCHEMA_VERSION,
         step=staged.step,
         parent=staged.parent,
@@ -400,7 +406,7 @@ def _by_rank(units_of_rank: list[list[str]]) -> list[tuple[list[str], list[int]]
     return [(list(units), ranks) for units, ranks in groups.items()]
 
 
-def _friendly(err: BaseException, run: Run, step: int, written: bool = True) -> BaseException:
+def friendly(err: BaseException, run: Run, step: int, written: bool = True) -> BaseException:
     """An OS error met while saving, as one TailorError naming the path and the reason (and
     what became of the save); any other error as it is."""
     if not isinstance(err, OSError) or isinstance(err, TailorError):  # a StorageError says it already

@@ -65,6 +65,16 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 20 s) and rank 1
     SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
     record the error they get.
+``nodes-fsdp`` / ``nodes-ddp``  launched as two "nodes" (``--nnodes 2``), each with its own
+    ``$NODE_DIR``: Parity saves at every step 1..4, async, into the node-local tier ``$NODE_DIR``
+    (``scope="node"``, ``replicas=2``, ``keep=2``) in front of the shared run ``$RUN_HOME``;
+    versions written by rank 0 to its ``DIR`` (node 0's own); closed (the last save promoted).
+``nodes-restore-fsdp`` / ``nodes-restore-ddp``  a fresh launch of the same nodes restores it (from
+    each node's own copy) and compares every tensor with its composite version (rank 0).
+``nodes-refused``  two "nodes", DDP: a Tailor of ``unwritable`` beside ``$RUN_HOME`` whose node-local tier ``$UNWRITABLE_DIR`` node 1
+    cannot create (the error each rank gets recorded); then one at ``$FULL_DIR`` (node 1's on a
+    small tmpfs) saves step 1, node 1 fills its tmpfs, step 2 is saved (the error each rank gets
+    recorded), the filler is removed and a fresh Tailor restores (step and mismatches recorded).
 ``kill``  started without torchrun (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the test):
     FSDP2, a save at step 2, then a save at step 4 during which rank 1 SIGKILLs itself after
     writing its first unit file; rank 0 (its timeout 5 s in that save) records the error it gets
@@ -597,6 +607,74 @@ def kill_during_save(out: Path) -> dict:
     return {"outcome": outcome, "seconds": time.perf_counter() - start}
 
 
+def node_tier(location: str, keep: int | None = 2) -> list[Tier]:
+    """The node-local tier of the ``nodes-*`` scenarios: each node's own directory, replicas on 2 nodes."""
+    return [Tier(location, scope="node", replicas=2, keep=keep)]
+
+
+def nodes_save(kind: str, out: Path) -> dict:
+    model, optimizer, scheduler = build(kind, seed=0)
+    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), timeout=60,
+                    tiers=node_tier(os.environ["NODE_DIR"]), async_save=True)
+    for step in range(1, 5):
+        train(model, optimizer, scheduler, [step])
+        tailor.save(step, extra={"rank": rank()})
+        write_versions(out, step, model, optimizer)  # collective: the async save's copies are taken by then
+    tailor.close()
+    return {"sent": tailor.tiers.placement.courier.sent_bytes, "promoted": [p.step for p in tailor.tiers.promotions]}
+
+
+def nodes_restore(kind: str, out: Path) -> dict:
+    model, optimizer, scheduler = build(kind, seed=5)
+    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, timeout=60, tiers=node_tier(os.environ["NODE_DIR"]))
+    report = tailor.restore()
+    result = {"restored": report.step, "tier": report.tier, "extra": report.extra,
+              "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], model, optimizer)}
+    tailor.close()
+    return result
+
+
+def nodes_refused(out: Path) -> dict:
+    """``nodes-refused`` (module docstring)."""
+    result = {}
+    try:
+        Tailor(Path(os.environ["RUN_HOME"]).with_name("unwritable"), *build("ddp", seed=0), timeout=60, tiers=node_tier(os.environ["UNWRITABLE_DIR"]))
+        result["unwritable"] = None
+    except Exception as err:  # the error each rank gets is the point of this part
+        result["unwritable"] = f"{type(err).__name__}: {err}"
+    model, optimizer, scheduler = build("ddp", seed=0)
+    home = os.environ["RUN_HOME"]
+    tailor = Tailor(home, model, optimizer, scheduler, timeout=60, tiers=node_tier(os.environ["FULL_DIR"], keep=None))
+    train(model, optimizer, scheduler, [1])
+    tailor.save(1)
+    write_versions(out, 1, model, optimizer)
+    filler = Path(os.environ["FULL_DIR"]).parent / "filler"
+    if os.environ.get("FILL"):
+        with open(filler, "wb") as sink:
+            try:
+                while True:
+                    sink.write(b"\0" * 65536)
+                    sink.flush()
+            except OSError:
+                pass
+    dist.barrier()
+    train(model, optimizer, scheduler, [2])
+    try:
+        tailor.save(2)
+        result["full"] = None
+    except Exception as err:  # the error each rank gets is the point of this part
+        result["full"] = f"{type(err).__name__}: {err}"
+    tailor.close()
+    filler.unlink(missing_ok=True)
+    dist.barrier()
+    fresh, fresh_optimizer, fresh_scheduler = build("ddp", seed=5)
+    report = Tailor(home, fresh, fresh_optimizer, fresh_scheduler, timeout=60,
+                    tiers=node_tier(os.environ["FULL_DIR"], keep=None)).restore()
+    result.update(restored=report.step, tier=report.tier,
+                  mismatches=compare_with_composite(out, os.environ["FULL_DIR"], fresh, fresh_optimizer))
+    return result
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -642,6 +720,12 @@ def main() -> None:
         result = fallback_past_damage(out)
     elif scenario == "stateful":
         result = stateful_per_rank(out)
+    elif scenario in ("nodes-fsdp", "nodes-ddp"):
+        result = nodes_save(scenario.split("-")[1], out)
+    elif scenario in ("nodes-restore-fsdp", "nodes-restore-ddp"):
+        result = nodes_restore(scenario.split("-")[2], out)
+    elif scenario == "nodes-refused":
+        result = nodes_refused(out)
     elif scenario == "kill":
         result = kill_during_save(out)
     elif scenario == "read-kill":

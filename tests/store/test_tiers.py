@@ -639,3 +639,19 @@ def test_a_save_with_tiers_sends_the_messages_of_a_save_without(tmp_path, tokens
 
     plain = messages_of_a_save(tmp_path / "plain", [])
     assert plain and messages_of_a_save(tmp_path / "home", [Tier(tmp_path / "memory")]) == plain
+
+
+def test_a_node_local_tier_is_declared_with_its_replicas_and_jump_every_problem_in_one_error(tmp_path):
+    node = Tier(tmp_path / "shm", scope="node", replicas=2, jump=3)
+    assert (node.scope, node.replicas, node.jump) == ("node", 2, 3)
+    plain = Tier(tmp_path / "shm")
+    assert (plain.scope, plain.replicas, plain.jump) == ("shared", 1, 1)
+    with pytest.raises(ConfigError, match=r"key 'scope'.*'node' or 'shared'.*key 'replicas': replicas=0 must be.*"
+                                          r"key 'jump': jump=-1 must be"):
+        Tier(tmp_path / "shm", scope="rack", replicas=0, jump=-1)
+    with pytest.raises(ConfigError, match=r"s3://b/x: a node-local tier \(scope='node'\) is a local path"):
+        Tier("s3://b/x", scope="node")
+    with pytest.raises(ConfigError, match=r"replicas=2 and jump=2 need scope='node'"):
+        Tier(tmp_path / "shm", replicas=2, jump=2)
+    with pytest.raises(ConfigError, match=r"only the first tier may be node-local \(scope='node'\), not \['.*disk'\]"):
+        TailorConfig.of(tiers=[Tier(tmp_path / "shm"), Tier(tmp_path / "disk", scope="node")])

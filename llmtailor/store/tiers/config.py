@@ -1,15 +1,17 @@
 """A tier as a ``TailorConfig`` declares it: ``Tier`` (validated; every problem in one
-ConfigError)."""
+ConfigError): where it is, whether every rank reaches it (``scope="shared"``) or each node has
+its own (``scope="node"``, with ``replicas`` and ``jump``), its retention and cadence."""
 
 from __future__ import annotations
 
 from os import PathLike
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.store.retention import Keep
+from llmtailor.store.storage.location import is_url
 
 LAG_INTERVALS = 10
 """The default ``max_lag`` in promotion intervals (``promote_every``): see ``Tier.max_lag``."""
@@ -45,6 +47,18 @@ class Tier(BaseModel):
     ``promote_every`` (a composite moves on only every ``promote_every`` steps)."""
     storage_options: dict[str, Any] | None = None
     """The store's options for an object-store URL (as ``TailorConfig.storage_options``)."""
+    scope: Literal["shared", "node"] = "shared"
+    """``"shared"``: one store every rank reaches. ``"node"``: a local path each node has for
+    itself (``/dev/shm/exp1`` on every node): each node's copy holds the parts of its own ranks
+    and of the nodes it keeps replicas of, plus the manifest, the unit indexes and the global
+    state; a snapshot is committed there once every node's parts have ``replicas`` copies.
+    Only the first tier may be node-local."""
+    replicas: int = 1
+    """Copies of each node's parts, on distinct nodes (1: its own copy only). Node n's parts
+    are held by nodes n, n + jump, n + 2 jump, ... (mod the number of nodes)."""
+    jump: int = 1
+    """Spacing of the nodes holding one node's parts: with 1 the copy lives on the next node;
+    choose it so that partners sit in another failure domain (another rack)."""
 
     def __init__(self, location: str | PathLike | None = None, /, **options: Any):
         """``Tier("/dev/shm/exp1", keep=2, promote_every=50)``; every problem in one ConfigError."""
@@ -85,3 +99,27 @@ class Tier(BaseModel):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"promote_every={value!r} must be a positive number of steps")
         return value
+
+    @field_validator("scope", mode="before")
+    @classmethod
+    def _a_scope(cls, value: Any) -> Any:
+        if value not in ("shared", "node"):
+            raise ValueError(f"scope={value!r}: expected 'node' or 'shared'")
+        return value
+
+    @field_validator("replicas", "jump", mode="before")
+    @classmethod
+    def _a_count(cls, value: Any, info: Any) -> Any:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{info.field_name}={value!r} must be a positive whole number")
+        return value
+
+    @model_validator(mode="after")
+    def _placement(self) -> Tier:
+        if self.scope == "node" and is_url(self.location):
+            raise ValueError(f"{self.location}: a node-local tier (scope='node') is a local path each node has "
+                             "(/dev/shm/..., a local disk), not a URL")
+        if self.scope == "shared" and (self.replicas, self.jump) != (1, 1):
+            raise ValueError(f"replicas={self.replicas} and jump={self.jump} need scope='node' (a shared tier is one "
+                             "store: it keeps one copy)")
+        return self

@@ -21,6 +21,11 @@ class Level:
     keep: int | None
     promote_every: int | None
     """None for the last tier (nothing after it)."""
+    scope: str = "shared"
+    """``"node"``: each node has its own copy at ``run`` (``Tier.scope``), with ``replicas``
+    copies of each node's parts, on nodes ``jump`` apart."""
+    replicas: int = 1
+    jump: int = 1
     max_lag: int | None = None
     """How far (steps) the next tier may fall behind before a save waits (``Tier.max_lag``);
     None: never waits (and the last tier)."""
@@ -31,12 +36,19 @@ class Level:
 
     def record(self) -> dict[str, Any]:
         location = str(Path(self.run.root).resolve()) if self.run.is_local else self.run.storage.url
-        return {"location": location, "keep": self.keep, "promote_every": self.promote_every, "max_lag": self.max_lag}
+        placed = {"scope": "node", "replicas": self.replicas, "jump": self.jump} if self.node_local else {}
+        return {"location": location, "keep": self.keep, "promote_every": self.promote_every, "max_lag": self.max_lag,
+                **placed}
+
+    @property
+    def node_local(self) -> bool:
+        return self.scope == "node"
 
     @classmethod
-    def of(cls, run: Run, keep: int | None, promote_every: int | None, max_lag: int | None = None) -> Level:
+    def of(cls, run: Run, keep: int | None, promote_every: int | None, scope: str = "shared", replicas: int = 1,
+           jump: int = 1, max_lag: int | None = None) -> Level:
         """The tier at ``run``, with a writer lock of its own (not taken)."""
-        return cls(run, WriterLock(run.storage), keep, promote_every, max_lag)
+        return cls(run, WriterLock(run.storage), keep, promote_every, scope, replicas, jump, max_lag)
 
     def take(self) -> None:
         """Take the tier's writer lock, which also proves that the tier can be written (the lock

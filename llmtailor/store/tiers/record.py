@@ -29,14 +29,15 @@ class TierRecord:
         self._replaced: list[tuple[Level, bytes | None]] = []
         """The tiers this writer recorded itself in, with what they recorded before (``put_back``)."""
 
-    def write(self) -> str:
-        """Record the tiers in each of them (``tiers.json``), so ``inspect`` and ``gc`` of any
-        tier find the others; returns the record's token (this writer's). Each tier's record is
-        replaced atomically; a failure raises ConfigError naming the tier, and ``put_back`` puts
-        back what was replaced."""
+    def write(self, where: list[Level] | None = None) -> str:
+        """Record the tiers in each of them (``tiers.json``), or in those of ``where`` (a node's
+        leader: its own copy of a node-local tier), so ``inspect`` and ``gc`` of any tier find
+        the others; returns the record's token (this writer's). Each tier's record is replaced
+        atomically; a failure raises ConfigError naming the tier, and ``put_back`` puts back
+        what was replaced."""
         token = uuid.uuid4().hex
         record = {"format": TIERS_FORMAT, "writer": token, "tiers": [level.record() for level in self.levels]}
-        for level in self.levels:
+        for level in self.levels if where is None else where:
             storage = level.run.storage
             try:
                 before = bytes(storage.read(TIERS_FILE)) if storage.is_file(TIERS_FILE) else None

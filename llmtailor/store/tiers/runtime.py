@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.errors import ConfigError, PromotionError
+from llmtailor.distributed.courier import Courier
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import ConfigError, PromotionError, TailorError
+from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.catalog import LeasedComposite
@@ -26,7 +29,8 @@ class Tiers:
 
     def __init__(self, home: str | Path, tiers: Sequence[Tier] = (), keep: int | None = None,
                  storage_options: dict[str, Any] | None = None):
-        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every, t.max_lag) for t in tiers]
+        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every, t.scope, t.replicas, t.jump,
+                           t.max_lag) for t in tiers]
         levels.append(Level.of(Run(home, storage_options), keep, None))
         for i, level in enumerate(levels):
             for other in levels[:i]:
@@ -35,6 +39,9 @@ class Tiers:
         self.levels = levels
         self.promoter: Promoter | None = None
         """Set by ``open_for_writing`` (the writer's rank 0, with more than one tier)."""
+        self.placement: NodePlacement | None = None
+        """Set by ``open_for_writing`` when the first tier is node-local in a job of several
+        ranks: saves then commit there with ``store.node_commit``."""
         self._record = TierRecord(levels)
         """This writer's ``tiers.json`` in each tier (``abandon`` puts back what it replaced)."""
 
@@ -77,14 +84,23 @@ class Tiers:
         In a distributed job every tier must be one store that every rank reaches (rank 0
         commits every rank's files there, and promotes them): each rank looks for the record
         rank 0 just wrote, and a tier some rank cannot see (node-local storage on another node)
-        fails the Tailor on every rank, naming it. Per-node tiers are not supported."""
+        fails the Tailor on every rank, naming it; a node-local first tier (``Tier(scope="node")``)
+        is the exception: ``_open_nodes``."""
         if read_only:
+            return
+        if self.first.node_local:
+            self._open_nodes(coordinator)
             return
         round_ = coordinator.new_round()
         token = coordinator.broadcast(f"{round_}/lock", self._open if coordinator.is_leader else None)
         if token is None or coordinator.world_size == 1:
             return
-        blind = [level.name for level in self.levels if not TierRecord.seen(level, token)]
+        self._refuse_unseen(coordinator, round_, token, self.levels)
+
+    def _refuse_unseen(self, coordinator: Coordinator, round_: str, token: str, levels: list[Level]) -> None:
+        """Collective: a tier of ``levels`` in which some rank does not find the record of
+        ``token`` (rank 0's) fails the writer on every rank, naming it (``open_for_writing``)."""
+        blind = [level.name for level in levels if not TierRecord.seen(level, token)]
         unseen = {rank: names for rank, names in enumerate(coordinator.exchange(f"{round_}/seen", blind)) if names}
         if unseen:
             self.abandon()
@@ -92,6 +108,53 @@ class Tiers:
             raise ConfigError(f"every tier must be one store all ranks reach (rank 0 commits and promotes every "
                               f"rank's files there): {which} (node-local storage on another node?). Tiers per node "
                               "are not supported: give tiers every rank reaches (a shared or object store), or none")
+
+    def _open_nodes(self, coordinator: Coordinator) -> None:
+        """``open_for_writing`` with a node-local first tier (collective): the nodes found
+        (``Nodes.discover``) and checked against the tier's ``replicas`` and ``jump`` (every rank
+        raises the same ConfigError), the courier opened; each node's leader takes its copy's
+        lock and records the tiers there, rank 0 also every shared tier's (``_open_node``); a
+        node that cannot fails the writer on every rank, naming it, and every node's start is
+        undone. Every rank must then see the shared tiers, as in ``open_for_writing``."""
+        first, single = self.first, coordinator.world_size == 1
+        nodes = Nodes.single(1) if single else Nodes.discover(coordinator)
+        nodes.check_even()
+        nodes.holders(0, first.replicas, first.jump)  # every node's holders are alike: one check
+        courier = None if single else Courier.open(coordinator.timeout)
+        round_ = coordinator.new_round()
+        leads = nodes.leader_of(nodes.node_of_rank(coordinator.rank)) == coordinator.rank
+        outcomes = coordinator.exchange(f"{round_}/nodes", self._open_node(coordinator.is_leader) if leads else None)
+        failed = {nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
+        if failed:
+            self.abandon()
+            where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
+            raise ConfigError(f"the node-local tier cannot be written on node(s) {sorted(failed)}: {where}")
+        if courier is not None:
+            self.placement = NodePlacement(nodes, first.replicas, first.jump, courier)
+            self._refuse_unseen(coordinator, round_, outcomes[0]["token"], self.levels[1:])
+
+    def _open_node(self, everything: bool) -> dict[str, str]:
+        """A node leader's part of ``_open_nodes``: its copy's lock and record (``everything``,
+        rank 0: every tier's, and the promoter); ``{"token"}``, or ``{"error"}`` with this node's
+        start undone."""
+        levels = self.levels if everything else [self.first]
+        try:
+            for level in levels:
+                level.take()
+            token = self._record.write(levels)
+            for level in levels:
+                clear_stray_carriers(level.run)
+            if everything:
+                self.promoter = Promoter(self.levels, [level.run.latest_step() for level in self.levels])
+            return {"token": token}
+        except (TailorError, OSError) as err:
+            self.abandon()
+            return {"error": str(err)}
+
+    def keeps_first(self, rank: int) -> bool:
+        """Whether ``rank`` commits the first tier and keeps its retention: rank 0, or with a
+        node-local first tier, each node's leader (its node's copy)."""
+        return self.placement.leads(rank) if self.placement is not None else rank == 0
 
     def _open(self) -> str | None:
         """Rank 0's part of ``open_for_writing``; the record's token (None: nothing recorded)."""
@@ -114,8 +177,9 @@ class Tiers:
             raise
 
     def committed(self, step: int, where: str) -> None:
-        """Rank 0, once the save of ``step`` committed to the first tier (at ``where``): that
-        tier's retention, then the promotions due (in the background)."""
+        """Where the first tier is kept (``keeps_first``), once the save of ``step`` committed
+        there (at ``where``): that tier's retention (each node's copy alike: the same manifests),
+        then on rank 0 the promotions due (in the background)."""
         if self.first.keep is not None:
             retain_after_commit(self.first.run, self.first.keep, where)
         if self.promoter is not None:

@@ -1,0 +1,254 @@
+"""The node-scoped commit: a snapshot committed into a node-local tier, where each node has a
+copy of the tier of its own (``Tier(scope="node", replicas=K, jump=j)``) and no store is shared.
+
+Beside the shared recipe (``writer.persist``: every rank writes into one store, its leader
+commits there), this one commits one copy per node, collectively (every rank calls it for the
+same snapshot; ``persist`` takes it when the run's placement is node-local, ``NodePlacement``):
+
+1. each node's leader (its lowest rank) opens the snapshot's staging place in its node's copy
+   (``SnapshotCommit.begin``); every rank learns every node's, so a node whose copy cannot be
+   written (read-only, full) makes every rank raise, naming the node and why;
+2. every rank writes its part into its node's staging (``writer.write_part``, as a shared save
+   does), then sends its files to its partner ranks (``Nodes.partner_ranks``: the rank of the
+   same index on each other holder node) over the courier; rank 0 also sends the global files
+   to each node that holds none of its parts. Each receiver writes what it received into its
+   own node's staging, durably, and reports each file as it arrived (size and checksum);
+3. rank 0 gathers every report; only once every rank's every file has its ``K`` copies with
+   the checksum its writer reported (and every node the global files) does it build the unit
+   indexes and the manifest (``notes["nodes"]``: the placement) and announce them;
+4. each node's leader writes the indexes, then the manifest (only if absent: the same bytes on
+   every node), commits its staging (an atomic rename) and points its ``latest`` at it; every
+   rank learns how every node fared. When a node failed, the nodes that committed remove their
+   copy again (the previous composite stays the newest everywhere) and every rank raises.
+
+A failure anywhere before step 4 abandons every node's staging and raises on every rank; every
+earlier snapshot stays as it was. A crash between two nodes' renames can leave the snapshot on
+some nodes only: restore decides collectively (node tiers' recovery) and never reads it unless
+every file is held by a live node.
+
+The on-disk contract: on node n the tier is an ordinary run directory; a snapshot there holds the
+manifest, every unit index, the global files and the parts of every node in ``Nodes.held_by(n)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmtailor.constants import writer_rank
+from llmtailor.distributed.coordinator import ALIKE, Coordinator, describe_error
+from llmtailor.distributed.courier import Courier
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import StorageError, TailorError
+from llmtailor.store.checked import write_bytes_to
+from llmtailor.store.commit import SnapshotCommit, replace_latest
+from llmtailor.store.manifest import FileEntry, parse_manifest
+from llmtailor.store.retention import discard_snapshots
+from llmtailor.store.run import Run
+from llmtailor.store.staged import PersistResult, RankPart, StagedSnapshot
+from llmtailor.store.writer import friendly, index_files, write_files, write_part
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where a node-local tier keeps each node's parts: the job's nodes, ``replicas`` copies of
+    each node's parts on the nodes ``jump`` apart (``Nodes.holders``), and the courier that
+    carries the copies."""
+
+    nodes: Nodes
+    replicas: int
+    jump: int
+    courier: Courier
+
+    def record(self) -> dict[str, Any]:
+        """What a manifest records of the placement (``notes["nodes"]``)."""
+        return {**self.nodes.record(), "replicas": self.replicas, "jump": self.jump}
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's leader (it commits that node's copy)."""
+        return self.nodes.leader_of(self.nodes.node_of_rank(rank)) == rank
+
+    def leader(self, rank: int) -> int:
+        return self.nodes.leader_of(self.nodes.node_of_rank(rank))
+
+    def partners(self, rank: int) -> list[int]:
+        return self.nodes.partner_ranks(rank, self.replicas, self.jump)
+
+    def sources(self, rank: int) -> list[int]:
+        """The ranks whose files ``rank`` receives: those it keeps copies of, and rank 0 (the
+        global files) where its node leads one that holds none of rank 0's parts."""
+        extra = [0] if rank in self.global_receivers() else []
+        return [*self.nodes.source_ranks(rank, self.replicas, self.jump), *extra]
+
+    def global_receivers(self) -> list[int]:
+        """The leaders of the nodes that hold none of rank 0's parts: rank 0 sends them the
+        global files (every node holds those)."""
+        holders = self.nodes.holders(self.nodes.node_of_rank(0), self.replicas, self.jump)
+        return [self.nodes.leader_of(node) for node in range(self.nodes.count) if node not in holders]
+
+
+def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
+                     on_unit: Callable[[str, int], None] | None = None, prepare: Callable[[], None] | None = None,
+                     confirm: Callable[[], None] | None = None) -> PersistResult:
+    """Write this rank's share of ``staged`` into its node's copy of ``run``, send the copies,
+    and commit the snapshot on every node (module docstring). A node's leader calls
+    ``prepare()`` (taking its copy's writer lock) before anything is written there, and
+    ``confirm()`` just before its manifest."""
+    start = time.perf_counter()
+    round_ = coord.new_round()
+    leads = placement.leads(coord.rank)
+    snapshot = _open(run, staged, placement, coord, round_, prepare)
+    try:
+        try:
+            if staged.error is not None:
+                raise staged.error
+            part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
+            report: Any = {"part": part.to_message(), "copies": _replicate(snapshot, part, placement, coord.rank)}
+        except BaseException as err:
+            part = report = friendly(err, run, staged.step)
+        plan = _announce(staged, placement, coord, round_, report)
+        assert isinstance(part, RankPart)  # a failed part was raised by the gather
+    except BaseException:
+        if leads:
+            snapshot.abandon()
+        raise
+    committed = _commit_node(snapshot, plan, confirm) if leads else None
+    outcome = _settle(snapshot, staged, placement, coord, round_, committed)
+    manifest = plan["manifest"].encode()
+    run.remember(parse_manifest(manifest, run.where(staged.step, "manifest.json"), staged.step))
+    return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
+                         unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome)
+
+
+def _open(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
+          prepare: Callable[[], None] | None) -> SnapshotCommit:
+    """Step 1: each node's leader opens the staging place in its node's copy; every rank gets
+    its node's, or raises (every rank alike) naming each node that could not."""
+    mine = None
+    if placement.leads(coord.rank):
+        try:
+            if prepare is not None:
+                prepare()
+            mine = {"staging": SnapshotCommit.begin(run, staged.step, staged.world_size).staging}
+        except BaseException as err:
+            mine = {"error": describe_error(friendly(err, run, staged.step, written=False)),
+                    "alike": type(err).__name__ if isinstance(err, ALIKE) else None}
+    opened = coord.exchange(f"{round_}/open", mine)
+    failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(opened) if o and "error" in o}
+    if failed:
+        if mine is not None and "staging" in mine:
+            SnapshotCommit(run, staged.step, mine["staging"]).abandon()
+        alike = {kind.__name__: kind for kind in ALIKE}
+        for o in opened:  # a promotion failure rank 0 reports here: raised as itself on every rank
+            if o and o.get("alike") in alike:
+                raise alike[o["alike"]](o["error"])
+        where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
+        raise StorageError(f"step {staged.step} was not saved: the node-local tier could not be written on "
+                           f"node(s) {sorted(failed)} ({where}); earlier snapshots are intact on every node")
+    return SnapshotCommit(run, staged.step, opened[placement.leader(coord.rank)]["staging"])
+
+
+def files_of(part: RankPart) -> list[FileEntry]:
+    """Every file a rank's part wrote (unit files and packs once each, global and rank state)."""
+    files = {unit.file.path: unit.file for unit in part.units.values() if unit.file is not None}
+    files.update({file.path: file for file in part.files})
+    return list(files.values())
+
+
+def _replicate(snapshot: SnapshotCommit, part: RankPart, placement: NodePlacement, rank: int) -> dict[str, list[Any]]:
+    """Step 2's copies: this rank's files to its partner ranks (the global files also to the
+    nodes holding none of rank 0's parts), and the files of the ranks it keeps copies of,
+    written into this node's staging, durable. Returns, by source rank, each file received as
+    it arrived (its size and checksum), for rank 0 to check against what its writer wrote."""
+    storage = snapshot.run.storage
+    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)]
+    outgoing = {partner: mine for partner in placement.partners(rank)}
+    if rank == 0:
+        shared = [(path, content) for path, content in mine if writer_rank(path) is None]
+        outgoing.update({leader: shared for leader in placement.global_receivers()})
+    received = placement.courier.exchange(outgoing, placement.sources(rank))
+    arrived: dict[str, list[Any]] = {}
+    with snapshot.files() as create:  # durable when the block ends
+        for source, files in received.items():
+            arrived[str(source)] = [write_bytes_to(create(path), content, path).model_dump(mode="json")
+                                    for path, content in files]
+    return arrived
+
+
+def _announce(staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
+              report: Any) -> dict[str, Any]:
+    """Step 3: every rank's report to rank 0 (a failure re-raised on the rank that failed);
+    rank 0's indexes and manifest (or its failure) to every rank."""
+    if not coord.is_leader:
+        coord.gather(f"{round_}/parts", report)
+        return coord.broadcast(f"{round_}/indexes", None, patience=2.0)
+    gather = functools.partial(coord.gather, f"{round_}/parts", report)
+    return coord.broadcast(f"{round_}/indexes", functools.partial(_index, staged, placement, gather))
+
+
+def _index(staged: StagedSnapshot, placement: NodePlacement, gather: Callable[[], list[Any] | None]) -> dict[str, Any]:
+    """Rank 0's step 3, once ``gather()`` has every report: every copy checked, then the unit
+    indexes and the manifest (recording the placement), as every node will write them."""
+    reports = gather() or []
+    parts = [RankPart.from_message(report["part"]) for report in reports]
+    check_copies(staged.step, placement, parts, [report["copies"] for report in reports])
+    indexes, manifest = index_files(replace(staged, notes={**staged.notes, "nodes": placement.record()}), parts)
+    encoded = manifest.dumps()
+    return {"indexes": {path: data.decode() for path, data in indexes.items()}, "manifest": encoded,
+            "bytes": manifest.total_bytes() + len(encoded.encode())}
+
+
+def check_copies(step: int, placement: NodePlacement, parts: list[RankPart], copies: list[dict[str, list[Any]]]) -> None:
+    """Refuse to commit unless every rank's every file arrived at each of its partner ranks (and
+    the global files at every node) as its writer wrote it: the same size and checksum."""
+    wanted = [(rank, partner, files_of(part)) for rank, part in enumerate(parts) for partner in placement.partners(rank)]
+    shared = [f for f in files_of(parts[0]) if writer_rank(f.path) is None]
+    wanted += [(0, leader, shared) for leader in placement.global_receivers()]
+    for rank, partner, files in wanted:
+        arrived = {entry["path"]: (entry["bytes"], entry["xxh3_64"]) for entry in copies[partner].get(str(rank), [])}
+        for file in files:
+            if arrived.get(file.path) != (file.bytes, file.xxh3_64):
+                raise TailorError(
+                    f"step {step} was not committed: rank {partner} (node {placement.nodes.node_of_rank(partner)}) "
+                    f"holds no copy of {file.path} of rank {rank} as written ({file.bytes} bytes, xxh3 {file.xxh3_64}; "
+                    f"it got {arrived.get(file.path) or 'nothing'})")
+
+
+def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callable[[], None] | None) -> dict[str, Any]:
+    """Step 4 on a node's leader: the indexes, the manifest last, the commit and ``latest``.
+    Returns ``{"pointer_error": ...}``, or ``{"error": ...}`` with what was staged removed (every
+    rank learns it in ``_settle``)."""
+    try:
+        with snapshot.abandoned_on_failure():
+            write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()})
+            snapshot.commit(plan["manifest"].encode(), confirm)
+    except BaseException as err:
+        return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
+    return {"pointer_error": replace_latest(snapshot.run, snapshot.step)}
+
+
+def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
+            round_: str, committed: dict[str, Any] | None) -> str | None:
+    """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
+    node's, on its leader). When a node's failed, those that committed remove their copy again
+    and every rank raises, naming each failed node and why. Returns this node's pointer error."""
+    outcomes = coord.exchange(f"{round_}/committed", committed)
+    failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
+    if failed:
+        if committed is not None and "error" not in committed:
+            _uncommit(snapshot.run, staged)
+        where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
+        raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
+                          "the nodes that did removed their copy, and every earlier snapshot is intact")
+    return outcomes[placement.leader(coord.rank)]["pointer_error"]
+
+
+def _uncommit(run: Run, staged: StagedSnapshot) -> None:
+    """Remove this node's copy of a snapshot another node could not commit, and point
+    ``latest`` back at its parent (the newest composite is the same on every node again)."""
+    discard_snapshots(run, [staged.step])
+    if staged.parent is not None:
+        replace_latest(run, staged.parent)

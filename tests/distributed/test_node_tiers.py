@@ -1,0 +1,95 @@
+"""Node-local tiers (``Tier(scope="node", replicas=2)``) on two "nodes": two ``torchrun --nnodes 2``
+launches on loopback, each with its own memory directory and TMPDIR; the only directory they
+share is the durable run directory. Each node's copy holds its own parts and its partner's, the
+manifests are byte-identical, and a fresh launch at the same placement restores every tensor
+equal to its composite version from its own node's copy. A node whose tier cannot be written, or
+is full, fails the writer / the save on every rank, clearly, and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+from llmtailor.constants import MANIFEST_FILE, writer_rank
+from llmtailor.store.run import Run
+
+JOB = Path(__file__).with_name("torch_job.py")
+pytestmark = pytest.mark.slow
+
+
+def launch(tmp_path: Path, scenario: str, per_node: int, **per_node_env: list[str]) -> list[dict]:
+    """Two "nodes" of ``per_node`` ranks each run ``scenario``: node i in ``tmp_path/node<i>`` (its
+    own TMPDIR and ``NODE_DIR``), ``RUN_HOME`` shared; ``per_node_env``: a value per node. Each
+    rank's result, by global rank."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RUN_HOME": str(tmp_path / "home")}
+    port, launches = free_port(), []
+    for node in range(2):
+        own = tmp_path / f"node{node}"
+        (own / "tmp").mkdir(parents=True, exist_ok=True)
+        env = {**base, "TMPDIR": str(own / "tmp"), "NODE_DIR": str(own / "memory"),
+               **{name: values[node] for name, values in per_node_env.items()}}
+        launches.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+             str(JOB), scenario, str(own)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    outputs = [p.communicate(timeout=600) for p in launches]
+    assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
+    return [json.loads((tmp_path / f"node{rank // per_node}" / f"result-{scenario}-{rank}.json").read_text())
+            for rank in range(2 * per_node)]
+
+
+@pytest.mark.parametrize("kind, per_node", [("fsdp", 1), ("ddp", 2)])
+def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_every_tensor(tmp_path, kind, per_node):
+    saved = launch(tmp_path, f"nodes-{kind}", per_node)
+    world = 2 * per_node
+    copies = [Run(tmp_path / f"node{node}" / "memory") for node in range(2)]
+    # keep=2 on each node alike: the composites of 3 and 4, and 2, which that of 3 needs.
+    assert copies[0].steps() == copies[1].steps() == [2, 3, 4]
+    for copy in copies:
+        assert copy.verify() == []  # every file of every rank is here: its own parts and its partner's
+        for step in copy.steps():
+            ranks = {writer_rank(f.path) for unit in copy.manifest(step).units
+                     for f in copy.unit_entry(step, unit).files} | {writer_rank(f.path) for f in copy.manifest(step).files}
+            assert set(range(world)) <= ranks
+    for step in (2, 3, 4):
+        written = [(copy.snapshot_dir(step) / MANIFEST_FILE).read_bytes() for copy in copies]
+        assert written[0] == written[1]
+    node_of = [rank // per_node for rank in range(world)]
+    assert copies[0].manifest(4).notes["nodes"] == {"node_of": node_of, "replicas": 2, "jump": 1}
+    home = Run(tmp_path / "home")
+    assert 4 in home.steps() and home.verify() == []  # promoted from node 0's copy at close
+    assert saved[0]["promoted"][-1] == 4 and all(result["sent"] > 0 for result in saved)
+
+    restored = launch(tmp_path, f"nodes-restore-{kind}", per_node)
+    for rank, result in enumerate(restored):
+        assert result["restored"] == 4 and result["extra"] == {"rank": rank}
+        assert result["tier"] == str(tmp_path / f"node{node_of[rank]}" / "memory")  # its own node's copy
+    assert restored[0]["mismatches"] == []  # rank 0 compares every tensor, whole (node 0 holds the versions)
+
+
+def test_a_node_whose_tier_cannot_be_written_or_is_full_fails_every_rank_and_loses_nothing(tmp_path, small_fs):
+    (tmp_path / "a-file").write_text("not a directory")
+    full = small_fs / "memory"
+    results = launch(tmp_path, "nodes-refused", 1,
+                     UNWRITABLE_DIR=[str(tmp_path / "node0" / "fine"), str(tmp_path / "a-file" / "memory")],
+                     FULL_DIR=[str(tmp_path / "node0" / "memory"), str(full)], FILL=["", "1"])
+    for result in results:
+        assert result["unwritable"].startswith("ConfigError: the node-local tier cannot be written on node(s) [1]: "
+                                               "node 1: "), result
+        assert str(tmp_path / "a-file") in result["unwritable"]
+        assert "step 2" in result["full"] and "no space left" in result["full"], result
+        assert result["restored"] == 1 and result["tier"] in (str(tmp_path / "node0" / "memory"), str(full))
+    assert results[0]["mismatches"] == []
+    # Nothing of the refused writer stayed anywhere; nothing of the failed save either.
+    assert not (tmp_path / "unwritable").exists() and not (tmp_path / "node0" / "fine" / ".lock").exists()
+    for copy in (Run(tmp_path / "node0" / "memory"), Run(full)):
+        assert copy.steps() == [1] and copy.verify() == []
+        assert not any((Path(copy.root) / ".tmp").glob("*"))
