@@ -27,6 +27,7 @@ collective (``providers/agreement.py``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -196,13 +197,9 @@ class Tailor:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
         tier (``store.node_commit``), else one store every rank writes (``store.writer``)."""
         lock, placement = self.tiers.first.lock, self.tiers.placement
-
-        def prepare() -> None:  # rank 0, in the save's first message: what it raises, every rank raises
-            # A promotion failure; a tier beyond max_lag: waited for up to half the timeout, as
-            # the other ranks wait for this message up to the timeout.
-            self.tiers.before_save(staged.step, self.config.timeout / 2)
-            lock.claim()
-
+        # Run inside the save's first message: what it raises, every rank raises. A lagging tier is
+        # waited for up to half the timeout, as the other ranks wait for that message the timeout.
+        prepare = functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2)
         if placement is not None:
             return persist_on_nodes(self.run, staged, placement, self.coordinator, prepare=prepare,
                                     confirm=lock.check_held)

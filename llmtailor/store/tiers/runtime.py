@@ -199,21 +199,17 @@ class Tiers:
         if self.promoter is not None:
             self.promoter.wait()
 
-    def before_save(self, step: int, timeout: float) -> None:
-        """Rank 0, as a save of ``step`` opens (inside the save's own first message, so every
-        rank raises what this raises, and a save costs no message of its own here): raise the
+    def prepare_save(self, step: int, timeout: float) -> None:
+        """Where the first tier is committed (rank 0; each node's leader of a node-local one),
+        as a save of ``step`` opens, inside the save's own first message (so every rank raises
+        what this raises, and a save costs no message of its own here). Rank 0: raise the
         promotion failures met since the last report, each once, as a PromotionError; then,
         while a tier is more than its ``max_lag`` behind the one before it, wait (up to
-        ``timeout`` seconds) for the promotion to catch up. Nothing of the save is written yet."""
-        if self.promoter is None:
-            return
-        try:
-            self.promoter.catch_up(timeout)
-        except PromotionError as err:
-            raise PromotionError(f"{err}; step {step} was not saved: call save({step}) again") from None
-        failure = self.promoter.take_failure()
-        if failure is not None:
-            raise PromotionError(failure)
+        ``timeout`` seconds) for the promotion to catch up. Then claim the first tier's lock.
+        Nothing of the save is written yet."""
+        if self.promoter is not None:
+            _catch_up(self.promoter, step, timeout)
+        self.first.lock.claim()
 
     def raise_failure(self, coordinator: Coordinator) -> None:
         """Collective: raise on every rank the promotion failures rank 0 met since the last
@@ -270,3 +266,14 @@ class Tiers:
     def candidates(self) -> Candidates:
         """What ``restore(fallback=True)`` tries, in order (``choice.candidates``)."""
         return candidates(self.levels)
+
+
+def _catch_up(promoter: Promoter, step: int, timeout: float) -> None:
+    """``Tiers.prepare_save``'s promotion part: the failures to report, the lag to wait for."""
+    try:
+        promoter.catch_up(timeout)
+    except PromotionError as err:
+        raise PromotionError(f"{err}; step {step} was not saved: call save({step}) again") from None
+    failure = promoter.take_failure()
+    if failure is not None:
+        raise PromotionError(failure)
