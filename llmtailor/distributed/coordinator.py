@@ -33,6 +33,8 @@ from llmtailor.errors import IntegrityError, PromotionError, TailorError
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
 _instances = itertools.count()
+_POLL = 0.05
+"""Seconds between two looks at the store while waiting for a message."""
 ALIKE: tuple[type[TailorError], ...] = (PromotionError,)
 """Errors of the leader's ``broadcast`` that concern the job, not the leader (a promotion failure
 rank 0 met): every follower raises the same type with the same message, so ranks that handle it
@@ -94,6 +96,35 @@ class Coordinator(ABC):
         every rank, in the same order)."""
         return tensor
 
+    # -- point to point, from any thread: a few ranks' work outside the saves' rounds --------
+
+    @abstractmethod
+    def post(self, tag: str, value: Any) -> None:
+        """Leave ``value`` (JSON-able) under ``tag`` for the rank(s) that ask (``poll``,
+        ``collect``); tags of one's own, each posted once."""
+
+    @abstractmethod
+    def poll(self, tag: str) -> tuple[bool, Any]:
+        """``(True, value)`` when ``tag`` was posted, else ``(False, None)``; never waits."""
+
+    def collect(self, tags: dict[int, str], what: str) -> dict[int, Any]:
+        """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
+        CoordinationError naming the ranks that did not post ``what`` in time."""
+        deadline, found = time.monotonic() + self.timeout, {}
+        while True:
+            for rank, tag in tags.items():
+                if rank not in found:
+                    posted, value = self.poll(tag)
+                    if posted:
+                        found[rank] = value
+            if len(found) == len(tags):
+                return found
+            if time.monotonic() >= deadline:
+                missing = sorted(set(tags) - set(found))
+                raise CoordinationError(f"rank(s) {missing} did not report {what} within {self.timeout:g} s: a rank "
+                                        "died or is stuck (timeout: Tailor(..., timeout=...))")
+            time.sleep(_POLL)
+
     def agree(self, tag: str, step: int, error: BaseException | None, touched: bool) -> tuple[BaseException | None, bool]:
         """After every rank read its part of a restore (``error``: how its read failed, if it
         did; ``touched``: whether it changed its live state): the error every rank must raise,
@@ -124,6 +155,15 @@ class Coordinator(ABC):
 class LocalCoordinator(Coordinator):
     """One process: every message is to itself."""
 
+    def __init__(self) -> None:
+        self._posts: dict[str, Any] = {}
+
+    def post(self, tag: str, value: Any) -> None:
+        self._posts[tag] = value
+
+    def poll(self, tag: str) -> tuple[bool, Any]:
+        return (True, self._posts[tag]) if tag in self._posts else (False, None)
+
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
         assert compute is not None, "the leader computes what it broadcasts"
         return compute()
@@ -140,7 +180,7 @@ class LocalCoordinator(Coordinator):
 class StoreCoordinator(Coordinator):
     """Ranks of a torch.distributed job, talking through its c10d store with deadlines."""
 
-    _POLL = 0.05
+    _POLL = _POLL
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT, group: Any = None):
         import torch.distributed as dist
@@ -217,6 +257,13 @@ class StoreCoordinator(Coordinator):
 
         self._wait_all(keys, describe)
         return [json.loads(self._store.get(k)) for k in keys]
+
+    def post(self, tag: str, value: Any) -> None:
+        self._store.set(self._prefix + tag, json.dumps(value))
+
+    def poll(self, tag: str) -> tuple[bool, Any]:
+        key = self._prefix + tag
+        return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"

@@ -124,7 +124,7 @@ def test_restore_of_a_step_reads_the_fastest_tier_holding_it(tmp_path, tokens):
 def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_path, tokens, monkeypatch):
     home, memory = tmp_path / "home", tmp_path / "memory"
     monkeypatch.setattr(promote, "RETRY_WAIT", 0.01)
-    copy_file, calls = promote._copy_file, []
+    copy_file, calls = promote.copy_file, []
 
     def failing(source, key, sink, entry):
         calls.append(key)
@@ -132,7 +132,7 @@ def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_pat
             raise OSError(errno.EIO, "Input/output error")
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", failing)
+    monkeypatch.setattr(promote, "copy_file", failing)
     tailor, model, opt, sched = tiered(home, memory, promote_every=1, policy=Full())
     save_steps(tailor, model, opt, sched, tokens, [1], settle=False)
     tailor.tiers.wait_promotions()  # waits, reports nothing (wait(promoted=True) would raise)
@@ -142,7 +142,7 @@ def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_pat
         tailor.save(2)  # reported before anything of step 2 is written
     assert Run(memory).latest_step() == 1 and Run(memory).verify() == []
     assert Run(home).steps() == [] and not any((home / ".tmp").iterdir())
-    monkeypatch.setattr(promote, "_copy_file", copy_file)
+    monkeypatch.setattr(promote, "copy_file", copy_file)
     tailor.save(2)  # reported once; the next promotion goes through
     expected = unit_versions(model, opt)
     tailor.close()
@@ -322,7 +322,7 @@ def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_
     file copy and hoped that the saves outran it; on a busy machine they did not.)"""
     home, memory = tmp_path / "home", tmp_path / "memory"
     copying, go = threading.Event(), threading.Event()
-    copy_file = promote._copy_file
+    copy_file = promote.copy_file
 
     def held(source, key, sink, entry):
         if "step-00000002" in key:
@@ -330,7 +330,7 @@ def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_
             go.wait(120)
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", held)
+    monkeypatch.setattr(promote, "copy_file", held)
     tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
     save_steps(tailor, model, opt, sched, tokens, [1])
     save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
@@ -458,7 +458,7 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
         go.wait(120)
 
     monkeypatch.setattr(promote, "_pause_before_retry", held)
-    copy_file, failed = promote._copy_file, []
+    copy_file, failed = promote.copy_file, []
 
     def failing(source, key, sink, entry):
         if "step-00000002" in key and not failed or newer_fails and "step-00000003" in key:
@@ -466,7 +466,7 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
             raise OSError(errno.EIO, "Input/output error")
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", failing)
+    monkeypatch.setattr(promote, "copy_file", failing)
     tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1, policy=Full())
     save_steps(tailor, model, opt, sched, tokens, [1])
     save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
@@ -488,7 +488,7 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
     else:
         assert failure is None and [p.step for p in tailor.tiers.promotions] == [1, 3]
         assert tailor.tiers.promotions[-1].superseded == {2: "Input/output error"}
-    monkeypatch.setattr(promote, "_copy_file", copy_file)
+    monkeypatch.setattr(promote, "copy_file", copy_file)
     tailor.close()
     assert Run(home).steps() == [1, 3] and Run(home).verify() == []
 
@@ -566,7 +566,7 @@ def test_a_save_waits_while_the_next_tier_is_more_than_max_lag_behind(tmp_path, 
     says it waits (or once it returned without waiting: the failure this test is for)."""
     home, memory = tmp_path / "home", tmp_path / "memory"
     copying, go, waiting, order = threading.Event(), threading.Event(), threading.Event(), []
-    copy_file, promote_composite, begin = promote._copy_file, promote.promote, commit_module.SnapshotCommit.begin.__func__
+    copy_file, promote_composite, begin = promote.copy_file, promote.promote, commit_module.SnapshotCommit.begin.__func__
 
     def held(source, key, sink, entry):
         if "step-00000002" in key:
@@ -588,7 +588,7 @@ def test_a_save_waits_while_the_next_tier_is_more_than_max_lag_behind(tmp_path, 
             if "max_lag" in record.getMessage():
                 waiting.set()
 
-    monkeypatch.setattr(promote, "_copy_file", held)
+    monkeypatch.setattr(promote, "copy_file", held)
     monkeypatch.setattr(promote, "promote", promoted)
     monkeypatch.setattr(commit_module.SnapshotCommit, "begin", classmethod(begun))
     caplog.set_level(logging.INFO, logger="llmtailor")

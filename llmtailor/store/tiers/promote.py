@@ -41,11 +41,13 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR
 from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.store.catalog import Composite
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import discard_snapshots, retain_after_commit
@@ -68,23 +70,39 @@ def promote(source: Run, target: Level, step: int, parent: int | None = None) ->
     snapshots copied and their bytes. The caller holds ``target``'s writer lock (each
     commit confirms it). SnapshotNotFoundError when ``source`` no longer holds the composite
     (its retention moved on to a newer one)."""
-    dst = target.run
     copied, size = [], 0
     with source.reading(step) as composite:  # leased: the source's retention leaves it in place
         target.lock.claim()
-        held = set(dst.steps())
-        for needed in sorted(source.needs(composite)):
-            if needed in held:
-                if _same_snapshot(source, dst, needed):
-                    continue
-                _replace_stray_carrier(source, dst, needed)
-            _copy_snapshot(source, target, needed, step, parent if parent in held and parent < step else None)
-            copied.append(needed)
-            size += source.manifest(needed).total_bytes()
+        needed, parent = lacking(source, target.run, composite, parent)
+        for snapshot in needed:
+            _copy_snapshot(source, target, snapshot, step, parent)
+            copied.append(snapshot)
+            size += source.manifest(snapshot).total_bytes()
+    point_latest(target.run, step)
+    return copied, size
+
+
+def lacking(source: Run, dst: Run, composite: Composite, parent: int | None) -> tuple[list[int], int | None]:
+    """The snapshots of ``composite`` (of ``source``) that ``dst`` lacks, oldest first (a stray
+    carrier of one of their steps removed from ``dst`` to make room), and the ``parent`` link the
+    composite's copy gets: ``parent`` if ``dst`` holds that older snapshot, else None."""
+    held = set(dst.steps())
+    needed = []
+    for step in sorted(source.needs(composite)):
+        if step in held:
+            if _same_snapshot(source, dst, step):
+                continue
+            _replace_stray_carrier(source, dst, step)
+        needed.append(step)
+    return needed, parent if parent in held and parent < composite.step else None
+
+
+def point_latest(dst: Run, step: int) -> None:
+    """``dst``'s ``latest`` to the composite just promoted; a failure is logged (it is found
+    through its parent link all the same)."""
     failure = replace_latest(dst, step)
     if failure is not None:
         log.warning("llmtailor promotion: %s", failure)
-    return copied, size
 
 
 def _same_snapshot(source: Run, dst: Run, step: int) -> bool:
@@ -149,21 +167,27 @@ def clear_stray_carriers(run: Run) -> list[int]:
 def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent: int | None) -> None:
     """Copy the snapshot of ``step``, which the composite of ``composite`` needs (``parent``: the
     link the composite's copy gets)."""
-    dst = target.run
+    snapshot = SnapshotCommit.begin(target.run, step)
+    with snapshot.abandoned_on_failure():
+        with snapshot.files() as create:
+            for entry in source.stored_files(step):
+                copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
+        snapshot.commit(promoted_manifest(source, step, composite, parent), confirm=target.lock.check_held)
+
+
+def promoted_manifest(source: Run, step: int, composite: int, parent: int | None) -> bytes:
+    """The manifest of ``source``'s snapshot of ``step`` as promoted for the composite of
+    ``composite`` (module docstring): that composite's own linked to ``parent``, a carrier marked
+    ``carried_for`` and linked to none."""
     manifest = source.manifest(step)
     if step == composite:
         manifest = manifest.model_copy(update={"parent": parent})
     else:
         manifest = manifest.model_copy(update={"parent": None, "notes": {**manifest.notes, CARRIED_FOR: composite}})
-    snapshot = SnapshotCommit.begin(dst, step)
-    with snapshot.abandoned_on_failure():
-        with snapshot.files() as create:
-            for entry in source.stored_files(step):
-                _copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
-        snapshot.commit(manifest.dumps().encode(), confirm=target.lock.check_held)
+    return manifest.dumps().encode()
 
 
-def _copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:
+def copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:
     """Stream ``key`` into ``sink``, checked against ``entry`` before the sink is closed."""
     hasher, seen = xxhash.xxh3_64(), 0
     try:
@@ -211,6 +235,9 @@ class Promoter:
         self._wanted = False
         self._final = False
         self._failures: list[str] = []
+        self.crew: Any = None
+        """With a node-local tier, the nodes promoting it together (``collective.Crew``): its
+        promotions to the next tier go through ``crew.promote`` instead of ``promote``."""
         self.done: list[Promotion] = []
         """Every promotion done, in order."""
 
@@ -353,7 +380,8 @@ class Promoter:
         wait, failed = RETRY_WAIT, []  # failed: this promotion's failed tries, (step, why)
         while True:
             try:
-                copied, size = promote(source, level, step, there)
+                together = self.crew is not None and self._levels[target - 1].node_local
+                copied, size = (self.crew.promote if together else promote)(source, level, step, there)
                 return step, copied, size, {s: why for s, why in failed if s != step}
             except SnapshotNotFoundError as gone:
                 if not failed:

@@ -17,6 +17,7 @@ from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.catalog import LeasedComposite
+from llmtailor.store.tiers.collective import Crew, NodeUploader, follows
 from llmtailor.store.tiers.choice import Candidates, Choice, candidates, choose, newest_steps, raise_problem
 from llmtailor.store.tiers.config import Tier
 from llmtailor.store.tiers.levels import Level
@@ -39,6 +40,8 @@ class Tiers:
         self.levels = levels
         self.promoter: Promoter | None = None
         """Set by ``open_for_writing`` (the writer's rank 0, with more than one tier)."""
+        self.uploader: NodeUploader | None = None
+        """A node leader's part of collective promotions (``_promote_together``), not rank 0's."""
         self.placement: NodePlacement | None = None
         """Set by ``open_for_writing`` when the first tier is node-local in a job of several
         ranks: saves then commit there with ``store.node_commit``."""
@@ -132,6 +135,18 @@ class Tiers:
         if courier is not None:
             self.placement = NodePlacement(nodes, first.replicas, first.jump, courier)
             self._refuse_unseen(coordinator, round_, outcomes[0]["token"], self.levels[1:])
+            self._promote_together(nodes, coordinator)
+
+    def _promote_together(self, nodes: Nodes, coordinator: Coordinator) -> None:
+        """With a node-local first tier and a tier after it, promotions are collective
+        (``collective.py``): rank 0's promoter leads them, each other node's leader follows."""
+        if len(self.levels) == 1:
+            return
+        if self.promoter is not None:
+            self.promoter.crew = Crew(nodes, coordinator)
+        elif follows(nodes, coordinator.rank):
+            node = nodes.node_of_rank(coordinator.rank)
+            self.uploader = NodeUploader(self.first.run, self.levels[1].run, node, coordinator).start()
 
     def _open_node(self, everything: bool) -> dict[str, str]:
         """A node leader's part of ``_open_nodes``: its copy's lock and record (``everything``,
@@ -226,7 +241,11 @@ class Tiers:
         try:
             if self.promoter is not None:
                 self.promoter.finish()
+            if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
+                self.uploader.join()
         finally:
+            if self.promoter is not None and self.promoter.crew is not None:
+                self.promoter.crew.stop()
             self.release()
 
     def release(self) -> None:
