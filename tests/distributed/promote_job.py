@@ -5,8 +5,9 @@ at ``$NODE_DIR``, promoted every 2 steps to ``$RUN_HOME`` (the moto server's buc
 ``close()``. Resumes from the newest composite of any tier when there is one.
 
 Each process records the files it uploaded in promotions (``collective.upload``). With
-``HOLD_AT=<step>``, node 1's leader, once it has uploaded its parts for the promotion of that
-step, writes ``<out>/holding`` and stops there for good (until the test kills its node).
+``HOLD_AT=<step>``, each node's leader, once it has uploaded its node's parts for the promotion
+of that step, writes ``<out>/holding`` (its process id) and stops there for good (until the test
+kills the job: torchrun's workers run in sessions of their own).
 
     python -m torch.distributed.run --nnodes 2 --node_rank I ... promote_job.py OUT
 """
@@ -39,9 +40,9 @@ def recording_uploads(out: Path) -> list[str]:
     def recorded(source, dst, staging, node):
         done = upload(source, dst, staging, node)
         uploaded.extend(f"{step}:{entry.path}" for step in staging for entry in collective.node_files(source, step, node))
-        if hold and node == 1 and int(hold) in staging:
-            (out / "holding").write_text(json.dumps(sorted(staging)))
-            threading.Event().wait()  # mid-promotion, for good: the test kills this node now
+        if hold and node is not None and int(hold) in staging:
+            (out / "holding").write_text(json.dumps({"pid": os.getpid(), "staging": sorted(staging)}))
+            threading.Event().wait()  # mid-promotion, for good: the test kills the job now
         return done
 
     collective.upload = recorded

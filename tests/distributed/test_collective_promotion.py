@@ -29,15 +29,15 @@ JOB = Path(__file__).with_name("promote_job.py")
 pytestmark = pytest.mark.slow
 
 
-def start_nodes(tmp_path: Path, url: str, endpoint: str, **node1: str) -> list[subprocess.Popen]:
+def start_nodes(tmp_path: Path, url: str, endpoint: str, both: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """The two launches (each in a session of its own, so a test can kill a whole node);
-    ``node1``: environment for node 1's launch only."""
+    ``both``: more environment for each."""
     base = {**os.environ, **environment(endpoint), "RUN_HOME": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port, launches = free_port(), []
     for node in range(2):
         own = tmp_path / f"node{node}"
         (own / "tmp").mkdir(parents=True, exist_ok=True)
-        env = {**base, "TMPDIR": str(own / "tmp"), "NODE_DIR": str(own / "memory"), **(node1 if node == 1 else {})}
+        env = {**base, "TMPDIR": str(own / "tmp"), "NODE_DIR": str(own / "memory"), **(both or {})}
         launches.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), str(JOB), str(own)],
@@ -79,27 +79,33 @@ def test_each_node_uploads_its_own_parts_and_rank_0_commits(tmp_path, monkeypatc
 
 
 def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_clears(tmp_path, monkeypatch):
+    """Both nodes uploaded their parts of step 3's promotion and stop there (so rank 0 cannot
+    tidy up: the crash is the whole story); node 1 is SIGKILLed, then node 0 (as torchrun
+    elastic would end the survivors). The bucket shows step 1 only, whole; the parts of step 3
+    and of its carrier (step 2) lie there without a manifest. A relaunch with every node's memory lost resumes from the bucket,
+    its writer clears them, and its own promotions commit."""
     with moto_process() as endpoint:
         url = f"s3://{new_bucket(endpoint)}/jobs/killed"
         for name, value in environment(endpoint).items():
             monkeypatch.setenv(name, value)
-        launches = start_nodes(tmp_path, url, endpoint, HOLD_AT="3", TIMEOUT="15")
-        holding = tmp_path / "node1" / "holding"
-        while not holding.exists():  # the event: node 1 uploaded its parts of step 3's promotion
-            assert launches[1].poll() is None and launches[0].poll() is None, launches[1].communicate()[1][-4000:]
+        launches = start_nodes(tmp_path, url, endpoint, both={"HOLD_AT": "3"})
+        markers = [tmp_path / f"node{node}" / "holding" for node in range(2)]
+        while not all(marker.exists() for marker in markers):  # the event: both nodes mid-promotion
+            assert all(p.poll() is None for p in launches), [p.communicate()[1][-4000:] for p in launches]
             try:
                 launches[1].wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-        os.killpg(launches[1].pid, signal.SIGKILL)
-        launches[1].wait()
-        launches[0].communicate(timeout=600)  # rank 0 fails the promotion (node 1 silent), then its job
-        assert launches[0].returncode != 0
+        for node in (1, 0):  # node 1 first: the node lost; then the survivors
+            os.kill(json.loads(markers[node].read_text())["pid"], signal.SIGKILL)  # its worker: a session of its own
+            os.killpg(launches[node].pid, signal.SIGKILL)  # its torchrun agent
+            launches[node].communicate()
         run = Run(url)
-        assert 3 not in run.steps() and run.latest_step() == 1 and run.verify() == []  # only what was whole
+        assert run.steps() == [1] and run.latest_step() == 1 and run.verify() == []  # only what is whole
+        # The parts uploaded, invisible: step 3's and its carrier's (Parity's composite of 3 needs step 2).
+        assert staged_only(endpoint, url) == ["step-00000002", "step-00000003"]
 
         for node in range(2):  # a relaunch with every node's memory lost: from the bucket, at step 1
-            (tmp_path / f"node{node}" / "result-{node}.json").unlink(missing_ok=True)
             subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "memory")], check=True)
         finished(start_nodes(tmp_path, url, endpoint))
         results = [json.loads((tmp_path / f"node{r}" / f"result-{r}.json").read_text()) for r in range(2)]
