@@ -49,3 +49,18 @@ def test_a_promotion_failure_reaches_every_rank_as_itself():
 def test_a_broadcast_reaches_every_rank():
     outcomes = on_every_rank(3, lambda c: c.broadcast("r1/open", (lambda: {"staging": "s"}) if c.is_leader else None))
     assert outcomes == [{"staging": "s"}] * 3
+
+
+def test_posts_reach_the_rank_that_collects_them_and_a_silent_rank_is_named():
+    """Point to point (collective promotion's orders and reports): rank 0 collects what ranks 1
+    and 2 posted; a rank that posts nothing is named once the timeout has passed."""
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 3, timeout=1) for rank in range(3)]
+    assert ranks[1].poll("promotion/1/node/1") == (False, None)
+    ranks[1].post("promotion/1/node/1", {"bytes": 5})
+    ranks[2].post("promotion/1/node/2", {"error": "disk"})
+    assert ranks[0].collect({1: "promotion/1/node/1", 2: "promotion/1/node/2"}, "their part") == {
+        1: {"bytes": 5}, 2: {"error": "disk"}}
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[2\] did not report their part of promotion 2 within 1 s"):
+        ranks[1].post("promotion/2/node/1", {"bytes": 5})
+        ranks[0].collect({1: "promotion/2/node/1", 2: "promotion/2/node/2"}, "their part of promotion 2")
