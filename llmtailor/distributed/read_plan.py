@@ -20,7 +20,7 @@ order and calls ``fetch`` once, with the same tensor specs per item.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -39,17 +39,20 @@ _SENT, _DAMAGED, _FAILED = 0, 1, 2  # what a reader announces before the payload
 _AHEAD = 2  # items a rank reads ahead of their turn (memory: at most this many packed items waiting)
 
 
-def balance(sizes: dict[K, int], world: int) -> dict[K, int]:
+def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
     """Item -> rank, balancing bytes: items by size, largest first (equal sizes in the given
-    order), each to the rank with the fewest bytes so far (ties to the lowest rank). The one rule
-    for who writes which unit at a save and who reads which at a restore, so every provider
-    balances alike; deterministic, so every rank computes the same without a message."""
+    order), each to the rank with the fewest bytes so far (ties to the lowest rank) among its
+    ``candidates`` (those that can read it: the ranks whose node holds its files, in a node-local
+    tier), every rank for an item without any. The one rule for who writes which unit at a save
+    and who reads which at a restore, so every provider balances alike; deterministic, so every
+    rank computes the same without a message."""
     load = [0] * world
     owners: dict[K, int] = {}
     order = list(sizes)
     position = {item: at for at, item in enumerate(order)}
     for item in sorted(order, key=lambda i: (-sizes[i], position[i])):
-        rank = min(range(world), key=lambda r: (load[r], r))
+        allowed = sorted(set((candidates or {}).get(item) or ())) or range(world)
+        rank = min(allowed, key=lambda r: (load[r], r))
         load[rank] += sizes[item]
         owners[item] = rank
     return owners
@@ -65,13 +68,17 @@ class ReadPlan:
 
     ``items``: name (what an error calls it, e.g. ``unit 'layer.1' of step 4``) -> bytes, in an
     order every rank shares; ``ranks``: the group's global ranks (all of the job's by default)
-    and ``group`` its process group (None: the default one)."""
+    and ``group`` its process group (None: the default one); ``candidates``: item -> the global
+    ranks that can read it (``balance``; none given: any rank of the group)."""
 
-    def __init__(self, coordinator: Coordinator, items: dict[str, int], ranks: list[int] | None = None, group: Any = None):
+    def __init__(self, coordinator: Coordinator, items: dict[str, int], ranks: list[int] | None = None, group: Any = None,
+                 candidates: Mapping[str, Collection[int]] | None = None):
         self.coordinator = coordinator
         self.ranks = list(range(coordinator.world_size)) if ranks is None else list(ranks)
         self.group = group
-        owners = balance(items, len(self.ranks))
+        positions = {item: [self.ranks.index(r) for r in allowed if r in self.ranks]
+                     for item, allowed in (candidates or {}).items()}
+        owners = balance(items, len(self.ranks), positions)
         self.readers = {item: self.ranks[owners[item]] for item in items}
         """Item -> the global rank that reads it from the store, in the items' order."""
 

@@ -30,6 +30,7 @@ from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
+from llmtailor.store.node_parts import reading_ranks
 from llmtailor.store.run import Run
 from llmtailor.store.samples import sample_checksum
 from llmtailor.store.staged import Piece, StagedUnit
@@ -234,7 +235,8 @@ class LocalProvider(StateProvider):
                   for unit in sources}
         specs = {unit: [(t.torch_dtype, t.shape) for t in wanted[unit]] for unit in sources}
         units = {f"unit {unit!r} of step {source}": unit for unit, source in sources.items()}
-        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()})
+        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()},
+                        candidates=self._readable(run, sources, entries, units))
 
         def read(item: str) -> list[torch.Tensor]:
             unit = units[item]
@@ -246,6 +248,18 @@ class LocalProvider(StateProvider):
             unit = units[item]
             values = {name: dict(plain) for name, plain in entries[unit].values.items()}
             yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
+
+    def _readable(self, run: Run, sources: dict[str, int], entries: dict[str, UnitEntry],
+                  units: dict[str, str]) -> dict[str, list[int]]:
+        """Item -> the ranks that can read it where not every rank can: in a node-local tier, those
+        whose node's copy holds the unit's files (``node_parts.reading_ranks``)."""
+        readable = {}
+        for item, unit in units.items():
+            paths = [f.path for f in entries[unit].files if f.origin != "base"]
+            ranks = reading_ranks(run.manifest(sources[unit]).notes, paths, self.coordinator.world_size)
+            if ranks is not None:
+                readable[item] = ranks
+        return readable
 
     @staticmethod
     def _already_held(entry: UnitEntry, live: dict[str, torch.Tensor], exact: bool = False) -> dict[str, torch.Tensor]:

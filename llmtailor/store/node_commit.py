@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmtailor.constants import writer_rank
+from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import ALIKE, Coordinator, describe_error
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
@@ -49,7 +49,7 @@ from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.staged import PersistResult, RankPart, StagedSnapshot
-from llmtailor.store.writer import friendly, index_files, write_files, write_part
+from llmtailor.store.writer import attempt_part, friendly, index_files, write_files
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,12 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     leads = placement.leads(coord.rank)
     snapshot = _open(run, staged, placement, coord, round_, prepare)
     try:
-        try:
-            if staged.error is not None:
-                raise staged.error
-            part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
-            report: Any = {"part": part.to_message(), "copies": _replicate(snapshot, part, placement, coord.rank)}
+        part = attempt_part(snapshot, staged, coord.rank, on_unit)
+        try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
+            copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank)
+            report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
         except BaseException as err:
-            part = report = friendly(err, run, staged.step)
+            report = friendly(err, run, staged.step)
         plan = _announce(staged, placement, coord, round_, report)
         assert isinstance(part, RankPart)  # a failed part was raised by the gather
     except BaseException:
@@ -118,7 +117,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     committed = _commit_node(snapshot, plan, confirm) if leads else None
     outcome = _settle(snapshot, staged, placement, coord, round_, committed)
     manifest = plan["manifest"].encode()
-    run.remember(parse_manifest(manifest, run.where(staged.step, "manifest.json"), staged.step))
+    run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
                          unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome)
 
@@ -158,13 +157,15 @@ def files_of(part: RankPart) -> list[FileEntry]:
     return list(files.values())
 
 
-def _replicate(snapshot: SnapshotCommit, part: RankPart, placement: NodePlacement, rank: int) -> dict[str, list[Any]]:
+def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodePlacement,
+               rank: int) -> dict[str, list[Any]]:
     """Step 2's copies: this rank's files to its partner ranks (the global files also to the
-    nodes holding none of rank 0's parts), and the files of the ranks it keeps copies of,
-    written into this node's staging, durable. Returns, by source rank, each file received as
-    it arrived (its size and checksum), for rank 0 to check against what its writer wrote."""
+    nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
+    the ranks it keeps copies of, written into this node's staging, durable. Returns, by source
+    rank, each file received as it arrived (its size and checksum), for rank 0 to check against
+    what its writer wrote."""
     storage = snapshot.run.storage
-    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)]
+    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)] if part is not None else []
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
         shared = [(path, content) for path, content in mine if writer_rank(path) is None]
@@ -234,7 +235,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
             round_: str, committed: dict[str, Any] | None) -> str | None:
     """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
     node's, on its leader). When a node's failed, those that committed remove their copy again
-    and every rank raises, naming each failed node and why. Returns this node's pointer error."""
+    and every rank raises, naming each failed node and why. Returns the nodes' pointer errors
+    (the same on every rank, so every rank raises it alike)."""
     outcomes = coord.exchange(f"{round_}/committed", committed)
     failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
     if failed:
@@ -243,7 +245,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
                           "the nodes that did removed their copy, and every earlier snapshot is intact")
-    return outcomes[placement.leader(coord.rank)]["pointer_error"]
+    pointers = {placement.nodes.node_of_rank(rank): o["pointer_error"] for rank, o in enumerate(outcomes) if o}
+    return "; ".join(f"node {node}: {why}" for node, why in sorted(pointers.items()) if why) or None
 
 
 def _uncommit(run: Run, staged: StagedSnapshot) -> None:

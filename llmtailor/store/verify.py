@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llmtailor.constants import CARRIED_FOR, GLOBAL_JSON, layer_unit
+from llmtailor.constants import CARRIED_FOR, GLOBAL_JSON, layer_unit, writer_rank
+from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import ConfigError, SnapshotNotFoundError, TailorError
 from llmtailor.layouts import Layout, load_family, name_units
 from llmtailor.store.catalog import Catalog, ReadLeases, not_restorable
 from llmtailor.store.checked import read_stored, stored_problem
 from llmtailor.store.keys import lacking_weights
 from llmtailor.store.manifest import FileEntry, Manifest
+from llmtailor.store.node_parts import copy_node, parts_elsewhere
 from llmtailor.store.units import UnitReader
 
 
@@ -38,6 +40,8 @@ class RunCheck:
 
     def __init__(self, catalog: Catalog, units: UnitReader):
         self.catalog, self.units = catalog, units
+        self._node = copy_node(catalog.storage)
+        """The node whose copy of a node-local tier this run is (``node_parts.copy_node``), or None."""
 
     def check(self, step: int | None = None) -> Verification:
         """Verify the run: every file of every committed snapshot (or of the composite as of
@@ -93,8 +97,14 @@ class RunCheck:
     def _check_snapshot(self, source: int, units: set[str] | None, step: int | None, result: Verification) -> None:
         manifest = self.catalog.manifest(source)
         snapshot = self.catalog.snapshot_key(source)
+        elsewhere = self._elsewhere(manifest)
+        held_elsewhere: set[str] = set()
 
         def problem_of(entry: FileEntry) -> str | None:
+            writer = writer_rank(entry.path)
+            if elsewhere is not None and writer is not None and elsewhere[0].node_of_rank(writer) in elsewhere[1]:
+                held_elsewhere.add(entry.path)  # another node's part: this node's copy does not hold it
+                return None
             return stored_problem(self.catalog.storage, f"{snapshot}/{entry.path}", entry)
 
         lacking = sorted(set(units or ()) - set(manifest.units))
@@ -122,9 +132,18 @@ class RunCheck:
                     problem = stored_problem(base, file.path, file)
                     if problem:
                         result.problems.append(f"base model directory: {problem}")
+        if held_elsewhere:
+            result.notes.append(f"snapshot {source}: {len(held_elsewhere)} file(s) of the parts of node(s) "
+                                f"{sorted(elsewhere[1])} are held on other nodes (this is node {self._node}'s copy of a "
+                                "node-local tier)")
         if units is None:  # checked whole: its own composite and layout too
             result.problems += self._model_problems(source, manifest)
         result.checked.append(source)
+
+    def _elsewhere(self, manifest: Manifest) -> tuple[Nodes, set[int]] | None:
+        """Where the run is one node's copy of a node-local tier: the nodes whose parts it does
+        not hold, as the snapshot's placement says (``node_parts``); their files are not missing."""
+        return parts_elsewhere(manifest.notes, self._node)
 
     def _model_problems(self, step: int, manifest: Manifest) -> list[str]:
         """Whether the snapshot of ``step`` holds the whole model: its composite names a version

@@ -101,12 +101,7 @@ def persist(
             raise friendly(err, run, staged.step, written=False) from None
 
     snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
-    try:
-        if staged.error is not None:
-            raise staged.error
-        part: RankPart | BaseException = write_part(snapshot, staged, coord.rank, on_unit)
-    except BaseException as err:
-        part = friendly(err, run, staged.step)
+    part = attempt_part(snapshot, staged, coord.rank, on_unit)
     report = part.to_message() if isinstance(part, RankPart) else part
     if coord.is_leader:
         gather = functools.partial(coord.gather, f"{round_}/parts", report)
@@ -145,6 +140,18 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
         raise friendly(err, run, staged.step) from None
     return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step),
             "manifest": encoded.decode()}
+
+
+def attempt_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
+                 on_unit: Callable[[str, int], None] | None) -> RankPart | BaseException:
+    """This rank's part written (``write_part``), or what failed (a staging error included), as
+    the error to report (``friendly``): reported to the leader, never raised here."""
+    try:
+        if staged.error is not None:
+            raise staged.error
+        return write_part(snapshot, staged, rank, on_unit)
+    except BaseException as err:
+        return friendly(err, snapshot.run, staged.step)
 
 
 def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,

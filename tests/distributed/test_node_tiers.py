@@ -75,6 +75,27 @@ def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_
     assert restored[0]["mismatches"] == []  # rank 0 compares every tensor, whole (node 0 holds the versions)
 
 
+def test_with_one_replica_each_node_holds_its_own_parts_and_each_unit_is_read_where_it_is(tmp_path):
+    """replicas=1 on 2 nodes of 2 DDP ranks: a node's copy holds only its own ranks' parts (its
+    verify says the others are held on other nodes, not missing); the
+    restore at the same placement has each unit read by a rank whose node holds its files, and
+    every tensor equals its composite version (without the read plan's candidates rank 0 was
+    given node 1's unit: "packs/rank-00002.0.safetensors: file is missing")."""
+    results = launch(tmp_path, "nodes-single-ddp", 2)
+    copies = [Run(tmp_path / f"node{node}" / "memory") for node in range(2)]
+    for node, copy in enumerate(copies):
+        files = {f.path for unit in copy.manifest(4).units for f in copy.unit_entry(4, unit).files}
+        present = {path for path in files if (copy.snapshot_dir(4) / path).is_file()}
+        assert {writer_rank(path) for path in present} <= {2 * node, 2 * node + 1, None} and present
+        check = copy.check()  # the other node's files are held there, not missing
+        assert check.problems == [] and check.checked == [1, 2, 3, 4]
+        assert f"of the parts of node(s) [{1 - node}] are held on other nodes (this is node {node}'s copy" in check.notes[-1]
+    for rank, result in enumerate(results):
+        assert result["restored"] == 4 and result["extra"] == {"rank": rank}
+        assert result["tier"] == str(tmp_path / f"node{rank // 2}" / "memory")
+    assert results[0]["mismatches"] == []
+
+
 def test_a_node_whose_tier_cannot_be_written_or_is_full_fails_every_rank_and_loses_nothing(tmp_path, small_fs):
     (tmp_path / "a-file").write_text("not a directory")
     full = small_fs / "memory"

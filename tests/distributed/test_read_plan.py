@@ -30,3 +30,27 @@ def test_each_item_has_one_reader_the_bytes_spread_over_the_group_in_the_items_o
                             "unit 'norm' of step 4": 4}
     assert plan.mine() == ["unit 'embed' of step 4"]
     assert balance({"a": 5, "b": 5, "c": 1}, 2) == {"a": 0, "b": 1, "c": 0}  # ties: the given order, the lowest rank
+
+
+def test_an_item_is_read_by_one_of_its_candidates_the_ranks_whose_node_holds_its_files():
+    """A node-local tier holds a unit's files only on some nodes (``replicas`` < nodes): its reader
+    is one of the ranks there, the bytes still balanced among the candidates."""
+    sizes = {"a": 9, "b": 5, "c": 5, "d": 1}
+    assert balance(sizes, 4, {"a": [2, 3], "b": [2, 3], "c": [0, 1]}) == {"a": 2, "b": 3, "c": 0, "d": 1}
+    coordinator = LocalCoordinator()
+    coordinator.world_size, coordinator.rank = 3, 0
+    plan = ReadPlan(coordinator, sizes, ranks=[1, 4, 7], candidates={"a": [7], "b": [4, 7]})
+    assert plan.readers == {"a": 7, "b": 4, "c": 1, "d": 1}
+
+
+def test_the_ranks_that_can_read_files_of_a_node_local_snapshot_are_those_on_the_nodes_holding_them():
+    from llmtailor.constants import pack_filename, unit_filename
+    from llmtailor.store.node_parts import reading_ranks
+
+    placed = {"nodes": {"node_of": [0, 0, 1, 1, 2, 2], "replicas": 2, "jump": 1}}  # node n's parts on n and n+1
+    assert reading_ranks(placed, [unit_filename("layer.1", 3, 6)], 6) == [2, 3, 4, 5]
+    assert reading_ranks(placed, [pack_filename(5, 0)], 6) == [0, 1, 4, 5]  # node 2's parts: on 2 and 0
+    assert reading_ranks(placed, [unit_filename("layer.1", 0, 6), unit_filename("layer.1", 2, 6)], 6) == [2, 3]
+    assert reading_ranks(placed, ["global.json"], 6) == [0, 1, 2, 3, 4, 5]
+    assert reading_ranks(placed, [unit_filename("layer.1", 3, 6)], 3) is None  # another world size
+    assert reading_ranks({}, [unit_filename("layer.1", 3, 6)], 6) is None  # not node-local

@@ -67,10 +67,15 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     record the error they get.
 ``nodes-fsdp`` / ``nodes-ddp``  launched as two "nodes" (``--nnodes 2``), each with its own
     ``$NODE_DIR``: Parity saves at every step 1..4, async, into the node-local tier ``$NODE_DIR``
-    (``scope="node"``, ``replicas=2``, ``keep=2``) in front of the shared run ``$RUN_HOME``;
+    (``scope="node"``, ``replicas=2``, ``keep=2``) in front of the shared run ``$RUN_HOME``, the
+    Tailor made by docs/storage-and-tiers.md's snippet as written;
     versions written by rank 0 to its ``DIR`` (node 0's own); closed (the last save promoted).
 ``nodes-restore-fsdp`` / ``nodes-restore-ddp``  a fresh launch of the same nodes restores it (from
     each node's own copy) and compares every tensor with its composite version (rank 0).
+``nodes-single-ddp``  two "nodes", DDP, ``replicas=1`` (each node holds only its own ranks' parts;
+    no promotion but the one ``close`` makes, which fails as node 0 lacks node 1's parts: the
+    error recorded): Parity saves at 1..4, then a fresh model restores from each node's copy, each
+    unit read by a rank whose node holds it, and rank 0 compares every tensor.
 ``nodes-refused``  two "nodes", DDP: a Tailor of ``unwritable`` beside ``$RUN_HOME`` whose node-local tier ``$UNWRITABLE_DIR`` node 1
     cannot create (the error each rank gets recorded); then one at ``$FULL_DIR`` (node 1's on a
     small tmpfs) saves step 1, node 1 fills its tmpfs, step 2 is saved (the error each rank gets
@@ -612,10 +617,23 @@ def node_tier(location: str, keep: int | None = 2) -> list[Tier]:
     return [Tier(location, scope="node", replicas=2, keep=keep)]
 
 
+def documented_node_tier(model, optimizer, lr_scheduler) -> Tailor:
+    """The Tailor of docs/storage-and-tiers.md's node-local tiers snippet, run as written (its
+    ``/dev/shm/exp1`` this node's ``$NODE_DIR``, its ``s3://ckpt/exp1`` the shared ``$RUN_HOME``)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "storage-and-tiers.md").read_text(encoding="utf-8")
+    start = text.index("### Node-local tiers and replicas")
+    code = re.compile(r"^```python\n(.*?)^```", re.S | re.M).search(text, start).group(1)
+    code = code.replace("/dev/shm/exp1", os.environ["NODE_DIR"]).replace("s3://ckpt/exp1", os.environ["RUN_HOME"])
+    scope = {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler}
+    exec(code, scope)
+    return scope["tailor"]
+
+
 def nodes_save(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=0)
-    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), timeout=60,
-                    tiers=node_tier(os.environ["NODE_DIR"]), async_save=True)
+    tailor = documented_node_tier(model, optimizer, scheduler)
     for step in range(1, 5):
         train(model, optimizer, scheduler, [step])
         tailor.save(step, extra={"rank": rank()})
@@ -632,6 +650,29 @@ def nodes_restore(kind: str, out: Path) -> dict:
               "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], model, optimizer)}
     tailor.close()
     return result
+
+
+def nodes_single(out: Path) -> dict:
+    """``nodes-single-ddp`` (module docstring)."""
+    from llmtailor.errors import PromotionError
+
+    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=None, promote_every=10**6)]
+    model, optimizer, scheduler = build("ddp", seed=0)
+    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers)
+    for step in range(1, 5):
+        train(model, optimizer, scheduler, [step])
+        tailor.save(step, extra={"rank": rank()})
+        write_versions(out, step, model, optimizer)
+    try:
+        tailor.close()
+        promotion = None
+    except PromotionError as err:  # expected until each node promotes its own parts
+        promotion = str(err)
+    fresh, fresh_optimizer, fresh_scheduler = build("ddp", seed=5)
+    report = Tailor(os.environ["RUN_HOME"], fresh, fresh_optimizer, fresh_scheduler, timeout=60, tiers=tiers,
+                    read_only=True).restore()
+    return {"promotion": promotion, "restored": report.step, "tier": report.tier, "extra": report.extra,
+            "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], fresh, fresh_optimizer)}
 
 
 def nodes_refused(out: Path) -> dict:
@@ -724,6 +765,8 @@ def main() -> None:
         result = nodes_save(scenario.split("-")[1], out)
     elif scenario in ("nodes-restore-fsdp", "nodes-restore-ddp"):
         result = nodes_restore(scenario.split("-")[2], out)
+    elif scenario == "nodes-single-ddp":
+        result = nodes_single(out)
     elif scenario == "nodes-refused":
         result = nodes_refused(out)
     elif scenario == "kill":

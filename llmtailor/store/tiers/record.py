@@ -29,19 +29,21 @@ class TierRecord:
         self._replaced: list[tuple[Level, bytes | None]] = []
         """The tiers this writer recorded itself in, with what they recorded before (``put_back``)."""
 
-    def write(self, where: list[Level] | None = None) -> str:
+    def write(self, where: list[Level] | None = None, node: int | None = None) -> str:
         """Record the tiers in each of them (``tiers.json``), or in those of ``where`` (a node's
-        leader: its own copy of a node-local tier), so ``inspect`` and ``gc`` of any tier find
-        the others; returns the record's token (this writer's). Each tier's record is replaced
+        leader: its own copy of a node-local tier, which also records ``node``, the node it is
+        the copy of: ``store.node_parts``), so ``inspect`` and ``gc`` of any tier find the
+        others; returns the record's token (this writer's). Each tier's record is replaced
         atomically; a failure raises ConfigError naming the tier, and ``put_back`` puts back
         what was replaced."""
         token = uuid.uuid4().hex
         record = {"format": TIERS_FORMAT, "writer": token, "tiers": [level.record() for level in self.levels]}
         for level in self.levels if where is None else where:
             storage = level.run.storage
+            mine = {**record, "node": node} if node is not None and level.node_local else record
             try:
                 before = bytes(storage.read(TIERS_FILE)) if storage.is_file(TIERS_FILE) else None
-                storage.replace(TIERS_FILE, json.dumps(record, indent=1).encode())
+                storage.replace(TIERS_FILE, json.dumps(mine, indent=1).encode())
             except TailorError as err:
                 raise ConfigError(f"cannot record the tiers in tier {level.name}: {err}") from None
             except OSError as err:  # its cause alone: the temporary file it names is not the user's

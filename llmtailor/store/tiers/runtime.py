@@ -126,7 +126,8 @@ class Tiers:
         courier = None if single else Courier.open(coordinator.timeout)
         round_ = coordinator.new_round()
         leads = nodes.leader_of(nodes.node_of_rank(coordinator.rank)) == coordinator.rank
-        outcomes = coordinator.exchange(f"{round_}/nodes", self._open_node(coordinator.is_leader) if leads else None)
+        node = nodes.node_of_rank(coordinator.rank)
+        outcomes = coordinator.exchange(f"{round_}/nodes", self._open_node(coordinator.is_leader, node) if leads else None)
         failed = {nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
         if failed:
             self.abandon()
@@ -148,15 +149,15 @@ class Tiers:
             node = nodes.node_of_rank(coordinator.rank)
             self.uploader = NodeUploader(self.first.run, self.levels[1].run, node, coordinator).start()
 
-    def _open_node(self, everything: bool) -> dict[str, str]:
-        """A node leader's part of ``_open_nodes``: its copy's lock and record (``everything``,
-        rank 0: every tier's, and the promoter); ``{"token"}``, or ``{"error"}`` with this node's
-        start undone."""
+    def _open_node(self, everything: bool, node: int) -> dict[str, str]:
+        """A node leader's part of ``_open_nodes``: its copy's lock and record, naming ``node``
+        (``everything``, rank 0: every tier's, and the promoter); ``{"token"}``, or ``{"error"}``
+        with this node's start undone."""
         levels = self.levels if everything else [self.first]
         try:
             for level in levels:
                 level.take()
-            token = self._record.write(levels)
+            token = self._record.write(levels, node)
             for level in levels:
                 clear_stray_carriers(level.run)
             if everything:
