@@ -27,6 +27,7 @@ collective (``providers/agreement.py``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -160,7 +161,6 @@ class Tailor:
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
         self._settle(raise_error=True, refused=step)
-        self.tiers.raise_failure(self.coordinator)
         if self._partly_restored is not None:
             raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
                               "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
@@ -201,10 +201,13 @@ class Tailor:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
         tier (``store.node_commit``), else one store every rank writes (``store.writer``)."""
         lock, placement = self.tiers.first.lock, self.tiers.placement
+        # Run inside the save's first message: what it raises, every rank raises. A lagging tier is
+        # waited for up to half the timeout, as the other ranks wait for that message the timeout.
+        prepare = functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2)
         if placement is not None:
-            return persist_on_nodes(self.run, staged, placement, self.coordinator, prepare=lock.claim,
+            return persist_on_nodes(self.run, staged, placement, self.coordinator, prepare=prepare,
                                     confirm=lock.check_held)
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=lock.claim, confirm=lock.check_held)
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=lock.check_held)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
         self.lineage.committed(self.run, step, composite)

@@ -173,17 +173,21 @@ def tiers_table(states: list[TierState]) -> Table:
     """The tiers a run records, fastest first: retention, cadence, what each holds now."""
     table = Table(title="tiers, fastest first (saves commit to the first; composites move down)", title_justify="left")
     for name, justify in (("tier", "left"), ("keep", "right"), ("promote", "right"), ("snapshots", "right"),
-                          ("newest", "right")):
+                          ("newest", "right"), ("behind", "right")):
         table.add_column(name, justify=justify, overflow="fold")
+    bound = None  # the faster tier's max_lag: how far this one may fall behind
     for state in states:
         this = " *" if state.here else ""
         every = f"every {state.promote_every}" if state.promote_every is not None else "-"
         keep = "all" if state.keep is None else str(state.keep)
+        behind = "-" if state.lag is None else f"{state.lag}" + (f" of {bound}" if bound is not None else "")
         if state.steps is None:
-            table.add_row(state.location + this, keep, every, f"[yellow]{state.problem}[/]", "")
+            table.add_row(state.location + this, keep, every, f"[yellow]{state.problem}[/]", "", "")
         else:
             table.add_row(state.location + this, keep, every, str(len(state.steps)),
-                          "-" if state.newest is None else str(state.newest))
+                          "-" if state.newest is None else str(state.newest), behind)
+        bound = state.max_lag
+    table.caption = "behind: steps behind the newest composite of the tier above (of N: its max_lag)"
     return table
 
 

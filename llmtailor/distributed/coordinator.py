@@ -28,11 +28,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
 _instances = itertools.count()
+_POLL = 0.05
+"""Seconds between two looks at the store while waiting for a message."""
+ALIKE: tuple[type[TailorError], ...] = (PromotionError,)
+"""Errors of the leader's ``broadcast`` that concern the job, not the leader (a promotion failure
+rank 0 met): every follower raises the same type with the same message, so ranks that handle it
+alike (catch it and train on) stay in step."""
 
 
 class CoordinationError(TailorError):
@@ -68,7 +74,8 @@ class Coordinator(ABC):
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
         """The leader's ``compute()`` (JSON-able), on every rank. Followers pass None and wait
         up to ``patience`` x the timeout. If the leader's ``compute`` raises, the leader
-        re-raises it and every follower raises a CoordinationError carrying its message."""
+        re-raises it and every follower raises a CoordinationError carrying its message (one of
+        ``ALIKE``: that error itself)."""
 
     @abstractmethod
     def gather(self, tag: str, value: Any) -> list[Any] | None:
@@ -88,6 +95,35 @@ class Coordinator(ABC):
         """Sum of ``tensor`` over the ranks (a collective: call from the training thread, on
         every rank, in the same order)."""
         return tensor
+
+    # -- point to point, from any thread: a few ranks' work outside the saves' rounds --------
+
+    @abstractmethod
+    def post(self, tag: str, value: Any) -> None:
+        """Leave ``value`` (JSON-able) under ``tag`` for the rank(s) that ask (``poll``,
+        ``collect``); tags of one's own, each posted once."""
+
+    @abstractmethod
+    def poll(self, tag: str) -> tuple[bool, Any]:
+        """``(True, value)`` when ``tag`` was posted, else ``(False, None)``; never waits."""
+
+    def collect(self, tags: dict[int, str], what: str) -> dict[int, Any]:
+        """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
+        CoordinationError naming the ranks that did not post ``what`` in time."""
+        deadline, found = time.monotonic() + self.timeout, {}
+        while True:
+            for rank, tag in tags.items():
+                if rank not in found:
+                    posted, value = self.poll(tag)
+                    if posted:
+                        found[rank] = value
+            if len(found) == len(tags):
+                return found
+            if time.monotonic() >= deadline:
+                missing = sorted(set(tags) - set(found))
+                raise CoordinationError(f"rank(s) {missing} did not report {what} within {self.timeout:g} s: a rank "
+                                        "died or is stuck (timeout: Tailor(..., timeout=...))")
+            time.sleep(_POLL)
 
     def agree(self, tag: str, step: int, error: BaseException | None, touched: bool) -> tuple[BaseException | None, bool]:
         """After every rank read its part of a restore (``error``: how its read failed, if it
@@ -119,6 +155,15 @@ class Coordinator(ABC):
 class LocalCoordinator(Coordinator):
     """One process: every message is to itself."""
 
+    def __init__(self) -> None:
+        self._posts: dict[str, Any] = {}
+
+    def post(self, tag: str, value: Any) -> None:
+        self._posts[tag] = value
+
+    def poll(self, tag: str) -> tuple[bool, Any]:
+        return (True, self._posts[tag]) if tag in self._posts else (False, None)
+
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
         assert compute is not None, "the leader computes what it broadcasts"
         return compute()
@@ -135,7 +180,7 @@ class LocalCoordinator(Coordinator):
 class StoreCoordinator(Coordinator):
     """Ranks of a torch.distributed job, talking through its c10d store with deadlines."""
 
-    _POLL = 0.05
+    _POLL = _POLL
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT, group: Any = None):
         import torch.distributed as dist
@@ -150,6 +195,15 @@ class StoreCoordinator(Coordinator):
         self._store = distributed_c10d._get_default_store()
         self._prefix = f"llmtailor/{next(_instances)}/"
 
+    @classmethod
+    def over(cls, store: Any, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str = "llmtailor/0/") -> StoreCoordinator:
+        """A coordinator of ``rank`` among ``world_size`` over a c10d ``store`` of one's own (a
+        test's ranks as threads over one ``HashStore``); every rank passes the same ``prefix``."""
+        coordinator = cls.__new__(cls)
+        coordinator.rank, coordinator.world_size, coordinator.timeout = rank, world_size, float(timeout)
+        coordinator._dist, coordinator._group, coordinator._store, coordinator._prefix = None, None, store, prefix
+        return coordinator
+
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
         key = self._prefix + tag
         if self.is_leader:
@@ -157,13 +211,15 @@ class StoreCoordinator(Coordinator):
             try:
                 value = compute()
             except BaseException as err:
-                self._store.set(key, json.dumps({"error": describe_error(err)}))
+                alike = type(err).__name__ if isinstance(err, ALIKE) else None
+                self._store.set(key, json.dumps({"error": describe_error(err), "alike": alike}))
                 raise
             self._store.set(key, json.dumps({"ok": value}))
             return value
         message = self._wait_one(key, f"the leader (rank 0) did not announce {tag!r}", patience)
         if "error" in message:
-            raise CoordinationError(f"rank 0 failed: {message['error']}")
+            alike = {kind.__name__: kind for kind in ALIKE}.get(message.get("alike"))
+            raise alike(message["error"]) if alike else CoordinationError(f"rank 0 failed: {message['error']}")
         return message["ok"]
 
     def gather(self, tag: str, value: Any) -> list[Any] | None:
@@ -201,6 +257,13 @@ class StoreCoordinator(Coordinator):
 
         self._wait_all(keys, describe)
         return [json.loads(self._store.get(k)) for k in keys]
+
+    def post(self, tag: str, value: Any) -> None:
+        self._store.set(self._prefix + tag, json.dumps(value))
+
+    def poll(self, tag: str) -> tuple[bool, Any]:
+        key = self._prefix + tag
+        return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"

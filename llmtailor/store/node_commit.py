@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
-from llmtailor.distributed.coordinator import Coordinator, describe_error
+from llmtailor.distributed.coordinator import ALIKE, Coordinator, describe_error
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import StorageError, TailorError
@@ -133,12 +133,17 @@ def _open(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coo
                 prepare()
             mine = {"staging": SnapshotCommit.begin(run, staged.step, staged.world_size).staging}
         except BaseException as err:
-            mine = {"error": describe_error(friendly(err, run, staged.step, written=False))}
+            mine = {"error": describe_error(friendly(err, run, staged.step, written=False)),
+                    "alike": type(err).__name__ if isinstance(err, ALIKE) else None}
     opened = coord.exchange(f"{round_}/open", mine)
     failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(opened) if o and "error" in o}
     if failed:
         if mine is not None and "staging" in mine:
             SnapshotCommit(run, staged.step, mine["staging"]).abandon()
+        alike = {kind.__name__: kind for kind in ALIKE}
+        for o in opened:  # a promotion failure rank 0 reports here: raised as itself on every rank
+            if o and o.get("alike") in alike:
+                raise alike[o["alike"]](o["error"])
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         raise StorageError(f"step {staged.step} was not saved: the node-local tier could not be written on "
                            f"node(s) {sorted(failed)} ({where}); earlier snapshots are intact on every node")

@@ -30,14 +30,14 @@ def die() -> None:
 
 
 def arm(point: str) -> None:
-    copy_file, copy_snapshot, check_held = promote._copy_file, promote._copy_snapshot, WriterLock.check_held
+    copy_file, copy_snapshot, check_held = promote.copy_file, promote._copy_snapshot, WriterLock.check_held
     if point == "file":
         def killing_copy_file(source, key, sink, entry):
             if "step-00000003" in key:
                 sink.write(b"part of a file")
                 die()
             copy_file(source, key, sink, entry)
-        promote._copy_file = killing_copy_file
+        promote.copy_file = killing_copy_file
     elif point == "carrier":
         def killing_copy_snapshot(source, target, step, composite, parent):
             copy_snapshot(source, target, step, composite, parent)

@@ -22,7 +22,9 @@ from helpers import assert_bitwise, flip_unit_byte, tiny, train, tree_digest, un
 
 from llmtailor import Full, Parity, PromotionError, Run, Tailor, TailorConfig, Tier
 from llmtailor.constants import CARRIED_FOR, TIERS_FILE
+from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.errors import ConfigError, TailorError
+from llmtailor.store import commit as commit_module
 from llmtailor.store.tiers import promote
 from llmtailor.store.tiers import runtime as tiers_module
 from llmtailor.store.tiers import TierState, read_record, tier_states
@@ -59,8 +61,8 @@ def test_promoted_composites_are_whole_in_the_slower_tier(tmp_path, tokens):
     tailor.close()  # promotes the last save whatever the cadence
     assert Run(home).latest_step() == 8
     assert read_record(Run(home)) == read_record(Run(memory)) == [
-        {"location": str(memory), "keep": None, "promote_every": 3},
-        {"location": str(home), "keep": None, "promote_every": None},
+        {"location": str(memory), "keep": None, "promote_every": 3, "max_lag": 30},  # the default: 10 intervals
+        {"location": str(home), "keep": None, "promote_every": None, "max_lag": None},
     ]
 
     restored = {}
@@ -122,7 +124,7 @@ def test_restore_of_a_step_reads_the_fastest_tier_holding_it(tmp_path, tokens):
 def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_path, tokens, monkeypatch):
     home, memory = tmp_path / "home", tmp_path / "memory"
     monkeypatch.setattr(promote, "RETRY_WAIT", 0.01)
-    copy_file, calls = promote._copy_file, []
+    copy_file, calls = promote.copy_file, []
 
     def failing(source, key, sink, entry):
         calls.append(key)
@@ -130,7 +132,7 @@ def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_pat
             raise OSError(errno.EIO, "Input/output error")
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", failing)
+    monkeypatch.setattr(promote, "copy_file", failing)
     tailor, model, opt, sched = tiered(home, memory, promote_every=1, policy=Full())
     save_steps(tailor, model, opt, sched, tokens, [1], settle=False)
     tailor.tiers.wait_promotions()  # waits, reports nothing (wait(promoted=True) would raise)
@@ -140,7 +142,7 @@ def test_a_failed_promotion_is_retried_reported_once_and_damages_nothing(tmp_pat
         tailor.save(2)  # reported before anything of step 2 is written
     assert Run(memory).latest_step() == 1 and Run(memory).verify() == []
     assert Run(home).steps() == [] and not any((home / ".tmp").iterdir())
-    monkeypatch.setattr(promote, "_copy_file", copy_file)
+    monkeypatch.setattr(promote, "copy_file", copy_file)
     tailor.save(2)  # reported once; the next promotion goes through
     expected = unit_versions(model, opt)
     tailor.close()
@@ -204,15 +206,20 @@ def test_inspect_shows_every_tier_and_gc_keeps_each_tiers_own_number(tmp_path, t
     assert shown.exit_code == 0, shown.output
     assert max(len(line) for line in shown.output.splitlines()) <= 80
     assert "tiers, fastest first" in shown.output and "every 2" in shown.output and "*" in shown.output
+    assert "0 of 20" in shown.output  # the run directory's lag behind memory, and its bound
     assert tier_states(Run(home)) == [
-        TierState(str(memory), None, 2, list(range(1, 7)), 6),
-        TierState(str(home), None, None, [1, 2, 3, 4, 5, 6], 6, here=True),  # 1, 3 (+2), 5 (+4), 6 at close
+        TierState(str(memory), None, 2, list(range(1, 7)), 6, max_lag=20),
+        TierState(str(home), None, None, [1, 2, 3, 4, 5, 6], 6, here=True, lag=0),  # 1, 3 (+2), 5 (+4), 6 at close
     ]
 
     assert runner.invoke(app, ["gc", str(memory)]).exit_code == 0  # memory keeps all; home keeps all
     assert Run(memory).steps() == list(range(1, 7))
     collected = runner.invoke(app, ["gc", str(memory), "--keep", "1"])
     assert collected.exit_code == 0 and Run(memory).steps() == [5, 6] and Run(home).steps() == list(range(1, 7))
+    shutil.rmtree(Run(home).snapshot_dir(6))  # as if the promotion of 6 had not happened yet
+    lagging = runner.invoke(app, ["inspect", str(home)], env={"COLUMNS": "80"})
+    assert "1 of 20" in lagging.output and max(len(line) for line in lagging.output.splitlines()) <= 80
+    assert [state.lag for state in tier_states(Run(home))] == [None, 1]
     shutil.rmtree(memory)
     shown = runner.invoke(app, ["inspect", str(home)], env={"COLUMNS": "80"})
     assert shown.exit_code == 0 and "not here" in shown.output
@@ -315,7 +322,7 @@ def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_
     file copy and hoped that the saves outran it; on a busy machine they did not.)"""
     home, memory = tmp_path / "home", tmp_path / "memory"
     copying, go = threading.Event(), threading.Event()
-    copy_file = promote._copy_file
+    copy_file = promote.copy_file
 
     def held(source, key, sink, entry):
         if "step-00000002" in key:
@@ -323,7 +330,7 @@ def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_
             go.wait(120)
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", held)
+    monkeypatch.setattr(promote, "copy_file", held)
     tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1)
     save_steps(tailor, model, opt, sched, tokens, [1])
     save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
@@ -451,7 +458,7 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
         go.wait(120)
 
     monkeypatch.setattr(promote, "_pause_before_retry", held)
-    copy_file, failed = promote._copy_file, []
+    copy_file, failed = promote.copy_file, []
 
     def failing(source, key, sink, entry):
         if "step-00000002" in key and not failed or newer_fails and "step-00000003" in key:
@@ -459,7 +466,7 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
             raise OSError(errno.EIO, "Input/output error")
         copy_file(source, key, sink, entry)
 
-    monkeypatch.setattr(promote, "_copy_file", failing)
+    monkeypatch.setattr(promote, "copy_file", failing)
     tailor, model, opt, sched = tiered(home, memory, keep=1, promote_every=1, policy=Full())
     save_steps(tailor, model, opt, sched, tokens, [1])
     save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
@@ -481,7 +488,7 @@ def test_a_promotion_whose_composite_left_while_it_waited_to_retry_is_never_drop
     else:
         assert failure is None and [p.step for p in tailor.tiers.promotions] == [1, 3]
         assert tailor.tiers.promotions[-1].superseded == {2: "Input/output error"}
-    monkeypatch.setattr(promote, "_copy_file", copy_file)
+    monkeypatch.setattr(promote, "copy_file", copy_file)
     tailor.close()
     assert Run(home).steps() == [1, 3] and Run(home).verify() == []
 
@@ -522,7 +529,8 @@ def test_a_tier_that_cannot_be_written_fails_the_writer_at_once_and_leaves_every
             assert tree_digest(tmp_path) == found and not (tmp_path / "new-home").exists()
             assert not (tmp_path / "new-memory").exists()
     assert read_record(Run(memory)) == read_record(Run(home)) == [
-        {"location": str(memory), "keep": 2, "promote_every": 1}, {"location": str(home), "keep": None, "promote_every": None}]
+        {"location": str(memory), "keep": 2, "promote_every": 1, "max_lag": 10},
+        {"location": str(home), "keep": None, "promote_every": None, "max_lag": None}]
     reader = Tailor(read_only_dir, *tiny(), tiers=[Tier(memory)], read_only=True)  # a reader writes nothing: no check
     reader.close()
 
@@ -549,6 +557,88 @@ def test_a_record_that_cannot_be_written_is_put_back_everywhere(tmp_path, monkey
     with pytest.raises(ConfigError, match="cannot record the tiers"):
         Tailor(tmp_path / "new-home", *tiny(), tiers=[Tier(tmp_path / "new-memory")])
     assert not (tmp_path / "new-home").exists() and not (tmp_path / "new-memory").exists()
+
+
+def test_a_save_waits_while_the_next_tier_is_more_than_max_lag_behind(tmp_path, tokens, monkeypatch, caplog):
+    """max_lag=2: while the promotion of step 2 is held, saves 3 and 4 go on (the run directory
+    then 1 and 2 steps behind); save 5 (3 behind) says it waits and writes nothing until that
+    promotion has committed, then goes on. Events only: the promotion is released once the save
+    says it waits (or once it returned without waiting: the failure this test is for)."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    copying, go, waiting, order = threading.Event(), threading.Event(), threading.Event(), []
+    copy_file, promote_composite, begin = promote.copy_file, promote.promote, commit_module.SnapshotCommit.begin.__func__
+
+    def held(source, key, sink, entry):
+        if "step-00000002" in key:
+            copying.set()
+            go.wait(120)
+        copy_file(source, key, sink, entry)
+
+    def promoted(source, target, step, parent):
+        done = promote_composite(source, target, step, parent)
+        order.append(("promoted", step))
+        return done
+
+    def begun(cls, run, step, *args):
+        order.append(("begun", Path(run.root).name, step))
+        return begin(cls, run, step, *args)
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if "max_lag" in record.getMessage():
+                waiting.set()
+
+    monkeypatch.setattr(promote, "copy_file", held)
+    monkeypatch.setattr(promote, "promote", promoted)
+    monkeypatch.setattr(commit_module.SnapshotCommit, "begin", classmethod(begun))
+    caplog.set_level(logging.INFO, logger="llmtailor")
+    logging.getLogger("llmtailor").addHandler(said := Said())
+    try:
+        tailor, model, opt, sched = tiered(home, memory, keep=None, promote_every=1, max_lag=2)
+        save_steps(tailor, model, opt, sched, tokens, [1])
+        save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
+        assert copying.wait(120)  # the promotion of step 2 is in flight, held
+        save_steps(tailor, model, opt, sched, tokens, [3, 4], settle=False)  # 1, then 2 steps behind: no wait
+        train(model, opt, sched, tokens, [5])
+        saving = threading.Thread(target=tailor.save, args=(5,))
+        saving.start()
+        while not waiting.wait(0.05) and saving.is_alive():
+            pass
+        assert waiting.is_set(), "save(5) returned without waiting for the run directory, 3 steps behind"
+        assert ("begun", "memory", 5) not in order and Run(memory).latest_step() == 4
+        go.set()
+        saving.join(120)
+        assert not saving.is_alive()
+    finally:
+        go.set()
+        logging.getLogger("llmtailor").removeHandler(said)
+    assert order.index(("promoted", 2)) < order.index(("begun", "memory", 5))
+    tailor.close()
+    assert Run(home).latest_step() == 5 and Run(home).verify() == [] and Run(memory).verify() == []
+
+
+def test_a_save_with_tiers_sends_the_messages_of_a_save_without(tmp_path, tokens, monkeypatch):
+    """A promotion failure rides on the save's own first message (issue 33): a save with tiers
+    sends no message a save without them does not (a failure is raised on every rank all the
+    same: test_a_promotion_failure_reaches_every_rank_as_itself)."""
+    sent = []
+    for name in ("broadcast", "gather", "exchange"):
+        def counted(self, tag, *args, _method=getattr(LocalCoordinator, name), **kwargs):
+            sent.append(tag.split("/", 1)[1])  # the round's number apart
+            return _method(self, tag, *args, **kwargs)
+        monkeypatch.setattr(LocalCoordinator, name, counted)
+
+    def messages_of_a_save(home, tiers):
+        model, opt, sched = tiny()
+        with Tailor(home, model, opt, sched, policy=Full(), tiers=tiers) as tailor:
+            save_steps(tailor, model, opt, sched, tokens, [1])
+            sent.clear()
+            train(model, opt, sched, tokens, [2])
+            tailor.save(2)
+            return list(sent)
+
+    plain = messages_of_a_save(tmp_path / "plain", [])
+    assert plain and messages_of_a_save(tmp_path / "home", [Tier(tmp_path / "memory")]) == plain
 
 
 def test_a_node_local_tier_is_declared_with_its_replicas_and_jump_every_problem_in_one_error(tmp_path):

@@ -13,6 +13,9 @@ from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.store.retention import Keep
 from llmtailor.store.storage.location import is_url
 
+LAG_INTERVALS = 10
+"""The default ``max_lag`` in promotion intervals (``promote_every``): see ``Tier.max_lag``."""
+
 
 class Tier(BaseModel):
     """A faster store in front of the run directory (host memory, node-local disk): a complete
@@ -32,6 +35,16 @@ class Tier(BaseModel):
     """Cadence of the next tier: a composite committed here is promoted to the next slower tier
     once it is at least this many steps after the newest composite that tier holds (each
     promotion takes the newest composite here; ``close()`` promotes the last save everywhere)."""
+    max_lag: int | None = None
+    """Bounded loss: when the next slower tier's newest composite is more than ``max_lag``
+    steps behind this tier's newest, the next save waits (before it writes anything) until the
+    promotion catches up; None never waits. Default: ``10 * promote_every``. A tier that can be
+    lost as a whole (host memory, a node's disk: every node at once in a job-wide failure) then
+    loses at most that many steps, while a promotion that lags a few intervals (a slow upload,
+    the store's hiccup) never stalls training: the promoter skips to the newest composite, so
+    in steady state the next tier is ``promote_every`` plus one promotion's duration behind,
+    and only a store that cannot keep up at all reaches ten intervals. At least
+    ``promote_every`` (a composite moves on only every ``promote_every`` steps)."""
     storage_options: dict[str, Any] | None = None
     """The store's options for an object-store URL (as ``TailorConfig.storage_options``)."""
     scope: Literal["shared", "node"] = "shared"
@@ -63,6 +76,22 @@ class Tier(BaseModel):
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"a tier's location must be a path or URL, got {value!r}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_lag(cls, options: Any) -> Any:
+        """``max_lag`` left out: ``LAG_INTERVALS`` promotion intervals (None, given, never waits)."""
+        every = options.get("promote_every", 1) if isinstance(options, dict) else None
+        if isinstance(options, dict) and "max_lag" not in options and isinstance(every, int) and every >= 1:
+            return {**options, "max_lag": LAG_INTERVALS * every}
+        return options
+
+    @model_validator(mode="after")
+    def _lag_over_cadence(self) -> Tier:
+        if self.max_lag is not None and self.max_lag < self.promote_every:
+            raise ValueError(f"max_lag={self.max_lag} must be at least promote_every={self.promote_every} (a composite "
+                             "moves to the next tier only every promote_every steps), or None (never wait)")
+        return self
 
     @field_validator("promote_every", mode="before")
     @classmethod

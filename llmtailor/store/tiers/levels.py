@@ -26,6 +26,9 @@ class Level:
     copies of each node's parts, on nodes ``jump`` apart."""
     replicas: int = 1
     jump: int = 1
+    max_lag: int | None = None
+    """How far (steps) the next tier may fall behind before a save waits (``Tier.max_lag``);
+    None: never waits (and the last tier)."""
 
     @property
     def name(self) -> str:
@@ -34,7 +37,8 @@ class Level:
     def record(self) -> dict[str, Any]:
         location = str(Path(self.run.root).resolve()) if self.run.is_local else self.run.storage.url
         placed = {"scope": "node", "replicas": self.replicas, "jump": self.jump} if self.node_local else {}
-        return {"location": location, "keep": self.keep, "promote_every": self.promote_every, **placed}
+        return {"location": location, "keep": self.keep, "promote_every": self.promote_every, "max_lag": self.max_lag,
+                **placed}
 
     @property
     def node_local(self) -> bool:
@@ -42,9 +46,9 @@ class Level:
 
     @classmethod
     def of(cls, run: Run, keep: int | None, promote_every: int | None, scope: str = "shared", replicas: int = 1,
-           jump: int = 1) -> Level:
+           jump: int = 1, max_lag: int | None = None) -> Level:
         """The tier at ``run``, with a writer lock of its own (not taken)."""
-        return cls(run, WriterLock(run.storage), keep, promote_every, scope, replicas, jump)
+        return cls(run, WriterLock(run.storage), keep, promote_every, scope, replicas, jump, max_lag)
 
     def take(self) -> None:
         """Take the tier's writer lock, which also proves that the tier can be written (the lock

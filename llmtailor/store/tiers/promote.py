@@ -28,8 +28,10 @@ next). A failed promotion is retried; where the faster tier's retention removed 
 while the promoter waited to try again, the retry promotes that tier's newest composite in its
 place, and the ``Promotion`` done names what it superseded (``superseded``; also logged). After
 ``ATTEMPTS`` failed tries the failure is kept and reported once by ``take_failure`` (the writer's
-next save, wait or close); neither tier is damaged by it. Training never waits for a promotion
-but at ``finish`` (``close``), which promotes the last composite to every tier.
+next save, wait or close); neither tier is damaged by it. Training waits for a promotion only at
+``finish`` (``close``), which promotes the last composite to every tier, and where a tier falls
+more than its ``max_lag`` behind the faster one (``catch_up``: bounded loss): the next save then
+waits until the promotion has caught up.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.store.catalog import Composite
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.retention import discard_snapshots, retain_after_commit
@@ -66,23 +70,39 @@ def promote(source: Run, target: Level, step: int, parent: int | None = None) ->
     snapshots copied and their bytes. The caller holds ``target``'s writer lock (each
     commit confirms it). SnapshotNotFoundError when ``source`` no longer holds the composite
     (its retention moved on to a newer one)."""
-    dst = target.run
     copied, size = [], 0
     with source.reading(step) as composite:  # leased: the source's retention leaves it in place
         target.lock.claim()
-        held = set(dst.steps())
-        for needed in sorted(source.needs(composite)):
-            if needed in held:
-                if _same_snapshot(source, dst, needed):
-                    continue
-                _replace_stray_carrier(source, dst, needed)
-            _copy_snapshot(source, target, needed, step, parent if parent in held and parent < step else None)
-            copied.append(needed)
-            size += source.manifest(needed).total_bytes()
+        needed, parent = lacking(source, target.run, composite, parent)
+        for snapshot in needed:
+            _copy_snapshot(source, target, snapshot, step, parent)
+            copied.append(snapshot)
+            size += source.manifest(snapshot).total_bytes()
+    point_latest(target.run, step)
+    return copied, size
+
+
+def lacking(source: Run, dst: Run, composite: Composite, parent: int | None) -> tuple[list[int], int | None]:
+    """The snapshots of ``composite`` (of ``source``) that ``dst`` lacks, oldest first (a stray
+    carrier of one of their steps removed from ``dst`` to make room), and the ``parent`` link the
+    composite's copy gets: ``parent`` if ``dst`` holds that older snapshot, else None."""
+    held = set(dst.steps())
+    needed = []
+    for step in sorted(source.needs(composite)):
+        if step in held:
+            if _same_snapshot(source, dst, step):
+                continue
+            _replace_stray_carrier(source, dst, step)
+        needed.append(step)
+    return needed, parent if parent in held and parent < composite.step else None
+
+
+def point_latest(dst: Run, step: int) -> None:
+    """``dst``'s ``latest`` to the composite just promoted; a failure is logged (it is found
+    through its parent link all the same)."""
     failure = replace_latest(dst, step)
     if failure is not None:
         log.warning("llmtailor promotion: %s", failure)
-    return copied, size
 
 
 def _same_snapshot(source: Run, dst: Run, step: int) -> bool:
@@ -147,21 +167,27 @@ def clear_stray_carriers(run: Run) -> list[int]:
 def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent: int | None) -> None:
     """Copy the snapshot of ``step``, which the composite of ``composite`` needs (``parent``: the
     link the composite's copy gets)."""
-    dst = target.run
+    snapshot = SnapshotCommit.begin(target.run, step)
+    with snapshot.abandoned_on_failure():
+        with snapshot.files() as create:
+            for entry in source.stored_files(step):
+                copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
+        snapshot.commit(promoted_manifest(source, step, composite, parent), confirm=target.lock.check_held)
+
+
+def promoted_manifest(source: Run, step: int, composite: int, parent: int | None) -> bytes:
+    """The manifest of ``source``'s snapshot of ``step`` as promoted for the composite of
+    ``composite`` (module docstring): that composite's own linked to ``parent``, a carrier marked
+    ``carried_for`` and linked to none."""
     manifest = source.manifest(step)
     if step == composite:
         manifest = manifest.model_copy(update={"parent": parent})
     else:
         manifest = manifest.model_copy(update={"parent": None, "notes": {**manifest.notes, CARRIED_FOR: composite}})
-    snapshot = SnapshotCommit.begin(dst, step)
-    with snapshot.abandoned_on_failure():
-        with snapshot.files() as create:
-            for entry in source.stored_files(step):
-                _copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
-        snapshot.commit(manifest.dumps().encode(), confirm=target.lock.check_held)
+    return manifest.dumps().encode()
 
 
-def _copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:
+def copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:
     """Stream ``key`` into ``sink``, checked against ``entry`` before the sink is closed."""
     hasher, seen = xxhash.xxh3_64(), 0
     try:
@@ -201,18 +227,24 @@ class Promoter:
     def __init__(self, levels: list[Level], newest: list[int | None]):
         self._levels = levels
         self._newest = list(newest)
-        self._guard = threading.Lock()
+        self._origin = list(newest)
+        """The oldest composite each tier held for this writer: a slower tier holding none yet
+        lags from there (``lag``)."""
+        self._guard = threading.Condition()  # notified whenever a promotion ends, done or failed
         self._thread: threading.Thread | None = None
         self._wanted = False
         self._final = False
         self._failures: list[str] = []
+        self.crew: Any = None
+        """With a node-local tier, the nodes promoting it together (``collective.Crew``): its
+        promotions to the next tier go through ``crew.promote`` instead of ``promote``."""
         self.done: list[Promotion] = []
         """Every promotion done, in order."""
 
     def committed(self, step: int) -> None:
         """The first tier committed ``step``: promote what is due, in the background."""
         with self._guard:
-            self._newest[0] = step
+            self._note(0, step)
             self._wake()
 
     def cleared(self, newest: int | None) -> None:
@@ -221,6 +253,52 @@ class Promoter:
         promotes that one, not one that is gone."""
         with self._guard:
             self._newest[0] = newest
+
+    def lag(self, target: int) -> int:
+        """How many steps tier ``target``'s newest composite is behind tier ``target - 1``'s (as
+        this writer knows them); a tier that holds none yet counts from the oldest composite the
+        faster one held for this writer."""
+        with self._guard:
+            ahead, there = self._newest[target - 1], self._newest[target]
+            floor = there if there is not None else self._origin[target - 1]
+        return 0 if ahead is None or floor is None else max(ahead - floor, 0)
+
+    def catch_up(self, timeout: float) -> None:
+        """Wait while some tier is more than its faster tier's ``max_lag`` behind it, until the
+        promotions have caught up or one failed (``take_failure`` has it); logged, so a stalled
+        training says why. A PromotionError when they do not catch up within ``timeout`` seconds,
+        or the promoter stops short of it."""
+        deadline = time.monotonic() + timeout
+        with self._guard:
+            behind = self._beyond_lag()
+            if behind is None:
+                return
+            log.info("llmtailor: %s: the save waits for the promotion to catch up", behind)
+            if self._thread is None:  # nothing in flight would close the gap (a restore reset it)
+                self._wake()
+            while behind is not None and not self._failures:
+                left = deadline - time.monotonic()
+                if self._thread is None or left <= 0:
+                    stopped = "the promotion stopped short of it" if left > 0 else f"it did not catch up within {timeout:g} s"
+                    raise PromotionError(f"{behind}, and {stopped} (see the log)")
+                self._guard.wait(left)
+                behind = self._beyond_lag()
+
+    def _beyond_lag(self) -> str | None:
+        """The first tier more than its faster tier's ``max_lag`` behind it, said; None when none is."""
+        for target in range(1, len(self._levels)):
+            bound = self._levels[target - 1].max_lag
+            lag = self.lag(target)
+            if bound is not None and lag > bound:
+                return (f"{self._levels[target].name} is {lag} steps behind {self._levels[target - 1].name} "
+                        f"(max_lag={bound})")
+        return None
+
+    def _note(self, level: int, step: int | None) -> None:
+        """Tier ``level``'s newest composite is now ``step`` (under the guard)."""
+        self._newest[level] = step
+        if self._origin[level] is None:
+            self._origin[level] = step
 
     def restored(self, level: int, step: int) -> None:
         """The writer restored the composite of ``step`` from tier ``level``: the lineage it
@@ -233,6 +311,7 @@ class Promoter:
             self._newest[level] = step
             for i in beyond:
                 self._newest[i] = step if i in holding else None
+            self._origin = list(self._newest)  # a lineage of its own: its lag counts from here
 
     def finish(self) -> None:
         """Promote the newest composite of the first tier to every tier, whatever the cadence,
@@ -268,6 +347,7 @@ class Promoter:
                 if not self._wanted:
                     self._thread = None
                     self._final = False
+                    self._guard.notify_all()
                     return
                 self._wanted, final = False, self._final
             for target in range(1, len(self._levels)):
@@ -293,7 +373,8 @@ class Promoter:
             return
         step, copied, size, superseded = done
         with self._guard:
-            self._newest[target] = step
+            self._note(target, step)
+            self._guard.notify_all()
             self.done.append(Promotion(level.name, step, copied, size, time.perf_counter() - start, superseded))
         if level.keep is not None:
             retain_after_commit(level.run, level.keep, level.run.where(step))
@@ -306,7 +387,8 @@ class Promoter:
         wait, failed = RETRY_WAIT, []  # failed: this promotion's failed tries, (step, why)
         while True:
             try:
-                copied, size = promote(source, level, step, there)
+                together = self.crew is not None and self._levels[target - 1].node_local
+                copied, size = (self.crew.promote if together else promote)(source, level, step, there)
                 return step, copied, size, {s: why for s, why in failed if s != step}
             except SnapshotNotFoundError as gone:
                 if not failed:
@@ -344,6 +426,7 @@ class Promoter:
         log.warning("llmtailor: %s", message)
         with self._guard:
             self._failures.append(message)
+            self._guard.notify_all()
 
 
 def _tries(failed: list[tuple[int, str]]) -> str:

@@ -87,6 +87,11 @@ class TierState:
     problem: str | None = None
     here: bool = False
     """Whether it is the run asked about."""
+    max_lag: int | None = None
+    """How far the next tier may fall behind this one (``Tier.max_lag``)."""
+    lag: int | None = None
+    """Steps its newest composite is behind the faster tier's newest (None: the first tier, or
+    either cannot be read here); the bound is the faster tier's ``max_lag``."""
 
 
 def tier_states(run: Run) -> list[TierState] | None:
@@ -95,25 +100,30 @@ def tier_states(run: Run) -> list[TierState] | None:
     record = read_record(run)
     if record is None:
         return None
-    states = []
+    states: list[TierState] = []
     for entry in record:
         location = str(entry.get("location"))
-        keep, every = entry.get("keep"), entry.get("promote_every")
+        keep, every, bound = entry.get("keep"), entry.get("promote_every"), entry.get("max_lag")
         try:
             here = open_storage(location).same_place(run.storage)
             tier = run if here else Run(location)
             if not tier.storage.exists(TIERS_FILE):
-                states.append(TierState(location, keep, every, None, problem="not here (another node's, or wiped)"))
+                states.append(TierState(location, keep, every, None, problem="not here (another node's, or wiped)",
+                                        max_lag=bound))
                 continue
-            states.append(TierState(location, keep, every, tier.steps(), tier.latest_step(), here=here))
+            newest = tier.latest_step()
+            ahead = states[-1].newest if states and states[-1].steps is not None else None
+            lag = None if ahead is None else ahead - (newest if newest is not None else 0)
+            states.append(TierState(location, keep, every, tier.steps(), newest, here=here, max_lag=bound,
+                                    lag=None if lag is None else max(lag, 0)))
         except TailorError as err:
-            states.append(TierState(location, keep, every, None, problem=str(err)))
+            states.append(TierState(location, keep, every, None, problem=str(err), max_lag=bound))
     return states
 
 
 def read_record(run: Run) -> list[dict[str, Any]] | None:
-    """The tiers a run records (``tiers.json``: location, keep, promote_every, fastest
-    first), or None when it has no tiers."""
+    """The tiers a run records (``tiers.json``: location, keep, promote_every, max_lag,
+    fastest first), or None when it has no tiers."""
     if not run.storage.is_file(TIERS_FILE):
         return None
     where = run.storage.where(TIERS_FILE)

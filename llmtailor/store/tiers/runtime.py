@@ -17,6 +17,7 @@ from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
 from llmtailor.store.catalog import LeasedComposite
+from llmtailor.store.tiers.collective import Crew, NodeUploader, follows
 from llmtailor.store.tiers.choice import Candidates, Choice, candidates, choose, newest_steps, raise_problem
 from llmtailor.store.tiers.config import Tier
 from llmtailor.store.tiers.healing import clear_unwhole, recover
@@ -31,8 +32,8 @@ class Tiers:
 
     def __init__(self, home: str | Path, tiers: Sequence[Tier] = (), keep: int | None = None,
                  storage_options: dict[str, Any] | None = None):
-        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every, t.scope, t.replicas, t.jump)
-                  for t in tiers]
+        levels = [Level.of(Run(t.location, t.storage_options), t.keep, t.promote_every, t.scope, t.replicas, t.jump,
+                           t.max_lag) for t in tiers]
         levels.append(Level.of(Run(home, storage_options), keep, None))
         for i, level in enumerate(levels):
             for other in levels[:i]:
@@ -41,6 +42,8 @@ class Tiers:
         self.levels = levels
         self.promoter: Promoter | None = None
         """Set by ``open_for_writing`` (the writer's rank 0, with more than one tier)."""
+        self.uploader: NodeUploader | None = None
+        """A node leader's part of collective promotions (``_promote_together``), not rank 0's."""
         self.placement: NodePlacement | None = None
         """Set by ``open_for_writing`` when the first tier is node-local in a job of several
         ranks: saves then commit there with ``store.node_commit``."""
@@ -135,6 +138,18 @@ class Tiers:
         if courier is not None:
             self.placement = NodePlacement(nodes, first.replicas, first.jump, courier)
             self._refuse_unseen(coordinator, round_, outcomes[0]["token"], self.levels[1:])
+            self._promote_together(nodes, coordinator)
+
+    def _promote_together(self, nodes: Nodes, coordinator: Coordinator) -> None:
+        """With a node-local first tier and a tier after it, promotions are collective
+        (``collective.py``): rank 0's promoter leads them, each other node's leader follows."""
+        if len(self.levels) == 1:
+            return
+        if self.promoter is not None:
+            self.promoter.crew = Crew(nodes, coordinator)
+        elif follows(nodes, coordinator.rank):
+            node = nodes.node_of_rank(coordinator.rank)
+            self.uploader = NodeUploader(self.first.run, self.levels[1].run, node, coordinator).start()
 
     def _open_node(self, everything: bool, node: int) -> dict[str, str]:
         """A node leader's part of ``_open_nodes``: its copy's lock and record, naming ``node``
@@ -202,6 +217,18 @@ class Tiers:
         if self.promoter is not None:
             self.promoter.wait()
 
+    def prepare_save(self, step: int, timeout: float) -> None:
+        """Where the first tier is committed (rank 0; each node's leader of a node-local one),
+        as a save of ``step`` opens, inside the save's own first message (so every rank raises
+        what this raises, and a save costs no message of its own here). Rank 0: raise the
+        promotion failures met since the last report, each once, as a PromotionError; then,
+        while a tier is more than its ``max_lag`` behind the one before it, wait (up to
+        ``timeout`` seconds) for the promotion to catch up. Then claim the first tier's lock.
+        Nothing of the save is written yet."""
+        if self.promoter is not None:
+            _catch_up(self.promoter, step, timeout)
+        self.first.lock.claim()
+
     def raise_failure(self, coordinator: Coordinator) -> None:
         """Collective: raise on every rank the promotion failures rank 0 met since the last
         call (each once), as a PromotionError. With one tier, nothing to do and no message."""
@@ -217,7 +244,11 @@ class Tiers:
         try:
             if self.promoter is not None:
                 self.promoter.finish()
+            if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
+                self.uploader.join()
         finally:
+            if self.promoter is not None and self.promoter.crew is not None:
+                self.promoter.crew.stop()
             self.release()
 
     def release(self) -> None:
@@ -286,3 +317,13 @@ class Tiers:
         if self.promoter is not None and cleared:  # it counted from what rank 0's copy held before
             self.promoter.cleared(self.first.run.latest_step())
         return cleared
+
+def _catch_up(promoter: Promoter, step: int, timeout: float) -> None:
+    """``Tiers.prepare_save``'s promotion part: the failures to report, the lag to wait for."""
+    try:
+        promoter.catch_up(timeout)
+    except PromotionError as err:
+        raise PromotionError(f"{err}; step {step} was not saved: call save({step}) again") from None
+    failure = promoter.take_failure()
+    if failure is not None:
+        raise PromotionError(failure)

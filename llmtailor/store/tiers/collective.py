@@ -1,0 +1,232 @@
+"""Collective promotion: a composite of a node-local tier (``Tier(scope="node")``) promoted to
+the next, shared tier by every node at once, each node uploading its own parts.
+
+No node holds a node-local composite whole (each holds its own ranks' parts and its replicas of
+a few others), and uploading from one node would send every byte through its link. So, with the
+same outcome as ``promote.promote`` (every snapshot the composite needs that the shared tier
+lacks, committed there oldest first, manifest last and only if absent, carriers marked, then
+``latest``):
+
+1. rank 0 (its promoter thread) decides, alone, which composite and which of its snapshots the
+   shared tier lacks (``promote.lacking``), opens each one's staging place there
+   (``SnapshotCommit.begin``: on an object store the final prefix, invisible without its
+   manifest) and posts the order through the coordinator's store (``promotion/<n>``), so every
+   node promotes the same step;
+2. each node's leader (``NodeUploader``, a background thread; rank 0 itself for its node)
+   uploads its own node's parts of those snapshots from its own copy: the files its node's ranks
+   wrote (``constants.writer_rank``; the node of each rank from the snapshot's own manifest,
+   ``notes["nodes"]``), never its replicas of other nodes' parts, at most ``UPLOADS`` files at a
+   time (the bound on what one node sends at once), each checked against its checksum on the
+   way (``promote.copy_file``: a damaged copy is never promoted); then it posts how it fared
+   (``promotion/<n>/node/<i>``);
+3. rank 0, once every node reported success within the timeout, uploads the files of no rank
+   (the global state, the unit indexes: every node holds them) and commits each snapshot.
+
+A node that fails, dies or does not report in time fails the promotion (retried, then reported
+as any failed promotion): rank 0 abandons every staging place, and nothing of it was visible in
+the shared tier (no manifest). What a crash of rank 0 itself leaves (a staging place, a carrier
+committed before its composite) is removed by the next writer when it takes the tier's lock
+(the storage's ``clear_leftovers``; ``promote.clear_stray_carriers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from llmtailor.constants import writer_rank
+from llmtailor.distributed.coordinator import Coordinator, describe_error
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import TailorError
+from llmtailor.store.commit import SnapshotCommit
+from llmtailor.store.manifest import FileEntry
+from llmtailor.store.run import Run
+from llmtailor.store.tiers.levels import Level
+from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest
+
+log = logging.getLogger(__name__)
+
+UPLOADS = 4
+"""Files one node uploads at once during a collective promotion: its bound on the bandwidth
+a promotion takes from training's own traffic (an object store's multipart upload of one file
+may open a few streams of its own)."""
+IDLE_WAIT = 0.2
+"""Seconds between two looks for the next order while a node's uploader is idle."""
+
+
+def order_tag(number: int) -> str:
+    return f"promotion/{number}"
+
+
+def report_tag(number: int, node: int) -> str:
+    return f"promotion/{number}/node/{node}"
+
+
+def node_files(source: Run, step: int, node: int | None) -> list[FileEntry]:
+    """The files of ``source``'s snapshot of ``step`` that ``node`` uploads: those its ranks
+    wrote (by the placement its manifest records), or with ``node`` None the files of no rank.
+    A snapshot that records no placement (one node) is node 0's."""
+    placed = source.manifest(step).notes.get("nodes")
+    nodes = Nodes.of_record(placed) if isinstance(placed, dict) else None
+
+    def owner(entry: FileEntry) -> int | None:
+        rank = writer_rank(entry.path)
+        if rank is None:
+            return None
+        return nodes.node_of_rank(rank) if nodes is not None and rank < nodes.world_size else 0
+
+    return [entry for entry in source.stored_files(step) if owner(entry) == node]
+
+
+def upload(source: Run, dst: Run, staging: dict[int, str], node: int | None) -> int:
+    """Upload ``node``'s files (``node_files``) of each snapshot ``staging`` names (step ->
+    its staging place in ``dst``), ``UPLOADS`` at a time, each checked on the way; their bytes.
+    Durable on return; the first failure raises."""
+    work = [(step, entry) for step in sorted(staging) for entry in node_files(source, step, node)]
+
+    def one(step: int, entry: FileEntry) -> int:
+        snapshot = SnapshotCommit(dst, step, staging[step])
+        with snapshot.files() as create:  # one sink at a time per batch: a batch of its own per file
+            copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
+        return entry.bytes
+
+    with ThreadPoolExecutor(max_workers=UPLOADS, thread_name_prefix="llmtailor-upload") as pool:
+        return sum(future.result() for future in [pool.submit(one, step, entry) for step, entry in work])
+
+
+class Crew:
+    """The nodes of a job that promote a node-local tier together (module docstring): the
+    job's ``nodes`` and the coordinator their messages go through. Rank 0's promoter calls
+    ``promote``; each other node's leader runs a ``NodeUploader``."""
+
+    def __init__(self, nodes: Nodes, coordinator: Coordinator):
+        self.nodes, self.coordinator = nodes, coordinator
+        self._orders = 0
+
+    def promote(self, source: Run, target: Level, step: int, parent: int | None = None) -> tuple[list[int], int]:
+        """``promote.promote``, collectively (module docstring); rank 0's promoter thread.
+        Returns the snapshots copied and their bytes."""
+        dst = target.run
+        with source.reading(step) as composite:  # leased: the source's retention leaves it in place
+            target.lock.claim()
+            needed, parent = lacking(source, dst, composite, parent)
+            if not needed:
+                point_latest(dst, step)
+                return [], 0
+            with _staged(source, dst, needed) as (staging, committed):
+                self._orders += 1
+                number = self._orders
+                self.coordinator.post(order_tag(number), {"staging": {str(s): name for s, name in staging.items()}})
+                upload(source, dst, staging, 0)
+                self._await_nodes(number)
+                upload(source, dst, staging, None)  # the files of no rank: every node holds them
+                for snapshot in needed:  # oldest first: the composite's own last
+                    SnapshotCommit(dst, snapshot, staging[snapshot]).commit(
+                        promoted_manifest(source, snapshot, step, parent), confirm=target.lock.check_held)
+                    committed.add(snapshot)
+            size = sum(source.manifest(s).total_bytes() for s in needed)
+        point_latest(dst, step)
+        return needed, size
+
+    def _await_nodes(self, number: int) -> None:
+        """Every other node's report on order ``number``; a TailorError naming each node that
+        failed (a CoordinationError naming the leaders that did not report in time)."""
+        leaders = {self.nodes.leader_of(node): report_tag(number, node) for node in range(1, self.nodes.count)}
+        reports = self.coordinator.collect(leaders, f"their part of promotion {number}")
+        failed = {self.nodes.node_of_rank(rank): r["error"] for rank, r in reports.items() if "error" in r}
+        if failed:
+            raise TailorError("node(s) " + "; ".join(f"{node}: {why}" for node, why in sorted(failed.items()))
+                              + " could not upload their parts")
+
+    def stop(self) -> None:
+        """Tell every node's uploader that no order follows (rank 0, at ``close``)."""
+        self._orders += 1
+        self.coordinator.post(order_tag(self._orders), {"stop": True})
+
+
+@contextmanager
+def _staged(source: Run, dst: Run, steps: list[int]) -> Iterator[tuple[dict[int, str], set[int]]]:
+    """The staging place of each snapshot of ``steps`` in ``dst``, and the set the block adds
+    each step it committed to; if the block raises, every staging place not committed is
+    abandoned (a committed snapshot is never touched)."""
+    staging: dict[int, str] = {}
+    committed: set[int] = set()
+    try:
+        for step in steps:
+            staging[step] = SnapshotCommit.begin(dst, step, source.manifest(step).world_size).staging
+        yield staging, committed
+    except BaseException:
+        for step, name in staging.items():
+            if step not in committed:
+                SnapshotCommit(dst, step, name).abandon()
+        raise
+
+
+class NodeUploader:
+    """A node leader's part of collective promotions (not rank 0's): a background thread that
+    follows rank 0's orders, in order, uploading this node's parts from its own copy
+    (``source``) into the shared tier ``dst``, until rank 0 says stop (``Crew.stop``)."""
+
+    def __init__(self, source: Run, dst: Run, node: int, coordinator: Coordinator):
+        self.source, self.dst, self.node, self.coordinator = source, dst, node, coordinator
+        self._thread = threading.Thread(target=self._follow, name="llmtailor-node-upload", daemon=True)
+        self._stopped = threading.Event()
+        self._heard = time.monotonic()
+        """When rank 0 was last heard from (an order came, or this node's part of one ended)."""
+
+    def start(self) -> NodeUploader:
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        """Wait until rank 0 said stop (it does once its last promotion is committed), or until
+        no order came for the coordinator's timeout (a rank 0 that died says nothing: logged,
+        not raised)."""
+        while not self._stopped.wait(IDLE_WAIT):
+            if time.monotonic() - self._heard > self.coordinator.timeout:
+                log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
+                            self.node, self.coordinator.timeout)
+                return
+
+    def _follow(self) -> None:
+        number = 1
+        while True:
+            order = self._next(number)
+            if order.get("stop"):
+                self._stopped.set()
+                return
+            self.coordinator.post(report_tag(number, self.node), self._serve(order))
+            self._heard = time.monotonic()
+            number += 1
+
+    def _next(self, number: int) -> dict[str, Any]:
+        while True:
+            posted, order = self.coordinator.poll(order_tag(number))
+            if posted:
+                self._heard = time.monotonic()
+                return order
+            self._stopped.wait(IDLE_WAIT)
+
+    def _serve(self, order: dict[str, Any]) -> dict[str, Any]:
+        """This node's part of one order: ``{"bytes"}`` uploaded, or ``{"error"}``."""
+        try:
+            staging = {int(step): name for step, name in order["staging"].items()}
+            # Runs of their own, fresh for each promotion (as the promoter's): no stale manifest.
+            return {"bytes": upload(Run(self.source.storage), Run(self.dst.storage), staging, self.node)}
+        except Exception as err:  # reported to rank 0, which fails the promotion, naming this node
+            log.warning("llmtailor: node %d could not upload its parts: %s", self.node, err)
+            return {"error": describe_error(err)}
+
+
+def follows(nodes: Nodes, rank: int) -> bool:
+    """Whether ``rank`` runs a ``NodeUploader``: it leads a node other than rank 0's (node 0)."""
+    node = nodes.node_of_rank(rank)
+    return node != 0 and nodes.leader_of(node) == rank
+
+
+__all__ = ["Crew", "NodeUploader", "UPLOADS", "follows", "node_files", "upload"]

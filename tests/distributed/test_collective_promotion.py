@@ -1,0 +1,113 @@
+"""Collective promotion from a node-local tier to an object store (moto's S3 server on loopback):
+two ``torchrun --nnodes 2`` launches, each node with its own memory directory and TMPDIR, each
+holding only its own parts (``replicas=1``). Every node uploads its own parts of each promoted
+composite, rank 0 the files of no rank and the commit; a node SIGKILLed in the middle of a
+promotion leaves no composite in the bucket that is not whole, and the next writer clears what
+the promotion left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+from objectstore import environment, keys, moto_process, new_bucket  # noqa: E402
+
+from llmtailor.constants import MANIFEST_FILE, writer_rank  # noqa: E402
+from llmtailor.store.run import Run  # noqa: E402
+
+JOB = Path(__file__).with_name("promote_job.py")
+pytestmark = pytest.mark.slow
+
+
+def start_nodes(tmp_path: Path, url: str, endpoint: str, both: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """The two launches (each in a session of its own, so a test can kill a whole node);
+    ``both``: more environment for each."""
+    base = {**os.environ, **environment(endpoint), "RUN_HOME": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    port, launches = free_port(), []
+    for node in range(2):
+        own = tmp_path / f"node{node}"
+        (own / "tmp").mkdir(parents=True, exist_ok=True)
+        env = {**base, "TMPDIR": str(own / "tmp"), "NODE_DIR": str(own / "memory"), **(both or {})}
+        launches.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), str(JOB), str(own)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        ))
+    return launches
+
+
+def finished(launches: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    outputs = [p.communicate(timeout=600) for p in launches]
+    assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
+    return outputs
+
+
+def staged_only(endpoint: str, url: str) -> list[str]:
+    """Snapshot prefixes in the bucket that hold objects but no manifest (a promotion's staging)."""
+    bucket, prefix = url.split("/")[2], "/".join(url.split("/")[3:]) + "/snapshots/"
+    found = keys(endpoint, bucket, prefix)
+    snapshots = {key[len(prefix):].split("/")[0] for key in found}
+    return sorted(s for s in snapshots if f"{prefix}{s}/{MANIFEST_FILE}" not in found)
+
+
+def test_each_node_uploads_its_own_parts_and_rank_0_commits(tmp_path, monkeypatch):
+    with moto_process() as endpoint:
+        url = f"s3://{new_bucket(endpoint)}/jobs/collective"
+        for name, value in environment(endpoint).items():
+            monkeypatch.setenv(name, value)
+        finished(start_nodes(tmp_path, url, endpoint))
+        results = [json.loads((tmp_path / f"node{r}" / f"result-{r}.json").read_text()) for r in range(2)]
+        run = Run(url)
+        assert results[0]["promoted"][-1] == 6 and run.latest_step() == 6 and run.verify() == []
+        # Each node sent its own rank's parts, never another's; rank 0 also the files of no rank.
+        owners = [{writer_rank(f.split(":", 1)[1]) for f in result["uploaded"]} for result in results]
+        assert owners == [{0, None}, {1}]
+        promoted = {f"{step}:{entry.path}" for step in run.steps() for entry in run.stored_files(step)}
+        assert set(results[0]["uploaded"]) | set(results[1]["uploaded"]) == promoted
+        assert not set(results[0]["uploaded"]) & set(results[1]["uploaded"])
+        assert staged_only(endpoint, url) == []
+
+
+def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_clears(tmp_path, monkeypatch):
+    """Both nodes uploaded their parts of step 3's promotion and stop there (so rank 0 cannot
+    tidy up: the crash is the whole story); node 1 is SIGKILLed, then node 0 (as torchrun
+    elastic would end the survivors). The bucket shows step 1 only, whole; the parts of step 3
+    and of its carrier (step 2) lie there without a manifest. A relaunch with every node's memory lost resumes from the bucket,
+    its writer clears them, and its own promotions commit."""
+    with moto_process() as endpoint:
+        url = f"s3://{new_bucket(endpoint)}/jobs/killed"
+        for name, value in environment(endpoint).items():
+            monkeypatch.setenv(name, value)
+        launches = start_nodes(tmp_path, url, endpoint, both={"HOLD_AT": "3"})
+        markers = [tmp_path / f"node{node}" / "holding" for node in range(2)]
+        while not all(marker.exists() for marker in markers):  # the event: both nodes mid-promotion
+            assert all(p.poll() is None for p in launches), [p.communicate()[1][-4000:] for p in launches]
+            try:
+                launches[1].wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        for node in (1, 0):  # node 1 first: the node lost; then the survivors
+            os.kill(json.loads(markers[node].read_text())["pid"], signal.SIGKILL)  # its worker: a session of its own
+            os.killpg(launches[node].pid, signal.SIGKILL)  # its torchrun agent
+            launches[node].communicate()
+        run = Run(url)
+        assert run.steps() == [1] and run.latest_step() == 1 and run.verify() == []  # only what is whole
+        # The parts uploaded, invisible: step 3's and its carrier's (Parity's composite of 3 needs step 2).
+        assert staged_only(endpoint, url) == ["step-00000002", "step-00000003"]
+
+        for node in range(2):  # a relaunch with every node's memory lost: from the bucket, at step 1
+            subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "memory")], check=True)
+        finished(start_nodes(tmp_path, url, endpoint))
+        results = [json.loads((tmp_path / f"node{r}" / f"result-{r}.json").read_text()) for r in range(2)]
+        assert results[0]["start"] == 2 and results[0]["promoted"][-1] == 7
+        assert staged_only(endpoint, url) == [] and Run(url).verify() == [] and Run(url).latest_step() == 7

@@ -1,0 +1,66 @@
+"""The coordinator's messages between ranks, the ranks as threads over one c10d ``HashStore``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from torch.distributed import HashStore
+
+from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+from llmtailor.errors import PromotionError, TailorError
+
+
+def on_every_rank(world_size, work):
+    """``work(coordinator)`` on each rank (a thread), over one store: each rank's result or error."""
+    store, outcomes = HashStore(), [None] * world_size
+
+    def run(rank):
+        try:
+            outcomes[rank] = work(StoreCoordinator.over(store, rank, world_size, timeout=60))
+        except BaseException as err:  # what the rank raised is the result
+            outcomes[rank] = err
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outcomes
+
+
+def test_a_promotion_failure_reaches_every_rank_as_itself():
+    """Rank 0 raises a promotion failure inside the save's first message (``Tiers.before_save``):
+    every rank raises a PromotionError with its message, so ranks that catch it train on in step;
+    any other failure of rank 0 is a CoordinationError elsewhere."""
+    def failing(error):
+        def compute():
+            raise error
+        return lambda coordinator: coordinator.broadcast("r1/open", compute if coordinator.is_leader else None)
+
+    outcomes = on_every_rank(3, failing(PromotionError("promoting step 1 from mem to disk failed 3 times")))
+    assert [type(o) for o in outcomes] == [PromotionError] * 3
+    assert {str(o) for o in outcomes} == {"promoting step 1 from mem to disk failed 3 times"}
+    outcomes = on_every_rank(2, failing(TailorError("the lock was lost")))
+    assert [type(o) for o in outcomes] == [TailorError, CoordinationError]
+    assert str(outcomes[1]) == "rank 0 failed: the lock was lost"
+
+
+def test_a_broadcast_reaches_every_rank():
+    outcomes = on_every_rank(3, lambda c: c.broadcast("r1/open", (lambda: {"staging": "s"}) if c.is_leader else None))
+    assert outcomes == [{"staging": "s"}] * 3
+
+
+def test_posts_reach_the_rank_that_collects_them_and_a_silent_rank_is_named():
+    """Point to point (collective promotion's orders and reports): rank 0 collects what ranks 1
+    and 2 posted; a rank that posts nothing is named once the timeout has passed."""
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 3, timeout=1) for rank in range(3)]
+    assert ranks[1].poll("promotion/1/node/1") == (False, None)
+    ranks[1].post("promotion/1/node/1", {"bytes": 5})
+    ranks[2].post("promotion/1/node/2", {"error": "disk"})
+    assert ranks[0].collect({1: "promotion/1/node/1", 2: "promotion/1/node/2"}, "their part") == {
+        1: {"bytes": 5}, 2: {"error": "disk"}}
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[2\] did not report their part of promotion 2 within 1 s"):
+        ranks[1].post("promotion/2/node/1", {"bytes": 5})
+        ranks[0].collect({1: "promotion/2/node/1", 2: "promotion/2/node/2"}, "their part of promotion 2")
