@@ -199,15 +199,14 @@ class Tailor:
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
-        tier (``store.node_commit``), else one store every rank writes (``store.writer``)."""
-        lock, placement = self.tiers.first.lock, self.tiers.placement
-        # Run inside the save's first message: what it raises, every rank raises. A lagging tier is
-        # waited for up to half the timeout, as the other ranks wait for that message the timeout.
+        tier (``store.node_commit``), else one store every rank writes (``store.writer``). Its
+        ``prepare`` runs inside the save's first message (what it raises, every rank raises): a
+        lagging tier is waited for up to half the timeout, the others' wait for that message."""
         prepare = functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2)
-        if placement is not None:
-            return persist_on_nodes(self.run, staged, placement, self.coordinator, prepare=prepare,
-                                    confirm=lock.check_held)
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=lock.check_held)
+        confirm = self.tiers.first.lock.check_held
+        if self.tiers.placement is not None:
+            return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, prepare=prepare, confirm=confirm)
+        return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=confirm)
 
     def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
         self.lineage.committed(self.run, step, composite)
