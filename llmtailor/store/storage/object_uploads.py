@@ -31,8 +31,11 @@ class ObjectSink(Sink):
             raise failure(err, where) from None
 
     def write(self, data: memoryview | bytes) -> None:
+        """Take ``data`` for upload. obstore keeps a reference to the buffer it is given, not a
+        copy, until the part holding it is sent, and a caller may reuse its buffer at once
+        (``Storage.pieces``): a view is copied here, immutable bytes are not."""
         try:
-            self._writer.write(data)
+            self._writer.write(bytes(data) if isinstance(data, memoryview) else data)
         except Exception as err:
             raise failure(err, self.where) from None
 
