@@ -1,0 +1,310 @@
+"""Two "nodes" saving at every step to node-local memory tiers with replicas on the partner node,
+side by side with no checkpointing and with ``dcp.async_save`` every step; then recovery after
+losing a node, from the partner's memory vs from the object store.
+
+    .venv/bin/python bench/bench_nodes.py              # about 6 minutes
+    .venv/bin/python bench/bench_nodes.py --quick      # smoke run, about 2 minutes
+
+Two ``torchrun --nnodes 2 --node_rank i --nproc_per_node 1`` launches on loopback (each its own
+memory directory under /dev/shm and its own TMPDIR; nothing shared but moto's S3 server, the
+durable tier) train one DDP model (a Llama-style ``transformers.LlamaConfig``, fp32, never
+downloaded; AdamW; real text from ``pydoc_data.topics``), training held to one thread per
+rank (``torch.set_num_threads(1)``). Every contender starts from the same weights and optimizer
+state (reset between contenders), makes its set-up save and trains one step to settle, then
+``--steps`` measured steps, each timed with the save call that follows it; ``--rounds`` repeats
+the line-up, every other round reversed. The figure of merit is the measured steps' total time
+against ``none``'s (target for ours: < 5% slower).
+
+Contenders: ``none``; ``dcp.async_save`` (torch.distributed.checkpoint of the full state after
+every step into each node's memory directory; at most one in flight; the newest two kept);
+``ours nodes Parity`` (``Tailor(s3://..., async_save=True, policy=Parity(), tiers=[Tier(<node's
+/dev/shm dir>, scope="node", replicas=2, keep=2, promote_every=--every)])``: each save commits
+once both nodes hold both nodes' parts; the durable tier is the S3 run, promoted in the
+background). Network bytes per save: what this rank's courier sent against this node's parts x
+(replicas - 1) (target: 1.00).
+
+Recovery: after the last round, the newest composite of ours is in both nodes' memory and in
+S3. Node 1's memory is wiped and both launches restart: a restore takes the composite from
+memory, node 1 receiving its parts from node 0 (``from memory``). Then both nodes' memory is
+wiped and both restart: the same composite from S3 (``from S3``). ``--restores`` times each,
+alternately; the restore's time is the slowest rank's ``Tailor.restore``. The two restored
+states must be equal (a digest of every weight and optimizer tensor). Target: from memory >= 5x
+faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHM = Path("/dev/shm")
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per contender and round")
+    parser.add_argument("--every", type=int, default=10, help="promote_every of the node tier")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--restores", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a small model, few steps")
+    parser.add_argument("--worker", choices=["train", "restore"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.steps, args.rounds, args.restores, args.every = 2, 128, 6, 1, 1, 3
+    return args
+
+
+# -- the launcher ------------------------------------------------------------------------------
+
+
+def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[str, str]) -> list[dict]:
+    """Both nodes' launches of this script as ``role``; each node's result."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
+                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}"]
+    nodes = []
+    for node in range(2):
+        tmp = root / f"node{node}" / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
+             f"--worker={role}", f"--root={root}", f"--url={url}", *forwarded],
+            env={**env, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE.parent}:{HERE}"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=3600)[0] for p in nodes]
+    if any(p.returncode for p in nodes):
+        raise SystemExit("a node failed:\n" + "\n\n".join(out[-3000:] for out in outputs))
+    return [json.loads((root / f"node{node}" / f"{role}.json").read_text()) for node in range(2)]
+
+
+def memory(node: int) -> Path:
+    return SHM / f"llmtailor-bench-nodes-{os.getpid()}" / f"node{node}"
+
+
+def main() -> None:
+    args = arguments()
+    if args.worker:
+        return worker(args)
+    import moto
+    import torch
+
+    from bench_object_store import new_bucket, start_server
+
+    print(f"machine: {platform.node()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch "
+          f"{torch.__version__}, moto {moto.__version__}; 2 launches x 1 rank, gloo, training at 1 thread")
+    server, endpoint = start_server()
+    root = Path(os.environ.get("BENCH_OUT", HERE / "out")) / "nodes"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        url = f"s3://{new_bucket()}/nodes"
+        env = {**os.environ, "LLMTAILOR_BENCH_SHM": str(memory(0).parent)}
+        trained = launch(args, "train", root, url, env)
+        report_training(trained, args)
+        restores: dict[str, list[float]] = {"from memory": [], "from S3": []}
+        digests: dict[str, set[str]] = {name: set() for name in restores}
+        kept = root / "memory-as-trained"  # each trial starts from the nodes' memory as training left it
+        shutil.copytree(memory(0).parent, kept)
+        for _ in range(args.restores):
+            for name in restores:
+                shutil.rmtree(memory(0).parent, ignore_errors=True)
+                shutil.copytree(kept, memory(0).parent)
+                shutil.rmtree(memory(1), ignore_errors=True)  # node 1 lost: a replacement with empty memory
+                if name == "from S3":
+                    shutil.rmtree(memory(0), ignore_errors=True)
+                results = launch(args, "restore", root, url, env)
+                restores[name].append(max(r["seconds"] for r in results))
+                digests[name] |= {r["digest"] for r in results}
+                print(f"  {name}: {restores[name][-1]:.3f} s, tier {results[0]['tier']}; {results[1]['said']}")
+        report_restores(restores, digests)
+    finally:
+        server.terminate()
+        shutil.rmtree(memory(0).parent, ignore_errors=True)
+
+
+def report_training(results: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nmodel: {results[0]['params'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}), "
+          f"{args.steps} measured steps x {args.rounds} round(s), save after every step")
+    totals = {name: [max(r["totals"][name][i] for r in results) for i in range(args.rounds)] for name in results[0]["totals"]}
+    none = statistics.median(totals["none"])
+    print(f"{'contender':<22}{'seconds (median)':>18}{'vs none':>10}{'slower':>9}")
+    for name, seconds in totals.items():
+        median = statistics.median(seconds)
+        print(f"{name:<22}{median:>18.3f}{median / none:>9.3f}x{100 * (median / none - 1):>8.1f}%")
+    for node, result in enumerate(results):
+        sent, parts = result["sent_bytes"], result["part_bytes"]
+        print(f"node {node}: courier sent {sent / 1e6:.2f} MB for {result['saves']} saves whose own parts were "
+              f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
+
+
+def report_restores(restores: dict[str, list[float]], digests: dict[str, set[str]]) -> None:
+    memory_s, s3_s = statistics.median(restores["from memory"]), statistics.median(restores["from S3"])
+    same = len(digests["from memory"] | digests["from S3"]) == 1
+    print(f"\nrecovery after losing node 1: from the partner's memory {memory_s:.3f} s, from S3 {s3_s:.3f} s: "
+          f"{s3_s / memory_s:.1f}x faster (target >= 5x); restored states equal: {same}")
+
+
+# -- the workers -------------------------------------------------------------------------------
+
+
+class Training:
+    """This rank's model (DDP), optimizer and data, resettable to the state it started in."""
+
+    def __init__(self, args: argparse.Namespace):
+        import copy
+
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from llmtailor.training_example import TinyConfig, batch_at, build_model, corpus_tokens
+
+        config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=8, kv_heads=4,
+                            intermediate_size=int(3.5 * args.hidden), seq_len=args.seq, vocab_size=args.vocab)
+        self.model = DistributedDataParallel(build_model(config, seed=0))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.tokens, self.seq, self.batch_at, self.step = corpus_tokens(), args.seq, batch_at, 0
+        self.train(1)  # optimizer state exists from here on
+        self.start = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict()))
+
+    def reset(self) -> None:
+        self.model.load_state_dict(self.start[0])
+        self.optimizer.load_state_dict(self.start[1])
+        self.step = 0
+
+    def train(self, count: int) -> None:
+        import torch.distributed as dist
+
+        for _ in range(count):
+            self.step += 1
+            batch = self.batch_at(self.tokens, self.step * dist.get_world_size() + dist.get_rank(), 1, self.seq)
+            self.model(input_ids=batch, labels=batch).loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def ours(training: Training, args: argparse.Namespace, round_: int):
+    """Our Tailor of round ``round_``: its run in S3, its node tier in this node's memory."""
+    from llmtailor import Parity, Tailor, Tier
+
+    node_memory = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}" / f"round{round_}"
+    return Tailor(f"{args.url}/round{round_}", training.model, training.optimizer, policy=Parity(), async_save=True,
+                  tiers=[Tier(node_memory, scope="node", replicas=2, keep=2, promote_every=args.every)])
+
+
+def courier_bytes(tailor) -> int:
+    return tailor.tiers.placement.courier.sent_bytes
+
+
+def train_worker(args: argparse.Namespace, own: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    training = Training(args)
+    dcp_group = dist.new_group(backend="gloo")  # DCP's collectives run on its thread: not on DDP's group
+    shm = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}"
+    totals: dict[str, list[float]] = {"none": [], "dcp.async_save": [], "ours nodes Parity": []}
+    sent = parts = saves = 0
+    for round_ in range(args.rounds):
+        for name in (list(totals) if round_ % 2 == 0 else list(reversed(totals))):
+            training.reset()
+            tailor = ours(training, args, round_) if name.startswith("ours") else None
+            pending, reports, dcp_dirs = None, [], []
+
+            def save(step: int) -> None:
+                nonlocal pending
+                if tailor is not None:
+                    reports.append(tailor.save(step))
+                elif name == "dcp.async_save":
+                    if pending is not None:
+                        pending.result()
+                    model_sd, optim_sd = get_state_dict(training.model, training.optimizer)
+                    dcp_dirs.append(shm / "dcp" / f"step-{step}")
+                    pending = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(dcp_dirs[-1]),
+                                             process_group=dcp_group)
+                    if len(dcp_dirs) > 2:
+                        shutil.rmtree(dcp_dirs.pop(0), ignore_errors=True)
+
+            save(0)  # the set-up save
+            if tailor is not None:
+                tailor.wait()
+            training.train(1)
+            sent_before = courier_bytes(tailor) if tailor is not None else 0
+            dist.barrier()
+            start = time.perf_counter()
+            for step in range(2, args.steps + 2):
+                training.train(1)
+                save(step)
+            totals[name].append(time.perf_counter() - start)
+            if tailor is not None:
+                tailor.wait()
+                sent += courier_bytes(tailor) - sent_before
+                parts += sum(r.result().rank_bytes for r in reports[1:])
+                saves += len(reports) - 1
+                tailor.close()
+            elif pending is not None:
+                pending.result()
+            shutil.rmtree(shm / "dcp", ignore_errors=True)
+            dist.barrier()
+    params = sum(p.numel() for p in training.model.parameters())
+    (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
+                                                "saves": saves, "params": params, "threads": torch.get_num_threads()}))
+
+
+def restore_worker(args: argparse.Namespace, own: Path) -> None:
+    import torch.distributed as dist
+    import xxhash
+
+    training = Training(args)
+    tailor = ours(training, args, args.rounds - 1)
+    dist.barrier()
+    start = time.perf_counter()
+    report = tailor.restore()
+    seconds = time.perf_counter() - start
+    digest = xxhash.xxh3_64()
+    for name, tensor in sorted(training.model.state_dict().items()):
+        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+    for state in training.optimizer.state_dict()["state"].values():
+        for key, value in sorted(state.items()):
+            digest.update(key.encode() + value.detach().contiguous().numpy().tobytes())
+    tailor.close()
+    said = f"node(s) served by: {report.served_by}" if report.served_by else "nothing to heal"
+    (own / "restore.json").write_text(json.dumps({"seconds": seconds, "tier": report.tier, "step": report.step,
+                                                  "said": said, "digest": digest.hexdigest()}))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    own = args.root / f"node{os.environ['GROUP_RANK']}"
+    try:
+        (train_worker if args.worker == "train" else restore_worker)(args, own)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
