@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import ConfigError
+
+if TYPE_CHECKING:  # no torch on the paths that only read a run (verify, merge): coordinator imports it
+    from llmtailor.distributed.coordinator import Coordinator
 
 
 @dataclass(frozen=True)
