@@ -23,6 +23,7 @@ from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.distributed.courier import Courier, Files
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
@@ -179,7 +180,7 @@ def keep(run: Run, step: int, files: dict[str, bytes]) -> None:
     if step in run.steps():
         with run.storage.batch() as batch:
             for path, content in files.items():
-                _write(batch.create(f"{run.snapshot_key(step)}/{path}"), content)
+                write_bytes_to(batch.create(f"{run.snapshot_key(step)}/{path}"), content, path)
         return
     if MANIFEST_FILE not in files:
         raise IntegrityError(f"step {step}: its manifest did not arrive, so it cannot be committed here")
@@ -188,18 +189,9 @@ def keep(run: Run, step: int, files: dict[str, bytes]) -> None:
         with snapshot.files() as create:  # the parts first, then indexes and global files
             for path in sorted(files, key=lambda path: (writer_rank(path) is None, path)):
                 if path != MANIFEST_FILE:
-                    _write(create(path), files[path])
+                    write_bytes_to(create(path), files[path], path)
         snapshot.commit(files[MANIFEST_FILE])
     run.forget([step])
-
-
-def _write(sink: Any, content: bytes) -> None:
-    try:
-        sink.write(content)
-    except BaseException:
-        sink.abort()
-        raise
-    sink.close()
 
 
 def clear(run: Run, doomed: dict[int, list[int]], nodes: Nodes, coordinator: Coordinator, tag: str,
