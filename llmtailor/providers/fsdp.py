@@ -117,14 +117,14 @@ class FSDPProvider(LocalProvider):
                 dcp.load(wanted, storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
 
         try:
+            if plain:  # first: a rank's own reads fail on that rank alone, leaving the others in no collective
+                self._load_plain_once(run, sources, plain, load)
             replicas = _replica_group(targets)
             if replicas is None:
                 for unit in sources:
                     load(unit)
             else:
                 self._load_once(sources, targets, load, *replicas)
-            if plain:
-                self._load_plain_once(run, sources, plain, load)
         finally:
             reader.close()
         for unit, step in sources.items():
