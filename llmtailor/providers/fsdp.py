@@ -102,16 +102,23 @@ class FSDPProvider(LocalProvider):
         into the live state tensors where they exist, else into new ones sharded like their
         parameter. Returns the optimizer state by parameter name. Under HSDP the replicas of a
         shard need the same bytes: each unit is loaded by one rank of the replica group and
-        sent to the others (``_load_once``)."""
+        sent to the others (``_load_once``). The plain tensors every rank holds whole (``step``
+        scalars), written by one rank, are read by one rank and sent to the others
+        (``_load_plain_once``)."""
         optimizer_state: dict[str, dict[str, Any]] = {}
         targets = {unit: self._targets(run.unit_entry(step, unit), live, optimizer_state) for unit, step in sources.items()}
+        plain = self._plain_targets(targets)
         reader = ChunkReader(run, verify)
 
-        def load(unit: str) -> None:
-            storage = SnapshotReader(reader, sources[unit], run.unit_entry(sources[unit], unit), set(targets[unit]))
-            dcp.load(targets[unit], storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
+        def load(unit: str, wanted: dict[str, torch.Tensor] | None = None) -> None:
+            wanted = targets[unit] if wanted is None else wanted
+            if wanted:
+                storage = SnapshotReader(reader, sources[unit], run.unit_entry(sources[unit], unit), set(wanted))
+                dcp.load(wanted, storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
 
         try:
+            if plain:  # first: a rank's own reads fail on that rank alone, leaving the others in no collective
+                self._load_plain_once(run, sources, plain, load)
             replicas = _replica_group(targets)
             if replicas is None:
                 for unit in sources:
@@ -121,10 +128,24 @@ class FSDPProvider(LocalProvider):
         finally:
             reader.close()
         for unit, step in sources.items():
-            for name, plain in run.unit_entry(step, unit).values.items():
-                for key, encoded in plain.items():
+            for name, plain_values in run.unit_entry(step, unit).values.items():
+                for key, encoded in plain_values.items():
                     optimizer_state.setdefault(name, {})[key] = codec.decode(encoded, {}, f"{unit}.{name}.{key}")
         return optimizer_state
+
+    def _plain_targets(self, targets: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """The targets that are plain tensors (not DTensors), by unit, taken out of ``targets``,
+        where one rank reads them for the others: in a job of several ranks not cut into
+        pipeline stages (a stage's ranks have no process group of their own here; each reads
+        its own then). Every rank takes out the same keys: whether a target is a DTensor follows
+        from the model's layout alone."""
+        if self.coordinator.world_size == 1 or self.stages.pipelined:
+            return {}
+        plain = {unit: {key: t for key, t in wanted.items() if not isinstance(t, DTensor)} for unit, wanted in targets.items()}
+        for unit, keys in plain.items():
+            for key in keys:
+                del targets[unit][key]
+        return {unit: keys for unit, keys in plain.items() if keys}
 
     def _targets(self, entry: UnitEntry, live: dict[str, torch.Tensor],
                  optimizer_state: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -160,6 +181,30 @@ class FSDPProvider(LocalProvider):
 
         for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
             for target, value in zip(local[units[item]], tensors):
+                if value is not target:
+                    target.copy_(value)
+
+    def _load_plain_once(self, run: Run, sources: dict[str, int], plain: dict[str, dict[str, torch.Tensor]],
+                         load: Callable[[str, dict[str, torch.Tensor]], None]) -> None:
+        """Each unit's plain tensors (``_plain_targets``) read by one rank, balanced by bytes, and
+        broadcast to every other (``distributed.read_plan``): they are the same on every rank
+        but lie in one rank's file (the unit's owner wrote them, ``StateProvider.owner``), which
+        in a node-local tier with fewer replicas than nodes only some nodes hold: the reader is
+        a rank whose node's copy holds that file (``node_parts.reading_ranks``). The ranks first
+        exchange a word, so that a rank that failed before leaves none of the others in a
+        collective (as ``_load_once``)."""
+        self.coordinator.exchange(f"{self.coordinator.round}/plain", len(plain))
+        units = {f"the plain tensors of unit {unit!r} of step {sources[unit]}": unit for unit in plain}
+        specs = {unit: [(t.dtype, list(t.shape)) for t in plain[unit].values()] for unit in plain}
+        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()},
+                        candidates=self._readable(run, sources, {u: run.unit_entry(sources[u], u) for u in plain}, units, plain))
+
+        def read(item: str) -> list[torch.Tensor]:
+            load(units[item], plain[units[item]])
+            return list(plain[units[item]].values())
+
+        for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
+            for target, value in zip(plain[units[item]].values(), tensors):
                 if value is not target:
                     target.copy_(value)
 

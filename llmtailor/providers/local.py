@@ -14,7 +14,7 @@ data ranks of a pipeline stage among themselves, over the process group DDP wrap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -283,12 +283,16 @@ class LocalProvider(StateProvider):
             yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
 
     def _readable(self, run: Run, sources: dict[str, int], entries: dict[str, UnitEntry],
-                  units: dict[str, str]) -> dict[str, list[int]]:
+                  units: dict[str, str], keys: dict[str, Collection[str]] | None = None) -> dict[str, list[int]]:
         """Item -> the ranks that can read it where not every rank can: in a node-local tier, those
-        whose node's copy holds the unit's files (``node_parts.reading_ranks``)."""
+        whose node's copy holds the unit's files (``node_parts.reading_ranks``); with ``keys``,
+        the files the chunks of the unit's tensors of those keys lie in."""
         readable = {}
         for item, unit in units.items():
-            paths = [f.path for f in entries[unit].files if f.origin != "base"]
+            files = entries[unit].files
+            used = (range(len(files)) if keys is None
+                    else {c.file for t in entries[unit].tensors if t.key in keys[unit] for c in t.chunks})
+            paths = [files[at].path for at in sorted(used) if files[at].origin != "base"]
             ranks = reading_ranks(run.manifest(sources[unit]).notes, paths, self.coordinator.world_size)
             if ranks is not None:
                 readable[item] = ranks

@@ -46,8 +46,8 @@ pytestmark = pytest.mark.slow
 class Job:
     """The nodes of one job on loopback: ``launch`` starts every node, ``results`` waits for them."""
 
-    def __init__(self, tmp_path: Path, endpoint: str, kind: str):
-        self.tmp_path, self.kind = tmp_path, kind
+    def __init__(self, tmp_path: Path, endpoint: str, kind: str, nodes: int = NODES):
+        self.tmp_path, self.kind, self.nodes = tmp_path, kind, nodes
         self.env = {**os.environ, **environment(endpoint), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "RUN_HOME": f"s3://{new_bucket(endpoint)}/jobs/{kind}"}
         self.launches: list[subprocess.Popen] = []
@@ -61,10 +61,10 @@ class Job:
     def launch(self, scenario: str, **env: str) -> None:
         port = free_port()
         self.launches = []
-        for node in range(NODES):
+        for node in range(self.nodes):
             (self.own(node) / "tmp").mkdir(parents=True, exist_ok=True)
             self.launches.append(subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node_rank", str(node),
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes), "--node_rank", str(node),
                  "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                  str(JOB), scenario, self.kind, str(self.own(node))],
                 env={**self.env, **env, "NODE_DIR": str(self.memory(node)), "TMPDIR": str(self.own(node) / "tmp")},
@@ -73,14 +73,14 @@ class Job:
 
     def results(self, scenario: str) -> list[dict]:
         outputs = [p.communicate(timeout=600)[0] for p in self.launches]
-        assert [p.returncode for p in self.launches] == [0] * NODES, "\n\n".join(out[-5000:] for out in outputs)
-        return [json.loads((self.own(n) / f"result-{scenario}-{n}.json").read_text()) for n in range(NODES)]
+        assert [p.returncode for p in self.launches] == [0] * self.nodes, "\n\n".join(out[-5000:] for out in outputs)
+        return [json.loads((self.own(n) / f"result-{scenario}-{n}.json").read_text()) for n in range(self.nodes)]
 
     def lose(self, node: int) -> None:
         """Once ``node``'s ranks killed themselves (its launch ends), SIGKILL what is left of the
         others (their ranks by pid, then their launches): every node is down."""
         self.launches[node].communicate(timeout=600)
-        for other in range(NODES):
+        for other in range(self.nodes):
             pid = self.own(other) / f"pid-{other}"
             if other != node and pid.exists():
                 try:
@@ -98,12 +98,12 @@ class Job:
         """Every snapshot in every node's copy is whole across the nodes (older ones kept only for
         what a newer composite reads included), the newest composite too, and (``verify``: each
         copy whole alone, with 2 copies on 2 nodes) each copy verifies."""
-        holdings = {n: held_here(Run(self.memory(n))) for n in range(NODES)}
+        holdings = {n: held_here(Run(self.memory(n))) for n in range(self.nodes)}
         for held in holdings.values():
             for step in held:
                 assert snapshot_problem(holdings, step) is None, step
         assert composite_problem(holdings, max(s for held in holdings.values() for s in held)) is None
-        for n in range(NODES if verify else 0):
+        for n in range(self.nodes if verify else 0):
             assert Run(self.memory(n)).verify() == [], n
 
 
@@ -115,30 +115,44 @@ def endpoint(monkeypatch):
         yield url
 
 
-def test_a_lost_node_resumes_from_its_partners_memory_then_all_lost_from_the_object_store(tmp_path, endpoint):
-    job = Job(tmp_path, endpoint, "fsdp")
-    job.launch("train", LAST="8", KILL_NODE="1", KILL_AT="5", KILL_IN="training")
-    job.lose(1)
-    job.wipe(1)
+def lose_a_node_then_every_node(job: Job, lost: int, served_by: dict[str, list[int]]) -> None:
+    """Node ``lost`` SIGKILLed after the save of step 5 was handed over, its memory wiped, every node
+    relaunched: the job resumes from memory (each node its own copy; ``served_by``: the nodes whose
+    copies rebuilt the lost node's), composite-exact, then saves up to 7; then every node's memory
+    wiped: it resumes from the object store, composite-exact."""
+    job.launch("train", LAST="8", KILL_NODE=str(lost), KILL_AT="5", KILL_IN="training")
+    job.lose(lost)
+    job.wipe(lost)
 
     job.launch("resume", LAST="7")
     first = job.results("resume")
     restored = first[0]["restored"]
-    assert restored in (4, 5)  # 5 was in flight when node 1 died: committed on both nodes, or on none
-    assert [r["latest"] for r in first] == [restored] * NODES and [r["restored"] for r in first] == [restored] * NODES
-    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(NODES)]  # from memory, each its own
-    assert first[0]["served_by"] == {"1": [0]}  # node 1's copy came from node 0's replica
-    assert first[0]["mismatches"] == [] and first[1]["mismatches"] is None
+    assert restored in (4, 5)  # 5 was in flight when the node died: committed on every node, or on none
+    assert [r["latest"] for r in first] == [restored] * job.nodes and [r["restored"] for r in first] == [restored] * job.nodes
+    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(job.nodes)]  # from memory, each its own
+    assert first[0]["served_by"] == served_by
+    assert first[0]["mismatches"] == [] and [r["mismatches"] for r in first[1:]] == [None] * (job.nodes - 1)
     assert first[0]["promoted"][-1] == 7
     job.copies_whole()
 
-    job.wipe(0)
-    job.wipe(1)
+    for node in range(job.nodes):
+        job.wipe(node)
     job.launch("resume")
     second = job.results("resume")
-    assert [r["restored"] for r in second] == [7, 7]
+    assert [r["restored"] for r in second] == [7] * job.nodes
     assert second[0]["tier"] == job.env["RUN_HOME"] and second[0]["served_by"] == {}
     assert second[0]["mismatches"] == []
+
+
+def test_a_lost_node_resumes_from_its_partners_memory_then_all_lost_from_the_object_store(tmp_path, endpoint):
+    lose_a_node_then_every_node(Job(tmp_path, endpoint, "fsdp"), lost=1, served_by={"1": [0]})  # node 1's copy: node 0's replica
+
+
+def test_three_nodes_with_two_replicas_a_lost_node_is_rebuilt_from_two_holders_then_all_lost_from_the_object_store(tmp_path, endpoint):
+    """3 nodes, ``replicas=2``: no node holds every part (node n holds n's and n-1's). Node 2, lost,
+    held its own parts (also on node 0) and node 1's (also on node 1): its copy is rebuilt from
+    both; FSDP2's per-parameter ``step`` tensors, written by one rank, reach every node's ranks."""
+    lose_a_node_then_every_node(Job(tmp_path, endpoint, "fsdp", nodes=3), lost=2, served_by={"2": [0, 1]})
 
 
 def test_a_node_killed_while_replicating_leaves_no_copy_of_that_save_and_rank_0s_node_heals_from_node_1(tmp_path, endpoint):
