@@ -239,14 +239,12 @@ class LocalProvider(StateProvider):
         every unit's files (after a healing, with replicas on every node): each rank then reads
         them from its own node's memory, which is faster than one reader sending them over the
         network (``_read_once``). The same answer on every rank (from the manifests alone)."""
-        if copy_node(run.storage) is None:
-            return False
         everyone = list(range(self.coordinator.world_size))
         for unit, source in sources.items():
             paths = [f.path for f in run.unit_entry(source, unit).files if f.origin != "base"]
             if reading_ranks(run.manifest(source).notes, paths, self.coordinator.world_size) != everyone:
                 return False
-        return True
+        return copy_node(run.storage) is not None  # last: a read (of tiers.json) only for node placements
 
     def _live_by_key(self, unit: str, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A unit's live weights and existing optimizer state tensors by key, for the read to
