@@ -60,27 +60,37 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--restores", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small model, few steps")
+    parser.add_argument("--only", choices=["recovery"],
+                        help="recovery: train only ours (--steps steps, one round) to have a composite, no comparison")
+    parser.add_argument("--against", type=Path, action="append", default=[],
+                        help="another checkout whose llmtailor also restores, alternated with this one's (repeatable)")
+    parser.add_argument("--profile", action="store_true", help="cProfile each restore; the top of it printed")
     parser.add_argument("--worker", choices=["train", "restore"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.steps, args.rounds, args.restores, args.every = 2, 128, 6, 1, 1, 3
+    if args.only == "recovery":
+        args.rounds = 1
     return args
 
 
 # -- the launcher ------------------------------------------------------------------------------
 
 
-def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[str, str]) -> list[dict]:
-    """Both nodes' launches of this script as ``role``; each node's result."""
+def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[str, str],
+           code: Path = HERE.parent) -> list[dict]:
+    """Both nodes' launches of this script as ``role``, importing llmtailor from ``code``; each
+    node's result."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
-                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}"]
+                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}",
+                 *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else [])]
     nodes = []
     for node in range(2):
         tmp = root / f"node{node}" / "tmp"
@@ -89,7 +99,7 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
              f"--worker={role}", f"--root={root}", f"--url={url}", *forwarded],
-            env={**env, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE.parent}:{HERE}"},
+            env={**env, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{code}:{HERE}"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=3600)[0] for p in nodes]
     if any(p.returncode for p in nodes):
@@ -119,23 +129,35 @@ def main() -> None:
         url = f"s3://{new_bucket()}/nodes"
         env = {**os.environ, "LLMTAILOR_BENCH_SHM": str(memory(0).parent)}
         trained = launch(args, "train", root, url, env)
-        report_training(trained, args)
-        restores: dict[str, list[float]] = {"from memory": [], "from S3": []}
-        digests: dict[str, set[str]] = {name: set() for name in restores}
+        if args.only is None:
+            report_training(trained, args)
+        print(f"\nstate: {trained[0]['params'] / 1e6:.1f} M parameters; weights + optimizer state {trained[0]['composite_bytes'] / 1e6:.1f} MB per rank")
+        codes = {"": HERE.parent, **{f" [{path}]": path for path in args.against}}
+        restores = {f"{way}{label}": [] for label in codes for way in ("from memory", "from S3")}
+        digests: set[str] = set()
         kept = root / "memory-as-trained"  # each trial starts from the nodes' memory as training left it
         shutil.copytree(memory(0).parent, kept)
-        for _ in range(args.restores):
-            for name in restores:
-                shutil.rmtree(memory(0).parent, ignore_errors=True)
-                shutil.copytree(kept, memory(0).parent)
-                shutil.rmtree(memory(1), ignore_errors=True)  # node 1 lost: a replacement with empty memory
-                if name == "from S3":
-                    shutil.rmtree(memory(0), ignore_errors=True)
-                results = launch(args, "restore", root, url, env)
-                restores[name].append(max(r["seconds"] for r in results))
-                digests[name] |= {r["digest"] for r in results}
-                print(f"  {name}: {restores[name][-1]:.3f} s, tier {results[0]['tier']}; {results[1]['said']}")
-        report_restores(restores, digests)
+        for trial in range(args.restores):
+            order = list(codes.items()) if trial % 2 == 0 else list(reversed(codes.items()))
+            for way in ("from memory", "from S3"):
+                for label, code in order:
+                    shutil.rmtree(memory(0).parent, ignore_errors=True)
+                    shutil.copytree(kept, memory(0).parent)
+                    shutil.rmtree(memory(1), ignore_errors=True)  # node 1 lost: a replacement with empty memory
+                    if way == "from S3":
+                        shutil.rmtree(memory(0), ignore_errors=True)
+                    results = launch(args, "restore", root, url, env, code)
+                    name = f"{way}{label}"
+                    restores[name].append(max(r["seconds"] for r in results))
+                    digests |= {r["digest"] for r in results}
+                    print(f"  {name}: {restores[name][-1]:.3f} s, tier {results[0]['tier']}; {results[1]['said']}; "
+                          f"load {os.getloadavg()[0]:.1f}", flush=True)
+                    for node, result in enumerate(results):
+                        if result.get("profile"):
+                            print(f"--- node {node} profile ---\n{result['profile']}")
+        for label in codes:
+            report_restores({way: restores[f"{way}{label}"] for way in ("from memory", "from S3")}, label)
+        print(f"restored states equal: {len(digests) == 1}")
     finally:
         server.terminate()
         shutil.rmtree(memory(0).parent, ignore_errors=True)
@@ -156,11 +178,11 @@ def report_training(results: list[dict], args: argparse.Namespace) -> None:
               f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
 
 
-def report_restores(restores: dict[str, list[float]], digests: dict[str, set[str]]) -> None:
+def report_restores(restores: dict[str, list[float]], label: str) -> None:
     memory_s, s3_s = statistics.median(restores["from memory"]), statistics.median(restores["from S3"])
-    same = len(digests["from memory"] | digests["from S3"]) == 1
-    print(f"\nrecovery after losing node 1: from the partner's memory {memory_s:.3f} s, from S3 {s3_s:.3f} s: "
-          f"{s3_s / memory_s:.1f}x faster (target >= 5x); restored states equal: {same}")
+    shown = lambda way: ", ".join(f"{s:.3f}" for s in restores[way])  # noqa: E731
+    print(f"\nrecovery after losing node 1{label}: from the partner's memory {memory_s:.3f} s ({shown('from memory')}), "
+          f"from S3 {s3_s:.3f} s ({shown('from S3')}): {s3_s / memory_s:.1f}x faster (target >= 5x)")
 
 
 # -- the workers -------------------------------------------------------------------------------
@@ -224,6 +246,8 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     dcp_group = dist.new_group(backend="gloo")  # DCP's collectives run on its thread: not on DDP's group
     shm = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}"
     totals: dict[str, list[float]] = {"none": [], "dcp.async_save": [], "ours nodes Parity": []}
+    if args.only == "recovery":
+        totals = {"ours nodes Parity": []}
     sent = parts = saves = 0
     for round_ in range(args.rounds):
         for name in (list(totals) if round_ % 2 == 0 else list(reversed(totals))):
@@ -267,7 +291,11 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
             shutil.rmtree(shm / "dcp", ignore_errors=True)
             dist.barrier()
     params = sum(p.numel() for p in training.model.parameters())
+    state = [*training.model.state_dict().values(),
+             *(v for s in training.optimizer.state_dict()["state"].values() for v in s.values())]
+    composite = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
+                                                "composite_bytes": composite,
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 
 
@@ -278,9 +306,24 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
     training = Training(args)
     tailor = ours(training, args, args.rounds - 1)
     dist.barrier()
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     report = tailor.restore()
     seconds = time.perf_counter() - start
+    profile = ""
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(45)
+        profile = out.getvalue()
     digest = xxhash.xxh3_64()
     for name, tensor in sorted(training.model.state_dict().items()):
         digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
@@ -290,7 +333,8 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
     tailor.close()
     said = f"node(s) served by: {report.served_by}" if report.served_by else "nothing to heal"
     (own / "restore.json").write_text(json.dumps({"seconds": seconds, "tier": report.tier, "step": report.step,
-                                                  "said": said, "digest": digest.hexdigest()}))
+                                                  "said": said, "digest": digest.hexdigest(),
+                                                  "profile": profile}))
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ rank b, in the same exchange; every rank of the job calls ``exchange`` the same 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -30,6 +30,8 @@ Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
 
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
+PIECE = 64 << 20
+"""Most bytes of one message of a streamed file (``Courier.stream``)."""
 
 
 class Courier:
@@ -69,6 +71,65 @@ class Courier:
         for dst, work in sends:
             self._wait(work, f"sending files to rank {dst}")
         return received
+
+    def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], None],
+               sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
+        """Files sent one after another, each in a buffer of its own (large transfers: a node's
+        parts healed from its partner), so that reading, sending, checking and writing overlap:
+        to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
+        first), each read by ``fill(dst, name, view)`` just before it goes (while the one before
+        is on its way); from each rank of ``sources`` in turn, each file handed to ``take(src,
+        name, view)`` once it is whole (while the next arrives). A ``fill`` that cannot read its
+        file leaves the view as it is (the receiver's check against its checksum refuses it);
+        ``fill`` and ``take`` record their failures instead of raising (a raise leaves the peers
+        waiting until the timeout). Errors as ``exchange``."""
+        import torch.distributed as dist
+
+        sends, group = [], self.group
+        for dst, listing in outgoing.items():
+            names = json.dumps([[name, size] for name, size in listing]).encode()
+            sends.append((dst, dist.isend(torch.tensor([len(names), len(listing)], dtype=torch.int64), dst, group=group,
+                                          tag=_SIZES)))
+            sends.append((dst, dist.isend(_as_tensor(names), dst, group=group, tag=_NAMES)))
+        for dst, listing in outgoing.items():
+            for name, size in listing:
+                content = torch.empty(size, dtype=torch.uint8)
+                fill(dst, name, memoryview(content.numpy()))
+                sends += [(dst, dist.isend(content[at:at + PIECE], dst, group=group, tag=_BYTES)) for at in range(0, size, PIECE)]
+                self.sent_bytes += size
+        for src in sources:
+            self._receive_streamed(src, take)
+        for dst, work in sends:
+            self._wait(work, f"sending files to rank {dst}")
+
+    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None]) -> None:
+        """``stream``'s receiving side for one source: the next file's pieces are awaited while
+        ``take`` handles the one before."""
+        import torch.distributed as dist
+
+        what = f"receiving files from rank {src}"
+        header = torch.zeros(2, dtype=torch.int64)
+        self._wait(dist.irecv(header, src, group=self.group, tag=_SIZES), what)
+        names = torch.empty(int(header[0]), dtype=torch.uint8)
+        self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), what)
+        listing = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
+        if len(listing) != int(header[1]):
+            raise CoordinationError(f"rank {src} announced {int(header[1])} files and listed {len(listing)}")
+        pending = None
+        for name, size in listing:
+            content = torch.empty(size, dtype=torch.uint8)
+            works = [dist.irecv(content[at:at + PIECE], src, group=self.group, tag=_BYTES) for at in range(0, size, PIECE)]
+            if pending is not None:
+                self._hand_over(src, *pending, take)
+            pending = (name, content, works)
+        if pending is not None:
+            self._hand_over(src, *pending, take)
+
+    def _hand_over(self, src: int, name: str, content: torch.Tensor, works: list,
+                   take: Callable[[int, str, memoryview], None]) -> None:
+        for work in works:
+            self._wait(work, f"receiving files from rank {src}")
+        take(src, name, memoryview(content.numpy()))
 
     def _receive(self, src: int) -> Files:
         import torch.distributed as dist

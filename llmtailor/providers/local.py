@@ -31,7 +31,7 @@ from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
-from llmtailor.store.node_parts import reading_ranks
+from llmtailor.store.node_parts import copy_node, reading_ranks
 from llmtailor.store.run import Run
 from llmtailor.store.samples import sample_checksum
 from llmtailor.store.staged import Piece, StagedUnit
@@ -218,20 +218,33 @@ class LocalProvider(StateProvider):
         """``(unit, tensors by key, optimizer values)`` of each unit, checked, the frozen tensors
         the live model holds already (``_already_held``) being the live ones. One process reads
         every unit; ranks that each need the same units whole (DDP's, or the data ranks of a
-        pipeline stage: ``_replicas``) read each once between them (``_read_once``). The ranks
+        pipeline stage: ``_replicas``) read each once between them (``_read_once``), unless each
+        rank's node's copy of a node-local tier holds them all (``_own_copy_holds``). The ranks
         first exchange what they hold, which also bounds by the timeout the wait of the others
         on a rank that failed before loading."""
         held = {unit: self._already_held(run.unit_entry(source, unit), live, exact) for unit, source in sources.items()}
         if self.coordinator.world_size > 1:
             everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
             replicas = self._replicas()
-            if replicas is not None:
+            if replicas is not None and not self._own_copy_holds(run, sources):
                 ranks, group = replicas
                 yield from self._read_once(run, sources, held, [everyone[r] for r in ranks], ranks, group)
                 return
         for unit, source in sources.items():
             loaded, values = run.read_unit(source, unit, skip=set(held[unit]), into=self._live_by_key(unit, live))
             yield unit, {**loaded, **held[unit]}, values
+
+    def _own_copy_holds(self, run: Run, sources: dict[str, int]) -> bool:
+        """Whether ``run`` is a node's copy of a node-local tier in which every rank's node holds
+        every unit's files (after a healing, with replicas on every node): each rank then reads
+        them from its own node's memory, which is faster than one reader sending them over the
+        network (``_read_once``). The same answer on every rank (from the manifests alone)."""
+        everyone = list(range(self.coordinator.world_size))
+        for unit, source in sources.items():
+            paths = [f.path for f in run.unit_entry(source, unit).files if f.origin != "base"]
+            if reading_ranks(run.manifest(source).notes, paths, self.coordinator.world_size) != everyone:
+                return False
+        return copy_node(run.storage) is not None  # last: a read (of tiers.json) only for node placements
 
     def _live_by_key(self, unit: str, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A unit's live weights and existing optimizer state tensors by key, for the read to

@@ -25,13 +25,19 @@ if TYPE_CHECKING:
 
 def write_bytes_to(sink: Sink, data: bytes, relpath: str) -> FileEntry:
     """Write ``data`` through ``sink`` and close it; its manifest entry as ``relpath``."""
+    write_to(sink, data)
+    return FileEntry(path=relpath, bytes=len(data), xxh3_64=checksum(data))
+
+
+def write_to(sink: Sink, data: bytes | memoryview) -> None:
+    """Write ``data`` through ``sink`` and close it; on any failure the sink is aborted (no
+    partial file left). For bytes already checked against their entry (no checksum again)."""
     try:
         sink.write(data)
         sink.close()
     except BaseException:
         sink.abort()
         raise
-    return FileEntry(path=relpath, bytes=len(data), xxh3_64=checksum(data))
 
 
 def _check_size(storage: Storage, key: str, entry: FileEntry) -> None:

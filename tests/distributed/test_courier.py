@@ -100,3 +100,36 @@ def test_files_reach_their_partner_from_a_background_thread_and_a_dead_peer_is_n
     else:
         said = Path(tmp_path, "0.txt").read_text()
         assert "receiving files from rank 1 failed or timed out" in said
+
+
+def _stream(rank: int, world: int, init: str, out: str) -> None:
+    from llmtailor.distributed import courier as courier_module
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    courier_module.PIECE = 1000  # a file of several messages
+    courier = Courier.open(timeout=20)
+    try:
+        mine = {f"packs/rank-{rank:05d}.0.safetensors": bytes([rank]) * 2500, "ranks/empty.json": b"", "manifest.json": b"{}"}
+        partner, source = (rank + 1) % world, (rank - 1) % world
+
+        def fill(dst: int, name: str, into: memoryview) -> None:
+            into[:] = mine[name]
+
+        got: list = []
+        courier.stream({partner: [(name, len(content)) for name, content in mine.items()]}, fill, [source],
+                       lambda src, name, content: got.append((src, name, bytes(content))))
+        Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_sending_and_receiving(tmp_path):
+    world = 3
+    mp.spawn(_stream, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=world, join=True)
+    for rank in range(world):
+        source = (rank - 1) % world
+        said, sent = Path(tmp_path, f"{rank}.txt").read_text().split("\nsent=")
+        assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", bytes([source]) * 2500),
+                              (source, "ranks/empty.json", b""), (source, "manifest.json", b"{}")]
+        assert sent == "2502"

@@ -69,9 +69,15 @@ def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_
     assert saved[0]["promoted"][-1] == 4 and all(result["sent"] > 0 for result in saved)
 
     restored = launch(tmp_path, f"nodes-restore-{kind}", per_node)
+    composite = copies[0].resolve(4)
+    data = {f"{copies[0].snapshot_key(source if f.origin is None else f.origin)}/{f.path}"
+            for unit, source in composite.sources.items()
+            for f in copies[0].unit_entry(source, unit).files if f.origin != "base"}
     for rank, result in enumerate(restored):
         assert result["restored"] == 4 and result["extra"] == {"rank": rank}
         assert result["tier"] == str(tmp_path / f"node{node_of[rank]}" / "memory")  # its own node's copy
+        if kind == "ddp":  # each node holds every unit: each rank reads them all from its own memory, none sent
+            assert data <= set(result["read"]), sorted(data - set(result["read"]))
     assert restored[0]["mismatches"] == []  # rank 0 compares every tensor, whole (node 0 holds the versions)
 
 

@@ -690,11 +690,30 @@ def nodes_save(kind: str, out: Path) -> dict:
     return {"sent": tailor.tiers.placement.courier.sent_bytes, "promoted": [p.step for p in tailor.tiers.promotions]}
 
 
+def count_local_reads() -> set[str]:
+    """The keys of the files read from a local storage from now on (whole, in ranges, into a
+    buffer or in pieces): filled in as this rank reads."""
+    from llmtailor.store.storage.local import LocalStorage
+
+    keys: set[str] = set()
+
+    def counting(real):
+        def read(self, key, *args, **kwargs):
+            keys.add(key)
+            return real(self, key, *args, **kwargs)
+        return read
+
+    for name in ("read", "read_range", "read_into", "pieces"):
+        setattr(LocalStorage, name, counting(getattr(LocalStorage, name)))
+    return keys
+
+
 def nodes_restore(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, timeout=60, tiers=node_tier(os.environ["NODE_DIR"]))
+    read = count_local_reads()
     report = tailor.restore()
-    result = {"restored": report.step, "tier": report.tier, "extra": report.extra,
+    result = {"restored": report.step, "tier": report.tier, "extra": report.extra, "read": sorted(read),
               "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], model, optimizer)}
     tailor.close()
     return result

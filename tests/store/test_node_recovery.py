@@ -21,7 +21,7 @@ from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
 from llmtailor.store.run import Run
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers import Tiers
-from llmtailor.store.tiers.healing import clear, held_here, keep, received_files
+from llmtailor.store.tiers.healing import Receiving, clear, held_here
 from llmtailor.store.tiers.recovery import (
     Held, NodeChoice, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
 )
@@ -211,17 +211,19 @@ def node_copies(tmp_path, count: int = 2, replicas: int = 2) -> list:
 
 def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None) -> None:
     """What ``healing.heal`` does over the courier, in one process: each destination's files read
-    from its sources' copies (node n is rank n here), checked, kept."""
+    from its sources' copies (node n is rank n here), handed to its ``Receiving`` as they come."""
     for step in sorted({m.step for m in moves}):
         for dest in sorted({m.dest for m in moves if m.step == step}):
             mine = [m for m in moves if m.step == step and m.dest == dest]
-            received: dict[int, list] = {}
+            receiving = Receiving(runs[dest], step, mine, nodes)
             for m in mine:
                 content = (runs[m.source].snapshot_dir(step) / m.path).read_bytes()
                 if m.path == damage:
                     content = content[:-1] + bytes([content[-1] ^ 1])
-                received.setdefault(m.source, []).append((m.path, content))
-            keep(runs[dest], step, received_files(mine, received, nodes))
+                receiving.take(m.source, m.path, memoryview(content))
+            error = receiving.finish()
+            if error is not None:
+                raise IntegrityError(error)
 
 
 def node_one_wiped(tmp_path) -> tuple[list, list, dict]:

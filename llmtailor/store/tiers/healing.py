@@ -1,11 +1,11 @@
 """A node-local tier's recovery carried out (planned in ``recovery.py``), collectively: each
 node's leader lists its copy (``held_here``); rank 0 plans; the files a node lacks travel from
-the leader of a node holding them to its own leader over the courier (``Courier.exchange``),
-each checked against the checksum its manifest or index records before it is kept
-(``received``), and committed into that node's copy (``keep``): a snapshot the node lacked with
-the snapshot commit protocol (its files staged, the manifest last, then the rename), a file
-missing from a snapshot it holds written into place. Nothing is committed on any node unless
-every file it receives checks out.
+the leader of a node holding them to its own leader over the courier (``Courier.stream``: read
+straight into the buffer sent, checked and written while the next file travels), each checked
+against the checksum its manifest or index records before it is written, and committed into
+that node's copy (``Receiving``): a snapshot the node lacked with the snapshot commit protocol
+(its files staged, the manifest last, then the rename), a file missing from a snapshot it holds
+written into place. Nothing is committed on any node unless every file it receives checks out.
 
 ``recover`` (before a restore) and ``clear_unwhole`` (at a writer's start) are the whole of it:
 ``survey`` gathers the holdings; ``heal`` moves and commits; ``clear`` removes from every node
@@ -16,14 +16,15 @@ in the same order); what happens on a node is done by its leader.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.distributed.courier import Courier, Files
+from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, TailorError
-from llmtailor.store.checked import write_bytes_to
+from llmtailor.store.checked import write_to
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
@@ -113,85 +114,122 @@ def survey(run: Run, nodes: Nodes, coordinator: Coordinator, tag: str) -> Holdin
 
 def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordinator: Coordinator,
          tag: str) -> None:
-    """Collective: carry out ``moves`` (every rank holds the same list): one exchange per
-    snapshot, leader to leader; each leader checks what it received and commits it into its
-    copy (``keep``). Every rank raises IntegrityError naming the node and file when any node's
-    part failed (what a node had not committed is left as it was)."""
+    """Collective: carry out ``moves`` (every rank holds the same list): one stream per
+    snapshot, leader to leader (``Courier.stream``: each file read, sent, checked and written
+    while the next one travels); each leader checks what it receives and commits it into its
+    copy (``Receiving``). Every rank raises IntegrityError naming the node and file when any
+    node's part failed (what a node had not committed is left as it was)."""
     rank, error = coordinator.rank, None
     node = nodes.node_of_rank(rank)
     for step in sorted({move.step for move in moves}, reverse=True):
-        these = [move for move in moves if move.step == step]
-        outgoing, sources = _sending(run, these, node, nodes) if leads(nodes, rank) else ({}, [])
-        received = courier.exchange(outgoing, sources)
-        if error is None and leads(nodes, rank):
-            error = _kept_or_error(run, step, [m for m in these if m.dest == node], received, nodes)
+        these = [move for move in moves if move.step == step] if leads(nodes, rank) else []
+        receiving = Receiving(run, step, [move for move in these if move.dest == node], nodes, error)
+        outgoing, sources = _sending(these, node, nodes)
+        courier.stream(outgoing, _filler(run, step), sources, receiving.take)
+        error = receiving.finish() or error
     failures = [why for why in coordinator.exchange(tag, error) if why]
     if failures:
         raise IntegrityError(f"healing the node-local tier failed: {'; '.join(failures)}")
 
 
-def _sending(run: Run, moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, Files], list[int]]:
-    """This leader's side of one exchange: the files it sends, by destination leader, and the
-    leaders it receives from. A file it cannot read goes out empty (its receiver reports it)."""
-    outgoing: dict[int, Files] = {}
-    for move in moves:
+def _sending(moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, list[tuple[str, int]]], list[int]]:
+    """This leader's side of one stream: the files it sends (path, size), by destination
+    leader, parts first, the manifest last (the order they are staged in), and the leaders it
+    receives from."""
+    outgoing: dict[int, list[tuple[str, int]]] = {}
+    for move in sorted(moves, key=lambda move: (move.path == MANIFEST_FILE, writer_rank(move.path) is None, move.path)):
         if move.source == node:
-            outgoing.setdefault(nodes.leader_of(move.dest), []).append((move.path, _read(run, move)))
+            outgoing.setdefault(nodes.leader_of(move.dest), []).append((move.path, move.bytes))
     sources = sorted({nodes.leader_of(move.source) for move in moves if move.dest == node})
     return outgoing, sources
 
 
-def _read(run: Run, move: Transfer) -> bytes:
-    try:
-        return bytes(run.storage.read(f"{run.snapshot_key(move.step)}/{move.path}"))
-    except (TailorError, OSError):
-        return b""
+def _filler(run: Run, step: int) -> Callable[[int, str, memoryview], None]:
+    """``Courier.stream``'s ``fill``: the file of the snapshot of ``step`` read straight into
+    the buffer that is sent (no copy). A file that cannot be read, or is shorter than recorded,
+    goes out as the buffer was: its receiver's check refuses it."""
+    def fill(dst: int, path: str, into: memoryview) -> None:
+        try:
+            run.storage.read_into(f"{run.snapshot_key(step)}/{path}", 0, into)
+        except (TailorError, OSError):
+            pass
+    return fill
 
 
-def _kept_or_error(run: Run, step: int, moves: list[Transfer], received: dict[int, Files], nodes: Nodes) -> str | None:
-    try:
-        keep(run, step, received_files(moves, received, nodes))
-    except (TailorError, OSError) as err:
-        return f"node {moves[0].dest if moves else '?'}: {err}"
-    return None
+class Receiving:
+    """The files of the snapshot of ``step`` this node's leader receives (``moves``: those
+    whose ``dest`` is this node), each checked against its move's size and checksum as it
+    arrives (``take``) and only then written: into the staging place of a snapshot not
+    committed here (``SnapshotCommit``), into place in one committed here. ``finish`` commits
+    the staged snapshot, its manifest last, once every file arrived and checked out, and
+    abandons it otherwise: nothing unchecked is written, nothing of a snapshot is visible
+    before all of it is. The first failure is kept (``error``), naming the file and the node
+    that sent it; what arrives after it is not written (nor anything, given ``failed``: the
+    failure of an earlier snapshot)."""
 
+    def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
+        self.run, self.step, self.nodes = run, step, nodes
+        self.expected = {(move.source, move.path): move for move in moves}
+        self.error: str | None = failed
+        self._arrived: set[tuple[int, str]] = set()
+        self._manifest: bytes | None = None
+        self._staged: SnapshotCommit | None = None
+        self._files = ExitStack()
+        self._dest = moves[0].dest if moves else None
+        if moves and failed is None:
+            self._guarded(self._open)
 
-def received_files(moves: list[Transfer], received: dict[int, Files], nodes: Nodes) -> dict[str, bytes]:
-    """The files of one snapshot this node was sent, by path, each checked against its move's
-    size and checksum: IntegrityError naming the file and the node that sent it otherwise."""
-    by_sender = {(nodes.node_of_rank(rank), path): content for rank, files in received.items() for path, content in files}
-    kept = {}
-    for move in moves:
-        content = by_sender.get((move.source, move.path))
-        if content is None or len(content) != move.bytes or checksum(content) != move.xxh3:
-            got = "nothing" if content is None else f"{len(content)} bytes, xxh3 {checksum(content)}"
-            raise IntegrityError(f"step {move.step}: {move.path} from node {move.source}: got {got}, expected "
-                                 f"{move.bytes} bytes, xxh3 {move.xxh3}")
-        kept[move.path] = content
-    return kept
+    def _open(self) -> None:
+        if self.step in self.run.steps():
+            batch = self._files.enter_context(self.run.storage.batch())
+            self._create = lambda path: batch.create(f"{self.run.snapshot_key(self.step)}/{path}")
+            return
+        if not any(path == MANIFEST_FILE for _, path in self.expected):
+            raise IntegrityError(f"step {self.step}: its manifest is not among the files to receive, so it cannot be "
+                                 "committed here")
+        self._staged = SnapshotCommit.begin(self.run, self.step)
+        self._create = self._files.enter_context(self._staged.files())
 
+    def take(self, rank: int, path: str, content: memoryview) -> None:
+        """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
+        if self.error is None:
+            self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
 
-def keep(run: Run, step: int, files: dict[str, bytes]) -> None:
-    """Commit ``files`` (checked) of the snapshot of ``step`` into this node's copy: a snapshot
-    not committed here with its manifest last (``SnapshotCommit``); into one committed here,
-    each file written into place (its manifest is already there)."""
-    if not files:
-        return
-    if step in run.steps():
-        with run.storage.batch() as batch:
-            for path, content in files.items():
-                write_bytes_to(batch.create(f"{run.snapshot_key(step)}/{path}"), content, path)
-        return
-    if MANIFEST_FILE not in files:
-        raise IntegrityError(f"step {step}: its manifest did not arrive, so it cannot be committed here")
-    snapshot = SnapshotCommit.begin(run, step)
-    with snapshot.abandoned_on_failure():
-        with snapshot.files() as create:  # the parts first, then indexes and global files
-            for path in sorted(files, key=lambda path: (writer_rank(path) is None, path)):
-                if path != MANIFEST_FILE:
-                    write_bytes_to(create(path), files[path], path)
-        snapshot.commit(files[MANIFEST_FILE])
-    run.forget([step])
+    def _keep(self, source: int, path: str, content: memoryview) -> None:
+        move = self.expected.get((source, path))
+        if move is None:
+            raise IntegrityError(f"step {self.step}: {path} from node {source} was not asked for")
+        if len(content) != move.bytes or checksum(content) != move.xxh3:
+            raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
+                                 f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        if path == MANIFEST_FILE and self._staged is not None:
+            self._manifest = bytes(content)  # written last, by the commit
+        else:
+            write_to(self._create(path), content)
+        self._arrived.add((source, path))
+
+    def finish(self) -> str | None:
+        """Commit what arrived (class docstring) or abandon it; the failure, or None."""
+        missing = [move for key, move in self.expected.items() if key not in self._arrived]
+        if self.error is None and missing:
+            move = missing[0]
+            self.error = (f"node {self._dest}: step {self.step}: {move.path} from node {move.source}: got nothing, "
+                          f"expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        self._guarded(self._files.close)  # every file written is durable (or the error says why)
+        if self._staged is not None:
+            if self.error is None:
+                self._guarded(lambda: self._staged.commit(self._manifest))
+            if self.error is not None:
+                self._staged.abandon()
+        if self.expected:
+            self.run.forget([self.step])
+        return self.error
+
+    def _guarded(self, action: Callable[[], Any]) -> None:
+        try:
+            action()
+        except (TailorError, OSError) as err:
+            self.error = self.error or f"node {self._dest}: {err}"
 
 
 def clear(run: Run, doomed: dict[int, list[int]], nodes: Nodes, coordinator: Coordinator, tag: str,
