@@ -1,14 +1,17 @@
 """Concurrent ranged reads: one byte range of a run's file, fetched as parts in parallel into one
 buffer, each part checksummed in order as soon as it is in, so verifying overlaps fetching.
 
-A restore's reads are large (a unit's file, a chunk of a sharded tensor). Read one after
-another, an object store serves one ranged GET at a time and a local disk one request at a
-time, and the checksum waits for the last byte. Here a range of more than ``PART`` bytes is
-split into parts fetched by a bounded pool of threads (obstore's ranged gets and ``preadv``
-both leave the interpreter while they wait), each written straight into its place in the
-buffer the caller gets (``Storage.read_into``: a local file is read into it with no staging
-copy), while the calling thread feeds the parts, in order, to the checksum. The bytes are
-returned only after every part is in; the caller compares the checksum before it uses them.
+A restore's reads are large (a unit's file, a chunk of a sharded tensor). Read in one request,
+an object store serves one ranged GET at a time, and the checksum waits for the last byte.
+Here a range of more than ``PART`` bytes is split into parts fetched by a bounded pool of
+threads (obstore's ranged gets and ``preadv`` both leave the interpreter while they wait),
+each written straight into its place in the buffer the caller gets (``Storage.read_into``: a
+local file is read into it with no staging copy), while the calling thread feeds the parts, in
+order, to the checksum. How many parts are requested at once is the storage's
+(``Storage.reads_in_flight``): all of them from an object store; one at a time from a local
+file, in file order (a disk reads a file fastest in order, and the checksum of each part then
+overlaps the read of the next). The bytes are returned only after every part is in; the caller
+compares the checksum before it uses them.
 """
 
 from __future__ import annotations
@@ -62,20 +65,23 @@ def fetch(storage: Storage, key: str, start: int, length: int, hasher: Any = Non
 def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], hasher: Any = None) -> None:
     """Fill ``views`` (writable byte views: a live tensor's memory, or a new buffer's) with the
     consecutive bytes of ``key`` from ``start``, the first view's first, in parts fetched
-    concurrently (module docstring); ``hasher`` (an ``xxhash`` state), when given, is fed every
-    byte in file order before this returns. Errors as ``Storage.read_range`` (a short file:
-    IntegrityError naming it); once this has returned or raised, nothing writes into a view."""
+    concurrently (module docstring), at most ``storage.reads_in_flight`` requested at once;
+    ``hasher`` (an ``xxhash`` state), when given, is fed every byte in file order before this
+    returns. Errors as ``Storage.read_range`` (a short file: IntegrityError naming it); once
+    this has returned or raised, nothing writes into a view."""
     parts = _parts(start, views)
     if sum(len(part.view) for part in parts) <= PART:  # small: one thread, no hand-over
         for part in parts:
             part.read(storage, key)
             part.done(hasher)
         return
-    pool = _workers()
-    futures: list[Future] = [pool.submit(part.read, storage, key) for part in parts]
+    pool, ahead = _workers(), storage.reads_in_flight or len(parts)
+    futures: list[Future] = [pool.submit(part.read, storage, key) for part in parts[:ahead]]
     try:
-        for part, future in zip(parts, futures):  # each part hashed once in: verifying overlaps fetching
-            future.result()
+        for index, part in enumerate(parts):  # each part hashed once in: verifying overlaps fetching
+            futures[index].result()
+            if index + ahead < len(parts):  # the next part requested before this one is hashed
+                futures.append(pool.submit(parts[index + ahead].read, storage, key))
             part.done(hasher)
     except BaseException:
         for future in futures:

@@ -86,3 +86,33 @@ def test_a_unit_read_whole_is_fetched_in_parts(run, monkeypatch):
     tensors, _ = run.read_unit(1, unit.unit)
     assert torch.equal(tensors["weight/w"], FULL)
     assert calls.count("read_into") >= FULL.numel() * 4 // PART
+
+
+def test_a_local_file_is_read_one_part_at_a_time_in_file_order(run, monkeypatch):
+    """A disk reads a file fastest as one stream (``LocalStorage.reads_in_flight``): the next part
+    is requested once the one before is in, never two side by side. The first part holds on
+    until another starts (at most a second), so a fetch asking for several at once is caught."""
+    counted, lock, other_started = LocalStorage.read_into, threading.Lock(), threading.Event()
+    state = {"in flight": 0, "most": 0, "starts": []}
+
+    def noting(storage, key, start, into):
+        with lock:
+            state["in flight"] += 1
+            state["most"] = max(state["most"], state["in flight"])
+            state["starts"].append(start)
+        if start != state["starts"][0]:
+            other_started.set()
+        elif len(state["starts"]) == 1:
+            other_started.wait(1.0)
+        try:
+            return counted(storage, key, start, into)
+        finally:
+            with lock:
+                state["in flight"] -= 1
+
+    monkeypatch.setattr(LocalStorage, "read_into", noting)
+    unit, _ = only_tensor(run)
+    tensors, _ = run.read_unit(1, unit.unit)
+    assert torch.equal(tensors["weight/w"], FULL)
+    assert len(state["starts"]) >= FULL.numel() * 4 // PART
+    assert state["most"] == 1 and state["starts"] == sorted(state["starts"])

@@ -90,6 +90,18 @@ def test_a_fresh_optimizer_gets_its_state_made_by_the_read(tmp_path, tokens, lay
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == memory
 
 
+def test_a_fresh_optimizer_stages_no_byte_beyond_its_own_state(tmp_path, tokens, layout, staged):
+    """A fresh optimizer has no state tensors to read into: its state is made by the read, and
+    the buffers the read makes are that state (``load_state_dict`` keeps a tensor of the
+    parameter's dtype and device), no byte more: the weights go straight into the live ones."""
+    run = parity_saves(tmp_path / "run", tokens)
+    model, opt, sched = tiny(seed=3)
+    staged.clear()
+    Tailor(run.root, model, opt, sched, read_only=True).restore()
+    state = sum(value.nbytes for values in opt.state.values() for value in values.values() if isinstance(value, torch.Tensor))
+    assert state > 0 and sum(staged) == state
+
+
 def test_tied_embeddings_restore_bit_exact_and_stay_tied(tmp_path, tokens, layout):
     run = parity_saves(tmp_path / "run", tokens, tie=True)
     model, opt, sched = tiny(seed=3, tie=True)

@@ -76,6 +76,9 @@ class Storage(ABC):
     """The writer lock and reader leases here (``strategies``)."""
     detection: RunDetection
     """Whether this location is a run (``strategies``)."""
+    reads_in_flight: int | None = None
+    """Parts of one range a fetch keeps requested at once (``store.fetch``); None: as many as
+    its pool runs (an object store serves ranged requests side by side)."""
 
     def where(self, key: str) -> str:
         """How a message names the file ``key``."""
