@@ -47,6 +47,7 @@ from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.dcp import SnapshotReader
 from llmtailor.store.run import Run
+from llmtailor.store.shared_ranges import read_once
 from llmtailor.store.staged import Piece
 
 
@@ -113,11 +114,13 @@ class FSDPProvider(LocalProvider):
 
         try:
             replicas = _replica_group(targets)
-            if replicas is None:
+            if replicas is not None:
+                self._load_once(sources, targets, load, *replicas)
+            elif self.coordinator.world_size > 1 and run.storage.remote:
+                self._load_ranges_once(run, sources, targets, reader, load)
+            else:
                 for unit in sources:
                     load(unit)
-            else:
-                self._load_once(sources, targets, load, *replicas)
         finally:
             reader.close()
         for unit, step in sources.items():
@@ -162,6 +165,28 @@ class FSDPProvider(LocalProvider):
             for target, value in zip(local[units[item]], tensors):
                 if value is not target:
                     target.copy_(value)
+
+    def _load_ranges_once(self, run: Run, sources: dict[str, int], targets: dict[str, dict[str, torch.Tensor]],
+                          reader: ChunkReader, load: Callable[[str], None]) -> None:
+        """Each unit loaded as ``load`` does, its byte ranges in the run's files (those every
+        rank's boxes read, ``SnapshotReader.spans``) fetched once in the job in large requests
+        and sent to the ranks that need them (``store.shared_ranges``): from a remote run, a
+        request per box per rank costs a round trip each. The checks are ``load``'s own, on the
+        bytes received (``ChunkReader.received``)."""
+        needs = {}
+        for unit, step in sources.items():
+            storage = SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit]))
+            needs[unit] = [(key, start, length) for where, key, start, length in storage.spans(targets[unit])
+                           if where.same_place(run.storage)]
+
+        def load_received(unit: str, received: dict[tuple[str, int, int], bytearray]) -> None:
+            reader.received = {(run.storage.identity(), *r): data for r, data in received.items()}
+            try:
+                load(unit)
+            finally:
+                reader.received = {}
+
+        read_once(self.coordinator, run.storage, needs, load_received, f"{self.coordinator.round}/ranges")
 
     def _state_target(self, param: torch.Tensor, state_key: str, saved: TensorEntry) -> torch.Tensor:
         """Where a saved optimizer state tensor is loaded: the live one if it has the saved

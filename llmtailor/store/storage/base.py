@@ -76,6 +76,11 @@ class Storage(ABC):
     """The writer lock and reader leases here (``strategies``)."""
     detection: RunDetection
     """Whether this location is a run (``strategies``)."""
+    remote = False
+    """Whether each read is a request over the network (an object store): a read then costs a
+    round trip whatever its size, so many small ranged reads are slow where a few large ones are
+    not, and a distributed restore fetches the byte ranges its ranks need once in the job, in
+    large requests (``store.shared_ranges``)."""
 
     def where(self, key: str) -> str:
         """How a message names the file ``key``."""
