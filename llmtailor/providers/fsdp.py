@@ -47,7 +47,7 @@ from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.dcp import SnapshotReader
 from llmtailor.store.run import Run
-from llmtailor.store.shared_ranges import read_once
+from llmtailor.store.shared_ranges import read_once, share_headers
 from llmtailor.store.staged import Piece
 
 
@@ -171,8 +171,17 @@ class FSDPProvider(LocalProvider):
         """Each unit loaded as ``load`` does, its byte ranges in the run's files (those every
         rank's boxes read, ``SnapshotReader.spans``) fetched once in the job in large requests
         and sent to the ranks that need them (``store.shared_ranges``): from a remote run, a
-        request per box per rank costs a round trip each. The checks are ``load``'s own, on the
-        bytes received (``ChunkReader.received``)."""
+        request per box per rank costs a round trip each. The files' headers, which the ranges
+        follow from, are read once in the job too. The checks are ``load``'s own, on the bytes
+        received (``ChunkReader.received``)."""
+        files = {}
+        for unit, step in sources.items():
+            entry = run.unit_entry(step, unit)
+            for file in {id(f): f for f in (entry.chunk_file(c) for t in entry.tensors for c in t.chunks)}.values():
+                storage, key = run.file_location(step, file)
+                if storage.same_place(run.storage):
+                    files[key] = file
+        reader.take_headers(run.storage, share_headers(self.coordinator, run.storage, files, f"{self.coordinator.round}/headers"))
         needs = {}
         for unit, step in sources.items():
             storage = SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit]))

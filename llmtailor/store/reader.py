@@ -94,6 +94,11 @@ class ChunkReader:
         self._checked.clear()
         self.received.clear()
 
+    def take_headers(self, storage: Storage, headers: dict[str, tuple[int, dict]]) -> None:
+        """``stored_header`` of files of ``storage`` by key, read (and their sizes checked)
+        elsewhere: not read again here (``store.shared_ranges.share_headers``)."""
+        self._headers.update({(storage.identity(), key): header for key, header in headers.items()})
+
     def span(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk,
              offsets: tuple[int, ...], shape: tuple[int, ...]) -> Span | None:
         """The byte range ``read_box`` of the same box reads (reading only the file's header to

@@ -23,15 +23,23 @@ rank (a checksum mismatch) is remembered there; the rank goes on taking part in 
 of the rest, loading nothing more, and raises it after the last, so no rank is left waiting in
 a collective (the restore's closing exchange then fails every rank).
 
-Invariant: every rank of the job calls ``read_once`` once per restore, with the same tag.
+The files' headers, which say where each chunk's bytes begin (every rank needs them to say its
+ranges), are read once in the job too (``share_headers``): each by one of the ranks that need
+it, its size checked against the manifest, and sent to the others through the coordinator.
+
+Invariant: every rank of the job calls ``share_headers`` then ``read_once`` once per restore,
+with the same tags.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.distributed.read_plan import ReadPlan
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
+from llmtailor.distributed.read_plan import ReadPlan, balance
+from llmtailor.errors import IntegrityError
+from llmtailor.store.checked import stored_header
+from llmtailor.store.manifest import FileEntry
 from llmtailor.store.fetch import PART, fetch, new_buffer
 from llmtailor.store.storage import Storage
 
@@ -41,6 +49,37 @@ Range = tuple[str, int, int]
 GAP = 64 << 10
 """Ranges of a file closer than this are fetched as one (the bytes between them with them):
 a request costs more than reading this much more."""
+
+
+def share_headers(coordinator: Coordinator, storage: Storage, files: dict[str, FileEntry],
+                  tag: str) -> dict[str, tuple[int, dict]]:
+    """``stored_header`` of each of ``files`` (key -> manifest entry: the safetensors files of
+    ``storage`` this rank reads), each read by one of the ranks that need it (balanced by count:
+    a header costs its requests) and sent to the others (module docstring). A read that fails
+    is raised on every rank needing the file, naming the reader (an IntegrityError where it
+    found the file damaged or missing); the others go on."""
+    listed = coordinator.exchange(f"{tag}/files", sorted(files))
+    needing: dict[str, list[int]] = {}
+    for rank, keys in enumerate(listed):
+        for key in keys:
+            needing.setdefault(key, []).append(rank)
+    owners = balance(dict.fromkeys(needing, 1), coordinator.world_size, needing)
+    mine = {}
+    for key in (k for k, owner in owners.items() if owner == coordinator.rank):
+        try:
+            mine[key] = list(stored_header(storage, key, files[key]))
+        except Exception as err:  # sent to the others in place of the header, then raised below
+            mine[key] = {"failed": describe_error(err), "damaged": isinstance(err, IntegrityError)}
+    headers = {}
+    for rank, sent in enumerate(coordinator.exchange(f"{tag}/headers", mine)):
+        for key, header in sent.items():
+            if key not in files:
+                continue
+            if isinstance(header, dict):
+                kind = IntegrityError if header["damaged"] else CoordinationError
+                raise kind(f"rank {rank} read the header of {storage.where(key)} and refused it: {header['failed']}")
+            headers[key] = (header[0], header[1])
+    return headers
 
 
 def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[Range]],
