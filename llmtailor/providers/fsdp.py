@@ -17,7 +17,10 @@ tensors' owner is chosen over the ranks of the unit's stage.
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
 unit by unit, at any world size. Under HSDP, the ranks holding the same shards (the replica
-group) read each unit once between them and broadcast it (``distributed.read_plan``). Optimizer state is loaded by name through
+group) read each unit once between them and broadcast it (``distributed.read_plan``). From a
+remote run (an object store) the byte ranges every rank's boxes need are fetched once in the
+job, in large requests, and sent to the ranks needing them (``store.shared_ranges``): not a
+request per box per rank. Optimizer state is loaded by name through
 ``Optimizer.load_state_dict`` as in one process.
 
 Names are the model's own canonical FQNs (FSDP2 does not rename parameters), so snapshots are

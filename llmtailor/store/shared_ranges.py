@@ -122,7 +122,7 @@ class _Groups:
         self.order, self.needs, self.load = order, needs, load
         self.next = 0
         self.received: dict[str, dict[Range, bytearray]] = {}
-        self.failure: Exception | None = None
+        self.failure: BaseException | None = None
 
     def take(self, group: str, piece: Range, data: memoryview) -> None:
         """Copy the parts of ``piece`` (``data``: its bytes) that this rank's ranges of ``group`` need."""
@@ -144,8 +144,10 @@ class _Groups:
             if name in self.needs and self.failure is None:
                 try:
                     self.load(name, received if received is not None else {r: new_buffer(r[2]) for r in self.needs[name]})
-                except Exception as err:  # raised after the last broadcast (module docstring)
-                    self.failure = err
+                except BaseException as err:  # raised after the last broadcast (module docstring)
+                    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    self.failure = err  # dcp.load's CheckpointException is a BaseException
         self.next = max(self.next, end)
         if group is None and self.failure is not None:
             raise self.failure

@@ -186,6 +186,11 @@ def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_f
         readers = sum(1 for result in results if result["reads"].get(key))
         reads = sum(result["reads"].get(key, 0) for result in results)
         assert reads <= 2 * readers + units, (key, reads, readers, units)
+    # A corrupted chunk: found by the ranks whose boxes hold the byte (on the bytes received),
+    # and the restore refused on every rank, none left waiting in a broadcast.
+    (refused,) = {result["refused"] for result in results}
+    assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [")
+    assert "checksum mismatch" in refused and results[0]["corrupted"] in refused, refused
 
 
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):

@@ -65,7 +65,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``fsdp-read-once-save`` / ``fsdp-read-once``  (world 2, then any) FSDP2: Parity saves at steps 2
     and 4 into ``$RUN_ROOT/fsdp``, versions written; then (another launch, at another world size)
     a restore into a fresh model, each rank counting the bytes and reads it asks of the object
-    store by key, and compared.
+    store by key, and compared; then rank 0 flips a byte of ``layer.1`` in its data file and
+    every rank restores again into a fresh model, its error recorded.
 ``pipeline-ddp-read-once``  (world 4) two pipeline stages, each DDP over two data ranks, restore
     ``$RUN_ROOT/single`` (a one-process save the test made), each rank counting the bytes it
     fetches by key, and compare with ``DIR/versions/single.safetensors``.
@@ -824,6 +825,10 @@ def main() -> None:
         result = save_loop("fsdp", out, "fsdp", Parity(), last=4, every=2)
     elif scenario == "fsdp-read-once":
         result = restore_counted("fsdp", out)
+        dist.barrier()
+        result["corrupted"] = corrupt_unit_file(str(location(out, "fsdp")), "layer.1") if rank() == 0 else None
+        dist.barrier()
+        result["refused"] = refused_restore(out, "fsdp")
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "pipeline-tp":
