@@ -17,7 +17,10 @@ tensors' owner is chosen over the ranks of the unit's stage.
 Restore: torch.distributed.checkpoint's load planner reshards — each rank reads, by byte
 range, the boxes of the stored chunks that overlap its shards (``store.dcp.SnapshotReader``),
 unit by unit, at any world size. Under HSDP, the ranks holding the same shards (the replica
-group) read each unit once between them and broadcast it (``distributed.read_plan``). Optimizer state is loaded by name through
+group) read each unit once between them and broadcast it (``distributed.read_plan``). From a
+remote run (an object store) the byte ranges every rank's boxes need are fetched once in the
+job, in large requests, and sent to the ranks needing them (``store.shared_ranges``): not a
+request per box per rank. Optimizer state is loaded by name through
 ``Optimizer.load_state_dict`` as in one process.
 
 Names are the model's own canonical FQNs (FSDP2 does not rename parameters), so snapshots are
@@ -47,6 +50,7 @@ from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader
 from llmtailor.store.dcp import SnapshotReader
 from llmtailor.store.run import Run
+from llmtailor.store.shared_ranges import read_once, share_headers
 from llmtailor.store.staged import Piece
 
 
@@ -120,11 +124,13 @@ class FSDPProvider(LocalProvider):
             if plain:  # first: a rank's own reads fail on that rank alone, leaving the others in no collective
                 self._load_plain_once(run, sources, plain, load)
             replicas = _replica_group(targets)
-            if replicas is None:
+            if replicas is not None:
+                self._load_once(sources, targets, load, *replicas)
+            elif self.coordinator.world_size > 1 and run.storage.remote:
+                self._load_ranges_once(run, sources, targets, reader, load)
+            else:
                 for unit in sources:
                     load(unit)
-            else:
-                self._load_once(sources, targets, load, *replicas)
         finally:
             reader.close()
         for unit, step in sources.items():
@@ -207,6 +213,37 @@ class FSDPProvider(LocalProvider):
             for target, value in zip(plain[units[item]].values(), tensors):
                 if value is not target:
                     target.copy_(value)
+
+    def _load_ranges_once(self, run: Run, sources: dict[str, int], targets: dict[str, dict[str, torch.Tensor]],
+                          reader: ChunkReader, load: Callable[[str], None]) -> None:
+        """Each unit loaded as ``load`` does, its byte ranges in the run's files (those every
+        rank's boxes read, ``SnapshotReader.spans``) fetched once in the job in large requests
+        and sent to the ranks that need them (``store.shared_ranges``): from a remote run, a
+        request per box per rank costs a round trip each. The files' headers, which the ranges
+        follow from, are read once in the job too. The checks are ``load``'s own, on the bytes
+        received (``ChunkReader.received``)."""
+        files = {}
+        for unit, step in sources.items():
+            entry = run.unit_entry(step, unit)
+            for file in {id(f): f for f in (entry.chunk_file(c) for t in entry.tensors for c in t.chunks)}.values():
+                storage, key = run.file_location(step, file)
+                if storage.same_place(run.storage):
+                    files[key] = file
+        reader.take_headers(run.storage, share_headers(self.coordinator, run.storage, files, f"{self.coordinator.round}/headers"))
+        needs = {}
+        for unit, step in sources.items():
+            storage = SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit]))
+            needs[unit] = [(key, start, length) for where, key, start, length in storage.spans(targets[unit])
+                           if where.same_place(run.storage)]
+
+        def load_received(unit: str, received: dict[tuple[str, int, int], bytearray]) -> None:
+            reader.received = {(run.storage.identity(), *r): data for r, data in received.items()}
+            try:
+                load(unit)
+            finally:
+                reader.received = {}
+
+        read_once(self.coordinator, run.storage, needs, load_received, f"{self.coordinator.round}/ranges")
 
     def _state_target(self, param: torch.Tensor, state_key: str, saved: TensorEntry) -> torch.Tensor:
         """Where a saved optimizer state tensor is loaded: the live one if it has the saved

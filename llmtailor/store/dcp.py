@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import (
     ChunkStorageMetadata,
+    DefaultLoadPlanner,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorProperties
 from torch.futures import Future
 
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
-from llmtailor.store.reader import ChunkReader
+from llmtailor.store.reader import ChunkReader, Span
 
 
 class SnapshotReader(StorageReader):
@@ -57,6 +58,20 @@ class SnapshotReader(StorageReader):
                 for key, entry in self.entries.items()
             }
         )
+
+    def spans(self, targets: dict[str, torch.Tensor]) -> list[Span]:
+        """The byte ranges a ``dcp.load`` of ``targets`` through this reader (with the default
+        planner) reads, one per box of its plan, made as ``dcp.load`` makes it; nothing is read
+        but the headers of the files (``ChunkReader.span``)."""
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(targets, self.read_metadata(), True)
+        found = []
+        for item in planner.create_local_plan().items:
+            tensor, chunk = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset))]
+            span = self.reader.span(self.step, self.unit, tensor, chunk, tuple(item.storage_offsets), tuple(item.lengths))
+            if span is not None:
+                found.append(span)
+        return found
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass

@@ -69,7 +69,9 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
     ``hasher`` (an ``xxhash`` state), when given, is fed every byte in file order before this
     returns. Errors as ``Storage.read_range`` (a short file: IntegrityError naming it); once
     this has returned or raised, nothing writes into a view."""
-    parts = _parts(start, views)
+    # A remote store pays a round trip per request whatever its size: there consecutive views
+    # are read together up to a whole part (one copy out of the staging buffer costs less).
+    parts = _parts(start, views, PART if storage.remote else _SMALL)
     if sum(len(part.view) for part in parts) <= PART:  # small: one thread, no hand-over
         for part in parts:
             part.read(storage, key)
@@ -114,13 +116,14 @@ class _Part:
                 at += len(view)
 
 
-def _parts(start: int, views: list[memoryview]) -> list[_Part]:
+def _parts(start: int, views: list[memoryview], small_under: int = _SMALL) -> list[_Part]:
     """The requests filling ``views`` from ``start``: a view over ``PART`` bytes cut into parts of
-    ``PART``, views of under ``_SMALL`` bytes next to each other read as one (a Llama unit's
-    norms and step counters are a few bytes each: one request, not one each)."""
+    ``PART``, views of under ``small_under`` bytes next to each other read as one, up to that
+    many bytes (a Llama unit's norms and step counters are a few bytes each: one request, not
+    one each)."""
     parts: list[_Part] = []
     small: list[memoryview] = []
-    at, limit = start, min(_SMALL, PART)
+    at, limit = start, min(small_under, PART)
 
     def flush() -> None:
         if small:

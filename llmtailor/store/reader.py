@@ -5,6 +5,12 @@ the file's header, then the byte range of each box, from a local file or an obje
 alike (``Storage.read_range``). ``verify=True`` reads each
 chunk it touches whole, once, and checks it against the chunk's checksum in the unit index
 before slicing it; ``verify=False`` reads only the byte ranges needed and leaves checking to ``llmtailor verify``.
+
+Each box is one read of a byte range (``span`` says which, before it is read); a distributed
+restore may fetch those ranges ahead, once in the job and in large requests
+(``store.shared_ranges``), and hand them over in ``ChunkReader.received``: a read finds its
+bytes there and goes to the store only for those it does not find. The checks are the same
+either way: done here, on the bytes as read.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ if TYPE_CHECKING:
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, shape)`` of a box inside a tensor."""
+
+Span = tuple[Storage, str, int, int]
+"""``(storage, key, start, length)``: one byte range of a file, as one read of a box takes it."""
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -76,10 +85,45 @@ class ChunkReader:
         self.verify = verify
         self._headers: dict[tuple[str, str], tuple[int, dict]] = {}
         self._checked: dict[tuple, torch.Tensor] = {}
+        self.received: dict[tuple[str, str, int, int], bytearray] = {}
+        """Bytes fetched ahead (module docstring), by ``(storage identity, key, start, length)``
+        of the ``span`` they are: a read of exactly that range takes them instead of fetching."""
 
     def close(self) -> None:
         self._headers.clear()
         self._checked.clear()
+        self.received.clear()
+
+    def take_headers(self, storage: Storage, headers: dict[str, tuple[int, dict]]) -> None:
+        """``stored_header`` of files of ``storage`` by key, read (and their sizes checked)
+        elsewhere: not read again here (``store.shared_ranges.share_headers``)."""
+        self._headers.update({(storage.identity(), key): header for key, header in headers.items()})
+
+    def span(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk,
+             offsets: tuple[int, ...], shape: tuple[int, ...]) -> Span | None:
+        """The byte range ``read_box`` of the same box reads (reading only the file's header to
+        say it): the whole chunk when it is checked whole, the pages the box lies in when it is
+        checked by page, else the box's own span; None when it reads no byte."""
+        if self.verify and chunk.pages is None:
+            storage, key, begin = self._located(step, unit, tensor, chunk)
+            return storage, key, begin, _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
+        if _numel(shape) == 0:
+            return None
+        storage, key, begin = self._located(step, unit, tensor, chunk)
+        start, end = _box_bytes(tensor, chunk, offsets, shape)
+        if self.verify:
+            start, end = _pages_around(tensor, chunk, start, end)
+        return storage, key, begin + start, end - start
+
+    def _fetch(self, storage: Storage, key: str, start: int, length: int, hasher=None) -> bytearray:
+        """``length`` bytes of ``key`` from ``start``: those received ahead when they are there
+        (``hasher`` fed them), else fetched (``store.fetch``)."""
+        data = self.received.get((storage.identity(), key, start, length))
+        if data is None:
+            return fetch(storage, key, start, length, hasher)
+        if hasher is not None:
+            hasher.update(data)
+        return data
 
     def read_box(
         self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk, offsets: tuple[int, ...], shape: tuple[int, ...]
@@ -144,26 +188,21 @@ class ChunkReader:
         if _numel(shape) == 0:
             return torch.empty(shape, dtype=tensor.torch_dtype)
         storage, key, begin = self._located(step, unit, tensor, chunk)
-        strides = _strides(chunk.shape)
-        first = sum(o * s for o, s in zip(offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(offsets, shape, strides))
-        item = dtypes.itemsize(tensor.dtype)
-        start, end = first * item, (last + 1) * item
+        start, end = _box_bytes(tensor, chunk, offsets, shape)
         if check:
             data = self._checked_pages(storage, key, begin, tensor, chunk, start, end)
         else:
-            data = fetch(storage, key, begin + start, end - start)
+            data = self._fetch(storage, key, begin + start, end - start)
         span = torch.frombuffer(data, dtype=tensor.torch_dtype)
-        return span.as_strided(shape, strides)
+        return span.as_strided(shape, _strides(chunk.shape))
 
-    @staticmethod
-    def _checked_pages(storage: Storage, key: str, begin: int, tensor: TensorEntry, chunk: Chunk,
+    def _checked_pages(self, storage: Storage, key: str, begin: int, tensor: TensorEntry, chunk: Chunk,
                        start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of the chunk, read as the whole pages they lie in, each page
         checked against the chunk's page checksums."""
-        size, page = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype), chunk.page_bytes
-        low, high = start // page * page, min(-(-end // page) * page, size)
-        raw = memoryview(fetch(storage, key, begin + low, high - low))
+        page = chunk.page_bytes
+        low, high = _pages_around(tensor, chunk, start, end)
+        raw = memoryview(self._fetch(storage, key, begin + low, high - low))
         for at in range(low, high, page):
             if checksum(raw[at - low : min(at + page, high) - low]) != chunk.pages[at // page]:
                 raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
@@ -180,7 +219,7 @@ class ChunkReader:
             storage, key, begin = self._located(step, unit, tensor, chunk)
             length = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
             hasher = xxhash.xxh3_64()
-            data = fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
+            data = self._fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
             if hasher.hexdigest() != chunk.xxh3_64:
                 raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
                                      "(file is corrupted)")
@@ -189,6 +228,22 @@ class ChunkReader:
             # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
             self._checked = {cache_key: whole}
         return self._checked[cache_key]
+
+
+def _box_bytes(tensor: TensorEntry, chunk: Chunk, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(start, end)``: the bytes of the chunk from the box's first element to its last, in the
+    chunk's row-major order (exactly the box for a box of whole rows, or inside one row)."""
+    strides = _strides(chunk.shape)
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, shape, strides))
+    item = dtypes.itemsize(tensor.dtype)
+    return first * item, (last + 1) * item
+
+
+def _pages_around(tensor: TensorEntry, chunk: Chunk, start: int, end: int) -> tuple[int, int]:
+    """``(low, high)``: bytes ``[start, end)`` of a paged chunk widened to the whole pages they lie in."""
+    size, page = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype), chunk.page_bytes
+    return start // page * page, min(-(-end // page) * page, size)
 
 
 def _strides(shape: list[int]) -> list[int]:

@@ -162,6 +162,37 @@ def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(
     assert_metadata_fetched_once(results)
 
 
+def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_few_requests_each_byte_once(
+        tmp_path, monkeypatch):
+    """Restored at 3 ranks, a 2-rank FSDP2 save's shards are boxes of every file's chunks: each
+    rank used to fetch each box it needs in a request of its own (one per tensor per file, and
+    the pages around a box's ends fetched by both ranks sharing them). Now the ranges every rank
+    needs are fetched once in the job, in requests of at most ``fetch.PART`` bytes per unit of a
+    file, and sent to the ranks that need them: a file's reads are its header's (two per rank
+    reading it) and one per unit it holds (the tiny model's units are all under ``PART``)."""
+    def save_at_two(url: str) -> None:
+        launch = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB),
+             "fsdp-read-once-save", str(tmp_path)],
+            env={**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
+        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
+
+    results, data = launch_on_s3("fsdp-read-once", RANKS, tmp_path, monkeypatch, before=save_at_two)
+    for result in results:
+        assert result["restored"] == 4 and result["mismatches"] == []
+    fetched = [result["fetched"] for result in results]
+    assert_each_tensor_byte_fetched_once(fetched, data)
+    for key, units in results[0]["units_of_files"].items():
+        readers = sum(1 for result in results if result["reads"].get(key))
+        reads = sum(result["reads"].get(key, 0) for result in results)
+        assert reads <= 2 * readers + units, (key, reads, readers, units)
+    # A corrupted chunk: found by the ranks whose boxes hold the byte (on the bytes received),
+    # and the restore refused on every rank, none left waiting in a broadcast.
+    (refused,) = {result["refused"] for result in results}
+    assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [")
+    assert "checksum mismatch" in refused and results[0]["corrupted"] in refused, refused
+
+
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):
     """Three processes started by hand (torchrun would kill the survivors itself); rank 1 dies as
     it begins reading its first unit, which ranks 0 and 2 wait to receive from it."""

@@ -62,6 +62,11 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
     ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
     bytes it fetches by key, and compared.
+``fsdp-read-once-save`` / ``fsdp-read-once``  (world 2, then any) FSDP2: Parity saves at steps 2
+    and 4 into ``$RUN_ROOT/fsdp``, versions written; then (another launch, at another world size)
+    a restore into a fresh model, each rank counting the bytes and reads it asks of the object
+    store by key, and compared; then rank 0 flips a byte of ``layer.1`` in its data file and
+    every rank restores again into a fresh model, its error recorded.
 ``pipeline-ddp-read-once``  (world 4) two pipeline stages, each DDP over two data ranks, restore
     ``$RUN_ROOT/single`` (a one-process save the test made), each rank counting the bytes it
     fetches by key, and compare with ``DIR/versions/single.safetensors``.
@@ -543,6 +548,23 @@ def read_once(kind: str, out: Path) -> dict:
     return result
 
 
+def restore_counted(kind: str, out: Path) -> dict:
+    """A restore of the run ``kind`` into a fresh model: what this rank fetched and the reads it
+    asked, by key, and the restored tensors compared with the composite; and how many units each
+    data file of the composite holds (counted before, not among the reads)."""
+    run = Run(str(location(out, kind)))
+    composite, units_of_files = run.resolve(), {}
+    for unit, step in composite.sources.items():
+        for file in run.unit_entry(step, unit).files:
+            key = run.file_location(step, file)[1]
+            units_of_files[key] = units_of_files.get(key, 0) + 1
+    fetched, reads = count_fetched()
+    model, optimizer, scheduler = build(kind, seed=5)
+    report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
+    return {"fetched": dict(fetched), "reads": dict(reads), "restored": report.step, "units_of_files": units_of_files,
+            "mismatches": compare_with_composite(out, location(out, kind), model, optimizer)}
+
+
 def refused_restore(out: Path, kind: str) -> str | None:
     """A restore of the run ``kind`` into a fresh model: the error it raised on this rank, or None."""
     try:
@@ -818,6 +840,14 @@ def main() -> None:
         result = pipeline_ddp_read_once(out)
     elif scenario == "hsdp-read-once":
         result = read_once("hsdp", out)
+    elif scenario == "fsdp-read-once-save":
+        result = save_loop("fsdp", out, "fsdp", Parity(), last=4, every=2)
+    elif scenario == "fsdp-read-once":
+        result = restore_counted("fsdp", out)
+        dist.barrier()
+        result["corrupted"] = corrupt_unit_file(str(location(out, "fsdp")), "layer.1") if rank() == 0 else None
+        dist.barrier()
+        result["refused"] = refused_restore(out, "fsdp")
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "pipeline-tp":

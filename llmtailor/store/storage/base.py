@@ -80,6 +80,12 @@ class Storage(ABC):
     """Parts of one range a fetch keeps requested at once (``store.fetch``); None: as many as
     its pool runs (an object store serves ranged requests side by side)."""
 
+    remote = False
+    """Whether each read is a request over the network (an object store): a read then costs a
+    round trip whatever its size, so many small ranged reads are slow where a few large ones are
+    not, and a distributed restore fetches the byte ranges its ranks need once in the job, in
+    large requests (``store.shared_ranges``)."""
+
     def where(self, key: str) -> str:
         """How a message names the file ``key``."""
         return f"{self.root}/{key}" if key else str(self.root)

@@ -49,6 +49,8 @@ class ObjectStore(Storage):
     ``retry_config``) and ``lock_ttl`` (seconds; default 30); anything not given is read from
     the environment as the cloud's own tools do (``object_options``)."""
 
+    remote = True
+
     def __init__(self, url: str, options: Mapping[str, Any] | None = None):
         obstore = load_obstore()
         self.url = url.rstrip("/")

@@ -1,0 +1,165 @@
+"""Byte ranges of a remote run's files fetched once per job, in large requests, and sent to the
+ranks that need them: a distributed restore whose ranks each need parts of the same files
+(FSDP2 shards restored at another world size: each rank's boxes are byte ranges of every file
+that holds a chunk they overlap).
+
+Read one box at a time, a rank pays a request per box, and an object store a round trip per
+request whatever its size (``Storage.remote``): a Llama of 4 layers restored from 2 ranks to 3
+made 160-280 ranged GETs on each rank. Here the ranks say which ranges they need, group by
+group (a unit's: a group is loaded once its bytes are in, so a rank holds one group's bytes
+at a time besides the reads ahead), and exchange them (``Coordinator.exchange``). The union of
+every rank's ranges of a file in a group, ranges less than ``GAP`` bytes apart joined, is cut
+into pieces of at most ``fetch.PART`` bytes; each piece is one item of a read plan
+(``distributed.read_plan``): fetched by one rank (balanced by bytes, read ahead on a thread)
+in one request and broadcast; each rank copies out the parts it needs. A file is then fetched
+in about its size / ``PART`` requests in all, each byte once (plus what the joined gaps hold).
+
+Checks: none here. The reads that take the bytes (``ChunkReader``, its ``received``) check
+them as if they had fetched them themselves, on every rank that uses them.
+
+Failures: a fetch that fails on its reader (a missing or truncated file, the store's error) is
+raised on every rank, naming the reader (the read plan's rule). A group whose load fails on a
+rank (a checksum mismatch) is remembered there; the rank goes on taking part in the broadcasts
+of the rest, loading nothing more, and raises it after the last, so no rank is left waiting in
+a collective (the restore's closing exchange then fails every rank).
+
+The files' headers, which say where each chunk's bytes begin (every rank needs them to say its
+ranges), are read once in the job too (``share_headers``): each by one of the ranks that need
+it, its size checked against the manifest, and sent to the others through the coordinator.
+
+Invariant: every rank of the job calls ``share_headers`` then ``read_once`` once per restore,
+with the same tags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
+from llmtailor.distributed.read_plan import ReadPlan, balance
+from llmtailor.errors import IntegrityError
+from llmtailor.store.checked import stored_header
+from llmtailor.store.manifest import FileEntry
+from llmtailor.store.fetch import PART, fetch, new_buffer
+from llmtailor.store.storage import Storage
+
+Range = tuple[str, int, int]
+"""``(key, start, length)``: bytes of one file of the storage."""
+
+GAP = 64 << 10
+"""Ranges of a file closer than this are fetched as one (the bytes between them with them):
+a request costs more than reading this much more."""
+
+
+def share_headers(coordinator: Coordinator, storage: Storage, files: dict[str, FileEntry],
+                  tag: str) -> dict[str, tuple[int, dict]]:
+    """``stored_header`` of each of ``files`` (key -> manifest entry: the safetensors files of
+    ``storage`` this rank reads), each read by one of the ranks that need it (balanced by count:
+    a header costs its requests) and sent to the others (module docstring). A read that fails
+    is raised on every rank needing the file, naming the reader (an IntegrityError where it
+    found the file damaged or missing); the others go on."""
+    listed = coordinator.exchange(f"{tag}/files", sorted(files))
+    needing: dict[str, list[int]] = {}
+    for rank, keys in enumerate(listed):
+        for key in keys:
+            needing.setdefault(key, []).append(rank)
+    owners = balance(dict.fromkeys(needing, 1), coordinator.world_size, needing)
+    mine = {}
+    for key in (k for k, owner in owners.items() if owner == coordinator.rank):
+        try:
+            mine[key] = list(stored_header(storage, key, files[key]))
+        except Exception as err:  # sent to the others in place of the header, then raised below
+            mine[key] = {"failed": describe_error(err), "damaged": isinstance(err, IntegrityError)}
+    headers = {}
+    for rank, sent in enumerate(coordinator.exchange(f"{tag}/headers", mine)):
+        for key, header in sent.items():
+            if key not in files:
+                continue
+            if isinstance(header, dict):
+                kind = IntegrityError if header["damaged"] else CoordinationError
+                raise kind(f"rank {rank} read the header of {storage.where(key)} and refused it: {header['failed']}")
+            headers[key] = (header[0], header[1])
+    return headers
+
+
+def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[Range]],
+              load: Callable[[str, dict[Range, bytearray]], None], tag: str) -> None:
+    """Fetch the ranges of ``storage``'s files every rank needs, each once in the job (module
+    docstring), and call ``load(group, bytes by range)`` for each of this rank's groups
+    (``needs``: group -> the ranges of it this rank needs), in the order the ranks first name
+    them, once every byte of the group is in. Raises what a fetch or a load raised (module
+    docstring)."""
+    import torch  # a distributed restore: torch is loaded already
+
+    everyone = coordinator.exchange(f"{tag}/ranges", {group: [list(r) for r in ranges] for group, ranges in needs.items()})
+    groups = list(dict.fromkeys(group for ranks in everyone for group in ranks))
+    pieces: dict[str, tuple[str, Range]] = {}
+    for group in groups:
+        for piece in _pieces(tuple(r) for ranks in everyone for r in ranks.get(group, ())):
+            name = f"bytes {piece[1]}-{piece[1] + piece[2]} of {storage.where(piece[0])}"
+            pieces[name if name not in pieces else f"{name} (for {group})"] = (group, piece)
+    last = {group: name for name, (group, _) in pieces.items()}
+    waiting = _Groups(groups, needs, load)
+    plan = ReadPlan(coordinator, {name: piece[2] for name, (_, piece) in pieces.items()})
+
+    def read(name: str) -> list[torch.Tensor]:
+        key, start, length = pieces[name][1]
+        return [torch.frombuffer(fetch(storage, key, start, length), dtype=torch.uint8)]
+
+    for name, (payload,) in plan.fetch(read, lambda name: [(torch.uint8, [pieces[name][1][2]])]):
+        group, piece = pieces[name]
+        waiting.take(group, piece, memoryview(payload.numpy()))
+        if last[group] == name:
+            waiting.load_through(group)
+    waiting.load_through(None)
+
+
+class _Groups:
+    """This rank's groups in order, the bytes of each as they come in, each loaded once whole;
+    the first failure of a load kept (module docstring) and raised after the last group."""
+
+    def __init__(self, order: list[str], needs: dict[str, list[Range]], load: Callable[[str, dict[Range, bytearray]], None]):
+        self.order, self.needs, self.load = order, needs, load
+        self.next = 0
+        self.received: dict[str, dict[Range, bytearray]] = {}
+        self.failure: BaseException | None = None
+
+    def take(self, group: str, piece: Range, data: memoryview) -> None:
+        """Copy the parts of ``piece`` (``data``: its bytes) that this rank's ranges of ``group`` need."""
+        if group not in self.needs or self.failure is not None:
+            return
+        if group not in self.received:  # a group's buffers made when its first bytes come: one group's at a time
+            self.received[group] = {r: new_buffer(r[2]) for r in dict.fromkeys(self.needs[group])}
+        key, start, length = piece
+        for (k, s, n), buffer in self.received[group].items():
+            low, high = max(s, start), min(s + n, start + length)
+            if k == key and low < high:
+                memoryview(buffer)[low - s : high - s] = data[low - start : high - start]
+
+    def load_through(self, group: str | None) -> None:
+        """Load this rank's groups up to ``group`` (None: every one left), in order."""
+        end = len(self.order) if group is None else self.order.index(group) + 1
+        for name in self.order[self.next : end]:
+            received = self.received.pop(name, None)
+            if name in self.needs and self.failure is None:
+                try:
+                    self.load(name, received if received is not None else {r: new_buffer(r[2]) for r in self.needs[name]})
+                except BaseException as err:  # raised after the last broadcast (module docstring)
+                    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    self.failure = err  # dcp.load's CheckpointException is a BaseException
+        self.next = max(self.next, end)
+        if group is None and self.failure is not None:
+            raise self.failure
+
+
+def _pieces(ranges: Iterable[Range]) -> list[Range]:
+    """The union of ``ranges``, per file: ranges overlapping or less than ``GAP`` bytes apart
+    joined, each cut into pieces of at most ``PART`` bytes; sorted by key and start."""
+    joined: list[list] = []
+    for key, start, length in sorted(r for r in ranges if r[2] > 0):
+        if joined and joined[-1][0] == key and start <= joined[-1][2] + GAP:
+            joined[-1][2] = max(joined[-1][2], start + length)
+        else:
+            joined.append([key, start, start + length])
+    return [(key, at, min(PART, end - at)) for key, start, end in joined for at in range(start, end, PART)]

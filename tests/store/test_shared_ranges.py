@@ -1,0 +1,32 @@
+"""The pieces a distributed restore fetches once in the job (``store.shared_ranges``): the union
+of every rank's byte ranges of a file, ranges less than ``GAP`` apart joined, cut into requests
+of at most ``PART`` bytes; the tests of the whole, with real processes and a real S3 server, are
+in tests/distributed/test_read_once.py."""
+
+from __future__ import annotations
+
+from llmtailor.store.fetch import PART
+from llmtailor.store.shared_ranges import GAP, _pieces
+
+
+def covered(pieces: list[tuple[str, int, int]], key: str) -> set[int]:
+    return {at for k, start, length in pieces if k == key for at in range(start, start + length)}
+
+
+def test_the_boxes_of_three_ranks_in_one_file_are_fetched_in_one_request_each_byte_once():
+    # Three ranks' boxes of a file, overlapping where two ranks share a page, with small gaps:
+    # one request in all (before: one request per box per rank, six here).
+    ranks = [[("f", 0, 4000), ("f", 4096, 4000)], [("f", 3000, 2000), ("f", 8200, 1000)], [("f", 9300, 700)]]
+    pieces = _pieces(r for boxes in ranks for r in boxes)
+    assert pieces == [("f", 0, 10000)]
+    assert sum(length for _, _, length in pieces) == len(covered(pieces, "f"))
+
+
+def test_ranges_far_apart_stay_apart_and_large_ones_are_cut_into_parts():
+    ranges = [("a", 0, 100), ("a", 100 + GAP + 1, 100), ("b", 0, 2 * PART + 5)]
+    assert _pieces(ranges) == [("a", 0, 100), ("a", 100 + GAP + 1, 100),
+                               ("b", 0, PART), ("b", PART, PART), ("b", 2 * PART, 5)]
+
+
+def test_empty_ranges_ask_for_nothing():
+    assert _pieces([("a", 10, 0)]) == []
