@@ -28,6 +28,9 @@ from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError
 
 Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
+Packed = tuple[list[tuple[str, int]], torch.Tensor]
+"""Named files packed in one uint8 tensor: ``[(relpath, size), ...]`` in order, their contents
+back to back (``exchange_packed``; ``unpacked`` views each in place)."""
 
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
 PIECE = 64 << 20
@@ -131,6 +134,43 @@ class Courier:
             self._wait(work, f"receiving files from rank {src}")
         take(src, name, memoryview(content.numpy()))
 
+    def exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
+        """``exchange`` without a copy on either side (large transfers: a node's parts healed
+        from its partner): each destination's files come already packed (the sender reads them
+        straight into the tensor), each source's are returned as they arrived (``unpacked``
+        views them). The same messages as ``exchange``; its errors."""
+        import torch.distributed as dist
+
+        sends = []
+        for dst, (listing, payload) in outgoing.items():
+            names = json.dumps([[name, size] for name, size in listing]).encode()
+            sizes = torch.tensor([len(names), payload.numel()], dtype=torch.int64)
+            sends.append((dst, dist.isend(sizes, dst, group=self.group, tag=_SIZES)))
+            sends.append((dst, dist.isend(_as_tensor(names), dst, group=self.group, tag=_NAMES)))
+            if payload.numel():
+                sends.append((dst, dist.isend(payload, dst, group=self.group, tag=_BYTES)))
+            self.sent_bytes += payload.numel()
+        received = {src: self._receive_packed(src) for src in sources}
+        for dst, work in sends:
+            self._wait(work, f"sending files to rank {dst}")
+        return received
+
+    def _receive_packed(self, src: int) -> Packed:
+        import torch.distributed as dist
+
+        sizes = torch.zeros(2, dtype=torch.int64)
+        self._wait(dist.irecv(sizes, src, group=self.group, tag=_SIZES), f"receiving files from rank {src}")
+        names = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), f"receiving files from rank {src}")
+        payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+        if payload.numel():
+            self._wait(dist.irecv(payload, src, group=self.group, tag=_BYTES), f"receiving files from rank {src}")
+        listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
+        if sum(size for _, size in listed) != payload.numel():
+            raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "
+                                    f"{sum(size for _, size in listed)} bytes")
+        return listed, payload
+
     def _receive(self, src: int) -> Files:
         import torch.distributed as dist
 
@@ -158,6 +198,22 @@ class Courier:
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
                                     f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+
+
+def packed(files: Files) -> Packed:
+    """``files`` packed in one tensor (one copy), as ``exchange_packed`` sends them."""
+    return [(name, len(content)) for name, content in files], _as_tensor(b"".join(content for _, content in files))
+
+
+def unpacked(packed: Packed) -> list[tuple[str, memoryview]]:
+    """Each file of ``packed`` as a view of its bytes in the tensor (no copy)."""
+    listing, payload = packed
+    whole = memoryview(payload.numpy()) if payload.numel() else memoryview(b"")
+    files, at = [], 0
+    for name, size in listing:
+        files.append((name, whole[at:at + size]))
+        at += size
+    return files
 
 
 def _as_tensor(content: bytes) -> torch.Tensor:

@@ -40,9 +40,9 @@ from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import ALIKE, Coordinator, describe_error
-from llmtailor.distributed.courier import Courier
+from llmtailor.distributed.courier import Courier, Packed, unpacked
 from llmtailor.distributed.nodes import Nodes
-from llmtailor.errors import StorageError, TailorError
+from llmtailor.errors import IntegrityError, StorageError, TailorError
 from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, parse_manifest
@@ -163,20 +163,48 @@ def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodeP
     nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
     the ranks it keeps copies of, written into this node's staging, durable. Returns, by source
     rank, each file received as it arrived (its size and checksum), for rank 0 to check against
-    what its writer wrote."""
-    storage = snapshot.run.storage
-    mine = [(f.path, bytes(storage.read(snapshot.key(f.path)))) for f in files_of(part)] if part is not None else []
+    what its writer wrote.
+
+    What is sent is read back from this node's staging, as written, straight into the buffer
+    the courier sends (``read_packed``), and what arrives is written from the buffer it landed
+    in: a save at every step copies its part once on each side, on the CPUs that train."""
+    files, unread = files_of(part) if part is not None else [], None
+    try:
+        mine = read_packed(snapshot, files)
+        shared = read_packed(snapshot, [f for f in files if writer_rank(f.path) is None]) if rank == 0 else mine
+    except (TailorError, OSError) as err:  # still in the exchange, sending nothing: no partner waits on this rank
+        unread, mine = err, read_packed(snapshot, [])
+        shared = mine
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
-        shared = [(path, content) for path, content in mine if writer_rank(path) is None]
         outgoing.update({leader: shared for leader in placement.global_receivers()})
-    received = placement.courier.exchange(outgoing, placement.sources(rank))
+    received = placement.courier.exchange_packed(outgoing, placement.sources(rank))
+    if unread is not None:
+        raise unread
     arrived: dict[str, list[Any]] = {}
     with snapshot.files() as create:  # durable when the block ends
-        for source, files in received.items():
+        for source, packed in received.items():
             arrived[str(source)] = [write_bytes_to(create(path), content, path).model_dump(mode="json")
-                                    for path, content in files]
+                                    for path, content in unpacked(packed)]
     return arrived
+
+
+def read_packed(snapshot: SnapshotCommit, files: list[FileEntry]) -> Packed:
+    """The staged ``files`` read back into one buffer, back to back, as ``exchange_packed``
+    sends them. A file whose size is not the one written raises IntegrityError (its part
+    fails: the bytes its partners check must be all the bytes this node holds)."""
+    import torch
+
+    storage = snapshot.run.storage
+    payload = torch.empty(sum(f.bytes for f in files), dtype=torch.uint8)
+    view, at = memoryview(payload.numpy()), 0
+    for f in files:
+        key = snapshot.key(f.path)
+        if storage.size(key) != f.bytes:
+            raise IntegrityError(f"{storage.where(key)}: {storage.size(key)} bytes stored, {f.bytes} written")
+        storage.read_into(key, 0, view[at:at + f.bytes])
+        at += f.bytes
+    return [(f.path, f.bytes) for f in files], payload
 
 
 def _announce(staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,

@@ -12,7 +12,7 @@ Each rank writes its pid to ``DIR/pid-<rank>`` first (the test kills ranks by it
 ``train``  Parity saves at every step from 1 to ``$LAST``, async. With ``$KILL_NODE`` and
     ``$KILL_AT``: the ranks of that node SIGKILL themselves, ``$KILL_IN`` = ``training``: after
     the save of ``$KILL_AT`` was handed over (in flight) and its versions written; ``replication``:
-    as they send their files of that save to their partner node (inside ``Courier.exchange``);
+    as they send their files of that save to their partner node (inside ``Courier.exchange_packed``);
     ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs).
     ``$REPLICAS`` (default 2): copies of each node's parts.
 ``resume``  a writer that restores what ``latest_step`` finds (recording the report and the
@@ -59,14 +59,14 @@ def doomed() -> bool:
 
 def die_in_replication(step: int) -> dict:
     """This rank SIGKILLs itself when it sends its files of the save of ``step`` to its partners."""
-    real, saving = Courier.exchange, {"step": None}
+    real, saving = Courier.exchange_packed, {"step": None}
 
-    def exchange(self, outgoing, sources):
+    def exchange_packed(self, outgoing, sources):
         if saving["step"] == step and outgoing:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, outgoing, sources)
 
-    Courier.exchange = exchange
+    Courier.exchange_packed = exchange_packed
     return saving
 
 
