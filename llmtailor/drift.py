@@ -45,7 +45,12 @@ KINDS = ("weight", "moments")
 def kind_of(key: str, piece: Piece, weight_shapes: dict[str, tuple[int, ...]]) -> str | None:
     """``weight`` for a parameter (or master), ``moments`` for a state tensor of the parameter's
     shape, None for anything else (step counters, buffers)."""
-    kind, name, state_key = split_key(key)
+    return _kind_of_split(split_key(key), piece, weight_shapes)
+
+
+def _kind_of_split(split: tuple[str, str, str | None], piece: Piece, weight_shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """``kind_of`` of a key already split (``split_key``)."""
+    kind, name, state_key = split
     if kind in ("weight", "master"):
         return "weight" if piece.tensor.is_floating_point() else None
     if state_key is not None and weight_shapes.get(name) == piece.global_shape and piece.tensor.is_floating_point():
@@ -137,25 +142,30 @@ class DriftTracker:
         return Sample(plan, values)
 
     def _build(self, units: list[str], pieces: dict[str, list[Piece]], held: list[torch.Tensor], fingerprint: tuple) -> _Plan:
+        """The views (and each sampled value's weight) of every piece of ``units``: Python work per
+        piece kept to its view, so a restore (which builds the plan of a fresh tracker) pays
+        one pass, the weights made at the end by one ``np.repeat`` per kind."""
         self.plans_built += 1
         memory = {t.untyped_storage().data_ptr() for t in held}
         kept = True
         parts: dict[str, _KindPlan] = {}
-        weights: dict[str, list[torch.Tensor]] = {}
+        weights: dict[str, tuple[list[float], list[int]]] = {}
         filled: dict[str, int] = {}
         for unit in units:
-            unit_pieces = pieces[unit]
-            shapes = {split_key(p.key)[1]: p.global_shape for p in unit_pieces if split_key(p.key)[0] in ("weight", "master")}
+            named = [(piece, split_key(piece.key)) for piece in pieces[unit]]
+            shapes = {name: p.global_shape for p, (kind, name, _) in named if kind in ("weight", "master")}
             signatures: dict[str, list] = {}
             starts = dict(filled)
-            for piece in unit_pieces:
-                kind = kind_of(piece.key, piece, shapes)
+            for piece, split in named:
+                kind = _kind_of_split(split, piece, shapes)
                 numel = piece.tensor.numel()
                 if kind is None or numel == 0:
                     continue
                 # A piece outside the held tensors' memory (a copy) goes stale: list again next time.
                 kept = kept and piece.tensor.untyped_storage().data_ptr() in memory
-                part = parts.setdefault(kind, _KindPlan([], [], torch.empty(0), {}, np.empty(0, dtype=np.intp)))
+                part = parts.get(kind)
+                if part is None:
+                    part = parts[kind] = _KindPlan([], [], torch.empty(0), {}, np.empty(0, dtype=np.intp))
                 start, spacing = sample_slots(piece, self.sample_size, self.seed)
                 taken = len(range(start, numel, spacing)[: self.sample_size])
                 if piece.tensor.is_contiguous():
@@ -166,13 +176,16 @@ class DriftTracker:
                     part.views.append(None)
                 # Each sampled element stands for numel / taken elements of its tensor, so the
                 # sums estimate the whole unit's, whatever the tensors' sizes.
-                weights.setdefault(kind, []).append(torch.full((taken,), numel / taken, dtype=torch.float32))
+                values, counts = weights.setdefault(kind, ([], []))
+                values.append(numel / taken)
+                counts.append(taken)
                 signatures.setdefault(kind, []).append((piece.key, piece.offsets))
                 filled[kind] = filled.get(kind, 0) + taken
             for kind, signature in signatures.items():
                 parts[kind].spans[unit] = (tuple(signature), starts.get(kind, 0), filled[kind])
         for kind, part in parts.items():
-            part.weights = torch.cat(weights[kind])
+            values, counts = weights[kind]
+            part.weights = torch.from_numpy(np.repeat(np.array(values, dtype=np.float32), counts))
             part.starts = np.array([start for _, start, _ in part.spans.values()], dtype=np.intp)
         return _Plan(tuple(units), fingerprint if kept else None, parts)
 

@@ -276,7 +276,7 @@ class Tailor:
             self.provider.finish_load()
             self._partly_restored = None
             run = self.tiers.levels[level].run
-            extra, unmapped = self.provider.restore_rank_state(run, composite, self.stateful)
+            extra, unmapped = self.provider.restore_rank_state(run, composite, self.stateful, restoring.shared)
         self.lineage.restored(run, composite, extend=level == 0, newest=floor)  # from a slower tier: the next save is full
         self._frozen.restored(run, composite, held=level == 0)
         self.tiers.restored(level, composite.step)
@@ -320,6 +320,8 @@ class _Restoring:
         self.partly: str | None = None
         self.served_by: dict[int, list[int]] = {}
         """With a node-local tier: node -> the nodes whose copies sent it what it lacked."""
+        self.shared: dict[str, Any] | None = None
+        """The global state of the composite last checked (``check_composite``), decoded once."""
 
     def load(self, step: int | None, fallback: bool, verify: bool | str,
              held: ExitStack) -> tuple[int, Composite, dict[int, str], int | None]:
@@ -381,7 +383,7 @@ class _Restoring:
             # Rank 0's manifests, then the indexes and global state read once in the job (shared_reads).
             lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}")
             share_small_files(run, lease.composite, self.coordinator)
-            shared = self.provider.check_composite(run, lease.composite)
+            shared = self.shared = self.provider.check_composite(run, lease.composite)
             # The live state changes from here: a mix until the ranks agree (agree may itself raise).
             touched, self.partly = True, f"the restore of step {chosen} did not complete"
             self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)

@@ -376,3 +376,20 @@ def test_a_restore_whose_ranks_cannot_agree_leaves_saving_refused(saved_run):
         tailor.save(4)
     assert tailor.restore(step=2).step == 2
     tailor.save(4)
+
+
+def test_a_restore_reads_and_decodes_the_global_state_once(tmp_path, tokens, monkeypatch):
+    """The global state is decoded once per restore: its checks and its rank 0 state (RNG,
+    extras) share that decode, and the RNG streams and extras come back from it."""
+    from llmtailor.store import codec
+
+    model, opt, sched = tiny()
+    train(model, opt, sched, tokens, [1])
+    Tailor(tmp_path, model, opt, sched).save(1, extra={"epoch": 3})
+    expected = torch.rand(4)  # the torch stream right after the save
+    torch.manual_seed(99)
+    decoded, decode = [], codec.decode
+    monkeypatch.setattr(codec, "decode", lambda doc, tensors, where="": decoded.append(where) or decode(doc, tensors, where=where))
+    report = Tailor(tmp_path, *tiny(seed=5)).restore()
+    assert [w.rsplit("/", 1)[-1] for w in decoded] == ["global.json"]
+    assert report.extra == {"epoch": 3} and torch.equal(torch.rand(4), expected)

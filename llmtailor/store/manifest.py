@@ -134,7 +134,8 @@ class TensorEntry(_Strict):
         if not isinstance(data, dict) or not isinstance(data.get("shape"), list) or not isinstance(data.get("chunks"), list):
             return data  # validation names what is wrong
         shape = data["shape"]
-        chunks = [{"offsets": [0] * len(shape), "shape": list(shape), **chunk}
+        zeros = [0] * len(shape)  # shared by the chunks: validation makes each its own list
+        chunks = [{"offsets": zeros, "shape": shape, **chunk}
                   if isinstance(chunk, dict) and "offsets" not in chunk and "shape" not in chunk else chunk
                   for chunk in data["chunks"]]
         return {**data, "chunks": chunks}
@@ -149,25 +150,28 @@ class TensorEntry(_Strict):
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> TensorEntry:
-        if any(d < 0 for d in self.shape) or math.prod(self.shape) > MAX_ELEMENTS:
-            raise ValueError(f"tensor {self.key!r} has an absurd shape {self.shape}")
+        shape = self.shape
+        if any(d < 0 for d in shape) or math.prod(shape) > MAX_ELEMENTS:
+            raise ValueError(f"tensor {self.key!r} has an absurd shape {shape}")
+        chunks = self.chunks
+        if len(chunks) == 1 and chunks[0].shape == shape and chunks[0].offsets == [0] * len(shape):
+            # The common case, met by every tensor of a single-process save: one chunk, the whole
+            # tensor (it fits and covers by construction); only its pages are left to check.
+            _check_pages(self, chunks[0])
+            return self
         covered = 0
-        for chunk in self.chunks:
-            if len(chunk.offsets) != len(self.shape) or len(chunk.shape) != len(self.shape):
-                raise ValueError(f"tensor {self.key!r}: chunk rank differs from shape {self.shape}")
-            for off, ext, dim in zip(chunk.offsets, chunk.shape, self.shape):
+        for chunk in chunks:
+            if len(chunk.offsets) != len(shape) or len(chunk.shape) != len(shape):
+                raise ValueError(f"tensor {self.key!r}: chunk rank differs from shape {shape}")
+            for off, ext, dim in zip(chunk.offsets, chunk.shape, shape):
                 if off < 0 or ext < 0 or off + ext > dim:
-                    raise ValueError(f"tensor {self.key!r}: chunk {chunk.offsets}+{chunk.shape} exceeds {self.shape}")
+                    raise ValueError(f"tensor {self.key!r}: chunk {chunk.offsets}+{chunk.shape} exceeds {shape}")
             covered += math.prod(chunk.shape)
-            if chunk.pages is not None:
-                size = math.prod(chunk.shape) * dtypes.itemsize(self.dtype)
-                if len(chunk.pages) != -(-size // chunk.page_bytes):
-                    raise ValueError(f"tensor {self.key!r}: chunk {chunk.offsets} lists {len(chunk.pages)} pages "
-                                     f"of {chunk.page_bytes} bytes for {size} bytes")
-        if covered != math.prod(self.shape) or _overlapping(self.chunks):
+            _check_pages(self, chunk)
+        if covered != math.prod(shape) or _overlapping(chunks):
             raise ValueError(
-                f"tensor {self.key!r}: chunks cover {covered} of {math.prod(self.shape)} elements"
-                + (" and overlap" if _overlapping(self.chunks) else "")
+                f"tensor {self.key!r}: chunks cover {covered} of {math.prod(shape)} elements"
+                + (" and overlap" if _overlapping(chunks) else "")
             )
         return self
 
@@ -367,6 +371,15 @@ class Manifest(_Strict):
     def dumps(self) -> str:
         """Compact JSON (``llmtailor inspect`` shows it readably): its bytes are part of every save."""
         return json.dumps(self.model_dump(mode="json"), separators=(",", ":"))
+
+
+def _check_pages(tensor: TensorEntry, chunk: Chunk) -> None:
+    """A chunk's page checksums, if it has them, cover its bytes exactly (ValueError otherwise)."""
+    if chunk.pages is not None:
+        size = math.prod(chunk.shape) * dtypes.itemsize(tensor.dtype)
+        if len(chunk.pages) != -(-size // chunk.page_bytes):
+            raise ValueError(f"tensor {tensor.key!r}: chunk {chunk.offsets} lists {len(chunk.pages)} pages "
+                             f"of {chunk.page_bytes} bytes for {size} bytes")
 
 
 def _overlapping(chunks: list[Chunk]) -> bool:

@@ -80,9 +80,10 @@ class Run(Catalog):
         """The global state of ``step`` for the whole model, stages merged (``UnitReader.whole_global``)."""
         return self.units.whole_global(step)
 
-    def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
-        """Rank ``rank``'s own state saved at ``step``, or None (``UnitReader.read_rank_state``)."""
-        return self.units.read_rank_state(step, rank)
+    def read_rank_state(self, step: int, rank: int, shared: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Rank ``rank``'s own state saved at ``step``, or None (``UnitReader.read_rank_state``;
+        ``shared``: the global state of ``step``, already decoded)."""
+        return self.units.read_rank_state(step, rank, shared)
 
     # -- verification (verify.py) ------------------------------------------------------------
 

@@ -305,12 +305,13 @@ class UnitReader:
         stage_groups = [state.get("optimizer_groups") for _, state in states]
         return {**shared, "lr_scheduler": schedulers[0], "optimizer_groups": merged_groups(stage_groups, where)}
 
-    def read_rank_state(self, step: int, rank: int) -> dict[str, Any] | None:
+    def read_rank_state(self, step: int, rank: int, shared: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Rank ``rank``'s own RNG states, extras and stateful objects' states as saved at
-        ``step`` (rank 0: from the global state), or None when no rank of that number took part
-        in the save."""
+        ``step`` (rank 0: from the global state; ``shared``: that state when already read and
+        decoded, whose other keys its reader used, so it is not decoded again), or None when no
+        rank of that number took part in the save."""
         if rank == 0:
-            state = self.read_global(step)
+            state = self.read_global(step) if shared is None else shared
             return {key: state.get(key) for key in ("rng", "extra", STATEFUL_KEY)}
         doc, tensors = rank_state_files(rank)
         if not any(entry.path == doc for entry in self.catalog.manifest(step).files):
