@@ -58,22 +58,8 @@ class Courier:
         """Send ``outgoing[dst]`` to each rank ``dst``; return what each rank of ``sources`` sent
         here. CoordinationError naming the peer when one died, hung past the timeout, or sent
         what it did not announce."""
-        import torch.distributed as dist
-
-        sends = []
-        for dst, files in outgoing.items():
-            names = json.dumps([[name, len(content)] for name, content in files]).encode()
-            payload = b"".join(content for _, content in files)
-            sizes = torch.tensor([len(names), len(payload)], dtype=torch.int64)
-            sends.append((dst, dist.isend(sizes, dst, group=self.group, tag=_SIZES)))
-            sends.append((dst, dist.isend(_as_tensor(names), dst, group=self.group, tag=_NAMES)))
-            if payload:
-                sends.append((dst, dist.isend(_as_tensor(payload), dst, group=self.group, tag=_BYTES)))
-            self.sent_bytes += len(payload)
-        received = {src: self._receive(src) for src in sources}
-        for dst, work in sends:
-            self._wait(work, f"sending files to rank {dst}")
-        return received
+        received = self.exchange_packed({dst: packed(files) for dst, files in outgoing.items()}, sources)
+        return {src: [(name, bytes(content)) for name, content in unpacked(files)] for src, files in received.items()}
 
     def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], None],
                sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
@@ -135,8 +121,8 @@ class Courier:
         take(src, name, memoryview(content.numpy()))
 
     def exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
-        """``exchange`` without a copy on either side (large transfers: a node's parts healed
-        from its partner): each destination's files come already packed (the sender reads them
+        """``exchange`` without a copy on either side (large transfers: a save's copies to its
+        partner ranks): each destination's files come already packed (the sender reads them
         straight into the tensor), each source's are returned as they arrived (``unpacked``
         views them). The same messages as ``exchange``; its errors."""
         import torch.distributed as dist
@@ -170,27 +156,6 @@ class Courier:
             raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "
                                     f"{sum(size for _, size in listed)} bytes")
         return listed, payload
-
-    def _receive(self, src: int) -> Files:
-        import torch.distributed as dist
-
-        sizes = torch.zeros(2, dtype=torch.int64)
-        self._wait(dist.irecv(sizes, src, group=self.group, tag=_SIZES), f"receiving files from rank {src}")
-        names = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), f"receiving files from rank {src}")
-        payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
-        if payload.numel():
-            self._wait(dist.irecv(payload, src, group=self.group, tag=_BYTES), f"receiving files from rank {src}")
-        listed = json.loads(names.numpy().tobytes())
-        content = payload.numpy().tobytes()
-        if sum(size for _, size in listed) != len(content):
-            raise CoordinationError(f"rank {src} sent {len(content)} bytes for files announced as "
-                                    f"{sum(size for _, size in listed)} bytes")
-        files, at = [], 0
-        for name, size in listed:
-            files.append((name, content[at:at + size]))
-            at += size
-        return files
 
     def _wait(self, work: object, what: str) -> None:
         try:
