@@ -108,10 +108,14 @@ class FSDPProvider(LocalProvider):
         shard need the same bytes: each unit is loaded by one rank of the replica group and
         sent to the others (``_load_once``). The plain tensors every rank holds whole (``step``
         scalars), written by one rank, are read by one rank and sent to the others
-        (``_load_plain_once``)."""
+        (``_load_plain_once``), except from a remote run of FSDP2 shards (no replicas), whose
+        byte ranges, theirs with the rest, are fetched once in the job (``_load_ranges_once``):
+        read apart, their bytes would also come again with the ranges joined around them."""
         optimizer_state: dict[str, dict[str, Any]] = {}
         targets = {unit: self._targets(run.unit_entry(step, unit), live, optimizer_state) for unit, step in sources.items()}
-        plain = self._plain_targets(targets)
+        replicas = _replica_group(targets)  # from the DTensors alone: the same before and after the plain are taken out
+        ranges_once = replicas is None and self.coordinator.world_size > 1 and run.storage.remote
+        plain = {} if ranges_once else self._plain_targets(targets)
         reader = ChunkReader(run, verify)
 
         def load(unit: str, wanted: dict[str, torch.Tensor] | None = None) -> None:
@@ -123,10 +127,9 @@ class FSDPProvider(LocalProvider):
         try:
             if plain:  # first: a rank's own reads fail on that rank alone, leaving the others in no collective
                 self._load_plain_once(run, sources, plain, load)
-            replicas = _replica_group(targets)
             if replicas is not None:
                 self._load_once(sources, targets, load, *replicas)
-            elif self.coordinator.world_size > 1 and run.storage.remote:
+            elif ranges_once:
                 self._load_ranges_once(run, sources, targets, reader, load)
             else:
                 for unit in sources:
