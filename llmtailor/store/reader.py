@@ -106,7 +106,7 @@ class ChunkReader:
         checked by page, else the box's own span; None when it reads no byte."""
         if self.verify and chunk.pages is None:
             storage, key, begin = self._located(step, unit, tensor, chunk)
-            return storage, key, begin, _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
+            return storage, key, begin, _chunk_bytes(tensor, chunk)
         if _numel(shape) == 0:
             return None
         storage, key, begin = self._located(step, unit, tensor, chunk)
@@ -217,7 +217,7 @@ class ChunkReader:
         cache_key = (step, unit.unit, tensor.key, chunk.file, tuple(chunk.offsets))
         if cache_key not in self._checked:
             storage, key, begin = self._located(step, unit, tensor, chunk)
-            length = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
+            length = _chunk_bytes(tensor, chunk)
             hasher = xxhash.xxh3_64()
             data = self._fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
             if hasher.hexdigest() != chunk.xxh3_64:
@@ -228,6 +228,11 @@ class ChunkReader:
             # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
             self._checked = {cache_key: whole}
         return self._checked[cache_key]
+
+
+def _chunk_bytes(tensor: TensorEntry, chunk: Chunk) -> int:
+    """The bytes of a whole chunk of ``tensor``."""
+    return _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype)
 
 
 def _box_bytes(tensor: TensorEntry, chunk: Chunk, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int]:
@@ -242,7 +247,7 @@ def _box_bytes(tensor: TensorEntry, chunk: Chunk, offsets: tuple[int, ...], shap
 
 def _pages_around(tensor: TensorEntry, chunk: Chunk, start: int, end: int) -> tuple[int, int]:
     """``(low, high)``: bytes ``[start, end)`` of a paged chunk widened to the whole pages they lie in."""
-    size, page = _numel(tuple(chunk.shape)) * dtypes.itemsize(tensor.dtype), chunk.page_bytes
+    size, page = _chunk_bytes(tensor, chunk), chunk.page_bytes
     return start // page * page, min(-(-end // page) * page, size)
 
 
