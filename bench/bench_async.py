@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_async.py                    # both settings below, ~25 minutes
     .venv/bin/python bench/bench_async.py --layers 4 --hidden 256 --steps-between 2 --saves 1   # quick look
+    python3 bench/bench_async.py --device cuda --threads all ...  # on a GPU machine (bench/gpu_check.sh)
 
 A Llama-style model of a few hundred million parameters (``transformers.LlamaConfig``, fp32,
 never downloaded) trains with AdamW (HF Trainer's decay / no-decay groups) on real text
@@ -76,7 +77,8 @@ class Job:
     def __init__(self, args: argparse.Namespace, vocab: int = 32000):
         config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=16, kv_heads=8,
                             intermediate_size=int(3.5 * args.hidden), seq_len=args.seq, vocab_size=vocab)
-        self.model = build_model(config, seed=0)
+        self.device = torch.device(args.device)
+        self.model = build_model(config, seed=0).to(self.device)
         self.optimizer = torch.optim.AdamW(hf_param_groups(self.model), lr=1e-5)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         self.tokens = corpus_tokens()
@@ -90,11 +92,13 @@ class Job:
         for _ in range(count):
             start = time.perf_counter()
             self.step += 1
-            batch = batch_at(self.tokens, self.step, 1, self.seq)
+            batch = batch_at(self.tokens, self.step, 1, self.seq).to(self.device)
             self.model(input_ids=batch, labels=batch).loss.backward()
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # a step ends when the GPU has done it
             durations.append(time.perf_counter() - start)
         return durations
 
@@ -132,7 +136,8 @@ class TrainerSave(Contender):
 
     def __init__(self, job: Job, out: Path):
         super().__init__(job, out)
-        args = transformers.TrainingArguments(output_dir=str(out), report_to=[], use_cpu=True, save_strategy="no")
+        args = transformers.TrainingArguments(output_dir=str(out), report_to=[], use_cpu=job.device.type == "cpu",
+                                              save_strategy="no")
         self.trainer = transformers.Trainer(model=job.model, args=args, optimizers=(job.optimizer, job.scheduler))
 
     def save(self, step: int) -> None:
@@ -258,6 +263,8 @@ def measure(args: argparse.Namespace, job: Job, threads: str) -> list[Outcome]:
     torch.set_num_threads(1 if threads == "1" else os.cpu_count() or 1)
     results = []
     for name, make in CONTENDERS.items():
+        if args.only and name not in ("none", "HF Trainer", *args.only):
+            continue
         out = args.out / f"threads-{threads}" / name.replace(" ", "_")
         out.mkdir(parents=True, exist_ok=True)
         contender = make(job, out)
@@ -266,8 +273,8 @@ def measure(args: argparse.Namespace, job: Job, threads: str) -> list[Outcome]:
         run_contender(job, contender, outcome, args.steps_between, args.saves)
         outcome.bytes = (_bytes(out) - before) // max(1, args.saves)
         results.append(outcome)
-        steps = [round(d, 2) for after in outcome.after for d in after]
-        print(f"  [threads={threads}] {name:<18} before {[round(d, 2) for d in outcome.before]} s, save calls {[round(c, 2) for c in outcome.save_calls]} s, steps {steps} s, "
+        steps = [round(d, 3) for after in outcome.after for d in after]
+        print(f"  [threads={threads}] {name:<18} before {[round(d, 3) for d in outcome.before]} s, save calls {[round(c, 2) for c in outcome.save_calls]} s, steps {steps} s, "
               f"drain {outcome.drain:.2f} s, fence {outcome.fence:.2f} s", flush=True)
         del contender
         shutil.rmtree(out, ignore_errors=True)
@@ -284,6 +291,10 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=2, help="measured checkpoints per contender")
     parser.add_argument("--threads", choices=["1", "all", "both"], default="both")
     parser.add_argument("--out", type=Path, default=Path("bench/out/async"))
+    parser.add_argument("--only", type=lambda text: [n.strip() for n in text.split(",")], default=[],
+                        help="these contenders (comma-separated names) beside none and HF Trainer")
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu or cuda (a GPU machine; "
+                        "--threads all there)")
     args = parser.parse_args()
     args.out = args.out.resolve()
     transformers.utils.logging.disable_progress_bar()
@@ -291,12 +302,14 @@ def main() -> None:
     import torch.distributed as dist
 
     store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # DCP's async_save wants a group
+    backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)  # DCP's async_save wants a group
     job = Job(args)
     params = sum(p.numel() for p in job.model.parameters())
     full = job.full_bytes()
-    print(f"model {params / 1e6:.0f}M params fp32 ({args.layers} layers, hidden {args.hidden}); a full checkpoint "
-          f"holds {full / 1e9:.2f} GB of tensors; {os.cpu_count()} CPUs; load {os.getloadavg()}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"model {params / 1e6:.0f}M params fp32 ({args.layers} layers, hidden {args.hidden}) on {where}; a full "
+          f"checkpoint holds {full / 1e9:.2f} GB of tensors; {os.cpu_count()} CPUs; load {os.getloadavg()}")
     settings = ["1", "all"] if args.threads == "both" else [args.threads]
     tables = {}
     try:
