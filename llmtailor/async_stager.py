@@ -25,13 +25,6 @@ raised by the caller's next ``save``, ``wait`` or ``close`` (``BackgroundSave.re
 caller never collects (a script that ends without ``close()``) is printed on stderr at exit.
 The background thread is not a daemon: a save in flight when a script ends is finished and
 committed before the interpreter exits.
-
-While a save is in flight the interpreter's switch interval is lowered to ``SWITCH_INTERVAL``
-(``sys.setswitchinterval``; restored when no save is in flight): the background thread does
-little work but waits often (for files, a peer rank, the coordinator's store), and each time it
-wakes it needs the GIL back from the training thread, which at Python's default keeps it up to
-5 ms. A save that waits a hundred times then spends most of its time waiting for the GIL, and
-at a save every step the next save waits for that one.
 """
 
 from __future__ import annotations
@@ -52,35 +45,6 @@ from llmtailor.errors import BackgroundSaveError, TailorError
 from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
-SWITCH_INTERVAL = 0.0005
-"""Seconds: the interpreter's switch interval while a save is in flight (module docstring)."""
-
-
-class _PromptSwitching:
-    """The lowered switch interval, held while any save of the process is in flight (several
-    Tailors may save at once): the first save in lowers it, the last one out restores the
-    interval it found."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._found = 0.0
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._holders == 0:
-                self._found = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._found, SWITCH_INTERVAL))
-            self._holders += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders == 0:
-                sys.setswitchinterval(self._found)
-
-
-_SWITCHING = _PromptSwitching()
 
 
 class HostBuffers:
@@ -209,12 +173,7 @@ class AsyncStager:
             target=self._run, args=(job, staged, units, views, versions, ready, persist, after),
             name=f"llmtailor-save-{staged.step}",
         )
-        _SWITCHING.enter()  # left by the thread as it finishes
-        try:
-            thread.start()
-        except BaseException:
-            _SWITCHING.leave()
-            raise
+        thread.start()
         return job
 
     def settle(self, raise_error: bool, refused: int | None = None, newest: int | None = None) -> BackgroundSave | None:
@@ -305,7 +264,6 @@ class AsyncStager:
             job.error = err
             _UNREPORTED.add(job)
         finally:
-            _SWITCHING.leave()  # before finished: once a caller saw the save finish, the interval is back
             job.finished.set()
 
     def _fence(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

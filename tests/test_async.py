@@ -2,7 +2,6 @@
 
 import errno
 import json
-import sys
 import threading
 import time
 
@@ -133,38 +132,6 @@ def test_wait_and_close_raise_a_background_failure(tmp_path, tokens, monkeypatch
     assert Run(tmp_path).steps() == []
     assert tailor.wait() is None  # raised once, then gone
     tailor.close()
-
-
-def test_the_switch_interval_is_lowered_while_a_save_is_in_flight_and_restored_after(tmp_path, tokens, monkeypatch):
-    """The background save hands the GIL back promptly (module docstring of async_stager); the
-    interpreter's own interval is back once the save finished, failed or not."""
-    model, opt, sched = tiny()
-    tailor = Tailor(tmp_path, model, opt, sched, async_save=True)
-    real, seen = writer.stream_tensors, []
-
-    def watched(sink, *args, **kwargs):
-        seen.append(sys.getswitchinterval())
-        if len(seen) == 3:  # a later save fails in the background
-            sink.abort()
-            raise OSError(errno.EIO, "disk gone")
-        return real(sink, *args, **kwargs)
-
-    monkeypatch.setattr(writer, "stream_tensors", watched)
-    found = sys.getswitchinterval()
-    sys.setswitchinterval(0.004)
-    try:
-        train(model, opt, sched, tokens, [1])
-        tailor.save(1).result()
-        assert seen and max(seen) < 0.004  # lowered while the save persisted
-        assert sys.getswitchinterval() == 0.004
-        train(model, opt, sched, tokens, [2])
-        tailor.save(2)
-        with pytest.raises(BackgroundSaveError, match="disk gone"):
-            tailor.wait()
-        assert len(seen) >= 3 and sys.getswitchinterval() == 0.004
-        tailor.close()
-    finally:
-        sys.setswitchinterval(found)
 
 
 def test_blocking_save_and_wait_on_an_async_tailor(tmp_path, tokens):
