@@ -47,43 +47,29 @@ from llmtailor.store import dtypes
 from llmtailor.store.catalog import Composite
 from llmtailor.store.tensor_files import checksum, checksum_file, tensor_checksum
 from llmtailor.store.keys import split_key, weight_key
-from llmtailor.store.manifest import BaseDir, FileEntry
+from llmtailor.store.manifest import BaseDir, FileEntry, TensorEntry
 from llmtailor.store.run import Run
-from llmtailor.store.samples import sampled
+from llmtailor.store.samples import sample_checksums
 from llmtailor.store.staged import Piece, StagedUnit, version_of
 
 Holder = int | str
 """Where a frozen tensor's saved bytes are: a snapshot's step, or ``"base"``."""
 
 
-def fingerprints(pieces: dict[str, list[Piece]]) -> dict[str, tuple]:
+def fingerprints(pieces: dict[str, list[Piece]], known: dict[str, str] | None = None) -> dict[str, tuple]:
     """Per tensor key, what changes when the tensor's values may have: of every piece, its
     memory and version counter (a change made through the tensor bumps the counter, a replaced
     tensor moves the memory; an inference-mode tensor keeps no counter: ``version_of``) and the
     checksum of a fixed sample of its values (``store.samples.sampled``: a change through ``.data``, or
-    to an inference tensor, bumps no counter; it shows when it alters a sampled element)."""
-    found = [piece for key_pieces in pieces.values() for piece in key_pieces]
-    sums = iter(_sample_checksums(found))
-    return {key: tuple((p.offsets, p.tensor.data_ptr(), version_of(p.tensor), next(sums)) for p in key_pieces)
+    to an inference tensor, bumps no counter; it shows when it alters a sampled element).
+    ``known``: key -> the sampled checksum of its one whole piece, known to be its values' (a
+    restore just checked them against it), not computed again."""
+    known = known or {}
+    found = [piece for key, key_pieces in pieces.items() if key not in known for piece in key_pieces]
+    sums = iter(sample_checksums(found))
+    return {key: tuple((p.offsets, p.tensor.data_ptr(), version_of(p.tensor), known[key] if key in known else next(sums))
+                       for p in key_pieces)
             for key, key_pieces in pieces.items()}
-
-
-def _sample_checksums(pieces: list[Piece]) -> list[str]:
-    """The xxh3-64 of each piece's sampled elements' bytes, read with one copy per device and
-    dtype (one transfer from an accelerator)."""
-    samples = [sampled(piece).detach() for piece in pieces]
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, sample in enumerate(samples):
-        groups.setdefault((sample.device, sample.dtype), []).append(index)
-    sums = [""] * len(samples)
-    for indexes in groups.values():
-        raw = memoryview(torch.cat([samples[i] for i in indexes]).cpu().view(torch.uint8).numpy())
-        start = 0
-        for index in indexes:
-            end = start + samples[index].numel() * samples[index].element_size()
-            sums[index] = checksum(raw[start:end])
-            start = end
-    return sums
 
 
 PEFT_WRAPPED = (".base_layer.", ".original_module.")
@@ -179,6 +165,16 @@ def _with_sample(piece: Piece, plan: FrozenPlan) -> Piece:
     return replace(piece, sample_xxh3=prints[0][3])
 
 
+def _recorded_sample(tensor: TensorEntry, pieces: list[Piece]) -> str | None:
+    """The sampled checksum recorded at save for a tensor the live model holds as one whole
+    piece, the one the piece's values have once a restore checked or read them (read: every
+    byte against its checksum; held: its sample against this one); None where it must be
+    computed (no sample recorded, or the live tensor in several pieces)."""
+    if len(pieces) != 1 or not pieces[0].is_whole or len(tensor.chunks) != 1:
+        return None
+    return tensor.chunks[0].sample_xxh3
+
+
 class FrozenParts:
     """Which frozen tensors a writer can leave out (module docstring)."""
 
@@ -266,17 +262,20 @@ class FrozenParts:
         self._base_refs.clear()
         holders: dict[str, Holder] = {}
         found: dict[str, list[Piece]] = {}
+        recorded: dict[str, str] = {}
         for unit, source in composite.sources.items():
             entry = run.unit_entry(source, unit)
-            origin = {t.key: entry.files[t.chunks[0].file].origin for t in entry.tensors}
-            for key in frozen & set(origin):
-                where = origin[key]
+            tensors = {t.key: t for t in entry.tensors}
+            for key in frozen & set(tensors):
+                where = entry.files[tensors[key].chunks[0].file].origin
                 mine = [p for p in pieces.get(unit, []) if p.key == key]
                 if mine:
                     holders[key], found[key] = source if where is None else where, mine
+                    if (sample := _recorded_sample(tensors[key], mine)) is not None:
+                        recorded[key] = sample
                 if where == "base":
                     self._base_refs[key] = run.base_ref(source, unit, key)
-        prints = fingerprints(found)
+        prints = fingerprints(found, recorded)
         self._held = {key: (holder, prints[key]) for key, holder in holders.items()}
         if self._base_refs and self.base is None:  # kept from a base this Tailor was not given: keep it
             self.base = BaseModel(composite.manifest.base.path) if composite.manifest.base is not None else None

@@ -748,3 +748,34 @@ def test_frozen_tensors_the_live_model_holds_are_checked_by_sample_and_exactly_o
         assert torch.equal(a, b), n
     with pytest.raises(Exception, match=r"verify='full'.*expected True, False or \"exact\""):
         Tailor(tmp_path, changed, changed_opt, read_only=True).restore(verify="full")
+
+
+def test_a_restore_samples_each_frozen_tensor_once_and_the_next_save_writes_none(tmp_path, tokens, monkeypatch):
+    """A restore into a model that holds the base weights takes each frozen tensor's sample once
+    (issue 33): to check it against the one recorded at save; the fingerprint it keeps for the
+    next save is that recorded sample, not a second pass. The next save finds every frozen tensor
+    unchanged and writes only what trains."""
+    import llmtailor.frozen as frozen_module
+    import llmtailor.store.samples as samples
+
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
+        for s in (1, 2):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    real, taken = samples.sampled, []
+    counted = lambda piece, *args, **kwargs: taken.append(piece.key) or real(piece, *args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(samples, "sampled", counted)
+    monkeypatch.setattr(frozen_module, "sampled", counted, raising=False)  # where a module took its own name of it
+    held, held_opt = lora(seed=7)  # the same base weights, other adapters
+    tailor = Tailor(tmp_path, held, held_opt, policy=Full())
+    assert tailor.restore().step == 2
+    trained = trainable_keys(held)
+    frozen = {k for k in written_keys(Run(tmp_path), 1) if k.startswith("weight/") and k.split("/", 1)[1] not in trained}
+    # Those the model held: sampled once, to check them; those read (checked whole): not sampled.
+    assert taken and set(taken) < frozen and sorted(taken) == sorted(set(taken))
+    monkeypatch.undo()
+    step(held, held_opt, tokens, 3)
+    tailor.save(3)
+    tailor.close()
+    assert {k.split("/")[1] for k in written_keys(Run(tmp_path), 3)} == trained

@@ -33,7 +33,7 @@ from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.node_parts import copy_node, reading_ranks
 from llmtailor.store.run import Run
-from llmtailor.store.samples import sample_checksum
+from llmtailor.store.samples import sample_checksums
 from llmtailor.store.staged import Piece, StagedUnit
 
 Loaded = tuple[str, dict[str, torch.Tensor], dict[str, dict[str, Any]]]
@@ -222,7 +222,7 @@ class LocalProvider(StateProvider):
         rank's node's copy of a node-local tier holds them all (``_own_copy_holds``). The ranks
         first exchange what they hold, which also bounds by the timeout the wait of the others
         on a rank that failed before loading."""
-        held = {unit: self._already_held(run.unit_entry(source, unit), live, exact) for unit, source in sources.items()}
+        held = self._already_held({unit: run.unit_entry(source, unit) for unit, source in sources.items()}, live, exact)
         if self.coordinator.world_size > 1:
             everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
             replicas = self._replicas()
@@ -312,26 +312,32 @@ class LocalProvider(StateProvider):
         return readable
 
     @staticmethod
-    def _already_held(entry: UnitEntry, live: dict[str, torch.Tensor], exact: bool = False) -> dict[str, torch.Tensor]:
-        """The kept frozen tensors of ``entry`` the live model holds already, by key: of the
-        saved dtype and shape, and the checksum of its sampled elements the one recorded at
-        save (``Chunk.sample_xxh3``: a cache line per sampled element, not a pass over a base
-        model's weights; a tensor differing only in unsampled elements passes). ``exact``, or a
-        run saved before samples were recorded: the checksum of all its bytes instead."""
-        held = {}
-        for tensor in entry.tensors:
-            kind, name, _ = split_key(tensor.key)
-            if kind != KIND_WEIGHT or entry.files[tensor.chunks[0].file].origin is None or name not in live:
-                continue
-            target, chunk = live[name].detach(), tensor.chunks[0]
-            if len(tensor.chunks) != 1 or list(target.shape) != tensor.shape or dtype_name(target.dtype) != tensor.dtype:
-                continue
-            if exact or chunk.sample_xxh3 is None:
-                same = tensor_checksum(target) == chunk.xxh3_64
-            else:
-                same = sample_checksum(Piece.whole(tensor.key, target)) == chunk.sample_xxh3
-            if same:
-                held[tensor.key] = live[name]
+    def _already_held(entries: dict[str, UnitEntry], live: dict[str, torch.Tensor],
+                      exact: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """Per unit, the kept frozen tensors of its entry the live model holds already, by key:
+        of the saved dtype and shape, and the checksum of its sampled elements the one recorded
+        at save (``Chunk.sample_xxh3``: a cache line per sampled element, not a pass over a base
+        model's weights; a tensor differing only in unsampled elements passes; every unit's
+        samples read with one copy, ``sample_checksums``). ``exact``, or a run saved before
+        samples were recorded: the checksum of all its bytes instead."""
+        held: dict[str, dict[str, torch.Tensor]] = {unit: {} for unit in entries}
+        sampled: list[tuple[str, str, str, torch.Tensor]] = []  # (unit, key, recorded sample, live)
+        for unit, entry in entries.items():
+            for tensor in entry.tensors:
+                kind, name, _ = split_key(tensor.key)
+                if kind != KIND_WEIGHT or entry.files[tensor.chunks[0].file].origin is None or name not in live:
+                    continue
+                target, chunk = live[name].detach(), tensor.chunks[0]
+                if len(tensor.chunks) != 1 or list(target.shape) != tensor.shape or dtype_name(target.dtype) != tensor.dtype:
+                    continue
+                if not exact and chunk.sample_xxh3 is not None:
+                    sampled.append((unit, tensor.key, chunk.sample_xxh3, live[name]))
+                elif tensor_checksum(target) == chunk.xxh3_64:
+                    held[unit][tensor.key] = live[name]
+        sums = sample_checksums([Piece.whole(key, tensor.detach()) for _, key, _, tensor in sampled])
+        for (unit, key, recorded, tensor), now in zip(sampled, sums):
+            if now == recorded:
+                held[unit][key] = tensor
         return held
 
     def _load_optimizer_and_scheduler(

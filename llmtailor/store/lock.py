@@ -132,6 +132,8 @@ class WriterLock:
             last = held[1] == 0
             if last:
                 del _HELD[key]
+        if last:  # the next holder clears the trash: none of this process's removals still under way
+            self.storage.commits.wait_purged()
         if last and abandon:
             backend.abandon()
         elif last:

@@ -88,16 +88,18 @@ def plan_retention(run: Run, keep: int) -> RetentionPlan:
     )
 
 
-def apply_retention(run: Run, plan: RetentionPlan) -> RetentionOutcome:
+def apply_retention(run: Run, plan: RetentionPlan, background: bool = False) -> RetentionOutcome:
     """Delete ``plan.delete``, except the snapshots a reader holds (``discard_snapshots``)."""
-    return discard_snapshots(run, plan.delete)
+    return discard_snapshots(run, plan.delete, background)
 
 
-def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
+def discard_snapshots(run: Run, steps: list[int], background: bool = False) -> RetentionOutcome:
     """Delete the committed snapshots of ``steps``, crash-safely, except those a reader holds
     (module docstring). Failures are logged, not raised: a snapshot that could not be moved
     stays committed and whole; one moved but not removed stays in the trash for the next
-    writer. The caller holds the run's writer lock."""
+    writer. The caller holds the run's writer lock. ``background``: the files of those
+    discarded are removed after this returns, where the storage can (``purge_later``; the
+    writer lock waits for it before it is let go)."""
     if not steps:
         return RetentionOutcome()
     storage = run.storage
@@ -126,9 +128,10 @@ def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
     finally:
         for claim in claims:  # a reader waiting on one now finds its snapshot gone
             claim.release()
+    purge = storage.commits.purge_later if background else storage.commits.purge
     for _, token in moved:
         try:
-            storage.commits.purge(token)
+            purge(token)
         except (TailorError, OSError) as err:
             problems.append(str(err))
     if in_use:
@@ -141,8 +144,9 @@ def discard_snapshots(run: Run, steps: list[int]) -> RetentionOutcome:
 
 def retain_after_commit(run: Run, keep: int, committed: str) -> None:
     """Retention after a writer's commit (``Tailor(keep=K)``): a failure is logged, never fatal
-    to the save that was just committed (``committed`` names it)."""
+    to the save that was just committed (``committed`` names it). The discarded snapshots'
+    files are removed in the background: the save does not wait for it."""
     try:
-        apply_retention(run, plan_retention(run, keep))
+        apply_retention(run, plan_retention(run, keep), background=True)
     except (TailorError, OSError) as err:
         log.warning("llmtailor retention after %s: %s", committed, err)

@@ -45,8 +45,19 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
 
 
-def sample_checksum(piece: Piece) -> str:
-    """The xxh3-64 of the bytes of ``piece``'s sampled elements (``frozen.fingerprints`` computes
-    the same for many pieces at once)."""
-    sample = sampled(piece).detach().contiguous().cpu()
-    return checksum(memoryview(sample.view(torch.uint8).numpy()) if sample.numel() else b"")
+def sample_checksums(pieces: list[Piece]) -> list[str]:
+    """The xxh3-64 of the bytes of each piece's sampled elements (``sampled``), read with one
+    copy per device and dtype (one transfer from an accelerator)."""
+    samples = [sampled(piece).detach() for piece in pieces]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, sample in enumerate(samples):
+        groups.setdefault((sample.device, sample.dtype), []).append(index)
+    sums = [""] * len(samples)
+    for indexes in groups.values():
+        raw = memoryview(torch.cat([samples[i] for i in indexes]).cpu().view(torch.uint8).numpy())
+        start = 0
+        for index in indexes:
+            end = start + samples[index].numel() * samples[index].element_size()
+            sums[index] = checksum(raw[start:end])
+            start = end
+    return sums

@@ -6,7 +6,7 @@ import pytest
 from helpers import tiny, train, tree_digest
 from typer.testing import CliRunner
 
-from llmtailor import Parity, Run, Tailor
+from llmtailor import Full, Parity, Run, Tailor
 from llmtailor.cli import app
 from llmtailor.errors import ConfigError
 from llmtailor.store.retention import RetentionOutcome, apply_retention, plan_retention
@@ -84,3 +84,30 @@ def test_gc_cli_dry_run_lists_and_deletes_nothing(parity_run):
     assert Run(parity_run).steps() == [4, 5, 6]
     bad = runner.invoke(app, ["gc", str(parity_run), "--keep", "0"])
     assert bad.exit_code == 2 and "keep=0" in bad.output and "Traceback" not in bad.output
+
+
+def test_a_writers_retention_removes_the_discarded_files_after_its_save_returns(tmp_path, tokens, monkeypatch):
+    """``Tailor(keep=K)``: the save returns once the old snapshot is discarded (renamed into the
+    trash, durably); its files are removed in the background, and ``close`` waits for that."""
+    import shutil
+    import threading
+
+    real, gate = shutil.rmtree, threading.Event()
+
+    def held_back(path, *args, **kwargs):  # the background removal waits until the test lets it go
+        if threading.current_thread().name == "llmtailor-purge":
+            gate.wait()
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", held_back)
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Full(), keep=1)
+    for step in (1, 2):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    assert Run(tmp_path).steps() == [2] and Run(tmp_path).verify() == []
+    assert [name.split(".")[0] for name in os.listdir(tmp_path / ".trash")] == ["step-00000001"]
+    gate.set()
+    tailor.close()
+    assert os.listdir(tmp_path / ".trash") == []
+    assert Tailor(tmp_path, *tiny(seed=4)).restore().step == 2

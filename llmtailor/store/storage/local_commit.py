@@ -1,12 +1,17 @@
 """How a local run commits a snapshot: a save writes into a private directory under ``.tmp/``
 and renames it into ``snapshots/`` atomically (fsyncing what it adds first, the parent after);
-retention renames a snapshot into ``.trash/`` before removing its files. The writer lock's
-holder clears both of what crashed writers left."""
+retention renames a snapshot into ``.trash/`` before removing its files (a writer's retention
+removes them on a background thread, ``purge_later``: its save returns once the rename is
+durable). The writer lock's holder clears both of what crashed writers left."""
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import shutil
+import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -15,6 +20,8 @@ from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.local_durable import fsync_dir
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
+
+log = logging.getLogger(__name__)
 
 
 class LocalCommits(SnapshotCommits):
@@ -65,9 +72,62 @@ class LocalCommits(SnapshotCommits):
         except OSError as err:
             raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
 
+    def purge_later(self, token: str) -> None:
+        _PURGER.submit(self.root / token)
+
+    def wait_purged(self) -> None:
+        _PURGER.wait(self.root)
+
     def clear_leftovers(self) -> Leftovers:
         files = 0
         for leftover in (TMP_DIR, TRASH_DIR):
             files += sum(len(names) for _, _, names in os.walk(self.root / leftover))  # unreadable: not counted
             shutil.rmtree(self.root / leftover, ignore_errors=True)
         return Leftovers(files=files)
+
+
+class _Purger:
+    """Removes discarded snapshots' directories (already renamed into ``.trash/``, durably) on
+    one background thread of the process, in order; ``wait(root)`` returns once none of
+    ``root``'s is left to do. A daemon thread: a process that exits mid-removal leaves the rest
+    in ``.trash/``, which the next writer clears (``clear_leftovers``)."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue[Path] = queue.SimpleQueue()
+        self._pending: dict[Path, int] = {}
+        """Trash directory -> removals queued or under way in it."""
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, target: Path) -> None:
+        target = Path(os.path.realpath(target))  # the same run however its root was spelled
+        with self._changed:
+            self._pending[target.parent] = self._pending.get(target.parent, 0) + 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="llmtailor-purge", daemon=True)
+                self._thread.start()
+        self._queue.put(target)
+
+    def wait(self, root: Path) -> None:
+        if sys.is_finalizing():  # the thread may be stopped already: what is left stays in the trash
+            return
+        trash = Path(os.path.realpath(root / TRASH_DIR))
+        with self._changed:
+            self._changed.wait_for(lambda: not self._pending.get(trash))
+
+    def _work(self) -> None:
+        while True:
+            target = self._queue.get()
+            try:
+                shutil.rmtree(target)
+            except OSError as err:
+                log.warning("llmtailor retention: %s: could not delete (%s); the next writer retries", target, err.strerror)
+            finally:
+                with self._changed:
+                    self._pending[target.parent] -= 1
+                    if not self._pending[target.parent]:
+                        del self._pending[target.parent]
+                    self._changed.notify_all()
+
+
+_PURGER = _Purger()

@@ -77,6 +77,17 @@ class SnapshotCommits(ABC):
         """Remove the files of a discarded snapshot; raises StorageError on failure (the next
         writer retries)."""
 
+    def purge_later(self, token: str) -> None:
+        """``purge``, where the storage can, on a background thread, so that the writer's save
+        does not wait for it (failures logged; ``wait_purged`` waits for it). Nothing is lost
+        if the process dies first: the token's files are leftovers the next writer clears.
+        By default, ``purge`` now (StorageError on failure)."""
+        self.purge(token)
+
+    def wait_purged(self) -> None:
+        """Return once every ``purge_later`` of this storage's run is done; called before the
+        writer lock is let go, so that the next holder's ``clear_leftovers`` never races one."""
+
     @abstractmethod
     def clear_leftovers(self) -> Leftovers:
         """Remove what crashed writers left (temporary snapshots, discarded ones, unfinished
