@@ -102,16 +102,53 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     waiting = _Groups(groups, needs, load)
     plan = ReadPlan(coordinator, {name: piece[2] for name, (_, piece) in pieces.items()})
 
-    def read(name: str) -> list[torch.Tensor]:
+    def read(name: str) -> torch.Tensor:
         key, start, length = pieces[name][1]
-        return [torch.frombuffer(fetch(storage, key, start, length), dtype=torch.uint8)]
+        return torch.frombuffer(fetch(storage, key, start, length), dtype=torch.uint8)
 
-    for name, (payload,) in plan.fetch(read, lambda name: [(torch.uint8, [pieces[name][1][2]])]):
+    def wanted(name: str) -> dict[int, list[tuple[int, int]]]:
         group, piece = pieces[name]
-        waiting.take(group, piece, memoryview(payload.numpy()))
-        if last[group] == name:
-            waiting.load_through(group)
+        return {rank: _within(piece, ranks.get(group, ())) for rank, ranks in enumerate(everyone)}
+
+    received: list[tuple[str, Range, Callable[[], dict]]] = []
+    try:
+        for name, slices in plan.deliver(read, wanted):
+            received.append((*pieces[name], slices))
+            if last[pieces[name][0]] == name:  # the group's bytes all asked for: wait for them, then load it
+                while received:
+                    group, piece, arrived = received.pop(0)
+                    waiting.take(group, piece, arrived())
+                waiting.load_through(pieces[name][0])
+    except BaseException:
+        _settle(received)
+        raise
     waiting.load_through(None)
+
+
+def _settle(received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
+    """Wait for the receipts still pending when the restore failed (no bytes land in memory
+    freed behind them), each as far as it goes: the error raised is the one that stopped it."""
+    for _, _, arrived in received:
+        try:
+            arrived()
+        except Exception:  # the restore is failing already, with its own error
+            pass
+
+
+def _within(piece: Range, ranges: Iterable[Iterable]) -> list[tuple[int, int]]:
+    """The parts of ``piece`` that ``ranges`` (one rank's, of a group) cover, as ``(offset in the
+    piece, length)``, overlapping or touching ones joined, in order."""
+    key, start, length = piece
+    parts: list[list[int]] = []
+    for k, s, n in sorted(tuple(r) for r in ranges):
+        low, high = max(s, start), min(s + n, start + length)
+        if k != key or low >= high:
+            continue
+        if parts and low <= parts[-1][1]:
+            parts[-1][1] = max(parts[-1][1], high)
+        else:
+            parts.append([low, high])
+    return [(low - start, high - low) for low, high in parts]
 
 
 class _Groups:
@@ -124,17 +161,19 @@ class _Groups:
         self.received: dict[str, dict[Range, bytearray]] = {}
         self.failure: BaseException | None = None
 
-    def take(self, group: str, piece: Range, data: memoryview) -> None:
-        """Copy the parts of ``piece`` (``data``: its bytes) that this rank's ranges of ``group`` need."""
-        if group not in self.needs or self.failure is not None:
+    def take(self, group: str, piece: Range, parts: dict[tuple[int, int], memoryview]) -> None:
+        """Copy the parts of ``piece`` this rank was sent (``(offset in the piece, length)`` -> its
+        bytes; ``_within``: they cover this rank's ranges of ``group`` in the piece) into place."""
+        if group not in self.needs or self.failure is not None or not parts:
             return
         if group not in self.received:  # a group's buffers made when its first bytes come: one group's at a time
             self.received[group] = {r: new_buffer(r[2]) for r in dict.fromkeys(self.needs[group])}
-        key, start, length = piece
+        key, start, _ = piece
         for (k, s, n), buffer in self.received[group].items():
-            low, high = max(s, start), min(s + n, start + length)
-            if k == key and low < high:
-                memoryview(buffer)[low - s : high - s] = data[low - start : high - start]
+            for (offset, length), data in parts.items():
+                low, high = max(s, start + offset), min(s + n, start + offset + length)
+                if k == key and low < high:
+                    memoryview(buffer)[low - s : high - s] = data[low - start - offset : high - start - offset]
 
     def load_through(self, group: str | None) -> None:
         """Load this rank's groups up to ``group`` (None: every one left), in order."""
