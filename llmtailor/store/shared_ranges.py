@@ -10,18 +10,21 @@ group (a unit's: a group is loaded once its bytes are in, so a rank holds one gr
 at a time besides the reads ahead), and exchange them (``Coordinator.exchange``). The union of
 every rank's ranges of a file in a group, ranges less than ``GAP`` bytes apart joined, is cut
 into pieces of at most ``fetch.PART`` bytes; each piece is one item of a read plan
-(``distributed.read_plan``): fetched by one rank (balanced by bytes, read ahead on a thread)
-in one request and broadcast; each rank copies out the parts it needs. A file is then fetched
-in about its size / ``PART`` requests in all, each byte once (plus what the joined gaps hold).
+(``distributed.read_plan``): fetched by one rank (balanced by bytes, two read ahead on two
+threads) in one request, and sent to each rank that needs part of it, only the parts its
+ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
+every piece); each rank copies its parts into place. A file is then fetched in about its size
+/ ``PART`` requests in all, each byte once (plus what the joined gaps hold). A group is loaded
+on a thread of its own while the next group's pieces are read and sent.
 
 Checks: none here. The reads that take the bytes (``ChunkReader``, its ``received``) check
 them as if they had fetched them themselves, on every rank that uses them.
 
 Failures: a fetch that fails on its reader (a missing or truncated file, the store's error) is
 raised on every rank, naming the reader (the read plan's rule). A group whose load fails on a
-rank (a checksum mismatch) is remembered there; the rank goes on taking part in the broadcasts
-of the rest, loading nothing more, and raises it after the last, so no rank is left waiting in
-a collective (the restore's closing exchange then fails every rank).
+rank (a checksum mismatch) is remembered there; the rank goes on taking part in the sending
+of the rest, loading nothing more, and raises it after the last, so no rank is left waiting
+for it (the restore's closing exchange then fails every rank).
 
 The files' headers, which say where each chunk's bytes begin (every rank needs them to say its
 ranges), are read once in the job too (``share_headers``): each by one of the ranks that need
@@ -34,6 +37,7 @@ with the same tags.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.read_plan import ReadPlan, balance
@@ -110,29 +114,39 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
         group, piece = pieces[name]
         return {rank: _within(piece, ranks.get(group, ())) for rank, ranks in enumerate(everyone)}
 
-    received: list[tuple[str, Range, Callable[[], dict]]] = []
-    try:
-        for name, slices in plan.deliver(read, wanted):
-            received.append((*pieces[name], slices))
-            if last[pieces[name][0]] == name:  # the group's bytes all asked for: wait for them, then load it
-                while received:
-                    group, piece, arrived = received.pop(0)
-                    waiting.take(group, piece, arrived())
-                waiting.load_through(pieces[name][0])
-    except BaseException:
-        _settle(received)
-        raise
+    received: list[tuple[str, Range, Callable[[], dict]]] = []  # the pieces of the group being sent
+    loading: Future | None = None  # the group before it, its bytes awaited and loaded on a thread
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-load") as loader:
+        try:
+            for name, slices in plan.deliver(read, wanted):
+                group = pieces[name][0]
+                received.append((group, pieces[name][1], slices))
+                if last[group] == name:  # all asked for: loaded while the next group's pieces go
+                    if loading is not None:  # one group loading at a time: memory for two groups' bytes
+                        loading.result()
+                    loading, received = loader.submit(_arrive_and_load, waiting, group, received), []
+            if loading is not None:
+                loading.result()
+        except BaseException:
+            _settle(received)
+            if loading is not None:
+                wait([loading])
+            raise
     waiting.load_through(None)
 
 
-def _settle(received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
-    """Wait for the receipts still pending when the restore failed (no bytes land in memory
-    freed behind them), each as far as it goes: the error raised is the one that stopped it."""
-    for _, _, arrived in received:
-        try:
-            arrived()
-        except Exception:  # the restore is failing already, with its own error
-            pass
+def _arrive_and_load(waiting: _Groups, group: str, received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
+    """Wait for each piece of ``group`` this rank is sent, copy its parts into place, then load
+    this rank's groups through ``group``."""
+    try:
+        while received:
+            _, piece, arrived = received[0]
+            waiting.take(group, piece, arrived())
+            received.pop(0)
+    except BaseException:
+        _settle(received[1:])
+        raise
+    waiting.load_through(group)
 
 
 def _within(piece: Range, ranges: Iterable[Iterable]) -> list[tuple[int, int]]:
