@@ -180,11 +180,7 @@ class ReadPlan:
         try:
             payload = reading.result()
         except Exception as err:  # sent to the others in place of the status, then raised here too
-            status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
-            message = describe_error(err).encode()
-            self._broadcast(torch.tensor([status, len(message)], dtype=torch.int64), item, self.coordinator.rank, device)
-            self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), item, self.coordinator.rank, device)
-            raise self._failure(item, self.coordinator.rank, status, message.decode()) from None
+            raise self._refuse(item, err, device) from None
         self._broadcast(torch.tensor([_SENT, payload.numel()], dtype=torch.int64), item, self.coordinator.rank, device)
         return payload
 
@@ -230,11 +226,7 @@ class ReadPlan:
         try:
             tensors, payload = reading.result()
         except Exception as err:  # sent to the others in place of the bytes, then raised here too
-            status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
-            message = describe_error(err).encode()
-            self._broadcast(torch.tensor([status, len(message)], dtype=torch.int64), item, self.coordinator.rank, device)
-            self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), item, self.coordinator.rank, device)
-            raise self._failure(item, self.coordinator.rank, status, message.decode()) from None
+            raise self._refuse(item, err, device) from None
         self._broadcast(torch.tensor([_SENT, payload.numel()], dtype=torch.int64), item, self.coordinator.rank, device)
         self._broadcast(payload, item, self.coordinator.rank, device)
         return tensors
@@ -248,6 +240,15 @@ class ReadPlan:
             raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
                                     f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
         return unpack(payload, shapes)
+
+    def _refuse(self, item: str, err: Exception, device: torch.device) -> Exception:
+        """Broadcast this reader's failed read of ``item`` to the group in place of its bytes;
+        the error to raise here, as the others raise it."""
+        status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
+        message = describe_error(err).encode()
+        self._broadcast(torch.tensor([status, len(message)], dtype=torch.int64), item, self.coordinator.rank, device)
+        self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), item, self.coordinator.rank, device)
+        return self._failure(item, self.coordinator.rank, status, message.decode())
 
     def _broadcast(self, tensor: torch.Tensor, item: str, reader: int, device: torch.device) -> torch.Tensor:
         """``tensor`` from ``reader`` to the group, within the coordinator's timeout."""
