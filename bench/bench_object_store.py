@@ -42,6 +42,7 @@ Phases (one server for all):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
@@ -402,11 +403,17 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
         for name in ("ours", "dcp"):
             fetched.clear()
             dist.barrier()
+            profile = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
             start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             if name == "ours":
                 Tailor(f"{url}/ours", model, optimizer, track_drift=False, read_only=True).restore()
             else:
                 dcp.load({"model": model.state_dict(), "optim": optimizer.state_dict()}, storage_reader=FsspecReader(f"{url}/dcp"))
+            if profile is not None:  # the last repeat's profile of each contender, by rank (``BENCH_PROFILE``: a folder)
+                profile.disable()
+                profile.dump_stats(Path(os.environ["BENCH_PROFILE"]) / f"{role}-{dist.get_rank()}-{name}.prof")
             dist.barrier()
             seconds[name].append(time.perf_counter() - start)
             counts[name] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/"))

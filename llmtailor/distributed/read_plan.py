@@ -20,6 +20,7 @@ order and calls ``fetch`` once, with the same tensor specs per item.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -33,6 +34,8 @@ from llmtailor.errors import IntegrityError
 K = TypeVar("K", bound=Hashable)
 Spec = tuple[torch.dtype, list[int]]
 """``(dtype, shape)`` of one tensor of an item."""
+Slice = tuple[int, int]
+"""``(offset, length)``: bytes of one item (``ReadPlan.deliver``)."""
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
 _SENT, _DAMAGED, _FAILED = 0, 1, 2  # what a reader announces before the payload
@@ -118,17 +121,112 @@ class ReadPlan:
                 for reading in ahead.values():
                     reading.cancel()
 
+    def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
+                threads: int = _AHEAD) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
+        """Every item in plan order, each with a function that waits for the slices of its bytes
+        this rank wants and returns them (slice -> its bytes; none where it wants none). An
+        item is one byte tensor, ``read(item)`` on its reader; ``wanted(item)``: global rank ->
+        the slices ``(offset, length)`` of the item it wants, the same on every rank. Its reader
+        sends each other rank only the slices that rank wants (point to point, packed in one
+        message), not the whole item to the whole group: a rank receives what it uses.
+
+        Failures as ``fetch``'s: the reader first broadcasts to the group whether its read
+        succeeded (a few bytes), so a failed read is raised at the same item on every rank; a
+        rank lost while bytes are in flight fails the send or receive on its peers, or they time
+        out after the coordinator's timeout. Each rank reads its items on up to ``threads``
+        threads, ``threads`` items ahead (``read`` must allow it), and sends without waiting for
+        the receivers: reads, sends and receives overlap. Before it returns (or raises), every
+        send of this rank has completed, so none is left in flight."""
+        import torch.distributed as dist
+
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        queue, ahead, sending = iter(self.mine()), {}, []
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmtailor-read") as pool:
+
+            def top_up() -> None:
+                while len(ahead) < threads and (item := next(queue, None)) is not None:
+                    ahead[item] = pool.submit(read, item)
+
+            try:
+                top_up()
+                for tag, (item, reader) in enumerate(self.readers.items()):
+                    slices = wanted(item)
+                    if reader == self.coordinator.rank:
+                        reading = ahead.pop(item)
+                        top_up()
+                        payload = self._announce(item, reading, device)
+                        view = memoryview(payload.numpy())
+                        for rank, parts in slices.items():
+                            if rank != reader and parts:
+                                sending.append((item, rank, self._send_to(rank, _gather(view, parts), tag, device)))
+                        while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
+                            self._wait(*sending.pop(0), "send")
+                        yield item, functools.partial(_slices, view, [(part, part) for part in slices.get(reader, [])])
+                    else:
+                        yield item, self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), tag, device)
+                while sending:
+                    self._wait(*sending.pop(0), "send")
+            finally:  # a failure, or the caller stopped: no read goes on behind its back, no send from freed memory
+                for reading in ahead.values():
+                    reading.cancel()
+                for sent in sending:
+                    try:
+                        self._wait(*sent, "send")
+                    except CoordinationError:  # failing already, with the error that stopped it
+                        pass
+
+    def _announce(self, item: str, reading: Future, device: torch.device) -> torch.Tensor:
+        """The reader's side of an item's status broadcast (``deliver``): its bytes, or raised."""
+        try:
+            payload = reading.result()
+        except Exception as err:  # sent to the others in place of the status, then raised here too
+            raise self._refuse(item, err, device) from None
+        self._broadcast(torch.tensor([_SENT, payload.numel()], dtype=torch.int64), item, self.coordinator.rank, device)
+        return payload
+
+    def _receive_slices(self, item: str, reader: int, parts: list[Slice], tag: int,
+                        device: torch.device) -> Callable[[], dict[Slice, memoryview]]:
+        status, length = self._broadcast(torch.zeros(2, dtype=torch.int64), item, reader, device).tolist()
+        if status != _SENT:
+            message = self._broadcast(torch.empty(length, dtype=torch.uint8), item, reader, device)
+            raise self._failure(item, reader, status, bytes(message.numpy()).decode(errors="replace"))
+        if not parts:
+            return dict
+        import torch.distributed as dist
+
+        buffer = torch.empty(sum(n for _, n in parts), dtype=torch.uint8, device=device)
+        work = dist.irecv(buffer, src=reader, group=self.group, tag=tag)
+
+        def wait() -> dict[Slice, memoryview]:
+            self._wait(item, reader, work, "receipt")
+            return _slices(memoryview(buffer.cpu().numpy()), _packed_slices(parts))
+
+        return wait
+
+    def _send_to(self, rank: int, payload: torch.Tensor, tag: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+        import torch.distributed as dist
+
+        moved = payload.to(device)
+        return dist.isend(moved, dst=rank, group=self.group, tag=tag), moved
+
+    def _wait(self, item: str, peer: int, work: Any, what: str) -> None:
+        """Wait for one send or receive of ``deliver``'s (``work``; a send's payload beside it,
+        kept alive until done), within the coordinator's timeout, naming the peer."""
+        work = work[0] if isinstance(work, tuple) else work
+        try:
+            work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
+        except Exception as err:  # gloo's error for a lost peer or a timeout: name the peer
+            raise CoordinationError(f"the {what} of {item} between rank {self.coordinator.rank} and rank {peer} failed: "
+                                    f"a rank died, or is stuck past the {self.coordinator.timeout:g} s timeout "
+                                    f"({describe_error(err)})") from None
+
     # -- one item ------------------------------------------------------------------------------
 
     def _send(self, item: str, reading: Future, device: torch.device) -> list[torch.Tensor]:
         try:
             tensors, payload = reading.result()
         except Exception as err:  # sent to the others in place of the bytes, then raised here too
-            status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
-            message = describe_error(err).encode()
-            self._broadcast(torch.tensor([status, len(message)], dtype=torch.int64), item, self.coordinator.rank, device)
-            self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), item, self.coordinator.rank, device)
-            raise self._failure(item, self.coordinator.rank, status, message.decode()) from None
+            raise self._refuse(item, err, device) from None
         self._broadcast(torch.tensor([_SENT, payload.numel()], dtype=torch.int64), item, self.coordinator.rank, device)
         self._broadcast(payload, item, self.coordinator.rank, device)
         return tensors
@@ -142,6 +240,15 @@ class ReadPlan:
             raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
                                     f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
         return unpack(payload, shapes)
+
+    def _refuse(self, item: str, err: Exception, device: torch.device) -> Exception:
+        """Broadcast this reader's failed read of ``item`` to the group in place of its bytes;
+        the error to raise here, as the others raise it."""
+        status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
+        message = describe_error(err).encode()
+        self._broadcast(torch.tensor([status, len(message)], dtype=torch.int64), item, self.coordinator.rank, device)
+        self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), item, self.coordinator.rank, device)
+        return self._failure(item, self.coordinator.rank, status, message.decode())
 
     def _broadcast(self, tensor: torch.Tensor, item: str, reader: int, device: torch.device) -> torch.Tensor:
         """``tensor`` from ``reader`` to the group, within the coordinator's timeout."""
@@ -163,6 +270,30 @@ class ReadPlan:
     def _failure(item: str, reader: int, status: int, message: str) -> Exception:
         text = f"rank {reader} read {item} and refused it: {message}"
         return IntegrityError(text) if status == _DAMAGED else CoordinationError(text)
+
+
+def _gather(view: memoryview, parts: list[Slice]) -> torch.Tensor:
+    """The bytes of ``parts`` of ``view``, one after another, in one new byte tensor."""
+    out = torch.empty(sum(n for _, n in parts), dtype=torch.uint8)
+    into, at = memoryview(out.numpy()), 0
+    for offset, length in parts:
+        into[at : at + length] = view[offset : offset + length]
+        at += length
+    return out
+
+
+def _packed_slices(parts: list[Slice]) -> list[tuple[Slice, Slice]]:
+    """Each of ``parts`` with where ``_gather`` put it: ``(part, (offset in the message, length))``."""
+    placed, at = [], 0
+    for offset, length in parts:
+        placed.append(((offset, length), (at, length)))
+        at += length
+    return placed
+
+
+def _slices(view: memoryview, placed: list[tuple[Slice, Slice]]) -> dict[Slice, memoryview]:
+    """Slice -> its bytes, for each ``(slice, where its bytes are in view)`` of ``placed``."""
+    return {part: view[at : at + length] for part, (at, length) in placed}
 
 
 def _read_packed(read: Callable[[str], list[torch.Tensor]], item: str, specs: list[Spec]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -10,18 +10,21 @@ group (a unit's: a group is loaded once its bytes are in, so a rank holds one gr
 at a time besides the reads ahead), and exchange them (``Coordinator.exchange``). The union of
 every rank's ranges of a file in a group, ranges less than ``GAP`` bytes apart joined, is cut
 into pieces of at most ``fetch.PART`` bytes; each piece is one item of a read plan
-(``distributed.read_plan``): fetched by one rank (balanced by bytes, read ahead on a thread)
-in one request and broadcast; each rank copies out the parts it needs. A file is then fetched
-in about its size / ``PART`` requests in all, each byte once (plus what the joined gaps hold).
+(``distributed.read_plan``): fetched by one rank (balanced by bytes, two read ahead on two
+threads) in one request, and sent to each rank that needs part of it, only the parts its
+ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
+every piece); each rank copies its parts into place. A file is then fetched in about its size
+/ ``PART`` requests in all, each byte once (plus what the joined gaps hold). A group is loaded
+on a thread of its own while the next group's pieces are read and sent.
 
 Checks: none here. The reads that take the bytes (``ChunkReader``, its ``received``) check
 them as if they had fetched them themselves, on every rank that uses them.
 
 Failures: a fetch that fails on its reader (a missing or truncated file, the store's error) is
 raised on every rank, naming the reader (the read plan's rule). A group whose load fails on a
-rank (a checksum mismatch) is remembered there; the rank goes on taking part in the broadcasts
-of the rest, loading nothing more, and raises it after the last, so no rank is left waiting in
-a collective (the restore's closing exchange then fails every rank).
+rank (a checksum mismatch) is remembered there; the rank goes on taking part in the sending
+of the rest, loading nothing more, and raises it after the last, so no rank is left waiting
+for it (the restore's closing exchange then fails every rank).
 
 The files' headers, which say where each chunk's bytes begin (every rank needs them to say its
 ranges), are read once in the job too (``share_headers``): each by one of the ranks that need
@@ -34,6 +37,7 @@ with the same tags.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.read_plan import ReadPlan, balance
@@ -102,16 +106,63 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     waiting = _Groups(groups, needs, load)
     plan = ReadPlan(coordinator, {name: piece[2] for name, (_, piece) in pieces.items()})
 
-    def read(name: str) -> list[torch.Tensor]:
+    def read(name: str) -> torch.Tensor:
         key, start, length = pieces[name][1]
-        return [torch.frombuffer(fetch(storage, key, start, length), dtype=torch.uint8)]
+        return torch.frombuffer(fetch(storage, key, start, length), dtype=torch.uint8)
 
-    for name, (payload,) in plan.fetch(read, lambda name: [(torch.uint8, [pieces[name][1][2]])]):
+    def wanted(name: str) -> dict[int, list[tuple[int, int]]]:
         group, piece = pieces[name]
-        waiting.take(group, piece, memoryview(payload.numpy()))
-        if last[group] == name:
-            waiting.load_through(group)
+        return {rank: _within(piece, ranks.get(group, ())) for rank, ranks in enumerate(everyone)}
+
+    received: list[tuple[str, Range, Callable[[], dict]]] = []  # the pieces of the group being sent
+    loading: Future | None = None  # the group before it, its bytes awaited and loaded on a thread
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-load") as loader:
+        try:
+            for name, slices in plan.deliver(read, wanted):
+                group = pieces[name][0]
+                received.append((group, pieces[name][1], slices))
+                if last[group] == name:  # all asked for: loaded while the next group's pieces go
+                    if loading is not None:  # one group loading at a time: memory for two groups' bytes
+                        loading.result()
+                    loading, received = loader.submit(_arrive_and_load, waiting, group, received), []
+            if loading is not None:
+                loading.result()
+        except BaseException:
+            _settle(received)
+            if loading is not None:
+                wait([loading])
+            raise
     waiting.load_through(None)
+
+
+def _arrive_and_load(waiting: _Groups, group: str, received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
+    """Wait for each piece of ``group`` this rank is sent, copy its parts into place, then load
+    this rank's groups through ``group``."""
+    try:
+        while received:
+            _, piece, arrived = received[0]
+            waiting.take(group, piece, arrived())
+            received.pop(0)
+    except BaseException:
+        _settle(received[1:])
+        raise
+    waiting.load_through(group)
+
+
+def _within(piece: Range, ranges: Iterable[Iterable]) -> list[tuple[int, int]]:
+    """The parts of ``piece`` that ``ranges`` (one rank's, of a group) cover, as ``(offset in the
+    piece, length)``, overlapping or touching ones joined, in order."""
+    key, start, length = piece
+    parts: list[list[int]] = []
+    for k, s, n in sorted(tuple(r) for r in ranges):
+        low, high = max(s, start), min(s + n, start + length)
+        if k != key or low >= high:
+            continue
+        if parts and low <= parts[-1][1]:
+            parts[-1][1] = max(parts[-1][1], high)
+        else:
+            parts.append([low, high])
+    return [(low - start, high - low) for low, high in parts]
 
 
 class _Groups:
@@ -124,17 +175,19 @@ class _Groups:
         self.received: dict[str, dict[Range, bytearray]] = {}
         self.failure: BaseException | None = None
 
-    def take(self, group: str, piece: Range, data: memoryview) -> None:
-        """Copy the parts of ``piece`` (``data``: its bytes) that this rank's ranges of ``group`` need."""
-        if group not in self.needs or self.failure is not None:
+    def take(self, group: str, piece: Range, parts: dict[tuple[int, int], memoryview]) -> None:
+        """Copy the parts of ``piece`` this rank was sent (``(offset in the piece, length)`` -> its
+        bytes; ``_within``: they cover this rank's ranges of ``group`` in the piece) into place."""
+        if group not in self.needs or self.failure is not None or not parts:
             return
         if group not in self.received:  # a group's buffers made when its first bytes come: one group's at a time
             self.received[group] = {r: new_buffer(r[2]) for r in dict.fromkeys(self.needs[group])}
-        key, start, length = piece
+        key, start, _ = piece
         for (k, s, n), buffer in self.received[group].items():
-            low, high = max(s, start), min(s + n, start + length)
-            if k == key and low < high:
-                memoryview(buffer)[low - s : high - s] = data[low - start : high - start]
+            for (offset, length), data in parts.items():
+                low, high = max(s, start + offset), min(s + n, start + offset + length)
+                if k == key and low < high:
+                    memoryview(buffer)[low - s : high - s] = data[low - start - offset : high - start - offset]
 
     def load_through(self, group: str | None) -> None:
         """Load this rank's groups up to ``group`` (None: every one left), in order."""

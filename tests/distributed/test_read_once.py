@@ -186,6 +186,10 @@ def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_f
         readers = sum(1 for result in results if result["reads"].get(key))
         reads = sum(result["reads"].get(key, 0) for result in results)
         assert reads <= 2 * readers + units, (key, reads, readers, units)
+    # Each rank is sent only the bytes of its own ranges (at most), not every piece fetched:
+    # broadcast to every rank, each received about (world - 1) / world of the unit data.
+    for result in results:
+        assert 0 < result["ranges_received"] <= result["ranges_needed"], (result["ranges_received"], result["ranges_needed"])
     # A corrupted chunk: found by the ranks whose boxes hold the byte (on the bytes received),
     # and the restore refused on every rank, none left waiting in a broadcast.
     (refused,) = {result["refused"] for result in results}

@@ -522,6 +522,42 @@ def count_fetched() -> tuple[dict[str, int], dict[str, int]]:
     return fetched, reads
 
 
+def count_sent_ranges() -> dict[str, int]:
+    """Bytes of the byte ranges a distributed restore fetches once in the job
+    (``store.shared_ranges.read_once``, as the FSDP2 provider calls it) that this rank needs
+    (``needed``: its ranges, summed) and that it received from the other ranks over
+    torch.distributed (``received``: byte tensors broadcast from or sent by another rank while
+    in it): filled in as this rank restores."""
+    import llmtailor.providers.fsdp as fsdp_provider
+
+    counts = {"needed": 0, "received": 0}
+    inside = []
+    real_read_once, real_broadcast, real_irecv = fsdp_provider.read_once, dist.broadcast, dist.irecv
+
+    def read_once(coordinator, storage, needs, *args, **kwargs):
+        counts["needed"] += sum(length for ranges in needs.values() for _, _, length in ranges)
+        inside.append(True)
+        try:
+            return real_read_once(coordinator, storage, needs, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    def received(tensor, source) -> None:
+        if inside and tensor.dtype == torch.uint8 and source != dist.get_rank():
+            counts["received"] += tensor.numel()
+
+    def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+        received(tensor, src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src))
+        return real_broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+
+    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        received(tensor, src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src))
+        return real_irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+
+    fsdp_provider.read_once, dist.broadcast, dist.irecv = read_once, broadcast, irecv
+    return counts
+
+
 def corrupt_unit_file(url: str, unit: str) -> str:
     """Flip a byte in the middle of the first chunk of ``unit`` in its data file
     (``helpers.unit_chunk_middle``), in the version the composite of the run at ``url`` names;
@@ -559,9 +595,11 @@ def restore_counted(kind: str, out: Path) -> dict:
             key = run.file_location(step, file)[1]
             units_of_files[key] = units_of_files.get(key, 0) + 1
     fetched, reads = count_fetched()
+    sent = count_sent_ranges()
     model, optimizer, scheduler = build(kind, seed=5)
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
     return {"fetched": dict(fetched), "reads": dict(reads), "restored": report.step, "units_of_files": units_of_files,
+            "ranges_needed": sent["needed"], "ranges_received": sent["received"],
             "mismatches": compare_with_composite(out, location(out, kind), model, optimizer)}
 
 

@@ -6,7 +6,7 @@ in tests/distributed/test_read_once.py."""
 from __future__ import annotations
 
 from llmtailor.store.fetch import PART
-from llmtailor.store.shared_ranges import GAP, _pieces
+from llmtailor.store.shared_ranges import GAP, _pieces, _within
 
 
 def covered(pieces: list[tuple[str, int, int]], key: str) -> set[int]:
@@ -30,3 +30,12 @@ def test_ranges_far_apart_stay_apart_and_large_ones_are_cut_into_parts():
 
 def test_empty_ranges_ask_for_nothing():
     assert _pieces([("a", 10, 0)]) == []
+
+
+def test_each_rank_is_sent_only_the_parts_of_a_piece_its_ranges_cover():
+    # The piece joins three ranks' ranges of file f (and a gap); each rank gets its own parts,
+    # as offsets in the piece, touching or overlapping ranges joined, other files' left out.
+    piece = ("f", 1000, 9000)
+    assert _within(piece, [("f", 0, 1500), ("f", 1500, 500), ("g", 1000, 100)]) == [(0, 1000)]
+    assert _within(piece, [("f", 3000, 2000), ("f", 8200, 5000), ("f", 4000, 100)]) == [(2000, 2000), (7200, 1800)]
+    assert _within(piece, [("f", 20000, 10)]) == []
