@@ -98,12 +98,16 @@ def crash_loop(
     layers: int = 8,
     steps: int | None = None,
     async_save: bool = False,
+    reference: dict | None = None,
     log=print,
 ) -> CrashReport:
     """Kill a training job ``kills`` times in ``workdir`` (emptied first), check the store after
-    each kill, finish the run, and compare with a reference run when the policy is Full."""
+    each kill, finish the run, and compare with a reference run when the policy is Full:
+    ``reference`` (``reference_run``'s result for the same ``steps``, ``hidden`` and ``layers``;
+    one reference serves loops that differ in kills, seed or async saves, which do not change
+    what an uninterrupted run computes), else one run here."""
     start = time.perf_counter()
-    steps = steps or 4 * kills + 10
+    steps = steps or default_steps(kills)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     run_dir = workdir / "run"
@@ -111,9 +115,11 @@ def crash_loop(
     job = _JobCommand(policy, steps, hidden, layers, async_save)
     rng = random.Random(seed)
 
-    reference = None
-    if policy == "full":
-        reference = _run_to_end(job.args(workdir / "reference", workdir / "reference.json", resume=False))
+    if policy != "full":
+        reference = None  # Parity composites are not bitwise equal to an uninterrupted run
+    elif reference is None:
+        reference = reference_run(workdir / "reference", steps=steps, hidden=hidden, layers=layers,
+                                  async_save=async_save)
         log(f"[{policy}] reference run: {steps} steps")
 
     checker_model = build_model(job_config(hidden, layers), seed=7)
@@ -192,6 +198,21 @@ def crash_loop(
     report.leftovers = len(_leftovers(run_dir))
     report.seconds = time.perf_counter() - start
     return report
+
+
+def default_steps(kills: int) -> int:
+    """Steps of a loop of ``kills`` kills: each job trains a few steps past its first save before
+    its kill, and the run must not end before the last kill."""
+    return 4 * kills + 10
+
+
+def reference_run(workdir: Path, *, steps: int, hidden: int = 256, layers: int = 8, async_save: bool = False) -> dict:
+    """An uninterrupted Full run of ``steps`` steps in ``workdir`` (emptied first), saving every
+    step: its result (losses by step, final weights' digest)."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    job = _JobCommand("full", steps, hidden, layers, async_save)
+    return _run_to_end(job.args(workdir / "run", workdir / "reference.json", resume=False))
 
 
 def check_store(run_dir: Path) -> tuple[int | None, list[str]]:

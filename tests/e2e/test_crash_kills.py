@@ -1,7 +1,8 @@
 """SIGKILL a real training process at random instants (a handful of times, fixed seed, also
 while async saves persist in the background), with the loop of ``bench/crash_test.py``: after every kill the store verifies, has no partial snapshot
 outside ``.tmp/``, names the largest committed step as latest and restores it; a Full run
-resumed through every kill ends bitwise equal to an uninterrupted one."""
+resumed through every kill ends bitwise equal to an uninterrupted one (one uninterrupted run,
+with sync saves, serves both Full loops: async saves must not change what training computes)."""
 
 import importlib.util
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 CRASH_TEST = Path(__file__).parents[2] / "bench" / "crash_test.py"
+STEPS = 26  # crash_test.default_steps of the longest Full loop (4 kills), for each: one reference serves both
 
 
 def crash_test_module():
@@ -22,13 +24,22 @@ def crash_test_module():
     return sys.modules["crash_test"]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted Full run of ``STEPS`` steps (read only by the loops)."""
+    return crash_test_module().reference_run(tmp_path_factory.mktemp("reference"), steps=STEPS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, kills, async_save", [("full", 4, False), ("parity", 2, False), ("full", 3, True)])
-def test_store_survives_sigkills_during_saves(tmp_path, policy, kills, async_save):
-    report = crash_test_module().crash_loop(
-        tmp_path, kills=kills, policy=policy, seed=5, async_save=async_save, log=lambda line: None
+def test_store_survives_sigkills_during_saves(tmp_path, request, policy, kills, async_save):
+    crash_test, full = crash_test_module(), policy == "full"
+    assert crash_test.default_steps(kills) <= STEPS
+    report = crash_test.crash_loop(
+        tmp_path, kills=kills, policy=policy, seed=5, steps=STEPS if full else None, async_save=async_save,
+        reference=request.getfixturevalue("reference") if full else None, log=lambda line: None,
     )
     assert report.problems == []
     assert report.kills == kills
-    if policy == "full":
+    if full:
         assert report.digest_match and report.steps_compared > 0 and report.loss_mismatches == 0

@@ -35,6 +35,34 @@ def memory(tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def killed_after_carrier(tmp_path_factory):
+    """``(home, memory)`` as a job SIGKILLed in the promotion of step 4 once its carrier (step 3)
+    committed in the run directory left them (``tier_crash_job.py`` at ``carrier``); shared by
+    the tests of this module, which copy them (``crashed``) and never touch them."""
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    home, memory = tmp_path_factory.mktemp("carrier") / "home", SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    try:
+        proc = crash_job(home, memory, "carrier")
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        yield home, memory
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+
+
+def crashed(request, home: Path, memory: Path, point: str) -> None:
+    """``home`` and ``memory`` as a job SIGKILLed at ``point`` of the promotion of step 4 left
+    them: ``carrier`` a copy of ``killed_after_carrier``'s, the others a job of their own."""
+    if point != "carrier":
+        proc = crash_job(home, memory, point)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        return
+    source_home, source_memory = request.getfixturevalue("killed_after_carrier")
+    shutil.copytree(source_home, home, symlinks=True)
+    shutil.copytree(source_memory, memory, symlinks=True)
+
+
 def job(out: Path, *flags: str, expect: int = 0, promoted_at: str | None = None) -> tuple[dict | None, list[dict]]:
     """Run ``llmtailor.training_example``'s job; ``promoted_at`` (steps, comma-separated): through
     ``waiting_job.py``, which waits after those saves until their promotions have committed."""
@@ -87,15 +115,14 @@ def test_sigkill_resumes_from_memory_and_wiped_memory_from_disk(tmp_path, memory
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["file", "carrier", "manifest"])
-def test_sigkill_during_promotion_leaves_both_tiers_whole(tmp_path, memory, point):
+def test_sigkill_during_promotion_leaves_both_tiers_whole(tmp_path, memory, request, point):
     """The job saves Parity composites at steps 1..4 (promote_every=3: step 1 and 4 promoted) and
     kills itself inside the promotion of step 4: in its first file, after the carrier (step 3,
     whose units the composite of step 4 needs) was committed, or just before the manifest of
     step 4. The memory tier restores step 4; the run directory still restores step 1; a new
     writer clears what the crash left and promotes again."""
     home = tmp_path / "home"
-    proc = crash_job(home, memory, point)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    crashed(request, home, memory, point)
     in_memory, on_disk = Run(memory), Run(home)
     assert in_memory.verify() == [] and in_memory.latest_step() == 4
     assert on_disk.verify() == [] and on_disk.latest_step() == 1
@@ -109,15 +136,14 @@ def test_sigkill_during_promotion_leaves_both_tiers_whole(tmp_path, memory, poin
 
 
 @pytest.mark.slow
-def test_a_carrier_left_by_a_killed_promotion_does_not_block_the_lineage_resumed_from_disk(tmp_path, memory):
+def test_a_carrier_left_by_a_killed_promotion_does_not_block_the_lineage_resumed_from_disk(tmp_path, memory, request):
     """The shape that found it: the promotion of step 4 is SIGKILLed once its carrier (step 3)
     committed in the run directory; the node is lost (the memory tier wiped); the next writer
     restores step 1 from the run directory and trains on, and the promotion of its step 4 needs
     its own step 3. It failed 3 times ("is another snapshot of step 3 ... it is not replaced").
     The next writer clears, when it starts, a carrier no composite of the tier needs."""
     home = tmp_path / "home"
-    proc = crash_job(home, memory, "carrier")
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    crashed(request, home, memory, "carrier")
     assert Run(home).steps() == [1, 3] and Run(home).manifest(3).notes[CARRIED_FOR] == 4
     shutil.rmtree(memory)  # the node is lost
 

@@ -32,8 +32,9 @@ def job(out: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Lazily made runs, shared by the tests of this module: ("reference", family) is an
-    uninterrupted run; ("crashed", family, policy) was SIGKILLed after its save at step 8."""
+    """Lazily made runs, shared (read only) by the tests of this module: ("reference", family) is
+    an uninterrupted run with sync saves (its result; its directory at "out"); ("crashed",
+    family, policy) was SIGKILLed after its save at step 8."""
     root = tmp_path_factory.mktemp("hf")
     made: dict[tuple, Path | dict] = {}
 
@@ -41,7 +42,8 @@ def runs(tmp_path_factory):
         if key not in made:
             name = "-".join(key)
             if key[0] == "reference":
-                made[key] = job(root / name, root / f"{name}.json", "--family", key[1], *MODELS[key[1]])
+                made[key] = {**job(root / name, root / f"{name}.json", "--family", key[1], *MODELS[key[1]]),
+                             "out": root / name}
             else:
                 flags = ["--family", key[1], *MODELS[key[1]], "--policy", key[2], "--crash-at", str(CRASH_AT)]
                 job(root / name, root / f"{name}.json", *flags, crash=True)
@@ -162,10 +164,10 @@ def test_deepspeed_zero3_under_torchrun_crash_and_resume_in_place_bit_for_bit(tm
 
 
 @pytest.mark.slow
-def test_async_saves_write_the_same_snapshots_as_sync_ones(tmp_path):
+def test_async_saves_write_the_same_snapshots_as_sync_ones(runs, tmp_path):
+    reference = runs("reference", "llama")  # the same job (the defaults) with sync saves
     job(tmp_path / "async", tmp_path / "async.json", "--async")
-    reference = job(tmp_path / "sync", tmp_path / "sync.json")
-    a, b = Run(tmp_path / "async" / "tailored"), Run(tmp_path / "sync" / "tailored")
+    a, b = Run(tmp_path / "async" / "tailored"), Run(reference["out"] / "tailored")
     assert a.steps() == b.steps() == [4, 8, 12]
     for step in a.steps():
         for unit in a.manifest(step).units:
