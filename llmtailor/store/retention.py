@@ -142,11 +142,14 @@ def discard_snapshots(run: Run, steps: list[int], background: bool = False) -> R
     return RetentionOutcome(deleted=[step for step, _ in moved], in_use=in_use, problems=problems)
 
 
-def retain_after_commit(run: Run, keep: int, committed: str) -> None:
+def retain_after_commit(run: Run, keep: int, committed: str) -> bool:
     """Retention after a writer's commit (``Tailor(keep=K)``): a failure is logged, never fatal
     to the save that was just committed (``committed`` names it). The discarded snapshots'
-    files are removed in the background: the save does not wait for it."""
+    files are removed in the background: the save does not wait for it. Returns whether it
+    passed over snapshots a reader held (``RetentionOutcome.in_use``): the writer runs it once
+    more when it closes (``Tiers.close``), so what a run keeps does not depend on a reader's pace."""
     try:
-        apply_retention(run, plan_retention(run, keep), background=True)
+        return bool(apply_retention(run, plan_retention(run, keep), background=True).in_use)
     except (TailorError, OSError) as err:
         log.warning("llmtailor retention after %s: %s", committed, err)
+        return False

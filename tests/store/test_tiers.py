@@ -348,6 +348,36 @@ def test_a_lagging_promoter_skips_to_the_newest_composite_while_retention_moves_
             pass
 
 
+def test_close_removes_what_retention_passed_over_while_the_promoter_read_it(tmp_path, tokens, monkeypatch):
+    """Retention at a save passes over the snapshots the promoter is reading (its lease); once
+    close() has drained the promoter, each tier keeps exactly its newest ``keep`` composites,
+    whatever the promoter's pace, and the last one is promoted first. Events only: the
+    promotion of step 2 is held while steps 3 and 4 are saved."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    copying, go = threading.Event(), threading.Event()
+    copy_file = promote.copy_file
+
+    def held(source, key, sink, entry):
+        if "step-00000002" in key and not go.is_set():
+            copying.set()
+            go.wait(120)
+        copy_file(source, key, sink, entry)
+
+    monkeypatch.setattr(promote, "copy_file", held)
+    tailor, model, opt, sched = tiered(home, memory, home_keep=1, keep=1, promote_every=1)
+    save_steps(tailor, model, opt, sched, tokens, [1])
+    save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
+    assert copying.wait(120)  # the promotion of step 2 holds the composite of 2 (1 and 2: Parity)
+    save_steps(tailor, model, opt, sched, tokens, [3, 4], settle=False)
+    assert Run(memory).steps() == [1, 2, 3, 4]  # 1 and 2 passed over: being read
+    go.set()
+    tailor.close()
+    assert tailor.tiers.promotions[-1].step == 4
+    assert Run(memory).steps() == [3, 4]  # the composite of 4 needs 3 (Parity): nothing else stays
+    on_disk = Run(home)
+    assert on_disk.steps() == [3, 4] and on_disk.latest_step() == 4 and on_disk.verify() == []
+
+
 def test_a_tier_that_does_not_answer_is_an_error_but_fallback_restores_from_the_others(tmp_path, tokens, monkeypatch):
     """A script must not start afresh because its durable store did not answer: latest_step()
     and restore() raise; restore(fallback=True) takes what the memory tier holds and says why."""

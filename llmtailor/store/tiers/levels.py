@@ -29,6 +29,9 @@ class Level:
     max_lag: int | None = None
     """How far (steps) the next tier may fall behind before a save waits (``Tier.max_lag``);
     None: never waits (and the last tier)."""
+    held_back: bool = False
+    """This writer's last retention of the tier passed over snapshots a reader held (the
+    promoter's lease, mostly): ``Tiers.close`` runs it once more, once nothing of the writer reads."""
 
     @property
     def name(self) -> str:

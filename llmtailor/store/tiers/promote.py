@@ -376,8 +376,8 @@ class Promoter:
             self._note(target, step)
             self._guard.notify_all()
             self.done.append(Promotion(level.name, step, copied, size, time.perf_counter() - start, superseded))
-        if level.keep is not None:
-            retain_after_commit(level.run, level.keep, level.run.where(step))
+        if level.keep is not None:  # on the tier itself, not the copy: Tiers.close reads it
+            self._levels[target].held_back = retain_after_commit(level.run, level.keep, level.run.where(step))
 
     def _with_retries(self, target: int, source: Run, level: Level, step: int,
                       there: int | None) -> tuple[int, list[int], int, dict[int, str]] | None:

@@ -199,7 +199,7 @@ class Tiers:
         there (at ``where``): that tier's retention (each node's copy alike: the same manifests),
         then on rank 0 the promotions due (in the background)."""
         if self.first.keep is not None:
-            retain_after_commit(self.first.run, self.first.keep, where)
+            self.first.held_back = retain_after_commit(self.first.run, self.first.keep, where)
         if self.promoter is not None:
             self.promoter.committed(step)
 
@@ -239,17 +239,32 @@ class Tiers:
                 raise PromotionError(message)
 
     def close(self) -> None:
-        """Promote the newest composite of the first tier to every tier and wait for it; then
-        release the locks (also when that fails)."""
+        """Promote the newest composite of the first tier to every tier and wait for it; then,
+        nothing of this writer reading any more, retention once more where it passed over what
+        a reader held (``retain_held_back``); then release the locks (also when that fails)."""
         try:
             if self.promoter is not None:
                 self.promoter.finish()
             if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
                 self.uploader.join()
+            self.retain_held_back()
         finally:
             if self.promoter is not None and self.promoter.crew is not None:
                 self.promoter.crew.stop()
             self.release()
+
+    def retain_held_back(self) -> None:
+        """Each tier's retention once more where this writer's last one passed over snapshots a
+        reader held (``Level.held_back``), the promoter drained: what a tier keeps after a run is
+        its newest ``keep`` composites whatever pace the promoter had (a snapshot an outside
+        reader still holds stays, as ever). Runs where that retention ran: the first tier's
+        where it is kept (``keeps_first``), the others' on rank 0. Never a composite the
+        promotion still needs: the newest of the first tier is kept, and was promoted."""
+        for level in self.levels:
+            if level.held_back and level.keep is not None:
+                # The promoter's runs are fresh (promote.py): a slower tier's own may hold stale manifests.
+                run = level.run if level is self.first else Run(level.run.storage)
+                level.held_back = retain_after_commit(run, level.keep, f"{level.name} (at close)")
 
     def release(self) -> None:
         """Release every tier's lock (held or not); promote nothing more."""
