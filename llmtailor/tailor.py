@@ -269,6 +269,8 @@ class Tailor:
         start = time.perf_counter()
         restoring = _Restoring(self.tiers, self.provider, self.coordinator)
         with ExitStack() as held:
+            for tier in self.tiers.levels:  # what a healing handed over serves this restore only
+                held.callback(tier.run.units.arrived.clear)
             try:
                 level, composite, skipped, floor = restoring.load(step, fallback, verify, held)
             finally:
