@@ -56,6 +56,7 @@ def resume(kind: str, out: Path) -> dict:
     tailor = tailor_of(model, optimizer, scheduler)
     read = recording_reads()
     report = tailor.restore()
+    tailor.close()
     held = sorted(str(p.relative_to(os.environ["NODE_DIR"])) for p in Path(os.environ["NODE_DIR"]).rglob("*") if p.is_file())
     return {"restored": report.step, "tier": report.tier, "served_by": report.served_by, "read": sorted(set(read)),
             "held": held, "digest": digest(model, optimizer),
