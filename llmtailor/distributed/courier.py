@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -61,13 +62,14 @@ class Courier:
         received = self.exchange_packed({dst: packed(files) for dst, files in outgoing.items()}, sources)
         return {src: [(name, bytes(content)) for name, content in unpacked(files)] for src, files in received.items()}
 
-    def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], None],
+    def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
                sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
         """Files sent one after another, each in a buffer of its own (large transfers: a node's
         parts healed from its partner), so that reading, sending, checking and writing overlap:
         to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
         first), each read by ``fill(dst, name, view)`` just before it goes (while the one before
-        is on its way); from each rank of ``sources`` in turn, each file handed to ``take(src,
+        is on its way), or sent from the buffer ``fill`` returns instead (of the file's size: a
+        mapped file, no copy); from each rank of ``sources`` in turn, each file handed to ``take(src,
         name, view)`` once it is whole (while the next arrives). A ``fill`` that cannot read its
         file leaves the view as it is (the receiver's check against its checksum refuses it);
         ``fill`` and ``take`` record their failures instead of raising (a raise leaves the peers
@@ -82,8 +84,10 @@ class Courier:
             sends.append((dst, dist.isend(_as_tensor(names), dst, group=group, tag=_NAMES)))
         for dst, listing in outgoing.items():
             for name, size in listing:
-                content = torch.empty(size, dtype=torch.uint8)
-                fill(dst, name, memoryview(content.numpy()))
+                content = torch.empty(size, dtype=torch.uint8)  # its pages untouched unless ``fill`` writes them
+                given = fill(dst, name, memoryview(content.numpy()))
+                if given is not None and size:
+                    content = torch.frombuffer(given, dtype=torch.uint8)
                 sends += [(dst, dist.isend(content[at:at + PIECE], dst, group=group, tag=_BYTES)) for at in range(0, size, PIECE)]
                 self.sent_bytes += size
         for src in sources:

@@ -112,6 +112,27 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected:
     return decode_tensors(data, where)
 
 
+def checked_tensors(data: memoryview, where: str, expected: dict[str, tuple[str, list[int]]],
+                    into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``expected`` of the tensor file ``where`` from ``data``, its whole bytes as
+    already checked against its entry (size and checksum: ``UnitReader.arrived``), with no
+    second pass over them: its header checked against ``expected`` (``check_header``), each
+    tensor a view of ``data``, those of ``into`` copied into its tensors' memory and returned as
+    them (as ``fetch_stored_tensors`` returns them); never unpickles."""
+    into = into or {}
+    header = parse_header(lambda start, length: data[start : start + length], len(data), where)[1]
+    check_header(header, where, expected)
+    tensors = decode_tensors(data, where)
+    out = {}
+    for name in expected:
+        if _fits(into, name, tensors[name].nbytes):
+            byte_view(into[name])[:] = byte_view(tensors[name])
+            out[name] = into[name]
+        else:
+            out[name] = tensors[name]
+    return out
+
+
 _HEAD = 64 << 10
 """Bytes read for a tensor file's header when the data goes straight into live tensors: a unit
 file's header is a few KiB, so one request."""

@@ -189,7 +189,10 @@ class ChunkReader:
             return torch.empty(shape, dtype=tensor.torch_dtype)
         storage, key, begin = self._located(step, unit, tensor, chunk)
         start, end = _box_bytes(tensor, chunk, offsets, shape)
-        if check:
+        arrived = self.run.units.arrival(storage, key, unit.chunk_file(chunk)) if check else None
+        if arrived is not None:  # the whole file checked as it arrived here (``UnitReader.arrived``)
+            data = bytearray(arrived[begin + start : begin + end])
+        elif check:
             data = self._checked_pages(storage, key, begin, tensor, chunk, start, end)
         else:
             data = self._fetch(storage, key, begin + start, end - start)
@@ -218,11 +221,15 @@ class ChunkReader:
         if cache_key not in self._checked:
             storage, key, begin = self._located(step, unit, tensor, chunk)
             length = _chunk_bytes(tensor, chunk)
-            hasher = xxhash.xxh3_64()
-            data = self._fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
-            if hasher.hexdigest() != chunk.xxh3_64:
-                raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
-                                     "(file is corrupted)")
+            data = self.run.units.arrival(storage, key, unit.chunk_file(chunk))
+            if data is not None:  # the whole file checked as it arrived here (``UnitReader.arrived``)
+                data = data[begin : begin + length]
+            else:
+                hasher = xxhash.xxh3_64()
+                data = self._fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
+                if hasher.hexdigest() != chunk.xxh3_64:
+                    raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
+                                         "(file is corrupted)")
             whole = (torch.frombuffer(data, dtype=tensor.torch_dtype).reshape(chunk.shape) if length
                      else torch.empty(chunk.shape, dtype=tensor.torch_dtype))
             # One chunk is kept: consecutive boxes of a tensor come from the same chunk.

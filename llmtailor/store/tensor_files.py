@@ -314,7 +314,7 @@ def parse_header(read, size: int, where: str) -> tuple[int, dict[str, dict]]:
     return data, header
 
 
-def decode_tensors(data: bytearray | mmap.mmap, where: str) -> dict[str, torch.Tensor]:
+def decode_tensors(data: bytearray | mmap.mmap | memoryview, where: str) -> dict[str, torch.Tensor]:
     """The tensors of a whole safetensors file held in ``data`` (views into it, no copy)."""
     import torch
 

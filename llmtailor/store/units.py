@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import (check_stored, check_stored_header, fetch_stored_tensors, read_checked_tensors,
-                                     read_stored, read_stored_parts)
+from llmtailor.store.checked import (check_stored, check_stored_header, checked_tensors, fetch_stored_tensors,
+                                     read_checked_tensors, read_stored, read_stored_parts)
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
@@ -54,6 +54,13 @@ class UnitReader:
         again, instead of from the store; emptied when that restore ends."""
         self._indexes: dict[int, bytes] = {}
         """Whole ``INDEXES_FILE``s read, by step (``_index_line``: each line checked as it is used)."""
+        self.arrived: dict[str, tuple[int, str, memoryview]] = {}
+        """Key -> ``(size, xxh3, bytes)`` of whole files of the run this process received and
+        checked against that size and checksum as they arrived, then wrote (a node-local tier's
+        healing: ``tiers.healing.Receiving``), kept for the restore that follows: a read of such
+        a file whose entry records the same size and checksum takes these very bytes
+        (``arrival``) instead of reading the file back and hashing it a second time. Emptied
+        when that restore ends (``Tailor``), and for a snapshot forgotten (``forget``)."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
@@ -63,6 +70,14 @@ class UnitReader:
             self._state = None
         self._pack_headers.clear()
         self.received.clear()
+        prefixes = tuple(f"{self.catalog.snapshot_key(step)}/" for step in steps)
+        self.arrived = {key: kept for key, kept in self.arrived.items() if not key.startswith(prefixes)}
+
+    def arrival(self, storage: Storage, key: str, entry: FileEntry) -> memoryview | None:
+        """The bytes of the run's file ``key`` as they arrived here, checked then against the
+        size and checksum ``entry`` records (``arrived``), or None (read it from ``storage``)."""
+        kept = self.arrived.get(key) if storage is self.catalog.storage else None
+        return kept[2] if kept is not None and kept[:2] == (entry.bytes, entry.xxh3_64) else None
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked
@@ -112,7 +127,11 @@ class UnitReader:
         return line
 
     def _read_small(self, key: str, entry: FileEntry) -> bytearray:
-        """The checked bytes of the run's small file ``key`` (``received`` from another rank, or read)."""
+        """The checked bytes of the run's small file ``key`` (``arrived`` here, ``received`` from
+        another rank, or read)."""
+        arrived = self.arrival(self.catalog.storage, key, entry)
+        if arrived is not None:
+            return bytearray(arrived)
         if key in self.received:
             return check_stored(bytearray(self.received[key]), entry, self.catalog.storage.where(key))
         return read_stored(self.catalog.storage, key, entry)
@@ -250,7 +269,10 @@ class UnitReader:
             storage, key = places[position]
             file, shapes = entry.files[position], {k: v[:2] for k, v in expected[position].items()}
             sums = {k: v[2] for k, v in expected[position].items()}
-            if file.origin == "base":  # a large file of which a few tensors are wanted: those alone
+            arrived = self.arrival(storage, key, file)
+            if arrived is not None:  # checked whole as it arrived: its header and tensors from those bytes
+                loaded[position] = checked_tensors(arrived, storage.where(key), shapes, targets.get(position))
+            elif file.origin == "base":  # a large file of which a few tensors are wanted: those alone
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
             elif is_pack(file.path):  # a rank's small units together: this unit's tensors alone

@@ -19,6 +19,7 @@ a path or URL.
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,14 @@ class Storage(ABC):
         """Fill ``into`` with the bytes of ``key`` from ``start`` (errors as ``read_range``).
         Called from several threads at once (``store.fetch``), each with its own ``into``."""
         into[:] = self.read_range(key, start, len(into))
+
+    def mapped(self, key: str) -> mmap.mmap | None:
+        """The whole bytes of ``key`` as a writable buffer that maps the file rather than copies
+        it (a local file: a private mapping, its pages shared with the page cache until written,
+        read as they are touched), or None where this storage does not map files (then read
+        them: ``read_into``). Only for files nothing truncates while mapped (a committed
+        snapshot's). Errors as ``read``."""
+        return None
 
     def pieces(self, key: str, start: int = 0, length: int | None = None) -> Iterator[memoryview | bytes]:
         """The bytes of ``key`` (from ``start``, ``length`` of them or to the end) in pieces of

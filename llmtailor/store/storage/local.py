@@ -122,6 +122,15 @@ class LocalStorage(Storage):
                 raise IntegrityError(f"{path}: shorter than the data it should hold (truncated)")
             return memoryview(_read_into(handle, path, start, length))
 
+    def mapped(self, key: str) -> mmap.mmap | None:
+        """``Storage.mapped``: a private mapping of the file (None for an empty one, which
+        cannot be mapped)."""
+        path = self.path(key)
+        with _opened(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            return mmap.mmap(handle.fileno(), size, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+
     def read_into(self, key: str, start: int, into: memoryview) -> None:
         """``Storage.read_into`` straight from the file into ``into`` (``preadv``: no staging copy)."""
         path = self.path(key)

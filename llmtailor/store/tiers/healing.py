@@ -144,15 +144,21 @@ def _sending(moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, 
     return outgoing, sources
 
 
-def _filler(run: Run, step: int) -> Callable[[int, str, memoryview], None]:
-    """``Courier.stream``'s ``fill``: the file of the snapshot of ``step`` read straight into
-    the buffer that is sent (no copy). A file that cannot be read, or is shorter than recorded,
-    goes out as the buffer was: its receiver's check refuses it."""
-    def fill(dst: int, path: str, into: memoryview) -> None:
+def _filler(run: Run, step: int) -> Callable[[int, str, memoryview], Any]:
+    """``Courier.stream``'s ``fill``: the file of the snapshot of ``step`` mapped and sent from
+    the mapping (``Storage.mapped``: no copy into fresh memory), else read straight into the
+    buffer that is sent. A file that cannot be read, or is not of the size recorded, goes out as
+    the buffer was: its receiver's check refuses it."""
+    def fill(dst: int, path: str, into: memoryview) -> Any:
+        key = f"{run.snapshot_key(step)}/{path}"
         try:
-            run.storage.read_into(f"{run.snapshot_key(step)}/{path}", 0, into)
-        except (TailorError, OSError):
+            mapped = run.storage.mapped(key)
+            if mapped is not None and len(mapped) == len(into):
+                return mapped
+            run.storage.read_into(key, 0, into)
+        except (TailorError, OSError, ValueError):
             pass
+        return None
     return fill
 
 
@@ -165,13 +171,15 @@ class Receiving:
     abandons it otherwise: nothing unchecked is written, nothing of a snapshot is visible
     before all of it is. The first failure is kept (``error``), naming the file and the node
     that sent it; what arrives after it is not written (nor anything, given ``failed``: the
-    failure of an earlier snapshot)."""
+    failure of an earlier snapshot). What it committed is handed to the restore that follows, as
+    it arrived (``UnitReader.arrived``)."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
         self.run, self.step, self.nodes = run, step, nodes
         self.expected = {(move.source, move.path): move for move in moves}
         self.error: str | None = failed
-        self._arrived: set[tuple[int, str]] = set()
+        self._arrived: dict[tuple[int, str], memoryview] = {}
+        """Each file that arrived and checked out, as it arrived."""
         self._manifest: bytes | None = None
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
@@ -206,7 +214,7 @@ class Receiving:
             self._manifest = bytes(content)  # written last, by the commit
         else:
             write_to(self._create(path), content)
-        self._arrived.add((source, path))
+        self._arrived[(source, path)] = content
 
     def finish(self) -> str | None:
         """Commit what arrived (class docstring) or abandon it; the failure, or None."""
@@ -223,7 +231,18 @@ class Receiving:
                 self._staged.abandon()
         if self.expected:
             self.run.forget([self.step])
+        if self.error is None:
+            self._hand_over()
         return self.error
+
+    def _hand_over(self) -> None:
+        """The files received, committed here, handed to the restore that follows with the
+        size and checksum they were checked against (``UnitReader.arrived``): it takes these
+        bytes instead of reading the files back and checking them a second time."""
+        prefix = self.run.snapshot_key(self.step)
+        for key, content in self._arrived.items():
+            move = self.expected[key]
+            self.run.units.arrived[f"{prefix}/{move.path}"] = (move.bytes, move.xxh3, content)
 
     def _guarded(self, action: Callable[[], Any]) -> None:
         try:

@@ -1,0 +1,96 @@
+"""Files a node-local tier's healing received and checked as they arrived are handed to the
+restore that follows (``UnitReader.arrived``): a read takes those bytes, not the file, exactly
+when the size and checksum they were checked against are the ones its entry records; otherwise
+it reads the file and checks it as always. A restore empties what was handed over.
+Unit files and packs, tensors read straight into live memory and through buffers alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import parity_run, tiny
+
+from llmtailor import Parity, Run, Tailor
+from llmtailor.store import writer
+from llmtailor.store.storage.local import LocalStorage
+from llmtailor.store.tensor_files import checksum
+
+
+@pytest.fixture(params=["own files", "packs"])
+def run(request, monkeypatch, tmp_path, tokens) -> Run:
+    """A Parity run of steps 1 and 2, each unit in a file of its own or the tiny units in packs."""
+    if request.param == "own files":
+        monkeypatch.setattr(writer, "PACK_UNIT_BYTES", 1)
+    return Run(parity_run(tmp_path / "run", tokens, 2))
+
+
+def unit_files(run: Run, step: int) -> dict[str, tuple[int, str]]:
+    """Key -> (size, xxh3) of every tensor file the composite of ``step`` reads."""
+    files = {}
+    for unit, source in run.resolve(step).sources.items():
+        for file in run.unit_entry(source, unit).files:
+            files[run.file_location(source, file)[1]] = (file.bytes, file.xxh3_64)
+    return files
+
+
+def read_all(run: Run, step: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for unit, source in run.resolve(step).sources.items():
+        out.update({f"{unit}/{key}": tensor.clone() for key, tensor in run.read_unit(source, unit)[0].items()})
+    return out
+
+
+def refusing_reads(monkeypatch, keys) -> None:
+    """Any read of the bytes of a file of ``keys`` from a LocalStorage fails the test."""
+    for method in ("read", "pieces", "read_range", "read_into"):
+        real = getattr(LocalStorage, method)
+
+        def refused(self, key, *args, real=real, **kwargs):
+            assert key not in keys, f"{key} read from the store although its checked bytes were handed over"
+            return real(self, key, *args, **kwargs)
+
+        monkeypatch.setattr(LocalStorage, method, refused)
+
+
+def test_a_file_handed_over_as_it_arrived_is_read_from_those_bytes(run, monkeypatch):
+    expected = read_all(Run(run.root), 2)
+    files = unit_files(run, 2)
+    for key, (size, xxh3) in files.items():
+        run.units.arrived[key] = (size, xxh3, memoryview(bytearray((run.root / key).read_bytes())))
+    refusing_reads(monkeypatch, set(files))
+    got = read_all(run, 2)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_bytes_checked_against_another_record_than_the_entry_are_not_taken(run):
+    expected = read_all(Run(run.root), 2)
+    for key, (size, xxh3) in unit_files(run, 2).items():
+        damaged = bytearray((run.root / key).read_bytes())
+        damaged[-1] ^= 0xFF  # other bytes, checked against their own checksum: not the entry's
+        run.units.arrived[key] = (size, checksum(damaged), memoryview(damaged))
+    got = read_all(run, 2)
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_a_restore_empties_what_was_handed_over(tmp_path, tokens):
+    path = parity_run(tmp_path / "run", tokens, 2)
+    model, opt, sched = tiny()
+    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
+        arrived = tailor.tiers.levels[0].run.units.arrived
+        arrived["snapshots/step-00000002/not-read"] = (1, "0", memoryview(b"x"))
+        assert tailor.restore().step == 2
+        assert arrived == {}
+
+
+def test_a_local_file_mapped_reads_its_bytes_and_writes_to_the_mapping_stay_private(tmp_path):
+    """``LocalStorage.mapped`` (what a healing sends a file from, no copy): the file's bytes; a
+    write to the mapping leaves the file as it was; an empty file is not mapped (None)."""
+    storage = LocalStorage(tmp_path)
+    storage.put("file", b"0123456789")
+    storage.put("empty", b"")
+    mapped = storage.mapped("file")
+    assert bytes(mapped) == b"0123456789"
+    mapped[0:1] = b"X"
+    assert (tmp_path / "file").read_bytes() == b"0123456789"
+    assert storage.mapped("empty") is None
