@@ -21,6 +21,7 @@ from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
 from llmtailor.store.run import Run
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers import Tiers
+from llmtailor.store.tiers import healing as recovery_healing
 from llmtailor.store.tiers.healing import Receiving, clear, held_here
 from llmtailor.store.tiers.recovery import (
     Held, NodeChoice, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
@@ -296,3 +297,16 @@ def test_the_choice_takes_what_the_nodes_offer_and_falls_back_to_the_next_tier_s
     assert tiers.candidates(NodeChoice(2, {3: "x"})).attempts == [(0, 2), (1, 1)]  # fallback: the offer, then the next tier
     assert tiers.candidates(NodeChoice(None, {3: "x"})).attempts == [(1, 1)]
     tailor.close()
+
+
+def test_a_healing_hands_the_restore_at_most_its_bound_of_received_bytes(tmp_path, monkeypatch):
+    """What a healing keeps in memory for the restore after it is bounded (``HAND_OVER_BYTES``):
+    the files past the bound are read back from the copy, never held twice in host memory."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    sizes = {m.path: m.bytes for m in moves}
+    monkeypatch.setattr(recovery_healing, "HAND_OVER_BYTES", sum(sizes.values()) - 1)
+    move_in_process(runs, moves, Nodes((0, 1)))
+    handed = {key.split("/", 2)[-1] for key in runs[1].units.arrived}
+    assert handed and len(handed) < len(sizes) and sum(sizes[p] for p in handed) <= sum(sizes.values()) - 1
+    assert Run(copies[1]).resolve().step == 2  # every file written all the same

@@ -162,6 +162,12 @@ def _filler(run: Run, step: int) -> Callable[[int, str, memoryview], Any]:
     return fill
 
 
+HAND_OVER_BYTES = 1 << 30
+"""The most bytes of received files a node keeps in memory for the restore that follows a
+healing (``Receiving._hand_over``); past it, files are read back from the node's copy: a node
+healing hundreds of GB must not hold them twice in host memory."""
+
+
 class Receiving:
     """The files of the snapshot of ``step`` this node's leader receives (``moves``: those
     whose ``dest`` is this node), each checked against its move's size and checksum as it
@@ -178,8 +184,10 @@ class Receiving:
         self.run, self.step, self.nodes = run, step, nodes
         self.expected = {(move.source, move.path): move for move in moves}
         self.error: str | None = failed
-        self._arrived: dict[tuple[int, str], memoryview] = {}
-        """Each file that arrived and checked out, as it arrived."""
+        self._arrived: dict[tuple[int, str], memoryview | None] = {}
+        """Each file that arrived and checked out, as it arrived (None: past ``HAND_OVER_BYTES``,
+        not kept)."""
+        self._kept = 0
         self._manifest: bytes | None = None
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
@@ -214,7 +222,9 @@ class Receiving:
             self._manifest = bytes(content)  # written last, by the commit
         else:
             write_to(self._create(path), content)
-        self._arrived[(source, path)] = content
+        keep = self._kept + len(content) <= HAND_OVER_BYTES
+        self._kept += len(content) if keep else 0
+        self._arrived[(source, path)] = content if keep else None
 
     def finish(self) -> str | None:
         """Commit what arrived (class docstring) or abandon it; the failure, or None."""
@@ -241,6 +251,8 @@ class Receiving:
         bytes instead of reading the files back and checking them a second time."""
         prefix = self.run.snapshot_key(self.step)
         for key, content in self._arrived.items():
+            if content is None:
+                continue  # past the bound: read back from the copy like any other file
             move = self.expected[key]
             self.run.units.arrived[f"{prefix}/{move.path}"] = (move.bytes, move.xxh3, content)
 
