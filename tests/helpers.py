@@ -311,3 +311,26 @@ def flip_unit_byte(run_dir: Path, step: int, unit: str, rank: int | None = None)
     data[at] ^= 0x01
     path.write_bytes(bytes(data))
     return path
+
+
+def snapshot_files(run, step: int) -> dict[str, bytes]:
+    """Path (relative to the snapshot) -> bytes of every file of ``run``'s snapshot of ``step``."""
+    root = run.snapshot_dir(step)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_same_snapshots(a, b, steps) -> None:
+    """Runs ``a`` and ``b`` hold the same snapshots of ``steps``, file for file (the manifests
+    equal but for their creation time)."""
+    from llmtailor.constants import MANIFEST_FILE
+
+    for step in steps:
+        files_a, files_b = snapshot_files(a, step), snapshot_files(b, step)
+        assert files_a.keys() == files_b.keys(), f"step {step}"
+        for name in files_a:
+            if name == MANIFEST_FILE:
+                manifest_a, manifest_b = json.loads(files_a[name]), json.loads(files_b[name])
+                manifest_a.pop("created"), manifest_b.pop("created")
+                assert manifest_a == manifest_b, f"step {step}: {name}"
+            else:
+                assert files_a[name] == files_b[name], f"step {step}: {name}"

@@ -1,26 +1,19 @@
 """Async saves: same snapshots as sync ones, the fence holds, failures are never lost."""
 
 import errno
-import json
 import threading
 import time
 
 import pytest
 import torch
-from helpers import assert_bitwise, tiny, train, unit_versions
+from helpers import assert_bitwise, assert_same_snapshots, snapshot_files, tiny, train, unit_versions
 
 import llmtailor.async_stager as staging
 import llmtailor.store.writer as writer
 from llmtailor import Full, Parity, Tailor
-from llmtailor.constants import MANIFEST_FILE
 from llmtailor.errors import BackgroundSaveError, ConfigError
 from llmtailor.store.run import Run
 from llmtailor.tailor import PendingSave
-
-
-def snapshot_files(run: Run, step: int) -> dict[str, bytes]:
-    root = run.snapshot_dir(step)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_async_and_sync_saves_of_the_same_run_are_identical_file_for_file(tmp_path, tokens):
@@ -36,16 +29,7 @@ def test_async_and_sync_saves_of_the_same_run_are_identical_file_for_file(tmp_pa
         tailor.close()
         runs[mode] = Run(tmp_path / mode)
     assert runs["sync"].steps() == runs["async"].steps() == [2, 4, 6, 8]
-    for step in (2, 4, 6, 8):
-        sync, async_ = snapshot_files(runs["sync"], step), snapshot_files(runs["async"], step)
-        assert sync.keys() == async_.keys()
-        for name in sync:
-            if name == MANIFEST_FILE:
-                a, b = json.loads(sync[name]), json.loads(async_[name])
-                a.pop("created"), b.pop("created")
-                assert a == b
-            else:
-                assert sync[name] == async_[name], name
+    assert_same_snapshots(runs["sync"], runs["async"], (2, 4, 6, 8))
 
 
 def test_the_fence_keeps_the_next_optimizer_step_out_of_the_snapshot(tmp_path, tokens, monkeypatch):
@@ -343,16 +327,7 @@ def test_async_lora_snapshots_equal_sync_ones_and_restore_in_a_fresh_process(tmp
         held = [(s, u) for s in (4, 6) for u in sync.manifest(s).units
                 if sync._stored_entry(s, u).kept or sync._stored_entry(s, u).base]
         assert held, f"{case}: no later save keeps a frozen tensor, so the test shows nothing"
-        for s in (2, 4, 6):
-            files, async_files = snapshot_files(sync, s), snapshot_files(async_, s)
-            assert files.keys() == async_files.keys(), f"{case}, step {s}"
-            for name in files:
-                if name == MANIFEST_FILE:
-                    a, b = json.loads(files[name]), json.loads(async_files[name])
-                    a.pop("created"), b.pop("created")
-                    assert a == b, f"{case}, step {s}: manifests differ"
-                else:
-                    assert files[name] == async_files[name], f"{case}, step {s}: {name} differs"
+        assert_same_snapshots(sync, async_, (2, 4, 6))
 
     everything = restored_in_a_fresh_process([tmp_path / case / "async" for case in cases])
     model, _ = lora()

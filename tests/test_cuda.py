@@ -8,15 +8,13 @@ runs them on a GPU machine.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from helpers import assert_bitwise, tiny, unit_versions
+from helpers import assert_bitwise, assert_same_snapshots, tiny, unit_versions
 
 from llmtailor import Full, Parity, Tailor
-from llmtailor.constants import MANIFEST_FILE
 from llmtailor.store.keys import optim_key, weight_key
 from llmtailor.store.run import Run
 from llmtailor.training_example import batch_at
@@ -58,10 +56,6 @@ def train_on_device(model, optimizer, scheduler, tokens, steps) -> list[float]:
     return [float(x) for x in losses]
 
 
-def snapshot_files(run: Run, step: int) -> dict[str, bytes]:
-    root = run.snapshot_dir(step)
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
 
 def test_async_saves_of_a_gpu_run_are_the_sync_saves_file_for_file(tmp_path, tokens):
     """The side stream's copies hold the values after the queued optimizer step, never before it
@@ -78,16 +72,7 @@ def test_async_saves_of_a_gpu_run_are_the_sync_saves_file_for_file(tmp_path, tok
         tailor.close()
         runs[mode] = Run(tmp_path / mode)
     assert runs["sync"].steps() == runs["async"].steps() == list(range(1, 9))
-    for step in range(1, 9):
-        sync, async_ = snapshot_files(runs["sync"], step), snapshot_files(runs["async"], step)
-        assert sync.keys() == async_.keys()
-        for name in sync:
-            if name == MANIFEST_FILE:
-                a, b = json.loads(sync[name]), json.loads(async_[name])
-                a.pop("created"), b.pop("created")
-                assert a == b
-            else:
-                assert sync[name] == async_[name], f"step {step}: {name}"
+    assert_same_snapshots(runs["sync"], runs["async"], range(1, 9))
 
 
 def test_a_restore_puts_every_tensor_back_on_the_gpu_and_training_resumes_bit_for_bit(tmp_path, tokens):
