@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -58,11 +59,16 @@ def doomed() -> bool:
 
 
 def die_in_replication(step: int) -> dict:
-    """This rank SIGKILLs itself when it sends its files of the save of ``step`` to its partners."""
+    """This rank SIGKILLs itself when it sends its files of the save of ``step`` to its partners.
+    Which save is sending is told by the thread that runs it (an async save's is named after its
+    step), not by the step the training loop has reached: the loop may have moved on to the next
+    step before the save in flight reaches its replication."""
     real, saving = Courier.exchange_packed, {"step": None}
 
     def exchange_packed(self, outgoing, sources):
-        if saving["step"] == step and outgoing:
+        thread = threading.current_thread().name
+        sending = int(thread.rsplit("-", 1)[1]) if thread.startswith("llmtailor-save-") else saving["step"]
+        if sending == step and outgoing:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, outgoing, sources)
 
