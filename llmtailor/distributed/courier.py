@@ -63,20 +63,17 @@ class Courier:
         return {src: [(name, bytes(content)) for name, content in unpacked(files)] for src, files in received.items()}
 
     def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
-               sources: Sequence[int], take: Callable[[int, str, memoryview], None],
-               place: Callable[[int, str, int], Any] | None = None) -> None:
+               sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
         """Files sent one after another, each in a buffer of its own (large transfers: a node's
         parts healed from its partner), so that reading, sending, checking and writing overlap:
         to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
         first), each read by ``fill(dst, name, view)`` just before it goes (while the one before
         is on its way), or sent from the buffer ``fill`` returns instead (of the file's size: a
         mapped file, no copy); from each rank of ``sources`` in turn, each file handed to ``take(src,
-        name, view)`` once it is whole (while the next arrives), received into the buffer
-        ``place(src, name, size)`` returns when it returns one of that size (the destination
-        file itself: no copy to write), else into fresh memory. A ``fill`` that cannot read its
+        name, view)`` once it is whole (while the next arrives). A ``fill`` that cannot read its
         file leaves the view as it is (the receiver's check against its checksum refuses it);
-        ``fill``, ``take`` and ``place`` record their failures instead of raising (a raise leaves
-        the peers waiting until the timeout). Errors as ``exchange``."""
+        ``fill`` and ``take`` record their failures instead of raising (a raise leaves the peers
+        waiting until the timeout). Errors as ``exchange``."""
         import torch.distributed as dist
 
         sends, group = [], self.group
@@ -94,12 +91,11 @@ class Courier:
                 sends += [(dst, dist.isend(content[at:at + PIECE], dst, group=group, tag=_BYTES)) for at in range(0, size, PIECE)]
                 self.sent_bytes += size
         for src in sources:
-            self._receive_streamed(src, take, place)
+            self._receive_streamed(src, take)
         for dst, work in sends:
             self._wait(work, f"sending files to rank {dst}")
 
-    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None],
-                          place: Callable[[int, str, int], Any] | None) -> None:
+    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None]) -> None:
         """``stream``'s receiving side for one source: the next file's pieces are awaited while
         ``take`` handles the one before."""
         import torch.distributed as dist
@@ -114,9 +110,7 @@ class Courier:
             raise CoordinationError(f"rank {src} announced {int(header[1])} files and listed {len(listing)}")
         pending = None
         for name, size in listing:
-            given = place(src, name, size) if place is not None and size else None
-            content = (torch.frombuffer(given, dtype=torch.uint8) if given is not None and len(given) == size
-                       else torch.empty(size, dtype=torch.uint8))
+            content = torch.empty(size, dtype=torch.uint8)
             works = [dist.irecv(content[at:at + PIECE], src, group=self.group, tag=_BYTES) for at in range(0, size, PIECE)]
             if pending is not None:
                 self._hand_over(src, *pending, take)

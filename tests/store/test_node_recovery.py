@@ -210,12 +210,9 @@ def node_copies(tmp_path, count: int = 2, replicas: int = 2) -> list:
     return copies
 
 
-def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None,
-                    in_place: bool = False) -> None:
+def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None) -> None:
     """What ``healing.heal`` does over the courier, in one process: each destination's files read
-    from its sources' copies (node n is rank n here), handed to its ``Receiving`` as they come;
-    ``in_place``: each received into the buffer ``Receiving.place`` offers, as ``Courier.stream``
-    receives them, where it offers one."""
+    from its sources' copies (node n is rank n here), handed to its ``Receiving`` as they come."""
     for step in sorted({m.step for m in moves}):
         for dest in sorted({m.dest for m in moves if m.step == step}):
             mine = [m for m in moves if m.step == step and m.dest == dest]
@@ -224,10 +221,7 @@ def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str
                 content = (runs[m.source].snapshot_dir(step) / m.path).read_bytes()
                 if m.path == damage:
                     content = content[:-1] + bytes([content[-1] ^ 1])
-                buffer = receiving.place(m.source, m.path, len(content)) if in_place else None
-                if buffer is not None:
-                    buffer[:] = content
-                receiving.take(m.source, m.path, buffer if buffer is not None else memoryview(content))
+                receiving.take(m.source, m.path, memoryview(content))
             error = receiving.finish()
             if error is not None:
                 raise IntegrityError(error)
@@ -242,14 +236,13 @@ def node_one_wiped(tmp_path) -> tuple[list, list, dict]:
     return copies, runs, {node: held_here(run) for node, run in enumerate(runs)}
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["written", "received in place"])
-def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path, in_place):
+def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
     copies, runs, held = node_one_wiped(tmp_path)
     assert held[1] == {} and sorted(held[0]) == [1, 2]
     assert choose_on_nodes(held, (0, 1)).step == 2
     moves = healing(held, 2)
     assert {(m.step, m.source, m.dest) for m in moves} == {(2, 0, 1)}  # the composite of step 2 reads step 2 alone
-    move_in_process(runs, moves, Nodes((0, 1)), in_place=in_place)
+    move_in_process(runs, moves, Nodes((0, 1)))
     healed = Run(copies[1])
     assert healed.steps() == [2] and healed.resolve().step == 2
     for step in (2,):
@@ -262,51 +255,11 @@ def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_pa
     assert healing(again, 2) == []
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["written", "received in place"])
-def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path, in_place):
+def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path):
     copies, runs, held = node_one_wiped(tmp_path)
     moves = [m for m in healing(held, 2) if m.step == 2]
     with pytest.raises(IntegrityError, match=r"step 2: units/layer.0.rank-00001.safetensors from node 0: got 65 bytes"):
-        move_in_process(runs, moves, Nodes((0, 1)), damage="units/layer.0.rank-00001.safetensors", in_place=in_place)
-    assert Run(copies[1]).steps() == []
-    assert not [p for p in copies[1].rglob("*") if p.is_file() and p.parent.name != copies[1].name]  # nothing staged left
-
-
-def test_files_received_in_place_are_the_staged_files_and_the_restore_gets_a_private_view(tmp_path):
-    """A staged file received in place (``Receiving.place``) is the file itself (no copy to
-    write); what the restore is handed of it is a private view: a tensor made from it and
-    written (an optimizer's step) leaves the node's copy as committed."""
-    copies, runs, held = node_one_wiped(tmp_path)
-    moves = healing(held, 2)
-    receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))
-    path = "units/layer.0.rank-00001.safetensors"
-    content = (copies[0] / "snapshots" / "step-00000002" / path).read_bytes()
-    buffer = receiving.place(0, path, len(content))
-    assert buffer is not None and len(buffer) == len(content)
-    buffer[:] = content
-    staged = [p for p in (copies[1] / ".tmp").rglob("*.safetensors") if p.name == path.rsplit("/", 1)[1]]
-    assert len(staged) == 1 and staged[0].read_bytes() == content  # the bytes landed in the staged file
-    assert receiving.place(0, MANIFEST_FILE, 10) is None  # the manifest is written last, by the commit
-    receiving.take(0, path, buffer)
-    for m in moves:
-        if m.path != path:
-            receiving.take(m.source, m.path, memoryview((copies[0] / "snapshots" / "step-00000002" / m.path).read_bytes()))
-    assert receiving.finish() is None
-    handed = runs[1].units.arrived[f"{runs[1].snapshot_key(2)}/{path}"][2]
-    assert bytes(handed) == content
-    handed[0:4] = b"\xff" * 4
-    assert (copies[1] / "snapshots" / "step-00000002" / path).read_bytes() == content
-
-
-def test_a_full_node_tier_met_while_receiving_in_place_fails_the_healing_and_commits_nothing(tmp_path, monkeypatch):
-    copies, runs, held = node_one_wiped(tmp_path)
-    moves = healing(held, 2)
-
-    def full(fd, offset, length):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(IntegrityError, match=r"node 1: .*No space left on device"):
-        move_in_process(runs, moves, Nodes((0, 1)), in_place=True)
+        move_in_process(runs, moves, Nodes((0, 1)), damage="units/layer.0.rank-00001.safetensors")
     assert Run(copies[1]).steps() == []
 
 
@@ -346,15 +299,14 @@ def test_the_choice_takes_what_the_nodes_offer_and_falls_back_to_the_next_tier_s
     tailor.close()
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["written", "received in place"])
-def test_a_healing_hands_the_restore_at_most_its_bound_of_received_bytes(tmp_path, monkeypatch, in_place):
+def test_a_healing_hands_the_restore_at_most_its_bound_of_received_bytes(tmp_path, monkeypatch):
     """What a healing keeps in memory for the restore after it is bounded (``HAND_OVER_BYTES``):
     the files past the bound are read back from the copy, never held twice in host memory."""
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     sizes = {m.path: m.bytes for m in moves}
     monkeypatch.setattr(recovery_healing, "HAND_OVER_BYTES", sum(sizes.values()) - 1)
-    move_in_process(runs, moves, Nodes((0, 1)), in_place=in_place)
+    move_in_process(runs, moves, Nodes((0, 1)))
     handed = {key.split("/", 2)[-1] for key in runs[1].units.arrived}
     assert handed and len(handed) < len(sizes) and sum(sizes[p] for p in handed) <= sum(sizes.values()) - 1
     assert Run(copies[1]).resolve().step == 2  # every file written all the same

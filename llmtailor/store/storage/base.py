@@ -44,14 +44,6 @@ class Sink(ABC):
     @abstractmethod
     def abort(self) -> None: ...
 
-    def buffer(self, size: int) -> memoryview | None:
-        """The file, grown to ``size`` bytes, as a writable buffer over its own bytes (a local
-        file mapped shared), for a caller that fills it in place instead of ``write``-ing a copy
-        (bytes received over the network straight into the file); then ``close`` (durable as
-        any) or ``abort``. None where this storage cannot (then ``write``). Only on a fresh sink,
-        and nothing else written through it; the buffer must not outlive the file's staging."""
-        return None
-
 
 class Batch(ABC):
     """Files written together (a rank's part of a snapshot): ``create`` one sink at a time;

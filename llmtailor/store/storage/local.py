@@ -239,24 +239,6 @@ class LocalSink(Sink):
             self._durable(self._flushed, self._written)
             self._flushed = self._written
 
-    def buffer(self, size: int) -> memoryview | None:
-        """``Sink.buffer``: the file's ``size`` bytes allocated (``posix_fallocate``: a full
-        device is an OSError here, not a SIGBUS when a mapped page is first written) and mapped
-        shared, its pages mapped at once (``MAP_POPULATE``: one call instead of a fault per
-        page as they are filled); ``close`` makes them durable like written ones (fsync covers
-        a shared mapping's pages)."""
-        if not size:
-            return None
-        os.posix_fallocate(self._out.fileno(), 0, size)
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)  # a shared writable mapping needs a readable descriptor
-        try:
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._written = size
-        return memoryview(mapping)
-
     def close(self) -> None:
         try:
             self._durable(self._flushed, None)

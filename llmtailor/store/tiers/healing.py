@@ -28,7 +28,6 @@ from llmtailor.store.checked import write_to
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
-from llmtailor.store.storage import Sink
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers.recovery import (
     Held, Holdings, NodeChoice, Transfer, choose_on_nodes, clearing, healing, of_json, served_by,
@@ -126,7 +125,7 @@ def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordi
         these = [move for move in moves if move.step == step] if leads(nodes, rank) else []
         receiving = Receiving(run, step, [move for move in these if move.dest == node], nodes, error)
         outgoing, sources = _sending(these, node, nodes)
-        courier.stream(outgoing, _filler(run, step), sources, receiving.take, receiving.place)
+        courier.stream(outgoing, _filler(run, step), sources, receiving.take)
         error = receiving.finish() or error
     failures = [why for why in coordinator.exchange(tag, error) if why]
     if failures:
@@ -173,10 +172,7 @@ class Receiving:
     """The files of the snapshot of ``step`` this node's leader receives (``moves``: those
     whose ``dest`` is this node), each checked against its move's size and checksum as it
     arrives (``take``) and only then written: into the staging place of a snapshot not
-    committed here (``SnapshotCommit``), into place in one committed here; a staged file is
-    received straight into its staged file (``place``: no copy to write), checked there, and
-    closed, or removed if it fails (the staging place is private until the commit, and never
-    committed with a file that failed). ``finish`` commits
+    committed here (``SnapshotCommit``), into place in one committed here. ``finish`` commits
     the staged snapshot, its manifest last, once every file arrived and checked out, and
     abandons it otherwise: nothing unchecked is written, nothing of a snapshot is visible
     before all of it is. The first failure is kept (``error``), naming the file and the node
@@ -195,9 +191,6 @@ class Receiving:
         self._manifest: bytes | None = None
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
-        self._placed: dict[tuple[int, str], tuple[Sink, bool]] = {}
-        """The staged files opened for receiving (``place``), until taken: each sink, and whether
-        the bytes arrive in it (its ``buffer``) or are to be written through it."""
         self._dest = moves[0].dest if moves else None
         if moves and failed is None:
             self._guarded(self._open)
@@ -213,66 +206,25 @@ class Receiving:
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
 
-    def place(self, rank: int, path: str, size: int) -> memoryview | None:
-        """``Courier.stream``'s ``place``: the staged file ``path`` from ``rank`` as a buffer to
-        receive into (``Sink.buffer``), or None (received into fresh memory, written once
-        checked): a snapshot committed here (nothing unchecked goes into place), its manifest
-        (written by the commit), a file not asked for, a failure before."""
-        key = (self.nodes.node_of_rank(rank), path)
-        if self.error is not None or self._staged is None or path == MANIFEST_FILE or key not in self.expected:
-            return None
-        buffers: list[memoryview | None] = []
-
-        def open_in_place() -> None:
-            sink = self._create(path)
-            buffers.append(sink.buffer(size))
-            self._placed[key] = (sink, buffers[0] is not None)
-        self._guarded(open_in_place)
-        return buffers[0] if buffers else None
-
     def take(self, rank: int, path: str, content: memoryview) -> None:
-        """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written (or,
-        received in place, closed)."""
-        source = self.nodes.node_of_rank(rank)
-        placed = self._placed.pop((source, path), None)
+        """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
         if self.error is None:
-            self._guarded(lambda: self._keep(source, path, content, placed))
-        elif placed is not None:
-            placed[0].abort()
+            self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
 
-    def _keep(self, source: int, path: str, content: memoryview, placed: tuple[Sink, bool] | None) -> None:
+    def _keep(self, source: int, path: str, content: memoryview) -> None:
         move = self.expected.get((source, path))
-        try:
-            if move is None:
-                raise IntegrityError(f"step {self.step}: {path} from node {source} was not asked for")
-            if len(content) != move.bytes or checksum(content) != move.xxh3:
-                raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
-                                     f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
-        except BaseException:
-            if placed is not None:
-                placed[0].abort()
-            raise
+        if move is None:
+            raise IntegrityError(f"step {self.step}: {path} from node {source} was not asked for")
+        if len(content) != move.bytes or checksum(content) != move.xxh3:
+            raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
+                                 f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
         if path == MANIFEST_FILE and self._staged is not None:
             self._manifest = bytes(content)  # written last, by the commit
-        elif placed is not None and placed[1]:
-            write_to(placed[0], b"")  # its bytes are in it already: closed (durable), or aborted
-            content = self._privately(path, content)
         else:
-            write_to(placed[0] if placed is not None else self._create(path), content)
-        keep = content is not None and self._kept + len(content) <= HAND_OVER_BYTES
+            write_to(self._create(path), content)
+        keep = self._kept + len(content) <= HAND_OVER_BYTES
         self._kept += len(content) if keep else 0
         self._arrived[(source, path)] = content if keep else None
-
-    def _privately(self, path: str, content: memoryview) -> memoryview | None:
-        """What the restore is handed of a file received in place: not ``content`` (a shared
-        mapping of the staged file: a tensor the restore makes from it would write into the
-        node's copy) but a private mapping of the same file (``Storage.mapped``: its pages
-        shared until written), of the bytes just checked; None (read back) if it cannot be."""
-        try:
-            mapped = self.run.storage.mapped(self._staged.key(path))
-        except (TailorError, OSError):
-            return None
-        return memoryview(mapped) if mapped is not None and len(mapped) == len(content) else None
 
     def finish(self) -> str | None:
         """Commit what arrived (class docstring) or abandon it; the failure, or None."""
@@ -281,9 +233,6 @@ class Receiving:
             move = missing[0]
             self.error = (f"node {self._dest}: step {self.step}: {move.path} from node {move.source}: got nothing, "
                           f"expected {move.bytes} bytes, xxh3 {move.xxh3}")
-        for sink, _ in self._placed.values():  # opened for files that never came
-            sink.abort()
-        self._placed.clear()
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
         if self._staged is not None:
             if self.error is None:
