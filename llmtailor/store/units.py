@@ -149,16 +149,18 @@ class UnitReader:
         return header
 
     def stored_files(self, step: int) -> list[FileEntry]:
-        """Every file the snapshot of ``step`` holds itself but its manifest: its global state
-        and rank files, its unit indexes and the unit files they list (not what a unit keeps
-        from older snapshots or the base directory). Reads the indexes, checked."""
+        """Every file the snapshot of ``step`` holds itself but its manifest, each once: its
+        global state and rank files, its unit indexes and the unit files they list (a pack file
+        that several units' indexes list, once; not what a unit keeps from older snapshots or
+        the base directory). Reads the indexes, checked."""
         manifest = self.catalog.manifest(step)
-        files = list(manifest.files)  # INDEXES_FILE among them, from schema 6
+        files = {entry.path: entry for entry in manifest.files}  # INDEXES_FILE among them, from schema 6
         for unit, ref in manifest.units.items():
             if ref.index_at is None:
-                files.append(ref.index)
-            files += self.stored_entry(step, unit).files
-        return files
+                files.setdefault(ref.index.path, ref.index)
+            for entry in self.stored_entry(step, unit).files:
+                files.setdefault(entry.path, entry)  # a promotion copies each file once, not once per unit
+        return list(files.values())
 
     def _cache(self, key: tuple, entry: UnitEntry) -> None:
         if len(self._units) >= _UNIT_CACHE:

@@ -9,6 +9,12 @@ Each process records the files it uploaded in promotions (``collective.upload``)
 of that step, writes ``<out>/holding`` (its process id) and stops there for good (until the test
 kills the job: torchrun's workers run in sessions of their own).
 
+With ``KEEP=<k>`` the node-local tier keeps ``k`` composites (default 2). With
+``HOLD_FOLLOWER=<n>``, node 1's leader holds its first promotion order (of the composite of
+step ``c``) before it uploads anything, until its own saves have committed step ``c + n`` and
+run the node's retention after it (the event, not a time); it then records what it waited for
+in ``<out>/held.json`` and uploads.
+
     python -m torch.distributed.run --nnodes 2 --node_rank I ... promote_job.py OUT
 """
 
@@ -29,7 +35,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch_job import build, rank, train  # noqa: E402
 
 from llmtailor import Parity, Tailor, Tier  # noqa: E402
-from llmtailor.store.tiers import collective  # noqa: E402
+from llmtailor.store.tiers import collective, runtime  # noqa: E402
+
+HOLD_PATIENCE = 300.0
+"""Seconds a held follower waits for its node's retention before it gives up holding (and says so
+in ``held.json``: the test then fails rather than hangs)."""
+
+
+def retentions() -> tuple[threading.Condition, list[int]]:
+    """The steps after whose commit this process ran its node's retention (``Tiers.committed``), as they run."""
+    ran, steps = threading.Condition(), []
+    committed = runtime.Tiers.committed
+
+    def recorded(self, step, where):
+        committed(self, step, where)
+        with ran:
+            steps.append(step)
+            ran.notify_all()
+
+    runtime.Tiers.committed = recorded
+    return ran, steps
+
+
+def holding_follower(out: Path, upload, ahead: int):
+    """``upload`` as node 1 runs it, its first order held until its node's retention ran after
+    the commit of ``ahead`` steps past the composite ordered (module docstring)."""
+    ran, steps = retentions()
+    first = threading.Event()
+
+    def held(source, dst, staging, node):
+        if node == 1 and not first.is_set():
+            first.set()
+            until = max(int(step) for step in staging) + ahead
+            with ran:
+                reached = ran.wait_for(lambda: any(step >= until for step in steps), HOLD_PATIENCE)
+                seen = list(steps)
+            (out / "held.json").write_text(json.dumps({"staging": sorted(staging), "until": until,
+                                                       "reached": reached, "retained": seen}))
+        return upload(source, dst, staging, node)
+
+    return held
 
 
 def recording_uploads(out: Path) -> list[str]:
@@ -45,7 +90,8 @@ def recording_uploads(out: Path) -> list[str]:
             threading.Event().wait()  # mid-promotion, for good: the test kills the job now
         return done
 
-    collective.upload = recorded
+    ahead = os.environ.get("HOLD_FOLLOWER")
+    collective.upload = holding_follower(out, recorded, int(ahead)) if ahead else recorded
     return uploaded
 
 
@@ -55,7 +101,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     uploaded = recording_uploads(out)
     model, optimizer, scheduler = build("fsdp", seed=0)
-    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=2, promote_every=2)]
+    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=int(os.environ.get("KEEP", "2")),
+                  promote_every=2)]
     tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers,
                     timeout=float(os.environ.get("TIMEOUT", "60")))
     start = tailor.restore().step + 1 if tailor.latest_step() is not None else 1
@@ -63,7 +110,8 @@ def main() -> None:
         train(model, optimizer, scheduler, [step])
         tailor.save(step)
     tailor.close()
-    result = {"start": start, "uploaded": uploaded, "promoted": [p.step for p in tailor.tiers.promotions]}
+    result = {"start": start, "uploaded": uploaded, "promoted": [p.step for p in tailor.tiers.promotions],
+              "superseded": [s for p in tailor.tiers.promotions for s in p.superseded]}
     (out / f"result-{rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

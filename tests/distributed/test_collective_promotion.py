@@ -111,3 +111,26 @@ def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_
         results = [json.loads((tmp_path / f"node{r}" / f"result-{r}.json").read_text()) for r in range(2)]
         assert results[0]["start"] == 2 and results[0]["promoted"][-1] == 7
         assert staged_only(endpoint, url) == [] and Run(url).verify() == [] and Run(url).latest_step() == 7
+
+
+def test_a_follower_keeps_what_it_uploads_from_its_own_retention(tmp_path, monkeypatch):
+    """``keep=1`` on each node, node 1 holding its first order (the composite of step ``c``)
+    until its own saves committed ``c + 2`` and ran its node's retention, which would remove
+    step ``c`` there: the follower holds what it was ordered to read, so the promotion commits
+    the composite ordered, nothing is superseded, every tier verifies, and once the run closes
+    each node keeps its newest composite only (the hold released)."""
+    with moto_process() as endpoint:
+        url = f"s3://{new_bucket(endpoint)}/jobs/held"
+        for name, value in environment(endpoint).items():
+            monkeypatch.setenv(name, value)
+        finished(start_nodes(tmp_path, url, endpoint, both={"KEEP": "1", "HOLD_FOLLOWER": "2"}))
+        held = json.loads((tmp_path / "node1" / "held.json").read_text())
+        assert held["reached"], held  # node 1's retention ran past the composite while its order waited
+        results = [json.loads((tmp_path / f"node{r}" / f"result-{r}.json").read_text()) for r in range(2)]
+        assert results[0]["promoted"][0] == held["staging"][-1] and results[0]["promoted"][-1] == 6
+        assert results[0]["superseded"] == []
+        run = Run(url)
+        assert run.latest_step() == 6 and run.verify() == [] and staged_only(endpoint, url) == []
+        for node in range(2):
+            memory = Run(tmp_path / f"node{node}" / "memory")
+            assert memory.steps() == [5, 6] and memory.verify() == []  # Parity's composite of 6 needs 5

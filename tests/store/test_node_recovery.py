@@ -18,6 +18,7 @@ from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
+from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers import Tiers
@@ -310,3 +311,33 @@ def test_a_healing_hands_the_restore_at_most_its_bound_of_received_bytes(tmp_pat
     handed = {key.split("/", 2)[-1] for key in runs[1].units.arrived}
     assert handed and len(handed) < len(sizes) and sum(sizes[p] for p in handed) <= sum(sizes.values()) - 1
     assert Run(copies[1]).resolve().step == 2  # every file written all the same
+
+
+class RetainingCourier:
+    """A courier (``Courier.stream``'s sending side, in one process) that runs the sending
+    node's retention of every snapshot its copy holds before it reads each file it sends."""
+
+    def __init__(self, run: Run):
+        self.run, self.in_use, self.sent = run, [], {}
+
+    def stream(self, outgoing, fill, sources, take):
+        assert sources == []  # node 0 only sends here
+        for dest, files in outgoing.items():
+            for path, size in files:
+                self.in_use.append(discard_snapshots(Run(self.run.root), Run(self.run.root).steps()).in_use)
+                buffer = bytearray(size)
+                filled = fill(dest, path, memoryview(buffer))
+                self.sent[path] = bytes(filled if filled is not None else buffer)
+
+
+def test_a_healing_sender_holds_what_it_sends_against_its_own_retention(tmp_path):
+    """Retention on the sending node while it heals another leaves the snapshot sent in place
+    (read under a lease): every file goes out whole; what it does not send is removed."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    courier = RetainingCourier(runs[0])
+    recovery_healing.heal(runs[0], moves, Nodes((0, 1)), courier, LocalCoordinator(), "t")
+    assert courier.in_use and all(in_use == [2] for in_use in courier.in_use)
+    snapshot = copies[0] / "snapshots" / "step-00000002"
+    assert courier.sent == {m.path: (snapshot / m.path).read_bytes() for m in moves}
+    assert Run(copies[0]).steps() == [2]  # step 1, not sent, went

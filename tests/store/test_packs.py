@@ -16,9 +16,10 @@ import torch
 from helpers import flip_unit_byte, tiny, train, unit_file
 
 import llmtailor.store.writer as writer
-from llmtailor import Full, Parity, Tailor
+from llmtailor import Full, Parity, Tailor, Tier
 from llmtailor.constants import MANIFEST_FILE, PACKS_DIR, SCHEMA_VERSION, UNITS_DIR
 from llmtailor.store.retention import apply_retention, plan_retention
+from llmtailor.store.tiers import promote
 from llmtailor.store.run import Run
 from llmtailor.training_example import TinyConfig, build_model
 
@@ -138,3 +139,24 @@ def test_a_run_written_before_packs_restores_verifies_and_takes_packed_saves(tmp
     Tailor(run_dir, again, read_only=True).restore()
     for (name, param), (_, want) in zip(again.named_parameters(), model.named_parameters()):
         assert torch.equal(param, want), name
+
+
+def test_a_promotion_copies_a_pack_file_once_not_once_per_unit_in_it(tmp_path, tokens, monkeypatch):
+    """Every unit's index lists the pack it lies in; the snapshot's files (``Run.stored_files``)
+    name it once, so a promotion to the next tier sends its bytes once."""
+    copied = []
+    copy_file = promote.copy_file
+
+    def counted(source, key, sink, entry):
+        copied.append(key.split("/", 2)[-1])
+        return copy_file(source, key, sink, entry)
+
+    monkeypatch.setattr(promote, "copy_file", counted)
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path / "home", model, opt, sched, policy=Full(), tiers=[Tier(tmp_path / "memory")])
+    train(model, opt, sched, tokens, [1])
+    tailor.save(1)
+    tailor.close()
+    packs = [path for path in copied if path.startswith(f"{PACKS_DIR}/")]
+    assert packs and len(copied) == len(set(copied)), copied
+    assert Run(tmp_path / "home").verify() == []

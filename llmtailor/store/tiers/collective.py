@@ -13,14 +13,26 @@ lacks, committed there oldest first, manifest last and only if absent, carriers 
    manifest) and posts the order through the coordinator's store (``promotion/<n>``), so every
    node promotes the same step;
 2. each node's leader (``NodeUploader``, a background thread; rank 0 itself for its node)
-   uploads its own node's parts of those snapshots from its own copy: the files its node's ranks
-   wrote (``constants.writer_rank``; the node of each rank from the snapshot's own manifest,
-   ``notes["nodes"]``), never its replicas of other nodes' parts, at most ``UPLOADS`` files at a
-   time (the bound on what one node sends at once), each checked against its checksum on the
-   way (``promote.copy_file``: a damaged copy is never promoted); then it posts how it fared
-   (``promotion/<n>/node/<i>``);
+   first leases each snapshot of the order in its own copy (``ReadLeases``; rank 0 leased the
+   whole composite before it decided), then uploads its own node's parts of those snapshots
+   from its own copy: the files its node's ranks wrote (``constants.writer_rank``; the node of
+   each rank from the snapshot's own manifest, ``notes["nodes"]``), never its replicas of other
+   nodes' parts, at most ``UPLOADS`` files at a time (the bound on what one node sends at
+   once), each checked against its checksum on the way (``promote.copy_file``: a damaged copy
+   is never promoted); then it posts how it fared (``promotion/<n>/node/<i>``);
 3. rank 0, once every node reported success within the timeout, uploads the files of no rank
    (the global state, the unit indexes: every node holds them) and commits each snapshot.
+
+Invariant: no node reads a snapshot of its copy for a promotion without holding a read lease on
+it, so the node's own retention (``keep=K``, run by its leader after each save while the
+promotion is in flight) leaves in place every snapshot a node is uploading: a part is uploaded
+whole or not at all, however far the promotion lags. Each node's retention runs on its own, so
+a follower's copy may have dropped the composite ordered between rank 0's order and the
+follower's lease (its saves committed a newer composite meanwhile: retention never drops the
+newest ``keep``): the follower then reports the steps gone, before it reads anything, and rank 0
+fails the promotion with SnapshotNotFoundError, which the promoter takes as a source that moved
+on (``promote.Promoter``: the newer composite, whose commit woke it, is promoted next; a
+``max_lag`` wait holds the saves, so the node copies stop moving and that one commits).
 
 A node that fails, dies or does not report in time fails the promotion (retried, then reported
 as any failed promotion): rank 0 abandons every staging place, and nothing of it was visible in
@@ -42,7 +54,8 @@ from typing import Any
 from llmtailor.constants import writer_rank
 from llmtailor.distributed.coordinator import Coordinator, describe_error
 from llmtailor.distributed.nodes import Nodes
-from llmtailor.errors import TailorError
+from llmtailor.errors import SnapshotNotFoundError, TailorError
+from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.run import Run
@@ -86,7 +99,8 @@ def node_files(source: Run, step: int, node: int | None) -> list[FileEntry]:
 def upload(source: Run, dst: Run, staging: dict[int, str], node: int | None) -> int:
     """Upload ``node``'s files (``node_files``) of each snapshot ``staging`` names (step ->
     its staging place in ``dst``), ``UPLOADS`` at a time, each checked on the way; their bytes.
-    Durable on return; the first failure raises."""
+    Durable on return; the first failure raises. The caller holds a read lease on each of those
+    snapshots in ``source`` (module docstring: rank 0 the composite's, a follower the order's)."""
     work = [(step, entry) for step in sorted(staging) for entry in node_files(source, step, node)]
 
     def one(step: int, entry: FileEntry) -> int:
@@ -134,10 +148,16 @@ class Crew:
         return needed, size
 
     def _await_nodes(self, number: int) -> None:
-        """Every other node's report on order ``number``; a TailorError naming each node that
+        """Every other node's report on order ``number``; a SnapshotNotFoundError naming each
+        node whose copy no longer held a snapshot of it, a TailorError naming each node that
         failed (a CoordinationError naming the leaders that did not report in time)."""
         leaders = {self.nodes.leader_of(node): report_tag(number, node) for node in range(1, self.nodes.count)}
         reports = self.coordinator.collect(leaders, f"their part of promotion {number}")
+        gone = {self.nodes.node_of_rank(rank): r["gone"] for rank, r in reports.items() if "gone" in r}
+        if gone:  # for good: no retry brings them back (module docstring)
+            raise SnapshotNotFoundError(
+                "node(s) " + "; ".join(f"{node}: step(s) {steps}" for node, steps in sorted(gone.items()))
+                + " left their copy (its retention moved on to a newer composite) before the promotion reached it")
         failed = {self.nodes.node_of_rank(rank): r["error"] for rank, r in reports.items() if "error" in r}
         if failed:
             raise TailorError("node(s) " + "; ".join(f"{node}: {why}" for node, why in sorted(failed.items()))
@@ -213,11 +233,19 @@ class NodeUploader:
             self._stopped.wait(IDLE_WAIT)
 
     def _serve(self, order: dict[str, Any]) -> dict[str, Any]:
-        """This node's part of one order: ``{"bytes"}`` uploaded, or ``{"error"}``."""
+        """This node's part of one order, each snapshot of it leased in this node's copy before
+        anything is read and until its upload ended (module docstring): ``{"bytes"}`` uploaded,
+        ``{"gone": [steps]}`` when the copy no longer held those (nothing read), or ``{"error"}``."""
         try:
             staging = {int(step): name for step, name in order["staging"].items()}
             # Runs of their own, fresh for each promotion (as the promoter's): no stale manifest.
-            return {"bytes": upload(Run(self.source.storage), Run(self.dst.storage), staging, self.node)}
+            source = Run(self.source.storage)
+            with ReadLeases(source) as leases:
+                gone = [step for step in sorted(staging) if not leases.take(step)]
+                if gone:
+                    log.info("llmtailor: node %d's copy no longer holds step(s) %s of a promotion", self.node, gone)
+                    return {"gone": gone}
+                return {"bytes": upload(source, Run(self.dst.storage), staging, self.node)}
         except Exception as err:  # reported to rank 0, which fails the promotion, naming this node
             log.warning("llmtailor: node %d could not upload its parts: %s", self.node, err)
             return {"error": describe_error(err)}

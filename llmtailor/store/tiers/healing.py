@@ -11,6 +11,13 @@ written into place. Nothing is committed on any node unless every file it receiv
 ``survey`` gathers the holdings; ``heal`` moves and commits; ``clear`` removes from every node
 what ``recovery.clearing`` names. Each is collective over the job's ranks (every rank calls it,
 in the same order); what happens on a node is done by its leader.
+
+A sender reads the snapshot it sends from under a read lease, as every reader of a node's copy
+does (the restore that follows, a collective promotion's uploads: ``collective.py``): nothing of
+this writer removes snapshots from a node's copy while it heals (its retention runs after a
+save's commit, settled before a restore; ``llmtailor gc`` needs the node's writer lock), but the
+lease makes that hold whoever else runs retention there. A snapshot gone all the same is sent
+as nothing, which its receiver refuses (``Receiving``): never a part in half.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.checked import write_to
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.retention import discard_snapshots
@@ -125,7 +133,10 @@ def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordi
         these = [move for move in moves if move.step == step] if leads(nodes, rank) else []
         receiving = Receiving(run, step, [move for move in these if move.dest == node], nodes, error)
         outgoing, sources = _sending(these, node, nodes)
-        courier.stream(outgoing, _filler(run, step), sources, receiving.take)
+        with ReadLeases(run) as leases:
+            if outgoing:  # read under a lease (module docstring); one gone goes out as nothing: refused
+                leases.take(step)
+            courier.stream(outgoing, _filler(run, step), sources, receiving.take)
         error = receiving.finish() or error
     failures = [why for why in coordinator.exchange(tag, error) if why]
     if failures:

@@ -1,0 +1,88 @@
+"""Collective promotion and the node copies' own retention, the two nodes as threads over one c10d
+``HashStore`` (the real processes: tests/distributed/test_collective_promotion.py). A follower
+reads what it was ordered to upload under a read lease, so its node's retention cannot remove
+it mid-upload; a snapshot its copy dropped before the order reached it is reported gone, and
+rank 0 fails the promotion as a source that moved on, leaving nothing in the shared tier."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+from helpers import tiny, train
+from torch.distributed import HashStore
+
+from llmtailor import Full, Run, Tailor
+from llmtailor.distributed.coordinator import StoreCoordinator
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import SnapshotNotFoundError
+from llmtailor.store.retention import discard_snapshots
+from llmtailor.store.tiers import collective
+from llmtailor.store.tiers.levels import Level
+
+
+@pytest.fixture
+def copies(tmp_path, tokens):
+    """Node 0's and node 1's copies of a run holding steps 1 and 2 (Full: each composite its
+    own snapshot), and an empty shared tier."""
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path / "node0", model, opt, sched, policy=Full())
+    for step in (1, 2):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    tailor.close()
+    shutil.copytree(tmp_path / "node0", tmp_path / "node1")
+    return Run(tmp_path / "node0"), Run(tmp_path / "node1"), Level.of(Run(tmp_path / "shared"), None, None)
+
+
+def promote_together(source: Run, follower_copy: Run, target: Level, step: int) -> tuple[object, list]:
+    """``Crew.promote`` of ``step`` by node 0 (rank 0) with node 1's uploader following: what
+    rank 0's promotion returned or raised, and what node 1 reported."""
+    store, reports = HashStore(), []
+    leader, follower = (StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2))
+    uploader = collective.NodeUploader(follower_copy, target.run, 1, follower)
+    serve = uploader._serve
+    uploader._serve = lambda order: reports.append(serve(order)) or reports[-1]
+    uploader.start()
+    crew = collective.Crew(Nodes((0, 1)), leader)
+    target.take()
+    try:
+        outcome = crew.promote(source, target, step)
+    except SnapshotNotFoundError as err:
+        outcome = err
+    finally:
+        crew.stop()
+        uploader.join()
+        target.lock.release()
+    return outcome, reports
+
+
+def test_a_follower_whose_copy_dropped_the_composite_reports_it_gone(copies):
+    """Node 1's retention removed step 1 before the order reached it: it says so without reading
+    anything, and rank 0 fails the promotion with SnapshotNotFoundError (the promoter passes over
+    it to the newer composite), the shared tier left empty, no staging place left there."""
+    node0, node1, shared = copies
+    discard_snapshots(node1, [1])
+    outcome, reports = promote_together(node0, node1, shared, 1)
+    assert reports == [{"gone": [1]}]
+    assert isinstance(outcome, SnapshotNotFoundError) and "node(s) 1: step(s) [1]" in str(outcome), outcome
+    assert Run(shared.run.root).steps() == [] and not list((shared.run.root / ".tmp").glob("*"))
+
+
+def test_a_follower_holds_what_it_uploads_against_its_own_retention(copies, monkeypatch):
+    """Node 1's retention runs while its upload of step 1 is under way: it leaves step 1 in
+    place (held), and the promotion commits it whole."""
+    node0, node1, shared = copies
+    upload, retained = collective.upload, []
+
+    def retention_meanwhile(source, dst, staging, node):
+        if node == 1:  # this node's saves moved on: its keep=1 retention drops step 1
+            retained.append(discard_snapshots(Run(node1.root), [1]))
+        return upload(source, dst, staging, node)
+
+    monkeypatch.setattr(collective, "upload", retention_meanwhile)
+    outcome, reports = promote_together(node0, node1, shared, 1)
+    assert [outcome.in_use for outcome in retained] == [[1]] and 1 in node1.steps()
+    assert outcome == ([1], Run(node0.root).manifest(1).total_bytes()) and "bytes" in reports[0]
+    assert Run(shared.run.root).steps() == [1] and Run(shared.run.root).verify() == []
