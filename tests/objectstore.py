@@ -7,6 +7,7 @@ errors, or lets moto act on a request and then loses its answer. Clients are the
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
@@ -47,21 +48,53 @@ def wait_until_up(endpoint: str, server: subprocess.Popen | None = None, timeout
             time.sleep(0.1)
 
 
-@contextmanager
-def moto_process(settings: dict[str, str] | None = None) -> Iterator[str]:
-    """moto's standalone server in a process of its own, with moto's environment ``settings``
-    (``INITIAL_NO_AUTH_ACTION_COUNT``: check credentials after that many requests); yields its
-    endpoint."""
+_shared: tuple[subprocess.Popen, str] | None = None
+"""The one default-settings server of this test process (``moto_process()``), started on first use."""
+
+
+def _start_moto(settings: dict[str, str] | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(settings or {})})
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(endpoint, proc)
-        yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, endpoint
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _stop_shared() -> None:
+    if _shared is not None and _shared[0].poll() is None:
+        _stop(_shared[0])
+
+
+@contextmanager
+def moto_process(settings: dict[str, str] | None = None) -> Iterator[str]:
+    """moto's standalone server in a process of its own, with moto's environment ``settings``
+    (``INITIAL_NO_AUTH_ACTION_COUNT``: check credentials after that many requests); yields its
+    endpoint. Without ``settings``, one server serves every caller of this test process (each
+    test makes buckets of its own with ``new_bucket``): it is started once, not once per test
+    (importing moto costs a second of CPU and several on a busy machine), and stopped at exit."""
+    global _shared
+    if settings:
+        proc, endpoint = _start_moto(settings)
+        try:
+            yield endpoint
+        finally:
+            _stop(proc)
+        return
+    if _shared is None or _shared[0].poll() is not None:
+        if _shared is None:
+            atexit.register(_stop_shared)
+        _shared = _start_moto(None)
+    yield _shared[1]
 
 
 DROP = "drop"

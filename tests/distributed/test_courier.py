@@ -60,76 +60,94 @@ def test_each_file_of_a_snapshot_is_its_writers_part_or_no_ranks():
                                      "units/layer.0.safetensors"]] == [None] * 5
 
 
-def _exchange(rank: int, world: int, init: str, out: str, mode: str) -> None:
+def _exchange(courier: Courier, rank: int, world: int, out: str, mode: str) -> None:
+    if mode == "dies" and rank == 1:
+        os._exit(0)  # a peer lost before it sends
+    mine = [(f"units/u.rank-{rank:05d}.safetensors", bytes([rank]) * (1000 + rank)), ("ranks/empty.json", b"")]
+    partner, source = (rank + 1) % world, (rank - 1) % world
+    got: dict = {}
+
+    def run() -> None:  # on another thread, as an async save does
+        try:
+            got["files"] = courier.exchange({partner: mine}, [source])
+        except CoordinationError as err:
+            got["error"] = str(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
+
+
+def _stream(courier: Courier, rank: int, world: int, out: str) -> None:
+    from llmtailor.distributed import courier as courier_module
+
+    courier_module.PIECE = 1000  # a file of several messages
+    mine = {f"packs/rank-{rank:05d}.0.safetensors": bytes([rank]) * 2500, "ranks/empty.json": b"", "manifest.json": b"{}"}
+    partner, source = (rank + 1) % world, (rank - 1) % world
+
+    def fill(dst: int, name: str, into: memoryview) -> None:
+        into[:] = mine[name]
+
+    got: list = []
+    courier.stream({partner: [(name, len(content)) for name, content in mine.items()]}, fill, [source],
+                   lambda src, name, content: got.append((src, name, bytes(content))))
+    Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
+
+
+def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
+    """``mode`` "ok": a file exchange (into ``out/exchange``), then a stream over a courier of its
+    own (into ``out/stream``), in the same processes (a start costs seconds of CPU: torch and
+    llmtailor imported in each); "dies": an exchange where rank 1 dies first."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     courier = Courier.open(timeout=20 if mode == "ok" else 5)
     try:
-        if mode == "dies" and rank == 1:
-            os._exit(0)  # a peer lost before it sends
-        mine = [(f"units/u.rank-{rank:05d}.safetensors", bytes([rank]) * (1000 + rank)), ("ranks/empty.json", b"")]
-        partner, source = (rank + 1) % world, (rank - 1) % world
-        got: dict = {}
-
-        def run() -> None:  # on another thread, as an async save does
-            try:
-                got["files"] = courier.exchange({partner: mine}, [source])
-            except CoordinationError as err:
-                got["error"] = str(err)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
-        Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
+        _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
+        if mode == "ok":
+            _stream(Courier.open(timeout=20), rank, world, str(Path(out, "stream")))
     finally:
         if mode == "ok":
             dist.destroy_process_group()
 
 
+def spawn_courier_job(out: Path, mode: str) -> Path:
+    world = 3 if mode == "ok" else 2
+    for part in ("exchange", "stream"):
+        (out / part).mkdir(parents=True)
+    mp.spawn(_courier_job, args=(world, f"file://{out / 'store'}", str(out), mode), nprocs=world, join=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def courier_run(tmp_path_factory) -> Path:
+    """One world-3 run of the courier: the exchange, then the stream (both tests read it)."""
+    return spawn_courier_job(tmp_path_factory.mktemp("courier"), "ok")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "dies"])
-def test_files_reach_their_partner_from_a_background_thread_and_a_dead_peer_is_named(tmp_path, mode):
+def test_files_reach_their_partner_from_a_background_thread_and_a_dead_peer_is_named(tmp_path, mode, request):
     world = 3 if mode == "ok" else 2
-    mp.spawn(_exchange, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path), mode), nprocs=world, join=True)
+    out = (request.getfixturevalue("courier_run") if mode == "ok" else spawn_courier_job(tmp_path, mode)) / "exchange"
     if mode == "ok":
         for rank in range(world):
             source = (rank - 1) % world
-            got = eval(Path(tmp_path, f"{rank}.txt").read_text().split("\nsent=")[0])
+            got = eval(Path(out, f"{rank}.txt").read_text().split("\nsent=")[0])
             assert got == {"files": {source: [(f"units/u.rank-{source:05d}.safetensors", bytes([source]) * (1000 + source)),
                                               ("ranks/empty.json", b"")]}}
-            assert Path(tmp_path, f"{rank}.txt").read_text().endswith(f"sent={1000 + rank}")
+            assert Path(out, f"{rank}.txt").read_text().endswith(f"sent={1000 + rank}")
     else:
-        said = Path(tmp_path, "0.txt").read_text()
+        said = Path(out, "0.txt").read_text()
         assert "receiving files from rank 1 failed or timed out" in said
 
 
-def _stream(rank: int, world: int, init: str, out: str) -> None:
-    from llmtailor.distributed import courier as courier_module
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    courier_module.PIECE = 1000  # a file of several messages
-    courier = Courier.open(timeout=20)
-    try:
-        mine = {f"packs/rank-{rank:05d}.0.safetensors": bytes([rank]) * 2500, "ranks/empty.json": b"", "manifest.json": b"{}"}
-        partner, source = (rank + 1) % world, (rank - 1) % world
-
-        def fill(dst: int, name: str, into: memoryview) -> None:
-            into[:] = mine[name]
-
-        got: list = []
-        courier.stream({partner: [(name, len(content)) for name, content in mine.items()]}, fill, [source],
-                       lambda src, name, content: got.append((src, name, bytes(content))))
-        Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
-def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_sending_and_receiving(tmp_path):
+def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_sending_and_receiving(courier_run):
     world = 3
-    mp.spawn(_stream, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=world, join=True)
+    out = courier_run / "stream"
     for rank in range(world):
         source = (rank - 1) % world
-        said, sent = Path(tmp_path, f"{rank}.txt").read_text().split("\nsent=")
+        said, sent = Path(out, f"{rank}.txt").read_text().split("\nsent=")
         assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", bytes([source]) * 2500),
                               (source, "ranks/empty.json", b""), (source, "manifest.json", b"{}")]
         assert sent == "2502"

@@ -219,4 +219,4 @@ def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_time
         # took on a busy machine is not asserted), its error naming rank 1, and the broadcast of
         # the read plan each survivor was in when it was lost.
         assert outcome.startswith("CoordinationError: rank(s) [1] did not report on "), outcome
-        assert f"rank {survivor} failed: the broadcast of unit " in outcome and "within 20 s" in outcome, outcome
+        assert f"rank {survivor} failed: the broadcast of unit " in outcome and "within 10 s" in outcome, outcome
