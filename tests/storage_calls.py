@@ -13,7 +13,7 @@ from llmtailor.store.storage.local_lock import FlockLocks
 from llmtailor.store.storage.object_lock import ObjectLocks
 from llmtailor.store.storage.object_store import ObjectStore
 
-READS = ("read", "read_range", "read_into", "pieces")
+READS = ("read", "read_range", "read_into", "pieces", "read_start")
 LOOKS = ("size", "is_file", "exists", "list_dir")
 
 
@@ -49,7 +49,8 @@ class StorageCalls:
         @functools.wraps(method)
         def counted(storage, key, *args, **kwargs):
             result = method(storage, key, *args, **kwargs)
-            size = len(result) if name in ("read", "read_range") else len(args[1]) if name == "read_into" else 0
+            size = (len(result) if name in ("read", "read_range") else len(args[1]) if name == "read_into"
+                    else len(result[1]) if name == "read_start" else 0)
             self.calls.append((name, key, size))
             return result
         return counted

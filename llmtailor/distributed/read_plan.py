@@ -20,8 +20,10 @@ order and calls ``fetch`` once, with the same tensor specs per item.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -32,6 +34,7 @@ from llmtailor.distributed.coordinator import CoordinationError, Coordinator, de
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 Spec = tuple[torch.dtype, list[int]]
 """``(dtype, shape)`` of one tensor of an item."""
 Slice = tuple[int, int]
@@ -100,26 +103,13 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        queue, ahead = iter(self.mine()), {}
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-read") as pool:
-
-            def top_up() -> None:
-                while len(ahead) < _AHEAD and (item := next(queue, None)) is not None:
-                    ahead[item] = pool.submit(_read_packed, read, item, specs(item))
-
-            try:
-                top_up()
-                for item, reader in self.readers.items():
-                    if reader == self.coordinator.rank:
-                        reading = ahead.pop(item)
-                        top_up()
-                        tensors = self._send(item, reading, device)
-                    else:
-                        tensors = self._receive(item, reader, specs(item), device)
-                    yield item, tensors
-            finally:  # a failure, or the caller stopped: no read goes on behind its back
-                for reading in ahead.values():
-                    reading.cancel()
+        with contextlib.closing(_read_ahead(self.mine(), lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
+            for item, reader in self.readers.items():
+                if reader == self.coordinator.rank:
+                    tensors = self._send(item, next(mine), device)
+                else:
+                    tensors = self._receive(item, reader, specs(item), device)
+                yield item, tensors
 
     def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
                 threads: int = _AHEAD) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
@@ -140,21 +130,13 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        queue, ahead, sending = iter(self.mine()), {}, []
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llmtailor-read") as pool:
-
-            def top_up() -> None:
-                while len(ahead) < threads and (item := next(queue, None)) is not None:
-                    ahead[item] = pool.submit(read, item)
-
+        sending = []
+        with contextlib.closing(_read_ahead(self.mine(), read, threads, threads)) as mine:
             try:
-                top_up()
                 for tag, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
                     if reader == self.coordinator.rank:
-                        reading = ahead.pop(item)
-                        top_up()
-                        payload = self._announce(item, reading, device)
+                        payload = self._announce(item, next(mine), device)
                         view = memoryview(payload.numpy())
                         for rank, parts in slices.items():
                             if rank != reader and parts:
@@ -166,9 +148,7 @@ class ReadPlan:
                         yield item, self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), tag, device)
                 while sending:
                     self._wait(*sending.pop(0), "send")
-            finally:  # a failure, or the caller stopped: no read goes on behind its back, no send from freed memory
-                for reading in ahead.values():
-                    reading.cancel()
+            finally:  # a failure, or the caller stopped: no send left from freed memory (the reads: ``_read_ahead``)
                 for sent in sending:
                     try:
                         self._wait(*sent, "send")
@@ -270,6 +250,32 @@ class ReadPlan:
     def _failure(item: str, reader: int, status: int, message: str) -> Exception:
         text = f"rank {reader} read {item} and refused it: {message}"
         return IntegrityError(text) if status == _DAMAGED else CoordinationError(text)
+
+
+def _read_ahead(items: Iterable[str], read: Callable[[str], T], workers: int, depth: int) -> Iterator[Future[T]]:
+    """The future of ``read(item)`` for each of ``items`` in their order (this rank's items in
+    plan order: the caller takes each as its turn comes): the one read-ahead of ``fetch`` and
+    ``deliver``. Each read starts on one of ``workers`` threads up to ``depth`` items before
+    it is taken (the next ones start as one is taken, before it is used), so this rank's
+    reads overlap one another and what the caller does with the items. Closed
+    (``contextlib.closing``), it cancels the reads not yet started and waits for those
+    running: no read goes on behind its caller's back."""
+    queue, ahead = iter(items), collections.deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmtailor-read") as pool:
+
+        def top_up() -> None:
+            while len(ahead) < depth and (item := next(queue, None)) is not None:
+                ahead.append(pool.submit(read, item))
+
+        try:
+            top_up()
+            while ahead:
+                taken = ahead.popleft()
+                top_up()
+                yield taken
+        finally:
+            for reading in ahead:
+                reading.cancel()
 
 
 def _gather(view: memoryview, parts: list[Slice]) -> torch.Tensor:

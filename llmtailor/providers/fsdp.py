@@ -30,6 +30,7 @@ interchangeable with single-process and DDP ones.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,7 @@ from llmtailor.store import codec
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import TensorEntry, UnitEntry
 from llmtailor.store.reader import ChunkReader
-from llmtailor.store.dcp import SnapshotReader
+from llmtailor.store.dcp import PlannedLoad, SnapshotReader
 from llmtailor.store.run import Run
 from llmtailor.store.shared_ranges import read_once, share_headers
 from llmtailor.store.staged import Piece
@@ -130,7 +131,7 @@ class FSDPProvider(LocalProvider):
             if replicas is not None:
                 self._load_once(sources, targets, load, *replicas)
             elif ranges_once:
-                self._load_ranges_once(run, sources, targets, reader, load)
+                self._load_ranges_once(run, sources, targets, reader)
             else:
                 for unit in sources:
                     load(unit)
@@ -218,31 +219,37 @@ class FSDPProvider(LocalProvider):
                     target.copy_(value)
 
     def _load_ranges_once(self, run: Run, sources: dict[str, int], targets: dict[str, dict[str, torch.Tensor]],
-                          reader: ChunkReader, load: Callable[[str], None]) -> None:
-        """Each unit loaded as ``load`` does, its byte ranges in the run's files (those every
-        rank's boxes read, ``SnapshotReader.spans``) fetched once in the job in large requests
-        and sent to the ranks that need them (``store.shared_ranges``): from a remote run, a
-        request per box per rank costs a round trip each. The files' headers, which the ranges
-        follow from, are read once in the job too. The checks are ``load``'s own, on the bytes
-        received (``ChunkReader.received``)."""
-        files = {}
+                          reader: ChunkReader) -> None:
+        """Each unit's boxes read into this rank's shards, their byte ranges in the run's files
+        (those every rank's boxes read) fetched once in the job in large requests and sent to
+        the ranks that need them (``store.shared_ranges``): from a remote run, a request per box
+        per rank costs a round trip each. The files' headers, which the ranges follow from, are
+        read once in the job too. One load plan for all this rank's units (``PlannedLoad``)
+        says the ranges and then loads each unit as its bytes come in. The checks are the
+        reader's own, on the bytes received (``ChunkReader.received``)."""
+        files, chunks = {}, {}  # chunks: (key, chunk name) -> bytes, each chunk once (the data a file is known to hold)
         for unit, step in sources.items():
             entry = run.unit_entry(step, unit)
-            for file in {id(f): f for f in (entry.chunk_file(c) for t in entry.tensors for c in t.chunks)}.values():
-                storage, key = run.file_location(step, file)
-                if storage.same_place(run.storage):
-                    files[key] = file
-        reader.take_headers(run.storage, share_headers(self.coordinator, run.storage, files, f"{self.coordinator.round}/headers"))
-        needs = {}
-        for unit, step in sources.items():
-            storage = SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit]))
-            needs[unit] = [(key, start, length) for where, key, start, length in storage.spans(targets[unit])
-                           if where.same_place(run.storage)]
+            for tensor in entry.tensors:
+                for chunk in tensor.chunks:
+                    storage, key = run.file_location(step, entry.chunk_file(chunk))
+                    if storage.same_place(run.storage):
+                        files[key] = entry.chunk_file(chunk)
+                        chunks[(key, tensor.chunk_key(chunk))] = math.prod(chunk.shape) * tensor.torch_dtype.itemsize
+        known = {}
+        for (key, _), size in chunks.items():
+            known[key] = known.get(key, 0) + size
+        reader.take_headers(run.storage, share_headers(self.coordinator, run.storage, files,
+                                                       f"{self.coordinator.round}/headers", known))
+        planned = PlannedLoad({unit: (SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit])), targets[unit])
+                               for unit, step in sources.items() if targets[unit]})
+        needs = {unit: [(key, start, length) for where, key, start, length in planned.spans(unit) if where.same_place(run.storage)]
+                 for unit in planned.items}
 
         def load_received(unit: str, received: dict[tuple[str, int, int], bytearray]) -> None:
             reader.received = {(run.storage.identity(), *r): data for r, data in received.items()}
             try:
-                load(unit)
+                planned.load(unit)
             finally:
                 reader.received = {}
 

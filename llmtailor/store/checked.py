@@ -41,7 +41,11 @@ def write_to(sink: Sink, data: bytes | memoryview) -> None:
 
 
 def _check_size(storage: Storage, key: str, entry: FileEntry) -> None:
-    size = storage.size(key)
+    _check_found_size(storage, key, entry, storage.size(key))
+
+
+def _check_found_size(storage: Storage, key: str, entry: FileEntry, size: int | None) -> None:
+    """The file ``key``, of ``size`` bytes as the store answered (None: missing), against ``entry``."""
     if size is None:
         raise IntegrityError(f"{storage.where(key)}: file is missing")
     if size != entry.bytes:
@@ -194,15 +198,33 @@ def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[st
     return decode_tensors(read_stored(storage, key, entry), storage.where(key))
 
 
+HEADER_READ = 64 << 10
+"""At most this many bytes ``stored_header`` reads from the start of a remote tensor file in
+its first request (the header's length word, the header, and any data bytes the caller could
+not rule out): a longer header is read on."""
+
+
 def stored_header(storage: Storage, key: str, entry: FileEntry,
-                  parsed: tuple[int, dict[str, dict]] | None = None) -> tuple[int, dict[str, dict]]:
+                  parsed: tuple[int, dict[str, dict]] | None = None, known: int | None = None) -> tuple[int, dict[str, dict]]:
     """``(offset of the data, header)`` of the safetensors file ``key``, from its header alone,
     after checking its size against ``entry``; ``parsed``: the header as parsed before (a pack
-    file's, read for one unit and kept for the next: it is not read again)."""
-    _check_size(storage, key, entry)
+    file's, read for one unit and kept for the next: it is not read again); ``known``: bytes of
+    the file's tensor data the caller knows of (its chunks in the indexes at hand). The rest of
+    the file is at most the length word and the header: from a remote store (a round trip a
+    request) they come with the file's size in one request when the rest is under
+    ``HEADER_READ`` (every chunk known: no data byte read twice), where a HEAD and two GETs
+    took them. None: the size and the length word first, then the header (no data byte read)."""
     if parsed is not None:
+        _check_size(storage, key, entry)
         return parsed
-    return parse_header(lambda start, length: storage.read_range(key, start, length), entry.bytes, storage.where(key))
+    first = min(max(8, entry.bytes - known), HEADER_READ) if storage.remote and known is not None else 8
+    size, head = storage.read_start(key, min(first, entry.bytes))
+    _check_found_size(storage, key, entry, size)
+
+    def read(start: int, length: int) -> memoryview | bytes:  # past what came first: read on
+        return head[start : start + length] if start + length <= len(head) else storage.read_range(key, start, length)
+
+    return parse_header(read, entry.bytes, storage.where(key))
 
 
 def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],

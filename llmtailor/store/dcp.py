@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.metadata import TensorProperties
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
@@ -59,14 +60,12 @@ class SnapshotReader(StorageReader):
             }
         )
 
-    def spans(self, targets: dict[str, torch.Tensor]) -> list[Span]:
-        """The byte ranges a ``dcp.load`` of ``targets`` through this reader (with the default
-        planner) reads, one per box of its plan, made as ``dcp.load`` makes it; nothing is read
-        but the headers of the files (``ChunkReader.span``)."""
-        planner = DefaultLoadPlanner()
-        planner.set_up_planner(targets, self.read_metadata(), True)
+    def spans(self, items: list[ReadItem]) -> list[Span]:
+        """The byte ranges the boxes of ``items`` (of a load plan of this reader's tensors, made
+        as ``dcp.load`` makes it: ``PlannedLoad``) read, one per box; nothing is read but the
+        headers of the files (``ChunkReader.span``)."""
         found = []
-        for item in planner.create_local_plan().items:
+        for item in items:
             tensor, chunk = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset))]
             span = self.reader.span(self.step, self.unit, tensor, chunk, tuple(item.storage_offsets), tuple(item.lengths))
             if span is not None:
@@ -96,3 +95,35 @@ class SnapshotReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
+
+
+class PlannedLoad:
+    """One DCP load plan for the tensors of several units of a rank (``units``: unit -> its
+    ``SnapshotReader`` and targets), made once by DCP's default planner as ``dcp.load`` makes
+    it, then read unit by unit: ``spans(unit)`` says which byte ranges a unit's boxes read
+    (nothing is read), ``load(unit)`` copies them into the targets in place. Where a unit's
+    ranges are fetched before it is loaded (``store.shared_ranges``), the plan is made once,
+    not once for the ranges and again for the load of each unit.
+
+    Invariant: the targets' tensor keys are unique across the units (a unit's keys are its
+    own tensors')."""
+
+    def __init__(self, units: dict[str, tuple[SnapshotReader, dict[str, torch.Tensor]]]):
+        self.readers = {unit: reader for unit, (reader, _) in units.items()}
+        metadata = {key: entry for reader, _ in units.values() for key, entry in reader.read_metadata().state_dict_metadata.items()}
+        self.planner = DefaultLoadPlanner()
+        self.planner.set_up_planner({key: t for _, targets in units.values() for key, t in targets.items()},
+                                    Metadata(state_dict_metadata=metadata), True)
+        plan = self.planner.finish_plan(self.planner.create_global_plan([self.planner.create_local_plan()])[0])
+        owner = {key: unit for unit, (_, targets) in units.items() for key in targets}
+        self.items: dict[str, list[ReadItem]] = {unit: [] for unit in units}
+        for item in plan.items:
+            self.items[owner[item.dest_index.fqn]].append(item)
+
+    def spans(self, unit: str) -> list[Span]:
+        """The byte ranges the boxes of ``unit`` read (``SnapshotReader.spans``)."""
+        return self.readers[unit].spans(self.items[unit])
+
+    def load(self, unit: str) -> None:
+        """Each box of ``unit``'s plan read (``SnapshotReader.read_data``: checked as there) into its target."""
+        self.readers[unit].read_data(LoadPlan(self.items[unit]), self.planner).wait()

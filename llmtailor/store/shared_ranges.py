@@ -56,12 +56,13 @@ a request costs more than reading this much more."""
 
 
 def share_headers(coordinator: Coordinator, storage: Storage, files: dict[str, FileEntry],
-                  tag: str) -> dict[str, tuple[int, dict]]:
+                  tag: str, known: dict[str, int] | None = None) -> dict[str, tuple[int, dict]]:
     """``stored_header`` of each of ``files`` (key -> manifest entry: the safetensors files of
     ``storage`` this rank reads), each read by one of the ranks that need it (balanced by count:
-    a header costs its requests) and sent to the others (module docstring). A read that fails
-    is raised on every rank needing the file, naming the reader (an IntegrityError where it
-    found the file damaged or missing); the others go on."""
+    a header costs its requests) and sent to the others (module docstring); ``known``: key ->
+    bytes of the file's tensor data this rank knows of (``stored_header``: its header is then
+    read in one request). A read that fails is raised on every rank needing the file, naming
+    the reader (an IntegrityError where it found the file damaged or missing); the others go on."""
     listed = coordinator.exchange(f"{tag}/files", sorted(files))
     needing: dict[str, list[int]] = {}
     for rank, keys in enumerate(listed):
@@ -71,7 +72,7 @@ def share_headers(coordinator: Coordinator, storage: Storage, files: dict[str, F
     mine = {}
     for key in (k for k, owner in owners.items() if owner == coordinator.rank):
         try:
-            mine[key] = list(stored_header(storage, key, files[key]))
+            mine[key] = list(stored_header(storage, key, files[key], known=(known or {}).get(key)))
         except Exception as err:  # sent to the others in place of the header, then raised below
             mine[key] = {"failed": describe_error(err), "damaged": isinstance(err, IntegrityError)}
     headers = {}
@@ -103,6 +104,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
             name = f"bytes {piece[1]}-{piece[1] + piece[2]} of {storage.where(piece[0])}"
             pieces[name if name not in pieces else f"{name} (for {group})"] = (group, piece)
     last = {group: name for name, (group, _) in pieces.items()}
+    by_rank = {group: [_by_file(ranks.get(group, ())) for ranks in everyone] for group in groups}  # sorted once
     waiting = _Groups(groups, needs, load)
     plan = ReadPlan(coordinator, {name: piece[2] for name, (_, piece) in pieces.items()})
 
@@ -112,7 +114,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
 
     def wanted(name: str) -> dict[int, list[tuple[int, int]]]:
         group, piece = pieces[name]
-        return {rank: _within(piece, ranks.get(group, ())) for rank, ranks in enumerate(everyone)}
+        return {rank: _within(piece, ranges) for rank, ranges in enumerate(by_rank[group])}
 
     received: list[tuple[str, Range, Callable[[], dict]]] = []  # the pieces of the group being sent
     loading: Future | None = None  # the group before it, its bytes awaited and loaded on a thread
@@ -149,14 +151,25 @@ def _arrive_and_load(waiting: _Groups, group: str, received: list[tuple[str, Ran
     waiting.load_through(group)
 
 
-def _within(piece: Range, ranges: Iterable[Iterable]) -> list[tuple[int, int]]:
-    """The parts of ``piece`` that ``ranges`` (one rank's, of a group) cover, as ``(offset in the
-    piece, length)``, overlapping or touching ones joined, in order."""
+def _by_file(ranges: Iterable[Iterable]) -> dict[str, list[tuple[int, int]]]:
+    """One rank's ranges of a group (``Range``s) as ``(start, length)`` by file key, each file's
+    sorted by start: what ``_within`` takes, made once per group, not once per piece."""
+    by_key: dict[str, list[tuple[int, int]]] = {}
+    for key, start, length in ranges:
+        by_key.setdefault(key, []).append((start, length))
+    return {key: sorted(spans) for key, spans in by_key.items()}
+
+
+def _within(piece: Range, ranges: dict[str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The parts of ``piece`` that ``ranges`` (one rank's, of a group, ``_by_file``) cover, as
+    ``(offset in the piece, length)``, overlapping or touching ones joined, in order."""
     key, start, length = piece
     parts: list[list[int]] = []
-    for k, s, n in sorted(tuple(r) for r in ranges):
+    for s, n in ranges.get(key, ()):
+        if s >= start + length:  # sorted by start: no later range reaches into the piece
+            break
         low, high = max(s, start), min(s + n, start + length)
-        if k != key or low >= high:
+        if low >= high:
             continue
         if parts and low <= parts[-1][1]:
             parts[-1][1] = max(parts[-1][1], high)

@@ -517,9 +517,32 @@ def count_fetched() -> tuple[dict[str, int], dict[str, int]]:
                 yield piece
         return pieces
 
+    def counting_start(real):  # a file's size and first bytes (its header), in one request
+        def read_start(self, key, *args, **kwargs):
+            size, data = real(self, key, *args, **kwargs)
+            fetched[key] = fetched.get(key, 0) + len(data)
+            reads[key] = reads.get(key, 0) + 1
+            return size, data
+        return read_start
+
     ObjectStore.read, ObjectStore.read_range = counting(ObjectStore.read), counting(ObjectStore.read_range)
-    ObjectStore.pieces = counting_pieces(ObjectStore.pieces)
+    ObjectStore.pieces, ObjectStore.read_start = counting_pieces(ObjectStore.pieces), counting_start(ObjectStore.read_start)
     return fetched, reads
+
+
+def count_looks() -> dict[str, int]:
+    """The sizes asked of the object store from now on (a HEAD request each), by key."""
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    looks: dict[str, int] = {}
+    real = ObjectStore.size
+
+    def size(self, key, *args, **kwargs):
+        looks[key] = looks.get(key, 0) + 1
+        return real(self, key, *args, **kwargs)
+
+    ObjectStore.size = size
+    return looks
 
 
 def count_sent_ranges() -> dict[str, int]:
@@ -585,8 +608,8 @@ def read_once(kind: str, out: Path) -> dict:
 
 
 def restore_counted(kind: str, out: Path) -> dict:
-    """A restore of the run ``kind`` into a fresh model: what this rank fetched and the reads it
-    asked, by key, and the restored tensors compared with the composite; and how many units each
+    """A restore of the run ``kind`` into a fresh model: what this rank fetched, the reads and the
+    sizes (HEAD requests) it asked, by key, and the restored tensors compared with the composite; and how many units each
     data file of the composite holds (counted before, not among the reads)."""
     run = Run(str(location(out, kind)))
     composite, units_of_files = run.resolve(), {}
@@ -595,10 +618,11 @@ def restore_counted(kind: str, out: Path) -> dict:
             key = run.file_location(step, file)[1]
             units_of_files[key] = units_of_files.get(key, 0) + 1
     fetched, reads = count_fetched()
-    sent = count_sent_ranges()
+    looks, sent = count_looks(), count_sent_ranges()
     model, optimizer, scheduler = build(kind, seed=5)
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
-    return {"fetched": dict(fetched), "reads": dict(reads), "restored": report.step, "units_of_files": units_of_files,
+    return {"fetched": dict(fetched), "reads": dict(reads), "looks": dict(looks), "restored": report.step,
+            "units_of_files": units_of_files,
             "ranges_needed": sent["needed"], "ranges_received": sent["received"],
             "mismatches": compare_with_composite(out, location(out, kind), model, optimizer)}
 

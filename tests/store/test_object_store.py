@@ -122,6 +122,21 @@ def test_parity_restores_each_unit_at_its_composites_version(url, tokens, tmp_pa
             assert torch.equal(live[key], tensor), f"{key} (from step {step})"
 
 
+def test_a_files_size_and_first_bytes_come_in_one_read_also_past_its_end_or_when_empty_or_missing(url):
+    """``read_start``: how a restore takes a remote file's header and checks its size (one GET,
+    where it was a HEAD and two GETs), on each emulator's own answer to a range past the end."""
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    store = ObjectStore(url)
+    store.put("data", bytes(range(200)) * 5)
+    store.put("empty", b"")
+    size, first = store.read_start("data", 100)
+    assert (size, bytes(first)) == (1000, bytes(range(100)))
+    size, whole = store.read_start("data", 5000)
+    assert (size, bytes(whole)) == (1000, bytes(range(200)) * 5)
+    assert [(n, bytes(b)) for n, b in (store.read_start("empty", 64), store.read_start("missing", 64))] == [(0, b""), (None, b"")]
+
+
 def test_verify_names_a_corrupted_and_a_missing_object(url, emulator, tokens):
     parity_run(url, tokens, 3)
     assert_verify_names_a_corrupted_and_a_missing_object(url, emulator)

@@ -6,7 +6,7 @@ in tests/distributed/test_read_once.py."""
 from __future__ import annotations
 
 from llmtailor.store.fetch import PART
-from llmtailor.store.shared_ranges import GAP, _pieces, _within
+from llmtailor.store.shared_ranges import GAP, _by_file, _pieces, _within
 
 
 def covered(pieces: list[tuple[str, int, int]], key: str) -> set[int]:
@@ -35,7 +35,9 @@ def test_empty_ranges_ask_for_nothing():
 def test_each_rank_is_sent_only_the_parts_of_a_piece_its_ranges_cover():
     # The piece joins three ranks' ranges of file f (and a gap); each rank gets its own parts,
     # as offsets in the piece, touching or overlapping ranges joined, other files' left out.
+    # A rank's ranges are sorted once per group (``_by_file``), not once per piece.
     piece = ("f", 1000, 9000)
-    assert _within(piece, [("f", 0, 1500), ("f", 1500, 500), ("g", 1000, 100)]) == [(0, 1000)]
-    assert _within(piece, [("f", 3000, 2000), ("f", 8200, 5000), ("f", 4000, 100)]) == [(2000, 2000), (7200, 1800)]
-    assert _within(piece, [("f", 20000, 10)]) == []
+    assert _within(piece, _by_file([("f", 0, 1500), ("f", 1500, 500), ("g", 1000, 100)])) == [(0, 1000)]
+    assert _within(piece, _by_file([("f", 8200, 5000), ("f", 3000, 2000), ("f", 4000, 100)])) == [(2000, 2000), (7200, 1800)]
+    assert _within(piece, _by_file([("f", 20000, 10), ("f", 500, 400)])) == []
+    assert _by_file([("f", 9, 1), ("g", 0, 2), ("f", 3, 4)]) == {"f": [(3, 4), (9, 1)], "g": [(0, 2)]}

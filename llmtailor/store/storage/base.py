@@ -123,6 +123,16 @@ class Storage(ABC):
         """``length`` bytes of ``key`` from ``start`` (errors as ``read``; a file shorter than
         the range is IntegrityError ``... (truncated)``)."""
 
+    def read_start(self, key: str, length: int) -> tuple[int | None, memoryview | bytes]:
+        """``(size of key, its first min(length, size) bytes)``; ``(None, b"")`` when there is no
+        such file (errors as ``read_range``). Here the size, then the bytes; one request where a
+        store's ranged read answers the size too (an object store): a file's header and its
+        size check, read before its data, cost one round trip, not two or three."""
+        size = self.size(key)
+        if size is None:
+            return None, b""
+        return size, self.read_range(key, 0, min(length, size))
+
     def read_into(self, key: str, start: int, into: memoryview) -> None:
         """Fill ``into`` with the bytes of ``key`` from ``start`` (errors as ``read_range``).
         Called from several threads at once (``store.fetch``), each with its own ``into``."""
