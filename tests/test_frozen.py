@@ -818,3 +818,26 @@ def test_frozen_tensors_a_snapshot_wrote_itself_are_not_read_when_the_live_model
     for (name, a), b in zip(changed.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
 
+
+def test_a_units_merged_index_lists_each_file_it_keeps_tensors_from_once(tmp_path, tokens):
+    """A layer of a LoRA keeps its frozen weights from the first save's pack file: the merged
+    index lists that file once, not once per kept tensor (issue 33: each position cost a header
+    check and a read of its own), and a restore into a model that does not hold them reads them
+    from it, equal to the saved ones."""
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
+        for s in (1, 2):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path)
+    entry = run.unit_entry(2, "layer.0")
+    assert len(run._stored_entry(2, "layer.0").kept) > 1
+    places = [(f.path, f.origin) for f in entry.files]
+    assert len(places) == len(set(places)) and (places[0][1], places[-1][1]) == (None, 1), places
+    fresh, fresh_opt = lora(seed=7)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)  # no frozen weight held: every one read from the run
+    Tailor(tmp_path, fresh, fresh_opt, read_only=True).restore()
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
