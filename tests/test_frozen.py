@@ -772,10 +772,72 @@ def test_a_restore_samples_each_frozen_tensor_once_and_the_next_save_writes_none
     assert tailor.restore().step == 2
     trained = trainable_keys(held)
     frozen = {k for k in written_keys(Run(tmp_path), 1) if k.startswith("weight/") and k.split("/", 1)[1] not in trained}
-    # Those the model held: sampled once, to check them; those read (checked whole): not sampled.
-    assert taken and set(taken) < frozen and sorted(taken) == sorted(set(taken))
+    # Every frozen tensor the model held (kept ones and those step 1 wrote itself): sampled once,
+    # to check it, none read.
+    assert set(taken) == frozen and sorted(taken) == sorted(set(taken))
     monkeypatch.undo()
     step(held, held_opt, tokens, 3)
     tailor.save(3)
     tailor.close()
     assert {k.split("/")[1] for k in written_keys(Run(tmp_path), 3)} == trained
+
+
+def test_frozen_tensors_a_snapshot_wrote_itself_are_not_read_when_the_live_model_holds_them(tmp_path, tokens, monkeypatch):
+    """The frozen embedding, norms and head of a LoRA are written by its first save and kept from
+    there by every later one; the composite names that first snapshot for their units. A
+    restore into a model that holds them (its base loaded as before) checks each by its
+    recorded sample and reads none of them (issue 33: a LoRA restore read the whole embedding
+    and head); one the live model does not hold (changed) is read and restored."""
+    import llmtailor.store.units as units
+
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
+        for s in (1, 2):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path)
+    frozen_units = [u for u, source in run.manifest(2).composite.items() if source == 1]
+    assert "embed" in frozen_units and "head" in frozen_units  # written by step 1 itself, not kept
+    real, read = units.read_stored_parts, []
+    monkeypatch.setattr(units, "read_stored_parts",
+                        lambda storage, key, header, names, into=None: read.extend(names) or real(storage, key, header, names, into))
+    held, held_opt = lora(seed=7)  # the same base weights, other adapters
+    Tailor(tmp_path, held, held_opt, read_only=True).restore()
+    trained = trainable_keys(model)
+    assert read and all(k.split("/")[1] in trained for k in read), [k for k in read if k.split("/")[1] not in trained]
+    for (name, a), b in zip(held.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+    read.clear()
+    changed, changed_opt = lora(seed=7)
+    embedding = changed.get_input_embeddings().weight
+    with torch.no_grad():
+        embedding.add_(1.0)  # every element: its sample differs, so it is read
+    Tailor(tmp_path, changed, changed_opt, read_only=True).restore()
+    assert "weight/model.embed_tokens.weight" in read
+    for (name, a), b in zip(changed.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_units_merged_index_lists_each_file_it_keeps_tensors_from_once(tmp_path, tokens):
+    """A layer of a LoRA keeps its frozen weights from the first save's pack file: the merged
+    index lists that file once, not once per kept tensor (issue 33: each position cost a header
+    check and a read of its own), and a restore into a model that does not hold them reads them
+    from it, equal to the saved ones."""
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
+        for s in (1, 2):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    run = Run(tmp_path)
+    entry = run.unit_entry(2, "layer.0")
+    assert len(run._stored_entry(2, "layer.0").kept) > 1
+    places = [(f.path, f.origin) for f in entry.files]
+    assert len(places) == len(set(places)) and (places[0][1], places[-1][1]) == (None, 1), places
+    fresh, fresh_opt = lora(seed=7)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)  # no frozen weight held: every one read from the run
+    Tailor(tmp_path, fresh, fresh_opt, read_only=True).restore()
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name

@@ -314,20 +314,25 @@ class LocalProvider(StateProvider):
     @staticmethod
     def _already_held(entries: dict[str, UnitEntry], live: dict[str, torch.Tensor],
                       exact: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """Per unit, the kept frozen tensors of its entry the live model holds already, by key:
-        of the saved dtype and shape, and the checksum of its sampled elements the one recorded
-        at save (``Chunk.sample_xxh3``: a cache line per sampled element, not a pass over a base
+        """Per unit, the frozen tensors of its entry the live model holds already, by key: of
+        the saved dtype and shape, and the checksum of its sampled elements the one recorded at
+        save (``Chunk.sample_xxh3``: a cache line per sampled element, not a pass over a base
         model's weights; a tensor differing only in unsampled elements passes; every unit's
         samples read with one copy, ``sample_checksums``). ``exact``, or a run saved before
-        samples were recorded: the checksum of all its bytes instead."""
+        samples were recorded: the checksum of all its bytes instead. Frozen: kept from an older
+        snapshot or the base directory (``origin``), or written by this version with a sample
+        (recorded for frozen whole weights only, ``frozen._with_sample``): a LoRA's frozen
+        embedding and head, written by the save that first held them, are not read either."""
         held: dict[str, dict[str, torch.Tensor]] = {unit: {} for unit in entries}
         sampled: list[tuple[str, str, str, torch.Tensor]] = []  # (unit, key, recorded sample, live)
         for unit, entry in entries.items():
             for tensor in entry.tensors:
                 kind, name, _ = split_key(tensor.key)
-                if kind != KIND_WEIGHT or entry.files[tensor.chunks[0].file].origin is None or name not in live:
+                target, chunk = live.get(name), tensor.chunks[0]
+                frozen = entry.files[chunk.file].origin is not None or chunk.sample_xxh3 is not None
+                if kind != KIND_WEIGHT or not frozen or target is None:
                     continue
-                target, chunk = live[name].detach(), tensor.chunks[0]
+                target = target.detach()
                 if len(tensor.chunks) != 1 or list(target.shape) != tensor.shape or dtype_name(target.dtype) != tensor.dtype:
                     continue
                 if not exact and chunk.sample_xxh3 is not None:

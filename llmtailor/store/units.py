@@ -169,7 +169,9 @@ class UnitReader:
 
     def _merged(self, stored: UnitEntry) -> UnitEntry:
         """``stored`` with the tensors it keeps: each from the index of the snapshot that wrote
-        it (which must hold it itself), or from the base directory."""
+        it (which must hold it itself), or from the base directory. Each file they lie in is
+        listed once (a pack file holding many of them: one position, so a read of them checks
+        its header once and reads adjacent tensors as one range)."""
         files = list(stored.files)
         tensors = list(stored.tensors)
         holders: dict[int, list[str]] = {}
@@ -177,26 +179,33 @@ class UnitReader:
             holders.setdefault(holder, []).append(tensor_key)
         for holder, keys in sorted(holders.items()):
             source = self.stored_entry(holder, stored.unit)
+            by_key = {t.key: t for t in source.tensors}
+            position: dict[int, int] = {}  # the file's position in source -> in the merged view
             for tensor_key in keys:
-                held = source.tensor(tensor_key)
+                held = by_key.get(tensor_key)
                 if held is None:
                     raise IntegrityError(f"snapshot {stored.step} keeps {tensor_key!r} of unit {stored.unit!r} from step "
                                          f"{holder}, which does not hold it")
                 chunks = []
                 for chunk in held.chunks:
-                    files.append(source.files[chunk.file].model_copy(update={"origin": holder}))
-                    chunks.append(chunk.model_copy(update={"file": len(files) - 1}))
+                    if chunk.file not in position:
+                        files.append(source.files[chunk.file].model_copy(update={"origin": holder}))
+                        position[chunk.file] = len(files) - 1
+                    chunks.append(chunk.model_copy(update={"file": position[chunk.file]}))
                 tensors.append(held.model_copy(update={"chunks": chunks}))
         if stored.base:
             base = self.catalog.manifest(stored.step).base
             listed = {f.path: f for f in (base.files if base is not None else [])}
+            base_position: dict[str, int] = {}  # a base file's path -> its position in the merged view
             for tensor_key, ref in stored.base.items():
                 if ref.file not in listed:
                     raise IntegrityError(f"snapshot {stored.step}: {tensor_key!r} is kept from base file {ref.file!r}, "
                                          "which its manifest does not list")
-                files.append(listed[ref.file].model_copy(update={"origin": "base"}))
-                whole = Chunk(file=len(files) - 1, offsets=[0] * len(ref.shape), shape=list(ref.shape), xxh3_64=ref.xxh3_64,
-                              sample_xxh3=ref.sample_xxh3)
+                if ref.file not in base_position:
+                    files.append(listed[ref.file].model_copy(update={"origin": "base"}))
+                    base_position[ref.file] = len(files) - 1
+                whole = Chunk(file=base_position[ref.file], offsets=[0] * len(ref.shape), shape=list(ref.shape),
+                              xxh3_64=ref.xxh3_64, sample_xxh3=ref.sample_xxh3)
                 tensors.append(TensorEntry(key=tensor_key, dtype=ref.dtype, shape=list(ref.shape),
                                            chunks=[whole.model_copy(update={"stored_as": ref.name})]))
         return stored.model_copy(update={"files": files, "tensors": tensors})
