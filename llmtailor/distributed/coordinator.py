@@ -304,24 +304,38 @@ class StoreCoordinator(Coordinator):
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0) -> None:
         """Wait until every key is set, or raise CoordinationError naming the ranks that are
         not, after ``patience`` x ``timeout`` seconds. Blocks in the store's own ``wait`` (woken
-        when the last key is set: no polling, nothing to oversleep), on a client of this
-        thread's own (``_waiter``): a wait on the shared client would hold it, and with it every
-        other thread's store calls (the training thread's), for as long as it waits. The idle
-        clients are kept for the next wait (``_waiters``: a save's thread is new each save)."""
+        when the last key is set: no polling, nothing to oversleep), on a client of the waiting
+        thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
+        every other thread's store calls (the training thread's), for as long as it waits. The
+        idle clients are kept for the next wait (``_waiters``: a save's thread is new each save).
+        A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``)."""
         limit = self.timeout * patience
-        waiter = self._waiters.pop() if self._waiters else self._store.clone()
+        deadline, waiter = time.monotonic() + limit, self._waiters.pop() if self._waiters else self._clone()
         try:
-            waiter.wait(keys, timedelta(seconds=limit))
-        except self._dist_store_error():
-            pending = [k for k in keys if not self._store.check([k])]
-            if not pending:
+            if waiter is not None:
+                waiter.wait(keys, timedelta(seconds=limit))
+                self._waiters.append(waiter)  # only a client whose wait ended well: a timed-out one may get a late answer
                 return
+            for pause in pauses():
+                if self._store.check(keys) or time.monotonic() >= deadline:
+                    break
+                time.sleep(pause)
+        except self._dist_store_error():
+            pass
+        pending = [k for k in keys if not self._store.check([k])]
+        if pending:
             missing = [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in pending]
             raise CoordinationError(
                 f"{describe(missing)} within {limit:g} s: a rank died or is stuck "
                 f"(timeout: Tailor(..., timeout=...))"
-            ) from None
-        self._waiters.append(waiter)  # only a client whose wait ended well: a timed-out one may get a late answer
+            )
+
+    def _clone(self) -> Any:
+        """A client of the store of its own, or None where the store cannot be cloned."""
+        try:
+            return self._store.clone()
+        except (RuntimeError, NotImplementedError):
+            return None
 
     @staticmethod
     def _dist_store_error() -> type[BaseException]:

@@ -86,3 +86,29 @@ def test_a_rank_waiting_for_a_message_holds_no_other_threads_store_calls():
     assert ranks[0].exchange("r1/committed", "zero") == ["zero", "one"]
     waiting.join(60)
     assert waited == [["zero", "one"]]
+
+
+class Uncloneable:
+    """A store of one's own that cannot be cloned (a custom c10d store): the calls the coordinator makes."""
+
+    def __init__(self):
+        self.inner = HashStore()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def clone(self):
+        raise NotImplementedError("clone")
+
+
+def test_a_store_that_cannot_be_cloned_is_waited_on_by_looking_and_a_silent_rank_is_still_named():
+    store = Uncloneable()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    answered: list = []
+    other = threading.Thread(target=lambda: answered.append(ranks[1].exchange("r1/committed", "one")))
+    other.start()
+    assert ranks[0].exchange("r1/committed", "zero") == ["zero", "one"]
+    other.join(60)
+    assert answered == [["zero", "one"]]
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not report on 'r2/committed' within 1 s"):
+        ranks[0].exchange("r2/committed", "zero")
