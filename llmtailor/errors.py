@@ -70,6 +70,11 @@ class StorageError(TailorError, OSError):
         return str(self.args[0])
 
 
+class NodeTierError(StorageError):
+    """A node-local tier could not be written on some node(s) (``store/node_commit.py``): every
+    rank raises it alike (the coordinator's ``ALIKE``), naming each node and why."""
+
+
 # -- OS errors in plain words ------------------------------------------------------------------
 
 

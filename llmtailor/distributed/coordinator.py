@@ -24,28 +24,26 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.errors import IntegrityError, PromotionError, TailorError
+from llmtailor.errors import IntegrityError, NodeTierError, PromotionError, TailorError
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
 _instances = itertools.count()
 _POLL = 0.05
-"""The longest pause between two looks at the store while waiting for a message."""
+"""The longest pause between two looks while a coordinator without a store of its own waits for
+posts (``Coordinator.collect``); ``StoreCoordinator`` blocks in the store's ``wait`` instead."""
 _FIRST_POLL = 0.001
-"""The first pause: the pauses double from this up to ``_POLL``, so a message that comes soon
-(the usual case: the other ranks are a few milliseconds behind) is seen within about as long
-again as it took, not up to ``_POLL`` later, while a long wait still looks only every
-``_POLL`` seconds. A save's node commit waits on four messages and the save itself on one
-more on the training thread: at a fixed ``_POLL`` they cost up to 50 ms each per save."""
+"""The first pause: the pauses double from this up to ``_POLL``."""
 
-ALIKE: tuple[type[TailorError], ...] = (PromotionError,)
+ALIKE: tuple[type[TailorError], ...] = (PromotionError, NodeTierError)
 """Errors of the leader's ``broadcast`` that concern the job, not the leader (a promotion failure
-rank 0 met): every follower raises the same type with the same message, so ranks that handle it
-alike (catch it and train on) stay in step."""
+rank 0 met, a node whose tier could not be written): every follower raises the same type with
+the same message, so ranks that handle it alike (catch it and train on) stay in step."""
 
 
 def pauses(longest: float = _POLL) -> Iterator[float]:
@@ -195,8 +193,6 @@ class LocalCoordinator(Coordinator):
 class StoreCoordinator(Coordinator):
     """Ranks of a torch.distributed job, talking through its c10d store with deadlines."""
 
-    _POLL = _POLL
-
     def __init__(self, timeout: float = DEFAULT_TIMEOUT, group: Any = None):
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
@@ -209,6 +205,7 @@ class StoreCoordinator(Coordinator):
         # The store the process group was set up with; every rank reaches the same one.
         self._store = distributed_c10d._get_default_store()
         self._prefix = f"llmtailor/{next(_instances)}/"
+        self._waiters: list[Any] = []
 
     @classmethod
     def over(cls, store: Any, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str = "llmtailor/0/") -> StoreCoordinator:
@@ -217,6 +214,7 @@ class StoreCoordinator(Coordinator):
         coordinator = cls.__new__(cls)
         coordinator.rank, coordinator.world_size, coordinator.timeout = rank, world_size, float(timeout)
         coordinator._dist, coordinator._group, coordinator._store, coordinator._prefix = None, None, store, prefix
+        coordinator._waiters = []
         return coordinator
 
     def broadcast(self, tag: str, compute: Callable[[], T] | None, patience: float = 1.0) -> T:
@@ -280,6 +278,17 @@ class StoreCoordinator(Coordinator):
         key = self._prefix + tag
         return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
 
+    def collect(self, tags: dict[int, str], what: str) -> dict[int, Any]:
+        keys = {rank: self._prefix + tag for rank, tag in tags.items()}
+        by_key = {key: rank for rank, key in keys.items()}
+
+        def describe(missing: list[int]) -> str:
+            return f"rank(s) {sorted(missing)} did not report {what}"
+
+        self._wait_all(list(keys.values()), lambda _: describe(
+            [by_key[k] for k in keys.values() if not self._store.check([k])]))
+        return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"
         reduced = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else tensor.device)
@@ -294,23 +303,45 @@ class StoreCoordinator(Coordinator):
 
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0) -> None:
         """Wait until every key is set, or raise CoordinationError naming the ranks that are
-        not, after ``patience`` x ``timeout`` seconds. Polls ``check`` (never blocks inside the
-        store), so a deadline holds whatever the store's own timeout is; the pauses between
-        looks grow (``pauses``)."""
+        not, after ``patience`` x ``timeout`` seconds. Blocks in the store's own ``wait`` (woken
+        when the last key is set: no polling, nothing to oversleep), on a client of the waiting
+        thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
+        every other thread's store calls (the training thread's), for as long as it waits. The
+        idle clients are kept for the next wait (``_waiters``: a save's thread is new each save).
+        A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``)."""
         limit = self.timeout * patience
-        deadline = time.monotonic() + limit
-        pending, waits = list(keys), pauses(self._POLL)
-        while pending:
-            pending = [k for k in pending if not self._store.check([k])]
-            if not pending:
+        deadline, waiter = time.monotonic() + limit, self._waiters.pop() if self._waiters else self._clone()
+        try:
+            if waiter is not None:
+                waiter.wait(keys, timedelta(seconds=limit))
+                self._waiters.append(waiter)  # only a client whose wait ended well: a timed-out one may get a late answer
                 return
-            if time.monotonic() >= deadline:
-                missing = [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in pending]
-                raise CoordinationError(
-                    f"{describe(missing)} within {limit:g} s: a rank died or is stuck "
-                    f"(timeout: Tailor(..., timeout=...))"
-                )
-            time.sleep(next(waits))
+            for pause in pauses():
+                if self._store.check(keys) or time.monotonic() >= deadline:
+                    break
+                time.sleep(pause)
+        except self._dist_store_error():
+            pass
+        pending = [k for k in keys if not self._store.check([k])]
+        if pending:
+            missing = [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in pending]
+            raise CoordinationError(
+                f"{describe(missing)} within {limit:g} s: a rank died or is stuck "
+                f"(timeout: Tailor(..., timeout=...))"
+            )
+
+    def _clone(self) -> Any:
+        """A client of the store of its own, or None where the store cannot be cloned."""
+        try:
+            return self._store.clone()
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    @staticmethod
+    def _dist_store_error() -> type[BaseException]:
+        from torch.distributed import DistStoreError
+
+        return DistStoreError
 
 
 def make_coordinator(timeout: float = DEFAULT_TIMEOUT) -> Coordinator:

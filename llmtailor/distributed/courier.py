@@ -140,21 +140,32 @@ class Courier:
             if payload.numel():
                 sends.append((dst, dist.isend(payload, dst, group=self.group, tag=_BYTES)))
             self.sent_bytes += payload.numel()
-        received = {src: self._receive_packed(src) for src in sources}
+        received = self._receive_packed(sources)
         for dst, work in sends:
             self._wait(work, f"sending files to rank {dst}")
         return received
 
-    def _receive_packed(self, src: int) -> Packed:
+    def _receive_packed(self, sources: Sequence[int]) -> dict[int, Packed]:
+        """Each source's files: every source's sizes asked for at once, then, as each one's
+        come, its names and bytes both (one wait per message that must come before the next
+        can be asked for, not one per message)."""
         import torch.distributed as dist
 
-        sizes = torch.zeros(2, dtype=torch.int64)
-        self._wait(dist.irecv(sizes, src, group=self.group, tag=_SIZES), f"receiving files from rank {src}")
-        names = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), f"receiving files from rank {src}")
-        payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
-        if payload.numel():
-            self._wait(dist.irecv(payload, src, group=self.group, tag=_BYTES), f"receiving files from rank {src}")
+        headers = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
+        asked = {src: dist.irecv(sizes, src, group=self.group, tag=_SIZES) for src, sizes in headers.items()}
+        coming = {}
+        for src, sizes in headers.items():
+            self._wait(asked[src], f"receiving files from rank {src}")
+            names, payload = torch.empty(int(sizes[0]), dtype=torch.uint8), torch.empty(int(sizes[1]), dtype=torch.uint8)
+            works = [dist.irecv(names, src, group=self.group, tag=_NAMES)]
+            if payload.numel():
+                works.append(dist.irecv(payload, src, group=self.group, tag=_BYTES))
+            coming[src] = names, payload, works
+        return {src: self._arrived(src, *message) for src, message in coming.items()}
+
+    def _arrived(self, src: int, names: torch.Tensor, payload: torch.Tensor, works: list) -> Packed:
+        for work in works:
+            self._wait(work, f"receiving files from rank {src}")
         listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
         if sum(size for _, size in listed) != payload.numel():
             raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "

@@ -6,8 +6,9 @@ commits there), this one commits one copy per node, collectively (every rank cal
 same snapshot; ``persist`` takes it when the run's placement is node-local, ``NodePlacement``):
 
 1. each node's leader (its lowest rank) opens the snapshot's staging place in its node's copy
-   (``SnapshotCommit.begin``); every rank learns every node's, so a node whose copy cannot be
-   written (read-only, full) makes every rank raise, naming the node and why;
+   (``SnapshotCommit.begin``) and tells the other ranks of its node its name; no message
+   between nodes: a node whose copy cannot be written (read-only, full) says so in step 3's
+   report, and rank 0 makes every rank raise, naming the node and why (``NodeTierError``);
 2. every rank writes its part into its node's staging (``writer.write_part``, as a shared save
    does), then sends its files to its partner ranks (``Nodes.partner_ranks``: the rank of the
    same index on each other holder node) over the courier; rank 0 also sends the global files
@@ -42,7 +43,7 @@ from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import ALIKE, Coordinator, describe_error
 from llmtailor.distributed.courier import Courier, Packed, unpacked
 from llmtailor.distributed.nodes import Nodes
-from llmtailor.errors import IntegrityError, StorageError, TailorError
+from llmtailor.errors import IntegrityError, NodeTierError, TailorError
 from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, parse_manifest
@@ -100,18 +101,19 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     start = time.perf_counter()
     round_ = coord.new_round()
     leads = placement.leads(coord.rank)
-    snapshot = _open(run, staged, placement, coord, round_, prepare)
+    opened = _open(run, staged, placement, coord, round_, prepare)
+    snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
     try:
-        part = attempt_part(snapshot, staged, coord.rank, on_unit)
+        part = attempt_part(snapshot, staged, coord.rank, on_unit) if snapshot is not None else None
         try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
             copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank)
             report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
         except BaseException as err:
             report = friendly(err, run, staged.step)
-        plan = _announce(staged, placement, coord, round_, report)
-        assert isinstance(part, RankPart)  # a failed part was raised by the gather
+        plan = _announce(staged, placement, coord, round_, report if snapshot is not None else {"unopened": opened})
+        assert isinstance(part, RankPart) and snapshot is not None  # a failed part or open was raised in step 3
     except BaseException:
-        if leads:
+        if leads and snapshot is not None:
             snapshot.abandon()
         raise
     committed = _commit_node(snapshot, plan, confirm) if leads else None
@@ -123,31 +125,42 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
 
 
 def _open(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
-          prepare: Callable[[], None] | None) -> SnapshotCommit:
-    """Step 1: each node's leader opens the staging place in its node's copy; every rank gets
-    its node's, or raises (every rank alike) naming each node that could not."""
-    mine = None
-    if placement.leads(coord.rank):
-        try:
-            if prepare is not None:
-                prepare()
-            mine = {"staging": SnapshotCommit.begin(run, staged.step, staged.world_size).staging}
-        except BaseException as err:
-            mine = {"error": describe_error(friendly(err, run, staged.step, written=False)),
-                    "alike": type(err).__name__ if isinstance(err, ALIKE) else None}
-    opened = coord.exchange(f"{round_}/open", mine)
-    failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(opened) if o and "error" in o}
-    if failed:
-        if mine is not None and "staging" in mine:
-            SnapshotCommit(run, staged.step, mine["staging"]).abandon()
-        alike = {kind.__name__: kind for kind in ALIKE}
-        for o in opened:  # a promotion failure rank 0 reports here: raised as itself on every rank
-            if o and o.get("alike") in alike:
-                raise alike[o["alike"]](o["error"])
-        where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
-        raise StorageError(f"step {staged.step} was not saved: the node-local tier could not be written on "
-                           f"node(s) {sorted(failed)} ({where}); earlier snapshots are intact on every node")
-    return SnapshotCommit(run, staged.step, opened[placement.leader(coord.rank)]["staging"])
+          prepare: Callable[[], None] | None) -> dict[str, Any]:
+    """Step 1, within each node: its leader opens the staging place in its node's copy and
+    posts ``{"staging": name}`` (or ``{"error": why, "alike": ...}``) for the other ranks of
+    its node, which wait for it; every rank returns its node's. No round between nodes: a node
+    that could not open says so in step 3 (``_unopened``), where every rank meets anyway."""
+    node = placement.nodes.node_of_rank(coord.rank)
+    leader, tag = placement.leader(coord.rank), f"{round_}/open/{node}"
+    if coord.rank != leader:
+        return coord.collect({leader: tag}, f"the staging place of step {staged.step} on node {node}")[leader]
+    try:
+        if prepare is not None:
+            prepare()
+        mine = {"staging": SnapshotCommit.begin(run, staged.step, staged.world_size).staging}
+    except BaseException as err:
+        mine = {"error": describe_error(friendly(err, run, staged.step, written=False)),
+                "alike": type(err).__name__ if isinstance(err, ALIKE) else None}
+    if len(placement.nodes.ranks_of(node)) > 1:
+        coord.post(tag, mine)
+    return mine
+
+
+def _unopened(step: int, placement: NodePlacement, reports: list[Any]) -> None:
+    """On rank 0, in step 3: raise when a node could not open its staging place (its ranks
+    report ``{"unopened": ...}``), a promotion failure met there as itself (every rank raises
+    it alike), else a NodeTierError naming each node and why."""
+    failed = {placement.nodes.node_of_rank(rank): r["unopened"] for rank, r in enumerate(reports)
+              if isinstance(r, dict) and "unopened" in r}
+    if not failed:
+        return
+    alike = {kind.__name__: kind for kind in ALIKE}
+    for opened in failed.values():
+        if opened.get("alike") in alike:
+            raise alike[opened["alike"]](opened["error"])
+    where = "; ".join(f"node {node}: {o['error']}" for node, o in sorted(failed.items()))
+    raise NodeTierError(f"step {step} was not saved: the node-local tier could not be written on "
+                        f"node(s) {sorted(failed)} ({where}); earlier snapshots are intact on every node")
 
 
 def files_of(part: RankPart) -> list[FileEntry]:
@@ -157,7 +170,7 @@ def files_of(part: RankPart) -> list[FileEntry]:
     return list(files.values())
 
 
-def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodePlacement,
+def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement: NodePlacement,
                rank: int) -> dict[str, list[Any]]:
     """Step 2's copies: this rank's files to its partner ranks (the global files also to the
     nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
@@ -181,6 +194,8 @@ def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodeP
     received = placement.courier.exchange_packed(outgoing, placement.sources(rank))
     if unread is not None:
         raise unread
+    if snapshot is None:  # this node could not open the snapshot: what arrived has nowhere to go
+        return {}
     arrived: dict[str, list[Any]] = {}
     with snapshot.files() as create:  # durable when the block ends
         for source, packed in received.items():
@@ -189,14 +204,16 @@ def _replicate(snapshot: SnapshotCommit, part: RankPart | None, placement: NodeP
     return arrived
 
 
-def read_packed(snapshot: SnapshotCommit, files: list[FileEntry]) -> Packed:
+def read_packed(snapshot: SnapshotCommit | None, files: list[FileEntry]) -> Packed:
     """The staged ``files`` read back into one buffer, back to back, as ``exchange_packed``
     sends them. A file whose size is not the one written raises IntegrityError (its part
     fails: the bytes its partners check must be all the bytes this node holds)."""
     import torch
 
-    storage = snapshot.run.storage
     payload = torch.empty(sum(f.bytes for f in files), dtype=torch.uint8)
+    if not files:
+        return [], payload
+    storage = snapshot.run.storage
     view, at = memoryview(payload.numpy()), 0
     for f in files:
         key = snapshot.key(f.path)
@@ -222,6 +239,7 @@ def _index(staged: StagedSnapshot, placement: NodePlacement, gather: Callable[[]
     """Rank 0's step 3, once ``gather()`` has every report: every copy checked, then the unit
     indexes and the manifest (recording the placement), as every node will write them."""
     reports = gather() or []
+    _unopened(staged.step, placement, reports)
     parts = [RankPart.from_message(report["part"]) for report in reports]
     check_copies(staged.step, placement, parts, [report["copies"] for report in reports])
     indexes, manifest = index_files(replace(staged, notes={**staged.notes, "nodes": placement.record()}), parts)

@@ -64,3 +64,51 @@ def test_posts_reach_the_rank_that_collects_them_and_a_silent_rank_is_named():
     with pytest.raises(CoordinationError, match=r"rank\(s\) \[2\] did not report their part of promotion 2 within 1 s"):
         ranks[1].post("promotion/2/node/1", {"bytes": 5})
         ranks[0].collect({1: "promotion/2/node/1", 2: "promotion/2/node/2"}, "their part of promotion 2")
+
+
+def test_a_rank_waiting_for_a_message_holds_no_other_threads_store_calls():
+    """Over a real TCPStore: while rank 1's background thread waits (blocked in the store's own
+    ``wait``) for rank 0's part of an exchange, rank 1's other thread still posts and reads
+    through the same coordinator; rank 0 answers only once it has read that post."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 2, False, timeout=datetime.timedelta(seconds=30))
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank, store in enumerate((server, client))]
+    waited: list = []
+    waiting = threading.Thread(target=lambda: waited.append(ranks[1].exchange("r1/committed", "one")))
+    waiting.start()
+    ranks[1].post("aside", {"from": "the training thread"})  # the shared client is free while the other waits
+    assert ranks[1].poll("aside") == (True, {"from": "the training thread"})
+    assert ranks[0].collect({1: "aside"}, "the aside") == {1: {"from": "the training thread"}}
+    assert ranks[0].exchange("r1/committed", "zero") == ["zero", "one"]
+    waiting.join(60)
+    assert waited == [["zero", "one"]]
+
+
+class Uncloneable:
+    """A store of one's own that cannot be cloned (a custom c10d store): the calls the coordinator makes."""
+
+    def __init__(self):
+        self.inner = HashStore()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def clone(self):
+        raise NotImplementedError("clone")
+
+
+def test_a_store_that_cannot_be_cloned_is_waited_on_by_looking_and_a_silent_rank_is_still_named():
+    store = Uncloneable()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    answered: list = []
+    other = threading.Thread(target=lambda: answered.append(ranks[1].exchange("r1/committed", "one")))
+    other.start()
+    assert ranks[0].exchange("r1/committed", "zero") == ["zero", "one"]
+    other.join(60)
+    assert answered == [["zero", "one"]]
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not report on 'r2/committed' within 1 s"):
+        ranks[0].exchange("r2/committed", "zero")

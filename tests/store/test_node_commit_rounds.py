@@ -1,0 +1,110 @@
+"""The node-scoped commit's meetings between nodes, in one process: two "nodes" of one rank each
+(threads), their coordinators over one c10d ``HashStore``, copies carried between the threads
+as the courier carries them. A node opens its staging place without waiting for the other
+(no round before the parts are written), and a node that cannot open it fails the save on
+every rank, naming it, with nothing committed anywhere. The same commit with real processes:
+tests/distributed/test_node_tiers.py."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+from torch.distributed import HashStore
+
+from llmtailor.distributed.coordinator import StoreCoordinator
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.errors import NodeTierError
+from llmtailor.layouts import layout_from_names
+from llmtailor.store.node_commit import NodePlacement, persist_on_nodes
+from llmtailor.store.run import Run
+from llmtailor.store.staged import StagedSnapshot, StagedUnit
+
+LAYOUT = layout_from_names(["model.embed_tokens.weight", "model.layers.0.mlp.weight", "model.norm.weight"])
+
+
+class ThreadCourier:
+    """What ``Courier.exchange_packed`` does between processes, between threads: each
+    (source, destination) pair one queue."""
+
+    def __init__(self, rank: int, lanes: dict[tuple[int, int], queue.Queue]):
+        self.rank, self.lanes = rank, lanes
+
+    def exchange_packed(self, outgoing, sources):
+        for destination, packed in outgoing.items():
+            self.lanes[self.rank, destination].put(packed)
+        return {source: self.lanes[source, self.rank].get(timeout=60) for source in sources}
+
+
+def staged(rank: int) -> StagedSnapshot:
+    """Rank ``rank``'s share of step 1 (DDP: rank 0 writes the units, both their global state)."""
+    units = iter([StagedUnit.whole(u, {f"weight/{n}": torch.full((4,), float(rank + 1))})
+                  for u in LAYOUT.units for n in LAYOUT.units[u]] if rank == 0 else [])
+    return StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=LAYOUT.to_record(), units=units,
+                          composite={u: 1 for u in LAYOUT.units}, global_doc={} if rank == 0 else None,
+                          global_tensors={} if rank == 0 else None, rank_doc={} if rank else None,
+                          rank_tensors={} if rank else None, world_size=2)
+
+
+def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False):
+    """Step 1 saved by two one-rank nodes, each into its own copy; ``prepare(rank)``: each
+    leader's ``prepare``; ``wait_for_node_0``: node 1 begins its commit only once node 0 has
+    written a unit into its copy. Each rank's result or error."""
+    store, lanes = HashStore(), {(a, b): queue.Queue() for a in range(2) for b in range(2)}
+    outcomes: list = [None, None]
+    node_0_wrote = threading.Event()
+
+    def run(rank):
+        try:
+            if rank == 1 and wait_for_node_0 and not node_0_wrote.wait(60):
+                raise AssertionError("node 0 wrote nothing of its part before node 1 began the save")
+            placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes))
+            coord = StoreCoordinator.over(store, rank, 2, timeout=10)
+            wrote = (lambda unit, size: node_0_wrote.set()) if rank == 0 else None
+            outcomes[rank] = persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
+                                              on_unit=wrote, prepare=prepare and (lambda: prepare(rank)))
+        except BaseException as err:  # what the rank raised is the result
+            outcomes[rank] = err
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outcomes
+
+
+def test_a_node_writes_its_part_before_the_other_node_has_begun_the_save(tmp_path):
+    """Node 1 begins only once node 0 has written a unit into its own copy: opening the
+    snapshot is no meeting between nodes (each node waited there for every other: node 0 waited
+    for node 1, which waited for node 0's unit, until the timeout), and the snapshot commits on
+    both nodes, each holding both nodes' parts and the same manifest."""
+    outcomes = save_on_two_nodes(tmp_path, wait_for_node_0=True)
+    assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+    copies = [Run(tmp_path / f"node{node}") for node in range(2)]
+    assert [copy.steps() for copy in copies] == [[1], [1]]
+    manifests = [(tmp_path / f"node{node}" / "snapshots").glob("*/manifest.json") for node in range(2)]
+    texts = [next(found).read_bytes() for found in manifests]
+    assert texts[0] == texts[1]
+    listings = [sorted(p.relative_to(tmp_path / f"node{n}" / "snapshots") for p in (tmp_path / f"node{n}" / "snapshots").rglob("*")
+                       if p.is_file()) for n in range(2)]
+    assert listings[0] == listings[1] and any("rank-00001" in str(p) for p in listings[0])
+
+
+@pytest.mark.parametrize("failing_node", [0, 1])
+def test_a_node_that_cannot_open_the_snapshot_fails_every_rank_naming_it_and_nothing_is_committed(tmp_path, failing_node):
+    def prepare(rank):
+        if rank == failing_node:
+            raise OSError(28, "No space left on device")
+
+    outcomes = save_on_two_nodes(tmp_path, prepare=prepare)
+    assert [type(o) for o in outcomes] == [NodeTierError, NodeTierError], outcomes
+    assert {str(o) for o in outcomes} == {str(outcomes[0])}
+    assert f"could not be written on node(s) [{failing_node}]" in str(outcomes[0])
+    for node in range(2):
+        copy = Run(tmp_path / f"node{node}")
+        assert copy.steps() == [] and not (tmp_path / f"node{node}" / "latest").exists()
+        tmp = tmp_path / f"node{node}" / ".tmp"
+        assert not tmp.exists() or not any(tmp.iterdir())
