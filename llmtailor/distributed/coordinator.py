@@ -310,7 +310,11 @@ class StoreCoordinator(Coordinator):
         idle clients are kept for the next wait (``_waiters``: a save's thread is new each save).
         A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``)."""
         limit = self.timeout * patience
-        deadline, waiter = time.monotonic() + limit, self._waiters.pop() if self._waiters else self._clone()
+        deadline = time.monotonic() + limit
+        try:
+            waiter = self._waiters.pop()  # atomic: a save's thread and the training thread may both wait
+        except IndexError:
+            waiter = self._clone()
         try:
             if waiter is not None:
                 waiter.wait(keys, timedelta(seconds=limit))
