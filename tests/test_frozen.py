@@ -782,6 +782,16 @@ def test_a_restore_samples_each_frozen_tensor_once_and_the_next_save_writes_none
     assert {k.split("/")[1] for k in written_keys(Run(tmp_path), 3)} == trained
 
 
+def lora_saved_twice(tmp_path, tokens):
+    """A LoRA trained two steps with a Full save after each: its model, optimizer and run."""
+    model, optimizer = lora()
+    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
+        for s in (1, 2):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+    return model, optimizer, Run(tmp_path)
+
+
 def test_frozen_tensors_a_snapshot_wrote_itself_are_not_read_when_the_live_model_holds_them(tmp_path, tokens, monkeypatch):
     """The frozen embedding, norms and head of a LoRA are written by its first save and kept from
     there by every later one; the composite names that first snapshot for their units. A
@@ -790,12 +800,7 @@ def test_frozen_tensors_a_snapshot_wrote_itself_are_not_read_when_the_live_model
     and head); one the live model does not hold (changed) is read and restored."""
     import llmtailor.store.units as units
 
-    model, optimizer = lora()
-    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
-        for s in (1, 2):
-            step(model, optimizer, tokens, s)
-            tailor.save(s)
-    run = Run(tmp_path)
+    model, optimizer, run = lora_saved_twice(tmp_path, tokens)
     frozen_units = [u for u, source in run.manifest(2).composite.items() if source == 1]
     assert "embed" in frozen_units and "head" in frozen_units  # written by step 1 itself, not kept
     real, read = units.read_stored_parts, []
@@ -824,12 +829,7 @@ def test_a_units_merged_index_lists_each_file_it_keeps_tensors_from_once(tmp_pat
     index lists that file once, not once per kept tensor (issue 33: each position cost a header
     check and a read of its own), and a restore into a model that does not hold them reads them
     from it, equal to the saved ones."""
-    model, optimizer = lora()
-    with Tailor(tmp_path, model, optimizer, policy=Full()) as tailor:
-        for s in (1, 2):
-            step(model, optimizer, tokens, s)
-            tailor.save(s)
-    run = Run(tmp_path)
+    model, optimizer, run = lora_saved_twice(tmp_path, tokens)
     entry = run.unit_entry(2, "layer.0")
     assert len(run._stored_entry(2, "layer.0").kept) > 1
     places = [(f.path, f.origin) for f in entry.files]
