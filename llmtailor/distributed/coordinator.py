@@ -286,7 +286,7 @@ class StoreCoordinator(Coordinator):
             return f"rank(s) {sorted(missing)} did not report {what}"
 
         self._wait_all(list(keys.values()), lambda _: describe(
-            [by_key[k] for k in keys.values() if not self._store.check([k])]))
+            [by_key[k] for k in keys.values() if not self._store.check([k])]), ranks=sorted(tags))
         return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -301,38 +301,56 @@ class StoreCoordinator(Coordinator):
         self._wait_all([key], lambda missing: what, patience)
         return json.loads(self._store.get(key))
 
-    def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0) -> None:
+    def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0,
+                  ranks: list[int] | None = None) -> None:
         """Wait until every key is set, or raise CoordinationError naming the ranks that are
         not, after ``patience`` x ``timeout`` seconds. Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
         idle clients are kept for the next wait (``_waiters``: a save's thread is new each save).
-        A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``)."""
+        A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``).
+        A store that went away (the process hosting it died) is a CoordinationError too, naming
+        ``ranks`` (default: those of the keys), whichever client met it."""
         limit = self.timeout * patience
-        deadline = time.monotonic() + limit
+        try:
+            if self._wait_for(keys, limit):
+                return
+            pending = [k for k in keys if not self._store.check([k])]
+        except self._dist_errors()[1] as err:
+            raise CoordinationError(
+                f"the job's store went away while this rank waited for rank(s) {ranks or _ranks_of(keys)}: the "
+                f"process hosting it (rank 0's, or the launcher's) died ({str(err).splitlines()[0]})") from None
+        if pending:
+            raise CoordinationError(
+                f"{describe(_ranks_of(pending))} within {limit:g} s: a rank died or is stuck "
+                f"(timeout: Tailor(..., timeout=...))"
+            )
+
+    def _wait_for(self, keys: list[str], limit: float) -> bool:
+        """Block until every key is set (True) or ``limit`` seconds passed (False: the caller
+        looks which are not); a store that went away raises DistNetworkError."""
         try:
             waiter = self._waiters.pop()  # atomic: a save's thread and the training thread may both wait
         except IndexError:
+            # A look through the shared client first: it fails at once where the store is gone,
+            # where a new client's connect would retry for the store's own timeout (minutes).
+            if self._store.check(keys):
+                return True
             waiter = self._clone()
+        deadline = time.monotonic() + limit
         try:
             if waiter is not None:
                 waiter.wait(keys, timedelta(seconds=limit))
                 self._waiters.append(waiter)  # only a client whose wait ended well: a timed-out one may get a late answer
-                return
+                return True
             for pause in pauses():
                 if self._store.check(keys) or time.monotonic() >= deadline:
                     break
                 time.sleep(pause)
-        except self._dist_store_error():
+        except self._dist_errors()[0]:
             pass
-        pending = [k for k in keys if not self._store.check([k])]
-        if pending:
-            missing = [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in pending]
-            raise CoordinationError(
-                f"{describe(missing)} within {limit:g} s: a rank died or is stuck "
-                f"(timeout: Tailor(..., timeout=...))"
-            )
+        return False
 
     def _clone(self) -> Any:
         """A client of the store of its own, or None where the store cannot be cloned."""
@@ -342,10 +360,16 @@ class StoreCoordinator(Coordinator):
             return None
 
     @staticmethod
-    def _dist_store_error() -> type[BaseException]:
-        from torch.distributed import DistStoreError
+    def _dist_errors() -> tuple[type[BaseException], type[BaseException]]:
+        """torch's errors of a store: a wait that timed out, a store that cannot be reached."""
+        from torch.distributed import DistNetworkError, DistStoreError
 
-        return DistStoreError
+        return DistStoreError, DistNetworkError
+
+
+def _ranks_of(keys: list[str]) -> list[int]:
+    """The ranks whose messages ``keys`` are (a key ``.../<rank>``; 0, the leader, otherwise)."""
+    return [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in keys]
 
 
 def make_coordinator(timeout: float = DEFAULT_TIMEOUT) -> Coordinator:

@@ -112,3 +112,41 @@ def test_a_store_that_cannot_be_cloned_is_waited_on_by_looking_and_a_silent_rank
     assert answered == [["zero", "one"]]
     with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not report on 'r2/committed' within 1 s"):
         ranks[0].exchange("r2/committed", "zero")
+
+
+HOST_STORE = """
+import datetime, sys, time
+from torch.distributed import TCPStore
+server = TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+print(server.port, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_when_the_process_hosting_the_store_dies_gets_a_coordination_error():
+    """The job's TCPStore hosted by another process (rank 0's, as ``init_process_group`` over
+    ``MASTER_ADDR`` sets it up), SIGKILLed: rank 1's waits, one on the client its earlier wait
+    kept and one that needs a new client, each end in a CoordinationError naming rank 0 and the
+    store, not a torch network error (nor a new client's connect retried for the store's own
+    timeout)."""
+    import datetime
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed import TCPStore
+
+    host = subprocess.Popen([sys.executable, "-c", HOST_STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        client = TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=20))
+        rank = StoreCoordinator.over(client, 1, 2, timeout=5)
+        rank.post("mine", 1)
+        assert rank.collect({1: "mine"}, "its own post") == {1: 1}  # a wait that ended well: its client is kept
+    finally:
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+    for tag in ("r1/indexes", "r2/indexes"):  # the kept client's wait, then a new client's
+        with pytest.raises(CoordinationError, match=r"store went away while this rank waited for rank\(s\) \[0\]"):
+            rank.broadcast(tag, None)
