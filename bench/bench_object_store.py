@@ -433,6 +433,21 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
 
 
 def worker(role: str, out: Path) -> None:
+    """A rank of ``role``'s job. Its model is gone before the process group is destroyed
+    (``work`` returned): a DDP model freed after it, its reducer holding the last reference to
+    the gloo group, destroys the group while holding the GIL, which gloo's thread may need to
+    free the last barrier's tensors: a deadlock (pytorch#56297), seen as a rank of the 3-rank
+    DDP save left waiting after the other two exited (native stack: ``~Reducer`` ->
+    ``~ProcessGroupGloo`` joining ``runLoop``, which waits for the GIL in ``~AsyncBarrierWork``)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    work(role, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def work(role: str, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -440,7 +455,6 @@ def worker(role: str, out: Path) -> None:
     from llmtailor import Full, Tailor
     from llmtailor.store.storage import objects
 
-    dist.init_process_group("gloo")
     torch.set_num_threads(1)
     args = argparse.Namespace(**json.loads(os.environ["BENCH_SIZES"]))
     from llmtailor.training_example import TinyConfig, build_model, hf_param_groups
@@ -456,8 +470,6 @@ def worker(role: str, out: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
         restore_worker(role, out, model, optimizer)
-        dist.barrier()
-        dist.destroy_process_group()
         return
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
@@ -470,8 +482,6 @@ def worker(role: str, out: Path) -> None:
     optimizer.zero_grad()
     if role.startswith("fsdp-"):
         restore_worker(role, out, model, optimizer)
-        dist.barrier()
-        dist.destroy_process_group()
         return
     url = os.environ["BENCH_URL"]
     if role == "save":
@@ -495,8 +505,6 @@ def worker(role: str, out: Path) -> None:
             fetched[0] = 0
             Tailor(url, model, optimizer, track_drift=False, read_only=True).restore(verify=verify)
             (out / f"reshard-{dist.get_rank()}-{verify}.json").write_text(json.dumps({"fetched": fetched[0], "needed": needed}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:

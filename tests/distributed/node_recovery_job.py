@@ -129,6 +129,7 @@ def main() -> None:
         save_steps(tailor, model, optimizer, scheduler, out, 1, int(os.environ["LAST"]))
         tailor.close()
         result = {"promoted": [p.step for p in tailor.tiers.promotions]}
+        del model, optimizer, scheduler, tailor  # the DDP model gone before the group is destroyed (bench_object_store.worker: pytorch#56297)
     elif scenario == "resume":
         result = resume(kind, out)
     elif scenario == "start":
@@ -140,6 +141,7 @@ def main() -> None:
         except PromotionError as err:
             result["closed"] = str(err)
         result["promoted"] = [p.step for p in tailor.tiers.promotions]
+        del tailor  # the DDP model gone before the group is destroyed (bench_object_store.worker: pytorch#56297)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
