@@ -111,10 +111,12 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
 from helpers import drop_from_unit_index, flip_unit_byte, tiny, unit_chunk_middle  # noqa: E402
+from storage_calls import StorageCalls  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
+from llmtailor.store.storage.local import LocalStorage  # noqa: E402
 from llmtailor.training_example import batch_at, corpus_tokens  # noqa: E402
 
 TOKENS = corpus_tokens()
@@ -492,57 +494,12 @@ def restore_lacking_a_weight(out: Path) -> dict:
 LACKING = "model.layers.1.mlp.up_proj.weight"
 
 
-def count_fetched() -> tuple[dict[str, int], dict[str, int]]:
-    """Bytes fetched from the object store from now on, by key (``read``, ``read_range`` and
-    streamed ``pieces`` of every ``ObjectStore``), and the reads asked of it, by key: filled in
-    as this rank reads."""
+def count_fetched() -> StorageCalls:
+    """What this rank asks of the object store from now on (every ``ObjectStore``'s reads and
+    sizes, by key: ``bytes_by_key``, ``by_key``), filled in as it reads."""
     from llmtailor.store.storage.object_store import ObjectStore
 
-    fetched: dict[str, int] = {}
-    reads: dict[str, int] = {}
-
-    def counting(real):
-        def read(self, key, *args, **kwargs):
-            data = real(self, key, *args, **kwargs)
-            fetched[key] = fetched.get(key, 0) + len(data)
-            reads[key] = reads.get(key, 0) + 1
-            return data
-        return read
-
-    def counting_pieces(real):
-        def pieces(self, key, *args, **kwargs):
-            reads[key] = reads.get(key, 0) + 1
-            for piece in real(self, key, *args, **kwargs):
-                fetched[key] = fetched.get(key, 0) + len(piece)
-                yield piece
-        return pieces
-
-    def counting_start(real):  # a file's size and first bytes (its header), in one request
-        def read_start(self, key, *args, **kwargs):
-            size, data = real(self, key, *args, **kwargs)
-            fetched[key] = fetched.get(key, 0) + len(data)
-            reads[key] = reads.get(key, 0) + 1
-            return size, data
-        return read_start
-
-    ObjectStore.read, ObjectStore.read_range = counting(ObjectStore.read), counting(ObjectStore.read_range)
-    ObjectStore.pieces, ObjectStore.read_start = counting_pieces(ObjectStore.pieces), counting_start(ObjectStore.read_start)
-    return fetched, reads
-
-
-def count_looks() -> dict[str, int]:
-    """The sizes asked of the object store from now on (a HEAD request each), by key."""
-    from llmtailor.store.storage.object_store import ObjectStore
-
-    looks: dict[str, int] = {}
-    real = ObjectStore.size
-
-    def size(self, key, *args, **kwargs):
-        looks[key] = looks.get(key, 0) + 1
-        return real(self, key, *args, **kwargs)
-
-    ObjectStore.size = size
-    return looks
+    return StorageCalls.in_process((ObjectStore,))
 
 
 def count_sent_ranges() -> dict[str, int]:
@@ -599,10 +556,10 @@ def read_once(kind: str, out: Path) -> dict:
     """Saves, then a restore into a fresh model, what this rank fetched from the store by key
     counted from the Tailor's making to the restore's end (the comparison after reads the run too)."""
     result = save_loop(kind, out, kind, Parity(), last=4, every=2)
-    fetched, reads = count_fetched()
+    calls = count_fetched()
     model, optimizer, scheduler = build(kind, seed=5)
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
-    result.update(fetched=dict(fetched), reads=dict(reads), restored=report.step,
+    result.update(fetched=dict(calls.bytes_by_key()), reads=dict(calls.by_key()), restored=report.step,
                   mismatches=compare_with_composite(out, location(out, kind), model, optimizer))
     return result
 
@@ -617,11 +574,11 @@ def restore_counted(kind: str, out: Path) -> dict:
         for file in run.unit_entry(step, unit).files:
             key = run.file_location(step, file)[1]
             units_of_files[key] = units_of_files.get(key, 0) + 1
-    fetched, reads = count_fetched()
-    looks, sent = count_looks(), count_sent_ranges()
+    calls, sent = count_fetched(), count_sent_ranges()
     model, optimizer, scheduler = build(kind, seed=5)
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
-    return {"fetched": dict(fetched), "reads": dict(reads), "looks": dict(looks), "restored": report.step,
+    return {"fetched": dict(calls.bytes_by_key()), "reads": dict(calls.by_key()), "looks": dict(calls.by_key(("size",))),
+            "restored": report.step,
             "units_of_files": units_of_files,
             "ranges_needed": sent["needed"], "ranges_received": sent["received"],
             "mismatches": compare_with_composite(out, location(out, kind), model, optimizer)}
@@ -640,19 +597,19 @@ def ddp_read_once(out: Path) -> dict:
     """``read_once``; then a restore after rank 0 corrupted a unit's file, then one after it also
     corrupted the composite's global.json (read before any unit): each rank's error and fetches."""
     result = read_once("ddp", out)
-    fetched, _ = count_fetched()
+    calls = count_fetched()
     dist.barrier()
     result["corrupted"] = corrupt_unit_file(str(location(out, "ddp")), "layer.1") if rank() == 0 else None
     dist.barrier()
-    fetched.clear()
+    calls.clear()
     result["refused"] = refused_restore(out, "ddp")
-    result["fetched_corrupt"] = dict(fetched)
+    result["fetched_corrupt"] = dict(calls.bytes_by_key())
     dist.barrier()
     result["corrupted_global"] = corrupt_global_json(str(location(out, "ddp"))) if rank() == 0 else None
     dist.barrier()
-    fetched.clear()
+    calls.clear()
     result["refused_global"] = refused_restore(out, "ddp")
-    result["fetched_global"] = dict(fetched)
+    result["fetched_global"] = dict(calls.bytes_by_key())
     return result
 
 
@@ -675,11 +632,11 @@ def pipeline_ddp_read_once(out: Path) -> dict:
     fetched by key, and the restored tensors compared with the saved ones."""
     from llmtailor.training_example import build_optimizer
 
-    fetched, reads = count_fetched()
+    calls = count_fetched()
     model = pipeline_stage(2, seed=5, ddp=True)
     optimizer, scheduler = build_optimizer(model.module, total_steps=50)
     report = Tailor(f"{os.environ['RUN_ROOT']}/single", model, optimizer, scheduler, timeout=60).restore()
-    result = {"restored": report.step, "fetched": dict(fetched), "reads": dict(reads)}
+    result = {"restored": report.step, "fetched": dict(calls.bytes_by_key()), "reads": dict(calls.by_key())}
     saved, restored = load_file(str(out / "versions" / "single.safetensors")), versions(model, optimizer)
     result.update(compared=len(restored), mismatches=[k for k, v in restored.items() if not torch.equal(v, saved[k])])
     return result
@@ -777,30 +734,12 @@ def nodes_save(kind: str, out: Path) -> dict:
     return {"sent": tailor.tiers.placement.courier.sent_bytes, "promoted": [p.step for p in tailor.tiers.promotions]}
 
 
-def count_local_reads() -> set[str]:
-    """The keys of the files read from a local storage from now on (whole, in ranges, into a
-    buffer or in pieces): filled in as this rank reads."""
-    from llmtailor.store.storage.local import LocalStorage
-
-    keys: set[str] = set()
-
-    def counting(real):
-        def read(self, key, *args, **kwargs):
-            keys.add(key)
-            return real(self, key, *args, **kwargs)
-        return read
-
-    for name in ("read", "read_range", "read_into", "pieces"):
-        setattr(LocalStorage, name, counting(getattr(LocalStorage, name)))
-    return keys
-
-
 def nodes_restore(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, timeout=60, tiers=node_tier(os.environ["NODE_DIR"]))
-    read = count_local_reads()
+    calls = StorageCalls.in_process((LocalStorage,))
     report = tailor.restore()
-    result = {"restored": report.step, "tier": report.tier, "extra": report.extra, "read": sorted(read),
+    result = {"restored": report.step, "tier": report.tier, "extra": report.extra, "read": sorted(calls.by_key()),
               "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], model, optimizer)}
     tailor.close()
     return result
