@@ -177,12 +177,12 @@ def main() -> None:
     if torch.distributed.is_initialized():  # leave together: without it gloo can abort at exit (pytorch#190489)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    if trainer.args.process_index != 0:
-        return
-    Path(args.result).write_text(json.dumps({
-        "losses": losses, "lrs": recorder.lrs, "batches": trainer.batches, "params": params_digest(model),
-        "global_step": trainer.state.global_step,
-    }))
+    if trainer.args.process_index == 0:
+        Path(args.result).write_text(json.dumps({
+            "losses": losses, "lrs": recorder.lrs, "batches": trainer.batches, "params": params_digest(model),
+            "global_step": trainer.state.global_step,
+        }))
+    leave()  # the Trainer still holds the DDP model: freeing it after destroy_process_group can deadlock
 
 
 if __name__ == "__main__":
