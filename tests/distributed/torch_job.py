@@ -1,6 +1,9 @@
 """Distributed training jobs for the torchrun tests: FSDP2 and DDP on gloo, CPU, real processes.
 
-    python -m torch.distributed.run --standalone --nproc_per_node N torch_job.py SCENARIO DIR
+    python -m torch.distributed.run --standalone --nproc_per_node N torch_job.py SCENARIO DIR [SCENARIO DIR ...]
+
+Several ``SCENARIO DIR`` pairs run in turn in one launch (one process group; each scenario builds
+its own models), so tests that need the same ranks share their start-up.
 
 Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 
@@ -870,10 +873,8 @@ def nodes_refused(out: Path) -> dict:
     return result
 
 
-def main() -> None:
-    scenario, out = sys.argv[1], Path(sys.argv[2])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def run_scenario(scenario: str, out: Path) -> dict:
+    """What ``scenario`` records on this rank (written to ``DIR/result-<scenario>-<rank>.json``)."""
     if scenario == "fsdp-train":
         result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(resume_bitwise(out))
@@ -939,14 +940,25 @@ def main() -> None:
         result = kill_a_reader(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    if scenario == "read-kill" and rank() == 0:  # it hosts the store the other survivor may still be polling
-        deadline = time.monotonic() + 300
-        while not (out / "result-read-kill-2.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    if scenario in ("kill", "read-kill"):
-        os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
-    dist.barrier()
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) < 3 or len(sys.argv) % 2 == 0:
+        raise SystemExit(f"expected SCENARIO DIR [SCENARIO DIR ...], got {sys.argv[1:]}")
+    jobs = list(zip(sys.argv[1::2], map(Path, sys.argv[2::2])))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for scenario, out in jobs:
+        result = run_scenario(scenario, out)
+        (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+        if scenario == "read-kill" and rank() == 0:  # it hosts the store the other survivor may still be polling
+            deadline = time.monotonic() + 300
+            while not (out / "result-read-kill-2.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if scenario in ("kill", "read-kill"):
+            os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
+        dist.barrier()
     dist.destroy_process_group()
 
 
