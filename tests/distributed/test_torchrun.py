@@ -3,8 +3,8 @@
 Launches are few and batched (each costs 10-20 s, most of it the start of its processes): one
 2-rank launch runs, in turn, the 2-rank scenarios of several tests, each in a directory of its
 own (an FSDP2 job that trains, saves, resumes and restores; a DDP job; per-rank stateful
-objects; partly frozen units; a forged run refused; a fallback past damage); a 3-rank job
-restores the FSDP2 run; two processes started by hand for the SIGKILL case (torchrun would kill
+objects; partly frozen units; a forged run refused; a fallback past damage); a 3-rank launch
+restores the FSDP2 run and the dp x tp run in turn; two processes started by hand for the SIGKILL case (torchrun would kill
 the surviving rank itself)."""
 
 from __future__ import annotations
@@ -95,15 +95,28 @@ def fsdp(two_ranks):
     return out, read_results(out, "fsdp-train", 2)
 
 
-def test_fsdp2_parity_restores_exact_versions_at_world_sizes_2_3_and_1(fsdp):
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """dp 2 x tp 2 at 4 ranks: saves into DIR/mesh, restored in the same job (``mesh``)."""
+    out = tmp_path_factory.mktemp("mesh")
+    return out, torchrun(4, "mesh", out)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(fsdp, mesh) -> dict[str, list[dict]]:
+    """The FSDP2 run and the dp x tp run, each restored into FSDP2 at 3 ranks, in turn, in one launch."""
+    torchrun_jobs(3, [("fsdp-restore", fsdp[0]), ("fsdp-restore-mesh", mesh[0])])
+    return {"parity": read_results(fsdp[0], "fsdp-restore", 3), "mesh": read_results(mesh[0], "fsdp-restore-mesh", 3)}
+
+
+def test_fsdp2_parity_restores_exact_versions_at_world_sizes_2_3_and_1(fsdp, three_ranks):
     out, results = fsdp
     for rank, result in enumerate(results):  # restored at 2, in the same job
         assert result["restored"] == 8 and result["mismatches"] == []
         assert result["extra"] == {"rank": rank, "next": 9} and result["unmapped"] == []
     sources = Run(out / "parity").resolve().sources
     assert sources["layer.1"] == 8 and sources["layer.0"] == 6  # a real composite
-    three = torchrun(3, "fsdp-restore", out)
-    for rank, result in enumerate(three):
+    for rank, result in enumerate(three_ranks["parity"]):
         assert result["restored"] == 8 and result["mismatches"] == []
         assert result["extra"] == {"rank": rank if rank < 2 else 0, "next": 9}
         assert "rank 2 kept its RNG streams and got rank 0's extras" in " ".join(result["unmapped"])
@@ -389,7 +402,7 @@ def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touc
         assert result["changed"] == []
 
 
-def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into_any_layout(tmp_path):
+def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into_any_layout(mesh, three_ranks):
     """dp 2 x tp 2, tensor parallel on the attention and MLP linears only (the snippet of
     docs/distributed.md): the embedding, norms and head live on the ``dp`` sub-mesh, the linears
     on both. Found: the first save failed on every rank with a raw pydantic ValidationError
@@ -399,7 +412,7 @@ def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into
     -> 3) and into one process, every weight and optimizer tensor its composite's version."""
     from safetensors.torch import load_file
 
-    results = torchrun(4, "mesh", tmp_path)
+    tmp_path, results = mesh
     for result in results:
         for layout in ("same", "fsdp"):  # restored at 4 ranks: dp 2 x tp 2, and FSDP2 over 4 (tp 1)
             assert result[layout]["restored"] == 4 and result[layout]["mismatches"] == [], (layout, result[layout])
@@ -417,8 +430,7 @@ def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into
         assert sorted(file_rank(f.path) for f in run.unit_entry(2, unit).files) == list(ranks)
     q = run.unit_entry(2, "layer.0").tensor("weight/model.layers.0.self_attn.q_proj.weight")
     assert len(q.chunks) == 4  # dp x tp shards, one per rank
-    three = torchrun(3, "fsdp-restore", tmp_path, RUN_NAME="mesh")
-    assert [(r["restored"], r["mismatches"]) for r in three] == [(4, [])] * 3
+    assert [(r["restored"], r["mismatches"]) for r in three_ranks["mesh"]] == [(4, [])] * 3
     mismatches, report = restore_in_one_process(tmp_path, "mesh")
     assert mismatches == [] and report.saved_world_size == 4
 

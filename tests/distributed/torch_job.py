@@ -14,8 +14,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     then a third model, from another seed, restores ``DIR/full`` and trains 7..10: its losses
     must equal the uninterrupted ones bit for bit. Finally ``DIR/parity`` is restored into a
     fresh model at this world size and compared with the versions its composite names.
-``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` (or ``DIR/$RUN_NAME``)
-    into FSDP2 and compare.
+``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` into FSDP2 and
+    compare; ``fsdp-restore-mesh`` the same for ``DIR/mesh``.
 ``ddp``  world 2, DDP. Parity saves at steps 2 and 4 into ``DIR/ddp`` (bytes per rank
     recorded), versions written as above, then a restore at this world size, compared.
 ``fsdp-url``  as the first half of ``fsdp-train`` (Parity saves every 2 steps up to 8, then a
@@ -891,8 +891,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
             result[mode] = save_loop("fsdp", out / mode, "frozen", Parity(), last=6, every=2, freeze=True,
                                      async_save=mode == "async")
         result.update(restore_and_compare("fsdp", out / "async", "frozen", freeze=True))
-    elif scenario == "fsdp-restore":
-        result = restore_and_compare("fsdp", out, os.environ.get("RUN_NAME", "parity"))
+    elif scenario in ("fsdp-restore", "fsdp-restore-mesh"):
+        result = restore_and_compare("fsdp", out, "mesh" if scenario.endswith("-mesh") else "parity")
     elif scenario == "ddp":
         result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
         result.update(restore_and_compare("ddp", out, "ddp"))
