@@ -1,6 +1,12 @@
 """DeepSpeed jobs for the tests: ZeRO-1/2/3 engines on gloo, CPU, real processes.
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node N ds_job.py SCENARIO DIR [STAGE [SHAPE]]
+    DS_ACCELERATOR=cpu python -m torch.distributed.run ... ds_job.py SCENARIO DIR STAGE SHAPE [SCENARIO DIR STAGE SHAPE ...]
+
+One launch runs several jobs in turn (each a fresh engine, as within ``save``), so tests that need
+the same processes share a launch: SCENARIO may name several scenarios joined by ``+`` (run in
+that order on the same DIR, STAGE and SHAPE), and further ``SCENARIO DIR STAGE SHAPE`` groups
+follow the first.
 
 SHAPE ``plain`` (default) is a tiny Llama of even sizes; ``odd`` has sizes that make ZeRO
 partitions end mid-row (hidden 33, 3 heads of 8, vocab 129, MLP 65, attention biases) and, under
@@ -228,18 +234,28 @@ def universal_scenario(out: Path, stage: int) -> dict:
             "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 
+SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
+             "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
+             "universal": universal_scenario}
+
+
+def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:
+    """``(scenario, dir, stage, shape)`` in launch order, from ``SCENARIO DIR [STAGE [SHAPE]]``
+    or groups of four."""
+    if len(argv) <= 4:
+        argv = argv + ["3", "plain"][len(argv) - 2:]
+    groups = [argv[i:i + 4] for i in range(0, len(argv), 4)]
+    return [(name, Path(out), int(stage), shape) for scenario, out, stage, shape in groups for name in scenario.split("+")]
+
+
 def main() -> None:
     global SHAPE
-    scenario, out = sys.argv[1], Path(sys.argv[2])
-    stage = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-    SHAPE = sys.argv[4] if len(sys.argv) > 4 else "plain"
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo")
-    run = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario, "restore_fail": restore_fail_scenario,
-           "checkpoint": checkpoint_scenario, "universal": universal_scenario}[scenario]
-    result = run(out, stage)
-    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    torch.distributed.barrier()
+    for scenario, out, stage, SHAPE in jobs(sys.argv[1:]):
+        result = SCENARIOS[scenario](out, stage)
+        (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+        torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # without it gloo can abort at exit (pytorch#190489)
 
 

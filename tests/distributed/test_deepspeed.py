@@ -1,12 +1,15 @@
 """DeepSpeed ZeRO engines with real processes (``ds_job.py``): tailored saves from the engine,
 restores at another world size and ZeRO stage, into one plain process, bf16 with fp32 masters.
 
-Launches are few (each costs 10-20 s): ZeRO-3 at 2 ranks saves, resumes bitwise and restores;
-the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and into a plain
-torch model; ZeRO-2 at 2 ranks likewise, restored under ZeRO-3 at 3 ranks and into plain torch;
-ZeRO-2 at 2 ranks with bf16; the odd shapes that end ZeRO partitions mid-row (several chunks
-of a tensor in one rank's file) with several ZeRO-3 sub-groups per param group; a restore that
-fails on one rank."""
+Launches are few (each costs 10-20 s, most of it the start of its processes), and tests that
+need the same processes share one (``ds_job.py`` runs several jobs in turn, a fresh engine
+each): ZeRO-3 at 2 ranks saves, resumes bitwise and restores, then writes DeepSpeed's own
+checkpoint; the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and
+into a plain torch model; ZeRO-2 at 2 ranks likewise, then its own checkpoint, then bf16 with
+fp32 masters; its run is restored under ZeRO-3 at 3 ranks and into plain torch; the odd shapes
+that end ZeRO partitions mid-row (several chunks of a tensor in one rank's file) with several
+ZeRO-3 sub-groups per param group, restored under ZeRO-2 at 3 ranks in the same launch as the
+plain ZeRO-3 run; a universal checkpoint loaded by DeepSpeed; a restore that fails on one rank."""
 
 from __future__ import annotations
 
@@ -28,21 +31,37 @@ JOB = Path(__file__).with_name("ds_job.py")
 pytestmark = pytest.mark.slow
 
 
-def launch(nproc: int, scenario: str, out: Path, stage: int, shape: str = "plain", timeout: float = 600) -> list[dict]:
+def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float = 600) -> None:
+    """One launch of ``nproc`` ranks running ``(scenario[+scenario...], dir, stage, shape)`` jobs in
+    turn; each scenario's results are read with ``results``."""
+    for scenario, out, _, _ in jobs:
+        for name in scenario.split("+"):  # a result read later is this launch's, never an earlier one's
+            for stale in out.glob(f"result-{name}-*.json"):
+                stale.unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario,
-         str(out), str(stage), shape],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB),
+         *(str(arg) for job in jobs for arg in job)],
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def results(out: Path, scenario: str, nproc: int) -> list[dict]:
     return [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(nproc)]
+
+
+def launch(nproc: int, scenario: str, out: Path, stage: int, shape: str = "plain", timeout: float = 600) -> list[dict]:
+    run_jobs(nproc, [(scenario, out, stage, shape)], timeout)
+    return results(out, scenario, nproc)
 
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
+    """The ZeRO-3 run (``save``), then DeepSpeed's own ZeRO-3 checkpoint in DIR/ds, one launch."""
     out = tmp_path_factory.mktemp("zero3")
-    return out, launch(2, "save", out, stage=3)
+    run_jobs(2, [("save+checkpoint", out, 3, "plain")])
+    return out, results(out, "save", 2)
 
 
 def test_zero3_parity_snapshot_restores_exactly_and_full_resumes_bitwise(zero3):
@@ -68,9 +87,16 @@ def test_each_rank_writes_about_half(zero3):
             assert 0.9 <= s["rank_bytes"] / (s["bytes"] / 2) <= 1.1, s
 
 
-def test_restore_under_zero2_at_3_ranks_and_zero1_in_one_process(zero3):
+@pytest.fixture(scope="module")
+def zero2_restores_of_zero3_runs(zero3, odd_zero3):
+    """Both ZeRO-3 runs (plain, odd) restored under ZeRO-2 at 3 ranks, in turn, in one launch."""
+    run_jobs(3, [("restore", zero3[0], 2, "plain"), ("restore", odd_zero3[0], 2, "odd")])
+    return {"plain": results(zero3[0], "restore", 3), "odd": results(odd_zero3[0], "restore", 3)}
+
+
+def test_restore_under_zero2_at_3_ranks_and_zero1_in_one_process(zero3, zero2_restores_of_zero3_runs):
     out, _ = zero3
-    for result in launch(3, "restore", out, stage=2):
+    for result in zero2_restores_of_zero3_runs["plain"]:
         assert result["restored"] == 6 and result["mismatches"] == []
     [single] = launch(1, "restore", out, stage=1)
     assert single["mismatches"] == [] and single["extra"] == {"rank": 0}
@@ -102,8 +128,11 @@ def test_restore_into_a_plain_torch_model_uses_each_units_own_step(zero3):
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
+    """The ZeRO-2 run (``save``), then DeepSpeed's own ZeRO-2 checkpoint in DIR/ds, then the bf16
+    run in DIR/bf16, one launch."""
     out = tmp_path_factory.mktemp("zero2")
-    return out, launch(2, "save", out, stage=2)
+    run_jobs(2, [("save+checkpoint+bf16", out, 2, "plain")])
+    return out, results(out, "save", 2)
 
 
 def test_zero2_parity_restores_at_2_under_zero3_at_3_and_into_plain_torch_and_full_resumes_bitwise(zero2):
@@ -119,13 +148,13 @@ def test_zero2_parity_restores_at_2_under_zero3_at_3_and_into_plain_torch_and_fu
     assert_plain_torch_restore_matches(out)
 
 
-def test_bf16_weights_are_the_restored_masters_cast(tmp_path):
-    for result in launch(2, "bf16", tmp_path, stage=2):
+def test_bf16_weights_are_the_restored_masters_cast(zero2):
+    for result in results(zero2[0], "bf16", 2):
         assert result["mismatches"] == []
         assert result["lp_dtypes"] == ["torch.bfloat16"] and result["lp_mismatches"] == []
 
 
-def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(tmp_path):
+def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, tmp_path):
     """engine.save_checkpoint (ZeRO-3, 2 ranks) -> import-deepspeed -> tensors equal DeepSpeed's
     own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -134,7 +163,10 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(tmp_pa
 
     from llmtailor.cli import app
 
-    [state] = launch(2, "checkpoint", tmp_path, stage=3)[:1]
+    import shutil
+
+    shutil.copytree(zero3[0] / "ds", tmp_path / "ds")  # made by the zero3 launch, after its run
+    [state] = results(zero3[0], "checkpoint", 2)[:1]
     assert state["global_steps"] == 3
     runner = CliRunner()
     result = runner.invoke(app, ["import-deepspeed", str(tmp_path / "ds"), "-o", str(tmp_path / "run")])
@@ -172,7 +204,7 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(tmp_pa
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
 
 
-def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(tmp_path, monkeypatch):
+def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2, tmp_path, monkeypatch):
     """A merge reads a DeepSpeed checkpoint from DeepSpeed's own conversion, unit by unit: the
     only runs written are the outputs (it was imported into a scratch run first, written twice
     before the output), and the output is, bit for bit, what a merge of the imported run makes."""
@@ -183,7 +215,9 @@ def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(tmp_p
     from llmtailor.merge import merge
     from llmtailor.outputs.run import RunSink
 
-    launch(2, "checkpoint", tmp_path, stage=2)
+    import shutil
+
+    shutil.copytree(zero2[0] / "ds", tmp_path / "ds")  # ZeRO-2's own checkpoint, made by the zero2 launch
     import_deepspeed(tmp_path / "ds", tmp_path / "imported")
     written, made = [], []
     write, mkdir = RunSink.write, os.mkdir
@@ -231,9 +265,8 @@ def test_odd_sizes_and_sub_groups_save_restore_and_resume_bitwise_under_zero3(od
     assert any(len(t.chunks) > len({c.file for c in t.chunks}) for t in entry.tensors)
 
 
-def test_odd_zero3_run_restores_under_zero2_at_3_ranks(odd_zero3):
-    out, _ = odd_zero3
-    for result in launch(3, "restore", out, stage=2, shape="odd"):
+def test_odd_zero3_run_restores_under_zero2_at_3_ranks(zero2_restores_of_zero3_runs):
+    for result in zero2_restores_of_zero3_runs["odd"]:
         assert result["restored"] == 6 and result["mismatches"] == []
 
 

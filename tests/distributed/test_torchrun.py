@@ -1,8 +1,11 @@
 """Distributed saves and restores with real processes: torchrun, gloo, CPU (``torch_job.py``).
 
-Launches are few and batched (each costs 10-20 s): one 2-rank FSDP2 job trains, saves, resumes
-and restores; a 3-rank job restores the same run; a 2-rank DDP job; two processes started by
-hand for the SIGKILL case (torchrun would kill the surviving rank itself)."""
+Launches are few and batched (each costs 10-20 s, most of it the start of its processes): one
+2-rank launch runs, in turn, the 2-rank scenarios of several tests, each in a directory of its
+own (an FSDP2 job that trains, saves, resumes and restores; a DDP job; per-rank stateful
+objects; partly frozen units; a forged run refused; a fallback past damage); a 3-rank launch
+restores the FSDP2 run and the dp x tp run in turn; two processes started by hand for the SIGKILL case (torchrun would kill
+the surviving rank itself)."""
 
 from __future__ import annotations
 
@@ -31,8 +34,20 @@ def env() -> dict[str, str]:
 
 def torchrun(nproc: int, scenario: str, out: Path, timeout: float = 600, **more_env: str) -> list[dict]:
     """Launch ``scenario`` at ``nproc`` ranks; past ``timeout`` (a hang) every rank is killed."""
+    torchrun_jobs(nproc, [(scenario, out)], timeout, **more_env)
+    return read_results(out, scenario, nproc)
+
+
+def read_results(out: Path, scenario: str, nproc: int) -> list[dict]:
+    return [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(nproc)]
+
+
+def torchrun_jobs(nproc: int, jobs: list[tuple[str, Path]], timeout: float = 600, **more_env: str) -> None:
+    """One launch at ``nproc`` ranks running the ``(scenario, dir)`` jobs in turn; past ``timeout``
+    (a hang) every rank is killed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB), scenario, str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB),
+         *(str(arg) for job in jobs for arg in job)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), **more_env}, start_new_session=True,
     )
     try:
@@ -41,8 +56,7 @@ def torchrun(nproc: int, scenario: str, out: Path, timeout: float = 600, **more_
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, not the launcher alone
         proc.communicate()
         raise
-    assert proc.returncode == 0, stdout[-4000:] + stderr[-6000:]
-    return [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(nproc)]
+    assert proc.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + stdout[-4000:] + stderr[-6000:]
 
 
 def job_module():
@@ -63,21 +77,46 @@ def restore_in_one_process(out: Path, run_name: str) -> tuple[list[str], object]
     return job_module().compare_with_composite(out, out / run_name, model, optimizer), report
 
 
+SHARED_2_RANKS = ("fsdp-train", "ddp", "stateful", "fsdp-frozen", "fsdp-lacking", "fsdp-fallback")
+
+
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    return out, torchrun(2, "fsdp-train", out)
+def two_ranks(tmp_path_factory) -> dict[str, Path]:
+    """The directory of each scenario of ``SHARED_2_RANKS``, all run in one 2-rank launch (the
+    tests share the ranks' start-up, not their files)."""
+    dirs = {scenario: tmp_path_factory.mktemp(scenario) for scenario in SHARED_2_RANKS}
+    torchrun_jobs(2, list(dirs.items()), timeout=1800)  # a hang guard for six jobs on a busy machine
+    return dirs
 
 
-def test_fsdp2_parity_restores_exact_versions_at_world_sizes_2_3_and_1(fsdp):
+@pytest.fixture(scope="module")
+def fsdp(two_ranks):
+    out = two_ranks["fsdp-train"]
+    return out, read_results(out, "fsdp-train", 2)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """dp 2 x tp 2 at 4 ranks: saves into DIR/mesh, restored in the same job (``mesh``)."""
+    out = tmp_path_factory.mktemp("mesh")
+    return out, torchrun(4, "mesh", out)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(fsdp, mesh) -> dict[str, list[dict]]:
+    """The FSDP2 run and the dp x tp run, each restored into FSDP2 at 3 ranks, in turn, in one launch."""
+    torchrun_jobs(3, [("fsdp-restore", fsdp[0]), ("fsdp-restore-mesh", mesh[0])])
+    return {"parity": read_results(fsdp[0], "fsdp-restore", 3), "mesh": read_results(mesh[0], "fsdp-restore-mesh", 3)}
+
+
+def test_fsdp2_parity_restores_exact_versions_at_world_sizes_2_3_and_1(fsdp, three_ranks):
     out, results = fsdp
     for rank, result in enumerate(results):  # restored at 2, in the same job
         assert result["restored"] == 8 and result["mismatches"] == []
         assert result["extra"] == {"rank": rank, "next": 9} and result["unmapped"] == []
     sources = Run(out / "parity").resolve().sources
     assert sources["layer.1"] == 8 and sources["layer.0"] == 6  # a real composite
-    three = torchrun(3, "fsdp-restore", out)
-    for rank, result in enumerate(three):
+    for rank, result in enumerate(three_ranks["parity"]):
         assert result["restored"] == 8 and result["mismatches"] == []
         assert result["extra"] == {"rank": rank if rank < 2 else 0, "next": 9}
         assert "rank 2 kept its RNG streams and got rank 0's extras" in " ".join(result["unmapped"])
@@ -130,8 +169,9 @@ def test_fsdp2_ranks_write_their_own_shards_about_evenly(fsdp):
     assert sorted(c.offsets for c in q.chunks) == [[0, 0], [16, 0]]  # dim-0 shards, no full tensor anywhere
 
 
-def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(tmp_path, tokens):
-    results = torchrun(2, "ddp", tmp_path)
+def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(two_ranks, tokens):
+    tmp_path = two_ranks["ddp"]  # this test's alone
+    results = read_results(tmp_path, "ddp", 2)
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []
     mismatches, _ = restore_in_one_process(tmp_path, "ddp")
@@ -161,10 +201,11 @@ def test_ddp_snapshot_has_single_process_bytes_split_between_ranks(tmp_path, tok
         assert 0 <= extra <= 40 * len(ddp.manifest(step).units)
 
 
-def test_each_rank_saves_and_restores_its_own_stateful_objects(tmp_path):
+def test_each_rank_saves_and_restores_its_own_stateful_objects(two_ranks):
     """Stateful objects are per rank, as the extras: at the saved world size each rank gets its
     own; in one process (a smaller world), rank 0's, and the report says the others were not used."""
-    results = torchrun(2, "stateful", tmp_path)
+    tmp_path = two_ranks["stateful"]
+    results = read_results(tmp_path, "stateful", 2)
     for rank, result in enumerate(results):
         assert result["restored"] == 2 and result["unmapped"] == []
         assert result["position"] == {"seen": 20 + rank, "order": [20 + rank] * 3}
@@ -333,10 +374,11 @@ def test_fsdp2_with_a_memory_tier_promotes_every_ranks_parts_and_restores_from_e
         shutil.rmtree(memory, ignore_errors=True)
 
 
-def test_fsdp2_async_saves_of_partly_frozen_units_equal_sync_ones_and_restore(tmp_path):
+def test_fsdp2_async_saves_of_partly_frozen_units_equal_sync_ones_and_restore(two_ranks):
     """Each layer unit holds frozen and trained tensors: the async snapshots record the same
     kept frozen tensors as the synchronous ones, and restore to the composite's versions."""
-    results = torchrun(2, "fsdp-frozen", tmp_path)
+    tmp_path = two_ranks["fsdp-frozen"]
+    results = read_results(tmp_path, "fsdp-frozen", 2)
     assert [r["mismatches"] for r in results] == [[], []] and results[0]["restored"] == 6
     sync, async_ = Run(tmp_path / "sync" / "frozen"), Run(tmp_path / "async" / "frozen")
     for step in (4, 6):
@@ -345,12 +387,13 @@ def test_fsdp2_async_saves_of_partly_frozen_units_equal_sync_ones_and_restore(tm
             assert async_._stored_entry(step, unit) == sync._stored_entry(step, unit), f"step {step}, {unit}"
 
 
-def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touching_anything(tmp_path):
+def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touching_anything(two_ranks):
     """A forged run (every checksum holds) whose composite's layer.1 lacks a weight: every rank
     refuses it from the indexes, naming the unit, the snapshot and the tensor, and no rank's
     live model or optimizer changed (FSDP2 loads by the keys a unit's index lists: without the
     check the weight would silently keep its live value)."""
-    results = torchrun(2, "fsdp-lacking", tmp_path)
+    tmp_path = two_ranks["fsdp-lacking"]
+    results = read_results(tmp_path, "fsdp-lacking", 2)
     for result in results:
         error = result["error"]
         assert error is not None and error.startswith("IntegrityError"), error
@@ -359,7 +402,7 @@ def test_fsdp2_refuses_a_unit_version_lacking_a_weight_on_every_rank_before_touc
         assert result["changed"] == []
 
 
-def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into_any_layout(tmp_path):
+def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into_any_layout(mesh, three_ranks):
     """dp 2 x tp 2, tensor parallel on the attention and MLP linears only (the snippet of
     docs/distributed.md): the embedding, norms and head live on the ``dp`` sub-mesh, the linears
     on both. Found: the first save failed on every rank with a raw pydantic ValidationError
@@ -369,7 +412,7 @@ def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into
     -> 3) and into one process, every weight and optimizer tensor its composite's version."""
     from safetensors.torch import load_file
 
-    results = torchrun(4, "mesh", tmp_path)
+    tmp_path, results = mesh
     for result in results:
         for layout in ("same", "fsdp"):  # restored at 4 ranks: dp 2 x tp 2, and FSDP2 over 4 (tp 1)
             assert result[layout]["restored"] == 4 and result[layout]["mismatches"] == [], (layout, result[layout])
@@ -387,16 +430,16 @@ def test_tensor_parallel_linears_and_fsdp2_write_each_byte_once_and_restore_into
         assert sorted(file_rank(f.path) for f in run.unit_entry(2, unit).files) == list(ranks)
     q = run.unit_entry(2, "layer.0").tensor("weight/model.layers.0.self_attn.q_proj.weight")
     assert len(q.chunks) == 4  # dp x tp shards, one per rank
-    three = torchrun(3, "fsdp-restore", tmp_path, RUN_NAME="mesh")
-    assert [(r["restored"], r["mismatches"]) for r in three] == [(4, [])] * 3
+    assert [(r["restored"], r["mismatches"]) for r in three_ranks["mesh"]] == [(4, [])] * 3
     mismatches, report = restore_in_one_process(tmp_path, "mesh")
     assert mismatches == [] and report.saved_world_size == 4
 
 
-def test_fsdp2_fallback_passes_over_a_composite_damaged_in_one_ranks_part_on_every_rank(tmp_path):
+def test_fsdp2_fallback_passes_over_a_composite_damaged_in_one_ranks_part_on_every_rank(two_ranks):
     """restore(fallback=True) verifies while it loads: the rank that reads the damaged bytes
     fails, the ranks agree, every rank passes over that composite and loads the previous one."""
-    results = torchrun(2, "fsdp-fallback", tmp_path)
+    tmp_path = two_ranks["fsdp-fallback"]
+    results = read_results(tmp_path, "fsdp-fallback", 2)
     assert Run(tmp_path / "fallback").resolve().sources["layer.0"] == 6
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []

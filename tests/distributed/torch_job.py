@@ -1,6 +1,9 @@
 """Distributed training jobs for the torchrun tests: FSDP2 and DDP on gloo, CPU, real processes.
 
-    python -m torch.distributed.run --standalone --nproc_per_node N torch_job.py SCENARIO DIR
+    python -m torch.distributed.run --standalone --nproc_per_node N torch_job.py SCENARIO DIR [SCENARIO DIR ...]
+
+Several ``SCENARIO DIR`` pairs run in turn in one launch (one process group; each scenario builds
+its own models), so tests that need the same ranks share their start-up.
 
 Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 
@@ -11,8 +14,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     then a third model, from another seed, restores ``DIR/full`` and trains 7..10: its losses
     must equal the uninterrupted ones bit for bit. Finally ``DIR/parity`` is restored into a
     fresh model at this world size and compared with the versions its composite names.
-``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` (or ``DIR/$RUN_NAME``)
-    into FSDP2 and compare.
+``fsdp-restore``  (any world size) only that last part: restore ``DIR/parity`` into FSDP2 and
+    compare; ``fsdp-restore-mesh`` the same for ``DIR/mesh``.
 ``ddp``  world 2, DDP. Parity saves at steps 2 and 4 into ``DIR/ddp`` (bytes per rank
     recorded), versions written as above, then a restore at this world size, compared.
 ``fsdp-url``  as the first half of ``fsdp-train`` (Parity saves every 2 steps up to 8, then a
@@ -809,10 +812,8 @@ def nodes_refused(out: Path) -> dict:
     return result
 
 
-def main() -> None:
-    scenario, out = sys.argv[1], Path(sys.argv[2])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def run_scenario(scenario: str, out: Path) -> dict:
+    """What ``scenario`` records on this rank (written to ``DIR/result-<scenario>-<rank>.json``)."""
     if scenario == "fsdp-train":
         result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(resume_bitwise(out))
@@ -829,8 +830,8 @@ def main() -> None:
             result[mode] = save_loop("fsdp", out / mode, "frozen", Parity(), last=6, every=2, freeze=True,
                                      async_save=mode == "async")
         result.update(restore_and_compare("fsdp", out / "async", "frozen", freeze=True))
-    elif scenario == "fsdp-restore":
-        result = restore_and_compare("fsdp", out, os.environ.get("RUN_NAME", "parity"))
+    elif scenario in ("fsdp-restore", "fsdp-restore-mesh"):
+        result = restore_and_compare("fsdp", out, "mesh" if scenario.endswith("-mesh") else "parity")
     elif scenario == "ddp":
         result = save_loop("ddp", out, "ddp", Parity(), last=4, every=2)
         result.update(restore_and_compare("ddp", out, "ddp"))
@@ -878,14 +879,25 @@ def main() -> None:
         result = kill_a_reader(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    if scenario == "read-kill" and rank() == 0:  # it hosts the store the other survivor may still be polling
-        deadline = time.monotonic() + 300
-        while not (out / "result-read-kill-2.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    if scenario in ("kill", "read-kill"):
-        os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
-    dist.barrier()
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) < 3 or len(sys.argv) % 2 == 0:
+        raise SystemExit(f"expected SCENARIO DIR [SCENARIO DIR ...], got {sys.argv[1:]}")
+    jobs = list(zip(sys.argv[1::2], map(Path, sys.argv[2::2])))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for scenario, out in jobs:
+        result = run_scenario(scenario, out)
+        (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+        if scenario == "read-kill" and rank() == 0:  # it hosts the store the other survivor may still be polling
+            deadline = time.monotonic() + 300
+            while not (out / "result-read-kill-2.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if scenario in ("kill", "read-kill"):
+            os._exit(0)  # rank 1 is dead: tearing the process group down would wait for it
+        dist.barrier()
     dist.destroy_process_group()
 
 
