@@ -128,9 +128,10 @@ class Tailor:
         self._check_save(step)
         start = time.perf_counter()
         self.provider.refresh()
-        drift = self._drift.measure() if self._drift is not None else None
+        survey = self._frozen.survey()
+        drift, frozen_news = self._measure(survey.news)
         lineage = self.lineage
-        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite))
+        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite), survey, frozen_news)
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
             last_saved_index=lineage.saved_index, drift=drift, unit_bytes=self._frozen.weighed_bytes(lineage.unit_bytes),
@@ -156,6 +157,18 @@ class Tailor:
                                  target=str(self.run.root), chosen=units)
         job.blocked_seconds = time.perf_counter() - start
         return PendingSave(job, SaveReport.of)
+
+    def _measure(self, frozen_news: bool) -> tuple[dict[str, dict[str, float | None]] | None, bool]:
+        """A save's one meeting on the training thread: the units' drift (when tracked) and
+        whether any rank's frozen tensors have news for the frozen plan (``FrozenParts.plan``),
+        summed in one all-reduce, so every rank has the same figures and the same answer."""
+        flag = torch.tensor([1.0 if frozen_news else 0.0], dtype=torch.float64)
+        drift = None
+        if self._drift is not None:
+            drift, flag = self._drift.measure(flag)
+        elif self.world_size > 1:
+            flag = self.coordinator.all_reduce_sum(flag)
+        return drift, bool(flag[0] > 0)
 
     def _check_save(self, step: int) -> None:
         if self.read_only:
