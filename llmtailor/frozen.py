@@ -209,8 +209,11 @@ class FrozenParts:
         """This rank's look at its frozen tensors before a save (no message): their fingerprints,
         which changed since saved, and its report for the ranks' agreement (``plan``)."""
         frozen = {weight_key(n) for n in self.provider.frozen_names()}
+        # Only the units holding a frozen tensor: listing a unit's pieces costs (its optimizer
+        # state's too), at every save, for nothing when nothing is frozen.
+        holding = [unit for unit, names in self.provider.layout.units.items() if any(weight_key(n) in frozen for n in names)]
         pieces: dict[str, list[Piece]] = {}
-        for unit_pieces in self.provider.pieces_by_unit(list(self.provider.layout.units)).values():
+        for unit_pieces in self.provider.pieces_by_unit(holding).values():
             for piece in unit_pieces:
                 if piece.key in frozen:
                     pieces.setdefault(piece.key, []).append(piece)
