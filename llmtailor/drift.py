@@ -266,7 +266,7 @@ class DriftWatch:
     over the layout's units, hooked to the optimizers so it lets go of replaced state at once,
     and the sample of the save being made until that save commits.
 
-    ``measure`` at a save (collective: one all-reduce through ``reduce``); ``committed`` when
+    ``measure`` at a save (collective: one all-reduce through ``reduce``, carrying the caller's rider); ``committed`` when
     that save's snapshot is committed (its units' sampled values become their references);
     ``restored`` after a restore (every unit's); ``close`` removes the hooks."""
 
@@ -284,16 +284,20 @@ class DriftWatch:
             if hasattr(opt, "_optimizer_load_state_dict_pre_hooks")  # a torch Optimizer that ran its __init__
         ]
 
-    def measure(self) -> dict[str, dict[str, float | None]]:
-        """Each unit's drift since its last saved version, the same on every rank; the sample
-        it was measured on is kept for ``saving``."""
+    def measure(self, rider: torch.Tensor) -> tuple[dict[str, dict[str, float | None]], torch.Tensor]:
+        """Each unit's drift since its last saved version, the same on every rank, and the sum
+        over the ranks of ``rider`` (float64 figures of the caller's, summed in the same
+        all-reduce: one meeting per save, not two); the sample it was measured on is kept for
+        ``saving``."""
         sample = self.tracker.gather(self.units, self.source)
-        sums = self.reduce(self.tracker.partial_sums(self.units, sample))
+        partial = self.tracker.partial_sums(self.units, sample)
+        reduced = self.reduce(torch.cat([partial.flatten(), rider.to(partial.dtype)]))
+        sums, rider = reduced[:partial.numel()].view(partial.shape), reduced[partial.numel():]
         self._pending = (sample, [])
         # The sums are over every unit on every rank (zeros where a rank holds none of it, as a
         # pipeline stage does): one all-reduce of one size. A unit no rank has a reference of sums
         # to a zero norm, reported as None; a rank's own references (known()) are its stage's only.
-        return drift_figures(self.units, sums, set(self.units))
+        return drift_figures(self.units, sums, set(self.units)), rider
 
     def saving(self, units: list[str]) -> None:
         """The save just measured writes ``units``: their sample becomes their reference once it commits."""

@@ -175,6 +175,19 @@ def _recorded_sample(tensor: TensorEntry, pieces: list[Piece]) -> str | None:
     return tensor.chunks[0].sample_xxh3
 
 
+@dataclass(frozen=True)
+class FrozenSurvey:
+    """One rank's frozen tensors as a save begins (``FrozenParts.survey``)."""
+
+    prints: dict[str, tuple]
+    """Fingerprint of every frozen tensor piece this rank holds, taken now."""
+    report: list[Any]
+    """What it tells the other ranks: the frozen tensors changed since saved (sorted keys), its
+    frozen units, the units it holds."""
+    news: bool
+    """Whether ``report`` differs from what this rank reported at the last exchange."""
+
+
 class FrozenParts:
     """Which frozen tensors a writer can leave out (module docstring)."""
 
@@ -187,14 +200,20 @@ class FrozenParts:
         self._written_bytes: dict[str, int] = {}
         """Unit -> bytes of frozen tensors its newest version wrote (not what a policy weighs)."""
         self._pending: tuple[FrozenPlan, list[str]] | None = None
+        self._reported: list[Any] | None = None
+        """This rank's report at the ranks' last exchange (``plan``)."""
+        self._agreed: tuple[list[str], set[str]] | None = None
+        """What that exchange agreed: the frozen tensors changed on any rank, the frozen units."""
 
-    def plan(self, tag: str, versioned: set[str]) -> FrozenPlan:
-        """This save's plan, the same on every rank (one exchange in a distributed job);
-        ``versioned``: the units the writer's lineage has a version of."""
+    def survey(self) -> FrozenSurvey:
+        """This rank's look at its frozen tensors before a save (no message): their fingerprints,
+        which changed since saved, and its report for the ranks' agreement (``plan``)."""
         frozen = {weight_key(n) for n in self.provider.frozen_names()}
-        units = list(self.provider.layout.units)
+        # Only the units holding a frozen tensor: listing a unit's pieces costs (its optimizer
+        # state's too), at every save, for nothing when nothing is frozen.
+        holding = [unit for unit, names in self.provider.layout.units.items() if any(weight_key(n) in frozen for n in names)]
         pieces: dict[str, list[Piece]] = {}
-        for unit_pieces in self.provider.pieces_by_unit(units).values():
+        for unit_pieces in self.provider.pieces_by_unit(holding).values():
             for piece in unit_pieces:
                 if piece.key in frozen:
                     pieces.setdefault(piece.key, []).append(piece)
@@ -208,14 +227,27 @@ class FrozenParts:
                     ref["sample_xxh3"] = prints[key][0][3]  # a whole tensor's one piece
                     self._held[key], self._base_refs[key] = ("base", prints[key]), ref
                     changed.remove(key)
-        frozen_units = set(self.provider.frozen_units())
+        report = [changed, sorted(self.provider.frozen_units()), list(self.provider.layout.units)]
+        return FrozenSurvey(prints=prints, report=report, news=report != self._reported)
+
+    def plan(self, tag: str, versioned: set[str], survey: FrozenSurvey, news_anywhere: bool) -> FrozenPlan:
+        """This save's plan, the same on every rank; ``versioned``: the units the writer's
+        lineage has a version of. In a distributed job the ranks exchange their reports
+        (``survey``) only when ``news_anywhere`` (some rank's ``survey.news``, agreed by the
+        caller on every rank alike): when no rank's report changed since the last exchange,
+        that exchange's agreement is this one's too (same reports, same union), so a save
+        with nothing frozen, or nothing frozen changing, spends no message on it."""
+        changed, frozen_units = survey.report[0], set(survey.report[1])
         if self.coordinator.world_size > 1:
-            held = list(self.provider.layout.units)
-            reports = self.coordinator.exchange(tag, [changed, sorted(frozen_units), held])
-            changed = sorted({key for report in reports for key in report[0]})
-            # Frozen where every rank holding it says so: pipeline stages hold different units.
-            frozen_units = {u for u in self.provider.stages.layout.units
-                            if all(u in report[1] for report in reports if u in report[2])}
+            if news_anywhere or self._agreed is None:
+                reports = self.coordinator.exchange(tag, survey.report)
+                changed = sorted({key for report in reports for key in report[0]})
+                # Frozen where every rank holding it says so: pipeline stages hold different units.
+                frozen_units = {u for u in self.provider.stages.layout.units
+                                if all(u in report[1] for report in reports if u in report[2])}
+                self._reported, self._agreed = survey.report, (changed, frozen_units)
+            changed, frozen_units = self._agreed
+        prints = survey.prints
         kept = {key: self._held[key][0] for key in prints if key not in changed}
         unit_of = self.provider.stages.layout.unit_of
         quiet = {u for u in frozen_units if u in versioned and not any(unit_of(split_key(k)[1]) == u for k in changed)}
@@ -295,4 +327,4 @@ class FrozenParts:
         return {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.provider.live_specs().items()}
 
 
-__all__ = ["BaseModel", "FrozenParts", "FrozenPlan", "fingerprints"]
+__all__ = ["BaseModel", "FrozenParts", "FrozenPlan", "FrozenSurvey", "fingerprints"]

@@ -41,7 +41,7 @@ from llmtailor.config import TailorConfig
 from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.drift import DriftWatch
 from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError, StorageError, TailorError
-from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan
+from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan, FrozenSurvey
 from llmtailor.layouts import Layout
 from llmtailor.policies import Policy, SaveContext
 from llmtailor.providers import StateProvider, make_provider
@@ -128,9 +128,9 @@ class Tailor:
         self._check_save(step)
         start = time.perf_counter()
         self.provider.refresh()
-        drift = self._drift.measure() if self._drift is not None else None
+        drift, survey, frozen_news = _measure(self._drift, self._frozen, self.coordinator)
         lineage = self.lineage
-        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite))
+        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite), survey, frozen_news)
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
             last_saved_index=lineage.saved_index, drift=drift, unit_bytes=self._frozen.weighed_bytes(lineage.unit_bytes),
@@ -407,6 +407,21 @@ class _Restoring:
             lease.close()
         # One process: its own error names the damage best (the agreed one adds advice to it).
         return None, (error if skippable and self.coordinator.world_size == 1 and error is not None else failure)
+
+
+def _measure(drift: DriftWatch | None, frozen: FrozenParts,
+             coordinator: Coordinator) -> tuple[dict[str, dict[str, float | None]] | None, FrozenSurvey, bool]:
+    """A save's one meeting on the training thread: the units' drift (when tracked) and whether
+    any rank's frozen tensors have news for the frozen plan (``FrozenParts.survey``, ``plan``),
+    summed in one all-reduce, so every rank has the same figures and the same answer."""
+    survey = frozen.survey()
+    flag = torch.tensor([1.0 if survey.news else 0.0], dtype=torch.float64)
+    figures = None
+    if drift is not None:
+        figures, flag = drift.measure(flag)
+    elif coordinator.world_size > 1:
+        flag = coordinator.all_reduce_sum(flag)
+    return figures, survey, bool(flag[0] > 0)
 
 
 def _as_damage(err: BaseException, skippable: bool) -> BaseException:

@@ -259,6 +259,27 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
         assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
 
 
+def test_frozen_reports_are_exchanged_only_when_a_stage_has_news_and_the_stages_stay_agreed(tmp_path):
+    """The frozen plan's exchange rides on the save's drift all-reduce as one flag: skipped
+    while no rank's frozen tensors change, made on every rank when one stage alone freezes a
+    weight (a rank deciding by itself would hang the other; ``timeout=30`` stands for that).
+    Found before: every save exchanged (6 of 6). The weight is written once after it froze, the
+    later versions keep it, and fresh stages restore every tensor."""
+    results = torchrun(2, "pipeline-freeze", tmp_path, timeout=400)
+    # The first save; step 3 (the freeze: news on stage 1); the save after its unit wrote it.
+    assert [result["exchanges"] for result in results] == [3, 3], results
+    for result in results:
+        assert result["restored"] == 6 and result["mismatches"] == [], result
+    run = Run(tmp_path / "stages")
+    key = "weight/" + job_module().FROZEN_MID_RUN
+    wrote = [step for step in range(3, 7) if "layer.3" in run.manifest(step).units
+             and key in {t.key for t in run._stored_entry(step, "layer.3").tensors}]
+    kept = [step for step in range(3, 7) if "layer.3" in run.manifest(step).units
+            and key in run._stored_entry(step, "layer.3").kept]
+    assert len(wrote) == 1 and kept and min(kept) > wrote[0], (wrote, kept)
+    assert run.verify() == []
+
+
 def test_tensor_parallel_inside_pipeline_stages_saves_with_parity_and_restores_into_stages_and_one_process(tmp_path):
     """pp 2 x tp 2 (docs/distributed.md's ``parallelize_stage``: each stage's linears tensor
     parallel over its ``tp`` sub-mesh, its embedding, norms and head whole on both of its

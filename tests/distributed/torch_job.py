@@ -36,6 +36,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     writing its stage's versions to ``DIR/versions/<step>.stage<k>``; fresh stages restore it
     and compare every tensor, the LR scheduler and the optimizer groups; then stages that cut
     layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=20``): the refusal recorded.
+``pipeline-freeze``  world 2, two pipeline stages: Parity saves at every step 1..6 into
+    ``DIR/stages``, the second stage alone freezing one of its weights before step 3's save;
+    each rank records how many saves exchanged frozen reports, then fresh stages restore and compare.
 ``pipeline-tp``  world 4: ``pipeline``'s two stages, each tensor parallel over two ranks (a
     ``("pp", "tp")`` mesh, docs/distributed.md's ``parallelize_stage``): saves, versions and the
     restore into fresh stages as there (no split layer).
@@ -457,6 +460,37 @@ def pipeline(out: Path, stages: int = 2, tp: int = 1) -> dict:
     return result
 
 
+def pipeline_freezing(out: Path) -> dict:
+    """Two stages, Parity saves at every step 1..6 into ``DIR/stages`` (drift tracked, versions
+    written as ``pipeline`` does); before step 3's save the second stage alone freezes
+    ``FROZEN_MID_RUN``. Records how many saves exchanged the frozen reports on this rank, then
+    restores into fresh stages (``restore_stages``)."""
+    from llmtailor.training_example import build_optimizer
+
+    model = pipeline_stage(2)
+    optimizer, scheduler = build_optimizer(model, total_steps=50)
+    exchanged: list[str] = []
+    with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=30) as tailor:
+        exchange = tailor.coordinator.exchange
+
+        def counted(tag: str, value):
+            exchanged.extend([tag] if tag.endswith("/frozen") else [])
+            return exchange(tag, value)
+
+        tailor.coordinator.exchange = counted
+        for step in range(1, 7):
+            pipeline_step(model, optimizer, scheduler, step, 1)
+            if step == 3 and rank() == 1:
+                model.get_parameter(FROZEN_MID_RUN).requires_grad_(False)
+            tailor.save(step)
+            write_versions(out, step, model, optimizer, name=f"{step}.stage{rank()}", writer=True)
+    return {"exchanges": len(exchanged), **restore_stages(out, 2, optimizer, scheduler)}
+
+
+FROZEN_MID_RUN = "model.layers.3.self_attn.q_proj.weight"
+"""A weight of the second of two pipeline stages that ``pipeline_freezing`` freezes mid-run."""
+
+
 def restore_stages(out: Path, stages: int, optimizer=None, scheduler=None, tp: int = 1) -> dict:
     """Fresh stages restore ``DIR/stages`` and compare every tensor with its composite version,
     and the scheduler and groups with the live ones that saved it (when given)."""
@@ -855,6 +889,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result["refused"] = refused_restore(out, "fsdp")
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
+    elif scenario == "pipeline-freeze":
+        result = pipeline_freezing(out)
     elif scenario == "pipeline-tp":
         result = pipeline(out, stages=2, tp=2)
     elif scenario == "pipeline-restore":
