@@ -77,7 +77,7 @@ def restore_in_one_process(out: Path, run_name: str) -> tuple[list[str], object]
     return job_module().compare_with_composite(out, out / run_name, model, optimizer), report
 
 
-SHARED_2_RANKS = ("fsdp-train", "ddp", "stateful", "fsdp-frozen", "fsdp-lacking", "fsdp-fallback")
+SHARED_2_RANKS = ("fsdp-train", "ddp", "stateful", "fsdp-frozen", "fsdp-lacking", "fsdp-fallback", "pipeline-freeze")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def two_ranks(tmp_path_factory) -> dict[str, Path]:
     """The directory of each scenario of ``SHARED_2_RANKS``, all run in one 2-rank launch (the
     tests share the ranks' start-up, not their files)."""
     dirs = {scenario: tmp_path_factory.mktemp(scenario) for scenario in SHARED_2_RANKS}
-    torchrun_jobs(2, list(dirs.items()), timeout=1800)  # a hang guard for six jobs on a busy machine
+    torchrun_jobs(2, list(dirs.items()), timeout=1800)  # a hang guard for seven jobs on a busy machine
     return dirs
 
 
@@ -259,13 +259,14 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
         assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
 
 
-def test_frozen_reports_are_exchanged_only_when_a_stage_has_news_and_the_stages_stay_agreed(tmp_path):
+def test_frozen_reports_are_exchanged_only_when_a_stage_has_news_and_the_stages_stay_agreed(two_ranks):
     """The frozen plan's exchange rides on the save's drift all-reduce as one flag: skipped
     while no rank's frozen tensors change, made on every rank when one stage alone freezes a
     weight (a rank deciding by itself would hang the other; ``timeout=30`` stands for that).
     Found before: every save exchanged (6 of 6). The weight is written once after it froze, the
     later versions keep it, and fresh stages restore every tensor."""
-    results = torchrun(2, "pipeline-freeze", tmp_path, timeout=400)
+    tmp_path = two_ranks["pipeline-freeze"]
+    results = read_results(tmp_path, "pipeline-freeze", 2)
     # The first save; step 3 (the freeze: news on stage 1); the save after its unit wrote it.
     assert [result["exchanges"] for result in results] == [3, 3], results
     for result in results:
