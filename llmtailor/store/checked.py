@@ -92,9 +92,9 @@ def check_stored(data: bytes | bytearray | mmap.mmap, entry: FileEntry, where: s
 
 def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
                          into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file ``key``, its bytes read once: its size checked
-    against ``entry``, then fetched in concurrent parts and checksummed on the way
-    (``store.fetch``), the checksum compared with ``entry``'s, then its header with what the
+    """Every tensor of the safetensors file ``key``, its bytes read once: fetched in concurrent
+    parts and checksummed on the way (``store.fetch``), its size checked against ``entry`` (from
+    the answer to its first request where the store gives it there: no request of its own), the checksum compared with ``entry``'s, then its header with what the
     manifest says it holds (``check_header``), all before a tensor is made; never unpickles.
 
     ``into``: tensors to read straight into (name -> a live tensor of the manifest's dtype and
@@ -102,13 +102,12 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected:
     names. Their bytes land before the file's checksum is compared: on an IntegrityError they
     may hold damaged bytes (the caller treats them as touched). The header is then read first
     and checked before any byte lands; a file whose tensors do not tile its data is read whole."""
-    _check_size(storage, key, entry)
     where, hasher = storage.where(key), xxhash.xxh3_64()
     if into:
         layout = _tiled_layout(storage, key, entry, expected)
         if layout is not None:
             return _fetch_into(storage, key, entry, layout, into, hasher)
-    data = fetch(storage, key, 0, entry.bytes, hasher)
+    data = fetch(storage, key, 0, entry.bytes, hasher, sized=lambda size: _check_found_size(storage, key, entry, size))
     if hasher.hexdigest() != entry.xxh3_64:
         raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
     view = memoryview(data)
@@ -149,7 +148,9 @@ def _tiled_layout(storage: Storage, key: str, entry: FileEntry,
     end with no gap (how the writer lays them out, so hashing the header and then each tensor
     as it lands is the file's checksum); None for any other layout."""
     where = storage.where(key)
-    head = bytes(storage.read_range(key, 0, min(_HEAD, entry.bytes)))
+    size, head = storage.read_start(key, min(_HEAD, entry.bytes))  # the size checked by the header's request
+    _check_found_size(storage, key, entry, size)
+    head = bytes(head)
 
     def read(start: int, length: int) -> bytes:
         return head[start : start + length] if start + length <= len(head) else bytes(storage.read_range(key, start, length))
