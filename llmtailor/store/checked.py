@@ -205,19 +205,14 @@ its first request (the header's length word, the header, and any data bytes the 
 not rule out): a longer header is read on."""
 
 
-def stored_header(storage: Storage, key: str, entry: FileEntry,
-                  parsed: tuple[int, dict[str, dict]] | None = None, known: int | None = None) -> tuple[int, dict[str, dict]]:
+def stored_header(storage: Storage, key: str, entry: FileEntry, known: int | None = None) -> tuple[int, dict[str, dict]]:
     """``(offset of the data, header)`` of the safetensors file ``key``, from its header alone,
-    after checking its size against ``entry``; ``parsed``: the header as parsed before (a pack
-    file's, read for one unit and kept for the next: it is not read again); ``known``: bytes of
+    after checking its size against ``entry``; ``known``: bytes of
     the file's tensor data the caller knows of (its chunks in the indexes at hand). The rest of
     the file is at most the length word and the header: from a remote store (a round trip a
     request) they come with the file's size in one request when the rest is under
     ``HEADER_READ`` (every chunk known: no data byte read twice), where a HEAD and two GETs
     took them. None: the size and the length word first, then the header (no data byte read)."""
-    if parsed is not None:
-        _check_size(storage, key, entry)
-        return parsed
     first = min(max(8, entry.bytes - known), HEADER_READ) if storage.remote and known is not None else 8
     size, head = storage.read_start(key, min(first, entry.bytes))
     _check_found_size(storage, key, entry, size)
@@ -229,11 +224,11 @@ def stored_header(storage: Storage, key: str, entry: FileEntry,
 
 
 def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
-                        parsed: tuple[int, dict[str, dict]] | None = None) -> tuple[int, dict[str, dict]]:
+                        known: int | None = None) -> tuple[int, dict[str, dict]]:
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
     it holds: each key present, with the manifest's dtype (by name) and shape. Returns
-    ``stored_header``'s ``(offset of the data, header)``."""
-    offset, header = stored_header(storage, key, entry, parsed)
+    ``stored_header``'s ``(offset of the data, header)`` (``known``: as there)."""
+    offset, header = stored_header(storage, key, entry, known)
     check_header(header, storage.where(key), expected)
     return offset, header
 
