@@ -94,8 +94,9 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected:
                          into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file ``key``, its bytes read once: fetched in concurrent
     parts and checksummed on the way (``store.fetch``), its size checked against ``entry`` (from
-    the answer to its first request where the store gives it there: no request of its own), the checksum compared with ``entry``'s, then its header with what the
-    manifest says it holds (``check_header``), all before a tensor is made; never unpickles.
+    the answer to its first request where the store gives it there: no request of its own),
+    the checksum compared with ``entry``'s, then its header with what the manifest says it
+    holds (``check_header``), all before a tensor is made; never unpickles.
 
     ``into``: tensors to read straight into (name -> a live tensor of the manifest's dtype and
     shape, contiguous, in CPU memory: ``readable_into``), which are the ones returned for those
