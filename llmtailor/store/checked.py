@@ -92,23 +92,23 @@ def check_stored(data: bytes | bytearray | mmap.mmap, entry: FileEntry, where: s
 
 def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
                          into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file ``key``, its bytes read once: its size checked
-    against ``entry``, then fetched in concurrent parts and checksummed on the way
-    (``store.fetch``), the checksum compared with ``entry``'s, then its header with what the
-    manifest says it holds (``check_header``), all before a tensor is made; never unpickles.
+    """Every tensor of the safetensors file ``key``, its bytes read once: fetched in concurrent
+    parts and checksummed on the way (``store.fetch``), its size checked against ``entry`` (from
+    the answer to its first request where the store gives it there: no request of its own),
+    the checksum compared with ``entry``'s, then its header with what the manifest says it
+    holds (``check_header``), all before a tensor is made; never unpickles.
 
     ``into``: tensors to read straight into (name -> a live tensor of the manifest's dtype and
     shape, contiguous, in CPU memory: ``readable_into``), which are the ones returned for those
     names. Their bytes land before the file's checksum is compared: on an IntegrityError they
     may hold damaged bytes (the caller treats them as touched). The header is then read first
     and checked before any byte lands; a file whose tensors do not tile its data is read whole."""
-    _check_size(storage, key, entry)
     where, hasher = storage.where(key), xxhash.xxh3_64()
     if into:
         layout = _tiled_layout(storage, key, entry, expected)
         if layout is not None:
             return _fetch_into(storage, key, entry, layout, into, hasher)
-    data = fetch(storage, key, 0, entry.bytes, hasher)
+    data = fetch(storage, key, 0, entry.bytes, hasher, sized=lambda size: _check_found_size(storage, key, entry, size))
     if hasher.hexdigest() != entry.xxh3_64:
         raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
     view = memoryview(data)
@@ -149,7 +149,9 @@ def _tiled_layout(storage: Storage, key: str, entry: FileEntry,
     end with no gap (how the writer lays them out, so hashing the header and then each tensor
     as it lands is the file's checksum); None for any other layout."""
     where = storage.where(key)
-    head = bytes(storage.read_range(key, 0, min(_HEAD, entry.bytes)))
+    size, head = storage.read_start(key, min(_HEAD, entry.bytes))  # the size checked by the header's request
+    _check_found_size(storage, key, entry, size)
+    head = bytes(head)
 
     def read(start: int, length: int) -> bytes:
         return head[start : start + length] if start + length <= len(head) else bytes(storage.read_range(key, start, length))
@@ -204,19 +206,14 @@ its first request (the header's length word, the header, and any data bytes the 
 not rule out): a longer header is read on."""
 
 
-def stored_header(storage: Storage, key: str, entry: FileEntry,
-                  parsed: tuple[int, dict[str, dict]] | None = None, known: int | None = None) -> tuple[int, dict[str, dict]]:
+def stored_header(storage: Storage, key: str, entry: FileEntry, known: int | None = None) -> tuple[int, dict[str, dict]]:
     """``(offset of the data, header)`` of the safetensors file ``key``, from its header alone,
-    after checking its size against ``entry``; ``parsed``: the header as parsed before (a pack
-    file's, read for one unit and kept for the next: it is not read again); ``known``: bytes of
+    after checking its size against ``entry``; ``known``: bytes of
     the file's tensor data the caller knows of (its chunks in the indexes at hand). The rest of
     the file is at most the length word and the header: from a remote store (a round trip a
     request) they come with the file's size in one request when the rest is under
     ``HEADER_READ`` (every chunk known: no data byte read twice), where a HEAD and two GETs
     took them. None: the size and the length word first, then the header (no data byte read)."""
-    if parsed is not None:
-        _check_size(storage, key, entry)
-        return parsed
     first = min(max(8, entry.bytes - known), HEADER_READ) if storage.remote and known is not None else 8
     size, head = storage.read_start(key, min(first, entry.bytes))
     _check_found_size(storage, key, entry, size)
@@ -228,11 +225,11 @@ def stored_header(storage: Storage, key: str, entry: FileEntry,
 
 
 def check_stored_header(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
-                        parsed: tuple[int, dict[str, dict]] | None = None) -> tuple[int, dict[str, dict]]:
+                        known: int | None = None) -> tuple[int, dict[str, dict]]:
     """Compare a tensor file's header (read alone, no tensor bytes) with what the manifest says
     it holds: each key present, with the manifest's dtype (by name) and shape. Returns
-    ``stored_header``'s ``(offset of the data, header)``."""
-    offset, header = stored_header(storage, key, entry, parsed)
+    ``stored_header``'s ``(offset of the data, header)`` (``known``: as there)."""
+    offset, header = stored_header(storage, key, entry, known)
     check_header(header, storage.where(key), expected)
     return offset, header
 

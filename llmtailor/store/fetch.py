@@ -12,6 +12,11 @@ order, to the checksum. How many parts are requested at once is the storage's
 file, in file order (a disk reads a file fastest in order, and the checksum of each part then
 overlaps the read of the next). The bytes are returned only after every part is in; the caller
 compares the checksum before it uses them.
+
+A whole file read from its start (``sized``) has its size checked by the request of its first
+part where the store's ranged read answers it (an object store's GET: ``Storage.read_start``),
+not by a request of its own before (a HEAD: on an object store a round trip per file); the
+check is raised before any other failure of the fetch and before it returns.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -54,24 +60,40 @@ def new_buffer(length: int) -> bytearray | mmap.mmap:
     return mmap.mmap(-1, length) if length >= _LARGE else bytearray(length)
 
 
-def fetch(storage: Storage, key: str, start: int, length: int, hasher: Any = None) -> bytearray | mmap.mmap:
+Sized = Callable[[int | None], None]
+"""Checks a file's size as the store answered it (None: no such file), raising where it is wrong."""
+
+
+def fetch(storage: Storage, key: str, start: int, length: int, hasher: Any = None,
+          sized: Sized | None = None) -> bytearray | mmap.mmap:
     """``length`` bytes of ``key`` from ``start``, fetched in parts concurrently (module
-    docstring) into a new buffer; ``hasher`` as ``fetch_into``'s."""
+    docstring) into a new buffer; ``hasher`` and ``sized`` as ``fetch_into``'s."""
     buffer = new_buffer(length)
-    fetch_into(storage, key, start, [memoryview(buffer)], hasher)
+    fetch_into(storage, key, start, [memoryview(buffer)], hasher, sized)
     return buffer
 
 
-def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], hasher: Any = None) -> None:
+def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], hasher: Any = None,
+               sized: Sized | None = None) -> None:
     """Fill ``views`` (writable byte views: a live tensor's memory, or a new buffer's) with the
     consecutive bytes of ``key`` from ``start``, the first view's first, in parts fetched
     concurrently (module docstring), at most ``storage.reads_in_flight`` requested at once;
     ``hasher`` (an ``xxhash`` state), when given, is fed every byte in file order before this
-    returns. Errors as ``Storage.read_range`` (a short file: IntegrityError naming it); once
-    this has returned or raised, nothing writes into a view."""
+    returns. ``sized`` (only from ``start`` 0): called with the file's size, from the first
+    part's request where the store answers it there (module docstring), else asked first; what
+    it raises is raised before any failure of another part. Errors as ``Storage.read_range``
+    (a short file: IntegrityError naming it); once this has returned or raised, nothing writes
+    into a view."""
+    if sized is not None and start != 0:
+        raise ValueError("fetch_into: a size is checked only on a read from the file's start")
     # A remote store pays a round trip per request whatever its size: there consecutive views
     # are read together up to a whole part (one copy out of the staging buffer costs less).
     parts = _parts(start, views, PART if storage.remote else _SMALL)
+    if sized is not None:
+        if storage.remote and parts:
+            parts[0].sized = sized
+        else:  # a local file's size costs no round trip; its reads go straight into the views
+            sized(storage.size(key))
     if sum(len(part.view) for part in parts) <= PART:  # small: one thread, no hand-over
         for part in parts:
             part.read(storage, key)
@@ -96,13 +118,19 @@ class _Part:
     """One request: ``len(view)`` bytes of the file from ``at`` into ``view``; ``scatter``: the
     small consecutive views it stands for (``view`` is then a staging buffer, copied out)."""
 
-    __slots__ = ("at", "view", "scatter")
+    __slots__ = ("at", "view", "scatter", "sized")
 
     def __init__(self, at: int, view: memoryview, scatter: list[memoryview] | None = None):
         self.at, self.view, self.scatter = at, view, scatter
+        self.sized: Sized | None = None
+        """The first part of a whole file's read: its request checks the file's size too."""
 
     def read(self, storage: Storage, key: str) -> None:
-        if len(self.view):
+        if self.sized is not None:  # the size the store answers, checked before a byte is used
+            size, data = storage.read_start(key, len(self.view))
+            self.sized(size)
+            self.view[:] = data
+        elif len(self.view):
             storage.read_into(key, self.at, self.view)
 
     def done(self, hasher: Any) -> None:

@@ -8,12 +8,13 @@ The run's catalog (``catalog.py``: manifests, composites) says which snapshot ho
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import (check_stored, check_stored_header, checked_tensors, fetch_stored_tensors,
+from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_tensors, fetch_stored_tensors,
                                      read_checked_tensors, read_stored, read_stored_parts)
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
@@ -137,16 +138,40 @@ class UnitReader:
         return read_stored(self.catalog.storage, key, entry)
 
     def _pack_header(self, storage: Storage, key: str, file: FileEntry,
-                     shapes: dict[str, tuple[str, list[int]]]) -> tuple[int, dict[str, dict]]:
-        """A pack file's ``(offset of the data, header)``, checked against ``shapes``: parsed once
-        for every unit in it (its size is checked at each use; its bytes, each tensor's against
-        its checksum)."""
+                     shapes: dict[str, tuple[str, list[int]]], step: int) -> tuple[int, dict[str, dict]]:
+        """A pack file's ``(offset of the data, header)``, checked against ``shapes``: read and
+        parsed once for every unit in it, its size checked then (in the same request where the
+        indexes at hand say how many data bytes it holds, ``_pack_data``: from an object store
+        one round trip, not a HEAD per unit and two GETs). Each tensor read from it is checked
+        against its own checksum, and a read past a shortened file fails as truncated: a kept
+        header is not checked against the file again."""
         kept = (storage.where(key), file.xxh3_64)
-        header = check_stored_header(storage, key, file, shapes, self._pack_headers.get(kept))
+        header = self._pack_headers.get(kept)
+        if header is not None:
+            check_header(header[1], storage.where(key), shapes)
+        else:
+            header = check_stored_header(storage, key, file, shapes, self._pack_data(step, file.path) if storage.remote else None)
         if kept not in self._pack_headers and len(self._pack_headers) >= _PACK_HEADERS:
             self._pack_headers.pop(next(iter(self._pack_headers)))
         self._pack_headers[kept] = header
         return header
+
+    def _pack_data(self, step: int, path: str) -> int | None:
+        """Bytes of tensor data the pack ``path`` of the snapshot of ``step`` holds, from the
+        indexes of every unit of that snapshot when all are parsed already (a restore of its
+        units has them), so the rest of the pack is its length word and header alone; None
+        where one is not (no index is read for this)."""
+        total = 0
+        for unit in self.catalog.manifest(step).units:
+            stored = self._units.get((step, unit))
+            if stored is None:
+                return None
+            for tensor in stored.tensors:
+                itemsize = tensor.torch_dtype.itemsize
+                for chunk in tensor.chunks:
+                    if stored.files[chunk.file].path == path:
+                        total += math.prod(chunk.shape) * itemsize
+        return total
 
     def stored_files(self, step: int) -> list[FileEntry]:
         """Every file the snapshot of ``step`` holds itself but its manifest, each once: its
@@ -287,8 +312,8 @@ class UnitReader:
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
             elif is_pack(file.path):  # a rank's small units together: this unit's tensors alone
-                loaded[position] = read_stored_parts(storage, key, self._pack_header(storage, key, file, shapes), sums,
-                                                     targets.get(position))
+                pack = self._pack_header(storage, key, file, shapes, file.origin if file.origin is not None else step)
+                loaded[position] = read_stored_parts(storage, key, pack, sums, targets.get(position))
             else:  # each byte read once; every file's checksum and header checked before any tensor is used
                 loaded[position] = fetch_stored_tensors(storage, key, file, shapes, targets.get(position))
         names = {position: storage.where(key) for position, (storage, key) in places.items()}

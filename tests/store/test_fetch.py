@@ -116,3 +116,53 @@ def test_a_local_file_is_read_one_part_at_a_time_in_file_order(run, monkeypatch)
     assert torch.equal(tensors["weight/w"], FULL)
     assert len(state["starts"]) >= FULL.numel() * 4 // PART
     assert state["most"] == 1 and state["starts"] == sorted(state["starts"])
+
+
+class _Remote(LocalStorage):
+    """A local directory read as a remote store is: every part requested at once, and a
+    ranged read from a file's start answering its size too, in one request (``starts``), as
+    an object store's ranged GET does (``Storage.read_start``)."""
+
+    remote, reads_in_flight = True, None
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.starts: list[str] = []
+
+    def read_start(self, key, length):
+        self.starts.append(key)
+        path = self.root / key
+        if not path.is_file():
+            return None, b""
+        data = path.read_bytes()
+        return len(data), memoryview(data)[:length]
+
+
+@pytest.mark.parametrize("damage", [None, "truncated", "longer", "missing"])
+def test_a_remote_file_read_whole_has_its_size_checked_by_its_first_request_not_a_request_of_its_own(run, monkeypatch, damage):
+    """From an object store a HEAD before a unit file's read is a round trip of its own: the
+    ranged GET of its first part answers the size. A file of another size than its entry, or
+    none, is still refused with the size's own message, before any other part's failure."""
+    from llmtailor.store.checked import fetch_stored_tensors
+
+    unit, tensor = only_tensor(run)
+    file = unit.files[tensor.chunks[0].file]
+    key = f"{run.snapshot_key(1)}/{file.path}"
+    storage = _Remote(run.storage.root)
+    path = run.snapshot_dir(1) / file.path
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: -3 * PART])
+    elif damage == "longer":
+        path.write_bytes(path.read_bytes() + b"x")
+    elif damage == "missing":
+        path.unlink()
+    calls = StorageCalls.install(monkeypatch)
+    expected = {"weight/w": (tensor.dtype, list(SHAPE))}
+    if damage is None:
+        assert torch.equal(fetch_stored_tensors(storage, key, file, expected)["weight/w"], FULL)
+    else:
+        message = "file is missing" if damage == "missing" else rf"bytes stored, manifest says {file.bytes} \(truncated or replaced\)"
+        with pytest.raises(IntegrityError, match=message):
+            fetch_stored_tensors(storage, key, file, expected)
+    assert calls.count("size") == 0 and storage.starts == [key], calls.calls
+    assert damage or calls.count("read_into") == -(-file.bytes // PART) - 1  # the other parts, each a request

@@ -153,3 +153,65 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
         again = {key: n for key, n in calls.bytes_by_key().items() if key in sizes and n >= 2 * sizes[key]}
         assert not again, again  # a second whole read of any file (a header read alone is less)
         assert_weights_of(run, 2, fresh[0])
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["into-live-tensors", "fresh-buffers"])
+def test_on_an_object_store_a_restore_asks_no_size_of_a_unit_file_before_reading_it(tmp_path, tokens, monkeypatch, into):
+    """Each unit file in a file of its own on moto's server: the restore asks its size of no
+    unit file in a request of its own (a HEAD, a round trip each): the ranged GET that reads
+    its first bytes answers it, checked there (read straight into the live tensors, or into
+    new buffers as a rank of a read plan does: ``into`` off), and every weight is the saved one."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import moto_process, new_bucket, set_environment
+
+    from llmtailor.store import units, writer
+
+    monkeypatch.setattr(writer, "PACK_UNIT_BYTES", 1)
+    if not into:  # as ``_read_once``'s readers read: nothing to read into
+        real = units.UnitReader.read
+        monkeypatch.setattr(units.UnitReader, "read", lambda self, step, unit, skip=frozenset(), into=None:
+                            real(self, step, unit, skip))
+    with moto_process() as endpoint:
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        fresh = tiny(seed=3)
+        reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
+        calls = StorageCalls.install(monkeypatch)
+        assert reader.restore().step == 1
+        unit_files = {key for _, key, _ in calls.calls if "/units/" in key}
+        assert unit_files and not [c for c in calls.calls if c[0] == "size" and "/units/" in c[1]], calls.calls
+        assert_weights_of(Run(url), 1, fresh[0])
+
+
+def test_on_an_object_store_a_pack_file_s_header_comes_in_one_request_with_its_size(tmp_path, tokens, monkeypatch):
+    """The tiny model's units in pack files on moto's server: a restore reads each pack's header
+    in one ranged GET (its first 8 + header bytes, no data byte: the indexes at hand say how many
+    data bytes the pack holds), with no HEAD of the pack, where it read the length word first,
+    then the header: two requests, each a round trip."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import moto_process, new_bucket, set_environment
+
+    with moto_process() as endpoint:
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        run = Run(url)
+        headers = {key: 8 + int.from_bytes(run.storage.read_range(key, 0, 8), "little")
+                   for key, _ in run.storage.walk("snapshots") if "/packs/" in key}
+        fresh = tiny(seed=3)
+        reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
+        calls = StorageCalls.install(monkeypatch)
+        assert reader.restore().step == 1
+        assert headers
+        for key, header in headers.items():
+            assert [c for c in calls.calls if c[1] == key and c[0] in ("read_start", "size")] == [("read_start", key, header)], calls.calls
+        assert_weights_of(run, 1, fresh[0])
