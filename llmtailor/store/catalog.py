@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +77,8 @@ class ReadLeases:
     def take(self, step: int) -> bool:
         """Lease the snapshot of ``step``; False when it is not (or no longer) a committed
         snapshot of the run. A snapshot directory that resolves outside the run raises."""
-        if step in self._held:
-            return True
+        if step in self._held or self.run.committing_here(step):
+            return True  # committed by this process in the background: nothing else removes it meanwhile
         snapshot = self.run.snapshot_key(step)
         storage = self.run.storage
         lease = storage.locks.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
@@ -136,6 +137,9 @@ class Catalog:
         self._listed = threading.local()
         """``listing``: inside ``listed``, the listing taken there (empty until the first); per
         thread, so a promoter's or a stager's thread never sees a restore's listing."""
+        self._committing: dict[int, Future[None]] = {}
+        """Step -> the commit of that snapshot this process runs in the background (``commit_later``)."""
+        self._commit_failures: list[str] = []
 
     @property
     def is_local(self) -> bool:
@@ -170,15 +174,48 @@ class Catalog:
         return self.storage.where(f"{self.snapshot_key(step)}/{relpath}" if relpath else self.snapshot_key(step))
 
     def steps(self) -> list[int]:
-        """Steps of the committed snapshots (those whose manifest exists), ascending (inside
-        ``listed``: as first listed there)."""
+        """Steps of the committed snapshots (those whose manifest exists, and those this process
+        commits in the background: ``commit_later``), ascending (inside ``listed``: as first
+        listed there)."""
         listing = getattr(self._listed, "listing", None)
         if listing:
             return list(listing[0])
-        found = self._list_steps()
+        found = sorted({*self._list_steps(), *(step for step in list(self._committing) if self.committing_here(step))})
         if listing is not None:
             listing.append(found)
         return list(found)
+
+    # -- snapshots committed in the background (a node's copy healed: ``tiers.healing``) ------
+
+    def commit_later(self, manifest: Manifest, done: Future[None]) -> None:
+        """Count the snapshot of ``manifest`` as committed in this process while ``done`` (its
+        commit, files then manifest, on a background thread) runs: it is listed (``steps``),
+        its manifest known, and read under no lease (``ReadLeases.take``: nothing removes a
+        snapshot that is not committed yet, and this process's writers settle it first). Its
+        readers must take its files' bytes from memory (``UnitReader.arrived``) meanwhile.
+        ``settle_commits`` waits for it; a failure is kept for ``commit_failure``."""
+        self._manifests[manifest.step] = manifest
+        self._committing[manifest.step] = done
+
+    def committing_here(self, step: int) -> bool:
+        """Whether this process is committing the snapshot of ``step`` in the background."""
+        done = self._committing.get(step)
+        return done is not None and not (done.done() and done.exception() is not None)
+
+    def settle_commits(self) -> None:
+        """Wait for the background commits (``commit_later``); each failure kept (and its
+        snapshot forgotten) for ``commit_failure``."""
+        for step, done in list(self._committing.items()):
+            failure = done.exception()
+            del self._committing[step]
+            if failure is not None:
+                self._commit_failures.append(str(failure))
+                self.forget([step])
+
+    def commit_failure(self) -> str | None:
+        """The failures of the background commits settled so far, each said once; None if none."""
+        failures, self._commit_failures = self._commit_failures, []
+        return "; ".join(failures) if failures else None
 
     def _list_steps(self) -> list[int]:
         found = []

@@ -189,7 +189,7 @@ class ChunkReader:
             return torch.empty(shape, dtype=tensor.torch_dtype)
         storage, key, begin = self._located(step, unit, tensor, chunk)
         start, end = _box_bytes(tensor, chunk, offsets, shape)
-        arrived = self.run.units.arrival(storage, key, unit.chunk_file(chunk)) if check else None
+        arrived = self.run.units.arrival(storage, key, unit.chunk_file(chunk))
         if arrived is not None:  # the whole file checked as it arrived here (``UnitReader.arrived``)
             data = bytearray(arrived[begin + start : begin + end])
         elif check:

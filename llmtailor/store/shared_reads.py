@@ -26,7 +26,6 @@ from llmtailor.distributed.coordinator import CoordinationError, Coordinator, de
 from llmtailor.distributed.read_plan import ReadPlan, balance
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, StorageError
 from llmtailor.store.catalog import Composite, LeasedComposite
-from llmtailor.store.checked import read_stored
 from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.run import Run
 from llmtailor.store.units import INDEXES_READ_WHOLE
@@ -87,7 +86,7 @@ def share_small_files(run: Run, composite: Composite, coordinator: Coordinator) 
     plan = ReadPlan(coordinator, {item: sum(files[name][1].bytes for name in share) for item, share in items.items()})
 
     def read(item: str) -> list[torch.Tensor]:
-        return [torch.frombuffer(bytearray(read_stored(run.storage, *files[name])), dtype=torch.uint8)
+        return [torch.frombuffer(bytearray(run.units.read_small(*files[name])), dtype=torch.uint8)
                 if files[name][1].bytes else torch.empty(0, dtype=torch.uint8) for name in items[item]]
 
     def specs(item: str) -> list[tuple[torch.dtype, list[int]]]:

@@ -100,7 +100,7 @@ class UnitReader:
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
             where = f"{self.catalog.snapshot_key(step)}/{ref.index.path}"
-            raw = self._read_small(where, ref.index) if ref.index_at is None else self._index_line(step, unit)
+            raw = self.read_small(where, ref.index) if ref.index_at is None else self._index_line(step, unit)
             self._cache(key, load_unit_entry(bytes(raw), self.catalog.storage.where(where), unit, step))
         return self._units[key]
 
@@ -114,7 +114,10 @@ class UnitReader:
         ref, whole = manifest.units[unit], manifest.file_entry(INDEXES_FILE)
         where = f"{self.catalog.snapshot_key(step)}/{INDEXES_FILE}"
         start, end = ref.index_at, ref.index_at + ref.index.bytes
-        if whole.bytes <= INDEXES_READ_WHOLE:
+        arrived = self.arrival(self.catalog.storage, where, whole)
+        if arrived is not None:
+            line = bytes(arrived[start:end])
+        elif whole.bytes <= INDEXES_READ_WHOLE:
             if step not in self._indexes:
                 if len(self._indexes) >= _INDEXES_KEPT:
                     self._indexes.pop(next(iter(self._indexes)))
@@ -127,7 +130,7 @@ class UnitReader:
                                  f"{end}) does not match its checksum (file is corrupted)")
         return line
 
-    def _read_small(self, key: str, entry: FileEntry) -> bytearray:
+    def read_small(self, key: str, entry: FileEntry) -> bytearray:
         """The checked bytes of the run's small file ``key`` (``arrived`` here, ``received`` from
         another rank, or read)."""
         arrived = self.arrival(self.catalog.storage, key, entry)
@@ -401,8 +404,8 @@ class UnitReader:
         if self._state is None or self._state[0] != key:
             manifest = self.catalog.manifest(step)
             snapshot = self.catalog.snapshot_key(step)
-            raw = bytes(self._read_small(f"{snapshot}/{doc_path}", manifest.file_entry(doc_path)))
-            data = self._read_small(f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
+            raw = bytes(self.read_small(f"{snapshot}/{doc_path}", manifest.file_entry(doc_path)))
+            data = self.read_small(f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
             if len(data) > _STATE_KEPT:
                 return raw, data  # large extras: not held beyond their use
             self._state = (key, raw, data)

@@ -5,9 +5,11 @@ removes from every node."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import threading
 
 import pytest
 from helpers import tiny, train
@@ -16,7 +18,7 @@ from llmtailor import Parity, Tailor, Tier
 from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION
 from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.distributed.nodes import Nodes
-from llmtailor.errors import IntegrityError
+from llmtailor.errors import IntegrityError, NodeTierError
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
@@ -224,6 +226,8 @@ def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str
                     content = content[:-1] + bytes([content[-1] ^ 1])
                 receiving.take(m.source, m.path, memoryview(content))
             error = receiving.finish()
+            runs[dest].settle_commits()  # a new snapshot's writes and commit finish in the background
+            error = error or runs[dest].commit_failure()
             if error is not None:
                 raise IntegrityError(error)
 
@@ -311,6 +315,57 @@ def test_a_healing_hands_the_restore_at_most_its_bound_of_received_bytes(tmp_pat
     handed = {key.split("/", 2)[-1] for key in runs[1].units.arrived}
     assert handed and len(handed) < len(sizes) and sum(sizes[p] for p in handed) <= sum(sizes.values()) - 1
     assert Run(copies[1]).resolve().step == 2  # every file written all the same
+
+
+def received_from_node_0(runs: list, moves: list[Transfer]) -> str | None:
+    """Node 1's ``Receiving`` of ``moves`` (step 2), fed from node 0's copy; what ``finish`` said."""
+    receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))
+    for m in moves:
+        receiving.take(m.source, m.path, memoryview((runs[0].snapshot_dir(2) / m.path).read_bytes()))
+    return receiving.finish()
+
+
+def test_a_healed_snapshot_is_read_from_what_arrived_while_its_copy_is_written_in_the_background(tmp_path, monkeypatch):
+    """The restore after a healing does not wait for the healed node's copy to be written:
+    ``finish`` returns once every file arrived and checked out; this process lists the snapshot,
+    leases it and reads it from the arrived bytes meanwhile; the copy (files, then the manifest)
+    is committed once settled."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    release, write = threading.Event(), recovery_healing.write_to
+    monkeypatch.setattr(recovery_healing, "write_to", lambda sink, data: (release.wait(10), write(sink, data)))
+    assert received_from_node_0(runs, moves) is None
+    snapshot = copies[1] / "snapshots" / "step-00000002"
+    assert not snapshot.exists()  # not committed yet: every write waits for ``release``
+    assert runs[1].steps() == [2]
+    with runs[1].lease(2) as composite:
+        assert composite.step == 2 and runs[1].units.stored_entry(2, "layer.0").unit == "layer.0"  # from what arrived
+    release.set()
+    runs[1].settle_commits()
+    assert runs[1].commit_failure() is None and Run(copies[1]).steps() == [2]
+    assert all((snapshot / m.path).read_bytes() == (runs[0].snapshot_dir(2) / m.path).read_bytes() for m in moves)
+
+
+def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_raised_by_the_next_save(tmp_path, monkeypatch, caplog):
+    """A write of the healed copy that fails on the background thread commits nothing, is
+    logged at once and raised once by ``Tiers.settle_healing`` (the next save's first step,
+    ``close``), naming the node, the step and the cause."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    tiers = Tiers(tmp_path / "home", [Tier(copies[1])])
+
+    def full(sink, data):
+        sink.abort()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recovery_healing, "write_to", full)
+    assert received_from_node_0([runs[0], tiers.first.run], moves) is None  # the restore goes on from what arrived
+    with pytest.raises(NodeTierError, match="node 1: step 2: its healed copy could not be written: .*No space left"):
+        tiers.settle_healing()
+    tiers.settle_healing()  # said once
+    assert "its healed copy could not be written" in caplog.text
+    assert Run(copies[1]).steps() == [] and tiers.first.run.steps() == []
+    assert not list((copies[1] / ".tmp").iterdir())
 
 
 class RetainingCourier:

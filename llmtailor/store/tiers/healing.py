@@ -22,7 +22,9 @@ as nothing, which its receiver refuses (``Receiving``): never a part in half.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -30,16 +32,19 @@ from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import IntegrityError, NodeTierError, TailorError
 from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.checked import write_to
 from llmtailor.store.commit import SnapshotCommit
+from llmtailor.store.manifest import parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers.recovery import (
     Held, Holdings, NodeChoice, Transfer, choose_on_nodes, clearing, healing, of_json, served_by,
 )
+
+_log = logging.getLogger(__name__)
 
 
 def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
@@ -84,6 +89,7 @@ def clear_unwhole(run: Run, nodes: Nodes, coordinator: Coordinator) -> dict[int,
 def held_here(run: Run) -> dict[int, Held]:
     """What this node's copy holds (``recovery.Held``) of each committed snapshot; one whose
     manifest or indexes cannot be read counts as not held here."""
+    run.settle_commits()  # what a healing left committing here (a failure kept for the next save to raise)
     held = {}
     with run.listed():
         for step in run.steps():
@@ -189,7 +195,9 @@ class Receiving:
     before all of it is. The first failure is kept (``error``), naming the file and the node
     that sent it; what arrives after it is not written (nor anything, given ``failed``: the
     failure of an earlier snapshot). What it committed is handed to the restore that follows, as
-    it arrived (``UnitReader.arrived``)."""
+    it arrived (``UnitReader.arrived``). A new snapshot of at most ``HAND_OVER_BYTES`` (all of
+    it handed over) is written and committed on a thread of its own (``_commit_later``): the
+    restore reads what arrived meanwhile, not the node's copy."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
         self.run, self.step, self.nodes = run, step, nodes
@@ -203,6 +211,9 @@ class Receiving:
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
         self._dest = moves[0].dest if moves else None
+        self._writer: ThreadPoolExecutor | None = None
+        """Writes the files of a new snapshot as they arrive, then commits it (``finish``)."""
+        self._writes: list[Future[None]] = []
         if moves and failed is None:
             self._guarded(self._open)
 
@@ -216,6 +227,8 @@ class Receiving:
                                  "committed here")
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
+        if sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal")
 
     def take(self, rank: int, path: str, content: memoryview) -> None:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
@@ -231,19 +244,33 @@ class Receiving:
                                  f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
         if path == MANIFEST_FILE and self._staged is not None:
             self._manifest = bytes(content)  # written last, by the commit
+        elif self._writer is not None:
+            self._writes.append(self._writer.submit(self._write, path, content))
         else:
-            write_to(self._create(path), content)
+            self._write(path, content)
         keep = self._kept + len(content) <= HAND_OVER_BYTES
         self._kept += len(content) if keep else 0
         self._arrived[(source, path)] = content if keep else None
 
+    def _write(self, path: str, content: memoryview) -> None:
+        write_to(self._create(path), content)
+
     def finish(self) -> str | None:
-        """Commit what arrived (class docstring) or abandon it; the failure, or None."""
+        """Commit what arrived (class docstring) or abandon it; the failure, or None. A new
+        snapshot whose every file arrived, checked, and is kept for the restore is committed
+        in the background (``_commit_later``)."""
         missing = [move for key, move in self.expected.items() if key not in self._arrived]
         if self.error is None and missing:
             move = missing[0]
             self.error = (f"node {self._dest}: step {self.step}: {move.path} from node {move.source}: got nothing, "
                           f"expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        if self._writer is not None:
+            if self.error is None:
+                self._guarded(self._commit_later)
+            if self.error is None:
+                return None
+            self._writer.shutdown(wait=True)  # what was written, then abandoned below
+            self._guarded(self._written)
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
         if self._staged is not None:
             if self.error is None:
@@ -255,6 +282,39 @@ class Receiving:
         if self.error is None:
             self._hand_over()
         return self.error
+
+    def _commit_later(self) -> None:
+        """``finish`` of a new snapshot, every file checked and in memory: its writes (under
+        way on ``_writer``) and its commit, manifest last, finish on that thread while the
+        restore reads the arrived bytes; the run counts it as committed meanwhile
+        (``Catalog.commit_later``). A write or commit that fails there abandons the staged
+        snapshot, is logged at once, and is raised by this node's next save or ``close``
+        (``Tiers.settle_healing``): never lost."""
+        manifest = parse_manifest(self._manifest, self.run.where(self.step, MANIFEST_FILE), self.step)
+        done = self._writer.submit(self._commit_written)
+        self._writer.shutdown(wait=False)  # the thread ends once the commit ran
+        self.run.forget([self.step])
+        self.run.commit_later(manifest, done)
+        self._hand_over()
+
+    def _written(self) -> None:
+        """Raise the first failure of the background writes (all of them done)."""
+        for write in self._writes:
+            write.result()
+
+    def _commit_written(self) -> None:
+        """On ``_writer``, after every write: the commit, or the staged snapshot abandoned."""
+        try:
+            try:
+                self._written()
+            finally:
+                self._files.close()
+            self._staged.commit(self._manifest)
+        except BaseException as err:
+            self._staged.abandon()
+            message = f"node {self._dest}: step {self.step}: its healed copy could not be written: {err}"
+            _log.error("%s", message)
+            raise NodeTierError(message) from err
 
     def _hand_over(self) -> None:
         """The files received, committed here, handed to the restore that follows with the

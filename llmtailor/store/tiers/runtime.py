@@ -12,7 +12,7 @@ from typing import Any
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
-from llmtailor.errors import ConfigError, PromotionError, TailorError
+from llmtailor.errors import ConfigError, NodeTierError, PromotionError, TailorError
 from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import retain_after_commit
 from llmtailor.store.run import Run
@@ -225,6 +225,7 @@ class Tiers:
         while a tier is more than its ``max_lag`` behind the one before it, wait (up to
         ``timeout`` seconds) for the promotion to catch up. Then claim the first tier's lock.
         Nothing of the save is written yet."""
+        self.settle_healing()
         if self.promoter is not None:
             _catch_up(self.promoter, step, timeout)
         self.first.lock.claim()
@@ -243,6 +244,7 @@ class Tiers:
         nothing of this writer reading any more, retention once more where it passed over what
         a reader held (``retain_held_back``); then release the locks (also when that fails)."""
         try:
+            self.settle_healing()
             if self.promoter is not None:
                 self.promoter.finish()
             if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
@@ -321,6 +323,16 @@ class Tiers:
         if self.placement is None:
             return None, {}
         return recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator, step)
+
+    def settle_healing(self) -> None:
+        """Wait for this node's copy's commits a healing left running (``healing.Receiving``:
+        a restore reads the arrived bytes meanwhile); raise a NodeTierError if one failed. The
+        next save (inside its first message: every rank raises it) and ``close`` call this."""
+        run = self.first.run
+        run.settle_commits()
+        failure = run.commit_failure()
+        if failure is not None:
+            raise NodeTierError(f"the healing of this node's copy did not complete: {failure}")
 
     def clear_unwhole(self, coordinator: Coordinator) -> dict[int, list[int]]:
         """Collective, at a writer's start, with a node-local first tier: remove from every
