@@ -28,7 +28,27 @@ def encode(obj: Any, where: str = "state") -> tuple[Any, dict[str, torch.Tensor]
     return _encode(obj, where, tensors), tensors
 
 
-def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
+_PLAIN = frozenset(_SCALARS)
+"""The exact types a document holds as they are (a numpy scalar subclassing float is not one)."""
+
+
+def _spelled(where: str | tuple) -> str:
+    """The name of where a value lies, from ``_encode``'s ``where``: a root name, or ``(parent,
+    form, key)``, the step from the parent being ``form.format(parent, key)``. Spelled out only
+    for an error: formatting a name for every value (an RNG state is hundreds of ints) cost
+    more than encoding it."""
+    steps = []
+    while isinstance(where, tuple):
+        where, form, key = where
+        steps.append((form, key))
+    for form, key in reversed(steps):
+        where = form.format(where, key)
+    return where
+
+
+def _encode(obj: Any, where: str | tuple, tensors: dict[str, torch.Tensor]) -> Any:
+    if type(obj) in _PLAIN:
+        return obj
     if isinstance(obj, np.generic):  # before scalars: np.float64 is a float subclass
         return {"$npscalar": obj.dtype.str, "value": obj.item()}
     if isinstance(obj, _SCALARS):
@@ -46,21 +66,23 @@ def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor]) -> Any:
         key = str(len(tensors))
         tensors[key] = torch.from_numpy(np.ascontiguousarray(obj).copy())
         return {"$ndarray": key}
-    if isinstance(obj, list):
-        return [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return {"$tuple": [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, (list, tuple)):
+        if all(type(v) in _PLAIN for v in obj):  # a flat list of plain values (an RNG state): as it is
+            items = list(obj)
+        else:
+            items = [_encode(v, (where, "{}[{}]", i), tensors) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {"$tuple": items}
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-            return {k: _encode(v, f"{where}.{k}", tensors) for k, v in obj.items()}
+            return {k: _encode(v, (where, "{}.{}", k), tensors) for k, v in obj.items()}
         return {
             "$dict": [
-                [_encode(k, f"{where}<key {k!r}>", tensors), _encode(v, f"{where}[{k!r}]", tensors)]
+                [_encode(k, (where, "{}<key {!r}>", k), tensors), _encode(v, (where, "{}[{!r}]", k), tensors)]
                 for k, v in obj.items()
             ]
         }
     raise UnsupportedStateError(
-        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; llmtailor stores only "
+        f"{_spelled(where)} is a {type(obj).__module__}.{type(obj).__qualname__}; llmtailor stores only "
         "dicts, lists, tuples, numbers, strings, None, tensors and numpy arrays (never pickle). "
         "Convert it to one of those before saving."
     )

@@ -102,12 +102,18 @@ def persist(
 
     snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
     part = attempt_part(snapshot, staged, coord.rank, on_unit)
-    report = part.to_message() if isinstance(part, RankPart) else part
     if coord.is_leader:
-        gather = functools.partial(coord.gather, f"{round_}/parts", report)
+        def gather() -> list[RankPart]:
+            # The leader keeps its own part as it is (it reports only success or failure): a
+            # round trip through a message (a dump and a validation of every chunk) would check
+            # nothing that the validation of the merged indexes does not check again.
+            own = {} if isinstance(part, RankPart) else part
+            reports = coord.gather(f"{round_}/parts", own) or []
+            return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
+
         outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm))
     else:
-        coord.gather(f"{round_}/parts", report)  # re-raises this rank's own failure, once reported
+        coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
@@ -123,15 +129,15 @@ def persist(
     )
 
 
-def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[Any] | None],
+def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[RankPart]],
             confirm: Callable[[], None] | None) -> dict[str, Any]:
-    """The leader's step 3 (module docstring), once ``gather()`` has every rank's report (it
+    """The leader's step 3 (module docstring), once ``gather()`` has every rank's part (it
     raises when any rank failed): the unit indexes, then the manifest and the commit; what was
     staged is removed on any failure. Returns the outcome the leader announces."""
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
-            indexes, manifest = index_files(staged, [RankPart.from_message(m) for m in gather() or []])
+            indexes, manifest = index_files(staged, gather())
             write_files(snapshot, indexes)
             # The manifest is written last, only if absent: without one there is no snapshot.
             encoded = manifest.dumps().encode()
@@ -225,7 +231,8 @@ def _unit_part(written: _Written) -> UnitPart:
     """A written unit as this rank reports it: its file and its own chunks (the leader validates
     the merged entries, coverage included). Its chunks and tensors are built unvalidated: the
     report is validated where it arrives (``RankPart.from_message``), and a LoRA's thousands of
-    pieces made validating them twice a fixed cost of every save."""
+    pieces made validating them twice a fixed cost of every save. The leader's own part is
+    not sent: its chunks are validated once, in the merged indexes."""
     def chunk(p: Piece, key: str) -> ChunkPart:
         return ChunkPart.model_construct(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
                                          sample_xxh3=p.sample_xxh3, **written.pages.get(key, {}))

@@ -1,4 +1,6 @@
+import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -55,3 +57,23 @@ def test_rng_state_roundtrips():
 def test_unsupported_value_names_its_path():
     with pytest.raises(UnsupportedStateError, match=r"state\.sched\.fn\[1\] is a builtins\.function"):
         codec.encode({"sched": {"fn": [1, lambda: 0]}})
+
+
+@pytest.mark.parametrize("state, path", [
+    ({"a": (1, [2, {"b": object()}])}, "state.a[1][1].b"),
+    ({"$x": {3: [object()]}}, "state['$x'][3][0]"),
+    ({(1, 2): 0, "k": {object(): 1}}, "state['k']<key <object object"),
+    ([np.float64(1.0), 2, 3.5, "s", None, True, object()], "state[6]"),
+], ids=["tuple-list-dict", "dollar-keys", "non-string-key", "flat-list"])
+def test_unsupported_value_names_its_path_through_every_container(state, path):
+    with pytest.raises(UnsupportedStateError, match="^" + re.escape(path)):
+        codec.encode(state)
+
+
+def test_flat_lists_of_plain_values_encode_as_they_are_and_numpy_scalars_keep_their_tag():
+    state = {"mt": (3, tuple(range(625)), None), "x": [1.5, np.float64(2.5), True, np.int64(4)]}
+    doc, tensors = codec.encode(state)
+    assert doc["mt"] == {"$tuple": [3, {"$tuple": list(range(625))}, None]} and not tensors
+    assert doc["x"][1] == {"$npscalar": "<f8", "value": 2.5} and doc["x"][3]["$npscalar"] == "<i8"
+    back = codec.decode(json.loads(json.dumps(doc)), tensors)
+    assert back == state and type(back["x"][1]) is np.float64 and type(back["mt"][1]) is tuple

@@ -93,3 +93,22 @@ def test_files_handed_to_the_syncer_are_durable_and_intact_after_drain(tmp_path,
     for entry in entries:
         loaded = read_tensors(tmp_path, entry)
         assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def test_page_checksums_are_each_pages_xxh3_however_the_bytes_arrive(tmp_path, monkeypatch):
+    """``stream_tensors`` hashes whole pages of a piece at once and streams the pages pieces
+    split: every page's checksum is xxh3-64 of exactly its bytes, whatever the piece size."""
+    from llmtailor.store.storage.local import LocalSink
+    from llmtailor.store.tensor_files import page_size, stream_tensors
+
+    data = torch.randn(3 << 18)  # 3 MiB: pages of 12 KiB, not a divisor of the piece below
+    raw = data.numpy().tobytes()
+    page = page_size(len(raw))
+    assert (1 << 20) % page  # pieces end mid-page
+    for piece in (1 << 20, 4096 * 7 + 100, 1 << 24):
+        monkeypatch.setattr("llmtailor.store.tensor_files.PIECE", piece)
+        pages: dict = {}
+        _, sums = stream_tensors(LocalSink(tmp_path / f"p{piece}.safetensors", None), {"w": data}, "p", pages=pages)
+        assert sums["w"] == xxhash.xxh3_64_hexdigest(raw)
+        assert pages["w"]["page_bytes"] == page
+        assert pages["w"]["pages"] == [xxhash.xxh3_64_hexdigest(raw[i : i + page]) for i in range(0, len(raw), page)]

@@ -116,3 +116,32 @@ def test_a_unit_of_the_run_no_stage_holds_is_not_committed(tmp_path):
         persist(Run(tmp_path), staged(WHOLE, ["embed", "layer.0", "layer.1"], world_size=2, stage=FIRST_STAGE),
                 coordinator=TwoStages(second_stage_part(holds=("layer.2", "layer.3"))))
     assert_nothing_committed(tmp_path)
+
+
+def test_the_leader_validates_its_own_part_once_in_the_indexes_and_the_other_ranks_on_arrival(tmp_path, monkeypatch):
+    """The leader's own part is not dumped to a message and validated back (every chunk twice
+    per save before); another rank's report still is, and the commit still refuses what the
+    indexes' validation finds wrong in either."""
+    calls = {"to_message": 0, "from_message": 0}
+    to_message, from_message = RankPart.to_message, RankPart.from_message.__func__
+
+    def counted_to(self):
+        calls["to_message"] += 1
+        return to_message(self)
+
+    def counted_from(cls, message):
+        calls["from_message"] += 1
+        return from_message(cls, message)
+
+    monkeypatch.setattr(RankPart, "to_message", counted_to)
+    monkeypatch.setattr(RankPart, "from_message", classmethod(counted_from))
+    persist(Run(tmp_path / "one"), staged(WHOLE, list(WHOLE.units)))
+    assert calls == {"to_message": 0, "from_message": 0} and Run(tmp_path / "one").verify() == []
+    file = FileEntry(path="units/embed.rank-00001.safetensors", bytes=8, xxh3_64="0" * 16)
+    again = UnitPart(file=file, tensors=[TensorPart(key="weight/model.embed_tokens.weight", dtype="float32", shape=[2],
+                                                    chunks=[ChunkPart(offsets=[0], shape=[2], xxh3_64="0" * 16)])])
+    other = RankPart(units={"embed": again}, holds=list(WHOLE.units)).to_message()
+    calls.update(to_message=0, from_message=0)
+    with pytest.raises(TailorError, match=r"rank 0 wrote its chunk at \[0\] of shape \[2\], rank 1 its chunk"):
+        persist(Run(tmp_path / "two"), staged(WHOLE, list(WHOLE.units), world_size=2), coordinator=TwoStages(other))
+    assert calls == {"to_message": 0, "from_message": 1}  # rank 1's report, validated where it arrives
