@@ -147,8 +147,9 @@ class UnitReader:
         indexes at hand say how many data bytes it holds, ``_pack_data``: from an object store
         one round trip, not a HEAD per unit and two GETs). Each tensor read from it is checked
         against its own checksum, and a read past a shortened file fails as truncated: a kept
-        header is not checked against the file again."""
-        kept = (storage.where(key), file.xxh3_64)
+        header is not checked against the file again, and is kept for an entry of the same path,
+        checksum and size only (an index that says another size is checked anew, and refused)."""
+        kept = (storage.where(key), file.xxh3_64, file.bytes)  # a header kept was sized against these bytes
         header = self._pack_headers.get(kept)
         if header is not None:
             check_header(header[1], storage.where(key), shapes)
