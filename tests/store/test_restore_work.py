@@ -5,6 +5,9 @@ the way, not in a pass before); a save does not read back the manifest it just w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from helpers import flip_unit_byte, tiny, train
@@ -155,23 +158,14 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
         assert_weights_of(run, 2, fresh[0])
 
 
-@pytest.mark.parametrize("into", [True, False], ids=["into-live-tensors", "fresh-buffers"])
-def test_on_an_object_store_a_restore_asks_no_size_of_a_unit_file_before_reading_it(tmp_path, tokens, monkeypatch, into):
-    """Each unit file in a file of its own on moto's server: the restore asks its size of no
-    unit file in a request of its own (a HEAD, a round trip each): the ranged GET that reads
-    its first bytes answers it, checked there (read straight into the live tensors, or into
-    new buffers as a rank of a read plan does: ``into`` off), and every weight is the saved one."""
+@contextmanager
+def saved_on_moto(monkeypatch, tokens) -> Iterator[str]:
+    """The URL of a run on a moto server of this test's (its environment set), where the tiny
+    model trained one step and Parity saved it at step 1."""
     pytest.importorskip("obstore")
     pytest.importorskip("moto")
     from objectstore import moto_process, new_bucket, set_environment
 
-    from llmtailor.store import units, writer
-
-    monkeypatch.setattr(writer, "PACK_UNIT_BYTES", 1)
-    if not into:  # as ``_read_once``'s readers read: nothing to read into
-        real = units.UnitReader.read
-        monkeypatch.setattr(units.UnitReader, "read", lambda self, step, unit, skip=frozenset(), into=None:
-                            real(self, step, unit, skip))
     with moto_process() as endpoint:
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
@@ -179,10 +173,33 @@ def test_on_an_object_store_a_restore_asks_no_size_of_a_unit_file_before_reading
         with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
             train(model, opt, sched, tokens, [1])
             tailor.save(1)
-        fresh = tiny(seed=3)
-        reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
-        calls = StorageCalls.install(monkeypatch)
-        assert reader.restore().step == 1
+        yield url
+
+
+def restored_recording(url: str, monkeypatch) -> tuple[tuple, StorageCalls]:
+    """A fresh tiny model restored from ``url`` (its step 1), and the storage calls it made."""
+    fresh = tiny(seed=3)
+    reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
+    calls = StorageCalls.install(monkeypatch)
+    assert reader.restore().step == 1
+    return fresh, calls
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["into-live-tensors", "fresh-buffers"])
+def test_on_an_object_store_a_restore_asks_no_size_of_a_unit_file_before_reading_it(tmp_path, tokens, monkeypatch, into):
+    """Each unit file in a file of its own on moto's server: the restore asks its size of no
+    unit file in a request of its own (a HEAD, a round trip each): the ranged GET that reads
+    its first bytes answers it, checked there (read straight into the live tensors, or into
+    new buffers as a rank of a read plan does: ``into`` off), and every weight is the saved one."""
+    from llmtailor.store import units, writer
+
+    monkeypatch.setattr(writer, "PACK_UNIT_BYTES", 1)
+    if not into:  # as ``_read_once``'s readers read: nothing to read into
+        real = units.UnitReader.read
+        monkeypatch.setattr(units.UnitReader, "read", lambda self, step, unit, skip=frozenset(), into=None:
+                            real(self, step, unit, skip))
+    with saved_on_moto(monkeypatch, tokens) as url:
+        fresh, calls = restored_recording(url, monkeypatch)
         unit_files = {key for _, key, _ in calls.calls if "/units/" in key}
         assert unit_files and not [c for c in calls.calls if c[0] == "size" and "/units/" in c[1]], calls.calls
         assert_weights_of(Run(url), 1, fresh[0])
@@ -193,24 +210,11 @@ def test_on_an_object_store_a_pack_file_s_header_comes_in_one_request_with_its_s
     in one ranged GET (its first 8 + header bytes, no data byte: the indexes at hand say how many
     data bytes the pack holds), with no HEAD of the pack, where it read the length word first,
     then the header: two requests, each a round trip."""
-    pytest.importorskip("obstore")
-    pytest.importorskip("moto")
-    from objectstore import moto_process, new_bucket, set_environment
-
-    with moto_process() as endpoint:
-        set_environment(monkeypatch, endpoint)
-        url = f"s3://{new_bucket(endpoint)}/run"
-        model, opt, sched = tiny()
-        with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
-            train(model, opt, sched, tokens, [1])
-            tailor.save(1)
+    with saved_on_moto(monkeypatch, tokens) as url:
         run = Run(url)
         headers = {key: 8 + int.from_bytes(run.storage.read_range(key, 0, 8), "little")
                    for key, _ in run.storage.walk("snapshots") if "/packs/" in key}
-        fresh = tiny(seed=3)
-        reader = Tailor(url, *fresh, policy=Parity(), read_only=True)
-        calls = StorageCalls.install(monkeypatch)
-        assert reader.restore().step == 1
+        fresh, calls = restored_recording(url, monkeypatch)
         assert headers
         for key, header in headers.items():
             assert [c for c in calls.calls if c[1] == key and c[0] in ("read_start", "size")] == [("read_start", key, header)], calls.calls
