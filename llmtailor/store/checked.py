@@ -40,10 +40,6 @@ def write_to(sink: Sink, data: bytes | memoryview) -> None:
         raise
 
 
-def _check_size(storage: Storage, key: str, entry: FileEntry) -> None:
-    _check_found_size(storage, key, entry, storage.size(key))
-
-
 def _check_found_size(storage: Storage, key: str, entry: FileEntry, size: int | None) -> None:
     """The file ``key``, of ``size`` bytes as the store answered (None: missing), against ``entry``."""
     if size is None:
@@ -54,7 +50,7 @@ def _check_found_size(storage: Storage, key: str, entry: FileEntry, size: int | 
 
 def verify_stored(storage: Storage, key: str, entry: FileEntry) -> None:
     """Check the file ``key`` against its manifest ``entry``: size, then checksum (streamed)."""
-    _check_size(storage, key, entry)
+    _check_found_size(storage, key, entry, storage.size(key))
     hasher = xxhash.xxh3_64()
     seen = 0
     for piece in storage.pieces(key):
