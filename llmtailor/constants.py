@@ -2,15 +2,18 @@
 
 import re
 
-SCHEMA_VERSION = 6
-READABLE_SCHEMAS = (2, 3, 4, 5, 6)
+SCHEMA_VERSION = 7
+READABLE_SCHEMAS = (2, 3, 4, 5, 6, 7)
 """Schema 3 adds frozen tensors kept from an older snapshot or a base model directory; schema 4,
 page checksums of large chunks (a reader of part of a chunk checks only the pages it reads);
 schema 5, pack files (a rank's small units written together into one file, ``PACKS_DIR``) and
 the sampled checksum of a whole weight's values (``Chunk.sample_xxh3``, ``BaseRef.sample_xxh3``),
 against which a restore checks a frozen tensor the live model already holds; schema 6, the unit
 indexes of a snapshot in one file (``INDEXES_FILE``, a line per unit) instead of a file each
-(``unit_index_path``): one durable file per save, not one per unit."""
+(``unit_index_path``): one durable file per save, not one per unit; schema 7, a frozen whole
+weight's sampled checksum over its covering sample (``Chunk.cover_xxh3``: an element of every
+row and column, ``store.samples.covering``) in place of ``sample_xxh3``'s 1024 elements, which
+a tensor differing in whole rows could pass; a restore checks each record by its own sample."""
 SNAPSHOT_FORMAT = "llmtailor.snapshot"
 
 SNAPSHOTS_DIR = "snapshots"

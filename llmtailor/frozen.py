@@ -11,14 +11,16 @@ its bytes are saved or restored, and a tensor whose fingerprint differs is writt
 parameter frozen mid-run is saved once more after its last change). The fingerprint of every
 piece this rank holds: its data pointer (a replaced tensor moves it), its version counter (any
 in-place change made through the tensor bumps it) and the checksum of a fixed sample of its
-values (``store.samples.sampled``, up to ``SAMPLE`` elements spread over it). The sample is for
-changes that bump no counter, made through ``param.data``: every such change of a tensor no
-larger than the sample is seen, and in a larger one every change that alters a sampled element
-(a change of the whole tensor, or of much of it); a change confined to a few elements of a
-larger tensor may be missed. Reading every frozen byte at every save would be certain but costs
-a pass over the frozen weights (gigabytes for a LoRA's base); the sample costs about a cache
-line per sampled element. Until a changed tensor is written its unit is not quiet: it still
-counts for ``Adaptive``'s staleness bound. In a distributed job the ranks agree: a tensor
+values (``store.samples.covering``: an element of every row of the piece, and of every column
+of one of at least 64 rows; about as many as the larger of rows and row length). The sample is
+for changes that bump no counter, made through ``param.data``: every such change of a tensor of
+at most ``SAMPLE`` elements is seen, and in a larger one every change that alters a sampled
+element (a change of any whole row, of any whole column of 64 rows or more, of the whole tensor
+or of much of it); a change confined to a few elements of a larger tensor may be missed.
+Reading every frozen byte at every save would be certain but costs a pass over the frozen
+weights (gigabytes for a LoRA's base); the sample costs about a cache line per sampled element
+(32008 of them for a 32000 x 4096 embedding). Until a changed tensor is written its unit is not
+quiet: it still counts for ``Adaptive``'s staleness bound. In a distributed job the ranks agree: a tensor
 changed on any rank is written by every rank holding a piece of it.
 
 A base model by reference (``Tailor(..., base=DIR)``, a ``save_pretrained`` directory): a
@@ -49,7 +51,7 @@ from llmtailor.store.tensor_files import checksum, checksum_file, tensor_checksu
 from llmtailor.store.keys import split_key, weight_key
 from llmtailor.store.manifest import BaseDir, FileEntry, TensorEntry
 from llmtailor.store.run import Run
-from llmtailor.store.samples import sample_checksums
+from llmtailor.store.samples import covering, sample_checksums
 from llmtailor.store.staged import Piece, StagedUnit, version_of
 
 Holder = int | str
@@ -60,13 +62,14 @@ def fingerprints(pieces: dict[str, list[Piece]], known: dict[str, str] | None = 
     """Per tensor key, what changes when the tensor's values may have: of every piece, its
     memory and version counter (a change made through the tensor bumps the counter, a replaced
     tensor moves the memory; an inference-mode tensor keeps no counter: ``version_of``) and the
-    checksum of a fixed sample of its values (``store.samples.sampled``: a change through ``.data``, or
-    to an inference tensor, bumps no counter; it shows when it alters a sampled element).
+    checksum of a fixed sample of its values (``store.samples.covering``: a change through
+    ``.data``, or to an inference tensor, bumps no counter; it shows when it alters a sampled
+    element, as a change of a whole row or column does).
     ``known``: key -> the sampled checksum of its one whole piece, known to be its values' (a
     restore just checked them against it), not computed again."""
     known = known or {}
     found = [piece for key, key_pieces in pieces.items() if key not in known for piece in key_pieces]
-    sums = iter(sample_checksums(found))
+    sums = iter(sample_checksums(found, covering))
     return {key: tuple((p.offsets, p.tensor.data_ptr(), version_of(p.tensor), known[key] if key in known else next(sums))
                        for p in key_pieces)
             for key, key_pieces in pieces.items()}
@@ -162,17 +165,18 @@ def _with_sample(piece: Piece, plan: FrozenPlan) -> Piece:
     prints = plan.fingerprints.get(piece.key)
     if prints is None or len(prints) != 1 or not piece.is_whole:
         return piece
-    return replace(piece, sample_xxh3=prints[0][3])
+    return replace(piece, cover_xxh3=prints[0][3])
 
 
 def _recorded_sample(tensor: TensorEntry, pieces: list[Piece]) -> str | None:
     """The sampled checksum recorded at save for a tensor the live model holds as one whole
     piece, the one the piece's values have once a restore checked or read them (read: every
     byte against its checksum; held: its sample against this one); None where it must be
-    computed (no sample recorded, or the live tensor in several pieces)."""
+    computed (no sample recorded, one recorded before schema 7 over other elements, or the
+    live tensor in several pieces)."""
     if len(pieces) != 1 or not pieces[0].is_whole or len(tensor.chunks) != 1:
         return None
-    return tensor.chunks[0].sample_xxh3
+    return tensor.chunks[0].cover_xxh3
 
 
 @dataclass(frozen=True)
@@ -224,7 +228,7 @@ class FrozenParts:
                 found = pieces[key]
                 ref = self.base.ref(split_key(key)[1], found[0].tensor) if len(found) == 1 and found[0].is_whole else None
                 if ref is not None:
-                    ref["sample_xxh3"] = prints[key][0][3]  # a whole tensor's one piece
+                    ref["cover_xxh3"] = prints[key][0][3]  # a whole tensor's one piece
                     self._held[key], self._base_refs[key] = ("base", prints[key]), ref
                     changed.remove(key)
         report = [changed, sorted(self.provider.frozen_units()), list(self.provider.layout.units)]

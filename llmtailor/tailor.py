@@ -247,9 +247,9 @@ class Tailor:
 
         Compatibility (layout, names, shapes, dtypes, optimizer class and groups) is checked
         from the manifests before any tensor byte is read. ``verify=True`` checks every chunk
-        read against its checksum, a frozen tensor the model holds (unread) by a sampled one
-        (``"exact"``: all its bytes); ``verify=False`` (distributed providers) reads only the byte
-        ranges this rank holds and leaves checking to ``llmtailor verify``. ``fallback=True``
+        read against its checksum, a frozen tensor the model holds (unread) by a sample of every
+        row (``"exact"``: all its bytes); ``verify=False`` (distributed providers) reads only the
+        byte ranges this rank holds and leaves checking to ``llmtailor verify``. ``fallback=True``
         (no ``step``): the composites of the lineage are tried newest first, each verified while
         it loads (every byte read once, checked before it is used, whatever ``verify``); one that
         is damaged, missing or unreadable is passed over for the next (``skipped`` says what and

@@ -178,13 +178,13 @@ def restored_in_a_fresh_process(runs: list[Path]) -> list[dict[str, torch.Tensor
 
 
 LAYER_WEIGHT = "base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight"  # 32 x 32: all sampled
-EMBEDDING = "base_model.model.model.embed_tokens.weight"  # 256 x 32: larger than the sample
+EMBEDDING = "base_model.model.model.embed_tokens.weight"  # 256 x 32: larger than the sample, every row in it
 
 CHANGES_THROUGH_DATA = {  # way -> (the change, the frozen tensors it changes); none bumps a version counter
     "data.copy_": (lambda param, new: param.data.copy_(new), [LAYER_WEIGHT, EMBEDDING]),
     "data[...] =": (lambda param, new: param.data.__setitem__(Ellipsis, new), [LAYER_WEIGHT, EMBEDDING]),
-    # One row: caught for certain only in a tensor no larger than the sample (docs/training-loops.md).
-    "data[row] =": (lambda param, new: param.data.__setitem__(1, new[1]), [LAYER_WEIGHT]),
+    # One row: the sample holds an element of every row (docs/training-loops.md).
+    "data[row] =": (lambda param, new: param.data.__setitem__(1, new[1]), [LAYER_WEIGHT, EMBEDDING]),
     "data = new": (lambda param, new: setattr(param, "data", new.clone()), [LAYER_WEIGHT, EMBEDDING]),
 }
 
@@ -223,9 +223,10 @@ def test_a_frozen_tensor_changed_through_data_is_written_again_and_restored_new(
 
 
 def test_a_fingerprint_sees_changes_through_data_to_sampled_elements_and_any_through_the_tensor():
-    """``fingerprints`` on a tensor larger than the sample: what docs/training-loops.md promises is seen."""
-    from llmtailor.drift import SAMPLE, sample_slots
+    """``fingerprints`` on a tensor larger than the sample: what docs/training-loops.md promises is
+    seen (through ``.data``: a sampled element, any one row, any one column)."""
     from llmtailor.frozen import fingerprints
+    from llmtailor.store.samples import SAMPLE, covering_slots
     from llmtailor.store.staged import Piece
 
     param = torch.nn.Parameter(torch.randn(512, 96), requires_grad=False)
@@ -238,10 +239,18 @@ def test_a_fingerprint_sees_changes_through_data_to_sampled_elements_and_any_thr
     assert now() == before  # reading it changes nothing
     param.data.mul_(2)  # the whole tensor, through .data: no version bump
     assert param._version == 0 and now() != before
-    start, spacing = sample_slots(Piece.whole("weight/w", param.detach()))
+    start, spacing = covering_slots(Piece.whole("weight/w", param.detach()))
     before = now()
     param.data.view(-1)[start + 7 * spacing] += 1  # one sampled element
     assert now() != before
+    for row in range(param.shape[0]):  # any one row
+        before = now()
+        param.data[row] += 1
+        assert now() != before, row
+    for column in range(param.shape[1]):  # any one column
+        before = now()
+        param.data[:, column] += 1
+        assert now() != before, column
     before = now()
     with torch.no_grad():
         param.view(-1)[start + 1] += 1  # an element off the sample, through the tensor: its version
@@ -714,7 +723,7 @@ def test_frozen_tensors_the_live_model_holds_are_checked_by_sample_and_exactly_o
     33). A change confined to unsampled elements passes that check (the documented limit);
     ``verify="exact"`` checks every byte, finds it and restores the saved tensor."""
     import llmtailor.providers.local as local
-    from llmtailor.drift import SAMPLE, sample_slots
+    from llmtailor.store.samples import covering_slots
     from llmtailor.store.staged import Piece
     from llmtailor.store.tensor_files import tensor_checksum
 
@@ -731,12 +740,11 @@ def test_frozen_tensors_the_live_model_holds_are_checked_by_sample_and_exactly_o
     for (name, a), b in zip(held.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
 
-    name = "base_model.model.model.layers.1.mlp.gate_proj.weight"  # 2048 elements: sampled, not all
-    key = "weight/model.layers.1.mlp.gate_proj.weight"
+    name, key = EMBEDDING, "weight/model.embed_tokens.weight"  # 8192 elements: sampled, not all
     changed, changed_opt = lora(seed=7)
     target = dict(changed.named_parameters())[name]
-    start, spacing = sample_slots(Piece.whole(key, target.detach()))
-    sampled = set(range(start, target.numel(), spacing)[:SAMPLE])
+    start, spacing = covering_slots(Piece.whole(key, target.detach()))
+    sampled = set(range(start, target.numel(), spacing))
     outside = next(i for i in range(target.numel()) if i not in sampled)
     with torch.no_grad():
         target.view(-1)[outside] += 1.0
@@ -756,6 +764,7 @@ def test_a_restore_samples_each_frozen_tensor_once_and_the_next_save_writes_none
     next save is that recorded sample, not a second pass. The next save finds every frozen tensor
     unchanged and writes only what trains."""
     import llmtailor.frozen as frozen_module
+    import llmtailor.providers.local as local
     import llmtailor.store.samples as samples
 
     model, optimizer = lora()
@@ -763,10 +772,10 @@ def test_a_restore_samples_each_frozen_tensor_once_and_the_next_save_writes_none
         for s in (1, 2):
             step(model, optimizer, tokens, s)
             tailor.save(s)
-    real, taken = samples.sampled, []
-    counted = lambda piece, *args, **kwargs: taken.append(piece.key) or real(piece, *args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(samples, "sampled", counted)
-    monkeypatch.setattr(frozen_module, "sampled", counted, raising=False)  # where a module took its own name of it
+    real, taken = samples.covering, []
+    counted = lambda piece: taken.append(piece.key) or real(piece)  # noqa: E731
+    for module in (samples, frozen_module, local):  # where each module took its own name of it
+        monkeypatch.setattr(module, "covering", counted)
     held, held_opt = lora(seed=7)  # the same base weights, other adapters
     tailor = Tailor(tmp_path, held, held_opt, policy=Full())
     assert tailor.restore().step == 2
@@ -841,3 +850,84 @@ def test_a_units_merged_index_lists_each_file_it_keeps_tensors_from_once(tmp_pat
     Tailor(tmp_path, fresh, fresh_opt, read_only=True).restore()
     for (name, a), b in zip(fresh.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_frozen_embedding_differing_in_whole_rows_or_a_column_is_read_at_restore(tmp_path, tokens):
+    """A LoRA's frozen embedding (256 x 32) that differs at restore only in rows the sample of
+    schemas 5 and 6 (1024 elements spread over it) held no element of (new token rows the
+    restoring launch initialised otherwise, say), or in one column: the sample a save records
+    now holds an element of every row and of every column (``store.samples.covering``), so a
+    default restore sees the difference and reads the saved embedding (issue 33: it kept the
+    live rows without a word)."""
+    from llmtailor.store.samples import SAMPLE, sample_slots
+    from llmtailor.store.staged import Piece
+
+    model, _, _ = lora_saved_twice(tmp_path, tokens)
+    saved = dict(model.named_parameters())[EMBEDDING].detach()
+    start, spacing = sample_slots(Piece.whole("weight/model.embed_tokens.weight", saved))
+    old_rows = {i // saved.shape[1] for i in range(start, saved.numel(), spacing)[:SAMPLE]}
+    missed = [row for row in range(saved.shape[0]) if row not in old_rows]
+    assert missed  # the shape under test
+    drawn = torch.Generator().manual_seed(1)
+    changes = {
+        "rows": lambda embedding: embedding.index_copy_(0, torch.tensor(missed),
+                                                         torch.randn(len(missed), saved.shape[1], generator=drawn)),
+        "column": lambda embedding: embedding[:, 5].add_(1.0),
+    }
+    for change, apply in changes.items():
+        changed, changed_opt = lora(seed=7)  # the same base weights, other adapters
+        embedding = dict(changed.named_parameters())[EMBEDDING]
+        with torch.no_grad():
+            apply(embedding)
+        assert not torch.equal(embedding, saved)
+        Tailor(tmp_path, changed, changed_opt, read_only=True).restore()
+        for (name, a), b in zip(changed.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), f"{change}: {name}"
+
+
+SCHEMA6_FROZEN = Path(__file__).parent / "store" / "fixtures" / "schema6_frozen_run"
+"""Written by llmtailor at main 9b73174 (schema 6) with ``fixtures/make_schema6_frozen_run.py``:
+a tiny Llama (one layer, hidden size 16, 128 tokens) whose embedding is frozen, one Full save."""
+
+
+def test_a_frozen_record_of_schema_6_is_still_checked_by_its_own_1024_elements(tmp_path):
+    """A run written before schema 7 recorded a frozen weight's checksum over 1024 sampled
+    elements (``Chunk.sample_xxh3``). A restore checks that record by those elements, as then:
+    a live embedding equal to the saved one is held; one differing in a sampled element is read;
+    one differing only in rows that sample holds no element of passes, as it did (the record
+    cannot tell: the limit schema 7 lifts), and ``verify="exact"`` reads it."""
+    import shutil
+
+    from llmtailor.store.samples import SAMPLE, sample_slots
+    from llmtailor.store.staged import Piece
+    from llmtailor.training_example import TinyConfig, build_model
+
+    key = "weight/model.embed_tokens.weight"
+    run_dir = tmp_path / "run"
+    shutil.copytree(SCHEMA6_FROZEN, run_dir)
+    run = Run(run_dir)
+    chunk = run.unit_entry(1, "embed").tensor(key).chunks[0]
+    assert run.manifest(1).schema_version == 6 and chunk.sample_xxh3 is not None and chunk.cover_xxh3 is None
+    saved = run.read_unit(1, "embed")[0][key]
+    start, spacing = sample_slots(Piece.whole(key, saved))
+    sampled = range(start, saved.numel(), spacing)[:SAMPLE]
+    rows = {i // saved.shape[1] for i in sampled}
+    missed = next(row for row in range(saved.shape[0]) if row not in rows)
+    config = TinyConfig(hidden_size=16, layers=1, heads=2, kv_heads=1, intermediate_size=16, seq_len=8, vocab_size=128)
+
+    def restored(change, verify: bool | str = True) -> torch.Tensor:
+        model = build_model(config, seed=3)
+        embedding = model.model.embed_tokens.weight
+        embedding.requires_grad_(False)
+        with torch.no_grad():
+            embedding.copy_(saved)
+            change(embedding)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        Tailor(run_dir, model, optimizer, read_only=True).restore(verify=verify)
+        return embedding.detach().clone()
+
+    assert torch.equal(restored(lambda e: None), saved)
+    assert torch.equal(restored(lambda e: e.view(-1)[sampled[5]].add_(1.0)), saved)
+    kept = restored(lambda e: e[missed].add_(1.0))
+    assert torch.equal(kept[missed], saved[missed] + 1.0)  # off the old sample: passes, as then
+    assert torch.equal(restored(lambda e: e[missed].add_(1.0), verify="exact"), saved)

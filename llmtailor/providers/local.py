@@ -14,7 +14,7 @@ data ranks of a pipeline stage among themselves, over the process group DDP wrap
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.node_parts import copy_node, reading_ranks
 from llmtailor.store.run import Run
-from llmtailor.store.samples import sample_checksums
+from llmtailor.store.samples import covering, sample_checksums, sampled
 from llmtailor.store.staged import Piece, StagedUnit
 
 Loaded = tuple[str, dict[str, torch.Tensor], dict[str, dict[str, Any]]]
@@ -315,34 +315,39 @@ class LocalProvider(StateProvider):
     def _already_held(entries: dict[str, UnitEntry], live: dict[str, torch.Tensor],
                       exact: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """Per unit, the frozen tensors of its entry the live model holds already, by key: of
-        the saved dtype and shape, and the checksum of its sampled elements the one recorded at
-        save (``Chunk.sample_xxh3``: a cache line per sampled element, not a pass over a base
-        model's weights; a tensor differing only in unsampled elements passes; every unit's
-        samples read with one copy, ``sample_checksums``). ``exact``, or a run saved before
-        samples were recorded: the checksum of all its bytes instead. Frozen: kept from an older
+        the saved dtype and shape, and the checksum of its sample the one recorded at save
+        (``Chunk.cover_xxh3``: an element of every row and column, ``samples.covering``, a
+        cache line per sampled element, not a pass over a base model's weights; a tensor that
+        differs in whole rows or columns is read, one differing only in scattered unsampled
+        elements passes; every unit's samples read with one copy, ``sample_checksums``). A
+        record of schema 5 or 6 (``Chunk.sample_xxh3``) is checked by the 1024 elements it was
+        taken over (``samples.sampled``), as then. ``exact``, or a run saved before samples
+        were recorded: the checksum of all its bytes instead. Frozen: kept from an older
         snapshot or the base directory (``origin``), or written by this version with a sample
         (recorded for frozen whole weights only, ``frozen._with_sample``): a LoRA's frozen
         embedding and head, written by the save that first held them, are not read either."""
         held: dict[str, dict[str, torch.Tensor]] = {unit: {} for unit in entries}
-        sampled: list[tuple[str, str, str, torch.Tensor]] = []  # (unit, key, recorded sample, live)
+        # Per sample, (unit, key, recorded checksum, live tensor) of the tensors checked by it.
+        checked: dict[Callable, list[tuple[str, str, str, torch.Tensor]]] = {covering: [], sampled: []}
         for unit, entry in entries.items():
             for tensor in entry.tensors:
                 kind, name, _ = split_key(tensor.key)
                 target, chunk = live.get(name), tensor.chunks[0]
-                frozen = entry.files[chunk.file].origin is not None or chunk.sample_xxh3 is not None
-                if kind != KIND_WEIGHT or not frozen or target is None:
+                recorded = chunk.cover_xxh3 or chunk.sample_xxh3
+                if kind != KIND_WEIGHT or (entry.files[chunk.file].origin is None and recorded is None) or target is None:
                     continue
                 target = target.detach()
                 if len(tensor.chunks) != 1 or list(target.shape) != tensor.shape or dtype_name(target.dtype) != tensor.dtype:
                     continue
-                if not exact and chunk.sample_xxh3 is not None:
-                    sampled.append((unit, tensor.key, chunk.sample_xxh3, live[name]))
+                if not exact and recorded is not None:
+                    checked[covering if chunk.cover_xxh3 else sampled].append((unit, tensor.key, recorded, live[name]))
                 elif tensor_checksum(target) == chunk.xxh3_64:
                     held[unit][tensor.key] = live[name]
-        sums = sample_checksums([Piece.whole(key, tensor.detach()) for _, key, _, tensor in sampled])
-        for (unit, key, recorded, tensor), now in zip(sampled, sums):
-            if now == recorded:
-                held[unit][key] = tensor
+        for take, tensors in checked.items():
+            sums = sample_checksums([Piece.whole(key, tensor.detach()) for _, key, _, tensor in tensors], take)
+            for (unit, key, recorded, tensor), now in zip(tensors, sums):
+                if now == recorded:
+                    held[unit][key] = tensor
         return held
 
     def _load_optimizer_and_scheduler(

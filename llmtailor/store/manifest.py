@@ -86,9 +86,13 @@ class Chunk(_Strict):
     """A large chunk's bytes also hashed in pages of ``page_bytes`` (the last one shorter): a
     reader of part of the chunk (a rank restoring at another world size) reads and checks the
     pages its range covers, not the whole chunk (``store.tensor_files.page_size``)."""
+    cover_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    """A frozen whole weight's sampled checksum (``frozen.fingerprints``: of its covering sample,
+    an element of every row and column, ``store.samples.covering``; schema 7 on): a restore
+    checks a live tensor it does not read against it (``xxh3_64`` with ``verify="exact"``)."""
     sample_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
-    """A frozen whole weight's sampled checksum (``frozen.fingerprints``): a restore checks a
-    live tensor it does not read against it (``xxh3_64`` with ``verify="exact"``)."""
+    """The same, written by schemas 5 and 6: of 1024 elements spread over the tensor
+    (``store.samples.sampled``); a restore still checks it so."""
     stored_as: str | None = Field(default=None, exclude=True)
     """In memory only: the tensor's name in its file when not its key (a base model's file)."""
 
@@ -104,8 +108,9 @@ class Chunk(_Strict):
         if self.pages is None:  # a chunk of one page: written as schema 3 wrote it
             data.pop("pages", None)
             data.pop("page_bytes", None)
-        if self.sample_xxh3 is None:
-            data.pop("sample_xxh3", None)
+        for sample in ("cover_xxh3", "sample_xxh3"):
+            if data.get(sample) is None:
+                data.pop(sample, None)
         if self.file == 0:  # from schema 6 the default (most indexes list one file)
             data.pop("file", None)
         return data
@@ -193,8 +198,10 @@ class BaseRef(_Strict):
     dtype: str
     shape: list[int]
     xxh3_64: str = Field(pattern=r"^[0-9a-f]{16}$")
+    cover_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
+    """The tensor's sampled checksum (``Chunk.cover_xxh3``); None in runs before schema 7."""
     sample_xxh3: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")
-    """The tensor's sampled checksum (``Chunk.sample_xxh3``); None in runs before schema 5."""
+    """Its sampled checksum as schemas 5 and 6 wrote it (``Chunk.sample_xxh3``)."""
 
     @field_validator("dtype")
     @classmethod

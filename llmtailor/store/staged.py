@@ -43,9 +43,10 @@ class Piece:
     stable: bool = True
     """False for a tensor that may change outside the optimizer step (a buffer updated in
     forward): an async save copies it before ``save`` returns."""
-    sample_xxh3: str | None = None
-    """A frozen whole weight's sampled checksum (``frozen.fingerprints``), recorded in its chunk:
-    a restore checks a live tensor against it instead of reading the whole tensor."""
+    cover_xxh3: str | None = None
+    """A frozen whole weight's sampled checksum (``frozen.fingerprints``: its covering sample),
+    recorded in its chunk: a restore checks a live tensor against it instead of reading the
+    whole tensor."""
 
     @classmethod
     def whole(cls, key: str, tensor: torch.Tensor, stable: bool = True) -> Piece:
@@ -135,7 +136,7 @@ class ChunkPart(_Message):
     xxh3_64: str
     page_bytes: int | None = None
     pages: list[str] | None = None
-    sample_xxh3: str | None = None
+    cover_xxh3: str | None = None
 
 
 class TensorPart(_Message):

@@ -234,7 +234,7 @@ class UnitReader:
                     files.append(listed[ref.file].model_copy(update={"origin": "base"}))
                     base_position[ref.file] = len(files) - 1
                 whole = Chunk(file=base_position[ref.file], offsets=[0] * len(ref.shape), shape=list(ref.shape),
-                              xxh3_64=ref.xxh3_64, sample_xxh3=ref.sample_xxh3)
+                              xxh3_64=ref.xxh3_64, sample_xxh3=ref.sample_xxh3, cover_xxh3=ref.cover_xxh3)
                 tensors.append(TensorEntry(key=tensor_key, dtype=ref.dtype, shape=list(ref.shape),
                                            chunks=[whole.model_copy(update={"stored_as": ref.name})]))
         return stored.model_copy(update={"files": files, "tensors": tensors})

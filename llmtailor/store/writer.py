@@ -235,7 +235,7 @@ def _unit_part(written: _Written) -> UnitPart:
     not sent: its chunks are validated once, in the merged indexes."""
     def chunk(p: Piece, key: str) -> ChunkPart:
         return ChunkPart.model_construct(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
-                                         sample_xxh3=p.sample_xxh3, **written.pages.get(key, {}))
+                                         cover_xxh3=p.cover_xxh3, **written.pages.get(key, {}))
 
     staged_unit = written.unit
     entries = [TensorPart.model_construct(key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
