@@ -346,6 +346,9 @@ def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
     print(f"{'  of it unit data':<22}{data_fetched / MB:>12.2f}{data_fetched / data:>19.3f}")
     print(f"{'dcp.load (3 ranks)':<22}{dcp_fetched / MB:>12.2f}{dcp_fetched / dcp_bytes:>19.3f}{dcp_s:>10.2f}")
     print(f"{'boto3 download_file':<22}{total / MB:>12.2f}{1.0:>19.3f}{boto_s:>10.2f}")
+    print("ours, each rank's last restore: " + "; ".join(
+        f"rank {rank}: {r['requests']} requests, {r['collectives']} collectives, {r['messages']} sends/receives"
+        for rank, r in enumerate(results)))
     print("\nissue 33 targets")
     ratio = ours_fetched / total
     print(f"  fetched / composite: {ratio:.3f}x (target <= 1.05x): {'PASS' if ratio <= 1.05 else 'FAIL'}")
@@ -389,6 +392,35 @@ def count_fetched() -> dict[str, int]:
     return fetched
 
 
+def count_calls() -> dict[str, int]:
+    """Requests this process makes of the object store through our store (``requests``: reads,
+    each a GET, and sizes, each a HEAD) and the torch.distributed calls it makes (``collectives``:
+    broadcasts and all-reduces; ``messages``: point-to-point sends and receives), from now on."""
+    import torch.distributed as dist
+
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    counts = {"requests": 0, "collectives": 0, "messages": 0}
+
+    def counting(owner, name, kind):
+        real = getattr(owner, name)
+
+        def counted(*a, **k):
+            counts[kind] += 1
+            return real(*a, **k)
+
+        setattr(owner, name, counted)
+
+    for name in ("read", "read_range", "read_start", "size"):
+        if name in vars(ObjectStore):
+            counting(ObjectStore, name, "requests")
+    for name in ("broadcast", "all_reduce"):
+        counting(dist, name, "collectives")
+    for name in ("isend", "irecv"):
+        counting(dist, name, "messages")
+    return counts
+
+
 def restore_worker(role: str, out: Path, model, optimizer) -> None:
     """``<kind>-save``: ours (Full) and ``dcp.save`` through fsspec of ``model`` and ``optimizer``;
     ``<kind>-restore``: each restored ``repeats`` times, timed between barriers, bytes counted."""
@@ -405,12 +437,13 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
         dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
                  storage_writer=FsspecWriter(f"{url}/dcp", sync_files=False))
         return
-    fetched = count_fetched()
+    fetched, calls = count_fetched(), count_calls()
     seconds: dict[str, list[float]] = {"ours": [], "dcp": []}
     counts: dict[str, int] = {}
     for _ in range(json.loads(os.environ["BENCH_SIZES"])["repeats"]):
         for name in ("ours", "dcp"):
             fetched.clear()
+            calls.update(dict.fromkeys(calls, 0))
             dist.barrier()
             profile = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
             start = time.perf_counter()
@@ -427,9 +460,12 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
             seconds[name].append(time.perf_counter() - start)
             counts[name] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/"))
             counts[f"{name}_data"] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/") and data_file(k))
+            if name == "ours":  # ours' last restore: its requests of the store and its torch.distributed calls
+                counts.update({f"ours_{k}": v for k, v in calls.items()})
     (out / f"{role}-{dist.get_rank()}.json").write_text(json.dumps({
         "ours_seconds": seconds["ours"], "dcp_seconds": seconds["dcp"], "ours_fetched": counts["ours"],
-        "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"]}))
+        "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"],
+        **{k: counts[f"ours_{k}"] for k in ("requests", "collectives", "messages")}}))
 
 
 def worker(role: str, out: Path) -> None:

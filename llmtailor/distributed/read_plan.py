@@ -5,13 +5,20 @@ reader per item (a unit's tensors, say): ``balance`` spreads the items over the 
 bytes, the same on every rank from the composite's index alone, so agreeing takes no message.
 The reader reads its items through the store's own checked reads (every file against its
 checksum) and broadcasts each, packed into one byte buffer, within the group (gloo on CPU); the
-others receive it instead of fetching it again.
+others receive it instead of fetching it again. Each item is one broadcast: the buffer's first
+bytes say whether the read succeeded (``_HEAD``), so no status goes in a collective of its own.
+The group goes through the items in turns (``ReadPlan.turns``) ordered by when their readers,
+each reading its own items smallest first, are expected to have them: the first sends start as
+soon as the first small items are in, and no rank's reads wait for another's large item to be
+sent first.
 
-Failures reach every rank of the group at the same item, so none is left waiting in a
-collective: a reader whose read fails broadcasts the failure in place of the bytes (every rank
-raises it, naming the reader and the item: an IntegrityError when the reader found damaged or
-missing data); a rank that died or hangs makes the broadcast fail on the others (gloo notices a
-lost connection at once) or time out after the coordinator's timeout; the exchange that ends a
+Failures reach every rank of the group, so none is left waiting in a collective: a reader whose
+read fails sends the failure in place of the bytes (every rank raises it, naming the reader and
+the item: an IntegrityError when the reader found damaged or missing data), at that item
+(``fetch``) or, where the ranks are sent only the parts they want (``deliver``), at the end of
+the plan, which every rank goes through to the end (one collective there says which item failed
+first); a rank that died or hangs makes the broadcast fail on the others (gloo notices a lost
+connection at once) or time out after the coordinator's timeout; the exchange that ends a
 restore (``Coordinator.agree``) then names the rank that no longer answers.
 
 Invariant: every rank of the group builds its ``ReadPlan`` from the same items in the same
@@ -42,6 +49,8 @@ Slice = tuple[int, int]
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
 _SENT, _DAMAGED, _FAILED = 0, 1, 2  # what a reader announces before the payload
+_HEAD = 16  # an item's message's first bytes (``fetch``, ``deliver``): its reader's status and how many bytes follow (two int64)
+_ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: room for a failed read's error
 _AHEAD = 2  # items a rank reads ahead of their turn (memory: at most this many packed items waiting)
 
 
@@ -87,15 +96,30 @@ class ReadPlan:
         owners = balance(items, len(self.ranks), positions)
         self.readers = {item: self.ranks[owners[item]] for item in items}
         """Item -> the global rank that reads it from the store, in the items' order."""
+        self.sizes = dict(items)
+
+    def turns(self) -> list[str]:
+        """The items in the order ``fetch`` goes through them: by when their reader, reading its
+        own items one after another smallest first, has read them (its bytes so far: the same
+        on every rank), ties in the items' order. The group's first broadcast is then of an
+        item read early (not a reader's largest, which every rank would wait for with nothing
+        sent meanwhile), and each reader's items come up in the order it reads them."""
+        position = {item: at for at, item in enumerate(self.readers)}
+        read, done = dict.fromkeys(self.ranks, 0), {}
+        for item in sorted(self.readers, key=lambda i: (self.sizes[i], position[i])):
+            read[self.readers[item]] += self.sizes[item]
+            done[item] = read[self.readers[item]]
+        return sorted(self.readers, key=lambda i: (done[i], position[i]))
 
     def mine(self) -> list[str]:
         """The items this rank reads from the store."""
         return [item for item, reader in self.readers.items() if reader == self.coordinator.rank]
 
     def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]]) -> Iterator[tuple[str, list[torch.Tensor]]]:
-        """Every item's tensors, in plan order, on every rank of the group: ``read(item)`` on its
-        reader (checked reads; its tensors as ``specs(item)`` says), received from it elsewhere.
-        Raises, on every rank alike, what the reader's read raised (module docstring).
+        """Every item's tensors, in the plan's turns (``turns``), on every rank of the group:
+        ``read(item)`` on its reader (checked reads; its tensors as ``specs(item)`` says),
+        received from it elsewhere, in one broadcast per item. Raises, on every rank alike,
+        what the reader's read raised (module docstring).
 
         A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
         turn, so the ranks' reads overlap one another and the broadcasts (``read`` must allow
@@ -103,10 +127,13 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        with contextlib.closing(_read_ahead(self.mine(), lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
-            for item, reader in self.readers.items():
+        turns = self.turns()
+        own = [item for item in turns if self.readers[item] == self.coordinator.rank]
+        with contextlib.closing(_read_ahead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
+            for item in turns:
+                reader = self.readers[item]
                 if reader == self.coordinator.rank:
-                    tensors = self._send(item, next(mine), device)
+                    tensors = self._send(item, next(mine), specs(item), device)
                 else:
                     tensors = self._receive(item, reader, specs(item), device)
                 yield item, tensors
@@ -118,36 +145,45 @@ class ReadPlan:
         item is one byte tensor, ``read(item)`` on its reader; ``wanted(item)``: global rank ->
         the slices ``(offset, length)`` of the item it wants, the same on every rank. Its reader
         sends each other rank only the slices that rank wants (point to point, packed in one
-        message), not the whole item to the whole group: a rank receives what it uses.
+        message after a head saying whether its read succeeded), not the whole item to the whole
+        group: a rank receives what it uses, and waits only for its own reads and the items it
+        wants, never for the group at each item.
 
-        Failures as ``fetch``'s: the reader first broadcasts to the group whether its read
-        succeeded (a few bytes), so a failed read is raised at the same item on every rank; a
-        rank lost while bytes are in flight fails the send or receive on its peers, or they time
-        out after the coordinator's timeout. Each rank reads its items on up to ``threads``
-        threads, ``threads`` items ahead (``read`` must allow it), and sends without waiting for
-        the receivers: reads, sends and receives overlap. Before it returns (or raises), every
-        send of this rank has completed, so none is left in flight."""
+        Failures: a read that fails is sent as such to the ranks wanting part of the item (their
+        function raises ``ReadRefused``), and every rank goes on to the end of the plan, so no
+        rank is left waiting for a message; there one collective tells every rank the first
+        item (in plan order) whose read failed, and every rank raises its reader's error (the
+        read plan's rule: the same error, naming the reader, on every rank). A rank lost while
+        bytes are in flight fails the send or receive on its peers, or they time out after the
+        coordinator's timeout. Each rank reads its items on up to ``threads`` threads,
+        ``threads`` items ahead (``read`` must allow it), and sends without waiting for the
+        receivers: reads, sends and receives overlap. Before it returns (or raises), every send
+        of this rank has completed, so none is left in flight."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        sending = []
+        sending, failed = [], None  # failed: (tag, item, error) of this rank's first read that failed
         with contextlib.closing(_read_ahead(self.mine(), read, threads, threads)) as mine:
             try:
                 for tag, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
-                    if reader == self.coordinator.rank:
-                        payload = self._announce(item, next(mine), device)
-                        view = memoryview(payload.numpy())
-                        for rank, parts in slices.items():
-                            if rank != reader and parts:
-                                sending.append((item, rank, self._send_to(rank, _gather(view, parts), tag, device)))
-                        while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
-                            self._wait(*sending.pop(0), "send")
-                        yield item, functools.partial(_slices, view, [(part, part) for part in slices.get(reader, [])])
-                    else:
+                    if reader != self.coordinator.rank:
                         yield item, self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), tag, device)
+                        continue
+                    try:
+                        view = memoryview(next(mine).result().numpy())
+                    except Exception as err:  # sent as refused to the ranks wanting it; raised at the end on every rank
+                        failed, view = failed or (tag, item, err), None
+                    for rank, parts in slices.items():
+                        if rank != reader and parts:
+                            sending.append((item, rank, self._send_to(rank, _gather(view, parts), tag, device)))
+                    while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
+                        self._wait(*sending.pop(0), "send")
+                    yield item, (functools.partial(_refused, item, reader) if view is None
+                                 else functools.partial(_slices, view, [(part, part) for part in slices.get(reader, [])]))
                 while sending:
                     self._wait(*sending.pop(0), "send")
+                self._settle(failed, device)
             finally:  # a failure, or the caller stopped: no send left from freed memory (the reads: ``_read_ahead``)
                 for sent in sending:
                     try:
@@ -155,31 +191,46 @@ class ReadPlan:
                     except CoordinationError:  # failing already, with the error that stopped it
                         pass
 
-    def _announce(self, item: str, reading: Future, device: torch.device) -> torch.Tensor:
-        """The reader's side of an item's status broadcast (``deliver``): its bytes, or raised."""
+    def _settle(self, failed: tuple[int, str, Exception] | None, device: torch.device) -> None:
+        """The end of ``deliver``: one collective finds the first item whose read failed on any
+        rank (``failed``: this rank's first, as ``(tag, item, error)``); its reader broadcasts
+        its error, which every rank raises. Nothing more when every read succeeded."""
+        import torch.distributed as dist
+
+        first = torch.tensor([failed[0] if failed is not None else len(self.readers)], dtype=torch.int64).to(device)
         try:
-            payload = reading.result()
-        except Exception as err:  # sent to the others in place of the status, then raised here too
-            raise self._refuse(item, err, device) from None
-        self._broadcast(torch.tensor([_SENT, payload.numel()], dtype=torch.int64), item, self.coordinator.rank, device)
-        return payload
+            work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
+        except Exception as err:  # gloo's error for a lost peer or a timeout
+            raise CoordinationError(f"the ranks' exchange of failed reads at the end of the read plan failed: a rank of the "
+                                    f"group died, or is stuck past the {self.coordinator.timeout:g} s timeout "
+                                    f"({describe_error(err)})") from None
+        tag = int(first.cpu().item())
+        if tag == len(self.readers):
+            return
+        item, reader = list(self.readers.items())[tag]
+        if reader == self.coordinator.rank:
+            assert failed is not None and failed[0] == tag
+            raise self._refuse(item, failed[2], device)
+        status, length = self._broadcast(torch.zeros(2, dtype=torch.int64), item, reader, device).tolist()
+        message = self._broadcast(torch.empty(length, dtype=torch.uint8), item, reader, device)
+        raise self._failure(item, reader, status, bytes(message.numpy()).decode(errors="replace"))
 
     def _receive_slices(self, item: str, reader: int, parts: list[Slice], tag: int,
                         device: torch.device) -> Callable[[], dict[Slice, memoryview]]:
-        status, length = self._broadcast(torch.zeros(2, dtype=torch.int64), item, reader, device).tolist()
-        if status != _SENT:
-            message = self._broadcast(torch.empty(length, dtype=torch.uint8), item, reader, device)
-            raise self._failure(item, reader, status, bytes(message.numpy()).decode(errors="replace"))
         if not parts:
             return dict
         import torch.distributed as dist
 
-        buffer = torch.empty(sum(n for _, n in parts), dtype=torch.uint8, device=device)
+        buffer = torch.empty(_HEAD + sum(n for _, n in parts), dtype=torch.uint8, device=device)
         work = dist.irecv(buffer, src=reader, group=self.group, tag=tag)
 
         def wait() -> dict[Slice, memoryview]:
             self._wait(item, reader, work, "receipt")
-            return _slices(memoryview(buffer.cpu().numpy()), _packed_slices(parts))
+            received = buffer.cpu()
+            if received[:_HEAD].view(torch.int64)[0].item() != _SENT:
+                _refused(item, reader)
+            return _slices(memoryview(received.numpy())[_HEAD:], _packed_slices(parts))
 
         return wait
 
@@ -202,30 +253,36 @@ class ReadPlan:
 
     # -- one item ------------------------------------------------------------------------------
 
-    def _send(self, item: str, reading: Future, device: torch.device) -> list[torch.Tensor]:
+    def _send(self, item: str, reading: Future, shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
+        """The reader's side of an item (``fetch``): its message (head and packed bytes, or the
+        failure in their place) in one broadcast."""
         try:
-            tensors, payload = reading.result()
+            tensors, message = reading.result()
         except Exception as err:  # sent to the others in place of the bytes, then raised here too
-            raise self._refuse(item, err, device) from None
-        self._broadcast(torch.tensor([_SENT, payload.numel()], dtype=torch.int64), item, self.coordinator.rank, device)
-        self._broadcast(payload, item, self.coordinator.rank, device)
+            status, text = _refusal(err, _message_size(shapes))
+            message = torch.zeros(_message_size(shapes), dtype=torch.uint8)
+            _put_head(message, status, len(text))
+            if text:
+                message[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            self._broadcast(message, item, self.coordinator.rank, device)
+            raise self._failure(item, self.coordinator.rank, status, text.decode(errors="replace")) from None
+        self._broadcast(message, item, self.coordinator.rank, device)
         return tensors
 
     def _receive(self, item: str, reader: int, shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
-        status, length = self._broadcast(torch.zeros(2, dtype=torch.int64), item, reader, device).tolist()
-        payload = self._broadcast(torch.empty(length, dtype=torch.uint8), item, reader, device)
+        message = self._broadcast(torch.empty(_message_size(shapes), dtype=torch.uint8), item, reader, device)
+        status, length = message[:_HEAD].view(torch.int64).tolist()
         if status != _SENT:
-            raise self._failure(item, reader, status, bytes(payload.numpy()).decode(errors="replace"))
+            raise self._failure(item, reader, status, bytes(message[_HEAD : _HEAD + length].numpy()).decode(errors="replace"))
         if length != _packed_size(shapes):
             raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
                                     f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
-        return unpack(payload, shapes)
+        return unpack(message[_HEAD:], shapes)
 
     def _refuse(self, item: str, err: Exception, device: torch.device) -> Exception:
-        """Broadcast this reader's failed read of ``item`` to the group in place of its bytes;
-        the error to raise here, as the others raise it."""
-        status = _DAMAGED if isinstance(err, IntegrityError) else _FAILED
-        message = describe_error(err).encode()
+        """Broadcast this reader's failed read of ``item`` to the group in place of its status
+        (``deliver``); the error to raise here, as the others raise it."""
+        status, message = _refusal(err)
         self._broadcast(torch.tensor([status, len(message)], dtype=torch.int64), item, self.coordinator.rank, device)
         self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), item, self.coordinator.rank, device)
         return self._failure(item, self.coordinator.rank, status, message.decode())
@@ -254,7 +311,7 @@ class ReadPlan:
 
 def _read_ahead(items: Iterable[str], read: Callable[[str], T], workers: int, depth: int) -> Iterator[Future[T]]:
     """The future of ``read(item)`` for each of ``items`` in their order (this rank's items in
-    plan order: the caller takes each as its turn comes): the one read-ahead of ``fetch`` and
+    the order the caller goes through the plan, taking each as its turn comes): the one read-ahead of ``fetch`` and
     ``deliver``. Each read starts on one of ``workers`` threads up to ``depth`` items before
     it is taken (the next ones start as one is taken, before it is used), so this rank's
     reads overlap one another and what the caller does with the items. Closed
@@ -278,11 +335,24 @@ def _read_ahead(items: Iterable[str], read: Callable[[str], T], workers: int, de
                 reading.cancel()
 
 
-def _gather(view: memoryview, parts: list[Slice]) -> torch.Tensor:
-    """The bytes of ``parts`` of ``view``, one after another, in one new byte tensor."""
-    out = torch.empty(sum(n for _, n in parts), dtype=torch.uint8)
-    into, at = memoryview(out.numpy()), 0
-    for offset, length in parts:
+class ReadRefused(Exception):
+    """An item ``deliver`` gave a rank whose reader's read failed: the rank loads nothing of it;
+    the reader's error itself is raised on every rank at the end of the plan."""
+
+
+def _refused(item: str, reader: int) -> dict[Slice, memoryview]:
+    raise ReadRefused(f"rank {reader} could not read {item}")
+
+
+def _gather(view: memoryview | None, parts: list[Slice]) -> torch.Tensor:
+    """A message of ``deliver``: the head (sent, or refused where ``view`` is None: a failed
+    read), then the bytes of ``parts`` of ``view`` one after another, in one new byte tensor."""
+    out = torch.empty(_HEAD + sum(n for _, n in parts), dtype=torch.uint8)
+    _put_head(out, _SENT if view is not None else _FAILED, len(out) - _HEAD)
+    if view is None:
+        out[_HEAD:] = 0
+    into, at = memoryview(out.numpy()), _HEAD
+    for offset, length in parts if view is not None else ():
         into[at : at + length] = view[offset : offset + length]
         at += length
     return out
@@ -303,14 +373,37 @@ def _slices(view: memoryview, placed: list[tuple[Slice, Slice]]) -> dict[Slice, 
 
 
 def _read_packed(read: Callable[[str], list[torch.Tensor]], item: str, specs: list[Spec]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``read(item)``'s tensors, and the message ``fetch`` broadcasts: the head (sent, how many
+    bytes) and the tensors packed after it."""
     tensors = read(item)
-    return tensors, pack(tensors, specs)
+    message = torch.empty(_message_size(specs), dtype=torch.uint8)
+    _put_head(message, _SENT, _packed_size(specs))
+    pack(tensors, specs, message[_HEAD : _HEAD + _packed_size(specs)])
+    return tensors, message
 
 
-def pack(tensors: list[torch.Tensor], specs: list[Spec]) -> torch.Tensor:
-    """The bytes of ``tensors`` (as ``specs`` says they are) in one 1-D uint8 tensor, each at
-    an offset aligned for any dtype (``unpack`` takes them back)."""
-    out = torch.empty(_packed_size(specs), dtype=torch.uint8)
+def _message_size(specs: list[Spec]) -> int:
+    """Bytes of the one broadcast of an item of ``specs`` (``fetch``): the head, then its packed
+    bytes, or a failed read's error in their place (at least ``_ROOM`` bytes of it)."""
+    return _HEAD + max(_packed_size(specs), _ROOM)
+
+
+def _put_head(message: torch.Tensor, status: int, length: int) -> None:
+    message[:_HEAD].view(torch.int64)[:] = torch.tensor([status, length], dtype=torch.int64)
+
+
+def _refusal(err: Exception, room: int | None = None) -> tuple[int, bytes]:
+    """A failed read as the reader announces it: its status (damaged, or failed) and its error,
+    cut to ``room`` bytes where given (every rank then raises the same text)."""
+    message = describe_error(err).encode()
+    return (_DAMAGED if isinstance(err, IntegrityError) else _FAILED), message if room is None else message[:room - _HEAD]
+
+
+def pack(tensors: list[torch.Tensor], specs: list[Spec], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of ``tensors`` (as ``specs`` says they are) in one 1-D uint8 tensor (``out``,
+    ``_packed_size(specs)`` bytes, where given), each at an offset aligned for any dtype
+    (``unpack`` takes them back)."""
+    out = torch.empty(_packed_size(specs), dtype=torch.uint8) if out is None else out
     for tensor, offset, (dtype, shape) in zip(tensors, _offsets(specs), specs, strict=True):
         if tensor.dtype != dtype or list(tensor.shape) != list(shape):
             raise IntegrityError(f"a tensor read is {tensor.dtype} {list(tensor.shape)}, the index says {dtype} {list(shape)}")

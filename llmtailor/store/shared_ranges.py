@@ -21,10 +21,11 @@ Checks: none here. The reads that take the bytes (``ChunkReader``, its ``receive
 them as if they had fetched them themselves, on every rank that uses them.
 
 Failures: a fetch that fails on its reader (a missing or truncated file, the store's error) is
-raised on every rank, naming the reader (the read plan's rule). A group whose load fails on a
-rank (a checksum mismatch) is remembered there; the rank goes on taking part in the sending
-of the rest, loading nothing more, and raises it after the last, so no rank is left waiting
-for it (the restore's closing exchange then fails every rank).
+raised on every rank, naming the reader, once every rank went through the plan (the read plan's
+rule); a rank sent a failed piece loads nothing more. A group whose load fails on a rank (a
+checksum mismatch) is remembered there; the rank goes on taking part in the sending of the
+rest, loading nothing more, and raises it after the last, so no rank is left waiting for it
+(the restore's closing exchange then fails every rank).
 
 The files' headers, which say where each chunk's bytes begin (every rank needs them to say its
 ranges), are read once in the job too (``share_headers``): each by one of the ranks that need
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
-from llmtailor.distributed.read_plan import ReadPlan, balance
+from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance
 from llmtailor.errors import IntegrityError
 from llmtailor.store.checked import stored_header
 from llmtailor.store.manifest import FileEntry
@@ -143,12 +144,25 @@ def _arrive_and_load(waiting: _Groups, group: str, received: list[tuple[str, Ran
     try:
         while received:
             _, piece, arrived = received[0]
-            waiting.take(group, piece, arrived())
+            try:
+                waiting.take(group, piece, arrived())
+            except ReadRefused as err:  # its reader's error is raised at the end of the plan, on every rank
+                waiting.failure = waiting.failure or err
             received.pop(0)
     except BaseException:
         _settle(received[1:])
         raise
     waiting.load_through(group)
+
+
+def _settle(received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
+    """Wait for the receipts still pending when the restore failed (no bytes land in memory
+    freed behind them), each as far as it goes: the error raised is the one that stopped it."""
+    for _, _, arrived in received:
+        try:
+            arrived()
+        except Exception:  # the restore is failing already, with its own error
+            pass
 
 
 def _by_file(ranges: Iterable[Iterable]) -> dict[str, list[tuple[int, int]]]:

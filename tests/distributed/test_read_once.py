@@ -108,6 +108,10 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     assert sum(1 for f in fetched if any(f.get(key) for key in data)) > 1
     # So was each manifest, unit index and global state file (every rank read each of them before).
     assert_metadata_fetched_once(results)
+    # One broadcast per item of the read plans (the small files' shares, the units) on every rank:
+    # the reader's status goes in the item's own broadcast, not in one before it (two per item).
+    assert [result["broadcasts"] for result in results] == [result["plan_items"] for result in results]
+    assert all(result["plan_items"] > 0 for result in results)
 
     # The corrupted unit: read by one rank, whose name every rank's refusal carries, the same.
     refusals = {result["refused"] for result in results}
@@ -136,6 +140,7 @@ def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch)
     assert sum(f.get(key, 0) for f in fetched for key in data) <= 1.05 * sum(size for size, _ in data.values())
     assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
     assert_metadata_fetched_once(results)
+    assert [result["broadcasts"] for result in results] == [result["plan_items"] for result in results]
 
 
 def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(tmp_path, monkeypatch, tokens):
@@ -190,11 +195,19 @@ def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_f
     # broadcast to every rank, each received about (world - 1) / world of the unit data.
     for result in results:
         assert 0 < result["ranges_received"] <= result["ranges_needed"], (result["ranges_received"], result["ranges_needed"])
+    # One collective per rank in all (the closing one, saying which read failed first, if any), not
+    # a status broadcast per piece: a rank waits for its own reads and the pieces it wants, not for
+    # the group at every piece.
+    assert [result["collectives"] for result in results] == [1] * RANKS
     # A corrupted chunk: found by the ranks whose boxes hold the byte (on the bytes received),
     # and the restore refused on every rank, none left waiting in a broadcast.
     (refused,) = {result["refused"] for result in results}
     assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [")
     assert "checksum mismatch" in refused and results[0]["corrupted"] in refused, refused
+    # A piece whose fetch fails on its reader (rank 1): the same error on every rank, naming it.
+    (refused,) = {result["refused_read"] for result in results}
+    assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
+    assert "rank 1 read bytes " in refused and "injected damage" in refused, refused
 
 
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):

@@ -25,11 +25,28 @@ def test_each_item_has_one_reader_the_bytes_spread_over_the_group_in_the_items_o
     coordinator = LocalCoordinator()
     coordinator.world_size, coordinator.rank = 3, 1
     plan = ReadPlan(coordinator, items, ranks=[1, 4, 7])
-    assert list(plan.readers) == list(items)  # the order every rank goes through them
+    assert list(plan.readers) == list(items)  # the items' order (``deliver`` goes through them so)
     assert plan.readers == {"unit 'embed' of step 4": 1, "unit 'layer.0' of step 2": 4, "unit 'layer.1' of step 4": 7,
                             "unit 'norm' of step 4": 4}
     assert plan.mine() == ["unit 'embed' of step 4"]
     assert balance({"a": 5, "b": 5, "c": 1}, 2) == {"a": 0, "b": 1, "c": 0}  # ties: the given order, the lowest rank
+
+
+def test_fetch_takes_the_items_in_the_order_their_readers_have_them_each_reader_reading_its_own_smallest_first():
+    """Taken in the items' order, every rank would first wait for the embedding's reader to have
+    read all of it, nothing sent meanwhile, and a reader of three layers would read its third
+    only once its first had been sent (two read ahead). By the bytes each reader has read when
+    it has an item (its own smallest first), the first sends start once a small item is in."""
+    items = {"embed": 900, "layer.0": 300, "layer.1": 300, "layer.2": 300, "layer.3": 300, "norm": 10, "head": 900}
+    coordinator = LocalCoordinator()
+    coordinator.world_size, coordinator.rank = 3, 0
+    plan = ReadPlan(coordinator, items)
+    assert plan.readers == {"embed": 0, "head": 1, "layer.0": 2, "layer.1": 2, "layer.2": 2, "layer.3": 0,
+                            "norm": 1}
+    # Rank 0 has read layer.3 at 300 bytes, embed at 1200; rank 1 norm at 10, head at 910; rank 2
+    # layer.0, .1, .2 at 300, 600, 900 (ties: the items' order).
+    assert plan.turns() == ["norm", "layer.0", "layer.3", "layer.1", "layer.2", "head", "embed"]
+    assert sorted(plan.turns()) == sorted(items)
 
 
 def test_an_item_is_read_by_one_of_its_candidates_the_ranks_whose_node_holds_its_files():

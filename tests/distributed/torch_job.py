@@ -61,18 +61,20 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     into the same layout and into FSDP2 alone (tp 2 -> 1), each compared with the composite.
 ``ddp-read-once``  (world 3) DDP: Parity saves at steps 2 and 4 into ``$RUN_ROOT/ddp`` (an ``s3://``
     URL), versions written as above; then a restore at this world size into a fresh model, each
-    rank counting the bytes and reads it asks of the object store, by key, and compared; then
+    rank counting the bytes and reads it asks of the object store, by key, its broadcasts and the
+    items of its read plans, and compared; then
     rank 0 flips a byte of ``layer.1`` in the data file of the version the composite names, and
     every rank restores again into a fresh model and records the error it got; then rank 0 also
     flips a byte of the composite's global.json, and every rank restores again, its error recorded.
 ``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
     ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
-    bytes it fetches by key, and compared.
+    bytes it fetches by key, its broadcasts and the items of its read plans, and compared.
 ``fsdp-read-once-save`` / ``fsdp-read-once``  (world 2, then any) FSDP2: Parity saves at steps 2
     and 4 into ``$RUN_ROOT/fsdp``, versions written; then (another launch, at another world size)
     a restore into a fresh model, each rank counting the bytes and reads it asks of the object
     store by key, and compared; then rank 0 flips a byte of ``layer.1`` in its data file and
-    every rank restores again into a fresh model, its error recorded.
+    every rank restores again into a fresh model, its error recorded; then, the byte flipped
+    back, a restore in which rank 1's first fetch of a piece fails, each rank's error recorded.
 ``pipeline-ddp-read-once``  (world 4) two pipeline stages, each DDP over two data ranks, restore
     ``$RUN_ROOT/single`` (a one-process save the test made), each rank counting the bytes it
     fetches by key, and compare with ``DIR/versions/single.safetensors``.
@@ -120,6 +122,7 @@ from helpers import drop_from_unit_index, flip_unit_byte, tiny, unit_chunk_middl
 from storage_calls import StorageCalls  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
+from llmtailor.errors import IntegrityError  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.store.storage.local import LocalStorage  # noqa: E402
@@ -544,12 +547,17 @@ def count_sent_ranges() -> dict[str, int]:
     (``store.shared_ranges.read_once``, as the FSDP2 provider calls it) that this rank needs
     (``needed``: its ranges, summed) and that it received from the other ranks over
     torch.distributed (``received``: byte tensors broadcast from or sent by another rank while
-    in it): filled in as this rank restores."""
+    in it, each message's head not counted), and the collectives it took part in there
+    (``collectives``: broadcasts and all-reduces): filled in as this rank restores."""
     import llmtailor.providers.fsdp as fsdp_provider
+    from llmtailor.distributed import read_plan
 
-    counts = {"needed": 0, "received": 0}
+    head = getattr(read_plan, "_HEAD", 0)  # the bytes before the parts in each message
+
+    counts = {"needed": 0, "received": 0, "collectives": 0}
     inside = []
     real_read_once, real_broadcast, real_irecv = fsdp_provider.read_once, dist.broadcast, dist.irecv
+    real_all_reduce = dist.all_reduce
 
     def read_once(coordinator, storage, needs, *args, **kwargs):
         counts["needed"] += sum(length for ranges in needs.values() for _, _, length in ranges)
@@ -564,14 +572,40 @@ def count_sent_ranges() -> dict[str, int]:
             counts["received"] += tensor.numel()
 
     def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+        counts["collectives"] += bool(inside)
         received(tensor, src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src))
         return real_broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
 
+    def all_reduce(tensor, *args, **kwargs):
+        counts["collectives"] += bool(inside)
+        return real_all_reduce(tensor, *args, **kwargs)
+
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-        received(tensor, src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src))
+        received(tensor[head:], src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src))
         return real_irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
 
-    fsdp_provider.read_once, dist.broadcast, dist.irecv = read_once, broadcast, irecv
+    fsdp_provider.read_once, dist.broadcast, dist.irecv, dist.all_reduce = read_once, broadcast, irecv, all_reduce
+    return counts
+
+
+def count_plan_broadcasts() -> dict[str, int]:
+    """This rank's broadcasts (``torch.distributed.broadcast`` calls: ``broadcasts``) and the items
+    of the read plans it made (``items``, over every ``ReadPlan``) from now on, filled in as it
+    restores."""
+    from llmtailor.distributed import read_plan
+
+    counts = {"broadcasts": 0, "items": 0}
+    real_broadcast, real_plan = dist.broadcast, read_plan.ReadPlan.__init__
+
+    def broadcast(*args, **kwargs):
+        counts["broadcasts"] += 1
+        return real_broadcast(*args, **kwargs)
+
+    def plan(self, coordinator, items, *args, **kwargs):
+        counts["items"] += len(items)
+        real_plan(self, coordinator, items, *args, **kwargs)
+
+    dist.broadcast, read_plan.ReadPlan.__init__ = broadcast, plan
     return counts
 
 
@@ -595,8 +629,10 @@ def read_once(kind: str, out: Path) -> dict:
     result = save_loop(kind, out, kind, Parity(), last=4, every=2)
     calls = count_fetched()
     model, optimizer, scheduler = build(kind, seed=5)
+    plans = count_plan_broadcasts()
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
     result.update(fetched=dict(calls.bytes_by_key()), reads=dict(calls.by_key()), restored=report.step,
+                  broadcasts=plans["broadcasts"], plan_items=plans["items"],
                   mismatches=compare_with_composite(out, location(out, kind), model, optimizer))
     return result
 
@@ -617,7 +653,7 @@ def restore_counted(kind: str, out: Path) -> dict:
     return {"fetched": dict(calls.bytes_by_key()), "reads": dict(calls.by_key()), "looks": dict(calls.by_key(("size",))),
             "restored": report.step,
             "units_of_files": units_of_files,
-            "ranges_needed": sent["needed"], "ranges_received": sent["received"],
+            "ranges_needed": sent["needed"], "ranges_received": sent["received"], "collectives": sent["collectives"],
             "mismatches": compare_with_composite(out, location(out, kind), model, optimizer)}
 
 
@@ -628,6 +664,25 @@ def refused_restore(out: Path, kind: str) -> str | None:
         return None
     except Exception as err:  # the error each rank gets is the point of the scenarios calling this
         return f"{type(err).__name__}: {err}"
+
+
+def refused_read(out: Path, kind: str, failing: int) -> str | None:
+    """A restore of the run ``kind`` into a fresh model in which rank ``failing``'s first fetch of
+    a piece of the files (``store.shared_ranges``) fails as a read of a damaged object does: the
+    error it raised on this rank, or None."""
+    import llmtailor.store.shared_ranges as shared_ranges
+
+    real = shared_ranges.fetch
+    if rank() == failing:
+        def fail_first(storage, key, *args, **kwargs):
+            shared_ranges.fetch = real
+            raise IntegrityError(f"{storage.where(key)}: injected damage")
+
+        shared_ranges.fetch = fail_first
+    try:
+        return refused_restore(out, kind)
+    finally:
+        shared_ranges.fetch = real
 
 
 def ddp_read_once(out: Path) -> dict:
@@ -887,6 +942,11 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result["corrupted"] = corrupt_unit_file(str(location(out, "fsdp")), "layer.1") if rank() == 0 else None
         dist.barrier()
         result["refused"] = refused_restore(out, "fsdp")
+        dist.barrier()
+        if rank() == 0:
+            corrupt_unit_file(str(location(out, "fsdp")), "layer.1")  # the same byte flipped back: intact again
+        dist.barrier()
+        result["refused_read"] = refused_read(out, "fsdp", failing=1)
     elif scenario == "pipeline":
         result = pipeline(out, stages=2)
     elif scenario == "pipeline-freeze":
