@@ -244,6 +244,9 @@ class FrozenParts:
         changed, frozen_units = survey.report[0], set(survey.report[1])
         if self.coordinator.world_size > 1:
             if news_anywhere or self._agreed is None:
+                # Until it completes here: a rank whose exchange failed (where others may have
+                # agreed) has news at its next save, so every rank exchanges again.
+                self._reported = None
                 reports = self.coordinator.exchange(tag, survey.report)
                 changed = sorted({key for report in reports for key in report[0]})
                 # Frozen where every rank holding it says so: pipeline stages hold different units.

@@ -13,6 +13,8 @@ import torch
 from helpers import assert_bitwise, tiny, train, unit_versions
 
 from llmtailor import Adaptive, Full, Parity, Tailor
+from llmtailor.distributed.coordinator import CoordinationError, LocalCoordinator
+from llmtailor.frozen import FrozenParts
 from llmtailor.store.run import Run
 from llmtailor.training_example import batch_at
 
@@ -931,3 +933,38 @@ def test_a_frozen_record_of_schema_6_is_still_checked_by_its_own_1024_elements(t
     kept = restored(lambda e: e[missed].add_(1.0))
     assert torch.equal(kept[missed], saved[missed] + 1.0)  # off the old sample: passes, as then
     assert torch.equal(restored(lambda e: e[missed].add_(1.0), verify="exact"), saved)
+class _FailingExchange(LocalCoordinator):
+    """Two ranks' exchanges seen from one (the other's report is this one's); ``fail``: the
+    exchange raises, as when a rank's wait ran out while the others completed it."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def exchange(self, tag, value):
+        if self.fail:
+            raise CoordinationError("rank(s) [1] did not report: a rank died or is stuck")
+        return [value, value]
+
+
+def test_a_rank_whose_frozen_exchange_failed_has_news_at_its_next_save(tmp_path):
+    """The frozen reports are exchanged only when some rank's report changed since the last
+    exchange (a flag in the drift all-reduce); otherwise each rank reuses that exchange's
+    agreement. A rank whose exchange failed (the others may have completed it, agreeing on
+    their new reports) must not reuse its older agreement: it has news at its next save, so
+    every rank exchanges again and all agree."""
+    model, opt, sched = tiny(seed=0)
+    tailor = Tailor(tmp_path / "run", model, opt, sched, policy=Full())
+    coordinator = _FailingExchange()
+    frozen = FrozenParts(tailor.provider, coordinator)
+    first = frozen.survey()
+    assert first.news
+    frozen.plan("1", set(), first, news_anywhere=True)
+    assert not frozen.survey().news  # nothing changed since: no exchange needed
+    coordinator.fail = True
+    with pytest.raises(CoordinationError):
+        frozen.plan("2", set(), frozen.survey(), news_anywhere=True)  # another rank had news
+    assert frozen.survey().news
+    tailor.close()

@@ -14,12 +14,23 @@ checksums it already knows (the file entries of the snapshot) before it keeps th
 
 Invariant: for every pair (a, b), ``b in outgoing`` on rank a exactly when ``a in sources`` on
 rank b, in the same exchange; every rank of the job calls ``exchange`` the same number of times.
+
+A failed exchange breaks the courier for good (``Courier.broken``). An exchange that timed out
+or failed half-way leaves receives posted on the group (the sizes asked of every source at
+once) and sends not taken: a later exchange on the same group could take a message of the
+failed one (a later save's copy filled with an earlier save's bytes, or waiting on a message
+that was consumed). So a rank whose exchange failed never touches the group again: every later
+exchange (``exchange``, ``exchange_packed``, ``stream``) raises CoordinationError at once,
+saying why; its peers, whose next exchange with it then gets nothing, fail in the timeout,
+naming it. Nothing rebuilds the group in place (that is collective, on the training thread):
+a new ``Courier.open`` on every rank (a new Tailor, or the job restarted) gives a fresh one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +56,9 @@ class Courier:
         self.group, self.rank, self.timeout = group, rank, float(timeout)
         self.sent_bytes = 0
         """Bytes of file content this rank has sent so far (names and sizes not counted)."""
+        self.broken: str | None = None
+        """Why an exchange of this courier failed, once one did: every later one refuses
+        (module docstring)."""
 
     @classmethod
     def open(cls, timeout: float = DEFAULT_TIMEOUT) -> Courier:
@@ -58,7 +72,7 @@ class Courier:
     def exchange(self, outgoing: dict[int, Files], sources: Sequence[int]) -> dict[int, Files]:
         """Send ``outgoing[dst]`` to each rank ``dst``; return what each rank of ``sources`` sent
         here. CoordinationError naming the peer when one died, hung past the timeout, or sent
-        what it did not announce."""
+        what it did not announce; at once when an earlier exchange failed (``broken``)."""
         received = self.exchange_packed({dst: packed(files) for dst, files in outgoing.items()}, sources)
         return {src: [(name, bytes(content)) for name, content in unpacked(files)] for src, files in received.items()}
 
@@ -74,6 +88,11 @@ class Courier:
         file leaves the view as it is (the receiver's check against its checksum refuses it);
         ``fill`` and ``take`` record their failures instead of raising (a raise leaves the peers
         waiting until the timeout). Errors as ``exchange``."""
+        with self._exchanging():
+            self._stream(outgoing, fill, sources, take)
+
+    def _stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
+                sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
         import torch.distributed as dist
 
         sends, group = [], self.group
@@ -129,6 +148,27 @@ class Courier:
         partner ranks): each destination's files come already packed (the sender reads them
         straight into the tensor), each source's are returned as they arrived (``unpacked``
         views them). The same messages as ``exchange``; its errors."""
+        with self._exchanging():
+            return self._exchange_packed(outgoing, sources)
+
+    @contextmanager
+    def _exchanging(self) -> Iterator[None]:
+        """One exchange: refused at once when an earlier one failed; any failure of this one
+        breaks the courier (module docstring)."""
+        if self.broken is not None:
+            raise CoordinationError(f"rank {self.rank}: this courier is broken since an exchange failed ({self.broken}); "
+                                    "its group may still hold that exchange's messages, so nothing more is sent over it: "
+                                    "make the Tailor again on every rank, or restart the job")
+        try:
+            yield
+        except BaseException as err:
+            self.broken = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if isinstance(err, RuntimeError) and not isinstance(err, CoordinationError):  # gloo's, at a send or receive
+                raise CoordinationError(f"rank {self.rank}: an exchange of files failed: a peer died or its connection "
+                                        f"failed ({self.broken})") from None
+            raise
+
+    def _exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
         import torch.distributed as dist
 
         sends = []

@@ -39,6 +39,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -201,6 +202,12 @@ class Catalog:
         """Whether this process is committing the snapshot of ``step`` in the background."""
         done = self._committing.get(step)
         return done is not None and not (done.done() and done.exception() is not None)
+
+    def wait_commits(self) -> None:
+        """Wait for the background commits (``commit_later``), settling none (their failures
+        stay for ``settle_commits``): another reader of the store (a fresh ``Run`` of it) then
+        finds what they committed."""
+        futures.wait(list(self._committing.values()))
 
     def settle_commits(self) -> None:
         """Wait for the background commits (``commit_later``); each failure kept (and its

@@ -1,11 +1,13 @@
 """The courier and the placement rule: which nodes hold a node's parts (pure), and files sent
 between real processes over the courier's own gloo group (including from a thread other than
-the one that made it, as an async save does, and a peer that dies)."""
+the one that made it, as an async save does, a peer that dies, and one that stalls past the
+timeout)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -95,24 +97,54 @@ def _stream(courier: Courier, rank: int, world: int, out: str) -> None:
     Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
 
 
+def _stall(rank: int, out: str) -> None:
+    """Ranks 0 and 1 exchange three times (rank 2 only opens the couriers, collectively): on a
+    courier with a short timeout, the first exchange's rank 1 stalls until rank 0's has timed
+    out, then the second with other bytes of the same sizes; the third on a fresh courier. What
+    each got (the bytes right or not) or raised, into ``out/<rank>.txt``."""
+    stalling, fresh = Courier.open(timeout=20), Courier.open(timeout=20)
+    stalling.timeout = 2  # its waits only: the group itself is made with time to spare
+    if rank == 2:  # leaves once the others said how they fared (its exit must not cut their group)
+        while not all(Path(out, f"{r}.txt").exists() for r in (0, 1)):
+            time.sleep(0.05)
+        return
+    peer, timed_out, said = 1 - rank, Path(out, "timed-out"), []
+
+    def files(n: int, of: int) -> list:
+        return [(f"units/u.rank-{of:05d}.safetensors", bytes([16 * n + of]) * 100)]
+
+    for n, courier in ((1, stalling), (2, stalling), (3, fresh)):
+        while n == 1 and rank == 1 and not timed_out.exists():
+            time.sleep(0.05)
+        try:
+            got = courier.exchange({peer: files(n, rank)}, [peer])
+            said.append(("got", n, "right" if got == {peer: files(n, peer)} else f"wrong: {got!r}"[:200]))
+        except Exception as err:  # what the courier raises; anything else is named
+            said.append(("error", n, str(err) if isinstance(err, CoordinationError) else f"{type(err).__name__}: {err}"))
+        if n == 1 and rank == 0:
+            timed_out.write_text("")
+    Path(out, f"{rank}.txt").write_text(repr(said))
+
+
 def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
     """``mode`` "ok": a file exchange (into ``out/exchange``), then a stream over a courier of its
-    own (into ``out/stream``), in the same processes (a start costs seconds of CPU: torch and
-    llmtailor imported in each); "dies": an exchange where rank 1 dies first."""
+    own (into ``out/stream``), then exchanges after a timeout (``_stall``, into ``out/stall``), in
+    the same processes (a start costs seconds of CPU: torch and llmtailor imported in each);
+    "dies": an exchange where rank 1 dies first."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     courier = Courier.open(timeout=20 if mode == "ok" else 5)
-    try:
-        _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
-        if mode == "ok":
-            _stream(Courier.open(timeout=20), rank, world, str(Path(out, "stream")))
-    finally:
-        if mode == "ok":
-            dist.destroy_process_group()
+    _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
+    if mode == "ok":
+        _stream(Courier.open(timeout=20), rank, world, str(Path(out, "stream")))
+        _stall(rank, str(Path(out, "stall")))
+        # Leave at once: a group whose exchange timed out may hold messages never taken, which
+        # tearing it down could wait on.
+        os._exit(0)
 
 
 def spawn_courier_job(out: Path, mode: str) -> Path:
     world = 3 if mode == "ok" else 2
-    for part in ("exchange", "stream"):
+    for part in ("exchange", "stream", "stall"):
         (out / part).mkdir(parents=True)
     mp.spawn(_courier_job, args=(world, f"file://{out / 'store'}", str(out), mode), nprocs=world, join=True)
     return out
@@ -151,3 +183,17 @@ def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_
         assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", bytes([source]) * 2500),
                               (source, "ranks/empty.json", b""), (source, "manifest.json", b"{}")]
         assert sent == "2502"
+
+
+@pytest.mark.slow
+def test_after_an_exchange_timed_out_the_courier_refuses_every_later_one_and_a_fresh_one_works(courier_run):
+    """A timed-out exchange leaves receives posted on the courier's group: a later exchange
+    over it could take the failed one's bytes. The rank whose exchange failed refuses every
+    later one at once, saying so; its peer's next exchange fails (it gets nothing), never takes
+    stale bytes; a courier opened anew carries the right bytes."""
+    said = {rank: eval(Path(courier_run, "stall", f"{rank}.txt").read_text()) for rank in (0, 1)}
+    first, second, third = said[0]
+    assert first[:2] == ("error", 1) and "receiving files from rank 1 failed or timed out" in first[2]
+    assert second[:2] == ("error", 2) and "this courier is broken since an exchange failed" in second[2], second
+    assert third == ("got", 3, "right")
+    assert said[1][1][0] == "error" and said[1][2] == ("got", 3, "right"), said[1]  # never stale bytes

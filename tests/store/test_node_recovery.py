@@ -9,6 +9,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -19,12 +21,15 @@ from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION
 from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError
+from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
+from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers import Tiers
 from llmtailor.store.tiers import healing as recovery_healing
+from llmtailor.store.tiers.collective import NodeUploader, node_files
 from llmtailor.store.tiers.healing import Receiving, clear, held_here
 from llmtailor.store.tiers.recovery import (
     Held, NodeChoice, Transfer, choose_on_nodes, clearing, composite_problem, healing, of_json, served_by,
@@ -346,10 +351,13 @@ def test_a_healed_snapshot_is_read_from_what_arrived_while_its_copy_is_written_i
     assert all((snapshot / m.path).read_bytes() == (runs[0].snapshot_dir(2) / m.path).read_bytes() for m in moves)
 
 
-def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_raised_by_the_next_save(tmp_path, monkeypatch, caplog):
+def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_refuses_every_save_until_a_restore(
+        tmp_path, monkeypatch, caplog):
     """A write of the healed copy that fails on the background thread commits nothing, is
-    logged at once and raised once by ``Tiers.settle_healing`` (the next save's first step,
-    ``close``), naming the node, the step and the cause."""
+    logged at once and raised by ``Tiers.settle_healing`` (every save's first step, ``close``),
+    naming the node, the step and the cause; and again by every later save until a restore
+    lists the copies anew (``Tiers.recover``) and heals them: a save in between would extend a
+    composite this node's copy lacks part of."""
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     tiers = Tiers(tmp_path / "home", [Tier(copies[1])])
@@ -362,10 +370,68 @@ def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_raised_by_t
     assert received_from_node_0([runs[0], tiers.first.run], moves) is None  # the restore goes on from what arrived
     with pytest.raises(NodeTierError, match="node 1: step 2: its healed copy could not be written: .*No space left"):
         tiers.settle_healing()
-    tiers.settle_healing()  # said once
+    for _ in range(2):  # every save, not the first only
+        with pytest.raises(NodeTierError, match=r"step 3 was not saved: .*step 2: its healed copy could not be written.*"
+                                                r"no save extends it: restore\(\) again"):
+            tiers.prepare_save(3, 1.0)
     assert "its healed copy could not be written" in caplog.text
     assert Run(copies[1]).steps() == [] and tiers.first.run.steps() == []
     assert not list((copies[1] / ".tmp").iterdir())
+    # A restore's recovery lists this node's copy anew (one node here: nothing to heal) and lifts it.
+    tiers.placement = NodePlacement(Nodes((0,)), 1, 1, courier=None)
+    assert tiers.recover(LocalCoordinator(), None)[0].step is None
+    tiers.settle_healing()
+
+
+EXITS_AFTER_HEALING = """
+import json, sys, time
+from llmtailor.distributed.nodes import Nodes
+from llmtailor.store.run import Run
+from llmtailor.store.tiers import healing
+from llmtailor.store.tiers.recovery import Transfer
+
+source, copy, moves = sys.argv[1], sys.argv[2], [Transfer(*move) for move in json.loads(sys.argv[3])]
+write = healing.write_to
+healing.write_to = lambda sink, data: (time.sleep(0.2), write(sink, data))  # still writing when it exits
+receiving = healing.Receiving(Run(copy), 2, moves, Nodes((0, 1)))
+for move in moves:
+    receiving.take(move.source, move.path, memoryview((Run(source).snapshot_dir(2) / move.path).read_bytes()))
+assert receiving.finish() is None  # the restore would read what arrived; this process exits: no save, no close
+"""
+
+
+def test_a_process_that_exits_after_a_healing_without_a_save_or_close_leaves_its_copy_committed(tmp_path):
+    """The healed copy is written in the background; a process that restores and exits at once
+    (no save, no ``close``) waits for that write as it exits, and leaves the copy committed."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    proc = subprocess.run([sys.executable, "-c", EXITS_AFTER_HEALING, str(copies[0]), str(copies[1]), json.dumps(moves)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert Run(copies[1]).steps() == [2]
+    assert all((copies[1] / "snapshots" / "step-00000002" / m.path).read_bytes()
+               == (runs[0].snapshot_dir(2) / m.path).read_bytes() for m in moves)
+
+
+def test_a_nodes_uploader_waits_for_its_healed_copy_to_be_committed_before_it_serves_a_promotion(tmp_path, monkeypatch):
+    """A close right after a healing restore promotes the composite restored while the healed
+    node's copy may still be written in the background: that node's uploader waits for it,
+    rather than finding the snapshot gone (the promotion would then give way for good, and
+    the close report nothing)."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    release, write = threading.Event(), recovery_healing.write_to
+    monkeypatch.setattr(recovery_healing, "write_to", lambda sink, data: (release.wait(30), write(sink, data)))
+    assert received_from_node_0(runs, moves) is None  # node 1's copy of step 2 is written in the background
+    (tmp_path / "durable").mkdir()
+    durable = Run(tmp_path / "durable")
+    staging = SnapshotCommit.begin(durable, 2).staging
+    parts = sum(entry.bytes for entry in node_files(runs[0], 2, 1))  # node 1's parts (node 0 holds a replica)
+    threading.Thread(target=release.set).start()  # the writes go on while the uploader serves
+    report = NodeUploader(runs[1], durable, 1, LocalCoordinator())._serve({"staging": {"2": staging}})
+    assert report == {"bytes": parts}
+    runs[1].settle_commits()
+    assert runs[1].commit_failure() is None
 
 
 class RetainingCourier:

@@ -238,6 +238,9 @@ class NodeUploader:
         ``{"gone": [steps]}`` when the copy no longer held those (nothing read), or ``{"error"}``."""
         try:
             staging = {int(step): name for step, name in order["staging"].items()}
+            # A snapshot a healing is still committing here (``Catalog.commit_later``) is not in
+            # this copy yet: a fresh run would find it gone, and the promotion give way for good.
+            self.source.wait_commits()
             # Runs of their own, fresh for each promotion (as the promoter's): no stale manifest.
             source = Run(self.source.storage)
             with ReadLeases(source) as leases:

@@ -195,9 +195,12 @@ class Receiving:
     before all of it is. The first failure is kept (``error``), naming the file and the node
     that sent it; what arrives after it is not written (nor anything, given ``failed``: the
     failure of an earlier snapshot). What it committed is handed to the restore that follows, as
-    it arrived (``UnitReader.arrived``). A new snapshot of at most ``HAND_OVER_BYTES`` (all of
-    it handed over) is written and committed on a thread of its own (``_commit_later``): the
-    restore reads what arrived meanwhile, not the node's copy."""
+    it arrived (``UnitReader.arrived``). Files are written on a thread of their own (``_writer``)
+    while the next ones arrive; one not kept for the restore (past ``HAND_OVER_BYTES``) waits for
+    the writes before it, so what is not handed over is never held in memory more than one file
+    at a time. A new snapshot handed over whole is committed on that thread too
+    (``_commit_later``): the restore reads what arrived meanwhile, not the node's copy; any
+    other is committed by ``finish``, once its writes are done."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
         self.run, self.step, self.nodes = run, step, nodes
@@ -212,12 +215,13 @@ class Receiving:
         self._files = ExitStack()
         self._dest = moves[0].dest if moves else None
         self._writer: ThreadPoolExecutor | None = None
-        """Writes the files of a new snapshot as they arrive, then commits it (``finish``)."""
+        """Writes the files as they arrive (a new snapshot handed over whole: then commits it)."""
         self._writes: list[Future[None]] = []
         if moves and failed is None:
             self._guarded(self._open)
 
     def _open(self) -> None:
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal")
         if self.step in self.run.steps():
             batch = self._files.enter_context(self.run.storage.batch())
             self._create = lambda path: batch.create(f"{self.run.snapshot_key(self.step)}/{path}")
@@ -227,8 +231,6 @@ class Receiving:
                                  "committed here")
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
-        if sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal")
 
     def take(self, rank: int, path: str, content: memoryview) -> None:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
@@ -242,14 +244,14 @@ class Receiving:
         if len(content) != move.bytes or checksum(content) != move.xxh3:
             raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
                                  f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
-        if path == MANIFEST_FILE and self._staged is not None:
-            self._manifest = bytes(content)  # written last, by the commit
-        elif self._writer is not None:
-            self._writes.append(self._writer.submit(self._write, path, content))
-        else:
-            self._write(path, content)
         keep = self._kept + len(content) <= HAND_OVER_BYTES
         self._kept += len(content) if keep else 0
+        if path == MANIFEST_FILE and self._staged is not None:
+            self._manifest = bytes(content)  # written last, by the commit
+        else:
+            if not keep:  # not held for the restore: held no longer than the writes before it take
+                self._written()
+            self._writes.append(self._writer.submit(self._write, path, content))
         self._arrived[(source, path)] = content if keep else None
 
     def _write(self, path: str, content: memoryview) -> None:
@@ -265,11 +267,12 @@ class Receiving:
             self.error = (f"node {self._dest}: step {self.step}: {move.path} from node {move.source}: got nothing, "
                           f"expected {move.bytes} bytes, xxh3 {move.xxh3}")
         if self._writer is not None:
-            if self.error is None:
+            whole = self._staged is not None and None not in self._arrived.values()  # all of it handed over
+            if self.error is None and whole:
                 self._guarded(self._commit_later)
-            if self.error is None:
-                return None
-            self._writer.shutdown(wait=True)  # what was written, then abandoned below
+                if self.error is None:
+                    return None
+            self._writer.shutdown(wait=True)  # every write done: committed below, or abandoned
             self._guarded(self._written)
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
         if self._staged is not None:
@@ -288,8 +291,8 @@ class Receiving:
         way on ``_writer``) and its commit, manifest last, finish on that thread while the
         restore reads the arrived bytes; the run counts it as committed meanwhile
         (``Catalog.commit_later``). A write or commit that fails there abandons the staged
-        snapshot, is logged at once, and is raised by this node's next save or ``close``
-        (``Tiers.settle_healing``): never lost."""
+        snapshot, is logged at once, and is raised by every save of this node until a restore
+        heals its copy again, and by ``close`` (``Tiers.settle_healing``): never lost."""
         manifest = parse_manifest(self._manifest, self.run.where(self.step, MANIFEST_FILE), self.step)
         done = self._writer.submit(self._commit_written)
         self._writer.shutdown(wait=False)  # the thread ends once the commit ran

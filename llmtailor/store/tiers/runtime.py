@@ -49,6 +49,10 @@ class Tiers:
         ranks: saves then commit there with ``store.node_commit``."""
         self._record = TierRecord(levels)
         """This writer's ``tiers.json`` in each tier (``abandon`` puts back what it replaced)."""
+        self.unhealed: str | None = None
+        """Why this node's copy lacks what a healing sent it (its background write failed), until
+        a restore lists the copies again (``recover``): every save is refused meanwhile
+        (``settle_healing``)."""
 
     @classmethod
     def of(cls, home: str | Path, config: Any) -> Tiers:
@@ -225,7 +229,10 @@ class Tiers:
         while a tier is more than its ``max_lag`` behind the one before it, wait (up to
         ``timeout`` seconds) for the promotion to catch up. Then claim the first tier's lock.
         Nothing of the save is written yet."""
-        self.settle_healing()
+        try:
+            self.settle_healing()
+        except NodeTierError as err:
+            raise NodeTierError(f"step {step} was not saved: {err}") from None
         if self.promoter is not None:
             _catch_up(self.promoter, step, timeout)
         self.first.lock.claim()
@@ -322,17 +329,30 @@ class Tiers:
         ``(None, {})`` without a node-local tier (nothing to decide across nodes)."""
         if self.placement is None:
             return None, {}
-        return recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator, step)
+        offer = recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator, step)
+        # Its survey settled the commits an earlier healing left running and listed the copies
+        # as they are: what a failed one left out was healed again, or the composite chosen (or
+        # the next tier) does not need it. That failure (logged when it happened) stops no save.
+        self.first.run.commit_failure()
+        self.unhealed = None
+        return offer
 
     def settle_healing(self) -> None:
         """Wait for this node's copy's commits a healing left running (``healing.Receiving``:
-        a restore reads the arrived bytes meanwhile); raise a NodeTierError if one failed. The
-        next save (inside its first message: every rank raises it) and ``close`` call this."""
+        a restore reads the arrived bytes meanwhile); raise a NodeTierError if one failed, and
+        again at every call until a restore heals the copy (``recover``): a save would extend a
+        composite this node's copy lacks part of (its parts held by fewer nodes than
+        ``replicas``, and not promotable from this node). Every save (inside its first message:
+        every rank raises it) and ``close`` call this."""
         run = self.first.run
         run.settle_commits()
         failure = run.commit_failure()
         if failure is not None:
-            raise NodeTierError(f"the healing of this node's copy did not complete: {failure}")
+            self.unhealed = failure
+        if self.unhealed is not None:
+            raise NodeTierError(f"the healing of this node's copy did not complete: {self.unhealed}; this node's copy "
+                                "lacks part of the composite restored, so no save extends it: restore() again (on every "
+                                "rank) to heal the copy")
 
     def clear_unwhole(self, coordinator: Coordinator) -> dict[int, list[int]]:
         """Collective, at a writer's start, with a node-local first tier: remove from every
