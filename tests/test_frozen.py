@@ -933,6 +933,8 @@ def test_a_frozen_record_of_schema_6_is_still_checked_by_its_own_1024_elements(t
     kept = restored(lambda e: e[missed].add_(1.0))
     assert torch.equal(kept[missed], saved[missed] + 1.0)  # off the old sample: passes, as then
     assert torch.equal(restored(lambda e: e[missed].add_(1.0), verify="exact"), saved)
+
+
 class _FailingExchange(LocalCoordinator):
     """Two ranks' exchanges seen from one (the other's report is this one's); ``fail``: the
     exchange raises, as when a rank's wait ran out while the others completed it."""
