@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, snapshot_dirname
 from llmtailor.store.run import Run
-from llmtailor.store.storage import Sink
+from llmtailor.store.storage import Batch, Sink
 
 
 class SnapshotCommit:
@@ -39,11 +39,12 @@ class SnapshotCommit:
         return self.run.storage.commits.key(self.staging, relpath)
 
     @contextmanager
-    def files(self) -> Iterator[Callable[[str], Sink]]:
+    def files(self) -> Iterator[StagedFiles]:
         """A batch of the snapshot's files: yields ``create(relpath)``, a sink for each; every
-        file closed in the block is durable when the block ends (``Storage.batch``)."""
+        file closed in the block is durable when the block ends, or at ``create.drain()``
+        (``Storage.batch``)."""
         with self.run.storage.batch() as batch:
-            yield lambda relpath: batch.create(self.key(relpath))
+            yield StagedFiles(self, batch)
 
     def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None) -> None:
         """``confirm()`` (that the writer lock is still held: raises if not), then the manifest,
@@ -66,6 +67,21 @@ class SnapshotCommit:
         except BaseException:
             self.abandon()
             raise
+
+
+class StagedFiles:
+    """``create(relpath)``: a sink for the staged snapshot's file ``relpath``, made durable
+    with the others of its batch (``SnapshotCommit.files``); ``drain()`` returns once every
+    file closed so far is durable."""
+
+    def __init__(self, snapshot: SnapshotCommit, batch: Batch):
+        self.snapshot, self.batch = snapshot, batch
+
+    def __call__(self, relpath: str) -> Sink:
+        return self.batch.create(self.snapshot.key(relpath))
+
+    def drain(self) -> None:
+        self.batch.drain()
 
 
 def replace_latest(run: Run, step: int) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmtailor.constants import RANKS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import StorageError, TailorError
-from llmtailor.store.storage.local_durable import fsync_dir
+from llmtailor.store.storage.local_durable import fsync_dir, fsync_together
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
 
@@ -45,11 +45,8 @@ class LocalCommits(SnapshotCommits):
     def commit(self, staging: str, final: str) -> None:
         tmp, target = self.root / staging, self.root / final
         # Every directory holding a staged file, so its entries are durable: the snapshot's
-        # subdirectories (units/, packs/, ranks/ ...: whichever this save made), then itself.
-        for sub in os.scandir(tmp):
-            if sub.is_dir(follow_symlinks=False):
-                fsync_dir(Path(sub.path))
-        fsync_dir(tmp)
+        # subdirectories (units/, packs/, ranks/ ...: whichever this save made) and itself, at once.
+        fsync_together([*(Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)), tmp])
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, target)
         fsync_dir(target.parent)
