@@ -1,9 +1,10 @@
 """One snapshot's commit into a run, the same for a save (``writer.persist``, its ranks' files)
 and a promotion (``tiers.promote``, a copy from a faster tier): ``begin`` (the storage's staging
 place: a private directory under ``.tmp/`` locally, the final prefix on an object store), write
-the files there (``files``), then ``commit``: confirm that the writer lock is still held, write
-the manifest last and only if absent (on an object store that write is the commit), commit the
-staging place (locally: fsync, atomic rename into ``snapshots/``, fsync). Any failure from the
+the files there (``files``), then ``commit``: confirm that the writer lock is still held, and
+the storage's commit writes the manifest last and only if absent (on an object store that write
+is the commit; locally the manifest and the staged directories are fsynced together, then the
+directory renamed into ``snapshots/`` atomically, its parent fsynced). Any failure from the
 first file written to the commit abandons what was staged (``abandoned_on_failure``): every
 earlier snapshot stays as it was. Then ``replace_latest`` points the run at the new composite.
 """
@@ -14,7 +15,7 @@ import errno
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, snapshot_dirname
+from llmtailor.constants import LATEST_FILE, snapshot_dirname
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Batch, Sink
 
@@ -47,13 +48,12 @@ class SnapshotCommit:
             yield StagedFiles(self, batch)
 
     def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None) -> None:
-        """``confirm()`` (that the writer lock is still held: raises if not), then the manifest,
-        last and only if absent, then the storage's commit. Staged files must be durable."""
+        """``confirm()`` (that the writer lock is still held: raises if not), then the storage's
+        commit: the manifest, last and only if absent, and the snapshot committed
+        (``SnapshotCommits.commit``). Staged files must be durable."""
         if confirm is not None:
             confirm()
-        storage = self.run.storage
-        storage.put(self.key(MANIFEST_FILE), manifest, exclusive=True)
-        storage.commits.commit(self.staging, self.final)
+        self.run.storage.commits.commit(self.staging, self.final, manifest)
 
     def abandon(self) -> None:
         """Remove what was staged (never a committed snapshot)."""

@@ -145,6 +145,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def create_file(path: Path, data: bytes) -> None:
+    """Write ``data`` as the new file ``path`` (FileExistsError if there is one), not yet
+    durable: the caller fsyncs it (``fsync_together``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
 def fsync_together(paths: list[Path]) -> None:
     """fsync every file or directory of ``paths`` at once (each but the first on a thread of
     its own: the journal commits them together, ``SYNC_THREADS``); returns once all are
