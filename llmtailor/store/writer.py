@@ -15,12 +15,15 @@ or an object store, each rank writing straight to it, so no filesystem is shared
 2. every rank writes its part there — its pieces of the units it holds (a large unit's in a file
    of its own, its small units' together in a pack file), its own global state
    (RNG, user extras), the leader also the shared global state — makes every file durable
-   (fsync on a helper thread while the next is written; an upload completed), and reports the
-   file entries and checksums, or its failure;
+   (fsyncs on helper threads while the next is written; an upload completed), and reports the
+   file entries and checksums, or its failure (the leader's own files stay in flight until
+   its commit);
 3. once every rank has reported success, the leader writes the unit indexes (one file, a line
-   per unit), then the manifest last, only if absent (on an object store that write is the commit), commits the
-   staging place (locally: fsync, atomic rename into ``snapshots/``, fsync), replaces the
-   ``latest`` pointer atomically, and announces the outcome.
+   per unit), waits for its own files and the indexes to be durable, then writes the manifest
+   last, only if absent (on an object store that write is the commit), commits the staging
+   place (locally: the manifest and the staged directories fsynced together, atomic rename
+   into ``snapshots/``, fsync), replaces the ``latest`` pointer atomically, and announces the
+   outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
