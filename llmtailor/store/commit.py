@@ -1,9 +1,10 @@
 """One snapshot's commit into a run, the same for a save (``writer.persist``, its ranks' files)
 and a promotion (``tiers.promote``, a copy from a faster tier): ``begin`` (the storage's staging
 place: a private directory under ``.tmp/`` locally, the final prefix on an object store), write
-the files there (``files``), then ``commit``: confirm that the writer lock is still held, write
-the manifest last and only if absent (on an object store that write is the commit), commit the
-staging place (locally: fsync, atomic rename into ``snapshots/``, fsync). Any failure from the
+the files there (``files``), then ``commit``: confirm that the writer lock is still held, and
+the storage's commit writes the manifest last and only if absent (on an object store that write
+is the commit; locally the manifest and the staged directories are fsynced together, then the
+directory renamed into ``snapshots/`` atomically, its parent fsynced). Any failure from the
 first file written to the commit abandons what was staged (``abandoned_on_failure``): every
 earlier snapshot stays as it was. Then ``replace_latest`` points the run at the new composite.
 """
@@ -14,9 +15,9 @@ import errno
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, snapshot_dirname
+from llmtailor.constants import LATEST_FILE, snapshot_dirname
 from llmtailor.store.run import Run
-from llmtailor.store.storage import Sink
+from llmtailor.store.storage import Batch, Sink
 
 
 class SnapshotCommit:
@@ -39,20 +40,20 @@ class SnapshotCommit:
         return self.run.storage.commits.key(self.staging, relpath)
 
     @contextmanager
-    def files(self) -> Iterator[Callable[[str], Sink]]:
+    def files(self) -> Iterator[StagedFiles]:
         """A batch of the snapshot's files: yields ``create(relpath)``, a sink for each; every
-        file closed in the block is durable when the block ends (``Storage.batch``)."""
+        file closed in the block is durable when the block ends, or at ``create.drain()``
+        (``Storage.batch``)."""
         with self.run.storage.batch() as batch:
-            yield lambda relpath: batch.create(self.key(relpath))
+            yield StagedFiles(self, batch)
 
     def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None) -> None:
-        """``confirm()`` (that the writer lock is still held: raises if not), then the manifest,
-        last and only if absent, then the storage's commit. Staged files must be durable."""
+        """``confirm()`` (that the writer lock is still held: raises if not), then the storage's
+        commit: the manifest, last and only if absent, and the snapshot committed
+        (``SnapshotCommits.commit``). Staged files must be durable."""
         if confirm is not None:
             confirm()
-        storage = self.run.storage
-        storage.put(self.key(MANIFEST_FILE), manifest, exclusive=True)
-        storage.commits.commit(self.staging, self.final)
+        self.run.storage.commits.commit(self.staging, self.final, manifest)
 
     def abandon(self) -> None:
         """Remove what was staged (never a committed snapshot)."""
@@ -66,6 +67,21 @@ class SnapshotCommit:
         except BaseException:
             self.abandon()
             raise
+
+
+class StagedFiles:
+    """``create(relpath)``: a sink for the staged snapshot's file ``relpath``, made durable
+    with the others of its batch (``SnapshotCommit.files``); ``drain()`` returns once every
+    file closed so far is durable."""
+
+    def __init__(self, snapshot: SnapshotCommit, batch: Batch):
+        self.snapshot, self.batch = snapshot, batch
+
+    def __call__(self, relpath: str) -> Sink:
+        return self.batch.create(self.snapshot.key(relpath))
+
+    def drain(self) -> None:
+        self.batch.drain()
 
 
 def replace_latest(run: Run, step: int) -> str | None:

@@ -15,12 +15,15 @@ or an object store, each rank writing straight to it, so no filesystem is shared
 2. every rank writes its part there — its pieces of the units it holds (a large unit's in a file
    of its own, its small units' together in a pack file), its own global state
    (RNG, user extras), the leader also the shared global state — makes every file durable
-   (fsync on a helper thread while the next is written; an upload completed), and reports the
-   file entries and checksums, or its failure;
+   (fsyncs on helper threads while the next is written; an upload completed), and reports the
+   file entries and checksums, or its failure (the leader's own files stay in flight until
+   its commit);
 3. once every rank has reported success, the leader writes the unit indexes (one file, a line
-   per unit), then the manifest last, only if absent (on an object store that write is the commit), commits the
-   staging place (locally: fsync, atomic rename into ``snapshots/``, fsync), replaces the
-   ``latest`` pointer atomically, and announces the outcome.
+   per unit), waits for its own files and the indexes to be durable, then writes the manifest
+   last, only if absent (on an object store that write is the commit), commits the staging
+   place (locally: the manifest and the staged directories fsynced together, atomic rename
+   into ``snapshots/``, fsync), replaces the ``latest`` pointer atomically, and announces the
+   outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
@@ -35,6 +38,7 @@ import functools
 import json
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -50,7 +54,7 @@ from llmtailor.errors import StorageError, TailorError, describe_os_error, descr
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
 from llmtailor.store.checked import write_bytes_to
-from llmtailor.store.commit import SnapshotCommit, replace_latest
+from llmtailor.store.commit import SnapshotCommit, StagedFiles, replace_latest
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
@@ -101,18 +105,23 @@ def persist(
             raise friendly(err, run, staged.step, written=False) from None
 
     snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
-    part = attempt_part(snapshot, staged, coord.rank, on_unit)
     if coord.is_leader:
-        def gather() -> list[RankPart]:
-            # The leader keeps its own part as it is (it reports only success or failure): a
-            # round trip through a message (a dump and a validation of every chunk) would check
-            # nothing that the validation of the merged indexes does not check again.
-            own = {} if isinstance(part, RankPart) else part
-            reports = coord.gather(f"{round_}/parts", own) or []
-            return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
+        # The leader's own files stay in flight (their fsyncs running) until its commit: the
+        # unit indexes join them, and one drain before the manifest waits for them all.
+        with snapshot.files() as files:
+            part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
 
-        outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm))
+            def gather() -> list[RankPart]:
+                # The leader keeps its own part as it is (it reports only success or failure): a
+                # round trip through a message (a dump and a validation of every chunk) would check
+                # nothing that the validation of the merged indexes does not check again.
+                own = {} if isinstance(part, RankPart) else part
+                reports = coord.gather(f"{round_}/parts", own) or []
+                return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
+
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
     else:
+        part = attempt_part(snapshot, staged, coord.rank, on_unit)
         coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
@@ -130,15 +139,17 @@ def persist(
 
 
 def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[RankPart]],
-            confirm: Callable[[], None] | None) -> dict[str, Any]:
+            confirm: Callable[[], None] | None, files: StagedFiles) -> dict[str, Any]:
     """The leader's step 3 (module docstring), once ``gather()`` has every rank's part (it
-    raises when any rank failed): the unit indexes, then the manifest and the commit; what was
-    staged is removed on any failure. Returns the outcome the leader announces."""
+    raises when any rank failed): the unit indexes, written into ``files`` (the leader's own
+    files' batch, still in flight), all of them durable (``drain``), then the manifest and the
+    commit; what was staged is removed on any failure. Returns the outcome the leader announces."""
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
             indexes, manifest = index_files(staged, gather())
-            write_files(snapshot, indexes)
+            write_files(snapshot, indexes, files)
+            files.drain()  # the leader's files and the indexes durable before the manifest names them
             # The manifest is written last, only if absent: without one there is no snapshot.
             encoded = manifest.dumps().encode()
             snapshot.commit(encoded, confirm)
@@ -149,26 +160,27 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
 
 
 def attempt_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
-                 on_unit: Callable[[str, int], None] | None) -> RankPart | BaseException:
+                 on_unit: Callable[[str, int], None] | None, files: StagedFiles | None = None) -> RankPart | BaseException:
     """This rank's part written (``write_part``), or what failed (a staging error included), as
     the error to report (``friendly``): reported to the leader, never raised here."""
     try:
         if staged.error is not None:
             raise staged.error
-        return write_part(snapshot, staged, rank, on_unit)
+        return write_part(snapshot, staged, rank, on_unit, files)
     except BaseException as err:
         return friendly(err, snapshot.run, staged.step)
 
 
 def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
-                on_unit: Callable[[str, int], None] | None) -> RankPart:
+                on_unit: Callable[[str, int], None] | None, files: StagedFiles | None = None) -> RankPart:
     """Write this rank's files; return its report for the leader's indexes and manifest: per
     unit, its file entry, its tensors' chunks and non-tensor values; the files of its global
     state; its bytes per unit. A unit of fewer than ``PACK_UNIT_BYTES`` goes into this rank's
-    pack file (``_Pack``), a larger one into a file of its own."""
-    # Locally each file's fsync runs on a helper thread while the next file is written; every
-    # file is durable before the part is reported (the commit depends on it).
-    with snapshot.files() as create:
+    pack file (``_Pack``), a larger one into a file of its own. ``files``: the batch to write
+    them into, left in flight (the leader's: its commit drains it); else every file is durable
+    when this returns, before the part is reported (the commit depends on it)."""
+    # Locally each file's fsync runs on helper threads while the next file is written.
+    with (nullcontext(files) if files is not None else snapshot.files()) as create:
         units: dict[str, UnitPart] = {}
         files: list[FileEntry] = []
         unit_bytes: dict[str, int] = {}
@@ -284,9 +296,10 @@ class _Pack:
         return written
 
 
-def write_files(snapshot: SnapshotCommit, files: dict[str, bytes]) -> None:
-    """Write small files (the unit indexes) into the staged snapshot, durable on return."""
-    with snapshot.files() as create:  # durable on exit, before the manifest names them
+def write_files(snapshot: SnapshotCommit, files: dict[str, bytes], into: StagedFiles | None = None) -> None:
+    """Write small files (the unit indexes) into the staged snapshot, durable on return; or
+    into the batch ``into``, durable once it is drained."""
+    with (nullcontext(into) if into is not None else snapshot.files()) as create:  # durable before the manifest names them
         for relpath, data in files.items():
             write_bytes_to(create(relpath), data, relpath)
 

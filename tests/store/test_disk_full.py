@@ -24,6 +24,7 @@ from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, LATEST_FILE, MANIFE
 from llmtailor.errors import TailorError
 from llmtailor.store.storage.local_durable import replace_text_atomically
 from llmtailor.store.run import Run
+from llmtailor.store.storage import local_commit
 from llmtailor.store.storage.local import LocalSink, LocalStorage
 
 PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs allocates whole pages
@@ -71,6 +72,7 @@ class WriteSpy:
             monkeypatch.setattr(LocalSink, name, self._wrap(getattr(LocalSink, name), lambda sink, *a: sink.path))
         for name in ("put", "replace"):
             monkeypatch.setattr(LocalStorage, name, self._wrap(getattr(LocalStorage, name), lambda storage, key, *a: key))
+        monkeypatch.setattr(local_commit, "create_file", self._wrap(local_commit.create_file, lambda path, *a: path))  # the manifest
 
     def _wrap(self, write, name_of):
         def spy(*args, **kwargs):

@@ -1,8 +1,8 @@
 """The local filesystem as a ``Storage``: a run is a directory.
 
-- Durability: every file is fsynced (on a helper thread while the next one is written:
-  ``local_durable.Syncer``), large files in 256 MiB steps that are then dropped from the page
-  cache; directories are fsynced after entries are added, renamed or removed.
+- Durability: every file is fsynced (on helper threads, up to four at once, while the next one
+  is written: ``local_durable.Syncer``), large files in 256 MiB steps that are then dropped from
+  the page cache; directories are fsynced after entries are added, renamed or removed.
 - Commit (``local_commit``): a save writes into a private directory under ``.tmp/`` and renames
   it into ``snapshots/`` atomically; retention renames a snapshot into ``.trash/`` before
   removing its files.

@@ -15,9 +15,9 @@ import threading
 import uuid
 from pathlib import Path
 
-from llmtailor.constants import RANKS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import StorageError, TailorError
-from llmtailor.store.storage.local_durable import fsync_dir
+from llmtailor.store.storage.local_durable import create_file, fsync_dir, fsync_together
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
 
@@ -42,14 +42,16 @@ class LocalCommits(SnapshotCommits):
             (self.root / staging / RANKS_DIR).mkdir()
         return staging
 
-    def commit(self, staging: str, final: str) -> None:
+    def commit(self, staging: str, final: str, manifest: bytes) -> None:
         tmp, target = self.root / staging, self.root / final
-        # Every directory holding a staged file, so its entries are durable: the snapshot's
-        # subdirectories (units/, packs/, ranks/ ...: whichever this save made), then itself.
-        for sub in os.scandir(tmp):
-            if sub.is_dir(follow_symlinks=False):
-                fsync_dir(Path(sub.path))
-        fsync_dir(tmp)
+        try:
+            create_file(tmp / MANIFEST_FILE, manifest)
+        except FileExistsError:
+            raise TailorError(f"{tmp / MANIFEST_FILE} already exists; refusing to overwrite it") from None
+        # The manifest and every directory holding a staged file, so its entries are durable
+        # (the snapshot's subdirectories: units/, packs/, ranks/ ..., whichever this save made;
+        # then itself), fsynced at once: the journal commits them together.
+        fsync_together([tmp / MANIFEST_FILE, *(Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)), tmp])
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(tmp, target)
         fsync_dir(target.parent)

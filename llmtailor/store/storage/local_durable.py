@@ -30,28 +30,50 @@ def make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
     os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 
 
-class Syncer:
-    """Makes written files durable on a background thread, in order, while the caller writes
-    the next ones: at most ``depth`` bytes wait (the dirty page cache stays bounded; many small
-    files queue up without holding the writer back).
-    ``drain()`` returns once every submitted file is durable, or raises the first failure;
-    use it as a context manager so its thread and descriptors are released on any exit.
+SYNC_THREADS = 4
+"""fsyncs a ``Syncer`` runs at once. The journal of a filesystem commits the fsyncs waiting
+together in one transaction (ext4's jbd2: one journal write and one cache flush for all): a
+small save's few files made durable side by side cost about one fsync, not one each in turn
+(bench/RESULTS.md, issue 33, session 43)."""
 
-    Its own thread, not a ``ThreadPoolExecutor``: an executor refuses new work once the
+
+class Syncer:
+    """Makes written files durable on background threads (up to ``threads`` fsyncs at once)
+    while the caller writes the next ones: at most ``depth`` bytes wait (the dirty page cache
+    stays bounded; many small files queue up without holding the writer back).
+    ``drain()`` returns once every submitted file is durable, or raises the first failure (in
+    the order submitted); use it as a context manager so its threads and descriptors are
+    released on any exit.
+
+    Its own threads, not a ``ThreadPoolExecutor``: an executor refuses new work once the
     interpreter begins to exit, and an async save still in flight when a script ends (one that
     forgot ``close()``) must still become durable while the interpreter waits for it."""
 
-    def __init__(self, depth: int = 2 * FLUSH_EVERY):
+    def __init__(self, depth: int = 2 * FLUSH_EVERY, threads: int = SYNC_THREADS):
         self._queue: queue.SimpleQueue[tuple[int, int, int | None, Future] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
-        self._thread.start()
+        self._threads: list[threading.Thread] = []
+        """One started now, the others as files come, one per file up to ``threads``."""
         self._pending: list[tuple[Path, Future, int]] = []
-        self._depth = depth
+        self._depth, self._most = depth, threads
+        self._start()
+
+    def _start(self) -> None:
+        thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # the interpreter is exiting: the threads already started do the work
+            if not self._threads:
+                raise
+            self._most = len(self._threads)
+            return
+        self._threads.append(thread)
 
     def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0) -> None:
         """Take over ``fd`` (a descriptor of a written file, ``size`` bytes not yet durable):
         fsync it, drop ``[start, end)`` from the page cache (``make_durable``), close it."""
         done: Future = Future()
+        if len(self._threads) < min(self._most, len(self._pending) + 1):  # another file waits: another thread
+            self._start()
         self._queue.put((fd, start, end, done))
         self._pending.append((path, done, size))
         while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
@@ -87,8 +109,10 @@ class Syncer:
             if exc[0] is None:
                 self.drain()
         finally:
-            self._queue.put(None)  # descriptors still queued are closed by the thread first
-            self._thread.join()
+            for _ in self._threads:  # descriptors still queued are closed by the threads first
+                self._queue.put(None)
+            for thread in self._threads:
+                thread.join()
 
 
 def read_pieces(handle, where: Path | str, start: int, end: int, what: str = "the data") -> Iterator[memoryview]:
@@ -119,6 +143,44 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def create_file(path: Path, data: bytes) -> None:
+    """Write ``data`` as the new file ``path`` (FileExistsError if there is one), not yet
+    durable: the caller fsyncs it (``fsync_together``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def fsync_together(paths: list[Path]) -> None:
+    """fsync every file or directory of ``paths`` at once (each but the first on a thread of
+    its own: the journal commits them together, ``SYNC_THREADS``); returns once all are
+    durable, raising the first failure in the order given."""
+    failures: list[OSError | None] = [None] * len(paths)
+
+    def sync(index: int) -> None:
+        path = paths[index]
+        try:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            failures[index] = error
+
+    helpers = [threading.Thread(target=sync, args=(index,), name="llmtailor-fsync", daemon=True)
+               for index in range(1, len(paths))]
+    for helper in helpers:
+        helper.start()
+    if paths:
+        sync(0)
+    for helper in helpers:
+        helper.join()
+    for failure in failures:
+        if failure is not None:
+            raise failure
 
 
 def replace_text_atomically(path: Path, text: str) -> None:

@@ -31,8 +31,9 @@ class ObjectCommits(SnapshotCommits):
             raise TailorError(f"{self.storage.where(final)} already exists; refusing to overwrite a committed snapshot")
         return final  # the files go to their final keys; the manifest commits them
 
-    def commit(self, staging: str, final: str) -> None:
-        """Nothing: the manifest, written last only if absent, committed the snapshot."""
+    def commit(self, staging: str, final: str, manifest: bytes) -> None:
+        """The manifest, written last only if absent, is the commit."""
+        self.storage.put(f"{staging}/{MANIFEST_FILE}", manifest, exclusive=True)
 
     def abandon(self, staging: str) -> None:
         if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):

@@ -58,9 +58,10 @@ class SnapshotCommits(ABC):
         return f"{staging}/{relpath}"
 
     @abstractmethod
-    def commit(self, staging: str, final: str) -> None:
-        """Make the snapshot written at ``staging`` (its manifest written last) committed at
-        ``final``, durably."""
+    def commit(self, staging: str, final: str, manifest: bytes) -> None:
+        """Write ``manifest`` as the snapshot's ``MANIFEST_FILE`` at ``staging``, last and only
+        if absent (TailorError if there is one), and make the snapshot written there committed
+        at ``final``, durably. Every other file staged is durable already."""
 
     @abstractmethod
     def abandon(self, staging: str) -> None:

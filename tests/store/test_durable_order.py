@@ -1,0 +1,139 @@
+"""A local save publishes nothing before it is durable: every file and directory of a snapshot
+is fsynced before the rename that publishes the snapshot, the new ``latest`` before the rename
+that replaces it, each renamed entry's directory after its rename and before the save returns
+(docs/format.md). And it makes no more waits on the disk than that rule needs: a small save's
+time is its fsyncs (bench/RESULTS.md, issue 33), so their number is pinned here.
+
+Every fsync and rename of a save is recorded (``os.fsync``, ``os.rename``, ``os.replace``
+patched): an fsync as it returns, with the path of its descriptor; a rename as it begins."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from helpers import tiny, train
+
+from llmtailor import Full, Tailor
+from llmtailor.constants import (GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, PACKS_DIR, TMP_DIR,
+                                 pack_filename, snapshot_dirname)
+from llmtailor.store.storage.local_lock import LEASE_FILE
+
+
+class Recorder:
+    """The fsyncs (as they return) and renames (as they begin) of this process, in order."""
+
+    def __init__(self, monkeypatch):
+        self.events: list[tuple[str, ...]] = []
+        self.lock = threading.Lock()
+        real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+        def fsync(fd):
+            path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+            real_fsync(fd)
+            self.add("fsync", path)
+
+        def renaming(real):
+            def rename(src, dst, *args, **kwargs):
+                self.add("rename", os.path.realpath(src), os.path.realpath(dst))
+                return real(src, dst, *args, **kwargs)
+            return rename
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "rename", renaming(real_rename))
+        monkeypatch.setattr(os, "replace", renaming(real_replace))
+
+    def add(self, *event: str) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def fsyncs(self) -> list[str]:
+        return [e[1] for e in self.events if e[0] == "fsync"]
+
+    def rename_of(self, dst: Path) -> int:
+        found = [i for i, e in enumerate(self.events) if e[0] == "rename" and e[2] == str(dst)]
+        assert len(found) == 1, (dst, self.events)
+        return found[0]
+
+    def synced(self, path: Path | str, after: int = -1, before: int | None = None) -> bool:
+        """Whether ``path`` was fsynced (returned) between events ``after`` and ``before``."""
+        end = len(self.events) if before is None else before
+        return any(e == ("fsync", str(path)) for e in self.events[after + 1 : end])
+
+
+def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]:
+    """A tiny model saved at steps 1 and 2 with ``keep=1`` (the second save removes the first:
+    retention's rename too); the recorder holds the events of the second save only."""
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    tailor = Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False)
+    tailor.save(1)
+    recorder = Recorder(monkeypatch)
+    tailor.save(2)
+    monkeypatch.undo()
+    return recorder, root, tailor
+
+
+def test_a_local_save_publishes_each_file_and_directory_only_once_it_is_durable(tmp_path, tokens, monkeypatch):
+    recorder, root, tailor = _saved_twice(tmp_path, tokens, monkeypatch)
+    try:
+        snapshots = root / "snapshots"
+        final = snapshots / snapshot_dirname(2)
+        published = recorder.rename_of(final)
+        staging = Path(recorder.events[published][1])
+        for directory, dirs, files in os.walk(final):
+            staged = staging / Path(directory).relative_to(final)
+            assert recorder.synced(staged, before=published), f"{staged} not fsynced before the snapshot's rename"
+            for name in files:
+                if name == LEASE_FILE:  # empty, made with the staging directory: its entry is the directory's
+                    continue
+                assert recorder.synced(staged / name, before=published), f"{staged / name} not fsynced before the rename"
+        latest = recorder.rename_of(root / LATEST_FILE)
+        new_latest = recorder.events[latest][1]
+        assert recorder.synced(new_latest, before=latest), "latest's new file was not fsynced before its rename"
+        assert recorder.synced(snapshots, after=published, before=latest), "latest named a snapshot whose rename was not durable"
+        assert recorder.synced(root, after=latest), "latest's rename was not made durable"
+        discarded = [i for i, e in enumerate(recorder.events) if e[0] == "rename" and e[1] == str(snapshots / snapshot_dirname(1))]
+        assert len(discarded) == 1, recorder.events
+        assert discarded[0] > latest and recorder.synced(root, after=latest, before=discarded[0]), \
+            "retention removed a snapshot before latest's replacement was durable"
+        assert recorder.synced(snapshots, after=discarded[0]), "retention's rename was not made durable"
+    finally:
+        tailor.close()
+
+
+def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_directories(tmp_path, tokens, monkeypatch):
+    """A small save's time is its fsyncs one after another (bench/RESULTS.md, issue 33): the
+    leader's staged files (its pack, global state files, and the unit indexes) are fsynced at
+    once, then the manifest and the staged directories (``packs/`` and the snapshot's own) at
+    once. Each of those fsyncs waits here until its whole group is in flight (a barrier):
+    fsyncs made one after another never fill it, and the save fails. And no fsync is added:
+    11 in all, as before (the rule above needs each)."""
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
+        tailor.save(1)
+        groups = {"files": threading.Barrier(4, timeout=60), "last": threading.Barrier(3, timeout=60)}
+        met: dict[str, list[str]] = {"files": [], "last": []}
+        real, calls = os.fsync, []
+
+        def fsync(fd):
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            calls.append(path)
+            if f"/{TMP_DIR}/" in path:  # staged
+                group = "last" if os.path.isdir(path) or path.endswith(f"/{MANIFEST_FILE}") else "files"
+                met[group].append(Path(path).name)
+                groups[group].wait()  # BrokenBarrierError (the save fails) unless the group is in flight together
+            real(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        tailor.save(2)
+        monkeypatch.undo()
+    assert sorted(met["files"]) == sorted([GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, Path(pack_filename(0, 0)).name])
+    staging = [name for name in met["last"] if name not in (PACKS_DIR, MANIFEST_FILE)]
+    assert len(met["last"]) == 3 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
+    assert len(staging) == 1 and staging[0].startswith(f"{snapshot_dirname(2)}.")
+    assert len(calls) == 11, calls
