@@ -63,6 +63,24 @@ def test_a_file_handed_over_as_it_arrived_is_read_from_those_bytes(run, monkeypa
     assert all(torch.equal(got[key], expected[key]) for key in expected)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_box_read_of_a_file_handed_over_but_not_yet_written_takes_its_header_and_bytes_from_what_arrived(run, verify):
+    """FSDP2's reads (``ChunkReader``) of a healed file whose write is held back until the
+    restore ends (``Catalog.hold_back``): the file's header too comes from the arrived bytes."""
+    from llmtailor.store.reader import ChunkReader
+
+    expected = read_all(Run(run.root), 2)
+    for key, (size, xxh3) in unit_files(run, 2).items():
+        run.units.arrived[key] = (size, xxh3, memoryview(bytearray((run.root / key).read_bytes())))
+        (run.root / key).unlink()  # not written yet
+    reader = ChunkReader(run, verify=verify)
+    for unit, source in run.resolve(2).sources.items():
+        entry = run.unit_entry(source, unit)
+        for tensor in entry.tensors:
+            got = reader.read_region(source, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+            assert torch.equal(got, expected[f"{unit}/{tensor.key}"]), tensor.key
+
+
 def test_bytes_checked_against_another_record_than_the_entry_are_not_taken(run):
     expected = read_all(Run(run.root), 2)
     for key, (size, xxh3) in unit_files(run, 2).items():
