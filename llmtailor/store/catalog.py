@@ -140,8 +140,6 @@ class Catalog:
         self._committing: dict[int, Future[None]] = {}
         """Step -> the commit of that snapshot this process runs in the background (``commit_later``)."""
         self._commit_failures: list[str] = []
-        self._held_back: list[threading.Event] = []
-        """Gates of background commits' writes not yet released (``hold_back``)."""
 
     @property
     def is_local(self) -> bool:
@@ -204,25 +202,9 @@ class Catalog:
         done = self._committing.get(step)
         return done is not None and not (done.done() and done.exception() is not None)
 
-    def hold_back(self) -> threading.Event:
-        """A gate for the writes of a background commit (a healed snapshot's: they wait on it,
-        ``tiers.healing.Receiving``), opened by ``release_held``: at the end of the restore that
-        reads what the healing received (``Tailor.restore``), whose bytes are then in memory
-        already, so that restore has the CPU to itself; or by ``settle_commits``."""
-        gate = threading.Event()
-        self._held_back.append(gate)
-        return gate
-
-    def release_held(self) -> None:
-        """Open every gate ``hold_back`` gave: the writes held back start."""
-        held, self._held_back = self._held_back, []
-        for gate in held:
-            gate.set()
-
     def settle_commits(self) -> None:
-        """Wait for the background commits (``commit_later``), their writes released first
-        (``release_held``); each failure kept (and its snapshot forgotten) for ``commit_failure``."""
-        self.release_held()
+        """Wait for the background commits (``commit_later``); each failure kept (and its
+        snapshot forgotten) for ``commit_failure``."""
         for step, done in list(self._committing.items()):
             failure = done.exception()
             del self._committing[step]

@@ -65,8 +65,8 @@ def test_a_file_handed_over_as_it_arrived_is_read_from_those_bytes(run, monkeypa
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_box_read_of_a_file_handed_over_but_not_yet_written_takes_its_header_and_bytes_from_what_arrived(run, verify):
-    """FSDP2's reads (``ChunkReader``) of a healed file whose write is held back until the
-    restore ends (``Catalog.hold_back``): the file's header too comes from the arrived bytes."""
+    """FSDP2's reads (``ChunkReader``) of a healed file whose write runs in the background
+    (``healing.Receiving``): the file's header too comes from the arrived bytes."""
     from llmtailor.store.reader import ChunkReader
 
     expected = read_all(Run(run.root), 2)
@@ -101,27 +101,24 @@ def test_a_restore_empties_what_was_handed_over(tmp_path, tokens):
         assert arrived == {}
 
 
-def test_a_restore_empties_what_a_healing_handed_over_and_releases_the_writes_it_held_back(tmp_path, tokens, monkeypatch):
+def test_a_restore_empties_what_a_healing_handed_over_after_forgetting_its_snapshot(tmp_path, tokens, monkeypatch):
     """A healing hands its files over after it forgot the cached state of the snapshot it
     committed (``Receiving.finish``: ``Run.forget``, then ``_hand_over``); the restore that
     follows still empties them when it ends (the received bytes, up to ``HAND_OVER_BYTES``, are
-    not held in memory until retention removes the snapshot), and releases the healed copy's
-    writes it held back (``Catalog.hold_back``)."""
+    not held in memory until retention removes the snapshot)."""
     path = parity_run(tmp_path / "run", tokens, 2)
     model, opt, sched = tiny()
     with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
-        run, gates = tailor.tiers.levels[0].run, []
+        run = tailor.tiers.levels[0].run
 
         def healed(coordinator, step):  # what a healing does before the restore reads: forget, then hand over
             run.forget([2])
             run.units.arrived["snapshots/step-00000002/not-read"] = (1, "0", memoryview(b"x"))
-            gates.append(run.hold_back())
             return None, {}
 
         monkeypatch.setattr(tailor.tiers, "recover", healed)
         assert tailor.restore().step == 2
         assert run.units.arrived == {}
-        assert gates and gates[0].is_set()
 
 
 def test_a_local_file_mapped_reads_its_bytes_and_writes_to_the_mapping_stay_private(tmp_path):

@@ -346,22 +346,6 @@ def test_a_healed_snapshot_is_read_from_what_arrived_while_its_copy_is_written_i
     assert all((snapshot / m.path).read_bytes() == (runs[0].snapshot_dir(2) / m.path).read_bytes() for m in moves)
 
 
-def test_a_healed_copy_is_written_once_the_restore_that_reads_what_arrived_releases_it(tmp_path, monkeypatch):
-    """The healed copy's writes wait (``Catalog.hold_back``) until the restore that reads what
-    arrived has ended (``release_held``, as ``Tailor.restore`` ends) or something settles the
-    copy: that restore has the CPU to itself, the bytes it reads being in memory already."""
-    copies, runs, held = node_one_wiped(tmp_path)
-    moves = healing(held, 2)
-    wrote, write = threading.Event(), recovery_healing.write_to
-    monkeypatch.setattr(recovery_healing, "write_to", lambda sink, data: (wrote.set(), write(sink, data)))
-    assert received_from_node_0(runs, moves) is None
-    assert not wrote.wait(0.5)  # held back: nothing is written before the release
-    runs[1].release_held()
-    assert wrote.wait(30)
-    runs[1].settle_commits()
-    assert runs[1].commit_failure() is None and Run(copies[1]).steps() == [2]
-
-
 def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_raised_by_the_next_save(tmp_path, monkeypatch, caplog):
     """A write of the healed copy that fails on the background thread commits nothing, is
     logged at once and raised once by ``Tiers.settle_healing`` (the next save's first step,

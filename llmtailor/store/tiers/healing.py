@@ -1,7 +1,7 @@
 """A node-local tier's recovery carried out (planned in ``recovery.py``), collectively: each
 node's leader lists its copy (``held_here``); rank 0 plans; the files a node lacks travel from
-the leader of a node holding them to its own leader over the courier (``Courier.stream``: sent
-from a mapping of the file, checked while the next files travel), each checked
+the leader of a node holding them to its own leader over the courier (``Courier.stream``: read
+straight into the buffer sent, checked and written while the next file travels), each checked
 against the checksum its manifest or index records before it is written, and committed into
 that node's copy (``Receiving``): a snapshot the node lacked with the snapshot commit protocol
 (its files staged, the manifest last, then the rename), a file missing from a snapshot it holds
@@ -23,7 +23,6 @@ as nothing, which its receiver refuses (``Receiving``): never a part in half.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -197,10 +196,8 @@ class Receiving:
     that sent it; what arrives after it is not written (nor anything, given ``failed``: the
     failure of an earlier snapshot). What it committed is handed to the restore that follows, as
     it arrived (``UnitReader.arrived``). A new snapshot of at most ``HAND_OVER_BYTES`` (all of
-    it handed over) is written and committed on a thread of its own (``_commit_later``) once
-    the restore that reads what arrived has ended (``Catalog.hold_back``; or earlier, when
-    something settles the copy): that restore has the CPU to itself and reads the arrived bytes,
-    not the node's copy."""
+    it handed over) is written and committed on a thread of its own (``_commit_later``): the
+    restore reads what arrived meanwhile, not the node's copy."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
         self.run, self.step, self.nodes = run, step, nodes
@@ -217,9 +214,6 @@ class Receiving:
         self._writer: ThreadPoolExecutor | None = None
         """Writes the files of a new snapshot as they arrive, then commits it (``finish``)."""
         self._writes: list[Future[None]] = []
-        self._gate: threading.Event | None = None
-        """What ``_writer`` waits for before it writes: the end of the restore that follows
-        (``Catalog.hold_back``), which reads what arrived meanwhile, or a settle."""
         if moves and failed is None:
             self._guarded(self._open)
 
@@ -234,8 +228,7 @@ class Receiving:
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
         if sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
-            self._writer, self._gate = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal"), self.run.hold_back()
-            self._writer.submit(self._gate.wait)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal")
 
     def take(self, rank: int, path: str, content: memoryview) -> None:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
@@ -276,8 +269,7 @@ class Receiving:
                 self._guarded(self._commit_later)
             if self.error is None:
                 return None
-            self._gate.set()  # nothing to hold back: what was written is abandoned below
-            self._writer.shutdown(wait=True)
+            self._writer.shutdown(wait=True)  # what was written, then abandoned below
             self._guarded(self._written)
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
         if self._staged is not None:
