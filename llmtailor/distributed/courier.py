@@ -28,6 +28,7 @@ a new ``Courier.open`` on every rank (a new Tailor, or the job restarted) gives 
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,8 +46,11 @@ Packed = tuple[list[tuple[str, int]], torch.Tensor]
 back to back (``exchange_packed``; ``unpacked`` views each in place)."""
 
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
-PIECE = 64 << 20
+PIECE = 8 << 20
 """Most bytes of one message of a streamed file (``Courier.stream``)."""
+WINDOW = 256 << 20
+"""Most bytes of a stream's files whose receives are posted ahead of the file handed over
+(``Courier.stream``): their buffers are the receiver's memory in flight."""
 
 
 class Courier:
@@ -115,8 +119,9 @@ class Courier:
             self._wait(work, f"sending files to rank {dst}")
 
     def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None]) -> None:
-        """``stream``'s receiving side for one source: the next file's pieces are awaited while
-        ``take`` handles the one before."""
+        """``stream``'s receiving side for one source: the receives of the next files are posted
+        ahead, up to ``WINDOW`` bytes (at least the next file), while ``take`` handles each file
+        in turn, so the peer's sends never wait for a receive to be posted nor for a ``take``."""
         import torch.distributed as dist
 
         what = f"receiving files from rank {src}"
@@ -127,15 +132,18 @@ class Courier:
         listing = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
         if len(listing) != int(header[1]):
             raise CoordinationError(f"rank {src} announced {int(header[1])} files and listed {len(listing)}")
-        pending = None
+        pending: collections.deque[tuple[str, torch.Tensor, list]] = collections.deque()
+        posted = 0  # bytes of the pending files
         for name, size in listing:
+            while pending and posted + size > WINDOW:
+                posted -= pending[0][1].numel()
+                self._hand_over(src, *pending.popleft(), take)
             content = torch.empty(size, dtype=torch.uint8)
             works = [dist.irecv(content[at:at + PIECE], src, group=self.group, tag=_BYTES) for at in range(0, size, PIECE)]
-            if pending is not None:
-                self._hand_over(src, *pending, take)
-            pending = (name, content, works)
-        if pending is not None:
-            self._hand_over(src, *pending, take)
+            pending.append((name, content, works))
+            posted += size
+        while pending:
+            self._hand_over(src, *pending.popleft(), take)
 
     def _hand_over(self, src: int, name: str, content: torch.Tensor, works: list,
                    take: Callable[[int, str, memoryview], None]) -> None:

@@ -23,7 +23,7 @@ from llmtailor.errors import IntegrityError
 from llmtailor.store import dtypes
 from llmtailor.store.checked import stored_header
 from llmtailor.store.fetch import fetch
-from llmtailor.store.tensor_files import checksum
+from llmtailor.store.tensor_files import checksum, parse_header
 from llmtailor.store.manifest import Chunk, TensorEntry, UnitEntry
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Storage
@@ -166,8 +166,11 @@ class ChunkReader:
         file = unit.chunk_file(chunk)
         storage, key = self.run.file_location(step, file)
         cached = (storage.identity(), key)
-        if cached not in self._headers:
-            self._headers[cached] = stored_header(storage, key, file)
+        if cached not in self._headers:  # a file that arrived in a healing: its header from those bytes (not yet written)
+            arrived = self.run.units.arrival(storage, key, file)
+            self._headers[cached] = (stored_header(storage, key, file) if arrived is None else
+                                     parse_header(lambda start, length: arrived[start:start + length], len(arrived),
+                                                  storage.where(key)))
         data, header = self._headers[cached]
         name = tensor.chunk_key(chunk)
         info = header.get(name) if name != "__metadata__" else None

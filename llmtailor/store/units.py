@@ -72,7 +72,8 @@ class UnitReader:
         self._pack_headers.clear()
         self.received.clear()
         prefixes = tuple(f"{self.catalog.snapshot_key(step)}/" for step in steps)
-        self.arrived = {key: kept for key, kept in self.arrived.items() if not key.startswith(prefixes)}
+        for key in [key for key in self.arrived if key.startswith(prefixes)]:  # in place: a restore empties this dict
+            del self.arrived[key]
 
     def arrival(self, storage: Storage, key: str, entry: FileEntry) -> memoryview | None:
         """The bytes of the run's file ``key`` as they arrived here, checked then against the

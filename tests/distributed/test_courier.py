@@ -197,3 +197,48 @@ def test_after_an_exchange_timed_out_the_courier_refuses_every_later_one_and_a_f
     assert second[:2] == ("error", 2) and "this courier is broken since an exchange failed" in second[2], second
     assert third == ("got", 3, "right")
     assert said[1][1][0] == "error" and said[1][2] == ("got", 3, "right"), said[1]  # never stale bytes
+
+
+def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(monkeypatch):
+    """The receiving side of ``Courier.stream`` (in one process, gloo's ``irecv`` faked: each
+    posted receive is filled at once from the messages the peer would send): the receives of
+    every file within ``WINDOW`` bytes are posted before the first file is handed to ``take``,
+    so the sender never waits for the receiver's checks; past the window, files are handed
+    over oldest first before more is posted; each file whole, in order."""
+    import json
+
+    import torch
+
+    from llmtailor.distributed import courier as courier_module
+
+    files = [(f"units/u{i}.safetensors", bytes([i]) * 3000) for i in range(4)]
+    names = json.dumps([[name, len(content)] for name, content in files]).encode()
+    posted: list[int] = []
+
+    class Done:
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    def received() -> list:
+        """What ``take`` got: (name, content, bytes of file receives posted by then)."""
+        wire = {courier_module._SIZES: [torch.tensor([len(names), len(files)])],
+                courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
+                courier_module._BYTES: [torch.frombuffer(bytearray(content[at:at + 1000]), dtype=torch.uint8)
+                                        for _, content in files for at in range(0, len(content), 1000)]}
+
+        def irecv(tensor, src, group=None, tag=0):
+            tensor.copy_(wire[tag].pop(0))
+            posted.append(tensor.numel() if tag == courier_module._BYTES else 0)
+            return Done()
+
+        monkeypatch.setattr(dist, "irecv", irecv)
+        posted.clear()
+        seen: list = []
+        Courier(None, 1)._receive_streamed(0, lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
+        assert [(name, content) for name, content, _ in seen] == files
+        return [at for _, _, at in seen]
+
+    monkeypatch.setattr(courier_module, "PIECE", 1000)
+    assert received() == [12000] * 4  # every file's receives posted before the first was handed over
+    monkeypatch.setattr(courier_module, "WINDOW", 6000)
+    assert received() == [6000, 9000, 12000, 12000]  # at most the window ahead of the file handed over

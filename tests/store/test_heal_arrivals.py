@@ -63,6 +63,24 @@ def test_a_file_handed_over_as_it_arrived_is_read_from_those_bytes(run, monkeypa
     assert all(torch.equal(got[key], expected[key]) for key in expected)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_box_read_of_a_file_handed_over_but_not_yet_written_takes_its_header_and_bytes_from_what_arrived(run, verify):
+    """FSDP2's reads (``ChunkReader``) of a healed file whose write runs in the background
+    (``healing.Receiving``): the file's header too comes from the arrived bytes."""
+    from llmtailor.store.reader import ChunkReader
+
+    expected = read_all(Run(run.root), 2)
+    for key, (size, xxh3) in unit_files(run, 2).items():
+        run.units.arrived[key] = (size, xxh3, memoryview(bytearray((run.root / key).read_bytes())))
+        (run.root / key).unlink()  # not written yet
+    reader = ChunkReader(run, verify=verify)
+    for unit, source in run.resolve(2).sources.items():
+        entry = run.unit_entry(source, unit)
+        for tensor in entry.tensors:
+            got = reader.read_region(source, entry, tensor, (0,) * len(tensor.shape), tuple(tensor.shape))
+            assert torch.equal(got, expected[f"{unit}/{tensor.key}"]), tensor.key
+
+
 def test_bytes_checked_against_another_record_than_the_entry_are_not_taken(run):
     expected = read_all(Run(run.root), 2)
     for key, (size, xxh3) in unit_files(run, 2).items():
@@ -81,6 +99,26 @@ def test_a_restore_empties_what_was_handed_over(tmp_path, tokens):
         arrived["snapshots/step-00000002/not-read"] = (1, "0", memoryview(b"x"))
         assert tailor.restore().step == 2
         assert arrived == {}
+
+
+def test_a_restore_empties_what_a_healing_handed_over_after_forgetting_its_snapshot(tmp_path, tokens, monkeypatch):
+    """A healing hands its files over after it forgot the cached state of the snapshot it
+    committed (``Receiving.finish``: ``Run.forget``, then ``_hand_over``); the restore that
+    follows still empties them when it ends (the received bytes, up to ``HAND_OVER_BYTES``, are
+    not held in memory until retention removes the snapshot)."""
+    path = parity_run(tmp_path / "run", tokens, 2)
+    model, opt, sched = tiny()
+    with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
+        run = tailor.tiers.levels[0].run
+
+        def healed(coordinator, step):  # what a healing does before the restore reads: forget, then hand over
+            run.forget([2])
+            run.units.arrived["snapshots/step-00000002/not-read"] = (1, "0", memoryview(b"x"))
+            return None, {}
+
+        monkeypatch.setattr(tailor.tiers, "recover", healed)
+        assert tailor.restore().step == 2
+        assert run.units.arrived == {}
 
 
 def test_a_local_file_mapped_reads_its_bytes_and_writes_to_the_mapping_stay_private(tmp_path):
