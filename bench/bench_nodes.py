@@ -179,6 +179,10 @@ def report_training(results: list[dict], args: argparse.Namespace) -> None:
         sent, parts = result["sent_bytes"], result["part_bytes"]
         print(f"node {node}: courier sent {sent / 1e6:.2f} MB for {result['saves']} saves whose own parts were "
               f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
+        waits, cpu = result.get("settle") or [0.0], result.get("persist_cpu") or [0.0]
+        print(f"node {node}, ours per save: training thread waiting for the saves before (Tailor._settle) median "
+              f"{1e3 * statistics.median(waits):.1f} ms, total {sum(waits):.3f} s over {len(waits)} saves; background "
+              f"thread CPU (copies + persist) median {1e3 * statistics.median(cpu):.1f} ms over {len(cpu)} saves")
 
 
 def report_restores(restores: dict[str, list[float]], label: str) -> None:
@@ -239,6 +243,36 @@ def courier_bytes(tailor) -> int:
     return tailor.tiers.placement.courier.sent_bytes
 
 
+def instrumented() -> dict[str, list[float]]:
+    """Per async save of ours: the seconds the training thread waited in ``Tailor._settle`` for
+    the saves before (``settle``), and the CPU seconds of the save's background thread
+    (``time.thread_time`` around ``AsyncStager._run``: copies, persist, follow-up): figures that
+    move less with the machine's load than the wall time. Wraps the two methods, whatever their
+    arguments (the same in the trees compared)."""
+    from llmtailor.async_stager import AsyncStager
+    from llmtailor.tailor import Tailor
+
+    figures: dict[str, list[float]] = {"settle": [], "persist_cpu": []}
+    settle, run = Tailor._settle, AsyncStager._run
+
+    def timed_settle(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return settle(self, *args, **kwargs)
+        finally:
+            figures["settle"].append(time.perf_counter() - start)
+
+    def timed_run(self, *args, **kwargs):
+        start = time.thread_time()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            figures["persist_cpu"].append(time.thread_time() - start)
+
+    Tailor._settle, AsyncStager._run = timed_settle, timed_run
+    return figures
+
+
 def train_worker(args: argparse.Namespace, own: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -246,12 +280,14 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     training = Training(args)
+    figures = instrumented()
     dcp_group = dist.new_group(backend="gloo")  # DCP's collectives run on its thread: not on DDP's group
     shm = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}"
     totals: dict[str, list[float]] = {"none": [], "dcp.async_save": [], "ours nodes Parity": []}
     if args.only == "recovery":
         totals = {"ours nodes Parity": []}
     sent = parts = saves = 0
+    waits: list[float] = []
     for round_ in range(args.rounds):
         for name in (list(totals) if round_ % 2 == 0 else list(reversed(totals))):
             training.reset()
@@ -279,10 +315,12 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
             sent_before = courier_bytes(tailor) if tailor is not None else 0
             dist.barrier()
             start = time.perf_counter()
+            settled = len(figures["settle"])
             for step in range(2, args.steps + 2):
                 training.train(1)
                 save(step)
             totals[name].append(time.perf_counter() - start)
+            waits += figures["settle"][settled:]  # one per measured save (ours only)
             if tailor is not None:
                 tailor.wait()
                 sent += courier_bytes(tailor) - sent_before
@@ -298,7 +336,8 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
              *(v for s in training.optimizer.state_dict()["state"].values() for v in s.values())]
     composite = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
-                                                "composite_bytes": composite,
+                                                "composite_bytes": composite, "settle": waits,
+                                                "persist_cpu": figures["persist_cpu"],
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.async_stager import AsyncStager
+from llmtailor.async_stager import IN_FLIGHT, AsyncStager
 from llmtailor.config import TailorConfig
 from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.drift import DriftWatch
@@ -123,57 +123,69 @@ class Tailor:
         strings, tensors and numpy arrays (data position, epoch, ...); ``restore`` returns it,
         each rank its own. Synchronous (the default, or ``blocking=True``): returns a
         ``SaveReport`` once the snapshot is committed. With ``async_save=True`` (and ``blocking``
-        not True): waits for the save still in flight, if any (raising its error), and returns
-        a ``PendingSave`` at once; ``wait()`` / ``close()`` make the last save durable."""
-        self._check_save(step)
+        not True): returns a ``PendingSave`` once the save is staged, behind the save still in
+        flight, if any; with two in flight it waits for the older one first (raising its error,
+        and that of a save staged behind it, which fails with it); ``wait()`` / ``close()`` make
+        the last save durable."""
+        sync = blocking or (blocking is None and self._stager is None)
+        if not sync and self._stager is None:
+            raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
+        # A policy that weighs the units' bytes decides on committed versions only (one in flight).
+        self._check_save(step, in_flight=0 if sync or self.policy.weighs_bytes else IN_FLIGHT - 1)
         start = time.perf_counter()
         self.provider.refresh()
         drift, survey, frozen_news = _measure(self._drift, self._frozen, self.coordinator)
-        lineage = self.lineage
-        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite), survey, frozen_news)
+        lineage = self.lineage  # with a save in flight: as if it committed (``Lineage.staged``)
+        # One round per save, drawn here on every rank in the same order (two saves may be in flight).
+        round_ = self.coordinator.new_round()
+        frozen = self._frozen.plan(f"{round_}/frozen", set(lineage.composite), survey, frozen_news)
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
             last_saved_index=lineage.saved_index, drift=drift, unit_bytes=self._frozen.weighed_bytes(lineage.unit_bytes),
             frozen=frozenset(frozen.quiet),
         ))
         units = frozen.written(decision.units)  # frozen, unchanged units cost nothing
-        self._frozen.saving(frozen, units)
-        if self._drift is not None:
-            self._drift.saving(units)  # their sampled values, taken now: their references once committed
         staged = self._stage(step, units, {**lineage.composite, **{unit: step for unit in units}}, extra, frozen)
         skipped = [u for u in decision.units if u not in units]
         staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {}),
                            **({"frozen_unchanged": skipped} if skipped else {})}
-        if blocking or (blocking is None and self._stager is None):
-            result = self._persist(staged)
-            self._committed(step, staged.composite, result)
+        staged.round = round_
+        if sync:
+            self._staged(step, staged.composite, frozen, units)
+            try:
+                result = self._persist(staged)
+            except BaseException:
+                self._rolled_back()
+                raise
+            self._raise_pointer_error(self._committed(step, staged.composite, result))
             self._after_commit(step, result)
             return SaveReport.of(step, units, result, time.perf_counter() - start)
-        if self._stager is None:
-            raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
         job = self._stager.start(staged, list(staged.units), self._persist,
                                  after=lambda result: self._after_commit(step, result),
                                  target=str(self.run.root), chosen=units)
+        self._staged(step, staged.composite, frozen, units)  # settled on this thread only: after start is fine
         job.blocked_seconds = time.perf_counter() - start
         return PendingSave(job, SaveReport.of)
 
-    def _check_save(self, step: int) -> None:
+    def _check_save(self, step: int, in_flight: int) -> None:
+        """Refuse a save of ``step`` that cannot be made, once the saves in flight but the newest
+        ``in_flight`` are settled (raising a failure among them)."""
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
-        self._settle(raise_error=True, refused=step)
+        self._settle(raise_error=True, refused=step, keep=in_flight)
         if self._partly_restored is not None:
             raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
                               "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
-        self.lineage.check_next(step)  # after the save in flight settled: its step is the parent then
+        self.lineage.check_next(step)  # the save in flight, if any, is the parent
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
-        """Block until the async save in flight (if any) is committed and durable; return its
-        report, or raise what failed in the background (once). ``promoted=True``: and the
+        """Block until the async saves in flight (if any) are committed and durable; return the
+        newest one's report, or raise what failed in the background (once). ``promoted=True``: and the
         promotion to a slower tier in flight."""
         if promoted:
             self._settle(raise_error=False)  # its commit starts the promotion waited for
             self.tiers.wait_promotions()
-        job = self._stager.unsettled if self._stager is not None else None
+        job = self._stager.unsettled[-1] if self._stager is not None and self._stager.unsettled else None
         self._settle(raise_error=True)
         self.tiers.raise_failure(self.coordinator)
         if job is None:
@@ -189,13 +201,20 @@ class Tailor:
         if self._stager is not None:
             self._stager.wait_copied()
 
-    def _settle(self, raise_error: bool, refused: int | None = None) -> None:
-        """Settle the async save in flight (``AsyncStager.settle``): its composite, committed, becomes the lineage's."""
+    def _settle(self, raise_error: bool, refused: int | None = None, keep: int = 0) -> None:
+        """Settle the async saves in flight but the newest ``keep`` (``AsyncStager.settle``): the
+        committed ones settle the lineage's pending state in order; after a failure, that state
+        rolls back to the last committed save. The failure is raised (once) when ``raise_error``,
+        else kept for the next call."""
         if self._stager is None:
             return
-        job = self._stager.settle(raise_error, refused=refused, newest=self.lineage.parent)
-        if job is not None:
-            self._committed(job.step, job.composite, job.outcome)
+        known = len(self._stager.failed)
+        pointers = [self._committed(job.step, job.composite, job.outcome) for job in self._stager.settle(keep)]
+        if any(job.outcome is None for job in self._stager.failed[known:]):
+            self._rolled_back()
+        if raise_error:
+            self._stager.raise_failure(refused=refused, newest=self.lineage.parent)
+        self._raise_pointer_error(*pointers)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
@@ -208,13 +227,34 @@ class Tailor:
             return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, prepare=prepare, confirm=confirm)
         return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=confirm)
 
-    def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
+    def _staged(self, step: int, composite: dict[str, int], frozen: FrozenPlan, units: list[str]) -> None:
+        """The save of ``step`` is staged: the next save extends it (its lineage, the frozen
+        tensors it writes, its units' drift references), until it commits or fails (in order)."""
+        self.lineage.staged(step, composite)
+        self._frozen.saving(frozen, units, step)
+        if self._drift is not None:
+            self._drift.saving(units)
+
+    def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> str | None:
+        """The oldest save staged, of ``step``, committed; returns its pointer error, if any."""
         self.lineage.committed(self.run, step, composite)
-        self._frozen.committed(step)
+        self._frozen.committed()
         if self._drift is not None:
             self._drift.committed()
-        if result is not None and result.pointer_error:
-            raise TailorError(result.pointer_error)
+        return result.pointer_error if result is not None else None
+
+    def _rolled_back(self) -> None:
+        """Every save staged and not committed failed: back to the last committed one's state."""
+        self.lineage.failed()
+        self._frozen.failed()
+        if self._drift is not None:
+            self._drift.failed()
+
+    @staticmethod
+    def _raise_pointer_error(*errors: str | None) -> None:
+        for error in errors:
+            if error:
+                raise TailorError(error)
 
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
@@ -286,7 +326,7 @@ class Tailor:
                                 restoring.served_by)
 
     def close(self) -> None:
-        """Wait for the async save in flight and, with tiers, for the last composite's promotion to
+        """Wait for the async saves in flight and, with tiers, for the last composite's promotion to
         every tier (raising what failed); remove the fence and hooks; release the writer locks."""
         try:
             self._settle(raise_error=True)

@@ -17,7 +17,8 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    (RNG, user extras), the leader also the shared global state — makes every file durable
    (fsync on a helper thread while the next is written; an upload completed), and reports the
    file entries and checksums, or its failure;
-3. once every rank has reported success, the leader writes the unit indexes (one file, a line
+3. once every rank has reported success (and the async save before this one, if still in
+   flight, has committed: ``staged.InTurn``), the leader writes the unit indexes (one file, a line
    per unit), then the manifest last, only if absent (on an object store that write is the commit), commits the
    staging place (locally: fsync, atomic rename into ``snapshots/``, fsync), replaces the
    ``latest`` pointer atomically, and announces the outcome.
@@ -90,7 +91,7 @@ def persist(
     raises, the save fails on every rank."""
     coord = coordinator or LocalCoordinator()
     start = time.perf_counter()
-    round_ = coord.new_round()
+    round_ = staged.round or coord.new_round()
 
     def begin() -> str:
         try:
@@ -137,7 +138,9 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
-            indexes, manifest = index_files(staged, gather())
+            parts = gather()
+            staged.turn.parent_committed()  # an async save in flight before this one: committed first
+            indexes, manifest = index_files(staged, parts)
             write_files(snapshot, indexes)
             # The manifest is written last, only if absent: without one there is no snapshot.
             encoded = manifest.dumps().encode()
