@@ -253,23 +253,19 @@ def instrumented() -> dict[str, list[float]]:
     from llmtailor.tailor import Tailor
 
     figures: dict[str, list[float]] = {"settle": [], "persist_cpu": []}
-    settle, run = Tailor._settle, AsyncStager._run
 
-    def timed_settle(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return settle(self, *args, **kwargs)
-        finally:
-            figures["settle"].append(time.perf_counter() - start)
+    def timed(method, clock, key: str):
+        def wrapper(self, *args, **kwargs):
+            start = clock()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                figures[key].append(clock() - start)
 
-    def timed_run(self, *args, **kwargs):
-        start = time.thread_time()
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            figures["persist_cpu"].append(time.thread_time() - start)
+        return wrapper
 
-    Tailor._settle, AsyncStager._run = timed_settle, timed_run
+    Tailor._settle = timed(Tailor._settle, time.perf_counter, "settle")
+    AsyncStager._run = timed(AsyncStager._run, time.thread_time, "persist_cpu")
     return figures
 
 

@@ -93,6 +93,7 @@ class Tailor:
         self._frozen = FrozenParts(self.provider, self.coordinator,
                                    BaseModel(self.config.base) if self.config.base is not None else None)
         self._partly_restored: str | None = None  # a restore failed after touching the live state
+        self._pending = _Pending(self.run, self.lineage, self._frozen, self._drift)
         try:  # one writer per run, settled before any training is spent: a second trainer fails here
             self.tiers.open_for_writing(self.coordinator, self.read_only)
             if not self.read_only:  # what a crash left on some nodes only is never restored: gone before any save
@@ -123,21 +124,18 @@ class Tailor:
         strings, tensors and numpy arrays (data position, epoch, ...); ``restore`` returns it,
         each rank its own. Synchronous (the default, or ``blocking=True``): returns a
         ``SaveReport`` once the snapshot is committed. With ``async_save=True`` (and ``blocking``
-        not True): returns a ``PendingSave`` once the save is staged, behind the save still in
-        flight, if any; with two in flight it waits for the older one first (raising its error,
-        and that of a save staged behind it, which fails with it); ``wait()`` / ``close()`` make
-        the last save durable."""
+        not True): returns a ``PendingSave`` once the save is staged, behind the one in flight
+        (two at most: it waits for the older, raising its failure, ``_Pending.settle``);
+        ``wait()`` / ``close()`` make the last save durable."""
         sync = blocking or (blocking is None and self._stager is None)
         if not sync and self._stager is None:
             raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
-        # A policy that weighs the units' bytes decides on committed versions only (one in flight).
-        self._check_save(step, in_flight=0 if sync or self.policy.weighs_bytes else IN_FLIGHT - 1)
+        self._check_save(step, in_flight=0 if sync or self.policy.weighs_bytes else IN_FLIGHT - 1)  # bytes: as committed
         start = time.perf_counter()
         self.provider.refresh()
         drift, survey, frozen_news = _measure(self._drift, self._frozen, self.coordinator)
         lineage = self.lineage  # with a save in flight: as if it committed (``Lineage.staged``)
-        # One round per save, drawn here on every rank in the same order (two saves may be in flight).
-        round_ = self.coordinator.new_round()
+        round_ = self.coordinator.new_round()  # on every rank in one order (two saves may be in flight)
         frozen = self._frozen.plan(f"{round_}/frozen", set(lineage.composite), survey, frozen_news)
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
@@ -151,19 +149,19 @@ class Tailor:
                            **({"frozen_unchanged": skipped} if skipped else {})}
         staged.round = round_
         if sync:
-            self._staged(step, staged.composite, frozen, units)
+            self._pending.staged(step, staged.composite, frozen, units)
             try:
                 result = self._persist(staged)
             except BaseException:
-                self._rolled_back()
+                self._pending.rolled_back()
                 raise
-            self._raise_pointer_error(self._committed(step, staged.composite, result))
+            _raise_pointer_errors(self._pending.committed(step, staged.composite, result))
             self._after_commit(step, result)
             return SaveReport.of(step, units, result, time.perf_counter() - start)
         job = self._stager.start(staged, list(staged.units), self._persist,
                                  after=lambda result: self._after_commit(step, result),
                                  target=str(self.run.root), chosen=units)
-        self._staged(step, staged.composite, frozen, units)  # settled on this thread only: after start is fine
+        self._pending.staged(step, staged.composite, frozen, units)  # settled on this thread only: after start is fine
         job.blocked_seconds = time.perf_counter() - start
         return PendingSave(job, SaveReport.of)
 
@@ -202,19 +200,9 @@ class Tailor:
             self._stager.wait_copied()
 
     def _settle(self, raise_error: bool, refused: int | None = None, keep: int = 0) -> None:
-        """Settle the async saves in flight but the newest ``keep`` (``AsyncStager.settle``): the
-        committed ones settle the lineage's pending state in order; after a failure, that state
-        rolls back to the last committed save. The failure is raised (once) when ``raise_error``,
-        else kept for the next call."""
-        if self._stager is None:
-            return
-        known = len(self._stager.failed)
-        pointers = [self._committed(job.step, job.composite, job.outcome) for job in self._stager.settle(keep)]
-        if any(job.outcome is None for job in self._stager.failed[known:]):
-            self._rolled_back()
-        if raise_error:
-            self._stager.raise_failure(refused=refused, newest=self.lineage.parent)
-        self._raise_pointer_error(*pointers)
+        """Settle the async saves in flight but the newest ``keep`` (``_Pending.settle``)."""
+        if self._stager is not None:
+            self._pending.settle(self._stager, raise_error, refused, keep)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
@@ -226,35 +214,6 @@ class Tailor:
         if self.tiers.placement is not None:
             return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, prepare=prepare, confirm=confirm)
         return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=confirm)
-
-    def _staged(self, step: int, composite: dict[str, int], frozen: FrozenPlan, units: list[str]) -> None:
-        """The save of ``step`` is staged: the next save extends it (its lineage, the frozen
-        tensors it writes, its units' drift references), until it commits or fails (in order)."""
-        self.lineage.staged(step, composite)
-        self._frozen.saving(frozen, units, step)
-        if self._drift is not None:
-            self._drift.saving(units)
-
-    def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> str | None:
-        """The oldest save staged, of ``step``, committed; returns its pointer error, if any."""
-        self.lineage.committed(self.run, step, composite)
-        self._frozen.committed()
-        if self._drift is not None:
-            self._drift.committed()
-        return result.pointer_error if result is not None else None
-
-    def _rolled_back(self) -> None:
-        """Every save staged and not committed failed: back to the last committed one's state."""
-        self.lineage.failed()
-        self._frozen.failed()
-        if self._drift is not None:
-            self._drift.failed()
-
-    @staticmethod
-    def _raise_pointer_error(*errors: str | None) -> None:
-        for error in errors:
-            if error:
-                raise TailorError(error)
 
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
@@ -346,6 +305,56 @@ class Tailor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Pending:
+    """What a writer's saves leave pending until they commit: the lineage the next save extends,
+    the frozen tensors they write, their units' drift references. Each save is staged (the next
+    save builds on it), then committed or rolled back, in order (async saves: two in flight)."""
+
+    def __init__(self, run: Run, lineage: Lineage, frozen: FrozenParts, drift: DriftWatch | None):
+        self.run, self.lineage, self.frozen, self.drift = run, lineage, frozen, drift
+
+    def staged(self, step: int, composite: dict[str, int], frozen: FrozenPlan, units: list[str]) -> None:
+        """The save of ``step`` is staged: the next save extends it until it commits or fails."""
+        self.lineage.staged(step, composite)
+        self.frozen.saving(frozen, units, step)
+        if self.drift is not None:
+            self.drift.saving(units)
+
+    def committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> str | None:
+        """The oldest save staged, of ``step``, committed; returns its pointer error, if any."""
+        self.lineage.committed(self.run, step, composite)
+        self.frozen.committed()
+        if self.drift is not None:
+            self.drift.committed()
+        return result.pointer_error if result is not None else None
+
+    def rolled_back(self) -> None:
+        """Every save staged and not committed failed: back to the last committed one's state."""
+        self.lineage.failed()
+        self.frozen.failed()
+        if self.drift is not None:
+            self.drift.failed()
+
+    def settle(self, stager: AsyncStager, raise_error: bool, refused: int | None, keep: int) -> None:
+        """Settle the async saves in flight but the newest ``keep`` (``AsyncStager.settle``): the
+        committed ones in order; after a failure, back to the last committed save. The failure
+        is raised (once) when ``raise_error``, else kept for the next call."""
+        known = len(stager.failed)
+        pointers = [self.committed(job.step, job.composite, job.outcome) for job in stager.settle(keep)]
+        if any(job.outcome is None for job in stager.failed[known:]):
+            self.rolled_back()
+        if raise_error:
+            stager.raise_failure(refused=refused, newest=self.lineage.parent)
+        _raise_pointer_errors(*pointers)
+
+
+def _raise_pointer_errors(*errors: str | None) -> None:
+    """A commit whose ``latest`` pointer could not be replaced: raised (the first)."""
+    for error in errors:
+        if error:
+            raise TailorError(error)
 
 
 class _Restoring:
