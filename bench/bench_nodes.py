@@ -17,7 +17,7 @@ against ``none``'s (target for ours: < 5% slower).
 
 Contenders: ``none``; ``dcp.async_save`` (torch.distributed.checkpoint of the full state after
 every step into each node's memory directory; at most one in flight; the newest two kept);
-``ours nodes Parity`` (``Tailor(s3://..., async_save=True, policy=Parity(), tiers=[Tier(<node's
+``ours nodes Parity`` (``Tailor(s3://..., async_save=True, async_in_flight=--in-flight, policy=Parity(), tiers=[Tier(<node's
 /dev/shm dir>, scope="node", replicas=2, keep=2, promote_every=--every)])``: each save commits
 once both nodes hold both nodes' parts; the durable tier is the S3 run, promoted in the
 background). Network bytes per save: what this rank's courier sent against this node's parts x
@@ -59,6 +59,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per contender and round")
     parser.add_argument("--every", type=int, default=10, help="promote_every of the node tier")
+    parser.add_argument("--in-flight", type=int, default=2, choices=[1, 2], help="async_in_flight of ours")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--restores", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small model, few steps")
@@ -91,7 +92,7 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
-                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}",
+                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}", f"--in-flight={args.in_flight}",
                  *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else [])]
     nodes = []
     for node in range(2):
@@ -236,7 +237,7 @@ def ours(training: Training, args: argparse.Namespace, round_: int):
 
     node_memory = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}" / f"round{round_}"
     return Tailor(f"{args.url}/round{round_}", training.model, training.optimizer, policy=Parity(), async_save=True,
-                  tiers=[Tier(node_memory, scope="node", replicas=2, keep=2, promote_every=args.every)])
+                  async_in_flight=args.in_flight, tiers=[Tier(node_memory, scope="node", replicas=2, keep=2, promote_every=args.every)])
 
 
 def courier_bytes(tailor) -> int:

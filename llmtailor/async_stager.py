@@ -18,15 +18,18 @@ that save rather than commit a mix of values. One made through ``.data``, or to 
 tensor, bumps no counter and is not caught: the snapshot may hold old values, new ones or a mix.
 A tensor replaced (``param.data = new``) is harmless: the staged piece keeps the old one.
 
-At most two saves are in flight: a save is staged, copied, written and sent while the one before
-it still finishes its commit; the save after waits for the older one to end (``settle``). What
+At most ``in_flight`` saves are in flight (``TailorConfig.async_in_flight``: 1, the default, or
+2). With 2, a save is staged, copied, written and sent while the one before it still finishes its
+commit; the save after waits for the older one to end (``settle``). What
 the ranks must do in one order stays in order (``store.staged.InTurn``): the courier's exchanges,
 and the commits, the newer one only once the older has committed; a save staged behind one that
-fails is not committed either. Two sets of buffers, each reused from save to save (pinned where
-CUDA is available, so device-to-host copies run on a side stream): the extra memory is that of
-the two largest saves in flight together (one set while saves do not overlap). A failure on the
-background thread is kept and raised once by the caller's next ``save`` but one, ``wait`` or
-``close``, naming the save that failed and the one lost with it (``settle``); one the caller never
+fails is not committed either. A set of buffers per save in flight, each reused from save to save
+(pinned where CUDA is available, so device-to-host copies run on a side stream): the extra memory
+is that of the largest save, twice with two in flight (one set is used while saves do not
+overlap). A failure on the
+background thread is kept and raised once by the caller's next ``save`` (with two in flight:
+the next but one), ``wait`` or ``close``, naming the save that failed and any lost with it
+(``settle``); one the caller never
 collects (a script that ends without ``close()``) is printed on stderr at exit. The background
 threads are not daemons: a save in flight when a script ends is finished and committed before
 the interpreter exits.
@@ -135,15 +138,17 @@ def _report_uncollected() -> None:
         )
 
 
-IN_FLIGHT = 2
-"""Most async saves in flight at once (module docstring)."""
+IN_FLIGHT = (1, 2)
+"""How many async saves may be in flight at once (module docstring)."""
 
 
 class AsyncStager:
-    """Runs async saves (module docstring): host buffers, the fence, two saves in flight."""
+    """Runs async saves (module docstring): host buffers, the fence, ``in_flight`` saves in flight."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.sets = [HostBuffers() for _ in range(IN_FLIGHT)]
+    def __init__(self, optimizers: list[torch.optim.Optimizer], in_flight: int = 1):
+        assert in_flight in IN_FLIGHT, in_flight
+        self.in_flight = in_flight
+        self.sets = [HostBuffers() for _ in range(in_flight)]
         self.current: BackgroundSave | None = None
         """The newest save started (its copies are what the fence waits for)."""
         self.unsettled: list[BackgroundSave] = []
@@ -174,11 +179,11 @@ class AsyncStager:
         """Begin a save of ``units`` (live references, this rank's pieces; ``chosen``: every
         rank's units): take the copies and persist in the background, behind the save still in
         flight, if any (``staged.turn``). The caller has settled all but one earlier save."""
-        assert len(self.unsettled) < IN_FLIGHT, f"at most {IN_FLIGHT} saves in flight"
+        assert len(self.unsettled) < self.in_flight, f"at most {self.in_flight} saves in flight"
         busy = {job.buffers for job in self.unsettled if not job.done()}
         job = BackgroundSave(step=staged.step, units=list(chosen if chosen is not None else [u.unit for u in units]),
                              composite=dict(staged.composite), target=target,
-                             buffers=min(set(range(IN_FLIGHT)) - busy))
+                             buffers=min(set(range(self.in_flight)) - busy))
         staged.turn.step = staged.step
         staged.turn.before = self.unsettled[-1].turn if self.unsettled else None
         job.turn = staged.turn

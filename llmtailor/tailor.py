@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.async_stager import IN_FLIGHT, AsyncStager
+from llmtailor.async_stager import AsyncStager
 from llmtailor.config import TailorConfig
 from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.drift import DriftWatch
@@ -87,7 +87,8 @@ class Tailor:
         self.layout: Layout = self.provider.stages.layout  # the run's: every rank's units (pipeline stages)
         self.policy.check_units(list(self.layout.units))
         self.lineage = Lineage()  # the lineage it extends: set by restore() and by its own saves
-        self._stager = AsyncStager(self.provider.optimizers()) if self.config.async_save else None
+        self._stager = (AsyncStager(self.provider.optimizers(), self.config.async_in_flight)
+                        if self.config.async_save else None)
         self._drift = (DriftWatch(list(self.layout.units), self.provider, self.coordinator.all_reduce_sum)
                        if self.config.track_drift else None)
         self._frozen = FrozenParts(self.provider, self.coordinator,
@@ -125,12 +126,12 @@ class Tailor:
         each rank its own. Synchronous (the default, or ``blocking=True``): returns a
         ``SaveReport`` once the snapshot is committed. With ``async_save=True`` (and ``blocking``
         not True): returns a ``PendingSave`` once the save is staged, behind the one in flight
-        (two at most: it waits for the older, raising its failure, ``_Pending.settle``);
+        (``async_in_flight`` at most: it waits for the oldest, raising its failure, ``_Pending.settle``);
         ``wait()`` / ``close()`` make the last save durable."""
         sync = blocking or (blocking is None and self._stager is None)
         if not sync and self._stager is None:
             raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
-        self._check_save(step, in_flight=0 if sync or self.policy.weighs_bytes else IN_FLIGHT - 1)  # bytes: as committed
+        self._check_save(step, in_flight=0 if sync or self.policy.weighs_bytes else self._stager.in_flight - 1)  # bytes: as committed
         start = time.perf_counter()
         self.provider.refresh()
         drift, survey, frozen_news = _measure(self._drift, self._frozen, self.coordinator)
@@ -310,7 +311,7 @@ class Tailor:
 class _Pending:
     """What a writer's saves leave pending until they commit: the lineage the next save extends,
     the frozen tensors they write, their units' drift references. Each save is staged (the next
-    save builds on it), then committed or rolled back, in order (async saves: two in flight)."""
+    save builds on it), then committed or rolled back, in order (async saves: up to two in flight)."""
 
     def __init__(self, run: Run, lineage: Lineage, frozen: FrozenParts, drift: DriftWatch | None):
         self.run, self.lineage, self.frozen, self.drift = run, lineage, frozen, drift

@@ -91,7 +91,7 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     no promotion but the one ``close`` makes, which fails as node 0 lacks node 1's parts: the
     error recorded): Parity saves at 1..4, then a fresh model restores from each node's copy, each
     unit read by a rank whose node holds it, and rank 0 compares every tensor.
-``nodes-pipelined``  two "nodes" of DDP ranks, async Parity saves into the node-local tier beside
+``nodes-pipelined``  two "nodes" of DDP ranks, async Parity saves (two in flight) into the node-local tier beside
     ``$NODE_DIR`` (``pipelined``, ``replicas=2``) in front of ``$RUN_HOME-pipelined``: 1 and 2
     committed; step 3 fails on node 1 alone (its last rank's extra cannot be encoded, reported by
     the background save) and step 4 is saved behind it (the error each rank gets, the newest
@@ -861,7 +861,8 @@ def nodes_pipelined(out: Path) -> dict:
     out = out / "pipelined"  # its versions apart from another scenario's of this launch
     tiers = [Tier(str(where), scope="node", replicas=2, keep=None)]
     model, optimizer, scheduler = build("ddp", seed=0)
-    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers, async_save=True)
+    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers, async_save=True,
+                    async_in_flight=2)
     last = rank() == dist.get_world_size() - 1  # on node 1
 
     def save(step: int, extra: dict | None = None) -> None:

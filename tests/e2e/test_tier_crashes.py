@@ -1,6 +1,6 @@
 """Storage tiers under real crashes: a training process saving every step (async) to a host-memory
 tier in front of its run directory is SIGKILLed; it resumes from the memory tier (at most the
-saves in flight lost: two), or, with the memory tier wiped (the node lost), from the run directory
+save in flight lost), or, with the memory tier wiped (the node lost), from the run directory
 (at most the saves since the last promotion lost); both resumed runs end bitwise equal to an
 uninterrupted one. A process SIGKILLed in the middle of a promotion leaves both tiers whole, and
 what it left in the run directory never blocks a later lineage's promotions."""
@@ -94,7 +94,7 @@ def test_sigkill_resumes_from_memory_and_wiped_memory_from_disk(tmp_path, memory
     assert max(line["step"] for line in lines if "step" in line) == 10
     in_memory, on_disk = Run(memory), Run(home)
     assert in_memory.verify() == [] and on_disk.verify() == []
-    assert in_memory.latest_step() >= 8  # the async saves of steps 9 and 10 may have been in flight
+    assert in_memory.latest_step() >= 9  # the async save of step 10 may have been in flight
     assert on_disk.steps()[:2] == [1, 5] and set(on_disk.steps()) <= {1, 5, 9, 10}
     assert on_disk.latest_step() <= in_memory.latest_step()
     saved_in_memory, saved_on_disk = in_memory.latest_step(), on_disk.latest_step()
