@@ -17,7 +17,7 @@ against ``none``'s (target for ours: < 5% slower).
 
 Contenders: ``none``; ``dcp.async_save`` (torch.distributed.checkpoint of the full state after
 every step into each node's memory directory; at most one in flight; the newest two kept);
-``ours nodes Parity`` (``Tailor(s3://..., async_save=True, policy=Parity(), tiers=[Tier(<node's
+``ours nodes Parity`` (``Tailor(s3://..., async_save=True, async_in_flight=--in-flight, policy=Parity(), tiers=[Tier(<node's
 /dev/shm dir>, scope="node", replicas=2, keep=2, promote_every=--every)])``: each save commits
 once both nodes hold both nodes' parts; the durable tier is the S3 run, promoted in the
 background). Network bytes per save: what this rank's courier sent against this node's parts x
@@ -59,6 +59,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20, help="measured steps per contender and round")
     parser.add_argument("--every", type=int, default=10, help="promote_every of the node tier")
+    parser.add_argument("--in-flight", type=int, default=2, choices=[1, 2], help="async_in_flight of ours")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--restores", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small model, few steps")
@@ -91,7 +92,7 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
-                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}",
+                 f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}", f"--in-flight={args.in_flight}",
                  *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else [])]
     nodes = []
     for node in range(2):
@@ -179,6 +180,10 @@ def report_training(results: list[dict], args: argparse.Namespace) -> None:
         sent, parts = result["sent_bytes"], result["part_bytes"]
         print(f"node {node}: courier sent {sent / 1e6:.2f} MB for {result['saves']} saves whose own parts were "
               f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
+        waits, cpu = result.get("settle") or [0.0], result.get("persist_cpu") or [0.0]
+        print(f"node {node}, ours per save: training thread waiting for the saves before (Tailor._settle) median "
+              f"{1e3 * statistics.median(waits):.1f} ms, total {sum(waits):.3f} s over {len(waits)} saves; background "
+              f"thread CPU (copies + persist) median {1e3 * statistics.median(cpu):.1f} ms over {len(cpu)} saves")
 
 
 def report_restores(restores: dict[str, list[float]], label: str) -> None:
@@ -232,11 +237,37 @@ def ours(training: Training, args: argparse.Namespace, round_: int):
 
     node_memory = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}" / f"round{round_}"
     return Tailor(f"{args.url}/round{round_}", training.model, training.optimizer, policy=Parity(), async_save=True,
-                  tiers=[Tier(node_memory, scope="node", replicas=2, keep=2, promote_every=args.every)])
+                  async_in_flight=args.in_flight, tiers=[Tier(node_memory, scope="node", replicas=2, keep=2, promote_every=args.every)])
 
 
 def courier_bytes(tailor) -> int:
     return tailor.tiers.placement.courier.sent_bytes
+
+
+def instrumented() -> dict[str, list[float]]:
+    """Per async save of ours: the seconds the training thread waited in ``Tailor._settle`` for
+    the saves before (``settle``), and the CPU seconds of the save's background thread
+    (``time.thread_time`` around ``AsyncStager._run``: copies, persist, follow-up): figures that
+    move less with the machine's load than the wall time. Wraps the two methods, whatever their
+    arguments (the same in the trees compared)."""
+    from llmtailor.async_stager import AsyncStager
+    from llmtailor.tailor import Tailor
+
+    figures: dict[str, list[float]] = {"settle": [], "persist_cpu": []}
+
+    def timed(method, clock, key: str):
+        def wrapper(self, *args, **kwargs):
+            start = clock()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                figures[key].append(clock() - start)
+
+        return wrapper
+
+    Tailor._settle = timed(Tailor._settle, time.perf_counter, "settle")
+    AsyncStager._run = timed(AsyncStager._run, time.thread_time, "persist_cpu")
+    return figures
 
 
 def train_worker(args: argparse.Namespace, own: Path) -> None:
@@ -246,12 +277,14 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     training = Training(args)
+    figures = instrumented()
     dcp_group = dist.new_group(backend="gloo")  # DCP's collectives run on its thread: not on DDP's group
     shm = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}"
     totals: dict[str, list[float]] = {"none": [], "dcp.async_save": [], "ours nodes Parity": []}
     if args.only == "recovery":
         totals = {"ours nodes Parity": []}
     sent = parts = saves = 0
+    waits: list[float] = []
     for round_ in range(args.rounds):
         for name in (list(totals) if round_ % 2 == 0 else list(reversed(totals))):
             training.reset()
@@ -279,10 +312,12 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
             sent_before = courier_bytes(tailor) if tailor is not None else 0
             dist.barrier()
             start = time.perf_counter()
+            settled = len(figures["settle"])
             for step in range(2, args.steps + 2):
                 training.train(1)
                 save(step)
             totals[name].append(time.perf_counter() - start)
+            waits += figures["settle"][settled:]  # one per measured save (ours only)
             if tailor is not None:
                 tailor.wait()
                 sent += courier_bytes(tailor) - sent_before
@@ -298,7 +333,8 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
              *(v for s in training.optimizer.state_dict()["state"].values() for v in s.values())]
     composite = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
-                                                "composite_bytes": composite,
+                                                "composite_bytes": composite, "settle": waits,
+                                                "persist_cpu": figures["persist_cpu"],
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 
 

@@ -18,13 +18,21 @@ that save rather than commit a mix of values. One made through ``.data``, or to 
 tensor, bumps no counter and is not caught: the snapshot may hold old values, new ones or a mix.
 A tensor replaced (``param.data = new``) is harmless: the staged piece keeps the old one.
 
-At most one save is in flight: the next one waits for it. The buffers are reused from save to
-save (pinned where CUDA is available, so device-to-host copies run on a side stream), so the
-extra memory is that of the largest save. A failure on the background thread is kept and
-raised by the caller's next ``save``, ``wait`` or ``close`` (``BackgroundSave.result``); one the
-caller never collects (a script that ends without ``close()``) is printed on stderr at exit.
-The background thread is not a daemon: a save in flight when a script ends is finished and
-committed before the interpreter exits.
+At most ``in_flight`` saves are in flight (``TailorConfig.async_in_flight``: 1, the default, or
+2). With 2, a save is staged, copied, written and sent while the one before it still finishes its
+commit; the save after waits for the older one to end (``settle``). What
+the ranks must do in one order stays in order (``store.staged.InTurn``): the courier's exchanges,
+and the commits, the newer one only once the older has committed; a save staged behind one that
+fails is not committed either. A set of buffers per save in flight, each reused from save to save
+(pinned where CUDA is available, so device-to-host copies run on a side stream): the extra memory
+is that of the largest save, twice with two in flight (one set is used while saves do not
+overlap). A failure on the
+background thread is kept and raised once by the caller's next ``save`` (with two in flight:
+the next but one), ``wait`` or ``close``, naming the save that failed and any lost with it
+(``settle``); one the caller never
+collects (a script that ends without ``close()``) is printed on stderr at exit. The background
+threads are not daemons: a save in flight when a script ends is finished and committed before
+the interpreter exits.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch
 
 from llmtailor.distributed.coordinator import describe_error
 from llmtailor.errors import BackgroundSaveError, TailorError
-from llmtailor.store.staged import PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
+from llmtailor.store.staged import InTurn, PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
 
 _ALIGN = 64  # bytes: every staged view starts aligned for any dtype and for vector copies
 
@@ -90,10 +98,14 @@ class BackgroundSave:
     the pieces that must be copied at once, starting the thread)."""
     copied: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
+    buffers: int = 0
+    """Which of the stager's buffer sets holds its copies."""
     outcome: PersistResult | None = None
     error: BaseException | None = None
     copy_seconds: float = 0.0
     persist_seconds: float = 0.0
+    turn: InTurn | None = None
+    """Its place behind the save before it (``StagedSnapshot.turn``)."""
 
     def done(self) -> bool:
         return self.finished.is_set()
@@ -126,21 +138,34 @@ def _report_uncollected() -> None:
         )
 
 
-class AsyncStager:
-    """Runs async saves (module docstring): host buffers, the fence, one save in flight."""
+IN_FLIGHT = (1, 2)
+"""How many async saves may be in flight at once (module docstring)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.buffers = HostBuffers()
+
+class AsyncStager:
+    """Runs async saves (module docstring): host buffers, the fence, ``in_flight`` saves in flight."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], in_flight: int = 1):
+        assert in_flight in IN_FLIGHT, in_flight
+        self.in_flight = in_flight
+        self.sets = [HostBuffers() for _ in range(in_flight)]
         self.current: BackgroundSave | None = None
         """The newest save started (its copies are what the fence waits for)."""
-        self.unsettled: BackgroundSave | None = None
-        """The save started and not yet settled by the caller (``settle``)."""
+        self.unsettled: list[BackgroundSave] = []
+        """The saves started and not yet settled by the caller (``settle``), oldest first."""
+        self.failed: list[BackgroundSave] = []
+        """A failed save and those lost with it, settled and not yet raised (``raise_failure``)."""
         self.fence_seconds = 0.0
         """Total time optimizer steps waited at the fence."""
         self._hooks = [opt.register_step_pre_hook(self._fence) for opt in optimizers]
         self._swaps = [(opt, name) for opt in optimizers for name in _weight_swaps(opt)]
         for opt, name in self._swaps:
             setattr(opt, name, self._fenced(getattr(opt, name)))
+
+    @property
+    def buffers(self) -> HostBuffers:
+        """The first set of buffers (the only one used while saves do not overlap)."""
+        return self.sets[0]
 
     def start(
         self,
@@ -152,13 +177,18 @@ class AsyncStager:
         chosen: list[str] | None = None,
     ) -> BackgroundSave:
         """Begin a save of ``units`` (live references, this rank's pieces; ``chosen``: every
-        rank's units): take the copies and persist in the background. The caller has settled
-        any earlier save."""
-        assert self.unsettled is None, "one save in flight at a time"
+        rank's units): take the copies and persist in the background, behind the save still in
+        flight, if any (``staged.turn``). The caller has settled all but one earlier save."""
+        assert len(self.unsettled) < self.in_flight, f"at most {self.in_flight} saves in flight"
+        busy = {job.buffers for job in self.unsettled if not job.done()}
         job = BackgroundSave(step=staged.step, units=list(chosen if chosen is not None else [u.unit for u in units]),
-                             composite=dict(staged.composite), target=target)
+                             composite=dict(staged.composite), target=target,
+                             buffers=min(set(range(self.in_flight)) - busy))
+        staged.turn.step = staged.step
+        staged.turn.before = self.unsettled[-1].turn if self.unsettled else None
+        job.turn = staged.turn
         pieces = [piece for unit in units for piece in unit.pieces]
-        views = self.buffers.views(pieces)
+        views = self.sets[job.buffers].views(pieces)
         for piece, view in zip(pieces, views):
             if not piece.stable:  # may change before the next optimizer step: copy it now
                 view.copy_(piece.tensor)
@@ -168,7 +198,8 @@ class AsyncStager:
         if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
             ready = torch.cuda.Event()
             ready.record()
-        self.current = self.unsettled = job
+        self.current = job
+        self.unsettled.append(job)
         thread = threading.Thread(
             target=self._run, args=(job, staged, units, views, versions, ready, persist, after),
             name=f"llmtailor-save-{staged.step}",
@@ -176,43 +207,58 @@ class AsyncStager:
         thread.start()
         return job
 
-    def settle(self, raise_error: bool, refused: int | None = None, newest: int | None = None) -> BackgroundSave | None:
-        """Wait for the save not yet settled, if any. Returns it, once, when it committed (the
-        caller then extends its lineage with it). Its failure is raised once, when
-        ``raise_error``, as a BackgroundSaveError saying what was not saved (``refused``: the
-        step of a save refused because of it; ``newest``: the composite still in force), else
-        kept for the next call."""
-        job = self.unsettled
-        if job is None:
-            return None
-        job.finished.wait()
-        if job.error is None:
-            self.unsettled = None
-            return job
-        if not raise_error:
-            return None
-        self.unsettled = None
-        try:
-            job.result()
-        except BaseException as err:
-            failed = (
-                f"the async save of step {job.step} failed in the background ({describe_error(err)}); nothing of it "
-                f"was committed and the run's newest composite is still "
-                + ("no composite" if newest is None else f"step {newest}")
-            )
-            if refused is not None:
-                failed = f"step {refused} was not saved: {failed}. Call save({refused}) again to save this step"
-            raise BackgroundSaveError(failed) from err
-        return None  # unreachable: result() raised
+    def settle(self, keep: int = 0) -> list[BackgroundSave]:
+        """Wait for the saves in flight but the newest ``keep``, oldest first; return those that
+        committed, in order (the caller extends its lineage with them). A save that failed ends
+        the settling: every save after it was staged behind it and fails with it (waited for
+        too); they are kept in ``failed`` for ``raise_failure``. A save committed whose
+        follow-up (retention, promotions) failed is returned, and its failure kept as well."""
+        committed: list[BackgroundSave] = []
+        while len(self.unsettled) > keep:
+            job = self.unsettled.pop(0)
+            job.finished.wait()
+            if job.outcome is not None:
+                committed.append(job)
+                if job.error is not None:
+                    self.failed.append(job)
+                continue
+            lost, self.unsettled = self.unsettled, []
+            for later in lost:
+                later.finished.wait()
+            self.failed += [job, *lost]
+            break
+        return committed
+
+    def raise_failure(self, refused: int | None = None, newest: int | None = None) -> None:
+        """Raise what ``settle`` kept, once, as a BackgroundSaveError saying what was not saved
+        (``refused``: the step of a save refused because of it; ``newest``: the composite still
+        in force)."""
+        if not self.failed:
+            return
+        first, lost = self.failed[0], [job.step for job in self.failed[1:] if job.outcome is None]
+        for job in self.failed:
+            _UNREPORTED.discard(job)
+        self.failed = []
+        if first.outcome is not None:
+            failed = (f"the async save of step {first.step} was committed, but what follows its commit failed in the "
+                      f"background ({describe_error(first.error)})")
+        else:
+            behind = f", nor of the save of {' and '.join(f'step {step}' for step in lost)}, staged behind it," if lost else ""
+            failed = (f"the async save of step {first.step} failed in the background ({describe_error(first.error)}); "
+                      f"nothing of it was committed{behind} and the run's newest composite is still "
+                      + ("no composite" if newest is None else f"step {newest}"))
+        if refused is not None:
+            failed = f"step {refused} was not saved: {failed}. Call save({refused}) again to save this step"
+        raise BackgroundSaveError(failed) from first.error
 
     def wait_copied(self) -> None:
-        """Block until the save in flight (if any) has taken its copies: after this, the live
-        weights and optimizer state may change in place."""
-        job = self.current
-        if job is not None and not job.copied.is_set():
-            start = time.perf_counter()
-            job.copied.wait()
-            self.fence_seconds += time.perf_counter() - start
+        """Block until the saves in flight (if any) have taken their copies: after this, the
+        live weights and optimizer state may change in place."""
+        for job in [*self.unsettled, *([self.current] if self.current is not None else [])]:
+            if not job.copied.is_set():
+                start = time.perf_counter()
+                job.copied.wait()
+                self.fence_seconds += time.perf_counter() - start
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -264,6 +310,7 @@ class AsyncStager:
             job.error = err
             _UNREPORTED.add(job)
         finally:
+            staged.turn.end(committed=job.outcome is not None)  # the save behind it may commit, or fails
             job.finished.set()
 
     def _fence(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -35,6 +35,11 @@ class TailorConfig(BaseModel):
     async_save: bool = False
     """``save`` returns at once; copies and writes go on in the background, fenced before the
     next ``optimizer.step()``."""
+    async_in_flight: int = Field(default=1, ge=1, le=2)
+    """With ``async_save``: how many saves may be in flight at once. 2 lets a save be staged,
+    written and sent while the one before it commits (training waits less when a save takes
+    longer than a step), at the cost of a second set of host buffers, a failure raised up to one
+    save later, and up to two saves lost to a crash. ``Adaptive`` keeps one."""
     track_drift: bool = True
     """Measure each unit's drift since its last saved version at every save (what ``Adaptive``
     decides by and ``llmtailor drift`` plots)."""

@@ -238,6 +238,18 @@ class DriftTracker:
     def known(self) -> set[str]:
         return set(self._reference)
 
+    def references(self, units: list[str]) -> dict[str, dict[str, tuple] | None]:
+        """The references of ``units`` as they are now (``put_back`` restores them)."""
+        return {unit: dict(self._reference[unit]) if unit in self._reference else None for unit in units}
+
+    def put_back(self, references: dict[str, dict[str, tuple] | None]) -> None:
+        """The references ``references`` took, again."""
+        for unit, kinds in references.items():
+            if kinds is None:
+                self._reference.pop(unit, None)
+            else:
+                self._reference[unit] = kinds
+
 
 def _segment_sums(squares: np.ndarray, part: _KindPlan) -> torch.Tensor:
     """Per unit of ``part.spans`` (in its order), the weighted sum of its span of ``squares``
@@ -273,7 +285,10 @@ class DriftWatch:
     def __init__(self, units: list[str], source: SampleSource, reduce: Callable[[torch.Tensor], torch.Tensor]):
         self.units, self.source, self.reduce = list(units), source, reduce
         self.tracker = tracker = DriftTracker()
-        self._pending: tuple[Sample, list[str]] | None = None
+        self._measured: Sample | None = None
+        """The sample the last ``measure`` took, until ``saving``."""
+        self._undo: list[dict[str, dict[str, tuple] | None]] = []
+        """Per save staged and not committed, oldest first: the references its units had before."""
         # The tracker keeps views of the live tensors; an optimizer loading new state replaces
         # them, so it lets go at once rather than holding the old state's memory until a save.
         # (The hook holds the tracker only: an optimizer must not keep a Tailor, and its writer
@@ -293,24 +308,35 @@ class DriftWatch:
         partial = self.tracker.partial_sums(self.units, sample)
         reduced = self.reduce(torch.cat([partial.flatten(), rider.to(partial.dtype)]))
         sums, rider = reduced[:partial.numel()].view(partial.shape), reduced[partial.numel():]
-        self._pending = (sample, [])
+        self._measured = sample
         # The sums are over every unit on every rank (zeros where a rank holds none of it, as a
         # pipeline stage does): one all-reduce of one size. A unit no rank has a reference of sums
         # to a zero norm, reported as None; a rank's own references (known()) are its stage's only.
         return drift_figures(self.units, sums, set(self.units)), rider
 
     def saving(self, units: list[str]) -> None:
-        """The save just measured writes ``units``: their sample becomes their reference once it commits."""
-        if self._pending is not None:
-            self._pending = (self._pending[0], list(units))
+        """The save just measured, staged, writes ``units``: their sample is their reference from
+        now on (a save staged behind it measures from it, and is committed only if it is);
+        ``committed`` / ``failed`` settle it, in order."""
+        sample, self._measured = self._measured, None
+        self._undo.append(self.tracker.references(units))
+        if sample is not None:
+            self.tracker.adopt(sample, list(units))
 
     def committed(self) -> None:
-        if self._pending is not None:
-            self.tracker.adopt(*self._pending)
-        self._pending = None
+        """The oldest save staged committed: its units' references stay."""
+        if self._undo:
+            self._undo.pop(0)
+
+    def failed(self) -> None:
+        """Every save staged and not committed failed: the references the last committed one left."""
+        for before in reversed(self._undo):
+            self.tracker.put_back(before)
+        self._undo.clear()
 
     def restored(self) -> None:
         """The live state now is a composite: every unit's reference."""
+        self._undo.clear()
         self.tracker.adopt(self.tracker.gather(self.units, self.source))
 
     def close(self) -> None:

@@ -203,7 +203,8 @@ class FrozenParts:
         """Frozen tensor key -> (where its saved bytes are, its fingerprint then)."""
         self._written_bytes: dict[str, int] = {}
         """Unit -> bytes of frozen tensors its newest version wrote (not what a policy weighs)."""
-        self._pending: tuple[FrozenPlan, list[str]] | None = None
+        self._undo: list[tuple[dict[str, tuple[Holder, tuple]], dict[str, int]]] = []
+        """Per save staged and not committed, oldest first: ``_held`` and ``_written_bytes`` before it."""
         self._reported: list[Any] | None = None
         """This rank's report at the ranks' last exchange (``plan``)."""
         self._agreed: tuple[list[str], set[str]] | None = None
@@ -273,22 +274,29 @@ class FrozenParts:
         staged.base = {k: plan.base[k] for k in kept if plan.kept[k] == "base"}
         return staged
 
-    def saving(self, plan: FrozenPlan, written: list[str]) -> None:
-        """The save being made follows ``plan`` and writes ``written`` (recorded on commit)."""
-        self._pending = (plan, written)
-
-    def committed(self, step: int) -> None:
-        """The save of ``step`` committed: the frozen tensors it wrote are now held there."""
-        if self._pending is None:
-            return
-        (plan, written), self._pending = self._pending, None
-        sizes = self._sizes()
+    def saving(self, plan: FrozenPlan, written: list[str], step: int) -> None:
+        """The save of ``step``, staged, follows ``plan`` and writes ``written``: the frozen
+        tensors it writes count as held there from now on (a save staged behind it keeps them
+        from it, and is committed only if it is); ``committed`` / ``failed`` settle it, in order."""
+        self._undo.append((dict(self._held), dict(self._written_bytes)))
+        sizes = self._sizes() if plan.fingerprints else {}
         for unit in written:
             names = self.provider.layout.units.get(unit, ())  # another pipeline stage's: none here
             wrote = [weight_key(n) for n in names if weight_key(n) in plan.fingerprints and weight_key(n) not in plan.kept]
             for key in wrote:
                 self._held[key] = (step, plan.fingerprints[key])
             self._written_bytes[unit] = sum(sizes.get(split_key(k)[1], 0) for k in wrote)
+
+    def committed(self) -> None:
+        """The oldest save staged committed: what it wrote stays held there."""
+        if self._undo:
+            self._undo.pop(0)
+
+    def failed(self) -> None:
+        """Every save staged and not committed failed: what the last committed one left held."""
+        if self._undo:
+            self._held, self._written_bytes = self._undo[0]
+            self._undo.clear()
 
     def restored(self, run: Run, composite: Composite, held: bool = True) -> None:
         """After a restore: every frozen tensor's saved bytes are where the composite read them
@@ -302,6 +310,7 @@ class FrozenParts:
                                                if any(weight_key(n) in frozen for n in names)])
         self._held.clear()
         self._base_refs.clear()
+        self._undo.clear()
         holders: dict[str, Holder] = {}
         found: dict[str, list[Piece]] = {}
         recorded: dict[str, str] = {}

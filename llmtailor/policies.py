@@ -71,6 +71,13 @@ class Policy(ABC):
     def _problems(self) -> list[str]:
         return []
 
+    @property
+    def weighs_bytes(self) -> bool:
+        """Whether ``decide`` reads ``SaveContext.unit_bytes`` (each unit's newest version's
+        bytes, known once that version committed): an async save then waits for the save in
+        flight to commit before it decides (one save in flight, not two)."""
+        return False
+
     def check_units(self, units: Sequence[str]) -> None:
         """Refuse options that name no unit of this layout (a layer index beyond the model, a
         pattern that matches nothing): they would be ignored silently. Called once the layout
@@ -248,6 +255,10 @@ class Adaptive(Policy):
 
     def select(self, ctx: SaveContext) -> set[str]:
         return set(self.decide(ctx).units)
+
+    @property
+    def weighs_bytes(self) -> bool:
+        return True  # its record holds every unit's bytes (its budget weighs them)
 
     def decide(self, ctx: SaveContext) -> Decision:
         if self.full_every is not None and ctx.save_index % self.full_every == 0:

@@ -87,12 +87,14 @@ class Tailor:
         self.layout: Layout = self.provider.stages.layout  # the run's: every rank's units (pipeline stages)
         self.policy.check_units(list(self.layout.units))
         self.lineage = Lineage()  # the lineage it extends: set by restore() and by its own saves
-        self._stager = AsyncStager(self.provider.optimizers()) if self.config.async_save else None
+        self._stager = (AsyncStager(self.provider.optimizers(), self.config.async_in_flight)
+                        if self.config.async_save else None)
         self._drift = (DriftWatch(list(self.layout.units), self.provider, self.coordinator.all_reduce_sum)
                        if self.config.track_drift else None)
         self._frozen = FrozenParts(self.provider, self.coordinator,
                                    BaseModel(self.config.base) if self.config.base is not None else None)
         self._partly_restored: str | None = None  # a restore failed after touching the live state
+        self._pending = _Pending(self.run, self.lineage, self._frozen, self._drift)
         try:  # one writer per run, settled before any training is spent: a second trainer fails here
             self.tiers.open_for_writing(self.coordinator, self.read_only)
             if not self.read_only:  # what a crash left on some nodes only is never restored: gone before any save
@@ -123,57 +125,66 @@ class Tailor:
         strings, tensors and numpy arrays (data position, epoch, ...); ``restore`` returns it,
         each rank its own. Synchronous (the default, or ``blocking=True``): returns a
         ``SaveReport`` once the snapshot is committed. With ``async_save=True`` (and ``blocking``
-        not True): waits for the save still in flight, if any (raising its error), and returns
-        a ``PendingSave`` at once; ``wait()`` / ``close()`` make the last save durable."""
-        self._check_save(step)
+        not True): returns a ``PendingSave`` once the save is staged, behind the one in flight
+        (``async_in_flight`` at most: it waits for the oldest, raising its failure, ``_Pending.settle``);
+        ``wait()`` / ``close()`` make the last save durable."""
+        sync = blocking or (blocking is None and self._stager is None)
+        if not sync and self._stager is None:
+            raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
+        self._check_save(step, in_flight=0 if sync or self.policy.weighs_bytes else self._stager.in_flight - 1)  # bytes: as committed
         start = time.perf_counter()
         self.provider.refresh()
         drift, survey, frozen_news = _measure(self._drift, self._frozen, self.coordinator)
-        lineage = self.lineage
-        frozen = self._frozen.plan(f"{self.coordinator.new_round()}/frozen", set(lineage.composite), survey, frozen_news)
+        lineage = self.lineage  # with a save in flight: as if it committed (``Lineage.staged``)
+        round_ = self.coordinator.new_round()  # on every rank in one order (two saves may be in flight)
+        frozen = self._frozen.plan(f"{round_}/frozen", set(lineage.composite), survey, frozen_news)
         decision = self.policy.decide(SaveContext(
             save_index=lineage.save_index, step=step, units=tuple(self.layout.units), last_saved=lineage.composite,
             last_saved_index=lineage.saved_index, drift=drift, unit_bytes=self._frozen.weighed_bytes(lineage.unit_bytes),
             frozen=frozenset(frozen.quiet),
         ))
         units = frozen.written(decision.units)  # frozen, unchanged units cost nothing
-        self._frozen.saving(frozen, units)
-        if self._drift is not None:
-            self._drift.saving(units)  # their sampled values, taken now: their references once committed
         staged = self._stage(step, units, {**lineage.composite, **{unit: step for unit in units}}, extra, frozen)
         skipped = [u for u in decision.units if u not in units]
         staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {}),
                            **({"frozen_unchanged": skipped} if skipped else {})}
-        if blocking or (blocking is None and self._stager is None):
-            result = self._persist(staged)
-            self._committed(step, staged.composite, result)
+        staged.round = round_
+        if sync:
+            self._pending.staged(step, staged.composite, frozen, units)
+            try:
+                result = self._persist(staged)
+            except BaseException:
+                self._pending.rolled_back()
+                raise
+            _raise_pointer_errors(self._pending.committed(step, staged.composite, result))
             self._after_commit(step, result)
             return SaveReport.of(step, units, result, time.perf_counter() - start)
-        if self._stager is None:
-            raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
         job = self._stager.start(staged, list(staged.units), self._persist,
                                  after=lambda result: self._after_commit(step, result),
                                  target=str(self.run.root), chosen=units)
+        self._pending.staged(step, staged.composite, frozen, units)  # settled on this thread only: after start is fine
         job.blocked_seconds = time.perf_counter() - start
         return PendingSave(job, SaveReport.of)
 
-    def _check_save(self, step: int) -> None:
+    def _check_save(self, step: int, in_flight: int) -> None:
+        """Refuse a save of ``step`` that cannot be made, once the saves in flight but the newest
+        ``in_flight`` are settled (raising a failure among them)."""
         if self.read_only:
             raise ConfigError(f"this Tailor of {self.run.root} was made with read_only=True: it restores, it does not save")
-        self._settle(raise_error=True, refused=step)
+        self._settle(raise_error=True, refused=step, keep=in_flight)
         if self._partly_restored is not None:
             raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
                               "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
-        self.lineage.check_next(step)  # after the save in flight settled: its step is the parent then
+        self.lineage.check_next(step)  # the save in flight, if any, is the parent
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
-        """Block until the async save in flight (if any) is committed and durable; return its
-        report, or raise what failed in the background (once). ``promoted=True``: and the
+        """Block until the async saves in flight (if any) are committed and durable; return the
+        newest one's report, or raise what failed in the background (once). ``promoted=True``: and the
         promotion to a slower tier in flight."""
         if promoted:
             self._settle(raise_error=False)  # its commit starts the promotion waited for
             self.tiers.wait_promotions()
-        job = self._stager.unsettled if self._stager is not None else None
+        job = self._stager.unsettled[-1] if self._stager is not None and self._stager.unsettled else None
         self._settle(raise_error=True)
         self.tiers.raise_failure(self.coordinator)
         if job is None:
@@ -189,13 +200,10 @@ class Tailor:
         if self._stager is not None:
             self._stager.wait_copied()
 
-    def _settle(self, raise_error: bool, refused: int | None = None) -> None:
-        """Settle the async save in flight (``AsyncStager.settle``): its composite, committed, becomes the lineage's."""
-        if self._stager is None:
-            return
-        job = self._stager.settle(raise_error, refused=refused, newest=self.lineage.parent)
-        if job is not None:
-            self._committed(job.step, job.composite, job.outcome)
+    def _settle(self, raise_error: bool, refused: int | None = None, keep: int = 0) -> None:
+        """Settle the async saves in flight but the newest ``keep`` (``_Pending.settle``)."""
+        if self._stager is not None:
+            self._pending.settle(self._stager, raise_error, refused, keep)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
@@ -207,14 +215,6 @@ class Tailor:
         if self.tiers.placement is not None:
             return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, prepare=prepare, confirm=confirm)
         return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=confirm)
-
-    def _committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> None:
-        self.lineage.committed(self.run, step, composite)
-        self._frozen.committed(step)
-        if self._drift is not None:
-            self._drift.committed()
-        if result is not None and result.pointer_error:
-            raise TailorError(result.pointer_error)
 
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
@@ -286,7 +286,7 @@ class Tailor:
                                 restoring.served_by)
 
     def close(self) -> None:
-        """Wait for the async save in flight and, with tiers, for the last composite's promotion to
+        """Wait for the async saves in flight and, with tiers, for the last composite's promotion to
         every tier (raising what failed); remove the fence and hooks; release the writer locks."""
         try:
             self._settle(raise_error=True)
@@ -306,6 +306,56 @@ class Tailor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Pending:
+    """What a writer's saves leave pending until they commit: the lineage the next save extends,
+    the frozen tensors they write, their units' drift references. Each save is staged (the next
+    save builds on it), then committed or rolled back, in order (async saves: up to two in flight)."""
+
+    def __init__(self, run: Run, lineage: Lineage, frozen: FrozenParts, drift: DriftWatch | None):
+        self.run, self.lineage, self.frozen, self.drift = run, lineage, frozen, drift
+
+    def staged(self, step: int, composite: dict[str, int], frozen: FrozenPlan, units: list[str]) -> None:
+        """The save of ``step`` is staged: the next save extends it until it commits or fails."""
+        self.lineage.staged(step, composite)
+        self.frozen.saving(frozen, units, step)
+        if self.drift is not None:
+            self.drift.saving(units)
+
+    def committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> str | None:
+        """The oldest save staged, of ``step``, committed; returns its pointer error, if any."""
+        self.lineage.committed(self.run, step, composite)
+        self.frozen.committed()
+        if self.drift is not None:
+            self.drift.committed()
+        return result.pointer_error if result is not None else None
+
+    def rolled_back(self) -> None:
+        """Every save staged and not committed failed: back to the last committed one's state."""
+        self.lineage.failed()
+        self.frozen.failed()
+        if self.drift is not None:
+            self.drift.failed()
+
+    def settle(self, stager: AsyncStager, raise_error: bool, refused: int | None, keep: int) -> None:
+        """Settle the async saves in flight but the newest ``keep`` (``AsyncStager.settle``): the
+        committed ones in order; after a failure, back to the last committed save. The failure
+        is raised (once) when ``raise_error``, else kept for the next call."""
+        known = len(stager.failed)
+        pointers = [self.committed(job.step, job.composite, job.outcome) for job in stager.settle(keep)]
+        if any(job.outcome is None for job in stager.failed[known:]):
+            self.rolled_back()
+        if raise_error:
+            stager.raise_failure(refused=refused, newest=self.lineage.parent)
+        _raise_pointer_errors(*pointers)
+
+
+def _raise_pointer_errors(*errors: str | None) -> None:
+    """A commit whose ``latest`` pointer could not be replaced: raised (the first)."""
+    for error in errors:
+        if error:
+            raise TailorError(error)
 
 
 class _Restoring:

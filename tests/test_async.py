@@ -3,6 +3,7 @@
 import errno
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -129,6 +130,9 @@ def test_blocking_save_and_wait_on_an_async_tailor(tmp_path, tokens):
         assert tailor.wait() is None
     with pytest.raises(ConfigError, match="async_save=True"):
         Tailor(tmp_path / "other", model, opt, sched).save(1, blocking=False)
+    for wrong in (0, 3):  # one or two saves in flight, nothing else
+        with pytest.raises(ConfigError, match="async_in_flight"):
+            Tailor(tmp_path / "other", model, opt, sched, async_save=True, async_in_flight=wrong)
 
 
 def test_buffers_are_reused_across_saves(tmp_path, tokens):
@@ -285,6 +289,96 @@ def test_a_step_already_saved_by_the_save_in_flight_is_refused_before_anything_i
             tailor.save(1)
         tailor.save(2)
         assert tailor.wait().step == 2
+
+
+def _held_part(monkeypatch, step: int, fail: bool) -> threading.Event:
+    """Hold the background write of ``step``'s part until the returned event is set (at most
+    10 s: code that runs one save at a time waits for it in the next ``save``), then write it,
+    or fail it with an I/O error (``fail``)."""
+    staged_behind, real = threading.Event(), writer.attempt_part
+
+    def held(snapshot, staged, rank, on_unit):
+        if staged.step == step:
+            staged_behind.wait(10)
+            if fail:
+                staged = replace(staged, error=OSError(errno.EIO, "Input/output error"))
+        return real(snapshot, staged, rank, on_unit)
+
+    monkeypatch.setattr(writer, "attempt_part", held)
+    return staged_behind
+
+
+def _restored_equals(run_dir, step: int, saved: dict) -> None:
+    """A fresh model restoring the composite of ``step`` holds, bit for bit, each unit's version
+    (``saved``: step -> ``unit_versions`` right after that save)."""
+    from llmtailor.layouts import build_layout
+
+    fresh = tiny(seed=3)
+    assert Tailor(run_dir, *fresh, read_only=True).restore(step).step == step
+    sources, unit_of = Run(run_dir).resolve(step).sources, build_layout(fresh[0]).unit_of
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), {name: saved[sources[unit_of(name)]][name] for name in saved[step]})
+
+
+def test_a_save_staged_behind_one_that_fails_is_lost_with_it_and_the_next_extends_the_last_committed(
+        tmp_path, tokens, monkeypatch):
+    """Two saves in flight (``async_in_flight=2``): step 3 fails in the background (its part) while step 4 is staged
+    behind it. Neither is committed; the failure is raised once, naming step 3 and saying step 4
+    was not saved; ``latest`` stays 2; the next save extends step 2's composite (its parent,
+    save index and unit versions); a restore of 2 gives step 2's state."""
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), async_save=True, async_in_flight=2)
+    saved = {}
+    for step in (1, 2):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+        saved[step] = unit_versions(model, opt)
+    tailor.wait()
+    staged_behind = _held_part(monkeypatch, 3, fail=True)
+    train(model, opt, sched, tokens, [3])
+    tailor.save(3)
+    train(model, opt, sched, tokens, [4])
+    with pytest.raises(BackgroundSaveError, match="Input/output error") as err:
+        try:
+            tailor.save(4)
+        finally:
+            staged_behind.set()
+        tailor.wait()
+    message = str(err.value)
+    assert "the async save of step 3 failed" in message and "step 4" in message, message
+    assert "newest composite is still step 2" in message, message
+    assert tailor.wait() is None  # raised once
+    run = Run(tmp_path)
+    assert run.steps() == [1, 2] and run.latest_step() == 2 and list(run.tmp_dir.iterdir()) == []
+    monkeypatch.undo()
+    train(model, opt, sched, tokens, [5])
+    tailor.save(5)
+    assert tailor.wait().step == 5
+    assert (run.manifest(5).parent, run.manifest(5).save_index) == (2, 2)
+    assert set(run.resolve(5).sources.values()) <= {1, 2, 5} and run.verify() == []
+    tailor.close()
+    _restored_equals(tmp_path, 2, saved)
+
+
+def test_close_with_two_saves_in_flight_commits_both_in_order(tmp_path, tokens, monkeypatch):
+    """Two in flight: step 2's write held until step 3 is staged behind it, then ``close()``: both committed,
+    step 3 extending step 2, and a restore gives each unit's version."""
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), async_save=True, async_in_flight=2)
+    staged_behind = _held_part(monkeypatch, 2, fail=False)
+    saved = {}
+    for step in (1, 2, 3):
+        train(model, opt, sched, tokens, [step])
+        try:
+            tailor.save(step)
+        finally:
+            if step == 3:
+                staged_behind.set()
+        saved[step] = unit_versions(model, opt)
+    tailor.close()
+    run = Run(tmp_path)
+    assert run.steps() == [1, 2, 3] and run.latest_step() == 3 and run.verify() == []
+    assert [(run.manifest(s).parent, run.manifest(s).save_index) for s in (1, 2, 3)] == [(None, 0), (1, 1), (2, 2)]
+    _restored_equals(tmp_path, 3, saved)
 
 
 @pytest.mark.slow

@@ -52,20 +52,42 @@ class Lineage:
                 "names one snapshot (the newer ones stay until retention or gc removes them)"
             )
 
-    def committed(self, run: Run, step: int, composite: dict[str, int]) -> None:
-        """This writer's save of ``step`` committed, writing the units ``composite`` names at ``step``."""
-        manifest = run.manifest(step)
+    _pending: list[tuple[int, int | None, int, dict[str, int], dict[str, int]]] = field(default_factory=list, repr=False)
+    """The saves staged and not yet committed, oldest first, each with the lineage before it
+    (step, parent, save index, composite, saved indexes)."""
+
+    def staged(self, step: int, composite: dict[str, int]) -> None:
+        """This writer's save of ``step`` is staged, writing the units ``composite`` names at
+        ``step``: the next save extends it (an async save in flight), its units' bytes still the
+        previous versions' until it commits (``committed``); ``failed`` goes back."""
+        self._pending.append((step, self.parent, self.save_index, dict(self.composite), dict(self.saved_index)))
         for unit, source in composite.items():
             if source == step:
                 self.saved_index[unit] = self.save_index
-                self.unit_bytes[unit] = manifest.unit_bytes(unit)
         self.parent, self.save_index, self.composite = step, self.save_index + 1, dict(composite)
+
+    def committed(self, run: Run, step: int, composite: dict[str, int]) -> None:
+        """The oldest save staged, of ``step``, committed: its units' bytes, from its manifest."""
+        manifest = run.manifest(step)
+        for unit, source in composite.items():
+            if source == step:
+                self.unit_bytes[unit] = manifest.unit_bytes(unit)
+        if self._pending and self._pending[0][0] == step:
+            self._pending.pop(0)
+
+    def failed(self) -> None:
+        """Every save staged and not committed failed (a save staged behind one that failed
+        fails with it): the lineage of the last committed save again."""
+        if self._pending:
+            _, self.parent, self.save_index, self.composite, self.saved_index = self._pending[0]
+            self._pending.clear()
 
     def restored(self, run: Run, composite: Composite, extend: bool = True, newest: int | None = None) -> None:
         """The composite this writer restored: the next save extends it. ``extend=False`` (read
         from a slower tier, which the tier saves go to may lack parts of): the next save extends
         its step, but counts no unit's version as saved, so it is full. ``newest``: the newest
         step the run's tiers hold (``floor``)."""
+        self._pending.clear()
         self.parent = composite.step
         self.floor = newest if newest is not None and newest > composite.step else None
         self.save_index = composite.manifest.save_index + 1

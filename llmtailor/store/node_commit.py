@@ -15,8 +15,9 @@ same snapshot; ``persist`` takes it when the run's placement is node-local, ``No
    to each node that holds none of its parts. Each receiver writes what it received into its
    own node's staging, durably, and reports each file as it arrived (size and checksum);
 3. rank 0 gathers every report; only once every rank's every file has its ``K`` copies with
-   the checksum its writer reported (and every node the global files) does it build the unit
-   indexes and the manifest (``notes["nodes"]``: the placement) and announce them;
+   the checksum its writer reported (and every node the global files), and the async save
+   before this one (if still in flight) has committed, does it build the unit indexes and the
+   manifest (``notes["nodes"]``: the placement) and announce them;
 4. each node's leader writes the indexes, then the manifest (only if absent: the same bytes on
    every node), commits its staging (an atomic rename) and points its ``latest`` at it; every
    rank learns how every node fared. When a node failed, the nodes that committed remove their
@@ -49,7 +50,7 @@ from llmtailor.store.commit import SnapshotCommit, replace_latest
 from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
-from llmtailor.store.staged import PersistResult, RankPart, StagedSnapshot
+from llmtailor.store.staged import InTurn, PersistResult, RankPart, StagedSnapshot
 from llmtailor.store.writer import attempt_part, friendly, index_files, write_files
 
 
@@ -99,14 +100,14 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     ``prepare()`` (taking its copy's writer lock) before anything is written there, and
     ``confirm()`` just before its manifest."""
     start = time.perf_counter()
-    round_ = coord.new_round()
+    round_ = staged.round or coord.new_round()
     leads = placement.leads(coord.rank)
     opened = _open(run, staged, placement, coord, round_, prepare)
     snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
     try:
         part = attempt_part(snapshot, staged, coord.rank, on_unit) if snapshot is not None else None
         try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
-            copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank)
+            copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank, staged.turn)
             report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
         except BaseException as err:
             report = friendly(err, run, staged.step)
@@ -116,7 +117,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
         if leads and snapshot is not None:
             snapshot.abandon()
         raise
-    committed = _commit_node(snapshot, plan, confirm) if leads else None
+    committed = _commit_node(snapshot, plan, confirm, staged.turn) if leads else None
     outcome = _settle(snapshot, staged, placement, coord, round_, committed)
     manifest = plan["manifest"].encode()
     run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
@@ -171,7 +172,7 @@ def files_of(part: RankPart) -> list[FileEntry]:
 
 
 def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement: NodePlacement,
-               rank: int) -> dict[str, list[Any]]:
+               rank: int, turn: InTurn) -> dict[str, list[Any]]:
     """Step 2's copies: this rank's files to its partner ranks (the global files also to the
     nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
     the ranks it keeps copies of, written into this node's staging, durable. Returns, by source
@@ -191,7 +192,11 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
         outgoing.update({leader: shared for leader in placement.global_receivers()})
-    received = placement.courier.exchange_packed(outgoing, placement.sources(rank))
+    turn.exchange_turn()  # the courier's exchanges in the saves' order, on every rank
+    try:
+        received = placement.courier.exchange_packed(outgoing, placement.sources(rank))
+    finally:
+        turn.exchanged.set()
     if unread is not None:
         raise unread
     if snapshot is None:  # this node could not open the snapshot: what arrived has nowhere to go
@@ -239,6 +244,7 @@ def _index(staged: StagedSnapshot, placement: NodePlacement, gather: Callable[[]
     """Rank 0's step 3, once ``gather()`` has every report: every copy checked, then the unit
     indexes and the manifest (recording the placement), as every node will write them."""
     reports = gather() or []
+    staged.turn.parent_committed()  # an async save in flight before this one: committed on every node first
     _unopened(staged.step, placement, reports)
     parts = [RankPart.from_message(report["part"]) for report in reports]
     check_copies(staged.step, placement, parts, [report["copies"] for report in reports])
@@ -264,12 +270,15 @@ def check_copies(step: int, placement: NodePlacement, parts: list[RankPart], cop
                     f"it got {arrived.get(file.path) or 'nothing'})")
 
 
-def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callable[[], None] | None) -> dict[str, Any]:
-    """Step 4 on a node's leader: the indexes, the manifest last, the commit and ``latest``.
-    Returns ``{"pointer_error": ...}``, or ``{"error": ...}`` with what was staged removed (every
-    rank learns it in ``_settle``)."""
+def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callable[[], None] | None,
+                 turn: InTurn) -> dict[str, Any]:
+    """Step 4 on a node's leader: the indexes, the manifest last, the commit and ``latest``,
+    once the async save before this one (if still in flight) has ended on this node (its
+    retention done). Returns ``{"pointer_error": ...}``, or ``{"error": ...}`` with what was
+    staged removed (every rank learns it in ``_settle``)."""
     try:
         with snapshot.abandoned_on_failure():
+            turn.parent_committed()
             write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()})
             snapshot.commit(plan["manifest"].encode(), confirm)
     except BaseException as err:

@@ -9,6 +9,7 @@ and is validated on arrival like any file we read.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from llmtailor.errors import TailorError
 from llmtailor.store.manifest import FileEntry
 
 
@@ -107,6 +109,54 @@ class StagedSnapshot:
     error: BaseException | None = None
     """A failure met while staging on this rank: persisting reports it to the other ranks (so
     the save fails everywhere, promptly) instead of writing."""
+    round: str | None = None
+    """The coordinator round its messages are tagged with, drawn where the save was made (the
+    training thread, in the same order on every rank); None: ``persist`` draws one."""
+    turn: InTurn = field(default_factory=lambda: InTurn())
+    """Its place behind the save before it, while that one is still in flight (``InTurn``)."""
+
+
+@dataclass(eq=False)
+class InTurn:
+    """A snapshot's place among the async saves in flight (at most two: ``AsyncStager``). The
+    next save is staged, written and sent while this one finishes, but what the ranks must do in
+    one order stays in order: the courier's exchanges (one gloo group: the next save's starts once
+    this one's returned, ``exchange_turn``) and the commits (the next save commits only once this
+    one has ended, committed, with what follows a commit done: retention; a save staged behind
+    one that was not committed is not committed either, ``parent_committed``). A synchronous save
+    has no save before it: nothing to wait for."""
+
+    step: int | None = None
+    before: InTurn | None = None
+    """The save in flight when this one was staged (dropped once this one ended)."""
+    exchanged: threading.Event = field(default_factory=threading.Event)
+    """Set once this save's courier exchange returned (or the save ended without one)."""
+    ended: threading.Event = field(default_factory=threading.Event)
+    committed: bool = False
+    """Whether its persist committed the snapshot (set before ``ended``)."""
+
+    def exchange_turn(self) -> None:
+        """Wait until the save before has finished its courier exchange."""
+        if self.before is not None:
+            self.before.exchanged.wait()
+
+    def parent_committed(self) -> None:
+        """Wait until the save before has ended; TailorError when it was not committed (this
+        one, extending it, must not be either)."""
+        before = self.before
+        if before is None:
+            return
+        before.ended.wait()
+        if not before.committed:
+            raise TailorError(f"step {self.step} was not committed: the save it extends, step {before.step}, "
+                              "failed before it")
+
+    def end(self, committed: bool) -> None:
+        """This save ended (``committed``: its snapshot was): the next one may go on."""
+        self.committed = committed
+        self.before = None
+        self.exchanged.set()
+        self.ended.set()
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    (fsyncs on helper threads while the next is written; an upload completed), and reports the
    file entries and checksums, or its failure (the leader's own files stay in flight until
    its commit);
-3. once every rank has reported success, the leader writes the unit indexes (one file, a line
-   per unit), waits for its own files and the indexes to be durable, then writes the manifest
-   last, only if absent (on an object store that write is the commit), commits the staging
-   place (locally: the manifest and the staged directories fsynced together, atomic rename
-   into ``snapshots/``, fsync), replaces the ``latest`` pointer atomically, and announces the
-   outcome.
+3. once every rank has reported success (and the async save before this one, if still in
+   flight, has committed: ``staged.InTurn``), the leader writes the unit indexes (one file, a
+   line per unit), waits for its own files and the indexes to be durable, then writes the
+   manifest last, only if absent (on an object store that write is the commit), commits the
+   staging place (locally: the manifest and the staged directories fsynced together, atomic
+   rename into ``snapshots/``, fsync), replaces the ``latest`` pointer atomically, and
+   announces the outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
@@ -94,7 +95,7 @@ def persist(
     raises, the save fails on every rank."""
     coord = coordinator or LocalCoordinator()
     start = time.perf_counter()
-    round_ = coord.new_round()
+    round_ = staged.round or coord.new_round()
 
     def begin() -> str:
         try:
@@ -147,7 +148,9 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
-            indexes, manifest = index_files(staged, gather())
+            parts = gather()
+            staged.turn.parent_committed()  # an async save in flight before this one: committed first
+            indexes, manifest = index_files(staged, parts)
             write_files(snapshot, indexes, files)
             files.drain()  # the leader's files and the indexes durable before the manifest names them
             # The manifest is written last, only if absent: without one there is no snapshot.

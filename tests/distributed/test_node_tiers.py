@@ -3,7 +3,9 @@ launches on loopback, each with its own memory directory and TMPDIR; the only di
 share is the durable run directory. Each node's copy holds its own parts and its partner's, the
 manifests are byte-identical, and a fresh launch at the same placement restores every tensor
 equal to its composite version from its own node's copy. A node whose tier cannot be written, or
-is full, fails the writer / the save on every rank, clearly, and loses nothing."""
+is full, fails the writer / the save on every rank, clearly, and loses nothing. An async save
+staged behind one that fails on one node is lost with it on every node, and the next save
+extends the last committed one."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ JOB = Path(__file__).with_name("torch_job.py")
 pytestmark = pytest.mark.slow
 
 
-def launch(tmp_path: Path, scenario: str, per_node: int, **per_node_env: list[str]) -> list[dict]:
-    """Two "nodes" of ``per_node`` ranks each run ``scenario``: node i in ``tmp_path/node<i>`` (its
-    own TMPDIR and ``NODE_DIR``), ``RUN_HOME`` shared; ``per_node_env``: a value per node. Each
-    rank's result, by global rank."""
+def launch(tmp_path: Path, scenario: str | list[str], per_node: int, **per_node_env: list[str]) -> list[dict]:
+    """Two "nodes" of ``per_node`` ranks each run ``scenario`` (or several in turn, in one launch):
+    node i in ``tmp_path/node<i>`` (its own TMPDIR and ``NODE_DIR``), ``RUN_HOME`` shared;
+    ``per_node_env``: a value per node. Each rank's result (of the first scenario), by global rank."""
+    scenarios = [scenario] if isinstance(scenario, str) else scenario
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RUN_HOME": str(tmp_path / "home")}
     port, launches = free_port(), []
     for node in range(2):
@@ -37,11 +40,16 @@ def launch(tmp_path: Path, scenario: str, per_node: int, **per_node_env: list[st
         launches.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(JOB), scenario, str(own)],
+             str(JOB), *[arg for name in scenarios for arg in (name, str(own))]],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
     outputs = [p.communicate(timeout=600) for p in launches]
     assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
+    return results_of(tmp_path, scenarios[0], per_node)
+
+
+def results_of(tmp_path: Path, scenario: str, per_node: int = 2) -> list[dict]:
+    """Each rank's result of ``scenario`` (on 2 nodes of ``per_node`` ranks), by global rank."""
     return [json.loads((tmp_path / f"node{rank // per_node}" / f"result-{scenario}-{rank}.json").read_text())
             for rank in range(2 * per_node)]
 
@@ -82,13 +90,23 @@ def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_
     assert restored[0]["mismatches"] == []  # rank 0 compares every tensor, whole (node 0 holds the versions)
 
 
-def test_with_one_replica_each_node_holds_its_own_parts_and_each_unit_is_read_where_it_is(tmp_path):
+@pytest.fixture(scope="module")
+def two_ddp_nodes(tmp_path_factory) -> Path:
+    """One launch of 2 nodes of 2 DDP ranks for the tests below: ``nodes-single-ddp``, then
+    ``nodes-pipelined``."""
+    tmp_path = tmp_path_factory.mktemp("nodes")
+    launch(tmp_path, ["nodes-single-ddp", "nodes-pipelined"], 2)
+    return tmp_path
+
+
+def test_with_one_replica_each_node_holds_its_own_parts_and_each_unit_is_read_where_it_is(two_ddp_nodes):
     """replicas=1 on 2 nodes of 2 DDP ranks: a node's copy holds only its own ranks' parts (its
     verify says the others are held on other nodes, not missing); the
     restore at the same placement has each unit read by a rank whose node holds its files, and
     every tensor equals its composite version (without the read plan's candidates rank 0 was
     given node 1's unit: "packs/rank-00002.0.safetensors: file is missing")."""
-    results = launch(tmp_path, "nodes-single-ddp", 2)
+    tmp_path = two_ddp_nodes
+    results = results_of(tmp_path, "nodes-single-ddp")
     copies = [Run(tmp_path / f"node{node}" / "memory") for node in range(2)]
     for node, copy in enumerate(copies):
         files = {f.path for unit in copy.manifest(4).units for f in copy.unit_entry(4, unit).files}
@@ -101,6 +119,31 @@ def test_with_one_replica_each_node_holds_its_own_parts_and_each_unit_is_read_wh
         assert result["restored"] == 4 and result["extra"] == {"rank": rank}
         assert result["tier"] == str(tmp_path / f"node{rank // 2}" / "memory")
     assert results[0]["mismatches"] == []
+
+
+def test_a_save_staged_behind_one_that_fails_on_a_node_is_lost_with_it_everywhere(two_ddp_nodes):
+    """Async saves into a node-local tier with replicas=2, two in flight: step 3 fails on node 1
+    alone (in the background) while step 4 is saved behind it. Every rank raises one error
+    naming step 3 and saying step 4 was not saved; neither is committed on any node (``latest``
+    2); the next save extends step 2 (parent and save index); 6 and 7, both in flight at
+    ``close()``, are committed in order on both nodes; restores of 2 and of 7 give every tensor's
+    composite version."""
+    tmp_path = two_ddp_nodes
+    results = results_of(tmp_path, "nodes-pipelined")
+    for result in results:
+        failure = result["failure"] or ""
+        assert "the async save of step 3 failed" in failure and "step 4" in failure, result
+        assert "newest composite is still step 2" in failure, result
+        assert result["latest"] == 2 and result["held"] == [1, 2], result
+        assert result["steps"] == [1, 2, 5, 6, 7], result
+        assert result["lineage"] == {"5": [2, 2], "6": [5, 3], "7": [6, 4]}, result
+        assert result["restored 2"] == 2 and result["restored 7"] == 7
+    assert results[0]["mismatches 2"] == [] and results[0]["mismatches 7"] == []
+    for node in range(2):
+        copy = Run(tmp_path / f"node{node}" / "pipelined")
+        assert copy.verify() == [] and not any((Path(copy.root) / ".tmp").glob("*"))
+    assert (Run(tmp_path / "node0" / "pipelined").snapshot_dir(7) / MANIFEST_FILE).read_bytes() == \
+        (Run(tmp_path / "node1" / "pipelined").snapshot_dir(7) / MANIFEST_FILE).read_bytes()
 
 
 def test_a_node_whose_tier_cannot_be_written_or_is_full_fails_every_rank_and_loses_nothing(tmp_path, small_fs):

@@ -93,6 +93,13 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     no promotion but the one ``close`` makes, which fails as node 0 lacks node 1's parts: the
     error recorded): Parity saves at 1..4, then a fresh model restores from each node's copy, each
     unit read by a rank whose node holds it, and rank 0 compares every tensor.
+``nodes-pipelined``  two "nodes" of DDP ranks, async Parity saves (two in flight) into the node-local tier beside
+    ``$NODE_DIR`` (``pipelined``, ``replicas=2``) in front of ``$RUN_HOME-pipelined``: 1 and 2
+    committed; step 3 fails on node 1 alone (its last rank's extra cannot be encoded, reported by
+    the background save) and step 4 is saved behind it (the error each rank gets, the newest
+    step and each rank's copy's steps recorded); then 5, 6 and 7, the last two in flight at
+    ``close``; each copy's steps and lineage recorded; a fresh model restores 2, then 7,
+    each compared with its composite (rank 0).
 ``nodes-refused``  two "nodes", DDP: a Tailor of ``unwritable`` beside ``$RUN_HOME`` whose node-local tier ``$UNWRITABLE_DIR`` node 1
     cannot create (the error each rank gets recorded); then one at ``$FULL_DIR`` (node 1's on a
     small tmpfs) saves step 1, node 1 fills its tmpfs, step 2 is saved (the error each rank gets
@@ -901,6 +908,47 @@ def nodes_refused(out: Path) -> dict:
     return result
 
 
+def nodes_pipelined(out: Path) -> dict:
+    """``nodes-pipelined`` (module docstring)."""
+    from llmtailor.errors import BackgroundSaveError
+
+    where, home = Path(os.environ["NODE_DIR"]).with_name("pipelined"), os.environ["RUN_HOME"] + "-pipelined"
+    out = out / "pipelined"  # its versions apart from another scenario's of this launch
+    tiers = [Tier(str(where), scope="node", replicas=2, keep=None)]
+    model, optimizer, scheduler = build("ddp", seed=0)
+    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers, async_save=True,
+                    async_in_flight=2)
+    last = rank() == dist.get_world_size() - 1  # on node 1
+
+    def save(step: int, extra: dict | None = None) -> None:
+        train(model, optimizer, scheduler, [step])
+        tailor.save(step, extra={"rank": rank(), **(extra or {})})
+        write_versions(out, step, model, optimizer)  # collective: the async save's copies are taken by then
+
+    save(1)
+    save(2)
+    tailor.wait()
+    save(3, {"unencodable": object()} if last else None)  # fails on node 1, in the background
+    try:
+        save(4)  # staged behind it
+        tailor.wait()
+        failure = None
+    except BackgroundSaveError as err:
+        failure = str(err)
+    result = {"failure": failure, "latest": tailor.latest_step(), "held": Run(where).steps()}
+    for step in (5, 6, 7):
+        save(step)
+    tailor.close()  # 6 and 7 in flight
+    result.update(steps=Run(where).steps(),
+                  lineage={step: [Run(where).manifest(step).parent, Run(where).manifest(step).save_index] for step in (5, 6, 7)})
+    fresh, fresh_optimizer, fresh_scheduler = build("ddp", seed=5)
+    reader = Tailor(home, fresh, fresh_optimizer, fresh_scheduler, timeout=60, tiers=tiers, read_only=True)
+    for step in (2, 7):
+        result[f"restored {step}"] = reader.restore(step).step
+        result[f"mismatches {step}"] = compare_with_composite(out, where, fresh, fresh_optimizer, step)
+    return result
+
+
 def run_scenario(scenario: str, out: Path) -> dict:
     """What ``scenario`` records on this rank (written to ``DIR/result-<scenario>-<rank>.json``)."""
     if scenario == "fsdp-train":
@@ -967,6 +1015,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result = nodes_restore(scenario.split("-")[2], out)
     elif scenario == "nodes-single-ddp":
         result = nodes_single(out)
+    elif scenario == "nodes-pipelined":
+        result = nodes_pipelined(out)
     elif scenario == "nodes-refused":
         result = nodes_refused(out)
     elif scenario == "kill":
