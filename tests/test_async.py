@@ -297,12 +297,12 @@ def _held_part(monkeypatch, step: int, fail: bool) -> threading.Event:
     or fail it with an I/O error (``fail``)."""
     staged_behind, real = threading.Event(), writer.attempt_part
 
-    def held(snapshot, staged, rank, on_unit):
+    def held(snapshot, staged, rank, on_unit, *rest):
         if staged.step == step:
             staged_behind.wait(10)
             if fail:
                 staged = replace(staged, error=OSError(errno.EIO, "Input/output error"))
-        return real(snapshot, staged, rank, on_unit)
+        return real(snapshot, staged, rank, on_unit, *rest)
 
     monkeypatch.setattr(writer, "attempt_part", held)
     return staged_behind
