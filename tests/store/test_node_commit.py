@@ -14,7 +14,7 @@ from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.node_commit import NodePlacement, _replicate, check_copies, read_packed
 from llmtailor.store.run import Run
-from llmtailor.store.staged import RankPart
+from llmtailor.store.staged import InTurn, RankPart
 
 
 def entry(path: str, size: int = 10, digest: str = "0123456789abcdef") -> FileEntry:
@@ -68,7 +68,7 @@ def test_a_part_damaged_on_its_node_after_it_was_written_is_caught_before_the_co
     staged = node1.run.storage.path(node1.key(path))
     staged.write_bytes(b"\xff" + bytes(range(1, 200)))  # damaged in memory, the same size
     placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=_Courier(read_packed(node1, [written])))
-    copies = _replicate(node0, None, placement, rank=0)
+    copies = _replicate(node0, None, placement, rank=0, turn=InTurn())  # no save before it
     assert copies["1"][0]["bytes"] == 200 and copies["1"][0]["xxh3_64"] != written.xxh3_64
     parts = [RankPart(files=[]), RankPart(files=[written])]
     with pytest.raises(TailorError, match=r"rank 0 \(node 0\) holds no copy of packs/rank-00001.0.safetensors of rank 1 "
