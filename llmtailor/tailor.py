@@ -292,7 +292,7 @@ class Tailor:
             self._settle(raise_error=True)
         finally:
             self._remove_hooks()
-            self.tiers.close()  # the last promotion, then the locks
+            self.tiers.close(self.coordinator)  # the last promotion, then the locks (collective)
         self.tiers.raise_failure(self.coordinator)
 
     def _remove_hooks(self) -> None:

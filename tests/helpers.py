@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +177,25 @@ def assert_same_tree(a, b, where=""):
             assert_same_tree(x, y, f"{where}[{i}]")
     else:
         assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
+
+def on_threads(count: int, work) -> list:
+    """``work(rank)`` for ranks 0 to ``count - 1``, each on a thread of its own (ranks as threads,
+    their coordinators over one c10d store): each rank's result, or what it raised."""
+    outcomes: list = [None] * count
+
+    def run(rank: int) -> None:
+        try:
+            outcomes[rank] = work(rank)
+        except BaseException as err:  # what the rank raised is its outcome
+            outcomes[rank] = err
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return outcomes
+
 
 def free_port() -> int:
     """A TCP port free on loopback now (for a launcher's rendezvous, a test server)."""

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 from torch.distributed import HashStore
+from helpers import on_threads
 
 from llmtailor.distributed.coordinator import StoreCoordinator
 from llmtailor.distributed.nodes import Nodes
@@ -53,27 +54,18 @@ def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False):
     leader's ``prepare``; ``wait_for_node_0``: node 1 begins its commit only once node 0 has
     written a unit into its copy. Each rank's result or error."""
     store, lanes = HashStore(), {(a, b): queue.Queue() for a in range(2) for b in range(2)}
-    outcomes: list = [None, None]
     node_0_wrote = threading.Event()
 
     def run(rank):
-        try:
-            if rank == 1 and wait_for_node_0 and not node_0_wrote.wait(60):
-                raise AssertionError("node 0 wrote nothing of its part before node 1 began the save")
-            placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes))
-            coord = StoreCoordinator.over(store, rank, 2, timeout=10)
-            wrote = (lambda unit, size: node_0_wrote.set()) if rank == 0 else None
-            outcomes[rank] = persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
-                                              on_unit=wrote, prepare=prepare and (lambda: prepare(rank)))
-        except BaseException as err:  # what the rank raised is the result
-            outcomes[rank] = err
+        if rank == 1 and wait_for_node_0 and not node_0_wrote.wait(60):
+            raise AssertionError("node 0 wrote nothing of its part before node 1 began the save")
+        placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes))
+        coord = StoreCoordinator.over(store, rank, 2, timeout=10)
+        wrote = (lambda unit, size: node_0_wrote.set()) if rank == 0 else None
+        return persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
+                                on_unit=wrote, prepare=prepare and (lambda: prepare(rank)))
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return outcomes
+    return on_threads(2, run)
 
 
 def test_a_node_writes_its_part_before_the_other_node_has_begun_the_save(tmp_path):

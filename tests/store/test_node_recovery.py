@@ -14,7 +14,7 @@ import sys
 import threading
 
 import pytest
-from helpers import tiny, train
+from helpers import on_threads, tiny, train
 
 from llmtailor import Parity, Tailor, Tier
 from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION
@@ -381,6 +381,34 @@ def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_refuses_eve
     tiers.placement = NodePlacement(Nodes((0,)), 1, 1, courier=None)
     assert tiers.recover(LocalCoordinator(), None)[0].step is None
     tiers.settle_healing()
+
+
+def test_a_close_after_rank_0s_healed_copy_failed_raises_that_failure_on_every_rank_at_once(tmp_path):
+    """Rank 0's node's healed copy could not be written (``Tiers.unhealed``): its ``close``
+    raises, and every other rank's raises the same failure in the same close, rather than waiting
+    in a message rank 0 never sends until the coordination timeout. Two ranks as threads over one
+    c10d ``HashStore``, each its own node's copy, in front of one home; no final promotion."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    store = HashStore()
+    tiers = [Tiers(tmp_path / "home", [Tier(tmp_path / f"node{n}", scope="node")]) for n in range(2)]
+    for each in tiers:
+        each.placement = NodePlacement(Nodes((0, 1)), 1, 1, courier=None)
+    tiers[0].unhealed = "node 0: step 2: its healed copy could not be written: [Errno 28] No space left on device"
+
+    def close(rank: int) -> None:
+        tailor = Tailor.__new__(Tailor)  # what close uses: its tiers and coordinator; no async saves, no drift hooks
+        tailor.tiers, tailor.coordinator = tiers[rank], StoreCoordinator.over(store, rank, 2, timeout=20)
+        tailor._stager = tailor._drift = None
+        tailor.close()
+
+    outcomes = on_threads(2, close)
+    assert [type(o) for o in outcomes] == [NodeTierError, NodeTierError], outcomes
+    for outcome in outcomes:
+        assert "node 0: step 2: its healed copy could not be written: [Errno 28] No space left" in str(outcome)
+        assert "restore() again (on every rank" in str(outcome)
 
 
 EXITS_AFTER_HEALING = """

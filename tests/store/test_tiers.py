@@ -244,10 +244,10 @@ def test_a_tier_some_rank_cannot_see_fails_the_writer_on_every_rank(tmp_path):
     tiers = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
     with pytest.raises(ConfigError, match=r"rank 1 cannot see .*memory \(node-local storage on another node\?\)"):
         tiers.open_for_writing(TwoRanks())
-    tiers.close()
+    tiers.close(LocalCoordinator())
     seeing = Tiers(tmp_path / "home", [Tier(tmp_path / "memory")])
     seeing.open_for_writing(type("Seeing", (LocalCoordinator,), {"world_size": 2, "exchange": lambda s, t, v: [v, v]})())
-    seeing.close()
+    seeing.close(LocalCoordinator())
 
 
 def test_restore_with_fallback_takes_the_newest_composite_that_verifies_in_any_tier(tmp_path, tokens):

@@ -246,21 +246,47 @@ class Tiers:
             if message is not None:
                 raise PromotionError(message)
 
-    def close(self) -> None:
-        """Promote the newest composite of the first tier to every tier and wait for it; then,
-        nothing of this writer reading any more, retention once more where it passed over what
-        a reader held (``retain_held_back``); then release the locks (also when that fails)."""
+    def close(self, coordinator: Coordinator) -> None:
+        """Collective: promote the newest composite of the first tier to every tier and wait for
+        it; then, nothing of this writer reading any more, retention once more where it passed
+        over what a reader held (``retain_held_back``); then release the locks (also when that
+        fails). With a node-local first tier, the nodes first tell one another whether a healing
+        of their copy failed (``_unhealed_nodes``): then nothing is promoted (that copy lacks part
+        of the composite restored) and every rank raises a NodeTierError naming each such node,
+        so no rank is left waiting for one that raised (``Tailor.close``'s next message)."""
+        unhealed: dict[int, str] = {}
         try:
-            self.settle_healing()
-            if self.promoter is not None:
-                self.promoter.finish()
-            if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
-                self.uploader.join()
-            self.retain_held_back()
+            unhealed = self._unhealed_nodes(coordinator)
+            if not unhealed:
+                if self.promoter is not None:
+                    self.promoter.finish()
+                if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
+                    self.uploader.join()
+                self.retain_held_back()
         finally:
             if self.promoter is not None and self.promoter.crew is not None:
                 self.promoter.crew.stop()
             self.release()
+        if unhealed:
+            promoted = "; nothing was promoted at close" if len(self.levels) > 1 else ""
+            raise NodeTierError(f"the healing of the copy of node(s) {sorted(unhealed)} did not complete: "
+                                f"{'; '.join(why for _, why in sorted(unhealed.items()))}{promoted}. The composite "
+                                "restored stays whole in the other nodes' copies, every earlier one where it was: "
+                                "restore() again (on every rank; the next job's restore too) heals the copy")
+
+    def _unhealed_nodes(self, coordinator: Coordinator) -> dict[int, str]:
+        """Collective with a node-local first tier (``close``): node -> why the healing of its
+        copy did not complete (``settle_healing`` on its leader), the same on every rank; nothing
+        otherwise, and no message."""
+        try:
+            self.settle_healing()
+            mine = None
+        except NodeTierError:
+            mine = self.unhealed
+        if self.placement is None:
+            return {0: mine} if mine is not None else {}
+        reports = coordinator.exchange(f"{coordinator.new_round()}/healed", mine)
+        return {self.placement.nodes.node_of_rank(rank): why for rank, why in enumerate(reports) if why is not None}
 
     def retain_held_back(self) -> None:
         """Each tier's retention once more where this writer's last one passed over snapshots a
