@@ -431,6 +431,10 @@ class _Restoring:
         lease (for the restore to hold until it ends), or None and the failure every rank shares.
         ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
         touched, error, lease = False, None, None
+        # The provider tags its messages with the coordinator's round, and an exchange's stay in
+        # the store: a composite loaded under the round of the one before would take that one's
+        # answers from ranks that have not answered yet (plans differing between ranks).
+        self.coordinator.new_round()
         try:
             # Rank 0's manifests, then the indexes and global state read once in the job (shared_reads).
             lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}")

@@ -315,6 +315,21 @@ def test_fallback_restores_the_newest_composite_that_verifies(saved_run):
     assert tree_digest(saved_run) == before
 
 
+def test_each_composite_a_fallback_tries_is_loaded_under_a_round_of_its_own(saved_run, monkeypatch):
+    """The ranks' messages while a composite loads (the providers' exchanges of what each rank
+    holds, needs and read) are tagged with the coordinator's round, and an exchange's messages
+    stay in the job's store: a second composite loaded under the first one's round would take
+    the first one's answers from ranks that have not answered yet (read plans differing between
+    ranks: a good composite refused as damaged, or ranks out of step in a collective). Each
+    composite tried draws a round of its own (seen here in one process)."""
+    _damage_flip(saved_run)
+    tailor = Tailor(saved_run, *tiny(seed=5))
+    rounds, load = [], tailor.provider.load
+    monkeypatch.setattr(tailor.provider, "load", lambda *args: (rounds.append(tailor.coordinator.round), load(*args))[1])
+    assert tailor.restore(fallback=True).step == 2
+    assert len(rounds) == 2 and rounds[0] != rounds[1], rounds
+
+
 def test_fallback_when_nothing_verifies_names_every_step(saved_run):
     for step in (1, 2, 3):
         unit_file(saved_run, step, "norm").write_bytes(b"junk")
