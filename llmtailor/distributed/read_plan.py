@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -139,7 +140,7 @@ class ReadPlan:
                 yield item, tensors
 
     def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
-                threads: int = _AHEAD) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
+                threads: int = _AHEAD, tag: str | None = None) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
         """Every item in plan order, each with a function that waits for the slices of its bytes
         this rank wants and returns them (slice -> its bytes; none where it wants none). An
         item is one byte tensor, ``read(item)`` on its reader; ``wanted(item)``: global rank ->
@@ -155,28 +156,38 @@ class ReadPlan:
         item (in plan order) whose read failed, and every rank raises its reader's error (the
         read plan's rule: the same error, naming the reader, on every rank). A rank lost while
         bytes are in flight fails the send or receive on its peers, or they time out after the
-        coordinator's timeout. Each rank reads its items on up to ``threads`` threads,
+        coordinator's timeout. Once a rank knows the restore fails (its own read failed, it was
+        sent a failed item, or, with a ``tag``, some rank posted a failed read under it in the
+        job's store), it reads nothing more from the store: its items not yet read go out as
+        failed too (``ReadSkipped``: the ranks still meet at every message, and the error raised
+        is still the first real failure's), so a failed restore does not read the rest of the
+        composite first. Each rank reads its items on up to ``threads`` threads,
         ``threads`` items ahead (``read`` must allow it), and sends without waiting for the
         receivers: reads, sends and receives overlap. Before it returns (or raises), every send
         of this rank has completed, so none is left in flight."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        sending, failed = [], None  # failed: (tag, item, error) of this rank's first read that failed
-        with contextlib.closing(_read_ahead(self.mine(), read, threads, threads)) as mine:
+        sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
+        failing = _Failing(self.coordinator, tag)
+        with contextlib.closing(_read_ahead(self.mine(), failing.guard(read), threads, threads)) as mine:
             try:
-                for tag, (item, reader) in enumerate(self.readers.items()):
+                for index, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
                     if reader != self.coordinator.rank:
-                        yield item, self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), tag, device)
+                        receipt = self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device)
+                        yield item, failing.watch(receipt)
                         continue
                     try:
                         view = memoryview(next(mine).result().numpy())
+                    except ReadSkipped:  # the restore fails already: sent as refused, not a failure of its own
+                        view = None
                     except Exception as err:  # sent as refused to the ranks wanting it; raised at the end on every rank
-                        failed, view = failed or (tag, item, err), None
+                        failed, view = failed or (index, item, err), None
+                        failing.known()
                     for rank, parts in slices.items():
                         if rank != reader and parts:
-                            sending.append((item, rank, self._send_to(rank, _gather(view, parts), tag, device)))
+                            sending.append((item, rank, self._send_to(rank, _gather(view, parts), index, device)))
                     while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
                         self._wait(*sending.pop(0), "send")
                     yield item, (functools.partial(_refused, item, reader) if view is None
@@ -338,6 +349,53 @@ def _read_ahead(items: Iterable[str], read: Callable[[str], T], workers: int, de
 class ReadRefused(Exception):
     """An item ``deliver`` gave a rank whose reader's read failed: the rank loads nothing of it;
     the reader's error itself is raised on every rank at the end of the plan."""
+
+
+class ReadSkipped(Exception):
+    """An item ``deliver``'s reader did not read: the restore was known to fail (``_Failing``)."""
+
+
+class _Failing:
+    """What one rank's ``deliver`` knows of a failed read in the plan, to read nothing more once
+    it does (``deliver``): its own reads' failures and the failed items it is sent (``known``),
+    and with a ``tag``, the post any rank leaves in the job's store (``Coordinator.post``) at
+    its first failed read, looked for before each read (one look at the store per item)."""
+
+    def __init__(self, coordinator: Coordinator, tag: str | None):
+        self.coordinator, self.tag = coordinator, None if tag is None else f"{tag}/failed"
+        self._known = threading.Event()
+
+    def known(self) -> None:
+        """A read failed, here or on the reader of an item this rank was sent."""
+        if not self._known.is_set() and self.tag is not None:
+            with contextlib.suppress(Exception):  # a store gone: the others read on and learn it at the end
+                self.coordinator.post(self.tag, self.coordinator.rank)
+        self._known.set()
+
+    def failed(self) -> bool:
+        if not self._known.is_set() and self.tag is not None:
+            with contextlib.suppress(Exception):
+                if self.coordinator.poll(self.tag)[0]:
+                    self._known.set()
+        return self._known.is_set()
+
+    def guard(self, read: Callable[[str], T]) -> Callable[[str], T]:
+        """``read``, skipped (``ReadSkipped``) once a failure is known."""
+        def guarded(item: str) -> T:
+            if self.failed():
+                raise ReadSkipped(item)
+            return read(item)
+        return guarded
+
+    def watch(self, receipt: Callable[[], dict[Slice, memoryview]]) -> Callable[[], dict[Slice, memoryview]]:
+        """``receipt`` (``_receive_slices``'s), noting a failed item as a known failure."""
+        def watched() -> dict[Slice, memoryview]:
+            try:
+                return receipt()
+            except ReadRefused:
+                self.known()
+                raise
+        return watched
 
 
 def _refused(item: str, reader: int) -> dict[Slice, memoryview]:

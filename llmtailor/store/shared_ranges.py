@@ -22,10 +22,11 @@ them as if they had fetched them themselves, on every rank that uses them.
 
 Failures: a fetch that fails on its reader (a missing or truncated file, the store's error) is
 raised on every rank, naming the reader, once every rank went through the plan (the read plan's
-rule); a rank sent a failed piece loads nothing more. A group whose load fails on a rank (a
-checksum mismatch) is remembered there; the rank goes on taking part in the sending of the
-rest, loading nothing more, and raises it after the last, so no rank is left waiting for it
-(the restore's closing exchange then fails every rank).
+rule); a rank sent a failed piece loads nothing more, and no rank reads more from the store once
+it knows of a failed read (``ReadPlan.deliver``: the reader posts it in the job's store). A group
+whose load fails on a rank (a checksum mismatch) is remembered there; the rank goes on taking
+part in the sending of the rest, loading nothing more, and raises it after the last, so no rank
+is left waiting for it (the restore's closing exchange then fails every rank).
 
 The files' headers, which say where each chunk's bytes begin (every rank needs them to say its
 ranges), are read once in the job too (``share_headers``): each by one of the ranks that need
@@ -121,7 +122,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     loading: Future | None = None  # the group before it, its bytes awaited and loaded on a thread
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-load") as loader:
         try:
-            for name, slices in plan.deliver(read, wanted):
+            for name, slices in plan.deliver(read, wanted, tag=tag):
                 group = pieces[name][0]
                 received.append((group, pieces[name][1], slices))
                 if last[group] == name:  # all asked for: loaded while the next group's pieces go

@@ -3,10 +3,16 @@ tensors into the one buffer that is broadcast (the broadcasts themselves: test_r
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed import HashStore
 
 from llmtailor.distributed.coordinator import LocalCoordinator
-from llmtailor.distributed.read_plan import ReadPlan, balance, nbytes, pack, unpack
+from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance, nbytes, pack, unpack
+from llmtailor.errors import IntegrityError
 
 
 def test_pack_and_unpack_give_back_tensors_of_every_dtype_and_shape_bit_for_bit():
@@ -71,3 +77,29 @@ def test_the_ranks_that_can_read_files_of_a_node_local_snapshot_are_those_on_the
     assert reading_ranks(placed, ["global.json"], 6) == [0, 1, 2, 3, 4, 5]
     assert reading_ranks(placed, [unit_filename("layer.1", 3, 6)], 3) is None  # another world size
     assert reading_ranks({}, [unit_filename("layer.1", 3, 6)], 6) is None  # not node-local
+
+
+def test_once_a_read_failed_a_rank_reads_nothing_more_and_raises_the_first_failure_at_the_end():
+    """``deliver``: the restore fails once a read failed, so the rank whose read failed begins
+    none of its reads not yet begun (the rest of the composite read first would cost only
+    time), sends those items as failed, goes on to the end of the plan and raises the read's
+    own failure there. One rank, over a gloo group of one (the messages between ranks:
+    test_read_once.py); two reads ahead, so at most the two after the failed one were begun."""
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        items, reads = {f"piece {i}": 100 for i in range(10)}, []
+
+        def read(item: str) -> torch.Tensor:
+            reads.append(item)
+            if item == "piece 0":
+                raise IntegrityError("piece 0: checksum mismatch")
+            return torch.zeros(100, dtype=torch.uint8)
+
+        plan = ReadPlan(LocalCoordinator(), items)
+        with pytest.raises(IntegrityError, match=r"^rank 0 read piece 0 and refused it: piece 0: checksum mismatch$"):
+            for _, slices in plan.deliver(read, lambda item: {0: [(0, 100)]}, threads=2):
+                with contextlib.suppress(ReadRefused):
+                    slices()
+        assert set(reads) <= {"piece 0", "piece 1", "piece 2"}, reads
+    finally:
+        dist.destroy_process_group()
