@@ -21,14 +21,19 @@ once) and sends not taken: a later exchange on the same group could take a messa
 failed one (a later save's copy filled with an earlier save's bytes, or waiting on a message
 that was consumed). So a rank whose exchange failed never touches the group again: every later
 exchange (``exchange``, ``exchange_packed``, ``stream``) raises CoordinationError at once,
-saying why; its peers, whose next exchange with it then gets nothing, fail in the timeout,
-naming it. Nothing rebuilds the group in place (that is collective, on the training thread):
-a new ``Courier.open`` on every rank (a new Tailor, or the job restarted) gives a fresh one.
+saying why. With a ``board`` (the job's coordinator), the rank posts why there as it breaks,
+and every rank's courier looks there before each exchange (one look at the job's store): the
+other ranks then refuse at once too, naming it, where they would wait for its messages until
+the timeout (every save or healing needs every rank's exchange: the job's saves fail on every
+rank, at once). Nothing rebuilds the group in place (that is collective, on the training
+thread): a new ``Courier.open`` on every rank (a new Tailor, or the job restarted) gives a fresh one.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,7 +42,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError
+from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator
 
 Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
@@ -51,27 +56,35 @@ PIECE = 8 << 20
 WINDOW = 256 << 20
 """Most bytes of a stream's files whose receives are posted ahead of the file handed over
 (``Courier.stream``): their buffers are the receiver's memory in flight."""
+_opened = itertools.count()
+"""Couriers opened by this process, in the order every rank opens them (collectively): the
+number names a courier's posts on its board."""
 
 
 class Courier:
     """Sends named byte strings between the ranks of a job (module docstring)."""
 
-    def __init__(self, group: object, rank: int, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, group: object, rank: int, timeout: float = DEFAULT_TIMEOUT, board: Coordinator | None = None,
+                 number: int = 0):
         self.group, self.rank, self.timeout = group, rank, float(timeout)
         self.sent_bytes = 0
         """Bytes of file content this rank has sent so far (names and sizes not counted)."""
         self.broken: str | None = None
-        """Why an exchange of this courier failed, once one did: every later one refuses
-        (module docstring)."""
+        """Why an exchange of this courier (or, seen on the ``board``, of another rank's) failed,
+        once one did: every later one refuses (module docstring)."""
+        self._broken_on = rank
+        """The rank whose exchange broke it."""
+        self.board, self._broken_tag = board, f"courier/{number}/broken"
 
     @classmethod
-    def open(cls, timeout: float = DEFAULT_TIMEOUT) -> Courier:
+    def open(cls, timeout: float = DEFAULT_TIMEOUT, board: Coordinator | None = None) -> Courier:
         """Collective on every rank of the job (training thread): a courier with a gloo group of
-        its own, whatever backend training uses."""
+        its own, whatever backend training uses; ``board``: where the ranks' couriers say they
+        broke (module docstring)."""
         import torch.distributed as dist
 
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-        return cls(group, dist.get_rank(), timeout)
+        return cls(group, dist.get_rank(), timeout, board, next(_opened))
 
     def exchange(self, outgoing: dict[int, Files], sources: Sequence[int]) -> dict[int, Files]:
         """Send ``outgoing[dst]`` to each rank ``dst``; return what each rank of ``sources`` sent
@@ -161,16 +174,26 @@ class Courier:
 
     @contextmanager
     def _exchanging(self) -> Iterator[None]:
-        """One exchange: refused at once when an earlier one failed; any failure of this one
-        breaks the courier (module docstring)."""
+        """One exchange: refused at once when an earlier one failed, here or (``board``) on
+        another rank; any failure of this one breaks the courier (module docstring)."""
+        if self.broken is None and self.board is not None:
+            posted, why = False, None
+            with contextlib.suppress(RuntimeError):  # a store gone: the exchange itself fails, saying so
+                posted, why = self.board.poll(self._broken_tag)
+            if posted:
+                self.broken, self._broken_on = why["why"], why["rank"]
         if self.broken is not None:
-            raise CoordinationError(f"rank {self.rank}: this courier is broken since an exchange failed ({self.broken}); "
-                                    "its group may still hold that exchange's messages, so nothing more is sent over it: "
-                                    "make the Tailor again on every rank, or restart the job")
+            where = "" if self._broken_on == self.rank else f" of rank {self._broken_on} (every exchange needs it)"
+            raise CoordinationError(f"rank {self.rank}: this courier is broken since an exchange{where} failed "
+                                    f"({self.broken}); its group may still hold that exchange's messages, so nothing "
+                                    "more is sent over it: make the Tailor again on every rank, or restart the job")
         try:
             yield
         except BaseException as err:
-            self.broken = str(err).splitlines()[0] if str(err) else type(err).__name__
+            self.broken, self._broken_on = str(err).splitlines()[0] if str(err) else type(err).__name__, self.rank
+            if self.board is not None:  # the other ranks refuse at once, not after waiting for this one
+                with contextlib.suppress(Exception):  # a store gone: they time out as before
+                    self.board.post(self._broken_tag, {"rank": self.rank, "why": self.broken})
             if isinstance(err, RuntimeError) and not isinstance(err, CoordinationError):  # gloo's, at a send or receive
                 raise CoordinationError(f"rank {self.rank}: an exchange of files failed: a peer died or its connection "
                                         f"failed ({self.broken})") from None

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llmtailor.distributed.coordinator import CoordinationError
+from llmtailor.distributed.coordinator import CoordinationError, make_coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.constants import writer_rank
 from llmtailor.distributed.nodes import Nodes, own_node_id
@@ -100,9 +100,11 @@ def _stream(courier: Courier, rank: int, world: int, out: str) -> None:
 def _stall(rank: int, out: str) -> None:
     """Ranks 0 and 1 exchange three times (rank 2 only opens the couriers, collectively): on a
     courier with a short timeout, the first exchange's rank 1 stalls until rank 0's has timed
-    out, then the second with other bytes of the same sizes; the third on a fresh courier. What
-    each got (the bytes right or not) or raised, into ``out/<rank>.txt``."""
-    stalling, fresh = Courier.open(timeout=20), Courier.open(timeout=20)
+    out, then the second with other bytes of the same sizes; the third on a fresh courier. The
+    couriers post on the job's coordinator when they break (``Courier.board``). What each got
+    (the bytes right or not) or raised, into ``out/<rank>.txt``."""
+    board = make_coordinator(20)
+    stalling, fresh = Courier.open(timeout=20, board=board), Courier.open(timeout=20, board=board)
     stalling.timeout = 2  # its waits only: the group itself is made with time to spare
     if rank == 2:  # leaves once the others said how they fared (its exit must not cut their group)
         while not all(Path(out, f"{r}.txt").exists() for r in (0, 1)):
@@ -189,14 +191,19 @@ def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_
 def test_after_an_exchange_timed_out_the_courier_refuses_every_later_one_and_a_fresh_one_works(courier_run):
     """A timed-out exchange leaves receives posted on the courier's group: a later exchange
     over it could take the failed one's bytes. The rank whose exchange failed refuses every
-    later one at once, saying so; its peer's next exchange fails (it gets nothing), never takes
-    stale bytes; a courier opened anew carries the right bytes."""
+    later one at once, saying so; so does its peer, which learns it from the job's store (it
+    would otherwise wait for the broken rank's messages until its timeout), never taking stale
+    bytes; a courier opened anew carries the right bytes."""
     said = {rank: eval(Path(courier_run, "stall", f"{rank}.txt").read_text()) for rank in (0, 1)}
     first, second, third = said[0]
     assert first[:2] == ("error", 1) and "receiving files from rank 1 failed or timed out" in first[2]
     assert second[:2] == ("error", 2) and "this courier is broken since an exchange failed" in second[2], second
     assert third == ("got", 3, "right")
-    assert said[1][1][0] == "error" and said[1][2] == ("got", 3, "right"), said[1]  # never stale bytes
+    for n in (1, 2):  # rank 1 comes to its first exchange once rank 0's has failed
+        assert said[1][n - 1][:2] == ("error", n), said[1]
+        assert "rank 1: this courier is broken since an exchange of rank 0 (every exchange needs it) failed (receiving " \
+               "files from rank 1 failed or timed out" in said[1][n - 1][2], said[1]
+    assert said[1][2] == ("got", 3, "right"), said[1]  # never stale bytes
 
 
 def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(monkeypatch):

@@ -129,7 +129,7 @@ class Tiers:
         nodes = Nodes.single(1) if single else Nodes.discover(coordinator)
         nodes.check_even()
         nodes.holders(0, first.replicas, first.jump)  # every node's holders are alike: one check
-        courier = None if single else Courier.open(coordinator.timeout)
+        courier = None if single else Courier.open(coordinator.timeout, board=coordinator)
         round_ = coordinator.new_round()
         leads = nodes.leader_of(nodes.node_of_rank(coordinator.rank)) == coordinator.rank
         node = nodes.node_of_rank(coordinator.rank)
