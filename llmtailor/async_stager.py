@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from llmtailor.constants import MOST_IN_FLIGHT
 from llmtailor.distributed.coordinator import describe_error
 from llmtailor.errors import BackgroundSaveError, TailorError
 from llmtailor.store.staged import InTurn, PersistResult, Piece, StagedSnapshot, StagedUnit, version_of
@@ -138,15 +139,11 @@ def _report_uncollected() -> None:
         )
 
 
-IN_FLIGHT = (1, 2)
-"""How many async saves may be in flight at once (module docstring)."""
-
-
 class AsyncStager:
     """Runs async saves (module docstring): host buffers, the fence, ``in_flight`` saves in flight."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], in_flight: int = 1):
-        assert in_flight in IN_FLIGHT, in_flight
+        assert 1 <= in_flight <= MOST_IN_FLIGHT, in_flight  # TailorConfig checked it
         self.in_flight = in_flight
         self.sets = [HostBuffers() for _ in range(in_flight)]
         self.current: BackgroundSave | None = None
@@ -207,12 +204,13 @@ class AsyncStager:
         thread.start()
         return job
 
-    def settle(self, keep: int = 0) -> list[BackgroundSave]:
+    def settle(self, keep: int = 0) -> tuple[list[BackgroundSave], bool]:
         """Wait for the saves in flight but the newest ``keep``, oldest first; return those that
-        committed, in order (the caller extends its lineage with them). A save that failed ends
-        the settling: every save after it was staged behind it and fails with it (waited for
-        too); they are kept in ``failed`` for ``raise_failure``. A save committed whose
-        follow-up (retention, promotions) failed is returned, and its failure kept as well."""
+        committed, in order (the caller extends its lineage with them), and whether a save
+        failed uncommitted (the caller then goes back to the last one committed). A save that
+        failed ends the settling: every save after it was staged behind it and fails with it
+        (waited for too); they are kept in ``failed`` for ``raise_failure``. A save committed
+        whose follow-up (retention, promotions) failed is returned, and its failure kept as well."""
         committed: list[BackgroundSave] = []
         while len(self.unsettled) > keep:
             job = self.unsettled.pop(0)
@@ -226,8 +224,8 @@ class AsyncStager:
             for later in lost:
                 later.finished.wait()
             self.failed += [job, *lost]
-            break
-        return committed
+            return committed, True
+        return committed, False
 
     def raise_failure(self, refused: int | None = None, newest: int | None = None) -> None:
         """Raise what ``settle`` kept, once, as a BackgroundSaveError saying what was not saved

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmtailor.constants import MOST_IN_FLIGHT
 from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT
 from llmtailor.errors import ConfigError, describe_validation
 from llmtailor.policies import Adaptive, Full, Policy
@@ -35,7 +36,7 @@ class TailorConfig(BaseModel):
     async_save: bool = False
     """``save`` returns at once; copies and writes go on in the background, fenced before the
     next ``optimizer.step()``."""
-    async_in_flight: int = Field(default=1, ge=1, le=2)
+    async_in_flight: int = Field(default=1, ge=1, le=MOST_IN_FLIGHT)
     """With ``async_save``: how many saves may be in flight at once. 2 lets a save be staged,
     written and sent while the one before it commits (training waits less when a save takes
     longer than a step), at the cost of a second set of host buffers, a failure raised up to one

@@ -61,6 +61,10 @@ HEAD = "head"
 OTHER = "other"
 LAYER_PREFIX = "layer."
 
+# Async saves.
+MOST_IN_FLIGHT = 2
+"""The most async saves in flight at once (``TailorConfig.async_in_flight``, ``AsyncStager``)."""
+
 
 def snapshot_dirname(step: int) -> str:
     return f"{SNAPSHOT_PREFIX}{step:08d}"

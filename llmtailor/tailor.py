@@ -342,9 +342,9 @@ class _Pending:
         """Settle the async saves in flight but the newest ``keep`` (``AsyncStager.settle``): the
         committed ones in order; after a failure, back to the last committed save. The failure
         is raised (once) when ``raise_error``, else kept for the next call."""
-        known = len(stager.failed)
-        pointers = [self.committed(job.step, job.composite, job.outcome) for job in stager.settle(keep)]
-        if any(job.outcome is None for job in stager.failed[known:]):
+        committed, failed = stager.settle(keep)
+        pointers = [self.committed(job.step, job.composite, job.outcome) for job in committed]
+        if failed:
             self.rolled_back()
         if raise_error:
             stager.raise_failure(refused=refused, newest=self.lineage.parent)
