@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import stat
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -27,7 +28,8 @@ def make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
     from the page cache: they are durable and will not be read soon, so a save's cache
     footprint stays about one unit instead of the whole checkpoint."""
     os.fsync(fd)
-    os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
+    if stat.S_ISREG(os.fstat(fd).st_mode):  # a directory's entries: nothing of it to drop
+        os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 
 
 SYNC_THREADS = 4
@@ -154,33 +156,12 @@ def create_file(path: Path, data: bytes) -> None:
 
 
 def fsync_together(paths: list[Path]) -> None:
-    """fsync every file or directory of ``paths`` at once (each but the first on a thread of
-    its own: the journal commits them together, ``SYNC_THREADS``); returns once all are
-    durable, raising the first failure in the order given."""
-    failures: list[OSError | None] = [None] * len(paths)
-
-    def sync(index: int) -> None:
-        path = paths[index]
-        try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as error:
-            failures[index] = error
-
-    helpers = [threading.Thread(target=sync, args=(index,), name="llmtailor-fsync", daemon=True)
-               for index in range(1, len(paths))]
-    for helper in helpers:
-        helper.start()
-    if paths:
-        sync(0)
-    for helper in helpers:
-        helper.join()
-    for failure in failures:
-        if failure is not None:
-            raise failure
+    """fsync every file or directory of ``paths`` side by side (a ``Syncer``: the journal
+    commits them together, ``SYNC_THREADS``); returns once all are durable, raising the first
+    failure in the order given."""
+    with Syncer() as syncer:
+        for path in paths:
+            syncer.submit(path, os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)))
 
 
 def replace_text_atomically(path: Path, text: str) -> None:
