@@ -8,10 +8,12 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +204,67 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+LAUNCH_WAIT = 600.0
+"""Seconds a test waits for launches of real processes (``wait_launches``) before it ends them
+and fails: the bound on a hang, never a timing asserted."""
+
+
+def wait_launches(launches: list[subprocess.Popen], timeout: float = LAUNCH_WAIT) -> list[tuple[str, str | None]]:
+    """Each launch's ``(stdout, stderr)`` once every one has ended (stderr None where the launch
+    merged it into stdout). A launch still running ``timeout`` seconds on (a rank holds or waits
+    for one that died) fails the test, every launch ended (``end_launches``), with what each wrote."""
+    deadline, outputs = time.monotonic() + timeout, []
+    for i, launch in enumerate(launches):
+        try:
+            outputs.append(launch.communicate(timeout=max(deadline - time.monotonic(), 0.01)))
+        except subprocess.TimeoutExpired:
+            tails = [_tail(out, err) for out, err in outputs] + end_launches(launches[i:])
+            raise AssertionError(f"launch {i} did not end within {timeout:g} s; every launch ended, their output:\n\n"
+                                 + "\n\n".join(f"launch {n}: {tail}" for n, tail in enumerate(tails))) from None
+    return outputs
+
+
+def end_launches(launches: list[subprocess.Popen], grace: float = 60.0) -> list[str]:
+    """End each launch still running and return the tail of what each wrote (stdout, then
+    stderr), for a failure's message, in bounded time; call it on launches not waited for yet.
+    Each is sent SIGTERM first: a torchrun agent then ends its workers, each of which runs in a
+    session of its own (a SIGKILL to the agent alone would leave them running, holding the pipes
+    open); what is left ``grace`` seconds on is SIGKILLed (the launch's process group where it
+    runs in a session of its own), and what a surviving worker still holds open is not waited for."""
+    for launch in launches:
+        if launch.poll() is None:
+            launch.terminate()
+    tails = []
+    for launch in launches:
+        try:
+            out, err = launch.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _kill(launch)
+            try:
+                out, err = launch.communicate(timeout=grace)
+            except subprocess.TimeoutExpired as late:  # what came before a surviving worker went quiet
+                out, err = late.output, late.stderr
+        tails.append(_tail(out, err))
+    return tails
+
+
+def _kill(launch: subprocess.Popen) -> None:
+    try:
+        if os.getpgid(launch.pid) == launch.pid:  # a session of its own: its whole group
+            os.killpg(launch.pid, signal.SIGKILL)
+        else:
+            launch.kill()
+    except ProcessLookupError:
+        pass
+
+
+def _tail(out: str | bytes | None, err: str | bytes | None, chars: int = 5000) -> str:
+    def text(part: str | bytes) -> str:
+        return part.decode(errors="replace") if isinstance(part, bytes) else part
+
+    return "\n".join(text(part)[-chars:] for part in (out, err) if part)
 
 
 def read_unit_index(snapshot: Path, unit: str) -> dict:

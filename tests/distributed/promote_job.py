@@ -4,10 +4,14 @@ launch per "node", each with its own ``$NODE_DIR`` and TMPDIR): FSDP2, Parity sa
 at ``$NODE_DIR``, promoted every 2 steps to ``$RUN_HOME`` (the moto server's bucket), then
 ``close()``. Resumes from the newest composite of any tier when there is one.
 
-Each process records the files it uploaded in promotions (``collective.upload``). With
+Each process records the files it uploaded in promotions (``collective.upload``) and logs
+llmtailor's INFO messages to its stderr (a follower's order found gone says so there). With
 ``HOLD_AT=<step>``, each node's leader, once it has uploaded its node's parts for the promotion
-of that step, writes ``<out>/holding`` (its process id) and stops there for good (until the test
-kills the job: torchrun's workers run in sessions of their own).
+of the first composite at or after that step (the same order on every node), writes
+``<out>/holding`` (its process id and the steps of the order) and stops there for good (until the
+test kills the job: torchrun's workers run in sessions of their own); node 1's leader takes that
+order up only once its Tailor began to close: every save of its node committed and its node's
+retention ran after each (the worst case for the order, whenever it was posted).
 
 With ``KEEP=<k>`` the node-local tier keeps ``k`` composites (default 2). With
 ``HOLD_FOLLOWER=<n>``, node 1's leader holds its first promotion order (of the composite of
@@ -21,6 +25,7 @@ in ``<out>/held.json`` and uploads.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -77,16 +82,39 @@ def holding_follower(out: Path, upload, ahead: int):
     return held
 
 
+def serving_late(hold: int) -> None:
+    """Node 1's uploader (``NodeUploader._serve`` runs on a follower only) takes up the order of
+    the first composite at or after ``hold`` only once this process's Tailor began to close
+    (module docstring)."""
+    closing = threading.Event()
+    close, serve = runtime.Tiers.close, collective.NodeUploader._serve
+
+    def closed(self):
+        closing.set()
+        close(self)
+
+    def late(self, order):
+        if max((int(step) for step in order.get("staging", {})), default=0) >= hold:
+            closing.wait(HOLD_PATIENCE)
+        return serve(self, order)
+
+    runtime.Tiers.close = closed
+    collective.NodeUploader._serve = late
+
+
 def recording_uploads(out: Path) -> list[str]:
     """Record each file this process uploads in a promotion (``step:path``); hold at ``HOLD_AT``."""
     uploaded: list[str] = []
     upload, hold = collective.upload, os.environ.get("HOLD_AT")
+    if hold:
+        serving_late(int(hold))
 
     def recorded(source, dst, staging, node):
         done = upload(source, dst, staging, node)
         uploaded.extend(f"{step}:{entry.path}" for step in staging for entry in collective.node_files(source, step, node))
-        if hold and node is not None and int(hold) in staging:
-            (out / "holding").write_text(json.dumps({"pid": os.getpid(), "staging": sorted(staging)}))
+        if hold and node is not None and max(staging) >= int(hold):
+            (out / "holding.tmp").write_text(json.dumps({"pid": os.getpid(), "staging": sorted(staging)}))
+            os.replace(out / "holding.tmp", out / "holding")  # whole when the test finds it
             threading.Event().wait()  # mid-promotion, for good: the test kills the job now
         return done
 
@@ -97,6 +125,10 @@ def recording_uploads(out: Path) -> list[str]:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
+    logging.getLogger("llmtailor").addHandler(handler)
+    logging.getLogger("llmtailor").setLevel(logging.INFO)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     uploaded = recording_uploads(out)

@@ -12,17 +12,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import LAUNCH_WAIT, end_launches, free_port, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 from objectstore import environment, keys, moto_process, new_bucket  # noqa: E402
 
-from llmtailor.constants import MANIFEST_FILE, writer_rank  # noqa: E402
+from llmtailor.constants import MANIFEST_FILE, snapshot_dirname, writer_rank  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
 JOB = Path(__file__).with_name("promote_job.py")
@@ -47,7 +48,7 @@ def start_nodes(tmp_path: Path, url: str, endpoint: str, both: dict[str, str] | 
 
 
 def finished(launches: list[subprocess.Popen]) -> list[tuple[str, str]]:
-    outputs = [p.communicate(timeout=600) for p in launches]
+    outputs = wait_launches(launches)
     assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
     return outputs
 
@@ -61,10 +62,15 @@ def staged_only(endpoint: str, url: str) -> list[str]:
 
 
 def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_clears(tmp_path, monkeypatch):
-    """Both nodes uploaded their parts of step 3's promotion and stop there (so rank 0 cannot
-    tidy up: the crash is the whole story); node 1 is SIGKILLed, then node 0 (as torchrun
-    elastic would end the survivors). The bucket shows step 1 only, whole; the parts of step 3
-    and of its carrier (step 2) lie there without a manifest. A relaunch with every node's memory lost resumes from the bucket,
+    """Both nodes uploaded their parts of the promotion after step 1's (of the composite of step 3,
+    or a later one where the promoter fell behind the saves) and stop there (so rank 0 cannot tidy
+    up: the crash is the whole story); node 1 is SIGKILLed, then node 0 (as torchrun elastic would
+    end the survivors). Node 1 takes that order up only once its own saves are done (the job's
+    ``HOLD_AT``): each node keeps every composite of the launch (``KEEP``), so its retention leaves
+    the composite ordered in place however late its order is taken up (with ``keep=2`` node 1's
+    copy drops it first, and answers the order "gone": the design, ``collective.py``, but not the
+    crash this test is about). The bucket shows step 1 only, whole; the parts of the composite
+    held and of its carrier lie there without a manifest. A relaunch with every node's memory lost resumes from the bucket,
     its writer clears them, and its own promotions commit: each node uploaded its own rank's
     parts of every composite it promoted, never another's, rank 0 also the files of no rank (one
     launch checks the collective promotion of a run and the recovery from the crash: a launch
@@ -73,22 +79,25 @@ def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_
         url = f"s3://{new_bucket(endpoint)}/jobs/killed"
         for name, value in environment(endpoint).items():
             monkeypatch.setenv(name, value)
-        launches = start_nodes(tmp_path, url, endpoint, both={"HOLD_AT": "3"})
+        launches = start_nodes(tmp_path, url, endpoint, both={"HOLD_AT": "3", "KEEP": "6"})
         markers = [tmp_path / f"node{node}" / "holding" for node in range(2)]
+        deadline = time.monotonic() + LAUNCH_WAIT  # the bound on a hang, not a timing asserted
         while not all(marker.exists() for marker in markers):  # the event: both nodes mid-promotion
-            assert all(p.poll() is None for p in launches), [p.communicate()[1][-4000:] for p in launches]
-            try:
-                launches[1].wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
+            if any(p.poll() is not None for p in launches) or time.monotonic() > deadline:
+                # A node that ended (or none that got there): the other may hold for good, so end both.
+                pytest.fail("the nodes did not both stop mid-promotion; each node's output:\n\n"
+                            + "\n\n".join(f"node {n}: {tail}" for n, tail in enumerate(end_launches(launches))))
+            time.sleep(0.1)
         for node in (1, 0):  # node 1 first: the node lost; then the survivors
             os.kill(json.loads(markers[node].read_text())["pid"], signal.SIGKILL)  # its worker: a session of its own
             os.killpg(launches[node].pid, signal.SIGKILL)  # its torchrun agent
-            launches[node].communicate()
+            wait_launches([launches[node]])
+        held = [json.loads(marker.read_text())["staging"] for marker in markers]
+        assert held[0] == held[1] == [held[0][-1] - 1, held[0][-1]], held  # one order on both: a composite and its carrier
         run = Run(url)
         assert run.steps() == [1] and run.latest_step() == 1 and run.verify() == []  # only what is whole
-        # The parts uploaded, invisible: step 3's and its carrier's (Parity's composite of 3 needs step 2).
-        assert staged_only(endpoint, url) == ["step-00000002", "step-00000003"]
+        # The parts uploaded, invisible: the composite's and its carrier's (Parity's composite of c needs c - 1).
+        assert staged_only(endpoint, url) == [snapshot_dirname(step) for step in held[0]]
 
         for node in range(2):  # a relaunch with every node's memory lost: from the bucket, at step 1
             subprocess.run(["rm", "-rf", str(tmp_path / f"node{node}" / "memory")], check=True)

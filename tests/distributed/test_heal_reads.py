@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -42,7 +42,7 @@ def launch(tmp_path: Path, env: dict[str, str], scenario: str, kind: str, **extr
              str(JOB), scenario, kind, str(own)],
             env={**env, **extra, "NODE_DIR": str(own / "memory"), "TMPDIR": str(own / "tmp")},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=600)[0] for p in launches]
+    outputs = [out for out, _ in wait_launches(launches)]
     assert [p.returncode for p in launches] == [0, 0], "\n\n".join(out[-5000:] for out in outputs)
     return [json.loads((tmp_path / f"node{n}" / f"result-{scenario}-{n}.json").read_text()) for n in range(2)]
 

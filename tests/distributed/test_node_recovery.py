@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -72,14 +72,14 @@ class Job:
             ))
 
     def results(self, scenario: str) -> list[dict]:
-        outputs = [p.communicate(timeout=600)[0] for p in self.launches]
+        outputs = [out for out, _ in wait_launches(self.launches)]
         assert [p.returncode for p in self.launches] == [0] * self.nodes, "\n\n".join(out[-5000:] for out in outputs)
         return [json.loads((self.own(n) / f"result-{scenario}-{n}.json").read_text()) for n in range(self.nodes)]
 
     def lose(self, node: int) -> None:
         """Once ``node``'s ranks killed themselves (its launch ends), SIGKILL what is left of the
         others (their ranks by pid, then their launches): every node is down."""
-        self.launches[node].communicate(timeout=600)
+        wait_launches([self.launches[node]])
         for other in range(self.nodes):
             pid = self.own(other) / f"pid-{other}"
             if other != node and pid.exists():
@@ -88,7 +88,7 @@ class Job:
                 except ProcessLookupError:
                     pass
             self.launches[other].kill()
-            self.launches[other].communicate(timeout=600)
+            wait_launches([self.launches[other]])
             pid.unlink(missing_ok=True)
 
     def wipe(self, node: int) -> None:
@@ -183,7 +183,7 @@ def test_a_node_killed_while_replicating_leaves_no_copy_of_that_save_and_rank_0s
 def test_a_node_killed_in_its_local_commit_leaves_a_save_the_next_writer_clears_from_every_node(tmp_path, endpoint):
     job = Job(tmp_path, endpoint, "fsdp")
     job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="commit", REPLICAS="1")
-    job.launches[1].communicate(timeout=600)
+    wait_launches([job.launches[1]])
     committed = job.memory(0) / "snapshots" / "step-00000003" / "manifest.json"
     deadline = time.monotonic() + 600  # the event waited for: node 0's own commit of step 3 (no timing asserted)
     while not committed.exists() and time.monotonic() < deadline and job.launches[0].poll() is None:

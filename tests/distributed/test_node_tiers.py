@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_launches
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.store.run import Run
@@ -43,7 +43,7 @@ def launch(tmp_path: Path, scenario: str | list[str], per_node: int, **per_node_
              str(JOB), *[arg for name in scenarios for arg in (name, str(own))]],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
-    outputs = [p.communicate(timeout=600) for p in launches]
+    outputs = wait_launches(launches)
     assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
     return results_of(tmp_path, scenarios[0], per_node)
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny
+from helpers import free_port, tiny, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -44,7 +44,7 @@ def test_two_nodes_save_to_s3_and_a_third_world_size_and_one_process_restore_fro
                  str(JOB), "fsdp-url", str(own)],
                 env={**base, "TMPDIR": str(own / "tmp")}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             ))
-        outputs = [p.communicate(timeout=600) for p in nodes]
+        outputs = wait_launches(nodes)
         assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
         results = [json.loads((tmp_path / f"node{r}" / f"result-fsdp-url-{r}.json").read_text()) for r in range(2)]
         assert all(result["restored"] == 8 for result in results)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny, train
+from helpers import free_port, tiny, train, wait_launches
 from safetensors.torch import save_file
 
 pytest.importorskip("obstore")
@@ -223,7 +223,7 @@ def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_time
         )
         for r in range(3)
     ]
-    outputs = [p.communicate(timeout=600) for p in procs]
+    outputs = wait_launches(procs)
     assert procs[1].returncode == -signal.SIGKILL
     for survivor in (0, 2):
         assert procs[survivor].returncode == 0, outputs[survivor][1][-3000:]

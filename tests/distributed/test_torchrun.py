@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, free_port, tiny, train
+from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, free_port, tiny, train, wait_launches
 
 from llmtailor import Parity, Tailor
 from llmtailor.store.run import Run
@@ -50,12 +50,7 @@ def torchrun_jobs(nproc: int, jobs: list[tuple[str, Path]], timeout: float = 600
          *(str(arg) for job in jobs for arg in job)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), **more_env}, start_new_session=True,
     )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks, not the launcher alone
-        proc.communicate()
-        raise
+    [(stdout, stderr)] = wait_launches([proc], timeout)  # past it, the launcher and its ranks are ended
     assert proc.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + stdout[-4000:] + stderr[-6000:]
 
 
@@ -361,7 +356,7 @@ def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_pat
         )
         for r in range(2)
     ]
-    outputs = [p.communicate(timeout=300) for p in procs]
+    outputs = wait_launches(procs, timeout=300)
     assert procs[1].returncode == -signal.SIGKILL
     assert procs[0].returncode == 0, outputs[0][1][-3000:]
     result = json.loads((tmp_path / "result-kill-0.json").read_text())
