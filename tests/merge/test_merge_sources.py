@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from helpers import tiny, train
+from helpers import save_bin, tiny, train
 from safetensors.torch import load_file
 
 from llmtailor import Full, Tailor
@@ -195,6 +195,22 @@ def test_a_depth_up_scaled_checkpoint_resumes_in_a_vanilla_trainer(tmp_path):
             a = dump["tensors"][f"optim/model.layers.{copy}.mlp.up_proj.weight/{key}"]
             b = dump["tensors"][f"optim/model.layers.{first}.mlp.up_proj.weight/{key}"]
             assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name,shards", [("a", 3), ("tied", 1), ("tied", 2)])
+def test_pytorch_model_bin_directories_single_or_sharded_are_sources(models, tmp_path, name, shards):
+    root, made = models
+    save_bin(tmp_path / "bin", made[name], shards)
+    out = merge(plan(tmp_path / "p.yaml", {"slices": slices((tmp_path / "bin", (1, 4)), (tmp_path / "bin", (0, 1)))}),
+                tmp_path / "out", format="model")
+    got, source = load_file(out / "model.safetensors"), made[name].state_dict()
+    order = [1, 2, 3, 0]
+    for key, tensor in got.items():
+        parts = key.split(".")
+        if parts[:2] == ["model", "layers"]:
+            parts[2] = str(order[int(parts[2])])
+        assert torch.equal(tensor, source[".".join(parts)]), key
+    assert {k for k in got if "layers" not in k} >= {"model.embed_tokens.weight", "model.norm.weight"}
 
 
 def test_models_form_copies_a_model_with_scale_and_cast(models, tmp_path):
