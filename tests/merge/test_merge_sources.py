@@ -317,3 +317,22 @@ def test_a_weights_only_merge_of_hf_directories_runs_without_importing_torch(mod
         for key, source in expected.items():
             want = source[key].to(torch.bfloat16) if name == "cast" else source[key]
             assert got[key].dtype == want.dtype and torch.equal(got[key], want), (name, key)
+
+
+def test_a_peft_adapter_directory_is_refused_as_a_source_and_an_import_naming_the_way(models, tmp_path):
+    """What peft's ``save_pretrained`` (and a vanilla Trainer's checkpoint of a PeftModel) holds is
+    an adapter, not a model: merges and ``import-hf`` say so, with what to do instead."""
+    import peft
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    root, made = models
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "a")
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    p = plan(tmp_path / "p.yaml", {"models": [{"model": str(tmp_path / "adapter")}]})
+    for command in (["merge", str(p), "-o", str(tmp_path / "out")], ["import-hf", str(tmp_path / "adapter"), "-o", str(tmp_path / "out")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "peft" in result.output and "merge_and_unload" in " ".join(result.output.split()), result.output
+        assert not (tmp_path / "out").exists()

@@ -40,6 +40,7 @@ from llmtailor.interop.hf.files import (
     read_json,
     step_of,
 )
+from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
 from llmtailor.interop.hf.weights import ModelWeights, has_weights
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, layout_from_names
@@ -188,6 +189,9 @@ def require_importable(source: Path) -> None:
         raise ConfigError(f"{source}: a Trainer checkpoint saved under DeepSpeed (its optimizer state is in "
                           f"{find_step_dir(source).name}/, not {OPTIMIZER_FILE}): import it with "
                           f"`llmtailor import-deepspeed {source}`")
+    if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
+        raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
+                          f"importable: {PEFT_ADVICE}")
     problems = [f"{name} is missing" for name in (CONFIG_FILE, TRAINER_STATE_FILE) if not (source / name).is_file()]
     if not has_weights(source):
         problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing")
