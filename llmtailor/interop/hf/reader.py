@@ -194,7 +194,10 @@ def require_importable(source: Path) -> None:
                           f"importable: {PEFT_ADVICE}")
     problems = [f"{name} is missing" for name in (CONFIG_FILE, TRAINER_STATE_FILE) if not (source / name).is_file()]
     if not has_weights(source):
-        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing")
+        pickled = [name for name in (BIN_FILE, BIN_INDEX_FILE) if (source / name).is_file()]
+        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing" + (
+            f"; its weights are in {pickled[0]}, which import-hf does not read: a merge reads it, optimizer state "
+            f"included (`llmtailor merge PLAN -o RUN` with the plan `models: [{{model: {source}}}]`)" if pickled else ""))
     have_optimizer, have_scheduler = (source / OPTIMIZER_FILE).is_file(), (source / SCHEDULER_FILE).is_file()
     if have_optimizer != have_scheduler:
         present, absent = (OPTIMIZER_FILE, SCHEDULER_FILE) if have_optimizer else (SCHEDULER_FILE, OPTIMIZER_FILE)
