@@ -417,3 +417,21 @@ def assert_same_snapshots(a, b, steps) -> None:
                 assert manifest_a == manifest_b, f"step {step}: {name}"
             else:
                 assert files_a[name] == files_b[name], f"step {step}: {name}"
+
+
+def save_bin(path: Path, model, shards: int = 1) -> None:
+    """``model`` as transformers 4's ``save_pretrained(safe_serialization=False)`` wrote it (5
+    writes safetensors only): ``torch.save`` of the whole state dict (tied names both in it, one
+    storage), in ``shards`` files with their ``pytorch_model.bin.index.json`` when more than one."""
+    model.config.save_pretrained(path)
+    state = model.state_dict()
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return
+    keys, weight_map = list(state), {}
+    per = -(-len(keys) // shards)
+    for i in range(shards):
+        name = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({k: state[k] for k in keys[i * per:(i + 1) * per]}, path / name)
+        weight_map.update({k: name for k in keys[i * per:(i + 1) * per]})
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -451,10 +451,10 @@ def test_a_missing_base_directory_is_refused_when_the_tailor_is_built(tmp_path):
         Tailor(tmp_path / "run", *lora(), base=tmp_path / "nope")
 
 
-def assembled_as_peft_saves(model, optimizer, tokens, tmp_path) -> None:
+def assembled_as_peft_saves(model, optimizer, tokens, tmp_path, **save_options) -> None:
     """Parity saves at steps 1 to 3 of ``model`` into ``tmp_path/run``, assembled by the CLI as a
     peft adapter directory at ``tmp_path/out``, whose file holds exactly the keys peft's own
-    ``save_pretrained`` writes (at ``tmp_path/reference``)."""
+    ``save_pretrained(**save_options)`` writes (at ``tmp_path/reference``)."""
     from safetensors import safe_open
     from typer.testing import CliRunner
 
@@ -466,7 +466,7 @@ def assembled_as_peft_saves(model, optimizer, tokens, tmp_path) -> None:
             tailor.save(s)
     result = CliRunner().invoke(app, ["assemble", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-    model.save_pretrained(tmp_path / "reference")  # peft's own: the same file names and keys
+    model.save_pretrained(tmp_path / "reference", **save_options)  # peft's own: the same file names and keys
     with safe_open(str(tmp_path / "out" / "adapter_model.safetensors"), "pt") as ours, \
             safe_open(str(tmp_path / "reference" / "adapter_model.safetensors"), "pt") as theirs:
         assert sorted(ours.keys()) == sorted(theirs.keys())
@@ -661,6 +661,33 @@ def test_modules_to_save_assemble_peft_loads_in_peft_bit_for_bit(tmp_path, token
     expected = dict(fresh.named_parameters())
     trained = expected[f"base_model.model.{path}.modules_to_save.default.weight"]
     assert not torch.equal(trained, dict(base_model_tied(tying).named_parameters())[f"{path}.weight"])  # it trained
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+def lora_on_the_embedding(seed: int = 0):
+    """LoRA on q and on the embedding itself (``lora_embedding_A/B``), the head trained whole."""
+    base = base_model()
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_lora_on_the_embedding_assembles_what_peft_saves_without_the_frozen_embedding(tmp_path, tokens):
+    """With the embedding among ``target_modules``, peft's default ``save_embedding_layers="auto"``
+    also copies the frozen base embedding into the adapter file; ``assemble --format peft`` writes
+    what ``save_embedding_layers=False`` writes, key for key (the base the adapter is loaded onto
+    holds that embedding), and peft loads it bit for bit."""
+    assembled_as_peft_saves(*lora_on_the_embedding(), tokens, tmp_path, save_embedding_layers=False)
+    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "out")
+    fresh, fresh_opt = lora_on_the_embedding(seed=7)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.mul_(0.5)
+    Tailor(tmp_path / "run", fresh, fresh_opt, read_only=True).restore()
+    expected = dict(fresh.named_parameters())
+    assert any("lora_embedding_A" in name for name in expected)
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
 

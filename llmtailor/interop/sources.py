@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from llmtailor.errors import ConfigError
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
 from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
+from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
 from llmtailor.interop.hf.reader import CheckpointSource, ModelDirSource
 from llmtailor.interop.source import Source
 from llmtailor.interop.tailored import RunSource
@@ -44,6 +45,10 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch
     if path.is_dir() and Run(path).steps():
         return RunSource(label, Run(path), step)
     if not path.is_dir():
+        if "+" in label and not path.exists():
+            raise ConfigError(f"{path}: no such directory; mergekit's MODEL+LORA form (an adapter applied to a model) is "
+                              "not supported: merge the adapter into its model first (peft's merge_and_unload, then "
+                              "save_pretrained) and name that directory")
         raise ConfigError(f"{path}: no such directory")
     if step is not None:
         raise ConfigError(f"{path} is a checkpoint directory: @STEP names a step of a tailored run only")
@@ -55,6 +60,8 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch
         return CheckpointSource(label, path)
     if (path / CONFIG_FILE).is_file():
         return ModelDirSource(label, path)
+    if (path / ADAPTER_CONFIG).is_file():
+        raise ConfigError(f"{path} is a peft adapter ({ADAPTER_CONFIG}), not a model: {PEFT_ADVICE}")
     raise ConfigError(
         f"{path} is not a tailored run, a model directory (config.json + model.safetensors), a Trainer "
         "checkpoint-N/ or a DeepSpeed checkpoint"

@@ -10,7 +10,7 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
     base_model: runs/b@500             # default source of training state (below)
     dtype: bfloat16                    # cast the weights (weights-only merges only); out_dtype: as written
     parameters: {scale: [{filter: o_proj, value: 0.5}, {value: [1.0, 0.5]}]}   # mergekit's passthrough scale
-    tokenizer_source: base             # the output's tokenizer ("base" or a source; not "union")
+    tokenizer_source: base             # the output's tokenizer ("base" or a source; not "union"); or tokenizer: {source: base}
     embed: runs/a@400                  # optional per auxiliary unit: embed, norm, head
     optimizer: true                    # move optimizer state with each parameter (default: when every source has some)
     state_from: runs/b@500             # step, scheduler, RNG, trainer state
@@ -196,6 +196,45 @@ class PlanSpec(_Strict):
     """Move each parameter's optimizer state with it. Default: when every source holds
     optimizer state (a model directory holds none)."""
     state_from: str | None = None
+    tokenizer: dict | None = None
+    """mergekit's ``tokenizer:`` block: ``{source: X}`` alone is ``tokenizer_source: X``
+    (``_tokenizer_block``); anything else in it is refused, naming it."""
+    chat_template: str | None = None
+    """mergekit's; refused, naming it (``_not_supported``)."""
+    modules: dict | None = None
+    """mergekit's; refused, naming it (``_not_supported``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_block(cls, data: object) -> object:
+        """mergekit builds the same embedding rows from ``tokenizer: {source: X}`` as from
+        ``tokenizer_source: X`` (checked against mergekit 0.1.5), so the block of a source alone
+        is read as that key."""
+        block = data.get("tokenizer") if isinstance(data, dict) else None
+        if isinstance(block, dict) and set(block) == {"source"} and "tokenizer_source" not in data:
+            data = {**{k: v for k, v in data.items() if k != "tokenizer"}, "tokenizer_source": block["source"]}
+        return data
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_parts(cls, value: dict | None) -> dict | None:
+        if value is None:
+            return value
+        parts = sorted(set(value) - {"source"})
+        why = (f"{parts} (mergekit's per-token embeddings and vocabulary padding) are not supported" if parts else
+               "'source' is missing (mergekit's default, union, is not supported)" if "source" not in value else
+               "give tokenizer_source or tokenizer, not both")
+        raise ValueError(f"{why}; write tokenizer: {{source: base}} or {{source: SRC}} (or tokenizer_source)")
+
+    @field_validator("chat_template", "modules")
+    @classmethod
+    def _not_supported(cls, value: object, info) -> object:
+        if value is None:
+            return value
+        what = {"chat_template": "(a chat template written into the output's tokenizer); set it on the merged "
+                                 "tokenizer's files instead",
+                "modules": "(several output modules); a passthrough plan has 'slices' or 'models'"}[info.field_name]
+        raise ValueError(f"mergekit's {info.field_name!r} is not supported by llmtailor merge {what}")
 
     @field_validator("merge_method")
     @classmethod
@@ -297,7 +336,7 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         raise ConfigError(f"{path}: " + "; ".join(problems)) from None
 
 
-_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source")
+_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source", "source")
 
 
 class _Errors:

@@ -49,7 +49,7 @@ from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.interop.sources import open_source
 from llmtailor.outputs.directory import Scratch
 from llmtailor.merge.vocab import VOCAB_UNITS, build_vocabulary, vocab_size_of
-from llmtailor.store.keys import join_key, split_key
+from llmtailor.store.keys import join_key, split_key, unit_weights
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,7 @@ def _actions(spec: PlanSpec, sources: dict[str, Source], assignment: _Assignment
         misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
         if misfit:
             misfits.setdefault(label, []).append(misfit)
-        dest_units[unit] = [split_key(k)[1] for k in got if split_key(k)[0] == KIND_WEIGHT]
+        dest_units[unit] = list(unit_weights(got))  # a DeepSpeed source holds fp32 masters, no weights
     for label, lines in misfits.items():
         more = f" (and {len(lines) - 1} more units like it)" if len(lines) > 1 else ""
         found.problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")

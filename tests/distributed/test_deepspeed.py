@@ -287,3 +287,59 @@ def test_a_restore_failing_on_one_rank_fails_every_rank_promptly_and_blocks_savi
         assert result["error"] is not None and result["error"].startswith("IntegrityError"), result
         assert "rank(s) [1]" in result["error"] and "checksum mismatch" in result["error"], result
         assert result["save_refused"] is not None and "restore() again" in result["save_refused"], result
+
+
+def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_and_state(tmp_path):
+    """A plain HF Trainer run under DeepSpeed ZeRO-3 (2 processes, no llmtailor code) writes
+    ``checkpoint-N/`` with ``global_stepN/`` beside Trainer's own ``scheduler.pt`` and
+    ``trainer_state.json`` (its LR scheduler is not DeepSpeed's, so DeepSpeed's files hold none):
+    ``import-deepspeed`` keeps both, with masters equal to DeepSpeed's own ``zero_to_fp32``, so the
+    run assembles into a Trainer checkpoint and merges as an HF checkpoint; ``import-hf`` names
+    ``import-deepspeed``."""
+    import yaml
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from helpers import assert_same_tree
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+    from llmtailor.merge import merge
+
+    job = Path(__file__).parents[1] / "integrations" / "hf_job.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), "--out",
+         str(tmp_path / "out"), "--result", str(tmp_path / "result.json"), "--trainer", "vanilla", "--deepspeed", "3",
+         "--max-steps", "4", "--save-steps", "4"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    runner = CliRunner()
+    refused = runner.invoke(app, ["import-hf", str(checkpoint), "-o", str(tmp_path / "hf-run")])
+    assert refused.exit_code == 2 and "llmtailor import-deepspeed" in refused.output, refused.output
+    assert not (tmp_path / "hf-run").exists()
+
+    result = runner.invoke(app, ["import-deepspeed", str(checkpoint), "-o", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    run = Run(tmp_path / "run")
+    state = run.read_global(4)
+    assert_same_tree(state["lr_scheduler"], torch.load(checkpoint / "scheduler.pt", weights_only=True), "lr_scheduler")
+    assert state["extra"]["trainer_state"] == json.loads((checkpoint / "trainer_state.json").read_text())
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    masters = {k[7:]: t for u in run.manifest(4).units for k, t in run.read_unit(4, u)[0].items() if k.startswith("master/")}
+    assert masters.keys() == fp32.keys() and all(torch.equal(masters[k], fp32[k]) for k in fp32)
+
+    result = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--format", "hf", "-o", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    exported = tmp_path / "hf" / "checkpoint-4"
+    assert_same_tree(torch.load(exported / "scheduler.pt", weights_only=True),
+                     torch.load(checkpoint / "scheduler.pt", weights_only=True), "scheduler.pt")
+    assert json.loads((exported / "trainer_state.json").read_text())["log_history"] == state["extra"]["trainer_state"]["log_history"]
+    # As a merge source straight into a Trainer checkpoint (DeepSpeed holds fp32 masters, no weights): depth up-scaled.
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"slices": [
+        {"sources": [{"model": str(checkpoint), "layer_range": [0, 2]}]}, {"sources": [{"model": str(checkpoint), "layer_range": [1, 4]}]}]}))
+    merged = merge(tmp_path / "plan.yaml", tmp_path / "merged", format="hf")
+    assert (merged / "scheduler.pt").is_file() and (merged / "optimizer.pt").is_file()
+    weights = load_file(merged / "model.safetensors")
+    assert torch.equal(weights["model.layers.2.mlp.up_proj.weight"], fp32["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(weights["lm_head.weight"], fp32["lm_head.weight"]) and len(weights) == len(fp32) + 9

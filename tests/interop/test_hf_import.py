@@ -132,7 +132,15 @@ def _reversed_decay_group(saved):
     saved["param_groups"][0]["params"].reverse()  # same sizes, indices on the wrong parameters
 
 
+def _weights_as_bin(ckpt):
+    """As Trainer wrote them with save_safetensors=False (transformers 4)."""
+    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+    (ckpt / "model.safetensors").unlink()
+
+
 BAD = {
+    "weights in pytorch_model.bin": (_weights_as_bin, IntegrityError,
+                                     r"its weights are in pytorch_model\.bin, which import-hf does not read: a merge reads it"),
     "missing scheduler": (_drop("scheduler.pt"), IntegrityError, r"scheduler\.pt is missing beside optimizer\.pt"),
     "missing config": (_drop("config.json"), IntegrityError, r"config\.json is missing"),
     "missing rng": (_drop("rng_state.pth"), IntegrityError, r"rng_state\.pth is missing"),
@@ -165,6 +173,27 @@ def test_bad_checkpoints_are_refused_naming_the_file_with_nothing_written(tmp_pa
     result = runner.invoke(app, ["import-hf", str(ckpt), "-o", str(tmp_path / "new-run")])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert not (tmp_path / "new-run").exists()
+
+
+def test_a_checkpoint_with_pytorch_model_bin_merges_into_what_import_hf_makes_of_its_safetensors(tmp_path, checkpoint):
+    """The way out import-hf names for ``pytorch_model.bin`` weights: a merge of the checkpoint
+    (weights from the .bin, optimizer.pt, state) writes, unit for unit, the run import-hf writes
+    from the same checkpoint with safetensors weights."""
+    import yaml
+
+    from llmtailor.merge import merge
+
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    shutil.copytree(checkpoint("llama"), ckpt)
+    _weights_as_bin(ckpt)
+    import_hf(checkpoint("llama"), tmp_path / "imported")
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(ckpt)}]}))
+    merge(tmp_path / "plan.yaml", tmp_path / "merged")
+    imported, merged = Run(tmp_path / "imported"), Run(tmp_path / "merged")
+    assert merged.steps() == [STEP]
+    for unit in imported.manifest(STEP).units:
+        assert_same_tree(merged.read_unit(STEP, unit), imported.read_unit(STEP, unit), unit)
+    assert_same_tree(merged.read_global(STEP)["lr_scheduler"], imported.read_global(STEP)["lr_scheduler"], "lr_scheduler")
 
 
 def test_global_step_must_match_the_directory_name(tmp_path, checkpoint):

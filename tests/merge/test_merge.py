@@ -213,6 +213,12 @@ BAD_PLANS = {
     "scale": ({"slices": [("full@6", (0, 4))], "parameters": {"scale": 0.5}}, "scale 0.5"),
     "both forms": ({"slices": [("full@6", (0, 4))], "models": [{"model": "full@6"}]}, "give either 'slices' or 'models'"),
     "yaml": ("slices:\n  - sources: [{model: full@6, layer_range: [0, 4]\nmerge_method: passthrough\n", "malformed YAML at line"),
+    # mergekit's keys that llmtailor does not take are named as mergekit's, with the way out.
+    "chat_template": ({"slices": [("full@6", (0, 4))], "chat_template": "chatml"},
+                      "mergekit's 'chat_template' is not supported by llmtailor merge"),
+    "tokenizer padding": ({"slices": [("full@6", (0, 4))], "tokenizer": {"source": "base", "pad_to_multiple_of": 16}},
+                          "['pad_to_multiple_of'] (mergekit's per-token embeddings and vocabulary padding) are not supported"),
+    "lora reference": ({"slices": [("full@6+lora", (0, 4))]}, "mergekit's MODEL+LORA form (an adapter applied to a model) is not"),
 }
 
 

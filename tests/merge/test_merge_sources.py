@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from helpers import tiny, train
+from helpers import save_bin, tiny, train
 from safetensors.torch import load_file
 
 from llmtailor import Full, Tailor
@@ -197,6 +197,22 @@ def test_a_depth_up_scaled_checkpoint_resumes_in_a_vanilla_trainer(tmp_path):
             assert torch.equal(a, b) and a.abs().sum() > 0
 
 
+@pytest.mark.parametrize("name,shards", [("a", 3), ("tied", 1), ("tied", 2)])
+def test_pytorch_model_bin_directories_single_or_sharded_are_sources(models, tmp_path, name, shards):
+    root, made = models
+    save_bin(tmp_path / "bin", made[name], shards)
+    out = merge(plan(tmp_path / "p.yaml", {"slices": slices((tmp_path / "bin", (1, 4)), (tmp_path / "bin", (0, 1)))}),
+                tmp_path / "out", format="model")
+    got, source = load_file(out / "model.safetensors"), made[name].state_dict()
+    order = [1, 2, 3, 0]
+    for key, tensor in got.items():
+        parts = key.split(".")
+        if parts[:2] == ["model", "layers"]:
+            parts[2] = str(order[int(parts[2])])
+        assert torch.equal(tensor, source[".".join(parts)]), key
+    assert {k for k in got if "layers" not in k} >= {"model.embed_tokens.weight", "model.norm.weight"}
+
+
 def test_models_form_copies_a_model_with_scale_and_cast(models, tmp_path):
     root, made = models
     p = plan(tmp_path / "copy.yaml", {
@@ -301,3 +317,22 @@ def test_a_weights_only_merge_of_hf_directories_runs_without_importing_torch(mod
         for key, source in expected.items():
             want = source[key].to(torch.bfloat16) if name == "cast" else source[key]
             assert got[key].dtype == want.dtype and torch.equal(got[key], want), (name, key)
+
+
+def test_a_peft_adapter_directory_is_refused_as_a_source_and_an_import_naming_the_way(models, tmp_path):
+    """What peft's ``save_pretrained`` (and a vanilla Trainer's checkpoint of a PeftModel) holds is
+    an adapter, not a model: merges and ``import-hf`` say so, with what to do instead."""
+    import peft
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    root, made = models
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "a")
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    p = plan(tmp_path / "p.yaml", {"models": [{"model": str(tmp_path / "adapter")}]})
+    for command in (["merge", str(p), "-o", str(tmp_path / "out")], ["import-hf", str(tmp_path / "adapter"), "-o", str(tmp_path / "out")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert "peft" in result.output and "merge_and_unload" in " ".join(result.output.split()), result.output
+        assert not (tmp_path / "out").exists()

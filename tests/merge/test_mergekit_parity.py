@@ -4,7 +4,8 @@ real mergekit 0.1.5 (in its own venv, ``make mergekit``: ``.venv-mergekit/``) an
 shapes, bytes) and config (depth, vocabulary size, dtype) must be equal.
 
 Inputs are built here from transformers configs, never downloaded: ``save_pretrained``
-directories (single file and sharded, fp32 and bf16, tied, gpt2) with a tokenizer smaller than
+directories (single file and sharded, fp32 and bf16, tied, gpt2; ``pytorch_model.bin`` sharded and
+tied, as transformers 4 wrote them) with a tokenizer smaller than
 their embedding, and Trainer ``checkpoint-N/`` directories of a tailored run.
 
 mergekit's python is ``$LLMTAILOR_MERGEKIT`` (``make test`` sets it, and then a missing one is an
@@ -22,7 +23,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from helpers import tiny, train
+from helpers import save_bin, tiny, train
 from safetensors.torch import load_file
 
 from llmtailor import Full, Tailor
@@ -74,6 +75,9 @@ def inputs(tmp_path_factory, tokens) -> Path:
     ]:
         save_model(root / name, family, layers, seed, **kwargs)
         save_tokenizer(root / name, words)
+    # As transformers 4 wrote safe_serialization=False: sharded with an index, and tied (both names in the file).
+    for name, source, shards in (("bin-sharded", "a", 3), ("bin-tied", "tied", 1)):
+        save_bin(root / name, transformers.AutoModelForCausalLM.from_pretrained(root / source), shards)
     # Another tokenizer: some of a's tokens at other ids, one token a's lacks.
     save_model(root / "c", "llama", 4, 6)
     save_tokenizer(root / "c", ["[UNK]", "[PAD]", "j", "i", "x", *"abcdefgh"])
@@ -131,6 +135,8 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
     "gradient scale, models form": {"models": [{"model": "a", "parameters": {"scale": [0.2, 1.0, 0.6]}}]},
     "tokenizer_source base cuts the embedding": {"slices": stack(("a", (0, 2)), ("b", (2, 4))), "tokenizer_source": "base",
                                                  "base_model": "a"},
+    "tokenizer block, source base": {"slices": stack(("a", (0, 2)), ("b", (2, 4))), "tokenizer": {"source": "base"},
+                                     "base_model": "a"},
     "tokenizer_source a model": {"slices": stack(("b", (0, 4))), "tokenizer_source": "a", "dtype": "bfloat16",
                                  "parameters": {"scale": 0.5}},
     "tokenizer_source re-maps tokens": {"slices": stack(("a", (0, 2)), ("b", (2, 4))), "tokenizer_source": "c",
@@ -143,6 +149,8 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
     "bf16 source, dtype float16, gradient": {"slices": stack(("half", (0, 4)), parameters={"scale": [2.0, 0.5]}),
                                              "dtype": "float16"},
     "tied": {"models": [{"model": "tied", "parameters": {"scale": 0.5}}]},
+    "pytorch_model.bin shards, a cut": {"slices": stack(("bin-sharded", (1, 3)), ("a", (3, 4)))},
+    "pytorch_model.bin tied, scaled": {"models": [{"model": "bin-tied", "parameters": {"scale": 0.5}}]},
     "gpt2 cut": {"slices": stack(("gpt2", (0, 3)), ("gpt2", (4, 6))), "parameters": {"scale": [1.0, 0.5]}},
     "Trainer checkpoints, LLMTailor's shape": {
         "slices": llmtailor_shape("hf/checkpoint-2", "hf/checkpoint-3", 6), "dtype": "bfloat16",

@@ -160,15 +160,17 @@ def save_tokenizer(path: Path, tokens: list[str]) -> None:
 WORDS = ["[UNK]", "[PAD]", *"abcdefghij"]  # 12 tokens; the models' embeddings have 64 rows
 
 
-def test_a_tokenizer_smaller_than_the_embedding_cuts_its_rows_and_sets_vocab_size(models, tmp_path):
+@pytest.mark.parametrize("spelling", [{"tokenizer_source": "base"}, {"tokenizer": {"source": "base"}}])
+def test_a_tokenizer_smaller_than_the_embedding_cuts_its_rows_and_sets_vocab_size(models, tmp_path, spelling):
     """Qwen2.5's shape: the embedding padded past the tokenizer. mergekit keeps one row per
-    token (embeddings from the first slice's model, LM head from the last's)."""
+    token (embeddings from the first slice's model, LM head from the last's); its ``tokenizer:
+    {source: ...}`` block means the same."""
     root, made = models
     for name in ("a", "b"):
         save_tokenizer(root / name, WORDS)
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({"slices": one_slice(root / "a", (0, 2)) + one_slice(root / "b", (2, 4)),
-                                    "tokenizer_source": "base", "dtype": "bfloat16"}))
+                                    **spelling, "dtype": "bfloat16"}))
     out = merge(plan, tmp_path / "out", format="model")
     got = load_file(out / "model.safetensors")
     assert bits_equal(got["model.embed_tokens.weight"], made["a"]["model.embed_tokens.weight"][:12].to(torch.bfloat16))

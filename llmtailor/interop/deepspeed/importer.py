@@ -21,7 +21,10 @@ loaded with ``weights_only=False``; a restore never reads them):
 The layout comes from a Hugging Face ``config.json`` when one is given or found beside the
 checkpoint (an HF Trainer + DeepSpeed ``checkpoint-N/`` holds one); otherwise from the names
 (``--family``, default: the name-based fallback). DeepSpeed saves no RNG state: the snapshot
-holds none, and a restore leaves the RNG streams alone and says so.
+holds none, and a restore leaves the RNG streams alone and says so. A Trainer + DeepSpeed
+``checkpoint-N/`` also gives what Trainer keeps beside ``global_stepN/`` (``_trainer_files``):
+``scheduler.pt`` (Trainer's LR scheduler is not DeepSpeed's, so the model states hold none),
+``trainer_state.json`` and a one-process run's ``rng_state.pth``.
 
 A merge reads a DeepSpeed checkpoint as a source (``DeepSpeedSource``) the same way, converted
 once into the merge's scratch directory and read unit by unit from the conversion: the units
@@ -149,14 +152,15 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
     hyper, group_steps, stage = _optimizer_groups(step_dir)
     if len(hyper) != len(groups_shapes):
         raise IntegrityError(f"{step_dir}: {len(hyper)} optimizer groups but {len(groups_shapes)} groups of parameters")
+    trainer = _trainer_files(step_dir, step)
     state = {
         "step": step,
         "optimizer_groups": [{**h, "params": list(g)} for h, g in zip(hyper, groups_shapes)],
-        "lr_scheduler": model_states.get("lr_scheduler"),
-        "rng": None,
+        "lr_scheduler": model_states.get("lr_scheduler") or trainer.get("lr_scheduler"),
+        "rng": trainer.get("rng"),
         "model_config": hf_config,
         "deepspeed": {"stage": stage, "steps": [None] * len(group_steps)},
-        "extra": {"imported_from": str(step_dir)},
+        "extra": {"imported_from": str(step_dir), **trainer.get("extra", {})},
     }
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
     return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage)
@@ -200,6 +204,32 @@ def _optimizer_groups(step_dir: Path) -> tuple[list[dict[str, Any]], list[Any], 
     if isinstance(states, list):
         steps = [s.get("step") for s in states]
     return hyper, steps, stage
+
+
+def _trainer_files(step_dir: Path, step: int) -> dict[str, Any]:
+    """What HF Trainer keeps beside ``global_stepN/`` when it saves under DeepSpeed (its
+    ``checkpoint-N/``), which the DeepSpeed files lack: the LR scheduler (``scheduler.pt``, when
+    DeepSpeed does not drive it), ``trainer_state.json`` (kept as ``extra["trainer_state"]``, as
+    ``import-hf`` keeps it) and, from a one-process run, ``rng_state.pth``. Per-rank RNG files
+    (``rng_state_<rank>.pth``) are not read: a snapshot holds one RNG state per rank that saved
+    it, and an import writes one. Empty for a plain ``engine.save_checkpoint`` directory."""
+    from llmtailor.interop.hf.files import RNG_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE, read_json, step_of
+    from llmtailor.interop.hf.reader import rng_state, torch_load
+
+    folder = step_dir.parent
+    if not (folder / TRAINER_STATE_FILE).is_file():
+        return {}
+    trainer_state = read_json(folder / TRAINER_STATE_FILE)
+    trainer_step = step_of(folder, trainer_state)
+    if trainer_step != step:
+        raise IntegrityError(f"{folder / TRAINER_STATE_FILE}: global_step is {trainer_step}, but DeepSpeed's {step_dir.name} "
+                             f"holds step {step}")
+    found: dict[str, Any] = {"extra": {"trainer_state": trainer_state}}
+    if (folder / SCHEDULER_FILE).is_file():
+        found["lr_scheduler"] = torch_load(folder / SCHEDULER_FILE)
+    if (folder / RNG_FILE).is_file():
+        found["rng"] = rng_state(folder / RNG_FILE)
+    return found
 
 
 def _to_universal(found: _Checkpoint, scratch: Path) -> Path:

@@ -16,6 +16,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -66,12 +67,26 @@ def weight_files(path: Path) -> list[Path]:
     ``model.safetensors.index.json`` names (each must be there, in the directory itself)."""
     if (path / WEIGHTS_FILE).is_file():
         return [path / WEIGHTS_FILE]
-    index = path / WEIGHTS_INDEX_FILE
+    return shard_files(path / WEIGHTS_INDEX_FILE)
+
+
+def bin_files(path: Path) -> list[Path]:
+    """The torch pickle files of a model directory written by an older ``save_pretrained``
+    (``safe_serialization=False``): ``pytorch_model.bin``, or the shards its
+    ``pytorch_model.bin.index.json`` names."""
+    if (path / BIN_FILE).is_file():
+        return [path / BIN_FILE]
+    return shard_files(path / BIN_INDEX_FILE)
+
+
+def shard_files(index: Path) -> list[Path]:
+    """The shard files a ``save_pretrained`` index names in its ``weight_map`` (each must be
+    there, in the index's own directory)."""
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise IntegrityError(f"{index}: key 'weight_map' is missing or empty")
-    files = [path / name for name in sorted(set(map(str, weight_map.values())))]
-    absent = [f.name for f in files if not f.is_file() or f.parent != path]
+    files = [index.parent / name for name in sorted(set(map(str, weight_map.values())))]
+    absent = [f.name for f in files if not f.is_file() or f.parent != index.parent]
     if absent:
         raise IntegrityError(f"{index}: names shard files that are missing: {absent[:3]}")
     return files

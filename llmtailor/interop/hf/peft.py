@@ -35,6 +35,9 @@ from llmtailor.store.run import Run
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+PEFT_ADVICE = ("merges and imports read whole models; merge the adapter into its base model first (peft's "
+               "merge_and_unload, then save_pretrained) and name that directory")
+"""What to do with a peft adapter where a whole model is read (a merge source, ``import-hf``)."""
 
 
 DORA_MAGNITUDE = "lora_magnitude_vector"

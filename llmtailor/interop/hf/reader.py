@@ -4,8 +4,10 @@ Trainer's own files.
 - ``ModelDirSource``: a ``save_pretrained`` directory: ``config.json`` (its ``model_type`` picks
   the layout family) and ``model.safetensors`` (single or sharded with its index; names, dtypes
   and shapes from the headers, byte ranges copied; no model is built, so neither torch nor
-  transformers is imported) or ``pytorch_model.bin`` (torch's weights-only loader, memory-
-  mapped). No optimizer or training state.
+  transformers is imported) or ``pytorch_model.bin`` (single or sharded with its
+  ``pytorch_model.bin.index.json``, as ``save_pretrained(safe_serialization=False)`` wrote
+  it before transformers 5: torch's weights-only loader, memory-mapped). No optimizer or
+  training state.
 - ``CheckpointSource``: a Trainer ``checkpoint-N/``: its weights as above; ``optimizer.pt`` is
   read only when asked for (indices mapped to names by Trainer's own decay / no-decay groups);
   ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` give the state.
@@ -21,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.interop.deepspeed.files import find_step_dir, is_deepspeed_checkpoint
 from llmtailor.interop.hf.files import (
     BIN_FILE,
+    BIN_INDEX_FILE,
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
     OPTIMIZER_FILE,
@@ -32,9 +36,11 @@ from llmtailor.interop.hf.files import (
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
+    bin_files,
     read_json,
     step_of,
 )
+from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
 from llmtailor.interop.hf.weights import ModelWeights, has_weights
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, layout_from_names
@@ -60,11 +66,13 @@ class ModelDirSource(Source):
             # Names, dtypes and shapes from the safetensors headers alone: no model is built.
             self._weights = ModelWeights(path)
             self._info = {k: TensorInfo(t.dtype, t.shape) for k, t in self._weights.tensors.items()}
-        elif (path / BIN_FILE).is_file():
-            self._bin = self._load_bin(path / BIN_FILE)
+        elif (path / BIN_FILE).is_file() or (path / BIN_INDEX_FILE).is_file():
+            self._bin = {}
+            for file in bin_files(path):
+                self._bin.update(self._load_bin(file))
             self._info = {k: TensorInfo(dtypes.name_of(t.dtype), tuple(t.shape)) for k, t in self._bin.items()}
         else:
-            raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or {BIN_FILE}")
+            raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE}, {BIN_FILE} or {BIN_INDEX_FILE}")
         self.layout = layout_from_names(list(self._info), family)
 
     def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
@@ -177,9 +185,19 @@ def family_of(config: dict[str, Any]) -> str:
 def require_importable(source: Path) -> None:
     if not source.is_dir():
         raise ConfigError(f"{source}: no such checkpoint directory")
+    if is_deepspeed_checkpoint(source):
+        raise ConfigError(f"{source}: a Trainer checkpoint saved under DeepSpeed (its optimizer state is in "
+                          f"{find_step_dir(source).name}/, not {OPTIMIZER_FILE}): import it with "
+                          f"`llmtailor import-deepspeed {source}`")
+    if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
+        raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
+                          f"importable: {PEFT_ADVICE}")
     problems = [f"{name} is missing" for name in (CONFIG_FILE, TRAINER_STATE_FILE) if not (source / name).is_file()]
     if not has_weights(source):
-        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing")
+        pickled = [name for name in (BIN_FILE, BIN_INDEX_FILE) if (source / name).is_file()]
+        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing" + (
+            f"; its weights are in {pickled[0]}, which import-hf does not read: a merge reads it, optimizer state "
+            f"included (`llmtailor merge PLAN -o RUN` with the plan `models: [{{model: {source}}}]`)" if pickled else ""))
     have_optimizer, have_scheduler = (source / OPTIMIZER_FILE).is_file(), (source / SCHEDULER_FILE).is_file()
     if have_optimizer != have_scheduler:
         present, absent = (OPTIMIZER_FILE, SCHEDULER_FILE) if have_optimizer else (SCHEDULER_FILE, OPTIMIZER_FILE)
