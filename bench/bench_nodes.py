@@ -68,6 +68,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--against", type=Path, action="append", default=[],
                         help="another checkout whose llmtailor also restores, alternated with this one's (repeatable)")
     parser.add_argument("--profile", action="store_true", help="cProfile each restore; the top of it printed")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each restore's phases per node (wall and thread CPU, calls), with byte and message counts")
     parser.add_argument("--worker", choices=["train", "restore"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -93,7 +95,8 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
         port = sock.getsockname()[1]
     forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
                  f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}", f"--in-flight={args.in_flight}",
-                 *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else [])]
+                 *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else []),
+                 *(["--phases"] if args.phases else [])]
     nodes = []
     for node in range(2):
         tmp = root / f"node{node}" / "tmp"
@@ -159,6 +162,8 @@ def main() -> None:
                     for node, result in enumerate(results):
                         if result.get("profile"):
                             print(f"--- node {node} profile ---\n{result['profile']}")
+                        if result.get("phases"):
+                            print(f"--- node {node} phases ---\n{result['phases']}")
         for label in codes:
             report_restores({way: restores[f"{way}{label}"] for way in ("from memory", "from S3")}, label)
         print(f"restored states equal: {len(digests) == 1}")
@@ -345,6 +350,7 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
     training = Training(args)
     tailor = ours(training, args, args.rounds - 1)
     dist.barrier()
+    phases = Phases() if args.phases else None
     profiler = None
     if args.profile:
         import cProfile
@@ -352,12 +358,18 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
         profiler = cProfile.Profile()
         profiler.enable()
     start = time.perf_counter()
+    if phases is not None:
+        phases.start()
     report = tailor.restore()
     seconds = time.perf_counter() - start
+    if phases is not None:
+        phases.stop(tailor)
     settle = getattr(tailor.tiers, "settle_healing", None)  # a healed copy is committed in the background (session 42)
     if settle is not None:
         settle()
     committed = time.perf_counter() - start
+    if phases is not None:
+        phases.settled()
     profile = ""
     if profiler is not None:
         import io
@@ -377,7 +389,122 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
     said = f"node(s) served by: {report.served_by}" if report.served_by else "nothing to heal"
     (own / "restore.json").write_text(json.dumps({"seconds": seconds, "committed": committed, "tier": report.tier, "step": report.step,
                                                   "said": said, "digest": digest.hexdigest(),
-                                                  "profile": profile}))
+                                                  "profile": profile,
+                                                  "phases": phases.table() if phases is not None else ""}))
+
+
+class Phases:
+    """``--phases``: each phase of a restore timed on this rank (wall seconds, and CPU seconds of
+    the thread that ran it: ``time.thread_time``; calls), by wrapping the functions below where
+    the tree has them (the trees compared may differ), plus the restore's process CPU, the bytes
+    and messages of the courier and of the job's collectives, and the coordinator's rounds.
+    Phases nest (a phase's time includes those it calls); a phase run on a background thread
+    (the healed copy's writes) overlaps the others."""
+
+    NAMES = [
+        "llmtailor.tailor:_Restoring.plan", "llmtailor.store.tiers.healing:survey",
+        "llmtailor.store.tiers.healing:held_here", "llmtailor.store.tiers.healing:heal",
+        "llmtailor.distributed.courier:Courier.stream", "llmtailor.distributed.courier:Courier._hand_over",
+        "llmtailor.store.tiers.healing:Receiving.take", "llmtailor.store.tiers.healing:Receiving.finish",
+        "llmtailor.store.tiers.healing:Receiving._write", "llmtailor.store.tiers.healing:Receiving._commit_written",
+        "llmtailor.store.storage.local:LocalStorage.mapped", "llmtailor.tailor:_Restoring.attempt",
+        "llmtailor.store.tiers.runtime:Tiers.choose", "llmtailor.store.shared_reads:share_manifests",
+        "llmtailor.store.shared_reads:share_small_files", "llmtailor.providers.base:StateProvider.check_composite",
+        "llmtailor.providers.local:LocalProvider.load", "llmtailor.providers.local:LocalProvider._own_copy_holds",
+        "llmtailor.providers.local:LocalProvider._load_optimizer_and_scheduler",
+        "llmtailor.store.units:UnitReader.read", "llmtailor.store.checked:checked_tensors",
+        "llmtailor.store.checked:fetch_stored_tensors", "llmtailor.providers.base:copy_into",
+        "llmtailor.providers.base:StateProvider.finish_load", "llmtailor.providers.base:StateProvider.restore_rank_state",
+        "llmtailor.distributed.coordinator:StoreCoordinator.broadcast",
+        "llmtailor.distributed.coordinator:StoreCoordinator.gather",
+        "llmtailor.distributed.coordinator:StoreCoordinator.exchange",
+        "llmtailor.distributed.read_plan:ReadPlan.fetch",
+        "torch.distributed:isend", "torch.distributed:irecv", "torch.distributed:broadcast",
+    ]
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.figures: dict[str, list[float]] = {}
+        self.bytes: dict[str, int] = {}
+        self.active = False
+        for name in self.NAMES:
+            module_name, path = name.split(":")
+            try:
+                owner = importlib.import_module(module_name)
+                *outer, attr = path.split(".")
+                for part in outer:
+                    owner = getattr(owner, part)
+                original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            except (ImportError, AttributeError, KeyError):
+                continue  # not in this tree
+            wrapped = self._wrap(path, original)
+            setattr(owner, attr, wrapped)
+            if not isinstance(owner, type):  # a function imported by name elsewhere: rebound there too
+                for module in list(sys.modules.values()):
+                    if getattr(module, "__name__", "").startswith("llmtailor") and getattr(module, attr, None) is original:
+                        setattr(module, attr, wrapped)
+
+    def _wrap(self, name: str, function):
+        import functools
+
+        def counted(args) -> None:
+            for value in args:
+                numel = getattr(value, "numel", None)
+                if callable(numel) and hasattr(value, "element_size"):
+                    self.bytes[name] = self.bytes.get(name, 0) + numel() * value.element_size()
+                    return
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            if not self.active:
+                return function(*args, **kwargs)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                figure = self.figures.setdefault(name, [0, 0.0, 0.0])
+                figure[0] += 1
+                figure[1] += time.perf_counter() - wall
+                figure[2] += time.thread_time() - cpu
+                if name.startswith(("isend", "irecv", "broadcast")):
+                    counted(args)
+
+        return timed
+
+    def start(self) -> None:
+        import resource
+
+        self.active = True
+        self.usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def stop(self, tailor) -> None:
+        import resource
+
+        self.active = False
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.total = (time.perf_counter() - self.wall, time.thread_time() - self.cpu,
+                      usage.ru_utime - self.usage.ru_utime + usage.ru_stime - self.usage.ru_stime)
+        placement = getattr(tailor.tiers, "placement", None)
+        self.sent = placement.courier.sent_bytes if placement is not None else 0
+
+    def settled(self) -> None:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.until_committed = usage.ru_utime - self.usage.ru_utime + usage.ru_stime - self.usage.ru_stime
+
+    def table(self) -> str:
+        wall, thread, process = self.total
+        lines = [f"restore: {wall:.3f} s wall, {thread:.3f} s CPU on the training thread, {process:.3f} s CPU of the "
+                 f"process (all threads, until restore returned; {self.until_committed:.3f} s until this node's copy was "
+                 f"committed); courier sent {self.sent / 1e6:.1f} MB",
+                 f"{'phase':<46}{'calls':>6}{'wall s':>9}{'CPU s':>8}{'MB':>9}"]
+        for name, (calls, seconds, cpu) in self.figures.items():
+            moved = f"{self.bytes[name] / 1e6:9.1f}" if name in self.bytes else ""
+            lines.append(f"{name:<46}{calls:>6}{seconds:>9.3f}{cpu:>8.3f}{moved}")
+        return "\n".join(lines)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -378,8 +378,9 @@ class _Restoring:
         """Load the composite into the live state, its lease held by ``held``: ``(tier, composite,
         skipped, floor)``. With ``fallback`` (no ``step``), every byte read is verified: a damaged
         composite fails while it loads and the next is tried (each byte read once)."""
-        for tier in self.tiers.levels:  # what a healing hands over (``UnitReader.arrived``) serves this restore only
-            held.callback(tier.run.units.arrived.clear)
+        for tier in self.tiers.levels:  # what a healing hands over (``UnitReader.arrived``) serves this restore only;
+            held.callback(tier.run.units.arrived.clear)  # the healed copy's writes wait for its end (``Catalog.hold_back``)
+            held.callback(tier.run.release_held)
         attempts, skipped, unread, floor = self.plan(step, fallback, held)
         fallback = fallback and step is None
         for index, (level, chosen, leased) in enumerate(attempts):

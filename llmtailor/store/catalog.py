@@ -141,6 +141,8 @@ class Catalog:
         self._committing: dict[int, Future[None]] = {}
         """Step -> the commit of that snapshot this process runs in the background (``commit_later``)."""
         self._commit_failures: list[str] = []
+        self._held_back: list[threading.Event] = []
+        """Gates of background commits' writes not yet opened (``hold_back``)."""
 
     @property
     def is_local(self) -> bool:
@@ -203,15 +205,33 @@ class Catalog:
         done = self._committing.get(step)
         return done is not None and not (done.done() and done.exception() is not None)
 
+    def hold_back(self) -> threading.Event:
+        """A gate the writes of a background commit wait on (a healed snapshot's,
+        ``tiers.healing.Receiving``), opened by ``release_held``: at the end of the restore that
+        reads the bytes the healing received (``Tailor.restore``: in memory already, so that
+        restore has the CPUs to itself), or by anything that waits for the commit
+        (``wait_commits``, ``settle_commits``)."""
+        gate = threading.Event()
+        self._held_back.append(gate)
+        return gate
+
+    def release_held(self) -> None:
+        """Open every gate ``hold_back`` gave: the writes held back start."""
+        held, self._held_back = self._held_back, []
+        for gate in held:
+            gate.set()
+
     def wait_commits(self) -> None:
-        """Wait for the background commits (``commit_later``), settling none (their failures
-        stay for ``settle_commits``): another reader of the store (a fresh ``Run`` of it) then
-        finds what they committed."""
+        """Wait for the background commits (``commit_later``), their writes released first
+        (``release_held``), settling none (their failures stay for ``settle_commits``): another
+        reader of the store (a fresh ``Run`` of it) then finds what they committed."""
+        self.release_held()
         futures.wait(list(self._committing.values()))
 
     def settle_commits(self) -> None:
-        """Wait for the background commits (``commit_later``); each failure kept (and its
-        snapshot forgotten) for ``commit_failure``."""
+        """Wait for the background commits (``commit_later``), their writes released first
+        (``release_held``); each failure kept (and its snapshot forgotten) for ``commit_failure``."""
+        self.release_held()
         for step, done in list(self._committing.items()):
             failure = done.exception()
             del self._committing[step]

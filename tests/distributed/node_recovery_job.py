@@ -13,8 +13,13 @@ Each rank writes its pid to ``DIR/pid-<rank>`` first (the test kills ranks by it
     ``$KILL_AT``: the ranks of that node SIGKILL themselves, ``$KILL_IN`` = ``training``: after
     the save of ``$KILL_AT`` was handed over (in flight) and its versions written; ``replication``:
     as they send their files of that save to their partner node (inside ``Courier.exchange_packed``);
-    ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs).
-    ``$REPLICAS`` (default 2): copies of each node's parts.
+    ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs);
+    ``announced``: once its files of that save were sent to and received from its partners (step 2
+    of the node commit done), before it reports them to rank 0 (so no node commits that save), and
+    only after the training thread handed the next save over and wrote its versions (with
+    ``$IN_FLIGHT`` = 2: that save staged, in flight behind it); it writes ``DIR/staged-<next>``
+    first. ``$REPLICAS`` (default 2): copies of each node's parts; ``$IN_FLIGHT`` (default 1):
+    ``async_in_flight``.
 ``resume``  a writer that restores what ``latest_step`` finds (recording the report and the
     tensors that differ from their composite versions), then trains and saves up to ``$LAST``
     (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``); it records
@@ -51,7 +56,7 @@ def node() -> int:
 def tailor_of(model, optimizer, scheduler) -> Tailor:
     tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=int(os.environ.get("REPLICAS", "2")), keep=2, promote_every=1)]
     return Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers, async_save=True,
-                  timeout=30)
+                  async_in_flight=int(os.environ.get("IN_FLIGHT", "1")), timeout=30)
 
 
 def doomed() -> bool:
@@ -88,11 +93,31 @@ def die_in_commit(step: int) -> None:
     SnapshotCommit.commit = commit
 
 
+def die_once_announced(step: int, out: Path) -> threading.Event:
+    """This rank SIGKILLs itself in the save of ``step`` after its files were replicated and before it
+    reports them to rank 0 (``node_commit._announce``), once the returned event is set (the next save
+    handed over): that save is then in flight behind it."""
+    from llmtailor.store import node_commit
+
+    real, next_staged = node_commit._announce, threading.Event()
+
+    def announce(staged, placement, coord, round_, report):
+        if staged.step == step:
+            next_staged.wait(300)
+            (out / f"staged-{step + 1}").write_text(str(next_staged.is_set()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(staged, placement, coord, round_, report)
+
+    node_commit._announce = announce
+    return next_staged
+
+
 def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: int, last: int) -> None:
     kill_at = int(os.environ.get("KILL_AT", "0")) if doomed() else 0
     saving = die_in_replication(kill_at) if kill_at and os.environ.get("KILL_IN") == "replication" else {}
     if kill_at and os.environ.get("KILL_IN") == "commit":
         die_in_commit(kill_at)
+    next_staged = die_once_announced(kill_at, out) if kill_at and os.environ.get("KILL_IN") == "announced" else None
     for step in range(first, last + 1):
         train(model, optimizer, scheduler, [step])
         saving["step"] = step
@@ -100,6 +125,8 @@ def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: in
         write_versions(out, step, model, optimizer)  # collective: the async save's copies are taken by then
         if step == kill_at and os.environ.get("KILL_IN") == "training":
             os.kill(os.getpid(), signal.SIGKILL)
+        if next_staged is not None and step == kill_at + 1:
+            next_staged.set()
 
 
 def resume(kind: str, out: Path) -> dict:
@@ -108,6 +135,7 @@ def resume(kind: str, out: Path) -> dict:
     held_at_start = Run(os.environ["NODE_DIR"]).steps()
     found = tailor.latest_step()
     report = tailor.restore()
+    tailor.tiers.settle_healing()  # a healed copy is committed once the restore ended: read below through a Run of its own
     result = {"held_at_start": held_at_start, "latest": found, "restored": report.step, "tier": report.tier, "served_by": report.served_by,
               "skipped": report.skipped, "extra": report.extra,
               "mismatches": compare_with_composite(out, report.tier, model, optimizer)}

@@ -200,3 +200,31 @@ def test_a_node_killed_in_its_local_commit_leaves_a_save_the_next_writer_clears_
     assert started[0]["closed"] is None and Run(job.env["RUN_HOME"]).latest_step() == 2, started[0]
     assert Run(job.env["RUN_HOME"]).verify() == []
     job.copies_whole(verify=False)  # one copy of each part: a node's copy is not whole alone
+
+
+def test_a_node_killed_with_a_save_replicated_and_the_next_in_flight_resumes_from_the_newest_committed_everywhere(
+        tmp_path, endpoint):
+    """``async_in_flight=2``: node 1 SIGKILLed in the save of step 3 once its parts were replicated
+    (step 2 of the node commit) and before it reported them, with the save of step 4 staged and in
+    flight behind it; node 0's launch killed too, node 1's memory wiped. No node committed 3 (rank 0
+    commits nothing it has not every report of) nor 4: the restart resumes from 2, from memory (node
+    1's copy rebuilt from node 0's), every tensor equal to its version, and no tier shows 3 or 4 until
+    the resumed job saves them again over what the killed one left staged."""
+    job = Job(tmp_path, endpoint, "ddp")
+    job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="announced", IN_FLIGHT="2")
+    job.lose(1)
+    assert (job.own(1) / "staged-4").read_text() == "True"  # the save of 4 was in flight when node 1 died
+    tiers = [Run(job.memory(0)), Run(job.memory(1)), Run(job.env["RUN_HOME"])]
+    assert [sorted({3, 4} & set(run.steps())) for run in tiers] == [[], [], []]
+    job.wipe(1)
+
+    job.launch("resume", LAST="4", IN_FLIGHT="2")
+    first = job.results("resume")
+    assert [r["held_at_start"] for r in first] == [[1, 2], []]
+    assert [r["latest"] for r in first] == [2, 2] and [r["restored"] for r in first] == [2, 2]
+    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(NODES)]
+    assert first[0]["served_by"] == {"1": [0]} and first[0]["mismatches"] == []
+    assert first[0]["promoted"][-1] == 4
+    job.copies_whole()
+    assert all(not any((job.memory(n) / ".tmp").iterdir()) for n in range(NODES) if (job.memory(n) / ".tmp").exists())
+    assert Run(job.env["RUN_HOME"]).latest_step() == 4 and Run(job.env["RUN_HOME"]).verify() == []

@@ -105,20 +105,23 @@ def test_a_restore_empties_what_a_healing_handed_over_after_forgetting_its_snaps
     """A healing hands its files over after it forgot the cached state of the snapshot it
     committed (``Receiving.finish``: ``Run.forget``, then ``_hand_over``); the restore that
     follows still empties them when it ends (the received bytes, up to ``HAND_OVER_BYTES``, are
-    not held in memory until retention removes the snapshot)."""
+    not held in memory until retention removes the snapshot), and opens the gate the healed
+    copy's writes wait on (``Catalog.hold_back``)."""
     path = parity_run(tmp_path / "run", tokens, 2)
     model, opt, sched = tiny()
     with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
-        run = tailor.tiers.levels[0].run
+        run, gates = tailor.tiers.levels[0].run, []
 
         def healed(coordinator, step):  # what a healing does before the restore reads: forget, then hand over
             run.forget([2])
             run.units.arrived["snapshots/step-00000002/not-read"] = (1, "0", memoryview(b"x"))
+            gates.append(run.hold_back())
             return None, {}
 
         monkeypatch.setattr(tailor.tiers, "recover", healed)
         assert tailor.restore().step == 2
         assert run.units.arrived == {}
+        assert gates and gates[0].is_set()
 
 
 def test_a_local_file_mapped_reads_its_bytes_and_writes_to_the_mapping_stay_private(tmp_path):

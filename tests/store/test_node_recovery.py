@@ -351,6 +351,22 @@ def test_a_healed_snapshot_is_read_from_what_arrived_while_its_copy_is_written_i
     assert all((snapshot / m.path).read_bytes() == (runs[0].snapshot_dir(2) / m.path).read_bytes() for m in moves)
 
 
+def test_a_healed_copy_is_written_once_the_restore_that_reads_what_arrived_has_ended(tmp_path, monkeypatch):
+    """The healed copy's writes wait (``Catalog.hold_back``) until the restore that reads what
+    arrived has ended (``release_held``, as ``Tailor.restore`` ends) or something waits for the
+    copy's commit: that restore has the CPUs to itself, the bytes it reads being in memory."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    wrote, write = threading.Event(), recovery_healing.write_to
+    monkeypatch.setattr(recovery_healing, "write_to", lambda sink, data: (wrote.set(), write(sink, data)))
+    assert received_from_node_0(runs, moves) is None
+    assert not wrote.wait(0.5)  # held back: nothing can be written before the release
+    runs[1].release_held()
+    assert wrote.wait(60)
+    runs[1].settle_commits()
+    assert runs[1].commit_failure() is None and Run(copies[1]).steps() == [2]
+
+
 def test_a_healed_copy_whose_background_write_fails_is_abandoned_and_refuses_every_save_until_a_restore(
         tmp_path, monkeypatch, caplog):
     """A write of the healed copy that fails on the background thread commits nothing, is
@@ -421,10 +437,12 @@ from llmtailor.store.tiers.recovery import Transfer
 source, copy, moves = sys.argv[1], sys.argv[2], [Transfer(*move) for move in json.loads(sys.argv[3])]
 write = healing.write_to
 healing.write_to = lambda sink, data: (time.sleep(0.2), write(sink, data))  # still writing when it exits
-receiving = healing.Receiving(Run(copy), 2, moves, Nodes((0, 1)))
+run = Run(copy)
+receiving = healing.Receiving(run, 2, moves, Nodes((0, 1)))
 for move in moves:
     receiving.take(move.source, move.path, memoryview((Run(source).snapshot_dir(2) / move.path).read_bytes()))
-assert receiving.finish() is None  # the restore would read what arrived; this process exits: no save, no close
+assert receiving.finish() is None  # the restore would read what arrived, then release the writes as it ends:
+run.release_held()  # as ``Tailor.restore`` does; this process then exits: no save, no close
 """
 
 

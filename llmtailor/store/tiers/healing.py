@@ -23,6 +23,7 @@ as nothing, which its receiver refuses (``Receiving``): never a part in half.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -199,8 +200,10 @@ class Receiving:
     while the next ones arrive; one not kept for the restore (past ``HAND_OVER_BYTES``) waits for
     the writes before it, so what is not handed over is never held in memory more than one file
     at a time. A new snapshot handed over whole is committed on that thread too
-    (``_commit_later``): the restore reads what arrived meanwhile, not the node's copy; any
-    other is committed by ``finish``, once its writes are done."""
+    (``_commit_later``): the restore reads what arrived meanwhile, not the node's copy; its
+    writes wait until that restore has ended (``Catalog.hold_back``, or anything that waits for
+    the commit: a save, ``close``, a listing of the copy), so the restore has the CPUs to itself.
+    Any other is committed by ``finish``, once its writes are done."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
         self.run, self.step, self.nodes = run, step, nodes
@@ -217,6 +220,9 @@ class Receiving:
         self._writer: ThreadPoolExecutor | None = None
         """Writes the files as they arrive (a new snapshot handed over whole: then commits it)."""
         self._writes: list[Future[None]] = []
+        self._gate: threading.Event | None = None
+        """What ``_writer`` waits for before it writes a snapshot handed over whole: the end of
+        the restore that reads what arrived (``Catalog.hold_back``)."""
         if moves and failed is None:
             self._guarded(self._open)
 
@@ -231,6 +237,9 @@ class Receiving:
                                  "committed here")
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
+        if sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
+            self._gate = self.run.hold_back()
+            self._writer.submit(self._gate.wait)  # opened at the latest as the restore ends (``Tailor.restore``)
 
     def take(self, rank: int, path: str, content: memoryview) -> None:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
@@ -272,6 +281,8 @@ class Receiving:
                 self._guarded(self._commit_later)
                 if self.error is None:
                     return None
+            if self._gate is not None:
+                self._gate.set()  # nothing to hold back: committed below, or abandoned
             self._writer.shutdown(wait=True)  # every write done: committed below, or abandoned
             self._guarded(self._written)
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
