@@ -22,8 +22,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     restore at this world size), with the run at ``$RUN_ROOT/parity`` (an ``s3://`` URL): each
     rank uploads its own parts; launched as two single-process "nodes" with no shared directory.
 ``fsdp-tiers``  world 2, FSDP2: Parity saves at every step up to 8 into ``DIR/tiered``, async,
-    committed to a host-memory tier at ``$TIER_DIR`` (``promote_every=3``) in front of it, closed
-    (the last save promoted), then a restore at this world size, which reads the memory tier.
+    committed to a host-memory tier at ``$TIER_DIR`` (``promote_every=3``; no other scenario
+    reads it) in front of it, closed (the last save promoted), then a restore at this world
+    size, which reads the memory tier.
 ``fsdp-frozen``  world 2, FSDP2, the q and v projections of every layer frozen (as a LoRA
     freezes its base weights): Parity saves at steps 2, 4, 6 into ``DIR/sync/frozen`` and, async,
     into ``DIR/async/frozen`` (versions under each), then ``DIR/async/frozen`` restored at this
@@ -42,7 +43,7 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``pipeline-tp``  world 4: ``pipeline``'s two stages, each tensor parallel over two ranks (a
     ``("pp", "tp")`` mesh, docs/distributed.md's ``parallelize_stage``): saves, versions and the
     restore into fresh stages as there (no split layer).
-``pipeline-restore``  ``$STAGES`` stages (over this world's ranks) restore ``DIR/stages`` and compare
+``pipeline-restore-<K>``  K stages (over this world's ranks) restore ``DIR/stages`` and compare
     every tensor with its composite version.
 ``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
     forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
@@ -268,9 +269,10 @@ def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer, ste
 
 
 def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int, freeze: bool = False,
-              async_save: bool = False) -> dict:
+              async_save: bool = False, tier: str | None = None) -> dict:
+    """``tier``: a memory tier's directory in front of the run (``fsdp-tiers``)."""
     model, optimizer, scheduler = build(kind, seed=0, freeze=freeze)
-    tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
+    tiers = [Tier(tier, keep=2, promote_every=3)] if tier else []
     tailor = Tailor(location(out, run_name), model, optimizer, scheduler, policy=policy, timeout=60, tiers=tiers,
                     async_save=async_save or bool(tiers))
     saves = []
@@ -286,9 +288,9 @@ def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int
     return {"saves": saves, "promoted": [p.step for p in tailor.tiers.promotions]}
 
 
-def restore_and_compare(kind: str, out: Path, run_name: str, freeze: bool = False) -> dict:
+def restore_and_compare(kind: str, out: Path, run_name: str, freeze: bool = False, tier: str | None = None) -> dict:
     model, optimizer, scheduler = build(kind, seed=5, freeze=freeze)
-    tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
+    tiers = [Tier(tier, keep=2, promote_every=3)] if tier else []
     report = Tailor(location(out, run_name), model, optimizer, scheduler, timeout=60, tiers=tiers).restore()
     return {
         "restored": report.step,
@@ -959,8 +961,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(restore_and_compare("fsdp", out, "parity"))
     elif scenario == "fsdp-tiers":
-        result = save_loop("fsdp", out, "tiered", Parity(), last=8, every=1)
-        result.update(restore_and_compare("fsdp", out, "tiered"))
+        result = save_loop("fsdp", out, "tiered", Parity(), last=8, every=1, tier=os.environ["TIER_DIR"])
+        result.update(restore_and_compare("fsdp", out, "tiered", tier=os.environ["TIER_DIR"]))
     elif scenario == "fsdp-frozen":
         result = {}
         for mode in ("sync", "async"):
@@ -1001,8 +1003,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result = pipeline_freezing(out)
     elif scenario == "pipeline-tp":
         result = pipeline(out, stages=2, tp=2)
-    elif scenario == "pipeline-restore":
-        result = restore_stages(out, stages=int(os.environ["STAGES"]))
+    elif scenario.startswith("pipeline-restore-"):
+        result = restore_stages(out, stages=int(scenario.rsplit("-", 1)[1]))
     elif scenario == "fsdp-lacking":
         result = restore_lacking_a_weight(out)
     elif scenario == "fsdp-fallback":
