@@ -92,8 +92,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     each node's own copy) and compares every tensor with its composite version (rank 0).
 ``nodes-single-ddp``  two "nodes", DDP, ``replicas=1`` (each node holds only its own ranks' parts;
     no promotion but the one ``close`` makes, which fails as node 0 lacks node 1's parts: the
-    error recorded): Parity saves at 1..4, then a fresh model restores from each node's copy, each
-    unit read by a rank whose node holds it, and rank 0 compares every tensor.
+    error recorded): Parity saves at 1..4 into the node-local tier beside ``$NODE_DIR``
+    (``single``) in front of ``$RUN_HOME-single``, versions in ``DIR/single``, then a fresh model
+    restores from each node's copy, each unit read by a rank whose node holds it, and rank 0
+    compares every tensor.
 ``nodes-pipelined``  two "nodes" of DDP ranks, async Parity saves (two in flight) into the node-local tier beside
     ``$NODE_DIR`` (``pipelined``, ``replicas=2``) in front of ``$RUN_HOME-pipelined``: 1 and 2
     committed; step 3 fails on node 1 alone (its last rank's extra cannot be encoded, reported by
@@ -850,9 +852,11 @@ def nodes_single(out: Path) -> dict:
     """``nodes-single-ddp`` (module docstring)."""
     from llmtailor.errors import PromotionError
 
-    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=None, promote_every=10**6)]
+    where, home = Path(os.environ["NODE_DIR"]).with_name("single"), os.environ["RUN_HOME"] + "-single"
+    out = out / "single"  # its versions apart from another scenario's of this launch
+    tiers = [Tier(str(where), scope="node", replicas=1, keep=None, promote_every=10**6)]
     model, optimizer, scheduler = build("ddp", seed=0)
-    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers)
+    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers)
     for step in range(1, 5):
         train(model, optimizer, scheduler, [step])
         tailor.save(step, extra={"rank": rank()})
@@ -863,10 +867,9 @@ def nodes_single(out: Path) -> dict:
     except PromotionError as err:  # expected until each node promotes its own parts
         promotion = str(err)
     fresh, fresh_optimizer, fresh_scheduler = build("ddp", seed=5)
-    report = Tailor(os.environ["RUN_HOME"], fresh, fresh_optimizer, fresh_scheduler, timeout=60, tiers=tiers,
-                    read_only=True).restore()
+    report = Tailor(home, fresh, fresh_optimizer, fresh_scheduler, timeout=60, tiers=tiers, read_only=True).restore()
     return {"promotion": promotion, "restored": report.step, "tier": report.tier, "extra": report.extra,
-            "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], fresh, fresh_optimizer)}
+            "mismatches": compare_with_composite(out, where, fresh, fresh_optimizer)}
 
 
 def nodes_refused(out: Path) -> dict:
