@@ -1,7 +1,9 @@
 """Recovery of a node-local tier after a node loss, with real processes: each "node" is a
 ``torchrun --nnodes 2 --node_rank i`` launch on loopback with its own memory directory and TMPDIR
 (no directory shared between nodes); the run's home is an ``s3://`` URL on moto's server.
-Parity saves at every step, async, ``replicas=2`` (node_recovery_job.py).
+Parity saves at every step, async, ``replicas=2`` (node_recovery_job.py). Each run is killed in
+a launch of its own; the relaunches after the kills run the runs of several tests in turn (one
+start-up for all), and what a test checks between two launches is recorded, or copied, then.
 
 - A node SIGKILLed mid-training, its memory wiped, every node relaunched: the job resumes from
   memory, the replaced node's files sent by its partner (the report says which), every tensor
