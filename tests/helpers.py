@@ -206,7 +206,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-LAUNCH_WAIT = 600.0
+LAUNCH_WAIT = 1200.0
 """Seconds a test waits for launches of real processes (``wait_launches``) before it ends them
 and fails: the bound on a hang, never a timing asserted."""
 

@@ -5,8 +5,9 @@ which files of its node's copy each rank read during ``Tailor.restore`` (every `
 read of file bytes: ``read``, ``pieces``, ``read_range``, ``read_into``) and a digest of its
 restored model and optimizer state.
 
-    python -m torch.distributed.run --nnodes 2 --node_rank I ... heal_reads_job.py SCENARIO KIND DIR
+    python -m torch.distributed.run --nnodes 2 --node_rank I ... heal_reads_job.py SCENARIO KIND DIR [NAME=VALUE ...] ...
 
+Several jobs in turn in one launch, each with its environment (``node_recovery_job.run_in_turn``).
 Writes ``DIR/result-<scenario>-<rank>.json``.
 """
 
@@ -15,24 +16,25 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).parent))
-from node_recovery_job import save_steps, tailor_of  # noqa: E402
+from node_recovery_job import run_in_turn, save_steps, tailor_of  # noqa: E402
 from torch_job import build, compare_with_composite, rank, versions  # noqa: E402
 
 from llmtailor.store.storage.local import LocalStorage  # noqa: E402
 
 
-def recording_reads() -> list[str]:
-    """Every key of ``$NODE_DIR`` whose bytes a ``LocalStorage`` reads from now on, in order."""
+@contextmanager
+def recording_reads():
+    """Every key of ``$NODE_DIR`` whose bytes a ``LocalStorage`` reads inside the block, in order."""
     memory, read = Path(os.environ["NODE_DIR"]).resolve(), []
-    for method in ("read", "pieces", "read_range", "read_into"):
-        real = getattr(LocalStorage, method)
+    methods = {method: getattr(LocalStorage, method) for method in ("read", "pieces", "read_range", "read_into")}
+    for method, real in methods.items():
 
         def recorded(self, key, *args, real=real, **kwargs):
             if Path(self.root).resolve() == memory:
@@ -40,7 +42,11 @@ def recording_reads() -> list[str]:
             return real(self, key, *args, **kwargs)
 
         setattr(LocalStorage, method, recorded)
-    return read
+    try:
+        yield read
+    finally:
+        for method, real in methods.items():
+            setattr(LocalStorage, method, real)
 
 
 def digest(model, optimizer) -> str:
@@ -54,20 +60,16 @@ def digest(model, optimizer) -> str:
 def resume(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = tailor_of(model, optimizer, scheduler)
-    read = recording_reads()
-    report = tailor.restore()
-    tailor.close()
+    with recording_reads() as read:
+        report = tailor.restore()
+        tailor.close()
     held = sorted(str(p.relative_to(os.environ["NODE_DIR"])) for p in Path(os.environ["NODE_DIR"]).rglob("*") if p.is_file())
     return {"restored": report.step, "tier": report.tier, "served_by": report.served_by, "read": sorted(set(read)),
             "held": held, "digest": digest(model, optimizer),
             "mismatches": compare_with_composite(out, report.tier, model, optimizer)}
 
 
-def main() -> None:
-    scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    out.mkdir(parents=True, exist_ok=True)
+def run_job(scenario: str, kind: str, out: Path) -> None:
     if scenario == "train":
         model, optimizer, scheduler = build(kind, seed=0)
         tailor = tailor_of(model, optimizer, scheduler)
@@ -78,9 +80,7 @@ def main() -> None:
     else:
         result = resume(kind, out)
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_in_turn(run_job)

@@ -3,10 +3,13 @@
 (the node-local tier: ``scope="node"``, ``replicas=2``) in front of the run ``$RUN_HOME`` (an
 ``s3://`` URL on moto's server: no directory is shared between nodes).
 
-    python -m torch.distributed.run --nnodes N --node_rank I ... node_recovery_job.py SCENARIO KIND DIR
+    python -m torch.distributed.run --nnodes N --node_rank I ... node_recovery_job.py SCENARIO KIND DIR [NAME=VALUE ...] ...
 
-Each rank writes its pid to ``DIR/pid-<rank>`` first (the test kills ranks by it) and, at the end,
-``DIR/result-<scenario>-<rank>.json``. Rank 0 writes every tensor's full value at each save to
+Several jobs (``SCENARIO KIND DIR``, each followed by the environment variables it is run with,
+``NAME=VALUE``: its ``RUN_HOME``, ``NODE_DIR``, ``LAST``...) run in turn in one launch, so the
+tests of several runs share the start-up of their processes; a job that kills its node is the
+only one of its launch. Each rank writes its pid to ``DIR/pid-<rank>`` first (the test kills
+ranks by it) and, at the end of a job, ``DIR/result-<scenario>-<rank>.json``. Rank 0 writes every tensor's full value at each save to
 ``DIR/versions/<step>.safetensors`` (its node's own disk, not its memory tier).
 
 ``train``  Parity saves at every step from 1 to ``$LAST``, async. With ``$KILL_NODE`` and
@@ -35,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -145,11 +149,51 @@ def resume(kind: str, out: Path) -> dict:
     return result
 
 
-def main() -> None:
-    scenario, kind, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+def jobs(args: list[str]) -> list[tuple[str, str, Path, dict[str, str]]]:
+    """``SCENARIO KIND DIR [NAME=VALUE ...]`` groups: each job and its environment."""
+    parsed: list[tuple[str, str, Path, dict[str, str]]] = []
+    while args:
+        if len(args) < 3 or any("=" in arg for arg in args[:3]):
+            raise SystemExit(f"expected SCENARIO KIND DIR [NAME=VALUE ...], got {args}")
+        scenario, kind, out, args = args[0], args[1], Path(args[2]), args[3:]
+        settings = {}
+        while args and "=" in args[0]:
+            name, value = args.pop(0).split("=", 1)
+            settings[name] = value
+        parsed.append((scenario, kind, out, settings))
+    return parsed
+
+
+def run_in_turn(run_job) -> None:
+    """The jobs of the command line, ``run_job(scenario, kind, dir)`` for each in turn, in one
+    process group, each with its environment."""
+    work = jobs(sys.argv[1:])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    out.mkdir(parents=True, exist_ok=True)
+    for scenario, kind, out, settings in work:
+        out.mkdir(parents=True, exist_ok=True)
+        with environment(settings):
+            run_job(scenario, kind, out)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextmanager
+def environment(settings: dict[str, str]):
+    """``os.environ`` with ``settings`` for one job's turn, as it was afterwards."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def run_job(scenario: str, kind: str, out: Path) -> None:
     (out / f"pid-{rank()}").write_text(str(os.getpid()))
     if scenario == "train":
         model, optimizer, scheduler = build(kind, seed=0)
@@ -173,9 +217,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_in_turn(run_job)

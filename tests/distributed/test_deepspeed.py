@@ -4,7 +4,7 @@ restores at another world size and ZeRO stage, into one plain process, bf16 with
 Launches are few (each costs 10-20 s, most of it the start of its processes), and tests that
 need the same processes share one (``ds_job.py`` runs several jobs in turn, a fresh engine
 each): ZeRO-3 at 2 ranks saves, resumes bitwise and restores, then writes DeepSpeed's own
-checkpoint; the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and
+checkpoint, then saves the odd shapes below; the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and
 into a plain torch model; ZeRO-2 at 2 ranks likewise, then its own checkpoint, then bf16 with
 fp32 masters; its run is restored under ZeRO-3 at 3 ranks and into plain torch; the odd shapes
 that end ZeRO partitions mid-row (several chunks of a tensor in one rank's file) with several
@@ -57,10 +57,19 @@ def launch(nproc: int, scenario: str, out: Path, stage: int, shape: str = "plain
 
 
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory):
-    """The ZeRO-3 run (``save``), then DeepSpeed's own ZeRO-3 checkpoint in DIR/ds, one launch."""
-    out = tmp_path_factory.mktemp("zero3")
-    run_jobs(2, [("save+checkpoint", out, 3, "plain")])
+def zero3_runs(tmp_path_factory) -> dict[str, Path]:
+    """The ZeRO-3 runs at 2 ranks, one launch: the plain run (``save``), then DeepSpeed's own
+    ZeRO-3 checkpoint in its DIR/ds, then the run of the odd shapes (``save``); by shape, the
+    directory of each."""
+    dirs = {"plain": tmp_path_factory.mktemp("zero3"), "odd": tmp_path_factory.mktemp("odd-zero3")}
+    run_jobs(2, [("save+checkpoint", dirs["plain"], 3, "plain"), ("save", dirs["odd"], 3, "odd")])
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def zero3(zero3_runs):
+    """The ZeRO-3 run (``save``), then DeepSpeed's own ZeRO-3 checkpoint in DIR/ds."""
+    out = zero3_runs["plain"]
     return out, results(out, "save", 2)
 
 
@@ -248,10 +257,11 @@ def test_import_deepspeed_refuses_what_is_not_a_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def odd_zero3(tmp_path_factory):
-    """ZeRO-3 x 2 on odd sizes (partitions end mid-row) with several sub-groups per param group."""
-    out = tmp_path_factory.mktemp("odd-zero3")
-    return out, launch(2, "save", out, stage=3, shape="odd")
+def odd_zero3(zero3_runs):
+    """ZeRO-3 x 2 on odd sizes (partitions end mid-row) with several sub-groups per param group
+    (saved in the launch of the plain ZeRO-3 run)."""
+    out = zero3_runs["odd"]
+    return out, results(out, "save", 2)
 
 
 def test_odd_sizes_and_sub_groups_save_restore_and_resume_bitwise_under_zero3(odd_zero3):

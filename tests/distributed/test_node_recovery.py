@@ -1,7 +1,9 @@
 """Recovery of a node-local tier after a node loss, with real processes: each "node" is a
 ``torchrun --nnodes 2 --node_rank i`` launch on loopback with its own memory directory and TMPDIR
 (no directory shared between nodes); the run's home is an ``s3://`` URL on moto's server.
-Parity saves at every step, async, ``replicas=2`` (node_recovery_job.py).
+Parity saves at every step, async, ``replicas=2`` (node_recovery_job.py). Each run is killed in
+a launch of its own; the relaunches after the kills run the runs of several tests in turn (one
+start-up for all), and what a test checks between two launches is recorded, or copied, then.
 
 - A node SIGKILLed mid-training, its memory wiped, every node relaunched: the job resumes from
   memory, the replaced node's files sent by its partner (the report says which), every tensor
@@ -44,7 +46,8 @@ pytestmark = pytest.mark.slow
 
 
 class Job:
-    """The nodes of one job on loopback: ``launch`` starts every node, ``results`` waits for them."""
+    """The nodes of one run on loopback: ``launch`` starts every node, ``results`` waits for them;
+    ``together`` launches the nodes once for a turn of each of several runs."""
 
     def __init__(self, tmp_path: Path, endpoint: str, kind: str, nodes: int = NODES):
         self.tmp_path, self.kind, self.nodes = tmp_path, kind, nodes
@@ -58,18 +61,13 @@ class Job:
     def memory(self, node: int) -> Path:
         return self.own(node) / "memory"
 
+    def args(self, scenario: str, node: int, **env: str) -> list[str]:
+        """This run's job on ``node`` (``node_recovery_job.py``'s arguments), with its own settings."""
+        settings = {"RUN_HOME": self.env["RUN_HOME"], "NODE_DIR": str(self.memory(node)), **env}
+        return [scenario, self.kind, str(self.own(node)), *(f"{name}={value}" for name, value in settings.items())]
+
     def launch(self, scenario: str, **env: str) -> None:
-        port = free_port()
-        self.launches = []
-        for node in range(self.nodes):
-            (self.own(node) / "tmp").mkdir(parents=True, exist_ok=True)
-            self.launches.append(subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes), "--node_rank", str(node),
-                 "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                 str(JOB), scenario, self.kind, str(self.own(node))],
-                env={**self.env, **env, "NODE_DIR": str(self.memory(node)), "TMPDIR": str(self.own(node) / "tmp")},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
+        together([(self, scenario, env)])
 
     def results(self, scenario: str) -> list[dict]:
         outputs = [out for out, _ in wait_launches(self.launches)]
@@ -94,40 +92,66 @@ class Job:
     def wipe(self, node: int) -> None:
         shutil.rmtree(self.memory(node), ignore_errors=True)
 
-    def copies_whole(self, verify: bool = True) -> None:
-        """Every snapshot in every node's copy is whole across the nodes (older ones kept only for
-        what a newer composite reads included), the newest composite too, and (``verify``: each
-        copy whole alone, with 2 copies on 2 nodes) each copy verifies."""
-        holdings = {n: held_here(Run(self.memory(n))) for n in range(self.nodes)}
+    def keep_copies(self, name: str) -> None:
+        """A copy of every node's memory as it is now, at ``own(node)/name`` (for ``copies_whole``
+        once a later launch has changed the memory)."""
+        for node in range(self.nodes):
+            if self.memory(node).exists():
+                shutil.copytree(self.memory(node), self.own(node) / name, symlinks=True)
+
+    def copies_whole(self, verify: bool = True, name: str = "memory") -> None:
+        """Every snapshot in every node's copy (``own(node)/name``) is whole across the nodes
+        (older ones kept only for what a newer composite reads included), the newest composite
+        too, and (``verify``: each copy whole alone, with 2 copies on 2 nodes) each copy verifies."""
+        copies = [self.own(n) / name for n in range(self.nodes)]
+        holdings = {n: held_here(Run(copies[n])) for n in range(self.nodes)}
         for held in holdings.values():
             for step in held:
                 assert snapshot_problem(holdings, step) is None, step
         assert composite_problem(holdings, max(s for held in holdings.values() for s in held)) is None
         for n in range(self.nodes if verify else 0):
-            assert Run(self.memory(n)).verify() == [], n
+            assert Run(copies[n]).verify() == [], n
 
 
-@pytest.fixture
-def endpoint(monkeypatch):
-    with moto_process() as url:
+def together(turns: list[tuple[Job, str, dict[str, str]]]) -> None:
+    """One launch of the nodes (every run of ``turns`` has as many) running, in turn, each run's
+    ``(job, scenario, env)``; each job's ``results`` waits for it."""
+    first, port, launches = turns[0][0], free_port(), []
+    for node in range(first.nodes):
+        (first.own(node) / "tmp").mkdir(parents=True, exist_ok=True)
+        launches.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(first.nodes), "--node_rank", str(node),
+             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+             str(JOB), *(arg for job, scenario, env in turns for arg in job.args(scenario, node, **env))],
+            env={**first.env, "TMPDIR": str(first.own(node) / "tmp")},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    for job, _, _ in turns:
+        assert job.nodes == first.nodes
+        job.launches = launches
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with moto_process() as url, pytest.MonkeyPatch.context() as monkeypatch:
         for name, value in environment(url).items():
             monkeypatch.setenv(name, value)
         yield url
 
 
-def lose_a_node_then_every_node(job: Job, lost: int, served_by: dict[str, list[int]]) -> None:
-    """Node ``lost`` SIGKILLed after the save of step 3 was handed over, its memory wiped, every node
-    relaunched: the job resumes from memory (each node its own copy; ``served_by``: the nodes whose
-    copies rebuilt the lost node's), composite-exact, then saves up to 4; then every node's memory
-    wiped: it resumes from the object store, composite-exact. Each Parity composite from 2 on reads
-    two snapshots (its own and the one before): as few steps as show that, each launch costs
-    mostly its start."""
+def lose_a_node(job: Job, lost: int) -> None:
+    """Node ``lost`` SIGKILLed after the save of step 3 was handed over, its memory wiped."""
     job.launch("train", LAST="3", KILL_NODE=str(lost), KILL_AT="3", KILL_IN="training")
     job.lose(lost)
     job.wipe(lost)
 
-    job.launch("resume", LAST="4")
-    first = job.results("resume")
+
+def check_lost_then_every_node(job: Job, first: list[dict], second: list[dict], served_by: dict[str, list[int]]) -> None:
+    """After ``lose_a_node``, the first resume came from memory (each node its own copy; ``served_by``:
+    the nodes whose copies rebuilt the lost node's), composite-exact, then saved up to 4; after
+    every node's memory was wiped, the second resume came from the object store, composite-exact.
+    Each Parity composite from 2 on reads two snapshots (its own and the one before): as few
+    steps as show that, each launch costs mostly its start."""
     restored = first[0]["restored"]
     assert restored in (2, 3)  # 3 was in flight when the node died: committed on every node, or on none
     assert [r["latest"] for r in first] == [restored] * job.nodes and [r["restored"] for r in first] == [restored] * job.nodes
@@ -135,64 +159,111 @@ def lose_a_node_then_every_node(job: Job, lost: int, served_by: dict[str, list[i
     assert first[0]["served_by"] == served_by
     assert first[0]["mismatches"] == [] and [r["mismatches"] for r in first[1:]] == [None] * (job.nodes - 1)
     assert first[0]["promoted"][-1] == 4
-    job.copies_whole()
+    job.copies_whole(name="first")
 
-    for node in range(job.nodes):
-        job.wipe(node)
-    job.launch("resume")
-    second = job.results("resume")
     assert [r["restored"] for r in second] == [4] * job.nodes
     assert second[0]["tier"] == job.env["RUN_HOME"] and second[0]["served_by"] == {}
     assert second[0]["mismatches"] == []
 
 
-def test_a_lost_node_resumes_from_its_partners_memory_then_all_lost_from_the_object_store(tmp_path, endpoint):
-    lose_a_node_then_every_node(Job(tmp_path, endpoint, "fsdp"), lost=1, served_by={"1": [0]})  # node 1's copy: node 0's replica
+def wipe_every_node(job: Job) -> None:
+    for node in range(job.nodes):
+        job.wipe(node)
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
-def test_three_nodes_with_two_replicas_a_lost_node_is_rebuilt_from_two_holders_then_all_lost_from_the_object_store(
-        tmp_path, endpoint, kind):
-    """3 nodes, ``replicas=2``: no node holds every part (node n holds n's and n-1's). Node 2, lost,
-    held its own parts (also on node 0) and node 1's (also on node 1): its copy is rebuilt from
-    both. FSDP2: its per-parameter ``step`` tensors, written by one rank, reach every node's ranks;
-    DDP: each rank writes its share of the replicated state, read back at 3 ranks."""
-    lose_a_node_then_every_node(Job(tmp_path, endpoint, kind, nodes=3), lost=2, served_by={"2": [0, 1]})
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory, endpoint) -> dict[str, tuple[Job, dict]]:
+    """The runs of the 2-node tests below, each killed in a launch of its own, then their resumes
+    (and the writer's start of ``commit``) in shared launches: by name, the run and what its test
+    checks (``seen``: what was looked at between launches)."""
+    runs = {"lost": Job(tmp_path_factory.mktemp("lost"), endpoint, "fsdp"),
+            "replication": Job(tmp_path_factory.mktemp("replication"), endpoint, "ddp"),
+            "commit": Job(tmp_path_factory.mktemp("commit"), endpoint, "fsdp")}
+    seen: dict[str, dict] = {name: {} for name in runs}
+    lose_a_node(runs["lost"], lost=1)
 
-
-def test_a_node_killed_while_replicating_leaves_no_copy_of_that_save_and_rank_0s_node_heals_from_node_1(tmp_path, endpoint):
-    job = Job(tmp_path, endpoint, "ddp")
+    job = runs["replication"]
     job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="replication")
     job.lose(1)
-    assert all(3 not in Run(job.memory(n)).steps() for n in range(NODES))
-    job.launch("resume", LAST="4")
-    first = job.results("resume")
-    assert [r["restored"] for r in first] == [2, 2] and first[0]["served_by"] == {}
-    assert first[0]["mismatches"] == []
-    job.copies_whole()
-    assert all(not any((job.memory(n) / ".tmp").iterdir()) for n in range(NODES) if (job.memory(n) / ".tmp").exists())
+    seen["replication"]["steps after the kill"] = [Run(job.memory(n)).steps() for n in range(NODES)]
 
-    job.wipe(0)  # rank 0's node: it holds nothing now
-    job.launch("resume")
-    second = job.results("resume")
-    assert [r["restored"] for r in second] == [4, 4]
-    assert second[0]["served_by"] == {"0": [1]} and second[0]["tier"] == str(job.memory(0))
-    assert second[0]["mismatches"] == []
-
-
-def test_a_node_killed_in_its_local_commit_leaves_a_save_the_next_writer_clears_from_every_node(tmp_path, endpoint):
-    job = Job(tmp_path, endpoint, "fsdp")
+    job = runs["commit"]
     job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="commit", REPLICAS="1")
     wait_launches([job.launches[1]])
     committed = job.memory(0) / "snapshots" / "step-00000003" / "manifest.json"
     deadline = time.monotonic() + 600  # the event waited for: node 0's own commit of step 3 (no timing asserted)
     while not committed.exists() and time.monotonic() < deadline and job.launches[0].poll() is None:
         time.sleep(0.2)
-    assert committed.exists()
+    seen["commit"]["node 0 committed 3"] = committed.exists()
     job.lose(1)
-    assert 3 not in Run(job.memory(1)).steps()
-    job.launch("start", REPLICAS="1")
-    started = job.results("start")
+    seen["commit"]["node 1's steps"] = Run(job.memory(1)).steps()
+
+    together([(runs["lost"], "resume", {"LAST": "4"}), (runs["replication"], "resume", {"LAST": "4"}),
+              (runs["commit"], "start", {"REPLICAS": "1"})])
+    seen["commit"]["start"] = runs["commit"].results("start")
+    for name in ("lost", "replication"):
+        seen[name]["first"] = runs[name].results("resume")
+        runs[name].keep_copies("first")
+    wipe_every_node(runs["lost"])
+    runs["replication"].wipe(0)  # rank 0's node: it holds nothing now
+    together([(runs["lost"], "resume", {}), (runs["replication"], "resume", {})])
+    for name in ("lost", "replication"):
+        seen[name]["second"] = runs[name].results("resume")
+    return {name: (runs[name], seen[name]) for name in runs}
+
+
+def test_a_lost_node_resumes_from_its_partners_memory_then_all_lost_from_the_object_store(two_nodes):
+    job, seen = two_nodes["lost"]
+    check_lost_then_every_node(job, seen["first"], seen["second"], served_by={"1": [0]})  # node 1's copy: node 0's replica
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory, endpoint) -> dict[str, tuple[Job, list[list[dict]]]]:
+    """The FSDP2 and the DDP run on 3 nodes, each losing node 2 in a launch of its own, then
+    both resumed in turn in each relaunch: by kind, the run and the results of both resumes."""
+    runs = {kind: Job(tmp_path_factory.mktemp(kind), endpoint, kind, nodes=3) for kind in ("fsdp", "ddp")}
+    for job in runs.values():
+        lose_a_node(job, lost=2)
+    together([(job, "resume", {"LAST": "4"}) for job in runs.values()])
+    first = {kind: job.results("resume") for kind, job in runs.items()}
+    for job in runs.values():
+        job.keep_copies("first")
+        wipe_every_node(job)
+    together([(job, "resume", {}) for job in runs.values()])
+    return {kind: (job, [first[kind], job.results("resume")]) for kind, job in runs.items()}
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_three_nodes_with_two_replicas_a_lost_node_is_rebuilt_from_two_holders_then_all_lost_from_the_object_store(
+        three_nodes, kind):
+    """3 nodes, ``replicas=2``: no node holds every part (node n holds n's and n-1's). Node 2, lost,
+    held its own parts (also on node 0) and node 1's (also on node 1): its copy is rebuilt from
+    both. FSDP2: its per-parameter ``step`` tensors, written by one rank, reach every node's ranks;
+    DDP: each rank writes its share of the replicated state, read back at 3 ranks."""
+    job, (first, second) = three_nodes[kind]
+    check_lost_then_every_node(job, first, second, served_by={"2": [0, 1]})
+
+
+def test_a_node_killed_while_replicating_leaves_no_copy_of_that_save_and_rank_0s_node_heals_from_node_1(two_nodes):
+    job, seen = two_nodes["replication"]
+    assert all(3 not in steps for steps in seen["steps after the kill"])
+    first = seen["first"]
+    assert [r["restored"] for r in first] == [2, 2] and first[0]["served_by"] == {}
+    assert first[0]["mismatches"] == []
+    job.copies_whole(name="first")
+    assert all(not any((job.own(n) / "first" / ".tmp").iterdir()) for n in range(NODES) if (job.own(n) / "first" / ".tmp").exists())
+
+    second = seen["second"]  # after rank 0's node was wiped: it held nothing
+    assert [r["restored"] for r in second] == [4, 4]
+    assert second[0]["served_by"] == {"0": [1]} and second[0]["tier"] == str(job.memory(0))
+    assert second[0]["mismatches"] == []
+
+
+def test_a_node_killed_in_its_local_commit_leaves_a_save_the_next_writer_clears_from_every_node(two_nodes):
+    job, seen = two_nodes["commit"]
+    assert seen["node 0 committed 3"]
+    assert 3 not in seen["node 1's steps"]
+    started = seen["start"]
     assert [r["held_at_start"] for r in started] == [[1, 2], [1, 2]]  # step 3 cleared from node 0 by the writer's start
     assert [r["latest"] for r in started] == [2, 2]
     # close() leaves the newest composite, step 2, promoted (by the collective promotion: each node

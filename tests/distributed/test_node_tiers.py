@@ -55,8 +55,12 @@ def results_of(tmp_path: Path, scenario: str, per_node: int = 2) -> list[dict]:
 
 
 @pytest.mark.parametrize("kind, per_node", [("fsdp", 1), ("ddp", 2)])
-def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_every_tensor(tmp_path, kind, per_node):
-    saved = launch(tmp_path, f"nodes-{kind}", per_node)
+def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_every_tensor(request, tmp_path, kind, per_node):
+    if kind == "ddp":  # saved by the launch shared with the tests below
+        tmp_path = request.getfixturevalue("two_ddp_nodes")
+        saved = results_of(tmp_path, "nodes-ddp", per_node)
+    else:
+        saved = launch(tmp_path, f"nodes-{kind}", per_node)
     world = 2 * per_node
     copies = [Run(tmp_path / f"node{node}" / "memory") for node in range(2)]
     # keep=2 on each node alike: the composites of 3 and 4, and 2, which that of 3 needs; what a
@@ -92,10 +96,11 @@ def test_each_node_keeps_its_parts_and_its_partners_and_a_fresh_launch_restores_
 
 @pytest.fixture(scope="module")
 def two_ddp_nodes(tmp_path_factory) -> Path:
-    """One launch of 2 nodes of 2 DDP ranks for the tests below: ``nodes-single-ddp``, then
-    ``nodes-pipelined``."""
+    """One launch of 2 nodes of 2 DDP ranks for the DDP case of the test above and the tests
+    below: ``nodes-ddp``, ``nodes-single-ddp``, then ``nodes-pipelined`` (each with a node-local
+    tier and a run directory of its own)."""
     tmp_path = tmp_path_factory.mktemp("nodes")
-    launch(tmp_path, ["nodes-single-ddp", "nodes-pipelined"], 2)
+    launch(tmp_path, ["nodes-ddp", "nodes-single-ddp", "nodes-pipelined"], 2)
     return tmp_path
 
 
@@ -107,7 +112,7 @@ def test_with_one_replica_each_node_holds_its_own_parts_and_each_unit_is_read_wh
     given node 1's unit: "packs/rank-00002.0.safetensors: file is missing")."""
     tmp_path = two_ddp_nodes
     results = results_of(tmp_path, "nodes-single-ddp")
-    copies = [Run(tmp_path / f"node{node}" / "memory") for node in range(2)]
+    copies = [Run(tmp_path / f"node{node}" / "single") for node in range(2)]
     for node, copy in enumerate(copies):
         files = {f.path for unit in copy.manifest(4).units for f in copy.unit_entry(4, unit).files}
         present = {path for path in files if (copy.snapshot_dir(4) / path).is_file()}
@@ -117,7 +122,7 @@ def test_with_one_replica_each_node_holds_its_own_parts_and_each_unit_is_read_wh
         assert f"of the parts of node(s) [{1 - node}] are held on other nodes (this is node {node}'s copy" in check.notes[-1]
     for rank, result in enumerate(results):
         assert result["restored"] == 4 and result["extra"] == {"rank": rank}
-        assert result["tier"] == str(tmp_path / f"node{rank // 2}" / "memory")
+        assert result["tier"] == str(tmp_path / f"node{rank // 2}" / "single")
     assert results[0]["mismatches"] == []
 
 

@@ -4,7 +4,8 @@ ranks that did not read a unit get it over torch.distributed from the one that d
 composite's manifests, unit indexes and global state. A corrupted unit file, and a corrupted
 global.json, are each found by their one reader and the restore refused on every rank, naming that
 reader (one launch, ``torch_job.py ddp-read-once``, covers these); a reader killed mid-restore
-fails the others within the timeout, naming it."""
+fails the others within the timeout, naming it. The restores from the object store share two
+launches (3 and 4 ranks), each scenario with a run of its own in one bucket."""
 
 from __future__ import annotations
 
@@ -71,31 +72,57 @@ def assert_metadata_fetched_once(results: list[dict]) -> None:
         assert sum(reads) == 1, (key, reads)
 
 
-def launch_on_s3(scenario: str, ranks: int, out: Path, monkeypatch, before=None,
-                 run: str | None = None) -> tuple[list[dict], dict[str, int]]:
-    """``scenario`` of ``torch_job.py`` at ``ranks`` ranks with ``$RUN_ROOT`` in a bucket of a
-    fresh moto server (``before(url)`` called first, in this process): every rank's result, and
-    the data files of the composite of the run named ``run`` (default: as the scenario's kind,
-    ``ddp``, ``hsdp``) by key, with their bytes."""
-    with moto_process() as endpoint:
+def torchrun(ranks: int, jobs: list[tuple[str, Path]], url: str) -> None:
+    """One launch of ``torch_job.py`` at ``ranks`` ranks running the ``(scenario, dir)`` jobs in
+    turn, ``$RUN_ROOT`` at ``url``."""
+    launch = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
+         *(str(arg) for job in jobs for arg in job)],
+        env={**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True, text=True, timeout=1800,
+    )
+    assert launch.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + launch.stdout[-3000:] + launch.stderr[-6000:]
+
+
+def save_whole(url: str, out: Path, tokens) -> None:
+    """A one-process Full save of step 1 at ``url/single``, its tensors in ``out/versions/single.safetensors``."""
+    model, optimizer, scheduler = tiny()
+    train(model, optimizer, scheduler, tokens, [1])
+    with Tailor(f"{url}/single", model, optimizer, scheduler, policy=Full()) as tailor:
+        tailor.save(1)
+    values = {weight_key(n): p.detach().clone() for n, p in model.named_parameters()}
+    values.update({optim_key(n, k): v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()})
+    (out / "versions").mkdir()
+    save_file(values, str(out / "versions" / "single.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def on_s3(tmp_path_factory, tokens) -> dict[str, tuple[list[dict], dict[str, int]]]:
+    """The restores of the tests below, from one bucket of moto's server (``$RUN_ROOT``; this
+    process reads it too): a one-process save and a 2-rank FSDP2 save made first, then one
+    3-rank launch (``ddp-read-once``, ``fsdp-read-once``) and one 4-rank launch
+    (``hsdp-read-once``, ``pipeline-ddp-read-once``), each scenario in a directory of its own
+    and its run named after its kind (``single`` for the pipeline's). By scenario: every rank's
+    result, and the data files of the composite of its run by key, with their bytes."""
+    three, four = ("ddp-read-once", "fsdp-read-once"), ("hsdp-read-once", "pipeline-ddp-read-once")
+    dirs = {scenario: tmp_path_factory.mktemp(scenario) for scenario in (*three, *four)}
+    runs = {"pipeline-ddp-read-once": "single"}
+    with moto_process() as endpoint, pytest.MonkeyPatch.context() as monkeypatch:
         url = f"s3://{new_bucket(endpoint)}/jobs"
         for name, value in environment(endpoint).items():  # this process reads the bucket too
             monkeypatch.setenv(name, value)
-        if before is not None:
-            before(url)
-        launch = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
-             scenario, str(out)],
-            env={**os.environ, **environment(endpoint), "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-            capture_output=True, text=True, timeout=900,
-        )
-        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
-        results = [json.loads((out / f"result-{scenario}-{r}.json").read_text()) for r in range(ranks)]
-        return results, composite_files(Run(f"{url}/{run or scenario.split('-')[0]}"))
+        save_whole(url, dirs["pipeline-ddp-read-once"], tokens)
+        torchrun(2, [("fsdp-read-once-save", dirs["fsdp-read-once"])], url)
+        torchrun(RANKS, [(scenario, dirs[scenario]) for scenario in three], url)
+        torchrun(4, [(scenario, dirs[scenario]) for scenario in four], url)
+        return {scenario: ([json.loads((out / f"result-{scenario}-{r}.json").read_text())
+                            for r in range(RANKS if scenario in three else 4)],
+                           composite_files(Run(f"{url}/{runs.get(scenario, scenario.split('-')[0])}")))
+                for scenario, out in dirs.items()}
 
 
-def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(tmp_path, monkeypatch):
-    results, data = launch_on_s3("ddp-read-once", RANKS, tmp_path, monkeypatch)
+def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is_refused_everywhere(on_s3):
+    results, data = on_s3["ddp-read-once"]
     corrupted = results[0]["corrupted"]
 
     for result in results:
@@ -129,11 +156,11 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     assert [bool(result["fetched_global"].get(corrupted)) for result in results] == [r == reader for r in range(RANKS)]
 
 
-def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch):
+def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(on_s3):
     """2 replicas x 2 shards: each replica group reads each unit once between its two ranks; the
     two groups hold different shards, so the composite's bytes are fetched once in all (its
     plain tensors, the step counters, once per group: a few bytes)."""
-    results, data = launch_on_s3("hsdp-read-once", 4, tmp_path, monkeypatch)
+    results, data = on_s3["hsdp-read-once"]
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []
     fetched = [result["fetched"] for result in results]
@@ -143,22 +170,11 @@ def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(tmp_path, monkeypatch)
     assert [result["broadcasts"] for result in results] == [result["plan_items"] for result in results]
 
 
-def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(tmp_path, monkeypatch, tokens):
+def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(on_s3):
     """Two pipeline stages, each DDP over two data ranks (its own process group), restore a
-    one-process save: each stage's units are read once between its two ranks, so each byte of
+    one-process save (``save_whole``): each stage's units are read once between its two ranks, so each byte of
     the composite once in all (before, both data ranks of a stage read all of its units)."""
-
-    def save_whole(url: str) -> None:
-        model, optimizer, scheduler = tiny()
-        train(model, optimizer, scheduler, tokens, [1])
-        with Tailor(f"{url}/single", model, optimizer, scheduler, policy=Full()) as tailor:
-            tailor.save(1)
-        values = {weight_key(n): p.detach().clone() for n, p in model.named_parameters()}
-        values.update({optim_key(n, k): v.clone() for n, p in model.named_parameters() for k, v in optimizer.state[p].items()})
-        (tmp_path / "versions").mkdir()
-        save_file(values, str(tmp_path / "versions" / "single.safetensors"))
-
-    results, data = launch_on_s3("pipeline-ddp-read-once", 4, tmp_path, monkeypatch, before=save_whole, run="single")
+    results, data = on_s3["pipeline-ddp-read-once"]
     for result in results:
         assert result["restored"] == 1 and result["compared"] > 0 and result["mismatches"] == []
     fetched = [result["fetched"] for result in results]
@@ -167,8 +183,7 @@ def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(
     assert_metadata_fetched_once(results)
 
 
-def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_few_requests_each_byte_once(
-        tmp_path, monkeypatch):
+def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_few_requests_each_byte_once(on_s3):
     """Restored at 3 ranks, a 2-rank FSDP2 save's shards are boxes of every file's chunks: each
     rank used to fetch each box it needs in a request of its own (one per tensor per file, and
     the pages around a box's ends fetched by both ranks sharing them). Now the ranges every rank
@@ -176,14 +191,7 @@ def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_f
     file, and sent to the ranks that need them: a file's requests are its header's (one in the
     job, its size with it: it was a HEAD and two GETs) and one per unit it holds (the tiny
     model's units are all under ``PART``)."""
-    def save_at_two(url: str) -> None:
-        launch = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(JOB),
-             "fsdp-read-once-save", str(tmp_path)],
-            env={**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
-        assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-6000:]
-
-    results, data = launch_on_s3("fsdp-read-once", RANKS, tmp_path, monkeypatch, before=save_at_two)
+    results, data = on_s3["fsdp-read-once"]  # saved at 2 ranks (``fsdp-read-once-save``) first
     for result in results:
         assert result["restored"] == 4 and result["mismatches"] == []
     fetched = [result["fetched"] for result in results]

@@ -3,18 +3,22 @@
 Launches are few and batched (each costs 10-20 s, most of it the start of its processes): one
 2-rank launch runs, in turn, the 2-rank scenarios of several tests, each in a directory of its
 own (an FSDP2 job that trains, saves, resumes and restores; a DDP job; per-rank stateful
-objects; partly frozen units; a forged run refused; a fallback past damage); a 3-rank launch
-restores the FSDP2 run and the dp x tp run in turn; two processes started by hand for the SIGKILL case (torchrun would kill
-the surviving rank itself)."""
+objects; partly frozen units; a forged run refused; a fallback past damage; pipeline stages; a
+memory tier); one 4-rank launch the 4-rank ones (dp x tp, pipeline stages x FSDP2, pipeline x
+tp, and the 2-rank pipeline run restored into 4 stages); a 3-rank launch restores the FSDP2 run
+and the dp x tp run in turn; a 2-rank launch restores the 4-rank pipeline run into 2 stages; two
+processes started by hand for the SIGKILL case (torchrun would kill the surviving rank itself)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -30,12 +34,6 @@ pytestmark = pytest.mark.slow
 
 def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def torchrun(nproc: int, scenario: str, out: Path, timeout: float = 600, **more_env: str) -> list[dict]:
-    """Launch ``scenario`` at ``nproc`` ranks; past ``timeout`` (a hang) every rank is killed."""
-    torchrun_jobs(nproc, [(scenario, out)], timeout, **more_env)
-    return read_results(out, scenario, nproc)
 
 
 def read_results(out: Path, scenario: str, nproc: int) -> list[dict]:
@@ -72,16 +70,46 @@ def restore_in_one_process(out: Path, run_name: str) -> tuple[list[str], object]
     return job_module().compare_with_composite(out, out / run_name, model, optimizer), report
 
 
-SHARED_2_RANKS = ("fsdp-train", "ddp", "stateful", "fsdp-frozen", "fsdp-lacking", "fsdp-fallback", "pipeline-freeze")
+SHARED_2_RANKS = ("fsdp-train", "ddp", "stateful", "fsdp-frozen", "fsdp-lacking", "fsdp-fallback", "pipeline-freeze",
+                  "fsdp-tiers", "pipeline")
+SHARED_4_RANKS = ("mesh", "pipeline-tp", "pipeline")
+"""Each launch's scenarios, in turn; ``pipeline`` last, as it ends with a refused ``Tailor``."""
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict[str, Path]:
+def memory_tier():
+    """A fresh directory in host memory (/dev/shm) for ``fsdp-tiers``'s tier, removed afterwards."""
+    memory = Path("/dev/shm") / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    yield memory
+    shutil.rmtree(memory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, memory_tier) -> dict[str, Path]:
     """The directory of each scenario of ``SHARED_2_RANKS``, all run in one 2-rank launch (the
     tests share the ranks' start-up, not their files)."""
     dirs = {scenario: tmp_path_factory.mktemp(scenario) for scenario in SHARED_2_RANKS}
-    torchrun_jobs(2, list(dirs.items()), timeout=1800)  # a hang guard for seven jobs on a busy machine
+    torchrun_jobs(2, list(dirs.items()), timeout=1800, TIER_DIR=str(memory_tier))  # a hang guard for nine jobs on a busy machine
     return dirs
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, two_ranks) -> dict[str, Path]:
+    """The directory of each scenario of ``SHARED_4_RANKS``, run in one 4-rank launch, which
+    then restores the 2-rank ``pipeline`` run into 4 stages (``pipeline-restore-4``, results in
+    its directory)."""
+    dirs = {scenario: tmp_path_factory.mktemp(scenario) for scenario in SHARED_4_RANKS}
+    jobs = list(dirs.items())
+    torchrun_jobs(4, [*jobs[:-1], ("pipeline-restore-4", two_ranks["pipeline"]), jobs[-1]], timeout=1800)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def pipelines(two_ranks, four_ranks) -> dict[int, Path]:
+    """The directory of the ``pipeline`` run at 2 and at 4 ranks, each restored into other stages
+    (the 4-rank run into 2 stages here, in a launch of its own; the 2-rank one by ``four_ranks``)."""
+    torchrun_jobs(2, [("pipeline-restore-2", four_ranks["pipeline"])])
+    return {2: two_ranks["pipeline"], 4: four_ranks["pipeline"]}
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +119,10 @@ def fsdp(two_ranks):
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
+def mesh(four_ranks):
     """dp 2 x tp 2 at 4 ranks: saves into DIR/mesh, restored in the same job (``mesh``)."""
-    out = tmp_path_factory.mktemp("mesh")
-    return out, torchrun(4, "mesh", out)
+    out = four_ranks["mesh"]
+    return out, read_results(out, "mesh", 4)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +239,7 @@ def test_each_rank_saves_and_restores_its_own_stateful_objects(two_ranks):
 
 
 @pytest.mark.parametrize("nproc, into", [(2, (4, 4)), (4, (2, 2))], ids=["2-stages", "2-stages-x-2-fsdp"])
-def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into_one_process(tmp_path, nproc, into):
+def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into_one_process(pipelines, nproc, into):
     """Each rank keeps its stage's half of the layers under their original names (torchtitan's
     pipeline split), sharded over 2 data ranks at 4. Found before: with drift, gloo aborted the
     job (2 stages) or two ranks hung inside save (2 x 2); without, a snapshot committed holding
@@ -220,7 +248,8 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
     stage; so do other stages (2 -> 4 stages; 2 x 2 -> 2 x 1) and one plain process; a layer cut
     between the stages is refused on every rank with one message (the launch's timeout stands
     for a hang); the HF and DeepSpeed exports hold every stage's groups and state."""
-    results = torchrun(nproc, "pipeline", tmp_path, timeout=500)
+    tmp_path = pipelines[nproc]
+    results = read_results(tmp_path, "pipeline", nproc)
     data = nproc // 2
     run = Run(tmp_path / "stages")
     units = list(run.manifest(6).layout["units"])
@@ -250,7 +279,7 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
     assert mismatches == [] and report.step == 6 and report.saved_world_size == nproc
     check_exports_hold_every_stage(tmp_path / "stages", tmp_path / "exports")
     world, stages = into
-    for result in torchrun(world, "pipeline-restore", tmp_path, timeout=300, STAGES=str(stages)):
+    for result in read_results(tmp_path, f"pipeline-restore-{stages}", world):
         assert result["restored"] == 6 and result["mismatches"] == [] and result["scheduler"][1] == 6, result
 
 
@@ -276,13 +305,14 @@ def test_frozen_reports_are_exchanged_only_when_a_stage_has_news_and_the_stages_
     assert run.verify() == []
 
 
-def test_tensor_parallel_inside_pipeline_stages_saves_with_parity_and_restores_into_stages_and_one_process(tmp_path):
+def test_tensor_parallel_inside_pipeline_stages_saves_with_parity_and_restores_into_stages_and_one_process(four_ranks):
     """pp 2 x tp 2 (docs/distributed.md's ``parallelize_stage``: each stage's linears tensor
     parallel over its ``tp`` sub-mesh, its embedding, norms and head whole on both of its
     ranks): Parity saves with drift commit every unit once, each written by its stage; fresh
     stages of the same layout and one plain process restore every weight and optimizer tensor
     to its composite version, and the scheduler and groups of their own stage."""
-    results = torchrun(4, "pipeline-tp", tmp_path, timeout=500)
+    tmp_path = four_ranks["pipeline-tp"]
+    results = read_results(tmp_path, "pipeline-tp", 4)
     run = Run(tmp_path / "stages")
     assert run.verify() == [] and run.manifest(6).world_size == 4
     assert run.resolve(6).sources["layer.0"] == 6 and run.resolve(6).sources["layer.1"] == 4  # a real composite
@@ -370,25 +400,19 @@ def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_pat
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_fsdp2_with_a_memory_tier_promotes_every_ranks_parts_and_restores_from_either(tmp_path):
-    import shutil
-    import uuid
-
-    memory = Path("/dev/shm") / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
-    try:
-        results = torchrun(2, "fsdp-tiers", tmp_path, TIER_DIR=str(memory))
-        for result in results:  # restored at 2 ranks from the memory tier, every tensor its composite's
-            assert result["restored"] == 8 and result["tier"] == str(memory) and result["mismatches"] == []
-        # Rank 0 promotes (which saves, up to the last one at close(), depends on its pace).
-        assert results[0]["promoted"][-1] == 8 and results[1]["promoted"] == []
-        home = Run(tmp_path / "tiered")
-        assert home.latest_step() == 8 and home.verify() == [] and home.manifest(8).world_size == 2
-        assert Run(memory).steps() == [6, 7, 8]
-        shutil.rmtree(memory)  # the node is lost: the run directory alone restores, in one process
-        mismatches, report = restore_in_one_process(tmp_path, "tiered")
-        assert mismatches == [] and report.step == 8 and report.saved_world_size == 2
-    finally:
-        shutil.rmtree(memory, ignore_errors=True)
+def test_fsdp2_with_a_memory_tier_promotes_every_ranks_parts_and_restores_from_either(two_ranks, memory_tier):
+    tmp_path, memory = two_ranks["fsdp-tiers"], memory_tier
+    results = read_results(tmp_path, "fsdp-tiers", 2)
+    for result in results:  # restored at 2 ranks from the memory tier, every tensor its composite's
+        assert result["restored"] == 8 and result["tier"] == str(memory) and result["mismatches"] == []
+    # Rank 0 promotes (which saves, up to the last one at close(), depends on its pace).
+    assert results[0]["promoted"][-1] == 8 and results[1]["promoted"] == []
+    home = Run(tmp_path / "tiered")
+    assert home.latest_step() == 8 and home.verify() == [] and home.manifest(8).world_size == 2
+    assert Run(memory).steps() == [6, 7, 8]
+    shutil.rmtree(memory)  # the node is lost: the run directory alone restores, in one process
+    mismatches, report = restore_in_one_process(tmp_path, "tiered")
+    assert mismatches == [] and report.step == 8 and report.saved_world_size == 2
 
 
 def test_fsdp2_async_saves_of_partly_frozen_units_equal_sync_ones_and_restore(two_ranks):

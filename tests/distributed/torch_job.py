@@ -22,8 +22,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     restore at this world size), with the run at ``$RUN_ROOT/parity`` (an ``s3://`` URL): each
     rank uploads its own parts; launched as two single-process "nodes" with no shared directory.
 ``fsdp-tiers``  world 2, FSDP2: Parity saves at every step up to 8 into ``DIR/tiered``, async,
-    committed to a host-memory tier at ``$TIER_DIR`` (``promote_every=3``) in front of it, closed
-    (the last save promoted), then a restore at this world size, which reads the memory tier.
+    committed to a host-memory tier at ``$TIER_DIR`` (``promote_every=3``; no other scenario
+    reads it) in front of it, closed (the last save promoted), then a restore at this world
+    size, which reads the memory tier.
 ``fsdp-frozen``  world 2, FSDP2, the q and v projections of every layer frozen (as a LoRA
     freezes its base weights): Parity saves at steps 2, 4, 6 into ``DIR/sync/frozen`` and, async,
     into ``DIR/async/frozen`` (versions under each), then ``DIR/async/frozen`` restored at this
@@ -42,7 +43,7 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``pipeline-tp``  world 4: ``pipeline``'s two stages, each tensor parallel over two ranks (a
     ``("pp", "tp")`` mesh, docs/distributed.md's ``parallelize_stage``): saves, versions and the
     restore into fresh stages as there (no split layer).
-``pipeline-restore``  ``$STAGES`` stages (over this world's ranks) restore ``DIR/stages`` and compare
+``pipeline-restore-<K>``  K stages (over this world's ranks) restore ``DIR/stages`` and compare
     every tensor with its composite version.
 ``fsdp-lacking``  world 2, FSDP2: Parity saves at steps 2 and 4 into ``DIR/lacking``; rank 0 then
     forges the run (``helpers.drop_from_unit_index``): the version of layer.1 the composite names
@@ -91,8 +92,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     each node's own copy) and compares every tensor with its composite version (rank 0).
 ``nodes-single-ddp``  two "nodes", DDP, ``replicas=1`` (each node holds only its own ranks' parts;
     no promotion but the one ``close`` makes, which fails as node 0 lacks node 1's parts: the
-    error recorded): Parity saves at 1..4, then a fresh model restores from each node's copy, each
-    unit read by a rank whose node holds it, and rank 0 compares every tensor.
+    error recorded): Parity saves at 1..4 into the node-local tier beside ``$NODE_DIR``
+    (``single``) in front of ``$RUN_HOME-single``, versions in ``DIR/single``, then a fresh model
+    restores from each node's copy, each unit read by a rank whose node holds it, and rank 0
+    compares every tensor.
 ``nodes-pipelined``  two "nodes" of DDP ranks, async Parity saves (two in flight) into the node-local tier beside
     ``$NODE_DIR`` (``pipelined``, ``replicas=2``) in front of ``$RUN_HOME-pipelined``: 1 and 2
     committed; step 3 fails on node 1 alone (its last rank's extra cannot be encoded, reported by
@@ -268,9 +271,10 @@ def compare_with_composite(out: Path, run_dir: Path | str, model, optimizer, ste
 
 
 def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int, freeze: bool = False,
-              async_save: bool = False) -> dict:
+              async_save: bool = False, tier: str | None = None) -> dict:
+    """``tier``: a memory tier's directory in front of the run (``fsdp-tiers``)."""
     model, optimizer, scheduler = build(kind, seed=0, freeze=freeze)
-    tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
+    tiers = [Tier(tier, keep=2, promote_every=3)] if tier else []
     tailor = Tailor(location(out, run_name), model, optimizer, scheduler, policy=policy, timeout=60, tiers=tiers,
                     async_save=async_save or bool(tiers))
     saves = []
@@ -286,9 +290,9 @@ def save_loop(kind: str, out: Path, run_name: str, policy, last: int, every: int
     return {"saves": saves, "promoted": [p.step for p in tailor.tiers.promotions]}
 
 
-def restore_and_compare(kind: str, out: Path, run_name: str, freeze: bool = False) -> dict:
+def restore_and_compare(kind: str, out: Path, run_name: str, freeze: bool = False, tier: str | None = None) -> dict:
     model, optimizer, scheduler = build(kind, seed=5, freeze=freeze)
-    tiers = [Tier(os.environ["TIER_DIR"], keep=2, promote_every=3)] if os.environ.get("TIER_DIR") else []
+    tiers = [Tier(tier, keep=2, promote_every=3)] if tier else []
     report = Tailor(location(out, run_name), model, optimizer, scheduler, timeout=60, tiers=tiers).restore()
     return {
         "restored": report.step,
@@ -848,9 +852,11 @@ def nodes_single(out: Path) -> dict:
     """``nodes-single-ddp`` (module docstring)."""
     from llmtailor.errors import PromotionError
 
-    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=None, promote_every=10**6)]
+    where, home = Path(os.environ["NODE_DIR"]).with_name("single"), os.environ["RUN_HOME"] + "-single"
+    out = out / "single"  # its versions apart from another scenario's of this launch
+    tiers = [Tier(str(where), scope="node", replicas=1, keep=None, promote_every=10**6)]
     model, optimizer, scheduler = build("ddp", seed=0)
-    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers)
+    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), timeout=60, tiers=tiers)
     for step in range(1, 5):
         train(model, optimizer, scheduler, [step])
         tailor.save(step, extra={"rank": rank()})
@@ -861,10 +867,9 @@ def nodes_single(out: Path) -> dict:
     except PromotionError as err:  # expected until each node promotes its own parts
         promotion = str(err)
     fresh, fresh_optimizer, fresh_scheduler = build("ddp", seed=5)
-    report = Tailor(os.environ["RUN_HOME"], fresh, fresh_optimizer, fresh_scheduler, timeout=60, tiers=tiers,
-                    read_only=True).restore()
+    report = Tailor(home, fresh, fresh_optimizer, fresh_scheduler, timeout=60, tiers=tiers, read_only=True).restore()
     return {"promotion": promotion, "restored": report.step, "tier": report.tier, "extra": report.extra,
-            "mismatches": compare_with_composite(out, os.environ["NODE_DIR"], fresh, fresh_optimizer)}
+            "mismatches": compare_with_composite(out, where, fresh, fresh_optimizer)}
 
 
 def nodes_refused(out: Path) -> dict:
@@ -959,8 +964,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result = save_loop("fsdp", out, "parity", Parity(), last=8, every=2)
         result.update(restore_and_compare("fsdp", out, "parity"))
     elif scenario == "fsdp-tiers":
-        result = save_loop("fsdp", out, "tiered", Parity(), last=8, every=1)
-        result.update(restore_and_compare("fsdp", out, "tiered"))
+        result = save_loop("fsdp", out, "tiered", Parity(), last=8, every=1, tier=os.environ["TIER_DIR"])
+        result.update(restore_and_compare("fsdp", out, "tiered", tier=os.environ["TIER_DIR"]))
     elif scenario == "fsdp-frozen":
         result = {}
         for mode in ("sync", "async"):
@@ -1001,8 +1006,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result = pipeline_freezing(out)
     elif scenario == "pipeline-tp":
         result = pipeline(out, stages=2, tp=2)
-    elif scenario == "pipeline-restore":
-        result = restore_stages(out, stages=int(os.environ["STAGES"]))
+    elif scenario.startswith("pipeline-restore-"):
+        result = restore_stages(out, stages=int(scenario.rsplit("-", 1)[1]))
     elif scenario == "fsdp-lacking":
         result = restore_lacking_a_weight(out)
     elif scenario == "fsdp-fallback":

@@ -39,7 +39,7 @@ def memory(tmp_path):
 def killed_after_carrier(tmp_path_factory):
     """``(home, memory)`` as a job SIGKILLed in the promotion of step 4 once its carrier (step 3)
     committed in the run directory left them (``tier_crash_job.py`` at ``carrier``); shared by
-    the tests of this module, which copy them (``crashed``) and never touch them."""
+    the runs of ``next_writers``, which copy them and never touch them."""
     if not SHM.is_dir():
         pytest.skip("no /dev/shm on this machine")
     home, memory = tmp_path_factory.mktemp("carrier") / "home", SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
@@ -51,16 +51,40 @@ def killed_after_carrier(tmp_path_factory):
         shutil.rmtree(memory, ignore_errors=True)
 
 
-def crashed(request, home: Path, memory: Path, point: str) -> None:
-    """``home`` and ``memory`` as a job SIGKILLed at ``point`` of the promotion of step 4 left
-    them: ``carrier`` a copy of ``killed_after_carrier``'s, the others a job of their own."""
-    if point != "carrier":
-        proc = crash_job(home, memory, point)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-        return
-    source_home, source_memory = request.getfixturevalue("killed_after_carrier")
-    shutil.copytree(source_home, home, symlinks=True)
-    shutil.copytree(source_memory, memory, symlinks=True)
+@pytest.fixture(scope="module")
+def next_writers(tmp_path_factory, killed_after_carrier):
+    """The promotion crashes of the tests below, then the next writer of each, all in one process
+    (``tier_crash_job.py``'s jobs in turn): by name (a crash point; ``carrier-left``: the carrier
+    crash with its memory tier wiped, the node lost), ``(crashed, home, memory, printed)``:
+    ``crashed`` holds copies of ``home`` and ``memory`` as the crash left them, taken before the
+    writer ran; ``home`` and ``memory`` as the writer left them; what it printed. The ``file``
+    and ``manifest`` crashes are jobs of their own, ``carrier`` and ``carrier-left`` copies of
+    ``killed_after_carrier``'s."""
+    base, shm = tmp_path_factory.mktemp("promotion"), SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    runs, args = {}, []
+    try:
+        for name, point in (("file", "file"), ("carrier", "resume"), ("manifest", "manifest"), ("carrier-left", "retrain")):
+            crashed, home, memory = base / name / "crashed", base / name / "home", shm / name
+            if name in ("file", "manifest"):
+                proc = crash_job(home, memory, name)
+                assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+            else:
+                source_home, source_memory = killed_after_carrier
+                shutil.copytree(source_home, home, symlinks=True)
+                shutil.copytree(source_memory, memory, symlinks=True)
+            shutil.copytree(home, crashed / "home", symlinks=True)
+            shutil.copytree(memory, crashed / "memory", symlinks=True)
+            if name == "carrier-left":
+                shutil.rmtree(memory)  # the node is lost
+            runs[name] = (crashed, home, memory)
+            args += [str(home), str(memory), "resume" if name != "carrier-left" else "retrain"]
+        proc = subprocess.run([sys.executable, str(JOB), *args], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(printed) == len(runs), proc.stdout[-3000:]
+        yield {name: (*run, line) for (name, run), line in zip(runs.items(), printed)}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def job(out: Path, *flags: str, expect: int = 0, promoted_at: str | None = None) -> tuple[dict | None, list[dict]]:
@@ -115,41 +139,31 @@ def test_sigkill_resumes_from_memory_and_wiped_memory_from_disk(tmp_path, memory
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["file", "carrier", "manifest"])
-def test_sigkill_during_promotion_leaves_both_tiers_whole(tmp_path, memory, request, point):
+def test_sigkill_during_promotion_leaves_both_tiers_whole(next_writers, point):
     """The job saves Parity composites at steps 1..4 (promote_every=3: step 1 and 4 promoted) and
     kills itself inside the promotion of step 4: in its first file, after the carrier (step 3,
     whose units the composite of step 4 needs) was committed, or just before the manifest of
     step 4. The memory tier restores step 4; the run directory still restores step 1; a new
     writer clears what the crash left and promotes again."""
-    home = tmp_path / "home"
-    crashed(request, home, memory, point)
-    in_memory, on_disk = Run(memory), Run(home)
+    crashed, home, memory, result = next_writers[point]
+    in_memory, on_disk = Run(crashed / "memory"), Run(crashed / "home")
     assert in_memory.verify() == [] and in_memory.latest_step() == 4
     assert on_disk.verify() == [] and on_disk.latest_step() == 1
     assert on_disk.steps() == ([1, 3] if point != "file" else [1])
-    proc = crash_job(home, memory, "resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
     assert result == {"restored": 4, "tier": str(memory), "promoted_to_disk": 4}
     assert Run(home).latest_step() == 4 and Run(home).verify() == []
     assert not (home / ".tmp").exists() or not any((home / ".tmp").iterdir())
 
 
 @pytest.mark.slow
-def test_a_carrier_left_by_a_killed_promotion_does_not_block_the_lineage_resumed_from_disk(tmp_path, memory, request):
+def test_a_carrier_left_by_a_killed_promotion_does_not_block_the_lineage_resumed_from_disk(next_writers):
     """The shape that found it: the promotion of step 4 is SIGKILLed once its carrier (step 3)
     committed in the run directory; the node is lost (the memory tier wiped); the next writer
     restores step 1 from the run directory and trains on, and the promotion of its step 4 needs
     its own step 3. It failed 3 times ("is another snapshot of step 3 ... it is not replaced").
     The next writer clears, when it starts, a carrier no composite of the tier needs."""
-    home = tmp_path / "home"
-    crashed(request, home, memory, "carrier")
-    assert Run(home).steps() == [1, 3] and Run(home).manifest(3).notes[CARRIED_FOR] == 4
-    shutil.rmtree(memory)  # the node is lost
-
-    proc = crash_job(home, memory, "retrain")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    crashed, home, memory, result = next_writers["carrier-left"]  # its memory tier wiped (the node lost) before the writer
+    assert Run(crashed / "home").steps() == [1, 3] and Run(crashed / "home").manifest(3).notes[CARRIED_FOR] == 4
     # 4 (3 steps after 1; 3 carried with it) and 7 (3 steps on; 6 carried), each promoted once
     assert result == {"at_start": [1], "restored": 1, "tier": str(home), "promoted": [4, 7], "on_disk": [1, 3, 4, 6, 7]}
     on_disk, in_memory = Run(home), Run(memory)

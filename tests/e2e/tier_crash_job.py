@@ -1,4 +1,6 @@
-"""A job for test_tier_crashes: ``tier_crash_job.py HOME MEMORY POINT``.
+"""A job for test_tier_crashes: ``tier_crash_job.py HOME MEMORY POINT [HOME MEMORY POINT ...]``,
+each in turn in this process (the tests of several runs share its start-up; a POINT at which it
+dies is the last).
 
 POINT ``file`` / ``carrier`` / ``manifest``: save Parity composites at steps 1..4 to the memory
 tier (``promote_every=3``: step 1 is promoted, then step 4 with step 3 as its carrier) and
@@ -96,4 +98,7 @@ def main(home: str, memory: str, point: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if len(sys.argv) < 4 or len(sys.argv) % 3 != 1:
+        sys.exit(f"expected HOME MEMORY POINT [HOME MEMORY POINT ...], got {sys.argv[1:]}")
+    for at in range(1, len(sys.argv), 3):
+        main(*sys.argv[at:at + 3])
