@@ -31,6 +31,9 @@ import transformers
 from hf_job import SEQ_LEN, corpus_windows, digest, leave
 
 WINDOWS, BATCH = 16, 2
+# What a launch of several jobs (tests/forked_jobs.py) imports once, before it forks each job: the
+# model code transformers imports on first use, and accelerate.
+PRELOAD = ("transformers.models.llama.modeling_llama", "accelerate", "accelerate.utils")
 
 
 class TokenCounter:

@@ -8,6 +8,10 @@ Under ``torchrun --nproc_per_node N`` it is a DDP job (gloo, CPU): each process 
 share of the batches, and only rank 0 writes the result file. --deepspeed STAGE runs Trainer
 with DeepSpeed ZeRO (CPU: launch with DS_ACCELERATOR=cpu under torchrun).
 
+Several jobs may share a launch (one process group under torchrun): their command lines
+separated by ``--then``, run in turn, each printing ``job N done on rank R`` when it is done (a
+job that SIGKILLs itself must come last).
+
 --trainer vanilla imports no llmtailor code at all (checked at the end): the model is built from
 the checkpoint's config.json. --crash-at SIGKILLs the process right after the save of that step.
 --dump writes, when training begins (after any resume), every weight and optimizer tensor by
@@ -30,6 +34,9 @@ import torch
 import transformers
 
 SEQ_LEN, WINDOWS = 32, 20  # 20 windows in batches of 2: 10 steps an epoch, so step 12 is in epoch 2
+# What a launch of several jobs (tests/forked_jobs.py) imports once, before it forks each job: the
+# model code and the Trainer transformers imports on first use.
+PRELOAD = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "transformers.trainer")
 
 
 def corpus_windows(windows: int = WINDOWS) -> torch.Tensor:
@@ -109,6 +116,17 @@ def recording(base):
     return Recording
 
 
+def job_lines(argv: list[str]) -> list[list[str]]:
+    """The command lines of the jobs of one launch: ``argv`` split at each ``--then``."""
+    lines: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            lines.append([])
+        else:
+            lines[-1].append(arg)
+    return lines
+
+
 def leave() -> None:
     """Exit at once (for jobs under DDP on gloo, called from inside ``main`` while the model is
     still referenced): torch 2.13 can deadlock when a DDP model is freed (its reducer's process
@@ -120,7 +138,9 @@ def leave() -> None:
     os._exit(0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None):
+    """One job (``argv``, else the command line); returns its trainer, which the caller keeps
+    referenced until it leaves (see ``leave``)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--result", required=True)
@@ -135,7 +155,7 @@ def main() -> None:
     parser.add_argument("--dump")
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--deepspeed", type=int, choices=[1, 2, 3])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     deepspeed_config = None
     if args.deepspeed:
         import importlib
@@ -174,16 +194,20 @@ def main() -> None:
     if args.trainer == "vanilla":
         assert not [m for m in sys.modules if m.startswith("llmtailor")], "vanilla run imported llmtailor"
     losses = {e["step"]: e["loss"].hex() for e in trainer.state.log_history if "loss" in e}
-    if torch.distributed.is_initialized():  # leave together: without it gloo can abort at exit (pytorch#190489)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     if trainer.args.process_index == 0:
         Path(args.result).write_text(json.dumps({
             "losses": losses, "lrs": recorder.lrs, "batches": trainer.batches, "params": params_digest(model),
             "global_step": trainer.state.global_step,
         }))
-    leave()  # the Trainer still holds the DDP model: freeing it after destroy_process_group can deadlock
+    return trainer
 
 
 if __name__ == "__main__":
-    main()
+    made = []
+    for number, argv in enumerate(job_lines(sys.argv[1:])):
+        made.append(main(argv))
+        print(f"job {number} done on rank {os.environ.get('RANK', '0')}", flush=True)
+    if torch.distributed.is_initialized():  # leave together: without it gloo can abort at exit (pytorch#190489)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    leave()  # the Trainers still hold their DDP models: freeing one after destroy_process_group can deadlock

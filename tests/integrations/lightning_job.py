@@ -12,6 +12,9 @@ save of that step (when the next step starts). --devices 2 trains with Lightning
 DDP strategy on CPU; launch it with torchrun (Lightning then uses torchrun's processes).
 --dropout P sets the model's attention dropout (the only dropout a Llama applies): every training
 step then draws from each rank's torch RNG, so a resume that restores it one draw off shows.
+Several jobs may share a launch (one process group under torchrun): their command lines
+separated by ``--then``, run in turn, each printing ``job N done on rank R`` when it is done (a
+job that SIGKILLs itself must come last).
 
 The data is fixed windows of a real corpus (pydoc_data.topics) served by a dataloader that is
 resumable in Lightning's sense (``state_dict`` / ``load_state_dict``: the batches it has served),
@@ -36,9 +39,12 @@ from pathlib import Path
 import lightning as L
 import torch
 import transformers
-from hf_job import SEQ_LEN, corpus_windows, digest, leave, params_digest
+from hf_job import SEQ_LEN, corpus_windows, digest, job_lines, leave, params_digest
 
 WINDOWS, BATCH = 16, 2  # 8 batches an epoch on one device: step 10 is in epoch 2
+# What a launch of several jobs (tests/forked_jobs.py) imports once, before it forks each job: the
+# model code transformers imports on first use.
+PRELOAD = ("transformers.models.llama.modeling_llama",)
 
 
 class ResumableLoader(torch.utils.data.DataLoader):
@@ -131,7 +137,9 @@ class Recorder(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> tuple:
+    """One job (``argv``, else the command line); returns its trainer and model, which the caller
+    keeps referenced until it leaves (see ``hf_job.leave``)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--result", required=True)
@@ -146,7 +154,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--loader", default="lazy", choices=["lazy", "eager"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     loader = {"lazy": ResumableLoader, "eager": EagerLoader}[args.loader]
@@ -170,14 +178,17 @@ def main() -> None:
 
     if args.checkpoint == "model":
         assert not [m for m in sys.modules if m.startswith("llmtailor")], "a plain Lightning run imported llmtailor"
-    if not trainer.is_global_zero:
-        leave()
-    Path(args.result).write_text(json.dumps({
-        "losses": model.losses, "batches": model.batches, "params": params_digest(model), "global_step": trainer.global_step,
-    }))
-    leave()
+    if trainer.is_global_zero:
+        Path(args.result).write_text(json.dumps({
+            "losses": model.losses, "batches": model.batches, "params": params_digest(model),
+            "global_step": trainer.global_step,
+        }))
+    return trainer, model
 
 
 if __name__ == "__main__":
-    main()
+    made = []
+    for number, argv in enumerate(job_lines(sys.argv[1:])):
+        made.append(main(argv))
+        print(f"job {number} done on rank {os.environ.get('RANK', '0')}", flush=True)
     leave()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_jobs import launched, run_jobs
 from helpers import assert_composite_loaded, assert_same_training_state, free_port, run_job, tree_digest
 
 accelerate = pytest.importorskip("accelerate")
@@ -52,15 +53,68 @@ def continues(reference: dict, resumed: dict, after: int) -> None:
     assert resumed["params"] == reference["params"] and resumed["tokens"] == reference["tokens"]
 
 
+# A crash and a resume: the jobs run before the killed run is looked at, then those after (each
+# job's flags; "{dump}" is the scenario's dump file). A job's run directory is the scenario's
+# "reference" or, for the others, its "crashed" one.
+SCENARIOS = {
+    "full": ({"reference": ["--every", "3"], "crashed": ["--every", "3", "--crash-at", "3"]},
+             {"resumed": ["--every", "3", "--resume"]}),
+    "parity": ({"crashed": ["--policy", "parity", "--crash-at", "8"]},
+               {"resumed": ["--policy", "parity", "--resume", "--dump", "{dump}", "--max-steps", "12"]}),
+}
+
+
+def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
+    """The jobs of ``scenarios`` under ``kind``: "jobs" (``<scenario>-<job>`` -> ``Finished``),
+    "after-crash" (each killed run's steps, composite and world size then) and "root". One
+    process: each stage's jobs in one launch of forked jobs (forked_jobs.py); else each job a
+    launch of its own."""
+    done, after_crash = {}, {}
+    for stage in (0, 1):
+        jobs = {}
+        for scenario in scenarios:
+            for name, flags in SCENARIOS[scenario][stage].items():
+                run = root / f"{scenario}-{'reference' if name == 'reference' else 'crashed'}"
+                result = root / f"{scenario}-{name}.json"
+                more = ["--deepspeed", "2"] if kind == "deepspeed" else []
+                flags = [f.format(dump=root / f"{scenario}-dump.pt") for f in flags]
+                jobs[f"{scenario}-{name}"] = (["--run-dir", str(run), "--result", str(result), *more, *flags], result)
+        if kind == "single":
+            done |= run_jobs(JOB, jobs, root / f"stage-{stage}")
+        else:
+            done |= {name: launched([*launcher(kind), JOB, *args], name, result) for name, (args, result) in jobs.items()}
+        for scenario in scenarios if stage == 0 else ():
+            run = Run(root / f"{scenario}-crashed")
+            if (root / f"{scenario}-crashed").is_dir() and run.steps():
+                after_crash[scenario] = (run.steps(), run.resolve(), run.manifest(run.latest_step()).world_size)
+    return {"jobs": done, "after-crash": after_crash, "root": root}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process jobs of every scenario, made once for this module's ``single`` tests: two
+    launches (before and after the crash is looked at) instead of one a job."""
+    made = []
+
+    def get() -> dict:
+        if not made:
+            made.append(run_scenarios("single", tmp_path_factory.mktemp("accelerate"), list(SCENARIOS)))
+        return made[0]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["single", "deepspeed"])
-def test_full_crash_and_resume_continues_bit_for_bit(tmp_path, kind):
+def test_full_crash_and_resume_continues_bit_for_bit(tmp_path, kind, one_process):
     """A crash after step 3 is mid-epoch (8 batches an epoch in one process, 4 per rank in two)."""
-    reference = job(tmp_path / "reference", tmp_path / "reference.json", "--every", "3", kind=kind)
-    run_dir = tmp_path / "crashed"
-    job(run_dir, tmp_path / "crashed.json", "--every", "3", "--crash-at", "3", kind=kind, crash=True)
-    assert Run(run_dir).steps() == [3] and Run(run_dir).manifest(3).world_size == (1 if kind == "single" else 2)
-    resumed = job(run_dir, tmp_path / "resumed.json", "--every", "3", "--resume", kind=kind)
+    made = one_process() if kind == "single" else run_scenarios(kind, tmp_path, ["full"])
+    jobs, run_dir = made["jobs"], made["root"] / "full-crashed"
+    reference = jobs["full-reference"].result()
+    jobs["full-crashed"].result(crash=True)
+    steps, _, world_size = made["after-crash"]["full"]
+    assert steps == [3] and world_size == (1 if kind == "single" else 2)
+    resumed = jobs["full-resumed"].result()
     continues(reference, resumed, 3)
     assert Run(run_dir).steps() == [3, 6, 9]
 
@@ -88,17 +142,16 @@ def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["single", "ddp"])
-def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path, kind):
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path, kind, one_process):
     """Under DDP (2 processes) each rank wrote its share of the units, and each rank loads them all."""
-    run_dir, dump = tmp_path / "run", tmp_path / "dump.pt"
-    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", kind=kind, crash=True)
-    run = Run(run_dir)
-    composite = run.resolve()
+    made = one_process() if kind == "single" else run_scenarios(kind, tmp_path, ["parity"])
+    jobs, run = made["jobs"], Run(made["root"] / "parity-crashed")
+    jobs["parity-crashed"].result(crash=True)
+    _, composite, world_size = made["after-crash"]["parity"]
     assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
-    assert run.manifest(8).world_size == (1 if kind == "single" else 2)
-    job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", "--dump", str(dump), "--max-steps", "12",
-        kind=kind)
-    assert_composite_loaded(run, composite, torch.load(dump, weights_only=True)["tensors"])
+    assert world_size == (1 if kind == "single" else 2)
+    jobs["parity-resumed"].result()
+    assert_composite_loaded(run, composite, torch.load(made["root"] / "parity-dump.pt", weights_only=True)["tensors"])
     assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)  # the lineage goes on
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_job, tree_digest
+from forked_jobs import run_in_turn, run_jobs
+from helpers import tree_digest
 from typer.testing import CliRunner
 
 from llmtailor import Parity
@@ -26,41 +27,61 @@ MODELS = {"llama": [], "qwen2": ["--tie"]}  # untied Llama, Qwen2 with tied embe
 CRASH_AT, LAST = 8, 12
 
 
-def job(out: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 1) -> dict:
-    return run_job(JOB, ["--out", str(out), "--result", str(result), *flags], result, crash=crash, nproc=nproc)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Lazily made runs, shared (read only) by the tests of this module: ("reference", family) is
-    an uninterrupted run with sync saves (its result; its directory at "out"); ("crashed",
-    family, policy) was SIGKILLed after its save at step 8."""
+def one_process(tmp_path_factory):
+    """The one-process jobs of this module's tests, in two launches of forked jobs
+    (forked_jobs.py: torch and transformers imported once for all; each job a process of its
+    own). First the uninterrupted runs and the runs SIGKILLed after their save at step 8:
+    "reference-<family>" (sync saves) and "crashed-<family>-<policy>" (llama full, qwen2 parity
+    and full). What each killed run held then is recorded in "after-crash" (its steps, its
+    composite, the checkpoint-N/ directories beside it). Then ``assemble --format hf`` of each full run's step 8 (CliRunner results in
+    "assembled", checkpoints under "hf-<family>"), and the resumes, each from another process
+    than the one killed: "resumed-llama-full", "resumed-qwen2-parity" (dumping what it loaded)
+    and "vanilla-<family>" (a vanilla Trainer from the assembled checkpoint); with them "async"
+    (the llama reference's job with async saves: another interpreter than the reference's, as
+    a run of its own would be)."""
     root = tmp_path_factory.mktemp("hf")
-    made: dict[tuple, Path | dict] = {}
 
-    def get(*key: str):
-        if key not in made:
-            name = "-".join(key)
-            if key[0] == "reference":
-                made[key] = {**job(root / name, root / f"{name}.json", "--family", key[1], *MODELS[key[1]]),
-                             "out": root / name}
-            else:
-                flags = ["--family", key[1], *MODELS[key[1]], "--policy", key[2], "--crash-at", str(CRASH_AT)]
-                job(root / name, root / f"{name}.json", *flags, crash=True)
-                made[key] = root / name
-        return made[key]
+    def spec(name: str, out: str, *flags: str) -> tuple[list[str], Path]:
+        return ["--out", str(root / out), "--result", str(root / f"{name}.json"), *flags], root / f"{name}.json"
 
-    return get
+    crashed = {(family, policy): f"crashed-{family}-{policy}" for family, policy in
+               [("llama", "full"), ("qwen2", "parity"), ("qwen2", "full")]}
+    done = run_jobs(JOB, {
+        **{f"reference-{family}": spec(f"reference-{family}", f"reference-{family}", "--family", family, *flags)
+           for family, flags in MODELS.items()},
+        **{name: spec(name, name, "--family", family, *MODELS[family], "--policy", policy, "--crash-at", str(CRASH_AT))
+           for (family, policy), name in crashed.items()},
+    }, root / "first")
+    after_crash = {name: (Run(root / name / "tailored").steps(), Run(root / name / "tailored").resolve(),
+                          list((root / name).glob("checkpoint-*")))
+                   for name in crashed.values()
+                   if (root / name / "tailored").is_dir() and Run(root / name / "tailored").steps()}
+    register(app)
+    assembled = {family: CliRunner().invoke(app, ["assemble", str(root / f"crashed-{family}-full" / "tailored"), "--step",
+                                                  str(CRASH_AT), "--format", "hf", "-o", str(root / f"hf-{family}")])
+                 for family in MODELS}
+    done |= run_jobs(JOB, {
+        "resumed-llama-full": spec("resumed-llama-full", "crashed-llama-full", "--family", "llama", "--resume", "true"),
+        "resumed-qwen2-parity": spec("resumed-qwen2-parity", "crashed-qwen2-parity", "--family", "qwen2", "--tie",
+                                     "--policy", "parity", "--resume", "true", "--dump", str(root / "dump.pt")),
+        **{f"vanilla-{family}": spec(f"vanilla-{family}", f"vanilla-{family}", "--trainer", "vanilla", "--resume",
+                                     str(root / f"hf-{family}" / f"checkpoint-{CRASH_AT}")) for family in MODELS},
+        "async": spec("async", "async", "--async"),
+    }, root / "second")
+    return {"root": root, "jobs": done, "after-crash": after_crash, "assembled": assembled}
 
 
 @pytest.mark.slow
-def test_full_policy_resume_in_fresh_process_logs_the_same_losses_bit_for_bit(runs, tmp_path):
-    reference = runs("reference", "llama")
-    out = runs("crashed", "llama", "full")
-    assert Run(out / "tailored").steps() == [4, 8]
-    assert not list(out.glob("checkpoint-*")), "Trainer's own checkpoint dirs must not be written"
+def test_full_policy_resume_in_fresh_process_logs_the_same_losses_bit_for_bit(one_process):
+    jobs, out = one_process["jobs"], one_process["root"] / "crashed-llama-full"
+    reference = jobs["reference-llama"].result()
+    jobs["crashed-llama-full"].result(crash=True)
+    steps, _, checkpoints = one_process["after-crash"]["crashed-llama-full"]
+    assert steps == [4, 8]
+    assert not checkpoints, "Trainer's own checkpoint dirs must not be written"
 
-    resumed = job(out, tmp_path / "resumed.json", "--family", "llama", "--resume", "true")
+    resumed = jobs["resumed-llama-full"].result()
     assert resumed["global_step"] == LAST
     # One line says what was restored.
     said = [line for line in resumed["stdout"].splitlines() if line.startswith("llmtailor:")]
@@ -75,18 +96,17 @@ def test_full_policy_resume_in_fresh_process_logs_the_same_losses_bit_for_bit(ru
 
 
 @pytest.mark.slow
-def test_parity_resume_restores_composite_versions_step_lr_and_data_position(runs, tmp_path):
-    reference = runs("reference", "qwen2")
-    out = runs("crashed", "qwen2", "parity")
+def test_parity_resume_restores_composite_versions_step_lr_and_data_position(one_process):
+    jobs, out = one_process["jobs"], one_process["root"] / "crashed-qwen2-parity"
+    reference = jobs["reference-qwen2"].result()
+    jobs["crashed-qwen2-parity"].result(crash=True)
     run = Run(out / "tailored")
-    composite = run.resolve()
+    _, composite, _ = one_process["after-crash"]["crashed-qwen2-parity"]
     assert composite.step == CRASH_AT
     assert sorted(set(composite.sources.values())) == [4, 8]  # half the layers come from step 4
 
-    dump = tmp_path / "dump.pt"
-    resumed = job(out, tmp_path / "resumed.json", "--family", "qwen2", "--tie", "--policy", "parity",
-                  "--resume", "true", "--dump", str(dump))
-    begin = torch.load(dump, weights_only=True)
+    resumed = jobs["resumed-qwen2-parity"].result()
+    begin = torch.load(one_process["root"] / "dump.pt", weights_only=True)
     assert begin["global_step"] == CRASH_AT
     [said] = [line for line in resumed["stdout"].splitlines() if line.startswith("llmtailor:")]
     assert said.startswith(f"llmtailor: resumed from the composite of step {CRASH_AT} in ")
@@ -112,34 +132,55 @@ def test_parity_resume_restores_composite_versions_step_lr_and_data_position(run
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(MODELS))
-def test_vanilla_trainer_resumes_from_hf_export_bit_for_bit(runs, tmp_path, family):
-    reference = runs("reference", family)
-    out = runs("crashed", family, "full")
-    register(app)
-    result = CliRunner().invoke(app, ["assemble", str(out / "tailored"), "--step", str(CRASH_AT), "--format", "hf", "-o", str(tmp_path / "hf")])
+def test_vanilla_trainer_resumes_from_hf_export_bit_for_bit(one_process, family):
+    jobs = one_process["jobs"]
+    reference = jobs[f"reference-{family}"].result()
+    jobs[f"crashed-{family}-full"].result(crash=True)
+    result = one_process["assembled"][family]
     assert result.exit_code == 0, result.output
-    checkpoint = tmp_path / "hf" / f"checkpoint-{CRASH_AT}"
+    checkpoint = one_process["root"] / f"hf-{family}" / f"checkpoint-{CRASH_AT}"
     assert checkpoint.is_dir()
 
-    resumed = job(tmp_path / "vanilla", tmp_path / "vanilla.json", "--trainer", "vanilla", "--resume", str(checkpoint))
+    resumed = jobs[f"vanilla-{family}"].result()
     assert resumed["global_step"] == LAST
     assert resumed["losses"] == reference["losses"]
     assert resumed["params"] == reference["params"]
+
+
+def two_ranks(tmp_path: Path, *flags: str, shared: bool = True) -> tuple[dict, list[int]]:
+    """Under torchrun with 2 ranks, each with ``flags``: "reference" (uninterrupted) and "crashed"
+    (SIGKILLed after its save of 8), in one launch that runs them in turn in one process group
+    (forked_jobs.run_in_turn) if ``shared``, else one each; then "resumed" in a launch of its own.
+    And the steps the killed run held."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+    def spec(name: str, out: str, *more: str) -> tuple[list[str], Path]:
+        return ["--out", str(tmp_path / out), "--result", str(tmp_path / f"{name}.json"), *flags, *more], \
+            tmp_path / f"{name}.json"
+
+    first = {"reference": spec("reference", "ref"), "crashed": spec("crashed", "run", "--crash-at", str(CRASH_AT))}
+    done = {}
+    for launch in [first] if shared else [dict([job]) for job in first.items()]:
+        done |= run_in_turn(torchrun, JOB, launch, ranks=2)
+    run = tmp_path / "run" / "tailored"
+    held = Run(run).steps() if run.is_dir() else []
+    return done | run_in_turn(torchrun, JOB, {"resumed": spec("resumed", "run", "--resume", "true")}, ranks=2), held
 
 
 @pytest.mark.slow
 def test_ddp_under_torchrun_crash_and_resume_bit_for_bit(tmp_path):
     """Two processes (DDP, gloo): every rank takes part in each save, writes its share and its
     RNG; after a crash of the whole job the resumed job logs the same losses bit for bit."""
-    reference = job(tmp_path / "ref", tmp_path / "ref.json", nproc=2)
-    job(tmp_path / "run", tmp_path / "crashed.json", "--crash-at", str(CRASH_AT), crash=True, nproc=2)
+    jobs, held = two_ranks(tmp_path)
+    reference = jobs["reference"].result()
+    jobs["crashed"].result(crash=True)
     run = Run(tmp_path / "run" / "tailored")
-    assert run.steps() == [4, CRASH_AT] and run.manifest(CRASH_AT).world_size == 2
+    assert held == [4, CRASH_AT] and run.manifest(CRASH_AT).world_size == 2
     assert run.manifest(CRASH_AT).provider == "ddp"
     assert {f.path for f in run.manifest(CRASH_AT).files} >= {"ranks/rank-00001.json"}
     writers = {f.path.split("/")[-1].split(".")[0] for u in run.manifest(CRASH_AT).units for f in run.unit_entry(CRASH_AT, u).files}
     assert writers == {"rank-00000", "rank-00001"}  # the units are spread over both ranks (small: each rank's pack file)
-    resumed = job(tmp_path / "run", tmp_path / "resumed.json", "--resume", "true", nproc=2)
+    resumed = jobs["resumed"].result()
     assert resumed["global_step"] == LAST
     assert resumed["losses"] == reference["losses"] and resumed["params"] == reference["params"]
     assert resumed["batches"] == {s: reference["batches"][s] for s in resumed["batches"]}
@@ -152,27 +193,30 @@ def test_deepspeed_zero3_under_torchrun_crash_and_resume_in_place_bit_for_bit(tm
     into the engine Trainer built, no checkpoint exported) and logs the same losses as an
     uninterrupted job, bit for bit."""
     pytest.importorskip("deepspeed")
-    reference = job(tmp_path / "ref", tmp_path / "ref.json", "--deepspeed", "3", nproc=2)
-    job(tmp_path / "run", tmp_path / "crashed.json", "--deepspeed", "3", "--crash-at", str(CRASH_AT), crash=True, nproc=2)
+    # A launch of its own each: a ZeRO-3 Trainer after another in one process logged other losses.
+    jobs, held = two_ranks(tmp_path, "--deepspeed", "3", shared=False)
+    reference = jobs["reference"].result()
+    jobs["crashed"].result(crash=True)
     run = Run(tmp_path / "run" / "tailored")
-    assert run.steps() == [4, CRASH_AT]
+    assert held == [4, CRASH_AT]
     assert run.manifest(CRASH_AT).provider == "deepspeed" and run.manifest(CRASH_AT).notes["zero_stage"] == 3
-    resumed = job(tmp_path / "run", tmp_path / "resumed.json", "--deepspeed", "3", "--resume", "true", nproc=2)
+    resumed = jobs["resumed"].result()
     assert resumed["global_step"] == LAST and run.steps() == [4, CRASH_AT, LAST]
     assert resumed["losses"] == reference["losses"]
     assert resumed["batches"] == {s: reference["batches"][s] for s in resumed["batches"]}
 
 
 @pytest.mark.slow
-def test_async_saves_write_the_same_snapshots_as_sync_ones(runs, tmp_path):
-    reference = runs("reference", "llama")  # the same job (the defaults) with sync saves
-    job(tmp_path / "async", tmp_path / "async.json", "--async")
-    a, b = Run(tmp_path / "async" / "tailored"), Run(reference["out"] / "tailored")
+def test_async_saves_write_the_same_snapshots_as_sync_ones(one_process):
+    jobs, root = one_process["jobs"], one_process["root"]
+    reference = jobs["reference-llama"].result()  # the same job (the defaults) with sync saves
+    jobs["async"].result()
+    a, b = Run(root / "async" / "tailored"), Run(root / "reference-llama" / "tailored")
     assert a.steps() == b.steps() == [4, 8, 12]
     for step in a.steps():
         for unit in a.manifest(step).units:
             assert a.unit_entry(step, unit) == b.unit_entry(step, unit)
-    assert json.loads((tmp_path / "async.json").read_text())["losses"] == reference["losses"]
+    assert json.loads((root / "async.json").read_text())["losses"] == reference["losses"]
 
 
 def _job_module():

@@ -8,12 +8,14 @@ mid-epoch and at an epoch boundary), or each unit at the version the composite n
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_composite_loaded, assert_same_training_state, run_job
+from forked_jobs import run_in_turn, run_jobs
+from helpers import assert_composite_loaded, assert_same_training_state
 
 L = pytest.importorskip("lightning")
 
@@ -27,33 +29,47 @@ from llmtailor.store.run import Run  # noqa: E402
 
 JOB = Path(__file__).with_name("lightning_job.py")
 CRASH_AT, LAST = 4, 10  # 8 batches an epoch: the crash is mid-epoch
-
-
-def job(run_dir: Path, result: Path, *flags: str, crash: bool = False, nproc: int = 1) -> dict:
-    devices = ["--devices", str(nproc)] if nproc > 1 else []
-    return run_job(JOB, ["--run-dir", str(run_dir), "--result", str(result), *devices, *flags], result, crash=crash,
-                   nproc=nproc)
+EPOCHS = ["--every-epochs", "1", "--dropout", "0.1", "--loader", "eager", "--max-steps", "16"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Lazily made single-device jobs shared by this module's tests: "reference" runs 10 steps
-    uninterrupted; ("crashed", policy) saved every 4 steps and was SIGKILLed after a save."""
+def one_device(tmp_path_factory):
+    """The single-device jobs of this module's tests, in two launches of forked jobs
+    (forked_jobs.py: Lightning and transformers imported once for all; each job a process of its
+    own). First the uninterrupted runs and the runs SIGKILLed after a save: "reference" (10 steps),
+    "crashed-full" (saves every 4, killed after 4), "crashed-parity" (Parity, killed after 8),
+    "epochs-reference" / "epochs-crashed" (a save at every epoch's end, dropout, killed after 8).
+    What each killed run held then is recorded in "after-crash" (its steps and composite). Then
+    ``assemble --format lightning`` of crashed-full's save of 4 (its CliRunner result in
+    "assembled"), and the resumes, each from another process than the one killed:
+    "resumed-full", "resumed-parity" (dumping what it loaded, to 12), "plain" (Lightning's own
+    ModelCheckpoint, from the assembled .ckpt) and "epochs-resumed"."""
     root = tmp_path_factory.mktemp("lightning")
-    made: dict = {}
 
-    def get(*key: str):
-        if key not in made:
-            name = "-".join(key)
-            if key == ("reference",):
-                made[key] = job(root / name, root / f"{name}.json")
-            else:
-                crash_at = {"full": CRASH_AT, "parity": 8}[key[1]]
-                job(root / name, root / f"{name}.json", "--policy", key[1], "--crash-at", str(crash_at), crash=True)
-                made[key] = root / name
-        return made[key]
+    def job(name: str, run: str, *flags: str) -> tuple[list[str], Path]:
+        return ["--run-dir", str(root / run), "--result", str(root / f"{name}.json"), *flags], root / f"{name}.json"
 
-    return get
+    done = run_jobs(JOB, {
+        "reference": job("reference", "reference"),
+        "crashed-full": job("crashed-full", "crashed-full", "--policy", "full", "--crash-at", str(CRASH_AT)),
+        "crashed-parity": job("crashed-parity", "crashed-parity", "--policy", "parity", "--crash-at", "8"),
+        "epochs-reference": job("epochs-reference", "epochs-reference", *EPOCHS),
+        "epochs-crashed": job("epochs-crashed", "epochs-crashed", *EPOCHS, "--crash-at", "8"),
+    }, root / "first")
+    after_crash = {name: (Run(root / name).steps(), Run(root / name).resolve())
+                   for name in ("crashed-full", "crashed-parity", "epochs-crashed")
+                   if (root / name).is_dir() and Run(root / name).steps()}
+    assembled = CliRunner().invoke(app, ["assemble", str(root / "crashed-full"), "--step", str(CRASH_AT), "--format",
+                                         "lightning", "-o", str(root / "ckpt")])
+    done |= run_jobs(JOB, {
+        "resumed-full": job("resumed-full", "crashed-full", "--resume", str(root / "crashed-full")),
+        "resumed-parity": job("resumed-parity", "crashed-parity", "--policy", "parity", "--resume",
+                              str(root / "crashed-parity"), "--dump", str(root / "dump.pt"), "--max-steps", "12"),
+        "plain": job("plain", "plain", "--checkpoint", "model", "--resume",
+                     str(root / "ckpt" / f"epoch=0-step={CRASH_AT}.ckpt")),
+        "epochs-resumed": job("epochs-resumed", "epochs-crashed", *EPOCHS, "--resume", str(root / "epochs-crashed")),
+    }, root / "second")
+    return {"root": root, "jobs": done, "after-crash": after_crash, "assembled": assembled}
 
 
 def continues(reference: dict, resumed: dict, after: int, last: int = LAST) -> None:
@@ -65,10 +81,12 @@ def continues(reference: dict, resumed: dict, after: int, last: int = LAST) -> N
 
 
 @pytest.mark.slow
-def test_full_resume_after_sigkill_continues_bit_for_bit(runs, tmp_path):
-    reference, run_dir = runs("reference"), runs("crashed", "full")
-    assert Run(run_dir).steps() == [CRASH_AT]
-    resumed = job(run_dir, tmp_path / "resumed.json", "--resume", str(run_dir))
+def test_full_resume_after_sigkill_continues_bit_for_bit(one_device):
+    jobs, run_dir = one_device["jobs"], one_device["root"] / "crashed-full"
+    reference = jobs["reference"].result()
+    jobs["crashed-full"].result(crash=True)
+    assert one_device["after-crash"]["crashed-full"][0] == [CRASH_AT]
+    resumed = jobs["resumed-full"].result()
     continues(reference, resumed, CRASH_AT)
     assert f"llmtailor: resumed from the composite of step {CRASH_AT} in {run_dir} (every unit from step {CRASH_AT})" \
         in resumed["stdout"]
@@ -76,15 +94,14 @@ def test_full_resume_after_sigkill_continues_bit_for_bit(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(runs, tmp_path):
-    run_dir = runs("crashed", "parity")
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(one_device):
+    jobs, run_dir = one_device["jobs"], one_device["root"] / "crashed-parity"
+    jobs["crashed-parity"].result(crash=True)
     run = Run(run_dir)
-    composite = run.resolve()
+    _, composite = one_device["after-crash"]["crashed-parity"]
     assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
-    dump = tmp_path / "dump.pt"
-    resumed = job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", str(run_dir), "--dump",
-                  str(dump), "--max-steps", "12")
-    begin = torch.load(dump, weights_only=True)
+    resumed = jobs["resumed-parity"].result()
+    begin = torch.load(one_device["root"] / "dump.pt", weights_only=True)
     assert begin["global_step"] == 8 and resumed["global_step"] == 12
     assert_composite_loaded(run, composite, begin["tensors"])
     assert begin["lr"] == pytest.approx([3e-3, 3e-3])  # the scheduler's state after 8 steps (warm-up over)
@@ -93,23 +110,59 @@ def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(runs, 
 
 
 @pytest.mark.slow
-def test_assembled_ckpt_resumes_in_plain_lightning_bit_for_bit(runs, tmp_path):
-    reference, run_dir = runs("reference"), runs("crashed", "full")
-    result = CliRunner().invoke(app, ["assemble", str(run_dir), "--step", str(CRASH_AT), "--format", "lightning",
-                                      "-o", str(tmp_path / "out")])
+def test_assembled_ckpt_resumes_in_plain_lightning_bit_for_bit(one_device):
+    jobs, root = one_device["jobs"], one_device["root"]
+    reference = jobs["reference"].result()
+    jobs["crashed-full"].result(crash=True)
+    result = one_device["assembled"]
     assert result.exit_code == 0, result.output
-    ckpt = tmp_path / "out" / f"epoch=0-step={CRASH_AT}.ckpt"
+    ckpt = root / "ckpt" / f"epoch=0-step={CRASH_AT}.ckpt"
     assert ckpt.is_file()
     # Lightning's own ModelCheckpoint in the resumed job; the job checks it imported no llmtailor.
-    resumed = job(tmp_path / "plain", tmp_path / "plain.json", "--checkpoint", "model", "--resume", str(ckpt))
+    resumed = jobs["plain"].result()
     continues(reference, resumed, CRASH_AT)
-    again = CliRunner().invoke(app, ["assemble", str(run_dir), "--step", str(CRASH_AT), "--format", "lightning",
-                                     "-o", str(tmp_path / "out")])
+    again = CliRunner().invoke(app, ["assemble", str(root / "crashed-full"), "--step", str(CRASH_AT), "--format",
+                                     "lightning", "-o", str(root / "ckpt")])
     assert again.exit_code == 2 and "already exists" in again.output
 
 
+DROPOUT = ["--every", "2", "--dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The DDP jobs (2 ranks under torchrun) of this module's tests, in four launches, each
+    running its jobs in turn in one process group (forked_jobs.run_in_turn; a job SIGKILLed last
+    in its launch): ["reference" (dropout, uninterrupted), "parity-crashed" (Parity, killed after
+    8)], ["crashed" (dropout, killed after 6)], ["parity-resumed" (to 12, dumping what it
+    loaded), "again" (resumed, killed after 8)], ["resumed" (to 10, eager loader)]. The Parity
+    run's composite after its crash is recorded in "after-crash"."""
+    root = tmp_path_factory.mktemp("ddp")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+    def job(name: str, run: str, *flags: str) -> tuple[list[str], Path]:
+        return ["--run-dir", str(root / run), "--result", str(root / f"{name}.json"), "--devices", "2", *flags], \
+            root / f"{name}.json"
+
+    done = run_in_turn(torchrun, JOB, {
+        "reference": job("reference", "reference", *DROPOUT),
+        "parity-crashed": job("parity-crashed", "parity", "--policy", "parity", "--crash-at", "8"),
+    }, ranks=2)
+    after_crash = Run(root / "parity").resolve() if (root / "parity").is_dir() and Run(root / "parity").steps() else None
+    done |= run_in_turn(torchrun, JOB, {"crashed": job("crashed", "crashed", *DROPOUT, "--crash-at", "6")}, ranks=2)
+    done |= run_in_turn(torchrun, JOB, {
+        "parity-resumed": job("parity-resumed", "parity", "--policy", "parity", "--resume", str(root / "parity"),
+                              "--dump", str(root / "dump.pt"), "--max-steps", "12"),
+        "again": job("again", "crashed", *DROPOUT, "--resume", str(root / "crashed"), "--crash-at", "8"),
+    }, ranks=2)
+    done |= run_in_turn(torchrun, JOB, {
+        "resumed": job("resumed", "crashed", *DROPOUT, "--loader", "eager", "--resume", str(root / "crashed")),
+    }, ranks=2)
+    return {"root": root, "jobs": done, "after-crash": after_crash}
+
+
 @pytest.mark.slow
-def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(tmp_path):
+def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(two_ranks):
     """Two processes, Lightning's DDP on CPU, attention dropout 0.1 (each step draws from each
     rank's RNG), a save every 2 steps, 4 batches an epoch per rank. One run is SIGKILLed after its
     save of 6 (mid-epoch), resumed in a fresh launch and SIGKILLed after its save of 8 (the last
@@ -118,22 +171,22 @@ def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary
     bit. The DataLoader draws its base seed from the RNG when its iterator is made: the mid-epoch
     resume makes it at the first batch (lazy loader), the epoch-boundary one when Lightning sets
     up the data (eager loader), the shapes in which each resume was one draw off."""
-    flags = ["--every", "2", "--dropout", "0.1"]
-    reference = job(tmp_path / "reference", tmp_path / "reference.json", *flags, nproc=2)
-    run_dir = tmp_path / "crashed"
-    job(run_dir, tmp_path / "crashed.json", *flags, "--crash-at", "6", crash=True, nproc=2)
+    jobs, root = two_ranks["jobs"], two_ranks["root"]
+    reference = jobs["reference"].result()
+    run_dir = root / "crashed"
+    jobs["crashed"].result(crash=True)
     assert Run(run_dir).manifest(6).world_size == 2
     written = {path.name.split(".")[0] for path in Run(run_dir).snapshot_dir(6).glob("packs/*.safetensors")}
     assert written == {"rank-00000", "rank-00001"}  # both ranks wrote units (small: each rank's in its pack file)
-    job(run_dir, tmp_path / "again.json", *flags, "--resume", str(run_dir), "--crash-at", "8", crash=True, nproc=2)
-    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), 8)
-    resumed = job(run_dir, tmp_path / "resumed.json", *flags, "--loader", "eager", "--resume", str(run_dir), nproc=2)
+    jobs["again"].result(crash=True)
+    assert_same_training_state(Run(run_dir), Run(root / "reference"), 8)
+    resumed = jobs["resumed"].result()
     continues(reference, resumed, 8)
-    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), LAST)
+    assert_same_training_state(Run(run_dir), Run(root / "reference"), LAST)
 
 
 @pytest.mark.slow
-def test_with_dropout_a_resume_from_an_epochs_end_save_continues_bit_for_bit(tmp_path):
+def test_with_dropout_a_resume_from_an_epochs_end_save_continues_bit_for_bit(one_device):
     """TailorCheckpoint's default schedule (a save at every epoch's end), attention dropout 0.1, a
     plain DataLoader's iterator (made when Lightning sets up the data), 8 batches an epoch: a run
     SIGKILLed after its save of 8 (the first epoch's end) and resumed in a fresh process trains
@@ -141,15 +194,15 @@ def test_with_dropout_a_resume_from_an_epochs_end_save_continues_bit_for_bit(tmp
     (weights, optimizer state, LR scheduler, RNG) and final weights equal that run's, bit for
     bit. From the loop state Lightning dumps at an epoch's end, a resume with ``max_steps``
     trained one more batch in the finished epoch."""
-    flags = ["--every-epochs", "1", "--dropout", "0.1", "--loader", "eager", "--max-steps", "16"]
-    reference = job(tmp_path / "reference", tmp_path / "reference.json", *flags)
-    run_dir = tmp_path / "crashed"
-    job(run_dir, tmp_path / "crashed.json", *flags, "--crash-at", "8", crash=True)
-    assert Run(run_dir).steps() == [8]
-    resumed = job(run_dir, tmp_path / "resumed.json", *flags, "--resume", str(run_dir))
+    jobs, root = one_device["jobs"], one_device["root"]
+    reference = jobs["epochs-reference"].result()
+    run_dir = root / "epochs-crashed"
+    jobs["epochs-crashed"].result(crash=True)
+    assert one_device["after-crash"]["epochs-crashed"][0] == [8]
+    resumed = jobs["epochs-resumed"].result()
     continues(reference, resumed, 8, last=16)
     assert Run(run_dir).steps() == [8, 16]
-    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), 16)
+    assert_same_training_state(Run(run_dir), Run(root / "epochs-reference"), 16)
 
 
 # -- in one process --------------------------------------------------------------------------
@@ -306,18 +359,17 @@ def test_a_run_not_saved_through_lightning_is_refused_by_the_lightning_export(tm
 
 
 @pytest.mark.slow
-def test_ddp_under_torchrun_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path):
+def test_ddp_under_torchrun_parity_resume_loads_each_unit_at_the_version_its_composite_names(two_ranks):
     """Two processes, Parity: the composite of 8 takes units from the saves of 4 and 8, each written
     in shares by both ranks; each rank loads every unit at the version the composite names."""
-    run_dir, dump = tmp_path / "crashed", tmp_path / "dump.pt"
-    job(run_dir, tmp_path / "crashed.json", "--policy", "parity", "--crash-at", "8", crash=True, nproc=2)
-    run = Run(run_dir)
-    composite = run.resolve()
+    jobs, root = two_ranks["jobs"], two_ranks["root"]
+    jobs["parity-crashed"].result(crash=True)
+    run = Run(root / "parity")
+    composite = two_ranks["after-crash"]
     assert composite.step == 8 and sorted(set(composite.sources.values())) == [4, 8]
     assert run.manifest(8).world_size == 2
-    resumed = job(run_dir, tmp_path / "resumed.json", "--policy", "parity", "--resume", str(run_dir), "--dump",
-                  str(dump), "--max-steps", "12", nproc=2)
-    begin = torch.load(dump, weights_only=True)
+    resumed = jobs["parity-resumed"].result()
+    begin = torch.load(root / "dump.pt", weights_only=True)
     assert begin["global_step"] == 8 and resumed["global_step"] == 12
     assert_composite_loaded(run, composite, begin["tensors"])
     assert run.steps() == [4, 8, 12] and len(run.manifest(12).units) < len(composite.sources)

@@ -1,0 +1,155 @@
+"""Several one-process jobs of one job script in one launch: the script's imports (torch,
+transformers, Lightning, ...) are paid once, and each job runs in a process forked from the
+launch before it does anything else, so it starts as a fresh process would: its own memory, pid,
+exit status and output files. A job that SIGKILLs itself ends only its own process (status -9,
+as alone), and the next job starts from the same imported, untouched state.
+
+    python forked_jobs.py SCRIPT JOBS.json STATUS.json
+
+JOBS.json is a list of ``{"args": [...], "out": PATH, "err": PATH}``: a job's command line after
+SCRIPT and the files its stdout and stderr go to. The jobs run one after another, in the list's
+order (a job may resume what an earlier one wrote). STATUS.json gets each job's exit status as
+``subprocess`` reports one (0, 1, -9 for SIGKILL). The script is imported as a module (its
+``main()`` is each job), with its directory first on ``sys.path`` as ``python SCRIPT`` has it,
+and the modules its ``PRELOAD`` names are imported before the first fork. Nothing of llmtailor
+is imported here: a job can still check that it imports none.
+
+What the jobs of one launch share that separate interpreters would not: those imports, and
+Python's ``str`` hash seed. Used only for jobs of one process; a launch of several ranks
+(torchrun, ``accelerate launch``) starts its own processes."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One job of a launch: its exit status, its output and the file its result goes to."""
+
+    name: str
+    status: int | None
+    stdout: str
+    stderr: str
+    result_file: Path
+    killed: int = -9  # the status of a job SIGKILLed: a launcher of several ranks exits 1 instead
+
+    def result(self, crash: bool = False) -> dict:
+        """What ``helpers.run_job`` returns for the job: the JSON it wrote to its result file,
+        with its stdout; ``crash=True``: it must have been SIGKILLed."""
+        said = f"job {self.name!r} exited with {self.status}:\n{self.stderr[-3000:]}"
+        if crash:
+            assert self.status == self.killed, said
+            return {}
+        assert self.status == 0, said
+        return {**json.loads(self.result_file.read_text()), "stdout": self.stdout}
+
+
+def run_jobs(script: Path, jobs: dict[str, tuple[list[str], Path]], work: Path) -> dict[str, Finished]:
+    """Run ``jobs`` (name -> (command line after ``script``, its result file)) in order, each
+    forked from one launch of this file; their logs and statuses go to ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    listed = [{"args": [str(a) for a in args], "out": str(work / f"{name}.out"), "err": str(work / f"{name}.err")}
+              for name, (args, _) in jobs.items()]
+    (work / "jobs.json").write_text(json.dumps(listed))
+    status_file = work / "status.json"
+    status_file.unlink(missing_ok=True)
+    launch = subprocess.run([sys.executable, __file__, str(script), str(work / "jobs.json"), str(status_file)],
+                            capture_output=True, text=True, timeout=300 * len(jobs),
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    statuses = json.loads(status_file.read_text()) if status_file.is_file() else []
+    finished = {}
+    for i, (name, (_, result)) in enumerate(jobs.items()):
+        out, err = Path(listed[i]["out"]), Path(listed[i]["err"])
+        status = statuses[i] if i < len(statuses) else None
+        stderr = err.read_text() if err.is_file() else f"not run: the launch exited with {launch.returncode}:\n" \
+                                                         f"{launch.stderr[-3000:]}"
+        finished[name] = Finished(name, status, out.read_text() if out.is_file() else "", stderr, result)
+    return finished
+
+
+def launched(command: list[str], name: str, result: Path) -> Finished:
+    """A job launched on its own (``command``: a launcher of several ranks and the job's command
+    line), as ``Finished``; a rank SIGKILLed makes the launcher stop the others and exit 1."""
+    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    return Finished(name, done.returncode, done.stdout, done.stderr, result, killed=1)
+
+
+def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[str], Path]],
+                ranks: int) -> dict[str, Finished]:
+    """Run ``jobs`` (as ``run_jobs``) one after another in one launch of ``ranks`` ranks
+    (``launcher``, e.g. torchrun): ``script`` takes their command lines separated by ``--then``
+    and prints ``job N done on rank R`` as each ends. A job is done (status 0) once every rank
+    said so; the first that is not gets the launch's status (a launcher exits 1 when a rank was
+    SIGKILLed), and those after it None (not run). The output of every job is the launch's."""
+    command = [*launcher, str(script)]
+    for number, (args, _) in enumerate(jobs.values()):
+        command += [*(["--then"] if number else []), *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300 * len(jobs),
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    finished, status = {}, 0
+    for number, (name, (_, result)) in enumerate(jobs.items()):
+        if status == 0:
+            said = all(f"job {number} done on rank {rank}\n" in done.stdout for rank in range(ranks))
+            status = 0 if said else done.returncode or None  # None: the launch ended well without it
+        else:
+            status = None
+        finished[name] = Finished(name, status, done.stdout, done.stderr, result, killed=1)
+    return finished
+
+
+def _run(module, script: str, job: dict) -> int:
+    """In the forked process: the job's output to its files, its command line, its ``main()``."""
+    for fd, path in ((1, job["out"]), (2, job["err"])):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.argv = [script, *job["args"]]
+    try:
+        module.main()
+        return 0
+    except SystemExit as done:  # as the interpreter reports it
+        if done.code is None or isinstance(done.code, int):
+            return done.code or 0
+        print(done.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def main(script: str, jobs_file: str, status_file: str) -> None:
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for name in getattr(module, "PRELOAD", ()):
+        importlib.import_module(name)
+    assert not [m for m in sys.modules if m.startswith("llmtailor")], "the launch imported llmtailor"
+    statuses = []
+    for job in json.loads(Path(jobs_file).read_text()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_run(module, script, job))  # as the jobs end themselves (helpers' ``leave``)
+        _, status = os.waitpid(pid, 0)
+        statuses.append(os.waitstatus_to_exitcode(status))
+    Path(status_file).write_text(json.dumps(statuses))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
