@@ -9,7 +9,8 @@ made 160-280 ranged GETs on each rank. Here the ranks say which ranges they need
 group (a unit's: a group is loaded once its bytes are in, so a rank holds one group's bytes
 at a time besides the reads ahead), and exchange them (``Coordinator.exchange``). The union of
 every rank's ranges of a file in a group, ranges less than ``GAP`` bytes apart joined, is cut
-into pieces of at most ``fetch.PART`` bytes; each piece is one item of a read plan
+into pieces of ``fetch.PART`` bytes (a short last one joined to the one before: up to a part and
+a half, ``_pieces``); each piece is one item of a read plan
 (``distributed.read_plan``): fetched by one rank (balanced by bytes, two read ahead on two
 threads) in one request, and sent to each rank that needs part of it, only the parts its
 ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
@@ -235,11 +236,19 @@ class _Groups:
 
 def _pieces(ranges: Iterable[Range]) -> list[Range]:
     """The union of ``ranges``, per file: ranges overlapping or less than ``GAP`` bytes apart
-    joined, each cut into pieces of at most ``PART`` bytes; sorted by key and start."""
+    joined, each cut into pieces of ``PART`` bytes, the last one joined to the one before when
+    under half a part (a request costs a round trip whatever its size: ``fetch._joined``), so
+    pieces are of up to a part and a half; sorted by key and start."""
     joined: list[list] = []
     for key, start, length in sorted(r for r in ranges if r[2] > 0):
         if joined and joined[-1][0] == key and start <= joined[-1][2] + GAP:
             joined[-1][2] = max(joined[-1][2], start + length)
         else:
             joined.append([key, start, start + length])
-    return [(key, at, min(PART, end - at)) for key, start, end in joined for at in range(start, end, PART)]
+    pieces = []
+    for key, start, end in joined:
+        cuts = list(range(start, end, PART))
+        if len(cuts) > 1 and end - cuts[-1] < PART // 2:  # no short last request: joined to the one before it
+            cuts.pop()
+        pieces += [(key, at, until - at) for at, until in zip(cuts, [*cuts[1:], end])]
+    return pieces

@@ -22,10 +22,14 @@ def test_the_boxes_of_three_ranks_in_one_file_are_fetched_in_one_request_each_by
     assert sum(length for _, _, length in pieces) == len(covered(pieces, "f"))
 
 
-def test_ranges_far_apart_stay_apart_and_large_ones_are_cut_into_parts():
-    ranges = [("a", 0, 100), ("a", 100 + GAP + 1, 100), ("b", 0, 2 * PART + 5)]
+def test_ranges_far_apart_stay_apart_and_large_ones_are_cut_into_parts_a_short_last_one_joined_to_the_one_before():
+    """A request costs a round trip whatever its size: a range of two parts and 5 bytes is two
+    requests (the 5 bytes with the second part), not three; a last piece of half a part or more
+    stays a piece of its own."""
+    ranges = [("a", 0, 100), ("a", 100 + GAP + 1, 100), ("b", 0, 2 * PART + 5), ("c", 0, 2 * PART + PART // 2)]
     assert _pieces(ranges) == [("a", 0, 100), ("a", 100 + GAP + 1, 100),
-                               ("b", 0, PART), ("b", PART, PART), ("b", 2 * PART, 5)]
+                               ("b", 0, PART), ("b", PART, PART + 5),
+                               ("c", 0, PART), ("c", PART, PART), ("c", 2 * PART, PART // 2)]
 
 
 def test_empty_ranges_ask_for_nothing():
