@@ -235,12 +235,10 @@ class Catalog:
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
             key = f"{self.snapshot_key(step)}/{MANIFEST_FILE}"
-            if not self.storage.is_file(key):
-                raise SnapshotNotFoundError(self._no_snapshot_message(step))
-            try:
+            try:  # read, not looked for first: on an object store a HEAD is a round trip of its own
                 raw = self.storage.read(key)
             except IntegrityError:
-                if not self.storage.is_file(key):  # removed (by retention) since it was found
+                if not self.storage.is_file(key):  # not there (never committed, or removed by retention)
                     raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
                 raise
             manifest = parse_manifest(bytes(raw), self.storage.where(key))
