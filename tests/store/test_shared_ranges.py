@@ -1,12 +1,13 @@
 """The pieces a distributed restore fetches once in the job (``store.shared_ranges``): the union
 of every rank's byte ranges of a file, ranges less than ``GAP`` apart joined, cut into requests
-of at most ``PART`` bytes; the tests of the whole, with real processes and a real S3 server, are
+of ``PART`` bytes (a short last one joined to the one before), consecutive small groups fetched
+together; the tests of the whole, with real processes and a real S3 server, are
 in tests/distributed/test_read_once.py."""
 
 from __future__ import annotations
 
 from llmtailor.store.fetch import PART
-from llmtailor.store.shared_ranges import GAP, _by_file, _pieces, _within
+from llmtailor.store.shared_ranges import GAP, _batches, _by_file, _pieces, _within
 
 
 def covered(pieces: list[tuple[str, int, int]], key: str) -> set[int]:
@@ -45,3 +46,19 @@ def test_each_rank_is_sent_only_the_parts_of_a_piece_its_ranges_cover():
     assert _within(piece, _by_file([("f", 8200, 5000), ("f", 3000, 2000), ("f", 4000, 100)])) == [(2000, 2000), (7200, 1800)]
     assert _within(piece, _by_file([("f", 20000, 10), ("f", 500, 400)])) == []
     assert _by_file([("f", 9, 1), ("g", 0, 2), ("f", 3, 4)]) == {"f": [(3, 4), (9, 1)], "g": [(0, 2)]}
+
+
+def test_consecutive_small_groups_are_fetched_together_up_to_a_part_and_a_half_per_file():
+    """A 2-rank FSDP2 save restored at 3: each layer is a shard of a few MB in each rank's pack,
+    fetched as a request per layer per pack. Two layers side by side in a file are one request
+    (their pieces joined), while no file's bytes of a batch reach a part and a half; a group
+    larger than that is a batch alone."""
+    half = PART // 2
+    layer = {"layer.0": 0, "layer.1": 1, "layer.2": 2, "norm": 3}
+    ranks = [{group: [["p0", at * half, half // 2], ["p1", at * half, half // 2]] for group, at in layer.items()},
+             {group: [["p0", at * half + half // 2, half // 2], ["p1", at * half + half // 2, half // 2]]
+              for group, at in layer.items()},
+             {"embed": [["p0", 8 * half, 2 * PART]]}]
+    assert _batches(["embed", *layer], ranks) == [("embed",), ("layer.0", "layer.1"), ("layer.2", "norm")]
+    batch = [r for ranks_ in ranks for group in ("layer.0", "layer.1") for r in ranks_.get(group, ())]
+    assert _pieces(tuple(r) for r in batch) == [("p0", 0, PART), ("p1", 0, PART)]
