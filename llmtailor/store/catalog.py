@@ -82,7 +82,9 @@ class ReadLeases:
             return True  # committed by this process in the background: nothing else removes it meanwhile
         snapshot = self.run.snapshot_key(step)
         storage = self.run.storage
-        lease = storage.locks.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
+        locks = storage.locks
+        committed = locks.checks_committed or storage.is_file(f"{snapshot}/{MANIFEST_FILE}")  # not looked for twice
+        lease = locks.lease_for_reading(snapshot) if committed else None
         if lease is None:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False

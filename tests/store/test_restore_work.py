@@ -151,6 +151,10 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
         assert reader.restore().step == 2
         assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
         assert max(calls.leases().values()) == 1
+        # The newest manifest looked for (a HEAD each) by the listing and by the lease once
+        # written, and read: no look before the lease is written, nor before the read.
+        newest = f"{Run.snapshot_key(2)}/{MANIFEST_FILE}"
+        assert calls.count("size", newest) == 2 and calls.count("read", newest) == 1, calls.calls
         run = Run(url)
         sizes = dict(run.storage.walk("snapshots"))  # the snapshots' files (the pointer aside)
         again = {key: n for key, n in calls.bytes_by_key().items() if key in sizes and n >= 2 * sizes[key]}
