@@ -46,6 +46,7 @@ import cProfile
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update({**CREDS, "AWS_ENDPOINT_URL": endpoint})
+    os.environ.update({**CREDS, "AWS_ENDPOINT_URL": endpoint, "BENCH_SERVER_PID": str(proc.pid)})
     for _ in range(300):
         try:
             s3().list_buckets()
@@ -98,6 +99,21 @@ def start_server() -> tuple[subprocess.Popen, str]:
         except Exception:
             time.sleep(0.1)
     raise SystemExit("the S3 server did not start")
+
+
+def server_cpu() -> float:
+    """CPU seconds (user + system) the S3 server's process has used so far (0 where unknown)."""
+    try:
+        fields = Path(f"/proc/{os.environ['BENCH_SERVER_PID']}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (KeyError, OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_now() -> float:
+    """CPU seconds (user + system) of this process, every thread, so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def s3():
@@ -326,12 +342,14 @@ def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
             objects.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
     composite = {k: v for k, v in objects.items() if k.startswith("ours/snapshots/")}
     dcp_bytes = sum(v for k, v in objects.items() if k.startswith("dcp/"))
-    boto = []
+    boto, boto_cpu, boto_server = [], [], []
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        start, cpu, served = time.perf_counter(), cpu_now(), server_cpu()
         for key in composite:
             client.download_file(bucket, key, str(out / "download.bin"))
         boto.append(time.perf_counter() - start)
+        boto_cpu.append(cpu_now() - cpu)
+        boto_server.append(server_cpu() - served)
     results = [json.loads((out / f"{kind}-restore-{rank}.json").read_text()) for rank in range(3)]
     total = sum(composite.values())
     ours_fetched = sum(r["ours_fetched"] for r in results)
@@ -349,6 +367,14 @@ def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
     print("ours, each rank's last restore: " + "; ".join(
         f"rank {rank}: {r['requests']} requests, {r['collectives']} collectives, {r['messages']} sends/receives"
         for rank, r in enumerate(results)))
+    if "ours_cpu" in results[0]:
+        def per_rank(name: str) -> str:
+            return "/".join(f"{statistics.median(r[name]):.2f}" for r in results)
+
+        print(f"CPU s, medians (each rank's process, every thread; the S3 server's process): ours {per_rank('ours_cpu')}, "
+              f"server {statistics.median(results[0]['ours_server']):.2f}; dcp.load {per_rank('dcp_cpu')}, server "
+              f"{statistics.median(results[0]['dcp_server']):.2f}; boto3 {statistics.median(boto_cpu):.2f}, server "
+              f"{statistics.median(boto_server):.2f}")
     print("\nissue 33 targets")
     ratio = ours_fetched / total
     print(f"  fetched / composite: {ratio:.3f}x (target <= 1.05x): {'PASS' if ratio <= 1.05 else 'FAIL'}")
@@ -439,14 +465,22 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
         return
     fetched, calls = count_fetched(), count_calls()
     seconds: dict[str, list[float]] = {"ours": [], "dcp": []}
+    cpu: dict[str, list[float]] = {"ours": [], "dcp": [], "ours_server": [], "dcp_server": []}
     counts: dict[str, int] = {}
+    timers = None
+    if os.environ.get("BENCH_PHASES"):  # each phase's wall and thread CPU of ours' last restore, by rank
+        import phase_timers as timers
+
+        missing = timers.install()
     for _ in range(json.loads(os.environ["BENCH_SIZES"])["repeats"]):
         for name in ("ours", "dcp"):
             fetched.clear()
             calls.update(dict.fromkeys(calls, 0))
             dist.barrier()
             profile = cProfile.Profile() if os.environ.get("BENCH_PROFILE") else None
-            start = time.perf_counter()
+            if timers is not None:
+                timers.reset()
+            start, used, served = time.perf_counter(), cpu_now(), server_cpu()
             if profile is not None:
                 profile.enable()
             if name == "ours":
@@ -456,15 +490,22 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
             if profile is not None:  # the last repeat's profile of each contender, by rank (``BENCH_PROFILE``: a folder)
                 profile.disable()
                 profile.dump_stats(Path(os.environ["BENCH_PROFILE"]) / f"{role}-{dist.get_rank()}-{name}.prof")
+            cpu[name].append(cpu_now() - used)
             dist.barrier()
             seconds[name].append(time.perf_counter() - start)
+            cpu[f"{name}_server"].append(server_cpu() - served)
+            if timers is not None and name == "ours":
+                timers.dump(Path(os.environ["BENCH_PHASES"]) / f"{role}-{dist.get_rank()}.json",
+                            {"seconds": round(seconds[name][-1], 3), "process_cpu": round(cpu[name][-1], 3),
+                             "server_cpu": round(cpu["ours_server"][-1], 3), "not_in_tree": missing})
             counts[name] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/"))
             counts[f"{name}_data"] = sum(v for k, v in fetched.items() if k.startswith(f"{name}/") and data_file(k))
             if name == "ours":  # ours' last restore: its requests of the store and its torch.distributed calls
                 counts.update({f"ours_{k}": v for k, v in calls.items()})
     (out / f"{role}-{dist.get_rank()}.json").write_text(json.dumps({
         "ours_seconds": seconds["ours"], "dcp_seconds": seconds["dcp"], "ours_fetched": counts["ours"],
-        "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"],
+        "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"], "ours_cpu": cpu["ours"], "dcp_cpu": cpu["dcp"],
+        "ours_server": cpu["ours_server"], "dcp_server": cpu["dcp_server"],
         **{k: counts[f"ours_{k}"] for k in ("requests", "collectives", "messages")}}))
 
 

@@ -52,7 +52,7 @@ from llmtailor.store.lineage import Lineage
 from llmtailor.store.run import Run
 from llmtailor.store.shared_reads import share_manifests, share_small_files
 from llmtailor.store.staged import PersistResult, StagedSnapshot
-from llmtailor.store.tiers import Choice, Tiers
+from llmtailor.store.tiers import Choice, Level, Tiers
 from llmtailor.store.node_commit import persist_on_nodes
 from llmtailor.store.writer import persist
 
@@ -276,7 +276,7 @@ class Tailor:
             self.provider.finish_load()
             self._partly_restored = None
             run = self.tiers.levels[level].run
-            extra, unmapped = self.provider.restore_rank_state(run, composite, self.stateful, restoring.shared)
+            extra, unmapped = self.provider.restore_rank_state(restoring.rank_state, self.stateful)
         self.lineage.restored(run, composite, extend=level == 0, newest=floor)  # from a slower tier: the next save is full
         self._frozen.restored(run, composite, held=level == 0)
         self.tiers.restored(level, composite.step)
@@ -372,6 +372,8 @@ class _Restoring:
         """With a node-local tier: node -> the nodes whose copies sent it what it lacked."""
         self.shared: dict[str, Any] | None = None
         """The global state of the composite last checked (``check_composite``), decoded once."""
+        self.rank_state: tuple[dict[str, Any], bool, list[str]] | None = None
+        """This rank's saved state of the composite last loaded (``StateProvider.read_rank_state``)."""
 
     def load(self, step: int | None, fallback: bool, verify: bool | str,
              held: ExitStack) -> tuple[int, Composite, dict[int, str], int | None]:
@@ -384,7 +386,7 @@ class _Restoring:
         attempts, skipped, unread, floor = self.plan(step, fallback, held)
         fallback = fallback and step is None
         for index, (level, chosen, leased) in enumerate(attempts):
-            lease, failure = self.attempt(index, self.tiers.levels[level].run, chosen, leased, verify or fallback, fallback)
+            lease, failure = self.attempt(index, self.tiers.levels[level], chosen, leased, verify or fallback, fallback)
             if lease is not None:
                 composite = held.enter_context(lease)
                 break
@@ -424,26 +426,31 @@ class _Restoring:
         level, chosen, skipped, floor = self.coordinator.broadcast(f"{self.round}/choose", choose if leader else None)
         return [(level, chosen, leased[0] if leased else None)], {int(s): why for s, why in skipped.items()}, [], floor
 
-    def attempt(self, index: int, run: Run, chosen: int, leased: LeasedComposite | None, verify: bool | str,
+    def attempt(self, index: int, tier: Level, chosen: int, leased: LeasedComposite | None, verify: bool | str,
                 skippable: bool) -> tuple[LeasedComposite | None, BaseException | None]:
-        """Lease (unless ``leased``), check and load the composite of ``chosen`` into the live
-        state on every rank, its manifests, unit indexes and global state read once in the job
-        (``store.shared_reads``); the ranks agree on the outcome (``Coordinator.agree``). Returns the
+        """Lease (unless ``leased``), check and load the composite of ``chosen`` from ``tier``
+        into the live state on every rank, its manifests, unit indexes and global state read
+        once in the job (``store.shared_reads``), and read this rank's own state; the ranks agree
+        on the outcome (``Coordinator.agree``): every read of the restore is done by then, so
+        from an object store every rank reads under rank 0's lease (the others take none). Returns the
         lease (for the restore to hold until it ends), or None and the failure every rank shares.
         ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
-        touched, error, lease = False, None, None
+        touched, error, lease, run = False, None, None, tier.run
         # The provider tags its messages with the coordinator's round, and an exchange's stay in
         # the store: a composite loaded under the round of the one before would take that one's
         # answers from ranks that have not answered yet (plans differing between ranks).
         self.coordinator.new_round()
         try:
             # Rank 0's manifests, then the indexes and global state read once in the job (shared_reads).
-            lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}")
+            lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}",
+                                    covered=run.storage.remote and not tier.node_local)
             share_small_files(run, lease.composite, self.coordinator)
             shared = self.shared = self.provider.check_composite(run, lease.composite)
             # The live state changes from here: a mix until the ranks agree (agree may itself raise).
             touched, self.partly = True, f"the restore of step {chosen} did not complete"
             self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
+            # Read before the ranks agree: every read under rank 0's lease, a failed one on every rank.
+            self.rank_state = self.provider.read_rank_state(run, lease.composite, shared)
         except BaseException as err:
             error = _as_damage(err, skippable)
         finally:

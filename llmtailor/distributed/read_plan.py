@@ -123,14 +123,14 @@ class ReadPlan:
         what the reader's read raised (module docstring).
 
         A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
-        turn, so the ranks' reads overlap one another and the broadcasts (``read`` must allow
-        it: the store's reads do)."""
+        turn, the first as the plan starts (``_ReadAhead``), so the ranks' reads overlap one
+        another and the broadcasts (``read`` must allow it: the store's reads do)."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         turns = self.turns()
         own = [item for item in turns if self.readers[item] == self.coordinator.rank]
-        with contextlib.closing(_read_ahead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
+        with contextlib.closing(_ReadAhead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
             for item in turns:
                 reader = self.readers[item]
                 if reader == self.coordinator.rank:
@@ -170,7 +170,7 @@ class ReadPlan:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
         failing = _Failing(self.coordinator, tag)
-        with contextlib.closing(_read_ahead(self.mine(), failing.guard(read), threads, threads)) as mine:
+        with contextlib.closing(_ReadAhead(self.mine(), failing.guard(read), threads, threads)) as mine:
             try:
                 for index, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
@@ -195,7 +195,7 @@ class ReadPlan:
                 while sending:
                     self._wait(*sending.pop(0), "send")
                 self._settle(failed, device)
-            finally:  # a failure, or the caller stopped: no send left from freed memory (the reads: ``_read_ahead``)
+            finally:  # a failure, or the caller stopped: no send left from freed memory (the reads: ``_ReadAhead``)
                 for sent in sending:
                     try:
                         self._wait(*sent, "send")
@@ -320,30 +320,41 @@ class ReadPlan:
         return IntegrityError(text) if status == _DAMAGED else CoordinationError(text)
 
 
-def _read_ahead(items: Iterable[str], read: Callable[[str], T], workers: int, depth: int) -> Iterator[Future[T]]:
+class _ReadAhead:
     """The future of ``read(item)`` for each of ``items`` in their order (this rank's items in
-    the order the caller goes through the plan, taking each as its turn comes): the one read-ahead of ``fetch`` and
-    ``deliver``. Each read starts on one of ``workers`` threads up to ``depth`` items before
-    it is taken (the next ones start as one is taken, before it is used), so this rank's
-    reads overlap one another and what the caller does with the items. Closed
-    (``contextlib.closing``), it cancels the reads not yet started and waits for those
-    running: no read goes on behind its caller's back."""
-    queue, ahead = iter(items), collections.deque()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmtailor-read") as pool:
+    the order the caller goes through the plan, taking each as its turn comes: ``next``): the
+    one read-ahead of ``fetch`` and ``deliver``. The first ``depth`` reads start at once, on
+    ``workers`` threads, not when the caller reaches this rank's first item (every rank's reads
+    then run side by side from the plan's start: a rank whose first item comes late in the plan
+    does not begin reading only once the items before it were read and sent); each later one
+    starts as an item is taken, before it is used, so this rank's reads overlap one another and
+    what the caller does with the items (at most ``depth`` read and not taken: the memory
+    bound). ``close`` cancels the reads not yet started and waits for those running: no read
+    goes on behind its caller's back."""
 
-        def top_up() -> None:
-            while len(ahead) < depth and (item := next(queue, None)) is not None:
-                ahead.append(pool.submit(read, item))
+    def __init__(self, items: Iterable[str], read: Callable[[str], T], workers: int, depth: int):
+        self._queue, self._ahead, self._read, self._depth = iter(items), collections.deque(), read, depth
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmtailor-read")
+        self._top_up()
 
-        try:
-            top_up()
-            while ahead:
-                taken = ahead.popleft()
-                top_up()
-                yield taken
-        finally:
-            for reading in ahead:
-                reading.cancel()
+    def _top_up(self) -> None:
+        while len(self._ahead) < self._depth and (item := next(self._queue, None)) is not None:
+            self._ahead.append(self._pool.submit(self._read, item))
+
+    def __iter__(self) -> Iterator[Future[T]]:
+        return self
+
+    def __next__(self) -> Future[T]:
+        if not self._ahead:
+            raise StopIteration
+        taken = self._ahead.popleft()
+        self._top_up()
+        return taken
+
+    def close(self) -> None:
+        for reading in self._ahead:
+            reading.cancel()
+        self._pool.shutdown(wait=True)
 
 
 class ReadRefused(Exception):

@@ -289,15 +289,18 @@ class StateProvider(ABC):
             own["stage"] = self.capture_shared()
         return (None, None, *codec.encode(own, where=f"global state of rank {rank}"))
 
-    def restore_rank_state(self, run: Run, composite: Composite, stateful: StatefulObjects | None = None,
-                           shared: dict[str, Any] | None = None) -> tuple[Any, tuple[str, ...]]:
-        """This rank's RNG states, extras and stateful objects' states from ``composite``: its own
-        at the saved world size. At another world size rank r takes saved rank r's where there is
+    def read_rank_state(self, run: Run, composite: Composite,
+                        shared: dict[str, Any] | None = None) -> tuple[dict[str, Any], bool, list[str]]:
+        """What ``restore_rank_state`` loads on this rank from ``composite``, read (no live state
+        changed): ``(the saved state, whether it is this rank's own, what could not be mapped)``.
+        At the saved world size, its own; at another, rank r takes saved rank r's where there is
         one; a rank beyond the saved world keeps its RNG streams and gets rank 0's extras and
-        stateful objects' states; saved ranks beyond the current world are not used. Loads the RNG
-        streams and ``stateful``; returns the extras and what could not be mapped. ``shared``: the
-        composite step's global state as ``check_composite`` returned it (saved rank 0's own state
-        is taken from it, not read and decoded a second time)."""
+        stateful objects' states; saved ranks beyond the current world are not used. ``shared``:
+        the composite step's global state as ``check_composite`` returned it (saved rank 0's own
+        state is taken from it, not read and decoded a second time). A restore reads it with the
+        units, before the ranks agree that every read succeeded (``Tailor.restore``): every read of
+        a restore is then under rank 0's lease on the composite (``share_manifests``), and a
+        failed read of it fails every rank."""
         saved, world, rank = composite.manifest.world_size, self.coordinator.world_size, self.coordinator.rank
         unmapped: list[str] = []
         if world > saved:
@@ -307,9 +310,18 @@ class StateProvider(ABC):
             who = f"rank {world}" if saved - world == 1 else f"ranks {world}..{saved - 1}"
             unmapped.append(f"the RNG states and extras of saved {who} were not used (saved at world size {saved})")
         own = run.read_rank_state(composite.step, rank, shared) if rank < saved else None
-        if own is None:
-            own = run.read_rank_state(composite.step, 0, shared)  # its extras and stateful objects' states, not its RNG
-        elif not self.load_rank(own):
+        if own is None:  # its extras and stateful objects' states, not its RNG
+            return run.read_rank_state(composite.step, 0, shared), False, unmapped
+        return own, True, unmapped
+
+    def restore_rank_state(self, read: tuple[dict[str, Any], bool, list[str]],
+                           stateful: StatefulObjects | None = None) -> tuple[Any, tuple[str, ...]]:
+        """This rank's RNG states, extras and stateful objects' states as ``read_rank_state`` read
+        them (``read``): loads the RNG streams (its own state's only) and ``stateful``; returns the
+        extras and what could not be mapped."""
+        own, mine, unmapped = read
+        unmapped = list(unmapped)
+        if mine and not self.load_rank(own):
             unmapped.append("the snapshot holds no RNG state (imported from a checkpoint that keeps none): "
                             "RNG streams left as they were")
         if stateful is not None:

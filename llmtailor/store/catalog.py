@@ -82,7 +82,9 @@ class ReadLeases:
             return True  # committed by this process in the background: nothing else removes it meanwhile
         snapshot = self.run.snapshot_key(step)
         storage = self.run.storage
-        lease = storage.locks.lease_for_reading(snapshot) if storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
+        locks = storage.locks
+        committed = locks.checks_committed or storage.is_file(f"{snapshot}/{MANIFEST_FILE}")  # not looked for twice
+        lease = locks.lease_for_reading(snapshot) if committed else None
         if lease is None:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False
@@ -255,12 +257,10 @@ class Catalog:
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
             key = f"{self.snapshot_key(step)}/{MANIFEST_FILE}"
-            if not self.storage.is_file(key):
-                raise SnapshotNotFoundError(self._no_snapshot_message(step))
-            try:
+            try:  # read, not looked for first: on an object store a HEAD is a round trip of its own
                 raw = self.storage.read(key)
             except IntegrityError:
-                if not self.storage.is_file(key):  # removed (by retention) since it was found
+                if not self.storage.is_file(key):  # not there (never committed, or removed by retention)
                     raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
                 raise
             manifest = parse_manifest(bytes(raw), self.storage.where(key))

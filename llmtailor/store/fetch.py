@@ -11,7 +11,9 @@ order, to the checksum. How many parts are requested at once is the storage's
 (``Storage.reads_in_flight``): all of them from an object store; one at a time from a local
 file, in file order (a disk reads a file fastest in order, and the checksum of each part then
 overlaps the read of the next). The bytes are returned only after every part is in; the caller
-compares the checksum before it uses them.
+compares the checksum before it uses them. From a remote store, where a request costs a round
+trip whatever its size, a fetch's short last part (under half a part) comes with the part before
+it, in one request of up to a part and a half (``_joined``).
 
 A whole file read from its start (``sized``) has its size checked by the request of its first
 part where the store's ranged read answers it (an object store's GET: ``Storage.read_start``),
@@ -88,7 +90,7 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
         raise ValueError("fetch_into: a size is checked only on a read from the file's start")
     # A remote store pays a round trip per request whatever its size: there consecutive views
     # are read together up to a whole part (one copy out of the staging buffer costs less).
-    parts = _parts(start, views, PART if storage.remote else _SMALL)
+    parts = _parts(start, views, PART if storage.remote else _SMALL, join=storage.remote)
     if sized is not None:
         if storage.remote and parts:
             parts[0].sized = sized
@@ -144,11 +146,13 @@ class _Part:
                 at += len(view)
 
 
-def _parts(start: int, views: list[memoryview], small_under: int = _SMALL) -> list[_Part]:
+def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join: bool = False) -> list[_Part]:
     """The requests filling ``views`` from ``start``: a view over ``PART`` bytes cut into parts of
     ``PART``, views of under ``small_under`` bytes next to each other read as one, up to that
     many bytes (a Llama unit's norms and step counters are a few bytes each: one request, not
-    one each)."""
+    one each). ``join`` (a remote store): no request ends a fetch or a view under half a part
+    after a full one: it is joined to that one (``_joined``), so requests are of up to a part
+    and a half."""
     parts: list[_Part] = []
     small: list[memoryview] = []
     at, limit = start, min(small_under, PART)
@@ -166,7 +170,25 @@ def _parts(start: int, views: list[memoryview], small_under: int = _SMALL) -> li
         if len(view) < limit:
             small.append(view)
         else:
-            parts += [_Part(at + offset, view[offset : offset + PART]) for offset in range(0, len(view), PART)]
+            cuts = list(range(0, len(view), PART))
+            if join and len(cuts) > 1 and len(view) - cuts[-1] < PART // 2:  # no short last request
+                cuts.pop()
+            parts += [_Part(at + cut, view[cut : end]) for cut, end in zip(cuts, [*cuts[1:], len(view)])]
         at += len(view)
     flush()
+    if join:  # a short last request joins the one before it
+        parts[-2:] = _joined(parts[-2:])
     return parts
+
+
+def _joined(last: list[_Part]) -> list[_Part]:
+    """The last two requests of a remote fetch, joined into one (through a staging buffer: they
+    fill different views) when together they are under a part and a half. A request costs a
+    round trip whatever its size (and an S3 emulator such as moto reads the whole object for
+    each ranged GET), so a range a little over a part's size (a Llama layer's 8.9 MB in a pack:
+    8 MiB and 0.9 MB) is one request, not two; a copy of its bytes costs less."""
+    if len(last) < 2 or len(last[0].view) + len(last[1].view) >= PART + PART // 2:
+        return last
+    first, second = last
+    targets = (first.scatter or [first.view]) + (second.scatter or [second.view])
+    return [_Part(first.at, memoryview(bytearray(len(first.view) + len(second.view))), targets)]

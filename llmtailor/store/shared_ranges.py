@@ -6,16 +6,19 @@ that holds a chunk they overlap).
 Read one box at a time, a rank pays a request per box, and an object store a round trip per
 request whatever its size (``Storage.remote``): a Llama of 4 layers restored from 2 ranks to 3
 made 160-280 ranged GETs on each rank. Here the ranks say which ranges they need, group by
-group (a unit's: a group is loaded once its bytes are in, so a rank holds one group's bytes
-at a time besides the reads ahead), and exchange them (``Coordinator.exchange``). The union of
-every rank's ranges of a file in a group, ranges less than ``GAP`` bytes apart joined, is cut
-into pieces of at most ``fetch.PART`` bytes; each piece is one item of a read plan
+group (a unit's: a group is loaded once its bytes are in), and exchange them
+(``Coordinator.exchange``). Consecutive small groups are fetched together, in batches of at
+most a part and a half per file (``_batches``: a pack's layer shards, a few MB each, are then a
+request for two, not one each), so a rank holds one batch's bytes at a time besides the reads
+ahead. The union of every rank's ranges of a file in a batch, ranges less than ``GAP`` bytes
+apart joined, is cut into pieces of ``fetch.PART`` bytes (a short last one joined to the one
+before: up to a part and a half, ``_pieces``); each piece is one item of a read plan
 (``distributed.read_plan``): fetched by one rank (balanced by bytes, two read ahead on two
 threads) in one request, and sent to each rank that needs part of it, only the parts its
 ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
 every piece); each rank copies its parts into place. A file is then fetched in about its size
-/ ``PART`` requests in all, each byte once (plus what the joined gaps hold). A group is loaded
-on a thread of its own while the next group's pieces are read and sent.
+/ ``PART`` requests in all, each byte once (plus what the joined gaps hold). A batch's groups
+are loaded on a thread of its own while the next batch's pieces are read and sent.
 
 Checks: none here. The reads that take the bytes (``ChunkReader``, its ``received``) check
 them as if they had fetched them themselves, on every rank that uses them.
@@ -100,13 +103,15 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
 
     everyone = coordinator.exchange(f"{tag}/ranges", {group: [list(r) for r in ranges] for group, ranges in needs.items()})
     groups = list(dict.fromkeys(group for ranks in everyone for group in ranks))
-    pieces: dict[str, tuple[str, Range]] = {}
-    for group in groups:
-        for piece in _pieces(tuple(r) for ranks in everyone for r in ranks.get(group, ())):
+    batches = _batches(groups, everyone)
+    pieces: dict[str, tuple[tuple[str, ...], Range]] = {}
+    for batch in batches:
+        for piece in _pieces(tuple(r) for ranks in everyone for group in batch for r in ranks.get(group, ())):
             name = f"bytes {piece[1]}-{piece[1] + piece[2]} of {storage.where(piece[0])}"
-            pieces[name if name not in pieces else f"{name} (for {group})"] = (group, piece)
-    last = {group: name for name, (group, _) in pieces.items()}
-    by_rank = {group: [_by_file(ranks.get(group, ())) for ranks in everyone] for group in groups}  # sorted once
+            pieces[name if name not in pieces else f"{name} (for {batch[-1]})"] = (batch, piece)
+    last = {batch: name for name, (batch, _) in pieces.items()}
+    by_rank = {batch: [_by_file(r for group in batch for r in ranks.get(group, ())) for ranks in everyone]
+               for batch in batches}  # sorted once
     waiting = _Groups(groups, needs, load)
     plan = ReadPlan(coordinator, {name: piece[2] for name, (_, piece) in pieces.items()})
 
@@ -115,20 +120,20 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
         return torch.frombuffer(fetch(storage, key, start, length), dtype=torch.uint8)
 
     def wanted(name: str) -> dict[int, list[tuple[int, int]]]:
-        group, piece = pieces[name]
-        return {rank: _within(piece, ranges) for rank, ranges in enumerate(by_rank[group])}
+        batch, piece = pieces[name]
+        return {rank: _within(piece, ranges) for rank, ranges in enumerate(by_rank[batch])}
 
-    received: list[tuple[str, Range, Callable[[], dict]]] = []  # the pieces of the group being sent
-    loading: Future | None = None  # the group before it, its bytes awaited and loaded on a thread
+    received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]] = []  # the pieces of the batch being sent
+    loading: Future | None = None  # the batch before it, its bytes awaited and loaded on a thread
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-load") as loader:
         try:
             for name, slices in plan.deliver(read, wanted, tag=tag):
-                group = pieces[name][0]
-                received.append((group, pieces[name][1], slices))
-                if last[group] == name:  # all asked for: loaded while the next group's pieces go
-                    if loading is not None:  # one group loading at a time: memory for two groups' bytes
+                batch = pieces[name][0]
+                received.append((batch, pieces[name][1], slices))
+                if last[batch] == name:  # all asked for: loaded while the next batch's pieces go
+                    if loading is not None:  # one batch loading at a time: memory for two batches' bytes
                         loading.result()
-                    loading, received = loader.submit(_arrive_and_load, waiting, group, received), []
+                    loading, received = loader.submit(_arrive_and_load, waiting, batch, received), []
             if loading is not None:
                 loading.result()
         except BaseException:
@@ -139,24 +144,26 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     waiting.load_through(None)
 
 
-def _arrive_and_load(waiting: _Groups, group: str, received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
-    """Wait for each piece of ``group`` this rank is sent, copy its parts into place, then load
-    this rank's groups through ``group``."""
+def _arrive_and_load(waiting: _Groups, batch: tuple[str, ...], received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]]) -> None:
+    """Wait for each piece of ``batch`` (its groups) this rank is sent, copy its parts into place,
+    then load this rank's groups through the batch's last."""
     try:
         while received:
             _, piece, arrived = received[0]
             try:
-                waiting.take(group, piece, arrived())
+                parts = arrived()
+                for group in batch:
+                    waiting.take(group, piece, parts)
             except ReadRefused as err:  # its reader's error is raised at the end of the plan, on every rank
                 waiting.failure = waiting.failure or err
             received.pop(0)
     except BaseException:
         _settle(received[1:])
         raise
-    waiting.load_through(group)
+    waiting.load_through(batch[-1])
 
 
-def _settle(received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
+def _settle(received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]]) -> None:
     """Wait for the receipts still pending when the restore failed (no bytes land in memory
     freed behind them), each as far as it goes: the error raised is the one that stopped it."""
     for _, _, arrived in received:
@@ -164,6 +171,30 @@ def _settle(received: list[tuple[str, Range, Callable[[], dict]]]) -> None:
             arrived()
         except Exception:  # the restore is failing already, with its own error
             pass
+
+
+def _batches(groups: list[str], everyone: list[dict[str, list]]) -> list[tuple[str, ...]]:
+    """``groups`` in order, consecutive ones together while each file's bytes of them (every
+    rank's ranges, summed) stay under a part and a half: fetched together, a file's ranges of
+    small groups (a 4.45 MB layer shard each, in a pack) are one request, not one each (a
+    request costs a round trip whatever its size). A group larger than that is a batch alone."""
+    batches: list[tuple[str, ...]] = []
+    current: list[str] = []
+    held: dict[str, int] = {}  # bytes of the current batch, by file
+    for group in groups:
+        sizes: dict[str, int] = {}
+        for ranks in everyone:
+            for key, _, length in ranks.get(group, ()):
+                sizes[key] = sizes.get(key, 0) + length
+        if current and any(held.get(key, 0) + n >= PART + PART // 2 for key, n in sizes.items()):
+            batches.append(tuple(current))
+            current, held = [], {}
+        current.append(group)
+        for key, n in sizes.items():
+            held[key] = held.get(key, 0) + n
+    if current:
+        batches.append(tuple(current))
+    return batches
 
 
 def _by_file(ranges: Iterable[Iterable]) -> dict[str, list[tuple[int, int]]]:
@@ -236,11 +267,19 @@ class _Groups:
 
 def _pieces(ranges: Iterable[Range]) -> list[Range]:
     """The union of ``ranges``, per file: ranges overlapping or less than ``GAP`` bytes apart
-    joined, each cut into pieces of at most ``PART`` bytes; sorted by key and start."""
+    joined, each cut into pieces of ``PART`` bytes, the last one joined to the one before when
+    under half a part (a request costs a round trip whatever its size: ``fetch._joined``), so
+    pieces are of up to a part and a half; sorted by key and start."""
     joined: list[list] = []
     for key, start, length in sorted(r for r in ranges if r[2] > 0):
         if joined and joined[-1][0] == key and start <= joined[-1][2] + GAP:
             joined[-1][2] = max(joined[-1][2], start + length)
         else:
             joined.append([key, start, start + length])
-    return [(key, at, min(PART, end - at)) for key, start, end in joined for at in range(start, end, PART)]
+    pieces = []
+    for key, start, end in joined:
+        cuts = list(range(start, end, PART))
+        if len(cuts) > 1 and end - cuts[-1] < PART // 2:  # no short last request: joined to the one before it
+            cuts.pop()
+        pieces += [(key, at, until - at) for at, until in zip(cuts, [*cuts[1:], end])]
+    return pieces

@@ -4,8 +4,10 @@ composite a distributed restore loads, which every rank needs whole, leave the s
 Rank 0 leases the composite and resolves it (reading the manifests of every snapshot it needs,
 ``Catalog.lease``) and sends those manifests to the other ranks through the coordinator
 (``share_manifests``); they lease the composite from them (leases and existence checks, no
-manifest read). Knowing every file's size and checksum from the manifests, the ranks then read
-the composite's unit indexes and global state files once in the job between them, each by one
+manifest read), or from an object store take no lease: rank 0's covers every rank's reads, all
+done before the ranks agree the restore succeeded and rank 0 lets it go. Knowing every file's
+size and checksum from the manifests, the ranks then read the composite's unit indexes and
+global state files once in the job between them, each by one
 rank checked against its checksum and broadcast to the others (``share_small_files``, a
 ``distributed.read_plan``); the bytes wait in the run's ``UnitReader.received`` for the
 restore's own reads, which check them again and parse them as if read.
@@ -25,7 +27,7 @@ from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIF
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.read_plan import ReadPlan, balance
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, StorageError
-from llmtailor.store.catalog import Composite, LeasedComposite
+from llmtailor.store.catalog import Composite, LeasedComposite, ReadLeases
 from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.run import Run
 from llmtailor.store.units import INDEXES_READ_WHOLE
@@ -35,12 +37,15 @@ _KINDS = {kind.__name__: kind for kind in (IntegrityError, SnapshotNotFoundError
 
 
 def share_manifests(run: Run, step: int, leased: LeasedComposite | None, coordinator: Coordinator,
-                    tag: str) -> LeasedComposite:
+                    tag: str, covered: bool = False) -> LeasedComposite:
     """The composite of ``step`` leased on this rank (``leased``: the lease rank 0 took choosing
     it, if any). One process leases it itself. In a job, rank 0 leases and resolves it and sends
     the manifests of every snapshot it needs; the others keep them as read (``Catalog.remember``)
-    and lease from them. Raises on every rank what failed on rank 0 (module docstring); no
-    lease is held then."""
+    and lease from them, or, ``covered``, take no lease of their own: rank 0's covers their
+    reads (one store every rank reads, an object store's, and every read of the restore done
+    before rank 0 lets its lease go: ``Tailor.restore``), which saves each of them a reader
+    lease's four requests and its delete. Raises on every rank what failed on rank 0 (module
+    docstring); no lease is held then."""
     if coordinator.world_size == 1:
         return leased or run.lease(step)
     if coordinator.is_leader:
@@ -63,7 +68,7 @@ def share_manifests(run: Run, step: int, leased: LeasedComposite | None, coordin
     for source, text in sent["manifests"].items():
         where = run.storage.where(f"{run.snapshot_key(int(source))}/{MANIFEST_FILE}")
         run.remember(parse_manifest(text.encode(), where, int(source)))
-    return run.lease(step)
+    return LeasedComposite(run.resolve(step), ReadLeases(run)) if covered else run.lease(step)
 
 
 def share_small_files(run: Run, composite: Composite, coordinator: Coordinator) -> None:

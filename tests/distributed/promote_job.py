@@ -89,9 +89,9 @@ def serving_late(hold: int) -> None:
     closing = threading.Event()
     close, serve = runtime.Tiers.close, collective.NodeUploader._serve
 
-    def closed(self):
+    def closed(self, *args, **kwargs):
         closing.set()
-        close(self)
+        close(self, *args, **kwargs)
 
     def late(self, order):
         if max((int(step) for step in order.get("staging", {})), default=0) >= hold:

@@ -139,6 +139,10 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     # the reader's status goes in the item's own broadcast, not in one before it (two per item).
     assert [result["broadcasts"] for result in results] == [result["plan_items"] for result in results]
     assert all(result["plan_items"] > 0 for result in results)
+    # Rank 0's reader lease on the composite covers every rank's reads (all done before the ranks
+    # agree the restore succeeded): the others take none (each took one per snapshot: four
+    # requests and a delete).
+    assert results[0]["leases"] > 0 and [result["leases"] for result in results[1:]] == [0] * (RANKS - 1)
 
     # The corrupted unit: read by one rank, whose name every rank's refusal carries, the same.
     refusals = {result["refused"] for result in results}
@@ -168,6 +172,7 @@ def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(on_s3):
     assert all(any(f.get(key) for key in data) for f in fetched)  # every rank read its share
     assert_metadata_fetched_once(results)
     assert [result["broadcasts"] for result in results] == [result["plan_items"] for result in results]
+    assert results[0]["leases"] > 0 and [result["leases"] for result in results[1:]] == [0, 0, 0]
 
 
 def test_the_data_ranks_of_each_pipeline_stage_read_its_units_once_between_them(on_s3):

@@ -103,3 +103,31 @@ def test_once_a_read_failed_a_rank_reads_nothing_more_and_raises_the_first_failu
         assert set(reads) <= {"piece 0", "piece 1", "piece 2"}, reads
     finally:
         dist.destroy_process_group()
+
+
+def test_a_rank_s_reads_start_with_the_plan_not_when_its_first_item_comes_up():
+    """A rank whose first item comes late in the plan (rank 0 of the bench's DDP restore: its
+    first, layer.3, is the third turn) began reading only once the items before it were read
+    by their readers and sent, its reads in series with theirs. Its first reads (up to the
+    read-ahead's depth) start as the plan does, before any item is taken; the next as one is."""
+    import threading
+
+    from llmtailor.distributed import read_plan
+
+    started = {item: threading.Event() for item in ("a", "b", "c")}
+    go = threading.Event()
+
+    def read(item: str) -> str:
+        started[item].set()
+        go.wait(60)
+        return item
+
+    ahead = read_plan._ReadAhead(["a", "b", "c"], read, 2, 2)
+    try:
+        assert started["a"].wait(60) and started["b"].wait(60)  # no item taken yet
+        assert not started["c"].is_set()  # at most two ahead: memory stays bounded
+        go.set()
+        assert [future.result() for future in ahead] == ["a", "b", "c"]
+    finally:
+        go.set()
+        ahead.close()

@@ -643,7 +643,7 @@ def read_once(kind: str, out: Path) -> dict:
     plans = count_plan_broadcasts()
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
     result.update(fetched=dict(calls.bytes_by_key()), reads=dict(calls.by_key()), restored=report.step,
-                  broadcasts=plans["broadcasts"], plan_items=plans["items"],
+                  broadcasts=plans["broadcasts"], plan_items=plans["items"], leases=sum(calls.leases().values()),
                   mismatches=compare_with_composite(out, location(out, kind), model, optimizer))
     return result
 

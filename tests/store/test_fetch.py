@@ -165,4 +165,24 @@ def test_a_remote_file_read_whole_has_its_size_checked_by_its_first_request_not_
         with pytest.raises(IntegrityError, match=message):
             fetch_stored_tensors(storage, key, file, expected)
     assert calls.count("size") == 0 and storage.starts == [key], calls.calls
-    assert damage or calls.count("read_into") == -(-file.bytes // PART) - 1  # the other parts, each a request
+    # The other parts, each a request (the short last one with the part before it: ``_joined``).
+    assert damage or calls.count("read_into") == file.bytes // PART + (file.bytes % PART >= PART // 2) - 1
+
+
+@pytest.mark.parametrize(("length", "requests"), [(PART + 5, 1), (2 * PART + 5, 2), (2 * PART + PART // 2, 3)])
+def test_from_a_remote_store_a_short_last_part_is_fetched_with_the_part_before_it(run, monkeypatch, length, requests):
+    """A request costs a round trip whatever its size: a range of a part and a few bytes is one
+    request, not two (a Llama layer's 8.9 MB in a pack was 8 MiB and 0.9 MB); a last part of half
+    a part or more keeps its own request. The same when the range fills several views (a unit
+    read into live tensors), the joined bytes then staged and copied out to each."""
+    unit, tensor = only_tensor(run)
+    file = unit.files[tensor.chunks[0].file]
+    key = f"{run.snapshot_key(1)}/{file.path}"
+    data = (run.snapshot_dir(1) / file.path).read_bytes()[:length]
+    storage = _Remote(run.storage.root)
+    calls = StorageCalls.install(monkeypatch)
+    assert bytes(fetch.fetch(storage, key, 0, length)) == data
+    assert calls.count("read_into") == requests, calls.calls
+    views = [bytearray(n) for n in (PART // 2, PART // 2, length - PART)]
+    fetch.fetch_into(storage, key, 0, [memoryview(v) for v in views])
+    assert b"".join(views) == data and calls.count("read_into") == 2 * requests, calls.calls

@@ -151,6 +151,10 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
         assert reader.restore().step == 2
         assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
         assert max(calls.leases().values()) == 1
+        # The newest manifest looked for (a HEAD each) by the listing and by the lease once
+        # written, and read: no look before the lease is written, nor before the read.
+        newest = f"{Run.snapshot_key(2)}/{MANIFEST_FILE}"
+        assert calls.count("size", newest) == 2 and calls.count("read", newest) == 1, calls.calls
         run = Run(url)
         sizes = dict(run.storage.walk("snapshots"))  # the snapshots' files (the pointer aside)
         again = {key: n for key, n in calls.bytes_by_key().items() if key in sizes and n >= 2 * sizes[key]}
@@ -219,3 +223,17 @@ def test_on_an_object_store_a_pack_file_s_header_comes_in_one_request_with_its_s
         for key, header in headers.items():
             assert [c for c in calls.calls if c[1] == key and c[0] in ("read_start", "size")] == [("read_start", key, header)], calls.calls
         assert_weights_of(run, 1, fresh[0])
+
+
+def test_a_manifest_is_read_in_one_request_not_looked_for_first(tmp_path, tokens, calls):
+    """On an object store a look (a HEAD) is a round trip of its own, and a restore reads the
+    manifests of its composite on rank 0 while every other rank waits: a manifest is read, and
+    looked for only when the read finds nothing (to say the snapshot is not there)."""
+    from llmtailor.errors import SnapshotNotFoundError
+
+    saved(tmp_path, tokens, steps=(1, 2))
+    calls.clear()
+    assert Run(tmp_path).manifest(2).step == 2
+    assert [op for op, key, _ in calls.calls if key.endswith(MANIFEST_FILE)] == ["read"], calls.calls
+    with pytest.raises(SnapshotNotFoundError):
+        Run(tmp_path).manifest(7)

@@ -1,12 +1,13 @@
 """The pieces a distributed restore fetches once in the job (``store.shared_ranges``): the union
 of every rank's byte ranges of a file, ranges less than ``GAP`` apart joined, cut into requests
-of at most ``PART`` bytes; the tests of the whole, with real processes and a real S3 server, are
+of ``PART`` bytes (a short last one joined to the one before), consecutive small groups fetched
+together; the tests of the whole, with real processes and a real S3 server, are
 in tests/distributed/test_read_once.py."""
 
 from __future__ import annotations
 
 from llmtailor.store.fetch import PART
-from llmtailor.store.shared_ranges import GAP, _by_file, _pieces, _within
+from llmtailor.store.shared_ranges import GAP, _batches, _by_file, _pieces, _within
 
 
 def covered(pieces: list[tuple[str, int, int]], key: str) -> set[int]:
@@ -22,10 +23,14 @@ def test_the_boxes_of_three_ranks_in_one_file_are_fetched_in_one_request_each_by
     assert sum(length for _, _, length in pieces) == len(covered(pieces, "f"))
 
 
-def test_ranges_far_apart_stay_apart_and_large_ones_are_cut_into_parts():
-    ranges = [("a", 0, 100), ("a", 100 + GAP + 1, 100), ("b", 0, 2 * PART + 5)]
+def test_ranges_far_apart_stay_apart_and_large_ones_are_cut_into_parts_a_short_last_one_joined_to_the_one_before():
+    """A request costs a round trip whatever its size: a range of two parts and 5 bytes is two
+    requests (the 5 bytes with the second part), not three; a last piece of half a part or more
+    stays a piece of its own."""
+    ranges = [("a", 0, 100), ("a", 100 + GAP + 1, 100), ("b", 0, 2 * PART + 5), ("c", 0, 2 * PART + PART // 2)]
     assert _pieces(ranges) == [("a", 0, 100), ("a", 100 + GAP + 1, 100),
-                               ("b", 0, PART), ("b", PART, PART), ("b", 2 * PART, 5)]
+                               ("b", 0, PART), ("b", PART, PART + 5),
+                               ("c", 0, PART), ("c", PART, PART), ("c", 2 * PART, PART // 2)]
 
 
 def test_empty_ranges_ask_for_nothing():
@@ -41,3 +46,19 @@ def test_each_rank_is_sent_only_the_parts_of_a_piece_its_ranges_cover():
     assert _within(piece, _by_file([("f", 8200, 5000), ("f", 3000, 2000), ("f", 4000, 100)])) == [(2000, 2000), (7200, 1800)]
     assert _within(piece, _by_file([("f", 20000, 10), ("f", 500, 400)])) == []
     assert _by_file([("f", 9, 1), ("g", 0, 2), ("f", 3, 4)]) == {"f": [(3, 4), (9, 1)], "g": [(0, 2)]}
+
+
+def test_consecutive_small_groups_are_fetched_together_up_to_a_part_and_a_half_per_file():
+    """A 2-rank FSDP2 save restored at 3: each layer is a shard of a few MB in each rank's pack,
+    fetched as a request per layer per pack. Two layers side by side in a file are one request
+    (their pieces joined), while no file's bytes of a batch reach a part and a half; a group
+    larger than that is a batch alone."""
+    half = PART // 2
+    layer = {"layer.0": 0, "layer.1": 1, "layer.2": 2, "norm": 3}
+    ranks = [{group: [["p0", at * half, half // 2], ["p1", at * half, half // 2]] for group, at in layer.items()},
+             {group: [["p0", at * half + half // 2, half // 2], ["p1", at * half + half // 2, half // 2]]
+              for group, at in layer.items()},
+             {"embed": [["p0", 8 * half, 2 * PART]]}]
+    assert _batches(["embed", *layer], ranks) == [("embed",), ("layer.0", "layer.1"), ("layer.2", "norm")]
+    batch = [r for ranks_ in ranks for group in ("layer.0", "layer.1") for r in ranks_.get(group, ())]
+    assert _pieces(tuple(r) for r in batch) == [("p0", 0, PART), ("p1", 0, PART)]

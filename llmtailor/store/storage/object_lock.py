@@ -41,6 +41,8 @@ READER_LEASE_SECONDS = 6 * 3600.0
 class ObjectLocks(RunLocks):
     """The writer lock and reader leases of a run on an object store (module docstring)."""
 
+    checks_committed = True  # a reader's lease looks for the manifest once written
+
     def __init__(self, storage: ObjectStore):
         self.storage = storage
         self.discarding: set[str] = set()

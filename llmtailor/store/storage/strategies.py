@@ -138,6 +138,11 @@ class WriterLockBackend(ABC):
 class RunLocks(ABC):
     """The writer lock and the reader leases of one storage (module docstring)."""
 
+    checks_committed: bool = False
+    """Whether ``lease_for_reading`` finds by itself a snapshot that is not committed (its
+    manifest looked for once the lease is written), so its caller need not look first (on an
+    object store, a round trip of its own)."""
+
     @abstractmethod
     def writer(self) -> WriterLockBackend:
         """The run's writer lock, not taken yet."""
