@@ -180,6 +180,7 @@ def assert_same_tree(a, b, where=""):
     else:
         assert a == b and type(a) is type(b), f"{where}: {a!r} != {b!r}"
 
+
 def on_threads(count: int, work) -> list:
     """``work(rank)`` for ranks 0 to ``count - 1``, each on a thread of its own (ranks as threads,
     their coordinators over one c10d store): each rank's result, or what it raised."""

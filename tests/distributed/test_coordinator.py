@@ -10,23 +10,13 @@ from torch.distributed import HashStore
 from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
 from llmtailor.errors import PromotionError, TailorError
 
+from helpers import on_threads
+
 
 def on_every_rank(world_size, work):
     """``work(coordinator)`` on each rank (a thread), over one store: each rank's result or error."""
-    store, outcomes = HashStore(), [None] * world_size
-
-    def run(rank):
-        try:
-            outcomes[rank] = work(StoreCoordinator.over(store, rank, world_size, timeout=60))
-        except BaseException as err:  # what the rank raised is the result
-            outcomes[rank] = err
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return outcomes
+    store = HashStore()
+    return on_threads(world_size, lambda rank: work(StoreCoordinator.over(store, rank, world_size, timeout=60)))
 
 
 def test_a_promotion_failure_reaches_every_rank_as_itself():
