@@ -127,6 +127,17 @@ def job_lines(argv: list[str]) -> list[list[str]]:
     return lines
 
 
+def said_done(number: int) -> None:
+    """Job ``number`` of this launch is done on this rank (``forked_jobs.run_in_turn`` reads it):
+    under DDP the ranks first wait for one another (the next job's messages never meet this
+    one's), then the line goes out as one write of its own (a pipe's writes that small are never
+    split or mixed with another rank's)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"job {number} done on rank {os.environ.get('RANK', '0')}\n".encode())
+
+
 def leave() -> None:
     """Exit at once (for jobs under DDP on gloo, called from inside ``main`` while the model is
     still referenced): torch 2.13 can deadlock when a DDP model is freed (its reducer's process
@@ -206,7 +217,7 @@ if __name__ == "__main__":
     made = []
     for number, argv in enumerate(job_lines(sys.argv[1:])):
         made.append(main(argv))
-        print(f"job {number} done on rank {os.environ.get('RANK', '0')}", flush=True)
+        said_done(number)
     if torch.distributed.is_initialized():  # leave together: without it gloo can abort at exit (pytorch#190489)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -39,7 +39,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import transformers
-from hf_job import SEQ_LEN, corpus_windows, digest, job_lines, leave, params_digest
+from hf_job import SEQ_LEN, corpus_windows, digest, job_lines, leave, params_digest, said_done
 
 WINDOWS, BATCH = 16, 2  # 8 batches an epoch on one device: step 10 is in epoch 2
 # What a launch of several jobs (tests/forked_jobs.py) imports once, before it forks each job: the
@@ -190,5 +190,5 @@ if __name__ == "__main__":
     made = []
     for number, argv in enumerate(job_lines(sys.argv[1:])):
         made.append(main(argv))
-        print(f"job {number} done on rank {os.environ.get('RANK', '0')}", flush=True)
+        said_done(number)
     leave()
