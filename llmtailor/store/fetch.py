@@ -170,15 +170,23 @@ def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join:
         if len(view) < limit:
             small.append(view)
         else:
-            cuts = list(range(0, len(view), PART))
-            if join and len(cuts) > 1 and len(view) - cuts[-1] < PART // 2:  # no short last request
-                cuts.pop()
+            cuts = part_cuts(len(view), join)
             parts += [_Part(at + cut, view[cut : end]) for cut, end in zip(cuts, [*cuts[1:], len(view)])]
         at += len(view)
     flush()
     if join:  # a short last request joins the one before it
         parts[-2:] = _joined(parts[-2:])
     return parts
+
+
+def part_cuts(length: int, join: bool = True) -> list[int]:
+    """Where the requests of ``length`` bytes start (offsets from 0): every ``PART`` bytes; with
+    ``join`` (a remote store), a last one under half a part is left to the one before it (no short
+    last request: ``_joined``), so requests are of up to a part and a half."""
+    cuts = list(range(0, length, PART))
+    if join and len(cuts) > 1 and length - cuts[-1] < PART // 2:
+        cuts.pop()
+    return cuts
 
 
 def _joined(last: list[_Part]) -> list[_Part]:

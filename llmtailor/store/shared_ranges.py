@@ -49,7 +49,7 @@ from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance
 from llmtailor.errors import IntegrityError
 from llmtailor.store.checked import stored_header
 from llmtailor.store.manifest import FileEntry
-from llmtailor.store.fetch import PART, fetch, new_buffer
+from llmtailor.store.fetch import PART, fetch, new_buffer, part_cuts
 from llmtailor.store.storage import Storage
 
 Range = tuple[str, int, int]
@@ -278,8 +278,6 @@ def _pieces(ranges: Iterable[Range]) -> list[Range]:
             joined.append([key, start, start + length])
     pieces = []
     for key, start, end in joined:
-        cuts = list(range(start, end, PART))
-        if len(cuts) > 1 and end - cuts[-1] < PART // 2:  # no short last request: joined to the one before it
-            cuts.pop()
+        cuts = [start + cut for cut in part_cuts(end - start)]
         pieces += [(key, at, until - at) for at, until in zip(cuts, [*cuts[1:], end])]
     return pieces
