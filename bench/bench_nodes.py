@@ -182,6 +182,11 @@ def report_training(results: list[dict], args: argparse.Namespace) -> None:
         median = statistics.median(seconds)
         print(f"{name:<22}{median:>18.3f}{median / none:>9.3f}x{100 * (median / none - 1):>8.1f}%")
     for node, result in enumerate(results):
+        shown = ", ".join(f"{name} {statistics.median(seconds):.3f} s" for name, seconds in result.get("calls", {}).items())
+        fences = result.get("fence") or [0.0]
+        print(f"node {node}: the save calls' seconds per round (median; part of the totals above): {shown}; "
+              f"optimizer.step waiting for ours' copies: total {sum(fences):.3f} s over {len(fences)} steps")
+    for node, result in enumerate(results):
         sent, parts = result["sent_bytes"], result["part_bytes"]
         print(f"node {node}: courier sent {sent / 1e6:.2f} MB for {result['saves']} saves whose own parts were "
               f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
@@ -258,7 +263,7 @@ def instrumented() -> dict[str, list[float]]:
     from llmtailor.async_stager import AsyncStager
     from llmtailor.tailor import Tailor
 
-    figures: dict[str, list[float]] = {"settle": [], "persist_cpu": []}
+    figures: dict[str, list[float]] = {"settle": [], "persist_cpu": [], "fence": []}
 
     def timed(method, clock, key: str):
         def wrapper(self, *args, **kwargs):
@@ -272,6 +277,7 @@ def instrumented() -> dict[str, list[float]]:
 
     Tailor._settle = timed(Tailor._settle, time.perf_counter, "settle")
     AsyncStager._run = timed(AsyncStager._run, time.thread_time, "persist_cpu")
+    AsyncStager._fence = timed(AsyncStager._fence, time.perf_counter, "fence")
     return figures
 
 
@@ -290,6 +296,8 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
         totals = {"ours nodes Parity": []}
     sent = parts = saves = 0
     waits: list[float] = []
+    calls: dict[str, list[float]] = {name: [] for name in totals}  # per round: the save calls' seconds
+    fences: list[float] = []
     for round_ in range(args.rounds):
         for name in (list(totals) if round_ % 2 == 0 else list(reversed(totals))):
             training.reset()
@@ -317,12 +325,16 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
             sent_before = courier_bytes(tailor) if tailor is not None else 0
             dist.barrier()
             start = time.perf_counter()
-            settled = len(figures["settle"])
+            settled, fenced, in_calls = len(figures["settle"]), len(figures["fence"]), 0.0
             for step in range(2, args.steps + 2):
                 training.train(1)
+                called = time.perf_counter()
                 save(step)
+                in_calls += time.perf_counter() - called
             totals[name].append(time.perf_counter() - start)
+            calls[name].append(in_calls)
             waits += figures["settle"][settled:]  # one per measured save (ours only)
+            fences += figures["fence"][fenced:]
             if tailor is not None:
                 tailor.wait()
                 sent += courier_bytes(tailor) - sent_before
@@ -339,6 +351,7 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     composite = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
                                                 "composite_bytes": composite, "settle": waits,
+                                                "calls": calls, "fence": fences,
                                                 "persist_cpu": figures["persist_cpu"],
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 
