@@ -9,7 +9,8 @@ Two ``torchrun --nnodes 2 --node_rank i --nproc_per_node 1`` launches on loopbac
 memory directory under /dev/shm and its own TMPDIR; nothing shared but moto's S3 server, the
 durable tier) train one DDP model (a Llama-style ``transformers.LlamaConfig``, fp32, never
 downloaded; AdamW; real text from ``pydoc_data.topics``), training held to one thread per
-rank (``torch.set_num_threads(1)``). Every contender starts from the same weights and optimizer
+rank (``torch.set_num_threads(1)``); with ``--device cuda`` both ranks train on the one GPU
+(DDP over gloo), a GPU machine's premise: steps on the GPU, idle host cores for the saves. Every contender starts from the same weights and optimizer
 state (reset between contenders), makes its set-up save and trains one step to settle, then
 ``--steps`` measured steps, each timed with the save call that follows it; ``--rounds`` repeats
 the line-up, every other round reversed. The figure of merit is the measured steps' total time
@@ -57,6 +58,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step and rank")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the model trains (cuda: both nodes' ranks on the one GPU, DDP over gloo)")
     parser.add_argument("--steps", type=int, default=20, help="measured steps per contender and round")
     parser.add_argument("--every", type=int, default=10, help="promote_every of the node tier")
     parser.add_argument("--in-flight", type=int, default=2, choices=[1, 2], help="async_in_flight of ours")
@@ -94,6 +98,7 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
+                 f"--batch={args.batch}", f"--device={args.device}",
                  f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}", f"--in-flight={args.in_flight}",
                  *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else []),
                  *(["--phases"] if args.phases else [])]
@@ -127,7 +132,8 @@ def main() -> None:
     from bench_object_store import new_bucket, start_server
 
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch "
-          f"{torch.__version__}, moto {moto.__version__}; 2 launches x 1 rank, gloo, training at 1 thread")
+          f"{torch.__version__}, moto {moto.__version__}; 2 launches x 1 rank, gloo, training at 1 thread"
+          + (f" on {torch.cuda.get_device_name()} (both ranks)" if args.device == "cuda" else ""))
     server, endpoint = start_server()
     root = Path(os.environ.get("BENCH_OUT", HERE / "out")) / "nodes"
     shutil.rmtree(root, ignore_errors=True)
@@ -173,7 +179,8 @@ def main() -> None:
 
 
 def report_training(results: list[dict], args: argparse.Namespace) -> None:
-    print(f"\nmodel: {results[0]['params'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}), "
+    print(f"\nmodel: {results[0]['params'] / 1e6:.1f} M parameters ({args.layers} layers, hidden {args.hidden}; "
+          f"{args.batch} x {args.seq} tokens per step and rank, on {args.device}), "
           f"{args.steps} measured steps x {args.rounds} round(s), save after every step")
     totals = {name: [max(r["totals"][name][i] for r in results) for i in range(args.rounds)] for name in results[0]["totals"]}
     none = statistics.median(totals["none"])
@@ -219,9 +226,10 @@ class Training:
 
         config = TinyConfig(hidden_size=args.hidden, layers=args.layers, heads=8, kv_heads=4,
                             intermediate_size=int(3.5 * args.hidden), seq_len=args.seq, vocab_size=args.vocab)
-        self.model = DistributedDataParallel(build_model(config, seed=0))
+        self.device = torch.device(args.device)
+        self.model = DistributedDataParallel(build_model(config, seed=0).to(self.device))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-        self.tokens, self.seq, self.batch_at, self.step = corpus_tokens(), args.seq, batch_at, 0
+        self.tokens, self.seq, self.batch, self.batch_at, self.step = corpus_tokens(), args.seq, args.batch, batch_at, 0
         self.train(1)  # optimizer state exists from here on
         self.start = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict()))
 
@@ -235,10 +243,18 @@ class Training:
 
         for _ in range(count):
             self.step += 1
-            batch = self.batch_at(self.tokens, self.step * dist.get_world_size() + dist.get_rank(), 1, self.seq)
+            batch = self.batch_at(self.tokens, self.step * dist.get_world_size() + dist.get_rank(), self.batch, self.seq)
+            batch = batch.to(self.device)
             self.model(input_ids=batch, labels=batch).loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    def synchronize(self) -> None:
+        """Wait for the steps queued on the GPU (a no-op on the CPU), so a clock reads their end."""
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
 
 def ours(training: Training, args: argparse.Namespace, round_: int):
@@ -323,6 +339,7 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
                 tailor.wait()
             training.train(1)
             sent_before = courier_bytes(tailor) if tailor is not None else 0
+            training.synchronize()
             dist.barrier()
             start = time.perf_counter()
             settled, fenced, in_calls = len(figures["settle"]), len(figures["fence"]), 0.0
@@ -331,6 +348,7 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
                 called = time.perf_counter()
                 save(step)
                 in_calls += time.perf_counter() - called
+            training.synchronize()
             totals[name].append(time.perf_counter() - start)
             calls[name].append(in_calls)
             waits += figures["settle"][settled:]  # one per measured save (ours only)
@@ -394,10 +412,10 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
         profile = out.getvalue()
     digest = xxhash.xxh3_64()
     for name, tensor in sorted(training.model.state_dict().items()):
-        digest.update(name.encode() + tensor.detach().contiguous().numpy().tobytes())
+        digest.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
     for state in training.optimizer.state_dict()["state"].values():
         for key, value in sorted(state.items()):
-            digest.update(key.encode() + value.detach().contiguous().numpy().tobytes())
+            digest.update(key.encode() + value.detach().cpu().contiguous().numpy().tobytes())
     tailor.close()
     said = f"node(s) served by: {report.served_by}" if report.served_by else "nothing to heal"
     (own / "restore.json").write_text(json.dumps({"seconds": seconds, "committed": committed, "tier": report.tier, "step": report.step,
