@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from forked_jobs import run_jobs
 
 from llmtailor import Run
 from llmtailor.constants import CARRIED_FOR
@@ -36,42 +37,42 @@ def memory(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def killed_after_carrier(tmp_path_factory):
-    """``(home, memory)`` as a job SIGKILLed in the promotion of step 4 once its carrier (step 3)
-    committed in the run directory left them (``tier_crash_job.py`` at ``carrier``); shared by
-    the runs of ``next_writers``, which copy them and never touch them."""
+def promotion_crashes(tmp_path_factory):
+    """By crash point (``file``, ``carrier``, ``manifest``): ``(home, memory)`` as a job SIGKILLed at
+    that point in the promotion of step 4 left them (``tier_crash_job.py``; ``carrier``: once its
+    carrier, step 3, committed in the run directory). The three jobs are forked from one launch
+    (forked_jobs.py: each a process of its own, killed alone); the runs of ``next_writers`` copy
+    these and never touch them."""
     if not SHM.is_dir():
         pytest.skip("no /dev/shm on this machine")
-    home, memory = tmp_path_factory.mktemp("carrier") / "home", SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    base, shm = tmp_path_factory.mktemp("crashes"), SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    crashes = {point: (base / point / "home", shm / point) for point in ("file", "carrier", "manifest")}
     try:
-        proc = crash_job(home, memory, "carrier")
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-        yield home, memory
+        done = run_jobs(JOB, {point: ([home, memory, point], base / f"{point}.json")
+                              for point, (home, memory) in crashes.items()}, base / "jobs")
+        for point in crashes:
+            done[point].result(crash=True)  # SIGKILLed (status -9), or its output in the failure
+        yield crashes
     finally:
-        shutil.rmtree(memory, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def next_writers(tmp_path_factory, killed_after_carrier):
-    """The promotion crashes of the tests below, then the next writer of each, all in one process
+def next_writers(tmp_path_factory, promotion_crashes):
+    """The next writer of each promotion crash of the tests below, all in one process
     (``tier_crash_job.py``'s jobs in turn): by name (a crash point; ``carrier-left``: the carrier
     crash with its memory tier wiped, the node lost), ``(crashed, home, memory, printed)``:
     ``crashed`` holds copies of ``home`` and ``memory`` as the crash left them, taken before the
-    writer ran; ``home`` and ``memory`` as the writer left them; what it printed. The ``file``
-    and ``manifest`` crashes are jobs of their own, ``carrier`` and ``carrier-left`` copies of
-    ``killed_after_carrier``'s."""
+    writer ran; ``home`` and ``memory`` as the writer left them; what it printed. Each writer
+    works on a copy of its crash's (``promotion_crashes``; ``carrier-left`` on the carrier's)."""
     base, shm = tmp_path_factory.mktemp("promotion"), SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
     runs, args = {}, []
     try:
         for name, point in (("file", "file"), ("carrier", "resume"), ("manifest", "manifest"), ("carrier-left", "retrain")):
             crashed, home, memory = base / name / "crashed", base / name / "home", shm / name
-            if name in ("file", "manifest"):
-                proc = crash_job(home, memory, name)
-                assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-            else:
-                source_home, source_memory = killed_after_carrier
-                shutil.copytree(source_home, home, symlinks=True)
-                shutil.copytree(source_memory, memory, symlinks=True)
+            source_home, source_memory = promotion_crashes["carrier" if name == "carrier-left" else name]
+            shutil.copytree(source_home, home, symlinks=True)
+            shutil.copytree(source_memory, memory, symlinks=True)
             shutil.copytree(home, crashed / "home", symlinks=True)
             shutil.copytree(memory, crashed / "memory", symlinks=True)
             if name == "carrier-left":
@@ -96,12 +97,6 @@ def job(out: Path, *flags: str, expect: int = 0, promoted_at: str | None = None)
     assert proc.returncode == expect, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return (json.loads(out.read_text()) if expect == 0 else None), lines
-
-
-def crash_job(home: Path, memory: Path, point: str) -> subprocess.CompletedProcess:
-    """tier_crash_job.py at ``point`` (its docstring)."""
-    return subprocess.run([sys.executable, str(JOB), str(home), str(memory), point], capture_output=True, text=True,
-                          timeout=300)
 
 
 @pytest.mark.slow
