@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
@@ -23,7 +22,7 @@ from llmtailor.constants import CARRIED_FOR
 
 SHM = Path("/dev/shm")
 JOB = Path(__file__).parent / "tier_crash_job.py"
-WAITING_JOB = Path(__file__).parent / "waiting_job.py"
+EXAMPLE_JOB = Path(__file__).parent / "example_job.py"
 
 
 @pytest.fixture
@@ -88,28 +87,37 @@ def next_writers(tmp_path_factory, promotion_crashes):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def job(out: Path, *flags: str, expect: int = 0, promoted_at: str | None = None) -> tuple[dict | None, list[dict]]:
-    """Run ``llmtailor.training_example``'s job; ``promoted_at`` (steps, comma-separated): through
-    ``waiting_job.py``, which waits after those saves until their promotions have committed."""
-    runner = ["-m", "llmtailor.training_example"] if promoted_at is None else [str(WAITING_JOB), promoted_at]
-    proc = subprocess.run([sys.executable, *runner, "--out", str(out), *flags], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return (json.loads(out.read_text()) if expect == 0 else None), lines
+def printed(stdout: str) -> list[dict]:
+    """The JSON lines a job of ``llmtailor.training_example`` printed."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def job(out: Path, *flags: str) -> tuple[dict, list[dict]]:
+    """Run ``llmtailor.training_example``'s job as a fresh interpreter: its result and what it printed."""
+    proc = subprocess.run([sys.executable, "-m", "llmtailor.training_example", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), printed(proc.stdout)
 
 
 @pytest.mark.slow
 def test_sigkill_resumes_from_memory_and_wiped_memory_from_disk(tmp_path, memory):
     steps = ["--steps", "14", "--save-every", "1"]
-    reference, _ = job(tmp_path / "ref.json", "--run", str(tmp_path / "ref"), *steps)
-
     home = tmp_path / "home"
     tiered = [*steps, "--run", str(home), "--tier", str(memory), "--promote-every", "4", "--async"]
-    # The job waits for the promotions of steps 1 and 5 (4 steps on): the run directory holds
-    # them when the job goes on. Later ones (9, or 10) ran in the background and may or may not
-    # have committed by the kill: what was promoted is read from the run directory itself.
-    _, lines = job(tmp_path / "crashed.json", *tiered, "--kill-at", "10", expect=-signal.SIGKILL, promoted_at="1,5")
+    # The uninterrupted run and the one killed: jobs forked from one launch (forked_jobs.py), each a
+    # process of its own. The killed job waits for the promotions of steps 1 and 5 (4 steps on:
+    # example_job.py's --promoted-at): the run directory holds them when the job goes on. Later
+    # ones (9, or 10) ran in the background and may or may not have committed by the kill: what was
+    # promoted is read from the run directory itself.
+    done = run_jobs(EXAMPLE_JOB, {
+        "ref": (["--out", tmp_path / "ref.json", "--run", tmp_path / "ref", *steps], tmp_path / "ref.json"),
+        "crashed": (["--promoted-at", "1,5", "--out", tmp_path / "crashed.json", *tiered, "--kill-at", "10"],
+                    tmp_path / "crashed.json"),
+    }, tmp_path / "jobs")
+    reference = done["ref"].result()
+    done["crashed"].result(crash=True)  # SIGKILLed (status -9)
+    lines = printed(done["crashed"].stdout)
     assert max(line["step"] for line in lines if "step" in line) == 10
     in_memory, on_disk = Run(memory), Run(home)
     assert in_memory.verify() == [] and on_disk.verify() == []
