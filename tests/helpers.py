@@ -207,6 +207,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def node_launches(script: Path, args_of, env_of, nodes: int = 2, per_node: int = 1, *, merged: bool = False,
+                  own_session: bool = False) -> list[subprocess.Popen]:
+    """``nodes`` "nodes" on loopback, each a ``torchrun --nnodes N --node_rank i`` launch of
+    ``per_node`` ranks running ``script`` with ``args_of(node)`` in the environment ``env_of(node)``
+    (its own directories, TMPDIR...), meeting on one free port. Their output is piped (stderr into
+    stdout with ``merged``); ``own_session``: each launch in a session of its own, so that a test
+    can kill a whole node. Wait for them with ``wait_launches``."""
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
+         "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
+         *map(str, args_of(node))],
+        env=env_of(node), stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
+        start_new_session=own_session,
+    ) for node in range(nodes)]
+
+
 LAUNCH_WAIT = 1200.0
 """Seconds a test waits for launches of real processes (``wait_launches``) before it ends them
 and fails: the bound on a hang, never a timing asserted."""

@@ -187,6 +187,16 @@ def keys(endpoint: str, bucket: str, prefix: str = "") -> list[str]:
         token = page["NextContinuationToken"]
 
 
+def staged_only(endpoint: str, url: str) -> list[str]:
+    """Snapshot prefixes of the run at ``url`` that hold objects but no manifest (a promotion's staging)."""
+    from llmtailor.constants import MANIFEST_FILE
+
+    bucket, prefix = url.split("/")[2], "/".join(url.split("/")[3:]) + "/snapshots/"
+    found = keys(endpoint, bucket, prefix)
+    snapshots = {key[len(prefix):].split("/")[0] for key in found}
+    return sorted(s for s in snapshots if f"{prefix}{s}/{MANIFEST_FILE}" not in found)
+
+
 def uploads(endpoint: str, bucket: str) -> list[str]:
     """Keys of the unfinished multipart uploads in ``bucket``."""
     return [u["Key"] for u in client(endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
@@ -197,5 +207,5 @@ def set_environment(monkeypatch, endpoint: str) -> None:
         monkeypatch.setenv(name, value)
 
 
-__all__ = ["DROP", "Faults", "boto3_client", "environment", "faulty_moto", "keys", "moto_process", "new_bucket", "set_environment", "uploads",
+__all__ = ["DROP", "Faults", "boto3_client", "environment", "faulty_moto", "keys", "moto_process", "new_bucket", "set_environment", "staged_only", "uploads",
            "client", "os"]

@@ -1,25 +1,34 @@
 """A job for tests/distributed/test_collective_promotion.py, run by ``torchrun --nnodes 2`` (one
-launch per "node", each with its own ``$NODE_DIR`` and TMPDIR): FSDP2, Parity saves at steps
-``start..start+5`` into a node-local tier (``replicas=1``: each node holds its own parts only)
-at ``$NODE_DIR``, promoted every 2 steps to ``$RUN_HOME`` (the moto server's bucket), then
-``close()``. Resumes from the newest composite of any tier when there is one.
+launch per "node", each with its own TMPDIR):
 
-Each process records the files it uploaded in promotions (``collective.upload``) and logs
-llmtailor's INFO messages to its stderr (a follower's order found gone says so there). With
-``HOLD_AT=<step>``, each node's leader, once it has uploaded its node's parts for the promotion
-of the first composite at or after that step (the same order on every node), writes
-``<out>/holding`` (its process id and the steps of the order) and stops there for good (until the
-test kills the job: torchrun's workers run in sessions of their own); node 1's leader takes that
-order up only once its Tailor began to close: every save of its node committed and its node's
-retention ran after each (the worst case for the order, whenever it was posted).
+``promote``  FSDP2, Parity saves at steps ``start..start+5`` into a node-local tier
+(``replicas=1``: each node holds its own parts only) at ``$NODE_DIR``, promoted every 2 steps to
+``$RUN_HOME`` (the moto server's bucket), then ``close()``. Resumes from the newest composite of
+any tier when there is one.
+``fsdp-url``  torch_job.py's scenario of that name (test_object_store_nodes.py's run, saved to
+``$RUN_ROOT``), in the launch of the promotions: the tests share its start-up.
+
+    python -m torch.distributed.run --nnodes 2 --node_rank I ... promote_job.py SCENARIO KIND DIR [NAME=VALUE ...] ...
+
+Several jobs in turn in one launch, each with its environment (``node_recovery_job.run_in_turn``);
+each rank writes ``DIR/result-<scenario>-<rank>.json``. A job that holds for good (``HOLD_AT``)
+is the only one of its launch.
+
+Each process of a ``promote`` job records the files it uploaded in promotions
+(``collective.upload``); every job logs llmtailor's INFO messages to its stderr (a follower's order
+found gone says so there). With ``HOLD_AT=<step>``, each node's leader, once it has uploaded its
+node's parts for the promotion of the first composite at or after that step (the same order on
+every node), writes ``DIR/holding`` (its process id and the steps of the order) and stops there
+for good (until the test kills the job: torchrun's workers run in sessions of their own); node
+1's leader takes that order up only once its Tailor began to close: every save of its node
+committed and its node's retention ran after each (the worst case for the order, whenever it was
+posted).
 
 With ``KEEP=<k>`` the node-local tier keeps ``k`` composites (default 2). With
 ``HOLD_FOLLOWER=<n>``, node 1's leader holds its first promotion order (of the composite of
 step ``c``) before it uploads anything, until its own saves have committed step ``c + n`` and
 run the node's retention after it (the event, not a time); it then records what it waited for
-in ``<out>/held.json`` and uploads.
-
-    python -m torch.distributed.run --nnodes 2 --node_rank I ... promote_job.py OUT
+in ``DIR/held.json`` and uploads. What a job patches in llmtailor is put back when it ends.
 """
 
 from __future__ import annotations
@@ -29,15 +38,15 @@ import logging
 import os
 import sys
 import threading
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_job import build, rank, train  # noqa: E402
+from node_recovery_job import run_in_turn  # noqa: E402
+from torch_job import build, rank, run_scenario, train  # noqa: E402
 
 from llmtailor import Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.tiers import collective, runtime  # noqa: E402
@@ -47,8 +56,9 @@ HOLD_PATIENCE = 300.0
 in ``held.json``: the test then fails rather than hangs)."""
 
 
-def retentions() -> tuple[threading.Condition, list[int]]:
-    """The steps after whose commit this process ran its node's retention (``Tiers.committed``), as they run."""
+def retentions(patches: ExitStack) -> tuple[threading.Condition, list[int]]:
+    """The steps after whose commit this process ran its node's retention (``Tiers.committed``),
+    as they run, until ``patches`` closes."""
     ran, steps = threading.Condition(), []
     committed = runtime.Tiers.committed
 
@@ -58,14 +68,14 @@ def retentions() -> tuple[threading.Condition, list[int]]:
             steps.append(step)
             ran.notify_all()
 
-    runtime.Tiers.committed = recorded
+    patches.enter_context(mock.patch.object(runtime.Tiers, "committed", recorded))
     return ran, steps
 
 
-def holding_follower(out: Path, upload, ahead: int):
+def holding_follower(out: Path, upload, ahead: int, patches: ExitStack):
     """``upload`` as node 1 runs it, its first order held until its node's retention ran after
     the commit of ``ahead`` steps past the composite ordered (module docstring)."""
-    ran, steps = retentions()
+    ran, steps = retentions(patches)
     first = threading.Event()
 
     def held(source, dst, staging, node):
@@ -82,7 +92,7 @@ def holding_follower(out: Path, upload, ahead: int):
     return held
 
 
-def serving_late(hold: int) -> None:
+def serving_late(hold: int, patches: ExitStack) -> None:
     """Node 1's uploader (``NodeUploader._serve`` runs on a follower only) takes up the order of
     the first composite at or after ``hold`` only once this process's Tailor began to close
     (module docstring)."""
@@ -98,16 +108,16 @@ def serving_late(hold: int) -> None:
             closing.wait(HOLD_PATIENCE)
         return serve(self, order)
 
-    runtime.Tiers.close = closed
-    collective.NodeUploader._serve = late
+    patches.enter_context(mock.patch.object(runtime.Tiers, "close", closed))
+    patches.enter_context(mock.patch.object(collective.NodeUploader, "_serve", late))
 
 
-def recording_uploads(out: Path) -> list[str]:
-    """Record each file this process uploads in a promotion (``step:path``); hold at ``HOLD_AT``."""
+@contextmanager
+def recording_uploads(out: Path):
+    """Each file this process uploads in a promotion inside the block (``step:path``), in a list;
+    holds at ``HOLD_AT``, or node 1's first order (``HOLD_FOLLOWER``)."""
     uploaded: list[str] = []
-    upload, hold = collective.upload, os.environ.get("HOLD_AT")
-    if hold:
-        serving_late(int(hold))
+    upload, hold, ahead = collective.upload, os.environ.get("HOLD_AT"), os.environ.get("HOLD_FOLLOWER")
 
     def recorded(source, dst, staging, node):
         done = upload(source, dst, staging, node)
@@ -118,35 +128,43 @@ def recording_uploads(out: Path) -> list[str]:
             threading.Event().wait()  # mid-promotion, for good: the test kills the job now
         return done
 
-    ahead = os.environ.get("HOLD_FOLLOWER")
-    collective.upload = holding_follower(out, recorded, int(ahead)) if ahead else recorded
-    return uploaded
+    with ExitStack() as patches:
+        if hold:
+            serving_late(int(hold), patches)
+        held = holding_follower(out, recorded, int(ahead), patches) if ahead else recorded
+        patches.enter_context(mock.patch.object(collective, "upload", held))
+        yield uploaded
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def promote(kind: str, out: Path) -> dict:
+    with recording_uploads(out) as uploaded:
+        model, optimizer, scheduler = build(kind, seed=0)
+        tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=int(os.environ.get("KEEP", "2")),
+                      promote_every=2)]
+        tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers,
+                        timeout=float(os.environ.get("TIMEOUT", "60")))
+        start = tailor.restore().step + 1 if tailor.latest_step() is not None else 1
+        for step in range(start, start + 6):
+            train(model, optimizer, scheduler, [step])
+            tailor.save(step)
+        tailor.close()
+    return {"start": start, "uploaded": uploaded, "promoted": [p.step for p in tailor.tiers.promotions],
+            "superseded": [s for p in tailor.tiers.promotions for s in p.superseded]}
+
+
+def run_job(scenario: str, kind: str, out: Path) -> None:
+    if scenario == "promote":
+        result = promote(kind, out)
+    elif scenario == "fsdp-url":
+        result = run_scenario(scenario, out)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
     handler = logging.StreamHandler()  # stderr
     handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
     logging.getLogger("llmtailor").addHandler(handler)
     logging.getLogger("llmtailor").setLevel(logging.INFO)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    uploaded = recording_uploads(out)
-    model, optimizer, scheduler = build("fsdp", seed=0)
-    tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=1, keep=int(os.environ.get("KEEP", "2")),
-                  promote_every=2)]
-    tailor = Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers,
-                    timeout=float(os.environ.get("TIMEOUT", "60")))
-    start = tailor.restore().step + 1 if tailor.latest_step() is not None else 1
-    for step in range(start, start + 6):
-        train(model, optimizer, scheduler, [step])
-        tailor.save(step)
-    tailor.close()
-    result = {"start": start, "uploaded": uploaded, "promoted": [p.step for p in tailor.tiers.promotions],
-              "superseded": [s for p in tailor.tiers.promotions for s in p.superseded]}
-    (out / f"result-{rank()}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    run_in_turn(run_job)

@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_launches
+from helpers import node_launches, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -34,16 +32,17 @@ pytestmark = pytest.mark.slow
 def launch(tmp_path: Path, env: dict[str, str], jobs: list[tuple[str, str, dict[str, str]]]) -> None:
     """Both nodes of the job running, in turn, each ``(scenario, kind, settings)`` to the end (one
     launch: the runs share its start-up), each kind in ``tmp_path/<kind>``."""
-    port, launches = free_port(), []
-    for node in range(2):
-        (tmp_path / f"tmp{node}").mkdir(parents=True, exist_ok=True)
-        args = [arg for scenario, kind, settings in jobs
+
+    def args(node: int) -> list[str]:
+        return [arg for scenario, kind, settings in jobs
                 for arg in (scenario, kind, str(own(tmp_path, kind, node)), f"NODE_DIR={memory(tmp_path, kind, node)}",
                             *(f"{name}={value}" for name, value in settings.items()))]
-        launches.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), str(JOB), *args],
-            env={**env, "TMPDIR": str(tmp_path / f"tmp{node}")}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def env_of(node: int) -> dict[str, str]:
+        (tmp_path / f"tmp{node}").mkdir(parents=True, exist_ok=True)
+        return {**env, "TMPDIR": str(tmp_path / f"tmp{node}")}
+
+    launches = node_launches(JOB, args, env_of, merged=True)
     outputs = [out for out, _ in wait_launches(launches)]
     assert [p.returncode for p in launches] == [0, 0], "\n\n".join(out[-5000:] for out in outputs)
 

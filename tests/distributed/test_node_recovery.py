@@ -24,12 +24,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_launches
+from helpers import node_launches, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -116,16 +115,14 @@ class Job:
 def together(turns: list[tuple[Job, str, dict[str, str]]]) -> None:
     """One launch of the nodes (every run of ``turns`` has as many) running, in turn, each run's
     ``(job, scenario, env)``; each job's ``results`` waits for it."""
-    first, port, launches = turns[0][0], free_port(), []
-    for node in range(first.nodes):
+    first = turns[0][0]
+
+    def env_of(node: int) -> dict[str, str]:
         (first.own(node) / "tmp").mkdir(parents=True, exist_ok=True)
-        launches.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(first.nodes), "--node_rank", str(node),
-             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(JOB), *(arg for job, scenario, env in turns for arg in job.args(scenario, node, **env))],
-            env={**first.env, "TMPDIR": str(first.own(node) / "tmp")},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
+        return {**first.env, "TMPDIR": str(first.own(node) / "tmp")}
+
+    launches = node_launches(JOB, lambda node: [arg for job, scenario, env in turns for arg in job.args(scenario, node, **env)],
+                             env_of, first.nodes, merged=True)
     for job, _, _ in turns:
         assert job.nodes == first.nodes
         job.launches = launches

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_launches
+from helpers import node_launches, wait_launches
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.store.run import Run
@@ -31,18 +29,15 @@ def launch(tmp_path: Path, scenario: str | list[str], per_node: int, **per_node_
     ``per_node_env``: a value per node. Each rank's result (of the first scenario), by global rank."""
     scenarios = [scenario] if isinstance(scenario, str) else scenario
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RUN_HOME": str(tmp_path / "home")}
-    port, launches = free_port(), []
-    for node in range(2):
+
+    def env_of(node: int) -> dict[str, str]:
         own = tmp_path / f"node{node}"
         (own / "tmp").mkdir(parents=True, exist_ok=True)
-        env = {**base, "TMPDIR": str(own / "tmp"), "NODE_DIR": str(own / "memory"),
-               **{name: values[node] for name, values in per_node_env.items()}}
-        launches.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-             "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(JOB), *[arg for name in scenarios for arg in (name, str(own))]],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        return {**base, "TMPDIR": str(own / "tmp"), "NODE_DIR": str(own / "memory"),
+                **{name: values[node] for name, values in per_node_env.items()}}
+
+    launches = node_launches(JOB, lambda node: [arg for name in scenarios for arg in (name, str(tmp_path / f"node{node}"))],
+                             env_of, per_node=per_node)
     outputs = wait_launches(launches)
     assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
     return results_of(tmp_path, scenarios[0], per_node)

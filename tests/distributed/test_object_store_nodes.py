@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny, wait_launches
+from helpers import tiny
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
-from objectstore import environment, keys, moto_process, new_bucket  # noqa: E402
+from objectstore import environment, keys, set_environment  # noqa: E402
 
 from llmtailor import Tailor  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
@@ -27,51 +27,39 @@ JOB = Path(__file__).with_name("torch_job.py")
 pytestmark = pytest.mark.slow
 
 
-def test_two_nodes_save_to_s3_and_a_third_world_size_and_one_process_restore_from_it(tmp_path, monkeypatch):
-    with moto_process() as endpoint:
-        url = f"s3://{new_bucket(endpoint)}/jobs/fsdp"
-        for name, value in environment(endpoint).items():  # this process reads the bucket too
-            monkeypatch.setenv(name, value)
-        base = {**os.environ, **environment(endpoint), "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        port = free_port()
-        nodes = []
-        for node in range(2):
-            own = tmp_path / f"node{node}"
-            (own / "tmp").mkdir(parents=True)
-            nodes.append(subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-                 "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                 str(JOB), "fsdp-url", str(own)],
-                env={**base, "TMPDIR": str(own / "tmp")}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))
-        outputs = wait_launches(nodes)
-        assert [p.returncode for p in nodes] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
-        results = [json.loads((tmp_path / f"node{r}" / f"result-fsdp-url-{r}.json").read_text()) for r in range(2)]
-        assert all(result["restored"] == 8 for result in results)
-        assert results[0]["mismatches"] == [] and results[1]["mismatches"] is None  # node 1 has no versions to compare
-        # Each node wrote its own parts straight to the bucket; nothing went through a shared directory.
-        stored = keys(endpoint, url.split("/")[2], "jobs/fsdp/parity/snapshots/step-00000008/")
-        assert any("rank-00000" in k for k in stored) and any("rank-00001" in k for k in stored)
-        assert not any(p.name != "tmp" for p in (tmp_path / "node1").iterdir() if p.is_dir())
-        run = Run(f"{url}/parity")
-        assert run.verify() == [] and run.manifest(8).world_size == 2
+def test_two_nodes_save_to_s3_and_a_third_world_size_and_one_process_restore_from_it(nodes_on_s3, monkeypatch):
+    """The two nodes' save is ``fsdp-url`` in the launch the ``nodes_on_s3`` fixture (conftest.py)
+    shares with test_collective_promotion.py; the 3-rank restore is a launch of its own."""
+    nodes, url = nodes_on_s3, nodes_on_s3.urls["fsdp"]
+    endpoint = nodes.endpoint
+    set_environment(monkeypatch, endpoint)  # this process reads the bucket too
+    base = {**os.environ, **environment(endpoint), "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    results = nodes.results("fsdp-url", "fsdp")
+    assert all(result["restored"] == 8 for result in results)
+    assert results[0]["mismatches"] == [] and results[1]["mismatches"] is None  # node 1 has no versions to compare
+    # Each node wrote its own parts straight to the bucket; nothing went through a shared directory.
+    stored = keys(endpoint, url.split("/")[2], "jobs/fsdp/parity/snapshots/step-00000008/")
+    assert any("rank-00000" in k for k in stored) and any("rank-00001" in k for k in stored)
+    assert not any(p.name != "tmp" for p in nodes.own("fsdp", 1).iterdir() if p.is_dir())
+    run = Run(f"{url}/parity")
+    assert run.verify() == [] and run.manifest(8).world_size == 2
 
-        # Another world size (3 ranks, one launch), reading the node-0 versions to compare.
-        three = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(JOB), "fsdp-restore",
-             str(tmp_path / "node0")],
-            env=base, capture_output=True, text=True, timeout=600,
-        )
-        assert three.returncode == 0, three.stderr[-5000:]
-        for rank in range(3):
-            result = json.loads((tmp_path / "node0" / f"result-fsdp-restore-{rank}.json").read_text())
-            assert result["restored"] == 8 and result["mismatches"] == [], result
+    # Another world size (3 ranks, one launch), reading the node-0 versions to compare.
+    three = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(JOB), "fsdp-restore",
+         str(nodes.own("fsdp", 0))],
+        env=base, capture_output=True, text=True, timeout=600,
+    )
+    assert three.returncode == 0, three.stderr[-5000:]
+    for rank in range(3):
+        result = json.loads((nodes.own("fsdp", 0) / f"result-fsdp-restore-{rank}.json").read_text())
+        assert result["restored"] == 8 and result["mismatches"] == [], result
 
-        # One plain process.
-        sys.path.insert(0, str(JOB.parent))
-        import torch_job
+    # One plain process.
+    sys.path.insert(0, str(JOB.parent))
+    import torch_job
 
-        model, optimizer, scheduler = tiny(seed=11)
-        report = Tailor(f"{url}/parity", model, optimizer, scheduler, read_only=True).restore()
-        assert report.step == 8 and report.saved_world_size == 2
-        assert torch_job.compare_with_composite(tmp_path / "node0", f"{url}/parity", model, optimizer) == []
+    model, optimizer, scheduler = tiny(seed=11)
+    report = Tailor(f"{url}/parity", model, optimizer, scheduler, read_only=True).restore()
+    assert report.step == 8 and report.saved_world_size == 2
+    assert torch_job.compare_with_composite(nodes.own("fsdp", 0), f"{url}/parity", model, optimizer) == []

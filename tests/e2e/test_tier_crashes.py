@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
+from forked_jobs import run_jobs
 
 from llmtailor import Run
 from llmtailor.constants import CARRIED_FOR
 
 SHM = Path("/dev/shm")
 JOB = Path(__file__).parent / "tier_crash_job.py"
-WAITING_JOB = Path(__file__).parent / "waiting_job.py"
+EXAMPLE_JOB = Path(__file__).parent / "example_job.py"
 
 
 @pytest.fixture
@@ -36,42 +36,42 @@ def memory(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def killed_after_carrier(tmp_path_factory):
-    """``(home, memory)`` as a job SIGKILLed in the promotion of step 4 once its carrier (step 3)
-    committed in the run directory left them (``tier_crash_job.py`` at ``carrier``); shared by
-    the runs of ``next_writers``, which copy them and never touch them."""
+def promotion_crashes(tmp_path_factory):
+    """By crash point (``file``, ``carrier``, ``manifest``): ``(home, memory)`` as a job SIGKILLed at
+    that point in the promotion of step 4 left them (``tier_crash_job.py``; ``carrier``: once its
+    carrier, step 3, committed in the run directory). The three jobs are forked from one launch
+    (forked_jobs.py: each a process of its own, killed alone); the runs of ``next_writers`` copy
+    these and never touch them."""
     if not SHM.is_dir():
         pytest.skip("no /dev/shm on this machine")
-    home, memory = tmp_path_factory.mktemp("carrier") / "home", SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    base, shm = tmp_path_factory.mktemp("crashes"), SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
+    crashes = {point: (base / point / "home", shm / point) for point in ("file", "carrier", "manifest")}
     try:
-        proc = crash_job(home, memory, "carrier")
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-        yield home, memory
+        done = run_jobs(JOB, {point: ([home, memory, point], base / f"{point}.json")
+                              for point, (home, memory) in crashes.items()}, base / "jobs")
+        for point in crashes:
+            done[point].result(crash=True)  # SIGKILLed (status -9), or its output in the failure
+        yield crashes
     finally:
-        shutil.rmtree(memory, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def next_writers(tmp_path_factory, killed_after_carrier):
-    """The promotion crashes of the tests below, then the next writer of each, all in one process
+def next_writers(tmp_path_factory, promotion_crashes):
+    """The next writer of each promotion crash of the tests below, all in one process
     (``tier_crash_job.py``'s jobs in turn): by name (a crash point; ``carrier-left``: the carrier
     crash with its memory tier wiped, the node lost), ``(crashed, home, memory, printed)``:
     ``crashed`` holds copies of ``home`` and ``memory`` as the crash left them, taken before the
-    writer ran; ``home`` and ``memory`` as the writer left them; what it printed. The ``file``
-    and ``manifest`` crashes are jobs of their own, ``carrier`` and ``carrier-left`` copies of
-    ``killed_after_carrier``'s."""
+    writer ran; ``home`` and ``memory`` as the writer left them; what it printed. Each writer
+    works on a copy of its crash's (``promotion_crashes``; ``carrier-left`` on the carrier's)."""
     base, shm = tmp_path_factory.mktemp("promotion"), SHM / f"llmtailor-test-{uuid.uuid4().hex[:12]}"
     runs, args = {}, []
     try:
         for name, point in (("file", "file"), ("carrier", "resume"), ("manifest", "manifest"), ("carrier-left", "retrain")):
             crashed, home, memory = base / name / "crashed", base / name / "home", shm / name
-            if name in ("file", "manifest"):
-                proc = crash_job(home, memory, name)
-                assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-            else:
-                source_home, source_memory = killed_after_carrier
-                shutil.copytree(source_home, home, symlinks=True)
-                shutil.copytree(source_memory, memory, symlinks=True)
+            source_home, source_memory = promotion_crashes["carrier" if name == "carrier-left" else name]
+            shutil.copytree(source_home, home, symlinks=True)
+            shutil.copytree(source_memory, memory, symlinks=True)
             shutil.copytree(home, crashed / "home", symlinks=True)
             shutil.copytree(memory, crashed / "memory", symlinks=True)
             if name == "carrier-left":
@@ -87,34 +87,37 @@ def next_writers(tmp_path_factory, killed_after_carrier):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def job(out: Path, *flags: str, expect: int = 0, promoted_at: str | None = None) -> tuple[dict | None, list[dict]]:
-    """Run ``llmtailor.training_example``'s job; ``promoted_at`` (steps, comma-separated): through
-    ``waiting_job.py``, which waits after those saves until their promotions have committed."""
-    runner = ["-m", "llmtailor.training_example"] if promoted_at is None else [str(WAITING_JOB), promoted_at]
-    proc = subprocess.run([sys.executable, *runner, "--out", str(out), *flags], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return (json.loads(out.read_text()) if expect == 0 else None), lines
+def printed(stdout: str) -> list[dict]:
+    """The JSON lines a job of ``llmtailor.training_example`` printed."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-def crash_job(home: Path, memory: Path, point: str) -> subprocess.CompletedProcess:
-    """tier_crash_job.py at ``point`` (its docstring)."""
-    return subprocess.run([sys.executable, str(JOB), str(home), str(memory), point], capture_output=True, text=True,
-                          timeout=300)
+def job(out: Path, *flags: str) -> tuple[dict, list[dict]]:
+    """Run ``llmtailor.training_example``'s job as a fresh interpreter: its result and what it printed."""
+    proc = subprocess.run([sys.executable, "-m", "llmtailor.training_example", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), printed(proc.stdout)
 
 
 @pytest.mark.slow
 def test_sigkill_resumes_from_memory_and_wiped_memory_from_disk(tmp_path, memory):
     steps = ["--steps", "14", "--save-every", "1"]
-    reference, _ = job(tmp_path / "ref.json", "--run", str(tmp_path / "ref"), *steps)
-
     home = tmp_path / "home"
     tiered = [*steps, "--run", str(home), "--tier", str(memory), "--promote-every", "4", "--async"]
-    # The job waits for the promotions of steps 1 and 5 (4 steps on): the run directory holds
-    # them when the job goes on. Later ones (9, or 10) ran in the background and may or may not
-    # have committed by the kill: what was promoted is read from the run directory itself.
-    _, lines = job(tmp_path / "crashed.json", *tiered, "--kill-at", "10", expect=-signal.SIGKILL, promoted_at="1,5")
+    # The uninterrupted run and the one killed: jobs forked from one launch (forked_jobs.py), each a
+    # process of its own. The killed job waits for the promotions of steps 1 and 5 (4 steps on:
+    # example_job.py's --promoted-at): the run directory holds them when the job goes on. Later
+    # ones (9, or 10) ran in the background and may or may not have committed by the kill: what was
+    # promoted is read from the run directory itself.
+    done = run_jobs(EXAMPLE_JOB, {
+        "ref": (["--out", tmp_path / "ref.json", "--run", tmp_path / "ref", *steps], tmp_path / "ref.json"),
+        "crashed": (["--promoted-at", "1,5", "--out", tmp_path / "crashed.json", *tiered, "--kill-at", "10"],
+                    tmp_path / "crashed.json"),
+    }, tmp_path / "jobs")
+    reference = done["ref"].result()
+    done["crashed"].result(crash=True)  # SIGKILLed (status -9)
+    lines = printed(done["crashed"].stdout)
     assert max(line["step"] for line in lines if "step" in line) == 10
     in_memory, on_disk = Run(memory), Run(home)
     assert in_memory.verify() == [] and on_disk.verify() == []

@@ -11,6 +11,10 @@ POINT ``resume``: restore the newest composite of any tier, close (promoting it)
 POINT ``retrain``: a writer starts (noting the run directory's snapshots then), restores the
 newest composite of any tier, trains and saves on to step 7 (each promotion settled before the
 next save), closes, and prints ``{"at_start", "restored", "tier", "promoted", "on_disk"}``.
+
+The crashes may also run as jobs forked from one launch (tests/forked_jobs.py, which calls
+``main()`` in each): llmtailor is imported by the job itself, torch and transformers' model code
+by the launch (``PRELOAD``).
 """
 
 import json
@@ -21,10 +25,8 @@ import threading
 
 import torch
 
-from llmtailor import Parity, Run, Tailor, Tier
-from llmtailor.store.tiers import promote
-from llmtailor.store.lock import WriterLock
-from llmtailor.training_example import batch_at, build_model, build_optimizer, corpus_tokens, job_config
+# What a launch of several jobs (tests/forked_jobs.py) imports once, before it forks each job.
+PRELOAD = ("transformers.models.llama.modeling_llama",)
 
 
 def die() -> None:
@@ -32,6 +34,9 @@ def die() -> None:
 
 
 def arm(point: str) -> None:
+    from llmtailor.store.lock import WriterLock
+    from llmtailor.store.tiers import promote
+
     copy_file, copy_snapshot, check_held = promote.copy_file, promote._copy_snapshot, WriterLock.check_held
     if point == "file":
         def killing_copy_file(source, key, sink, entry):
@@ -58,7 +63,10 @@ def arm(point: str) -> None:
         WriterLock.check_held = killing_check_held
 
 
-def main(home: str, memory: str, point: str) -> None:
+def run(home: str, memory: str, point: str) -> None:
+    from llmtailor import Parity, Run, Tailor, Tier
+    from llmtailor.training_example import batch_at, build_model, build_optimizer, corpus_tokens, job_config
+
     torch.manual_seed(0)
     model = build_model(job_config(), seed=0)
     optimizer, scheduler = build_optimizer(model, total_steps=10)
@@ -97,8 +105,12 @@ def main(home: str, memory: str, point: str) -> None:
     sys.exit("the job was meant to die during the promotion")
 
 
-if __name__ == "__main__":
+def main() -> None:
     if len(sys.argv) < 4 or len(sys.argv) % 3 != 1:
         sys.exit(f"expected HOME MEMORY POINT [HOME MEMORY POINT ...], got {sys.argv[1:]}")
     for at in range(1, len(sys.argv), 3):
-        main(*sys.argv[at:at + 3])
+        run(*sys.argv[at:at + 3])
+
+
+if __name__ == "__main__":
+    main()
