@@ -60,7 +60,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from llmtailor.constants import writer_rank
-from llmtailor.distributed.coordinator import Coordinator, describe_error
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import SnapshotNotFoundError, TailorError
 from llmtailor.store.catalog import ReadLeases
@@ -77,7 +77,8 @@ UPLOADS = 4
 a promotion takes from training's own traffic (an object store's multipart upload of one file
 may open a few streams of its own)."""
 IDLE_WAIT = 0.2
-"""Seconds between two looks for the next order while a node's uploader is idle."""
+"""Seconds between two looks of ``NodeUploader.join`` for rank 0's stop; and the pause before an
+idle uploader waits again for the next order after a wait that ended without one."""
 
 
 def order_tag(number: int) -> str:
@@ -233,12 +234,16 @@ class NodeUploader:
             number += 1
 
     def _next(self, number: int) -> dict[str, Any]:
+        """Order ``number``, once rank 0 posted it: waited for in the store's own ``wait``
+        (woken as it lands), again and again while none comes (promotions may be far apart)."""
         while True:
-            posted, order = self.coordinator.poll(order_tag(number))
-            if posted:
-                self._heard = time.monotonic()
-                return order
-            self._stopped.wait(IDLE_WAIT)
+            try:
+                order = self.coordinator.collect({0: order_tag(number)}, f"promotion order {number}")[0]
+            except CoordinationError:  # none within the timeout, or the store went away (``join`` gives up)
+                self._stopped.wait(IDLE_WAIT)
+                continue
+            self._heard = time.monotonic()
+            return order
 
     def _serve(self, order: dict[str, Any]) -> dict[str, Any]:
         """This node's part of one order, each snapshot of it leased in this node's copy before
