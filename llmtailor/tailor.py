@@ -210,11 +210,11 @@ class Tailor:
         tier (``store.node_commit``), else one store every rank writes (``store.writer``). Its
         ``prepare`` runs inside the save's first message (what it raises, every rank raises): a
         lagging tier is waited for up to half the timeout, the others' wait for that message."""
-        prepare = functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2)
-        confirm = self.tiers.first.lock.check_held
-        if self.tiers.placement is not None:
-            return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, prepare=prepare, confirm=confirm)
-        return persist(self.run, staged, coordinator=self.coordinator, prepare=prepare, confirm=confirm)
+        hooks = {"prepare": functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2),
+                 "confirm": self.tiers.first.lock.check_held}
+        if self.tiers.placement is not None:  # its retention spares what rank 0's promoter may read
+            return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, spare=self.tiers.may_promote, **hooks)
+        return persist(self.run, staged, coordinator=self.coordinator, **hooks)
 
     def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
         """What this rank writes: its pieces of the units it holds (staged one at a time, as
@@ -237,7 +237,7 @@ class Tailor:
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
         if self.tiers.keeps_first(self.rank) and not result.pointer_error:
-            self.tiers.committed(step, str(result.path))  # retention, then promotions due
+            self.tiers.committed(step, str(result.path), result.spare)  # retention, then promotions due
 
     # -- restoring ----------------------------------------------------------------------------
 

@@ -20,8 +20,11 @@ same snapshot; ``persist`` takes it when the run's placement is node-local, ``No
    manifest (``notes["nodes"]``: the placement) and announce them;
 4. each node's leader writes the indexes, then the manifest (only if absent: the same bytes on
    every node), commits its staging (an atomic rename) and points its ``latest`` at it; every
-   rank learns how every node fared. When a node failed, the nodes that committed remove their
-   copy again (the previous composite stays the newest everywhere) and every rank raises.
+   rank learns how every node fared, and what rank 0 says every node's retention after this
+   save spares (``spare``: the composites its promoter may read, ``Tiers.may_promote``; taken once
+   rank 0's copy committed, so after the save before had ended there). When a node failed, the
+   nodes that committed remove their copy again (the previous composite stays the newest
+   everywhere) and every rank raises.
 
 A failure anywhere before step 4 abandons every node's staging and raises on every rank; every
 earlier snapshot stays as it was. A crash between two nodes' renames can leave the snapshot on
@@ -94,11 +97,13 @@ class NodePlacement:
 
 def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
                      on_unit: Callable[[str, int], None] | None = None, prepare: Callable[[], None] | None = None,
-                     confirm: Callable[[], None] | None = None) -> PersistResult:
+                     confirm: Callable[[], None] | None = None,
+                     spare: Callable[[], list[int]] | None = None) -> PersistResult:
     """Write this rank's share of ``staged`` into its node's copy of ``run``, send the copies,
     and commit the snapshot on every node (module docstring). A node's leader calls
     ``prepare()`` (taking its copy's writer lock) before anything is written there, and
-    ``confirm()`` just before its manifest."""
+    ``confirm()`` just before its manifest; rank 0 calls ``spare()`` once its copy committed,
+    and every rank returns its answer (``PersistResult.spare``)."""
     start = time.perf_counter()
     round_ = staged.round or coord.new_round()
     leads = placement.leads(coord.rank)
@@ -118,11 +123,13 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
             snapshot.abandon()
         raise
     committed = _commit_node(snapshot, plan, confirm, staged.turn) if leads else None
-    outcome = _settle(snapshot, staged, placement, coord, round_, committed)
+    if committed is not None and coord.is_leader and spare is not None:
+        committed["spare"] = spare()
+    outcome, spared = _settle(snapshot, staged, placement, coord, round_, committed)
     manifest = plan["manifest"].encode()
     run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
-                         unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome)
+                         unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome, spare=spared)
 
 
 def _open(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
@@ -287,11 +294,11 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
 
 
 def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
-            round_: str, committed: dict[str, Any] | None) -> str | None:
+            round_: str, committed: dict[str, Any] | None) -> tuple[str | None, tuple[int, ...]]:
     """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
     node's, on its leader). When a node's failed, those that committed remove their copy again
     and every rank raises, naming each failed node and why. Returns the nodes' pointer errors
-    (the same on every rank, so every rank raises it alike)."""
+    (the same on every rank, so every rank raises it alike) and rank 0's ``spare``."""
     outcomes = coord.exchange(f"{round_}/committed", committed)
     failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
     if failed:
@@ -301,7 +308,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
         raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
                           "the nodes that did removed their copy, and every earlier snapshot is intact")
     pointers = {placement.nodes.node_of_rank(rank): o["pointer_error"] for rank, o in enumerate(outcomes) if o}
-    return "; ".join(f"node {node}: {why}" for node, why in sorted(pointers.items()) if why) or None
+    spare = tuple((outcomes[0] or {}).get("spare", ()))
+    return "; ".join(f"node {node}: {why}" for node, why in sorted(pointers.items()) if why) or None, spare
 
 
 def _uncommit(run: Run, staged: StagedSnapshot) -> None:

@@ -3,7 +3,8 @@
 The newest K composites are the newest one (``Run.latest_step``) and its K-1 nearest
 ancestors along the ``parent`` links, so snapshots of an abandoned branch (written after a
 restore of an older step) are never counted as kept. A snapshot survives when it is one of
-those composites or a composite table of one names it.
+those composites or a composite table of one names it, or when a composite the caller spares
+needs it (a writer's: the composites its promotion reads or may read next, ``Promoter.may_read``).
 
 Deleting is crash-safe: each doomed snapshot is first made not a snapshot, at once and
 durably (``SnapshotCommits.discard``: locally, its directory renamed into ``.trash/``; on an
@@ -18,6 +19,7 @@ for the next retention (logged). A reader that comes after finds the snapshot go
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from itertools import islice
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -39,6 +41,8 @@ class RetentionPlan:
     """Snapshots those composites need, ascending."""
     delete: list[int]
     """Every other committed snapshot, ascending."""
+    spared: list[int] = field(default_factory=list)
+    """Snapshots kept only because a spared composite needs them, ascending."""
 
 
 @dataclass(frozen=True)
@@ -72,20 +76,30 @@ Keep = Annotated[int | None, BeforeValidator(_keep_field)]
 """The type of a ``keep`` option of a pydantic model (``TailorConfig.keep``, ``Tier.keep``)."""
 
 
-def plan_retention(run: Run, keep: int) -> RetentionPlan:
-    """What ``keep`` newest composites need. Reads manifests only; deletes nothing."""
+def plan_retention(run: Run, keep: int, spare: Iterable[int] = ()) -> RetentionPlan:
+    """What ``keep`` newest composites need, and the composites of ``spare`` (steps; one not
+    committed in ``run`` spares nothing). Reads manifests only; deletes nothing."""
     check_keep(keep)
     steps = run.steps()
     # An ancestor already removed ends the lineage: nothing older can be needed through it.
     composites = list(islice(run.lineage(), keep))
-    needed = set(composites)
-    for step in composites:
-        needed.update(run.needs(run.resolve(step)))  # its units' versions and the frozen tensors they keep
+    needed = _needed(run, composites)
+    spared = _needed(run, [step for step in sorted(set(spare)) if step in steps]) - needed
     return RetentionPlan(
         composites=composites,
-        keep=sorted(s for s in steps if s in needed),
-        delete=[s for s in steps if s not in needed],
+        keep=sorted(s for s in steps if s in needed or s in spared),
+        delete=[s for s in steps if s not in needed and s not in spared],
+        spared=sorted(s for s in steps if s in spared),
     )
+
+
+def _needed(run: Run, composites: list[int]) -> set[int]:
+    """The snapshots ``composites`` read: their own, their units' versions and the frozen
+    tensors those keep."""
+    needed = set(composites)
+    for step in composites:
+        needed.update(run.needs(run.resolve(step)))
+    return needed
 
 
 def apply_retention(run: Run, plan: RetentionPlan, background: bool = False) -> RetentionOutcome:
@@ -142,14 +156,17 @@ def discard_snapshots(run: Run, steps: list[int], background: bool = False) -> R
     return RetentionOutcome(deleted=[step for step, _ in moved], in_use=in_use, problems=problems)
 
 
-def retain_after_commit(run: Run, keep: int, committed: str) -> bool:
-    """Retention after a writer's commit (``Tailor(keep=K)``): a failure is logged, never fatal
-    to the save that was just committed (``committed`` names it). The discarded snapshots'
-    files are removed in the background: the save does not wait for it. Returns whether it
-    passed over snapshots a reader held (``RetentionOutcome.in_use``): the writer runs it once
-    more when it closes (``Tiers.close``), so what a run keeps does not depend on a reader's pace."""
+def retain_after_commit(run: Run, keep: int, committed: str, spare: Iterable[int] = ()) -> bool:
+    """Retention after a writer's commit (``Tailor(keep=K)``), sparing the composites of
+    ``spare`` (``plan_retention``): a failure is logged, never fatal to the save that was just
+    committed (``committed`` names it). The discarded snapshots' files are removed in the
+    background: the save does not wait for it. Returns whether it passed over snapshots a
+    reader held (``RetentionOutcome.in_use``) or that only ``spare`` needs: the writer runs it
+    once more when it closes (``Tiers.close``, sparing nothing: its promotions are done), so
+    what a run keeps does not depend on a reader's or the promoter's pace."""
     try:
-        return bool(apply_retention(run, plan_retention(run, keep), background=True).in_use)
+        plan = plan_retention(run, keep, spare)
+        return bool(apply_retention(run, plan, background=True).in_use or plan.spared)
     except (TailorError, OSError) as err:
         log.warning("llmtailor retention after %s: %s", committed, err)
         return False

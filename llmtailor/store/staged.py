@@ -171,6 +171,9 @@ class PersistResult:
     """Bytes this rank wrote in all."""
     pointer_error: str | None = None
     """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
+    spare: tuple[int, ...] = ()
+    """Composites the first tier's retention after this save spares beside its newest ``keep``,
+    alike on every node of a node-local tier (rank 0's word: ``node_commit``)."""
 
 
 class _Message(BaseModel):

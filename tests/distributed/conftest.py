@@ -63,14 +63,14 @@ class NodesOnS3:
 
 def crash_mid_promotion(nodes: NodesOnS3) -> None:
     """The ``killed`` run: both nodes uploaded their parts of a promotion and stop there
-    (``HOLD_AT``; every composite kept: ``KEEP``); node 1 is SIGKILLed, then node 0 (as torchrun
+    (``HOLD_AT``; ``keep=2``, its retention sparing what is ordered); node 1 is SIGKILLed, then node 0 (as torchrun
     elastic would end the survivors). Records what each node held and what the bucket shows then
     in ``nodes.killed``, then wipes every node's memory (lost with the nodes)."""
     from objectstore import set_environment, staged_only
 
     from llmtailor.store.run import Run
 
-    launches = node_launches(JOB, lambda n: nodes.job("promote", "killed", n, HOLD_AT="3", KEEP="6"),
+    launches = node_launches(JOB, lambda n: nodes.job("promote", "killed", n, HOLD_AT="3"),
                              lambda n: nodes.env(n, "tmp-killed"), own_session=True)
     markers = [nodes.own("killed", node) / "holding" for node in range(2)]
     deadline = time.monotonic() + LAUNCH_WAIT  # the bound on a hang, not a timing asserted

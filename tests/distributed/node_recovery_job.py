@@ -16,7 +16,8 @@ ranks by it) and, at the end of a job, ``DIR/result-<scenario>-<rank>.json``. Ra
     ``$KILL_AT``: the ranks of that node SIGKILL themselves, ``$KILL_IN`` = ``training``: after
     the save of ``$KILL_AT`` was handed over (in flight) and its versions written; ``replication``:
     as they send their files of that save to their partner node (inside ``Courier.exchange_packed``);
-    ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs);
+    ``commit``: as that node's leader commits its copy of that save (the other nodes commit theirs;
+    with ``$IN_FLIGHT`` = 2, only once the next save was handed over, as for ``announced``);
     ``announced``: once its files of that save were sent to and received from its partners (step 2
     of the node commit done), before it reports them to rank 0 (so no node commits that save), and
     only after the training thread handed the next save over and wrote its versions (with
@@ -85,16 +86,22 @@ def die_in_replication(step: int) -> dict:
     return saving
 
 
-def die_in_commit(step: int) -> None:
-    """This node's leader SIGKILLs itself as it commits its copy of the save of ``step``."""
-    real = SnapshotCommit.commit
+def die_in_commit(step: int, out: Path, in_flight: bool) -> threading.Event | None:
+    """This node's leader SIGKILLs itself as it commits its copy of the save of ``step``; with
+    ``in_flight``, only once the returned event is set (the next save handed over: in flight
+    behind it), as ``die_once_announced``."""
+    real, next_staged = SnapshotCommit.commit, threading.Event() if in_flight else None
 
     def commit(self, manifest, confirm=None):
         if self.step == step:
+            if next_staged is not None:
+                next_staged.wait(300)
+                (out / f"staged-{step + 1}").write_text(str(next_staged.is_set()))
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, manifest, confirm)
 
     SnapshotCommit.commit = commit
+    return next_staged
 
 
 def die_once_announced(step: int, out: Path) -> threading.Event:
@@ -119,9 +126,9 @@ def die_once_announced(step: int, out: Path) -> threading.Event:
 def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: int, last: int) -> None:
     kill_at = int(os.environ.get("KILL_AT", "0")) if doomed() else 0
     saving = die_in_replication(kill_at) if kill_at and os.environ.get("KILL_IN") == "replication" else {}
-    if kill_at and os.environ.get("KILL_IN") == "commit":
-        die_in_commit(kill_at)
     next_staged = die_once_announced(kill_at, out) if kill_at and os.environ.get("KILL_IN") == "announced" else None
+    if kill_at and os.environ.get("KILL_IN") == "commit":
+        next_staged = die_in_commit(kill_at, out, in_flight=int(os.environ.get("IN_FLIGHT", "1")) > 1)
     for step in range(first, last + 1):
         train(model, optimizer, scheduler, [step])
         saving["step"] = step

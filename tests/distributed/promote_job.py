@@ -25,10 +25,10 @@ committed and its node's retention ran after each (the worst case for the order,
 posted).
 
 With ``KEEP=<k>`` the node-local tier keeps ``k`` composites (default 2). With
-``HOLD_FOLLOWER=<n>``, node 1's leader holds its first promotion order (of the composite of
-step ``c``) before it uploads anything, until its own saves have committed step ``c + n`` and
-run the node's retention after it (the event, not a time); it then records what it waited for
-in ``DIR/held.json`` and uploads. What a job patches in llmtailor is put back when it ends.
+``HOLD_FOLLOWER=<n>``, node 1's leader takes its first promotion order (of the composite of
+step ``c``) up, before it leases or reads anything, only once its own saves have committed step
+``c + n`` and run the node's retention after it (the event, not a time: an uploader as late as
+it can be); it then records what it waited for in ``DIR/held.json`` and serves the order. What a job patches in llmtailor is put back when it ends.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def retentions(patches: ExitStack) -> tuple[threading.Condition, list[int]]:
     ran, steps = threading.Condition(), []
     committed = runtime.Tiers.committed
 
-    def recorded(self, step, where):
-        committed(self, step, where)
+    def recorded(self, step, *args):
+        committed(self, step, *args)
         with ran:
             steps.append(step)
             ran.notify_all()
@@ -72,24 +72,26 @@ def retentions(patches: ExitStack) -> tuple[threading.Condition, list[int]]:
     return ran, steps
 
 
-def holding_follower(out: Path, upload, ahead: int, patches: ExitStack):
-    """``upload`` as node 1 runs it, its first order held until its node's retention ran after
-    the commit of ``ahead`` steps past the composite ordered (module docstring)."""
+def holding_follower(out: Path, ahead: int, patches: ExitStack) -> None:
+    """Node 1's uploader (``NodeUploader._serve`` runs on a follower only) takes its first order
+    up only once its node's retention ran after the commit of ``ahead`` steps past the composite
+    ordered (module docstring)."""
     ran, steps = retentions(patches)
-    first = threading.Event()
+    first, serve = threading.Event(), collective.NodeUploader._serve
 
-    def held(source, dst, staging, node):
-        if node == 1 and not first.is_set():
+    def held(self, order):
+        if not first.is_set():
             first.set()
-            until = max(int(step) for step in staging) + ahead
+            staging = sorted(int(step) for step in order["staging"])
+            until = staging[-1] + ahead
             with ran:
                 reached = ran.wait_for(lambda: any(step >= until for step in steps), HOLD_PATIENCE)
                 seen = list(steps)
-            (out / "held.json").write_text(json.dumps({"staging": sorted(staging), "until": until,
-                                                       "reached": reached, "retained": seen}))
-        return upload(source, dst, staging, node)
+            (out / "held.json").write_text(json.dumps({"staging": staging, "until": until, "reached": reached,
+                                                       "retained": seen}))
+        return serve(self, order)
 
-    return held
+    patches.enter_context(mock.patch.object(collective.NodeUploader, "_serve", held))
 
 
 def serving_late(hold: int, patches: ExitStack) -> None:
@@ -131,8 +133,9 @@ def recording_uploads(out: Path):
     with ExitStack() as patches:
         if hold:
             serving_late(int(hold), patches)
-        held = holding_follower(out, recorded, int(ahead), patches) if ahead else recorded
-        patches.enter_context(mock.patch.object(collective, "upload", held))
+        if ahead:
+            holding_follower(out, int(ahead), patches)
+        patches.enter_context(mock.patch.object(collective, "upload", recorded))
         yield uploaded
 
 

@@ -29,10 +29,8 @@ def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_
     or a later one where the promoter fell behind the saves) and stop there (so rank 0 cannot tidy
     up: the crash is the whole story); node 1 is SIGKILLed, then node 0 (as torchrun elastic would
     end the survivors). Node 1 takes that order up only once its own saves are done (the job's
-    ``HOLD_AT``): each node keeps every composite of the launch (``KEEP``), so its retention leaves
-    the composite ordered in place however late its order is taken up (with ``keep=2`` node 1's
-    copy drops it first, and answers the order "gone": the design, ``collective.py``, but not the
-    crash this test is about). The bucket shows step 1 only, whole; the parts of the composite
+    ``HOLD_AT``), each followed by its retention (``keep=2``), which spares the composite ordered
+    however late its order is taken up. The bucket shows step 1 only, whole; the parts of the composite
     held and of its carrier lie there without a manifest. A relaunch with every node's memory lost resumes from the bucket,
     its writer clears them, and its own promotions commit: each node uploaded its own rank's
     parts of every composite it promoted, never another's, rank 0 also the files of no rank (one
@@ -62,11 +60,12 @@ def test_a_node_killed_mid_promotion_leaves_nothing_visible_and_the_next_writer_
 
 
 def test_a_follower_keeps_what_it_uploads_from_its_own_retention(nodes_on_s3, monkeypatch):
-    """``keep=1`` on each node, node 1 holding its first order (the composite of step ``c``)
-    until its own saves committed ``c + 2`` and ran its node's retention, which would remove
-    step ``c`` there: the follower holds what it was ordered to read, so the promotion commits
-    the composite ordered, nothing is superseded, every tier verifies, and once the run closes
-    each node keeps its newest composite only (the hold released)."""
+    """``keep=1`` on each node, node 1 taking its first order (the composite of step ``c``) up,
+    before it leases anything, only once its own saves committed ``c + 2`` and ran its node's
+    retention, which alone would remove step ``c`` there: every node's retention spares what
+    rank 0's promoter reads or may choose next (each save's commit says what), so the promotion
+    commits the composite ordered, nothing is superseded, every tier verifies, and once the run
+    closes each node keeps its newest composite only (nothing spared any more)."""
     nodes = nodes_on_s3
     url = nodes.urls["held"]
     set_environment(monkeypatch, nodes.endpoint)

@@ -14,7 +14,8 @@ start-up for all), and what a test checks between two launches is recorded, or c
   wiped: the job resumes from node 1's copy.
 - Without replicas, a node SIGKILLed as it commits its copy of a save the other node committed:
   the next writer's start removes that save from every copy (it is not whole across the nodes);
-  ``latest_step`` answers the save before on every rank.
+  ``latest_step`` answers the save before on every rank. With replicas and the next save in
+  flight, the same kill leaves that save whole in the other node's copy: the job resumes from it.
 """
 
 from __future__ import annotations
@@ -168,6 +169,32 @@ def wipe_every_node(job: Job) -> None:
         job.wipe(node)
 
 
+def check_resumed_in_memory(job: Job, first: list[dict], held: list[list[int]], restored: int, last: int) -> None:
+    """A resume after a kill, on 2 nodes: each node's copy held ``held`` once its writer started;
+    every rank restored ``restored`` from its own node's memory (node 1's copy rebuilt from node
+    0's), every tensor equal to its version; its saves up to ``last`` promoted. Every copy whole
+    and verified, nothing staged left; the object store at ``last``, verified."""
+    assert [r["held_at_start"] for r in first] == held
+    assert [r["latest"] for r in first] == [restored] * NODES and [r["restored"] for r in first] == [restored] * NODES
+    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(NODES)]
+    assert first[0]["served_by"] == {"1": [0]} and first[0]["mismatches"] == []
+    assert first[0]["promoted"][-1] == last
+    job.copies_whole()
+    assert all(not any((job.memory(n) / ".tmp").iterdir()) for n in range(NODES) if (job.memory(n) / ".tmp").exists())
+    assert Run(job.env["RUN_HOME"]).latest_step() == last and Run(job.env["RUN_HOME"]).verify() == []
+
+
+def node_0_commits(job: Job, step: int) -> bool:
+    """Wait for node 0's own commit of ``step`` (the event; no timing asserted) while node 1 is
+    down: whether it came."""
+    wait_launches([job.launches[1]])
+    committed = job.memory(0) / "snapshots" / f"step-{step:08d}" / "manifest.json"
+    deadline = time.monotonic() + 600
+    while not committed.exists() and time.monotonic() < deadline and job.launches[0].poll() is None:
+        time.sleep(0.2)
+    return committed.exists()
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, endpoint) -> dict[str, tuple[Job, dict]]:
     """The runs of the 2-node tests below, each killed in a launch of its own, then their resumes
@@ -175,7 +202,8 @@ def two_nodes(tmp_path_factory, endpoint) -> dict[str, tuple[Job, dict]]:
     checks (``seen``: what was looked at between launches)."""
     runs = {"lost": Job(tmp_path_factory.mktemp("lost"), endpoint, "fsdp"),
             "replication": Job(tmp_path_factory.mktemp("replication"), endpoint, "ddp"),
-            "commit": Job(tmp_path_factory.mktemp("commit"), endpoint, "fsdp")}
+            "commit": Job(tmp_path_factory.mktemp("commit"), endpoint, "fsdp"),
+            "in flight": Job(tmp_path_factory.mktemp("in_flight"), endpoint, "fsdp")}
     seen: dict[str, dict] = {name: {} for name in runs}
     lose_a_node(runs["lost"], lost=1)
 
@@ -186,18 +214,23 @@ def two_nodes(tmp_path_factory, endpoint) -> dict[str, tuple[Job, dict]]:
 
     job = runs["commit"]
     job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="commit", REPLICAS="1")
-    wait_launches([job.launches[1]])
-    committed = job.memory(0) / "snapshots" / "step-00000003" / "manifest.json"
-    deadline = time.monotonic() + 600  # the event waited for: node 0's own commit of step 3 (no timing asserted)
-    while not committed.exists() and time.monotonic() < deadline and job.launches[0].poll() is None:
-        time.sleep(0.2)
-    seen["commit"]["node 0 committed 3"] = committed.exists()
+    seen["commit"]["node 0 committed 3"] = node_0_commits(job, 3)
     job.lose(1)
     seen["commit"]["node 1's steps"] = Run(job.memory(1)).steps()
 
+    job = runs["in flight"]
+    job.launch("train", LAST="6", KILL_NODE="1", KILL_AT="3", KILL_IN="commit", IN_FLIGHT="2")
+    seen["in flight"]["node 0 committed 3"] = node_0_commits(job, 3)
+    job.lose(1)
+    seen["in flight"]["steps after the kill"] = [Run(job.memory(n)).steps() for n in range(NODES)] + [
+        Run(job.env["RUN_HOME"]).steps()]
+    job.keep_copies("killed")
+
     together([(runs["lost"], "resume", {"LAST": "4"}), (runs["replication"], "resume", {"LAST": "4"}),
-              (runs["commit"], "start", {"REPLICAS": "1"})])
+              (runs["commit"], "start", {"REPLICAS": "1"}),
+              (runs["in flight"], "resume", {"LAST": "5", "IN_FLIGHT": "2"})])
     seen["commit"]["start"] = runs["commit"].results("start")
+    seen["in flight"]["first"] = runs["in flight"].results("resume")
     for name in ("lost", "replication"):
         seen[name]["first"] = runs[name].results("resume")
         runs[name].keep_copies("first")
@@ -270,6 +303,21 @@ def test_a_node_killed_in_its_local_commit_leaves_a_save_the_next_writer_clears_
     job.copies_whole(verify=False)  # one copy of each part: a node's copy is not whole alone
 
 
+def test_a_node_killed_in_its_commit_with_the_next_save_in_flight_resumes_from_the_other_nodes_commit(two_nodes):
+    """``async_in_flight=2``, ``replicas=2``: node 1 SIGKILLed as it commits its copy of step 3, after
+    rank 0 announced it (node 0 commits its own), with the save of 4 in flight behind it; node 0's
+    launch killed too. No copy shows a composite that is not whole across the nodes (node 0's step
+    3: it holds every part), none shows 4, the object store nothing above 2. The restart resumes
+    from 3, the newest committed, from memory (node 1's copy rebuilt from node 0's), every tensor
+    equal to its version, and saves and promotes on."""
+    job, seen = two_nodes["in flight"]
+    assert seen["node 0 committed 3"] and (job.own(1) / "staged-4").read_text() == "True"  # 4 was in flight
+    node0, node1, home = seen["steps after the kill"]
+    assert 3 in node0 and 3 not in node1 and 4 not in node0 + node1 and max(home, default=0) <= 2, seen
+    job.copies_whole(name="killed")
+    check_resumed_in_memory(job, seen["first"], held=[node0, node1], restored=3, last=5)
+
+
 def test_a_node_killed_with_a_save_replicated_and_the_next_in_flight_resumes_from_the_newest_committed_everywhere(
         tmp_path, endpoint):
     """``async_in_flight=2``: node 1 SIGKILLed in the save of step 3 once its parts were replicated
@@ -287,12 +335,4 @@ def test_a_node_killed_with_a_save_replicated_and_the_next_in_flight_resumes_fro
     job.wipe(1)
 
     job.launch("resume", LAST="4", IN_FLIGHT="2")
-    first = job.results("resume")
-    assert [r["held_at_start"] for r in first] == [[1, 2], []]
-    assert [r["latest"] for r in first] == [2, 2] and [r["restored"] for r in first] == [2, 2]
-    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(NODES)]
-    assert first[0]["served_by"] == {"1": [0]} and first[0]["mismatches"] == []
-    assert first[0]["promoted"][-1] == 4
-    job.copies_whole()
-    assert all(not any((job.memory(n) / ".tmp").iterdir()) for n in range(NODES) if (job.memory(n) / ".tmp").exists())
-    assert Run(job.env["RUN_HOME"]).latest_step() == 4 and Run(job.env["RUN_HOME"]).verify() == []
+    check_resumed_in_memory(job, job.results("resume"), held=[[1, 2], []], restored=2, last=4)

@@ -49,10 +49,11 @@ def staged(rank: int) -> StagedSnapshot:
                           rank_tensors={} if rank else None, world_size=2)
 
 
-def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False):
+def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False, spare=None):
     """Step 1 saved by two one-rank nodes, each into its own copy; ``prepare(rank)``: each
-    leader's ``prepare``; ``wait_for_node_0``: node 1 begins its commit only once node 0 has
-    written a unit into its copy. Each rank's result or error."""
+    leader's ``prepare``, ``spare(rank)`` each rank's ``spare``; ``wait_for_node_0``: node 1
+    begins its commit only once node 0 has written a unit into its copy. Each rank's result or
+    error."""
     store, lanes = HashStore(), {(a, b): queue.Queue() for a in range(2) for b in range(2)}
     node_0_wrote = threading.Event()
 
@@ -63,7 +64,8 @@ def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False):
         coord = StoreCoordinator.over(store, rank, 2, timeout=10)
         wrote = (lambda unit, size: node_0_wrote.set()) if rank == 0 else None
         return persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
-                                on_unit=wrote, prepare=prepare and (lambda: prepare(rank)))
+                                on_unit=wrote, prepare=prepare and (lambda: prepare(rank)),
+                                spare=spare and (lambda: spare(rank)))
 
     return on_threads(2, run)
 
@@ -100,3 +102,17 @@ def test_a_node_that_cannot_open_the_snapshot_fails_every_rank_naming_it_and_not
         assert copy.steps() == [] and not (tmp_path / f"node{node}" / "latest").exists()
         tmp = tmp_path / f"node{node}" / ".tmp"
         assert not tmp.exists() or not any(tmp.iterdir())
+
+
+def test_rank_0s_word_on_what_retention_spares_comes_with_the_commit_to_every_node(tmp_path):
+    """``spare`` (``Tiers.may_promote``: what rank 0's promoter may still read) is asked on rank 0 alone,
+    once its copy committed the save, and every rank's result carries the answer: each node's
+    retention after the save spares the same composites (``Tiers.committed``)."""
+    asked = []
+
+    def spare(rank):
+        asked.append((rank, Run(tmp_path / "node0").steps()))
+        return [7]
+
+    outcomes = save_on_two_nodes(tmp_path, spare=spare)
+    assert [getattr(o, "spare", o) for o in outcomes] == [(7,), (7,)] and asked == [(0, [1])]

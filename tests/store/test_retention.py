@@ -31,6 +31,15 @@ def test_plan_keeps_what_the_newest_composites_need(parity_run):
     assert plan_retention(run, 10).delete == []
 
 
+def test_plan_spares_the_composites_a_promotion_may_read_and_what_they_need(parity_run):
+    """A spared composite (``Tiers.committed``: what rank 0's promoter may read) keeps its
+    snapshots beside the newest K composites'; one not committed, or kept anyway, spares nothing."""
+    run = Run(parity_run)
+    plan = plan_retention(run, 1, spare=[3, 9])
+    assert plan.keep == [2, 3, 5, 6] and plan.delete == [1, 4] and plan.spared == [2, 3]
+    assert plan_retention(run, 2, spare=[5]).spared == [] and plan_retention(run, 2, spare=[5]).delete == [1, 2, 3]
+
+
 def test_gc_deletes_only_unneeded_snapshots_and_the_rest_restores(parity_run):
     run = Run(parity_run)
     needed = {p: h for p, h in tree_digest(parity_run).items() if p.startswith(("snapshots/step-00000005", "snapshots/step-00000006"))}

@@ -23,16 +23,24 @@ lacks, committed there oldest first, manifest last and only if absent, carriers 
 3. rank 0, once every node reported success within the timeout, uploads the files of no rank
    (the global state, the unit indexes: every node holds them) and commits each snapshot.
 
-Invariant: no node reads a snapshot of its copy for a promotion without holding a read lease on
-it, so the node's own retention (``keep=K``, run by its leader after each save while the
+Invariants. No node reads a snapshot of its copy for a promotion without holding a read lease
+on it, so the node's own retention (``keep=K``, run by its leader after each save while the
 promotion is in flight) leaves in place every snapshot a node is uploading: a part is uploaded
-whole or not at all, however far the promotion lags. Each node's retention runs on its own, so
-a follower's copy may have dropped the composite ordered between rank 0's order and the
-follower's lease (its saves committed a newer composite meanwhile: retention never drops the
-newest ``keep``): the follower then reports the steps gone, before it reads anything, and rank 0
-fails the promotion with SnapshotNotFoundError, which the promoter takes as a source that moved
-on (``promote.Promoter``: the newer composite, whose commit woke it, is promoted next; a
-``max_lag`` wait holds the saves, so the node copies stop moving and that one commits).
+whole or not at all, however far the promotion lags. And no node's retention removes a composite
+ordered before that node's uploader took the order up (and leased it), however late that is:
+the commit of every save carries rank 0's word on the composites its promoter reads or may
+choose next (``Tiers.may_promote``, ``Promoter.may_read``: at most two), and every node's retention
+after that save spares them (``node_commit``, ``retention.plan_retention``), so every node's
+copy keeps what rank 0's keeps. What an order names is always among what the save before it
+spared, so it is still in every copy when the follower leases it. Sparing holds nothing (no
+lease to release): once the promotion ended, the next save's retention removes what it spared,
+and ``close`` runs retention once more, sparing nothing. While a promotion stalls, each copy
+keeps at most two composites more than its ``keep``, and ``max_lag`` holds the saves.
+
+A follower whose copy lacks a snapshot ordered all the same (removed by other hands) reports the
+steps gone, before it reads anything, and rank 0 fails the promotion with
+SnapshotNotFoundError, which the promoter takes as a source that moved on (``promote.Promoter``:
+the newer composite is promoted next).
 
 A node that fails, dies or does not report in time fails the promotion (retried, then reported
 as any failed promotion): rank 0 abandons every staging place, and nothing of it was visible in
@@ -52,7 +60,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from llmtailor.constants import writer_rank
-from llmtailor.distributed.coordinator import Coordinator, describe_error
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import SnapshotNotFoundError, TailorError
 from llmtailor.store.catalog import ReadLeases
@@ -69,7 +77,8 @@ UPLOADS = 4
 a promotion takes from training's own traffic (an object store's multipart upload of one file
 may open a few streams of its own)."""
 IDLE_WAIT = 0.2
-"""Seconds between two looks for the next order while a node's uploader is idle."""
+"""Seconds between two looks of ``NodeUploader.join`` for rank 0's stop; and the pause before an
+idle uploader waits again for the next order after a wait that ended without one."""
 
 
 def order_tag(number: int) -> str:
@@ -225,12 +234,16 @@ class NodeUploader:
             number += 1
 
     def _next(self, number: int) -> dict[str, Any]:
+        """Order ``number``, once rank 0 posted it: waited for in the store's own ``wait``
+        (woken as it lands), again and again while none comes (promotions may be far apart)."""
         while True:
-            posted, order = self.coordinator.poll(order_tag(number))
-            if posted:
-                self._heard = time.monotonic()
-                return order
-            self._stopped.wait(IDLE_WAIT)
+            try:
+                order = self.coordinator.collect({0: order_tag(number)}, f"promotion order {number}")[0]
+            except CoordinationError:  # none within the timeout, or the store went away (``join`` gives up)
+                self._stopped.wait(IDLE_WAIT)
+                continue
+            self._heard = time.monotonic()
+            return order
 
     def _serve(self, order: dict[str, Any]) -> dict[str, Any]:
         """This node's part of one order, each snapshot of it leased in this node's copy before

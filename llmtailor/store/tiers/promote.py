@@ -235,6 +235,8 @@ class Promoter:
         self._wanted = False
         self._final = False
         self._failures: list[str] = []
+        self._reading: list[int | None] = [None] * len(levels)
+        """The composite of tier ``target - 1`` promoted (or retried) to each ``target`` now."""
         self.crew: Any = None
         """With a node-local tier, the nodes promoting it together (``collective.Crew``): its
         promotions to the next tier go through ``crew.promote`` instead of ``promote``."""
@@ -253,6 +255,30 @@ class Promoter:
         promotes that one, not one that is gone."""
         with self._guard:
             self._newest[0] = newest
+
+    def may_read(self, level: int) -> list[int]:
+        """The composites of tier ``level`` this promoter reads or may choose next: the one it
+        promotes now (retries included), and the newest when it is due (``_due``). Whatever it
+        chooses was among them at every call since its commit's ``committed``: it chooses only
+        the newest, and only when due (``_newest`` only grows between restores, and its tier
+        ``level + 1``'s newest too, so a composite due now was due then). So the retention that
+        each node runs on its copy of a node-local tier after a save, sparing what this answered
+        as that save committed on rank 0 (``Tiers.may_promote``), never removes a composite
+        ordered before that node's uploader took the order up. At most two: retention stays
+        bounded however far promotions fall behind (then ``max_lag`` holds the saves)."""
+        if level + 1 >= len(self._levels):
+            return []
+        with self._guard:
+            reading, newest = self._reading[level + 1], self._newest[level]
+            due = newest if self._due(level + 1, newest, self._newest[level + 1], False) else None
+        return sorted({step for step in (reading, due) if step is not None})
+
+    def _due(self, target: int, step: int | None, there: int | None, final: bool) -> bool:
+        """Whether the composite of ``step`` (of tier ``target - 1``) is promoted to ``target``,
+        which holds ``there``: a newer one, at least ``promote_every`` steps after it (any newer
+        one when ``final``)."""
+        every = self._levels[target - 1].promote_every or 1
+        return step is not None and (there is None or (step > there and (final or step - there >= every)))
 
     def lag(self, target: int) -> int:
         """How many steps tier ``target``'s newest composite is behind tier ``target - 1``'s (as
@@ -360,15 +386,19 @@ class Promoter:
         """Promote tier ``target - 1``'s newest composite to ``target`` if it is due."""
         with self._guard:
             step, there = self._newest[target - 1], self._newest[target]
-        every = self._levels[target - 1].promote_every or 1
-        if step is None or (there is not None and (step <= there or (not final and step - there < every))):
-            return
+            if not self._due(target, step, there, final):
+                return
+            self._reading[target] = step  # the nodes' retention spares it from now (``may_read``)
         # Runs of its own, fresh for each promotion: no manifest cached from another promotion
         # (a step saved again after a restore is another snapshot), none shared with training.
         source = Run(self._levels[target - 1].run.storage)
         level = replace(self._levels[target], run=Run(self._levels[target].run.storage))
         start = time.perf_counter()
-        done = self._with_retries(target, source, level, step, there)
+        try:
+            done = self._with_retries(target, source, level, step, there)
+        finally:
+            with self._guard:
+                self._reading[target] = None
         if done is None:
             return
         step, copied, size, superseded = done
@@ -413,6 +443,8 @@ class Promoter:
         source, name = self._levels[target - 1].run.root, self._levels[target].name
         with self._guard:
             newer = self._newest[target - 1]
+            if newer is not None and newer > step:
+                self._reading[target] = newer
         if newer is None or newer <= step:
             self._fail(f"promoting step {step} from {source} to {name} failed ({_tries(failed)}), and step {step} "
                        f"then left {source} ({gone}); it is not promoted, and {name} is intact")

@@ -198,14 +198,23 @@ class Tiers:
             self.abandon()
             raise
 
-    def committed(self, step: int, where: str) -> None:
+    def committed(self, step: int, where: str, spare: Sequence[int] = ()) -> None:
         """Where the first tier is kept (``keeps_first``), once the save of ``step`` committed
-        there (at ``where``): that tier's retention (each node's copy alike: the same manifests),
-        then on rank 0 the promotions due (in the background)."""
+        there (at ``where``): that tier's retention, sparing the composites of ``spare`` (what
+        ``may_promote`` answered on rank 0 as the save committed: each node's copy alike, the same
+        manifests and the same spare), then on rank 0 the promotions due (in the background)."""
         if self.first.keep is not None:
-            self.first.held_back = retain_after_commit(self.first.run, self.first.keep, where)
+            self.first.held_back = retain_after_commit(self.first.run, self.first.keep, where, spare)
         if self.promoter is not None:
             self.promoter.committed(step)
+
+    def may_promote(self) -> list[int]:
+        """Rank 0, as a save commits on every node (``node_commit``: the commit's last message
+        carries it): the composites of the first tier its promoter reads or may choose next
+        (``Promoter.may_read``), which every node's retention after that save spares (``committed``).
+        A follower leases a composite only once it takes its order up; meanwhile its own saves go
+        on, and with a small ``keep`` its retention would remove the composite ordered first."""
+        return self.promoter.may_read(0) if self.promoter is not None else []
 
     def restored(self, level: int, step: int) -> None:
         if self.promoter is not None:
