@@ -99,8 +99,7 @@ class BinWeights:
     """The ``pytorch_model.bin`` weights of the model directory ``path`` (module docstring), with
     ``ModelWeights``' ``tensors``, ``where`` and ``read``. IntegrityError naming the file for a
     missing shard, a file torch's weights-only loader refuses, or one that is not a state dict.
-    Tied weights are one tensor under two names in these files: the first name is kept, as
-    ``save_pretrained`` keeps one into safetensors."""
+    A tied weight is in these files under both its names (``_load_bin``)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -132,8 +131,9 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
         ) from None
     if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
         raise IntegrityError(f"{path}: expected a dict of tensors (a state dict)")
-    # save_pretrained's state_dict() holds a tied weight under both names, as two tensors over one
-    # storage (each name's detach()): one tensor is where its storage, offset, shape and strides are.
-    seen: dict[tuple, str] = {}
-    return {k: t for k, t in weights.items() if t.numel() == 0
-            or seen.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()), k) == k}
+    # One tensor object under two names (a hand-made torch.save) is one tensor. save_pretrained's
+    # state_dict() holds a tied weight as two tensors over one storage: both names are kept, as
+    # mergekit keeps them (a merge means what mergekit makes of it); an import maps the alias to
+    # its canonical name (``reader.weight_sources``).
+    seen: dict[int, str] = {}
+    return {k: t for k, t in weights.items() if seen.setdefault(id(t), k) == k}
