@@ -1,7 +1,10 @@
 """What a directory of another format is, from its file names alone (torch-free): told to the
 store's run detection (``store.storage.local_detect.recognise_other_formats``; the package
 wires it in, ``llmtailor/__init__.py``), so a writer refused in one, or a command given one,
-names what it found and the command that takes it."""
+names what it found and the command that takes it. The formats llmtailor does not read (an
+accelerate ``save_state`` directory, a Lightning ``.ckpt`` file) are named with the way to
+bring them in: their framework's own resume under llmtailor's integration, which saves
+tailored snapshots from there."""
 
 from __future__ import annotations
 
@@ -10,16 +13,30 @@ from pathlib import Path
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
 from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
 
+ACCELERATE_FILES = ("optimizer.bin", "random_states_0.pkl")
+"""What ``Accelerator.save_state`` writes and nothing else does (its model is ``model.safetensors``)."""
+LIGHTNING_SUFFIX = ".ckpt"
+
 
 def describe_other_format(path: Path) -> str | None:
-    """What the directory ``path`` is (a phrase that follows "is"), or None when it is none of
-    the formats interop knows."""
+    """What the directory or file ``path`` is (a phrase that follows "is"), or None when it is
+    none of the formats interop knows."""
+    if path.is_file():
+        if path.suffix == LIGHTNING_SUFFIX:
+            return (f"a Lightning checkpoint file, which llmtailor does not read: resume from it with Lightning's own "
+                    f"`trainer.fit(model, ckpt_path=\"{path}\")` with llmtailor's TailorCheckpoint among the "
+                    "callbacks, which saves tailored snapshots from there")
+        return None
     if (path / TRAINER_STATE_FILE).is_file():
         return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
                 f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")
     if is_deepspeed_checkpoint(path):
         return ("a DeepSpeed checkpoint (import it with `llmtailor import-deepspeed` to inspect, verify or assemble "
                 "it, or name it as a source of a `llmtailor merge` plan)")
-    if (path / CONFIG_FILE).is_file() and any(path.glob("*.safetensors")):
-        return "a model directory (config.json and safetensors weights; a source for a `llmtailor merge` plan)"
+    if any((path / name).is_file() for name in ACCELERATE_FILES):
+        return (f"an accelerate save_state directory ({', '.join(ACCELERATE_FILES)}), which llmtailor does not read: "
+                f"load it with llmtailor's TailorAccelerator, `accelerator.load_state(\"{path}\")` (accelerate's own "
+                "load), and its `save_state(step=N)` saves tailored snapshots from there")
+    if (path / CONFIG_FILE).is_file() and (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))):
+        return "a model directory (config.json and its weights; a source for a `llmtailor merge` plan)"
     return None

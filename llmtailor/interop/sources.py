@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from llmtailor.errors import ConfigError
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
+from llmtailor.interop.formats import describe_other_format
 from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
 from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
 from llmtailor.interop.hf.reader import CheckpointSource, ModelDirSource
@@ -45,6 +46,9 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch
     if path.is_dir() and Run(path).steps():
         return RunSource(label, Run(path), step)
     if not path.is_dir():
+        kind = describe_other_format(path) if path.is_file() else None
+        if kind:
+            raise ConfigError(f"{path} is {kind}")
         if "+" in label and not path.exists():
             raise ConfigError(f"{path}: no such directory; mergekit's MODEL+LORA form (an adapter applied to a model) is "
                               "not supported: merge the adapter into its model first (peft's merge_and_unload, then "
@@ -62,6 +66,9 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch
         return ModelDirSource(label, path)
     if (path / ADAPTER_CONFIG).is_file():
         raise ConfigError(f"{path} is a peft adapter ({ADAPTER_CONFIG}), not a model: {PEFT_ADVICE}")
+    kind = describe_other_format(path)
+    if kind:
+        raise ConfigError(f"{path} is {kind}")
     raise ConfigError(
         f"{path} is not a tailored run, a model directory (config.json + model.safetensors), a Trainer "
         "checkpoint-N/ or a DeepSpeed checkpoint"

@@ -32,13 +32,19 @@ def refuse_holding_snapshots(run: Run) -> None:
 class RunSink(Sink):
     """Write the units (every unit of ``layout``) and the global ``state`` as the one committed
     snapshot of step ``step`` of a new run at ``out``; ``origin`` says where it came from
-    (recorded as the manifest's policy: ``imported from ...``, ``merge of ...``)."""
+    (recorded as the manifest's policy: ``imported from ...``, ``merge of ...``).
+    ``rank_states``: the own states (``{"rng", "extra"}``) of ranks 1, 2, ... of a checkpoint
+    written by several processes (rank 0's are ``state``'s): the snapshot is then one of that
+    world size, each rank's state where a save of as many ranks puts it, so a restore at that
+    world size sets each rank's own RNG streams."""
 
     def __init__(self, out: str | Path | Storage, *, step: int, layout: dict[str, Any], state: dict[str, Any], origin: str,
-                 provider: str = "local", notes: dict[str, Any] | None = None):
+                 provider: str = "local", notes: dict[str, Any] | None = None,
+                 rank_states: list[dict[str, Any]] = ()):
         self.run = Run(out)
         self.step, self.layout, self.state, self.origin = step, layout, state, origin
         self.provider, self.notes = provider, dict(notes or {})
+        self.rank_states = list(rank_states)
 
     def write(self, units: Iterable[OutputUnit], count: int | None = None, progress: Progress | None = None) -> Path | str:
         """Commit the snapshot; return its path (its URL on an object store). ``progress``
@@ -48,12 +54,13 @@ class RunSink(Sink):
         run = self.run
         refuse_holding_snapshots(run)
         global_doc, global_tensors = codec.encode(self.state, where="global state")
+        ranks = {rank: codec.encode(own, where=f"global state of rank {rank}") for rank, own in enumerate(self.rank_states, 1)}
         unit_names = list(self.layout["units"])  # a layout record: unit -> its tensor names, in order
         staged = StagedSnapshot(
             step=self.step, parent=None, save_index=0, policy=self.origin, layout=self.layout,
             units=(StagedUnit.whole(u.name, u.tensors, u.values) for u in units),
             composite={unit: self.step for unit in unit_names}, global_doc=global_doc, global_tensors=global_tensors,
-            provider=self.provider, notes=self.notes,
+            provider=self.provider, notes=self.notes, world_size=1 + len(ranks), rank_states=ranks,
         )
         lock = WriterLock(run.storage)
         lock.acquire()

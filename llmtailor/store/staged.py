@@ -98,6 +98,9 @@ class StagedSnapshot:
     rank_doc: Any = None
     """Ranks >= 1: their own RNG states and extras, encoded."""
     rank_tensors: dict[str, torch.Tensor] | None = None
+    rank_states: dict[int, tuple[Any, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """Other ranks' own states, encoded, that this rank writes for them: an import of a checkpoint
+    of several processes, written by one (``outputs/run.RunSink``)."""
     world_size: int = 1
     provider: str = "local"
     notes: dict[str, Any] = field(default_factory=dict)

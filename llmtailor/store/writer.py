@@ -209,10 +209,11 @@ def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
         if staged.global_doc is not None:
             files.append(stream_tensors(create(GLOBAL_TENSORS), staged.global_tensors or {}, GLOBAL_TENSORS)[0])
             files.append(write_bytes_to(create(GLOBAL_JSON), json.dumps(staged.global_doc).encode(), GLOBAL_JSON))
-        if staged.rank_doc is not None:
-            doc_path, tensor_path = rank_state_files(rank)
-            files.append(stream_tensors(create(tensor_path), staged.rank_tensors or {}, tensor_path)[0])
-            files.append(write_bytes_to(create(doc_path), json.dumps(staged.rank_doc).encode(), doc_path))
+        own = {rank: (staged.rank_doc, staged.rank_tensors)} if staged.rank_doc is not None else {}
+        for state_rank, (doc, tensors) in {**own, **staged.rank_states}.items():
+            doc_path, tensor_path = rank_state_files(state_rank)
+            files.append(stream_tensors(create(tensor_path), tensors or {}, tensor_path)[0])
+            files.append(write_bytes_to(create(doc_path), json.dumps(doc).encode(), doc_path))
     return RankPart(units=units, files=files, unit_bytes=unit_bytes, holds=list(staged.layout["units"]) if staged.holds is None else list(staged.holds))
 
 

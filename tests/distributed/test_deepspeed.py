@@ -303,13 +303,14 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     """A plain HF Trainer run under DeepSpeed ZeRO-3 (2 processes, no llmtailor code) writes
     ``checkpoint-N/`` with ``global_stepN/`` beside Trainer's own ``scheduler.pt`` and
     ``trainer_state.json`` (its LR scheduler is not DeepSpeed's, so DeepSpeed's files hold none):
-    ``import-deepspeed`` keeps both, with masters equal to DeepSpeed's own ``zero_to_fp32``, so the
-    run assembles into a Trainer checkpoint and merges as an HF checkpoint; ``import-hf`` names
-    ``import-deepspeed``."""
+    ``import-deepspeed`` keeps both and each process's RNG (``rng_state_<rank>.pth``), with masters
+    equal to DeepSpeed's own ``zero_to_fp32``, so the run assembles into a Trainer checkpoint (each
+    rank's RNG file back) and merges as an HF checkpoint; ``import-hf`` names ``import-deepspeed``."""
     import yaml
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from helpers import assert_same_tree
     from safetensors.torch import load_file
+    from transformers.trainer_pt_utils import safe_globals
     from typer.testing import CliRunner
 
     from llmtailor.cli import app
@@ -335,6 +336,14 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     state = run.read_global(4)
     assert_same_tree(state["lr_scheduler"], torch.load(checkpoint / "scheduler.pt", weights_only=True), "lr_scheduler")
     assert state["extra"]["trainer_state"] == json.loads((checkpoint / "trainer_state.json").read_text())
+    # Under DDP, Trainer writes each process's RNG as rng_state_<rank>.pth: each rank's own, in a
+    # snapshot of that world size (what each rank of a resume at 2 processes sets).
+    assert not (checkpoint / "rng_state.pth").exists() and run.manifest(4).world_size == 2
+    with safe_globals():
+        saved_rngs = [torch.load(checkpoint / f"rng_state_{rank}.pth", weights_only=True) for rank in range(2)]
+    for rank, saved in enumerate(saved_rngs):
+        own = run.read_rank_state(4, rank)["rng"]
+        assert_same_tree([own["python"], own["numpy"], own["torch"]], [saved["python"], saved["numpy"], saved["cpu"]], f"rank {rank}")
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
     masters = {k[7:]: t for u in run.manifest(4).units for k, t in run.read_unit(4, u)[0].items() if k.startswith("master/")}
     assert masters.keys() == fp32.keys() and all(torch.equal(masters[k], fp32[k]) for k in fp32)
@@ -345,6 +354,9 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     assert_same_tree(torch.load(exported / "scheduler.pt", weights_only=True),
                      torch.load(checkpoint / "scheduler.pt", weights_only=True), "scheduler.pt")
     assert json.loads((exported / "trainer_state.json").read_text())["log_history"] == state["extra"]["trainer_state"]["log_history"]
+    assert sorted(p.name for p in exported.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    with safe_globals():
+        assert_same_tree([torch.load(exported / f"rng_state_{rank}.pth", weights_only=True) for rank in range(2)], saved_rngs)
     # As a merge source straight into a Trainer checkpoint (DeepSpeed holds fp32 masters, no weights): depth up-scaled.
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"slices": [
         {"sources": [{"model": str(checkpoint), "layer_range": [0, 2]}]}, {"sources": [{"model": str(checkpoint), "layer_range": [1, 4]}]}]}))

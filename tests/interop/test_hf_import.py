@@ -5,6 +5,7 @@ tensor the original; bad input is refused naming the file, with nothing written.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -132,18 +133,41 @@ def _reversed_decay_group(saved):
     saved["param_groups"][0]["params"].reverse()  # same sizes, indices on the wrong parameters
 
 
-def _weights_as_bin(ckpt):
-    """As Trainer wrote them with save_safetensors=False (transformers 4)."""
-    torch.save(load_file(ckpt / "model.safetensors"), ckpt / "pytorch_model.bin")
+def _weights_as_bin(ckpt, shards=1):
+    """As Trainer wrote them with save_safetensors=False (transformers 4): ``save_pretrained(
+    safe_serialization=False)``'s pytorch_model.bin (tied names both in it), or its shards and
+    ``pytorch_model.bin.index.json``."""
+    from helpers import save_bin
+
+    save_bin(ckpt.parent / "bin", transformers.AutoModelForCausalLM.from_pretrained(ckpt), shards)
+    for path in (ckpt.parent / "bin").glob("pytorch_model*"):
+        shutil.move(path, ckpt / path.name)
     (ckpt / "model.safetensors").unlink()
 
 
+def _rank_rng_files(*ranks):
+    """As Trainer writes RNG states under DDP: rng_state_<rank>.pth per process (``ranks``), each
+    its own (rank r's drawn r times further than the one-process file)."""
+    def mutate(ckpt):
+        state = load_rng(ckpt / "rng_state.pth")
+        (ckpt / "rng_state.pth").unlink()
+        generator = torch.Generator()
+        for rank in ranks:
+            generator.set_state(state["cpu"])
+            torch.rand(rank + 1, generator=generator)
+            torch.save({**state, "cpu": generator.get_state()}, ckpt / f"rng_state_{rank}.pth")
+
+    return mutate
+
+
 BAD = {
-    "weights in pytorch_model.bin": (_weights_as_bin, IntegrityError,
-                                     r"its weights are in pytorch_model\.bin, which import-hf does not read: a merge reads it"),
+    "no weights": (_drop("model.safetensors"), IntegrityError,
+                   r"model\.safetensors \(or model\.safetensors\.index\.json, pytorch_model\.bin, .*\) is missing"),
+    "a rank's rng file missing": (_rank_rng_files(1), IntegrityError,
+                                  r"holds the RNG files of ranks \[1\] but lacks \['rng_state_0\.pth'\]"),
     "missing scheduler": (_drop("scheduler.pt"), IntegrityError, r"scheduler\.pt is missing beside optimizer\.pt"),
     "missing config": (_drop("config.json"), IntegrityError, r"config\.json is missing"),
-    "missing rng": (_drop("rng_state.pth"), IntegrityError, r"rng_state\.pth is missing"),
+    "missing rng": (_drop("rng_state.pth"), IntegrityError, r"rng_state\.pth \(or rng_state_0\.pth, .*\) is missing"),
     "mismatched model": (
         _bigger_model, IncompatibleModelError, r"model\.safetensors does not fit .*config\.json.*model\.embed_tokens"
     ),
@@ -175,25 +199,64 @@ def test_bad_checkpoints_are_refused_naming_the_file_with_nothing_written(tmp_pa
     assert not (tmp_path / "new-run").exists()
 
 
-def test_a_checkpoint_with_pytorch_model_bin_merges_into_what_import_hf_makes_of_its_safetensors(tmp_path, checkpoint):
-    """The way out import-hf names for ``pytorch_model.bin`` weights: a merge of the checkpoint
-    (weights from the .bin, optimizer.pt, state) writes, unit for unit, the run import-hf writes
-    from the same checkpoint with safetensors weights."""
+@pytest.mark.parametrize("family,shards", [("llama", 3), ("qwen2", 1)])  # qwen2: tied, both names in the .bin
+def test_a_checkpoint_with_pytorch_model_bin_imports_and_merges_as_its_safetensors_twin(tmp_path, checkpoint, family, shards):
+    """A Trainer checkpoint saved with ``save_safetensors=False`` (pytorch_model.bin, or its
+    shards and index): ``import-hf`` writes, unit for unit, the run it writes from the same
+    checkpoint with safetensors weights, and so does a merge of it."""
     import yaml
 
     from llmtailor.merge import merge
 
     ckpt = tmp_path / f"checkpoint-{STEP}"
-    shutil.copytree(checkpoint("llama"), ckpt)
-    _weights_as_bin(ckpt)
-    import_hf(checkpoint("llama"), tmp_path / "imported")
+    shutil.copytree(checkpoint(family), ckpt)
+    _weights_as_bin(ckpt, shards)
+    assert not (ckpt / "model.safetensors").exists() and (shards == 1) is (ckpt / "pytorch_model.bin").is_file()
+    import_hf(checkpoint(family), tmp_path / "imported")
+    result = runner.invoke(app, ["import-hf", str(ckpt), "-o", str(tmp_path / "from-bin")])
+    assert result.exit_code == 0, result.output
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(ckpt)}]}))
     merge(tmp_path / "plan.yaml", tmp_path / "merged")
     imported, merged = Run(tmp_path / "imported"), Run(tmp_path / "merged")
-    assert merged.steps() == [STEP]
-    for unit in imported.manifest(STEP).units:
-        assert_same_tree(merged.read_unit(STEP, unit), imported.read_unit(STEP, unit), unit)
-    assert_same_tree(merged.read_global(STEP)["lr_scheduler"], imported.read_global(STEP)["lr_scheduler"], "lr_scheduler")
+    # A merge means what mergekit makes of it: a tied head both names of which are in the .bin is
+    # a head of its own there, the embedding's values.
+    extra = merged.manifest(STEP).units.keys() - imported.manifest(STEP).units.keys()
+    assert extra == ({"head"} if family == "qwen2" else set())
+    for unit in extra:
+        assert torch.equal(merged.read_unit(STEP, unit)[0]["weight/lm_head.weight"],
+                           imported.read_unit(STEP, "embed")[0]["weight/model.embed_tokens.weight"])
+    assert Run(tmp_path / "from-bin").manifest(STEP).units.keys() == imported.manifest(STEP).units.keys()
+    for other in (Run(tmp_path / "from-bin"), merged):
+        assert other.steps() == [STEP]
+        for unit in imported.manifest(STEP).units:
+            assert_same_tree(other.read_unit(STEP, unit), imported.read_unit(STEP, unit), unit)
+        for key in ("lr_scheduler", "rng", "optimizer_groups"):
+            assert_same_tree(other.read_global(STEP)[key], imported.read_global(STEP)[key], key)
+    assert Run(tmp_path / "from-bin").verify() == []
+
+
+def test_a_ddp_checkpoint_keeps_every_ranks_rng_and_exports_each_back(tmp_path, checkpoint):
+    """Under DDP Trainer writes ``rng_state_<rank>.pth`` per process, no ``rng_state.pth``: the
+    import is a snapshot of that world size, each rank's RNG state its own (what a restore of
+    that rank reads: ``Tailor.restore``, ``TailorTrainer``), and the HF export writes each rank's
+    file back, bit for bit, as Trainer's DDP resume reads them."""
+    ckpt = tmp_path / f"checkpoint-{STEP}"
+    shutil.copytree(checkpoint("llama"), ckpt)
+    _rank_rng_files(0, 1, 2)(ckpt)
+    import_hf(ckpt, tmp_path / "run")
+    run = Run(tmp_path / "run")
+    assert run.manifest(STEP).world_size == 3 and run.verify() == []
+    for rank in range(3):
+        saved = load_rng(ckpt / f"rng_state_{rank}.pth")
+        own = run.read_rank_state(STEP, rank)
+        assert_same_tree(own["rng"]["torch"], saved["cpu"], f"rank {rank}")
+        assert own["extra"]["trainer_state"] == json.loads((ckpt / "trainer_state.json").read_text())
+    assert run.read_rank_state(STEP, 3) is None
+    target = export_hf(run, None, tmp_path / "out")
+    assert sorted(p.name for p in target.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"]
+    for rank in range(3):
+        name = f"rng_state_{rank}.pth"
+        assert_same_tree(load_rng(target / name), load_rng(ckpt / name), name)
 
 
 def test_global_step_must_match_the_directory_name(tmp_path, checkpoint):
@@ -256,3 +319,84 @@ def test_an_imported_trainer_checkpoint_goes_on_with_a_memory_tier_in_front(tmp_
                                                 for k, v in s.items()}})
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def _accelerate_state(path):
+    """What accelerate's own ``save_state`` writes: model.safetensors, optimizer.bin,
+    random_states_0.pkl (pickles of its own)."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = Windows()[0]["input_ids"][None]
+    accelerator.backward(model(input_ids=batch, labels=batch).loss)
+    optimizer.step()
+    accelerator.save_state(str(path))
+    return path
+
+
+def _lightning_checkpoint(path):
+    """What Lightning's own ``ModelCheckpoint`` writes: one ``.ckpt`` file."""
+    import lightning as L
+
+    class TinyLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=path, every_n_train_steps=1)
+    L.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+              callbacks=[saver]).fit(TinyLM(), torch.utils.data.DataLoader(Windows(), batch_size=2))
+    return next(path.glob("*.ckpt"))
+
+
+def _peft_checkpoint(path):
+    """What Trainer writes for a peft model: the adapters (adapter_model.safetensors), optimizer.pt
+    and the rest, no config.json."""
+    import peft
+
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    args = transformers.TrainingArguments(output_dir=str(path), per_device_train_batch_size=2, max_steps=1, save_steps=1,
+                                          report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=Windows()).train()
+    return path / "checkpoint-1"
+
+
+FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge says
+    "accelerate save_state": (_accelerate_state, r"is an accelerate save_state directory .*TailorAccelerator.*load_state",
+                              r"is an accelerate save_state directory .*TailorAccelerator"),
+    "Lightning .ckpt": (_lightning_checkpoint, r"is a Lightning checkpoint file.*ckpt_path=.*TailorCheckpoint",
+                        r"is a Lightning checkpoint file.*TailorCheckpoint"),
+    "peft Trainer checkpoint": (_peft_checkpoint, r"a Trainer checkpoint of a peft model.*TailorTrainer.*resume_from_checkpoint",
+                                r"is a peft adapter .*merge_and_unload"),
+}
+
+
+@pytest.mark.parametrize("shape", list(FOREIGN))
+def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_path, shape):
+    """Formats users bring that import-hf and merges do not read, as their own framework writes
+    them: each is named, with the way to bring it in, and nothing is written."""
+    import yaml
+
+    from llmtailor.errors import ConfigError
+    from llmtailor.merge import merge
+
+    make, imported, merged = FOREIGN[shape]
+    source = make(tmp_path / "source")
+    refused = runner.invoke(app, ["import-hf", str(source), "-o", str(tmp_path / "run")])
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and re.search(imported, said) and "Traceback" not in said, said
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(source)}]}))
+    with pytest.raises(ConfigError, match=merged):
+        merge(tmp_path / "plan.yaml", tmp_path / "merged")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "merged").exists()

@@ -24,11 +24,16 @@ checkpoint (an HF Trainer + DeepSpeed ``checkpoint-N/`` holds one); otherwise fr
 holds none, and a restore leaves the RNG streams alone and says so. A Trainer + DeepSpeed
 ``checkpoint-N/`` also gives what Trainer keeps beside ``global_stepN/`` (``_trainer_files``):
 ``scheduler.pt`` (Trainer's LR scheduler is not DeepSpeed's, so the model states hold none),
-``trainer_state.json`` and a one-process run's ``rng_state.pth``.
+``trainer_state.json`` and the RNG states: a one-process run's ``rng_state.pth``, or each
+process's ``rng_state_<rank>.pth`` (their count must be DeepSpeed's world size): the snapshot
+is then one of that world size, each rank's RNG its own, so a resume at that world size sets
+each rank's streams as they were (TailorTrainer's, ``Tailor.restore``'s), and an HF export
+writes each rank's file.
 
 A merge reads a DeepSpeed checkpoint as a source (``DeepSpeedSource``) the same way, converted
 once into the merge's scratch directory and read unit by unit from the conversion: the units
-an import would write, never written as a run first.
+an import would write, never written as a run first (its state rank 0's, as a tailored run's of
+several ranks is to a merge: a merge writes one process's snapshot).
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class _Checkpoint:
     group_of: dict[str, int]
     group_steps: list[Any]
     stage: int
+    rank_states: list[dict[str, Any]]
+    """The own states of ranks 1, 2, ... (a Trainer run of several processes: their RNG)."""
 
 
 def import_deepspeed(
@@ -91,7 +98,7 @@ def import_deepspeed(
         folder = _to_universal(found, scratch.get())
         sink = RunSink(run.storage, step=found.step, layout=found.layout.to_record(), state=found.state,
                        origin=f"imported from {found.step_dir}", provider="deepspeed",
-                       notes={"imported_from": str(found.step_dir), "zero_stage": found.stage})
+                       notes={"imported_from": str(found.step_dir), "zero_stage": found.stage}, rank_states=found.rank_states)
         sink.write((OutputUnit(unit, *_unit_tensors(found, folder, unit)) for unit in found.layout.units),
                    len(found.layout.units), progress)
     return found.step
@@ -152,18 +159,21 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
     hyper, group_steps, stage = _optimizer_groups(step_dir)
     if len(hyper) != len(groups_shapes):
         raise IntegrityError(f"{step_dir}: {len(hyper)} optimizer groups but {len(groups_shapes)} groups of parameters")
-    trainer = _trainer_files(step_dir, step)
+    trainer = _trainer_files(step_dir, step, _world_size(model_states))
+    rngs = trainer.get("rngs") or [None]
+    extra = {"imported_from": str(step_dir), **trainer.get("extra", {})}
     state = {
         "step": step,
         "optimizer_groups": [{**h, "params": list(g)} for h, g in zip(hyper, groups_shapes)],
         "lr_scheduler": model_states.get("lr_scheduler") or trainer.get("lr_scheduler"),
-        "rng": trainer.get("rng"),
+        "rng": rngs[0],
         "model_config": hf_config,
         "deepspeed": {"stage": stage, "steps": [None] * len(group_steps)},
-        "extra": {"imported_from": str(step_dir), **trainer.get("extra", {})},
+        "extra": extra,
     }
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
-    return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage)
+    return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage,
+                       [{"rng": rng, "extra": extra} for rng in rngs[1:]])
 
 
 # -- DeepSpeed's files ------------------------------------------------------------------------
@@ -206,15 +216,22 @@ def _optimizer_groups(step_dir: Path) -> tuple[list[dict[str, Any]], list[Any], 
     return hyper, steps, stage
 
 
-def _trainer_files(step_dir: Path, step: int) -> dict[str, Any]:
+def _world_size(model_states: dict[str, Any]) -> int | None:
+    """The number of processes that wrote the checkpoint (data x model parallel), where its model
+    states say."""
+    dp, mp = model_states.get("dp_world_size"), model_states.get("mp_world_size", 1)
+    return dp * mp if isinstance(dp, int) and isinstance(mp, int) else None
+
+
+def _trainer_files(step_dir: Path, step: int, world_size: int | None) -> dict[str, Any]:
     """What HF Trainer keeps beside ``global_stepN/`` when it saves under DeepSpeed (its
     ``checkpoint-N/``), which the DeepSpeed files lack: the LR scheduler (``scheduler.pt``, when
     DeepSpeed does not drive it), ``trainer_state.json`` (kept as ``extra["trainer_state"]``, as
-    ``import-hf`` keeps it) and, from a one-process run, ``rng_state.pth``. Per-rank RNG files
-    (``rng_state_<rank>.pth``) are not read: a snapshot holds one RNG state per rank that saved
-    it, and an import writes one. Empty for a plain ``engine.save_checkpoint`` directory."""
-    from llmtailor.interop.hf.files import RNG_FILE, SCHEDULER_FILE, TRAINER_STATE_FILE, read_json, step_of
-    from llmtailor.interop.hf.reader import rng_state, torch_load
+    ``import-hf`` keeps it) and every process's RNG state by rank (``rngs``: ``rng_state.pth``,
+    or ``rng_state_<rank>.pth`` of each of ``world_size`` processes). Empty for a plain
+    ``engine.save_checkpoint`` directory."""
+    from llmtailor.interop.hf.files import SCHEDULER_FILE, TRAINER_STATE_FILE, read_json, step_of
+    from llmtailor.interop.hf.reader import rng_files, rng_state, torch_load
 
     folder = step_dir.parent
     if not (folder / TRAINER_STATE_FILE).is_file():
@@ -227,8 +244,11 @@ def _trainer_files(step_dir: Path, step: int) -> dict[str, Any]:
     found: dict[str, Any] = {"extra": {"trainer_state": trainer_state}}
     if (folder / SCHEDULER_FILE).is_file():
         found["lr_scheduler"] = torch_load(folder / SCHEDULER_FILE)
-    if (folder / RNG_FILE).is_file():
-        found["rng"] = rng_state(folder / RNG_FILE)
+    rngs = rng_files(folder)
+    if rngs and world_size is not None and len(rngs) != world_size:
+        raise IntegrityError(f"{folder}: holds the RNG files of {len(rngs)} process(es) ({[p.name for p in rngs][:3]}), "
+                             f"but DeepSpeed's {step_dir.name} was written by {world_size}")
+    found["rngs"] = [rng_state(path) for path in rngs]
     return found
 
 

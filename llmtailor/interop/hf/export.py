@@ -16,7 +16,9 @@ writes, in the formats its ``_load_*`` methods read::
     optimizer.pt             ``Optimizer.state_dict()`` layout: indices follow the run's param
                              groups, which must be Trainer's own decay / no-decay groups
     scheduler.pt             the LR scheduler's state dict (Trainer loads it only beside optimizer.pt)
-    rng_state.pth            {"python", "numpy", "cpu"[, "cuda"]} as ``Trainer._save_rng_state``
+    rng_state.pth            {"python", "numpy", "cpu"[, "cuda"]} as ``Trainer._save_rng_state``;
+                             for a run saved by N processes, rng_state_<rank>.pth of each, as
+                             Trainer writes them under DDP (each rank's ``cuda``: all devices')
     trainer_state.json       the TrainerState saved by ``TailorTrainer`` (``TRAINER_STATE_KEY``),
                              or kept by an import of a Trainer checkpoint (else a minimal one)
 
@@ -56,6 +58,7 @@ from llmtailor.interop.hf.files import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
     checkpoint_dirname,
+    rank_rng_file,
     weights_shard_name,
 )
 from llmtailor.interop.tailored import composite_units, composite_weight_sizes
@@ -96,10 +99,12 @@ def export_hf(
     missing = [u for u in layout.units if u not in composite.sources]
     if missing:
         raise IntegrityError(f"composite of step {composite.step} names no version of units {missing}")
+    ranks = [run.read_rank_state(composite.step, rank) for rank in range(1, composite.manifest.world_size)]
     sink = TrainerCheckpointSink(
         out_dir, composite.step, run.whole_global(composite.step), layout,
         composite_weight_sizes(run, composite.sources, layout), origin=f"{run.root}: the snapshot of step {composite.step}",
         train_batch_size=train_batch_size, extra_files=extra_files, max_shard_size=max_shard_size,
+        rank_rngs=[(own or {}).get("rng") for own in ranks],
     )
     return sink.write(composite_units(run, composite.sources, layout), len(layout.units), progress)
 
@@ -113,16 +118,18 @@ def weight_shards(sizes: dict[str, int], max_shard_size: int | str) -> ShardPlan
 class TrainerCheckpointSink(Sink):
     """``out_dir/checkpoint-<step>/`` of the units and the global ``state`` (module docstring).
     ``layout`` is the units' layout; ``sizes`` the bytes of every weight (``keys.unit_weights``)
-    in the order they come; ``origin`` names what is written in messages."""
+    in the order they come; ``origin`` names what is written in messages; ``rank_rngs``: the RNG
+    states of ranks 1, 2, ... of a run saved by several processes (rank 0's is ``state``'s)."""
 
     def __init__(self, out_dir: str | Path, step: int, state: dict[str, Any], layout: Layout, sizes: dict[str, int], *,
                  origin: str, train_batch_size: int = 1, extra_files: Iterable[Path] = (),
-                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, rank_rngs: list[dict[str, Any] | None] = ()):
         self.config, self.groups, self.scheduler = _checked_state(state, layout, origin)
         self.out_dir, self.step, self.state, self.layout, self.origin = Path(out_dir), step, state, layout, origin
         self.adapters = state.get("peft_config")  # a PeftModel's run: Trainer checkpoints hold the adapters only
         self.shards = None if self.adapters else weight_shards(sizes, max_shard_size)
         self.train_batch_size, self.extra_files = train_batch_size, [Path(p) for p in extra_files]
+        self.rngs = [state.get("rng"), *rank_rngs]
 
     def write(self, units: Iterable[OutputUnit], count: int, progress: Progress | None = None) -> Path:
         with publishing(self.out_dir, checkpoint_dirname(self.step)) as tmp:
@@ -134,8 +141,10 @@ class TrainerCheckpointSink(Sink):
                 _save_torch(tmp / OPTIMIZER_FILE, positional_state_dict(self.groups, per_param))
                 _save_torch(tmp / SCHEDULER_FILE, self.scheduler)
             del per_param
-            if self.state.get("rng") is not None:  # an import from DeepSpeed holds none; Trainer then warns
-                _save_torch(tmp / RNG_FILE, trainer_rng_state(self.state["rng"]))
+            ranked = len(self.rngs) > 1  # Trainer's file names and cuda states under DDP
+            for rank, rng in enumerate(self.rngs):
+                if rng is not None:  # an import from DeepSpeed alone holds none; Trainer then warns
+                    _save_torch(tmp / (rank_rng_file(rank) if ranked else RNG_FILE), trainer_rng_state(rng, ranked))
             from llmtailor.providers.stateful import saved_state  # providers/ imports torch: not on a merge's byte path
 
             write_text_durable(tmp / TRAINER_STATE_FILE,
@@ -205,13 +214,14 @@ def _checked_state(state: dict[str, Any], layout: Layout, origin: str) -> tuple[
     return config, groups, scheduler
 
 
-def trainer_rng_state(rng: dict[str, Any]) -> dict[str, Any]:
-    """Our RNG record in ``Trainer._save_rng_state``'s non-distributed format."""
+def trainer_rng_state(rng: dict[str, Any], distributed: bool = False) -> dict[str, Any]:
+    """Our RNG record in ``Trainer._save_rng_state``'s format, non-distributed or (``distributed``)
+    one process's of several."""
     out = {"python": rng["python"], "numpy": rng["numpy"], "cpu": rng["torch"]}
     cuda = rng.get("cuda")
     if cuda is not None:
-        # Non-distributed Trainer saves (and loads) one device's state, not the list of all.
-        out["cuda"] = cuda[0] if isinstance(cuda, (list, tuple)) else cuda
+        # Non-distributed Trainer saves (and loads) one device's state; under DDP, the list of all.
+        out["cuda"] = cuda if distributed else cuda[0] if isinstance(cuda, (list, tuple)) else cuda
     return out
 
 

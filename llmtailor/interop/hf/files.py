@@ -28,6 +28,11 @@ TOKENIZER_FILES = (
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
 
+def rank_rng_file(rank: int) -> str:
+    """The RNG file of process ``rank`` of a Trainer run of several processes (one process's is ``RNG_FILE``)."""
+    return f"rng_state_{rank}.pth"
+
+
 def checkpoint_dirname(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}-{step}"
 

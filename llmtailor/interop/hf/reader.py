@@ -10,7 +10,9 @@ Trainer's own files.
   training state.
 - ``CheckpointSource``: a Trainer ``checkpoint-N/``: its weights as above; ``optimizer.pt`` is
   read only when asked for (indices mapped to names by Trainer's own decay / no-decay groups);
-  ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` give the state.
+  ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json`` give the state (a merge writes
+  one process's snapshot: of a checkpoint of several processes, ``rng_state_<rank>.pth`` each,
+  rank 0's, as of a tailored run of several ranks; ``import-hf`` keeps every rank's).
 
 Trainer's ``.pt`` files are read with ``torch.load(weights_only=True)``; ``training_args.bin``
 (a pickled TrainingArguments) never is.
@@ -18,12 +20,14 @@ Trainer's ``.pt`` files are read with ``torch.load(weights_only=True)``; ``train
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir, is_deepspeed_checkpoint
+from llmtailor.interop.formats import describe_other_format
 from llmtailor.interop.hf.files import (
     BIN_FILE,
     BIN_INDEX_FILE,
@@ -36,12 +40,12 @@ from llmtailor.interop.hf.files import (
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
-    bin_files,
+    rank_rng_file,
     read_json,
     step_of,
 )
 from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
-from llmtailor.interop.hf.weights import ModelWeights, has_weights
+from llmtailor.interop.hf.weights import BinWeights, ModelWeights, has_bin_weights, has_weights, model_weights
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store import dtypes
@@ -60,36 +64,11 @@ class ModelDirSource(Source):
         self.step = None
         self.config = read_json(path / CONFIG_FILE)
         family = family_of(self.config)
-        self._bin: dict[str, torch.Tensor] | None = None
-        self._weights: ModelWeights | None = None
-        if has_weights(path):
-            # Names, dtypes and shapes from the safetensors headers alone: no model is built.
-            self._weights = ModelWeights(path)
-            self._info = {k: TensorInfo(t.dtype, t.shape) for k, t in self._weights.tensors.items()}
-        elif (path / BIN_FILE).is_file() or (path / BIN_INDEX_FILE).is_file():
-            self._bin = {}
-            for file in bin_files(path):
-                self._bin.update(self._load_bin(file))
-            self._info = {k: TensorInfo(dtypes.name_of(t.dtype), tuple(t.shape)) for k, t in self._bin.items()}
-        else:
-            raise IntegrityError(f"{path}: no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE}, {BIN_FILE} or {BIN_INDEX_FILE}")
+        # safetensors: names, dtypes and shapes from the headers alone (no model is built);
+        # pytorch_model.bin: loaded memory-mapped.
+        self._weights = model_weights(path)
+        self._info = {k: TensorInfo(t.dtype, t.shape) for k, t in self._weights.tensors.items()}
         self.layout = layout_from_names(list(self._info), family)
-
-    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
-        import torch
-
-        try:
-            weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:  # a pickle needing more than weights, truncation, not a torch file
-            raise IntegrityError(
-                f"{path}: cannot be read with torch's weights-only loader ({type(err).__name__}: {err}); "
-                "convert it to safetensors (save_pretrained(safe_serialization=True))"
-            ) from None
-        if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
-            raise IntegrityError(f"{path}: expected a dict of tensors (a state dict)")
-        # Tied weights are one tensor under two names: keep the first name, as save_pretrained does.
-        seen: dict[int, str] = {}
-        return {k: t for k, t in weights.items() if seen.setdefault(id(t), k) == k}
 
     def has_optimizer(self) -> bool:
         return False
@@ -98,10 +77,7 @@ class ModelDirSource(Source):
         return {weight_key(n): self._info[n] for n in self.layout.units[unit]}
 
     def read(self, unit: str, key: str) -> torch.Tensor | ByteSource:
-        kind, name, _ = split_key(key)
-        if self._bin is not None:
-            return self._bin[name]
-        return self._weights.read(name)
+        return self._weights.read(split_key(key)[1])
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / name for name in TOKENIZER_FILES if (self.path / name).is_file()]
@@ -162,7 +138,8 @@ class CheckpointSource(ModelDirSource):
 
     def global_state(self, optimizer: bool = True) -> dict[str, Any]:
         groups = self._optimizer_state()[0] if optimizer and self.has_optimizer() else None
-        rng = rng_state(self.path / RNG_FILE) if (self.path / RNG_FILE).is_file() else None
+        rngs = rng_files(self.path)  # rank 0's of several, as a tailored run's is to a merge
+        rng = rng_state(rngs[0]) if rngs else None
         return {
             "step": self.step,
             "optimizer_groups": groups,
@@ -184,37 +161,59 @@ def family_of(config: dict[str, Any]) -> str:
 
 def require_importable(source: Path) -> None:
     if not source.is_dir():
-        raise ConfigError(f"{source}: no such checkpoint directory")
+        kind = describe_other_format(source) if source.is_file() else None
+        raise ConfigError(f"{source} is {kind}" if kind else f"{source}: no such checkpoint directory")
     if is_deepspeed_checkpoint(source):
         raise ConfigError(f"{source}: a Trainer checkpoint saved under DeepSpeed (its optimizer state is in "
                           f"{find_step_dir(source).name}/, not {OPTIMIZER_FILE}): import it with "
                           f"`llmtailor import-deepspeed {source}`")
     if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
         raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
-                          f"importable: {PEFT_ADVICE}")
+                          f"importable: to go on training it, resume from it with llmtailor's TailorTrainer, "
+                          f"`train(resume_from_checkpoint=\"{source}\")` (Trainer's own load), which saves tailored "
+                          f"snapshots from there; for its weights, {PEFT_ADVICE}")
+    kind = describe_other_format(source)
+    if not (source / TRAINER_STATE_FILE).is_file() and kind:
+        raise ConfigError(f"{source} is {kind}; import-hf reads a Trainer checkpoint-N/ directory")
     problems = [f"{name} is missing" for name in (CONFIG_FILE, TRAINER_STATE_FILE) if not (source / name).is_file()]
-    if not has_weights(source):
-        pickled = [name for name in (BIN_FILE, BIN_INDEX_FILE) if (source / name).is_file()]
-        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) is missing" + (
-            f"; its weights are in {pickled[0]}, which import-hf does not read: a merge reads it, optimizer state "
-            f"included (`llmtailor merge PLAN -o RUN` with the plan `models: [{{model: {source}}}]`)" if pickled else ""))
+    if not has_weights(source) and not has_bin_weights(source):
+        problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}, {BIN_FILE}, {BIN_INDEX_FILE}) is missing")
     have_optimizer, have_scheduler = (source / OPTIMIZER_FILE).is_file(), (source / SCHEDULER_FILE).is_file()
     if have_optimizer != have_scheduler:
         present, absent = (OPTIMIZER_FILE, SCHEDULER_FILE) if have_optimizer else (SCHEDULER_FILE, OPTIMIZER_FILE)
         problems.append(f"{absent} is missing beside {present} (Trainer loads them only as a pair)")
     elif not have_optimizer:
         problems.append(f"{OPTIMIZER_FILE} and {SCHEDULER_FILE} are missing (a weights-only checkpoint cannot resume)")
-    if not (source / RNG_FILE).is_file():
-        ranked = sorted(p.name for p in source.glob("rng_state_*.pth"))
-        why = f"; found {ranked}: multi-process checkpoints are not supported yet" if ranked else ""
-        problems.append(f"{RNG_FILE} is missing (llmtailor snapshots always carry RNG state){why}")
+    if not rng_files(source):
+        problems.append(f"{RNG_FILE} (or {rank_rng_file(0)}, {rank_rng_file(1)}, ... of a run of several processes) is "
+                        "missing (llmtailor snapshots always carry RNG state)")
     if problems:
         raise IntegrityError(f"{source}: not an importable Trainer checkpoint: " + "; ".join(problems))
 
 
-def weight_sources(weights: ModelWeights, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
-    """Canonical tensor name -> its name in ``weights``, from the headers only. Every tensor of
-    the files must be one of the model's, with its shape and dtype; a tied alias may stand in
+def rng_files(folder: Path) -> list[Path]:
+    """The RNG files of a Trainer checkpoint, by rank: ``[rng_state.pth]`` of a one-process run,
+    ``rng_state_<rank>.pth`` of each process of a run of several (Trainer's ``_save_rng_state``
+    writes one per process); empty when there is none. IntegrityError, naming the files, when a
+    rank's file is missing among them or both forms are there (the world size is then unknown)."""
+    ranked = {int(m.group(1)): folder / m.group(0)
+              for m in (re.fullmatch(r"rng_state_(\d+)\.pth", p.name) for p in folder.glob("rng_state_*.pth")) if m}
+    single = folder / RNG_FILE
+    if ranked and single.is_file():
+        raise IntegrityError(f"{folder}: holds both {RNG_FILE} (a one-process run's) and {sorted(p.name for p in ranked.values())} "
+                             "(a run of several processes'); remove the ones of the run this checkpoint is not from")
+    if single.is_file():
+        return [single]
+    missing = [rank_rng_file(r) for r in range(max(ranked, default=-1) + 1) if r not in ranked]
+    if missing:
+        raise IntegrityError(f"{folder}: holds the RNG files of ranks {sorted(ranked)} but lacks {missing[:3]}: every "
+                             "process of the run writes its own")
+    return [ranked[r] for r in sorted(ranked)]
+
+
+def weight_sources(weights: ModelWeights | BinWeights, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
+    """Canonical tensor name -> its name in ``weights``, from the headers only (safetensors; the
+    loaded tensors of pytorch_model.bin files). Every tensor of the files must be one of the model's, with its shape and dtype; a tied alias may stand in
     for its canonical name (save_pretrained writes one of them)."""
     expected = model.state_dict(keep_vars=True)
     found: dict[str, str] = {}

@@ -16,7 +16,7 @@ from llmtailor.errors import StorageError, describe_os_error
 from llmtailor.store.storage.strategies import RunDetection
 
 Recogniser = Callable[[Path], "str | None"]
-"""What a local directory that is not a run is (``a DeepSpeed checkpoint (...)``: a phrase
+"""What a local directory (or file) that is not a run is (``a DeepSpeed checkpoint (...)``: a phrase
 that follows "is"), or None when it is not of the recogniser's format."""
 
 _RECOGNISERS: list[Recogniser] = []
@@ -51,13 +51,13 @@ def describe_non_run(path: Path) -> str | None:
     try:
         if not path.exists():
             return f"{path}: no such run directory"
-        if not path.is_dir():
-            return f"{path}: is a file, not a run directory"
-        if any((path / name).exists() for name in (SNAPSHOTS_DIR, LATEST_FILE, LOCK_FILE)):
+        if path.is_dir() and any((path / name).exists() for name in (SNAPSHOTS_DIR, LATEST_FILE, LOCK_FILE)):
             return None
         kind = next((kind for recognise in _RECOGNISERS if (kind := recognise(path))), None)
     except OSError as err:
         return describe_os_error(err, path)
     if kind:
         return f"{path}: is {kind}, not an llmtailor run"
+    if not path.is_dir():
+        return f"{path}: is a file, not a run directory"
     return f"{path}: not an llmtailor run directory (no {SNAPSHOTS_DIR}/ in it)"
