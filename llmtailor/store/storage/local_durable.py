@@ -21,6 +21,14 @@ FLUSH_EVERY = 256 << 20
 """A file larger than this is made durable and dropped from the page cache as it is written:
 growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
 
+CACHED_UNDER = 16 << 20
+"""A written file smaller than this stays in the page cache once durable (``LocalSink``): a
+rank's small files of a save (its last pack of small units, its global state, the unit indexes)
+cost the cache about one small unit's bytes at most (``constants.PACK_UNIT_BYTES``), and the
+next restore on this machine (after a process crash; a small model's or adapter's) reads them
+without waiting on the disk, as it reads a Trainer checkpoint (bench/RESULTS.md, issue 33,
+session 45). Larger files are dropped (``make_durable``)."""
+
 
 def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True) -> None:
     """fsync a file, then (``drop``) its bytes ``[start, end)`` (to the end of the file by
