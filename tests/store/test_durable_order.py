@@ -137,3 +137,33 @@ def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_dir
     assert len(met["last"]) == 3 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
     assert len(staging) == 1 and staging[0].startswith(f"{snapshot_dirname(2)}.")
     assert len(calls) == 11, calls
+
+
+def test_a_local_save_leaves_its_manifest_and_small_files_in_the_page_cache(tmp_path, tokens, monkeypatch):
+    """What a commit fsyncs last (the manifest, the directories: ``fsync_together``) is what the
+    next restore reads first, and a small file costs the page cache little: neither is dropped
+    once durable, only files of ``CACHED_UNDER`` bytes or more (a save's cache footprint stays
+    about one unit). Dropped, a one-process LoRA restore read them all back from the disk
+    (bench/RESULTS.md, issue 33, session 45). Here the bound is set to the pack's size: the pack
+    is the one large file. Every ``posix_fadvise`` of the second save is recorded."""
+    from llmtailor.store.storage import local_durable
+
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
+        tailor.save(1)
+        pack = root / "snapshots" / snapshot_dirname(1) / pack_filename(0, 0)
+        monkeypatch.setattr(local_durable, "CACHED_UNDER", pack.stat().st_size, raising=False)
+        real, dropped = os.posix_fadvise, []
+
+        def fadvise(fd, offset, length, advice):
+            if advice == os.POSIX_FADV_DONTNEED:
+                dropped.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+            real(fd, offset, length, advice)
+
+        monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        tailor.save(2)
+        monkeypatch.undo()
+    assert sorted(name for name in dropped if name != pack.name) == []
+    assert dropped == [pack.name]

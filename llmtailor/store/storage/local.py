@@ -1,8 +1,9 @@
 """The local filesystem as a ``Storage``: a run is a directory.
 
 - Durability: every file is fsynced (on helper threads, up to four at once, while the next one
-  is written: ``local_durable.Syncer``), large files in 256 MiB steps that are then dropped from
-  the page cache; directories are fsynced after entries are added, renamed or removed.
+  is written: ``local_durable.Syncer``), large files in 256 MiB steps; once durable, a file of
+  16 MiB or more is dropped from the page cache, a smaller one stays (``CACHED_UNDER``);
+  directories are fsynced after entries are added, renamed or removed.
 - Commit (``local_commit``): a save writes into a private directory under ``.tmp/`` and renames
   it into ``snapshots/`` atomically; retention renames a snapshot into ``.trash/`` before
   removing its files.
@@ -224,7 +225,8 @@ class _opened:
 
 class LocalSink(Sink):
     """A file being written: large files made durable (and dropped from the page cache) every
-    ``FLUSH_EVERY`` bytes, the rest by the batch's syncer once closed."""
+    ``FLUSH_EVERY`` bytes, the rest by the batch's syncer once closed (dropped too unless the
+    file is small: ``CACHED_UNDER``)."""
 
     def __init__(self, path: Path, syncer: Syncer | None):
         self.path, self._syncer = path, syncer
@@ -251,10 +253,12 @@ class LocalSink(Sink):
 
     def _durable(self, start: int, end: int | None) -> None:
         self._out.flush()
+        drop = self._written >= local_durable.CACHED_UNDER  # a small file stays cached
         if self._syncer is not None:
-            self._syncer.submit(self.path, os.dup(self._out.fileno()), start, end, size=(end or self._written) - start)
+            self._syncer.submit(self.path, os.dup(self._out.fileno()), start, end, size=(end or self._written) - start,
+                                drop=drop)
         else:
-            local_durable.make_durable(self._out.fileno(), start, end)
+            local_durable.make_durable(self._out.fileno(), start, end, drop)
 
 
 class LocalBatch(Batch):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import mmap
 import os
 import queue
-import stat
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -22,13 +21,21 @@ FLUSH_EVERY = 256 << 20
 """A file larger than this is made durable and dropped from the page cache as it is written:
 growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
 
+CACHED_UNDER = 16 << 20
+"""A written file smaller than this stays in the page cache once durable (``LocalSink``): a
+rank's small files of a save (its last pack of small units, its global state, the unit indexes)
+cost the cache about one small unit's bytes at most (``constants.PACK_UNIT_BYTES``), and the
+next restore on this machine (after a process crash; a small model's or adapter's) reads them
+without waiting on the disk, as it reads a Trainer checkpoint (bench/RESULTS.md, issue 33,
+session 45). Larger files are dropped (``make_durable``)."""
 
-def make_durable(fd: int, start: int = 0, end: int | None = None) -> None:
-    """fsync a file, then drop its bytes ``[start, end)`` (to the end of the file by default)
-    from the page cache: they are durable and will not be read soon, so a save's cache
-    footprint stays about one unit instead of the whole checkpoint."""
+
+def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True) -> None:
+    """fsync a file, then (``drop``) its bytes ``[start, end)`` (to the end of the file by
+    default) dropped from the page cache: they are durable and will not be read soon, so a save's
+    cache footprint stays about one unit instead of the whole checkpoint."""
     os.fsync(fd)
-    if stat.S_ISREG(os.fstat(fd).st_mode):  # a directory's entries: nothing of it to drop
+    if drop:
         os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 
 
@@ -52,7 +59,7 @@ class Syncer:
     forgot ``close()``) must still become durable while the interpreter waits for it."""
 
     def __init__(self, depth: int = 2 * FLUSH_EVERY, threads: int = SYNC_THREADS):
-        self._queue: queue.SimpleQueue[tuple[int, int, int | None, Future] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, int | None, bool, Future] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         """One started now, the others as files come, one per file up to ``threads``."""
         self._pending: list[tuple[Path, Future, int]] = []
@@ -70,13 +77,15 @@ class Syncer:
             return
         self._threads.append(thread)
 
-    def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0) -> None:
+    def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0,
+               drop: bool = True) -> None:
         """Take over ``fd`` (a descriptor of a written file, ``size`` bytes not yet durable):
-        fsync it, drop ``[start, end)`` from the page cache (``make_durable``), close it."""
+        fsync it, drop ``[start, end)`` from the page cache (with ``drop``: ``make_durable``),
+        close it."""
         done: Future = Future()
         if len(self._threads) < min(self._most, len(self._pending) + 1):  # another file waits: another thread
             self._start()
-        self._queue.put((fd, start, end, done))
+        self._queue.put((fd, start, end, drop, done))
         self._pending.append((path, done, size))
         while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
             self._wait_first()
@@ -94,9 +103,9 @@ class Syncer:
 
     def _work(self) -> None:
         while (task := self._queue.get()) is not None:
-            fd, start, end, done = task
+            fd, start, end, drop, done = task
             try:
-                make_durable(fd, start, end)
+                make_durable(fd, start, end, drop)
                 done.set_result(None)
             except BaseException as error:  # handed to the writer, which raises it
                 done.set_exception(error)
@@ -158,10 +167,12 @@ def create_file(path: Path, data: bytes) -> None:
 def fsync_together(paths: list[Path]) -> None:
     """fsync every file or directory of ``paths`` side by side (a ``Syncer``: the journal
     commits them together, ``SYNC_THREADS``); returns once all are durable, raising the first
-    failure in the order given."""
+    failure in the order given. Nothing is dropped from the page cache: what a commit fsyncs
+    here (its manifest, its directories) is what the next restore reads first (bench/RESULTS.md,
+    issue 33, session 45: dropped, a LoRA restore read its manifests back from the disk)."""
     with Syncer() as syncer:
         for path in paths:
-            syncer.submit(path, os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)))
+            syncer.submit(path, os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)), drop=False)
 
 
 def replace_text_atomically(path: Path, text: str) -> None:
