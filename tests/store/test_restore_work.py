@@ -289,3 +289,35 @@ def test_on_an_object_store_a_lease_reads_the_manifest_it_checks_and_asks_its_re
         assert [op for op, key in requests if key == manifest] == ["size", "read"], requests
         assert len(requests) == 6, requests  # LIST, GET latest, HEAD, the lease (its PUT), HEAD of the mark, GET manifest
 
+
+def test_on_an_object_store_a_pack_of_one_unit_is_read_by_a_reader_in_one_request(tokens, monkeypatch):
+    """A rank of a read plan reads each unit it reads for the others into new buffers (nothing to
+    read straight into). From moto's server, a pack holding that unit's tensors alone is read
+    whole, as a unit file is: its size, header and data in one request, where its header came
+    first in a request of its own; every tensor is the saved one, and a damaged byte of the pack
+    is refused, naming it."""
+    from llmtailor.errors import IntegrityError
+    from llmtailor.store import writer
+
+    monkeypatch.setattr(writer, "PACK_FILE_BYTES", 1)  # each unit in a pack of its own
+    with saved_on_moto(monkeypatch, tokens) as (url, model):
+        run = Run(url)
+        units = run.resolve(1).sources
+        packs = {unit: f"{Run.snapshot_key(1)}/{run.unit_entry(1, unit).files[0].path}" for unit in units}  # every index parsed
+        assert len(set(packs.values())) == len(units) > 2 and all("/packs/" in key for key in packs.values())
+        calls = StorageCalls.install(monkeypatch)
+        for unit in units:
+            run.read_unit(1, unit)
+        by_pack = {key: [op for op, asked, _ in calls.calls if asked == key] for key in packs.values()}
+        assert all(ops == ["read_start"] for ops in by_pack.values()), by_pack
+        assert_weights_of(run, 1, model)
+        unit, key = next(iter(packs.items()))
+        damaged = bytearray(run.storage.read(key))
+        damaged[-1] ^= 0xFF  # a data byte
+        run.storage.put(key, bytes(damaged))
+        fresh = Run(url)
+        for other in units:
+            fresh.unit_entry(1, other)
+        with pytest.raises(IntegrityError, match="checksum mismatch") as raised:
+            fresh.read_unit(1, unit)
+        assert key in str(raised.value)
