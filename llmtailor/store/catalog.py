@@ -36,6 +36,7 @@ Invariants of reading:
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Iterator
@@ -84,11 +85,14 @@ class ReadLeases:
         storage = self.run.storage
         locks = storage.locks
         committed = locks.checks_committed or storage.is_file(f"{snapshot}/{MANIFEST_FILE}")  # not looked for twice
-        lease = locks.lease_for_reading(snapshot) if committed else None
+        # Its manifest, when not known yet, read by the lease's own check (an object store's).
+        lease = locks.lease_for_reading(snapshot, marker=step not in self.run._manifests) if committed else None
         if lease is None:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False
         self._held[step] = lease
+        if lease.marker is not None:  # the manifest as read once the lease was written: not read again
+            self.run.manifest_read(step, lease.marker)
         return True
 
     def holds(self, step: int) -> bool:
@@ -137,6 +141,9 @@ class Catalog:
         self.storage: Storage = open_storage(root, storage_options)
         self.root = self.storage.root
         self._manifests: dict[int, Manifest] = {}
+        self._manifest_bytes: dict[int, bytes] = {}
+        """Step -> its manifest's bytes as a reader lease read them (``manifest_read``), parsed
+        when first asked for (``manifest``)."""
         self._listed = threading.local()
         """``listing``: inside ``listed``, the listing taken there (empty until the first); per
         thread, so a promoter's or a stager's thread never sees a restore's listing."""
@@ -247,27 +254,34 @@ class Catalog:
         return "; ".join(failures) if failures else None
 
     def _list_steps(self) -> list[int]:
-        found = []
-        for name in self.storage.list_dir(SNAPSHOTS_DIR):
-            step = parse_snapshot_name(name)
-            if step is not None and self.storage.is_file(f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}"):
-                found.append(step)
-        return sorted(found)
+        named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
+        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side).
+        committed = self.storage.together(*(functools.partial(self.storage.is_file, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
+                                            for _, name in named))
+        return sorted(step for (step, _), found in zip(named, committed) if found)
 
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
             key = f"{self.snapshot_key(step)}/{MANIFEST_FILE}"
-            try:  # read, not looked for first: on an object store a HEAD is a round trip of its own
-                raw = self.storage.read(key)
-            except IntegrityError:
-                if not self.storage.is_file(key):  # not there (never committed, or removed by retention)
-                    raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
-                raise
+            raw = self._manifest_bytes.pop(step, None)
+            if raw is None:
+                try:  # read, not looked for first: on an object store a HEAD is a round trip of its own
+                    raw = self.storage.read(key)
+                except IntegrityError:
+                    if not self.storage.is_file(key):  # not there (never committed, or removed by retention)
+                        raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
+                    raise
             manifest = parse_manifest(bytes(raw), self.storage.where(key))
             if manifest.step != step:
                 raise IntegrityError(f"{self.storage.where(key)}: manifest says step {manifest.step}, directory says {step}")
             self._manifests[step] = manifest
         return self._manifests[step]
+
+    def manifest_read(self, step: int, raw: bytes) -> None:
+        """The bytes of the manifest of ``step`` as a reader lease read them once written
+        (``Lease.marker``): ``manifest`` parses (and checks) these instead of reading it again."""
+        if step not in self._manifests:
+            self._manifest_bytes[step] = raw
 
     def remember(self, manifest: Manifest) -> None:
         """Keep ``manifest``, the one its writer just committed (``writer.persist``), as if read:
@@ -291,6 +305,7 @@ class Catalog:
         """Drop cached manifests of snapshots that were removed (and a listing that held them)."""
         for step in steps:
             self._manifests.pop(step, None)
+            self._manifest_bytes.pop(step, None)
         listing = getattr(self._listed, "listing", None)
         if listing:
             listing.clear()
@@ -299,10 +314,11 @@ class Catalog:
         """The newest committed composite: the ``latest`` pointer, followed forward through any
         snapshot committed after it whose parent it is (a crash can fall between the commit
         and the pointer update). Snapshots of an abandoned branch are not followed."""
-        steps = self.steps()
+        # The pointer read while the snapshots are listed (on an object store, side by side):
+        # either order is handled below (a pointer newer than the listing counts as absent).
+        steps, pointer = self.storage.together(self.steps, self._read_pointer)
         if not steps:
             return None
-        pointer = self._read_pointer()
         if pointer is None or pointer not in steps:
             return steps[-1]
         current = pointer

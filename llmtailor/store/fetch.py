@@ -23,14 +23,12 @@ check is raised before any other failure of the fetch and before it returns.
 
 from __future__ import annotations
 
-import atexit
 import mmap
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any
 
-from llmtailor.store.storage.base import Storage
+from llmtailor.store.storage.base import LazyPool, Storage
 
 PART = 8 << 20
 """Bytes fetched by one request of a large range (boto3's transfer manager uses 8 MiB too)."""
@@ -44,17 +42,7 @@ _LARGE = 1 << 20
 _SMALL = 256 << 10
 """Views under this many bytes next to each other are read as one request (``_parts``)."""
 
-_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _workers() -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="llmtailor-fetch")
-            atexit.register(_pool.shutdown, wait=False, cancel_futures=True)
-        return _pool
+_workers = LazyPool(WORKERS, "llmtailor-fetch")
 
 
 def new_buffer(length: int) -> bytearray | mmap.mmap:

@@ -49,6 +49,8 @@ class UnitReader:
         self._state: tuple[tuple[int, str], bytes, bytearray] | None = None
         """The state files read last (``_state_files``)."""
         self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
+        self._pack_sizes: dict[tuple[int, str], int] = {}
+        """``(step, pack path)`` -> bytes of tensor data the pack holds (``_pack_data``), once known."""
         self.received: dict[str, bytes] = {}
         """Key -> bytes of small files (unit indexes, global state) another rank read for the
         restore under way and sent to this one (``store.shared_reads``): read from here, checked
@@ -70,6 +72,7 @@ class UnitReader:
         if self._state is not None and self._state[0][0] in steps:
             self._state = None
         self._pack_headers.clear()
+        self._pack_sizes = {k: v for k, v in self._pack_sizes.items() if k[0] not in steps}
         self.received.clear()
         prefixes = tuple(f"{self.catalog.snapshot_key(step)}/" for step in steps)
         for key in [key for key in self.arrived if key.startswith(prefixes)]:  # in place: a restore empties this dict
@@ -161,11 +164,23 @@ class UnitReader:
         self._pack_headers[kept] = header
         return header
 
+    def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int, into: dict | None) -> bool:
+        """Whether the pack ``file`` (of a unit saved at ``step``) is read as a unit file is, whole
+        (``fetch_stored_tensors``: its checksum, then its header, checked before any tensor is
+        used), where its header would be read first: from a remote store, with nothing to read
+        straight into, when it holds no tensor data but the ``wanted`` bytes (a pack of one unit,
+        say): its header and data then come in one request, not two round trips, and no byte
+        is read that is not wanted."""
+        return (storage.remote and not into
+                and self._pack_data(file.origin if file.origin is not None else step, file.path) == wanted)
+
     def _pack_data(self, step: int, path: str) -> int | None:
         """Bytes of tensor data the pack ``path`` of the snapshot of ``step`` holds, from the
         indexes of every unit of that snapshot when all are parsed already (a restore of its
         units has them), so the rest of the pack is its length word and header alone; None
         where one is not (no index is read for this)."""
+        if (step, path) in self._pack_sizes:
+            return self._pack_sizes[step, path]
         total = 0
         for unit in self.catalog.manifest(step).units:
             stored = self._units.get((step, unit))
@@ -176,6 +191,7 @@ class UnitReader:
                 for chunk in tensor.chunks:
                     if stored.files[chunk.file].path == path:
                         total += math.prod(chunk.shape) * itemsize
+        self._pack_sizes[step, path] = total
         return total
 
     def stored_files(self, step: int) -> list[FileEntry]:
@@ -299,11 +315,13 @@ class UnitReader:
         those returned are then these. When this raises, damaged bytes may have landed in them."""
         entry = self.entry(step, unit)
         expected: dict[int, dict[str, tuple[str, list[int], str]]] = {}
+        wanted_bytes: dict[int, int] = {}  # file position -> bytes of the chunks wanted from it
         wanted = [t for t in entry.tensors if t.key not in skip]
         targets = _targets(entry, wanted, into or {})
         for tensor in wanted:
             for chunk in tensor.chunks:
                 expected.setdefault(chunk.file, {})[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape, chunk.xxh3_64)
+                wanted_bytes[chunk.file] = wanted_bytes.get(chunk.file, 0) + math.prod(chunk.shape) * tensor.torch_dtype.itemsize
         places = {position: self.file_location(step, entry.files[position]) for position in expected}
         loaded = {}
         for position in sorted(expected):
@@ -316,7 +334,8 @@ class UnitReader:
             elif file.origin == "base":  # a large file of which a few tensors are wanted: those alone
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
-            elif is_pack(file.path):  # a rank's small units together: this unit's tensors alone
+            elif is_pack(file.path) and not self._whole_pack(storage, file, step, wanted_bytes[position], targets.get(position)):
+                # a rank's small units together: this unit's tensors alone
                 pack = self._pack_header(storage, key, file, shapes, file.origin if file.origin is not None else step)
                 loaded[position] = read_stored_parts(storage, key, pack, sums, targets.get(position))
             else:  # each byte read once; every file's checksum and header checked before any tensor is used

@@ -5,6 +5,7 @@ the way, not in a pass before); a save does not read back the manifest it just w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,7 +15,7 @@ from helpers import flip_unit_byte, tiny, train
 from storage_calls import StorageCalls
 
 from llmtailor import Parity, Run, Tailor, Tier
-from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, SNAPSHOTS_DIR
+from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, SNAPSHOTS_DIR
 from llmtailor.store.keys import KIND_WEIGHT, split_key
 from llmtailor.store.manifest import parse_manifest
 from llmtailor.store.shared_reads import small_files
@@ -151,10 +152,11 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
         assert reader.restore().step == 2
         assert calls.count("read", GLOBAL_JSON) == 1 and calls.count("read", GLOBAL_TENSORS) == 1
         assert max(calls.leases().values()) == 1
-        # The newest manifest looked for (a HEAD each) by the listing and by the lease once
-        # written, and read: no look before the lease is written, nor before the read.
+        # The newest manifest looked for (a HEAD) by the listing, and read by the lease once
+        # written (its check that the snapshot is committed): no look before the lease is
+        # written, nor between the lease and the read.
         newest = f"{Run.snapshot_key(2)}/{MANIFEST_FILE}"
-        assert calls.count("size", newest) == 2 and calls.count("read", newest) == 1, calls.calls
+        assert calls.count("size", newest) == 1 and calls.count("read", newest) == 1, calls.calls
         run = Run(url)
         sizes = dict(run.storage.walk("snapshots"))  # the snapshots' files (the pointer aside)
         again = {key: n for key, n in calls.bytes_by_key().items() if key in sizes and n >= 2 * sizes[key]}
@@ -163,9 +165,9 @@ def test_on_an_object_store_a_restore_reads_each_file_once_and_a_save_reads_no_m
 
 
 @contextmanager
-def saved_on_moto(monkeypatch, tokens) -> Iterator[str]:
+def saved_on_moto(monkeypatch, tokens) -> Iterator[tuple[str, torch.nn.Module]]:
     """The URL of a run on a moto server of this test's (its environment set), where the tiny
-    model trained one step and Parity saved it at step 1."""
+    model trained one step and Parity saved it at step 1; and that model."""
     pytest.importorskip("obstore")
     pytest.importorskip("moto")
     from objectstore import moto_process, new_bucket, set_environment
@@ -177,7 +179,7 @@ def saved_on_moto(monkeypatch, tokens) -> Iterator[str]:
         with Tailor(url, model, opt, sched, policy=Parity()) as tailor:
             train(model, opt, sched, tokens, [1])
             tailor.save(1)
-        yield url
+        yield url, model
 
 
 def restored_recording(url: str, monkeypatch) -> tuple[tuple, StorageCalls]:
@@ -202,7 +204,7 @@ def test_on_an_object_store_a_restore_asks_no_size_of_a_unit_file_before_reading
         real = units.UnitReader.read
         monkeypatch.setattr(units.UnitReader, "read", lambda self, step, unit, skip=frozenset(), into=None:
                             real(self, step, unit, skip))
-    with saved_on_moto(monkeypatch, tokens) as url:
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
         fresh, calls = restored_recording(url, monkeypatch)
         unit_files = {key for _, key, _ in calls.calls if "/units/" in key}
         assert unit_files and not [c for c in calls.calls if c[0] == "size" and "/units/" in c[1]], calls.calls
@@ -214,7 +216,7 @@ def test_on_an_object_store_a_pack_file_s_header_comes_in_one_request_with_its_s
     in one ranged GET (its first 8 + header bytes, no data byte: the indexes at hand say how many
     data bytes the pack holds), with no HEAD of the pack, where it read the length word first,
     then the header: two requests, each a round trip."""
-    with saved_on_moto(monkeypatch, tokens) as url:
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
         run = Run(url)
         headers = {key: 8 + int.from_bytes(run.storage.read_range(key, 0, 8), "little")
                    for key, _ in run.storage.walk("snapshots") if "/packs/" in key}
@@ -237,3 +239,85 @@ def test_a_manifest_is_read_in_one_request_not_looked_for_first(tmp_path, tokens
     assert [op for op, key, _ in calls.calls if key.endswith(MANIFEST_FILE)] == ["read"], calls.calls
     with pytest.raises(SnapshotNotFoundError):
         Run(tmp_path).manifest(7)
+
+
+class Meetings:
+    """Pairs of requests (``(operation, key ending)``), each of which, the first time it is
+    asked, waits for the other to have been asked too (up to ``patience`` seconds): asked side
+    by side they meet at once; asked one after the other, the first waits in vain (``missed``)."""
+
+    def __init__(self, *pairs: tuple[tuple[str, str], tuple[str, str]], patience: float = 10.0):
+        self.asked = {tag: threading.Event() for pair in pairs for tag in pair}
+        self.partner = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+        self.patience, self.missed = patience, []
+
+    def install(self, monkeypatch, storage: type) -> None:
+        for name in {operation for operation, _ in self.asked}:
+            monkeypatch.setattr(storage, name, self._waiting(name, vars(storage)[name]))
+
+    def _waiting(self, name, method):
+        def asked(storage, key, *args, **kwargs):
+            tag = next((t for t in self.asked if t[0] == name and key.endswith(t[1])), None)
+            if tag is not None and not self.asked[tag].is_set():
+                self.asked[tag].set()
+                if not self.asked[self.partner[tag]].wait(self.patience):
+                    self.missed.append(tag)
+            return method(storage, key, *args, **kwargs)
+        return asked
+
+
+def test_on_an_object_store_a_lease_reads_the_manifest_it_checks_and_asks_its_requests_side_by_side(tokens, monkeypatch):
+    """Rank 0 chooses and leases the composite while every other rank waits, each request a
+    round trip on an object store: the ``latest`` pointer is read while the snapshots are
+    listed; once the lease is written, its check that the snapshot is committed is the read of
+    its manifest (kept, not read again), asked side by side with the look for retention's mark."""
+    from llmtailor.store.storage.object_lock import REMOVING_MARK
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
+        run = Run(url)
+        manifest = f"{Run.snapshot_key(1)}/{MANIFEST_FILE}"
+        meetings = Meetings((("list_dir", SNAPSHOTS_DIR), ("read", LATEST_FILE)),
+                            (("size", REMOVING_MARK), ("read", manifest)))
+        meetings.install(monkeypatch, ObjectStore)
+        calls = StorageCalls.install(monkeypatch)
+        with run.lease() as composite:
+            assert composite.step == 1 and composite.manifest.step == 1
+        assert meetings.missed == [], calls.calls
+        requests = [(op, key) for op, key, _ in calls.calls if op != "is_file"]  # an is_file is its size's request
+        # Looked for by the listing (a HEAD), read by the lease: not looked for again, nor read twice.
+        assert [op for op, key in requests if key == manifest] == ["size", "read"], requests
+        assert len(requests) == 6, requests  # LIST, GET latest, HEAD, the lease (its PUT), HEAD of the mark, GET manifest
+
+
+def test_on_an_object_store_a_pack_of_one_unit_is_read_by_a_reader_in_one_request(tokens, monkeypatch):
+    """A rank of a read plan reads each unit it reads for the others into new buffers (nothing to
+    read straight into). From moto's server, a pack holding that unit's tensors alone is read
+    whole, as a unit file is: its size, header and data in one request, where its header came
+    first in a request of its own; every tensor is the saved one, and a damaged byte of the pack
+    is refused, naming it."""
+    from llmtailor.errors import IntegrityError
+    from llmtailor.store import writer
+
+    monkeypatch.setattr(writer, "PACK_FILE_BYTES", 1)  # each unit in a pack of its own
+    with saved_on_moto(monkeypatch, tokens) as (url, model):
+        run = Run(url)
+        units = run.resolve(1).sources
+        packs = {unit: f"{Run.snapshot_key(1)}/{run.unit_entry(1, unit).files[0].path}" for unit in units}  # every index parsed
+        assert len(set(packs.values())) == len(units) > 2 and all("/packs/" in key for key in packs.values())
+        calls = StorageCalls.install(monkeypatch)
+        for unit in units:
+            run.read_unit(1, unit)
+        by_pack = {key: [op for op, asked, _ in calls.calls if asked == key] for key in packs.values()}
+        assert all(ops == ["read_start"] for ops in by_pack.values()), by_pack
+        assert_weights_of(run, 1, model)
+        unit, key = next(iter(packs.items()))
+        damaged = bytearray(run.storage.read(key))
+        damaged[-1] ^= 0xFF  # a data byte
+        run.storage.put(key, bytes(damaged))
+        fresh = Run(url)
+        for other in units:
+            fresh.unit_entry(1, other)
+        with pytest.raises(IntegrityError, match="checksum mismatch") as raised:
+            fresh.read_unit(1, unit)
+        assert key in str(raised.value)

@@ -19,15 +19,42 @@ a path or URL.
 
 from __future__ import annotations
 
+import atexit
 import mmap
+import os
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from llmtailor.store.storage.strategies import RunDetection, RunLocks, SnapshotCommits
 
 PIECE = 16 << 20
 """Bytes read or written at a time when streaming a file."""
+
+
+class LazyPool:
+    """A pool of ``workers`` threads named ``name``, started at its first use (calling this gives
+    it), shut down at exit without waiting; a forked child starts a pool of its own (the
+    parent's threads do not exist there)."""
+
+    def __init__(self, workers: int, name: str):
+        self.workers, self.name = workers, name
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def __call__(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
+                atexit.register(self._pool.shutdown, wait=False, cancel_futures=True)
+            return self._pool
+
+    def _forget(self) -> None:
+        self._lock, self._pool = threading.Lock(), None
 
 
 class Sink(ABC):
@@ -86,6 +113,14 @@ class Storage(ABC):
     round trip whatever its size, so many small ranged reads are slow where a few large ones are
     not, and a distributed restore fetches the byte ranges its ranks need once in the job, in
     large requests (``store.shared_ranges``)."""
+
+    def together(self, *asks: Callable[[], Any]) -> list[Any]:
+        """The answers of ``asks`` (small requests that depend on no other's answer: a listing,
+        a pointer, a lease's checks), in order. Here one after another; where each request is a
+        round trip (an object store) they are asked side by side, so a chain of them waits for
+        the slowest, not for their sum. The first failure (in ``asks``' order) is raised, once
+        every ask has ended."""
+        return [ask() for ask in asks]
 
     def where(self, key: str) -> str:
         """How a message names the file ``key``."""

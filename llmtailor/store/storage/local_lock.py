@@ -52,7 +52,7 @@ class FlockLocks(RunLocks):
     def writer(self) -> WriterLockBackend:
         return FlockWriter(self.root)
 
-    def lease_for_reading(self, snapshot: str) -> LeaseBase | None:
+    def lease_for_reading(self, snapshot: str, *, marker: bool = False) -> LeaseBase | None:
         return lease_for_reading(self._resolve(snapshot))
 
     def lease_for_removal(self, snapshot: str) -> LeaseBase | None:

@@ -8,7 +8,8 @@
   host whose process is gone is taken over at once. A writer that lost its lease refuses to
   commit.
 - **Reader leases.** A reader writes ``snapshots/step-N/.readers/<id>`` (with an expiry), then
-  checks that the snapshot is committed and not marked ``.removing``; retention writes
+  checks that the snapshot is committed and not marked ``.removing`` (both asked at once: a GET
+  of the manifest, kept for the reader as ``Lease.marker``, and a HEAD of the mark); retention writes
   ``.removing``, then looks for unexpired reader leases and backs off if it finds one. Each side
   writes before it reads the other's mark, so at least one of them sees the other.
 """
@@ -23,7 +24,7 @@ import time
 import uuid
 
 from llmtailor.constants import LOCK_FILE, MANIFEST_FILE
-from llmtailor.errors import StorageError, TailorError
+from llmtailor.errors import IntegrityError, StorageError, TailorError
 from llmtailor.store.storage.object_options import DEFAULT_LOCK_TTL, load_obstore
 from llmtailor.store.storage.object_store import ObjectStore, Version
 from llmtailor.store.storage.strategies import Lease, RunLocks, WriterLockBackend, this_process
@@ -51,7 +52,7 @@ class ObjectLocks(RunLocks):
     def writer(self) -> ObjectWriterLock:
         return ObjectWriterLock(self.storage)
 
-    def lease_for_reading(self, snapshot: str) -> Lease | None:
+    def lease_for_reading(self, snapshot: str, *, marker: bool = False) -> Lease | None:
         key = f"{snapshot}/{READERS_DIR}/{uuid.uuid4().hex}"
         record = {"holder": this_process(), "expires": time.time() + READER_LEASE_SECONDS}
         try:
@@ -62,10 +63,28 @@ class ObjectLocks(RunLocks):
             raise
         lease = _ObjectLease(self.storage, key)
         # Written first, then read: retention writes its mark first, then reads the leases.
-        if self.storage.is_file(f"{snapshot}/{REMOVING_MARK}") or not self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):
+        try:
+            removing, committed = self.storage.together(lambda: self.storage.is_file(f"{snapshot}/{REMOVING_MARK}"),
+                                                        lambda: self._committed(snapshot, marker))
+        except BaseException:
+            lease.release()
+            raise
+        if removing or committed is None:
             lease.release()
             return None
+        lease.marker = committed if marker else None
         return lease
+
+    def _committed(self, snapshot: str, read: bool) -> bytes | None:
+        """The snapshot's manifest (its commit marker; ``read``: its bytes, else b"" once found
+        by a HEAD), or None when it has none."""
+        key = f"{snapshot}/{MANIFEST_FILE}"
+        if not read:
+            return b"" if self.storage.is_file(key) else None
+        try:
+            return bytes(self.storage.read(key))
+        except IntegrityError:  # the object store's read says so of a missing object only
+            return None
 
     def lease_for_removal(self, snapshot: str) -> Lease | None:
         if not self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):

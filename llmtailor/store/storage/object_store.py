@@ -12,15 +12,20 @@ which is no error.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
-from llmtailor.store.storage.base import PIECE, Storage
+from llmtailor.store.storage.base import PIECE, LazyPool, Storage
 from llmtailor.store.storage.object_errors import explain, failure
 from llmtailor.store.storage.object_options import load_obstore, resolve_options
 from llmtailor.store.storage.object_uploads import ObjectBatch
+
+
+_askers = LazyPool(8, "llmtailor-ask")
+"""Threads asking small requests side by side (``ObjectStore.together``)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,23 @@ class ObjectStore(Storage):
 
     def identity(self) -> str:
         return self.url
+
+    def together(self, *asks: Callable[[], Any]) -> list[Any]:
+        """``Storage.together``: the first ask on this thread (it may use what this thread holds,
+        such as a listing taken inside ``Catalog.listed``), the others on threads of a small pool
+        meanwhile, each a round trip of its own."""
+        if len(asks) < 2:
+            return [ask() for ask in asks]
+        others: list[Future[Any]] = [_askers().submit(ask) for ask in asks[1:]]
+        try:
+            first = asks[0]()
+        finally:
+            wait(others)  # every ask ended, whatever the first did
+        for future in others:
+            error = future.exception()
+            if error is not None:
+                raise error
+        return [first, *(future.result() for future in others)]
 
     # -- errors -------------------------------------------------------------------------------
 

@@ -104,6 +104,10 @@ class Lease(ABC):
     not write to)."""
 
     held: bool = True
+    marker: bytes | None = None
+    """The snapshot's manifest as the lease read it once written, where it reads it to find the
+    snapshot committed (an object store: a GET in place of a HEAD, so its reader need not ask for
+    it again); None where it only looked."""
 
     @abstractmethod
     def release(self) -> None: ...
@@ -140,17 +144,18 @@ class RunLocks(ABC):
 
     checks_committed: bool = False
     """Whether ``lease_for_reading`` finds by itself a snapshot that is not committed (its
-    manifest looked for once the lease is written), so its caller need not look first (on an
-    object store, a round trip of its own)."""
+    manifest read once the lease is written: ``Lease.marker``), so its caller need not look
+    first, nor read it after (on an object store, each a round trip of its own)."""
 
     @abstractmethod
     def writer(self) -> WriterLockBackend:
         """The run's writer lock, not taken yet."""
 
     @abstractmethod
-    def lease_for_reading(self, snapshot: str) -> Lease | None:
+    def lease_for_reading(self, snapshot: str, *, marker: bool = False) -> Lease | None:
         """A shared lease on the committed snapshot at ``snapshot``, or None when it is gone
-        (or being removed)."""
+        (or being removed). ``marker``: the caller will read the snapshot's manifest, so a lease
+        that checks it is committed (``checks_committed``) reads it for it (``Lease.marker``)."""
 
     @abstractmethod
     def lease_for_removal(self, snapshot: str) -> Lease | None:
