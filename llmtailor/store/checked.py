@@ -13,7 +13,7 @@ import xxhash
 
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
-from llmtailor.store.fetch import copy_parts, fetch, fetch_into, new_buffer
+from llmtailor.store.fetch import fetch, fetch_into, new_buffer
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.storage.base import Sink, Storage
 from llmtailor.store.storage.local import LocalStorage
@@ -123,23 +123,14 @@ def checked_tensors(data: memoryview, where: str, expected: dict[str, tuple[str,
     header = parse_header(lambda start, length: data[start : start + length], len(data), where)[1]
     check_header(header, where, expected)
     tensors = decode_tensors(data, where)
-    out, copies = {}, []
+    out = {}
     for name in expected:
         if _fits(into, name, tensors[name].nbytes):
-            copies.append((_flat_bytes(into[name]), _flat_bytes(tensors[name])))
+            byte_view(into[name])[:] = byte_view(tensors[name])
             out[name] = into[name]
         else:
             out[name] = tensors[name]
-    copy_parts(copies)
     return out
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor's bytes as a flat uint8 tensor sharing its memory (``byte_view``'s
-    memory as a tensor; autograd is not told of what is written through it)."""
-    import torch
-
-    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 _HEAD = 64 << 10

@@ -28,12 +28,9 @@ import mmap
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmtailor.store.storage.base import Storage
-
-if TYPE_CHECKING:
-    import torch
 
 PART = 8 << 20
 """Bytes fetched by one request of a large range (boto3's transfer manager uses 8 MiB too)."""
@@ -63,24 +60,6 @@ def _workers() -> ThreadPoolExecutor:
 def new_buffer(length: int) -> bytearray | mmap.mmap:
     """A writable buffer of ``length`` bytes (``torch.frombuffer`` takes either kind)."""
     return mmap.mmap(-1, length) if length >= _LARGE else bytearray(length)
-
-
-def copy_parts(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each ``(destination, source)`` pair of flat uint8 tensors of one length (bytes
-    already checked: a healed file's, into live tensors' memory), those over a ``PART`` in
-    parts on the workers (torch's copy leaves the interpreter while it runs), so that a node
-    healed from its partner's memory copies what arrived with the cores it has, not one (the
-    copy is most of its restore's own work once the bytes are in). Returns once every byte is
-    copied; what a part raised is raised."""
-    parts = [(dst[at:at + PART], src[at:at + PART]) for dst, src in copies for at in range(0, dst.numel(), PART)]
-    if sum(dst.numel() for dst, _ in parts) <= PART:  # small: no hand-over
-        for dst, src in parts:
-            dst.copy_(src)
-        return
-    futures = [_workers().submit(dst.copy_, src) for dst, src in parts]
-    wait(futures)
-    for future in futures:
-        future.result()
 
 
 Sized = Callable[[int | None], None]

@@ -11,7 +11,7 @@ import torch
 from helpers import parity_run, tiny
 
 from llmtailor import Parity, Run, Tailor
-from llmtailor.store import fetch, writer
+from llmtailor.store import writer
 from llmtailor.store.storage.local import LocalStorage
 from llmtailor.store.tensor_files import checksum
 
@@ -61,28 +61,6 @@ def test_a_file_handed_over_as_it_arrived_is_read_from_those_bytes(run, monkeypa
     got = read_all(run, 2)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[key], expected[key]) for key in expected)
-
-
-def test_a_file_handed_over_is_copied_into_live_tensors_in_parts_on_the_workers_bit_for_bit(run, monkeypatch):
-    """What arrived goes straight into the live tensors' memory (``into``), the copies cut in
-    parts and run on the fetch workers (parts made tiny here): every tensor read into is the
-    live one, bit for bit the saved one, and no file is read back."""
-    expected = read_all(Run(run.root), 2)
-    files = unit_files(run, 2)
-    for key, (size, xxh3) in files.items():
-        run.units.arrived[key] = (size, xxh3, memoryview(bytearray((run.root / key).read_bytes())))
-    refusing_reads(monkeypatch, set(files))
-    monkeypatch.setattr(fetch, "PART", 64)
-    into_count = 0
-    for unit, source in run.resolve(2).sources.items():
-        entry = run.unit_entry(source, unit)
-        into = {t.key: torch.full(t.shape, float("nan")).to(t.torch_dtype) for t in entry.tensors if len(t.chunks) == 1}
-        loaded, _ = run.read_unit(source, unit, into=into)
-        assert all(torch.equal(loaded[key], expected[f"{unit}/{key}"]) for key in loaded), unit
-        taken = [key for key, tensor in into.items() if loaded[key] is tensor]  # read straight into
-        assert all(torch.equal(into[key], expected[f"{unit}/{key}"]) for key in taken), unit
-        into_count += len(taken)
-    assert into_count > 4
 
 
 @pytest.mark.parametrize("verify", [False, True])
