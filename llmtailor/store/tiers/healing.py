@@ -171,7 +171,7 @@ def _filler(run: Run, step: int, moves: list[Transfer], node: int) -> Callable[[
     to this node's own restore that follows, as a healing's receiver hands over what it checked
     (``UnitReader.arrived``): checked here while the file before it travels, so that restore
     copies those bytes into its live tensors instead of reading and checking the file after the
-    stream (the sender's own load is then copies alone, on the cores it has)."""
+    stream (the sender's own load after it is then a copy alone)."""
     records = {move.path: (move.bytes, move.xxh3) for move in moves if move.source == node}
     handed: set[str] = set()
 
