@@ -31,19 +31,20 @@ from llmtailor.store.storage.local import LocalStorage  # noqa: E402
 
 @contextmanager
 def recording_reads():
-    """Every key of ``$NODE_DIR`` whose bytes a ``LocalStorage`` reads inside the block, in order."""
-    memory, read = Path(os.environ["NODE_DIR"]).resolve(), []
-    methods = {method: getattr(LocalStorage, method) for method in ("read", "pieces", "read_range", "read_into")}
+    """Every key of ``$NODE_DIR`` whose bytes a ``LocalStorage`` reads inside the block, in order,
+    and (``mapped``) every key it maps (a healing's sender sends from the mapping)."""
+    memory, read, mapped = Path(os.environ["NODE_DIR"]).resolve(), [], []
+    methods = {method: getattr(LocalStorage, method) for method in ("read", "pieces", "read_range", "read_into", "mapped")}
     for method, real in methods.items():
 
-        def recorded(self, key, *args, real=real, **kwargs):
+        def recorded(self, key, *args, real=real, into=mapped if method == "mapped" else read, **kwargs):
             if Path(self.root).resolve() == memory:
-                read.append(key)
+                into.append(key)
             return real(self, key, *args, **kwargs)
 
         setattr(LocalStorage, method, recorded)
     try:
-        yield read
+        yield read, mapped
     finally:
         for method, real in methods.items():
             setattr(LocalStorage, method, real)
@@ -60,11 +61,12 @@ def digest(model, optimizer) -> str:
 def resume(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = tailor_of(model, optimizer, scheduler)
-    with recording_reads() as read:
+    with recording_reads() as (read, mapped):
         report = tailor.restore()
         tailor.close()
     held = sorted(str(p.relative_to(os.environ["NODE_DIR"])) for p in Path(os.environ["NODE_DIR"]).rglob("*") if p.is_file())
     return {"restored": report.step, "tier": report.tier, "served_by": report.served_by, "read": sorted(set(read)),
+            "mapped": sorted(set(mapped)),
             "held": held, "digest": digest(model, optimizer),
             "mismatches": compare_with_composite(out, report.tier, model, optimizer)}
 

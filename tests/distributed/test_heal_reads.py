@@ -4,8 +4,10 @@ loopback with its own memory directory and TMPDIR; the run's home on moto's S3 s
 and the FSDP2 run in turn in each launch): every
 file healed into the lost node's copy was checked against its checksum as it arrived, so its
 restore takes those bytes (``UnitReader.arrived``) and (DDP) reads none of its parts back from its
-copy to check them a second time; the restored state equals the composite's, on both nodes (DDP,
-and FSDP2, whose chunks checked whole come from the bytes received too: ``ChunkReader``).
+copy to check them a second time; nor does the sending node (DDP), which checked the files it sent
+as they went out (from its copy's mapping) and takes those bytes; the restored state equals the
+composite's, on both nodes (DDP, and FSDP2, whose chunks checked whole come from the bytes
+received too: ``ChunkReader``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def healed(tmp_path_factory) -> Path:
     return tmp_path
 
 
+def parts(keys: list[str]) -> list[str]:
+    """The keys of ``keys`` that are parts (files a rank wrote)."""
+    return [key for key in keys if writer_rank(key.split("/", 2)[-1]) is not None]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_healed_node_restores_from_the_bytes_it_received_not_from_reading_them_back(healed, kind):
     first, second = [json.loads((own(healed, kind, n) / f"result-resume-{n}.json").read_text()) for n in range(2)]
@@ -82,7 +89,7 @@ def test_a_healed_node_restores_from_the_bytes_it_received_not_from_reading_them
     healed_parts = [path for path in second["held"] if path.startswith("snapshots/") and writer_rank(path.split("/", 2)[2]) is not None]
     assert healed_parts  # node 1's copy holds parts again: its own and node 0's
     assert first["mismatches"] == [] and first["digest"] == second["digest"]  # equal to the composite on both nodes
-    assert any(writer_rank(key.split("/", 2)[-1]) is not None for key in first["read"])  # node 0 reads its own copy
+    assert parts(first["mapped"]) and second["mapped"] == []  # node 0 sends from its own copy's mapping
     if kind == "ddp":  # FSDP2's ranges are fetched once in the job (shared_ranges), from the copy; checked from the bytes
-        parts_read = [key for key in second["read"] if writer_rank(key.split("/", 2)[-1]) is not None]
-        assert parts_read == []  # none read back: the restore took the bytes checked on arrival
+        assert parts(second["read"]) == []  # none read back: the restore took the bytes checked on arrival
+        assert parts(first["read"]) == []  # nor by the sender: it took those it checked while they went out

@@ -508,3 +508,39 @@ def test_a_healing_sender_holds_what_it_sends_against_its_own_retention(tmp_path
     snapshot = copies[0] / "snapshots" / "step-00000002"
     assert courier.sent == {m.path: (snapshot / m.path).read_bytes() for m in moves}
     assert Run(copies[0]).steps() == [2]  # step 1, not sent, went
+
+
+class SendingCourier:
+    """A courier's sending side in one process: each file ``fill`` gives, as it would go out."""
+
+    def __init__(self):
+        self.sent: dict[str, bytes] = {}
+
+    def stream(self, outgoing, fill, sources, take):
+        for dest, files in outgoing.items():
+            for path, size in files:
+                buffer = bytearray(size)
+                filled = fill(dest, path, memoryview(buffer))
+                self.sent[path] = bytes(filled if filled is not None else buffer)
+
+
+def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_and_a_damaged_one_not(tmp_path):
+    """The sending node's own restore takes the bytes of the files it sent, mapped and checked
+    against their records while they went out (``UnitReader.arrived``), instead of reading and
+    checking them again; a file of its copy that does not match its record goes out (its
+    receiver refuses it) and is not handed over: its restore reads it, and the check fails there."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    damaged = "units/layer.0.rank-00000.safetensors"
+    path = copies[0] / "snapshots" / "step-00000002" / damaged
+    path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])
+    courier = SendingCourier()
+    recovery_healing.heal(runs[0], moves, Nodes((0, 1)), courier, LocalCoordinator(), "t")
+    prefix = "snapshots/step-00000002/"
+    handed = {key[len(prefix):]: kept for key, kept in runs[0].units.arrived.items()}
+    assert sorted(handed) == sorted(m.path for m in moves if m.path != damaged)
+    for move in moves:
+        if move.path != damaged:
+            assert handed[move.path][:2] == (move.bytes, move.xxh3)
+            sent = (copies[0] / prefix / move.path).read_bytes()
+            assert bytes(handed[move.path][2]) == courier.sent[move.path] == sent

@@ -143,7 +143,7 @@ def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordi
         with ReadLeases(run) as leases:
             if outgoing:  # read under a lease (module docstring); one gone goes out as nothing: refused
                 leases.take(step)
-            courier.stream(outgoing, _filler(run, step), sources, receiving.take)
+            courier.stream(outgoing, _filler(run, step, these, node), sources, receiving.take)
         error = receiving.finish() or error
     failures = [why for why in coordinator.exchange(tag, error) if why]
     if failures:
@@ -162,16 +162,28 @@ def _sending(moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, 
     return outgoing, sources
 
 
-def _filler(run: Run, step: int) -> Callable[[int, str, memoryview], Any]:
+def _filler(run: Run, step: int, moves: list[Transfer], node: int) -> Callable[[int, str, memoryview], Any]:
     """``Courier.stream``'s ``fill``: the file of the snapshot of ``step`` mapped and sent from
     the mapping (``Storage.mapped``: no copy into fresh memory), else read straight into the
     buffer that is sent. A file that cannot be read, or is not of the size recorded, goes out as
-    the buffer was: its receiver's check refuses it."""
+    the buffer was: its receiver's check refuses it. A mapped file whose bytes match what its
+    move records (``moves``: this node, ``node``, sends those whose ``source`` it is) is handed
+    to this node's own restore that follows, as a healing's receiver hands over what it checked
+    (``UnitReader.arrived``): checked here while the file before it travels, so that restore
+    copies those bytes into its live tensors instead of reading and checking the file after the
+    stream (the sender's own load after it is then a copy alone)."""
+    records = {move.path: (move.bytes, move.xxh3) for move in moves if move.source == node}
+    handed: set[str] = set()
+
     def fill(dst: int, path: str, into: memoryview) -> Any:
         key = f"{run.snapshot_key(step)}/{path}"
         try:
             mapped = run.storage.mapped(key)
             if mapped is not None and len(mapped) == len(into):
+                if path not in handed and records.get(path, (None,))[0] == len(mapped):
+                    handed.add(path)
+                    if checksum(mapped) == records[path][1]:
+                        run.units.arrived[key] = (*records[path], memoryview(mapped))
                 return mapped
             run.storage.read_into(key, 0, into)
         except (TailorError, OSError, ValueError):
