@@ -213,8 +213,9 @@ def rng_files(folder: Path) -> list[Path]:
 
 def weight_sources(weights: ModelWeights | BinWeights, model: torch.nn.Module, layout: Layout) -> dict[str, str]:
     """Canonical tensor name -> its name in ``weights``, from the headers only (safetensors; the
-    loaded tensors of pytorch_model.bin files). Every tensor of the files must be one of the model's, with its shape and dtype; a tied alias may stand in
-    for its canonical name (save_pretrained writes one of them)."""
+    loaded tensors of pytorch_model.bin files). Every tensor of the files must be one of the
+    model's, with its shape and dtype; a tied alias may stand in for its canonical name
+    (save_pretrained writes one of them)."""
     expected = model.state_dict(keep_vars=True)
     found: dict[str, str] = {}
     problems: list[str] = []
