@@ -414,6 +414,44 @@ def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how
         assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
 
 
+@pytest.mark.slow
+@S3_ONLY
+def test_a_script_that_ends_without_close_commits_retains_and_promotes_to_the_object_store(url, tmp_path):
+    """A script that ends without ``close()``, saving async to S3 (``keep=2``) and to a local tier
+    in front of another S3 run: at exit its last save commits and is not reported lost, each
+    retention runs and the promotions due reach the bucket. The small requests a store asks side
+    by side (``Storage.together``: listing, pointer, lease checks) run on threads of a pool, which
+    takes no new work once the interpreter exits: they are asked one after another then, not
+    failed (before: "the async save of step 5 ... was NOT saved", step 5 committed all the same;
+    the promotions to the second run failed, which stayed at step 2)."""
+    direct, tiered, memory = url, f"{url}-tiered", tmp_path / "memory"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from helpers import tiny, train
+        from llmtailor import Parity, Tailor, Tier
+        from llmtailor.training_example import corpus_tokens
+
+        tokens, jobs = corpus_tokens(), []
+        for url, tiers in (({direct!r}, []), ({tiered!r}, [Tier({str(memory)!r}, promote_every=1)])):
+            model, opt, sched = tiny()
+            jobs.append((model, opt, sched, Tailor(url, model, opt, sched, policy=Parity(), async_save=True, keep=2,
+                                                   tiers=tiers)))
+        for step in range(1, 6):
+            for model, opt, sched, tailor in jobs:
+                train(model, opt, sched, tokens, [step])
+                tailor.save(step)
+        # no close(): the saves in flight commit at exit, their retention and promotions run
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    for where in (direct, tiered):
+        run = Run(where)
+        assert run.latest_step() == 5 and run.verify() == []
+    assert Run(direct).steps() == [3, 4, 5]  # retention ran at exit: Parity's composites of 5 and 4 need these
+    assert Run(memory).latest_step() == 5 and Run(memory).verify() == []
+
+
 def test_a_crash_before_the_manifest_leaves_nothing_readable_and_the_next_writer_clears_it(url, emulator, tmp_path):
     """A process killed after uploading a snapshot's files (one large enough to go as a
     multipart upload left unfinished: on Azure, blocks never committed) but before its
