@@ -414,6 +414,34 @@ def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how
         assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
 
 
+def test_a_reader_lease_whose_manifest_read_fails_is_released_and_fails_the_read(tokens, monkeypatch):
+    """The reader lease's checks, asked side by side (``Storage.together``: the HEAD of the removal
+    mark, the GET of the manifest its reader reads), one of them failing every try: the read
+    fails naming the manifest, and the lease written first is removed, its DELETE's answer lost
+    after the server acted too; the next read, the fault gone, reads the composite whole."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        options = {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        manifest = "snapshots/step-00000001/manifest.json"
+        faults.rule = lambda method, key: 503 if method == "GET" and key.endswith(manifest) else None
+        faults.lose = lambda method, key: DROP if method == "POST" else None  # obstore deletes in bulk
+        with pytest.raises(TailorError, match="step-00000001/manifest.json"):
+            with Run(url, options).reading(1):
+                pass
+        assert any(method == "PUT" and "/.readers/" in key for method, key, _ in faults.seen)  # the lease was written
+        assert ("POST", f"/{bucket_of(url)}", DROP) in faults.seen
+        assert [k for k in keys(endpoint, bucket_of(url)) if "/.readers/" in k] == []
+        faults.rule, faults.lose = (lambda method, key: None), (lambda method, key: None)
+        with Run(url, options).reading(1) as composite:
+            assert composite.step == 1
+        assert Run(url, options).verify() == []
+
+
 @pytest.mark.slow
 @S3_ONLY
 def test_a_script_that_ends_without_close_commits_retains_and_promotes_to_the_object_store(url, tmp_path):
