@@ -785,3 +785,37 @@ def test_a_promotion_of_files_read_in_many_pieces_uploads_their_bytes(url, token
     with Tailor(url, *from_bucket, read_only=True) as reader:
         assert reader.restore().step == 2
     assert_bitwise(unit_versions(from_bucket[0], from_bucket[1]), unit_versions(in_memory[0], in_memory[1]))
+
+
+@pytest.mark.slow
+@S3_ONLY
+def test_async_lora_with_modules_to_save_under_parity_restores_from_s3_to_the_composites_versions(url, tokens):
+    """Partly frozen units on an object store: LoRA with peft's ``modules_to_save`` (a trained
+    head beside frozen base weights), Parity, two async saves in flight; a fresh model restores
+    from the bucket every weight and optimizer state bit for bit as the composite's table names
+    its version (each unit read from its pack, frozen parts from the snapshots that keep them)."""
+    pytest.importorskip("peft")
+    from test_frozen import lora_saving, step
+
+    from llmtailor.layouts import build_layout
+    from llmtailor.providers.base import unwrap
+
+    model, optimizer = lora_saving("lm_head")
+    versions = {}
+    with Tailor(url, model, optimizer, policy=Parity(), async_save=True, async_in_flight=2) as tailor:
+        for s in range(1, 6):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+            versions[s] = unit_versions(model, optimizer)
+    run = Run(url)
+    sources = run.resolve().sources
+    assert len(set(sources.values())) > 1 and run.verify() == []  # a composite of several saves
+    fresh, fresh_optimizer = lora_saving("lm_head", seed=1)
+    with Tailor(url, fresh, fresh_optimizer, policy=Parity()) as tailor:
+        assert tailor.restore().step == 5
+    layout = build_layout(unwrap(fresh))
+    for name, state in unit_versions(fresh, fresh_optimizer).items():
+        source = sources[layout.unit_of(name.removeprefix("base_model.model."))]
+        assert state.keys() == versions[source][name].keys(), name
+        for key, value in state.items():
+            assert torch.equal(value, versions[source][name][key]), f"{name}/{key} (from step {source})"
