@@ -89,7 +89,7 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
             part.read(storage, key)
             part.done(hasher)
         return
-    pool, ahead = _workers(), storage.reads_in_flight or len(parts)
+    pool, ahead = _workers, storage.reads_in_flight or len(parts)
     futures: list[Future] = [pool.submit(part.read, storage, key) for part in parts[:ahead]]
     try:
         for index, part in enumerate(parts):  # each part hashed once in: verifying overlaps fetching

@@ -414,6 +414,72 @@ def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how
         assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
 
 
+def test_a_reader_lease_whose_manifest_read_fails_is_released_and_fails_the_read(tokens, monkeypatch):
+    """The reader lease's checks, asked side by side (``Storage.together``: the HEAD of the removal
+    mark, the GET of the manifest its reader reads), one of them failing every try: the read
+    fails naming the manifest, and the lease written first is removed, its DELETE's answer lost
+    after the server acted too; the next read, the fault gone, reads the composite whole."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        options = {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        manifest = "snapshots/step-00000001/manifest.json"
+        faults.rule = lambda method, key: 503 if method == "GET" and key.endswith(manifest) else None
+        faults.lose = lambda method, key: DROP if method == "POST" else None  # obstore deletes in bulk
+        with pytest.raises(TailorError, match="step-00000001/manifest.json"):
+            with Run(url, options).reading(1):
+                pass
+        assert any(method == "PUT" and "/.readers/" in key for method, key, _ in faults.seen)  # the lease was written
+        assert ("POST", f"/{bucket_of(url)}", DROP) in faults.seen
+        assert [k for k in keys(endpoint, bucket_of(url)) if "/.readers/" in k] == []
+        faults.rule, faults.lose = (lambda method, key: None), (lambda method, key: None)
+        with Run(url, options).reading(1) as composite:
+            assert composite.step == 1
+        assert Run(url, options).verify() == []
+
+
+@pytest.mark.slow
+@S3_ONLY
+def test_a_script_that_ends_without_close_commits_retains_and_promotes_to_the_object_store(url, tmp_path):
+    """A script that ends without ``close()``, saving async to S3 (``keep=2``) and to a local tier
+    in front of another S3 run: at exit its last save commits and is not reported lost, each
+    retention runs and the promotions due reach the bucket. The small requests a store asks side
+    by side (``Storage.together``: listing, pointer, lease checks) run on threads of a pool, which
+    takes no new work once the interpreter exits: they are asked one after another then, not
+    failed (before: "the async save of step 5 ... was NOT saved", step 5 committed all the same;
+    the promotions to the second run failed, which stayed at step 2)."""
+    direct, tiered, memory = url, f"{url}-tiered", tmp_path / "memory"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from helpers import tiny, train
+        from llmtailor import Parity, Tailor, Tier
+        from llmtailor.training_example import corpus_tokens
+
+        tokens, jobs = corpus_tokens(), []
+        for url, tiers in (({direct!r}, []), ({tiered!r}, [Tier({str(memory)!r}, promote_every=1)])):
+            model, opt, sched = tiny()
+            jobs.append((model, opt, sched, Tailor(url, model, opt, sched, policy=Parity(), async_save=True, keep=2,
+                                                   tiers=tiers)))
+        for step in range(1, 6):
+            for model, opt, sched, tailor in jobs:
+                train(model, opt, sched, tokens, [step])
+                tailor.save(step)
+        # no close(): the saves in flight commit at exit, their retention and promotions run
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    for where in (direct, tiered):
+        run = Run(where)
+        assert run.latest_step() == 5 and run.verify() == []
+    assert Run(direct).steps() == [3, 4, 5]  # retention ran at exit: Parity's composites of 5 and 4 need these
+    assert Run(memory).latest_step() == 5 and Run(memory).verify() == []
+
+
 def test_a_crash_before_the_manifest_leaves_nothing_readable_and_the_next_writer_clears_it(url, emulator, tmp_path):
     """A process killed after uploading a snapshot's files (one large enough to go as a
     multipart upload left unfinished: on Azure, blocks never committed) but before its
@@ -719,3 +785,37 @@ def test_a_promotion_of_files_read_in_many_pieces_uploads_their_bytes(url, token
     with Tailor(url, *from_bucket, read_only=True) as reader:
         assert reader.restore().step == 2
     assert_bitwise(unit_versions(from_bucket[0], from_bucket[1]), unit_versions(in_memory[0], in_memory[1]))
+
+
+@pytest.mark.slow
+@S3_ONLY
+def test_async_lora_with_modules_to_save_under_parity_restores_from_s3_to_the_composites_versions(url, tokens):
+    """Partly frozen units on an object store: LoRA with peft's ``modules_to_save`` (a trained
+    head beside frozen base weights), Parity, two async saves in flight; a fresh model restores
+    from the bucket every weight and optimizer state bit for bit as the composite's table names
+    its version (each unit read from its pack, frozen parts from the snapshots that keep them)."""
+    pytest.importorskip("peft")
+    from test_frozen import lora_saving, step
+
+    from llmtailor.layouts import build_layout
+    from llmtailor.providers.base import unwrap
+
+    model, optimizer = lora_saving("lm_head")
+    versions = {}
+    with Tailor(url, model, optimizer, policy=Parity(), async_save=True, async_in_flight=2) as tailor:
+        for s in range(1, 6):
+            step(model, optimizer, tokens, s)
+            tailor.save(s)
+            versions[s] = unit_versions(model, optimizer)
+    run = Run(url)
+    sources = run.resolve().sources
+    assert len(set(sources.values())) > 1 and run.verify() == []  # a composite of several saves
+    fresh, fresh_optimizer = lora_saving("lm_head", seed=1)
+    with Tailor(url, fresh, fresh_optimizer, policy=Parity()) as tailor:
+        assert tailor.restore().step == 5
+    layout = build_layout(unwrap(fresh))
+    for name, state in unit_versions(fresh, fresh_optimizer).items():
+        source = sources[layout.unit_of(name.removeprefix("base_model.model."))]
+        assert state.keys() == versions[source][name].keys(), name
+        for key, value in state.items():
+            assert torch.equal(value, versions[source][name][key]), f"{name}/{key} (from step {source})"

@@ -86,3 +86,18 @@ def test_a_follower_holds_what_it_uploads_against_its_own_retention(copies, monk
     assert [outcome.in_use for outcome in retained] == [[1]] and 1 in node1.steps()
     assert outcome == ([1], Run(node0.root).manifest(1).total_bytes()) and "bytes" in reports[0]
     assert Run(shared.run.root).steps() == [1] and Run(shared.run.root).verify() == []
+
+
+def test_a_collective_promotion_at_interpreter_exit_commits(copies, monkeypatch):
+    """A script that ends without ``close()`` promotes what is due from threads that outlive the
+    interpreter's refusal of new pool work (``concurrent.futures`` stops taking any once the main
+    thread ended; set here as it is then): each node's upload runs all the same, one file after
+    another, and the promotion commits (before: RuntimeError "cannot schedule new futures after
+    interpreter shutdown", the promotion failed)."""
+    import concurrent.futures.thread
+
+    node0, node1, shared = copies
+    monkeypatch.setattr(concurrent.futures.thread, "_shutdown", True)
+    outcome, reports = promote_together(node0, node1, shared, 2)
+    assert outcome == ([2], Run(node0.root).manifest(2).total_bytes()) and "bytes" in reports[0], (outcome, reports)
+    assert Run(shared.run.root).steps() == [2] and Run(shared.run.root).verify() == []

@@ -25,7 +25,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ PIECE = 16 << 20
 class LazyPool:
     """A pool of ``workers`` threads named ``name``, started at its first use (calling this gives
     it), shut down at exit without waiting; a forked child starts a pool of its own (the
-    parent's threads do not exist there)."""
+    parent's threads do not exist there). Work goes in through ``submit``."""
 
     def __init__(self, workers: int, name: str):
         self.workers, self.name = workers, name
@@ -52,6 +52,20 @@ class LazyPool:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
                 atexit.register(self._pool.shutdown, wait=False, cancel_futures=True)
             return self._pool
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
+        """``fn(*args)`` on the pool; here and now once the interpreter takes no more pool work
+        (a script that ends without ``close()``: its last save, retention and promotions run on
+        threads that outlive that point): the same answer, one request after another."""
+        try:
+            return self().submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            done: Future[Any] = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as error:  # as the pool hands it over: raised by result()
+                done.set_exception(error)
+            return done
 
     def _forget(self) -> None:
         self._lock, self._pool = threading.Lock(), None

@@ -86,7 +86,7 @@ class ObjectStore(Storage):
         meanwhile, each a round trip of its own."""
         if len(asks) < 2:
             return [ask() for ask in asks]
-        others: list[Future[Any]] = [_askers().submit(ask) for ask in asks[1:]]
+        others: list[Future[Any]] = [_askers.submit(ask) for ask in asks[1:]]
         try:
             first = asks[0]()
         finally:

@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from contextlib import contextmanager
 from typing import Any
 
@@ -67,6 +67,7 @@ from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.run import Run
+from llmtailor.store.storage.base import LazyPool
 from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest
 
@@ -76,6 +77,9 @@ UPLOADS = 4
 """Files one node uploads at once during a collective promotion: its bound on the bandwidth
 a promotion takes from training's own traffic (an object store's multipart upload of one file
 may open a few streams of its own)."""
+_uploaders = LazyPool(UPLOADS, "llmtailor-upload")
+"""Threads uploading a node's files of a promotion (``upload``): a pool that, at an exit without
+``close()`` (a promotion due then), asks one file after another instead of failing."""
 IDLE_WAIT = 0.2
 """Seconds between two looks of ``NodeUploader.join`` for rank 0's stop; and the pause before an
 idle uploader waits again for the next order after a wait that ended without one."""
@@ -118,8 +122,9 @@ def upload(source: Run, dst: Run, staging: dict[int, str], node: int | None) -> 
             copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
         return entry.bytes
 
-    with ThreadPoolExecutor(max_workers=UPLOADS, thread_name_prefix="llmtailor-upload") as pool:
-        return sum(future.result() for future in [pool.submit(one, step, entry) for step, entry in work])
+    futures = [_uploaders.submit(one, step, entry) for step, entry in work]
+    wait(futures)  # every upload ended, whatever the first did
+    return sum(future.result() for future in futures)
 
 
 class Crew:
