@@ -35,7 +35,6 @@ import collections
 import contextlib
 import itertools
 import json
-import mmap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -57,10 +56,6 @@ PIECE = 8 << 20
 WINDOW = 256 << 20
 """Most bytes of a stream's files whose receives are posted ahead of the file handed over
 (``Courier.stream``): their buffers are the receiver's memory in flight."""
-FAULTED_IN_FROM = 1 << 20
-"""Streamed files of at least this many bytes are received into memory faulted in ahead
-(``_landing``); smaller ones into plain memory."""
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (``mmap`` names it from Python 3.13 on)
 _opened = itertools.count()
 """Couriers opened by this process, in the order every rank opens them (collectively): the
 number names a courier's posts on its board."""
@@ -139,9 +134,7 @@ class Courier:
     def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None]) -> None:
         """``stream``'s receiving side for one source: the receives of the next files are posted
         ahead, up to ``WINDOW`` bytes (at least the next file), while ``take`` handles each file
-        in turn, so the peer's sends never wait for a receive to be posted nor for a ``take``;
-        each piece's pages are faulted in on this thread just before its receive is posted
-        (``_landing``), while gloo's thread receives the pieces before it."""
+        in turn, so the peer's sends never wait for a receive to be posted nor for a ``take``."""
         import torch.distributed as dist
 
         what = f"receiving files from rank {src}"
@@ -158,11 +151,8 @@ class Courier:
             while pending and posted + size > WINDOW:
                 posted -= pending[0][1].numel()
                 self._hand_over(src, *pending.popleft(), take)
-            content, fault_in = _landing(size)
-            works = []
-            for at in range(0, size, PIECE):
-                fault_in(at, min(PIECE, size - at))  # on this thread, while gloo's receives the pieces before it
-                works.append(dist.irecv(content[at:at + PIECE], src, group=self.group, tag=_BYTES))
+            content = torch.empty(size, dtype=torch.uint8)
+            works = [dist.irecv(content[at:at + PIECE], src, group=self.group, tag=_BYTES) for at in range(0, size, PIECE)]
             pending.append((name, content, works))
             posted += size
         while pending:
@@ -259,29 +249,6 @@ class Courier:
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
                                     f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-
-
-def _landing(size: int) -> tuple[torch.Tensor, Callable[[int, int], None]]:
-    """Where a streamed file of ``size`` bytes is received (``Courier.stream``): a uint8 tensor,
-    and ``fault_in(at, length)``, which faults those bytes' pages in on the calling thread
-    (``MADV_POPULATE_WRITE``). The receiver calls it for each piece just before it posts the
-    piece's receive, so gloo's receiving thread writes into memory already there instead of
-    taking a page fault every 4 KiB as the bytes land (fresh memory: about 0.1 s of CPU per
-    440 MB, on the transfer's path; here it overlaps the pieces before it). The CPU is the
-    same, on a thread that otherwise waits. Files under ``FAULTED_IN_FROM``, and a kernel
-    without the advice (before 5.14: refused, the pages then fault as they are written):
-    plain memory."""
-    if size < FAULTED_IN_FROM or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return torch.empty(size, dtype=torch.uint8), lambda at, length: None
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # freed with the last view of it
-    page = mmap.PAGESIZE
-
-    def fault_in(at: int, length: int) -> None:
-        start = at - at % page
-        with contextlib.suppress(OSError, ValueError):
-            region.madvise(_MADV_POPULATE_WRITE, start, at + length - start)
-
-    return torch.frombuffer(region, dtype=torch.uint8), fault_in
 
 
 def packed(files: Files) -> Packed:

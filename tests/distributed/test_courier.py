@@ -85,7 +85,6 @@ def _stream(courier: Courier, rank: int, world: int, out: str) -> None:
     from llmtailor.distributed import courier as courier_module
 
     courier_module.PIECE = 1000  # a file of several messages
-    courier_module.FAULTED_IN_FROM = 1  # every file but the empty one lands in memory faulted in ahead (``_landing``)
     mine = {f"packs/rank-{rank:05d}.0.safetensors": bytes([rank]) * 2500, "ranks/empty.json": b"", "manifest.json": b"{}"}
     partner, source = (rank + 1) % world, (rank - 1) % world
 
@@ -250,48 +249,3 @@ def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(
     assert received() == [12000] * 4  # every file's receives posted before the first was handed over
     monkeypatch.setattr(courier_module, "WINDOW", 6000)
     assert received() == [6000, 9000, 12000, 12000]  # at most the window ahead of the file handed over
-
-
-def test_a_streamed_files_pages_are_faulted_in_before_its_pieces_receives_are_posted_not_as_their_bytes_land(monkeypatch):
-    """The receiving side of ``Courier.stream`` (one process, gloo's ``irecv`` faked: each posted
-    receive filled at once, as gloo's receiving thread fills it): a file of at least
-    ``FAULTED_IN_FROM`` bytes lands in memory whose pages the receiver faulted in before it
-    posted each piece's receive (``_landing``), so writing the bytes takes (almost) no page
-    fault; every file arrives whole and in order, the small ones and an empty one too."""
-    import json
-    import resource
-
-    import torch
-
-    from llmtailor.distributed import courier as courier_module
-
-    piece = 64 * 4096
-    files = [("units/big.safetensors", bytes(range(256)) * (5 * piece // 256) + b"tail"), ("ranks/empty.json", b""),
-             ("units/small.safetensors", b"x" * 100)]
-    names = json.dumps([[name, len(content)] for name, content in files]).encode()
-    wire = {courier_module._SIZES: [torch.tensor([len(names), len(files)])],
-            courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
-            courier_module._BYTES: [torch.frombuffer(bytearray(content[at:at + piece]), dtype=torch.uint8)
-                                    for _, content in files for at in range(0, len(content), piece)]}
-    faults: list[tuple[int, int]] = []  # (bytes written, page faults taken writing them) per piece
-
-    class Done:
-        def wait(self, timeout=None) -> bool:
-            return True
-
-    def irecv(tensor, src, group=None, tag=0):
-        message = wire[tag].pop(0)
-        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-        tensor.copy_(message)
-        if tag == courier_module._BYTES:
-            faults.append((tensor.numel(), resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before))
-        return Done()
-
-    monkeypatch.setattr(dist, "irecv", irecv)
-    monkeypatch.setattr(courier_module, "PIECE", piece)
-    monkeypatch.setattr(courier_module, "FAULTED_IN_FROM", piece)
-    seen: list = []
-    Courier(None, 1)._receive_streamed(0, lambda src, name, content: seen.append((name, bytes(content))))
-    assert seen == files
-    big = faults[:6]  # the big file's six pieces: 64 pages each (the last, one page)
-    assert [size for size, _ in big] == [piece] * 5 + [4] and all(taken <= 4 for _, taken in big), faults
