@@ -428,7 +428,9 @@ class Phases:
     """``--phases``: each phase of a restore timed on this rank (wall seconds, and CPU seconds of
     the thread that ran it: ``time.thread_time``; calls), by wrapping the functions below where
     the tree has them (the trees compared may differ), plus the restore's process CPU, the bytes
-    and messages of the courier and of the job's collectives, and the coordinator's rounds.
+    and messages of the courier and of the job's collectives, and the coordinator's rounds; the
+    CPU of the process's other threads (gloo's sends and receives, a healed copy's writer) and its
+    minor page faults (fresh memory written: a healing's receive buffers) until restore returned.
     Phases nest (a phase's time includes those it calls); a phase run on a background thread
     (the healed copy's writes) overlaps the others."""
 
@@ -517,6 +519,7 @@ class Phases:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.total = (time.perf_counter() - self.wall, time.thread_time() - self.cpu,
                       usage.ru_utime - self.usage.ru_utime + usage.ru_stime - self.usage.ru_stime)
+        self.faults = usage.ru_minflt - self.usage.ru_minflt
         placement = getattr(tailor.tiers, "placement", None)
         self.sent = placement.courier.sent_bytes if placement is not None else 0
 
@@ -530,7 +533,8 @@ class Phases:
         wall, thread, process = self.total
         lines = [f"restore: {wall:.3f} s wall, {thread:.3f} s CPU on the training thread, {process:.3f} s CPU of the "
                  f"process (all threads, until restore returned; {self.until_committed:.3f} s until this node's copy was "
-                 f"committed); courier sent {self.sent / 1e6:.1f} MB",
+                 f"committed); other threads (gloo's, the writer's) {process - thread:.3f} s; {self.faults} minor page "
+                 f"faults; courier sent {self.sent / 1e6:.1f} MB",
                  f"{'phase':<46}{'calls':>6}{'wall s':>9}{'CPU s':>8}{'MB':>9}"]
         for name, (calls, seconds, cpu) in self.figures.items():
             moved = f"{self.bytes[name] / 1e6:9.1f}" if name in self.bytes else ""
