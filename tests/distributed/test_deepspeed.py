@@ -305,7 +305,9 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     ``trainer_state.json`` (its LR scheduler is not DeepSpeed's, so DeepSpeed's files hold none):
     ``import-deepspeed`` keeps both and each process's RNG (``rng_state_<rank>.pth``), with masters
     equal to DeepSpeed's own ``zero_to_fp32``, so the run assembles into a Trainer checkpoint (each
-    rank's RNG file back) and merges as an HF checkpoint; ``import-hf`` names ``import-deepspeed``."""
+    rank's RNG file back) and merges as an HF checkpoint; ``import-hf`` names ``import-deepspeed``.
+    The imported run, resumed by a TailorTrainer at 2 processes under ZeRO-3, continues exactly as
+    the uninterrupted DeepSpeed run did (losses, LRs, batches, each process's RNG)."""
     import yaml
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from helpers import assert_same_tree
@@ -317,14 +319,28 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     from llmtailor.merge import merge
 
     job = Path(__file__).parents[1] / "integrations" / "hf_job.py"
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    # One launch: the vanilla run trains to 6 (saving at 4); then, in the same process group,
+    # rank 0 imports its checkpoint-4 and a TailorTrainer resumes that run at 2 processes to 6.
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), "--out",
          str(tmp_path / "out"), "--result", str(tmp_path / "result.json"), "--trainer", "vanilla", "--deepspeed", "3",
-         "--max-steps", "4", "--save-steps", "4"],
+         "--max-steps", "6", "--save-steps", "4", "--then", "--out", str(tmp_path / "resumed"), "--result",
+         str(tmp_path / "resumed.json"), "--deepspeed", "3", "--max-steps", "6", "--save-steps", "100",
+         "--import-deepspeed", str(checkpoint), "--resume", str(tmp_path / "imported")],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    checkpoint = tmp_path / "out" / "checkpoint-4"
+    # The imported run resumed at 2 processes continues as the uninterrupted DeepSpeed run did:
+    # the same batches, LRs and losses (gathered from both ranks) bit for bit, and each process's
+    # RNG as it was at the same step.
+    uninterrupted, resumed = (json.loads((tmp_path / name).read_text()) for name in ("result.json", "resumed.json"))
+    assert resumed["global_step"] == uninterrupted["global_step"] == 6
+    assert resumed["losses"] == uninterrupted["losses"]  # 1..4 from the imported trainer_state.json's log
+    for key in ("lrs", "batches"):
+        assert resumed[key] == {step: v for step, v in uninterrupted[key].items() if int(step) > 4}, key
+    assert [sorted(r) for r in resumed["rngs"]] == [["5", "6"]] * 2 and uninterrupted["rngs"][0] != uninterrupted["rngs"][1]
+    assert resumed["rngs"] == [{s: v for s, v in r.items() if int(s) > 4} for r in uninterrupted["rngs"]]
     runner = CliRunner()
     refused = runner.invoke(app, ["import-hf", str(checkpoint), "-o", str(tmp_path / "hf-run")])
     assert refused.exit_code == 2 and "llmtailor import-deepspeed" in refused.output, refused.output
