@@ -372,6 +372,34 @@ def _peft_checkpoint(path):
     return path / "checkpoint-1"
 
 
+def _fsdp_sharded_checkpoint(path, checkpoint):
+    """What Trainer writes under FSDP with ``fsdp_config`` ``state_dict_type: SHARDED_STATE_DICT``
+    (accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``): ``pytorch_model_fsdp_0/`` and
+    ``optimizer_0/``, each a directory of torch's distributed checkpoint (``{"model": ...}``,
+    ``{"optimizer": ...}``), beside scheduler.pt, trainer_state.json and each process's RNG file;
+    no config.json, no model.safetensors, no optimizer.pt. Trainer refuses FSDP on CPU, so the
+    directories are written here with the real ``torch.distributed.checkpoint.save`` (one
+    process), the rest copied from a real Trainer checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    source = checkpoint("llama")
+    path = path / f"checkpoint-{STEP}"
+    path.mkdir(parents=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = Windows()[0]["input_ids"][None]
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(path / "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": optimizer.state_dict()}, storage_writer=dcp.FileSystemWriter(path / "optimizer_0"))
+    for name in ("scheduler.pt", "trainer_state.json", "training_args.bin"):
+        shutil.copy(source / name, path / name)
+    for rank in range(2):
+        shutil.copy(source / "rng_state.pth", path / f"rng_state_{rank}.pth")
+    return path
+
+
 FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge says
     "accelerate save_state": (_accelerate_state, r"is an accelerate save_state directory .*TailorAccelerator.*load_state",
                               r"is an accelerate save_state directory .*TailorAccelerator"),
@@ -379,11 +407,14 @@ FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge sa
                         r"is a Lightning checkpoint file.*TailorCheckpoint"),
     "peft Trainer checkpoint": (_peft_checkpoint, r"a Trainer checkpoint of a peft model.*TailorTrainer.*resume_from_checkpoint",
                                 r"is a peft adapter .*merge_and_unload"),
+    "FSDP sharded Trainer checkpoint": (_fsdp_sharded_checkpoint,
+                                        r"is a Trainer checkpoint saved under FSDP \(pytorch_model_fsdp_0/.*TailorTrainer.*resume_from_checkpoint",
+                                        r"is a Trainer checkpoint saved under FSDP .*TailorTrainer"),
 }
 
 
 @pytest.mark.parametrize("shape", list(FOREIGN))
-def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_path, shape):
+def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_path, shape, checkpoint):
     """Formats users bring that import-hf and merges do not read, as their own framework writes
     them: each is named, with the way to bring it in, and nothing is written."""
     import yaml
@@ -392,7 +423,7 @@ def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_pat
     from llmtailor.merge import merge
 
     make, imported, merged = FOREIGN[shape]
-    source = make(tmp_path / "source")
+    source = make(tmp_path / "source", checkpoint) if make is _fsdp_sharded_checkpoint else make(tmp_path / "source")
     refused = runner.invoke(app, ["import-hf", str(source), "-o", str(tmp_path / "run")])
     said = " ".join(refused.output.split())
     assert refused.exit_code == 2 and re.search(imported, said) and "Traceback" not in said, said
