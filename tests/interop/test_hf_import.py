@@ -30,18 +30,21 @@ register(app)
 register(app)  # harmless twice
 runner = CliRunner()
 STEP = 2
+TIED = ("qwen2", "llama-tied")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """Lazily made ``checkpoint-2/`` directories of plain Trainer runs, by family."""
+    """Lazily made ``checkpoint-2/`` directories of plain Trainer runs, by family (``qwen2`` and
+    ``llama-tied`` tie their embeddings)."""
     made = {}
 
     def get(family: str):
         if family not in made:
             out = tmp_path_factory.mktemp(f"trainer-{family}")
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(model_config(family, tie=family == "qwen2"))
+            config = model_config(family.removesuffix("-tied"), tie=family in TIED)
+            model = transformers.AutoModelForCausalLM.from_config(config)
             args = transformers.TrainingArguments(
                 output_dir=str(out), per_device_train_batch_size=2, max_steps=STEP, save_steps=STEP, report_to=[],
                 use_cpu=True, seed=0, learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, disable_tqdm=True,
@@ -199,7 +202,7 @@ def test_bad_checkpoints_are_refused_naming_the_file_with_nothing_written(tmp_pa
     assert not (tmp_path / "new-run").exists()
 
 
-@pytest.mark.parametrize("family,shards", [("llama", 3), ("qwen2", 1)])  # qwen2: tied, both names in the .bin
+@pytest.mark.parametrize("family,shards", [("llama", 3), ("qwen2", 1), ("llama-tied", 1)])  # tied: both names in the .bin
 def test_a_checkpoint_with_pytorch_model_bin_imports_and_merges_as_its_safetensors_twin(tmp_path, checkpoint, family, shards):
     """A Trainer checkpoint saved with ``save_safetensors=False`` (pytorch_model.bin, or its
     shards and index): ``import-hf`` writes, unit for unit, the run it writes from the same
@@ -221,7 +224,7 @@ def test_a_checkpoint_with_pytorch_model_bin_imports_and_merges_as_its_safetenso
     # A merge means what mergekit makes of it: a tied head both names of which are in the .bin is
     # a head of its own there, the embedding's values.
     extra = merged.manifest(STEP).units.keys() - imported.manifest(STEP).units.keys()
-    assert extra == ({"head"} if family == "qwen2" else set())
+    assert extra == ({"head"} if family in TIED else set())
     for unit in extra:
         assert torch.equal(merged.read_unit(STEP, unit)[0]["weight/lm_head.weight"],
                            imported.read_unit(STEP, "embed")[0]["weight/model.embed_tokens.weight"])
