@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import flip_unit_byte, tiny
+from helpers import flip_unit_byte, standalone_launch, tiny
 
 from llmtailor import Tailor
 from llmtailor.store.run import Run
@@ -39,7 +38,7 @@ def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float 
             for stale in out.glob(f"result-{name}-*.json"):
                 stale.unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB),
+        [*standalone_launch(nproc), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
@@ -323,7 +322,7 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     # One launch: the vanilla run trains to 6 (saving at 4); then, in the same process group,
     # rank 0 imports its checkpoint-4 and a TailorTrainer resumes that run at 2 processes to 6.
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), "--out",
+        [*standalone_launch(2), str(job), "--out",
          str(tmp_path / "out"), "--result", str(tmp_path / "result.json"), "--trainer", "vanilla", "--deepspeed", "3",
          "--max-steps", "6", "--save-steps", "4", "--then", "--out", str(tmp_path / "resumed"), "--result",
          str(tmp_path / "resumed.json"), "--deepspeed", "3", "--max-steps", "6", "--save-steps", "100",
