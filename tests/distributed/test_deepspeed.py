@@ -78,6 +78,7 @@ def test_zero3_parity_snapshot_restores_exactly_and_full_resumes_bitwise(zero3):
         assert result["restored"] == 6 and result["extra"] == {"rank": rank}
         assert result["mismatches"] == []
         assert result["resumed"] == result["uninterrupted"]
+        assert result["global_steps"] == {"uninterrupted": 8, "resumed": 8}  # DeepSpeed's own counter, restored
     run = Run(out / "parity")
     manifest = run.manifest(6)
     assert manifest.provider == "deepspeed" and manifest.world_size == 2 and manifest.notes["zero_stage"] == 3
@@ -164,7 +165,8 @@ def test_bf16_weights_are_the_restored_masters_cast(zero2):
 
 def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, tmp_path):
     """engine.save_checkpoint (ZeRO-3, 2 ranks) -> import-deepspeed -> tensors equal DeepSpeed's
-    own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it."""
+    own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it;
+    the imported run restored at 2 ranks trains on as the uninterrupted engine did."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
     from typer.testing import CliRunner
@@ -208,8 +210,15 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
 
     result = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--format", "deepspeed", "-o", str(tmp_path / "universal")])
     assert result.exit_code == 0, result.output
-    for loaded in launch(2, "universal", tmp_path, stage=2):
+    # One launch: DeepSpeed loads the universal checkpoint (ZeRO-2); the imported run is restored
+    # into a ZeRO-3 engine at 2 ranks, which trains on as the uninterrupted engine did, bit for bit.
+    run_jobs(2, [("universal", tmp_path, 2, "plain"), ("resume_imported", tmp_path, 3, "plain")])
+    for loaded in results(tmp_path, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
+    uninterrupted = results(zero3[0], "checkpoint", 2)
+    for rank, resumed in enumerate(results(tmp_path, "resume_imported", 2)):
+        assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed
+        assert resumed["losses"] == uninterrupted[rank]["continued"] and resumed["mismatches"] == []
 
 
 def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2, tmp_path, monkeypatch):
