@@ -416,6 +416,10 @@ FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge sa
 }
 
 
+INSPECTED = {"peft Trainer checkpoint": r"is a Hugging Face Trainer checkpoint .*import-hf"}  # which then names it
+"""What ``inspect`` says where it is not what a merge says."""
+
+
 @pytest.mark.parametrize("shape", list(FOREIGN))
 def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_path, shape, checkpoint):
     """Formats users bring that import-hf and merges do not read, as their own framework writes
@@ -430,6 +434,9 @@ def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_pat
     refused = runner.invoke(app, ["import-hf", str(source), "-o", str(tmp_path / "run")])
     said = " ".join(refused.output.split())
     assert refused.exit_code == 2 and re.search(imported, said) and "Traceback" not in said, said
+    inspected = runner.invoke(app, ["inspect", str(source)])  # a command that takes a run names it too
+    said = " ".join(inspected.output.split())
+    assert inspected.exit_code == 2 and re.search(INSPECTED.get(shape, merged), said) and "Traceback" not in said, said
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(source)}]}))
     with pytest.raises(ConfigError, match=merged):
         merge(tmp_path / "plan.yaml", tmp_path / "merged")
