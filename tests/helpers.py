@@ -117,7 +117,7 @@ def run_job(script: Path, args: list[str], result: Path, *, crash: bool = False,
     going to every rank) and return the JSON its rank 0 wrote to ``result``, with its stdout.
     ``crash=True``: it must have been SIGKILLed (a launcher then stops every rank and exits 1)."""
     if launcher is None and nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        launcher = standalone_launch(nproc)
     launch = [*(launcher or [sys.executable]), str(script)]
     proc = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
@@ -205,6 +205,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def standalone_launch(nproc: int) -> list[str]:
+    """The command line that starts ``nproc`` ranks on this machine (``torchrun --standalone``),
+    before the script and its arguments; ``node_launches`` starts several "nodes"."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 def node_launches(script: Path, args_of, env_of, nodes: int = 2, per_node: int = 1, *, merged: bool = False,

@@ -15,6 +15,11 @@ from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
 
 ACCELERATE_FILES = ("optimizer.bin", "random_states_0.pkl")
 """What ``Accelerator.save_state`` writes and nothing else does (its model is ``model.safetensors``)."""
+FSDP_MODEL_PREFIX = "pytorch_model_fsdp"
+"""accelerate's ``FSDP_MODEL_NAME``: what Trainer under FSDP saves the model as, by
+``state_dict_type``: ``pytorch_model_fsdp_0/`` (SHARDED, torch's distributed checkpoint, its
+optimizer in ``optimizer_0/``), ``pytorch_model_fsdp_0_rank<r>.bin``, ``pytorch_model_fsdp_rank<r>.bin``
+(LOCAL) or ``pytorch_model_fsdp.bin`` (FULL, its optimizer in ``optimizer.bin``)."""
 LIGHTNING_SUFFIX = ".ckpt"
 
 
@@ -27,6 +32,12 @@ def describe_other_format(path: Path) -> str | None:
                     f"`trainer.fit(model, ckpt_path=\"{path}\")` with llmtailor's TailorCheckpoint among the "
                     "callbacks, which saves tailored snapshots from there")
         return None
+    fsdp = fsdp_files(path)
+    if fsdp:
+        return (f"a Trainer checkpoint saved under FSDP ({', '.join(fsdp[:2])}: FSDP's own state dicts, not "
+                f"model.safetensors and optimizer.pt), which llmtailor does not read: resume from it with llmtailor's "
+                f"TailorTrainer under the same fsdp_config, `trainer.train(resume_from_checkpoint=\"{path}\")` "
+                "(Trainer's own FSDP load), which saves tailored snapshots from there")
     if (path / TRAINER_STATE_FILE).is_file():
         return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
                 f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")
@@ -40,3 +51,9 @@ def describe_other_format(path: Path) -> str | None:
     if (path / CONFIG_FILE).is_file() and (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))):
         return "a model directory (config.json and its weights; a source for a `llmtailor merge` plan)"
     return None
+
+
+def fsdp_files(path: Path) -> list[str]:
+    """The names of the FSDP model files or directories Trainer wrote in ``path`` (``FSDP_MODEL_PREFIX``),
+    a directory's with a trailing ``/``; empty for a directory of any other kind."""
+    return sorted(p.name + "/" * p.is_dir() for p in path.glob(f"{FSDP_MODEL_PREFIX}*"))

@@ -281,6 +281,14 @@ def _assign(spec: PlanSpec, sources: dict[str, Source], slices: list[Slice], lay
     assignment: _Assignment = {}
     aux = _aux_sources(spec, sources, first, last, found.problems)
     template = sources[state_label].layout
+    named = sources[aux[HEAD]].layout
+    if HEAD in named.units and HEAD not in template.units and aux[HEAD] != aux[EMBED]:
+        # A tied output has no head of its own: another source's head would be silently left out.
+        found.problems.append(
+            f"the LM head is taken from {aux[HEAD]!r}, but the output's model (the config of {state_label!r}) ties "
+            f"{', '.join(named.units[HEAD])} to {', '.join(template.units.get(EMBED, []))}, taken from {aux[EMBED]!r}: "
+            f"the head of {aux[HEAD]!r} would be lost; take the embedding from {aux[HEAD]!r} too, or the config "
+            "(state_from) from a model with a head of its own")
     for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
         label = aux.get(unit, first)
         # mergekit: the embeddings take the first slice's parameters, the final norm and head the

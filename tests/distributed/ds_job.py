@@ -18,14 +18,19 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     no-decay groups trains steps 1..6, a Parity ``Tailor(DIR/parity, engine)`` saving every 2
     steps; at every save, rank 0 writes every master and optimizer state, whole (DeepSpeed's own
     accessors), to ``DIR/versions/<step>``. Then a Full run: saved at 4, continued to 8, and a
-    fresh engine from another seed restored from it and trained 5..8: losses compared bitwise.
+    fresh engine from another seed restored from it and trained 5..8: losses compared bitwise
+    (and the engines' global_steps).
     Then ``DIR/parity`` is restored into a fresh engine and compared.
 ``restore``  ZeRO-STAGE at this world size: restore ``DIR/parity`` and compare.
 ``bf16``  ZeRO-STAGE with bf16 weights and fp32 masters: Parity saves into ``DIR/bf16``, a
     restore into a fresh engine; masters compared with the versions, and the bf16 weights with
     the masters cast.
 ``checkpoint``  ZeRO-STAGE: 3 steps, then DeepSpeed's own ``engine.save_checkpoint(DIR/ds)``
-    (with the model's ``config.json`` beside it, as HF Trainer writes one) and the versions.
+    (with the model's ``config.json`` beside it, as HF Trainer writes one) and the versions;
+    then steps 4..6 go on (their losses, and the versions after them in ``DIR/ds/versions-6``).
+``resume_imported``  ZeRO-STAGE: restore ``DIR/run`` (``DIR/ds`` imported with import-deepspeed)
+    into a fresh engine, train 4..6: losses, and every master and state compared with
+    ``DIR/ds/versions-6``.
 ``universal``  ZeRO-STAGE: ``engine.load_checkpoint(DIR/universal)`` with DeepSpeed's
     ``load_universal``; every master and state compared with ``DIR/ds/versions``.
 ``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
@@ -155,6 +160,7 @@ def save_scenario(out: Path, stage: int) -> dict:
     fresh = engine(stage, seed=7)
     Tailor(out / "full", fresh, timeout=60).restore()
     result["resumed"] = train(fresh, range(5, 9))
+    result["global_steps"] = {"uninterrupted": full.global_steps, "resumed": fresh.global_steps}
     result.update(restore_scenario(out, stage))
     return result
 
@@ -217,7 +223,22 @@ def checkpoint_scenario(out: Path, stage: int) -> dict:
     if rank() == 0:
         model_config().to_json_file(str(out / "ds" / "config.json"))
         save_file(values, str(out / "ds" / "versions.safetensors"))
-    return {"global_steps": e.global_steps}
+    global_steps = e.global_steps
+    continued = train(e, [4, 5, 6])
+    values = versions(e)
+    if rank() == 0:
+        save_file(values, str(out / "ds" / "versions-6.safetensors"))
+    return {"global_steps": global_steps, "continued": continued}
+
+
+def resume_imported_scenario(out: Path, stage: int) -> dict:
+    e = engine(stage, seed=5)
+    report = Tailor(out / "run", e, timeout=60).restore()
+    losses = train(e, [4, 5, 6])
+    reference = load_file(str(out / "ds" / "versions-6.safetensors"))
+    values = versions(e)
+    return {"restored": report.step, "losses": losses, "global_steps": e.global_steps,
+            "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 
 def universal_scenario(out: Path, stage: int) -> dict:
@@ -236,7 +257,7 @@ def universal_scenario(out: Path, stage: int) -> dict:
 
 SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
              "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
-             "universal": universal_scenario}
+             "universal": universal_scenario, "resume_imported": resume_imported_scenario}
 
 
 def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:

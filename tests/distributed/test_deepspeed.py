@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import flip_unit_byte, tiny
+from helpers import flip_unit_byte, standalone_launch, tiny
 
 from llmtailor import Tailor
 from llmtailor.store.run import Run
@@ -39,7 +38,7 @@ def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float 
             for stale in out.glob(f"result-{name}-*.json"):
                 stale.unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB),
+        [*standalone_launch(nproc), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
@@ -79,6 +78,7 @@ def test_zero3_parity_snapshot_restores_exactly_and_full_resumes_bitwise(zero3):
         assert result["restored"] == 6 and result["extra"] == {"rank": rank}
         assert result["mismatches"] == []
         assert result["resumed"] == result["uninterrupted"]
+        assert result["global_steps"] == {"uninterrupted": 8, "resumed": 8}  # DeepSpeed's own counter, restored
     run = Run(out / "parity")
     manifest = run.manifest(6)
     assert manifest.provider == "deepspeed" and manifest.world_size == 2 and manifest.notes["zero_stage"] == 3
@@ -165,7 +165,8 @@ def test_bf16_weights_are_the_restored_masters_cast(zero2):
 
 def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, tmp_path):
     """engine.save_checkpoint (ZeRO-3, 2 ranks) -> import-deepspeed -> tensors equal DeepSpeed's
-    own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it."""
+    own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it;
+    the imported run restored at 2 ranks trains on as the uninterrupted engine did."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
     from typer.testing import CliRunner
@@ -209,8 +210,15 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
 
     result = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--format", "deepspeed", "-o", str(tmp_path / "universal")])
     assert result.exit_code == 0, result.output
-    for loaded in launch(2, "universal", tmp_path, stage=2):
+    # One launch: DeepSpeed loads the universal checkpoint (ZeRO-2); the imported run is restored
+    # into a ZeRO-3 engine at 2 ranks, which trains on as the uninterrupted engine did, bit for bit.
+    run_jobs(2, [("universal", tmp_path, 2, "plain"), ("resume_imported", tmp_path, 3, "plain")])
+    for loaded in results(tmp_path, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
+    uninterrupted = results(zero3[0], "checkpoint", 2)
+    for rank, resumed in enumerate(results(tmp_path, "resume_imported", 2)):
+        assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed
+        assert resumed["losses"] == uninterrupted[rank]["continued"] and resumed["mismatches"] == []
 
 
 def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2, tmp_path, monkeypatch):
@@ -305,7 +313,9 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     ``trainer_state.json`` (its LR scheduler is not DeepSpeed's, so DeepSpeed's files hold none):
     ``import-deepspeed`` keeps both and each process's RNG (``rng_state_<rank>.pth``), with masters
     equal to DeepSpeed's own ``zero_to_fp32``, so the run assembles into a Trainer checkpoint (each
-    rank's RNG file back) and merges as an HF checkpoint; ``import-hf`` names ``import-deepspeed``."""
+    rank's RNG file back) and merges as an HF checkpoint; ``import-hf`` names ``import-deepspeed``.
+    The imported run, resumed by a TailorTrainer at 2 processes under ZeRO-3, continues exactly as
+    the uninterrupted DeepSpeed run did (losses, LRs, batches, each process's RNG)."""
     import yaml
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from helpers import assert_same_tree
@@ -317,14 +327,28 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     from llmtailor.merge import merge
 
     job = Path(__file__).parents[1] / "integrations" / "hf_job.py"
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    # One launch: the vanilla run trains to 6 (saving at 4); then, in the same process group,
+    # rank 0 imports its checkpoint-4 and a TailorTrainer resumes that run at 2 processes to 6.
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(job), "--out",
+        [*standalone_launch(2), str(job), "--out",
          str(tmp_path / "out"), "--result", str(tmp_path / "result.json"), "--trainer", "vanilla", "--deepspeed", "3",
-         "--max-steps", "4", "--save-steps", "4"],
+         "--max-steps", "6", "--save-steps", "4", "--then", "--out", str(tmp_path / "resumed"), "--result",
+         str(tmp_path / "resumed.json"), "--deepspeed", "3", "--max-steps", "6", "--save-steps", "100",
+         "--import-deepspeed", str(checkpoint), "--resume", str(tmp_path / "imported")],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    checkpoint = tmp_path / "out" / "checkpoint-4"
+    # The imported run resumed at 2 processes continues as the uninterrupted DeepSpeed run did:
+    # the same batches, LRs and losses (gathered from both ranks) bit for bit, and each process's
+    # RNG as it was at the same step.
+    uninterrupted, resumed = (json.loads((tmp_path / name).read_text()) for name in ("result.json", "resumed.json"))
+    assert resumed["global_step"] == uninterrupted["global_step"] == 6
+    assert resumed["losses"] == uninterrupted["losses"]  # 1..4 from the imported trainer_state.json's log
+    for key in ("lrs", "batches"):
+        assert resumed[key] == {step: v for step, v in uninterrupted[key].items() if int(step) > 4}, key
+    assert [sorted(r) for r in resumed["rngs"]] == [["5", "6"]] * 2 and uninterrupted["rngs"][0] != uninterrupted["rngs"][1]
+    assert resumed["rngs"] == [{s: v for s, v in r.items() if int(s) > 4} for r in uninterrupted["rngs"]]
     runner = CliRunner()
     refused = runner.invoke(app, ["import-hf", str(checkpoint), "-o", str(tmp_path / "hf-run")])
     assert refused.exit_code == 2 and "llmtailor import-deepspeed" in refused.output, refused.output

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny
+from helpers import standalone_launch, tiny
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -46,7 +46,7 @@ def test_two_nodes_save_to_s3_and_a_third_world_size_and_one_process_restore_fro
 
     # Another world size (3 ranks, one launch), reading the node-0 versions to compare.
     three = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(JOB), "fsdp-restore",
+        [*standalone_launch(3), str(JOB), "fsdp-restore",
          str(nodes.own("fsdp", 0))],
         env=base, capture_output=True, text=True, timeout=600,
     )

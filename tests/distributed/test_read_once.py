@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, tiny, train, wait_launches
+from helpers import free_port, standalone_launch, tiny, train, wait_launches
 from safetensors.torch import save_file
 
 pytest.importorskip("obstore")
@@ -76,7 +76,7 @@ def torchrun(ranks: int, jobs: list[tuple[str, Path]], url: str) -> None:
     """One launch of ``torch_job.py`` at ``ranks`` ranks running the ``(scenario, dir)`` jobs in
     turn, ``$RUN_ROOT`` at ``url``."""
     launch = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
+        [*standalone_launch(ranks), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         env={**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
         capture_output=True, text=True, timeout=1800,

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, free_port, tiny, train, wait_launches
+from helpers import (MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, free_port, standalone_launch, tiny, train,
+                     wait_launches)
 
 from llmtailor import Parity, Tailor
 from llmtailor.store.run import Run
@@ -44,7 +45,7 @@ def torchrun_jobs(nproc: int, jobs: list[tuple[str, Path]], timeout: float = 600
     """One launch at ``nproc`` ranks running the ``(scenario, dir)`` jobs in turn; past ``timeout``
     (a hang) every rank is killed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(JOB),
+        [*standalone_launch(nproc), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), **more_env}, start_new_session=True,
     )

@@ -2,11 +2,13 @@
 
     python hf_job.py --out DIR --result FILE [--trainer tailor|vanilla] [--policy full|parity]
         [--family llama|qwen2] [--tie] [--max-steps 12] [--save-steps 4] [--crash-at STEP]
-        [--resume true|PATH] [--dump FILE] [--async] [--deepspeed STAGE]
+        [--resume true|PATH] [--dump FILE] [--async] [--deepspeed STAGE] [--import-deepspeed CHECKPOINT]
 
 Under ``torchrun --nproc_per_node N`` it is a DDP job (gloo, CPU): each process trains on its
 share of the batches, and only rank 0 writes the result file. --deepspeed STAGE runs Trainer
-with DeepSpeed ZeRO (CPU: launch with DS_ACCELERATOR=cpu under torchrun).
+with DeepSpeed ZeRO (CPU: launch with DS_ACCELERATOR=cpu under torchrun). --import-deepspeed
+CHECKPOINT: before training, rank 0 imports that DeepSpeed checkpoint (``import_deepspeed``) into
+the --resume PATH this job then resumes from.
 
 Several jobs may share a launch (one process group under torchrun): their command lines
 separated by ``--then``, run in turn, each printing ``job N done on rank R`` when it is done (a
@@ -16,8 +18,9 @@ job that SIGKILLs itself must come last).
 the checkpoint's config.json. --crash-at SIGKILLs the process right after the save of that step.
 --dump writes, when training begins (after any resume), every weight and optimizer tensor by
 parameter name, the global step and the LR. The result file holds the logged loss of every step
-(float.hex), the LR after every step, a digest of every step's batch, and a digest of the final
-weights.
+(float.hex), the LR after every step, a digest of every step's batch, a digest of every process's
+torch RNG state as each step begins (one list per rank; each process then draws rank + 1
+numbers, so that the processes' RNGs differ), and a digest of the final weights.
 """
 
 from __future__ import annotations
@@ -108,9 +111,12 @@ class Recorder(transformers.TrainerCallback):
 def recording(base):
     class Recording(base):
         batches: dict[int, str] = {}
+        rngs: dict[int, str] = {}
 
         def training_step(self, model, inputs, *rest, **kw):
             self.batches[self.state.global_step + 1] = digest(inputs["input_ids"])
+            self.rngs[self.state.global_step + 1] = digest(torch.random.get_rng_state())
+            torch.rand(self.args.process_index + 1)  # the processes' RNGs differ, as dropout would make them
             return super().training_step(model, inputs, *rest, **kw)
 
     return Recording
@@ -166,6 +172,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--dump")
     parser.add_argument("--async", dest="async_save", action="store_true")
     parser.add_argument("--deepspeed", type=int, choices=[1, 2, 3])
+    parser.add_argument("--import-deepspeed")
     args = parser.parse_args(argv)
     deepspeed_config = None
     if args.deepspeed:
@@ -190,6 +197,12 @@ def main(argv: list[str] | None = None):
         logging_steps=1, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, learning_rate=3e-3,
         weight_decay=0.01, warmup_steps=2, disable_tqdm=True, save_total_limit=None, deepspeed=deepspeed_config,
     )
+    if args.import_deepspeed:  # the run this job resumes from, imported inside the launch
+        from llmtailor.interop.deepspeed.importer import import_deepspeed
+
+        if training_args.process_index == 0:
+            import_deepspeed(Path(args.import_deepspeed), Path(resume))
+        torch.distributed.barrier()
     recorder = Recorder(args)
     common = dict(model=model, args=training_args, train_dataset=Windows(), callbacks=[recorder])
     if args.trainer == "vanilla":
@@ -205,10 +218,14 @@ def main(argv: list[str] | None = None):
     if args.trainer == "vanilla":
         assert not [m for m in sys.modules if m.startswith("llmtailor")], "vanilla run imported llmtailor"
     losses = {e["step"]: e["loss"].hex() for e in trainer.state.log_history if "loss" in e}
+    rngs = [trainer.rngs]
+    if torch.distributed.is_initialized():
+        rngs = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rngs, trainer.rngs)
     if trainer.args.process_index == 0:
         Path(args.result).write_text(json.dumps({
             "losses": losses, "lrs": recorder.lrs, "batches": trainer.batches, "params": params_digest(model),
-            "global_step": trainer.state.global_step,
+            "global_step": trainer.state.global_step, "rngs": rngs,
         }))
     return trainer
 

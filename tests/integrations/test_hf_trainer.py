@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from forked_jobs import run_in_turn, run_jobs
-from helpers import tree_digest
+from helpers import standalone_launch, tree_digest
 from typer.testing import CliRunner
 
 from llmtailor import Parity
@@ -152,7 +152,7 @@ def two_ranks(tmp_path: Path, *flags: str, shared: bool = True) -> tuple[dict, l
     (SIGKILLed after its save of 8), in one launch that runs them in turn in one process group
     (forked_jobs.run_in_turn) if ``shared``, else one each; then "resumed" in a launch of its own.
     And the steps the killed run held."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    torchrun = standalone_launch(2)
 
     def spec(name: str, out: str, *more: str) -> tuple[list[str], Path]:
         return ["--out", str(tmp_path / out), "--result", str(tmp_path / f"{name}.json"), *flags, *more], \

@@ -8,14 +8,13 @@ mid-epoch and at an epoch boundary), or each unit at the version the composite n
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from forked_jobs import run_in_turn, run_jobs
-from helpers import assert_composite_loaded, assert_same_training_state
+from helpers import assert_composite_loaded, assert_same_training_state, standalone_launch
 
 L = pytest.importorskip("lightning")
 
@@ -138,7 +137,7 @@ def two_ranks(tmp_path_factory):
     loaded), "again" (resumed, killed after 8)], ["resumed" (to 10, eager loader)]. The Parity
     run's composite after its crash is recorded in "after-crash"."""
     root = tmp_path_factory.mktemp("ddp")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    torchrun = standalone_launch(2)
 
     def job(name: str, run: str, *flags: str) -> tuple[list[str], Path]:
         return ["--run-dir", str(root / run), "--result", str(root / f"{name}.json"), "--devices", "2", *flags], \

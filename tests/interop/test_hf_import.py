@@ -30,18 +30,21 @@ register(app)
 register(app)  # harmless twice
 runner = CliRunner()
 STEP = 2
+TIED = ("qwen2", "llama-tied")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """Lazily made ``checkpoint-2/`` directories of plain Trainer runs, by family."""
+    """Lazily made ``checkpoint-2/`` directories of plain Trainer runs, by family (``qwen2`` and
+    ``llama-tied`` tie their embeddings)."""
     made = {}
 
     def get(family: str):
         if family not in made:
             out = tmp_path_factory.mktemp(f"trainer-{family}")
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(model_config(family, tie=family == "qwen2"))
+            config = model_config(family.removesuffix("-tied"), tie=family in TIED)
+            model = transformers.AutoModelForCausalLM.from_config(config)
             args = transformers.TrainingArguments(
                 output_dir=str(out), per_device_train_batch_size=2, max_steps=STEP, save_steps=STEP, report_to=[],
                 use_cpu=True, seed=0, learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, disable_tqdm=True,
@@ -199,7 +202,7 @@ def test_bad_checkpoints_are_refused_naming_the_file_with_nothing_written(tmp_pa
     assert not (tmp_path / "new-run").exists()
 
 
-@pytest.mark.parametrize("family,shards", [("llama", 3), ("qwen2", 1)])  # qwen2: tied, both names in the .bin
+@pytest.mark.parametrize("family,shards", [("llama", 3), ("qwen2", 1), ("llama-tied", 1)])  # tied: both names in the .bin
 def test_a_checkpoint_with_pytorch_model_bin_imports_and_merges_as_its_safetensors_twin(tmp_path, checkpoint, family, shards):
     """A Trainer checkpoint saved with ``save_safetensors=False`` (pytorch_model.bin, or its
     shards and index): ``import-hf`` writes, unit for unit, the run it writes from the same
@@ -221,7 +224,7 @@ def test_a_checkpoint_with_pytorch_model_bin_imports_and_merges_as_its_safetenso
     # A merge means what mergekit makes of it: a tied head both names of which are in the .bin is
     # a head of its own there, the embedding's values.
     extra = merged.manifest(STEP).units.keys() - imported.manifest(STEP).units.keys()
-    assert extra == ({"head"} if family == "qwen2" else set())
+    assert extra == ({"head"} if family in TIED else set())
     for unit in extra:
         assert torch.equal(merged.read_unit(STEP, unit)[0]["weight/lm_head.weight"],
                            imported.read_unit(STEP, "embed")[0]["weight/model.embed_tokens.weight"])
@@ -372,6 +375,34 @@ def _peft_checkpoint(path):
     return path / "checkpoint-1"
 
 
+def _fsdp_sharded_checkpoint(path, checkpoint):
+    """What Trainer writes under FSDP with ``fsdp_config`` ``state_dict_type: SHARDED_STATE_DICT``
+    (accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``): ``pytorch_model_fsdp_0/`` and
+    ``optimizer_0/``, each a directory of torch's distributed checkpoint (``{"model": ...}``,
+    ``{"optimizer": ...}``), beside scheduler.pt, trainer_state.json and each process's RNG file;
+    no config.json, no model.safetensors, no optimizer.pt. Trainer refuses FSDP on CPU, so the
+    directories are written here with the real ``torch.distributed.checkpoint.save`` (one
+    process), the rest copied from a real Trainer checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    source = checkpoint("llama")
+    path = path / f"checkpoint-{STEP}"
+    path.mkdir(parents=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = Windows()[0]["input_ids"][None]
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(path / "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": optimizer.state_dict()}, storage_writer=dcp.FileSystemWriter(path / "optimizer_0"))
+    for name in ("scheduler.pt", "trainer_state.json", "training_args.bin"):
+        shutil.copy(source / name, path / name)
+    for rank in range(2):
+        shutil.copy(source / "rng_state.pth", path / f"rng_state_{rank}.pth")
+    return path
+
+
 FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge says
     "accelerate save_state": (_accelerate_state, r"is an accelerate save_state directory .*TailorAccelerator.*load_state",
                               r"is an accelerate save_state directory .*TailorAccelerator"),
@@ -379,11 +410,18 @@ FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge sa
                         r"is a Lightning checkpoint file.*TailorCheckpoint"),
     "peft Trainer checkpoint": (_peft_checkpoint, r"a Trainer checkpoint of a peft model.*TailorTrainer.*resume_from_checkpoint",
                                 r"is a peft adapter .*merge_and_unload"),
+    "FSDP sharded Trainer checkpoint": (_fsdp_sharded_checkpoint,
+                                        r"is a Trainer checkpoint saved under FSDP \(pytorch_model_fsdp_0/.*TailorTrainer.*resume_from_checkpoint",
+                                        r"is a Trainer checkpoint saved under FSDP .*TailorTrainer"),
 }
 
 
+INSPECTED = {"peft Trainer checkpoint": r"is a Hugging Face Trainer checkpoint .*import-hf"}  # which then names it
+"""What ``inspect`` says where it is not what a merge says."""
+
+
 @pytest.mark.parametrize("shape", list(FOREIGN))
-def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_path, shape):
+def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_path, shape, checkpoint):
     """Formats users bring that import-hf and merges do not read, as their own framework writes
     them: each is named, with the way to bring it in, and nothing is written."""
     import yaml
@@ -392,10 +430,13 @@ def test_what_llmtailor_does_not_read_is_refused_by_name_with_the_way_in(tmp_pat
     from llmtailor.merge import merge
 
     make, imported, merged = FOREIGN[shape]
-    source = make(tmp_path / "source")
+    source = make(tmp_path / "source", checkpoint) if make is _fsdp_sharded_checkpoint else make(tmp_path / "source")
     refused = runner.invoke(app, ["import-hf", str(source), "-o", str(tmp_path / "run")])
     said = " ".join(refused.output.split())
     assert refused.exit_code == 2 and re.search(imported, said) and "Traceback" not in said, said
+    inspected = runner.invoke(app, ["inspect", str(source)])  # a command that takes a run names it too
+    said = " ".join(inspected.output.split())
+    assert inspected.exit_code == 2 and re.search(INSPECTED.get(shape, merged), said) and "Traceback" not in said, said
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(source)}]}))
     with pytest.raises(ConfigError, match=merged):
         merge(tmp_path / "plan.yaml", tmp_path / "merged")

@@ -336,3 +336,31 @@ def test_a_peft_adapter_directory_is_refused_as_a_source_and_an_import_naming_th
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
         assert "peft" in result.output and "merge_and_unload" in " ".join(result.output.split()), result.output
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("head", ["untied model", "tied pytorch_model.bin", "head key"])
+def test_a_head_named_into_a_tied_model_from_another_source_is_refused_not_dropped(models, tmp_path, head):
+    """The output's model ties its LM head to its embedding (tie_word_embeddings): a head named
+    from another source than the embedding's (post_weights, as LLMTailor's plans name it, or
+    ``head``) cannot be kept, and is refused, not silently left out; named from the embedding's
+    own source (a tied .bin holds both names), it is the embedding, and merges."""
+    from llmtailor.errors import ConfigError
+
+    root, made = models
+    tied = tmp_path / "tied-llama"
+    save_model(tied, "llama", 4, seed=5, tie=True)
+    save_bin(tmp_path / "bin", save_model(tmp_path / "other", "llama", 4, seed=6, tie=True))
+    source = {"untied model": root / "a", "tied pytorch_model.bin": tmp_path / "bin", "head key": root / "a"}[head]
+    named = ({"head": str(source)} if head == "head key" else
+             {"post_weights": [{"name": "model.norm.weight", "model": str(tied)}, {"name": "lm_head.weight", "model": str(source)}]})
+    spec = {"slices": slices((tied, (0, 4))), **named}
+    with pytest.raises(ConfigError, match=r"ties lm_head.weight to model.embed_tokens.weight.*would be lost"):
+        merge(plan(tmp_path / "p.yaml", spec), tmp_path / "out", format="model")
+    assert not (tmp_path / "out").exists()
+    # Embedding and head from the tied .bin: its head is its embedding.
+    spec = {"slices": slices((tied, (0, 4))), "pre_weights": [{"name": "model.embed_tokens.weight", "model": str(tmp_path / "bin")}],
+            "post_weights": [{"name": "lm_head.weight", "model": str(tmp_path / "bin")}]}
+    out = merge(plan(tmp_path / "same.yaml", spec), tmp_path / "same", format="model")
+    got = load_file(out / "model.safetensors")
+    other = load_file(tmp_path / "other" / "model.safetensors")
+    assert torch.equal(got["model.embed_tokens.weight"], other["model.embed_tokens.weight"])

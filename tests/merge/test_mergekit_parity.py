@@ -5,7 +5,7 @@ shapes, bytes) and config (depth, vocabulary size, dtype) must be equal.
 
 Inputs are built here from transformers configs, never downloaded: ``save_pretrained``
 directories (single file and sharded, fp32 and bf16, tied, gpt2; ``pytorch_model.bin`` sharded and
-tied, as transformers 4 wrote them) with a tokenizer smaller than
+tied (qwen2, llama: its head into a tied model), as transformers 4 wrote them) with a tokenizer smaller than
 their embedding, and Trainer ``checkpoint-N/`` directories of a tailored run.
 
 mergekit's python is ``$LLMTAILOR_MERGEKIT`` (``make test`` sets it, and then a missing one is an
@@ -72,11 +72,12 @@ def inputs(tmp_path_factory, tokens) -> Path:
     for name, family, layers, seed, kwargs in [
         ("a", "llama", 4, 1, {}), ("b", "llama", 4, 2, {"shard": "20KB"}), ("half", "llama", 4, 3, {"dtype": torch.bfloat16}),
         ("tied", "qwen2", 4, 4, {"tie": True}), ("gpt2", "gpt2", 6, 5, {}), ("q", "qwen2", 4, 7, {}),
+        ("tied-llama", "llama", 4, 8, {"tie": True}), ("tied-llama-2", "llama", 4, 9, {"tie": True}),
     ]:
         save_model(root / name, family, layers, seed, **kwargs)
         save_tokenizer(root / name, words)
     # As transformers 4 wrote safe_serialization=False: sharded with an index, and tied (both names in the file).
-    for name, source, shards in (("bin-sharded", "a", 3), ("bin-tied", "tied", 1)):
+    for name, source, shards in (("bin-sharded", "a", 3), ("bin-tied", "tied", 1), ("bin-tied-llama", "tied-llama-2", 1)):
         save_bin(root / name, transformers.AutoModelForCausalLM.from_pretrained(root / source), shards)
     # Another tokenizer: some of a's tokens at other ids, one token a's lacks.
     save_model(root / "c", "llama", 4, 6)
@@ -151,6 +152,12 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
     "tied": {"models": [{"model": "tied", "parameters": {"scale": 0.5}}]},
     "pytorch_model.bin shards, a cut": {"slices": stack(("bin-sharded", (1, 3)), ("a", (3, 4)))},
     "pytorch_model.bin tied, scaled": {"models": [{"model": "bin-tied", "parameters": {"scale": 0.5}}]},
+    # A tied llama's head from a .bin (both names in it) into a tied model, as the last slice's
+    # source (named in post_weights, from another model than the embedding's, it is refused:
+    # test_merge_sources; mergekit 0.1.5 ignores post_weights).
+    "pytorch_model.bin tied llama, last slice of a tied model": {"slices": stack(("tied-llama", (0, 2)), ("bin-tied-llama", (2, 4)))},
+    "pytorch_model.bin tied llama, first slice, scaled": {"slices": stack(("bin-tied-llama", (0, 3)), ("tied-llama", (3, 4))),
+                                                          "parameters": {"scale": 0.5}},
     "gpt2 cut": {"slices": stack(("gpt2", (0, 3)), ("gpt2", (4, 6))), "parameters": {"scale": [1.0, 0.5]}},
     "Trainer checkpoints, LLMTailor's shape": {
         "slices": llmtailor_shape("hf/checkpoint-2", "hf/checkpoint-3", 6), "dtype": "bfloat16",

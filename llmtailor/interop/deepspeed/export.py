@@ -137,6 +137,7 @@ def _model_states(module: _Module, groups, layout: Layout, state: dict[str, Any]
         "skipped_steps": 0,
         "global_steps": step,
         "global_samples": 0,
+        **(state.get("deepspeed") or {}).get("counters", {}),  # the engine's own, where a DeepSpeed run kept them
         "dp_world_size": 1,
         "mp_world_size": 1,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},

@@ -168,12 +168,19 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
         "lr_scheduler": model_states.get("lr_scheduler") or trainer.get("lr_scheduler"),
         "rng": rngs[0],
         "model_config": hf_config,
-        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps)},
+        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps), "counters": _counters(model_states)},
         "extra": extra,
     }
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
     return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage,
                        [{"rng": rng, "extra": extra} for rng in rngs[1:]])
+
+
+def _counters(model_states: dict[str, Any]) -> dict[str, int]:
+    """The engine's counters the model states hold (``ENGINE_COUNTERS``), as a restore sets them."""
+    from llmtailor.providers.deepspeed.base import ENGINE_COUNTERS
+
+    return {name: model_states[name] for name in ENGINE_COUNTERS if isinstance(model_states.get(name), int)}
 
 
 # -- DeepSpeed's files ------------------------------------------------------------------------

@@ -28,9 +28,19 @@ TOKENIZER_FILES = (
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 
 
-def rank_rng_file(rank: int) -> str:
-    """The RNG file of process ``rank`` of a Trainer run of several processes (one process's is ``RNG_FILE``)."""
-    return f"rng_state_{rank}.pth"
+RANK_RNG_PREFIX, RANK_RNG_SUFFIX = "rng_state_", ".pth"
+
+
+def rank_rng_file(rank: int | str) -> str:
+    """The RNG file of process ``rank`` of a Trainer run of several processes (one process's is
+    ``RNG_FILE``); ``rank_rng_file("*")`` is their glob pattern."""
+    return f"{RANK_RNG_PREFIX}{rank}{RANK_RNG_SUFFIX}"
+
+
+def rank_of_rng_file(name: str) -> int | None:
+    """The rank whose RNG file (``rank_rng_file``) ``name`` is; None for any other name."""
+    number = name.removeprefix(RANK_RNG_PREFIX).removesuffix(RANK_RNG_SUFFIX)
+    return int(number) if rank_rng_file(number) == name and number.isdecimal() and number.isascii() else None
 
 
 def checkpoint_dirname(step: int) -> str:

@@ -4,6 +4,7 @@ export of Trainer's ``optimizer.pt`` (matched by position) must agree on."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -82,7 +83,17 @@ def meta_model(config: dict[str, Any]) -> torch.nn.Module:
     hf_config = config_class.from_dict(config)
     architectures = config.get("architectures") or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
-    with torch.device("meta"):
+    with torch.device("meta"), _outside_zero3_init():
         if model_class is not None:
             return model_class._from_config(hf_config)
         return transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+def _outside_zero3_init() -> contextlib.AbstractContextManager[Any]:
+    """While a ZeRO-3 ``TrainingArguments`` lives in this process, transformers builds every
+    model under DeepSpeed's ``zero.Init``, whose collectives wait for the other ranks: a meta
+    model (shapes only, built on one rank, e.g. by an import) must not be, so we say that
+    ``zero.Init`` is entered already (transformers' own flag for nested builds)."""
+    from transformers import modeling_utils
+
+    return getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)()

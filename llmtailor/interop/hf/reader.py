@@ -20,14 +20,13 @@ Trainer's ``.pt`` files are read with ``torch.load(weights_only=True)``; ``train
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir, is_deepspeed_checkpoint
-from llmtailor.interop.formats import describe_other_format
+from llmtailor.interop.formats import describe_other_format, fsdp_files
 from llmtailor.interop.hf.files import (
     BIN_FILE,
     BIN_INDEX_FILE,
@@ -40,6 +39,7 @@ from llmtailor.interop.hf.files import (
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
+    rank_of_rng_file,
     rank_rng_file,
     read_json,
     step_of,
@@ -167,6 +167,8 @@ def require_importable(source: Path) -> None:
         raise ConfigError(f"{source}: a Trainer checkpoint saved under DeepSpeed (its optimizer state is in "
                           f"{find_step_dir(source).name}/, not {OPTIMIZER_FILE}): import it with "
                           f"`llmtailor import-deepspeed {source}`")
+    if fsdp_files(source):
+        raise ConfigError(f"{source} is {describe_other_format(source)}")
     if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
         raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
                           f"importable: to go on training it, resume from it with llmtailor's TailorTrainer, "
@@ -196,8 +198,7 @@ def rng_files(folder: Path) -> list[Path]:
     ``rng_state_<rank>.pth`` of each process of a run of several (Trainer's ``_save_rng_state``
     writes one per process); empty when there is none. IntegrityError, naming the files, when a
     rank's file is missing among them or both forms are there (the world size is then unknown)."""
-    ranked = {int(m.group(1)): folder / m.group(0)
-              for m in (re.fullmatch(r"rng_state_(\d+)\.pth", p.name) for p in folder.glob("rng_state_*.pth")) if m}
+    ranked = {rank: path for path in folder.glob(rank_rng_file("*")) if (rank := rank_of_rng_file(path.name)) is not None}
     single = folder / RNG_FILE
     if ranked and single.is_file():
         raise IntegrityError(f"{folder}: holds both {RNG_FILE} (a one-process run's) and {sorted(p.name for p in ranked.values())} "

@@ -25,6 +25,11 @@ older snapshot are then bias-corrected with T's step (the published LLMTailor ov
 step with the failure step; this is the same choice, made explicit). The manifest's ``notes``
 say so.
 
+The engine's own counters (``global_steps``, ``global_samples``, ``skipped_steps``: what
+DeepSpeed names its checkpoints by and logs with) are kept in the global state
+(``deepspeed.counters``) and set back on restore, as DeepSpeed's own ``load_checkpoint`` does; a
+snapshot without them (saved from a plain torch model) leaves the engine's as they are.
+
 Restore (any stage, any world size): for every parameter, this rank's fragment range is read
 from the composite's chunks by byte range and copied into the masters and optimizer state in
 place; the low-precision weights are then refreshed (ZeRO-1/2: ``update_lp_params``; ZeRO-3:

@@ -32,6 +32,10 @@ NOTES = {
 }
 
 
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+"""The engine's counters a snapshot keeps and a restore sets back (as DeepSpeed's own checkpoints do)."""
+
+
 def is_engine(model: Any) -> bool:
     return type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine") and hasattr(model, "zero_optimization_stage")
 
@@ -170,7 +174,8 @@ class DeepSpeedProvider(StateProvider, ABC):
             "optimizer_class": [class_name(self.zero.optimizer)],
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "model_config": hf_config(self.module),
-            "deepspeed": {"stage": self.stage, "steps": [_plain_step(s) for s in steps]},
+            "deepspeed": {"stage": self.stage, "steps": [_plain_step(s) for s in steps],
+                          "counters": {name: int(getattr(self.engine, name)) for name in ENGINE_COUNTERS}},
         }
 
     def notes(self) -> dict[str, Any]:
@@ -211,6 +216,10 @@ class DeepSpeedProvider(StateProvider, ABC):
         finally:
             reader.close()
         self._load_groups(groups, shared, sources, unit_steps)
+        counters = (shared.get("deepspeed") or {}).get("counters") or {}
+        for name in ENGINE_COUNTERS:
+            if isinstance(counters.get(name), int):
+                setattr(self.engine, name, counters[name])
         if self.lr_scheduler is not None:
             with loading("LR scheduler state", shared.get("step")):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
