@@ -202,6 +202,19 @@ def test_bad_checkpoints_are_refused_naming_the_file_with_nothing_written(tmp_pa
     assert not (tmp_path / "new-run").exists()
 
 
+def test_a_legacy_pytorch_model_bin_is_read_as_transformers_reads_it(tmp_path):
+    """A ``pytorch_model.bin`` in torch's legacy (pre-1.6, not zip) format: transformers loads it
+    (it maps only zip files), so ``BinWeights`` reads it too, every tensor as saved."""
+    from llmtailor.interop.hf.weights import BinWeights
+
+    state = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}
+    torch.save(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    weights = BinWeights(tmp_path)
+    assert sorted(weights.tensors) == sorted(state)
+    for key, tensor in state.items():
+        assert torch.equal(weights.read(key), tensor)
+
+
 @pytest.mark.parametrize("family,shards", [("llama", 3), ("qwen2", 1), ("llama-tied", 1)])  # tied: both names in the .bin
 def test_a_checkpoint_with_pytorch_model_bin_imports_and_merges_as_its_safetensors_twin(tmp_path, checkpoint, family, shards):
     """A Trainer checkpoint saved with ``save_safetensors=False`` (pytorch_model.bin, or its

@@ -17,6 +17,7 @@ loader, memory-mapped (bytes read when used); a tensor is returned as the loaded
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,7 +124,9 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
     try:
-        weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # mapped where torch can map it (a zip file); a legacy (pre-1.6) file is read whole, as
+        # transformers reads it
+        weights = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as err:  # a pickle needing more than weights, truncation, not a torch file
         raise IntegrityError(
             f"{path}: cannot be read with torch's weights-only loader ({type(err).__name__}: {err}); "
