@@ -112,3 +112,29 @@ def test_page_checksums_are_each_pages_xxh3_however_the_bytes_arrive(tmp_path, m
         assert sums["w"] == xxhash.xxh3_64_hexdigest(raw)
         assert pages["w"]["page_bytes"] == page
         assert pages["w"]["pages"] == [xxhash.xxh3_64_hexdigest(raw[i : i + page]) for i in range(0, len(raw), page)]
+
+
+def test_saves_one_after_another_start_no_fsync_threads_once_the_first_has_and_leave_none_behind(tmp_path, monkeypatch):
+    """Every Syncer's fsyncs run on the process's fsync threads, kept from save to save: a save
+    at every step started about eleven threads per save (issue 32: each start waiting for its
+    thread to run), and none may pile up either (the pool has at most ``FSYNC_THREADS``)."""
+    import threading
+
+    from helpers import tiny
+    from llmtailor import Full, Tailor
+    from llmtailor.store.storage import local_durable
+
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: (started.append(thread.name), real_start(thread))[1])
+    model, optimizer, scheduler = tiny(layers=2)
+    tailor = Tailor(tmp_path / "run", model, optimizer, scheduler, policy=Full())
+    per_save = []
+    for step in range(1, 4):
+        before = len(started)
+        tailor.save(step)
+        per_save.append(started[before:].count("llmtailor-fsync"))
+    tailor.close()
+    assert per_save[1:] == [0, 0]
+    fsync = [t for t in threading.enumerate() if t.name == "llmtailor-fsync"]
+    assert len(fsync) <= local_durable.FSYNC_THREADS and all(t.daemon for t in fsync)
