@@ -138,3 +138,30 @@ def test_saves_one_after_another_start_no_fsync_threads_once_the_first_has_and_l
     assert per_save[1:] == [0, 0]
     fsync = [t for t in threading.enumerate() if t.name == "llmtailor-fsync"]
     assert len(fsync) <= local_durable.FSYNC_THREADS and all(t.daemon for t in fsync)
+
+
+def test_a_forked_child_makes_its_files_durable_on_fsync_threads_of_its_own(tmp_path):
+    """The fsync threads are the process's: a child forked after the parent's (the tests' and
+    launchers' forked jobs) has none of them, and starts its own rather than wait for them."""
+    import os
+    import signal
+
+    from llmtailor.store import tensor_files
+    from llmtailor.store.storage import local_durable
+
+    with local_durable.Syncer() as syncer:  # the parent's threads started
+        tensor_files.write_tensor_file(tmp_path / "parent.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
+    child = os.fork()
+    if child == 0:
+        signal.alarm(30)  # waiting on the parent's threads would hang: killed instead
+        code = 1
+        try:
+            for i in range(3):  # a file at a time: one the parent's idle threads would be counted on to take
+                with local_durable.Syncer() as syncer:
+                    tensor_files.write_tensor_file(tmp_path / f"{i}.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(torch.equal(load_file(tmp_path / f"{i}.safetensors")["w"], torch.ones(4)) for i in range(3))
