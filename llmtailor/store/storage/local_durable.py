@@ -85,6 +85,7 @@ class _FsyncPool:
                 with self._lock:
                     self._threads -= 1
                     alone = self._threads == 0
+                    self._waiting -= alone
                 if alone:
                     raise
         self._queue.put(task)
