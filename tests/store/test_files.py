@@ -114,10 +114,11 @@ def test_page_checksums_are_each_pages_xxh3_however_the_bytes_arrive(tmp_path, m
         assert pages["w"]["pages"] == [xxhash.xxh3_64_hexdigest(raw[i : i + page]) for i in range(0, len(raw), page)]
 
 
-def test_saves_one_after_another_start_no_fsync_threads_once_the_first_has_and_leave_none_behind(tmp_path, monkeypatch):
+def test_saves_one_after_another_share_a_bounded_set_of_kept_fsync_threads(tmp_path, monkeypatch):
     """Every Syncer's fsyncs run on the process's fsync threads, kept from save to save: a save
     at every step started about eleven threads per save (issue 32: each start waiting for its
-    thread to run), and none may pile up either (the pool has at most ``FSYNC_THREADS``)."""
+    thread to run). However many saves, the process starts at most ``FSYNC_THREADS`` (fewer
+    while the fsyncs keep up: how many is the machine's business, not asserted), all daemons."""
     import threading
 
     from helpers import tiny
@@ -129,13 +130,10 @@ def test_saves_one_after_another_start_no_fsync_threads_once_the_first_has_and_l
     monkeypatch.setattr(threading.Thread, "start", lambda thread: (started.append(thread.name), real_start(thread))[1])
     model, optimizer, scheduler = tiny(layers=2)
     tailor = Tailor(tmp_path / "run", model, optimizer, scheduler, policy=Full())
-    per_save = []
-    for step in range(1, 4):
-        before = len(started)
+    for step in range(1, 6):
         tailor.save(step)
-        per_save.append(started[before:].count("llmtailor-fsync"))
     tailor.close()
-    assert per_save[1:] == [0, 0]
+    assert started.count("llmtailor-fsync") <= local_durable.FSYNC_THREADS
     fsync = [t for t in threading.enumerate() if t.name == "llmtailor-fsync"]
     assert len(fsync) <= local_durable.FSYNC_THREADS and all(t.daemon for t in fsync)
 
@@ -153,7 +151,7 @@ def test_a_forked_child_makes_its_files_durable_on_fsync_threads_of_its_own(tmp_
         tensor_files.write_tensor_file(tmp_path / "parent.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
     child = os.fork()
     if child == 0:
-        signal.alarm(30)  # waiting on the parent's threads would hang: killed instead
+        signal.alarm(120)  # waiting on the parent's threads would hang: killed instead
         code = 1
         try:
             for i in range(3):  # a file at a time: one the parent's idle threads would be counted on to take
