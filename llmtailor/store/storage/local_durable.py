@@ -108,11 +108,22 @@ class _FsyncPool:
                     os.close(fd)
                 except OSError as failed:
                     error = error or failed
-            done.set_result(None) if error is None else done.set_exception(error)
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
 
 
 _pool = _FsyncPool()
-os.register_at_fork(after_in_child=lambda: globals().update(_pool=_FsyncPool()))  # the parent's threads are not the child's
+
+
+def _pool_of_the_child() -> None:
+    """A forked child's own pool: the parent's threads are not in it, only their count."""
+    global _pool
+    _pool = _FsyncPool()
+
+
+os.register_at_fork(after_in_child=_pool_of_the_child)
 
 
 class Syncer:
