@@ -22,7 +22,9 @@ every step into each node's memory directory; at most one in flight; the newest 
 /dev/shm dir>, scope="node", replicas=2, keep=2, promote_every=--every)])``: each save commits
 once both nodes hold both nodes' parts; the durable tier is the S3 run, promoted in the
 background). Network bytes per save: what this rank's courier sent against this node's parts x
-(replicas - 1) (target: 1.00).
+(replicas - 1) (target: 1.00). Per node and contender, beside the wall times: the process's CPU
+seconds per measured step, every thread (``getrusage``, up to the end of the last save's background
+work), and the threads started per step; figures that move less with the machine's load.
 
 Recovery: after the last round, the newest composite of ours is in both nodes' memory and in
 S3. Node 1's memory is wiped and both launches restart: a restore takes the composite from
@@ -194,6 +196,14 @@ def report_training(results: list[dict], args: argparse.Namespace) -> None:
         print(f"node {node}: the save calls' seconds per round (median; part of the totals above): {shown}; "
               f"optimizer.step waiting for ours' copies: total {sum(fences):.3f} s over {len(fences)} steps")
     for node, result in enumerate(results):
+        if "cpu" not in result:
+            continue
+        per_step = {name: statistics.median(cpu) / args.steps for name, cpu in result["cpu"].items()}
+        shown = ", ".join(f"{name} {1e3 * seconds:.1f} ms" for name, seconds in per_step.items())
+        threads = ", ".join(f"{name} {statistics.median(n) / args.steps:.1f}" for name, n in result["started"].items())
+        print(f"node {node}: the process's CPU per measured step, every thread, up to the last save's end (median): "
+              f"{shown}; threads started per step: {threads}")
+    for node, result in enumerate(results):
         sent, parts = result["sent_bytes"], result["part_bytes"]
         print(f"node {node}: courier sent {sent / 1e6:.2f} MB for {result['saves']} saves whose own parts were "
               f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
@@ -270,6 +280,14 @@ def courier_bytes(tailor) -> int:
     return tailor.tiers.placement.courier.sent_bytes
 
 
+def process_cpu() -> float:
+    """CPU seconds of this process so far, every thread (user + system)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def instrumented() -> dict[str, list[float]]:
     """Per async save of ours: the seconds the training thread waited in ``Tailor._settle`` for
     the saves before (``settle``), and the CPU seconds of the save's background thread
@@ -291,6 +309,15 @@ def instrumented() -> dict[str, list[float]]:
 
         return wrapper
 
+    import threading
+
+    real_start = threading.Thread.start
+
+    def counted_start(thread):
+        figures.setdefault("started", []).append(thread.name)
+        return real_start(thread)
+
+    threading.Thread.start = counted_start  # threads started, by name (``started``)
     Tailor._settle = timed(Tailor._settle, time.perf_counter, "settle")
     AsyncStager._run = timed(AsyncStager._run, time.thread_time, "persist_cpu")
     AsyncStager._fence = timed(AsyncStager._fence, time.perf_counter, "fence")
@@ -314,6 +341,8 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     waits: list[float] = []
     calls: dict[str, list[float]] = {name: [] for name in totals}  # per round: the save calls' seconds
     fences: list[float] = []
+    cpu: dict[str, list[float]] = {name: [] for name in totals}  # per round: the process's CPU seconds, every thread
+    started: dict[str, list[int]] = {name: [] for name in totals}  # per round: threads started
     for round_ in range(args.rounds):
         for name in (list(totals) if round_ % 2 == 0 else list(reversed(totals))):
             training.reset()
@@ -343,6 +372,7 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
             dist.barrier()
             start = time.perf_counter()
             settled, fenced, in_calls = len(figures["settle"]), len(figures["fence"]), 0.0
+            cpu_start, threads_before = process_cpu(), len(figures.get("started", []))
             for step in range(2, args.steps + 2):
                 training.train(1)
                 called = time.perf_counter()
@@ -361,6 +391,8 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
                 tailor.close()
             elif pending is not None:
                 pending.result()
+            cpu[name].append(process_cpu() - cpu_start)  # up to ``wait``: the last saves' background work too
+            started[name].append(len(figures.get("started", [])) - threads_before)
             shutil.rmtree(shm / "dcp", ignore_errors=True)
             dist.barrier()
     params = sum(p.numel() for p in training.model.parameters())
@@ -369,7 +401,7 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     composite = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
                                                 "composite_bytes": composite, "settle": waits,
-                                                "calls": calls, "fence": fences,
+                                                "calls": calls, "fence": fences, "cpu": cpu, "started": started,
                                                 "persist_cpu": figures["persist_cpu"],
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 

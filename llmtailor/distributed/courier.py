@@ -8,8 +8,8 @@ group. One exchange at a time per courier (a save or a restore, never both: a re
 the save in flight first).
 
 An exchange is pairwise: each rank sends each destination one message (the names and sizes of
-its files, then their bytes in one buffer) and receives one from each source, with matching
-calls on both sides. Nothing here checks the bytes: the receiver checks them against the
+its files, then each file's bytes) and receives one from each source, into one buffer, with
+matching calls on both sides. Nothing here checks the bytes: the receiver checks them against the
 checksums it already knows (the file entries of the snapshot) before it keeps them.
 
 Invariant: for every pair (a, b), ``b in outgoing`` on rank a exactly when ``a in sources`` on
@@ -46,9 +46,11 @@ from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError
 
 Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
-Packed = tuple[list[tuple[str, int]], torch.Tensor]
-"""Named files packed in one uint8 tensor: ``[(relpath, size), ...]`` in order, their contents
-back to back (``exchange_packed``; ``unpacked`` views each in place)."""
+Packed = tuple[list[tuple[str, int]], torch.Tensor | list[torch.Tensor]]
+"""Named files: ``[(relpath, size), ...]`` in order, and their contents, back to back in one
+uint8 tensor, or (a sender's, ``exchange_packed``) one uint8 tensor per file: each sent as it is,
+say a mapping of the file (no copy). Received files are always back to back in one tensor
+(``unpacked`` views each in place)."""
 
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
 PIECE = 8 << 20
@@ -166,9 +168,10 @@ class Courier:
 
     def exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
         """``exchange`` without a copy on either side (large transfers: a save's copies to its
-        partner ranks): each destination's files come already packed (the sender reads them
-        straight into the tensor), each source's are returned as they arrived (``unpacked``
-        views them). The same messages as ``exchange``; its errors."""
+        partner ranks): each destination's files come already packed (``Packed``: one tensor,
+        or one per file, such as the file's mapping), each source's are returned as they arrived,
+        back to back in one tensor (``unpacked`` views them). The same messages as ``exchange``;
+        its errors."""
         with self._exchanging():
             return self._exchange_packed(outgoing, sources)
 
@@ -205,43 +208,44 @@ class Courier:
         sends = []
         for dst, (listing, payload) in outgoing.items():
             names = json.dumps([[name, size] for name, size in listing]).encode()
-            sizes = torch.tensor([len(names), payload.numel()], dtype=torch.int64)
+            contents = _per_file(listing, payload)
+            total = sum(content.numel() for content in contents)
+            sizes = torch.tensor([len(names), total], dtype=torch.int64)
             sends.append((dst, dist.isend(sizes, dst, group=self.group, tag=_SIZES)))
             sends.append((dst, dist.isend(_as_tensor(names), dst, group=self.group, tag=_NAMES)))
-            if payload.numel():
-                sends.append((dst, dist.isend(payload, dst, group=self.group, tag=_BYTES)))
-            self.sent_bytes += payload.numel()
+            sends += [(dst, dist.isend(content, dst, group=self.group, tag=_BYTES)) for content in contents if content.numel()]
+            self.sent_bytes += total
         received = self._receive_packed(sources)
         for dst, work in sends:
             self._wait(work, f"sending files to rank {dst}")
         return received
 
     def _receive_packed(self, sources: Sequence[int]) -> dict[int, Packed]:
-        """Each source's files: every source's sizes asked for at once, then, as each one's
-        come, its names and bytes both (one wait per message that must come before the next
-        can be asked for, not one per message)."""
+        """Each source's files, back to back in one buffer: every source's sizes asked for at
+        once, then, as each one's come, its names, then each of its files' bytes into its place
+        in the buffer (one wait per message that must come before the next can be asked for,
+        not one per message)."""
         import torch.distributed as dist
 
         headers = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
         asked = {src: dist.irecv(sizes, src, group=self.group, tag=_SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
-            self._wait(asked[src], f"receiving files from rank {src}")
+            what = f"receiving files from rank {src}"
+            self._wait(asked[src], what)
             names, payload = torch.empty(int(sizes[0]), dtype=torch.uint8), torch.empty(int(sizes[1]), dtype=torch.uint8)
-            works = [dist.irecv(names, src, group=self.group, tag=_NAMES)]
-            if payload.numel():
-                works.append(dist.irecv(payload, src, group=self.group, tag=_BYTES))
-            coming[src] = names, payload, works
-        return {src: self._arrived(src, *message) for src, message in coming.items()}
-
-    def _arrived(self, src: int, names: torch.Tensor, payload: torch.Tensor, works: list) -> Packed:
-        for work in works:
-            self._wait(work, f"receiving files from rank {src}")
-        listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
-        if sum(size for _, size in listed) != payload.numel():
-            raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "
-                                    f"{sum(size for _, size in listed)} bytes")
-        return listed, payload
+            self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), what)
+            listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
+            if sum(size for _, size in listed) != payload.numel():
+                raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "
+                                        f"{sum(size for _, size in listed)} bytes")
+            works = [dist.irecv(content, src, group=self.group, tag=_BYTES) for content in _per_file(listed, payload)
+                     if content.numel()]
+            coming[src] = listed, payload, works
+        for src, (_, _, works) in coming.items():
+            for work in works:
+                self._wait(work, f"receiving files from rank {src}")
+        return {src: (listed, payload) for src, (listed, payload, _) in coming.items()}
 
     def _wait(self, work: object, what: str) -> None:
         try:
@@ -259,12 +263,22 @@ def packed(files: Files) -> Packed:
 def unpacked(packed: Packed) -> list[tuple[str, memoryview]]:
     """Each file of ``packed`` as a view of its bytes in the tensor (no copy)."""
     listing, payload = packed
-    whole = memoryview(payload.numpy()) if payload.numel() else memoryview(b"")
-    files, at = [], 0
-    for name, size in listing:
-        files.append((name, whole[at:at + size]))
-        at += size
-    return files
+    return [(name, memoryview(content.numpy()) if content.numel() else memoryview(b""))
+            for (name, _), content in zip(listing, _per_file(listing, payload))]
+
+
+def _per_file(listing: list[tuple[str, int]], payload: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each listed file's bytes as a tensor of its own: views of one payload (no copy), or the
+    payload's own tensors, one per file; CoordinationError when they are not the sizes listed
+    (nothing is sent that differs from what the receiver is told to expect)."""
+    if isinstance(payload, torch.Tensor):
+        if sum(size for _, size in listing) != payload.numel():
+            raise CoordinationError(f"{payload.numel()} bytes packed for files listed as {sum(s for _, s in listing)} bytes")
+        return list(payload.split([size for _, size in listing])) if listing else []
+    if [content.numel() for content in payload] != [size for _, size in listing]:
+        raise CoordinationError(f"files of {[c.numel() for c in payload]} bytes for files listed as "
+                                f"{[size for _, size in listing]} bytes")
+    return list(payload)
 
 
 def _as_tensor(content: bytes) -> torch.Tensor:

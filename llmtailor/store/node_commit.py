@@ -186,15 +186,16 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
     rank, each file received as it arrived (its size and checksum), for rank 0 to check against
     what its writer wrote.
 
-    What is sent is read back from this node's staging, as written, straight into the buffer
-    the courier sends (``read_packed``), and what arrives is written from the buffer it landed
-    in: a save at every step copies its part once on each side, on the CPUs that train."""
+    What is sent is this node's staged files as written there, mapped, not copied
+    (``held_files``): the bytes its writer checksummed, which each receiver checks again before
+    rank 0 commits (``check_copies``); what arrives is written from the buffer it landed in. A
+    save at every step copies its part once, on the receiving side, on the CPUs that train."""
     files, unread = files_of(part) if part is not None else [], None
     try:
-        mine = read_packed(snapshot, files)
-        shared = read_packed(snapshot, [f for f in files if writer_rank(f.path) is None]) if rank == 0 else mine
+        mine = held_files(snapshot, files)
+        shared = _only(mine, {f.path for f in files if writer_rank(f.path) is None}) if rank == 0 else mine
     except (TailorError, OSError) as err:  # still in the exchange, sending nothing: no partner waits on this rank
-        unread, mine = err, read_packed(snapshot, [])
+        unread, mine = err, held_files(snapshot, [])
         shared = mine
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
@@ -216,24 +217,36 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
     return arrived
 
 
-def read_packed(snapshot: SnapshotCommit | None, files: list[FileEntry]) -> Packed:
-    """The staged ``files`` read back into one buffer, back to back, as ``exchange_packed``
-    sends them. A file whose size is not the one written raises IntegrityError (its part
-    fails: the bytes its partners check must be all the bytes this node holds)."""
+def held_files(snapshot: SnapshotCommit | None, files: list[FileEntry]) -> Packed:
+    """The staged ``files`` as this node holds them, one tensor per file, as ``exchange_packed``
+    sends them: a read-only use of the file's mapping where the storage maps files (a node-local
+    tier: no copy; the pages are the page cache's, or the memory tier's own), else the file read
+    into a buffer. A file whose size is not the one written raises IntegrityError (its part
+    fails: the bytes its partners check must be all the bytes this node holds). Nothing here
+    writes through a mapping, and nothing truncates a staged file while its snapshot is saved."""
     import torch
 
-    payload = torch.empty(sum(f.bytes for f in files), dtype=torch.uint8)
-    if not files:
-        return [], payload
-    storage = snapshot.run.storage
-    view, at = memoryview(payload.numpy()), 0
+    contents = []
     for f in files:
         key = snapshot.key(f.path)
-        if storage.size(key) != f.bytes:
-            raise IntegrityError(f"{storage.where(key)}: {storage.size(key)} bytes stored, {f.bytes} written")
-        storage.read_into(key, 0, view[at:at + f.bytes])
-        at += f.bytes
-    return [(f.path, f.bytes) for f in files], payload
+        mapped = snapshot.run.storage.mapped(key) if f.bytes else None
+        size = len(mapped) if mapped is not None else snapshot.run.storage.size(key)
+        if size != f.bytes:
+            raise IntegrityError(f"{snapshot.run.storage.where(key)}: {size} bytes stored, {f.bytes} written")
+        if mapped is not None:
+            contents.append(torch.frombuffer(mapped, dtype=torch.uint8))
+            continue
+        content = torch.empty(f.bytes, dtype=torch.uint8)
+        if f.bytes:
+            snapshot.run.storage.read_into(key, 0, memoryview(content.numpy()))
+        contents.append(content)
+    return [(f.path, f.bytes) for f in files], contents
+
+
+def _only(packed: Packed, paths: set[str]) -> Packed:
+    """The files of ``packed`` named in ``paths`` (the same tensors, no copy)."""
+    kept = [(named, content) for named, content in zip(*packed) if named[0] in paths]
+    return [named for named, _ in kept], [content for _, content in kept]
 
 
 def _announce(staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,

@@ -112,3 +112,54 @@ def test_page_checksums_are_each_pages_xxh3_however_the_bytes_arrive(tmp_path, m
         assert sums["w"] == xxhash.xxh3_64_hexdigest(raw)
         assert pages["w"]["page_bytes"] == page
         assert pages["w"]["pages"] == [xxhash.xxh3_64_hexdigest(raw[i : i + page]) for i in range(0, len(raw), page)]
+
+
+def test_saves_one_after_another_share_a_bounded_set_of_kept_fsync_threads(tmp_path, monkeypatch):
+    """Every Syncer's fsyncs run on the process's fsync threads, kept from save to save: a save
+    at every step started about eleven threads per save (issue 32: each start waiting for its
+    thread to run). However many saves, the process starts at most ``FSYNC_THREADS`` (fewer
+    while the fsyncs keep up: how many is the machine's business, not asserted), all daemons."""
+    import threading
+
+    from helpers import tiny
+    from llmtailor import Full, Tailor
+    from llmtailor.store.storage import local_durable
+
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: (started.append(thread.name), real_start(thread))[1])
+    model, optimizer, scheduler = tiny(layers=2)
+    tailor = Tailor(tmp_path / "run", model, optimizer, scheduler, policy=Full())
+    for step in range(1, 6):
+        tailor.save(step)
+    tailor.close()
+    assert started.count("llmtailor-fsync") <= local_durable.FSYNC_THREADS
+    fsync = [t for t in threading.enumerate() if t.name == "llmtailor-fsync"]
+    assert len(fsync) <= local_durable.FSYNC_THREADS and all(t.daemon for t in fsync)
+
+
+def test_a_forked_child_makes_its_files_durable_on_fsync_threads_of_its_own(tmp_path):
+    """The fsync threads are the process's: a child forked after the parent's (the tests' and
+    launchers' forked jobs) has none of them, and starts its own rather than wait for them."""
+    import os
+    import signal
+
+    from llmtailor.store import tensor_files
+    from llmtailor.store.storage import local_durable
+
+    with local_durable.Syncer() as syncer:  # the parent's threads started
+        tensor_files.write_tensor_file(tmp_path / "parent.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
+    child = os.fork()
+    if child == 0:
+        signal.alarm(120)  # waiting on the parent's threads would hang: killed instead
+        code = 1
+        try:
+            for i in range(3):  # a file at a time: one the parent's idle threads would be counted on to take
+                with local_durable.Syncer() as syncer:
+                    tensor_files.write_tensor_file(tmp_path / f"{i}.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(torch.equal(load_file(tmp_path / f"{i}.safetensors")["w"], torch.ones(4)) for i in range(3))

@@ -7,14 +7,16 @@ from __future__ import annotations
 import pytest
 
 from llmtailor.constants import GLOBAL_JSON, pack_filename, rank_state_files
+from llmtailor.distributed.courier import packed, unpacked
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.manifest import FileEntry
-from llmtailor.store.node_commit import NodePlacement, _replicate, check_copies, read_packed
+from llmtailor.store.node_commit import NodePlacement, _replicate, check_copies, held_files
 from llmtailor.store.run import Run
 from llmtailor.store.staged import InTurn, RankPart
+from storage_calls import StorageCalls
 
 
 def entry(path: str, size: int = 10, digest: str = "0123456789abcdef") -> FileEntry:
@@ -54,11 +56,12 @@ class _Courier:
         self.sent = sent
 
     def exchange_packed(self, outgoing, sources):
+        self.outgoing = outgoing
         return {source: self.sent for source in sources}
 
 
 def test_a_part_damaged_on_its_node_after_it_was_written_is_caught_before_the_commit(tmp_path):
-    """What a rank sends is read back from its node's staging (not the bytes it meant to write),
+    """What a rank sends is its node's staging as it holds it (not the bytes it meant to write),
     so a file changed there after it was written reaches its partner changed, and rank 0's check
     of the copies refuses the commit; a file of another size fails the sending rank's part."""
     node0, node1 = (SnapshotCommit.begin(Run(tmp_path / f"node{n}"), 4, 2) for n in range(2))
@@ -67,7 +70,7 @@ def test_a_part_damaged_on_its_node_after_it_was_written_is_caught_before_the_co
         written = write_bytes_to(create(path), bytes(range(200)), path)
     staged = node1.run.storage.path(node1.key(path))
     staged.write_bytes(b"\xff" + bytes(range(1, 200)))  # damaged in memory, the same size
-    placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=_Courier(read_packed(node1, [written])))
+    placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=_Courier(held_files(node1, [written])))
     copies = _replicate(node0, None, placement, rank=0, turn=InTurn())  # no save before it
     assert copies["1"][0]["bytes"] == 200 and copies["1"][0]["xxh3_64"] != written.xxh3_64
     parts = [RankPart(files=[]), RankPart(files=[written])]
@@ -76,4 +79,23 @@ def test_a_part_damaged_on_its_node_after_it_was_written_is_caught_before_the_co
         check_copies(4, placement, parts, [copies, {"0": []}])
     staged.write_bytes(bytes(range(150)))  # cut short
     with pytest.raises(IntegrityError, match=r"rank-00001.0.safetensors: 150 bytes stored, 200 written"):
-        read_packed(node1, [written])
+        held_files(node1, [written])
+
+
+def test_a_rank_sends_its_files_as_its_node_holds_them_without_reading_them_back(tmp_path, monkeypatch):
+    """A save at every step sends its part from the files it just wrote, mapped, not read back
+    into fresh memory (issue 32: the read-back was a tenth of a save's background work); the
+    bytes sent are the bytes written, as their entries say, for each partner and rank 0's
+    global files for a node holding none of its parts."""
+    node0 = SnapshotCommit.begin(Run(tmp_path / "node0"), 4, 2)
+    content = {pack_filename(0, 0): bytes(range(256)) * 40, rank_state_files(0)[0]: b"", GLOBAL_JSON: b'{"step": 4}'}
+    with node0.files() as create:
+        written = [write_bytes_to(create(path), data, path) for path, data in content.items()]
+    calls = StorageCalls.install(monkeypatch)
+    courier = _Courier(packed([]))  # node 2 sends rank 0 nothing here
+    three = NodePlacement(Nodes((0, 1, 2)), replicas=2, jump=1, courier=courier)  # node 2 holds none of rank 0's parts
+    _replicate(node0, RankPart(files=written), three, rank=0, turn=InTurn())
+    assert [call for call in calls.calls if call[0] in ("read", "read_range", "read_into", "pieces")] == []
+    assert sorted(courier.outgoing) == [1, 2]
+    assert [(path, bytes(data)) for path, data in unpacked(courier.outgoing[1])] == list(content.items())
+    assert [(path, bytes(data)) for path, data in unpacked(courier.outgoing[2])] == [(GLOBAL_JSON, content[GLOBAL_JSON])]

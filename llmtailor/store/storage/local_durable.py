@@ -6,12 +6,14 @@ Part of the storage floor: imports nothing of llmtailor but ``errors``.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 from llmtailor.errors import IntegrityError
@@ -45,37 +47,100 @@ together in one transaction (ext4's jbd2: one journal write and one cache flush 
 small save's few files made durable side by side cost about one fsync, not one each in turn
 (bench/RESULTS.md, issue 33, session 43)."""
 
+FSYNC_THREADS = 2 * SYNC_THREADS
+"""Most threads of the process's fsync pool (``_FsyncPool``): two writers side by side (a save
+and a promotion to another tier) each run ``SYNC_THREADS`` fsyncs at once."""
+
+
+class _FsyncPool:
+    """The process's fsync threads, shared by every ``Syncer`` and kept from one to the next: a
+    save at every step made four Syncers, which started about eleven threads per save, each
+    start waiting for its thread to run (bench/RESULTS.md, issue 32, session 45). A thread is
+    started when a file waits and no thread is free, up to ``FSYNC_THREADS``; then it waits for
+    the next file for the rest of the process.
+
+    Daemon threads, started by the process's first writes (not an executor, which refuses work
+    once the interpreter begins to exit: an async save still in flight when a script ends, one
+    that forgot ``close()``, still becomes durable while the interpreter waits for it; and a
+    script that ends leaves no thread to join). A forked child starts with a pool of its own."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, int, int | None, bool, Future]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._free = 0
+        """Threads started; those of them waiting for a file (none taken since it was queued)."""
+        self._waiting = 0
+        """Files queued, not yet taken by a thread."""
+
+    def put(self, task: tuple[int, int, int | None, bool, Future]) -> None:
+        with self._lock:
+            self._waiting += 1
+            grow = self._waiting > self._free and self._threads < FSYNC_THREADS
+            if grow:
+                self._threads += 1
+        if grow:
+            try:
+                threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True).start()
+            except RuntimeError:  # the interpreter is exiting: the threads already started do the work
+                with self._lock:
+                    self._threads -= 1
+                    alone = self._threads == 0
+                    self._waiting -= alone
+                if alone:
+                    raise
+        self._queue.put(task)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._free += 1
+            fd, start, end, drop, done = self._queue.get()
+            with self._lock:
+                self._free -= 1
+                self._waiting -= 1
+            error: BaseException | None = None
+            try:
+                make_durable(fd, start, end, drop)
+            except BaseException as failed:  # handed to the writer, which raises it
+                error = failed
+            finally:
+                try:  # closed before the writer learns the outcome: a drained Syncer holds no descriptor
+                    os.close(fd)
+                except OSError as failed:
+                    error = error or failed
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+
+_pool = _FsyncPool()
+
+
+def _pool_of_the_child() -> None:
+    """A forked child's own pool: the parent's threads are not in it, only their count."""
+    global _pool
+    _pool = _FsyncPool()
+
+
+os.register_at_fork(after_in_child=_pool_of_the_child)
+
 
 class Syncer:
-    """Makes written files durable on background threads (up to ``threads`` fsyncs at once)
-    while the caller writes the next ones: at most ``depth`` bytes wait (the dirty page cache
-    stays bounded; many small files queue up without holding the writer back).
-    ``drain()`` returns once every submitted file is durable, or raises the first failure (in
-    the order submitted); use it as a context manager so its threads and descriptors are
-    released on any exit.
-
-    Its own threads, not a ``ThreadPoolExecutor``: an executor refuses new work once the
-    interpreter begins to exit, and an async save still in flight when a script ends (one that
-    forgot ``close()``) must still become durable while the interpreter waits for it."""
+    """Makes written files durable on background threads (up to ``threads`` fsyncs at once, on
+    the process's fsync threads: ``_FsyncPool``) while the caller writes the next ones: at most
+    ``depth`` bytes wait (the dirty page cache stays bounded; many small files queue up without
+    holding the writer back). ``drain()`` returns once every submitted file is durable, or raises
+    the first failure (in the order submitted); use it as a context manager so that, on any exit,
+    every descriptor it took is closed when it returns."""
 
     def __init__(self, depth: int = 2 * FLUSH_EVERY, threads: int = SYNC_THREADS):
-        self._queue: queue.SimpleQueue[tuple[int, int, int | None, bool, Future] | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        """One started now, the others as files come, one per file up to ``threads``."""
         self._pending: list[tuple[Path, Future, int]] = []
+        self._held: collections.deque[tuple[int, int, int | None, bool, Future]] = collections.deque()
+        """Files beyond the ``threads`` in the pool, each handed over as one of those ends."""
+        self._lock = threading.Lock()
+        self._running = 0
         self._depth, self._most = depth, threads
-        self._start()
-
-    def _start(self) -> None:
-        thread = threading.Thread(target=self._work, name="llmtailor-fsync", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # the interpreter is exiting: the threads already started do the work
-            if not self._threads:
-                raise
-            self._most = len(self._threads)
-            return
-        self._threads.append(thread)
 
     def submit(self, path: Path, fd: int, start: int = 0, end: int | None = None, size: int = 0,
                drop: bool = True) -> None:
@@ -83,12 +148,30 @@ class Syncer:
         fsync it, drop ``[start, end)`` from the page cache (with ``drop``: ``make_durable``),
         close it."""
         done: Future = Future()
-        if len(self._threads) < min(self._most, len(self._pending) + 1):  # another file waits: another thread
-            self._start()
-        self._queue.put((fd, start, end, drop, done))
         self._pending.append((path, done, size))
+        with self._lock:
+            self._held.append((fd, start, end, drop, done))
+        self._hand_over()
         while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
             self._wait_first()
+
+    def _hand_over(self, ended: Future | None = None) -> None:
+        """The held files to the pool while fewer than ``threads`` of this Syncer's run there
+        (again as each ends: ``ended``, its future's callback)."""
+        while True:
+            with self._lock:
+                if ended is not None:
+                    self._running, ended = self._running - 1, None
+                if not self._held or self._running >= self._most:
+                    return
+                task = self._held.popleft()
+                self._running += 1
+            task[-1].add_done_callback(self._hand_over)
+            try:
+                _pool.put(task)
+            except BaseException as error:  # no thread to run it: the writer raises it
+                os.close(task[0])
+                task[-1].set_exception(error)
 
     def drain(self) -> None:
         while self._pending:
@@ -101,17 +184,6 @@ class Syncer:
         except OSError as error:
             raise OSError(error.errno, f"making {path} durable failed: {error.strerror}") from error
 
-    def _work(self) -> None:
-        while (task := self._queue.get()) is not None:
-            fd, start, end, drop, done = task
-            try:
-                make_durable(fd, start, end, drop)
-                done.set_result(None)
-            except BaseException as error:  # handed to the writer, which raises it
-                done.set_exception(error)
-            finally:
-                os.close(fd)
-
     def __enter__(self) -> Syncer:
         return self
 
@@ -119,11 +191,14 @@ class Syncer:
         try:
             if exc[0] is None:
                 self.drain()
-        finally:
-            for _ in self._threads:  # descriptors still queued are closed by the threads first
-                self._queue.put(None)
-            for thread in self._threads:
-                thread.join()
+        finally:  # what a failure left: the held files closed, those in the pool waited for (they close theirs)
+            with self._lock:
+                held, self._held = list(self._held), collections.deque()
+            for fd, *_, done in held:
+                os.close(fd)
+                done.cancel()
+            futures_wait([future for _, future, _ in self._pending])
+            self._pending.clear()
 
 
 def read_pieces(handle, where: Path | str, start: int, end: int, what: str = "the data") -> Iterator[memoryview]:
