@@ -69,9 +69,10 @@ class SnapshotCommits(ABC):
 
     @abstractmethod
     def discard(self, snapshot: str) -> str:
-        """Make the committed snapshot at ``snapshot`` not a snapshot any more, at once and
-        durably (the caller holds its removal lease and the writer lock); returns a token for
-        ``purge`` to remove its files."""
+        """Make the committed snapshot at ``snapshot`` not a snapshot any more, at once (the
+        caller holds its removal lease and the writer lock); returns a token for ``purge`` to
+        remove its files. Durably by the time ``purge`` removes anything (locally, the fsync of
+        the directory it left is ``purge``'s first step): a crash before brings it back whole."""
 
     @abstractmethod
     def purge(self, token: str) -> None:
