@@ -22,9 +22,9 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    flight, has committed: ``staged.InTurn``), the leader writes the unit indexes (one file, a
    line per unit), waits for its own files and the indexes to be durable, then writes the
    manifest last, only if absent (on an object store that write is the commit), commits the
-   staging place (locally: the manifest and the staged directories fsynced together, atomic
-   rename into ``snapshots/``, fsync), replaces the ``latest`` pointer atomically, and
-   announces the outcome.
+   staging place (locally: the manifest, the staged directories and ``latest``'s new file
+   fsynced together, atomic rename into ``snapshots/``, fsync), replaces the ``latest``
+   pointer atomically (its rename after the snapshot's is durable), and announces the outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
@@ -55,7 +55,7 @@ from llmtailor.errors import StorageError, TailorError, describe_os_error, descr
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
 from llmtailor.store.checked import write_bytes_to
-from llmtailor.store.commit import SnapshotCommit, StagedFiles, replace_latest
+from llmtailor.store.commit import SnapshotCommit, StagedFiles
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
@@ -155,11 +155,10 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             files.drain()  # the leader's files and the indexes durable before the manifest names them
             # The manifest is written last, only if absent: without one there is no snapshot.
             encoded = manifest.dumps().encode()
-            snapshot.commit(encoded, confirm)
+            pointer_error = snapshot.commit(encoded, confirm, latest=True)  # ``latest`` replaced once committed
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
-    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step),
-            "manifest": encoded.decode()}
+    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": pointer_error, "manifest": encoded.decode()}
 
 
 def attempt_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,

@@ -142,24 +142,26 @@ def test_retention_makes_its_rename_durable_on_the_purgers_thread_before_removin
 def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_directories(tmp_path, tokens, monkeypatch):
     """A small save's time is its fsyncs one after another (bench/RESULTS.md, issue 33): the
     leader's staged files (its pack, global state files, and the unit indexes) are fsynced at
-    once, then the manifest and the staged directories (``packs/`` and the snapshot's own) at
-    once. Each of those fsyncs waits here until its whole group is in flight (a barrier):
-    fsyncs made one after another never fill it, and the save fails. And no fsync is added:
-    11 in all, as before (the rule above needs each)."""
+    once, then the manifest, the staged directories (``packs/`` and the snapshot's own) and
+    ``latest``'s new file (written once the manifest is: its rename still follows the
+    snapshot's, session 46) at once. Each of those fsyncs waits here until its whole group is
+    in flight (a barrier): fsyncs made one after another never fill it, and the save fails.
+    And no fsync is added: 11 in all, as before (the rule above needs each)."""
     model, optimizer, scheduler = tiny(layers=2)
     train(model, optimizer, scheduler, tokens, [0])
     root = Path(os.path.realpath(tmp_path)) / "run"
     with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
         tailor.save(1)
-        groups = {"files": threading.Barrier(4, timeout=60), "last": threading.Barrier(3, timeout=60)}
+        groups = {"files": threading.Barrier(4, timeout=60), "last": threading.Barrier(4, timeout=60)}
         met: dict[str, list[str]] = {"files": [], "last": []}
         real, calls = os.fsync, []
 
         def fsync(fd):
             path = os.readlink(f"/proc/self/fd/{fd}")
             calls.append(path)
-            if f"/{TMP_DIR}/" in path:  # staged
-                group = "last" if os.path.isdir(path) or path.endswith(f"/{MANIFEST_FILE}") else "files"
+            pointer = Path(path).name.startswith(f".{LATEST_FILE}.")
+            if f"/{TMP_DIR}/" in path:  # staged, or latest's new file
+                group = "last" if pointer or os.path.isdir(path) or path.endswith(f"/{MANIFEST_FILE}") else "files"
                 met[group].append(Path(path).name)
                 groups[group].wait()  # BrokenBarrierError (the save fails) unless the group is in flight together
             real(fd)
@@ -169,8 +171,8 @@ def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_dir
         tailor.run.storage.commits.wait_purged()  # retention's removal, on the purger's thread
         monkeypatch.undo()
     assert sorted(met["files"]) == sorted([GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, Path(pack_filename(0, 0)).name])
-    staging = [name for name in met["last"] if name not in (PACKS_DIR, MANIFEST_FILE)]
-    assert len(met["last"]) == 3 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
+    staging = [name for name in met["last"] if name not in (PACKS_DIR, MANIFEST_FILE) and not name.startswith(f".{LATEST_FILE}.")]
+    assert len(met["last"]) == 4 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
     assert len(staging) == 1 and staging[0].startswith(f"{snapshot_dirname(2)}.")
     assert len(calls) == 11, calls
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import StorageError, TailorError
-from llmtailor.store.storage.local_durable import create_file, fsync_dir, fsync_together
+from llmtailor.store.storage.local_durable import create_file, create_replacement, fsync_dir, fsync_together, replace_with
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
 
@@ -47,19 +47,40 @@ class LocalCommits(SnapshotCommits):
             (self.root / staging / RANKS_DIR).mkdir()
         return staging
 
-    def commit(self, staging: str, final: str, manifest: bytes) -> None:
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
         tmp, target = self.root / staging, self.root / final
         try:
             create_file(tmp / MANIFEST_FILE, manifest)
         except FileExistsError:
             raise TailorError(f"{tmp / MANIFEST_FILE} already exists; refusing to overwrite it") from None
-        # The manifest and every directory holding a staged file, so its entries are durable
-        # (the snapshot's subdirectories: units/, packs/, ranks/ ..., whichever this save made;
-        # then itself), fsynced at once: the journal commits them together.
-        fsync_together([tmp / MANIFEST_FILE, *(Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)), tmp])
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, target)
-        fsync_dir(target.parent)
+        # The pointer's new file is written once the manifest is (a full disk fails the pointer,
+        # not the commit) and made durable beside it; its rename waits for the snapshot's. It
+        # lies in .tmp/ meanwhile: what a crash leaves there the next writer removes.
+        new, failed = None, None
+        if pointer is not None:
+            try:
+                new = create_replacement(self.root / TMP_DIR / pointer[0], pointer[1])
+            except OSError as err:
+                failed = err
+        try:
+            # The manifest and every directory holding a staged file, so its entries are durable
+            # (the snapshot's subdirectories: units/, packs/, ranks/ ..., whichever this save
+            # made; then itself), fsynced at once: the journal commits them together.
+            subdirectories = [Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)]
+            fsync_together([tmp / MANIFEST_FILE, *subdirectories, tmp, *([new] if new is not None else [])])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, target)
+            fsync_dir(target.parent)
+        except BaseException:
+            if new is not None:
+                new.unlink(missing_ok=True)
+            raise
+        if new is not None:
+            try:
+                replace_with(new, self.root / pointer[0])
+            except OSError as err:
+                failed = err
+        return failed
 
     def abandon(self, staging: str) -> None:
         shutil.rmtree(self.root / staging, ignore_errors=True)
