@@ -6,7 +6,8 @@ the storage's commit writes the manifest last and only if absent (on an object s
 is the commit; locally the manifest and the staged directories are fsynced together, then the
 directory renamed into ``snapshots/`` atomically, its parent fsynced). Any failure from the
 first file written to the commit abandons what was staged (``abandoned_on_failure``): every
-earlier snapshot stays as it was. Then ``replace_latest`` points the run at the new composite.
+earlier snapshot stays as it was. Then ``replace_latest`` points the run at the new composite
+(or ``commit(..., latest=True)`` does, its new file made durable with the manifest).
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ class SnapshotCommit:
         with self.run.storage.batch() as batch:
             yield StagedFiles(self, batch)
 
-    def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None) -> None:
+    def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None, latest: bool = False) -> str | None:
         """``confirm()`` (that the writer lock is still held: raises if not), then the storage's
         commit: the manifest, last and only if absent, and the snapshot committed
-        (``SnapshotCommits.commit``). Staged files must be durable."""
+        (``SnapshotCommits.commit``). Staged files must be durable. ``latest``: and the run's
+        ``latest`` pointed at it once it is committed (as ``replace_latest``; locally the
+        pointer's new file is made durable with the manifest); returns that pointer's failure."""
         if confirm is not None:
             confirm()
-        self.run.storage.commits.commit(self.staging, self.final, manifest)
+        pointer = (LATEST_FILE, _pointing_at(self.step)) if latest else None
+        failed = self.run.storage.commits.commit(self.staging, self.final, manifest, pointer)
+        return None if failed is None else _pointer_failure(self.run, self.step, failed)
 
     def abandon(self) -> None:
         """Remove what was staged (never a committed snapshot)."""
@@ -88,13 +93,21 @@ def replace_latest(run: Run, step: int) -> str | None:
     """Point the run's ``latest`` at the snapshot of ``step``; a failure is returned as a
     message (the snapshot stays committed and found through its parent link), not raised."""
     try:
-        run.storage.replace(LATEST_FILE, (snapshot_dirname(step) + "\n").encode())
+        run.storage.replace(LATEST_FILE, _pointing_at(step))
     except OSError as err:
-        # The snapshot is committed and loadable: its manifest names its parent, which the old
-        # pointer names, so Run.latest_step() finds it. Report, do not undo.
-        reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
-        return (
-            f"step {step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
-            f"could not be updated ({reason}); restore still finds step {step} through its parent link"
-        )
+        return _pointer_failure(run, step, err)
     return None
+
+
+def _pointing_at(step: int) -> bytes:
+    return (snapshot_dirname(step) + "\n").encode()
+
+
+def _pointer_failure(run: Run, step: int, err: OSError) -> str:
+    # The snapshot is committed and loadable: its manifest names its parent, which the old
+    # pointer names, so Run.latest_step() finds it. Report, do not undo.
+    reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
+    return (
+        f"step {step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
+        f"could not be updated ({reason}); restore still finds step {step} through its parent link"
+    )

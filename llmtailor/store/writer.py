@@ -22,9 +22,9 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    flight, has committed: ``staged.InTurn``), the leader writes the unit indexes (one file, a
    line per unit), waits for its own files and the indexes to be durable, then writes the
    manifest last, only if absent (on an object store that write is the commit), commits the
-   staging place (locally: the manifest and the staged directories fsynced together, atomic
-   rename into ``snapshots/``, fsync), replaces the ``latest`` pointer atomically, and
-   announces the outcome.
+   staging place (locally: the manifest, the staged directories and ``latest``'s new file
+   fsynced together, atomic rename into ``snapshots/``, fsync), replaces the ``latest``
+   pointer atomically (its rename after the snapshot's is durable), and announces the outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
@@ -55,7 +55,7 @@ from llmtailor.errors import StorageError, TailorError, describe_os_error, descr
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress
 from llmtailor.store.checked import write_bytes_to
-from llmtailor.store.commit import SnapshotCommit, StagedFiles, replace_latest
+from llmtailor.store.commit import SnapshotCommit, StagedFiles
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
@@ -155,11 +155,10 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             files.drain()  # the leader's files and the indexes durable before the manifest names them
             # The manifest is written last, only if absent: without one there is no snapshot.
             encoded = manifest.dumps().encode()
-            snapshot.commit(encoded, confirm)
+            pointer_error = snapshot.commit(encoded, confirm, latest=True)  # ``latest`` replaced once committed
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
-    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": replace_latest(run, staged.step),
-            "manifest": encoded.decode()}
+    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": pointer_error, "manifest": encoded.decode()}
 
 
 def attempt_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
@@ -312,9 +311,13 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
     """The units' indexes from every rank's part, one line each of one file (``INDEXES_FILE``:
     relpath -> its bytes), and the manifest naming them (its ``notes`` are ``staged.notes``).
     The chunks of a tensor from all ranks are checked for agreement on dtype and global shape;
-    the index's own validation then checks that they cover the tensor. Nothing is written."""
+    the index's own validation then checks that they cover the tensor. Nothing is written.
+
+    Each index is built as it is written (the compact form of schema 6: ``UnitEntry.dumps``),
+    validated as it is and encoded as it is: no chunk is dumped out of its report's model and no
+    index out of its own (a fixed cost per chunk of every save: bench/RESULTS.md, issue 33)."""
     merged: dict[str, dict[str, Any]] = {}
-    writers: dict[tuple[str, str], list[int]] = {}  # (unit, tensor key) -> the rank of each of its chunks
+    boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]] = {}  # (unit, tensor key) -> each chunk's (rank, offsets, shape)
     files: list[FileEntry] = []
     for rank, part in enumerate(parts):
         files += part.files
@@ -324,10 +327,10 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
             target["base"].update(entry.base)
             position = len(target["files"])
             if entry.file is not None:
-                target["files"].append(entry.file)
+                target["files"].append({"path": entry.file.path, "bytes": entry.file.bytes, "xxh3_64": entry.file.xxh3_64})
             for tensor in entry.tensors:
-                chunks = [{**chunk.model_dump(), "file": position} for chunk in tensor.chunks]
-                writers.setdefault((unit, tensor.key), []).extend([rank] * len(chunks))
+                chunks = [_chunk_line(chunk, position, tensor.shape) for chunk in tensor.chunks]
+                boxes.setdefault((unit, tensor.key), []).extend((rank, c.offsets, c.shape) for c in tensor.chunks)
                 held = target["tensors"].get(tensor.key)
                 if held is None:
                     target["tensors"][tensor.key] = {"key": tensor.key, "dtype": tensor.dtype, "shape": tensor.shape,
@@ -342,7 +345,7 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
-    refs, data = _index_lines(staged, merged, writers, parts)
+    refs, data = _index_lines(staged, merged, boxes, parts)
     indexes = {INDEXES_FILE: data} if data else {}
     if data:  # written by the caller (``write_files``), durable before the manifest names it
         files.append(FileEntry(path=INDEXES_FILE, bytes=len(data), xxh3_64=checksum(data)))
@@ -365,48 +368,70 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
     )
 
 
-def _index_lines(staged: StagedSnapshot, merged: dict[str, dict[str, Any]], writers: dict[tuple[str, str], list[int]],
+def _chunk_line(chunk: ChunkPart, position: int, shape: list[int]) -> dict[str, Any]:
+    """A reported chunk as its index line holds it (``Chunk``'s compact form, in its field
+    order): its file's position unless the first, its box unless the whole tensor of ``shape``,
+    its page checksums if any, its sampled checksum if any."""
+    line: dict[str, Any] = {"file": position} if position else {}
+    if chunk.shape != shape or any(chunk.offsets):
+        line["offsets"], line["shape"] = chunk.offsets, chunk.shape
+    line["xxh3_64"] = chunk.xxh3_64
+    if chunk.page_bytes is not None or chunk.pages is not None:  # one without the other: refused by validation
+        line["page_bytes"], line["pages"] = chunk.page_bytes, chunk.pages
+    if chunk.cover_xxh3 is not None:
+        line["cover_xxh3"] = chunk.cover_xxh3
+    return line
+
+
+def _index_lines(staged: StagedSnapshot, merged: dict[str, dict[str, Any]],
+                 boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]],
                  parts: list[RankPart]) -> tuple[dict[str, UnitRef], bytes]:
     """Each unit's manifest line and the bytes of ``INDEXES_FILE``: the units' indexes as its
     lines, in layout order."""
     refs, lines = {}, []
     at = 0
     for unit in [u for u in staged.composite if u in merged]:  # layout order
-        index = _unit_index(staged.step, unit, merged[unit], writers)
-        line = (index.dumps() + "\n").encode()
+        index = _unit_index(staged.step, unit, merged[unit], boxes)
+        line = (json.dumps(index, separators=(",", ":")) + "\n").encode()
         lines.append(line)
         # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
         refs[unit] = UnitRef(index=FileEntry(path=INDEXES_FILE, bytes=len(line), xxh3_64=checksum(line)), index_at=at,
-                             bytes=sum(part.unit_bytes.get(unit, 0) for part in parts), kept=sorted(set(index.kept.values())))
+                             bytes=sum(part.unit_bytes.get(unit, 0) for part in parts), kept=sorted(set(index["kept"].values())))
         at += len(line)
     return refs, b"".join(lines)
 
 
-def _unit_index(step: int, unit: str, content: dict[str, Any], writers: dict[tuple[str, str], list[int]]) -> UnitEntry:
-    """The index of ``unit`` from the ranks' merged ``content``; a TailorError in one line if
+def _unit_index(step: int, unit: str, content: dict[str, Any],
+                boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]]) -> dict[str, Any]:
+    """The index of ``unit`` from the ranks' merged ``content``, as written, once validated
+    (``UnitEntry``: what a reader's validation of the line accepts); a TailorError in one line if
     two ranks wrote the same elements of a tensor or the index is otherwise invalid (never a
     raw ValidationError)."""
-    for tensor in content["tensors"].values():
-        _check_written_once(step, unit, tensor, writers[unit, tensor["key"]])
+    for key in content["tensors"]:
+        _check_written_once(step, unit, key, boxes[unit, key])
+    index = {"unit": unit, "step": step, "files": content["files"], "tensors": list(content["tensors"].values()),
+             "values": content["values"], "kept": content["kept"], "base": content["base"]}
     try:
-        return UnitEntry(unit=unit, step=step, files=content["files"], tensors=list(content["tensors"].values()),
-                         values=content["values"], kept=content["kept"], base=content["base"])
+        UnitEntry.model_validate(index)
     except ValidationError as err:
         raise TailorError(f"step {step} was not committed: the index of unit {unit!r} the ranks reported is invalid: "
                           f"{describe_validation(err)}") from None
+    return index
 
 
-def _check_written_once(step: int, unit: str, tensor: dict[str, Any], ranks: list[int]) -> None:
+def _check_written_once(step: int, unit: str, key: str, chunks: list[tuple[int, list[int], list[int]]]) -> None:
     """Refuse a tensor two of whose chunks share elements (two ranks holding the same shard,
     each writing it), naming the tensor, the ranks and the chunks."""
-    boxes = [(chunk["offsets"], chunk["shape"]) for chunk in tensor["chunks"]]
+    if len(chunks) < 2:  # a single-process save's every tensor
+        return
+    boxes = [(offsets, shape) for _, offsets, shape in chunks]
     pair = first_overlap(boxes)
     if pair is None:
         return
     (a, b) = pair
     raise TailorError(
-        f"step {step} was not committed: tensor {tensor['key']!r} of unit {unit!r} was written twice in part: rank "
-        f"{ranks[a]} wrote its chunk at {boxes[a][0]} of shape {boxes[a][1]}, rank {ranks[b]} its chunk at "
+        f"step {step} was not committed: tensor {key!r} of unit {unit!r} was written twice in part: rank "
+        f"{chunks[a][0]} wrote its chunk at {boxes[a][0]} of shape {boxes[a][1]}, rank {chunks[b][0]} its chunk at "
         f"{boxes[b][0]} of shape {boxes[b][1]} (the ranks hold copies of one shard, and each wrote it)"
     )
 

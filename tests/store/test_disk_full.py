@@ -73,6 +73,8 @@ class WriteSpy:
         for name in ("put", "replace"):
             monkeypatch.setattr(LocalStorage, name, self._wrap(getattr(LocalStorage, name), lambda storage, key, *a: key))
         monkeypatch.setattr(local_commit, "create_file", self._wrap(local_commit.create_file, lambda path, *a: path))  # the manifest
+        # latest's new file, written by the commit once the manifest is
+        monkeypatch.setattr(local_commit, "create_replacement", self._wrap(local_commit.create_replacement, lambda path, *a: path))
 
     def _wrap(self, write, name_of):
         def spy(*args, **kwargs):

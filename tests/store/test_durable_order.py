@@ -18,6 +18,8 @@ from helpers import tiny, train
 from llmtailor import Full, Tailor
 from llmtailor.constants import (GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, PACKS_DIR, TMP_DIR,
                                  pack_filename, snapshot_dirname)
+from llmtailor.store.run import Run
+from llmtailor.store.storage import local_commit
 from llmtailor.store.storage.local_lock import LEASE_FILE
 
 
@@ -32,7 +34,7 @@ class Recorder:
         def fsync(fd):
             path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
             real_fsync(fd)
-            self.add("fsync", path)
+            self.add("fsync", path, threading.current_thread().name)
 
         def renaming(real):
             def rename(src, dst, *args, **kwargs):
@@ -59,7 +61,7 @@ class Recorder:
     def synced(self, path: Path | str, after: int = -1, before: int | None = None) -> bool:
         """Whether ``path`` was fsynced (returned) between events ``after`` and ``before``."""
         end = len(self.events) if before is None else before
-        return any(e == ("fsync", str(path)) for e in self.events[after + 1 : end])
+        return any(e[:2] == ("fsync", str(path)) for e in self.events[after + 1 : end])
 
 
 def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]:
@@ -72,6 +74,7 @@ def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]
     tailor.save(1)
     recorder = Recorder(monkeypatch)
     tailor.save(2)
+    Run(root).storage.commits.wait_purged()  # retention's removal, on the purger's thread
     monkeypatch.undo()
     return recorder, root, tailor
 
@@ -104,37 +107,72 @@ def test_a_local_save_publishes_each_file_and_directory_only_once_it_is_durable(
         tailor.close()
 
 
-def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_directories(tmp_path, tokens, monkeypatch):
-    """A small save's time is its fsyncs one after another (bench/RESULTS.md, issue 33): the
-    leader's staged files (its pack, global state files, and the unit indexes) are fsynced at
-    once, then the manifest and the staged directories (``packs/`` and the snapshot's own) at
-    once. Each of those fsyncs waits here until its whole group is in flight (a barrier):
-    fsyncs made one after another never fill it, and the save fails. And no fsync is added:
-    11 in all, as before (the rule above needs each)."""
+def test_retention_makes_its_rename_durable_on_the_purgers_thread_before_removing_anything(tmp_path, tokens, monkeypatch):
+    """A save with ``keep`` returns once its own snapshot and ``latest`` are durable: the
+    snapshot retention discards is renamed into ``.trash/`` and its parent fsynced on the
+    purger's thread, before any of its files is removed (a crash before that fsync brings the
+    old snapshot back whole: one composite more than ``keep``, until the next writer's
+    retention). That fsync was the last of a small save's chain (bench/RESULTS.md, issue 33,
+    session 46). Every fsync of ``snapshots/`` and every removal of a trash directory is
+    recorded with its thread."""
     model, optimizer, scheduler = tiny(layers=2)
     train(model, optimizer, scheduler, tokens, [0])
     root = Path(os.path.realpath(tmp_path)) / "run"
     with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
         tailor.save(1)
-        groups = {"files": threading.Barrier(4, timeout=60), "last": threading.Barrier(3, timeout=60)}
+        recorder = Recorder(monkeypatch)
+        real_rmtree = local_commit.shutil.rmtree
+
+        def rmtree(path, *args, **kwargs):
+            recorder.add("rmtree", os.path.realpath(path))
+            return real_rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(local_commit.shutil, "rmtree", rmtree)
+        tailor.save(2)
+        tailor.run.storage.commits.wait_purged()
+        monkeypatch.undo()
+    snapshots = root / "snapshots"
+    discarded = [i for i, e in enumerate(recorder.events) if e[0] == "rename" and e[1] == str(snapshots / snapshot_dirname(1))]
+    removed = [i for i, e in enumerate(recorder.events) if e[0] == "rmtree"]
+    assert len(discarded) == 1 and len(removed) == 1, recorder.events
+    synced = [e[2] for e in recorder.events[discarded[0] + 1 : removed[0]] if e[:2] == ("fsync", str(snapshots))]
+    assert synced == ["llmtailor-purge"]
+
+
+def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_directories(tmp_path, tokens, monkeypatch):
+    """A small save's time is its fsyncs one after another (bench/RESULTS.md, issue 33): the
+    leader's staged files (its pack, global state files, and the unit indexes) are fsynced at
+    once, then the manifest, the staged directories (``packs/`` and the snapshot's own) and
+    ``latest``'s new file (written once the manifest is: its rename still follows the
+    snapshot's, session 46) at once. Each of those fsyncs waits here until its whole group is
+    in flight (a barrier): fsyncs made one after another never fill it, and the save fails.
+    And no fsync is added: 11 in all, as before (the rule above needs each)."""
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
+        tailor.save(1)
+        groups = {"files": threading.Barrier(4, timeout=60), "last": threading.Barrier(4, timeout=60)}
         met: dict[str, list[str]] = {"files": [], "last": []}
         real, calls = os.fsync, []
 
         def fsync(fd):
             path = os.readlink(f"/proc/self/fd/{fd}")
             calls.append(path)
-            if f"/{TMP_DIR}/" in path:  # staged
-                group = "last" if os.path.isdir(path) or path.endswith(f"/{MANIFEST_FILE}") else "files"
+            pointer = Path(path).name.startswith(f".{LATEST_FILE}.")
+            if f"/{TMP_DIR}/" in path:  # staged, or latest's new file
+                group = "last" if pointer or os.path.isdir(path) or path.endswith(f"/{MANIFEST_FILE}") else "files"
                 met[group].append(Path(path).name)
                 groups[group].wait()  # BrokenBarrierError (the save fails) unless the group is in flight together
             real(fd)
 
         monkeypatch.setattr(os, "fsync", fsync)
         tailor.save(2)
+        tailor.run.storage.commits.wait_purged()  # retention's removal, on the purger's thread
         monkeypatch.undo()
     assert sorted(met["files"]) == sorted([GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, Path(pack_filename(0, 0)).name])
-    staging = [name for name in met["last"] if name not in (PACKS_DIR, MANIFEST_FILE)]
-    assert len(met["last"]) == 3 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
+    staging = [name for name in met["last"] if name not in (PACKS_DIR, MANIFEST_FILE) and not name.startswith(f".{LATEST_FILE}.")]
+    assert len(met["last"]) == 4 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
     assert len(staging) == 1 and staging[0].startswith(f"{snapshot_dirname(2)}.")
     assert len(calls) == 11, calls
 

@@ -148,7 +148,7 @@ tailor = Tailor({run!r}, model, opt, sched, policy=Full())
 tailor.save(1)
 real = commit.SnapshotCommit.commit
 
-def killed(self, manifest, confirm=None):
+def killed(self, manifest, confirm=None, **pointer):
     assert (self.run.root / self.staging / INDEXES_FILE).is_file()  # written and durable; the manifest not yet
     os.kill(os.getpid(), signal.SIGKILL)
 

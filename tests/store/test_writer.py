@@ -15,7 +15,7 @@ from llmtailor.errors import TailorError
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.run import Run
-from llmtailor.store.staged import ChunkPart, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
+from llmtailor.store.staged import ChunkPart, Piece, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
 from llmtailor.store.writer import persist
 
 NAMES = ["model.embed_tokens.weight", *(f"model.layers.{i}.mlp.weight" for i in range(4)), "model.norm.weight"]
@@ -145,3 +145,51 @@ def test_the_leader_validates_its_own_part_once_in_the_indexes_and_the_other_ran
     with pytest.raises(TailorError, match=r"rank 0 wrote its chunk at \[0\] of shape \[2\], rank 1 its chunk"):
         persist(Run(tmp_path / "two"), staged(WHOLE, list(WHOLE.units), world_size=2), coordinator=TwoStages(other))
     assert calls == {"to_message": 0, "from_message": 1}  # rank 1's report, validated where it arrives
+
+
+def test_the_unit_indexes_are_validated_once_and_written_as_validated_without_pydantic_serialising(tmp_path, monkeypatch):
+    """Each unit's index line is built in its written (compact) form, validated once as it is
+    (``UnitEntry``) and encoded as it is: no chunk is dumped into a dict and no index is dumped
+    back out of its model (a fixed cost of every save, per chunk; bench/RESULTS.md, issue 33,
+    session 46). What is written reads back to the entry that was validated, in the same bytes
+    as that entry dumps, for whole tensors, pieces (a world of two) and page checksums alike."""
+    from pydantic import BaseModel
+
+    from llmtailor.constants import INDEXES_FILE, snapshot_dirname
+    from llmtailor.store.manifest import UnitEntry
+
+    dumped: dict[str, int] = {}
+    model_dump = BaseModel.model_dump
+
+    def counted(self, *args, **kwargs):
+        dumped[type(self).__name__] = dumped.get(type(self).__name__, 0) + 1
+        return model_dump(self, *args, **kwargs)
+
+    monkeypatch.setattr(BaseModel, "model_dump", counted)
+    big = torch.arange(300 << 10, dtype=torch.float32)  # 1.2 MB: a chunk with page checksums
+    units = iter([StagedUnit.whole("embed", {f"weight/{NAMES[0]}": big}),
+                  *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])])
+    one = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(), units=units,
+                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
+    persist(Run(tmp_path / "one"), one)
+    assert dumped == {"Manifest": 1}
+    monkeypatch.undo()
+    lines = (tmp_path / "one" / "snapshots" / snapshot_dirname(1) / INDEXES_FILE).read_bytes().splitlines(keepends=True)
+    assert len(lines) == len(WHOLE.units) and Run(tmp_path / "one").verify() == []
+    assert any(b'"pages":[' in line for line in lines)
+    for line in lines:
+        assert (UnitEntry.model_validate_json(line).dumps() + "\n").encode() == line
+    # A world of two: rank 1 wrote the second half of a norm rank 0 wrote the first half of.
+    half = FileEntry(path="units/norm.rank-00001.safetensors", bytes=8, xxh3_64="0" * 16)
+    other = RankPart(units={"norm": UnitPart(file=half, tensors=[TensorPart(
+        key=f"weight/{NAMES[-1]}", dtype="float32", shape=[4], chunks=[ChunkPart(offsets=[2], shape=[2], xxh3_64="1" * 16)])])},
+        holds=list(WHOLE.units)).to_message()
+    pieces = iter([*(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in list(WHOLE.units)[:-1] for n in WHOLE.units[u]),
+                   StagedUnit("norm", [Piece(f"weight/{NAMES[-1]}", torch.ones(2), (0,), (4,))])])
+    two = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(), units=pieces,
+                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={}, world_size=2)
+    persist(Run(tmp_path / "two"), two, coordinator=TwoStages(other))
+    norm = (tmp_path / "two" / "snapshots" / snapshot_dirname(1) / INDEXES_FILE).read_bytes().splitlines(keepends=True)[-1]
+    entry = UnitEntry.model_validate_json(norm)
+    assert (entry.dumps() + "\n").encode() == norm
+    assert [(c.file, c.offsets, c.shape) for c in entry.tensors[0].chunks] == [(0, [0], [2]), (1, [2], [2])]

@@ -1,8 +1,10 @@
 """How a local run commits a snapshot: a save writes into a private directory under ``.tmp/``
 and renames it into ``snapshots/`` atomically (fsyncing what it adds first, the parent after);
-retention renames a snapshot into ``.trash/`` before removing its files (a writer's retention
-removes them on a background thread, ``purge_later``: its save returns once the rename is
-durable). The writer lock's holder clears both of what crashed writers left."""
+retention renames a snapshot into ``.trash/``, fsyncs the directory it left, then removes its
+files (a writer's retention does both on a background thread, ``purge_later``: its save returns
+once its own snapshot and ``latest`` are durable, and a crash before that fsync brings the old
+snapshot back whole, one composite more than ``keep`` until the next retention). The writer
+lock's holder clears both of what crashed writers left."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import threading
 import uuid
 from pathlib import Path
 
-from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import StorageError, TailorError
-from llmtailor.store.storage.local_durable import create_file, fsync_dir, fsync_together
+from llmtailor.store.storage.local_durable import create_file, create_replacement, fsync_dir, fsync_together, replace_with
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
 
@@ -29,6 +31,9 @@ class LocalCommits(SnapshotCommits):
 
     def __init__(self, root: Path):
         self.root = root
+        self._left: dict[str, Path] = {}
+        """Token of a snapshot ``discard`` renamed -> the directory it left, not yet fsynced
+        (``purge`` of a token not here: ``snapshots/``, where every committed snapshot lies)."""
 
     def begin(self, name: str, final: str, world_size: int) -> str:
         if (self.root / final).exists():
@@ -42,19 +47,40 @@ class LocalCommits(SnapshotCommits):
             (self.root / staging / RANKS_DIR).mkdir()
         return staging
 
-    def commit(self, staging: str, final: str, manifest: bytes) -> None:
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
         tmp, target = self.root / staging, self.root / final
         try:
             create_file(tmp / MANIFEST_FILE, manifest)
         except FileExistsError:
             raise TailorError(f"{tmp / MANIFEST_FILE} already exists; refusing to overwrite it") from None
-        # The manifest and every directory holding a staged file, so its entries are durable
-        # (the snapshot's subdirectories: units/, packs/, ranks/ ..., whichever this save made;
-        # then itself), fsynced at once: the journal commits them together.
-        fsync_together([tmp / MANIFEST_FILE, *(Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)), tmp])
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, target)
-        fsync_dir(target.parent)
+        # The pointer's new file is written once the manifest is (a full disk fails the pointer,
+        # not the commit) and made durable beside it; its rename waits for the snapshot's. It
+        # lies in .tmp/ meanwhile: what a crash leaves there the next writer removes.
+        new, failed = None, None
+        if pointer is not None:
+            try:
+                new = create_replacement(self.root / TMP_DIR / pointer[0], pointer[1])
+            except OSError as err:
+                failed = err
+        try:
+            # The manifest and every directory holding a staged file, so its entries are durable
+            # (the snapshot's subdirectories: units/, packs/, ranks/ ..., whichever this save
+            # made; then itself), fsynced at once: the journal commits them together.
+            subdirectories = [Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)]
+            fsync_together([tmp / MANIFEST_FILE, *subdirectories, tmp, *([new] if new is not None else [])])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, target)
+            fsync_dir(target.parent)
+        except BaseException:
+            if new is not None:
+                new.unlink(missing_ok=True)
+            raise
+        if new is not None:
+            try:
+                replace_with(new, self.root / pointer[0])
+            except OSError as err:
+                failed = err
+        return failed
 
     def abandon(self, staging: str) -> None:
         shutil.rmtree(self.root / staging, ignore_errors=True)
@@ -64,18 +90,19 @@ class LocalCommits(SnapshotCommits):
         token = f"{TRASH_DIR}/{source.name}.{uuid.uuid4().hex[:8]}"
         (self.root / TRASH_DIR).mkdir(exist_ok=True)
         os.rename(source, self.root / token)
-        fsync_dir(source.parent)
+        self._left[token] = source.parent  # fsynced by ``purge``, before anything is removed
         return token
 
     def purge(self, token: str) -> None:
         target = self.root / token
         try:
+            fsync_dir(self._left.pop(token, self.root / SNAPSHOTS_DIR))  # the rename durable before any removal
             shutil.rmtree(target)
         except OSError as err:
             raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
 
     def purge_later(self, token: str) -> None:
-        _PURGER.submit(self.root / token)
+        _PURGER.submit(self.root / token, self._left.pop(token, self.root / SNAPSHOTS_DIR))
 
     def wait_purged(self) -> None:
         _PURGER.wait(self.root)
@@ -89,26 +116,27 @@ class LocalCommits(SnapshotCommits):
 
 
 class _Purger:
-    """Removes discarded snapshots' directories (already renamed into ``.trash/``, durably) on
-    one background thread of the process, in order; ``wait(root)`` returns once none of
-    ``root``'s is left to do. A daemon thread: a process that exits mid-removal leaves the rest
-    in ``.trash/``, which the next writer clears (``clear_leftovers``)."""
+    """Removes discarded snapshots' directories (already renamed into ``.trash/``; the directory
+    each left fsynced first) on one background thread of the process, in order; ``wait(root)``
+    returns once none of ``root``'s is left to do. A daemon thread: a process that exits
+    mid-removal leaves the rest in ``.trash/``, which the next writer clears (``clear_leftovers``)."""
 
     def __init__(self):
-        self._queue: queue.SimpleQueue[Path] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Path, Path]] = queue.SimpleQueue()
         self._pending: dict[Path, int] = {}
         """Trash directory -> removals queued or under way in it."""
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def submit(self, target: Path) -> None:
+    def submit(self, target: Path, left: Path) -> None:
+        """Remove ``target`` once the directory it was renamed out of, ``left``, is fsynced."""
         target = Path(os.path.realpath(target))  # the same run however its root was spelled
         with self._changed:
             self._pending[target.parent] = self._pending.get(target.parent, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="llmtailor-purge", daemon=True)
                 self._thread.start()
-        self._queue.put(target)
+        self._queue.put((target, left))
 
     def wait(self, root: Path) -> None:
         if sys.is_finalizing():  # the thread may be stopped already: what is left stays in the trash
@@ -119,8 +147,9 @@ class _Purger:
 
     def _work(self) -> None:
         while True:
-            target = self._queue.get()
+            target, left = self._queue.get()
             try:
+                fsync_dir(left)  # the rename durable before any removal: a crash finds it whole or gone
                 shutil.rmtree(target)
             except OSError as err:
                 log.warning("llmtailor retention: %s: could not delete (%s); the next writer retries", target, err.strerror)

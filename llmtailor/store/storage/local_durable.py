@@ -257,15 +257,33 @@ def replace_text_atomically(path: Path, text: str) -> None:
 
 def replace_bytes_atomically(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so a reader sees the old or the new content, never a mix."""
+    replace_with(create_replacement(path, data, durable=True), path)
+
+
+def create_replacement(path: Path, data: bytes, durable: bool = False) -> Path:
+    """The new file that will replace ``path`` (``replace_with``), holding ``data``; durable
+    when it returns with ``durable``, else the caller fsyncs it. On a failure nothing is left
+    (a full disk must not also leave a stray temporary file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as out:
             out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not also leave a stray temporary file
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def replace_with(new: Path, path: Path) -> None:
+    """Replace ``path`` with the durable file ``new`` atomically, and make that durable (its
+    directory fsynced); on a failure ``new`` is removed."""
+    try:
+        os.replace(new, path)
+    except BaseException:
+        new.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
 

@@ -31,9 +31,15 @@ class ObjectCommits(SnapshotCommits):
             raise TailorError(f"{self.storage.where(final)} already exists; refusing to overwrite a committed snapshot")
         return final  # the files go to their final keys; the manifest commits them
 
-    def commit(self, staging: str, final: str, manifest: bytes) -> None:
-        """The manifest, written last only if absent, is the commit."""
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
+        """The manifest, written last only if absent, is the commit; then the pointer."""
         self.storage.put(f"{staging}/{MANIFEST_FILE}", manifest, exclusive=True)
+        if pointer is not None:
+            try:
+                self.storage.replace(*pointer)
+            except OSError as err:
+                return err
+        return None
 
     def abandon(self, staging: str) -> None:
         if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):

@@ -58,10 +58,13 @@ class SnapshotCommits(ABC):
         return f"{staging}/{relpath}"
 
     @abstractmethod
-    def commit(self, staging: str, final: str, manifest: bytes) -> None:
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
         """Write ``manifest`` as the snapshot's ``MANIFEST_FILE`` at ``staging``, last and only
         if absent (TailorError if there is one), and make the snapshot written there committed
-        at ``final``, durably. Every other file staged is durable already."""
+        at ``final``, durably. Every other file staged is durable already. ``pointer``
+        ``(key, data)``: then replace the file ``key`` with ``data`` atomically and durably (the
+        run's ``latest``), only once the snapshot is committed durably; a failure of that
+        replacement is returned, not raised (the snapshot stays committed)."""
 
     @abstractmethod
     def abandon(self, staging: str) -> None:
@@ -69,9 +72,10 @@ class SnapshotCommits(ABC):
 
     @abstractmethod
     def discard(self, snapshot: str) -> str:
-        """Make the committed snapshot at ``snapshot`` not a snapshot any more, at once and
-        durably (the caller holds its removal lease and the writer lock); returns a token for
-        ``purge`` to remove its files."""
+        """Make the committed snapshot at ``snapshot`` not a snapshot any more, at once (the
+        caller holds its removal lease and the writer lock); returns a token for ``purge`` to
+        remove its files. Durably by the time ``purge`` removes anything (locally, the fsync of
+        the directory it left is ``purge``'s first step): a crash before brings it back whole."""
 
     @abstractmethod
     def purge(self, token: str) -> None:
