@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -440,7 +441,9 @@ class _Unclosed:
 
 
 _UNCLOSED: dict[_Unclosed, None] = {}
-"""The writers open in this process, in the order they opened, until ``close`` or ``abandon``."""
+"""The writers open in this process, in the order they opened, until ``close`` or ``abandon``
+(a forked child's own: the parent's are not its to finish)."""
+os.register_at_fork(after_in_child=_UNCLOSED.clear)
 
 
 @atexit.register
