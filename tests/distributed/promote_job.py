@@ -10,11 +10,12 @@ node holds the whole composite) at ``$NODE_DIR/<variant>`` in front of ``$RUN_HO
 two runs: ``between`` (``promote_every=100``: step 1 promoted, none due at the last save) then
 ``due`` (``promote_every=1``: a promotion due at every save, the last one's at exit). Versions
 under ``DIR/<variant>``. Neither Tailor is closed, ``between``'s dropped (a local of a function
-that returned), ``due``'s kept (a script's global): the script ends (the group destroyed, as a
-torchrun script's last line) with the last save in flight. Must be the last job of its launch.
+that returned), ``due``'s kept (a script's global): the script ends with the last save in flight
+(the process group not destroyed: ``destroy_process_group()`` would cut the replication of a save
+in flight, docs/training-loops.md). Must be the last job of its launch.
 With ``HOLD_EXIT=<step>``, node 1's leader takes an order naming that step up only once its
-interpreter began to exit and every thread that holds the exit up ended (its saves committed):
-the latest a follower can be, for the promotion due at the last save.
+interpreter began its at-exit work (every save and promotion thread ended by then): the latest a
+follower can be, for the promotion due at the last save.
 ``fsdp-url``  torch_job.py's scenario of that name (test_object_store_nodes.py's run, saved to
 ``$RUN_ROOT``), in the launch of the promotions: the tests share its start-up.
 
@@ -43,12 +44,12 @@ it can be); it then records what it waited for in ``DIR/held.json`` and serves t
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import sys
 import threading
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
@@ -125,21 +126,15 @@ def serving_late(hold: int, patches: ExitStack) -> None:
     patches.enter_context(mock.patch.object(collective.NodeUploader, "_serve", late))
 
 
-def exiting() -> bool:
-    """Whether the interpreter began to exit (its main thread ended) and every non-daemon thread
-    ended: what runs now runs in its at-exit work, or not at all."""
-    return not any(t.is_alive() for t in threading.enumerate() if not t.daemon)
-
-
 def serving_at_exit(step: int, patches: ExitStack) -> None:
-    """Node 1's uploader takes an order naming ``step`` up only once ``exiting`` (module docstring)."""
-    serve = collective.NodeUploader._serve
+    """Node 1's uploader takes an order naming ``step`` up only once the interpreter's at-exit
+    work began (module docstring): a hook registered now, after llmtailor's, runs before them."""
+    began, serve = threading.Event(), collective.NodeUploader._serve
+    atexit.register(began.set)
 
     def late(self, order):
         if step in (int(s) for s in order.get("staging", {})):
-            deadline = time.monotonic() + HOLD_PATIENCE
-            while not exiting() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            began.wait(HOLD_PATIENCE)
         return serve(self, order)
 
     patches.enter_context(mock.patch.object(collective.NodeUploader, "_serve", late))
@@ -218,6 +213,8 @@ def run_job(scenario: str, kind: str, out: Path) -> None:
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+    if scenario == "unclosed":
+        sys.exit(0)  # the script ends here, its saves in flight: the job's group not destroyed (no close() either)
 
 
 if __name__ == "__main__":
