@@ -1,7 +1,8 @@
 """One launch of two "nodes" (each a ``torchrun --nnodes 2`` launch on loopback with its own
 directories and TMPDIR; the runs' homes on moto's S3 server) runs, in turn, the jobs of several
-test files (promote_job.py): test_collective_promotion.py's relaunch after its crash and its held
-follower's run, and test_object_store_nodes.py's save. The crash it follows has a launch of its
+test files (promote_job.py): test_collective_promotion.py's relaunch after its crash, its held
+follower's run and its script that ends without ``close()`` (the launch's last job), and
+test_object_store_nodes.py's save. The crash it follows has a launch of its
 own (the test kills its nodes), and what that test checks between the two launches is recorded
 then."""
 
@@ -100,19 +101,22 @@ def nodes_on_s3(tmp_path_factory) -> NodesOnS3:
     """The crash, then one launch of the two nodes running in turn: the relaunch of the ``killed``
     run (every node's memory lost: it resumes from the bucket), the ``held`` run (``KEEP=1``, node
     1 holding its first order: ``HOLD_FOLLOWER``) and the ``fsdp`` run (torch_job.py's
-    ``fsdp-url``, saved straight to its URL). Each test reads its run's results and the launch's
-    outcome (``results``)."""
+    ``fsdp-url``, saved straight to its URL), then the ``unclosed`` runs (a script that ends without
+    ``close()``, node 1 serving the promotion due at its last save only as it exits: ``HOLD_EXIT``).
+    Each test reads its run's results and the launch's outcome (``results``)."""
     pytest.importorskip("obstore")
     pytest.importorskip("moto")
     from objectstore import moto_process, new_bucket
 
     with moto_process() as endpoint:
         urls = {"killed": f"s3://{new_bucket(endpoint)}/jobs/killed", "held": f"s3://{new_bucket(endpoint)}/jobs/held",
-                "fsdp": f"s3://{new_bucket(endpoint)}/jobs/fsdp"}
+                "fsdp": f"s3://{new_bucket(endpoint)}/jobs/fsdp",
+                "unclosed": f"s3://{new_bucket(endpoint)}/jobs/unclosed"}
         nodes = NodesOnS3(tmp_path_factory.mktemp("nodes_on_s3"), endpoint, urls)
         crash_mid_promotion(nodes)
         relaunch = [] if nodes.killed["failure"] else [("promote", "killed", {})]
-        turns = [*relaunch, ("promote", "held", {"KEEP": "1", "HOLD_FOLLOWER": "2"}), ("fsdp-url", "fsdp", {})]
+        turns = [*relaunch, ("promote", "held", {"KEEP": "1", "HOLD_FOLLOWER": "2"}), ("fsdp-url", "fsdp", {}),
+                 ("unclosed", "unclosed", {"HOLD_EXIT": "4"})]  # last: it ends with the process
         launches = node_launches(JOB, lambda n: [arg for scenario, name, settings in turns
                                                  for arg in nodes.job(scenario, name, n, **settings)],
                                  lambda n: nodes.env(n, "tmp"))

@@ -5,6 +5,17 @@ launch per "node", each with its own TMPDIR):
 (``replicas=1``: each node holds its own parts only) at ``$NODE_DIR``, promoted every 2 steps to
 ``$RUN_HOME`` (the moto server's bucket), then ``close()``. Resumes from the newest composite of
 any tier when there is one.
+``unclosed``  FSDP2, async Parity saves at steps 1..4 into a node-local tier (``replicas=2``: each
+node holds the whole composite) at ``$NODE_DIR/<variant>`` in front of ``$RUN_HOME/<variant>``, in
+two runs: ``between`` (``promote_every=100``: step 1 promoted, none due at the last save) then
+``due`` (``promote_every=1``: a promotion due at every save, the last one's at exit). Versions
+under ``DIR/<variant>``. Neither Tailor is closed, ``between``'s dropped (a local of a function
+that returned), ``due``'s kept (a script's global): the script ends with the last save in flight
+(the process group not destroyed: ``destroy_process_group()`` would cut the replication of a save
+in flight, docs/training-loops.md). Must be the last job of its launch.
+With ``HOLD_EXIT=<step>``, node 1's leader takes an order naming that step up only once its
+interpreter began its at-exit work (every save and promotion thread ended by then): the latest a
+follower can be, for the promotion due at the last save.
 ``fsdp-url``  torch_job.py's scenario of that name (test_object_store_nodes.py's run, saved to
 ``$RUN_ROOT``), in the launch of the promotions: the tests share its start-up.
 
@@ -33,6 +44,7 @@ it can be); it then records what it waited for in ``DIR/held.json`` and serves t
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -46,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node_recovery_job import run_in_turn  # noqa: E402
-from torch_job import build, rank, run_scenario, train  # noqa: E402
+from torch_job import build, rank, run_scenario, train, write_versions  # noqa: E402
 
 from llmtailor import Parity, Tailor, Tier  # noqa: E402
 from llmtailor.store.tiers import collective, runtime  # noqa: E402
@@ -114,6 +126,20 @@ def serving_late(hold: int, patches: ExitStack) -> None:
     patches.enter_context(mock.patch.object(collective.NodeUploader, "_serve", late))
 
 
+def serving_at_exit(step: int, patches: ExitStack) -> None:
+    """Node 1's uploader takes an order naming ``step`` up only once the interpreter's at-exit
+    work began (module docstring): a hook registered now, after llmtailor's, runs before them."""
+    began, serve = threading.Event(), collective.NodeUploader._serve
+    atexit.register(began.set)
+
+    def late(self, order):
+        if step in (int(s) for s in order.get("staging", {})):
+            began.wait(HOLD_PATIENCE)
+        return serve(self, order)
+
+    patches.enter_context(mock.patch.object(collective.NodeUploader, "_serve", late))
+
+
 @contextmanager
 def recording_uploads(out: Path):
     """Each file this process uploads in a promotion inside the block (``step:path``), in a list;
@@ -155,14 +181,40 @@ def promote(kind: str, out: Path) -> dict:
             "superseded": [s for p in tailor.tiers.promotions for s in p.superseded]}
 
 
+UNCLOSED: list[Tailor] = []
+"""``unclosed``'s Tailor kept alive until the interpreter ends, as a script's global."""
+
+
+def unclosed(kind: str, out: Path) -> dict:
+    patches = ExitStack()  # never closed: the patch holds until the process ends
+    if os.environ.get("HOLD_EXIT"):
+        serving_at_exit(int(os.environ["HOLD_EXIT"]), patches)
+    for variant, every in (("between", 100), ("due", 1)):
+        model, optimizer, scheduler = build(kind, seed=0)
+        tiers = [Tier(f"{os.environ['NODE_DIR']}/{variant}", scope="node", replicas=2, keep=2, promote_every=every)]
+        tailor = Tailor(f"{os.environ['RUN_HOME']}/{variant}", model, optimizer, scheduler, policy=Parity(),
+                        tiers=tiers, async_save=True, timeout=float(os.environ.get("TIMEOUT", "60")))
+        if variant == "due":
+            UNCLOSED.append(tailor)
+        for step in range(1, 5):
+            train(model, optimizer, scheduler, [step])
+            tailor.save(step, extra={"next": step + 1})
+            write_versions(out / variant, step, model, optimizer)  # collective: the save's copies are taken by then
+    return {"saved": [1, 2, 3, 4]}  # no close(): the last save, and the promotion due, end at exit
+
+
 def run_job(scenario: str, kind: str, out: Path) -> None:
     if scenario == "promote":
         result = promote(kind, out)
+    elif scenario == "unclosed":
+        result = unclosed(kind, out)
     elif scenario == "fsdp-url":
         result = run_scenario(scenario, out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
+    if scenario == "unclosed":
+        sys.exit(0)  # the script ends here, its saves in flight: the job's group not destroyed (no close() either)
 
 
 if __name__ == "__main__":

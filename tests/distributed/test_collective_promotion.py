@@ -10,6 +10,7 @@ a launch of its own, the relaunch after it and the held follower's run in turn i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,45 @@ def test_a_follower_keeps_what_it_uploads_from_its_own_retention(nodes_on_s3, mo
     for node in range(2):
         memory = Run(nodes.memory("held", node))
         assert memory.steps() == [5, 6] and memory.verify() == []  # Parity's composite of 6 needs 5
+
+
+def test_a_script_that_ends_without_close_commits_and_promotes_on_every_node(nodes_on_s3, monkeypatch):
+    """Async saves at steps 1..4 into a node-local tier (``replicas=2``) in front of the bucket, in
+    two runs of one script that ends without ``close()`` (the launch's last job, promote_job.py's
+    ``unclosed``): ``between`` (no promotion due at its last save) and ``due`` (one due at every
+    save: its last one's at exit), node 1 serving that last order only once its interpreter began
+    to exit and its saves committed (``HOLD_EXIT``). Every save committed in both nodes' copies,
+    each promotion due is whole in the bucket and nothing of a partial one lies there, every lock
+    released, no failure said, and node 1's copy and the bucket restore their newest composite bit
+    for bit. Before:
+    node 1's uploader, a daemon thread, died with its interpreter; rank 0 waited out the timeout
+    three times and failed the promotion of step 4 (the bucket stayed at step 3), and the kept
+    writer's lock stayed in the bucket ('Exception ignored in: WriterLock.__del__ ... ImportError')."""
+    import sys
+
+    from helpers import tiny
+    from objectstore import keys
+
+    from llmtailor import Tailor
+
+    nodes, url = nodes_on_s3, nodes_on_s3.urls["unclosed"]
+    assert [r["saved"] for r in nodes.results("unclosed", "unclosed")] == [[1, 2, 3, 4]] * 2
+    set_environment(monkeypatch, nodes.endpoint)  # this process reads the bucket
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch_job
+
+    for variant, promoted in (("between", 1), ("due", 4)):
+        home = f"{url}/{variant}"
+        tiers = [nodes.memory("unclosed", node) / variant for node in range(2)]
+        for copy in tiers:
+            assert Run(copy).latest_step() == 4 and Run(copy).verify() == [], copy
+        assert Run(home).latest_step() == promoted and Run(home).verify() == []
+        assert staged_only(nodes.endpoint, home) == []
+        assert [k for k in keys(nodes.endpoint, url.split("/")[2]) if k.endswith("/.lock")] == []
+        for where in (tiers[1], home):  # node 1's copy holds the whole composite too (replicas=2)
+            model, optimizer, scheduler = tiny(seed=11)
+            assert Tailor(where, model, optimizer, scheduler, read_only=True).restore().step == Run(where).latest_step()
+            assert torch_job.compare_with_composite(nodes.own("unclosed", 0) / variant, where, model, optimizer) == []
+    said = "\n".join(nodes.outputs)
+    assert "NOT saved" not in said and "Exception ignored" not in said
+    assert [line for line in said.splitlines() if "unclosed" in line and ("WARNING" in line or "ERROR" in line)] == []

@@ -6,6 +6,9 @@ tensor takes the parallel path a large one takes.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -186,3 +189,44 @@ def test_from_a_remote_store_a_short_last_part_is_fetched_with_the_part_before_i
     views = [bytearray(n) for n in (PART // 2, PART // 2, length - PART)]
     fetch.fetch_into(storage, key, 0, [memoryview(v) for v in views])
     assert b"".join(views) == data and calls.count("read_into") == 2 * requests, calls.calls
+
+
+def test_a_forked_child_exits_whatever_lock_of_the_parents_pool_a_parent_thread_held():
+    """The pools of the storage (``LazyPool``: fetches, side-by-side asks, a node's uploads) shut
+    down at exit. A forked child starts a pool of its own; at its exit it shuts down that one,
+    never the parent's copy, whose lock a parent thread may have held as the fork landed (copied
+    held, with no thread to release it). Before: each pool's first use registered its own shutdown
+    at exit, which the child inherited: the child hung at exit ('child hung at exit')."""
+    script = textwrap.dedent("""
+        import os, sys, threading, time
+        from llmtailor.store.fetch import _workers as pool
+
+        assert pool.submit(int, "7").result() == 7
+        inside, done = threading.Event(), threading.Event()
+
+        def hold():  # a parent thread inside the pool's own lock as the fork lands
+            with pool()._shutdown_lock:
+                inside.set()
+                done.wait()
+
+        threading.Thread(target=hold).start()
+        inside.wait()
+        pid = os.fork()
+        if pid == 0:
+            assert pool.submit(int, "8").result() == 8  # the child's pool of its own
+            sys.exit(0)  # an ordinary exit: the child's at-exit work runs
+        done.set()
+        deadline = time.monotonic() + 120  # the bound on a hang, not a timing asserted
+        while time.monotonic() < deadline:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                print("child exited", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("child hung at exit")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.stdout.strip() == "child exited 0", proc.stderr[-3000:]

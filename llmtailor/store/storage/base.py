@@ -38,20 +38,26 @@ PIECE = 16 << 20
 class LazyPool:
     """A pool of ``workers`` threads named ``name``, started at its first use (calling this gives
     it), shut down at exit without waiting; a forked child starts a pool of its own (the
-    parent's threads do not exist there). Work goes in through ``submit``."""
+    parent's threads do not exist there) and at its exit shuts down that one only: the parent's,
+    copied with the fork, may hold a lock a parent thread held then. Work goes in through ``submit``."""
 
     def __init__(self, workers: int, name: str):
         self.workers, self.name = workers, name
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         os.register_at_fork(after_in_child=self._forget)
+        atexit.register(self._shut_down)
 
     def __call__(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name)
-                atexit.register(self._pool.shutdown, wait=False, cancel_futures=True)
             return self._pool
+
+    def _shut_down(self) -> None:
+        """At exit: this process's pool, if it started one."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future[Any]:
         """``fn(*args)`` on the pool; here and now once the interpreter takes no more pool work

@@ -1,10 +1,17 @@
 """The tiers of a writer at run time: ``Tiers`` takes every tier's writer lock (all or none),
 records the tiers in each, commits retention after each save to the first tier, and runs the
 ``Promoter`` (``promote.py``) that copies committed composites down the tiers.
+
+A writer never closed (a script that ends without ``close()``) is finished at exit
+(``_Unclosed``), once the interpreter waited for its saves and promotions in flight.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,8 @@ from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.promote import Promoter, Promotion, clear_stray_carriers
 from llmtailor.store.tiers.record import TierRecord
 from llmtailor.store.tiers.recovery import NodeChoice
+
+log = logging.getLogger(__name__)
 
 
 class Tiers:
@@ -49,6 +58,8 @@ class Tiers:
         ranks: saves then commit there with ``store.node_commit``."""
         self._record = TierRecord(levels)
         """This writer's ``tiers.json`` in each tier (``abandon`` puts back what it replaced)."""
+        self._unclosed: _Unclosed | None = None
+        """What the exit finishes if this writer is never closed (``open_for_writing``)."""
         self.unhealed: str | None = None
         """Why this node's copy lacks what a healing sent it (its background write failed), until
         a restore lists the copies again (``recover``): every save is refused meanwhile
@@ -99,12 +110,13 @@ class Tiers:
             return
         if self.first.node_local:
             self._open_nodes(coordinator)
-            return
-        round_ = coordinator.new_round()
-        token = coordinator.broadcast(f"{round_}/lock", self._open if coordinator.is_leader else None)
-        if token is None or coordinator.world_size == 1:
-            return
-        self._refuse_unseen(coordinator, round_, token, self.levels)
+        else:
+            round_ = coordinator.new_round()
+            token = coordinator.broadcast(f"{round_}/lock", self._open if coordinator.is_leader else None)
+            if token is not None and coordinator.world_size > 1:
+                self._refuse_unseen(coordinator, round_, token, self.levels)
+        self._unclosed = _Unclosed(weakref.ref(self), self.promoter, self.uploader)
+        _UNCLOSED[self._unclosed] = None
 
     def _refuse_unseen(self, coordinator: Coordinator, round_: str, token: str, levels: list[Level]) -> None:
         """Collective: a tier of ``levels`` in which some rank does not find the record of
@@ -264,6 +276,7 @@ class Tiers:
         of the composite restored) and every rank raises a NodeTierError naming each such node,
         so no rank is left waiting for one that raised (``Tailor.close``'s next message)."""
         unhealed: dict[int, str] = {}
+        _UNCLOSED.pop(self._unclosed, None)
         try:
             unhealed = self._unhealed_nodes(coordinator)
             if not unhealed:
@@ -318,6 +331,7 @@ class Tiers:
     def abandon(self) -> None:
         """Undo a writer's start that failed: each tier's record put back as it was, every lock
         released and what taking it created removed (a new tier's directory and ``.lock``)."""
+        _UNCLOSED.pop(self._unclosed, None)
         self.promoter = None
         self._record.put_back()
         for level in self.levels:
@@ -399,6 +413,49 @@ class Tiers:
         if self.promoter is not None and cleared:  # it counted from what rank 0's copy held before
             self.promoter.cleared(self.first.run.latest_step())
         return cleared
+
+
+class _Unclosed:
+    """What ``Tiers.close`` would do that a writer never closed leaves to the exit: run once the
+    interpreter waited for every save and promotion in flight (their threads are not daemons),
+    while the storage and the job's store still answer. Rank 0 tells every node's uploader that
+    no order follows (``Crew.stop``); a node's leader serves rank 0's orders until then
+    (``NodeUploader.join``: its uploader is a daemon thread, which would die with the interpreter
+    while rank 0 waits for its part of the promotion due at the last save); then every lock is
+    released (at the interpreter's teardown it cannot be: an object store's lease would stay until
+    its TTL). The promoter and the uploader are held here: a Tailor dropped without ``close()``
+    (a local of a function that returned) still finishes them; its locks went with it."""
+
+    def __init__(self, tiers: weakref.ref[Tiers], promoter: Promoter | None, uploader: NodeUploader | None):
+        self.tiers, self.promoter, self.uploader = tiers, promoter, uploader
+
+    def finish(self) -> None:
+        if self.uploader is not None:
+            self.uploader.join()
+        if self.promoter is not None and self.promoter.crew is not None:
+            self.promoter.wait()
+            self.promoter.crew.stop()
+        tiers = self.tiers()
+        if tiers is not None:
+            tiers.release()
+
+
+_UNCLOSED: dict[_Unclosed, None] = {}
+"""The writers open in this process, in the order they opened, until ``close`` or ``abandon``
+(a forked child's own: the parent's are not its to finish)."""
+os.register_at_fork(after_in_child=_UNCLOSED.clear)
+
+
+@atexit.register
+def _finish_unclosed() -> None:
+    """At exit, each writer never closed (``_Unclosed``); one that fails is said, not raised."""
+    for unclosed in list(_UNCLOSED):
+        try:
+            unclosed.finish()
+        except Exception as err:  # the job's store or the storage gone: the next writer clears up
+            log.warning("llmtailor: a writer not closed could not finish at exit: %s: %s", type(err).__name__, err)
+    _UNCLOSED.clear()
+
 
 def _catch_up(promoter: Promoter, step: int, timeout: float) -> None:
     """``Tiers.prepare_save``'s promotion part: the failures to report, the lag to wait for."""
