@@ -5,7 +5,10 @@ nodes, and the parts a replacement node receives back from them.
 Tailor is built (``open``, collective), so that its point-to-point sends can run on the async
 save's background thread while the training thread runs collectives on the job's default
 group. One exchange at a time per courier (a save or a restore, never both: a restore settles
-the save in flight first).
+the save in flight first). Its sends and receives go through the group object itself, not
+torch's registry of groups, so that a save still sending its copies when the script calls
+``destroy_process_group()`` (its usual last line) sends them all the same (the group lives as
+long as the courier).
 
 An exchange is pairwise: each rank sends each destination one message (the names and sizes of
 its files, then each file's bytes) and receives one from each source, into one buffer, with
@@ -86,6 +89,11 @@ class Courier:
         import torch.distributed as dist
 
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
+        # its rank in the group, which the group's own send and receive take (``_send``).
+        if (group.rank(), group.size()) != (dist.get_rank(), dist.get_world_size()):
+            raise CoordinationError(f"the courier's group has rank {group.rank()} of {group.size()}, the job "
+                                    f"rank {dist.get_rank()} of {dist.get_world_size()}")
         return cls(group, dist.get_rank(), timeout, board, next(_opened))
 
     def exchange(self, outgoing: dict[int, Files], sources: Sequence[int]) -> dict[int, Files]:
@@ -112,21 +120,18 @@ class Courier:
 
     def _stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
                 sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
-        import torch.distributed as dist
-
-        sends, group = [], self.group
+        sends = []
         for dst, listing in outgoing.items():
             names = json.dumps([[name, size] for name, size in listing]).encode()
-            sends.append((dst, dist.isend(torch.tensor([len(names), len(listing)], dtype=torch.int64), dst, group=group,
-                                          tag=_SIZES)))
-            sends.append((dst, dist.isend(_as_tensor(names), dst, group=group, tag=_NAMES)))
+            sends.append((dst, self._send(torch.tensor([len(names), len(listing)], dtype=torch.int64), dst, _SIZES)))
+            sends.append((dst, self._send(_as_tensor(names), dst, _NAMES)))
         for dst, listing in outgoing.items():
             for name, size in listing:
                 content = torch.empty(size, dtype=torch.uint8)  # its pages untouched unless ``fill`` writes them
                 given = fill(dst, name, memoryview(content.numpy()))
                 if given is not None and size:
                     content = torch.frombuffer(given, dtype=torch.uint8)
-                sends += [(dst, dist.isend(content[at:at + PIECE], dst, group=group, tag=_BYTES)) for at in range(0, size, PIECE)]
+                sends += [(dst, self._send(content[at:at + PIECE], dst, _BYTES)) for at in range(0, size, PIECE)]
                 self.sent_bytes += size
         for src in sources:
             self._receive_streamed(src, take)
@@ -137,13 +142,11 @@ class Courier:
         """``stream``'s receiving side for one source: the receives of the next files are posted
         ahead, up to ``WINDOW`` bytes (at least the next file), while ``take`` handles each file
         in turn, so the peer's sends never wait for a receive to be posted nor for a ``take``."""
-        import torch.distributed as dist
-
         what = f"receiving files from rank {src}"
         header = torch.zeros(2, dtype=torch.int64)
-        self._wait(dist.irecv(header, src, group=self.group, tag=_SIZES), what)
+        self._wait(self._receive(header, src, _SIZES), what)
         names = torch.empty(int(header[0]), dtype=torch.uint8)
-        self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), what)
+        self._wait(self._receive(names, src, _NAMES), what)
         listing = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
         if len(listing) != int(header[1]):
             raise CoordinationError(f"rank {src} announced {int(header[1])} files and listed {len(listing)}")
@@ -154,7 +157,7 @@ class Courier:
                 posted -= pending[0][1].numel()
                 self._hand_over(src, *pending.popleft(), take)
             content = torch.empty(size, dtype=torch.uint8)
-            works = [dist.irecv(content[at:at + PIECE], src, group=self.group, tag=_BYTES) for at in range(0, size, PIECE)]
+            works = [self._receive(content[at:at + PIECE], src, _BYTES) for at in range(0, size, PIECE)]
             pending.append((name, content, works))
             posted += size
         while pending:
@@ -203,17 +206,15 @@ class Courier:
             raise
 
     def _exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
-        import torch.distributed as dist
-
         sends = []
         for dst, (listing, payload) in outgoing.items():
             names = json.dumps([[name, size] for name, size in listing]).encode()
             contents = _per_file(listing, payload)
             total = sum(content.numel() for content in contents)
             sizes = torch.tensor([len(names), total], dtype=torch.int64)
-            sends.append((dst, dist.isend(sizes, dst, group=self.group, tag=_SIZES)))
-            sends.append((dst, dist.isend(_as_tensor(names), dst, group=self.group, tag=_NAMES)))
-            sends += [(dst, dist.isend(content, dst, group=self.group, tag=_BYTES)) for content in contents if content.numel()]
+            sends.append((dst, self._send(sizes, dst, _SIZES)))
+            sends.append((dst, self._send(_as_tensor(names), dst, _NAMES)))
+            sends += [(dst, self._send(content, dst, _BYTES)) for content in contents if content.numel()]
             self.sent_bytes += total
         received = self._receive_packed(sources)
         for dst, work in sends:
@@ -225,27 +226,34 @@ class Courier:
         once, then, as each one's come, its names, then each of its files' bytes into its place
         in the buffer (one wait per message that must come before the next can be asked for,
         not one per message)."""
-        import torch.distributed as dist
-
         headers = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
-        asked = {src: dist.irecv(sizes, src, group=self.group, tag=_SIZES) for src, sizes in headers.items()}
+        asked = {src: self._receive(sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
             what = f"receiving files from rank {src}"
             self._wait(asked[src], what)
             names, payload = torch.empty(int(sizes[0]), dtype=torch.uint8), torch.empty(int(sizes[1]), dtype=torch.uint8)
-            self._wait(dist.irecv(names, src, group=self.group, tag=_NAMES), what)
+            self._wait(self._receive(names, src, _NAMES), what)
             listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
             if sum(size for _, size in listed) != payload.numel():
                 raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "
                                         f"{sum(size for _, size in listed)} bytes")
-            works = [dist.irecv(content, src, group=self.group, tag=_BYTES) for content in _per_file(listed, payload)
-                     if content.numel()]
+            works = [self._receive(content, src, _BYTES) for content in _per_file(listed, payload) if content.numel()]
             coming[src] = listed, payload, works
         for src, (_, _, works) in coming.items():
             for work in works:
                 self._wait(work, f"receiving files from rank {src}")
         return {src: (listed, payload) for src, (listed, payload, _) in coming.items()}
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """``tensor`` posted to rank ``dst``: on the group object itself, not ``dist.isend``, which
+        looks the group up in torch's registry, emptied by ``destroy_process_group()`` (a script's
+        last line, a save still sending its copies). Its ranks are the job's (``open``)."""
+        return self.group.send([tensor], dst, tag)
+
+    def _receive(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """A receive into ``tensor`` from rank ``src`` posted (on the group object, as ``_send``)."""
+        return self.group.recv([tensor], src, tag)
 
     def _wait(self, work: object, what: str) -> None:
         try:

@@ -10,9 +10,10 @@ node holds the whole composite) at ``$NODE_DIR/<variant>`` in front of ``$RUN_HO
 two runs: ``between`` (``promote_every=100``: step 1 promoted, none due at the last save) then
 ``due`` (``promote_every=1``: a promotion due at every save, the last one's at exit). Versions
 under ``DIR/<variant>``. Neither Tailor is closed, ``between``'s dropped (a local of a function
-that returned), ``due``'s kept (a script's global): the script ends with the last save in flight
-(the process group not destroyed: ``destroy_process_group()`` would cut the replication of a save
-in flight, docs/training-loops.md). Must be the last job of its launch.
+that returned), ``due``'s kept (a script's global): the script ends with
+``dist.destroy_process_group()`` right after the last save, then exits, the last save in flight:
+``due``'s copies of step 4 to the partner node are sent only once the group is destroyed (its
+exchange held until then). Must be the last job of its launch.
 With ``HOLD_EXIT=<step>``, node 1's leader takes an order naming that step up only once its
 interpreter began its at-exit work (every save and promotion thread ended by then): the latest a
 follower can be, for the promotion due at the last save.
@@ -54,6 +55,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
 
+import torch.distributed as dist
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,6 +64,7 @@ from node_recovery_job import run_in_turn  # noqa: E402
 from torch_job import build, rank, run_scenario, train, write_versions  # noqa: E402
 
 from llmtailor import Parity, Tailor, Tier  # noqa: E402
+from llmtailor.store import node_commit  # noqa: E402
 from llmtailor.store.tiers import collective, runtime  # noqa: E402
 
 HOLD_PATIENCE = 300.0
@@ -183,12 +187,29 @@ def promote(kind: str, out: Path) -> dict:
 
 UNCLOSED: list[Tailor] = []
 """``unclosed``'s Tailor kept alive until the interpreter ends, as a script's global."""
+DESTROYED = threading.Event()
+"""Set once ``unclosed``'s script destroyed its process group (``run_job``)."""
+
+
+def replicating_after_destroy(step: int, patches: ExitStack) -> None:
+    """``due``'s save of ``step`` sends its copies to the partner node only once the script
+    destroyed its process group: the save in flight at ``destroy_process_group()``, whatever the
+    machine's speed."""
+    replicate = node_commit._replicate
+
+    def late(snapshot, part, placement, rank, turn):
+        if snapshot is not None and snapshot.step == step and UNCLOSED and placement is UNCLOSED[0].tiers.placement:
+            DESTROYED.wait(HOLD_PATIENCE)
+        return replicate(snapshot, part, placement, rank, turn)
+
+    patches.enter_context(mock.patch.object(node_commit, "_replicate", late))
 
 
 def unclosed(kind: str, out: Path) -> dict:
     patches = ExitStack()  # never closed: the patch holds until the process ends
     if os.environ.get("HOLD_EXIT"):
         serving_at_exit(int(os.environ["HOLD_EXIT"]), patches)
+    replicating_after_destroy(4, patches)
     for variant, every in (("between", 100), ("due", 1)):
         model, optimizer, scheduler = build(kind, seed=0)
         tiers = [Tier(f"{os.environ['NODE_DIR']}/{variant}", scope="node", replicas=2, keep=2, promote_every=every)]
@@ -213,8 +234,10 @@ def run_job(scenario: str, kind: str, out: Path) -> None:
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     (out / f"result-{scenario}-{rank()}.json").write_text(json.dumps(result))
-    if scenario == "unclosed":
-        sys.exit(0)  # the script ends here, its saves in flight: the job's group not destroyed (no close() either)
+    if scenario == "unclosed":  # the script's last lines, its saves in flight (no close() nor wait())
+        dist.destroy_process_group()
+        DESTROYED.set()
+        sys.exit(0)
 
 
 if __name__ == "__main__":

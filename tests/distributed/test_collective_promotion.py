@@ -87,13 +87,18 @@ def test_a_script_that_ends_without_close_commits_and_promotes_on_every_node(nod
     two runs of one script that ends without ``close()`` (the launch's last job, promote_job.py's
     ``unclosed``): ``between`` (no promotion due at its last save) and ``due`` (one due at every
     save: its last one's at exit), node 1 serving that last order only once its interpreter began
-    to exit and its saves committed (``HOLD_EXIT``). Every save committed in both nodes' copies,
+    to exit and its saves committed (``HOLD_EXIT``); the script's last line is
+    ``dist.destroy_process_group()``, ``due``'s last save still to send its copies to the partner
+    node (held until the group is destroyed). Every save committed in both nodes' copies,
     each promotion due is whole in the bucket and nothing of a partial one lies there, every lock
     released, no failure said, and node 1's copy and the bucket restore their newest composite bit
     for bit. Before:
     node 1's uploader, a daemon thread, died with its interpreter; rank 0 waited out the timeout
     three times and failed the promotion of step 4 (the bucket stayed at step 3), and the kept
-    writer's lock stayed in the bucket ('Exception ignored in: WriterLock.__del__ ... ImportError')."""
+    writer's lock stayed in the bucket ('Exception ignored in: WriterLock.__del__ ... ImportError').
+    Before (a1b9c61), with the group destroyed: the courier's sends and receives looked its group up in
+    the registry ``destroy_process_group()`` empties ('Group ... is not registered'): step 4 NOT saved,
+    node 0's copy of ``due`` at step 3 (``assert (3 == 4)``)."""
     import sys
 
     from helpers import tiny

@@ -207,7 +207,7 @@ def test_after_an_exchange_timed_out_the_courier_refuses_every_later_one_and_a_f
 
 
 def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(monkeypatch):
-    """The receiving side of ``Courier.stream`` (in one process, gloo's ``irecv`` faked: each
+    """The receiving side of ``Courier.stream`` (in one process, the group's ``recv`` faked: each
     posted receive is filled at once from the messages the peer would send): the receives of
     every file within ``WINDOW`` bytes are posted before the first file is handed to ``take``,
     so the sender never waits for the receiver's checks; past the window, files are handed
@@ -233,15 +233,15 @@ def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(
                 courier_module._BYTES: [torch.frombuffer(bytearray(content[at:at + 1000]), dtype=torch.uint8)
                                         for _, content in files for at in range(0, len(content), 1000)]}
 
-        def irecv(tensor, src, group=None, tag=0):
-            tensor.copy_(wire[tag].pop(0))
-            posted.append(tensor.numel() if tag == courier_module._BYTES else 0)
-            return Done()
+        class Group:
+            def recv(self, tensors, src, tag):
+                tensors[0].copy_(wire[tag].pop(0))
+                posted.append(tensors[0].numel() if tag == courier_module._BYTES else 0)
+                return Done()
 
-        monkeypatch.setattr(dist, "irecv", irecv)
         posted.clear()
         seen: list = []
-        Courier(None, 1)._receive_streamed(0, lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
+        Courier(Group(), 1)._receive_streamed(0, lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
         assert [(name, content) for name, content, _ in seen] == files
         return [at for _, _, at in seen]
 
