@@ -300,10 +300,11 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
         with snapshot.abandoned_on_failure():
             turn.parent_committed()
             write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()})
-            snapshot.commit(plan["manifest"].encode(), confirm)
+            # ``latest`` replaced once committed, as the writer's own commit does (one recipe)
+            pointer_error = snapshot.commit(plan["manifest"].encode(), confirm, latest=True)
     except BaseException as err:
         return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
-    return {"pointer_error": replace_latest(snapshot.run, snapshot.step)}
+    return {"pointer_error": pointer_error}
 
 
 def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
