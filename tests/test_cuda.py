@@ -184,3 +184,28 @@ def test_fsdp2_on_nccl_saves_async_and_restores_every_shard_bit_for_bit(tmp_path
         assert_bitwise(full_versions(fresh, fresh_opt), expected)
     finally:
         dist.destroy_process_group()
+
+
+def test_tailor_trainer_under_trainers_fsdp2_resumes_bit_for_bit(tmp_path):
+    """TailorTrainer with ``TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2})`` (Trainer
+    applies FSDP on a GPU only): a run stopped right after its step-2 save and resumed on a model
+    of another seed logs the uninterrupted run's losses for steps 3-4 and ends with its weights
+    and optimizer state, bit for bit (``tests/integrations/hf_fsdp_job.py``)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from helpers import standalone_launch
+
+    job = Path(__file__).parent / "integrations" / "hf_fsdp_job.py"
+    result = tmp_path / "result.json"
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([*standalone_launch(1), str(job), "--out", str(tmp_path), "--result", str(result)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads(result.read_text())
+    straight, crashed, resumed = runs["straight"], runs["crashed"], runs["resumed"]
+    assert straight["fsdp2"] and resumed["fsdp2"], "Trainer did not shard the model with FSDP2"
+    assert crashed["global_step"] == 2 and straight["global_step"] == resumed["global_step"] == 4
+    assert {s: resumed["losses"][s] for s in ("3", "4")} == {s: straight["losses"][s] for s in ("3", "4")}
+    assert resumed["state"] == straight["state"]
