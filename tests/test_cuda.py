@@ -199,7 +199,9 @@ def test_tailor_trainer_under_trainers_fsdp2_resumes_bit_for_bit(tmp_path):
 
     job = Path(__file__).parent / "integrations" / "hf_fsdp_job.py"
     result = tmp_path / "result.json"
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TOKENIZERS_PARALLELISM": "false"}
+    root = str(Path(__file__).resolve().parents[1])  # llmtailor for the job where it is not installed
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([*standalone_launch(1), str(job), "--out", str(tmp_path), "--result", str(result)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
