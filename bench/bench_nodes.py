@@ -542,6 +542,7 @@ class Phases:
         import resource
 
         self.active = True
+        self.threads = thread_cpu()
         self.usage = resource.getrusage(resource.RUSAGE_SELF)
         self.wall, self.cpu = time.perf_counter(), time.thread_time()
 
@@ -553,6 +554,8 @@ class Phases:
         self.total = (time.perf_counter() - self.wall, time.thread_time() - self.cpu,
                       usage.ru_utime - self.usage.ru_utime + usage.ru_stime - self.usage.ru_stime)
         self.faults = usage.ru_minflt - self.usage.ru_minflt
+        ended = thread_cpu()
+        self.busiest = sorted(((cpu - self.threads.get(key, 0.0), key[1]) for key, cpu in ended.items()), reverse=True)[:5]
         placement = getattr(tailor.tiers, "placement", None)
         self.sent = placement.courier.sent_bytes if placement is not None else 0
 
@@ -568,11 +571,27 @@ class Phases:
                  f"process (all threads, until restore returned; {self.until_committed:.3f} s until this node's copy was "
                  f"committed); other threads (gloo's, the writer's) {process - thread:.3f} s; {self.faults} minor page "
                  f"faults; courier sent {self.sent / 1e6:.1f} MB",
+                 "busiest threads (CPU s until restore returned): "
+                 + ", ".join(f"{name} {cpu:.3f}" for cpu, name in self.busiest),
                  f"{'phase':<46}{'calls':>6}{'wall s':>9}{'CPU s':>8}{'MB':>9}"]
         for name, (calls, seconds, cpu) in self.figures.items():
             moved = f"{self.bytes[name] / 1e6:9.1f}" if name in self.bytes else ""
             lines.append(f"{name:<46}{calls:>6}{seconds:>9.3f}{cpu:>8.3f}{moved}")
         return "\n".join(lines)
+
+
+def thread_cpu() -> dict[tuple[str, str], float]:
+    """(thread id, name) -> CPU seconds so far of each thread of this process (``/proc``): the
+    busiest one bounds the restore where cores idle."""
+    tick, cpu = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        cpu[(tid, name)] = (int(fields[11]) + int(fields[12])) / tick
+    return cpu
 
 
 def worker(args: argparse.Namespace) -> None:

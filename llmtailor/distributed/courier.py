@@ -38,6 +38,7 @@ import collections
 import contextlib
 import itertools
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -56,11 +57,20 @@ say a mapping of the file (no copy). Received files are always back to back in o
 (``unpacked`` views each in place)."""
 
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
+_LANE_TAGS = 4
+"""A stream's pieces on several lanes take tags ``_LANE_TAGS * lanes + k`` (``Courier._lane``):
+above the others, each on lane k."""
 PIECE = 8 << 20
 """Most bytes of one message of a streamed file (``Courier.stream``)."""
 WINDOW = 256 << 20
 """Most bytes of a stream's files whose receives are posted ahead of the file handed over
 (``Courier.stream``): their buffers are the receiver's memory in flight."""
+LANES = 4
+"""Connections between each pair of ranks in a courier's group (gloo devices: a socket and a
+thread each): a stream's pieces go round them in turn, so that what receiving costs (the copies
+out of the sockets, the faults of fresh memory) runs on as many threads. Fewer in a large job
+(at most ``SOCKETS`` in all per rank): gloo connects every pair of every device at once."""
+SOCKETS = 256
 _opened = itertools.count()
 """Couriers opened by this process, in the order every rank opens them (collectively): the
 number names a courier's posts on its board."""
@@ -70,8 +80,10 @@ class Courier:
     """Sends named byte strings between the ranks of a job (module docstring)."""
 
     def __init__(self, group: object, rank: int, timeout: float = DEFAULT_TIMEOUT, board: Coordinator | None = None,
-                 number: int = 0):
+                 number: int = 0, lanes: int = 1):
         self.group, self.rank, self.timeout = group, rank, float(timeout)
+        self.lanes = lanes
+        """The group's connections per pair of ranks (``LANES``): a stream's pieces go round them."""
         self.sent_bytes = 0
         """Bytes of file content this rank has sent so far (names and sizes not counted)."""
         self.broken: str | None = None
@@ -88,13 +100,15 @@ class Courier:
         broke (module docstring)."""
         import torch.distributed as dist
 
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        number, world = next(_opened), dist.get_world_size()
+        lanes = max(1, min(LANES, SOCKETS // max(1, world - 1)))
+        group = _gloo_group(f"llmtailor/courier/{number}", lanes, timeout)
         # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
         # its rank in the group, which the group's own send and receive take (``_send``).
-        if (group.rank(), group.size()) != (dist.get_rank(), dist.get_world_size()):
+        if (group.rank(), group.size()) != (dist.get_rank(), world):
             raise CoordinationError(f"the courier's group has rank {group.rank()} of {group.size()}, the job "
-                                    f"rank {dist.get_rank()} of {dist.get_world_size()}")
-        return cls(group, dist.get_rank(), timeout, board, next(_opened))
+                                    f"rank {dist.get_rank()} of {world}")
+        return cls(group, dist.get_rank(), timeout, board, number, lanes)
 
     def exchange(self, outgoing: dict[int, Files], sources: Sequence[int]) -> dict[int, Files]:
         """Send ``outgoing[dst]`` to each rank ``dst``; return what each rank of ``sources`` sent
@@ -126,12 +140,15 @@ class Courier:
             sends.append((dst, self._send(torch.tensor([len(names), len(listing)], dtype=torch.int64), dst, _SIZES)))
             sends.append((dst, self._send(_as_tensor(names), dst, _NAMES)))
         for dst, listing in outgoing.items():
+            pieces = 0  # this destination's, going round the lanes (``_lane``)
             for name, size in listing:
                 content = torch.empty(size, dtype=torch.uint8)  # its pages untouched unless ``fill`` writes them
                 given = fill(dst, name, memoryview(content.numpy()))
                 if given is not None and size:
                     content = torch.frombuffer(given, dtype=torch.uint8)
-                sends += [(dst, self._send(content[at:at + PIECE], dst, _BYTES)) for at in range(0, size, PIECE)]
+                for at in range(0, size, PIECE):
+                    sends.append((dst, self._send(content[at:at + PIECE], dst, self._lane(pieces))))
+                    pieces += 1
                 self.sent_bytes += size
         for src in sources:
             self._receive_streamed(src, take)
@@ -152,12 +169,16 @@ class Courier:
             raise CoordinationError(f"rank {src} announced {int(header[1])} files and listed {len(listing)}")
         pending: collections.deque[tuple[str, torch.Tensor, list]] = collections.deque()
         posted = 0  # bytes of the pending files
+        pieces = 0  # as the sender counts them (``_lane``)
         for name, size in listing:
             while pending and posted + size > WINDOW:
                 posted -= pending[0][1].numel()
                 self._hand_over(src, *pending.popleft(), take)
             content = torch.empty(size, dtype=torch.uint8)
-            works = [self._receive(content[at:at + PIECE], src, _BYTES) for at in range(0, size, PIECE)]
+            works = []
+            for at in range(0, size, PIECE):
+                works.append(self._receive(content[at:at + PIECE], src, self._lane(pieces)))
+                pieces += 1
             pending.append((name, content, works))
             posted += size
         while pending:
@@ -245,6 +266,12 @@ class Courier:
                 self._wait(work, f"receiving files from rank {src}")
         return {src: (listed, payload) for src, (listed, payload, _) in coming.items()}
 
+    def _lane(self, piece: int) -> int:
+        """The tag of a stream's ``piece``-th piece between two ranks: ``_BYTES`` on one lane;
+        else the lanes in turn (gloo takes the connection of tag t from the group's device
+        t % lanes, and keeps each tag's messages between two ranks in order)."""
+        return _BYTES if self.lanes == 1 else _LANE_TAGS * self.lanes + piece % self.lanes
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """``tensor`` posted to rank ``dst``: on the group object itself, not ``dist.isend``, which
         looks the group up in torch's registry, emptied by ``destroy_process_group()`` (a script's
@@ -261,6 +288,23 @@ class Courier:
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
                                     f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+
+
+def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:
+    """Collective: a gloo group of every rank of the job, in its order, with ``lanes`` devices
+    (``LANES``), rendezvous under ``prefix`` in the job's store. Each device as gloo makes its
+    default one: on the interfaces ``GLOO_SOCKET_IFNAME`` lists (in turn), else the host's."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    gloo = dist.ProcessGroupGloo
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    options = gloo._Options()
+    options._devices = [gloo.create_device(interface=interfaces[lane % len(interfaces)]) if interfaces
+                        else gloo.create_default_device() for lane in range(lanes)]
+    options._timeout = timedelta(seconds=timeout)
+    store = dist.PrefixStore(prefix, distributed_c10d._get_default_store())
+    return gloo(store, dist.get_rank(), dist.get_world_size(), options)
 
 
 def packed(files: Files) -> Packed:

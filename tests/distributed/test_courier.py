@@ -84,8 +84,8 @@ def _exchange(courier: Courier, rank: int, world: int, out: str, mode: str) -> N
 def _stream(courier: Courier, rank: int, world: int, out: str) -> None:
     from llmtailor.distributed import courier as courier_module
 
-    courier_module.PIECE = 1000  # a file of several messages
-    mine = {f"packs/rank-{rank:05d}.0.safetensors": bytes([rank]) * 2500, "ranks/empty.json": b"", "manifest.json": b"{}"}
+    courier_module.PIECE = 1000  # a file of several messages, on lanes in turn
+    mine = {f"packs/rank-{rank:05d}.0.safetensors": _pieces(rank), "ranks/empty.json": b"", "manifest.json": b"{}"}
     partner, source = (rank + 1) % world, (rank - 1) % world
 
     def fill(dst: int, name: str, into: memoryview) -> None:
@@ -94,7 +94,36 @@ def _stream(courier: Courier, rank: int, world: int, out: str) -> None:
     got: list = []
     courier.stream({partner: [(name, len(content)) for name, content in mine.items()]}, fill, [source],
                    lambda src, name, content: got.append((src, name, bytes(content))))
-    Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}")
+    Path(out, f"{rank}.txt").write_text(repr(got) + f"\nsent={courier.sent_bytes}\nlanes={courier.lanes}")
+
+
+def _dies_mid_stream(courier: Courier, rank: int, out: str) -> None:
+    """Rank 2 streams rank 0 three files of five pieces each (on the lanes in turn) and dies as
+    it reads the second; what rank 0 was handed and how its stream ended, into ``out/0.txt``
+    (rank 1 takes no part)."""
+    from llmtailor.distributed import courier as courier_module
+
+    courier_module.PIECE = 1000
+    files = [(f"packs/rank-00002.{n}.safetensors", bytes([n + 1]) * 5000) for n in range(3)]
+
+    def fill(dst: int, name: str, into: memoryview) -> None:
+        if name == files[1][0]:
+            os._exit(0)  # the first file's pieces posted, not necessarily sent
+        into[:] = dict(files)[name]
+
+    got: list = []
+    try:
+        courier.stream({0: [(name, len(content)) for name, content in files]} if rank == 2 else {}, fill,
+                       [2] if rank == 0 else [], lambda src, name, content: got.append((name, bytes(content))))
+        said = "ended"
+    except CoordinationError as err:
+        said = str(err)
+    Path(out, f"{rank}.txt").write_text(repr((got, said, files[0])))
+
+
+def _pieces(rank: int) -> bytes:
+    """2500 bytes, each 1000-byte piece of them different (a piece out of place shows)."""
+    return b"".join(bytes([16 * piece + rank]) * 1000 for piece in range(3))[:2500]
 
 
 def _stall(rank: int, out: str) -> None:
@@ -138,7 +167,9 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
     _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
     if mode == "ok":
         _stream(Courier.open(timeout=20), rank, world, str(Path(out, "stream")))
+        dying = Courier.open(timeout=20)
         _stall(rank, str(Path(out, "stall")))
+        _dies_mid_stream(dying, rank, str(Path(out, "died")))
         # Leave at once: a group whose exchange timed out may hold messages never taken, which
         # tearing it down could wait on.
         os._exit(0)
@@ -146,7 +177,7 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
 
 def spawn_courier_job(out: Path, mode: str) -> Path:
     world = 3 if mode == "ok" else 2
-    for part in ("exchange", "stream", "stall"):
+    for part in ("exchange", "stream", "stall", "died"):
         (out / part).mkdir(parents=True)
     mp.spawn(_courier_job, args=(world, f"file://{out / 'store'}", str(out), mode), nprocs=world, join=True)
     return out
@@ -177,14 +208,21 @@ def test_files_reach_their_partner_from_a_background_thread_and_a_dead_peer_is_n
 
 @pytest.mark.slow
 def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_sending_and_receiving(courier_run):
+    """Each file's pieces go round the group's lanes (a connection each), and come back in place."""
     world = 3
     out = courier_run / "stream"
     for rank in range(world):
         source = (rank - 1) % world
         said, sent = Path(out, f"{rank}.txt").read_text().split("\nsent=")
-        assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", bytes([source]) * 2500),
+        assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", _pieces(source)),
                               (source, "ranks/empty.json", b""), (source, "manifest.json", b"{}")]
-        assert sent == "2502"
+        assert sent.split("\nlanes=") == ["2502", "4"]
+
+
+@pytest.mark.slow
+def test_a_sender_that_dies_mid_stream_fails_the_receivers_stream_naming_it_and_hands_over_only_whole_files(courier_run):
+    got, said, first = eval(Path(courier_run, "died", "0.txt").read_text())
+    assert "receiving files from rank 2 failed or timed out" in said and got in ([], [first]), (said, got)
 
 
 @pytest.mark.slow
