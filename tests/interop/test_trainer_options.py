@@ -1,0 +1,110 @@
+"""Trainer checkpoints written with the options users set (``gradient_accumulation_steps``,
+``bf16``, ``optim="adafactor"``, ``save_only_model``), by the real, plain Trainer: ``import-hf``
+reads them, and a ``TailorTrainer`` resumed from the imported run trains on as the vanilla
+Trainer resumed from the same ``checkpoint-N/`` does, bit for bit (losses, LRs, batches, the
+RNG state each step begins with, final weights). Each Trainer runs in this process, one at a
+time (Trainer's own resume sets the process's RNGs from the checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import pytest
+import torch
+import transformers
+from helpers import assert_same_tree
+from integrations.hf_job import Recorder, Windows, model_config, params_digest, recording
+from typer.testing import CliRunner
+
+from llmtailor.cli import app
+from llmtailor.cli.import_hf import register
+from llmtailor.errors import IntegrityError
+from llmtailor.interop.hf.export import export_hf
+from llmtailor.interop.hf.importer import import_hf
+from llmtailor.store.run import Run
+
+register(app)
+runner = CliRunner()
+SAVED, LAST = 2, 4
+OPTIONS = {  # what users set on TrainingArguments
+    "gradient accumulation, bf16 autocast": {"gradient_accumulation_steps": 2, "bf16": True},
+    "adafactor": {"optim": "adafactor"},
+}
+
+
+def trainer_run(out, options: dict, *, resume=None, tailor: bool = False) -> dict:
+    """A Trainer run of ``LAST`` steps saving every ``SAVED``: what it logged, the batch and the RNG
+    state of each step, the LR after each step and a digest of its final weights."""
+    torch.manual_seed(99 if resume else 0)  # a resumed run must get every weight from the checkpoint
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=LAST, save_steps=SAVED, logging_steps=1,
+        report_to=[], use_cpu=True, seed=0, learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, disable_tqdm=True,
+        **options,
+    )
+    recorder = Recorder(argparse.Namespace(dump=None, crash_at=None))
+    common = dict(model=model, args=args, train_dataset=Windows(), callbacks=[recorder])
+    if tailor:
+        from llmtailor.integrations.hf import TailorTrainer
+
+        trainer = recording(TailorTrainer)(**common)
+    else:
+        trainer = recording(transformers.Trainer)(**common)
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return {"losses": {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e},
+            "lrs": recorder.lrs, "batches": dict(trainer.batches), "rngs": dict(trainer.rngs),
+            "params": params_digest(model), "step": trainer.state.global_step}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_an_imported_checkpoint_resumes_in_tailor_trainer_as_in_vanilla_trainer(tmp_path, options):
+    """The peer is Trainer's own resume from the same ``checkpoint-N/``: the imported run resumed
+    by TailorTrainer logs what it logs, bit for bit, and so does the uninterrupted run."""
+    kwargs = OPTIONS[options]
+    whole = trainer_run(tmp_path / "vanilla", kwargs)
+    checkpoint = tmp_path / "vanilla" / f"checkpoint-{SAVED}"
+    vanilla = trainer_run(tmp_path / "vanilla-resumed", kwargs, resume=checkpoint)
+    import_hf(checkpoint, tmp_path / "run")
+    # The round trip first: exported back, the optimizer state is Trainer's own, bit for bit.
+    exported = export_hf(Run(tmp_path / "run"), None, tmp_path / "exported")
+    assert_same_tree(torch.load(exported / "optimizer.pt", weights_only=True),
+                     torch.load(checkpoint / "optimizer.pt", weights_only=True), "optimizer.pt")
+    tailored = trainer_run(tmp_path / "tailored", kwargs, resume=tmp_path / "run", tailor=True)
+    resumed = [str(s) for s in range(SAVED + 1, LAST + 1)]
+    for key in ("batches", "rngs"):
+        assert {s: tailored[key][int(s)] for s in resumed} == {s: vanilla[key][int(s)] for s in resumed}, key
+    assert tailored["losses"] == vanilla["losses"] == whole["losses"]
+    assert [tailored["lrs"][s] for s in range(SAVED + 1, LAST + 1)] == [vanilla["lrs"][s] for s in range(SAVED + 1, LAST + 1)]
+    assert tailored["params"] == vanilla["params"] == whole["params"]
+    assert tailored["step"] == vanilla["step"] == LAST
+    assert Run(tmp_path / "tailored" / "tailored").steps() == [LAST]
+
+
+def test_a_save_only_model_checkpoint_is_named_with_the_way_in(tmp_path):
+    """``save_only_model=True`` writes the weights, config and trainer state only: it cannot resume
+    (transformers says so), so import-hf refuses it naming the option, and points to the merge
+    that reads its weights; a merge takes it as a source."""
+    import yaml
+
+    from llmtailor.merge import merge
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                                          save_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                                          save_only_model=True)
+    transformers.Trainer(model=model, args=args, train_dataset=Windows()).train()
+    checkpoint = tmp_path / "checkpoint-1"
+    assert not (checkpoint / "optimizer.pt").exists() and (checkpoint / "model.safetensors").is_file()
+    with pytest.raises(IntegrityError, match=r"weights only, as Trainer writes with save_only_model=True.*cannot resume"
+                                             r".*`llmtailor merge`") as refused:
+        import_hf(checkpoint, tmp_path / "run")
+    assert "is missing" not in str(refused.value)  # one reason, not a list of the files the option leaves out
+    said = runner.invoke(app, ["import-hf", str(checkpoint), "-o", str(tmp_path / "run")])
+    assert said.exit_code == 2 and "save_only_model" in said.output and "Traceback" not in said.output
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(checkpoint)}]}))
+    merge(tmp_path / "plan.yaml", tmp_path / "merged", format="model")
+    shutil.rmtree(tmp_path / "merged")
