@@ -108,3 +108,47 @@ def test_a_save_only_model_checkpoint_is_named_with_the_way_in(tmp_path):
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(checkpoint)}]}))
     merge(tmp_path / "plan.yaml", tmp_path / "merged", format="model")
     shutil.rmtree(tmp_path / "merged")
+
+
+def test_a_trainer_output_dir_is_named_with_its_checkpoints(tmp_path):
+    """What users point at first is the ``output_dir`` they gave Trainer, which holds its
+    ``checkpoint-N/`` directories (and, where the script ends with ``save_model`` and
+    ``save_state`` as transformers' examples do, the final weights and trainer state): import-hf,
+    inspect, verify and a merge name it with its checkpoints and the newest one's path; and
+    TailorTrainer's ``output_dir`` names the run in it (``tailored/``)."""
+    import re
+
+    import yaml
+
+    from llmtailor.errors import ConfigError
+    from llmtailor.merge import merge
+
+    out = tmp_path / "out"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=2, save_steps=1,
+                                          report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Windows())
+    trainer.train()
+    named = rf"is a Trainer output_dir holding checkpoint-1, checkpoint-2: .*{re.escape(str(out / 'checkpoint-2'))}"
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(out)}]}))
+    with pytest.raises(ConfigError, match=named):
+        merge(tmp_path / "plan.yaml", tmp_path / "merged")
+    trainer.save_model()
+    trainer.save_state()  # as transformers' example scripts end: output_dir looks like a checkpoint too
+    assert (out / "trainer_state.json").is_file() and (out / "model.safetensors").is_file()
+    for command in (["import-hf", str(out), "-o", str(tmp_path / "run")], ["inspect", str(out)], ["verify", str(out)]):
+        said = runner.invoke(app, command)
+        text = " ".join(said.output.split())
+        assert said.exit_code == 2 and re.search(named, text) and "Traceback" not in text, (command, text)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "merged").exists()
+
+    from llmtailor.integrations.hf import TailorTrainer
+
+    tailored_out = tmp_path / "tailored-out"
+    TailorTrainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tailored_out), per_device_train_batch_size=2, max_steps=1, save_steps=1, report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True), train_dataset=Windows()).train()
+    said = runner.invoke(app, ["inspect", str(tailored_out)])
+    text = " ".join(said.output.split())
+    assert said.exit_code == 2 and f"TailorTrainer's run {tailored_out / 'tailored'}" in text, text

@@ -26,6 +26,8 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+TAILOR_TRAINER_RUN = "tailored"
+"""Where llmtailor's TailorTrainer keeps its run in Trainer's ``output_dir``."""
 
 
 RANK_RNG_PREFIX, RANK_RNG_SUFFIX = "rng_state_", ".pth"
@@ -45,6 +47,16 @@ def rank_of_rng_file(name: str) -> int | None:
 
 def checkpoint_dirname(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}-{step}"
+
+
+def trainer_checkpoints(output_dir: Path) -> list[Path]:
+    """The ``checkpoint-N/`` directories Trainer saved in ``output_dir``, oldest step first."""
+    steps = {}
+    for path in output_dir.glob(f"{CHECKPOINT_PREFIX}-*"):
+        number = path.name.removeprefix(f"{CHECKPOINT_PREFIX}-")
+        if number.isdecimal() and number.isascii() and path.is_dir():
+            steps[int(number)] = path
+    return [steps[step] for step in sorted(steps)]
 
 
 def weights_shard_name(index: int, count: int) -> str:

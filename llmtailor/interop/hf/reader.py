@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir, is_deepspeed_checkpoint
-from llmtailor.interop.formats import describe_other_format, fsdp_files
+from llmtailor.interop.formats import describe_other_format, describe_output_dir, fsdp_files
 from llmtailor.interop.hf.files import (
     BIN_FILE,
     BIN_INDEX_FILE,
@@ -169,6 +169,9 @@ def require_importable(source: Path) -> None:
                           f"`llmtailor import-deepspeed {source}`")
     if fsdp_files(source):
         raise ConfigError(f"{source} is {describe_other_format(source)}")
+    output_dir = describe_output_dir(source)
+    if output_dir:
+        raise ConfigError(f"{source} is {output_dir}; import-hf reads one checkpoint-N/ directory")
     if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
         raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
                           f"importable: to go on training it, resume from it with llmtailor's TailorTrainer, "
