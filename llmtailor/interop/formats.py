@@ -2,9 +2,9 @@
 store's run detection (``store.storage.local_detect.recognise_other_formats``; the package
 wires it in, ``llmtailor/__init__.py``), so a writer refused in one, or a command given one,
 names what it found and the command that takes it. The formats llmtailor does not read (an
-accelerate ``save_state`` directory, a Lightning ``.ckpt`` file) are named with the way to
-bring them in: their framework's own resume under llmtailor's integration, which saves
-tailored snapshots from there."""
+accelerate ``save_state`` directory, a Lightning ``.ckpt`` file, a ``dcp.save`` directory) are
+named with the way to bring them in: their framework's own resume (or load) under llmtailor's
+integration (or a Tailor), which saves tailored snapshots from there."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ FSDP_MODEL_PREFIX = "pytorch_model_fsdp"
 optimizer in ``optimizer_0/``), ``pytorch_model_fsdp_0_rank<r>.bin``, ``pytorch_model_fsdp_rank<r>.bin``
 (LOCAL) or ``pytorch_model_fsdp.bin`` (FULL, its optimizer in ``optimizer.bin``)."""
 LIGHTNING_SUFFIX = ".ckpt"
+DCP_METADATA = ".metadata"
+"""What ``torch.distributed.checkpoint.save`` writes beside its ``*.distcp`` files (torchtitan's
+checkpoints, a custom FSDP2 loop's)."""
 
 
 def describe_other_format(path: Path) -> str | None:
@@ -41,6 +44,10 @@ def describe_other_format(path: Path) -> str | None:
     output_dir = describe_output_dir(path)
     if output_dir:
         return output_dir
+    if (path / DCP_METADATA).is_file():
+        return (f"a torch.distributed.checkpoint directory ({DCP_METADATA} and *.distcp files, dcp.save's), which "
+                "llmtailor does not read: load it into your model and optimizer with dcp.load, as it was saved, and "
+                "a Tailor's save(step) saves tailored snapshots from there")
     if (path / TRAINER_STATE_FILE).is_file():
         return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
                 f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")

@@ -416,6 +416,22 @@ def _fsdp_sharded_checkpoint(path, checkpoint):
     return path
 
 
+def _dcp_checkpoint(path):
+    """What ``torch.distributed.checkpoint.save`` writes (torchtitan's checkpoints, a custom FSDP2
+    loop's): ``.metadata`` (a pickle) and ``__<rank>_0.distcp`` files, model and optimizer state
+    by name."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = Windows()[0]["input_ids"][None]
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(path / "step-1"))
+    return path / "step-1"
+
+
 FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge says
     "accelerate save_state": (_accelerate_state, r"is an accelerate save_state directory .*TailorAccelerator.*load_state",
                               r"is an accelerate save_state directory .*TailorAccelerator"),
@@ -423,6 +439,8 @@ FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge sa
                         r"is a Lightning checkpoint file.*TailorCheckpoint"),
     "peft Trainer checkpoint": (_peft_checkpoint, r"a Trainer checkpoint of a peft model.*TailorTrainer.*resume_from_checkpoint",
                                 r"is a peft adapter .*merge_and_unload"),
+    "dcp.save directory": (_dcp_checkpoint, r"is a torch\.distributed\.checkpoint directory \(\.metadata.*dcp\.load.*Tailor",
+                           r"is a torch\.distributed\.checkpoint directory \(\.metadata.*dcp\.load.*Tailor"),
     "FSDP sharded Trainer checkpoint": (_fsdp_sharded_checkpoint,
                                         r"is a Trainer checkpoint saved under FSDP \(pytorch_model_fsdp_0/.*TailorTrainer.*resume_from_checkpoint",
                                         r"is a Trainer checkpoint saved under FSDP .*TailorTrainer"),
