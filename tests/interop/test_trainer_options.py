@@ -33,11 +33,18 @@ OPTIONS = {  # what users set on TrainingArguments
 }
 
 
-def trainer_run(out, options: dict, *, resume=None, tailor: bool = False) -> dict:
+def trainer_run(out, options: dict, *, resume=None, tailor: bool = False, adapters=None) -> dict:
     """A Trainer run of ``LAST`` steps saving every ``SAVED``: what it logged, the batch and the RNG
-    state of each step, the LR after each step and a digest of its final weights."""
-    torch.manual_seed(99 if resume else 0)  # a resumed run must get every weight from the checkpoint
+    state of each step, the LR after each step and a digest of its final weights. ``adapters``: a
+    peft config, the model a PeftModel of it (its adapters made with the same seed every time,
+    its base too: a peft checkpoint holds the adapters only)."""
+    torch.manual_seed(0 if adapters or not resume else 99)  # a resumed run must get every weight from the checkpoint
     model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    if adapters is not None:
+        import peft
+
+        model = peft.get_peft_model(model, adapters)
+        torch.manual_seed(99 if resume else 0)
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, max_steps=LAST, save_steps=SAVED, logging_steps=1,
         report_to=[], use_cpu=True, seed=0, learning_rate=3e-3, weight_decay=0.01, warmup_steps=1, disable_tqdm=True,
@@ -80,6 +87,33 @@ def test_an_imported_checkpoint_resumes_in_tailor_trainer_as_in_vanilla_trainer(
     assert tailored["params"] == vanilla["params"] == whole["params"]
     assert tailored["step"] == vanilla["step"] == LAST
     assert Run(tmp_path / "tailored" / "tailored").steps() == [LAST]
+
+
+@pytest.mark.slow
+def test_a_peft_trainer_checkpoint_with_modules_to_save_resumes_in_tailor_trainer_as_in_vanilla_trainer(tmp_path):
+    """The way in import-hf names for a Trainer checkpoint of a peft model (adapters only, here with
+    ``modules_to_save``): TailorTrainer's ``train(resume_from_checkpoint=DIR)`` is Trainer's own
+    load, and trains on as the vanilla Trainer resumed from DIR does, bit for bit; its save at the
+    end is a tailored snapshot of what trains."""
+    import peft
+
+    def adapters():
+        return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+
+    whole = trainer_run(tmp_path / "vanilla", {}, adapters=adapters())
+    checkpoint = tmp_path / "vanilla" / f"checkpoint-{SAVED}"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    vanilla = trainer_run(tmp_path / "vanilla-resumed", {}, resume=checkpoint, adapters=adapters())
+    tailored = trainer_run(tmp_path / "tailored", {}, resume=checkpoint, tailor=True, adapters=adapters())
+    for key in ("batches", "rngs", "lrs"):
+        assert {s: tailored[key][s] for s in range(SAVED + 1, LAST + 1)} == \
+            {s: vanilla[key][s] for s in range(SAVED + 1, LAST + 1)}, key
+    assert tailored["losses"] == vanilla["losses"] == whole["losses"]
+    assert tailored["params"] == vanilla["params"] == whole["params"]
+    run = Run(tmp_path / "tailored" / "tailored")
+    assert run.steps() == [LAST] and run.verify() == []
+    held = {key for unit in run.manifest(LAST).units for key in run.read_unit(LAST, unit)[0]}
+    assert any("modules_to_save" in k and k.startswith("optim/") for k in held), sorted(held)[:8]
 
 
 def test_a_save_only_model_checkpoint_is_named_with_the_way_in(tmp_path):
