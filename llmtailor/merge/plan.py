@@ -83,6 +83,33 @@ def _number_or_gradient(value: object) -> object:
     return value
 
 
+def _model_reference(value: object) -> object:
+    """mergekit's ModelReference as a mapping, ``{model: PATH}`` or ``{model: {path: PATH}}``, is
+    the path itself (as mergekit 0.1.5 reads it); its parts llmtailor does not take are refused
+    naming them. Anything else is left to the field's own type check."""
+    if not isinstance(value, dict):
+        return value
+    if "path" in value and "model" not in value:
+        raise ValueError("{path: ...} is an older mergekit's form; write the path, or {model: {path: ...}}")
+    if value.get("lora") is not None:
+        raise ValueError("a model with a lora (an adapter applied to it) is not supported: merge the adapter into its "
+                         "model first (peft's merge_and_unload, then save_pretrained) and name that directory")
+    if set(value) - {"model", "lora"}:
+        raise ValueError(f"{sorted(set(value) - {'model', 'lora'})} of a model reference are not supported; "
+                         "write {model: PATH}")
+    model = value.get("model")
+    if isinstance(model, dict):
+        if model.get("revision") is not None or set(model) - {"path", "revision"}:
+            raise ValueError("a model's revision names a Hugging Face Hub version; llmtailor merges local directories "
+                             "and runs: write {model: {path: PATH}}")
+        model = model.get("path")
+    return model
+
+
+ModelPath = Annotated[str, Field(min_length=1), BeforeValidator(_model_reference)]
+"""A source as a plan names it: a string, or mergekit's mapping form of one."""
+
+
 class ScaleRule(_Strict):
     """One entry of mergekit's conditional parameter list: ``filter`` (a substring of the source
     tensor's name; ``*`` or none: every tensor) and the ``value``, a number or a gradient."""
@@ -135,7 +162,7 @@ class Parameters(_Strict):
 
 
 class SliceSource(_Strict):
-    model: str = Field(min_length=1)
+    model: ModelPath
     layer_range: tuple[int, int]
     """Half-open ``[a, b)`` range of the source's layers, as in mergekit."""
     parameters: Parameters | None = None
@@ -165,7 +192,7 @@ class Slice(_Strict):
 class ModelEntry(_Strict):
     """An entry of mergekit's ``models`` form."""
 
-    model: str = Field(min_length=1)
+    model: ModelPath
     parameters: Parameters | None = None
 
 
@@ -185,8 +212,8 @@ class PlanSpec(_Strict):
     dtype: str | None = None
     out_dtype: str | None = None
     parameters: Parameters | None = None
-    base_model: str | None = None
-    tokenizer_source: str | None = None
+    base_model: ModelPath | None = None
+    tokenizer_source: ModelPath | None = None
     embed: str | None = None
     norm: str | None = None
     head: str | None = None
@@ -318,11 +345,13 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         raise ConfigError(f"{path}: cannot read the plan ({err})") from None
     try:
         data = yaml.safe_load(text)
+    except yaml.composer.ComposerError as err:
+        if "another document" not in str(err.problem):
+            raise _malformed(path, err) from None
+        raise ConfigError(f"{path}: holds several YAML documents (mergekit-multi's form, one merge each): llmtailor "
+                          "merge takes one plan a file; write each in a file of its own") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise _malformed(path, err) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a plan is a YAML mapping (slices, merge_method, ...), got {type(data).__name__}")
     try:
@@ -336,7 +365,14 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         raise ConfigError(f"{path}: " + "; ".join(problems)) from None
 
 
-_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source", "source")
+def _malformed(path: Path, err: yaml.YAMLError) -> ConfigError:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err)
+    return ConfigError(f"{path}: malformed YAML{where}: {problem}")
+
+
+_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source", "source", "path")
 
 
 class _Errors:
