@@ -89,6 +89,26 @@ def test_an_imported_checkpoint_resumes_in_tailor_trainer_as_in_vanilla_trainer(
     assert Run(tmp_path / "tailored" / "tailored").steps() == [LAST]
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop", "adamw_torch_fused"])
+def test_the_trainers_other_optimizers_import_and_export_back_bit_for_bit(tmp_path, optim):
+    """``optim`` as users set it: the checkpoint imports, and its optimizer.pt, scheduler.pt and RNG
+    exported back are Trainer's own, bit for bit."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                                          save_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                                          optim=optim, **({"optim_args": "momentum=0.9"} if optim == "sgd" else {}))
+    transformers.Trainer(model=model, args=args, train_dataset=Windows()).train()
+    checkpoint = tmp_path / f"checkpoint-{SAVED}"
+    import_hf(checkpoint, tmp_path / "run")
+    exported = export_hf(Run(tmp_path / "run"), None, tmp_path / "exported")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        with safe_globals():
+            assert_same_tree(torch.load(exported / name, weights_only=True), torch.load(checkpoint / name, weights_only=True), name)
+
+
 @pytest.mark.slow
 def test_a_peft_trainer_checkpoint_with_modules_to_save_resumes_in_tailor_trainer_as_in_vanilla_trainer(tmp_path):
     """The way in import-hf names for a Trainer checkpoint of a peft model (adapters only, here with
