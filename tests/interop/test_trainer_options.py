@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from helpers import assert_same_tree
-from integrations.hf_job import Recorder, Windows, model_config, params_digest, recording
+from integrations.hf_job import Recorder, Windows, model_config, recording
 from typer.testing import CliRunner
 
 from llmtailor.cli import app
@@ -30,6 +30,7 @@ SAVED, LAST = 2, 4
 OPTIONS = {  # what users set on TrainingArguments
     "gradient accumulation, bf16 autocast": {"gradient_accumulation_steps": 2, "bf16": True},
     "adafactor": {"optim": "adafactor"},
+    "bf16 weights": {"model_dtype": torch.bfloat16},  # the model loaded in bf16: weights and moments bf16
 }
 
 
@@ -39,7 +40,9 @@ def trainer_run(out, options: dict, *, resume=None, tailor: bool = False, adapte
     peft config, the model a PeftModel of it (its adapters made with the same seed every time,
     its base too: a peft checkpoint holds the adapters only)."""
     torch.manual_seed(0 if adapters or not resume else 99)  # a resumed run must get every weight from the checkpoint
+    options = dict(options)
     model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    model = model.to(options.pop("model_dtype", torch.float32))
     if adapters is not None:
         import peft
 
@@ -61,7 +64,17 @@ def trainer_run(out, options: dict, *, resume=None, tailor: bool = False, adapte
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return {"losses": {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e},
             "lrs": recorder.lrs, "batches": dict(trainer.batches), "rngs": dict(trainer.rngs),
-            "params": params_digest(model), "step": trainer.state.global_step}
+            "params": weights_digest(model), "step": trainer.state.global_step}
+
+
+def weights_digest(model) -> str:
+    """Every parameter's name and bytes, whatever its dtype."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode() + param.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 @pytest.mark.slow
