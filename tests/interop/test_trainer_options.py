@@ -61,7 +61,7 @@ def trainer_run(out, options: dict, *, resume=None, tailor: bool = False, adapte
         trainer = recording(TailorTrainer)(**common)
     else:
         trainer = recording(transformers.Trainer)(**common)
-    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    trainer.train(resume_from_checkpoint=resume if resume in (None, True) else str(resume))
     return {"losses": {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e},
             "lrs": recorder.lrs, "batches": dict(trainer.batches), "rngs": dict(trainer.rngs),
             "params": weights_digest(model), "step": trainer.state.global_step}
@@ -100,6 +100,27 @@ def test_an_imported_checkpoint_resumes_in_tailor_trainer_as_in_vanilla_trainer(
     assert tailored["params"] == vanilla["params"] == whole["params"]
     assert tailored["step"] == vanilla["step"] == LAST
     assert Run(tmp_path / "tailored" / "tailored").steps() == [LAST]
+
+
+@pytest.mark.slow
+def test_a_vanilla_run_switched_to_tailor_trainer_resumes_its_last_checkpoint_as_vanilla_trainer_does(tmp_path):
+    """A job killed after its vanilla Trainer saved ``checkpoint-N/``, restarted with TailorTrainer
+    on the same ``output_dir`` and ``train(resume_from_checkpoint=True)`` (no tailored snapshot
+    yet): Trainer's own resume from its last checkpoint, as the vanilla restart's, bit for bit; the
+    saves from there are tailored ones."""
+    whole = trainer_run(tmp_path / "vanilla", {})
+    for restart in ("vanilla-restart", "tailor-restart"):
+        shutil.copytree(tmp_path / "vanilla", tmp_path / restart)
+        shutil.rmtree(tmp_path / restart / f"checkpoint-{LAST}")  # killed before its next save
+    vanilla = trainer_run(tmp_path / "vanilla-restart", {}, resume=True)
+    tailored = trainer_run(tmp_path / "tailor-restart", {}, resume=True, tailor=True)
+    for key in ("batches", "rngs", "lrs"):
+        assert {s: tailored[key][s] for s in range(SAVED + 1, LAST + 1)} == \
+            {s: vanilla[key][s] for s in range(SAVED + 1, LAST + 1)}, key
+    assert tailored["losses"] == vanilla["losses"] == whole["losses"]
+    assert tailored["params"] == vanilla["params"] == whole["params"]
+    assert Run(tmp_path / "tailor-restart" / "tailored").steps() == [LAST]
+    assert not (tmp_path / "tailor-restart" / f"checkpoint-{LAST}").exists()
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adagrad", "rmsprop", "adamw_torch_fused"])
