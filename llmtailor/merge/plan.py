@@ -15,7 +15,8 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
     optimizer: true                    # move optimizer state with each parameter (default: when every source has some)
     state_from: runs/b@500             # step, scheduler, RNG, trainer state
 
-    # mergekit's models form: one model, copied (passthrough allows no blending)
+    # mergekit's models form: one model, copied (passthrough allows no blending); a model may be
+    # written as mergekit's mapping too: {model: runs/a@400} or {model: {path: runs/a@400}}
     models: [{model: runs/a@400, parameters: {scale: 1.0}}]
 
     # published LLMTailor form: auxiliary tensors by name (mapped to units via the layout)
@@ -99,7 +100,10 @@ def _model_reference(value: object) -> object:
                          "write {model: PATH}")
     model = value.get("model")
     if isinstance(model, dict):
-        if model.get("revision") is not None or set(model) - {"path", "revision"}:
+        if set(model) - {"path", "revision"}:
+            raise ValueError(f"{sorted(set(model) - {'path', 'revision'})} of a model path are not mergekit's; "
+                             "write {model: {path: PATH}}")
+        if model.get("revision") is not None:
             raise ValueError("a model's revision names a Hugging Face Hub version; llmtailor merges local directories "
                              "and runs: write {model: {path: PATH}}")
         model = model.get("path")
