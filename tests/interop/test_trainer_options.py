@@ -30,6 +30,7 @@ SAVED, LAST = 2, 4
 OPTIONS = {  # what users set on TrainingArguments
     "gradient accumulation, bf16 autocast": {"gradient_accumulation_steps": 2, "bf16": True},
     "adafactor": {"optim": "adafactor"},
+    "schedule free": {"optim": "schedule_free_adamw", "lr_scheduler_type": "constant"},
     "bf16 weights": {"model_dtype": torch.bfloat16},  # the model loaded in bf16: weights and moments bf16
 }
 
