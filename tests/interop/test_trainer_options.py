@@ -18,6 +18,7 @@ from integrations.hf_job import Recorder, Windows, model_config, recording
 from typer.testing import CliRunner
 
 from llmtailor.cli import app
+from llmtailor.cli.import_deepspeed import register as register_deepspeed
 from llmtailor.cli.import_hf import register
 from llmtailor.errors import IntegrityError
 from llmtailor.interop.hf.export import export_hf
@@ -25,6 +26,7 @@ from llmtailor.interop.hf.importer import import_hf
 from llmtailor.store.run import Run
 
 register(app)
+register_deepspeed(app)
 runner = CliRunner()
 SAVED, LAST = 2, 4
 OPTIONS = {  # what users set on TrainingArguments
@@ -226,10 +228,14 @@ def test_a_trainer_output_dir_is_named_with_its_checkpoints(tmp_path):
     trainer.save_model()
     trainer.save_state()  # as transformers' example scripts end: output_dir looks like a checkpoint too
     assert (out / "trainer_state.json").is_file() and (out / "model.safetensors").is_file()
-    for command in (["import-hf", str(out), "-o", str(tmp_path / "run")], ["inspect", str(out)], ["verify", str(out)]):
+    for command in (["import-hf", str(out), "-o", str(tmp_path / "run")], ["inspect", str(out)], ["verify", str(out)],
+                    ["import-deepspeed", str(out), "-o", str(tmp_path / "run")]):
         said = runner.invoke(app, command)
         text = " ".join(said.output.split())
         assert said.exit_code == 2 and re.search(named, text) and "Traceback" not in text, (command, text)
+    said = runner.invoke(app, ["import-deepspeed", str(out / "checkpoint-2"), "-o", str(tmp_path / "run")])
+    text = " ".join(said.output.split())
+    assert said.exit_code == 2 and "is a Hugging Face Trainer checkpoint" in text and "import-hf" in text, text
     assert not (tmp_path / "run").exists() and not (tmp_path / "merged").exists()
 
     from llmtailor.integrations.hf import TailorTrainer
