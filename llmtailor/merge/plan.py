@@ -61,6 +61,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtailor.errors import ConfigError, describe_validation
+from llmtailor.interop.hf.files import hub_id_hint
 
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
@@ -399,10 +400,13 @@ def _missing_sources(node: object, base_dir: Path, key: str | None = None) -> li
         return list(dict.fromkeys(p for v in node for p in _missing_sources(v, base_dir, key)))
     if key in _SOURCE_KEYS and isinstance(node, str) and node and node not in ("base", "union"):
         try:
-            exists = parse_source(node, base_dir).path.exists()
+            path = parse_source(node, base_dir).path
+            if not isinstance(path, Path):  # a URL: opened, and checked, once the plan is valid
+                return []
+            exists, hint = path.exists(), hub_id_hint(node, path)
         except (OSError, ValueError, RuntimeError):  # a name no filesystem holds (a NUL byte, ~nobody)
-            exists = False
+            exists, hint = False, ""
         if not exists:
-            return [f"source {node!r}: no such directory"]
+            return [f"source {node!r}: no such directory{hint}"]
     return []
 

@@ -59,6 +59,19 @@ def trainer_checkpoints(output_dir: Path) -> list[Path]:
     return [steps[step] for step in sorted(steps)]
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_id_hint(label: str, path: Path) -> str:
+    """For a source ``label`` whose directory ``path`` does not exist: what to do where it reads as
+    a Hugging Face Hub model id (``org/name``, as mergekit's plans name the models they download,
+    and no local ``org/`` either); empty otherwise."""
+    if not _HUB_ID.fullmatch(label) or path.parent.exists():
+        return ""
+    return (f" ({label!r} reads as a Hugging Face Hub model id, which mergekit downloads: llmtailor reads local "
+            f"directories and runs; download it first, `hf download {label} --local-dir DIR`, and name DIR)")
+
+
 def weights_shard_name(index: int, count: int) -> str:
     """``save_pretrained``'s name of shard ``index`` (from 1) of ``count``: ``model-00001-of-00003.safetensors``."""
     return f"model-{index:05d}-of-{count:05d}.safetensors"
