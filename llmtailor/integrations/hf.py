@@ -57,6 +57,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from llmtailor.errors import ConfigError
 from llmtailor.integrations.location import child_location, run_location
+from llmtailor.interop.hf.files import TAILOR_TRAINER_RUN as RUN_DIRNAME
 from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
 from llmtailor.integrations.resume import Recorded, announce, restore_composite
 from llmtailor.interop.hf.export import TRAINER_STATE_KEY, trainer_state_json
@@ -69,7 +70,6 @@ from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
-RUN_DIRNAME = "tailored"
 TRAINING_ARGS_KEY = "training_args"
 """The stateful object of the Tailor recording the TrainingArguments (as JSON) at each save."""
 

@@ -2,16 +2,16 @@
 store's run detection (``store.storage.local_detect.recognise_other_formats``; the package
 wires it in, ``llmtailor/__init__.py``), so a writer refused in one, or a command given one,
 names what it found and the command that takes it. The formats llmtailor does not read (an
-accelerate ``save_state`` directory, a Lightning ``.ckpt`` file) are named with the way to
-bring them in: their framework's own resume under llmtailor's integration, which saves
-tailored snapshots from there."""
+accelerate ``save_state`` directory, a Lightning ``.ckpt`` file, a ``dcp.save`` directory) are
+named with the way to bring them in: their framework's own resume (or load) under llmtailor's
+integration (or a Tailor), which saves tailored snapshots from there."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
-from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
+from llmtailor.interop.hf.files import CONFIG_FILE, TAILOR_TRAINER_RUN, TRAINER_STATE_FILE, trainer_checkpoints
 
 ACCELERATE_FILES = ("optimizer.bin", "random_states_0.pkl")
 """What ``Accelerator.save_state`` writes and nothing else does (its model is ``model.safetensors``)."""
@@ -21,6 +21,9 @@ FSDP_MODEL_PREFIX = "pytorch_model_fsdp"
 optimizer in ``optimizer_0/``), ``pytorch_model_fsdp_0_rank<r>.bin``, ``pytorch_model_fsdp_rank<r>.bin``
 (LOCAL) or ``pytorch_model_fsdp.bin`` (FULL, its optimizer in ``optimizer.bin``)."""
 LIGHTNING_SUFFIX = ".ckpt"
+DCP_METADATA = ".metadata"
+"""What ``torch.distributed.checkpoint.save`` writes beside its ``*.distcp`` files (torchtitan's
+checkpoints, a custom FSDP2 loop's)."""
 
 
 def describe_other_format(path: Path) -> str | None:
@@ -38,6 +41,13 @@ def describe_other_format(path: Path) -> str | None:
                 f"model.safetensors and optimizer.pt), which llmtailor does not read: resume from it with llmtailor's "
                 f"TailorTrainer under the same fsdp_config, `trainer.train(resume_from_checkpoint=\"{path}\")` "
                 "(Trainer's own FSDP load), which saves tailored snapshots from there")
+    output_dir = describe_output_dir(path)
+    if output_dir:
+        return output_dir
+    if (path / DCP_METADATA).is_file():
+        return (f"a torch.distributed.checkpoint directory ({DCP_METADATA} and *.distcp files, dcp.save's), which "
+                "llmtailor does not read: load it into your model and optimizer with dcp.load, as it was saved, and "
+                "a Tailor's save(step) saves tailored snapshots from there")
     if (path / TRAINER_STATE_FILE).is_file():
         return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
                 f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")
@@ -57,3 +67,18 @@ def fsdp_files(path: Path) -> list[str]:
     """The names of the FSDP model files or directories Trainer wrote in ``path`` (``FSDP_MODEL_PREFIX``),
     a directory's with a trailing ``/``; empty for a directory of any other kind."""
     return sorted(p.name + "/" * p.is_dir() for p in path.glob(f"{FSDP_MODEL_PREFIX}*"))
+
+
+def describe_output_dir(path: Path) -> str | None:
+    """What a Trainer ``output_dir`` holds (a phrase that follows "is"): its ``checkpoint-N/``
+    directories, each a checkpoint the commands take, and TailorTrainer's run; None for a
+    directory holding neither (a ``checkpoint-N/`` itself, whatever ``save_model`` wrote beside)."""
+    checkpoints = [p.name for p in trainer_checkpoints(path)]
+    run = path / TAILOR_TRAINER_RUN
+    if not checkpoints and not run.is_dir():
+        return None
+    shown = checkpoints if len(checkpoints) <= 3 else [*checkpoints[:2], "...", checkpoints[-1]]
+    held = [", ".join(shown)] if checkpoints else []
+    held += [f"TailorTrainer's run {run}"] if run.is_dir() else []
+    newest = f" (the newest checkpoint: {path / checkpoints[-1]})" if checkpoints else ""
+    return f"a Trainer output_dir holding {' and '.join(held)}: name one of them{newest}"

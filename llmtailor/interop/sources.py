@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from llmtailor.errors import ConfigError
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
 from llmtailor.interop.formats import describe_other_format
-from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
+from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE, hub_id_hint
 from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
 from llmtailor.interop.hf.reader import CheckpointSource, ModelDirSource
 from llmtailor.interop.source import Source
@@ -53,7 +53,7 @@ def open_source(label: str, path: Path | str, step: int | None, scratch: Scratch
             raise ConfigError(f"{path}: no such directory; mergekit's MODEL+LORA form (an adapter applied to a model) is "
                               "not supported: merge the adapter into its model first (peft's merge_and_unload, then "
                               "save_pretrained) and name that directory")
-        raise ConfigError(f"{path}: no such directory")
+        raise ConfigError(f"{path}: no such directory{hub_id_hint(label, path)}")
     if step is not None:
         raise ConfigError(f"{path} is a checkpoint directory: @STEP names a step of a tailored run only")
     if is_deepspeed_checkpoint(path):

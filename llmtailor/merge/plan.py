@@ -15,7 +15,8 @@ Three spellings are accepted, so mergekit and LLMTailor users can bring their pl
     optimizer: true                    # move optimizer state with each parameter (default: when every source has some)
     state_from: runs/b@500             # step, scheduler, RNG, trainer state
 
-    # mergekit's models form: one model, copied (passthrough allows no blending)
+    # mergekit's models form: one model, copied (passthrough allows no blending); a model may be
+    # written as mergekit's mapping too: {model: runs/a@400} or {model: {path: runs/a@400}}
     models: [{model: runs/a@400, parameters: {scale: 1.0}}]
 
     # published LLMTailor form: auxiliary tensors by name (mapped to units via the layout)
@@ -60,6 +61,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtailor.errors import ConfigError, describe_validation
+from llmtailor.interop.hf.files import hub_id_hint
 
 PASSTHROUGH = "passthrough"
 _STEP_SUFFIX = re.compile(r"^(.*)@([0-9]+)$")
@@ -81,6 +83,36 @@ def _number_or_gradient(value: object) -> object:
     if not all(isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in items):
         raise ValueError(f"a scale value is a number or a list of numbers (a gradient over the layers), got {value!r}")
     return value
+
+
+def _model_reference(value: object) -> object:
+    """mergekit's ModelReference as a mapping, ``{model: PATH}`` or ``{model: {path: PATH}}``, is
+    the path itself (as mergekit 0.1.5 reads it); its parts llmtailor does not take are refused
+    naming them. Anything else is left to the field's own type check."""
+    if not isinstance(value, dict):
+        return value
+    if "path" in value and "model" not in value:
+        raise ValueError("{path: ...} is an older mergekit's form; write the path, or {model: {path: ...}}")
+    if value.get("lora") is not None:
+        raise ValueError("a model with a lora (an adapter applied to it) is not supported: merge the adapter into its "
+                         "model first (peft's merge_and_unload, then save_pretrained) and name that directory")
+    if set(value) - {"model", "lora"}:
+        raise ValueError(f"{sorted(set(value) - {'model', 'lora'})} of a model reference are not supported; "
+                         "write {model: PATH}")
+    model = value.get("model")
+    if isinstance(model, dict):
+        if set(model) - {"path", "revision"}:
+            raise ValueError(f"{sorted(set(model) - {'path', 'revision'})} of a model path are not mergekit's; "
+                             "write {model: {path: PATH}}")
+        if model.get("revision") is not None:
+            raise ValueError("a model's revision names a Hugging Face Hub version; llmtailor merges local directories "
+                             "and runs: write {model: {path: PATH}}")
+        model = model.get("path")
+    return model
+
+
+ModelPath = Annotated[str, Field(min_length=1), BeforeValidator(_model_reference)]
+"""A source as a plan names it: a string, or mergekit's mapping form of one."""
 
 
 class ScaleRule(_Strict):
@@ -135,7 +167,7 @@ class Parameters(_Strict):
 
 
 class SliceSource(_Strict):
-    model: str = Field(min_length=1)
+    model: ModelPath
     layer_range: tuple[int, int]
     """Half-open ``[a, b)`` range of the source's layers, as in mergekit."""
     parameters: Parameters | None = None
@@ -165,7 +197,7 @@ class Slice(_Strict):
 class ModelEntry(_Strict):
     """An entry of mergekit's ``models`` form."""
 
-    model: str = Field(min_length=1)
+    model: ModelPath
     parameters: Parameters | None = None
 
 
@@ -185,8 +217,8 @@ class PlanSpec(_Strict):
     dtype: str | None = None
     out_dtype: str | None = None
     parameters: Parameters | None = None
-    base_model: str | None = None
-    tokenizer_source: str | None = None
+    base_model: ModelPath | None = None
+    tokenizer_source: ModelPath | None = None
     embed: str | None = None
     norm: str | None = None
     head: str | None = None
@@ -318,11 +350,13 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         raise ConfigError(f"{path}: cannot read the plan ({err})") from None
     try:
         data = yaml.safe_load(text)
+    except yaml.composer.ComposerError as err:
+        if "another document" not in str(err.problem):
+            raise _malformed(path, err) from None
+        raise ConfigError(f"{path}: holds several YAML documents (mergekit-multi's form, one merge each): llmtailor "
+                          "merge takes one plan a file; write each in a file of its own") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise _malformed(path, err) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a plan is a YAML mapping (slices, merge_method, ...), got {type(data).__name__}")
     try:
@@ -336,7 +370,14 @@ def load_plan(plan_file: str | Path) -> PlanSpec:
         raise ConfigError(f"{path}: " + "; ".join(problems)) from None
 
 
-_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source", "source")
+def _malformed(path: Path, err: yaml.YAMLError) -> ConfigError:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err)
+    return ConfigError(f"{path}: malformed YAML{where}: {problem}")
+
+
+_SOURCE_KEYS = ("model", "base_model", "embed", "norm", "head", "state_from", "tokenizer_source", "source", "path")
 
 
 class _Errors:
@@ -359,10 +400,13 @@ def _missing_sources(node: object, base_dir: Path, key: str | None = None) -> li
         return list(dict.fromkeys(p for v in node for p in _missing_sources(v, base_dir, key)))
     if key in _SOURCE_KEYS and isinstance(node, str) and node and node not in ("base", "union"):
         try:
-            exists = parse_source(node, base_dir).path.exists()
+            path = parse_source(node, base_dir).path
+            if not isinstance(path, Path):  # a URL: opened, and checked, once the plan is valid
+                return []
+            exists, hint = path.exists(), hub_id_hint(node, path)
         except (OSError, ValueError, RuntimeError):  # a name no filesystem holds (a NUL byte, ~nobody)
-            exists = False
+            exists, hint = False, ""
         if not exists:
-            return [f"source {node!r}: no such directory"]
+            return [f"source {node!r}: no such directory{hint}"]
     return []
 

@@ -332,3 +332,60 @@ def test_a_second_accelerator_on_a_run_being_written_fails_when_it_is_built(tmp_
                                "WriterLock(Path(run)).acquire()")
     holder.kill()
     holder.wait(timeout=30)
+
+
+def test_a_plain_accelerate_save_state_directory_comes_in_through_load_state_bit_for_bit(tmp_path):
+    """The way in for what a plain ``Accelerator.save_state(DIR)`` wrote (model.safetensors,
+    optimizer.bin, random_states_0.pkl; ``import-hf`` and merges name it and point here):
+    ``TailorAccelerator.load_state(DIR)`` is accelerate's own load, so the loop trains on as the
+    plain Accelerator resumed from DIR does (the peer, in the same run), bit for bit (losses with
+    dropout, weights, AdamW's moments), and its ``save_state(step=N)`` is a tailored snapshot that
+    restores that state."""
+    from accelerate import Accelerator
+
+    def prepared(accelerator, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+        return accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+
+    def steps(model, optimizer, count):
+        losses = []
+        for _ in range(count):
+            loss = model(torch.randn(2, 4)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def state(model, optimizer):
+        return {**{f"w/{k}": v.clone() for k, v in model.state_dict().items()},
+                **{f"o/{i}/{k}": v.clone() for i, s in enumerate(optimizer.state.values()) for k, v in s.items()}}
+
+    plain = Accelerator(cpu=True)
+    model, optimizer = prepared(plain, 0)
+    steps(model, optimizer, 2)
+    plain.save_state(str(tmp_path / "plain"))
+    reference = steps(model, optimizer, 2), state(model, optimizer)
+    resumed = Accelerator(cpu=True)
+    model, optimizer = prepared(resumed, 1)
+    resumed.load_state(str(tmp_path / "plain"))
+    peer = steps(model, optimizer, 2), state(model, optimizer)
+
+    accelerator = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
+    model, optimizer = prepared(accelerator, 2)
+    assert accelerator.load_state(str(tmp_path / "plain")) is None  # accelerate's own load
+    ours = steps(model, optimizer, 2), state(model, optimizer)
+    accelerator.save_state(step=4)
+    accelerator.end_training()
+    assert ours[0] == peer[0] == reference[0]
+    for other in (peer[1], reference[1]):
+        assert ours[1].keys() == other.keys() and all(torch.equal(ours[1][k], other[k]) for k in other)
+
+    again = TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run")
+    model, optimizer = prepared(again, 3)
+    steps(model, optimizer, 1)  # a live optimizer state to overwrite
+    assert again.load_state().step == 4
+    restored = state(model, optimizer)
+    assert restored.keys() == ours[1].keys() and all(torch.equal(restored[k], ours[1][k]) for k in restored)
+    again.end_training()

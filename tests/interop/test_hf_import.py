@@ -388,6 +388,17 @@ def _peft_checkpoint(path):
     return path / "checkpoint-1"
 
 
+def _one_step():
+    """A tiny Llama and its AdamW after one step, as a custom loop holds them."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = Windows()[0]["input_ids"][None]
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
 def _fsdp_sharded_checkpoint(path, checkpoint):
     """What Trainer writes under FSDP with ``fsdp_config`` ``state_dict_type: SHARDED_STATE_DICT``
     (accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``): ``pytorch_model_fsdp_0/`` and
@@ -401,12 +412,7 @@ def _fsdp_sharded_checkpoint(path, checkpoint):
     source = checkpoint("llama")
     path = path / f"checkpoint-{STEP}"
     path.mkdir(parents=True)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = Windows()[0]["input_ids"][None]
-    model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.step()
+    model, optimizer = _one_step()
     dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(path / "pytorch_model_fsdp_0"))
     dcp.save({"optimizer": optimizer.state_dict()}, storage_writer=dcp.FileSystemWriter(path / "optimizer_0"))
     for name in ("scheduler.pt", "trainer_state.json", "training_args.bin"):
@@ -416,6 +422,17 @@ def _fsdp_sharded_checkpoint(path, checkpoint):
     return path
 
 
+def _dcp_checkpoint(path):
+    """What ``torch.distributed.checkpoint.save`` writes (torchtitan's checkpoints, a custom FSDP2
+    loop's): ``.metadata`` (a pickle) and ``__<rank>_0.distcp`` files, model and optimizer state
+    by name."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = _one_step()
+    dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(path / "step-1"))
+    return path / "step-1"
+
+
 FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge says
     "accelerate save_state": (_accelerate_state, r"is an accelerate save_state directory .*TailorAccelerator.*load_state",
                               r"is an accelerate save_state directory .*TailorAccelerator"),
@@ -423,6 +440,8 @@ FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge sa
                         r"is a Lightning checkpoint file.*TailorCheckpoint"),
     "peft Trainer checkpoint": (_peft_checkpoint, r"a Trainer checkpoint of a peft model.*TailorTrainer.*resume_from_checkpoint",
                                 r"is a peft adapter .*merge_and_unload"),
+    "dcp.save directory": (_dcp_checkpoint, r"is a torch\.distributed\.checkpoint directory \(\.metadata.*dcp\.load.*Tailor",
+                           r"is a torch\.distributed\.checkpoint directory \(\.metadata.*dcp\.load.*Tailor"),
     "FSDP sharded Trainer checkpoint": (_fsdp_sharded_checkpoint,
                                         r"is a Trainer checkpoint saved under FSDP \(pytorch_model_fsdp_0/.*TailorTrainer.*resume_from_checkpoint",
                                         r"is a Trainer checkpoint saved under FSDP .*TailorTrainer"),

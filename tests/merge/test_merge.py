@@ -4,6 +4,7 @@ composites reproduced, HF sources and output, and bad plans refused with nothing
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +326,45 @@ def test_hf_output_of_hf_sources_resumes_in_vanilla_trainer(tmp_path):
             assert torch.equal(dump["tensors"][key], tensor), key
             checked += 1
     assert checked == len(dump["tensors"])
+
+
+def test_mergekits_model_reference_mappings_and_documents_are_read_or_named(root, tmp_path):
+    """mergekit 0.1.5 reads a model as ``{model: PATH}`` or ``{model: {path: PATH}}`` too (the same
+    merge: test_mergekit_parity); its parts llmtailor does not take, an older mergekit's
+    ``{path: PATH}`` and mergekit-multi's several documents in one file are named."""
+    full = str(root / "full@6")
+    assert merge(write_plan(tmp_path / "ok.yaml", {"models": [{"model": {"model": {"path": full}}}],
+                                                   "base_model": {"model": full}}), tmp_path / "ok").is_dir()
+    shutil.rmtree(tmp_path)
+    tmp_path.mkdir()
+    for model, message in [
+        ({"model": full, "lora": "adapter"}, "a model with a lora (an adapter applied to it) is not supported"),
+        ({"model": {"path": full, "revision": "main"}}, "a model's revision names a Hugging Face Hub version"),
+        ({"path": full}, "{path: ...} is an older mergekit's form"),
+        ({"model": full, "override_architecture": "LlamaForCausalLM"}, "['override_architecture'] of a model reference"),
+    ]:
+        assert message in refusal(tmp_path, {"models": [{"model": model}]}), model
+        (tmp_path / "bad.yaml").unlink()
+    two = f"name: first\nmodels: [{{model: {full}}}]\n---\nname: second\nmodels: [{{model: first}}]\n"
+    assert "several YAML documents (mergekit-multi's form" in refusal(tmp_path, two)
+
+
+def test_a_hugging_face_hub_id_as_a_source_is_named_with_the_way_in(tmp_path):
+    """Plans copied from a model card name Hub models (``org/name``), which mergekit downloads:
+    llmtailor reads local directories and runs, and says so, naming the download, whether the
+    plan is otherwise valid or not."""
+    hub = "meta-llama/Meta-Llama-3-8B-Instruct"
+    for extra in ({}, {"dtype": "bf16"}):
+        message = refusal(tmp_path, {"slices": [{"sources": [{"model": hub, "layer_range": [0, 16]}]}],
+                                     "merge_method": "passthrough", **extra})
+        assert f"source '{hub}'" in message and "a Hugging Face Hub model id" in message
+        assert f"hf download {hub} --local-dir DIR" in message, message
+        (tmp_path / "bad.yaml").unlink()
+
+
+def test_an_invalid_plan_naming_a_run_on_an_object_store_is_one_clear_error(tmp_path):
+    """A URL source is not looked for on the local disk while the plan's own problems are listed
+    (it is opened, and checked, once the plan is valid)."""
+    message = refusal(tmp_path, {"slices": [{"sources": [{"model": "s3://bucket/run@4", "layer_range": [0, 2]}]}],
+                                 "lora_rank": 8})
+    assert "unknown key 'lora_rank'" in message and "s3://" not in message.split("invalid plan:")[1]

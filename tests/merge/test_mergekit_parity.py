@@ -158,6 +158,10 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
     "pytorch_model.bin tied llama, last slice of a tied model": {"slices": stack(("tied-llama", (0, 2)), ("bin-tied-llama", (2, 4)))},
     "pytorch_model.bin tied llama, first slice, scaled": {"slices": stack(("bin-tied-llama", (0, 3)), ("tied-llama", (3, 4))),
                                                           "parameters": {"scale": 0.5}},
+    # mergekit's ModelReference as a mapping ({model: PATH} or {model: {path: PATH}}), as 0.1.5 reads it
+    "model references as mappings": {"slices": [{"sources": [{"model": {"model": {"path": "a"}}, "layer_range": [0, 2]}]},
+                                                {"sources": [{"model": {"model": "b"}, "layer_range": [2, 4]}]}],
+                                     "base_model": {"model": "b"}},
     "gpt2 cut": {"slices": stack(("gpt2", (0, 3)), ("gpt2", (4, 6))), "parameters": {"scale": [1.0, 0.5]}},
     "Trainer checkpoints, LLMTailor's shape": {
         "slices": llmtailor_shape("hf/checkpoint-2", "hf/checkpoint-3", 6), "dtype": "bfloat16",
@@ -166,13 +170,14 @@ PLANS = {  # name: the plan, model labels standing for directories of `inputs`
                          {"name": "lm_head.weight", "model": "hf/checkpoint-2"}],
     },
 }
-MODEL_KEYS = ("model", "base_model", "tokenizer_source")
+MODEL_KEYS = ("model", "base_model", "tokenizer_source", "path")
 
 
 def resolve(node, root: Path):
     """The plan with its model labels as absolute paths (mergekit reads paths against its cwd)."""
     if isinstance(node, dict):
-        return {k: str(root / v) if k in MODEL_KEYS and v not in ("base", "union") else resolve(v, root) for k, v in node.items()}
+        return {k: str(root / v) if k in MODEL_KEYS and isinstance(v, str) and v not in ("base", "union")
+                else resolve(v, root) for k, v in node.items()}
     if isinstance(node, list):
         return [resolve(v, root) for v in node]
     return node

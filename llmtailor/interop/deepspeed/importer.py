@@ -52,6 +52,7 @@ import torch
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir
+from llmtailor.interop.formats import describe_other_format
 from llmtailor.interop.hf.files import CONFIG_FILE
 from llmtailor.interop.hf.model import meta_model
 from llmtailor.interop.source import Source, TensorInfo
@@ -140,9 +141,20 @@ class DeepSpeedSource(Source):
         return self._found.state
 
 
+def _step_dir(checkpoint: Path) -> Path:
+    """``find_step_dir``; a directory of another format named as what it is, with its way in."""
+    try:
+        return find_step_dir(checkpoint)
+    except ConfigError:
+        kind = describe_other_format(checkpoint) if checkpoint.is_dir() else None
+        if kind is None:
+            raise
+        raise ConfigError(f"{checkpoint} is {kind}; import-deepspeed reads a DeepSpeed checkpoint (global_stepN/)") from None
+
+
 def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _Checkpoint:
     """The checkpoint's step, layout, global state and parameter groups, validated (nothing written)."""
-    step_dir = find_step_dir(checkpoint)
+    step_dir = _step_dir(checkpoint)
     model_states = _model_states(step_dir)
     step = model_states.get("global_steps")
     if not isinstance(step, int) or step < 0:

@@ -26,6 +26,8 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+TAILOR_TRAINER_RUN = "tailored"
+"""Where llmtailor's TailorTrainer keeps its run in Trainer's ``output_dir``."""
 
 
 RANK_RNG_PREFIX, RANK_RNG_SUFFIX = "rng_state_", ".pth"
@@ -45,6 +47,29 @@ def rank_of_rng_file(name: str) -> int | None:
 
 def checkpoint_dirname(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}-{step}"
+
+
+def trainer_checkpoints(output_dir: Path) -> list[Path]:
+    """The ``checkpoint-N/`` directories Trainer saved in ``output_dir``, oldest step first."""
+    steps = {}
+    for path in output_dir.glob(f"{CHECKPOINT_PREFIX}-*"):
+        number = path.name.removeprefix(f"{CHECKPOINT_PREFIX}-")
+        if number.isdecimal() and number.isascii() and path.is_dir():
+            steps[int(number)] = path
+    return [steps[step] for step in sorted(steps)]
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_id_hint(label: str, path: Path) -> str:
+    """For a source ``label`` whose directory ``path`` does not exist: what to do where it reads as
+    a Hugging Face Hub model id (``org/name``, as mergekit's plans name the models they download,
+    and no local ``org/`` either); empty otherwise."""
+    if not _HUB_ID.fullmatch(label) or path.parent.exists():
+        return ""
+    return (f" ({label!r} reads as a Hugging Face Hub model id, which mergekit downloads: llmtailor reads local "
+            f"directories and runs; download it first, `hf download {label} --local-dir DIR`, and name DIR)")
 
 
 def weights_shard_name(index: int, count: int) -> str:

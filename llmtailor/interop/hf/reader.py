@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir, is_deepspeed_checkpoint
-from llmtailor.interop.formats import describe_other_format, fsdp_files
+from llmtailor.interop.formats import describe_other_format, describe_output_dir, fsdp_files
 from llmtailor.interop.hf.files import (
     BIN_FILE,
     BIN_INDEX_FILE,
@@ -169,6 +169,9 @@ def require_importable(source: Path) -> None:
                           f"`llmtailor import-deepspeed {source}`")
     if fsdp_files(source):
         raise ConfigError(f"{source} is {describe_other_format(source)}")
+    output_dir = describe_output_dir(source)
+    if output_dir:
+        raise ConfigError(f"{source} is {output_dir}; import-hf reads one checkpoint-N/ directory")
     if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
         raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
                           f"importable: to go on training it, resume from it with llmtailor's TailorTrainer, "
@@ -181,6 +184,11 @@ def require_importable(source: Path) -> None:
     if not has_weights(source) and not has_bin_weights(source):
         problems.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}, {BIN_FILE}, {BIN_INDEX_FILE}) is missing")
     have_optimizer, have_scheduler = (source / OPTIMIZER_FILE).is_file(), (source / SCHEDULER_FILE).is_file()
+    if not problems and not have_optimizer and not have_scheduler and not rng_files(source):
+        raise IntegrityError(f"{source}: holds weights only, as Trainer writes with save_only_model=True (no "
+                             f"{OPTIMIZER_FILE}, {SCHEDULER_FILE} or {RNG_FILE}): it cannot resume, in Trainer or "
+                             "llmtailor; for its weights name it as a source of a `llmtailor merge` plan (--format "
+                             "model), and save with save_only_model=False to import a checkpoint")
     if have_optimizer != have_scheduler:
         present, absent = (OPTIMIZER_FILE, SCHEDULER_FILE) if have_optimizer else (SCHEDULER_FILE, OPTIMIZER_FILE)
         problems.append(f"{absent} is missing beside {present} (Trainer loads them only as a pair)")
@@ -263,8 +271,8 @@ def map_optimizer(
         raise IntegrityError(f"{path}: expected an Optimizer.state_dict() with 'state' and 'param_groups'")
     ambiguous = (
         "so the mapping of its indices to parameters is ambiguous; import reads checkpoints of vanilla Trainer's "
-        "AdamW-style optimizer with its 2 groups (weight decay for every trainable parameter except biases and "
-        "norm weights, then the rest)"
+        "AdamW-style optimizer (or Adafactor) with its 2 groups (weight decay for every trainable parameter except "
+        "biases and norm weights, then the rest)"
     )
     sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved["param_groups"]]
     if sizes != [len(names) for names in expected]:
@@ -293,14 +301,27 @@ def map_optimizer(
             raise IntegrityError(f"{path}: state[{index!r}] ({name!r}) is a {type(entries).__name__}, expected a dict")
         shape = list(params[name].shape)
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and list(value.shape) != shape:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and list(value.shape) != state_shape(key, shape):
                 raise IncompatibleModelError(
                     f"{path}: state[{index}][{key!r}] is {list(value.shape)}, but index {index} is {name!r} of "
                     f"shape {shape} under Trainer's grouping; the optimizer state does not fit the model "
-                    f"(state tensors must be scalars or of their parameter's shape), {ambiguous}"
+                    f"(state tensors must be scalars, of their parameter's shape or Adafactor's factors of it), "
+                    f"{ambiguous}"
                 )
         per_param[name] = dict(entries)
     return groups, per_param
+
+
+def state_shape(key: str, shape: list[int]) -> list[int]:
+    """The shape of the per-parameter state tensor ``key`` of a parameter of ``shape``: the
+    parameter's own (Adam's moments), but for a matrix Adafactor's factored second moments, its
+    rows and its columns: without the other dimension in transformers' ``Adafactor`` (what
+    Trainer's ``optim="adafactor"`` builds), with it kept as 1 in ``torch.optim.Adafactor``."""
+    if len(shape) < 2:
+        return shape
+    factored = {"exp_avg_sq_row": shape[:-1], "exp_avg_sq_col": shape[:-2] + shape[-1:],
+                "row_var": shape[:-1] + [1], "col_var": shape[:-2] + [1] + shape[-1:]}
+    return factored.get(key, shape)
 
 
 def plain_values(name: str, entries: dict[str, Any]) -> dict[str, Any]:
