@@ -93,7 +93,7 @@ class LocalCommits(SnapshotCommits):
         What a crash leaves in ``.tmp/`` the next writer removes (``clear_leftovers``)."""
         kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
         try:
-            os.link(path, kept)
+            os.link(path, kept, follow_symlinks=False)  # a link of the pointer itself, whatever it is
         except OSError:  # no pointer yet, or a filesystem without hard links: replaced as it is
             kept = None
         try:
