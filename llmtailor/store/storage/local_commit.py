@@ -87,10 +87,11 @@ class LocalCommits(SnapshotCommits):
     def _replace_pointer(self, new: Path, path: Path) -> None:
         """``replace_with(new, path)``, the old pointer's file kept linked in ``.tmp/`` through
         the replace and its last link removed on the purger's thread: on this project's ext4,
-        dropping a file's last link waited about 4 ms, and so did the run directory's fsync that
-        followed (a replace over the old pointer and that fsync 3-8 ms, over a second link 0.2
-        ms), the longest step of a small save's commit (bench/RESULTS.md, issue 33, session 47).
-        What a crash leaves in ``.tmp/`` the next writer removes (``clear_leftovers``)."""
+        dropping a file's last link waited up to a 4 ms tick (``os.replace`` over the old pointer
+        2.5-3.6 ms, over a second link of it 0.01 ms), and the run directory's fsync after it took
+        longer too (the two 1.8-8.1 ms, then 0.2-3.6 ms): the longest step of a small save's
+        commit (bench/RESULTS.md, issue 33, session 47). What a crash leaves in ``.tmp/`` the
+        next writer removes (``clear_leftovers``)."""
         kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
         try:
             os.link(path, kept, follow_symlinks=False)  # a link of the pointer itself, whatever it is
