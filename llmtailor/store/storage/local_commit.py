@@ -89,7 +89,7 @@ class LocalCommits(SnapshotCommits):
         the replace and its last link removed on the purger's thread: on this project's ext4,
         dropping a file's last link waited up to a 4 ms tick (``os.replace`` over the old pointer
         2.5-3.6 ms, over a second link of it 0.01 ms), and the run directory's fsync after it took
-        longer too (the two 1.8-8.1 ms, then 0.2-3.6 ms): the longest step of a small save's
+        longer too (the two 1.8-8.1 ms, then 0.2-3.9 ms): the longest step of a small save's
         commit (bench/RESULTS.md, issue 33, session 47). What a crash leaves in ``.tmp/`` the
         next writer removes (``clear_leftovers``)."""
         kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
