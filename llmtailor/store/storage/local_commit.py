@@ -95,7 +95,7 @@ class LocalCommits(SnapshotCommits):
         kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
         try:
             os.link(path, kept, follow_symlinks=False)  # a link of the pointer itself, whatever it is
-        except OSError:  # no pointer yet, or a filesystem without hard links: replaced as it is
+        except (OSError, NotImplementedError):  # no pointer yet, no hard links there (or no linkat): replaced as it is
             kept = None
         try:
             replace_with(new, path)
