@@ -42,7 +42,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -59,7 +59,7 @@ from llmtailor.store.commit import SnapshotCommit, StagedFiles
 from llmtailor.store.keys import piece_key
 from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef, dtype_name, first_overlap, parse_manifest
 from llmtailor.store.run import Run
-from llmtailor.store.staged import ChunkPart, PersistResult, Piece, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
+from llmtailor.store.staged import ChunkPart, PersistResult, RankPart, StagedSnapshot, StagedUnit, TensorPart, UnitPart
 from llmtailor.store.tensor_files import checksum, stream_tensors
 
 if TYPE_CHECKING:
@@ -180,7 +180,9 @@ def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
     state; its bytes per unit. A unit of fewer than ``PACK_UNIT_BYTES`` goes into this rank's
     pack file (``_Pack``), a larger one into a file of its own. ``files``: the batch to write
     them into, left in flight (the leader's: its commit drains it); else every file is durable
-    when this returns, before the part is reported (the commit depends on it)."""
+    when this returns, before the part is reported (the commit depends on it). The leader's
+    own part (``files`` given) is never sent: its chunks are not built as messages (``_Chunk``)."""
+    own = files is not None
     # Locally each file's fsync runs on helper threads while the next file is written.
     with (nullcontext(files) if files is not None else snapshot.files()) as create:
         units: dict[str, UnitPart] = {}
@@ -190,7 +192,7 @@ def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
 
         def record(written: list[_Written]) -> None:
             for done in written:
-                units[done.unit.unit] = _unit_part(done)
+                units[done.unit.unit] = _unit_part(done, own)
                 unit_bytes[done.unit.unit] = done.bytes
                 if on_unit:
                     on_unit(done.unit.unit, done.bytes)
@@ -242,20 +244,43 @@ class _Written:
     bytes: int
 
 
-def _unit_part(written: _Written) -> UnitPart:
+class _Chunk(NamedTuple):
+    """A chunk of the leader's own part, as ``index_files`` reads it (``ChunkPart``'s fields)."""
+
+    offsets: list[int]
+    shape: list[int]
+    xxh3_64: str
+    cover_xxh3: str | None = None
+    page_bytes: int | None = None
+    pages: list[str] | None = None
+
+
+class _Tensor(NamedTuple):
+    """A tensor of the leader's own part, as ``index_files`` reads it (``TensorPart``'s fields)."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    chunks: list[_Chunk]
+
+
+def _unit_part(written: _Written, own: bool = False) -> UnitPart:
     """A written unit as this rank reports it: its file and its own chunks (the leader validates
     the merged entries, coverage included). Its chunks and tensors are built unvalidated: the
     report is validated where it arrives (``RankPart.from_message``), and a LoRA's thousands of
-    pieces made validating them twice a fixed cost of every save. The leader's own part is
-    not sent: its chunks are validated once, in the merged indexes."""
-    def chunk(p: Piece, key: str) -> ChunkPart:
-        return ChunkPart.model_construct(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
-                                         cover_xxh3=p.cover_xxh3, **written.pages.get(key, {}))
-
+    pieces made validating them twice a fixed cost of every save. The leader's ``own`` part is
+    never sent: its chunks are validated once, in the merged indexes, and built as plain tuples
+    of the same fields (``_Chunk``, ``_Tensor``), not as models: pydantic's ``model_construct``,
+    twice per chunk, was a fixed cost of every save too (bench/RESULTS.md, issue 33, session 47)."""
+    chunk_of, tensor_of = (_Chunk, _Tensor) if own else (ChunkPart.model_construct, TensorPart.model_construct)
     staged_unit = written.unit
-    entries = [TensorPart.model_construct(key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
-                                          chunks=[chunk(p, key)])
+    entries = [tensor_of(key=p.key, dtype=dtype_name(p.tensor.dtype), shape=list(p.global_shape),
+                         chunks=[chunk_of(offsets=list(p.offsets), shape=list(p.tensor.shape), xxh3_64=written.sums[key],
+                                          cover_xxh3=p.cover_xxh3, **written.pages.get(key, {}))])
                for p, key in zip(staged_unit.pieces, written.keys)]
+    if own:  # tuples, not models: never dumped as a message (``persist`` keeps the leader's part as it is)
+        return UnitPart.model_construct(file=written.file, tensors=entries, values=staged_unit.values,
+                                        kept=staged_unit.kept, base=staged_unit.base)
     return UnitPart(file=written.file, tensors=entries, values=staged_unit.values, kept=staged_unit.kept, base=staged_unit.base)
 
 
@@ -368,7 +393,7 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
     )
 
 
-def _chunk_line(chunk: ChunkPart, position: int, shape: list[int]) -> dict[str, Any]:
+def _chunk_line(chunk: ChunkPart | _Chunk, position: int, shape: list[int]) -> dict[str, Any]:
     """A reported chunk as its index line holds it (``Chunk``'s compact form, in its field
     order): its file's position unless the first, its box unless the whole tensor of ``shape``,
     its page checksums if any, its sampled checksum if any."""

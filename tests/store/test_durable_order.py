@@ -205,3 +205,39 @@ def test_a_local_save_leaves_its_manifest_and_small_files_in_the_page_cache(tmp_
         monkeypatch.undo()
     assert sorted(name for name in dropped if name != pack.name) == []
     assert dropped == [pack.name]
+
+
+def test_the_old_latest_file_loses_its_last_link_on_the_purgers_thread_not_the_saves(tmp_path, tokens, monkeypatch):
+    """Dropping a file's last link waited about 4 ms on this project's ext4 (a replace over the
+    old ``latest`` file 2.7-4 ms, over a second link of it 0.05 ms), the longest step of a small
+    save's commit after its fsyncs (bench/RESULTS.md, issue 33, session 47). So the old pointer's
+    file is linked into ``.tmp/`` before the replace and unlinked there on the purger's thread;
+    nothing of it is left once the purges are done. Recorded: the old file's link count as the
+    replace of ``latest`` begins, and every unlink with its thread."""
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=2, track_drift=False) as tailor:
+        tailor.save(1)
+        links, unlinked = [], []
+        real_replace, real_unlink = os.replace, os.unlink
+
+        def replace(src, dst, *args, **kwargs):
+            if Path(dst) == root / LATEST_FILE:
+                links.append(os.stat(dst).st_nlink)
+            return real_replace(src, dst, *args, **kwargs)
+
+        def unlink(path, *args, **kwargs):
+            unlinked.append((Path(path).parent.name, threading.current_thread().name))
+            return real_unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(os, "unlink", unlink)
+        tailor.save(2)
+        tailor.run.storage.commits.wait_purged()
+        monkeypatch.undo()
+        assert links == [2]
+        assert unlinked == [(TMP_DIR, "llmtailor-purge")]
+        assert not list((root / TMP_DIR).iterdir())
+        assert (root / LATEST_FILE).read_text().strip() == snapshot_dirname(2)
+    assert Run(root).latest_step() == 2

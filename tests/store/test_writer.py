@@ -166,12 +166,7 @@ def test_the_unit_indexes_are_validated_once_and_written_as_validated_without_py
         return model_dump(self, *args, **kwargs)
 
     monkeypatch.setattr(BaseModel, "model_dump", counted)
-    big = torch.arange(300 << 10, dtype=torch.float32)  # 1.2 MB: a chunk with page checksums
-    units = iter([StagedUnit.whole("embed", {f"weight/{NAMES[0]}": big}),
-                  *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])])
-    one = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(), units=units,
-                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
-    persist(Run(tmp_path / "one"), one)
+    _saved_with_a_paged_chunk(tmp_path / "one")
     assert dumped == {"Manifest": 1}
     monkeypatch.undo()
     lines = (tmp_path / "one" / "snapshots" / snapshot_dirname(1) / INDEXES_FILE).read_bytes().splitlines(keepends=True)
@@ -193,3 +188,45 @@ def test_the_unit_indexes_are_validated_once_and_written_as_validated_without_py
     entry = UnitEntry.model_validate_json(norm)
     assert (entry.dumps() + "\n").encode() == norm
     assert [(c.file, c.offsets, c.shape) for c in entry.tensors[0].chunks] == [(0, [0], [2]), (1, [2], [2])]
+
+
+def test_the_leaders_own_chunks_are_not_built_as_pydantic_models(tmp_path, monkeypatch):
+    """The leader's own part is never sent, so its chunks and tensors are plain tuples of the
+    same fields, not ``ChunkPart`` / ``TensorPart`` models (``model_construct`` twice per chunk was
+    a fixed cost of every save: bench/RESULTS.md, issue 33, session 47); a rank that sends its
+    part still builds them. The snapshot verifies, and every chunk's index line is as before
+    (page checksums included)."""
+    from llmtailor.constants import INDEXES_FILE, snapshot_dirname
+    from llmtailor.store.manifest import UnitEntry
+
+    built: dict[str, int] = {}
+    for model in (ChunkPart, TensorPart):
+        real = model.model_construct
+
+        def counted(*args, real=real, name=model.__name__, **kwargs):
+            built[name] = built.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(model, "model_construct", counted)
+    big = _saved_with_a_paged_chunk(tmp_path / "one")
+    assert built == {}
+    monkeypatch.undo()
+    run = Run(tmp_path / "one")
+    assert run.verify() == []
+    lines = (tmp_path / "one" / "snapshots" / snapshot_dirname(1) / INDEXES_FILE).read_bytes().splitlines()
+    embed = UnitEntry.model_validate_json(lines[0])
+    chunk = embed.tensors[0].chunks[0]
+    assert (chunk.file, chunk.offsets, chunk.shape, chunk.page_bytes, len(chunk.pages)) == (0, [0], [300 << 10], 8192, 150)
+    assert torch.equal(run.read_unit(1, "embed")[0][f"weight/{NAMES[0]}"], big)
+
+
+def _saved_with_a_paged_chunk(root) -> torch.Tensor:
+    """Step 1 of ``WHOLE`` persisted at ``root`` in one process, its embedding a 1.2 MB tensor (a
+    chunk with page checksums), the rest tiny; returns that tensor."""
+    big = torch.arange(300 << 10, dtype=torch.float32)
+    units = iter([StagedUnit.whole("embed", {f"weight/{NAMES[0]}": big}),
+                  *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])])
+    one = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(), units=units,
+                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
+    persist(Run(root), one)
+    return big

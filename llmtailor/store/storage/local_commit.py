@@ -3,8 +3,10 @@ and renames it into ``snapshots/`` atomically (fsyncing what it adds first, the 
 retention renames a snapshot into ``.trash/``, fsyncs the directory it left, then removes its
 files (a writer's retention does both on a background thread, ``purge_later``: its save returns
 once its own snapshot and ``latest`` are durable, and a crash before that fsync brings the old
-snapshot back whole, one composite more than ``keep`` until the next retention). The writer
-lock's holder clears both of what crashed writers left."""
+snapshot back whole, one composite more than ``keep`` until the next retention). The old
+``latest`` file a commit replaces is unlinked on that thread too (a second link to it in
+``.tmp/`` through the replace). The writer lock's holder clears both of what crashed writers
+left."""
 
 from __future__ import annotations
 
@@ -77,10 +79,29 @@ class LocalCommits(SnapshotCommits):
             raise
         if new is not None:
             try:
-                replace_with(new, self.root / pointer[0])
+                self._replace_pointer(new, self.root / pointer[0])
             except OSError as err:
                 failed = err
         return failed
+
+    def _replace_pointer(self, new: Path, path: Path) -> None:
+        """``replace_with(new, path)``, the old pointer's file kept linked in ``.tmp/`` through
+        the replace and its last link removed on the purger's thread: on this project's ext4,
+        dropping a file's last link waited up to a 4 ms tick (``os.replace`` over the old pointer
+        2.5-3.6 ms, over a second link of it 0.01 ms), and the run directory's fsync after it took
+        longer too (the two 1.8-8.1 ms, then 0.2-3.9 ms): the longest step of a small save's
+        commit (bench/RESULTS.md, issue 33, session 47). What a crash leaves in ``.tmp/`` the
+        next writer removes (``clear_leftovers``)."""
+        kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
+        try:
+            os.link(path, kept, follow_symlinks=False)  # a link of the pointer itself, whatever it is
+        except (OSError, NotImplementedError):  # no pointer yet, no hard links there (or no linkat): replaced as it is
+            kept = None
+        try:
+            replace_with(new, path)
+        finally:
+            if kept is not None:
+                _PURGER.submit(kept, None)
 
     def abandon(self, staging: str) -> None:
         shutil.rmtree(self.root / staging, ignore_errors=True)
@@ -117,22 +138,23 @@ class LocalCommits(SnapshotCommits):
 
 class _Purger:
     """Removes discarded snapshots' directories (already renamed into ``.trash/``; the directory
-    each left fsynced first) on one background thread of the process, in order; ``wait(root)``
+    each left fsynced first) and replaced pointers' files on one background thread of the process, in order; ``wait(root)``
     returns once none of ``root``'s is left to do. A daemon thread: a process that exits
     mid-removal leaves the rest in ``.trash/``, which the next writer clears (``clear_leftovers``)."""
 
     def __init__(self):
-        self._queue: queue.SimpleQueue[tuple[Path, Path]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Path, Path | None]] = queue.SimpleQueue()
         self._pending: dict[Path, int] = {}
-        """Trash directory -> removals queued or under way in it."""
+        """Run root -> removals queued or under way in its ``.trash/`` and ``.tmp/``."""
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def submit(self, target: Path, left: Path) -> None:
-        """Remove ``target`` once the directory it was renamed out of, ``left``, is fsynced."""
+    def submit(self, target: Path, left: Path | None) -> None:
+        """Remove ``target`` (a directory, or a file; in ``.trash/`` or ``.tmp/`` of a run) once
+        the directory it was renamed out of, ``left`` (if any), is fsynced."""
         target = Path(os.path.realpath(target))  # the same run however its root was spelled
         with self._changed:
-            self._pending[target.parent] = self._pending.get(target.parent, 0) + 1
+            self._pending[target.parent.parent] = self._pending.get(target.parent.parent, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="llmtailor-purge", daemon=True)
                 self._thread.start()
@@ -141,23 +163,27 @@ class _Purger:
     def wait(self, root: Path) -> None:
         if sys.is_finalizing():  # the thread may be stopped already: what is left stays in the trash
             return
-        trash = Path(os.path.realpath(root / TRASH_DIR))
+        root = Path(os.path.realpath(root))
         with self._changed:
-            self._changed.wait_for(lambda: not self._pending.get(trash))
+            self._changed.wait_for(lambda: not self._pending.get(root))
 
     def _work(self) -> None:
         while True:
             target, left = self._queue.get()
             try:
-                fsync_dir(left)  # the rename durable before any removal: a crash finds it whole or gone
-                shutil.rmtree(target)
+                if left is not None:
+                    fsync_dir(left)  # the rename durable before any removal: a crash finds it whole or gone
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink()
             except OSError as err:
                 log.warning("llmtailor retention: %s: could not delete (%s); the next writer retries", target, err.strerror)
             finally:
                 with self._changed:
-                    self._pending[target.parent] -= 1
-                    if not self._pending[target.parent]:
-                        del self._pending[target.parent]
+                    self._pending[target.parent.parent] -= 1
+                    if not self._pending[target.parent.parent]:
+                        del self._pending[target.parent.parent]
                     self._changed.notify_all()
 
 
