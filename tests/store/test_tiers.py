@@ -8,6 +8,7 @@ every tier as it was. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import re
 import shutil
@@ -685,3 +686,24 @@ def test_a_node_local_tier_is_declared_with_its_replicas_and_jump_every_problem_
         Tier(tmp_path / "shm", replicas=2, jump=2)
     with pytest.raises(ConfigError, match=r"only the first tier may be node-local \(scope='node'\), not \['.*disk'\]"):
         TailorConfig.of(tiers=[Tier(tmp_path / "shm"), Tier(tmp_path / "disk", scope="node")])
+
+
+def test_a_tailor_dropped_without_close_lets_its_tiers_go_and_the_next_one_of_the_process_saves(tmp_path, tokens):
+    """A notebook or a sweep: a Tailor with a tier saves and is dropped without ``close()``, then
+    another of the same run, in the same process, resumes and saves. The dropped one's locks went
+    with it, and the exit keeps nothing of it (``runtime._UNCLOSED``: nothing to finish for another
+    node). Before, the exit kept its promoter, whose tiers held the locks: the next Tailor's save
+    was refused ("being written by another writer (..., another Tailor of this process)"), and each
+    dropped writer stayed in memory until the interpreter exited."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    kept = len(tiers_module._UNCLOSED)
+    for step in (1, 2, 3):
+        tailor, model, opt, sched = tiered(home, memory, keep=None)
+        if step > 1:
+            assert tailor.restore().step == step - 1
+        save_steps(tailor, model, opt, sched, tokens, [step])
+        del tailor
+        gc.collect()
+    assert Run(home).steps() == Run(memory).steps() == [1, 2, 3]
+    assert Run(home).verify() == []
+    assert len(tiers_module._UNCLOSED) == kept
