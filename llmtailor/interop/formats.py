@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
-from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE
+from llmtailor.interop.hf.files import ADAPTER_CONFIG, CONFIG_FILE, PEFT_ADVICE, TRAINER_STATE_FILE
 
 ACCELERATE_FILES = ("optimizer.bin", "random_states_0.pkl")
 """What ``Accelerator.save_state`` writes and nothing else does (its model is ``model.safetensors``)."""
@@ -38,6 +38,13 @@ def describe_other_format(path: Path) -> str | None:
                 f"model.safetensors and optimizer.pt), which llmtailor does not read: resume from it with llmtailor's "
                 f"TailorTrainer under the same fsdp_config, `trainer.train(resume_from_checkpoint=\"{path}\")` "
                 "(Trainer's own FSDP load), which saves tailored snapshots from there")
+    if is_peft_checkpoint(path):
+        return (f"a Trainer checkpoint of a peft model ({ADAPTER_CONFIG}, no {CONFIG_FILE}), which llmtailor does not "
+                f"import: to go on training it, resume from it with llmtailor's TailorTrainer, "
+                f"`trainer.train(resume_from_checkpoint=\"{path}\")` (Trainer's own load), which saves tailored "
+                f"snapshots from there; for its weights, {PEFT_ADVICE}")
+    if (path / ADAPTER_CONFIG).is_file() and not (path / CONFIG_FILE).is_file():
+        return f"a peft adapter ({ADAPTER_CONFIG}), not a model: {PEFT_ADVICE}"
     if (path / TRAINER_STATE_FILE).is_file():
         return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
                 f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")
@@ -57,3 +64,9 @@ def fsdp_files(path: Path) -> list[str]:
     """The names of the FSDP model files or directories Trainer wrote in ``path`` (``FSDP_MODEL_PREFIX``),
     a directory's with a trailing ``/``; empty for a directory of any other kind."""
     return sorted(p.name + "/" * p.is_dir() for p in path.glob(f"{FSDP_MODEL_PREFIX}*"))
+
+
+def is_peft_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is what Trainer saves for a peft model: the adapter (``ADAPTER_CONFIG``
+    and its weights) beside optimizer.pt and trainer_state.json, and no config.json."""
+    return all((path / name).is_file() for name in (ADAPTER_CONFIG, TRAINER_STATE_FILE)) and not (path / CONFIG_FILE).is_file()

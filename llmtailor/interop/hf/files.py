@@ -26,6 +26,12 @@ TOKENIZER_FILES = (
     "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""A peft adapter's files (``save_pretrained`` of a ``PeftModel``; Trainer's checkpoint of one)."""
+PEFT_ADVICE = ("merges and imports read whole models; merge the adapter into its base model first (peft's "
+               "merge_and_unload, then save_pretrained) and name that directory")
+"""What to do with a peft adapter where a whole model is read (a merge source, ``import-hf``)."""
 
 
 RANK_RNG_PREFIX, RANK_RNG_SUFFIX = "rng_state_", ".pth"
