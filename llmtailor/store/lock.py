@@ -76,10 +76,13 @@ class WriterLock:
         held[2] = id(self)
 
     def check_held(self) -> None:
-        """Raise TailorError if the lock was lost since it was taken (an object-store lease
-        another writer took over after this one failed to renew it)."""
-        if self._backend is not None:
-            self._backend.check_held()
+        """Raise TailorError if this writer does not hold the lock (released: a promotion still
+        running after ``close``; or never taken) or lost it since it was taken (an object-store
+        lease another writer took over after this one failed to renew it)."""
+        if not self.held:
+            raise TailorError(f"{self.root}: this writer does not hold the run's lock (released, or never taken); "
+                              "nothing more is committed")
+        self._backend.check_held()
 
     def acquire_or_look(self) -> None:
         """``acquire`` where the run can be written; where it cannot (a read-only copy), only

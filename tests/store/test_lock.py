@@ -135,3 +135,19 @@ def test_a_second_trainer_is_refused_when_its_tailor_is_built_not_at_its_first_s
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_a_lock_not_held_confirms_no_commit(tmp_path):
+    """A commit's ``confirm`` (``WriterLock.check_held``) refuses a lock never taken or released
+    (a promotion still running once its writer let the lock go); before, only a lock held and
+    then lost was refused."""
+    from llmtailor.store.lock import WriterLock
+
+    lock = WriterLock(tmp_path / "run")
+    with pytest.raises(TailorError, match="does not hold the run's lock"):
+        lock.check_held()
+    lock.acquire()
+    lock.check_held()
+    lock.release()
+    with pytest.raises(TailorError, match="does not hold the run's lock"):
+        lock.check_held()

@@ -286,8 +286,10 @@ class Tiers:
                     self.uploader.join()
                 self.retain_held_back()
         finally:
-            if self.promoter is not None and self.promoter.crew is not None:
-                self.promoter.crew.stop()
+            if self.promoter is not None:  # a close interrupted (Ctrl-C): its promotion in flight ends before the locks
+                self.promoter.wait()
+                if self.promoter.crew is not None:
+                    self.promoter.crew.stop()
             self.release()
         if unhealed:
             promoted = "; nothing was promoted at close" if len(self.levels) > 1 else ""
