@@ -286,11 +286,13 @@ class Tiers:
                     self.uploader.join()
                 self.retain_held_back()
         finally:
-            if self.promoter is not None:  # a close interrupted (Ctrl-C): its promotion in flight ends before the locks
-                self.promoter.wait()
-                if self.promoter.crew is not None:
+            try:
+                if self.promoter is not None:  # a close interrupted (Ctrl-C): its promotion in flight ends first
+                    self.promoter.wait()
+            finally:  # interrupted again: released now, and a promotion still running cannot commit (check_held)
+                if self.promoter is not None and self.promoter.crew is not None:
                     self.promoter.crew.stop()
-            self.release()
+                self.release()
         if unhealed:
             promoted = "; nothing was promoted at close" if len(self.levels) > 1 else ""
             raise NodeTierError(f"the healing of the copy of node(s) {sorted(unhealed)} did not complete: "
