@@ -360,7 +360,8 @@ class DriftHistory:
     bytes: dict[int, int]
     """Step -> bytes the snapshot wrote."""
     full_bytes: dict[int, int]
-    """Step -> bytes a Full save would have written then (every unit at its newest size)."""
+    """Step -> bytes a Full save would have written then (every unit at its newest size then, or
+    a unit not saved yet in the lineage at its first size in it)."""
     policy: dict[int, str]
 
 
@@ -371,7 +372,12 @@ def drift_history(run: Run, step: int | None = None) -> DriftHistory:
     newest = run.manifest(lineage[-1])
     units = list(newest.composite)
     drift, saved, written, full, policy = {}, {}, {}, {}, {}
+    # A unit not saved yet at a step of the lineage (its version then was older, maybe removed by
+    # retention) counts at its first size in the lineage: a Full save then would have written it.
     sizes: dict[str, int] = {}
+    for s in lineage[::-1]:
+        manifest = run.manifest(s)
+        sizes.update({u: manifest.unit_bytes(u) for u in manifest.units})
     for s in lineage:
         manifest = run.manifest(s)
         drift[s] = manifest.decision.get("drift", {})

@@ -136,6 +136,25 @@ def test_every_save_records_the_drift_of_every_unit(tmp_path, tokens):
     assert all(f["weight"] > 0 and f["moments"] > 0 for f in later.values())
 
 
+def test_a_full_saves_bytes_count_every_unit_also_where_retention_removed_its_older_versions(tmp_path, tokens):
+    """``llmtailor drift``'s "x Full" row (``drift_history``): a Full save's bytes at each step
+    of the lineage count every unit, also at the oldest step retention kept, whose composite
+    names versions that are gone (their sizes come from the unit's nearest save in the lineage).
+    Before: that step's Full bytes were its own bytes ("x Full 1.00" for a Parity save)."""
+    from llmtailor.drift import drift_history
+
+    model, optimizer, scheduler = tiny()
+    with Tailor(tmp_path, model, optimizer, scheduler, policy=Parity(), keep=2) as tailor:
+        for step in range(1, 6):
+            train(model, optimizer, scheduler, tokens, [step])
+            tailor.save(step)
+    history = drift_history(Run(tmp_path))
+    assert history.steps == [3, 4, 5]
+    fulls = list(history.full_bytes.values())
+    assert max(fulls) < 1.01 * min(fulls)  # every unit at its one size at every step (the global state's may differ)
+    assert all(history.bytes[s] / history.full_bytes[s] < 0.8 for s in history.steps), history
+
+
 def frozen_half(model) -> set[str]:
     frozen = set()
     for name, param in model.named_parameters():

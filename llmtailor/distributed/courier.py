@@ -253,13 +253,16 @@ class Courier:
         for src, sizes in headers.items():
             what = f"receiving files from rank {src}"
             self._wait(asked[src], what)
-            names, payload = torch.empty(int(sizes[0]), dtype=torch.uint8), torch.empty(int(sizes[1]), dtype=torch.uint8)
+            names = torch.empty(int(sizes[0]), dtype=torch.uint8)
             self._wait(self._receive(names, src, _NAMES), what)
             listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
-            if sum(size for _, size in listed) != payload.numel():
-                raise CoordinationError(f"rank {src} sent {payload.numel()} bytes for files announced as "
-                                        f"{sum(size for _, size in listed)} bytes")
+            payload = torch.empty(sum(size for _, size in listed), dtype=torch.uint8)
             works = [self._receive(content, src, _BYTES) for content in _per_file(listed, payload) if content.numel()]
+            if payload.numel() != int(sizes[1]):
+                for work in works:  # its files taken first: the peer's sends end now, not at its timeout
+                    self._wait(work, what)
+                raise CoordinationError(f"rank {src} sent {int(sizes[1])} bytes for files announced as "
+                                        f"{payload.numel()} bytes")
             coming[src] = listed, payload, works
         for src, (_, _, works) in coming.items():
             for work in works:

@@ -11,7 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
-from llmtailor.interop.hf.files import CONFIG_FILE, TAILOR_TRAINER_RUN, TRAINER_STATE_FILE, trainer_checkpoints
+from llmtailor.interop.hf.files import (
+    ADAPTER_CONFIG,
+    CONFIG_FILE,
+    PEFT_ADVICE,
+    TAILOR_TRAINER_RUN,
+    TRAINER_STATE_FILE,
+    trainer_checkpoints,
+)
 
 ACCELERATE_FILES = ("optimizer.bin", "random_states_0.pkl")
 """What ``Accelerator.save_state`` writes and nothing else does (its model is ``model.safetensors``)."""
@@ -48,6 +55,13 @@ def describe_other_format(path: Path) -> str | None:
         return (f"a torch.distributed.checkpoint directory ({DCP_METADATA} and *.distcp files, dcp.save's), which "
                 "llmtailor does not read: load it into your model and optimizer with dcp.load, as it was saved, and "
                 "a Tailor's save(step) saves tailored snapshots from there")
+    if is_peft_checkpoint(path):
+        return (f"a Trainer checkpoint of a peft model ({ADAPTER_CONFIG}, no {CONFIG_FILE}), which llmtailor does not "
+                f"import: to go on training it, resume from it with llmtailor's TailorTrainer, "
+                f"`trainer.train(resume_from_checkpoint=\"{path}\")` (Trainer's own load), which saves tailored "
+                f"snapshots from there; for its weights, {PEFT_ADVICE}")
+    if (path / ADAPTER_CONFIG).is_file() and not (path / CONFIG_FILE).is_file():
+        return f"a peft adapter ({ADAPTER_CONFIG}), not a model: {PEFT_ADVICE}"
     if (path / TRAINER_STATE_FILE).is_file():
         return (f"a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE}; import it with `llmtailor import-hf` to "
                 f"inspect, verify or assemble it, or name it as a source of a `llmtailor merge` plan)")
@@ -82,3 +96,9 @@ def describe_output_dir(path: Path) -> str | None:
     held += [f"TailorTrainer's run {run}"] if run.is_dir() else []
     newest = f" (the newest checkpoint: {path / checkpoints[-1]})" if checkpoints else ""
     return f"a Trainer output_dir holding {' and '.join(held)}: name one of them{newest}"
+
+
+def is_peft_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is what Trainer saves for a peft model: the adapter (``ADAPTER_CONFIG``
+    and its weights) beside optimizer.pt and trainer_state.json, and no config.json."""
+    return all((path / name).is_file() for name in (ADAPTER_CONFIG, TRAINER_STATE_FILE)) and not (path / CONFIG_FILE).is_file()

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 from llmtailor.errors import ConfigError
 from llmtailor.interop.deepspeed.files import is_deepspeed_checkpoint
 from llmtailor.interop.formats import describe_other_format
-from llmtailor.interop.hf.files import CONFIG_FILE, TRAINER_STATE_FILE, hub_id_hint
-from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
+from llmtailor.interop.hf.files import ADAPTER_CONFIG, CONFIG_FILE, PEFT_ADVICE, TRAINER_STATE_FILE, hub_id_hint
 from llmtailor.interop.hf.reader import CheckpointSource, ModelDirSource
 from llmtailor.interop.source import Source
 from llmtailor.interop.tailored import RunSource

@@ -9,6 +9,7 @@ deleted.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from llmtailor.errors import StorageError, TailorError
@@ -29,12 +30,14 @@ class WriterLock:
         self.root = self.storage.root
         self.new_run = new_run
         self._backend: WriterLockBackend | None = None
+        self._owner = os.getpid()
+        """The process whose hold ``_backend`` is: a forked child's copy holds nothing (``_forked``)."""
         self.cleared = Leftovers()
         """What this lock's ``acquire`` cleared of crashed writers' leftovers."""
 
     @property
     def held(self) -> bool:
-        return self._backend is not None
+        return self._backend is not None and self._owner == os.getpid()
 
     def acquire(self) -> None:
         """Take the lock or raise TailorError naming the holder (or saying why the location
@@ -48,12 +51,12 @@ class WriterLock:
         key = self._key()
         if key in _HELD:
             _HELD[key][1] += 1
-            self._backend = _HELD[key][0]
+            self._backend, self._owner = _HELD[key][0], os.getpid()
             return
         self._refuse_non_run()
         backend = self.storage.locks.writer()
         backend.take()
-        self._backend = backend
+        self._backend, self._owner = backend, os.getpid()
         _HELD[key] = [backend, 1, None]
         self.cleared = self.storage.commits.clear_leftovers()
 
@@ -73,10 +76,13 @@ class WriterLock:
         held[2] = id(self)
 
     def check_held(self) -> None:
-        """Raise TailorError if the lock was lost since it was taken (an object-store lease
-        another writer took over after this one failed to renew it)."""
-        if self._backend is not None:
-            self._backend.check_held()
+        """Raise TailorError if this writer does not hold the lock (released: a promotion still
+        running after ``close``; or never taken) or lost it since it was taken (an object-store
+        lease another writer took over after this one failed to renew it)."""
+        if not self.held:
+            raise TailorError(f"{self.root}: this writer does not hold the run's lock (released, or never taken); "
+                              "nothing more is committed")
+        self._backend.check_held()
 
     def acquire_or_look(self) -> None:
         """``acquire`` where the run can be written; where it cannot (a read-only copy), only
@@ -122,6 +128,9 @@ class WriterLock:
         backend = self._backend
         if backend is None:
             return
+        if self._owner != os.getpid():  # a forked child's copy: the lock stays its parent's (``_forked``)
+            self._backend = None
+            return
         key = self._key()
         held = _HELD.get(key)
         last = True
@@ -141,9 +150,25 @@ class WriterLock:
         self._backend = None
 
     def __del__(self) -> None:
-        self.release()  # a Tailor dropped without close(): its share of the lock goes with it
+        self.release()  # a Tailor dropped without close(): its share of the lock goes with it (not a forked copy)
 
 
 _HELD: dict[str, list] = {}
 """The runs this process holds the lock of: storage identity -> [lock backend, holders, id of
 the holder that writes (or None)]."""
+
+
+def _forked() -> None:
+    """In a forked child (a DataLoader worker, a multiprocessing pool's): the locks held are the
+    parent's, not its own. Its copies of the parent's holds let go of what the fork copied (a
+    local run's descriptor, which would otherwise keep the parent's ``flock`` held after the
+    parent died) without touching the lock, and its own writer takes the lock anew (refused while
+    the parent holds it: one writer per run). A copy of a ``WriterLock`` dropped in the child
+    releases nothing (``_let_go``): before, it deleted the parent's object-store lease, or hung
+    asking the store from the child."""
+    for backend, _, _ in _HELD.values():
+        backend.forsake()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forked)

@@ -287,3 +287,35 @@ def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(
     assert received() == [12000] * 4  # every file's receives posted before the first was handed over
     monkeypatch.setattr(courier_module, "WINDOW", 6000)
     assert received() == [6000, 9000, 12000, 12000]  # at most the window ahead of the file handed over
+
+
+def test_a_packed_exchange_whose_sizes_disagree_takes_the_peers_bytes_before_it_fails():
+    """The receiving side of ``Courier.exchange_packed`` (in one process, the group's ``recv``
+    faked as above): a peer whose announced total disagrees with its files' listed sizes is
+    refused, naming both, once every message it sent was taken, so its sends end at once (it
+    then fails on the courier's board) instead of waiting for receives never posted until its
+    timeout."""
+    import json
+
+    import torch
+
+    from llmtailor.distributed import courier as courier_module
+
+    files = [("units/u.rank-00000.safetensors", bytes([7]) * 3000), ("ranks/rank-00000.json", b"{}")]
+    names = json.dumps([[name, len(content)] for name, content in files]).encode()
+    wire = {courier_module._SIZES: [torch.tensor([len(names), 2999])],
+            courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
+            courier_module._BYTES: [torch.frombuffer(bytearray(content), dtype=torch.uint8) for _, content in files]}
+
+    class Done:
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    class Group:
+        def recv(self, tensors, src, tag):
+            tensors[0].copy_(wire[tag].pop(0))
+            return Done()
+
+    with pytest.raises(CoordinationError, match="rank 0 sent 2999 bytes for files announced as 3002 bytes"):
+        Courier(Group(), 1)._receive_packed([0])
+    assert wire[courier_module._BYTES] == []  # every message of the peer taken

@@ -399,6 +399,15 @@ def _one_step():
     return model, optimizer
 
 
+def _peft_adapter(path):
+    """What ``save_pretrained`` of a peft model writes: adapter_config.json and adapter_model.safetensors."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_config(model_config("llama", tie=False))
+    peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(path)
+    return path
+
+
 def _fsdp_sharded_checkpoint(path, checkpoint):
     """What Trainer writes under FSDP with ``fsdp_config`` ``state_dict_type: SHARDED_STATE_DICT``
     (accelerate's ``save_fsdp_model`` / ``save_fsdp_optimizer``): ``pytorch_model_fsdp_0/`` and
@@ -442,14 +451,17 @@ FOREIGN = {  # how the real peer writes it; what import-hf says; what a merge sa
                                 r"is a peft adapter .*merge_and_unload"),
     "dcp.save directory": (_dcp_checkpoint, r"is a torch\.distributed\.checkpoint directory \(\.metadata.*dcp\.load.*Tailor",
                            r"is a torch\.distributed\.checkpoint directory \(\.metadata.*dcp\.load.*Tailor"),
+    "peft adapter": (_peft_adapter, r"is a peft adapter \(adapter_config.json\), not a model: .*merge_and_unload",
+                     r"is a peft adapter .*merge_and_unload"),
     "FSDP sharded Trainer checkpoint": (_fsdp_sharded_checkpoint,
                                         r"is a Trainer checkpoint saved under FSDP \(pytorch_model_fsdp_0/.*TailorTrainer.*resume_from_checkpoint",
                                         r"is a Trainer checkpoint saved under FSDP .*TailorTrainer"),
 }
 
 
-INSPECTED = {"peft Trainer checkpoint": r"is a Hugging Face Trainer checkpoint .*import-hf"}  # which then names it
-"""What ``inspect`` says where it is not what a merge says."""
+INSPECTED = {"peft Trainer checkpoint": r"is a Trainer checkpoint of a peft model .*TailorTrainer.*resume_from_checkpoint"}
+"""What ``inspect`` says where it is not what a merge says: a peft model's Trainer checkpoint is
+named with the way in, as import-hf names it (a merge names the adapter it would read)."""
 
 
 @pytest.mark.parametrize("shape", list(FOREIGN))

@@ -1,5 +1,6 @@
 """One writer per run: a second process gets a clear error; a killed writer leaves no stale lock."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -23,8 +24,13 @@ SECOND_WRITER = textwrap.dedent(
     except TailorError as err:
         print(err)
         sys.exit(3)
-    if len(sys.argv) > 3:  # hold the lock until killed
-        print("saved", flush=True)
+    if len(sys.argv) > 3:  # hold the lock until killed, beside a child forked (a DataLoader worker's)
+        import os
+        child = os.fork()
+        if child == 0:  # lives on after its parent died, until the test closes the pipe
+            sys.stdin.read()
+            os._exit(0)
+        print("saved", child, flush=True)
         sys.stdin.read()
     """
 )
@@ -39,18 +45,29 @@ def writer(run, step, *extra, **kwargs):
 
 @pytest.mark.slow
 def test_a_second_writer_process_is_refused_and_a_killed_one_leaves_no_lock(tmp_path):
+    """Also while a child the killed writer had forked (a DataLoader worker that outlives it for
+    a while) still lives: the copy of the lock's descriptor the fork gave it is closed in the
+    child, so the kernel's lock went with the writer (before: the third writer was refused, "being
+    written by another writer (pid <the killed writer>"))."""
     holder = writer(tmp_path, 1, "hold")
-    assert holder.stdout.readline().strip() == "saved"
-    second = writer(tmp_path, 2)
-    out, err = second.communicate(timeout=300)
-    assert second.returncode == 3, err
-    assert f"{tmp_path} is being written by another writer (pid {holder.pid} on" in out
+    said, child = holder.stdout.readline().split()
+    assert said == "saved"
+    try:
+        second = writer(tmp_path, 2)
+        out, err = second.communicate(timeout=300)
+        assert second.returncode == 3, err
+        assert f"{tmp_path} is being written by another writer (pid {holder.pid} on" in out
 
-    holder.send_signal(signal.SIGKILL)
-    holder.wait(timeout=30)
-    third = writer(tmp_path, 2)
-    out, err = third.communicate(timeout=300)
-    assert third.returncode == 0, out + err
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        os.kill(int(child), 0)  # the child lives on
+        third = writer(tmp_path, 2)
+        out, err = third.communicate(timeout=300)
+        assert third.returncode == 0, out + err
+    finally:
+        holder.kill()
+        holder.stdin.close()  # the child's end
+        os.kill(int(child), signal.SIGKILL)
 
 
 def test_a_second_writer_in_the_same_process_is_refused(tmp_path):
@@ -118,3 +135,19 @@ def test_a_second_trainer_is_refused_when_its_tailor_is_built_not_at_its_first_s
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_a_lock_not_held_confirms_no_commit(tmp_path):
+    """A commit's ``confirm`` (``WriterLock.check_held``) refuses a lock never taken or released
+    (a promotion still running once its writer let the lock go); before, only a lock held and
+    then lost was refused."""
+    from llmtailor.store.lock import WriterLock
+
+    lock = WriterLock(tmp_path / "run")
+    with pytest.raises(TailorError, match="does not hold the run's lock"):
+        lock.check_held()
+    lock.acquire()
+    lock.check_held()
+    lock.release()
+    with pytest.raises(TailorError, match="does not hold the run's lock"):
+        lock.check_held()

@@ -10,7 +10,9 @@ layer), refused credentials, the CLI and merges on URLs."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import re
 import signal
 import subprocess
@@ -302,6 +304,38 @@ def test_a_held_lease_is_renewed_on_the_server_and_a_contender_refused(url, toke
         tailor.save(1)
     assert Run(url).steps() == [1] and not storage.is_file(".lock")
 
+
+@S3_ONLY
+def test_a_forked_child_that_drops_its_copy_of_the_writer_leaves_the_parents_lease_alone(url, tokens):
+    """A process forked while a Tailor lives (a DataLoader worker, a multiprocessing pool) holds a
+    copy of it; the child drops that copy (its garbage collection of a Tailor the parent had
+    dropped, or a function of the child returning). The run's lock is the parent's: its lease
+    stays as the parent holds it, the child asks the server nothing, and the parent saves on.
+    (Before: the child's copy released the lock, deleting the parent's lease: another writer could
+    take the run, and the parent's next renewal found it gone, "another writer took the run's
+    lock over", its saves refused.)"""
+    options = {"lock_ttl": 60}  # no renewal while the child runs: the lease's version stays the one it copied
+    model, opt, sched = tiny()
+    held = {"tailor": Tailor(url, model, opt, sched, storage_options=options)}
+    storage = ObjectStorage(url, options)
+    lease = storage.locks.writer()._current()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(120)  # a child that hangs asking the store (before) is killed instead
+        code = 1
+        try:
+            held.clear()  # the child's copy of the Tailor, dropped
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child hung or failed as it dropped its copy"
+    assert storage.locks.writer()._current() == lease
+    train(model, opt, sched, tokens, [1])
+    with held["tailor"] as tailor:
+        tailor.save(1)
+    assert Run(url).steps() == [1] and not storage.is_file(".lock")
 
 def test_transient_errors_are_retried_and_a_persistent_one_fails_cleanly(tokens, monkeypatch):
     """503s on some uploads (as S3 throttles) are retried with backoff and the save commits;

@@ -8,6 +8,7 @@ every tier as it was. (Real crashes: tests/e2e/test_tier_crashes.py.)"""
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import re
 import shutil
@@ -685,3 +686,63 @@ def test_a_node_local_tier_is_declared_with_its_replicas_and_jump_every_problem_
         Tier(tmp_path / "shm", replicas=2, jump=2)
     with pytest.raises(ConfigError, match=r"only the first tier may be node-local \(scope='node'\), not \['.*disk'\]"):
         TailorConfig.of(tiers=[Tier(tmp_path / "shm"), Tier(tmp_path / "disk", scope="node")])
+
+
+def test_a_tailor_dropped_without_close_lets_its_tiers_go_and_the_next_one_of_the_process_saves(tmp_path, tokens):
+    """A notebook or a sweep: a Tailor with a tier saves and is dropped without ``close()``, then
+    another of the same run, in the same process, resumes and saves. The dropped one's locks went
+    with it, and the exit keeps nothing of it (``runtime._UNCLOSED``: nothing to finish for another
+    node). Before, the exit kept its promoter, whose tiers held the locks: the next Tailor's save
+    was refused ("being written by another writer (..., another Tailor of this process)"), and each
+    dropped writer stayed in memory until the interpreter exited."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    kept = len(tiers_module._UNCLOSED)
+    for step in (1, 2, 3):
+        tailor, model, opt, sched = tiered(home, memory, keep=None)
+        if step > 1:
+            assert tailor.restore().step == step - 1
+        save_steps(tailor, model, opt, sched, tokens, [step])
+        del tailor
+        gc.collect()
+    assert Run(home).steps() == Run(memory).steps() == [1, 2, 3]
+    assert Run(home).verify() == []
+    assert len(tiers_module._UNCLOSED) == kept
+
+
+def test_a_close_interrupted_while_a_promotion_runs_keeps_the_tiers_locked_until_it_committed(tmp_path, tokens,
+                                                                                             monkeypatch):
+    """Ctrl-C while ``close()`` waits for the last promotion (a KeyboardInterrupt out of
+    ``Promoter.finish``): the promotion in flight, whose thread goes on, commits before the tiers'
+    locks are released, never into a tier this writer no longer holds (another writer's by then),
+    and ``close`` raises the interrupt once it did. Before: the locks were released at once, the
+    promotion still running (it then committed without the lock: a promotion's commit checked only a
+    lock it held, and passed once the lock was released)."""
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=None)
+    save_steps(tailor, model, opt, sched, tokens, [1])
+    started, go, real = threading.Event(), threading.Event(), promote.promote
+
+    def held(*args, **kwargs):
+        started.set()
+        go.wait()
+        return real(*args, **kwargs)
+
+    def interrupted(self) -> None:
+        raise KeyboardInterrupt
+
+    def wait(self, real_wait=promote.Promoter.wait) -> None:
+        go.set()  # the promotion goes on only once something waits for it
+        real_wait(self)
+
+    monkeypatch.setattr(promote, "promote", held)
+    monkeypatch.setattr(promote.Promoter, "finish", interrupted)
+    monkeypatch.setattr(promote.Promoter, "wait", wait)
+    save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
+    try:
+        assert started.wait(120)  # a bound on a hang: the promotion of step 2 is in flight
+        with pytest.raises(KeyboardInterrupt):
+            tailor.close()
+    finally:
+        go.set()  # a failed test leaves no thread waiting
+    assert Run(home).steps() == [1, 2] and Run(home).verify() == []
+    assert not any(level.lock.held for level in tailor.tiers.levels)

@@ -28,6 +28,12 @@ TOKENIZER_FILES = (
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 TAILOR_TRAINER_RUN = "tailored"
 """Where llmtailor's TailorTrainer keeps its run in Trainer's ``output_dir``."""
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""A peft adapter's files (``save_pretrained`` of a ``PeftModel``; Trainer's checkpoint of one)."""
+PEFT_ADVICE = ("merges and imports read whole models; merge the adapter into its base model first (peft's "
+               "merge_and_unload, then save_pretrained) and name that directory")
+"""What to do with a peft adapter where a whole model is read (a merge source, ``import-hf``)."""
 
 
 RANK_RNG_PREFIX, RANK_RNG_SUFFIX = "rng_state_", ".pth"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtailor.errors import ConfigError
+from llmtailor.interop.hf.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from llmtailor.interop.tailored import composite_units
 from llmtailor.layouts import Layout
 from llmtailor.outputs.directory import publishing, write_text_durable
@@ -32,12 +33,7 @@ from llmtailor.store.tensor_files import write_tensor_file
 from llmtailor.store.keys import split_unit
 from llmtailor.store.run import Run
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-PEFT_ADVICE = ("merges and imports read whole models; merge the adapter into its base model first (peft's "
-               "merge_and_unload, then save_pretrained) and name that directory")
-"""What to do with a peft adapter where a whole model is read (a merge source, ``import-hf``)."""
 
 
 DORA_MAGNITUDE = "lora_magnitude_vector"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import KIND_OPTIM
 from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
 from llmtailor.interop.deepspeed.files import find_step_dir, is_deepspeed_checkpoint
-from llmtailor.interop.formats import describe_other_format, describe_output_dir, fsdp_files
+from llmtailor.interop.formats import describe_other_format, describe_output_dir, fsdp_files, is_peft_checkpoint
 from llmtailor.interop.hf.files import (
     BIN_FILE,
     BIN_INDEX_FILE,
@@ -44,7 +44,6 @@ from llmtailor.interop.hf.files import (
     read_json,
     step_of,
 )
-from llmtailor.interop.hf.peft import ADAPTER_CONFIG, PEFT_ADVICE
 from llmtailor.interop.hf.weights import BinWeights, ModelWeights, has_bin_weights, has_weights, model_weights
 from llmtailor.interop.source import Source, TensorInfo
 from llmtailor.layouts import Layout, layout_from_names
@@ -167,16 +166,11 @@ def require_importable(source: Path) -> None:
         raise ConfigError(f"{source}: a Trainer checkpoint saved under DeepSpeed (its optimizer state is in "
                           f"{find_step_dir(source).name}/, not {OPTIMIZER_FILE}): import it with "
                           f"`llmtailor import-deepspeed {source}`")
-    if fsdp_files(source):
+    if fsdp_files(source) or is_peft_checkpoint(source):
         raise ConfigError(f"{source} is {describe_other_format(source)}")
     output_dir = describe_output_dir(source)
     if output_dir:
         raise ConfigError(f"{source} is {output_dir}; import-hf reads one checkpoint-N/ directory")
-    if (source / ADAPTER_CONFIG).is_file() and not (source / CONFIG_FILE).is_file():
-        raise ConfigError(f"{source}: a Trainer checkpoint of a peft model (its {ADAPTER_CONFIG}, no {CONFIG_FILE}) is not "
-                          f"importable: to go on training it, resume from it with llmtailor's TailorTrainer, "
-                          f"`train(resume_from_checkpoint=\"{source}\")` (Trainer's own load), which saves tailored "
-                          f"snapshots from there; for its weights, {PEFT_ADVICE}")
     kind = describe_other_format(source)
     if not (source / TRAINER_STATE_FILE).is_file() and kind:
         raise ConfigError(f"{source} is {kind}; import-hf reads a Trainer checkpoint-N/ directory")

@@ -96,6 +96,9 @@ class FlockWriter(WriterLockBackend):
             self._handle.close()  # closing the descriptor releases the flock
             self._handle = None
 
+    def forsake(self) -> None:
+        self.release()  # the child's copy of the descriptor: the parent's still holds the flock
+
     def abandon(self) -> None:
         if self._handle is not None and self._made_file:
             (self.root / LOCK_FILE).unlink(missing_ok=True)  # while held: a taker that opened it meanwhile sees it gone

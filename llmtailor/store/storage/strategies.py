@@ -133,6 +133,11 @@ class WriterLockBackend(ABC):
         the location is left as it was found (an object store's lease object goes anyway)."""
         self.release()
 
+    def forsake(self) -> None:
+        """In a forked child, which holds none of its parent's locks: let go of what the fork
+        copied of this hold (a descriptor), leaving the lock to the parent; nothing asked of the
+        storage (``store.lock._forked``)."""
+
     def check_held(self) -> None:
         """Raise TailorError if the lock was lost since it was taken (an object-store lease
         another writer took over); a commit checks this before its manifest is written."""

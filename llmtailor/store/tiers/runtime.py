@@ -115,7 +115,7 @@ class Tiers:
             token = coordinator.broadcast(f"{round_}/lock", self._open if coordinator.is_leader else None)
             if token is not None and coordinator.world_size > 1:
                 self._refuse_unseen(coordinator, round_, token, self.levels)
-        self._unclosed = _Unclosed(weakref.ref(self), self.promoter, self.uploader)
+        self._unclosed = _Unclosed(self, self.promoter, self.uploader)
         _UNCLOSED[self._unclosed] = None
 
     def _refuse_unseen(self, coordinator: Coordinator, round_: str, token: str, levels: list[Level]) -> None:
@@ -286,9 +286,13 @@ class Tiers:
                     self.uploader.join()
                 self.retain_held_back()
         finally:
-            if self.promoter is not None and self.promoter.crew is not None:
-                self.promoter.crew.stop()
-            self.release()
+            try:
+                if self.promoter is not None:  # a close interrupted (Ctrl-C): its promotion in flight ends first
+                    self.promoter.wait()
+            finally:  # interrupted again: released now, and a promotion still running cannot commit (check_held)
+                if self.promoter is not None and self.promoter.crew is not None:
+                    self.promoter.crew.stop()
+                self.release()
         if unhealed:
             promoted = "; nothing was promoted at close" if len(self.levels) > 1 else ""
             raise NodeTierError(f"the healing of the copy of node(s) {sorted(unhealed)} did not complete: "
@@ -423,18 +427,32 @@ class _Unclosed:
     (``NodeUploader.join``: its uploader is a daemon thread, which would die with the interpreter
     while rank 0 waits for its part of the promotion due at the last save); then every lock is
     released (at the interpreter's teardown it cannot be: an object store's lease would stay until
-    its TTL). The promoter and the uploader are held here: a Tailor dropped without ``close()``
-    (a local of a function that returned) still finishes them; its locks went with it."""
+    its TTL).
 
-    def __init__(self, tiers: weakref.ref[Tiers], promoter: Promoter | None, uploader: NodeUploader | None):
-        self.tiers, self.promoter, self.uploader = tiers, promoter, uploader
+    A writer dropped without ``close()`` (a local of a function that returned; a notebook's or a
+    sweep's Tailor made again) is not kept alive here: its tiers, their locks and its promoter go
+    with it (a promotion in flight keeps its promoter until it ends: its thread holds it), so the
+    next writer of the run in this process can save. What the other nodes wait for is kept: the
+    crew (rank 0) and the uploader (a node's leader), finished at exit as above; a writer with
+    neither leaves nothing here once dropped."""
+
+    def __init__(self, tiers: Tiers, promoter: Promoter | None, uploader: NodeUploader | None):
+        self.tiers = weakref.ref(tiers, self._dropped)
+        self.promoter = weakref.ref(promoter) if promoter is not None else None
+        self.crew, self.uploader = (promoter.crew if promoter is not None else None), uploader
+
+    def _dropped(self, _: weakref.ref) -> None:
+        if self.crew is None and self.uploader is None:
+            _UNCLOSED.pop(self, None)
 
     def finish(self) -> None:
         if self.uploader is not None:
             self.uploader.join()
-        if self.promoter is not None and self.promoter.crew is not None:
-            self.promoter.wait()
-            self.promoter.crew.stop()
+        if self.crew is not None:
+            promoter = self.promoter() if self.promoter is not None else None
+            if promoter is not None:  # gone: nothing in flight (its thread would hold it)
+                promoter.wait()
+            self.crew.stop()
         tiers = self.tiers()
         if tiers is not None:
             tiers.release()
