@@ -118,7 +118,8 @@ class Courier:
         return {src: [(name, bytes(content)) for name, content in unpacked(files)] for src, files in received.items()}
 
     def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
-               sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
+               sources: Sequence[int], take: Callable[[int, str, memoryview], None],
+               meanwhile: Callable[[], None] | None = None) -> None:
         """Files sent one after another, each in a buffer of its own (large transfers: a node's
         parts healed from its partner), so that reading, sending, checking and writing overlap:
         to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
@@ -127,13 +128,16 @@ class Courier:
         mapped file, no copy); from each rank of ``sources`` in turn, each file handed to ``take(src,
         name, view)`` once it is whole (while the next arrives). A ``fill`` that cannot read its
         file leaves the view as it is (the receiver's check against its checksum refuses it);
-        ``fill`` and ``take`` record their failures instead of raising (a raise leaves the peers
-        waiting until the timeout). Errors as ``exchange``."""
+        ``meanwhile``, when given, runs once every file's sends are posted, while they travel
+        (before this rank's receives: its sources' sends wait for it), so that what the sender
+        does with the files it sends for its own use (say, checking them) never holds up a send. ``fill``, ``take`` and ``meanwhile`` record their failures instead
+        of raising (a raise leaves the peers waiting until the timeout). Errors as ``exchange``."""
         with self._exchanging():
-            self._stream(outgoing, fill, sources, take)
+            self._stream(outgoing, fill, sources, take, meanwhile)
 
     def _stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
-                sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
+                sources: Sequence[int], take: Callable[[int, str, memoryview], None],
+                meanwhile: Callable[[], None] | None) -> None:
         sends = []
         for dst, listing in outgoing.items():
             names = json.dumps([[name, size] for name, size in listing]).encode()
@@ -150,6 +154,8 @@ class Courier:
                     sends.append((dst, self._send(content[at:at + PIECE], dst, self._lane(pieces))))
                     pieces += 1
                 self.sent_bytes += size
+        if meanwhile is not None:
+            meanwhile()
         for src in sources:
             self._receive_streamed(src, take)
         for dst, work in sends:

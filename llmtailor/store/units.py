@@ -61,7 +61,7 @@ class UnitReader:
         """Key -> ``(size, xxh3, bytes)`` of whole files of the run this process received and
         checked against that size and checksum as they arrived, then wrote (a node-local tier's
         healing: ``tiers.healing.Receiving``), or, on the node that sent them, its own files as
-        mapped and checked while they were sent (``tiers.healing._filler``), kept for the restore
+        mapped and checked while they were sent (``tiers.healing._sender``), kept for the restore
         that follows: a read of such a file whose entry records the same size and checksum takes
         these very bytes (``arrival``) instead of reading the file back and hashing it a second
         time. Emptied when that restore ends (``Tailor``), and for a snapshot forgotten (``forget``)."""

@@ -487,7 +487,7 @@ class RetainingCourier:
     def __init__(self, run: Run):
         self.run, self.in_use, self.sent = run, [], {}
 
-    def stream(self, outgoing, fill, sources, take):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None):
         assert sources == []  # node 0 only sends here
         for dest, files in outgoing.items():
             for path, size in files:
@@ -495,6 +495,8 @@ class RetainingCourier:
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
                 self.sent[path] = bytes(filled if filled is not None else buffer)
+        if meanwhile is not None:
+            meanwhile()
 
 
 def test_a_healing_sender_holds_what_it_sends_against_its_own_retention(tmp_path):
@@ -511,31 +513,38 @@ def test_a_healing_sender_holds_what_it_sends_against_its_own_retention(tmp_path
 
 
 class SendingCourier:
-    """A courier's sending side in one process: each file ``fill`` gives, as it would go out."""
+    """A courier's sending side in one process: each file ``fill`` gives, as it would go out;
+    then ``meanwhile``, as the courier runs it once every send is posted; what the sending ``run`` had handed to
+    its own restore before that (``handed_while_posting``)."""
 
-    def __init__(self):
-        self.sent: dict[str, bytes] = {}
+    def __init__(self, run: Run):
+        self.run, self.sent, self.handed_while_posting = run, {}, None
 
-    def stream(self, outgoing, fill, sources, take):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None):
         for dest, files in outgoing.items():
             for path, size in files:
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
                 self.sent[path] = bytes(filled if filled is not None else buffer)
+        self.handed_while_posting = sorted(self.run.units.arrived)
+        if meanwhile is not None:
+            meanwhile()
 
 
 def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_and_a_damaged_one_not(tmp_path):
     """The sending node's own restore takes the bytes of the files it sent, mapped and checked
     against their records while they went out (``UnitReader.arrived``), instead of reading and
     checking them again; a file of its copy that does not match its record goes out (its
-    receiver refuses it) and is not handed over: its restore reads it, and the check fails there."""
+    receiver refuses it) and is not handed over: its restore reads it, and the check fails there.
+    Those checks run once every send is posted, so that none of them holds up a send."""
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     damaged = "units/layer.0.rank-00000.safetensors"
     path = copies[0] / "snapshots" / "step-00000002" / damaged
     path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])
-    courier = SendingCourier()
+    courier = SendingCourier(runs[0])
     recovery_healing.heal(runs[0], moves, Nodes((0, 1)), courier, LocalCoordinator(), "t")
+    assert courier.handed_while_posting == []
     prefix = "snapshots/step-00000002/"
     handed = {key[len(prefix):]: kept for key, kept in runs[0].units.arrived.items()}
     assert sorted(handed) == sorted(m.path for m in moves if m.path != damaged)

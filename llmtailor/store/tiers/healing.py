@@ -22,6 +22,7 @@ as nothing, which its receiver refuses (``Receiving``): never a part in half.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -143,7 +144,8 @@ def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordi
         with ReadLeases(run) as leases:
             if outgoing:  # read under a lease (module docstring); one gone goes out as nothing: refused
                 leases.take(step)
-            courier.stream(outgoing, _filler(run, step, these, node), sources, receiving.take)
+            fill, hand_over = _sender(run, step, these, node)
+            courier.stream(outgoing, fill, sources, receiving.take, hand_over)
         error = receiving.finish() or error
     failures = [why for why in coordinator.exchange(tag, error) if why]
     if failures:
@@ -162,34 +164,44 @@ def _sending(moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, 
     return outgoing, sources
 
 
-def _filler(run: Run, step: int, moves: list[Transfer], node: int) -> Callable[[int, str, memoryview], Any]:
-    """``Courier.stream``'s ``fill``: the file of the snapshot of ``step`` mapped and sent from
-    the mapping (``Storage.mapped``: no copy into fresh memory), else read straight into the
-    buffer that is sent. A file that cannot be read, or is not of the size recorded, goes out as
-    the buffer was: its receiver's check refuses it. A mapped file whose bytes match what its
-    move records (``moves``: this node, ``node``, sends those whose ``source`` it is) is handed
-    to this node's own restore that follows, as a healing's receiver hands over what it checked
-    (``UnitReader.arrived``): checked here while the file before it travels, so that restore
-    copies those bytes into its live tensors instead of reading and checking the file after the
-    stream (the sender's own load after it is then a copy alone)."""
+def _sender(run: Run, step: int, moves: list[Transfer],
+            node: int) -> tuple[Callable[[int, str, memoryview], Any], Callable[[], None]]:
+    """``Courier.stream``'s ``fill`` and ``meanwhile`` on a sending node. ``fill``: the file of
+    the snapshot of ``step`` mapped and sent from the mapping (``Storage.mapped``: no copy into
+    fresh memory), else read straight into the buffer that is sent. A file that cannot be read,
+    or is not of the size recorded, goes out as the buffer was: its receiver's check refuses it.
+    Nothing is checked before it goes: what is sent is checked where it arrives, against the
+    checksum its move records (``Receiving``), the record this node checks against too.
+    ``meanwhile``, once every send is posted and while they travel: each mapped file whose bytes
+    match what its move records (``moves``: this node, ``node``, sends those whose ``source`` it
+    is) is handed to this node's own restore that follows, as a healing's receiver hands over
+    what it checked (``UnitReader.arrived``), so that restore copies those bytes into its live
+    tensors instead of reading and checking the file after the stream (the sender's own load
+    after it is then a copy alone); one that does not match is not handed over (its restore
+    reads it, and the check fails there)."""
     records = {move.path: (move.bytes, move.xxh3) for move in moves if move.source == node}
-    handed: set[str] = set()
+    sent: dict[str, memoryview] = {}
+    """Path -> the mapping a file of ``records`` was sent from (the first, if sent twice)."""
 
     def fill(dst: int, path: str, into: memoryview) -> Any:
         key = f"{run.snapshot_key(step)}/{path}"
         try:
             mapped = run.storage.mapped(key)
             if mapped is not None and len(mapped) == len(into):
-                if path not in handed and records.get(path, (None,))[0] == len(mapped):
-                    handed.add(path)
-                    if checksum(mapped) == records[path][1]:
-                        run.units.arrived[key] = (*records[path], memoryview(mapped))
+                if records.get(path, (None,))[0] == len(mapped):
+                    sent.setdefault(path, mapped)
                 return mapped
             run.storage.read_into(key, 0, into)
         except (TailorError, OSError, ValueError):
             pass
         return None
-    return fill
+
+    def hand_over() -> None:
+        for path, mapped in sent.items():
+            with contextlib.suppress(TailorError, OSError, ValueError):
+                if checksum(mapped) == records[path][1]:
+                    run.units.arrived[f"{run.snapshot_key(step)}/{path}"] = (*records[path], memoryview(mapped))
+    return fill, hand_over
 
 
 HAND_OVER_BYTES = 1 << 30
