@@ -160,3 +160,45 @@ def test_a_promotion_copies_a_pack_file_once_not_once_per_unit_in_it(tmp_path, t
     packs = [path for path in copied if path.startswith(f"{PACKS_DIR}/")]
     assert packs and len(copied) == len(set(copied)), copied
     assert Run(tmp_path / "home").verify() == []
+
+
+def test_units_of_one_pack_read_side_by_side_read_its_header_once(tmp_path, monkeypatch):
+    """A read plan's reader reads its items side by side (``ReadPlan.fetch``): two units of one
+    pack read by two threads at once read the pack's header once (``UnitReader._pack_header``:
+    from an object store a request each, of the whole pack on some servers), the second thread
+    taking the first's. The first header read waits (at most 5 s) for the second thread to ask;
+    both units come back bit for bit."""
+    import threading
+
+    import llmtailor.store.units as units
+
+    model, opt, sched = tiny(hidden=16)
+    with Tailor(tmp_path, model, opt, sched, policy=Full()) as tailor:
+        tailor.save(1)
+    assert unit_file(tmp_path, 1, "layer.0") == unit_file(tmp_path, 1, "layer.1")
+    expected = {unit: Run(tmp_path).read_unit(1, unit)[0] for unit in ("layer.0", "layer.1")}
+    run, asked, header_reads, second = Run(tmp_path), [], [], threading.Event()
+    real_header, real_stored = units.UnitReader._pack_header, units.check_stored_header
+
+    def asking(self, *args):
+        asked.append(threading.get_ident())
+        if len(asked) == 2:
+            second.set()
+        return real_header(self, *args)
+
+    def reading(*args):
+        header_reads.append(args[1])
+        second.wait(5.0)
+        return real_stored(*args)
+
+    monkeypatch.setattr(units.UnitReader, "_pack_header", asking)
+    monkeypatch.setattr(units, "check_stored_header", reading)
+    got = {}
+    threads = [threading.Thread(target=lambda u=unit: got.__setitem__(u, run.read_unit(1, u)[0])) for unit in expected]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(header_reads) == 1, header_reads
+    assert got.keys() == expected.keys() and all(
+        got[u].keys() == expected[u].keys() and all(torch.equal(got[u][k], expected[u][k]) for k in expected[u]) for u in expected)
