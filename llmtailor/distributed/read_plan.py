@@ -122,17 +122,15 @@ class ReadPlan:
         received from it elsewhere, in one broadcast per item. Raises, on every rank alike,
         what the reader's read raised (module docstring).
 
-        A rank reads its own items on threads of its own, up to ``_AHEAD`` items side by side
-        and ahead of their turn, the first as the plan starts (``_ReadAhead``), so the ranks'
-        reads overlap one another, the broadcasts, and a reader's own next read (a rank with
-        several items asks for the next one's bytes while the one before is checked and packed,
-        not once it is: ``read`` must allow it, the store's reads do)."""
+        A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
+        turn, the first as the plan starts (``_ReadAhead``), so the ranks' reads overlap one
+        another and the broadcasts (``read`` must allow it: the store's reads do)."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         turns = self.turns()
         own = [item for item in turns if self.readers[item] == self.coordinator.rank]
-        with contextlib.closing(_ReadAhead(own, lambda item: _read_packed(read, item, specs(item)), _AHEAD, _AHEAD)) as mine:
+        with contextlib.closing(_ReadAhead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
             for item in turns:
                 reader = self.readers[item]
                 if reader == self.coordinator.rank:

@@ -131,31 +131,3 @@ def test_a_rank_s_reads_start_with_the_plan_not_when_its_first_item_comes_up():
     finally:
         go.set()
         ahead.close()
-
-
-def test_fetch_reads_a_rank_s_items_side_by_side_the_next_asked_while_the_one_before_is_in_flight():
-    """``fetch``: a reader with several items (rank 2 of the bench's DDP restore: three layers
-    of its pack) asks for the next one's bytes while the one before is still being fetched,
-    checked and packed, up to the read-ahead's depth, not once it is done (from an object store
-    each read is round trips whatever its size). Here the read of "a" waits (at most 5 s) for
-    the read of "b" to begin, and it does; every item still comes in the plan's turns, bit for
-    bit. One rank, over a gloo group of one."""
-    import threading
-
-    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
-    try:
-        started = {item: threading.Event() for item in ("a", "b", "c")}
-        overlapped = []
-
-        def read(item: str) -> list[torch.Tensor]:
-            started[item].set()
-            if item == "a":
-                overlapped.append(started["b"].wait(5.0))
-            return [torch.full((4,), ord(item), dtype=torch.int32)]
-
-        plan = ReadPlan(LocalCoordinator(), {"a": 16, "b": 16, "c": 16})
-        got = [(item, tensors[0].tolist()) for item, tensors in plan.fetch(read, lambda item: [(torch.int32, [4])])]
-        assert overlapped == [True]
-        assert got == [(item, [ord(item)] * 4) for item in ("a", "b", "c")]
-    finally:
-        dist.destroy_process_group()
