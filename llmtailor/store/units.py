@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
@@ -50,10 +49,6 @@ class UnitReader:
         self._state: tuple[tuple[int, str], bytes, bytearray] | None = None
         """The state files read last (``_state_files``)."""
         self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
-        self._pack_reads: dict[tuple[str, str], threading.Lock] = {}
-        """A lock per pack header being read: threads reading units of one pack side by side (a
-        read plan's read-ahead) read its header once (``_pack_header``)."""
-        self._pack_reads_lock = threading.Lock()
         self._pack_sizes: dict[tuple[int, str], int] = {}
         """``(step, pack path)`` -> bytes of tensor data the pack holds (``_pack_data``), once known."""
         self.received: dict[str, bytes] = {}
@@ -160,19 +155,14 @@ class UnitReader:
         header is not checked against the file again, and is kept for an entry of the same path,
         checksum and size only (an index that says another size is checked anew, and refused)."""
         kept = (storage.where(key), file.xxh3_64, file.bytes)  # a header kept was sized against these bytes
-        with self._pack_reads_lock:
-            reading = self._pack_reads.setdefault(kept, threading.Lock())
-        with reading:  # a thread reading this header meanwhile: its answer is taken, not read again
-            header = self._pack_headers.get(kept)
-            if header is not None:
-                check_header(header[1], storage.where(key), shapes)
-            else:
-                header = check_stored_header(storage, key, file, shapes, self._pack_data(step, file.path) if storage.remote else None)
-            with self._pack_reads_lock:
-                if kept not in self._pack_headers and len(self._pack_headers) >= _PACK_HEADERS:
-                    self._pack_reads.pop(gone := next(iter(self._pack_headers)), None)
-                    self._pack_headers.pop(gone)
-                self._pack_headers[kept] = header
+        header = self._pack_headers.get(kept)
+        if header is not None:
+            check_header(header[1], storage.where(key), shapes)
+        else:
+            header = check_stored_header(storage, key, file, shapes, self._pack_data(step, file.path) if storage.remote else None)
+        if kept not in self._pack_headers and len(self._pack_headers) >= _PACK_HEADERS:
+            self._pack_headers.pop(next(iter(self._pack_headers)))
+        self._pack_headers[kept] = header
         return header
 
     def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int, into: dict | None) -> bool:
