@@ -36,6 +36,7 @@ Phases (one server for all):
    byte ranges of its shards: a restore at 3 from a save at 2 reads some chunks in part).
 
     .venv/bin/python bench/bench_object_store.py --repeats 3
+    BENCH_TRACE=<folder> BENCH_LATENCY_MS=30 .venv/bin/python bench/bench_object_store.py --phases ddp-restore  # requests' timeline, 30 ms before each
     .venv/bin/python bench/bench_object_store.py --layers 2 --hidden 128 --intermediate 256 --vocab 1024 --repeats 1 --files 2  # quick
 """
 
@@ -447,6 +448,36 @@ def count_calls() -> dict[str, int]:
     return counts
 
 
+def request_timeline() -> list[list]:
+    """``[start, end, [operation, thread, key, args...]]`` of every request this process makes of
+    the object store through our store from now on (``BENCH_TRACE=<folder>``: ours' last restore's,
+    by rank, to see which requests wait for which). ``BENCH_LATENCY_MS``: each request first
+    sleeps that long (a real store's time to first byte, which moto on loopback lacks; no CPU
+    used), outside the times recorded."""
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    timeline: list[list] = []
+    latency = float(os.environ.get("BENCH_LATENCY_MS", "0")) / 1000
+
+    def timed(name, real):
+        def request(self, *a, **k):
+            start = time.perf_counter()
+            try:
+                return real(self, *a, **k)
+            finally:
+                timeline.append([start, time.perf_counter(), [name, threading.current_thread().name, *map(str, a)]])
+
+        def slowed(self, *a, **k):
+            time.sleep(latency)
+            return request(self, *a, **k)
+        return slowed if latency else request
+
+    for name in ("read", "read_range", "read_start", "size", "list_dir", "put", "put_if", "remove"):
+        if name in vars(ObjectStore):
+            setattr(ObjectStore, name, timed(name, vars(ObjectStore)[name]))
+    return timeline
+
+
 def restore_worker(role: str, out: Path, model, optimizer) -> None:
     """``<kind>-save``: ours (Full) and ``dcp.save`` through fsspec of ``model`` and ``optimizer``;
     ``<kind>-restore``: each restored ``repeats`` times, timed between barriers, bytes counted."""
@@ -464,6 +495,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
                  storage_writer=FsspecWriter(f"{url}/dcp", sync_files=False))
         return
     fetched, calls = count_fetched(), count_calls()
+    requests = request_timeline()
     seconds: dict[str, list[float]] = {"ours": [], "dcp": []}
     cpu: dict[str, list[float]] = {"ours": [], "dcp": [], "ours_server": [], "dcp_server": []}
     counts: dict[str, int] = {}
@@ -484,7 +516,11 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
             if profile is not None:
                 profile.enable()
             if name == "ours":
+                requests.clear()
                 Tailor(f"{url}/ours", model, optimizer, track_drift=False, read_only=True).restore()
+                if os.environ.get("BENCH_TRACE"):  # ours' last restore's requests, by rank
+                    (Path(os.environ["BENCH_TRACE"]) / f"{role}-{dist.get_rank()}.json").write_text(
+                        json.dumps([[round(t - start, 4) for t in times] + rest for *times, rest in requests]))
             else:
                 dcp.load({"model": model.state_dict(), "optim": optimizer.state_dict()}, storage_reader=FsspecReader(f"{url}/dcp"))
             if profile is not None:  # the last repeat's profile of each contender, by rank (``BENCH_PROFILE``: a folder)

@@ -419,15 +419,17 @@ class UnitReader:
 
     def _state_files(self, step: int, doc_path: str, tensors_path: str) -> tuple[bytes, bytearray]:
         """The checked bytes of a snapshot's state files (its JSON and its tensors), each read
-        once: the newest pair read is kept, up to ``_STATE_KEPT`` bytes (a restore reads rank 0's state for its checks and
+        once (the two asked side by side: ``Storage.together``): the newest pair read is kept, up to ``_STATE_KEPT`` bytes (a restore reads rank 0's state for its checks and
         again for its RNG and extras) and decoded afresh by each caller, so none shares
         another's objects. A committed snapshot's files never change; ``forget`` drops them."""
         key = (step, doc_path)
         if self._state is None or self._state[0] != key:
             manifest = self.catalog.manifest(step)
             snapshot = self.catalog.snapshot_key(step)
-            raw = bytes(self.read_small(f"{snapshot}/{doc_path}", manifest.file_entry(doc_path)))
-            data = self.read_small(f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path))
+            # Side by side from an object store: one round trip (a rank's own state is a restore's last read).
+            raw, data = self.catalog.storage.together(
+                lambda: bytes(self.read_small(f"{snapshot}/{doc_path}", manifest.file_entry(doc_path))),
+                lambda: self.read_small(f"{snapshot}/{tensors_path}", manifest.file_entry(tensors_path)))
             if len(data) > _STATE_KEPT:
                 return raw, data  # large extras: not held beyond their use
             self._state = (key, raw, data)

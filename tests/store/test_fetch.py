@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+import xxhash
 from storage_calls import StorageCalls
 
 from llmtailor.errors import IntegrityError
@@ -119,6 +120,38 @@ def test_a_local_file_is_read_one_part_at_a_time_in_file_order(run, monkeypatch)
     assert torch.equal(tensors["weight/w"], FULL)
     assert len(state["starts"]) >= FULL.numel() * 4 // PART
     assert state["most"] == 1 and state["starts"] == sorted(state["starts"])
+
+
+def test_a_local_file_is_read_on_while_the_caller_still_checksums_the_first_part(run, monkeypatch):
+    """The thread reading a local file goes on to the next part as soon as one is in, without
+    waiting for the caller to take it (``fetch._read_in_order``): here the checksum of the first
+    part waits until every part has been read (at most 5 s), and they all are."""
+    unit, _ = only_tensor(run)
+    key = f"{run.snapshot_key(1)}/{unit.files[0].path}"
+    buffer = bytearray(run.storage.size(key))
+    counted, parts = LocalStorage.read_into, len(fetch._parts(0, [memoryview(buffer)]))
+    read, all_read = [], threading.Event()
+
+    def noting(storage, key, start, into):
+        counted(storage, key, start, into)
+        read.append(start)
+        if len(read) == parts:
+            all_read.set()
+
+    class Hasher:
+        def __init__(self):
+            self.inner, self.seen = xxhash.xxh3_64(), []
+
+        def update(self, data):
+            if not self.seen:
+                self.seen.append(all_read.wait(5.0))
+            self.inner.update(data)
+
+    monkeypatch.setattr(LocalStorage, "read_into", noting)
+    hasher = Hasher()
+    fetch.fetch_into(run.storage, key, 0, [memoryview(buffer)], hasher)
+    assert (hasher.seen, len(read)) == ([True], parts) and read == sorted(read) and parts > 2
+    assert bytes(buffer) == run.storage.read(key) and hasher.inner.digest() == xxhash.xxh3_64(buffer).digest()
 
 
 class _Remote(LocalStorage):

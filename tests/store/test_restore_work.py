@@ -290,6 +290,28 @@ def test_on_an_object_store_a_lease_reads_the_manifest_it_checks_and_asks_its_re
         assert len(requests) == 6, requests  # LIST, GET latest, HEAD, the lease (its PUT), HEAD of the mark, GET manifest
 
 
+def test_on_an_object_store_a_state_s_two_files_are_asked_side_by_side(tokens, monkeypatch):
+    """A snapshot's state is two files (its JSON and its tensors: the global state, a rank's own
+    state, which every rank but 0 reads last in a distributed restore); from an object store both
+    are asked at once, one round trip, not one after the other. Each is still checked: a damaged
+    tensors file is refused, naming it."""
+    from llmtailor.errors import IntegrityError
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
+        meetings = Meetings((("read", f"/{GLOBAL_JSON}"), ("read", f"/{GLOBAL_TENSORS}")))
+        meetings.install(monkeypatch, ObjectStore)
+        state = Run(url).read_global(1)
+        assert meetings.missed == [] and state["step"] == 1
+        key = f"{Run.snapshot_key(1)}/{GLOBAL_TENSORS}"
+        run = Run(url)
+        damaged = bytearray(run.storage.read(key))
+        damaged[-1] ^= 0xFF
+        run.storage.put(key, bytes(damaged))
+        with pytest.raises(IntegrityError, match=rf"{GLOBAL_TENSORS}: checksum mismatch"):
+            Run(url).read_global(1)
+
+
 def test_on_an_object_store_a_pack_of_one_unit_is_read_by_a_reader_in_one_request(tokens, monkeypatch):
     """A rank of a read plan reads each unit it reads for the others into new buffers (nothing to
     read straight into). From moto's server, a pack holding that unit's tensors alone is read
