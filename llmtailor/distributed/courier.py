@@ -285,11 +285,17 @@ class Courier:
         """``tensor`` posted to rank ``dst``: on the group object itself, not ``dist.isend``, which
         looks the group up in torch's registry, emptied by ``destroy_process_group()`` (a script's
         last line, a save still sending its copies). Its ranks are the job's (``open``)."""
-        return self.group.send([tensor], dst, tag)
+        try:
+            return self.group.send([tensor], dst, tag)
+        except RuntimeError as err:  # refused as it is posted: the connection to that rank is gone
+            raise _lost(f"sending files to rank {dst}", err) from None
 
     def _receive(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """A receive into ``tensor`` from rank ``src`` posted (on the group object, as ``_send``)."""
-        return self.group.recv([tensor], src, tag)
+        try:
+            return self.group.recv([tensor], src, tag)
+        except RuntimeError as err:
+            raise _lost(f"receiving files from rank {src}", err) from None
 
     def _wait(self, work: object, what: str) -> None:
         try:
@@ -297,6 +303,13 @@ class Courier:
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
                                     f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+
+
+def _lost(what: str, err: RuntimeError) -> CoordinationError:
+    """A send or receive that gloo refused as it was posted (one of the group's connections to
+    that rank closed: the rank died), naming the rank (``what``)."""
+    return CoordinationError(f"{what} failed: the rank died or its connection failed "
+                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
 
 
 def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:
