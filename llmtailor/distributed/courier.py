@@ -223,7 +223,7 @@ class Courier:
         try:
             yield
         except BaseException as err:
-            self.broken, self._broken_on = str(err).splitlines()[0] if str(err) else type(err).__name__, self.rank
+            self.broken, self._broken_on = _first_line(err), self.rank
             if self.board is not None:  # the other ranks refuse at once, not after waiting for this one
                 with contextlib.suppress(Exception):  # a store gone: they time out as before
                     self.board.post(self._broken_tag, {"rank": self.rank, "why": self.broken})
@@ -302,14 +302,19 @@ class Courier:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
-                                    f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+                                    f"({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    """What an error says in its first line (its type's name where it says nothing)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _lost(what: str, err: RuntimeError) -> CoordinationError:
     """A send or receive that gloo refused as it was posted (one of the group's connections to
     that rank closed: the rank died), naming the rank (``what``)."""
     return CoordinationError(f"{what} failed: the rank died or its connection failed "
-                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+                             f"({_first_line(err)})")
 
 
 def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:
