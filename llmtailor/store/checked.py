@@ -324,6 +324,42 @@ def read_stored_parts(storage: Storage, key: str, header: tuple[int, dict[str, d
     return out
 
 
+def fetch_whole(storage: Storage, key: str, entry: FileEntry) -> tuple[bytearray | mmap.mmap, tuple[int, dict[str, dict]]]:
+    """The bytes of the tensor file ``key`` whole, fetched in concurrent parts (``store.fetch``;
+    its size checked against ``entry`` in the answer to its first request), and its parsed
+    header ``(offset of the data, header)``; the file's checksum is not compared: a pack file
+    several units of which are taken from these bytes has each tensor checked against its own
+    checksum as it is taken (``checked_parts``), so a damaged tensor is named with the unit it
+    belongs to, and bytes no one takes are not hashed."""
+    data = fetch(storage, key, 0, entry.bytes, sized=lambda size: _check_found_size(storage, key, entry, size))
+    view = memoryview(data)
+    return data, parse_header(lambda start, length: view[start : start + length], len(data), storage.where(key))
+
+
+def checked_parts(data: bytearray | mmap.mmap, header: tuple[int, dict[str, dict]], names: dict[str, str],
+                  where: str) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (name -> xxh3-64 of its bytes) of the tensor file ``where`` whose
+    bytes ``data`` and parsed header ``header`` are at hand (``fetch_whole``), each a view of
+    ``data`` checked against its checksum before it is returned (as ``read_stored_parts``
+    checks those it reads); never unpickles."""
+    import torch
+
+    offset, parsed = header
+    view, out = memoryview(data), {}
+    for name, expected in names.items():
+        info = parsed.get(name)
+        if info is None or name == "__metadata__":
+            raise IntegrityError(f"{where}: tensor {name!r} is missing")
+        begin, end = info["data_offsets"]
+        if checksum(view[offset + begin : offset + end]) != expected:
+            raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
+        code = dtypes.from_code(info["dtype"])
+        shape, count = [int(d) for d in info["shape"]], (end - begin) // dtypes.itemsize(code)
+        out[name] = (torch.frombuffer(data, dtype=dtypes.to_torch(code), count=count, offset=offset + begin).reshape(shape)
+                     if count else torch.empty(shape, dtype=dtypes.to_torch(code)))
+    return out
+
+
 def _fits(into: dict[str, torch.Tensor], name: str, length: int) -> bool:
     """Whether the stored tensor ``name`` of ``length`` bytes is read straight into ``into``'s."""
     return name in into and into[name].nbytes == length

@@ -7,6 +7,8 @@ here hand over to them. This module only reads; ``writer.py`` writes.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,11 @@ class Run(Catalog):
         """Tensors and optimizer values of ``unit`` as saved at ``step``, checked (``UnitReader.read``;
         ``into``: live tensors read straight into where their memory takes it)."""
         return self.units.read(step, unit, skip, into)
+
+    def reading_together(self, reads: list[tuple[int, str, Collection[str]]]) -> AbstractContextManager[None]:
+        """Within it, the units ``reads`` names (``(step, unit, keys skipped)``: those this process
+        reads next) are read from a pack file they share together (``UnitReader.reading_together``)."""
+        return self.units.reading_together(reads)
 
     def read_global(self, step: int) -> dict[str, Any]:
         """The global state saved at ``step`` (``UnitReader.read_global``)."""

@@ -7,15 +7,20 @@ The run's catalog (``catalog.py``: manifests, composites) says which snapshot ho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
+from collections.abc import Collection, Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_tensors, fetch_stored_tensors,
-                                     read_checked_tensors, read_stored, read_stored_parts)
+from llmtailor.store.fetch import fetch
+from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_parts, checked_tensors,
+                                     fetch_stored_tensors, fetch_whole, read_checked_tensors, read_stored, read_stored_parts)
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
@@ -36,6 +41,12 @@ INDEXES_READ_WHOLE = 4 << 20
 one GET); a larger one (thousands of units or ranks) by each unit's line."""
 _INDEXES_KEPT = 8
 _STATE_KEPT = 64 << 20  # bytes of state tensors (RNG states, extras) kept for a second reader
+TOGETHER_BYTES = 256 << 20
+"""A pack file of at most this many bytes is read once for the several units of it a process
+reads next (``UnitReader.reading_together``): its bytes are held until the last of them is read."""
+TOGETHER_GAP = 32
+"""... and only where the tensor data of it none of them wants (another rank's units) is at most
+1/``TOGETHER_GAP`` of its data: bytes fetched that another rank fetches too, bounded."""
 
 
 class UnitReader:
@@ -57,6 +68,9 @@ class UnitReader:
         again, instead of from the store; emptied when that restore ends."""
         self._indexes: dict[int, bytes] = {}
         """Whole ``INDEXES_FILE``s read, by step (``_index_line``: each line checked as it is used)."""
+        self._together: dict[tuple[str, str, int], _Together] = {}
+        """Pack files read once for several units (``reading_together``), by where, checksum and size."""
+        self._together_lock = threading.Lock()
         self.arrived: dict[str, tuple[int, str, memoryview]] = {}
         """Key -> ``(size, xxh3, bytes)`` of whole files of the run this process received and
         checked against that size and checksum as they arrived, then wrote (a node-local tier's
@@ -164,6 +178,125 @@ class UnitReader:
             self._pack_headers.pop(next(iter(self._pack_headers)))
         self._pack_headers[kept] = header
         return header
+
+    @contextlib.contextmanager
+    def reading_together(self, reads: list[tuple[int, str, Collection[str]]]) -> Iterator[None]:
+        """Within it, the units of ``reads`` (``(step, unit, tensor keys skipped)``: those this
+        process reads next, as a rank of a read plan reads its items, on any thread) read from
+        a pack file of a remote store that holds tensors of several of them read it together:
+        the byte ranges they want of it, in file order, are cut into spans of adjacent ranges,
+        a span taking in the bytes between two ranges (tensors of other ranks' units) only
+        while those stay within 1/``TOGETHER_GAP`` of the bytes it is wanted for; each span is
+        fetched once, when the first unit with a tensor in it is read, and let go when the last
+        has taken its own (or this exits); each tensor is checked against its own checksum as it
+        is taken (a damaged one is named with its unit). A pack whose data they want all of but
+        such a gap is one span with its header: its size, header and data come in the same
+        requests (``fetch_whole``); else its header is read first, as for one unit. Spans are of
+        at most ``TOGETHER_BYTES``. Before, a rank reading three layers of its pack asked for
+        its header, then for each layer, one request after another (and an S3 emulator reads
+        the whole object for each). Reads the units' indexes (a restore has them at hand)."""
+        planned: dict[tuple[str, str, int], _Together] = {}
+        for step, unit, skip in reads:
+            entry = self.entry(step, unit)
+            for tensor in entry.tensors:
+                for chunk in tensor.chunks if tensor.key not in skip else ():
+                    file = entry.files[chunk.file]
+                    if not is_pack(file.path) or file.origin == "base":
+                        continue
+                    storage, key = self.file_location(step, file)
+                    if not storage.remote:
+                        continue
+                    together = planned.setdefault((storage.where(key), file.xxh3_64, file.bytes),
+                                                  _Together(file.origin if file.origin is not None else step, file.path))
+                    together.expected[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape)
+                    together.wanted[tensor.chunk_key(chunk)] = math.prod(chunk.shape) * tensor.torch_dtype.itemsize
+                    together.owner[tensor.chunk_key(chunk)] = (step, unit)
+        kept = {where: together for where, together in planned.items() if len(set(together.owner.values())) > 1}
+        for where, together in kept.items():
+            together.pending = set(together.expected)
+            data = self._pack_data(together.step, together.path)
+            if data is not None and where[2] <= TOGETHER_BYTES and (data - sum(together.wanted.values())) * TOGETHER_GAP <= data:
+                together.whole = True
+        with self._together_lock:
+            self._together = kept
+        try:
+            yield
+        finally:
+            with self._together_lock:
+                self._together = {}
+
+    def _from_together(self, storage: Storage, key: str, file: FileEntry, shapes: dict[str, tuple[str, list[int]]],
+                       sums: dict[str, str], user: tuple[int, str], into: dict | None) -> dict[str, torch.Tensor] | None:
+        """The tensors ``sums`` of the unit ``user`` (``(step, unit)``) from the spans of the pack
+        ``file`` read together (``reading_together``), each fetched here if this is its first
+        reader, else waited for; None where that pack is not read so (or the unit's tensors go
+        straight into live ones)."""
+        where = (storage.where(key), file.xxh3_64, file.bytes)
+        with self._together_lock:
+            together = self._together.get(where)
+            if together is None or into or not sums or any(together.owner.get(name) != user for name in sums):
+                return None
+            if not together.pending.issuperset(sums):  # read already: again, as any unit is
+                return None
+            together.pending.difference_update(sums)
+            if together.spans is None:
+                together.spans = Future()
+                first = True
+            else:
+                first = False
+        if first:  # the spans, and where the pack's data starts and its header: once, for every unit
+            try:
+                together.spans.set_result(self._cut_spans(storage, key, file, together))
+            except BaseException as err:  # each of its units' reads raises it
+                together.spans.set_exception(err)
+        header, spans = together.spans.result()
+        check_header(header[1], where[0], shapes)
+        out = {}
+        for span in {id(span): span for name in sums for span in spans if name in span.names}.values():
+            with self._together_lock:
+                first = span.data is None
+                if first:
+                    span.data = Future()
+            if first:
+                try:
+                    span.data.set_result(fetch(storage, key, span.start, span.end - span.start))
+                except BaseException as err:
+                    span.data.set_exception(err)
+            data = span.data.result()
+            out.update(checked_parts(data, (header[0] - span.start, header[1]),
+                                     {name: sums[name] for name in sums if name in span.names}, where[0]))
+            with self._together_lock:
+                span.left.difference_update(sums)
+                if not span.left:  # its last unit has its tensors: the bytes go with theirs
+                    span.data = _TAKEN
+        return out
+
+    def _cut_spans(self, storage: Storage, key: str, file: FileEntry,
+                   together: _Together) -> tuple[tuple[int, dict[str, dict]], list[_Span]]:
+        """The header of a pack read together and the spans its wanted ranges are cut into
+        (``reading_together``): one, header and all, fetched here, where the pack is read whole."""
+        if together.whole:
+            span = _Span(0, file.bytes, set(together.expected))
+            data, header = fetch_whole(storage, key, file)
+            check_header(header[1], storage.where(key), together.expected)
+            span.data = Future()
+            span.data.set_result(data)
+            return header, [span]
+        header = self._pack_header(storage, key, file, together.expected, together.step)
+        offset, parsed = header
+        spans: list[_Span] = []
+        gaps = 0
+        for begin, end, name in sorted((*parsed[name]["data_offsets"], name) for name in together.expected):
+            last = spans[-1] if spans else None
+            gap = begin - last.end + offset if last is not None else 0
+            if (last is not None and gap >= 0 and end + offset - last.start <= TOGETHER_BYTES
+                    and (gaps + gap) * TOGETHER_GAP <= last.wanted + end - begin):
+                last.add(name, end + offset, end - begin)
+                gaps += gap
+            else:
+                spans.append(_Span(begin + offset, end + offset, {name}))
+                spans[-1].wanted, gaps = end - begin, 0
+        return header, spans
 
     def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int, into: dict | None) -> bool:
         """Whether the pack ``file`` (of a unit saved at ``step``) is read as a unit file is, whole
@@ -335,6 +468,8 @@ class UnitReader:
             elif file.origin == "base":  # a large file of which a few tensors are wanted: those alone
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
+            elif (together := self._from_together(storage, key, file, shapes, sums, (step, unit), targets.get(position))) is not None:
+                loaded[position] = together
             elif is_pack(file.path) and not self._whole_pack(storage, file, step, wanted_bytes[position], targets.get(position)):
                 # a rank's small units together: this unit's tensors alone
                 pack = self._pack_header(storage, key, file, shapes, file.origin if file.origin is not None else step)
@@ -434,6 +569,45 @@ class UnitReader:
                 return raw, data  # large extras: not held beyond their use
             self._state = (key, raw, data)
         return self._state[1], bytearray(self._state[2])
+
+
+class _Together:
+    """A pack file read together for several units (``UnitReader.reading_together``): the
+    snapshot and path it was written at, the tensors they want of it (name -> dtype and
+    shape, its bytes, and the unit ``(step, unit)`` it is of), whether it is read whole, and
+    once its first unit is read, its header and spans."""
+
+    __slots__ = ("step", "path", "expected", "wanted", "owner", "pending", "whole", "spans")
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+        self.expected: dict[str, tuple[str, list[int]]] = {}
+        self.wanted: dict[str, int] = {}
+        self.owner: dict[str, tuple[int, str]] = {}
+        self.pending: set[str] = set()
+        """The tensors not yet taken by their unit's read."""
+        self.whole = False
+        self.spans: Future | None = None
+
+
+class _Span:
+    """Bytes ``start`` to ``end`` of a pack read together, fetched in one go (``fetch``) for the
+    tensors ``names`` not yet taken; ``data``: its bytes once fetching began."""
+
+    __slots__ = ("start", "end", "names", "left", "wanted", "data")
+
+    def __init__(self, start: int, end: int, names: set[str]):
+        self.start, self.end, self.names, self.left, self.wanted = start, end, names, set(names), 0
+        self.data: Future | None = None
+
+    def add(self, name: str, end: int, length: int) -> None:
+        self.end, self.wanted = end, self.wanted + length
+        self.names.add(name)
+        self.left.add(name)
+
+
+_TAKEN = Future()
+"""A span's bytes once every tensor of it was taken (a fetched span let go)."""
 
 
 def _targets(entry: UnitEntry, wanted: list[TensorEntry],

@@ -5,6 +5,9 @@ the way, not in a pass before); a save does not read back the manifest it just w
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +19,7 @@ from storage_calls import StorageCalls
 
 from llmtailor import Parity, Run, Tailor, Tier
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, SNAPSHOTS_DIR
+from llmtailor.errors import IntegrityError
 from llmtailor.store.keys import KIND_WEIGHT, split_key
 from llmtailor.store.manifest import parse_manifest
 from llmtailor.store.shared_reads import small_files
@@ -343,3 +347,89 @@ def test_on_an_object_store_a_pack_of_one_unit_is_read_by_a_reader_in_one_reques
         with pytest.raises(IntegrityError, match="checksum mismatch") as raised:
             fresh.read_unit(1, unit)
         assert key in str(raised.value)
+
+
+def read_together(run: Run, units: list[str], step: int = 1) -> dict[str, dict[str, torch.Tensor]]:
+    """``units`` of ``step`` read one after another as a rank of a read plan reads its items:
+    told first which it reads (``Run.reading_together``; a tree without it reads each alone)."""
+    together = getattr(run, "reading_together", None)
+    with together([(step, unit, ()) for unit in units]) if together is not None else contextlib.nullcontext():
+        return {unit: run.read_unit(step, unit)[0] for unit in units}
+
+
+def pack_of(run: Run, step: int = 1) -> tuple[str, dict[str, int]]:
+    """The key of the one pack file of ``step`` (every unit of the tiny model is small), and the
+    bytes of tensor data each unit holds in it (every unit's index parsed, as a restore has them)."""
+    units = run.resolve(step).sources
+    entries = {unit: run.unit_entry(step, unit) for unit in units}
+    (path,) = {file.path for entry in entries.values() for file in entry.files}
+    held = {unit: sum(math.prod(c.shape) * t.torch_dtype.itemsize for t in entry.tensors for c in t.chunks)
+            for unit, entry in entries.items()}
+    return f"{Run.snapshot_key(step)}/{path}", held
+
+
+def test_on_an_object_store_the_units_a_reader_reads_of_one_pack_come_in_one_request_each_tensor_checked(tokens, monkeypatch):
+    """A rank of a read plan reading every unit of a pack (a DDP restore at the world size of
+    the save): told which units it reads, it fetches the pack in one request (its size, header
+    and data together) where it asked for the header, then each unit's bytes, one request after
+    another; every tensor is bitwise the one a unit's own read gives, and a damaged byte is
+    refused by the read of the unit it belongs to, naming the pack and the tensor, while the
+    others still read."""
+    with saved_on_moto(monkeypatch, tokens) as (url, model):
+        run = Run(url)
+        pack, held = pack_of(run)
+        assert len(held) > 3
+        calls = StorageCalls.install(monkeypatch)
+        loaded = read_together(run, list(held))
+        assert [(op, n) for op, key, n in calls.calls if key == pack] == [("read_start", run.storage.size(pack))]
+        alone = Run(url)
+        for unit, tensors in loaded.items():
+            expected = alone.read_unit(1, unit)[0]
+            assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected), unit
+        assert_weights_of(run, 1, model)
+
+        damaged = bytearray(run.storage.read(pack))
+        offset = 8 + int.from_bytes(damaged[:8], "little")
+        header = json.loads(damaged[8:offset])
+        name = next(n for n in header if n.startswith("weight/model.layers.2."))
+        damaged[offset + header[name]["data_offsets"][0]] ^= 0xFF
+        run.storage.put(pack, bytes(damaged))
+        fresh = Run(url)
+        pack_of(fresh)
+        with fresh.reading_together([(1, unit, ()) for unit in held]):
+            for unit in held:
+                if unit != "layer.2":
+                    fresh.read_unit(1, unit)
+                    continue
+                with pytest.raises(IntegrityError, match="checksum mismatch in tensor") as refused:
+                    fresh.read_unit(1, unit)
+                assert pack in str(refused.value) and name in str(refused.value)
+
+
+@pytest.mark.parametrize("left_out", ["layer.1", "norm"])
+def test_on_an_object_store_a_pack_read_together_takes_in_no_large_gap(tokens, monkeypatch, left_out):
+    """A reader reading all but one unit of a pack (another rank reads that one): the ranges it
+    wants are fetched in as few requests as the bytes between them allow: a large unit left out
+    (a layer: a third of what it wants) is not fetched, its two sides are a request each after
+    the header's; a small one (the norm: a few hundred bytes) is, the pack read whole in one
+    request. Either way the bytes fetched are at most those wanted and the header, plus
+    1/``TOGETHER_GAP`` (where each unit read alone asked for the header, then each unit)."""
+    from llmtailor.store.units import TOGETHER_GAP
+
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
+        run = Run(url)
+        pack, held = pack_of(run)
+        units = [unit for unit in held if unit != left_out]
+        calls = StorageCalls.install(monkeypatch)
+        loaded = read_together(run, units)
+        asked = [(op, n) for op, key, n in calls.calls if key == pack]
+        wanted, size = sum(held[unit] for unit in units), run.storage.size(pack)
+        header = size - sum(held.values())
+        if left_out == "norm":
+            assert asked == [("read_start", size)]
+        else:
+            assert [op for op, _ in asked] == ["read_start", "read_range", "read_range"], asked
+        assert sum(n for _, n in asked) <= header + wanted + wanted // TOGETHER_GAP
+        alone = Run(url)
+        for unit, tensors in loaded.items():
+            assert all(torch.equal(tensor, alone.read_unit(1, unit)[0][key]) for key, tensor in tensors.items()), unit
