@@ -116,7 +116,8 @@ class ReadPlan:
         """The items this rank reads from the store."""
         return [item for item, reader in self.readers.items() if reader == self.coordinator.rank]
 
-    def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]]) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]],
+              meanwhile: Callable[[], Any] | None = None) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """Every item's tensors, in the plan's turns (``turns``), on every rank of the group:
         ``read(item)`` on its reader (checked reads; its tensors as ``specs(item)`` says),
         received from it elsewhere, in one broadcast per item. Raises, on every rank alike,
@@ -124,13 +125,18 @@ class ReadPlan:
 
         A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
         turn, the first as the plan starts (``_ReadAhead``), so the ranks' reads overlap one
-        another and the broadcasts (``read`` must allow it: the store's reads do)."""
+        another and the broadcasts (``read`` must allow it: the store's reads do). ``meanwhile``:
+        called once those first reads have started, before the first broadcast (the ranks'
+        exchange a restore makes before it reads, then beside them); what it raises is raised
+        once the reads under way are done."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         turns = self.turns()
         own = [item for item in turns if self.readers[item] == self.coordinator.rank]
         with contextlib.closing(_ReadAhead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
+            if meanwhile is not None:
+                meanwhile()
             for item in turns:
                 reader = self.readers[item]
                 if reader == self.coordinator.rank:

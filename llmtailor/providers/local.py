@@ -14,6 +14,7 @@ data ranks of a pipeline stage among themselves, over the process group DDP wrap
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from typing import Any
@@ -224,12 +225,18 @@ class LocalProvider(StateProvider):
         on a rank that failed before loading."""
         held = self._already_held({unit: run.unit_entry(source, unit) for unit, source in sources.items()}, live, exact)
         if self.coordinator.world_size > 1:
-            everyone = self.coordinator.exchange(f"{self.coordinator.round}/held", {u: sorted(h) for u, h in held.items()})
+            exchange = functools.partial(self.coordinator.exchange, f"{self.coordinator.round}/held",
+                                         {u: sorted(h) for u, h in held.items()})
             replicas = self._replicas()
             if replicas is not None and not self._own_copy_holds(run, sources):
                 ranks, group = replicas
-                yield from self._read_once(run, sources, held, [everyone[r] for r in ranks], ranks, group)
+                if not any(held.values()):  # what the others hold changes nothing here: read beside the exchange
+                    yield from self._read_once(run, sources, held, None, ranks, group, meanwhile=exchange)
+                else:
+                    everyone = exchange()
+                    yield from self._read_once(run, sources, held, [everyone[r] for r in ranks], ranks, group)
                 return
+            exchange()
         for unit, source in sources.items():
             loaded, values = run.read_unit(source, unit, skip=set(held[unit]), into=self._live_by_key(unit, live))
             yield unit, {**loaded, **held[unit]}, values
@@ -271,13 +278,17 @@ class LocalProvider(StateProvider):
         return None
 
     def _read_once(self, run: Run, sources: dict[str, int], held: dict[str, dict[str, torch.Tensor]],
-                   everyone: list[dict[str, list[str]]], ranks: list[int], group: Any) -> Iterator[Loaded]:
+                   everyone: list[dict[str, list[str]]] | None, ranks: list[int], group: Any,
+                   meanwhile: Callable[[], Any] | None = None) -> Iterator[Loaded]:
         """The units read by one of ``ranks`` each (``group``: their process group), balanced by
         bytes, and sent to the others (``distributed.read_plan``): each byte leaves the store once
         per job. A tensor is sent unless every one of ``ranks`` holds it already (``everyone``:
-        what each holds)."""
+        what each holds; None where this rank holds none, so that no tensor is held by all:
+        the plan is then known before the ranks' exchange of what they hold, ``meanwhile``,
+        which runs once this rank's reads have started, before the first broadcast)."""
         entries = {unit: run.unit_entry(source, unit) for unit, source in sources.items()}
-        wanted = {unit: [t for t in entries[unit].tensors if not all(t.key in other.get(unit, ()) for other in everyone)]
+        wanted = {unit: [t for t in entries[unit].tensors
+                         if everyone is None or not all(t.key in other.get(unit, ()) for other in everyone)]
                   for unit in sources}
         specs = {unit: [(t.torch_dtype, t.shape) for t in wanted[unit]] for unit in sources}
         units = {f"unit {unit!r} of step {source}": unit for unit, source in sources.items()}
@@ -293,7 +304,7 @@ class LocalProvider(StateProvider):
 
         # This rank's units, read from a pack they share in one fetch, not a request per unit.
         with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()]):
-            for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
+            for item, tensors in plan.fetch(read, lambda item: specs[units[item]], meanwhile):
                 unit = units[item]
                 values = {name: dict(plain) for name, plain in entries[unit].values.items()}
                 yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
