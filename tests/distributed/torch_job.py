@@ -81,8 +81,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     fetches by key, and compare with ``DIR/versions/single.safetensors``.
 ``read-kill``  started without torchrun (as ``kill``), world 3, DDP: Parity saves at steps 2 and 4
     into ``DIR/readkill``, then every rank restores it into a fresh model (timeout 10 s) and rank 1
-    SIGKILLs itself as it begins reading its first unit (a reader of the read plan); ranks 0 and 2
-    record the error they get.
+    SIGKILLs itself as it begins reading its first unit (a reader of the read plan), once it has
+    told the others what it holds; ranks 0 and 2 record the error they get.
 ``nodes-fsdp`` / ``nodes-ddp``  launched as two "nodes" (``--nnodes 2``), each with its own
     ``$NODE_DIR``: Parity saves at every step 1..4, async, into the node-local tier ``$NODE_DIR``
     (``scope="node"``, ``replicas=2``, ``keep=2``) in front of the shared run ``$RUN_HOME``, the
@@ -119,6 +119,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,6 +133,7 @@ from helpers import drop_from_unit_index, flip_unit_byte, tiny, unit_chunk_middl
 from storage_calls import StorageCalls  # noqa: E402
 
 from llmtailor import Full, Parity, Tailor, Tier  # noqa: E402
+from llmtailor.distributed.coordinator import StoreCoordinator  # noqa: E402
 from llmtailor.errors import IntegrityError  # noqa: E402
 from llmtailor.store.keys import optim_key, weight_key  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
@@ -751,10 +753,21 @@ def kill_a_reader(out: Path) -> dict:
     # together (the barrier), so a slow live rank has only the restore's own rounds to lag in.
     tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=10)
     if rank() == 1:
+        # It dies in its first read once it has told the others what it holds (its reads start
+        # beside that exchange): the others are then in the read plan's broadcasts, waiting for it.
+        told, real_exchange = threading.Event(), StoreCoordinator.exchange
+
+        def exchange(self, tag, value):
+            answer = real_exchange(self, tag, value)
+            if tag.endswith("/held"):
+                told.set()
+            return answer
+
         def die(*args, **kwargs):
+            told.wait(60)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        Run.read_unit = die
+        StoreCoordinator.exchange, Run.read_unit = exchange, die
     dist.barrier()
     start = time.perf_counter()
     try:
