@@ -368,6 +368,10 @@ def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
     print("ours, each rank's last restore: " + "; ".join(
         f"rank {rank}: {r['requests']} requests, {r['collectives']} collectives, {r['messages']} sends/receives"
         for rank, r in enumerate(results)))
+    gets = [r["ours_gets"] for r in results]
+    read = sum(objects.get(f"ours/{key}", 0) for keys in gets for key in keys)
+    print(f"ours, each rank's last restore: GETs {'/'.join(str(len(keys)) for keys in gets)}; bytes of the objects they "
+          f"asked of (the server read, moto reading a whole object for each GET) {read / MB:.2f} MB")
     if "ours_cpu" in results[0]:
         def per_rank(name: str) -> str:
             return "/".join(f"{statistics.median(r[name]):.2f}" for r in results)
@@ -498,7 +502,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
     requests = request_timeline()
     seconds: dict[str, list[float]] = {"ours": [], "dcp": []}
     cpu: dict[str, list[float]] = {"ours": [], "dcp": [], "ours_server": [], "dcp_server": []}
-    counts: dict[str, int] = {}
+    counts: dict[str, int | list[str]] = {}
     timers = None
     if os.environ.get("BENCH_PHASES"):  # each phase's wall and thread CPU of ours' last restore, by rank
         import phase_timers as timers
@@ -518,6 +522,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
             if name == "ours":
                 requests.clear()
                 Tailor(f"{url}/ours", model, optimizer, track_drift=False, read_only=True).restore()
+                counts["gets"] = [rest[2] for *_, rest in requests if rest[0] in ("read", "read_range", "read_start")]
                 if os.environ.get("BENCH_TRACE"):  # ours' last restore's requests, by rank
                     (Path(os.environ["BENCH_TRACE"]) / f"{role}-{dist.get_rank()}.json").write_text(
                         json.dumps([[round(t - start, 4) for t in times] + rest for *times, rest in requests]))
@@ -542,7 +547,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
         "ours_seconds": seconds["ours"], "dcp_seconds": seconds["dcp"], "ours_fetched": counts["ours"],
         "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"], "ours_cpu": cpu["ours"], "dcp_cpu": cpu["dcp"],
         "ours_server": cpu["ours_server"], "dcp_server": cpu["dcp_server"],
-        **{k: counts[f"ours_{k}"] for k in ("requests", "collectives", "messages")}}))
+        "ours_gets": counts["gets"], **{k: counts[f"ours_{k}"] for k in ("requests", "collectives", "messages")}}))
 
 
 def worker(role: str, out: Path) -> None:
