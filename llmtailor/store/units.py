@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.fetch import fetch
 from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_parts, checked_tensors,
                                      fetch_stored_tensors, fetch_whole, read_checked_tensors, read_stored, read_stored_parts)
+from llmtailor.store.fetch import fetch
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
 from llmtailor.store.storage import Storage, open_storage
@@ -268,7 +268,7 @@ class UnitReader:
             with self._together_lock:
                 span.left.difference_update(sums)
                 if not span.left:  # its last unit has its tensors: the bytes go with theirs
-                    span.data = _TAKEN
+                    span.data = None
         return out
 
     def _cut_spans(self, storage: Storage, key: str, file: FileEntry,
@@ -591,8 +591,9 @@ class _Together:
 
 
 class _Span:
-    """Bytes ``start`` to ``end`` of a pack read together, fetched in one go (``fetch``) for the
-    tensors ``names`` not yet taken; ``data``: its bytes once fetching began."""
+    """Bytes ``start`` to ``end`` of a pack read together, fetched in one go for its tensors
+    ``names``, ``left`` those not yet taken; ``data``: its bytes once fetching began, until the
+    last is taken."""
 
     __slots__ = ("start", "end", "names", "left", "wanted", "data")
 
@@ -604,10 +605,6 @@ class _Span:
         self.end, self.wanted = end, self.wanted + length
         self.names.add(name)
         self.left.add(name)
-
-
-_TAKEN = Future()
-"""A span's bytes once every tensor of it was taken (a fetched span let go)."""
 
 
 def _targets(entry: UnitEntry, wanted: list[TensorEntry],

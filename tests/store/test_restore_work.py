@@ -433,3 +433,22 @@ def test_on_an_object_store_a_pack_read_together_takes_in_no_large_gap(tokens, m
         alone = Run(url)
         for unit, tensors in loaded.items():
             assert all(torch.equal(tensor, alone.read_unit(1, unit)[0][key]) for key, tensor in tensors.items()), unit
+
+
+def test_on_an_object_store_units_of_a_pack_read_together_from_several_threads_fetch_it_once(tokens, monkeypatch):
+    """Threads reading units of one pack read together at once (a read plan's reader may read on
+    several): the first fetches the pack, the others wait for its bytes, none fetches it again;
+    each gets its own unit's tensors, bitwise those of a unit's own read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
+        run = Run(url)
+        pack, held = pack_of(run)
+        calls = StorageCalls.install(monkeypatch)
+        with run.reading_together([(1, unit, ()) for unit in held]), ThreadPoolExecutor(len(held)) as pool:
+            loaded = dict(zip(held, pool.map(lambda unit: run.read_unit(1, unit)[0], held)))
+        assert [op for op, key, _ in calls.calls if key == pack] == ["read_start"]
+        alone = Run(url)
+        for unit, tensors in loaded.items():
+            expected = alone.read_unit(1, unit)[0]
+            assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected), unit
