@@ -94,6 +94,7 @@ class Tailor:
         self._frozen = FrozenParts(self.provider, self.coordinator,
                                    BaseModel(self.config.base) if self.config.base is not None else None)
         self._partly_restored: str | None = None  # a restore failed after touching the live state
+        self._closed = False  # close() was called: its locks are released, nothing more is saved or restored
         self._pending = _Pending(self.run, self.lineage, self._frozen, self._drift)
         try:  # one writer per run, settled before any training is spent: a second trainer fails here
             self.tiers.open_for_writing(self.coordinator, self.read_only)
@@ -128,6 +129,7 @@ class Tailor:
         not True): returns a ``PendingSave`` once the save is staged, behind the one in flight
         (``async_in_flight`` at most: it waits for the oldest, raising its failure, ``_Pending.settle``);
         ``wait()`` / ``close()`` make the last save durable."""
+        self._check_open()
         sync = blocking or (blocking is None and self._stager is None)
         if not sync and self._stager is None:
             raise ConfigError("save(blocking=False) needs a Tailor made with async_save=True")
@@ -181,6 +183,7 @@ class Tailor:
         """Block until the async saves in flight (if any) are committed and durable; return the
         newest one's report, or raise what failed in the background (once). ``promoted=True``: and the
         promotion to a slower tier in flight."""
+        self._check_open()
         if promoted:
             self._settle(raise_error=False)  # its commit starts the promotion waited for
             self.tiers.wait_promotions()
@@ -263,6 +266,7 @@ class Tailor:
         (DeepSpeed's low-precision refresh): a failure on one rank makes every rank raise, naming
         it. A restore that failed after the live state was touched (on any rank, or the ranks
         could not agree) leaves this Tailor refusing to save until a restore succeeds."""
+        self._check_open()
         _check_verify(verify)
         self._settle(raise_error=False)  # a failure in flight stays for the next save / wait / close
         self.provider.refresh()
@@ -287,13 +291,24 @@ class Tailor:
 
     def close(self) -> None:
         """Wait for the async saves in flight and, with tiers, for the last composite's promotion to
-        every tier (raising what failed); remove the fence and hooks; release the writer locks."""
+        every tier (raising what failed); remove the fence and hooks; release the writer locks.
+        Once called (even if it raised), the Tailor is closed: a second ``close`` does nothing, and
+        ``save``, ``restore`` and ``wait`` raise a TailorError (they would take the run's lock again,
+        which ``close`` gave to the next writer)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._settle(raise_error=True)
         finally:
             self._remove_hooks()
             self.tiers.close(self.coordinator)  # the last promotion, then the locks (collective)
         self.tiers.raise_failure(self.coordinator)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TailorError(f"this Tailor of {self.run.root} is closed: its locks are released and it saves and "
+                              "restores nothing more; make a new Tailor to go on")
 
     def _remove_hooks(self) -> None:
         if self._stager is not None:
