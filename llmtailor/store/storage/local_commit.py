@@ -196,3 +196,6 @@ def _remove(target: Path) -> None:
 
 
 _PURGER = _Purger()
+# A forked child (a multiprocessing worker of a sweep) has no purger thread, only the parent's
+# queue and counts as the fork found them: one of its own, or its writers' release waits for ever.
+os.register_at_fork(after_in_child=_PURGER.__init__)
