@@ -746,3 +746,42 @@ def test_a_close_interrupted_while_a_promotion_runs_keeps_the_tiers_locked_until
         go.set()  # a failed test leaves no thread waiting
     assert Run(home).steps() == [1, 2] and Run(home).verify() == []
     assert not any(level.lock.held for level in tailor.tiers.levels)
+
+
+def test_a_close_interrupted_twice_leaves_no_lock_and_its_promotion_takes_none_back(tmp_path, tokens, monkeypatch):
+    """A second Ctrl-C, in ``close()``'s wait for the promotion in flight: the locks are released
+    at once, and that promotion, not yet at its commit (nor at its claim of the slower tier's
+    lock), commits nothing and takes no lock back; another writer may take both tiers. Before,
+    the promotion's claim took the released lock again: step 2 was committed after ``close`` and
+    the lock kept until the Tailor was dropped."""
+    from llmtailor.store.lock import WriterLock
+
+    home, memory = tmp_path / "home", tmp_path / "memory"
+    tailor, model, opt, sched = tiered(home, memory, keep=None)
+    save_steps(tailor, model, opt, sched, tokens, [1])
+    started, go, real, real_wait = threading.Event(), threading.Event(), promote.promote, promote.Promoter.wait
+
+    def held(*args, **kwargs):
+        started.set()
+        go.wait()
+        return real(*args, **kwargs)
+
+    def interrupted(self) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(promote, "promote", held)
+    monkeypatch.setattr(promote.Promoter, "finish", interrupted)
+    monkeypatch.setattr(promote.Promoter, "wait", interrupted)
+    monkeypatch.setattr(promote, "_pause_before_retry", lambda seconds: None)
+    save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
+    try:
+        assert started.wait(120)  # a bound on a hang: the promotion of step 2 is in flight
+        with pytest.raises(KeyboardInterrupt):
+            tailor.close()
+    finally:
+        go.set()  # a failed test leaves no thread waiting
+    real_wait(tailor.tiers.promoter)  # the promotion's thread ended
+    assert Run(home).steps() == [1] and Run(home).verify() == []
+    assert [level.lock.held for level in tailor.tiers.levels] == [False, False]
+    for where in (home, memory):
+        assert WriterLock(where).storage.locks.writer().holder_if_other() is None
