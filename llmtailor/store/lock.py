@@ -52,7 +52,7 @@ class WriterLock:
         saved, another that restores) holds it too, and only the first clears leftovers (the
         other's save may be in flight). Between processes it is exclusive. A lock released for
         good (its writer closed) refuses: TailorError."""
-        with self._mutex:
+        with self._guard():
             self._acquire()
 
     def _acquire(self) -> None:
@@ -141,12 +141,17 @@ class WriterLock:
         self._let_go(abandon=True)
 
     def _let_go(self, abandon: bool, for_good: bool = False) -> None:
-        if self._backend is not None and self._owner != os.getpid():  # a forked child's copy: the lock stays
-            self._backend = None  # its parent's (``_forked``); its mutex may be held by a parent's thread
-            return
-        with self._mutex:
+        with self._guard():
             self.closed = self.closed or for_good
             self._let_go_held(abandon)
+
+    def _guard(self) -> threading.Lock:
+        """This lock's mutex in this process. A forked child's copy holds nothing: the lock stays
+        its parent's (``_forked``), and the copy gets a mutex of its own (a parent's thread may
+        have held the one the fork copied)."""
+        if self._owner != os.getpid():
+            self._backend, self._owner, self._mutex = None, os.getpid(), threading.Lock()
+        return self._mutex
 
     def _let_go_held(self, abandon: bool) -> None:
         backend = self._backend
@@ -185,7 +190,7 @@ def _forked() -> None:
     local run's descriptor, which would otherwise keep the parent's ``flock`` held after the
     parent died) without touching the lock, and its own writer takes the lock anew (refused while
     the parent holds it: one writer per run). A copy of a ``WriterLock`` dropped in the child
-    releases nothing (``_let_go``): before, it deleted the parent's object-store lease, or hung
+    releases nothing (``_guard``): before, it deleted the parent's object-store lease, or hung
     asking the store from the child."""
     for backend, _, _ in _HELD.values():
         backend.forsake()

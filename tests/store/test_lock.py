@@ -168,7 +168,11 @@ FORKED_WRITER = textwrap.dedent(
             tailor.save(1)
             tailor.save(2)
         os._exit(0)
-    for _ in range(1200):  # a guard against a hang, not a timing: two tiny saves take a second
+    """
+)
+CHILD_OUTCOME = textwrap.dedent(
+    """
+    for _ in range(1200):  # a guard against a hang, not a timing: the child's work takes a second
         done, status = os.waitpid(child, os.WNOHANG)
         if done:
             print(f"child exit {os.waitstatus_to_exitcode(status)}")
@@ -189,8 +193,42 @@ def test_a_forked_child_writes_and_closes_a_run_of_its_own(tmp_path):
     retention discarded), so its ``close`` waited for them for ever."""
     from pathlib import Path
 
-    done = subprocess.run([sys.executable, "-c", FORKED_WRITER, str(tmp_path), str(Path(__file__).parents[1])],
+    done = subprocess.run([sys.executable, "-c", FORKED_WRITER + CHILD_OUTCOME, str(tmp_path), str(Path(__file__).parents[1])],
                           capture_output=True, text=True, timeout=600)
     assert done.stdout.strip() == "child exit 0", done.stdout + done.stderr
     assert sorted(p.name for p in (tmp_path / "child/snapshots").iterdir()) == ["step-00000002"]
     assert not any((tmp_path / "child/.tmp").iterdir()) and not any((tmp_path / "child/.trash").iterdir())
+
+
+def test_a_forked_child_drops_its_copy_of_a_lock_whatever_a_parent_thread_held(tmp_path):
+    """A fork lands while a parent thread takes or lets go of a writer lock (a promoter's claim,
+    ``close``'s release): the child's copy of that lock, dropped or taken, uses a mutex of its own,
+    never the copy the fork made held (with no thread to let it go)."""
+    script = textwrap.dedent(f"""
+        import os, sys, threading, time
+        from llmtailor.store.lock import WriterLock
+        from llmtailor.errors import TailorError
+
+        lock, inside, done = WriterLock({str(tmp_path / "run")!r}), threading.Event(), threading.Event()
+        lock.acquire()
+
+        def hold():  # a parent thread inside the lock's mutex as the fork lands
+            with lock._mutex:
+                inside.set()
+                done.wait()
+
+        threading.Thread(target=hold).start()
+        inside.wait()
+        child = os.fork()
+        if child == 0:
+            assert not lock.held
+            try:
+                lock.acquire()  # the parent holds the run: refused, not hung
+            except TailorError:
+                pass
+            lock.release()
+            os._exit(0)
+        done.set()
+    """) + CHILD_OUTCOME
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "child exit 0", done.stdout + done.stderr
