@@ -205,20 +205,13 @@ def test_a_forked_child_drops_its_copy_of_a_lock_whatever_a_parent_thread_held(t
     ``close``'s release): the child's copy of that lock, dropped or taken, uses a mutex of its own,
     never the copy the fork made held (with no thread to let it go)."""
     script = textwrap.dedent(f"""
-        import os, sys, threading, time
+        import os, time
         from llmtailor.store.lock import WriterLock
         from llmtailor.errors import TailorError
 
-        lock, inside, done = WriterLock({str(tmp_path / "run")!r}), threading.Event(), threading.Event()
+        lock = WriterLock({str(tmp_path / "run")!r})
         lock.acquire()
-
-        def hold():  # a parent thread inside the lock's mutex as the fork lands
-            with lock._mutex:
-                inside.set()
-                done.wait()
-
-        threading.Thread(target=hold).start()
-        inside.wait()
+        lock._mutex.acquire()  # held as the fork lands, as a parent thread's claim or release holds it
         child = os.fork()
         if child == 0:
             assert not lock.held
@@ -228,7 +221,7 @@ def test_a_forked_child_drops_its_copy_of_a_lock_whatever_a_parent_thread_held(t
                 pass
             lock.release()
             os._exit(0)
-        done.set()
+        lock._mutex.release()
     """) + CHILD_OUTCOME
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.stdout.strip() == "child exit 0", done.stdout + done.stderr
