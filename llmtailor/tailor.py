@@ -100,7 +100,7 @@ class Tailor:
             if not self.read_only:  # what a crash left on some nodes only is never restored: gone before any save
                 self.tiers.clear_unwhole(self.coordinator)
         except BaseException:
-            self._remove_hooks()
+            self._pending.close(self._stager)
             self.tiers.abandon()  # a failed construction leaves every tier as it found it
             raise
 
@@ -201,9 +201,8 @@ class Tailor:
             self._stager.wait_copied()
 
     def _settle(self, raise_error: bool, refused: int | None = None, keep: int = 0) -> None:
-        """Settle the async saves in flight but the newest ``keep`` (``_Pending.settle``)."""
-        if self._stager is not None:
-            self._pending.settle(self._stager, raise_error, refused, keep)
+        """Settle the async saves in flight but the newest ``keep`` (``_Pending.settle``; closed: refused)."""
+        self._pending.settle(self._stager, raise_error, refused, keep)
 
     def _persist(self, staged: StagedSnapshot) -> PersistResult:
         """The commit recipe of the first tier's placement: one copy per node of a node-local
@@ -287,19 +286,16 @@ class Tailor:
 
     def close(self) -> None:
         """Wait for the async saves in flight and, with tiers, for the last composite's promotion to
-        every tier (raising what failed); remove the fence and hooks; release the writer locks."""
+        every tier (raising what failed); remove the fence and hooks; release the writer locks. Then
+        closed, even if it raised: ``close`` again does nothing; ``save``, ``restore``, ``wait`` raise."""
+        if self._pending.closed:
+            return
         try:
             self._settle(raise_error=True)
         finally:
-            self._remove_hooks()
+            self._pending.close(self._stager)
             self.tiers.close(self.coordinator)  # the last promotion, then the locks (collective)
         self.tiers.raise_failure(self.coordinator)
-
-    def _remove_hooks(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-        if self._drift is not None:
-            self._drift.close()
 
     def __enter__(self) -> Tailor:
         return self
@@ -315,6 +311,8 @@ class _Pending:
 
     def __init__(self, run: Run, lineage: Lineage, frozen: FrozenParts, drift: DriftWatch | None):
         self.run, self.lineage, self.frozen, self.drift = run, lineage, frozen, drift
+        self.closed = False
+        """Set by ``close`` (``Tailor.close``): its locks released, nothing more is saved or restored."""
 
     def staged(self, step: int, composite: dict[str, int], frozen: FrozenPlan, units: list[str]) -> None:
         """The save of ``step`` is staged: the next save extends it until it commits or fails."""
@@ -338,10 +336,24 @@ class _Pending:
         if self.drift is not None:
             self.drift.failed()
 
-    def settle(self, stager: AsyncStager, raise_error: bool, refused: int | None, keep: int) -> None:
+    def close(self, stager: AsyncStager | None) -> None:
+        """No save follows: the async fence and the drift hooks removed; ``settle`` refuses from now."""
+        self.closed = True
+        if stager is not None:
+            stager.close()
+        if self.drift is not None:
+            self.drift.close()
+
+    def settle(self, stager: AsyncStager | None, raise_error: bool, refused: int | None, keep: int) -> None:
         """Settle the async saves in flight but the newest ``keep`` (``AsyncStager.settle``): the
         committed ones in order; after a failure, back to the last committed save. The failure
-        is raised (once) when ``raise_error``, else kept for the next call."""
+        is raised (once) when ``raise_error``, else kept for the next call. Closed (``close``):
+        a TailorError (a save, restore or wait would take the run's locks again, released)."""
+        if self.closed:
+            raise TailorError(f"this Tailor of {self.run.root} is closed: its locks are released and it saves and "
+                              "restores nothing more; make a new Tailor to go on")
+        if stager is None:
+            return
         committed, failed = stager.settle(keep)
         pointers = [self.committed(job.step, job.composite, job.outcome) for job in committed]
         if failed:

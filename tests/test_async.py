@@ -115,8 +115,9 @@ def test_wait_and_close_raise_a_background_failure(tmp_path, tokens, monkeypatch
     with pytest.raises(BackgroundSaveError, match="async save of step 1 failed in the background .*disk gone"):
         getattr(tailor, call)()
     assert Run(tmp_path).steps() == []
-    assert tailor.wait() is None  # raised once, then gone
-    tailor.close()
+    if call == "wait":
+        assert tailor.wait() is None  # raised once, then gone
+    tailor.close()  # raised once (a second close does nothing)
 
 
 def test_blocking_save_and_wait_on_an_async_tailor(tmp_path, tokens):

@@ -408,3 +408,25 @@ def test_a_restore_reads_and_decodes_the_global_state_once(tmp_path, tokens, mon
     report = Tailor(tmp_path, *tiny(seed=5)).restore()
     assert [w.rsplit("/", 1)[-1] for w in decoded] == ["global.json"]
     assert report.extra == {"epoch": 3} and torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["run", "tiers"])
+def test_a_closed_tailor_refuses_to_save_restore_or_wait_and_a_second_close_is_harmless(tmp_path, tiered):
+    from llmtailor import Tier
+    from llmtailor.store.lock import WriterLock
+
+    tiers = [Tier(tmp_path / "fast", keep=1, promote_every=1)] if tiered else []
+    tailor = Tailor(tmp_path / "run", *tiny(), tiers=tiers)
+    tailor.save(1)
+    tailor.close()
+    before = [tree_digest(tmp_path / "run"), *([tree_digest(tmp_path / "fast")] if tiered else [])]
+    tailor.close()  # harmless: nothing is promoted or released again
+    for call in (lambda: tailor.save(2), tailor.restore, tailor.wait):
+        with pytest.raises(TailorError, match=r"is closed: .*make a new Tailor"):
+            call()
+    after = [tree_digest(tmp_path / "run"), *([tree_digest(tmp_path / "fast")] if tiered else [])]
+    assert after == before
+    for where in ["run", *(["fast"] if tiered else [])]:  # no lock taken again: another writer may take the run
+        assert WriterLock(tmp_path / where).storage.locks.writer().holder_if_other() is None
+    with Tailor(tmp_path / "run", *tiny(), tiers=tiers) as again:
+        assert again.restore().step == 1

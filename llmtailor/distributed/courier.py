@@ -233,47 +233,67 @@ class Courier:
             raise
 
     def _exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
+        # A peer that fails (dead, hung, or sending what it did not announce) is noted and the
+        # exchange goes on with the others, failing at its end, naming it: a live peer's sends
+        # wait for this rank's receives, and its receives for this rank's sends kept, so a live
+        # peer is not left to its timeout (nor to blame this rank) where the dead one is found
+        # at once. A rank failed already is not waited for again (if hung: another timeout).
+        failed: dict[int, CoordinationError] = {}
         sends = []
         for dst, (listing, payload) in outgoing.items():
-            names = json.dumps([[name, size] for name, size in listing]).encode()
-            contents = _per_file(listing, payload)
-            total = sum(content.numel() for content in contents)
-            sizes = torch.tensor([len(names), total], dtype=torch.int64)
-            sends.append((dst, self._send(sizes, dst, _SIZES)))
-            sends.append((dst, self._send(_as_tensor(names), dst, _NAMES)))
-            sends += [(dst, self._send(content, dst, _BYTES)) for content in contents if content.numel()]
-            self.sent_bytes += total
-        received = self._receive_packed(sources)
+            sends += _noting(failed, dst, self._post_sends, dst, listing, payload) or []
+        received = self._receive_packed(sources, failed)
         for dst, work in sends:
-            self._wait(work, f"sending files to rank {dst}")
+            if dst not in failed:
+                _noting(failed, dst, self._wait, work, f"sending files to rank {dst}")
+        if failed:
+            raise CoordinationError("; ".join(str(err) for err in failed.values()))
         return received
 
-    def _receive_packed(self, sources: Sequence[int]) -> dict[int, Packed]:
+    def _post_sends(self, dst: int, listing: list[tuple[str, int]], payload: torch.Tensor | list[torch.Tensor]) -> list:
+        """The sends of one destination's files posted (``exchange_packed``): ``[(dst, work)]``."""
+        names = json.dumps([[name, size] for name, size in listing]).encode()
+        contents = _per_file(listing, payload)
+        total = sum(content.numel() for content in contents)
+        sizes = torch.tensor([len(names), total], dtype=torch.int64)
+        sends = [(dst, self._send(sizes, dst, _SIZES)), (dst, self._send(_as_tensor(names), dst, _NAMES))]
+        sends += [(dst, self._send(content, dst, _BYTES)) for content in contents if content.numel()]
+        self.sent_bytes += total
+        return sends
+
+    def _receive_packed(self, sources: Sequence[int], failed: dict[int, CoordinationError]) -> dict[int, Packed]:
         """Each source's files, back to back in one buffer: every source's sizes asked for at
         once, then, as each one's come, its names, then each of its files' bytes into its place
         in the buffer (one wait per message that must come before the next can be asked for,
-        not one per message)."""
+        not one per message). A source that fails is noted in ``failed`` (by rank), the others'
+        messages still taken (``_exchange_packed``); what is returned then is partial."""
         headers = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
         asked = {src: self._receive(sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
-            what = f"receiving files from rank {src}"
-            self._wait(asked[src], what)
-            names = torch.empty(int(sizes[0]), dtype=torch.uint8)
-            self._wait(self._receive(names, src, _NAMES), what)
-            listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
-            payload = torch.empty(sum(size for _, size in listed), dtype=torch.uint8)
-            works = [self._receive(content, src, _BYTES) for content in _per_file(listed, payload) if content.numel()]
-            if payload.numel() != int(sizes[1]):
-                for work in works:  # its files taken first: the peer's sends end now, not at its timeout
-                    self._wait(work, what)
-                raise CoordinationError(f"rank {src} sent {int(sizes[1])} bytes for files announced as "
-                                        f"{payload.numel()} bytes")
-            coming[src] = listed, payload, works
-        for src, (_, _, works) in coming.items():
-            for work in works:
-                self._wait(work, f"receiving files from rank {src}")
-        return {src: (listed, payload) for src, (listed, payload, _) in coming.items()}
+            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src])
+        for src, posted in coming.items():
+            for work in posted[2] if posted is not None else []:
+                _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
+                if src in failed:
+                    break
+        return {src: (posted[0], posted[1]) for src, posted in coming.items() if posted is not None}
+
+    def _post_packed(self, src: int, sizes: torch.Tensor, asked: Any) -> tuple[list[tuple[str, int]], torch.Tensor, list]:
+        """``_receive_packed`` for one source: its names, then the receives of its files posted."""
+        what = f"receiving files from rank {src}"
+        self._wait(asked, what)
+        names = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        self._wait(self._receive(names, src, _NAMES), what)
+        listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
+        payload = torch.empty(sum(size for _, size in listed), dtype=torch.uint8)
+        works = [self._receive(content, src, _BYTES) for content in _per_file(listed, payload) if content.numel()]
+        if payload.numel() != int(sizes[1]):
+            for work in works:  # its files taken first: the peer's sends end now, not at its timeout
+                self._wait(work, what)
+            raise CoordinationError(f"rank {src} sent {int(sizes[1])} bytes for files announced as "
+                                    f"{payload.numel()} bytes")
+        return listed, payload, works
 
     def _lane(self, piece: int) -> int:
         """The tag of a stream's ``piece``-th piece between two ranks: ``_BYTES`` on one lane;
@@ -303,6 +323,15 @@ class Courier:
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
                                     f"({_first_line(err)})") from None
+
+
+def _noting(failed: dict[int, CoordinationError], peer: int, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or None with its CoordinationError noted as ``peer``'s in ``failed`` (its first)."""
+    try:
+        return call(*args)
+    except CoordinationError as err:
+        failed.setdefault(peer, err)
+        return None
 
 
 def _first_line(err: BaseException) -> str:

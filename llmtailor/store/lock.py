@@ -10,6 +10,7 @@ deleted.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from llmtailor.errors import StorageError, TailorError
@@ -34,6 +35,10 @@ class WriterLock:
         """The process whose hold ``_backend`` is: a forked child's copy holds nothing (``_forked``)."""
         self.cleared = Leftovers()
         """What this lock's ``acquire`` cleared of crashed writers' leftovers."""
+        self.closed = False
+        """Released for good (``release(for_good=True)``): ``acquire`` refuses from then on."""
+        self._mutex = threading.Lock()
+        """Taking and letting go, one at a time (a promoter's thread claims while ``close`` releases)."""
 
     @property
     def held(self) -> bool:
@@ -45,7 +50,15 @@ class WriterLock:
 
         Within one process the lock is shared: a second ``Tailor`` of the same run (one that
         saved, another that restores) holds it too, and only the first clears leftovers (the
-        other's save may be in flight). Between processes it is exclusive."""
+        other's save may be in flight). Between processes it is exclusive. A lock released for
+        good (its writer closed) refuses: TailorError."""
+        with self._guard():
+            self._acquire()
+
+    def _acquire(self) -> None:
+        if self.closed:
+            raise TailorError(f"{self.root}: this writer was closed and released the run's lock; nothing more is "
+                              "written by it")
         if self.held:
             return
         key = self._key()
@@ -115,8 +128,11 @@ class WriterLock:
     def _key(self) -> str:
         return f"{type(self.storage).__name__}:{self.storage.identity()}"
 
-    def release(self) -> None:
-        self._let_go(abandon=False)
+    def release(self, *, for_good: bool = False) -> None:
+        """Let go of this writer's share of the lock; ``for_good`` (its writer closed): and never
+        take it again (``acquire`` refuses), so a promotion of that writer still running cannot
+        take it back (and ``check_held`` refuses its commit)."""
+        self._let_go(abandon=False, for_good=for_good)
 
     def abandon(self) -> None:
         """``release``, and where this is the process's last holder of the lock, remove what
@@ -124,12 +140,22 @@ class WriterLock:
         failed, which leaves the location as it found it."""
         self._let_go(abandon=True)
 
-    def _let_go(self, abandon: bool) -> None:
+    def _let_go(self, abandon: bool, for_good: bool = False) -> None:
+        with self._guard():
+            self.closed = self.closed or for_good
+            self._let_go_held(abandon)
+
+    def _guard(self) -> threading.Lock:
+        """This lock's mutex in this process. A forked child's copy holds nothing: the lock stays
+        its parent's (``_forked``), and the copy gets a mutex of its own (a parent's thread may
+        have held the one the fork copied)."""
+        if self._owner != os.getpid():
+            self._backend, self._owner, self._mutex = None, os.getpid(), threading.Lock()
+        return self._mutex
+
+    def _let_go_held(self, abandon: bool) -> None:
         backend = self._backend
         if backend is None:
-            return
-        if self._owner != os.getpid():  # a forked child's copy: the lock stays its parent's (``_forked``)
-            self._backend = None
             return
         key = self._key()
         held = _HELD.get(key)
@@ -164,7 +190,7 @@ def _forked() -> None:
     local run's descriptor, which would otherwise keep the parent's ``flock`` held after the
     parent died) without touching the lock, and its own writer takes the lock anew (refused while
     the parent holds it: one writer per run). A copy of a ``WriterLock`` dropped in the child
-    releases nothing (``_let_go``): before, it deleted the parent's object-store lease, or hung
+    releases nothing (``_guard``): before, it deleted the parent's object-store lease, or hung
     asking the store from the child."""
     for backend, _, _ in _HELD.values():
         backend.forsake()

@@ -320,7 +320,7 @@ def test_a_packed_exchange_whose_sizes_disagree_takes_the_peers_bytes_before_it_
             return Done()
 
     with pytest.raises(CoordinationError, match="rank 0 sent 2999 bytes for files announced as 3002 bytes"):
-        Courier(Group(), 1)._receive_packed([0])
+        Courier(Group(), 1).exchange_packed({}, [0])
     assert wire[courier_module._BYTES] == []  # every message of the peer taken
 
 
@@ -339,3 +339,56 @@ def test_a_send_or_receive_refused_as_it_is_posted_names_the_peer():
         Courier(Gone(), rank=0, timeout=1).exchange({1: [("units/u.safetensors", b"x")]}, [])
     with pytest.raises(CoordinationError, match=r"receiving files from rank 2 failed: the rank died .*Connection closed"):
         Courier(Gone(), rank=0, timeout=1).exchange({}, [2])
+
+
+@pytest.mark.parametrize("found", ["waiting", "posting"])
+def test_a_packed_exchange_with_one_dead_peer_names_it_once_the_live_peers_messages_are_taken(found):
+    """Rank 0 exchanges with ranks 1 and 2 (in one process, the group faked as above); rank 1 is
+    dead (gloo fails the waits of its receives, or refuses a send to it as it is posted: the
+    connection closed). The exchange fails naming rank 1, once
+    rank 2's files were taken and rank 0's sends to rank 2 waited for: a live sender's sends
+    wait for receives posted, and a live receiver for sends kept, so neither is left to its
+    timeout (nor blames rank 0, which is alive) where the dead rank is found at once."""
+    import json
+
+    import torch
+
+    from llmtailor.distributed import courier as courier_module
+
+    files = [("units/u.rank-00002.safetensors", bytes([2]) * 3000), ("ranks/rank-00002.json", b"{}")]
+    names = json.dumps([[name, len(content)] for name, content in files]).encode()
+    wire = {courier_module._SIZES: [torch.tensor([len(names), 3002])],
+            courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
+            courier_module._BYTES: [torch.frombuffer(bytearray(content), dtype=torch.uint8) for _, content in files]}
+    waited: list[int] = []
+
+    class Done:
+        def __init__(self, peer: int):
+            self.peer = peer
+
+        def wait(self, timeout=None) -> bool:
+            waited.append(self.peer)
+            return True
+
+    class Dead:
+        def wait(self, timeout=None) -> bool:
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5001")
+
+    class Group:
+        def recv(self, tensors, src, tag):
+            if src == 1:
+                return Dead()
+            tensors[0].copy_(wire[tag].pop(0))
+            return Done(src)
+
+        def send(self, tensors, dst, tag):
+            if dst == 1 and found == "posting":
+                raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5001")
+            return Done(dst)
+
+    mine = [("units/u.rank-00000.safetensors", b"x" * 10)]
+    with pytest.raises(CoordinationError, match=r"files (from|to) rank 1 failed.*Connection closed") as raised:
+        Courier(Group(), 0, timeout=1).exchange({1: mine, 2: mine}, [1, 2])
+    assert "rank 2" not in str(raised.value)
+    assert [len(messages) for messages in wire.values()] == [0, 0, 0]  # rank 2's every message taken
+    assert waited.count(2) == 2 + 2 + 3  # rank 2's sizes, names and 2 files received; rank 0's 3 sends to it

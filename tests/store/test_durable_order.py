@@ -13,7 +13,7 @@ import os
 import threading
 from pathlib import Path
 
-from helpers import tiny, train
+from helpers import assert_bitwise, tiny, train, unit_versions
 
 from llmtailor import Full, Tailor
 from llmtailor.constants import (GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, PACKS_DIR, TMP_DIR,
@@ -241,3 +241,29 @@ def test_the_old_latest_file_loses_its_last_link_on_the_purgers_thread_not_the_s
         assert not list((root / TMP_DIR).iterdir())
         assert (root / LATEST_FILE).read_text().strip() == snapshot_dirname(2)
     assert Run(root).latest_step() == 2
+
+
+def test_an_old_latest_link_a_crash_left_in_tmp_changes_no_answer_and_the_next_writer_clears_it(tmp_path, tokens):
+    """A writer killed between linking the old ``latest`` into ``.tmp/`` and the purger's unlink
+    leaves that link (and the ``latest`` of either side of the replace): ``verify``, ``inspect``
+    and restore answer as without it, and the next writer removes it when it takes the lock."""
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    model, optimizer, scheduler = tiny(layers=2)
+    root = tmp_path / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full()) as tailor:
+        for step in (1, 2):
+            train(model, optimizer, scheduler, tokens, [step])
+            tailor.save(step)
+    (root / LATEST_FILE).write_text(snapshot_dirname(1) + "\n")  # the replace lost too: the old pointer
+    os.link(root / LATEST_FILE, root / TMP_DIR / f"{LATEST_FILE}.0badc0de")
+    runner = CliRunner()
+    verified, inspected = runner.invoke(app, ["verify", str(root)]), runner.invoke(app, ["inspect", str(root)])
+    assert verified.exit_code == 0 and inspected.exit_code == 0, verified.output + inspected.output
+    fresh = tiny(layers=2, seed=3)
+    with Tailor(root, *fresh, policy=Full()) as tailor:
+        assert not (root / TMP_DIR).exists() or not any((root / TMP_DIR).iterdir())
+        assert tailor.restore().step == 2
+    assert_bitwise(unit_versions(fresh[0], fresh[1]), unit_versions(model, optimizer))

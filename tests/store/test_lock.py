@@ -151,3 +151,77 @@ def test_a_lock_not_held_confirms_no_commit(tmp_path):
     lock.release()
     with pytest.raises(TailorError, match="does not hold the run's lock"):
         lock.check_held()
+
+
+FORKED_WRITER = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, sys.argv[2])
+    from helpers import tiny
+    from llmtailor import Tailor
+    with Tailor(f"{sys.argv[1]}/parent", *tiny()) as tailor:
+        tailor.save(1)
+        tailor.save(2)  # replaces latest: the old one's file removed on the purger's thread
+    child = os.fork()  # a multiprocessing worker of a sweep (the fork start method), a writer of its own run
+    if child == 0:
+        with Tailor(f"{sys.argv[1]}/child", *tiny(), keep=1) as tailor:
+            tailor.save(1)
+            tailor.save(2)
+        os._exit(0)
+    """
+)
+CHILD_OUTCOME = textwrap.dedent(
+    """
+    for _ in range(1200):  # a guard against a hang, not a timing: the child's work takes a second
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            print(f"child exit {os.waitstatus_to_exitcode(status)}")
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        print("child hung")
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_forked_child_writes_and_closes_a_run_of_its_own(tmp_path):
+    """A process forked after its parent saved (its purger thread running) saves a run of its own,
+    with retention, and closes. Before, the child inherited the parent's purger as it was: no
+    thread of its own to remove what its saves handed over (the old ``latest``, the snapshots its
+    retention discarded), so its ``close`` waited for them for ever."""
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", FORKED_WRITER + CHILD_OUTCOME, str(tmp_path), str(Path(__file__).parents[1])],
+                          capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "child exit 0", done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "child/snapshots").iterdir()) == ["step-00000002"]
+    assert not any((tmp_path / "child/.tmp").iterdir()) and not any((tmp_path / "child/.trash").iterdir())
+
+
+def test_a_forked_child_drops_its_copy_of_a_lock_whatever_a_parent_thread_held(tmp_path):
+    """A fork lands while a parent thread takes or lets go of a writer lock (a promoter's claim,
+    ``close``'s release): the child's copy of that lock, dropped or taken, uses a mutex of its own,
+    never the copy the fork made held (with no thread to let it go)."""
+    script = textwrap.dedent(f"""
+        import os, time
+        from llmtailor.store.lock import WriterLock
+        from llmtailor.errors import TailorError
+
+        lock = WriterLock({str(tmp_path / "run")!r})
+        lock.acquire()
+        lock._mutex.acquire()  # held as the fork lands, as a parent thread's claim or release holds it
+        child = os.fork()
+        if child == 0:
+            assert not lock.held
+            try:
+                lock.acquire()  # the parent holds the run: refused, not hung
+            except TailorError:
+                pass
+            lock.release()
+            os._exit(0)
+        lock._mutex.release()
+    """) + CHILD_OUTCOME
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "child exit 0", done.stdout + done.stderr

@@ -8,7 +8,7 @@ import os
 import shutil
 
 import pytest
-from helpers import parity_run, assert_bitwise, tiny, unit_versions
+from helpers import parity_run, assert_bitwise, tiny, tree_digest, unit_versions
 from helpers import unit_file as file_holding
 from typer.testing import CliRunner
 
@@ -81,3 +81,28 @@ def test_a_run_reached_through_a_link_and_links_inside_it_are_fine(saved, run_di
     twin, twin_opt, twin_sched = tiny(seed=2)
     Tailor(saved, twin, twin_opt, twin_sched).restore()  # the same composite, by the plain path
     assert_bitwise(unit_versions(model, opt), unit_versions(twin, twin_opt))
+
+
+def test_retention_and_the_pointers_replace_remove_links_never_what_they_point_to(run_dir, tmp_path):
+    """A run whose ``latest`` is a link to a file elsewhere and whose snapshot retention discards is
+    a link to a directory elsewhere: a save with ``keep=1`` replaces the one and removes the other
+    as links, leaving the files they point to as they were. Before, the purger resolved both: the
+    pointer's replace deleted the file ``latest`` pointed to (since the old pointer was kept linked
+    in ``.tmp/`` for the purger, session 47), and retention the whole directory outside the run."""
+    from llmtailor import Parity
+    from llmtailor.store.storage.local_commit import _PURGER
+
+    pointer, snapshot = tmp_path / "pointer-elsewhere", tmp_path / "step-1-elsewhere"
+    _link_out(run_dir / "latest", pointer)
+    _link_out(run_dir / "snapshots/step-00000001", snapshot)  # the composite of 3 does not need it
+    before = {"pointer": pointer.read_bytes(), **{f"step-1/{k}": v for k, v in tree_digest(snapshot).items()}}
+    tailor = Tailor(run_dir, *tiny(seed=2), policy=Parity(), keep=1)
+    assert tailor.restore().step == 3
+    tailor.save(4)
+    _PURGER.wait(run_dir)
+    tailor.close()
+    assert pointer.exists() and snapshot.exists(), (pointer.exists(), snapshot.exists())
+    assert {"pointer": pointer.read_bytes(), **{f"step-1/{k}": v for k, v in tree_digest(snapshot).items()}} == before
+    assert sorted(p.name for p in (run_dir / "snapshots").iterdir()) == ["step-00000003", "step-00000004"]
+    assert (run_dir / "latest").read_text() == "step-00000004\n" and not (run_dir / "latest").is_symlink()
+    assert not any((run_dir / ".trash").iterdir()) and not any((run_dir / ".tmp").iterdir())

@@ -709,18 +709,14 @@ def test_a_tailor_dropped_without_close_lets_its_tiers_go_and_the_next_one_of_th
     assert len(tiers_module._UNCLOSED) == kept
 
 
-def test_a_close_interrupted_while_a_promotion_runs_keeps_the_tiers_locked_until_it_committed(tmp_path, tokens,
-                                                                                             monkeypatch):
-    """Ctrl-C while ``close()`` waits for the last promotion (a KeyboardInterrupt out of
-    ``Promoter.finish``): the promotion in flight, whose thread goes on, commits before the tiers'
-    locks are released, never into a tier this writer no longer holds (another writer's by then),
-    and ``close`` raises the interrupt once it did. Before: the locks were released at once, the
-    promotion still running (it then committed without the lock: a promotion's commit checked only a
-    lock it held, and passed once the lock was released)."""
-    home, memory = tmp_path / "home", tmp_path / "memory"
-    tailor, model, opt, sched = tiered(home, memory, keep=None)
+def _close_interrupted(tmp_path, tokens, monkeypatch, wait):
+    """A tiered Tailor saves steps 1 and 2 and closes while the promotion of step 2 is held at its
+    start: Ctrl-C while ``close()`` waits for the last promotion (a KeyboardInterrupt out of
+    ``Promoter.finish``), then its wait for the promotion in flight is ``wait(promoter, go,
+    real_wait)`` (``go`` lets the promotion go on). Returns the Tailor once ``close`` raised."""
+    tailor, model, opt, sched = tiered(tmp_path / "home", tmp_path / "memory", keep=None)
     save_steps(tailor, model, opt, sched, tokens, [1])
-    started, go, real = threading.Event(), threading.Event(), promote.promote
+    started, go, real, real_wait = threading.Event(), threading.Event(), promote.promote, promote.Promoter.wait
 
     def held(*args, **kwargs):
         started.set()
@@ -730,13 +726,9 @@ def test_a_close_interrupted_while_a_promotion_runs_keeps_the_tiers_locked_until
     def interrupted(self) -> None:
         raise KeyboardInterrupt
 
-    def wait(self, real_wait=promote.Promoter.wait) -> None:
-        go.set()  # the promotion goes on only once something waits for it
-        real_wait(self)
-
     monkeypatch.setattr(promote, "promote", held)
     monkeypatch.setattr(promote.Promoter, "finish", interrupted)
-    monkeypatch.setattr(promote.Promoter, "wait", wait)
+    monkeypatch.setattr(promote.Promoter, "wait", lambda self: wait(self, go, real_wait))
     save_steps(tailor, model, opt, sched, tokens, [2], settle=False)
     try:
         assert started.wait(120)  # a bound on a hang: the promotion of step 2 is in flight
@@ -744,5 +736,42 @@ def test_a_close_interrupted_while_a_promotion_runs_keeps_the_tiers_locked_until
             tailor.close()
     finally:
         go.set()  # a failed test leaves no thread waiting
-    assert Run(home).steps() == [1, 2] and Run(home).verify() == []
+    return tailor
+
+
+def test_a_close_interrupted_while_a_promotion_runs_keeps_the_tiers_locked_until_it_committed(tmp_path, tokens,
+                                                                                             monkeypatch):
+    """The promotion in flight, whose thread goes on, commits before the tiers' locks are
+    released, never into a tier this writer no longer holds (another writer's by then), and
+    ``close`` raises the interrupt once it did. Before: the locks were released at once, the
+    promotion still running (it then committed without the lock: a promotion's commit checked only a
+    lock it held, and passed once the lock was released)."""
+
+    def wait(promoter, go, real_wait) -> None:
+        go.set()  # the promotion goes on only once something waits for it
+        real_wait(promoter)
+
+    tailor = _close_interrupted(tmp_path, tokens, monkeypatch, wait)
+    assert Run(tmp_path / "home").steps() == [1, 2] and Run(tmp_path / "home").verify() == []
     assert not any(level.lock.held for level in tailor.tiers.levels)
+
+
+def test_a_close_interrupted_twice_leaves_no_lock_and_its_promotion_takes_none_back(tmp_path, tokens, monkeypatch):
+    """A second Ctrl-C, in ``close()``'s wait for the promotion in flight: the locks are released
+    at once, and that promotion, not yet at its commit (nor at its claim of the slower tier's
+    lock), commits nothing and takes no lock back; another writer may take both tiers. Before,
+    the promotion's claim took the released lock again: step 2 was committed after ``close`` and
+    the lock kept until the Tailor was dropped."""
+    from llmtailor.store.lock import WriterLock
+
+    def wait(promoter, go, real_wait) -> None:
+        raise KeyboardInterrupt
+
+    real_wait = promote.Promoter.wait
+    monkeypatch.setattr(promote, "_pause_before_retry", lambda seconds: None)
+    tailor = _close_interrupted(tmp_path, tokens, monkeypatch, wait)
+    real_wait(tailor.tiers.promoter)  # the promotion's thread ended
+    assert Run(tmp_path / "home").steps() == [1] and Run(tmp_path / "home").verify() == []
+    assert [level.lock.held for level in tailor.tiers.levels] == [False, False]
+    for where in ("home", "memory"):
+        assert WriterLock(tmp_path / where).storage.locks.writer().holder_if_other() is None

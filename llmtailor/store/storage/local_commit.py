@@ -118,7 +118,7 @@ class LocalCommits(SnapshotCommits):
         target = self.root / token
         try:
             fsync_dir(self._left.pop(token, self.root / SNAPSHOTS_DIR))  # the rename durable before any removal
-            shutil.rmtree(target)
+            _remove(target)
         except OSError as err:
             raise StorageError(f"{target}: could not delete ({err.strerror}); the next writer retries", err) from None
 
@@ -143,7 +143,7 @@ class _Purger:
     mid-removal leaves the rest in ``.trash/``, which the next writer clears (``clear_leftovers``)."""
 
     def __init__(self):
-        self._queue: queue.SimpleQueue[tuple[Path, Path | None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Path, Path | None, Path]] = queue.SimpleQueue()
         self._pending: dict[Path, int] = {}
         """Run root -> removals queued or under way in its ``.trash/`` and ``.tmp/``."""
         self._changed = threading.Condition()
@@ -152,13 +152,15 @@ class _Purger:
     def submit(self, target: Path, left: Path | None) -> None:
         """Remove ``target`` (a directory, or a file; in ``.trash/`` or ``.tmp/`` of a run) once
         the directory it was renamed out of, ``left`` (if any), is fsynced."""
-        target = Path(os.path.realpath(target))  # the same run however its root was spelled
+        # The same run however its root was spelled; the target itself unresolved: a link (a
+        # snapshot or ``latest`` that was one) is removed as a link, never what it points to.
+        root = Path(os.path.realpath(target.parent.parent))
         with self._changed:
-            self._pending[target.parent.parent] = self._pending.get(target.parent.parent, 0) + 1
+            self._pending[root] = self._pending.get(root, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="llmtailor-purge", daemon=True)
                 self._thread.start()
-        self._queue.put((target, left))
+        self._queue.put((Path(os.path.realpath(target.parent)) / target.name, left, root))
 
     def wait(self, root: Path) -> None:
         if sys.is_finalizing():  # the thread may be stopped already: what is left stays in the trash
@@ -169,22 +171,31 @@ class _Purger:
 
     def _work(self) -> None:
         while True:
-            target, left = self._queue.get()
+            target, left, root = self._queue.get()
             try:
                 if left is not None:
                     fsync_dir(left)  # the rename durable before any removal: a crash finds it whole or gone
-                if target.is_dir():
-                    shutil.rmtree(target)
-                else:
-                    target.unlink()
+                _remove(target)
             except OSError as err:
                 log.warning("llmtailor retention: %s: could not delete (%s); the next writer retries", target, err.strerror)
             finally:
                 with self._changed:
-                    self._pending[target.parent.parent] -= 1
-                    if not self._pending[target.parent.parent]:
-                        del self._pending[target.parent.parent]
+                    self._pending[root] -= 1
+                    if not self._pending[root]:
+                        del self._pending[root]
                     self._changed.notify_all()
 
 
+def _remove(target: Path) -> None:
+    """Remove ``target``: a directory with its files, a file, or a link as a link (never what it
+    points to: a snapshot linked outside the run is not this run's to delete)."""
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+
+
 _PURGER = _Purger()
+# A forked child (a multiprocessing worker of a sweep) has no purger thread, only the parent's
+# queue and counts as the fork found them: one of its own, or its writers' release waits for ever.
+os.register_at_fork(after_in_child=_PURGER.__init__)

@@ -428,6 +428,9 @@ class Promoter:
                     return None
                 step = newer  # the one that failed left the source meanwhile: its successor, at once
             except (TailorError, OSError) as err:
+                if level.lock.closed:  # its writer closed meanwhile (a close() interrupted twice): no retry
+                    log.warning("llmtailor: promoting step %d to %s stopped, its writer closed: %s", step, level.name, err)
+                    return None
                 failed.append((step, str(err) if isinstance(err, TailorError) else describe_os_error(err)))
                 if len(failed) == ATTEMPTS:
                     self._fail(f"promoting step {step} from {source.root} to {level.name} failed {ATTEMPTS} times "

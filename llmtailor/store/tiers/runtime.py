@@ -328,9 +328,10 @@ class Tiers:
                 level.held_back = retain_after_commit(run, level.keep, f"{level.name} (at close)")
 
     def release(self) -> None:
-        """Release every tier's lock (held or not); promote nothing more."""
+        """Release every tier's lock (held or not), for good: a promotion still running takes
+        none back (it commits nothing more: ``check_held``); promote nothing more."""
         for level in self.levels:
-            level.lock.release()
+            level.lock.release(for_good=True)
 
     def abandon(self) -> None:
         """Undo a writer's start that failed: each tier's record put back as it was, every lock
