@@ -67,6 +67,16 @@ class Recorder:
         return any(e[:2] == ("fsync", str(path)) and (size is None or e[3] == size) for e in self.events[after + 1 : end])
 
 
+def _saved_once(tmp_path, tokens) -> tuple[Path, Tailor]:
+    """A tiny model's Tailor (``Full``, ``keep=1``) that saved step 1, and its run's root."""
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    tailor = Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False)
+    tailor.save(1)
+    return root, tailor
+
+
 def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]:
     """A tiny model saved at steps 1 and 2 with ``keep=1`` (the second save removes the first:
     retention's rename too); the recorder holds the events of the second save only. Every
@@ -74,11 +84,7 @@ def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]
     of an unfinished file, which must not stand for the fsync of the whole)."""
     from llmtailor.store.storage import local_durable
 
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    tailor = Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False)
-    tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
     recorder = Recorder(monkeypatch)
     monkeypatch.setattr(local_durable, "WRITE_OUT_FROM", 1, raising=False)
     tailor.save(2)
@@ -124,11 +130,8 @@ def test_retention_makes_its_rename_durable_on_the_purgers_thread_before_removin
     retention). That fsync was the last of a small save's chain (bench/RESULTS.md, issue 33,
     session 46). Every fsync of ``snapshots/`` and every removal of a trash directory is
     recorded with its thread."""
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         recorder = Recorder(monkeypatch)
         real_rmtree = local_commit.shutil.rmtree
 
@@ -158,11 +161,8 @@ def test_a_small_local_save_makes_its_staged_files_manifest_and_directories_dura
     the other never fill it, and the save fails. Nothing is renamed before all are durable
     (``test_a_local_save_publishes_each_file_and_directory_only_once_it_is_durable``). And no
     fsync is added: 11 in all, as before (the rule above needs each)."""
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         together, met = threading.Barrier(8, timeout=30), []
         real, calls = os.fsync, []
 
@@ -194,11 +194,8 @@ def test_a_local_save_leaves_its_manifest_and_small_files_in_the_page_cache(tmp_
     is the one large file. Every ``posix_fadvise`` of the second save is recorded."""
     from llmtailor.store.storage import local_durable
 
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         pack = root / "snapshots" / snapshot_dirname(1) / pack_filename(0, 0)
         monkeypatch.setattr(local_durable, "CACHED_UNDER", pack.stat().st_size, raising=False)
         real, dropped = os.posix_fadvise, []
@@ -260,11 +257,8 @@ def test_a_staged_file_whose_fsync_fails_commits_nothing_though_the_manifest_was
 
     from llmtailor.errors import StorageError
 
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         recorder = Recorder(monkeypatch)
         recorded = os.fsync
 
@@ -290,12 +284,9 @@ def test_a_pack_has_its_write_out_started_on_a_helper_thread_before_its_last_byt
     48). Each hand-over of the pack is recorded with the file's size then, and each fsync."""
     from llmtailor.store.storage import local_durable
 
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
     name = pack_filename(0, 0)
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         size = (root / "snapshots" / snapshot_dirname(1) / name).stat().st_size
         monkeypatch.setattr(local_durable, "WRITE_OUT_FROM", size // 2, raising=False)
         recorder, real_submit = Recorder(monkeypatch), local_durable.Syncer.submit
