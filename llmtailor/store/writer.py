@@ -20,10 +20,11 @@ or an object store, each rank writing straight to it, so no filesystem is shared
    its commit);
 3. once every rank has reported success (and the async save before this one, if still in
    flight, has committed: ``staged.InTurn``), the leader writes the unit indexes (one file, a
-   line per unit), waits for its own files and the indexes to be durable, then writes the
-   manifest last, only if absent (on an object store that write is the commit), commits the
-   staging place (locally: the manifest, the staged directories and ``latest``'s new file
-   fsynced together, atomic rename into ``snapshots/``, fsync), replaces the ``latest``
+   line per unit), then the manifest last, only if absent (on an object store that write is
+   the commit, once its own files and the indexes are uploaded), commits the staging place
+   (locally: the manifest, the staged directories and ``latest``'s new file fsynced together,
+   beside its own files' and the indexes' fsyncs still in flight; once all are durable, atomic
+   rename into ``snapshots/``, fsync), replaces the ``latest``
    pointer atomically (its rename after the snapshot's is durable), and announces the outcome.
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
@@ -108,7 +109,7 @@ def persist(
     snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
     if coord.is_leader:
         # The leader's own files stay in flight (their fsyncs running) until its commit: the
-        # unit indexes join them, and one drain before the manifest waits for them all.
+        # unit indexes join them, and the commit waits for them all before it commits anything.
         with snapshot.files() as files:
             part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
 
@@ -143,8 +144,8 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             confirm: Callable[[], None] | None, files: StagedFiles) -> dict[str, Any]:
     """The leader's step 3 (module docstring), once ``gather()`` has every rank's part (it
     raises when any rank failed): the unit indexes, written into ``files`` (the leader's own
-    files' batch, still in flight), all of them durable (``drain``), then the manifest and the
-    commit; what was staged is removed on any failure. Returns the outcome the leader announces."""
+    files' batch, still in flight), then the manifest and the commit, which drains that batch
+    before it commits anything (``SnapshotCommit.commit``'s ``pending``); what was staged is removed on any failure. Returns the outcome the leader announces."""
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
@@ -152,10 +153,11 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             staged.turn.parent_committed()  # an async save in flight before this one: committed first
             indexes, manifest = index_files(staged, parts)
             write_files(snapshot, indexes, files)
-            files.drain()  # the leader's files and the indexes durable before the manifest names them
-            # The manifest is written last, only if absent: without one there is no snapshot.
+            # The manifest is written last, only if absent: without one there is no snapshot. The
+            # leader's files and the indexes are durable before it is committed (``pending``:
+            # locally their fsyncs and the manifest's run side by side, one wait on the disk).
             encoded = manifest.dumps().encode()
-            pointer_error = snapshot.commit(encoded, confirm, latest=True)  # ``latest`` replaced once committed
+            pointer_error = snapshot.commit(encoded, confirm, latest=True, pending=files)  # ``latest`` replaced once committed
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
     return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": pointer_error, "manifest": encoded.decode()}

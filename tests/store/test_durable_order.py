@@ -13,6 +13,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 from helpers import assert_bitwise, tiny, train, unit_versions
 
 from llmtailor import Full, Tailor
@@ -32,9 +33,10 @@ class Recorder:
         real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
 
         def fsync(fd):
-            path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+            number = fd if isinstance(fd, int) else fd.fileno()
+            path, size = os.readlink(f"/proc/self/fd/{number}"), os.fstat(number).st_size
             real_fsync(fd)
-            self.add("fsync", path, threading.current_thread().name)
+            self.add("fsync", path, threading.current_thread().name, size)
 
         def renaming(real):
             def rename(src, dst, *args, **kwargs):
@@ -58,21 +60,33 @@ class Recorder:
         assert len(found) == 1, (dst, self.events)
         return found[0]
 
-    def synced(self, path: Path | str, after: int = -1, before: int | None = None) -> bool:
-        """Whether ``path`` was fsynced (returned) between events ``after`` and ``before``."""
+    def synced(self, path: Path | str, after: int = -1, before: int | None = None, size: int | None = None) -> bool:
+        """Whether ``path`` was fsynced (returned) between events ``after`` and ``before``
+        (with ``size``: once it held that many bytes; an fsync of an unfinished file does not count)."""
         end = len(self.events) if before is None else before
-        return any(e[:2] == ("fsync", str(path)) for e in self.events[after + 1 : end])
+        return any(e[:2] == ("fsync", str(path)) and (size is None or e[3] == size) for e in self.events[after + 1 : end])
 
 
-def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]:
-    """A tiny model saved at steps 1 and 2 with ``keep=1`` (the second save removes the first:
-    retention's rename too); the recorder holds the events of the second save only."""
+def _saved_once(tmp_path, tokens) -> tuple[Path, Tailor]:
+    """A tiny model's Tailor (``Full``, ``keep=1``) that saved step 1, and its run's root."""
     model, optimizer, scheduler = tiny(layers=2)
     train(model, optimizer, scheduler, tokens, [0])
     root = Path(os.path.realpath(tmp_path)) / "run"
     tailor = Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False)
     tailor.save(1)
+    return root, tailor
+
+
+def _saved_twice(tmp_path, tokens, monkeypatch) -> tuple[Recorder, Path, Tailor]:
+    """A tiny model saved at steps 1 and 2 with ``keep=1`` (the second save removes the first:
+    retention's rename too); the recorder holds the events of the second save only. Every
+    staged file has its write-out started after its first bytes (``WRITE_OUT_FROM``: an fsync
+    of an unfinished file, which must not stand for the fsync of the whole)."""
+    from llmtailor.store.storage import local_durable
+
+    root, tailor = _saved_once(tmp_path, tokens)
     recorder = Recorder(monkeypatch)
+    monkeypatch.setattr(local_durable, "WRITE_OUT_FROM", 1, raising=False)
     tailor.save(2)
     Run(root).storage.commits.wait_purged()  # retention's removal, on the purger's thread
     monkeypatch.undo()
@@ -92,7 +106,8 @@ def test_a_local_save_publishes_each_file_and_directory_only_once_it_is_durable(
             for name in files:
                 if name == LEASE_FILE:  # empty, made with the staging directory: its entry is the directory's
                     continue
-                assert recorder.synced(staged / name, before=published), f"{staged / name} not fsynced before the rename"
+                assert recorder.synced(staged / name, before=published, size=(Path(directory) / name).stat().st_size), \
+                    f"{staged / name} not fsynced whole before the rename"
         latest = recorder.rename_of(root / LATEST_FILE)
         new_latest = recorder.events[latest][1]
         assert recorder.synced(new_latest, before=latest), "latest's new file was not fsynced before its rename"
@@ -115,11 +130,8 @@ def test_retention_makes_its_rename_durable_on_the_purgers_thread_before_removin
     retention). That fsync was the last of a small save's chain (bench/RESULTS.md, issue 33,
     session 46). Every fsync of ``snapshots/`` and every removal of a trash directory is
     recorded with its thread."""
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         recorder = Recorder(monkeypatch)
         real_rmtree = local_commit.shutil.rmtree
 
@@ -139,41 +151,37 @@ def test_retention_makes_its_rename_durable_on_the_purgers_thread_before_removin
     assert synced == ["llmtailor-purge"]
 
 
-def test_a_small_local_save_makes_its_staged_files_durable_together_then_its_directories(tmp_path, tokens, monkeypatch):
+def test_a_small_local_save_makes_its_staged_files_manifest_and_directories_durable_together(tmp_path, tokens, monkeypatch):
     """A small save's time is its fsyncs one after another (bench/RESULTS.md, issue 33): the
-    leader's staged files (its pack, global state files, and the unit indexes) are fsynced at
-    once, then the manifest, the staged directories (``packs/`` and the snapshot's own) and
-    ``latest``'s new file (written once the manifest is: its rename still follows the
-    snapshot's, session 46) at once. Each of those fsyncs waits here until its whole group is
-    in flight (a barrier): fsyncs made one after another never fill it, and the save fails.
-    And no fsync is added: 11 in all, as before (the rule above needs each)."""
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
-        groups = {"files": threading.Barrier(4, timeout=60), "last": threading.Barrier(4, timeout=60)}
-        met: dict[str, list[str]] = {"files": [], "last": []}
+    leader's staged files (its pack, global state files, and the unit indexes), the manifest,
+    the staged directories (``packs/`` and the snapshot's own) and ``latest``'s new file (written
+    once the manifest is: its rename still follows the snapshot's, session 46) are fsynced at
+    once, one wait on the disk (session 48; before, the staged files, then the rest). Each of
+    those fsyncs waits here until all eight are in flight (a barrier): two groups one after
+    the other never fill it, and the save fails. Nothing is renamed before all are durable
+    (``test_a_local_save_publishes_each_file_and_directory_only_once_it_is_durable``). And no
+    fsync is added: 11 in all, as before (the rule above needs each)."""
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
+        together, met = threading.Barrier(8, timeout=30), []
         real, calls = os.fsync, []
 
         def fsync(fd):
             path = os.readlink(f"/proc/self/fd/{fd}")
             calls.append(path)
-            pointer = Path(path).name.startswith(f".{LATEST_FILE}.")
             if f"/{TMP_DIR}/" in path:  # staged, or latest's new file
-                group = "last" if pointer or os.path.isdir(path) or path.endswith(f"/{MANIFEST_FILE}") else "files"
-                met[group].append(Path(path).name)
-                groups[group].wait()  # BrokenBarrierError (the save fails) unless the group is in flight together
+                met.append(Path(path).name)
+                together.wait()  # BrokenBarrierError (the save fails) unless all are in flight together
             real(fd)
 
         monkeypatch.setattr(os, "fsync", fsync)
         tailor.save(2)
         tailor.run.storage.commits.wait_purged()  # retention's removal, on the purger's thread
         monkeypatch.undo()
-    assert sorted(met["files"]) == sorted([GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, Path(pack_filename(0, 0)).name])
-    staging = [name for name in met["last"] if name not in (PACKS_DIR, MANIFEST_FILE) and not name.startswith(f".{LATEST_FILE}.")]
-    assert len(met["last"]) == 4 and {PACKS_DIR, MANIFEST_FILE} <= set(met["last"])
-    assert len(staging) == 1 and staging[0].startswith(f"{snapshot_dirname(2)}.")
+    files = [GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, Path(pack_filename(0, 0)).name, PACKS_DIR, MANIFEST_FILE]
+    rest = [name for name in met if name not in files]
+    assert len(met) == 8 and set(files) <= set(met)
+    assert sorted(name.split(".")[0] for name in rest) == ["", snapshot_dirname(2)]  # latest's new file, the snapshot's
     assert len(calls) == 11, calls
 
 
@@ -186,11 +194,8 @@ def test_a_local_save_leaves_its_manifest_and_small_files_in_the_page_cache(tmp_
     is the one large file. Every ``posix_fadvise`` of the second save is recorded."""
     from llmtailor.store.storage import local_durable
 
-    model, optimizer, scheduler = tiny(layers=2)
-    train(model, optimizer, scheduler, tokens, [0])
-    root = Path(os.path.realpath(tmp_path)) / "run"
-    with Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False) as tailor:
-        tailor.save(1)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
         pack = root / "snapshots" / snapshot_dirname(1) / pack_filename(0, 0)
         monkeypatch.setattr(local_durable, "CACHED_UNDER", pack.stat().st_size, raising=False)
         real, dropped = os.posix_fadvise, []
@@ -267,3 +272,59 @@ def test_an_old_latest_link_a_crash_left_in_tmp_changes_no_answer_and_the_next_w
         assert not (root / TMP_DIR).exists() or not any((root / TMP_DIR).iterdir())
         assert tailor.restore().step == 2
     assert_bitwise(unit_versions(fresh[0], fresh[1]), unit_versions(model, optimizer))
+
+
+def test_a_staged_file_whose_fsync_fails_commits_nothing_though_the_manifest_was_written_beside_it(tmp_path, tokens, monkeypatch):
+    """The manifest is written, and fsynced, while the staged files' fsyncs are still in flight
+    (session 48): when one of those fails (here the pack's), nothing is renamed, the save fails
+    naming the file, what was staged is removed (``latest``'s new file too) and the previous
+    composite stays the run's."""
+    import errno
+
+    from llmtailor.errors import StorageError
+
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
+        recorder = Recorder(monkeypatch)
+        recorded = os.fsync
+
+        def fsync(fd):
+            if Path(os.readlink(f"/proc/self/fd/{fd}")).name == Path(pack_filename(0, 0)).name:
+                raise OSError(errno.EIO, "injected fsync failure")
+            recorded(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(StorageError, match=r"safetensors durable failed: injected fsync failure"):
+            tailor.save(2)
+        monkeypatch.undo()
+        assert [e for e in recorder.events if e[0] == "rename"] == []
+        assert any(e[1].endswith(f"/{MANIFEST_FILE}") for e in recorder.events if e[0] == "fsync")  # written beside the pack's
+        assert Run(root).steps() == [1] and Run(root).latest_step() == 1
+        assert os.listdir(root / TMP_DIR) == []
+
+
+def test_a_pack_has_its_write_out_started_on_a_helper_thread_before_its_last_byte(tmp_path, tokens, monkeypatch):
+    """A small save's pack is handed to an fsync thread once it holds ``WRITE_OUT_FROM`` bytes
+    (here half the pack), while the rest is written, and again once closed: the disk works
+    while the save writes its last MiBs and does the rest (bench/RESULTS.md, issue 33, session
+    48). Each hand-over of the pack is recorded with the file's size then, and each fsync."""
+    from llmtailor.store.storage import local_durable
+
+    name = pack_filename(0, 0)
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
+        size = (root / "snapshots" / snapshot_dirname(1) / name).stat().st_size
+        monkeypatch.setattr(local_durable, "WRITE_OUT_FROM", size // 2, raising=False)
+        recorder, real_submit = Recorder(monkeypatch), local_durable.Syncer.submit
+
+        def submit(self, path, fd, *args, **kwargs):
+            recorder.add("submit", str(path), threading.current_thread().name, os.fstat(fd).st_size)
+            return real_submit(self, path, fd, *args, **kwargs)
+
+        monkeypatch.setattr(local_durable.Syncer, "submit", submit)
+        tailor.save(2)
+        monkeypatch.undo()
+    handed = [e[3] for e in recorder.events if e[0] == "submit" and e[1].endswith(f"/{name}")]
+    assert len(handed) == 2 and size // 2 <= handed[0] < size and handed[1] == size
+    synced = [e for e in recorder.events if e[0] == "fsync" and e[1].endswith(f"/{name}")]
+    assert [e[2] for e in synced] == ["llmtailor-fsync"] * 2 and size in [e[3] for e in synced]

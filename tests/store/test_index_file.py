@@ -149,7 +149,7 @@ tailor.save(1)
 real = commit.SnapshotCommit.commit
 
 def killed(self, manifest, confirm=None, **pointer):
-    assert (self.run.root / self.staging / INDEXES_FILE).is_file()  # written and durable; the manifest not yet
+    assert (self.run.root / self.staging / INDEXES_FILE).is_file()  # written (durable once the commit has drained its batch); the manifest not yet
     os.kill(os.getpid(), signal.SIGKILL)
 
 commit.SnapshotCommit.commit = killed

@@ -226,13 +226,16 @@ class _opened:
 class LocalSink(Sink):
     """A file being written: large files made durable (and dropped from the page cache) every
     ``FLUSH_EVERY`` bytes, the rest by the batch's syncer once closed (dropped too unless the
-    file is small: ``CACHED_UNDER``)."""
+    file is small: ``CACHED_UNDER``); in a batch, its write-out started once it holds
+    ``WRITE_OUT_FROM`` bytes."""
 
     def __init__(self, path: Path, syncer: Syncer | None):
         self.path, self._syncer = path, syncer
         path.parent.mkdir(parents=True, exist_ok=True)
         self._out = open(path, "wb")
         self._written = self._flushed = 0
+        self._started = False
+        """Whether its write-out was started early (``local_durable.WRITE_OUT_FROM``)."""
 
     def write(self, data: memoryview | bytes) -> None:
         self._out.write(data)
@@ -240,6 +243,11 @@ class LocalSink(Sink):
         if self._written - self._flushed >= local_durable.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
             self._durable(self._flushed, self._written)
             self._flushed = self._written
+        elif not self._started and self._written >= local_durable.WRITE_OUT_FROM and self._syncer is not None:
+            # Its write-out started on a helper thread (nothing dropped: ``_durable`` drops at the close)
+            self._started = True
+            self._out.flush()
+            self._syncer.submit(self.path, os.dup(self._out.fileno()), size=0, drop=False)
 
     def close(self) -> None:
         try:

@@ -17,6 +17,7 @@ import shutil
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
@@ -49,7 +50,8 @@ class LocalCommits(SnapshotCommits):
             (self.root / staging / RANKS_DIR).mkdir()
         return staging
 
-    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
+               pending: Callable[[], None] | None = None) -> OSError | None:
         tmp, target = self.root / staging, self.root / final
         try:
             create_file(tmp / MANIFEST_FILE, manifest)
@@ -67,9 +69,12 @@ class LocalCommits(SnapshotCommits):
         try:
             # The manifest and every directory holding a staged file, so its entries are durable
             # (the snapshot's subdirectories: units/, packs/, ranks/ ..., whichever this save
-            # made; then itself), fsynced at once: the journal commits them together.
+            # made; then itself), fsynced at once, beside the staged files still in flight
+            # (``pending``): the journal commits them together, one wait on the disk, not two
+            # (bench/RESULTS.md, issue 33, session 48). Nothing is renamed before all are durable:
+            # until then the manifest lies in .tmp/, which no reader reads.
             subdirectories = [Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)]
-            fsync_together([tmp / MANIFEST_FILE, *subdirectories, tmp, *([new] if new is not None else [])])
+            fsync_together([tmp / MANIFEST_FILE, *subdirectories, tmp, *([new] if new is not None else [])], beside=pending)
             target.parent.mkdir(parents=True, exist_ok=True)
             os.rename(tmp, target)
             fsync_dir(target.parent)

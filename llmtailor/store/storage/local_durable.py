@@ -11,7 +11,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -22,6 +22,13 @@ from llmtailor.store.storage.base import PIECE
 FLUSH_EVERY = 256 << 20
 """A file larger than this is made durable and dropped from the page cache as it is written:
 growing the cache by gigabytes is what a large write spends its time on (bench/RESULTS.md)."""
+
+WRITE_OUT_FROM = 2 << 20
+"""A file being written is handed to its batch's syncer once it holds this many bytes (its
+fsync, on a helper thread, starts the disk on what is written so far), again every
+``FLUSH_EVERY`` bytes, and at its close: a small save's pack is written out while its last MiBs
+are written and the rest of the save is done, not all after its last byte (bench/RESULTS.md,
+issue 33, session 48)."""
 
 CACHED_UNDER = 16 << 20
 """A written file smaller than this stays in the page cache once durable (``LocalSink``): a
@@ -239,15 +246,19 @@ def create_file(path: Path, data: bytes) -> None:
         out.write(data)
 
 
-def fsync_together(paths: list[Path]) -> None:
+def fsync_together(paths: list[Path], beside: Callable[[], None] | None = None) -> None:
     """fsync every file or directory of ``paths`` side by side (a ``Syncer``: the journal
     commits them together, ``SYNC_THREADS``); returns once all are durable, raising the first
-    failure in the order given. Nothing is dropped from the page cache: what a commit fsyncs
+    failure in the order given. ``beside``: called once they are in flight (waiting for other
+    fsyncs under way, say), so that the journal commits those and these together; its failure
+    is raised once these have ended. Nothing is dropped from the page cache: what a commit fsyncs
     here (its manifest, its directories) is what the next restore reads first (bench/RESULTS.md,
     issue 33, session 45: dropped, a LoRA restore read its manifests back from the disk)."""
     with Syncer() as syncer:
         for path in paths:
             syncer.submit(path, os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)), drop=False)
+        if beside is not None:
+            beside()
 
 
 def replace_text_atomically(path: Path, text: str) -> None:

@@ -10,6 +10,7 @@ first (it stops being a snapshot at once), then the rest.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import TailorError
@@ -31,8 +32,12 @@ class ObjectCommits(SnapshotCommits):
             raise TailorError(f"{self.storage.where(final)} already exists; refusing to overwrite a committed snapshot")
         return final  # the files go to their final keys; the manifest commits them
 
-    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
-        """The manifest, written last only if absent, is the commit; then the pointer."""
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
+               pending: Callable[[], None] | None = None) -> OSError | None:
+        """The manifest, written last (once every upload in flight has completed) and only if
+        absent, is the commit; then the pointer."""
+        if pending is not None:
+            pending()
         self.storage.put(f"{staging}/{MANIFEST_FILE}", manifest, exclusive=True)
         if pointer is not None:
             try:

@@ -18,6 +18,7 @@ import errno
 import os
 import socket
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CANNOT_CREATE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
@@ -58,13 +59,16 @@ class SnapshotCommits(ABC):
         return f"{staging}/{relpath}"
 
     @abstractmethod
-    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None) -> OSError | None:
+    def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
+               pending: Callable[[], None] | None = None) -> OSError | None:
         """Write ``manifest`` as the snapshot's ``MANIFEST_FILE`` at ``staging``, last and only
         if absent (TailorError if there is one), and make the snapshot written there committed
-        at ``final``, durably. Every other file staged is durable already. ``pointer``
-        ``(key, data)``: then replace the file ``key`` with ``data`` atomically and durably (the
-        run's ``latest``), only once the snapshot is committed durably; a failure of that
-        replacement is returned, not raised (the snapshot stays committed)."""
+        at ``final``, durably. Every other file staged is durable already, or once ``pending()``
+        returns (files still in flight: it raises if one failed); nothing is committed before it
+        has returned. ``pointer`` ``(key, data)``: then replace the file ``key`` with ``data``
+        atomically and durably (the run's ``latest``), only once the snapshot is committed
+        durably; a failure of that replacement is returned, not raised (the snapshot stays
+        committed)."""
 
     @abstractmethod
     def abandon(self, staging: str) -> None:
