@@ -8,7 +8,8 @@ fp32) with AdamW in HF Trainer's decay / no-decay groups and a LambdaLR, on 1x16
 of the real corpus. Three checkpoint callbacks save at every step, each into its own directory:
 
 - ``Lightning``  ``ModelCheckpoint(every_n_train_steps=1, save_top_k=1)``: its
-  ``_save_checkpoint`` (``trainer.save_checkpoint``: one ``torch.save``d dict, no fsync);
+  ``_save_none_monitor_checkpoint`` (``trainer.save_checkpoint``: one ``torch.save``d dict, no
+  fsync; then the previous ``.ckpt`` removed, as ours removes what retention drops);
 - ``ours Full`` / ``ours Parity``  ``TailorCheckpoint(policy, every_n_train_steps=1,
   save_top_k=1)``: each save a tailored snapshot, durable when it returns.
 
@@ -91,8 +92,10 @@ def main() -> None:
         ours = {name: TailorCheckpoint(out / name, policy, every_n_train_steps=1, save_top_k=1)
                 for name, policy in (("Full", Full()), ("Parity", Parity()))}
         records: dict[str, list[tuple[int, float, int]]] = {"Lightning": [], "ours Full": [], "ours Parity": []}
-        lightning._save_checkpoint = timed(lightning._save_checkpoint, records["Lightning"],
-                                           lambda trainer, path: dir_bytes(Path(path)))
+        # Lightning's save and its removal of the checkpoint before (save_top_k=1), as its callback
+        # runs them one after the other on each step, as ours saves and retains (session 48).
+        lightning._save_none_monitor_checkpoint = timed(lightning._save_none_monitor_checkpoint, records["Lightning"],
+                                                        lambda trainer, _: dir_bytes(Path(lightning.best_model_path)))
         for name, callback in ours.items():
             callback._save = timed(callback._save, records[f"ours {name}"],
                                    lambda trainer, run=out / name: dir_bytes(Run(run).snapshot_dir(trainer.global_step)))
