@@ -105,6 +105,23 @@ def test_a_wiped_node_gets_every_file_from_its_partner_checksums_and_manifest_in
     assert served_by(moves) == {1: [0]}
 
 
+def test_one_stream_sends_every_snapshots_manifest_indexes_and_global_state_first_then_the_parts_unit_by_unit():
+    """The files of a healing go in the order the restore beside it reads them
+    (``healing._sending``): every snapshot's small files (its checks), then the parts, unit by
+    unit (``layer.2`` before ``layer.10``), each unit's versions newest first, the ranks' own
+    state last; each named by its snapshot."""
+    held = holdings(copies(6, TWO), copies(7, TWO, needs=(6,)), count=2)
+    held[1] = {}
+    outgoing, sources = recovery_healing._sending(healing(held, 7), 0, Nodes(TWO))
+    assert sources == [] and list(outgoing) == [2]  # node 1's leader
+    sent = [recovery_healing._unnamed(name) for name, _ in outgoing[2]]
+    kinds = ["small" if writer_rank(path) is None else "state" if path.startswith("ranks/") else "part" for _, path in sent]
+    assert kinds == sorted(kinds, key=["small", "part", "state"].index) and sent[:2] == [(7, MANIFEST_FILE), (6, MANIFEST_FILE)]
+    parts = [(path, step) for step, path in sent if not path.startswith("ranks/") and writer_rank(path) is not None]
+    assert parts[:4] == [("units/embed.rank-00000.safetensors", 7), ("units/embed.rank-00000.safetensors", 6),
+                         ("units/embed.rank-00001.safetensors", 7), ("units/embed.rank-00001.safetensors", 6)]
+
+
 def test_three_nodes_the_wiped_node_gets_its_own_parts_from_its_replica_and_its_partners_from_their_owner():
     held = holdings(copies(4, THREE), count=3)
     held[1] = {}
@@ -494,7 +511,7 @@ class RetainingCourier:
                 self.in_use.append(discard_snapshots(Run(self.run.root), Run(self.run.root).steps()).in_use)
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
-                self.sent[path] = bytes(filled if filled is not None else buffer)
+                self.sent[path.partition(":")[2]] = bytes(filled if filled is not None else buffer)  # named "<step>:<path>"
         if meanwhile is not None:
             meanwhile()
 
@@ -525,7 +542,7 @@ class SendingCourier:
             for path, size in files:
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
-                self.sent[path] = bytes(filled if filled is not None else buffer)
+                self.sent[path.partition(":")[2]] = bytes(filled if filled is not None else buffer)  # named "<step>:<path>"
         self.handed_while_posting = sorted(self.run.units.arrived)
         if meanwhile is not None:
             meanwhile()
@@ -625,8 +642,8 @@ class DyingSender:
 
     def stream(self, outgoing, fill, sources, take, meanwhile=None):
         assert outgoing == {} and sources == [0]
-        for path in self.delivered:
-            take(0, path, memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
+        for path in self.delivered:  # as the stream names a snapshot's file: "<step>:<path>"
+            take(0, f"2:{path}", memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
         self.died.wait(60)
         raise CoordinationError("receiving files from rank 0 failed: the rank died or its connection failed (closed)")
 

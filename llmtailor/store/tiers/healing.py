@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -160,48 +161,65 @@ def settle(under_way: Healing, coordinator: Coordinator, tag: str) -> None:
 
 class Healing:
     """This rank's part of carrying out ``moves`` (every rank holds the same list): on a node's
-    leader, one stream per snapshot, newest first, leader to leader (``Courier.stream``: each
+    leader, one stream, leader to leader, of every snapshot's files (``Courier.stream``: each
     file read, sent, checked and written while the next one travels), on a thread of its own (the
     courier's group is its own: ``courier.py``), so that the caller goes on (the restore that
-    follows reads each file as it arrives). Each leader checks what it receives and commits it into
-    its copy (``Receiving``). Before the thread starts, every file this node receives is
+    follows reads each file as it arrives: the files go in the order it reads them,
+    ``_sending``). Each leader checks what it receives and commits it into its copy, a
+    ``Receiving`` per snapshot. Before the thread starts, every file this node receives is
     registered as coming (``UnitReader.coming``: a read of it waits for it, and raises where it
     failed) and a snapshot new here as being committed (``Catalog.commit_coming``); on the sending
     node, every file it sends (its own restore takes the bytes it checked as they went out:
-    ``_Sender``). A failure of an earlier snapshot's receiving leaves the later ones unwritten.
-    ``outcome`` waits for the end."""
+    ``_Sender``). A failure of one snapshot's receiving leaves every other unwritten too (their
+    readers raise it). ``outcome`` waits for the end."""
 
     def __init__(self, run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, rank: int):
         self.error: str | None = None
         """The first failure of this node's receiving (the node, the file and its sender)."""
         self._failure: BaseException | None = None
         """A stream's own failure (a peer died, a timeout: ``CoordinationError``), raised by ``outcome``."""
-        self._streams: list[tuple[int, Receiving, dict[int, list[tuple[str, int]]], list[int], _Sender]] = []
         node = nodes.node_of_rank(rank)
-        if leads(nodes, rank):
-            for step in sorted({move.step for move in moves}, reverse=True):
-                these = [move for move in moves if move.step == step]
-                outgoing, sources = _sending(these, node, nodes)
-                receiving = Receiving(run, step, [move for move in these if move.dest == node], nodes)
-                self._streams.append((step, receiving, outgoing, sources, _Sender(run, step, these, node)))
+        these = moves if leads(nodes, rank) else []
+        steps = sorted({move.step for move in these}, reverse=True)
+        self._receiving = {step: Receiving(run, step, [m for m in these if m.step == step and m.dest == node], nodes)
+                           for step in steps}
+        self._senders = {step: _Sender(run, step, [m for m in these if m.step == step], node) for step in steps}
+        self._outgoing, self._sources = _sending(these, node, nodes)
         self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
         self._thread.start()
 
     def _run(self, run: Run, courier: Courier) -> None:
         try:
-            for step, receiving, outgoing, sources, sender in self._streams:
-                receiving.error = receiving.error or self.error  # an earlier snapshot failed: nothing more written
-                with ReadLeases(run) as leases:
-                    if outgoing:  # read under a lease (module docstring); one gone goes out as nothing: refused
+            with ReadLeases(run) as leases:
+                for step, sender in self._senders.items():
+                    if sender.records:  # read under a lease (module docstring); one gone goes out as nothing: refused
                         leases.take(step)
-                    courier.stream(outgoing, sender.fill, sources, receiving.take, sender.hand_over)
+                if self._outgoing or self._sources:
+                    courier.stream(self._outgoing, self._fill, self._sources, self._take, self._hand_over)
+            for receiving in self._receiving.values():
                 self.error = receiving.finish() or self.error
         except BaseException as err:  # the stream failed: every file not in yet fails its reader with it
             self._failure = err
         finally:
-            for _, receiving, _, _, sender in self._streams:
+            for step, receiving in self._receiving.items():
                 receiving.abandon(self._failure)
-                sender.settle()
+                self._senders[step].settle()
+
+    def _fill(self, dst: int, name: str, into: memoryview) -> Any:
+        step, path = _unnamed(name)
+        return self._senders[step].fill(dst, path, into)
+
+    def _take(self, rank: int, name: str, content: memoryview) -> None:
+        step, path = _unnamed(name)
+        receiving = self._receiving.get(step) or next(iter(self._receiving.values()))  # not asked for: refused there
+        receiving.take(rank, path, content)
+        if receiving.error is not None:  # nothing more written, of any snapshot
+            for other in self._receiving.values():
+                other.fail(receiving.error)
+
+    def _hand_over(self) -> None:
+        for sender in self._senders.values():
+            sender.hand_over()
 
     def outcome(self) -> str | None:
         """Wait for the end: the first failure of this node's receiving, or None; a stream's own
@@ -212,17 +230,31 @@ class Healing:
         return self.error
 
 
+def _named(step: int, path: str) -> str:
+    """A snapshot's file as a stream of several snapshots names it (``_unnamed`` back)."""
+    return f"{step}:{path}"
+
+
+def _unnamed(name: str) -> tuple[int, str]:
+    step, _, path = name.partition(":")
+    return (int(step), path) if step.isdigit() else (-1, name)
+
+
 def _sending(moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, list[tuple[str, int]]], list[int]]:
-    """This leader's side of one stream: the files it sends (path, size), by destination
-    leader, in the order the restore that follows reads them (``UnitReader.coming``): the
-    manifest, the unit indexes and the global state first (its checks read them), then the
-    parts, the ranks' own state last; and the leaders it receives from. (A receiver writes the
-    manifest last whatever the order: ``Receiving``.)"""
+    """This leader's side of a stream: the files it sends (``_named``, size), by destination
+    leader, in the order the restore that follows reads them (``UnitReader.coming``): every
+    snapshot's manifest, unit indexes and global state first (its checks read them), then the
+    parts, unit by unit (in the natural order of their names: ``layer.2`` before ``layer.10``),
+    the ranks' own state last; and the leaders it receives from. (A receiver writes a manifest
+    last whatever the order: ``Receiving``.)"""
+    def order(move: Transfer) -> tuple:
+        return (writer_rank(move.path) is not None, move.path.startswith(f"{RANKS_DIR}/"), move.path != MANIFEST_FILE,
+                [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", move.path)], -move.step)
+
     outgoing: dict[int, list[tuple[str, int]]] = {}
-    for move in sorted(moves, key=lambda move: (writer_rank(move.path) is not None, move.path.startswith(RANKS_DIR + "/"),
-                                                move.path != MANIFEST_FILE, move.path)):
+    for move in sorted(moves, key=order):
         if move.source == node:
-            outgoing.setdefault(nodes.leader_of(move.dest), []).append((move.path, move.bytes))
+            outgoing.setdefault(nodes.leader_of(move.dest), []).append((_named(move.step, move.path), move.bytes))
     sources = sorted({nodes.leader_of(move.source) for move in moves if move.dest == node})
     return outgoing, sources
 
@@ -447,6 +479,13 @@ class Receiving:
             if failure is not None:
                 self.error = self.error or f"node {self._dest}: step {self.step}: the stream failed: {failure}"
             self.finish()
+
+    def fail(self, why: str) -> None:
+        """Another snapshot's receiving of the same stream failed (``why``): nothing more of this
+        one is written, and the readers of what is not in raise it."""
+        if not self._finished and self.error is None:
+            self.error = why
+            self._fail_coming()
 
     def _fail_coming(self) -> None:
         """The receiving failed: the readers of every file not handed over raise that failure,
