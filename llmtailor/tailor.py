@@ -485,7 +485,10 @@ class _Restoring:
         into the live state on every rank, its manifests, unit indexes and global state read
         once in the job (``store.shared_reads``), and read this rank's own state; the ranks agree
         on the outcome (``Coordinator.agree``): every read of the restore is done by then, so
-        from an object store every rank reads under rank 0's lease (the others take none). Returns the
+        from an object store every rank reads under rank 0's lease (the others take none). A
+        healing of the node-local tier run beside the first attempt (``Tiers.recover``: its reads
+        wait for each file to arrive) is waited for before the ranks agree, its failure the
+        attempt's (``_healed``); ``load`` then passes that tier over as one. Returns the
         lease (for the restore to hold until it ends), or None and the failure every rank shares.
         ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
         touched, error, lease, run = False, None, None, tier.run

@@ -615,8 +615,10 @@ def test_a_file_still_coming_is_read_once_it_arrived_and_checked_and_its_snapsho
 
 def test_a_file_damaged_on_the_way_fails_the_readers_of_every_file_not_in_yet_at_once_naming_it(tmp_path):
     """A file that does not check out fails every read of a file not handed over yet, at once
-    (not when the stream ends), naming the damaged file and the node that sent it; at the end
-    what was handed over is withdrawn and the snapshot no longer counts as committed there."""
+    (not when the stream ends), naming the damaged file and the node that sent it; once the
+    restore took the outcome, what was handed over is withdrawn and the snapshot no longer
+    counts as committed there (not before: a lease refused on one rank only would leave the
+    ranks' collective reads out of step)."""
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))
@@ -629,6 +631,8 @@ def test_a_file_damaged_on_the_way_fails_the_readers_of_every_file_not_in_yet_at
     assert isinstance(reading.get("raised"), IntegrityError), reading
     assert f"{damaged.path} from node 0: got {damaged.bytes} bytes" in str(reading["raised"])
     assert receiving.finish() is not None
+    assert runs[1].steps() == [2]  # until the restore reading beside it took the outcome: its reads fail on the error
+    receiving.withdraw()
     assert runs[1].steps() == [] and not runs[1].units.arrived and Run(copies[1]).steps() == []
 
 

@@ -225,6 +225,8 @@ class Healing:
         """Wait for the end: the first failure of this node's receiving, or None; a stream's own
         failure (``CoordinationError`` naming the rank) raised."""
         self._thread.join()
+        for receiving in self._receiving.values():
+            receiving.withdraw()
         if self._failure is not None:
             raise self._failure
         return self.error
@@ -342,9 +344,9 @@ class Receiving:
     (``UnitReader.coming``: the restore that follows runs meanwhile, and a read of it waits), and
     handed to that restore as soon as it checked out (``UnitReader.arrived``); where the
     receiving failed, every file not handed over yet fails its readers with that failure (the
-    file and its sender, or the stream's own), and what was handed over is withdrawn. A snapshot
-    new here counts as committed in this process from the start (``Catalog.commit_coming``), a
-    failure withdrawing it. Files are written on a thread of their own (``_writer``)
+    file and its sender, or the stream's own), and, once that restore took the outcome
+    (``withdraw``), what was handed over is withdrawn. A snapshot new here counts as committed in
+    this process from the start (``Catalog.commit_coming``), until a failure is withdrawn. Files are written on a thread of their own (``_writer``)
     while the next ones arrive; one not kept for the restore (past ``HAND_OVER_BYTES``) waits for
     the writes before it, so what is not handed over is never held in memory more than one file
     at a time. A new snapshot handed over whole is committed on that thread too
@@ -381,16 +383,17 @@ class Receiving:
         """This snapshot counted as committed here while it arrives (``Catalog.commit_coming``)."""
         if moves:
             self.run.forget([step])  # what this process read of its copy before (survey) is no more
-        if moves and failed is None:
-            self._guarded(self._open)
-            if self._staged is not None and self.error is None:
+            new = step not in self.run.steps()
+            if failed is None:
+                self._guarded(lambda: self._open(new))
+            if new:  # even where it cannot be staged: the restore beside it fails on that error, every rank alike
                 self._committed = self.run.commit_coming(step)
         for (_, path), coming in self._coming.items():
             self.run.units.coming[self._key(path)] = coming
 
-    def _open(self) -> None:
+    def _open(self, new: bool) -> None:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal")
-        if self.step in self.run.steps():
+        if not new:
             batch = self._files.enter_context(self.run.storage.batch())
             self._create = lambda path: batch.create(f"{self.run.snapshot_key(self.step)}/{path}")
             return
@@ -487,6 +490,19 @@ class Receiving:
             self.error = why
             self._fail_coming()
 
+    def withdraw(self) -> None:
+        """Once the restore that read beside it took its outcome (``Healing.outcome``): where it
+        failed, what was handed over withdrawn and this snapshot no longer counted as committed
+        here. Not before: until then that restore's reads fail on the healing's error, not on a
+        snapshot gone half-way (a lease refused on one rank only would leave the ranks' collective
+        reads out of step)."""
+        if self.error is not None and self._finished:
+            for key, content in self._arrived.items():
+                if content is not None:
+                    self.run.units.arrived.pop(self._key(key[1]), None)
+            if self._committed is not None:
+                self.run.not_coming(self.step, self._committed)
+
     def _fail_coming(self) -> None:
         """The receiving failed: the readers of every file not handed over raise that failure,
         at once (not when the stream ends)."""
@@ -495,16 +511,10 @@ class Receiving:
             _resolve(coming, failure)
 
     def _settle_coming(self) -> None:
-        """At the end: where it failed, what was handed over withdrawn and every reader of what
-        was not failed, this snapshot not counted as committed here; else every file readable
-        (one not handed over: from the copy, committed now)."""
+        """At the end: where it failed, every reader of what was not handed over failed; else
+        every file readable (one not handed over: from the copy, committed now)."""
         if self.error is not None:
-            for key, content in self._arrived.items():
-                if content is not None:
-                    self.run.units.arrived.pop(self._key(key[1]), None)
             self._fail_coming()
-            if self._committed is not None:
-                self.run.not_coming(self.step, self._committed)
         for coming in [*self._coming.values(), *([self._committed] if self._committed is not None else [])]:
             _resolve(coming)
 
