@@ -463,13 +463,16 @@ class Phases:
     the tree has them (the trees compared may differ), plus the restore's process CPU, the bytes
     and messages of the courier and of the job's collectives, and the coordinator's rounds; the
     CPU of the process's other threads (gloo's sends and receives, a healed copy's writer) and its
-    minor page faults (fresh memory written: a healing's receive buffers) until restore returned.
-    Phases nest (a phase's time includes those it calls); a phase run on a background thread
+    minor page faults (fresh memory written: a healing's receive buffers) until restore returned;
+    when each phase ran (from its first call's start to its last call's end, seconds from the
+    restore's start: a healing's stream beside the load shows as overlapping spans). Phases nest (a phase's time includes those it calls); a phase run on a background thread
     (the healed copy's writes) overlaps the others."""
 
     NAMES = [
         "llmtailor.tailor:_Restoring.plan", "llmtailor.store.tiers.healing:survey",
         "llmtailor.store.tiers.healing:held_here", "llmtailor.store.tiers.healing:heal",
+        "llmtailor.store.tiers.healing:Healing._run", "llmtailor.store.tiers.runtime:Tiers.healed",
+        "llmtailor.store.units:UnitReader.arrival",
         "llmtailor.distributed.courier:Courier.stream", "llmtailor.distributed.courier:Courier._hand_over",
         "llmtailor.store.tiers.healing:Receiving.take", "llmtailor.store.tiers.healing:Receiving.finish",
         "llmtailor.store.tiers.healing:Receiving._write", "llmtailor.store.tiers.healing:Receiving._commit_written",
@@ -529,10 +532,12 @@ class Phases:
             try:
                 return function(*args, **kwargs)
             finally:
-                figure = self.figures.setdefault(name, [0, 0.0, 0.0])
+                ended = time.perf_counter()
+                figure = self.figures.setdefault(name, [0, 0.0, 0.0, wall - self.wall, 0.0])
                 figure[0] += 1
-                figure[1] += time.perf_counter() - wall
+                figure[1] += ended - wall
                 figure[2] += time.thread_time() - cpu
+                figure[4] = ended - self.wall
                 if name.startswith(("isend", "irecv", "broadcast")):
                     counted(args)
 
@@ -573,10 +578,10 @@ class Phases:
                  f"faults; courier sent {self.sent / 1e6:.1f} MB",
                  "busiest threads (CPU s until restore returned): "
                  + ", ".join(f"{name} {cpu:.3f}" for cpu, name in self.busiest),
-                 f"{'phase':<46}{'calls':>6}{'wall s':>9}{'CPU s':>8}{'MB':>9}"]
-        for name, (calls, seconds, cpu) in self.figures.items():
+                 f"{'phase':<46}{'calls':>6}{'wall s':>9}{'CPU s':>8}{'from s':>8}{'to s':>8}{'MB':>9}"]
+        for name, (calls, seconds, cpu, first, last) in self.figures.items():  # from the first call's start to the last's end
             moved = f"{self.bytes[name] / 1e6:9.1f}" if name in self.bytes else ""
-            lines.append(f"{name:<46}{calls:>6}{seconds:>9.3f}{cpu:>8.3f}{moved}")
+            lines.append(f"{name:<46}{calls:>6}{seconds:>9.3f}{cpu:>8.3f}{first:>8.3f}{last:>8.3f}{moved}")
         return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ collective (``providers/agreement.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Mapping
@@ -53,6 +54,8 @@ from llmtailor.store.run import Run
 from llmtailor.store.shared_reads import share_manifests, share_small_files
 from llmtailor.store.staged import PersistResult, StagedSnapshot
 from llmtailor.store.tiers import Choice, Level, Tiers
+from llmtailor.store.tiers.healing import passed_over
+from llmtailor.store.tiers.recovery import NodeChoice
 from llmtailor.store.node_commit import persist_on_nodes
 from llmtailor.store.writer import persist
 
@@ -386,6 +389,13 @@ class _Restoring:
         """The global state of the composite last checked (``check_composite``), decoded once."""
         self.rank_state: tuple[dict[str, Any], bool, list[str]] | None = None
         """This rank's saved state of the composite last loaded (``StateProvider.read_rank_state``)."""
+        self.offer: NodeChoice | None = None
+        """What a node-local first tier offered (``Tiers.recover``)."""
+        self.healing = False
+        """Whether a healing of the node-local tier ran beside the first attempt (the same on
+        every rank): its outcome is then part of that attempt's (``attempt``)."""
+        self.unhealed: str | None = None
+        """Why this rank's part of that healing failed, if it did."""
 
     def load(self, step: int | None, fallback: bool, verify: bool | str,
              held: ExitStack) -> tuple[int, Composite, dict[int, str], int | None]:
@@ -394,14 +404,24 @@ class _Restoring:
         composite fails while it loads and the next is tried (each byte read once)."""
         for tier in self.tiers.levels:  # what a healing hands over (``UnitReader.arrived``) serves this restore only;
             held.callback(tier.run.units.arrived.clear)  # the healed copy's writes wait for its end (``Catalog.hold_back``)
+            held.callback(tier.run.units.coming.clear)
             held.callback(tier.run.release_held)
+        held.callback(self._healing_ended)
         attempts, skipped, unread, floor = self.plan(step, fallback, held)
         fallback = fallback and step is None
-        for index, (level, chosen, leased) in enumerate(attempts):
+        index = 0
+        while index < len(attempts):
+            level, chosen, leased = attempts[index]
             lease, failure = self.attempt(index, self.tiers.levels[level], chosen, leased, verify or fallback, fallback)
             if lease is not None:
                 composite = held.enter_context(lease)
                 break
+            index += 1
+            why = None if fallback else self._unhealed_anywhere(failure)
+            if why is not None:  # the tier passed over, as a healing that ended before the choice passes it
+                attempts[index:], skipped, floor = self.choose(step, passed_over(self.offer, why), held,
+                                                               f"{self.round}/choose/{index}")
+                continue
             if not fallback or not isinstance(failure, IntegrityError):
                 raise failure
             name = f"{self.tiers.levels[level].name}: " if len(self.tiers) > 1 else ""
@@ -422,11 +442,19 @@ class _Restoring:
         it made whole first (``Tiers.recover``)."""
         leader = self.coordinator.is_leader
         offer, self.served_by = self.tiers.recover(self.coordinator, step)
+        self.offer, self.healing = offer, self.tiers.healing is not None
         if fallback and step is None:
             attempts, unread, floor = self.coordinator.broadcast(
                 f"{self.round}/candidates", (lambda: self.tiers.candidates(offer)) if leader else None)
             passed = {s: f"{self.tiers.first.name}: {why}" for s, why in offer.skipped.items()} if offer else {}
             return [(level, chosen, None) for level, chosen in attempts], passed, list(unread), floor
+        attempts, skipped, floor = self.choose(step, offer, held, f"{self.round}/choose")
+        return attempts, skipped, [], floor
+
+    def choose(self, step: int | None, offer: NodeChoice | None, held: ExitStack,
+               tag: str) -> tuple[list, dict[int, str], int | None]:
+        """Collective: the one composite ``Tiers.choose`` picks on rank 0 (``offer``: what a
+        node-local first tier offers), as ``plan``'s one attempt, what was passed over and the floor."""
         leased: list[LeasedComposite] = []
 
         def choose() -> Choice:
@@ -435,8 +463,33 @@ class _Restoring:
             leased.append(lease)
             return choice
 
-        level, chosen, skipped, floor = self.coordinator.broadcast(f"{self.round}/choose", choose if leader else None)
-        return [(level, chosen, leased[0] if leased else None)], {int(s): why for s, why in skipped.items()}, [], floor
+        level, chosen, skipped, floor = self.coordinator.broadcast(tag, choose if self.coordinator.is_leader else None)
+        return [(level, chosen, leased[0] if leased else None)], {int(s): why for s, why in skipped.items()}, floor
+
+    def _healed(self, error: BaseException | None) -> BaseException | None:
+        """This rank's part of a healing that ran beside the first attempt, waited for (its
+        reads may have been done before its last files arrived): the attempt's failure where it
+        failed, in place of what a read made of it (a file withdrawn, a wait that raised): the
+        healing's IntegrityError naming the node, file and sender, or its stream's failure."""
+        try:
+            self.unhealed = self.tiers.healed()
+        except BaseException as err:  # a stream failed: a peer died or timed out (CoordinationError, naming it)
+            return err
+        return IntegrityError(f"healing the node-local tier failed: {self.unhealed}") if self.unhealed else error
+
+    def _unhealed_anywhere(self, failure: BaseException | None) -> str | None:
+        """Collective after the first attempt failed with damage while a healing ran beside it:
+        why the healing failed on any node (the ranks tell one another), or None."""
+        if not self.healing or not isinstance(failure, IntegrityError):
+            return None
+        self.healing = False
+        failed = [why for why in self.coordinator.exchange(f"{self.round}/healed", self.unhealed) if why]
+        return f"healing the node-local tier failed: {'; '.join(failed)}" if failed else None
+
+    def _healing_ended(self) -> None:
+        """As the restore ends, however: no healing runs on (its courier is then free)."""
+        with contextlib.suppress(Exception):
+            self.tiers.healed()
 
     def attempt(self, index: int, tier: Level, chosen: int, leased: LeasedComposite | None, verify: bool | str,
                 skippable: bool) -> tuple[LeasedComposite | None, BaseException | None]:
@@ -444,7 +497,10 @@ class _Restoring:
         into the live state on every rank, its manifests, unit indexes and global state read
         once in the job (``store.shared_reads``), and read this rank's own state; the ranks agree
         on the outcome (``Coordinator.agree``): every read of the restore is done by then, so
-        from an object store every rank reads under rank 0's lease (the others take none). Returns the
+        from an object store every rank reads under rank 0's lease (the others take none). A
+        healing of the node-local tier run beside the first attempt (``Tiers.recover``: its reads
+        wait for each file to arrive) is waited for before the ranks agree, its failure the
+        attempt's (``_healed``); ``load`` then passes that tier over as one. Returns the
         lease (for the restore to hold until it ends), or None and the failure every rank shares.
         ``skippable`` (fallback): a composite missing or unreadable counts as damage."""
         touched, error, lease, run = False, None, None, tier.run
@@ -467,6 +523,8 @@ class _Restoring:
             error = _as_damage(err, skippable)
         finally:
             run.units.received.clear()  # what other ranks sent served this attempt's reads
+        if self.tiers.healing is not None:
+            error = self._healed(error)
         try:
             failure, partly = self.coordinator.agree(f"{self.round}/loaded/{index}", chosen, error, touched)
         except BaseException:

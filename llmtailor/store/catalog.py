@@ -209,6 +209,24 @@ class Catalog:
         self._manifests[manifest.step] = manifest
         self._committing[manifest.step] = done
 
+    def commit_coming(self, step: int) -> Future[None]:
+        """Count the snapshot of ``step`` as committed in this process while its files are still
+        on their way here (a node's copy healed beside the restore that reads it:
+        ``tiers.healing.Receiving``), as ``commit_later`` does once they are in, its manifest
+        known from elsewhere meanwhile (rank 0's: ``share_manifests``) and its files' bytes waited
+        for (``UnitReader.coming``). The future given is resolved by its receiver (a failure
+        withdraws it first: ``not_coming``), or replaced by ``commit_later``."""
+        coming: Future[None] = Future()
+        self._committing[step] = coming
+        return coming
+
+    def not_coming(self, step: int, coming: Future[None]) -> None:
+        """The snapshot of ``step`` will not be committed by ``coming`` (``commit_coming``): its
+        healing failed, and said so where it failed; its manifest is no longer known here."""
+        if self._committing.get(step) is coming:
+            del self._committing[step]
+            self._manifests.pop(step, None)
+
     def committing_here(self, step: int) -> bool:
         """Whether this process is committing the snapshot of ``step`` in the background."""
         done = self._committing.get(step)

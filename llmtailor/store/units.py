@@ -79,6 +79,13 @@ class UnitReader:
         that follows: a read of such a file whose entry records the same size and checksum takes
         these very bytes (``arrival``) instead of reading the file back and hashing it a second
         time. Emptied when that restore ends (``Tailor``), and for a snapshot forgotten (``forget``)."""
+        self.coming: dict[str, Future[None]] = {}
+        """Key -> the arrival of a file a healing still moves (``tiers.healing``: its stream runs
+        beside the restore that follows): a read of it waits for it first (``arrival``), then
+        takes what ``arrived`` holds of it, or reads it as any other file; where the healing
+        failed, the wait raises its error (the file and the node that sent it, or the stream's
+        failure naming the rank), so nothing that did not arrive whole and checked is read.
+        Emptied when that restore ends (``Tailor``)."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""
@@ -95,8 +102,14 @@ class UnitReader:
 
     def arrival(self, storage: Storage, key: str, entry: FileEntry) -> memoryview | None:
         """The bytes of the run's file ``key`` as they arrived here, checked then against the
-        size and checksum ``entry`` records (``arrived``), or None (read it from ``storage``)."""
-        kept = self.arrived.get(key) if storage is self.catalog.storage else None
+        size and checksum ``entry`` records (``arrived``), or None (read it from ``storage``);
+        a file still ``coming`` waited for first."""
+        if storage is not self.catalog.storage:
+            return None
+        coming = self.coming.get(key)
+        if coming is not None:
+            coming.result()  # arrived (or it never will: the healing's error raised)
+        kept = self.arrived.get(key)
         return kept[2] if kept is not None and kept[:2] == (entry.bytes, entry.xxh3_64) else None
 
     def entry(self, step: int, unit: str) -> UnitEntry:

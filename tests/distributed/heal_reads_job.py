@@ -65,7 +65,8 @@ def resume(kind: str, out: Path) -> dict:
         report = tailor.restore()
         tailor.close()
     held = sorted(str(p.relative_to(os.environ["NODE_DIR"])) for p in Path(os.environ["NODE_DIR"]).rglob("*") if p.is_file())
-    return {"restored": report.step, "tier": report.tier, "served_by": report.served_by, "read": sorted(set(read)),
+    return {"restored": report.step, "tier": str(report.tier), "served_by": report.served_by, "skipped": report.skipped,
+            "read": sorted(set(read)),
             "mapped": sorted(set(mapped)),
             "held": held, "digest": digest(model, optimizer),
             "mismatches": compare_with_composite(out, report.tier, model, optimizer)}

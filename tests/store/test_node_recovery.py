@@ -17,8 +17,8 @@ import pytest
 from helpers import on_threads, tiny, train
 
 from llmtailor import Parity, Tailor, Tier
-from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION
-from llmtailor.distributed.coordinator import LocalCoordinator
+from llmtailor.constants import MANIFEST_FILE, SCHEMA_VERSION, writer_rank
+from llmtailor.distributed.coordinator import CoordinationError, LocalCoordinator
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError
 from llmtailor.store.commit import SnapshotCommit
@@ -103,6 +103,23 @@ def test_a_wiped_node_gets_every_file_from_its_partner_checksums_and_manifest_in
     some = next(m for m in moves if m.path == "units/layer.1.rank-00003.safetensors" and m.step == 7)
     assert some == Transfer(7, some.path, 1003, f"{73:016x}", 0, 1)
     assert served_by(moves) == {1: [0]}
+
+
+def test_one_stream_sends_every_snapshots_manifest_indexes_and_global_state_first_then_the_parts_unit_by_unit():
+    """The files of a healing go in the order the restore beside it reads them
+    (``healing._sending``): every snapshot's small files (its checks), then the parts, unit by
+    unit (``layer.2`` before ``layer.10``), each unit's versions newest first, the ranks' own
+    state last; each named by its snapshot."""
+    held = holdings(copies(6, TWO), copies(7, TWO, needs=(6,)), count=2)
+    held[1] = {}
+    outgoing, sources = recovery_healing._sending(healing(held, 7), 0, Nodes(TWO))
+    assert sources == [] and list(outgoing) == [2]  # node 1's leader
+    sent = [recovery_healing._unnamed(name) for name, _ in outgoing[2]]
+    kinds = ["small" if writer_rank(path) is None else "state" if path.startswith("ranks/") else "part" for _, path in sent]
+    assert kinds == sorted(kinds, key=["small", "part", "state"].index) and sent[:2] == [(7, MANIFEST_FILE), (6, MANIFEST_FILE)]
+    parts = [(path, step) for step, path in sent if not path.startswith("ranks/") and writer_rank(path) is not None]
+    assert parts[:4] == [("units/embed.rank-00000.safetensors", 7), ("units/embed.rank-00000.safetensors", 6),
+                         ("units/embed.rank-00001.safetensors", 7), ("units/embed.rank-00001.safetensors", 6)]
 
 
 def test_three_nodes_the_wiped_node_gets_its_own_parts_from_its_replica_and_its_partners_from_their_owner():
@@ -494,7 +511,7 @@ class RetainingCourier:
                 self.in_use.append(discard_snapshots(Run(self.run.root), Run(self.run.root).steps()).in_use)
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
-                self.sent[path] = bytes(filled if filled is not None else buffer)
+                self.sent[path.partition(":")[2]] = bytes(filled if filled is not None else buffer)  # named "<step>:<path>"
         if meanwhile is not None:
             meanwhile()
 
@@ -525,7 +542,7 @@ class SendingCourier:
             for path, size in files:
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
-                self.sent[path] = bytes(filled if filled is not None else buffer)
+                self.sent[path.partition(":")[2]] = bytes(filled if filled is not None else buffer)  # named "<step>:<path>"
         self.handed_while_posting = sorted(self.run.units.arrived)
         if meanwhile is not None:
             meanwhile()
@@ -553,3 +570,107 @@ def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_and_a_
             assert handed[move.path][:2] == (move.bytes, move.xxh3)
             sent = (copies[0] / prefix / move.path).read_bytes()
             assert bytes(handed[move.path][2]) == courier.sent[move.path] == sent
+
+
+# -- the restore reads each file as it arrives (``healing.Healing``, ``UnitReader.coming``) ---------
+
+def node_1_reads(runs: list, move: Transfer) -> dict:
+    """Node 1's restore reading the file of ``move`` on a thread of its own (as it does while its
+    healing streams): what it got or raised, once ``thread`` ended."""
+    said: dict = {}
+
+    def read() -> None:
+        try:
+            said["got"] = bytes(runs[1].units.read_small(f"snapshots/step-00000002/{move.path}",
+                                                         FileEntry(path=move.path, bytes=move.bytes, xxh3_64=move.xxh3)))
+        except Exception as err:
+            said["raised"] = err
+
+    said["thread"] = threading.Thread(target=read)
+    said["thread"].start()
+    return said
+
+
+def test_a_file_still_coming_is_read_once_it_arrived_and_checked_and_its_snapshot_counts_as_committed_meanwhile(tmp_path):
+    """While node 1's healing receives (its restore runs meanwhile), the snapshot new there is
+    listed and leased there, and a read of a file not in yet waits for it, then takes the bytes
+    that arrived and checked out; nothing is read from the node's copy."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))
+    assert runs[1].steps() == [2]
+    index = next(m for m in moves if m.path.startswith("index/"))
+    reading = node_1_reads(runs, index)
+    for m in moves:
+        if m is not index:
+            receiving.take(m.source, m.path, memoryview((runs[0].snapshot_dir(2) / m.path).read_bytes()))
+    assert reading["thread"].is_alive() and "raised" not in reading  # its file has not arrived: it cannot be read yet
+    receiving.take(index.source, index.path, memoryview((runs[0].snapshot_dir(2) / index.path).read_bytes()))
+    reading["thread"].join(60)
+    assert reading.get("got") == (runs[0].snapshot_dir(2) / index.path).read_bytes(), reading
+    assert receiving.finish() is None
+    runs[1].settle_commits()
+    assert runs[1].commit_failure() is None and Run(copies[1]).steps() == [2]
+
+
+def test_a_file_damaged_on_the_way_fails_the_readers_of_every_file_not_in_yet_at_once_naming_it(tmp_path):
+    """A file that does not check out fails every read of a file not handed over yet, at once
+    (not when the stream ends), naming the damaged file and the node that sent it; once the
+    restore took the outcome, what was handed over is withdrawn and the snapshot no longer
+    counts as committed there (not before: a lease refused on one rank only would leave the
+    ranks' collective reads out of step)."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))
+    damaged = next(m for m in moves if m.path.startswith("units/"))
+    waiting = next(m for m in moves if m.path == "global.json")
+    reading = node_1_reads(runs, waiting)
+    content = (runs[0].snapshot_dir(2) / damaged.path).read_bytes()
+    receiving.take(damaged.source, damaged.path, memoryview(content[:-1] + bytes([content[-1] ^ 1])))
+    reading["thread"].join(60)  # before any other file arrives
+    assert isinstance(reading.get("raised"), IntegrityError), reading
+    assert f"{damaged.path} from node 0: got {damaged.bytes} bytes" in str(reading["raised"])
+    assert receiving.finish() is not None
+    assert runs[1].steps() == [2]  # until the restore reading beside it took the outcome: its reads fail on the error
+    receiving.withdraw()
+    assert runs[1].steps() == [] and not runs[1].units.arrived and Run(copies[1]).steps() == []
+
+
+class DyingSender:
+    """Node 1's side of a stream (``Courier.stream`` in one process) whose sender dies once the
+    files of ``delivered`` are in and ``died`` is set: the stream fails as the courier's does
+    when a peer dies, naming its rank."""
+
+    def __init__(self, source: Run, delivered: list[str], died: threading.Event):
+        self.source, self.delivered, self.died = source, delivered, died
+
+    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+        assert outgoing == {} and sources == [0]
+        for path in self.delivered:  # as the stream names a snapshot's file: "<step>:<path>"
+            take(0, f"2:{path}", memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
+        self.died.wait(60)
+        raise CoordinationError("receiving files from rank 0 failed: the rank died or its connection failed (closed)")
+
+
+def test_a_sender_dying_after_the_restore_read_what_arrived_fails_the_readers_of_the_rest_naming_it(tmp_path):
+    """Node 1's healing streams while its restore reads: the files in are read from what arrived;
+    then the sender dies: every read of a file not in raises the stream's failure, naming the
+    rank, and so does the healing's outcome; nothing is committed and what arrived is withdrawn."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    first, rest = [m for m in moves if writer_rank(m.path) is None], [m for m in moves if writer_rank(m.path) is not None]
+    died = threading.Event()
+    under_way = recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), DyingSender(runs[0], [m.path for m in first], died), 1)
+    reading = node_1_reads(runs, first[-1])
+    reading["thread"].join(60)
+    assert reading.get("got") == (runs[0].snapshot_dir(2) / first[-1].path).read_bytes(), reading
+    with runs[1].lease(2) as composite:  # listed and leased on node 1 while the rest streams
+        assert composite.step == 2
+    reading = node_1_reads(runs, rest[0])
+    died.set()
+    reading["thread"].join(60)
+    assert isinstance(reading.get("raised"), CoordinationError) and "files from rank 0 failed" in str(reading["raised"])
+    with pytest.raises(CoordinationError, match="receiving files from rank 0 failed"):
+        under_way.outcome()
+    assert runs[1].steps() == [] and not runs[1].units.arrived and Run(copies[1]).steps() == []
+    assert not list((copies[1] / ".tmp").iterdir())

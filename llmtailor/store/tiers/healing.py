@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
-from llmtailor.constants import MANIFEST_FILE, writer_rank
+from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, writer_rank
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
@@ -38,7 +39,7 @@ from llmtailor.errors import IntegrityError, NodeTierError, TailorError
 from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.checked import write_to
 from llmtailor.store.commit import SnapshotCommit
-from llmtailor.store.manifest import parse_manifest
+from llmtailor.store.manifest import Manifest, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.tensor_files import checksum
@@ -50,11 +51,16 @@ _log = logging.getLogger(__name__)
 
 
 def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
-            step: int | None) -> tuple[NodeChoice, dict[int, list[int]]]:
+            step: int | None) -> tuple[NodeChoice, dict[int, list[int]], Healing | None]:
     """Collective, before a restore: the composite the node-local tier at ``run`` offers (of
     ``step``, default the newest whole one: ``recovery.choose_on_nodes``), every node's copy of
-    it made whole first (``heal``); and which nodes' copies served which node (``served_by``).
-    A healing that fails offers nothing, saying why (the restore goes to the next tier)."""
+    it made whole first (``Healing``); which nodes' copies served which node (``served_by``);
+    and the healing still under way, or None. Where rank 0's node receives files, rank 0 chooses
+    from its own copy: the healing ends (on every rank) before this returns, and one that failed
+    offers nothing, saying why (the restore goes to the next tier). Otherwise it runs on beside
+    the restore, which reads each file as it arrives (``UnitReader.coming``) and takes its
+    outcome before the ranks agree (``Tailor.restore``: a failure there passes the tier over as
+    this would have: the same healing is the same on every rank)."""
     round_ = coordinator.new_round()
     holdings = survey(run, nodes, coordinator, f"{round_}/held")
 
@@ -67,12 +73,21 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     chosen, skipped = planned["choice"]
     choice = NodeChoice(chosen, {int(s): why for s, why in skipped.items()})
     moves = [Transfer(*move) for move in planned["moves"]]
-    if moves:
-        try:
-            heal(run, moves, nodes, courier, coordinator, f"{round_}/healed")
-        except IntegrityError as err:
-            return NodeChoice(None, {**choice.skipped, chosen: f"node-local tier: {err}"}), {}
-    return choice, served_by(moves)
+    if not moves:
+        return choice, {}, None
+    under_way = Healing(run, moves, nodes, courier, coordinator.rank)
+    if nodes.node_of_rank(0) not in {move.dest for move in moves}:
+        return choice, served_by(moves), under_way
+    try:
+        settle(under_way, coordinator, f"{round_}/healed")
+    except IntegrityError as err:
+        return passed_over(choice, str(err)), {}, None
+    return choice, served_by(moves), None
+
+
+def passed_over(choice: NodeChoice, why: str) -> NodeChoice:
+    """``choice`` withdrawn: its composite passed over, ``why`` (a healing of it failed)."""
+    return NodeChoice(None, {**choice.skipped, **({choice.step: f"node-local tier: {why}"} if choice.step is not None else {})})
 
 
 def clear_unwhole(run: Run, nodes: Nodes, coordinator: Coordinator) -> dict[int, list[int]]:
@@ -130,78 +145,184 @@ def survey(run: Run, nodes: Nodes, coordinator: Coordinator, tag: str) -> Holdin
 
 def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordinator: Coordinator,
          tag: str) -> None:
-    """Collective: carry out ``moves`` (every rank holds the same list): one stream per
-    snapshot, leader to leader (``Courier.stream``: each file read, sent, checked and written
-    while the next one travels); each leader checks what it receives and commits it into its
-    copy (``Receiving``). Every rank raises IntegrityError naming the node and file when any
-    node's part failed (what a node had not committed is left as it was)."""
-    rank, error = coordinator.rank, None
-    node = nodes.node_of_rank(rank)
-    for step in sorted({move.step for move in moves}, reverse=True):
-        these = [move for move in moves if move.step == step] if leads(nodes, rank) else []
-        receiving = Receiving(run, step, [move for move in these if move.dest == node], nodes, error)
-        outgoing, sources = _sending(these, node, nodes)
-        with ReadLeases(run) as leases:
-            if outgoing:  # read under a lease (module docstring); one gone goes out as nothing: refused
-                leases.take(step)
-            fill, hand_over = _sender(run, step, these, node)
-            courier.stream(outgoing, fill, sources, receiving.take, hand_over)
-        error = receiving.finish() or error
-    failures = [why for why in coordinator.exchange(tag, error) if why]
+    """Collective: carry out ``moves`` (every rank holds the same list), to the end
+    (``Healing``, then ``settle``). Every rank raises IntegrityError naming the node and file
+    when any node's part failed (what a node had not committed is left as it was)."""
+    settle(Healing(run, moves, nodes, courier, coordinator.rank), coordinator, tag)
+
+
+def settle(under_way: Healing, coordinator: Coordinator, tag: str) -> None:
+    """Collective: wait for every rank's part of a healing (``Healing.outcome``); every rank
+    raises IntegrityError naming the node and file when any node's part failed."""
+    failures = [why for why in coordinator.exchange(tag, under_way.outcome()) if why]
     if failures:
         raise IntegrityError(f"healing the node-local tier failed: {'; '.join(failures)}")
 
 
+class Healing:
+    """This rank's part of carrying out ``moves`` (every rank holds the same list): on a node's
+    leader, one stream, leader to leader, of every snapshot's files (``Courier.stream``: each
+    file read, sent, checked and written while the next one travels), on a thread of its own (the
+    courier's group is its own: ``courier.py``), so that the caller goes on (the restore that
+    follows reads each file as it arrives: the files go in the order it reads them,
+    ``_sending``). Each leader checks what it receives and commits it into its copy, a
+    ``Receiving`` per snapshot. Before the thread starts, every file this node receives is
+    registered as coming (``UnitReader.coming``: a read of it waits for it, and raises where it
+    failed) and a snapshot new here as being committed (``Catalog.commit_coming``); on the sending
+    node, every file it sends (its own restore takes the bytes it checked as they went out:
+    ``_Sender``). A failure of one snapshot's receiving leaves every other unwritten too (their
+    readers raise it). ``outcome`` waits for the end."""
+
+    def __init__(self, run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, rank: int):
+        self.error: str | None = None
+        """The first failure of this node's receiving (the node, the file and its sender)."""
+        self._failure: BaseException | None = None
+        """A stream's own failure (a peer died, a timeout: ``CoordinationError``), raised by ``outcome``."""
+        node = nodes.node_of_rank(rank)
+        these = moves if leads(nodes, rank) else []
+        steps = sorted({move.step for move in these}, reverse=True)
+        self._receiving = {step: Receiving(run, step, [m for m in these if m.step == step and m.dest == node], nodes)
+                           for step in steps}
+        self._senders = {step: _Sender(run, step, [m for m in these if m.step == step], node) for step in steps}
+        self._outgoing, self._sources = _sending(these, node, nodes)
+        self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Run, courier: Courier) -> None:
+        try:
+            with ReadLeases(run) as leases:
+                for step, sender in self._senders.items():
+                    if sender.records:  # read under a lease (module docstring); one gone goes out as nothing: refused
+                        leases.take(step)
+                if self._outgoing or self._sources:
+                    courier.stream(self._outgoing, self._fill, self._sources, self._take, self._hand_over)
+            for receiving in self._receiving.values():
+                self.error = receiving.finish() or self.error
+        except BaseException as err:  # the stream failed: every file not in yet fails its reader with it
+            self._failure = err
+        finally:
+            for step, receiving in self._receiving.items():
+                receiving.abandon(self._failure)
+                self._senders[step].settle()
+
+    def _fill(self, dst: int, name: str, into: memoryview) -> Any:
+        step, path = _unnamed(name)
+        return self._senders[step].fill(dst, path, into)
+
+    def _take(self, rank: int, name: str, content: memoryview) -> None:
+        step, path = _unnamed(name)
+        receiving = self._receiving.get(step) or next(iter(self._receiving.values()))  # not asked for: refused there
+        receiving.take(rank, path, content)
+        if receiving.error is not None:  # nothing more written, of any snapshot
+            for other in self._receiving.values():
+                other.fail(receiving.error)
+
+    def _hand_over(self) -> None:
+        for sender in self._senders.values():
+            sender.hand_over()
+
+    def outcome(self) -> str | None:
+        """Wait for the end: the first failure of this node's receiving, or None; a stream's own
+        failure (``CoordinationError`` naming the rank) raised."""
+        self._thread.join()
+        for receiving in self._receiving.values():
+            receiving.withdraw()
+        if self._failure is not None:
+            raise self._failure
+        return self.error
+
+
+def _named(step: int, path: str) -> str:
+    """A snapshot's file as a stream of several snapshots names it (``_unnamed`` back)."""
+    return f"{step}:{path}"
+
+
+def _unnamed(name: str) -> tuple[int, str]:
+    step, _, path = name.partition(":")
+    return (int(step), path) if step.isdigit() else (-1, name)
+
+
 def _sending(moves: list[Transfer], node: int, nodes: Nodes) -> tuple[dict[int, list[tuple[str, int]]], list[int]]:
-    """This leader's side of one stream: the files it sends (path, size), by destination
-    leader, parts first, the manifest last (the order they are staged in), and the leaders it
-    receives from."""
+    """This leader's side of a stream: the files it sends (``_named``, size), by destination
+    leader, in the order the restore that follows reads them (``UnitReader.coming``): every
+    snapshot's manifest, unit indexes and global state first (its checks read them), then the
+    parts, unit by unit (in the natural order of their names: ``layer.2`` before ``layer.10``),
+    the ranks' own state last; and the leaders it receives from. (A receiver writes a manifest
+    last whatever the order: ``Receiving``.)"""
+    def order(move: Transfer) -> tuple:
+        return (writer_rank(move.path) is not None, move.path.startswith(f"{RANKS_DIR}/"), move.path != MANIFEST_FILE,
+                [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", move.path)], -move.step)
+
     outgoing: dict[int, list[tuple[str, int]]] = {}
-    for move in sorted(moves, key=lambda move: (move.path == MANIFEST_FILE, writer_rank(move.path) is None, move.path)):
+    for move in sorted(moves, key=order):
         if move.source == node:
-            outgoing.setdefault(nodes.leader_of(move.dest), []).append((move.path, move.bytes))
+            outgoing.setdefault(nodes.leader_of(move.dest), []).append((_named(move.step, move.path), move.bytes))
     sources = sorted({nodes.leader_of(move.source) for move in moves if move.dest == node})
     return outgoing, sources
 
 
-def _sender(run: Run, step: int, moves: list[Transfer],
-            node: int) -> tuple[Callable[[int, str, memoryview], Any], Callable[[], None]]:
+class _Sender:
     """``Courier.stream``'s ``fill`` and ``meanwhile`` on a sending node. ``fill``: the file of
     the snapshot of ``step`` mapped and sent from the mapping (``Storage.mapped``: no copy into
     fresh memory), else read straight into the buffer that is sent. A file that cannot be read,
     or is not of the size recorded, goes out as the buffer was: its receiver's check refuses it.
     Nothing is checked before it goes: what is sent is checked where it arrives, against the
     checksum its move records (``Receiving``), the record this node checks against too.
-    ``meanwhile``, once every send is posted and while they travel: each mapped file whose bytes
-    match what its move records (``moves``: this node, ``node``, sends those whose ``source`` it
-    is) is handed to this node's own restore that follows, as a healing's receiver hands over
-    what it checked (``UnitReader.arrived``), so that restore copies those bytes into its live
-    tensors instead of reading and checking the file after the stream (the sender's own load
-    after it is then a copy alone); one that does not match is not handed over (its restore
-    reads it, and the check fails there)."""
-    records = {move.path: (move.bytes, move.xxh3) for move in moves if move.source == node}
-    sent: dict[str, memoryview] = {}
-    """Path -> the mapping a file of ``records`` was sent from (the first, if sent twice)."""
+    ``hand_over`` (``meanwhile``), once every send is posted and while they travel: each mapped
+    file whose bytes match what its move records (``moves``: this node, ``node``, sends those
+    whose ``source`` it is) is handed to this node's own restore, which runs meanwhile, as a
+    healing's receiver hands over what it checked (``UnitReader.arrived``), so that restore
+    copies those bytes into its live tensors instead of reading and checking the file; one
+    that does not match is not handed over (its restore reads it, and the check fails there).
+    Every file this node sends is registered as coming for that restore (``UnitReader.coming``)
+    until then: ``settle`` releases what was not handed over (read as any other file)."""
 
-    def fill(dst: int, path: str, into: memoryview) -> Any:
-        key = f"{run.snapshot_key(step)}/{path}"
+    def __init__(self, run: Run, step: int, moves: list[Transfer], node: int):
+        self.run, self.step = run, step
+        self.records = {move.path: (move.bytes, move.xxh3) for move in moves if move.source == node}
+        self.sent: dict[str, memoryview] = {}
+        """Path -> the mapping a file of ``records`` was sent from (the first, if sent twice)."""
+        self.coming = {path: Future() for path in self.records}
+        for path, coming in self.coming.items():
+            run.units.coming[self._key(path)] = coming
+
+    def _key(self, path: str) -> str:
+        return f"{self.run.snapshot_key(self.step)}/{path}"
+
+    def fill(self, dst: int, path: str, into: memoryview) -> Any:
+        key = self._key(path)
         try:
-            mapped = run.storage.mapped(key)
+            mapped = self.run.storage.mapped(key)
             if mapped is not None and len(mapped) == len(into):
-                if records.get(path, (None,))[0] == len(mapped):
-                    sent.setdefault(path, mapped)
+                if self.records.get(path, (None,))[0] == len(mapped):
+                    self.sent.setdefault(path, mapped)
                 return mapped
-            run.storage.read_into(key, 0, into)
+            self.run.storage.read_into(key, 0, into)
         except (TailorError, OSError, ValueError):
             pass
         return None
 
-    def hand_over() -> None:
-        for path, mapped in sent.items():
+    def hand_over(self) -> None:
+        for path, mapped in self.sent.items():
             with contextlib.suppress(TailorError, OSError, ValueError):
-                if checksum(mapped) == records[path][1]:
-                    run.units.arrived[f"{run.snapshot_key(step)}/{path}"] = (*records[path], memoryview(mapped))
-    return fill, hand_over
+                if checksum(mapped) == self.records[path][1]:
+                    self.run.units.arrived[self._key(path)] = (*self.records[path], memoryview(mapped))
+            _resolve(self.coming[path])
+        self.settle()
+
+    def settle(self) -> None:
+        """Every file not handed over read as any other (its check where it is read)."""
+        for coming in self.coming.values():
+            _resolve(coming)
+
+
+def _resolve(coming: Future, failure: BaseException | None = None) -> None:
+    """A file's arrival (``UnitReader.coming``) settled: its readers go on, or raise ``failure``."""
+    if not coming.done():
+        if failure is None:
+            coming.set_result(None)
+        else:
+            coming.set_exception(failure)
 
 
 HAND_OVER_BYTES = 1 << 30
@@ -219,8 +340,13 @@ class Receiving:
     abandons it otherwise: nothing unchecked is written, nothing of a snapshot is visible
     before all of it is. The first failure is kept (``error``), naming the file and the node
     that sent it; what arrives after it is not written (nor anything, given ``failed``: the
-    failure of an earlier snapshot). What it committed is handed to the restore that follows, as
-    it arrived (``UnitReader.arrived``). Files are written on a thread of their own (``_writer``)
+    failure of an earlier snapshot). Each file is registered as coming from the start
+    (``UnitReader.coming``: the restore that follows runs meanwhile, and a read of it waits), and
+    handed to that restore as soon as it checked out (``UnitReader.arrived``); where the
+    receiving failed, every file not handed over yet fails its readers with that failure (the
+    file and its sender, or the stream's own), and, once that restore took the outcome
+    (``withdraw``), what was handed over is withdrawn. A snapshot new here counts as committed in
+    this process from the start (``Catalog.commit_coming``), until a failure is withdrawn. Files are written on a thread of their own (``_writer``)
     while the next ones arrive; one not kept for the restore (past ``HAND_OVER_BYTES``) waits for
     the writes before it, so what is not handed over is never held in memory more than one file
     at a time. A new snapshot handed over whole is committed on that thread too
@@ -238,6 +364,7 @@ class Receiving:
         not kept)."""
         self._kept = 0
         self._manifest: bytes | None = None
+        self._parsed: Manifest | None = None
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
         self._dest = moves[0].dest if moves else None
@@ -247,12 +374,26 @@ class Receiving:
         self._gate: threading.Event | None = None
         """What ``_writer`` waits for before it writes a snapshot handed over whole: the end of
         the restore that reads what arrived (``Catalog.hold_back``)."""
-        if moves and failed is None:
-            self._guarded(self._open)
+        self._finished = False
+        self._failure: BaseException | None = None
+        """What failed the stream itself (``abandon``), for the readers of what did not arrive."""
+        self._coming = {key: Future() for key in self.expected}
+        """Each file's arrival, for the restore that reads it meanwhile (``UnitReader.coming``)."""
+        self._committed: Future[None] | None = None
+        """This snapshot counted as committed here while it arrives (``Catalog.commit_coming``)."""
+        if moves:
+            self.run.forget([step])  # what this process read of its copy before (survey) is no more
+            new = step not in self.run.steps()
+            if failed is None:
+                self._guarded(lambda: self._open(new))
+            if new:  # even where it cannot be staged: the restore beside it fails on that error, every rank alike
+                self._committed = self.run.commit_coming(step)
+        for (_, path), coming in self._coming.items():
+            self.run.units.coming[self._key(path)] = coming
 
-    def _open(self) -> None:
+    def _open(self, new: bool) -> None:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="llmtailor-heal")
-        if self.step in self.run.steps():
+        if not new:
             batch = self._files.enter_context(self.run.storage.batch())
             self._create = lambda path: batch.create(f"{self.run.snapshot_key(self.step)}/{path}")
             return
@@ -265,10 +406,16 @@ class Receiving:
             self._gate = self.run.hold_back()
             self._writer.submit(self._gate.wait)  # opened at the latest as the restore ends (``Tailor.restore``)
 
+    def _key(self, path: str) -> str:
+        return f"{self.run.snapshot_key(self.step)}/{path}"
+
     def take(self, rank: int, path: str, content: memoryview) -> None:
-        """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written."""
+        """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written (and
+        handed to the restore that reads it meanwhile)."""
         if self.error is None:
             self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
+        if self.error is not None:
+            self._fail_coming()
 
     def _keep(self, source: int, path: str, content: memoryview) -> None:
         move = self.expected.get((source, path))
@@ -281,11 +428,16 @@ class Receiving:
         self._kept += len(content) if keep else 0
         if path == MANIFEST_FILE and self._staged is not None:
             self._manifest = bytes(content)  # written last, by the commit
+            self._parsed = parse_manifest(self._manifest, self.run.where(self.step, MANIFEST_FILE), self.step)
+            self.run.remember(self._parsed)  # known here from now: the restore reading meanwhile may ask for it
         else:
             if not keep:  # not held for the restore: held no longer than the writes before it take
                 self._written()
             self._writes.append(self._writer.submit(self._write, path, content))
         self._arrived[(source, path)] = content if keep else None
+        if keep:  # its readers take it now (one past the bound is read from the copy once committed: ``finish``)
+            self.run.units.arrived[self._key(path)] = (move.bytes, move.xxh3, content)
+            _resolve(self._coming[(source, path)])
 
     def _write(self, path: str, content: memoryview) -> None:
         write_to(self._create(path), content)
@@ -293,7 +445,10 @@ class Receiving:
     def finish(self) -> str | None:
         """Commit what arrived (class docstring) or abandon it; the failure, or None. A new
         snapshot whose every file arrived, checked, and is kept for the restore is committed
-        in the background (``_commit_later``)."""
+        in the background (``_commit_later``). Once only (``abandon`` after it does nothing)."""
+        if self._finished:
+            return self.error
+        self._finished = True
         missing = [move for key, move in self.expected.items() if key not in self._arrived]
         if self.error is None and missing:
             move = missing[0]
@@ -304,6 +459,7 @@ class Receiving:
             if self.error is None and whole:
                 self._guarded(self._commit_later)
                 if self.error is None:
+                    self._settle_coming()
                     return None
             if self._gate is not None:
                 self._gate.set()  # nothing to hold back: committed below, or abandoned
@@ -315,11 +471,52 @@ class Receiving:
                 self._guarded(lambda: self._staged.commit(self._manifest))
             if self.error is not None:
                 self._staged.abandon()
-        if self.expected:
-            self.run.forget([self.step])
-        if self.error is None:
-            self._hand_over()
+        self._settle_coming()
         return self.error
+
+    def abandon(self, failure: BaseException | None) -> None:
+        """The stream ended, ``failure`` (None: it ended well): ``finish`` unless done, that
+        failure (the stream's own) failing the readers of every file that did not arrive."""
+        if not self._finished:
+            self._failure = failure
+            if failure is not None:
+                self.error = self.error or f"node {self._dest}: step {self.step}: the stream failed: {failure}"
+            self.finish()
+
+    def fail(self, why: str) -> None:
+        """Another snapshot's receiving of the same stream failed (``why``): nothing more of this
+        one is written, and the readers of what is not in raise it."""
+        if not self._finished and self.error is None:
+            self.error = why
+            self._fail_coming()
+
+    def withdraw(self) -> None:
+        """Once the restore that read beside it took its outcome (``Healing.outcome``): where it
+        failed, what was handed over withdrawn and this snapshot no longer counted as committed
+        here. Not before: until then that restore's reads fail on the healing's error, not on a
+        snapshot gone half-way (a lease refused on one rank only would leave the ranks' collective
+        reads out of step)."""
+        if self.error is not None and self._finished:
+            for key, content in self._arrived.items():
+                if content is not None:
+                    self.run.units.arrived.pop(self._key(key[1]), None)
+            if self._committed is not None:
+                self.run.not_coming(self.step, self._committed)
+
+    def _fail_coming(self) -> None:
+        """The receiving failed: the readers of every file not handed over raise that failure,
+        at once (not when the stream ends)."""
+        failure = self._failure or IntegrityError(f"healing the node-local tier failed: {self.error}")
+        for coming in self._coming.values():
+            _resolve(coming, failure)
+
+    def _settle_coming(self) -> None:
+        """At the end: where it failed, every reader of what was not handed over failed; else
+        every file readable (one not handed over: from the copy, committed now)."""
+        if self.error is not None:
+            self._fail_coming()
+        for coming in [*self._coming.values(), *([self._committed] if self._committed is not None else [])]:
+            _resolve(coming)
 
     def _commit_later(self) -> None:
         """``finish`` of a new snapshot, every file checked and in memory: its writes (under
@@ -328,12 +525,9 @@ class Receiving:
         (``Catalog.commit_later``). A write or commit that fails there abandons the staged
         snapshot, is logged at once, and is raised by every save of this node until a restore
         heals its copy again, and by ``close`` (``Tiers.settle_healing``): never lost."""
-        manifest = parse_manifest(self._manifest, self.run.where(self.step, MANIFEST_FILE), self.step)
         done = self._writer.submit(self._commit_written)
         self._writer.shutdown(wait=False)  # the thread ends once the commit ran
-        self.run.forget([self.step])
-        self.run.commit_later(manifest, done)
-        self._hand_over()
+        self.run.commit_later(self._parsed, done)  # as it arrived (``_keep``)
 
     def _written(self) -> None:
         """Raise the first failure of the background writes (all of them done)."""
@@ -353,17 +547,6 @@ class Receiving:
             message = f"node {self._dest}: step {self.step}: its healed copy could not be written: {err}"
             _log.error("%s", message)
             raise NodeTierError(message) from err
-
-    def _hand_over(self) -> None:
-        """The files received, committed here, handed to the restore that follows with the
-        size and checksum they were checked against (``UnitReader.arrived``): it takes these
-        bytes instead of reading the files back and checking them a second time."""
-        prefix = self.run.snapshot_key(self.step)
-        for key, content in self._arrived.items():
-            if content is None:
-                continue  # past the bound: read back from the copy like any other file
-            move = self.expected[key]
-            self.run.units.arrived[f"{prefix}/{move.path}"] = (move.bytes, move.xxh3, content)
 
     def _guarded(self, action: Callable[[], Any]) -> None:
         try:

@@ -27,7 +27,7 @@ from llmtailor.store.catalog import LeasedComposite
 from llmtailor.store.tiers.collective import Crew, NodeUploader, follows
 from llmtailor.store.tiers.choice import Candidates, Choice, candidates, choose, newest_steps, raise_problem
 from llmtailor.store.tiers.config import Tier
-from llmtailor.store.tiers.healing import clear_unwhole, recover
+from llmtailor.store.tiers.healing import Healing, clear_unwhole, recover
 from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.promote import Promoter, Promotion, clear_stray_carriers
 from llmtailor.store.tiers.record import TierRecord
@@ -64,6 +64,8 @@ class Tiers:
         """Why this node's copy lacks what a healing sent it (its background write failed), until
         a restore lists the copies again (``recover``): every save is refused meanwhile
         (``settle_healing``)."""
+        self.healing: Healing | None = None
+        """The healing ``recover`` left running beside the restore that follows (``healed``)."""
 
     @classmethod
     def of(cls, home: str | Path, config: Any) -> Tiers:
@@ -380,16 +382,25 @@ class Tiers:
         """Collective, before a restore, with a node-local first tier: the composite the nodes
         hold whole together (of ``step``; default the newest), every node's copy of it made whole
         from the others' (``healing.recover``), and which nodes' copies served which node.
-        ``(None, {})`` without a node-local tier (nothing to decide across nodes)."""
+        ``(None, {})`` without a node-local tier (nothing to decide across nodes). The healing
+        may still run when this returns (``healing``): the restore takes its outcome (``healed``)."""
         if self.placement is None:
             return None, {}
-        offer = recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator, step)
+        offer, served, self.healing = recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator,
+                                              step)
         # Its survey settled the commits an earlier healing left running and listed the copies
         # as they are: what a failed one left out was healed again, or the composite chosen (or
         # the next tier) does not need it. That failure (logged when it happened) stops no save.
         self.first.run.commit_failure()
         self.unhealed = None
-        return offer
+        return offer, served
+
+    def healed(self) -> str | None:
+        """Wait for this rank's part of the healing ``recover`` left running (once; None when
+        there is none): the first failure of this node's receiving, or None; the failure of a
+        stream raised (``healing.Healing.outcome``)."""
+        healing, self.healing = self.healing, None
+        return None if healing is None else healing.outcome()
 
     def settle_healing(self) -> None:
         """Wait for this node's copy's commits a healing left running (``healing.Receiving``:
