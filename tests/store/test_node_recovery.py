@@ -424,6 +424,7 @@ def test_a_close_after_rank_0s_healed_copy_failed_raises_that_failure_on_every_r
     from torch.distributed import HashStore
 
     from llmtailor.distributed.coordinator import StoreCoordinator
+    from llmtailor.tailor import _Pending
 
     store = HashStore()
     tiers = [Tiers(tmp_path / "home", [Tier(tmp_path / f"node{n}", scope="node")]) for n in range(2)]
@@ -435,6 +436,7 @@ def test_a_close_after_rank_0s_healed_copy_failed_raises_that_failure_on_every_r
         tailor = Tailor.__new__(Tailor)  # what close uses: its tiers and coordinator; no async saves, no drift hooks
         tailor.tiers, tailor.coordinator = tiers[rank], StoreCoordinator.over(store, rank, 2, timeout=20)
         tailor._stager = tailor._drift = None
+        tailor._pending = _Pending(None, None, None, None)  # nothing staged: only its closed flag is used
         tailor.close()
 
     outcomes = on_threads(2, close)
