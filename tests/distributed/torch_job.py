@@ -484,7 +484,7 @@ def pipeline_freezing(out: Path) -> dict:
     model = pipeline_stage(2)
     optimizer, scheduler = build_optimizer(model, total_steps=50)
     exchanged: list[str] = []
-    with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=30) as tailor:
+    with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=60) as tailor:
         exchange = tailor.coordinator.exchange
 
         def counted(tag: str, value):
