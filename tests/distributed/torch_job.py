@@ -36,7 +36,7 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     with Parity saves at 2, 4 and 6 into ``DIR/stages`` (drift tracked), each stage's first rank
     writing its stage's versions to ``DIR/versions/<step>.stage<k>``; fresh stages restore it
     and compare every tensor, the LR scheduler and the optimizer groups; then stages that cut
-    layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=20``): the refusal recorded.
+    layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=60``): the refusal recorded.
 ``pipeline-freeze``  world 2, two pipeline stages: Parity saves at every step 1..6 into
     ``DIR/stages``, the second stage alone freezing one of its weights before step 3's save;
     each rank records how many saves exchanged frozen reports, then fresh stages restore and compare.
@@ -467,7 +467,7 @@ def pipeline(out: Path, stages: int = 2, tp: int = 1) -> dict:
         return result
     split = pipeline_stage(stages, split=True)
     try:
-        Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=20)
+        Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=60)
         result["refused"] = None
     except Exception as err:  # the refusal each rank gets is the point of this part
         result["refused"] = f"{type(err).__name__}: {err}"
