@@ -748,8 +748,10 @@ def pipeline_ddp_read_once(out: Path) -> dict:
 def kill_a_reader(out: Path) -> dict:
     save_loop("ddp", out, "readkill", Parity(), last=4, every=2)
     # The survivors wait out the timeout for rank 1: short, as the restore starts on every rank
-    # together (the barrier), so a slow live rank has only the restore's own rounds to lag in.
-    tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=10)
+    # together (the barrier), so a slow live rank has only the restore's own rounds to lag in;
+    # the Tailor's start (its own rounds, before the barrier) waits as long as a busy machine needs.
+    tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=60)
+    tailor.coordinator.timeout = 10
     if rank() == 1:
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
