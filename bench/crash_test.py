@@ -7,11 +7,14 @@
 Each loop trains ``python -m llmtailor.training_example`` (a Llama of ``--hidden`` x
 ``--layers``, saving every step; at 256 x 8 a save is about 60% of a step on our VM) as a real
 subprocess, and over and over: starts it (with ``--resume`` once anything is committed), waits
-for its first save to finish, sleeps a seeded random delay of up to three step periods, then
-``os.kill(pid, SIGKILL)`` — unless it has already finished. Right after each kill, before
-anything else runs, it looks at the run directory: a new entry in ``.tmp/`` means the kill
-landed inside a save, while a partial snapshot was being written; a ``latest`` pointer behind
-the newest commit means it landed between the commit's rename and the pointer update. Then:
+for its first save to finish, then for a seeded 0 to 2 further steps to be logged, sleeps a
+seeded random delay of up to one of its step periods (the latest it logged), then
+``os.kill(pid, SIGKILL)`` — unless it has already finished. The window counts the job's own
+steps, so a pace that changes with the machine's load (a busy CI machine) cannot carry a job to
+its end before its kill. Right after each kill, before anything else runs, it looks at the run
+directory: a new entry in ``.tmp/`` means the kill landed inside a save, while a partial
+snapshot was being written; a ``latest`` pointer behind the newest commit means it landed
+between the commit's rename and the pointer update. Then:
 
 - ``Run.verify()`` finds no problem in any committed snapshot;
 - every directory in ``snapshots/`` has its manifest (partial writes live only in ``.tmp/``);
@@ -45,7 +48,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -59,7 +61,7 @@ from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, snapshot_dirname
 from llmtailor.training_example import build_model, build_optimizer, job_config
 
 JOB_TIMEOUT_S = 600
-KILL_WINDOW_STEPS = 3  # the kill lands up to this many step periods after the job's first save
+KILL_WINDOW_STEPS = 3  # the kill lands within this many of the job's steps after its first save
 
 
 @dataclass
@@ -125,7 +127,6 @@ def crash_loop(
     checker_model = build_model(job_config(hidden, layers), seed=7)
     checker_optimizer, checker_scheduler = build_optimizer(checker_model, total_steps=steps)
     logs: list[Path] = []
-    periods: list[float] = []  # seconds of a step and its save, each job's first step left out
     committed: int | None = None
     for i in range(kills):
         resume = committed is not None
@@ -134,11 +135,13 @@ def crash_loop(
         with open(logs[-1], "w") as stdout, open(logs[-1].with_suffix(".err"), "w") as stderr:
             proc = subprocess.Popen(job.args(run_dir, workdir / "job.json", resume), stdout=stdout, stderr=stderr)
         try:
-            first_period = _wait_for_first_save(proc, logs[-1])
-            if first_period is not None:
-                # A job's first step is slow (warm-up); later ones set the window once seen.
-                period = statistics.median(periods) if periods else first_period
-                time.sleep(rng.uniform(0, KILL_WINDOW_STEPS * period))
+            first = _wait_for_first_save(proc, logs[-1])
+            if first is not None:
+                # Whole steps counted in the log (events: the job's progress, whatever its pace),
+                # then an instant within a step at the job's latest pace (the latest step and save
+                # it logged; the first, a warm-up, while no later one is).
+                if _wait_for_step(proc, logs[-1], first + rng.randrange(KILL_WINDOW_STEPS)):
+                    time.sleep(rng.uniform(0, _step_periods(_read_log(logs[-1]))[-1]))
             if proc.poll() is not None:
                 report.finished_before_kill += 1
                 if proc.returncode != 0:
@@ -159,7 +162,6 @@ def crash_loop(
         report.kills_before_pointer += before_pointer
 
         records = _read_log(logs[-1])
-        periods += _step_periods(records)[1:]
         first = next((r["step"] for r in records if "step" in r), None)
         if resume and first is not None and first != committed + 1:
             report.problems.append(f"job {i} resumed at step {first}, the newest composite was {committed}")
@@ -257,17 +259,26 @@ def _run_to_end(args: list[str]) -> dict:
     return {**out, "stdout": proc.stdout}
 
 
-def _wait_for_first_save(proc: subprocess.Popen, log: Path) -> float | None:
-    """Seconds of the job's first step plus its save, once that save is done; None if the job
-    ended first."""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+def _wait_for_first_save(proc: subprocess.Popen, log: Path) -> int | None:
+    """The step of the job's first save, once that save is done; None if the job ended first."""
+    return _wait_for(proc, log, lambda records: next((r["saved"] for r in records if "saved" in r), None), "no save")
+
+
+def _wait_for_step(proc: subprocess.Popen, log: Path, step: int) -> bool:
+    """Whether the job logged ``step`` (trained) before it ended."""
+    return _wait_for(proc, log, lambda records: any(r.get("step", 0) >= step for r in records) or None,
+                     f"step {step} not logged") is not None
+
+
+def _wait_for(proc: subprocess.Popen, log: Path, seen, what: str):
+    """``seen(records)`` of the job's log once it is not None; None if the job ended first."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S  # the bound on a hung job
     while proc.poll() is None:
-        records = _read_log(log) if log.stat().st_size else []
-        saves = [r["save_s"] for r in records if "saved" in r]
-        if saves:
-            return next(r["train_s"] for r in records if "step" in r) + saves[0]
+        found = seen(_read_log(log) if log.stat().st_size else [])
+        if found is not None:
+            return found
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no save within {JOB_TIMEOUT_S} s; see {log}")
+            raise RuntimeError(f"{what} within {JOB_TIMEOUT_S} s; see {log}")
         time.sleep(0.005)
     return None
 

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, tiny, train
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmtailor import Adaptive, Full, Parity, Tailor
@@ -213,7 +213,8 @@ def test_budget_mode_fits_the_budget_beyond_the_forced_units():
     assert Adaptive(budget=500).decide(ctx).units == ["embed", "layer.4", "layer.5", "norm", "head"]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+# too_slow off: drawing the examples may take seconds on a busy machine, which says nothing of the code
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     drift=st.lists(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=6, max_size=6), min_size=1, max_size=20),
     staleness=st.integers(1, 5),

@@ -287,7 +287,7 @@ def test_pipeline_stages_save_with_parity_and_restore_into_other_stages_and_into
 def test_frozen_reports_are_exchanged_only_when_a_stage_has_news_and_the_stages_stay_agreed(two_ranks):
     """The frozen plan's exchange rides on the save's drift all-reduce as one flag: skipped
     while no rank's frozen tensors change, made on every rank when one stage alone freezes a
-    weight (a rank deciding by itself would hang the other; ``timeout=30`` stands for that).
+    weight (a rank deciding by itself would hang the other; ``timeout=60`` stands for that).
     Found before: every save exchanged (6 of 6). The weight is written once after it froze, the
     later versions keep it, and fresh stages restore every tensor."""
     tmp_path = two_ranks["pipeline-freeze"]

@@ -36,7 +36,7 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     with Parity saves at 2, 4 and 6 into ``DIR/stages`` (drift tracked), each stage's first rank
     writing its stage's versions to ``DIR/versions/<step>.stage<k>``; fresh stages restore it
     and compare every tensor, the LR scheduler and the optimizer groups; then stages that cut
-    layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=20``): the refusal recorded.
+    layer 2 between them build a ``Tailor`` of ``DIR/split`` (``timeout=60``): the refusal recorded.
 ``pipeline-freeze``  world 2, two pipeline stages: Parity saves at every step 1..6 into
     ``DIR/stages``, the second stage alone freezing one of its weights before step 3's save;
     each rank records how many saves exchanged frozen reports, then fresh stages restore and compare.
@@ -469,7 +469,7 @@ def pipeline(out: Path, stages: int = 2, tp: int = 1) -> dict:
         return result
     split = pipeline_stage(stages, split=True)
     try:
-        Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=20)
+        Tailor(out / "split", split, *build_optimizer(split, total_steps=50), timeout=60)
         result["refused"] = None
     except Exception as err:  # the refusal each rank gets is the point of this part
         result["refused"] = f"{type(err).__name__}: {err}"
@@ -486,7 +486,7 @@ def pipeline_freezing(out: Path) -> dict:
     model = pipeline_stage(2)
     optimizer, scheduler = build_optimizer(model, total_steps=50)
     exchanged: list[str] = []
-    with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=30) as tailor:
+    with Tailor(out / "stages", model, optimizer, scheduler, policy=Parity(), timeout=60) as tailor:
         exchange = tailor.coordinator.exchange
 
         def counted(tag: str, value):
@@ -750,8 +750,10 @@ def pipeline_ddp_read_once(out: Path) -> dict:
 def kill_a_reader(out: Path) -> dict:
     save_loop("ddp", out, "readkill", Parity(), last=4, every=2)
     # The survivors wait out the timeout for rank 1: short, as the restore starts on every rank
-    # together (the barrier), so a slow live rank has only the restore's own rounds to lag in.
-    tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=10)
+    # together (the barrier), so a slow live rank has only the restore's own rounds to lag in;
+    # the Tailor's start (its own rounds, before the barrier) waits as long as a busy machine needs.
+    tailor = Tailor(out / "readkill", *build("ddp", seed=7), timeout=60)
+    tailor.coordinator.timeout = 10
     if rank() == 1:
         # It dies in its first read once it has told the others what it holds (its reads start
         # beside that exchange): the others are then in the read plan's broadcasts, waiting for it.

@@ -125,7 +125,8 @@ def test_a_local_file_is_read_one_part_at_a_time_in_file_order(run, monkeypatch)
 def test_a_local_file_is_read_on_while_the_caller_still_checksums_the_first_part(run, monkeypatch):
     """The thread reading a local file goes on to the next part as soon as one is in, without
     waiting for the caller to take it (``fetch._read_in_order``): here the checksum of the first
-    part waits until every part has been read (at most 5 s), and they all are."""
+    part waits until every part has been read (at most 120 s, the bound on a hang: a reader that
+    waits for the caller never gets there), and they all are."""
     unit, _ = only_tensor(run)
     key = f"{run.snapshot_key(1)}/{unit.files[0].path}"
     buffer = bytearray(run.storage.size(key))
@@ -144,7 +145,7 @@ def test_a_local_file_is_read_on_while_the_caller_still_checksums_the_first_part
 
         def update(self, data):
             if not self.seen:
-                self.seen.append(all_read.wait(5.0))
+                self.seen.append(all_read.wait(120))
             self.inner.update(data)
 
     monkeypatch.setattr(LocalStorage, "read_into", noting)

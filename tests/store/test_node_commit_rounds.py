@@ -61,7 +61,7 @@ def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False, spare=None)
         if rank == 1 and wait_for_node_0 and not node_0_wrote.wait(60):
             raise AssertionError("node 0 wrote nothing of its part before node 1 began the save")
         placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes))
-        coord = StoreCoordinator.over(store, rank, 2, timeout=10)
+        coord = StoreCoordinator.over(store, rank, 2, timeout=60)  # a bound on a hang: no test here waits it out
         wrote = (lambda unit, size: node_0_wrote.set()) if rank == 0 else None
         return persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
                                 on_unit=wrote, prepare=prepare and (lambda: prepare(rank)),

@@ -297,7 +297,9 @@ def test_a_held_lease_is_renewed_on_the_server_and_a_contender_refused(url, toke
         assert len(seen) >= 3, f"the lease was renewed {len(seen) - 1} time(s)"
         holder, _ = storage.locks.writer()._current()
         monkeypatch.setattr(ObjectWriterLock, "_on_this_host", staticmethod(lambda holder: None))  # as if elsewhere: watched
-        contender = storage.locks.writer()
+        # The contender watches for its own lock_ttl: a long one, so that a renewal late on a busy
+        # machine (the holder's period is 0.5 s) is still seen; it is refused at the first one.
+        contender = ObjectStorage(url, {"lock_ttl": 120}).locks.writer()
         with pytest.raises(TailorError, match=rf"being written by another writer \({holder['holder']}\)"):
             contender.take()
         train(model, opt, sched, tokens, [1])
