@@ -11,7 +11,7 @@ import contextlib
 import json
 import math
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -252,30 +252,12 @@ class UnitReader:
             if not together.pending.issuperset(sums):  # read already: again, as any unit is
                 return None
             together.pending.difference_update(sums)
-            if together.spans is None:
-                together.spans = Future()
-                first = True
-            else:
-                first = False
-        if first:  # the spans, and where the pack's data starts and its header: once, for every unit
-            try:
-                together.spans.set_result(self._cut_spans(storage, key, file, together))
-            except BaseException as err:  # each of its units' reads raises it
-                together.spans.set_exception(err)
-        header, spans = together.spans.result()
+        # The spans, and where the pack's data starts and its header: once, for every unit.
+        header, spans = _once(self._together_lock, together, "spans", lambda: self._cut_spans(storage, key, file, together))
         check_header(header[1], where[0], shapes)
         out = {}
         for span in {id(span): span for name in sums for span in spans if name in span.names}.values():
-            with self._together_lock:
-                first = span.data is None
-                if first:
-                    span.data = Future()
-            if first:
-                try:
-                    span.data.set_result(fetch(storage, key, span.start, span.end - span.start))
-                except BaseException as err:
-                    span.data.set_exception(err)
-            data = span.data.result()
+            data = _once(self._together_lock, span, "data", lambda: fetch(storage, key, span.start, span.end - span.start))
             out.update(checked_parts(data, (header[0] - span.start, header[1]),
                                      {name: sums[name] for name in sums if name in span.names}, where[0]))
             with self._together_lock:
@@ -582,6 +564,23 @@ class UnitReader:
                 return raw, data  # large extras: not held beyond their use
             self._state = (key, raw, data)
         return self._state[1], bytearray(self._state[2])
+
+
+def _once(lock: threading.Lock, holder: Any, name: str, compute: Callable[[], Any]) -> Any:
+    """The result of the future ``holder.<name>``: where it is None, one is set in its place
+    under ``lock`` and ``compute()`` fills it here (the first caller), the others wait for it;
+    what ``compute`` raised is raised to each (``reading_together``'s spans and their bytes)."""
+    with lock:
+        future, first = getattr(holder, name), False
+        if future is None:
+            future, first = Future(), True
+            setattr(holder, name, future)
+    if first:
+        try:
+            future.set_result(compute())
+        except BaseException as err:  # each of its readers raises it
+            future.set_exception(err)
+    return future.result()
 
 
 class _Together:
