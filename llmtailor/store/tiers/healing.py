@@ -202,8 +202,12 @@ class Healing:
             self._failure = err
         finally:
             for step, receiving in self._receiving.items():
-                receiving.abandon(self._failure)
-                self._senders[step].settle()
+                try:
+                    receiving.abandon(self._failure)
+                except BaseException as err:  # each snapshot's readers settled all the same (``finish``)
+                    self._failure = self._failure or err
+                finally:
+                    self._senders[step].settle()
 
     def _fill(self, dst: int, name: str, into: memoryview) -> Any:
         step, path = _unnamed(name)
@@ -449,6 +453,25 @@ class Receiving:
         if self._finished:
             return self.error
         self._finished = True
+        try:
+            return self._finish()
+        except BaseException as err:  # unforeseen (not a TailorError nor an OSError): nothing of it committed
+            self._failure = self._failure or err
+            self.error = self.error or f"node {self._dest}: step {self.step}: {type(err).__name__}: {err}"
+            if self._gate is not None:
+                self._gate.set()
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)  # no write (nor commit) runs on as it is abandoned
+            with contextlib.suppress(BaseException):
+                self._files.close()
+            if self._staged is not None:
+                with contextlib.suppress(TailorError, OSError):
+                    self._staged.abandon()
+            raise
+        finally:
+            self._settle_coming()  # no reader waits for ever, whatever failed
+
+    def _finish(self) -> str | None:
         missing = [move for key, move in self.expected.items() if key not in self._arrived]
         if self.error is None and missing:
             move = missing[0]
