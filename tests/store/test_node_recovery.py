@@ -716,3 +716,29 @@ def test_a_write_failing_unexpectedly_fails_the_readers_of_every_file_and_lists_
     runs[1].settle_commits()
     assert runs[1].steps() == [] and Run(copies[1]).steps() == []
     assert not list((copies[1] / ".tmp").iterdir())
+
+
+def test_a_healing_whose_thread_cannot_start_leaves_nothing_counted_as_committing(tmp_path, monkeypatch):
+    """A healing that cannot start its stream's thread (``can't start new thread``) raises, and
+    leaves nothing behind: its snapshot new here is not listed, no reader of its files waits,
+    and the next listing of the copy (a restore's survey: ``settle_commits``) does not wait for
+    a commit that will never run."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+
+    class Unstartable(threading.Thread):
+        def start(self):
+            if self.name == "llmtailor-healing":  # the stream's; its receiving's writer started
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(recovery_healing.threading, "Thread", Unstartable)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), DeliveringSender(runs[0], []), 1)
+    monkeypatch.undo()
+    assert runs[1].steps() == []
+    assert all(coming.done() for coming in runs[1].units.coming.values())
+    settled = threading.Thread(target=runs[1].settle_commits, daemon=True)
+    settled.start()
+    settled.join(60)
+    assert not settled.is_alive(), "settle_commits waits for a healing that never ran"

@@ -180,13 +180,22 @@ class Healing:
         """A stream's own failure (a peer died, a timeout: ``CoordinationError``), raised by ``outcome``."""
         node = nodes.node_of_rank(rank)
         these = moves if leads(nodes, rank) else []
-        steps = sorted({move.step for move in these}, reverse=True)
-        self._receiving = {step: Receiving(run, step, [m for m in these if m.step == step and m.dest == node], nodes)
-                           for step in steps}
-        self._senders = {step: _Sender(run, step, [m for m in these if m.step == step], node) for step in steps}
-        self._outgoing, self._sources = _sending(these, node, nodes)
-        self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
-        self._thread.start()
+        self._receiving: dict[int, Receiving] = {}
+        self._senders: dict[int, _Sender] = {}
+        try:
+            for step in sorted({move.step for move in these}, reverse=True):
+                self._senders[step] = _Sender(run, step, [m for m in these if m.step == step], node)
+                self._receiving[step] = Receiving(run, step, [m for m in these if m.step == step and m.dest == node],
+                                                  nodes)
+            self._outgoing, self._sources = _sending(these, node, nodes)
+            self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
+            self._thread.start()
+        except BaseException as err:  # no stream: what was registered as coming or committing is let go
+            self._failure = err
+            self._settle()
+            for receiving in self._receiving.values():
+                receiving.withdraw()
+            raise
 
     def _run(self, run: Run, courier: Courier) -> None:
         try:
@@ -201,13 +210,19 @@ class Healing:
         except BaseException as err:  # the stream failed: every file not in yet fails its reader with it
             self._failure = err
         finally:
-            for step, receiving in self._receiving.items():
-                try:
-                    receiving.abandon(self._failure)
-                except BaseException as err:  # each snapshot's readers settled all the same (``finish``)
-                    self._failure = self._failure or err
-                finally:
-                    self._senders[step].settle()
+            self._settle()
+
+    def _settle(self) -> None:
+        """The stream ended (``_failure``: how it failed): every snapshot's receiving finished or
+        abandoned, and every file of it and of each sender settled for its readers."""
+        for step, sender in self._senders.items():
+            try:
+                if step in self._receiving:
+                    self._receiving[step].abandon(self._failure)
+            except BaseException as err:  # each snapshot's readers settled all the same (``finish``)
+                self._failure = self._failure or err
+            finally:
+                sender.settle()
 
     def _fill(self, dst: int, name: str, into: memoryview) -> Any:
         step, path = _unnamed(name)
