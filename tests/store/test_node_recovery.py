@@ -742,3 +742,25 @@ def test_a_healing_whose_thread_cannot_start_leaves_nothing_counted_as_committin
     settled.start()
     settled.join(60)
     assert not settled.is_alive(), "settle_commits waits for a healing that never ran"
+
+
+def test_a_sender_whose_lease_cannot_be_taken_still_streams_every_file(tmp_path, monkeypatch):
+    """A healing's sender that cannot take its read lease (its lease file refused: a full disk)
+    still sends what it lists, from its copy as it is (a file gone meanwhile goes out as nothing,
+    which its receiver refuses): its receivers, already waiting for its stream, never wait for it
+    until their timeout."""
+    import errno
+
+    from llmtailor.store.catalog import ReadLeases
+
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+
+    def refused(self, step):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ReadLeases, "take", refused)
+    courier = SendingCourier(runs[0])
+    assert recovery_healing.Healing(runs[0], moves, Nodes((0, 1)), courier, 0).outcome() is None
+    snapshot = copies[0] / "snapshots" / "step-00000002"
+    assert courier.sent == {m.path: (snapshot / m.path).read_bytes() for m in moves}

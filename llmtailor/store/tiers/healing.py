@@ -17,7 +17,10 @@ does (the restore that follows, a collective promotion's uploads: ``collective.p
 this writer removes snapshots from a node's copy while it heals (its retention runs after a
 save's commit, settled before a restore; ``llmtailor gc`` needs the node's writer lock), but the
 lease makes that hold whoever else runs retention there. A snapshot gone all the same is sent
-as nothing, which its receiver refuses (``Receiving``): never a part in half.
+as nothing, which its receiver refuses (``Receiving``): never a part in half. A lease that
+cannot be taken (its file refused: a full disk) is logged and the snapshot sent all the same,
+its receivers checking every file as always: they wait for this stream, and would otherwise
+wait until their timeout.
 """
 
 from __future__ import annotations
@@ -202,7 +205,10 @@ class Healing:
             with ReadLeases(run) as leases:
                 for step, sender in self._senders.items():
                     if sender.records:  # read under a lease (module docstring); one gone goes out as nothing: refused
-                        leases.take(step)
+                        try:
+                            leases.take(step)
+                        except (TailorError, OSError) as err:  # sent all the same: its receivers wait for the stream
+                            _log.warning("llmtailor: healing sends step %d without a read lease: %s", step, err)
                 if self._outgoing or self._sources:
                     courier.stream(self._outgoing, self._fill, self._sources, self._take, self._hand_over)
             for receiving in self._receiving.values():
