@@ -684,17 +684,20 @@ class DeliveringSender:
     stream, as it fails the courier's."""
 
     def __init__(self, source: Run, paths: list[str]):
-        self.source, self.paths = source, paths
+        self.source, self.paths, self.taken = source, paths, []
 
     def stream(self, outgoing, fill, sources, take, meanwhile=None):
         for path in self.paths:
             take(0, f"2:{path}", memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
+            self.taken.append(path)
 
 
 def test_a_write_failing_unexpectedly_fails_the_readers_of_every_file_and_lists_nothing(tmp_path, monkeypatch):
     """A background write of a healed file that fails with an error of no kind the healing
     expects (not an OSError): every read of a file of that snapshot raises (none waits for
-    ever), the healing's outcome says why, and nothing is listed or left committing here."""
+    ever), the stream goes on to its end (a ``take`` that raised would leave the sender's sends
+    waiting until its timeout), the healing's outcome says why, and nothing is listed or left
+    committing here."""
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     monkeypatch.setattr(recovery_healing, "HAND_OVER_BYTES", 0)  # none kept: each read waits for its write
@@ -705,7 +708,8 @@ def test_a_write_failing_unexpectedly_fails_the_readers_of_every_file_and_lists_
 
     monkeypatch.setattr(recovery_healing, "write_to", broken)
     ordered = sorted(m.path for m in moves)
-    under_way = recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), DeliveringSender(runs[0], ordered), 1)
+    stream = DeliveringSender(runs[0], ordered)
+    under_way = recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), stream, 1)
     readings = [node_1_reads(runs, m) for m in moves]
     for reading in readings:
         reading["thread"].join(60)
@@ -713,6 +717,7 @@ def test_a_write_failing_unexpectedly_fails_the_readers_of_every_file_and_lists_
         assert "the sink broke" in str(reading.get("raised")), reading
     with pytest.raises(RuntimeError, match="the sink broke"):
         under_way.outcome()
+    assert stream.taken == ordered  # ``take`` recorded the failure, never raised it: the sender's sends all taken
     runs[1].settle_commits()
     assert runs[1].steps() == [] and Run(copies[1]).steps() == []
     assert not list((copies[1] / ".tmp").iterdir())

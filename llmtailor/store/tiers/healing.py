@@ -438,7 +438,11 @@ class Receiving:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written (and
         handed to the restore that reads it meanwhile)."""
         if self.error is None:
-            self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
+            try:
+                self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
+            except Exception as err:  # unforeseen: kept as any failure, not raised (the stream goes on to its end)
+                self._failure = self._failure or err
+                self.error = f"node {self._dest}: step {self.step}: {path}: {type(err).__name__}: {err}"
         if self.error is not None:
             self._fail_coming()
 
