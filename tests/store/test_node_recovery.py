@@ -769,3 +769,27 @@ def test_a_sender_whose_lease_cannot_be_taken_still_streams_every_file(tmp_path,
     assert recovery_healing.Healing(runs[0], moves, Nodes((0, 1)), courier, 0).outcome() is None
     snapshot = copies[0] / "snapshots" / "step-00000002"
     assert courier.sent == {m.path: (snapshot / m.path).read_bytes() for m in moves}
+
+
+def test_a_sender_whose_read_of_a_file_fails_unforeseen_still_streams_every_file(tmp_path, monkeypatch, caplog):
+    """A healing's sender whose read of one file fails with an error of no kind it expects
+    (not an OSError) logs it and sends that file as its buffer was (its receiver refuses it,
+    naming the file and the sender), then every other: a raise would end its stream there, and
+    its receivers would wait for the rest until their timeout."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    broken = next(m.path for m in moves if m.path.startswith("units/"))
+    mapped = type(runs[0].storage).mapped
+
+    def failing(self, key):
+        if key.endswith(broken):
+            raise RuntimeError("the mapping broke")
+        return mapped(self, key)
+
+    monkeypatch.setattr(type(runs[0].storage), "mapped", failing)
+    courier = SendingCourier(runs[0])
+    assert recovery_healing.Healing(runs[0], moves, Nodes((0, 1)), courier, 0).outcome() is None
+    snapshot = copies[0] / "snapshots" / "step-00000002"
+    assert sorted(courier.sent) == sorted(m.path for m in moves)
+    assert all(courier.sent[m.path] == (snapshot / m.path).read_bytes() for m in moves if m.path != broken)
+    assert courier.sent[broken] != (snapshot / broken).read_bytes() and "the mapping broke" in caplog.text

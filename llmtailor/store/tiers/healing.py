@@ -325,6 +325,8 @@ class _Sender:
             self.run.storage.read_into(key, 0, into)
         except (TailorError, OSError, ValueError):
             pass
+        except Exception as err:  # unforeseen: logged, never raised (the stream would end here: its receivers wait)
+            _log.warning("llmtailor: healing could not read %s to send it (its receiver refuses it): %r", key, err)
         return None
 
     def hand_over(self) -> None:
