@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -71,6 +72,10 @@ thread each): a stream's pieces go round them in turn, so that what receiving co
 out of the sockets, the faults of fresh memory) runs on as many threads. Fewer in a large job
 (at most ``SOCKETS`` in all per rank): gloo connects every pair of every device at once."""
 SOCKETS = 256
+LATE = 1.0
+"""Seconds a wait for a peer's first message of an exchange is given at least, once the
+exchange's timeout has run out (``Courier._exchange_packed``): a live peer's, in by then, is
+taken; a hung peer's costs no more than this."""
 _opened = itertools.count()
 """Couriers opened by this process, in the order every rank opens them (collectively): the
 number names a courier's posts on its board."""
@@ -237,15 +242,21 @@ class Courier:
         # exchange goes on with the others, failing at its end, naming it: a live peer's sends
         # wait for this rank's receives, and its receives for this rank's sends kept, so a live
         # peer is not left to its timeout (nor to blame this rank) where the dead one is found
-        # at once. A rank failed already is not waited for again (if hung: another timeout).
+        # at once. A rank failed already is not waited for again. Each peer's first message
+        # (its sizes, either way) is posted as the exchange begins, and a live peer's goes at
+        # its own start: each is given the timeout from then, not from when its wait begins, so
+        # several hung peers cost one timeout in all, not one each (``LATE``).
         failed: dict[int, CoordinationError] = {}
+        by = time.monotonic() + self.timeout
         sends = []
         for dst, (listing, payload) in outgoing.items():
             sends += _noting(failed, dst, self._post_sends, dst, listing, payload) or []
-        received = self._receive_packed(sources, failed)
+        received = self._receive_packed(sources, failed, by)
+        first = set()
         for dst, work in sends:
             if dst not in failed:
-                _noting(failed, dst, self._wait, work, f"sending files to rank {dst}")
+                _noting(failed, dst, self._wait, work, f"sending files to rank {dst}", None if dst in first else by)
+                first.add(dst)
         if failed:
             raise CoordinationError("; ".join(str(err) for err in failed.values()))
         return received
@@ -261,7 +272,7 @@ class Courier:
         self.sent_bytes += total
         return sends
 
-    def _receive_packed(self, sources: Sequence[int], failed: dict[int, CoordinationError]) -> dict[int, Packed]:
+    def _receive_packed(self, sources: Sequence[int], failed: dict[int, CoordinationError], by: float) -> dict[int, Packed]:
         """Each source's files, back to back in one buffer: every source's sizes asked for at
         once, then, as each one's come, its names, then each of its files' bytes into its place
         in the buffer (one wait per message that must come before the next can be asked for,
@@ -271,7 +282,7 @@ class Courier:
         asked = {src: self._receive(sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
-            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src])
+            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src], by)
         for src, posted in coming.items():
             for work in posted[2] if posted is not None else []:
                 _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
@@ -279,10 +290,12 @@ class Courier:
                     break
         return {src: (posted[0], posted[1]) for src, posted in coming.items() if posted is not None}
 
-    def _post_packed(self, src: int, sizes: torch.Tensor, asked: Any) -> tuple[list[tuple[str, int]], torch.Tensor, list]:
-        """``_receive_packed`` for one source: its names, then the receives of its files posted."""
+    def _post_packed(self, src: int, sizes: torch.Tensor, asked: Any,
+                     by: float) -> tuple[list[tuple[str, int]], torch.Tensor, list]:
+        """``_receive_packed`` for one source: its sizes (asked for ``by`` then), its names, then
+        the receives of its files posted."""
         what = f"receiving files from rank {src}"
-        self._wait(asked, what)
+        self._wait(asked, what, by)
         names = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self._wait(self._receive(names, src, _NAMES), what)
         listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
@@ -317,9 +330,12 @@ class Courier:
         except RuntimeError as err:
             raise _lost(f"receiving files from rank {src}", err) from None
 
-    def _wait(self, work: object, what: str) -> None:
+    def _wait(self, work: object, what: str, by: float | None = None) -> None:
+        """Wait for ``work``: the timeout, or until ``by`` (``time.monotonic``) where given, but
+        ``LATE`` at least."""
+        timeout = self.timeout if by is None else min(self.timeout, max(by - time.monotonic(), LATE))
         try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
+            work.wait(timeout=timedelta(seconds=timeout))
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
                                     f"({_first_line(err)})") from None

@@ -392,3 +392,40 @@ def test_a_packed_exchange_with_one_dead_peer_names_it_once_the_live_peers_messa
     assert "rank 2" not in str(raised.value)
     assert [len(messages) for messages in wire.values()] == [0, 0, 0]  # rank 2's every message taken
     assert waited.count(2) == 2 + 2 + 3  # rank 2's sizes, names and 2 files received; rank 0's 3 sends to it
+
+
+def test_a_packed_exchange_with_several_hung_peers_waits_one_timeout_in_all_and_names_each(monkeypatch):
+    """Rank 0 exchanges with ranks 1 and 2 (sources and destinations) and sends to rank 3 (in
+    one process, the group faked as above): all three hung (alive, never in the exchange: each
+    wait on them runs out its timeout, on a clock faked here). Every peer's first message was
+    posted as the exchange began, so once one has run out the timeout, the others have had it
+    too: the exchange fails after one timeout in all, not one per hung peer, naming each."""
+    from datetime import timedelta
+
+    from llmtailor.distributed import courier as courier_module
+
+    clock = [0.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return clock[0]
+
+    class Hung:
+        def wait(self, timeout: timedelta | None = None) -> bool:
+            clock[0] += timeout.total_seconds()  # what the wait took
+            raise RuntimeError(f"Timed out waiting {int(timeout.total_seconds() * 1000)}ms for the operation")
+
+    class Group:
+        def recv(self, tensors, src, tag):
+            return Hung()
+
+        send = recv
+
+    monkeypatch.setattr(courier_module, "time", Clock, raising=False)
+    mine = [("units/u.rank-00000.safetensors", b"x" * 10)]
+    with pytest.raises(CoordinationError) as raised:
+        Courier(Group(), 0, timeout=60).exchange({1: mine, 2: mine, 3: mine}, [1, 2])
+    for peer in (1, 2, 3):
+        assert f"rank {peer} failed or timed out" in str(raised.value)
+    assert clock[0] <= 60 + 3 * courier_module.LATE, clock[0]

@@ -328,3 +328,41 @@ def test_a_pack_has_its_write_out_started_on_a_helper_thread_before_its_last_byt
     assert len(handed) == 2 and size // 2 <= handed[0] < size and handed[1] == size
     synced = [e for e in recorder.events if e[0] == "fsync" and e[1].endswith(f"/{name}")]
     assert [e[2] for e in synced] == ["llmtailor-fsync"] * 2 and size in [e[3] for e in synced]
+
+
+@pytest.mark.parametrize("failing", ["early write-out", "manifest"])
+def test_an_fsync_failing_beside_the_manifests_commits_nothing_and_is_raised(tmp_path, tokens, monkeypatch, failing):
+    """The commit fsyncs the manifest beside the staged files' write-outs still in flight
+    (``fsync_together(beside=drain)``; each file's write-out started early, ``WRITE_OUT_FROM``):
+    a staged file's early fsync failing (EIO), or the manifest's, fails the save saying so;
+    nothing is renamed into place, ``latest`` still names step 1, and the next save commits."""
+    import errno
+
+    from llmtailor.store.storage import local_durable
+
+    root, tailor = _saved_once(tmp_path, tokens)
+    try:
+        monkeypatch.setattr(local_durable, "WRITE_OUT_FROM", 1, raising=False)
+        real_fsync, failed = os.fsync, []
+
+        def fsync(fd):
+            path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+            staged = f"/{TMP_DIR}/" in path and snapshot_dirname(2) in path
+            if not failed and staged and (path.endswith(MANIFEST_FILE) if failing == "manifest" else f"/{PACKS_DIR}/" in path):
+                failed.append(path)
+                raise OSError(errno.EIO, "Input/output error")
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(Exception, match="Input/output error"):
+            tailor.save(2)
+            tailor.wait()
+        monkeypatch.undo()
+        assert failed, "no fsync failed: the test did not reach the commit"
+        assert Run(root).steps() == [1] and not (root / "snapshots" / snapshot_dirname(2)).exists()
+        assert (root / LATEST_FILE).read_text().strip().endswith(snapshot_dirname(1))
+        tailor.save(3)
+        tailor.wait()
+        assert Run(root).steps() == [3]
+    finally:
+        tailor.close()

@@ -676,3 +676,120 @@ def test_a_sender_dying_after_the_restore_read_what_arrived_fails_the_readers_of
         under_way.outcome()
     assert runs[1].steps() == [] and not runs[1].units.arrived and Run(copies[1]).steps() == []
     assert not list((copies[1] / ".tmp").iterdir())
+
+
+class DeliveringSender:
+    """Node 1's side of a stream (``Courier.stream`` in one process) whose sender sends every
+    file of step 2 from ``source``, in the order of ``paths``; what ``take`` raised fails the
+    stream, as it fails the courier's."""
+
+    def __init__(self, source: Run, paths: list[str]):
+        self.source, self.paths, self.taken = source, paths, []
+
+    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+        for path in self.paths:
+            take(0, f"2:{path}", memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
+            self.taken.append(path)
+
+
+def test_a_write_failing_unexpectedly_fails_the_readers_of_every_file_and_lists_nothing(tmp_path, monkeypatch):
+    """A background write of a healed file that fails with an error of no kind the healing
+    expects (not an OSError): every read of a file of that snapshot raises (none waits for
+    ever), the stream goes on to its end (a ``take`` that raised would leave the sender's sends
+    waiting until its timeout), the healing's outcome says why, and nothing is listed or left
+    committing here."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    monkeypatch.setattr(recovery_healing, "HAND_OVER_BYTES", 0)  # none kept: each read waits for its write
+
+    def broken(sink, data):
+        sink.abort()
+        raise RuntimeError("the sink broke")
+
+    monkeypatch.setattr(recovery_healing, "write_to", broken)
+    ordered = sorted(m.path for m in moves)
+    stream = DeliveringSender(runs[0], ordered)
+    under_way = recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), stream, 1)
+    readings = [node_1_reads(runs, m) for m in moves]
+    for reading in readings:
+        reading["thread"].join(60)
+        assert not reading["thread"].is_alive(), "a read of a healed file waits for ever"
+        assert "the sink broke" in str(reading.get("raised")), reading
+    with pytest.raises(RuntimeError, match="the sink broke"):
+        under_way.outcome()
+    assert stream.taken == ordered  # ``take`` recorded the failure, never raised it: the sender's sends all taken
+    runs[1].settle_commits()
+    assert runs[1].steps() == [] and Run(copies[1]).steps() == []
+    assert not list((copies[1] / ".tmp").iterdir())
+
+
+def test_a_healing_whose_thread_cannot_start_leaves_nothing_counted_as_committing(tmp_path, monkeypatch):
+    """A healing that cannot start its stream's thread (``can't start new thread``) raises, and
+    leaves nothing behind: its snapshot new here is not listed, no reader of its files waits,
+    and the next listing of the copy (a restore's survey: ``settle_commits``) does not wait for
+    a commit that will never run."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+
+    class Unstartable(threading.Thread):
+        def start(self):
+            if self.name == "llmtailor-healing":  # the stream's; its receiving's writer started
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(recovery_healing.threading, "Thread", Unstartable)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), DeliveringSender(runs[0], []), 1)
+    monkeypatch.undo()
+    assert runs[1].steps() == []
+    assert all(coming.done() for coming in runs[1].units.coming.values())
+    settled = threading.Thread(target=runs[1].settle_commits, daemon=True)
+    settled.start()
+    settled.join(60)
+    assert not settled.is_alive(), "settle_commits waits for a healing that never ran"
+
+
+def test_a_sender_whose_lease_cannot_be_taken_still_streams_every_file(tmp_path, monkeypatch):
+    """A healing's sender that cannot take its read lease (its lease file refused: a full disk)
+    still sends what it lists, from its copy as it is (a file gone meanwhile goes out as nothing,
+    which its receiver refuses): its receivers, already waiting for its stream, never wait for it
+    until their timeout."""
+    import errno
+
+    from llmtailor.store.catalog import ReadLeases
+
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+
+    def refused(self, step):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ReadLeases, "take", refused)
+    courier = SendingCourier(runs[0])
+    assert recovery_healing.Healing(runs[0], moves, Nodes((0, 1)), courier, 0).outcome() is None
+    snapshot = copies[0] / "snapshots" / "step-00000002"
+    assert courier.sent == {m.path: (snapshot / m.path).read_bytes() for m in moves}
+
+
+def test_a_sender_whose_read_of_a_file_fails_unforeseen_still_streams_every_file(tmp_path, monkeypatch, caplog):
+    """A healing's sender whose read of one file fails with an error of no kind it expects
+    (not an OSError) logs it and sends that file as its buffer was (its receiver refuses it,
+    naming the file and the sender), then every other: a raise would end its stream there, and
+    its receivers would wait for the rest until their timeout."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    broken = next(m.path for m in moves if m.path.startswith("units/"))
+    mapped = type(runs[0].storage).mapped
+
+    def failing(self, key):
+        if key.endswith(broken):
+            raise RuntimeError("the mapping broke")
+        return mapped(self, key)
+
+    monkeypatch.setattr(type(runs[0].storage), "mapped", failing)
+    courier = SendingCourier(runs[0])
+    assert recovery_healing.Healing(runs[0], moves, Nodes((0, 1)), courier, 0).outcome() is None
+    snapshot = copies[0] / "snapshots" / "step-00000002"
+    assert sorted(courier.sent) == sorted(m.path for m in moves)
+    assert all(courier.sent[m.path] == (snapshot / m.path).read_bytes() for m in moves if m.path != broken)
+    assert courier.sent[broken] != (snapshot / broken).read_bytes() and "the mapping broke" in caplog.text

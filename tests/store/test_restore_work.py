@@ -452,3 +452,39 @@ def test_on_an_object_store_units_of_a_pack_read_together_from_several_threads_f
         for unit, tensors in loaded.items():
             expected = alone.read_unit(1, unit)[0]
             assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected), unit
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_on_an_object_store_a_failed_fetch_of_a_pack_read_together_fails_every_thread_waiting_for_it(
+        tokens, monkeypatch, whole):
+    """Threads reading units of one pack together: the first one's fetch of the pack (whole, or
+    its header before its spans) fails (a connection reset): every thread's read raises that
+    failure, those waiting for the first one's bytes included; none waits for ever, none is
+    handed a byte."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmtailor.store import units as units_module
+
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
+        run = Run(url)
+        pack, held = pack_of(run)
+        started = threading.Barrier(len(held))
+
+        def reset(*args, **kwargs):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+        if whole:
+            monkeypatch.setattr(units_module, "fetch_whole", reset)
+        else:
+            monkeypatch.setattr(units_module, "TOGETHER_BYTES", 1)  # not read whole: its header first, then spans
+            monkeypatch.setattr(units_module, "check_stored_header", reset)
+
+        def read(unit: str):
+            started.wait(60)  # every thread reads at once: the others wait for the first one's fetch
+            return run.read_unit(1, unit)[0]
+
+        with run.reading_together([(1, unit, ()) for unit in held]), ThreadPoolExecutor(len(held)) as pool:
+            reads = [pool.submit(read, unit) for unit in held]
+            for reading in reads:
+                with pytest.raises(ConnectionResetError, match="Connection reset by peer"):
+                    reading.result(timeout=120)

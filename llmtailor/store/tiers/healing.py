@@ -17,7 +17,10 @@ does (the restore that follows, a collective promotion's uploads: ``collective.p
 this writer removes snapshots from a node's copy while it heals (its retention runs after a
 save's commit, settled before a restore; ``llmtailor gc`` needs the node's writer lock), but the
 lease makes that hold whoever else runs retention there. A snapshot gone all the same is sent
-as nothing, which its receiver refuses (``Receiving``): never a part in half.
+as nothing, which its receiver refuses (``Receiving``): never a part in half. A lease that
+cannot be taken (its file refused: a full disk) is logged and the snapshot sent all the same,
+its receivers checking every file as always: they wait for this stream, and would otherwise
+wait until their timeout.
 """
 
 from __future__ import annotations
@@ -180,20 +183,32 @@ class Healing:
         """A stream's own failure (a peer died, a timeout: ``CoordinationError``), raised by ``outcome``."""
         node = nodes.node_of_rank(rank)
         these = moves if leads(nodes, rank) else []
-        steps = sorted({move.step for move in these}, reverse=True)
-        self._receiving = {step: Receiving(run, step, [m for m in these if m.step == step and m.dest == node], nodes)
-                           for step in steps}
-        self._senders = {step: _Sender(run, step, [m for m in these if m.step == step], node) for step in steps}
-        self._outgoing, self._sources = _sending(these, node, nodes)
-        self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
-        self._thread.start()
+        self._receiving: dict[int, Receiving] = {}
+        self._senders: dict[int, _Sender] = {}
+        try:
+            for step in sorted({move.step for move in these}, reverse=True):
+                self._senders[step] = _Sender(run, step, [m for m in these if m.step == step], node)
+                self._receiving[step] = Receiving(run, step, [m for m in these if m.step == step and m.dest == node],
+                                                  nodes)
+            self._outgoing, self._sources = _sending(these, node, nodes)
+            self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
+            self._thread.start()
+        except BaseException as err:  # no stream: what was registered as coming or committing is let go
+            self._failure = err
+            self._settle()
+            for receiving in self._receiving.values():
+                receiving.withdraw()
+            raise
 
     def _run(self, run: Run, courier: Courier) -> None:
         try:
             with ReadLeases(run) as leases:
                 for step, sender in self._senders.items():
                     if sender.records:  # read under a lease (module docstring); one gone goes out as nothing: refused
-                        leases.take(step)
+                        try:
+                            leases.take(step)
+                        except (TailorError, OSError) as err:  # sent all the same: its receivers wait for the stream
+                            _log.warning("llmtailor: healing sends step %d without a read lease: %s", step, err)
                 if self._outgoing or self._sources:
                     courier.stream(self._outgoing, self._fill, self._sources, self._take, self._hand_over)
             for receiving in self._receiving.values():
@@ -201,9 +216,19 @@ class Healing:
         except BaseException as err:  # the stream failed: every file not in yet fails its reader with it
             self._failure = err
         finally:
-            for step, receiving in self._receiving.items():
-                receiving.abandon(self._failure)
-                self._senders[step].settle()
+            self._settle()
+
+    def _settle(self) -> None:
+        """The stream ended (``_failure``: how it failed): every snapshot's receiving finished or
+        abandoned, and every file of it and of each sender settled for its readers."""
+        for step, sender in self._senders.items():
+            try:
+                if step in self._receiving:
+                    self._receiving[step].abandon(self._failure)
+            except BaseException as err:  # each snapshot's readers settled all the same (``finish``)
+                self._failure = self._failure or err
+            finally:
+                sender.settle()
 
     def _fill(self, dst: int, name: str, into: memoryview) -> Any:
         step, path = _unnamed(name)
@@ -300,6 +325,8 @@ class _Sender:
             self.run.storage.read_into(key, 0, into)
         except (TailorError, OSError, ValueError):
             pass
+        except Exception as err:  # unforeseen: logged, never raised (the stream would end here: its receivers wait)
+            _log.warning("llmtailor: healing could not read %s to send it (its receiver refuses it): %r", key, err)
         return None
 
     def hand_over(self) -> None:
@@ -413,7 +440,11 @@ class Receiving:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written (and
         handed to the restore that reads it meanwhile)."""
         if self.error is None:
-            self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
+            try:
+                self._guarded(lambda: self._keep(self.nodes.node_of_rank(rank), path, content))
+            except Exception as err:  # unforeseen: kept as any failure, not raised (the stream goes on to its end)
+                self._failure = self._failure or err
+                self.error = f"node {self._dest}: step {self.step}: {path}: {type(err).__name__}: {err}"
         if self.error is not None:
             self._fail_coming()
 
@@ -449,6 +480,25 @@ class Receiving:
         if self._finished:
             return self.error
         self._finished = True
+        try:
+            return self._finish()
+        except BaseException as err:  # unforeseen (not a TailorError nor an OSError): nothing of it committed
+            self._failure = self._failure or err
+            self.error = self.error or f"node {self._dest}: step {self.step}: {type(err).__name__}: {err}"
+            if self._gate is not None:
+                self._gate.set()
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)  # no write (nor commit) runs on as it is abandoned
+            with contextlib.suppress(BaseException):
+                self._files.close()
+            if self._staged is not None:
+                with contextlib.suppress(TailorError, OSError):
+                    self._staged.abandon()
+            raise
+        finally:
+            self._settle_coming()  # no reader waits for ever, whatever failed
+
+    def _finish(self) -> str | None:
         missing = [move for key, move in self.expected.items() if key not in self._arrived]
         if self.error is None and missing:
             move = missing[0]
