@@ -197,10 +197,10 @@ def replicating_after_destroy(step: int, patches: ExitStack) -> None:
     machine's speed."""
     replicate = node_commit._replicate
 
-    def late(snapshot, part, placement, rank, turn):
+    def late(snapshot, part, placement, rank, turn, *into):
         if snapshot is not None and snapshot.step == step and UNCLOSED and placement is UNCLOSED[0].tiers.placement:
             DESTROYED.wait(HOLD_PATIENCE)
-        return replicate(snapshot, part, placement, rank, turn)
+        return replicate(snapshot, part, placement, rank, turn, *into)
 
     patches.enter_context(mock.patch.object(node_commit, "_replicate", late))
 
