@@ -55,9 +55,10 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     """Collective, before a restore: the composite the node-local tier at ``run`` offers (of
     ``step``, default the newest whole one: ``recovery.choose_on_nodes``), every node's copy of
     it made whole first (``Healing``); which nodes' copies served which node (``served_by``);
-    and the healing still under way, or None. Where rank 0's node receives files, rank 0 chooses
-    from its own copy: the healing ends (on every rank) before this returns, and one that failed
-    offers nothing, saying why (the restore goes to the next tier). Otherwise it runs on beside
+    and the healing still under way, or None. Where rank 0's node receives files (rank 0 chooses
+    from its own copy), or a node of several ranks does (``settled_first``), the healing ends
+    (on every rank) before this returns, and one that failed offers nothing, saying why (the
+    restore goes to the next tier). Otherwise it runs on beside
     the restore, which reads each file as it arrives (``UnitReader.coming``) and takes its
     outcome before the ranks agree (``Tailor.restore``: a failure there passes the tier over as
     this would have: the same healing is the same on every rank)."""
