@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,7 +50,7 @@ from llmtailor.distributed.courier import Courier, Packed, unpacked
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
 from llmtailor.store.checked import write_bytes_to
-from llmtailor.store.commit import SnapshotCommit, replace_latest
+from llmtailor.store.commit import SnapshotCommit, StagedFiles, replace_latest
 from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
@@ -109,20 +110,25 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     leads = placement.leads(coord.rank)
     opened = _open(run, staged, placement, coord, round_, prepare)
     snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
-    try:
-        part = attempt_part(snapshot, staged, coord.rank, on_unit) if snapshot is not None else None
-        try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
-            copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank, staged.turn)
-            report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
-        except BaseException as err:
-            report = friendly(err, run, staged.step)
-        plan = _announce(staged, placement, coord, round_, report if snapshot is not None else {"unopened": opened})
-        assert isinstance(part, RankPart) and snapshot is not None  # a failed part or open was raised in step 3
-    except BaseException:
-        if leads and snapshot is not None:
-            snapshot.abandon()
-        raise
-    committed = _commit_node(snapshot, plan, confirm, staged.turn) if leads else None
+    # A leader's received copies and the unit indexes stay in flight (their fsyncs running) until
+    # its commit, which drains them beside the manifest's (``SnapshotCommit.commit``'s ``pending``,
+    # as the shared writer's leader does). Another rank's are durable before it reports them.
+    with snapshot.files() if leads and snapshot is not None else nullcontext() as files:
+        try:
+            part = attempt_part(snapshot, staged, coord.rank, on_unit) if snapshot is not None else None
+            try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
+                copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank,
+                                    staged.turn, files)
+                report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
+            except BaseException as err:
+                report = friendly(err, run, staged.step)
+            plan = _announce(staged, placement, coord, round_, report if snapshot is not None else {"unopened": opened})
+            assert isinstance(part, RankPart) and snapshot is not None  # a failed part or open was raised in step 3
+        except BaseException:
+            if leads and snapshot is not None:
+                snapshot.abandon()
+            raise
+        committed = _commit_node(snapshot, plan, confirm, staged.turn, files) if leads else None
     if committed is not None and coord.is_leader and spare is not None:
         committed["spare"] = spare()
     outcome, spared = _settle(snapshot, staged, placement, coord, round_, committed)
@@ -179,10 +185,11 @@ def files_of(part: RankPart) -> list[FileEntry]:
 
 
 def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement: NodePlacement,
-               rank: int, turn: InTurn) -> dict[str, list[Any]]:
+               rank: int, turn: InTurn, into: StagedFiles | None = None) -> dict[str, list[Any]]:
     """Step 2's copies: this rank's files to its partner ranks (the global files also to the
     nodes holding none of rank 0's parts; nothing where its ``part`` failed), and the files of
-    the ranks it keeps copies of, written into this node's staging, durable. Returns, by source
+    the ranks it keeps copies of, written into this node's staging, durable (or into the batch
+    ``into``, durable once it is drained: the leader's, drained by its commit). Returns, by source
     rank, each file received as it arrived (its size and checksum), for rank 0 to check against
     what its writer wrote.
 
@@ -210,7 +217,7 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
     if snapshot is None:  # this node could not open the snapshot: what arrived has nowhere to go
         return {}
     arrived: dict[str, list[Any]] = {}
-    with snapshot.files() as create:  # durable when the block ends
+    with nullcontext(into) if into is not None else snapshot.files() as create:  # durable when the block ends
         for source, packed in received.items():
             arrived[str(source)] = [write_bytes_to(create(path), content, path).model_dump(mode="json")
                                     for path, content in unpacked(packed)]
@@ -291,17 +298,18 @@ def check_copies(step: int, placement: NodePlacement, parts: list[RankPart], cop
 
 
 def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callable[[], None] | None,
-                 turn: InTurn) -> dict[str, Any]:
-    """Step 4 on a node's leader: the indexes, the manifest last, the commit and ``latest``,
-    once the async save before this one (if still in flight) has ended on this node (its
-    retention done). Returns ``{"pointer_error": ...}``, or ``{"error": ...}`` with what was
-    staged removed (every rank learns it in ``_settle``)."""
+                 turn: InTurn, files: StagedFiles) -> dict[str, Any]:
+    """Step 4 on a node's leader: the indexes, written into ``files`` (its batch still in
+    flight: its received copies), the manifest last, the commit and ``latest``, once the async
+    save before this one (if still in flight) has ended on this node (its retention done). The
+    commit drains ``files`` before it commits anything. Returns ``{"pointer_error": ...}``, or
+    ``{"error": ...}`` with what was staged removed (every rank learns it in ``_settle``)."""
     try:
         with snapshot.abandoned_on_failure():
             turn.parent_committed()
-            write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()})
+            write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()}, files)
             # ``latest`` replaced once committed, as the writer's own commit does (one recipe)
-            pointer_error = snapshot.commit(plan["manifest"].encode(), confirm, latest=True)
+            pointer_error = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=files)
     except BaseException as err:
         return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
     return {"pointer_error": pointer_error}

@@ -101,7 +101,8 @@ def nodes_on_s3(tmp_path_factory) -> NodesOnS3:
     """The crash, then one launch of the two nodes running in turn: the relaunch of the ``killed``
     run (every node's memory lost: it resumes from the bucket), the ``held`` run (``KEEP=1``, node
     1 holding its first order: ``HOLD_FOLLOWER``) and the ``fsdp`` run (torch_job.py's
-    ``fsdp-url``, saved straight to its URL), then the ``unclosed`` runs (a script that ends without
+    ``fsdp-url``, saved straight to its URL), the ``dropped`` runs (three writers dropped without
+    ``close()``), then the ``unclosed`` runs (a script that ends without
     ``close()``, node 1 serving the promotion due at its last save only as it exits: ``HOLD_EXIT``).
     Each test reads its run's results and the launch's outcome (``results``)."""
     pytest.importorskip("obstore")
@@ -110,13 +111,13 @@ def nodes_on_s3(tmp_path_factory) -> NodesOnS3:
 
     with moto_process() as endpoint:
         urls = {"killed": f"s3://{new_bucket(endpoint)}/jobs/killed", "held": f"s3://{new_bucket(endpoint)}/jobs/held",
-                "fsdp": f"s3://{new_bucket(endpoint)}/jobs/fsdp",
+                "fsdp": f"s3://{new_bucket(endpoint)}/jobs/fsdp", "dropped": f"s3://{new_bucket(endpoint)}/jobs/dropped",
                 "unclosed": f"s3://{new_bucket(endpoint)}/jobs/unclosed"}
         nodes = NodesOnS3(tmp_path_factory.mktemp("nodes_on_s3"), endpoint, urls)
         crash_mid_promotion(nodes)
         relaunch = [] if nodes.killed["failure"] else [("promote", "killed", {})]
         turns = [*relaunch, ("promote", "held", {"KEEP": "1", "HOLD_FOLLOWER": "2"}), ("fsdp-url", "fsdp", {}),
-                 ("unclosed", "unclosed", {"HOLD_EXIT": "4"})]  # last: it ends with the process
+                 ("dropped", "dropped", {}), ("unclosed", "unclosed", {"HOLD_EXIT": "4"})]  # last: it ends with the process
         launches = node_launches(JOB, lambda n: [arg for scenario, name, settings in turns
                                                  for arg in nodes.job(scenario, name, n, **settings)],
                                  lambda n: nodes.env(n, "tmp"))

@@ -17,6 +17,10 @@ exchange held until then). Must be the last job of its launch.
 With ``HOLD_EXIT=<step>``, node 1's leader takes an order naming that step up only once its
 interpreter began its at-exit work (every save and promotion thread ended by then): the latest a
 follower can be, for the promotion due at the last save.
+``dropped``  FSDP2, three writers in turn, each saving step 1 of its own run
+(``$RUN_HOME/<i>``, a node-local tier at ``$NODE_DIR/<i>``, promoted at every save), then
+dropped without ``close()``: what each rank still runs and keeps for them once its uploaders
+ended (``dropped``).
 ``fsdp-url``  torch_job.py's scenario of that name (test_object_store_nodes.py's run, saved to
 ``$RUN_ROOT``), in the launch of the promotions: the tests share its start-up.
 
@@ -51,6 +55,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
@@ -197,10 +202,10 @@ def replicating_after_destroy(step: int, patches: ExitStack) -> None:
     machine's speed."""
     replicate = node_commit._replicate
 
-    def late(snapshot, part, placement, rank, turn):
+    def late(snapshot, part, placement, rank, turn, *into):
         if snapshot is not None and snapshot.step == step and UNCLOSED and placement is UNCLOSED[0].tiers.placement:
             DESTROYED.wait(HOLD_PATIENCE)
-        return replicate(snapshot, part, placement, rank, turn)
+        return replicate(snapshot, part, placement, rank, turn, *into)
 
     patches.enter_context(mock.patch.object(node_commit, "_replicate", late))
 
@@ -224,9 +229,46 @@ def unclosed(kind: str, out: Path) -> dict:
     return {"saved": [1, 2, 3, 4]}  # no close(): the last save, and the promotion due, end at exit
 
 
+def dropped(kind: str, out: Path) -> dict:
+    """Three writers in turn (a sweep), each of a run of its own (``$RUN_HOME/<i>``, a node-local
+    tier ``$NODE_DIR/<i>`` promoted at every save), saving step 1, then dropped without
+    ``close()``. Once the writers' own threads ended (the events waited for, with a bound): the
+    uploaders still running, the writers the exit still keeps (``runtime._UNCLOSED``), and the
+    writers' own threads still alive (``WRITERS_THREADS``), by name."""
+    import gc
+
+    before, kept = set(threading.enumerate()), len(runtime._UNCLOSED)
+    for i in range(3):
+        model, optimizer, scheduler = build(kind, seed=0)
+        tiers = [Tier(f"{os.environ['NODE_DIR']}/{i}", scope="node", replicas=1, promote_every=1)]
+        tailor = Tailor(f"{os.environ['RUN_HOME']}/{i}", model, optimizer, scheduler, policy=Parity(), tiers=tiers,
+                        timeout=float(os.environ.get("TIMEOUT", "60")))
+        train(model, optimizer, scheduler, [1])
+        tailor.save(1)
+        del tailor, model, optimizer, scheduler
+        gc.collect()
+    # The events: rank 0's promotions in flight end, then what they held goes (their tier's
+    # lock and its renewal thread), and each node's uploaders, told to stop, end.
+    deadline = time.monotonic() + HOLD_PATIENCE  # a bound on a hang, for all of them
+    for names in (("llmtailor-promote",), WRITERS_THREADS):
+        gc.collect()
+        for thread in [t for t in threading.enumerate() if t.name in names and t not in before]:
+            thread.join(max(deadline - time.monotonic(), 0))
+    gc.collect()
+    left = [t for t in threading.enumerate() if t not in before]
+    return {"uploaders": sum(t.name == "llmtailor-node-upload" for t in left), "unclosed": len(runtime._UNCLOSED) - kept,
+            "threads": sorted(t.name for t in left if t.name in WRITERS_THREADS)}
+
+
+WRITERS_THREADS = ("llmtailor-node-upload", "llmtailor-promote", "llmtailor-lock")
+"""The threads a writer starts for itself (the others are the process's pools: fsync, uploads)."""
+
+
 def run_job(scenario: str, kind: str, out: Path) -> None:
     if scenario == "promote":
         result = promote(kind, out)
+    elif scenario == "dropped":
+        result = dropped(kind, out)
     elif scenario == "unclosed":
         result = unclosed(kind, out)
     elif scenario == "fsdp-url":

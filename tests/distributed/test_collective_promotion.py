@@ -127,3 +127,21 @@ def test_a_script_that_ends_without_close_commits_and_promotes_on_every_node(nod
     said = "\n".join(nodes.outputs)
     assert "NOT saved" not in said and "Exception ignored" not in said
     assert [line for line in said.splitlines() if "unclosed" in line and ("WARNING" in line or "ERROR" in line)] == []
+
+
+def test_writers_dropped_without_close_leave_no_uploader_running_and_nothing_for_the_exit(nodes_on_s3, monkeypatch):
+    """A sweep: three writers in turn, each with a node-local tier promoted at every save, each
+    dropped without ``close()`` once it saved (promote_job.py's ``dropped``). Rank 0's dropped
+    writer tells node 1's uploader that no order follows once its promotion in flight ended,
+    and that uploader ends: once the promotions in flight ended, no thread of any of them runs
+    on (uploader, promoter, lock renewal) and the exit keeps nothing of them (``runtime._UNCLOSED``),
+    on either node; every promotion came whole to the bucket. Before: rank 0 kept each dropped
+    writer's crew (and its store client) until the exit, node 1 each one's uploader thread, idle
+    (``assert [(0, 3), (3, 3)] == [(0, 0), (0, 0)]``: uploaders alive and writers kept, by node)."""
+    nodes = nodes_on_s3
+    results = nodes.results("dropped", "dropped")
+    assert [(r["uploaders"], r["unclosed"], r["threads"]) for r in results] == [(0, 0, [])] * 2, results
+    set_environment(monkeypatch, nodes.endpoint)
+    for i in range(3):
+        home = Run(f"{nodes.urls['dropped']}/{i}")
+        assert home.latest_step() == 1 and home.verify() == []

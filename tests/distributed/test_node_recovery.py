@@ -8,7 +8,9 @@ start-up for all), and what a test checks between two launches is recorded, or c
 - A node SIGKILLed mid-training, its memory wiped, every node relaunched: the job resumes from
   memory, the replaced node's files sent by its partner (the report says which), every tensor
   equal to its composite version; then every node's memory wiped: it resumes from the object
-  store, composite-exact, and says why the node-local tier was passed over.
+  store, composite-exact, and says why the node-local tier was passed over. And, from memory
+  only, with 2 ranks on each node: the replacement's second rank restores too (its leader
+  alone receives the node's files).
 - A node SIGKILLed while it sends its files of a save to its partner: no copy shows that save;
   every copy verifies; the job resumes from the save before; then node 0's memory (rank 0's)
   wiped: the job resumes from node 1's copy.
@@ -49,8 +51,8 @@ class Job:
     """The nodes of one run on loopback: ``launch`` starts every node, ``results`` waits for them;
     ``together`` launches the nodes once for a turn of each of several runs."""
 
-    def __init__(self, tmp_path: Path, endpoint: str, kind: str, nodes: int = NODES):
-        self.tmp_path, self.kind, self.nodes = tmp_path, kind, nodes
+    def __init__(self, tmp_path: Path, endpoint: str, kind: str, nodes: int = NODES, per_node: int = 1):
+        self.tmp_path, self.kind, self.nodes, self.per_node = tmp_path, kind, nodes, per_node
         self.env = {**os.environ, **environment(endpoint), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     "RUN_HOME": f"s3://{new_bucket(endpoint)}/jobs/{kind}"}
         self.launches: list[subprocess.Popen] = []
@@ -69,25 +71,31 @@ class Job:
     def launch(self, scenario: str, **env: str) -> None:
         together([(self, scenario, env)])
 
+    def ranks(self, node: int) -> range:
+        return range(node * self.per_node, (node + 1) * self.per_node)
+
     def results(self, scenario: str) -> list[dict]:
+        """Each rank's result (in rank order; a rank writes it in its node's directory)."""
         outputs = [out for out, _ in wait_launches(self.launches)]
         assert [p.returncode for p in self.launches] == [0] * self.nodes, "\n\n".join(out[-5000:] for out in outputs)
-        return [json.loads((self.own(n) / f"result-{scenario}-{n}.json").read_text()) for n in range(self.nodes)]
+        return [json.loads((self.own(n) / f"result-{scenario}-{r}.json").read_text())
+                for n in range(self.nodes) for r in self.ranks(n)]
 
     def lose(self, node: int) -> None:
         """Once ``node``'s ranks killed themselves (its launch ends), SIGKILL what is left of the
         others (their ranks by pid, then their launches): every node is down."""
         wait_launches([self.launches[node]])
         for other in range(self.nodes):
-            pid = self.own(other) / f"pid-{other}"
-            if other != node and pid.exists():
-                try:
-                    os.kill(int(pid.read_text()), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            for rank in self.ranks(other):
+                pid = self.own(other) / f"pid-{rank}"
+                if other != node and pid.exists():
+                    try:
+                        os.kill(int(pid.read_text()), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                pid.unlink(missing_ok=True)
             self.launches[other].kill()
             wait_launches([self.launches[other]])
-            pid.unlink(missing_ok=True)
 
     def wipe(self, node: int) -> None:
         shutil.rmtree(self.memory(node), ignore_errors=True)
@@ -123,9 +131,9 @@ def together(turns: list[tuple[Job, str, dict[str, str]]]) -> None:
         return {**first.env, "TMPDIR": str(first.own(node) / "tmp")}
 
     launches = node_launches(JOB, lambda node: [arg for job, scenario, env in turns for arg in job.args(scenario, node, **env)],
-                             env_of, first.nodes, merged=True)
+                             env_of, first.nodes, first.per_node, merged=True)
     for job, _, _ in turns:
-        assert job.nodes == first.nodes
+        assert (job.nodes, job.per_node) == (first.nodes, first.per_node)
         job.launches = launches
 
 
@@ -145,23 +153,31 @@ def lose_a_node(job: Job, lost: int) -> None:
 
 
 def check_lost_then_every_node(job: Job, first: list[dict], second: list[dict], served_by: dict[str, list[int]]) -> None:
-    """After ``lose_a_node``, the first resume came from memory (each node its own copy; ``served_by``:
-    the nodes whose copies rebuilt the lost node's), composite-exact, then saved up to 4; after
-    every node's memory was wiped, the second resume came from the object store, composite-exact.
+    """After ``lose_a_node``, the first resume came from memory (``check_lost``); after every
+    node's memory was wiped, the second resume came from the object store, composite-exact.
     Each Parity composite from 2 on reads two snapshots (its own and the one before): as few
     steps as show that, each launch costs mostly its start."""
-    restored = first[0]["restored"]
-    assert restored in (2, 3)  # 3 was in flight when the node died: committed on every node, or on none
-    assert [r["latest"] for r in first] == [restored] * job.nodes and [r["restored"] for r in first] == [restored] * job.nodes
-    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(job.nodes)]  # from memory, each its own
-    assert first[0]["served_by"] == served_by
-    assert first[0]["mismatches"] == [] and [r["mismatches"] for r in first[1:]] == [None] * (job.nodes - 1)
-    assert first[0]["promoted"][-1] == 4
-    job.copies_whole(name="first")
-
-    assert [r["restored"] for r in second] == [4] * job.nodes
+    check_lost(job, first, served_by)
+    ranks = job.nodes * job.per_node
+    assert [r["restored"] for r in second] == [4] * ranks
     assert second[0]["tier"] == job.env["RUN_HOME"] and second[0]["served_by"] == {}
     assert second[0]["mismatches"] == []
+
+
+def check_lost(job: Job, first: list[dict], served_by: dict[str, list[int]]) -> None:
+    """After ``lose_a_node``, the resume came from memory, each rank from its own node's copy
+    (``served_by``: the nodes whose copies rebuilt the lost node's), composite-exact, then saved
+    up to 4; every copy whole and verified."""
+    restored, ranks = first[0]["restored"], job.nodes * job.per_node
+    assert restored in (2, 3)  # 3 was in flight when the node died: committed on every node, or on none
+    assert [r["latest"] for r in first] == [restored] * ranks and [r["restored"] for r in first] == [restored] * ranks
+    # from memory, each rank its own node's copy
+    assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(job.nodes) for _ in job.ranks(n)]
+    assert [r["served_by"] for r in first] == [served_by] * ranks
+    # rank 0 compares every tensor (each rank's shard gathered) with its version; the others' versions lie on node 0
+    assert [r["mismatches"] for r in first] == [[]] * job.per_node + [None] * (ranks - job.per_node)
+    assert first[0]["promoted"][-1] == 4
+    job.copies_whole(name="first")
 
 
 def wipe_every_node(job: Job) -> None:
@@ -272,6 +288,20 @@ def test_three_nodes_with_two_replicas_a_lost_node_is_rebuilt_from_two_holders_t
     DDP: each rank writes its share of the replicated state, read back at 3 ranks."""
     job, (first, second) = three_nodes[kind]
     check_lost_then_every_node(job, first, second, served_by={"2": [0, 1]})
+
+
+def test_a_lost_node_of_two_ranks_is_replaced_from_its_partners_memory_every_rank_composite_exact(tmp_path, endpoint):
+    """2 nodes of 2 ranks each (FSDP2 over 4 ranks: each rank's own shards and state), node 1
+    (ranks 2 and 3) SIGKILLed and its memory wiped: the replacement's copy is rebuilt from node
+    0's replica (its leader alone receives it) before the restore reads it, so that its second
+    rank finds it too (it read a copy that held nothing: "no committed snapshot"); every rank
+    restores from its own node's copy, every tensor equal to its composite version."""
+    job = Job(tmp_path, endpoint, "fsdp", per_node=2)
+    lose_a_node(job, lost=1)
+    job.launch("resume", LAST="4")
+    first = job.results("resume")
+    job.keep_copies("first")
+    check_lost(job, first, served_by={"1": [0]})
 
 
 def test_a_node_killed_while_replicating_leaves_no_copy_of_that_save_and_rank_0s_node_heals_from_node_1(two_nodes):

@@ -7,14 +7,17 @@ tests/distributed/test_node_tiers.py."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import HashStore
 from helpers import on_threads
 
+from llmtailor.constants import MANIFEST_FILE, TMP_DIR, snapshot_dirname
 from llmtailor.distributed.coordinator import StoreCoordinator
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import NodeTierError
@@ -22,6 +25,7 @@ from llmtailor.layouts import layout_from_names
 from llmtailor.store.node_commit import NodePlacement, persist_on_nodes
 from llmtailor.store.run import Run
 from llmtailor.store.staged import StagedSnapshot, StagedUnit
+from llmtailor.store.storage.local_lock import LEASE_FILE
 
 LAYOUT = layout_from_names(["model.embed_tokens.weight", "model.layers.0.mlp.weight", "model.norm.weight"])
 
@@ -116,3 +120,54 @@ def test_rank_0s_word_on_what_retention_spares_comes_with_the_commit_to_every_no
 
     outcomes = save_on_two_nodes(tmp_path, spare=spare)
     assert [getattr(o, "spare", o) for o in outcomes] == [(7,), (7,)] and asked == [(0, [1])]
+
+
+def test_a_node_leader_makes_its_received_copies_and_indexes_durable_beside_its_manifest(tmp_path, monkeypatch):
+    """Each node's leader keeps the copies it received and the unit indexes in flight until its
+    commit, which fsyncs them beside its manifest and directories (``SnapshotCommit.commit``'s
+    ``pending``, as the shared writer's leader does): one wait on the disk where there were three
+    (the copies, then the indexes, then the manifest). Here node 0's received copies' fsyncs are
+    each held until its manifest's fsync has begun (the event; the wait's bound is a bound on a
+    hang): waited for before the manifest is written, they never see it. Durability is as before:
+    on each node, every file and directory of the snapshot is fsynced before the rename that
+    publishes it, and no fsync is added (13 on each node, as before)."""
+    root = Path(os.path.realpath(tmp_path))
+    events, lock, manifest_begun, seen = [], threading.Lock(), threading.Event(), []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(f"{root}/node0/{TMP_DIR}/"):
+            if path.endswith(f"/{MANIFEST_FILE}"):
+                manifest_begun.set()
+            elif "/ranks/rank-00001." in path:  # a copy node 0 received from rank 1 (node 1)
+                seen.append(manifest_begun.wait(60))
+        size = os.fstat(fd).st_size
+        real_fsync(fd)
+        with lock:
+            events.append(("fsync", path, size))
+
+    def rename(src, dst, *args, **kwargs):
+        with lock:
+            events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    outcomes = save_on_two_nodes(root)
+    monkeypatch.undo()
+    assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+    assert seen == [True, True]
+    for node in range(2):
+        final = root / f"node{node}" / "snapshots" / snapshot_dirname(1)
+        published = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(final))
+        staging = Path(events[published][1])
+        synced = {(e[1], e[2]) for e in events[:published] if e[0] == "fsync"}
+        for directory, _, files in os.walk(final):
+            staged = staging / Path(directory).relative_to(final)
+            assert any(path == str(staged) for path, _ in synced), f"{staged} not fsynced before the snapshot's rename"
+            for name in files:
+                if name != LEASE_FILE:  # empty, made with the staging directory: its entry is the directory's
+                    assert (str(staged / name), (Path(directory) / name).stat().st_size) in synced, staged / name
+        mine = [e for e in events if e[0] == "fsync" and (e[1] + "/").startswith(f"{root}/node{node}/")]
+        assert len(mine) == 13, [e[1][len(str(root)):] for e in mine]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import wait
 from contextlib import contextmanager
 from typing import Any
@@ -212,6 +212,7 @@ class NodeUploader:
         self._stopped = threading.Event()
         self._heard = time.monotonic()
         """When rank 0 was last heard from (an order came, or this node's part of one ended)."""
+        self._then: Callable[[], None] | None = None
 
     def start(self) -> NodeUploader:
         self._thread.start()
@@ -227,12 +228,20 @@ class NodeUploader:
                             self.node, self.coordinator.timeout)
                 return
 
+    def stopped(self, then: Callable[[], None]) -> bool:
+        """Whether rank 0 said stop; if not yet, ``then()`` is called on this uploader's thread
+        once it does (the thread then ends)."""
+        self._then = then
+        return self._stopped.is_set()
+
     def _follow(self) -> None:
         number = 1
         while True:
             order = self._next(number)
             if order.get("stop"):
                 self._stopped.set()
+                if self._then is not None:
+                    self._then()
                 return
             self.coordinator.post(report_tag(number, self.node), self._serve(order))
             self._heard = time.monotonic()

@@ -58,9 +58,10 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     """Collective, before a restore: the composite the node-local tier at ``run`` offers (of
     ``step``, default the newest whole one: ``recovery.choose_on_nodes``), every node's copy of
     it made whole first (``Healing``); which nodes' copies served which node (``served_by``);
-    and the healing still under way, or None. Where rank 0's node receives files, rank 0 chooses
-    from its own copy: the healing ends (on every rank) before this returns, and one that failed
-    offers nothing, saying why (the restore goes to the next tier). Otherwise it runs on beside
+    and the healing still under way, or None. Where rank 0's node receives files (rank 0 chooses
+    from its own copy), or a node of several ranks does (``settled_first``), the healing ends
+    (on every rank) before this returns, and one that failed offers nothing, saying why (the
+    restore goes to the next tier). Otherwise it runs on beside
     the restore, which reads each file as it arrives (``UnitReader.coming``) and takes its
     outcome before the ranks agree (``Tailor.restore``: a failure there passes the tier over as
     this would have: the same healing is the same on every rank)."""
@@ -79,13 +80,21 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     if not moves:
         return choice, {}, None
     under_way = Healing(run, moves, nodes, courier, coordinator.rank)
-    if nodes.node_of_rank(0) not in {move.dest for move in moves}:
+    if not settled_first(moves, nodes):
         return choice, served_by(moves), under_way
     try:
         settle(under_way, coordinator, f"{round_}/healed")
     except IntegrityError as err:
         return passed_over(choice, str(err)), {}, None
     return choice, served_by(moves), None
+
+
+def settled_first(moves: list[Transfer], nodes: Nodes) -> bool:
+    """Whether a healing of ``moves`` ends, committed into every receiving copy, before the
+    restore: where rank 0's node receives (rank 0 chooses from its copy), or a node of several
+    ranks does (only its leader receives: its other ranks read the copy once it is committed)."""
+    receiving = {move.dest for move in moves}
+    return nodes.node_of_rank(0) in receiving or any(len(nodes.ranks_of(node)) > 1 for node in receiving)
 
 
 def passed_over(choice: NodeChoice, why: str) -> NodeChoice:
@@ -395,6 +404,9 @@ class Receiving:
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
         self._dest = moves[0].dest if moves else None
+        self._later = self._dest is not None and len(nodes.ranks_of(self._dest)) == 1
+        """Whether a new snapshot handed over whole may be committed once the restore ended
+        (``_commit_later``): only where the leader is its node's one rank, the one reader."""
         self._writer: ThreadPoolExecutor | None = None
         """Writes the files as they arrive (a new snapshot handed over whole: then commits it)."""
         self._writes: list[Future[None]] = []
@@ -429,7 +441,7 @@ class Receiving:
                                  "committed here")
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
-        if sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
+        if self._later and sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
             self._gate = self.run.hold_back()
             self._writer.submit(self._gate.wait)  # opened at the latest as the restore ends (``Tailor.restore``)
 
@@ -505,7 +517,7 @@ class Receiving:
             self.error = (f"node {self._dest}: step {self.step}: {move.path} from node {move.source}: got nothing, "
                           f"expected {move.bytes} bytes, xxh3 {move.xxh3}")
         if self._writer is not None:
-            whole = self._staged is not None and None not in self._arrived.values()  # all of it handed over
+            whole = self._later and self._staged is not None and None not in self._arrived.values()  # all of it handed over
             if self.error is None and whole:
                 self._guarded(self._commit_later)
                 if self.error is None:

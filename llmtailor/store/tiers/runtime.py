@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -444,27 +445,48 @@ class _Unclosed:
     A writer dropped without ``close()`` (a local of a function that returned; a notebook's or a
     sweep's Tailor made again) is not kept alive here: its tiers, their locks and its promoter go
     with it (a promotion in flight keeps its promoter until it ends: its thread holds it), so the
-    next writer of the run in this process can save. What the other nodes wait for is kept: the
-    crew (rank 0) and the uploader (a node's leader), finished at exit as above; a writer with
-    neither leaves nothing here once dropped."""
+    next writer of the run in this process can save. What the other nodes wait for is kept only
+    until they need it no more: rank 0's crew tells every node's uploader that no order follows
+    (``Crew.stop``) once its tiers and its promoter are gone (no promotion in flight); a node
+    leader's uploader serves rank 0's orders until then, and ends. Nothing of a dropped writer
+    is left here after that (before, each one's crew and its store client on rank 0, and an idle
+    uploader thread on each node's leader, stayed until the interpreter exited)."""
 
     def __init__(self, tiers: Tiers, promoter: Promoter | None, uploader: NodeUploader | None):
         self.tiers = weakref.ref(tiers, self._dropped)
-        self.promoter = weakref.ref(promoter) if promoter is not None else None
+        self.promoter = weakref.ref(promoter, self._dropped) if promoter is not None else None
         self.crew, self.uploader = (promoter.crew if promoter is not None else None), uploader
+        self._gone = threading.Lock()
 
-    def _dropped(self, _: weakref.ref) -> None:
-        if self.crew is None and self.uploader is None:
+    def _dropped(self, _: weakref.ref | None = None) -> None:
+        """Once the writer is gone (its tiers, and its promoter: a promotion in flight holds it
+        until it ends): rank 0's crew stopped, and this entry gone once the uploader ended too.
+        Runs where the last reference went (a weakref's callback), or on the uploader's thread."""
+        if self not in _UNCLOSED:  # closed (``close`` stopped the crew, joined the uploader) or abandoned
+            return
+        if self.tiers() is not None or (self.promoter is not None and self.promoter() is not None):
+            return
+        with self._gone:  # the tiers' and the promoter's callbacks may meet (the promoter's ends on its thread)
+            crew, self.crew = self.crew, None
+        if crew is not None:
+            try:
+                crew.stop()
+            except Exception as err:  # the job's store gone: the uploaders give up on their own (``NodeUploader.join``)
+                log.warning("llmtailor: a dropped writer could not tell the nodes' uploaders to stop: %s: %s",
+                            type(err).__name__, err)
+        if self.uploader is None or self.uploader.stopped(then=self._dropped):
             _UNCLOSED.pop(self, None)
 
     def finish(self) -> None:
         if self.uploader is not None:
             self.uploader.join()
-        if self.crew is not None:
+        with self._gone:  # stopped once: here, or as the writer goes (``_dropped``)
+            crew, self.crew = self.crew, None
+        if crew is not None:
             promoter = self.promoter() if self.promoter is not None else None
             if promoter is not None:  # gone: nothing in flight (its thread would hold it)
                 promoter.wait()
-            self.crew.stop()
+            crew.stop()
         tiers = self.tiers()
         if tiers is not None:
             tiers.release()
