@@ -345,8 +345,9 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
     the index's own validation then checks that they cover the tensor. Nothing is written.
 
     Each index is built as it is written (the compact form of schema 6: ``UnitEntry.dumps``),
-    validated as it is and encoded as it is: no chunk is dumped out of its report's model and no
-    index out of its own (a fixed cost per chunk of every save: bench/RESULTS.md, issue 33)."""
+    validated as it is (unless valid by construction: ``_built_whole``) and encoded as it is: no
+    chunk is dumped out of its report's model and no index out of its own (a fixed cost per chunk
+    of every save: bench/RESULTS.md, issue 33)."""
     merged: dict[str, dict[str, Any]] = {}
     reported: set[str] = set()  # units another rank wrote part of (its report, not this process's own part)
     boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]] = {}  # (unit, tensor key) -> each chunk's (rank, offsets, shape)
