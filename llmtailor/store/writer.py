@@ -463,9 +463,13 @@ def _built_whole(content: dict[str, Any]) -> bool:
     validation of the written line does not (~0.7 ms of a small save's main thread, per save:
     bench/RESULTS.md, issue 33, session 49): the files it wrote and listed, every tensor of a
     known dtype in one chunk that is the whole tensor in the first file, its checksums and page
-    checksums its own hexdigests (``stream_tensors``), nothing kept from elsewhere (whose steps
-    and keys validation checks)."""
+    checksums its own hexdigests (``stream_tensors``), its optimizer values JSON already
+    (``codec.plain_value``) under names and keys that are strings (JSON would turn another key
+    into one), nothing kept from elsewhere (whose steps and keys validation checks)."""
     if not content["files"] or content["kept"] or content["base"]:
+        return False
+    if not all(type(name) is str and type(plain) is dict and all(type(key) is str for key in plain)
+               for name, plain in content["values"].items()):
         return False
     for tensor in content["tensors"].values():
         if tensor["dtype"] not in dtypes.NAMES or len(tensor["chunks"]) != 1:

@@ -264,6 +264,15 @@ def test_the_leaders_own_whole_tensor_indexes_are_checked_by_construction_and_va
     with pytest.raises(TailorError, match=r"index of unit 'embed' .* kept from step 1, not before step 1"):
         persist(Run(tmp_path / "three"), bad)
     assert_nothing_committed(tmp_path / "three")
+    # An optimizer value under a key that is not a string (JSON would write it as one): refused.
+    odd = StagedUnit.whole("embed", {f"weight/{NAMES[0]}": torch.ones(2)}, values={NAMES[0]: {0: 1}})
+    bad = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(),
+                         units=iter([odd, *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)})
+                                            for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])]),
+                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
+    with pytest.raises(TailorError, match=r"index of unit 'embed' the ranks reported is invalid"):
+        persist(Run(tmp_path / "four"), bad)
+    assert_nothing_committed(tmp_path / "four")
 
 
 def test_the_leader_keeps_the_manifest_it_built_not_one_parsed_back_from_its_bytes(tmp_path, monkeypatch):
