@@ -35,6 +35,7 @@ read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import json
@@ -349,7 +350,6 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
     chunk is dumped out of its report's model and no index out of its own (a fixed cost per chunk
     of every save: bench/RESULTS.md, issue 33)."""
     merged: dict[str, dict[str, Any]] = {}
-    reported: set[str] = set()  # units another rank wrote part of (its report, not this process's own part)
     boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]] = {}  # (unit, tensor key) -> each chunk's (rank, offsets, shape)
     files: list[FileEntry] = []
     for rank, part in enumerate(parts):
@@ -361,8 +361,6 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
             position = len(target["files"])
             if entry.file is not None:
                 target["files"].append({"path": entry.file.path, "bytes": entry.file.bytes, "xxh3_64": entry.file.xxh3_64})
-            if not all(isinstance(tensor, _Tensor) for tensor in entry.tensors):
-                reported.add(unit)
             for tensor in entry.tensors:
                 chunks = [_chunk_line(chunk, position, tensor.shape) for chunk in tensor.chunks]
                 boxes.setdefault((unit, tensor.key), []).extend((rank, c.offsets, c.shape) for c in tensor.chunks)
@@ -380,7 +378,7 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
             for name, plain in entry.values.items():
                 target["values"].setdefault(name, {}).update(plain)
     _check_whole(staged, parts, set(merged))
-    refs, data = _index_lines(staged, merged, boxes, parts, reported)
+    refs, data = _index_lines(staged, merged, boxes, parts)
     indexes = {INDEXES_FILE: data} if data else {}
     if data:  # written by the caller (``write_files``), durable before the manifest names it
         files.append(FileEntry(path=INDEXES_FILE, bytes=len(data), xxh3_64=checksum(data)))
@@ -420,13 +418,17 @@ def _chunk_line(chunk: ChunkPart | _Chunk, position: int, shape: list[int]) -> d
 
 def _index_lines(staged: StagedSnapshot, merged: dict[str, dict[str, Any]],
                  boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]],
-                 parts: list[RankPart], reported: set[str]) -> tuple[dict[str, UnitRef], bytes]:
+                 parts: list[RankPart]) -> tuple[dict[str, UnitRef], bytes]:
     """Each unit's manifest line and the bytes of ``INDEXES_FILE``: the units' indexes as its
-    lines, in layout order (``reported``: the units another rank's report holds part of)."""
+    lines, in layout order."""
+    # The units the leader's own part alone holds tensors of (its own tensors are ``_Tensor``s, never sent).
+    entries = [(unit, entry) for part in parts for unit, entry in part.units.items()]
+    writers = collections.Counter(unit for unit, _ in entries)
+    own = {unit for unit, entry in entries if writers[unit] == 1 and entry.tensors and all(isinstance(t, _Tensor) for t in entry.tensors)}
     refs, lines = {}, []
     at = 0
     for unit in [u for u in staged.composite if u in merged]:  # layout order
-        index = _unit_index(staged.step, unit, merged[unit], boxes, validate=unit in reported or not _built_whole(merged[unit]))
+        index = _unit_index(staged.step, unit, merged[unit], boxes, validate=unit not in own or not _built_whole(merged[unit]))
         line = (json.dumps(index, separators=(",", ":")) + "\n").encode()
         lines.append(line)
         # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
