@@ -257,22 +257,16 @@ def test_the_leaders_own_whole_tensor_indexes_are_checked_by_construction_and_va
     assert validated == ["layer.2", "layer.3"]  # rank 1's units; the leader's own ones not
     kept = StagedUnit.whole("embed", {f"weight/{NAMES[0]}": torch.ones(2)})
     kept.kept = {"weight/model.embed_tokens.extra": 1}  # kept from this very step: invalid
-    bad = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(),
-                         units=iter([kept, *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)})
-                                             for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])]),
-                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
-    with pytest.raises(TailorError, match=r"index of unit 'embed' .* kept from step 1, not before step 1"):
-        persist(Run(tmp_path / "three"), bad)
-    assert_nothing_committed(tmp_path / "three")
-    # An optimizer value under a key that is not a string (JSON would write it as one): refused.
+    # An optimizer value under a key that is not a string (JSON would write it as one): invalid too.
     odd = StagedUnit.whole("embed", {f"weight/{NAMES[0]}": torch.ones(2)}, values={NAMES[0]: {0: 1}})
-    bad = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(),
-                         units=iter([odd, *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)})
-                                            for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])]),
-                         composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
-    with pytest.raises(TailorError, match=r"index of unit 'embed' the ranks reported is invalid"):
-        persist(Run(tmp_path / "four"), bad)
-    assert_nothing_committed(tmp_path / "four")
+    for name, embed, reason in (("three", kept, r".* kept from step 1, not before step 1"), ("four", odd, " the ranks reported is invalid")):
+        bad = StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(),
+                             units=iter([embed, *(StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)})
+                                                  for u in list(WHOLE.units)[1:] for n in WHOLE.units[u])]),
+                             composite={u: 1 for u in WHOLE.units}, global_doc={}, global_tensors={})
+        with pytest.raises(TailorError, match=f"index of unit 'embed'{reason}"):
+            persist(Run(tmp_path / name), bad)
+        assert_nothing_committed(tmp_path / name)
 
 
 def test_the_leader_keeps_the_manifest_it_built_not_one_parsed_back_from_its_bytes(tmp_path, monkeypatch):
