@@ -200,8 +200,10 @@ class DriftTracker:
         if tuple(units) != now.plan.units:
             raise ValueError("partial_sums needs the units the sample was gathered for")
         rows = {unit: i for i, unit in enumerate(units)}
-        change = torch.zeros(len(units), len(KINDS), dtype=torch.float64)
-        norm = torch.zeros(len(units), len(KINDS), dtype=torch.float64)
+        # In numpy, as ``_segment_sums``: a torch index or assignment of a few elements cost
+        # ~10-30 us each, several per kind, at every save.
+        change = np.zeros((len(units), len(KINDS)))
+        norm = np.zeros((len(units), len(KINDS)))
         for k, kind in enumerate(KINDS):
             part = now.plan.kinds.get(kind)
             if part is None:
@@ -217,12 +219,12 @@ class DriftTracker:
                     saved.append(now.values[kind][start:end])
                     compared.append(-1)
             difference = now.values[kind].numpy() - np.concatenate([t.numpy() for t in saved])
-            per_unit = _segment_sums(np.square(difference, out=difference), part)
-            index = torch.tensor(compared)
+            per_unit = _segment_sums(np.square(difference, out=difference), part).numpy()
+            index = np.array(compared, dtype=np.intp)
             mine = index >= 0
             change[index[mine], k] = per_unit[mine]
-            norm[index[mine], k] = torch.tensor(norms, dtype=torch.float64)
-        return torch.stack((change, norm), dim=-1)
+            norm[index[mine], k] = norms
+        return torch.from_numpy(np.stack((change, norm), axis=-1))
 
     def adopt(self, sample: Sample, units: list[str] | None = None) -> None:
         """Take ``sample`` (from ``gather``) as the last saved versions of ``units`` (default:

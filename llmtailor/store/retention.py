@@ -78,13 +78,15 @@ Keep = Annotated[int | None, BeforeValidator(_keep_field)]
 
 def plan_retention(run: Run, keep: int, spare: Iterable[int] = ()) -> RetentionPlan:
     """What ``keep`` newest composites need, and the composites of ``spare`` (steps; one not
-    committed in ``run`` spares nothing). Reads manifests only; deletes nothing."""
+    committed in ``run`` spares nothing). Reads manifests only; deletes nothing. One decision,
+    one listing of the run (``Run.listed``), not one per question asked of it."""
     check_keep(keep)
-    steps = run.steps()
-    # An ancestor already removed ends the lineage: nothing older can be needed through it.
-    composites = list(islice(run.lineage(), keep))
-    needed = _needed(run, composites)
-    spared = _needed(run, [step for step in sorted(set(spare)) if step in steps]) - needed
+    with run.listed():
+        steps = run.steps()
+        # An ancestor already removed ends the lineage: nothing older can be needed through it.
+        composites = list(islice(run.lineage(), keep))
+        needed = _needed(run, composites)
+        spared = _needed(run, [step for step in sorted(set(spare)) if step in steps]) - needed
     return RetentionPlan(
         composites=composites,
         keep=sorted(s for s in steps if s in needed or s in spared),

@@ -35,6 +35,7 @@ read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import json
@@ -54,7 +55,7 @@ from llmtailor.constants import (
 from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
-from llmtailor.store import Progress
+from llmtailor.store import Progress, dtypes
 from llmtailor.store.checked import write_bytes_to
 from llmtailor.store.commit import SnapshotCommit, StagedFiles
 from llmtailor.store.keys import piece_key
@@ -107,6 +108,7 @@ def persist(
             raise friendly(err, run, staged.step, written=False) from None
 
     snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
+    built: list[Manifest] = []  # the leader's: the manifest it committed, as it built it
     if coord.is_leader:
         # The leader's own files stay in flight (their fsyncs running) until its commit: the
         # unit indexes join them, and the commit waits for them all before it commits anything.
@@ -121,15 +123,16 @@ def persist(
                 reports = coord.gather(f"{round_}/parts", own) or []
                 return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
 
-            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files, built))
     else:
         part = attempt_part(snapshot, staged, coord.rank, on_unit)
         coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
-    # the next save read no manifest back (a HEAD and a GET on an object store).
-    run.remember(parse_manifest(outcome["manifest"].encode(), run.where(staged.step, MANIFEST_FILE), staged.step))
+    # the next save read no manifest back (a HEAD and a GET on an object store); the leader keeps
+    # the one it built and validated (its bytes are that one's dump), the others parse what it sent.
+    run.remember(built[0] if built else parse_manifest(outcome["manifest"].encode(), run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(
         path=run.snapshot_dir(staged.step) if run.is_local else run.where(staged.step),
         bytes=outcome["bytes"],
@@ -141,11 +144,12 @@ def persist(
 
 
 def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[RankPart]],
-            confirm: Callable[[], None] | None, files: StagedFiles) -> dict[str, Any]:
+            confirm: Callable[[], None] | None, files: StagedFiles, built: list[Manifest]) -> dict[str, Any]:
     """The leader's step 3 (module docstring), once ``gather()`` has every rank's part (it
     raises when any rank failed): the unit indexes, written into ``files`` (the leader's own
     files' batch, still in flight), then the manifest and the commit, which drains that batch
-    before it commits anything (``SnapshotCommit.commit``'s ``pending``); what was staged is removed on any failure. Returns the outcome the leader announces."""
+    before it commits anything (``SnapshotCommit.commit``'s ``pending``); what was staged is removed on any failure. Returns the outcome the leader announces;
+    the manifest committed is appended to ``built``."""
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
@@ -160,6 +164,7 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             pointer_error = snapshot.commit(encoded, confirm, latest=True, pending=files)  # ``latest`` replaced once committed
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
+    built.append(manifest)
     return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": pointer_error, "manifest": encoded.decode()}
 
 
@@ -341,8 +346,9 @@ def index_files(staged: StagedSnapshot, parts: list[RankPart]) -> tuple[dict[str
     the index's own validation then checks that they cover the tensor. Nothing is written.
 
     Each index is built as it is written (the compact form of schema 6: ``UnitEntry.dumps``),
-    validated as it is and encoded as it is: no chunk is dumped out of its report's model and no
-    index out of its own (a fixed cost per chunk of every save: bench/RESULTS.md, issue 33)."""
+    validated as it is (unless valid by construction: ``_built_whole``) and encoded as it is: no
+    chunk is dumped out of its report's model and no index out of its own (a fixed cost per chunk
+    of every save: bench/RESULTS.md, issue 33)."""
     merged: dict[str, dict[str, Any]] = {}
     boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]] = {}  # (unit, tensor key) -> each chunk's (rank, offsets, shape)
     files: list[FileEntry] = []
@@ -415,10 +421,14 @@ def _index_lines(staged: StagedSnapshot, merged: dict[str, dict[str, Any]],
                  parts: list[RankPart]) -> tuple[dict[str, UnitRef], bytes]:
     """Each unit's manifest line and the bytes of ``INDEXES_FILE``: the units' indexes as its
     lines, in layout order."""
+    # The units the leader's own part alone holds tensors of (its own tensors are ``_Tensor``s, never sent).
+    entries = [(unit, entry) for part in parts for unit, entry in part.units.items()]
+    writers = collections.Counter(unit for unit, _ in entries)
+    own = {unit for unit, entry in entries if writers[unit] == 1 and entry.tensors and all(isinstance(t, _Tensor) for t in entry.tensors)}
     refs, lines = {}, []
     at = 0
     for unit in [u for u in staged.composite if u in merged]:  # layout order
-        index = _unit_index(staged.step, unit, merged[unit], boxes)
+        index = _unit_index(staged.step, unit, merged[unit], boxes, validate=unit not in own or not _built_whole(merged[unit]))
         line = (json.dumps(index, separators=(",", ":")) + "\n").encode()
         lines.append(line)
         # A unit's bytes are its share of its files (a pack file is shared): they add up to the snapshot's.
@@ -429,21 +439,47 @@ def _index_lines(staged: StagedSnapshot, merged: dict[str, dict[str, Any]],
 
 
 def _unit_index(step: int, unit: str, content: dict[str, Any],
-                boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]]) -> dict[str, Any]:
+                boxes: dict[tuple[str, str], list[tuple[int, list[int], list[int]]]], validate: bool = True) -> dict[str, Any]:
     """The index of ``unit`` from the ranks' merged ``content``, as written, once validated
     (``UnitEntry``: what a reader's validation of the line accepts); a TailorError in one line if
     two ranks wrote the same elements of a tensor or the index is otherwise invalid (never a
-    raw ValidationError)."""
+    raw ValidationError). ``validate=False``: an index valid by construction (``_built_whole``),
+    validated where it is read, not here."""
     for key in content["tensors"]:
         _check_written_once(step, unit, key, boxes[unit, key])
     index = {"unit": unit, "step": step, "files": content["files"], "tensors": list(content["tensors"].values()),
              "values": content["values"], "kept": content["kept"], "base": content["base"]}
+    if not validate:
+        return index
     try:
         UnitEntry.model_validate(index)
     except ValidationError as err:
         raise TailorError(f"step {step} was not committed: the index of unit {unit!r} the ranks reported is invalid: "
                           f"{describe_validation(err)}") from None
     return index
+
+
+def _built_whole(content: dict[str, Any]) -> bool:
+    """Whether a unit's merged index, built by this process from its own part alone, is valid by
+    construction, so that validating it as a ``UnitEntry`` at save checks nothing a reader's
+    validation of the written line does not (~0.7 ms of a small save's main thread, per save:
+    bench/RESULTS.md, issue 33, session 49): the files it wrote and listed, every tensor of a
+    known dtype in one chunk that is the whole tensor in the first file, its checksums and page
+    checksums its own hexdigests (``stream_tensors``), its optimizer values JSON already
+    (``codec.plain_value``) under names and keys that are strings (JSON would turn another key
+    into one), nothing kept from elsewhere (whose steps and keys validation checks)."""
+    if not content["files"] or content["kept"] or content["base"]:
+        return False
+    if not all(type(name) is str and type(plain) is dict and all(type(key) is str for key in plain)
+               for name, plain in content["values"].items()):
+        return False
+    for tensor in content["tensors"].values():
+        if tensor["dtype"] not in dtypes.NAMES or len(tensor["chunks"]) != 1:
+            return False
+        chunk = tensor["chunks"][0]
+        if "file" in chunk or "offsets" in chunk or ("pages" in chunk and (chunk["pages"] is None or chunk["page_bytes"] is None)):
+            return False
+    return True
 
 
 def _check_written_once(step: int, unit: str, key: str, chunks: list[tuple[int, list[int], list[int]]]) -> None:

@@ -40,6 +40,19 @@ def test_plan_spares_the_composites_a_promotion_may_read_and_what_they_need(pari
     assert plan_retention(run, 2, spare=[5]).spared == [] and plan_retention(run, 2, spare=[5]).delete == [1, 2, 3]
 
 
+def test_a_retention_plan_lists_the_run_once(parity_run, monkeypatch):
+    """One plan, one listing of the snapshots (``Run.listed``): it asked for the steps three times
+    (its own list, the lineage, the newest composite), each a listing of the run's directory, after
+    every save of a writer with ``keep`` (bench/RESULTS.md, issue 33, session 49)."""
+    run = Run(parity_run)
+    listings = []
+    list_steps = run._list_steps
+    monkeypatch.setattr(run, "_list_steps", lambda: listings.append(1) or list_steps())
+    assert plan_retention(run, 2).delete == [1, 2, 3]
+    assert len(listings) == 1
+    assert plan_retention(run, 2).delete == [1, 2, 3] and len(listings) == 2  # the next plan lists afresh
+
+
 def test_gc_deletes_only_unneeded_snapshots_and_the_rest_restores(parity_run):
     run = Run(parity_run)
     needed = {p: h for p, h in tree_digest(parity_run).items() if p.startswith(("snapshots/step-00000005", "snapshots/step-00000006"))}
