@@ -15,7 +15,7 @@ from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.fetch import fetch, fetch_into, new_buffer
 from llmtailor.store.manifest import FileEntry
-from llmtailor.store.storage.base import Sink, Storage
+from llmtailor.store.storage.base import LazyPool, Sink, Storage
 from llmtailor.store.storage.local import LocalStorage
 from llmtailor.store.tensor_files import byte_view, checksum, decode_tensors, parse_header
 
@@ -125,12 +125,51 @@ def checked_tensors(data: memoryview, where: str, expected: dict[str, tuple[str,
     tensors = decode_tensors(data, where)
     out = {}
     for name in expected:
-        if _fits(into, name, tensors[name].nbytes):
-            byte_view(into[name])[:] = byte_view(tensors[name])
-            out[name] = into[name]
-        else:
-            out[name] = tensors[name]
+        out[name] = into[name] if _fits(into, name, tensors[name].nbytes) else tensors[name]
+    copy_bytes([(into[name], tensors[name]) for name in expected if out[name] is not tensors[name]])
     return out
+
+
+COPIERS = 4
+"""Threads that copy the bytes of a file already in memory into live tensors (``copy_bytes``):
+one core copies a few GB/s, so a healed node's hundreds of MB take a tenth of a second or more on
+the training thread alone, while the host has idle cores (torch's copy releases the GIL)."""
+
+COPY_PIECE = 8 << 20
+"""Bytes a copier copies at a time (``copy_bytes``: a large tensor in pieces of this size, small
+ones together up to it); a copy of no more is done where it is asked."""
+
+_copiers = LazyPool(COPIERS, "llmtailor-copy")
+
+
+def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The bytes of each ``(dst, src)`` pair of contiguous CPU tensors of the same size copied
+    into ``dst`` (autograd not told, as ``byte_view``), in tasks of about ``COPY_PIECE`` bytes on
+    the copiers' pool, the first on this thread; returns once every byte is copied (a failure
+    raised, after every task ended)."""
+    import torch
+
+    tasks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    filled = 0  # bytes of the last task
+    for dst, src in pairs:
+        dst, src = dst.detach().reshape(-1).view(torch.uint8), src.detach().reshape(-1).view(torch.uint8)
+        for at in range(0, dst.numel(), COPY_PIECE):
+            if filled >= COPY_PIECE:
+                tasks.append([])
+                filled = 0
+            tasks[-1].append((dst[at : at + COPY_PIECE], src[at : at + COPY_PIECE]))
+            filled += min(COPY_PIECE, dst.numel() - at)
+    copying = [_copiers.submit(_copy, task) for task in tasks[1:]]
+    try:
+        _copy(tasks[0])
+    finally:
+        for task in copying:
+            task.result()
+
+
+def _copy(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pieces:
+        dst.copy_(src)
 
 
 _HEAD = 64 << 10

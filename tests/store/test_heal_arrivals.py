@@ -6,12 +6,14 @@ Unit files and packs, tensors read straight into live memory and through buffers
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers import parity_run, tiny
 
 from llmtailor import Parity, Run, Tailor
-from llmtailor.store import writer
+from llmtailor.store import checked, writer
 from llmtailor.store.storage.local import LocalStorage
 from llmtailor.store.tensor_files import checksum
 
@@ -61,6 +63,26 @@ def test_a_file_handed_over_as_it_arrived_is_read_from_those_bytes(run, monkeypa
     got = read_all(run, 2)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_a_file_handed_over_is_copied_into_the_live_tensors_by_the_copiers_bit_exact(run, monkeypatch):
+    """A handed-over file's tensors read into live tensors (``into``) are copied there in pieces
+    by the copiers' pool (``checked.copy_bytes``; pieces of 64 bytes here: many per tensor, and
+    small tensors together): the very live tensors come back, bit-exact."""
+    expected = read_all(Run(run.root), 2)
+    for key, (size, xxh3) in unit_files(run, 2).items():
+        run.units.arrived[key] = (size, xxh3, memoryview(bytearray((run.root / key).read_bytes())))
+    monkeypatch.setattr(checked, "COPY_PIECE", 64)
+    copied = []
+    real = checked._copy
+    monkeypatch.setattr(checked, "_copy", lambda pieces: (copied.append(threading.current_thread().name), real(pieces)))
+    for unit, source in run.resolve(2).sources.items():
+        entry = run.unit_entry(source, unit)
+        into = {t.key: torch.full(t.shape, 7, dtype=t.torch_dtype) for t in entry.tensors if len(t.chunks) == 1}
+        got = run.read_unit(source, unit, into=into)[0]
+        assert into and all(got[key] is into[key] for key in into)
+        assert all(torch.equal(got[key], expected[f"{unit}/{key}"]) for key in got)
+    assert any(name.startswith("llmtailor-copy") for name in copied)
 
 
 @pytest.mark.parametrize("verify", [False, True])

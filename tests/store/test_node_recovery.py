@@ -534,10 +534,11 @@ def test_a_healing_sender_holds_what_it_sends_against_its_own_retention(tmp_path
 class SendingCourier:
     """A courier's sending side in one process: each file ``fill`` gives, as it would go out;
     then ``meanwhile``, as the courier runs it once every send is posted; what the sending ``run`` had handed to
-    its own restore before that (``handed_while_posting``)."""
+    its own restore before that (``handed_while_posting``), and just after each file's ``fill``
+    (``handed_at_fill``: name -> the keys handed over by then)."""
 
     def __init__(self, run: Run):
-        self.run, self.sent, self.handed_while_posting = run, {}, None
+        self.run, self.sent, self.handed_while_posting, self.handed_at_fill = run, {}, None, {}
 
     def stream(self, outgoing, fill, sources, take, meanwhile=None):
         for dest, files in outgoing.items():
@@ -545,6 +546,7 @@ class SendingCourier:
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
                 self.sent[path.partition(":")[2]] = bytes(filled if filled is not None else buffer)  # named "<step>:<path>"
+                self.handed_at_fill[path.partition(":")[2]] = sorted(self.run.units.arrived)
         self.handed_while_posting = sorted(self.run.units.arrived)
         if meanwhile is not None:
             meanwhile()
@@ -555,7 +557,10 @@ def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_and_a_
     against their records while they went out (``UnitReader.arrived``), instead of reading and
     checking them again; a file of its copy that does not match its record goes out (its
     receiver refuses it) and is not handed over: its restore reads it, and the check fails there.
-    Those checks run once every send is posted, so that none of them holds up a send."""
+    The parts' checks run once every send is posted, so that none of them holds up a send; the
+    small files of no rank's part (manifest, indexes, global state: the restore's first reads,
+    shared with the other ranks before any part is read) are checked and handed over as each
+    goes out, so that the sending node's restore does not wait for every part's send to be posted."""
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     damaged = "units/layer.0.rank-00000.safetensors"
@@ -563,8 +568,10 @@ def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_and_a_
     path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])
     courier = SendingCourier(runs[0])
     recovery_healing.heal(runs[0], moves, Nodes((0, 1)), courier, LocalCoordinator(), "t")
-    assert courier.handed_while_posting == []
     prefix = "snapshots/step-00000002/"
+    small = sorted(prefix + m.path for m in moves if writer_rank(m.path) is None)
+    assert small and courier.handed_while_posting == small
+    assert all(prefix + name in handed for name, handed in courier.handed_at_fill.items() if writer_rank(name) is None)
     handed = {key[len(prefix):]: kept for key, kept in runs[0].units.arrived.items()}
     assert sorted(handed) == sorted(m.path for m in moves if m.path != damaged)
     for move in moves:

@@ -309,7 +309,11 @@ class _Sender:
     copies those bytes into its live tensors instead of reading and checking the file; one
     that does not match is not handed over (its restore reads it, and the check fails there).
     Every file this node sends is registered as coming for that restore (``UnitReader.coming``)
-    until then: ``settle`` releases what was not handed over (read as any other file)."""
+    until then: ``settle`` releases what was not handed over (read as any other file). A small
+    file of no rank's part (the manifest, unit indexes, global state: ``writer_rank`` None) is
+    handed over (or released) as soon as it is filled, before the parts' sends are posted: those
+    are that restore's first reads (``shared_reads.share_small_files``, whose broadcast every
+    other rank waits for), and their checks cost next to nothing beside the parts' sends."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], node: int):
         self.run, self.step = run, step
@@ -324,6 +328,12 @@ class _Sender:
         return f"{self.run.snapshot_key(self.step)}/{path}"
 
     def fill(self, dst: int, path: str, into: memoryview) -> Any:
+        given = self._filled(path, into)
+        if writer_rank(path) is None:  # the restore's first reads: not held up by the parts' sends (class docstring)
+            self._hand(path)
+        return given
+
+    def _filled(self, path: str, into: memoryview) -> Any:
         key = self._key(path)
         try:
             mapped = self.run.storage.mapped(key)
@@ -339,12 +349,22 @@ class _Sender:
         return None
 
     def hand_over(self) -> None:
-        for path, mapped in self.sent.items():
+        for path in self.sent:
+            self._hand(path)
+        self.settle()
+
+    def _hand(self, path: str) -> None:
+        """The file ``path`` handed to this node's restore if sent from a mapping that matches
+        its record, then released (its readers go on: from those bytes, else reading it); once."""
+        coming = self.coming.get(path)
+        if coming is None or coming.done():
+            return
+        mapped = self.sent.get(path)
+        if mapped is not None:
             with contextlib.suppress(TailorError, OSError, ValueError):
                 if checksum(mapped) == self.records[path][1]:
                     self.run.units.arrived[self._key(path)] = (*self.records[path], memoryview(mapped))
-            _resolve(self.coming[path])
-        self.settle()
+        _resolve(coming)
 
     def settle(self) -> None:
         """Every file not handed over read as any other (its check where it is read)."""
