@@ -192,8 +192,9 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
 
     What is sent is this node's staged files as written there, mapped, not copied
     (``held_files``): the bytes its writer checksummed, which each receiver checks again before
-    rank 0 commits (``check_copies``); what arrives is written from the buffer it landed in. A
-    save at every step copies its part once, on the receiving side, on the CPUs that train."""
+    rank 0 commits (``check_copies``); what arrives lands in the staged file that keeps it, mapped
+    (``_Landing``). A save at every step copies its part once, on the receiving side (the socket's
+    copy into the file), on the CPUs that train."""
     files, unread = files_of(part) if part is not None else [], None
     try:
         mine = held_files(snapshot, files)
