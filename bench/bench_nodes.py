@@ -26,6 +26,12 @@ background). Network bytes per save: what this rank's courier sent against this 
 seconds per measured step, every thread (``getrusage``, up to the end of the last save's background
 work), and the threads started per step; figures that move less with the machine's load.
 
+With ``LLMTAILOR_BENCH_SAVE_PROFILE=PATH`` in the environment, each node's launch profiles its
+async saves on the threads that run them: the background thread's CPU per function
+(``cProfile`` on ``time.thread_time``, every save of every round, summed) into
+``PATH.<node>``, and the save calls on the training thread into ``PATH.<node>.calls``
+(``python -m pstats PATH.0``, then ``sort tottime``, ``stats 20``).
+
 Recovery: after the last round, the newest composite of ours is in both nodes' memory and in
 S3. Node 1's memory is wiped and both launches restart: a restore takes the composite from
 memory, node 1 receiving its parts from node 0 (``from memory``). Then both nodes' memory is
@@ -321,6 +327,31 @@ def instrumented() -> dict[str, list[float]]:
     threading.Thread.start = counted_start  # threads started, by name (``started``)
     Tailor._settle = timed(Tailor._settle, time.perf_counter, "settle")
     AsyncStager._run = timed(AsyncStager._run, time.thread_time, "persist_cpu")
+    if os.environ.get("LLMTAILOR_BENCH_SAVE_PROFILE"):  # each save's background thread, its CPU per function
+        import atexit
+        import cProfile
+        import pstats
+
+        profiles: list = []
+        run = AsyncStager._run
+
+        def profiled(self, *args, **kwargs):
+            profiler = cProfile.Profile(time.thread_time)
+            profiles.append(profiler)
+            profiler.runcall(run, self, *args, **kwargs)
+
+        AsyncStager._run = profiled
+        calls = cProfile.Profile(time.thread_time)
+        Tailor.save = lambda self, *args, _save=Tailor.save, **kwargs: calls.runcall(_save, self, *args, **kwargs)
+
+        @atexit.register
+        def dump() -> None:
+            stats = pstats.Stats(profiles[0])
+            for profiler in profiles[1:]:
+                stats.add(profiler)
+            where = f"{os.environ['LLMTAILOR_BENCH_SAVE_PROFILE']}.{os.environ['GROUP_RANK']}"
+            stats.dump_stats(where)
+            calls.dump_stats(f"{where}.calls")
     AsyncStager._fence = timed(AsyncStager._fence, time.perf_counter, "fence")
     return figures
 

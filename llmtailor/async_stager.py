@@ -286,8 +286,10 @@ class AsyncStager:
                     # replace(): the copy differs from the live unit by its pieces alone; every
                     # other field (the frozen tensors it keeps, from a snapshot or the base) carries over.
                     staged_units = [replace(u, pieces=[_copied(p, next(copies)) for p in u.pieces]) for u in units]
-                if stream is not None:
-                    stream.synchronize()
+                if stream is not None:  # waited for asleep: a stream's synchronize spins, a CPU busy for the copies' time
+                    copied = torch.cuda.Event(blocking=True)
+                    copied.record(stream)
+                    copied.synchronize()
                 pieces = [piece for unit in units for piece in unit.pieces]
                 for piece, before in zip(pieces, versions):
                     if piece.stable and version_of(piece.tensor) != before:

@@ -459,3 +459,18 @@ def save_bin(path: Path, model, shards: int = 1) -> None:
         torch.save({k: state[k] for k in keys[i * per:(i + 1) * per]}, path / name)
         weight_map.update({k: name for k in keys[i * per:(i + 1) * per]})
     (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def landed(packed, source, into):
+    """What a courier's receive makes of ``source``'s ``packed`` files (``Courier.exchange_packed``):
+    with an ``into`` that asks for buffers, the bytes copied into them, as gloo's receives
+    would; else the packed files as they are."""
+    from llmtailor.distributed.courier import unpacked
+
+    buffers = into(source, packed[0]) if into is not None else None
+    if buffers is None:
+        return packed
+    for buffer, (_, data) in zip(buffers, unpacked(packed)):
+        if len(data):
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return packed[0], buffers

@@ -57,6 +57,10 @@ uint8 tensor, or (a sender's, ``exchange_packed``) one uint8 tensor per file: ea
 say a mapping of the file (no copy). Received files are always back to back in one tensor
 (``unpacked`` views each in place)."""
 
+Into = Callable[[int, list[tuple[str, int]]], "list[torch.Tensor] | None"]
+"""Where a receiver wants a source's files to land (``exchange_packed``): given the source and
+its listing, one buffer per file, or None for one fresh buffer."""
+
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
 _LANE_TAGS = 4
 """A stream's pieces on several lanes take tags ``_LANE_TAGS * lanes + k`` (``Courier._lane``):
@@ -201,14 +205,18 @@ class Courier:
             self._wait(work, f"receiving files from rank {src}")
         take(src, name, memoryview(content.numpy()))
 
-    def exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
+    def exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int],
+                        into: Into | None = None) -> dict[int, Packed]:
         """``exchange`` without a copy on either side (large transfers: a save's copies to its
         partner ranks): each destination's files come already packed (``Packed``: one tensor,
         or one per file, such as the file's mapping), each source's are returned as they arrived,
-        back to back in one tensor (``unpacked`` views them). The same messages as ``exchange``;
-        its errors."""
+        back to back in one tensor (``unpacked`` views them), or, with ``into``, each where
+        ``into(src, listing)`` asked for it: one uint8 tensor per listed file, of its size
+        (the file's own mapping, say: no copy of it after), returned as the source's
+        ``Packed`` (None: one fresh buffer, as without ``into``). ``into`` must not raise (a
+        raise breaks the courier). The same messages as ``exchange``; its errors."""
         with self._exchanging():
-            return self._exchange_packed(outgoing, sources)
+            return self._exchange_packed(outgoing, sources, into)
 
     @contextmanager
     def _exchanging(self) -> Iterator[None]:
@@ -237,7 +245,8 @@ class Courier:
                                         f"failed ({self.broken})") from None
             raise
 
-    def _exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int]) -> dict[int, Packed]:
+    def _exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int],
+                         into: Into | None) -> dict[int, Packed]:
         # A peer that fails (dead, hung, or sending what it did not announce) is noted and the
         # exchange goes on with the others, failing at its end, naming it: a live peer's sends
         # wait for this rank's receives, and its receives for this rank's sends kept, so a live
@@ -251,7 +260,7 @@ class Courier:
         sends = []
         for dst, (listing, payload) in outgoing.items():
             sends += _noting(failed, dst, self._post_sends, dst, listing, payload) or []
-        received = self._receive_packed(sources, failed, by)
+        received = self._receive_packed(sources, failed, by, into)
         first = set()
         for dst, work in sends:
             if dst not in failed:
@@ -272,7 +281,8 @@ class Courier:
         self.sent_bytes += total
         return sends
 
-    def _receive_packed(self, sources: Sequence[int], failed: dict[int, CoordinationError], by: float) -> dict[int, Packed]:
+    def _receive_packed(self, sources: Sequence[int], failed: dict[int, CoordinationError], by: float,
+                        into: Into | None) -> dict[int, Packed]:
         """Each source's files, back to back in one buffer: every source's sizes asked for at
         once, then, as each one's come, its names, then each of its files' bytes into its place
         in the buffer (one wait per message that must come before the next can be asked for,
@@ -282,7 +292,7 @@ class Courier:
         asked = {src: self._receive(sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
-            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src], by)
+            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
         for src, posted in coming.items():
             for work in posted[2] if posted is not None else []:
                 _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
@@ -291,21 +301,25 @@ class Courier:
         return {src: (posted[0], posted[1]) for src, posted in coming.items() if posted is not None}
 
     def _post_packed(self, src: int, sizes: torch.Tensor, asked: Any,
-                     by: float) -> tuple[list[tuple[str, int]], torch.Tensor, list]:
+                     by: float, into: Into | None
+                     ) -> tuple[list[tuple[str, int]], torch.Tensor | list[torch.Tensor], list]:
         """``_receive_packed`` for one source: its sizes (asked for ``by`` then), its names, then
-        the receives of its files posted."""
+        the receives of its files posted (into one fresh buffer, or where ``into`` asks)."""
         what = f"receiving files from rank {src}"
         self._wait(asked, what, by)
         names = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self._wait(self._receive(names, src, _NAMES), what)
         listed = [(name, int(size)) for name, size in json.loads(names.numpy().tobytes())]
-        payload = torch.empty(sum(size for _, size in listed), dtype=torch.uint8)
+        total = sum(size for _, size in listed)
+        payload = into(src, listed) if into is not None else None
+        if payload is None:
+            payload = torch.empty(total, dtype=torch.uint8)
         works = [self._receive(content, src, _BYTES) for content in _per_file(listed, payload) if content.numel()]
-        if payload.numel() != int(sizes[1]):
+        if total != int(sizes[1]):
             for work in works:  # its files taken first: the peer's sends end now, not at its timeout
                 self._wait(work, what)
             raise CoordinationError(f"rank {src} sent {int(sizes[1])} bytes for files announced as "
-                                    f"{payload.numel()} bytes")
+                                    f"{total} bytes")
         return listed, payload, works
 
     def _lane(self, piece: int) -> int:

@@ -37,6 +37,7 @@ manifest, every unit index, the global files and the parts of every node in ``No
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -55,6 +56,8 @@ from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
 from llmtailor.store.staged import InTurn, PersistResult, RankPart, StagedSnapshot
+from llmtailor.store.storage.base import Sink
+from llmtailor.store.tensor_files import checksum
 from llmtailor.store.writer import attempt_part, friendly, index_files, write_files
 
 
@@ -195,8 +198,9 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
 
     What is sent is this node's staged files as written there, mapped, not copied
     (``held_files``): the bytes its writer checksummed, which each receiver checks again before
-    rank 0 commits (``check_copies``); what arrives is written from the buffer it landed in. A
-    save at every step copies its part once, on the receiving side, on the CPUs that train."""
+    rank 0 commits (``check_copies``); what arrives lands in the staged file that keeps it, mapped
+    (``_Landing``). A save at every step copies its part once, on the receiving side (the socket's
+    copy into the file), on the CPUs that train."""
     files, unread = files_of(part) if part is not None else [], None
     try:
         mine = held_files(snapshot, files)
@@ -207,21 +211,86 @@ def _replicate(snapshot: SnapshotCommit | None, part: RankPart | None, placement
     outgoing = {partner: mine for partner in placement.partners(rank)}
     if rank == 0:
         outgoing.update({leader: shared for leader in placement.global_receivers()})
-    turn.exchange_turn()  # the courier's exchanges in the saves' order, on every rank
-    try:
-        received = placement.courier.exchange_packed(outgoing, placement.sources(rank))
-    finally:
-        turn.exchanged.set()
-    if unread is not None:
-        raise unread
-    if snapshot is None:  # this node could not open the snapshot: what arrived has nowhere to go
-        return {}
-    arrived: dict[str, list[Any]] = {}
-    with nullcontext(into) if into is not None else snapshot.files() as create:  # durable when the block ends
-        for source, packed in received.items():
-            arrived[str(source)] = [write_bytes_to(create(path), content, path).model_dump(mode="json")
-                                    for path, content in unpacked(packed)]
-    return arrived
+    # this node could not open the snapshot (None): what arrives has nowhere to go; a leader's
+    # copies land in its batch ``into``, durable once its commit drains it
+    staged = nullcontext(into) if into is not None else snapshot.files() if snapshot is not None else nullcontext()
+    with staged as create:  # durable when the block ends
+        landing = _Landing(create)
+        try:
+            turn.exchange_turn()  # the courier's exchanges in the saves' order, on every rank
+            try:
+                received = placement.courier.exchange_packed(outgoing, placement.sources(rank), into=landing.into)
+            finally:
+                turn.exchanged.set()
+            if unread is not None:
+                raise unread
+            return {str(source): landing.keep(source, packed) for source, packed in received.items()} if create else {}
+        except BaseException:
+            landing.abort()
+            raise
+
+
+class _Landing:
+    """Where the copies a rank receives land (``_replicate``): each file in its node's staging,
+    straight into the file's mapping where the storage maps it (``Sink.space``: the courier
+    receives into it, no buffer then written out: a fifth of a save's background work at every
+    step, issue 32), else in fresh memory, written once it is whole (a storage that does not
+    map, a file whose space could not be taken: its write then fails as it would). Each is
+    reported (``keep``) as it lies where it landed: its size and checksum."""
+
+    def __init__(self, create: StagedFiles | None):
+        self.create = create
+        self.open: dict[tuple[int, str], tuple[Sink, bool]] = {}
+        """The sinks made and not yet closed, by source and path, and whether each is mapped."""
+        self.failed: BaseException | None = None
+
+    def into(self, source: int, listing: list[tuple[str, int]]) -> list[Any] | None:
+        """The courier's ``into``: never raises (what fails is raised by ``keep``)."""
+        import torch
+
+        if self.create is None or self.failed is not None:
+            return None
+        buffers = []
+        try:
+            for path, size in listing:
+                sink = self.create(path)
+                try:
+                    view = sink.space(size)
+                except OSError:  # written once it arrived, as without a mapping: its write says why
+                    view = None
+                self.open[(source, path)] = (sink, view is not None or not size)  # an empty one: nothing to write
+                buffers.append(torch.frombuffer(view, dtype=torch.uint8) if view is not None
+                               else torch.empty(size, dtype=torch.uint8))
+        except BaseException as err:
+            self.failed = err
+            return None
+        return buffers
+
+    def keep(self, source: int, packed: Packed) -> list[dict[str, Any]]:
+        """The entries of ``source``'s files, each closed where it landed (written, if not mapped)."""
+        if self.failed is not None:
+            raise self.failed
+        entries = []
+        for path, content in unpacked(packed):
+            sink, mapped = self.open.pop((source, path), None) or (self.create(path), False)
+            if not mapped:
+                entries.append(write_bytes_to(sink, content, path).model_dump(mode="json"))
+                continue
+            try:
+                entry = FileEntry(path=path, bytes=len(content), xxh3_64=checksum(content))
+                sink.close()
+            except BaseException:
+                sink.abort()
+                raise
+            entries.append(entry.model_dump(mode="json"))
+        return entries
+
+    def abort(self) -> None:
+        """Drop every file made and not closed (the save failed)."""
+        for sink, _ in self.open.values():
+            with contextlib.suppress(Exception):
+                sink.abort()
+        self.open = {}
 
 
 def held_files(snapshot: SnapshotCommit | None, files: list[FileEntry]) -> Packed:

@@ -75,12 +75,12 @@ def die_in_replication(step: int) -> dict:
     step before the save in flight reaches its replication."""
     real, saving = Courier.exchange_packed, {"step": None}
 
-    def exchange_packed(self, outgoing, sources):
+    def exchange_packed(self, outgoing, sources, **landing):
         thread = threading.current_thread().name
         sending = int(thread.rsplit("-", 1)[1]) if thread.startswith("llmtailor-save-") else saving["step"]
         if sending == step and outgoing:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, outgoing, sources)
+        return real(self, outgoing, sources, **landing)
 
     Courier.exchange_packed = exchange_packed
     return saving

@@ -173,3 +173,25 @@ def test_a_forked_child_makes_its_files_durable_on_fsync_threads_of_its_own(tmp_
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert all(torch.equal(load_file(tmp_path / f"{i}.safetensors")["w"], torch.ones(4)) for i in range(3))
+
+
+def test_a_piece_that_fails_to_be_written_behind_fails_its_file_and_leaves_nothing(tmp_path, monkeypatch):
+    """A tensor's pieces are written on a writer thread while the next is checksummed
+    (``LocalSink.write_stable``): a piece whose write fails there fails the file, with that
+    error, and the file is removed once no write of it is left running."""
+    import errno
+
+    from llmtailor.store.storage.local import LocalSink
+
+    written, real = [], LocalSink._write
+
+    def failing_second(sink, data):
+        written.append(len(data))
+        if len(written) == 3:  # the header, a first piece, then this one
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(sink, data)
+
+    monkeypatch.setattr(LocalSink, "_write", failing_second)
+    with pytest.raises(OSError, match="No space left"):
+        write_tensors(tmp_path / "big.safetensors", {"big": torch.randn(10 << 20)}, tmp_path)  # 40 MiB: 3 pieces
+    assert written[1:3] == [16 << 20, 16 << 20] and not (tmp_path / "big.safetensors").exists()

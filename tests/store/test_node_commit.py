@@ -16,6 +16,7 @@ from llmtailor.store.manifest import FileEntry
 from llmtailor.store.node_commit import NodePlacement, _replicate, check_copies, held_files
 from llmtailor.store.run import Run
 from llmtailor.store.staged import InTurn, RankPart
+from helpers import landed
 from storage_calls import StorageCalls
 
 
@@ -55,7 +56,7 @@ class _Courier:
     def __init__(self, sent):
         self.sent = sent
 
-    def exchange_packed(self, outgoing, sources):
+    def exchange_packed(self, outgoing, sources, into=None):
         self.outgoing = outgoing
         return {source: self.sent for source in sources}
 
@@ -99,3 +100,65 @@ def test_a_rank_sends_its_files_as_its_node_holds_them_without_reading_them_back
     assert sorted(courier.outgoing) == [1, 2]
     assert [(path, bytes(data)) for path, data in unpacked(courier.outgoing[1])] == list(content.items())
     assert [(path, bytes(data)) for path, data in unpacked(courier.outgoing[2])] == [(GLOBAL_JSON, content[GLOBAL_JSON])]
+
+
+class _Landing(_Courier):
+    """As ``_Courier``, the bytes landing where the receiver asks (``into``), as gloo's receives would."""
+
+    def exchange_packed(self, outgoing, sources, into=None):
+        self.outgoing = outgoing
+        return {source: landed(self.sent, source, into) for source in sources}
+
+
+def test_a_rank_receives_its_partners_files_straight_into_its_nodes_staged_files(tmp_path, monkeypatch):
+    """A save at every step lands each partner's file in the file it keeps (a mapping of it),
+    not in fresh memory then written out (issue 32: the write was a fifth of a save's
+    background work); what is reported is what landed, checksummed, durable. Where a file cannot be
+    mapped (empty, or a storage that does not map), it is written as before."""
+    from llmtailor.store.storage.local import LocalSink
+
+    writes = []
+    real_write = LocalSink.write
+    monkeypatch.setattr(LocalSink, "write", lambda sink, data: writes.append(sink.path.name) or real_write(sink, data))
+    node0 = SnapshotCommit.begin(Run(tmp_path / "node0"), 4, 2)
+    content = {pack_filename(1, 0): bytes(range(256)) * 40, rank_state_files(1)[0]: b"", rank_state_files(1)[1]: b"{}"}
+    placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=_Landing(packed(list(content.items()))))
+    copies = _replicate(node0, None, placement, rank=0, turn=InTurn())
+    expected = [write_bytes_to(_Discard(), data, path) for path, data in content.items()]
+    assert copies == {"1": arrived(*expected)}
+    assert writes == []
+    for path, data in content.items():
+        assert node0.run.storage.path(node0.key(path)).read_bytes() == data
+
+
+class _Discard:
+    """A sink that keeps nothing (for a file entry's checksum)."""
+
+    def write(self, data):
+        pass
+
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+def test_a_file_whose_space_cannot_be_taken_where_it_lands_is_written_once_it_arrived(tmp_path, monkeypatch):
+    """A mapping refused (a full device says so as its space is taken) is no failure of the
+    exchange: the file arrives in fresh memory and is written, failing there as it would."""
+    import errno
+
+    from llmtailor.store.storage.local import LocalSink
+
+    def refused(sink, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LocalSink, "space", refused)
+    node0 = SnapshotCommit.begin(Run(tmp_path / "node0"), 4, 2)
+    content = {pack_filename(1, 0): bytes(range(256)) * 40, rank_state_files(1)[1]: b"{}"}
+    placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=_Landing(packed(list(content.items()))))
+    copies = _replicate(node0, None, placement, rank=0, turn=InTurn())
+    assert copies == {"1": arrived(*(write_bytes_to(_Discard(), data, path) for path, data in content.items()))}
+    for path, data in content.items():
+        assert node0.run.storage.path(node0.key(path)).read_bytes() == data

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed import HashStore
-from helpers import on_threads
+from helpers import landed, on_threads
 
 from llmtailor.constants import MANIFEST_FILE, TMP_DIR, snapshot_dirname
 from llmtailor.distributed.coordinator import StoreCoordinator
@@ -37,10 +37,10 @@ class ThreadCourier:
     def __init__(self, rank: int, lanes: dict[tuple[int, int], queue.Queue]):
         self.rank, self.lanes = rank, lanes
 
-    def exchange_packed(self, outgoing, sources):
+    def exchange_packed(self, outgoing, sources, into=None):
         for destination, packed in outgoing.items():
             self.lanes[self.rank, destination].put(packed)
-        return {source: self.lanes[source, self.rank].get(timeout=60) for source in sources}
+        return {source: landed(self.lanes[source, self.rank].get(timeout=60), source, into) for source in sources}
 
 
 def staged(rank: int) -> StagedSnapshot:

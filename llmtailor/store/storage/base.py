@@ -91,6 +91,21 @@ class Sink(ABC):
     @abstractmethod
     def abort(self) -> None: ...
 
+    def write_stable(self, data: memoryview) -> None:
+        """``write`` bytes that the caller leaves as they are until ``close`` or ``abort``
+        returns (a staged tensor's memory): a sink may write them on another thread while the
+        caller goes on (``close`` returns once they are written; a failure is raised by the
+        sink's next call)."""
+        self.write(data)
+
+    def space(self, size: int) -> memoryview | None:
+        """The file's whole content, ``size`` bytes, as a writable buffer that maps the file:
+        what is put into it is the file's content (``close`` makes it durable, as ``write``
+        would), its space taken now (a full device fails here, never at a touch of the
+        buffer); or None where this sink does not map its file (then ``write`` its bytes).
+        Once given, the file is not ``write``-n to."""
+        return None
+
 
 class Batch(ABC):
     """Files written together (a rank's part of a snapshot): ``create`` one sink at a time;

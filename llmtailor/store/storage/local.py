@@ -16,14 +16,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 from llmtailor.errors import IntegrityError, StorageError, TailorError, describe_os_error
 from llmtailor.store.storage import local_durable
-from llmtailor.store.storage.base import Batch, Sink, Storage
+from llmtailor.store.storage.base import Batch, LazyPool, Sink, Storage
 from llmtailor.store.storage.local_commit import LocalCommits
 from llmtailor.store.storage.local_detect import LocalDetection
 from llmtailor.store.storage.local_durable import Syncer, replace_bytes_atomically
@@ -223,6 +225,10 @@ class _opened:
         self.handle.close()
 
 
+_writers = LazyPool(4, "llmtailor-write")
+"""The threads that write ``LocalSink.write_stable``'s bytes (one piece in flight per file)."""
+
+
 class LocalSink(Sink):
     """A file being written: large files made durable (and dropped from the page cache) every
     ``FLUSH_EVERY`` bytes, the rest by the batch's syncer once closed (dropped too unless the
@@ -236,8 +242,27 @@ class LocalSink(Sink):
         self._written = self._flushed = 0
         self._started = False
         """Whether its write-out was started early (``local_durable.WRITE_OUT_FROM``)."""
+        self._behind: Future[None] | None = None
+        """The write of ``write_stable``'s last bytes, on a writer thread."""
+
+    def write_stable(self, data: memoryview) -> None:
+        """``Sink.write_stable``: written on a writer thread (``_writers``), at most one piece
+        behind, so the caller checksums the next piece meanwhile (a save's background thread:
+        its writes into a memory tier were a third of its CPU at every step, issue 32)."""
+        self._caught_up()
+        self._behind = _writers.submit(self._write, data)
 
     def write(self, data: memoryview | bytes) -> None:
+        self._caught_up()
+        self._write(data)
+
+    def _caught_up(self) -> None:
+        """Wait for the write behind, raising its failure."""
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.result()
+
+    def _write(self, data: memoryview | bytes) -> None:
         self._out.write(data)
         self._written += len(data)
         if self._written - self._flushed >= local_durable.FLUSH_EVERY:  # a large file: keep its cache footprint bounded
@@ -249,13 +274,32 @@ class LocalSink(Sink):
             self._out.flush()
             self._syncer.submit(self.path, os.dup(self._out.fileno()), size=0, drop=False)
 
+    def space(self, size: int) -> memoryview | None:
+        """``Sink.space``: the file's blocks allocated (``posix_fallocate``: ENOSPC here, where a
+        touch of a mapping past a full device would be SIGBUS), then mapped shared. Its mapping
+        lasts while the buffer is referenced (the sink keeps none once closed); ``close`` makes
+        the file durable (an fsync writes back the pages written through a mapping too)."""
+        if not size:
+            return None
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)  # a shared writable mapping needs it open for reading too
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._written = size
+        return memoryview(mapped)
+
     def close(self) -> None:
         try:
+            self._caught_up()
             self._durable(self._flushed, None)
         finally:
             self._out.close()
 
     def abort(self) -> None:
+        with contextlib.suppress(BaseException):  # never closed under a write still running
+            self._caught_up()
         self._out.close()
         self.path.unlink(missing_ok=True)
 
