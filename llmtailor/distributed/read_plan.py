@@ -4,22 +4,23 @@ Ranks that need the same bytes (DDP replicas: every rank needs every unit whole)
 reader per item (a unit's tensors, say): ``balance`` spreads the items over the group's ranks by
 bytes, the same on every rank from the composite's index alone, so agreeing takes no message.
 The reader reads its items through the store's own checked reads (every file against its
-checksum) and broadcasts each, packed into one byte buffer, within the group (gloo on CPU); the
-others receive it instead of fetching it again. Each item is one broadcast: the buffer's first
-bytes say whether the read succeeded (``_HEAD``), so no status goes in a collective of its own.
-The group goes through the items in turns (``ReadPlan.turns``) ordered by when their readers,
-each reading its own items smallest first, are expected to have them: the first sends start as
-soon as the first small items are in, and no rank's reads wait for another's large item to be
-sent first.
+checksum) and sends each, packed into one byte buffer, to the others of the group point to point
+(gloo on CPU) as soon as it has it; the others receive it instead of fetching it again. Each
+item is one message to each rank: the buffer's first bytes say whether the read succeeded
+(``_HEAD``), so no status goes in a message of its own. Each rank takes the items as they come
+in (``ReadPlan.fetch``), so no rank waits for a slow read while others' items are in; the
+readers read in turns (``ReadPlan.turns``) ordered by when each, reading its own items smallest
+first, is expected to have them, and the ranks wait for items in that order, a few at a time.
 
-Failures reach every rank of the group, so none is left waiting in a collective: a reader whose
+Failures reach every rank of the group, so none is left waiting for a message: a reader whose
 read fails sends the failure in place of the bytes (every rank raises it, naming the reader and
-the item: an IntegrityError when the reader found damaged or missing data), at that item
-(``fetch``) or, where the ranks are sent only the parts they want (``deliver``), at the end of
-the plan, which every rank goes through to the end (one collective there says which item failed
-first); a rank that died or hangs makes the broadcast fail on the others (gloo notices a lost
-connection at once) or time out after the coordinator's timeout; the exchange that ends a
-restore (``Coordinator.agree``) then names the rank that no longer answers.
+the item: an IntegrityError when the reader found damaged or missing data) at the end of the
+plan, which every rank goes through to the end (``fetch``: every rank has every item's message,
+so all raise the first failed item of the turns; ``deliver``, where the ranks are sent only the
+parts they want: one collective there says which item failed first); a rank that died or hangs
+makes the sends and receives with it fail on the others (gloo notices a lost connection at once)
+or time out after the coordinator's timeout, naming it; the exchange that ends a restore
+(``Coordinator.agree``) then names the rank that no longer answers.
 
 Invariant: every rank of the group builds its ``ReadPlan`` from the same items in the same
 order and calls ``fetch`` once, with the same tensor specs per item.
@@ -32,7 +33,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -49,10 +50,12 @@ Slice = tuple[int, int]
 """``(offset, length)``: bytes of one item (``ReadPlan.deliver``)."""
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
-_SENT, _DAMAGED, _FAILED = 0, 1, 2  # what a reader announces before the payload
+_SENT, _DAMAGED, _FAILED, _SKIPPED = 0, 1, 2, 3  # what a reader announces before the payload
 _HEAD = 16  # an item's message's first bytes (``fetch``, ``deliver``): its reader's status and how many bytes follow (two int64)
 _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: room for a failed read's error
-_AHEAD = 2  # items a rank reads ahead of their turn (memory: at most this many packed items waiting)
+_AHEAD = 2  # items a rank reads ahead (``deliver``), or has read and not yet delivered to every rank (``fetch``): memory
+_WINDOW = 4  # items of others a rank of ``fetch`` waits for at a time (receive buffers posted)
+_WINDOW_BYTES = 512 << 20  # and their bytes at most, but for the first
 
 
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
@@ -118,32 +121,134 @@ class ReadPlan:
 
     def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]],
               meanwhile: Callable[[], Any] | None = None) -> Iterator[tuple[str, list[torch.Tensor]]]:
-        """Every item's tensors, in the plan's turns (``turns``), on every rank of the group:
-        ``read(item)`` on its reader (checked reads; its tensors as ``specs(item)`` says),
-        received from it elsewhere, in one broadcast per item. Raises, on every rank alike,
-        what the reader's read raised (module docstring).
+        """Every item's tensors, on every rank of the group, each as it comes in: ``read(item)``
+        on its reader (checked reads; its tensors as ``specs(item)`` says), received from it
+        elsewhere. Raises, on every rank alike, what the reader's read raised (module docstring).
 
-        A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
-        turn, the first as the plan starts (``_ReadAhead``), so the ranks' reads overlap one
-        another and the broadcasts (``read`` must allow it: the store's reads do). ``meanwhile``:
-        called once those first reads have started, before the first broadcast (the ranks'
-        exchange a restore makes before it reads, then beside them); what it raises is raised
-        once the reads under way are done."""
+        A reader sends each item, packed into one message after its head, to every other rank of
+        the group point to point as soon as it has read it; each rank takes the items in the
+        order they come in, not in turns: no rank waits for an item whose read is slow while
+        others are in, and the readers' sends run side by side. A rank reads its own items on a
+        thread of its own in the plan's turns (``turns``), the first as the plan starts
+        (``_ReadAhead``), the next once fewer than ``_AHEAD`` of its items are read and not yet
+        delivered to every rank (memory: at most that many packed items of its own), so the
+        ranks' reads overlap one another and the sends (``read`` must allow it: the store's
+        reads do). It waits for the items of others in the same turns, up to ``_WINDOW`` (and
+        ``_WINDOW_BYTES``) at a time, at least one.
+
+        Failures: a read that fails is sent to every rank in place of the item's bytes; once a
+        rank knows of one it reads nothing more (its items not yet read are sent as skipped) and
+        takes no more items, but goes on to the end of the plan, so that every message is sent
+        and received and none is left for a later plan to meet; there every rank raises the
+        first failed read in the plan's turns, naming its reader (every rank has had every
+        item's message, so all raise the same). A rank lost fails its peers' sends and receives
+        (gloo notices a lost connection at once), or they time out after the coordinator's
+        timeout, naming it. ``meanwhile``: called once this rank's first reads have started,
+        before any message (the ranks' exchange a restore makes before it reads, then beside
+        them); what it raises is raised once the reads under way are done."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        turns = self.turns()
-        own = [item for item in turns if self.readers[item] == self.coordinator.rank]
-        with contextlib.closing(_ReadAhead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
+        me, turns = self.coordinator.rank, self.turns()
+        tags = {item: at for at, item in enumerate(self.readers)}
+        failing = _Failing(self.coordinator, None)
+        own = [item for item in turns if self.readers[item] == me]
+        others = collections.deque(item for item in turns if self.readers[item] != me)
+        failed: dict[str, tuple[int, int, str]] = {}  # item -> (reader, status, message): reads that failed
+
+        def read_packed(item: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+            return _read_packed(failing.guard(read), item, specs(item))
+
+        with contextlib.closing(_ReadAhead(list(own), read_packed, 1, 1)) as mine:
             if meanwhile is not None:
                 meanwhile()
-            for item in turns:
-                reader = self.readers[item]
-                if reader == self.coordinator.rank:
-                    tensors = self._send(item, next(mine), specs(item), device)
+            waits = ThreadPoolExecutor(max_workers=_WINDOW + _AHEAD, thread_name_prefix="llmtailor-wait")
+            pending: dict[Future, tuple[str, str, Any]] = {}  # a wait -> (kind, item, what it holds)
+            receiving = sending = 0
+            try:
+                while True:
+                    room = _WINDOW_BYTES
+                    for _, _, held in pending.values():
+                        room -= held.numel() if isinstance(held, torch.Tensor) else 0
+                    while others and receiving < _WINDOW and (receiving == 0 or _message_size(specs(others[0])) <= room):
+                        item = others.popleft()
+                        buffer = torch.empty(_message_size(specs(item)), dtype=torch.uint8, device=device)
+                        work = dist.irecv(buffer, src=self.readers[item], group=self.group, tag=tags[item])
+                        pending[waits.submit(self._wait, item, self.readers[item], work, "receipt")] = ("receipt", item, buffer)
+                        receiving, room = receiving + 1, room - buffer.numel()
+                    if own and sending < _AHEAD and not any(kind == "read" for kind, _, _ in pending.values()):
+                        pending[next(mine)] = ("read", own[0], None)
+                    if not pending:
+                        break
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in [f for f in pending if f in done]:  # in the order they were started
+                        kind, item, held = pending.pop(future)
+                        if kind == "read":
+                            own.pop(0)
+                            tensors, message = self._sent_read(item, future, specs(item), failed, failing)
+                            message = message.to(device)
+                            works = [(rank, self._send_to(rank, message, tags[item], device)) for rank in self.ranks if rank != me]
+                            pending[waits.submit(self._wait_all, item, works)] = ("send", item, None)
+                            sending += 1
+                        elif kind == "send":
+                            future.result()
+                            sending -= 1
+                            continue
+                        else:
+                            future.result()
+                            receiving -= 1
+                            tensors = self._received(item, held, specs(item), failed, failing)
+                        if tensors is not None and not failed:
+                            yield item, tensors
+            finally:
+                if pending:  # failing, or the caller stopped: no wait left behind on a message in flight
+                    waits.shutdown(wait=False, cancel_futures=True)
                 else:
-                    tensors = self._receive(item, reader, specs(item), device)
-                yield item, tensors
+                    waits.shutdown(wait=True)
+        if failed:
+            item = next(item for item in turns if item in failed)
+            raise self._failure(item, *failed[item])
+
+    def _sent_read(self, item: str, reading: Future, shapes: list[Spec], failed: dict[str, tuple[int, int, str]],
+                   failing: _Failing) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        """A reader's item (``fetch``): its tensors and the message that sends them, or, where its
+        read failed or was skipped, None and the message that says so (noted in ``failed``)."""
+        try:
+            return reading.result()
+        except ReadSkipped:
+            status, text = _SKIPPED, b""
+        except Exception as err:  # sent to the others in place of the bytes, then raised here too at the end
+            status, text = _refusal(err, _message_size(shapes))
+            failed[item] = (self.coordinator.rank, status, text.decode(errors="replace"))
+            failing.known()
+        message = torch.zeros(_message_size(shapes), dtype=torch.uint8)
+        _put_head(message, status, len(text))
+        if text:
+            message[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        return None, message
+
+    def _received(self, item: str, buffer: torch.Tensor, shapes: list[Spec], failed: dict[str, tuple[int, int, str]],
+                  failing: _Failing) -> list[torch.Tensor] | None:
+        """An item received (``fetch``): its tensors, or None where its reader's read failed (noted
+        in ``failed``) or was skipped."""
+        reader = self.readers[item]
+        message = buffer.cpu()
+        status, length = message[:_HEAD].view(torch.int64).tolist()
+        if status == _SKIPPED:
+            return None
+        if status != _SENT:
+            failed[item] = (reader, status, bytes(message[_HEAD : _HEAD + length].numpy()).decode(errors="replace"))
+            failing.known()
+            return None
+        if length != _packed_size(shapes):
+            raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
+                                    f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
+        return unpack(message[_HEAD:], shapes)
+
+    def _wait_all(self, item: str, works: list[tuple[int, tuple[Any, torch.Tensor]]]) -> None:
+        """Wait for the sends of one item to every peer (``fetch``), naming the first that fails."""
+        for rank, work in works:
+            self._wait(item, rank, work, "send")
 
     def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
                 threads: int = _AHEAD, tag: str | None = None) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
@@ -269,32 +374,6 @@ class ReadPlan:
                                     f"({describe_error(err)})") from None
 
     # -- one item ------------------------------------------------------------------------------
-
-    def _send(self, item: str, reading: Future, shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
-        """The reader's side of an item (``fetch``): its message (head and packed bytes, or the
-        failure in their place) in one broadcast."""
-        try:
-            tensors, message = reading.result()
-        except Exception as err:  # sent to the others in place of the bytes, then raised here too
-            status, text = _refusal(err, _message_size(shapes))
-            message = torch.zeros(_message_size(shapes), dtype=torch.uint8)
-            _put_head(message, status, len(text))
-            if text:
-                message[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-            self._broadcast(message, item, self.coordinator.rank, device)
-            raise self._failure(item, self.coordinator.rank, status, text.decode(errors="replace")) from None
-        self._broadcast(message, item, self.coordinator.rank, device)
-        return tensors
-
-    def _receive(self, item: str, reader: int, shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
-        message = self._broadcast(torch.empty(_message_size(shapes), dtype=torch.uint8), item, reader, device)
-        status, length = message[:_HEAD].view(torch.int64).tolist()
-        if status != _SENT:
-            raise self._failure(item, reader, status, bytes(message[_HEAD : _HEAD + length].numpy()).decode(errors="replace"))
-        if length != _packed_size(shapes):
-            raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
-                                    f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
-        return unpack(message[_HEAD:], shapes)
 
     def _refuse(self, item: str, err: Exception, device: torch.device) -> Exception:
         """Broadcast this reader's failed read of ``item`` to the group in place of its status
