@@ -120,18 +120,22 @@ class ReadPlan:
         return [item for item, reader in self.readers.items() if reader == self.coordinator.rank]
 
     def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]],
-              meanwhile: Callable[[], Any] | None = None) -> Iterator[tuple[str, list[torch.Tensor]]]:
+              meanwhile: Callable[[], Any] | None = None,
+              into: Callable[[str], list[torch.Tensor | None]] | None = None) -> Iterator[tuple[str, list[torch.Tensor]]]:
         """Every item's tensors, on every rank of the group, each as it comes in: ``read(item)``
         on its reader (checked reads; its tensors as ``specs(item)`` says), received from it
-        elsewhere. Raises, on every rank alike, what the reader's read raised (module docstring).
+        elsewhere, straight into the memory of ``into(item)``'s tensors where given (a live
+        tensor of that dtype and shape, contiguous, on the group's device; None: a new one).
+        Raises, on every rank alike, what the reader's read raised (module docstring).
 
-        A reader sends each item, packed into one message after its head, to every other rank of
-        the group point to point as soon as it has read it; each rank takes the items in the
-        order they come in, not in turns: no rank waits for an item whose read is slow while
-        others are in, and the readers' sends run side by side. A rank reads its own items on a
-        thread of its own in the plan's turns (``turns``), the first as the plan starts
-        (``_ReadAhead``), the next once fewer than ``_AHEAD`` of its items are read and not yet
-        delivered to every rank (memory: at most that many packed items of its own), so the
+        A reader sends each item to every other rank of the group point to point as soon as it
+        has read it: a head (``_HEAD``: its status and bytes, with room for a failed read's
+        error), then each tensor from where the read left it (no copy); each rank takes the
+        items in the order they come in, not in turns: no rank waits for an item whose read is
+        slow while others are in, and the readers' sends run side by side. A rank reads its own
+        items on a thread of its own in the plan's turns (``turns``), the first as the plan
+        starts (``_ReadAhead``), the next once fewer than ``_AHEAD`` of its items are read and
+        not yet delivered to every rank (memory: at most that many items of its own), so the
         ranks' reads overlap one another and the sends (``read`` must allow it: the store's
         reads do). It waits for the items of others in the same turns, up to ``_WINDOW`` (and
         ``_WINDOW_BYTES``) at a time, at least one.
@@ -141,7 +145,7 @@ class ReadPlan:
         takes no more items, but goes on to the end of the plan, so that every message is sent
         and received and none is left for a later plan to meet; there every rank raises the
         first failed read in the plan's turns, naming its reader (every rank has had every
-        item's message, so all raise the same). A rank lost fails its peers' sends and receives
+        item's head, so all raise the same). A rank lost fails its peers' sends and receives
         (gloo notices a lost connection at once), or they time out after the coordinator's
         timeout, naming it. ``meanwhile``: called once this rank's first reads have started,
         before any message (the ranks' exchange a restore makes before it reads, then beside
@@ -156,10 +160,10 @@ class ReadPlan:
         others = collections.deque(item for item in turns if self.readers[item] != me)
         failed: dict[str, tuple[int, int, str]] = {}  # item -> (reader, status, message): reads that failed
 
-        def read_packed(item: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-            return _read_packed(failing.guard(read), item, specs(item))
+        def read_checked(item: str) -> list[torch.Tensor]:
+            return _checked(failing.guard(read)(item), specs(item))
 
-        with contextlib.closing(_ReadAhead(list(own), read_packed, 1, 1)) as mine:
+        with contextlib.closing(_ReadAhead(list(own), read_checked, 1, 1)) as mine:
             if meanwhile is not None:
                 meanwhile()
             waits = ThreadPoolExecutor(max_workers=_WINDOW + _AHEAD, thread_name_prefix="llmtailor-wait")
@@ -167,15 +171,13 @@ class ReadPlan:
             receiving = sending = 0
             try:
                 while True:
-                    room = _WINDOW_BYTES
-                    for _, _, held in pending.values():
-                        room -= held.numel() if isinstance(held, torch.Tensor) else 0
-                    while others and receiving < _WINDOW and (receiving == 0 or _message_size(specs(others[0])) <= room):
+                    room = _WINDOW_BYTES - sum(nbytes(specs(item)) for kind, item, _ in pending.values() if kind != "read")
+                    while others and receiving < _WINDOW and (receiving == 0 or nbytes(specs(others[0])) <= room):
                         item = others.popleft()
-                        buffer = torch.empty(_message_size(specs(item)), dtype=torch.uint8, device=device)
-                        work = dist.irecv(buffer, src=self.readers[item], group=self.group, tag=tags[item])
-                        pending[waits.submit(self._wait, item, self.readers[item], work, "receipt")] = ("receipt", item, buffer)
-                        receiving, room = receiving + 1, room - buffer.numel()
+                        head = torch.empty(_HEAD + _ROOM, dtype=torch.uint8, device=device)
+                        work = dist.irecv(head, src=self.readers[item], group=self.group, tag=tags[item])
+                        pending[waits.submit(self._wait, item, self.readers[item], work, "receipt")] = ("head", item, head)
+                        receiving, room = receiving + 1, room - nbytes(specs(item))
                     if own and sending < _AHEAD and not any(kind == "read" for kind, _, _ in pending.values()):
                         pending[next(mine)] = ("read", own[0], None)
                     if not pending:
@@ -183,21 +185,32 @@ class ReadPlan:
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for future in [f for f in pending if f in done]:  # in the order they were started
                         kind, item, held = pending.pop(future)
+                        tensors = None
                         if kind == "read":
                             own.pop(0)
-                            tensors, message = self._sent_read(item, future, specs(item), failed, failing)
-                            message = message.to(device)
-                            works = [(rank, self._send_to(rank, message, tags[item], device)) for rank in self.ranks if rank != me]
-                            pending[waits.submit(self._wait_all, item, works)] = ("send", item, None)
+                            tensors, parts = self._sent_read(item, future, specs(item), failed, failing)
+                            parts = [part.to(device) for part in parts]
+                            works = [(rank, self._send_to(rank, part, tags[item], device))
+                                     for rank in self.ranks if rank != me for part in parts]
+                            pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
                             sending += 1
                         elif kind == "send":
                             future.result()
                             sending -= 1
-                            continue
+                        elif kind == "head":
+                            future.result()
+                            targets = self._targets(item, held, specs(item), into, device, failed, failing)
+                            if targets is None:
+                                receiving -= 1
+                                continue
+                            reader = self.readers[item]
+                            works = [(reader, (dist.irecv(_bytes_of(t), src=reader, group=self.group, tag=tags[item]), t))
+                                     for t, _ in targets if t.numel()]
+                            pending[waits.submit(self._wait_all, item, works, "receipt")] = ("body", item, targets)
                         else:
                             future.result()
                             receiving -= 1
-                            tensors = self._received(item, held, specs(item), failed, failing)
+                            tensors = [t if live else t.cpu() for t, live in held]
                         if tensors is not None and not failed:
                             yield item, tensors
             finally:
@@ -210,45 +223,52 @@ class ReadPlan:
             raise self._failure(item, *failed[item])
 
     def _sent_read(self, item: str, reading: Future, shapes: list[Spec], failed: dict[str, tuple[int, int, str]],
-                   failing: _Failing) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
-        """A reader's item (``fetch``): its tensors and the message that sends them, or, where its
-        read failed or was skipped, None and the message that says so (noted in ``failed``)."""
+                   failing: _Failing) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """A reader's item (``fetch``): its tensors and the messages that send them (the head, then
+        each tensor's bytes), or, where its read failed or was skipped, None and the head that
+        says so (noted in ``failed``)."""
+        head = torch.zeros(_HEAD + _ROOM, dtype=torch.uint8)
         try:
-            return reading.result()
+            tensors = reading.result()
         except ReadSkipped:
-            status, text = _SKIPPED, b""
+            _put_head(head, _SKIPPED, 0)
+            return None, [head]
         except Exception as err:  # sent to the others in place of the bytes, then raised here too at the end
-            status, text = _refusal(err, _message_size(shapes))
+            status, text = _refusal(err, _HEAD + _ROOM)
             failed[item] = (self.coordinator.rank, status, text.decode(errors="replace"))
             failing.known()
-        message = torch.zeros(_message_size(shapes), dtype=torch.uint8)
-        _put_head(message, status, len(text))
-        if text:
-            message[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        return None, message
+            _put_head(head, status, len(text))
+            if text:
+                head[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            return None, [head]
+        _put_head(head, _SENT, nbytes(shapes))
+        return tensors, [head, *(_bytes_of(t) for t in tensors if t.numel())]
 
-    def _received(self, item: str, buffer: torch.Tensor, shapes: list[Spec], failed: dict[str, tuple[int, int, str]],
-                  failing: _Failing) -> list[torch.Tensor] | None:
-        """An item received (``fetch``): its tensors, or None where its reader's read failed (noted
-        in ``failed``) or was skipped."""
+    def _targets(self, item: str, head: torch.Tensor, shapes: list[Spec], into: Callable[[str], list[torch.Tensor | None]] | None,
+                 device: torch.device, failed: dict[str, tuple[int, int, str]],
+                 failing: _Failing) -> list[tuple[torch.Tensor, bool]] | None:
+        """The tensors to receive an item into once its head is in (``fetch``), each with whether it
+        is ``into``'s (where its memory takes the bytes as they are; new ones elsewhere); None
+        where its reader's read failed (noted in ``failed``) or was skipped."""
         reader = self.readers[item]
-        message = buffer.cpu()
-        status, length = message[:_HEAD].view(torch.int64).tolist()
+        status, length = head[:_HEAD].cpu().view(torch.int64).tolist()
         if status == _SKIPPED:
             return None
         if status != _SENT:
-            failed[item] = (reader, status, bytes(message[_HEAD : _HEAD + length].numpy()).decode(errors="replace"))
+            failed[item] = (reader, status, bytes(head[_HEAD : _HEAD + length].cpu().numpy()).decode(errors="replace"))
             failing.known()
             return None
-        if length != _packed_size(shapes):
+        if length != nbytes(shapes):
             raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
-                                    f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
-        return unpack(message[_HEAD:], shapes)
+                                    f"{nbytes(shapes)}: the ranks disagree on what the composite holds")
+        given = into(item) if into is not None else [None] * len(shapes)
+        return [(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
+                for live, (dtype, shape) in zip(given, shapes, strict=True)]
 
-    def _wait_all(self, item: str, works: list[tuple[int, tuple[Any, torch.Tensor]]]) -> None:
-        """Wait for the sends of one item to every peer (``fetch``), naming the first that fails."""
+    def _wait_all(self, item: str, works: list[tuple[int, tuple[Any, torch.Tensor]]], what: str) -> None:
+        """Wait for the sends or receives of one item (``fetch``), naming the first peer that fails."""
         for rank, work in works:
-            self._wait(item, rank, work, "send")
+            self._wait(item, rank, work, what)
 
     def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
                 threads: int = _AHEAD, tag: str | None = None) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
@@ -526,20 +546,25 @@ def _slices(view: memoryview, placed: list[tuple[Slice, Slice]]) -> dict[Slice, 
     return {part: view[at : at + length] for part, (at, length) in placed}
 
 
-def _read_packed(read: Callable[[str], list[torch.Tensor]], item: str, specs: list[Spec]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``read(item)``'s tensors, and the message ``fetch`` broadcasts: the head (sent, how many
-    bytes) and the tensors packed after it."""
-    tensors = read(item)
-    message = torch.empty(_message_size(specs), dtype=torch.uint8)
-    _put_head(message, _SENT, _packed_size(specs))
-    pack(tensors, specs, message[_HEAD : _HEAD + _packed_size(specs)])
-    return tensors, message
+def _checked(tensors: list[torch.Tensor], specs: list[Spec]) -> list[torch.Tensor]:
+    """``tensors`` as read (``fetch``), each contiguous, once checked against ``specs``."""
+    if len(tensors) != len(specs):
+        raise IntegrityError(f"{len(tensors)} tensors read, the index says {len(specs)}")
+    for tensor, (dtype, shape) in zip(tensors, specs):
+        if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+            raise IntegrityError(f"a tensor read is {tensor.dtype} {list(tensor.shape)}, the index says {dtype} {list(shape)}")
+    return [tensor.detach().contiguous() for tensor in tensors]
 
 
-def _message_size(specs: list[Spec]) -> int:
-    """Bytes of the one broadcast of an item of ``specs`` (``fetch``): the head, then its packed
-    bytes, or a failed read's error in their place (at least ``_ROOM`` bytes of it)."""
-    return _HEAD + max(_packed_size(specs), _ROOM)
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a 1-D uint8 view of its memory (what is sent or received)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _takes(live: torch.Tensor | None, dtype: torch.dtype, shape: list[int], device: torch.device) -> bool:
+    """Whether ``live`` can receive an item's tensor of ``dtype`` and ``shape`` straight into its memory."""
+    return (live is not None and live.dtype == dtype and list(live.shape) == list(shape) and live.device == device
+            and live.is_contiguous() and not live.is_inference())
 
 
 def _put_head(message: torch.Tensor, status: int, length: int) -> None:

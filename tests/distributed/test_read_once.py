@@ -164,7 +164,7 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     assert [bool(result["fetched_global"].get(corrupted)) for result in results] == [r == reader for r in range(RANKS)]
 
 
-def test_a_rank_takes_the_items_of_a_read_plan_as_they_come_not_in_turns(on_s3):
+def test_a_rank_takes_the_items_of_a_read_plan_as_they_come_not_in_turns_into_the_tensors_given(on_s3):
     """Item c's turn is first (the smallest), but its reader, rank 2, reads it only once it has
     been sent a and b: in turns every rank would wait for c and rank 2 for the others (its read
     would give up after 30 s). Each rank takes the items as their readers send them, so rank 2's
@@ -176,6 +176,10 @@ def test_a_rank_takes_the_items_of_a_read_plan_as_they_come_not_in_turns(on_s3):
     for result in results:
         assert sorted(result["order"]) == ["a", "b", "c"]
         assert result["values"] == {"a": [97.0], "b": [98.0], "c": [99.0]}
+    # Received straight into the tensor given for it (no new memory, no copy), but where that
+    # cannot take the bytes as they are (b's, a strided view): then into a new one.
+    assert [result["landed"] for result in results] == [{"b": False, "c": True}, {"a": True, "c": True},
+                                                        {"a": True, "b": False}]
 
 
 def test_a_two_by_two_hsdp_restore_fetches_each_byte_once(on_s3):
@@ -264,5 +268,5 @@ def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_time
         # took on a busy machine is not asserted), its error naming rank 1, and the message of
         # the read plan it was waiting for from rank 1 (or sending it) when it was lost.
         assert outcome.startswith("CoordinationError: rank(s) [1] did not report on "), outcome
-        assert re.search(rf"rank {survivor} failed: the (receipt|send) of unit '[^']+' of step 4 between rank {survivor} "
+        assert re.search(rf"rank {survivor} failed: the (receipt|send) of unit '[^']+' of step \d between rank {survivor} "
                          r"and rank 1 failed", outcome) and "within 10 s" in outcome, outcome

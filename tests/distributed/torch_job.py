@@ -69,8 +69,10 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     flips a byte of the composite's global.json, and every rank restores again, its error recorded.
 ``fetch-as-they-come``  (world 3) a read plan's ``fetch`` of three items, one per rank: the item
     whose turn is first (the smallest) is read by rank 2 only once rank 2 has been sent the other
-    two; each rank records the items in the order it was given them, their values, and whether
-    rank 2's read waited for the others (rather than giving up after 30 s).
+    two; each rank records the items in the order it was given them, their values, whether
+    rank 2's read waited for the others (rather than giving up after 30 s), and whether each item
+    it received landed in the tensor it gave for it (``into``; b's a non-contiguous view, which
+    cannot take the bytes as they are).
 ``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
     ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
     bytes it fetches by key, its broadcasts and the items of its read plans, and compared.
@@ -779,13 +781,16 @@ def fetch_as_they_come() -> dict:
             waited.append(others_in.wait(30))
         return [torch.full((sizes[item] // 4,), float(ord(item)))]
 
-    values = {}
-    for item, tensors in plan.fetch(read, lambda item: [(torch.float32, [sizes[item] // 4])]):
+    values, landed = {}, {}
+    given = {"a": torch.zeros(16), "b": torch.zeros(32)[::2], "c": torch.zeros(4)}
+    for item, tensors in plan.fetch(read, lambda item: [(torch.float32, [sizes[item] // 4])], into=lambda item: [given[item]]):
         order.append(item)
         values[item] = sorted(set(tensors[0].tolist()))
+        if plan.readers[item] != rank():
+            landed[item] = tensors[0] is given[item]
         if {"a", "b"} <= set(order):
             others_in.set()
-    return {"readers": plan.readers, "order": order, "values": values, "waited": waited}
+    return {"readers": plan.readers, "order": order, "values": values, "waited": waited, "landed": landed}
 
 
 def kill_a_reader(out: Path) -> dict:
