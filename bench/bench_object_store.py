@@ -380,6 +380,10 @@ def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
               f"server {statistics.median(results[0]['ours_server']):.2f}; dcp.load {per_rank('dcp_cpu')}, server "
               f"{statistics.median(results[0]['dcp_server']):.2f}; boto3 {statistics.median(boto_cpu):.2f}, server "
               f"{statistics.median(boto_server):.2f}")
+    if "ours_faults" in results[0]:
+        print("minor page faults, medians (each rank's process): ours " + "/".join(
+            f"{statistics.median(r['ours_faults']):.0f}" for r in results) + "; dcp.load " + "/".join(
+            f"{statistics.median(r['dcp_faults']):.0f}" for r in results))
     print("\nissue 33 targets")
     ratio = ours_fetched / total
     print(f"  fetched / composite: {ratio:.3f}x (target <= 1.05x): {'PASS' if ratio <= 1.05 else 'FAIL'}")
@@ -502,6 +506,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
     requests = request_timeline()
     seconds: dict[str, list[float]] = {"ours": [], "dcp": []}
     cpu: dict[str, list[float]] = {"ours": [], "dcp": [], "ours_server": [], "dcp_server": []}
+    faults: dict[str, list[int]] = {"ours": [], "dcp": []}
     counts: dict[str, int | list[str]] = {}
     timers = None
     if os.environ.get("BENCH_PHASES"):  # each phase's wall and thread CPU of ours' last restore, by rank
@@ -517,6 +522,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
             if timers is not None:
                 timers.reset()
             start, used, served = time.perf_counter(), cpu_now(), server_cpu()
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if profile is not None:
                 profile.enable()
             if name == "ours":
@@ -532,6 +538,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
                 profile.disable()
                 profile.dump_stats(Path(os.environ["BENCH_PROFILE"]) / f"{role}-{dist.get_rank()}-{name}.prof")
             cpu[name].append(cpu_now() - used)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
             dist.barrier()
             seconds[name].append(time.perf_counter() - start)
             cpu[f"{name}_server"].append(server_cpu() - served)
@@ -546,7 +553,7 @@ def restore_worker(role: str, out: Path, model, optimizer) -> None:
     (out / f"{role}-{dist.get_rank()}.json").write_text(json.dumps({
         "ours_seconds": seconds["ours"], "dcp_seconds": seconds["dcp"], "ours_fetched": counts["ours"],
         "ours_data_fetched": counts["ours_data"], "dcp_fetched": counts["dcp"], "ours_cpu": cpu["ours"], "dcp_cpu": cpu["dcp"],
-        "ours_server": cpu["ours_server"], "dcp_server": cpu["dcp_server"],
+        "ours_server": cpu["ours_server"], "dcp_server": cpu["dcp_server"], "ours_faults": faults["ours"], "dcp_faults": faults["dcp"],
         "ours_gets": counts["gets"], **{k: counts[f"ours_{k}"] for k in ("requests", "collectives", "messages")}}))
 
 

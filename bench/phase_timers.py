@@ -10,6 +10,11 @@ Names missing from the tree measured (an older commit) are passed over, so one s
 both trees of a before/after pair.
 
     python bench/phase_timers.py <folder>    # the table of every rank's phases in <folder>
+    python bench/phase_timers.py --timeline <folder> [label ...]   # each call's start and end, by rank
+
+Each call of the labels in ``TIMELINE`` is also kept with its start and end (seconds from
+``reset``), its thread and the first text argument it was given (an item's name), so that
+which waits for which shows: the read plan's broadcasts one after another, say.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import re
 import sys
 import threading
@@ -76,8 +82,42 @@ PHASES = [
     ("torch.optim.optimizer", "Optimizer.load_state_dict", "Optimizer.load_state_dict"),
 ]
 
+TIMELINE = {label for _, _, label in PHASES} - {"copy into live tensors", "unpack", "pack", "xxh3 (+ copy out) of a part"}
+
 _records: dict[tuple[str, str], list[float]] = {}
+_events: list[list] = []
+_start = [time.perf_counter()]
+_threads_at_start: dict[int, tuple[str, int, int]] = {}
 _lock = threading.Lock()
+
+
+def _threads() -> dict[int, tuple[str, int, int]]:
+    """Each live thread of this process: id -> (name without its number, user ticks, system ticks),
+    from /proc (the threads of gloo, obstore and torch too, which ``time.thread_time`` of ours
+    does not see). Empty where /proc is not there."""
+    threads = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+            name = re.sub(r"[-_:]?\d+$", "", stat[stat.index("(") + 1 : stat.rindex(")")])
+            fields = stat.rsplit(")", 1)[1].split()
+            threads[int(task.name)] = (name, int(fields[11]), int(fields[12]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return threads
+
+
+def thread_cpu() -> dict[str, list[float]]:
+    """CPU seconds (user, system) of this process's threads since ``reset``, by thread name
+    (threads that ended meanwhile are not seen: the process's total says what they used)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, list[float]] = {}
+    for tid, (name, user, system) in _threads().items():
+        _, user0, system0 = _threads_at_start.get(tid, (name, 0, 0))
+        entry = used.setdefault(name, [0.0, 0.0])
+        entry[0] += (user - user0) / tick
+        entry[1] += (system - system0) / tick
+    return {name: [round(u, 3), round(s, 3)] for name, (u, s) in sorted(used.items()) if u or s}
 
 
 def _kind() -> str:
@@ -85,12 +125,16 @@ def _kind() -> str:
     return "main" if thread is threading.main_thread() else re.sub(r"_\d+$", "", thread.name)
 
 
-def _add(label: str, wall: float, cpu: float) -> None:
+def _add(label: str, wall: float, cpu: float, started: float | None = None, args: tuple = ()) -> None:
     with _lock:
         entry = _records.setdefault((label, _kind()), [0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += wall
         entry[2] += cpu
+        if started is not None and label in TIMELINE:
+            text = next((a for a in args if isinstance(a, str)), "")
+            _events.append([round(started - _start[0], 4), round(started + wall - _start[0], 4), round(cpu, 4),
+                            label, _kind(), text[-48:]])
 
 
 def _timed(fn, label: str):
@@ -106,7 +150,7 @@ def _timed(fn, label: str):
                     except StopIteration:
                         return
                     finally:
-                        _add(label, time.perf_counter() - wall, time.thread_time() - cpu)
+                        _add(label, time.perf_counter() - wall, time.thread_time() - cpu, wall)
                     yield value
             finally:
                 inner.close()
@@ -118,7 +162,7 @@ def _timed(fn, label: str):
         try:
             return fn(*a, **k)
         finally:
-            _add(label, time.perf_counter() - wall, time.thread_time() - cpu)
+            _add(label, time.perf_counter() - wall, time.thread_time() - cpu, wall, a)
     return timed
 
 
@@ -152,24 +196,43 @@ def install() -> list[str]:
 def reset() -> None:
     with _lock:
         _records.clear()
+        _events.clear()
+        _start[0] = time.perf_counter()
+        _threads_at_start.clear()
+        _threads_at_start.update(_threads())
 
 
 def dump(path: Path, extra: dict) -> None:
     with _lock:
         phases = [[label, kind, *values] for (label, kind), values in _records.items()]
-    path.write_text(json.dumps({"phases": phases, **extra}))
+        events = sorted(_events)
+    path.write_text(json.dumps({"phases": phases, "timeline": events, "threads_cpu": thread_cpu(), **extra}))
 
 
 def table(folder: Path) -> None:
     """Every rank's phases of the files in ``folder``: calls, wall and CPU seconds, by thread."""
     for path in sorted(folder.glob("*.json")):
         result = json.loads(path.read_text())
-        print(f"\n== {path.stem}: " + ", ".join(f"{k} {v}" for k, v in result.items() if k != "phases"))
+        print(f"\n== {path.stem}: " + ", ".join(f"{k} {v}" for k, v in result.items() if k not in ("phases", "timeline")))
         print(f"{'phase':<46}{'thread':<18}{'calls':>6}{'wall s':>9}{'cpu s':>9}")
         order = {label: at for at, (_, _, label) in enumerate(PHASES)}
         for label, kind, calls, wall, cpu in sorted(result["phases"], key=lambda p: (order.get(p[0], 99), p[1])):
             print(f"{label:<46}{kind:<18}{calls:>6}{wall:>9.3f}{cpu:>9.3f}")
 
 
+def timeline(folder: Path, labels: list[str]) -> None:
+    """Every rank's timed calls (``TIMELINE``; those of ``labels`` where given), in start order:
+    start and end (seconds from the restore's start), thread CPU, label, thread, item."""
+    for path in sorted(folder.glob("*.json")):
+        result = json.loads(path.read_text())
+        print(f"\n== {path.stem}: seconds {result.get('seconds')}")
+        for start, end, cpu, label, kind, text in result.get("timeline", []):
+            if not labels or label in labels:
+                print(f"{start:7.3f} {end:7.3f} {cpu:6.3f}  {label:<30}{kind:<18}{text}")
+
+
 if __name__ == "__main__":
-    table(Path(sys.argv[1]))
+    if sys.argv[1] == "--timeline":
+        timeline(Path(sys.argv[2]), sys.argv[3:])
+    else:
+        table(Path(sys.argv[1]))

@@ -4,22 +4,23 @@ Ranks that need the same bytes (DDP replicas: every rank needs every unit whole)
 reader per item (a unit's tensors, say): ``balance`` spreads the items over the group's ranks by
 bytes, the same on every rank from the composite's index alone, so agreeing takes no message.
 The reader reads its items through the store's own checked reads (every file against its
-checksum) and broadcasts each, packed into one byte buffer, within the group (gloo on CPU); the
-others receive it instead of fetching it again. Each item is one broadcast: the buffer's first
-bytes say whether the read succeeded (``_HEAD``), so no status goes in a collective of its own.
-The group goes through the items in turns (``ReadPlan.turns``) ordered by when their readers,
-each reading its own items smallest first, are expected to have them: the first sends start as
-soon as the first small items are in, and no rank's reads wait for another's large item to be
-sent first.
+checksum) and sends each, packed into one byte buffer, to the others of the group point to point
+(gloo on CPU) as soon as it has it; the others receive it instead of fetching it again. Each
+item is one message to each rank: the buffer's first bytes say whether the read succeeded
+(``_HEAD``), so no status goes in a message of its own. Each rank takes the items as they come
+in (``ReadPlan.fetch``), so no rank waits for a slow read while others' items are in; the
+readers read in turns (``ReadPlan.turns``) ordered by when each, reading its own items smallest
+first, is expected to have them, and the ranks wait for items in that order, a few at a time.
 
-Failures reach every rank of the group, so none is left waiting in a collective: a reader whose
+Failures reach every rank of the group, so none is left waiting for a message: a reader whose
 read fails sends the failure in place of the bytes (every rank raises it, naming the reader and
-the item: an IntegrityError when the reader found damaged or missing data), at that item
-(``fetch``) or, where the ranks are sent only the parts they want (``deliver``), at the end of
-the plan, which every rank goes through to the end (one collective there says which item failed
-first); a rank that died or hangs makes the broadcast fail on the others (gloo notices a lost
-connection at once) or time out after the coordinator's timeout; the exchange that ends a
-restore (``Coordinator.agree``) then names the rank that no longer answers.
+the item: an IntegrityError when the reader found damaged or missing data) at the end of the
+plan, which every rank goes through to the end (``fetch``: every rank has every item's message,
+so all raise the first failed item of the turns; ``deliver``, where the ranks are sent only the
+parts they want: one collective there says which item failed first); a rank that died or hangs
+makes the sends and receives with it fail on the others (gloo notices a lost connection at once)
+or time out after the coordinator's timeout, naming it; the exchange that ends a restore
+(``Coordinator.agree``) then names the rank that no longer answers.
 
 Invariant: every rank of the group builds its ``ReadPlan`` from the same items in the same
 order and calls ``fetch`` once, with the same tensor specs per item.
@@ -32,7 +33,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -49,10 +50,12 @@ Slice = tuple[int, int]
 """``(offset, length)``: bytes of one item (``ReadPlan.deliver``)."""
 
 _ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
-_SENT, _DAMAGED, _FAILED = 0, 1, 2  # what a reader announces before the payload
+_SENT, _DAMAGED, _FAILED, _SKIPPED = 0, 1, 2, 3  # what a reader announces before the payload
 _HEAD = 16  # an item's message's first bytes (``fetch``, ``deliver``): its reader's status and how many bytes follow (two int64)
 _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: room for a failed read's error
-_AHEAD = 2  # items a rank reads ahead of their turn (memory: at most this many packed items waiting)
+_AHEAD = 2  # items a rank reads ahead (``deliver``), or has read and not yet delivered to every rank (``fetch``): memory
+_WINDOW = 4  # items of others a rank of ``fetch`` waits for at a time (receive buffers posted)
+_WINDOW_BYTES = 512 << 20  # and their bytes at most, but for the first
 
 
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
@@ -117,33 +120,155 @@ class ReadPlan:
         return [item for item, reader in self.readers.items() if reader == self.coordinator.rank]
 
     def fetch(self, read: Callable[[str], list[torch.Tensor]], specs: Callable[[str], list[Spec]],
-              meanwhile: Callable[[], Any] | None = None) -> Iterator[tuple[str, list[torch.Tensor]]]:
-        """Every item's tensors, in the plan's turns (``turns``), on every rank of the group:
-        ``read(item)`` on its reader (checked reads; its tensors as ``specs(item)`` says),
-        received from it elsewhere, in one broadcast per item. Raises, on every rank alike,
-        what the reader's read raised (module docstring).
+              meanwhile: Callable[[], Any] | None = None,
+              into: Callable[[str], list[torch.Tensor | None]] | None = None) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        """Every item's tensors, on every rank of the group, each as it comes in: ``read(item)``
+        on its reader (checked reads; its tensors as ``specs(item)`` says), received from it
+        elsewhere, straight into the memory of ``into(item)``'s tensors where given (a live
+        tensor of that dtype and shape, contiguous, on the group's device; None: a new one).
+        Raises, on every rank alike, what the reader's read raised (module docstring).
 
-        A rank reads its own items on a thread of its own, up to ``_AHEAD`` items ahead of their
-        turn, the first as the plan starts (``_ReadAhead``), so the ranks' reads overlap one
-        another and the broadcasts (``read`` must allow it: the store's reads do). ``meanwhile``:
-        called once those first reads have started, before the first broadcast (the ranks'
-        exchange a restore makes before it reads, then beside them); what it raises is raised
-        once the reads under way are done."""
+        A reader sends each item to every other rank of the group point to point as soon as it
+        has read it: a head (``_HEAD``: its status and bytes, with room for a failed read's
+        error), then each tensor from where the read left it (no copy); each rank takes the
+        items in the order they come in, not in turns: no rank waits for an item whose read is
+        slow while others are in, and the readers' sends run side by side. A rank reads its own
+        items on a thread of its own in the plan's turns (``turns``), the first as the plan
+        starts (``_ReadAhead``), the next once fewer than ``_AHEAD`` of its items are read and
+        not yet delivered to every rank (memory: at most that many items of its own), so the
+        ranks' reads overlap one another and the sends (``read`` must allow it: the store's
+        reads do). It waits for the items of others in the same turns, up to ``_WINDOW`` (and
+        ``_WINDOW_BYTES``) at a time, at least one.
+
+        Failures: a read that fails is sent to every rank in place of the item's bytes; once a
+        rank knows of one it reads nothing more (its items not yet read are sent as skipped) and
+        takes no more items, but goes on to the end of the plan, so that every message is sent
+        and received and none is left for a later plan to meet; there every rank raises the
+        first failed read in the plan's turns, naming its reader (every rank has had every
+        item's head, so all raise the same). A rank lost fails its peers' sends and receives
+        (gloo notices a lost connection at once), or they time out after the coordinator's
+        timeout, naming it. ``meanwhile``: called once this rank's first reads have started,
+        before any message (the ranks' exchange a restore makes before it reads, then beside
+        them); what it raises is raised once the reads under way are done."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        turns = self.turns()
-        own = [item for item in turns if self.readers[item] == self.coordinator.rank]
-        with contextlib.closing(_ReadAhead(own, lambda item: _read_packed(read, item, specs(item)), 1, _AHEAD)) as mine:
+        me, turns = self.coordinator.rank, self.turns()
+        tags = {item: at for at, item in enumerate(self.readers)}
+        failing = _Failing(self.coordinator, None)
+        own = [item for item in turns if self.readers[item] == me]
+        others = collections.deque(item for item in turns if self.readers[item] != me)
+        failed: dict[str, tuple[int, int, str]] = {}  # item -> (reader, status, message): reads that failed
+
+        def read_checked(item: str) -> list[torch.Tensor]:
+            return _checked(failing.guard(read)(item), specs(item))
+
+        with contextlib.closing(_ReadAhead(list(own), read_checked, 1, 1)) as mine:
             if meanwhile is not None:
                 meanwhile()
-            for item in turns:
-                reader = self.readers[item]
-                if reader == self.coordinator.rank:
-                    tensors = self._send(item, next(mine), specs(item), device)
+            waits = ThreadPoolExecutor(max_workers=_WINDOW + _AHEAD, thread_name_prefix="llmtailor-wait")
+            pending: dict[Future, tuple[str, str, Any]] = {}  # a wait -> (kind, item, what it holds)
+            receiving = sending = 0
+            try:
+                while True:
+                    room = _WINDOW_BYTES - sum(nbytes(specs(item)) for kind, item, _ in pending.values() if kind != "read")
+                    while others and receiving < _WINDOW and (receiving == 0 or nbytes(specs(others[0])) <= room):
+                        item = others.popleft()
+                        head = torch.empty(_HEAD + _ROOM, dtype=torch.uint8, device=device)
+                        work = dist.irecv(head, src=self.readers[item], group=self.group, tag=tags[item])
+                        pending[waits.submit(self._wait, item, self.readers[item], work, "receipt")] = ("head", item, head)
+                        receiving, room = receiving + 1, room - nbytes(specs(item))
+                    if own and sending < _AHEAD and not any(kind == "read" for kind, _, _ in pending.values()):
+                        pending[next(mine)] = ("read", own[0], None)
+                    if not pending:
+                        break
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in [f for f in pending if f in done]:  # in the order they were started
+                        kind, item, held = pending.pop(future)
+                        tensors = None
+                        if kind == "read":
+                            own.pop(0)
+                            tensors, parts = self._sent_read(item, future, specs(item), failed, failing)
+                            parts = [part.to(device) for part in parts]
+                            works = [(rank, self._send_to(rank, part, tags[item], device))
+                                     for rank in self.ranks if rank != me for part in parts]
+                            pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
+                            sending += 1
+                        elif kind == "send":
+                            future.result()
+                            sending -= 1
+                        elif kind == "head":
+                            future.result()
+                            targets = self._targets(item, held, specs(item), into, device, failed, failing)
+                            if targets is None:
+                                receiving -= 1
+                                continue
+                            reader = self.readers[item]
+                            works = [(reader, (dist.irecv(_bytes_of(t), src=reader, group=self.group, tag=tags[item]), t))
+                                     for t, _ in targets if t.numel()]
+                            pending[waits.submit(self._wait_all, item, works, "receipt")] = ("body", item, targets)
+                        else:
+                            future.result()
+                            receiving -= 1
+                            tensors = [t if live else t.cpu() for t, live in held]
+                        if tensors is not None and not failed:
+                            yield item, tensors
+            finally:
+                if pending:  # failing, or the caller stopped: no wait left behind on a message in flight
+                    waits.shutdown(wait=False, cancel_futures=True)
                 else:
-                    tensors = self._receive(item, reader, specs(item), device)
-                yield item, tensors
+                    waits.shutdown(wait=True)
+        if failed:
+            item = next(item for item in turns if item in failed)
+            raise self._failure(item, *failed[item])
+
+    def _sent_read(self, item: str, reading: Future, shapes: list[Spec], failed: dict[str, tuple[int, int, str]],
+                   failing: _Failing) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """A reader's item (``fetch``): its tensors and the messages that send them (the head, then
+        each tensor's bytes), or, where its read failed or was skipped, None and the head that
+        says so (noted in ``failed``)."""
+        head = torch.zeros(_HEAD + _ROOM, dtype=torch.uint8)
+        try:
+            tensors = reading.result()
+        except ReadSkipped:
+            _put_head(head, _SKIPPED, 0)
+            return None, [head]
+        except Exception as err:  # sent to the others in place of the bytes, then raised here too at the end
+            status, text = _refusal(err, _HEAD + _ROOM)
+            failed[item] = (self.coordinator.rank, status, text.decode(errors="replace"))
+            failing.known()
+            _put_head(head, status, len(text))
+            if text:
+                head[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            return None, [head]
+        _put_head(head, _SENT, nbytes(shapes))
+        return tensors, [head, *(_bytes_of(t) for t in tensors if t.numel())]
+
+    def _targets(self, item: str, head: torch.Tensor, shapes: list[Spec], into: Callable[[str], list[torch.Tensor | None]] | None,
+                 device: torch.device, failed: dict[str, tuple[int, int, str]],
+                 failing: _Failing) -> list[tuple[torch.Tensor, bool]] | None:
+        """The tensors to receive an item into once its head is in (``fetch``), each with whether it
+        is ``into``'s (where its memory takes the bytes as they are; new ones elsewhere); None
+        where its reader's read failed (noted in ``failed``) or was skipped."""
+        reader = self.readers[item]
+        status, length = head[:_HEAD].cpu().view(torch.int64).tolist()
+        if status == _SKIPPED:
+            return None
+        if status != _SENT:
+            failed[item] = (reader, status, bytes(head[_HEAD : _HEAD + length].cpu().numpy()).decode(errors="replace"))
+            failing.known()
+            return None
+        if length != nbytes(shapes):
+            raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
+                                    f"{nbytes(shapes)}: the ranks disagree on what the composite holds")
+        given = into(item) if into is not None else [None] * len(shapes)
+        return [(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
+                for live, (dtype, shape) in zip(given, shapes, strict=True)]
+
+    def _wait_all(self, item: str, works: list[tuple[int, tuple[Any, torch.Tensor]]], what: str) -> None:
+        """Wait for the sends or receives of one item (``fetch``), naming the first peer that fails."""
+        for rank, work in works:
+            self._wait(item, rank, work, what)
 
     def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
                 threads: int = _AHEAD, tag: str | None = None) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
@@ -269,32 +394,6 @@ class ReadPlan:
                                     f"({describe_error(err)})") from None
 
     # -- one item ------------------------------------------------------------------------------
-
-    def _send(self, item: str, reading: Future, shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
-        """The reader's side of an item (``fetch``): its message (head and packed bytes, or the
-        failure in their place) in one broadcast."""
-        try:
-            tensors, message = reading.result()
-        except Exception as err:  # sent to the others in place of the bytes, then raised here too
-            status, text = _refusal(err, _message_size(shapes))
-            message = torch.zeros(_message_size(shapes), dtype=torch.uint8)
-            _put_head(message, status, len(text))
-            if text:
-                message[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-            self._broadcast(message, item, self.coordinator.rank, device)
-            raise self._failure(item, self.coordinator.rank, status, text.decode(errors="replace")) from None
-        self._broadcast(message, item, self.coordinator.rank, device)
-        return tensors
-
-    def _receive(self, item: str, reader: int, shapes: list[Spec], device: torch.device) -> list[torch.Tensor]:
-        message = self._broadcast(torch.empty(_message_size(shapes), dtype=torch.uint8), item, reader, device)
-        status, length = message[:_HEAD].view(torch.int64).tolist()
-        if status != _SENT:
-            raise self._failure(item, reader, status, bytes(message[_HEAD : _HEAD + length].numpy()).decode(errors="replace"))
-        if length != _packed_size(shapes):
-            raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
-                                    f"{_packed_size(shapes)}: the ranks disagree on what the composite holds")
-        return unpack(message[_HEAD:], shapes)
 
     def _refuse(self, item: str, err: Exception, device: torch.device) -> Exception:
         """Broadcast this reader's failed read of ``item`` to the group in place of its status
@@ -447,20 +546,25 @@ def _slices(view: memoryview, placed: list[tuple[Slice, Slice]]) -> dict[Slice, 
     return {part: view[at : at + length] for part, (at, length) in placed}
 
 
-def _read_packed(read: Callable[[str], list[torch.Tensor]], item: str, specs: list[Spec]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``read(item)``'s tensors, and the message ``fetch`` broadcasts: the head (sent, how many
-    bytes) and the tensors packed after it."""
-    tensors = read(item)
-    message = torch.empty(_message_size(specs), dtype=torch.uint8)
-    _put_head(message, _SENT, _packed_size(specs))
-    pack(tensors, specs, message[_HEAD : _HEAD + _packed_size(specs)])
-    return tensors, message
+def _checked(tensors: list[torch.Tensor], specs: list[Spec]) -> list[torch.Tensor]:
+    """``tensors`` as read (``fetch``), each contiguous, once checked against ``specs``."""
+    if len(tensors) != len(specs):
+        raise IntegrityError(f"{len(tensors)} tensors read, the index says {len(specs)}")
+    for tensor, (dtype, shape) in zip(tensors, specs):
+        if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+            raise IntegrityError(f"a tensor read is {tensor.dtype} {list(tensor.shape)}, the index says {dtype} {list(shape)}")
+    return [tensor.detach().contiguous() for tensor in tensors]
 
 
-def _message_size(specs: list[Spec]) -> int:
-    """Bytes of the one broadcast of an item of ``specs`` (``fetch``): the head, then its packed
-    bytes, or a failed read's error in their place (at least ``_ROOM`` bytes of it)."""
-    return _HEAD + max(_packed_size(specs), _ROOM)
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a 1-D uint8 view of its memory (what is sent or received)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _takes(live: torch.Tensor | None, dtype: torch.dtype, shape: list[int], device: torch.device) -> bool:
+    """Whether ``live`` can receive an item's tensor of ``dtype`` and ``shape`` straight into its memory."""
+    return (live is not None and live.dtype == dtype and list(live.shape) == list(shape) and live.device == device
+            and live.is_contiguous() and not live.is_inference())
 
 
 def _put_head(message: torch.Tensor, status: int, length: int) -> None:

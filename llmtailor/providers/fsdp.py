@@ -189,7 +189,7 @@ class FSDPProvider(LocalProvider):
             load(units[item])
             return local[units[item]]
 
-        for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
+        for item, tensors in plan.fetch(read, lambda item: specs[units[item]], into=lambda item: local[units[item]]):
             for target, value in zip(local[units[item]], tensors):
                 if value is not target:
                     target.copy_(value)
@@ -213,7 +213,7 @@ class FSDPProvider(LocalProvider):
             load(units[item], plain[units[item]])
             return list(plain[units[item]].values())
 
-        for item, tensors in plan.fetch(read, lambda item: specs[units[item]]):
+        for item, tensors in plan.fetch(read, lambda item: specs[units[item]], into=lambda item: list(plain[units[item]].values())):
             for target, value in zip(plain[units[item]].values(), tensors):
                 if value is not target:
                     target.copy_(value)

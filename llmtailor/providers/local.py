@@ -231,10 +231,10 @@ class LocalProvider(StateProvider):
             if replicas is not None and not self._own_copy_holds(run, sources):
                 ranks, group = replicas
                 if not any(held.values()):  # what the others hold changes nothing here: read beside the exchange
-                    yield from self._read_once(run, sources, held, None, ranks, group, meanwhile=exchange)
+                    yield from self._read_once(run, sources, live, held, None, ranks, group, meanwhile=exchange)
                 else:
                     everyone = exchange()
-                    yield from self._read_once(run, sources, held, [everyone[r] for r in ranks], ranks, group)
+                    yield from self._read_once(run, sources, live, held, [everyone[r] for r in ranks], ranks, group)
                 return
             exchange()
         for unit, source in sources.items():
@@ -277,12 +277,14 @@ class LocalProvider(StateProvider):
             return ranks, self._ddp_group
         return None
 
-    def _read_once(self, run: Run, sources: dict[str, int], held: dict[str, dict[str, torch.Tensor]],
-                   everyone: list[dict[str, list[str]]] | None, ranks: list[int], group: Any,
-                   meanwhile: Callable[[], Any] | None = None) -> Iterator[Loaded]:
+    def _read_once(self, run: Run, sources: dict[str, int], live: dict[str, torch.Tensor],
+                   held: dict[str, dict[str, torch.Tensor]], everyone: list[dict[str, list[str]]] | None,
+                   ranks: list[int], group: Any, meanwhile: Callable[[], Any] | None = None) -> Iterator[Loaded]:
         """The units read by one of ``ranks`` each (``group``: their process group), balanced by
         bytes, and sent to the others (``distributed.read_plan``): each byte leaves the store once
-        per job. A tensor is sent unless every one of ``ranks`` holds it already (``everyone``:
+        per job, and lands in the live tensors' memory where it takes it (``_live_by_key``; no
+        staging copy, no new memory), else in new tensors. A tensor is sent unless every one of
+        ``ranks`` holds it already (``everyone``:
         what each holds; None where this rank holds none, so that no tensor is held by all:
         the plan is then known before the ranks' exchange of what they hold, ``meanwhile``,
         which runs once this rank's reads have started, before the first broadcast)."""
@@ -302,9 +304,13 @@ class LocalProvider(StateProvider):
             loaded, _ = run.read_unit(sources[unit], unit, skip=skipped[unit])
             return [loaded[t.key] for t in wanted[unit]]
 
+        def into(item: str) -> list[torch.Tensor | None]:
+            targets = self._live_by_key(units[item], live)
+            return [targets.get(t.key) for t in wanted[units[item]]]
+
         # This rank's units, read from a pack they share in one fetch, not a request per unit.
         with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()]):
-            for item, tensors in plan.fetch(read, lambda item: specs[units[item]], meanwhile):
+            for item, tensors in plan.fetch(read, lambda item: specs[units[item]], meanwhile, into):
                 unit = units[item]
                 values = {name: dict(plain) for name, plain in entries[unit].values.items()}
                 yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values

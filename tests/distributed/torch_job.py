@@ -67,6 +67,12 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     rank 0 flips a byte of ``layer.1`` in the data file of the version the composite names, and
     every rank restores again into a fresh model and records the error it got; then rank 0 also
     flips a byte of the composite's global.json, and every rank restores again, its error recorded.
+``fetch-as-they-come``  (world 3) a read plan's ``fetch`` of three items, one per rank: the item
+    whose turn is first (the smallest) is read by rank 2 only once rank 2 has been sent the other
+    two; each rank records the items in the order it was given them, their values, whether
+    rank 2's read waited for the others (rather than giving up after 30 s), and whether each item
+    it received landed in the tensor it gave for it (``into``; b's a non-contiguous view, which
+    cannot take the bytes as they are).
 ``hsdp-read-once``  (world 4) HSDP (2 replicas x 2 shards): Parity saves at steps 2 and 4 into
     ``$RUN_ROOT/hsdp``, versions written; then a restore at this layout, each rank counting the
     bytes it fetches by key, its broadcasts and the items of its read plans, and compared.
@@ -602,13 +608,16 @@ def count_sent_ranges() -> dict[str, int]:
 
 
 def count_plan_broadcasts() -> dict[str, int]:
-    """This rank's broadcasts (``torch.distributed.broadcast`` calls: ``broadcasts``) and the items
-    of the read plans it made (``items``, over every ``ReadPlan``) from now on, filled in as it
-    restores."""
+    """This rank's broadcasts (``torch.distributed.broadcast`` calls: ``broadcasts``), the items
+    of the read plans it made (``items``, over every ``ReadPlan``), the items it read itself in
+    their ``fetch`` (``own``) and the messages ``fetch`` posted to receive (``receipts``) from
+    now on, filled in as it restores."""
+    import sys
+
     from llmtailor.distributed import read_plan
 
-    counts = {"broadcasts": 0, "items": 0}
-    real_broadcast, real_plan = dist.broadcast, read_plan.ReadPlan.__init__
+    counts = {"broadcasts": 0, "items": 0, "own": 0, "receipts": 0}
+    real_broadcast, real_plan, real_fetch, real_irecv = dist.broadcast, read_plan.ReadPlan.__init__, read_plan.ReadPlan.fetch, dist.irecv
 
     def broadcast(*args, **kwargs):
         counts["broadcasts"] += 1
@@ -618,7 +627,15 @@ def count_plan_broadcasts() -> dict[str, int]:
         counts["items"] += len(items)
         real_plan(self, coordinator, items, *args, **kwargs)
 
-    dist.broadcast, read_plan.ReadPlan.__init__ = broadcast, plan
+    def fetch(self, *args, **kwargs):
+        counts["own"] += len(self.mine())
+        return real_fetch(self, *args, **kwargs)
+
+    def irecv(*args, **kwargs):
+        counts["receipts"] += sys._getframe(1).f_code.co_name == "fetch"
+        return real_irecv(*args, **kwargs)
+
+    dist.broadcast, read_plan.ReadPlan.__init__, read_plan.ReadPlan.fetch, dist.irecv = broadcast, plan, fetch, irecv
     return counts
 
 
@@ -645,7 +662,8 @@ def read_once(kind: str, out: Path) -> dict:
     plans = count_plan_broadcasts()
     report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore()
     result.update(fetched=dict(calls.bytes_by_key()), reads=dict(calls.by_key()), restored=report.step,
-                  broadcasts=plans["broadcasts"], plan_items=plans["items"], leases=sum(calls.leases().values()),
+                  broadcasts=plans["broadcasts"], plan_items=plans["items"], plan_own=plans["own"],
+                  plan_receipts=plans["receipts"], leases=sum(calls.leases().values()),
                   mismatches=compare_with_composite(out, location(out, kind), model, optimizer))
     return result
 
@@ -745,6 +763,34 @@ def pipeline_ddp_read_once(out: Path) -> dict:
     saved, restored = load_file(str(out / "versions" / "single.safetensors")), versions(model, optimizer)
     result.update(compared=len(restored), mismatches=[k for k, v in restored.items() if not torch.equal(v, saved[k])])
     return result
+
+
+def fetch_as_they_come() -> dict:
+    """``fetch-as-they-come`` (module docstring)."""
+    from llmtailor.distributed.coordinator import LocalCoordinator
+    from llmtailor.distributed.read_plan import ReadPlan
+
+    coordinator = LocalCoordinator()
+    coordinator.world_size, coordinator.rank, coordinator.timeout = dist.get_world_size(), rank(), 120
+    sizes = {"a": 64, "b": 64, "c": 16}
+    plan = ReadPlan(coordinator, sizes)
+    others_in, waited, order = threading.Event(), [], []
+
+    def read(item: str) -> list[torch.Tensor]:
+        if item == "c":
+            waited.append(others_in.wait(30))
+        return [torch.full((sizes[item] // 4,), float(ord(item)))]
+
+    values, landed = {}, {}
+    given = {"a": torch.zeros(16), "b": torch.zeros(32)[::2], "c": torch.zeros(4)}
+    for item, tensors in plan.fetch(read, lambda item: [(torch.float32, [sizes[item] // 4])], into=lambda item: [given[item]]):
+        order.append(item)
+        values[item] = sorted(set(tensors[0].tolist()))
+        if plan.readers[item] != rank():
+            landed[item] = tensors[0] is given[item]
+        if {"a", "b"} <= set(order):
+            others_in.set()
+    return {"readers": plan.readers, "order": order, "values": values, "waited": waited, "landed": landed}
 
 
 def kill_a_reader(out: Path) -> dict:
@@ -998,6 +1044,8 @@ def run_scenario(scenario: str, out: Path) -> dict:
         result["fsdp"] = restore_and_compare("fsdp", out, "mesh")
     elif scenario == "ddp-read-once":
         result = ddp_read_once(out)
+    elif scenario == "fetch-as-they-come":
+        result = fetch_as_they_come()
     elif scenario == "pipeline-ddp-read-once":
         result = pipeline_ddp_read_once(out)
     elif scenario == "hsdp-read-once":
