@@ -24,8 +24,9 @@ from llmtailor.training_example import corpus_tokens
 
 MEMORY_TEMP = Path("/dev/shm")
 MEMORY_TEMP_FREE = 8 << 30
-"""Bytes ``MEMORY_TEMP`` must have free to take the tests' directories (a fresh clone's suite
-holds about 1 GiB there at once: the module-scoped runs and one test's)."""
+"""Bytes ``MEMORY_TEMP`` must have free to take the tests' directories: the suite holds the
+module-scoped fixtures' runs there (0.25 GiB for tests/cli, distributed and e2e, session 49) and
+one test's at a time (the crash test's reference run, 1 GiB, the largest)."""
 
 DISK_TEMP = Path(tempfile.gettempdir())
 """The temporary directory of this process (``TMPDIR``), on the disk here, before the tests'
