@@ -1,11 +1,62 @@
+"""Fixtures of every test, and where the tests' temporary directories live.
+
+``tmp_path`` and ``tmp_path_factory`` directories are made in host memory (``/dev/shm``, a tmpfs)
+where it has room (``MEMORY_TEMP_FREE``), else where pytest puts them (``TMPDIR``): the suite's
+saves make each file durable with fsync and its snapshot directory too, as users' saves do (the
+same calls, in the same order: tests/store/test_durable_order.py records them), but on a tmpfs an
+fsync returns at once, where on the disk it waits for the journal (5-15 ms each on the project's
+VM, a few thousand a test file). ``pytest --basetemp DIR`` or ``PYTEST_DEBUG_TEMPROOT=DIR`` (e.g.
+a disk's directory) choose another place. A test whose check needs the disk's time (the SIGKILL
+loop, whose kills should land inside saves) asks for ``disk_path``. Passed tests' directories are
+removed as they pass (``tmp_path_retention_policy = "failed"``, pyproject.toml): memory holds the
+failed ones' and the module-scoped fixtures' only."""
+
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from llmtailor.training_example import corpus_tokens
+
+MEMORY_TEMP = Path("/dev/shm")
+MEMORY_TEMP_FREE = 8 << 30
+"""Bytes ``MEMORY_TEMP`` must have free to take the tests' directories: the suite holds the
+module-scoped fixtures' runs there (0.25 GiB for tests/cli, distributed and e2e, session 49) and
+one test's at a time (the crash test's reference run, 1 GiB, the largest)."""
+
+DISK_TEMP = Path(tempfile.gettempdir())
+"""The temporary directory of this process (``TMPDIR``), on the disk here, before the tests'
+directories move to memory."""
+
+
+def _is_tmpfs(path: Path) -> bool:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    return any(fields[1] == str(path) and fields[2] == "tmpfs" for fields in (line.split() for line in mounts)
+               if len(fields) > 2)
+
+
+def pytest_configure(config):
+    """The tests' temporary directories in memory (module docstring), unless a place was chosen."""
+    if config.option.basetemp or os.environ.get("PYTEST_DEBUG_TEMPROOT"):
+        return
+    if _is_tmpfs(MEMORY_TEMP) and os.access(MEMORY_TEMP, os.W_OK) and \
+            shutil.disk_usage(MEMORY_TEMP).free >= MEMORY_TEMP_FREE:
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = str(MEMORY_TEMP)  # read once, by the first tmp_path
+
+
+@pytest.fixture
+def disk_path():
+    """A fresh directory on the disk (``TMPDIR``), removed afterwards: for a test whose check needs
+    a save to take the disk's time (``tmp_path`` may be in memory: module docstring)."""
+    with tempfile.TemporaryDirectory(dir=DISK_TEMP, prefix="llmtailor-disk-") as where:
+        yield Path(where)
 
 
 @pytest.fixture(scope="session")

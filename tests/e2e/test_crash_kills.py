@@ -9,6 +9,7 @@ the end. More kills repeat the same shape at other instants (``bench/crash_test.
 is the place for many; each kill here is a process start, most of its cost)."""
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,17 +32,23 @@ def crash_test_module():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted Full run of ``STEPS`` steps (read only by the loops)."""
-    return crash_test_module().reference_run(tmp_path_factory.mktemp("reference"), steps=STEPS)
+    """An uninterrupted Full run of ``STEPS`` steps (read only by the loops: its losses and final
+    weights' digest; its 1 GiB of snapshots removed once they are read)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    result = crash_test_module().reference_run(workdir, steps=STEPS)
+    shutil.rmtree(workdir)
+    return result
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, kills, async_save", [("full", KILLS, False), ("parity", KILLS, False), ("full", KILLS, True)])
-def test_store_survives_sigkills_during_saves(tmp_path, request, policy, kills, async_save):
+def test_store_survives_sigkills_during_saves(disk_path, request, policy, kills, async_save):
+    """On the disk (``disk_path``): a save there takes about 60% of a step, so kills land inside
+    saves as often as ``bench/crash_test.py`` has them (in memory a save is a copy)."""
     crash_test, full = crash_test_module(), policy == "full"
     assert crash_test.default_steps(kills) <= STEPS
     report = crash_test.crash_loop(
-        tmp_path, kills=kills, policy=policy, seed=5, steps=STEPS if full else None, async_save=async_save,
+        disk_path, kills=kills, policy=policy, seed=5, steps=STEPS if full else None, async_save=async_save,
         reference=request.getfixturevalue("reference") if full else None, log=lambda line: None,
     )
     assert report.problems == []
