@@ -195,3 +195,20 @@ def test_a_piece_that_fails_to_be_written_behind_fails_its_file_and_leaves_nothi
     with pytest.raises(OSError, match="No space left"):
         write_tensors(tmp_path / "big.safetensors", {"big": torch.randn(10 << 20)}, tmp_path)  # 40 MiB: 3 pieces
     assert written[1:3] == [16 << 20, 16 << 20] and not (tmp_path / "big.safetensors").exists()
+
+
+def test_a_small_tensors_pieces_are_written_at_once_not_handed_to_a_writer_thread(tmp_path, monkeypatch):
+    """Handing a piece to a writer thread costs a turn of the interpreter's lock: a small save's
+    tensors (a Lightning-sized model) are written on the caller's thread, a large one's pieces
+    behind (``WRITE_BEHIND_FROM``); the files are the same either way."""
+    from llmtailor.store.storage import local
+
+    handed = []
+    real = local._writers.submit
+    monkeypatch.setattr(local._writers, "submit", lambda fn, *args: handed.append(len(args[0])) or real(fn, *args))
+    small = {f"w{i}": torch.randn(1 << 16) for i in range(8)}  # 256 KiB each
+    write_tensors(tmp_path / "small.safetensors", small, tmp_path)
+    assert handed == []
+    write_tensors(tmp_path / "big.safetensors", {"big": torch.randn(6 << 20)}, tmp_path)  # 24 MiB: 16 + 8 MiB pieces
+    assert handed == [16 << 20, 8 << 20]
+    assert all(torch.equal(load_file(tmp_path / "small.safetensors")[k], v) for k, v in small.items())

@@ -228,6 +228,12 @@ class _opened:
 _writers = LazyPool(4, "llmtailor-write")
 """The threads that write ``LocalSink.write_stable``'s bytes (one piece in flight per file)."""
 
+WRITE_BEHIND_FROM = 8 << 20
+"""``write_stable`` hands a piece of at least this many bytes to a writer thread; a smaller one is
+written at once: each hand-over costs the two threads a turn of the interpreter's lock (up to its
+5 ms switch interval), which a small save's pieces paid per tensor (a Lightning-sized save took
+1.7x Lightning's own with every piece handed over, 0.8-1.0x without, bench/RESULTS.md session 49)."""
+
 
 class LocalSink(Sink):
     """A file being written: large files made durable (and dropped from the page cache) every
@@ -246,9 +252,13 @@ class LocalSink(Sink):
         """The write of ``write_stable``'s last bytes, on a writer thread."""
 
     def write_stable(self, data: memoryview) -> None:
-        """``Sink.write_stable``: written on a writer thread (``_writers``), at most one piece
-        behind, so the caller checksums the next piece meanwhile (a save's background thread:
-        its writes into a memory tier were a third of its CPU at every step, issue 32)."""
+        """``Sink.write_stable``: a piece of ``WRITE_BEHIND_FROM`` bytes or more written on a
+        writer thread (``_writers``), at most one piece behind, so the caller checksums the next
+        piece meanwhile (a save's background thread: its writes into a memory tier were a third
+        of its CPU at every step, issue 32); a smaller one at once."""
+        if len(data) < WRITE_BEHIND_FROM:
+            self.write(data)
+            return
         self._caught_up()
         self._behind = _writers.submit(self._write, data)
 
