@@ -49,6 +49,19 @@ TOGETHER_GAP = 32
 1/``TOGETHER_GAP`` of its data: bytes fetched that another rank fetches too, bounded."""
 
 
+
+def _keep(lock: threading.Lock, cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
+    """``cache[key] = value``, its oldest entries dropped first to keep at most ``limit``, under
+    ``lock``: a reader's threads (a restore's pool, the units of a pack read together) share its
+    caches, and two dropping the oldest at once dropped one entry twice (a KeyError) or met the
+    other's insertion mid-look (a RuntimeError)."""
+    with lock:
+        if key not in cache:
+            while len(cache) >= limit:
+                del cache[next(iter(cache))]
+        cache[key] = value
+
+
 class UnitReader:
     """The unit read path of a run (module docstring), over its ``catalog``. Unit indexes and
     base-directory storages are cached; tensor bytes are read per unit."""
@@ -71,6 +84,8 @@ class UnitReader:
         self._together: dict[tuple[str, str, int], _Together] = {}
         """Pack files read once for several units (``reading_together``), by where, checksum and size."""
         self._together_lock = threading.Lock()
+        self._kept_lock = threading.Lock()
+        """Held while an entry goes into ``_units``, ``_pack_headers`` or ``_indexes`` (``_keep``)."""
         self.arrived: dict[str, tuple[int, str, memoryview]] = {}
         """Key -> ``(size, xxh3, bytes)`` of whole files of the run this process received and
         checked against that size and checksum as they arrived, then wrote (a node-local tier's
@@ -118,23 +133,27 @@ class UnitReader:
         base model directory merged in (their files tagged with their ``origin``). Reads small
         files only; no tensor byte."""
         key = (step, unit, "merged")
-        if key not in self._units:
+        found = self._units.get(key)
+        if found is None:  # the entry made here is returned: another thread may drop it from the cache at once
             stored = self.stored_entry(step, unit)
-            self._cache(key, self._merged(stored) if stored.kept or stored.base else stored)
-        return self._units[key]
+            found = self._merged(stored) if stored.kept or stored.base else stored
+            self._cache(key, found)
+        return found
 
     def stored_entry(self, step: int, unit: str) -> UnitEntry:
         """The index file of ``unit`` at ``step`` as written (only what it holds itself)."""
         key = (step, unit)
-        if key not in self._units:
+        found = self._units.get(key)
+        if found is None:
             manifest = self.catalog.manifest(step)
             ref = manifest.units.get(unit)
             if ref is None:
                 raise IntegrityError(f"snapshot {step} holds no unit {unit!r} although a composite names it")
             where = f"{self.catalog.snapshot_key(step)}/{ref.index.path}"
             raw = self.read_small(where, ref.index) if ref.index_at is None else self._index_line(step, unit)
-            self._cache(key, load_unit_entry(bytes(raw), self.catalog.storage.where(where), unit, step))
-        return self._units[key]
+            found = load_unit_entry(bytes(raw), self.catalog.storage.where(where), unit, step)
+            self._cache(key, found)
+        return found
 
     def _index_line(self, step: int, unit: str) -> bytes:
         """The line of ``INDEXES_FILE`` that is ``unit``'s index at ``step`` (schema 6), checked
@@ -150,11 +169,11 @@ class UnitReader:
         if arrived is not None:
             line = bytes(arrived[start:end])
         elif whole.bytes <= INDEXES_READ_WHOLE:
-            if step not in self._indexes:
-                if len(self._indexes) >= _INDEXES_KEPT:
-                    self._indexes.pop(next(iter(self._indexes)))
-                self._indexes[step] = bytes(self.received.get(where) or self.catalog.storage.read(where))
-            line = self._indexes[step][start:end]
+            indexes = self._indexes.get(step)
+            if indexes is None:
+                indexes = bytes(self.received.get(where) or self.catalog.storage.read(where))
+                _keep(self._kept_lock, self._indexes, step, indexes, _INDEXES_KEPT)
+            line = indexes[start:end]
         else:
             line = bytes(self.catalog.storage.read_range(where, start, end - start))
         if len(line) != ref.index.bytes or checksum(line) != ref.index.xxh3_64:
@@ -187,9 +206,7 @@ class UnitReader:
             check_header(header[1], storage.where(key), shapes)
         else:
             header = check_stored_header(storage, key, file, shapes, self._pack_data(step, file.path) if storage.remote else None)
-        if kept not in self._pack_headers and len(self._pack_headers) >= _PACK_HEADERS:
-            self._pack_headers.pop(next(iter(self._pack_headers)))
-        self._pack_headers[kept] = header
+        _keep(self._kept_lock, self._pack_headers, kept, header, _PACK_HEADERS)
         return header
 
     @contextlib.contextmanager
@@ -338,9 +355,7 @@ class UnitReader:
         return list(files.values())
 
     def _cache(self, key: tuple, entry: UnitEntry) -> None:
-        if len(self._units) >= _UNIT_CACHE:
-            self._units.pop(next(iter(self._units)))
-        self._units[key] = entry
+        _keep(self._kept_lock, self._units, key, entry, _UNIT_CACHE)
 
     def _merged(self, stored: UnitEntry) -> UnitEntry:
         """``stored`` with the tensors it keeps: each from the index of the snapshot that wrote

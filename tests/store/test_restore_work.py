@@ -488,3 +488,34 @@ def test_on_an_object_store_a_failed_fetch_of_a_pack_read_together_fails_every_t
             for reading in reads:
                 with pytest.raises(ConnectionResetError, match="Connection reset by peer"):
                     reading.result(timeout=120)
+
+
+def test_a_readers_caches_kept_from_several_threads_at_once_drop_their_oldest_without_failing(tmp_path):
+    """A reader's threads (a restore's pool, units of a pack read together) share its caches of
+    unit indexes, pack headers and index files: several at once at a full cache each drop the
+    oldest entry and keep theirs, none failing on an entry another dropped first (a KeyError)."""
+    import sys
+
+    from llmtailor.store import units
+
+    reader = Run(tmp_path / "run").units
+    failures, interval = [], sys.getswitchinterval()
+
+    def keep(thread):
+        try:
+            for i in range(3000):
+                reader._cache((thread, i), "an index")
+                reader._cache((thread, i), "an index")  # again: kept still, or dropped already by another thread
+        except Exception as err:  # noqa: BLE001  (what the assertion reports)
+            failures.append(repr(err))
+
+    sys.setswitchinterval(1e-6)  # threads switched as often as the interpreter can: the interleavings a busy pool meets
+    try:
+        threads = [threading.Thread(target=keep, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == [] and len(reader._units) <= units._UNIT_CACHE
