@@ -49,7 +49,6 @@ TOGETHER_GAP = 32
 1/``TOGETHER_GAP`` of its data: bytes fetched that another rank fetches too, bounded."""
 
 
-
 def _keep(lock: threading.Lock, cache: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
     """``cache[key] = value``, its oldest entries dropped first to keep at most ``limit``, under
     ``lock``: a reader's threads (a restore's pool, the units of a pack read together) share its

@@ -108,7 +108,6 @@ def persist(
             raise friendly(err, run, staged.step, written=False) from None
 
     snapshot = SnapshotCommit(run, staged.step, coord.broadcast(f"{round_}/open", begin if coord.is_leader else None))
-    built: list[Manifest] = []  # the leader's: the manifest it committed, as it built it
     if coord.is_leader:
         # The leader's own files stay in flight (their fsyncs running) until its commit: the
         # unit indexes join them, and the commit waits for them all before it commits anything.
@@ -123,16 +122,17 @@ def persist(
                 reports = coord.gather(f"{round_}/parts", own) or []
                 return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
 
-            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files, built))
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
     else:
         part = attempt_part(snapshot, staged, coord.rank, on_unit)
         coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
-    # the next save read no manifest back (a HEAD and a GET on an object store); the leader keeps
-    # the one it built and validated (its bytes are that one's dump), the others parse what it sent.
-    run.remember(built[0] if built else parse_manifest(outcome["manifest"].encode(), run.where(staged.step, MANIFEST_FILE), staged.step))
+    # the next save read no manifest back (a HEAD and a GET on an object store); the leader kept
+    # the one it built and validated (``_commit``), the others parse what it sent.
+    if not coord.is_leader:
+        run.remember(parse_manifest(outcome["manifest"].encode(), run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(
         path=run.snapshot_dir(staged.step) if run.is_local else run.where(staged.step),
         bytes=outcome["bytes"],
@@ -144,12 +144,12 @@ def persist(
 
 
 def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[RankPart]],
-            confirm: Callable[[], None] | None, files: StagedFiles, built: list[Manifest]) -> dict[str, Any]:
+            confirm: Callable[[], None] | None, files: StagedFiles) -> dict[str, Any]:
     """The leader's step 3 (module docstring), once ``gather()`` has every rank's part (it
     raises when any rank failed): the unit indexes, written into ``files`` (the leader's own
     files' batch, still in flight), then the manifest and the commit, which drains that batch
-    before it commits anything (``SnapshotCommit.commit``'s ``pending``); what was staged is removed on any failure. Returns the outcome the leader announces;
-    the manifest committed is appended to ``built``."""
+    before it commits anything (``SnapshotCommit.commit``'s ``pending``); what was staged is removed on any failure. Returns the outcome the leader announces,
+    once the run's catalog keeps the manifest committed, as built (its bytes are its dump)."""
     run = snapshot.run
     try:
         with snapshot.abandoned_on_failure():
@@ -164,7 +164,7 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             pointer_error = snapshot.commit(encoded, confirm, latest=True, pending=files)  # ``latest`` replaced once committed
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
-    built.append(manifest)
+    run.remember(manifest)
     return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": pointer_error, "manifest": encoded.decode()}
 
 
