@@ -175,7 +175,7 @@ class ReadPlan:
                     while others and receiving < _WINDOW and (receiving == 0 or nbytes(specs(others[0])) <= room):
                         item = others.popleft()
                         head = torch.empty(_HEAD + _ROOM, dtype=torch.uint8, device=device)
-                        work = dist.irecv(head, src=self.readers[item], group=self.group, tag=tags[item])
+                        work = self._receive_into(item, self.readers[item], head, tags[item])
                         pending[waits.submit(self._wait, item, self.readers[item], work, "receipt")] = ("head", item, head)
                         receiving, room = receiving + 1, room - nbytes(specs(item))
                     if own and sending < _AHEAD and not any(kind == "read" for kind, _, _ in pending.values()):
@@ -190,7 +190,7 @@ class ReadPlan:
                             own.pop(0)
                             tensors, parts = self._sent_read(item, future, specs(item), failed, failing)
                             parts = [part.to(device) for part in parts]
-                            works = [(rank, self._send_to(rank, part, tags[item], device))
+                            works = [(rank, self._send_to(item, rank, part, tags[item], device))
                                      for rank in self.ranks if rank != me for part in parts]
                             pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
                             sending += 1
@@ -204,7 +204,7 @@ class ReadPlan:
                                 receiving -= 1
                                 continue
                             reader = self.readers[item]
-                            works = [(reader, (dist.irecv(_bytes_of(t), src=reader, group=self.group, tag=tags[item]), t))
+                            works = [(reader, (self._receive_into(item, reader, _bytes_of(t), tags[item]), t))
                                      for t, _ in targets if t.numel()]
                             pending[waits.submit(self._wait_all, item, works, "receipt")] = ("body", item, targets)
                         else:
@@ -318,7 +318,7 @@ class ReadPlan:
                         failing.known()
                     for rank, parts in slices.items():
                         if rank != reader and parts:
-                            sending.append((item, rank, self._send_to(rank, _gather(view, parts), index, device)))
+                            sending.append((item, rank, self._send_to(item, rank, _gather(view, parts), index, device)))
                     while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
                         self._wait(*sending.pop(0), "send")
                     yield item, (functools.partial(_refused, item, reader) if view is None
@@ -365,7 +365,7 @@ class ReadPlan:
         import torch.distributed as dist
 
         buffer = torch.empty(_HEAD + sum(n for _, n in parts), dtype=torch.uint8, device=device)
-        work = dist.irecv(buffer, src=reader, group=self.group, tag=tag)
+        work = self._receive_into(item, reader, buffer, tag)
 
         def wait() -> dict[Slice, memoryview]:
             self._wait(item, reader, work, "receipt")
@@ -376,11 +376,23 @@ class ReadPlan:
 
         return wait
 
-    def _send_to(self, rank: int, payload: torch.Tensor, tag: int, device: torch.device) -> tuple[Any, torch.Tensor]:
+    def _send_to(self, item: str, rank: int, payload: torch.Tensor, tag: int, device: torch.device) -> tuple[Any, torch.Tensor]:
         import torch.distributed as dist
 
         moved = payload.to(device)
-        return dist.isend(moved, dst=rank, group=self.group, tag=tag), moved
+        try:
+            return dist.isend(moved, dst=rank, group=self.group, tag=tag), moved
+        except Exception as err:  # gloo refuses to post on a connection a lost peer reset: name the peer
+            raise self._lost(item, rank, "send", err) from None
+
+    def _receive_into(self, item: str, rank: int, buffer: torch.Tensor, tag: int) -> Any:
+        """Post the receipt of one message of ``item`` from ``rank`` into ``buffer``; its work."""
+        import torch.distributed as dist
+
+        try:
+            return dist.irecv(buffer, src=rank, group=self.group, tag=tag)
+        except Exception as err:  # gloo refuses to post on a connection a lost peer reset: name the peer
+            raise self._lost(item, rank, "receipt", err) from None
 
     def _wait(self, item: str, peer: int, work: Any, what: str) -> None:
         """Wait for one send or receive of ``deliver``'s (``work``; a send's payload beside it,
@@ -389,9 +401,12 @@ class ReadPlan:
         try:
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout: name the peer
-            raise CoordinationError(f"the {what} of {item} between rank {self.coordinator.rank} and rank {peer} failed: "
-                                    f"a rank died, or is stuck past the {self.coordinator.timeout:g} s timeout "
-                                    f"({describe_error(err)})") from None
+            raise self._lost(item, peer, what, err) from None
+
+    def _lost(self, item: str, peer: int, what: str, err: Exception) -> CoordinationError:
+        return CoordinationError(f"the {what} of {item} between rank {self.coordinator.rank} and rank {peer} failed: "
+                                 f"a rank died, or is stuck past the {self.coordinator.timeout:g} s timeout "
+                                 f"({describe_error(err)})")
 
     # -- one item ------------------------------------------------------------------------------
 

@@ -168,3 +168,31 @@ def test_fetch_starts_a_rank_s_reads_before_what_it_does_meanwhile_and_raises_wh
             list(plan.fetch(read, specs, failed))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("refused", ["isend", "irecv"])
+def test_a_message_gloo_refuses_to_post_after_a_peer_was_lost_fails_naming_the_peer_and_the_item(monkeypatch, refused):
+    """Once gloo has seen a peer's connection reset, it refuses to post the next send or receive
+    to that peer at once (``RuntimeError: ... Connection reset by peer``), before any wait: that
+    error went out bare, so a survivor of a lost reader did not say which rank or item it was
+    exchanging (CI at 2b1b977, test_read_once.py's killed reader). Each refused post is named
+    as a failed wait is. One process, over a gloo group of one; a plan of two ranks whose
+    rank 1 is gone, rank 0 reading every item (it only sends) or rank 1 (it only receives)."""
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        def reset(*args, **kwargs):
+            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:404: Connection reset by peer")
+
+        monkeypatch.setattr(dist, refused, reset)
+        items = {"unit 'a' of step 4": 16, "unit 'b' of step 4": 16}
+        reader = 0 if refused == "isend" else 1  # rank 0 only sends, or only receives
+        plan = ReadPlan(LocalCoordinator(), items, ranks=[0, 1], candidates=dict.fromkeys(items, [reader]))
+        assert set(plan.readers.values()) == {reader}
+        what = "send" if refused == "isend" else "receipt"
+        with pytest.raises(CoordinationError, match=rf"^the {what} of unit '.' of step 4 between rank 0 and rank 1 failed: "
+                                                    r"a rank died, .*Connection reset by peer"):
+            list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])]))
+    finally:
+        dist.destroy_process_group()
