@@ -6,6 +6,7 @@ anything read is trusted."""
 from __future__ import annotations
 
 import mmap
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -162,9 +163,10 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     copying = [_copiers.submit(_copy, task) for task in tasks[1:]]
     try:
         _copy(tasks[0])
-    finally:
-        for task in copying:
-            task.result()
+    finally:  # every task ended before a failure is raised: none copies on behind it into the live state
+        futures_wait(copying)
+    for task in copying:
+        task.result()
 
 
 def _copy(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

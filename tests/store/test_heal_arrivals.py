@@ -85,6 +85,35 @@ def test_a_file_handed_over_is_copied_into_the_live_tensors_by_the_copiers_bit_e
     assert any(name.startswith("llmtailor-copy") for name in copied)
 
 
+def test_a_failed_copier_fails_the_copy_only_once_every_other_copier_ended(monkeypatch):
+    """A copier's task that fails while another still copies into a live tensor: ``copy_bytes``
+    raises that failure once the other has ended, never with a copy still landing in the live
+    state behind it (the restore's next composite, loaded after the failure, would be overwritten
+    in part by the failed one's bytes). The other task is released a second after it started."""
+    monkeypatch.setattr(checked, "COPY_PIECE", 16)
+    pairs = [(torch.zeros(4), torch.full((4,), float(i))) for i in range(3)]  # 16 bytes each: one task each
+    failing, slow = pairs[1][0].data_ptr(), pairs[2][0].data_ptr()
+    slow_started, ended = threading.Event(), threading.Event()
+    real = checked._copy
+
+    def copy(pieces):
+        if pieces[0][0].data_ptr() == failing:
+            slow_started.wait(60)
+            raise RuntimeError("injected copy failure")
+        if pieces[0][0].data_ptr() == slow:
+            slow_started.set()
+            threading.Event().wait(1.0)
+        real(pieces)
+        if pieces[0][0].data_ptr() == slow:
+            ended.set()
+
+    monkeypatch.setattr(checked, "_copy", copy)
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        checked.copy_bytes(pairs)
+    assert ended.is_set()
+    assert torch.equal(pairs[2][0], pairs[2][1]) and torch.equal(pairs[0][0], pairs[0][1])
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_box_read_of_a_file_handed_over_but_not_yet_written_takes_its_header_and_bytes_from_what_arrived(run, verify):
     """FSDP2's reads (``ChunkReader``) of a healed file whose write runs in the background
