@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -190,11 +190,10 @@ class AsyncStager:
             if not piece.stable:  # may change before the next optimizer step: copy it now
                 view.copy_(piece.tensor)
         versions = [version_of(p.tensor) for p in pieces]
-        # Device tensors: the copies wait for what the training stream has queued so far.
-        ready = None
-        if torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces):
-            ready = torch.cuda.Event()
-            ready.record()
+        # Device tensors: the copies wait for what the training streams have queued so far, on
+        # each device that holds pieces (a rank's model on cuda:1 while its current device is 0).
+        ready = {device: _recorded(torch.cuda.current_stream(device))
+                 for device in sorted({p.tensor.device.index for p in pieces if p.tensor.is_cuda})} or None
         self.current = job
         self.unsettled.append(job)
         thread = threading.Thread(
@@ -279,17 +278,20 @@ class AsyncStager:
             start = time.perf_counter()
             try:
                 copies = iter(views)
-                stream = torch.cuda.Stream() if ready is not None else None
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    if stream is not None:
-                        stream.wait_event(ready)
+                # A side stream on each device that holds pieces, made current there: a copy runs
+                # on its source device's current stream, and this thread's current device is 0
+                # whatever the training thread's (a stream of device 0 alone let the copies of a
+                # rank on cuda:1 run on that device's default stream, not waited for).
+                streams = {device: torch.cuda.Stream(device) for device in ready or {}}
+                with ExitStack() as current:
+                    for device, stream in streams.items():
+                        current.enter_context(torch.cuda.stream(stream))
+                        stream.wait_event(ready[device])
                     # replace(): the copy differs from the live unit by its pieces alone; every
                     # other field (the frozen tensors it keeps, from a snapshot or the base) carries over.
                     staged_units = [replace(u, pieces=[_copied(p, next(copies)) for p in u.pieces]) for u in units]
-                if stream is not None:  # waited for asleep: a stream's synchronize spins, a CPU busy for the copies' time
-                    copied = torch.cuda.Event(blocking=True)
-                    copied.record(stream)
-                    copied.synchronize()
+                for stream in streams.values():  # waited for asleep: a stream's synchronize spins, a CPU busy meanwhile
+                    _recorded(stream, blocking=True).synchronize()
                 pieces = [piece for unit in units for piece in unit.pieces]
                 for piece, before in zip(pieces, versions):
                     if piece.stable and version_of(piece.tensor) != before:
@@ -321,6 +323,13 @@ def _weight_swaps(optimizer: torch.optim.Optimizer) -> list[str]:
     """The methods of ``optimizer`` that change the weights in place outside ``step``: the
     ``train()`` / ``eval()`` of schedule-free optimizers (a torch optimizer defines neither)."""
     return [name for name in ("train", "eval") if callable(getattr(optimizer, name, None))]
+
+
+def _recorded(stream: torch.cuda.Stream, blocking: bool = False) -> torch.cuda.Event:
+    """An event recorded on ``stream``, after the work queued on it so far."""
+    event = torch.cuda.Event(blocking=blocking)
+    event.record(stream)
+    return event
 
 
 def _copied(piece: Piece, view: torch.Tensor) -> Piece:

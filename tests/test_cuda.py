@@ -75,6 +75,35 @@ def test_async_saves_of_a_gpu_run_are_the_sync_saves_file_for_file(tmp_path, tok
     assert_same_snapshots(runs["sync"], runs["async"], range(1, 9))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("current", [1, 0])
+def test_async_saves_of_a_run_on_the_second_gpu_are_the_sync_saves_file_for_file(tmp_path, tokens, current):
+    """A rank on cuda:1 (its current device set to it, as DDP's ranks do, or left at 0): the
+    save's thread starts on device 0 whatever the training thread's, and a copy runs on its source
+    device's current stream: the copies must be waited for on cuda:1, where they run (a side
+    stream of device 0 alone let the pinned buffers be read while the copies ran). Found by
+    reading; never run here (one GPU at most)."""
+    runs = {}
+    try:
+        torch.cuda.set_device(current)
+        for mode in ("sync", "async"):
+            model, opt, sched = tiny(layers=4, hidden=512, seed=0)
+            model.to("cuda:1")
+            tailor = Tailor(tmp_path / mode, model, opt, sched, policy=Full(), async_save=mode == "async")
+            for step in range(1, 5):
+                batch = batch_at(tokens, step, 2, 32).to("cuda:1")
+                model(input_ids=batch, labels=batch).loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                tailor.save(step)  # right after the step: its kernels still queued on cuda:1
+            tailor.close()
+            runs[mode] = Run(tmp_path / mode)
+    finally:
+        torch.cuda.set_device(0)
+    assert_same_snapshots(runs["sync"], runs["async"], range(1, 5))
+
+
 def test_a_restore_puts_every_tensor_back_on_the_gpu_and_training_resumes_bit_for_bit(tmp_path, tokens):
     model, opt, sched = on_device(dropout=0.1)
     with Tailor(tmp_path / "run", model, opt, sched, policy=Full(), async_save=True) as tailor:
