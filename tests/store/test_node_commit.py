@@ -5,6 +5,7 @@ writer wrote it), and what a rank sends (its files as its node holds them). The 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from llmtailor.constants import GLOBAL_JSON, pack_filename, rank_state_files
 from llmtailor.distributed.courier import packed, unpacked
@@ -162,3 +163,36 @@ def test_a_file_whose_space_cannot_be_taken_where_it_lands_is_written_once_it_ar
     assert copies == {"1": arrived(*(write_bytes_to(_Discard(), data, path) for path, data in content.items()))}
     for path, data in content.items():
         assert node0.run.storage.path(node0.key(path)).read_bytes() == data
+
+
+class _LostMidReceipt(_Courier):
+    """A partner lost while its files land: the receiver's buffers asked for (``into``), half of
+    the first file in, then the exchange fails, naming it, as the courier's would."""
+
+    def exchange_packed(self, outgoing, sources, into=None):
+        from llmtailor.distributed.coordinator import CoordinationError
+
+        buffers = into(sources[0], self.sent[0])
+        first = bytes(unpacked(self.sent)[0][1])
+        buffers[0][: len(first) // 2].copy_(torch.frombuffer(bytearray(first[: len(first) // 2]), dtype=torch.uint8))
+        raise CoordinationError(f"receiving files from rank {sources[0]} failed: the rank died")
+
+
+def test_a_partner_lost_while_its_files_land_in_their_mappings_leaves_no_file_descriptor_nor_mapping(tmp_path):
+    """The staged files a lost partner's bytes were landing in (mapped) are removed, their
+    descriptors closed, and their mappings gone once the failure is let go: nothing of them is
+    left for the save's abandon, nor held open on the node."""
+    import gc
+    import os
+
+    node0 = SnapshotCommit.begin(Run(tmp_path / "node0"), 4, 2)
+    content = {pack_filename(1, 0): bytes(range(256)) * 4000, rank_state_files(1)[1]: b"{}"}
+    placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=_LostMidReceipt(packed(list(content.items()))))
+    descriptors = len(os.listdir("/proc/self/fd"))
+    staging = node0.run.storage.path(node0.key(pack_filename(1, 0)))
+    with pytest.raises(TailorError, match="rank 1 failed: the rank died"):
+        _replicate(node0, None, placement, rank=0, turn=InTurn())
+    gc.collect()
+    assert [path for path in content if node0.run.storage.path(node0.key(path)).exists()] == []
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    assert str(staging) not in open("/proc/self/maps").read()
