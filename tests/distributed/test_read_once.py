@@ -154,6 +154,12 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
     assert refused is not None and refused.startswith("IntegrityError: restore of step 4 failed on rank(s) [0, 1, 2]")
     reader = int(refused.split(" read unit 'layer.1'")[0].rsplit("rank ", 1)[1])
     assert results[reader]["fetched_corrupt"].get(corrupted) and "checksum mismatch" in refused, refused
+    # With fallback, the damaged composite's attempt fails (after the others' units were received
+    # into the live tensors) and step 2's is loaded whole on every rank: no tensor keeps a byte of
+    # the failed attempt, nor of the fresh model.
+    assert [result["fallback"]["restored"] for result in results] == [2] * RANKS
+    assert [result["fallback"]["skipped"] for result in results] == [[4]] * RANKS
+    assert [result["fallback"]["mismatches"] for result in results] == [[]] * RANKS
 
     # A corrupted global.json (read before any unit): found by its one reader, named by every rank.
     corrupted = results[0]["corrupted_global"]

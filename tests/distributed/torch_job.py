@@ -65,7 +65,8 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     rank counting the bytes and reads it asks of the object store, by key, its broadcasts and the
     items of its read plans, and compared; then
     rank 0 flips a byte of ``layer.1`` in the data file of the version the composite names, and
-    every rank restores again into a fresh model and records the error it got; then rank 0 also
+    every rank restores again into a fresh model and records the error it got, then restores with
+    ``fallback`` into a fresh model and compares it with the composite it restored; then rank 0 also
     flips a byte of the composite's global.json, and every rank restores again, its error recorded.
 ``fetch-as-they-come``  (world 3) a read plan's ``fetch`` of three items, one per rank: the item
     whose turn is first (the smallest) is read by rank 2 only once rank 2 has been sent the other
@@ -632,7 +633,10 @@ def count_plan_broadcasts() -> dict[str, int]:
         return real_fetch(self, *args, **kwargs)
 
     def irecv(*args, **kwargs):
-        counts["receipts"] += sys._getframe(1).f_code.co_name == "fetch"
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "_receive_into":  # fetch's receipts are posted through it
+            caller = caller.f_back
+        counts["receipts"] += caller.f_code.co_name == "fetch"
         return real_irecv(*args, **kwargs)
 
     dist.broadcast, read_plan.ReadPlan.__init__, read_plan.ReadPlan.fetch, dist.irecv = broadcast, plan, fetch, irecv
@@ -728,12 +732,25 @@ def ddp_read_once(out: Path) -> dict:
     result["refused"] = refused_restore(out, "ddp")
     result["fetched_corrupt"] = dict(calls.bytes_by_key())
     dist.barrier()
+    result["fallback"] = fallen_back(out, "ddp")
+    dist.barrier()
     result["corrupted_global"] = corrupt_global_json(str(location(out, "ddp"))) if rank() == 0 else None
     dist.barrier()
     calls.clear()
     result["refused_global"] = refused_restore(out, "ddp")
     result["fetched_global"] = dict(calls.bytes_by_key())
     return result
+
+
+def fallen_back(out: Path, kind: str) -> dict:
+    """A restore with ``fallback`` of the run ``kind`` (its newest composite damaged) into a fresh
+    model: the step it restored, and the tensors that differ from that composite's versions
+    (those the failed attempt received into the live tensors before its failure was known
+    included)."""
+    model, optimizer, scheduler = build(kind, seed=7)
+    report = Tailor(location(out, kind), model, optimizer, scheduler, timeout=60).restore(fallback=True)
+    return {"restored": report.step, "skipped": sorted(report.skipped),
+            "mismatches": compare_with_composite(out, location(out, kind), model, optimizer, report.step)}
 
 
 def corrupt_global_json(url: str) -> str:
