@@ -41,6 +41,7 @@ import atexit
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -309,6 +310,7 @@ class AsyncStager:
             if after is not None:
                 after(job.outcome)
         except BaseException as err:  # kept for the caller's next save, wait or close
+            _let_go_of_frames(err)
             job.error = err
             _UNREPORTED.add(job)
         finally:
@@ -323,6 +325,17 @@ def _weight_swaps(optimizer: torch.optim.Optimizer) -> list[str]:
     """The methods of ``optimizer`` that change the weights in place outside ``step``: the
     ``train()`` / ``eval()`` of schedule-free optimizers (a torch optimizer defines neither)."""
     return [name for name in ("train", "eval") if callable(getattr(optimizer, name, None))]
+
+
+def _let_go_of_frames(err: BaseException) -> None:
+    """Clear the locals of the finished frames in ``err``'s tracebacks (its chain's too): a
+    failure kept until the caller's next call would otherwise keep everything the failed write
+    held (staged files' mappings, buffers) alive until then. The traceback still prints."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
 
 
 def _recorded(stream: torch.cuda.Stream, blocking: bool = False) -> torch.cuda.Event:

@@ -100,6 +100,41 @@ def test_a_background_write_error_surfaces_on_the_next_call_and_leaves_nothing(t
     tailor.close()
 
 
+def test_a_failed_save_kept_for_the_next_call_does_not_keep_what_its_frames_held(tmp_path, tokens, monkeypatch):
+    """A failed async save's error is kept until the next save, wait or close; its traceback
+    kept every frame of the failed write alive with its locals: the staged file's mappings (on a
+    ``/dev/shm`` memory tier, a partner's whole part in RAM) and buffers stayed held until the
+    error was collected (an unforeseen error: the store's own, e.g. an OSError's StorageError, do
+    not chain the write's frames). Its frames' locals are let go once the failure is kept; the
+    error itself, its message and cause are what the next call raises."""
+    import gc
+    import weakref
+
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, async_save=True)
+    train(model, opt, sched, tokens, [1])
+    held: list[weakref.ref] = []
+
+    def broken(sink, *args, **kwargs):
+        staged = torch.zeros(1 << 20)  # what the write holds when it fails (a mapping, a buffer)
+        held.append(weakref.ref(staged))
+        sink.abort()
+        raise RuntimeError("the mapping broke")
+
+    monkeypatch.setattr(writer, "stream_tensors", broken)
+    pending = tailor.save(1)
+    deadline = time.monotonic() + 120
+    while not pending.done() and time.monotonic() < deadline:  # the failure is kept, not collected
+        time.sleep(0.01)
+    assert pending.done()
+    gc.collect()
+    assert [ref() is None for ref in held] == [True]
+    with pytest.raises(BackgroundSaveError, match="async save of step 1 failed in the background .*the mapping broke") as err:
+        tailor.wait()
+    assert isinstance(err.value.__cause__, RuntimeError)
+    tailor.close()
+
+
 @pytest.mark.parametrize("call", ["wait", "close"])
 def test_wait_and_close_raise_a_background_failure(tmp_path, tokens, monkeypatch, call):
     model, opt, sched = tiny()
