@@ -31,6 +31,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -516,9 +517,13 @@ class _Restoring:
             shared = self.shared = self.provider.check_composite(run, lease.composite)
             # The live state changes from here: a mix until the ranks agree (agree may itself raise).
             touched, self.partly = True, f"the restore of step {chosen} did not complete"
-            self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
-            # Read before the ranks agree: every read under rank 0's lease, a failed one on every rank.
-            self.rank_state = self.provider.read_rank_state(run, lease.composite, shared)
+            # This rank's own state is read beside the units, not after them (a round trip less at
+            # the end of a restore from an object store), and before the ranks agree: every read
+            # under rank 0's lease, a failed one on every rank; waited for however the load ends.
+            with ThreadPoolExecutor(1, thread_name_prefix="llmtailor-state") as beside:
+                own = beside.submit(self.provider.read_rank_state, run, lease.composite, shared)
+                self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
+                self.rank_state = own.result()
         except BaseException as err:
             error = _as_damage(err, skippable)
         finally:

@@ -430,3 +430,33 @@ def test_a_closed_tailor_refuses_to_save_restore_or_wait_and_a_second_close_is_h
         assert WriterLock(tmp_path / where).storage.locks.writer().holder_if_other() is None
     with Tailor(tmp_path / "run", *tiny(), tiers=tiers) as again:
         assert again.restore().step == 1
+
+
+def test_a_restore_reads_its_own_rank_state_beside_the_units_not_after_them(tmp_path, tokens):
+    """This rank's own state (RNG, extras) is read while the units load, not once they are in:
+    from an object store that is one round trip less at the end of every restore. The load here
+    waits for that read to have started (a bounded wait: before, it started only after the load);
+    the restore still brings back the extras and the RNG stream."""
+    import threading
+
+    model, opt, sched = tiny()
+    train(model, opt, sched, tokens, [1])
+    Tailor(tmp_path, model, opt, sched).save(1, extra={"epoch": 3})
+    expected = torch.rand(4)  # the torch stream right after the save
+    torch.manual_seed(99)
+    tailor = Tailor(tmp_path, *tiny(seed=5))
+    started, seen = threading.Event(), []
+    read_rank_state, load = tailor.provider.read_rank_state, tailor.provider.load
+
+    def reading(*args, **kwargs):
+        started.set()
+        return read_rank_state(*args, **kwargs)
+
+    def loading(*args, **kwargs):
+        seen.append(started.wait(timeout=20))
+        return load(*args, **kwargs)
+
+    tailor.provider.read_rank_state, tailor.provider.load = reading, loading
+    report = tailor.restore()
+    assert seen == [True]
+    assert report.extra == {"epoch": 3} and torch.equal(torch.rand(4), expected)

@@ -133,11 +133,13 @@ class ReadPlan:
         error), then each tensor from where the read left it (no copy); each rank takes the
         items in the order they come in, not in turns: no rank waits for an item whose read is
         slow while others are in, and the readers' sends run side by side. A rank reads its own
-        items on a thread of its own in the plan's turns (``turns``), the first as the plan
-        starts (``_ReadAhead``), the next once fewer than ``_AHEAD`` of its items are read and
-        not yet delivered to every rank (memory: at most that many items of its own), so the
-        ranks' reads overlap one another and the sends (``read`` must allow it: the store's
-        reads do). It waits for the items of others in the same turns, up to ``_WINDOW`` (and
+        items on a thread of its own in the plan's turns (``turns``), one after another: the
+        first two queued as the plan starts (``_ReadAhead``), so the second is read as soon as
+        the first is in, not once this rank's loop has taken the first (which waits for
+        ``meanwhile``, an exchange of the ranks); each next one queued once fewer than
+        ``_AHEAD`` of its items are read and not yet delivered to every rank (memory: at most
+        that many items of its own being sent, and two read ahead), so the ranks' reads overlap
+        one another and the sends (``read`` must allow it: the store's reads do). It waits for the items of others in the same turns, up to ``_WINDOW`` (and
         ``_WINDOW_BYTES``) at a time, at least one.
 
         Failures: a read that fails is sent to every rank in place of the item's bytes; once a
@@ -163,7 +165,7 @@ class ReadPlan:
         def read_checked(item: str) -> list[torch.Tensor]:
             return _checked(failing.guard(read)(item), specs(item))
 
-        with contextlib.closing(_ReadAhead(list(own), read_checked, 1, 1)) as mine:
+        with contextlib.closing(_ReadAhead(list(own), read_checked, 1, 2)) as mine:
             if meanwhile is not None:
                 meanwhile()
             waits = ThreadPoolExecutor(max_workers=_WINDOW + _AHEAD, thread_name_prefix="llmtailor-wait")

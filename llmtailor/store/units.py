@@ -71,6 +71,7 @@ class UnitReader:
         self._bases: dict[str, Storage] = {}
         self._state: tuple[tuple[int, str], bytes, bytearray] | None = None
         """The state files read last (``_state_files``)."""
+        self._state_lock = threading.Lock()
         self._pack_headers: dict[tuple[str, str], tuple[int, dict[str, dict]]] = {}
         self._pack_sizes: dict[tuple[int, str], int] = {}
         """``(step, pack path)`` -> bytes of tensor data the pack holds (``_pack_data``), once known."""
@@ -567,6 +568,10 @@ class UnitReader:
         again for its RNG and extras) and decoded afresh by each caller, so none shares
         another's objects. A committed snapshot's files never change; ``forget`` drops them."""
         key = (step, doc_path)
+        with self._state_lock:  # read once where two threads ask (a restore reads a rank's own beside its units)
+            return self._state_files_once(key, step, doc_path, tensors_path)
+
+    def _state_files_once(self, key: tuple[int, str], step: int, doc_path: str, tensors_path: str) -> tuple[bytes, bytearray]:
         if self._state is None or self._state[0] != key:
             manifest = self.catalog.manifest(step)
             snapshot = self.catalog.snapshot_key(step)

@@ -611,7 +611,7 @@ def count_sent_ranges() -> dict[str, int]:
 def count_plan_broadcasts() -> dict[str, int]:
     """This rank's broadcasts (``torch.distributed.broadcast`` calls: ``broadcasts``), the items
     of the read plans it made (``items``, over every ``ReadPlan``), the items it read itself in
-    their ``fetch`` (``own``) and the messages ``fetch`` posted to receive (``receipts``) from
+    their ``fetch`` (``own``) and the items' heads ``fetch`` posted to receive (``receipts``) from
     now on, filled in as it restores."""
     import sys
 
@@ -632,11 +632,9 @@ def count_plan_broadcasts() -> dict[str, int]:
         counts["own"] += len(self.mine())
         return real_fetch(self, *args, **kwargs)
 
-    def irecv(*args, **kwargs):
+    def irecv(*args, **kwargs):  # an item's head: posted by ``fetch`` itself, through ``_receive_into``
         caller = sys._getframe(1)
-        if caller.f_code.co_name == "_receive_into":  # fetch's receipts are posted through it
-            caller = caller.f_back
-        counts["receipts"] += caller.f_code.co_name == "fetch"
+        counts["receipts"] += caller.f_code.co_name == "_receive_into" and caller.f_back.f_code.co_name == "fetch"
         return real_irecv(*args, **kwargs)
 
     dist.broadcast, read_plan.ReadPlan.__init__, read_plan.ReadPlan.fetch, dist.irecv = broadcast, plan, fetch, irecv
