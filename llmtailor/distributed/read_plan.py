@@ -278,10 +278,11 @@ class ReadPlan:
         this rank wants and returns them (slice -> its bytes; none where it wants none). An
         item is one byte tensor, ``read(item)`` on its reader; ``wanted(item)``: global rank ->
         the slices ``(offset, length)`` of the item it wants, the same on every rank. Its reader
-        sends each other rank only the slices that rank wants (point to point, packed in one
-        message after a head saying whether its read succeeded), not the whole item to the whole
-        group: a rank receives what it uses, and waits only for its own reads and the items it
-        wants, never for the group at each item.
+        sends each other rank only the slices that rank wants (point to point: a head saying
+        whether its read succeeded, then each slice straight from the bytes read, no packed
+        copy; received at aligned offsets of one buffer, where the caller may use them in
+        place), not the whole item to the whole group: a rank receives what it uses, and waits
+        only for its own reads and the items it wants, never for the group at each item.
 
         Failures: a read that fails is sent as such to the ranks wanting part of the item (their
         function raises ``ReadRefused``), and every rank goes on to the end of the plan, so no
@@ -312,26 +313,27 @@ class ReadPlan:
                         yield item, failing.watch(receipt)
                         continue
                     try:
-                        view = memoryview(next(mine).result().numpy())
+                        data = next(mine).result()
                     except ReadSkipped:  # the restore fails already: sent as refused, not a failure of its own
-                        view = None
+                        data = None
                     except Exception as err:  # sent as refused to the ranks wanting it; raised at the end on every rank
-                        failed, view = failed or (index, item, err), None
+                        failed, data = failed or (index, item, err), None
                         failing.known()
                     for rank, parts in slices.items():
                         if rank != reader and parts:
-                            sending.append((item, rank, self._send_to(item, rank, _gather(view, parts), index, device)))
+                            sending.append((item, self._send_slices(item, rank, data, parts, index, device)))
                     while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
-                        self._wait(*sending.pop(0), "send")
-                    yield item, (functools.partial(_refused, item, reader) if view is None
-                                 else functools.partial(_slices, view, [(part, part) for part in slices.get(reader, [])]))
+                        self._wait_all(*sending.pop(0), "send")
+                    yield item, (functools.partial(_refused, item, reader) if data is None
+                                 else functools.partial(_slices, memoryview(data.numpy()),
+                                                        [(part, part) for part in slices.get(reader, [])]))
                 while sending:
-                    self._wait(*sending.pop(0), "send")
+                    self._wait_all(*sending.pop(0), "send")
                 self._settle(failed, device)
             finally:  # a failure, or the caller stopped: no send left from freed memory (the reads: ``_ReadAhead``)
                 for sent in sending:
                     try:
-                        self._wait(*sent, "send")
+                        self._wait_all(*sent, "send")
                     except CoordinationError:  # failing already, with the error that stopped it
                         pass
 
@@ -360,21 +362,42 @@ class ReadPlan:
         message = self._broadcast(torch.empty(length, dtype=torch.uint8), item, reader, device)
         raise self._failure(item, reader, status, bytes(message.numpy()).decode(errors="replace"))
 
+    def _send_slices(self, item: str, rank: int, data: torch.Tensor | None, parts: list[Slice], tag: int,
+                     device: torch.device) -> list[tuple[int, tuple[Any, torch.Tensor]]]:
+        """Send ``rank`` the ``parts`` of an item it wants (``deliver``): a head (``_HEAD``: sent,
+        or refused where ``data``, the item's bytes as read, is None: a failed or skipped read),
+        then each part straight from where the read left it (no copy; zeros where refused, so
+        the receiver's posted receipts are met all the same). The sends' works, for ``_wait_all``."""
+        head = torch.zeros(_HEAD, dtype=torch.uint8)
+        _put_head(head, _SENT if data is not None else _FAILED, sum(n for _, n in parts))
+        if data is None:
+            data = torch.zeros(max(n for _, n in parts), dtype=torch.uint8)
+            parts = [(0, n) for _, n in parts]
+        works = []
+        for payload in [head, *(data[offset : offset + length] for offset, length in parts)]:
+            works.append((rank, self._send_to(item, rank, payload, tag, device)))
+        return works
+
     def _receive_slices(self, item: str, reader: int, parts: list[Slice], tag: int,
                         device: torch.device) -> Callable[[], dict[Slice, memoryview]]:
+        """Post the receipts of the ``parts`` of an item this rank wants from its ``reader``
+        (``_send_slices``: the head, then each part, into one buffer at aligned offsets, so the
+        bytes of a part can be used where they land); a function that waits for them all and
+        returns each part's bytes, or raises ``ReadRefused`` where the read failed."""
         if not parts:
             return dict
-        import torch.distributed as dist
-
-        buffer = torch.empty(_HEAD + sum(n for _, n in parts), dtype=torch.uint8, device=device)
-        work = self._receive_into(item, reader, buffer, tag)
+        placed = _packed_slices(parts)
+        head = torch.empty(_HEAD, dtype=torch.uint8, device=device)
+        buffer = torch.empty(placed[-1][1][0] + placed[-1][1][1], dtype=torch.uint8, device=device)
+        works = [(reader, self._receive_into(item, reader, head, tag))]
+        works += [(reader, (self._receive_into(item, reader, buffer[at : at + length], tag), buffer))
+                  for _, (at, length) in placed]
 
         def wait() -> dict[Slice, memoryview]:
-            self._wait(item, reader, work, "receipt")
-            received = buffer.cpu()
-            if received[:_HEAD].view(torch.int64)[0].item() != _SENT:
+            self._wait_all(item, works, "receipt")
+            if head.cpu().view(torch.int64)[0].item() != _SENT:
                 _refused(item, reader)
-            return _slices(memoryview(received.numpy())[_HEAD:], _packed_slices(parts))
+            return _slices(memoryview(buffer.cpu().numpy()), placed)
 
         return wait
 
@@ -535,26 +558,13 @@ def _refused(item: str, reader: int) -> dict[Slice, memoryview]:
     raise ReadRefused(f"rank {reader} could not read {item}")
 
 
-def _gather(view: memoryview | None, parts: list[Slice]) -> torch.Tensor:
-    """A message of ``deliver``: the head (sent, or refused where ``view`` is None: a failed
-    read), then the bytes of ``parts`` of ``view`` one after another, in one new byte tensor."""
-    out = torch.empty(_HEAD + sum(n for _, n in parts), dtype=torch.uint8)
-    _put_head(out, _SENT if view is not None else _FAILED, len(out) - _HEAD)
-    if view is None:
-        out[_HEAD:] = 0
-    into, at = memoryview(out.numpy()), _HEAD
-    for offset, length in parts if view is not None else ():
-        into[at : at + length] = view[offset : offset + length]
-        at += length
-    return out
-
-
 def _packed_slices(parts: list[Slice]) -> list[tuple[Slice, Slice]]:
-    """Each of ``parts`` with where ``_gather`` put it: ``(part, (offset in the message, length))``."""
+    """Each of ``parts`` with where ``_receive_slices`` puts it in its buffer: ``(part, (offset
+    in the buffer, length))``, one after another, each at an offset aligned for any dtype."""
     placed, at = [], 0
     for offset, length in parts:
         placed.append(((offset, length), (at, length)))
-        at += length
+        at += -(-length // _ALIGN) * _ALIGN
     return placed
 
 

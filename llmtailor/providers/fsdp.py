@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -224,9 +225,9 @@ class FSDPProvider(LocalProvider):
         (those every rank's boxes read) fetched once in the job in large requests and sent to
         the ranks that need them (``store.shared_ranges``): from a remote run, a request per box
         per rank costs a round trip each. The files' headers, which the ranges follow from, are
-        read once in the job too. One load plan for all this rank's units (``PlannedLoad``)
-        says the ranges and then loads each unit as its bytes come in. The checks are the
-        reader's own, on the bytes received (``ChunkReader.received``)."""
+        read once in the job too, while the load plan is made. One load plan for all this rank's
+        units (``PlannedLoad``) says the ranges and then loads each unit as its bytes come in.
+        The checks are the reader's own, on the bytes received (``ChunkReader.received``)."""
         files, chunks = {}, {}  # chunks: (key, chunk name) -> bytes, each chunk once (the data a file is known to hold)
         for unit, step in sources.items():
             entry = run.unit_entry(step, unit)
@@ -239,10 +240,12 @@ class FSDPProvider(LocalProvider):
         known = {}
         for (key, _), size in chunks.items():
             known[key] = known.get(key, 0) + size
-        reader.take_headers(run.storage, share_headers(self.coordinator, run.storage, files,
-                                                       f"{self.coordinator.round}/headers", known))
-        planned = PlannedLoad({unit: (SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit])), targets[unit])
-                               for unit, step in sources.items() if targets[unit]})
+        # The load plan (from the index alone) is made while the headers are read and exchanged.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-headers") as pool:
+            headers = pool.submit(share_headers, self.coordinator, run.storage, files, f"{self.coordinator.round}/headers", known)
+            planned = PlannedLoad({unit: (SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit])),
+                                          targets[unit]) for unit, step in sources.items() if targets[unit]})
+            reader.take_headers(run.storage, headers.result())
         needs = {unit: [(key, start, length) for where, key, start, length in planned.spans(unit) if where.same_place(run.storage)]
                  for unit in planned.items}
 

@@ -16,7 +16,8 @@ before: up to a part and a half, ``_pieces``); each piece is one item of a read 
 (``distributed.read_plan``): fetched by one rank (balanced by bytes, two read ahead on two
 threads) in one request, and sent to each rank that needs part of it, only the parts its
 ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
-every piece); each rank copies its parts into place. A file is then fetched in about its size
+every piece); each rank uses its parts where they were received (a range cut over two
+pieces is copied together). A file is then fetched in about its size
 / ``PART`` requests in all, each byte once (plus what the joined gaps hold). A batch's groups
 are loaded on a thread of its own while the next batch's pieces are read and sent.
 
@@ -93,7 +94,7 @@ def share_headers(coordinator: Coordinator, storage: Storage, files: dict[str, F
 
 
 def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[Range]],
-              load: Callable[[str, dict[Range, bytearray]], None], tag: str) -> None:
+              load: Callable[[str, dict[Range, bytearray | memoryview]], None], tag: str) -> None:
     """Fetch the ranges of ``storage``'s files every rank needs, each once in the job (module
     docstring), and call ``load(group, bytes by range)`` for each of this rank's groups
     (``needs``: group -> the ranges of it this rank needs), in the order the ranks first name
@@ -173,6 +174,13 @@ def _settle(received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]]) -
             pass
 
 
+def _aligned(data: memoryview) -> bool:
+    """Whether ``data`` begins at an address aligned for any dtype (a tensor of any dtype may view it)."""
+    import torch
+
+    return len(data) == 0 or torch.frombuffer(data, dtype=torch.uint8).data_ptr() % 16 == 0
+
+
 def _batches(groups: list[str], everyone: list[dict[str, list]]) -> list[tuple[str, ...]]:
     """``groups`` in order, consecutive ones together while each file's bytes of them (every
     rank's ranges, summed) stay under a part and a half: fetched together, a file's ranges of
@@ -228,34 +236,44 @@ class _Groups:
     """This rank's groups in order, the bytes of each as they come in, each loaded once whole;
     the first failure of a load kept (module docstring) and raised after the last group."""
 
-    def __init__(self, order: list[str], needs: dict[str, list[Range]], load: Callable[[str, dict[Range, bytearray]], None]):
+    def __init__(self, order: list[str], needs: dict[str, list[Range]], load: Callable[[str, dict[Range, bytearray | memoryview]], None]):
         self.order, self.needs, self.load = order, needs, load
         self.next = 0
-        self.received: dict[str, dict[Range, bytearray]] = {}
+        self.received: dict[str, dict[Range, bytearray | memoryview]] = {}
         self.failure: BaseException | None = None
 
     def take(self, group: str, piece: Range, parts: dict[tuple[int, int], memoryview]) -> None:
-        """Copy the parts of ``piece`` this rank was sent (``(offset in the piece, length)`` -> its
-        bytes; ``_within``: they cover this rank's ranges of ``group`` in the piece) into place."""
+        """Put the parts of ``piece`` this rank was sent (``(offset in the piece, length)`` -> its
+        bytes; ``_within``: they cover this rank's ranges of ``group`` in the piece) in place: a
+        range lying whole in one part, at an address aligned for any dtype, is that part's bytes
+        where they were received (``ReadPlan.deliver`` receives each part at an aligned offset;
+        a reader's own parts are views of its read), no copy; a range cut over two pieces (or
+        misaligned) is copied together into a buffer of its own."""
         if group not in self.needs or self.failure is not None or not parts:
             return
-        if group not in self.received:  # a group's buffers made when its first bytes come: one group's at a time
-            self.received[group] = {r: new_buffer(r[2]) for r in dict.fromkeys(self.needs[group])}
+        held = self.received.setdefault(group, {})  # a group's bytes held from its first piece on: one group's at a time
         key, start, _ = piece
-        for (k, s, n), buffer in self.received[group].items():
+        for k, s, n in dict.fromkeys(self.needs[group]):
             for (offset, length), data in parts.items():
                 low, high = max(s, start + offset), min(s + n, start + offset + length)
-                if k == key and low < high:
-                    memoryview(buffer)[low - s : high - s] = data[low - start - offset : high - start - offset]
+                if k != key or low >= high:
+                    continue
+                bytes_ = data[low - start - offset : high - start - offset]
+                if (k, s, n) not in held and (low, high) == (s, s + n) and _aligned(bytes_):
+                    held[(k, s, n)] = bytes_
+                    continue
+                if (k, s, n) not in held:
+                    held[(k, s, n)] = new_buffer(n)
+                memoryview(held[(k, s, n)])[low - s : high - s] = bytes_
 
     def load_through(self, group: str | None) -> None:
         """Load this rank's groups up to ``group`` (None: every one left), in order."""
         end = len(self.order) if group is None else self.order.index(group) + 1
         for name in self.order[self.next : end]:
-            received = self.received.pop(name, None)
+            received = self.received.pop(name, {})
             if name in self.needs and self.failure is None:
                 try:
-                    self.load(name, received if received is not None else {r: new_buffer(r[2]) for r in self.needs[name]})
+                    self.load(name, {r: received[r] if r in received else new_buffer(r[2]) for r in self.needs[name]})
                 except BaseException as err:  # raised after the last broadcast (module docstring)
                     if isinstance(err, (KeyboardInterrupt, SystemExit)):
                         raise

@@ -62,3 +62,27 @@ def test_consecutive_small_groups_are_fetched_together_up_to_a_part_and_a_half_p
     assert _batches(["embed", *layer], ranks) == [("embed",), ("layer.0", "layer.1"), ("layer.2", "norm")]
     batch = [r for ranks_ in ranks for group in ("layer.0", "layer.1") for r in ranks_.get(group, ())]
     assert _pieces(tuple(r) for r in batch) == [("p0", 0, PART), ("p1", 0, PART)]
+
+
+def test_a_range_sent_whole_is_used_where_it_was_received_one_cut_over_two_pieces_is_put_together():
+    """A rank's ranges of a group, as the pieces it is sent come in (``_Groups.take``): a range
+    lying whole in a part it received (at an aligned address) is loaded from the received bytes
+    themselves, not copied into a buffer of its own first; a range cut over two pieces is put
+    together from both; every range loaded holds the file's bytes."""
+    import torch
+
+    from llmtailor.store.shared_ranges import _Groups
+
+    file = bytes(range(200)) * 2
+    needs = {"g": [("f", 0, 32), ("f", 32, 48), ("f", 96, 16)]}
+    loaded: dict[str, dict] = {}
+    groups = _Groups(["g"], needs, lambda group, received: loaded.update({group: dict(received)}))
+    first, second = torch.frombuffer(bytearray(file[0:64]), dtype=torch.uint8), torch.empty(48, dtype=torch.uint8)
+    second.copy_(torch.frombuffer(bytearray(file[64:112]), dtype=torch.uint8))
+    groups.take("g", ("f", 0, 64), {(0, 64): memoryview(first.numpy())})
+    groups.take("g", ("f", 64, 48), {(0, 48): memoryview(second.numpy())})
+    groups.load_through(None)
+    assert {r: bytes(data) for r, data in loaded["g"].items()} == {r: file[r[1] : r[1] + r[2]] for r in needs["g"]}
+    addresses = {r: torch.frombuffer(data, dtype=torch.uint8).data_ptr() for r, data in loaded["g"].items()}
+    assert [addresses[("f", 0, 32)], addresses[("f", 96, 16)]] == [first.data_ptr(), second.data_ptr() + 32]
+    assert addresses[("f", 32, 48)] not in range(first.data_ptr(), first.data_ptr() + 64)  # put together elsewhere
