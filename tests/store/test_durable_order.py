@@ -151,6 +151,34 @@ def test_a_save_after_the_newest_snapshot_makes_its_rename_and_latests_durable_i
     assert Run(root).latest_step() == 2
 
 
+def test_a_latest_that_cannot_be_replaced_after_the_newest_snapshot_leaves_the_snapshot_committed_durably(tmp_path, tokens, monkeypatch):
+    """When the two renames are to be made durable together and ``latest``'s replace fails (no
+    space), the snapshot's own rename is still made durable before the save reports the
+    pointer's failure; ``latest`` still names step 1 and step 2 is found through its parent."""
+    import errno
+
+    from llmtailor.errors import TailorError
+
+    root, tailor = _saved_once(tmp_path, tokens)
+    with tailor:
+        recorder = Recorder(monkeypatch)
+        recorded = os.replace
+
+        def replace(src, dst, *args, **kwargs):
+            if Path(dst).name == LATEST_FILE:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return recorded(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", replace)
+        with pytest.raises(TailorError, match="no space left"):
+            tailor.save(2)
+        monkeypatch.undo()
+    published = recorder.rename_of(root / "snapshots" / snapshot_dirname(2))
+    assert recorder.synced(root / "snapshots", after=published)
+    assert (root / LATEST_FILE).read_text().strip() == snapshot_dirname(1)
+    assert Run(root).latest_step() == 2 and not [p for p in (root / TMP_DIR).iterdir() if p.name.startswith(".")]
+
+
 def test_a_save_whose_parent_is_not_the_newest_snapshot_is_durable_before_latest_names_it(tmp_path, tokens, monkeypatch):
     """A save branching off an older snapshot (step 3 from step 1, step 2 the run's newest): a
     ``latest`` durable before its rename would stand for step 2 after a crash, not for the
