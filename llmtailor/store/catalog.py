@@ -232,6 +232,10 @@ class Catalog:
         done = self._committing.get(step)
         return done is not None and not (done.done() and done.exception() is not None)
 
+    def committing_in_background(self) -> bool:
+        """Whether this process commits any snapshot of the run in the background now."""
+        return any(self.committing_here(step) for step in list(self._committing))
+
     def hold_back(self) -> threading.Event:
         """A gate the writes of a background commit wait on (a healed snapshot's,
         ``tiers.healing.Receiving``), opened by ``release_held``: at the end of the restore that

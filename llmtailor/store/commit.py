@@ -49,19 +49,22 @@ class SnapshotCommit:
             yield StagedFiles(self, batch)
 
     def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None, latest: bool = False,
-               pending: StagedFiles | None = None) -> str | None:
+               pending: StagedFiles | None = None, parent: int | None = None) -> str | None:
         """``confirm()`` (that the writer lock is still held: raises if not), then the storage's
         commit: the manifest, last and only if absent, and the snapshot committed
         (``SnapshotCommits.commit``). Staged files must be durable, or in ``pending`` (a batch
         still in flight: drained before anything is committed; locally, while the manifest and
         the directories are fsynced). ``latest``: and the run's ``latest`` pointed at it once it
         is committed (as ``replace_latest``; locally the pointer's new file is made durable with
-        the manifest); returns that pointer's failure."""
+        the manifest); returns that pointer's failure. ``parent``: the step of the snapshot's
+        parent (``SnapshotCommits.commit``: passed on while this process commits no other
+        snapshot of the run in the background)."""
         if confirm is not None:
             confirm()
         pointer = (LATEST_FILE, _pointing_at(self.step)) if latest else None
+        alone = parent is not None and not self.run.committing_in_background()
         failed = self.run.storage.commits.commit(self.staging, self.final, manifest, pointer,
-                                                 pending.drain if pending is not None else None)
+                                                 pending.drain if pending is not None else None, parent if alone else None)
         return None if failed is None else _pointer_failure(self.run, self.step, failed)
 
     def abandon(self) -> None:

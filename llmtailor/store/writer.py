@@ -161,7 +161,8 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             # leader's files and the indexes are durable before it is committed (``pending``:
             # locally their fsyncs and the manifest's run side by side, one wait on the disk).
             encoded = manifest.dumps().encode()
-            pointer_error = snapshot.commit(encoded, confirm, latest=True, pending=files)  # ``latest`` replaced once committed
+            pointer_error = snapshot.commit(encoded, confirm, latest=True, pending=files,  # ``latest`` replaced once committed
+                                            parent=manifest.parent)
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
     run.remember(manifest)

@@ -20,9 +20,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOT_PREFIX, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import StorageError, TailorError
-from llmtailor.store.storage.local_durable import create_file, create_replacement, fsync_dir, fsync_together, replace_with
+from llmtailor.store.storage.local_durable import (create_file, create_replacement, fsync_beside, fsync_dir, fsync_together,
+                                                   replace_with)
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
 
@@ -51,7 +52,7 @@ class LocalCommits(SnapshotCommits):
         return staging
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
         tmp, target = self.root / staging, self.root / final
         try:
             create_file(tmp / MANIFEST_FILE, manifest)
@@ -76,34 +77,56 @@ class LocalCommits(SnapshotCommits):
             subdirectories = [Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)]
             fsync_together([tmp / MANIFEST_FILE, *subdirectories, tmp, *([new] if new is not None else [])], beside=pending)
             target.parent.mkdir(parents=True, exist_ok=True)
+            together = new is not None and parent is not None and _newest_is(target.parent, parent)
             os.rename(tmp, target)
-            fsync_dir(target.parent)
+            if not together:
+                fsync_dir(target.parent)
         except BaseException:
             if new is not None:
                 new.unlink(missing_ok=True)
             raise
-        if new is not None:
+        if new is None:
+            return failed
+        path = self.root / pointer[0]
+        if not together:
             try:
-                self._replace_pointer(new, self.root / pointer[0])
+                self._replace_pointer(new, path)
             except OSError as err:
                 failed = err
-        return failed
+            return failed
+        # The parent is the run's newest snapshot (``_newest_is``): the snapshot's rename and
+        # the pointer's are made durable together, one wait on the disk, not one after the
+        # other (bench/RESULTS.md, issue 33, session 50). A crash before both are durable leaves
+        # either rename or both or neither: a pointer naming a snapshot not renamed in stands
+        # for the newest committed one (``Catalog.latest_step``), which is the parent, the
+        # composite before this save; a snapshot renamed in, the pointer not, is found
+        # through its parent link. Neither is durable before the snapshot's own files.
+        try:
+            self._replace_pointer(new, path, durable=False)
+        except OSError as err:
+            fsync_dir(target.parent)  # the snapshot committed durably all the same (raises if not)
+            return err
+        except BaseException:
+            fsync_dir(target.parent)
+            raise
+        return fsync_beside(target.parent, path.parent)
 
-    def _replace_pointer(self, new: Path, path: Path) -> None:
+    def _replace_pointer(self, new: Path, path: Path, durable: bool = True) -> None:
         """``replace_with(new, path)``, the old pointer's file kept linked in ``.tmp/`` through
         the replace and its last link removed on the purger's thread: on this project's ext4,
         dropping a file's last link waited up to a 4 ms tick (``os.replace`` over the old pointer
         2.5-3.6 ms, over a second link of it 0.01 ms), and the run directory's fsync after it took
         longer too (the two 1.8-8.1 ms, then 0.2-3.9 ms): the longest step of a small save's
         commit (bench/RESULTS.md, issue 33, session 47). What a crash leaves in ``.tmp/`` the
-        next writer removes (``clear_leftovers``)."""
+        next writer removes (``clear_leftovers``). ``durable``: its directory fsynced here (else
+        the caller does)."""
         kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
         try:
             os.link(path, kept, follow_symlinks=False)  # a link of the pointer itself, whatever it is
         except (OSError, NotImplementedError):  # no pointer yet, no hard links there (or no linkat): replaced as it is
             kept = None
         try:
-            replace_with(new, path)
+            replace_with(new, path, durable)
         finally:
             if kept is not None:
                 _PURGER.submit(kept, None)
@@ -189,6 +212,30 @@ class _Purger:
                     if not self._pending[root]:
                         del self._pending[root]
                     self._changed.notify_all()
+
+
+NEWEST_LISTED_UP_TO = 1024
+"""A commit lists ``snapshots/`` to tell whether its parent is the newest snapshot there
+(``_newest_is``) only up to this many entries: beyond, its two renames are made durable one
+after the other, as for any other parent (the listing's cost stays bounded)."""
+
+
+def _newest_is(snapshots: Path, parent: int) -> bool:
+    """Whether the snapshot of ``parent`` is in ``snapshots`` and none there is of a later
+    step (any entry not read as a step counts as later: the answer errs on the side of the
+    ordered renames)."""
+    found = False
+    try:
+        with os.scandir(snapshots) as entries:
+            for count, entry in enumerate(entries):
+                digits = entry.name[len(SNAPSHOT_PREFIX):]
+                if count >= NEWEST_LISTED_UP_TO or not entry.name.startswith(SNAPSHOT_PREFIX) \
+                        or not (digits.isascii() and digits.isdigit()) or int(digits) > parent:
+                    return False
+                found = found or int(digits) == parent
+    except OSError:  # not listed: the renames one after the other
+        return False
+    return found
 
 
 def _remove(target: Path) -> None:

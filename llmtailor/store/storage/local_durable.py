@@ -261,6 +261,22 @@ def fsync_together(paths: list[Path], beside: Callable[[], None] | None = None) 
             beside()
 
 
+def fsync_beside(first: Path, second: Path) -> OSError | None:
+    """fsync the directories ``first`` and ``second`` side by side (one wait on the disk, as
+    ``fsync_together``); raises ``first``'s failure, returns ``second``'s: each failure is
+    told apart from the first fsync that reports it (a second fsync after a failed one may
+    succeed with the data lost)."""
+    with Syncer() as syncer:
+        for path in (first, second):
+            syncer.submit(path, os.open(path, os.O_RDONLY | os.O_DIRECTORY), drop=False)
+        syncer._wait_first()
+        try:
+            syncer._wait_first()
+        except OSError as failed:
+            return failed
+    return None
+
+
 def replace_text_atomically(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` so a reader sees the old or the new content, never a mix."""
     replace_bytes_atomically(path, text.encode("utf-8"))
@@ -288,15 +304,16 @@ def create_replacement(path: Path, data: bytes, durable: bool = False) -> Path:
     return tmp
 
 
-def replace_with(new: Path, path: Path) -> None:
-    """Replace ``path`` with the durable file ``new`` atomically, and make that durable (its
-    directory fsynced); on a failure ``new`` is removed."""
+def replace_with(new: Path, path: Path, durable: bool = True) -> None:
+    """Replace ``path`` with the durable file ``new`` atomically, and (``durable``) make that
+    durable (its directory fsynced; else the caller fsyncs it); on a failure ``new`` is removed."""
     try:
         os.replace(new, path)
     except BaseException:
         new.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def remove_empty(directories: list[Path]) -> None:

@@ -33,7 +33,7 @@ class ObjectCommits(SnapshotCommits):
         return final  # the files go to their final keys; the manifest commits them
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
         """The manifest, written last (once every upload in flight has completed) and only if
         absent, is the commit; then the pointer."""
         if pending is not None:

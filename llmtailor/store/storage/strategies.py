@@ -60,7 +60,7 @@ class SnapshotCommits(ABC):
 
     @abstractmethod
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
         """Write ``manifest`` as the snapshot's ``MANIFEST_FILE`` at ``staging``, last and only
         if absent (TailorError if there is one), and make the snapshot written there committed
         at ``final``, durably. Every other file staged is durable already, or once ``pending()``
@@ -68,7 +68,9 @@ class SnapshotCommits(ABC):
         has returned. ``pointer`` ``(key, data)``: then replace the file ``key`` with ``data``
         atomically and durably (the run's ``latest``), only once the snapshot is committed
         durably; a failure of that replacement is returned, not raised (the snapshot stays
-        committed)."""
+        committed). ``parent``: the step of the snapshot's parent, when no snapshot of the run
+        is being committed meanwhile (a storage may make the pointer durable beside the commit
+        when that parent is the run's newest snapshot: ``LocalCommits``)."""
 
     @abstractmethod
     def abandon(self, staging: str) -> None:
