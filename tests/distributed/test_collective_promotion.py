@@ -154,7 +154,7 @@ def test_a_closed_writer_kept_by_the_script_and_dropped_ones_hold_no_connection(
     lane, and their threads) and its coordinator's idle clients of the job's store are let
     go; a dropped one's go with it, node 1's too (its uploader and its entry for the exit no
     longer hold each other, nor the coordinator). The writers after the closed one saved and
-    promoted (``test_writers_dropped_...``). Before: ``assert [[8, 10], [9, 11]] == [[0, 0], [0, 0]]``
+    promoted (``test_writers_dropped_...``). Before: ``assert [[9, 5], [10, 16]] == [[0, 0], [0, 0]]``
     (connections more than before the first writer, once it was closed and at the end, by node)."""
     results = nodes_on_s3.results("dropped", "dropped")
     assert [r["connections"] for r in results] == [[0, 0], [0, 0]], results
