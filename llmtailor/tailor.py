@@ -290,16 +290,20 @@ class Tailor:
 
     def close(self) -> None:
         """Wait for the async saves in flight and, with tiers, for the last composite's promotion to
-        every tier (raising what failed); remove the fence and hooks; release the writer locks. Then
-        closed, even if it raised: ``close`` again does nothing; ``save``, ``restore``, ``wait`` raise."""
+        every tier (raising what failed); remove the fence and hooks; release the writer locks and
+        the connections to the other ranks. Then closed, even if it raised: ``close`` again does
+        nothing; ``save``, ``restore``, ``wait`` raise."""
         if self._pending.closed:
             return
         try:
-            self._settle(raise_error=True)
-        finally:
-            self._pending.close(self._stager)
-            self.tiers.close(self.coordinator)  # the last promotion, then the locks (collective)
-        self.tiers.raise_failure(self.coordinator)
+            try:
+                self._settle(raise_error=True)
+            finally:
+                self._pending.close(self._stager)
+                self.tiers.close(self.coordinator)  # the last promotion, then the locks (collective)
+            self.tiers.raise_failure(self.coordinator)
+        finally:  # a closed Tailor the script keeps holds no connection (the courier's: ``Tiers.close``)
+            self.coordinator.let_go()
 
     def __enter__(self) -> Tailor:
         return self

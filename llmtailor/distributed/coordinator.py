@@ -109,6 +109,10 @@ class Coordinator(ABC):
         every rank, in the same order)."""
         return tensor
 
+    def let_go(self) -> None:
+        """The connections this coordinator keeps idle for its next waits let go (its Tailor
+        closed); a later wait opens what it needs."""
+
     # -- point to point, from any thread: a few ranks' work outside the saves' rounds --------
 
     @abstractmethod
@@ -206,6 +210,9 @@ class StoreCoordinator(Coordinator):
         self._store = distributed_c10d._get_default_store()
         self._prefix = f"llmtailor/{next(_instances)}/"
         self._waiters: list[Any] = []
+
+    def let_go(self) -> None:
+        self._waiters.clear()  # its own clients of the store (``_wait_for``): each a connection
 
     @classmethod
     def over(cls, store: Any, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str = "llmtailor/0/") -> StoreCoordinator:

@@ -30,6 +30,10 @@ other ranks then refuse at once too, naming it, where they would wait for its me
 the timeout (every save or healing needs every rank's exchange: the job's saves fail on every
 rank, at once). Nothing rebuilds the group in place (that is collective, on the training
 thread): a new ``Courier.open`` on every rank (a new Tailor, or the job restarted) gives a fresh one.
+
+A courier lets its group go at ``close`` (its Tailor closed): the group's connections to every
+peer and its threads end with it, once no exchange runs; a closed courier refuses every
+exchange. A courier dropped unclosed (its Tailor dropped) takes its group with it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import contextlib
 import itertools
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -101,6 +106,21 @@ class Courier:
         self._broken_on = rank
         """The rank whose exchange broke it."""
         self.board, self._broken_tag = board, f"courier/{number}/broken"
+        self.closed = False
+        """Set by ``close``: the group let go, every later exchange refused."""
+        self._busy = False
+        """Whether an exchange runs (``close`` then leaves the group to its end)."""
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Let the group go (its sockets and threads end with it: module docstring), now, or
+        where an exchange still runs (a save in flight on its thread), as that one ends; every
+        later exchange refuses. Not collective: each peer's end of a connection closes as the
+        peer closes its own courier (or exits)."""
+        with self._lock:
+            self.closed = True
+            if not self._busy:
+                self.group = None
 
     @classmethod
     def open(cls, timeout: float = DEFAULT_TIMEOUT, board: Coordinator | None = None) -> Courier:
@@ -233,6 +253,11 @@ class Courier:
             raise CoordinationError(f"rank {self.rank}: this courier is broken since an exchange{where} failed "
                                     f"({self.broken}); its group may still hold that exchange's messages, so nothing "
                                     "more is sent over it: make the Tailor again on every rank, or restart the job")
+        with self._lock:
+            if self.closed:
+                raise CoordinationError(f"rank {self.rank}: this courier is closed (its Tailor was closed): make a new "
+                                        "Tailor to save or restore again")
+            self._busy = True
         try:
             yield
         except BaseException as err:
@@ -244,6 +269,11 @@ class Courier:
                 raise CoordinationError(f"rank {self.rank}: an exchange of files failed: a peer died or its connection "
                                         f"failed ({self.broken})") from None
             raise
+        finally:
+            with self._lock:
+                self._busy = False
+                if self.closed:  # closed meanwhile (``close``): let go now that nothing runs on it
+                    self.group = None
 
     def _exchange_packed(self, outgoing: dict[int, Packed], sources: Sequence[int],
                          into: Into | None) -> dict[int, Packed]:

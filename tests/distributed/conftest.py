@@ -101,8 +101,8 @@ def nodes_on_s3(tmp_path_factory) -> NodesOnS3:
     """The crash, then one launch of the two nodes running in turn: the relaunch of the ``killed``
     run (every node's memory lost: it resumes from the bucket), the ``held`` run (``KEEP=1``, node
     1 holding its first order: ``HOLD_FOLLOWER``) and the ``fsdp`` run (torch_job.py's
-    ``fsdp-url``, saved straight to its URL), the ``dropped`` runs (three writers dropped without
-    ``close()``), then the ``unclosed`` runs (a script that ends without
+    ``fsdp-url``, saved straight to its URL), the ``dropped`` runs (four writers, the first closed and kept,
+    the others dropped without ``close()``), then the ``unclosed`` runs (a script that ends without
     ``close()``, node 1 serving the promotion due at its last save only as it exits: ``HOLD_EXIT``).
     Each test reads its run's results and the launch's outcome (``results``)."""
     pytest.importorskip("obstore")

@@ -17,10 +17,10 @@ exchange held until then). Must be the last job of its launch.
 With ``HOLD_EXIT=<step>``, node 1's leader takes an order naming that step up only once its
 interpreter began its at-exit work (every save and promotion thread ended by then): the latest a
 follower can be, for the promotion due at the last save.
-``dropped``  FSDP2, three writers in turn, each saving step 1 of its own run
-(``$RUN_HOME/<i>``, a node-local tier at ``$NODE_DIR/<i>``, promoted at every save), then
-dropped without ``close()``: what each rank still runs and keeps for them once its uploaders
-ended (``dropped``).
+``dropped``  FSDP2, four writers in turn, each saving step 1 of its own run
+(``$RUN_HOME/<i>``, a node-local tier at ``$NODE_DIR/<i>``, promoted at every save), the first
+closed and kept, the others dropped without ``close()``: what each rank still runs, keeps and
+holds connected for them once its uploaders ended (``dropped``).
 ``fsdp-url``  torch_job.py's scenario of that name (test_object_store_nodes.py's run, saved to
 ``$RUN_ROOT``), in the launch of the promotions: the tests share its start-up.
 
@@ -50,6 +50,7 @@ it can be); it then records what it waited for in ``DIR/held.json`` and serves t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -230,34 +231,68 @@ def unclosed(kind: str, out: Path) -> dict:
 
 
 def dropped(kind: str, out: Path) -> dict:
-    """Three writers in turn (a sweep), each of a run of its own (``$RUN_HOME/<i>``, a node-local
-    tier ``$NODE_DIR/<i>`` promoted at every save), saving step 1, then dropped without
-    ``close()``. Once the writers' own threads ended (the events waited for, with a bound): the
-    uploaders still running, the writers the exit still keeps (``runtime._UNCLOSED``), and the
-    writers' own threads still alive (``WRITERS_THREADS``), by name."""
+    """Four writers in turn (a sweep), each of a run of its own (``$RUN_HOME/<i>``, a node-local
+    tier ``$NODE_DIR/<i>`` promoted at every save), saving step 1: the first closed and kept by
+    the script to the end, the others dropped without ``close()``; no collection of cycles
+    meanwhile (``gc`` off: what goes, goes as its last reference does). Once the writers' own
+    threads ended (the events waited for, with a bound): the uploaders still running, the
+    writers the exit still keeps (``runtime._UNCLOSED``), the writers' own threads still alive
+    (``WRITERS_THREADS``), by name, and the process's connections more than before the first
+    writer (``connections``), once the first was closed and at the end."""
     import gc
 
     before, kept = set(threading.enumerate()), len(runtime._UNCLOSED)
-    for i in range(3):
-        model, optimizer, scheduler = build(kind, seed=0)
-        tiers = [Tier(f"{os.environ['NODE_DIR']}/{i}", scope="node", replicas=1, promote_every=1)]
-        tailor = Tailor(f"{os.environ['RUN_HOME']}/{i}", model, optimizer, scheduler, policy=Parity(), tiers=tiers,
-                        timeout=float(os.environ.get("TIMEOUT", "60")))
-        train(model, optimizer, scheduler, [1])
-        tailor.save(1)
-        del tailor, model, optimizer, scheduler
-        gc.collect()
-    # The events: rank 0's promotions in flight end, then what they held goes (their tier's
-    # lock and its renewal thread), and each node's uploaders, told to stop, end.
-    deadline = time.monotonic() + HOLD_PATIENCE  # a bound on a hang, for all of them
-    for names in (("llmtailor-promote",), WRITERS_THREADS):
-        gc.collect()
-        for thread in [t for t in threading.enumerate() if t.name in names and t not in before]:
-            thread.join(max(deadline - time.monotonic(), 0))
     gc.collect()
-    left = [t for t in threading.enumerate() if t not in before]
+    gc.disable()
+    try:
+        connected, more = connections(), []
+        for i in range(4):
+            model, optimizer, scheduler = build(kind, seed=0)
+            tiers = [Tier(f"{os.environ['NODE_DIR']}/{i}", scope="node", replicas=1, promote_every=1)]
+            tailor = Tailor(f"{os.environ['RUN_HOME']}/{i}", model, optimizer, scheduler, policy=Parity(), tiers=tiers,
+                            timeout=float(os.environ.get("TIMEOUT", "60")))
+            train(model, optimizer, scheduler, [1])
+            tailor.save(1)
+            if i == 0:
+                tailor.close()
+                more.append(connections() - connected)
+                closed = tailor  # kept (a script's global): a closed writer holds no connection
+            del tailor, model, optimizer, scheduler
+        # The events: rank 0's promotions in flight end, then what they held goes (their tier's
+        # lock and its renewal thread), and each node's uploaders, told to stop, end.
+        deadline = time.monotonic() + HOLD_PATIENCE  # a bound on a hang, for all of them
+        for names in (("llmtailor-promote",), WRITERS_THREADS):
+            for thread in [t for t in threading.enumerate() if t.name in names and t not in before]:
+                thread.join(max(deadline - time.monotonic(), 0))
+        more.append(connections() - connected)
+        left = [t for t in threading.enumerate() if t not in before]
+    finally:
+        gc.enable()
+    del closed
     return {"uploaders": sum(t.name == "llmtailor-node-upload" for t in left), "unclosed": len(runtime._UNCLOSED) - kept,
-            "threads": sorted(t.name for t in left if t.name in WRITERS_THREADS)}
+            "threads": sorted(t.name for t in left if t.name in WRITERS_THREADS), "connections": more}
+
+
+def connections() -> int:
+    """This process's TCP connections and listening sockets (its own: a dropped writer's gloo
+    group, a coordinator's clients of the job's store), but those to moto's server (the
+    process's pool of HTTP connections) and those the job's store accepted (its peers close
+    them in their own time)."""
+    moto = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1].split("/")[0])
+    store = int(os.environ["MASTER_PORT"])
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own descriptor)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote = (int(end.rsplit(":", 1)[1], 16) for end in fields[1:3])
+            count += fields[9] in inodes and moto not in (local, remote) and local != store
+    return count
 
 
 WRITERS_THREADS = ("llmtailor-node-upload", "llmtailor-promote", "llmtailor-lock")

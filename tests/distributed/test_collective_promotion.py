@@ -130,8 +130,8 @@ def test_a_script_that_ends_without_close_commits_and_promotes_on_every_node(nod
 
 
 def test_writers_dropped_without_close_leave_no_uploader_running_and_nothing_for_the_exit(nodes_on_s3, monkeypatch):
-    """A sweep: three writers in turn, each with a node-local tier promoted at every save, each
-    dropped without ``close()`` once it saved (promote_job.py's ``dropped``). Rank 0's dropped
+    """A sweep: four writers in turn, each with a node-local tier promoted at every save, the
+    first closed, the others dropped without ``close()`` once they saved (promote_job.py's ``dropped``). Rank 0's dropped
     writer tells node 1's uploader that no order follows once its promotion in flight ended,
     and that uploader ends: once the promotions in flight ended, no thread of any of them runs
     on (uploader, promoter, lock renewal) and the exit keeps nothing of them (``runtime._UNCLOSED``),
@@ -142,6 +142,19 @@ def test_writers_dropped_without_close_leave_no_uploader_running_and_nothing_for
     results = nodes.results("dropped", "dropped")
     assert [(r["uploaders"], r["unclosed"], r["threads"]) for r in results] == [(0, 0, [])] * 2, results
     set_environment(monkeypatch, nodes.endpoint)
-    for i in range(3):
+    for i in range(4):
         home = Run(f"{nodes.urls['dropped']}/{i}")
         assert home.latest_step() == 1 and home.verify() == []
+
+
+def test_a_closed_writer_kept_by_the_script_and_dropped_ones_hold_no_connection(nodes_on_s3):
+    """The same sweep's first writer is closed and kept to the end (a script's global); the
+    others are dropped unclosed, no cycle collected meanwhile (promote_job.py's ``dropped``).
+    Once closed, a writer holds no connection: its courier's gloo group (a socket per peer and
+    lane, and their threads) and its coordinator's idle clients of the job's store are let
+    go; a dropped one's go with it, node 1's too (its uploader and its entry for the exit no
+    longer hold each other, nor the coordinator). The writers after the closed one saved and
+    promoted (``test_writers_dropped_...``). Before: ``assert [[9, 5], [10, 16]] == [[0, 0], [0, 0]]``
+    (connections more than before the first writer, once it was closed and at the end, by node)."""
+    results = nodes_on_s3.results("dropped", "dropped")
+    assert [r["connections"] for r in results] == [[0, 0], [0, 0]], results

@@ -429,3 +429,42 @@ def test_a_packed_exchange_with_several_hung_peers_waits_one_timeout_in_all_and_
     for peer in (1, 2, 3):
         assert f"rank {peer} failed or timed out" in str(raised.value)
     assert clock[0] <= 60 + 3 * courier_module.LATE, clock[0]
+
+
+def test_a_closed_courier_lets_its_group_go_once_no_exchange_runs_and_refuses_every_later_one():
+    """``Courier.close`` (its Tailor closed) lets the group go (its sockets and threads end with
+    it): at once when idle; where an exchange runs (a save in flight on its thread), as that
+    one ends, never under it. Every later exchange refuses, saying so; the courier is not broken
+    by it. The group faked in one process: a send posted, waited for until released. Before:
+    ``AttributeError: 'Courier' object has no attribute 'close'`` (a closed Tailor kept its group,
+    a socket per peer and lane and their threads, for as long as the script kept the Tailor)."""
+    import threading
+    import weakref
+
+    release, sending = threading.Event(), threading.Event()
+
+    class Held:
+        def wait(self, timeout=None) -> bool:
+            return release.wait(60)
+
+    class Group:
+        def send(self, tensors, peer, tag):
+            sending.set()
+            return Held()
+
+    courier = Courier(Group(), rank=0, timeout=60)
+    group = weakref.ref(courier.group)
+    exchanging = threading.Thread(target=courier.exchange, args=({1: [("units/u.safetensors", b"x")]}, []))
+    exchanging.start()
+    assert sending.wait(60)
+    courier.close()
+    assert group() is not None  # the exchange still runs on it
+    release.set()
+    exchanging.join(60)
+    assert group() is None and courier.broken is None
+    with pytest.raises(CoordinationError, match="rank 0: this courier is closed"):
+        courier.exchange({1: [("units/u.safetensors", b"x")]}, [])
+    idle = Courier(Group(), rank=0)
+    group = weakref.ref(idle.group)
+    idle.close()
+    assert group() is None

@@ -339,6 +339,46 @@ def test_a_healing_hands_the_restore_at_most_its_bound_of_received_bytes(tmp_pat
     assert Run(copies[1]).resolve().step == 2  # every file written all the same
 
 
+def test_a_node_receiving_several_snapshots_keeps_at_most_the_bound_for_them_all(tmp_path, monkeypatch):
+    """The bound on what a healing keeps in memory for its restore (``HAND_OVER_BYTES``) holds
+    for the node, not for each snapshot it receives: node 1, wiped, receives steps 1 and 2 in
+    one healing with a bound of one snapshot's bytes; what it keeps stays within it (the newest
+    snapshot's files first), the rest is read back from its copy, and both are committed whole.
+    Before: ``assert 1862 <= 962`` (each snapshot kept up to the bound)."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 1) + healing(held, 2)
+    assert {m.step for m in moves} == {1, 2} and {m.dest for m in moves} == {1}
+    bound = sum(m.bytes for m in moves if m.step == 2)
+    monkeypatch.setattr(recovery_healing, "HAND_OVER_BYTES", bound)
+    paths = {step: [m.path for m in moves if m.step == step] for step in (1, 2)}
+    under_way = recovery_healing.Healing(runs[1], moves, Nodes((0, 1)), TwoSnapshots(runs[0], paths), 1)
+    try:
+        assert under_way.outcome() is None
+        kept = {key: len(content) for key, (_, _, content) in runs[1].units.arrived.items()}
+    finally:
+        runs[1].release_held()  # as the restore ends: the copy's writes held back go on (none left waiting)
+    assert sum(kept.values()) <= bound
+    assert kept and all("step-00000002" in key for key in kept)  # the newest's first: the restore reads it
+    runs[1].settle_commits()
+    assert runs[1].commit_failure() is None and Run(copies[1]).steps() == [1, 2]
+    for m in moves:
+        assert (copies[1] / "snapshots" / f"step-{m.step:08d}" / m.path).read_bytes() == \
+            (runs[0].snapshot_dir(m.step) / m.path).read_bytes()
+
+
+class TwoSnapshots:
+    """Node 1's side of a stream (``Courier.stream`` in one process) whose sender sends every
+    file ``paths`` names by step, from ``source``, the newest snapshot's first."""
+
+    def __init__(self, source: Run, paths: dict[int, list[str]]):
+        self.source, self.paths = source, paths
+
+    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+        for step in sorted(self.paths, reverse=True):
+            for path in self.paths[step]:
+                take(0, f"{step}:{path}", memoryview((self.source.snapshot_dir(step) / path).read_bytes()))
+
+
 def received_from_node_0(runs: list, moves: list[Transfer]) -> str | None:
     """Node 1's ``Receiving`` of ``moves`` (step 2), fed from node 0's copy; what ``finish`` said."""
     receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))

@@ -240,8 +240,9 @@ class NodeUploader:
             order = self._next(number)
             if order.get("stop"):
                 self._stopped.set()
-                if self._then is not None:
-                    self._then()
+                then, self._then = self._then, None  # called once, and held no more (it holds this uploader)
+                if then is not None:
+                    then()
                 return
             self.coordinator.post(report_tag(number, self.node), self._serve(order))
             self._heard = time.monotonic()

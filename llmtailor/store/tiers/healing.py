@@ -59,7 +59,7 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     ``step``, default the newest whole one: ``recovery.choose_on_nodes``), every node's copy of
     it made whole first (``Healing``); which nodes' copies served which node (``served_by``);
     and the healing still under way, or None. Where rank 0's node receives files (rank 0 chooses
-    from its own copy), or a node of several ranks does (``settled_first``), the healing ends
+    from its own copy), or a node of several ranks does (``committed_first``), the healing ends
     (on every rank) before this returns, and one that failed offers nothing, saying why (the
     restore goes to the next tier). Otherwise it runs on beside
     the restore, which reads each file as it arrives (``UnitReader.coming``) and takes its
@@ -90,11 +90,20 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
 
 
 def settled_first(moves: list[Transfer], nodes: Nodes) -> bool:
-    """Whether a healing of ``moves`` ends, committed into every receiving copy, before the
-    restore: where rank 0's node receives (rank 0 chooses from its copy), or a node of several
-    ranks does (only its leader receives: its other ranks read the copy once it is committed)."""
+    """Whether a healing of ``moves`` ends before the restore: where rank 0's node receives
+    (rank 0 chooses from its copy), or a node whose copy must be committed first does
+    (``committed_first``)."""
     receiving = {move.dest for move in moves}
-    return nodes.node_of_rank(0) in receiving or any(len(nodes.ranks_of(node)) > 1 for node in receiving)
+    return nodes.node_of_rank(0) in receiving or any(committed_first(nodes, node) for node in receiving)
+
+
+def committed_first(nodes: Nodes, node: int) -> bool:
+    """Whether what ``node`` receives in a healing is committed into its copy before the restore
+    reads it: where the node runs several ranks (only its leader receives: its other ranks read
+    the copy). A node of one rank, the one reader, reads what arrived, and commits its copy once
+    the restore ended (``Receiving._commit_later``). Stated here only: ``settled_first`` and
+    ``Receiving`` both ask."""
+    return len(nodes.ranks_of(node)) > 1
 
 
 def passed_over(choice: NodeChoice, why: str) -> NodeChoice:
@@ -194,11 +203,12 @@ class Healing:
         these = moves if leads(nodes, rank) else []
         self._receiving: dict[int, Receiving] = {}
         self._senders: dict[int, _Sender] = {}
+        kept = Kept()  # the node's bound over every snapshot it receives, the newest's files kept first
         try:
             for step in sorted({move.step for move in these}, reverse=True):
                 self._senders[step] = _Sender(run, step, [m for m in these if m.step == step], node)
                 self._receiving[step] = Receiving(run, step, [m for m in these if m.step == step and m.dest == node],
-                                                  nodes)
+                                                  nodes, kept=kept)
             self._outgoing, self._sources = _sending(these, node, nodes)
             self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
             self._thread.start()
@@ -383,8 +393,24 @@ def _resolve(coming: Future, failure: BaseException | None = None) -> None:
 
 HAND_OVER_BYTES = 1 << 30
 """The most bytes of received files a node keeps in memory for the restore that follows a
-healing (``Receiving._hand_over``); past it, files are read back from the node's copy: a node
-healing hundreds of GB must not hold them twice in host memory."""
+healing, over every snapshot it receives (``Kept``: one per healing, shared by its
+``Receiving``\ s); past it, files are read back from the node's copy: a node healing hundreds of
+GB must not hold them twice in host memory."""
+
+
+class Kept:
+    """The bytes of received files a healing keeps in memory for its restore, over every
+    snapshot its node receives: at most ``HAND_OVER_BYTES`` (as it is when made) in all."""
+
+    def __init__(self) -> None:
+        self.left = HAND_OVER_BYTES
+
+    def take(self, size: int) -> bool:
+        """Whether ``size`` more bytes may be kept (then counted)."""
+        if size > self.left:
+            return False
+        self.left -= size
+        return True
 
 
 class Receiving:
@@ -403,7 +429,8 @@ class Receiving:
     file and its sender, or the stream's own), and, once that restore took the outcome
     (``withdraw``), what was handed over is withdrawn. A snapshot new here counts as committed in
     this process from the start (``Catalog.commit_coming``), until a failure is withdrawn. Files are written on a thread of their own (``_writer``)
-    while the next ones arrive; one not kept for the restore (past ``HAND_OVER_BYTES``) waits for
+    while the next ones arrive; one not kept for the restore (past the node's bound, ``kept``:
+    ``HAND_OVER_BYTES`` over every snapshot of its healing) waits for
     the writes before it, so what is not handed over is never held in memory more than one file
     at a time. A new snapshot handed over whole is committed on that thread too
     (``_commit_later``): the restore reads what arrived meanwhile, not the node's copy; its
@@ -411,22 +438,27 @@ class Receiving:
     the commit: a save, ``close``, a listing of the copy), so the restore has the CPUs to itself.
     Any other is committed by ``finish``, once its writes are done."""
 
-    def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None):
+    def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None,
+                 kept: Kept | None = None):
         self.run, self.step, self.nodes = run, step, nodes
+        self._budget = kept if kept is not None else Kept()
+        """What this node keeps in memory for the restore, this snapshot's files and the others'
+        of the same healing (``HAND_OVER_BYTES``)."""
+        self._whole = False
+        """Whether every file of this snapshot is kept (its bytes counted in ``_budget`` at once)."""
         self.expected = {(move.source, move.path): move for move in moves}
         self.error: str | None = failed
         self._arrived: dict[tuple[int, str], memoryview | None] = {}
         """Each file that arrived and checked out, as it arrived (None: past ``HAND_OVER_BYTES``,
         not kept)."""
-        self._kept = 0
         self._manifest: bytes | None = None
         self._parsed: Manifest | None = None
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
         self._dest = moves[0].dest if moves else None
-        self._later = self._dest is not None and len(nodes.ranks_of(self._dest)) == 1
+        self._later = self._dest is not None and not committed_first(nodes, self._dest)
         """Whether a new snapshot handed over whole may be committed once the restore ended
-        (``_commit_later``): only where the leader is its node's one rank, the one reader."""
+        (``_commit_later``)."""
         self._writer: ThreadPoolExecutor | None = None
         """Writes the files as they arrive (a new snapshot handed over whole: then commits it)."""
         self._writes: list[Future[None]] = []
@@ -461,7 +493,8 @@ class Receiving:
                                  "committed here")
         self._staged = SnapshotCommit.begin(self.run, self.step)
         self._create = self._files.enter_context(self._staged.files())
-        if self._later and sum(move.bytes for move in self.expected.values()) <= HAND_OVER_BYTES:  # all of it handed over
+        self._whole = self._later and self._budget.take(sum(move.bytes for move in self.expected.values()))
+        if self._whole:  # all of it handed over
             self._gate = self.run.hold_back()
             self._writer.submit(self._gate.wait)  # opened at the latest as the restore ends (``Tailor.restore``)
 
@@ -487,8 +520,7 @@ class Receiving:
         if len(content) != move.bytes or checksum(content) != move.xxh3:
             raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
                                  f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
-        keep = self._kept + len(content) <= HAND_OVER_BYTES
-        self._kept += len(content) if keep else 0
+        keep = self._whole or self._budget.take(len(content))
         if path == MANIFEST_FILE and self._staged is not None:
             self._manifest = bytes(content)  # written last, by the commit
             self._parsed = parse_manifest(self._manifest, self.run.where(self.step, MANIFEST_FILE), self.step)

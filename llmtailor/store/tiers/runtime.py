@@ -296,6 +296,7 @@ class Tiers:
                 if self.promoter is not None and self.promoter.crew is not None:
                     self.promoter.crew.stop()
                 self.release()
+                self._close_courier()
         if unhealed:
             promoted = "; nothing was promoted at close" if len(self.levels) > 1 else ""
             raise NodeTierError(f"the healing of the copy of node(s) {sorted(unhealed)} did not complete: "
@@ -344,6 +345,14 @@ class Tiers:
         self._record.put_back()
         for level in self.levels:
             level.lock.abandon()
+        self._close_courier()
+
+    def _close_courier(self) -> None:
+        """The courier's gloo group let go (``Courier.close``: its connections to every other
+        rank and its threads end): a closed writer, kept by the script, holds none of them."""
+        courier = self.placement.courier if self.placement is not None else None
+        if courier is not None:
+            courier.close()
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -474,8 +483,10 @@ class _Unclosed:
             except Exception as err:  # the job's store gone: the uploaders give up on their own (``NodeUploader.join``)
                 log.warning("llmtailor: a dropped writer could not tell the nodes' uploaders to stop: %s: %s",
                             type(err).__name__, err)
-        if self.uploader is None or self.uploader.stopped(then=self._dropped):
+        uploader = self.uploader
+        if uploader is None or uploader.stopped(then=self._dropped):
             _UNCLOSED.pop(self, None)
+            self.uploader = None  # it may hold this entry (``then``): neither keeps the other, nor its coordinator
 
     def finish(self) -> None:
         if self.uploader is not None:
