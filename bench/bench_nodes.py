@@ -24,7 +24,9 @@ once both nodes hold both nodes' parts; the durable tier is the S3 run, promoted
 background). Network bytes per save: what this rank's courier sent against this node's parts x
 (replicas - 1) (target: 1.00). Per node and contender, beside the wall times: the process's CPU
 seconds per measured step, every thread (``getrusage``, up to the end of the last save's background
-work), and the threads started per step; figures that move less with the machine's load.
+work), and the threads started per step; for ours, per save, the training thread's CPU inside
+the save call (``time.thread_time``) and the background thread's; figures that move less with the
+machine's load.
 
 With ``LLMTAILOR_BENCH_SAVE_PROFILE=PATH`` in the environment, each node's launch profiles its
 async saves on the threads that run them: the background thread's CPU per function
@@ -215,9 +217,12 @@ def report_training(results: list[dict], args: argparse.Namespace) -> None:
         print(f"node {node}: courier sent {sent / 1e6:.2f} MB for {result['saves']} saves whose own parts were "
               f"{parts / 1e6:.2f} MB: sent / (parts x (replicas - 1)) = {sent / parts:.4f}")
         waits, cpu = result.get("settle") or [0.0], result.get("persist_cpu") or [0.0]
+        calls = result.get("call_cpu") or [0.0]
         print(f"node {node}, ours per save: training thread waiting for the saves before (Tailor._settle) median "
-              f"{1e3 * statistics.median(waits):.1f} ms, total {sum(waits):.3f} s over {len(waits)} saves; background "
-              f"thread CPU (copies + persist) median {1e3 * statistics.median(cpu):.1f} ms over {len(cpu)} saves")
+              f"{1e3 * statistics.median(waits):.1f} ms, total {sum(waits):.3f} s over {len(waits)} saves; training thread "
+              f"CPU in the save call (Tailor.save, settling included) median {1e3 * statistics.median(calls):.2f} ms over "
+              f"{len(calls)} calls; background thread CPU (copies + persist) median {1e3 * statistics.median(cpu):.1f} ms "
+              f"over {len(cpu)} saves")
 
 
 def report_restores(restores: dict[str, list[float]], label: str) -> None:
@@ -304,7 +309,7 @@ def instrumented() -> dict[str, list[float]]:
     from llmtailor.async_stager import AsyncStager
     from llmtailor.tailor import Tailor
 
-    figures: dict[str, list[float]] = {"settle": [], "persist_cpu": [], "fence": []}
+    figures: dict[str, list[float]] = {"settle": [], "persist_cpu": [], "fence": [], "call_cpu": []}
 
     def timed(method, clock, key: str):
         def wrapper(self, *args, **kwargs):
@@ -327,6 +332,7 @@ def instrumented() -> dict[str, list[float]]:
     threading.Thread.start = counted_start  # threads started, by name (``started``)
     Tailor._settle = timed(Tailor._settle, time.perf_counter, "settle")
     AsyncStager._run = timed(AsyncStager._run, time.thread_time, "persist_cpu")
+    Tailor.save = timed(Tailor.save, time.thread_time, "call_cpu")  # the training thread's CPU in each save call
     if os.environ.get("LLMTAILOR_BENCH_SAVE_PROFILE"):  # each save's background thread, its CPU per function
         import atexit
         import cProfile
@@ -434,7 +440,7 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
                                                 "composite_bytes": composite, "settle": waits,
                                                 "calls": calls, "fence": fences, "cpu": cpu, "started": started,
-                                                "persist_cpu": figures["persist_cpu"],
+                                                "persist_cpu": figures["persist_cpu"], "call_cpu": figures["call_cpu"],
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 
 

@@ -213,10 +213,12 @@ class FrozenParts:
     def survey(self) -> FrozenSurvey:
         """This rank's look at its frozen tensors before a save (no message): their fingerprints,
         which changed since saved, and its report for the ranks' agreement (``plan``)."""
-        frozen = {weight_key(n) for n in self.provider.frozen_names()}
+        untrained = self.provider.frozen_names()
+        frozen = {weight_key(n) for n in untrained}
         # Only the units holding a frozen tensor: listing a unit's pieces costs (its optimizer
         # state's too), at every save, for nothing when nothing is frozen.
-        holding = [unit for unit, names in self.provider.layout.units.items() if any(weight_key(n) in frozen for n in names)]
+        holding = [unit for unit, names in self.provider.layout.units.items()
+                   if any(weight_key(n) in frozen for n in names)] if frozen else []
         pieces: dict[str, list[Piece]] = {}
         for unit_pieces in self.provider.pieces_by_unit(holding).values():
             for piece in unit_pieces:
@@ -232,7 +234,7 @@ class FrozenParts:
                     ref["cover_xxh3"] = prints[key][0][3]  # a whole tensor's one piece
                     self._held[key], self._base_refs[key] = ("base", prints[key]), ref
                     changed.remove(key)
-        report = [changed, sorted(self.provider.frozen_units()), list(self.provider.layout.units)]
+        report = [changed, sorted(self.provider.frozen_units(untrained)), list(self.provider.layout.units)]
         return FrozenSurvey(prints=prints, report=report, news=report != self._reported)
 
     def plan(self, tag: str, versioned: set[str], survey: FrozenSurvey, news_anywhere: bool) -> FrozenPlan:

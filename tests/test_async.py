@@ -14,6 +14,7 @@ import llmtailor.store.writer as writer
 from llmtailor import Full, Parity, Tailor
 from llmtailor.errors import BackgroundSaveError, ConfigError
 from llmtailor.store.run import Run
+from llmtailor.store.staged import Piece
 from llmtailor.tailor import PendingSave
 
 
@@ -184,6 +185,35 @@ def test_buffers_are_reused_across_saves(tmp_path, tokens):
     assert sizes == [sizes[0]] * 4
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
     assert sizes[0] < 1.1 * full_bytes
+
+
+def test_the_host_views_are_reused_for_the_same_pieces_and_carved_again_for_others():
+    buffers = staging.HostBuffers()
+    first = [Piece.whole("a", torch.zeros(4, 3)), Piece.whole("b", torch.zeros(5, dtype=torch.float16))]
+    views = buffers.views(first)
+    again = buffers.views([Piece.whole("c", torch.ones(4, 3)), Piece.whole("d", torch.ones(5, dtype=torch.float16))])
+    assert [v.data_ptr() for v in again] == [v.data_ptr() for v in views]
+    other = buffers.views([Piece.whole("a", torch.zeros(3, 4)), Piece.whole("b", torch.zeros(5))])
+    assert [(v.dtype, tuple(v.shape)) for v in other] == [(torch.float32, (3, 4)), (torch.float32, (5,))]
+    grown = buffers.views([Piece.whole("a", torch.zeros(1000))])
+    assert [(v.dtype, tuple(v.shape)) for v in grown] == [(torch.float32, (1000,))] and buffers.nbytes >= 4000
+
+
+def test_each_save_records_the_model_config_as_it_is_then(tmp_path, tokens):
+    """Its JSON is made again only when the config changed (``ConfigRecord``): a change between
+    two saves, an attribute's nested value changed in place too, is in the later save."""
+    model, opt, sched = tiny()
+    tailor = Tailor(tmp_path, model, opt, sched, policy=Parity(), async_save=True)
+    tailor.save(1).result()
+    model.config.note = {"tags": ["a"]}
+    tailor.save(2).result()
+    model.config.note["tags"].append("b")
+    tailor.save(3).result()
+    tailor.save(4).result()
+    tailor.close()
+    run = Run(tmp_path)
+    saved = [run.read_global(step)["model_config"].get("note") for step in (1, 2, 3, 4)]
+    assert saved == [None, {"tags": ["a"]}, {"tags": ["a", "b"]}, {"tags": ["a", "b"]}]
 
 
 def test_buffers_updated_in_forward_are_copied_before_save_returns(tmp_path, tokens):

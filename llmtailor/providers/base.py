@@ -18,6 +18,7 @@ prefixes, so a run saved by one provider at one world size restores through anot
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from abc import ABC, abstractmethod
@@ -150,9 +151,10 @@ class StateProvider(ABC):
         """The parameters the optimizer updates, by name (None: no optimizer, or not known)."""
         return None
 
-    def frozen_units(self) -> list[str]:
-        """Units whose tensors are all parameters that do not train (``frozen_names``)."""
-        frozen = self.frozen_names()
+    def frozen_units(self, frozen: set[str] | None = None) -> list[str]:
+        """Units whose tensors are all parameters that do not train (``frozen``: ``frozen_names()``,
+        when the caller has it already)."""
+        frozen = self.frozen_names() if frozen is None else frozen
         return [unit for unit, names in self.layout.units.items() if all(n in frozen for n in names)]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -376,6 +378,37 @@ def hf_config(model: torch.nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "config", None)
     to_json = getattr(config, "to_json_string", None)
     return json.loads(to_json(use_diff=False)) if callable(to_json) else None
+
+
+class ConfigRecord:
+    """``hf_config`` of a model at every save, its JSON made again only when the config's
+    attributes differ from those it was made from (a deep copy, compared): a transformers
+    config's ``to_json_string`` cost ~1.7 ms of the training thread per save on the project's
+    VM (issue 32, a save at every step). An attribute that does not compare (an array) makes it
+    every time."""
+
+    def __init__(self) -> None:
+        self._made: tuple[Any, dict[str, Any], str] | None = None
+        """The config, a deep copy of its attributes and the JSON made from them."""
+
+    def __call__(self, model: torch.nn.Module) -> dict[str, Any] | None:
+        config = getattr(model, "config", None)
+        to_json = getattr(config, "to_json_string", None)
+        if not callable(to_json):
+            return None
+        made = self._made
+        try:
+            same = made is not None and made[0] is config and bool(made[1] == vars(config))
+        except Exception:  # noqa: BLE001 - an attribute that does not compare: made again
+            same = False
+        if not same:
+            text = to_json(use_diff=False)
+            try:
+                self._made = (config, copy.deepcopy(vars(config)), text)
+            except Exception:  # noqa: BLE001 - an attribute that does not copy: made again next time
+                self._made = None
+            return json.loads(text)
+        return json.loads(made[2])
 
 
 def saved_state_keys(run: Run, composite: Composite) -> dict[str, set[str]]:

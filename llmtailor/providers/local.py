@@ -26,7 +26,7 @@ from llmtailor.distributed.read_plan import ReadPlan, balance_over, nbytes
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
-from llmtailor.providers.base import StateProvider, copy_into, hf_config, loading, peft_config, unwrap
+from llmtailor.providers.base import ConfigRecord, StateProvider, copy_into, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
 from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
@@ -62,6 +62,7 @@ class LocalProvider(StateProvider):
         self.optimizer = optimizer
         self.chain = optim_state.OptimizerChain(optimizer) if optimizer is not None else None
         self.lr_scheduler = lr_scheduler
+        self._config = ConfigRecord()
         self.kind = "local" if coordinator.world_size == 1 else "ddp"
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -161,7 +162,7 @@ class LocalProvider(StateProvider):
             "optimizer_groups": self.chain.group_records(name_of) if self.chain is not None else None,
             "optimizer_class": self.chain.classes() if self.chain is not None else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "model_config": hf_config(self.model),
+            "model_config": self._config(self.model),
             **({"peft_config": self.adapters} if self.adapters is not None else {}),
         }
 
