@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -143,3 +144,18 @@ def test_a_rank_waiting_when_the_process_hosting_the_store_dies_gets_a_coordinat
     for tag in ("r1/indexes", "r2/indexes"):  # the kept client's wait, then a new client's
         with pytest.raises(CoordinationError, match=r"store went away while this rank waited for rank\(s\) \[0\]"):
             rank.broadcast(tag, None)
+    # Every other call through the store, on the client that met the loss (a courier's look at
+    # its board, a collective promotion's report, a rank's part of a restore's exchange or of a
+    # survey), names it too, saying what this rank was doing, where torch's network error went out.
+    calls = {"posted 'promotion/1/node/1'": lambda: rank.post("promotion/1/node/1", {"bytes": 5}),
+             "looked for 'courier/0/broken'": lambda: rank.poll("courier/0/broken"),
+             "reported on 'r3/loaded/0'": lambda: rank.exchange("r3/loaded/0", {"error": None}),
+             "reported on 'r4/held'": lambda: rank.gather("r4/held", {}),
+             "announced 'r5/plan'": lambda: StoreCoordinator.over(client, 0, 2, timeout=5).broadcast("r5/plan", dict)}
+    for doing, call in calls.items():
+        with pytest.raises(CoordinationError, match=rf"^the job's store went away while this rank {re.escape(doing)}: "
+                                                    r"the process hosting it \(rank 0's, or the launcher's\) died"):
+            call()
+    # A rank reporting its own failure raises that, not the store's.
+    with pytest.raises(ValueError, match="its own"):
+        rank.gather("r6/held", ValueError("its own"))
