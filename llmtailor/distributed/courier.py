@@ -224,7 +224,7 @@ class Courier:
         another rank; any failure of this one breaks the courier (module docstring)."""
         if self.broken is None and self.board is not None:
             posted, why = False, None
-            with contextlib.suppress(RuntimeError):  # a store gone: the exchange itself fails, saying so
+            with contextlib.suppress(CoordinationError, RuntimeError):  # a store gone: the exchange itself fails, saying so
                 posted, why = self.board.poll(self._broken_tag)
             if posted:
                 self.broken, self._broken_on = why["why"], why["rank"]
@@ -289,10 +289,12 @@ class Courier:
         not one per message). A source that fails is noted in ``failed`` (by rank), the others'
         messages still taken (``_exchange_packed``); what is returned then is partial."""
         headers = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
-        asked = {src: self._receive(sizes, src, _SIZES) for src, sizes in headers.items()}
+        # A receive refused as it is posted (a dead source's connection closed) is that source's
+        # failure: the others' are still asked for and taken.
+        asked = {src: _noting(failed, src, self._receive, sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
-            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
+            coming[src] = None if src in failed else _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
         for src, posted in coming.items():
             for work in posted[2] if posted is not None else []:
                 _noting(failed, src, self._wait, work, f"receiving files from rank {src}")

@@ -341,11 +341,11 @@ def test_a_send_or_receive_refused_as_it_is_posted_names_the_peer():
         Courier(Gone(), rank=0, timeout=1).exchange({}, [2])
 
 
-@pytest.mark.parametrize("found", ["waiting", "posting"])
+@pytest.mark.parametrize("found", ["waiting", "posting", "posting a receive"])
 def test_a_packed_exchange_with_one_dead_peer_names_it_once_the_live_peers_messages_are_taken(found):
     """Rank 0 exchanges with ranks 1 and 2 (in one process, the group faked as above); rank 1 is
-    dead (gloo fails the waits of its receives, or refuses a send to it as it is posted: the
-    connection closed). The exchange fails naming rank 1, once
+    dead (gloo fails the waits of its receives, or refuses a send to it, or the first receive
+    from it, as it is posted: the connection closed). The exchange fails naming rank 1, once
     rank 2's files were taken and rank 0's sends to rank 2 waited for: a live sender's sends
     wait for receives posted, and a live receiver for sends kept, so neither is left to its
     timeout (nor blames rank 0, which is alive) where the dead rank is found at once."""
@@ -376,6 +376,8 @@ def test_a_packed_exchange_with_one_dead_peer_names_it_once_the_live_peers_messa
 
     class Group:
         def recv(self, tensors, src, tag):
+            if src == 1 and found == "posting a receive":
+                raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5001")
             if src == 1:
                 return Dead()
             tensors[0].copy_(wire[tag].pop(0))
