@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -201,10 +202,34 @@ def on_threads(count: int, work) -> list:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for a launcher's rendezvous, a test server)."""
+    """A TCP port free on loopback now (for a launcher's rendezvous, a test server), below the
+    range the kernel takes the local ports of outgoing connections from (``ip_local_port_range``;
+    a port bound as 0 comes from there): every rank's gloo connections, store clients and HTTP
+    clients on a busy machine take ports there, and one could take the port a server is about
+    to bind (its launch then fails: "address already in use"). Below it, only another server
+    asking for that very port can; one already there is passed over."""
+    low = _outgoing_ports()[0]
+    if low > 20000:
+        for _ in range(100):
+            port = random.SystemRandom().randrange(10000, low)  # not the seeded module generator
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _outgoing_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def standalone_launch(nproc: int) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import pytest
 from torch.distributed import HashStore
@@ -159,3 +160,23 @@ def test_a_rank_waiting_when_the_process_hosting_the_store_dies_gets_a_coordinat
     # A rank reporting its own failure raises that, not the store's.
     with pytest.raises(ValueError, match="its own"):
         rank.gather("r6/held", ValueError("its own"))
+
+
+def test_a_free_port_for_a_launch_lies_outside_the_kernels_ports_for_outgoing_connections():
+    """``helpers.free_port`` (a launch's rendezvous, a test server): a port bound as 0 comes from
+    the range outgoing connections take theirs from, where one of the many a busy machine's
+    ranks open could take it before the launch's store binds it ("address already in use").
+    Below that range, and a store binds it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from helpers import free_port
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low, high = map(int, ranges.read_text().split()) if ranges.exists() else (32768, 60999)
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high, (port, low, high)
+    server = TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    assert server.port == port
