@@ -106,12 +106,18 @@ class Courier:
     def open(cls, timeout: float = DEFAULT_TIMEOUT, board: Coordinator | None = None) -> Courier:
         """Collective on every rank of the job (training thread): a courier with a gloo group of
         its own, whatever backend training uses; ``board``: where the ranks' couriers say they
-        broke (module docstring)."""
+        broke (module docstring). CoordinationError when a rank does not come within ``timeout``
+        (it died before, or is stuck)."""
         import torch.distributed as dist
 
         number, world = next(_opened), dist.get_world_size()
         lanes = max(1, min(LANES, SOCKETS // max(1, world - 1)))
-        group = _gloo_group(f"llmtailor/courier/{number}", lanes, timeout)
+        try:
+            group = _gloo_group(f"llmtailor/courier/{number}", lanes, timeout)
+        except RuntimeError as err:  # gloo's rendezvous on the job's store timed out, or a peer's connection failed
+            raise CoordinationError(f"rank {dist.get_rank()}: the courier's gloo group could not be made within "
+                                    f"{timeout:g} s: a rank of the job died before it, or is stuck "
+                                    f"({type(err).__name__}: {_first_line(err)})") from None
         # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
         # its rank in the group, which the group's own send and receive take (``_send``).
         if (group.rank(), group.size()) != (dist.get_rank(), world):

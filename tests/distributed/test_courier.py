@@ -431,3 +431,21 @@ def test_a_packed_exchange_with_several_hung_peers_waits_one_timeout_in_all_and_
     for peer in (1, 2, 3):
         assert f"rank {peer} failed or timed out" in str(raised.value)
     assert clock[0] <= 60 + 3 * courier_module.LATE, clock[0]
+
+
+def test_a_courier_whose_group_cannot_be_made_fails_as_a_coordination_error(monkeypatch):
+    """``Courier.open`` is collective (the Tailor's start, a node-local tier): a rank of the job
+    that died before it, or never comes, leaves gloo's rendezvous of the courier's group waiting
+    on the job's store until the timeout, and torch's store error went out of the Tailor's
+    constructor bare. One process in a job of one, told the job has two (rank 1 never comes)."""
+    from torch.distributed import HashStore
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        with pytest.raises(CoordinationError, match=r"^rank 0: the courier's gloo group could not be made within 1 s: "
+                                                    r"a rank of the job died before it, or is stuck \(.*timeout"):
+            Courier.open(timeout=1)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
