@@ -120,13 +120,23 @@ def run_job(script: Path, args: list[str], result: Path, *, crash: bool = False,
     if launcher is None and nproc > 1:
         launcher = standalone_launch(nproc)
     launch = [*(launcher or [sys.executable]), str(script)]
-    proc = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    status, stdout, stderr = run_launch([*launch, *args], {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     if crash:
-        assert proc.returncode == (-9 if launcher is None else 1), proc.stderr[-3000:]
+        assert status == (-9 if launcher is None else 1), stderr[-3000:]
         return {}
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**json.loads(result.read_text()), "stdout": proc.stdout}
+    assert status == 0, stderr[-3000:]
+    return {**json.loads(result.read_text()), "stdout": stdout}
+
+
+def run_launch(command: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """``command`` run to its end: its exit status, stdout and stderr. One still running
+    ``LAUNCH_WAIT`` seconds on fails the test with every process of it ended (``wait_launches``:
+    a bound on a hang, not a timing; a launcher of several ranks is stopped so that it stops
+    them, where a timeout's SIGKILL to it alone left its ranks running)."""
+    launch = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    ((stdout, stderr),) = wait_launches([launch])
+    return launch.returncode, stdout, stderr
 
 
 def assert_composite_loaded(run, composite, live: dict[str, torch.Tensor]) -> None:
