@@ -304,7 +304,11 @@ class StoreCoordinator(Coordinator):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"
         reduced = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else tensor.device)
-        self._dist.all_reduce(reduced, group=self._group)
+        try:
+            self._dist.all_reduce(reduced, group=self._group)
+        except RuntimeError as err:  # gloo's (or NCCL's) error for a lost peer: which one, the collective does not say
+            raise CoordinationError(f"rank {self.rank}: the ranks' all-reduce at a save failed: a rank died or its "
+                                    f"connection failed ({describe_error(err)})") from None
         return reduced.to(tensor.device)
 
     # -- waiting with a deadline ---------------------------------------------------------------

@@ -180,3 +180,27 @@ def test_a_free_port_for_a_launch_lies_outside_the_kernels_ports_for_outgoing_co
         assert not low <= port <= high, (port, low, high)
     server = TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
     assert server.port == port
+
+
+def test_a_saves_all_reduce_that_gloo_fails_names_the_rank_and_what_it_was_doing():
+    """A save's one collective (the units' drift and the frozen news, summed over the ranks on
+    the training thread) with a peer gone: gloo's error for the lost connection went out of
+    ``save`` bare, where a rank lost later in a save is a CoordinationError. Over a coordinator of
+    its own (one process), the job's collective faked as gloo fails it."""
+    import torch
+
+    class Gloo:
+        @staticmethod
+        def get_backend(group=None) -> str:
+            return "gloo"
+
+        @staticmethod
+        def all_reduce(tensor, group=None):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:404: "
+                               "Connection reset by peer")
+
+    rank = StoreCoordinator.over(HashStore(), 1, 2, timeout=5)
+    rank._dist = Gloo
+    with pytest.raises(CoordinationError, match=r"^rank 1: the ranks' all-reduce at a save failed: a rank died or its "
+                                                r"connection failed \(RuntimeError: .*Connection reset by peer\)$"):
+        rank.all_reduce_sum(torch.zeros(3, dtype=torch.float64))
