@@ -24,7 +24,6 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
@@ -62,16 +61,17 @@ def run_jobs(script: Path, jobs: dict[str, tuple[list[str], Path]], work: Path) 
     (work / "jobs.json").write_text(json.dumps(listed))
     status_file = work / "status.json"
     status_file.unlink(missing_ok=True)
-    launch = subprocess.run([sys.executable, __file__, str(script), str(work / "jobs.json"), str(status_file)],
-                            capture_output=True, text=True, timeout=300 * len(jobs),
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    from helpers import run_launch  # only where a test runs jobs: nothing of llmtailor in a launch of this file
+
+    returncode, _, launch_stderr = run_launch([sys.executable, __file__, script, work / "jobs.json", status_file],
+                                              {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     statuses = json.loads(status_file.read_text()) if status_file.is_file() else []
     finished = {}
     for i, (name, (_, result)) in enumerate(jobs.items()):
         out, err = Path(listed[i]["out"]), Path(listed[i]["err"])
         status = statuses[i] if i < len(statuses) else None
-        stderr = err.read_text() if err.is_file() else f"not run: the launch exited with {launch.returncode}:\n" \
-                                                         f"{launch.stderr[-3000:]}"
+        stderr = err.read_text() if err.is_file() else f"not run: the launch exited with {returncode}:\n" \
+                                                         f"{launch_stderr[-3000:]}"
         finished[name] = Finished(name, status, out.read_text() if out.is_file() else "", stderr, result)
     return finished
 
@@ -79,9 +79,10 @@ def run_jobs(script: Path, jobs: dict[str, tuple[list[str], Path]], work: Path) 
 def launched(command: list[str], name: str, result: Path) -> Finished:
     """A job launched on its own (``command``: a launcher of several ranks and the job's command
     line), as ``Finished``; a rank SIGKILLed makes the launcher stop the others and exit 1."""
-    done = subprocess.run([str(c) for c in command], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
-    return Finished(name, done.returncode, done.stdout, done.stderr, result, killed=1)
+    from helpers import run_launch
+
+    status, stdout, stderr = run_launch(command, {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    return Finished(name, status, stdout, stderr, result, killed=1)
 
 
 def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[str], Path]],
@@ -94,16 +95,17 @@ def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[st
     command = [*launcher, str(script)]
     for number, (args, _) in enumerate(jobs.values()):
         command += [*(["--then"] if number else []), *map(str, args)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300 * len(jobs),
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    from helpers import run_launch
+
+    returncode, stdout, stderr = run_launch(command, {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     finished, status = {}, 0
     for number, (name, (_, result)) in enumerate(jobs.items()):
         if status == 0:
-            said = all(f"job {number} done on rank {rank}\n" in done.stdout for rank in range(ranks))
-            status = 0 if said else done.returncode or None  # None: the launch ended well without it
+            said = all(f"job {number} done on rank {rank}\n" in stdout for rank in range(ranks))
+            status = 0 if said else returncode or None  # None: the launch ended well without it
         else:
             status = None
-        finished[name] = Finished(name, status, done.stdout, done.stderr, result, killed=1)
+        finished[name] = Finished(name, status, stdout, stderr, result, killed=1)
     return finished
 
 

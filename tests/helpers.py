@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -119,13 +120,23 @@ def run_job(script: Path, args: list[str], result: Path, *, crash: bool = False,
     if launcher is None and nproc > 1:
         launcher = standalone_launch(nproc)
     launch = [*(launcher or [sys.executable]), str(script)]
-    proc = subprocess.run([*launch, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    status, stdout, stderr = run_launch([*launch, *args], {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     if crash:
-        assert proc.returncode == (-9 if launcher is None else 1), proc.stderr[-3000:]
+        assert status == (-9 if launcher is None else 1), stderr[-3000:]
         return {}
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**json.loads(result.read_text()), "stdout": proc.stdout}
+    assert status == 0, stderr[-3000:]
+    return {**json.loads(result.read_text()), "stdout": stdout}
+
+
+def run_launch(command: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """``command`` run to its end: its exit status, stdout and stderr. One still running
+    ``LAUNCH_WAIT`` seconds on fails the test with every process of it ended (``wait_launches``:
+    a bound on a hang, not a timing; a launcher of several ranks is stopped so that it stops
+    them, where a timeout's SIGKILL to it alone left its ranks running)."""
+    launch = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    ((stdout, stderr),) = wait_launches([launch])
+    return launch.returncode, stdout, stderr
 
 
 def assert_composite_loaded(run, composite, live: dict[str, torch.Tensor]) -> None:
@@ -201,10 +212,34 @@ def on_threads(count: int, work) -> list:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for a launcher's rendezvous, a test server)."""
+    """A TCP port free on loopback now (for a launcher's rendezvous, a test server), below the
+    range the kernel takes the local ports of outgoing connections from (``ip_local_port_range``;
+    a port bound as 0 comes from there): every rank's gloo connections, store clients and HTTP
+    clients on a busy machine take ports there, and one could take the port a server is about
+    to bind (its launch then fails: "address already in use"). Below it, only another server
+    asking for that very port can; one already there is passed over."""
+    low = _outgoing_ports()[0]
+    if low > 20000:
+        for _ in range(100):
+            port = random.SystemRandom().randrange(10000, low)  # not the seeded module generator
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _outgoing_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def standalone_launch(nproc: int) -> list[str]:

@@ -19,11 +19,13 @@ means the same save on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -232,9 +234,10 @@ class StoreCoordinator(Coordinator):
                 value = compute()
             except BaseException as err:
                 alike = type(err).__name__ if isinstance(err, ALIKE) else None
-                self._store.set(key, json.dumps({"error": describe_error(err), "alike": alike}))
+                with contextlib.suppress(CoordinationError):  # a store gone: this rank's own error says more
+                    self._set(key, {"error": describe_error(err), "alike": alike}, f"announced {tag!r}")
                 raise
-            self._store.set(key, json.dumps({"ok": value}))
+            self._set(key, {"ok": value}, f"announced {tag!r}")
             return value
         message = self._wait_one(key, f"the leader (rank 0) did not announce {tag!r}", patience)
         if "error" in message:
@@ -245,16 +248,22 @@ class StoreCoordinator(Coordinator):
     def gather(self, tag: str, value: Any) -> list[Any] | None:
         key = f"{self._prefix}{tag}/"
         message = {"error": describe_error(value)} if isinstance(value, BaseException) else {"ok": value}
-        self._store.set(key + str(self.rank), json.dumps(message))
+        try:
+            self._set(key + str(self.rank), message, f"reported on {tag!r}")
+        except CoordinationError:
+            if isinstance(value, BaseException):  # a store gone: this rank's own failure says more
+                raise value from None
+            raise
         if not self.is_leader:
             if isinstance(value, BaseException):
                 raise value
             return None
         keys = [key + str(r) for r in range(self.world_size)]
         self._wait_all(keys, lambda missing: f"rank(s) {missing} did not report on {tag!r}")
-        messages = [json.loads(self._store.get(k)) for k in keys]
-        for k in keys:
-            self._store.delete_key(k)
+        with self._reaching(f"read the reports on {tag!r}"):
+            messages = [json.loads(self._store.get(k)) for k in keys]
+            for k in keys:
+                self._store.delete_key(k)
         failed = {r: m["error"] for r, m in enumerate(messages) if "error" in m}
         if failed:
             if isinstance(value, BaseException) and len(failed) == 1:
@@ -264,7 +273,7 @@ class StoreCoordinator(Coordinator):
 
     def exchange(self, tag: str, value: Any) -> list[Any]:
         key = f"{self._prefix}{tag}/"
-        self._store.set(key + str(self.rank), json.dumps(value))
+        self._set(key + str(self.rank), value, f"reported on {tag!r}")
         keys = [key + str(r) for r in range(self.world_size)]
 
         def describe(missing: list[int]) -> str:
@@ -276,14 +285,16 @@ class StoreCoordinator(Coordinator):
             return f"rank(s) {missing} did not report on {tag!r}" + (f" ({failed})" if failed else "")
 
         self._wait_all(keys, describe)
-        return [json.loads(self._store.get(k)) for k in keys]
+        with self._reaching(f"read the reports on {tag!r}"):
+            return [json.loads(self._store.get(k)) for k in keys]
 
     def post(self, tag: str, value: Any) -> None:
-        self._store.set(self._prefix + tag, json.dumps(value))
+        self._set(self._prefix + tag, value, f"posted {tag!r}")
 
     def poll(self, tag: str) -> tuple[bool, Any]:
         key = self._prefix + tag
-        return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
+        with self._reaching(f"looked for {tag!r}"):
+            return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
 
     def collect(self, tags: dict[int, str], what: str) -> dict[int, Any]:
         keys = {rank: self._prefix + tag for rank, tag in tags.items()}
@@ -294,19 +305,40 @@ class StoreCoordinator(Coordinator):
 
         self._wait_all(list(keys.values()), lambda _: describe(
             [by_key[k] for k in keys.values() if not self._store.check([k])]), ranks=sorted(tags))
-        return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
+        with self._reaching(f"read what rank(s) {sorted(tags)} posted"):
+            return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"
         reduced = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else tensor.device)
-        self._dist.all_reduce(reduced, group=self._group)
+        try:
+            self._dist.all_reduce(reduced, group=self._group)
+        except RuntimeError as err:  # gloo's (or NCCL's) error for a lost peer: which one, the collective does not say
+            raise CoordinationError(f"rank {self.rank}: the ranks' all-reduce at a save failed: a rank died or its "
+                                    f"connection failed ({describe_error(err)})") from None
         return reduced.to(tensor.device)
 
     # -- waiting with a deadline ---------------------------------------------------------------
 
     def _wait_one(self, key: str, what: str, patience: float = 1.0) -> dict[str, Any]:
         self._wait_all([key], lambda missing: what, patience)
-        return json.loads(self._store.get(key))
+        with self._reaching("read what rank 0 announced"):
+            return json.loads(self._store.get(key))
+
+    def _set(self, key: str, value: Any, what: str) -> None:
+        """``value`` (JSON) under ``key`` in the job's store, this rank doing ``what`` (``_reaching``)."""
+        with self._reaching(what):
+            self._store.set(key, json.dumps(value))
+
+    @contextmanager
+    def _reaching(self, what: str) -> Iterator[None]:
+        """A block of store calls: a store that went away (the process hosting it died, rank 0's
+        or the launcher's) is a CoordinationError saying what this rank was doing, as every wait's
+        is (``_wait_all``), not torch's network error."""
+        try:
+            yield
+        except self._dist_errors()[1] as err:
+            raise _gone(what, err) from None
 
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0,
                   ranks: list[int] | None = None) -> None:
@@ -320,19 +352,15 @@ class StoreCoordinator(Coordinator):
         A store that went away (the process hosting it died) is a CoordinationError too, naming
         ``ranks`` (default: those of the keys), whichever client met it."""
         limit = self.timeout * patience
-        try:
+        with self._reaching(f"waited for rank(s) {ranks or _ranks_of(keys)}"):
             if self._wait_for(keys, limit):
                 return
             pending = [k for k in keys if not self._store.check([k])]
-        except self._dist_errors()[1] as err:
-            raise CoordinationError(
-                f"the job's store went away while this rank waited for rank(s) {ranks or _ranks_of(keys)}: the "
-                f"process hosting it (rank 0's, or the launcher's) died ({str(err).splitlines()[0]})") from None
-        if pending:
-            raise CoordinationError(
-                f"{describe(_ranks_of(pending))} within {limit:g} s: a rank died or is stuck "
-                f"(timeout: Tailor(..., timeout=...))"
-            )
+            if pending:  # ``describe`` may read what the other ranks reported
+                raise CoordinationError(
+                    f"{describe(_ranks_of(pending))} within {limit:g} s: a rank died or is stuck "
+                    f"(timeout: Tailor(..., timeout=...))"
+                )
 
     def _wait_for(self, keys: list[str], limit: float) -> bool:
         """Block until every key is set (True) or ``limit`` seconds passed (False: the caller
@@ -372,6 +400,12 @@ class StoreCoordinator(Coordinator):
         from torch.distributed import DistNetworkError, DistStoreError
 
         return DistStoreError, DistNetworkError
+
+
+def _gone(what: str, err: BaseException) -> CoordinationError:
+    """The job's store went away while this rank did ``what`` (``StoreCoordinator._reaching``)."""
+    return CoordinationError(f"the job's store went away while this rank {what}: the process hosting it (rank 0's, "
+                             f"or the launcher's) died ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
 
 
 def _ranks_of(keys: list[str]) -> list[int]:

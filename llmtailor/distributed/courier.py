@@ -126,12 +126,18 @@ class Courier:
     def open(cls, timeout: float = DEFAULT_TIMEOUT, board: Coordinator | None = None) -> Courier:
         """Collective on every rank of the job (training thread): a courier with a gloo group of
         its own, whatever backend training uses; ``board``: where the ranks' couriers say they
-        broke (module docstring)."""
+        broke (module docstring). CoordinationError when a rank does not come within ``timeout``
+        (it died before, or is stuck)."""
         import torch.distributed as dist
 
         number, world = next(_opened), dist.get_world_size()
         lanes = max(1, min(LANES, SOCKETS // max(1, world - 1)))
-        group = _gloo_group(f"llmtailor/courier/{number}", lanes, timeout)
+        try:
+            group = _gloo_group(f"llmtailor/courier/{number}", lanes, timeout)
+        except RuntimeError as err:  # gloo's rendezvous on the job's store timed out, or a peer's connection failed
+            raise CoordinationError(f"rank {dist.get_rank()}: the courier's gloo group could not be made within "
+                                    f"{timeout:g} s: a rank of the job died before it, or is stuck "
+                                    f"({type(err).__name__}: {_first_line(err)})") from None
         # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
         # its rank in the group, which the group's own send and receive take (``_send``).
         if (group.rank(), group.size()) != (dist.get_rank(), world):
@@ -244,7 +250,7 @@ class Courier:
         another rank; any failure of this one breaks the courier (module docstring)."""
         if self.broken is None and self.board is not None:
             posted, why = False, None
-            with contextlib.suppress(RuntimeError):  # a store gone: the exchange itself fails, saying so
+            with contextlib.suppress(CoordinationError, RuntimeError):  # a store gone: the exchange itself fails, saying so
                 posted, why = self.board.poll(self._broken_tag)
             if posted:
                 self.broken, self._broken_on = why["why"], why["rank"]
@@ -319,10 +325,12 @@ class Courier:
         not one per message). A source that fails is noted in ``failed`` (by rank), the others'
         messages still taken (``_exchange_packed``); what is returned then is partial."""
         headers = {src: torch.zeros(2, dtype=torch.int64) for src in sources}
-        asked = {src: self._receive(sizes, src, _SIZES) for src, sizes in headers.items()}
+        # A receive refused as it is posted (a dead source's connection closed) is that source's
+        # failure: the others' are still asked for and taken.
+        asked = {src: _noting(failed, src, self._receive, sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
         for src, sizes in headers.items():
-            coming[src] = _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
+            coming[src] = None if src in failed else _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
         for src, posted in coming.items():
             for work in posted[2] if posted is not None else []:
                 _noting(failed, src, self._wait, work, f"receiving files from rank {src}")

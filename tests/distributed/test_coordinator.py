@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import threading
+from pathlib import Path
 
 import pytest
 from torch.distributed import HashStore
@@ -143,3 +145,62 @@ def test_a_rank_waiting_when_the_process_hosting_the_store_dies_gets_a_coordinat
     for tag in ("r1/indexes", "r2/indexes"):  # the kept client's wait, then a new client's
         with pytest.raises(CoordinationError, match=r"store went away while this rank waited for rank\(s\) \[0\]"):
             rank.broadcast(tag, None)
+    # Every other call through the store, on the client that met the loss (a courier's look at
+    # its board, a collective promotion's report, a rank's part of a restore's exchange or of a
+    # survey), names it too, saying what this rank was doing, where torch's network error went out.
+    calls = {"posted 'promotion/1/node/1'": lambda: rank.post("promotion/1/node/1", {"bytes": 5}),
+             "looked for 'courier/0/broken'": lambda: rank.poll("courier/0/broken"),
+             "reported on 'r3/loaded/0'": lambda: rank.exchange("r3/loaded/0", {"error": None}),
+             "reported on 'r4/held'": lambda: rank.gather("r4/held", {}),
+             "announced 'r5/plan'": lambda: StoreCoordinator.over(client, 0, 2, timeout=5).broadcast("r5/plan", dict)}
+    for doing, call in calls.items():
+        with pytest.raises(CoordinationError, match=rf"^the job's store went away while this rank {re.escape(doing)}: "
+                                                    r"the process hosting it \(rank 0's, or the launcher's\) died"):
+            call()
+    # A rank reporting its own failure raises that, not the store's.
+    with pytest.raises(ValueError, match="its own"):
+        rank.gather("r6/held", ValueError("its own"))
+
+
+def test_a_free_port_for_a_launch_lies_outside_the_kernels_ports_for_outgoing_connections():
+    """``helpers.free_port`` (a launch's rendezvous, a test server): a port bound as 0 comes from
+    the range outgoing connections take theirs from, where one of the many a busy machine's
+    ranks open could take it before the launch's store binds it ("address already in use").
+    Below that range, and a store binds it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from helpers import free_port
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low, high = map(int, ranges.read_text().split()) if ranges.exists() else (32768, 60999)
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high, (port, low, high)
+    server = TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    assert server.port == port
+
+
+def test_a_saves_all_reduce_that_gloo_fails_names_the_rank_and_what_it_was_doing():
+    """A save's one collective (the units' drift and the frozen news, summed over the ranks on
+    the training thread) with a peer gone: gloo's error for the lost connection went out of
+    ``save`` bare, where a rank lost later in a save is a CoordinationError. Over a coordinator of
+    its own (one process), the job's collective faked as gloo fails it."""
+    import torch
+
+    class Gloo:
+        @staticmethod
+        def get_backend(group=None) -> str:
+            return "gloo"
+
+        @staticmethod
+        def all_reduce(tensor, group=None):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:404: "
+                               "Connection reset by peer")
+
+    rank = StoreCoordinator.over(HashStore(), 1, 2, timeout=5)
+    rank._dist = Gloo
+    with pytest.raises(CoordinationError, match=r"^rank 1: the ranks' all-reduce at a save failed: a rank died or its "
+                                                r"connection failed \(RuntimeError: .*Connection reset by peer\)$"):
+        rank.all_reduce_sum(torch.zeros(3, dtype=torch.float64))

@@ -341,11 +341,11 @@ def test_a_send_or_receive_refused_as_it_is_posted_names_the_peer():
         Courier(Gone(), rank=0, timeout=1).exchange({}, [2])
 
 
-@pytest.mark.parametrize("found", ["waiting", "posting"])
+@pytest.mark.parametrize("found", ["waiting", "posting", "posting a receive"])
 def test_a_packed_exchange_with_one_dead_peer_names_it_once_the_live_peers_messages_are_taken(found):
     """Rank 0 exchanges with ranks 1 and 2 (in one process, the group faked as above); rank 1 is
-    dead (gloo fails the waits of its receives, or refuses a send to it as it is posted: the
-    connection closed). The exchange fails naming rank 1, once
+    dead (gloo fails the waits of its receives, or refuses a send to it, or the first receive
+    from it, as it is posted: the connection closed). The exchange fails naming rank 1, once
     rank 2's files were taken and rank 0's sends to rank 2 waited for: a live sender's sends
     wait for receives posted, and a live receiver for sends kept, so neither is left to its
     timeout (nor blames rank 0, which is alive) where the dead rank is found at once."""
@@ -376,6 +376,8 @@ def test_a_packed_exchange_with_one_dead_peer_names_it_once_the_live_peers_messa
 
     class Group:
         def recv(self, tensors, src, tag):
+            if src == 1 and found == "posting a receive":
+                raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5001")
             if src == 1:
                 return Dead()
             tensors[0].copy_(wire[tag].pop(0))
@@ -468,3 +470,21 @@ def test_a_closed_courier_lets_its_group_go_once_no_exchange_runs_and_refuses_ev
     group = weakref.ref(idle.group)
     idle.close()
     assert group() is None
+
+
+def test_a_courier_whose_group_cannot_be_made_fails_as_a_coordination_error(monkeypatch):
+    """``Courier.open`` is collective (the Tailor's start, a node-local tier): a rank of the job
+    that died before it, or never comes, leaves gloo's rendezvous of the courier's group waiting
+    on the job's store until the timeout, and torch's store error went out of the Tailor's
+    constructor bare. One process in a job of one, told the job has two (rank 1 never comes)."""
+    from torch.distributed import HashStore
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        with pytest.raises(CoordinationError, match=r"^rank 0: the courier's gloo group could not be made within 1 s: "
+                                                    r"a rank of the job died before it, or is stuck \(.*timeout"):
+            Courier.open(timeout=1)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

@@ -387,7 +387,7 @@ def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_pat
         )
         for r in range(2)
     ]
-    outputs = wait_launches(procs, timeout=300)
+    outputs = wait_launches(procs)
     assert procs[1].returncode == -signal.SIGKILL
     assert procs[0].returncode == 0, outputs[0][1][-3000:]
     result = json.loads((tmp_path / "result-kill-0.json").read_text())

@@ -101,3 +101,38 @@ def test_a_collective_promotion_at_interpreter_exit_commits(copies, monkeypatch)
     outcome, reports = promote_together(node0, node1, shared, 2)
     assert outcome == ([2], Run(node0.root).manifest(2).total_bytes()) and "bytes" in reports[0], (outcome, reports)
     assert Run(shared.run.root).steps() == [2] and Run(shared.run.root).verify() == []
+
+
+def test_a_follower_whose_report_finds_the_jobs_store_gone_stops_saying_so_not_with_a_thread_error(monkeypatch, caplog):
+    """Rank 0 (hosting the job's store) dies while node 1's uploader serves its order: the post
+    of its report fails. The uploader logs that it stops, naming the store, and ends (``join``
+    gives up as for any rank 0 that went silent), where torch's network error killed its thread."""
+    import datetime
+    import gc
+    import logging
+
+    from torch.distributed import TCPStore
+
+    server = [TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)]
+    client = TCPStore("127.0.0.1", server[0].port, 2, False, timeout=datetime.timedelta(seconds=30))
+    leader, follower = StoreCoordinator.over(server[0], 0, 2, timeout=30), StoreCoordinator.over(client, 1, 2, timeout=30)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+
+    def serve(order):  # rank 0 dies as node 1 uploads; node 1's client has met the loss once it reports
+        server.clear()
+        leader._store = None
+        gc.collect()
+        with pytest.raises(Exception):
+            client.check(["anything"])
+        return {"bytes": 0}
+
+    uploader._serve = serve
+    died: list = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    with caplog.at_level(logging.WARNING, logger=collective.__name__):
+        uploader.start()
+        leader.post(collective.order_tag(1), {"staging": {}})
+        uploader._thread.join(120)
+    assert not uploader._thread.is_alive() and died == []
+    assert "node 1's uploader could not report on promotion 1 and stops: the job's store went away while this rank " \
+           "posted 'promotion/1/node/1'" in caplog.text, caplog.text

@@ -244,7 +244,13 @@ class NodeUploader:
                 if then is not None:
                     then()
                 return
-            self.coordinator.post(report_tag(number, self.node), self._serve(order))
+            report = self._serve(order)
+            try:
+                self.coordinator.post(report_tag(number, self.node), report)
+            except CoordinationError as err:  # the job's store went away (rank 0 died): no order follows
+                log.warning("llmtailor: node %d's uploader could not report on promotion %d and stops: %s",
+                            self.node, number, err)
+                return
             self._heard = time.monotonic()
             number += 1
 
