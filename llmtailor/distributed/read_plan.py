@@ -139,8 +139,9 @@ class ReadPlan:
         ``meanwhile``, an exchange of the ranks); each next one queued once fewer than
         ``_AHEAD`` of its items are read and not yet delivered to every rank (memory: at most
         that many items of its own being sent, and two read ahead), so the ranks' reads overlap
-        one another and the sends (``read`` must allow it: the store's reads do). It waits for the items of others in the same turns, up to ``_WINDOW`` (and
-        ``_WINDOW_BYTES``) at a time, at least one.
+        one another and the sends (``read`` must allow it: the store's reads do). It waits for
+        the items of others in the same turns, up to ``_WINDOW`` (and ``_WINDOW_BYTES``) at a
+        time, at least one.
 
         Failures: a read that fails is sent to every rank in place of the item's bytes; once a
         rank knows of one it reads nothing more (its items not yet read are sent as skipped) and
