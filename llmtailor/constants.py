@@ -70,6 +70,12 @@ def snapshot_dirname(step: int) -> str:
     return f"{SNAPSHOT_PREFIX}{step:08d}"
 
 
+def parse_snapshot_name(name: str) -> int | None:
+    """The step of a snapshot directory name (``step-00000100``), or None for any other name."""
+    match = re.fullmatch(re.escape(SNAPSHOT_PREFIX) + r"([0-9]+)", name)
+    return int(match.group(1)) if match else None
+
+
 def rank_state_files(rank: int) -> tuple[str, str]:
     """The JSON and tensor files of rank ``rank``'s own global state (RNG, user extras) for
     ranks >= 1; rank 0's live in ``global.json`` / ``global.safetensors`` with the shared state."""

@@ -37,7 +37,6 @@ Invariants of reading:
 from __future__ import annotations
 
 import functools
-import re
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -47,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, SNAPSHOT_PREFIX, SNAPSHOTS_DIR, TMP_DIR, snapshot_dirname
+from llmtailor.constants import LATEST_FILE, MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, parse_snapshot_name, snapshot_dirname
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.layouts import name_units
 from llmtailor.store.manifest import Manifest, parse_manifest
@@ -509,12 +508,6 @@ class Catalog:
 def not_restorable(step: int, lost: dict[int, list[str]]) -> str:
     needs = "; ".join(f"step {source} (units {name_units(units)})" for source, units in sorted(lost.items()))
     return f"the composite of step {step} needs {needs}, which is not in the run"
-
-
-def parse_snapshot_name(name: str) -> int | None:
-    """The step of a snapshot directory name (``step-00000100``), or None for any other name."""
-    match = re.fullmatch(re.escape(SNAPSHOT_PREFIX) + r"([0-9]+)", name)
-    return int(match.group(1)) if match else None
 
 
 def _ranges(steps: list[int]) -> str:

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOT_PREFIX, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
 from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.local_durable import (create_file, create_replacement, fsync_beside, fsync_dir, fsync_together,
                                                    replace_with)
@@ -228,11 +228,10 @@ def _newest_is(snapshots: Path, parent: int) -> bool:
     try:
         with os.scandir(snapshots) as entries:
             for count, entry in enumerate(entries):
-                digits = entry.name[len(SNAPSHOT_PREFIX):]
-                if count >= NEWEST_LISTED_UP_TO or not entry.name.startswith(SNAPSHOT_PREFIX) \
-                        or not (digits.isascii() and digits.isdigit()) or int(digits) > parent:
+                step = parse_snapshot_name(entry.name)
+                if count >= NEWEST_LISTED_UP_TO or step is None or step > parent:
                     return False
-                found = found or int(digits) == parent
+                found = found or step == parent
     except OSError:  # not listed: the renames one after the other
         return False
     return found
