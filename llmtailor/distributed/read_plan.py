@@ -49,7 +49,7 @@ Spec = tuple[torch.dtype, list[int]]
 Slice = tuple[int, int]
 """``(offset, length)``: bytes of one item (``ReadPlan.deliver``)."""
 
-_ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
+ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer (any dtype views it)
 _SENT, _DAMAGED, _FAILED, _SKIPPED = 0, 1, 2, 3  # what a reader announces before the payload
 _HEAD = 16  # an item's message's first bytes (``fetch``, ``deliver``): its reader's status and how many bytes follow (two int64)
 _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: room for a failed read's error
@@ -565,7 +565,7 @@ def _packed_slices(parts: list[Slice]) -> list[tuple[Slice, Slice]]:
     placed, at = [], 0
     for offset, length in parts:
         placed.append(((offset, length), (at, length)))
-        at += -(-length // _ALIGN) * _ALIGN
+        at += -(-length // ALIGN) * ALIGN
     return placed
 
 
@@ -637,12 +637,12 @@ def _offsets(specs: list[Spec]) -> list[int]:
     offsets, at = [], 0
     for dtype, shape in specs:
         offsets.append(at)
-        at += -(-_size(dtype, shape) // _ALIGN) * _ALIGN
+        at += -(-_size(dtype, shape) // ALIGN) * ALIGN
     return offsets
 
 
 def _packed_size(specs: list[Spec]) -> int:
-    return sum(-(-_size(dtype, shape) // _ALIGN) * _ALIGN for dtype, shape in specs)
+    return sum(-(-_size(dtype, shape) // ALIGN) * ALIGN for dtype, shape in specs)
 
 
 def balance_over(sizes: dict[str, int], ranks: tuple[int, ...]) -> dict[str, int]:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
-from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance
+from llmtailor.distributed.read_plan import ALIGN, ReadPlan, ReadRefused, balance
 from llmtailor.errors import IntegrityError
 from llmtailor.store.checked import stored_header
 from llmtailor.store.manifest import FileEntry
@@ -175,10 +175,11 @@ def _settle(received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]]) -
 
 
 def _aligned(data: memoryview) -> bool:
-    """Whether ``data`` begins at an address aligned for any dtype (a tensor of any dtype may view it)."""
+    """Whether ``data`` begins at an address aligned for any dtype (a tensor of any dtype may view
+    it), as ``ReadPlan.deliver`` receives each part (``ALIGN``)."""
     import torch
 
-    return len(data) == 0 or torch.frombuffer(data, dtype=torch.uint8).data_ptr() % 16 == 0
+    return len(data) == 0 or torch.frombuffer(data, dtype=torch.uint8).data_ptr() % ALIGN == 0
 
 
 def _batches(groups: list[str], everyone: list[dict[str, list]]) -> list[tuple[str, ...]]:
