@@ -405,7 +405,7 @@ class StoreCoordinator(Coordinator):
 def _gone(what: str, err: BaseException) -> CoordinationError:
     """The job's store went away while this rank did ``what`` (``StoreCoordinator._reaching``)."""
     return CoordinationError(f"the job's store went away while this rank {what}: the process hosting it (rank 0's, "
-                             f"or the launcher's) died ({str(err).splitlines()[0] if str(err) else type(err).__name__})")
+                             f"or the launcher's) died ({first_line(err)})")
 
 
 def _ranks_of(keys: list[str]) -> list[int]:
@@ -423,6 +423,11 @@ def make_coordinator(timeout: float = DEFAULT_TIMEOUT) -> Coordinator:
     return LocalCoordinator()
 
 
+def first_line(err: BaseException) -> str:
+    """What an error says in its first line (its type's name where it says nothing)."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 def describe_error(err: BaseException) -> str:
     """An error as one line for another rank: a TailorError's own message, else its type too."""
     return str(err) if isinstance(err, TailorError) else f"{type(err).__name__}: {err}"
@@ -435,5 +440,6 @@ __all__ = [
     "LocalCoordinator",
     "StoreCoordinator",
     "describe_error",
+    "first_line",
     "make_coordinator",
 ]

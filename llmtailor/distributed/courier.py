@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator
+from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator, first_line
 
 Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
@@ -137,7 +137,7 @@ class Courier:
         except RuntimeError as err:  # gloo's rendezvous on the job's store timed out, or a peer's connection failed
             raise CoordinationError(f"rank {dist.get_rank()}: the courier's gloo group could not be made within "
                                     f"{timeout:g} s: a rank of the job died before it, or is stuck "
-                                    f"({type(err).__name__}: {_first_line(err)})") from None
+                                    f"({type(err).__name__}: {first_line(err)})") from None
         # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
         # its rank in the group, which the group's own send and receive take (``_send``).
         if (group.rank(), group.size()) != (dist.get_rank(), world):
@@ -267,7 +267,7 @@ class Courier:
         try:
             yield
         except BaseException as err:
-            self.broken, self._broken_on = _first_line(err), self.rank
+            self.broken, self._broken_on = first_line(err), self.rank
             if self.board is not None:  # the other ranks refuse at once, not after waiting for this one
                 with contextlib.suppress(Exception):  # a store gone: they time out as before
                     self.board.post(self._broken_tag, {"rank": self.rank, "why": self.broken})
@@ -390,7 +390,7 @@ class Courier:
             work.wait(timeout=timedelta(seconds=timeout))
         except RuntimeError as err:
             raise CoordinationError(f"{what} failed or timed out after {self.timeout:g} s: the rank died or is stuck "
-                                    f"({_first_line(err)})") from None
+                                    f"({first_line(err)})") from None
 
 
 def _noting(failed: dict[int, CoordinationError], peer: int, call: Callable[..., Any], *args: Any) -> Any:
@@ -402,16 +402,11 @@ def _noting(failed: dict[int, CoordinationError], peer: int, call: Callable[...,
         return None
 
 
-def _first_line(err: BaseException) -> str:
-    """What an error says in its first line (its type's name where it says nothing)."""
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
-
-
 def _lost(what: str, err: RuntimeError) -> CoordinationError:
     """A send or receive that gloo refused as it was posted (one of the group's connections to
     that rank closed: the rank died), naming the rank (``what``)."""
     return CoordinationError(f"{what} failed: the rank died or its connection failed "
-                             f"({_first_line(err)})")
+                             f"({first_line(err)})")
 
 
 def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:
