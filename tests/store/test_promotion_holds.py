@@ -136,3 +136,30 @@ def test_a_follower_whose_report_finds_the_jobs_store_gone_stops_saying_so_not_w
     assert not uploader._thread.is_alive() and died == []
     assert "node 1's uploader could not report on promotion 1 and stops: the job's store went away while this rank " \
            "posted 'promotion/1/node/1'" in caplog.text, caplog.text
+
+
+def test_a_follower_that_stopped_on_its_own_is_not_waited_for_until_the_timeout():
+    """An uploader whose thread ended without rank 0's stop (its report found the job's store
+    gone: it logs that it stops) is not waited for by ``join`` (a close, or the exit's
+    ``_Unclosed.finish``) for the coordinator's whole timeout, as if it might still serve an
+    order: ``join`` returns once the thread ended. The timeout here is an hour; the wait below
+    a bound on a hang."""
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=3600), StoreCoordinator.over(store, 1, 2, timeout=3600)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+    uploader._serve = lambda order: {"bytes": 0}
+
+    def gone(tag, value):
+        raise CoordinationError(f"the job's store went away while this rank posted {tag!r}")
+
+    follower.post = gone
+    uploader.start()
+    leader.post(collective.order_tag(1), {"staging": {}})
+    uploader._thread.join(120)
+    assert not uploader._thread.is_alive()
+    joined = threading.Thread(target=uploader.join, daemon=True)
+    joined.start()
+    joined.join(60)
+    assert not joined.is_alive(), "join waited on for an uploader whose thread had ended"

@@ -221,8 +221,11 @@ class NodeUploader:
     def join(self) -> None:
         """Wait until rank 0 said stop (it does once its last promotion is committed), or until
         no order came for the coordinator's timeout (a rank 0 that died says nothing: logged,
-        not raised)."""
+        not raised), or the thread ended on its own (its report found the job's store gone:
+        logged there; no order follows, and its ``then`` is not called)."""
         while not self._stopped.wait(IDLE_WAIT):
+            if self._thread.ident is not None and not self._thread.is_alive():
+                return
             if time.monotonic() - self._heard > self.coordinator.timeout:
                 log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
                             self.node, self.coordinator.timeout)
