@@ -222,3 +222,21 @@ def test_tailor_delegates_rather_than_grows():
     tree = ast.parse((PACKAGE / "tailor.py").read_text(encoding="utf-8"))
     (tailor,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Tailor"]
     assert tailor.end_lineno - tailor.lineno + 1 < 250
+
+
+def test_every_module_compiles_without_a_warning():
+    """No module's source warns as it is compiled (an invalid escape such as ``\\ `` in a
+    docstring: a SyntaxWarning from Python 3.12, a SyntaxError where warnings are errors, as a
+    CI with ``-W error`` or ``PYTHONWARNINGS=error`` has them, on any import not served from a
+    cached .pyc)."""
+    import warnings
+
+    warned = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                compile(path.read_text(encoding="utf-8"), str(path), "exec", dont_inherit=True)
+            except (SyntaxError, Warning) as err:
+                warned.append(f"{path.relative_to(PACKAGE.parent)}: {err}")
+    assert warned == []

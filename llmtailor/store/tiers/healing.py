@@ -394,7 +394,7 @@ def _resolve(coming: Future, failure: BaseException | None = None) -> None:
 HAND_OVER_BYTES = 1 << 30
 """The most bytes of received files a node keeps in memory for the restore that follows a
 healing, over every snapshot it receives (``Kept``: one per healing, shared by its
-``Receiving``\ s); past it, files are read back from the node's copy: a node healing hundreds of
+``Receiving`` objects); past it, files are read back from the node's copy: a node healing hundreds of
 GB must not hold them twice in host memory."""
 
 
