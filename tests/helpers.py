@@ -274,15 +274,29 @@ def wait_launches(launches: list[subprocess.Popen], timeout: float = LAUNCH_WAIT
     """Each launch's ``(stdout, stderr)`` once every one has ended (stderr None where the launch
     merged it into stdout). A launch still running ``timeout`` seconds on (a rank holds or waits
     for one that died) fails the test, every launch ended (``end_launches``), with what each wrote."""
-    deadline, outputs = time.monotonic() + timeout, []
-    for i, launch in enumerate(launches):
-        try:
-            outputs.append(launch.communicate(timeout=max(deadline - time.monotonic(), 0.01)))
-        except subprocess.TimeoutExpired:
-            tails = [_tail(out, err) for out, err in outputs] + end_launches(launches[i:])
-            raise AssertionError(f"launch {i} did not end within {timeout:g} s; every launch ended, their output:\n\n"
-                                 + "\n\n".join(f"launch {n}: {tail}" for n, tail in enumerate(tails))) from None
-    return outputs
+    # Every launch's pipes read in turn, a short while each, not one launch to its end before the
+    # next: a launch waiting for another (two nodes of one job) never ends while that one is held
+    # writing into a full pipe nobody reads (64 KiB: its ranks' tracebacks and warnings).
+    deadline, outputs = time.monotonic() + timeout, {}
+    while len(outputs) < len(launches):
+        for i, launch in enumerate(launches):
+            if i in outputs:
+                continue
+            try:
+                outputs[i] = launch.communicate(timeout=_READ_TURN)  # output read before a timeout is kept
+            except subprocess.TimeoutExpired:
+                if time.monotonic() < deadline:
+                    continue
+                left = [n for n in range(len(launches)) if n not in outputs]
+                ended = dict(zip(left, end_launches([launches[n] for n in left])))
+                tails = [_tail(*outputs[n]) if n in outputs else ended[n] for n in range(len(launches))]
+                raise AssertionError(f"launch {i} did not end within {timeout:g} s; every launch ended, their output:\n\n"
+                                     + "\n\n".join(f"launch {n}: {tail}" for n, tail in enumerate(tails))) from None
+    return [outputs[i] for i in range(len(launches))]
+
+
+_READ_TURN = 0.5
+"""Seconds ``wait_launches`` reads one launch's pipes before it turns to the next."""
 
 
 def end_launches(launches: list[subprocess.Popen], grace: float = 60.0) -> list[str]:
