@@ -86,3 +86,27 @@ def test_a_range_sent_whole_is_used_where_it_was_received_one_cut_over_two_piece
     addresses = {r: torch.frombuffer(data, dtype=torch.uint8).data_ptr() for r, data in loaded["g"].items()}
     assert [addresses[("f", 0, 32)], addresses[("f", 96, 16)]] == [first.data_ptr(), second.data_ptr() + 32]
     assert addresses[("f", 32, 48)] not in range(first.data_ptr(), first.data_ptr() + 64)  # put together elsewhere
+
+
+def test_a_range_at_an_odd_offset_of_a_part_is_copied_aligned_and_an_empty_one_is_empty():
+    """Odd sizes (``_Groups.take``): a range lying whole in a received part but starting at an
+    offset that is no multiple of ``ALIGN`` (a float32 tensor after 6 bytes of another) is
+    copied into a buffer of its own, whose start any dtype may view; a range of a zero-size
+    tensor is loaded empty; every range holds the file's bytes."""
+    import torch
+
+    from llmtailor.distributed.read_plan import ALIGN
+    from llmtailor.store.shared_ranges import _Groups
+
+    file = bytes(range(256))
+    needs = {"g": [("f", 0, 6), ("f", 6, 40), ("f", 46, 0), ("f", 48, 13)]}
+    loaded: dict[str, dict] = {}
+    groups = _Groups(["g"], needs, lambda group, received: loaded.update({group: dict(received)}))
+    part = torch.frombuffer(bytearray(file[0:64]), dtype=torch.uint8)
+    assert part.data_ptr() % ALIGN == 0
+    groups.take("g", ("f", 0, 64), {(0, 64): memoryview(part.numpy())})
+    groups.load_through(None)
+    assert {r: bytes(data) for r, data in loaded["g"].items()} == {r: file[r[1] : r[1] + r[2]] for r in needs["g"]}
+    odd = loaded["g"][("f", 6, 40)]
+    assert torch.frombuffer(odd, dtype=torch.uint8).data_ptr() % ALIGN == 0
+    assert torch.frombuffer(odd, dtype=torch.uint8)[:4].view(torch.float32).numel() == 1
