@@ -216,6 +216,26 @@ def test_each_save_records_the_model_config_as_it_is_then(tmp_path, tokens):
     assert saved == [None, {"tags": ["a"]}, {"tags": ["a", "b"]}, {"tags": ["a", "b"]}]
 
 
+def test_the_config_record_follows_a_sub_config_and_a_property_changed_in_place():
+    """``ConfigRecord`` against ``hf_config`` made afresh, after changes a composite model's
+    config takes in place: an attribute of its text sub-config, a nested dict of it, a property
+    whose setter changes other attributes (``num_labels``: ``id2label``). No stale JSON
+    (risk51's review of 47ae8f5: refuted)."""
+    transformers = pytest.importorskip("transformers")
+    from llmtailor.providers.base import ConfigRecord, hf_config
+
+    model = torch.nn.Module()
+    model.config = transformers.LlavaConfig()
+    record = ConfigRecord()
+    changes = [lambda c: setattr(c.text_config, "vocab_size", 77),
+               lambda c: c.text_config.rope_parameters.update(rope_theta=5.0),
+               lambda c: setattr(c, "num_labels", 5)]
+    assert record(model) == hf_config(model)
+    for change in changes:
+        change(model.config)
+        assert record(model) == hf_config(model)
+
+
 def test_buffers_updated_in_forward_are_copied_before_save_returns(tmp_path, tokens):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
