@@ -150,7 +150,9 @@ class ReadPlan:
         first failed read in the plan's turns, naming its reader (every rank has had every
         item's head, so all raise the same). A rank lost fails its peers' sends and receives
         (gloo notices a lost connection at once), or they time out after the coordinator's
-        timeout, naming it. ``meanwhile``: called once this rank's first reads have started,
+        timeout, naming it. Once this has raised (or the caller stopped it), no message of the
+        plan writes into ``into``'s tensors: the receipts posted into them are waited for first
+        (within the timeout). ``meanwhile``: called once this rank's first reads have started,
         before any message (the ranks' exchange a restore makes before it reads, then beside
         them); what it raises is raised once the reads under way are done."""
         import torch.distributed as dist
@@ -217,8 +219,15 @@ class ReadPlan:
                         if tensors is not None and not failed:
                             yield item, tensors
             finally:
-                if pending:  # failing, or the caller stopped: no wait left behind on a message in flight
-                    waits.shutdown(wait=False, cancel_futures=True)
+                if pending:  # failing, or the caller stopped
+                    # A receipt posted into the caller's tensors (``into``'s) cannot be taken back (gloo
+                    # has no cancel): each is waited for to its end before this raises, its bytes in or
+                    # the receipt dead (its reader lost, or the timeout: gloo then closes the group's
+                    # connections), so no byte of this plan lands in a live tensor once it has raised.
+                    # Prompt: a body is asked for once its head is in, its reader's sends posted with
+                    # the head. The waits of heads and sends (this plan's own buffers) end behind it.
+                    wait([future for future, (kind, _, _) in pending.items() if kind == "body"])
+                    waits.shutdown(wait=False)
                 else:
                     waits.shutdown(wait=True)
         if failed:

@@ -196,3 +196,106 @@ def test_a_message_gloo_refuses_to_post_after_a_peer_was_lost_fails_naming_the_p
             list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])]))
     finally:
         dist.destroy_process_group()
+
+
+def test_no_receipt_into_a_live_tensor_outlives_a_fetch_that_raised(monkeypatch):
+    """``fetch`` receives an item straight into the live tensor ``into`` gives once its head is in;
+    when a wait for another item failed (its reader lost), it raised with that receipt still
+    posted (gloo cannot take a posted receive back), so the item's bytes, still on their way
+    from a live reader, landed in the live tensor after the restore had raised: after a
+    ``fallback`` attempt had loaded an older composite into the same tensors, say, which then
+    held a mix while the restore reported success. Every receipt into caller memory is now
+    waited for before ``fetch`` raises (within the timeout: a receipt that times out is dead,
+    gloo closing the group's connections). One process, over a gloo group of one, the messages
+    of ranks 1 (alive; item a's bytes, the head in, the rest on their way) and 2 (lost: item
+    b's head fails once a's bytes were asked for) played by fakes of ``irecv``."""
+    import threading
+
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    asked_a = threading.Event()
+    posted: list[Receipt] = []
+
+    class Receipt:
+        """A posted receive of rank 0's from rank 1 or 2 (gloo's work): its message lands on a
+        wait, or, still posted, when the test lets it land late (``land``); a wait that times out
+        leaves it dead, as gloo's does (every connection of the group closed)."""
+
+        def __init__(self, buffer: torch.Tensor, src: int, tag: int):
+            self.buffer, self.src, self.tag, self.open = buffer, src, tag, True
+            self.head = self.tag == 0 and not any(r.tag == 0 for r in posted)
+            if self.tag == 0 and not self.head:
+                asked_a.set()
+
+        def land(self) -> None:
+            if self.open:
+                self.open = False
+                self.buffer.view(torch.float32)[:] = 7.0
+
+        def wait(self, timeout):
+            if self.src == 2:  # rank 2 is lost once rank 0 asked for a's bytes
+                asked_a.wait(60)
+                self.open = False
+                raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:404: Connection reset by peer")
+            if self.head:  # a's head: sent, 16 bytes follow
+                self.buffer[:16].view(torch.int64)[:] = torch.tensor([0, 16])
+                self.open = False
+                return True
+            if not released.wait(timeout.total_seconds()):  # a's bytes: on their way, in or not by the timeout
+                self.open = False
+                raise RuntimeError("Timed out waiting for recv operation to complete")
+            self.land()
+            return True
+
+    def irecv(buffer, src, group=None, tag=0):
+        posted.append(Receipt(buffer, src, tag))
+        return posted[-1]
+
+    released = threading.Event()
+    monkeypatch.setattr(dist, "irecv", irecv)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        coordinator = LocalCoordinator()
+        coordinator.timeout = 2
+        plan = ReadPlan(coordinator, {"a": 16, "b": 16}, ranks=[0, 1, 2], candidates={"a": [1], "b": [2]})
+        live = torch.zeros(4)
+        with pytest.raises(CoordinationError, match=r"^the receipt of b between rank 0 and rank 2 failed"):
+            list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])], into=lambda item: [live]))
+        at_raise = live.clone()
+        for receipt in posted:  # what is still posted lands now, as a late message would
+            receipt.land()
+        assert torch.equal(live, at_raise), "a receipt into the live tensor outlived the raise"
+    finally:
+        released.set()
+        dist.destroy_process_group()
+
+
+def test_a_gloo_receive_whose_wait_timed_out_takes_no_late_message():
+    """What ``fetch`` relies on once it failed: a receipt posted into a live tensor cannot be
+    taken back, but one whose wait timed out is dead (gloo closes the group's connections), so
+    its reader's message, sent late, never lands; one waited for to its end took its message.
+    Two ranks of a real gloo group, each on a thread of this process."""
+    import threading
+    from datetime import timedelta
+
+    store, groups = HashStore(), [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("late", store), rank, 2, timedelta(seconds=60))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    live = torch.zeros(4)
+    sent = groups[1].send([torch.full((4,), 1.0)], 0, 3)  # kept: gloo drops a send whose work is dropped
+    groups[0].recv([live], 1, 3).wait(timedelta(seconds=60))
+    sent.wait(timedelta(seconds=60))
+    assert live.tolist() == [1.0] * 4
+    receipt = groups[0].recv([live], 1, 4)
+    with pytest.raises(RuntimeError, match="Timed out"):
+        receipt.wait(timedelta(seconds=0.2))
+    with pytest.raises(RuntimeError, match="Connection closed"):  # the late message: refused, or failed in flight
+        groups[1].send([torch.full((4,), 2.0)], 0, 4).wait(timedelta(seconds=60))
+    assert live.tolist() == [1.0] * 4
