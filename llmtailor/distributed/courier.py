@@ -329,13 +329,16 @@ class Courier:
         # failure: the others' are still asked for and taken.
         asked = {src: _noting(failed, src, self._receive, sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
-        for src, sizes in headers.items():
-            coming[src] = None if src in failed else _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
-        for src, posted in coming.items():
-            for work in posted[2] if posted is not None else []:
-                _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
-                if src in failed:
-                    break
+        try:
+            for src, sizes in headers.items():
+                coming[src] = None if src in failed else _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
+        finally:  # a receipt posted (into ``into``'s buffers, say) cannot be taken back: each is waited for to its
+            # end (in, or dead: its sender lost, or gloo's timeout closing the group) before this returns or raises
+            for src, posted in coming.items():
+                for work in posted[2] if posted is not None else []:
+                    _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
+                    if src in failed:  # that connection is closed: none of its receipts can land
+                        break
         return {src: (posted[0], posted[1]) for src, posted in coming.items() if posted is not None}
 
     def _post_packed(self, src: int, sizes: torch.Tensor, asked: Any,
