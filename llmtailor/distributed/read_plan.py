@@ -194,11 +194,14 @@ class ReadPlan:
                         if kind == "read":
                             own.pop(0)
                             tensors, parts = self._sent_read(item, future, specs(item), failed, failing)
-                            parts = [part.to(device) for part in parts]
-                            works = [(rank, self._send_to(item, rank, part, tags[item], device))
-                                     for rank in self.ranks if rank != me for part in parts]
-                            pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
-                            sending += 1
+                            parts, works = [part.to(device) for part in parts], []
+                            try:
+                                for rank in (rank for rank in self.ranks if rank != me):
+                                    works += [(rank, self._send_to(item, rank, part, tags[item], device)) for part in parts]
+                            finally:  # those posted before one was refused (a lost rank) kept: gloo drops a send whose
+                                # work is freed, and a live rank that has the head waits for the rest
+                                pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
+                                sending += 1
                         elif kind == "send":
                             future.result()
                             sending -= 1

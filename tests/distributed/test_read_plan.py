@@ -299,3 +299,38 @@ def test_a_gloo_receive_whose_wait_timed_out_takes_no_late_message():
     with pytest.raises(RuntimeError, match="Connection closed"):  # the late message: refused, or failed in flight
         groups[1].send([torch.full((4,), 2.0)], 0, 4).wait(timedelta(seconds=60))
     assert live.tolist() == [1.0] * 4
+
+
+def test_a_reader_that_loses_a_peer_keeps_its_sends_to_the_others_until_they_are_done(monkeypatch):
+    """A reader posts an item's sends to each other rank in turn; when gloo refused the one to a
+    lost rank, those already posted to live ranks were dropped with the raise (gloo drops a send
+    whose work is freed), so a live rank that had the item's head waited for its bytes until the
+    timeout, and, since ``fetch`` waits for such receipts before it raises, took the timeout to
+    fail where the lost rank is found at once. The sends posted are kept, waited for behind
+    the raise. One process, over a gloo group of one: rank 0 reads the item, rank 1 is alive,
+    rank 2 lost (``isend`` faked)."""
+    import threading
+
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    waited = threading.Event()
+
+    class Sent:
+        def wait(self, timeout):
+            waited.set()
+            return True
+
+    def isend(tensor, dst, group=None, tag=0):
+        if dst == 2:
+            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:404: Connection reset by peer")
+        return Sent()
+
+    monkeypatch.setattr(dist, "isend", isend)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        plan = ReadPlan(LocalCoordinator(), {"a": 16}, ranks=[0, 1, 2], candidates={"a": [0]})
+        with pytest.raises(CoordinationError, match=r"^the send of a between rank 0 and rank 2 failed"):
+            list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])]))
+        assert waited.wait(60), "the sends posted to rank 1 were dropped"
+    finally:
+        dist.destroy_process_group()
