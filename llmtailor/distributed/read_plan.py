@@ -311,19 +311,22 @@ class ReadPlan:
         composite first. Each rank reads its items on up to ``threads`` threads,
         ``threads`` items ahead (``read`` must allow it), and sends without waiting for the
         receivers: reads, sends and receives overlap. Before it returns (or raises), every send
-        of this rank has completed, so none is left in flight."""
+        of this rank has completed, and every receipt it posted was waited for (by the caller,
+        or at the end: ``_Receipt``), so none is left in flight."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
+        receipts: list[_Receipt] = []  # those posted and not yet waited for (some maybe)
         failing = _Failing(self.coordinator, tag)
         with contextlib.closing(_ReadAhead(self.mine(), failing.guard(read), threads, threads)) as mine:
             try:
                 for index, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
                     if reader != self.coordinator.rank:
-                        receipt = self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device)
-                        yield item, failing.watch(receipt)
+                        receipts = [r for r in receipts if not r.waited]  # the caller's waited: their buffers its own
+                        receipts.append(self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device))
+                        yield item, failing.watch(receipts[-1])
                         continue
                     try:
                         data = next(mine).result()
@@ -349,6 +352,8 @@ class ReadPlan:
                         self._wait_all(*sent, "send")
                     except CoordinationError:  # failing already, with the error that stopped it
                         pass
+                for receipt in receipts:  # nor a receipt dropped unwaited (``_Receipt``)
+                    receipt.settle()
 
     def _settle(self, failed: tuple[int, str, Exception] | None, device: torch.device) -> None:
         """The end of ``deliver``: one collective finds the first item whose read failed on any
@@ -392,13 +397,13 @@ class ReadPlan:
         return works
 
     def _receive_slices(self, item: str, reader: int, parts: list[Slice], tag: int,
-                        device: torch.device) -> Callable[[], dict[Slice, memoryview]]:
+                        device: torch.device) -> _Receipt:
         """Post the receipts of the ``parts`` of an item this rank wants from its ``reader``
         (``_send_slices``: the head, then each part, into one buffer at aligned offsets, so the
         bytes of a part can be used where they land); a function that waits for them all and
         returns each part's bytes, or raises ``ReadRefused`` where the read failed."""
         if not parts:
-            return dict
+            return _Receipt(dict)
         placed = _packed_slices(parts)
         head = torch.empty(_HEAD, dtype=torch.uint8, device=device)
         buffer = torch.empty(placed[-1][1][0] + placed[-1][1][1], dtype=torch.uint8, device=device)
@@ -412,7 +417,7 @@ class ReadPlan:
                 _refused(item, reader)
             return _slices(memoryview(buffer.cpu().numpy()), placed)
 
-        return wait
+        return _Receipt(wait)
 
     def _send_to(self, item: str, rank: int, payload: torch.Tensor, tag: int, device: torch.device) -> tuple[Any, torch.Tensor]:
         import torch.distributed as dist
@@ -513,6 +518,27 @@ class _ReadAhead:
         for reading in self._ahead:
             reading.cancel()
         self._pool.shutdown(wait=True)
+
+
+class _Receipt:
+    """The receipts of one item's parts posted by a rank of ``deliver`` (``_receive_slices``):
+    called (once), waits for them and returns each part's bytes. ``settle``, as ``deliver`` ends
+    (failing, or stopped by its caller): waits for them if the caller did not, errors aside
+    (within the timeout: its reader goes on to the end of the plan, or is lost): a receipt
+    dropped unwaited leaves gloo's connection to its reader stuck once its message comes in
+    (every later message on it, a fallback attempt's, waits out the timeout)."""
+
+    def __init__(self, wait: Callable[[], dict[Slice, memoryview]]):
+        self._wait, self.waited = wait, False
+
+    def __call__(self) -> dict[Slice, memoryview]:
+        self.waited = True
+        return self._wait()
+
+    def settle(self) -> None:
+        if not self.waited:
+            with contextlib.suppress(Exception):
+                self()
 
 
 class ReadRefused(Exception):

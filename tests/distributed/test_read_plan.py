@@ -334,3 +334,35 @@ def test_a_reader_that_loses_a_peer_keeps_its_sends_to_the_others_until_they_are
         assert waited.wait(60), "the sends posted to rank 1 were dropped"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_deliver_stopped_before_its_caller_waited_for_an_item_waits_for_that_item_s_receipts():
+    """``deliver`` posts the receipts of an item's parts as it hands the item over; a caller that
+    stopped (an error of its own) before it waited for them dropped them unwaited, and gloo's
+    connection to their reader, once their message came in, took no other (seen on a real
+    group: the next message on it waited out the timeout), so a fallback attempt's
+    restore hung on it. Each receipt posted and not waited for by the caller is waited for as
+    ``deliver`` ends. One process, over a gloo group of one; rank 1 (``irecv`` faked) reads
+    the item, its message in once waited for."""
+    waited: list[int] = []
+
+    class Receipt:
+        def __init__(self, buffer: torch.Tensor):
+            self.buffer = buffer
+
+        def wait(self, timeout):
+            waited.append(self.buffer.numel())
+            return True  # a head of zeros: sent
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(dist, "irecv", lambda buffer, src, group=None, tag=0: Receipt(buffer))
+            plan = ReadPlan(LocalCoordinator(), {"a": 100}, ranks=[0, 1], candidates={"a": [1]})
+            delivering = plan.deliver(lambda item: torch.zeros(100, dtype=torch.uint8), lambda item: {0: [(0, 100)]})
+            item, _ = next(delivering)
+            assert item == "a" and waited == []
+            delivering.close()  # the caller stopped before it waited for a's parts
+        assert waited == [16, 100]  # the head, then the part
+    finally:
+        dist.destroy_process_group()
