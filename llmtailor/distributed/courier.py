@@ -296,12 +296,14 @@ class Courier:
         sends = []
         for dst, (listing, payload) in outgoing.items():
             sends += _noting(failed, dst, self._post_sends, dst, listing, payload) or []
-        received = self._receive_packed(sources, failed, by, into)
-        first = set()
-        for dst, work in sends:
-            if dst not in failed:
-                _noting(failed, dst, self._wait, work, f"sending files to rank {dst}", None if dst in first else by)
-                first.add(dst)
+        try:
+            received = self._receive_packed(sources, failed, by, into)
+        finally:  # this rank's sends kept to their end, also where receiving raised: gloo drops a send whose work is freed
+            first = set()
+            for dst, work in sends:
+                if dst not in failed:
+                    _noting(failed, dst, self._wait, work, f"sending files to rank {dst}", None if dst in first else by)
+                    first.add(dst)
         if failed:
             raise CoordinationError("; ".join(str(err) for err in failed.values()))
         return received

@@ -495,10 +495,11 @@ def test_no_receipt_into_a_buffer_into_gave_outlives_a_packed_exchange_that_rais
     staged files' mappings, which the save lets go once the exchange raised); when a later
     source's failed otherwise than by a peer's error (its files, announced larger than memory,
     had no buffer: torch's allocation refused), the exchange raised with the earlier source's
-    receipts still posted, their bytes landing in the let-go mapping after it. Every receipt
-    posted is now waited for before the exchange returns or raises. In one process, the
-    group's ``recv`` faked: rank 1's files come in once waited for (or, still posted, when the
-    test lets them land late)."""
+    receipts still posted, their bytes landing in the let-go mapping after it, and its own
+    sends dropped (gloo drops a send whose work is freed: a live receiver waited out the
+    timeout). Every receipt and send posted is now waited for before the exchange returns or
+    raises. In one process, the group faked: rank 1's files come in once waited for (or, still
+    posted, when the test lets them land late)."""
     import json
 
     import torch
@@ -516,7 +517,7 @@ def test_no_receipt_into_a_buffer_into_gave_outlives_a_packed_exchange_that_rais
 
     class Receipt:
         def __init__(self, tensor, message):
-            self.tensor, self.message = tensor, message
+            self.tensor, self.message, self.waited = tensor, message, False
 
         def land(self) -> None:
             if self.message is not None:
@@ -525,9 +526,14 @@ def test_no_receipt_into_a_buffer_into_gave_outlives_a_packed_exchange_that_rais
 
         def wait(self, timeout=None) -> bool:
             self.land()
+            self.waited = True
             return True
 
     class Group:
+        def send(self, tensors, dst, tag):
+            sent.append(Receipt(tensors[0], None))
+            return sent[-1]
+
         def recv(self, tensors, src, tag):
             receipt = Receipt(tensors[0], wires[src][tag].pop(0))
             if tag == courier_module._BYTES:  # a file's bytes: on their way
@@ -536,9 +542,11 @@ def test_no_receipt_into_a_buffer_into_gave_outlives_a_packed_exchange_that_rais
                 receipt.land()
             return receipt
 
-    mapping = torch.zeros(64, dtype=torch.uint8)
+    mapping, sent = torch.zeros(64, dtype=torch.uint8), []
+    mine = ([("units/u.rank-00000.safetensors", 8)], torch.zeros(8, dtype=torch.uint8))
     with pytest.raises(CoordinationError, match="an exchange of files failed"):
-        Courier(Group(), 0, timeout=1).exchange_packed({}, [1, 2], into=lambda src, listing: [mapping] if src == 1 else None)
+        Courier(Group(), 0, timeout=1).exchange_packed({1: mine}, [1, 2], into=lambda src, listing: [mapping] if src == 1 else None)
+    assert len(sent) == 3 and all(send.waited for send in sent)  # rank 0's own sends to rank 1 kept to their end
     at_raise = mapping.clone()
     for receipt in posted:  # what is still posted lands now, as a late message would
         receipt.land()
