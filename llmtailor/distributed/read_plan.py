@@ -403,7 +403,7 @@ class ReadPlan:
         bytes of a part can be used where they land); a function that waits for them all and
         returns each part's bytes, or raises ``ReadRefused`` where the read failed."""
         if not parts:
-            return _Receipt(dict)
+            return _Receipt(dict, posted=False)
         placed = _packed_slices(parts)
         head = torch.empty(_HEAD, dtype=torch.uint8, device=device)
         buffer = torch.empty(placed[-1][1][0] + placed[-1][1][1], dtype=torch.uint8, device=device)
@@ -528,8 +528,8 @@ class _Receipt:
     dropped unwaited leaves gloo's connection to its reader stuck once its message comes in
     (every later message on it, a fallback attempt's, waits out the timeout)."""
 
-    def __init__(self, wait: Callable[[], dict[Slice, memoryview]]):
-        self._wait, self.waited = wait, False
+    def __init__(self, wait: Callable[[], dict[Slice, memoryview]], posted: bool = True):
+        self._wait, self.waited = wait, not posted  # none posted (no part wanted): nothing to wait for
 
     def __call__(self) -> dict[Slice, memoryview]:
         self.waited = True
