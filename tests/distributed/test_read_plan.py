@@ -296,8 +296,9 @@ def test_a_gloo_receive_whose_wait_timed_out_takes_no_late_message():
     receipt = groups[0].recv([live], 1, 4)
     with pytest.raises(RuntimeError, match="Timed out"):
         receipt.wait(timedelta(seconds=0.2))
-    with pytest.raises(RuntimeError, match="Connection closed"):  # the late message: refused, or failed in flight
-        groups[1].send([torch.full((4,), 2.0)], 0, 4).wait(timedelta(seconds=60))
+    # The late message: refused, failed in flight, or never asked for (its sender not yet told the connection closed)
+    with pytest.raises(RuntimeError, match="Connection (closed|reset)|Timed out waiting"):
+        groups[1].send([torch.full((4,), 2.0)], 0, 4).wait(timedelta(seconds=5))
     assert live.tolist() == [1.0] * 4
 
 
