@@ -296,12 +296,14 @@ class Courier:
         sends = []
         for dst, (listing, payload) in outgoing.items():
             sends += _noting(failed, dst, self._post_sends, dst, listing, payload) or []
-        received = self._receive_packed(sources, failed, by, into)
-        first = set()
-        for dst, work in sends:
-            if dst not in failed:
-                _noting(failed, dst, self._wait, work, f"sending files to rank {dst}", None if dst in first else by)
-                first.add(dst)
+        try:
+            received = self._receive_packed(sources, failed, by, into)
+        finally:  # this rank's sends kept to their end, also where receiving raised: gloo drops a send whose work is freed
+            first = set()
+            for dst, work in sends:
+                if dst not in failed:
+                    _noting(failed, dst, self._wait, work, f"sending files to rank {dst}", None if dst in first else by)
+                    first.add(dst)
         if failed:
             raise CoordinationError("; ".join(str(err) for err in failed.values()))
         return received
@@ -329,13 +331,16 @@ class Courier:
         # failure: the others' are still asked for and taken.
         asked = {src: _noting(failed, src, self._receive, sizes, src, _SIZES) for src, sizes in headers.items()}
         coming = {}
-        for src, sizes in headers.items():
-            coming[src] = None if src in failed else _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
-        for src, posted in coming.items():
-            for work in posted[2] if posted is not None else []:
-                _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
-                if src in failed:
-                    break
+        try:
+            for src, sizes in headers.items():
+                coming[src] = None if src in failed else _noting(failed, src, self._post_packed, src, sizes, asked[src], by, into)
+        finally:  # a receipt posted (into ``into``'s buffers, say) cannot be taken back: each is waited for to its
+            # end (in, or dead: its sender lost, or gloo's timeout closing the group) before this returns or raises
+            for src, posted in coming.items():
+                for work in posted[2] if posted is not None else []:
+                    _noting(failed, src, self._wait, work, f"receiving files from rank {src}")
+                    if src in failed:  # that connection is closed: none of its receipts can land
+                        break
         return {src: (posted[0], posted[1]) for src, posted in coming.items() if posted is not None}
 
     def _post_packed(self, src: int, sizes: torch.Tensor, asked: Any,

@@ -150,7 +150,9 @@ class ReadPlan:
         first failed read in the plan's turns, naming its reader (every rank has had every
         item's head, so all raise the same). A rank lost fails its peers' sends and receives
         (gloo notices a lost connection at once), or they time out after the coordinator's
-        timeout, naming it. ``meanwhile``: called once this rank's first reads have started,
+        timeout, naming it. Once this has raised (or the caller stopped it), no message of the
+        plan writes into ``into``'s tensors: the receipts posted into them are waited for first
+        (within the timeout). ``meanwhile``: called once this rank's first reads have started,
         before any message (the ranks' exchange a restore makes before it reads, then beside
         them); what it raises is raised once the reads under way are done."""
         import torch.distributed as dist
@@ -192,11 +194,14 @@ class ReadPlan:
                         if kind == "read":
                             own.pop(0)
                             tensors, parts = self._sent_read(item, future, specs(item), failed, failing)
-                            parts = [part.to(device) for part in parts]
-                            works = [(rank, self._send_to(item, rank, part, tags[item], device))
-                                     for rank in self.ranks if rank != me for part in parts]
-                            pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
-                            sending += 1
+                            parts, works = [part.to(device) for part in parts], []
+                            try:
+                                for rank in (rank for rank in self.ranks if rank != me):
+                                    works += [(rank, self._send_to(item, rank, part, tags[item], device)) for part in parts]
+                            finally:  # those posted before one was refused (a lost rank) kept: gloo drops a send whose
+                                # work is freed, and a live rank that has the head waits for the rest
+                                pending[waits.submit(self._wait_all, item, works, "send")] = ("send", item, None)
+                                sending += 1
                         elif kind == "send":
                             future.result()
                             sending -= 1
@@ -217,8 +222,15 @@ class ReadPlan:
                         if tensors is not None and not failed:
                             yield item, tensors
             finally:
-                if pending:  # failing, or the caller stopped: no wait left behind on a message in flight
-                    waits.shutdown(wait=False, cancel_futures=True)
+                if pending:  # failing, or the caller stopped
+                    # A receipt posted into the caller's tensors (``into``'s) cannot be taken back (gloo
+                    # has no cancel): each is waited for to its end before this raises, its bytes in or
+                    # the receipt dead (its reader lost, or the timeout: gloo then closes the group's
+                    # connections), so no byte of this plan lands in a live tensor once it has raised.
+                    # Prompt: a body is asked for once its head is in, its reader's sends posted with
+                    # the head. The waits of heads and sends (this plan's own buffers) end behind it.
+                    wait([future for future, (kind, _, _) in pending.items() if kind == "body"])
+                    waits.shutdown(wait=False)
                 else:
                     waits.shutdown(wait=True)
         if failed:
@@ -299,19 +311,22 @@ class ReadPlan:
         composite first. Each rank reads its items on up to ``threads`` threads,
         ``threads`` items ahead (``read`` must allow it), and sends without waiting for the
         receivers: reads, sends and receives overlap. Before it returns (or raises), every send
-        of this rank has completed, so none is left in flight."""
+        of this rank has completed, and every receipt it posted was waited for (by the caller,
+        or at the end: ``_Receipt``), so none is left in flight."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
+        receipts: list[_Receipt] = []  # those posted and not yet waited for (some maybe)
         failing = _Failing(self.coordinator, tag)
         with contextlib.closing(_ReadAhead(self.mine(), failing.guard(read), threads, threads)) as mine:
             try:
                 for index, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
                     if reader != self.coordinator.rank:
-                        receipt = self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device)
-                        yield item, failing.watch(receipt)
+                        receipts = [r for r in receipts if not r.waited]  # the caller's waited: their buffers its own
+                        receipts.append(self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device))
+                        yield item, failing.watch(receipts[-1])
                         continue
                     try:
                         data = next(mine).result()
@@ -337,6 +352,8 @@ class ReadPlan:
                         self._wait_all(*sent, "send")
                     except CoordinationError:  # failing already, with the error that stopped it
                         pass
+                for receipt in receipts:  # nor a receipt dropped unwaited (``_Receipt``)
+                    receipt.settle()
 
     def _settle(self, failed: tuple[int, str, Exception] | None, device: torch.device) -> None:
         """The end of ``deliver``: one collective finds the first item whose read failed on any
@@ -380,13 +397,13 @@ class ReadPlan:
         return works
 
     def _receive_slices(self, item: str, reader: int, parts: list[Slice], tag: int,
-                        device: torch.device) -> Callable[[], dict[Slice, memoryview]]:
+                        device: torch.device) -> _Receipt:
         """Post the receipts of the ``parts`` of an item this rank wants from its ``reader``
         (``_send_slices``: the head, then each part, into one buffer at aligned offsets, so the
         bytes of a part can be used where they land); a function that waits for them all and
         returns each part's bytes, or raises ``ReadRefused`` where the read failed."""
         if not parts:
-            return dict
+            return _Receipt(dict, posted=False)
         placed = _packed_slices(parts)
         head = torch.empty(_HEAD, dtype=torch.uint8, device=device)
         buffer = torch.empty(placed[-1][1][0] + placed[-1][1][1], dtype=torch.uint8, device=device)
@@ -400,7 +417,7 @@ class ReadPlan:
                 _refused(item, reader)
             return _slices(memoryview(buffer.cpu().numpy()), placed)
 
-        return wait
+        return _Receipt(wait)
 
     def _send_to(self, item: str, rank: int, payload: torch.Tensor, tag: int, device: torch.device) -> tuple[Any, torch.Tensor]:
         import torch.distributed as dist
@@ -501,6 +518,27 @@ class _ReadAhead:
         for reading in self._ahead:
             reading.cancel()
         self._pool.shutdown(wait=True)
+
+
+class _Receipt:
+    """The receipts of one item's parts posted by a rank of ``deliver`` (``_receive_slices``):
+    called (once), waits for them and returns each part's bytes. ``settle``, as ``deliver`` ends
+    (failing, or stopped by its caller): waits for them if the caller did not, errors aside
+    (within the timeout: its reader goes on to the end of the plan, or is lost): a receipt
+    dropped unwaited leaves gloo's connection to its reader stuck once its message comes in
+    (every later message on it, a fallback attempt's, waits out the timeout)."""
+
+    def __init__(self, wait: Callable[[], dict[Slice, memoryview]], posted: bool = True):
+        self._wait, self.waited = wait, not posted  # none posted (no part wanted): nothing to wait for
+
+    def __call__(self) -> dict[Slice, memoryview]:
+        self.waited = True
+        return self._wait()
+
+    def settle(self) -> None:
+        if not self.waited:
+            with contextlib.suppress(Exception):
+                self()
 
 
 class ReadRefused(Exception):

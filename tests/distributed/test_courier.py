@@ -488,3 +488,66 @@ def test_a_courier_whose_group_cannot_be_made_fails_as_a_coordination_error(monk
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_no_receipt_into_a_buffer_into_gave_outlives_a_packed_exchange_that_raised():
+    """With ``into``, a source's files are received straight into the buffers it gives (the
+    staged files' mappings, which the save lets go once the exchange raised); when a later
+    source's failed otherwise than by a peer's error (its files, announced larger than memory,
+    had no buffer: torch's allocation refused), the exchange raised with the earlier source's
+    receipts still posted, their bytes landing in the let-go mapping after it, and its own
+    sends dropped (gloo drops a send whose work is freed: a live receiver waited out the
+    timeout). Every receipt and send posted is now waited for before the exchange returns or
+    raises. In one process, the group faked: rank 1's files come in once waited for (or, still
+    posted, when the test lets them land late)."""
+    import json
+
+    import torch
+
+    from llmtailor.distributed import courier as courier_module
+
+    def wire(content: bytes, total: int) -> dict[int, list[torch.Tensor]]:
+        names = json.dumps([["units/u.safetensors", total]]).encode()
+        return {courier_module._SIZES: [torch.tensor([len(names), total])],
+                courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
+                courier_module._BYTES: [torch.frombuffer(bytearray(content), dtype=torch.uint8)]}
+
+    wires = {1: wire(b"\x07" * 64, 64), 2: wire(b"\x00", 1 << 62)}
+    posted = []
+
+    class Receipt:
+        def __init__(self, tensor, message):
+            self.tensor, self.message, self.waited = tensor, message, False
+
+        def land(self) -> None:
+            if self.message is not None:
+                self.tensor.copy_(self.message)
+                self.message = None
+
+        def wait(self, timeout=None) -> bool:
+            self.land()
+            self.waited = True
+            return True
+
+    class Group:
+        def send(self, tensors, dst, tag):
+            sent.append(Receipt(tensors[0], None))
+            return sent[-1]
+
+        def recv(self, tensors, src, tag):
+            receipt = Receipt(tensors[0], wires[src][tag].pop(0))
+            if tag == courier_module._BYTES:  # a file's bytes: on their way
+                posted.append(receipt)
+            else:
+                receipt.land()
+            return receipt
+
+    mapping, sent = torch.zeros(64, dtype=torch.uint8), []
+    mine = ([("units/u.rank-00000.safetensors", 8)], torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(CoordinationError, match="an exchange of files failed"):
+        Courier(Group(), 0, timeout=1).exchange_packed({1: mine}, [1, 2], into=lambda src, listing: [mapping] if src == 1 else None)
+    assert len(sent) == 3 and all(send.waited for send in sent)  # rank 0's own sends to rank 1 kept to their end
+    at_raise = mapping.clone()
+    for receipt in posted:  # what is still posted lands now, as a late message would
+        receipt.land()
+    assert torch.equal(mapping, at_raise), "a receipt into the mapping outlived the raise"

@@ -196,3 +196,174 @@ def test_a_message_gloo_refuses_to_post_after_a_peer_was_lost_fails_naming_the_p
             list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])]))
     finally:
         dist.destroy_process_group()
+
+
+def test_no_receipt_into_a_live_tensor_outlives_a_fetch_that_raised(monkeypatch):
+    """``fetch`` receives an item straight into the live tensor ``into`` gives once its head is in;
+    when a wait for another item failed (its reader lost), it raised with that receipt still
+    posted (gloo cannot take a posted receive back), so the item's bytes, still on their way
+    from a live reader, landed in the live tensor after the restore had raised: after a
+    ``fallback`` attempt had loaded an older composite into the same tensors, say, which then
+    held a mix while the restore reported success. Every receipt into caller memory is now
+    waited for before ``fetch`` raises (within the timeout: a receipt that times out is dead,
+    gloo closing the group's connections). One process, over a gloo group of one, the messages
+    of ranks 1 (alive; item a's bytes, the head in, the rest on their way) and 2 (lost: item
+    b's head fails once a's bytes were asked for) played by fakes of ``irecv``."""
+    import threading
+
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    asked_a = threading.Event()
+    posted: list[Receipt] = []
+
+    class Receipt:
+        """A posted receive of rank 0's from rank 1 or 2 (gloo's work): its message lands on a
+        wait, or, still posted, when the test lets it land late (``land``); a wait that times out
+        leaves it dead, as gloo's does (every connection of the group closed)."""
+
+        def __init__(self, buffer: torch.Tensor, src: int, tag: int):
+            self.buffer, self.src, self.tag, self.open = buffer, src, tag, True
+            self.head = self.tag == 0 and not any(r.tag == 0 for r in posted)
+            if self.tag == 0 and not self.head:
+                asked_a.set()
+
+        def land(self) -> None:
+            if self.open:
+                self.open = False
+                self.buffer.view(torch.float32)[:] = 7.0
+
+        def wait(self, timeout):
+            if self.src == 2:  # rank 2 is lost once rank 0 asked for a's bytes
+                asked_a.wait(60)
+                self.open = False
+                raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:404: Connection reset by peer")
+            if self.head:  # a's head: sent, 16 bytes follow
+                self.buffer[:16].view(torch.int64)[:] = torch.tensor([0, 16])
+                self.open = False
+                return True
+            if not released.wait(timeout.total_seconds()):  # a's bytes: on their way, in or not by the timeout
+                self.open = False
+                raise RuntimeError("Timed out waiting for recv operation to complete")
+            self.land()
+            return True
+
+    def irecv(buffer, src, group=None, tag=0):
+        posted.append(Receipt(buffer, src, tag))
+        return posted[-1]
+
+    released = threading.Event()
+    monkeypatch.setattr(dist, "irecv", irecv)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        coordinator = LocalCoordinator()
+        coordinator.timeout = 2
+        plan = ReadPlan(coordinator, {"a": 16, "b": 16}, ranks=[0, 1, 2], candidates={"a": [1], "b": [2]})
+        live = torch.zeros(4)
+        with pytest.raises(CoordinationError, match=r"^the receipt of b between rank 0 and rank 2 failed"):
+            list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])], into=lambda item: [live]))
+        at_raise = live.clone()
+        for receipt in posted:  # what is still posted lands now, as a late message would
+            receipt.land()
+        assert torch.equal(live, at_raise), "a receipt into the live tensor outlived the raise"
+    finally:
+        released.set()
+        dist.destroy_process_group()
+
+
+def test_a_gloo_receive_whose_wait_timed_out_takes_no_late_message():
+    """What ``fetch`` relies on once it failed: a receipt posted into a live tensor cannot be
+    taken back, but one whose wait timed out is dead (gloo closes the group's connections), so
+    its reader's message, sent late, never lands; one waited for to its end took its message.
+    Two ranks of a real gloo group, each on a thread of this process."""
+    import threading
+    from datetime import timedelta
+
+    store, groups = HashStore(), [None, None]
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("late", store), rank, 2, timedelta(seconds=60))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    live = torch.zeros(4)
+    sent = groups[1].send([torch.full((4,), 1.0)], 0, 3)  # kept: gloo drops a send whose work is dropped
+    groups[0].recv([live], 1, 3).wait(timedelta(seconds=60))
+    sent.wait(timedelta(seconds=60))
+    assert live.tolist() == [1.0] * 4
+    receipt = groups[0].recv([live], 1, 4)
+    with pytest.raises(RuntimeError, match="Timed out"):
+        receipt.wait(timedelta(seconds=0.2))
+    # The late message: refused, failed in flight, or never asked for (its sender not yet told the connection closed)
+    with pytest.raises(RuntimeError, match="Connection (closed|reset)|Timed out waiting"):
+        groups[1].send([torch.full((4,), 2.0)], 0, 4).wait(timedelta(seconds=5))
+    assert live.tolist() == [1.0] * 4
+
+
+def test_a_reader_that_loses_a_peer_keeps_its_sends_to_the_others_until_they_are_done(monkeypatch):
+    """A reader posts an item's sends to each other rank in turn; when gloo refused the one to a
+    lost rank, those already posted to live ranks were dropped with the raise (gloo drops a send
+    whose work is freed), so a live rank that had the item's head waited for its bytes until the
+    timeout, and, since ``fetch`` waits for such receipts before it raises, took the timeout to
+    fail where the lost rank is found at once. The sends posted are kept, waited for behind
+    the raise. One process, over a gloo group of one: rank 0 reads the item, rank 1 is alive,
+    rank 2 lost (``isend`` faked)."""
+    import threading
+
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    waited = threading.Event()
+
+    class Sent:
+        def wait(self, timeout):
+            waited.set()
+            return True
+
+    def isend(tensor, dst, group=None, tag=0):
+        if dst == 2:
+            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:404: Connection reset by peer")
+        return Sent()
+
+    monkeypatch.setattr(dist, "isend", isend)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        plan = ReadPlan(LocalCoordinator(), {"a": 16}, ranks=[0, 1, 2], candidates={"a": [0]})
+        with pytest.raises(CoordinationError, match=r"^the send of a between rank 0 and rank 2 failed"):
+            list(plan.fetch(lambda item: [torch.zeros(4)], lambda item: [(torch.float32, [4])]))
+        assert waited.wait(60), "the sends posted to rank 1 were dropped"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_deliver_stopped_before_its_caller_waited_for_an_item_waits_for_that_item_s_receipts():
+    """``deliver`` posts the receipts of an item's parts as it hands the item over; a caller that
+    stopped (an error of its own) before it waited for them dropped them unwaited, and gloo's
+    connection to their reader, once their message came in, took no other (seen on a real
+    group: the next message on it waited out the timeout), so a fallback attempt's
+    restore hung on it. Each receipt posted and not waited for by the caller is waited for as
+    ``deliver`` ends. One process, over a gloo group of one; rank 1 (``irecv`` faked) reads
+    the item, its message in once waited for."""
+    waited: list[int] = []
+
+    class Receipt:
+        def __init__(self, buffer: torch.Tensor):
+            self.buffer = buffer
+
+        def wait(self, timeout):
+            waited.append(self.buffer.numel())
+            return True  # a head of zeros: sent
+
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(dist, "irecv", lambda buffer, src, group=None, tag=0: Receipt(buffer))
+            plan = ReadPlan(LocalCoordinator(), {"a": 100}, ranks=[0, 1], candidates={"a": [1]})
+            delivering = plan.deliver(lambda item: torch.zeros(100, dtype=torch.uint8), lambda item: {0: [(0, 100)]})
+            item, _ = next(delivering)
+            assert item == "a" and waited == []
+            delivering.close()  # the caller stopped before it waited for a's parts
+        assert waited == [16, 100]  # the head, then the part
+    finally:
+        dist.destroy_process_group()
