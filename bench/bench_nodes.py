@@ -515,6 +515,7 @@ class Phases:
         "llmtailor.tailor:_Restoring.plan", "llmtailor.store.tiers.healing:survey",
         "llmtailor.store.tiers.healing:held_here", "llmtailor.store.tiers.healing:heal",
         "llmtailor.store.tiers.healing:recover", "llmtailor.store.tiers.healing:settle",
+        "llmtailor.store.tiers.healing:_Staged.result", "llmtailor.store.tiers.healing:_Following.outcome",
         "llmtailor.store.tiers.healing:Healing._run", "llmtailor.store.tiers.runtime:Tiers.healed",
         "llmtailor.store.units:UnitReader.arrival",
         "llmtailor.distributed.courier:Courier.stream", "llmtailor.distributed.courier:Courier._hand_over",
