@@ -798,6 +798,28 @@ def test_a_file_a_leader_wrote_that_does_not_check_out_where_it_lies_fails_its_s
             under_way.outcome()
 
 
+def test_a_second_rank_whose_leader_never_ends_its_healing_counts_nothing_of_it_and_a_later_save_does_not_wait(tmp_path):
+    """Node 1's second rank, its leader silent (died before it posted its end): the outcome
+    raises a CoordinationError naming the leader once the coordinator's timeout ran out, and the
+    snapshot it counted as committed meanwhile is withdrawn (what waits for the background
+    commits, a save, returns: it does not wait for a commit no one runs)."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves, second = healing(held, 2), Run(copies[1])
+    posts = recovery_healing.NodePosts(StoreCoordinator.over(HashStore(), 2, 3, timeout=1), "r1/staged")
+    follower = recovery_healing.Healing(second, moves, Nodes((0, 1, 1)), None, 2, posts)
+    assert second.steps() == [2]
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not report the end of node 1's healing"):
+        follower.outcome()
+    settled = threading.Thread(target=second.settle_commits)
+    settled.start()
+    settled.join(60)
+    assert not settled.is_alive() and second.steps() == [] and second.commit_failure() is None
+
+
 class DeliveringSender:
     """Node 1's side of a stream (``Courier.stream`` in one process) whose sender sends every
     file of step 2 from ``source``, in the order of ``paths``; what ``take`` raised fails the

@@ -770,9 +770,20 @@ class _Following:
     def outcome(self) -> str | None:
         """Wait for the leader's end: its receiving's failure, or None; the stream's own failure
         (a peer died: naming it) raised as a CoordinationError."""
-        ended = self._posts.wait(self._leader, f"{self._node}/end",
-                                 f"the end of node {self._node}'s healing (its leader, rank {self._leader})")
-        failed = ended["failure"] or ended["error"]
+        try:
+            ended = self._posts.wait(self._leader, f"{self._node}/end",
+                                     f"the end of node {self._node}'s healing (its leader, rank {self._leader})")
+        except BaseException:  # no word from the leader: nothing of it counts here (a later save must not wait for it)
+            self._settle(failed=True)
+            raise
+        self._settle(failed=bool(ended["failure"] or ended["error"]))
+        if ended["failure"]:
+            raise CoordinationError(ended["failure"])
+        return ended["error"]
+
+    def _settle(self, failed: bool) -> None:
+        """Each snapshot settled as committed here (the leader committed it) or, ``failed``,
+        withdrawn with what this rank was handed of it."""
         for step, committed in self._committed.items():
             if failed:
                 self.run.not_coming(step, committed)
@@ -780,9 +791,6 @@ class _Following:
         if failed:
             for key in self._keys:
                 self.run.units.arrived.pop(key, None)
-        if ended["failure"]:
-            raise CoordinationError(ended["failure"])
-        return ended["error"]
 
 
 class _Staged:
