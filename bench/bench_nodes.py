@@ -75,6 +75,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=10, help="promote_every of the node tier")
     parser.add_argument("--in-flight", type=int, default=2, choices=[1, 2], help="async_in_flight of ours")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks per node (each launch's --nproc_per_node; a real node runs 8): with 2, the "
+                             "replacement node's second rank restores beside its leader, which alone receives")
     parser.add_argument("--restores", type=int, default=2, help="restore trials per way (0: the saves alone)")
     parser.add_argument("--quick", action="store_true", help="a small model, few steps")
     parser.add_argument("--only", choices=["recovery"],
@@ -101,7 +104,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[str, str],
            code: Path = HERE.parent) -> list[dict]:
     """Both nodes' launches of this script as ``role``, importing llmtailor from ``code``; each
-    node's result."""
+    rank's result, in rank order."""
     import socket
 
     with socket.socket() as sock:
@@ -110,6 +113,7 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
     forwarded = [f"--layers={args.layers}", f"--hidden={args.hidden}", f"--vocab={args.vocab}", f"--seq={args.seq}",
                  f"--batch={args.batch}", f"--device={args.device}",
                  f"--steps={args.steps}", f"--every={args.every}", f"--rounds={args.rounds}", f"--in-flight={args.in_flight}",
+                 f"--nproc-per-node={args.nproc_per_node}",
                  *(["--only=recovery"] if args.only else []), *(["--profile"] if args.profile else []),
                  *(["--phases"] if args.phases else [])]
     nodes = []
@@ -118,14 +122,15 @@ def launch(args: argparse.Namespace, role: str, root: Path, url: str, env: dict[
         tmp.mkdir(parents=True, exist_ok=True)
         nodes.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-             "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
+             "--nproc_per_node", str(args.nproc_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port), __file__,
              f"--worker={role}", f"--root={root}", f"--url={url}", *forwarded],
             env={**env, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{code}:{HERE}"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=3600)[0] for p in nodes]
     if any(p.returncode for p in nodes):
         raise SystemExit("a node failed:\n" + "\n\n".join(out[-3000:] for out in outputs))
-    return [json.loads((root / f"node{node}" / f"{role}.json").read_text()) for node in range(2)]
+    return [json.loads((root / f"node{node}" / f"{role}-{local}.json").read_text())
+            for node in range(2) for local in range(args.nproc_per_node)]
 
 
 def memory(node: int) -> Path:
@@ -142,7 +147,7 @@ def main() -> None:
     from bench_object_store import new_bucket, start_server
 
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs; Python {platform.python_version()}, torch "
-          f"{torch.__version__}, moto {moto.__version__}; 2 launches x 1 rank, gloo, training at 1 thread"
+          f"{torch.__version__}, moto {moto.__version__}; 2 launches x {args.nproc_per_node} rank(s), gloo, training at 1 thread"
           + (f" on {torch.cuda.get_device_name()} (both ranks)" if args.device == "cuda" else ""))
     server, endpoint = start_server()
     root = Path(os.environ.get("BENCH_OUT", HERE / "out")) / "nodes"
@@ -173,13 +178,14 @@ def main() -> None:
                     restores[name].append(max(r["seconds"] for r in results))
                     digests |= {r["digest"] for r in results}
                     print(f"  {name}: {restores[name][-1]:.3f} s (every node's copy committed at "
-                          f"{max(r['committed'] for r in results):.3f} s), tier {results[0]['tier']}; {results[1]['said']}; "
+                          f"{max(r['committed'] for r in results):.3f} s), tier {results[0]['tier']}; {results[-1]['said']}; "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
-                    for node, result in enumerate(results):
+                    for rank, result in enumerate(results):
+                        node = rank // args.nproc_per_node
                         if result.get("profile"):
-                            print(f"--- node {node} profile ---\n{result['profile']}")
+                            print(f"--- node {node} rank {rank} profile ---\n{result['profile']}")
                         if result.get("phases"):
-                            print(f"--- node {node} phases ---\n{result['phases']}")
+                            print(f"--- node {node} rank {rank} phases ---\n{result['phases']}")
         for label in codes if args.restores else ():
             report_restores({way: restores[f"{way}{label}"] for way in ("from memory", "from S3")}, label)
         if args.restores:
@@ -362,7 +368,7 @@ def instrumented() -> dict[str, list[float]]:
     return figures
 
 
-def train_worker(args: argparse.Namespace, own: Path) -> None:
+def train_worker(args: argparse.Namespace, own: Path, suffix: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -437,14 +443,14 @@ def train_worker(args: argparse.Namespace, own: Path) -> None:
     state = [*training.model.state_dict().values(),
              *(v for s in training.optimizer.state_dict()["state"].values() for v in s.values())]
     composite = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
-    (own / "train.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
+    (own / f"train{suffix}.json").write_text(json.dumps({"totals": totals, "sent_bytes": sent, "part_bytes": parts,
                                                 "composite_bytes": composite, "settle": waits,
                                                 "calls": calls, "fence": fences, "cpu": cpu, "started": started,
                                                 "persist_cpu": figures["persist_cpu"], "call_cpu": figures["call_cpu"],
                                                 "saves": saves, "params": params, "threads": torch.get_num_threads()}))
 
 
-def restore_worker(args: argparse.Namespace, own: Path) -> None:
+def restore_worker(args: argparse.Namespace, own: Path, suffix: str) -> None:
     import torch.distributed as dist
     import xxhash
 
@@ -488,7 +494,7 @@ def restore_worker(args: argparse.Namespace, own: Path) -> None:
             digest.update(key.encode() + value.detach().cpu().contiguous().numpy().tobytes())
     tailor.close()
     said = f"node(s) served by: {report.served_by}" if report.served_by else "nothing to heal"
-    (own / "restore.json").write_text(json.dumps({"seconds": seconds, "committed": committed, "tier": report.tier, "step": report.step,
+    (own / f"restore{suffix}.json").write_text(json.dumps({"seconds": seconds, "committed": committed, "tier": report.tier, "step": report.step,
                                                   "said": said, "digest": digest.hexdigest(),
                                                   "profile": profile,
                                                   "phases": phases.table() if phases is not None else ""}))
@@ -508,6 +514,8 @@ class Phases:
     NAMES = [
         "llmtailor.tailor:_Restoring.plan", "llmtailor.store.tiers.healing:survey",
         "llmtailor.store.tiers.healing:held_here", "llmtailor.store.tiers.healing:heal",
+        "llmtailor.store.tiers.healing:recover", "llmtailor.store.tiers.healing:settle",
+        "llmtailor.store.tiers.healing:_Staged.result", "llmtailor.store.tiers.healing:_Following.outcome",
         "llmtailor.store.tiers.healing:Healing._run", "llmtailor.store.tiers.runtime:Tiers.healed",
         "llmtailor.store.units:UnitReader.arrival",
         "llmtailor.distributed.courier:Courier.stream", "llmtailor.distributed.courier:Courier._hand_over",
@@ -644,7 +652,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     own = args.root / f"node{os.environ['GROUP_RANK']}"
     try:
-        (train_worker if args.worker == "train" else restore_worker)(args, own)
+        (train_worker if args.worker == "train" else restore_worker)(args, own, f"-{os.environ['LOCAL_RANK']}")
     finally:
         dist.destroy_process_group()
 

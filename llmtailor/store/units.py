@@ -99,8 +99,10 @@ class UnitReader:
         beside the restore that follows): a read of it waits for it first (``arrival``), then
         takes what ``arrived`` holds of it, or reads it as any other file; where the healing
         failed, the wait raises its error (the file and the node that sent it, or the stream's
-        failure naming the rank), so nothing that did not arrive whole and checked is read.
-        Emptied when that restore ends (``Tailor``)."""
+        failure naming the rank), so nothing that did not arrive whole and checked is read. On a
+        node of several ranks, its other ranks' entries wait for the leader's word that it wrote
+        the file, then check it where it lies and hand it over (``tiers.healing._Staged``: a
+        ``result`` of its own). Emptied when that restore ends (``Tailor``)."""
 
     def forget(self, steps: list[int]) -> None:
         """Drop cached indexes of snapshots that were removed."""

@@ -28,6 +28,10 @@ ranks by it) and, at the end of a job, ``DIR/result-<scenario>-<rank>.json``. Ra
     tensors that differ from their composite versions), then trains and saves up to ``$LAST``
     (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``); it records
     the steps its node's copy holds once the writer started (what a crash left cleared).
+    With ``$HOLD_LAST`` = 1 (2 ranks per node, node 1 replaced): the leader of node 0 holds the
+    last file of its healing's stream until the second rank of node 1 (its leader alone
+    receives) has taken a file of that healing for its restore (``hold_the_last_file``); each
+    records what it saw (``held``, ``taken``). ``$TIMEOUT``: the Tailor's (default 30 s).
 ``start``  a writer's start alone: the steps its node's copy holds once it started, and what
     ``latest_step`` answers; closed without a save (the error the close raised, if any).
 """
@@ -61,7 +65,7 @@ def node() -> int:
 def tailor_of(model, optimizer, scheduler) -> Tailor:
     tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=int(os.environ.get("REPLICAS", "2")), keep=2, promote_every=1)]
     return Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers, async_save=True,
-                  async_in_flight=int(os.environ.get("IN_FLIGHT", "1")), timeout=30)
+                  async_in_flight=int(os.environ.get("IN_FLIGHT", "1")), timeout=float(os.environ.get("TIMEOUT", "30")))
 
 
 def doomed() -> bool:
@@ -123,6 +127,52 @@ def die_once_announced(step: int, out: Path) -> threading.Event:
     return next_staged
 
 
+HELD = 120.0
+"""The longest the leader of node 0 holds the last file (``hold_the_last_file``): the bound on a
+restore that never takes a file before the healing ended (then it goes on, and says so)."""
+
+
+def hold_the_last_file(seen: dict) -> None:
+    """Rank 0 (node 0's leader, the sender) holds the last file its healing streams to node 1
+    until rank 3 (node 1's second rank) has taken, for its restore, a file of that healing
+    (``UnitReader.arrival`` handing it bytes while the file was registered as coming), at most
+    ``HELD`` seconds; ``seen`` records whether it came first (``held``) and, on rank 3, the file
+    (``taken``). The events, no timing: a restore that reads node 1's copy only once the
+    healing ended takes nothing before the last file, and rank 0 waits in vain."""
+    from datetime import timedelta
+
+    from llmtailor.store.tiers import healing
+    from llmtailor.store.units import UnitReader
+
+    store, key = dist.distributed_c10d._get_default_store(), "test/taken-before-the-last-file"
+    if rank() == 0:
+        fill = healing.Healing._fill
+
+        def held_fill(self, dst, name, into):
+            if name == self._outgoing[dst][-1][0] and "held" not in seen:
+                waiter = store.clone()  # a client of its own: a wait holds it (the restore's own calls go on)
+                try:
+                    waiter.wait([key], timedelta(seconds=HELD))
+                    seen["held"] = {"file": name, "taken first": True}
+                except Exception:  # noqa: BLE001 (the store's timeout)
+                    seen["held"] = {"file": name, "taken first": False}
+            return fill(self, dst, name, into)
+
+        healing.Healing._fill = held_fill
+    elif rank() == 3:
+        arrival = UnitReader.arrival
+
+        def taken(self, storage, key_, entry):
+            coming = key_ in self.coming
+            got = arrival(self, storage, key_, entry)
+            if coming and got is not None and "taken" not in seen:
+                seen["taken"] = key_
+                store.set(key, "1")
+            return got
+
+        UnitReader.arrival = taken
+
+
 def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: int, last: int) -> None:
     kill_at = int(os.environ.get("KILL_AT", "0")) if doomed() else 0
     saving = die_in_replication(kill_at) if kill_at and os.environ.get("KILL_IN") == "replication" else {}
@@ -143,13 +193,16 @@ def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: in
 def resume(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = tailor_of(model, optimizer, scheduler)
+    seen: dict = {}
+    if os.environ.get("HOLD_LAST") == "1":
+        hold_the_last_file(seen)
     held_at_start = Run(os.environ["NODE_DIR"]).steps()
     found = tailor.latest_step()
     report = tailor.restore()
     tailor.tiers.settle_healing()  # a healed copy is committed once the restore ended: read below through a Run of its own
     result = {"held_at_start": held_at_start, "latest": found, "restored": report.step, "tier": report.tier, "served_by": report.served_by,
               "skipped": report.skipped, "extra": report.extra,
-              "mismatches": compare_with_composite(out, report.tier, model, optimizer)}
+              "mismatches": compare_with_composite(out, report.tier, model, optimizer), **seen}
     save_steps(tailor, model, optimizer, scheduler, out, report.step + 1, int(os.environ.get("LAST", "0")))
     tailor.close()
     result["promoted"] = [p.step for p in tailor.tiers.promotions]

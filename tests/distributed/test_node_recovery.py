@@ -293,14 +293,18 @@ def test_three_nodes_with_two_replicas_a_lost_node_is_rebuilt_from_two_holders_t
 def test_a_lost_node_of_two_ranks_is_replaced_from_its_partners_memory_every_rank_composite_exact(tmp_path, endpoint):
     """2 nodes of 2 ranks each (FSDP2 over 4 ranks: each rank's own shards and state), node 1
     (ranks 2 and 3) SIGKILLed and its memory wiped: the replacement's copy is rebuilt from node
-    0's replica (its leader alone receives it) before the restore reads it, so that its second
-    rank finds it too (it read a copy that held nothing: "no committed snapshot"); every rank
-    restores from its own node's copy, every tensor equal to its composite version."""
+    0's replica, its leader alone receiving it; its second rank (rank 3) reads each file its
+    leader received and wrote as it arrives, not once the healing ended: rank 0 holds the last
+    file of its stream until rank 3 has taken a file of that healing for its restore
+    (``HOLD_LAST``: the events, no timing), then sends it. Every rank restores from its own
+    node's copy, every tensor equal to its composite version."""
     job = Job(tmp_path, endpoint, "fsdp", per_node=2)
     lose_a_node(job, lost=1)
-    job.launch("resume", LAST="4")
+    job.launch("resume", LAST="4", HOLD_LAST="1", TIMEOUT="300")
     first = job.results("resume")
     job.keep_copies("first")
+    assert first[0]["held"]["taken first"], first[0]["held"]
+    assert first[3]["taken"].startswith("snapshots/step-")  # a file of the composite, from its leader
     check_lost(job, first, served_by={"1": [0]})
 
 

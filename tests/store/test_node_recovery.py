@@ -725,6 +725,101 @@ def test_a_sender_dying_after_the_restore_read_what_arrived_fails_the_readers_of
     assert not list((copies[1] / ".tmp").iterdir())
 
 
+def node_of_two_ranks(runs: list, copies: list, moves: list, sender) -> tuple:
+    """Node 1 run by two ranks (1, its leader, and 2) beside node 0's rank 0, over one store
+    (``StoreCoordinator.over`` a ``HashStore``): the leader's healing (it alone receives, from
+    ``sender``) and rank 2's, each a ``Run`` of node 1's copy of its own; rank 2's run."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    store, nodes = HashStore(), Nodes((0, 1, 1))
+    posts = [recovery_healing.NodePosts(StoreCoordinator.over(store, rank, 3, timeout=60), "r1/staged") for rank in (1, 2)]
+    second = Run(copies[1])
+    assert not recovery_healing.committed_first(moves, nodes, 1)  # every snapshot new there: read as it arrives
+    leader = recovery_healing.Healing(runs[1], moves, nodes, sender, 1, posts[0])
+    follower = recovery_healing.Healing(second, moves, nodes, None, 2, posts[1])
+    return leader, follower, second
+
+
+def test_a_second_rank_of_the_replacement_node_reads_each_file_its_leader_wrote_checked_and_fails_on_the_streams_failure(tmp_path):
+    """Node 1 runs two ranks and only its leader receives: its second rank's restore reads each
+    file as the leader posts that it received, checked and wrote it (staged: the snapshot is not
+    committed yet, counted as committed there meanwhile), checked again where it lies; then the
+    sender dies: that rank's read of a file not in raises the stream's failure naming the rank,
+    as its outcome does; nothing is committed, and what it was handed is withdrawn."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    first, rest = [m for m in moves if writer_rank(m.path) is None], [m for m in moves if writer_rank(m.path) is not None]
+    died = threading.Event()
+    leader, follower, second = node_of_two_ranks(runs, copies, moves, DyingSender(runs[0], [m.path for m in first], died))
+    assert second.steps() == [2] and Run(copies[1]).steps() == []  # listed for its restore, not committed
+    taken = next(m for m in first if m.path != MANIFEST_FILE)
+    reading = node_1_reads([runs[0], second], taken)
+    reading["thread"].join(60)
+    assert reading.get("got") == (runs[0].snapshot_dir(2) / taken.path).read_bytes(), reading
+    assert f"snapshots/step-00000002/{taken.path}" in second.units.arrived
+    reading = node_1_reads([runs[0], second], rest[0])
+    died.set()
+    reading["thread"].join(60)
+    assert isinstance(reading.get("raised"), CoordinationError) and "files from rank 0 failed" in str(reading["raised"])
+    for under_way in (leader, follower):
+        with pytest.raises(CoordinationError, match="receiving files from rank 0 failed"):
+            under_way.outcome()
+    assert second.steps() == [] and not second.units.arrived and Run(copies[1]).steps() == []
+
+
+def test_a_file_a_leader_wrote_that_does_not_check_out_where_it_lies_fails_its_second_ranks_read_naming_it(tmp_path):
+    """A file the leader posted as written, damaged where it lies before node 1's second rank
+    maps it: that rank's read raises IntegrityError naming the file (it is checked against its
+    move again, never taken on the leader's word)."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = healing(held, 2)
+    taken = next(m for m in moves if m.path.startswith("units/"))
+    damaged = copies[1] / "damaged"
+    content = (runs[0].snapshot_dir(2) / taken.path).read_bytes()
+    damaged.write_bytes(content[:-1] + bytes([content[-1] ^ 1]))
+
+    class Posting:  # the leader's post, pointing at the damaged bytes (as a leader's staged file)
+        def stream(self, outgoing, fill, sources, take, meanwhile=None):
+            died.wait(60)
+            raise CoordinationError("receiving files from rank 0 failed: stopped by the test")
+
+    died = threading.Event()
+    leader, follower, second = node_of_two_ranks(runs, copies, moves, Posting())
+    leader._posts.file(1, 2, taken.path, {"at": os.path.relpath(damaged, copies[1])})
+    reading = node_1_reads([runs[0], second], taken)
+    reading["thread"].join(60)
+    assert isinstance(reading.get("raised"), IntegrityError), reading
+    assert f"{taken.path}: as node 1's leader received and wrote it: {taken.bytes} bytes" in str(reading["raised"])
+    died.set()
+    for under_way in (leader, follower):
+        with pytest.raises(CoordinationError):
+            under_way.outcome()
+
+
+def test_a_second_rank_whose_leader_never_ends_its_healing_counts_nothing_of_it_and_a_later_save_does_not_wait(tmp_path):
+    """Node 1's second rank, its leader silent (died before it posted its end): the outcome
+    raises a CoordinationError naming the leader once the coordinator's timeout ran out, and the
+    snapshot it counted as committed meanwhile is withdrawn (what waits for the background
+    commits, a save, returns: it does not wait for a commit no one runs)."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves, second = healing(held, 2), Run(copies[1])
+    posts = recovery_healing.NodePosts(StoreCoordinator.over(HashStore(), 2, 3, timeout=1), "r1/staged")
+    follower = recovery_healing.Healing(second, moves, Nodes((0, 1, 1)), None, 2, posts)
+    assert second.steps() == [2]
+    with pytest.raises(CoordinationError, match=r"rank\(s\) \[1\] did not report the end of node 1's healing"):
+        follower.outcome()
+    settled = threading.Thread(target=second.settle_commits)
+    settled.start()
+    settled.join(60)
+    assert not settled.is_alive() and second.steps() == [] and second.commit_failure() is None
+
+
 class DeliveringSender:
     """Node 1's side of a stream (``Courier.stream`` in one process) whose sender sends every
     file of step 2 from ``source``, in the order of ``paths``; what ``take`` raised fails the

@@ -35,7 +35,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, writer_rank
-from llmtailor.distributed.coordinator import Coordinator
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
@@ -59,12 +59,13 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     ``step``, default the newest whole one: ``recovery.choose_on_nodes``), every node's copy of
     it made whole first (``Healing``); which nodes' copies served which node (``served_by``);
     and the healing still under way, or None. Where rank 0's node receives files (rank 0 chooses
-    from its own copy), or a node of several ranks does (``committed_first``), the healing ends
-    (on every rank) before this returns, and one that failed offers nothing, saying why (the
-    restore goes to the next tier). Otherwise it runs on beside
-    the restore, which reads each file as it arrives (``UnitReader.coming``) and takes its
-    outcome before the ranks agree (``Tailor.restore``: a failure there passes the tier over as
-    this would have: the same healing is the same on every rank)."""
+    from its own copy), or a node of several ranks receives files of a snapshot it holds
+    (``committed_first``), the healing ends (on every rank) before this returns, and one that
+    failed offers nothing, saying why (the restore goes to the next tier). Otherwise it runs on
+    beside the restore, which reads each file as it arrives (``UnitReader.coming``; on a node of
+    several ranks, its other ranks each file its leader received and staged: ``NodePosts``) and
+    takes its outcome before the ranks agree (``Tailor.restore``: a failure there passes the
+    tier over as this would have: the same healing is the same on every rank)."""
     round_ = coordinator.new_round()
     holdings = survey(run, nodes, coordinator, f"{round_}/held")
 
@@ -79,8 +80,10 @@ def recover(run: Run, nodes: Nodes, courier: Courier, coordinator: Coordinator,
     moves = [Transfer(*move) for move in planned["moves"]]
     if not moves:
         return choice, {}, None
-    under_way = Healing(run, moves, nodes, courier, coordinator.rank)
-    if not settled_first(moves, nodes):
+    settled = settled_first(moves, nodes)
+    under_way = Healing(run, moves, nodes, courier, coordinator.rank,
+                        None if settled else NodePosts(coordinator, f"{round_}/staged"))
+    if not settled:
         return choice, served_by(moves), under_way
     try:
         settle(under_way, coordinator, f"{round_}/healed")
@@ -94,16 +97,31 @@ def settled_first(moves: list[Transfer], nodes: Nodes) -> bool:
     (rank 0 chooses from its copy), or a node whose copy must be committed first does
     (``committed_first``)."""
     receiving = {move.dest for move in moves}
-    return nodes.node_of_rank(0) in receiving or any(committed_first(nodes, node) for node in receiving)
+    return nodes.node_of_rank(0) in receiving or any(committed_first(moves, nodes, node) for node in receiving)
 
 
-def committed_first(nodes: Nodes, node: int) -> bool:
+def committed_first(moves: list[Transfer], nodes: Nodes, node: int) -> bool:
     """Whether what ``node`` receives in a healing is committed into its copy before the restore
-    reads it: where the node runs several ranks (only its leader receives: its other ranks read
-    the copy). A node of one rank, the one reader, reads what arrived, and commits its copy once
-    the restore ended (``Receiving._commit_later``). Stated here only: ``settled_first`` and
-    ``Receiving`` both ask."""
+    reads it: where the node runs several ranks (only its leader receives) and a snapshot it
+    receives files of is one it holds already (they are written into place: its other ranks read
+    them from the copy). A snapshot new there is staged whole (``Receiving``): its other ranks
+    read each file from where it is staged once the leader posted it (``NodePosts``,
+    ``_Following``)."""
+    return followed(nodes, node) and any(move.dest == node and not _new_there(moves, node, move.step) for move in moves)
+
+
+def followed(nodes: Nodes, node: int) -> bool:
+    """Whether ``node``'s other ranks read what its leader receives in a healing (it runs several
+    ranks): its leader writes each file as it arrives and posts it (``NodePosts``). A node of one
+    rank, the one reader, reads what arrived, and commits its copy once the restore ended
+    (``Receiving._commit_later``). Stated here only: ``Healing`` and ``Receiving`` both ask."""
     return len(nodes.ranks_of(node)) > 1
+
+
+def _new_there(moves: list[Transfer], node: int, step: int) -> bool:
+    """Whether the snapshot of ``step`` is new on ``node`` (its manifest is among what it
+    receives: ``recovery.healing`` moves none to a node that holds the snapshot committed)."""
+    return any(move.dest == node and move.step == step and move.path == MANIFEST_FILE for move in moves)
 
 
 def passed_over(choice: NodeChoice, why: str) -> NodeChoice:
@@ -192,15 +210,23 @@ class Healing:
     failed) and a snapshot new here as being committed (``Catalog.commit_coming``); on the sending
     node, every file it sends (its own restore takes the bytes it checked as they went out:
     ``_Sender``). A failure of one snapshot's receiving leaves every other unwritten too (their
-    readers raise it). ``outcome`` waits for the end."""
+    readers raise it). ``outcome`` waits for the end. With ``posts``, a node of several ranks
+    (``followed``): its leader posts each file it received, checked and staged, or the failure
+    that stops it, then the end; each of its other ranks registers those files as coming, read
+    from where they are staged once posted (``_Following``), and takes the end as its outcome."""
 
-    def __init__(self, run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, rank: int):
+    def __init__(self, run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, rank: int,
+                 posts: NodePosts | None = None):
         self.error: str | None = None
         """The first failure of this node's receiving (the node, the file and its sender)."""
         self._failure: BaseException | None = None
         """A stream's own failure (a peer died, a timeout: ``CoordinationError``), raised by ``outcome``."""
-        node = nodes.node_of_rank(rank)
+        node = self._node = nodes.node_of_rank(rank)
         these = moves if leads(nodes, rank) else []
+        received = [move for move in moves if move.dest == node]
+        self._posts = posts if posts is not None and received and followed(nodes, node) else None
+        self._following = (_Following(run, received, self._posts, nodes.leader_of(node))
+                           if self._posts is not None and not these else None)
         self._receiving: dict[int, Receiving] = {}
         self._senders: dict[int, _Sender] = {}
         kept = Kept()  # the node's bound over every snapshot it receives, the newest's files kept first
@@ -208,7 +234,7 @@ class Healing:
             for step in sorted({move.step for move in these}, reverse=True):
                 self._senders[step] = _Sender(run, step, [m for m in these if m.step == step], node)
                 self._receiving[step] = Receiving(run, step, [m for m in these if m.step == step and m.dest == node],
-                                                  nodes, kept=kept)
+                                                  nodes, kept=kept, posts=self._posts)
             self._outgoing, self._sources = _sending(these, node, nodes)
             self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
             self._thread.start()
@@ -248,6 +274,9 @@ class Healing:
                 self._failure = self._failure or err
             finally:
                 sender.settle()
+        if self._posts is not None and self._receiving:  # the node's other ranks take it as their outcome
+            error = self.error or next((r.error for r in self._receiving.values() if r.error is not None), None)
+            self._posts.end(self._node, error, self._failure)
 
     def _fill(self, dst: int, name: str, into: memoryview) -> Any:
         step, path = _unnamed(name)
@@ -269,6 +298,8 @@ class Healing:
         """Wait for the end: the first failure of this node's receiving, or None; a stream's own
         failure (``CoordinationError`` naming the rank) raised."""
         self._thread.join()
+        if self._following is not None:
+            self.error = self._following.outcome()
         for receiving in self._receiving.values():
             receiving.withdraw()
         if self._failure is not None:
@@ -439,8 +470,10 @@ class Receiving:
     Any other is committed by ``finish``, once its writes are done."""
 
     def __init__(self, run: Run, step: int, moves: list[Transfer], nodes: Nodes, failed: str | None = None,
-                 kept: Kept | None = None):
+                 kept: Kept | None = None, posts: NodePosts | None = None):
         self.run, self.step, self.nodes = run, step, nodes
+        self._posts = posts
+        """Where the node's other ranks learn of each file written (``NodePosts``), or None."""
         self._budget = kept if kept is not None else Kept()
         """What this node keeps in memory for the restore, this snapshot's files and the others'
         of the same healing (``HAND_OVER_BYTES``)."""
@@ -456,7 +489,7 @@ class Receiving:
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
         self._dest = moves[0].dest if moves else None
-        self._later = self._dest is not None and not committed_first(nodes, self._dest)
+        self._later = self._dest is not None and not followed(nodes, self._dest)
         """Whether a new snapshot handed over whole may be committed once the restore ended
         (``_commit_later``)."""
         self._writer: ThreadPoolExecutor | None = None
@@ -536,6 +569,9 @@ class Receiving:
 
     def _write(self, path: str, content: memoryview) -> None:
         write_to(self._create(path), content)
+        if self._posts is not None:  # checked before it was written: the node's other ranks read it now
+            at = self._staged.key(path) if self._staged is not None else self._key(path)
+            self._posts.file(self._dest, self.step, path, {"at": at})
 
     def finish(self) -> str | None:
         """Commit what arrived (class docstring) or abandon it; the failure, or None. A new
@@ -623,6 +659,8 @@ class Receiving:
         failure = self._failure or IntegrityError(f"healing the node-local tier failed: {self.error}")
         for coming in self._coming.values():
             _resolve(coming, failure)
+        if self._posts is not None:  # the node's other ranks' readers too (what was posted written stands)
+            self._posts.failed(self._dest, self.step, [path for _, path in self.expected], failure)
 
     def _settle_coming(self) -> None:
         """At the end: where it failed, every reader of what was not handed over failed; else
@@ -667,6 +705,139 @@ class Receiving:
             action()
         except (TailorError, OSError) as err:
             self.error = self.error or f"node {self._dest}: {err}"
+
+
+class NodePosts:
+    """What the leader of a node of several ranks (``followed``) tells its other ranks of a
+    healing that runs beside the restore, through the job's coordinator (``Coordinator.post``,
+    tags under ``tag``): each file it received, checked, and wrote (where: ``{"at": key}``), or
+    the failure that stops it (``{"error", "kind"}``), once per file, the first post standing; and
+    the end of its receiving (``end``: its failure, the stream's or a file's, or none). The other
+    ranks wait for them (``wait``: up to the coordinator's timeout, a CoordinationError naming
+    the leader past it)."""
+
+    def __init__(self, coordinator: Coordinator, tag: str):
+        self.coordinator, self.tag = coordinator, tag
+        self._posted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def file(self, node: int, step: int, path: str, value: dict[str, Any]) -> None:
+        name = f"{node}/{_named(step, path)}"
+        with self._lock:
+            if name in self._posted:
+                return
+            self._posted.add(name)
+        self._post(name, value)
+
+    def failed(self, node: int, step: int, paths: list[str], failure: BaseException) -> None:
+        """Every file of ``paths`` not posted yet fails its readers with ``failure``."""
+        for path in paths:
+            self.file(node, step, path, {"error": str(failure), "kind": type(failure).__name__})
+
+    def end(self, node: int, error: str | None, failure: BaseException | None) -> None:
+        self._post(f"{node}/end", {"error": error, "failure": None if failure is None else str(failure)})
+
+    def _post(self, name: str, value: dict[str, Any]) -> None:
+        try:
+            self.coordinator.post(f"{self.tag}/{name}", value)
+        except TailorError as err:  # the store gone: the node's other ranks fail waiting, naming this rank
+            _log.warning("llmtailor: healing could not tell the node's other ranks %s: %s", name, err)
+
+    def wait(self, leader: int, name: str, what: str) -> dict[str, Any]:
+        return self.coordinator.collect({leader: f"{self.tag}/{name}"}, what)[leader]
+
+
+class _Following:
+    """A healing on a node of several ranks (``followed``), on one of its ranks other than its
+    leader, which alone receives: each file the node receives (``moves``; every snapshot new
+    there, staged whole: ``committed_first``) registered as coming (``UnitReader.coming``) as a
+    ``_Staged``, read from where the leader wrote it once posted; each snapshot counted as
+    committed in this process meanwhile (``Catalog.commit_coming``), its manifest known from
+    rank 0's (``share_manifests``). ``outcome``: the leader's end (``NodePosts.end``), what was
+    handed over withdrawn where it failed, as the leader's ``Receiving.withdraw``."""
+
+    def __init__(self, run: Run, moves: list[Transfer], posts: NodePosts, leader: int):
+        self.run, self._posts, self._leader = run, posts, leader
+        self._node = moves[0].dest
+        self._committed: dict[int, Future[None]] = {}
+        for step in sorted({move.step for move in moves}):
+            run.forget([step])
+            self._committed[step] = run.commit_coming(step)
+        self._keys = [f"{run.snapshot_key(move.step)}/{move.path}" for move in moves if move.path != MANIFEST_FILE]
+        for key, move in zip(self._keys, [move for move in moves if move.path != MANIFEST_FILE]):
+            run.units.coming[key] = _Staged(run, move, posts, leader)
+
+    def outcome(self) -> str | None:
+        """Wait for the leader's end: its receiving's failure, or None; the stream's own failure
+        (a peer died: naming it) raised as a CoordinationError."""
+        try:
+            ended = self._posts.wait(self._leader, f"{self._node}/end",
+                                     f"the end of node {self._node}'s healing (its leader, rank {self._leader})")
+        except BaseException:  # no word from the leader: nothing of it counts here (a later save must not wait for it)
+            self._settle(failed=True)
+            raise
+        self._settle(failed=bool(ended["failure"] or ended["error"]))
+        if ended["failure"]:
+            raise CoordinationError(ended["failure"])
+        return ended["error"]
+
+    def _settle(self, failed: bool) -> None:
+        """Each snapshot settled as committed here (the leader committed it) or, ``failed``,
+        withdrawn with what this rank was handed of it."""
+        for step, committed in self._committed.items():
+            if failed:
+                self.run.not_coming(step, committed)
+            _resolve(committed)
+        if failed:
+            for key in self._keys:
+                self.run.units.arrived.pop(key, None)
+
+
+class _Staged:
+    """A file the node's leader receives, for this rank's restore (``UnitReader.coming``):
+    ``result`` waits for the leader's post (``NodePosts``), then maps the file where the leader
+    wrote it (or where the leader's commit moved it meanwhile), checks it against the size and
+    checksum of its move, and hands it over (``UnitReader.arrived``), once; it raises the
+    healing's failure the leader posted in its place (IntegrityError naming the file and its
+    sender, or the stream's CoordinationError naming the dead rank), or a mismatch."""
+
+    def __init__(self, run: Run, move: Transfer, posts: NodePosts, leader: int):
+        self.run, self.move, self._posts, self._leader = run, move, posts, leader
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def result(self) -> None:
+        with self._lock:
+            if not self._done:
+                try:
+                    self._take()
+                except BaseException as err:
+                    self._error = err
+                self._done = True
+        if self._error is not None:
+            raise self._error
+
+    def _take(self) -> None:
+        move, key = self.move, f"{self.run.snapshot_key(self.move.step)}/{self.move.path}"
+        posted = self._posts.wait(self._leader, f"{move.dest}/{_named(move.step, move.path)}",
+                                  f"step {move.step}: {move.path} received (node {move.dest}'s leader)")
+        if "error" in posted:
+            raise (IntegrityError if posted["kind"] == IntegrityError.__name__ else CoordinationError)(posted["error"])
+        content = self._mapped(posted["at"], key)
+        if len(content) != move.bytes or checksum(content) != move.xxh3:
+            raise IntegrityError(f"{self.run.storage.where(key)}: as node {move.dest}'s leader received and wrote it: "
+                                 f"{len(content)} bytes, xxh3 {checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        self.run.units.arrived[key] = (move.bytes, move.xxh3, content)
+
+    def _mapped(self, at: str, key: str) -> memoryview:
+        """The file as written at ``at`` (staged), or at ``key`` once the leader's commit moved it there."""
+        storage = self.run.storage
+        try:
+            mapped = storage.mapped(at)
+        except (TailorError, OSError):
+            mapped = storage.mapped(key)  # committed meanwhile: the staged snapshot was renamed into place
+        return memoryview(mapped if mapped is not None else b"")
 
 
 def clear(run: Run, doomed: dict[int, list[int]], nodes: Nodes, coordinator: Coordinator, tag: str,
