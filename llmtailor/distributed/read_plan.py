@@ -32,7 +32,7 @@ import collections
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -75,39 +75,6 @@ def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[i
         load[rank] += sizes[item]
         owners[item] = rank
     return owners
-
-
-def spread(sizes: dict[K, int], world: int, cuts: Mapping[K, Sequence[int]],
-           candidates: Mapping[K, Collection[int]] | None = None, least: int = 1 << 20) -> dict[K, list[tuple[int, int, int]]]:
-    """Item -> its pieces ``(start, end, rank)`` in byte order: ``balance``, but an item that
-    may be cut (``cuts``: the byte offsets inside it where it may, ascending; none for an item
-    with ``candidates``) is cut so that no rank reads much more than its share of all the
-    bytes. The items that may not are balanced first (``balance``); then those that may,
-    largest first, each given piece by piece to the rank with the fewest bytes so far (ties
-    to the lowest), each piece as far as the cut nearest to that rank's share, none under
-    ``least`` bytes (a request costs a round trip whatever its size). A DDP restore's two
-    24.6 MB units (embedding, head) beside four 8.85 MB layers: whole, one rank read 33.4 MB,
-    the share is 28.2. Deterministic, so every rank computes the same without a message."""
-    whole = {item: size for item, size in sizes.items() if not cuts.get(item) or (candidates or {}).get(item)}
-    owners = balance(whole, world, candidates)
-    load = [0] * world
-    for item, rank in owners.items():
-        load[rank] += sizes[item]
-    share = -(-sum(sizes.values()) // world)
-    pieces = {item: [(0, size, owners[item])] for item, size in whole.items()}
-    position = {item: at for at, item in enumerate(sizes)}
-    for item in sorted((i for i in sizes if i not in whole), key=lambda i: (-sizes[i], position[i])):
-        size, start, pieces[item] = sizes[item], 0, []
-        while start < size:
-            rank = min(range(world), key=lambda r: (load[r], r))
-            room, end = share - load[rank], size
-            inside = [cut for cut in cuts[item] if start + least <= cut <= size - least]
-            if size - start - room >= least and room >= least and inside:  # else the rest whole
-                end = min(inside, key=lambda cut: (abs(cut - start - room), cut))
-            pieces[item].append((start, end, rank))
-            load[rank] += end - start
-            start = end
-    return {item: pieces[item] for item in sizes}
 
 
 def nbytes(specs: list[Spec]) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from llmtailor.distributed.coordinator import Coordinator
-from llmtailor.distributed.read_plan import ReadPlan, balance_over, nbytes, spread
+from llmtailor.distributed.read_plan import ReadPlan, balance_over, nbytes
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
@@ -31,9 +31,8 @@ from llmtailor.store.codec import plain_value
 from llmtailor.constants import KIND_WEIGHT
 from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
-from llmtailor.store.manifest import TensorEntry, UnitEntry, dtype_name
+from llmtailor.store.manifest import UnitEntry, dtype_name
 from llmtailor.store.node_parts import copy_node, reading_ranks
-from llmtailor.store.pieces import PieceReader, Segment, cut_points, segment_shape, segments
 from llmtailor.store.run import Run
 from llmtailor.store.samples import covering, sample_checksums, sampled
 from llmtailor.store.staged import Piece, StagedUnit
@@ -289,64 +288,31 @@ class LocalProvider(StateProvider):
         ``ranks`` holds it already (``everyone``:
         what each holds; None where this rank holds none, so that no tensor is held by all:
         the plan is then known before the ranks' exchange of what they hold, ``meanwhile``,
-        which runs once this rank's reads have started, before the first broadcast). A unit larger
-        than a reader's share (``read_plan.spread``) is read in pieces, each by its own reader
-        and checked by its pages (``store.pieces``), put together here (``_Assembled``)."""
+        which runs once this rank's reads have started, before the first broadcast)."""
         entries = {unit: run.unit_entry(source, unit) for unit, source in sources.items()}
         wanted = {unit: [t for t in entries[unit].tensors
                          if everyone is None or not all(t.key in other.get(unit, ()) for other in everyone)]
                   for unit in sources}
         specs = {unit: [(t.torch_dtype, t.shape) for t in wanted[unit]] for unit in sources}
         units = {f"unit {unit!r} of step {source}": unit for unit, source in sources.items()}
+        plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()}, ranks, group,
+                        candidates=self._readable(run, sources, entries, units))
+
         skipped = {unit: {t.key for t in entries[unit].tensors} - {t.key for t in wanted[unit]} for unit in sources}
-        positions = {item: [ranks.index(r) for r in allowed if r in ranks]
-                     for item, allowed in self._readable(run, sources, entries, units).items()}
-        spread_over = spread({item: nbytes(specs[unit]) for item, unit in units.items()}, len(ranks),
-                             {item: cut_points(run, sources[unit], entries[unit], wanted[unit]) for item, unit in units.items()},
-                             positions)
-        # A unit larger than a reader's share is read in pieces by several (``store.pieces``):
-        # item -> (unit, its rows of the unit's wanted tensors, or None for the whole unit).
-        items: dict[str, tuple[str, list[Segment] | None]] = {}
-        readers: dict[str, list[int]] = {}
-        for item, cut in spread_over.items():
-            unit = units[item]
-            for start, end, position in cut:
-                name = item if len(cut) == 1 else f"{item}, bytes {start}-{end}"
-                items[name] = (unit, None if len(cut) == 1 else segments(wanted[unit], start, end))
-                readers[name] = [ranks[position]]
-
-        def item_specs(item: str) -> list[tuple[torch.dtype, list[int]]]:
-            unit, piece = items[item]
-            return specs[unit] if piece is None else [(segment[0].torch_dtype, segment_shape(segment)) for segment in piece]
-
-        plan = ReadPlan(self.coordinator, {item: nbytes(item_specs(item)) for item in items}, ranks, group, candidates=readers)
-        pieces = PieceReader(run)
-        whole = _Assembled(wanted, [unit for unit, piece in items.values() if piece is not None],
-                           lambda unit: self._live_by_key(unit, live))
 
         def read(item: str) -> list[torch.Tensor]:
-            unit, piece = items[item]
-            if piece is not None:
-                return pieces.read(sources[unit], entries[unit], piece)
+            unit = units[item]
             loaded, _ = run.read_unit(sources[unit], unit, skip=skipped[unit])
             return [loaded[t.key] for t in wanted[unit]]
 
         def into(item: str) -> list[torch.Tensor | None]:
-            unit, piece = items[item]
-            if piece is not None:
-                return whole.views(unit, piece)
-            targets = self._live_by_key(unit, live)
-            return [targets.get(t.key) for t in wanted[unit]]
+            targets = self._live_by_key(units[item], live)
+            return [targets.get(t.key) for t in wanted[units[item]]]
 
         # This rank's units, read from a pack they share in one fetch, not a request per unit.
-        mine = [items[item][0] for item in plan.mine() if items[item][1] is None]
-        with run.reading_together([(sources[unit], unit, skipped[unit]) for unit in mine]):
-            for item, tensors in plan.fetch(read, item_specs, meanwhile, into):
-                unit, piece = items[item]
-                if piece is not None:
-                    tensors = whole.take(unit, piece, tensors)
-                    if tensors is None:  # pieces of it still to come
-                        continue
+        with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()]):
+            for item, tensors in plan.fetch(read, lambda item: specs[units[item]], meanwhile, into):
+                unit = units[item]
                 values = {name: dict(plain) for name, plain in entries[unit].values.items()}
                 yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
 
@@ -417,46 +383,3 @@ class LocalProvider(StateProvider):
         if self.lr_scheduler is not None:
             with loading("LR scheduler state", step):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
-
-
-class _Assembled:
-    """The units a restore reads in pieces (``store.pieces``), each put together in the memory of
-    its live tensors where they take it (of the saved dtype and shape, contiguous, on the CPU),
-    else of new ones: a piece received lands in place (``ReadPlan.fetch``'s ``into``: views of
-    its rows), one read here or received elsewhere is copied there."""
-
-    def __init__(self, wanted: dict[str, list[TensorEntry]], pieces: list[str],
-                 live: Callable[[str], dict[str, torch.Tensor]]):
-        self.wanted, self.live = wanted, live
-        self.left = {unit: pieces.count(unit) for unit in pieces}
-        self.targets: dict[str, dict[str, torch.Tensor]] = {}
-
-    def _targets(self, unit: str) -> dict[str, torch.Tensor]:
-        if unit not in self.targets:
-            given = self.live(unit)
-            self.targets[unit] = {t.key: given[t.key] if _takes(given.get(t.key), t) else torch.empty(t.shape, dtype=t.torch_dtype)
-                                  for t in self.wanted[unit]}
-        return self.targets[unit]
-
-    def views(self, unit: str, piece: list[Segment]) -> list[torch.Tensor]:
-        """Where each tensor of ``piece`` goes: its rows of the unit's tensor (of its memory: a
-        live weight's autograd records nothing of it)."""
-        targets = self._targets(unit)
-        return [targets[t.key].detach()[first:last] if t.shape else targets[t.key].detach() for t, first, last in piece]
-
-    def take(self, unit: str, piece: list[Segment], tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Put ``piece``'s tensors in place; the unit's tensors (its wanted ones, in order) once
-        its last piece is in, else None."""
-        for view, tensor in zip(self.views(unit, piece), tensors, strict=True):
-            if tensor.data_ptr() != view.data_ptr() or tensor.shape != view.shape:
-                copy_into(view, tensor)
-        self.left[unit] -= 1
-        if self.left[unit]:
-            return None
-        targets = self.targets.pop(unit)
-        return [targets[t.key] for t in self.wanted[unit]]
-
-
-def _takes(live: torch.Tensor | None, tensor: TensorEntry) -> bool:
-    return (live is not None and live.dtype == tensor.torch_dtype and list(live.shape) == tensor.shape
-            and live.is_contiguous() and live.device.type == "cpu")

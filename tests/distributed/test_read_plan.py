@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore
 
 from llmtailor.distributed.coordinator import LocalCoordinator
-from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance, nbytes, pack, spread, unpack
+from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance, nbytes, pack, unpack
 from llmtailor.errors import IntegrityError
 
 
@@ -36,34 +36,6 @@ def test_each_item_has_one_reader_the_bytes_spread_over_the_group_in_the_items_o
                             "unit 'norm' of step 4": 4}
     assert plan.mine() == ["unit 'embed' of step 4"]
     assert balance({"a": 5, "b": 5, "c": 1}, 2) == {"a": 0, "b": 1, "c": 0}  # ties: the given order, the lowest rank
-
-
-def test_units_larger_than_a_reader_s_share_are_cut_so_that_no_reader_reads_much_more_than_its_share():
-    """The bench's DDP restore at 3 ranks: an embedding and a head of 24.6 MB (with their Adam
-    moments) beside four layers of 8.85 MB and a norm. Whole, some rank read a large unit and a
-    layer, 33.4 MB where the share is 28.2; cut at the offsets each allows (a multiple of its
-    pages), every rank reads within one cut's step of its share, each byte once, every piece
-    of at least ``least`` bytes, a piece per reader of a unit at most."""
-    step, big, layer = 32 << 10, 24_576_000, 8_850_000
-    sizes = {"embed": big, "layer.0": layer, "layer.1": layer, "layer.2": layer, "layer.3": layer, "norm": 3000, "head": big}
-    cuts = {"embed": list(range(step, big, step)), "head": list(range(step, big, step))}
-    share = -(-sum(sizes.values()) // 3)
-    for least in (1 << 20, 4 << 20):
-        pieces = spread(sizes, 3, cuts, least=least)
-        load = [0, 0, 0]
-        for item, cut in pieces.items():
-            assert [start for start, _, _ in cut] == [0, *(end for _, end, _ in cut[:-1])] and cut[-1][1] == sizes[item]
-            assert len({rank for _, _, rank in cut}) == len(cut)
-            assert all(end - start >= least for start, end, _ in cut) or len(cut) == 1
-            for start, end, rank in cut:
-                load[rank] += end - start
-        assert max(load) <= share + step, (least, load, share)
-        assert max(load) < 30_000_000 and all(len(pieces[item]) == 1 for item in sizes if item not in cuts)
-    # Nothing to cut, or an item only some ranks can read: ``balance``, one piece each.
-    owners = balance(sizes, 3)
-    assert spread(sizes, 3, {}) == {item: [(0, size, owners[item])] for item, size in sizes.items()}
-    held = spread(sizes, 3, cuts, candidates={"embed": [1]})
-    assert held["embed"] == [(0, big, 1)] and len(held["head"]) > 1
 
 
 def test_fetch_takes_the_items_in_the_order_their_readers_have_them_each_reader_reading_its_own_smallest_first():
