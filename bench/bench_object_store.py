@@ -335,7 +335,7 @@ def restore_phase(args, out: Path, kind: str, saved_at: int) -> None:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                                __file__, "--worker", role, "--out", str(out)], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-4000:])
+            raise SystemExit(proc.stderr[-20000:])
     client = s3()
     objects = {}
     for prefix in ("ours/", "dcp/"):
