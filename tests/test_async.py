@@ -274,31 +274,45 @@ if {end!r} == "raise":
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("end", ["return", "raise"])
-def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path, end):
-    """The interpreter waits for the save thread; the fsync helper must still take work then."""
+@pytest.fixture(scope="module")
+def scripts_ended(tmp_path_factory):
+    """``SCRIPT`` to its end in three fresh interpreters started at once (nothing shared but the
+    machine: each its own run): the save in flight as the script returns (``return``), as it raises
+    (``raise``), and the save failing in the background (``fail``). By case, the finished process
+    and its run's directory."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = SCRIPT.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"), fail=False, end=end)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    from helpers import wait_launches
+
+    cases = {"return": (False, "return"), "raise": (False, "raise"), "fail": (True, "return")}
+    started, runs = [], {}
+    for name, (fail, end) in cases.items():
+        runs[name] = tmp_path_factory.mktemp(name) / "run"
+        script = SCRIPT.format(tests=str(Path(__file__).parent), run=str(runs[name]), fail=fail, end=end)
+        started.append(subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+    outputs = wait_launches(started, timeout=600)  # a bound on a hang, for the three at once
+    return {name: (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), runs[name])
+            for name, proc, (out, err) in zip(cases, started, outputs)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["return", "raise"])
+def test_a_save_in_flight_when_the_script_ends_is_committed(scripts_ended, end):
+    """The interpreter waits for the save thread; the fsync helper must still take work then."""
+    proc, run_dir = scripts_ended[end]
     assert proc.returncode == (1 if end == "raise" else 0), proc.stderr[-2000:]
-    run = Run(tmp_path / "run")
+    run = Run(run_dir)
     assert run.steps() == [2] and run.verify() == []
 
 
 @pytest.mark.slow
-def test_a_background_failure_nobody_collected_is_reported_at_exit(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = SCRIPT.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"), fail=True, end="return")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+def test_a_background_failure_nobody_collected_is_reported_at_exit(scripts_ended):
+    proc, run_dir = scripts_ended["fail"]
     assert "llmtailor: ERROR: the async save of step 2" in proc.stderr and "NOT saved" in proc.stderr, proc.stderr
-    assert "disk gone" in proc.stderr and Run(tmp_path / "run").steps() == []
+    assert "disk gone" in proc.stderr and Run(run_dir).steps() == []
 
 
 def test_schedule_free_eval_save_train_gives_the_synchronous_snapshot(tmp_path, tokens, monkeypatch):

@@ -216,25 +216,36 @@ def test_a_step_between_snapshots_means_the_composite_as_of_it(run_dir, command)
 def test_the_command_says_only_what_was_asked(run_dir, tmp_path):
     """The real entry point (a fresh process, piped): no warnings of the libraries it loads
     (transformers' config warnings, DeepSpeed's accelerator line), no blank line before an
-    error, one line per result."""
+    error, one line per result. Commands that do not read each other's output run at once
+    (each a process of its own): the two assembles, then the import and the refused assemble
+    of the first's output."""
     import os
     import subprocess
     import sys
 
-    def llmtailor(*args: str) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "DS_ACCELERATOR")}
-        return subprocess.run([sys.executable, "-c", "from llmtailor.cli import main; main()", *args],
-                              capture_output=True, text=True, timeout=300, env=env)
+    from helpers import wait_launches
 
-    for args, said in [
-        (["assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf")], f"wrote {tmp_path / 'hf' / 'checkpoint-6'}"),
+    def llmtailor(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+        """Each command a fresh process of the entry point, all started at once; each one's outcome."""
+        env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "DS_ACCELERATOR")}
+        started = [subprocess.Popen([sys.executable, "-c", "from llmtailor.cli import main; main()", *args],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                   for args in commands]
+        outputs = wait_launches(started, timeout=300)
+        return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(started, outputs)]
+
+    assemble_hf = ["assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf")]
+    assembled = [
+        (assemble_hf, f"wrote {tmp_path / 'hf' / 'checkpoint-6'}"),
         (["assemble", str(run_dir), "--format", "deepspeed", "-o", str(tmp_path / "ds")], f"wrote {tmp_path / 'ds' / 'global_step6'}"),
-        (["import-hf", str(tmp_path / "hf" / "checkpoint-6"), "-o", str(tmp_path / "imported")], "imported step 6"),
-    ]:
-        done = llmtailor(*args)
+    ]
+    imported = (["import-hf", str(tmp_path / "hf" / "checkpoint-6"), "-o", str(tmp_path / "imported")], "imported step 6")
+    for done, (_, said) in zip(llmtailor(*(args for args, _ in assembled)), assembled):
         assert done.returncode == 0 and done.stderr == "", done.stderr
         assert done.stdout.count("\n") == 1 and done.stdout.startswith(said), done.stdout
-    again = llmtailor("assemble", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf"))
+    done, again = llmtailor(imported[0], assemble_hf)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.count("\n") == 1 and done.stdout.startswith(imported[1]), done.stdout
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.startswith("error: ") and again.stderr.count("\n") == 1, again.stderr
 

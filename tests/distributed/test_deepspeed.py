@@ -3,13 +3,13 @@ restores at another world size and ZeRO stage, into one plain process, bf16 with
 
 Launches are few (each costs 10-20 s, most of it the start of its processes), and tests that
 need the same processes share one (``ds_job.py`` runs several jobs in turn, a fresh engine
-each): ZeRO-3 at 2 ranks saves, resumes bitwise and restores, then writes DeepSpeed's own
-checkpoint, then saves the odd shapes below; the same run is restored under ZeRO-2 at 3 ranks, under ZeRO-1 in one process and
-into a plain torch model; ZeRO-2 at 2 ranks likewise, then its own checkpoint, then bf16 with
-fp32 masters; its run is restored under ZeRO-3 at 3 ranks and into plain torch; the odd shapes
-that end ZeRO partitions mid-row (several chunks of a tensor in one rank's file) with several
-ZeRO-3 sub-groups per param group, restored under ZeRO-2 at 3 ranks in the same launch as the
-plain ZeRO-3 run; a universal checkpoint loaded by DeepSpeed; a restore that fails on one rank."""
+each). One launch at 2 ranks: ZeRO-2 saves, resumes bitwise and restores, then writes DeepSpeed's
+own checkpoint, then bf16 with fp32 masters; then ZeRO-3 likewise and its own checkpoint; then
+the odd shapes that end ZeRO partitions mid-row (several chunks of a tensor in one rank's file)
+with several ZeRO-3 sub-groups per param group. One launch at 3 ranks restores both ZeRO-3 runs
+under ZeRO-2, then the ZeRO-2 run under ZeRO-3. The plain ZeRO-3 run is restored under ZeRO-1 in
+one process, each plain run into a plain torch model; a universal checkpoint loaded by
+DeepSpeed; a restore that fails on one rank."""
 
 from __future__ import annotations
 
@@ -56,19 +56,22 @@ def launch(nproc: int, scenario: str, out: Path, stage: int, shape: str = "plain
 
 
 @pytest.fixture(scope="module")
-def zero3_runs(tmp_path_factory) -> dict[str, Path]:
-    """The ZeRO-3 runs at 2 ranks, one launch: the plain run (``save``), then DeepSpeed's own
-    ZeRO-3 checkpoint in its DIR/ds, then the run of the odd shapes (``save``); by shape, the
-    directory of each."""
-    dirs = {"plain": tmp_path_factory.mktemp("zero3"), "odd": tmp_path_factory.mktemp("odd-zero3")}
-    run_jobs(2, [("save+checkpoint", dirs["plain"], 3, "plain"), ("save", dirs["odd"], 3, "odd")])
+def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
+    """The runs at 2 ranks, in turn in one launch (ZeRO-3 after ZeRO-2, as the universal
+    checkpoint's launch has them): the ZeRO-2 run (``save``), DeepSpeed's own ZeRO-2 checkpoint
+    in its DIR/ds and the bf16 run; the ZeRO-3 run (``save``) and DeepSpeed's own ZeRO-3
+    checkpoint in its DIR/ds; the ZeRO-3 run of the odd shapes (``save``). By name, the directory
+    of each."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "odd-zero3")}
+    run_jobs(2, [("save+checkpoint+bf16", dirs["zero2"], 2, "plain"), ("save+checkpoint", dirs["zero3"], 3, "plain"),
+                 ("save", dirs["odd-zero3"], 3, "odd")])
     return dirs
 
 
 @pytest.fixture(scope="module")
-def zero3(zero3_runs):
+def zero3(two_rank_runs):
     """The ZeRO-3 run (``save``), then DeepSpeed's own ZeRO-3 checkpoint in DIR/ds."""
-    out = zero3_runs["plain"]
+    out = two_rank_runs["zero3"]
     return out, results(out, "save", 2)
 
 
@@ -97,15 +100,17 @@ def test_each_rank_writes_about_half(zero3):
 
 
 @pytest.fixture(scope="module")
-def zero2_restores_of_zero3_runs(zero3, odd_zero3):
-    """Both ZeRO-3 runs (plain, odd) restored under ZeRO-2 at 3 ranks, in turn, in one launch."""
-    run_jobs(3, [("restore", zero3[0], 2, "plain"), ("restore", odd_zero3[0], 2, "odd")])
-    return {"plain": results(zero3[0], "restore", 3), "odd": results(odd_zero3[0], "restore", 3)}
+def three_rank_restores(zero3, odd_zero3, zero2):
+    """The restores at 3 ranks, in turn in one launch: both ZeRO-3 runs (plain, odd) under
+    ZeRO-2, then the ZeRO-2 run under ZeRO-3; by run, each rank's result."""
+    run_jobs(3, [("restore", zero3[0], 2, "plain"), ("restore", odd_zero3[0], 2, "odd"), ("restore", zero2[0], 3, "plain")])
+    return {"plain": results(zero3[0], "restore", 3), "odd": results(odd_zero3[0], "restore", 3),
+            "zero2": results(zero2[0], "restore", 3)}
 
 
-def test_restore_under_zero2_at_3_ranks_and_zero1_in_one_process(zero3, zero2_restores_of_zero3_runs):
+def test_restore_under_zero2_at_3_ranks_and_zero1_in_one_process(zero3, three_rank_restores):
     out, _ = zero3
-    for result in zero2_restores_of_zero3_runs["plain"]:
+    for result in three_rank_restores["plain"]:
         assert result["restored"] == 6 and result["mismatches"] == []
     [single] = launch(1, "restore", out, stage=1)
     assert single["mismatches"] == [] and single["extra"] == {"rank": 0}
@@ -136,15 +141,14 @@ def test_restore_into_a_plain_torch_model_uses_each_units_own_step(zero3):
 
 
 @pytest.fixture(scope="module")
-def zero2(tmp_path_factory):
+def zero2(two_rank_runs):
     """The ZeRO-2 run (``save``), then DeepSpeed's own ZeRO-2 checkpoint in DIR/ds, then the bf16
-    run in DIR/bf16, one launch."""
-    out = tmp_path_factory.mktemp("zero2")
-    run_jobs(2, [("save+checkpoint+bf16", out, 2, "plain")])
+    run in DIR/bf16."""
+    out = two_rank_runs["zero2"]
     return out, results(out, "save", 2)
 
 
-def test_zero2_parity_restores_at_2_under_zero3_at_3_and_into_plain_torch_and_full_resumes_bitwise(zero2):
+def test_zero2_parity_restores_at_2_under_zero3_at_3_and_into_plain_torch_and_full_resumes_bitwise(zero2, three_rank_restores):
     out, results = zero2
     for rank, result in enumerate(results):
         assert result["restored"] == 6 and result["extra"] == {"rank": rank}
@@ -152,7 +156,7 @@ def test_zero2_parity_restores_at_2_under_zero3_at_3_and_into_plain_torch_and_fu
         for s in result["saves"]:
             assert 0.9 <= s["rank_bytes"] / (s["bytes"] / 2) <= 1.1, s
     assert Run(out / "parity").manifest(6).notes["zero_stage"] == 2
-    for result in launch(3, "restore", out, stage=3):
+    for result in three_rank_restores["zero2"]:
         assert result["restored"] == 6 and result["mismatches"] == []
     assert_plain_torch_restore_matches(out)
 
@@ -265,10 +269,10 @@ def test_import_deepspeed_refuses_what_is_not_a_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def odd_zero3(zero3_runs):
+def odd_zero3(two_rank_runs):
     """ZeRO-3 x 2 on odd sizes (partitions end mid-row) with several sub-groups per param group
     (saved in the launch of the plain ZeRO-3 run)."""
-    out = zero3_runs["odd"]
+    out = two_rank_runs["odd-zero3"]
     return out, results(out, "save", 2)
 
 
@@ -283,8 +287,8 @@ def test_odd_sizes_and_sub_groups_save_restore_and_resume_bitwise_under_zero3(od
     assert any(len(t.chunks) > len({c.file for c in t.chunks}) for t in entry.tensors)
 
 
-def test_odd_zero3_run_restores_under_zero2_at_3_ranks(zero2_restores_of_zero3_runs):
-    for result in zero2_restores_of_zero3_runs["odd"]:
+def test_odd_zero3_run_restores_under_zero2_at_3_ranks(three_rank_restores):
+    for result in three_rank_restores["odd"]:
         assert result["restored"] == 6 and result["mismatches"] == []
 
 
