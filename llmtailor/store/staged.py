@@ -93,7 +93,7 @@ class StagedSnapshot:
     composite: dict[str, int]
     global_doc: Any
     """The leader's shared global state and its own RNG and extras, encoded (``codec.encode``,
-    so it is a copy taken at staging time); None on other ranks."""
+    so it is a copy taken at staging time, or by the writer: ``encode``); None on other ranks."""
     global_tensors: dict[str, torch.Tensor] | None
     rank_doc: Any = None
     """Ranks >= 1: their own RNG states and extras, encoded."""
