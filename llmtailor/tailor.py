@@ -148,7 +148,7 @@ class Tailor:
             frozen=frozenset(frozen.quiet),
         ))
         units = frozen.written(decision.units)  # frozen, unchanged units cost nothing
-        staged = self._stage(step, units, {**lineage.composite, **{unit: step for unit in units}}, extra, frozen)
+        staged = self._stage(step, units, {**lineage.composite, **{unit: step for unit in units}}, extra, frozen, sync and self.world_size == 1)
         skipped = [u for u in decision.units if u not in units]
         staged.decision = {**decision.record, **({"drift": drift} if drift is not None else {}),
                            **({"frozen_unchanged": skipped} if skipped else {})}
@@ -219,12 +219,12 @@ class Tailor:
             return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, spare=self.tiers.may_promote, **hooks)
         return persist(self.run, staged, coordinator=self.coordinator, **hooks)
 
-    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan) -> StagedSnapshot:
-        """What this rank writes: its pieces of the units it holds (staged one at a time, as
-        the writer asks for them) and the global state, encoded now (a copy)."""
-        error, encoded, stages = None, (None, None, None, None), self.provider.stages
+    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan, later: bool) -> StagedSnapshot:
+        """What this rank writes: its pieces of the units it holds (staged one at a time, as the writer asks for them) and
+        the global state, encoded now (a copy) or, ``later`` (a synchronous save of one process), by the writer once the units are written."""
+        error, encoded, stages, encode = None, (None,) * 4, self.provider.stages, functools.partial(self.provider.encode_global, step, extra, self.stateful)
         try:
-            encoded = self.provider.encode_global(step, extra, self.stateful)
+            encoded = encoded if later else encode()
         except TailorError as err:
             if self.world_size == 1:
                 raise  # refused before anything is written
@@ -234,7 +234,7 @@ class Tailor:
             layout=self.layout.to_record(), holds=list(self.provider.layout.units),
             units=(self._frozen.split(self.provider.stage_unit(u), frozen) for u in self.provider.writes(units)),
             composite=composite, global_doc=encoded[0], global_tensors=encoded[1], rank_doc=encoded[2],
-            rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind,
+            rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind, encode=encode if later else None,
             notes={**self.provider.notes(), **({"stages": stages.record()} if stages.pipelined else {})}, base=self._frozen.base_record(), error=error,
         )
 

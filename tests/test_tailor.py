@@ -263,11 +263,33 @@ def test_saves_never_overwrite_or_go_backwards(saved_run):
     assert not list((saved_run / ".tmp").glob("*"))
 
 
-def test_unstorable_extra_is_refused_without_writing(tmp_path):
+def test_unstorable_extra_fails_the_save_leaving_nothing(tmp_path):
     tailor = Tailor(tmp_path, *tiny())
     with pytest.raises(TailorError, match=r"global state.extra.fn is a builtins.function"):
         tailor.save(1, extra={"fn": lambda: 0})
-    assert Run(tmp_path).steps() == []
+    assert Run(tmp_path).steps() == [] and not list(tmp_path.glob(".tmp/*"))
+    assert tailor.save(1).step == 1 and Run(tmp_path).steps() == [1]
+
+
+def test_a_synchronous_save_encodes_its_global_state_once_its_units_are_written(tmp_path):
+    """The global state's CPU (a Lightning-sized save's dump and encoding) runs while the units'
+    bytes go to the disk, not before they start: its stateful objects are captured once every
+    unit file is staged whole."""
+    seen: list[dict[str, int]] = []
+
+    class Probe:
+        def state_dict(self):
+            seen.append({path.name: path.stat().st_size for path in tmp_path.glob(".tmp/*/packs/*")})
+            return {"calls": len(seen)}
+
+        def load_state_dict(self, state):
+            pass
+
+    tailor = Tailor(tmp_path, *tiny(), policy=Full(), stateful={"probe": Probe()}, track_drift=False)
+    tailor.save(1)
+    committed = {path.name: path.stat().st_size for path in Run(tmp_path).snapshot_dir(1).glob("packs/*")}
+    assert committed and seen == [committed]
+    assert Run(tmp_path).read_global(1)["stateful"]["probe"] == {"calls": 1}
 
 
 def test_latest_follows_a_commit_whose_pointer_update_was_lost(saved_run):

@@ -325,22 +325,24 @@ def _one_optimizer(trainer: pl.Trainer) -> tuple[Any, Any]:
 
 def _storable(lightning: dict[str, Any]) -> dict[str, Any]:
     """Lightning's own state as the snapshot's extras stores it (no pickle): the optional keys
-    that hold objects only pickle could store are left out, with a warning; anything else that
-    cannot be stored is an error naming the key."""
+    that hold objects only pickle could store are left out, with a warning. Only those are
+    encoded here, to be checked; the rest is encoded once, with the save's global state, where
+    a value that cannot be stored fails the save, nothing committed (an UnsupportedStateError
+    naming its key). Checking every key here encoded it all twice: 0.15 ms of a Lightning-sized
+    save's CPU (bench/RESULTS.md, issue 33, session 51)."""
     from llmtailor.store import codec
 
-    kept = {}
-    for key, value in lightning.items():
+    kept = dict(lightning)
+    for key in OPTIONAL_KEYS:
+        if key not in kept:
+            continue
         try:
-            codec.encode(value, where=f"Lightning checkpoint key {key!r}")
+            codec.encode(kept[key], where=f"Lightning checkpoint key {key!r}")
         except UnsupportedStateError as err:
-            if key not in OPTIONAL_KEYS:
-                raise ConfigError(f"{err}: TailorCheckpoint stores Lightning's state without pickle") from None
             from lightning.pytorch.utilities import rank_zero_warn
 
             rank_zero_warn(f"llmtailor: {key} left out of the snapshot ({err}); resuming does not need it")
-            continue
-        kept[key] = value
+            del kept[key]
     return kept
 
 

@@ -10,7 +10,7 @@ and is validated on arrival like any file we read.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,7 @@ class StagedSnapshot:
     composite: dict[str, int]
     global_doc: Any
     """The leader's shared global state and its own RNG and extras, encoded (``codec.encode``,
-    so it is a copy taken at staging time); None on other ranks."""
+    so it is a copy taken at staging time, or by the writer: ``encode``); None on other ranks."""
     global_tensors: dict[str, torch.Tensor] | None
     rank_doc: Any = None
     """Ranks >= 1: their own RNG states and extras, encoded."""
@@ -117,6 +117,18 @@ class StagedSnapshot:
     training thread, in the same order on every rank); None: ``persist`` draws one."""
     turn: InTurn = field(default_factory=lambda: InTurn())
     """Its place behind the save before it, while that one is still in flight (``InTurn``)."""
+    encode: Callable[[], tuple[Any, Any, Any, Any]] | None = None
+    """Where the encoded state is left to the writer (``encoded``): what encodes it, as
+    ``(global_doc, global_tensors, rank_doc, rank_tensors)``."""
+
+    def encoded(self) -> None:
+        """Encode the state now if it was left to the writer (``encode``, called once): a
+        synchronous save of one process encodes it once its units are written, so that its
+        CPU runs while their bytes go to the disk rather than before they start (bench/RESULTS.md,
+        issue 33, session 51). What it raises fails the save, nothing committed."""
+        encode, self.encode = self.encode, None
+        if encode is not None:
+            self.global_doc, self.global_tensors, self.rank_doc, self.rank_tensors = encode()
 
 
 @dataclass(eq=False)

@@ -215,6 +215,7 @@ def write_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,
             file, sums = stream_tensors(create(relpath), tensors, relpath, pages=pages) if tensors else (None, {})
             record([_Written(staged_unit, list(tensors), file, sums, pages, file.bytes if file is not None else 0)])
         record(pack.flush())
+        staged.encoded()
         if staged.global_doc is not None:
             files.append(stream_tensors(create(GLOBAL_TENSORS), staged.global_tensors or {}, GLOBAL_TENSORS)[0])
             files.append(write_bytes_to(create(GLOBAL_JSON), json.dumps(staged.global_doc).encode(), GLOBAL_JSON))

@@ -22,7 +22,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from llmtailor import Parity  # noqa: E402
 from llmtailor.cli import app  # noqa: E402
-from llmtailor.errors import ConfigError  # noqa: E402
+from llmtailor.errors import ConfigError, TailorError  # noqa: E402
 from llmtailor.integrations.lightning import TailorCheckpoint, check_strategy  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
@@ -346,6 +346,41 @@ def test_hyperparameters_only_pickle_could_store_are_left_out_with_a_warning(tmp
     assert "hyper_parameters" not in lightning and lightning["global_step"] == 4 and "loops" in lightning
     assert callback.resume_path() == str(tmp_path / "run")
     assert TailorCheckpoint(tmp_path / "empty").resume_path() is None
+
+
+def test_lightnings_own_state_is_encoded_once_per_save(tmp_path, monkeypatch):
+    # Checked key by key, then encoded again with the global state: 0.15 ms more CPU per
+    # Lightning-sized save (bench/RESULTS.md, issue 33, session 51).
+    from llmtailor.store import codec
+
+    real, loops_encoded = codec.encode, []
+
+    def holds_loops(tree) -> bool:
+        if isinstance(tree, dict):
+            return "fit_loop" in tree or any(holds_loops(value) for value in tree.values())
+        return isinstance(tree, (list, tuple)) and any(holds_loops(value) for value in tree)
+
+    def encode(obj, where="state"):
+        if holds_loops(obj):
+            loops_encoded.append(where)
+        return real(obj, where)
+
+    monkeypatch.setattr(codec, "encode", encode)
+    _fit(_Tiny(), TailorCheckpoint(tmp_path / "run", every_n_train_steps=2))
+    assert Run(tmp_path / "run").steps() == [2, 4]
+    assert loops_encoded == ["global state", "global state"]
+    assert Run(tmp_path / "run").read_global(4)["stateful"]["lightning"]["loops"]["fit_loop"]
+
+
+def test_a_lightning_state_key_only_pickle_could_store_fails_the_save_naming_it(tmp_path):
+    class Unstorable(L.Callback):
+        def state_dict(self):
+            return {"handle": object()}
+
+    callback = TailorCheckpoint(tmp_path / "run", every_n_train_steps=2)
+    with pytest.raises(TailorError, match=r"callbacks.*Unstorable.*builtins\.object.*never pickle"):
+        _trainer(callback, Unstorable()).fit(_Tiny())
+    assert Run(tmp_path / "run").steps() == []
 
 
 def test_a_run_not_saved_through_lightning_is_refused_by_the_lightning_export(tmp_path, tokens):
