@@ -32,6 +32,7 @@ import collections
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -56,6 +57,7 @@ _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: roo
 _AHEAD = 2  # items a rank reads ahead (``deliver``), or has read and not yet delivered to every rank (``fetch``): memory
 _WINDOW = 4  # items of others a rank of ``fetch`` waits for at a time (receive buffers posted)
 _WINDOW_BYTES = 512 << 20  # and their bytes at most, but for the first
+_TIMED_OUT: weakref.WeakSet = weakref.WeakSet()  # groups on which a plan's wait timed out: gloo closed their connections then
 
 
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
@@ -513,12 +515,24 @@ class ReadPlan:
         try:
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout: name the peer
-            raise self._lost(item, peer, what, err) from None
+            lost = self._lost(item, peer, what, err)
+            if any(word in str(err).lower() for word in ("timed out", "timeout")):  # gloo's "Timed out waiting ...",
+                # or "Application timeout caused pair closure" (another wait's timeout closed the group)
+                _TIMED_OUT.add(self._process_group())
+            raise lost from None
 
     def _lost(self, item: str, peer: int, what: str, err: Exception) -> CoordinationError:
+        closed = ("; a wait on this process group timed out before (one of an earlier read plan's, a failed restore "
+                  "attempt's, maybe left behind it), and gloo then closed the group's connections: no later message "
+                  "on it goes through" if self._process_group() in _TIMED_OUT else "")
         return CoordinationError(f"the {what} of {item} between rank {self.coordinator.rank} and rank {peer} failed: "
                                  f"a rank died, or is stuck past the {self.coordinator.timeout:g} s timeout "
-                                 f"({describe_error(err)})")
+                                 f"({describe_error(err)}){closed}")
+
+    def _process_group(self) -> Any:
+        import torch.distributed as dist
+
+        return self.group if self.group is not None else dist.group.WORLD
 
     # -- one item ------------------------------------------------------------------------------
 

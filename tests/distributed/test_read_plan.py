@@ -476,3 +476,28 @@ def test_a_rank_whose_caller_stops_part_way_through_deliver_fails_the_others_pro
     assert str(outcomes[1]).startswith("rank 0 stopped taking the items of the read plan part-way")
     outcomes = on_threads(2, lambda rank: run(rank, 1, 2))
     assert outcomes == [dict.fromkeys(items, bytes([2] * 64))] * 2, outcomes
+
+
+def test_a_plan_on_a_group_that_a_timed_out_wait_closed_says_so(monkeypatch):
+    """A wait of a read plan that timed out (one left behind by a plan that failed, maybe after
+    it) makes gloo close the group's connections, so a later plan on it (a fallback attempt's)
+    failed with a bare "Connection closed" or a timeout of its own, as if a rank had died now.
+    Its failure says that a wait on the group timed out before. Two ranks of a real gloo group,
+    each on a thread of this process; rank 1 takes no part in the first plan."""
+    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("closed", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    items, candidates = {"a": 64, "b": 64}, {"a": [0], "b": [1]}
+
+    def plan(rank: int) -> list[str]:
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.zeros(16)], lambda item: [(torch.float32, [16])])
+        return [item for item, _ in fetching]
+
+    with pytest.raises(CoordinationError, match="timeout"):
+        plan(0)
+    outcomes = on_threads(2, plan)
+    assert isinstance(outcomes[0], CoordinationError), outcomes
+    assert "a wait on this process group timed out before" in str(outcomes[0]), outcomes
