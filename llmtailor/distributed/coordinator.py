@@ -60,6 +60,12 @@ class CoordinationError(TailorError):
     """Another rank failed, died or did not answer in time; the save or restore was abandoned."""
 
 
+class PeerStopped(CoordinationError):
+    """Another rank stopped part-way through what the ranks do together (a read plan), for a
+    reason of its own that it reports itself: this rank's failure follows from it (``agree``
+    judges the restore's failure by that rank's error, not by this one)."""
+
+
 class Coordinator(ABC):
     """Messages between the ranks of one job (see the module docstring)."""
 
@@ -152,7 +158,7 @@ class Coordinator(ABC):
         alike stay in step, naming each failed rank and its error. One process keeps its own
         error (an IntegrityError after touching says so)."""
         mine = {"touched": touched, "error": None if error is None else describe_error(error),
-                "integrity": isinstance(error, IntegrityError)}
+                "integrity": None if isinstance(error, PeerStopped) else isinstance(error, IntegrityError)}
         outcomes = self.exchange(tag, mine)
         failed = {rank: o for rank, o in enumerate(outcomes) if o["error"] is not None}
         partly = bool(failed) and any(o["touched"] for o in outcomes)
@@ -164,7 +170,9 @@ class Coordinator(ABC):
             if isinstance(error, IntegrityError) and touched:
                 return IntegrityError(f"{error}. Nothing was written to disk; the live model may be partly restored. {advice}"), partly
             return error, partly
-        kind = IntegrityError if all(o["integrity"] for o in failed.values()) else CoordinationError
+        # A rank that failed because another stopped (``PeerStopped``) follows that one's kind.
+        kind = (IntegrityError if any(o["integrity"] for o in failed.values())
+                and all(o["integrity"] is not False for o in failed.values()) else CoordinationError)
         where = "; ".join(f"rank {rank}: {o['error']}" for rank, o in failed.items())
         state = "the live model and optimizer may be partly restored on every rank" if partly else "no rank's live state was changed"
         return kind(f"restore of step {step} failed on rank(s) {sorted(failed)} ({where}); {state}; nothing was written "

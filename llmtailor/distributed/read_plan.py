@@ -32,6 +32,7 @@ import collections
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, describe_error
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)
@@ -56,6 +57,7 @@ _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: roo
 _AHEAD = 2  # items a rank reads ahead (``deliver``), or has read and not yet delivered to every rank (``fetch``): memory
 _WINDOW = 4  # items of others a rank of ``fetch`` waits for at a time (receive buffers posted)
 _WINDOW_BYTES = 512 << 20  # and their bytes at most, but for the first
+_TIMED_OUT: weakref.WeakSet = weakref.WeakSet()  # groups on which a plan's wait timed out: gloo closed their connections then
 
 
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
@@ -152,7 +154,13 @@ class ReadPlan:
         (gloo notices a lost connection at once), or they time out after the coordinator's
         timeout, naming it. Once this has raised (or the caller stopped it), no message of the
         plan writes into ``into``'s tensors: the receipts posted into them are waited for first
-        (within the timeout). ``meanwhile``: called once this rank's first reads have started,
+        (within the timeout). A caller that stops taking the items on one rank (an error of its
+        own, an interrupt: it closes the iterator), or whose ``into`` raises, does not leave the
+        others waiting for that rank's messages until the timeout: the plan goes on there to its
+        end without it, the items not yet sent going out unread and what comes in received into
+        memory of the plan's own; the others, once told so by an item's head, read nothing more
+        and raise ``PeerStopped`` naming that rank, which raises its own error (``into``'s) or
+        none (the caller's stands). ``meanwhile``: called once this rank's first reads have started,
         before any message (the ranks' exchange a restore makes before it reads, then beside
         them); what it raises is raised once the reads under way are done."""
         import torch.distributed as dist
@@ -164,6 +172,9 @@ class ReadPlan:
         own = [item for item in turns if self.readers[item] == me]
         others = collections.deque(item for item in turns if self.readers[item] != me)
         failed: dict[str, tuple[int, int, str]] = {}  # item -> (reader, status, message): reads that failed
+        skipped: dict[str, int] = {}  # item sent unread -> the rank whose caller stopped (its reader's, or one it learned of)
+        stopped = False  # this rank's caller stopped taking the items: the plan is drained to its end, nothing yielded
+        refused: Exception | None = None  # why ``into`` failed here: raised once the plan is drained (as stopped)
 
         def read_checked(item: str) -> list[torch.Tensor]:
             return _checked(failing.guard(read)(item), specs(item))
@@ -193,7 +204,10 @@ class ReadPlan:
                         tensors = None
                         if kind == "read":
                             own.pop(0)
-                            tensors, parts = self._sent_read(item, future, specs(item), failed, failing)
+                            origin = me if stopped else next(iter(skipped.values()), None)
+                            tensors, parts = self._sent_read(item, future, specs(item), failed, failing, origin)
+                            if stopped and tensors is not None:  # its bytes go to no one: sent unread
+                                tensors, parts = None, [_skipped_head(origin)]
                             parts, works = [part.to(device) for part in parts], []
                             try:
                                 for rank in (rank for rank in self.ranks if rank != me):
@@ -207,7 +221,15 @@ class ReadPlan:
                             sending -= 1
                         elif kind == "head":
                             future.result()
-                            targets = self._targets(item, held, specs(item), into, device, failed, failing)
+                            try:
+                                targets = self._targets(item, held, specs(item), None if stopped else into, device,
+                                                        failed, skipped, failing)
+                            except Exception as err:  # ``into`` failed (the caller's code): this rank stops here
+                                if stopped or isinstance(err, CoordinationError):
+                                    raise
+                                stopped, refused = True, err
+                                failing.known()
+                                targets = self._targets(item, held, specs(item), None, device, failed, skipped, failing)
                             if targets is None:
                                 receiving -= 1
                                 continue
@@ -219,8 +241,16 @@ class ReadPlan:
                             future.result()
                             receiving -= 1
                             tensors = [t if live else t.cpu() for t, live in held]
-                        if tensors is not None and not failed:
-                            yield item, tensors
+                        if tensors is not None and not failed and not stopped:
+                            try:
+                                yield item, tensors
+                            except GeneratorExit:  # the caller stopped (its own error, an interrupt): the others
+                                # would wait for its messages until the timeout, so the plan goes on to its end
+                                # here without it: this rank's items not yet sent go out unread (the others
+                                # then read nothing more and raise, naming it), and what comes in is
+                                # received into memory of the plan's own, no longer the caller's
+                                stopped = True
+                                failing.known()
             finally:
                 if pending:  # failing, or the caller stopped
                     # A receipt posted into the caller's tensors (``into``'s) cannot be taken back (gloo
@@ -233,12 +263,20 @@ class ReadPlan:
                     waits.shutdown(wait=False)
                 else:
                     waits.shutdown(wait=True)
+        if refused is not None:
+            raise refused
+        if stopped:
+            return
         if failed:
             item = next(item for item in turns if item in failed)
             raise self._failure(item, *failed[item])
+        if skipped:  # sent unread with no read failed: its reader's caller stopped
+            item = next(item for item in turns if item in skipped)
+            raise PeerStopped(f"rank {skipped[item]} stopped taking the items of the read plan part-way (its own error "
+                              f"says why), so {item} was sent unread: this rank did not receive every item")
 
     def _sent_read(self, item: str, reading: Future, shapes: list[Spec], failed: dict[str, tuple[int, int, str]],
-                   failing: _Failing) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+                   failing: _Failing, origin: int | None) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
         """A reader's item (``fetch``): its tensors and the messages that send them (the head, then
         each tensor's bytes), or, where its read failed or was skipped, None and the head that
         says so (noted in ``failed``)."""
@@ -246,8 +284,7 @@ class ReadPlan:
         try:
             tensors = reading.result()
         except ReadSkipped:
-            _put_head(head, _SKIPPED, 0)
-            return None, [head]
+            return None, [_skipped_head(origin)]
         except Exception as err:  # sent to the others in place of the bytes, then raised here too at the end
             status, text = _refusal(err, _HEAD + _ROOM)
             failed[item] = (self.coordinator.rank, status, text.decode(errors="replace"))
@@ -260,14 +297,19 @@ class ReadPlan:
         return tensors, [head, *(_bytes_of(t) for t in tensors if t.numel())]
 
     def _targets(self, item: str, head: torch.Tensor, shapes: list[Spec], into: Callable[[str], list[torch.Tensor | None]] | None,
-                 device: torch.device, failed: dict[str, tuple[int, int, str]],
+                 device: torch.device, failed: dict[str, tuple[int, int, str]], skipped: dict[str, int],
                  failing: _Failing) -> list[tuple[torch.Tensor, bool]] | None:
         """The tensors to receive an item into once its head is in (``fetch``), each with whether it
         is ``into``'s (where its memory takes the bytes as they are; new ones elsewhere); None
-        where its reader's read failed (noted in ``failed``) or was skipped."""
+        where its reader's read failed (noted in ``failed``) or it sent the item unread (a failure
+        known: this rank then reads nothing more either; where a rank's caller stopped, noted in
+        ``skipped`` with that rank)."""
         reader = self.readers[item]
         status, length = head[:_HEAD].cpu().view(torch.int64).tolist()
         if status == _SKIPPED:
+            if length:  # a caller stopped: which rank's
+                skipped[item] = length - 1
+            failing.known()
             return None
         if status != _SENT:
             failed[item] = (reader, status, bytes(head[_HEAD : _HEAD + length].cpu().numpy()).decode(errors="replace"))
@@ -312,11 +354,16 @@ class ReadPlan:
         ``threads`` items ahead (``read`` must allow it), and sends without waiting for the
         receivers: reads, sends and receives overlap. Before it returns (or raises), every send
         of this rank has completed, and every receipt it posted was waited for (by the caller,
-        or at the end: ``_Receipt``), so none is left in flight."""
+        or at the end: ``_Receipt``), so none is left in flight. A caller that stops taking the
+        items on one rank (it closes the iterator) does not leave the others in their sends to
+        it and the collective at the end until the timeout: the plan goes on there to its end
+        without it, as a failed one does, and the others raise ``PeerStopped`` naming it (where
+        no read failed)."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
+        stopped = False  # this rank's caller stopped taking the items: the plan is drained to its end (``fetch``)
         receipts: list[_Receipt] = []  # those posted and not yet waited for (some maybe)
         failing = _Failing(self.coordinator, tag)
         with contextlib.closing(_ReadAhead(self.mine(), failing.guard(read), threads, threads)) as mine:
@@ -326,7 +373,14 @@ class ReadPlan:
                     if reader != self.coordinator.rank:
                         receipts = [r for r in receipts if not r.waited]  # the caller's waited: their buffers its own
                         receipts.append(self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device))
-                        yield item, failing.watch(receipts[-1])
+                        if not stopped:
+                            try:
+                                yield item, failing.watch(receipts[-1])
+                            except GeneratorExit:  # as where this rank reads the item (below)
+                                stopped = True
+                                failing.known()
+                        if stopped:  # waited for here: no buffer for the rest of the plan at once
+                            receipts[-1].settle()
                         continue
                     try:
                         data = next(mine).result()
@@ -340,12 +394,23 @@ class ReadPlan:
                             sending.append((item, self._send_slices(item, rank, data, parts, index, device)))
                     while len(sending) > threads * max(1, len(self.ranks) - 1):  # bounded memory: the oldest sends done
                         self._wait_all(*sending.pop(0), "send")
-                    yield item, (functools.partial(_refused, item, reader) if data is None
-                                 else functools.partial(_slices, memoryview(data.numpy()),
-                                                        [(part, part) for part in slices.get(reader, [])]))
+                    if not stopped:
+                        try:
+                            yield item, (functools.partial(_refused, item, reader) if data is None
+                                         else functools.partial(_slices, memoryview(data.numpy()),
+                                                                [(part, part) for part in slices.get(reader, [])]))
+                        except GeneratorExit:  # the caller stopped (its own error, an interrupt): the plan goes on
+                            # to its end without it, as a failed one does (it reads nothing more, nor do the ranks
+                            # it posts that to under ``tag``), so no rank waits for its messages until the timeout
+                            stopped = True
+                            failing.known()
                 while sending:
                     self._wait_all(*sending.pop(0), "send")
-                self._settle(failed, device)
+                try:
+                    self._settle(failed, stopped, device)
+                except Exception:
+                    if not stopped:  # stopped: the caller's own error stands (the others raise this)
+                        raise
             finally:  # a failure, or the caller stopped: no send left from freed memory (the reads: ``_ReadAhead``)
                 for sent in sending:
                     try:
@@ -355,13 +420,16 @@ class ReadPlan:
                 for receipt in receipts:  # nor a receipt dropped unwaited (``_Receipt``)
                     receipt.settle()
 
-    def _settle(self, failed: tuple[int, str, Exception] | None, device: torch.device) -> None:
+    def _settle(self, failed: tuple[int, str, Exception] | None, stopped: bool, device: torch.device) -> None:
         """The end of ``deliver``: one collective finds the first item whose read failed on any
         rank (``failed``: this rank's first, as ``(tag, item, error)``); its reader broadcasts
-        its error, which every rank raises. Nothing more when every read succeeded."""
+        its error, which every rank raises. Where none failed, the same collective finds a rank
+        whose caller ``stopped`` part-way: every rank raises ``PeerStopped`` naming it. Nothing
+        more when every read succeeded and no rank stopped."""
         import torch.distributed as dist
 
-        first = torch.tensor([failed[0] if failed is not None else len(self.readers)], dtype=torch.int64).to(device)
+        first = torch.tensor([failed[0] if failed is not None else len(self.readers),
+                              self.ranks.index(self.coordinator.rank) if stopped else len(self.ranks)], dtype=torch.int64).to(device)
         try:
             work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
@@ -369,8 +437,11 @@ class ReadPlan:
             raise CoordinationError(f"the ranks' exchange of failed reads at the end of the read plan failed: a rank of the "
                                     f"group died, or is stuck past the {self.coordinator.timeout:g} s timeout "
                                     f"({describe_error(err)})") from None
-        tag = int(first.cpu().item())
+        tag, stopper = first.cpu().tolist()
         if tag == len(self.readers):
+            if stopper < len(self.ranks):
+                raise PeerStopped(f"rank {self.ranks[stopper]} stopped taking the items of the read plan part-way (its own "
+                                  f"error says why): this rank did not receive every item")
             return
         item, reader = list(self.readers.items())[tag]
         if reader == self.coordinator.rank:
@@ -444,12 +515,24 @@ class ReadPlan:
         try:
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout: name the peer
-            raise self._lost(item, peer, what, err) from None
+            lost = self._lost(item, peer, what, err)
+            if any(word in str(err).lower() for word in ("timed out", "timeout")):  # gloo's "Timed out waiting ...",
+                # or "Application timeout caused pair closure" (another wait's timeout closed the group)
+                _TIMED_OUT.add(self._process_group())
+            raise lost from None
 
     def _lost(self, item: str, peer: int, what: str, err: Exception) -> CoordinationError:
+        closed = ("; a wait on this process group timed out before (one of an earlier read plan's, a failed restore "
+                  "attempt's, maybe left behind it), and gloo then closed the group's connections: no later message "
+                  "on it goes through" if self._process_group() in _TIMED_OUT else "")
         return CoordinationError(f"the {what} of {item} between rank {self.coordinator.rank} and rank {peer} failed: "
                                  f"a rank died, or is stuck past the {self.coordinator.timeout:g} s timeout "
-                                 f"({describe_error(err)})")
+                                 f"({describe_error(err)}){closed}")
+
+    def _process_group(self) -> Any:
+        import torch.distributed as dist
+
+        return self.group if self.group is not None else dist.group.WORLD
 
     # -- one item ------------------------------------------------------------------------------
 
@@ -631,6 +714,14 @@ def _takes(live: torch.Tensor | None, dtype: torch.dtype, shape: list[int], devi
     """Whether ``live`` can receive an item's tensor of ``dtype`` and ``shape`` straight into its memory."""
     return (live is not None and live.dtype == dtype and list(live.shape) == list(shape) and live.device == device
             and live.is_contiguous() and not live.is_inference())
+
+
+def _skipped_head(origin: int | None) -> torch.Tensor:
+    """The head of an item its reader sends unread (``fetch``): the rank whose caller stopped
+    where that is why (``origin``; its length field, one more than the rank), else none."""
+    head = torch.zeros(_HEAD + _ROOM, dtype=torch.uint8)
+    _put_head(head, _SKIPPED, 0 if origin is None else origin + 1)
+    return head
 
 
 def _put_head(message: torch.Tensor, status: int, length: int) -> None:

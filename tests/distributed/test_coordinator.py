@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from torch.distributed import HashStore
 
-from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
-from llmtailor.errors import PromotionError, TailorError
+from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
+from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
 from helpers import on_threads
 
@@ -36,6 +36,22 @@ def test_a_promotion_failure_reaches_every_rank_as_itself():
     outcomes = on_every_rank(2, failing(TailorError("the lock was lost")))
     assert [type(o) for o in outcomes] == [TailorError, CoordinationError]
     assert str(outcomes[1]) == "rank 0 failed: the lock was lost"
+
+
+def test_a_rank_that_failed_because_another_stopped_takes_that_one_s_kind_of_failure():
+    """A restore's ranks agree on one failure: an IntegrityError only where every failed rank's
+    was one (a fallback attempt then follows). A rank that failed only because another stopped
+    part-way (``PeerStopped``, the read plan's) counts as that one's kind: damage found on rank
+    0 while its peers learn that it stopped is still damage (it was a CoordinationError)."""
+    def agree(errors):
+        return lambda coordinator: coordinator.agree("r1/loaded/0", 5, errors[coordinator.rank], True)[0]
+
+    stopped = PeerStopped("rank 0 stopped taking the items of the read plan part-way")
+    outcomes = on_every_rank(3, agree([IntegrityError("unit 'a' is damaged"), stopped, None]))
+    assert [type(o) for o in outcomes] == [IntegrityError] * 3, outcomes
+    assert "rank 0: unit 'a' is damaged; rank 1: rank 0 stopped" in str(outcomes[0])
+    outcomes = on_every_rank(3, agree([KeyError("a bug"), stopped, None]))
+    assert [type(o) for o in outcomes] == [CoordinationError] * 3, outcomes
 
 
 def test_a_broadcast_reaches_every_rank():

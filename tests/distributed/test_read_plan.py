@@ -14,6 +14,8 @@ from llmtailor.distributed.coordinator import LocalCoordinator
 from llmtailor.distributed.read_plan import ReadPlan, ReadRefused, balance, nbytes, pack, unpack
 from llmtailor.errors import IntegrityError
 
+from helpers import on_threads
+
 
 def test_pack_and_unpack_give_back_tensors_of_every_dtype_and_shape_bit_for_bit():
     tensors = [torch.randn(3, 5), torch.tensor(7, dtype=torch.int64), torch.randn(2, 3).to(torch.bfloat16),
@@ -367,3 +369,135 @@ def test_a_deliver_stopped_before_its_caller_waited_for_an_item_waits_for_that_i
         assert waited == [16, 100]  # the head, then the part
     finally:
         dist.destroy_process_group()
+
+
+
+def _gloo_group(name: str, timeout: float, world: int) -> list:
+    """The store and the ranks of a real gloo group, each to be used from a thread of this process."""
+    from datetime import timedelta
+
+    store = HashStore()
+    return [store, *on_threads(world, lambda rank: dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, world,
+                                                                         timedelta(seconds=timeout)))]
+
+
+def _over_the_group(monkeypatch) -> None:
+    """``ReadPlan``'s messages on the group it was given (a gloo group of ``_gloo_group``, not
+    registered with torch.distributed, so sent on it directly)."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None, tag=0: group.send([tensor], dst, tag))
+    monkeypatch.setattr(dist, "irecv", lambda tensor, src, group=None, tag=0: group.recv([tensor], src, tag))
+
+
+def test_a_rank_whose_caller_stops_part_way_fails_the_others_promptly_and_the_group_serves_the_next_plan(monkeypatch):
+    """A caller of ``fetch`` that stops taking the items on one rank (an error of its own, an
+    interrupt) left the others waiting for its messages: they sat in their sends to it for the
+    whole timeout (600 s by default), and then gloo closed the group, so a fallback attempt on
+    it failed too. The stopped rank goes on to the end of the plan without its caller (its
+    items unread, what comes in into memory of its own), the others learn it from its heads,
+    read nothing more and raise, naming it, well before the timeout (300 s here; the threads
+    are waited for 120 s); a failing ``into`` (the caller's code) stops a rank alike; and a
+    next plan on the same group takes none of the earlier plans' messages. Three ranks of a
+    real gloo group, each on a thread of this process."""
+    from llmtailor.distributed.coordinator import PeerStopped, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("stopped", 300, 3)
+    coordinators = [StoreCoordinator.over(store, rank, 3, timeout=300) for rank in range(3)]
+    items = {f"{owner}{n}": 64 for n in range(3) for owner in "abc"}  # a0.. read by rank 0, b0.. by rank 1, c0.. by 2
+    candidates = {item: ["abc".index(item[0])] for item in items}
+    live = [{item: torch.zeros(16) for item in items} for _ in range(3)]
+
+    def plan(rank: int, value: float, into=None):
+        into = into or (lambda item: [live[rank][item]])
+        return ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.full((16,), value)], lambda item: [(torch.float32, [16])], into=into)
+
+    def stopping(rank: int) -> list[str]:
+        taken = []
+        for item, _ in plan(rank, 1.0):
+            taken.append(item)
+            if rank == 0:
+                raise KeyError(f"rank 0's own error at {item}")
+        return taken
+
+    outcomes = on_threads(3, stopping)
+    assert isinstance(outcomes[0], KeyError), outcomes
+    for outcome in outcomes[1:]:  # None: still waiting
+        assert isinstance(outcome, PeerStopped), outcomes
+        assert str(outcome).startswith("rank 0 stopped taking the items of the read plan part-way")
+
+    def refusing(rank: int) -> list[str]:
+        def into(item: str) -> list[torch.Tensor]:
+            if rank == 0 and item == "b1":
+                raise KeyError(f"no live tensor for {item}")
+            return [live[rank][item]]
+        return [item for item, _ in plan(rank, 3.0, into)]
+
+    outcomes = on_threads(3, refusing)
+    assert isinstance(outcomes[0], KeyError) and "no live tensor for b1" in str(outcomes[0]), outcomes
+    for outcome in outcomes[1:]:  # unless rank 0 had sent all its items: then they received every item
+        assert (isinstance(outcome, PeerStopped) and str(outcome).startswith("rank 0 stopped")
+                or isinstance(outcome, list) and sorted(outcome) == sorted(items)), outcomes
+
+    # The next plan on the same group (a fallback attempt: another composite, same items).
+    outcomes = on_threads(3, lambda rank: {item: tensors[0].tolist() for item, tensors in plan(rank, 2.0)})
+    assert outcomes == [dict.fromkeys(items, [2.0] * 16)] * 3, outcomes  # the last plan's bytes only
+
+
+def test_a_rank_whose_caller_stops_part_way_through_deliver_fails_the_others_promptly(monkeypatch):
+    """``deliver`` alike: a caller that stopped on one rank left the others in their sends to it
+    and in the collective at the plan's end until the timeout. The stopped rank goes on to the
+    end without its caller (it posts under the plan's tag that it fails, so the others read
+    nothing more), and every other rank raises, naming it, well before the timeout (300 s
+    here; the threads are waited for 120 s); a next plan on the same group delivers its own
+    bytes only. Two ranks of a real gloo group, each on a thread of this process."""
+    from llmtailor.distributed.coordinator import PeerStopped, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("stopped-deliver", 300, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=300) for rank in range(2)]
+    items = {f"{n}": 64 for n in range(6)}  # read by ranks 0 and 1 in turn
+    candidates = {item: [int(item) % 2] for item in items}
+
+    def run(rank: int, attempt: int, value: int) -> dict[str, bytes]:
+        plan = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates)
+        got = {}
+        for item, parts in plan.deliver(lambda item: torch.full((64,), value, dtype=torch.uint8),
+                                        lambda item: {0: [(0, 64)], 1: [(0, 64)]}, tag=f"stopped/{attempt}"):
+            if attempt == 0 and rank == 0 and item == "2":
+                raise KeyError(f"rank 0's own error at {item}")
+            got[item] = bytes(parts()[(0, 64)])
+        return got
+
+    outcomes = on_threads(2, lambda rank: run(rank, 0, 1))
+    assert isinstance(outcomes[0], KeyError), outcomes
+    assert isinstance(outcomes[1], PeerStopped), outcomes  # None: still waiting
+    assert str(outcomes[1]).startswith("rank 0 stopped taking the items of the read plan part-way")
+    outcomes = on_threads(2, lambda rank: run(rank, 1, 2))
+    assert outcomes == [dict.fromkeys(items, bytes([2] * 64))] * 2, outcomes
+
+
+def test_a_plan_on_a_group_that_a_timed_out_wait_closed_says_so(monkeypatch):
+    """A wait of a read plan that timed out (one left behind by a plan that failed, maybe after
+    it) makes gloo close the group's connections, so a later plan on it (a fallback attempt's)
+    failed with a bare "Connection closed" or a timeout of its own, as if a rank had died now.
+    Its failure says that a wait on the group timed out before. Two ranks of a real gloo group,
+    each on a thread of this process; rank 1 takes no part in the first plan."""
+    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("closed", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    items, candidates = {"a": 64, "b": 64}, {"a": [0], "b": [1]}
+
+    def plan(rank: int) -> list[str]:
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.zeros(16)], lambda item: [(torch.float32, [16])])
+        return [item for item, _ in fetching]
+
+    with pytest.raises(CoordinationError, match="timeout"):
+        plan(0)
+    outcomes = on_threads(2, plan)
+    assert isinstance(outcomes[0], CoordinationError), outcomes
+    assert "a wait on this process group timed out before" in str(outcomes[0]), outcomes
