@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from llmtailor.training_example import (
@@ -293,6 +294,31 @@ def wait_launches(launches: list[subprocess.Popen], timeout: float = LAUNCH_WAIT
                 raise AssertionError(f"launch {i} did not end within {timeout:g} s; every launch ended, their output:\n\n"
                                      + "\n\n".join(f"launch {n}: {tail}" for n, tail in enumerate(tails))) from None
     return [outputs[i] for i in range(len(launches))]
+
+
+def launches_ended_well(launches: list[subprocess.Popen], outputs: list[str]) -> None:
+    """Fail the test unless every launch (ended, ``outputs`` its text) exited 0: the message holds
+    each failed launch's tail, then, last (where a short view of a long log shows it), each one's
+    final error lines (its ranks' exceptions)."""
+    codes = [launch.returncode for launch in launches]
+    failed = [n for n, code in enumerate(codes) if code != 0]
+    if not failed:
+        return
+    tails = "\n\n".join(f"launch {n}: {outputs[n][-5000:]}" for n in failed)
+    errors = "\n".join(f"launch {n} (exit {codes[n]}): {line}" for n in failed for line in _error_lines(outputs[n]))
+    pytest.fail(f"{tails}\n\nexit codes {codes}; the failed launches' errors:\n{errors or '(none printed)'}", pytrace=False)
+
+
+def _error_lines(output: str, most: int = 4) -> list[str]:
+    """The last ``most`` distinct lines of ``output`` that name an exception (``SomeError: ...``)."""
+    found: list[str] = []
+    for line in reversed(output.splitlines()):
+        text = line.split("]:", 1)[-1].strip()  # torchrun's "[rank0]:" prefix
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Stopped)\b", text) and text[:300] not in found:
+            found.append(text[:300])
+            if len(found) == most:
+                break
+    return found[::-1]
 
 
 _READ_TURN = 0.5

@@ -31,7 +31,7 @@ ranks by it) and, at the end of a job, ``DIR/result-<scenario>-<rank>.json``. Ra
     With ``$HOLD_LAST`` = 1 (2 ranks per node, node 1 replaced): the leader of node 0 holds the
     last file of its healing's stream until the second rank of node 1 (its leader alone
     receives) has taken a file of that healing for its restore (``hold_the_last_file``); each
-    records what it saw (``held``, ``taken``). ``$TIMEOUT``: the Tailor's (default 30 s).
+    records what it saw (``held``, ``taken``). ``$TIMEOUT``: the Tailor's (default 120 s: a busy machine's slow rank is not a dead one).
 ``start``  a writer's start alone: the steps its node's copy holds once it started, and what
     ``latest_step`` answers; closed without a save (the error the close raised, if any).
 """
@@ -65,7 +65,7 @@ def node() -> int:
 def tailor_of(model, optimizer, scheduler) -> Tailor:
     tiers = [Tier(os.environ["NODE_DIR"], scope="node", replicas=int(os.environ.get("REPLICAS", "2")), keep=2, promote_every=1)]
     return Tailor(os.environ["RUN_HOME"], model, optimizer, scheduler, policy=Parity(), tiers=tiers, async_save=True,
-                  async_in_flight=int(os.environ.get("IN_FLIGHT", "1")), timeout=float(os.environ.get("TIMEOUT", "30")))
+                  async_in_flight=int(os.environ.get("IN_FLIGHT", "1")), timeout=float(os.environ.get("TIMEOUT", "120")))
 
 
 def doomed() -> bool:

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import node_launches, wait_launches
+from helpers import launches_ended_well, node_launches, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -46,7 +46,7 @@ def launch(tmp_path: Path, env: dict[str, str], jobs: list[tuple[str, str, dict[
 
     launches = node_launches(JOB, args, env_of, merged=True)
     outputs = [out for out, _ in wait_launches(launches)]
-    assert [p.returncode for p in launches] == [0, 0], "\n\n".join(out[-5000:] for out in outputs)
+    launches_ended_well(launches, outputs)
 
 
 def own(tmp_path: Path, kind: str, node: int) -> Path:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import node_launches, wait_launches
+from helpers import launches_ended_well, node_launches, wait_launches
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
@@ -77,7 +77,7 @@ class Job:
     def results(self, scenario: str) -> list[dict]:
         """Each rank's result (in rank order; a rank writes it in its node's directory)."""
         outputs = [out for out, _ in wait_launches(self.launches)]
-        assert [p.returncode for p in self.launches] == [0] * self.nodes, "\n\n".join(out[-5000:] for out in outputs)
+        launches_ended_well(self.launches, outputs)
         return [json.loads((self.own(n) / f"result-{scenario}-{r}.json").read_text())
                 for n in range(self.nodes) for r in self.ranks(n)]
 

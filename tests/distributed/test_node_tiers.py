@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import node_launches, wait_launches
+from helpers import launches_ended_well, node_launches, wait_launches
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.store.run import Run
@@ -39,7 +39,7 @@ def launch(tmp_path: Path, scenario: str | list[str], per_node: int, **per_node_
     launches = node_launches(JOB, lambda node: [arg for name in scenarios for arg in (name, str(tmp_path / f"node{node}"))],
                              env_of, per_node=per_node)
     outputs = wait_launches(launches)
-    assert [p.returncode for p in launches] == [0, 0], "\n\n".join(err[-4000:] for _, err in outputs)
+    launches_ended_well(launches, [err for _, err in outputs])
     return results_of(tmp_path, scenarios[0], per_node)
 
 
