@@ -219,24 +219,20 @@ class Tailor:
             return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, spare=self.tiers.may_promote, **hooks)
         return persist(self.run, staged, coordinator=self.coordinator, **hooks)
 
-    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan, later: bool) -> StagedSnapshot:
-        """What this rank writes: its pieces of the units it holds (staged one at a time, as the writer asks for them) and
-        the global state, encoded now (a copy) or, ``later`` (a synchronous save of one process), by the writer once the units are written."""
-        error, encoded, stages, encode = None, (None,) * 4, self.provider.stages, functools.partial(self.provider.encode_global, step, extra, self.stateful)
-        try:
-            encoded = encoded if later else encode()
-        except TailorError as err:
-            if self.world_size == 1:
-                raise  # refused before anything is written
-            error = err  # the save must fail on every rank: persisting reports it
-        return StagedSnapshot(
+    def _stage(self, step: int, units: list[str], composite: dict[str, int], extra: Any, frozen: FrozenPlan,
+               later: bool) -> StagedSnapshot:
+        """What this rank writes: its pieces of the units it holds (staged one at a time, as the writer asks for
+        them) and the global state, encoded now or, ``later`` (a synchronous save of one process), by the writer."""
+        stages = self.provider.stages
+        staged = StagedSnapshot(
             step=step, parent=self.lineage.parent, save_index=self.lineage.save_index, policy=self.policy.describe(),
             layout=self.layout.to_record(), holds=list(self.provider.layout.units),
             units=(self._frozen.split(self.provider.stage_unit(u), frozen) for u in self.provider.writes(units)),
-            composite=composite, global_doc=encoded[0], global_tensors=encoded[1], rank_doc=encoded[2],
-            rank_tensors=encoded[3], world_size=self.world_size, provider=self.provider.kind, encode=encode if later else None,
-            notes={**self.provider.notes(), **({"stages": stages.record()} if stages.pipelined else {})}, base=self._frozen.base_record(), error=error,
-        )
+            composite=composite, global_doc=None, global_tensors=None, world_size=self.world_size,
+            provider=self.provider.kind, encode=functools.partial(self.provider.encode_global, step, extra, self.stateful),
+            notes={**self.provider.notes(), **({"stages": stages.record()} if stages.pipelined else {})},
+            base=self._frozen.base_record())
+        return staged if later else staged.encoded_now(keep_failure=self.world_size > 1)
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
         if self.tiers.keeps_first(self.rank) and not result.pointer_error:

@@ -130,6 +130,19 @@ class StagedSnapshot:
         if encode is not None:
             self.global_doc, self.global_tensors, self.rank_doc, self.rank_tensors = encode()
 
+    def encoded_now(self, keep_failure: bool) -> StagedSnapshot:
+        """This share with its state encoded now, at staging time (a copy: ``encoded``). A
+        TailorError is raised unless ``keep_failure`` (one process: refused before anything is
+        written); with it (several ranks), kept as ``error``: the save must fail on every rank,
+        and persisting reports it."""
+        try:
+            self.encoded()
+        except TailorError as err:
+            if not keep_failure:
+                raise
+            self.error = err
+        return self
+
 
 @dataclass(eq=False)
 class InTurn:
