@@ -605,18 +605,32 @@ class _ReadAhead:
 
 class _Receipt:
     """The receipts of one item's parts posted by a rank of ``deliver`` (``_receive_slices``):
-    called (once), waits for them and returns each part's bytes. ``settle``, as ``deliver`` ends
-    (failing, or stopped by its caller): waits for them if the caller did not, errors aside
-    (within the timeout: its reader goes on to the end of the plan, or is lost): a receipt
-    dropped unwaited leaves gloo's connection to its reader stuck once its message comes in
-    (every later message on it, a fallback attempt's, waits out the timeout)."""
+    called, waits for them and returns each part's bytes (or raises), waiting once whoever calls
+    first, on any thread: a later call gives the same outcome (gloo's second wait on a receipt
+    that is in sits until the timeout, then closes the group's connections). ``settle``, as
+    ``deliver`` ends: waits for them if the caller did not yet, errors aside (within the timeout:
+    its reader goes on to the end of the plan, or is lost): a receipt dropped unwaited leaves
+    gloo's connection to its reader stuck once its message comes in (every later message on
+    it, a fallback attempt's, waits out the timeout). The caller may still take them after
+    (``shared_ranges``' loader takes the last batch's pieces on a thread of its own)."""
 
     def __init__(self, wait: Callable[[], dict[Slice, memoryview]], posted: bool = True):
         self._wait, self.waited = wait, not posted  # none posted (no part wanted): nothing to wait for
+        self._lock = threading.Lock()
+        self._outcome: tuple[dict[Slice, memoryview] | None, Exception | None] | None = None
 
     def __call__(self) -> dict[Slice, memoryview]:
-        self.waited = True
-        return self._wait()
+        with self._lock:
+            if self._outcome is None:
+                self.waited = True
+                try:
+                    self._outcome = self._wait(), None
+                except Exception as err:  # raised to every caller (a BaseException: no outcome, raised as it is)
+                    self._outcome = None, err
+        parts, error = self._outcome
+        if error is not None:
+            raise error
+        return parts
 
     def settle(self) -> None:
         if not self.waited:

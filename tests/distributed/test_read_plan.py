@@ -501,3 +501,29 @@ def test_a_plan_on_a_group_that_a_timed_out_wait_closed_says_so(monkeypatch):
     outcomes = on_threads(2, plan)
     assert isinstance(outcomes[0], CoordinationError), outcomes
     assert "a wait on this process group timed out before" in str(outcomes[0]), outcomes
+
+
+def test_an_item_of_deliver_waited_for_after_the_plan_ended_gives_its_bytes_at_once(monkeypatch):
+    """``deliver``'s end waits for the receipts its caller has not waited for yet (``_Receipt``):
+    a caller that waits for an item's slices later, on a thread of its own (``shared_ranges``'
+    loader takes the last batch's pieces while the plan ends), then waited for the same gloo
+    receipt a second time: gloo's second wait sits until the timeout and then closes the
+    group's connections, so the restore failed after the whole timeout (30 s here). An item's
+    slices are waited for once, whoever asks first; the others get the same bytes. Two ranks
+    of a real gloo group, each on a thread of this process."""
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("late-caller", 30, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2)]
+    items = {f"{n}": 64 for n in range(4)}  # read by ranks 0 and 1 in turn
+    candidates = {item: [int(item) % 2] for item in items}
+
+    def run(rank: int) -> dict[str, bytes]:
+        plan = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates)
+        taken = list(plan.deliver(lambda item: torch.full((64,), int(item), dtype=torch.uint8),
+                                  lambda item: {0: [(0, 64)], 1: [(0, 64)]}))
+        return {item: bytes(parts()[(0, 64)]) for item, parts in taken}  # every item waited for once the plan ended
+
+    outcomes = on_threads(2, run)
+    assert outcomes == [{item: bytes([int(item)] * 64) for item in items}] * 2, outcomes
