@@ -6,6 +6,8 @@ in tests/distributed/test_read_once.py."""
 
 from __future__ import annotations
 
+import threading
+
 from llmtailor.store.fetch import PART
 from llmtailor.store.shared_ranges import GAP, _batches, _by_file, _pieces, _within
 
@@ -110,3 +112,69 @@ def test_a_range_at_an_odd_offset_of_a_part_is_copied_aligned_and_an_empty_one_i
     odd = loaded["g"][("f", 6, 40)]
     assert torch.frombuffer(odd, dtype=torch.uint8).data_ptr() % ALIGN == 0
     assert torch.frombuffer(odd, dtype=torch.uint8)[:4].view(torch.float32).numel() == 1
+
+
+def test_a_batch_loaded_after_the_read_plan_ended_takes_its_bytes_without_waiting_again(tmp_path, monkeypatch):
+    """The last batch's pieces are loaded on the loader's thread while the read plan ends
+    (``read_once``), whose end waits for the receipts its caller had not waited for yet
+    (``ReadPlan.deliver``): a loader that came to them later waited for each a second time,
+    which gloo sits out until the timeout (30 s here) and then closes the group, failing the
+    restore. Here the loader starts the last batch once the plan ended on both ranks (a slow
+    load before it, say); every rank loads its ranges' bytes. Two ranks of a real gloo group,
+    each on a thread of this process, their coordinators over one store."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import HashStore
+
+    from helpers import on_threads
+    from llmtailor.distributed.coordinator import StoreCoordinator
+    from llmtailor.distributed.read_plan import ReadPlan
+    from llmtailor.store import shared_ranges
+    from llmtailor.store.storage.local import LocalStorage
+
+    (tmp_path / "f").write_bytes(bytes(range(256)) * 16)
+    store = HashStore()
+    groups = on_threads(2, lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("late-loader", store), rank, 2,
+                                                              timedelta(seconds=30)))
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2)]
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None, tag=0: group.send([tensor], dst, tag))
+    monkeypatch.setattr(dist, "irecv", lambda tensor, src, group=None, tag=0: group.recv([tensor], src, tag))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op, group, async_op: group.allreduce([tensor], _options(dist, op)))
+    ended = [threading.Event() for _ in range(2)]
+
+    class OnGroup(ReadPlan):
+        def __init__(self, coordinator, items):
+            super().__init__(coordinator, items, group=groups[coordinator.rank])
+
+        def deliver(self, *args, **kwargs):
+            yield from super().deliver(*args, **kwargs)
+            ended[self.coordinator.rank].set()
+
+    def late(waiting, batch, received):
+        for event in ended:
+            assert event.wait(60)
+        return arrive_and_load(waiting, batch, received)
+
+    arrive_and_load = shared_ranges._arrive_and_load
+    monkeypatch.setattr(shared_ranges, "ReadPlan", OnGroup)
+    monkeypatch.setattr(shared_ranges, "_arrive_and_load", late)
+    needs = [{"g0": [("f", 0, 2048)]}, {"g1": [("f", 2048, 2048)]}]
+    loaded: list[dict] = [{}, {}]
+
+    def run(rank: int) -> None:
+        shared_ranges.read_once(coordinators[rank], LocalStorage(tmp_path), needs[rank],
+                                lambda group, received: loaded[rank].update({r: bytes(d) for r, d in received.items()}),
+                                "late-loader")
+
+    assert on_threads(2, run) == [None, None]
+    file = (tmp_path / "f").read_bytes()
+    assert loaded == [{r: file[r[1] : r[1] + r[2]] for group in mine.values() for r in group} for mine in needs]
+
+
+def _options(dist, op):
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return options
