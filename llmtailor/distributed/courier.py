@@ -161,7 +161,7 @@ class Courier:
         to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
         first), each read by ``fill(dst, name, view)`` just before it goes (while the one before
         is on its way), or sent from the buffer ``fill`` returns instead (of the file's size: a
-        mapped file, no copy); from each rank of ``sources`` in turn, each file handed to ``take(src,
+        mapped file, no copy); from every rank of ``sources`` at once, each file handed to ``take(src,
         name, view)`` once it is whole (while the next arrives). A ``fill`` that cannot read its
         file leaves the view as it is (the receiver's check against its checksum refuses it);
         ``meanwhile``, when given, runs once every file's sends are posted, while they travel
