@@ -46,6 +46,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -160,7 +161,7 @@ class Courier:
         to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
         first), each read by ``fill(dst, name, view)`` just before it goes (while the one before
         is on its way), or sent from the buffer ``fill`` returns instead (of the file's size: a
-        mapped file, no copy); from each rank of ``sources`` in turn, each file handed to ``take(src,
+        mapped file, no copy); from every rank of ``sources`` at once, each file handed to ``take(src,
         name, view)`` once it is whole (while the next arrives). A ``fill`` that cannot read its
         file leaves the view as it is (the receiver's check against its checksum refuses it);
         ``meanwhile``, when given, runs once every file's sends are posted, while they travel
@@ -191,15 +192,38 @@ class Courier:
                 self.sent_bytes += size
         if meanwhile is not None:
             meanwhile()
-        for src in sources:
-            self._receive_streamed(src, take)
+        self._receive_streams(sources, take)
         for dst, work in sends:
             self._wait(work, f"sending files to rank {dst}")
 
-    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None]) -> None:
-        """``stream``'s receiving side for one source: the receives of the next files are posted
-        ahead, up to ``WINDOW`` bytes (at least the next file), while ``take`` handles each file
-        in turn, so the peer's sends never wait for a receive to be posted nor for a ``take``."""
+    def _receive_streams(self, sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
+        """``stream``'s receiving side: every source's files received at once, each source on a
+        thread of its own (one source: on this one), ``WINDOW`` shared out between them; ``take``
+        called for one file at a time. Not one source after the other: a gloo send completes only
+        once its receiver posted the receive, and each sender waits for its sends within the
+        timeout, so a source whose stream waited for another's to end (a node rebuilt from two
+        holders) would time out wherever the first holder's stream takes longer than the timeout,
+        however live every rank is. The first failure is raised once every source's stream ended."""
+        if len(sources) <= 1:
+            for src in sources:
+                self._receive_streamed(src, take, WINDOW)
+            return
+        one_at_a_time = threading.Lock()
+
+        def taking(src: int, name: str, content: memoryview) -> None:
+            with one_at_a_time:
+                take(src, name, content)
+
+        with ThreadPoolExecutor(len(sources), thread_name_prefix="llmtailor-stream") as pool:
+            streams = [pool.submit(self._receive_streamed, src, taking, WINDOW // len(sources)) for src in sources]
+        failures = [stream.exception() for stream in streams if stream.exception() is not None]
+        if failures:
+            raise failures[0]
+
+    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None], window: int) -> None:
+        """One source's stream: the receives of the next files are posted ahead, up to
+        ``window`` bytes (at least the next file), while ``take`` handles each file in turn, so
+        the peer's sends never wait for a receive to be posted nor for a ``take``."""
         what = f"receiving files from rank {src}"
         header = torch.zeros(2, dtype=torch.int64)
         self._wait(self._receive(header, src, _SIZES), what)
@@ -212,7 +236,7 @@ class Courier:
         posted = 0  # bytes of the pending files
         pieces = 0  # as the sender counts them (``_lane``)
         for name, size in listing:
-            while pending and posted + size > WINDOW:
+            while pending and posted + size > window:
                 posted -= pending[0][1].numel()
                 self._hand_over(src, *pending.popleft(), take)
             content = torch.empty(size, dtype=torch.uint8)

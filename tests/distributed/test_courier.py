@@ -122,6 +122,46 @@ def _dies_mid_stream(courier: Courier, rank: int, out: str) -> None:
     Path(out, f"{rank}.txt").write_text(repr((got, said, files[0])))
 
 
+def _held_files(src: int) -> list[tuple[str, bytes]]:
+    """What holder ``src`` (rank 0 or 1) streams rank 2 in ``_two_holders``: three files of three pieces."""
+    return [(f"packs/rank-{src:05d}.{n}.safetensors", bytes([16 * n + src]) * 2500) for n in range(3)]
+
+
+def _two_holders(courier: Courier, rank: int, out: str) -> None:
+    """A node rebuilt from two holders: ranks 0 and 1 each stream rank 2 three files, and rank 0
+    holds its last one until rank 2 has taken rank 1's last (the event, through ``out``; at
+    most three timeouts, the bound on a hang). A gloo send completes only once its receive is
+    posted, and each sender waits for its sends within the courier's timeout: rank 1's must not
+    wait for rank 0's stream to end. What each rank was handed, how its stream ended and (rank
+    0) whether rank 1's files were taken first, into ``out/<rank>.txt``."""
+    from llmtailor.distributed import courier as courier_module
+
+    courier_module.PIECE = 1000
+    taken, held, got = Path(out, "taken-1"), [], []
+    mine = dict(_held_files(rank)) if rank < 2 else {}
+
+    def fill(dst: int, name: str, into: memoryview) -> None:
+        if rank == 0 and name == _held_files(0)[-1][0]:
+            deadline = time.monotonic() + 3 * courier.timeout
+            while not taken.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            held.append(taken.exists())
+        into[:] = mine[name]
+
+    def take(src: int, name: str, content: memoryview) -> None:
+        got.append((src, name, bytes(content)))
+        if (src, name) == (1, _held_files(1)[-1][0]):
+            taken.write_text("")
+
+    try:
+        courier.stream({2: [(name, len(content)) for name, content in mine.items()]} if rank < 2 else {}, fill,
+                       [0, 1] if rank == 2 else [], take)
+        said = "ended"
+    except CoordinationError as err:
+        said = str(err)
+    Path(out, f"{rank}.txt").write_text(repr((got, said, held)))
+
+
 def _pieces(rank: int) -> bytes:
     """2500 bytes, each 1000-byte piece of them different (a piece out of place shows)."""
     return b"".join(bytes([16 * piece + rank]) * 1000 for piece in range(3))[:2500]
@@ -168,8 +208,9 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
     _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
     if mode == "ok":
         _stream(Courier.open(timeout=20), rank, world, str(Path(out, "stream")))
-        dying = Courier.open(timeout=20)
+        dying, holders = Courier.open(timeout=20), Courier.open(timeout=20)
         _stall(rank, str(Path(out, "stall")))
+        _two_holders(holders, rank, str(Path(out, "holders")))
         _dies_mid_stream(dying, rank, str(Path(out, "died")))
         # Leave at once: a group whose exchange timed out may hold messages never taken, which
         # tearing it down could wait on.
@@ -178,7 +219,7 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
 
 def spawn_courier_job(out: Path, mode: str) -> Path:
     world = 3 if mode == "ok" else 2
-    for part in ("exchange", "stream", "stall", "died"):
+    for part in ("exchange", "stream", "stall", "holders", "died"):
         (out / part).mkdir(parents=True)
     mp.spawn(_courier_job, args=(world, f"file://{out / 'store'}", str(out), mode), nprocs=world, join=True)
     return out
@@ -220,6 +261,20 @@ def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_
         assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", _pieces(source)),
                               (source, "ranks/empty.json", b""), (source, "manifest.json", b"{}")]
         assert sent.split("\nlanes=") == ["2502", "4"]
+
+
+@pytest.mark.slow
+def test_a_node_rebuilt_from_two_holders_receives_both_streams_at_once_so_neither_holder_waits_for_the_other(courier_run):
+    """Before, the receiver took its sources one after the other: rank 1's sends waited for rank
+    0's whole stream, and timed out wherever it took longer than the timeout (here it never ends
+    before rank 1's files are taken: both streams failed on the timeout)."""
+    said = {rank: eval(Path(courier_run, "holders", f"{rank}.txt").read_text()) for rank in range(3)}
+    assert said[0] == ([], "ended", [True]) and said[1] == ([], "ended", []), said
+    got, ended, _ = said[2]
+    assert ended == "ended", ended
+    for src in (0, 1):  # each holder's files whole, in its order
+        assert [(name, content) for s, name, content in got if s == src] == _held_files(src)
+    assert len(got) == 6
 
 
 @pytest.mark.slow
@@ -282,7 +337,7 @@ def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(
 
         posted.clear()
         seen: list = []
-        Courier(Group(), 1)._receive_streamed(0, lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
+        Courier(Group(), 1)._receive_streams([0], lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
         assert [(name, content) for name, content, _ in seen] == files
         return [at for _, _, at in seen]
 

@@ -173,7 +173,7 @@ def test_a_three_rank_ddp_restore_fetches_each_byte_once_and_a_corrupted_file_is
 def test_a_rank_takes_the_items_of_a_read_plan_as_they_come_not_in_turns_into_the_tensors_given(on_s3):
     """Item c's turn is first (the smallest), but its reader, rank 2, reads it only once it has
     been sent a and b: in turns every rank would wait for c and rank 2 for the others (its read
-    would give up after 30 s). Each rank takes the items as their readers send them, so rank 2's
+    would give up after the plan's timeout, 120 s). Each rank takes the items as their readers send them, so rank 2's
     read goes on as soon as the others are in, and every rank has every item's bytes."""
     results, _ = on_s3["fetch-as-they-come"]
     assert results[0]["readers"] == {"a": 0, "b": 1, "c": 2}

@@ -793,7 +793,7 @@ def fetch_as_they_come() -> dict:
 
     def read(item: str) -> list[torch.Tensor]:
         if item == "c":
-            waited.append(others_in.wait(30))
+            waited.append(others_in.wait(coordinator.timeout))  # the bound on a hang: the plan's own waits'
         return [torch.full((sizes[item] // 4,), float(ord(item)))]
 
     values, landed = {}, {}

@@ -253,6 +253,30 @@ def test_a_second_writer_is_refused_naming_the_first_and_takes_over_after_it_die
         holder.kill()
 
 
+def test_a_lease_naming_a_live_process_here_that_no_longer_renews_it_is_watched_then_taken_over(url):
+    """A writer SIGKILLed on this host leaves its lease naming its pid; once that pid is another
+    live process's (pids are reused: a small pid space on a busy host, a container restarted with
+    the same hostname), the lease, unrenewed past its ttl, is watched as one written elsewhere and
+    taken over once unchanged for lock_ttl. Before: refused at once ("being written by another
+    writer"), for as long as that other process lives."""
+    import socket
+
+    storage = ObjectStorage(url, {"lock_ttl": 2})
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        storage.put(".lock", json.dumps({"holder": f"pid {other.pid} on {socket.gethostname()}",
+                                         "renewed": time.time() - 3600, "ttl": 2}).encode())
+        lock = storage.locks.writer()
+        lock.take()
+        try:
+            assert json.loads(bytes(storage.read(".lock")))["holder"] == f"pid {os.getpid()} on {socket.gethostname()}"
+        finally:
+            lock.release()
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_lease_abandoned_elsewhere_is_taken_over_only_once_it_stops_being_renewed(url):
     """A lease written by a writer on another host (not renewed, process not checkable here):
     taken over after it stayed unchanged for lock_ttl seconds, never before."""

@@ -5,8 +5,10 @@
   ``lock_ttl / 3`` seconds. A contender that finds it watches its version: one that changes is
   a live writer (refused, naming it); one unchanged for ``lock_ttl`` seconds is a dead
   writer's, taken over conditionally (so two contenders cannot both win). A holder on this
-  host whose process is gone is taken over at once. A writer that lost its lease refuses to
-  commit.
+  host whose process is gone is taken over at once; one whose process lives is refused at once
+  while its lease is renewed, and watched as one elsewhere once its lease went unrenewed past
+  its ttl (its pid may name another process by now: pids are reused, and a container restarted
+  with the same hostname gives them out alike). A writer that lost its lease refuses to commit.
 - **Reader leases.** A reader writes ``snapshots/step-N/.readers/<id>`` (with an expiry), then
   checks that the snapshot is committed and not marked ``.removing`` (both asked at once: a GET
   of the manifest, kept for the reader as ``Lease.marker``, and a HEAD of the mark); retention writes
@@ -135,6 +137,11 @@ class _RemovalLease(Lease):
                 pass
 
 
+def _lapsed(holder: dict) -> bool:
+    """Whether the writer's lease ``holder`` (its record) went unrenewed for longer than its ttl."""
+    return time.time() - float(holder.get("renewed", 0)) > float(holder.get("ttl", DEFAULT_LOCK_TTL))
+
+
 class ObjectWriterLock(WriterLockBackend):
     """The run's writer lease object ``.lock`` (module docstring)."""
 
@@ -161,7 +168,7 @@ class ObjectWriterLock(WriterLockBackend):
                 continue  # released meanwhile: try again
             holder, version = current
             here = self._on_this_host(holder)
-            if here is True or (here is None and not self._stale(version)):
+            if (here is True and not _lapsed(holder)) or (here is not False and not self._stale(version)):
                 raise TailorError(
                     f"{storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
                     "a run has one writer at a time"
@@ -264,6 +271,6 @@ class ObjectWriterLock(WriterLockBackend):
         if current is None or current[1] == self._held:
             return None
         holder, _ = current
-        if self._dead_here(holder) or time.time() - float(holder.get("renewed", 0)) > float(holder.get("ttl", DEFAULT_LOCK_TTL)):
+        if self._dead_here(holder) or _lapsed(holder):
             return None
         return str(holder.get("holder", "unknown process"))
