@@ -9,7 +9,7 @@ checksum) and sends each, packed into one byte buffer, to the others of the grou
 item is one message to each rank: the buffer's first bytes say whether the read succeeded
 (``_HEAD``), so no status goes in a message of its own. Each rank takes the items as they come
 in (``ReadPlan.fetch``), so no rank waits for a slow read while others' items are in; the
-readers read in turns (``ReadPlan.turns``) ordered by when each, reading its own items largest
+readers read in turns (``ReadPlan.turns``) ordered by when each, reading its own items smallest
 first, is expected to have them, and the ranks wait for items in that order, a few at a time.
 
 Failures reach every rank of the group, so none is left waiting for a message: a reader whose
@@ -106,15 +106,13 @@ class ReadPlan:
 
     def turns(self) -> list[str]:
         """The items in the order ``fetch`` goes through them: by when their reader, reading its
-        own items one after another largest first (equal sizes in the items' order), has read
-        them (its bytes so far: the same on every rank), ties in the items' order; each
-        reader's items come up in the order it reads them. Largest first: a reader's last
-        read is its smallest, so what it still sends once its reads are done (the restore's
-        tail, on the rank that reads the most) is that item, not its largest, whose sends
-        overlap its later reads instead."""
+        own items one after another smallest first, has read them (its bytes so far: the same
+        on every rank), ties in the items' order. The group's first broadcast is then of an
+        item read early (not a reader's largest, which every rank would wait for with nothing
+        sent meanwhile), and each reader's items come up in the order it reads them."""
         position = {item: at for at, item in enumerate(self.readers)}
         read, done = dict.fromkeys(self.ranks, 0), {}
-        for item in sorted(self.readers, key=lambda i: (-self.sizes[i], position[i])):
+        for item in sorted(self.readers, key=lambda i: (self.sizes[i], position[i])):
             read[self.readers[item]] += self.sizes[item]
             done[item] = read[self.readers[item]]
         return sorted(self.readers, key=lambda i: (done[i], position[i]))
