@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
     """The jobs of ``scenarios`` under ``kind``: "jobs" (``<scenario>-<job>`` -> ``Finished``),
     "after-crash" (each killed run's steps, composite and world size then) and "root". One
     process: each stage's jobs in one launch of forked jobs (forked_jobs.py); else each job a
-    launch of its own."""
+    launch of its own, a stage's launches at once."""
     done, after_crash = {}, {}
     for stage in (0, 1):
         jobs = {}
@@ -80,9 +81,12 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
                 flags = [f.format(dump=root / f"{scenario}-dump.pt") for f in flags]
                 jobs[f"{scenario}-{name}"] = (["--run-dir", str(run), "--result", str(result), *more, *flags], result)
         if kind == "single":
-            done |= run_jobs(JOB, jobs, root / f"stage-{stage}")
+            done |= run_jobs(JOB, jobs, root / f"stage-{stage}", together=True)  # each job a run directory of its own
         else:
-            done |= {name: launched([*launcher(kind), JOB, *args], name, result) for name, (args, result) in jobs.items()}
+            with ThreadPoolExecutor(len(jobs)) as pool:  # at once: each its own processes, port and run
+                launches = {name: pool.submit(launched, [*launcher(kind), JOB, *args], name, result)
+                            for name, (args, result) in jobs.items()}
+                done |= {name: launch.result() for name, launch in launches.items()}
         for scenario in scenarios if stage == 0 else ():
             run = Run(root / f"{scenario}-crashed")
             if (root / f"{scenario}-crashed").is_dir() and run.steps():
@@ -93,7 +97,7 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The one-process jobs of every scenario, made once for this module's ``single`` tests: two
-    launches (before and after the crash is looked at) instead of one a job."""
+    launches (before and after the crash is looked at, each launch's jobs at once) instead of one a job."""
     made = []
 
     def get() -> dict:
