@@ -8,7 +8,9 @@ as alone), and the next job starts from the same imported, untouched state.
 
 JOBS.json is a list of ``{"args": [...], "out": PATH, "err": PATH}``: a job's command line after
 SCRIPT and the files its stdout and stderr go to. The jobs run one after another, in the list's
-order (a job may resume what an earlier one wrote). STATUS.json gets each job's exit status as
+order (a job may resume what an earlier one wrote), but a job marked ``"together": true`` starts
+without waiting for those before it (independent jobs: the launch waits for them all at the end,
+or before the next job not so marked). STATUS.json gets each job's exit status as
 ``subprocess`` reports one (0, 1, -9 for SIGKILL). The script is imported as a module (its
 ``main()`` is each job), with its directory first on ``sys.path`` as ``python SCRIPT`` has it,
 and the modules its ``PRELOAD`` names are imported before the first fork. Nothing of llmtailor
@@ -52,12 +54,15 @@ class Finished:
         return {**json.loads(self.result_file.read_text()), "stdout": self.stdout}
 
 
-def run_jobs(script: Path, jobs: dict[str, tuple[list[str], Path]], work: Path) -> dict[str, Finished]:
+def run_jobs(script: Path, jobs: dict[str, tuple[list[str], Path]], work: Path,
+             together: bool = False) -> dict[str, Finished]:
     """Run ``jobs`` (name -> (command line after ``script``, its result file)) in order, each
-    forked from one launch of this file; their logs and statuses go to ``work``."""
+    forked from one launch of this file (``together``: all at once, for jobs that touch nothing
+    of one another's: on an idle machine they take its cores as separate processes would); their
+    logs and statuses go to ``work``."""
     work.mkdir(parents=True, exist_ok=True)
-    listed = [{"args": [str(a) for a in args], "out": str(work / f"{name}.out"), "err": str(work / f"{name}.err")}
-              for name, (args, _) in jobs.items()]
+    listed = [{"args": [str(a) for a in args], "out": str(work / f"{name}.out"), "err": str(work / f"{name}.err"),
+               "together": together} for name, (args, _) in jobs.items()]
     (work / "jobs.json").write_text(json.dumps(listed))
     status_file = work / "status.json"
     status_file.unlink(missing_ok=True)
@@ -141,15 +146,24 @@ def main(script: str, jobs_file: str, status_file: str) -> None:
     for name in getattr(module, "PRELOAD", ()):
         importlib.import_module(name)
     assert not [m for m in sys.modules if m.startswith("llmtailor")], "the launch imported llmtailor"
-    statuses = []
-    for job in json.loads(Path(jobs_file).read_text()):
+    jobs = json.loads(Path(jobs_file).read_text())
+    statuses, running = [None] * len(jobs), {}
+
+    def wait_running() -> None:
+        while running:
+            pid, status = os.wait()
+            statuses[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+
+    for number, job in enumerate(jobs):
+        if not job.get("together"):
+            wait_running()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             os._exit(_run(module, script, job))  # as the jobs end themselves (helpers' ``leave``)
-        _, status = os.waitpid(pid, 0)
-        statuses.append(os.waitstatus_to_exitcode(status))
+        running[pid] = number
+    wait_running()
     Path(status_file).write_text(json.dumps(statuses))
 
 

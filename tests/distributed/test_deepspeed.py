@@ -8,8 +8,9 @@ own checkpoint, then bf16 with fp32 masters; then ZeRO-3 likewise and its own ch
 the odd shapes that end ZeRO partitions mid-row (several chunks of a tensor in one rank's file)
 with several ZeRO-3 sub-groups per param group. One launch at 3 ranks restores both ZeRO-3 runs
 under ZeRO-2, then the ZeRO-2 run under ZeRO-3. The plain ZeRO-3 run is restored under ZeRO-1 in
-one process, each plain run into a plain torch model; a universal checkpoint loaded by
-DeepSpeed; a restore that fails on one rank."""
+one process, each plain run into a plain torch model. One more launch at 2 ranks, on what the
+first made: a restore that fails on one rank, a universal checkpoint loaded by DeepSpeed and an
+imported DeepSpeed checkpoint resumed under ZeRO-3."""
 
 from __future__ import annotations
 
@@ -167,30 +168,53 @@ def test_bf16_weights_are_the_restored_masters_cast(zero2):
         assert result["lp_dtypes"] == ["torch.bfloat16"] and result["lp_mismatches"] == []
 
 
-def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, tmp_path):
+@pytest.fixture(scope="module")
+def later_launch(zero3, zero2, tmp_path_factory) -> dict[str, Path]:
+    """The 2-rank jobs on what the saves' launch made, in turn in one launch: the ZeRO-2 run's
+    parity snapshots with a byte flipped in rank 1's piece of layer.3 (DIR/parity), restored
+    under ZeRO-2 (``restore_fail``, first: every later job starts a fresh engine); DeepSpeed's
+    own ZeRO-3 checkpoint (DIR/ds), imported (``import-deepspeed`` -> DIR/run) and assembled as a
+    universal checkpoint (``assemble --format deepspeed`` -> DIR/universal), which a ZeRO-2 engine
+    loads (``universal``), and the imported run restored into a ZeRO-3 engine that trains on
+    (``resume_imported``). By name ("failing", "universal"), the directory of each."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from llmtailor.cli import app
+
+    failing, universal = tmp_path_factory.mktemp("restore-fail"), tmp_path_factory.mktemp("universal")
+    shutil.copytree(zero2[0] / "parity", failing / "parity")
+    step = Run(failing / "parity").resolve().sources["layer.3"]
+    flip_unit_byte(failing / "parity", step, "layer.3", rank=1)  # a byte of rank 1's piece of layer.3 (in its pack)
+    shutil.copytree(zero3[0] / "ds", universal / "ds")  # made by the zero3 launch, after its run
+    runner = CliRunner()
+    result = runner.invoke(app, ["import-deepspeed", str(universal / "ds"), "-o", str(universal / "run")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["assemble", str(universal / "run"), "--format", "deepspeed", "-o",
+                                 str(universal / "universal")])
+    assert result.exit_code == 0, result.output
+    run_jobs(2, [("restore_fail", failing, 2, "plain"), ("universal", universal, 2, "plain"),
+                 ("resume_imported", universal, 3, "plain")])
+    return {"failing": failing, "universal": universal}
+
+
+def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, later_launch, tmp_path):
     """engine.save_checkpoint (ZeRO-3, 2 ranks) -> import-deepspeed -> tensors equal DeepSpeed's
     own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it;
     the imported run restored at 2 ranks trains on as the uninterrupted engine did."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
-    from typer.testing import CliRunner
 
-    from llmtailor.cli import app
-
-    import shutil
-
-    shutil.copytree(zero3[0] / "ds", tmp_path / "ds")  # made by the zero3 launch, after its run
+    made = later_launch["universal"]  # the import and the assemble (exit status 0 each) made by the fixture
     [state] = results(zero3[0], "checkpoint", 2)[:1]
     assert state["global_steps"] == 3
-    runner = CliRunner()
-    result = runner.invoke(app, ["import-deepspeed", str(tmp_path / "ds"), "-o", str(tmp_path / "run")])
-    assert result.exit_code == 0, result.output
-    run = Run(tmp_path / "run")
+    run = Run(made / "run")
     manifest = run.manifest(3)
     assert manifest.provider == "deepspeed" and run.read_global(3)["model_config"]["model_type"] == "llama"
     assert run.verify() == []
-    reference = load_file(str(tmp_path / "ds" / "versions.safetensors"))
-    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds"))
+    reference = load_file(str(made / "ds" / "versions.safetensors"))
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(made / "ds"))
     checked = 0
     for unit in manifest.units:
         tensors, _ = run.read_unit(3, unit)
@@ -207,20 +231,17 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
 
     from llmtailor.merge import merge
 
-    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(tmp_path / "ds")}]}))
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"models": [{"model": str(made / "ds")}]}))
     merged = Run(merge(tmp_path / "plan.yaml", tmp_path / "merged").parent.parent)
     for key, tensor in merged.read_unit(3, "layer.1")[0].items():
         assert key not in reference or torch.equal(tensor, reference[key]), key
 
-    result = runner.invoke(app, ["assemble", str(tmp_path / "run"), "--format", "deepspeed", "-o", str(tmp_path / "universal")])
-    assert result.exit_code == 0, result.output
-    # One launch: DeepSpeed loads the universal checkpoint (ZeRO-2); the imported run is restored
-    # into a ZeRO-3 engine at 2 ranks, which trains on as the uninterrupted engine did, bit for bit.
-    run_jobs(2, [("universal", tmp_path, 2, "plain"), ("resume_imported", tmp_path, 3, "plain")])
-    for loaded in results(tmp_path, "universal", 2):
+    # The later launch: DeepSpeed loaded the universal checkpoint (ZeRO-2); the imported run was
+    # restored into a ZeRO-3 engine at 2 ranks, which trained on as the uninterrupted engine did, bit for bit.
+    for loaded in results(made, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
     uninterrupted = results(zero3[0], "checkpoint", 2)
-    for rank, resumed in enumerate(results(tmp_path, "resume_imported", 2)):
+    for rank, resumed in enumerate(results(made, "resume_imported", 2)):
         assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed
         assert resumed["losses"] == uninterrupted[rank]["continued"] and resumed["mismatches"] == []
 
@@ -292,20 +313,13 @@ def test_odd_zero3_run_restores_under_zero2_at_3_ranks(three_rank_restores):
         assert result["restored"] == 6 and result["mismatches"] == []
 
 
-def test_a_restore_failing_on_one_rank_fails_every_rank_promptly_and_blocks_saving(zero2, tmp_path):
+def test_a_restore_failing_on_one_rank_fails_every_rank_promptly_and_blocks_saving(later_launch):
     """A damaged file only rank 1 reads: rank 1's read fails; rank 0 must not wait in DeepSpeed's
     all-gather for it, and both must name rank 1's error; the half-restored engines refuse to save."""
-    import shutil
-
-    out, _ = zero2
-    shutil.copytree(out / "parity", tmp_path / "parity")
-    run = Run(tmp_path / "parity")
-    step = run.resolve().sources["layer.3"]
-    flip_unit_byte(tmp_path / "parity", step, "layer.3", rank=1)  # a byte of rank 1's piece of layer.3 (in its pack)
-    results = launch(2, "restore_fail", tmp_path, stage=2, timeout=240)
+    failed = results(later_launch["failing"], "restore_fail", 2)
     # Rank 0 names rank 1's error: it heard from rank 1, it did not wait out the Tailor's timeout
     # (that error would say "did not report"), however long the restore took on a busy machine.
-    for result in results:
+    for result in failed:
         assert result["error"] is not None and result["error"].startswith("IntegrityError"), result
         assert "rank(s) [1]" in result["error"] and "checksum mismatch" in result["error"], result
         assert result["save_refused"] is not None and "restore() again" in result["save_refused"], result

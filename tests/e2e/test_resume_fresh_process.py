@@ -30,7 +30,7 @@ def test_full_policy_resume_in_fresh_process_is_bitwise_identical(tmp_path):
         "ref": (["--run", tmp_path / "ref", "--out", tmp_path / "ref.json"], tmp_path / "ref.json"),
         "crashed": (["--run", tmp_path / "run", "--out", tmp_path / "crashed.json", "--kill-at", "8"],
                     tmp_path / "crashed.json"),
-    }, tmp_path / "jobs")
+    }, tmp_path / "jobs", together=True)
     reference = done["ref"].result()
     done["crashed"].result(crash=True)  # SIGKILLed (status -9)
     assert Run(tmp_path / "run").latest_step() == 6 and Run(tmp_path / "run").verify() == []

@@ -48,7 +48,7 @@ def promotion_crashes(tmp_path_factory):
     crashes = {point: (base / point / "home", shm / point) for point in ("file", "carrier", "manifest")}
     try:
         done = run_jobs(JOB, {point: ([home, memory, point], base / f"{point}.json")
-                              for point, (home, memory) in crashes.items()}, base / "jobs")
+                              for point, (home, memory) in crashes.items()}, base / "jobs", together=True)
         for point in crashes:
             done[point].result(crash=True)  # SIGKILLed (status -9), or its output in the failure
         yield crashes
@@ -114,7 +114,7 @@ def test_sigkill_resumes_from_memory_and_wiped_memory_from_disk(tmp_path, memory
         "ref": (["--out", tmp_path / "ref.json", "--run", tmp_path / "ref", *steps], tmp_path / "ref.json"),
         "crashed": (["--promoted-at", "1,5", "--out", tmp_path / "crashed.json", *tiered, "--kill-at", "10"],
                     tmp_path / "crashed.json"),
-    }, tmp_path / "jobs")
+    }, tmp_path / "jobs", together=True)
     reference = done["ref"].result()
     done["crashed"].result(crash=True)  # SIGKILLed (status -9)
     lines = printed(done["crashed"].stdout)

@@ -15,6 +15,9 @@ An object registered for checkpointing counts the tokens seen.
 --dump writes, after any resume, every weight and optimizer tensor by name (rank 0). The result
 file holds the loss of every step (float.hex), a digest of every step's batch and of the final
 weights, and the token count.
+Several jobs may share a launch (one process group): their command lines separated by ``--then``,
+run in turn, each printing ``job N done on rank R`` when it is done (a job that SIGKILLs itself
+must come last); accelerate's ``end_training`` destroys the process group only in the last.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import hashlib
 import json
 import os
 import signal
+import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import transformers
-from hf_job import SEQ_LEN, corpus_windows, digest, leave
+from hf_job import SEQ_LEN, corpus_windows, digest, job_lines, leave, said_done
 
 WINDOWS, BATCH = 16, 2
 # What a launch of several jobs (tests/forked_jobs.py) imports once, before it forks each job: the
@@ -74,7 +79,9 @@ def dump(path: str, accelerator, model, optimizer) -> None:
     torch.save({"tensors": tensors}, path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, last: bool = True):
+    """One job (``argv``, else the command line); ``last``: no job of this launch comes after it.
+    Returns what the caller keeps referenced until it leaves (see ``hf_job.leave``)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--result", required=True)
@@ -86,7 +93,7 @@ def main() -> None:
     parser.add_argument("--dump")
     parser.add_argument("--deepspeed", type=int, choices=[1, 2, 3])
     parser.add_argument("--dropout", type=float, default=0.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from accelerate.utils import set_seed
 
@@ -134,9 +141,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == args.max_steps:
                 break
-    accelerator.end_training()
+    if last:
+        accelerator.end_training()
+    else:  # the launch's next job trains in this process group
+        with mock.patch("accelerate.state.PartialState.destroy_process_group"):
+            accelerator.end_training()
     if not accelerator.is_main_process:
-        leave()
+        return accelerator, model
     weights = accelerator.get_state_dict(model)  # gathered from the ranks' partitions under ZeRO-3
     h = hashlib.sha256()
     for name in sorted(weights):
@@ -145,9 +156,12 @@ def main() -> None:
         "losses": losses, "batches": batches, "params": h.hexdigest(), "global_step": step,
         "tokens": int(counter.seen),
     }))
-    leave()
+    return accelerator, model
 
 
 if __name__ == "__main__":
-    main()
-    leave()
+    lines, made = job_lines(sys.argv[1:]), []
+    for number, argv in enumerate(lines):
+        made.append(main(argv, last=number == len(lines) - 1))
+        said_done(number)
+    leave()  # the DDP models still referenced: freeing one can deadlock (hf_job.leave)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import launched, run_jobs
-from helpers import assert_composite_loaded, assert_same_training_state, free_port, run_job, tree_digest
+from forked_jobs import launched, run_in_turn, run_jobs
+from helpers import assert_composite_loaded, assert_same_training_state, free_port, tree_digest
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -37,12 +38,6 @@ def launcher(kind: str) -> list[str] | None:
     # A port of its own: two launches at once (another test run) must not meet on the default one.
     return [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2", "--num_machines", "1",
             "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-def job(run_dir: Path, result: Path, *flags: str, kind: str = "single", crash: bool = False) -> dict:
-    more = ["--deepspeed", "2"] if kind == "deepspeed" else []
-    return run_job(JOB, ["--run-dir", str(run_dir), "--result", str(result), *more, *flags], result, crash=crash,
-                   launcher=launcher(kind))
 
 
 def continues(reference: dict, resumed: dict, after: int) -> None:
@@ -68,7 +63,7 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
     """The jobs of ``scenarios`` under ``kind``: "jobs" (``<scenario>-<job>`` -> ``Finished``),
     "after-crash" (each killed run's steps, composite and world size then) and "root". One
     process: each stage's jobs in one launch of forked jobs (forked_jobs.py); else each job a
-    launch of its own."""
+    launch of its own, a stage's launches at once."""
     done, after_crash = {}, {}
     for stage in (0, 1):
         jobs = {}
@@ -80,9 +75,12 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
                 flags = [f.format(dump=root / f"{scenario}-dump.pt") for f in flags]
                 jobs[f"{scenario}-{name}"] = (["--run-dir", str(run), "--result", str(result), *more, *flags], result)
         if kind == "single":
-            done |= run_jobs(JOB, jobs, root / f"stage-{stage}")
+            done |= run_jobs(JOB, jobs, root / f"stage-{stage}", together=True)  # each job a run directory of its own
         else:
-            done |= {name: launched([*launcher(kind), JOB, *args], name, result) for name, (args, result) in jobs.items()}
+            with ThreadPoolExecutor(len(jobs)) as pool:  # at once: each its own processes, port and run
+                launches = {name: pool.submit(launched, [*launcher(kind), JOB, *args], name, result)
+                            for name, (args, result) in jobs.items()}
+                done |= {name: launch.result() for name, launch in launches.items()}
         for scenario in scenarios if stage == 0 else ():
             run = Run(root / f"{scenario}-crashed")
             if (root / f"{scenario}-crashed").is_dir() and run.steps():
@@ -93,7 +91,7 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The one-process jobs of every scenario, made once for this module's ``single`` tests: two
-    launches (before and after the crash is looked at) instead of one a job."""
+    launches (before and after the crash is looked at, each launch's jobs at once) instead of one a job."""
     made = []
 
     def get() -> dict:
@@ -119,8 +117,43 @@ def test_full_crash_and_resume_continues_bit_for_bit(tmp_path, kind, one_process
     assert Run(run_dir).steps() == [3, 6, 9]
 
 
+DROPOUT = ["--every", "2", "--dropout", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The DDP jobs (2 processes under ``accelerate launch --multi_gpu``) of this module's tests,
+    in four launches, each running its jobs in turn in one process group (forked_jobs.run_in_turn;
+    a job SIGKILLed last in its launch): ["reference" (dropout, uninterrupted), "parity-crashed"
+    (Parity, killed after 8)], ["crashed" (dropout, killed after 6)], ["parity-resumed" (to 12,
+    dumping what it loaded), "again" (resumed, killed after 8)], ["resumed" (to 10)]. What each
+    killed run held then (steps, composite, world size) is in "after-crash"."""
+    root = tmp_path_factory.mktemp("ddp")
+
+    def job(name: str, run: str, *flags: str) -> tuple[list[str], Path]:
+        return ["--run-dir", str(root / run), "--result", str(root / f"{name}.json"), *flags], root / f"{name}.json"
+
+    def held(run: str) -> tuple | None:
+        steps = Run(root / run).steps() if (root / run).is_dir() else []
+        return (steps, Run(root / run).resolve(), Run(root / run).manifest(steps[-1]).world_size) if steps else None
+
+    def launch(jobs: dict) -> dict:
+        return run_in_turn(launcher("ddp"), JOB, jobs, ranks=2)
+
+    done = launch({"reference": job("reference", "reference", *DROPOUT),
+                   "parity-crashed": job("parity-crashed", "parity-crashed", "--policy", "parity", "--crash-at", "8")})
+    after_crash = {"parity": held("parity-crashed")}
+    done |= launch({"crashed": job("crashed", "crashed", *DROPOUT, "--crash-at", "6")})
+    after_crash["crashed"] = held("crashed")
+    done |= launch({"parity-resumed": job("parity-resumed", "parity-crashed", "--policy", "parity", "--resume", "--dump",
+                                          str(root / "parity-dump.pt"), "--max-steps", "12"),
+                    "again": job("again", "crashed", *DROPOUT, "--crash-at", "8", "--resume")})
+    done |= launch({"resumed": job("resumed", "crashed", *DROPOUT, "--resume")})
+    return {"jobs": done, "after-crash": after_crash, "root": root}
+
+
 @pytest.mark.slow
-def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(tmp_path):
+def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(two_processes):
     """Two CPU processes under ``accelerate launch --multi_gpu``, attention dropout 0.1 (each step
     draws from each process's RNG), a save every 2 steps, 4 batches an epoch per process. One run
     is SIGKILLed after its save of 6 (mid-epoch: the resume skips 2 batches with
@@ -128,23 +161,23 @@ def test_ddp_with_dropout_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary
     in a fresh launch and SIGKILLed after its save of 8 (the last batch of the second epoch), then
     resumed to 10: its snapshots of 8 and 10 (weights, optimizer state, each process's RNG), its
     losses, final weights and token count equal an uninterrupted run's, bit for bit."""
-    flags = ["--every", "2", "--dropout", "0.1"]
-    reference = job(tmp_path / "reference", tmp_path / "reference.json", *flags, kind="ddp")
-    run_dir = tmp_path / "crashed"
-    job(run_dir, tmp_path / "crashed.json", *flags, "--crash-at", "6", kind="ddp", crash=True)
-    assert Run(run_dir).steps() == [2, 4, 6] and Run(run_dir).manifest(6).world_size == 2
-    job(run_dir, tmp_path / "again.json", *flags, "--crash-at", "8", "--resume", kind="ddp", crash=True)
-    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), 8)
-    resumed = job(run_dir, tmp_path / "resumed.json", *flags, "--resume", kind="ddp")
+    jobs, root = two_processes["jobs"], two_processes["root"]
+    reference = jobs["reference"].result()
+    jobs["crashed"].result(crash=True)
+    steps, _, world_size = two_processes["after-crash"]["crashed"]
+    assert steps == [2, 4, 6] and world_size == 2
+    jobs["again"].result(crash=True)
+    assert_same_training_state(Run(root / "crashed"), Run(root / "reference"), 8)
+    resumed = jobs["resumed"].result()
     continues(reference, resumed, 8)
-    assert_same_training_state(Run(run_dir), Run(tmp_path / "reference"), LAST)
+    assert_same_training_state(Run(root / "crashed"), Run(root / "reference"), LAST)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["single", "ddp"])
-def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(tmp_path, kind, one_process):
+def test_parity_resume_loads_each_unit_at_the_version_its_composite_names(request, kind, one_process):
     """Under DDP (2 processes) each rank wrote its share of the units, and each rank loads them all."""
-    made = one_process() if kind == "single" else run_scenarios(kind, tmp_path, ["parity"])
+    made = one_process() if kind == "single" else request.getfixturevalue("two_processes")
     jobs, run = made["jobs"], Run(made["root"] / "parity-crashed")
     jobs["parity-crashed"].result(crash=True)
     _, composite, world_size = made["after-crash"]["parity"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,11 @@ CRASH_AT, LAST = 8, 12
 def one_process(tmp_path_factory):
     """The one-process jobs of this module's tests, in two launches of forked jobs
     (forked_jobs.py: torch and transformers imported once for all; each job a process of its
-    own). First the uninterrupted runs and the runs SIGKILLed after their save at step 8:
-    "reference-<family>" (sync saves) and "crashed-<family>-<policy>" (llama full, qwen2 parity
-    and full). What each killed run held then is recorded in "after-crash" (its steps, its
-    composite, the checkpoint-N/ directories beside it). Then ``assemble --format hf`` of each full run's step 8 (CliRunner results in
+    own, the jobs of a launch at once: none touches another's run). First the uninterrupted runs
+    and the runs SIGKILLed after their save at step 8: "reference-<family>" (sync saves) and
+    "crashed-<family>-<policy>" (llama full, qwen2 parity and full). What each killed run held
+    then is recorded in "after-crash" (its steps, its composite, the checkpoint-N/ directories
+    beside it). Then ``assemble --format hf`` of each full run's step 8 (CliRunner results in
     "assembled", checkpoints under "hf-<family>"), and the resumes, each from another process
     than the one killed: "resumed-llama-full", "resumed-qwen2-parity" (dumping what it loaded)
     and "vanilla-<family>" (a vanilla Trainer from the assembled checkpoint); with them "async"
@@ -52,7 +54,7 @@ def one_process(tmp_path_factory):
            for family, flags in MODELS.items()},
         **{name: spec(name, name, "--family", family, *MODELS[family], "--policy", policy, "--crash-at", str(CRASH_AT))
            for (family, policy), name in crashed.items()},
-    }, root / "first")
+    }, root / "first", together=True)
     after_crash = {name: (Run(root / name / "tailored").steps(), Run(root / name / "tailored").resolve(),
                           list((root / name).glob("checkpoint-*")))
                    for name in crashed.values()
@@ -68,7 +70,7 @@ def one_process(tmp_path_factory):
         **{f"vanilla-{family}": spec(f"vanilla-{family}", f"vanilla-{family}", "--trainer", "vanilla", "--resume",
                                      str(root / f"hf-{family}" / f"checkpoint-{CRASH_AT}")) for family in MODELS},
         "async": spec("async", "async", "--async"),
-    }, root / "second")
+    }, root / "second", together=True)
     return {"root": root, "jobs": done, "after-crash": after_crash, "assembled": assembled}
 
 
@@ -150,7 +152,7 @@ def test_vanilla_trainer_resumes_from_hf_export_bit_for_bit(one_process, family)
 def two_ranks(tmp_path: Path, *flags: str, shared: bool = True) -> tuple[dict, list[int]]:
     """Under torchrun with 2 ranks, each with ``flags``: "reference" (uninterrupted) and "crashed"
     (SIGKILLed after its save of 8), in one launch that runs them in turn in one process group
-    (forked_jobs.run_in_turn) if ``shared``, else one each; then "resumed" in a launch of its own.
+    (forked_jobs.run_in_turn) if ``shared``, else one each, both at once; then "resumed" in a launch of its own.
     And the steps the killed run held."""
     torchrun = standalone_launch(2)
 
@@ -159,9 +161,12 @@ def two_ranks(tmp_path: Path, *flags: str, shared: bool = True) -> tuple[dict, l
             tmp_path / f"{name}.json"
 
     first = {"reference": spec("reference", "ref"), "crashed": spec("crashed", "run", "--crash-at", str(CRASH_AT))}
-    done = {}
-    for launch in [first] if shared else [dict([job]) for job in first.items()]:
-        done |= run_in_turn(torchrun, JOB, launch, ranks=2)
+    if shared:
+        done = run_in_turn(torchrun, JOB, first, ranks=2)
+    else:  # the two launches at once: each its own processes, port and run
+        with ThreadPoolExecutor(2) as pool:
+            launches = [pool.submit(run_in_turn, torchrun, JOB, dict([job]), ranks=2) for job in first.items()]
+            done = {name: finished for launch in launches for name, finished in launch.result().items()}
     run = tmp_path / "run" / "tailored"
     held = Run(run).steps() if run.is_dir() else []
     return done | run_in_turn(torchrun, JOB, {"resumed": spec("resumed", "run", "--resume", "true")}, ranks=2), held

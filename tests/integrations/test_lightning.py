@@ -35,14 +35,15 @@ EPOCHS = ["--every-epochs", "1", "--dropout", "0.1", "--loader", "eager", "--max
 def one_device(tmp_path_factory):
     """The single-device jobs of this module's tests, in two launches of forked jobs
     (forked_jobs.py: Lightning and transformers imported once for all; each job a process of its
-    own). First the uninterrupted runs and the runs SIGKILLed after a save: "reference" (10 steps),
-    "crashed-full" (saves every 4, killed after 4), "crashed-parity" (Parity, killed after 8),
-    "epochs-reference" / "epochs-crashed" (a save at every epoch's end, dropout, killed after 8).
-    What each killed run held then is recorded in "after-crash" (its steps and composite). Then
-    ``assemble --format lightning`` of crashed-full's save of 4 (its CliRunner result in
-    "assembled"), and the resumes, each from another process than the one killed:
-    "resumed-full", "resumed-parity" (dumping what it loaded, to 12), "plain" (Lightning's own
-    ModelCheckpoint, from the assembled .ckpt) and "epochs-resumed"."""
+    own, the jobs of a launch at once: none touches another's run). First the uninterrupted runs
+    and the runs SIGKILLed after a save: "reference" (10 steps), "crashed-full" (saves every 4,
+    killed after 4), "crashed-parity" (Parity, killed after 8), "epochs-reference" /
+    "epochs-crashed" (a save at every epoch's end, dropout, killed after 8). What each killed run
+    held then is recorded in "after-crash" (its steps and composite). Then ``assemble --format
+    lightning`` of crashed-full's save of 4 (its CliRunner result in "assembled"), and the
+    resumes, each from another process than the one killed: "resumed-full", "resumed-parity"
+    (dumping what it loaded, to 12), "plain" (Lightning's own ModelCheckpoint, from the assembled
+    .ckpt) and "epochs-resumed"."""
     root = tmp_path_factory.mktemp("lightning")
 
     def job(name: str, run: str, *flags: str) -> tuple[list[str], Path]:
@@ -54,7 +55,7 @@ def one_device(tmp_path_factory):
         "crashed-parity": job("crashed-parity", "crashed-parity", "--policy", "parity", "--crash-at", "8"),
         "epochs-reference": job("epochs-reference", "epochs-reference", *EPOCHS),
         "epochs-crashed": job("epochs-crashed", "epochs-crashed", *EPOCHS, "--crash-at", "8"),
-    }, root / "first")
+    }, root / "first", together=True)
     after_crash = {name: (Run(root / name).steps(), Run(root / name).resolve())
                    for name in ("crashed-full", "crashed-parity", "epochs-crashed")
                    if (root / name).is_dir() and Run(root / name).steps()}
@@ -67,7 +68,7 @@ def one_device(tmp_path_factory):
         "plain": job("plain", "plain", "--checkpoint", "model", "--resume",
                      str(root / "ckpt" / f"epoch=0-step={CRASH_AT}.ckpt")),
         "epochs-resumed": job("epochs-resumed", "epochs-crashed", *EPOCHS, "--resume", str(root / "epochs-crashed")),
-    }, root / "second")
+    }, root / "second", together=True)
     return {"root": root, "jobs": done, "after-crash": after_crash, "assembled": assembled}
 
 

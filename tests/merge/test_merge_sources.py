@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 import yaml
-from helpers import save_bin, tiny, train
+from helpers import save_bin, tiny, train, wait_launches
 from safetensors.torch import load_file
 
 from llmtailor import Full, Tailor
@@ -307,12 +307,16 @@ def test_a_weights_only_merge_of_hf_directories_runs_without_importing_torch(mod
                                      load_file(checkpoint / "model.safetensors"))),
         "cast": ({**stack, "dtype": "bfloat16"}, True, {"model.layers.1.mlp.up_proj.weight": made["a"].state_dict()}),
     }
-    for name, (spec, torch_needed, expected) in cases.items():
-        out = tmp_path / name
-        command = [sys.executable, "-c", script, str(plan(tmp_path / f"{name}.yaml", spec)), "--format", "model", "-o", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert f"torch imported: {torch_needed}" in done.stdout, done.stdout + done.stderr
+    # The three merges at once (each a fresh interpreter of its own, its own plan and output).
+    merges = {name: subprocess.Popen([sys.executable, "-c", script, str(plan(tmp_path / f"{name}.yaml", spec)),
+                                      "--format", "model", "-o", str(tmp_path / name)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for name, (spec, _, _) in cases.items()}
+    outputs = dict(zip(merges, wait_launches(list(merges.values()))))
+    for name, (_, torch_needed, expected) in cases.items():
+        (stdout, stderr), out = outputs[name], tmp_path / name
+        assert merges[name].returncode == 0, stderr
+        assert f"torch imported: {torch_needed}" in stdout, stdout + stderr
         got = load_file(out / "model.safetensors")
         for key, source in expected.items():
             want = source[key].to(torch.bfloat16) if name == "cast" else source[key]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny, train
+from helpers import tiny, train, wait_launches
 from typer.testing import CliRunner
 
 from llmtailor import Full, Parity, Tailor
@@ -60,11 +60,18 @@ def state_checksums(model, opt) -> dict[str, str]:
     return state
 
 
-def restored_in_fresh_process(run_dir: Path) -> dict[str, str]:
+def restore_in_fresh_process(run_dir: Path) -> subprocess.Popen:
+    """A fresh interpreter restoring ``run_dir`` read-only (started: ``restored`` waits for it),
+    so that what this test does meanwhile runs beside its start."""
     code = DUMP.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), run=str(run_dir))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def restored(proc: subprocess.Popen) -> dict[str, str]:
+    """The checksums of every weight and moment ``proc`` (``restore_in_fresh_process``) restored."""
+    [(stdout, stderr)] = wait_launches([proc])
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.splitlines()[-1])
 
 
 def test_a_save_writes_its_unit_indexes_as_lines_of_one_file_each_read_and_checked(tmp_path, tokens):
@@ -101,9 +108,10 @@ def test_a_save_writes_its_unit_indexes_as_lines_of_one_file_each_read_and_check
 def test_a_schema5_run_restores_bit_for_bit_verifies_and_takes_schema6_saves_into_a_mixed_composite(tmp_path):
     run_dir = tmp_path / "old"
     shutil.copytree(FIXTURE, run_dir)
+    shutil.copytree(FIXTURE, tmp_path / "pristine")  # restored in a fresh process while this one saves into run_dir
+    fresh = restore_in_fresh_process(tmp_path / "pristine")
     expected = json.loads((FIXTURES / "schema5_expected.json").read_text())
     assert Run(run_dir).manifest(2).schema_version == 5 and Run(run_dir).verify() == []
-    assert restored_in_fresh_process(run_dir) == expected
     model, opt = fixture_model(seed=3)
     tailor = Tailor(run_dir, model, opt, policy=Parity())
     assert tailor.restore().step == 2
@@ -124,7 +132,9 @@ def test_a_schema5_run_restores_bit_for_bit_verifies_and_takes_schema6_saves_int
     want = dict(expected)
     want.update({n: tensor_checksum(p.detach()) for n, p in model.named_parameters() if n in saved_at_3})
     assert saved_at_3 and any(want[n] != expected[n] for n in saved_at_3)  # the shape under test: both versions needed
-    assert restored_in_fresh_process(run_dir) == want
+    assert restored(fresh) == expected  # the schema-5 run as the fixture holds it
+    shutil.copytree(run_dir, tmp_path / "mixed")  # the mixed run before gc, restored in a fresh process while gc runs
+    fresh = restore_in_fresh_process(tmp_path / "mixed")
     # inspect and gc on the mixed run; the schema-5 snapshot of step 2 stays while step 3 needs it.
     runner = CliRunner()
     shown = runner.invoke(app, ["inspect", str(run_dir)])
@@ -132,7 +142,8 @@ def test_a_schema5_run_restores_bit_for_bit_verifies_and_takes_schema6_saves_int
     assert runner.invoke(app, ["verify", str(run_dir)]).exit_code == 0
     assert runner.invoke(app, ["gc", str(run_dir), "--keep", "1"]).exit_code == 0
     assert Run(run_dir).steps() == sorted(set(Run(run_dir).resolve(3).sources.values()))
-    assert restored_in_fresh_process(run_dir) == want
+    after_gc = restore_in_fresh_process(run_dir)
+    assert restored(fresh) == want and restored(after_gc) == want
 
 
 KILLED_SAVE = """
