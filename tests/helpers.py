@@ -304,7 +304,7 @@ def launches_ended_well(launches: list[subprocess.Popen], outputs: list[str]) ->
     failed = [n for n, code in enumerate(codes) if code != 0]
     if not failed:
         return
-    tails = "\n\n".join(f"launch {n}: {outputs[n][-5000:]}" for n in failed)
+    tails = "\n\n".join(f"launch {n}: {_tail(outputs[n], None)}" for n in failed)
     errors = "\n".join(f"launch {n} (exit {codes[n]}): {line}" for n in failed for line in _error_lines(outputs[n]))
     pytest.fail(f"{tails}\n\nexit codes {codes}; the failed launches' errors:\n{errors or '(none printed)'}", pytrace=False)
 
