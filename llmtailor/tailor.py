@@ -509,21 +509,24 @@ class _Restoring:
         # the store: a composite loaded under the round of the one before would take that one's
         # answers from ranks that have not answered yet (plans differing between ranks).
         self.coordinator.new_round()
+        # The ranks that finish first wait for this one at ``agree`` as long as its reads go on
+        # (a large composite on a slow store), not just the timeout (``Coordinator.working``).
         try:
-            # Rank 0's manifests, then the indexes and global state read once in the job (shared_reads).
-            lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}",
-                                    covered=run.storage.remote and not tier.node_local)
-            share_small_files(run, lease.composite, self.coordinator)
-            shared = self.shared = self.provider.check_composite(run, lease.composite)
-            # The live state changes from here: a mix until the ranks agree (agree may itself raise).
-            touched, self.partly = True, f"the restore of step {chosen} did not complete"
-            # This rank's own state is read beside the units, not after them (a round trip less at
-            # the end of a restore from an object store), and before the ranks agree: every read
-            # under rank 0's lease, a failed one on every rank; waited for however the load ends.
-            with ThreadPoolExecutor(1, thread_name_prefix="llmtailor-state") as beside:
-                own = beside.submit(self.provider.read_rank_state, run, lease.composite, shared)
-                self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
-                self.rank_state = own.result()
+            with self.coordinator.working():
+                # Rank 0's manifests, then the indexes and global state read once in the job (shared_reads).
+                lease = share_manifests(run, chosen, leased, self.coordinator, f"{self.round}/composite/{index}",
+                                        covered=run.storage.remote and not tier.node_local)
+                share_small_files(run, lease.composite, self.coordinator)
+                shared = self.shared = self.provider.check_composite(run, lease.composite)
+                # The live state changes from here: a mix until the ranks agree (agree may itself raise).
+                touched, self.partly = True, f"the restore of step {chosen} did not complete"
+                # This rank's own state is read beside the units, not after them (a round trip less at
+                # the end of a restore from an object store), and before the ranks agree: every read
+                # under rank 0's lease, a failed one on every rank; waited for however the load ends.
+                with ThreadPoolExecutor(1, thread_name_prefix="llmtailor-state") as beside:
+                    own = beside.submit(self.provider.read_rank_state, run, lease.composite, shared)
+                    self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
+                    self.rank_state = own.result()
         except BaseException as err:
             error = _as_damage(err, skippable)
         finally:

@@ -10,7 +10,10 @@ manifest, and only once every rank has reported success.
 torch.distributed's own key-value store (the ``c10d`` store the process group was set up
 with), not through collectives, so it works from a background thread (async saves) while the
 training thread runs its own collectives, and every wait has a deadline: a rank that died or
-hangs makes the others fail with an error naming it, never hang.
+hangs makes the others fail with an error naming it, never hang. The deadline is on silence,
+not on total time: a rank inside ``Coordinator.working`` (a restore's load, a save's part)
+shows its progress (``advance``: the reads and copies call it) in the store, and a rank waiting
+for it waits on while that progress advances; a rank that shows none for the timeout is lost.
 
 Invariant: each message tag is used once per coordinator (tags carry the save's sequence
 number), and every rank of a job creates its coordinators in the same order, so the same tag
@@ -22,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +46,16 @@ _POLL = 0.05
 posts (``Coordinator.collect``); ``StoreCoordinator`` blocks in the store's ``wait`` instead."""
 _FIRST_POLL = 0.001
 """The first pause: the pauses double from this up to ``_POLL``."""
+_LOOKS = 4
+"""Looks at the progress of the ranks waited for per timeout (``StoreCoordinator._wait_all``), and
+beats a rank at work posts per timeout at most (``StoreCoordinator.working``)."""
+_RELAY = 1 << 32
+"""What a rank adds to its beat for the progress of the ranks it waits for (``_wait_all``), beside
+the 1 it adds for its own: a waiter tells the two apart, so a relay never answers a relay."""
+_ticks = 0
+"""Pieces of work this process did (``advance``)."""
+_unusable: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Process group -> the wait on it that timed out on this rank (``unusable``)."""
 
 ALIKE: tuple[type[TailorError], ...] = (PromotionError, NodeTierError)
 """Errors of the leader's ``broadcast`` that concern the job, not the leader (a promotion failure
@@ -54,6 +69,14 @@ def pauses(longest: float = _POLL) -> Iterator[float]:
     while True:
         yield pause
         pause = min(2 * pause, longest)
+
+
+def advance() -> None:
+    """This process did a piece of long work (read a part of a file, copied a piece into a live
+    tensor, received an item): a rank inside ``Coordinator.working`` shows the others it is not
+    stuck. Called from the loops that read and copy; costs an increment."""
+    global _ticks
+    _ticks += 1
 
 
 class CoordinationError(TailorError):
@@ -120,6 +143,14 @@ class Coordinator(ABC):
     def let_go(self) -> None:
         """The connections this coordinator keeps idle for its next waits let go (its Tailor
         closed); a later wait opens what it needs."""
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        """A block of long work of this rank (a restore's load, a save's part) that the others
+        may wait for longer than the timeout: while this process makes progress (``advance``),
+        the ranks waiting for this one wait on; no progress for the timeout, and they give up.
+        One process: nobody waits."""
+        yield
 
     # -- point to point, from any thread: a few ranks' work outside the saves' rounds --------
 
@@ -223,6 +254,34 @@ class StoreCoordinator(Coordinator):
 
     def let_go(self) -> None:
         self._waiters.clear()  # its own clients of the store (``_wait_for``): each a connection
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        stop = threading.Event()
+        beating = threading.Thread(target=self._beat, args=(stop,), name="llmtailor-beat", daemon=True)
+        beating.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beating.join()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which it advanced."""
+        seen = _ticks
+        while not stop.wait(self.timeout / _LOOKS):
+            if _ticks != seen:
+                seen = _ticks
+                with contextlib.suppress(Exception):  # a store gone: the waits say so
+                    self._store.add(self._beat_key(self.rank), 1)
+
+    def _beat_key(self, rank: int) -> str:
+        return f"{self._prefix}beat/{rank}"
+
+    def _beats(self, ranks: list[int]) -> dict[int, int]:
+        """Each rank's beat: its own progress (``working``) plus ``_RELAY`` for each time a wait
+        of its saw the progress of a rank it waited for."""
+        return {rank: self._store.add(self._beat_key(rank), 0) for rank in ranks}
 
     @classmethod
     def over(cls, store: Any, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str = "llmtailor/0/") -> StoreCoordinator:
@@ -351,7 +410,10 @@ class StoreCoordinator(Coordinator):
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0,
                   ranks: list[int] | None = None) -> None:
         """Wait until every key is set, or raise CoordinationError naming the ranks that are
-        not, after ``patience`` x ``timeout`` seconds. Blocks in the store's own ``wait`` (woken
+        not, once none of them showed progress for ``patience`` x ``timeout`` seconds (their
+        beats: ``working``; or the beat they relay for the ranks they wait for in turn, the
+        leader's gather under its broadcast, one step, never a relay of a relay); each
+        ``timeout / _LOOKS`` it looks. Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
@@ -360,15 +422,23 @@ class StoreCoordinator(Coordinator):
         A store that went away (the process hosting it died) is a CoordinationError too, naming
         ``ranks`` (default: those of the keys), whichever client met it."""
         limit = self.timeout * patience
+        silent_until, seen, shown = time.monotonic() + limit, None, False
         with self._reaching(f"waited for rank(s) {ranks or _ranks_of(keys)}"):
-            if self._wait_for(keys, limit):
-                return
-            pending = [k for k in keys if not self._store.check([k])]
-            if pending:  # ``describe`` may read what the other ranks reported
-                raise CoordinationError(
-                    f"{describe(_ranks_of(pending))} within {limit:g} s: a rank died or is stuck "
-                    f"(timeout: Tailor(..., timeout=...))"
-                )
+            while not self._wait_for(keys, max(0.001, min(self.timeout / _LOOKS, silent_until - time.monotonic()))):
+                pending = [k for k in keys if not self._store.check([k])]
+                if not pending:
+                    return
+                beats = self._beats(ranks or sorted(set(_ranks_of(pending))))
+                moved = seen is not None and [r for r, beat in beats.items() if beat != seen.get(r)]
+                if moved:  # live: waited for on, and shown to the ranks waiting for this one
+                    silent_until, shown = time.monotonic() + limit, True
+                    if any((beats[r] - seen.get(r, 0)) % _RELAY for r in moved):
+                        self._store.add(self._beat_key(self.rank), _RELAY)
+                elif time.monotonic() >= silent_until:  # ``describe`` may read what the other ranks reported
+                    since = " of its last sign of progress" if shown else ""
+                    raise CoordinationError(f"{describe(_ranks_of(pending))} within {limit:g} s{since}: a rank died or "
+                                            f"is stuck (timeout: Tailor(..., timeout=...))")
+                seen = beats
 
     def _wait_for(self, keys: list[str], limit: float) -> bool:
         """Block until every key is set (True) or ``limit`` seconds passed (False: the caller

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, describe_error
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, advance, describe_error
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)
@@ -201,6 +201,7 @@ class ReadPlan:
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     for future in [f for f in pending if f in done]:  # in the order they were started
                         kind, item, held = pending.pop(future)
+                        advance()
                         tensors = None
                         if kind == "read":
                             own.pop(0)
@@ -370,6 +371,7 @@ class ReadPlan:
             try:
                 for index, (item, reader) in enumerate(self.readers.items()):
                     slices = wanted(item)
+                    advance()
                     if reader != self.coordinator.rank:
                         receipts = [r for r in receipts if not r.waited]  # the caller's waited: their buffers its own
                         receipts.append(self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device))

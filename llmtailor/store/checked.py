@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from llmtailor.distributed.coordinator import advance
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.fetch import fetch, fetch_into, new_buffer
@@ -57,6 +58,7 @@ def verify_stored(storage: Storage, key: str, entry: FileEntry) -> None:
     for piece in storage.pieces(key):
         hasher.update(piece)
         seen += len(piece)
+        advance()
     if seen != entry.bytes:
         raise IntegrityError(f"{storage.where(key)}: {seen} bytes read, manifest says {entry.bytes} (changed while read)")
     if hasher.hexdigest() != entry.xxh3_64:
@@ -172,6 +174,7 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def _copy(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for dst, src in pieces:
         dst.copy_(src)
+        advance()
 
 
 _HEAD = 64 << 10

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
+from llmtailor.distributed.coordinator import advance
 from llmtailor.store.storage.base import LazyPool, Storage
 
 PART = 8 << 20
@@ -159,6 +160,7 @@ class _Part:
             self.view[:] = data
         elif len(self.view):
             storage.read_into(key, self.at, self.view)
+        advance()  # a rank reading a large composite from a slow store shows it is live (``Coordinator.working``)
 
     def done(self, hasher: Any) -> None:
         """Once read: hash it, and copy a staged part out to its views."""

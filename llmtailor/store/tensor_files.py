@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from llmtailor.distributed.coordinator import advance
 from llmtailor.errors import IntegrityError, describe_os_error
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import FileEntry
@@ -193,6 +194,7 @@ def stream_tensors(
                     sink.write(piece)  # a buffer the next piece is read into
                 else:
                     sink.write_stable(piece)  # a tensor's memory: written meanwhile, on the sink's thread where it has one
+                advance()  # a rank writing a large part to a slow store shows it is live (``Coordinator.working``)
             sums[key] = piece_hasher.hexdigest()
             if paged is not None:
                 pages[key] = {"page_bytes": page, "pages": paged.finish()}

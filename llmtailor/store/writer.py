@@ -112,7 +112,8 @@ def persist(
         # The leader's own files stay in flight (their fsyncs running) until its commit: the
         # unit indexes join them, and the commit waits for them all before it commits anything.
         with snapshot.files() as files:
-            part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
+            with coord.working():  # the others wait on while this part's writes go on (a slow store)
+                part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
 
             def gather() -> list[RankPart]:
                 # The leader keeps its own part as it is (it reports only success or failure): a
@@ -124,7 +125,8 @@ def persist(
 
             outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
     else:
-        part = attempt_part(snapshot, staged, coord.rank, on_unit)
+        with coord.working():
+            part = attempt_part(snapshot, staged, coord.rank, on_unit)
         coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather

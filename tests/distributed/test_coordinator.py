@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,74 @@ def test_a_saves_all_reduce_that_gloo_fails_names_the_rank_and_what_it_was_doing
     with pytest.raises(CoordinationError, match=r"^rank 1: the ranks' all-reduce at a save failed: a rank died or its "
                                                 r"connection failed \(RuntimeError: .*Connection reset by peer\)$"):
         rank.all_reduce_sum(torch.zeros(3, dtype=torch.float64))
+
+
+def _relayed(store, rank: int) -> int:
+    """How many times a wait of ``rank`` (coordinators ``over`` ``store``) saw a rank it waited for progress."""
+    from llmtailor.distributed.coordinator import _RELAY
+
+    return store.add(f"llmtailor/0/beat/{rank}", 0) // _RELAY
+
+
+def _loading(store, coordinator, waiters: list[int], looks: int, stuck: bool = False) -> None:
+    """A rank's long load (``working``): progress (``advance``) until every rank of ``waiters``
+    saw it ``looks`` more times (a wait that saw it waits on), or a waiter gave up; then, where
+    ``stuck``, no progress until every waiter gave up (a rank hung part-way)."""
+    from llmtailor.distributed.coordinator import advance
+
+    before = {rank: _relayed(store, rank) for rank in waiters}
+    with coordinator.working():
+        while min(_relayed(store, rank) - before[rank] for rank in waiters) < looks and not gave_up:
+            advance()
+            time.sleep(0.01)
+        while stuck and len(gave_up) < len(waiters):
+            time.sleep(0.01)
+
+
+gave_up: list[int] = []
+"""The ranks whose wait gave up (``test_a_rank_whose_load_goes_on...``)."""
+
+
+def test_a_rank_whose_load_goes_on_past_the_timeout_keeps_the_others_waiting_and_one_stuck_is_named():
+    """The exchange that closes a restore (``agree``) waited for the slowest rank's whole load
+    within the timeout, so a live rank loading a large composite from a slow store for longer
+    failed every rank. A rank inside ``working`` that makes progress keeps the others waiting
+    (here past 1.5 x the timeout: each waiter saw its progress 6 times, 4 looks a timeout); one
+    that stops making progress there is named once it has shown none for the timeout, as one
+    that never showed any is. The
+    save's alike: the leader gathers the parts while a rank writes its part past the timeout,
+    and the other waits on for the leader's outcome (its beat relays the writer's progress, past
+    its patience of 2 x the timeout). Ranks as threads over one store, timeout 1 s."""
+    from llmtailor.distributed.coordinator import _LOOKS
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 3, timeout=1) for rank in range(3)]
+    gave_up.clear()
+
+    def restore(rank: int, tag: str, stuck: bool = False):
+        if rank == 2:
+            _loading(store, ranks[2], [0, 1], 1 if stuck else _LOOKS + 2, stuck)
+        try:
+            return ranks[rank].agree(tag, 4, None, True)
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(3, lambda rank: restore(rank, "r1/loaded/0")) == [(None, False)] * 3
+    outcomes = on_threads(3, lambda rank: restore(rank, "r2/loaded/0", stuck=True))
+    for outcome in outcomes[:2]:
+        assert isinstance(outcome, CoordinationError), outcomes
+        assert re.match(r"rank\(s\) \[2\] did not report on 'r2/loaded/0' within 1 s of its last sign of progress",
+                        str(outcome)), outcomes
+
+    def save(rank: int):
+        if rank == 2:
+            _loading(store, ranks[2], [0], 2 * _LOOKS + 2)
+        coordinator = ranks[rank]
+        if rank == 0:
+            return coordinator.broadcast("r3/outcome", lambda: coordinator.gather("r3/parts", rank))
+        coordinator.gather("r3/parts", rank)
+        return coordinator.broadcast("r3/outcome", None, patience=2.0)
+
+    gave_up.clear()
+    assert on_threads(3, save) == [[0, 1, 2]] * 3
