@@ -83,6 +83,31 @@ class CoordinationError(TailorError):
     """Another rank failed, died or did not answer in time; the save or restore was abandoned."""
 
 
+def spoil(group: Any, err: BaseException, what: str) -> None:
+    """A wait of this rank on ``group`` (None: the default group) failed with ``err`` while it
+    did ``what``: a collective whose wait timed out stays pending in gloo, where it pairs with the
+    group's next collective (that one then takes another's data, or hangs), and a message's
+    timeout closes the group's connections. Every later use of the group here refuses (``usable``)."""
+    timed_out = any(word in str(err).lower() for word in ("timed out", "timeout"))
+    _unusable.setdefault(_group_key(group), f"{'timed out' if timed_out else 'failed'} before ({what})")
+
+
+def usable(group: Any, rank: int) -> None:
+    """Raise CoordinationError where a wait on ``group`` failed on this rank before (``spoil``)."""
+    before = _unusable.get(_group_key(group))
+    if before is not None:
+        raise CoordinationError(f"rank {rank}: this process group is unusable: a wait on this process group {before}, "
+                                "and gloo may still hold what it waited for (a collective would pair with this one: "
+                                "another's data, or a hang): make a new process group (and a new Tailor on it), or "
+                                "restart the job")
+
+
+def _group_key(group: Any) -> Any:
+    import torch.distributed as dist
+
+    return group if group is not None else dist.group.WORLD
+
+
 class PeerStopped(CoordinationError):
     """Another rank stopped part-way through what the ranks do together (a read plan), for a
     reason of its own that it reports itself: this rank's failure follows from it (``agree``
@@ -378,9 +403,11 @@ class StoreCoordinator(Coordinator):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"
         reduced = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else tensor.device)
+        usable(self._group, self.rank)
         try:
             self._dist.all_reduce(reduced, group=self._group)
         except RuntimeError as err:  # gloo's (or NCCL's) error for a lost peer: which one, the collective does not say
+            spoil(self._group, err, "the ranks' all-reduce at a save")
             raise CoordinationError(f"rank {self.rank}: the ranks' all-reduce at a save failed: a rank died or its "
                                     f"connection failed ({describe_error(err)})") from None
         return reduced.to(tensor.device)
@@ -520,4 +547,6 @@ __all__ = [
     "describe_error",
     "first_line",
     "make_coordinator",
+    "spoil",
+    "usable",
 ]

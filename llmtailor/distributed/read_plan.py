@@ -32,7 +32,6 @@ import collections
 import contextlib
 import functools
 import threading
-import weakref
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
@@ -40,7 +39,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, advance, describe_error
+from llmtailor.distributed.coordinator import (CoordinationError, Coordinator, PeerStopped, advance, describe_error, spoil,
+                                               usable)
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)
@@ -57,7 +57,6 @@ _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: roo
 _AHEAD = 2  # items a rank reads ahead (``deliver``), or has read and not yet delivered to every rank (``fetch``): memory
 _WINDOW = 4  # items of others a rank of ``fetch`` waits for at a time (receive buffers posted)
 _WINDOW_BYTES = 512 << 20  # and their bytes at most, but for the first
-_TIMED_OUT: weakref.WeakSet = weakref.WeakSet()  # groups on which a plan's wait timed out: gloo closed their connections then
 
 
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
@@ -166,6 +165,7 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        usable(self.group, self.coordinator.rank)  # no plan on a group whose wait timed out (``spoil``)
         me, turns = self.coordinator.rank, self.turns()
         tags = {item: at for at, item in enumerate(self.readers)}
         failing = _Failing(self.coordinator, None)
@@ -363,6 +363,7 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        usable(self.group, self.coordinator.rank)
         sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
         stopped = False  # this rank's caller stopped taking the items: the plan is drained to its end (``fetch``)
         receipts: list[_Receipt] = []  # those posted and not yet waited for (some maybe)
@@ -432,10 +433,12 @@ class ReadPlan:
 
         first = torch.tensor([failed[0] if failed is not None else len(self.readers),
                               self.ranks.index(self.coordinator.rank) if stopped else len(self.ranks)], dtype=torch.int64).to(device)
+        usable(self.group, self.coordinator.rank)
         try:
             work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout
+            spoil(self.group, err, "the exchange of failed reads at the end of a read plan")
             raise CoordinationError(f"the ranks' exchange of failed reads at the end of the read plan failed: a rank of the "
                                     f"group died, or is stuck past the {self.coordinator.timeout:g} s timeout "
                                     f"({describe_error(err)})") from None
@@ -520,21 +523,18 @@ class ReadPlan:
             lost = self._lost(item, peer, what, err)
             if any(word in str(err).lower() for word in ("timed out", "timeout")):  # gloo's "Timed out waiting ...",
                 # or "Application timeout caused pair closure" (another wait's timeout closed the group)
-                _TIMED_OUT.add(self._process_group())
+                spoil(self.group, err, f"the {what} of {item} from or to rank {peer}")
             raise lost from None
 
     def _lost(self, item: str, peer: int, what: str, err: Exception) -> CoordinationError:
-        closed = ("; a wait on this process group timed out before (one of an earlier read plan's, a failed restore "
-                  "attempt's, maybe left behind it), and gloo then closed the group's connections: no later message "
-                  "on it goes through" if self._process_group() in _TIMED_OUT else "")
+        try:
+            usable(self.group, self.coordinator.rank)
+            closed = ""
+        except CoordinationError as refused:  # an earlier plan's wait (a failed restore attempt's) timed out on it
+            closed = f"; {refused}"
         return CoordinationError(f"the {what} of {item} between rank {self.coordinator.rank} and rank {peer} failed: "
                                  f"a rank died, or is stuck past the {self.coordinator.timeout:g} s timeout "
                                  f"({describe_error(err)}){closed}")
-
-    def _process_group(self) -> Any:
-        import torch.distributed as dist
-
-        return self.group if self.group is not None else dist.group.WORLD
 
     # -- one item ------------------------------------------------------------------------------
 
@@ -551,10 +551,12 @@ class ReadPlan:
         import torch.distributed as dist
 
         moved = tensor.to(device)
+        usable(self.group, self.coordinator.rank)  # a collective that timed out before would pair with this one
         try:
             work = dist.broadcast(moved, group=self.group, group_src=self.ranks.index(reader), async_op=True)
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout: name the reader
+            spoil(self.group, err, f"the broadcast of {item} from rank {reader}")
             # Which rank is gone the collective does not say (a lost peer may be another receiver):
             # the ranks' exchange that follows a restore names those that no longer answer.
             raise CoordinationError(f"the broadcast of {item} from rank {reader}, its reader, failed: a rank of the group "

@@ -527,3 +527,41 @@ def test_an_item_of_deliver_waited_for_after_the_plan_ended_gives_its_bytes_at_o
 
     outcomes = on_threads(2, run)
     assert outcomes == [{item: bytes([int(item)] * 64) for item in items}] * 2, outcomes
+
+
+def test_a_collective_whose_wait_timed_out_makes_every_later_one_on_the_group_refuse(monkeypatch):
+    """A broadcast of a read plan (``_broadcast``: a failed read's error at the end of
+    ``deliver``) whose wait timed out stays pending in gloo, where it paired with the group's
+    next collective: rank 0's next broadcast took the data of the one after it, silently (a
+    later restore on the same Tailor: mismatched data or a confusing hang). Every later
+    collective, and every read plan, on that group refuses on that rank, saying why and what to
+    do. Two ranks of a real gloo group, each on a thread of this process; rank 1 takes no part
+    in the first broadcast."""
+    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+
+    def broadcast(tensor, group=None, group_src=None, async_op=False):
+        options = dist.BroadcastOptions()
+        options.rootRank = group_src
+        return group.broadcast([tensor], options)
+
+    _over_the_group(monkeypatch)
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    store, *groups = _gloo_group("paired", 10, 2)
+    coordinators = [StoreCoordinator.over(store, 0, 2, timeout=0.5), StoreCoordinator.over(store, 1, 2, timeout=1)]
+    plans = [ReadPlan(coordinators[rank], {"a": 8, "b": 8, "c": 8}, group=groups[rank]) for rank in range(2)]
+    cpu = torch.device("cpu")
+    with pytest.raises(CoordinationError, match="the broadcast of a from rank 1, its reader, failed"):
+        plans[0]._broadcast(torch.zeros(2), "a", 1, cpu)
+
+    def next_ones(rank: int) -> list:
+        if rank == 0:
+            return plans[0]._broadcast(torch.zeros(2), "b", 1, cpu).tolist()
+        return [plans[1]._broadcast(torch.full((2,), value), item, 1, cpu).tolist() for item, value in (("b", 7.0), ("c", 9.0))]
+
+    outcomes = on_threads(2, next_ones)
+    assert isinstance(outcomes[0], CoordinationError), outcomes  # it took [9.0, 9.0], c's, for b
+    assert str(outcomes[0]).startswith("rank 0: this process group is unusable: a wait on this process group timed "
+                                       "out before (the broadcast of a from rank 1)"), outcomes
+    assert "make a new process group" in str(outcomes[0])
+    with pytest.raises(CoordinationError, match="this process group is unusable"):
+        list(plans[0].fetch(lambda item: [torch.zeros(2)], lambda item: [(torch.float32, [2])]))
