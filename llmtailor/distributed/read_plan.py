@@ -155,8 +155,9 @@ class ReadPlan:
         plan writes into ``into``'s tensors: the receipts posted into them are waited for first
         (within the timeout). A caller that stops taking the items on one rank (an error of its
         own, an interrupt: it closes the iterator), or whose ``into`` raises, does not leave the
-        others waiting for that rank's messages until the timeout: the plan goes on there to its
-        end without it, the items not yet sent going out unread and what comes in received into
+        others waiting for that rank's messages until the timeout (nor does one that finds a reader
+        sent an item of another size than it expects: it takes the bytes its head lists and raises
+        that the ranks disagree): the plan goes on there to its end without it, the items not yet sent going out unread and what comes in received into
         memory of the plan's own; the others, once told so by an item's head, read nothing more
         and raise ``PeerStopped`` naming that rank, which raises its own error (``into``'s) or
         none (the caller's stands). ``meanwhile``: called once this rank's first reads have started,
@@ -225,6 +226,12 @@ class ReadPlan:
                             try:
                                 targets = self._targets(item, held, specs(item), None if stopped else into, device,
                                                         failed, skipped, failing)
+                            except _Disagreed as err:  # the reader's bytes are taken all the same (its sends
+                                # end), and this rank stops here, as where ``into`` failed
+                                if err.drain is None:
+                                    raise
+                                stopped, refused, targets = True, refused or err, err.drain
+                                failing.known()
                             except Exception as err:  # ``into`` failed (the caller's code): this rank stops here
                                 if stopped or isinstance(err, CoordinationError):
                                     raise
@@ -295,7 +302,12 @@ class ReadPlan:
                 head[_HEAD : _HEAD + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
             return None, [head]
         _put_head(head, _SENT, nbytes(shapes))
-        return tensors, [head, *(_bytes_of(t) for t in tensors if t.numel())]
+        sent = [_bytes_of(t) for t in tensors if t.numel()]
+        # How many messages follow and each one's bytes, so that a rank that disagrees on them
+        # still takes them (``_Disagreed``); -1 where they do not fit.
+        listed = [len(sent), *map(len, sent)] if len(sent) < _ROOM // 8 else [-1]
+        head[_HEAD : _HEAD + 8 * len(listed)].view(torch.int64)[:] = torch.tensor(listed, dtype=torch.int64)
+        return tensors, [head, *sent]
 
     def _targets(self, item: str, head: torch.Tensor, shapes: list[Spec], into: Callable[[str], list[torch.Tensor | None]] | None,
                  device: torch.device, failed: dict[str, tuple[int, int, str]], skipped: dict[str, int],
@@ -317,8 +329,8 @@ class ReadPlan:
             failing.known()
             return None
         if length != nbytes(shapes):
-            raise CoordinationError(f"rank {reader} sent {length} bytes of {item}, this rank expected "
-                                    f"{nbytes(shapes)}: the ranks disagree on what the composite holds")
+            raise _Disagreed(f"rank {reader} sent {length} bytes of {item}, this rank expected "
+                             f"{nbytes(shapes)}: the ranks disagree on what the composite holds", head, device)
         given = into(item) if into is not None else [None] * len(shapes)
         return [(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
                 for live, (dtype, shape) in zip(given, shapes, strict=True)]
@@ -640,6 +652,20 @@ class _Receipt:
         if not self.waited:
             with contextlib.suppress(Exception):
                 self()
+
+
+class _Disagreed(CoordinationError):
+    """A reader sent an item of another size than this rank expects (``fetch``'s ``_targets``):
+    ``drain``, memory of the plan's own to receive its messages into (their sizes as its head
+    lists them), so that its sends end and the plan goes on without this rank's caller; None
+    where the head does not list them (an item of too many tensors)."""
+
+    def __init__(self, message: str, head: torch.Tensor, device: torch.device):
+        super().__init__(message)
+        listed = head[_HEAD:].cpu().view(torch.int64)
+        count = int(listed[0])
+        self.drain = (None if count < 0 else
+                      [(torch.empty(size, dtype=torch.uint8, device=device), False) for size in listed[1 : 1 + count].tolist()])
 
 
 class ReadRefused(Exception):

@@ -565,3 +565,35 @@ def test_a_collective_whose_wait_timed_out_makes_every_later_one_on_the_group_re
     assert "make a new process group" in str(outcomes[0])
     with pytest.raises(CoordinationError, match="this process group is unusable"):
         list(plans[0].fetch(lambda item: [torch.zeros(2)], lambda item: [(torch.float32, [2])]))
+
+
+def test_a_rank_that_disagrees_on_an_item_s_size_takes_its_bytes_so_its_reader_is_not_left_waiting(monkeypatch):
+    """A rank that found a reader sent an item of another size than it expects (the ranks
+    disagree on what the composite holds) raised at once without receiving the item's tensors,
+    so its reader sat in its sends to it until the timeout (30 s here). It takes the bytes the
+    head lists into memory of the plan's own and stops as a rank whose ``into`` failed does:
+    its reader's plan ends (here: every item taken, or ``PeerStopped`` naming rank 1), and a
+    next plan on the same group takes none of this one's messages. Two ranks of a real gloo
+    group, each on a thread of this process."""
+    from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("disagree", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2)]
+    items, candidates = {"a": 64, "b": 64}, {"a": [0], "b": [1]}
+
+    def plan(rank: int, value: float, shapes: dict[str, list[int]]) -> dict[str, list[float]]:
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.full(shapes[item], value), torch.full((2,), value)],
+            lambda item: [(torch.float32, shapes[item]), (torch.float32, [2])])
+        return {item: sorted({v for t in tensors for v in t.tolist()}) for item, tensors in fetching}
+
+    whole = {"a": [16], "b": [16]}
+    outcomes = on_threads(2, lambda rank: plan(rank, 1.0, whole if rank == 0 else {"a": [8], "b": [16]}))
+    assert isinstance(outcomes[1], CoordinationError), outcomes
+    assert str(outcomes[1]) == ("rank 0 sent 72 bytes of a, this rank expected 40: the ranks disagree on what the "
+                                "composite holds"), outcomes
+    assert (outcomes[0] == {"a": [1.0], "b": [1.0]} or isinstance(outcomes[0], PeerStopped)
+            and str(outcomes[0]).startswith("rank 1 stopped taking the items")), outcomes  # not a timeout
+    outcomes = on_threads(2, lambda rank: plan(rank, 2.0, whole))
+    assert outcomes == [{"a": [2.0], "b": [2.0]}] * 2, outcomes
