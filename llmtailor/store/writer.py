@@ -111,9 +111,8 @@ def persist(
     if coord.is_leader:
         # The leader's own files stay in flight (their fsyncs running) until its commit: the
         # unit indexes join them, and the commit waits for them all before it commits anything.
-        with snapshot.files() as files:
-            with coord.working():  # the others wait on while this part's writes go on (a slow store)
-                part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
+        with snapshot.files() as files, coord.working():
+            part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
 
             def gather() -> list[RankPart]:
                 # The leader keeps its own part as it is (it reports only success or failure): a
@@ -125,7 +124,7 @@ def persist(
 
             outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
     else:
-        with coord.working():
+        with coord.working():  # the others wait on while its writes go on (a large part, a slow store)
             part = attempt_part(snapshot, staged, coord.rank, on_unit)
         coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
         outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
