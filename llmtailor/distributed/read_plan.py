@@ -162,7 +162,8 @@ class ReadPlan:
         and raise ``PeerStopped`` naming that rank, which raises its own error (``into``'s) or
         none (the caller's stands). ``meanwhile``: called once this rank's first reads have started,
         before any message (the ranks' exchange a restore makes before it reads, then beside
-        them); what it raises is raised once the reads under way are done."""
+        them); what it raises (or an interrupt while this rank waits for messages) stops this rank
+        as a caller that stops does, and is raised once the plan is drained."""
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
@@ -175,14 +176,20 @@ class ReadPlan:
         failed: dict[str, tuple[int, int, str]] = {}  # item -> (reader, status, message): reads that failed
         skipped: dict[str, int] = {}  # item sent unread -> the rank whose caller stopped (its reader's, or one it learned of)
         stopped = False  # this rank's caller stopped taking the items: the plan is drained to its end, nothing yielded
-        refused: Exception | None = None  # why ``into`` failed here: raised once the plan is drained (as stopped)
+        refused: BaseException | None = None  # why this rank stopped (``into``, ``meanwhile``, an interrupt): raised
+        # once the plan is drained (as stopped)
 
         def read_checked(item: str) -> list[torch.Tensor]:
             return _checked(failing.guard(read)(item), specs(item))
 
         with contextlib.closing(_ReadAhead(list(own), read_checked, 1, 2)) as mine:
             if meanwhile is not None:
-                meanwhile()
+                try:
+                    meanwhile()
+                except (Exception, KeyboardInterrupt) as err:  # on this rank alone, maybe: the others would wait
+                    # for its messages until the timeout, so the plan goes on to its end without the caller
+                    stopped, refused = True, err
+                    failing.known()
             waits = ThreadPoolExecutor(max_workers=_WINDOW + _AHEAD, thread_name_prefix="llmtailor-wait")
             pending: dict[Future, tuple[str, str, Any]] = {}  # a wait -> (kind, item, what it holds)
             receiving = sending = 0
@@ -199,7 +206,14 @@ class ReadPlan:
                         pending[next(mine)] = ("read", own[0], None)
                     if not pending:
                         break
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    try:
+                        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    except KeyboardInterrupt as err:  # as a caller that stops (a second one ends the plan at once)
+                        if stopped:
+                            raise
+                        stopped, refused = True, err
+                        failing.known()
+                        continue
                     for future in [f for f in pending if f in done]:  # in the order they were started
                         kind, item, held = pending.pop(future)
                         advance()

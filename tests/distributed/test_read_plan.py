@@ -597,3 +597,46 @@ def test_a_rank_that_disagrees_on_an_item_s_size_takes_its_bytes_so_its_reader_i
             and str(outcomes[0]).startswith("rank 1 stopped taking the items")), outcomes  # not a timeout
     outcomes = on_threads(2, lambda rank: plan(rank, 2.0, whole))
     assert outcomes == [{"a": [2.0], "b": [2.0]}] * 2, outcomes
+
+
+def test_a_rank_whose_meanwhile_raises_or_that_is_interrupted_waiting_fails_the_others_promptly(monkeypatch):
+    """``fetch``'s ``meanwhile`` (the ranks' exchange of what they hold) raising on one rank
+    only, or an interrupt (Ctrl-C) while a rank waits for its messages in ``fetch`` itself, ended
+    that rank's plan at once, and the others waited for its messages until the timeout (30 s
+    here). The rank goes on to the end of the plan as one whose caller stopped, then raises what
+    stopped it; the others raise ``PeerStopped`` naming it; a next plan on the group serves
+    every rank. Two ranks of a real gloo group, each on a thread of this process."""
+    import threading
+
+    from llmtailor.distributed import read_plan
+    from llmtailor.distributed.coordinator import PeerStopped, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("meanwhile", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2)]
+    items, candidates = {"a": 64, "b": 64}, {"a": [0], "b": [1]}
+    interrupted, real_wait = threading.Event(), read_plan.wait
+
+    def wait(futures, **how):
+        if threading.current_thread().name == "rank-1" and not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt
+        return real_wait(futures, **how)
+
+    def plan(rank: int, meanwhile=None) -> list[str]:
+        threading.current_thread().name = f"rank-{rank}"
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.zeros(16)], lambda item: [(torch.float32, [16])], meanwhile)
+        return sorted(item for item, _ in fetching)
+
+    def failing() -> None:
+        raise KeyError("rank 1's exchange failed")
+
+    outcomes = on_threads(2, lambda rank: plan(rank, failing if rank == 1 else None))
+    assert isinstance(outcomes[1], KeyError), outcomes
+    assert isinstance(outcomes[0], PeerStopped) and str(outcomes[0]).startswith("rank 1 stopped"), outcomes
+    monkeypatch.setattr(read_plan, "wait", wait)
+    outcomes = on_threads(2, plan)
+    assert isinstance(outcomes[1], KeyboardInterrupt), outcomes
+    assert isinstance(outcomes[0], PeerStopped) and str(outcomes[0]).startswith("rank 1 stopped"), outcomes
+    assert on_threads(2, plan) == [["a", "b"]] * 2
