@@ -89,12 +89,14 @@ def spoil(group: Any, err: BaseException, what: str) -> None:
     group's next collective (that one then takes another's data, or hangs), and a message's
     timeout closes the group's connections. Every later use of the group here refuses (``usable``)."""
     timed_out = any(word in str(err).lower() for word in ("timed out", "timeout"))
-    _unusable.setdefault(_group_key(group), f"{'timed out' if timed_out else 'failed'} before ({what})")
+    if (key := _group_key(group)) is not None:  # None: no group (a test's faked collective)
+        _unusable.setdefault(key, f"{'timed out' if timed_out else 'failed'} before ({what})")
 
 
 def usable(group: Any, rank: int) -> None:
     """Raise CoordinationError where a wait on ``group`` failed on this rank before (``spoil``)."""
-    before = _unusable.get(_group_key(group))
+    key = _group_key(group)
+    before = None if key is None else _unusable.get(key)
     if before is not None:
         raise CoordinationError(f"rank {rank}: this process group is unusable: a wait on this process group {before}, "
                                 "and gloo may still hold what it waited for (a collective would pair with this one: "

@@ -258,7 +258,8 @@ def test_a_rank_whose_load_goes_on_past_the_timeout_keeps_the_others_waiting_and
     that never showed any is. The
     save's alike: the leader gathers the parts while a rank writes its part past the timeout,
     and the other waits on for the leader's outcome (its beat relays the writer's progress, past
-    its patience of 2 x the timeout). Ranks as threads over one store, timeout 1 s."""
+    its patience of 2 x the timeout); and a collective promotion's, where rank 0 collects the
+    report of a node uploading its part. Ranks as threads over one store, timeout 1 s."""
     from llmtailor.distributed.coordinator import _LOOKS
 
     store = HashStore()
@@ -292,3 +293,11 @@ def test_a_rank_whose_load_goes_on_past_the_timeout_keeps_the_others_waiting_and
 
     gave_up.clear()
     assert on_threads(3, save) == [[0, 1, 2]] * 3
+
+    def promote(rank: int):  # rank 0 collects a node leader's report on its part of a promotion
+        if rank == 1:
+            _loading(store, ranks[1], [0], _LOOKS + 2)
+            ranks[1].post("promotion/1/node/1", {"bytes": 1})
+        return ranks[0].collect({1: "promotion/1/node/1"}, "their part of promotion 1") if rank == 0 else None
+
+    assert on_threads(2, promote) == [{1: {"bytes": 1}}, None]

@@ -247,7 +247,8 @@ class NodeUploader:
                 if then is not None:
                     then()
                 return
-            report = self._serve(order)
+            with self.coordinator.working():  # rank 0 waits on while this node's upload goes on (a slow store)
+                report = self._serve(order)
             try:
                 self.coordinator.post(report_tag(number, self.node), report)
             except CoordinationError as err:  # the job's store went away (rank 0 died): no order follows

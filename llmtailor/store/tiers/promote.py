@@ -46,6 +46,7 @@ from typing import Any
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR
+from llmtailor.distributed.coordinator import advance
 from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError, describe_os_error
 from llmtailor.store.catalog import Composite
 from llmtailor.store.commit import SnapshotCommit, replace_latest
@@ -195,6 +196,7 @@ def copy_file(source: Storage, key: str, sink: Sink, entry: FileEntry) -> None:
             hasher.update(piece)
             sink.write(piece)
             seen += len(piece)
+            advance()  # a node uploading its part of a collective promotion shows it is live (``Coordinator.working``)
         if seen != entry.bytes or hasher.hexdigest() != entry.xxh3_64:
             raise IntegrityError(f"{source.where(key)}: does not match its checksum ({seen} bytes read, "
                                  f"{entry.bytes} recorded); not promoted")
