@@ -55,7 +55,7 @@ the 1 it adds for its own: a waiter tells the two apart, so a relay never answer
 _ticks = 0
 """Pieces of work this process did (``advance``)."""
 _unusable: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Process group -> the wait on it that timed out on this rank (``unusable``)."""
+"""Process group -> the wait on it that timed out or failed on this rank (``spoil``, ``usable``)."""
 
 ALIKE: tuple[type[TailorError], ...] = (PromotionError, NodeTierError)
 """Errors of the leader's ``broadcast`` that concern the job, not the leader (a promotion failure
