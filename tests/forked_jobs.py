@@ -17,8 +17,18 @@ and the modules its ``PRELOAD`` names are imported before the first fork. Nothin
 is imported here: a job can still check that it imports none.
 
 What the jobs of one launch share that separate interpreters would not: those imports, and
-Python's ``str`` hash seed. Used only for jobs of one process; a launch of several ranks
-(torchrun, ``accelerate launch``) starts its own processes."""
+Python's ``str`` hash seed.
+
+    python forked_jobs.py --ranks N --port PORT [--statuses STATUS.json] SCRIPT ARGS...
+
+(``rank_launch``) starts the N ranks of one job as ``torchrun --standalone`` would, each a process
+forked from the launch once it imported SCRIPT (its own imports, llmtailor's among them, and its
+``PRELOAD``): the agent's interpreter and each rank's start and imports are paid once (torch_job.py's
+ranks took 10-16 s of CPU each on the project's VM in session 53, about 10 s of it their imports,
+and torchrun's agent 3-5 s). For tests of what the ranks do, not of torchrun: the tests of
+torchrun and the node launches (``--nnodes``) keep torchrun. The ranks of one launch share their
+``str`` hash seed (torchrun's each draw their own): a set of names iterated in another order on
+each rank is not seen there."""
 
 from __future__ import annotations
 
@@ -26,7 +36,9 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +102,20 @@ def launched(command: list[str], name: str, result: Path) -> Finished:
     return Finished(name, status, stdout, stderr, result, killed=1)
 
 
+def rank_launch(ranks: int, statuses: Path | None = None) -> list[str]:
+    """The command line that starts ``ranks`` ranks of a job script (its path and arguments after
+    it) as ``torchrun --standalone --nproc_per_node=ranks`` does, forked from one launch (module
+    docstring): each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_PORT``...; every rank on one node) and runs the script's ``main()``, exiting as the
+    script would. A rank that fails makes the launch end the others (SIGTERM) and exit 1, as
+    torchrun's agent does; with ``statuses``, every rank runs to its end (as processes started by
+    hand) and the file gets each rank's exit status, the launch exiting 0."""
+    from helpers import free_port
+
+    return [sys.executable, __file__, "--ranks", str(ranks), "--port", str(free_port()),
+            *(["--statuses", str(statuses)] if statuses is not None else [])]
+
+
 def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[str], Path]],
                 ranks: int) -> dict[str, Finished]:
     """Run ``jobs`` (as ``run_jobs``) one after another in one launch of ``ranks`` ranks
@@ -137,7 +163,9 @@ def _run(module, script: str, job: dict) -> int:
         sys.stderr.flush()
 
 
-def main(script: str, jobs_file: str, status_file: str) -> None:
+def _imported(script: str):
+    """``script`` imported as its module (its directory first on ``sys.path``, as ``python
+    SCRIPT`` has it), then the modules its ``PRELOAD`` names."""
     sys.path.insert(0, str(Path(script).resolve().parent))
     spec = importlib.util.spec_from_file_location(Path(script).stem, script)
     module = importlib.util.module_from_spec(spec)
@@ -145,6 +173,62 @@ def main(script: str, jobs_file: str, status_file: str) -> None:
     spec.loader.exec_module(module)
     for name in getattr(module, "PRELOAD", ()):
         importlib.import_module(name)
+    return module
+
+
+_TERM_GRACE = 30.0
+"""Seconds the ranks of a failed launch have to end after SIGTERM before they are SIGKILLed."""
+
+
+def launch_ranks(ranks: int, port: int, statuses_file: str | None, script: str, args: list[str]) -> None:
+    """``rank_launch``'s launch: fork the ranks, wait for them; this process's exit status is the
+    launch's."""
+    module = _imported(script)
+    sys.argv = [script, *args]
+    common = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "ROLE_WORLD_SIZE": str(ranks),
+              "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    running: dict[int, int] = {}
+    for rank in range(ranks):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            # The rank: in a session of its own, as torchrun starts each (where the kernel shares
+            # the CPU by session, a busy machine gives it a session's share, as it gives torchrun's),
+            # main() and then the interpreter's own exit (its threads joined, its atexit handlers
+            # run; an exception printed, status 1), as a fresh ``python SCRIPT`` process.
+            os.setsid()
+            os.environ.update(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            module.main()
+            sys.exit(0)
+        running[pid] = rank
+    # Ended (``helpers.end_launches``: SIGTERM), the launch ends its ranks, as torchrun's agent does.
+    signal.signal(signal.SIGTERM, lambda *_: _signal_all(list(running), signal.SIGTERM))
+    statuses: list[int | None] = [None] * ranks
+    failed = False
+    while running:
+        pid, status = os.wait()
+        statuses[running.pop(pid)] = code = os.waitstatus_to_exitcode(status)
+        if code != 0 and statuses_file is None and not failed:  # as torchrun's agent: end the others
+            failed = True
+            _signal_all(list(running), signal.SIGTERM)
+            threading.Timer(_TERM_GRACE, _signal_all, (list(running), signal.SIGKILL)).start()
+    if statuses_file is not None:
+        Path(statuses_file).write_text(json.dumps(statuses))
+    os._exit(1 if failed else 0)  # the timer's thread not waited for
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def main(script: str, jobs_file: str, status_file: str) -> None:
+    module = _imported(script)
     assert not [m for m in sys.modules if m.startswith("llmtailor")], "the launch imported llmtailor"
     jobs = json.loads(Path(jobs_file).read_text())
     statuses, running = [None] * len(jobs), {}
@@ -168,4 +252,10 @@ def main(script: str, jobs_file: str, status_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--ranks":  # --ranks N --port PORT [--statuses FILE] SCRIPT ARGS...
+        _, _, ranks, _, port, *rest = sys.argv
+        statuses = rest[1] if rest[0] == "--statuses" else None
+        rest = rest[2:] if statuses else rest
+        launch_ranks(int(ranks), int(port), statuses, rest[0], rest[1:])
+    else:
+        main(*sys.argv[1:])

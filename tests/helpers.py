@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from llmtailor.training_example import (
@@ -304,6 +303,8 @@ def launches_ended_well(launches: list[subprocess.Popen], outputs: list[str]) ->
     failed = [n for n, code in enumerate(codes) if code != 0]
     if not failed:
         return
+    import pytest  # here only: the job scripts that import this module (their ranks) need not pay for it
+
     tails = "\n\n".join(f"launch {n}: {_tail(outputs[n], None)}" for n in failed)
     errors = "\n".join(f"launch {n} (exit {codes[n]}): {line}" for n in failed for line in _error_lines(outputs[n]))
     pytest.fail(f"{tails}\n\nexit codes {codes}; the failed launches' errors:\n{errors or '(none printed)'}", pytrace=False)

@@ -10,7 +10,9 @@ with several ZeRO-3 sub-groups per param group. One launch at 3 ranks restores b
 under ZeRO-2, then the ZeRO-2 run under ZeRO-3. The plain ZeRO-3 run is restored under ZeRO-1 in
 one process, each plain run into a plain torch model. One more launch at 2 ranks, on what the
 first made: a restore that fails on one rank, a universal checkpoint loaded by DeepSpeed and an
-imported DeepSpeed checkpoint resumed under ZeRO-3."""
+imported DeepSpeed checkpoint resumed under ZeRO-3. The ranks of ``ds_job.py``'s launches are
+forked from one process that imported it (``forked_jobs.rank_launch``: DeepSpeed, transformers and
+torch imported once a launch); the Trainer's launch (``hf_job.py``) is torchrun's."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_jobs import rank_launch
 from helpers import flip_unit_byte, standalone_launch, tiny
 
 from llmtailor import Tailor
@@ -39,7 +42,7 @@ def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float 
             for stale in out.glob(f"result-{name}-*.json"):
                 stale.unlink()
     proc = subprocess.run(
-        [*standalone_launch(nproc), str(JOB),
+        [*rank_launch(nproc), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},

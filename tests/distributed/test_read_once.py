@@ -5,7 +5,9 @@ composite's manifests, unit indexes and global state. A corrupted unit file, and
 global.json, are each found by their one reader and the restore refused on every rank, naming that
 reader (one launch, ``torch_job.py ddp-read-once``, covers these); a reader killed mid-restore
 fails the others within the timeout, naming it. The restores from the object store share two
-launches (3 and 4 ranks), each scenario with a run of its own in one bucket."""
+launches (3 and 4 ranks), each scenario with a run of its own in one bucket. Every launch's ranks
+are forked from one process that imported the job (``forked_jobs.rank_launch``: what is tested
+is what the ranks do; tests/distributed/test_torchrun.py and the node tests launch torchrun)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, standalone_launch, tiny, train, wait_launches
+from forked_jobs import rank_launch
+from helpers import tiny, train, wait_launches
 from safetensors.torch import save_file
 
 pytest.importorskip("obstore")
@@ -73,11 +75,11 @@ def assert_metadata_fetched_once(results: list[dict]) -> None:
         assert sum(reads) == 1, (key, reads)
 
 
-def torchrun(ranks: int, jobs: list[tuple[str, Path]], url: str) -> None:
+def launch(ranks: int, jobs: list[tuple[str, Path]], url: str) -> None:
     """One launch of ``torch_job.py`` at ``ranks`` ranks running the ``(scenario, dir)`` jobs in
     turn, ``$RUN_ROOT`` at ``url``."""
     launch = subprocess.run(
-        [*standalone_launch(ranks), str(JOB),
+        [*rank_launch(ranks), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         env={**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
         capture_output=True, text=True, timeout=1800,
@@ -113,9 +115,9 @@ def on_s3(tmp_path_factory, tokens) -> dict[str, tuple[list[dict], dict[str, int
         for name, value in environment(endpoint).items():  # this process reads the bucket too
             monkeypatch.setenv(name, value)
         save_whole(url, dirs["pipeline-ddp-read-once"], tokens)
-        torchrun(2, [("fsdp-read-once-save", dirs["fsdp-read-once"])], url)
-        torchrun(RANKS, [(scenario, dirs[scenario]) for scenario in three], url)
-        torchrun(4, [(scenario, dirs[scenario]) for scenario in four], url)
+        launch(2, [("fsdp-read-once-save", dirs["fsdp-read-once"])], url)
+        launch(RANKS, [(scenario, dirs[scenario]) for scenario in three], url)
+        launch(4, [(scenario, dirs[scenario]) for scenario in four], url)
         return {scenario: ([json.loads((out / f"result-{scenario}-{r}.json").read_text())
                             for r in range(RANKS if scenario in three else 4)],
                            composite_files(Run(f"{url}/{runs.get(scenario, scenario.split('-')[0])}"))
@@ -253,22 +255,19 @@ def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_f
 
 
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):
-    """Three processes started by hand (torchrun would kill the survivors itself); rank 1 dies as
-    it begins reading its first unit, which ranks 0 and 2 wait to receive from it."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(JOB), "read-kill", str(tmp_path)],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for r in range(3)
-    ]
-    outputs = wait_launches(procs)
-    assert procs[1].returncode == -signal.SIGKILL
+    """Three ranks each run to its end (``rank_launch`` with statuses: torchrun would kill the
+    survivors itself); rank 1 dies as it begins reading its first unit, which ranks 0 and 2 wait
+    to receive from it."""
+    statuses = tmp_path / "statuses.json"
+    launch = subprocess.Popen([*rank_launch(3, statuses), str(JOB), "read-kill", str(tmp_path)],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    [(_, stderr)] = wait_launches([launch])
+    assert launch.returncode == 0, stderr[-3000:]
+    codes = json.loads(statuses.read_text())
+    assert codes[1] == -signal.SIGKILL, (codes, stderr[-3000:])
     for survivor in (0, 2):
-        assert procs[survivor].returncode == 0, outputs[survivor][1][-3000:]
+        assert codes[survivor] == 0, (codes, stderr[-3000:])
         outcome = json.loads((tmp_path / f"result-read-kill-{survivor}.json").read_text())["outcome"]
         # Every survivor gave up on rank 1 at the timeout at the latest (how many seconds that
         # took on a busy machine is not asserted), its error naming rank 1, and the message of

@@ -7,7 +7,8 @@ objects; partly frozen units; a forged run refused; a fallback past damage; pipe
 memory tier); one 4-rank launch the 4-rank ones (dp x tp, pipeline stages x FSDP2, pipeline x
 tp, and the 2-rank pipeline run restored into 4 stages); a 3-rank launch restores the FSDP2 run
 and the dp x tp run in turn; a 2-rank launch restores the 4-rank pipeline run into 2 stages; two
-processes started by hand for the SIGKILL case (torchrun would kill the surviving rank itself)."""
+ranks forked from one process for the SIGKILL case (``forked_jobs.rank_launch`` with statuses: each
+runs to its end, where torchrun would kill the surviving rank itself)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, free_port, standalone_launch, tiny, train,
+from forked_jobs import rank_launch
+from helpers import (MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, standalone_launch, tiny, train,
                      wait_launches)
 
 from llmtailor import Parity, Tailor
@@ -377,19 +379,14 @@ def check_exports_hold_every_stage(run_dir: Path, out: Path) -> None:
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(JOB), "kill", str(tmp_path)],
-            env={**env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for r in range(2)
-    ]
-    outputs = wait_launches(procs)
-    assert procs[1].returncode == -signal.SIGKILL
-    assert procs[0].returncode == 0, outputs[0][1][-3000:]
+    statuses = tmp_path / "statuses.json"
+    launch = subprocess.Popen([*rank_launch(2, statuses), str(JOB), "kill", str(tmp_path)], env=env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [(_, stderr)] = wait_launches([launch])
+    assert launch.returncode == 0, stderr[-3000:]
+    codes = json.loads(statuses.read_text())
+    assert codes[1] == -signal.SIGKILL, (codes, stderr[-3000:])
+    assert codes[0] == 0, (codes, stderr[-3000:])
     result = json.loads((tmp_path / "result-kill-0.json").read_text())
     # Rank 0 gave up on rank 1 at the timeout (its error says so) rather than waiting for it for
     # ever; how many seconds that took on a busy machine is not asserted.
