@@ -261,12 +261,10 @@ class FSDPProvider(LocalProvider):
     def _state_target(self, param: torch.Tensor, state_key: str, saved: TensorEntry) -> torch.Tensor:
         """Where a saved optimizer state tensor is loaded: the live one if it has the saved
         global shape and dtype; else a new tensor, sharded like the parameter when it has the
-        parameter's shape (moments), whole otherwise (``step`` scalars). The live one is itself the
-        target (a state tensor takes no gradient): a ``detach`` of a DTensor goes through its Python
-        dispatch, ~0.1 ms of CPU for each of a rank's state tensors on every restore."""
+        parameter's shape (moments), whole otherwise (``step`` scalars)."""
         current = self.chain.param_state(param).get(state_key) if self.chain is not None else None
         if isinstance(current, torch.Tensor) and list(current.shape) == saved.shape and current.dtype == saved.torch_dtype:
-            return current.detach() if current.requires_grad else current
+            return current.detach()
         if isinstance(param, DTensor) and list(param.shape) == saved.shape:
             return torch.empty_like(param.detach(), dtype=saved.torch_dtype)
         return torch.empty(saved.shape, dtype=saved.torch_dtype)
