@@ -650,6 +650,31 @@ def test_local_options_are_refused_and_a_dead_endpoint_is_named(monkeypatch, tmp
     assert "\n" not in str(failed.value)
 
 
+def test_runs_opened_again_at_one_url_share_obstores_store_and_a_changed_environment_or_option_does_not(monkeypatch):
+    """Making obstore's store costs ~11 ms of CPU (its HTTP client), on every rank of every
+    restore: a process opening the same URL with the same options and environment again reuses
+    it; another endpoint in the environment, another option or URL, or a forked child makes its own."""
+    from llmtailor.store.storage.object_store import ObjectStore
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    first = ObjectStore("s3://shared/run")
+    assert ObjectStore("s3://shared/run/").store is first.store
+    assert ObjectStore("s3://shared/other").store is not first.store
+    assert ObjectStore("s3://shared/run", {"retry_config": FAST_RETRY}).store is not first.store
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    moved = ObjectStore("s3://shared/run")
+    assert moved.store is not first.store and ObjectStore("s3://shared/run").store is moved.store
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child's store is its own: a parent's HTTP client is not used across fork
+        os.write(write, b"1" if ObjectStore("s3://shared/run").store is not moved.store else b"0")
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read, 1) == b"1"
+
+
 def one_line_error(result) -> str:
     """The CLI's error: exit status 2, one line, no traceback."""
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output

@@ -12,9 +12,13 @@ which is no error.
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
@@ -26,6 +30,57 @@ from llmtailor.store.storage.object_uploads import ObjectBatch
 
 _askers = LazyPool(8, "llmtailor-ask")
 """Threads asking small requests side by side (``ObjectStore.together``)."""
+
+_STORES_KEPT = 16
+"""obstore stores kept for reuse in a process (``_store_for``), the least recently used dropped."""
+
+_ENVIRONMENT = ("AWS_", "AZURE_", "GOOGLE_", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+"""Prefixes of the environment variables obstore's store reads when it is made (credentials,
+endpoint, region, proxies): part of what a kept store is looked up by."""
+
+_stores: OrderedDict[tuple, Any] = OrderedDict()
+_stores_lock = threading.Lock()
+
+
+def _store_for(url: str, retry: dict[str, Any], client: dict[str, Any], given: dict[str, Any]) -> Any:
+    """obstore's store for ``url`` with these options, made once per process for the same URL,
+    options and environment (``_ENVIRONMENT``) and kept (``_STORES_KEPT``): making one costs
+    about 11 ms of CPU (its HTTP client), paid by every ``Tailor`` of a process (a restore in a
+    loop, a tool opening a run several times) where fsspec keeps its filesystems the same way.
+    A store holds no state of a run (only its client's connections and credentials), and obstore
+    uses one from many threads. Never shared with a forked child (the process id is part of
+    the key); options that are not plain values (a credential provider, say) make a store of
+    their own every time."""
+    plain = _plain([retry, client, given])
+    if plain is None:
+        return load_obstore().store.from_url(url, retry_config=retry, client_options=client or None, **given)
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith(_ENVIRONMENT)))
+    key = (os.getpid(), url, plain, environment)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is not None:
+            _stores.move_to_end(key)
+            return store
+    store = load_obstore().store.from_url(url, retry_config=retry, client_options=client or None, **given)
+    with _stores_lock:
+        _stores[key] = store
+        while len(_stores) > _STORES_KEPT:
+            _stores.popitem(last=False)
+    return store
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a hashable key when it is made of plain values only (text, numbers, None,
+    durations, and mappings and lists of them), else None."""
+    if value is None or isinstance(value, (str, int, float, bool, timedelta)):
+        return (type(value).__name__, value)
+    if isinstance(value, Mapping):
+        items = [(k, _plain(v)) for k, v in value.items()]
+        return None if any(v is None or not isinstance(k, str) for k, v in items) else ("map", tuple(sorted(items)))
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return None if any(v is None for v in items) else ("list", tuple(items))
+    return None
 
 
 @dataclass(frozen=True)
@@ -66,8 +121,7 @@ class ObjectStore(Storage):
         resolved = resolve_options(self.scheme, options)
         self.options, self.lock_ttl, given = resolved.given, resolved.lock_ttl, resolved.store
         try:
-            self.store = obstore.store.from_url(self.url, retry_config=resolved.retry,
-                                                client_options=resolved.client or None, **given)
+            self.store = _store_for(self.url, resolved.retry, resolved.client, given)
         except Exception as err:  # obstore's configuration errors: a value it cannot parse, a bad URL
             named = f" with storage options {sorted(self.options)}" if self.options else ""
             raise ConfigError(f"{self.url}: cannot use this location{named} ({explain(err).text})") from None
