@@ -17,7 +17,7 @@ from llmtailor.errors import TailorError
 from llmtailor.store.storage.object_lock import ObjectLocks
 from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore
-from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
+from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
 
 class ObjectCommits(SnapshotCommits):
@@ -33,7 +33,7 @@ class ObjectCommits(SnapshotCommits):
         return final  # the files go to their final keys; the manifest commits them
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
         """The manifest, written last (once every upload in flight has completed) and only if
         absent, is the commit; then the pointer."""
         if pending is not None:
@@ -43,7 +43,7 @@ class ObjectCommits(SnapshotCommits):
             try:
                 self.storage.replace(*pointer)
             except OSError as err:
-                return err
+                return Unconfirmed(pointer=err)
         return None
 
     def abandon(self, staging: str) -> None:
