@@ -85,11 +85,16 @@ class LocalCommits(SnapshotCommits):
             if new is not None:
                 new.unlink(missing_ok=True)
             raise
-        # Committed from here: readers see the snapshot, whole. What fails now is returned
-        # (``Unconfirmed``), never raised: a save reported failed whose snapshot is the run's
-        # newest would have its writer go back to the composite before it, and save the same
-        # step again, refused (docs/failures.md).
-        path = self.root / pointer[0] if pointer is not None else None
+        return self._named(target, new, self.root / pointer[0] if pointer is not None else None, failed, together)
+
+    def _named(self, target: Path, new: Path | None, path: Path | None, failed: OSError | None,
+               together: bool) -> Unconfirmed | None:
+        """A commit's last part, once its snapshot was renamed to ``target``: its rename made
+        durable and the pointer at ``path`` replaced with ``new`` (``together``: both made durable
+        at once); ``failed``: why ``new`` could not be written. Committed from here: readers see
+        the snapshot, whole. What fails now is returned (``Unconfirmed``), never raised: a save
+        reported failed whose snapshot is the run's newest would have its writer go back to the
+        composite before it, and save the same step again, refused (docs/failures.md)."""
         if not together:
             durable = _fsynced(target.parent)
             if new is None:  # no pointer, or its new file could not be written
