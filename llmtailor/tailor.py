@@ -160,7 +160,7 @@ class Tailor:
             except BaseException:
                 self._pending.rolled_back()
                 raise
-            _raise_pointer_errors(self._pending.committed(step, staged.composite, result))
+            _raise_unconfirmed(self._pending.committed(step, staged.composite, result))
             self._after_commit(step, result)
             return SaveReport.of(step, units, result, time.perf_counter() - start)
         job = self._stager.start(staged, list(staged.units), self._persist,
@@ -235,7 +235,7 @@ class Tailor:
         return staged if later else staged.encoded_now(keep_failure=self.world_size > 1)
 
     def _after_commit(self, step: int, result: PersistResult) -> None:
-        if self.tiers.keeps_first(self.rank) and not result.pointer_error:
+        if self.tiers.keeps_first(self.rank) and not result.unconfirmed:
             self.tiers.committed(step, str(result.path), result.spare)  # retention, then promotions due
 
     # -- restoring ----------------------------------------------------------------------------
@@ -326,12 +326,13 @@ class _Pending:
             self.drift.saving(units)
 
     def committed(self, step: int, composite: dict[str, int], result: PersistResult | None) -> str | None:
-        """The oldest save staged, of ``step``, committed; returns its pointer error, if any."""
+        """The oldest save staged, of ``step``, committed; returns what failed once it was
+        committed, if anything (``PersistResult.unconfirmed``)."""
         self.lineage.committed(self.run, step, composite)
         self.frozen.committed()
         if self.drift is not None:
             self.drift.committed()
-        return result.pointer_error if result is not None else None
+        return result.unconfirmed if result is not None else None
 
     def rolled_back(self) -> None:
         """Every save staged and not committed failed: back to the last committed one's state."""
@@ -359,17 +360,24 @@ class _Pending:
         if stager is None:
             return
         committed, failed = stager.settle(keep)
-        pointers = [self.committed(job.step, job.composite, job.outcome) for job in committed]
+        unconfirmed = [self.committed(job.step, job.composite, job.outcome) for job in committed]
         if failed:
             self.rolled_back()
         if raise_error:
             stager.raise_failure(refused=refused, newest=self.lineage.parent)
-        _raise_pointer_errors(*pointers)
+        _raise_unconfirmed(*unconfirmed, refused=refused)
 
 
-def _raise_pointer_errors(*errors: str | None) -> None:
-    """A commit whose ``latest`` pointer could not be replaced: raised (the first)."""
+def _raise_unconfirmed(*errors: str | None, refused: int | None = None) -> None:
+    """A save committed whose ``latest`` could not be replaced, or whose durability could not be
+    confirmed (``PersistResult.unconfirmed``): raised (the first), once the save counts as
+    committed (its lineage extended: the next save's parent; retention and promotions wait for
+    the next save: ``_after_commit``). ``refused``: the step of a save refused because of it
+    (an async save's, raised as the next one opens)."""
     for error in errors:
+        if error and refused is not None:
+            raise TailorError(f"step {refused} was not saved: the async save before it said: {error}. Call "
+                              f"save({refused}) again to save this step")
         if error:
             raise TailorError(error)
 

@@ -8,6 +8,15 @@ directory renamed into ``snapshots/`` atomically, its parent fsynced). Any failu
 first file written to the commit abandons what was staged (``abandoned_on_failure``): every
 earlier snapshot stays as it was. Then ``replace_latest`` points the run at the new composite
 (or ``commit(..., latest=True)`` does, its new file made durable with the manifest).
+
+Once the snapshot is visible (renamed in; its manifest written), the save is committed: what
+fails after (``latest`` not replaced, the fsync of ``snapshots/`` or of the run's directory) is
+not a failed save. ``commit(..., latest=True)`` returns it as one message saying what is and
+what may not be durable (``describe_unconfirmed``); the writer counts the save committed and
+raises that message once its bookkeeping says so (``Tailor``: its lineage extends the snapshot,
+which a restore finds; retention and promotions wait for the next save). Undoing the rename
+instead is not sound: a reader may hold the snapshot already, and the undo would have to be made
+durable through the directory whose fsync just failed.
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ import errno
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from llmtailor.constants import LATEST_FILE, snapshot_dirname
+from llmtailor.constants import LATEST_FILE, SNAPSHOTS_DIR, snapshot_dirname
+from llmtailor.errors import TailorError
 from llmtailor.store.run import Run
-from llmtailor.store.storage import Batch, Sink
+from llmtailor.store.storage import Batch, Sink, Unconfirmed
 
 
 class SnapshotCommit:
@@ -56,7 +66,9 @@ class SnapshotCommit:
         still in flight: drained before anything is committed; locally, while the manifest and
         the directories are fsynced). ``latest``: and the run's ``latest`` pointed at it once it
         is committed (as ``replace_latest``; locally the pointer's new file is made durable with
-        the manifest); returns that pointer's failure. ``parent``: the step of the snapshot's
+        the manifest); returns what failed once the snapshot was committed, as one message
+        (module docstring), or None. Without ``latest`` (a promotion, a healing) that failure is
+        raised (an OSError), as any failure of the commit. ``parent``: the step of the snapshot's
         parent (``SnapshotCommits.commit``: passed on while this process commits no other
         snapshot of the run in the background)."""
         if confirm is not None:
@@ -65,7 +77,11 @@ class SnapshotCommit:
         alone = parent is not None and not self.run.committing_in_background()
         failed = self.run.storage.commits.commit(self.staging, self.final, manifest, pointer,
                                                  pending.drain if pending is not None else None, parent if alone else None)
-        return None if failed is None else _pointer_failure(self.run, self.step, failed)
+        if failed is None:
+            return None
+        if not latest:
+            raise failed.durable or failed.pointer_durable or failed.pointer
+        return describe_unconfirmed(self.run, self.step, failed)
 
     def abandon(self) -> None:
         """Remove what was staged (never a committed snapshot)."""
@@ -113,8 +129,45 @@ def _pointing_at(step: int) -> bytes:
 def _pointer_failure(run: Run, step: int, err: OSError) -> str:
     # The snapshot is committed and loadable: its manifest names its parent, which the old
     # pointer names, so Run.latest_step() finds it. Report, do not undo.
-    reason = "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror
     return (
         f"step {step} was saved and committed in {run.root}, but its {LATEST_FILE} pointer "
-        f"could not be updated ({reason}); restore still finds step {step} through its parent link"
+        f"could not be updated ({_reason(err)}); restore still finds step {step} through its parent link"
     )
+
+
+def describe_unconfirmed(run: Run, step: int, failed: Unconfirmed) -> str:
+    """What a commit of ``step`` could not do or confirm once the snapshot was visible
+    (``Unconfirmed``), as one message: the snapshot committed, what may not be durable, and
+    what a restore finds now (the run looked at again: the snapshot itself, through its parent
+    link where ``latest`` was not replaced; or, a save that branched off an older composite,
+    another that stays the run's newest until ``latest`` names this one)."""
+    said = []
+    if failed.durable is not None:
+        said.append(f"its name in {SNAPSHOTS_DIR}/ could not be made durable ({_reason(failed.durable)}): a crash of the "
+                    "machine before the storage writes it out may lose the snapshot and bring back the composite before "
+                    "it, whole")
+    if failed.pointer is failed.durable and failed.pointer is not None:
+        said.append(f"its {LATEST_FILE} pointer was left as it was (it names a snapshot only once that is durable)")
+    elif failed.pointer is not None:
+        said.append(f"its {LATEST_FILE} pointer could not be updated ({_reason(failed.pointer)})")
+    if failed.pointer_durable is not None:
+        said.append(f"{LATEST_FILE} names it, but that could not be made durable ({_reason(failed.pointer_durable)}): a "
+                    f"crash of the machine may bring back the {LATEST_FILE} before it")
+    return f"step {step} was saved and committed in {run.root}, but {'; '.join(said)}; {_found(run, step, failed)}"
+
+
+def _found(run: Run, step: int, failed: Unconfirmed) -> str:
+    """What a restore of ``run``'s newest composite takes now, the commit of ``step`` visible."""
+    try:
+        newest = run.latest_step()
+    except (TailorError, OSError) as err:
+        return f"the run could not be read again to say what a restore finds now ({err})"
+    if newest == step:
+        link = " through its parent link" if failed.pointer is not None else ""
+        return f"the snapshot is readable and whole, and a restore finds step {step} now{link}"
+    return (f"the snapshot is readable and whole (restore({step}) loads it), and a restore of the newest composite "
+            f"finds step {newest} now")
+
+
+def _reason(err: OSError) -> str:
+    return "no space left on the device" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))

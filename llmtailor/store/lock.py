@@ -114,7 +114,11 @@ class WriterLock:
         it is built, so a second trainer fails before it trains; ``acquire`` at its first save
         still decides a race between two that both looked."""
         holder = self.storage.locks.writer().holder_if_other()
-        if holder is not None and holder != this_process():  # this very process (another Tailor of it) may hold it
+        # This very process may hold it (another Tailor of it): told by its own registry, never by
+        # the name the lock records: a process of another pid namespace under the same hostname
+        # (a container on the host's network) has the same name, and so, until it writes its own,
+        # has a new holder that took the lock over a dead holder whose pid this process now has.
+        if holder is not None and self._key() not in _HELD:
             raise TailorError(f"{self.root} is being written by another writer ({holder}); a run has one writer at a time")
 
     def _refuse_non_run(self) -> None:

@@ -138,7 +138,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     manifest = plan["manifest"].encode()
     run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
-                         unit_bytes=part.unit_bytes, rank_bytes=part.bytes, pointer_error=outcome, spare=spared)
+                         unit_bytes=part.unit_bytes, rank_bytes=part.bytes, unconfirmed=outcome, spare=spared)
 
 
 def _open(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
@@ -371,25 +371,26 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
     """Step 4 on a node's leader: the indexes, written into ``files`` (its batch still in
     flight: its received copies), the manifest last, the commit and ``latest``, once the async
     save before this one (if still in flight) has ended on this node (its retention done). The
-    commit drains ``files`` before it commits anything. Returns ``{"pointer_error": ...}``, or
+    commit drains ``files`` before it commits anything. Returns ``{"unconfirmed": ...}``, or
     ``{"error": ...}`` with what was staged removed (every rank learns it in ``_settle``)."""
     try:
         with snapshot.abandoned_on_failure():
             turn.parent_committed()
             write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()}, files)
             # ``latest`` replaced once committed, as the writer's own commit does (one recipe)
-            pointer_error = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=files)
+            unconfirmed = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=files)
     except BaseException as err:
         return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
-    return {"pointer_error": pointer_error}
+    return {"unconfirmed": unconfirmed}
 
 
 def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
             round_: str, committed: dict[str, Any] | None) -> tuple[str | None, tuple[int, ...]]:
     """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
     node's, on its leader). When a node's failed, those that committed remove their copy again
-    and every rank raises, naming each failed node and why. Returns the nodes' pointer errors
-    (the same on every rank, so every rank raises it alike) and rank 0's ``spare``."""
+    and every rank raises, naming each failed node and why. Returns what each node's commit
+    could not confirm once committed (``PersistResult.unconfirmed``: the same on every rank, so
+    every rank raises it alike) and rank 0's ``spare``."""
     outcomes = coord.exchange(f"{round_}/committed", committed)
     failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
     if failed:
@@ -398,9 +399,9 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
                           "the nodes that did removed their copy, and every earlier snapshot is intact")
-    pointers = {placement.nodes.node_of_rank(rank): o["pointer_error"] for rank, o in enumerate(outcomes) if o}
+    unconfirmed = {placement.nodes.node_of_rank(rank): o["unconfirmed"] for rank, o in enumerate(outcomes) if o}
     spare = tuple((outcomes[0] or {}).get("spare", ()))
-    return "; ".join(f"node {node}: {why}" for node, why in sorted(pointers.items()) if why) or None, spare
+    return "; ".join(f"node {node}: {why}" for node, why in sorted(unconfirmed.items()) if why) or None, spare
 
 
 def _uncommit(run: Run, staged: StagedSnapshot) -> None:

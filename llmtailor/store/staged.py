@@ -197,8 +197,10 @@ class PersistResult:
     """Bytes this rank wrote per unit."""
     rank_bytes: int
     """Bytes this rank wrote in all."""
-    pointer_error: str | None = None
-    """Set when the snapshot was committed but the ``latest`` pointer could not be replaced."""
+    unconfirmed: str | None = None
+    """Set when the snapshot was committed but what follows its commit failed: ``latest`` not
+    replaced, or the durability of its name or of ``latest``'s not confirmed (the message:
+    ``store.commit.describe_unconfirmed``). The save counts as committed all the same."""
     spare: tuple[int, ...] = ()
     """Composites the first tier's retention after this save spares beside its newest ``keep``,
     alike on every node of a node-local tier (rank 0's word: ``node_commit``)."""

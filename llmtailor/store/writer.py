@@ -140,7 +140,7 @@ def persist(
         seconds=time.perf_counter() - start,
         unit_bytes=part.unit_bytes,
         rank_bytes=part.bytes,
-        pointer_error=outcome["pointer_error"],
+        unconfirmed=outcome["unconfirmed"],
     )
 
 
@@ -162,12 +162,12 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             # leader's files and the indexes are durable before it is committed (``pending``:
             # locally their fsyncs and the manifest's run side by side, one wait on the disk).
             encoded = manifest.dumps().encode()
-            pointer_error = snapshot.commit(encoded, confirm, latest=True, pending=files,  # ``latest`` replaced once committed
+            unconfirmed = snapshot.commit(encoded, confirm, latest=True, pending=files,  # ``latest`` replaced once committed
                                             parent=manifest.parent)
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
     run.remember(manifest)
-    return {"bytes": manifest.total_bytes() + len(encoded), "pointer_error": pointer_error, "manifest": encoded.decode()}
+    return {"bytes": manifest.total_bytes() + len(encoded), "unconfirmed": unconfirmed, "manifest": encoded.decode()}
 
 
 def attempt_part(snapshot: SnapshotCommit, staged: StagedSnapshot, rank: int,

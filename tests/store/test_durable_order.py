@@ -470,3 +470,112 @@ def test_an_fsync_failing_beside_the_manifests_commits_nothing_and_is_raised(tmp
         assert Run(root).steps() == [3]
     finally:
         tailor.close()
+
+
+def _failing_fsync_of(monkeypatch, directory: Path, once_renamed: Path) -> list[str]:
+    """Make the first fsync of ``directory`` once ``once_renamed`` exists (after a commit's rename
+    of it) fail with EIO, on the save's thread or a helper's but the purger's (retention's own);
+    returns the list the failed fsync's path is appended to."""
+    import errno
+
+    real, failed = os.fsync, []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+        if (not failed and path == str(directory) and once_renamed.exists()
+                and threading.current_thread().name != "llmtailor-purge"):
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return failed
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
+@pytest.mark.parametrize("where", ["snapshots", "run"])
+def test_a_failed_fsync_after_both_renames_reports_the_save_committed_and_what_may_not_be_durable(tmp_path, tokens, monkeypatch,
+                                                                                                    where, blocking):
+    """The one-wait commit (its parent the run's newest snapshot) renames the snapshot and
+    ``latest``, then fsyncs ``snapshots/`` and the run's directory together; here one of those
+    fsyncs fails (EIO). The snapshot is visible and whole (its files and manifest were durable
+    before its rename), ``latest`` names it: the save is committed. It raises a TailorError that
+    says so and says what may not be durable, and the Tailor agrees with the disk: its lineage
+    extends step 2 (a retry of save(2) is refused as not after step 2, step 3's parent is 2),
+    a restore right after takes step 2 bitwise, and retention waits for the next save (``keep=1``:
+    step 1 stays until step 3 commits). Before: "... the partial snapshot was removed and earlier
+    snapshots are intact" (a StorageError, the Tailor back at step 1: its retry of save(2) refused
+    as "already exists", step 3's parent 1) for ``snapshots/``; for the run's directory, "its
+    latest pointer could not be updated" while ``latest`` named step 2."""
+    from llmtailor.errors import ConfigError, TailorError
+
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    tailor = Tailor(root, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False, async_save=not blocking)
+    try:
+        tailor.save(1)
+        tailor.wait()
+        saved = unit_versions(model, optimizer)
+        directory = root / "snapshots" if where == "snapshots" else root
+        failed = _failing_fsync_of(monkeypatch, directory, root / "snapshots" / snapshot_dirname(2))
+        said = (r"its name in snapshots/ could not be made durable \(.*Input/output error\): a crash of the machine"
+                if where == "snapshots" else
+                r"latest names it, but that could not be made durable \(.*Input/output error\): a crash of the machine "
+                r"may bring back the latest before it")
+        with pytest.raises(TailorError, match=rf"^step 2 was saved and committed in {root}, but {said}.*a restore "
+                                              r"finds step 2 now$") as raised:
+            tailor.save(2, blocking=blocking)
+            tailor.wait()
+        monkeypatch.undo()
+        assert failed == [str(directory)] and raised.type is TailorError
+        assert (root / LATEST_FILE).read_text().strip() == snapshot_dirname(2)
+        assert Run(root).steps() == [1, 2] and Run(root).latest_step() == 2 and Run(root).verify() == []
+        assert tailor.lineage.parent == 2
+        with pytest.raises(ConfigError, match="step 2 is not after the previous snapshot's step 2"):
+            tailor.save(2)
+        fresh = tiny(layers=2, seed=3)
+        with Tailor(root, *fresh, read_only=True) as reader:
+            assert reader.restore().step == 2
+        assert_bitwise(unit_versions(fresh[0], fresh[1]), saved)
+        train(model, optimizer, scheduler, tokens, [3])
+        tailor.save(3)
+        tailor.wait()
+        tailor.run.storage.commits.wait_purged()
+        assert Run(root).steps() == [3] and Run(root).manifest(3).parent == 2
+    finally:
+        tailor.close()
+
+
+def test_a_failed_fsync_after_a_branching_saves_rename_leaves_latest_and_says_what_restore_finds(tmp_path, tokens, monkeypatch):
+    """A save branching off an older composite (step 3 from step 1, step 2 the run's newest)
+    renames its snapshot, then fsyncs ``snapshots/`` before ``latest`` may name it; that fsync
+    fails (EIO). The snapshot is committed (the Tailor's lineage extends it, restore(3) loads it)
+    and ``latest`` is left naming step 2, the newest composite a restore takes meanwhile, as the
+    TailorError says. Before: "the partial snapshot was removed" (a StorageError), the Tailor
+    back at step 1."""
+    from llmtailor.errors import TailorError
+
+    model, optimizer, scheduler = tiny(layers=2)
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), track_drift=False) as tailor:
+        tailor.save(1)
+        tailor.save(2)
+        assert tailor.restore(1).step == 1
+        saved = unit_versions(model, optimizer)
+        failed = _failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(3))
+        with pytest.raises(TailorError, match=r"^step 3 was saved and committed in .*, but its name in snapshots/ could not "
+                                              r"be made durable \(Input/output error\).*; its latest pointer was left as it "
+                                              r"was .*restore\(3\) loads it\), and a restore of the newest composite finds "
+                                              r"step 2 now$"):
+            tailor.save(3)
+        monkeypatch.undo()
+        assert failed and tailor.lineage.parent == 3
+        assert (root / LATEST_FILE).read_text().strip() == snapshot_dirname(2)
+        assert Run(root).latest_step() == 2 and Run(root).manifest(3).parent == 1 and Run(root).verify() == []
+        fresh = tiny(layers=2, seed=3)
+        with Tailor(root, *fresh, read_only=True) as reader:
+            assert reader.restore(3).step == 3
+        assert_bitwise(unit_versions(fresh[0], fresh[1]), saved)
+        tailor.save(4)
+    assert Run(root).latest_step() == 4 and Run(root).manifest(4).parent == 3

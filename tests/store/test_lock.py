@@ -225,3 +225,32 @@ def test_a_forked_child_drops_its_copy_of_a_lock_whatever_a_parent_thread_held(t
     """) + CHILD_OUTCOME
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.stdout.strip() == "child exit 0", done.stdout + done.stderr
+
+
+def test_a_holder_whose_lock_file_names_this_process_is_refused_all_the_same(tmp_path):
+    """Whether this process holds a run's lock is told by its own registry, not by the name the
+    lock file records: another process holds the ``flock`` here while the file names this one
+    ("pid P on HOST": a trainer in another pid namespace under the same hostname, such as a
+    container on the host's network; or a new holder not yet past writing its own name over its
+    predecessor's, a dead process whose pid this one now has). A Tailor that may only look (a
+    read-only copy: ``WriterLock.refuse_if_held``) is refused. Before: not refused, taken for
+    another Tailor of this process (``DID NOT RAISE``)."""
+    from llmtailor.store.lock import WriterLock
+    from llmtailor.store.storage.strategies import this_process
+
+    import torch
+
+    Tailor(tmp_path, torch.nn.Sequential(torch.nn.Linear(2, 2))).close()
+    (tmp_path / ".lock").write_text(this_process() + "\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+                               "print('held', flush=True); sys.stdin.read()", str(tmp_path / ".lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TailorError, match=rf"being written by another writer \({this_process()}\)"):
+            WriterLock(tmp_path).refuse_if_held()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    WriterLock(tmp_path).refuse_if_held()  # released: nothing to refuse

@@ -438,6 +438,48 @@ def test_a_commit_whose_answer_is_lost_after_the_server_stored_it_succeeds(token
         assert bytes(storage.read(manifest)) == stored
 
 
+@pytest.mark.parametrize("read_back", ["later", "never"])
+def test_a_commit_whose_answer_is_lost_and_not_read_back_at_once_says_what_it_knows(tokens, monkeypatch, read_back):
+    """The manifest's conditional PUT of step 2 is stored and its answer lost; the retry meets
+    "already exists", and reading the manifest back fails too (503s: every try of ``put_if``'s
+    read-back). ``later``: the commit looks once more and finds its own manifest: the save is
+    committed (step 3's parent is 2). ``never``: it cannot tell, and says so: step 2 may be
+    committed or not; the writer goes on from step 1 (step 3's parent is 1), sound either way.
+    Before: "manifest.json already exists; refusing to overwrite it" in both, the save failed
+    though its manifest was its own, stored."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        manifest = "snapshots/step-00000002/manifest.json"
+        lost = lose_once(faults, "PUT", manifest, 503)
+        reads = 1 + FAST_RETRY["max_retries"]  # put_if's read-back, each of its tries
+        failed_reads: list[str] = []
+
+        def unreadable(method, key):
+            if method == "GET" and key.endswith(manifest) and lost and (read_back == "never" or len(failed_reads) < reads):
+                failed_reads.append(key)
+                return 503
+            return None
+
+        faults.rule = unreadable
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options={"retry_config": FAST_RETRY}) as tailor:
+            for step in (1, 2, 3):
+                train(model, opt, sched, tokens, [step])
+                if step == 2 and read_back == "never":
+                    with pytest.raises(TailorError, match=r"step-00000002/manifest.json: the write of the manifest failed "
+                                                          r"\(.*\) and it could not be read back: the storage may have "
+                                                          r"stored it, so step 2 may be committed or not"):
+                        tailor.save(step)
+                    faults.rule = lambda method, key: None
+                    continue
+                tailor.save(step)
+        assert lost and len(failed_reads) >= reads
+        run = Run(url)
+        assert run.steps() == [1, 2, 3] and run.latest_step() == 3 and run.verify() == []
+        assert run.manifest(3).parent == (2 if read_back == "later" else 1)
+
+
 @pytest.mark.parametrize("how", [503, DROP])
 def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how):
     """The answers to the lease's first PUT (taking it) and to a renewal are lost after the

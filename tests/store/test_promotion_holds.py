@@ -163,3 +163,51 @@ def test_a_follower_that_stopped_on_its_own_is_not_waited_for_until_the_timeout(
     joined.start()
     joined.join(60)
     assert not joined.is_alive(), "join waited on for an uploader whose thread had ended"
+
+
+@pytest.mark.parametrize("order", ["dropped first", "ended first"])
+def test_a_dropped_writers_entry_goes_once_its_uploader_stopped_on_its_own(order):
+    """A node leader's writer dropped without ``close()`` (a sweep's, a notebook's) whose uploader
+    stops on its own, not told by rank 0 (its report found the job's store gone: it logs that it
+    stops), before or after the writer went: the exit keeps nothing of it (``runtime._UNCLOSED``),
+    nor of its uploader (its coordinator, that one's client of the job's store, its runs). Before:
+    the entry stayed until the process exited, holding the uploader and all it holds (one per
+    dropped writer of a long job): ``assert 1 == 0``."""
+    import gc
+
+    from llmtailor.distributed.coordinator import CoordinationError
+    from llmtailor.store.tiers import runtime
+
+    class Writer:  # what ``_Unclosed`` watches of a dropped writer: its tiers (no promoter on a node leader)
+        pass
+
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=3600), StoreCoordinator.over(store, 1, 2, timeout=3600)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+    uploader._serve = lambda order: {"bytes": 0}
+    go = threading.Event()
+
+    def gone(tag, value):
+        go.wait(60)  # its report waits until the test's writer is dropped (or not)
+        raise CoordinationError(f"the job's store went away while this rank posted {tag!r}")
+
+    follower.post = gone
+    writer = Writer()
+    kept = len(runtime._UNCLOSED)
+    unclosed = runtime._Unclosed(writer, None, uploader)
+    runtime._UNCLOSED[unclosed] = None
+    try:
+        uploader.start()
+        leader.post(collective.order_tag(1), {"staging": {}})
+        if order == "ended first":
+            go.set()
+            uploader._thread.join(120)
+            assert not uploader._thread.is_alive()
+        del writer
+        gc.collect()
+        go.set()
+        uploader._thread.join(120)
+        assert not uploader._thread.is_alive()
+        assert len(runtime._UNCLOSED) == kept and unclosed.uploader is None
+    finally:
+        runtime._UNCLOSED.pop(unclosed, None)

@@ -6,7 +6,8 @@ detection); the local filesystem (``local*.py``) and object stores (``object*.py
 
 from llmtailor.store.storage.base import Batch, Sink, Storage
 from llmtailor.store.storage.location import is_url, open_storage
-from llmtailor.store.storage.strategies import Lease, Leftovers, RunDetection, RunLocks, SnapshotCommits, WriterLockBackend
+from llmtailor.store.storage.strategies import (Lease, Leftovers, RunDetection, RunLocks, SnapshotCommits, Unconfirmed,
+                                               WriterLockBackend)
 
 __all__ = ["Batch", "Lease", "Leftovers", "RunDetection", "RunLocks", "Sink", "SnapshotCommits", "Storage",
-           "WriterLockBackend", "is_url", "open_storage"]
+           "Unconfirmed", "WriterLockBackend", "is_url", "open_storage"]

@@ -1,5 +1,7 @@
 """How a local run commits a snapshot: a save writes into a private directory under ``.tmp/``
-and renames it into ``snapshots/`` atomically (fsyncing what it adds first, the parent after);
+and renames it into ``snapshots/`` atomically (fsyncing what it adds first, the parent after:
+a failure of that fsync, or of ``latest``'s, is returned, never raised, the snapshot committed:
+``Unconfirmed``);
 retention renames a snapshot into ``.trash/``, fsyncs the directory it left, then removes its
 files (a writer's retention does both on a background thread, ``purge_later``: its save returns
 once its own snapshot and ``latest`` are durable, and a crash before that fsync brings the old
@@ -25,7 +27,7 @@ from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.local_durable import (create_file, create_replacement, fsync_beside, fsync_dir, fsync_together,
                                                    replace_with)
 from llmtailor.store.storage.local_lock import LEASE_FILE
-from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
+from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class LocalCommits(SnapshotCommits):
         return staging
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
         tmp, target = self.root / staging, self.root / final
         try:
             create_file(tmp / MANIFEST_FILE, manifest)
@@ -79,21 +81,32 @@ class LocalCommits(SnapshotCommits):
             target.parent.mkdir(parents=True, exist_ok=True)
             together = new is not None and parent is not None and _newest_is(target.parent, parent)
             os.rename(tmp, target)
-            if not together:
-                fsync_dir(target.parent)
         except BaseException:
             if new is not None:
                 new.unlink(missing_ok=True)
             raise
-        if new is None:
-            return failed
-        path = self.root / pointer[0]
+        return self._named(target, new, self.root / pointer[0] if pointer is not None else None, failed, together)
+
+    def _named(self, target: Path, new: Path | None, path: Path | None, failed: OSError | None,
+               together: bool) -> Unconfirmed | None:
+        """A commit's last part, once its snapshot was renamed to ``target``: its rename made
+        durable and the pointer at ``path`` replaced with ``new`` (``together``: both made durable
+        at once); ``failed``: why ``new`` could not be written. Committed from here: readers see
+        the snapshot, whole. What fails now is returned (``Unconfirmed``), never raised: a save
+        reported failed whose snapshot is the run's newest would have its writer go back to the
+        composite before it, and save the same step again, refused (docs/failures.md)."""
         if not together:
+            durable = _fsynced(target.parent)
+            if new is None:  # no pointer, or its new file could not be written
+                return _unconfirmed(durable=durable, pointer=failed)
+            if durable is not None:  # a pointer names a snapshot only once its rename is durable
+                new.unlink(missing_ok=True)
+                return Unconfirmed(durable=durable, pointer=durable)
             try:
                 self._replace_pointer(new, path)
             except OSError as err:
-                failed = err
-            return failed
+                return Unconfirmed(pointer=err)
+            return _unconfirmed(pointer_durable=_fsynced(path.parent))
         # The parent is the run's newest snapshot (``_newest_is``): the snapshot's rename and
         # the pointer's are made durable together, one wait on the disk, not one after the
         # other (bench/RESULTS.md, issue 33, session 50). A crash before both are durable leaves
@@ -102,31 +115,30 @@ class LocalCommits(SnapshotCommits):
         # composite before this save; a snapshot renamed in, the pointer not, is found
         # through its parent link. Neither is durable before the snapshot's own files.
         try:
-            self._replace_pointer(new, path, durable=False)
+            self._replace_pointer(new, path)
         except OSError as err:
-            fsync_dir(target.parent)  # the snapshot committed durably all the same (raises if not)
-            return err
+            return Unconfirmed(durable=_fsynced(target.parent), pointer=err)  # the snapshot made durable all the same
         except BaseException:
             fsync_dir(target.parent)
             raise
-        return fsync_beside(target.parent, path.parent)
+        durable, pointer_durable = fsync_beside(target.parent, path.parent)
+        return _unconfirmed(durable=durable, pointer_durable=pointer_durable)
 
-    def _replace_pointer(self, new: Path, path: Path, durable: bool = True) -> None:
+    def _replace_pointer(self, new: Path, path: Path) -> None:
         """``replace_with(new, path)``, the old pointer's file kept linked in ``.tmp/`` through
         the replace and its last link removed on the purger's thread: on this project's ext4,
         dropping a file's last link waited up to a 4 ms tick (``os.replace`` over the old pointer
         2.5-3.6 ms, over a second link of it 0.01 ms), and the run directory's fsync after it took
         longer too (the two 1.8-8.1 ms, then 0.2-3.9 ms): the longest step of a small save's
         commit (bench/RESULTS.md, issue 33, session 47). What a crash leaves in ``.tmp/`` the
-        next writer removes (``clear_leftovers``). ``durable``: its directory fsynced here (else
-        the caller does)."""
+        next writer removes (``clear_leftovers``). Not durable: the caller fsyncs its directory."""
         kept = new.parent / f"{path.name}.{uuid.uuid4().hex[:8]}"  # in .tmp/, beside the new file
         try:
             os.link(path, kept, follow_symlinks=False)  # a link of the pointer itself, whatever it is
         except (OSError, NotImplementedError):  # no pointer yet, no hard links there (or no linkat): replaced as it is
             kept = None
         try:
-            replace_with(new, path, durable)
+            replace_with(new, path, durable=False)
         finally:
             if kept is not None:
                 _PURGER.submit(kept, None)
@@ -235,6 +247,20 @@ def _newest_is(snapshots: Path, parent: int) -> bool:
     except OSError:  # not listed: the renames one after the other
         return False
     return found
+
+
+def _fsynced(directory: Path) -> OSError | None:
+    """``fsync_dir(directory)``'s failure, returned (a commit's names, once visible: ``Unconfirmed``)."""
+    try:
+        fsync_dir(directory)
+    except OSError as err:
+        return err
+    return None
+
+
+def _unconfirmed(**failures: OSError | None) -> Unconfirmed | None:
+    """``Unconfirmed(**failures)``, or None when nothing failed."""
+    return Unconfirmed(**failures) if any(failure is not None for failure in failures.values()) else None
 
 
 def _remove(target: Path) -> None:

@@ -261,20 +261,27 @@ def fsync_together(paths: list[Path], beside: Callable[[], None] | None = None) 
             beside()
 
 
-def fsync_beside(first: Path, second: Path) -> OSError | None:
+def fsync_beside(first: Path, second: Path) -> tuple[OSError | None, OSError | None]:
     """fsync the directories ``first`` and ``second`` side by side (one wait on the disk, as
-    ``fsync_together``); raises ``first``'s failure, returns ``second``'s: each failure is
-    told apart from the first fsync that reports it (a second fsync after a failed one may
-    succeed with the data lost)."""
+    ``fsync_together``); returns each one's failure, or None: each failure is told apart from
+    the first fsync that reports it (a second fsync after a failed one may succeed with the data
+    lost), and neither is raised (a commit's names, already visible: ``Unconfirmed``)."""
+    failures: list[OSError | None] = []
     with Syncer() as syncer:
         for path in (first, second):
-            syncer.submit(path, os.open(path, os.O_RDONLY | os.O_DIRECTORY), drop=False)
-        syncer._wait_first()
-        try:
-            syncer._wait_first()
-        except OSError as failed:
-            return failed
-    return None
+            try:
+                syncer.submit(path, os.open(path, os.O_RDONLY | os.O_DIRECTORY), drop=False)
+            except OSError as failed:  # not opened: not made durable, said as the fsync's own failure
+                failures.append(failed)
+                continue
+            failures.append(None)
+        opened = [i for i, failed in enumerate(failures) if failed is None]
+        for i in opened:
+            try:
+                syncer._wait_first()
+            except OSError as failed:
+                failures[i] = failed
+    return failures[0], failures[1]
 
 
 def replace_text_atomically(path: Path, text: str) -> None:

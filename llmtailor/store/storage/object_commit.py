@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
+from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
 from llmtailor.errors import TailorError
 from llmtailor.store.storage.object_lock import ObjectLocks
 from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore
-from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits
+from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
 
 class ObjectCommits(SnapshotCommits):
@@ -33,23 +33,45 @@ class ObjectCommits(SnapshotCommits):
         return final  # the files go to their final keys; the manifest commits them
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
         """The manifest, written last (once every upload in flight has completed) and only if
-        absent, is the commit; then the pointer."""
+        absent, is the commit; then the pointer. A write that failed is looked at once more
+        (``_written_after_all``): its answer may be lost after the server stored it."""
         if pending is not None:
             pending()
-        self.storage.put(f"{staging}/{MANIFEST_FILE}", manifest, exclusive=True)
+        key = f"{staging}/{MANIFEST_FILE}"
+        try:
+            self.storage.put(key, manifest, exclusive=True)
+        except TailorError as err:
+            self._written_after_all(key, manifest, err)
         if pointer is not None:
             try:
                 self.storage.replace(*pointer)
             except OSError as err:
-                return err
+                return Unconfirmed(pointer=err)
         return None
 
+    def _written_after_all(self, key: str, manifest: bytes, failed: TailorError) -> None:
+        """Return when the manifest's write that failed (``failed``: its answer lost, or "already
+        exists" where its retry met it, and the read-back ``put_if`` made then failed too) is
+        found stored after all, with these bytes: the snapshot is committed (the writer lock is
+        held, and ``begin`` found no manifest). Else raise ``failed``; or, when the manifest
+        cannot be read now either, a TailorError saying the commit's outcome is unknown (the
+        writer goes on from the composite before: sound whichever it was)."""
+        holds = self.storage.holds(key, manifest)
+        if holds:
+            return
+        if holds is False:
+            raise failed
+        step = parse_snapshot_name(key.split("/")[-2])
+        raise TailorError(f"{self.storage.where(key)}: the write of the manifest failed ({failed}) and it could not be "
+                          f"read back: the storage may have stored it, so step {step} may be committed or not (a restore "
+                          "takes it if it is); this writer goes on from the composite before it") from None
+
     def abandon(self, staging: str) -> None:
-        if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):
-            return  # committed after all (an answer lost after the write): never remove it
         try:
+            if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):
+                return  # committed after all (an answer lost after the write): never remove it
             self.storage.remove_tree(staging)
         except TailorError:
             pass  # left for the next writer or gc: no reader trusts a snapshot without manifest

@@ -275,6 +275,15 @@ class ObjectStore(Storage):
                 return None
             raise self.failure(err, key) from None
 
+    def holds(self, key: str, data: bytes) -> bool | None:
+        """Whether ``key`` holds exactly ``data``: None when it cannot be read now."""
+        try:
+            return bytes(load_obstore().get(self.store, key).bytes()) == data
+        except FileNotFoundError:
+            return False
+        except Exception:
+            return None
+
     def _version_if_holding(self, key: str, data: bytes) -> Version | None:
         """The version of ``key`` when it holds exactly ``data``; None when it does not, is
         missing, or cannot be read now (the caller reports its own failure then)."""

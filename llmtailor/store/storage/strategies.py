@@ -45,6 +45,26 @@ class Leftovers:
     noun: str = "file"
 
 
+@dataclass(frozen=True)
+class Unconfirmed:
+    """What a commit could not do, or could not confirm, once its snapshot was committed: visible
+    to readers and whole (its files and manifest were durable before it became visible). Returned,
+    never raised (``SnapshotCommits.commit``): the save is committed, and undoing it is not sound
+    (a reader may hold the snapshot already; the undo would be made durable through the very
+    directory whose fsync just failed)."""
+
+    durable: OSError | None = None
+    """The snapshot's name was not confirmed durable (locally: the fsync of ``snapshots/`` after
+    its rename failed): a crash of the machine before the storage writes it out may lose the
+    snapshot and bring back the composite before it, whole."""
+    pointer: OSError | None = None
+    """The run's ``latest`` was not replaced: it names what it named before. ``pointer is durable``:
+    left so on purpose (a pointer names a snapshot only once its rename is durable)."""
+    pointer_durable: OSError | None = None
+    """``latest`` was replaced, but that was not confirmed durable (the fsync of its directory
+    failed): a crash of the machine may bring back the pointer before it."""
+
+
 class SnapshotCommits(ABC):
     """How snapshots are committed and discarded in one storage (module docstring)."""
 
@@ -60,17 +80,19 @@ class SnapshotCommits(ABC):
 
     @abstractmethod
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> OSError | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
         """Write ``manifest`` as the snapshot's ``MANIFEST_FILE`` at ``staging``, last and only
         if absent (TailorError if there is one), and make the snapshot written there committed
         at ``final``, durably. Every other file staged is durable already, or once ``pending()``
         returns (files still in flight: it raises if one failed); nothing is committed before it
         has returned. ``pointer`` ``(key, data)``: then replace the file ``key`` with ``data``
         atomically and durably (the run's ``latest``), only once the snapshot is committed
-        durably; a failure of that replacement is returned, not raised (the snapshot stays
-        committed). ``parent``: the step of the snapshot's parent, when no snapshot of the run
-        is being committed meanwhile (a storage may make the pointer durable beside the commit
-        when that parent is the run's newest snapshot: ``LocalCommits``)."""
+        durably. A failure raised means nothing was committed; once the snapshot is visible,
+        what fails (the pointer's replacement, the durability of either name) is returned as
+        ``Unconfirmed``, the snapshot committed all the same. ``parent``: the step of the
+        snapshot's parent, when no snapshot of the run is being committed meanwhile (a storage
+        may make the pointer durable beside the commit when that parent is the run's newest
+        snapshot: ``LocalCommits``)."""
 
     @abstractmethod
     def abandon(self, staging: str) -> None:

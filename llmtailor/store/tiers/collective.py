@@ -222,7 +222,7 @@ class NodeUploader:
         """Wait until rank 0 said stop (it does once its last promotion is committed), or until
         no order came for the coordinator's timeout (a rank 0 that died says nothing: logged,
         not raised), or the thread ended on its own (its report found the job's store gone:
-        logged there; no order follows, and its ``then`` is not called)."""
+        logged there; no order follows)."""
         while not self._stopped.wait(IDLE_WAIT):
             if self._thread.ident is not None and not self._thread.is_alive():
                 return
@@ -232,20 +232,27 @@ class NodeUploader:
                 return
 
     def stopped(self, then: Callable[[], None]) -> bool:
-        """Whether rank 0 said stop; if not yet, ``then()`` is called on this uploader's thread
-        once it does (the thread then ends)."""
+        """Whether this uploader stopped: rank 0 said stop, or it stopped on its own (no order
+        follows: its report found the job's store gone); if not yet, ``then()`` is called on its
+        thread once it does, as the thread ends."""
         self._then = then
         return self._stopped.is_set()
 
     def _follow(self) -> None:
+        try:
+            self._orders()
+        finally:  # however it ends (told to, or on its own): what waits for its end learns it
+            self._stopped.set()
+            then, self._then = self._then, None  # called once, and held no more (it holds this uploader)
+            if then is not None:
+                then()
+
+    def _orders(self) -> None:
+        """Serve rank 0's orders in turn until it says stop, or until a report cannot reach it."""
         number = 1
         while True:
             order = self._next(number)
             if order.get("stop"):
-                self._stopped.set()
-                then, self._then = self._then, None  # called once, and held no more (it holds this uploader)
-                if then is not None:
-                    then()
                 return
             with self.coordinator.working():  # rank 0 waits on while this node's upload goes on (a slow store)
                 report = self._serve(order)
