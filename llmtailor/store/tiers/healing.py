@@ -573,7 +573,7 @@ class Receiving:
                     return None
                 self._landed[(source, path)] = sink
             return view
-        except Exception:  # noqa: BLE001 - received into a fresh buffer instead; its write says what fails
+        except Exception:  # noqa: BLE001 - received into a fresh buffer instead: its write says what fails
             return None
 
     def _drop_landed(self) -> None:
