@@ -93,7 +93,10 @@ class UnitReader:
         mapped and checked while they were sent (``tiers.healing._sender``), kept for the restore
         that follows: a read of such a file whose entry records the same size and checksum takes
         these very bytes (``arrival``) instead of reading the file back and hashing it a second
-        time. Emptied when that restore ends (``Tailor``), and for a snapshot forgotten (``forget``)."""
+        time. Emptied when that restore ends (``Tailor``), and for a snapshot forgotten (``forget``).
+        The bytes must be private to this process (a fresh buffer, a copy-on-write mapping): the
+        restore may hand them on as live tensors, which training then writes into; a shared
+        mapping of a committed file would then change under its recorded checksum."""
         self.coming: dict[str, Future[None]] = {}
         """Key -> the arrival of a file a healing still moves (``tiers.healing``: its stream runs
         beside the restore that follows): a read of it waits for it first (``arrival``), then
