@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from llmtailor.distributed.progress import ticks
 from llmtailor.errors import IntegrityError, NodeTierError, PromotionError, TailorError
 
 T = TypeVar("T")
@@ -52,8 +53,6 @@ beats a rank at work posts per timeout at most (``StoreCoordinator.working``).""
 _RELAY = 1 << 32
 """What a rank adds to its beat for the progress of the ranks it waits for (``_wait_all``), beside
 the 1 it adds for its own: a waiter tells the two apart, so a relay never answers a relay."""
-_ticks = 0
-"""Pieces of work this process did (``advance``)."""
 _unusable: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Process group -> the wait on it that timed out or failed on this rank (``spoil``, ``usable``)."""
 
@@ -69,14 +68,6 @@ def pauses(longest: float = _POLL) -> Iterator[float]:
     while True:
         yield pause
         pause = min(2 * pause, longest)
-
-
-def advance() -> None:
-    """This process did a piece of long work (read a part of a file, copied a piece into a live
-    tensor, received an item): a rank inside ``Coordinator.working`` shows the others it is not
-    stuck. Called from the loops that read and copy; costs an increment."""
-    global _ticks
-    _ticks += 1
 
 
 class CoordinationError(TailorError):
@@ -295,10 +286,10 @@ class StoreCoordinator(Coordinator):
 
     def _beat(self, stop: threading.Event) -> None:
         """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which it advanced."""
-        seen = _ticks
+        seen = ticks()
         while not stop.wait(self.timeout / _LOOKS):
-            if _ticks != seen:
-                seen = _ticks
+            if ticks() != seen:
+                seen = ticks()
                 with contextlib.suppress(Exception):  # a store gone: the waits say so
                     self._store.add(self._beat_key(self.rank), 1)
 

@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.distributed.coordinator import (CoordinationError, Coordinator, PeerStopped, advance, describe_error, spoil,
-                                               usable)
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, describe_error, spoil, usable
+from llmtailor.distributed.progress import advance
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from llmtailor.distributed.coordinator import advance
+from llmtailor.distributed.progress import advance
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.fetch import fetch, fetch_into, new_buffer

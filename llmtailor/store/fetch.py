@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
-from llmtailor.distributed.coordinator import advance
+from llmtailor.distributed.progress import advance
 from llmtailor.store.storage.base import LazyPool, Storage
 
 PART = 8 << 20

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from llmtailor.distributed.coordinator import advance
+from llmtailor.distributed.progress import advance
 from llmtailor.errors import IntegrityError, describe_os_error
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import FileEntry

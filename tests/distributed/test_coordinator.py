@@ -234,7 +234,7 @@ def _loading(store, coordinator, waiters: list[int], looks: int, stuck: bool = F
     """A rank's long load (``working``): progress (``advance``) until every rank of ``waiters``
     saw it ``looks`` more times (a wait that saw it waits on), or a waiter gave up; then, where
     ``stuck``, no progress until every waiter gave up (a rank hung part-way)."""
-    from llmtailor.distributed.coordinator import advance
+    from llmtailor.distributed.progress import advance
 
     before = {rank: _relayed(store, rank) for rank in waiters}
     with coordinator.working():

@@ -46,7 +46,7 @@ from typing import Any
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR
-from llmtailor.distributed.coordinator import advance
+from llmtailor.distributed.progress import advance
 from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError, describe_os_error
 from llmtailor.store.catalog import Composite
 from llmtailor.store.commit import SnapshotCommit, replace_latest
