@@ -277,21 +277,24 @@ class ObjectStore(Storage):
 
     def holds(self, key: str, data: bytes) -> bool | None:
         """Whether ``key`` holds exactly ``data``: None when it cannot be read now."""
-        try:
-            return bytes(load_obstore().get(self.store, key).bytes()) == data
-        except FileNotFoundError:
-            return False
-        except Exception:
-            return None
+        return self._read_back(key, data)[0]
 
     def _version_if_holding(self, key: str, data: bytes) -> Version | None:
         """The version of ``key`` when it holds exactly ``data``; None when it does not, is
         missing, or cannot be read now (the caller reports its own failure then)."""
+        return self._read_back(key, data)[1]
+
+    def _read_back(self, key: str, data: bytes) -> tuple[bool | None, Version | None]:
+        """Whether ``key`` holds exactly ``data`` (False where it is missing, None where it
+        cannot be read now), and then its version."""
         try:
             result = load_obstore().get(self.store, key)
-            return Version.of(result.meta) if bytes(result.bytes()) == data else None
+            same = bytes(result.bytes()) == data
+            return same, Version.of(result.meta) if same else None
+        except FileNotFoundError:
+            return False, None
         except Exception:
-            return None
+            return None, None
 
     def replace(self, key: str, data: bytes) -> None:
         self.put(key, data)  # one PUT replaces an object whole
