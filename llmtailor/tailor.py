@@ -317,6 +317,9 @@ class _Pending:
         self.run, self.lineage, self.frozen, self.drift = run, lineage, frozen, drift
         self.closed = False
         """Set by ``close`` (``Tailor.close``): its locks released, nothing more is saved or restored."""
+        self.unconfirmed: list[str] = []
+        """What async saves committed could not confirm (``PersistResult.unconfirmed``), not yet
+        raised: kept, as a failure is, by a ``settle`` that does not raise, or behind a failure raised."""
 
     def staged(self, step: int, composite: dict[str, int], frozen: FrozenPlan, units: list[str]) -> None:
         """The save of ``step`` is staged: the next save extends it until it commits or fails."""
@@ -360,12 +363,13 @@ class _Pending:
         if stager is None:
             return
         committed, failed = stager.settle(keep)
-        unconfirmed = [self.committed(job.step, job.composite, job.outcome) for job in committed]
+        self.unconfirmed += [said for job in committed if (said := self.committed(job.step, job.composite, job.outcome))]
         if failed:
             self.rolled_back()
         if raise_error:
             stager.raise_failure(refused=refused, newest=self.lineage.parent)
-        _raise_unconfirmed(*unconfirmed, refused=refused)
+            if self.unconfirmed:
+                _raise_unconfirmed(self.unconfirmed.pop(0), refused=refused)
 
 
 def _raise_unconfirmed(*errors: str | None, refused: int | None = None) -> None:

@@ -213,7 +213,9 @@ def launch_ranks(ranks: int, port: int, statuses_file: str | None, script: str, 
         if code != 0 and statuses_file is None and not failed:  # as torchrun's agent: end the others
             failed = True
             _signal_all(list(running), signal.SIGTERM)
-            threading.Timer(_TERM_GRACE, _signal_all, (list(running), signal.SIGKILL)).start()
+            # The ranks still running when the grace is over, not those running now: a pid reaped
+            # meanwhile is free for any process of the machine to take.
+            threading.Timer(_TERM_GRACE, lambda: _signal_all(list(running), signal.SIGKILL)).start()
     if statuses_file is not None:
         Path(statuses_file).write_text(json.dumps(statuses))
     os._exit(1 if failed else 0)  # the timer's thread not waited for

@@ -389,7 +389,7 @@ class StoreCoordinator(Coordinator):
             return f"rank(s) {sorted(missing)} did not report {what}"
 
         self._wait_all(list(keys.values()), lambda _: describe(
-            [by_key[k] for k in keys.values() if not self._store.check([k])]), ranks=sorted(tags))
+            [by_key[k] for k in keys.values() if not self._store.check([k])]), ranks=list(keys))
         with self._reaching(f"read what rank(s) {sorted(tags)} posted"):
             return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
 
@@ -433,7 +433,8 @@ class StoreCoordinator(Coordinator):
         not, once none of them showed progress for ``patience`` x ``timeout`` seconds (their
         beats: ``working``; or the beat they relay for the ranks they wait for in turn, the
         leader's gather under its broadcast, one step, never a relay of a relay); each
-        ``timeout / _LOOKS`` it looks. Blocks in the store's own ``wait`` (woken
+        ``timeout / _LOOKS`` it looks (``ranks``: the rank of each key, where its name does not end
+        with it; only those of the keys not set yet are looked at). Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
@@ -442,20 +443,22 @@ class StoreCoordinator(Coordinator):
         A store that went away (the process hosting it died) is a CoordinationError too, naming
         ``ranks`` (default: those of the keys), whichever client met it."""
         limit = self.timeout * patience
-        silent_until, seen, shown = time.monotonic() + limit, None, False
-        with self._reaching(f"waited for rank(s) {ranks or _ranks_of(keys)}"):
+        silent_until, seen, shown = time.monotonic() + limit, None, set()
+        owner = dict(zip(keys, ranks or _ranks_of(keys), strict=True))
+        with self._reaching(f"waited for rank(s) {sorted(set(owner.values()))}"):
             while not self._wait_for(keys, max(0.001, min(self.timeout / _LOOKS, silent_until - time.monotonic()))):
                 pending = [k for k in keys if not self._store.check([k])]
                 if not pending:
                     return
-                beats = self._beats(ranks or sorted(set(_ranks_of(pending))))
+                beats = self._beats(sorted({owner[k] for k in pending}))  # an answered rank's progress is no sign of the others
                 moved = seen is not None and [r for r, beat in beats.items() if beat != seen.get(r)]
                 if moved:  # live: waited for on, and shown to the ranks waiting for this one
-                    silent_until, shown = time.monotonic() + limit, True
+                    silent_until = time.monotonic() + limit
+                    shown.update(moved)
                     if any((beats[r] - seen.get(r, 0)) % _RELAY for r in moved):
                         self._store.add(self._beat_key(self.rank), _RELAY)
                 elif time.monotonic() >= silent_until:  # ``describe`` may read what the other ranks reported
-                    since = " of its last sign of progress" if shown else ""
+                    since = " of its last sign of progress" if shown & {owner[k] for k in pending} else ""
                     raise CoordinationError(f"{describe(_ranks_of(pending))} within {limit:g} s{since}: a rank died or "
                                             f"is stuck (timeout: Tailor(..., timeout=...))")
                 seen = beats

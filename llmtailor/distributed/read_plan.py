@@ -209,7 +209,8 @@ class ReadPlan:
                     try:
                         done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     except KeyboardInterrupt as err:  # as a caller that stops (a second one ends the plan at once)
-                        if stopped:
+                        if stopped:  # what it posted stays in gloo, to pair with the group's next messages
+                            spoil(self.group, err, "a read plan ended at once by a second interrupt")
                             raise
                         stopped, refused = True, err
                         failing.known()

@@ -301,3 +301,50 @@ def test_a_rank_whose_load_goes_on_past_the_timeout_keeps_the_others_waiting_and
         return ranks[0].collect({1: "promotion/1/node/1"}, "their part of promotion 1") if rank == 0 else None
 
     assert on_threads(2, promote) == [{1: {"bytes": 1}}, None]
+
+
+def test_a_collect_waits_on_the_progress_of_the_ranks_not_yet_answered_only():
+    """Rank 0 collects the reports of ranks 1 and 2 (a collective promotion's nodes). Rank 1
+    reports, then goes on working (its next save's part, say: its beat moves); rank 2 never
+    answers and never shows progress. Rank 0 gives up on rank 2 after the timeout of silence,
+    naming it, and does not take rank 1's progress, an answered rank's, for a sign of rank 2's.
+    Before: it waited on for as long as rank 1 worked (here until it had relayed rank 1's
+    progress 2 x _LOOKS + 2 times, past twice the timeout), then said "within 1 s of its last
+    sign of progress" of a rank that never showed any. Ranks as threads over one store, timeout 1 s."""
+    from llmtailor.distributed.coordinator import _LOOKS
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 3, timeout=1) for rank in range(3)]
+    gave_up.clear()
+    tags = {1: "promotion/1/node/1", 2: "promotion/1/node/2"}
+
+    def rank(number: int):
+        if number == 1:
+            ranks[1].post(tags[1], {"bytes": 1})
+            _loading(store, ranks[1], [0], 2 * _LOOKS + 2)
+        elif number == 0:
+            try:
+                return ranks[0].collect(tags, "their part of promotion 1")
+            except CoordinationError:
+                gave_up.append(0)
+                raise
+        return None
+
+    outcome = on_threads(3, rank)[0]
+    assert isinstance(outcome, CoordinationError), outcome
+    assert re.match(r"rank\(s\) \[2\] did not report their part of promotion 1 within 1 s: a rank died", str(outcome)), outcome
+    assert _relayed(store, 0) == 0
+
+    # An exchange: rank 1 loads (rank 0 waits on, seeing it), then answers; rank 2 never does. The
+    # error names rank 2 without a sign of progress it never showed (before: "of its last sign
+    # of progress", rank 1's).
+    def restore(number: int):
+        if number == 2:
+            return None
+        if number == 1:
+            _loading(store, ranks[1], [0], 2)
+        return ranks[number].exchange("r1/loaded/0", number)
+
+    gave_up.clear()
+    outcome = on_threads(3, restore)[0]
+    assert re.match(r"rank\(s\) \[2\] did not report on 'r1/loaded/0' within 1 s: a rank died", str(outcome)), outcome

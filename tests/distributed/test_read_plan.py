@@ -640,3 +640,41 @@ def test_a_rank_whose_meanwhile_raises_or_that_is_interrupted_waiting_fails_the_
     assert isinstance(outcomes[1], KeyboardInterrupt), outcomes
     assert isinstance(outcomes[0], PeerStopped) and str(outcomes[0]).startswith("rank 1 stopped"), outcomes
     assert on_threads(2, plan) == [["a", "b"]] * 2
+
+
+def test_a_plan_ended_at_once_by_a_second_interrupt_leaves_its_group_refusing_on_that_rank(monkeypatch):
+    """A second interrupt (Ctrl-C twice) while a rank waits for its messages in ``fetch`` ends its
+    plan at once: its receipts and sends still posted stay in gloo, where they would pair with the
+    group's next messages (a reader left in its sends, another plan's bytes). Every later plan on
+    the group then refuses on that rank at once, saying why. Before: its next plan posted its
+    messages on the group all the same (and waited for its peer until the timeout). Two ranks of
+    a real gloo group, each on a thread of this process."""
+    import threading
+
+    from llmtailor.distributed import read_plan
+    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("twice", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=2) for rank in range(2)]
+    items, candidates = {"a": 64, "b": 64}, {"a": [0], "b": [1]}
+    interrupts, real_wait = [], read_plan.wait
+
+    def wait(futures, **how):
+        if threading.current_thread().name == "rank-1" and len(interrupts) < 2:
+            interrupts.append(1)
+            raise KeyboardInterrupt
+        return real_wait(futures, **how)
+
+    def plan(rank: int) -> list[str]:
+        threading.current_thread().name = f"rank-{rank}"
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.zeros(16)], lambda item: [(torch.float32, [16])])
+        return sorted(item for item, _ in fetching)
+
+    monkeypatch.setattr(read_plan, "wait", wait)
+    outcomes = on_threads(2, plan)
+    assert isinstance(outcomes[1], KeyboardInterrupt) and len(interrupts) == 2, outcomes
+    with pytest.raises(CoordinationError, match=r"^rank 1: this process group is unusable: a wait on this process group "
+                                                r"failed before \(a read plan ended at once by a second interrupt\)"):
+        plan(1)

@@ -579,3 +579,33 @@ def test_a_failed_fsync_after_a_branching_saves_rename_leaves_latest_and_says_wh
         assert_bitwise(unit_versions(fresh[0], fresh[1]), saved)
         tailor.save(4)
     assert Run(root).latest_step() == 4 and Run(root).manifest(4).parent == 3
+
+
+def test_a_restore_after_an_async_save_whose_commit_was_unconfirmed_restores_and_the_next_call_says_it(tmp_path, tokens,
+                                                                                                       monkeypatch):
+    """An async save of step 2 is committed but its rename's fsync fails (EIO), and the next call
+    is a restore, which settles the saves in flight without raising their outcome ("a failure in
+    flight stays for the next save / wait / close"): the restore loads what it was asked for, and
+    what the save could not confirm is raised by the next call that reports (here ``wait``), once.
+    Before: ``restore(1)`` raised the save's "step 2 was saved and committed ..." and loaded nothing,
+    an error of a save where a restore was asked for, not saying the restore was not made."""
+    from llmtailor.errors import TailorError
+
+    model, optimizer, scheduler = tiny(layers=2)
+    train(model, optimizer, scheduler, tokens, [0])
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), track_drift=False, async_save=True) as tailor:
+        tailor.save(1)
+        tailor.wait()
+        saved = unit_versions(model, optimizer)
+        train(model, optimizer, scheduler, tokens, [1])
+        failed = _failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
+        tailor.save(2)
+        assert tailor.restore(1).step == 1
+        monkeypatch.undo()
+        assert failed and Run(root).latest_step() == 2
+        assert_bitwise(unit_versions(model, optimizer), saved)
+        with pytest.raises(TailorError, match=r"^step 2 was saved and committed in .*, but its name in snapshots/ could not "
+                                              r"be made durable"):
+            tailor.wait()
+        tailor.wait()  # said once

@@ -717,6 +717,22 @@ def test_runs_opened_again_at_one_url_share_obstores_store_and_a_changed_environ
     assert os.read(read, 1) == b"1"
 
 
+def test_a_memory_url_opened_again_is_a_store_of_its_own_never_one_kept_for_reuse(monkeypatch):
+    """obstore's ``memory://`` store holds the objects themselves, not just a client: kept for
+    reuse (``_store_for``), a run written there was found again by a later open of the URL, then
+    lost as soon as the store left the cache (16 other stores opened, an ``AWS_*`` variable
+    changed, a forked child); and one test's run was met by another's. Each open makes its own,
+    as before the cache. Before: "second open found: True"."""
+    from llmtailor.store.storage import open_storage
+
+    first = open_storage("memory:///kept")
+    first.put("a-key", b"written by the first open")
+    again = open_storage("memory:///kept")
+    assert not again.is_file("a-key"), "second open found: True"
+    monkeypatch.setenv("AWS_REGION", "elsewhere")  # a key of the cache changed: the same, never a vanishing run
+    assert not open_storage("memory:///kept").is_file("a-key")
+
+
 def one_line_error(result) -> str:
     """The CLI's error: exit status 2, one line, no traceback."""
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output

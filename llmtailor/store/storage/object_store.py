@@ -50,9 +50,10 @@ def _store_for(url: str, retry: dict[str, Any], client: dict[str, Any], given: d
     A store holds no state of a run (only its client's connections and credentials), and obstore
     uses one from many threads. Never shared with a forked child (the process id is part of
     the key); options that are not plain values (a credential provider, say) make a store of
-    their own every time."""
+    their own every time, as does ``memory://``, whose store holds the objects themselves (kept,
+    a run there would be found again, then lost once the store left the cache)."""
     plain = _plain([retry, client, given])
-    if plain is None:
+    if plain is None or url.lower().startswith("memory:"):
         return load_obstore().store.from_url(url, retry_config=retry, client_options=client or None, **given)
     environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith(_ENVIRONMENT)))
     key = (os.getpid(), url, plain, environment)
