@@ -347,6 +347,49 @@ def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(
     assert received() == [6000, 9000, 12000, 12000]  # at most the window ahead of the file handed over
 
 
+def test_a_streamed_file_lands_where_land_asks_and_elsewhere_in_a_fresh_buffer(monkeypatch):
+    """``Courier.stream``'s ``land`` (the receiving side in one process, the group's ``recv``
+    faked as above): a file lands in the buffer ``land`` gives for it (a healed file's mapping:
+    nothing copied after), piece by piece, and ``take`` is handed that memory; where ``land``
+    gives none, or a buffer of another size, the file lands in a fresh buffer."""
+    import json
+
+    import torch
+
+    from llmtailor.distributed import courier as courier_module
+
+    monkeypatch.setattr(courier_module, "PIECE", 1000)
+    files = [(f"units/u{i}.safetensors", bytes([i + 1]) * 2500) for i in range(3)]
+    names = json.dumps([[name, len(content)] for name, content in files]).encode()
+    wire = {courier_module._SIZES: [torch.tensor([len(names), len(files)])],
+            courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
+            courier_module._BYTES: [torch.frombuffer(bytearray(content[at:at + 1000]), dtype=torch.uint8)
+                                    for _, content in files for at in range(0, len(content), 1000)]}
+
+    class Done:
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    class Group:
+        def recv(self, tensors, src, tag):
+            tensors[0].copy_(wire[tag].pop(0))
+            return Done()
+
+    places = {files[0][0]: bytearray(2500), files[2][0]: bytearray(10)}  # the last: not its size
+    asked, seen = [], []
+
+    def land(src: int, name: str, size: int) -> memoryview | None:
+        asked.append((src, name, size))
+        return memoryview(places[name]) if name in places else None
+
+    Courier(Group(), 1)._receive_streams([0], lambda src, name, content: seen.append((name, content)), land)
+    assert asked == [(0, name, len(content)) for name, content in files]
+    assert [(name, bytes(content)) for name, content in seen] == files
+    assert bytes(places[files[0][0]]) == files[0][1] and bytes(places[files[2][0]]) == bytes(10)
+    landed = torch.frombuffer(places[files[0][0]], dtype=torch.uint8)
+    assert torch.frombuffer(seen[0][1], dtype=torch.uint8).data_ptr() == landed.data_ptr()  # that memory, no copy
+
+
 def test_a_packed_exchange_whose_sizes_disagree_takes_the_peers_bytes_before_it_fails():
     """The receiving side of ``Courier.exchange_packed`` (in one process, the group's ``recv``
     faked as above): a peer whose announced total disagrees with its files' listed sizes is
