@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import on_threads, tiny, train
 
 from llmtailor import Parity, Tailor, Tier
@@ -326,6 +327,64 @@ def test_a_file_lands_in_its_staged_file_unwritten_checked_there_and_a_damaged_o
     assert receiving.finish() is not None
     assert not staged["global.json"].exists() and not list((copies[1] / ".tmp").rglob("*.safetensors"))
     assert written == [] and Run(copies[1]).steps() == []
+
+
+class LandingSender:
+    """Node 1's side of a stream (``Courier.stream`` in one process) whose sender sends every
+    file of the snapshot of ``step`` from ``source``: each received where ``land`` asks (its
+    staged file's mapping; unless ``landing`` is False), else into a fresh buffer, as the
+    courier's receives land them, then taken."""
+
+    def __init__(self, source: Run, step: int, paths: list[str], landing: bool = True):
+        self.source, self.step, self.paths, self.landing = source, step, paths, landing
+
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
+        for path in self.paths:
+            content = (self.source.snapshot_dir(self.step) / path).read_bytes()
+            name = f"{self.step}:{path}"
+            into = land(0, name, len(content)) if land is not None and self.landing else None
+            into = into if into is not None else memoryview(bytearray(len(content)))
+            into[:] = content
+            take(0, name, into)
+
+
+@pytest.mark.parametrize("landing", [True, False], ids=["landed", "fresh-buffer"])
+def test_training_that_writes_into_the_tensors_restored_from_a_healing_leaves_the_healed_copy_as_it_checked_out(
+        tmp_path, tokens, landing):
+    """The restore after a healing reads the files that arrived (``UnitReader.arrived``), and a
+    tensor with no live one to land in (the optimizer's state in a fresh process) is a view of
+    those bytes, which the optimizer keeps and training then writes into. Node 1's healed copy,
+    committed from what arrived once the restore ended, must stay as it checked out: every file
+    of it matches its checksum after training wrote into every tensor restored, whether the
+    files landed in their staged files (``land``) or in fresh buffers (the bytes handed to the
+    restore are the process's own, neither the committed file's nor those it is written from).
+    Before: ``packs/rank-00000.0.safetensors: checksum mismatch (file is corrupted)``, both ways."""
+    model, opt, sched = tiny(seed=0)
+    train(model, opt, sched, tokens, [1])
+    tailor = Tailor(tmp_path / "node0", model, opt, sched, policy=Parity(), keep=None)
+    tailor.save(1)
+    tailor.close()
+    source = Run(tmp_path / "node0")
+    snapshot = source.snapshot_dir(1)
+    files = sorted(path for path in snapshot.rglob("*") if path.is_file())
+    moves = [Transfer(1, path.relative_to(snapshot).as_posix(), path.stat().st_size, checksum(path.read_bytes()), 0, 1)
+             for path in files]
+    (tmp_path / "node1").mkdir()
+    healed = Run(tmp_path / "node1")
+    under_way = recovery_healing.Healing(healed, moves, Nodes((0, 1)), LandingSender(source, 1, [m.path for m in moves], landing), 1)
+    try:
+        assert under_way.outcome() is None
+        restored = [tensor for unit in healed.manifest(1).units for tensor in healed.read_unit(1, unit)[0].values()]
+        assert restored and healed.units.arrived  # read from what arrived
+        for tensor in restored:  # as training's first steps write into the optimizer's state
+            tensor.view(-1).view(torch.uint8).bitwise_not_()
+    finally:
+        healed.release_held()  # as the restore ends: the healed copy is committed now
+    healed.settle_commits()
+    assert healed.commit_failure() is None and Run(tmp_path / "node1").steps() == [1]
+    assert Run(tmp_path / "node1").verify() == []
+    committed = tmp_path / "node1" / "snapshots" / "step-00000001"
+    assert all((committed / m.path).read_bytes() == (snapshot / m.path).read_bytes() for m in moves)
 
 
 def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):

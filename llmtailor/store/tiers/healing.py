@@ -602,11 +602,15 @@ class Receiving:
             raise IntegrityError(f"step {self.step}: {path} from node {source} was not asked for")
         with self._landing:
             landed = self._landed.pop((source, path), None)
-        if len(content) != move.bytes or checksum(content) != move.xxh3:
+        try:
+            handed = self._own(path, content, landed)
+            if len(handed) != move.bytes or checksum(handed) != move.xxh3:
+                raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(handed)} bytes, xxh3 "
+                                     f"{checksum(handed)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        except BaseException:
             if landed is not None:  # its unchecked bytes removed at once
                 landed.abort()
-            raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
-                                 f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
+            raise
         keep = self._whole or self._budget.take(len(content))
         if path == MANIFEST_FILE and self._staged is not None:
             self._manifest = bytes(content)  # written last, by the commit
@@ -615,19 +619,34 @@ class Receiving:
         else:
             if not keep and landed is None:  # not held for the restore: held no longer than the writes before it take
                 self._written()
-            self._writes.append(self._writer.submit(self._write, path, content, landed))
-        self._arrived[(source, path)] = content if keep else None
+            self._writes.append(self._writer.submit(self._write, path, landed if landed is not None else content))
+        self._arrived[(source, path)] = handed if keep else None
         if keep:  # its readers take it now (one past the bound is read from the copy once committed: ``finish``)
-            self.run.units.arrived[self._key(path)] = (move.bytes, move.xxh3, content)
+            self.run.units.arrived[self._key(path)] = (move.bytes, move.xxh3, handed)
             _resolve(self._coming[(source, path)])
 
-    def _write(self, path: str, content: memoryview, landed: Sink | None = None) -> None:
-        """The file ``path`` written (``content``), or, where it landed in its file (``land``),
-        that file made durable; then posted to the node's other ranks (``NodePosts``)."""
-        if landed is None:
-            write_to(self._create(path), content)
+    def _own(self, path: str, content: memoryview, landed: Sink | None) -> memoryview:
+        """The bytes of ``path`` as they arrived (``content``) that the restore may be handed
+        (``UnitReader.arrived``: private to this process, since a tensor restored from them may
+        be kept live and written into by training) and that are checked: a file that landed in
+        its staged file (``land``) mapped again, privately (copy on write: ``Storage.mapped``),
+        never its shared mapping, which is the healed copy; a file in a fresh buffer whose write
+        waits for the restore's end (``_whole``) copied, since it is written from that buffer
+        once training may have begun; any other as it is (written before the restore ends)."""
+        if landed is not None:
+            mapped = self.run.storage.mapped(self._staged.key(path))
+            return memoryview(mapped if mapped is not None else b"")
+        if self._whole and path != MANIFEST_FILE:
+            return memoryview(bytearray(content))
+        return content
+
+    def _write(self, path: str, content: memoryview | Sink) -> None:
+        """The file ``path`` written (``content``), or, where it landed in its file (``land``:
+        its sink), that file made durable; then posted to the node's other ranks (``NodePosts``)."""
+        if isinstance(content, Sink):
+            closed(content)
         else:
-            closed(landed)
+            write_to(self._create(path), content)
         if self._posts is not None:  # checked before it was written: the node's other ranks read it now
             at = self._staged.key(path) if self._staged is not None else self._key(path)
             self._posts.file(self._dest, self.step, path, {"at": at})
