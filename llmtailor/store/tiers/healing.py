@@ -551,7 +551,8 @@ class Receiving:
         buffer): the manifest (kept in memory, written last by the commit), a snapshot written
         into place (where nothing unchecked may land), a storage that does not map, a file whose
         space could not be taken (its write says why). What lands is checked there before
-        anything uses it (``take``); one that does not check out, or is never taken, is removed
+        anything uses it (``take``), and the restore is handed a private mapping of it, never
+        this shared one (``_own``); one that does not check out, or is never taken, is removed
         (``_drop_landed``), as the whole staging place is where the snapshot is abandoned.
         Never raises (the courier's receiving thread)."""
         try:
