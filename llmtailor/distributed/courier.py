@@ -67,6 +67,12 @@ Into = Callable[[int, list[tuple[str, int]]], "list[torch.Tensor] | None"]
 """Where a receiver wants a source's files to land (``exchange_packed``): given the source and
 its listing, one buffer per file, or None for one fresh buffer."""
 
+Land = Callable[[int, str, int], "memoryview | None"]
+"""Where a receiver wants a streamed file to land (``Courier.stream``): given the source, the
+file's name and size, a writable buffer of that size (the mapping of the file it is kept in,
+say), or None for a fresh buffer. Called as the file's receives are posted, on the thread that
+receives from that source; must not raise."""
+
 _SIZES, _NAMES, _BYTES = 1, 2, 3  # message tags: each pair's messages of one kind stay in order
 _LANE_TAGS = 4
 """A stream's pieces on several lanes take tags ``_LANE_TAGS * lanes + k`` (``Courier._lane``):
@@ -155,7 +161,7 @@ class Courier:
 
     def stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
                sources: Sequence[int], take: Callable[[int, str, memoryview], None],
-               meanwhile: Callable[[], None] | None = None) -> None:
+               meanwhile: Callable[[], None] | None = None, land: Land | None = None) -> None:
         """Files sent one after another, each in a buffer of its own (large transfers: a node's
         parts healed from its partner), so that reading, sending, checking and writing overlap:
         to each rank ``dst`` the files ``outgoing[dst]`` lists (``(name, size)``: announced
@@ -166,14 +172,17 @@ class Courier:
         file leaves the view as it is (the receiver's check against its checksum refuses it);
         ``meanwhile``, when given, runs once every file's sends are posted, while they travel
         (before this rank's receives: its sources' sends wait for it), so that what the sender
-        does with the files it sends for its own use (say, checking them) never holds up a send. ``fill``, ``take`` and ``meanwhile`` record their failures instead
-        of raising (a raise leaves the peers waiting until the timeout). Errors as ``exchange``."""
+        does with the files it sends for its own use (say, checking them) never holds up a send.
+        ``land``, when given, says where each received file lands (``Land``: say the mapping of
+        the file it is kept in, so that no buffer is then written out), else a fresh buffer.
+        ``fill``, ``take``, ``meanwhile`` and ``land`` record their failures instead of raising
+        (a raise leaves the peers waiting until the timeout). Errors as ``exchange``."""
         with self._exchanging():
-            self._stream(outgoing, fill, sources, take, meanwhile)
+            self._stream(outgoing, fill, sources, take, meanwhile, land)
 
     def _stream(self, outgoing: dict[int, list[tuple[str, int]]], fill: Callable[[int, str, memoryview], Any],
                 sources: Sequence[int], take: Callable[[int, str, memoryview], None],
-                meanwhile: Callable[[], None] | None) -> None:
+                meanwhile: Callable[[], None] | None, land: Land | None) -> None:
         sends = []
         for dst, listing in outgoing.items():
             names = json.dumps([[name, size] for name, size in listing]).encode()
@@ -192,11 +201,12 @@ class Courier:
                 self.sent_bytes += size
         if meanwhile is not None:
             meanwhile()
-        self._receive_streams(sources, take)
+        self._receive_streams(sources, take, land)
         for dst, work in sends:
             self._wait(work, f"sending files to rank {dst}")
 
-    def _receive_streams(self, sources: Sequence[int], take: Callable[[int, str, memoryview], None]) -> None:
+    def _receive_streams(self, sources: Sequence[int], take: Callable[[int, str, memoryview], None],
+                         land: Land | None = None) -> None:
         """``stream``'s receiving side: every source's files received at once, each source on a
         thread of its own (one source: on this one), ``WINDOW`` shared out between them; ``take``
         called for one file at a time. Not one source after the other: a gloo send completes only
@@ -206,7 +216,7 @@ class Courier:
         however live every rank is. The first failure is raised once every source's stream ended."""
         if len(sources) <= 1:
             for src in sources:
-                self._receive_streamed(src, take, WINDOW)
+                self._receive_streamed(src, take, WINDOW, land)
             return
         one_at_a_time = threading.Lock()
 
@@ -215,15 +225,17 @@ class Courier:
                 take(src, name, content)
 
         with ThreadPoolExecutor(len(sources), thread_name_prefix="llmtailor-stream") as pool:
-            streams = [pool.submit(self._receive_streamed, src, taking, WINDOW // len(sources)) for src in sources]
+            streams = [pool.submit(self._receive_streamed, src, taking, WINDOW // len(sources), land) for src in sources]
         failures = [stream.exception() for stream in streams if stream.exception() is not None]
         if failures:
             raise failures[0]
 
-    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None], window: int) -> None:
+    def _receive_streamed(self, src: int, take: Callable[[int, str, memoryview], None], window: int,
+                          land: Land | None) -> None:
         """One source's stream: the receives of the next files are posted ahead, up to
-        ``window`` bytes (at least the next file), while ``take`` handles each file in turn, so
-        the peer's sends never wait for a receive to be posted nor for a ``take``."""
+        ``window`` bytes (at least the next file), each into where ``land`` asks (else a fresh
+        buffer), while ``take`` handles each file in turn, so the peer's sends never wait for a
+        receive to be posted nor for a ``take``."""
         what = f"receiving files from rank {src}"
         header = torch.zeros(2, dtype=torch.int64)
         self._wait(self._receive(header, src, _SIZES), what)
@@ -239,7 +251,9 @@ class Courier:
             while pending and posted + size > window:
                 posted -= pending[0][1].numel()
                 self._hand_over(src, *pending.popleft(), take)
-            content = torch.empty(size, dtype=torch.uint8)
+            landing = land(src, name, size) if land is not None and size else None
+            content = (torch.frombuffer(landing, dtype=torch.uint8) if landing is not None and len(landing) == size
+                       else torch.empty(size, dtype=torch.uint8))
             works = []
             for at in range(0, size, PIECE):
                 works.append(self._receive(content[at:at + PIECE], src, self._lane(pieces)))

@@ -36,6 +36,15 @@ def write_to(sink: Sink, data: bytes | memoryview) -> None:
     partial file left). For bytes already checked against their entry (no checksum again)."""
     try:
         sink.write(data)
+    except BaseException:
+        sink.abort()
+        raise
+    closed(sink)
+
+
+def closed(sink: Sink) -> None:
+    """``sink`` closed (its file durable), or aborted where that fails (no partial file left)."""
+    try:
         sink.close()
     except BaseException:
         sink.abort()

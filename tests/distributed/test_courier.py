@@ -302,42 +302,56 @@ def test_after_an_exchange_timed_out_the_courier_refuses_every_later_one_and_a_f
     assert said[1][2] == ("got", 3, "right"), said[1]  # never stale bytes
 
 
-def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(monkeypatch):
-    """The receiving side of ``Courier.stream`` (in one process, the group's ``recv`` faked: each
-    posted receive is filled at once from the messages the peer would send): the receives of
-    every file within ``WINDOW`` bytes are posted before the first file is handed to ``take``,
-    so the sender never waits for the receiver's checks; past the window, files are handed
-    over oldest first before more is posted; each file whole, in order."""
+def _faked_group(files: list[tuple[str, bytes]], piece: int | None = None, announced: int | None = None,
+                 posted: list[int] | None = None):
+    """A courier's group in one process whose ``recv`` fills each posted receive at once from
+    the messages a peer sending ``files`` would send (each file in pieces of ``piece`` bytes, or
+    whole; its sizes message announcing ``announced``, else the number of files, as a stream's
+    does), noting each file receive's bytes in ``posted``."""
     import json
 
     import torch
 
     from llmtailor.distributed import courier as courier_module
 
-    files = [(f"units/u{i}.safetensors", bytes([i]) * 3000) for i in range(4)]
     names = json.dumps([[name, len(content)] for name, content in files]).encode()
-    posted: list[int] = []
+    wire = {courier_module._SIZES: [torch.tensor([len(names), len(files) if announced is None else announced])],
+            courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
+            courier_module._BYTES: [torch.frombuffer(bytearray(content[at:at + (piece or len(content))]), dtype=torch.uint8)
+                                    for _, content in files for at in range(0, len(content), piece or len(content))]}
 
     class Done:
         def wait(self, timeout=None) -> bool:
             return True
 
+    class Group:
+        def recv(self, tensors, src, tag):
+            tensors[0].copy_(wire[tag].pop(0))
+            if posted is not None:
+                posted.append(tensors[0].numel() if tag == courier_module._BYTES else 0)
+            return Done()
+
+    group = Group()
+    group.wire = wire  # what is left of the peer's messages
+    return group
+
+
+def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(monkeypatch):
+    """The receiving side of ``Courier.stream`` (in one process, the group's ``recv`` faked: each
+    posted receive is filled at once from the messages the peer would send): the receives of
+    every file within ``WINDOW`` bytes are posted before the first file is handed to ``take``,
+    so the sender never waits for the receiver's checks; past the window, files are handed
+    over oldest first before more is posted; each file whole, in order."""
+    from llmtailor.distributed import courier as courier_module
+
+    files = [(f"units/u{i}.safetensors", bytes([i]) * 3000) for i in range(4)]
+    posted: list[int] = []
+
     def received() -> list:
         """What ``take`` got: (name, content, bytes of file receives posted by then)."""
-        wire = {courier_module._SIZES: [torch.tensor([len(names), len(files)])],
-                courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
-                courier_module._BYTES: [torch.frombuffer(bytearray(content[at:at + 1000]), dtype=torch.uint8)
-                                        for _, content in files for at in range(0, len(content), 1000)]}
-
-        class Group:
-            def recv(self, tensors, src, tag):
-                tensors[0].copy_(wire[tag].pop(0))
-                posted.append(tensors[0].numel() if tag == courier_module._BYTES else 0)
-                return Done()
-
         posted.clear()
         seen: list = []
-        Courier(Group(), 1)._receive_streams([0], lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
+        Courier(_faked_group(files, 1000, posted=posted), 1)._receive_streams([0], lambda src, name, content: seen.append((name, bytes(content), sum(posted))))
         assert [(name, content) for name, content, _ in seen] == files
         return [at for _, _, at in seen]
 
@@ -347,36 +361,45 @@ def test_a_stream_posts_the_receives_of_the_next_files_before_it_hands_one_over(
     assert received() == [6000, 9000, 12000, 12000]  # at most the window ahead of the file handed over
 
 
+def test_a_streamed_file_lands_where_land_asks_and_elsewhere_in_a_fresh_buffer(monkeypatch):
+    """``Courier.stream``'s ``land`` (the receiving side in one process, the group's ``recv``
+    faked as above): a file lands in the buffer ``land`` gives for it (a healed file's mapping:
+    nothing copied after), piece by piece, and ``take`` is handed that memory; where ``land``
+    gives none, or a buffer of another size, the file lands in a fresh buffer."""
+    import torch
+
+    from llmtailor.distributed import courier as courier_module
+
+    monkeypatch.setattr(courier_module, "PIECE", 1000)
+    files = [(f"units/u{i}.safetensors", bytes([i + 1]) * 2500) for i in range(3)]
+    places = {files[0][0]: bytearray(2500), files[2][0]: bytearray(10)}  # the last: not its size
+    asked, seen = [], []
+
+    def land(src: int, name: str, size: int) -> memoryview | None:
+        asked.append((src, name, size))
+        return memoryview(places[name]) if name in places else None
+
+    Courier(_faked_group(files, 1000), 1)._receive_streams([0], lambda src, name, content: seen.append((name, content)), land)
+    assert asked == [(0, name, len(content)) for name, content in files]
+    assert [(name, bytes(content)) for name, content in seen] == files
+    assert bytes(places[files[0][0]]) == files[0][1] and bytes(places[files[2][0]]) == bytes(10)
+    landed = torch.frombuffer(places[files[0][0]], dtype=torch.uint8)
+    assert torch.frombuffer(seen[0][1], dtype=torch.uint8).data_ptr() == landed.data_ptr()  # that memory, no copy
+
+
 def test_a_packed_exchange_whose_sizes_disagree_takes_the_peers_bytes_before_it_fails():
     """The receiving side of ``Courier.exchange_packed`` (in one process, the group's ``recv``
     faked as above): a peer whose announced total disagrees with its files' listed sizes is
     refused, naming both, once every message it sent was taken, so its sends end at once (it
     then fails on the courier's board) instead of waiting for receives never posted until its
     timeout."""
-    import json
-
-    import torch
-
     from llmtailor.distributed import courier as courier_module
 
     files = [("units/u.rank-00000.safetensors", bytes([7]) * 3000), ("ranks/rank-00000.json", b"{}")]
-    names = json.dumps([[name, len(content)] for name, content in files]).encode()
-    wire = {courier_module._SIZES: [torch.tensor([len(names), 2999])],
-            courier_module._NAMES: [torch.frombuffer(bytearray(names), dtype=torch.uint8)],
-            courier_module._BYTES: [torch.frombuffer(bytearray(content), dtype=torch.uint8) for _, content in files]}
-
-    class Done:
-        def wait(self, timeout=None) -> bool:
-            return True
-
-    class Group:
-        def recv(self, tensors, src, tag):
-            tensors[0].copy_(wire[tag].pop(0))
-            return Done()
-
+    group = _faked_group(files, announced=2999)
     with pytest.raises(CoordinationError, match="rank 0 sent 2999 bytes for files announced as 3002 bytes"):
-        Courier(Group(), 1).exchange_packed({}, [0])
-    assert wire[courier_module._BYTES] == []  # every message of the peer taken
+        Courier(group, 1).exchange_packed({}, [0])
+    assert group.wire[courier_module._BYTES] == []  # every message of the peer taken
 
 
 def test_a_send_or_receive_refused_as_it_is_posted_names_the_peer():

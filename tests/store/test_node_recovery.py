@@ -12,8 +12,10 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import on_threads, tiny, train
 
 from llmtailor import Parity, Tailor, Tier
@@ -26,6 +28,7 @@ from llmtailor.store.manifest import FileEntry, Manifest, UnitEntry, UnitRef
 from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
+from llmtailor.store.storage.local import LocalSink
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers import Tiers
 from llmtailor.store.tiers import healing as recovery_healing
@@ -237,7 +240,8 @@ def node_copies(tmp_path, count: int = 2, replicas: int = 2) -> list:
 
 def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str | None = None) -> None:
     """What ``healing.heal`` does over the courier, in one process: each destination's files read
-    from its sources' copies (node n is rank n here), handed to its ``Receiving`` as they come."""
+    from its sources' copies (node n is rank n here), each into where its ``Receiving`` lands it
+    (``land``: its staged file, or a fresh buffer), handed to it as they come."""
     for step in sorted({m.step for m in moves}):
         for dest in sorted({m.dest for m in moves if m.step == step}):
             mine = [m for m in moves if m.step == step and m.dest == dest]
@@ -246,7 +250,10 @@ def move_in_process(runs: list, moves: list[Transfer], nodes: Nodes, damage: str
                 content = (runs[m.source].snapshot_dir(step) / m.path).read_bytes()
                 if m.path == damage:
                     content = content[:-1] + bytes([content[-1] ^ 1])
-                receiving.take(m.source, m.path, memoryview(content))
+                landed = receiving.land(m.source, m.path, len(content))
+                if landed is not None:
+                    landed[:] = content
+                receiving.take(m.source, m.path, landed if landed is not None else memoryview(content))
             error = receiving.finish()
             runs[dest].settle_commits()  # a new snapshot's writes and commit finish in the background
             error = error or runs[dest].commit_failure()
@@ -288,6 +295,96 @@ def test_a_file_damaged_on_the_way_is_refused_and_nothing_is_committed(tmp_path)
     with pytest.raises(IntegrityError, match=r"step 2: units/layer.0.rank-00001.safetensors from node 0: got 65 bytes"):
         move_in_process(runs, moves, Nodes((0, 1)), damage="units/layer.0.rank-00001.safetensors")
     assert Run(copies[1]).steps() == []
+
+
+def test_a_file_lands_in_its_staged_file_unwritten_checked_there_and_a_damaged_or_untaken_one_is_removed(
+        tmp_path, monkeypatch):
+    """A new snapshot's files are received straight into their staged files (``land``: no
+    buffer written out after); what lands is checked there: one damaged is removed at once and
+    nothing more lands, one that landed and was never taken (the stream ended) is removed at the
+    end, and the snapshot is not committed; the manifest never lands (written last, by the commit)."""
+    copies, runs, held = node_one_wiped(tmp_path)
+    moves = [m for m in healing(held, 2) if m.step == 2]
+    written = []
+    monkeypatch.setattr(LocalSink, "write", lambda self, data: written.append(self.path.name))
+    units = [m for m in moves if m.path.startswith("units/")]
+    receiving = Receiving(runs[1], 2, moves, Nodes((0, 1)))
+    manifest = next(m for m in moves if m.path == MANIFEST_FILE)
+    assert receiving.land(manifest.source, manifest.path, manifest.bytes) is None
+    landed = {m.path: receiving.land(m.source, m.path, m.bytes) for m in [*units, next(m for m in moves if m.path == "global.json")]}
+    assert None not in landed.values()
+    staged = {path: next((copies[1] / ".tmp").rglob(Path(path).name)) for path in landed}
+    good, bad = units[0], units[1]
+    landed[good.path][:] = (runs[0].snapshot_dir(2) / good.path).read_bytes()
+    receiving.take(good.source, good.path, landed[good.path])
+    content = (runs[0].snapshot_dir(2) / bad.path).read_bytes()
+    landed[bad.path][:] = content[:-1] + bytes([content[-1] ^ 1])
+    receiving.take(bad.source, bad.path, landed[bad.path])
+    assert f"{bad.path} from node 0: got {bad.bytes} bytes" in receiving.error
+    assert not staged[bad.path].exists()  # removed at once, before the stream ends
+    assert receiving.land(units[0].source, "index/layer.0.json", 1) is None  # nothing lands after a failure
+    assert staged["global.json"].exists()  # landed, never taken
+    assert receiving.finish() is not None
+    assert not staged["global.json"].exists() and not list((copies[1] / ".tmp").rglob("*.safetensors"))
+    assert written == [] and Run(copies[1]).steps() == []
+
+
+class LandingSender:
+    """Node 1's side of a stream (``Courier.stream`` in one process) whose sender sends every
+    file of the snapshot of ``step`` from ``source``: each received where ``land`` asks (its
+    staged file's mapping; unless ``landing`` is False), else into a fresh buffer, as the
+    courier's receives land them, then taken."""
+
+    def __init__(self, source: Run, step: int, paths: list[str], landing: bool = True):
+        self.source, self.step, self.paths, self.landing = source, step, paths, landing
+
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
+        for path in self.paths:
+            content = (self.source.snapshot_dir(self.step) / path).read_bytes()
+            name = f"{self.step}:{path}"
+            into = land(0, name, len(content)) if land is not None and self.landing else None
+            into = into if into is not None else memoryview(bytearray(len(content)))
+            into[:] = content
+            take(0, name, into)
+
+
+@pytest.mark.parametrize("landing", [True, False], ids=["landed", "fresh-buffer"])
+def test_training_that_writes_into_the_tensors_restored_from_a_healing_leaves_the_healed_copy_as_it_checked_out(
+        tmp_path, tokens, landing):
+    """The restore after a healing reads the files that arrived (``UnitReader.arrived``), and a
+    tensor with no live one to land in (the optimizer's state in a fresh process) is a view of
+    those bytes, which the optimizer keeps and training then writes into. Node 1's healed copy,
+    committed from what arrived once the restore ended, must stay as it checked out: every file
+    of it matches its checksum after training wrote into every tensor restored, whether the
+    files landed in their staged files (``land``) or in fresh buffers (the bytes handed to the
+    restore are the process's own, neither the committed file's nor those it is written from).
+    Before: ``packs/rank-00000.0.safetensors: checksum mismatch (file is corrupted)``, both ways."""
+    model, opt, sched = tiny(seed=0)
+    train(model, opt, sched, tokens, [1])
+    tailor = Tailor(tmp_path / "node0", model, opt, sched, policy=Parity(), keep=None)
+    tailor.save(1)
+    tailor.close()
+    source = Run(tmp_path / "node0")
+    snapshot = source.snapshot_dir(1)
+    files = sorted(path for path in snapshot.rglob("*") if path.is_file())
+    moves = [Transfer(1, path.relative_to(snapshot).as_posix(), path.stat().st_size, checksum(path.read_bytes()), 0, 1)
+             for path in files]
+    (tmp_path / "node1").mkdir()
+    healed = Run(tmp_path / "node1")
+    under_way = recovery_healing.Healing(healed, moves, Nodes((0, 1)), LandingSender(source, 1, [m.path for m in moves], landing), 1)
+    try:
+        assert under_way.outcome() is None
+        restored = [tensor for unit in healed.manifest(1).units for tensor in healed.read_unit(1, unit)[0].values()]
+        assert restored and healed.units.arrived  # read from what arrived
+        for tensor in restored:  # as training's first steps write into the optimizer's state
+            tensor.view(-1).view(torch.uint8).bitwise_not_()
+    finally:
+        healed.release_held()  # as the restore ends: the healed copy is committed now
+    healed.settle_commits()
+    assert healed.commit_failure() is None and Run(tmp_path / "node1").steps() == [1]
+    assert Run(tmp_path / "node1").verify() == []
+    committed = tmp_path / "node1" / "snapshots" / "step-00000001"
+    assert all((committed / m.path).read_bytes() == (snapshot / m.path).read_bytes() for m in moves)
 
 
 def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
@@ -373,7 +470,7 @@ class TwoSnapshots:
     def __init__(self, source: Run, paths: dict[int, list[str]]):
         self.source, self.paths = source, paths
 
-    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
         for step in sorted(self.paths, reverse=True):
             for path in self.paths[step]:
                 take(0, f"{step}:{path}", memoryview((self.source.snapshot_dir(step) / path).read_bytes()))
@@ -546,7 +643,7 @@ class RetainingCourier:
     def __init__(self, run: Run):
         self.run, self.in_use, self.sent = run, [], {}
 
-    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
         assert sources == []  # node 0 only sends here
         for dest, files in outgoing.items():
             for path, size in files:
@@ -580,7 +677,7 @@ class SendingCourier:
     def __init__(self, run: Run):
         self.run, self.sent, self.handed_while_posting, self.handed_at_fill = run, {}, None, {}
 
-    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
         for dest, files in outgoing.items():
             for path, size in files:
                 buffer = bytearray(size)
@@ -693,7 +790,7 @@ class DyingSender:
     def __init__(self, source: Run, delivered: list[str], died: threading.Event):
         self.source, self.delivered, self.died = source, delivered, died
 
-    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
         assert outgoing == {} and sources == [0]
         for path in self.delivered:  # as the stream names a snapshot's file: "<step>:<path>"
             take(0, f"2:{path}", memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
@@ -781,7 +878,7 @@ def test_a_file_a_leader_wrote_that_does_not_check_out_where_it_lies_fails_its_s
     damaged.write_bytes(content[:-1] + bytes([content[-1] ^ 1]))
 
     class Posting:  # the leader's post, pointing at the damaged bytes (as a leader's staged file)
-        def stream(self, outgoing, fill, sources, take, meanwhile=None):
+        def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
             died.wait(60)
             raise CoordinationError("receiving files from rank 0 failed: stopped by the test")
 
@@ -828,7 +925,7 @@ class DeliveringSender:
     def __init__(self, source: Run, paths: list[str]):
         self.source, self.paths, self.taken = source, paths, []
 
-    def stream(self, outgoing, fill, sources, take, meanwhile=None):
+    def stream(self, outgoing, fill, sources, take, meanwhile=None, land=None):
         for path in self.paths:
             take(0, f"2:{path}", memoryview((self.source.snapshot_dir(2) / path).read_bytes()))
             self.taken.append(path)

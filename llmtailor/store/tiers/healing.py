@@ -40,11 +40,12 @@ from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
 from llmtailor.store.catalog import ReadLeases
-from llmtailor.store.checked import write_to
+from llmtailor.store.checked import closed, write_to
 from llmtailor.store.commit import SnapshotCommit
 from llmtailor.store.manifest import Manifest, parse_manifest
 from llmtailor.store.retention import discard_snapshots
 from llmtailor.store.run import Run
+from llmtailor.store.storage.base import Sink
 from llmtailor.store.tensor_files import checksum
 from llmtailor.store.tiers.recovery import (
     Held, Holdings, NodeChoice, Transfer, choose_on_nodes, clearing, healing, of_json, served_by,
@@ -255,7 +256,7 @@ class Healing:
                         except (TailorError, OSError) as err:  # sent all the same: its receivers wait for the stream
                             _log.warning("llmtailor: healing sends step %d without a read lease: %s", step, err)
                 if self._outgoing or self._sources:
-                    courier.stream(self._outgoing, self._fill, self._sources, self._take, self._hand_over)
+                    courier.stream(self._outgoing, self._fill, self._sources, self._take, self._hand_over, self._land)
             for receiving in self._receiving.values():
                 self.error = receiving.finish() or self.error
         except BaseException as err:  # the stream failed: every file not in yet fails its reader with it
@@ -281,6 +282,11 @@ class Healing:
     def _fill(self, dst: int, name: str, into: memoryview) -> Any:
         step, path = _unnamed(name)
         return self._senders[step].fill(dst, path, into)
+
+    def _land(self, rank: int, name: str, size: int) -> memoryview | None:
+        step, path = _unnamed(name)
+        receiving = self._receiving.get(step)
+        return receiving.land(rank, path, size) if receiving is not None else None
 
     def _take(self, rank: int, name: str, content: memoryview) -> None:
         step, path = _unnamed(name)
@@ -488,6 +494,10 @@ class Receiving:
         self._parsed: Manifest | None = None
         self._staged: SnapshotCommit | None = None
         self._files = ExitStack()
+        self._landed: dict[tuple[int, str], Sink] = {}
+        """Files received straight into their staged file (``land``), by source and path, until
+        taken (then closed, or removed where they do not check out) or dropped (``finish``)."""
+        self._landing = threading.Lock()
         self._dest = moves[0].dest if moves else None
         self._later = self._dest is not None and not followed(nodes, self._dest)
         """Whether a new snapshot handed over whole may be committed once the restore ended
@@ -534,6 +544,47 @@ class Receiving:
     def _key(self, path: str) -> str:
         return f"{self.run.snapshot_key(self.step)}/{path}"
 
+    def land(self, rank: int, path: str, size: int) -> memoryview | None:
+        """``Courier.stream``'s ``land``: a file of a snapshot new here received straight into
+        its staged file's mapping (``Sink.space``), so that no buffer is written out after it (a
+        copy of every byte and the buffer's fresh memory less, issue 32); else None (a fresh
+        buffer): the manifest (kept in memory, written last by the commit), a snapshot written
+        into place (where nothing unchecked may land), a storage that does not map, a file whose
+        space could not be taken (its write says why). What lands is checked there before
+        anything uses it (``take``), and the restore is handed a private mapping of it, never
+        this shared one (``_own``); one that does not check out, or is never taken, is removed
+        (``_drop_landed``), as the whole staging place is where the snapshot is abandoned.
+        Never raises (the courier's receiving thread)."""
+        try:
+            source = self.nodes.node_of_rank(rank)
+            move = self.expected.get((source, path))
+            if self._staged is None or path == MANIFEST_FILE or move is None or move.bytes != size:
+                return None
+            with self._landing:
+                if self.error is not None or self._finished or (source, path) in self._landed:
+                    return None
+                sink = self._create(path)
+                try:
+                    view = sink.space(size)
+                except BaseException:
+                    sink.abort()
+                    raise
+                if view is None:
+                    sink.abort()
+                    return None
+                self._landed[(source, path)] = sink
+            return view
+        except Exception:  # noqa: BLE001 - received into a fresh buffer instead; its write says what fails
+            return None
+
+    def _drop_landed(self) -> None:
+        """Remove every file that landed and was not taken (the stream ended before it)."""
+        with self._landing:
+            landed, self._landed = self._landed, {}
+        for sink in landed.values():
+            with contextlib.suppress(Exception):
+                sink.abort()
+
     def take(self, rank: int, path: str, content: memoryview) -> None:
         """``Courier.stream``'s ``take``: one file from ``rank``, checked, then written (and
         handed to the restore that reads it meanwhile)."""
@@ -550,25 +601,53 @@ class Receiving:
         move = self.expected.get((source, path))
         if move is None:
             raise IntegrityError(f"step {self.step}: {path} from node {source} was not asked for")
-        if len(content) != move.bytes or checksum(content) != move.xxh3:
-            raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(content)} bytes, xxh3 "
-                                 f"{checksum(content)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        with self._landing:
+            landed = self._landed.pop((source, path), None)
+        try:
+            handed = self._own(path, content, landed)
+            if len(handed) != move.bytes or checksum(handed) != move.xxh3:
+                raise IntegrityError(f"step {self.step}: {path} from node {source}: got {len(handed)} bytes, xxh3 "
+                                     f"{checksum(handed)}, expected {move.bytes} bytes, xxh3 {move.xxh3}")
+        except BaseException:
+            if landed is not None:  # its unchecked bytes removed at once
+                landed.abort()
+            raise
         keep = self._whole or self._budget.take(len(content))
         if path == MANIFEST_FILE and self._staged is not None:
             self._manifest = bytes(content)  # written last, by the commit
             self._parsed = parse_manifest(self._manifest, self.run.where(self.step, MANIFEST_FILE), self.step)
             self.run.remember(self._parsed)  # known here from now: the restore reading meanwhile may ask for it
         else:
-            if not keep:  # not held for the restore: held no longer than the writes before it take
+            if not keep and landed is None:  # not held for the restore: held no longer than the writes before it take
                 self._written()
-            self._writes.append(self._writer.submit(self._write, path, content))
-        self._arrived[(source, path)] = content if keep else None
+            self._writes.append(self._writer.submit(self._write, path, landed if landed is not None else content))
+        self._arrived[(source, path)] = handed if keep else None
         if keep:  # its readers take it now (one past the bound is read from the copy once committed: ``finish``)
-            self.run.units.arrived[self._key(path)] = (move.bytes, move.xxh3, content)
+            self.run.units.arrived[self._key(path)] = (move.bytes, move.xxh3, handed)
             _resolve(self._coming[(source, path)])
 
-    def _write(self, path: str, content: memoryview) -> None:
-        write_to(self._create(path), content)
+    def _own(self, path: str, content: memoryview, landed: Sink | None) -> memoryview:
+        """The bytes of ``path`` as they arrived (``content``) that the restore may be handed
+        (``UnitReader.arrived``: private to this process, since a tensor restored from them may
+        be kept live and written into by training) and that are checked: a file that landed in
+        its staged file (``land``) mapped again, privately (copy on write: ``Storage.mapped``),
+        never its shared mapping, which is the healed copy; a file in a fresh buffer whose write
+        waits for the restore's end (``_whole``) copied, since it is written from that buffer
+        once training may have begun; any other as it is (written before the restore ends)."""
+        if landed is not None:
+            mapped = self.run.storage.mapped(self._staged.key(path))
+            return memoryview(mapped if mapped is not None else b"")
+        if self._whole and path != MANIFEST_FILE:
+            return memoryview(bytearray(content))
+        return content
+
+    def _write(self, path: str, content: memoryview | Sink) -> None:
+        """The file ``path`` written (``content``), or, where it landed in its file (``land``:
+        its sink), that file made durable; then posted to the node's other ranks (``NodePosts``)."""
+        if isinstance(content, Sink):
+            closed(content)
+        else:
+            write_to(self._create(path), content)
         if self._posts is not None:  # checked before it was written: the node's other ranks read it now
             at = self._staged.key(path) if self._staged is not None else self._key(path)
             self._posts.file(self._dest, self.step, path, {"at": at})
@@ -589,6 +668,7 @@ class Receiving:
                 self._gate.set()
             if self._writer is not None:
                 self._writer.shutdown(wait=True)  # no write (nor commit) runs on as it is abandoned
+            self._drop_landed()
             with contextlib.suppress(BaseException):
                 self._files.close()
             if self._staged is not None:
@@ -615,6 +695,7 @@ class Receiving:
                 self._gate.set()  # nothing to hold back: committed below, or abandoned
             self._writer.shutdown(wait=True)  # every write done: committed below, or abandoned
             self._guarded(self._written)
+        self._drop_landed()
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
         if self._staged is not None:
             if self.error is None:
