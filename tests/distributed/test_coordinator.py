@@ -13,7 +13,7 @@ from torch.distributed import HashStore
 from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
 from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
-from helpers import on_threads
+from helpers import on_threads, progressing
 
 
 def on_every_rank(world_size, work):
@@ -223,24 +223,12 @@ def test_a_saves_all_reduce_that_gloo_fails_names_the_rank_and_what_it_was_doing
         rank.all_reduce_sum(torch.zeros(3, dtype=torch.float64))
 
 
-def _relayed(store, rank: int) -> int:
-    """How many times a wait of ``rank`` (coordinators ``over`` ``store``) saw a rank it waited for progress."""
-    from llmtailor.distributed.coordinator import _RELAY
-
-    return store.add(f"llmtailor/0/beat/{rank}", 0) // _RELAY
-
-
 def _loading(store, coordinator, waiters: list[int], looks: int, stuck: bool = False) -> None:
-    """A rank's long load (``working``): progress (``advance``) until every rank of ``waiters``
-    saw it ``looks`` more times (a wait that saw it waits on), or a waiter gave up; then, where
-    ``stuck``, no progress until every waiter gave up (a rank hung part-way)."""
-    from llmtailor.distributed.progress import advance
-
-    before = {rank: _relayed(store, rank) for rank in waiters}
+    """A rank's long load (``working``): progress until every rank of ``waiters`` saw it ``looks``
+    more times, or a waiter gave up (``progressing``); then, where ``stuck``, no progress until
+    every waiter gave up (a rank hung part-way)."""
     with coordinator.working():
-        while min(_relayed(store, rank) - before[rank] for rank in waiters) < looks and not gave_up:
-            advance()
-            time.sleep(0.01)
+        progressing(store, waiters, looks, gave_up)
         while stuck and len(gave_up) < len(waiters):
             time.sleep(0.01)
 
