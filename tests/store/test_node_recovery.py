@@ -263,6 +263,44 @@ def node_one_wiped(tmp_path) -> tuple[list, list, dict]:
     return copies, runs, {node: held_here(run) for node, run in enumerate(runs)}
 
 
+def test_the_ranks_wait_on_for_a_node_whose_healing_goes_on_past_the_timeout():
+    """The ranks met at the end of a healing (``settle``) within the timeout, whatever the
+    healing node did meanwhile: a node receiving and writing a large copy for longer failed
+    every rank, alive as it was. It is inside ``working`` while it waits for its healing, so the
+    others wait on while that advances (here past 1.5 x the timeout); one silent is still named.
+    Two ranks as threads over one store, timeout 2 s; rank 1's healing stands for the long one."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.store.tiers.healing import settle
+    from helpers import progressing
+
+    store, gave_up = HashStore(), []
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=2) for rank in range(2)]
+
+    class Healing:
+        def __init__(self, rank: int, looks: int):
+            self.rank, self.looks = rank, looks
+
+        def outcome(self) -> None:
+            if self.rank == 1:
+                progressing(store, [0], self.looks, gave_up)
+                while self.looks == 1 and not gave_up:  # stuck, once seen
+                    threading.Event().wait(0.01)
+
+    def heal(rank: int, tag: str, looks: int) -> None:
+        try:
+            return settle(Healing(rank, looks), coordinators[rank], tag)
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, lambda rank: heal(rank, "r1/healed", _LOOKS + 2)) == [None, None]
+    outcomes = on_threads(2, lambda rank: heal(rank, "r2/healed", 1))
+    assert isinstance(outcomes[0], CoordinationError), outcomes
+    assert str(outcomes[0]).startswith("rank(s) [1] did not report on 'r2/healed' within 2 s"), outcomes
+
+
 def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
     copies, runs, held = node_one_wiped(tmp_path)
     assert held[1] == {} and sorted(held[0]) == [1, 2]
