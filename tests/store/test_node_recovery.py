@@ -301,6 +301,40 @@ def test_the_ranks_wait_on_for_a_node_whose_healing_goes_on_past_the_timeout():
     assert str(outcomes[0]).startswith("rank(s) [1] did not report on 'r2/healed' within 2 s"), outcomes
 
 
+def test_the_ranks_agree_on_a_restore_once_a_healing_beside_it_that_goes_on_past_the_timeout_ended():
+    """A healing run beside a restore's first attempt is waited for (``_Restoring._healed``) before
+    the ranks agree on the attempt: a rank whose node still received its copy past the timeout
+    was waited for at the agreement within the timeout and failed every rank, alive as it was.
+    Its wait is inside ``working``: the others wait on while the healing advances (here past 1.5 x
+    the timeout). Two ranks as threads over one store, timeout 2 s; rank 1's healing stands for
+    the long one, each rank then agrees as the restore does."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.tailor import _Restoring
+    from helpers import progressing
+
+    store, gave_up = HashStore(), []
+
+    class Healing:  # ``Tiers.healed``: this rank's part of the healing, waited for
+        def __init__(self, rank: int):
+            self.rank = rank
+
+        def healed(self) -> None:
+            if self.rank == 1:
+                progressing(store, [0], _LOOKS + 2, gave_up)
+
+    def restore(rank: int):
+        restoring = _Restoring(Healing(rank), None, StoreCoordinator.over(store, rank, 2, timeout=2))
+        try:
+            return restoring.coordinator.agree(f"{restoring.round}/loaded/0", 4, restoring._healed(None), True)
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, restore) == [(None, False)] * 2
+
+
 def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
     copies, runs, held = node_one_wiped(tmp_path)
     assert held[1] == {} and sorted(held[0]) == [1, 2]
