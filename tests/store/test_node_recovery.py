@@ -558,6 +558,38 @@ def test_a_close_after_rank_0s_healed_copy_failed_raises_that_failure_on_every_r
         assert "restore() again (on every rank" in str(outcome)
 
 
+def test_a_close_waits_on_while_a_nodes_healed_copy_is_still_written_past_the_timeout(tmp_path):
+    """``close`` settles each node's healed copy (its background writes) before the ranks tell
+    one another how their healing ended: a node whose copy was still written past the timeout (a
+    large copy, a slow disk) failed every rank's close, alive as it was. Its wait is inside
+    ``working``: the others wait on while its writes advance (here past 1.5 x the timeout). Two
+    ranks as threads over one store, timeout 2 s; rank 1's settling stands for the long one."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.tailor import _Pending
+    from helpers import progressing
+
+    store, gave_up = HashStore(), []
+    tiers = [Tiers(tmp_path / "home", [Tier(tmp_path / f"node{n}", scope="node")]) for n in range(2)]
+    for each in tiers:
+        each.placement = NodePlacement(Nodes((0, 1)), 1, 1, courier=None)
+    tiers[1].settle_healing = lambda: progressing(store, [0], _LOOKS + 2, gave_up)
+
+    def close(rank: int) -> None:
+        tailor = Tailor.__new__(Tailor)  # as in the test above
+        tailor.tiers, tailor.coordinator = tiers[rank], StoreCoordinator.over(store, rank, 2, timeout=2)
+        tailor._stager = tailor._drift = None
+        tailor._pending = _Pending(None, None, None, None)
+        try:
+            tailor.close()
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, close) == [None, None]
+
+
 EXITS_AFTER_HEALING = """
 import json, sys, time
 from llmtailor.distributed.nodes import Nodes
