@@ -47,9 +47,11 @@ class TailorConfig(BaseModel):
     timeout: float = DEFAULT_TIMEOUT
     """Seconds a rank waits for the others in a collective save or restore before failing,
     naming the ranks that did not answer: seconds of silence, not in all. A rank still writing
-    its part of a save or loading its share of a restore (reading, copying) shows its progress,
-    and the others wait on while it does; one that shows none for ``timeout`` is lost. A gloo
-    message or collective of a read plan waits ``timeout`` in all."""
+    its part of a save or loading its share of a restore (reading, copying), or committing its
+    node's copy of a node-local save (writing, fsyncing), shows its progress, and the others wait
+    on while it does; one that shows none for ``timeout`` is lost (one fsync of a file longer than
+    ``timeout`` is silence too). A gloo message or collective of a read plan waits ``timeout`` in
+    all."""
     base: str | None = None
     """A ``save_pretrained`` directory of the model being fine-tuned: frozen tensors equal to its
     own are never copied into the run, only referenced (sizes and checksums recorded)."""

@@ -483,9 +483,11 @@ class _Restoring:
         """This rank's part of a healing that ran beside the first attempt, waited for (its
         reads may have been done before its last files arrived): the attempt's failure where it
         failed, in place of what a read made of it (a file withdrawn, a wait that raised): the
-        healing's IntegrityError naming the node, file and sender, or its stream's failure."""
+        healing's IntegrityError naming the node, file and sender, or its stream's failure. The
+        ranks that agree next wait on while the healing advances (``Coordinator.working``)."""
         try:
-            self.unhealed = self.tiers.healed()
+            with self.coordinator.working():
+                self.unhealed = self.tiers.healed()
         except BaseException as err:  # a stream failed: a peer died or timed out (CoordinationError, naming it)
             return err
         return IntegrityError(f"healing the node-local tier failed: {self.unhealed}") if self.unhealed else error

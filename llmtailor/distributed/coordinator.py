@@ -74,25 +74,51 @@ class CoordinationError(TailorError):
     """Another rank failed, died or did not answer in time; the save or restore was abandoned."""
 
 
-def spoil(group: Any, err: BaseException, what: str) -> None:
+def spoil(group: Any, err: BaseException, what: str, coordinator: Coordinator) -> str:
     """A wait of this rank on ``group`` (None: the default group) failed with ``err`` while it
     did ``what``: a collective whose wait timed out stays pending in gloo, where it pairs with the
     group's next collective (that one then takes another's data, or hangs), and a message's
-    timeout closes the group's connections. Every later use of the group here refuses (``usable``)."""
+    timeout closes the group's connections. Every later use of the group here refuses (``usable``).
+    The rank also says so where every rank of the group looks (``Coordinator.spoiled``, the job's
+    store): their next use of the group refuses too, naming this rank and why, where it timed out
+    with a message that said nothing of either. Returns, for this rank's own error, what another
+    rank said there first ('' where none did: ``_elsewhere``)."""
     timed_out = any(word in str(err).lower() for word in ("timed out", "timeout"))
+    why = f"{'timed out' if timed_out else 'failed'} ({what}: {first_line(err)})"
     if (key := _group_key(group)) is not None:  # None: no group (a test's faked collective)
         _unusable.setdefault(key, f"{'timed out' if timed_out else 'failed'} before ({what})")
+    name = _group_name(group)
+    first = None if name is None else coordinator.spoiled(name, {"rank": coordinator.rank, "why": why})
+    return _elsewhere(first, coordinator.rank)
 
 
-def usable(group: Any, rank: int) -> None:
-    """Raise CoordinationError where a wait on ``group`` failed on this rank before (``spoil``)."""
-    key = _group_key(group)
+def usable(group: Any, coordinator: Coordinator) -> None:
+    """Raise CoordinationError where a wait on ``group`` failed on this rank before, or on
+    another rank of the group that said so (``spoil``)."""
+    key, name = _group_key(group), _group_name(group)
     before = None if key is None else _unusable.get(key)
     if before is not None:
-        raise CoordinationError(f"rank {rank}: this process group is unusable: a wait on this process group {before}, "
-                                "and gloo may still hold what it waited for (a collective would pair with this one: "
-                                "another's data, or a hang): make a new process group (and a new Tailor on it), or "
-                                "restart the job")
+        why = f"a wait on this process group {before}"
+    elif name is not None and (said := coordinator.spoiled(name)) is not None and said["rank"] != coordinator.rank:
+        why = f"the wait of rank {said['rank']} on this process group {said['why']}"
+    else:
+        return
+    raise CoordinationError(f"rank {coordinator.rank}: this process group is unusable: {why}, and gloo may still hold "
+                            "what it waited for (a collective would pair with this one: another's data, or a hang): "
+                            "make a new process group (and a new Tailor on it), or restart the job")
+
+
+def _elsewhere(said: dict[str, Any] | None, rank: int) -> str:
+    """What another rank said of the group it spoiled (``spoil``), to end this rank's error with."""
+    if said is None or said["rank"] == rank:
+        return ""
+    return f"; the wait of rank {said['rank']} on this process group {said['why']}"
+
+
+def _group_name(group: Any) -> str | None:
+    """The name every rank of ``group`` knows it by (torch.distributed's), or None (no group:
+    torch.distributed not set up, or one it does not know, a test's)."""
+    return getattr(_group_key(group), "group_name", None)
 
 
 def _group_key(group: Any) -> Any:
@@ -161,6 +187,12 @@ class Coordinator(ABC):
     def let_go(self) -> None:
         """The connections this coordinator keeps idle for its next waits let go (its Tailor
         closed); a later wait opens what it needs."""
+
+    def spoiled(self, group: str, why: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """What the first rank whose wait on the process group named ``group`` failed said
+        (``spoil``: ``{"rank": ..., "why": ...}``), ``why`` posted first where given and none
+        was; None where none was, or where it cannot be told. One process: nobody to tell."""
+        return why
 
     @contextmanager
     def working(self) -> Iterator[None]:
@@ -284,6 +316,17 @@ class StoreCoordinator(Coordinator):
             stop.set()
             beating.join()
 
+    def spoiled(self, group: str, why: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        # Under this coordinator's prefix (the same on every rank): a process group made again under
+        # the same name on the same store (destroyed, set up again) is not refused for its forerunner.
+        key = f"{self._prefix}spoiled/{group}"
+        try:
+            if why is not None:
+                return json.loads(self._store.compare_set(key, "", json.dumps(why)))  # the first one stays
+            return json.loads(self._store.get(key)) if self._store.check([key]) else None
+        except Exception:  # a store gone, or one that cannot compare: the ranks' own waits fail as before
+            return why
+
     def _beat(self, stop: threading.Event) -> None:
         """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which it advanced."""
         seen = ticks()
@@ -396,13 +439,13 @@ class StoreCoordinator(Coordinator):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         nccl = self._dist.get_backend(self._group) == "nccl"
         reduced = tensor.to(torch.device("cuda", torch.cuda.current_device()) if nccl else tensor.device)
-        usable(self._group, self.rank)
+        usable(self._group, self)
         try:
             self._dist.all_reduce(reduced, group=self._group)
         except RuntimeError as err:  # gloo's (or NCCL's) error for a lost peer: which one, the collective does not say
-            spoil(self._group, err, "the ranks' all-reduce at a save")
+            elsewhere = spoil(self._group, err, "the ranks' all-reduce at a save", self)
             raise CoordinationError(f"rank {self.rank}: the ranks' all-reduce at a save failed: a rank died or its "
-                                    f"connection failed ({describe_error(err)})") from None
+                                    f"connection failed ({describe_error(err)}){elsewhere}") from None
         return reduced.to(tensor.device)
 
     # -- waiting with a deadline ---------------------------------------------------------------

@@ -167,7 +167,7 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        usable(self.group, self.coordinator.rank)  # no plan on a group whose wait timed out (``spoil``)
+        usable(self.group, self.coordinator)  # no plan on a group whose wait timed out (``spoil``)
         me, turns = self.coordinator.rank, self.turns()
         tags = {item: at for at, item in enumerate(self.readers)}
         failing = _Failing(self.coordinator, None)
@@ -390,7 +390,7 @@ class ReadPlan:
         import torch.distributed as dist
 
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        usable(self.group, self.coordinator.rank)
+        usable(self.group, self.coordinator)
         sending, failed = [], None  # failed: (index, item, error) of this rank's first read that failed
         stopped = False  # this rank's caller stopped taking the items: the plan is drained to its end (``fetch``)
         receipts: list[_Receipt] = []  # those posted and not yet waited for (some maybe)
@@ -460,15 +460,15 @@ class ReadPlan:
 
         first = torch.tensor([failed[0] if failed is not None else len(self.readers),
                               self.ranks.index(self.coordinator.rank) if stopped else len(self.ranks)], dtype=torch.int64).to(device)
-        usable(self.group, self.coordinator.rank)
+        usable(self.group, self.coordinator)
         try:
             work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout
-            spoil(self.group, err, "the exchange of failed reads at the end of a read plan")
+            elsewhere = spoil(self.group, err, "the exchange of failed reads at the end of a read plan", self.coordinator)
             raise CoordinationError(f"the ranks' exchange of failed reads at the end of the read plan failed: a rank of the "
                                     f"group died, or is stuck past the {self.coordinator.timeout:g} s timeout "
-                                    f"({describe_error(err)})") from None
+                                    f"({describe_error(err)}){elsewhere}") from None
         tag, stopper = first.cpu().tolist()
         if tag == len(self.readers):
             if stopper < len(self.ranks):
@@ -550,12 +550,12 @@ class ReadPlan:
             lost = self._lost(item, peer, what, err)
             if any(word in str(err).lower() for word in ("timed out", "timeout")):  # gloo's "Timed out waiting ...",
                 # or "Application timeout caused pair closure" (another wait's timeout closed the group)
-                spoil(self.group, err, f"the {what} of {item} from or to rank {peer}")
+                spoil(self.group, err, f"the {what} of {item} from or to rank {peer}", self.coordinator)
             raise lost from None
 
     def _lost(self, item: str, peer: int, what: str, err: Exception) -> CoordinationError:
         try:
-            usable(self.group, self.coordinator.rank)
+            usable(self.group, self.coordinator)
             closed = ""
         except CoordinationError as refused:  # an earlier plan's wait (a failed restore attempt's) timed out on it
             closed = f"; {refused}"
@@ -578,17 +578,17 @@ class ReadPlan:
         import torch.distributed as dist
 
         moved = tensor.to(device)
-        usable(self.group, self.coordinator.rank)  # a collective that timed out before would pair with this one
+        usable(self.group, self.coordinator)  # a collective that timed out before would pair with this one
         try:
             work = dist.broadcast(moved, group=self.group, group_src=self.ranks.index(reader), async_op=True)
             work.wait(timeout=timedelta(seconds=self.coordinator.timeout))
         except Exception as err:  # gloo's error for a lost peer or a timeout: name the reader
-            spoil(self.group, err, f"the broadcast of {item} from rank {reader}")
+            elsewhere = spoil(self.group, err, f"the broadcast of {item} from rank {reader}", self.coordinator)
             # Which rank is gone the collective does not say (a lost peer may be another receiver):
             # the ranks' exchange that follows a restore names those that no longer answer.
             raise CoordinationError(f"the broadcast of {item} from rank {reader}, its reader, failed: a rank of the group "
                                     f"died, or is stuck past the {self.coordinator.timeout:g} s timeout "
-                                    f"({describe_error(err)})") from None
+                                    f"({describe_error(err)}){elsewhere}") from None
         return moved.cpu()
 
     @staticmethod

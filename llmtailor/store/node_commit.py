@@ -10,7 +10,8 @@ same snapshot; ``persist`` takes it when the run's placement is node-local, ``No
    between nodes: a node whose copy cannot be written (read-only, full) says so in step 3's
    report, and rank 0 makes every rank raise, naming the node and why (``NodeTierError``);
 2. every rank writes its part into its node's staging (``writer.write_part``, as a shared save
-   does), then sends its files to its partner ranks (``Nodes.partner_ranks``: the rank of the
+   does), then, once the ranks it sends to and receives from say they wrote theirs (``_ready``),
+   sends its files to its partner ranks (``Nodes.partner_ranks``: the rank of the
    same index on each other holder node) over the courier; rank 0 also sends the global files
    to each node that holds none of its parts. Each receiver writes what it received into its
    own node's staging, durably, and reports each file as it arrived (size and checksum);
@@ -25,6 +26,10 @@ same snapshot; ``persist`` takes it when the run's placement is node-local, ``No
    rank 0's copy committed, so after the save before had ended there). When a node failed, the
    nodes that committed remove their copy again (the previous composite stays the newest
    everywhere) and every rank raises.
+
+Every rank is inside ``Coordinator.working`` throughout: a rank waiting for another (its
+node's leader, a partner, rank 0, a node's commit) waits on while that one advances (writes,
+receives, fsyncs), past the timeout; one that shows no progress for the timeout is named.
 
 A failure anywhere before step 4 abandons every node's staging and raises on every rank; every
 earlier snapshot stays as it was. A crash between two nodes' renames can leave the snapshot on
@@ -110,31 +115,37 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     and every rank returns its answer (``PersistResult.spare``)."""
     start = time.perf_counter()
     round_ = staged.round or coord.new_round()
-    leads = placement.leads(coord.rank)
-    opened = _open(run, staged, placement, coord, round_, prepare)
-    snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
-    # A leader's received copies and the unit indexes stay in flight (their fsyncs running) until
-    # its commit, which drains them beside the manifest's (``SnapshotCommit.commit``'s ``pending``,
-    # as the shared writer's leader does). Another rank's are durable before it reports them.
-    with snapshot.files() if leads and snapshot is not None else nullcontext() as files:
-        try:
-            part = attempt_part(snapshot, staged, coord.rank, on_unit) if snapshot is not None else None
-            try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
-                copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank,
-                                    staged.turn, files)
-                report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
-            except BaseException as err:
-                report = friendly(err, run, staged.step)
-            plan = _announce(staged, placement, coord, round_, report if snapshot is not None else {"unopened": opened})
-            assert isinstance(part, RankPart) and snapshot is not None  # a failed part or open was raised in step 3
-        except BaseException:
-            if leads and snapshot is not None:
-                snapshot.abandon()
-            raise
-        committed = _commit_node(snapshot, plan, confirm, staged.turn, files) if leads else None
-    if committed is not None and coord.is_leader and spare is not None:
-        committed["spare"] = spare()
-    outcome, spared = _settle(snapshot, staged, placement, coord, round_, committed)
+    # Every rank waits for others here (its node's leader opening, its partners' copies, rank 0's
+    # word, every node's commit) while they write, send, fsync and commit, for longer than the
+    # timeout where the parts are large or a disk slow: each shows its progress, and the others
+    # wait on while it advances (``Coordinator.working``); one silent for the timeout is named.
+    with coord.working():
+        leads = placement.leads(coord.rank)
+        opened = _open(run, staged, placement, coord, round_, prepare)
+        snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
+        # A leader's received copies and the unit indexes stay in flight (their fsyncs running) until
+        # its commit, which drains them beside the manifest's (``SnapshotCommit.commit``'s ``pending``,
+        # as the shared writer's leader does). Another rank's are durable before it reports them.
+        with snapshot.files() if leads and snapshot is not None else nullcontext() as files:
+            try:
+                part = attempt_part(snapshot, staged, coord.rank, on_unit) if snapshot is not None else None
+                try:  # a rank whose part failed still takes part in the exchange (sending nothing): no peer waits on it
+                    _ready(placement, coord, round_, staged.step)
+                    copies = _replicate(snapshot, part if isinstance(part, RankPart) else None, placement, coord.rank,
+                                        staged.turn, files)
+                    report: Any = {"part": part.to_message(), "copies": copies} if isinstance(part, RankPart) else part
+                except BaseException as err:
+                    report = friendly(err, run, staged.step)
+                plan = _announce(staged, placement, coord, round_, report if snapshot is not None else {"unopened": opened})
+                assert isinstance(part, RankPart) and snapshot is not None  # a failed part or open was raised in step 3
+            except BaseException:
+                if leads and snapshot is not None:
+                    snapshot.abandon()
+                raise
+            committed = _commit_node(snapshot, plan, confirm, staged.turn, files) if leads else None
+        if committed is not None and coord.is_leader and spare is not None:
+            committed["spare"] = spare()
+        outcome, spared = _settle(snapshot, staged, placement, coord, round_, committed)
     manifest = plan["manifest"].encode()
     run.remember(parse_manifest(manifest, run.where(staged.step, MANIFEST_FILE), staged.step))
     return PersistResult(path=run.snapshot_dir(staged.step), bytes=plan["bytes"], seconds=time.perf_counter() - start,
@@ -178,6 +189,22 @@ def _unopened(step: int, placement: NodePlacement, reports: list[Any]) -> None:
     where = "; ".join(f"node {node}: {o['error']}" for node, o in sorted(failed.items()))
     raise NodeTierError(f"step {step} was not saved: the node-local tier could not be written on "
                         f"node(s) {sorted(failed)} ({where}); earlier snapshots are intact on every node")
+
+
+def _ready(placement: NodePlacement, coord: Coordinator, round_: str, step: int) -> None:
+    """Before step 2's copies: this rank says its part is written, and waits until each rank it
+    sends to or receives from says so too. The courier's messages are waited for within the
+    timeout, whatever the peer does meanwhile, so a rank whose part was small (a DDP rank's
+    state) waited there for a partner writing a large one (a DDP rank 0's every unit) and failed
+    past the timeout, live as the partner was: here it waits on while the partner advances
+    (``working``), and the copies start once both sides are at them."""
+    peers = {*placement.partners(coord.rank), *placement.sources(coord.rank)}
+    if coord.rank == 0:
+        peers.update(placement.global_receivers())
+    peers.discard(coord.rank)
+    coord.post(f"{round_}/ready/{coord.rank}", True)
+    if peers:
+        coord.collect({peer: f"{round_}/ready/{peer}" for peer in sorted(peers)}, f"that its part of step {step} is written")
 
 
 def files_of(part: RankPart) -> list[FileEntry]:

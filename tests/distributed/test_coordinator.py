@@ -13,7 +13,7 @@ from torch.distributed import HashStore
 from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
 from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
-from helpers import on_threads
+from helpers import on_threads, progressing
 
 
 def on_every_rank(world_size, work):
@@ -223,24 +223,64 @@ def test_a_saves_all_reduce_that_gloo_fails_names_the_rank_and_what_it_was_doing
         rank.all_reduce_sum(torch.zeros(3, dtype=torch.float64))
 
 
-def _relayed(store, rank: int) -> int:
-    """How many times a wait of ``rank`` (coordinators ``over`` ``store``) saw a rank it waited for progress."""
-    from llmtailor.distributed.coordinator import _RELAY
+def test_a_rank_whose_collective_fails_tells_the_other_ranks_of_its_group_why_and_they_name_it():
+    """A rank whose collective timed out or failed marks the group unusable (``spoil``), on that
+    rank only: another rank's next collective on the group went in and timed out in turn, with a
+    message that named neither the rank nor why, and one already waiting there said nothing of it
+    either. The rank says why in the job's store, under the group's name: the others refuse at
+    once, naming it and why, and one whose own wait fails meanwhile ends its error with it. Two
+    ranks' coordinators over one store, each with its own object for the group (as in two
+    processes) and the job's collective faked as gloo failing it."""
+    import torch
 
-    return store.add(f"llmtailor/0/beat/{rank}", 0) // _RELAY
+    class Group:  # one rank's object for a process group torch.distributed knows by this name
+        group_name = "3"
+
+    class Gloo:
+        def __init__(self, meanwhile=lambda: None):
+            self.meanwhile = meanwhile
+
+        @staticmethod
+        def get_backend(group=None) -> str:
+            return "gloo"
+
+        def all_reduce(self, tensor, group=None):
+            self.meanwhile()
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                               "1000ms for recv operation to complete")
+
+    def rank(number: int, store, meanwhile=lambda: None) -> StoreCoordinator:
+        coordinator = StoreCoordinator.over(store, number, 3, timeout=1)
+        coordinator._dist, coordinator._group = Gloo(meanwhile), Group()
+        return coordinator
+
+    store = HashStore()
+    zero, one = rank(0, store), rank(1, store)
+    with pytest.raises(CoordinationError, match="Timed out waiting"):
+        zero.all_reduce_sum(torch.zeros(1))
+    with pytest.raises(CoordinationError) as refused:
+        one.all_reduce_sum(torch.zeros(1))
+    assert str(refused.value).startswith(
+        "rank 1: this process group is unusable: the wait of rank 0 on this process group timed out (the ranks' "
+        "all-reduce at a save: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting"), refused.value
+
+    store = HashStore()
+    zero = rank(0, store)
+    waiting = rank(2, store, meanwhile=lambda: pytest.raises(CoordinationError, zero.all_reduce_sum, torch.zeros(1)))
+    with pytest.raises(CoordinationError) as failed:  # rank 0's wait fails while rank 2's waits
+        waiting.all_reduce_sum(torch.zeros(1))
+    assert str(failed.value).startswith("rank 2: the ranks' all-reduce at a save failed"), failed.value
+    assert str(failed.value).endswith("; the wait of rank 0 on this process group timed out (the ranks' all-reduce at a "
+                                      "save: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                                      "waiting 1000ms for recv operation to complete)"), failed.value
 
 
 def _loading(store, coordinator, waiters: list[int], looks: int, stuck: bool = False) -> None:
-    """A rank's long load (``working``): progress (``advance``) until every rank of ``waiters``
-    saw it ``looks`` more times (a wait that saw it waits on), or a waiter gave up; then, where
-    ``stuck``, no progress until every waiter gave up (a rank hung part-way)."""
-    from llmtailor.distributed.progress import advance
-
-    before = {rank: _relayed(store, rank) for rank in waiters}
+    """A rank's long load (``working``): progress until every rank of ``waiters`` saw it ``looks``
+    more times, or a waiter gave up (``progressing``); then, where ``stuck``, no progress until
+    every waiter gave up (a rank hung part-way)."""
     with coordinator.working():
-        while min(_relayed(store, rank) - before[rank] for rank in waiters) < looks and not gave_up:
-            advance()
-            time.sleep(0.01)
+        progressing(store, waiters, looks, gave_up)
         while stuck and len(gave_up) < len(waiters):
             time.sleep(0.01)
 

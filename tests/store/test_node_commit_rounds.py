@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import HashStore
-from helpers import landed, on_threads
+from helpers import landed, on_threads, progressing
 
 from llmtailor.constants import MANIFEST_FILE, TMP_DIR, snapshot_dirname
-from llmtailor.distributed.coordinator import StoreCoordinator
+from llmtailor.distributed.coordinator import _LOOKS, CoordinationError, StoreCoordinator
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import NodeTierError
 from llmtailor.layouts import layout_from_names
@@ -32,15 +34,20 @@ LAYOUT = layout_from_names(["model.embed_tokens.weight", "model.layers.0.mlp.wei
 
 class ThreadCourier:
     """What ``Courier.exchange_packed`` does between processes, between threads: each
-    (source, destination) pair one queue."""
+    (source, destination) pair one queue; a source's files not in within ``timeout`` fail the
+    exchange, as the courier's receive does."""
 
-    def __init__(self, rank: int, lanes: dict[tuple[int, int], queue.Queue]):
-        self.rank, self.lanes = rank, lanes
+    def __init__(self, rank: int, lanes: dict[tuple[int, int], queue.Queue], timeout: float = 60):
+        self.rank, self.lanes, self.timeout = rank, lanes, timeout
 
     def exchange_packed(self, outgoing, sources, into=None):
         for destination, packed in outgoing.items():
             self.lanes[self.rank, destination].put(packed)
-        return {source: landed(self.lanes[source, self.rank].get(timeout=60), source, into) for source in sources}
+        try:
+            return {source: landed(self.lanes[source, self.rank].get(timeout=self.timeout), source, into)
+                    for source in sources}
+        except queue.Empty:
+            raise CoordinationError(f"rank {self.rank}: a receipt timed out after {self.timeout:g} s") from None
 
 
 def staged(rank: int) -> StagedSnapshot:
@@ -53,23 +60,36 @@ def staged(rank: int) -> StagedSnapshot:
                           rank_tensors={} if rank else None, world_size=2)
 
 
-def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False, spare=None):
+def save_on_two_nodes(tmp_path, prepare=None, wait_for_node_0=False, spare=None, confirm=None, wrote=None,
+                      timeout=60, gave_up=None):
     """Step 1 saved by two one-rank nodes, each into its own copy; ``prepare(rank)``: each
-    leader's ``prepare``, ``spare(rank)`` each rank's ``spare``; ``wait_for_node_0``: node 1
-    begins its commit only once node 0 has written a unit into its copy. Each rank's result or
-    error."""
+    leader's ``prepare``, ``spare(rank)`` each rank's ``spare``, ``confirm(rank, store)`` each
+    leader's ``confirm``; ``wrote(store)``: called as node 0 writes its first unit; ``wait_for_node_0``:
+    node 1 begins its commit only once node 0 has written a unit into its copy. ``timeout``:
+    the coordinators' and the courier's (60 s: a bound on a hang, which no test waits out);
+    ``gave_up``: the ranks whose coordinator gave up waiting are added to it. Each rank's result
+    or error."""
     store, lanes = HashStore(), {(a, b): queue.Queue() for a in range(2) for b in range(2)}
     node_0_wrote = threading.Event()
+
+    def written(unit, size):
+        if not node_0_wrote.is_set() and wrote is not None:
+            wrote(store)
+        node_0_wrote.set()
 
     def run(rank):
         if rank == 1 and wait_for_node_0 and not node_0_wrote.wait(60):
             raise AssertionError("node 0 wrote nothing of its part before node 1 began the save")
-        placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes))
-        coord = StoreCoordinator.over(store, rank, 2, timeout=60)  # a bound on a hang: no test here waits it out
-        wrote = (lambda unit, size: node_0_wrote.set()) if rank == 0 else None
-        return persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
-                                on_unit=wrote, prepare=prepare and (lambda: prepare(rank)),
-                                spare=spare and (lambda: spare(rank)))
+        placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes, timeout))
+        coord = StoreCoordinator.over(store, rank, 2, timeout=timeout)
+        try:
+            return persist_on_nodes(Run(tmp_path / f"node{rank}"), staged(rank), placement, coord,
+                                    on_unit=written if rank == 0 else None, prepare=prepare and (lambda: prepare(rank)),
+                                    spare=spare and (lambda: spare(rank)), confirm=confirm and (lambda: confirm(rank, store)))
+        except CoordinationError:
+            if gave_up is not None:
+                gave_up.append(rank)
+            raise
 
     return on_threads(2, run)
 
@@ -106,6 +126,67 @@ def test_a_node_that_cannot_open_the_snapshot_fails_every_rank_naming_it_and_not
         assert copy.steps() == [] and not (tmp_path / f"node{node}" / "latest").exists()
         tmp = tmp_path / f"node{node}" / ".tmp"
         assert not tmp.exists() or not any(tmp.iterdir())
+
+
+def test_a_node_whose_commit_goes_on_past_the_timeout_keeps_the_others_waiting_and_one_stuck_is_named(tmp_path):
+    """Rank 0 waited for every node's commit (``_settle``) within the timeout, whatever that
+    node did meanwhile: a node whose commit took longer (its copies' fsyncs on a slow disk) failed
+    every rank, alive as it was. Every rank is inside ``working`` throughout the node commit, so
+    rank 0 waits on while node 1's commit advances (here past 1.5 x the timeout: it saw the
+    progress 6 times, 4 looks a timeout); a node whose commit stops making progress there is
+    named once it has shown none for the timeout. Node 1's leader's ``confirm`` (just before its
+    manifest) stands for the slow work. Timeout 2 s."""
+    gave_up: list[int] = []
+
+    def slow(rank, store):
+        if rank == 1:
+            progressing(store, [0], _LOOKS + 2, gave_up)
+
+    outcomes = save_on_two_nodes(tmp_path / "slow", confirm=slow, timeout=2, gave_up=gave_up)
+    assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+
+    def stuck(rank, store):
+        if rank == 1:
+            progressing(store, [0], 1, gave_up)
+            while not gave_up:
+                time.sleep(0.01)
+
+    outcomes = save_on_two_nodes(tmp_path / "stuck", confirm=stuck, timeout=2, gave_up=gave_up)
+    assert isinstance(outcomes[0], CoordinationError), outcomes
+    assert re.match(r"rank\(s\) \[1\] did not report on 'r1/committed' within 2 s", str(outcomes[0])), outcomes
+
+
+def test_each_file_a_commit_makes_durable_is_progress_its_rank_shows(tmp_path):
+    """A leader's commit drains its files' fsyncs (its received copies: every other node's part),
+    which on a slow disk outlast the timeout: each fsync ended is progress (``advance``), which
+    its rank's beat shows the ranks waiting for it (``working``); none was, so a commit's fsyncs
+    were silence however many ended."""
+    from llmtailor.distributed.progress import ticks
+    from llmtailor.store.commit import SnapshotCommit
+
+    snapshot = SnapshotCommit.begin(Run(tmp_path), 1)
+    before = ticks()
+    with snapshot.files() as create:
+        for n in range(3):
+            sink = create(f"copy-{n}")
+            sink.write(b"copied")  # no progress of its own (the checked writes' is theirs)
+            sink.close()
+        create.drain()
+        assert ticks() - before >= 3
+
+
+def test_a_rank_whose_partner_writes_a_large_part_past_the_timeout_waits_for_it_before_the_copies(tmp_path):
+    """DDP on two one-rank nodes: rank 0 writes every unit, rank 1 only its own state, so rank 1
+    was at its copies at once and waited there for rank 0's files within the courier's timeout:
+    a part whose writing took longer (a large model, a slow disk) failed the save, rank 0 alive
+    as it was. Each rank waits until its partners say their part is written (``_ready``, inside
+    ``working``: on while they advance), then the copies start; here rank 0's part goes on past
+    1.5 x the timeout. Timeout 2 s."""
+    gave_up: list[int] = []
+    outcomes = save_on_two_nodes(tmp_path, wrote=lambda store: progressing(store, [1], _LOOKS + 2, gave_up), timeout=2,
+                                 gave_up=gave_up)
+    assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+    assert [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[1], [1]]
 
 
 def test_rank_0s_word_on_what_retention_spares_comes_with_the_commit_to_every_node(tmp_path):

@@ -270,6 +270,78 @@ def node_one_wiped(tmp_path) -> tuple[list, list, dict]:
     return copies, runs, {node: held_here(run) for node, run in enumerate(runs)}
 
 
+def test_the_ranks_wait_on_for_a_node_whose_healing_goes_on_past_the_timeout():
+    """The ranks met at the end of a healing (``settle``) within the timeout, whatever the
+    healing node did meanwhile: a node receiving and writing a large copy for longer failed
+    every rank, alive as it was. It is inside ``working`` while it waits for its healing, so the
+    others wait on while that advances (here past 1.5 x the timeout); one silent is still named.
+    Two ranks as threads over one store, timeout 2 s; rank 1's healing stands for the long one."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.store.tiers.healing import settle
+    from helpers import progressing
+
+    store, gave_up = HashStore(), []
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=2) for rank in range(2)]
+
+    class Healing:
+        def __init__(self, rank: int, looks: int):
+            self.rank, self.looks = rank, looks
+
+        def outcome(self) -> None:
+            if self.rank == 1:
+                progressing(store, [0], self.looks, gave_up)
+                while self.looks == 1 and not gave_up:  # stuck, once seen
+                    threading.Event().wait(0.01)
+
+    def heal(rank: int, tag: str, looks: int) -> None:
+        try:
+            return settle(Healing(rank, looks), coordinators[rank], tag)
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, lambda rank: heal(rank, "r1/healed", _LOOKS + 2)) == [None, None]
+    outcomes = on_threads(2, lambda rank: heal(rank, "r2/healed", 1))
+    assert isinstance(outcomes[0], CoordinationError), outcomes
+    assert str(outcomes[0]).startswith("rank(s) [1] did not report on 'r2/healed' within 2 s"), outcomes
+
+
+def test_the_ranks_agree_on_a_restore_once_a_healing_beside_it_that_goes_on_past_the_timeout_ended():
+    """A healing run beside a restore's first attempt is waited for (``_Restoring._healed``) before
+    the ranks agree on the attempt: a rank whose node still received its copy past the timeout
+    was waited for at the agreement within the timeout and failed every rank, alive as it was.
+    Its wait is inside ``working``: the others wait on while the healing advances (here past 1.5 x
+    the timeout). Two ranks as threads over one store, timeout 2 s; rank 1's healing stands for
+    the long one, each rank then agrees as the restore does."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.tailor import _Restoring
+    from helpers import progressing
+
+    store, gave_up = HashStore(), []
+
+    class Healing:  # ``Tiers.healed``: this rank's part of the healing, waited for
+        def __init__(self, rank: int):
+            self.rank = rank
+
+        def healed(self) -> None:
+            if self.rank == 1:
+                progressing(store, [0], _LOOKS + 2, gave_up)
+
+    def restore(rank: int):
+        restoring = _Restoring(Healing(rank), None, StoreCoordinator.over(store, rank, 2, timeout=2))
+        try:
+            return restoring.coordinator.agree(f"{restoring.round}/loaded/0", 4, restoring._healed(None), True)
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, restore) == [(None, False)] * 2
+
+
 def test_a_wiped_node_copy_is_healed_from_its_partner_and_committed_whole(tmp_path):
     copies, runs, held = node_one_wiped(tmp_path)
     assert held[1] == {} and sorted(held[0]) == [1, 2]
@@ -581,6 +653,38 @@ def test_a_close_after_rank_0s_healed_copy_failed_raises_that_failure_on_every_r
     for outcome in outcomes:
         assert "node 0: step 2: its healed copy could not be written: [Errno 28] No space left" in str(outcome)
         assert "restore() again (on every rank" in str(outcome)
+
+
+def test_a_close_waits_on_while_a_nodes_healed_copy_is_still_written_past_the_timeout(tmp_path):
+    """``close`` settles each node's healed copy (its background writes) before the ranks tell
+    one another how their healing ended: a node whose copy was still written past the timeout (a
+    large copy, a slow disk) failed every rank's close, alive as it was. Its wait is inside
+    ``working``: the others wait on while its writes advance (here past 1.5 x the timeout). Two
+    ranks as threads over one store, timeout 2 s; rank 1's settling stands for the long one."""
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.tailor import _Pending
+    from helpers import progressing
+
+    store, gave_up = HashStore(), []
+    tiers = [Tiers(tmp_path / "home", [Tier(tmp_path / f"node{n}", scope="node")]) for n in range(2)]
+    for each in tiers:
+        each.placement = NodePlacement(Nodes((0, 1)), 1, 1, courier=None)
+    tiers[1].settle_healing = lambda: progressing(store, [0], _LOOKS + 2, gave_up)
+
+    def close(rank: int) -> None:
+        tailor = Tailor.__new__(Tailor)  # as in the test above
+        tailor.tiers, tailor.coordinator = tiers[rank], StoreCoordinator.over(store, rank, 2, timeout=2)
+        tailor._stager = tailor._drift = None
+        tailor._pending = _Pending(None, None, None, None)
+        try:
+            tailor.close()
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, close) == [None, None]
 
 
 EXITS_AFTER_HEALING = """

@@ -39,11 +39,29 @@ without waiting on the disk, as it reads a Trainer checkpoint (bench/RESULTS.md,
 session 45). Larger files are dropped (``make_durable``)."""
 
 
+def _nothing() -> None:
+    pass
+
+
+_durable_one: Callable[[], None] = _nothing
+"""Called each time a file (or a range of one) was made durable (``report_progress``)."""
+
+
+def report_progress(to: Callable[[], None]) -> None:
+    """``to()`` once each file, or range of a large one, is made durable: the store passes the
+    commit coordinator's progress (``distributed.progress.advance``; this floor imports nothing
+    above it), so a rank whose fsyncs run long (a large save, a slow disk) shows the ranks
+    waiting for it that it is live (``Coordinator.working``)."""
+    global _durable_one
+    _durable_one = to
+
+
 def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True) -> None:
     """fsync a file, then (``drop``) its bytes ``[start, end)`` (to the end of the file by
     default) dropped from the page cache: they are durable and will not be read soon, so a save's
     cache footprint stays about one unit instead of the whole checkpoint."""
     os.fsync(fd)
+    _durable_one()
     if drop:
         os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 

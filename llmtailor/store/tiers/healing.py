@@ -193,8 +193,12 @@ def heal(run: Run, moves: list[Transfer], nodes: Nodes, courier: Courier, coordi
 
 def settle(under_way: Healing, coordinator: Coordinator, tag: str) -> None:
     """Collective: wait for every rank's part of a healing (``Healing.outcome``); every rank
-    raises IntegrityError naming the node and file when any node's part failed."""
-    failures = [why for why in coordinator.exchange(tag, under_way.outcome()) if why]
+    raises IntegrityError naming the node and file when any node's part failed. A node's part
+    may outlast the timeout (a large copy to receive and write): the others wait on while it
+    advances (``Coordinator.working``: its writes and fsyncs), one silent for the timeout is named."""
+    with coordinator.working():
+        outcome = under_way.outcome()
+    failures = [why for why in coordinator.exchange(tag, outcome) if why]
     if failures:
         raise IntegrityError(f"healing the node-local tier failed: {'; '.join(failures)}")
 

@@ -307,9 +307,11 @@ class Tiers:
     def _unhealed_nodes(self, coordinator: Coordinator) -> dict[int, str]:
         """Collective with a node-local first tier (``close``): node -> why the healing of its
         copy did not complete (``settle_healing`` on its leader), the same on every rank; nothing
-        otherwise, and no message."""
+        otherwise, and no message. The others wait on while this node's healed copy is still
+        being written (``Coordinator.working``: its writes and fsyncs advance)."""
         try:
-            self.settle_healing()
+            with coordinator.working():
+                self.settle_healing()
             mine = None
         except NodeTierError:
             mine = self.unhealed
