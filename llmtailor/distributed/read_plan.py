@@ -210,7 +210,7 @@ class ReadPlan:
                         done, _ = wait(pending, return_when=FIRST_COMPLETED)
                     except KeyboardInterrupt as err:  # as a caller that stops (a second one ends the plan at once)
                         if stopped:  # what it posted stays in gloo, to pair with the group's next messages
-                            spoil(self.group, err, "a read plan ended at once by a second interrupt")
+                            spoil(self.group, err, "a read plan ended at once by a second interrupt", self.coordinator)
                             raise
                         stopped, refused = True, err
                         failing.known()

@@ -13,7 +13,7 @@ from torch.distributed import HashStore
 from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
 from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
-from helpers import on_threads, progressing
+from helpers import on_threads, progressing, relayed
 
 
 def on_every_rank(world_size, work):
@@ -373,7 +373,7 @@ def test_a_collect_waits_on_the_progress_of_the_ranks_not_yet_answered_only():
     outcome = on_threads(3, rank)[0]
     assert isinstance(outcome, CoordinationError), outcome
     assert re.match(r"rank\(s\) \[2\] did not report their part of promotion 1 within 1 s: a rank died", str(outcome)), outcome
-    assert _relayed(store, 0) == 0
+    assert relayed(store, 0) == 0
 
     # An exchange: rank 1 loads (rank 0 waits on, seeing it), then answers; rank 2 never does. The
     # error names rank 2 without a sign of progress it never showed (before: "of its last sign
