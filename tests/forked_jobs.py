@@ -109,7 +109,8 @@ def rank_launch(ranks: int, statuses: Path | None = None) -> list[str]:
     ``MASTER_PORT``...; every rank on one node) and runs the script's ``main()``, exiting as the
     script would. A rank that fails makes the launch end the others (SIGTERM) and exit 1, as
     torchrun's agent does; with ``statuses``, every rank runs to its end (as processes started by
-    hand) and the file gets each rank's exit status, the launch exiting 0."""
+    hand) and the file gets each rank's exit status, the launch exiting 0. A script whose command
+    line holds several jobs (``hf_job.py``'s ``--then``) runs its ``launch()`` in place of ``main()``."""
     from helpers import free_port
 
     return [sys.executable, __file__, "--ranks", str(ranks), "--port", str(free_port()),
@@ -200,7 +201,7 @@ def launch_ranks(ranks: int, port: int, statuses_file: str | None, script: str, 
             # run; an exception printed, status 1), as a fresh ``python SCRIPT`` process.
             os.setsid()
             os.environ.update(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-            module.main()
+            getattr(module, "launch", module.main)()
             sys.exit(0)
         running[pid] = rank
     # Ended (``helpers.end_launches``: SIGTERM), the launch ends its ranks, as torchrun's agent does.

@@ -1,19 +1,26 @@
 """The courier and the placement rule: which nodes hold a node's parts (pure), and files sent
 between real processes over the courier's own gloo group (including from a thread other than
 the one that made it, as an async save does, a peer that dies, and one that stalls past the
-timeout)."""
+timeout).
+
+The processes are the ranks of one launch of this file (``main``), forked from it once it
+imported torch and llmtailor (``forked_jobs.rank_launch``): one interpreter a launch, where
+``mp.spawn`` started one a rank (each imported torch, llmtailor and this module again). What a
+forked rank does not see that a spawned one would: peers each with a ``str`` hash seed of its
+own (the courier's order comes from dicts and lists; its one set holds ranks, ints, unseeded)."""
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_jobs import rank_launch
 
 from llmtailor.distributed.coordinator import CoordinationError, make_coordinator
 from llmtailor.distributed.courier import Courier
@@ -217,11 +224,22 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
         os._exit(0)
 
 
+def main() -> None:
+    """A rank of ``spawn_courier_job``'s launch: ``python test_courier.py OUT MODE`` with torchrun's
+    ``RANK`` and ``WORLD_SIZE`` (``forked_jobs.rank_launch``); the group's rendezvous in ``OUT/store``."""
+    out, mode = sys.argv[1:]
+    _courier_job(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), f"file://{Path(out, 'store')}", out, mode)
+
+
 def spawn_courier_job(out: Path, mode: str) -> Path:
+    """The courier's job at 3 ranks (``mode`` "ok") or 2 ("dies"); every rank must exit 0."""
+    from helpers import run_launch
+
     world = 3 if mode == "ok" else 2
     for part in ("exchange", "stream", "stall", "holders", "died"):
         (out / part).mkdir(parents=True)
-    mp.spawn(_courier_job, args=(world, f"file://{out / 'store'}", str(out), mode), nprocs=world, join=True)
+    status, stdout, stderr = run_launch([*rank_launch(world), __file__, out, mode], {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert status == 0, f"the courier's launch ({mode}) exited with {status}:\n{stdout[-2000:]}{stderr[-4000:]}"
     return out
 
 

@@ -12,7 +12,10 @@ one process, each plain run into a plain torch model. One more launch at 2 ranks
 first made: a restore that fails on one rank, a universal checkpoint loaded by DeepSpeed and an
 imported DeepSpeed checkpoint resumed under ZeRO-3. The ranks of ``ds_job.py``'s launches are
 forked from one process that imported it (``forked_jobs.rank_launch``: DeepSpeed, transformers and
-torch imported once a launch); the Trainer's launch (``hf_job.py``) is torchrun's."""
+torch imported once a launch), and so are the Trainer's (``hf_job.py``, its ``launch()``: the
+vanilla run, then its import resumed by a TailorTrainer): what that test checks is the checkpoint
+the Trainer writes and its import, not torchrun (tests/integrations launch the Trainer under
+torchrun). Forked ranks share Python's ``str`` hash seed, where torchrun's draw their own."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from forked_jobs import rank_launch
-from helpers import flip_unit_byte, standalone_launch, tiny
+from helpers import flip_unit_byte, tiny
 
 from llmtailor import Tailor
 from llmtailor.store.run import Run
@@ -352,7 +355,7 @@ def test_a_vanilla_trainer_deepspeed_checkpoint_imports_with_trainers_scheduler_
     # One launch: the vanilla run trains to 6 (saving at 4); then, in the same process group,
     # rank 0 imports its checkpoint-4 and a TailorTrainer resumes that run at 2 processes to 6.
     proc = subprocess.run(
-        [*standalone_launch(2), str(job), "--out",
+        [*rank_launch(2), str(job), "--out",
          str(tmp_path / "out"), "--result", str(tmp_path / "result.json"), "--trainer", "vanilla", "--deepspeed", "3",
          "--max-steps", "6", "--save-steps", "4", "--then", "--out", str(tmp_path / "resumed"), "--result",
          str(tmp_path / "resumed.json"), "--deepspeed", "3", "--max-steps", "6", "--save-steps", "100",

@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None):
     return trainer
 
 
-if __name__ == "__main__":
+def launch() -> None:
+    """A launch of this script (``python hf_job.py ...``, a rank of torchrun's, or one forked by
+    ``forked_jobs.rank_launch``): every job of the command line in turn (``--then``), then exit."""
     made = []
     for number, argv in enumerate(job_lines(sys.argv[1:])):
         made.append(main(argv))
@@ -239,3 +241,7 @@ if __name__ == "__main__":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     leave()  # the Trainers still hold their DDP models: freeing one after destroy_process_group can deadlock
+
+
+if __name__ == "__main__":
+    launch()
