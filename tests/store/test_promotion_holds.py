@@ -10,7 +10,7 @@ import shutil
 import threading
 
 import pytest
-from helpers import tiny, train
+from helpers import failing_fsync_of, tiny, train
 from torch.distributed import HashStore
 
 from llmtailor import Full, Run, Tailor
@@ -211,3 +211,30 @@ def test_a_dropped_writers_entry_goes_once_its_uploader_stopped_on_its_own(order
         assert len(runtime._UNCLOSED) == kept and unclosed.uploader is None
     finally:
         runtime._UNCLOSED.pop(unclosed, None)
+
+
+def test_a_collective_promotion_whose_fsync_fails_after_its_rename_is_committed_and_says_so(copies, monkeypatch):
+    """Rank 0 commits the composite both nodes uploaded into the shared tier; the fsync of that
+    tier's ``snapshots/`` after the rename fails (EIO). The snapshot is visible and whole there:
+    the promotion raises what says so (``PromotedUnconfirmed``: the promoter counts it promoted,
+    reports it, never retries it), with what it copied; nothing staged is left, and ``latest`` is
+    left as it was (none yet). Before: the OSError of the fsync, as if nothing had been committed
+    (the promoter's retry then found step 2 there and skipped it)."""
+    import os
+    from pathlib import Path
+
+    from llmtailor.constants import LATEST_FILE
+    from llmtailor.errors import TailorError
+
+    node0, node1, shared = copies
+    root = Path(os.path.realpath(shared.run.root))
+    failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / "step-00000002")
+    with pytest.raises(TailorError, match=rf"^promoting step 2 to {shared.name}: step 2 was promoted and committed in "
+                                          r".*, but its name in snapshots/ could not be made durable \(Input/output "
+                                          r"error\).*latest was left as it was") as raised:
+        promote_together(node0, node1, shared, 2)
+    monkeypatch.undo()
+    assert failed == [str(root / "snapshots")]
+    assert (raised.value.whole, raised.value.copied, raised.value.bytes) == (True, [2], Run(node0.root).manifest(2).total_bytes())
+    assert Run(root).steps() == [2] and Run(root).verify() == [] and not (root / LATEST_FILE).exists()
+    assert not list((root / ".tmp").glob("*"))

@@ -69,7 +69,7 @@ from llmtailor.store.manifest import FileEntry
 from llmtailor.store.run import Run
 from llmtailor.store.storage.base import LazyPool
 from llmtailor.store.tiers.levels import Level
-from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest
+from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest, unconfirmed_stops
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Crew:
 
     def promote(self, source: Run, target: Level, step: int, parent: int | None = None) -> tuple[list[int], int]:
         """``promote.promote``, collectively (module docstring); rank 0's promoter thread.
-        Returns the snapshots copied and their bytes."""
+        Returns the snapshots copied and their bytes; PromotedUnconfirmed as ``promote``."""
         dst = target.run
         with source.reading(step) as composite:  # leased: the source's retention leaves it in place
             target.lock.claim()
@@ -154,9 +154,13 @@ class Crew:
                 self._await_nodes(number)
                 upload(source, dst, staging, None)  # the files of no rank: every node holds them
                 for snapshot in needed:  # oldest first: the composite's own last
-                    SnapshotCommit(dst, snapshot, staging[snapshot]).commit(
-                        promoted_manifest(source, snapshot, step, parent), confirm=target.lock.check_held)
+                    unconfirmed = SnapshotCommit(dst, snapshot, staging[snapshot]).commit(
+                        promoted_manifest(source, snapshot, step, parent), confirm=target.lock.check_held, what="promoted")
                     committed.add(snapshot)
+                    if unconfirmed is not None:  # committed: the promotion stops there (``promote.PromotedUnconfirmed``)
+                        done = sorted(committed)
+                        unconfirmed_stops(unconfirmed, target, step, snapshot, done,
+                                          sum(source.manifest(s).total_bytes() for s in done))
             size = sum(source.manifest(s).total_bytes() for s in needed)
         point_latest(dst, step)
         return needed, size
