@@ -562,6 +562,18 @@ def test_a_failed_fsync_after_a_branching_saves_rename_leaves_latest_and_says_wh
     assert Run(root).latest_step() == 4 and Run(root).manifest(4).parent == 3
 
 
+def _promoting(tmp_path, policy, promote_every: int, keep: int | None = None) -> tuple[Tailor, tuple, Path, Path]:
+    """A Tailor of a tiny model saving to a memory tier promoted to the run directory every
+    ``promote_every`` steps (``keep``: the run directory's); it, the model, optimizer and
+    scheduler, the run directory, the tier."""
+    from llmtailor import Tier
+
+    root = Path(os.path.realpath(tmp_path))
+    home, memory, trained = root / "home", root / "memory", tiny(layers=2)
+    return (Tailor(home, *trained, policy=policy, keep=keep, track_drift=False,
+                   tiers=[Tier(memory, promote_every=promote_every)]), trained, home, memory)
+
+
 def test_a_promotion_whose_fsync_fails_after_its_rename_counts_as_promoted_and_says_what_may_not_be_durable(
         tmp_path, tokens, monkeypatch):
     """A promotion (memory tier -> run directory) commits its snapshot there by the save's own
@@ -574,14 +586,10 @@ def test_a_promotion_whose_fsync_fails_after_its_rename_counts_as_promoted_and_s
     promoted and committed and what may not be durable; never retried. Before: the failure was
     taken for a failed promotion, whose retry found step 2 there and skipped it (copied nothing)
     and pointed ``latest`` at it, the fsync's failure said nowhere: 'DID NOT RAISE'."""
-    from llmtailor import PromotionError, Tier
+    from llmtailor import PromotionError
     from llmtailor.store.tiers import tier_states
 
-    model, optimizer, scheduler = tiny(layers=2)
-    root = Path(os.path.realpath(tmp_path))
-    home, memory = root / "home", root / "memory"
-    tailor = Tailor(home, model, optimizer, scheduler, policy=Full(), keep=1, track_drift=False,
-                    tiers=[Tier(memory, promote_every=1)])
+    tailor, (model, optimizer, scheduler), home, memory = _promoting(tmp_path, Full(), promote_every=1, keep=1)
     try:
         tailor.save(1)
         tailor.wait(promoted=True)
@@ -618,13 +626,9 @@ def test_a_promotion_whose_carriers_fsync_fails_stops_there_and_the_next_one_goe
     the failure says so; the promotion at close finds the carrier there and goes on from it.
     Before: the failure was a failed try, whose retry passed over the carrier and promoted the
     composite, the carrier's failure said nowhere: 'DID NOT RAISE'."""
-    from llmtailor import Parity, PromotionError, Tier
+    from llmtailor import Parity, PromotionError
 
-    model, optimizer, scheduler = tiny(layers=2)
-    root = Path(os.path.realpath(tmp_path))
-    home, memory = root / "home", root / "memory"
-    tailor = Tailor(home, model, optimizer, scheduler, policy=Parity(), track_drift=False,
-                    tiers=[Tier(memory, promote_every=2)])
+    tailor, (model, optimizer, scheduler), home, memory = _promoting(tmp_path, Parity(), promote_every=2)
     try:
         for step in (1, 2):
             train(model, optimizer, scheduler, tokens, [step])
