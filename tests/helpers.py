@@ -4,6 +4,7 @@ Importable from any test as ``helpers`` (pytest's ``pythonpath`` includes tests/
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -569,3 +570,21 @@ def progressing(store, waiters: list[int], looks: int, gave_up: list[int]) -> No
     while min(relayed(store, rank) - before[rank] for rank in waiters) < looks and not gave_up:
         advance()
         time.sleep(0.01)
+
+
+def failing_fsync_of(monkeypatch, directory: Path, once_renamed: Path) -> list[str]:
+    """Make the first fsync of ``directory`` once ``once_renamed`` exists (after a commit's rename
+    of it) fail with EIO, on the save's thread or a helper's but the purger's (retention's own);
+    returns the list the failed fsync's path is appended to."""
+    real, failed = os.fsync, []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+        if (not failed and path == str(directory) and once_renamed.exists()
+                and threading.current_thread().name != "llmtailor-purge"):
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return failed

@@ -11,10 +11,13 @@ earlier snapshot stays as it was. Then ``replace_latest`` points the run at the 
 
 Once the snapshot is visible (renamed in; its manifest written), the save is committed: what
 fails after (``latest`` not replaced, the fsync of ``snapshots/`` or of the run's directory) is
-not a failed save. ``commit(..., latest=True)`` returns it as one message saying what is and
-what may not be durable (``describe_unconfirmed``); the writer counts the save committed and
-raises that message once its bookkeeping says so (``Tailor``: its lineage extends the snapshot,
-which a restore finds; retention and promotions wait for the next save). Undoing the rename
+not a failed save. ``commit`` returns it as one message saying what is and what may not be
+durable (``describe_unconfirmed``); the writer counts the save committed and raises that message
+once its bookkeeping says so (``Tailor``: its lineage extends the snapshot, which a restore finds;
+retention and promotions wait for the next save). So does a commit without ``latest``: a
+promotion counts the snapshot as in the slower tier, leaves that tier's ``latest`` and retention
+as they are and reports the message as its failure, never retried (``tiers.promote``); a healing
+counts its snapshot as in the node's copy and logs it (``tiers.healing``). Undoing the rename
 instead is not sound: a reader may hold the snapshot already, and the undo would have to be made
 durable through the directory whose fsync just failed.
 """
@@ -63,7 +66,7 @@ class SnapshotCommit:
             yield StagedFiles(self, batch)
 
     def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None, latest: bool = False,
-               pending: StagedFiles | None = None, parent: int | None = None) -> str | None:
+               pending: StagedFiles | None = None, parent: int | None = None, what: str = "saved") -> str | None:
         """``confirm()`` (that the writer lock is still held: raises if not), then the storage's
         commit: the manifest, last and only if absent, and the snapshot committed
         (``SnapshotCommits.commit``). Staged files must be durable, or in ``pending`` (a batch
@@ -71,8 +74,8 @@ class SnapshotCommit:
         the directories are fsynced). ``latest``: and the run's ``latest`` pointed at it once it
         is committed (as ``replace_latest``; locally the pointer's new file is made durable with
         the manifest); returns what failed once the snapshot was committed, as one message
-        (module docstring), or None. Without ``latest`` (a promotion, a healing) that failure is
-        raised (an OSError), as any failure of the commit. ``parent``: the step of the snapshot's
+        (module docstring), or None; so too without ``latest`` (a promotion, a healing: ``what``
+        the message calls the commit). A failure raised means nothing was committed. ``parent``: the step of the snapshot's
         parent (``SnapshotCommits.commit``: passed on while this process commits no other
         snapshot of the run in the background)."""
         if confirm is not None:
@@ -81,11 +84,7 @@ class SnapshotCommit:
         alone = parent is not None and not self.run.committing_in_background()
         failed = self.run.storage.commits.commit(self.staging, self.final, manifest, pointer,
                                                  pending.drain if pending is not None else None, parent if alone else None)
-        if failed is None:
-            return None
-        if not latest:
-            raise failed.durable or failed.pointer_durable or failed.pointer
-        return describe_unconfirmed(self.run, self.step, failed)
+        return None if failed is None else describe_unconfirmed(self.run, self.step, failed, what)
 
     def abandon(self) -> None:
         """Remove what was staged (never a committed snapshot)."""
@@ -139,9 +138,10 @@ def _pointer_failure(run: Run, step: int, err: OSError) -> str:
     )
 
 
-def describe_unconfirmed(run: Run, step: int, failed: Unconfirmed) -> str:
+def describe_unconfirmed(run: Run, step: int, failed: Unconfirmed, what: str = "saved") -> str:
     """What a commit of ``step`` could not do or confirm once the snapshot was visible
-    (``Unconfirmed``), as one message: the snapshot committed, what may not be durable, and
+    (``Unconfirmed``), as one message (``what``: how the snapshot came there, "saved", "promoted",
+    "healed"): the snapshot committed, what may not be durable, and
     what a restore finds now (the run looked at again: the snapshot itself, through its parent
     link where ``latest`` was not replaced; or, a save that branched off an older composite,
     another that stays the run's newest until ``latest`` names this one)."""
@@ -157,7 +157,7 @@ def describe_unconfirmed(run: Run, step: int, failed: Unconfirmed) -> str:
     if failed.pointer_durable is not None:
         said.append(f"{LATEST_FILE} names it, but that could not be made durable ({_reason(failed.pointer_durable)}): a "
                     f"crash of the machine may bring back the {LATEST_FILE} before it")
-    return f"step {step} was saved and committed in {run.root}, but {'; '.join(said)}; {_found(run, step, failed)}"
+    return f"step {step} was {what} and committed in {run.root}, but {'; '.join(said)}; {_found(run, step, failed)}"
 
 
 def _found(run: Run, step: int, failed: Unconfirmed) -> str:

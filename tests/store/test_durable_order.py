@@ -12,11 +12,12 @@ patched): an fsync as it returns, with the path of its descriptor; a rename as i
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 
 import pytest
-from helpers import assert_bitwise, tiny, train, unit_versions
+from helpers import assert_bitwise, failing_fsync_of, tiny, train, unit_versions
 
 from llmtailor import Full, Tailor
 from llmtailor.constants import (GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, PACKS_DIR, TMP_DIR,
@@ -472,26 +473,6 @@ def test_an_fsync_failing_beside_the_manifests_commits_nothing_and_is_raised(tmp
         tailor.close()
 
 
-def _failing_fsync_of(monkeypatch, directory: Path, once_renamed: Path) -> list[str]:
-    """Make the first fsync of ``directory`` once ``once_renamed`` exists (after a commit's rename
-    of it) fail with EIO, on the save's thread or a helper's but the purger's (retention's own);
-    returns the list the failed fsync's path is appended to."""
-    import errno
-
-    real, failed = os.fsync, []
-
-    def fsync(fd):
-        path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
-        if (not failed and path == str(directory) and once_renamed.exists()
-                and threading.current_thread().name != "llmtailor-purge"):
-            failed.append(path)
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    return failed
-
-
 @pytest.mark.parametrize("blocking", [True, False], ids=["sync", "async"])
 @pytest.mark.parametrize("where", ["snapshots", "run"])
 def test_a_failed_fsync_after_both_renames_reports_the_save_committed_and_what_may_not_be_durable(tmp_path, tokens, monkeypatch,
@@ -518,7 +499,7 @@ def test_a_failed_fsync_after_both_renames_reports_the_save_committed_and_what_m
         tailor.wait()
         saved = unit_versions(model, optimizer)
         directory = root / "snapshots" if where == "snapshots" else root
-        failed = _failing_fsync_of(monkeypatch, directory, root / "snapshots" / snapshot_dirname(2))
+        failed = failing_fsync_of(monkeypatch, directory, root / "snapshots" / snapshot_dirname(2))
         said = (r"its name in snapshots/ could not be made durable \(.*Input/output error\): a crash of the machine"
                 if where == "snapshots" else
                 r"latest names it, but that could not be made durable \(.*Input/output error\): a crash of the machine "
@@ -563,7 +544,7 @@ def test_a_failed_fsync_after_a_branching_saves_rename_leaves_latest_and_says_wh
         tailor.save(2)
         assert tailor.restore(1).step == 1
         saved = unit_versions(model, optimizer)
-        failed = _failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(3))
+        failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(3))
         with pytest.raises(TailorError, match=r"^step 3 was saved and committed in .*, but its name in snapshots/ could not "
                                               r"be made durable \(Input/output error\).*; its latest pointer was left as it "
                                               r"was .*restore\(3\) loads it\), and a restore of the newest composite finds "
@@ -599,7 +580,7 @@ def test_a_restore_after_an_async_save_whose_commit_was_unconfirmed_restores_and
         tailor.wait()
         saved = unit_versions(model, optimizer)
         train(model, optimizer, scheduler, tokens, [1])
-        failed = _failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
+        failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
         tailor.save(2)
         assert tailor.restore(1).step == 1
         monkeypatch.undo()
@@ -609,3 +590,119 @@ def test_a_restore_after_an_async_save_whose_commit_was_unconfirmed_restores_and
                                               r"be made durable"):
             tailor.wait()
         tailor.wait()  # said once
+
+
+def _promoting(tmp_path, policy, promote_every: int, keep: int | None = None) -> tuple[Tailor, tuple, Path, Path]:
+    """A Tailor of a tiny model saving to a memory tier promoted to the run directory every
+    ``promote_every`` steps (``keep``: the run directory's); it, the model, optimizer and
+    scheduler, the run directory, the tier."""
+    from llmtailor import Tier
+
+    root = Path(os.path.realpath(tmp_path))
+    home, memory, trained = root / "home", root / "memory", tiny(layers=2)
+    return (Tailor(home, *trained, policy=policy, keep=keep, track_drift=False,
+                   tiers=[Tier(memory, promote_every=promote_every)]), trained, home, memory)
+
+
+def test_a_promotion_whose_fsync_fails_after_its_rename_counts_as_promoted_and_says_what_may_not_be_durable(
+        tmp_path, tokens, monkeypatch):
+    """A promotion (memory tier -> run directory) commits its snapshot there by the save's own
+    recipe, without ``latest``; here the fsync of the run directory's ``snapshots/`` after that
+    rename fails (EIO) on the promoter's thread. The snapshot is visible and whole: the promotion
+    counts as done (``Promotion.copied``, no lag, what ``inspect`` shows), the run directory's
+    ``latest`` is left naming step 1 (it names a composite only once that is durable; a restore
+    finds step 2 through its parent link), its retention waits (``keep=1``: step 1 stays until
+    the next promotion), and the next ``wait``/``save`` raises one PromotionError that says it was
+    promoted and committed and what may not be durable; never retried. Before: the failure was
+    taken for a failed promotion, whose retry found step 2 there and skipped it (copied nothing)
+    and pointed ``latest`` at it, the fsync's failure said nowhere: 'DID NOT RAISE'."""
+    from llmtailor import PromotionError
+    from llmtailor.store.tiers import tier_states
+
+    tailor, (model, optimizer, scheduler), home, memory = _promoting(tmp_path, Full(), promote_every=1, keep=1)
+    try:
+        tailor.save(1)
+        tailor.wait(promoted=True)
+        failed = failing_fsync_of(monkeypatch, home / "snapshots", home / "snapshots" / snapshot_dirname(2))
+        train(model, optimizer, scheduler, tokens, [2])
+        tailor.save(2)
+        with pytest.raises(PromotionError, match=rf"^promoting step 2 to {home}: step 2 was promoted and committed in "
+                                                 rf"{home}, but its name in snapshots/ could not be made durable "
+                                                 r"\(Input/output error\): a crash of the machine .*a restore finds step 2 "
+                                                 rf"now\. {home}'s latest was left as it was"):
+            tailor.wait(promoted=True)
+        monkeypatch.undo()
+        assert failed == [str(home / "snapshots")]
+        assert [(p.step, p.copied) for p in tailor.tiers.promotions] == [(1, [1]), (2, [2])]
+        assert (home / LATEST_FILE).read_text().strip() == snapshot_dirname(1)
+        assert Run(home).steps() == [1, 2] and Run(home).latest_step() == 2 and Run(home).verify() == []
+        assert tailor.tiers.promoter.lag(1) == 0
+        assert [(s.newest, s.lag) for s in tier_states(Run(memory))] == [(2, None), (2, 0)]
+        tailor.wait(promoted=True)  # said once
+        train(model, optimizer, scheduler, tokens, [3])
+        tailor.save(3)
+        tailor.wait(promoted=True)
+        tailor.tiers.levels[-1].run.storage.commits.wait_purged()
+        assert (home / LATEST_FILE).read_text().strip() == snapshot_dirname(3) and Run(home).steps() == [3]
+    finally:
+        tailor.close()
+
+
+def test_a_promotion_whose_carriers_fsync_fails_stops_there_and_the_next_one_goes_on_from_it(tmp_path, tokens, monkeypatch):
+    """Parity's composite of step 3 needs step 2, which the run directory lacks (``promote_every=2``:
+    steps 1 and 3 are promoted), so its promotion commits step 2 there first, as a carrier; the
+    fsync after that rename fails. The carrier is committed (visible, whole); the promotion stops
+    there, nothing more committed, no composite counted as promoted there (the lag stays), and
+    the failure says so; the promotion at close finds the carrier there and goes on from it.
+    Before: the failure was a failed try, whose retry passed over the carrier and promoted the
+    composite, the carrier's failure said nowhere: 'DID NOT RAISE'."""
+    from llmtailor import Parity, PromotionError
+
+    tailor, (model, optimizer, scheduler), home, memory = _promoting(tmp_path, Parity(), promote_every=2)
+    try:
+        for step in (1, 2):
+            train(model, optimizer, scheduler, tokens, [step])
+            tailor.save(step)
+            tailor.wait(promoted=True)
+        assert Run(home).steps() == [1]
+        failed = failing_fsync_of(monkeypatch, home / "snapshots", home / "snapshots" / snapshot_dirname(2))
+        train(model, optimizer, scheduler, tokens, [3])
+        tailor.save(3)
+        with pytest.raises(PromotionError, match=rf"^promoting step 3 to {home}: step 2 was promoted and committed in "
+                                                 r".*could not be made durable \(Input/output error\).*\. The composite of "
+                                                 r"step 3 it was copied for was not promoted \(nothing more was committed "
+                                                 rf"in {home}\); the next promotion there goes on from it$"):
+            tailor.wait(promoted=True)
+        monkeypatch.undo()
+        assert failed == [str(home / "snapshots")]
+        assert Run(home).steps() == [1, 2] and Run(home).latest_step() == 1
+        assert [p.step for p in tailor.tiers.promotions] == [1] and tailor.tiers.promoter.lag(1) == 2
+    finally:
+        tailor.close()
+    assert [(p.step, p.copied) for p in tailor.tiers.promotions] == [(1, [1]), (3, [3])]
+    assert Run(home).steps() == [1, 2, 3] and Run(home).latest_step() == 3 and Run(home).verify() == []
+
+
+def test_a_healed_snapshot_whose_fsync_fails_after_its_rename_is_in_the_copy_and_logged_not_a_failed_healing(
+        tmp_path, monkeypatch, caplog):
+    """A node's copy healed from its partner commits the snapshot it received by the save's own
+    recipe, without ``latest``; the fsync of the copy's ``snapshots/`` after that rename fails.
+    The snapshot is in the copy, whole: the healing succeeded, and the log says what may not be
+    durable. Before: the healing failed ('its healed copy could not be written: ... Input/output
+    error', raised by every save of the node until a restore) while the copy held the snapshot."""
+    import logging
+
+    from store.test_node_recovery import move_in_process, node_one_wiped
+
+    from llmtailor.distributed.nodes import Nodes
+    from llmtailor.store.tiers.recovery import healing
+
+    copies, runs, held = node_one_wiped(Path(os.path.realpath(tmp_path)))
+    failed = failing_fsync_of(monkeypatch, copies[1] / "snapshots", copies[1] / "snapshots" / snapshot_dirname(2))
+    with caplog.at_level(logging.WARNING):
+        move_in_process(runs, healing(held, 2), Nodes((0, 1)))
+    monkeypatch.undo()
+    assert failed == [str(copies[1] / "snapshots")]
+    assert Run(copies[1]).steps() == [2] and Run(copies[1]).resolve().step == 2 and runs[1].steps() == [2]
+    assert re.search(rf"node 1: step 2 was healed and committed in {copies[1]}, but its name in snapshots/ could not be "
+                     r"made durable \(Input/output error\)", caplog.text), caplog.text

@@ -277,6 +277,55 @@ def test_a_lease_naming_a_live_process_here_that_no_longer_renews_it_is_watched_
         other.wait()
 
 
+def _lease_of(holder: str, namespace: str) -> bytes:
+    """A writer's lease record naming ``holder`` in the pid namespace ``namespace``, just renewed,
+    for a long ttl (lapsed only after the test)."""
+    return json.dumps({"holder": holder, "ns": namespace, "renewed": time.time(), "ttl": 600}).encode()
+
+
+def _this_namespace() -> str:
+    """This process's pid namespace as a lease records it (``ns``: the boot id, the inode)."""
+    return f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+def test_a_lease_naming_this_processs_own_pid_that_none_of_its_writers_holds_is_taken_over_at_once(url):
+    """A writer died and left its lease, just renewed; this process has its pid now, in the same
+    pid namespace (a container restarted: its first process has the same low pid each time).
+    Its pid being alive says nothing: none of this process's writers holds that lease, so its
+    holder is dead, and the lease is taken over at once (not refused, nor watched for its ttl);
+    once it is, a look from this process sees its own live lease. Before: refused at once,
+    naming this very process ("being written by another writer (pid <own pid> on HOST)"), and
+    ``holder_if_other`` called that dead holder live."""
+    import socket
+
+    storage = ObjectStorage(url, {"lock_ttl": 600})
+    mine = f"pid {os.getpid()} on {socket.gethostname()}"
+    storage.put(".lock", _lease_of(mine, _this_namespace()))
+    assert storage.locks.writer().holder_if_other() is None
+    lock = storage.locks.writer()
+    lock.take()
+    try:
+        assert storage.locks.writer().holder_if_other() == mine  # its own now: held, alive
+    finally:
+        lock.release()
+    assert not storage.is_file(".lock")
+
+
+def test_a_lease_of_another_pid_namespace_under_this_hostname_is_not_judged_by_its_pid(url):
+    """A writer in another container under this hostname (another pid namespace) holds the
+    lease; its pid names no process here. That says nothing of it: it is a holder elsewhere, live
+    while its lease is renewed. Before: taken for a dead process of this host (``holder_if_other``
+    None: a read-only Tailor not refused; ``take`` took its lease over at once: two writers)."""
+    import socket
+
+    storage = ObjectStorage(url, {"lock_ttl": 600})
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    holder = f"pid {gone.pid} on {socket.gethostname()}"
+    storage.put(".lock", _lease_of(holder, "another-boot:4026531836"))
+    assert storage.locks.writer().holder_if_other() == holder
+
+
 def test_a_lease_abandoned_elsewhere_is_taken_over_only_once_it_stops_being_renewed(url):
     """A lease written by a writer on another host (not renewed, process not checkable here):
     taken over after it stayed unchanged for lock_ttl seconds, never before."""
@@ -320,7 +369,7 @@ def test_a_held_lease_is_renewed_on_the_server_and_a_contender_refused(url, toke
             time.sleep(0.1)
         assert len(seen) >= 3, f"the lease was renewed {len(seen) - 1} time(s)"
         holder, _ = storage.locks.writer()._current()
-        monkeypatch.setattr(ObjectWriterLock, "_on_this_host", staticmethod(lambda holder: None))  # as if elsewhere: watched
+        monkeypatch.setattr(ObjectWriterLock, "_on_this_host", staticmethod(lambda holder, version: None))  # as if elsewhere: watched
         # The contender watches for its own lock_ttl: a long one, so that a renewal late on a busy
         # machine (the holder's period is 0.5 s) is still seen; it is refused at the first one.
         contender = ObjectStorage(url, {"lock_ttl": 120}).locks.writer()

@@ -10,7 +10,7 @@ import shutil
 import threading
 
 import pytest
-from helpers import tiny, train
+from helpers import failing_fsync_of, tiny, train
 from torch.distributed import HashStore
 
 from llmtailor import Full, Run, Tailor
@@ -138,6 +138,86 @@ def test_a_follower_whose_report_finds_the_jobs_store_gone_stops_saying_so_not_w
            "posted 'promotion/1/node/1'" in caplog.text, caplog.text
 
 
+def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch, caplog):
+    """Node 1's uploader waits for rank 0's next order, none due (promotions may be far apart),
+    when rank 0, hosting the job's store, dies. No order can come: the uploader's thread ends,
+    logging why (awaited here: the thread's end; its coordinator's timeout is an hour), and
+    ``join`` returns at once. Before: it asked the dead store again every 0.2 s for as long as
+    its process lived (the thread still alive after the bound below; only ``join``, at a close,
+    gave up on it, after the timeout)."""
+    import datetime
+    import gc
+    import logging
+
+    from torch.distributed import TCPStore
+
+    server = [TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)]
+    # The client's own timeout bounds how long its wait on a store that died may take to say so.
+    client = TCPStore("127.0.0.1", server[0].port, 2, False, timeout=datetime.timedelta(seconds=5))
+    leader = StoreCoordinator.over(server[0], 0, 2, timeout=3600)
+    uploader = collective.NodeUploader(None, None, 1, StoreCoordinator.over(client, 1, 2, timeout=3600))
+    waiting, collect = threading.Event(), uploader.coordinator.collect
+
+    def collect_seen(tags, what):
+        waiting.set()
+        return collect(tags, what)
+
+    uploader.coordinator.collect = collect_seen
+    died: list = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    with caplog.at_level(logging.WARNING, logger=collective.__name__):
+        uploader.start()
+        assert waiting.wait(60)  # idle: waiting for order 1
+        server.clear()  # rank 0 dies, and the store with it
+        leader._store = None
+        gc.collect()
+        uploader._thread.join(120)  # a bound on a hang
+        assert not uploader._thread.is_alive(), "the idle uploader still polls the store that went away"
+        uploader.join()
+    assert died == []
+    assert "node 1's uploader stops waiting for promotion order 1: the job's store went away" in caplog.text, caplog.text
+
+
+def test_a_close_after_rank_0_was_silent_longer_than_the_timeout_still_serves_the_last_order():
+    """Promotions far apart: rank 0 last ordered one longer ago than the timeout. A follower's
+    close waits for its uploader (``join``) while rank 0's close orders the promotion of the
+    last composite: that silence before the close is no sign of rank 0's death, so ``join`` looks
+    again and again (awaited here: its second look) and returns once the order was served and
+    rank 0 said stop. Before: it returned at its first look ("heard nothing from rank 0 for
+    3600 s; it stops"), and the process could exit before its part was uploaded: the second
+    look never came."""
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=3600), StoreCoordinator.over(store, 1, 2, timeout=3600)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+    uploader._serve = lambda order: {"bytes": 0}
+    looks = threading.Semaphore(0)
+
+    class Watched(threading.Event):  # counts join's looks (the waits of the thread named "close")
+        def wait(self, timeout=None):
+            done = super().wait(timeout)
+            if threading.current_thread().name == "close":
+                looks.release()
+            return done
+
+    uploader._stopped = Watched()
+    uploader._heard -= 2 * 3600  # rank 0's last order, two hours ago
+    uploader.start()
+    served: list = []
+
+    def close():
+        uploader.join()
+        served.append(leader.poll(collective.report_tag(1, 1))[0])
+
+    joining = threading.Thread(target=close, name="close", daemon=True)
+    joining.start()
+    assert looks.acquire(timeout=60) and looks.acquire(timeout=60), "join gave up at its first look"
+    leader.post(collective.order_tag(1), {"staging": {}})
+    assert leader.collect({1: collective.report_tag(1, 1)}, "node 1's part") == {1: {"bytes": 0}}
+    leader.post(collective.order_tag(2), {"stop": True})
+    joining.join(120)
+    assert not joining.is_alive() and served == [True]
+
+
 def test_a_follower_that_stopped_on_its_own_is_not_waited_for_until_the_timeout():
     """An uploader whose thread ended without rank 0's stop (its report found the job's store
     gone: it logs that it stops) is not waited for by ``join`` (a close, or the exit's
@@ -211,3 +291,30 @@ def test_a_dropped_writers_entry_goes_once_its_uploader_stopped_on_its_own(order
         assert len(runtime._UNCLOSED) == kept and unclosed.uploader is None
     finally:
         runtime._UNCLOSED.pop(unclosed, None)
+
+
+def test_a_collective_promotion_whose_fsync_fails_after_its_rename_is_committed_and_says_so(copies, monkeypatch):
+    """Rank 0 commits the composite both nodes uploaded into the shared tier; the fsync of that
+    tier's ``snapshots/`` after the rename fails (EIO). The snapshot is visible and whole there:
+    the promotion raises what says so (``PromotedUnconfirmed``: the promoter counts it promoted,
+    reports it, never retries it), with what it copied; nothing staged is left, and ``latest`` is
+    left as it was (none yet). Before: the OSError of the fsync, as if nothing had been committed
+    (the promoter's retry then found step 2 there and skipped it)."""
+    import os
+    from pathlib import Path
+
+    from llmtailor.constants import LATEST_FILE
+    from llmtailor.errors import TailorError
+
+    node0, node1, shared = copies
+    root = Path(os.path.realpath(shared.run.root))
+    failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / "step-00000002")
+    with pytest.raises(TailorError, match=rf"^promoting step 2 to {shared.name}: step 2 was promoted and committed in "
+                                          r".*, but its name in snapshots/ could not be made durable \(Input/output "
+                                          r"error\).*latest was left as it was") as raised:
+        promote_together(node0, node1, shared, 2)
+    monkeypatch.undo()
+    assert failed == [str(root / "snapshots")]
+    assert (raised.value.whole, raised.value.copied, raised.value.bytes) == (True, [2], Run(node0.root).manifest(2).total_bytes())
+    assert Run(root).steps() == [2] and Run(root).verify() == [] and not (root / LATEST_FILE).exists()
+    assert not list((root / ".tmp").glob("*"))

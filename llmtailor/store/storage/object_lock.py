@@ -8,7 +8,15 @@
   host whose process is gone is taken over at once; one whose process lives is refused at once
   while its lease is renewed, and watched as one elsewhere once its lease went unrenewed past
   its ttl (its pid may name another process by now: pids are reused, and a container restarted
-  with the same hostname gives them out alike). A writer that lost its lease refuses to commit.
+  with the same hostname gives them out alike). "On this host" is the hostname and the pid
+  namespace the lease records (``ns``: the kernel's boot id and the namespace's inode): a
+  process of another container under the same hostname is watched as one elsewhere, never
+  judged by a pid that means another process here. A lease naming this very process (its pid)
+  is told by what this process holds (``_HOLDING``), never by its pid, which is alive: held by
+  none of its writers, it was a predecessor's that died and whose pid this process now has
+  (a container's first process: the same low pid each time), taken over at once where the
+  lease records this namespace, watched where it records none. A writer that lost its lease
+  refuses to commit.
 - **Reader leases.** A reader writes ``snapshots/step-N/.readers/<id>`` (with an expiry), then
   checks that the snapshot is committed and not marked ``.removing`` (both asked at once: a GET
   of the manifest, kept for the reader as ``Lease.marker``, and a HEAD of the mark); retention writes
@@ -24,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 
 from llmtailor.constants import LOCK_FILE, MANIFEST_FILE
 from llmtailor.errors import IntegrityError, StorageError, TailorError
@@ -155,7 +164,8 @@ class ObjectWriterLock(WriterLockBackend):
         self._thread: threading.Thread | None = None
 
     def _record(self) -> bytes:
-        return json.dumps({"holder": this_process(), "renewed": time.time(), "ttl": self.storage.lock_ttl}).encode()
+        return json.dumps({"holder": this_process(), "ns": pid_namespace(), "renewed": time.time(),
+                           "ttl": self.storage.lock_ttl}).encode()
 
     def take(self) -> None:
         storage = self.storage
@@ -167,7 +177,7 @@ class ObjectWriterLock(WriterLockBackend):
             if current is None:
                 continue  # released meanwhile: try again
             holder, version = current
-            here = self._on_this_host(holder)
+            here = self._on_this_host(holder, version)
             if (here is True and not _lapsed(holder)) or (here is not False and not self._stale(version)):
                 raise TailorError(
                     f"{storage.url} is being written by another writer ({holder.get('holder', 'unknown')}); "
@@ -179,6 +189,7 @@ class ObjectWriterLock(WriterLockBackend):
                 break
         self._lost = None
         self._stop.clear()
+        _HOLDING.add(self)
         self._thread = threading.Thread(target=self._renew, name="llmtailor-lock", daemon=True)
         self._thread.start()
 
@@ -197,23 +208,38 @@ class ObjectWriterLock(WriterLockBackend):
         return (holder if isinstance(holder, dict) else {}), version
 
     @staticmethod
-    def _on_this_host(holder: dict) -> bool | None:
-        """For a holder on this host: whether its process lives (True: refused at once; False:
-        a crash, its lease void at once); None for a holder elsewhere (watched)."""
+    def _on_this_host(holder: dict, version: Version) -> bool | None:
+        """For a holder on this host (its hostname, and the pid namespace its lease records:
+        module docstring): whether its process lives (True: refused at once; False: a crash, its
+        lease, of ``version``, void at once); None for a holder elsewhere, or one its pid cannot
+        tell (watched). A lease naming this process's own pid is this process's only if one of
+        its writers holds ``version`` (``_HOLDING``): else its pid, alive, says nothing of the
+        holder, which died (this namespace) or may live in another (none recorded)."""
         parts = str(holder.get("holder", "")).split()
         if len(parts) != 4 or parts[0] != "pid" or parts[2] != "on" or parts[3] != socket.gethostname():
             return None
+        namespace = holder.get("ns")
+        if namespace is not None and namespace != pid_namespace():  # another container (or machine) of this name
+            return None
         try:
-            os.kill(int(parts[1]), 0)
+            pid = int(parts[1])
+        except ValueError:
+            return True
+        if pid == os.getpid():
+            if any(lock._held == version for lock in list(_HOLDING)):
+                return True
+            return False if namespace is not None else None
+        try:
+            os.kill(pid, 0)
         except ProcessLookupError:
             return False
-        except (PermissionError, ValueError):
+        except PermissionError:
             return True
         return True
 
     @classmethod
-    def _dead_here(cls, holder: dict) -> bool:
-        return cls._on_this_host(holder) is False
+    def _dead_here(cls, holder: dict, version: Version) -> bool:
+        return cls._on_this_host(holder, version) is False
 
     def _stale(self, version: Version) -> bool:
         """Watch the lease for up to ``lock_ttl`` seconds: renewed (its version changed) means a
@@ -253,6 +279,7 @@ class ObjectWriterLock(WriterLockBackend):
                               "nothing more is committed")
 
     def release(self) -> None:
+        _HOLDING.discard(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -270,7 +297,24 @@ class ObjectWriterLock(WriterLockBackend):
         current = self._current()
         if current is None or current[1] == self._held:
             return None
-        holder, _ = current
-        if self._dead_here(holder) or _lapsed(holder):
+        holder, version = current
+        if self._dead_here(holder, version) or _lapsed(holder):
             return None
         return str(holder.get("holder", "unknown process"))
+
+
+_HOLDING: weakref.WeakSet[ObjectWriterLock] = weakref.WeakSet()
+"""The writer leases this process holds (taken, not released): a lease naming this process's pid
+is its own only if one of them holds its version (``ObjectWriterLock._on_this_host``)."""
+os.register_at_fork(after_in_child=_HOLDING.clear)  # a forked child holds none of its parent's
+
+
+def pid_namespace() -> str | None:
+    """This process's pid namespace, told apart across machines: the kernel's boot id and the
+    namespace's inode (Linux); None where they cannot be read. Two processes of one hostname
+    and one pid namespace are on one host, and a pid names one process there."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{boot.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None

@@ -69,7 +69,7 @@ from llmtailor.store.manifest import FileEntry
 from llmtailor.store.run import Run
 from llmtailor.store.storage.base import LazyPool
 from llmtailor.store.tiers.levels import Level
-from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest
+from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest, unconfirmed_stops
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Crew:
 
     def promote(self, source: Run, target: Level, step: int, parent: int | None = None) -> tuple[list[int], int]:
         """``promote.promote``, collectively (module docstring); rank 0's promoter thread.
-        Returns the snapshots copied and their bytes."""
+        Returns the snapshots copied and their bytes; PromotedUnconfirmed as ``promote``."""
         dst = target.run
         with source.reading(step) as composite:  # leased: the source's retention leaves it in place
             target.lock.claim()
@@ -154,9 +154,13 @@ class Crew:
                 self._await_nodes(number)
                 upload(source, dst, staging, None)  # the files of no rank: every node holds them
                 for snapshot in needed:  # oldest first: the composite's own last
-                    SnapshotCommit(dst, snapshot, staging[snapshot]).commit(
-                        promoted_manifest(source, snapshot, step, parent), confirm=target.lock.check_held)
+                    unconfirmed = SnapshotCommit(dst, snapshot, staging[snapshot]).commit(
+                        promoted_manifest(source, snapshot, step, parent), confirm=target.lock.check_held, what="promoted")
                     committed.add(snapshot)
+                    if unconfirmed is not None:  # committed: the promotion stops there (``promote.PromotedUnconfirmed``)
+                        done = sorted(committed)
+                        unconfirmed_stops(unconfirmed, target, step, snapshot, done,
+                                          sum(source.manifest(s).total_bytes() for s in done))
             size = sum(source.manifest(s).total_bytes() for s in needed)
         point_latest(dst, step)
         return needed, size
@@ -212,6 +216,8 @@ class NodeUploader:
         self._stopped = threading.Event()
         self._heard = time.monotonic()
         """When rank 0 was last heard from (an order came, or this node's part of one ended)."""
+        self._serving = False
+        """Whether this node serves an order now (rank 0 waits for it: ``join`` does too)."""
         self._then: Callable[[], None] | None = None
 
     def start(self) -> NodeUploader:
@@ -220,13 +226,18 @@ class NodeUploader:
 
     def join(self) -> None:
         """Wait until rank 0 said stop (it does once its last promotion is committed), or until
-        no order came for the coordinator's timeout (a rank 0 that died says nothing: logged,
-        not raised), or the thread ended on its own (its report found the job's store gone:
-        logged there; no order follows)."""
+        rank 0 was silent for the coordinator's timeout, counted from this call at the earliest
+        and never while this node serves an order (a rank 0 that died says nothing: logged, not
+        raised), or the thread ended on its own (its wait for an order, or its report, found the
+        job's store gone: logged there; no order follows). Rank 0 orders the promotion of the
+        last composite as its writer closes, while this one waits here: a silence before this
+        call (promotions far apart) is no sign of its death (before, a close after an idle
+        timeout returned at once, and the process could exit before its part was uploaded)."""
+        since = time.monotonic()
         while not self._stopped.wait(IDLE_WAIT):
             if self._thread.ident is not None and not self._thread.is_alive():
                 return
-            if time.monotonic() - self._heard > self.coordinator.timeout:
+            if not self._serving and time.monotonic() - max(self._heard, since) > self.coordinator.timeout:
                 log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
                             self.node, self.coordinator.timeout)
                 return
@@ -248,14 +259,19 @@ class NodeUploader:
                 then()
 
     def _orders(self) -> None:
-        """Serve rank 0's orders in turn until it says stop, or until a report cannot reach it."""
+        """Serve rank 0's orders in turn until it says stop, or until the job's store is gone
+        (an order cannot come, a report cannot reach it: logged)."""
         number = 1
         while True:
             order = self._next(number)
-            if order.get("stop"):
+            if order is None or order.get("stop"):
                 return
-            with self.coordinator.working():  # rank 0 waits on while this node's upload goes on (a slow store)
-                report = self._serve(order)
+            self._serving = True
+            try:
+                with self.coordinator.working():  # rank 0 waits on while this node's upload goes on (a slow store)
+                    report = self._serve(order)
+            finally:
+                self._serving = False
             try:
                 self.coordinator.post(report_tag(number, self.node), report)
             except CoordinationError as err:  # the job's store went away (rank 0 died): no order follows
@@ -265,15 +281,30 @@ class NodeUploader:
             self._heard = time.monotonic()
             number += 1
 
-    def _next(self, number: int) -> dict[str, Any]:
+    def _next(self, number: int) -> dict[str, Any] | None:
         """Order ``number``, once rank 0 posted it: waited for in the store's own ``wait``
-        (woken as it lands), again and again while none comes (promotions may be far apart)."""
+        (woken as it lands), again and again while none comes (promotions may be far apart: an
+        idle rank 0 says nothing). None, logged, once the job's store is gone (the process
+        hosting it died: rank 0's, or the launcher's): no order can come through it, and the
+        wait that met it, or the look after it, says so at once (before, the uploader asked the
+        dead store again every ``IDLE_WAIT`` for as long as its process lived). A store that
+        outlives rank 0 (the launcher's) tells nothing of rank 0's death: the uploader waits on
+        in the store's ``wait``; the launcher ends this process too (torchrun stops every worker
+        of a job whose worker failed), and a close's ``join`` gives up after the timeout."""
+        tag = order_tag(number)
         while True:
             try:
-                order = self.coordinator.collect({0: order_tag(number)}, f"promotion order {number}")[0]
-            except CoordinationError:  # none within the timeout, or the store went away (``join`` gives up)
-                self._stopped.wait(IDLE_WAIT)
-                continue
+                order = self.coordinator.collect({0: tag}, f"promotion order {number}")[0]
+            except CoordinationError:  # none within the timeout, or the store went away: which, a look says
+                try:
+                    posted, order = self.coordinator.poll(tag)
+                except CoordinationError as err:
+                    log.warning("llmtailor: node %d's uploader stops waiting for promotion order %d: %s; no "
+                                "promotion of this job follows", self.node, number, err)
+                    return None
+                if not posted:
+                    self._stopped.wait(IDLE_WAIT)
+                    continue
             self._heard = time.monotonic()
             return order
 

@@ -703,7 +703,7 @@ class Receiving:
         self._guarded(self._files.close)  # every file written is durable (or the error says why)
         if self._staged is not None:
             if self.error is None:
-                self._guarded(lambda: self._staged.commit(self._manifest))
+                self._guarded(self._commit_staged)
             if self.error is not None:
                 self._staged.abandon()
         self._settle_coming()
@@ -778,12 +778,21 @@ class Receiving:
                 self._written()
             finally:
                 self._files.close()
-            self._staged.commit(self._manifest)
+            self._commit_staged()
         except BaseException as err:
             self._staged.abandon()
             message = f"node {self._dest}: step {self.step}: its healed copy could not be written: {err}"
             _log.error("%s", message)
             raise NodeTierError(message) from err
+
+    def _commit_staged(self) -> None:
+        """The staged snapshot's commit. Once it is visible in the node's copy it counts as healed
+        there, whatever fails after (``store.commit``: the fsync of its name): that is logged (a
+        crash of this node's machine may lose it; the other nodes' copies hold its parts), not
+        taken for a failed healing, which would refuse every save of a copy that holds it."""
+        unconfirmed = self._staged.commit(self._manifest, what="healed")
+        if unconfirmed is not None:
+            _log.warning("llmtailor: node %d: %s", self._dest, unconfirmed)
 
     def _guarded(self, action: Callable[[], Any]) -> None:
         try:

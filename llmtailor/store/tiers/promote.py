@@ -28,7 +28,11 @@ next). A failed promotion is retried; where the faster tier's retention removed 
 while the promoter waited to try again, the retry promotes that tier's newest composite in its
 place, and the ``Promotion`` done names what it superseded (``superseded``; also logged). After
 ``ATTEMPTS`` failed tries the failure is kept and reported once by ``take_failure`` (the writer's
-next save, wait or close); neither tier is damaged by it. Training waits for a promotion only at
+next save, wait or close); neither tier is damaged by it. A promotion whose snapshot was renamed
+in but whose name could not be made durable (``PromotedUnconfirmed``) is not a failed try: that
+snapshot is committed, the promotion stops there (the tier's ``latest`` and retention left for
+the next promotion), counts as done where that snapshot was the composite's own, and its message
+is reported as above, never retried. Training waits for a promotion only at
 ``finish`` (``close``), which promotes the last composite to every tier, and where a tier falls
 more than its ``max_lag`` behind the faster one (``catch_up``: bounded loss): the next save then
 waits until the promotion has caught up.
@@ -64,23 +68,56 @@ RETRY_WAIT = 1.0
 """Seconds before the second try; doubled before each next one."""
 
 
+class PromotedUnconfirmed(TailorError):
+    """A snapshot of a promotion was committed in the slower tier (visible there, whole), but
+    what followed its rename failed (``store.commit``: the fsync of its name): the promotion
+    stopped there, nothing more committed and that tier's ``latest`` left as it was (it names a
+    composite only once its names were made durable). ``whole``: the composite's own snapshot was
+    that one (the promotion is done, its carriers before it); else only carriers are in, and the
+    next promotion there goes on from them (they are the same snapshots: ``lacking`` passes over
+    them). Never retried: the snapshot is committed, and a second fsync after a failed one may
+    succeed with the name lost, so nothing more can be confirmed; the message is the failure the
+    writer reports (``Promoter``)."""
+
+    def __init__(self, message: str, step: int, copied: list[int], size: int, whole: bool):
+        super().__init__(message)
+        self.step, self.copied, self.bytes, self.whole = step, copied, size, whole
+
+
 def promote(source: Run, target: Level, step: int, parent: int | None = None) -> tuple[list[int], int]:
     """Copy the composite of ``step`` from ``source`` into the tier ``target`` (module
     docstring), its ``parent`` link naming ``parent`` when that is a snapshot of ``target``
     older than ``step`` (the composite promoted there before on this lineage); returns the
     snapshots copied and their bytes. The caller holds ``target``'s writer lock (each
     commit confirms it). SnapshotNotFoundError when ``source`` no longer holds the composite
-    (its retention moved on to a newer one)."""
+    (its retention moved on to a newer one); PromotedUnconfirmed when a snapshot was committed
+    but its name not confirmed durable."""
     copied, size = [], 0
     with source.reading(step) as composite:  # leased: the source's retention leaves it in place
         target.lock.claim()
         needed, parent = lacking(source, target.run, composite, parent)
         for snapshot in needed:
-            _copy_snapshot(source, target, snapshot, step, parent)
+            unconfirmed = _copy_snapshot(source, target, snapshot, step, parent)
             copied.append(snapshot)
             size += source.manifest(snapshot).total_bytes()
+            unconfirmed_stops(unconfirmed, target, step, snapshot, copied, size)
     point_latest(target.run, step)
     return copied, size
+
+
+def unconfirmed_stops(unconfirmed: str | None, target: Level, step: int, snapshot: int, copied: list[int],
+                      size: int) -> None:
+    """Raise PromotedUnconfirmed where the commit of ``snapshot`` (of the promotion of ``step``
+    to ``target``, which copied ``copied``, ``size`` bytes so far) said ``unconfirmed``."""
+    if unconfirmed is None:
+        return
+    where = target.run.root
+    rest = (f"{where}'s latest was left as it was (it names a composite only once that is durable); the next promotion "
+            "there moves it" if snapshot == step else
+            f"the composite of step {step} it was copied for was not promoted (nothing more was committed in {where}); "
+            "the next promotion there goes on from it")
+    raise PromotedUnconfirmed(f"promoting step {step} to {target.name}: {unconfirmed}. {rest[0].upper()}{rest[1:]}",
+                              step, list(copied), size, whole=snapshot == step)
 
 
 def lacking(source: Run, dst: Run, composite: Composite, parent: int | None) -> tuple[list[int], int | None]:
@@ -165,15 +202,16 @@ def clear_stray_carriers(run: Run) -> list[int]:
         return []
 
 
-def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent: int | None) -> None:
+def _copy_snapshot(source: Run, target: Level, step: int, composite: int, parent: int | None) -> str | None:
     """Copy the snapshot of ``step``, which the composite of ``composite`` needs (``parent``: the
-    link the composite's copy gets)."""
+    link the composite's copy gets); what its commit could not confirm once committed, or None."""
     snapshot = SnapshotCommit.begin(target.run, step)
     with snapshot.abandoned_on_failure():
         with snapshot.files() as create:
             for entry in source.stored_files(step):
                 copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
-        snapshot.commit(promoted_manifest(source, step, composite, parent), confirm=target.lock.check_held)
+        return snapshot.commit(promoted_manifest(source, step, composite, parent), confirm=target.lock.check_held,
+                               what="promoted")
 
 
 def promoted_manifest(source: Run, step: int, composite: int, parent: int | None) -> bytes:
@@ -403,25 +441,34 @@ class Promoter:
                 self._reading[target] = None
         if done is None:
             return
-        step, copied, size, superseded = done
+        step, copied, size, superseded, confirmed = done
         with self._guard:
             self._note(target, step)
             self._guard.notify_all()
             self.done.append(Promotion(level.name, step, copied, size, time.perf_counter() - start, superseded))
-        if level.keep is not None:  # on the tier itself, not the copy: Tiers.close reads it
+        if level.keep is not None and not confirmed:  # as a save's: its retention waits (for close, at least)
+            self._levels[target].held_back = True
+        elif level.keep is not None:  # on the tier itself, not the copy: Tiers.close reads it
             self._levels[target].held_back = retain_after_commit(level.run, level.keep, level.run.where(step))
 
     def _with_retries(self, target: int, source: Run, level: Level, step: int,
-                      there: int | None) -> tuple[int, list[int], int, dict[int, str]] | None:
+                      there: int | None) -> tuple[int, list[int], int, dict[int, str], bool] | None:
         """``promote`` the composite of ``step``, retried (module docstring): the step promoted,
-        the snapshots copied and their bytes, and what it superseded; None when nothing was
-        promoted (a failure is kept for ``take_failure``)."""
+        the snapshots copied and their bytes, what it superseded, and whether every name it
+        committed was confirmed durable; None when nothing was promoted (a failure is kept for
+        ``take_failure``). A promotion that committed a snapshot whose name was not confirmed
+        durable (``PromotedUnconfirmed``) is not retried: its message is kept as its failure,
+        and the composite counts as promoted where its own snapshot was committed."""
         wait, failed = RETRY_WAIT, []  # failed: this promotion's failed tries, (step, why)
         while True:
             try:
                 together = self.crew is not None and self._levels[target - 1].node_local
                 copied, size = (self.crew.promote if together else promote)(source, level, step, there)
-                return step, copied, size, {s: why for s, why in failed if s != step}
+                return step, copied, size, {s: why for s, why in failed if s != step}, True
+            except PromotedUnconfirmed as unconfirmed:
+                self._fail(str(unconfirmed))
+                superseded = {s: why for s, why in failed if s != step}
+                return (step, unconfirmed.copied, unconfirmed.bytes, superseded, False) if unconfirmed.whole else None
             except SnapshotNotFoundError as gone:
                 if not failed:
                     return None  # the source moved on before the promotion began: its newer composite comes next
@@ -479,4 +526,4 @@ def _pause_before_retry(seconds: float) -> None:
     time.sleep(seconds)
 
 
-__all__ = ["ATTEMPTS", "Promoter", "Promotion", "clear_stray_carriers", "promote", "stray_carriers"]
+__all__ = ["ATTEMPTS", "PromotedUnconfirmed", "Promoter", "Promotion", "clear_stray_carriers", "promote", "stray_carriers"]
