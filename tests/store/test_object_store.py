@@ -389,7 +389,7 @@ def test_a_forked_child_that_drops_its_copy_of_the_writer_leaves_the_parents_lea
     (Before: the child's copy released the lock, deleting the parent's lease: another writer could
     take the run, and the parent's next renewal found it gone, "another writer took the run's
     lock over", its saves refused.)"""
-    options = {"lock_ttl": 60}  # no renewal while the child runs: the lease's version stays the one it copied
+    options = {"lock_ttl": 3600}  # no renewal (every 20 min) while the child runs, however busy the machine: the lease stays the version copied
     model, opt, sched = tiny()
     held = {"tailor": Tailor(url, model, opt, sched, storage_options=options)}
     storage = ObjectStorage(url, options)
