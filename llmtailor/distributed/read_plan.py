@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, describe_error, spoil, usable
-from llmtailor.distributed.progress import advance
+from llmtailor.distributed.progress import advance, carried
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)
@@ -616,7 +616,7 @@ class _ReadAhead:
 
     def _top_up(self) -> None:
         while len(self._ahead) < self._depth and (item := next(self._queue, None)) is not None:
-            self._ahead.append(self._pool.submit(self._read, item))
+            self._ahead.append(self._pool.submit(carried(self._read), item))
 
     def __iter__(self) -> Iterator[Future[T]]:
         return self
