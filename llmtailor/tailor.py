@@ -41,6 +41,7 @@ import torch
 from llmtailor.async_stager import AsyncStager
 from llmtailor.config import TailorConfig
 from llmtailor.distributed.coordinator import Coordinator, make_coordinator
+from llmtailor.distributed.progress import carried
 from llmtailor.drift import DriftWatch
 from llmtailor.errors import ConfigError, IntegrityError, SnapshotNotFoundError, StorageError, TailorError
 from llmtailor.frozen import BaseModel, FrozenParts, FrozenPlan, FrozenSurvey
@@ -486,7 +487,7 @@ class _Restoring:
         healing's IntegrityError naming the node, file and sender, or its stream's failure. The
         ranks that agree next wait on while the healing advances (``Coordinator.working``)."""
         try:
-            with self.coordinator.working():
+            with self.coordinator.working(*self.tiers.healing_progress):  # the healing's threads' progress
                 self.unhealed = self.tiers.healed()
         except BaseException as err:  # a stream failed: a peer died or timed out (CoordinationError, naming it)
             return err
@@ -538,7 +539,7 @@ class _Restoring:
                 # the end of a restore from an object store), and before the ranks agree: every read
                 # under rank 0's lease, a failed one on every rank; waited for however the load ends.
                 with ThreadPoolExecutor(1, thread_name_prefix="llmtailor-state") as beside:
-                    own = beside.submit(self.provider.read_rank_state, run, lease.composite, shared)
+                    own = beside.submit(carried(self.provider.read_rank_state), run, lease.composite, shared)
                     self.provider.load(run, self.provider.held(lease.composite.sources), shared, verify)
                     self.rank_state = own.result()
         except BaseException as err:

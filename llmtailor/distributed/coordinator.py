@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from llmtailor.distributed.progress import ticks
+from llmtailor.distributed.progress import Scope, within
 from llmtailor.errors import IntegrityError, NodeTierError, PromotionError, TailorError
 
 T = TypeVar("T")
@@ -195,10 +195,16 @@ class Coordinator(ABC):
         return why
 
     @contextmanager
-    def working(self) -> Iterator[None]:
+    def working(self, *also: Scope, lane: str = "") -> Iterator[None]:
         """A block of long work of this rank (a restore's load, a save's part) that the others
-        may wait for longer than the timeout: while this process makes progress (``advance``),
-        the ranks waiting for this one wait on; no progress for the timeout, and they give up.
+        may wait for longer than the timeout: while this block's work makes progress (``advance``
+        on this thread, or on those it hands work to: ``progress.carried``), the ranks waiting
+        for this one wait on; no progress for the timeout, and they give up. ``also``: the
+        progress (``progress.Scope``) of background work of this process the block waits for (a
+        healing's writes), which counts as the block's own. ``lane``: where the block's beats
+        go, for the waits of that ``lane`` (``collect``): a block on a background thread of its
+        own (a node's uploader) beside the training thread's blocks, so that neither's progress
+        is taken for the other's.
         One process: nobody waits."""
         yield
 
@@ -213,9 +219,10 @@ class Coordinator(ABC):
     def poll(self, tag: str) -> tuple[bool, Any]:
         """``(True, value)`` when ``tag`` was posted, else ``(False, None)``; never waits."""
 
-    def collect(self, tags: dict[int, str], what: str) -> dict[int, Any]:
+    def collect(self, tags: dict[int, str], what: str, lane: str = "") -> dict[int, Any]:
         """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
-        CoordinationError naming the ranks that did not post ``what`` in time."""
+        CoordinationError naming the ranks that did not post ``what`` in time (silent that long:
+        their blocks of ``lane`` showed no progress, ``working``)."""
         deadline, found, waits = time.monotonic() + self.timeout, {}, pauses()
         while True:
             for rank, tag in tags.items():
@@ -306,12 +313,13 @@ class StoreCoordinator(Coordinator):
         self._waiters.clear()  # its own clients of the store (``_wait_for``): each a connection
 
     @contextmanager
-    def working(self) -> Iterator[None]:
-        stop = threading.Event()
-        beating = threading.Thread(target=self._beat, args=(stop,), name="llmtailor-beat", daemon=True)
+    def working(self, *also: Scope, lane: str = "") -> Iterator[None]:
+        stop, scope = threading.Event(), Scope()
+        beating = threading.Thread(target=self._beat, args=(stop, (scope, *also), lane), name="llmtailor-beat", daemon=True)
         beating.start()
         try:
-            yield
+            with within(scope):
+                yield
         finally:
             stop.set()
             beating.join()
@@ -327,22 +335,23 @@ class StoreCoordinator(Coordinator):
         except Exception:  # a store gone, or one that cannot compare: the ranks' own waits fail as before
             return why
 
-    def _beat(self, stop: threading.Event) -> None:
-        """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which it advanced."""
-        seen = ticks()
+    def _beat(self, stop: threading.Event, scopes: tuple[Scope, ...], lane: str) -> None:
+        """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which the work of
+        ``scopes`` advanced (the block's own: another block's work is no sign of it)."""
+        seen = sum(scope.ticks for scope in scopes)
         while not stop.wait(self.timeout / _LOOKS):
-            if ticks() != seen:
-                seen = ticks()
+            if (now := sum(scope.ticks for scope in scopes)) != seen:
+                seen = now
                 with contextlib.suppress(Exception):  # a store gone: the waits say so
-                    self._store.add(self._beat_key(self.rank), 1)
+                    self._store.add(self._beat_key(self.rank, lane), 1)
 
-    def _beat_key(self, rank: int) -> str:
-        return f"{self._prefix}beat/{rank}"
+    def _beat_key(self, rank: int, lane: str = "") -> str:
+        return f"{self._prefix}beat/{rank}" + (f"/{lane}" if lane else "")
 
-    def _beats(self, ranks: list[int]) -> dict[int, int]:
-        """Each rank's beat: its own progress (``working``) plus ``_RELAY`` for each time a wait
-        of its saw the progress of a rank it waited for."""
-        return {rank: self._store.add(self._beat_key(rank), 0) for rank in ranks}
+    def _beats(self, ranks: list[int], lane: str) -> dict[int, int]:
+        """Each rank's beat in ``lane``: its own progress (``working``) plus ``_RELAY`` for each
+        time a wait of its saw the progress of a rank it waited for."""
+        return {rank: self._store.add(self._beat_key(rank, lane), 0) for rank in ranks}
 
     @classmethod
     def over(cls, store: Any, rank: int, world_size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str = "llmtailor/0/") -> StoreCoordinator:
@@ -424,7 +433,7 @@ class StoreCoordinator(Coordinator):
         with self._reaching(f"looked for {tag!r}"):
             return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
 
-    def collect(self, tags: dict[int, str], what: str) -> dict[int, Any]:
+    def collect(self, tags: dict[int, str], what: str, lane: str = "") -> dict[int, Any]:
         keys = {rank: self._prefix + tag for rank, tag in tags.items()}
         by_key = {key: rank for rank, key in keys.items()}
 
@@ -432,7 +441,7 @@ class StoreCoordinator(Coordinator):
             return f"rank(s) {sorted(missing)} did not report {what}"
 
         self._wait_all(list(keys.values()), lambda _: describe(
-            [by_key[k] for k in keys.values() if not self._store.check([k])]), ranks=list(keys))
+            [by_key[k] for k in keys.values() if not self._store.check([k])]), ranks=list(keys), lane=lane)
         with self._reaching(f"read what rank(s) {sorted(tags)} posted"):
             return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
 
@@ -471,13 +480,13 @@ class StoreCoordinator(Coordinator):
             raise _gone(what, err) from None
 
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0,
-                  ranks: list[int] | None = None) -> None:
+                  ranks: list[int] | None = None, lane: str = "") -> None:
         """Wait until every key is set, or raise CoordinationError naming the ranks that are
         not, once none of them showed progress for ``patience`` x ``timeout`` seconds (their
         beats: ``working``; or the beat they relay for the ranks they wait for in turn, the
         leader's gather under its broadcast, one step, never a relay of a relay); each
         ``timeout / _LOOKS`` it looks (``ranks``: the rank of each key, where its name does not end
-        with it; only those of the keys not set yet are looked at). Blocks in the store's own ``wait`` (woken
+        with it; only those of the keys not set yet are looked at; ``lane``: whose beats, ``working``). Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
@@ -493,13 +502,13 @@ class StoreCoordinator(Coordinator):
                 pending = [k for k in keys if not self._store.check([k])]
                 if not pending:
                     return
-                beats = self._beats(sorted({owner[k] for k in pending}))  # an answered rank's progress is no sign of the others
+                beats = self._beats(sorted({owner[k] for k in pending}), lane)  # an answered rank's progress is no sign of the others
                 moved = seen is not None and [r for r, beat in beats.items() if beat != seen.get(r)]
                 if moved:  # live: waited for on, and shown to the ranks waiting for this one
                     silent_until = time.monotonic() + limit
                     shown.update(moved)
                     if any((beats[r] - seen.get(r, 0)) % _RELAY for r in moved):
-                        self._store.add(self._beat_key(self.rank), _RELAY)
+                        self._store.add(self._beat_key(self.rank, lane), _RELAY)
                 elif time.monotonic() >= silent_until:  # ``describe`` may read what the other ranks reported
                     since = " of its last sign of progress" if shown & {owner[k] for k in pending} else ""
                     raise CoordinationError(f"{describe(_ranks_of(pending))} within {limit:g} s{since}: a rank died or "

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator, first_line
+from llmtailor.distributed.progress import carried
 
 Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
@@ -225,7 +226,7 @@ class Courier:
                 take(src, name, content)
 
         with ThreadPoolExecutor(len(sources), thread_name_prefix="llmtailor-stream") as pool:
-            streams = [pool.submit(self._receive_streamed, src, taking, WINDOW // len(sources), land) for src in sources]
+            streams = [pool.submit(carried(self._receive_streamed), src, taking, WINDOW // len(sources), land) for src in sources]
         failures = [stream.exception() for stream in streams if stream.exception() is not None]
         if failures:
             raise failures[0]

@@ -1,25 +1,74 @@
-"""This process's progress at long work, as a count the commit coordinator's beats read
-(``coordinator.StoreCoordinator.working``): the store's read, copy and write loops call
-``advance``. Imports nothing, so that the store's torch-free paths (a weights-only merge) stay
-free of torch."""
+"""Progress at long work, counted per block of work (``Scope``), as the commit coordinator's
+beats read it (``coordinator.StoreCoordinator.working``): the store's read, copy and write loops
+call ``advance``, which counts for the blocks the calling thread works for: those it entered, and
+those of the thread that handed it the work (``carried``). So one block stuck (a node's uploader
+hung in one request) shows no progress while another block of the process goes on (the training
+thread's next saves). Imports nothing but the standard library's ``threading``, so that the
+store's torch-free paths (a weights-only merge) stay free of torch."""
 
 from __future__ import annotations
 
-_ticks = 0
-"""Pieces of work this process did (``advance``)."""
+import threading
+
+_on = threading.local()
+"""The calling thread's blocks of work (``scopes``: a tuple of ``Scope``)."""
+
+
+class Scope:
+    """One block of long work (``Coordinator.working``): the pieces of work done for it
+    (``ticks``), on the thread that entered it and on those it handed work to (``carried``)."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+
+def _scopes() -> tuple[Scope, ...]:
+    return getattr(_on, "scopes", ())
 
 
 def advance() -> None:
-    """This process did a piece of long work (read a part of a file, copied a piece into a live
-    tensor, received an item): a rank inside ``Coordinator.working`` shows the others it is not
-    stuck. Called from the loops that read and copy; costs an increment."""
-    global _ticks
-    _ticks += 1
+    """The calling thread did a piece of long work (read a part of a file, copied a piece into a
+    live tensor, received an item) for the blocks it works for: a rank inside
+    ``Coordinator.working`` shows the others that this block is not stuck. Called from the loops
+    that read and copy; costs an increment per block (none outside one)."""
+    for scope in _scopes():
+        scope.ticks += 1
 
 
-def ticks() -> int:
-    """The pieces of work this process did so far (``advance``)."""
-    return _ticks
+class within:  # noqa: N801 - used as a statement, as contextlib's are
+    """``with within(*scopes):`` the calling thread works for ``scopes`` too (``advance``)."""
+
+    def __init__(self, *scopes: Scope) -> None:
+        self._scopes = scopes
+
+    def __enter__(self) -> None:
+        self._before = _scopes()
+        _on.scopes = self._before + tuple(scope for scope in self._scopes if scope not in self._before)
+
+    def __exit__(self, *exc: object) -> None:
+        _on.scopes = self._before
 
 
-__all__ = ["advance", "ticks"]
+def carried(fn):  # type: ignore[no-untyped-def]
+    """``fn`` to run on another thread (a pool's) on behalf of the blocks the calling thread works
+    for: what it does there (``advance``) counts for them."""
+    scopes = _scopes()
+    if not scopes:
+        return fn
+
+    def on_behalf(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with within(*scopes):
+            return fn(*args, **kwargs)
+
+    return on_behalf
+
+
+def shown():  # type: ignore[no-untyped-def]
+    """``advance`` for the blocks the calling thread works for now, to call later from another
+    thread (one that runs work handed over without a function to wrap: the fsync threads)."""
+    return carried(advance)
+
+
+__all__ = ["Scope", "advance", "carried", "shown", "within"]

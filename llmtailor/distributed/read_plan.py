@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, PeerStopped, describe_error, spoil, usable
-from llmtailor.distributed.progress import advance
+from llmtailor.distributed.progress import advance, carried
 from llmtailor.errors import IntegrityError
 
 K = TypeVar("K", bound=Hashable)
@@ -238,15 +238,15 @@ class ReadPlan:
                             sending -= 1
                         elif kind == "head":
                             future.result()
+                            drained = False  # the sizes after the head taken already (``_drain``)
                             try:
                                 targets = self._targets(item, held, specs(item), None if stopped else into, device,
                                                         failed, skipped, failing)
                             except _Disagreed as err:  # the reader's bytes are taken all the same (its sends
                                 # end), and this rank stops here, as where ``into`` failed
-                                if err.drain is None:
-                                    raise
-                                stopped, refused, targets = True, refused or err, err.drain
+                                stopped, refused = True, refused or err
                                 failing.known()
+                                targets, drained = self._drain(item, held, tags[item], device), True
                             except Exception as err:  # ``into`` failed (the caller's code): this rank stops here
                                 if stopped or isinstance(err, CoordinationError):
                                     raise
@@ -258,7 +258,7 @@ class ReadPlan:
                                 continue
                             reader = self.readers[item]
                             works = [(reader, (self._receive_into(item, reader, _bytes_of(t), tags[item]), t))
-                                     for t, _ in targets if t.numel()]
+                                     for t in [*_sizes(held, drained), *(t for t, _ in targets)] if t.numel()]
                             pending[waits.submit(self._wait_all, item, works, "receipt")] = ("body", item, targets)
                         else:
                             future.result()
@@ -319,10 +319,14 @@ class ReadPlan:
         _put_head(head, _SENT, nbytes(shapes))
         sent = [_bytes_of(t) for t in tensors if t.numel()]
         # How many messages follow and each one's bytes, so that a rank that disagrees on them
-        # still takes them (``_Disagreed``); -1 where they do not fit.
-        listed = [len(sent), *map(len, sent)] if len(sent) < _ROOM // 8 else [-1]
-        head[_HEAD : _HEAD + 8 * len(listed)].view(torch.int64)[:] = torch.tensor(listed, dtype=torch.int64)
-        return tensors, [head, *sent]
+        # still takes them (``_Disagreed``); where they do not fit, minus how many, and their
+        # bytes in a message of their own after the head (``_sizes``).
+        sizes = torch.tensor([len(part) for part in sent], dtype=torch.int64)
+        if len(sent) < _ROOM // 8:
+            head[_HEAD : _HEAD + 8 * (1 + len(sent))].view(torch.int64)[:] = torch.cat([torch.tensor([len(sent)]), sizes])
+            return tensors, [head, *sent]
+        head[_HEAD : _HEAD + 8].view(torch.int64)[0] = -len(sent)
+        return tensors, [head, _bytes_of(sizes), *sent]
 
     def _targets(self, item: str, head: torch.Tensor, shapes: list[Spec], into: Callable[[str], list[torch.Tensor | None]] | None,
                  device: torch.device, failed: dict[str, tuple[int, int, str]], skipped: dict[str, int],
@@ -345,10 +349,24 @@ class ReadPlan:
             return None
         if length != nbytes(shapes):
             raise _Disagreed(f"rank {reader} sent {length} bytes of {item}, this rank expected "
-                             f"{nbytes(shapes)}: the ranks disagree on what the composite holds", head, device)
+                             f"{nbytes(shapes)}: the ranks disagree on what the composite holds")
         given = into(item) if into is not None else [None] * len(shapes)
         return [(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
                 for live, (dtype, shape) in zip(given, shapes, strict=True)]
+
+    def _drain(self, item: str, head: torch.Tensor, tag: int, device: torch.device) -> list[tuple[torch.Tensor, bool]]:
+        """Memory of the plan's own to receive the messages of an item this rank disagrees on
+        (``_Disagreed``), so that its reader's sends end and the plan goes on without this rank's
+        caller: their sizes as its reader listed them (``_sent_read``), in its head or, for an
+        item of too many tensors for it, in the message after it (received here)."""
+        count = _listed(head)
+        if count >= 0:
+            sizes = head[_HEAD + 8 : _HEAD + 8 * (1 + count)].cpu().view(torch.int64).tolist()
+        else:
+            listed, reader = torch.empty(-count, dtype=torch.int64, device=device), self.readers[item]
+            self._wait(item, reader, self._receive_into(item, reader, _bytes_of(listed), tag), "receipt")
+            sizes = listed.cpu().tolist()
+        return [(torch.empty(size, dtype=torch.uint8, device=device), False) for size in sizes]
 
     def _wait_all(self, item: str, works: list[tuple[int, tuple[Any, torch.Tensor]]], what: str) -> None:
         """Wait for the sends or receives of one item (``fetch``), naming the first peer that fails."""
@@ -616,7 +634,7 @@ class _ReadAhead:
 
     def _top_up(self) -> None:
         while len(self._ahead) < self._depth and (item := next(self._queue, None)) is not None:
-            self._ahead.append(self._pool.submit(self._read, item))
+            self._ahead.append(self._pool.submit(carried(self._read), item))
 
     def __iter__(self) -> Iterator[Future[T]]:
         return self
@@ -671,16 +689,21 @@ class _Receipt:
 
 class _Disagreed(CoordinationError):
     """A reader sent an item of another size than this rank expects (``fetch``'s ``_targets``):
-    ``drain``, memory of the plan's own to receive its messages into (their sizes as its head
-    lists them), so that its sends end and the plan goes on without this rank's caller; None
-    where the head does not list them (an item of too many tensors)."""
+    the rank takes its messages all the same (``_drain``) and stops."""
 
-    def __init__(self, message: str, head: torch.Tensor, device: torch.device):
-        super().__init__(message)
-        listed = head[_HEAD:].cpu().view(torch.int64)
-        count = int(listed[0])
-        self.drain = (None if count < 0 else
-                      [(torch.empty(size, dtype=torch.uint8, device=device), False) for size in listed[1 : 1 + count].tolist()])
+
+def _listed(head: torch.Tensor) -> int:
+    """How many tensors' sizes a sent item's head lists (``_sent_read``); minus that many where
+    they follow in a message of their own."""
+    return int(head[_HEAD : _HEAD + 8].cpu().view(torch.int64)[0])
+
+
+def _sizes(head: torch.Tensor, drained: bool) -> list[torch.Tensor]:
+    """Memory for the message of a sent item's tensors' sizes that follows its head where the
+    head could not list them (``_sent_read``), to receive before the tensors; none where the
+    head lists them, or where ``_drain`` took it."""
+    count = _listed(head)
+    return [] if drained or count >= 0 else [torch.empty(-count, dtype=torch.int64, device=head.device)]
 
 
 class ReadRefused(Exception):

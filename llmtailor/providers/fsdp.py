@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtailor.constants import KIND_MASTER, KIND_OPTIM, KIND_WEIGHT
+from llmtailor.distributed.progress import carried
 from llmtailor.distributed.read_plan import ReadPlan, balance, nbytes
 from llmtailor.providers.base import StateProvider
 from llmtailor.providers.local import LocalProvider
@@ -242,7 +243,7 @@ class FSDPProvider(LocalProvider):
             known[key] = known.get(key, 0) + size
         # The load plan (from the index alone) is made while the headers are read and exchanged.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtailor-headers") as pool:
-            headers = pool.submit(share_headers, self.coordinator, run.storage, files, f"{self.coordinator.round}/headers", known)
+            headers = pool.submit(carried(share_headers), self.coordinator, run.storage, files, f"{self.coordinator.round}/headers", known)
             planned = PlannedLoad({unit: (SnapshotReader(reader, step, run.unit_entry(step, unit), set(targets[unit])),
                                           targets[unit]) for unit, step in sources.items() if targets[unit]})
             reader.take_headers(run.storage, headers.result())

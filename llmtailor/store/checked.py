@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from llmtailor.distributed.progress import advance
+from llmtailor.distributed.progress import advance, carried
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.fetch import fetch, fetch_into, new_buffer
@@ -171,7 +171,7 @@ def copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 filled = 0
             tasks[-1].append((dst[at : at + COPY_PIECE], src[at : at + COPY_PIECE]))
             filled += min(COPY_PIECE, dst.numel() - at)
-    copying = [_copiers.submit(_copy, task) for task in tasks[1:]]
+    copying = [_copiers.submit(carried(_copy), task) for task in tasks[1:]]
     try:
         _copy(tasks[0])
     finally:  # every task ended before a failure is raised: none copies on behind it into the live state

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
-from llmtailor.distributed.progress import advance
+from llmtailor.distributed.progress import advance, carried
 from llmtailor.store.storage.base import LazyPool, Storage
 
 PART = 8 << 20
@@ -96,12 +96,12 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
     if ahead == 1:
         _read_in_order(storage, key, parts, hasher)
         return
-    futures: list[Future] = [pool.submit(part.read, storage, key) for part in parts[:ahead]]
+    futures: list[Future] = [pool.submit(carried(part.read), storage, key) for part in parts[:ahead]]
     try:
         for index, part in enumerate(parts):  # each part hashed once in: verifying overlaps fetching
             futures[index].result()
             if index + ahead < len(parts):  # the next part requested before this one is hashed
-                futures.append(pool.submit(parts[index + ahead].read, storage, key))
+                futures.append(pool.submit(carried(parts[index + ahead].read), storage, key))
             part.done(hasher)
     except BaseException:
         for future in futures:
@@ -131,7 +131,7 @@ def _read_in_order(storage: Storage, key: str, parts: list[_Part], hasher: Any) 
             else:
                 done.set_result(None)
 
-    reader = _workers.submit(read_all)
+    reader = _workers.submit(carried(read_all))
     try:
         for part, done in zip(parts, arrived):
             done.result()

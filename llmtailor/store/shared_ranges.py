@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
+from llmtailor.distributed.progress import carried
 from llmtailor.distributed.read_plan import ALIGN, ReadPlan, ReadRefused, balance
 from llmtailor.errors import IntegrityError
 from llmtailor.store.checked import stored_header
@@ -134,7 +135,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
                 if last[batch] == name:  # all asked for: loaded while the next batch's pieces go
                     if loading is not None:  # one batch loading at a time: memory for two batches' bytes
                         loading.result()
-                    loading, received = loader.submit(_arrive_and_load, waiting, batch, received), []
+                    loading, received = loader.submit(carried(_arrive_and_load), waiting, batch, received), []
             if loading is not None:
                 loading.result()
         except BaseException:

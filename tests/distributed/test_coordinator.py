@@ -388,3 +388,56 @@ def test_a_collect_waits_on_the_progress_of_the_ranks_not_yet_answered_only():
     gave_up.clear()
     outcome = on_threads(3, restore)[0]
     assert re.match(r"rank\(s\) \[2\] did not report on 'r1/loaded/0' within 1 s: a rank died", str(outcome)), outcome
+
+
+def test_a_block_stuck_inside_working_shows_no_progress_while_another_thread_of_its_rank_advances():
+    """Rank 1's node uploader hangs in one request inside ``working`` (a collective promotion's
+    part), while its training thread goes on saving (its own ``working``, advancing). Rank 0
+    collects rank 1's report: it gives up after the timeout of silence, naming rank 1, and never
+    saw its progress. Before: progress was the process's, so the training thread's beat showed the
+    hung upload live, and rank 0 waited on for as long as rank 1 trained (here until it had relayed
+    it _LOOKS + 2 times). A pool's thread working for the upload (``progress.carried``) counts for
+    it. Ranks as threads over one store, timeout 1 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmtailor.distributed.coordinator import _LOOKS
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    gave_up.clear()
+    hung = threading.Event()
+
+    from llmtailor.store.tiers.collective import _LANE
+
+    def upload():  # rank 1's uploader: hung in one request, inside ``working`` (its lane's, as collective's)
+        with ranks[1].working(lane=_LANE):
+            hung.wait()
+        ranks[1].post("promotion/1/node/1", {"bytes": 1})
+
+    def rank(number: int):
+        if number == 0:
+            try:
+                return ranks[0].collect({1: "promotion/1/node/1"}, "their part of promotion 1", lane=_LANE)
+            except CoordinationError:
+                gave_up.append(0)
+                raise
+            finally:
+                hung.set()
+        uploader = threading.Thread(target=upload)
+        uploader.start()
+        _loading(store, ranks[1], [0], _LOOKS + 2)  # the training thread's saves
+        uploader.join()
+        return None
+
+    outcome = on_threads(2, rank)[0]
+    assert isinstance(outcome, CoordinationError), outcome
+    assert re.match(r"rank\(s\) \[1\] did not report their part of promotion 1 within 1 s: a rank died", str(outcome)), outcome
+    assert relayed(store, 0) == 0
+
+    # Work handed to a pool's thread counts for the block that handed it over, and only for it.
+    from llmtailor.distributed.progress import Scope, advance, carried, within
+
+    with within(scope := Scope()), ThreadPoolExecutor(1) as pool:
+        pool.submit(carried(advance)).result()
+        pool.submit(advance).result()
+    assert scope.ticks == 1

@@ -678,3 +678,35 @@ def test_a_plan_ended_at_once_by_a_second_interrupt_leaves_its_group_refusing_on
     with pytest.raises(CoordinationError, match=r"^rank 1: this process group is unusable: a wait on this process group "
                                                 r"failed before \(a read plan ended at once by a second interrupt\)"):
         plan(1)
+
+
+def test_a_rank_that_disagrees_on_an_item_of_many_tensors_takes_all_its_bytes(monkeypatch):
+    """As above, for an item of more tensors than its head can list the sizes of (600: an MoE
+    layer's unit): the rank raised at once without receiving any of it, so its reader sat in its
+    sends until the timeout, and their unreceived messages carried the tags the next plan on the
+    group uses. The reader sends the sizes after the head; the rank that disagrees takes them,
+    then the bytes, and the next plan on the group takes none of this one's messages. Two ranks
+    of a real gloo group, each on a thread of this process."""
+    from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    store, *groups = _gloo_group("disagree-many", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2)]
+    items, candidates = {"a": 64, "b": 64}, {"a": [0], "b": [1]}
+    many = 600
+
+    def plan(rank: int, value: float, first: list[int]) -> dict[str, list[float]]:
+        shapes = {"a": [first] + [[2]] * (many - 1), "b": [[16]]}
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.full(shape, value) for shape in shapes[item]],
+            lambda item: [(torch.float32, shape) for shape in shapes[item]])
+        return {item: sorted({v for t in tensors for v in t.tolist()}) for item, tensors in fetching}
+
+    outcomes = on_threads(2, lambda rank: plan(rank, 1.0, [2] if rank == 0 else [1]))
+    assert isinstance(outcomes[1], CoordinationError), outcomes
+    assert str(outcomes[1]) == (f"rank 0 sent {8 * many} bytes of a, this rank expected {8 * many - 4}: the ranks "
+                                "disagree on what the composite holds"), outcomes
+    assert (outcomes[0] == {"a": [1.0], "b": [1.0]} or isinstance(outcomes[0], PeerStopped)
+            and str(outcomes[0]).startswith("rank 1 stopped taking the items")), outcomes  # not a timeout
+    outcomes = on_threads(2, lambda rank: plan(rank, 2.0, [2]))
+    assert outcomes == [{"a": [2.0], "b": [2.0]}] * 2, outcomes

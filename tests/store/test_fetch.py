@@ -75,13 +75,13 @@ def test_a_chunk_is_fetched_in_parts_from_several_threads_and_equals_what_was_sa
 def test_each_part_fetched_is_progress_a_rank_shows_the_ranks_waiting_for_it(run):
     """A rank reading a large composite from a slow store keeps the ranks waiting for it at the
     end of the restore waiting (``Coordinator.working``) as long as its parts come in: each
-    part fetched advances this process's progress."""
-    from llmtailor.distributed import progress
+    part fetched (on the pool's threads) advances the progress of the restore's block."""
+    from llmtailor.distributed.progress import Scope, within
 
     unit, tensor = only_tensor(run)
-    before = progress.ticks()
-    ChunkReader(run, verify=True).read_region(1, unit, tensor, (0, 0), SHAPE)
-    assert progress.ticks() - before >= FULL.numel() * 4 // PART
+    with within(scope := Scope()):
+        ChunkReader(run, verify=True).read_region(1, unit, tensor, (0, 0), SHAPE)
+    assert scope.ticks >= FULL.numel() * 4 // PART
 
 
 def test_a_damaged_part_names_the_file_and_tensor_and_nothing_is_returned(run):

@@ -279,6 +279,7 @@ def test_the_ranks_wait_on_for_a_node_whose_healing_goes_on_past_the_timeout():
     from torch.distributed import HashStore
 
     from llmtailor.distributed.coordinator import _LOOKS, StoreCoordinator
+    from llmtailor.distributed.progress import Scope
     from llmtailor.store.tiers.healing import settle
     from helpers import progressing
 
@@ -287,7 +288,7 @@ def test_the_ranks_wait_on_for_a_node_whose_healing_goes_on_past_the_timeout():
 
     class Healing:
         def __init__(self, rank: int, looks: int):
-            self.rank, self.looks = rank, looks
+            self.rank, self.looks, self.progress = rank, looks, Scope()
 
         def outcome(self) -> None:
             if self.rank == 1:
@@ -324,6 +325,8 @@ def test_the_ranks_agree_on_a_restore_once_a_healing_beside_it_that_goes_on_past
     store, gave_up = HashStore(), []
 
     class Healing:  # ``Tiers.healed``: this rank's part of the healing, waited for
+        healing_progress = ()
+
         def __init__(self, rank: int):
             self.rank = rank
 

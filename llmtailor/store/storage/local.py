@@ -260,7 +260,7 @@ class LocalSink(Sink):
             self.write(data)
             return
         self._caught_up()
-        self._behind = _writers.submit(self._write, data)
+        self._behind = _writers.submit(local_durable.carried(self._write), data)
 
     def write(self, data: memoryview | bytes) -> None:
         self._caught_up()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
+from typing import Any
 
 from llmtailor.errors import IntegrityError
 from llmtailor.store.storage.base import PIECE
@@ -43,25 +44,40 @@ def _nothing() -> None:
     pass
 
 
+def _as_is(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return fn
+
+
 _durable_one: Callable[[], None] = _nothing
 """Called each time a file (or a range of one) was made durable (``report_progress``)."""
+_carried: Callable[[Callable[..., Any]], Callable[..., Any]] = _as_is
+"""A function to run on another thread on behalf of the caller's work (``report_progress``)."""
 
 
-def report_progress(to: Callable[[], None]) -> None:
-    """``to()`` once each file, or range of a large one, is made durable: the store passes the
-    commit coordinator's progress (``distributed.progress.advance``; this floor imports nothing
-    above it), so a rank whose fsyncs run long (a large save, a slow disk) shows the ranks
-    waiting for it that it is live (``Coordinator.working``)."""
-    global _durable_one
-    _durable_one = to
+def report_progress(to: Callable[[], None], carry: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """``to()`` once each file, or range of a large one, is made durable, for the work of the
+    thread that handed it over (``carry(fn)``: ``fn`` to run on another thread on behalf of the
+    calling thread's work): the store passes the commit coordinator's progress
+    (``distributed.progress.advance`` and ``carried``; this floor imports nothing above it), so a
+    rank whose fsyncs run long (a large save, a slow disk) shows the ranks waiting for it that
+    it is live (``Coordinator.working``)."""
+    global _durable_one, _carried
+    _durable_one, _carried = to, carry
 
 
-def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True) -> None:
+def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` to run on another thread (a pool's) on behalf of the calling thread's work: the
+    progress it reports (``make_durable``) counts for that work (``report_progress``)."""
+    return _carried(fn)
+
+
+def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True,
+                 shown: Callable[[], None] | None = None) -> None:
     """fsync a file, then (``drop``) its bytes ``[start, end)`` (to the end of the file by
     default) dropped from the page cache: they are durable and will not be read soon, so a save's
     cache footprint stays about one unit instead of the whole checkpoint."""
     os.fsync(fd)
-    _durable_one()
+    (_durable_one if shown is None else shown)()  # ``shown``: for the work that handed it over (``Syncer``)
     if drop:
         os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 
@@ -90,14 +106,14 @@ class _FsyncPool:
     script that ends leaves no thread to join). A forked child starts with a pool of its own."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, int, int | None, bool, Future]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int, int | None, bool, Callable[[], None], Future]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = self._free = 0
         """Threads started; those of them waiting for a file (none taken since it was queued)."""
         self._waiting = 0
         """Files queued, not yet taken by a thread."""
 
-    def put(self, task: tuple[int, int, int | None, bool, Future]) -> None:
+    def put(self, task: tuple[int, int, int | None, bool, Callable[[], None], Future]) -> None:
         with self._lock:
             self._waiting += 1
             grow = self._waiting > self._free and self._threads < FSYNC_THREADS
@@ -119,13 +135,13 @@ class _FsyncPool:
         while True:
             with self._lock:
                 self._free += 1
-            fd, start, end, drop, done = self._queue.get()
+            fd, start, end, drop, shown, done = self._queue.get()
             with self._lock:
                 self._free -= 1
                 self._waiting -= 1
             error: BaseException | None = None
             try:
-                make_durable(fd, start, end, drop)
+                make_durable(fd, start, end, drop, shown)
             except BaseException as failed:  # handed to the writer, which raises it
                 error = failed
             finally:
@@ -161,7 +177,7 @@ class Syncer:
 
     def __init__(self, depth: int = 2 * FLUSH_EVERY, threads: int = SYNC_THREADS):
         self._pending: list[tuple[Path, Future, int]] = []
-        self._held: collections.deque[tuple[int, int, int | None, bool, Future]] = collections.deque()
+        self._held: collections.deque[tuple[int, int, int | None, bool, Callable[[], None], Future]] = collections.deque()
         """Files beyond the ``threads`` in the pool, each handed over as one of those ends."""
         self._lock = threading.Lock()
         self._running = 0
@@ -175,7 +191,7 @@ class Syncer:
         done: Future = Future()
         self._pending.append((path, done, size))
         with self._lock:
-            self._held.append((fd, start, end, drop, done))
+            self._held.append((fd, start, end, drop, carried(_durable_one), done))
         self._hand_over()
         while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
             self._wait_first()

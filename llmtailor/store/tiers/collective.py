@@ -62,6 +62,7 @@ from typing import Any
 from llmtailor.constants import writer_rank
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.nodes import Nodes
+from llmtailor.distributed.progress import carried
 from llmtailor.errors import SnapshotNotFoundError, TailorError
 from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.commit import SnapshotCommit
@@ -78,6 +79,10 @@ UPLOADS = 4
 a promotion takes from training's own traffic (an object store's multipart upload of one file
 may open a few streams of its own)."""
 _uploaders = LazyPool(UPLOADS, "llmtailor-upload")
+_LANE = "node-upload"
+"""The beats of a node's uploader (``Coordinator.working``'s lane): it serves rank 0's orders on a
+thread of its own while the node's training thread saves (its blocks' beats are no sign of the
+upload's)."""
 """Threads uploading a node's files of a promotion (``upload``): a pool that, at an exit without
 ``close()`` (a promotion due then), asks one file after another instead of failing."""
 IDLE_WAIT = 0.2
@@ -122,7 +127,7 @@ def upload(source: Run, dst: Run, staging: dict[int, str], node: int | None) -> 
             copy_file(source.storage, f"{source.snapshot_key(step)}/{entry.path}", create(entry.path), entry)
         return entry.bytes
 
-    futures = [_uploaders.submit(one, step, entry) for step, entry in work]
+    futures = [_uploaders.submit(carried(one), step, entry) for step, entry in work]
     wait(futures)  # every upload ended, whatever the first did
     return sum(future.result() for future in futures)
 
@@ -170,7 +175,7 @@ class Crew:
         node whose copy no longer held a snapshot of it, a TailorError naming each node that
         failed (a CoordinationError naming the leaders that did not report in time)."""
         leaders = {self.nodes.leader_of(node): report_tag(number, node) for node in range(1, self.nodes.count)}
-        reports = self.coordinator.collect(leaders, f"their part of promotion {number}")
+        reports = self.coordinator.collect(leaders, f"their part of promotion {number}", lane=_LANE)
         gone = {self.nodes.node_of_rank(rank): r["gone"] for rank, r in reports.items() if "gone" in r}
         if gone:  # for good: no retry brings them back (module docstring)
             raise SnapshotNotFoundError(
@@ -268,7 +273,7 @@ class NodeUploader:
                 return
             self._serving = True
             try:
-                with self.coordinator.working():  # rank 0 waits on while this node's upload goes on (a slow store)
+                with self.coordinator.working(lane=_LANE):  # rank 0 waits on while this node's upload goes on (a slow store)
                     report = self._serve(order)
             finally:
                 self._serving = False

@@ -38,6 +38,7 @@ from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, writer_rank
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
+from llmtailor.distributed.progress import Scope, carried, within
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
 from llmtailor.store.catalog import ReadLeases
 from llmtailor.store.checked import closed, write_to
@@ -196,7 +197,7 @@ def settle(under_way: Healing, coordinator: Coordinator, tag: str) -> None:
     raises IntegrityError naming the node and file when any node's part failed. A node's part
     may outlast the timeout (a large copy to receive and write): the others wait on while it
     advances (``Coordinator.working``: its writes and fsyncs), one silent for the timeout is named."""
-    with coordinator.working():
+    with coordinator.working(under_way.progress):
         outcome = under_way.outcome()
     failures = [why for why in coordinator.exchange(tag, outcome) if why]
     if failures:
@@ -224,6 +225,9 @@ class Healing:
                  posts: NodePosts | None = None):
         self.error: str | None = None
         """The first failure of this node's receiving (the node, the file and its sender)."""
+        self.progress = Scope()
+        """The healing's progress (its stream's, writes' and fsyncs'), which a wait for it shows
+        as its own (``settle``, ``Tiers.settle_healing``: ``Coordinator.working``)."""
         self._failure: BaseException | None = None
         """A stream's own failure (a peer died, a timeout: ``CoordinationError``), raised by ``outcome``."""
         node = self._node = nodes.node_of_rank(rank)
@@ -241,7 +245,9 @@ class Healing:
                 self._receiving[step] = Receiving(run, step, [m for m in these if m.step == step and m.dest == node],
                                                   nodes, kept=kept, posts=self._posts)
             self._outgoing, self._sources = _sending(these, node, nodes)
-            self._thread = threading.Thread(target=self._run, args=(run, courier), name="llmtailor-healing", daemon=True)
+            with within(self.progress):
+                work = carried(self._run)
+            self._thread = threading.Thread(target=work, args=(run, courier), name="llmtailor-healing", daemon=True)
             self._thread.start()
         except BaseException as err:  # no stream: what was registered as coming or committing is let go
             self._failure = err
@@ -543,7 +549,7 @@ class Receiving:
         self._whole = self._later and self._budget.take(sum(move.bytes for move in self.expected.values()))
         if self._whole:  # all of it handed over
             self._gate = self.run.hold_back()
-            self._writer.submit(self._gate.wait)  # opened at the latest as the restore ends (``Tailor.restore``)
+            self._writer.submit(carried(self._gate.wait))  # opened at the latest as the restore ends (``Tailor.restore``)
 
     def _key(self, path: str) -> str:
         return f"{self.run.snapshot_key(self.step)}/{path}"
@@ -624,7 +630,7 @@ class Receiving:
         else:
             if not keep and landed is None:  # not held for the restore: held no longer than the writes before it take
                 self._written()
-            self._writes.append(self._writer.submit(self._write, path, landed if landed is not None else content))
+            self._writes.append(self._writer.submit(carried(self._write), path, landed if landed is not None else content))
         self._arrived[(source, path)] = handed if keep else None
         if keep:  # its readers take it now (one past the bound is read from the copy once committed: ``finish``)
             self.run.units.arrived[self._key(path)] = (move.bytes, move.xxh3, handed)
@@ -762,7 +768,7 @@ class Receiving:
         (``Catalog.commit_later``). A write or commit that fails there abandons the staged
         snapshot, is logged at once, and is raised by every save of this node until a restore
         heals its copy again, and by ``close`` (``Tiers.settle_healing``): never lost."""
-        done = self._writer.submit(self._commit_written)
+        done = self._writer.submit(carried(self._commit_written))
         self._writer.shutdown(wait=False)  # the thread ends once the commit ran
         self.run.commit_later(self._parsed, done)  # as it arrived (``_keep``)
 

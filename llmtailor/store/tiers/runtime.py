@@ -20,6 +20,7 @@ from typing import Any
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.distributed.courier import Courier
 from llmtailor.distributed.nodes import Nodes
+from llmtailor.distributed.progress import Scope
 from llmtailor.errors import ConfigError, NodeTierError, PromotionError, TailorError
 from llmtailor.store.node_commit import NodePlacement
 from llmtailor.store.retention import retain_after_commit
@@ -67,6 +68,9 @@ class Tiers:
         (``settle_healing``)."""
         self.healing: Healing | None = None
         """The healing ``recover`` left running beside the restore that follows (``healed``)."""
+        self.healing_progress: tuple[Scope, ...] = ()
+        """The last healing's progress (``Healing.progress``), its writes' and commits' after its
+        outcome too: a wait for them shows it as its own (``Coordinator.working``)."""
 
     @classmethod
     def of(cls, home: str | Path, config: Any) -> Tiers:
@@ -310,7 +314,7 @@ class Tiers:
         otherwise, and no message. The others wait on while this node's healed copy is still
         being written (``Coordinator.working``: its writes and fsyncs advance)."""
         try:
-            with coordinator.working():
+            with coordinator.working(*self.healing_progress):
                 self.settle_healing()
             mine = None
         except NodeTierError:
@@ -400,6 +404,7 @@ class Tiers:
             return None, {}
         offer, served, self.healing = recover(self.first.run, self.placement.nodes, self.placement.courier, coordinator,
                                               step)
+        self.healing_progress = () if self.healing is None else (self.healing.progress,)
         # Its survey settled the commits an earlier healing left running and listed the copies
         # as they are: what a failed one left out was healed again, or the composite chosen (or
         # the next tier) does not need it. That failure (logged when it happened) stops no save.
