@@ -26,8 +26,10 @@ ranks by it) and, at the end of a job, ``DIR/result-<scenario>-<rank>.json``. Ra
     ``async_in_flight``.
 ``resume``  a writer that restores what ``latest_step`` finds (recording the report and the
     tensors that differ from their composite versions), then trains and saves up to ``$LAST``
-    (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``); it records
-    the steps its node's copy holds once the writer started (what a crash left cleared).
+    (if past the restored step; once the first of those saves committed, each node's leader
+    verifies its node's copy: ``verified_after_training``) and closes (the last save promoted to
+    ``$RUN_HOME``); it records the steps its node's copy holds once the writer started (what a
+    crash left cleared).
     With ``$HOLD_LAST`` = 1 (2 ranks per node, node 1 replaced): the leader of node 0 holds the
     last file of its healing's stream until the second rank of node 1 (its leader alone
     receives) has taken a file of that healing for its restore (``hold_the_last_file``); each
