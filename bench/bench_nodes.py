@@ -35,14 +35,16 @@ async saves on the threads that run them: the background thread's CPU per functi
 (``python -m pstats PATH.0``, then ``sort tottime``, ``stats 20``).
 
 Recovery: after the last round, the newest composite of ours is in both nodes' memory and in
-S3. Node 1's memory is wiped and both launches restart: a restore takes the composite from
-memory, node 1 receiving its parts from node 0 (``from memory``). Then both nodes' memory is
+S3. Node 1's memory is wiped and both launches restart (a fresh process's optimizer: no state
+until the restore makes it, as in a relaunched job): a restore takes the composite from memory, node 1 receiving its parts from node 0 (``from memory``). Then both nodes' memory is
 wiped and both restart: the same composite from S3 (``from S3``). ``--restores`` times each,
 alternately; the restore's time is the slowest rank's ``Tailor.restore`` (a healed node's copy
 is written and committed in the background meanwhile: the time until every node's copy is
 committed is printed beside it). The two restored
-states must be equal (a digest of every weight and optimizer tensor). Target: from memory >= 5x
-faster.
+states must be equal (a digest of every weight and optimizer tensor). After each restore, out of
+its time, every rank trains a step and each node's leader verifies its node's copy (``Run.verify``):
+a copy that fails (a healed one training wrote into) ends the bench before its figure is printed.
+Target: from memory >= 5x faster.
 """
 
 from __future__ import annotations
@@ -175,6 +177,10 @@ def main() -> None:
                         shutil.rmtree(memory(0), ignore_errors=True)
                     results = launch(args, "restore", root, url, env, code)
                     name = f"{way}{label}"
+                    corrupted = {rank: r["problems"] for rank, r in enumerate(results) if r.get("problems")}
+                    if corrupted:  # no figure for a restore that left a node's copy failing its checksums
+                        raise SystemExit(f"{name}: a node's copy fails verification once a step trained after the "
+                                         f"restore (by rank): {corrupted}")
                     restores[name].append(max(r["seconds"] for r in results))
                     digests |= {r["digest"] for r in results}
                     print(f"  {name}: {restores[name][-1]:.3f} s (every node's copy committed at "
@@ -242,9 +248,11 @@ def report_restores(restores: dict[str, list[float]], label: str) -> None:
 
 
 class Training:
-    """This rank's model (DDP), optimizer and data, resettable to the state it started in."""
+    """This rank's model (DDP), optimizer and data, resettable to the state it started in;
+    ``settled``: one step trained (the optimizer's state made), else a fresh process's optimizer,
+    as a relaunched job's is when it restores."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, settled: bool = True):
         import copy
 
         import torch
@@ -258,7 +266,8 @@ class Training:
         self.model = DistributedDataParallel(build_model(config, seed=0).to(self.device))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.tokens, self.seq, self.batch, self.batch_at, self.step = corpus_tokens(), args.seq, args.batch, batch_at, 0
-        self.train(1)  # optimizer state exists from here on
+        if settled:
+            self.train(1)  # optimizer state exists from here on
         self.start = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.optimizer.state_dict()))
 
     def reset(self) -> None:
@@ -289,9 +298,13 @@ def ours(training: Training, args: argparse.Namespace, round_: int):
     """Our Tailor of round ``round_``: its run in S3, its node tier in this node's memory."""
     from llmtailor import Parity, Tailor, Tier
 
-    node_memory = Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}" / f"round{round_}"
     return Tailor(f"{args.url}/round{round_}", training.model, training.optimizer, policy=Parity(), async_save=True,
-                  async_in_flight=args.in_flight, tiers=[Tier(node_memory, scope="node", replicas=2, keep=2, promote_every=args.every)])
+                  async_in_flight=args.in_flight, tiers=[Tier(node_memory(round_), scope="node", replicas=2, keep=2, promote_every=args.every)])
+
+
+def node_memory(round_: int) -> Path:
+    """This node's memory tier of ``round_`` (ours)."""
+    return Path(os.environ["LLMTAILOR_BENCH_SHM"]) / f"node{os.environ['GROUP_RANK']}" / f"round{round_}"
 
 
 def courier_bytes(tailor) -> int:
@@ -454,7 +467,7 @@ def restore_worker(args: argparse.Namespace, own: Path, suffix: str) -> None:
     import torch.distributed as dist
     import xxhash
 
-    training = Training(args)
+    training = Training(args, settled=False)  # the restore makes the optimizer's state (no live tensor to land in)
     tailor = ours(training, args, args.rounds - 1)
     dist.barrier()
     phases = Phases() if args.phases else None
@@ -492,12 +505,29 @@ def restore_worker(args: argparse.Namespace, own: Path, suffix: str) -> None:
     for state in training.optimizer.state_dict()["state"].values():
         for key, value in sorted(state.items()):
             digest.update(key.encode() + value.detach().cpu().contiguous().numpy().tobytes())
+    training.train(1)  # outside the timed span: the first step writes into the optimizer's state the restore made
+    problems = node_copy_problems(node_memory(args.rounds - 1))
     tailor.close()
     said = f"node(s) served by: {report.served_by}" if report.served_by else "nothing to heal"
     (own / f"restore{suffix}.json").write_text(json.dumps({"seconds": seconds, "committed": committed, "tier": report.tier, "step": report.step,
-                                                  "said": said, "digest": digest.hexdigest(),
+                                                  "said": said, "digest": digest.hexdigest(), "problems": problems,
                                                   "profile": profile,
                                                   "phases": phases.table() if phases is not None else ""}))
+
+
+def node_copy_problems(copy: Path) -> list[str] | None:
+    """What ``Run.verify`` finds wrong in this node's copy (a Run of its own; a healed copy
+    included), checked by the node's leader once a step trained after the restore: a restore
+    handed the healed copy's own bytes (its tensors views of them) lets training write into that
+    copy. None on another rank."""
+    import torch.distributed as dist
+
+    from llmtailor.store.run import Run
+
+    dist.barrier()  # every rank's step trained
+    if int(os.environ["LOCAL_RANK"]) != 0:
+        return None
+    return Run(copy).verify()
 
 
 class Phases:

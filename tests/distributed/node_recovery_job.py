@@ -26,8 +26,10 @@ ranks by it) and, at the end of a job, ``DIR/result-<scenario>-<rank>.json``. Ra
     ``async_in_flight``.
 ``resume``  a writer that restores what ``latest_step`` finds (recording the report and the
     tensors that differ from their composite versions), then trains and saves up to ``$LAST``
-    (if past the restored step) and closes (the last save promoted to ``$RUN_HOME``); it records
-    the steps its node's copy holds once the writer started (what a crash left cleared).
+    (if past the restored step; once the first of those saves committed, each node's leader
+    verifies its node's copy: ``verified_after_training``) and closes (the last save promoted to
+    ``$RUN_HOME``); it records the steps its node's copy holds once the writer started (what a
+    crash left cleared).
     With ``$HOLD_LAST`` = 1 (2 ranks per node, node 1 replaced): the leader of node 0 holds the
     last file of its healing's stream until the second rank of node 1 (its leader alone
     receives) has taken a file of that healing for its restore (``hold_the_last_file``); each
@@ -190,6 +192,22 @@ def save_steps(tailor: Tailor, model, optimizer, scheduler, out: Path, first: in
             next_staged.set()
 
 
+def verified_after_training(tailor: Tailor) -> list[str] | None:
+    """Once the first step trained after the restore (writing into the optimizer's state, which
+    the restore made with no live tensor to land in) and its save committed: what ``Run.verify``
+    finds wrong in this node's copy (a Run of its own), raised at once; None on a rank other than
+    its node's leader. The restored snapshot is still kept (``keep=2``): a healed copy whose bytes
+    the restore was handed as they are committed (a view of them written into by training) fails."""
+    tailor.wait()
+    dist.barrier()  # every node's commit of that save ended: no retention under way while the copy is read
+    if int(os.environ["LOCAL_RANK"]) != 0:
+        return None
+    problems = Run(os.environ["NODE_DIR"]).verify()
+    if problems:  # said at once: a corrupted copy fails this job's later saves and its close (their promotion) too
+        raise SystemExit(f"node {node()}: its copy after the first step trained since the restore: {problems}")
+    return problems
+
+
 def resume(kind: str, out: Path) -> dict:
     model, optimizer, scheduler = build(kind, seed=5)
     tailor = tailor_of(model, optimizer, scheduler)
@@ -203,7 +221,11 @@ def resume(kind: str, out: Path) -> dict:
     result = {"held_at_start": held_at_start, "latest": found, "restored": report.step, "tier": report.tier, "served_by": report.served_by,
               "skipped": report.skipped, "extra": report.extra,
               "mismatches": compare_with_composite(out, report.tier, model, optimizer), **seen}
-    save_steps(tailor, model, optimizer, scheduler, out, report.step + 1, int(os.environ.get("LAST", "0")))
+    last = int(os.environ.get("LAST", "0"))
+    save_steps(tailor, model, optimizer, scheduler, out, report.step + 1, min(last, report.step + 1))
+    if last > report.step:
+        result["verified after training"] = verified_after_training(tailor)
+    save_steps(tailor, model, optimizer, scheduler, out, report.step + 2, last)
     tailor.close()
     result["promoted"] = [p.step for p in tailor.tiers.promotions]
     return result

@@ -177,7 +177,17 @@ def check_lost(job: Job, first: list[dict], served_by: dict[str, list[int]]) -> 
     # rank 0 compares every tensor (each rank's shard gathered) with its version; the others' versions lie on node 0
     assert [r["mismatches"] for r in first] == [[]] * job.per_node + [None] * (ranks - job.per_node)
     assert first[0]["promoted"][-1] == 4
+    healed_copy_verified_after_training(job, first)
     job.copies_whole(name="first")
+
+
+def healed_copy_verified_after_training(job: Job, first: list[dict]) -> None:
+    """Each node's copy, the replacement's healed one included, verified by its leader once the
+    first step trained after the restore (into the optimizer's state the restore made, with no
+    live tensor to land in) and that step's save committed (``verified_after_training``): the
+    restore was handed bytes of its own, not the healed copy's."""
+    leaders = [r % job.per_node == 0 for r in range(job.nodes * job.per_node)]
+    assert [r["verified after training"] for r in first] == [[] if leader else None for leader in leaders]
 
 
 def wipe_every_node(job: Job) -> None:
@@ -195,6 +205,7 @@ def check_resumed_in_memory(job: Job, first: list[dict], held: list[list[int]], 
     assert [r["tier"] for r in first] == [str(job.memory(n)) for n in range(NODES)]
     assert first[0]["served_by"] == {"1": [0]} and first[0]["mismatches"] == []
     assert first[0]["promoted"][-1] == last
+    healed_copy_verified_after_training(job, first)
     job.copies_whole()
     assert all(not any((job.memory(n) / ".tmp").iterdir()) for n in range(NODES) if (job.memory(n) / ".tmp").exists())
     assert Run(job.env["RUN_HOME"]).latest_step() == last and Run(job.env["RUN_HOME"]).verify() == []
