@@ -65,10 +65,4 @@ def carried(fn):  # type: ignore[no-untyped-def]
     return on_behalf
 
 
-def shown():  # type: ignore[no-untyped-def]
-    """``advance`` for the blocks the calling thread works for now, to call later from another
-    thread (one that runs work handed over without a function to wrap: the fsync threads)."""
-    return carried(advance)
-
-
-__all__ = ["Scope", "advance", "carried", "shown", "within"]
+__all__ = ["Scope", "advance", "carried", "within"]

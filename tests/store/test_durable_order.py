@@ -604,6 +604,23 @@ def _promoting(tmp_path, policy, promote_every: int, keep: int | None = None) ->
                    tiers=[Tier(memory, promote_every=promote_every)]), trained, home, memory)
 
 
+def _promotion_whose_fsync_fails(monkeypatch, tailor: Tailor, trained: tuple, tokens, home: Path, step: int,
+                                 said: str) -> None:
+    """Step ``step`` trained (``trained``: the model, optimizer and scheduler) and saved while the
+    fsync of ``home``'s ``snapshots/`` fails once step 2 is renamed in there (its promotion's
+    commit): ``wait(promoted=True)`` raises one PromotionError matching ``said``, and the fsync
+    that failed was that one."""
+    from llmtailor import PromotionError
+
+    failed = failing_fsync_of(monkeypatch, home / "snapshots", home / "snapshots" / snapshot_dirname(2))
+    train(*trained, tokens, [step])
+    tailor.save(step)
+    with pytest.raises(PromotionError, match=said):
+        tailor.wait(promoted=True)
+    monkeypatch.undo()
+    assert failed == [str(home / "snapshots")]
+
+
 def test_a_promotion_whose_fsync_fails_after_its_rename_counts_as_promoted_and_says_what_may_not_be_durable(
         tmp_path, tokens, monkeypatch):
     """A promotion (memory tier -> run directory) commits its snapshot there by the save's own
@@ -616,23 +633,17 @@ def test_a_promotion_whose_fsync_fails_after_its_rename_counts_as_promoted_and_s
     promoted and committed and what may not be durable; never retried. Before: the failure was
     taken for a failed promotion, whose retry found step 2 there and skipped it (copied nothing)
     and pointed ``latest`` at it, the fsync's failure said nowhere: 'DID NOT RAISE'."""
-    from llmtailor import PromotionError
     from llmtailor.store.tiers import tier_states
 
     tailor, (model, optimizer, scheduler), home, memory = _promoting(tmp_path, Full(), promote_every=1, keep=1)
     try:
         tailor.save(1)
         tailor.wait(promoted=True)
-        failed = failing_fsync_of(monkeypatch, home / "snapshots", home / "snapshots" / snapshot_dirname(2))
-        train(model, optimizer, scheduler, tokens, [2])
-        tailor.save(2)
-        with pytest.raises(PromotionError, match=rf"^promoting step 2 to {home}: step 2 was promoted and committed in "
-                                                 rf"{home}, but its name in snapshots/ could not be made durable "
-                                                 r"\(Input/output error\): a crash of the machine .*a restore finds step 2 "
-                                                 rf"now\. {home}'s latest was left as it was"):
-            tailor.wait(promoted=True)
-        monkeypatch.undo()
-        assert failed == [str(home / "snapshots")]
+        _promotion_whose_fsync_fails(monkeypatch, tailor, (model, optimizer, scheduler), tokens, home, 2,
+                                     rf"^promoting step 2 to {home}: step 2 was promoted and committed in "
+                                     rf"{home}, but its name in snapshots/ could not be made durable "
+                                     r"\(Input/output error\): a crash of the machine .*a restore finds step 2 "
+                                     rf"now\. {home}'s latest was left as it was")
         assert [(p.step, p.copied) for p in tailor.tiers.promotions] == [(1, [1]), (2, [2])]
         assert (home / LATEST_FILE).read_text().strip() == snapshot_dirname(1)
         assert Run(home).steps() == [1, 2] and Run(home).latest_step() == 2 and Run(home).verify() == []
@@ -656,7 +667,7 @@ def test_a_promotion_whose_carriers_fsync_fails_stops_there_and_the_next_one_goe
     the failure says so; the promotion at close finds the carrier there and goes on from it.
     Before: the failure was a failed try, whose retry passed over the carrier and promoted the
     composite, the carrier's failure said nowhere: 'DID NOT RAISE'."""
-    from llmtailor import Parity, PromotionError
+    from llmtailor import Parity
 
     tailor, (model, optimizer, scheduler), home, memory = _promoting(tmp_path, Parity(), promote_every=2)
     try:
@@ -665,16 +676,11 @@ def test_a_promotion_whose_carriers_fsync_fails_stops_there_and_the_next_one_goe
             tailor.save(step)
             tailor.wait(promoted=True)
         assert Run(home).steps() == [1]
-        failed = failing_fsync_of(monkeypatch, home / "snapshots", home / "snapshots" / snapshot_dirname(2))
-        train(model, optimizer, scheduler, tokens, [3])
-        tailor.save(3)
-        with pytest.raises(PromotionError, match=rf"^promoting step 3 to {home}: step 2 was promoted and committed in "
-                                                 r".*could not be made durable \(Input/output error\).*\. The composite of "
-                                                 r"step 3 it was copied for was not promoted \(nothing more was committed "
-                                                 rf"in {home}\); the next promotion there goes on from it$"):
-            tailor.wait(promoted=True)
-        monkeypatch.undo()
-        assert failed == [str(home / "snapshots")]
+        _promotion_whose_fsync_fails(monkeypatch, tailor, (model, optimizer, scheduler), tokens, home, 3,
+                                     rf"^promoting step 3 to {home}: step 2 was promoted and committed in "
+                                     r".*could not be made durable \(Input/output error\).*\. The composite of "
+                                     r"step 3 it was copied for was not promoted \(nothing more was committed "
+                                     rf"in {home}\); the next promotion there goes on from it$")
         assert Run(home).steps() == [1, 2] and Run(home).latest_step() == 1
         assert [p.step for p in tailor.tiers.promotions] == [1] and tailor.tiers.promoter.lag(1) == 2
     finally:
