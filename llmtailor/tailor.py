@@ -214,7 +214,7 @@ class Tailor:
         tier (``store.node_commit``), else one store every rank writes (``store.writer``). Its
         ``prepare`` runs inside the save's first message (what it raises, every rank raises): a
         lagging tier is waited for up to half the timeout, the others' wait for that message."""
-        hooks = {"prepare": functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2),
+        hooks = {"prepare": functools.partial(self.tiers.prepare_save, staged.step, self.config.timeout / 2, self.coordinator),
                  "confirm": self.tiers.first.lock.check_held}
         if self.tiers.placement is not None:  # its retention spares what rank 0's promoter may read
             return persist_on_nodes(self.run, staged, self.tiers.placement, self.coordinator, spare=self.tiers.may_promote, **hooks)

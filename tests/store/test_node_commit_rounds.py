@@ -251,3 +251,49 @@ def test_a_node_leader_makes_its_received_copies_and_indexes_durable_beside_its_
                     assert (str(staged / name), (Path(directory) / name).stat().st_size) in synced, staged / name
         mine = [e for e in events if e[0] == "fsync" and (e[1] + "/").startswith(f"{root}/node{node}/")]
         assert len(mine) == 13, [e[1][len(str(root)):] for e in mine]
+
+
+def test_a_save_waits_on_while_a_node_leader_settles_the_copy_its_healing_still_writes_past_the_timeout(tmp_path):
+    """The first save after a restore that healed a node's copy: that node's leader settles the
+    healed copy's background commit (``Tiers.prepare_save``: its writes and fsyncs, on the
+    healing's threads, held back until the restore ended) inside the save's first message. That
+    work's progress is the healing's (``Tiers.healing_progress``), not the save's block's, so its
+    rank showed none and the others gave up after the timeout, alive as it was (the restore's and
+    close's waits for a healing count it: ``working(*healing_progress)``). Here the healing's
+    writes go on past 1.5 x the timeout. Two one-rank nodes as threads through
+    ``Tailor._persist``, rank 1's copy healed; timeout 2 s."""
+    from types import SimpleNamespace
+
+    from llmtailor import Tier, Tailor
+    from llmtailor.distributed.progress import Scope, within
+    from llmtailor.store.tiers import Tiers
+
+    store, lanes, gave_up = HashStore(), {(a, b): queue.Queue() for a in range(2) for b in range(2)}, []
+    tiers = [Tiers(tmp_path / "home", [Tier(tmp_path / f"node{n}", scope="node")]) for n in range(2)]
+    healing = Scope()
+    tiers[1].healing_progress = (healing,)
+    written = tiers[1].first.run.commit_coming(7)  # a healed snapshot still committing in the background
+
+    def heal() -> None:  # the healing's writer thread: its progress counts for the healing alone
+        with within(healing):
+            progressing(store, [0], _LOOKS + 2, gave_up)
+        written.set_result(None)
+
+    def run(rank):
+        tailor = Tailor.__new__(Tailor)
+        tailor.tiers, tailor.run, tailor.config = tiers[rank], tiers[rank].first.run, SimpleNamespace(timeout=2.0)
+        tailor.tiers.placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes, 2))
+        tailor.coordinator = StoreCoordinator.over(store, rank, 2, timeout=2)
+        if rank == 1:
+            threading.Thread(target=heal, daemon=True).start()
+        try:
+            return tailor._persist(staged(rank))
+        except CoordinationError:
+            gave_up.append(rank)
+            raise
+        finally:
+            tailor.tiers.release()
+
+    outcomes = on_threads(2, run)
+    assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+    assert written.done() and [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[1], [1]]

@@ -14,6 +14,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -249,16 +250,21 @@ class Tiers:
         if self.promoter is not None:
             self.promoter.wait()
 
-    def prepare_save(self, step: int, timeout: float) -> None:
+    def prepare_save(self, step: int, timeout: float, coordinator: Coordinator | None = None) -> None:
         """Where the first tier is committed (rank 0; each node's leader of a node-local one),
         as a save of ``step`` opens, inside the save's own first message (so every rank raises
-        what this raises, and a save costs no message of its own here). Rank 0: raise the
+        what this raises, and a save costs no message of its own here). This node's healed copy
+        settled first (``settle_healing``): the others wait on while its writes advance (as at
+        ``close``: ``coordinator.working``). Rank 0: raise the
         promotion failures met since the last report, each once, as a PromotionError; then,
         while a tier is more than its ``max_lag`` behind the one before it, wait (up to
         ``timeout`` seconds) for the promotion to catch up. Then claim the first tier's lock.
         Nothing of the save is written yet."""
+        healed = (coordinator.working(*self.healing_progress) if coordinator is not None and self.healing_progress
+                  else nullcontext())
         try:
-            self.settle_healing()
+            with healed:
+                self.settle_healing()
         except NodeTierError as err:
             raise NodeTierError(f"step {step} was not saved: {err}") from None
         if self.promoter is not None:
