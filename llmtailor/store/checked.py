@@ -130,15 +130,23 @@ def checked_tensors(data: memoryview, where: str, expected: dict[str, tuple[str,
     already checked against its entry (size and checksum: ``UnitReader.arrived``), with no
     second pass over them: its header checked against ``expected`` (``check_header``), each
     tensor a view of ``data``, those of ``into`` copied into its tensors' memory and returned as
-    them (as ``fetch_stored_tensors`` returns them); never unpickles."""
+    them (as ``fetch_stored_tensors`` returns them); never unpickles. Where ``data`` maps a file
+    (a healed file's private mapping), a tensor with none of ``into`` to land in is copied into
+    memory of its own: a view would keep the whole file mapped for as long as it lives (the
+    optimizer's state: all of training), its memory taken (a ``/dev/shm`` tier's) after
+    retention removed the file."""
     into = into or {}
     header = parse_header(lambda start, length: data[start : start + length], len(data), where)[1]
     check_header(header, where, expected)
     tensors = decode_tensors(data, where)
+    mapping = isinstance(data.obj if isinstance(data, memoryview) else data, mmap.mmap)
     out = {}
     for name in expected:
-        out[name] = into[name] if _fits(into, name, tensors[name].nbytes) else tensors[name]
-    copy_bytes([(into[name], tensors[name]) for name in expected if out[name] is not tensors[name]])
+        if _fits(into, name, tensors[name].nbytes):
+            out[name] = into[name]
+        else:
+            out[name] = tensors[name].new_empty(tensors[name].shape) if mapping else tensors[name]
+    copy_bytes([(out[name], tensors[name]) for name in expected if out[name] is not tensors[name]])
     return out
 
 

@@ -462,6 +462,44 @@ def test_training_that_writes_into_the_tensors_restored_from_a_healing_leaves_th
     assert all((committed / m.path).read_bytes() == (snapshot / m.path).read_bytes() for m in moves)
 
 
+def test_the_tensors_restored_from_a_healing_hold_no_mapping_of_the_healed_copy_once_retention_removed_it(
+        tmp_path, tokens):
+    """A tensor restored with no live one to land in (the optimizer's state in a fresh process)
+    lives as long as training does. Made as a view of a file's private mapping (a healed file
+    that landed in its staged file, ``Receiving._own``), it kept the whole file mapped, so once
+    retention removed that snapshot the file's memory (a ``/dev/shm`` tier's) stayed taken for as
+    long as the process ran. Before: node 1's ``packs/rank-00000.0.safetensors (deleted)`` still
+    in ``/proc/self/maps``."""
+    import gc
+
+    model, opt, sched = tiny(seed=0)
+    train(model, opt, sched, tokens, [1])
+    tailor = Tailor(tmp_path / "node0", model, opt, sched, policy=Parity(), keep=None)
+    tailor.save(1)
+    tailor.close()
+    source = Run(tmp_path / "node0")
+    snapshot = source.snapshot_dir(1)
+    moves = [Transfer(1, path.relative_to(snapshot).as_posix(), path.stat().st_size, checksum(path.read_bytes()), 0, 1)
+             for path in sorted(path for path in snapshot.rglob("*") if path.is_file())]
+    (tmp_path / "node1").mkdir()
+    healed = Run(tmp_path / "node1")
+    under_way = recovery_healing.Healing(healed, moves, Nodes((0, 1)), LandingSender(source, 1, [m.path for m in moves]), 1)
+    try:
+        assert under_way.outcome() is None
+        restored = [tensor for unit in healed.manifest(1).units for tensor in healed.read_unit(1, unit)[0].values()]
+    finally:
+        healed.release_held()  # as the restore ends
+        healed.units.arrived.clear()
+    healed.settle_commits()
+    del under_way
+    discard_snapshots(Run(tmp_path / "node1"), [1])  # retention moved on
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split(maxsplit=5)[-1].strip() for line in maps if str(tmp_path / "node1") in line]
+    assert restored
+    assert mapped == [], mapped
+
+
 def test_a_writer_clears_from_every_node_a_snapshot_that_is_not_whole(tmp_path):
     copies = node_copies(tmp_path, count=3)
     write_snapshot(copies, 3, 2, (0, 1, 2), 2)
