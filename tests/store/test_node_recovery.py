@@ -423,17 +423,9 @@ class LandingSender:
             take(0, name, into)
 
 
-@pytest.mark.parametrize("landing", [True, False], ids=["landed", "fresh-buffer"])
-def test_training_that_writes_into_the_tensors_restored_from_a_healing_leaves_the_healed_copy_as_it_checked_out(
-        tmp_path, tokens, landing):
-    """The restore after a healing reads the files that arrived (``UnitReader.arrived``), and a
-    tensor with no live one to land in (the optimizer's state in a fresh process) is a view of
-    those bytes, which the optimizer keeps and training then writes into. Node 1's healed copy,
-    committed from what arrived once the restore ended, must stay as it checked out: every file
-    of it matches its checksum after training wrote into every tensor restored, whether the
-    files landed in their staged files (``land``) or in fresh buffers (the bytes handed to the
-    restore are the process's own, neither the committed file's nor those it is written from).
-    Before: ``packs/rank-00000.0.safetensors: checksum mismatch (file is corrupted)``, both ways."""
+def healing_node_1(tmp_path, tokens, landing: bool):
+    """Node 0's copy of step 1 (a tiny model trained a step) healed into node 1's empty copy
+    (``LandingSender``), under way: ``(snapshot, moves, healed run, Healing)``."""
     model, opt, sched = tiny(seed=0)
     train(model, opt, sched, tokens, [1])
     tailor = Tailor(tmp_path / "node0", model, opt, sched, policy=Parity(), keep=None)
@@ -446,7 +438,22 @@ def test_training_that_writes_into_the_tensors_restored_from_a_healing_leaves_th
              for path in files]
     (tmp_path / "node1").mkdir()
     healed = Run(tmp_path / "node1")
-    under_way = recovery_healing.Healing(healed, moves, Nodes((0, 1)), LandingSender(source, 1, [m.path for m in moves], landing), 1)
+    sender = LandingSender(source, 1, [m.path for m in moves], landing)
+    return snapshot, moves, healed, recovery_healing.Healing(healed, moves, Nodes((0, 1)), sender, 1)
+
+
+@pytest.mark.parametrize("landing", [True, False], ids=["landed", "fresh-buffer"])
+def test_training_that_writes_into_the_tensors_restored_from_a_healing_leaves_the_healed_copy_as_it_checked_out(
+        tmp_path, tokens, landing):
+    """The restore after a healing reads the files that arrived (``UnitReader.arrived``), and a
+    tensor with no live one to land in (the optimizer's state in a fresh process) is a view of
+    those bytes, which the optimizer keeps and training then writes into. Node 1's healed copy,
+    committed from what arrived once the restore ended, must stay as it checked out: every file
+    of it matches its checksum after training wrote into every tensor restored, whether the
+    files landed in their staged files (``land``) or in fresh buffers (the bytes handed to the
+    restore are the process's own, neither the committed file's nor those it is written from).
+    Before: ``packs/rank-00000.0.safetensors: checksum mismatch (file is corrupted)``, both ways."""
+    snapshot, moves, healed, under_way = healing_node_1(tmp_path, tokens, landing)
     try:
         assert under_way.outcome() is None
         restored = [tensor for unit in healed.manifest(1).units for tensor in healed.read_unit(1, unit)[0].values()]
@@ -472,18 +479,7 @@ def test_the_tensors_restored_from_a_healing_hold_no_mapping_of_the_healed_copy_
     in ``/proc/self/maps``."""
     import gc
 
-    model, opt, sched = tiny(seed=0)
-    train(model, opt, sched, tokens, [1])
-    tailor = Tailor(tmp_path / "node0", model, opt, sched, policy=Parity(), keep=None)
-    tailor.save(1)
-    tailor.close()
-    source = Run(tmp_path / "node0")
-    snapshot = source.snapshot_dir(1)
-    moves = [Transfer(1, path.relative_to(snapshot).as_posix(), path.stat().st_size, checksum(path.read_bytes()), 0, 1)
-             for path in sorted(path for path in snapshot.rglob("*") if path.is_file())]
-    (tmp_path / "node1").mkdir()
-    healed = Run(tmp_path / "node1")
-    under_way = recovery_healing.Healing(healed, moves, Nodes((0, 1)), LandingSender(source, 1, [m.path for m in moves]), 1)
+    _, _, healed, under_way = healing_node_1(tmp_path, tokens, landing=True)
     try:
         assert under_way.outcome() is None
         restored = [tensor for unit in healed.manifest(1).units for tensor in healed.read_unit(1, unit)[0].values()]
