@@ -260,8 +260,8 @@ class Tiers:
         while a tier is more than its ``max_lag`` behind the one before it, wait (up to
         ``timeout`` seconds) for the promotion to catch up. Then claim the first tier's lock.
         Nothing of the save is written yet."""
-        healed = (coordinator.working(*self.healing_progress) if coordinator is not None and self.healing_progress
-                  else nullcontext())
+        healing = coordinator is not None and self.healing_progress and self.first.run.committing_in_background()
+        healed = coordinator.working(*self.healing_progress) if healing else nullcontext()
         try:
             with healed:
                 self.settle_healing()
