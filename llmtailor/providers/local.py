@@ -300,9 +300,9 @@ class LocalProvider(StateProvider):
 
         skipped = {unit: {t.key for t in entries[unit].tensors} - {t.key for t in wanted[unit]} for unit in sources}
 
-        def read(item: str) -> list[torch.Tensor]:
+        def read(item: str) -> list[torch.Tensor]:  # this rank's own: straight into the live tensors where they take it
             unit = units[item]
-            loaded, _ = run.read_unit(sources[unit], unit, skip=skipped[unit])
+            loaded, _ = run.read_unit(sources[unit], unit, skip=skipped[unit], into=self._live_by_key(unit, live))
             return [loaded[t.key] for t in wanted[unit]]
 
         def into(item: str) -> list[torch.Tensor | None]:

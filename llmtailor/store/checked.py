@@ -15,7 +15,7 @@ import xxhash
 from llmtailor.distributed.progress import advance, carried
 from llmtailor.errors import IntegrityError, TailorError
 from llmtailor.store import dtypes
-from llmtailor.store.fetch import fetch, fetch_into, new_buffer
+from llmtailor.store.fetch import fetch, fetch_into, new_buffer, request_parts
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.storage.base import LazyPool, Sink, Storage
 from llmtailor.store.storage.local import LocalStorage
@@ -112,6 +112,8 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected:
     may hold damaged bytes (the caller treats them as touched). The header is then read first
     and checked before any byte lands; a file whose tensors do not tile its data is read whole."""
     where, hasher = storage.where(key), xxhash.xxh3_64()
+    if into and storage.remote:
+        return _fetch_parts_into(storage, key, entry, expected, into)
     if into:
         layout = _tiled_layout(storage, key, entry, expected)
         if layout is not None:
@@ -122,6 +124,99 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected:
     view = memoryview(data)
     check_header(parse_header(lambda start, length: view[start : start + length], len(data), where)[1], where, expected)
     return decode_tensors(data, where)
+
+
+def _fetch_parts_into(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tuple[str, list[int]]],
+                      into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``fetch_stored_tensors`` with ``into`` from a remote store, in the requests of a plain
+    fetch of the file (``fetch.part_cuts``; the first one's answer checks the size), no header
+    request before them: each part's bytes are kept as the store answered them; the header is
+    parsed from the first part's and checked before a byte lands; then each part, in file order,
+    is hashed and copied where its bytes go: the memory of ``into``'s tensors, one new buffer for
+    the others. The bytes of a read into live tensors no longer pass through fresh memory of
+    their own (a new buffer's pages are faulted in, zeroed and freed again: on a 2-vCPU VM about
+    1 ms of CPU per MB, five times the copy). A header that does not lie whole in the first part,
+    does not parse, does not match ``expected`` or whose tensors do not tile the data: the parts are
+    taken as the plain fetch takes them (the file's checksum first, then its header), no byte
+    landed in ``into``'s."""
+    where, hasher = storage.where(key), xxhash.xxh3_64()
+    cuts, parts = request_parts(storage, key, entry.bytes, lambda size: _check_found_size(storage, key, entry, size))
+    ends = [*cuts[1:], entry.bytes]
+    try:
+        head = memoryview(parts[0].result()).cast("B")
+        targets = _landing(head, entry, where, expected, into)
+        if targets is None:  # the plain fetch's way: the whole file, its checksum, then its header
+            data = new_buffer(entry.bytes)
+            view = memoryview(data)
+            for start, end, part in zip(cuts, ends, parts):
+                view[start:end] = memoryview(part.result()).cast("B")
+            if checksum(data) != entry.xxh3_64:
+                raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+            check_header(parse_header(lambda start, length: view[start : start + length], len(data), where)[1],
+                         where, expected)
+            return decode_tensors(data, where)
+        places, out = targets
+        for start, end, part in zip(cuts, ends, parts):
+            data = memoryview(part.result()).cast("B")
+            hasher.update(data)
+            for begin, stop, dest in places:  # the tensors this part's bytes belong to
+                if begin < end and stop > start:
+                    low, high = max(begin, start), min(stop, end)
+                    dest[low - begin : high - begin] = data[low - start : high - start]
+    except BaseException:
+        for part in parts:
+            part.cancel()
+        futures_wait(parts)  # no request left running behind the caller
+        raise
+    if hasher.hexdigest() != entry.xxh3_64:
+        raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+    return out
+
+
+def _landing(head: memoryview, entry: FileEntry, where: str, expected: dict[str, tuple[str, list[int]]],
+             into: dict[str, torch.Tensor]) -> tuple[list[tuple[int, int, memoryview]], dict[str, torch.Tensor]] | None:
+    """Where each tensor's bytes of a tensor file go (``_fetch_parts_into``): ``([(begin, end,
+    memory)] in file order, the tensors by name)``, from its header as the file's first bytes
+    ``head`` hold it, checked against ``expected``; its tensors tiling its data end to end, as
+    the writer lays them out. None where the header is not whole in ``head``, is not one, does not
+    match, or the tensors do not tile the data."""
+    import torch
+
+    class _Beyond(Exception):
+        pass
+
+    def read(start: int, length: int) -> memoryview:
+        if start + length > len(head):
+            raise _Beyond
+        return head[start : start + length]
+
+    try:
+        data, header = parse_header(read, entry.bytes, where)
+        check_header(header, where, expected)
+    except (_Beyond, IntegrityError):
+        return None
+    spans = sorted((*info["data_offsets"], name, info) for name, info in header.items() if name != "__metadata__")
+    position = 0
+    for begin, end, _, _ in spans:
+        if begin != position:
+            return None
+        position = end
+    if data + position != entry.bytes:
+        return None
+    buffer = new_buffer(sum(end - begin for begin, end, name, _ in spans if not _fits(into, name, end - begin)))
+    places, out, at = [], {}, 0
+    for begin, end, name, info in spans:
+        if _fits(into, name, end - begin):
+            places.append((data + begin, data + end, byte_view(into[name])))
+            out[name] = into[name]
+            continue
+        places.append((data + begin, data + end, memoryview(buffer)[at : at + end - begin]))
+        code = dtypes.from_code(info["dtype"])
+        dtype, shape = dtypes.to_torch(code), [int(d) for d in info["shape"]]
+        out[name] = (torch.frombuffer(buffer, dtype=dtype, count=(end - begin) // dtypes.itemsize(code), offset=at).reshape(shape)
+                     if end > begin else torch.empty(shape, dtype=dtype))
+        at += end - begin
+    return places, out
 
 
 def checked_tensors(data: memoryview, where: str, expected: dict[str, tuple[str, list[int]]],

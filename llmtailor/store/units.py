@@ -261,15 +261,15 @@ class UnitReader:
                 self._together = {}
 
     def _from_together(self, storage: Storage, key: str, file: FileEntry, shapes: dict[str, tuple[str, list[int]]],
-                       sums: dict[str, str], user: tuple[int, str], into: dict | None) -> dict[str, torch.Tensor] | None:
+                       sums: dict[str, str], user: tuple[int, str]) -> dict[str, torch.Tensor] | None:
         """The tensors ``sums`` of the unit ``user`` (``(step, unit)``) from the spans of the pack
         ``file`` read together (``reading_together``), each fetched here if this is its first
-        reader, else waited for; None where that pack is not read so (or the unit's tensors go
-        straight into live ones)."""
+        reader, else waited for (views of the span's bytes, whatever the caller would read
+        into: the span holds several units' tensors); None where that pack is not read so."""
         where = (storage.where(key), file.xxh3_64, file.bytes)
         with self._together_lock:
             together = self._together.get(where)
-            if together is None or into or not sums or any(together.owner.get(name) != user for name in sums):
+            if together is None or not sums or any(together.owner.get(name) != user for name in sums):
                 return None
             if not together.pending.issuperset(sums):  # read already: again, as any unit is
                 return None
@@ -315,15 +315,14 @@ class UnitReader:
                 spans[-1].wanted, gaps = end - begin, 0
         return header, spans
 
-    def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int, into: dict | None) -> bool:
+    def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int) -> bool:
         """Whether the pack ``file`` (of a unit saved at ``step``) is read as a unit file is, whole
-        (``fetch_stored_tensors``: its checksum, then its header, checked before any tensor is
-        used), where its header would be read first: from a remote store, with nothing to read
-        straight into, when it holds no tensor data but the ``wanted`` bytes (a pack of one unit,
-        say): its header and data then come in one request, not two round trips, and no byte
-        is read that is not wanted."""
-        return (storage.remote and not into
-                and self._pack_data(file.origin if file.origin is not None else step, file.path) == wanted)
+        (``fetch_stored_tensors``: its header and checksum checked, a byte landing in a live
+        tensor only once the header is), where its header would be read first: from a remote
+        store, when it holds no tensor data but the ``wanted`` bytes (a pack of one unit, say):
+        its header and data then come in one request, not two round trips, and no byte is read
+        that is not wanted."""
+        return storage.remote and self._pack_data(file.origin if file.origin is not None else step, file.path) == wanted
 
     def _pack_data(self, step: int, path: str) -> int | None:
         """Bytes of tensor data the pack ``path`` of the snapshot of ``step`` holds, from the
@@ -483,9 +482,9 @@ class UnitReader:
             elif file.origin == "base":  # a large file of which a few tensors are wanted: those alone
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
-            elif (together := self._from_together(storage, key, file, shapes, sums, (step, unit), targets.get(position))) is not None:
+            elif (together := self._from_together(storage, key, file, shapes, sums, (step, unit))) is not None:
                 loaded[position] = together
-            elif is_pack(file.path) and not self._whole_pack(storage, file, step, wanted_bytes[position], targets.get(position)):
+            elif is_pack(file.path) and not self._whole_pack(storage, file, step, wanted_bytes[position]):
                 # a rank's small units together: this unit's tensors alone
                 pack = self._pack_header(storage, key, file, shapes, file.origin if file.origin is not None else step)
                 loaded[position] = read_stored_parts(storage, key, pack, sums, targets.get(position))
