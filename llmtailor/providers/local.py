@@ -310,7 +310,8 @@ class LocalProvider(StateProvider):
             return [targets.get(t.key) for t in wanted[units[item]]]
 
         # This rank's units, read from a pack they share in one fetch, not a request per unit.
-        with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()]):
+        with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()],
+                                  {(sources[units[item]], units[item]): self._live_by_key(units[item], live) for item in plan.mine()}):
             for item, tensors in plan.fetch(read, lambda item: specs[units[item]], meanwhile, into):
                 unit = units[item]
                 values = {name: dict(plain) for name, plain in entries[unit].values.items()}

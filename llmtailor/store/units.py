@@ -11,15 +11,16 @@ import contextlib
 import json
 import math
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_parts, checked_tensors,
-                                     fetch_stored_tensors, fetch_whole, read_checked_tensors, read_stored, read_stored_parts)
+from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_landed, checked_parts,
+                                     checked_tensors, fetch_stored_tensors, fetch_whole, fetch_whole_into, read_checked_tensors,
+                                     read_stored, read_stored_parts)
 from llmtailor.store.fetch import fetch
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
@@ -215,7 +216,8 @@ class UnitReader:
         return header
 
     @contextlib.contextmanager
-    def reading_together(self, reads: list[tuple[int, str, Collection[str]]]) -> Iterator[None]:
+    def reading_together(self, reads: list[tuple[int, str, Collection[str]]],
+                         into: Mapping[tuple[int, str], dict[str, torch.Tensor]] | None = None) -> Iterator[None]:
         """Within it, the units of ``reads`` (``(step, unit, tensor keys skipped)``: those this
         process reads next, as a rank of a read plan reads its items, on any thread) read from
         a pack file of a remote store that holds tensors of several of them read it together:
@@ -226,13 +228,16 @@ class UnitReader:
         has taken its own (or this exits); each tensor is checked against its own checksum as it
         is taken (a damaged one is named with its unit). A pack whose data they want all of but
         such a gap is one span with its header: its size, header and data come in the same
-        requests (``fetch_whole``); else its header is read first, as for one unit. Spans are of
+        requests (``fetch_whole``), the tensors of ``into`` (``(step, unit)`` -> live tensors by
+        key, as ``read``'s ``into``) landing in their memory (``fetch_whole_into``), each then
+        checked there; else its header is read first, as for one unit. Spans are of
         at most ``TOGETHER_BYTES``. Before, a rank reading three layers of its pack asked for
         its header, then for each layer, one request after another (and an S3 emulator reads
         the whole object for each). Reads the units' indexes (a restore has them at hand)."""
         planned: dict[tuple[str, str, int], _Together] = {}
         for step, unit, skip in reads:
             entry = self.entry(step, unit)
+            targets = _targets(entry, [t for t in entry.tensors if t.key not in skip], (into or {}).get((step, unit)) or {})
             for tensor in entry.tensors:
                 for chunk in tensor.chunks if tensor.key not in skip else ():
                     file = entry.files[chunk.file]
@@ -246,6 +251,8 @@ class UnitReader:
                     together.expected[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape)
                     together.wanted[tensor.chunk_key(chunk)] = math.prod(chunk.shape) * tensor.torch_dtype.itemsize
                     together.owner[tensor.chunk_key(chunk)] = (step, unit)
+                    if tensor.chunk_key(chunk) in targets.get(chunk.file, {}):
+                        together.into[tensor.chunk_key(chunk)] = targets[chunk.file][tensor.chunk_key(chunk)]
         kept = {where: together for where, together in planned.items() if len(set(together.owner.values())) > 1}
         for where, together in kept.items():
             together.pending = set(together.expected)
@@ -280,8 +287,9 @@ class UnitReader:
         out = {}
         for span in {id(span): span for name in sums for span in spans if name in span.names}.values():
             data = _once(self._together_lock, span, "data", lambda: fetch(storage, key, span.start, span.end - span.start))
-            out.update(checked_parts(data, (header[0] - span.start, header[1]),
-                                     {name: sums[name] for name in sums if name in span.names}, where[0]))
+            names = {name: sums[name] for name in sums if name in span.names}
+            out.update(checked_landed(data, names, where[0]) if isinstance(data, dict)  # landed (``fetch_whole_into``)
+                       else checked_parts(data, (header[0] - span.start, header[1]), names, where[0]))
             with self._together_lock:
                 span.left.difference_update(sums)
                 if not span.left:  # its last unit has its tensors: the bytes go with theirs
@@ -294,7 +302,8 @@ class UnitReader:
         (``reading_together``): one, header and all, fetched here, where the pack is read whole."""
         if together.whole:
             span = _Span(0, file.bytes, set(together.expected))
-            data, header = fetch_whole(storage, key, file)
+            header, data = (fetch_whole_into(storage, key, file, together.expected, together.into) if together.into
+                            else fetch_whole(storage, key, file)[::-1])
             check_header(header[1], storage.where(key), together.expected)
             span.data = Future()
             span.data.set_result(data)
@@ -612,13 +621,15 @@ class _Together:
     shape, its bytes, and the unit ``(step, unit)`` it is of), whether it is read whole, and
     once its first unit is read, its header and spans."""
 
-    __slots__ = ("step", "path", "expected", "wanted", "owner", "pending", "whole", "spans")
+    __slots__ = ("step", "path", "expected", "wanted", "owner", "into", "pending", "whole", "spans")
 
     def __init__(self, step: int, path: str):
         self.step, self.path = step, path
         self.expected: dict[str, tuple[str, list[int]]] = {}
         self.wanted: dict[str, int] = {}
         self.owner: dict[str, tuple[int, str]] = {}
+        self.into: dict[str, torch.Tensor] = {}
+        """Live tensors the read whole lands them in, by name (``reading_together``'s ``into``)."""
         self.pending: set[str] = set()
         """The tensors not yet taken by their unit's read."""
         self.whole = False
