@@ -271,8 +271,9 @@ class UnitReader:
                        sums: dict[str, str], user: tuple[int, str]) -> dict[str, torch.Tensor] | None:
         """The tensors ``sums`` of the unit ``user`` (``(step, unit)``) from the spans of the pack
         ``file`` read together (``reading_together``), each fetched here if this is its first
-        reader, else waited for (views of the span's bytes, whatever the caller would read
-        into: the span holds several units' tensors); None where that pack is not read so."""
+        reader, else waited for: the live tensors they landed in where the pack was read whole
+        with ``reading_together``'s ``into``, else views of the span's bytes (whatever the caller
+        would read into: a span holds several units' tensors); None where that pack is not read so."""
         where = (storage.where(key), file.xxh3_64, file.bytes)
         with self._together_lock:
             together = self._together.get(where)
