@@ -235,13 +235,8 @@ def _landing(head: memoryview, entry: FileEntry, where: str, expected: dict[str,
         check_header(header, where, expected)
     except (_Beyond, IntegrityError):
         return None
-    spans = sorted((*info["data_offsets"], name, info) for name, info in header.items() if name != "__metadata__")
-    position = 0
-    for begin, end, _, _ in spans:
-        if begin != position:
-            return None
-        position = end
-    if data + position != entry.bytes:
+    spans = _tiling(header, data, entry.bytes)
+    if spans is None:
         return None
     buffer = new_buffer(sum(end - begin for begin, end, name, _ in spans if not _fits(into, name, end - begin)))
     places, out, at = [], {}, 0
@@ -342,15 +337,21 @@ def _tiled_layout(storage: Storage, key: str, entry: FileEntry,
 
     data, header = parse_header(read, entry.bytes, where)
     check_header(header, where, expected)
+    spans = _tiling(header, data, entry.bytes)
+    return None if spans is None else (read(0, data), spans)
+
+
+def _tiling(header: dict[str, dict], data: int, size: int) -> list[tuple] | None:
+    """``[(begin, end, name, header entry)]`` of a parsed tensor file header in file order, where
+    its tensors cover its data (from ``data`` to the file's ``size``) end to end with no gap (how
+    the writer lays them out); None for any other layout."""
     spans = sorted((*info["data_offsets"], name, info) for name, info in header.items() if name != "__metadata__")
     position = 0
     for begin, end, _, _ in spans:
         if begin != position:
             return None
         position = end
-    if data + position != entry.bytes:
-        return None
-    return read(0, data), spans
+    return spans if data + position == size else None
 
 
 def _fetch_into(storage: Storage, key: str, entry: FileEntry, layout: tuple[bytes, list[tuple]],

@@ -368,6 +368,17 @@ def pack_of(run: Run, step: int = 1) -> tuple[str, dict[str, int]]:
     return f"{Run.snapshot_key(step)}/{path}", held
 
 
+def damaged_layer_2(run: Run, pack: str) -> str:
+    """A byte of the first tensor of layer.2 in ``pack`` flipped in the store; that tensor's name."""
+    damaged = bytearray(run.storage.read(pack))
+    offset = 8 + int.from_bytes(damaged[:8], "little")
+    header = json.loads(damaged[8:offset])
+    name = next(n for n in header if n.startswith("weight/model.layers.2."))
+    damaged[offset + header[name]["data_offsets"][0]] ^= 0xFF
+    run.storage.put(pack, bytes(damaged))
+    return name
+
+
 def test_on_an_object_store_the_units_a_reader_reads_of_one_pack_come_in_one_request_each_tensor_checked(tokens, monkeypatch):
     """A rank of a read plan reading every unit of a pack (a DDP restore at the world size of
     the save): told which units it reads, it fetches the pack in one request (its size, header
@@ -388,12 +399,7 @@ def test_on_an_object_store_the_units_a_reader_reads_of_one_pack_come_in_one_req
             assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected), unit
         assert_weights_of(run, 1, model)
 
-        damaged = bytearray(run.storage.read(pack))
-        offset = 8 + int.from_bytes(damaged[:8], "little")
-        header = json.loads(damaged[8:offset])
-        name = next(n for n in header if n.startswith("weight/model.layers.2."))
-        damaged[offset + header[name]["data_offsets"][0]] ^= 0xFF
-        run.storage.put(pack, bytes(damaged))
+        name = damaged_layer_2(run, pack)
         fresh = Run(url)
         pack_of(fresh)
         with fresh.reading_together([(1, unit, ()) for unit in held]):
@@ -427,12 +433,7 @@ def test_on_an_object_store_a_pack_read_together_whole_lands_in_the_live_tensors
             assert tensors.keys() == expected[unit].keys(), unit
             assert all(tensors[k] is live[(1, unit)][k] and torch.equal(tensors[k], expected[unit][k]) for k in tensors), unit
 
-        damaged = bytearray(run.storage.read(pack))
-        offset = 8 + int.from_bytes(damaged[:8], "little")
-        header = json.loads(damaged[8:offset])
-        name = next(n for n in header if n.startswith("weight/model.layers.2."))
-        damaged[offset + header[name]["data_offsets"][0]] ^= 0xFF
-        run.storage.put(pack, bytes(damaged))
+        name = damaged_layer_2(run, pack)
         fresh = Run(url)
         pack_of(fresh)
         with fresh.reading_together([(1, unit, ()) for unit in held], live):
