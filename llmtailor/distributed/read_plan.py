@@ -170,6 +170,7 @@ class ReadPlan:
         usable(self.group, self.coordinator)  # no plan on a group whose wait timed out (``spoil``)
         me, turns = self.coordinator.rank, self.turns()
         tags = {item: at for at, item in enumerate(self.readers)}
+        sized = {item: nbytes(specs(item)) for item in self.readers}  # each item's bytes, summed once (not at each wait)
         failing = _Failing(self.coordinator, None)
         own = [item for item in turns if self.readers[item] == me]
         others = collections.deque(item for item in turns if self.readers[item] != me)
@@ -195,13 +196,13 @@ class ReadPlan:
             receiving = sending = 0
             try:
                 while True:
-                    room = _WINDOW_BYTES - sum(nbytes(specs(item)) for kind, item, _ in pending.values() if kind != "read")
-                    while others and receiving < _WINDOW and (receiving == 0 or nbytes(specs(others[0])) <= room):
+                    room = _WINDOW_BYTES - sum(sized[item] for kind, item, _ in pending.values() if kind != "read")
+                    while others and receiving < _WINDOW and (receiving == 0 or sized[others[0]] <= room):
                         item = others.popleft()
                         head = torch.empty(_HEAD + _ROOM, dtype=torch.uint8, device=device)
                         work = self._receive_into(item, self.readers[item], head, tags[item])
                         pending[waits.submit(self._wait, item, self.readers[item], work, "receipt")] = ("head", item, head)
-                        receiving, room = receiving + 1, room - nbytes(specs(item))
+                        receiving, room = receiving + 1, room - sized[item]
                     if own and sending < _AHEAD and not any(kind == "read" for kind, _, _ in pending.values()):
                         pending[next(mine)] = ("read", own[0], None)
                     if not pending:

@@ -300,9 +300,9 @@ class LocalProvider(StateProvider):
 
         skipped = {unit: {t.key for t in entries[unit].tensors} - {t.key for t in wanted[unit]} for unit in sources}
 
-        def read(item: str) -> list[torch.Tensor]:
+        def read(item: str) -> list[torch.Tensor]:  # this rank's own: straight into the live tensors where they take it
             unit = units[item]
-            loaded, _ = run.read_unit(sources[unit], unit, skip=skipped[unit])
+            loaded, _ = run.read_unit(sources[unit], unit, skip=skipped[unit], into=self._live_by_key(unit, live))
             return [loaded[t.key] for t in wanted[unit]]
 
         def into(item: str) -> list[torch.Tensor | None]:
@@ -310,7 +310,8 @@ class LocalProvider(StateProvider):
             return [targets.get(t.key) for t in wanted[units[item]]]
 
         # This rank's units, read from a pack they share in one fetch, not a request per unit.
-        with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()]):
+        with run.reading_together([(sources[units[item]], units[item], skipped[units[item]]) for item in plan.mine()],
+                                  {(sources[units[item]], units[item]): self._live_by_key(units[item], live) for item in plan.mine()}):
             for item, tensors in plan.fetch(read, lambda item: specs[units[item]], meanwhile, into):
                 unit = units[item]
                 values = {name: dict(plain) for name, plain in entries[unit].values.items()}

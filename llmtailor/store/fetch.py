@@ -31,6 +31,7 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 from llmtailor.distributed.progress import advance, carried
+from llmtailor.errors import IntegrityError
 from llmtailor.store.storage.base import LazyPool, Storage
 
 PART = 8 << 20
@@ -108,6 +109,40 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
             future.cancel()
         wait(futures)  # no part is written into a view once this has returned
         raise
+
+
+def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tuple[list[int], list[Future]]:
+    """The requests of a remote fetch of the whole file ``key`` (``length`` bytes: those of
+    ``fetch``, ``part_cuts``), all started at once (one: on this thread), each part's bytes left
+    as the store answers them, for a caller that puts them where they go itself: where each part
+    starts, and the future of its bytes. ``sized``: as ``fetch_into``'s, called from the first
+    part's request before its bytes are given. Once one is taken, a caller that stops waits for
+    the rest (``futures.wait``)."""
+    cuts = part_cuts(length)
+    ends = [*cuts[1:], length]
+
+    def first() -> memoryview | bytes:
+        size, data = storage.read_start(key, ends[0])
+        sized(size)
+        if len(data) != ends[0]:
+            raise IntegrityError(f"{storage.where(key)}: shorter than the data it should hold (truncated)")
+        advance()
+        return data
+
+    def rest(start: int, end: int) -> memoryview | bytes:
+        data = storage.read_range(key, start, end - start)
+        advance()
+        return data
+
+    if len(cuts) == 1:
+        done: Future = Future()
+        try:
+            done.set_result(first())
+        except Exception as err:  # raised where its bytes are asked for, as a pool's part
+            done.set_exception(err)
+        return cuts, [done]
+    return cuts, [_workers.submit(carried(first)), *(_workers.submit(carried(rest), start, end)
+                                                     for start, end in zip(cuts[1:], ends[1:]))]
 
 
 def _read_in_order(storage: Storage, key: str, parts: list[_Part], hasher: Any) -> None:

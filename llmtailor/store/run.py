@@ -7,7 +7,7 @@ here hand over to them. This module only reads; ``writer.py`` writes.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,10 +69,12 @@ class Run(Catalog):
         ``into``: live tensors read straight into where their memory takes it)."""
         return self.units.read(step, unit, skip, into)
 
-    def reading_together(self, reads: list[tuple[int, str, Collection[str]]]) -> AbstractContextManager[None]:
+    def reading_together(self, reads: list[tuple[int, str, Collection[str]]],
+                         into: Mapping[tuple[int, str], dict[str, torch.Tensor]] | None = None) -> AbstractContextManager[None]:
         """Within it, the units ``reads`` names (``(step, unit, keys skipped)``: those this process
-        reads next) are read from a pack file they share together (``UnitReader.reading_together``)."""
-        return self.units.reading_together(reads)
+        reads next) are read from a pack file they share together (``UnitReader.reading_together``;
+        ``into``: by ``(step, unit)``, live tensors its bytes land in, as ``read_unit``'s)."""
+        return self.units.reading_together(reads, into)
 
     def read_global(self, step: int) -> dict[str, Any]:
         """The global state saved at ``step`` (``UnitReader.read_global``)."""

@@ -11,15 +11,16 @@ import contextlib
 import json
 import math
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
 from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
-from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_parts, checked_tensors,
-                                     fetch_stored_tensors, fetch_whole, read_checked_tensors, read_stored, read_stored_parts)
+from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_landed, checked_parts,
+                                     checked_tensors, fetch_stored_tensors, fetch_whole, fetch_whole_into, read_checked_tensors,
+                                     read_stored, read_stored_parts)
 from llmtailor.store.fetch import fetch
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
@@ -215,7 +216,8 @@ class UnitReader:
         return header
 
     @contextlib.contextmanager
-    def reading_together(self, reads: list[tuple[int, str, Collection[str]]]) -> Iterator[None]:
+    def reading_together(self, reads: list[tuple[int, str, Collection[str]]],
+                         into: Mapping[tuple[int, str], dict[str, torch.Tensor]] | None = None) -> Iterator[None]:
         """Within it, the units of ``reads`` (``(step, unit, tensor keys skipped)``: those this
         process reads next, as a rank of a read plan reads its items, on any thread) read from
         a pack file of a remote store that holds tensors of several of them read it together:
@@ -226,13 +228,16 @@ class UnitReader:
         has taken its own (or this exits); each tensor is checked against its own checksum as it
         is taken (a damaged one is named with its unit). A pack whose data they want all of but
         such a gap is one span with its header: its size, header and data come in the same
-        requests (``fetch_whole``); else its header is read first, as for one unit. Spans are of
+        requests (``fetch_whole``), the tensors of ``into`` (``(step, unit)`` -> live tensors by
+        key, as ``read``'s ``into``) landing in their memory (``fetch_whole_into``), each then
+        checked there; else its header is read first, as for one unit. Spans are of
         at most ``TOGETHER_BYTES``. Before, a rank reading three layers of its pack asked for
         its header, then for each layer, one request after another (and an S3 emulator reads
         the whole object for each). Reads the units' indexes (a restore has them at hand)."""
         planned: dict[tuple[str, str, int], _Together] = {}
         for step, unit, skip in reads:
             entry = self.entry(step, unit)
+            targets = _targets(entry, [t for t in entry.tensors if t.key not in skip], (into or {}).get((step, unit)) or {})
             for tensor in entry.tensors:
                 for chunk in tensor.chunks if tensor.key not in skip else ():
                     file = entry.files[chunk.file]
@@ -246,6 +251,8 @@ class UnitReader:
                     together.expected[tensor.chunk_key(chunk)] = (tensor.dtype, chunk.shape)
                     together.wanted[tensor.chunk_key(chunk)] = math.prod(chunk.shape) * tensor.torch_dtype.itemsize
                     together.owner[tensor.chunk_key(chunk)] = (step, unit)
+                    if tensor.chunk_key(chunk) in targets.get(chunk.file, {}):
+                        together.into[tensor.chunk_key(chunk)] = targets[chunk.file][tensor.chunk_key(chunk)]
         kept = {where: together for where, together in planned.items() if len(set(together.owner.values())) > 1}
         for where, together in kept.items():
             together.pending = set(together.expected)
@@ -261,15 +268,16 @@ class UnitReader:
                 self._together = {}
 
     def _from_together(self, storage: Storage, key: str, file: FileEntry, shapes: dict[str, tuple[str, list[int]]],
-                       sums: dict[str, str], user: tuple[int, str], into: dict | None) -> dict[str, torch.Tensor] | None:
+                       sums: dict[str, str], user: tuple[int, str]) -> dict[str, torch.Tensor] | None:
         """The tensors ``sums`` of the unit ``user`` (``(step, unit)``) from the spans of the pack
         ``file`` read together (``reading_together``), each fetched here if this is its first
-        reader, else waited for; None where that pack is not read so (or the unit's tensors go
-        straight into live ones)."""
+        reader, else waited for: the live tensors they landed in where the pack was read whole
+        with ``reading_together``'s ``into``, else views of the span's bytes (whatever the caller
+        would read into: a span holds several units' tensors); None where that pack is not read so."""
         where = (storage.where(key), file.xxh3_64, file.bytes)
         with self._together_lock:
             together = self._together.get(where)
-            if together is None or into or not sums or any(together.owner.get(name) != user for name in sums):
+            if together is None or not sums or any(together.owner.get(name) != user for name in sums):
                 return None
             if not together.pending.issuperset(sums):  # read already: again, as any unit is
                 return None
@@ -280,8 +288,9 @@ class UnitReader:
         out = {}
         for span in {id(span): span for name in sums for span in spans if name in span.names}.values():
             data = _once(self._together_lock, span, "data", lambda: fetch(storage, key, span.start, span.end - span.start))
-            out.update(checked_parts(data, (header[0] - span.start, header[1]),
-                                     {name: sums[name] for name in sums if name in span.names}, where[0]))
+            names = {name: sums[name] for name in sums if name in span.names}
+            out.update(checked_landed(data, names, where[0]) if isinstance(data, dict)  # landed (``fetch_whole_into``)
+                       else checked_parts(data, (header[0] - span.start, header[1]), names, where[0]))
             with self._together_lock:
                 span.left.difference_update(sums)
                 if not span.left:  # its last unit has its tensors: the bytes go with theirs
@@ -294,7 +303,8 @@ class UnitReader:
         (``reading_together``): one, header and all, fetched here, where the pack is read whole."""
         if together.whole:
             span = _Span(0, file.bytes, set(together.expected))
-            data, header = fetch_whole(storage, key, file)
+            header, data = (fetch_whole_into(storage, key, file, together.expected, together.into) if together.into
+                            else fetch_whole(storage, key, file)[::-1])
             check_header(header[1], storage.where(key), together.expected)
             span.data = Future()
             span.data.set_result(data)
@@ -315,15 +325,14 @@ class UnitReader:
                 spans[-1].wanted, gaps = end - begin, 0
         return header, spans
 
-    def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int, into: dict | None) -> bool:
+    def _whole_pack(self, storage: Storage, file: FileEntry, step: int, wanted: int) -> bool:
         """Whether the pack ``file`` (of a unit saved at ``step``) is read as a unit file is, whole
-        (``fetch_stored_tensors``: its checksum, then its header, checked before any tensor is
-        used), where its header would be read first: from a remote store, with nothing to read
-        straight into, when it holds no tensor data but the ``wanted`` bytes (a pack of one unit,
-        say): its header and data then come in one request, not two round trips, and no byte
-        is read that is not wanted."""
-        return (storage.remote and not into
-                and self._pack_data(file.origin if file.origin is not None else step, file.path) == wanted)
+        (``fetch_stored_tensors``: its header and checksum checked, a byte landing in a live
+        tensor only once the header is), where its header would be read first: from a remote
+        store, when it holds no tensor data but the ``wanted`` bytes (a pack of one unit, say):
+        its header and data then come in one request, not two round trips, and no byte is read
+        that is not wanted."""
+        return storage.remote and self._pack_data(file.origin if file.origin is not None else step, file.path) == wanted
 
     def _pack_data(self, step: int, path: str) -> int | None:
         """Bytes of tensor data the pack ``path`` of the snapshot of ``step`` holds, from the
@@ -483,9 +492,9 @@ class UnitReader:
             elif file.origin == "base":  # a large file of which a few tensors are wanted: those alone
                 check_stored_header(storage, key, file, shapes)
                 loaded[position] = read_checked_tensors(storage, key, sums)
-            elif (together := self._from_together(storage, key, file, shapes, sums, (step, unit), targets.get(position))) is not None:
+            elif (together := self._from_together(storage, key, file, shapes, sums, (step, unit))) is not None:
                 loaded[position] = together
-            elif is_pack(file.path) and not self._whole_pack(storage, file, step, wanted_bytes[position], targets.get(position)):
+            elif is_pack(file.path) and not self._whole_pack(storage, file, step, wanted_bytes[position]):
                 # a rank's small units together: this unit's tensors alone
                 pack = self._pack_header(storage, key, file, shapes, file.origin if file.origin is not None else step)
                 loaded[position] = read_stored_parts(storage, key, pack, sums, targets.get(position))
@@ -613,13 +622,15 @@ class _Together:
     shape, its bytes, and the unit ``(step, unit)`` it is of), whether it is read whole, and
     once its first unit is read, its header and spans."""
 
-    __slots__ = ("step", "path", "expected", "wanted", "owner", "pending", "whole", "spans")
+    __slots__ = ("step", "path", "expected", "wanted", "owner", "into", "pending", "whole", "spans")
 
     def __init__(self, step: int, path: str):
         self.step, self.path = step, path
         self.expected: dict[str, tuple[str, list[int]]] = {}
         self.wanted: dict[str, int] = {}
         self.owner: dict[str, tuple[int, str]] = {}
+        self.into: dict[str, torch.Tensor] = {}
+        """Live tensors the read whole lands them in, by name (``reading_together``'s ``into``)."""
         self.pending: set[str] = set()
         """The tensors not yet taken by their unit's read."""
         self.whole = False

@@ -276,3 +276,49 @@ def test_a_forked_child_exits_whatever_lock_of_the_parents_pool_a_parent_thread_
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.stdout.strip() == "child exited 0", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("damage", [None, "data", "header"])
+def test_a_remote_file_read_into_live_tensors_lands_there_from_the_plain_fetchs_requests_each_byte_fetched_once(
+        run, monkeypatch, damage):
+    """A unit file read into live tensors from an object store costs the requests of a plain
+    fetch of it (no request for its header first: the first part's answer holds it, and the
+    size), each byte fetched once, and its bytes land in the live tensor's memory, not in a new
+    buffer of their own. A damaged data byte is refused by the file's checksum; a header that
+    does not match the index is refused before a byte lands in the live tensor."""
+    from llmtailor.store.checked import fetch_stored_tensors
+
+    unit, tensor = only_tensor(run)
+    file = unit.files[tensor.chunks[0].file]
+    key = f"{run.snapshot_key(1)}/{file.path}"
+    path = run.snapshot_dir(1) / file.path
+    data = bytearray(path.read_bytes())
+    if damage == "data":
+        data[-1] ^= 0xFF
+    elif damage == "header":
+        at = data.index(b"[64,48]")
+        data[at : at + 7] = b"[48,64]"
+    path.write_bytes(bytes(data))
+
+    class Counted(_Remote):
+        started = 0
+
+        def read_start(self, key, length):
+            size, head = super().read_start(key, length)
+            self.started += len(head)
+            return size, head
+
+    storage = Counted(run.storage.root)
+    calls = StorageCalls.install(monkeypatch)
+    live = torch.zeros(SHAPE)
+    expected = {"weight/w": (tensor.dtype, list(SHAPE))}
+    if damage is None:
+        assert fetch_stored_tensors(storage, key, file, expected, into={"weight/w": live})["weight/w"] is live
+        assert torch.equal(live, FULL)
+    else:
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            fetch_stored_tensors(storage, key, file, expected, into={"weight/w": live})
+    if damage == "header":
+        assert not live.any()
+    fetched = storage.started + sum(size for op, _, size in calls.calls if op in ("read", "read_range", "read_into"))
+    assert (storage.starts, fetched) == ([key], file.bytes)

@@ -368,6 +368,17 @@ def pack_of(run: Run, step: int = 1) -> tuple[str, dict[str, int]]:
     return f"{Run.snapshot_key(step)}/{path}", held
 
 
+def damaged_layer_2(run: Run, pack: str) -> str:
+    """A byte of the first tensor of layer.2 in ``pack`` flipped in the store; that tensor's name."""
+    damaged = bytearray(run.storage.read(pack))
+    offset = 8 + int.from_bytes(damaged[:8], "little")
+    header = json.loads(damaged[8:offset])
+    name = next(n for n in header if n.startswith("weight/model.layers.2."))
+    damaged[offset + header[name]["data_offsets"][0]] ^= 0xFF
+    run.storage.put(pack, bytes(damaged))
+    return name
+
+
 def test_on_an_object_store_the_units_a_reader_reads_of_one_pack_come_in_one_request_each_tensor_checked(tokens, monkeypatch):
     """A rank of a read plan reading every unit of a pack (a DDP restore at the world size of
     the save): told which units it reads, it fetches the pack in one request (its size, header
@@ -388,12 +399,7 @@ def test_on_an_object_store_the_units_a_reader_reads_of_one_pack_come_in_one_req
             assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected), unit
         assert_weights_of(run, 1, model)
 
-        damaged = bytearray(run.storage.read(pack))
-        offset = 8 + int.from_bytes(damaged[:8], "little")
-        header = json.loads(damaged[8:offset])
-        name = next(n for n in header if n.startswith("weight/model.layers.2."))
-        damaged[offset + header[name]["data_offsets"][0]] ^= 0xFF
-        run.storage.put(pack, bytes(damaged))
+        name = damaged_layer_2(run, pack)
         fresh = Run(url)
         pack_of(fresh)
         with fresh.reading_together([(1, unit, ()) for unit in held]):
@@ -403,6 +409,40 @@ def test_on_an_object_store_the_units_a_reader_reads_of_one_pack_come_in_one_req
                     continue
                 with pytest.raises(IntegrityError, match="checksum mismatch in tensor") as refused:
                     fresh.read_unit(1, unit)
+                assert pack in str(refused.value) and name in str(refused.value)
+
+
+def test_on_an_object_store_a_pack_read_together_whole_lands_in_the_live_tensors_given_each_tensor_checked_there(
+        tokens, monkeypatch):
+    """A rank of a read plan reading its units of a pack together, with live tensors to land them
+    in (a DDP restore's own items: its weights and optimizer state): the pack still comes in one
+    request, and the bytes of each tensor that has a live one land in its memory (the tensor read
+    is that live tensor, not a view of a new buffer), bitwise a unit's own read; a damaged byte is
+    refused by the read of its unit, naming the pack and the tensor, checked where it landed."""
+    with saved_on_moto(monkeypatch, tokens) as (url, _):
+        run = Run(url)
+        pack, held = pack_of(run)
+        alone = Run(url)
+        expected = {unit: alone.read_unit(1, unit)[0] for unit in held}
+        live = {(1, unit): {key: torch.zeros_like(t) for key, t in tensors.items()} for unit, tensors in expected.items()}
+        calls = StorageCalls.install(monkeypatch)
+        with run.reading_together([(1, unit, ()) for unit in held], live):
+            loaded = {unit: run.read_unit(1, unit, into=live[(1, unit)])[0] for unit in held}
+        assert [(op, n) for op, key, n in calls.calls if key == pack] == [("read_start", run.storage.size(pack))]
+        for unit, tensors in loaded.items():
+            assert tensors.keys() == expected[unit].keys(), unit
+            assert all(tensors[k] is live[(1, unit)][k] and torch.equal(tensors[k], expected[unit][k]) for k in tensors), unit
+
+        name = damaged_layer_2(run, pack)
+        fresh = Run(url)
+        pack_of(fresh)
+        with fresh.reading_together([(1, unit, ()) for unit in held], live):
+            for unit in held:
+                if unit != "layer.2":
+                    fresh.read_unit(1, unit, into=live[(1, unit)])
+                    continue
+                with pytest.raises(IntegrityError, match="checksum mismatch in tensor") as refused:
+                    fresh.read_unit(1, unit, into=live[(1, unit)])
                 assert pack in str(refused.value) and name in str(refused.value)
 
 
