@@ -784,3 +784,42 @@ def test_a_slower_tiers_retention_after_a_promotion_whose_name_was_not_confirmed
     os.rename(home / "snapshots" / snapshot_dirname(2), home / "lost")
     with Tailor(home, *tiny(layers=2, seed=3), read_only=True) as reader:
         assert reader.restore(fallback=True).step == 1
+
+
+def test_a_branching_save_whose_fsync_fails_and_whose_pointer_file_cannot_be_removed_reports_it_committed(
+        tmp_path, tokens, monkeypatch):
+    """As above (step 3 branching off step 1, the fsync of ``snapshots/`` after its rename fails),
+    and the filesystem then refuses every change (EROFS: ext4 remounts read-only once its journal
+    fails), so the new ``latest`` file left unused in ``.tmp/`` cannot be removed. The snapshot
+    is committed all the same: the save says so and what may not be durable, the Tailor's lineage
+    extends step 3, and the file is a leftover the next writer clears. Before: "StorageError: ...
+    the partial snapshot was removed and earlier snapshots are intact" while step 3 was in
+    ``snapshots/``, the Tailor back at step 1."""
+    import errno
+    import pathlib
+
+    from llmtailor.errors import StorageError, TailorError
+
+    model, optimizer, scheduler = tiny(layers=2)
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    with Tailor(root, model, optimizer, scheduler, policy=Full(), track_drift=False) as tailor:
+        tailor.save(1)
+        tailor.save(2)
+        assert tailor.restore(1).step == 1
+        failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(3))
+        real_unlink = pathlib.Path.unlink
+
+        def unlink(path, *args, **kwargs):
+            if failed and path.parent == root / TMP_DIR:
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+            return real_unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+        with pytest.raises(TailorError, match=r"^step 3 was saved and committed in .*, but its name in snapshots/ could not "
+                                              r"be made durable") as raised:
+            tailor.save(3)
+        monkeypatch.undo()
+        assert failed and not isinstance(raised.value, StorageError) and tailor.lineage.parent == 3
+        assert Run(root).manifest(3).parent == 1 and (root / LATEST_FILE).read_text().strip() == snapshot_dirname(2)
+        tailor.save(4)
+    assert Run(root).latest_step() == 4 and Run(root).manifest(4).parent == 3 and Run(root).verify() == []

@@ -116,7 +116,10 @@ class LocalCommits(SnapshotCommits):
             if new is None:  # no pointer, or its new file could not be written
                 return _unconfirmed(durable=durable, pointer=failed)
             if durable is not None:  # a pointer names a snapshot only once its rename is durable
-                new.unlink(missing_ok=True)
+                try:
+                    new.unlink(missing_ok=True)
+                except OSError:  # the filesystem refuses changes now (read-only once its journal failed): a leftover in .tmp/
+                    pass
                 return Unconfirmed(durable=durable, pointer=durable)
             try:
                 self._replace_pointer(new, path)
