@@ -9,6 +9,7 @@ first (it stops being a snapshot at once), then the rest.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -18,6 +19,8 @@ from llmtailor.store.storage.object_lock import ObjectLocks
 from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
+
+log = logging.getLogger(__name__)
 
 
 class ObjectCommits(SnapshotCommits):
@@ -37,6 +40,21 @@ class ObjectCommits(SnapshotCommits):
             self._settle(final)
         return final  # the files go to their final keys; the manifest commits them
 
+    def settle(self) -> None:
+        """Each manifest whose write is unsettled (``_written_after_all``) written once more, only
+        if absent: answered, its snapshot is committed, whole (its files were kept), and a late
+        write is refused; unanswered, logged (the next writer may remove its files, and a write
+        still on its way may then store it alone)."""
+        for final in list(self._unsettled):
+            try:
+                self._write_again(final)
+            except TailorError as err:
+                log.warning("llmtailor: %s: the write of its manifest may still be stored, and writing it once more "
+                            "failed (%s): the next writer may remove its files", self.storage.where(final), err)
+                continue
+            log.info("llmtailor: %s: the manifest whose write was unsettled is stored now: that snapshot is committed",
+                     self.storage.where(final))
+
     def _settle(self, final: str) -> None:
         """A new commit at ``final``, whose manifest's earlier write is unsettled: a write still
         on its way may store it over the new files. The same manifest is written once more, only
@@ -46,14 +64,19 @@ class ObjectCommits(SnapshotCommits):
         why."""
         where = self.storage.where(final)
         try:
-            self.storage.put_if(f"{final}/{MANIFEST_FILE}", self._unsettled[final], None)
+            self._write_again(final)
         except TailorError as err:
             raise TailorError(f"{where}: the write of its manifest by an earlier save of this writer may still be "
                               f"stored, and writing it once more failed ({err}); its files are kept for it, and "
                               "saving this step again would rewrite them under that manifest: save a later step") from None
-        del self._unsettled[final]
         raise TailorError(f"{where}: the manifest an earlier save of this writer could not settle is stored now: that "
                           "snapshot is committed, whole; refusing to overwrite it")
+
+    def _write_again(self, final: str) -> None:
+        """The unsettled manifest of ``final`` written once more, only if absent: settled when
+        this returns (stored now, or found there); a TailorError when it is not answered."""
+        self.storage.put_if(f"{final}/{MANIFEST_FILE}", self._unsettled[final], None)
+        del self._unsettled[final]
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
                pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
@@ -167,7 +190,5 @@ def abort_multipart_uploads(storage: ObjectStore) -> int:
             client.abort_multipart_upload(Bucket=storage.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted += 1
     except Exception as err:  # cleaning up is best effort: the uploads are invisible to readers
-        import logging
-
-        logging.getLogger(__name__).warning("llmtailor: could not abort unfinished uploads under %s: %s", storage.url, err)
+        log.warning("llmtailor: could not abort unfinished uploads under %s: %s", storage.url, err)
     return aborted

@@ -129,6 +129,12 @@ class SnapshotCommits(ABC):
         """Return once every ``purge_later`` of this storage's run is done; called before the
         writer lock is let go, so that the next holder's ``clear_leftovers`` never races one."""
 
+    def settle(self) -> None:
+        """Before the writer lock is let go: settle, where the storage can now, the commits this
+        process left unsettled (``ObjectCommits``: a manifest whose write may still be stored),
+        so that the next holder's ``clear_leftovers`` never removes the files of a snapshot whose
+        manifest lands after it. Failures are logged, never raised."""
+
     @abstractmethod
     def clear_leftovers(self) -> Leftovers:
         """Remove what crashed writers left (temporary snapshots, discarded ones, unfinished
