@@ -8,6 +8,7 @@ errors, or lets moto act on a request and then loses its answer. Clients are the
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import socket
 import subprocess
@@ -110,7 +111,22 @@ class Faults:
     def __init__(self):
         self.rule: Callable[[str, str], int | None] = lambda method, key: None
         self.lose: Callable[[str, str], int | str | None] = lambda method, key: None
+        self.hold: Callable[[str, str], int | str | None] = lambda method, key: None
+        """For a request not answered by ``rule``: how to answer it now (as ``lose``) while it is
+        kept from moto, which acts on it only at ``land()`` (a request still on its way to the
+        server, or queued there, when its client gave up)."""
+        self.held: list[dict] = []
         self.seen: list[tuple[str, str, int | str | None]] = []
+        self._app: Callable | None = None
+
+    def land(self) -> list[str]:
+        """moto acts on the requests ``hold`` kept, in order, now; returns each one's status line."""
+        statuses = []
+        for environ in self.held:
+            for _ in self._app(environ, lambda status, *rest: statuses.append(status) or (lambda data: None)):
+                pass
+        self.held.clear()
+        return statuses
 
 
 @contextmanager
@@ -122,13 +138,17 @@ def faulty_moto() -> Iterator[tuple[str, Faults]]:
     from werkzeug.serving import make_server
 
     faults = Faults()
-    moto_app = DomainDispatcherApplication(create_backend_app)
+    moto_app = faults._app = DomainDispatcherApplication(create_backend_app)
 
     def app(environ, start_response):
         method = environ["REQUEST_METHOD"]
         key = environ.get("PATH_INFO", "")
         status = faults.rule(method, key)
-        if status is None and (lost := faults.lose(method, key)) is not None:
+        if status is None and (held := faults.hold(method, key)) is not None:
+            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            faults.held.append({**{k: v for k, v in environ.items() if k != "werkzeug.socket"}, "wsgi.input": io.BytesIO(body)})
+            status = held
+        elif status is None and (lost := faults.lose(method, key)) is not None:
             for _ in moto_app(environ, lambda *answer: lambda data: None):  # moto acts; its answer goes nowhere
                 pass
             status = lost

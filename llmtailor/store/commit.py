@@ -14,7 +14,8 @@ fails after (``latest`` not replaced, the fsync of ``snapshots/`` or of the run'
 not a failed save. ``commit`` returns it as one message saying what is and what may not be
 durable (``describe_unconfirmed``); the writer counts the save committed and raises that message
 once its bookkeeping says so (``Tailor``: its lineage extends the snapshot, which a restore finds;
-retention and promotions wait for the next save). So does a commit without ``latest``: a
+retention and promotions wait for the next save, and while the snapshot's name is doubtful its
+retention keeps a composite that does not need it: ``SnapshotCommits.doubtful``). So does a commit without ``latest``: a
 promotion counts the snapshot as in the slower tier, leaves that tier's ``latest`` and retention
 as they are and reports the message as its failure, never retried (``tiers.promote``); a healing
 counts its snapshot as in the node's copy and logs it (``tiers.healing``). Undoing the rename

@@ -171,8 +171,9 @@ class WriterLock:
             last = held[1] == 0
             if last:
                 del _HELD[key]
-        if last:  # the next holder clears the trash: none of this process's removals still under way
+        if last:  # the next holder clears the trash: none of this process's removals still under way, no commit unsettled
             self.storage.commits.wait_purged()
+            self.storage.commits.settle()
         if last and abandon:
             backend.abandon()
         elif last:

@@ -4,7 +4,10 @@ The newest K composites are the newest one (``Run.latest_step``) and its K-1 nea
 ancestors along the ``parent`` links, so snapshots of an abandoned branch (written after a
 restore of an older step) are never counted as kept. A snapshot survives when it is one of
 those composites or a composite table of one names it, or when a composite the caller spares
-needs it (a writer's: the composites its promotion reads or may read next, ``Promoter.may_read``).
+needs it (a writer's: the composites its promotion reads or may read next, ``Promoter.may_read``),
+or when it is the newest composite that needs none of the snapshots whose names this process
+could not confirm durable (``SnapshotCommits.doubtful``: a crash may lose those, and every
+composite that needs one with them).
 
 Deleting is crash-safe: each doomed snapshot is first made not a snapshot, at once and
 durably (``SnapshotCommits.discard``: locally, its directory renamed into ``.trash/``; on an
@@ -86,13 +89,31 @@ def plan_retention(run: Run, keep: int, spare: Iterable[int] = ()) -> RetentionP
         # An ancestor already removed ends the lineage: nothing older can be needed through it.
         composites = list(islice(run.lineage(), keep))
         needed = _needed(run, composites)
-        spared = _needed(run, [step for step in sorted(set(spare)) if step in steps]) - needed
+        spare = {*spare, *_undoubted(run, steps)}
+        spared = _needed(run, [step for step in sorted(spare) if step in steps]) - needed
     return RetentionPlan(
         composites=composites,
         keep=sorted(s for s in steps if s in needed or s in spared),
         delete=[s for s in steps if s not in needed and s not in spared],
         spared=sorted(s for s in steps if s in spared),
     )
+
+
+def _undoubted(run: Run, steps: list[int]) -> list[int]:
+    """Where ``steps`` hold snapshots whose names this process could not confirm durable
+    (``SnapshotCommits.doubtful``: the fsync after a commit's rename failed), the newest composite
+    of the lineage that needs none of them, which retention spares: a crash of the machine may
+    lose those names, and with them every composite that needs one; what a restore with
+    ``fallback=True`` finds then must still be there. Nothing when no name is doubtful, or when
+    every composite of the lineage needs one."""
+    doubtful = run.storage.commits.doubtful()
+    doubtful = {step for step in steps if run.snapshot_key(step) in doubtful} if doubtful else set()
+    if not doubtful:
+        return []
+    for step in run.lineage():
+        if not doubtful.intersection(run.needs(run.resolve(step))):
+            return [step]
+    return []
 
 
 def _needed(run: Run, composites: list[int]) -> set[int]:

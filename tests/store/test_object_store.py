@@ -529,6 +529,66 @@ def test_a_commit_whose_answer_is_lost_and_not_read_back_at_once_says_what_it_kn
         assert run.manifest(3).parent == (2 if read_back == "later" else 1)
 
 
+@pytest.mark.parametrize("first", ["landed", "saved again", "closed"])
+def test_a_manifest_put_that_lands_after_its_writer_gave_up_finds_its_snapshot_whole(tokens, monkeypatch, first):
+    """The first conditional PUT of step 2's manifest is kept from the server (answered 503 now,
+    acted on later: a request still on its way, or queued at the server, when its client gave
+    up), and every later try of it fails too: the save cannot tell whether step 2 will be
+    committed. It says so and keeps step 2's files; the writer goes on from step 1. Then the
+    store answers again, and ``landed``: the kept PUT is stored; ``saved again``: save(2) first
+    writes the same manifest once more, stored, and the kept PUT, landing after, is refused;
+    ``closed``: the writer's close does so before it lets the lock go, and the kept PUT lands
+    once the next writer has opened the run (cleared what writers left). Every way, step 2 is
+    committed whole (``verify`` passes), a second save of it is refused, and a later save
+    (step 3, parent 1) is the newest composite. Before: the save removed step 2's files once
+    the read-back found no manifest, and the late manifest then made step 2 a committed
+    snapshot with no files: ``verify`` said 'snapshots/step-00000002/global.safetensors: file
+    is missing' (with the save's files kept but nothing written at close: the same, the next
+    writer having removed them)."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        manifest = "snapshots/step-00000002/manifest.json"
+        faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
+        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+        options = {"retry_config": FAST_RETRY}
+
+        def step_2_whole_then_step_3(tailor, model, opt, sched):
+            if first != "landed":
+                assert [status.split()[0] for status in faults.land()] == ["412"]
+            run = Run(url)
+            assert run.steps() == [1, 2] and run.verify() == []
+            if first == "closed":
+                assert tailor.restore(1).step == 1
+            train(model, opt, sched, tokens, [3])
+            tailor.save(3)
+
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+            train(model, opt, sched, tokens, [2])
+            with pytest.raises(TailorError, match=r"step-00000002/manifest.json: the write of the manifest failed .*and so "
+                                                  r"did a second .*step 2 may be committed or not"):
+                tailor.save(2)
+            assert len(faults.held) == 1
+            faults.rule = lambda method, key: None
+            if first == "landed":
+                assert [status.split()[0] for status in faults.land()] == ["200"]
+            if first != "closed":
+                refused = "already exists" if first == "landed" else "could not settle is stored now"
+                with pytest.raises(TailorError, match=rf"step-00000002.*{refused}.*refusing to overwrite"):
+                    tailor.save(2)
+                step_2_whole_then_step_3(tailor, model, opt, sched)
+        if first == "closed":
+            model, opt, sched = tiny()
+            with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+                step_2_whole_then_step_3(tailor, model, opt, sched)
+        run = Run(url)
+        assert run.steps() == [1, 2, 3] and run.latest_step() == 3 and run.verify() == []
+        assert {step: run.manifest(step).parent for step in (2, 3)} == {2: 1, 3: 1}
+
+
 @pytest.mark.parametrize("how", [503, DROP])
 def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how):
     """The answers to the lease's first PUT (taking it) and to a renewal are lost after the

@@ -40,6 +40,10 @@ class LocalCommits(SnapshotCommits):
         self._left: dict[str, Path] = {}
         """Token of a snapshot ``discard`` renamed -> the directory it left, not yet fsynced
         (``purge`` of a token not here: ``snapshots/``, where every committed snapshot lies)."""
+        self._doubtful: set[str] = set()
+        """The snapshots this process committed whose rename was not confirmed durable
+        (``doubtful``), until one is discarded or committed again."""
+        self._doubt = threading.Lock()
 
     def begin(self, name: str, final: str, world_size: int) -> str:
         if (self.root / final).exists():
@@ -85,7 +89,19 @@ class LocalCommits(SnapshotCommits):
             if new is not None:
                 new.unlink(missing_ok=True)
             raise
-        return self._named(target, new, self.root / pointer[0] if pointer is not None else None, failed, together)
+        unconfirmed = self._named(target, new, self.root / pointer[0] if pointer is not None else None, failed, together)
+        with self._doubt:
+            if unconfirmed is not None and unconfirmed.durable is not None:
+                self._doubtful.add(final)
+            else:  # a snapshot of that step committed again, durably (the doubtful one was discarded first)
+                self._doubtful.discard(final)
+        return unconfirmed
+
+    def doubtful(self) -> frozenset[str]:
+        """A committed snapshot's name whose fsync failed stays doubtful for good: a second fsync
+        after a failed one may succeed with the name lost (``Unconfirmed.durable``)."""
+        with self._doubt:
+            return frozenset(self._doubtful)
 
     def _named(self, target: Path, new: Path | None, path: Path | None, failed: OSError | None,
                together: bool) -> Unconfirmed | None:
@@ -100,7 +116,10 @@ class LocalCommits(SnapshotCommits):
             if new is None:  # no pointer, or its new file could not be written
                 return _unconfirmed(durable=durable, pointer=failed)
             if durable is not None:  # a pointer names a snapshot only once its rename is durable
-                new.unlink(missing_ok=True)
+                try:
+                    new.unlink(missing_ok=True)
+                except OSError:  # the filesystem refuses changes now (read-only once its journal failed): a leftover in .tmp/
+                    pass
                 return Unconfirmed(durable=durable, pointer=durable)
             try:
                 self._replace_pointer(new, path)
@@ -151,6 +170,8 @@ class LocalCommits(SnapshotCommits):
         token = f"{TRASH_DIR}/{source.name}.{uuid.uuid4().hex[:8]}"
         (self.root / TRASH_DIR).mkdir(exist_ok=True)
         os.rename(source, self.root / token)
+        with self._doubt:
+            self._doubtful.discard(snapshot)
         self._left[token] = source.parent  # fsynced by ``purge``, before anything is removed
         return token
 

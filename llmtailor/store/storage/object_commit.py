@@ -9,6 +9,7 @@ first (it stops being a snapshot at once), then the rest.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -19,6 +20,8 @@ from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
+log = logging.getLogger(__name__)
+
 
 class ObjectCommits(SnapshotCommits):
     """The snapshot commit of a run on an object store (module docstring); ``locks``: its
@@ -26,11 +29,54 @@ class ObjectCommits(SnapshotCommits):
 
     def __init__(self, storage: ObjectStore, locks: ObjectLocks):
         self.storage, self.locks = storage, locks
+        self._unsettled: dict[str, bytes] = {}
+        """Snapshot -> the manifest whose write this process could not settle (``_written_after_all``):
+        its files stay, and no save writes there again before it is settled (``begin``)."""
 
     def begin(self, name: str, final: str, world_size: int) -> str:
         if self.storage.is_file(f"{final}/{MANIFEST_FILE}"):
             raise TailorError(f"{self.storage.where(final)} already exists; refusing to overwrite a committed snapshot")
+        if final in self._unsettled:
+            self._settle(final)
         return final  # the files go to their final keys; the manifest commits them
+
+    def settle(self) -> None:
+        """Each manifest whose write is unsettled (``_written_after_all``) written once more, only
+        if absent: answered, its snapshot is committed, whole (its files were kept), and a late
+        write is refused; unanswered, logged (the next writer may remove its files, and a write
+        still on its way may then store it alone)."""
+        for final in list(self._unsettled):
+            try:
+                self._write_again(final)
+            except TailorError as err:
+                log.warning("llmtailor: %s: the write of its manifest may still be stored, and writing it once more "
+                            "failed (%s): the next writer may remove its files", self.storage.where(final), err)
+                continue
+            log.info("llmtailor: %s: the manifest whose write was unsettled is stored now: that snapshot is committed",
+                     self.storage.where(final))
+
+    def _settle(self, final: str) -> None:
+        """A new commit at ``final``, whose manifest's earlier write is unsettled: a write still
+        on its way may store it over the new files. The same manifest is written once more, only
+        if absent (its files are the ones kept): answered, the snapshot is committed as that
+        earlier save made it (a TailorError refuses the new one, as for any committed snapshot;
+        a promotion finds it there and goes on); unanswered, the new commit is refused, saying
+        why."""
+        where = self.storage.where(final)
+        try:
+            self._write_again(final)
+        except TailorError as err:
+            raise TailorError(f"{where}: the write of its manifest by an earlier save of this writer may still be "
+                              f"stored, and writing it once more failed ({err}); its files are kept for it, and "
+                              "saving this step again would rewrite them under that manifest: save a later step") from None
+        raise TailorError(f"{where}: the manifest an earlier save of this writer could not settle is stored now: that "
+                          "snapshot is committed, whole; refusing to overwrite it")
+
+    def _write_again(self, final: str) -> None:
+        """The unsettled manifest of ``final`` written once more, only if absent: settled when
+        this returns (stored now, or found there); a TailorError when it is not answered."""
+        self.storage.put_if(f"{final}/{MANIFEST_FILE}", self._unsettled[final], None)
+        del self._unsettled[final]
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
                pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
@@ -55,20 +101,40 @@ class ObjectCommits(SnapshotCommits):
         """Return when the manifest's write that failed (``failed``: its answer lost, or "already
         exists" where its retry met it, and the read-back ``put_if`` made then failed too) is
         found stored after all, with these bytes: the snapshot is committed (the writer lock is
-        held, and ``begin`` found no manifest). Else raise ``failed``; or, when the manifest
-        cannot be read now either, a TailorError saying the commit's outcome is unknown (the
-        writer goes on from the composite before: sound whichever it was)."""
-        holds = self.storage.holds(key, manifest)
+        held, and ``begin`` found no manifest). A manifest not found may still be on its way: a
+        request the client gave up on can reach the server, or wait there, and be stored later.
+        So it is written once more, only if absent, which settles it when answered: stored now,
+        or found stored with these bytes, the snapshot is committed (a late write is refused);
+        another manifest found there, it is not. Unanswered or unreadable, the outcome is
+        unknown: a TailorError says so, the snapshot's files are kept (``abandon``: a manifest
+        that lands later finds its snapshot whole) and a save of that step again settles it
+        first (``begin``); the writer goes on from the composite before (sound whichever it was;
+        the next writer's ``clear_leftovers`` removes the files if no manifest came)."""
+        if self.storage.holds(key, manifest):
+            return
+        try:
+            if self.storage.put_if(key, manifest, None) is not None:
+                return  # stored by this write, or found stored with these bytes
+            holds = self.storage.holds(key, manifest)  # refused: a manifest is there
+        except TailorError as again:
+            holds, why = None, f"and so did a second ({again})"
+        else:
+            why = "and it could not be read back"
         if holds:
             return
-        if holds is False:
+        if holds is False:  # another manifest is there: this one is never stored
             raise failed
-        step = parse_snapshot_name(key.split("/")[-2])
-        raise TailorError(f"{self.storage.where(key)}: the write of the manifest failed ({failed}) and it could not be "
-                          f"read back: the storage may have stored it, so step {step} may be committed or not (a restore "
-                          "takes it if it is); this writer goes on from the composite before it") from None
+        final = key.rsplit("/", 1)[0]
+        self._unsettled[final] = manifest
+        step = parse_snapshot_name(final.split("/")[-1])
+        raise TailorError(f"{self.storage.where(key)}: the write of the manifest failed ({failed}) {why}: the storage "
+                          f"may have stored it, so step {step} may be committed or not, now or once a write still on "
+                          "its way is stored (a restore takes it if it is; its files are kept for it); this writer goes "
+                          "on from the composite before it") from None
 
     def abandon(self, staging: str) -> None:
+        if staging in self._unsettled:
+            return  # its manifest may still be stored: its files stay (``_written_after_all``)
         try:
             if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):
                 return  # committed after all (an answer lost after the write): never remove it
@@ -124,7 +190,5 @@ def abort_multipart_uploads(storage: ObjectStore) -> int:
             client.abort_multipart_upload(Bucket=storage.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted += 1
     except Exception as err:  # cleaning up is best effort: the uploads are invisible to readers
-        import logging
-
-        logging.getLogger(__name__).warning("llmtailor: could not abort unfinished uploads under %s: %s", storage.url, err)
+        log.warning("llmtailor: could not abort unfinished uploads under %s: %s", storage.url, err)
     return aborted

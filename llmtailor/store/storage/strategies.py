@@ -94,6 +94,14 @@ class SnapshotCommits(ABC):
         may make the pointer durable beside the commit when that parent is the run's newest
         snapshot: ``LocalCommits``)."""
 
+    def doubtful(self) -> frozenset[str]:
+        """The committed snapshots (their keys, as ``commit``'s ``final``) whose names this
+        storage's commits could not confirm durable (``Unconfirmed.durable``) and that are still
+        there: a crash of the machine may lose them, so retention keeps a composite that needs
+        none of them (``store.retention``). None by default (a storage whose commit is durable
+        once it returns)."""
+        return frozenset()
+
     @abstractmethod
     def abandon(self, staging: str) -> None:
         """Remove what a failed save wrote at ``staging`` (never a committed snapshot)."""
@@ -120,6 +128,12 @@ class SnapshotCommits(ABC):
     def wait_purged(self) -> None:
         """Return once every ``purge_later`` of this storage's run is done; called before the
         writer lock is let go, so that the next holder's ``clear_leftovers`` never races one."""
+
+    def settle(self) -> None:
+        """Before the writer lock is let go: settle, where the storage can now, the commits this
+        process left unsettled (``ObjectCommits``: a manifest whose write may still be stored),
+        so that the next holder's ``clear_leftovers`` never removes the files of a snapshot whose
+        manifest lands after it. Failures are logged, never raised."""
 
     @abstractmethod
     def clear_leftovers(self) -> Leftovers:
