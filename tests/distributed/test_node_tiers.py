@@ -1,5 +1,5 @@
-"""Node-local tiers (``Tier(scope="node", replicas=2)``) on two "nodes": two ``torchrun --nnodes 2``
-launches on loopback, each with its own memory directory and TMPDIR; the only directory they
+"""Node-local tiers (``Tier(scope="node", replicas=2)``) on two "nodes": two launches on loopback
+as ``torchrun --nnodes 2`` (``helpers.node_launches``), each with its own memory directory and TMPDIR; the only directory they
 share is the durable run directory. Each node's copy holds its own parts and its partner's, the
 manifests are byte-identical, and a fresh launch at the same placement restores every tensor
 equal to its composite version from its own node's copy. A node whose tier cannot be written, or
