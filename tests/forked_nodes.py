@@ -48,14 +48,13 @@ import threading
 import time
 from pathlib import Path
 
+from forked_jobs import _TERM_GRACE, _signal_all  # a node ends its ranks as rank_launch's launch does
+
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.nn.parallel", "llmtailor",
            "llmtailor.distributed.courier", "llmtailor.store.tiers.collective", "llmtailor.store.node_commit",
            "torch_job", "node_recovery_job", "boto3")
 """What each fork server imports before its first fork: what the node jobs (tests/distributed/)
 import, most of their imports' cost (boto3: an S3 run's commit checks for uploads left)."""
-
-_TERM_GRACE = 30.0
-"""Seconds the ranks of a failed or ended node have to end after SIGTERM before they are SIGKILLed."""
 
 _EXIT_BARRIER = 300.0
 """Seconds node 0 waits, once its ranks ended, for the other nodes' (torchrun's exit barrier)."""
@@ -352,14 +351,6 @@ def _exit_barrier(barrier: str, node_rank: int, wait: bool) -> None:
         conn.close()
     except OSError:  # node 0 gone, or a node that never came: no barrier to wait at
         pass
-
-
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
 
 def main() -> None:
