@@ -1,9 +1,9 @@
 """The "nodes" of a multi-node job on this machine (``helpers.node_launches``) as ``torchrun --nnodes
 N --node_rank i`` starts them, each rank forked from an interpreter that imported torch and
 llmtailor once for every launch of a test module: the imports and the interpreter starts of
-torchrun's agents and of their ranks are what the node tests spent most of their CPU on (in
-session 54, 113 of the 161 interpreters the suite's distributed files started; an agent took
-3-5 s of CPU, a rank's imports about 5 s more).
+torchrun's agents and of their ranks are what the node tests spent most of their CPU on (113 of
+the 161 interpreter starts session 54 counted in the suite; on the project's VM an agent took
+about 4 s of CPU, node_recovery_job.py's imports 5 s more in each rank).
 
     python forked_nodes.py --forks ADDRESS PRELOAD...          (a "fork server", ``ForkServers``)
     python forked_nodes.py --node ADDRESSES NNODES NODE_RANK PER_NODE HOST PORT SCRIPT ARGS...

@@ -5,7 +5,8 @@ manifests are byte-identical, and a fresh launch at the same placement restores 
 equal to its composite version from its own node's copy. A node whose tier cannot be written, or
 is full, fails the writer / the save on every rank, clearly, and loses nothing. An async save
 staged behind one that fails on one node is lost with it on every node, and the next save
-extends the last committed one."""
+extends the last committed one. And the node launches themselves start each rank as torchrun
+would, and end a node with its ranks (forked_nodes.py)."""
 
 from __future__ import annotations
 
