@@ -26,7 +26,8 @@ forked from the launch once it imported SCRIPT (its own imports, llmtailor's amo
 ``PRELOAD``): the agent's interpreter and each rank's start and imports are paid once (torch_job.py's
 ranks took 10-16 s of CPU each on the project's VM in session 53, about 10 s of it their imports,
 and torchrun's agent 3-5 s). For tests of what the ranks do, not of torchrun: the tests of
-torchrun and the node launches (``--nnodes``) keep torchrun. The ranks of one launch share their
+torchrun keep torchrun; the node launches (``--nnodes``, ``helpers.node_launches``) fork their
+ranks from a server per rank (forked_nodes.py: their seeds differ). The ranks of one launch share their
 ``str`` hash seed (torchrun's each draw their own): a set of names iterated in another order on
 each rank is not seen there."""
 

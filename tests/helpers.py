@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from forked_nodes import ForkServers, node_command
 from llmtailor.training_example import (
     TinyConfig,
     batch_at,
@@ -251,19 +252,24 @@ def standalone_launch(nproc: int) -> list[str]:
 
 def node_launches(script: Path, args_of, env_of, nodes: int = 2, per_node: int = 1, *, merged: bool = False,
                   own_session: bool = False) -> list[subprocess.Popen]:
-    """``nodes`` "nodes" on loopback, each a ``torchrun --nnodes N --node_rank i`` launch of
-    ``per_node`` ranks running ``script`` with ``args_of(node)`` in the environment ``env_of(node)``
-    (its own directories, TMPDIR...), meeting on one free port. Their output is piped (stderr into
-    stdout with ``merged``); ``own_session``: each launch in a session of its own, so that a test
-    can kill a whole node. Wait for them with ``wait_launches``."""
-    port = free_port()
+    """``nodes`` "nodes" on loopback, each started as ``torchrun --nnodes N --node_rank i`` starts
+    one, ``per_node`` ranks running ``script`` with ``args_of(node)`` in the environment
+    ``env_of(node)`` (its own directories, TMPDIR...), meeting on one free port; each rank forked
+    from an interpreter that imported torch and llmtailor once (forked_nodes.py: what the tests
+    depend on in torchrun's agents, it keeps). Their output is piped (stderr into stdout with
+    ``merged``); ``own_session``: each launch in a session of its own, so that a test can kill a
+    whole node. Wait for them with ``wait_launches``."""
+    port, addresses = free_port(), FORK_SERVERS.addresses(nodes * per_node)
     return [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
-         "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
-         *map(str, args_of(node))],
+        [*node_command(addresses, nodes, node, per_node, "127.0.0.1", port), str(script), *map(str, args_of(node))],
         env=env_of(node), stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
         start_new_session=own_session,
     ) for node in range(nodes)]
+
+
+FORK_SERVERS = ForkServers()
+"""The fork servers of ``node_launches`` (forked_nodes.py), ended at the end of each test module
+that started them (tests/distributed/conftest.py)."""
 
 
 LAUNCH_WAIT = 1200.0

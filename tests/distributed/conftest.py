@@ -1,4 +1,4 @@
-"""One launch of two "nodes" (each a ``torchrun --nnodes 2`` launch on loopback with its own
+"""One launch of two "nodes" (each a launch as ``torchrun --nnodes 2`` on loopback with its own
 directories and TMPDIR; the runs' homes on moto's S3 server) runs, in turn, the jobs of several
 test files (promote_job.py): test_collective_promotion.py's relaunch after its crash, its held
 follower's run and its script that ends without ``close()`` (the launch's last job), and
@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import LAUNCH_WAIT, end_launches, node_launches, wait_launches
+from helpers import FORK_SERVERS, LAUNCH_WAIT, end_launches, node_launches, wait_launches
 
 JOB = Path(__file__).with_name("promote_job.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_servers_of_the_module():
+    """The fork servers the module's node launches started (``helpers.node_launches``) end with
+    it: their memory freed, and their CPU (their ranks') counted in the module's."""
+    yield
+    FORK_SERVERS.stop()
 
 
 @dataclass
@@ -84,7 +92,7 @@ def crash_mid_promotion(nodes: NodesOnS3) -> None:
         time.sleep(0.1)
     for node in (1, 0):  # node 1 first: the node lost; then the survivors
         os.kill(json.loads(markers[node].read_text())["pid"], signal.SIGKILL)  # its worker: a session of its own
-        os.killpg(launches[node].pid, signal.SIGKILL)  # its torchrun agent
+        os.killpg(launches[node].pid, signal.SIGKILL)  # the node (as torchrun's agent)
         wait_launches([launches[node]])
     with pytest.MonkeyPatch.context() as monkeypatch:
         set_environment(monkeypatch, nodes.endpoint)  # this process reads the bucket

@@ -1,5 +1,5 @@
 """The job of tests/distributed/test_heal_reads.py: the ``train`` and ``resume`` of
-node_recovery_job.py (DDP or FSDP2 on gloo, each "node" a ``torchrun --nnodes 2 --node_rank i``
+node_recovery_job.py (DDP or FSDP2 on gloo, each "node" a launch as ``torchrun --nnodes 2 --node_rank i``
 launch with its own memory directory ``$NODE_DIR``, ``replicas=2``), the ``resume`` recording
 which files of its node's copy each rank read during ``Tailor.restore`` (every ``LocalStorage``
 read of file bytes: ``read``, ``pieces``, ``read_range``, ``read_into``) and a digest of its

@@ -1,5 +1,5 @@
 """The job of tests/distributed/test_node_recovery.py: FSDP2 or DDP on gloo, launched as "nodes"
-(``torchrun --nnodes N --node_rank i``), each node with its own memory directory ``$NODE_DIR``
+(as ``torchrun --nnodes N --node_rank i``: ``helpers.node_launches``), each node with its own memory directory ``$NODE_DIR``
 (the node-local tier: ``scope="node"``, ``replicas=2``) in front of the run ``$RUN_HOME`` (an
 ``s3://`` URL on moto's server: no directory is shared between nodes).
 

@@ -1,4 +1,4 @@
-"""A job for tests/distributed/test_collective_promotion.py, run by ``torchrun --nnodes 2`` (one
+"""A job for tests/distributed/test_collective_promotion.py, run as by ``torchrun --nnodes 2`` (``helpers.node_launches``) (one
 launch per "node", each with its own TMPDIR):
 
 ``promote``  FSDP2, Parity saves at steps ``start..start+5`` into a node-local tier
@@ -35,7 +35,7 @@ Each process of a ``promote`` job records the files it uploaded in promotions
 found gone says so there). With ``HOLD_AT=<step>``, each node's leader, once it has uploaded its
 node's parts for the promotion of the first composite at or after that step (the same order on
 every node), writes ``DIR/holding`` (its process id and the steps of the order) and stops there
-for good (until the test kills the job: torchrun's workers run in sessions of their own); node
+for good (until the test kills the job: each rank runs in a session of its own); node
 1's leader takes that order up only once its Tailor began to close: every save of its node
 committed and its node's retention ran after each (the worst case for the order, whenever it was
 posted).

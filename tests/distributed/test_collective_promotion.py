@@ -1,5 +1,5 @@
 """Collective promotion from a node-local tier to an object store (moto's S3 server on loopback):
-two ``torchrun --nnodes 2`` launches, each node with its own memory directory and TMPDIR, each
+two launches as ``torchrun --nnodes 2``, each node with its own memory directory and TMPDIR, each
 holding only its own parts (``replicas=1``). Every node uploads its own parts of each promoted
 composite, rank 0 the files of no rank and the commit; a node SIGKILLed in the middle of a
 promotion leaves no composite in the bucket that is not whole, and the next writer clears what

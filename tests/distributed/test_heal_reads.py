@@ -1,5 +1,5 @@
 """A node healed from its partner's memory restores from the bytes it received, with real
-processes (heal_reads_job.py: each "node" a ``torchrun --nnodes 2 --node_rank i`` launch on
+processes (heal_reads_job.py: each "node" a launch as ``torchrun --nnodes 2 --node_rank i`` on
 loopback with its own memory directory and TMPDIR; the run's home on moto's S3 server; the DDP
 and the FSDP2 run in turn in each launch): every
 file healed into the lost node's copy was checked against its checksum as it arrived, so its

@@ -1,5 +1,5 @@
 """Recovery of a node-local tier after a node loss, with real processes: each "node" is a
-``torchrun --nnodes 2 --node_rank i`` launch on loopback with its own memory directory and TMPDIR
+launch on loopback as ``torchrun --nnodes 2 --node_rank i`` (``helpers.node_launches``) with its own memory directory and TMPDIR
 (no directory shared between nodes); the run's home is an ``s3://`` URL on moto's server.
 Parity saves at every step, async, ``replicas=2`` (node_recovery_job.py). Each run is killed in
 a launch of its own; the relaunches after the kills run the runs of several tests in turn (one

@@ -1,25 +1,29 @@
-"""Node-local tiers (``Tier(scope="node", replicas=2)``) on two "nodes": two ``torchrun --nnodes 2``
-launches on loopback, each with its own memory directory and TMPDIR; the only directory they
+"""Node-local tiers (``Tier(scope="node", replicas=2)``) on two "nodes": two launches on loopback
+as ``torchrun --nnodes 2`` (``helpers.node_launches``), each with its own memory directory and TMPDIR; the only directory they
 share is the durable run directory. Each node's copy holds its own parts and its partner's, the
 manifests are byte-identical, and a fresh launch at the same placement restores every tensor
 equal to its composite version from its own node's copy. A node whose tier cannot be written, or
 is full, fails the writer / the save on every rank, clearly, and loses nothing. An async save
 staged behind one that fails on one node is lost with it on every node, and the next save
-extends the last committed one."""
+extends the last committed one. And the node launches themselves start each rank as torchrun
+would, and end a node with its ranks (forked_nodes.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
-from helpers import launches_ended_well, node_launches, wait_launches
+from helpers import LAUNCH_WAIT, launches_ended_well, node_launches, wait_launches
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
 from llmtailor.store.run import Run
 
 JOB = Path(__file__).with_name("torch_job.py")
+LAUNCH_JOB = Path(__file__).with_name("node_launch_job.py")
 pytestmark = pytest.mark.slow
 
 
@@ -164,3 +168,59 @@ def test_a_node_whose_tier_cannot_be_written_or_is_full_fails_every_rank_and_los
     for copy in (Run(tmp_path / "node0" / "memory"), Run(full)):
         assert copy.steps() == [1] and copy.verify() == []
         assert not any((Path(copy.root) / ".tmp").glob("*"))
+
+
+def test_the_node_launches_start_each_rank_as_torchrun_would_and_a_node_ends_with_its_ranks(tmp_path):
+    """What the node tests depend on in their launches (``helpers.node_launches``: forked_nodes.py,
+    in place of torchrun's agents), on 2 nodes of 2 ranks, with the fork servers of the tests above.
+    Each rank gets torchrun's variables (node 0 hosting the store: its ranks meet through it), its
+    node's TMPDIR and environment, a pid and session of its own, and a ``str`` hash seed and
+    ``random`` state of its own. A rank that fails ends its node (its other rank ended, the node's
+    status 1) and leaves the other node running; a node SIGKILLed as a whole (its process group)
+    takes its ranks with it."""
+    def env_of(node: int) -> dict[str, str]:
+        (tmp_path / f"node{node}" / "tmp").mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / f"node{node}" / "tmp"),
+                "NODE_DIR": str(tmp_path / f"node{node}" / "memory")}
+
+    def said(scenario: str, rank: int) -> dict:
+        return json.loads((tmp_path / scenario / f"rank-{rank}.json").read_text())
+
+    launches = node_launches(LAUNCH_JOB, lambda node: ["report", tmp_path / "report"], env_of, per_node=2)
+    launches_ended_well(launches, [err for _, err in wait_launches(launches)])
+    ranks = [said("report", rank) for rank in range(4)]
+    for rank, seen in enumerate(ranks):
+        node = rank // 2
+        assert seen["env"] == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank % 2), "GROUP_RANK": str(node), "ROLE_RANK": str(rank),
+            "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ranks[0]["env"]["MASTER_PORT"],
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "NODE_DIR": str(tmp_path / f"node{node}" / "memory")}, rank
+        assert seen["tmp"] == str(tmp_path / f"node{node}" / "tmp")
+    for key in ("pid", "session", "random") + (("hash",) if "PYTHONHASHSEED" not in os.environ else ()):
+        assert len({seen[key] for seen in ranks}) == 4, key
+
+    launches = node_launches(LAUNCH_JOB, lambda node: ["fail", tmp_path / "fail"], env_of, per_node=2, own_session=True)
+    wait_launches([launches[0]])  # rank 1 exited 3: node 0 ends rank 0
+    assert launches[0].returncode == 1
+    held = tmp_path / "fail" / "rank-2.json", tmp_path / "fail" / "rank-3.json"
+    deadline = time.monotonic() + LAUNCH_WAIT  # the event: node 1's ranks started (a bound on a hang)
+    while not all(path.exists() for path in held) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launches[1].poll() is None  # node 1 runs on
+    os.killpg(launches[1].pid, signal.SIGKILL)
+    wait_launches([launches[1]])
+    pids = [said("fail", rank)["pid"] for rank in (0, 2, 3)]
+    deadline = time.monotonic() + 120  # the event: they ended (a bound on a hang, no timing)
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
