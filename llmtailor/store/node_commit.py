@@ -118,8 +118,9 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     # Every rank waits for others here (its node's leader opening, its partners' copies, rank 0's
     # word, every node's commit) while they write, send, fsync and commit, for longer than the
     # timeout where the parts are large or a disk slow: each shows its progress, and the others
-    # wait on while it advances (``Coordinator.working``); one silent for the timeout is named.
-    with coord.working():
+    # wait on while it advances (``Coordinator.working``); one silent for the timeout is named. The
+    # round's own lane: the next save's part, written meanwhile (``InTurn``), is no sign of this one.
+    with coord.working(lane=round_):
         leads = placement.leads(coord.rank)
         opened = _open(run, staged, placement, coord, round_, prepare)
         snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
