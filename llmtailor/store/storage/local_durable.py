@@ -238,7 +238,9 @@ class Syncer:
             for fd, *_, done in held:
                 os.close(fd)
                 done.cancel()
-            futures_wait([future for _, future, _ in self._pending])
+            # A cancelled future is never "done" for a wait begun after its cancel (only an
+            # executor's notified cancel is): waited for, it hung the failed commit for good.
+            futures_wait([future for _, future, _ in self._pending if not future.cancelled()])
             self._pending.clear()
 
 
