@@ -229,6 +229,15 @@ class Coordinator(ABC):
     def poll(self, tag: str) -> tuple[bool, Any]:
         """``(True, value)`` when ``tag`` was posted, else ``(False, None)``; never waits."""
 
+    def claim(self, tag: str, value: Any) -> Any:
+        """Post ``value`` under ``tag`` unless a value was posted there first (by any rank);
+        returns the one that stays: of two ranks claiming one tag, exactly one wins."""
+        posted, first = self.poll(tag)
+        if posted:
+            return first
+        self.post(tag, value)
+        return value
+
     def collect(self, tags: dict[int, str], what: str, lane: str | None = None) -> dict[int, Any]:
         """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
         CoordinationError naming the ranks that did not post ``what`` in time (silent that long:
@@ -443,6 +452,10 @@ class StoreCoordinator(Coordinator):
         key = self._prefix + tag
         with self._reaching(f"looked for {tag!r}"):
             return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
+
+    def claim(self, tag: str, value: Any) -> Any:
+        with self._reaching(f"claimed {tag!r}"):
+            return json.loads(self._store.compare_set(self._prefix + tag, "", json.dumps(value)))
 
     def collect(self, tags: dict[int, str], what: str, lane: str | None = None) -> dict[int, Any]:
         keys = {rank: self._prefix + tag for rank, tag in tags.items()}
