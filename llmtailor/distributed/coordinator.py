@@ -50,6 +50,10 @@ _FIRST_POLL = 0.001
 _LOOKS = 4
 """Looks at the progress of the ranks waited for per timeout (``StoreCoordinator._wait_all``), and
 beats a rank at work posts per timeout at most (``StoreCoordinator.working``)."""
+_WAITED = 4
+"""Timeouts for which a block's wait on the system under way (``progress.waiting``: one fsync on a
+slow disk) shows it live without a piece of work ending (``StoreCoordinator._beat``); a wait
+longer than that (a hung disk) is silence, and the ranks waiting for it give up a timeout later."""
 _RELAY = 1 << 32
 """What a rank adds to its beat for the progress of the ranks it waits for (``_wait_all``), beside
 the 1 it adds for its own: a waiter tells the two apart, so a relay never answers a relay."""
@@ -357,10 +361,13 @@ class StoreCoordinator(Coordinator):
 
     def _beat(self, stop: threading.Event, scopes: tuple[Scope, ...], lane: str) -> None:
         """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which the work of
-        ``scopes`` advanced (the block's own: another block's work is no sign of it)."""
+        ``scopes`` advanced (the block's own: another block's work is no sign of it), or waited
+        on the system (an fsync under way, begun less than ``_WAITED`` timeouts ago)."""
         seen = sum(scope.ticks for scope in scopes)
         while not stop.wait(self.timeout / _LOOKS):
-            if (now := sum(scope.ticks for scope in scopes)) != seen:
+            since = min((s for scope in scopes if (s := scope.waited_since()) is not None), default=None)
+            waits = since is not None and time.monotonic() - since < _WAITED * self.timeout
+            if (now := sum(scope.ticks for scope in scopes)) != seen or waits:
                 seen = now
                 with contextlib.suppress(Exception):  # a store gone: the waits say so
                     self._store.add(self._beat_key(self.rank, lane), 1)
