@@ -559,21 +559,25 @@ def landed(packed, source, into):
     return packed[0], buffers
 
 
-def relayed(store, rank: int) -> int:
-    """How many times a wait of ``rank`` (coordinators ``over`` ``store``) saw a rank it waited for progress."""
+def relayed(store, rank: int, lane: str = "") -> int:
+    """How many times a wait of ``rank`` (coordinators ``over`` ``store``) in ``lane`` saw a rank
+    it waited for progress."""
     from llmtailor.distributed.coordinator import _RELAY
 
-    return store.add(f"llmtailor/0/beat/{rank}", 0) // _RELAY
+    return store.add(f"llmtailor/0/beat/{rank}" + (f"/{lane}" if lane else ""), 0) // _RELAY
 
 
 def progressing(store, waiters: list[int], looks: int, gave_up: list[int]) -> None:
     """Long, live work of a rank (a large load, a slow disk): progress (``advance``) until every
     rank of ``waiters`` saw it ``looks`` more times (a wait that saw it waits on), or a rank gave
-    up (``gave_up``); the rank shows it where it is inside ``Coordinator.working``."""
+    up (``gave_up``); the rank shows it where it is inside ``Coordinator.working`` (to the waits
+    of that block's lane: ``current_lane``)."""
+    from llmtailor.distributed.coordinator import current_lane
     from llmtailor.distributed.progress import advance
 
-    before = {rank: relayed(store, rank) for rank in waiters}
-    while min(relayed(store, rank) - before[rank] for rank in waiters) < looks and not gave_up:
+    lane = current_lane()
+    before = {rank: relayed(store, rank, lane) for rank in waiters}
+    while min(relayed(store, rank, lane) - before[rank] for rank in waiters) < looks and not gave_up:
         advance()
         time.sleep(0.01)
 

@@ -50,9 +50,16 @@ _FIRST_POLL = 0.001
 _LOOKS = 4
 """Looks at the progress of the ranks waited for per timeout (``StoreCoordinator._wait_all``), and
 beats a rank at work posts per timeout at most (``StoreCoordinator.working``)."""
+_WAITED = 4
+"""Timeouts for which a block's wait on the system under way (``progress.waiting``: one fsync on a
+slow disk) shows it live without a piece of work ending (``StoreCoordinator._beat``); a wait
+longer than that (a hung disk) is silence, and the ranks waiting for it give up a timeout later."""
 _RELAY = 1 << 32
 """What a rank adds to its beat for the progress of the ranks it waits for (``_wait_all``), beside
 the 1 it adds for its own: a waiter tells the two apart, so a relay never answers a relay."""
+_lanes = threading.local()
+"""The lane of the block of work the calling thread is in (``Coordinator.working``): its waits
+watch that lane's beats and relay into it (``StoreCoordinator._wait_all``)."""
 _unusable: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Process group -> the wait on it that timed out or failed on this rank (``spoil``, ``usable``)."""
 
@@ -202,11 +209,18 @@ class Coordinator(ABC):
         for this one wait on; no progress for the timeout, and they give up. ``also``: the
         progress (``progress.Scope``) of background work of this process the block waits for (a
         healing's writes), which counts as the block's own. ``lane``: where the block's beats
-        go, for the waits of that ``lane`` (``collect``): a block on a background thread of its
-        own (a node's uploader) beside the training thread's blocks, so that neither's progress
-        is taken for the other's.
+        go, for the waits of that ``lane``: the waits made inside the block (``current_lane``),
+        or a ``collect`` naming it. Two blocks of one rank that may run at once never share a
+        lane, or one's progress is taken for the other's: a node's uploader (a lane of its own)
+        beside the training thread's blocks; a save's (its round's lane: the next save's part
+        is written while this one commits, ``InTurn``).
         One process: nobody waits."""
-        yield
+        before = current_lane()
+        _lanes.name = lane
+        try:
+            yield
+        finally:
+            _lanes.name = before
 
     # -- point to point, from any thread: a few ranks' work outside the saves' rounds --------
 
@@ -219,10 +233,20 @@ class Coordinator(ABC):
     def poll(self, tag: str) -> tuple[bool, Any]:
         """``(True, value)`` when ``tag`` was posted, else ``(False, None)``; never waits."""
 
-    def collect(self, tags: dict[int, str], what: str, lane: str = "") -> dict[int, Any]:
+    def claim(self, tag: str, value: Any) -> Any:
+        """Post ``value`` under ``tag`` unless a value was posted there first (by any rank);
+        returns the one that stays: of two ranks claiming one tag, exactly one wins."""
+        posted, first = self.poll(tag)
+        if posted:
+            return first
+        self.post(tag, value)
+        return value
+
+    def collect(self, tags: dict[int, str], what: str, lane: str | None = None) -> dict[int, Any]:
         """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
         CoordinationError naming the ranks that did not post ``what`` in time (silent that long:
-        their blocks of ``lane`` showed no progress, ``working``)."""
+        their blocks of ``lane`` showed no progress, ``working``; None: the lane of the calling
+        thread's block, ``current_lane``)."""
         deadline, found, waits = time.monotonic() + self.timeout, {}, pauses()
         while True:
             for rank, tag in tags.items():
@@ -318,7 +342,7 @@ class StoreCoordinator(Coordinator):
         beating = threading.Thread(target=self._beat, args=(stop, (scope, *also), lane), name="llmtailor-beat", daemon=True)
         beating.start()
         try:
-            with within(scope):
+            with within(scope), super().working(lane=lane):
                 yield
         finally:
             stop.set()
@@ -337,10 +361,13 @@ class StoreCoordinator(Coordinator):
 
     def _beat(self, stop: threading.Event, scopes: tuple[Scope, ...], lane: str) -> None:
         """Post this rank's beat (``_beats``) each ``timeout / _LOOKS`` in which the work of
-        ``scopes`` advanced (the block's own: another block's work is no sign of it)."""
+        ``scopes`` advanced (the block's own: another block's work is no sign of it), or waited
+        on the system (an fsync under way, begun less than ``_WAITED`` timeouts ago)."""
         seen = sum(scope.ticks for scope in scopes)
         while not stop.wait(self.timeout / _LOOKS):
-            if (now := sum(scope.ticks for scope in scopes)) != seen:
+            since = min((s for scope in scopes if (s := scope.waited_since()) is not None), default=None)
+            waits = since is not None and time.monotonic() - since < _WAITED * self.timeout
+            if (now := sum(scope.ticks for scope in scopes)) != seen or waits:
                 seen = now
                 with contextlib.suppress(Exception):  # a store gone: the waits say so
                     self._store.add(self._beat_key(self.rank, lane), 1)
@@ -433,7 +460,11 @@ class StoreCoordinator(Coordinator):
         with self._reaching(f"looked for {tag!r}"):
             return (True, json.loads(self._store.get(key))) if self._store.check([key]) else (False, None)
 
-    def collect(self, tags: dict[int, str], what: str, lane: str = "") -> dict[int, Any]:
+    def claim(self, tag: str, value: Any) -> Any:
+        with self._reaching(f"claimed {tag!r}"):
+            return json.loads(self._store.compare_set(self._prefix + tag, "", json.dumps(value)))
+
+    def collect(self, tags: dict[int, str], what: str, lane: str | None = None) -> dict[int, Any]:
         keys = {rank: self._prefix + tag for rank, tag in tags.items()}
         by_key = {key: rank for rank, key in keys.items()}
 
@@ -480,13 +511,14 @@ class StoreCoordinator(Coordinator):
             raise _gone(what, err) from None
 
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0,
-                  ranks: list[int] | None = None, lane: str = "") -> None:
+                  ranks: list[int] | None = None, lane: str | None = None) -> None:
         """Wait until every key is set, or raise CoordinationError naming the ranks that are
         not, once none of them showed progress for ``patience`` x ``timeout`` seconds (their
         beats: ``working``; or the beat they relay for the ranks they wait for in turn, the
         leader's gather under its broadcast, one step, never a relay of a relay); each
         ``timeout / _LOOKS`` it looks (``ranks``: the rank of each key, where its name does not end
-        with it; only those of the keys not set yet are looked at; ``lane``: whose beats, ``working``). Blocks in the store's own ``wait`` (woken
+        with it; only those of the keys not set yet are looked at; ``lane``: whose beats,
+        ``working``; None: the lane of the calling thread's block). Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
@@ -494,6 +526,7 @@ class StoreCoordinator(Coordinator):
         A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``).
         A store that went away (the process hosting it died) is a CoordinationError too, naming
         ``ranks`` (default: those of the keys), whichever client met it."""
+        lane = current_lane() if lane is None else lane
         limit = self.timeout * patience
         silent_until, seen, shown = time.monotonic() + limit, None, set()
         owner = dict(zip(keys, ranks or _ranks_of(keys), strict=True))
@@ -566,6 +599,12 @@ def _ranks_of(keys: list[str]) -> list[int]:
     return [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in keys]
 
 
+def current_lane() -> str:
+    """The lane of the block of work (``Coordinator.working``) the calling thread is in ("": none,
+    or the default lane)."""
+    return getattr(_lanes, "name", "")
+
+
 def make_coordinator(timeout: float = DEFAULT_TIMEOUT) -> Coordinator:
     """A StoreCoordinator inside an initialised torch.distributed job of several ranks, else a
     LocalCoordinator."""
@@ -592,6 +631,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "LocalCoordinator",
     "StoreCoordinator",
+    "current_lane",
     "describe_error",
     "first_line",
     "make_coordinator",

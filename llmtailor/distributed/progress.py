@@ -3,12 +3,15 @@ beats read it (``coordinator.StoreCoordinator.working``): the store's read, copy
 call ``advance``, which counts for the blocks the calling thread works for: those it entered, and
 those of the thread that handed it the work (``carried``). So one block stuck (a node's uploader
 hung in one request) shows no progress while another block of the process goes on (the training
-thread's next saves). Imports nothing but the standard library's ``threading``, so that the
-store's torch-free paths (a weights-only merge) stay free of torch."""
+thread's next saves). A wait on the system for a block (``waiting``: an fsync, which on a
+slow disk may outlast the timeout) shows it live too, for a bounded time. Imports nothing but the
+standard library's ``threading`` and ``time``, so that the store's torch-free paths (a
+weights-only merge) stay free of torch."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 _on = threading.local()
 """The calling thread's blocks of work (``scopes``: a tuple of ``Scope``)."""
@@ -18,10 +21,16 @@ class Scope:
     """One block of long work (``Coordinator.working``): the pieces of work done for it
     (``ticks``), on the thread that entered it and on those it handed work to (``carried``)."""
 
-    __slots__ = ("ticks",)
+    __slots__ = ("ticks", "waits")
 
     def __init__(self) -> None:
         self.ticks = 0
+        self.waits: dict[waiting, float] = {}
+        """The waits on the system under way for it (``waiting``), each with when it began."""
+
+    def waited_since(self) -> float | None:
+        """When the oldest wait under way for this block began (``time.monotonic``), or None."""
+        return min(tuple(self.waits.values()), default=None)
 
 
 def _scopes() -> tuple[Scope, ...]:
@@ -51,6 +60,22 @@ class within:  # noqa: N801 - used as a statement, as contextlib's are
         _on.scopes = self._before
 
 
+class waiting:  # noqa: N801 - used as a statement, as contextlib's are
+    """``with waiting():`` the calling thread waits on the system (an fsync: the disk) for the
+    blocks it works for: no piece of work ends meanwhile, yet the block is not stuck in its own
+    code. ``Coordinator.working`` shows such a block live for a bounded time (a hung disk is
+    silence in the end)."""
+
+    def __enter__(self) -> None:
+        self._scopes, since = _scopes(), time.monotonic()
+        for scope in self._scopes:
+            scope.waits[self] = since
+
+    def __exit__(self, *exc: object) -> None:
+        for scope in self._scopes:
+            scope.waits.pop(self, None)
+
+
 def carried(fn):  # type: ignore[no-untyped-def]
     """``fn`` to run on another thread (a pool's) on behalf of the blocks the calling thread works
     for: what it does there (``advance``) counts for them."""
@@ -65,4 +90,4 @@ def carried(fn):  # type: ignore[no-untyped-def]
     return on_behalf
 
 
-__all__ = ["Scope", "advance", "carried", "within"]
+__all__ = ["Scope", "advance", "carried", "waiting", "within"]

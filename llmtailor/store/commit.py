@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from llmtailor.constants import LATEST_FILE, SNAPSHOTS_DIR, snapshot_dirname
-from llmtailor.distributed.progress import advance, carried
+from llmtailor.distributed.progress import advance, carried, waiting
 from llmtailor.errors import TailorError
 from llmtailor.store.run import Run
 from llmtailor.store.storage import Batch, Sink, Unconfirmed
 from llmtailor.store.storage.local_durable import report_progress
 
-report_progress(advance, carried)  # each fsync of a commit's files shows its rank live to the ranks waiting for it
+report_progress(advance, carried, waiting)  # each fsync of a commit's files shows its rank live to the ranks waiting for it
 
 
 class SnapshotCommit:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
-from llmtailor.distributed.coordinator import ALIKE, Coordinator, describe_error
+from llmtailor.distributed.coordinator import ALIKE, CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.courier import Courier, Packed, unpacked
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
@@ -118,8 +118,9 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
     # Every rank waits for others here (its node's leader opening, its partners' copies, rank 0's
     # word, every node's commit) while they write, send, fsync and commit, for longer than the
     # timeout where the parts are large or a disk slow: each shows its progress, and the others
-    # wait on while it advances (``Coordinator.working``); one silent for the timeout is named.
-    with coord.working():
+    # wait on while it advances (``Coordinator.working``); one silent for the timeout is named. The
+    # round's own lane: the next save's part, written meanwhile (``InTurn``), is no sign of this one.
+    with coord.working(lane=round_):
         leads = placement.leads(coord.rank)
         opened = _open(run, staged, placement, coord, round_, prepare)
         snapshot = SnapshotCommit(run, staged.step, opened["staging"]) if "staging" in opened else None
@@ -142,7 +143,8 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
                 if leads and snapshot is not None:
                     snapshot.abandon()
                 raise
-            committed = _commit_node(snapshot, plan, confirm, staged.turn, files) if leads else None
+            gate = None if coord.is_leader else functools.partial(_gate, coord, round_, placement, staged.step)
+            committed = _commit_node(snapshot, plan, confirm, staged.turn, files, gate) if leads else None
         if committed is not None and coord.is_leader and spare is not None:
             committed["spare"] = spare()
         outcome, spared = _settle(snapshot, staged, placement, coord, round_, committed)
@@ -394,41 +396,110 @@ def check_copies(step: int, placement: NodePlacement, parts: list[RankPart], cop
 
 
 def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callable[[], None] | None,
-                 turn: InTurn, files: StagedFiles) -> dict[str, Any]:
+                 turn: InTurn, files: StagedFiles, gate: Callable[[], None] | None = None) -> dict[str, Any]:
     """Step 4 on a node's leader: the indexes, written into ``files`` (its batch still in
     flight: its received copies), the manifest last, the commit and ``latest``, once the async
     save before this one (if still in flight) has ended on this node (its retention done). The
-    commit drains ``files`` before it commits anything. Returns ``{"unconfirmed": ...}``, or
-    ``{"error": ...}`` with what was staged removed (every rank learns it in ``_settle``)."""
+    commit drains ``files`` before it commits anything, then passes ``gate`` (``_gate``: a node
+    but rank 0's). Returns ``{"unconfirmed": ...}``, or ``{"error": ...}`` with what was staged
+    removed (every rank learns it in ``_settle``)."""
     try:
         with snapshot.abandoned_on_failure():
             turn.parent_committed()
             write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()}, files)
             # ``latest`` replaced once committed, as the writer's own commit does (one recipe)
-            unconfirmed = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=files)
+            pending = files if gate is None else _Gated(files, gate)
+            unconfirmed = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=pending)
     except BaseException as err:
         return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
     return {"unconfirmed": unconfirmed}
 
 
+class _Gated(StagedFiles):
+    """A leader's batch ``files`` whose drain (in its commit, once the manifest and directories
+    are in flight: ``SnapshotCommit.commit``'s ``pending``) passes ``gate`` once every file of it
+    is durable: the last step before the rename that publishes the snapshot."""
+
+    def __init__(self, files: StagedFiles, gate: Callable[[], None]):
+        super().__init__(files.snapshot, files.batch)
+        self.gate = gate
+
+    def drain(self) -> None:
+        super().drain()
+        self.gate()
+
+
+def _gate_tag(round_: str, node: int) -> str:
+    return f"{round_}/gate/{node}"
+
+
+def _gate(coord: Coordinator, round_: str, placement: NodePlacement, step: int) -> None:
+    """A node's leader (not rank 0's), just before its commit publishes the snapshot: it claims
+    the node's gate (``go``), unless rank 0 gave up on this node's commit first (``abandoned``,
+    ``_verdict``), and then raises: nothing is committed here. Of the two, exactly one wins, so
+    rank 0 never reports failed a save that a node committed after it stopped waiting."""
+    node = placement.nodes.node_of_rank(coord.rank)
+    if coord.claim(_gate_tag(round_, node), "go") != "go":
+        raise TailorError(f"step {step} was not committed on node {node}: rank 0 gave up waiting for its commit first")
+
+
+def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: str,
+             committed: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's step 4: how every node's commit went (``committed``: its own node's), the same
+    word for every rank (``_settle``). Each other node's leader's report is waited for while it
+    advances (``collect``); one silent for the timeout is given up on: rank 0 claims its gate
+    (``abandoned``), so it never commits the snapshot, and the save fails on every rank; where
+    the node passed its gate first, it commits (or did), and the save counts as committed there,
+    unconfirmed. ``{"failed": why, "silent": bool}`` or ``{"unconfirmed": {node: why}, "spare": ...}``."""
+    nodes = placement.nodes
+    leaders = {nodes.leader_of(node): f"{round_}/committed/{node}" for node in range(1, nodes.count)}
+    outcomes, silent = {0: committed}, None
+    try:
+        outcomes.update(coord.collect(leaders, f"on its commit of step {step}"))
+    except CoordinationError as err:
+        silent = str(err)
+        for rank, tag in leaders.items():
+            posted, said = coord.poll(tag)
+            if not posted and coord.claim(_gate_tag(round_, nodes.node_of_rank(rank)), "abandoned") == "go":
+                posted, said = coord.poll(tag)  # past its gate: it commits there (or did)
+                if not posted:
+                    posted, said = True, {"unconfirmed": f"its commit was not confirmed within {coord.timeout:g} s "
+                                                         "(the snapshot is published there unless that commit fails)"}
+            if posted:
+                outcomes[rank] = said
+    failed = {nodes.node_of_rank(rank): o["error"] for rank, o in outcomes.items() if "error" in o}
+    abandoned = sorted(nodes.node_of_rank(rank) for rank in set(leaders) - set(outcomes))
+    if failed or abandoned:
+        where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
+        gave_up = f"{silent}; rank 0 gave up on the commit of node(s) {abandoned}, which never commit it; " if abandoned else ""
+        return {"failed": f"{gave_up}step {step} was not saved: node(s) {sorted([*failed, *abandoned])} could not commit "
+                          f"it{f' ({where})' if where else ''}; the nodes that did removed their copy, and every earlier "
+                          "snapshot is intact", "silent": bool(abandoned)}
+    return {"unconfirmed": {str(nodes.node_of_rank(rank)): o["unconfirmed"] for rank, o in outcomes.items()},
+            "spare": committed.get("spare", [])}
+
+
 def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator,
             round_: str, committed: dict[str, Any] | None) -> tuple[str | None, tuple[int, ...]]:
-    """Step 4's outcome on every rank: how each node's commit went (``committed``: this rank's
-    node's, on its leader). When a node's failed, those that committed remove their copy again
-    and every rank raises, naming each failed node and why. Returns what each node's commit
-    could not confirm once committed (``PersistResult.unconfirmed``: the same on every rank, so
-    every rank raises it alike) and rank 0's ``spare``."""
-    outcomes = coord.exchange(f"{round_}/committed", committed)
-    failed = {placement.nodes.node_of_rank(rank): o["error"] for rank, o in enumerate(outcomes) if o and "error" in o}
-    if failed:
+    """Step 4's outcome on every rank, rank 0's word (``_verdict``): each other node's leader
+    reports how its commit went (``committed``: this rank's node's, on its leader), rank 0 says
+    how the save went. When a node failed (or rank 0 gave up on it), the nodes that committed
+    remove their copy again and every rank raises alike, naming each failed node and why.
+    Returns what each node's commit could not confirm once committed (``PersistResult.unconfirmed``:
+    the same on every rank, so every rank raises it alike) and rank 0's ``spare``. A rank that
+    loses rank 0 here keeps its node's copy as it is (a crash between the nodes' commits)."""
+    node = placement.nodes.node_of_rank(coord.rank)
+    if committed is not None and not coord.is_leader:
+        coord.post(f"{round_}/committed/{node}", committed)
+    assert committed is not None or not coord.is_leader  # rank 0 leads node 0
+    verdict = coord.broadcast(f"{round_}/settled", functools.partial(_verdict, staged.step, placement, coord, round_,
+                                                                      committed) if coord.is_leader else None, patience=2.0)
+    if "failed" in verdict:
         if committed is not None and "error" not in committed:
             _uncommit(snapshot.run, staged)
-        where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
-        raise TailorError(f"step {staged.step} was not saved: node(s) {sorted(failed)} could not commit it ({where}); "
-                          "the nodes that did removed their copy, and every earlier snapshot is intact")
-    unconfirmed = {placement.nodes.node_of_rank(rank): o["unconfirmed"] for rank, o in enumerate(outcomes) if o}
-    spare = tuple((outcomes[0] or {}).get("spare", ()))
-    return "; ".join(f"node {node}: {why}" for node, why in sorted(unconfirmed.items()) if why) or None, spare
+        raise (CoordinationError if verdict["silent"] else TailorError)(verdict["failed"])
+    unconfirmed = {int(n): why for n, why in verdict["unconfirmed"].items()}
+    return "; ".join(f"node {n}: {why}" for n, why in sorted(unconfirmed.items()) if why) or None, tuple(verdict["spare"])
 
 
 def _uncommit(run: Run, staged: StagedSnapshot) -> None:

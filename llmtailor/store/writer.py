@@ -111,7 +111,7 @@ def persist(
     if coord.is_leader:
         # The leader's own files stay in flight (their fsyncs running) until its commit: the
         # unit indexes join them, and the commit waits for them all before it commits anything.
-        with snapshot.files() as files, coord.working():
+        with snapshot.files() as files, coord.working(lane=round_):  # its round's: the next save's is no sign of it
             part = attempt_part(snapshot, staged, coord.rank, on_unit, files)
 
             def gather() -> list[RankPart]:
@@ -124,10 +124,10 @@ def persist(
 
             outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
     else:
-        with coord.working():  # the others wait on while its writes go on (a large part, a slow store)
+        with coord.working(lane=round_):  # the others wait on while its writes go on (a large part, a slow store)
             part = attempt_part(snapshot, staged, coord.rank, on_unit)
-        coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
-        outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)
+            coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
+            outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)  # on while the leader's commit advances
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
     # the next save read no manifest back (a HEAD and a GET on an object store); the leader kept

@@ -441,3 +441,51 @@ def test_a_block_stuck_inside_working_shows_no_progress_while_another_thread_of_
         pool.submit(carried(advance)).result()
         pool.submit(advance).result()
     assert scope.ticks == 1
+
+
+def test_one_fsync_longer_than_the_timeout_keeps_the_others_waiting_and_one_hung_is_named(tmp_path, monkeypatch):
+    """Rank 1 makes one file durable inside ``working`` (a commit's fsync, on the storage's fsync
+    threads), and that one fsync outlasts the timeout (a slow disk): rank 0 waits on (here until
+    it saw rank 1 live _LOOKS + 2 times, 1.5 x the timeout) and gets its report. Before, only an
+    fsync that ended was progress, so rank 0 called rank 1 dead after the timeout. An fsync that
+    hangs (until rank 0 gave up) shows rank 1 live for ``_WAITED`` timeouts only: rank 0 then
+    names it. Ranks as threads over one store, timeout 1 s."""
+    import os
+
+    import llmtailor.store.commit  # noqa: F401 - the storage's progress hooks (``report_progress``)
+    from llmtailor.distributed.coordinator import _LOOKS
+    from llmtailor.store.storage import local_durable
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    real, looks = os.fsync, []
+
+    def fsync(fd):  # one slow fsync: until rank 0 saw rank 1 live ``looks[0]`` times, or gave up
+        before = relayed(store, 0)
+        while (not looks or relayed(store, 0) - before < looks[0]) and not gave_up:
+            time.sleep(0.01)
+        real(fd)
+
+    monkeypatch.setattr(local_durable.os, "fsync", fsync)
+    path = tmp_path / "part.bin"
+    path.write_bytes(b"written")
+
+    def rank(number: int, tag: str):
+        if number == 0:
+            try:
+                return ranks[0].collect({1: tag}, "its part")
+            except CoordinationError:
+                gave_up.append(0)
+                raise
+        with ranks[1].working(), local_durable.Syncer() as syncer:
+            syncer.submit(path, os.open(path, os.O_RDONLY))
+        ranks[1].post(tag, "durable")
+        return None
+
+    gave_up.clear()
+    looks.append(_LOOKS + 2)
+    assert on_threads(2, lambda number: rank(number, "part/1")) == [{1: "durable"}, None]
+    looks.clear()  # hung: until rank 0 gave up
+    outcome = on_threads(2, lambda number: rank(number, "part/2"))[0]
+    assert isinstance(outcome, CoordinationError), outcome
+    assert re.match(r"rank\(s\) \[1\] did not report its part within 1 s of its last sign of progress", str(outcome)), outcome

@@ -1,5 +1,8 @@
 """Our streaming safetensors writer: safetensors itself reads back every tensor exactly."""
 
+import os
+import time
+
 import pytest
 import torch
 import xxhash
@@ -86,6 +89,47 @@ def test_a_failed_background_fsync_fails_the_write_and_leaks_no_descriptor(tmp_p
                 tensor_files.write_tensor_file(tmp_path / f"{i}.safetensors", {"w": torch.ones(4)}, tmp_path, syncer=syncer)
     monkeypatch.undo()
     assert open_here() == []
+
+
+def test_a_syncer_left_by_a_failure_while_it_holds_files_back_returns(tmp_path, monkeypatch):
+    """A block over a ``Syncer`` that raises while the Syncer holds files back (more than its
+    ``threads`` in flight: a commit's manifest and directories, whose ``beside`` drain of the
+    copies failed) closes those and waits for the fsyncs under way only. Before, it waited for
+    the held ones' cancelled futures too, which never end: the commit hung for good. The first
+    fsync is held until the held file's future is cancelled (the event); the 60 s join bounds a
+    hang."""
+    import threading
+
+    from llmtailor.store.storage import local_durable
+
+    real, release = os.fsync, threading.Event()
+    monkeypatch.setattr(local_durable.os, "fsync", lambda fd: (release.wait(60), real(fd)))
+    paths = [tmp_path / f"{n}.bin" for n in range(2)]
+    for path in paths:
+        path.write_bytes(b"x")
+    raised = []
+
+    def fail_while_held():
+        try:
+            with local_durable.Syncer(threads=1) as syncer:
+                for path in paths:
+                    syncer.submit(path, os.open(path, os.O_RDONLY))
+                held = syncer._pending[1][1]
+                threading.Thread(target=lambda: (_once_cancelled(held), release.set())).start()
+                raise RuntimeError("the drain beside it failed")
+        except RuntimeError as err:
+            raised.append(err)
+
+    failing = threading.Thread(target=fail_while_held)
+    failing.start()
+    failing.join(60)
+    release.set()
+    assert not failing.is_alive() and len(raised) == 1
+
+
+def _once_cancelled(future) -> None:
+    while not future.cancelled():
+        time.sleep(0.001)
 
 
 def test_files_handed_to_the_syncer_are_durable_and_intact_after_drain(tmp_path, monkeypatch):

@@ -153,7 +153,61 @@ def test_a_node_whose_commit_goes_on_past_the_timeout_keeps_the_others_waiting_a
 
     outcomes = save_on_two_nodes(tmp_path / "stuck", confirm=stuck, timeout=2, gave_up=gave_up)
     assert isinstance(outcomes[0], CoordinationError), outcomes
-    assert re.match(r"rank\(s\) \[1\] did not report on 'r1/committed' within 2 s", str(outcomes[0])), outcomes
+    assert re.match(r"rank\(s\) \[1\] did not report on its commit of step 1 within 2 s", str(outcomes[0])), outcomes
+    # Node 1's commit goes on once rank 0 gave up: it never publishes the snapshot (rank 0 claimed
+    # its gate first), every rank raises alike, and neither copy holds it. Before: node 1 committed
+    # and returned success, node 0's copy kept it too, and rank 0 reported the save failed.
+    assert type(outcomes[1]) is CoordinationError and str(outcomes[1]) == str(outcomes[0]), outcomes
+    assert "rank 0 gave up on the commit of node(s) [1], which never commit it" in str(outcomes[0])
+    assert [Run(tmp_path / "stuck" / f"node{node}").steps() for node in range(2)] == [[], []]
+
+
+def test_a_save_stuck_in_its_commit_is_not_shown_live_by_the_next_save_of_its_rank_in_flight(tmp_path):
+    """Two async saves in flight (``InTurn``): the next save's part is written while this one
+    commits, each on a thread of its own, both inside ``working``. Node 1's commit of step 1
+    hangs (its ``confirm``, before the manifest: a hung disk) while its writer of step 2 advances
+    (its ``prepare``, a slow disk). Rank 0 waits for node 1's commit of step 1: it gives up after
+    the timeout of silence, naming rank 1, never having seen progress of step 1's. Before: every
+    block of a rank beat in one lane, so step 2's progress showed step 1's commit live, and rank 0
+    waited on (here until it had seen it _LOOKS + 2 times): "within 2 s of its last sign of
+    progress". Each save's block now beats in its round's lane. Timeout 2 s."""
+    from dataclasses import replace
+
+    from llmtailor.store.staged import InTurn
+
+    store, lanes = HashStore(), {(a, b): queue.Queue() for a in range(2) for b in range(2)}
+    coords = [StoreCoordinator.over(store, rank, 2, timeout=2) for rank in range(2)]
+    gave_up: list[int] = []
+
+    def hung(rank):
+        while rank == 1 and not gave_up:
+            time.sleep(0.01)
+
+    def slow(rank):
+        if rank == 1:
+            progressing(store, [0], _LOOKS + 2, gave_up)
+
+    def save(rank, step, turn, prepare=None, confirm=None):
+        placement = NodePlacement(Nodes((0, 1)), replicas=2, jump=1, courier=ThreadCourier(rank, lanes, 60))
+        share = replace(staged(rank), step=step, parent=step - 1 or None, round=f"r{step}", turn=turn,
+                        composite={u: step for u in LAYOUT.units})
+        try:
+            result = persist_on_nodes(Run(tmp_path / f"node{rank}"), share, placement, coords[rank],
+                                      prepare=prepare and (lambda: prepare(rank)), confirm=confirm and (lambda: confirm(rank)))
+        except BaseException as err:
+            if isinstance(err, CoordinationError):
+                gave_up.append(rank)
+            turn.end(False)
+            raise
+        turn.end(True)
+        return result
+
+    turns = [InTurn(step=1) for _ in range(2)]
+    nexts = [InTurn(step=2, before=turns[rank]) for rank in range(2)]
+    outcomes = on_threads(4, lambda n: save(n % 2, 1, turns[n % 2], confirm=hung) if n < 2
+                          else save(n % 2, 2, nexts[n % 2], prepare=slow))
+    assert isinstance(outcomes[0], CoordinationError), outcomes
+    assert re.match(r"rank\(s\) \[1\] did not report on its commit of step 1 within 2 s: a rank died", str(outcomes[0])), outcomes
 
 
 def test_each_file_a_commit_makes_durable_is_progress_its_rank_shows(tmp_path):

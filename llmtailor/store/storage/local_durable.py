@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +53,21 @@ _durable_one: Callable[[], None] = _nothing
 """Called each time a file (or a range of one) was made durable (``report_progress``)."""
 _carried: Callable[[Callable[..., Any]], Callable[..., Any]] = _as_is
 """A function to run on another thread on behalf of the caller's work (``report_progress``)."""
+_waiting: Callable[[], AbstractContextManager[Any]] = nullcontext
+"""Around each fsync: the calling thread waits on the disk for its work (``report_progress``)."""
 
 
-def report_progress(to: Callable[[], None], carry: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def report_progress(to: Callable[[], None], carry: Callable[[Callable[..., Any]], Callable[..., Any]],
+                    waiting: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
     """``to()`` once each file, or range of a large one, is made durable, for the work of the
     thread that handed it over (``carry(fn)``: ``fn`` to run on another thread on behalf of the
-    calling thread's work): the store passes the commit coordinator's progress
-    (``distributed.progress.advance`` and ``carried``; this floor imports nothing above it), so a
-    rank whose fsyncs run long (a large save, a slow disk) shows the ranks waiting for it that
-    it is live (``Coordinator.working``)."""
-    global _durable_one, _carried
-    _durable_one, _carried = to, carry
+    calling thread's work), and each fsync under ``waiting()`` (a wait on the disk for that work):
+    the store passes the commit coordinator's progress (``distributed.progress.advance``,
+    ``carried`` and ``waiting``; this floor imports nothing above it), so a rank whose fsyncs run
+    long (a large save, a slow disk; one fsync longer than the timeout) shows the ranks waiting
+    for it that it is live (``Coordinator.working``)."""
+    global _durable_one, _carried, _waiting
+    _durable_one, _carried, _waiting = to, carry, waiting
 
 
 def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,13 +76,21 @@ def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _carried(fn)
 
 
+def _durable(fd: int) -> None:
+    """fsync ``fd`` for the calling thread's work: a wait on the disk (``_waiting``), then a
+    piece of work done (``_durable_one``)."""
+    with _waiting():
+        os.fsync(fd)
+    _durable_one()
+
+
 def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True,
-                 shown: Callable[[], None] | None = None) -> None:
+                 sync: Callable[[int], None] | None = None) -> None:
     """fsync a file, then (``drop``) its bytes ``[start, end)`` (to the end of the file by
     default) dropped from the page cache: they are durable and will not be read soon, so a save's
-    cache footprint stays about one unit instead of the whole checkpoint."""
-    os.fsync(fd)
-    (_durable_one if shown is None else shown)()  # ``shown``: for the work that handed it over (``Syncer``)
+    cache footprint stays about one unit instead of the whole checkpoint. ``sync``: the fsync,
+    for the work that handed it over (``Syncer``: ``carried(_durable)``)."""
+    (_durable if sync is None else sync)(fd)
     if drop:
         os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 
@@ -135,13 +148,13 @@ class _FsyncPool:
         while True:
             with self._lock:
                 self._free += 1
-            fd, start, end, drop, shown, done = self._queue.get()
+            fd, start, end, drop, sync, done = self._queue.get()
             with self._lock:
                 self._free -= 1
                 self._waiting -= 1
             error: BaseException | None = None
             try:
-                make_durable(fd, start, end, drop, shown)
+                make_durable(fd, start, end, drop, sync)
             except BaseException as failed:  # handed to the writer, which raises it
                 error = failed
             finally:
@@ -191,7 +204,7 @@ class Syncer:
         done: Future = Future()
         self._pending.append((path, done, size))
         with self._lock:
-            self._held.append((fd, start, end, drop, carried(_durable_one), done))
+            self._held.append((fd, start, end, drop, carried(_durable), done))
         self._hand_over()
         while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
             self._wait_first()
@@ -238,7 +251,9 @@ class Syncer:
             for fd, *_, done in held:
                 os.close(fd)
                 done.cancel()
-            futures_wait([future for _, future, _ in self._pending])
+            # A cancelled future is never "done" for a wait begun after its cancel (only an
+            # executor's notified cancel is): waited for, it hung the failed commit for good.
+            futures_wait([future for _, future, _ in self._pending if not future.cancelled()])
             self._pending.clear()
 
 
