@@ -235,10 +235,11 @@ class AsyncStager:
             return committed, True
         return committed, False
 
-    def raise_failure(self, refused: int | None = None, newest: int | None = None) -> None:
+    def raise_failure(self, refused: int | None = None, newest: int | None = None, unconfirmed: list[str] = ()) -> None:
         """Raise what ``settle`` kept, once, as a BackgroundSaveError saying what was not saved
         (``refused``: the step of a save refused because of it; ``newest``: the composite still
-        in force)."""
+        in force), and what the saves committed before it could not confirm (``unconfirmed``:
+        their ``PersistResult.unconfirmed``, said with it)."""
         if not self.failed:
             return
         first, lost = self.failed[0], [job.step for job in self.failed[1:] if job.outcome is None]
@@ -255,6 +256,8 @@ class AsyncStager:
                       + ("no composite" if newest is None else f"step {newest}"))
         if refused is not None:
             failed = f"step {refused} was not saved: {failed}. Call save({refused}) again to save this step"
+        if unconfirmed:
+            failed = f"{failed}; and before it, {unconfirmed_text(unconfirmed)}"
         raise BackgroundSaveError(failed) from first.error
 
     def wait_copied(self) -> None:
@@ -327,6 +330,12 @@ class AsyncStager:
 
     def _fence(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.wait_copied()
+
+
+def unconfirmed_text(unconfirmed: list[str]) -> str:
+    """What saves committed could not confirm (each one's ``PersistResult.unconfirmed``, oldest
+    first), said in one message: each of them ('' for none)."""
+    return "; and ".join(unconfirmed)
 
 
 def _weight_swaps(optimizer: torch.optim.Optimizer) -> list[str]:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from llmtailor.async_stager import AsyncStager
+from llmtailor.async_stager import AsyncStager, unconfirmed_text
 from llmtailor.config import TailorConfig
 from llmtailor.distributed.coordinator import Coordinator, make_coordinator
 from llmtailor.distributed.progress import carried
@@ -367,24 +367,24 @@ class _Pending:
         self.unconfirmed += [said for job in committed if (said := self.committed(job.step, job.composite, job.outcome))]
         if failed:
             self.rolled_back()
-        if raise_error:
-            stager.raise_failure(refused=refused, newest=self.lineage.parent)
-            if self.unconfirmed:
-                _raise_unconfirmed(self.unconfirmed.pop(0), refused=refused)
+        if raise_error:  # everything kept, in one error: no call may follow (a close) to say the rest
+            kept, self.unconfirmed = self.unconfirmed, []
+            stager.raise_failure(refused=refused, newest=self.lineage.parent, unconfirmed=kept)
+            _raise_unconfirmed(*kept, refused=refused)
 
 
 def _raise_unconfirmed(*errors: str | None, refused: int | None = None) -> None:
-    """A save committed whose ``latest`` could not be replaced, or whose durability could not be
-    confirmed (``PersistResult.unconfirmed``): raised (the first), once the save counts as
-    committed (its lineage extended: the next save's parent; retention and promotions wait for
-    the next save: ``_after_commit``). ``refused``: the step of a save refused because of it
-    (an async save's, raised as the next one opens)."""
-    for error in errors:
-        if error and refused is not None:
-            raise TailorError(f"step {refused} was not saved: the async save before it said: {error}. Call "
-                              f"save({refused}) again to save this step")
-        if error:
-            raise TailorError(error)
+    """Saves committed whose ``latest`` could not be replaced, or whose durability could not be
+    confirmed (``PersistResult.unconfirmed``): raised, each said in one error, once the saves
+    count as committed (the lineage extended: the next save's parent; retention and promotions
+    wait for the next save: ``_after_commit``). ``refused``: the step of a save refused because
+    of them (an async save's, raised as the next one opens)."""
+    said = unconfirmed_text([error for error in errors if error])
+    if said and refused is not None:
+        raise TailorError(f"step {refused} was not saved: the async save(s) before it said: {said}. Call "
+                          f"save({refused}) again to save this step")
+    if said:
+        raise TailorError(said)
 
 
 class _Restoring:

@@ -535,3 +535,50 @@ def test_async_lora_snapshots_equal_sync_ones_and_restore_in_a_fresh_process(tmp
             source = sources[layout.unit_of(name.removeprefix("base_model.model."))]
             assert torch.equal(value, versions[case][source][name][state]), f"{case}: {key} (from step {source})"
         assert len(restored) == sum(len(state) for state in versions[case][6].values()), case
+
+
+@pytest.mark.parametrize("newest", ["unconfirmed", "failed"])
+def test_close_says_every_save_it_settles_that_may_not_be_durable(tmp_path, tokens, monkeypatch, newest):
+    """Two saves in flight at ``close()``: step 2 committed but the fsync of ``snapshots/`` after
+    its rename fails (EIO: it may not be durable), and step 3 the same ("unconfirmed") or failed
+    in the background ("failed"). Close raises one error that says each: no call follows to say
+    what it left out. Before: only the first (step 2's, or step 3's failure), the other never."""
+    import os
+    from pathlib import Path
+
+    from llmtailor.errors import TailorError
+    from llmtailor.constants import snapshot_dirname
+
+    root = Path(os.path.realpath(tmp_path))
+    model, opt, sched = tiny()
+    tailor = Tailor(root, model, opt, sched, policy=Parity(), async_save=True, async_in_flight=2, track_drift=False)
+    train(model, opt, sched, tokens, [1])
+    tailor.save(1)
+    tailor.wait()
+    real, failed = os.fsync, []
+    unsure = [2, 3] if newest == "unconfirmed" else [2]
+
+    def fsync(fd):  # the first fsync of snapshots/ after each unsure step's rename
+        path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+        if path == str(root / "snapshots") and threading.current_thread().name != "llmtailor-purge":
+            renamed = [s for s in unsure if s not in failed and (root / "snapshots" / snapshot_dirname(s)).exists()]
+            if renamed:
+                failed.append(renamed[0])
+                raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if newest == "failed":
+        _held_part(monkeypatch, 3, fail=True).set()
+    for step in (2, 3):
+        train(model, opt, sched, tokens, [step])
+        tailor.save(step)
+    with pytest.raises(TailorError) as raised:
+        tailor.close()
+    monkeypatch.undo()
+    said = str(raised.value)
+    assert failed == unsure and "step 2 was saved and committed" in said, said
+    if newest == "unconfirmed":
+        assert "step 3 was saved and committed" in said, said
+    else:
+        assert isinstance(raised.value, BackgroundSaveError) and "async save of step 3 failed" in said, said

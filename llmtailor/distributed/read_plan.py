@@ -351,6 +351,15 @@ class ReadPlan:
         if length != nbytes(shapes):
             raise _Disagreed(f"rank {reader} sent {length} bytes of {item}, this rank expected "
                              f"{nbytes(shapes)}: the ranks disagree on what the composite holds")
+        # As many bytes, split otherwise: the head lists each tensor's bytes (or, for many, how many)
+        count, expected = _listed(head), [size for dtype, shape in shapes if (size := _size(dtype, shape))]
+        sent = head[_HEAD + 8 : _HEAD + 8 * (1 + count)].cpu().view(torch.int64).tolist() if count >= 0 else -count
+        if sent != (wanted := expected if count >= 0 else len(expected)):
+            def split(what: list[int] | int) -> str:
+                return f"{what} tensors" if isinstance(what, int) else f"tensors of {what} bytes"
+
+            raise _Disagreed(f"rank {reader} sent the {length} bytes of {item} as {split(sent)}, this rank expected "
+                             f"{split(wanted)}: the ranks disagree on what the composite holds")
         given = into(item) if into is not None else [None] * len(shapes)
         return [(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
                 for live, (dtype, shape) in zip(given, shapes, strict=True)]

@@ -598,6 +598,21 @@ def test_a_rank_that_disagrees_on_an_item_s_size_takes_its_bytes_so_its_reader_i
     outcomes = on_threads(2, lambda rank: plan(rank, 2.0, whole))
     assert outcomes == [{"a": [2.0], "b": [2.0]}] * 2, outcomes
 
+    def split(rank: int, value: float) -> dict[str, list[float]]:  # a's 72 bytes as 64 + 8 on rank 0, 40 + 32 on rank 1
+        shapes = [[16], [2]] if rank == 0 else [[10], [8]]
+        fetching = ReadPlan(coordinators[rank], items, group=groups[rank], candidates=candidates).fetch(
+            lambda item: [torch.full(shape, value) for shape in (shapes if item == "a" else [[16], [2]])],
+            lambda item: [(torch.float32, shape) for shape in (shapes if item == "a" else [[16], [2]])])
+        return {item: sorted({v for t in tensors for v in t.tolist()}) for item, tensors in fetching}
+
+    outcomes = on_threads(2, lambda rank: split(rank, 3.0))  # as many bytes, split otherwise: a disagreement too
+    assert isinstance(outcomes[1], CoordinationError) and str(outcomes[1]) == (
+        "rank 0 sent the 72 bytes of a as tensors of [64, 8] bytes, this rank expected tensors of [40, 32] bytes: the "
+        "ranks disagree on what the composite holds"), outcomes
+    assert (outcomes[0] == {"a": [3.0], "b": [3.0]} or isinstance(outcomes[0], PeerStopped)
+            and str(outcomes[0]).startswith("rank 1 stopped taking the items")), outcomes
+    assert on_threads(2, lambda rank: plan(rank, 4.0, whole)) == [{"a": [4.0], "b": [4.0]}] * 2
+
 
 def test_a_rank_whose_meanwhile_raises_or_that_is_interrupted_waiting_fails_the_others_promptly(monkeypatch):
     """``fetch``'s ``meanwhile`` (the ranks' exchange of what they hold) raising on one rank

@@ -178,6 +178,99 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
     assert "node 1's uploader stops waiting for promotion order 1: the job's store went away" in caplog.text, caplog.text
 
 
+def test_an_idle_follower_whose_look_at_the_jobs_store_fails_once_serves_on():
+    """Node 1's uploader waits for an order when one look at the job's store fails (a hiccup: a
+    connection reset, a busy machine), its wait's and the look after it: the store answers again
+    after. The uploader serves on: order 1 is served and reported, and it stops when rank 0 says
+    so (awaited: its thread's end). Before: that one failure stopped its uploads for the rest
+    of the job (its thread ended with order 1 unserved: no report)."""
+    from llmtailor.distributed.coordinator import CoordinationError
+
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=3600), StoreCoordinator.over(store, 1, 2, timeout=3600)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+    uploader._serve = lambda order: {"bytes": 0}
+    hiccups: list[str] = []
+
+    def once(name):
+        call = getattr(follower, name)
+
+        def hiccup(*args):
+            if name not in hiccups:
+                hiccups.append(name)
+                raise CoordinationError(f"the job's store went away while this rank {name}ed: Connection reset by peer")
+            return call(*args)
+
+        return hiccup
+
+    follower.collect, follower.poll = once("collect"), once("poll")
+    leader.post(collective.order_tag(1), {"staging": {}})
+    leader.post(collective.order_tag(2), {"stop": True})
+    uploader.start()
+    uploader._thread.join(120)  # a bound on a hang
+    assert hiccups == ["collect", "poll"] and not uploader._thread.is_alive()
+    assert leader.poll(collective.report_tag(1, 1)) == (True, {"bytes": 0}), "one failed look stopped the uploader"
+
+
+def test_a_report_after_a_serve_longer_than_the_timeout_is_no_silence_of_rank_0(monkeypatch, caplog):
+    """Node 1 served an order for longer than the timeout (rank 0 waited on: it was serving);
+    while its report is on its way, its close's ``join`` looks (awaited: that look). Rank 0 was
+    last heard as the serving ended, so ``join`` waits on and returns once rank 0 said stop.
+    Before: it counted the silence from the order's arrival, gave up during the report's post
+    and logged a false "heard nothing from rank 0". The uploader's clock is the test's."""
+    import logging
+    import types
+
+    clock = [0.0]
+    monkeypatch.setattr(collective, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=3600), StoreCoordinator.over(store, 1, 2, timeout=3600)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+
+    def serve(order):  # two hours
+        clock[0] += 2 * 3600
+        return {"bytes": 0}
+
+    uploader._serve = serve
+    posting, looks, looked = threading.Event(), threading.Semaphore(0), threading.Semaphore(0)
+
+    class Watched(threading.Event):  # join's looks (the waits of the thread named "close")
+        def wait(self, timeout=None):
+            done = super().wait(timeout)
+            if threading.current_thread().name == "close":
+                (looked if posting.is_set() else looks).release()
+            return done
+
+    uploader._stopped = Watched()
+    post = follower.post
+
+    def report(tag, value):  # held until join looked while the report is on its way
+        posting.set()
+        assert looked.acquire(timeout=60)
+        post(tag, value)
+
+    follower.post = report
+    ended: list = []
+
+    def close():
+        try:
+            uploader.join()
+        finally:
+            ended.append(uploader._stopped.is_set())
+            looked.release()
+
+    with caplog.at_level(logging.WARNING, logger=collective.__name__):
+        uploader.start()
+        joining = threading.Thread(target=close, name="close", daemon=True)
+        joining.start()
+        assert looks.acquire(timeout=60)  # join looks: its silence counted from before the order
+        leader.post(collective.order_tag(1), {"staging": {}})
+        assert leader.collect({1: collective.report_tag(1, 1)}, "node 1's part") == {1: {"bytes": 0}}
+        leader.post(collective.order_tag(2), {"stop": True})
+        joining.join(120)
+    assert ended == [True] and "heard nothing" not in caplog.text, caplog.text
+
+
 def test_a_close_after_rank_0_was_silent_longer_than_the_timeout_still_serves_the_last_order():
     """Promotions far apart: rank 0 last ordered one longer ago than the timeout. A follower's
     close waits for its uploader (``join``) while rank 0's close orders the promotion of the

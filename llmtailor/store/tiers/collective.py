@@ -88,6 +88,10 @@ upload's)."""
 IDLE_WAIT = 0.2
 """Seconds between two looks of ``NodeUploader.join`` for rank 0's stop; and the pause before an
 idle uploader waits again for the next order after a wait that ended without one."""
+GONE_AFTER = 5.0
+"""Seconds an idle uploader's looks at the job's store must fail in a row before it takes the
+store for gone and stops (``NodeUploader._next``): one failed look may be a hiccup (a busy
+machine, a connection reset) after which the store answers again."""
 
 
 def order_tag(number: int) -> str:
@@ -275,7 +279,8 @@ class NodeUploader:
             try:
                 with self.coordinator.working(lane=_LANE):  # rank 0 waits on while this node's upload goes on (a slow store)
                     report = self._serve(order)
-            finally:
+            finally:  # heard before no longer serving: a ``join`` meanwhile counts the silence from now
+                self._heard = time.monotonic()
                 self._serving = False
             try:
                 self.coordinator.post(report_tag(number, self.node), report)
@@ -283,29 +288,36 @@ class NodeUploader:
                 log.warning("llmtailor: node %d's uploader could not report on promotion %d and stops: %s",
                             self.node, number, err)
                 return
-            self._heard = time.monotonic()
             number += 1
 
     def _next(self, number: int) -> dict[str, Any] | None:
         """Order ``number``, once rank 0 posted it: waited for in the store's own ``wait``
         (woken as it lands), again and again while none comes (promotions may be far apart: an
         idle rank 0 says nothing). None, logged, once the job's store is gone (the process
-        hosting it died: rank 0's, or the launcher's): no order can come through it, and the
-        wait that met it, or the look after it, says so at once (before, the uploader asked the
-        dead store again every ``IDLE_WAIT`` for as long as its process lived). A store that
-        outlives rank 0 (the launcher's) tells nothing of rank 0's death: the uploader waits on
-        in the store's ``wait``; the launcher ends this process too (torchrun stops every worker
-        of a job whose worker failed), and a close's ``join`` gives up after the timeout."""
+        hosting it died: rank 0's, or the launcher's): no order can come through it. Gone: every
+        look at it failed for ``GONE_AFTER`` s (a look that fails once may be a hiccup the next
+        passes; before, the first failed look stopped this node's uploads for good, and earlier
+        the uploader asked a dead store again every ``IDLE_WAIT`` for as long as its process
+        lived). A store that outlives rank 0 (the launcher's) tells nothing of rank 0's death:
+        the uploader waits on in the store's ``wait``; the launcher ends this process too
+        (torchrun stops every worker of a job whose worker failed), and a close's ``join`` gives
+        up after the timeout."""
         tag = order_tag(number)
+        failing: float | None = None  # since when every look at the store failed
         while True:
             try:
                 order = self.coordinator.collect({0: tag}, f"promotion order {number}")[0]
             except CoordinationError:  # none within the timeout, or the store went away: which, a look says
                 try:
                     posted, order = self.coordinator.poll(tag)
-                except CoordinationError as err:
-                    log.warning("llmtailor: node %d's uploader stops waiting for promotion order %d: %s; no "
-                                "promotion of this job follows", self.node, number, err)
+                    failing = None
+                except CoordinationError as err:  # gone, or a hiccup: gone once it failed for GONE_AFTER s
+                    failing = time.monotonic() if failing is None else failing
+                    if time.monotonic() - failing < GONE_AFTER:
+                        self._stopped.wait(IDLE_WAIT)
+                        continue
+                    log.warning("llmtailor: node %d's uploader stops waiting for promotion order %d: %s (for %g s); "
+                                "no promotion of this job follows", self.node, number, err, GONE_AFTER)
                     return None
                 if not posted:
                     self._stopped.wait(IDLE_WAIT)
