@@ -567,15 +567,16 @@ def relayed(store, rank: int, lane: str = "") -> int:
     return store.add(f"llmtailor/0/beat/{rank}" + (f"/{lane}" if lane else ""), 0) // _RELAY
 
 
-def progressing(store, waiters: list[int], looks: int, gave_up: list[int]) -> None:
+def progressing(store, waiters: list[int], looks: int, gave_up: list[int], lane: str | None = None) -> None:
     """Long, live work of a rank (a large load, a slow disk): progress (``advance``) until every
     rank of ``waiters`` saw it ``looks`` more times (a wait that saw it waits on), or a rank gave
     up (``gave_up``); the rank shows it where it is inside ``Coordinator.working`` (to the waits
-    of that block's lane: ``current_lane``)."""
+    of that block's lane: ``current_lane``; ``lane``: the waits of that lane, for work on a
+    thread of its own that a block counts as its own, ``working(*also)``)."""
     from llmtailor.distributed.coordinator import current_lane
     from llmtailor.distributed.progress import advance
 
-    lane = current_lane()
+    lane = current_lane() if lane is None else lane
     before = {rank: relayed(store, rank, lane) for rank in waiters}
     while min(relayed(store, rank, lane) - before[rank] for rank in waiters) < looks and not gave_up:
         advance()

@@ -202,7 +202,7 @@ class Coordinator(ABC):
         return why
 
     @contextmanager
-    def working(self, *also: Scope, lane: str = "") -> Iterator[None]:
+    def working(self, *also: Scope, lane: str | None = None) -> Iterator[None]:
         """A block of long work of this rank (a restore's load, a save's part) that the others
         may wait for longer than the timeout: while this block's work makes progress (``advance``
         on this thread, or on those it hands work to: ``progress.carried``), the ranks waiting
@@ -213,10 +213,12 @@ class Coordinator(ABC):
         or a ``collect`` naming it. Two blocks of one rank that may run at once never share a
         lane, or one's progress is taken for the other's: a node's uploader (a lane of its own)
         beside the training thread's blocks; a save's (its round's lane: the next save's part
-        is written while this one commits, ``InTurn``).
+        is written while this one commits, ``InTurn``). None: the lane of the block this one is
+        in (``current_lane``): a block nested in a save's (a healed copy settled as the save
+        opens) beats where the save's waits look.
         One process: nobody waits."""
         before = current_lane()
-        _lanes.name = lane
+        _lanes.name = before if lane is None else lane
         try:
             yield
         finally:
@@ -337,7 +339,8 @@ class StoreCoordinator(Coordinator):
         self._waiters.clear()  # its own clients of the store (``_wait_for``): each a connection
 
     @contextmanager
-    def working(self, *also: Scope, lane: str = "") -> Iterator[None]:
+    def working(self, *also: Scope, lane: str | None = None) -> Iterator[None]:
+        lane = current_lane() if lane is None else lane
         stop, scope = threading.Event(), Scope()
         beating = threading.Thread(target=self._beat, args=(stop, (scope, *also), lane), name="llmtailor-beat", daemon=True)
         beating.start()

@@ -329,8 +329,8 @@ def test_a_save_waits_on_while_a_node_leader_settles_the_copy_its_healing_still_
     written = tiers[1].first.run.commit_coming(7)  # a healed snapshot still committing in the background
 
     def heal() -> None:  # the healing's writer thread: its progress counts for the healing alone
-        with within(healing):
-            progressing(store, [0], _LOOKS + 2, gave_up)
+        with within(healing):  # seen by rank 0's waits in the save's lane (its round's: the first, "r1")
+            progressing(store, [0], _LOOKS + 2, gave_up, lane="r1")
         written.set_result(None)
 
     def run(rank):
