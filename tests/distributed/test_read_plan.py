@@ -239,8 +239,8 @@ def test_no_receipt_into_a_live_tensor_outlives_a_fetch_that_raised(monkeypatch)
                 asked_a.wait(60)
                 self.open = False
                 raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:404: Connection reset by peer")
-            if self.head:  # a's head: sent, 16 bytes follow
-                self.buffer[:16].view(torch.int64)[:] = torch.tensor([0, 16])
+            if self.head:  # a's head: sent, 16 bytes follow, as one tensor of 16 bytes (the sizes a reader lists)
+                self.buffer[:32].view(torch.int64)[:] = torch.tensor([0, 16, 1, 16])
                 self.open = False
                 return True
             if not released.wait(timeout.total_seconds()):  # a's bytes: on their way, in or not by the timeout
