@@ -67,7 +67,8 @@ class SnapshotCommit:
             yield StagedFiles(self, batch)
 
     def commit(self, manifest: bytes, confirm: Callable[[], None] | None = None, latest: bool = False,
-               pending: StagedFiles | None = None, parent: int | None = None, what: str = "saved") -> str | None:
+               pending: StagedFiles | None = None, parent: int | None = None, what: str = "saved",
+               publish: Callable[[], None] | None = None) -> str | None:
         """``confirm()`` (that the writer lock is still held: raises if not), then the storage's
         commit: the manifest, last and only if absent, and the snapshot committed
         (``SnapshotCommits.commit``). Staged files must be durable, or in ``pending`` (a batch
@@ -78,13 +79,15 @@ class SnapshotCommit:
         (module docstring), or None; so too without ``latest`` (a promotion, a healing: ``what``
         the message calls the commit). A failure raised means nothing was committed. ``parent``: the step of the snapshot's
         parent (``SnapshotCommits.commit``: passed on while this process commits no other
-        snapshot of the run in the background)."""
+        snapshot of the run in the background). ``publish``: called just before the snapshot is
+        published, everything else durable (``SnapshotCommits.commit``)."""
         if confirm is not None:
             confirm()
         pointer = (LATEST_FILE, _pointing_at(self.step)) if latest else None
         alone = parent is not None and not self.run.committing_in_background()
         failed = self.run.storage.commits.commit(self.staging, self.final, manifest, pointer,
-                                                 pending.drain if pending is not None else None, parent if alone else None)
+                                                 pending.drain if pending is not None else None, parent if alone else None,
+                                                 publish)
         return None if failed is None else describe_unconfirmed(self.run, self.step, failed, what)
 
     def abandon(self) -> None:

@@ -400,33 +400,19 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
     """Step 4 on a node's leader: the indexes, written into ``files`` (its batch still in
     flight: its received copies), the manifest last, the commit and ``latest``, once the async
     save before this one (if still in flight) has ended on this node (its retention done). The
-    commit drains ``files`` before it commits anything, then passes ``gate`` (``_gate``: a node
-    but rank 0's). Returns ``{"unconfirmed": ...}``, or ``{"error": ...}`` with what was staged
-    removed (every rank learns it in ``_settle``)."""
+    commit drains ``files`` before it commits anything, and passes ``gate`` (``_gate``: a node
+    but rank 0's) once all of it is durable, just before its rename. Returns
+    ``{"unconfirmed": ...}``, or ``{"error": ...}`` with what was staged removed (every rank
+    learns it in ``_settle``)."""
     try:
         with snapshot.abandoned_on_failure():
             turn.parent_committed()
             write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()}, files)
             # ``latest`` replaced once committed, as the writer's own commit does (one recipe)
-            pending = files if gate is None else _Gated(files, gate)
-            unconfirmed = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=pending)
+            unconfirmed = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=files, publish=gate)
     except BaseException as err:
         return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
     return {"unconfirmed": unconfirmed}
-
-
-class _Gated(StagedFiles):
-    """A leader's batch ``files`` whose drain (in its commit, once the manifest and directories
-    are in flight: ``SnapshotCommit.commit``'s ``pending``) passes ``gate`` once every file of it
-    is durable: the last step before the rename that publishes the snapshot."""
-
-    def __init__(self, files: StagedFiles, gate: Callable[[], None]):
-        super().__init__(files.snapshot, files.batch)
-        self.gate = gate
-
-    def drain(self) -> None:
-        super().drain()
-        self.gate()
 
 
 def _gate_tag(round_: str, node: int) -> str:

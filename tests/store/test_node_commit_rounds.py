@@ -351,3 +351,39 @@ def test_a_save_waits_on_while_a_node_leader_settles_the_copy_its_healing_still_
     outcomes = on_threads(2, run)
     assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
     assert written.done() and [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[1], [1]]
+
+
+def test_a_node_whose_manifest_fsync_hangs_until_rank_0_gave_up_then_fails_leaves_every_rank_failed_alike(tmp_path, monkeypatch):
+    """Node 1's leader's commit: its batch of received copies is durable, then the fsync of its
+    manifest hangs (a dying disk) until rank 0 has given up on node 1's commit and said so
+    (``r1/settled``, the event), and then fails (EIO): nothing is published on node 1. Rank 0,
+    giving up, claims node 1's gate: node 1 had not yet passed it (it passes only once its
+    manifest and directories are durable, just before the rename), so every rank raises alike
+    and neither copy keeps step 1. Before: node 1 passed its gate beside the manifest's fsync
+    (with the batch drained, before that fsync ended), so rank 0's claim found it passed and
+    every rank returned success ('node 1: its commit was not confirmed ... unless that commit
+    fails'), rank 1 too, though its commit had failed: node 1's copy lacked step 1. Timeout 1 s
+    (the hung fsync shows node 1 live for ``_WAITED`` timeouts)."""
+    from llmtailor.store.storage import local_durable
+
+    real, hung = os.fsync, []
+    node_1 = f"{os.path.realpath(tmp_path / 'node1')}/"
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(node_1) and path.endswith(f"/{MANIFEST_FILE}") and not hung:
+            hung.append(path)
+            deadline = time.monotonic() + 60  # a bound on a hang
+            while not stores[0].check(["llmtailor/0/r1/settled"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    stores: list = []  # the job's store, for the fsync to watch (given as node 0 writes, before any commit)
+    monkeypatch.setattr(local_durable.os, "fsync", fsync)
+    outcomes = save_on_two_nodes(tmp_path, wrote=stores.append, timeout=1)
+    monkeypatch.undo()
+    assert hung, "node 1's manifest was never fsynced"
+    copies = [Run(tmp_path / f"node{node}").steps() for node in range(2)]
+    assert [type(o).__name__ for o in outcomes] == ["CoordinationError"] * 2 and copies == [[], []], (outcomes, copies)
+    assert str(outcomes[1]) == str(outcomes[0]) and "rank 0 gave up on the commit of node(s) [1]" in str(outcomes[0])

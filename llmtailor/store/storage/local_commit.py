@@ -58,7 +58,8 @@ class LocalCommits(SnapshotCommits):
         return staging
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None,
+               publish: Callable[[], None] | None = None) -> Unconfirmed | None:
         tmp, target = self.root / staging, self.root / final
         try:
             create_file(tmp / MANIFEST_FILE, manifest)
@@ -82,6 +83,8 @@ class LocalCommits(SnapshotCommits):
             # until then the manifest lies in .tmp/, which no reader reads.
             subdirectories = [Path(sub.path) for sub in os.scandir(tmp) if sub.is_dir(follow_symlinks=False)]
             fsync_together([tmp / MANIFEST_FILE, *subdirectories, tmp, *([new] if new is not None else [])], beside=pending)
+            if publish is not None:  # everything durable: the rename is all that is left
+                publish()
             target.parent.mkdir(parents=True, exist_ok=True)
             together = new is not None and parent is not None and _newest_is(target.parent, parent)
             os.rename(tmp, target)

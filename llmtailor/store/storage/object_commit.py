@@ -79,12 +79,15 @@ class ObjectCommits(SnapshotCommits):
         del self._unsettled[final]
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None,
+               publish: Callable[[], None] | None = None) -> Unconfirmed | None:
         """The manifest, written last (once every upload in flight has completed) and only if
         absent, is the commit; then the pointer. A write that failed is looked at once more
         (``_written_after_all``): its answer may be lost after the server stored it."""
         if pending is not None:
             pending()
+        if publish is not None:
+            publish()
         key = f"{staging}/{MANIFEST_FILE}"
         try:
             self.storage.put(key, manifest, exclusive=True)

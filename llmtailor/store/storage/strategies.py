@@ -80,7 +80,8 @@ class SnapshotCommits(ABC):
 
     @abstractmethod
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
-               pending: Callable[[], None] | None = None, parent: int | None = None) -> Unconfirmed | None:
+               pending: Callable[[], None] | None = None, parent: int | None = None,
+               publish: Callable[[], None] | None = None) -> Unconfirmed | None:
         """Write ``manifest`` as the snapshot's ``MANIFEST_FILE`` at ``staging``, last and only
         if absent (TailorError if there is one), and make the snapshot written there committed
         at ``final``, durably. Every other file staged is durable already, or once ``pending()``
@@ -92,7 +93,10 @@ class SnapshotCommits(ABC):
         ``Unconfirmed``, the snapshot committed all the same. ``parent``: the step of the
         snapshot's parent, when no snapshot of the run is being committed meanwhile (a storage
         may make the pointer durable beside the commit when that parent is the run's newest
-        snapshot: ``LocalCommits``)."""
+        snapshot: ``LocalCommits``). ``publish``: called once everything but the publishing step
+        is done and durable, just before that step (the rename; on an object store, the
+        manifest's write): what it raises fails the commit with nothing published (a node's
+        gate, ``node_commit._gate``)."""
 
     def doubtful(self) -> frozenset[str]:
         """The committed snapshots (their keys, as ``commit``'s ``final``) whose names this
