@@ -1071,3 +1071,40 @@ def test_async_lora_with_modules_to_save_under_parity_restores_from_s3_to_the_co
         assert state.keys() == versions[source][name].keys(), name
         for key, value in state.items():
             assert torch.equal(value, versions[source][name][key]), f"{name}/{key} (from step {source})"
+
+
+def test_a_manifest_put_still_held_when_its_writer_closed_with_the_store_unreachable_is_refused_later(tokens, monkeypatch):
+    """Step 2's manifest PUT is kept from the server (acted on later), and every later try of it
+    fails, through the writer's close (the store still unreachable for that key): the outcome of
+    step 2 is unknown when the lock is let go. The next writer clears what writers left, step 2's
+    files among them (it has no manifest): it first claims step 2's manifest key with a tombstone
+    (an empty object, written only if absent), so the kept PUT, landing after (a conditional PUT,
+    only if absent), is refused, and step 2 is no snapshot. A save of step 2 then replaces the
+    tombstone. Before: the kept PUT landed (200) and made step 2 a committed snapshot whose files
+    the next writer had removed (``verify``: 'file is missing')."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        manifest = "snapshots/step-00000002/manifest.json"
+        faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
+        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+        options = {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+            train(model, opt, sched, tokens, [2])
+            with pytest.raises(TailorError, match=r"step 2 may be committed or not"):
+                tailor.save(2)
+        assert len(faults.held) == 1
+        faults.rule = lambda method, key: None
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            assert [status.split()[0] for status in faults.land()] == ["412"]
+            run = Run(url)
+            assert run.steps() == [1] and run.verify() == []
+            assert tailor.restore().step == 1
+            train(model, opt, sched, tokens, [2])
+            tailor.save(2)
+        run = Run(url)
+        assert run.steps() == [1, 2] and run.latest_step() == 2 and run.verify() == []
