@@ -731,6 +731,19 @@ def test_a_healed_snapshot_whose_fsync_fails_after_its_rename_is_in_the_copy_and
                      r"made durable \(Input/output error\)", caplog.text), caplog.text
 
 
+def _save_2_unconfirmed(monkeypatch, tailor, trained, root: Path, tokens) -> None:
+    """Step 2 trained (``trained``: the model, optimizer and scheduler) and saved by ``tailor`` into ``root``, the fsync after its rename into
+    ``snapshots/`` failing: committed, its name not confirmed durable."""
+    from llmtailor.errors import TailorError
+
+    train(*trained, tokens, [2])
+    failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
+    with pytest.raises(TailorError, match="its name in snapshots/ could not be made durable"):
+        tailor.save(2)
+    monkeypatch.undo()
+    assert failed
+
+
 def test_retention_after_a_save_whose_name_was_not_confirmed_durable_keeps_a_composite_that_does_not_need_it(
         tmp_path, tokens, monkeypatch):
     """Step 2's rename into ``snapshots/`` is not confirmed durable (the fsync after it fails); step
@@ -741,7 +754,6 @@ def test_retention_after_a_save_whose_name_was_not_confirmed_durable_keeps_a_com
     (the loss is played here by moving step 2's directory away). Step 4 needs steps 4 and 3 only:
     its retention then lets steps 1 and 2 go."""
     from llmtailor import Parity
-    from llmtailor.errors import TailorError
 
     model, optimizer, scheduler = tiny(layers=2)
     root = Path(os.path.realpath(tmp_path)) / "run"
@@ -749,12 +761,7 @@ def test_retention_after_a_save_whose_name_was_not_confirmed_durable_keeps_a_com
         train(model, optimizer, scheduler, tokens, [1])
         tailor.save(1)
         first = unit_versions(model, optimizer)
-        train(model, optimizer, scheduler, tokens, [2])
-        failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
-        with pytest.raises(TailorError, match="its name in snapshots/ could not be made durable"):
-            tailor.save(2)
-        monkeypatch.undo()
-        assert failed
+        _save_2_unconfirmed(monkeypatch, tailor, (model, optimizer, scheduler), root, tokens)
         train(model, optimizer, scheduler, tokens, [3])
         tailor.save(3)
         tailor.run.storage.commits.wait_purged()
@@ -813,19 +820,13 @@ def test_a_name_not_confirmed_durable_stays_doubtful_for_the_next_writer_on_the_
     left nothing restorable. The doubt is kept beside the run (``.doubtful``, with the boot's id:
     after the machine restarted, a name found there is durable)."""
     from llmtailor import Parity
-    from llmtailor.errors import TailorError
 
     root = Path(os.path.realpath(tmp_path)) / "run"
     model, optimizer, scheduler = tiny(layers=2)
     with Tailor(root, model, optimizer, scheduler, policy=Parity(), keep=1, track_drift=False) as tailor:
         train(model, optimizer, scheduler, tokens, [1])
         tailor.save(1)
-        train(model, optimizer, scheduler, tokens, [2])
-        failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
-        with pytest.raises(TailorError, match="its name in snapshots/ could not be made durable"):
-            tailor.save(2)
-        monkeypatch.undo()
-        assert failed
+        _save_2_unconfirmed(monkeypatch, tailor, (model, optimizer, scheduler), root, tokens)
     assert Run(root).steps() == [1, 2]
     with Tailor(root, model, optimizer, scheduler, policy=Parity(), keep=1, track_drift=False) as tailor:
         assert tailor.restore().step == 2

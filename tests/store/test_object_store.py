@@ -529,6 +529,13 @@ def test_a_commit_whose_answer_is_lost_and_not_read_back_at_once_says_what_it_kn
         assert run.manifest(3).parent == (2 if read_back == "later" else 1)
 
 
+def hold_manifest_put(faults, manifest: str) -> None:
+    """The first PUT of ``manifest`` kept from the server (answered 503, acted on at ``faults.land()``),
+    every later one answered 503 until ``faults.rule`` is reset."""
+    faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
+    faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+
+
 @pytest.mark.parametrize("first", ["landed", "saved again", "closed"])
 def test_a_manifest_put_that_lands_after_its_writer_gave_up_finds_its_snapshot_whole(tokens, monkeypatch, first):
     """The first conditional PUT of step 2's manifest is kept from the server (answered 503 now,
@@ -548,9 +555,7 @@ def test_a_manifest_put_that_lands_after_its_writer_gave_up_finds_its_snapshot_w
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
-        manifest = "snapshots/step-00000002/manifest.json"
-        faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
-        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+        hold_manifest_put(faults, "snapshots/step-00000002/manifest.json")
         options = {"retry_config": FAST_RETRY}
 
         def step_2_whole_then_step_3(tailor, model, opt, sched):
@@ -1093,9 +1098,7 @@ def test_a_manifest_put_still_held_when_its_writer_closed_with_the_store_unreach
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
-        manifest = "snapshots/step-00000002/manifest.json"
-        faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
-        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+        hold_manifest_put(faults, "snapshots/step-00000002/manifest.json")
         options = {"retry_config": FAST_RETRY}
         model, opt, sched = tiny()
         with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
