@@ -276,10 +276,11 @@ class Catalog:
 
     def _list_steps(self) -> list[int]:
         named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
-        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side).
-        committed = self.storage.together(*(functools.partial(self.storage.is_file, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
-                                            for _, name in named))
-        return sorted(step for (step, _), found in zip(named, committed) if found)
+        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side);
+        # there an empty one is no manifest (a tombstone: ``object_commit.TOMBSTONE``).
+        sizes = self.storage.together(*(functools.partial(self.storage.size, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
+                                        for _, name in named))
+        return sorted(step for (step, _), size in zip(named, sizes) if size or size == 0 and not self.storage.remote)
 
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
@@ -292,6 +293,8 @@ class Catalog:
                     if not self.storage.is_file(key):  # not there (never committed, or removed by retention)
                         raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
                     raise
+            if not raw and self.storage.remote:  # a tombstone (``object_commit.TOMBSTONE``): no snapshot
+                raise SnapshotNotFoundError(self._no_snapshot_message(step))
             manifest = parse_manifest(bytes(raw), self.storage.where(key))
             if manifest.step != step:
                 raise IntegrityError(f"{self.storage.where(key)}: manifest says step {manifest.step}, directory says {step}")

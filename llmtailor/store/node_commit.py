@@ -481,16 +481,23 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
     verdict = coord.broadcast(f"{round_}/settled", functools.partial(_verdict, staged.step, placement, coord, round_,
                                                                       committed) if coord.is_leader else None, patience=2.0)
     if "failed" in verdict:
-        if committed is not None and "error" not in committed:
-            _uncommit(snapshot.run, staged)
-        raise (CoordinationError if verdict["silent"] else TailorError)(verdict["failed"])
+        kept = _uncommit(snapshot.run, staged, node) if committed is not None and "error" not in committed else None
+        raise (CoordinationError if verdict["silent"] else TailorError)(verdict["failed"] + (f"; but {kept}" if kept else ""))
     unconfirmed = {int(n): why for n, why in verdict["unconfirmed"].items()}
     return "; ".join(f"node {n}: {why}" for n, why in sorted(unconfirmed.items()) if why) or None, tuple(verdict["spare"])
 
 
-def _uncommit(run: Run, staged: StagedSnapshot) -> None:
+def _uncommit(run: Run, staged: StagedSnapshot, node: int) -> str | None:
     """Remove this node's copy of a snapshot another node could not commit, and point
-    ``latest`` back at its parent (the newest composite is the same on every node again)."""
-    discard_snapshots(run, [staged.step])
+    ``latest`` back at its parent (the newest composite is the same on every node again).
+    Where the copy could not be removed (a reader holds it, the disk refused the rename), it
+    stays committed there, this node's newest composite (``latest`` is followed forward to it):
+    returns that, and why, for this rank's error to say, not "the nodes that did removed their
+    copy"."""
+    outcome = discard_snapshots(run, [staged.step])
+    if staged.step not in outcome.deleted:
+        why = "; ".join(outcome.problems) or "a reader holds it"
+        return f"node {node} kept its copy of step {staged.step} in {run.root}, committed ({why})"
     if staged.parent is not None:
         replace_latest(run, staged.parent)
+    return None

@@ -731,6 +731,19 @@ def test_a_healed_snapshot_whose_fsync_fails_after_its_rename_is_in_the_copy_and
                      r"made durable \(Input/output error\)", caplog.text), caplog.text
 
 
+def _save_2_unconfirmed(monkeypatch, tailor, trained, root: Path, tokens) -> None:
+    """Step 2 trained (``trained``: the model, optimizer and scheduler) and saved by ``tailor`` into ``root``, the fsync after its rename into
+    ``snapshots/`` failing: committed, its name not confirmed durable."""
+    from llmtailor.errors import TailorError
+
+    train(*trained, tokens, [2])
+    failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
+    with pytest.raises(TailorError, match="its name in snapshots/ could not be made durable"):
+        tailor.save(2)
+    monkeypatch.undo()
+    assert failed
+
+
 def test_retention_after_a_save_whose_name_was_not_confirmed_durable_keeps_a_composite_that_does_not_need_it(
         tmp_path, tokens, monkeypatch):
     """Step 2's rename into ``snapshots/`` is not confirmed durable (the fsync after it fails); step
@@ -741,7 +754,6 @@ def test_retention_after_a_save_whose_name_was_not_confirmed_durable_keeps_a_com
     (the loss is played here by moving step 2's directory away). Step 4 needs steps 4 and 3 only:
     its retention then lets steps 1 and 2 go."""
     from llmtailor import Parity
-    from llmtailor.errors import TailorError
 
     model, optimizer, scheduler = tiny(layers=2)
     root = Path(os.path.realpath(tmp_path)) / "run"
@@ -749,12 +761,7 @@ def test_retention_after_a_save_whose_name_was_not_confirmed_durable_keeps_a_com
         train(model, optimizer, scheduler, tokens, [1])
         tailor.save(1)
         first = unit_versions(model, optimizer)
-        train(model, optimizer, scheduler, tokens, [2])
-        failed = failing_fsync_of(monkeypatch, root / "snapshots", root / "snapshots" / snapshot_dirname(2))
-        with pytest.raises(TailorError, match="its name in snapshots/ could not be made durable"):
-            tailor.save(2)
-        monkeypatch.undo()
-        assert failed
+        _save_2_unconfirmed(monkeypatch, tailor, (model, optimizer, scheduler), root, tokens)
         train(model, optimizer, scheduler, tokens, [3])
         tailor.save(3)
         tailor.run.storage.commits.wait_purged()
@@ -802,3 +809,34 @@ def test_a_slower_tiers_retention_after_a_promotion_whose_name_was_not_confirmed
     with Tailor(home, *tiny(layers=2, seed=3), read_only=True) as reader:
         assert reader.restore(fallback=True).step == 1
 
+
+
+def test_a_name_not_confirmed_durable_stays_doubtful_for_the_next_writer_on_the_same_boot(tmp_path, tokens, monkeypatch):
+    """As above, but the writer closes after step 2's save (its name not confirmed durable) and a
+    new one (a restart of the job, the machine not restarted: the dirty name may still be lost
+    by a crash) saves step 3 with ``keep=1``: its retention must keep step 1 too, as the writer
+    that met the failed fsync would. Before: the doubt was that process's memory only, and the
+    restarted writer's retention removed step 1 (steps [2, 3]), so a crash losing step 2's name
+    left nothing restorable. The doubt is kept beside the run (``.doubtful``, with the boot's id:
+    after the machine restarted, a name found there is durable)."""
+    from llmtailor import Parity
+
+    root = Path(os.path.realpath(tmp_path)) / "run"
+    model, optimizer, scheduler = tiny(layers=2)
+    with Tailor(root, model, optimizer, scheduler, policy=Parity(), keep=1, track_drift=False) as tailor:
+        train(model, optimizer, scheduler, tokens, [1])
+        tailor.save(1)
+        _save_2_unconfirmed(monkeypatch, tailor, (model, optimizer, scheduler), root, tokens)
+    assert Run(root).steps() == [1, 2]
+    with Tailor(root, model, optimizer, scheduler, policy=Parity(), keep=1, track_drift=False) as tailor:
+        assert tailor.restore().step == 2
+        train(model, optimizer, scheduler, tokens, [3])
+        tailor.save(3)
+        tailor.run.storage.commits.wait_purged()
+        assert sorted(Run(root).needs(Run(root).resolve(3))) == [2, 3]
+        assert Run(root).steps() == [1, 2, 3]
+        train(model, optimizer, scheduler, tokens, [4])
+        tailor.save(4)
+        tailor.run.storage.commits.wait_purged()
+        assert Run(root).steps() == [3, 4]
+    assert not (root / ".doubtful").exists()

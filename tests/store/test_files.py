@@ -256,3 +256,45 @@ def test_a_small_tensors_pieces_are_written_at_once_not_handed_to_a_writer_threa
     write_tensors(tmp_path / "big.safetensors", {"big": torch.randn(6 << 20)}, tmp_path)  # 24 MiB: 16 + 8 MiB pieces
     assert handed == [16 << 20, 8 << 20]
     assert all(torch.equal(load_file(tmp_path / "small.safetensors")[k], v) for k, v in small.items())
+
+
+def test_a_batch_of_many_small_files_holds_a_bounded_number_of_descriptors_while_the_disk_lags(tmp_path, monkeypatch):
+    """Each closed file's descriptor is held until its fsync has run (``Syncer``); the bound was
+    in bytes only (``depth``), so a batch of many small files (a node leader's copies of every
+    other rank's files, a healing) held one per file while the disk lagged: 600 here, past a
+    1024 soft limit with a few batches side by side (EMFILE fails the save). Now a writer waits
+    for the oldest file's fsync once ``FILES_AHEAD`` wait. Every fsync is held until the writer
+    first waits (at the bound, or the drain at the end), where the open descriptors are counted."""
+    import threading
+
+    from llmtailor.store.storage import local_durable
+    from llmtailor.store.storage.local import LocalStorage
+
+    def held() -> int:  # this process's descriptors on this test's files
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found += os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
+            except OSError:  # closed as it was listed
+                pass
+        return found
+
+    real, release, counted = os.fsync, threading.Event(), []
+    wait_first = local_durable.Syncer._wait_first
+
+    def first_wait(self):
+        if not counted:
+            counted.append(held())
+            release.set()
+        return wait_first(self)
+
+    monkeypatch.setattr(local_durable.os, "fsync", lambda fd: (release.wait(60), real(fd)))
+    monkeypatch.setattr(local_durable.Syncer, "_wait_first", first_wait)
+    with LocalStorage(tmp_path).batch() as batch:
+        for n in range(600):
+            sink = batch.create(f"{n}.bin")
+            sink.write(b"x" * 100)
+            sink.close()
+    monkeypatch.undo()
+    assert counted and counted[0] <= local_durable.FILES_AHEAD + local_durable.SYNC_THREADS, counted
+    assert held() == 0

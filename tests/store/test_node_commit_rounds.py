@@ -387,3 +387,29 @@ def test_a_node_whose_manifest_fsync_hangs_until_rank_0_gave_up_then_fails_leave
     copies = [Run(tmp_path / f"node{node}").steps() for node in range(2)]
     assert [type(o).__name__ for o in outcomes] == ["CoordinationError"] * 2 and copies == [[], []], (outcomes, copies)
     assert str(outcomes[1]) == str(outcomes[0]) and "rank 0 gave up on the commit of node(s) [1]" in str(outcomes[0])
+
+
+def test_a_node_that_cannot_remove_its_copy_of_a_save_another_node_failed_says_so(tmp_path, monkeypatch):
+    """Node 1 fails its commit (its ``confirm``, before its manifest: a disk error) after node 0
+    committed step 1: node 0 removes its copy again (``_uncommit``). Where that removal fails too
+    (here the rename into the trash: a read-only remount), node 0 keeps step 1 committed, its
+    newest composite, while every rank said "the nodes that did removed their copy": node 0's
+    rank now says that its copy stayed, and why."""
+    from llmtailor.store.storage.local_commit import LocalCommits
+
+    real_discard = LocalCommits.discard
+
+    def discard(self, snapshot):
+        if self.root.name == "node0":
+            raise OSError(30, "Read-only file system")
+        return real_discard(self, snapshot)
+
+    def failing(rank, store):
+        if rank == 1:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(LocalCommits, "discard", discard)
+    outcomes = save_on_two_nodes(tmp_path, confirm=failing)
+    assert [type(o).__name__ for o in outcomes] == ["TailorError"] * 2, outcomes
+    assert [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[1], []]
+    assert "node 0 kept its copy of step 1" in str(outcomes[0]) and "read-only file system" in str(outcomes[0]).lower(), outcomes

@@ -529,6 +529,13 @@ def test_a_commit_whose_answer_is_lost_and_not_read_back_at_once_says_what_it_kn
         assert run.manifest(3).parent == (2 if read_back == "later" else 1)
 
 
+def hold_manifest_put(faults, manifest: str) -> None:
+    """The first PUT of ``manifest`` kept from the server (answered 503, acted on at ``faults.land()``),
+    every later one answered 503 until ``faults.rule`` is reset."""
+    faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
+    faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+
+
 @pytest.mark.parametrize("first", ["landed", "saved again", "closed"])
 def test_a_manifest_put_that_lands_after_its_writer_gave_up_finds_its_snapshot_whole(tokens, monkeypatch, first):
     """The first conditional PUT of step 2's manifest is kept from the server (answered 503 now,
@@ -548,9 +555,7 @@ def test_a_manifest_put_that_lands_after_its_writer_gave_up_finds_its_snapshot_w
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
-        manifest = "snapshots/step-00000002/manifest.json"
-        faults.hold = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and not faults.held else None
-        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(manifest) and faults.held else None
+        hold_manifest_put(faults, "snapshots/step-00000002/manifest.json")
         options = {"retry_config": FAST_RETRY}
 
         def step_2_whole_then_step_3(tailor, model, opt, sched):
@@ -728,13 +733,21 @@ def test_a_crash_before_the_manifest_leaves_nothing_readable_and_the_next_writer
     assert run.steps() == [1] and run.latest_step() == 1 and run.verify() == []  # ... and not seen
     result = runner.invoke(app, ["gc", url, "--keep", "1"])
     assert result.exit_code == 0, result.output
-    assert not [k for k in emulator.keys(bucket) if "step-00000002" in k]
+    assert tombstone_only(emulator, bucket, "step-00000002")
     assert not s3 or not uploads(emulator.endpoint, bucket)
     model, opt, sched = tiny(hidden=256)
     with Tailor(url, model, opt, sched) as tailor:
         assert tailor.restore().step == 1
         tailor.save(2)
     assert Run(url).steps() == [1, 2] and Run(url).verify() == []
+
+
+def tombstone_only(emulator, bucket: str, snapshot: str) -> bool:
+    """Whether all that is left of ``snapshot`` is its manifest key's tombstone (``object_commit.TOMBSTONE``,
+    empty), which the next writer claimed before it removed the files, so that a manifest write
+    still on its way is refused."""
+    left = [k for k in emulator.keys(bucket) if f"/{snapshot}/" in k]
+    return len(left) == 1 and left[0].endswith(f"/{snapshot}/manifest.json") and emulator.read(bucket, left[0]) == b""
 
 
 def test_retention_keeps_what_composites_need_and_never_what_a_reader_holds(url, tokens):
@@ -953,7 +966,7 @@ def test_gc_says_what_it_cleared_of_a_crashs_leftovers_in_80_columns(url, emulat
     cleared = "removed 5 object(s), aborted 2 upload(s)" if s3 else "removed 5 object(s)"
     assert f"leftovers of interrupted saves: {cleared}" in result.output and (s3 or "aborted" not in result.output)
     assert max(len(line) for line in result.output.splitlines()) <= 80, result.output
-    assert not [k for k in emulator.keys(bucket) if "step-00000002" in k]
+    assert tombstone_only(emulator, bucket, "step-00000002")
     assert not s3 or not uploads(emulator.endpoint, bucket)
     again = runner.invoke(app, ["gc", url, "--keep", "1"], env={"COLUMNS": "80"})
     assert again.exit_code == 0 and "leftovers" not in again.output
@@ -1071,3 +1084,38 @@ def test_async_lora_with_modules_to_save_under_parity_restores_from_s3_to_the_co
         assert state.keys() == versions[source][name].keys(), name
         for key, value in state.items():
             assert torch.equal(value, versions[source][name][key]), f"{name}/{key} (from step {source})"
+
+
+def test_a_manifest_put_still_held_when_its_writer_closed_with_the_store_unreachable_is_refused_later(tokens, monkeypatch):
+    """Step 2's manifest PUT is kept from the server (acted on later), and every later try of it
+    fails, through the writer's close (the store still unreachable for that key): the outcome of
+    step 2 is unknown when the lock is let go. The next writer clears what writers left, step 2's
+    files among them (it has no manifest): it first claims step 2's manifest key with a tombstone
+    (an empty object, written only if absent), so the kept PUT, landing after (a conditional PUT,
+    only if absent), is refused, and step 2 is no snapshot. A save of step 2 then replaces the
+    tombstone. Before: the kept PUT landed (200) and made step 2 a committed snapshot whose files
+    the next writer had removed (``verify``: 'file is missing')."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        hold_manifest_put(faults, "snapshots/step-00000002/manifest.json")
+        options = {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+            train(model, opt, sched, tokens, [2])
+            with pytest.raises(TailorError, match=r"step 2 may be committed or not"):
+                tailor.save(2)
+        assert len(faults.held) == 1
+        faults.rule = lambda method, key: None
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            assert [status.split()[0] for status in faults.land()] == ["412"]
+            run = Run(url)
+            assert run.steps() == [1] and run.verify() == []
+            assert tailor.restore().step == 1
+            train(model, opt, sched, tokens, [2])
+            tailor.save(2)
+        run = Run(url)
+        assert run.steps() == [1, 2] and run.latest_step() == 2 and run.verify() == []

@@ -8,7 +8,14 @@ once its own snapshot and ``latest`` are durable, and a crash before that fsync 
 snapshot back whole, one composite more than ``keep`` until the next retention). The old
 ``latest`` file a commit replaces is unlinked on that thread too (a second link to it in
 ``.tmp/`` through the replace). The writer lock's holder clears both of what crashed writers
-left."""
+left.
+
+A committed snapshot whose name could not be confirmed durable (``doubtful``) stays doubtful
+until the machine restarts: a crash before the storage writes the name out may lose it, whichever
+process runs then. So the doubt is kept beside the run (``DOUBTFUL_FILE``: the boot's id, then
+each name), for the next writer of this boot; after a restart of the machine, a name found in
+``snapshots/`` was read from the disk, and the file is ignored (and dropped by the next change).
+It is not fsynced: a crash that could lose it starts another boot."""
 
 from __future__ import annotations
 
@@ -31,6 +38,17 @@ from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Uncon
 
 log = logging.getLogger(__name__)
 
+DOUBTFUL_FILE = ".doubtful"
+"""Beside ``snapshots/``: the names of committed snapshots not confirmed durable (module docstring)."""
+
+
+def _boot() -> str:
+    """This boot of the machine's id ("" where the system has none to read: the doubt is kept)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
 
 class LocalCommits(SnapshotCommits):
     """The snapshot commit of the local run at ``root`` (module docstring)."""
@@ -40,10 +58,36 @@ class LocalCommits(SnapshotCommits):
         self._left: dict[str, Path] = {}
         """Token of a snapshot ``discard`` renamed -> the directory it left, not yet fsynced
         (``purge`` of a token not here: ``snapshots/``, where every committed snapshot lies)."""
-        self._doubtful: set[str] = set()
-        """The snapshots this process committed whose rename was not confirmed durable
-        (``doubtful``), until one is discarded or committed again."""
+        self._doubtful: set[str] = self._doubted()
+        """The snapshots committed on this boot whose rename was not confirmed durable
+        (``doubtful``), until one is discarded or committed again (kept in ``DOUBTFUL_FILE``)."""
         self._doubt = threading.Lock()
+
+    def _doubted(self) -> set[str]:
+        """The names ``DOUBTFUL_FILE`` keeps, when written on this boot."""
+        try:
+            boot, *names = (self.root / DOUBTFUL_FILE).read_text().splitlines()
+        except (OSError, ValueError):  # none (the usual case), or unreadable
+            return set()
+        return set(names) if boot == _boot() else set()
+
+    def _doubt_changed(self, before: frozenset[str]) -> None:
+        """``DOUBTFUL_FILE`` written again where the doubtful names changed (the caller holds
+        ``_doubt``); a failure is logged: this process still knows them."""
+        if before == self._doubtful:
+            return
+        path = self.root / DOUBTFUL_FILE
+        try:
+            if not self._doubtful:
+                path.unlink(missing_ok=True)
+                return
+            new = self.root / TMP_DIR / f"{DOUBTFUL_FILE}.{uuid.uuid4().hex[:8]}"
+            new.parent.mkdir(exist_ok=True)
+            new.write_text("\n".join([_boot(), *sorted(self._doubtful)]) + "\n")
+            os.replace(new, path)
+        except OSError as err:
+            log.warning("llmtailor: %s: could not keep the names not confirmed durable (%s): a writer after this "
+                        "process will not know them", path, err)
 
     def begin(self, name: str, final: str, world_size: int) -> str:
         if (self.root / final).exists():
@@ -94,15 +138,17 @@ class LocalCommits(SnapshotCommits):
             raise
         unconfirmed = self._named(target, new, self.root / pointer[0] if pointer is not None else None, failed, together)
         with self._doubt:
+            before = frozenset(self._doubtful)
             if unconfirmed is not None and unconfirmed.durable is not None:
                 self._doubtful.add(final)
             else:  # a snapshot of that step committed again, durably (the doubtful one was discarded first)
                 self._doubtful.discard(final)
+            self._doubt_changed(before)
         return unconfirmed
 
     def doubtful(self) -> frozenset[str]:
-        """A committed snapshot's name whose fsync failed stays doubtful for good: a second fsync
-        after a failed one may succeed with the name lost (``Unconfirmed.durable``)."""
+        """A committed snapshot's name whose fsync failed stays doubtful for this boot: a second
+        fsync after a failed one may succeed with the name lost (``Unconfirmed.durable``)."""
         with self._doubt:
             return frozenset(self._doubtful)
 
@@ -174,7 +220,9 @@ class LocalCommits(SnapshotCommits):
         (self.root / TRASH_DIR).mkdir(exist_ok=True)
         os.rename(source, self.root / token)
         with self._doubt:
+            before = frozenset(self._doubtful)
             self._doubtful.discard(snapshot)
+            self._doubt_changed(before)
         self._left[token] = source.parent  # fsynced by ``purge``, before anything is removed
         return token
 

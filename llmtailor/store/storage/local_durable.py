@@ -106,6 +106,12 @@ FSYNC_THREADS = 2 * SYNC_THREADS
 and a promotion to another tier) each run ``SYNC_THREADS`` fsyncs at once."""
 
 
+FILES_AHEAD = 64
+"""Most files a ``Syncer`` takes over before the oldest is durable: each holds its descriptor
+until its fsync has run, so a batch of many small files (under ``depth`` bytes) on a lagging disk
+held one per file (EMFILE past the soft limit, often 1024)."""
+
+
 class _FsyncPool:
     """The process's fsync threads, shared by every ``Syncer`` and kept from one to the next: a
     save at every step made four Syncers, which started about eleven threads per save, each
@@ -183,8 +189,8 @@ os.register_at_fork(after_in_child=_pool_of_the_child)
 class Syncer:
     """Makes written files durable on background threads (up to ``threads`` fsyncs at once, on
     the process's fsync threads: ``_FsyncPool``) while the caller writes the next ones: at most
-    ``depth`` bytes wait (the dirty page cache stays bounded; many small files queue up without
-    holding the writer back). ``drain()`` returns once every submitted file is durable, or raises
+    ``depth`` bytes wait (the dirty page cache stays bounded), and at most ``FILES_AHEAD`` files
+    (each holds its descriptor until durable). ``drain()`` returns once every submitted file is durable, or raises
     the first failure (in the order submitted); use it as a context manager so that, on any exit,
     every descriptor it took is closed when it returns."""
 
@@ -206,7 +212,7 @@ class Syncer:
         with self._lock:
             self._held.append((fd, start, end, drop, carried(_durable), done))
         self._hand_over()
-        while len(self._pending) > 1 and sum(p[2] for p in self._pending) > self._depth:
+        while len(self._pending) > 1 and (len(self._pending) > FILES_AHEAD or sum(p[2] for p in self._pending) > self._depth):
             self._wait_first()
 
     def _hand_over(self, ended: Future | None = None) -> None:

@@ -5,6 +5,13 @@ manifest exists). A crash before the manifest leaves objects no reader trusts; t
 (holding the lock) or ``gc`` removes them, and aborts unfinished multipart uploads under the run
 (S3: through boto3, obstore has no call to list them). Retention deletes a snapshot's manifest
 first (it stops being a snapshot at once), then the rest.
+
+A manifest PUT whose client gave up (a crash, a store unreachable through the writer's close)
+may still be on its way, or queued at the server, and be stored later. So before the next writer
+removes a snapshot without manifest, it claims the manifest's key with a tombstone (``TOMBSTONE``,
+an empty object, written only if absent): the late PUT, conditional too, is then refused, and
+never makes a snapshot whose files are gone. A tombstone is no commit marker (``is_committed``);
+it stays until a save of that step replaces it (a conditional write over that very object).
 """
 
 from __future__ import annotations
@@ -17,10 +24,20 @@ from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR
 from llmtailor.errors import TailorError
 from llmtailor.store.storage.object_lock import ObjectLocks
 from llmtailor.store.storage.object_options import env_endpoint
-from llmtailor.store.storage.object_store import ObjectStore
+from llmtailor.store.storage.object_store import ObjectStore, Version
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
 log = logging.getLogger(__name__)
+
+TOMBSTONE = b""
+"""What a manifest key holds where the next writer cleared a snapshot without manifest (module
+docstring): a manifest is never empty."""
+
+
+def is_committed(size: int | None) -> bool:
+    """Whether a manifest object of ``size`` bytes (None: missing) commits its snapshot: a
+    tombstone does not."""
+    return bool(size)
 
 
 class ObjectCommits(SnapshotCommits):
@@ -29,15 +46,22 @@ class ObjectCommits(SnapshotCommits):
 
     def __init__(self, storage: ObjectStore, locks: ObjectLocks):
         self.storage, self.locks = storage, locks
+        self._over: dict[str, Version] = {}
+        """Snapshot -> the tombstone at its manifest's key (``TOMBSTONE``) a save there replaces."""
         self._unsettled: dict[str, bytes] = {}
         """Snapshot -> the manifest whose write this process could not settle (``_written_after_all``):
         its files stay, and no save writes there again before it is settled (``begin``)."""
 
     def begin(self, name: str, final: str, world_size: int) -> str:
-        if self.storage.is_file(f"{final}/{MANIFEST_FILE}"):
+        key = f"{final}/{MANIFEST_FILE}"
+        size = self.storage.size(key)
+        if is_committed(size):
             raise TailorError(f"{self.storage.where(final)} already exists; refusing to overwrite a committed snapshot")
         if final in self._unsettled:
             self._settle(final)
+        self._over.pop(final, None)
+        if size is not None:  # a tombstone: the manifest replaces that very object (``_write``)
+            self._over[final] = self.storage.version_if_holding(key, TOMBSTONE)
         return final  # the files go to their final keys; the manifest commits them
 
     def settle(self) -> None:
@@ -75,7 +99,8 @@ class ObjectCommits(SnapshotCommits):
     def _write_again(self, final: str) -> None:
         """The unsettled manifest of ``final`` written once more, only if absent: settled when
         this returns (stored now, or found there); a TailorError when it is not answered."""
-        self.storage.put_if(f"{final}/{MANIFEST_FILE}", self._unsettled[final], None)
+        if self.storage.put_if(f"{final}/{MANIFEST_FILE}", self._unsettled[final], self._over.get(final)) is None:
+            raise TailorError("another manifest is there")
         del self._unsettled[final]
 
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
@@ -90,7 +115,7 @@ class ObjectCommits(SnapshotCommits):
             publish()
         key = f"{staging}/{MANIFEST_FILE}"
         try:
-            self.storage.put(key, manifest, exclusive=True)
+            self._write(staging, key, manifest)
         except TailorError as err:
             self._written_after_all(key, manifest, err)
         if pointer is not None:
@@ -99,6 +124,14 @@ class ObjectCommits(SnapshotCommits):
             except OSError as err:
                 return Unconfirmed(pointer=err)
         return None
+
+    def _write(self, final: str, key: str, manifest: bytes) -> None:
+        """The manifest's write, only if absent, or only over the tombstone ``begin`` found."""
+        over = self._over.get(final)
+        if over is None:
+            self.storage.put(key, manifest, exclusive=True)
+        elif self.storage.put_if(key, manifest, over) is None:
+            raise TailorError(f"{self.storage.where(key)}: the tombstone there changed")
 
     def _written_after_all(self, key: str, manifest: bytes, failed: TailorError) -> None:
         """Return when the manifest's write that failed (``failed``: its answer lost, or "already
@@ -116,7 +149,7 @@ class ObjectCommits(SnapshotCommits):
         if self.storage.holds(key, manifest):
             return
         try:
-            if self.storage.put_if(key, manifest, None) is not None:
+            if self.storage.put_if(key, manifest, self._over.get(key.rsplit("/", 1)[0])) is not None:
                 return  # stored by this write, or found stored with these bytes
             holds = self.storage.holds(key, manifest)  # refused: a manifest is there
         except TailorError as again:
@@ -138,10 +171,12 @@ class ObjectCommits(SnapshotCommits):
     def abandon(self, staging: str) -> None:
         if staging in self._unsettled:
             return  # its manifest may still be stored: its files stay (``_written_after_all``)
+        key = f"{staging}/{MANIFEST_FILE}"
         try:
-            if self.storage.is_file(f"{staging}/{MANIFEST_FILE}"):
+            size = self.storage.size(key)
+            if is_committed(size):
                 return  # committed after all (an answer lost after the write): never remove it
-            self.storage.remove_tree(staging)
+            self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
         except TailorError:
             pass  # left for the next writer or gc: no reader trusts a snapshot without manifest
 
@@ -155,14 +190,20 @@ class ObjectCommits(SnapshotCommits):
         self.storage.remove_tree(token)
 
     def clear_leftovers(self) -> Leftovers:
-        """Snapshots without a manifest (a crashed save, a removal cut short), temporary
-        objects, and unfinished multipart uploads under the run: the caller holds the lock, so
-        none of them belongs to a live writer."""
+        """Snapshots without a manifest (a crashed save, a removal cut short, a save whose
+        manifest's write was unsettled), temporary objects, and unfinished multipart uploads
+        under the run: the caller holds the lock, so none of them belongs to a live writer. Each
+        such snapshot's manifest key is claimed first with a tombstone, only if absent (module
+        docstring): a manifest stored meanwhile keeps its snapshot, and one still on its way is
+        refused once its files are gone."""
         storage, objects = self.storage, 0
         for name in storage.list_dir(SNAPSHOTS_DIR):
             snapshot = f"{SNAPSHOTS_DIR}/{name}"
-            if not storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):
-                objects += storage.remove_tree(snapshot)
+            key = f"{snapshot}/{MANIFEST_FILE}"
+            size = storage.size(key)
+            if is_committed(size) or size is None and storage.put_if(key, TOMBSTONE, None) is None:
+                continue  # committed (a manifest stored just now: the tombstone refused)
+            objects += storage.remove_tree(snapshot, keep=key)
         for leftover in (TMP_DIR, TRASH_DIR):
             objects += storage.remove_tree(leftover)
         return Leftovers(files=objects, uploads=abort_multipart_uploads(storage), noun="object")

@@ -91,14 +91,14 @@ class ObjectLocks(RunLocks):
         by a HEAD), or None when it has none."""
         key = f"{snapshot}/{MANIFEST_FILE}"
         if not read:
-            return b"" if self.storage.is_file(key) else None
+            return b"" if self.storage.size(key) else None  # an empty one: a tombstone (``object_commit``)
         try:
-            return bytes(self.storage.read(key))
+            return bytes(self.storage.read(key)) or None
         except IntegrityError:  # the object store's read says so of a missing object only
             return None
 
     def lease_for_removal(self, snapshot: str) -> Lease | None:
-        if not self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}"):
+        if not self.storage.size(f"{snapshot}/{MANIFEST_FILE}"):
             return None
         mark = f"{snapshot}/{REMOVING_MARK}"
         self.storage.put(mark, this_process().encode())

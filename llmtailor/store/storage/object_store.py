@@ -269,7 +269,7 @@ class ObjectStore(Storage):
         try:
             return Version.of(load_obstore().put(self.store, key, data, mode="create" if over is None else over.mode()))
         except Exception as err:
-            found = self._version_if_holding(key, data)
+            found = self.version_if_holding(key, data)
             if found is not None:
                 return found
             if isinstance(err, errors.AlreadyExistsError | errors.PreconditionError | FileNotFoundError):
@@ -280,7 +280,7 @@ class ObjectStore(Storage):
         """Whether ``key`` holds exactly ``data``: None when it cannot be read now."""
         return self._read_back(key, data)[0]
 
-    def _version_if_holding(self, key: str, data: bytes) -> Version | None:
+    def version_if_holding(self, key: str, data: bytes) -> Version | None:
         """The version of ``key`` when it holds exactly ``data``; None when it does not, is
         missing, or cannot be read now (the caller reports its own failure then)."""
         return self._read_back(key, data)[1]
@@ -308,9 +308,9 @@ class ObjectStore(Storage):
         except Exception as err:
             raise self.failure(err, key) from None
 
-    def remove_tree(self, prefix: str) -> int:
-        """Remove every object under ``prefix``; returns how many there were."""
-        keys = [key for key, _ in self.walk(prefix)]
+    def remove_tree(self, prefix: str, keep: str | None = None) -> int:
+        """Remove every object under ``prefix`` but ``keep``; returns how many there were."""
+        keys = [key for key, _ in self.walk(prefix) if key != keep]
         for start in range(0, len(keys), 1000):
             chunk = keys[start : start + 1000]
             try:
