@@ -63,7 +63,7 @@ from llmtailor.store.run import Run
 from llmtailor.store.staged import InTurn, PersistResult, RankPart, StagedSnapshot
 from llmtailor.store.storage.base import Sink
 from llmtailor.store.tensor_files import checksum
-from llmtailor.store.writer import attempt_part, friendly, index_files, write_files
+from llmtailor.store.writer import Gated, attempt_part, friendly, index_files, write_files
 
 
 @dataclass(frozen=True)
@@ -408,25 +408,11 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
             turn.parent_committed()
             write_files(snapshot, {path: text.encode() for path, text in plan["indexes"].items()}, files)
             # ``latest`` replaced once committed, as the writer's own commit does (one recipe)
-            pending = files if gate is None else _Gated(files, gate)
+            pending = files if gate is None else Gated(files, gate)
             unconfirmed = snapshot.commit(plan["manifest"].encode(), confirm, latest=True, pending=pending)
     except BaseException as err:
         return {"error": describe_error(friendly(err, snapshot.run, snapshot.step))}
     return {"unconfirmed": unconfirmed}
-
-
-class _Gated(StagedFiles):
-    """A leader's batch ``files`` whose drain (in its commit, once the manifest and directories
-    are in flight: ``SnapshotCommit.commit``'s ``pending``) passes ``gate`` once every file of it
-    is durable: the last step before the rename that publishes the snapshot."""
-
-    def __init__(self, files: StagedFiles, gate: Callable[[], None]):
-        super().__init__(files.snapshot, files.batch)
-        self.gate = gate
-
-    def drain(self) -> None:
-        super().drain()
-        self.gate()
 
 
 def _gate_tag(round_: str, node: int) -> str:

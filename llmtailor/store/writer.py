@@ -52,7 +52,7 @@ from llmtailor.constants import (
     GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION,
     pack_filename, rank_state_files, unit_filename,
 )
-from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress, dtypes
@@ -122,12 +122,13 @@ def persist(
                 reports = coord.gather(f"{round_}/parts", own) or []
                 return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
 
-            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
+            gated = files if coord.world_size == 1 else Gated(files, functools.partial(_gate, coord, round_, staged.step))
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, gated))
     else:
         with coord.working(lane=round_):  # the others wait on while its writes go on (a large part, a slow store)
             part = attempt_part(snapshot, staged, coord.rank, on_unit)
             coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
-            outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)  # on while the leader's commit advances
+            outcome = _outcome(coord, round_, staged.step)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
     # the next save read no manifest back (a HEAD and a GET on an object store); the leader kept
@@ -142,6 +143,67 @@ def persist(
         rank_bytes=part.bytes,
         unconfirmed=outcome["unconfirmed"],
     )
+
+
+class Gated(StagedFiles):
+    """A leader's batch ``files`` whose drain (in its commit, once the manifest and directories
+    are in flight: ``SnapshotCommit.commit``'s ``pending``) passes ``gate`` once every file of it
+    is durable: the last step before the rename (or the manifest's write) that publishes the
+    snapshot."""
+
+    def __init__(self, files: StagedFiles, gate: Callable[[], None]):
+        super().__init__(files.snapshot, files.batch)
+        self.gate = gate
+
+    def drain(self) -> None:
+        super().drain()
+        self.gate()
+
+
+def _gate_tag(round_: str) -> str:
+    return f"{round_}/gate"
+
+
+def _gate(coord: Coordinator, round_: str, step: int) -> None:
+    """Rank 0, just before its commit publishes the snapshot: it claims the save's gate (``go``),
+    unless a rank gave up waiting for its outcome first (``_outcome``), and then raises: nothing
+    is committed. Of the two, exactly one wins, so no rank reports failed a save that rank 0
+    committed after that rank stopped waiting."""
+    if (said := coord.claim(_gate_tag(round_), "go")) != "go":
+        raise CoordinationError(f"step {step} was not committed: rank {said['gave_up']} gave up waiting for rank 0's "
+                                "commit first")
+
+
+def _outcome(coord: Coordinator, round_: str, step: int) -> dict[str, Any]:
+    """A follower's wait for rank 0's outcome, on while rank 0's commit advances. Rank 0 silent
+    for twice the timeout is given up on: this rank claims the save's gate first (``_gate``), so
+    rank 0 never commits it, and raises; where rank 0 passed its gate first, it commits (or did):
+    this rank waits on for its word, once more, and says the step may be committed without it."""
+    tag = f"{round_}/outcome"
+    try:
+        return coord.broadcast(tag, None, patience=2.0)
+    except CoordinationError as silent:
+        if _announced(coord, tag, silent):
+            raise  # rank 0's own failure
+        if coord.claim(_gate_tag(round_), {"gave_up": coord.rank}) != "go":
+            raise CoordinationError(f"{silent}; rank {coord.rank} gave up on rank 0's commit of step {step}, which "
+                                    "never commits it") from None
+    try:  # rank 0 passed its gate: the snapshot is published unless that commit fails
+        return coord.broadcast(tag, None, patience=2.0)
+    except CoordinationError as late:
+        if _announced(coord, tag, late):
+            raise
+        raise CoordinationError(f"{late}; rank 0 passed the last step before committing step {step}: it is committed "
+                                "unless that commit failed, and rank 0 says which") from None
+
+
+def _announced(coord: Coordinator, tag: str, silent: CoordinationError) -> bool:
+    """Whether rank 0 announced ``tag`` (its failure: ``silent`` is what it said); ``silent``
+    raised where the store cannot be reached (gone with rank 0's process)."""
+    try:
+        return coord.poll(tag)[0]
+    except CoordinationError:
+        raise silent from None
 
 
 def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[RankPart]],
