@@ -178,12 +178,18 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
     assert "node 1's uploader stops waiting for promotion order 1: the job's store went away" in caplog.text, caplog.text
 
 
-def test_an_idle_follower_whose_look_at_the_jobs_store_fails_once_serves_on():
+@pytest.mark.parametrize("failure", ["gone", "timed out", "client"])
+def test_a_follower_whose_look_at_the_jobs_store_or_report_fails_once_serves_on(failure):
     """Node 1's uploader waits for an order when one look at the job's store fails (a hiccup: a
-    connection reset, a busy machine), its wait's and the look after it: the store answers again
-    after. The uploader serves on: order 1 is served and reported, and it stops when rank 0 says
-    so (awaited: its thread's end). Before: that one failure stopped its uploads for the rest
-    of the job (its thread ended with order 1 unserved: no report)."""
+    connection reset, a busy machine), its wait's and the look after it, and its report's post
+    fails once too: the store answers again after. The uploader serves on: order 1 is served and
+    reported, and it stops when rank 0 says so (awaited: its thread's end). The failure as the
+    coordinator names a store gone, or as torch's client raises it (a store's timeout, its
+    RuntimeError). Before: a failed look stopped its uploads for the rest of the job (its thread
+    ended with order 1 unserved: no report); so did a failed post; and a look that raised other
+    than the coordinator's error ended its thread with it."""
+    from torch.distributed import DistStoreError
+
     from llmtailor.distributed.coordinator import CoordinationError
 
     store = HashStore()
@@ -198,18 +204,23 @@ def test_an_idle_follower_whose_look_at_the_jobs_store_fails_once_serves_on():
         def hiccup(*args):
             if name not in hiccups:
                 hiccups.append(name)
-                raise CoordinationError(f"the job's store went away while this rank {name}ed: Connection reset by peer")
+                raise {"gone": CoordinationError(f"the job's store went away while this rank {name}ed: Connection reset"),
+                       "timed out": DistStoreError("Socket Timeout"),
+                       "client": RuntimeError("Connection reset by peer")}[failure]
             return call(*args)
 
         return hiccup
 
-    follower.collect, follower.poll = once("collect"), once("poll")
+    follower.collect, follower.poll, follower.post = once("collect"), once("poll"), once("post")
     leader.post(collective.order_tag(1), {"staging": {}})
     leader.post(collective.order_tag(2), {"stop": True})
-    uploader.start()
-    uploader._thread.join(120)  # a bound on a hang
-    assert hiccups == ["collect", "poll"] and not uploader._thread.is_alive()
-    assert leader.poll(collective.report_tag(1, 1)) == (True, {"bytes": 0}), "one failed look stopped the uploader"
+    died: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(threading, "excepthook", died.append)
+        uploader.start()
+        uploader._thread.join(120)  # a bound on a hang
+    assert died == [] and hiccups == ["collect", "poll", "post"] and not uploader._thread.is_alive()
+    assert leader.poll(collective.report_tag(1, 1)) == (True, {"bytes": 0}), "one failed look or post stopped the uploader"
 
 
 def test_a_report_after_a_serve_longer_than_the_timeout_is_no_silence_of_rank_0(monkeypatch, caplog):
