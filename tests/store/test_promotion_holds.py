@@ -422,3 +422,36 @@ def test_a_collective_promotion_whose_fsync_fails_after_its_rename_is_committed_
     assert (raised.value.whole, raised.value.copied, raised.value.bytes) == (True, [2], Run(node0.root).manifest(2).total_bytes())
     assert Run(root).steps() == [2] and Run(root).verify() == [] and not (root / LATEST_FILE).exists()
     assert not list((root / ".tmp").glob("*"))
+
+
+def test_the_ranks_wait_on_while_rank_0s_last_promotion_at_close_goes_on_past_the_timeout(tmp_path):
+    """Two ranks (threads over one c10d store, timeout 1 s) close a writer with a second tier:
+    rank 0 promotes the last composite (``Tiers.close``: its promoter's ``finish``), which here
+    goes on past the timeout, advancing (a large upload: until rank 1 saw it ``_LOOKS + 2``
+    times); rank 1 waits for rank 0's word on the promotion (``raise_failure``) and gets it.
+    Before, rank 0's close showed no progress: rank 1 raised that rank 0 did not announce it
+    while rank 0 went on and promoted (a close failed on every other rank whenever the last
+    promotion took longer than the timeout)."""
+    from helpers import on_threads, progressing
+
+    from llmtailor.distributed.coordinator import _LOOKS
+    from llmtailor.store.tiers.config import Tier
+    from llmtailor.store.tiers.promote import Promoter
+    from llmtailor.store.tiers.runtime import Tiers
+
+    store, gave_up = HashStore(), []
+
+    def close(rank: int):
+        coord = StoreCoordinator.over(store, rank, 2, timeout=1)
+        tiers = Tiers(tmp_path / "home", [Tier(location=str(tmp_path / "fast"))])
+        if rank == 0:
+            tiers.promoter = Promoter(tiers.levels, [1, None])
+            tiers.promoter._pass = lambda target, final: progressing(store, [1], _LOOKS + 2, gave_up)
+        try:
+            tiers.close(coord)
+            tiers.raise_failure(coord)
+        except Exception:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, close) == [None, None]
