@@ -29,7 +29,9 @@ or an object store, each rank writing straight to it, so no filesystem is shared
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
-stay as they were. A crash at any instant has the same effect (what a crash leaves is never
+stay as they were. The leader's word settles the save: a rank that gives up waiting for it
+claims the save's gate first, and the leader passes that gate just before it commits
+(``_gate``, ``_outcome``). A crash at any instant has the same effect (what a crash leaves is never
 read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 """
 
