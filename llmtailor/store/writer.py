@@ -124,8 +124,7 @@ def persist(
                 reports = coord.gather(f"{round_}/parts", own) or []
                 return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
 
-            gated = files if coord.world_size == 1 else Gated(files, functools.partial(_gate, coord, round_, staged.step))
-            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, gated))
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, _gated(files, coord, round_, staged.step)))
     else:
         with coord.working(lane=round_):  # the others wait on while its writes go on (a large part, a slow store)
             part = attempt_part(snapshot, staged, coord.rank, on_unit)
@@ -160,6 +159,11 @@ class Gated(StagedFiles):
     def drain(self) -> None:
         super().drain()
         self.gate()
+
+
+def _gated(files: StagedFiles, coord: Coordinator, round_: str, step: int) -> StagedFiles:
+    """``files``, passing the save's gate once drained (``_gate``); a world of one has none."""
+    return files if coord.world_size == 1 else Gated(files, functools.partial(_gate, coord, round_, step))
 
 
 def _gate_tag(round_: str) -> str:
