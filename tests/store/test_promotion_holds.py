@@ -455,3 +455,50 @@ def test_the_ranks_wait_on_while_rank_0s_last_promotion_at_close_goes_on_past_th
             raise
 
     assert on_threads(2, close) == [None, None]
+
+
+def test_a_followers_close_waits_on_while_rank_0s_close_advances_past_the_timeout(caplog):
+    """Node 1's close waits for rank 0's stop (``NodeUploader.join``, timeout 1 s) while rank 0's
+    close goes on past the timeout, advancing inside ``Coordinator.working`` (its last
+    promotion: node 0 uploading most of it, as a DDP rank 0 wrote every unit), and sends node 1
+    no order meanwhile: node 1 waits on (here until its join looked 3 timeouts' worth) and
+    stops when rank 0 says so. Before, it gave up after the timeout, logging a false "heard
+    nothing from rank 0", and its process could exit before rank 0's last order reached it."""
+    import logging
+
+    from llmtailor.distributed.progress import advance
+
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=1), StoreCoordinator.over(store, 1, 2, timeout=1)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+    looks, joined = threading.Semaphore(0), threading.Event()
+
+    class Watched(threading.Event):  # join's looks (the waits of the thread named "close")
+        def wait(self, timeout=None):
+            done = super().wait(timeout)
+            if threading.current_thread().name == "close":
+                looks.release()
+            return done
+
+    uploader._stopped = Watched()
+
+    def close():
+        try:
+            uploader.join()
+        finally:
+            joined.set()
+
+    with caplog.at_level(logging.WARNING, logger=collective.__name__):
+        uploader.start()
+        joining = threading.Thread(target=close, name="close", daemon=True)
+        joining.start()
+        with leader.working():  # rank 0's close: its last promotion advancing
+            for _ in range(round(3 / collective.IDLE_WAIT)):
+                while not looks.acquire(timeout=0.01):
+                    advance()
+                    if joined.is_set():
+                        break
+        stopped_early = joined.is_set()
+        leader.post(collective.order_tag(1), {"stop": True})
+        joining.join(120)
+    assert not stopped_early and "heard nothing" not in caplog.text, caplog.text

@@ -51,6 +51,7 @@ committed before its composite) is removed by the next writer when it takes the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -246,17 +247,23 @@ class NodeUploader:
 
     def join(self) -> None:
         """Wait until rank 0 said stop (it does once its last promotion is committed), or until
-        rank 0 was silent for the coordinator's timeout, counted from this call at the earliest
+        rank 0 was silent for the coordinator's timeout (no order, and no progress of its close's
+        block: ``Coordinator.beat``; its last promotion may outlast the timeout, node 0 uploading
+        most of it), counted from this call at the earliest
         and never while this node serves an order (a rank 0 that died says nothing: logged, not
         raised), or the thread ended on its own (its wait for an order, or its report, found the
         job's store gone: logged there; no order follows). Rank 0 orders the promotion of the
         last composite as its writer closes, while this one waits here: a silence before this
         call (promotions far apart) is no sign of its death (before, a close after an idle
         timeout returned at once, and the process could exit before its part was uploaded)."""
-        since = time.monotonic()
+        since, beat = time.monotonic(), None
         while not self._stopped.wait(IDLE_WAIT):
             if self._thread.ident is not None and not self._thread.is_alive():
                 return
+            with contextlib.suppress(*_STORE_FAILED):  # rank 0's close advancing (its last promotion): heard
+                beat, before = self.coordinator.beat(0), beat
+                if before is not None and beat != before:
+                    self._heard = time.monotonic()
             if not self._serving and time.monotonic() - max(self._heard, since) > self.coordinator.timeout:
                 log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
                             self.node, self.coordinator.timeout)
