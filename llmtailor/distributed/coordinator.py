@@ -195,6 +195,11 @@ class Coordinator(ABC):
         """The connections this coordinator keeps idle for its next waits let go (its Tailor
         closed); a later wait opens what it needs."""
 
+    def beat(self, rank: int, lane: str = "") -> int:
+        """``rank``'s beat in ``lane``: it changes while that rank's blocks of ``lane`` advance
+        (``working``), so a look from any thread tells a live rank from a silent one. One process: 0."""
+        return 0
+
     def spoiled(self, group: str, why: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """What the first rank whose wait on the process group named ``group`` failed said
         (``spoil``: ``{"rank": ..., "why": ...}``), ``why`` posted first where given and none
@@ -374,6 +379,10 @@ class StoreCoordinator(Coordinator):
                 seen = now
                 with contextlib.suppress(Exception):  # a store gone: the waits say so
                     self._store.add(self._beat_key(self.rank, lane), 1)
+
+    def beat(self, rank: int, lane: str = "") -> int:
+        with self._reaching(f"looked at rank {rank}'s progress"):
+            return self._store.add(self._beat_key(rank, lane), 0)
 
     def _beat_key(self, rank: int, lane: str = "") -> str:
         return f"{self._prefix}beat/{rank}" + (f"/{lane}" if lane else "")

@@ -29,7 +29,9 @@ or an object store, each rank writing straight to it, so no filesystem is shared
 
 A failure on any rank, or a rank that does not report in time, makes the save raise on every
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
-stay as they were. A crash at any instant has the same effect (what a crash leaves is never
+stay as they were. The leader's word settles the save: a rank that gives up waiting for it
+claims the save's gate first, and the leader passes that gate just before it commits
+(``_gate``, ``_outcome``). A crash at any instant has the same effect (what a crash leaves is never
 read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 """
 
@@ -52,7 +54,7 @@ from llmtailor.constants import (
     GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION,
     pack_filename, rank_state_files, unit_filename,
 )
-from llmtailor.distributed.coordinator import Coordinator, LocalCoordinator
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, LocalCoordinator
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress, dtypes
@@ -122,12 +124,13 @@ def persist(
                 reports = coord.gather(f"{round_}/parts", own) or []
                 return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
 
-            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files))
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files,
+                                                                         _gated(coord, round_, staged.step)))
     else:
         with coord.working(lane=round_):  # the others wait on while its writes go on (a large part, a slow store)
             part = attempt_part(snapshot, staged, coord.rank, on_unit)
             coord.gather(f"{round_}/parts", part.to_message() if isinstance(part, RankPart) else part)  # re-raises this rank's own failure, once reported
-            outcome = coord.broadcast(f"{round_}/outcome", None, patience=2.0)  # on while the leader's commit advances
+            outcome = _outcome(coord, round_, staged.step)
     assert isinstance(part, RankPart)  # a failed part was raised by the gather
     # The manifest just committed, as written: the run's catalog keeps it, so the lineage and
     # the next save read no manifest back (a HEAD and a GET on an object store); the leader kept
@@ -144,12 +147,66 @@ def persist(
     )
 
 
+def _gated(coord: Coordinator, round_: str, step: int) -> Callable[[], None] | None:
+    """The save's gate (``_gate``), passed just before rank 0's commit publishes the snapshot,
+    everything else durable (``SnapshotCommit.commit``'s ``publish``); a world of one has none."""
+    return None if coord.world_size == 1 else functools.partial(_gate, coord, round_, step)
+
+
+def _gate_tag(round_: str) -> str:
+    return f"{round_}/gate"
+
+
+def _gate(coord: Coordinator, round_: str, step: int) -> None:
+    """Rank 0, just before its commit publishes the snapshot: it claims the save's gate (``go``),
+    unless a rank gave up waiting for its outcome first (``_outcome``), and then raises: nothing
+    is committed. Of the two, exactly one wins, so no rank reports failed a save that rank 0
+    committed after that rank stopped waiting."""
+    if (said := coord.claim(_gate_tag(round_), "go")) != "go":
+        raise CoordinationError(f"step {step} was not committed: rank {said['gave_up']} gave up waiting for rank 0's "
+                                "commit first")
+
+
+def _outcome(coord: Coordinator, round_: str, step: int) -> dict[str, Any]:
+    """A follower's wait for rank 0's outcome, on while rank 0's commit advances. Rank 0 silent
+    for twice the timeout is given up on: this rank claims the save's gate first (``_gate``), so
+    rank 0 never commits it, and raises; where rank 0 passed its gate first, it commits (or did):
+    this rank waits on for its word, once more, and says the step may be committed without it."""
+    tag = f"{round_}/outcome"
+    try:
+        return coord.broadcast(tag, None, patience=2.0)
+    except CoordinationError as silent:
+        if _announced(coord, tag, silent):
+            raise  # rank 0's own failure
+        if coord.claim(_gate_tag(round_), {"gave_up": coord.rank}) != "go":
+            raise CoordinationError(f"{silent}; rank {coord.rank} gave up on rank 0's commit of step {step}, which "
+                                    "never commits it") from None
+    try:  # rank 0 passed its gate: the snapshot is published unless that commit fails
+        return coord.broadcast(tag, None, patience=2.0)
+    except CoordinationError as late:
+        if _announced(coord, tag, late):
+            raise
+        raise CoordinationError(f"{late}; rank 0 passed the last step before committing step {step}: it is committed "
+                                "unless that commit failed, and rank 0 says which") from None
+
+
+def _announced(coord: Coordinator, tag: str, silent: CoordinationError) -> bool:
+    """Whether rank 0 announced ``tag`` (its failure: ``silent`` is what it said); ``silent``
+    raised where the store cannot be reached (gone with rank 0's process)."""
+    try:
+        return coord.poll(tag)[0]
+    except CoordinationError:
+        raise silent from None
+
+
 def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[], list[RankPart]],
-            confirm: Callable[[], None] | None, files: StagedFiles) -> dict[str, Any]:
+            confirm: Callable[[], None] | None, files: StagedFiles,
+            publish: Callable[[], None] | None = None) -> dict[str, Any]:
     """The leader's step 3 (module docstring), once ``gather()`` has every rank's part (it
     raises when any rank failed): the unit indexes, written into ``files`` (the leader's own
     files' batch, still in flight), then the manifest and the commit, which drains that batch
-    before it commits anything (``SnapshotCommit.commit``'s ``pending``); what was staged is removed on any failure. Returns the outcome the leader announces,
+    before it commits anything (``SnapshotCommit.commit``'s ``pending``), and passes ``publish``
+    (the save's gate) just before it publishes; what was staged is removed on any failure. Returns the outcome the leader announces,
     once the run's catalog keeps the manifest committed, as built (its bytes are its dump)."""
     run = snapshot.run
     try:
@@ -163,7 +220,7 @@ def _commit(snapshot: SnapshotCommit, staged: StagedSnapshot, gather: Callable[[
             # locally their fsyncs and the manifest's run side by side, one wait on the disk).
             encoded = manifest.dumps().encode()
             unconfirmed = snapshot.commit(encoded, confirm, latest=True, pending=files,  # ``latest`` replaced once committed
-                                            parent=manifest.parent)
+                                            parent=manifest.parent, publish=publish)
     except BaseException as err:
         raise friendly(err, run, staged.step) from None
     run.remember(manifest)

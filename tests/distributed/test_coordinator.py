@@ -489,3 +489,49 @@ def test_one_fsync_longer_than_the_timeout_keeps_the_others_waiting_and_one_hung
     outcome = on_threads(2, lambda number: rank(number, "part/2"))[0]
     assert isinstance(outcome, CoordinationError), outcome
     assert re.match(r"rank\(s\) \[1\] did not report its part within 1 s of its last sign of progress", str(outcome)), outcome
+
+
+@pytest.mark.parametrize("durable", ["directory", "file", "replaced", "put"])
+def test_an_fsync_outside_a_syncer_longer_than_the_timeout_keeps_the_others_waiting(tmp_path, monkeypatch, durable):
+    """Rank 1, inside ``working``, makes a name or a small file durable on its own thread, not
+    through a ``Syncer`` (a commit's rename: its directory's fsync; ``latest`` or a node's record
+    replaced; a file put whole), and that one fsync outlasts the timeout (a slow disk): rank 0
+    waits on, as for a ``Syncer``'s fsync (the test above). Before, only the fsyncs of
+    ``make_durable`` showed the rank live: rank 0 called rank 1 dead after the timeout.
+    Ranks as threads over one store, timeout 1 s."""
+    import os
+
+    import llmtailor.store.commit  # noqa: F401 - the storage's progress hooks (``report_progress``)
+    from llmtailor.distributed.coordinator import _LOOKS
+    from llmtailor.store.storage import local_durable
+    from llmtailor.store.storage.local import LocalStorage
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    real, stopped = os.fsync, []
+
+    def fsync(fd):  # one slow fsync: until rank 0 saw rank 1 live _LOOKS + 2 times, or gave up
+        before = relayed(store, 0)
+        while relayed(store, 0) - before < _LOOKS + 2 and not stopped:
+            time.sleep(0.01)
+        real(fd)
+
+    monkeypatch.setattr(local_durable.os, "fsync", fsync)
+    (tmp_path / "kept.json").write_text("{}")
+    make_durable = {"directory": lambda: local_durable.fsync_dir(tmp_path),
+                    "file": lambda: local_durable.fsync_file(tmp_path / "kept.json"),
+                    "replaced": lambda: local_durable.replace_text_atomically(tmp_path / "kept.json", "{1}"),
+                    "put": lambda: LocalStorage(tmp_path).put("put.json", b"{}")}[durable]
+
+    def rank(number: int):
+        if number == 0:
+            try:
+                return ranks[0].collect({1: "part"}, "its part")
+            finally:
+                stopped.append(0)
+        with ranks[1].working():
+            make_durable()
+        ranks[1].post("part", "durable")
+        return None
+
+    assert on_threads(2, rank) == [{1: "durable"}, None]

@@ -178,12 +178,18 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
     assert "node 1's uploader stops waiting for promotion order 1: the job's store went away" in caplog.text, caplog.text
 
 
-def test_an_idle_follower_whose_look_at_the_jobs_store_fails_once_serves_on():
+@pytest.mark.parametrize("failure", ["gone", "timed out", "client"])
+def test_a_follower_whose_look_at_the_jobs_store_or_report_fails_once_serves_on(failure):
     """Node 1's uploader waits for an order when one look at the job's store fails (a hiccup: a
-    connection reset, a busy machine), its wait's and the look after it: the store answers again
-    after. The uploader serves on: order 1 is served and reported, and it stops when rank 0 says
-    so (awaited: its thread's end). Before: that one failure stopped its uploads for the rest
-    of the job (its thread ended with order 1 unserved: no report)."""
+    connection reset, a busy machine), its wait's and the look after it, and its report's post
+    fails once too: the store answers again after. The uploader serves on: order 1 is served and
+    reported, and it stops when rank 0 says so (awaited: its thread's end). The failure as the
+    coordinator names a store gone, or as torch's client raises it (a store's timeout, its
+    RuntimeError). Before: a failed look stopped its uploads for the rest of the job (its thread
+    ended with order 1 unserved: no report); so did a failed post; and a look that raised other
+    than the coordinator's error ended its thread with it."""
+    from torch.distributed import DistStoreError
+
     from llmtailor.distributed.coordinator import CoordinationError
 
     store = HashStore()
@@ -198,18 +204,23 @@ def test_an_idle_follower_whose_look_at_the_jobs_store_fails_once_serves_on():
         def hiccup(*args):
             if name not in hiccups:
                 hiccups.append(name)
-                raise CoordinationError(f"the job's store went away while this rank {name}ed: Connection reset by peer")
+                raise {"gone": CoordinationError(f"the job's store went away while this rank {name}ed: Connection reset"),
+                       "timed out": DistStoreError("Socket Timeout"),
+                       "client": RuntimeError("Connection reset by peer")}[failure]
             return call(*args)
 
         return hiccup
 
-    follower.collect, follower.poll = once("collect"), once("poll")
+    follower.collect, follower.poll, follower.post = once("collect"), once("poll"), once("post")
     leader.post(collective.order_tag(1), {"staging": {}})
     leader.post(collective.order_tag(2), {"stop": True})
-    uploader.start()
-    uploader._thread.join(120)  # a bound on a hang
-    assert hiccups == ["collect", "poll"] and not uploader._thread.is_alive()
-    assert leader.poll(collective.report_tag(1, 1)) == (True, {"bytes": 0}), "one failed look stopped the uploader"
+    died: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(threading, "excepthook", died.append)
+        uploader.start()
+        uploader._thread.join(120)  # a bound on a hang
+    assert died == [] and hiccups == ["collect", "poll", "post"] and not uploader._thread.is_alive()
+    assert leader.poll(collective.report_tag(1, 1)) == (True, {"bytes": 0}), "one failed look or post stopped the uploader"
 
 
 def test_a_report_after_a_serve_longer_than_the_timeout_is_no_silence_of_rank_0(monkeypatch, caplog):
@@ -411,3 +422,83 @@ def test_a_collective_promotion_whose_fsync_fails_after_its_rename_is_committed_
     assert (raised.value.whole, raised.value.copied, raised.value.bytes) == (True, [2], Run(node0.root).manifest(2).total_bytes())
     assert Run(root).steps() == [2] and Run(root).verify() == [] and not (root / LATEST_FILE).exists()
     assert not list((root / ".tmp").glob("*"))
+
+
+def test_the_ranks_wait_on_while_rank_0s_last_promotion_at_close_goes_on_past_the_timeout(tmp_path):
+    """Two ranks (threads over one c10d store, timeout 1 s) close a writer with a second tier:
+    rank 0 promotes the last composite (``Tiers.close``: its promoter's ``finish``), which here
+    goes on past the timeout, advancing (a large upload: until rank 1 saw it ``_LOOKS + 2``
+    times); rank 1 waits for rank 0's word on the promotion (``raise_failure``) and gets it.
+    Before, rank 0's close showed no progress: rank 1 raised that rank 0 did not announce it
+    while rank 0 went on and promoted (a close failed on every other rank whenever the last
+    promotion took longer than the timeout)."""
+    from helpers import on_threads, progressing
+
+    from llmtailor.distributed.coordinator import _LOOKS
+    from llmtailor.store.tiers.config import Tier
+    from llmtailor.store.tiers.promote import Promoter
+    from llmtailor.store.tiers.runtime import Tiers
+
+    store, gave_up = HashStore(), []
+
+    def close(rank: int):
+        coord = StoreCoordinator.over(store, rank, 2, timeout=1)
+        tiers = Tiers(tmp_path / "home", [Tier(location=str(tmp_path / "fast"))])
+        if rank == 0:
+            tiers.promoter = Promoter(tiers.levels, [1, None])
+            tiers.promoter._pass = lambda target, final: progressing(store, [1], _LOOKS + 2, gave_up)
+        try:
+            tiers.close(coord)
+            tiers.raise_failure(coord)
+        except Exception:
+            gave_up.append(rank)
+            raise
+
+    assert on_threads(2, close) == [None, None]
+
+
+def test_a_followers_close_waits_on_while_rank_0s_close_advances_past_the_timeout(caplog):
+    """Node 1's close waits for rank 0's stop (``NodeUploader.join``, timeout 1 s) while rank 0's
+    close goes on past the timeout, advancing inside ``Coordinator.working`` (its last
+    promotion: node 0 uploading most of it, as a DDP rank 0 wrote every unit), and sends node 1
+    no order meanwhile: node 1 waits on (here until its join looked 3 timeouts' worth) and
+    stops when rank 0 says so. Before, it gave up after the timeout, logging a false "heard
+    nothing from rank 0", and its process could exit before rank 0's last order reached it."""
+    import logging
+
+    from llmtailor.distributed.progress import advance
+
+    store = HashStore()
+    leader, follower = StoreCoordinator.over(store, 0, 2, timeout=1), StoreCoordinator.over(store, 1, 2, timeout=1)
+    uploader = collective.NodeUploader(None, None, 1, follower)
+    looks, joined = threading.Semaphore(0), threading.Event()
+
+    class Watched(threading.Event):  # join's looks (the waits of the thread named "close")
+        def wait(self, timeout=None):
+            done = super().wait(timeout)
+            if threading.current_thread().name == "close":
+                looks.release()
+            return done
+
+    uploader._stopped = Watched()
+
+    def close():
+        try:
+            uploader.join()
+        finally:
+            joined.set()
+
+    with caplog.at_level(logging.WARNING, logger=collective.__name__):
+        uploader.start()
+        joining = threading.Thread(target=close, name="close", daemon=True)
+        joining.start()
+        with leader.working():  # rank 0's close: its last promotion advancing
+            for _ in range(round(3 / collective.IDLE_WAIT)):
+                while not looks.acquire(timeout=0.01):
+                    advance()
+                    if joined.is_set():
+                        break
+        stopped_early = joined.is_set()
+        leader.post(collective.order_tag(1), {"stop": True})
+        joining.join(120)
+    assert not stopped_early and "heard nothing" not in caplog.text, caplog.text

@@ -29,6 +29,7 @@ class TwoStages(LocalCoordinator):
     world_size = 2
 
     def __init__(self, other: dict):
+        super().__init__()
         self.other = other
 
     def gather(self, tag, value):
@@ -284,3 +285,68 @@ def test_the_leader_keeps_the_manifest_it_built_not_one_parsed_back_from_its_byt
     raw = (tmp_path / "snapshots" / snapshot_dirname(1) / MANIFEST_FILE).read_bytes()
     assert run.manifest(1) == parse_manifest(raw, "manifest", 1)
     assert run.manifest(1).dumps().encode() == raw
+
+
+def ddp_part(rank: int) -> StagedSnapshot:
+    """Rank ``rank``'s share of step 1 of a world of two (DDP: rank 0 writes the units, both
+    their global state)."""
+    units = [StagedUnit.whole(u, {f"weight/{n}": torch.ones(2)}) for u in WHOLE.units for n in WHOLE.units[u]]
+    return StagedSnapshot(step=1, parent=None, save_index=0, policy="test", layout=WHOLE.to_record(),
+                          units=iter(units if rank == 0 else []), composite={u: 1 for u in WHOLE.units},
+                          global_doc={} if rank == 0 else None, global_tensors={} if rank == 0 else None,
+                          rank_doc={} if rank else None, rank_tensors={} if rank else None, world_size=2)
+
+
+@pytest.mark.parametrize("stalls", ["before its gate", "past its gate"])
+def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp_path, monkeypatch, stalls):
+    """Two ranks (threads over one c10d store, timeout 1 s) save step 1 into one run; rank 0's
+    commit stalls without progress (a lock's confirm, a hung rename) until rank 1 gave up waiting
+    for its outcome (twice the timeout). Rank 0's word settles the save: stalled before the last
+    step that publishes the snapshot, rank 1 claims that step first, so rank 0 never commits, and
+    both raise; stalled past it, rank 1 waits on for rank 0's word and both return the committed
+    save. Before, rank 1 raised while rank 0 went on and committed: the save failed on one rank,
+    committed on the other."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+    from llmtailor.store.storage.local_commit import LocalCommits
+
+    from helpers import on_threads
+
+    given_up = threading.Event()  # rank 1 claimed the save's gate, or its save ended
+
+    class Watched(StoreCoordinator):
+        def claim(self, tag, value):
+            try:
+                return super().claim(tag, value)
+            finally:
+                given_up.set()
+
+    def stall(*_):
+        assert given_up.wait(60), "rank 1 neither gave up nor ended"
+
+    real = LocalCommits._named
+    if stalls == "past its gate":
+        monkeypatch.setattr(LocalCommits, "_named", lambda self, *args: (stall(), real(self, *args))[1])
+    store = HashStore()
+
+    def save(rank: int):
+        coord = (Watched if rank else StoreCoordinator).over(store, rank, 2, timeout=1)
+        try:
+            return persist(Run(tmp_path), ddp_part(rank), coordinator=coord,
+                           confirm=stall if stalls == "before its gate" else None)
+        finally:
+            if rank == 1:
+                given_up.set()
+
+    outcomes = on_threads(2, save)
+    if stalls == "before its gate":
+        assert [type(o) for o in outcomes] == [CoordinationError] * 2, outcomes
+        assert str(outcomes[0]) == "step 1 was not committed: rank 1 gave up waiting for rank 0's commit first", outcomes
+        assert "rank 1 gave up on rank 0's commit of step 1, which never commits it" in str(outcomes[1]), outcomes
+        assert_nothing_committed(tmp_path)
+    else:
+        assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+        assert Run(tmp_path).steps() == [1]

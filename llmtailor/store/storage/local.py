@@ -28,7 +28,7 @@ from llmtailor.store.storage import local_durable
 from llmtailor.store.storage.base import Batch, LazyPool, Sink, Storage
 from llmtailor.store.storage.local_commit import LocalCommits
 from llmtailor.store.storage.local_detect import LocalDetection
-from llmtailor.store.storage.local_durable import Syncer, replace_bytes_atomically
+from llmtailor.store.storage.local_durable import Syncer, fsync_for_work, replace_bytes_atomically
 from llmtailor.store.storage.local_lock import FlockLocks
 
 
@@ -178,7 +178,7 @@ class LocalStorage(Storage):
         with os.fdopen(fd, "wb") as out:
             out.write(data)
             out.flush()
-            os.fsync(out.fileno())
+            fsync_for_work(out.fileno())
 
     def replace(self, key: str, data: bytes) -> None:
         replace_bytes_atomically(self.root / key, data)

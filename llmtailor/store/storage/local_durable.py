@@ -76,9 +76,11 @@ def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _carried(fn)
 
 
-def _durable(fd: int) -> None:
+def fsync_for_work(fd: int) -> None:
     """fsync ``fd`` for the calling thread's work: a wait on the disk (``_waiting``), then a
-    piece of work done (``_durable_one``)."""
+    piece of work done (``_durable_one``). Every fsync of this floor goes through it, a
+    directory's too (a commit's rename made durable): one outside it that outlasts the timeout
+    was silence, and the ranks waiting for this one called it dead."""
     with _waiting():
         os.fsync(fd)
     _durable_one()
@@ -89,8 +91,8 @@ def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = T
     """fsync a file, then (``drop``) its bytes ``[start, end)`` (to the end of the file by
     default) dropped from the page cache: they are durable and will not be read soon, so a save's
     cache footprint stays about one unit instead of the whole checkpoint. ``sync``: the fsync,
-    for the work that handed it over (``Syncer``: ``carried(_durable)``)."""
-    (_durable if sync is None else sync)(fd)
+    for the work that handed it over (``Syncer``: ``carried(fsync_for_work)``)."""
+    (fsync_for_work if sync is None else sync)(fd)
     if drop:
         os.posix_fadvise(fd, start, 0 if end is None else end - start, os.POSIX_FADV_DONTNEED)
 
@@ -210,7 +212,7 @@ class Syncer:
         done: Future = Future()
         self._pending.append((path, done, size))
         with self._lock:
-            self._held.append((fd, start, end, drop, carried(_durable), done))
+            self._held.append((fd, start, end, drop, carried(fsync_for_work), done))
         self._hand_over()
         while len(self._pending) > 1 and (len(self._pending) > FILES_AHEAD or sum(p[2] for p in self._pending) > self._depth):
             self._wait_first()
@@ -282,13 +284,13 @@ def read_pieces(handle, where: Path | str, start: int, end: int, what: str = "th
 
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+        fsync_for_work(handle.fileno())
 
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync_for_work(fd)
     finally:
         os.close(fd)
 
@@ -359,7 +361,7 @@ def create_replacement(path: Path, data: bytes, durable: bool = False) -> Path:
             out.write(data)
             if durable:
                 out.flush()
-                os.fsync(out.fileno())
+                fsync_for_work(out.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -51,13 +51,15 @@ committed before its composite) is removed by the next writer when it takes the 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import wait
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from llmtailor.constants import writer_rank
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
@@ -73,6 +75,7 @@ from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.promote import copy_file, lacking, point_latest, promoted_manifest, unconfirmed_stops
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 UPLOADS = 4
 """Files one node uploads at once during a collective promotion: its bound on the bandwidth
@@ -89,9 +92,18 @@ IDLE_WAIT = 0.2
 """Seconds between two looks of ``NodeUploader.join`` for rank 0's stop; and the pause before an
 idle uploader waits again for the next order after a wait that ended without one."""
 GONE_AFTER = 5.0
-"""Seconds an idle uploader's looks at the job's store must fail in a row before it takes the
-store for gone and stops (``NodeUploader._next``): one failed look may be a hiccup (a busy
-machine, a connection reset) after which the store answers again."""
+"""Seconds an uploader's looks at the job's store, or its report's posts, must fail in a row
+before it takes the store for gone and stops (``NodeUploader._retried``): one failed call may be
+a hiccup (a busy machine, a connection reset, a client's timeout) after which the store answers
+again."""
+_STORE_FAILED = (CoordinationError, RuntimeError, OSError)
+"""How a call to the job's store fails: the coordinator's error for a store gone, or what
+torch's client raises itself (its ``DistError`` family are ``RuntimeError``: a timeout, a
+connection reset) or the system does."""
+
+
+class _Gone(Exception):
+    """The job's store failed every call for ``GONE_AFTER`` s (``NodeUploader._retried``)."""
 
 
 def order_tag(number: int) -> str:
@@ -235,17 +247,23 @@ class NodeUploader:
 
     def join(self) -> None:
         """Wait until rank 0 said stop (it does once its last promotion is committed), or until
-        rank 0 was silent for the coordinator's timeout, counted from this call at the earliest
+        rank 0 was silent for the coordinator's timeout (no order, and no progress of its close's
+        block: ``Coordinator.beat``; its last promotion may outlast the timeout, node 0 uploading
+        most of it), counted from this call at the earliest
         and never while this node serves an order (a rank 0 that died says nothing: logged, not
         raised), or the thread ended on its own (its wait for an order, or its report, found the
         job's store gone: logged there; no order follows). Rank 0 orders the promotion of the
         last composite as its writer closes, while this one waits here: a silence before this
         call (promotions far apart) is no sign of its death (before, a close after an idle
         timeout returned at once, and the process could exit before its part was uploaded)."""
-        since = time.monotonic()
+        since, beat = time.monotonic(), None
         while not self._stopped.wait(IDLE_WAIT):
             if self._thread.ident is not None and not self._thread.is_alive():
                 return
+            with contextlib.suppress(*_STORE_FAILED):  # rank 0's close advancing (its last promotion): heard
+                beat, before = self.coordinator.beat(0), beat
+                if before is not None and beat != before:
+                    self._heard = time.monotonic()
             if not self._serving and time.monotonic() - max(self._heard, since) > self.coordinator.timeout:
                 log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
                             self.node, self.coordinator.timeout)
@@ -272,8 +290,13 @@ class NodeUploader:
         (an order cannot come, a report cannot reach it: logged)."""
         number = 1
         while True:
-            order = self._next(number)
-            if order is None or order.get("stop"):
+            try:
+                order = self._next(number)
+            except _Gone as gone:
+                log.warning("llmtailor: node %d's uploader stops waiting for promotion order %d: %s (for %g s); no "
+                            "promotion of this job follows", self.node, number, gone, GONE_AFTER)
+                return
+            if order.get("stop"):
                 return
             self._serving = True
             try:
@@ -283,47 +306,48 @@ class NodeUploader:
                 self._heard = time.monotonic()
                 self._serving = False
             try:
-                self.coordinator.post(report_tag(number, self.node), report)
-            except CoordinationError as err:  # the job's store went away (rank 0 died): no order follows
-                log.warning("llmtailor: node %d's uploader could not report on promotion %d and stops: %s",
-                            self.node, number, err)
+                self._retried(functools.partial(self.coordinator.post, report_tag(number, self.node), report))
+            except _Gone as gone:  # the job's store went away (rank 0 died): no order follows
+                log.warning("llmtailor: node %d's uploader could not report on promotion %d and stops: %s (for %g s)",
+                            self.node, number, gone, GONE_AFTER)
                 return
             number += 1
 
-    def _next(self, number: int) -> dict[str, Any] | None:
+    def _next(self, number: int) -> dict[str, Any]:
         """Order ``number``, once rank 0 posted it: waited for in the store's own ``wait``
         (woken as it lands), again and again while none comes (promotions may be far apart: an
-        idle rank 0 says nothing). None, logged, once the job's store is gone (the process
-        hosting it died: rank 0's, or the launcher's): no order can come through it. Gone: every
-        look at it failed for ``GONE_AFTER`` s (a look that fails once may be a hiccup the next
-        passes; before, the first failed look stopped this node's uploads for good, and earlier
-        the uploader asked a dead store again every ``IDLE_WAIT`` for as long as its process
-        lived). A store that outlives rank 0 (the launcher's) tells nothing of rank 0's death:
-        the uploader waits on in the store's ``wait``; the launcher ends this process too
-        (torchrun stops every worker of a job whose worker failed), and a close's ``join`` gives
-        up after the timeout."""
+        idle rank 0 says nothing). ``_Gone`` once the job's store is gone (the process hosting
+        it died: rank 0's, or the launcher's): no order can come through it (``_retried``: a
+        look that fails once may be a hiccup the next passes; before, the first failed look
+        stopped this node's uploads for good, and earlier the uploader asked a dead store again
+        every ``IDLE_WAIT`` for as long as its process lived). A store that outlives rank 0 (the
+        launcher's) tells nothing of rank 0's death: the uploader waits on in the store's
+        ``wait``; the launcher ends this process too (torchrun stops every worker of a job whose
+        worker failed), and a close's ``join`` gives up after the timeout."""
         tag = order_tag(number)
-        failing: float | None = None  # since when every look at the store failed
         while True:
             try:
                 order = self.coordinator.collect({0: tag}, f"promotion order {number}")[0]
-            except CoordinationError:  # none within the timeout, or the store went away: which, a look says
-                try:
-                    posted, order = self.coordinator.poll(tag)
-                    failing = None
-                except CoordinationError as err:  # gone, or a hiccup: gone once it failed for GONE_AFTER s
-                    failing = time.monotonic() if failing is None else failing
-                    if time.monotonic() - failing < GONE_AFTER:
-                        self._stopped.wait(IDLE_WAIT)
-                        continue
-                    log.warning("llmtailor: node %d's uploader stops waiting for promotion order %d: %s (for %g s); "
-                                "no promotion of this job follows", self.node, number, err, GONE_AFTER)
-                    return None
+            except _STORE_FAILED:  # none within the timeout, or the store failed: which, a look says
+                posted, order = self._retried(functools.partial(self.coordinator.poll, tag))
                 if not posted:
                     self._stopped.wait(IDLE_WAIT)
                     continue
             self._heard = time.monotonic()
             return order
+
+    def _retried(self, call: Callable[[], T]) -> T:
+        """``call()`` (a call to the job's store), again each ``IDLE_WAIT`` while it fails
+        (``_STORE_FAILED``); ``_Gone``, with its last failure, once it failed for ``GONE_AFTER`` s."""
+        failing: float | None = None  # since when every call failed
+        while True:
+            try:
+                return call()
+            except _STORE_FAILED as err:
+                failing = time.monotonic() if failing is None else failing
+                if time.monotonic() - failing >= GONE_AFTER:
+                    raise _Gone(describe_error(err)) from err
+                self._stopped.wait(IDLE_WAIT)
 
     def _serve(self, order: dict[str, Any]) -> dict[str, Any]:
         """This node's part of one order, each snapshot of it leased in this node's copy before

@@ -50,7 +50,7 @@ from typing import Any
 import xxhash
 
 from llmtailor.constants import CARRIED_FOR
-from llmtailor.distributed.progress import advance
+from llmtailor.distributed.progress import Scope, advance, within
 from llmtailor.errors import IntegrityError, PromotionError, SnapshotNotFoundError, TailorError, describe_os_error
 from llmtailor.store.catalog import Composite
 from llmtailor.store.commit import SnapshotCommit, replace_latest
@@ -282,6 +282,9 @@ class Promoter:
         promotions to the next tier go through ``crew.promote`` instead of ``promote``."""
         self.done: list[Promotion] = []
         """Every promotion done, in order."""
+        self.progress = Scope()
+        """The progress of its promotions (their copies and fsyncs): a close that waits for the last
+        one shows it as its own (``Tiers.close``: ``Coordinator.working``)."""
 
     def committed(self, step: int) -> None:
         """The first tier committed ``step``: promote what is due, in the background."""
@@ -408,6 +411,10 @@ class Promoter:
             self._thread.start()
 
     def _work(self) -> None:
+        with within(self.progress):
+            self._passes()
+
+    def _passes(self) -> None:
         while True:
             with self._guard:
                 if not self._wanted:

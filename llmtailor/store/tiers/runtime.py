@@ -293,8 +293,9 @@ class Tiers:
         try:
             unhealed = self._unhealed_nodes(coordinator)
             if not unhealed:
-                if self.promoter is not None:
-                    self.promoter.finish()
+                if self.promoter is not None:  # the others wait on while it advances (a large upload)
+                    with coordinator.working(self.promoter.progress):
+                        self.promoter.finish()
                 if self.uploader is not None:  # rank 0 says stop once its last promotion is committed
                     self.uploader.join()
                 self.retain_held_back()
