@@ -73,9 +73,13 @@ def restore_in_fresh_process() -> subprocess.Popen:
 
 
 def restore_in(proc: subprocess.Popen, run_dir: Path) -> None:
-    """``proc`` (``restore_in_fresh_process``) restores ``run_dir`` next."""
-    proc.stdin.write(f"{run_dir}\n")
-    proc.stdin.flush()
+    """``proc`` (``restore_in_fresh_process``) restores ``run_dir`` next (if it already failed,
+    ``restored`` says how)."""
+    try:
+        proc.stdin.write(f"{run_dir}\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass
 
 
 def restored(proc: subprocess.Popen) -> list[dict[str, str]]:
