@@ -9,7 +9,8 @@
 --checkpoint model uses Lightning's own ``ModelCheckpoint`` (and imports no llmtailor code, checked
 at the end) and --resume is a ``.ckpt`` file. --crash-at SIGKILLs the process right after the
 save of that step (when the next step starts). --devices 2 trains with Lightning's
-DDP strategy on CPU; launch it with torchrun (Lightning then uses torchrun's processes).
+DDP strategy on CPU; launch it with torchrun or ``forked_jobs.rank_launch`` (Lightning then uses
+the launcher's processes: it reads torchrun's environment, which both set).
 --dropout P sets the model's attention dropout (the only dropout a Llama applies): every training
 step then draws from each rank's torch RNG, so a resume that restores it one draw off shows.
 Several jobs may share a launch (one process group under torchrun): their command lines
@@ -186,9 +187,15 @@ def main(argv: list[str] | None = None) -> tuple:
     return trainer, model
 
 
-if __name__ == "__main__":
+def launch() -> None:
+    """A launch of this script (``python lightning_job.py ...``, or a rank forked by
+    ``forked_jobs.rank_launch``): every job of the command line in turn (``--then``), then exit."""
     made = []
     for number, argv in enumerate(job_lines(sys.argv[1:])):
         made.append(main(argv))
         said_done(number)
     leave()
+
+
+if __name__ == "__main__":
+    launch()

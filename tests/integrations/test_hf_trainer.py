@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import run_in_turn, run_jobs
+from forked_jobs import rank_launch, run_in_turn, run_jobs
 from helpers import standalone_launch, tree_digest
 from typer.testing import CliRunner
 
@@ -149,12 +149,16 @@ def test_vanilla_trainer_resumes_from_hf_export_bit_for_bit(one_process, family)
     assert resumed["params"] == reference["params"]
 
 
-def two_ranks(tmp_path: Path, *flags: str, shared: bool = True) -> tuple[dict, list[int]]:
+def two_ranks(tmp_path: Path, *flags: str, shared: bool = True, forked: bool = False) -> tuple[dict, list[int]]:
     """Under torchrun with 2 ranks, each with ``flags``: "reference" (uninterrupted) and "crashed"
     (SIGKILLed after its save of 8), in one launch that runs them in turn in one process group
     (forked_jobs.run_in_turn) if ``shared``, else one each, both at once; then "resumed" in a launch of its own.
-    And the steps the killed run held."""
-    torchrun = standalone_launch(2)
+    And the steps the killed run held. ``forked``: each launch's 2 ranks forked from one
+    interpreter that imported the job, with torchrun's environment (``forked_jobs.rank_launch``),
+    not a torchrun agent and two fresh interpreters."""
+
+    def torchrun() -> list[str]:  # a port of its own each launch (rank_launch picks one)
+        return rank_launch(2) if forked else standalone_launch(2)
 
     def spec(name: str, out: str, *more: str) -> tuple[list[str], Path]:
         return ["--out", str(tmp_path / out), "--result", str(tmp_path / f"{name}.json"), *flags, *more], \
@@ -162,14 +166,14 @@ def two_ranks(tmp_path: Path, *flags: str, shared: bool = True) -> tuple[dict, l
 
     first = {"reference": spec("reference", "ref"), "crashed": spec("crashed", "run", "--crash-at", str(CRASH_AT))}
     if shared:
-        done = run_in_turn(torchrun, JOB, first, ranks=2)
+        done = run_in_turn(torchrun(), JOB, first, ranks=2)
     else:  # the two launches at once: each its own processes, port and run
         with ThreadPoolExecutor(2) as pool:
-            launches = [pool.submit(run_in_turn, torchrun, JOB, dict([job]), ranks=2) for job in first.items()]
+            launches = [pool.submit(run_in_turn, torchrun(), JOB, dict([job]), ranks=2) for job in first.items()]
             done = {name: finished for launch in launches for name, finished in launch.result().items()}
     run = tmp_path / "run" / "tailored"
     held = Run(run).steps() if run.is_dir() else []
-    return done | run_in_turn(torchrun, JOB, {"resumed": spec("resumed", "run", "--resume", "true")}, ranks=2), held
+    return done | run_in_turn(torchrun(), JOB, {"resumed": spec("resumed", "run", "--resume", "true")}, ranks=2), held
 
 
 @pytest.mark.slow
@@ -192,14 +196,16 @@ def test_ddp_under_torchrun_crash_and_resume_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_under_torchrun_crash_and_resume_in_place_bit_for_bit(tmp_path):
+def test_deepspeed_zero3_crash_and_resume_in_place_bit_for_bit(tmp_path):
     """HF Trainer + DeepSpeed ZeRO-3, two processes: TailorTrainer saves from the engine on
     Trainer's schedule; after a SIGKILL of the job it resumes in place (the composite loaded
     into the engine Trainer built, no checkpoint exported) and logs the same losses as an
-    uninterrupted job, bit for bit."""
+    uninterrupted job, bit for bit. The ranks are forked with torchrun's environment
+    (``two_ranks(forked=True)``): what is tested is the engine's saves and resume, not torchrun,
+    which the DDP test above runs under."""
     pytest.importorskip("deepspeed")
     # A launch of its own each: a ZeRO-3 Trainer after another in one process logged other losses.
-    jobs, held = two_ranks(tmp_path, "--deepspeed", "3", shared=False)
+    jobs, held = two_ranks(tmp_path, "--deepspeed", "3", shared=False, forked=True)
     reference = jobs["reference"].result()
     jobs["crashed"].result(crash=True)
     run = Run(tmp_path / "run" / "tailored")

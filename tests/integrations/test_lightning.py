@@ -1,8 +1,9 @@
 """PyTorch Lightning with ``TailorCheckpoint``, with the real library and real processes: saves on
 Lightning's schedule, a SIGKILL after a save, ``trainer.fit(ckpt_path=RUN)`` in a fresh process
-(single device and DDP under torchrun, each with Full and Parity), then the same losses, batches
-and final weights bit for bit as an uninterrupted run (Full; under DDP with dropout, resumed
-mid-epoch and at an epoch boundary), or each unit at the version the composite names (Parity).
+(single device, and DDP on 2 ranks started as torchrun starts them, each with Full and Parity),
+then the same losses, batches and final weights bit for bit as an uninterrupted run (Full; under
+DDP with dropout, resumed mid-epoch and at an epoch boundary), or each unit at the version the
+composite names (Parity).
 ``assemble --format lightning`` writes a ``.ckpt`` plain Lightning resumes from, bit for bit."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import run_in_turn, run_jobs
-from helpers import assert_composite_loaded, assert_same_training_state, standalone_launch
+from forked_jobs import rank_launch, run_in_turn, run_jobs
+from helpers import assert_composite_loaded, assert_same_training_state
 
 L = pytest.importorskip("lightning")
 
@@ -131,31 +132,36 @@ DROPOUT = ["--every", "2", "--dropout", "0.1"]
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """The DDP jobs (2 ranks under torchrun) of this module's tests, in four launches, each
-    running its jobs in turn in one process group (forked_jobs.run_in_turn; a job SIGKILLed last
-    in its launch): ["reference" (dropout, uninterrupted), "parity-crashed" (Parity, killed after
+    """The DDP jobs (2 ranks) of this module's tests, in four launches, each running its jobs in
+    turn in one process group (forked_jobs.run_in_turn; a job SIGKILLed last in its launch):
+    ["reference" (dropout, uninterrupted), "parity-crashed" (Parity, killed after
     8)], ["crashed" (dropout, killed after 6)], ["parity-resumed" (to 12, dumping what it
     loaded), "again" (resumed, killed after 8)], ["resumed" (to 10, eager loader)]. The Parity
-    run's composite after its crash is recorded in "after-crash"."""
+    run's composite after its crash is recorded in "after-crash". Each launch's ranks are forked
+    from one interpreter that imported the job (``forked_jobs.rank_launch``: torchrun's
+    environment, which Lightning's DDP reads, and a failed or killed rank ending the others, as
+    torchrun's agent does), not a torchrun agent and two fresh interpreters importing Lightning
+    and transformers each: what is tested is the ranks' training, saves and resumes, not torchrun
+    (tests/distributed/test_torchrun.py and test_hf_trainer.py's DDP test run under torchrun itself).
+    The ranks of a launch share their ``str`` hash seed."""
     root = tmp_path_factory.mktemp("ddp")
-    torchrun = standalone_launch(2)
 
     def job(name: str, run: str, *flags: str) -> tuple[list[str], Path]:
         return ["--run-dir", str(root / run), "--result", str(root / f"{name}.json"), "--devices", "2", *flags], \
             root / f"{name}.json"
 
-    done = run_in_turn(torchrun, JOB, {
+    done = run_in_turn(rank_launch(2), JOB, {
         "reference": job("reference", "reference", *DROPOUT),
         "parity-crashed": job("parity-crashed", "parity", "--policy", "parity", "--crash-at", "8"),
     }, ranks=2)
     after_crash = Run(root / "parity").resolve() if (root / "parity").is_dir() and Run(root / "parity").steps() else None
-    done |= run_in_turn(torchrun, JOB, {"crashed": job("crashed", "crashed", *DROPOUT, "--crash-at", "6")}, ranks=2)
-    done |= run_in_turn(torchrun, JOB, {
+    done |= run_in_turn(rank_launch(2), JOB, {"crashed": job("crashed", "crashed", *DROPOUT, "--crash-at", "6")}, ranks=2)
+    done |= run_in_turn(rank_launch(2), JOB, {
         "parity-resumed": job("parity-resumed", "parity", "--policy", "parity", "--resume", str(root / "parity"),
                               "--dump", str(root / "dump.pt"), "--max-steps", "12"),
         "again": job("again", "crashed", *DROPOUT, "--resume", str(root / "crashed"), "--crash-at", "8"),
     }, ranks=2)
-    done |= run_in_turn(torchrun, JOB, {
+    done |= run_in_turn(rank_launch(2), JOB, {
         "resumed": job("resumed", "crashed", *DROPOUT, "--loader", "eager", "--resume", str(root / "crashed")),
     }, ranks=2)
     return {"root": root, "jobs": done, "after-crash": after_crash}

@@ -40,9 +40,10 @@ import json, sys, torch
 sys.path[:0] = [{here!r}, {tests!r}]
 from test_index_file import fixture_model, state_checksums
 from llmtailor import Tailor
-model, opt = fixture_model(seed=7)
-Tailor({run!r}, model, opt, read_only=True).restore()
-print(json.dumps(state_checksums(model, opt)))
+for run in sys.stdin:
+    model, opt = fixture_model(seed=7)
+    Tailor(run.rstrip("\\n"), model, opt, read_only=True).restore()
+    print(json.dumps(state_checksums(model, opt)), flush=True)
 """
 
 
@@ -60,18 +61,33 @@ def state_checksums(model, opt) -> dict[str, str]:
     return state
 
 
-def restore_in_fresh_process(run_dir: Path) -> subprocess.Popen:
-    """A fresh interpreter restoring ``run_dir`` read-only (started: ``restored`` waits for it),
-    so that what this test does meanwhile runs beside its start."""
-    code = DUMP.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]), run=str(run_dir))
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def restore_in_fresh_process() -> subprocess.Popen:
+    """A fresh interpreter (another process than the one that wrote the runs) that restores
+    read-only each run directory ``restore_in`` hands it, each into a model and optimizer of its
+    own; started at once, so that what this test does meanwhile runs beside its start, and one
+    for the test's restores (an interpreter importing torch and llmtailor costs seconds of CPU
+    here): ``restored`` waits for it."""
+    code = DUMP.format(here=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]))
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def restored(proc: subprocess.Popen) -> dict[str, str]:
-    """The checksums of every weight and moment ``proc`` (``restore_in_fresh_process``) restored."""
-    [(stdout, stderr)] = wait_launches([proc])
+def restore_in(proc: subprocess.Popen, run_dir: Path) -> None:
+    """``proc`` (``restore_in_fresh_process``) restores ``run_dir`` next (if it already failed,
+    ``restored`` says how)."""
+    try:
+        proc.stdin.write(f"{run_dir}\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass
+
+
+def restored(proc: subprocess.Popen) -> list[dict[str, str]]:
+    """The checksums of every weight and moment of each restore ``proc`` (``restore_in_fresh_process``)
+    did, in the order they were asked for; it ends first."""
+    [(stdout, stderr)] = wait_launches([proc])  # its input closed: it ends once every restore is done
     assert proc.returncode == 0, stderr[-3000:]
-    return json.loads(stdout.splitlines()[-1])
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def test_a_save_writes_its_unit_indexes_as_lines_of_one_file_each_read_and_checked(tmp_path, tokens):
@@ -109,7 +125,8 @@ def test_a_schema5_run_restores_bit_for_bit_verifies_and_takes_schema6_saves_int
     run_dir = tmp_path / "old"
     shutil.copytree(FIXTURE, run_dir)
     shutil.copytree(FIXTURE, tmp_path / "pristine")  # restored in a fresh process while this one saves into run_dir
-    fresh = restore_in_fresh_process(tmp_path / "pristine")
+    fresh = restore_in_fresh_process()
+    restore_in(fresh, tmp_path / "pristine")
     expected = json.loads((FIXTURES / "schema5_expected.json").read_text())
     assert Run(run_dir).manifest(2).schema_version == 5 and Run(run_dir).verify() == []
     model, opt = fixture_model(seed=3)
@@ -132,9 +149,8 @@ def test_a_schema5_run_restores_bit_for_bit_verifies_and_takes_schema6_saves_int
     want = dict(expected)
     want.update({n: tensor_checksum(p.detach()) for n, p in model.named_parameters() if n in saved_at_3})
     assert saved_at_3 and any(want[n] != expected[n] for n in saved_at_3)  # the shape under test: both versions needed
-    assert restored(fresh) == expected  # the schema-5 run as the fixture holds it
     shutil.copytree(run_dir, tmp_path / "mixed")  # the mixed run before gc, restored in a fresh process while gc runs
-    fresh = restore_in_fresh_process(tmp_path / "mixed")
+    restore_in(fresh, tmp_path / "mixed")
     # inspect and gc on the mixed run; the schema-5 snapshot of step 2 stays while step 3 needs it.
     runner = CliRunner()
     shown = runner.invoke(app, ["inspect", str(run_dir)])
@@ -142,8 +158,10 @@ def test_a_schema5_run_restores_bit_for_bit_verifies_and_takes_schema6_saves_int
     assert runner.invoke(app, ["verify", str(run_dir)]).exit_code == 0
     assert runner.invoke(app, ["gc", str(run_dir), "--keep", "1"]).exit_code == 0
     assert Run(run_dir).steps() == sorted(set(Run(run_dir).resolve(3).sources.values()))
-    after_gc = restore_in_fresh_process(run_dir)
-    assert restored(fresh) == want and restored(after_gc) == want
+    restore_in(fresh, run_dir)
+    pristine, mixed, after_gc = restored(fresh)
+    assert pristine == expected  # the schema-5 run as the fixture holds it
+    assert mixed == want and after_gc == want
 
 
 KILLED_SAVE = """
