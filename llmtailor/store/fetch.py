@@ -93,31 +93,70 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
             part.read(storage, key)
             part.done(hasher)
         return
-    pool, ahead = _workers, storage.reads_in_flight or len(parts)
+    ahead = storage.reads_in_flight or len(parts)
     if ahead == 1:
         _read_in_order(storage, key, parts, hasher)
         return
-    futures: list[Future] = [pool.submit(carried(part.read), storage, key) for part in parts[:ahead]]
+    requests = Requests([lambda part=part: part.read(storage, key) for part in parts], ahead)
     try:
         for index, part in enumerate(parts):  # each part hashed once in: verifying overlaps fetching
-            futures[index].result()
-            if index + ahead < len(parts):  # the next part requested before this one is hashed
-                futures.append(pool.submit(carried(parts[index + ahead].read), storage, key))
+            requests.take(index)  # the next part requested before this one is hashed
             part.done(hasher)
     except BaseException:
-        for future in futures:
-            future.cancel()
-        wait(futures)  # no part is written into a view once this has returned
+        requests.stop()  # no part is written into a view once this has returned
         raise
 
 
-def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tuple[list[int], list[Future]]:
+class Requests:
+    """The requests of one fetch, made on the fetch pool in file order, at most ``ahead`` of them
+    in flight beyond the last one the caller took (``Storage.reads_in_flight``): a store that
+    serves that many at once gets no more, and a caller that keeps each answer until it is
+    placed holds at most ``ahead`` of them. A single request is made on the caller's thread when
+    it is taken (nothing to overlap it with: no hand-over). The caller takes each in order
+    (``take``); one that stops calls ``stop``, which returns once no request runs (none writes
+    into memory freed behind it)."""
+
+    def __init__(self, requests: list[Callable[[], Any]], ahead: int):
+        self._requests, self._ahead = requests, max(1, ahead)
+        self._futures: list[Future] = []
+        if len(requests) > 1:
+            self._request(self._ahead)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def take(self, index: int) -> Any:
+        """Request ``index``'s answer, once it is in (what it raised, raised here); the next one
+        requested before this returns, so the store is asked for it while the caller uses this one."""
+        if len(self._requests) == 1 and not self._futures:  # made here, now
+            self._futures.append(Future())
+            try:
+                self._futures[0].set_result(self._requests[0]())
+            except Exception as err:  # raised where its answer is taken, as a pool's request
+                self._futures[0].set_exception(err)
+        self._request(index + 1)
+        answer = self._futures[index].result()
+        self._request(index + 1 + self._ahead)
+        return answer
+
+    def stop(self) -> None:
+        """The requests not started cancelled; returns once none runs."""
+        for future in self._futures:
+            future.cancel()
+        wait(self._futures)
+
+    def _request(self, until: int) -> None:
+        while len(self._futures) < min(until, len(self._requests)):
+            self._futures.append(_workers.submit(carried(self._requests[len(self._futures)])))
+
+
+def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tuple[list[int], Requests]:
     """The requests of a remote fetch of the whole file ``key`` (``length`` bytes: those of
-    ``fetch``, ``part_cuts``), all started at once (one: on this thread), each part's bytes left
-    as the store answers them, for a caller that puts them where they go itself: where each part
-    starts, and the future of its bytes. ``sized``: as ``fetch_into``'s, called from the first
-    part's request before its bytes are given. Once one is taken, a caller that stops waits for
-    the rest (``futures.wait``)."""
+    ``fetch``, ``part_cuts``), each part's bytes left as the store answers them, for a caller that
+    puts them where they go itself, taking them in order: where each part starts, and the
+    requests (``Requests``: at most ``storage.reads_in_flight`` in flight ahead of the caller, as
+    ``fetch_into``'s). ``sized``: as ``fetch_into``'s, called from the first part's request
+    before its bytes are given."""
     cuts = part_cuts(length)
     ends = [*cuts[1:], length]
 
@@ -134,15 +173,8 @@ def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tupl
         advance()
         return data
 
-    if len(cuts) == 1:
-        done: Future = Future()
-        try:
-            done.set_result(first())
-        except Exception as err:  # raised where its bytes are asked for, as a pool's part
-            done.set_exception(err)
-        return cuts, [done]
-    return cuts, [_workers.submit(carried(first)), *(_workers.submit(carried(rest), start, end)
-                                                     for start, end in zip(cuts[1:], ends[1:]))]
+    return cuts, Requests([first, *(lambda start=start, end=end: rest(start, end) for start, end in zip(cuts[1:], ends[1:]))],
+                          storage.reads_in_flight or len(cuts))
 
 
 def _read_in_order(storage: Storage, key: str, parts: list[_Part], hasher: Any) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -322,3 +323,53 @@ def test_a_remote_file_read_into_live_tensors_lands_there_from_the_plain_fetchs_
         assert not live.any()
     fetched = storage.started + sum(size for op, _, size in calls.calls if op in ("read", "read_range", "read_into"))
     assert (storage.starts, fetched) == ([key], file.bytes)
+
+
+def test_a_remote_files_parts_for_live_tensors_are_requested_at_most_reads_in_flight_ahead_of_the_caller(run, monkeypatch):
+    """A remote file read into live tensors (``request_parts``) asks the store for at most
+    ``reads_in_flight`` parts beyond the last one the reader took, as ``fetch_into`` does: a
+    store configured for fewer requests at once gets no more, and the answers held at once stay
+    bounded. The pool here makes each request as it is submitted, so the count of requests the
+    store saw as each part is taken (hashed, in file order) is exact, whatever the machine's speed."""
+    from llmtailor.store import checked
+
+    unit, tensor = only_tensor(run)
+    file = unit.files[tensor.chunks[0].file]
+    key = f"{run.snapshot_key(1)}/{file.path}"
+    made, ahead = [], []
+
+    class Counted(_Remote):
+        reads_in_flight = 3
+
+        def read_start(self, key, length):
+            made.append(0)
+            return super().read_start(key, length)
+
+        def read_range(self, key, start, length):
+            made.append(start)
+            return super().read_range(key, start, length)
+
+    class Here:
+        def submit(self, fn, *args):
+            done = Future()
+            done.set_result(fn(*args))
+            return done
+
+    class Hasher:  # the reader takes a part: it hashes it
+        def __init__(self):
+            self.inner = xxhash.xxh3_64()
+
+        def update(self, data):
+            ahead.append(len(made) - len(ahead) - 1)
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(fetch, "_workers", Here())
+    monkeypatch.setattr(checked, "xxhash", type("Recording", (), {"xxh3_64": Hasher}))
+    live = torch.zeros(SHAPE)
+    expected = {"weight/w": (tensor.dtype, list(SHAPE))}
+    assert checked.fetch_stored_tensors(Counted(run.storage.root), key, file, expected, into={"weight/w": live})["weight/w"] is live
+    assert torch.equal(live, FULL) and len(made) == len(ahead) > 6 and made == sorted(made)
+    assert max(ahead) == 3, ahead
