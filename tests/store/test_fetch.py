@@ -224,7 +224,9 @@ def test_from_a_remote_store_a_short_last_part_is_fetched_with_the_part_before_i
     """A request costs a round trip whatever its size: a range of a part and a few bytes is one
     request, not two (a Llama layer's 8.9 MB in a pack was 8 MiB and 0.9 MB); a last part of half
     a part or more keeps its own request. The same when the range fills several views (a unit
-    read into live tensors), the joined bytes then staged and copied out to each."""
+    read into live tensors), the joined request's answer then copied out to each as the store
+    gave it: no request is read into a staging buffer of its own (every ``read_into`` lands in
+    the caller's memory)."""
     unit, tensor = only_tensor(run)
     file = unit.files[tensor.chunks[0].file]
     key = f"{run.snapshot_key(1)}/{file.path}"
@@ -234,8 +236,12 @@ def test_from_a_remote_store_a_short_last_part_is_fetched_with_the_part_before_i
     assert bytes(fetch.fetch(storage, key, 0, length)) == data
     assert calls.count("read_into") == requests, calls.calls
     views = [bytearray(n) for n in (PART // 2, PART // 2, length - PART)]
+    landed, read_into = [], _Remote.read_into
+    monkeypatch.setattr(_Remote, "read_into", lambda self, key, start, into: (landed.append(into.obj), read_into(self, key, start, into)))
+    calls.calls.clear()
     fetch.fetch_into(storage, key, 0, [memoryview(v) for v in views])
-    assert b"".join(views) == data and calls.count("read_into") == 2 * requests, calls.calls
+    assert b"".join(views) == data and len(calls.calls) == requests, calls.calls
+    assert all(any(target is view for view in views) for target in landed), [len(t) for t in landed]
 
 
 def test_a_forked_child_exits_whatever_lock_of_the_parents_pool_a_parent_thread_held():
