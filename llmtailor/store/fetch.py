@@ -120,6 +120,7 @@ class Requests:
     def __init__(self, requests: list[Callable[[], Any]], ahead: int):
         self._requests, self._ahead = requests, max(1, ahead)
         self._futures: list[Future] = []
+        self._kept = 0  # the requests before it were taken and passed: their answers let go
         if len(requests) > 1:
             self._request(self._ahead)
 
@@ -128,7 +129,11 @@ class Requests:
 
     def take(self, index: int) -> Any:
         """Request ``index``'s answer, once it is in (what it raised, raised here); the next one
-        requested before this returns, so the store is asked for it while the caller uses this one."""
+        requested before this returns, so the store is asked for it while the caller uses this one.
+        The answers before ``index`` are let go here (the caller has them, or is done with them)."""
+        for earlier in range(self._kept, index):
+            self._futures[earlier] = _TAKEN
+        self._kept = max(self._kept, index)
         if len(self._requests) == 1 and not self._futures:  # made here, now
             self._futures.append(Future())
             try:
@@ -151,6 +156,11 @@ class Requests:
             self._futures.append(_workers.submit(carried(self._requests[len(self._futures)])))
 
 
+_TAKEN: Future = Future()
+"""In ``Requests`` in place of a request taken and passed: its answer is not held there any more."""
+_TAKEN.set_result(None)
+
+
 def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tuple[list[int], Requests]:
     """The requests of a remote fetch of the whole file ``key`` (``length`` bytes: those of
     ``fetch``, ``part_cuts``), each part's bytes left as the store answers them, for a caller that
@@ -164,7 +174,8 @@ def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tupl
 
     def answer(part: _Part) -> memoryview | bytes:
         part.read(storage, key)
-        return part.answer
+        data, part.answer = part.answer, None
+        return data
 
     return cuts, Requests([functools.partial(answer, part) for part in parts], storage.reads_in_flight or len(cuts))
 

@@ -334,8 +334,8 @@ def test_a_remote_file_read_into_live_tensors_lands_there_from_the_plain_fetchs_
 def test_a_remote_files_parts_for_live_tensors_are_requested_at_most_reads_in_flight_ahead_of_the_caller(run, monkeypatch):
     """A remote file read into live tensors (``request_parts``) asks the store for at most
     ``reads_in_flight`` parts beyond the last one the reader took, as ``fetch_into`` does: a
-    store configured for fewer requests at once gets no more, and the answers held at once stay
-    bounded. The pool here makes each request as it is submitted, so the count of requests the
+    store configured for fewer requests at once gets no more, nor are more answers waiting at
+    once. The pool here makes each request as it is submitted, so the count of requests the
     store saw as each part is taken (hashed, in file order) is exact, whatever the machine's speed."""
     from llmtailor.store import checked
 
