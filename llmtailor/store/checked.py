@@ -188,16 +188,16 @@ def _landed(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tu
     cuts, parts = request_parts(storage, key, entry.bytes, lambda size: _check_found_size(storage, key, entry, size))
     ends = [*cuts[1:], entry.bytes]
     try:
-        targets = _landing(memoryview(parts[0].result()).cast("B"), entry, where, expected, into)
+        targets = _landing(memoryview(parts.take(0)).cast("B"), entry, where, expected, into)
         if targets is None:
             data = new_buffer(entry.bytes)
             view = memoryview(data)
-            for start, end, part in zip(cuts, ends, parts):
-                view[start:end] = memoryview(part.result()).cast("B")
+            for index, (start, end) in enumerate(zip(cuts, ends)):
+                view[start:end] = memoryview(parts.take(index)).cast("B")
             return None, data
         header, places, out = targets
-        for start, end, part in zip(cuts, ends, parts):
-            data = memoryview(part.result()).cast("B")
+        for index, (start, end) in enumerate(zip(cuts, ends)):
+            data = memoryview(parts.take(index)).cast("B")
             if hasher is not None:
                 hasher.update(data)
             for begin, stop, dest in places:  # the tensors this part's bytes belong to
@@ -206,9 +206,7 @@ def _landed(storage: Storage, key: str, entry: FileEntry, expected: dict[str, tu
                     dest[low - begin : high - begin] = data[low - start : high - start]
         return header, out
     except BaseException:
-        for part in parts:
-            part.cancel()
-        futures_wait(parts)  # no request left running behind the caller
+        parts.stop()  # no request left running behind the caller
         raise
 
 

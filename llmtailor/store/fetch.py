@@ -24,6 +24,7 @@ check is raised before any other failure of the fetch and before it returns.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 from collections.abc import Callable
@@ -81,68 +82,102 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
     if sized is not None and start != 0:
         raise ValueError("fetch_into: a size is checked only on a read from the file's start")
     # A remote store pays a round trip per request whatever its size: there consecutive views
-    # are read together up to a whole part (one copy out of the staging buffer costs less).
+    # are read together up to a whole part (one copy out of the store's answer costs less).
     parts = _parts(start, views, PART if storage.remote else _SMALL, join=storage.remote)
     if sized is not None:
         if storage.remote and parts:
             parts[0].sized = sized
         else:  # a local file's size costs no round trip; its reads go straight into the views
             sized(storage.size(key))
-    if sum(len(part.view) for part in parts) <= PART:  # small: one thread, no hand-over
+    if sum(part.length for part in parts) <= PART:  # small: one thread, no hand-over
         for part in parts:
             part.read(storage, key)
             part.done(hasher)
         return
-    pool, ahead = _workers, storage.reads_in_flight or len(parts)
+    ahead = storage.reads_in_flight or len(parts)
     if ahead == 1:
         _read_in_order(storage, key, parts, hasher)
         return
-    futures: list[Future] = [pool.submit(carried(part.read), storage, key) for part in parts[:ahead]]
+    requests = Requests([functools.partial(part.read, storage, key) for part in parts], ahead)
     try:
         for index, part in enumerate(parts):  # each part hashed once in: verifying overlaps fetching
-            futures[index].result()
-            if index + ahead < len(parts):  # the next part requested before this one is hashed
-                futures.append(pool.submit(carried(parts[index + ahead].read), storage, key))
+            requests.take(index)  # the next part requested before this one is hashed
             part.done(hasher)
     except BaseException:
-        for future in futures:
-            future.cancel()
-        wait(futures)  # no part is written into a view once this has returned
+        requests.stop()  # no part is written into a view once this has returned
         raise
 
 
-def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tuple[list[int], list[Future]]:
+class Requests:
+    """The requests of one fetch, made on the fetch pool in file order, at most ``ahead`` of them
+    in flight beyond the last one the caller took (``Storage.reads_in_flight``): a store that
+    serves that many at once gets no more, and a caller that keeps each answer until it is
+    placed holds at most ``ahead`` of them. A single request is made on the caller's thread when
+    it is taken (nothing to overlap it with: no hand-over). The caller takes each in order
+    (``take``); one that stops calls ``stop``, which returns once no request runs (none writes
+    into memory freed behind it)."""
+
+    def __init__(self, requests: list[Callable[[], Any]], ahead: int):
+        self._requests, self._ahead = requests, max(1, ahead)
+        self._futures: list[Future] = []
+        self._kept = 0  # the requests before it were taken and passed: their answers let go
+        if len(requests) > 1:
+            self._request(self._ahead)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def take(self, index: int) -> Any:
+        """Request ``index``'s answer, once it is in (what it raised, raised here); the next one
+        requested before this returns, so the store is asked for it while the caller uses this one.
+        The answers before ``index`` are let go here (the caller has them, or is done with them)."""
+        for earlier in range(self._kept, index):
+            self._futures[earlier] = _TAKEN
+        self._kept = max(self._kept, index)
+        if len(self._requests) == 1 and not self._futures:  # made here, now
+            self._futures.append(Future())
+            try:
+                self._futures[0].set_result(self._requests[0]())
+            except Exception as err:  # raised where its answer is taken, as a pool's request
+                self._futures[0].set_exception(err)
+        self._request(index + 1)
+        answer = self._futures[index].result()
+        self._request(index + 1 + self._ahead)
+        return answer
+
+    def stop(self) -> None:
+        """The requests not started cancelled; returns once none runs."""
+        for future in self._futures:
+            future.cancel()
+        wait(self._futures)
+
+    def _request(self, until: int) -> None:
+        while len(self._futures) < min(until, len(self._requests)):
+            self._futures.append(_workers.submit(carried(self._requests[len(self._futures)])))
+
+
+_TAKEN: Future = Future()
+"""In ``Requests`` in place of a request taken and passed: its answer is not held there any more."""
+_TAKEN.set_result(None)
+
+
+def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tuple[list[int], Requests]:
     """The requests of a remote fetch of the whole file ``key`` (``length`` bytes: those of
-    ``fetch``, ``part_cuts``), all started at once (one: on this thread), each part's bytes left
-    as the store answers them, for a caller that puts them where they go itself: where each part
-    starts, and the future of its bytes. ``sized``: as ``fetch_into``'s, called from the first
-    part's request before its bytes are given. Once one is taken, a caller that stops waits for
-    the rest (``futures.wait``)."""
+    ``fetch``, ``part_cuts``), each part's bytes left as the store answers them, for a caller that
+    puts them where they go itself, taking them in order: where each part starts, and the
+    requests (``Requests``: at most ``storage.reads_in_flight`` in flight ahead of the caller, as
+    ``fetch_into``'s). ``sized``: as ``fetch_into``'s, called from the first part's request
+    before its bytes are given."""
     cuts = part_cuts(length)
-    ends = [*cuts[1:], length]
+    parts = [_Part(start, None, [], end - start) for start, end in zip(cuts, [*cuts[1:], length])]
+    parts[0].sized = sized
 
-    def first() -> memoryview | bytes:
-        size, data = storage.read_start(key, ends[0])
-        sized(size)
-        if len(data) != ends[0]:
-            raise IntegrityError(f"{storage.where(key)}: shorter than the data it should hold (truncated)")
-        advance()
+    def answer(part: _Part) -> memoryview | bytes:
+        part.read(storage, key)
+        data, part.answer = part.answer, None
         return data
 
-    def rest(start: int, end: int) -> memoryview | bytes:
-        data = storage.read_range(key, start, end - start)
-        advance()
-        return data
-
-    if len(cuts) == 1:
-        done: Future = Future()
-        try:
-            done.set_result(first())
-        except Exception as err:  # raised where its bytes are asked for, as a pool's part
-            done.set_exception(err)
-        return cuts, [done]
-    return cuts, [_workers.submit(carried(first)), *(_workers.submit(carried(rest), start, end)
-                                                     for start, end in zip(cuts[1:], ends[1:]))]
+    return cuts, Requests([functools.partial(answer, part) for part in parts], storage.reads_in_flight or len(cuts))
 
 
 def _read_in_order(storage: Storage, key: str, parts: list[_Part], hasher: Any) -> None:
@@ -178,34 +213,47 @@ def _read_in_order(storage: Storage, key: str, parts: list[_Part], hasher: Any) 
 
 
 class _Part:
-    """One request: ``len(view)`` bytes of the file from ``at`` into ``view``; ``scatter``: the
-    small consecutive views it stands for (``view`` is then a staging buffer, copied out)."""
+    """One request: ``length`` bytes of the file from ``at`` into ``view``; or, ``scatter``, the
+    small consecutive views it stands for: its bytes are then kept as the store answered them
+    (``answer``: no staging buffer of their own) and copied out to each once hashed (none: the
+    caller takes the answer, ``request_parts``)."""
 
-    __slots__ = ("at", "view", "scatter", "sized")
+    __slots__ = ("at", "length", "view", "scatter", "sized", "answer")
 
-    def __init__(self, at: int, view: memoryview, scatter: list[memoryview] | None = None):
+    def __init__(self, at: int, view: memoryview | None, scatter: list[memoryview] | None = None, length: int | None = None):
         self.at, self.view, self.scatter = at, view, scatter
+        self.length = length if length is not None else len(view) if view is not None else sum(len(v) for v in scatter or ())
         self.sized: Sized | None = None
         """The first part of a whole file's read: its request checks the file's size too."""
+        self.answer: memoryview | bytes | None = None
 
     def read(self, storage: Storage, key: str) -> None:
         if self.sized is not None:  # the size the store answers, checked before a byte is used
-            size, data = storage.read_start(key, len(self.view))
+            size, data = storage.read_start(key, self.length)
             self.sized(size)
-            self.view[:] = data
-        elif len(self.view):
+            if len(data) != self.length:
+                raise IntegrityError(f"{storage.where(key)}: shorter than the data it should hold (truncated)")
+            if self.scatter is not None:
+                self.answer = data
+            else:
+                self.view[:] = data
+        elif self.scatter is not None:
+            self.answer = storage.read_range(key, self.at, self.length)
+        elif self.length:
             storage.read_into(key, self.at, self.view)
         advance()  # a rank reading a large composite from a slow store shows it is live (``Coordinator.working``)
 
     def done(self, hasher: Any) -> None:
-        """Once read: hash it, and copy a staged part out to its views."""
+        """Once read: hash it, and copy a joined part out to its views."""
+        data = self.view if self.scatter is None else memoryview(self.answer).cast("B")
         if hasher is not None:
-            hasher.update(self.view)
+            hasher.update(data)
         if self.scatter is not None:
             at = 0
             for view in self.scatter:
-                view[:] = self.view[at : at + len(view)]
+                view[:] = data[at : at + len(view)]
                 at += len(view)
+            self.answer = None
 
 
 def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join: bool = False) -> list[_Part]:
@@ -222,8 +270,7 @@ def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join:
     def flush() -> None:
         if small:
             length = sum(len(view) for view in small)
-            parts.append(_Part(at - length, memoryview(bytearray(length)), list(small)) if len(small) > 1
-                         else _Part(at - length, small[0]))
+            parts.append(_Part(at - length, None, list(small)) if len(small) > 1 else _Part(at - length, small[0]))
             small.clear()
 
     for view in views:
@@ -252,13 +299,12 @@ def part_cuts(length: int, join: bool = True) -> list[int]:
 
 
 def _joined(last: list[_Part]) -> list[_Part]:
-    """The last two requests of a remote fetch, joined into one (through a staging buffer: they
-    fill different views) when together they are under a part and a half. A request costs a
+    """The last two requests of a remote fetch, joined into one (its answer copied out to the
+    views they fill) when together they are under a part and a half. A request costs a
     round trip whatever its size (and an S3 emulator such as moto reads the whole object for
     each ranged GET), so a range a little over a part's size (a Llama layer's 8.9 MB in a pack:
     8 MiB and 0.9 MB) is one request, not two; a copy of its bytes costs less."""
-    if len(last) < 2 or len(last[0].view) + len(last[1].view) >= PART + PART // 2:
+    if len(last) < 2 or last[0].length + last[1].length >= PART + PART // 2:
         return last
     first, second = last
-    targets = (first.scatter or [first.view]) + (second.scatter or [second.view])
-    return [_Part(first.at, memoryview(bytearray(len(first.view) + len(second.view))), targets)]
+    return [_Part(first.at, None, (first.scatter or [first.view]) + (second.scatter or [second.view]))]

@@ -203,9 +203,11 @@ class ChunkReader:
         return span.as_strided(shape, _strides(chunk.shape))
 
     def _checked_pages(self, storage: Storage, key: str, begin: int, tensor: TensorEntry, chunk: Chunk,
-                       start: int, end: int) -> bytearray:
+                       start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of the chunk, read as the whole pages they lie in, each page
-        checked against the chunk's page checksums."""
+        checked against the chunk's page checksums: a view of what was read or received (the
+        caller copies the box where it goes: a copy into fresh memory first would cost a buffer
+        and a pass over the bytes more)."""
         page = chunk.page_bytes
         low, high = _pages_around(tensor, chunk, start, end)
         raw = memoryview(self._fetch(storage, key, begin + low, high - low))
@@ -213,7 +215,7 @@ class ChunkReader:
             if checksum(raw[at - low : min(at + page, high) - low]) != chunk.pages[at // page]:
                 raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
                                      f"bytes {at}-{min(at + page, high)} (file is corrupted)")
-        return bytearray(raw[start - low : end - low])
+        return raw[start - low : end - low]
 
     def _checked_chunk(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
         import torch

@@ -705,17 +705,17 @@ def refused_read(out: Path, kind: str, failing: int) -> str | None:
     error it raised on this rank, or None."""
     import llmtailor.store.shared_ranges as shared_ranges
 
-    real = shared_ranges.fetch
+    real = shared_ranges.fetch_into
     if rank() == failing:
         def fail_first(storage, key, *args, **kwargs):
-            shared_ranges.fetch = real
+            shared_ranges.fetch_into = real
             raise IntegrityError(f"{storage.where(key)}: injected damage")
 
-        shared_ranges.fetch = fail_first
+        shared_ranges.fetch_into = fail_first
     try:
         return refused_restore(out, kind)
     finally:
-        shared_ranges.fetch = real
+        shared_ranges.fetch_into = real
 
 
 def ddp_read_once(out: Path) -> dict:

@@ -53,14 +53,9 @@ def test_every_chunk_of_a_file_is_read_as_itself(run, verify):
     reader.close()
 
 
-def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
-    """A chunk larger than a page carries page checksums: a box (a rank's shard at another world
-    size) reads only the pages it lies in, each checked; damage in another page goes unread,
-    damage in its own pages is named with its byte range."""
-    from llmtailor.store.tensor_files import page_size
-    from llmtailor.store.storage.local import LocalStorage
-
-    big = torch.randn(512, 300)  # 600 KiB in one chunk: pages of 4 KiB
+def _one_paged_chunk(tmp_path):
+    """A snapshot of one 600 KiB tensor in one chunk, with page checksums (pages of 4 KiB)."""
+    big = torch.randn(512, 300)
     layout = layout_from_names(["w"])
     staged = StagedSnapshot(
         step=1, parent=None, save_index=0, policy="test", layout=layout.to_record(),
@@ -72,6 +67,17 @@ def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
     unit = run.unit_entry(1, next(iter(run.manifest(1).units)))
     [tensor] = unit.tensors
     [chunk] = tensor.chunks
+    return big, run, unit, tensor, chunk
+
+
+def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
+    """A chunk larger than a page carries page checksums: a box (a rank's shard at another world
+    size) reads only the pages it lies in, each checked; damage in another page goes unread,
+    damage in its own pages is named with its byte range."""
+    from llmtailor.store.tensor_files import page_size
+    from llmtailor.store.storage.local import LocalStorage
+
+    big, run, unit, tensor, chunk = _one_paged_chunk(tmp_path)
     assert chunk.page_bytes == page_size(big.numel() * 4) and len(chunk.pages) == -(-big.numel() * 4 // chunk.page_bytes)
     fetched = []
     real, real_into = LocalStorage.read_range, LocalStorage.read_into
@@ -103,3 +109,22 @@ def test_a_large_chunk_is_read_and_checked_by_the_pages_a_box_covers(tmp_path):
             fresh.read_region(1, unit, tensor, (500, 0), (12, 300))
     finally:
         LocalStorage.read_range, LocalStorage.read_into = real, real_into
+
+
+def test_a_box_of_received_pages_is_checked_and_given_where_it_was_received_and_damage_there_is_refused(tmp_path):
+    """A box of a paged chunk whose pages a distributed restore received ahead
+    (``ChunkReader.received``: ``store.shared_ranges``) is checked page by page and given as a
+    view of the received bytes, which the caller copies into its shard: no copy into fresh
+    memory of its own first. A damaged byte in those pages is refused, naming the bytes."""
+    big, run, unit, tensor, chunk = _one_paged_chunk(tmp_path)
+    offsets, shape = (200, 0), (100, 300)
+    storage, key, start, length = ChunkReader(run).span(1, unit, tensor, chunk, offsets, shape)
+    received = torch.frombuffer(bytearray(run.storage.read_range(key, start, length)), dtype=torch.uint8)
+    reader = ChunkReader(run, verify=True)
+    reader.received = {(storage.identity(), key, start, length): memoryview(received.numpy())}
+    box = reader.read_box(1, unit, tensor, chunk, offsets, shape)
+    assert torch.equal(box, big[200:300])
+    assert received.data_ptr() <= box.data_ptr() < received.data_ptr() + length, "copied out of the received bytes"
+    received[length // 2] ^= 0xFF
+    with pytest.raises(Exception, match=r"checksum mismatch in tensor 'weight/w', bytes \d+-\d+"):
+        reader.read_box(1, unit, tensor, chunk, offsets, shape)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -223,7 +224,9 @@ def test_from_a_remote_store_a_short_last_part_is_fetched_with_the_part_before_i
     """A request costs a round trip whatever its size: a range of a part and a few bytes is one
     request, not two (a Llama layer's 8.9 MB in a pack was 8 MiB and 0.9 MB); a last part of half
     a part or more keeps its own request. The same when the range fills several views (a unit
-    read into live tensors), the joined bytes then staged and copied out to each."""
+    read into live tensors), the joined request's answer then copied out to each as the store
+    gave it: no request is read into a staging buffer of its own (every ``read_into`` lands in
+    the caller's memory)."""
     unit, tensor = only_tensor(run)
     file = unit.files[tensor.chunks[0].file]
     key = f"{run.snapshot_key(1)}/{file.path}"
@@ -233,8 +236,12 @@ def test_from_a_remote_store_a_short_last_part_is_fetched_with_the_part_before_i
     assert bytes(fetch.fetch(storage, key, 0, length)) == data
     assert calls.count("read_into") == requests, calls.calls
     views = [bytearray(n) for n in (PART // 2, PART // 2, length - PART)]
+    landed, read_into = [], _Remote.read_into
+    monkeypatch.setattr(_Remote, "read_into", lambda self, key, start, into: (landed.append(into.obj), read_into(self, key, start, into)))
+    calls.calls.clear()
     fetch.fetch_into(storage, key, 0, [memoryview(v) for v in views])
-    assert b"".join(views) == data and calls.count("read_into") == 2 * requests, calls.calls
+    assert b"".join(views) == data and len(calls.calls) == requests, calls.calls
+    assert all(any(target is view for view in views) for target in landed), [len(t) for t in landed]
 
 
 def test_a_forked_child_exits_whatever_lock_of_the_parents_pool_a_parent_thread_held():
@@ -322,3 +329,53 @@ def test_a_remote_file_read_into_live_tensors_lands_there_from_the_plain_fetchs_
         assert not live.any()
     fetched = storage.started + sum(size for op, _, size in calls.calls if op in ("read", "read_range", "read_into"))
     assert (storage.starts, fetched) == ([key], file.bytes)
+
+
+def test_a_remote_files_parts_for_live_tensors_are_requested_at_most_reads_in_flight_ahead_of_the_caller(run, monkeypatch):
+    """A remote file read into live tensors (``request_parts``) asks the store for at most
+    ``reads_in_flight`` parts beyond the last one the reader took, as ``fetch_into`` does: a
+    store configured for fewer requests at once gets no more, nor are more answers waiting at
+    once. The pool here makes each request as it is submitted, so the count of requests the
+    store saw as each part is taken (hashed, in file order) is exact, whatever the machine's speed."""
+    from llmtailor.store import checked
+
+    unit, tensor = only_tensor(run)
+    file = unit.files[tensor.chunks[0].file]
+    key = f"{run.snapshot_key(1)}/{file.path}"
+    made, ahead = [], []
+
+    class Counted(_Remote):
+        reads_in_flight = 3
+
+        def read_start(self, key, length):
+            made.append(0)
+            return super().read_start(key, length)
+
+        def read_range(self, key, start, length):
+            made.append(start)
+            return super().read_range(key, start, length)
+
+    class Here:
+        def submit(self, fn, *args):
+            done = Future()
+            done.set_result(fn(*args))
+            return done
+
+    class Hasher:  # the reader takes a part: it hashes it
+        def __init__(self):
+            self.inner = xxhash.xxh3_64()
+
+        def update(self, data):
+            ahead.append(len(made) - len(ahead) - 1)
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(fetch, "_workers", Here())
+    monkeypatch.setattr(checked, "xxhash", type("Recording", (), {"xxh3_64": Hasher}))
+    live = torch.zeros(SHAPE)
+    expected = {"weight/w": (tensor.dtype, list(SHAPE))}
+    assert checked.fetch_stored_tensors(Counted(run.storage.root), key, file, expected, into={"weight/w": live})["weight/w"] is live
+    assert torch.equal(live, FULL) and len(made) == len(ahead) > 6 and made == sorted(made)
+    assert max(ahead) == 3, ahead
