@@ -124,8 +124,7 @@ def persist(
                 reports = coord.gather(f"{round_}/parts", own) or []
                 return [part if rank == coord.rank else RankPart.from_message(m) for rank, m in enumerate(reports)]
 
-            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files,
-                                                                         _gated(coord, round_, staged.step)))
+            outcome = coord.broadcast(f"{round_}/outcome", functools.partial(_commit, snapshot, staged, gather, confirm, files, _gated(coord, round_, staged.step)))
     else:
         with coord.working(lane=round_):  # the others wait on while its writes go on (a large part, a slow store)
             part = attempt_part(snapshot, staged, coord.rank, on_unit)
