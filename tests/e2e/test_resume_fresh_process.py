@@ -14,7 +14,7 @@ from llmtailor import Run
 def job(tmp_path, run, out, *flags):
     proc = subprocess.run(
         [sys.executable, "-m", "llmtailor.training_example", "--run", str(run), "--out", str(tmp_path / out), *flags],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=1200,  # a bound on a hang (a fresh interpreter on a busy machine)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / out).read_text())
