@@ -50,6 +50,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,12 +103,15 @@ def crash_loop(
     async_save: bool = False,
     reference: dict | None = None,
     log=print,
+    launch=None,
 ) -> CrashReport:
     """Kill a training job ``kills`` times in ``workdir`` (emptied first), check the store after
     each kill, finish the run, and compare with a reference run when the policy is Full:
     ``reference`` (``reference_run``'s result for the same ``steps``, ``hidden`` and ``layers``;
     one reference serves loops that differ in kills, seed or async saves, which do not change
-    what an uninterrupted run computes), else one run here."""
+    what an uninterrupted run computes), else one run here. ``launch(command, stdout, stderr)``
+    starts a job (``subprocess.Popen`` by default; the tests fork theirs from an interpreter that
+    imported the job, tests/forked_nodes.py): what it returns is polled, killed and waited for."""
     start = time.perf_counter()
     steps = steps or default_steps(kills)
     shutil.rmtree(workdir, ignore_errors=True)
@@ -116,12 +120,13 @@ def crash_loop(
     report = CrashReport(policy, async_save)
     job = _JobCommand(policy, steps, hidden, layers, async_save)
     rng = random.Random(seed)
+    launch = launch or _popen
 
     if policy != "full":
         reference = None  # Parity composites are not bitwise equal to an uninterrupted run
     elif reference is None:
         reference = reference_run(workdir / "reference", steps=steps, hidden=hidden, layers=layers,
-                                  async_save=async_save)
+                                  async_save=async_save, launch=launch)
         log(f"[{policy}] reference run: {steps} steps")
 
     checker_model = build_model(job_config(hidden, layers), seed=7)
@@ -133,7 +138,7 @@ def crash_loop(
         logs.append(workdir / f"job-{i:03d}.log")
         leftovers_before = _leftovers(run_dir)
         with open(logs[-1], "w") as stdout, open(logs[-1].with_suffix(".err"), "w") as stderr:
-            proc = subprocess.Popen(job.args(run_dir, workdir / "job.json", resume), stdout=stdout, stderr=stderr)
+            proc = launch(job.args(run_dir, workdir / "job.json", resume), stdout, stderr)
         try:
             first = _wait_for_first_save(proc, logs[-1])
             if first is not None:
@@ -175,7 +180,7 @@ def crash_loop(
         where = "mid-write" if mid_write else "before pointer" if before_pointer else "outside save"
         log(f"[{policy}] kill {i + 1:3d}/{kills}: trained to {trained}, committed {committed}, {where}")
 
-    final = _run_to_end(job.args(run_dir, workdir / "final.json", resume=Run(run_dir).latest_step() is not None))
+    final = _run_to_end(job.args(run_dir, workdir / "final.json", resume=Run(run_dir).latest_step() is not None), launch)
     logs.append(workdir / "final.log")
     logs[-1].write_text(final.pop("stdout"))
     committed, problems = check_store(run_dir)
@@ -208,13 +213,14 @@ def default_steps(kills: int) -> int:
     return 4 * kills + 10
 
 
-def reference_run(workdir: Path, *, steps: int, hidden: int = 256, layers: int = 8, async_save: bool = False) -> dict:
+def reference_run(workdir: Path, *, steps: int, hidden: int = 256, layers: int = 8, async_save: bool = False,
+                  launch=None) -> dict:
     """An uninterrupted Full run of ``steps`` steps in ``workdir`` (emptied first), saving every
-    step: its result (losses by step, final weights' digest)."""
+    step: its result (losses by step, final weights' digest); ``launch`` as ``crash_loop``'s."""
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     job = _JobCommand("full", steps, hidden, layers, async_save)
-    return _run_to_end(job.args(workdir / "run", workdir / "reference.json", resume=False))
+    return _run_to_end(job.args(workdir / "run", workdir / "reference.json", resume=False), launch or _popen)
 
 
 def check_store(run_dir: Path) -> tuple[int | None, list[str]]:
@@ -251,12 +257,26 @@ class _JobCommand:
         ]  # fmt: skip
 
 
-def _run_to_end(args: list[str]) -> dict:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+def _popen(args: list[str], stdout, stderr) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=stdout, stderr=stderr)
+
+
+def _run_to_end(args: list[str], launch) -> dict:
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        proc = launch(args, stdout, stderr)
+        try:
+            returncode = proc.wait(timeout=JOB_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        if returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} exited {returncode}:\n{stderr.read()[-3000:]}")
+        printed = stdout.read()
     out = json.loads(Path(args[args.index("--out") + 1]).read_text())
-    return {**out, "stdout": proc.stdout}
+    return {**out, "stdout": printed}
 
 
 def _wait_for_first_save(proc: subprocess.Popen, log: Path) -> int | None:

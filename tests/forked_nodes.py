@@ -31,8 +31,8 @@ environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``, ``MASTER_
   iterate a set of names in different orders, as torchrun's do). The generators that a fresh
   interpreter seeds from the OS (``random``, numpy's) are reseeded in each rank.
 
-The servers of a module are ended at its end (tests/distributed/conftest.py), so a test file's
-CPU counts its ranks'."""
+The servers serve every test of tests/distributed/ and end after its last one (its conftest.py):
+a server only imports and forks, so what a rank starts from does not depend on the tests before."""
 
 from __future__ import annotations
 
@@ -62,17 +62,19 @@ _EXIT_BARRIER = 300.0
 
 class ForkServers:
     """The fork servers of this process's node launches (one per rank of the widest launch, started
-    on first use): ``addresses(ranks)`` those the ranks of a launch are forked from; ``stop``
-    ends them."""
+    on first use), each importing ``preload`` in this process's environment and ``env``
+    (one thread per rank by default, as the node launches set it): ``addresses(ranks)`` those the
+    ranks of a launch are forked from; ``stop`` ends them."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, env: dict[str, str] | None = None):
         self._servers: list[tuple[subprocess.Popen, str]] = []
+        self._preload, self._env = preload, {"OMP_NUM_THREADS": "1"} if env is None else env
 
     def addresses(self, ranks: int) -> list[str]:
         while len(self._servers) < ranks:
             address = f"llmtailor-forks-{os.getpid()}-{len(self._servers)}-{os.urandom(4).hex()}"
-            server = subprocess.Popen([sys.executable, __file__, "--forks", address, *PRELOAD],
-                                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+            server = subprocess.Popen([sys.executable, __file__, "--forks", address, *self._preload],
+                                      env={**os.environ, **self._env, "PYTHONUNBUFFERED": "1"},
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
             self._servers.append((server, address))
         return [address for _, address in self._servers[:ranks]]
@@ -90,10 +92,58 @@ class ForkServers:
         self._servers.clear()
 
 
-def node_command(addresses: list[str], nnodes: int, node_rank: int, per_node: int, host: str, port: int) -> list[str]:
-    """The command line of node ``node_rank`` (before the script and its arguments)."""
+class Forked:
+    """One process forked by the fork server at ``address`` running ``argv`` (a script and its
+    arguments, as ``python SCRIPT ARGS``) with this process's environment and directory, its
+    output to ``stdout`` and ``stderr`` (open files): as much of ``subprocess.Popen`` as a test
+    that starts, polls, kills and waits for a job uses. ``pid`` is the job's own (a SIGKILL lands
+    in the job, not in a launcher); ``poll`` and ``wait`` give its exit status once the server
+    reaped it, so the job has ended when they do (what it wrote is all there). Closing this end
+    (``close``, or this process's end) ends the job (SIGIO, ``_forked``)."""
+
+    def __init__(self, address: str, argv: list, stdout, stderr):
+        with open(os.devnull) as stdin:
+            self._conn = _connect(address, patience=_LISTENING_WAIT)
+            _send(self._conn, {"kind": "rank", "argv": [str(arg) for arg in argv], "cwd": os.getcwd(),
+                               "env": dict(os.environ)}, [stdin.fileno(), stdout.fileno(), stderr.fileno()])
+        self._lines = _Lines(self._conn)
+        message, _ = self._lines.next()
+        if message is None or "pid" not in message:
+            raise RuntimeError(f"the fork server at {address} forked nothing for {argv}")
+        self.pid, self.args, self.returncode = message["pid"], argv, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            message, _ = self._lines.next()
+            self.returncode = message["status"] if message else 1  # no status: its server ended (and it)
+            self._conn.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """End the job if it still runs (SIGKILL) and wait for its end."""
+        if self.returncode is None:
+            self.kill()
+            self.wait()
+
+
+def node_command(addresses: list[str], nnodes: int, node_rank: int, per_node: int, host: str, port: int,
+                 statuses: Path | None = None) -> list[str]:
+    """The command line of node ``node_rank`` (before the script and its arguments); with
+    ``statuses``, every rank runs to its end (none is ended when another fails, as processes
+    started by hand) and the file gets the node's ranks' exit statuses, the node exiting 0."""
     return [sys.executable, __file__, "--node", ",".join(addresses), str(nnodes), str(node_rank), str(per_node),
-            host, str(port)]
+            host, str(port), *(["--statuses", str(statuses)] if statuses is not None else [])]
 
 
 # --- the wire: one JSON object a line, a request's standard streams passed with it ---
@@ -282,9 +332,9 @@ def _store(request: dict) -> None:
 # --- a node ---
 
 def node(addresses: list[str], nnodes: int, node_rank: int, per_node: int, host: str, port: int,
-         script: str, args: list[str]) -> None:
+         script: str, args: list[str], statuses: str | None = None) -> None:
     """Start the node's ranks (and node 0's store), wait for them as torchrun's agent does, exit
-    with its status."""
+    with its status (``statuses``: ``node_command``'s)."""
     world = nnodes * per_node
     barrier = f"llmtailor-barrier-{host}-{port}"
     common = {"LOCAL_WORLD_SIZE": str(per_node), "WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world),
@@ -314,19 +364,21 @@ def node(addresses: list[str], nnodes: int, node_rank: int, per_node: int, host:
     signal.signal(signal.SIGTERM, lambda *_: (ending.set(), _signal_all(pids, signal.SIGTERM),
                                               threading.Timer(_TERM_GRACE, _signal_all, (pids, signal.SIGKILL)).start()))
     failed = False
-    waiting = dict(ranks)
+    waiting, codes = dict(ranks), [None] * per_node
     while waiting:
         ready, _, _ = select.select([conn for conn, _, _ in waiting.values()], [], [])
         for local in [local for local, (conn, _, _) in waiting.items() if conn in ready]:
             message, _ = waiting.pop(local)[1].next()
-            code = message["status"] if message else 1
-            if code != 0 and not failed:
+            codes[local] = code = message["status"] if message else 1
+            if code != 0 and not failed and statuses is None:
                 failed = True
                 print(f"node {node_rank}: rank {node_rank * per_node + local} exited with {code}; ending the node's ranks",
                       file=sys.stderr, flush=True)
                 live = [pid for _, _, pid in waiting.values()]
                 _signal_all(live, signal.SIGTERM)
                 threading.Timer(_TERM_GRACE, _signal_all, (live, signal.SIGKILL)).start()
+    if statuses is not None:
+        Path(statuses).write_text(json.dumps(codes))
     if not failed and not ending.is_set():
         _exit_barrier(barrier, node_rank, wait=node_rank == 0)
     os._exit(1 if failed or ending.is_set() else 0)  # a grace timer not waited for; node 0's store ends with it
@@ -358,9 +410,11 @@ def main() -> None:
         request = serve(sys.argv[2], sys.argv[3:])
         _forked(request)
         (_store if request["kind"] == "store" else _rank)(request)
-    else:  # --node ADDRESSES NNODES NODE_RANK PER_NODE HOST PORT SCRIPT ARGS...
-        _, _, addresses, nnodes, node_rank, per_node, host, port, script, *args = sys.argv
-        node(addresses.split(","), int(nnodes), int(node_rank), int(per_node), host, int(port), script, args)
+    else:  # --node ADDRESSES NNODES NODE_RANK PER_NODE HOST PORT [--statuses FILE] SCRIPT ARGS...
+        _, _, addresses, nnodes, node_rank, per_node, host, port, *rest = sys.argv
+        statuses = rest[1] if rest[0] == "--statuses" else None
+        script, *args = rest[2:] if statuses else rest
+        node(addresses.split(","), int(nnodes), int(node_rank), int(per_node), host, int(port), script, args, statuses)
 
 
 if __name__ == "__main__":

@@ -251,25 +251,27 @@ def standalone_launch(nproc: int) -> list[str]:
 
 
 def node_launches(script: Path, args_of, env_of, nodes: int = 2, per_node: int = 1, *, merged: bool = False,
-                  own_session: bool = False) -> list[subprocess.Popen]:
+                  own_session: bool = False, statuses_of=None) -> list[subprocess.Popen]:
     """``nodes`` "nodes" on loopback, each started as ``torchrun --nnodes N --node_rank i`` starts
     one, ``per_node`` ranks running ``script`` with ``args_of(node)`` in the environment
     ``env_of(node)`` (its own directories, TMPDIR...), meeting on one free port; each rank forked
     from an interpreter that imported torch and llmtailor once (forked_nodes.py: what the tests
     depend on in torchrun's agents, it keeps). Their output is piped (stderr into stdout with
     ``merged``); ``own_session``: each launch in a session of its own, so that a test can kill a
-    whole node. Wait for them with ``wait_launches``."""
+    whole node; ``statuses_of(node)``: the file of each node's ranks' exit statuses, every rank
+    running to its end (``forked_nodes.node_command``). Wait for them with ``wait_launches``."""
     port, addresses = free_port(), FORK_SERVERS.addresses(nodes * per_node)
     return [subprocess.Popen(
-        [*node_command(addresses, nodes, node, per_node, "127.0.0.1", port), str(script), *map(str, args_of(node))],
+        [*node_command(addresses, nodes, node, per_node, "127.0.0.1", port, statuses_of and statuses_of(node)),
+         str(script), *map(str, args_of(node))],
         env=env_of(node), stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
         start_new_session=own_session,
     ) for node in range(nodes)]
 
 
 FORK_SERVERS = ForkServers()
-"""The fork servers of ``node_launches`` (forked_nodes.py), ended at the end of each test module
-that started them (tests/distributed/conftest.py)."""
+"""The fork servers of ``node_launches`` (forked_nodes.py), ended after the last test of
+tests/distributed/ (its conftest.py)."""
 
 
 LAUNCH_WAIT = 1200.0

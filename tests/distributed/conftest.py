@@ -22,12 +22,17 @@ from helpers import FORK_SERVERS, LAUNCH_WAIT, end_launches, node_launches, wait
 JOB = Path(__file__).with_name("promote_job.py")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fork_servers_of_the_module():
-    """The fork servers the module's node launches started (``helpers.node_launches``) end with
-    it: their memory freed, and their CPU (their ranks') counted in the module's."""
-    yield
-    FORK_SERVERS.stop()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The fork servers the node launches started (``helpers.node_launches``) serve every test of
+    this directory (their start, torch's and llmtailor's imports, paid once, not once a module),
+    and end after its last one (the next test elsewhere, or none): their memory freed. A rank is
+    forked from a server that only imported (forked_nodes.py), whichever test came before."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or Path(__file__).parent not in nextitem.path.parents:
+            FORK_SERVERS.stop()
 
 
 @dataclass

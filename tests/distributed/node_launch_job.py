@@ -10,6 +10,8 @@ TMPDIR (as ``tempfile`` finds it), its hash of a string and a draw of ``random``
 ``fail``    rank 1 exits 3 once rank 0 wrote its file; every other rank waits (for a SIGTERM from its
     node, or its node's end).
 ``hold``    every rank waits (for its node's end).
+``outlive``  rank 1 exits 3 once rank 0 wrote its file; rank 0 exits 0 once rank 1 has ended (a node
+    launched with ``statuses_of`` runs every rank to its end: rank 0 is not ended).
 """
 
 from __future__ import annotations
@@ -40,13 +42,30 @@ def main() -> None:
         dist.init_process_group("gloo")
         dist.barrier()
         dist.destroy_process_group()
-    elif scenario == "fail" and rank == 1:
+    elif scenario in ("fail", "outlive") and rank == 1:
         deadline = time.monotonic() + 300  # once rank 0 started (the event; a bound on a hang)
         while not (out / "rank-0.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         sys.exit(3)
+    elif scenario == "outlive":
+        deadline = time.monotonic() + 300  # once rank 1 ended (the event; a bound on a hang)
+        while not _ended(out / "rank-1.json") and time.monotonic() < deadline:
+            time.sleep(0.05)
     else:
         time.sleep(3600)  # ended by its node (the test's bound on a hang is the launch's)
+
+
+def _ended(said: Path) -> bool:
+    """Whether the rank that wrote ``said`` (its pid) has ended and was reaped."""
+    try:
+        pid = json.loads(said.read_text())["pid"]
+    except (OSError, ValueError):  # not written yet, or half written
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def test_the_node_launches_start_each_rank_as_torchrun_would_and_a_node_ends_wit
     node's TMPDIR and environment, a pid and session of its own, and a ``str`` hash seed and
     ``random`` state of its own. A rank that fails ends its node (its other rank ended, the node's
     status 1) and leaves the other node running; a node SIGKILLed as a whole (its process group)
-    takes its ranks with it."""
+    takes its ranks with it; with ``statuses_of`` each rank runs to its end."""
     def env_of(node: int) -> dict[str, str]:
         (tmp_path / f"node{node}" / "tmp").mkdir(parents=True, exist_ok=True)
         return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / f"node{node}" / "tmp"),
@@ -216,6 +216,14 @@ def test_the_node_launches_start_each_rank_as_torchrun_would_and_a_node_ends_wit
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+    # With ``statuses_of``, a rank that fails ends no other: each runs to its end, and the node says
+    # how each ended (the launches of the tests of a killed rank).
+    statuses = tmp_path / "outlive.json"
+    [launch] = node_launches(LAUNCH_JOB, lambda node: ["outlive", tmp_path / "outlive"], env_of, nodes=1, per_node=2,
+                             statuses_of=lambda node: statuses)
+    launches_ended_well([launch], [err for _, err in wait_launches([launch])])
+    assert json.loads(statuses.read_text()) == [0, 3]
 
 
 def _alive(pid: int) -> bool:

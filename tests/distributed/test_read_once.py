@@ -5,9 +5,9 @@ composite's manifests, unit indexes and global state. A corrupted unit file, and
 global.json, are each found by their one reader and the restore refused on every rank, naming that
 reader (one launch, ``torch_job.py ddp-read-once``, covers these); a reader killed mid-restore
 fails the others within the timeout, naming it. The restores from the object store share two
-launches (3 and 4 ranks), each scenario with a run of its own in one bucket. Every launch's ranks
-are forked from one process that imported the job (``forked_jobs.rank_launch``: what is tested
-is what the ranks do; tests/distributed/test_torchrun.py and the node tests launch torchrun)."""
+launches (3 and 4 ranks), each scenario with a run of its own in one bucket. Each launch is one
+node (``helpers.node_launches``), its ranks forked from the fork servers, each with a hash seed of
+its own; the reader killed runs its ranks to their ends (``statuses_of``)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ import json
 import os
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
-from forked_jobs import rank_launch
-from helpers import tiny, train, wait_launches
+from helpers import node_launches, tiny, train, wait_launches
 from safetensors.torch import save_file
 
 pytest.importorskip("obstore")
@@ -77,14 +75,13 @@ def assert_metadata_fetched_once(results: list[dict]) -> None:
 
 def launch(ranks: int, jobs: list[tuple[str, Path]], url: str) -> None:
     """One launch of ``torch_job.py`` at ``ranks`` ranks running the ``(scenario, dir)`` jobs in
-    turn, ``$RUN_ROOT`` at ``url``."""
-    launch = subprocess.run(
-        [*rank_launch(ranks), str(JOB),
-         *(str(arg) for job in jobs for arg in job)],
-        env={**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-        capture_output=True, text=True, timeout=1800,
-    )
-    assert launch.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + launch.stdout[-3000:] + launch.stderr[-6000:]
+    turn, ``$RUN_ROOT`` at ``url``: one node (``helpers.node_launches``, its ranks forked from the
+    fork servers)."""
+    [node] = node_launches(JOB, lambda _: [arg for job in jobs for arg in job],
+                           lambda _: {**os.environ, "RUN_ROOT": url, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                           nodes=1, per_node=ranks, own_session=True)
+    [(stdout, stderr)] = wait_launches([node], timeout=1800)
+    assert node.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + stdout[-3000:] + stderr[-6000:]
 
 
 def save_whole(url: str, out: Path, tokens) -> None:
@@ -255,13 +252,11 @@ def test_an_fsdp2_restore_at_three_ranks_of_a_save_at_two_fetches_each_file_in_f
 
 
 def test_a_reader_killed_during_a_restore_fails_every_other_rank_within_the_timeout_naming_it(tmp_path):
-    """Three ranks each run to its end (``rank_launch`` with statuses: torchrun would kill the
-    survivors itself); rank 1 dies as it begins reading its first unit, which ranks 0 and 2 wait
-    to receive from it."""
+    """Three ranks each run to its end (``statuses_of``: torchrun would kill the survivors itself);
+    rank 1 dies as it begins reading its first unit, which ranks 0 and 2 wait to receive from it."""
     statuses = tmp_path / "statuses.json"
-    launch = subprocess.Popen([*rank_launch(3, statuses), str(JOB), "read-kill", str(tmp_path)],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    [launch] = node_launches(JOB, lambda _: ["read-kill", tmp_path], lambda _: {**os.environ, "OMP_NUM_THREADS": "1"},
+                             nodes=1, per_node=3, own_session=True, statuses_of=lambda _: statuses)
     [(_, stderr)] = wait_launches([launch])
     assert launch.returncode == 0, stderr[-3000:]
     codes = json.loads(statuses.read_text())

@@ -1,4 +1,6 @@
-"""Distributed saves and restores with real processes: torchrun, gloo, CPU (``torch_job.py``).
+"""Distributed saves and restores with real processes: gloo, CPU (``torch_job.py``), each launch one
+node as ``torchrun`` starts it, its ranks forked from fork servers (``helpers.node_launches``;
+tests/integrations run torchrun itself).
 
 Launches are few and batched (each costs 10-20 s, most of it the start of its processes): one
 2-rank launch runs, in turn, the 2-rank scenarios of several tests, each in a directory of its
@@ -7,8 +9,8 @@ objects; partly frozen units; a forged run refused; a fallback past damage; pipe
 memory tier); one 4-rank launch the 4-rank ones (dp x tp, pipeline stages x FSDP2, pipeline x
 tp, and the 2-rank pipeline run restored into 4 stages); a 3-rank launch restores the FSDP2 run
 and the dp x tp run in turn; a 2-rank launch restores the 4-rank pipeline run into 2 stages; two
-ranks forked from one process for the SIGKILL case (``forked_jobs.rank_launch`` with statuses: each
-runs to its end, where torchrun would kill the surviving rank itself)."""
+ranks for the SIGKILL case, each run to its end (``statuses_of``), where torchrun would kill the
+surviving rank itself."""
 
 from __future__ import annotations
 
@@ -17,16 +19,13 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import rank_launch
-from helpers import (MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, standalone_launch, tiny, train,
-                     wait_launches)
+from helpers import MOMENTS_BOUND, WEIGHT_BOUND, exact_drift, file_rank, node_launches, tiny, train, wait_launches
 
 from llmtailor import Parity, Tailor
 from llmtailor.store.run import Run
@@ -45,14 +44,13 @@ def read_results(out: Path, scenario: str, nproc: int) -> list[dict]:
 
 def torchrun_jobs(nproc: int, jobs: list[tuple[str, Path]], timeout: float = 600, **more_env: str) -> None:
     """One launch at ``nproc`` ranks running the ``(scenario, dir)`` jobs in turn; past ``timeout``
-    (a hang) every rank is killed."""
-    proc = subprocess.Popen(
-        [*standalone_launch(nproc), str(JOB),
-         *(str(arg) for job in jobs for arg in job)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env(), **more_env}, start_new_session=True,
-    )
-    [(stdout, stderr)] = wait_launches([proc], timeout)  # past it, the launcher and its ranks are ended
-    assert proc.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + stdout[-4000:] + stderr[-6000:]
+    (a hang) every rank is killed. The launch is one node as ``torchrun --nnodes 1`` starts it,
+    each rank forked from a fork server of its own (``helpers.node_launches``: torchrun's
+    environment and agent store, a hash seed per rank; the imports paid once for the directory)."""
+    [node] = node_launches(JOB, lambda _: [arg for job in jobs for arg in job], lambda _: {**env(), **more_env},
+                           nodes=1, per_node=nproc, own_session=True)
+    [(stdout, stderr)] = wait_launches([node], timeout)  # past it, the node and its ranks are ended
+    assert node.returncode == 0, f"launch of {[scenario for scenario, _ in jobs]}: " + stdout[-4000:] + stderr[-6000:]
 
 
 def job_module():
@@ -379,9 +377,9 @@ def check_exports_hold_every_stage(run_dir: Path, out: Path) -> None:
 
 
 def test_a_rank_killed_during_a_save_fails_the_others_within_the_timeout(tmp_path):
-    statuses = tmp_path / "statuses.json"
-    launch = subprocess.Popen([*rank_launch(2, statuses), str(JOB), "kill", str(tmp_path)], env=env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    statuses = tmp_path / "statuses.json"  # each rank runs to its end: torchrun would kill the survivor itself
+    [launch] = node_launches(JOB, lambda _: ["kill", tmp_path], lambda _: env(), nodes=1, per_node=2, own_session=True,
+                             statuses_of=lambda _: statuses)
     [(_, stderr)] = wait_launches([launch])
     assert launch.returncode == 0, stderr[-3000:]
     codes = json.loads(statuses.read_text())

@@ -6,7 +6,9 @@ with sync saves, serves both Full loops: async saves must not change what traini
 
 Each loop kills twice: a fresh job, then a job resumed after a kill, before a last resume runs to
 the end. More kills repeat the same shape at other instants (``bench/crash_test.py --kills 50``
-is the place for many; each kill here is a process start, most of its cost)."""
+is the place for many). Each job is forked from an interpreter that imported it (tests/e2e/conftest.py:
+a process of its own, killed and waited for as one started fresh, without a fresh one's start and
+imports, which were most of a kill's cost)."""
 
 import importlib.util
 import shutil
@@ -31,25 +33,25 @@ def crash_test_module():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, example_jobs):
     """An uninterrupted Full run of ``STEPS`` steps (read only by the loops: its losses and final
     weights' digest; its 1 GiB of snapshots removed once they are read)."""
     workdir = tmp_path_factory.mktemp("reference")
-    result = crash_test_module().reference_run(workdir, steps=STEPS)
+    result = crash_test_module().reference_run(workdir, steps=STEPS, launch=example_jobs)
     shutil.rmtree(workdir)
     return result
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, kills, async_save", [("full", KILLS, False), ("parity", KILLS, False), ("full", KILLS, True)])
-def test_store_survives_sigkills_during_saves(disk_path, request, policy, kills, async_save):
+def test_store_survives_sigkills_during_saves(disk_path, request, example_jobs, policy, kills, async_save):
     """On the disk (``disk_path``): a save there takes about 60% of a step, so kills land inside
     saves as often as ``bench/crash_test.py`` has them (in memory a save is a copy)."""
     crash_test, full = crash_test_module(), policy == "full"
     assert crash_test.default_steps(kills) <= STEPS
     report = crash_test.crash_loop(
         disk_path, kills=kills, policy=policy, seed=5, steps=STEPS if full else None, async_save=async_save,
-        reference=request.getfixturevalue("reference") if full else None, log=lambda line: None,
+        reference=request.getfixturevalue("reference") if full else None, log=lambda line: None, launch=example_jobs,
     )
     assert report.problems == []
     assert report.kills == kills
