@@ -350,3 +350,54 @@ def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp
     else:
         assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
         assert Run(tmp_path).steps() == [1]
+
+
+def test_a_manifest_fsync_that_hangs_until_rank_1_gave_up_then_fails_leaves_every_rank_failed_alike(tmp_path, monkeypatch):
+    """The shared tier's twin of node_commit's (tests/store/test_node_commit_rounds.py): two
+    ranks (threads over one c10d store, timeout 1 s) save step 1; rank 0's commit has its files
+    durable, then the fsync of its manifest hangs (a dying disk) until rank 1 has given up on
+    rank 0's outcome (its save over: the event), and then fails (EIO). Rank 0 passes the gate
+    only once the manifest and directories are durable, just before the rename: rank 1's claim
+    of the gate wins, every rank raises saying step 1 is not committed, and nothing is. Before
+    (beat56's ``Gated`` batch, whose drain passed the gate beside the manifest's fsync), rank 1
+    found the gate passed, waited on in vain and said step 1 'is committed unless that commit
+    failed, and rank 0 says which', though it never was (not false, but not known)."""
+    import os
+    import threading
+
+    from torch.distributed import HashStore
+
+    from llmtailor.constants import MANIFEST_FILE
+    from llmtailor.distributed.coordinator import StoreCoordinator
+    from llmtailor.store.storage import local_durable
+
+    from helpers import on_threads
+
+    gave_up = threading.Event()  # rank 1's save ended
+    real, hung = os.fsync, []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(f"/{MANIFEST_FILE}") and not hung:
+            hung.append(path)
+            assert gave_up.wait(60), "rank 1 never gave up"
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(local_durable.os, "fsync", fsync)
+    store = HashStore()
+
+    def save(rank: int):
+        try:
+            return persist(Run(tmp_path), ddp_part(rank), coordinator=StoreCoordinator.over(store, rank, 2, timeout=1))
+        finally:
+            if rank == 1:
+                gave_up.set()
+
+    outcomes = on_threads(2, save)
+    monkeypatch.undo()
+    assert hung, "rank 0's manifest was never fsynced"
+    assert all(isinstance(o, TailorError) for o in outcomes), outcomes
+    assert "input/output error" in str(outcomes[0]).lower(), [str(o) for o in outcomes]
+    assert "rank 1 gave up on rank 0's commit of step 1, which never commits it" in str(outcomes[1]), outcomes
+    assert_nothing_committed(tmp_path)
