@@ -401,3 +401,83 @@ def test_a_manifest_fsync_that_hangs_until_rank_1_gave_up_then_fails_leaves_ever
     assert "input/output error" in str(outcomes[0]).lower(), [str(o) for o in outcomes]
     assert "rank 1 gave up on rank 0's commit of step 1, which never commits it" in str(outcomes[1]), outcomes
     assert_nothing_committed(tmp_path)
+
+
+@pytest.mark.parametrize("held", ["indexes until rank 1 claimed the gate", "manifest until rank 1 claimed the gate",
+                                  "manifest until rank 1's save ended"])
+def test_a_rank_giving_up_while_rank_0s_upload_is_held_agrees_with_it_on_an_object_store(monkeypatch, held):
+    """The save's gate over an object store (moto behind ``faulty_moto``), two ranks (threads over
+    one c10d store, timeout 1 s) saving step 1: the server holds one of rank 0's PUTs unanswered
+    until rank 1 has given up on rank 0's outcome (its claim of the gate made, or its save over),
+    then acts on it. Held before the gate (the unit indexes, which rank 0's commit waits for):
+    rank 1's claim wins, every rank raises, no manifest is ever sent. Held past it (the manifest's
+    conditional PUT: the gate is passed just before it), the PUT lands after rank 1's claim:
+    rank 0 committed, and rank 1 either waited on and returned the save, or (its second wait over
+    first) says step 1 is committed unless rank 0's commit failed; no rank says it failed. Before
+    the gate (4310fc5), rank 1 gave up and raised while rank 0 went on and committed step 1, the
+    indexes' case too."""
+    import threading
+
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import faulty_moto, keys, new_bucket, set_environment
+    from torch.distributed import HashStore
+
+    from llmtailor.constants import INDEXES_FILE, MANIFEST_FILE
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    from helpers import on_threads
+
+    claimed, ended = threading.Event(), threading.Event()
+    gave_up = ended if held.endswith("save ended") else claimed
+    target = f"/{INDEXES_FILE if held.startswith('indexes') else MANIFEST_FILE}"
+
+    class Watched(StoreCoordinator):
+        def claim(self, tag, value):
+            try:
+                return super().claim(tag, value)
+            finally:
+                claimed.set()
+
+    kept: list[str] = []
+
+    def hold(method, key):
+        if method == "PUT" and key.endswith(target) and not kept:
+            kept.append(key)
+            assert gave_up.wait(60), "rank 1 never gave up"
+        return None  # then moto acts on it
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        bucket = new_bucket(endpoint)
+        url = f"s3://{bucket}/run"
+        faults.rule = hold
+        store = HashStore()
+
+        def save(rank: int):
+            try:
+                return persist(Run(url), ddp_part(rank), coordinator=(Watched if rank else StoreCoordinator).over(store, rank, 2, timeout=1))
+            finally:
+                if rank == 1:
+                    claimed.set()
+                    ended.set()
+
+        outcomes = on_threads(2, save)
+        assert kept, f"no PUT of {target} was sent"
+        manifests = [key for key in keys(endpoint, bucket) if key.endswith(f"/{MANIFEST_FILE}")]
+        puts = [key for method, key, _ in faults.seen if method == "PUT" and key.endswith(f"/{MANIFEST_FILE}")]
+        said = [str(o) for o in outcomes]
+        if held.startswith("indexes"):
+            assert all(isinstance(o, TailorError) for o in outcomes), outcomes
+            assert said[0] == "step 1 was not committed: rank 1 gave up waiting for rank 0's commit first", said
+            assert "rank 1 gave up on rank 0's commit of step 1, which never commits it" in said[1], said
+            assert manifests == [] and puts == [] and Run(url).steps() == [], (manifests, puts)
+        else:
+            assert type(outcomes[0]).__name__ == "PersistResult", outcomes
+            assert manifests == ["run/snapshots/step-00000001/manifest.json"] and Run(url).steps() == [1], manifests
+            assert Run(url).verify() == []
+            maybe = "rank 0 passed the last step before committing step 1: it is committed unless that commit failed"
+            if held.endswith("save ended"):
+                assert isinstance(outcomes[1], TailorError) and maybe in said[1], said
+            else:  # rank 0's word in rank 1's second wait, or (a slow commit) the same doubt
+                assert type(outcomes[1]).__name__ == "PersistResult" or maybe in said[1], said
