@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmtailor.distributed.coordinator import LocalCoordinator
+from llmtailor.distributed.coordinator import LocalCoordinator, StoreCoordinator
 from llmtailor.errors import TailorError
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store.manifest import FileEntry
@@ -297,6 +297,19 @@ def ddp_part(rank: int) -> StagedSnapshot:
                           rank_doc={} if rank else None, rank_tensors={} if rank else None, world_size=2)
 
 
+def claims_told(event) -> type[StoreCoordinator]:
+    """A ``StoreCoordinator`` that sets ``event`` once a claim of its has been made (rank 1's of
+    the save's gate, when it gives up on rank 0's outcome)."""
+    class Watched(StoreCoordinator):
+        def claim(self, tag, value):
+            try:
+                return super().claim(tag, value)
+            finally:
+                event.set()
+
+    return Watched
+
+
 @pytest.mark.parametrize("stalls", ["before its gate", "past its gate"])
 def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp_path, monkeypatch, stalls):
     """Two ranks (threads over one c10d store, timeout 1 s) save step 1 into one run; rank 0's
@@ -310,19 +323,13 @@ def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp
 
     from torch.distributed import HashStore
 
-    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+    from llmtailor.distributed.coordinator import CoordinationError
     from llmtailor.store.storage.local_commit import LocalCommits
 
     from helpers import on_threads
 
     given_up = threading.Event()  # rank 1 claimed the save's gate, or its save ended
-
-    class Watched(StoreCoordinator):
-        def claim(self, tag, value):
-            try:
-                return super().claim(tag, value)
-            finally:
-                given_up.set()
+    Watched = claims_told(given_up)
 
     def stall(*_):
         assert given_up.wait(60), "rank 1 neither gave up nor ended"
@@ -368,7 +375,6 @@ def test_a_manifest_fsync_that_hangs_until_rank_1_gave_up_then_fails_leaves_ever
     from torch.distributed import HashStore
 
     from llmtailor.constants import MANIFEST_FILE
-    from llmtailor.distributed.coordinator import StoreCoordinator
     from llmtailor.store.storage import local_durable
 
     from helpers import on_threads
@@ -424,7 +430,6 @@ def test_a_rank_giving_up_while_rank_0s_upload_is_held_agrees_with_it_on_an_obje
     from torch.distributed import HashStore
 
     from llmtailor.constants import INDEXES_FILE, MANIFEST_FILE
-    from llmtailor.distributed.coordinator import StoreCoordinator
 
     from helpers import on_threads
 
@@ -432,12 +437,7 @@ def test_a_rank_giving_up_while_rank_0s_upload_is_held_agrees_with_it_on_an_obje
     gave_up = ended if held.endswith("save ended") else claimed
     target = f"/{INDEXES_FILE if held.startswith('indexes') else MANIFEST_FILE}"
 
-    class Watched(StoreCoordinator):
-        def claim(self, tag, value):
-            try:
-                return super().claim(tag, value)
-            finally:
-                claimed.set()
+    Watched = claims_told(claimed)
 
     kept: list[str] = []
 
@@ -456,7 +456,8 @@ def test_a_rank_giving_up_while_rank_0s_upload_is_held_agrees_with_it_on_an_obje
 
         def save(rank: int):
             try:
-                return persist(Run(url), ddp_part(rank), coordinator=(Watched if rank else StoreCoordinator).over(store, rank, 2, timeout=1))
+                coord = (Watched if rank else StoreCoordinator).over(store, rank, 2, timeout=1)
+                return persist(Run(url), ddp_part(rank), coordinator=coord)
             finally:
                 if rank == 1:
                     claimed.set()
