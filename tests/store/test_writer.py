@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmtailor.distributed.coordinator import LocalCoordinator
+from llmtailor.distributed.coordinator import LocalCoordinator, StoreCoordinator
 from llmtailor.errors import TailorError
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store.manifest import FileEntry
@@ -297,6 +297,19 @@ def ddp_part(rank: int) -> StagedSnapshot:
                           rank_doc={} if rank else None, rank_tensors={} if rank else None, world_size=2)
 
 
+def claims_told(event) -> type[StoreCoordinator]:
+    """A ``StoreCoordinator`` that sets ``event`` once a claim of its has been made (rank 1's of
+    the save's gate, when it gives up on rank 0's outcome)."""
+    class Watched(StoreCoordinator):
+        def claim(self, tag, value):
+            try:
+                return super().claim(tag, value)
+            finally:
+                event.set()
+
+    return Watched
+
+
 @pytest.mark.parametrize("stalls", ["before its gate", "past its gate"])
 def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp_path, monkeypatch, stalls):
     """Two ranks (threads over one c10d store, timeout 1 s) save step 1 into one run; rank 0's
@@ -310,19 +323,13 @@ def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp
 
     from torch.distributed import HashStore
 
-    from llmtailor.distributed.coordinator import CoordinationError, StoreCoordinator
+    from llmtailor.distributed.coordinator import CoordinationError
     from llmtailor.store.storage.local_commit import LocalCommits
 
     from helpers import on_threads
 
     given_up = threading.Event()  # rank 1 claimed the save's gate, or its save ended
-
-    class Watched(StoreCoordinator):
-        def claim(self, tag, value):
-            try:
-                return super().claim(tag, value)
-            finally:
-                given_up.set()
+    Watched = claims_told(given_up)
 
     def stall(*_):
         assert given_up.wait(60), "rank 1 neither gave up nor ended"
@@ -350,3 +357,128 @@ def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp
     else:
         assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
         assert Run(tmp_path).steps() == [1]
+
+
+def test_a_manifest_fsync_that_hangs_until_rank_1_gave_up_then_fails_leaves_every_rank_failed_alike(tmp_path, monkeypatch):
+    """The shared tier's twin of node_commit's (tests/store/test_node_commit_rounds.py): two
+    ranks (threads over one c10d store, timeout 1 s) save step 1; rank 0's commit has its files
+    durable, then the fsync of its manifest hangs (a dying disk) until rank 1 has given up on
+    rank 0's outcome (its save over: the event), and then fails (EIO). Rank 0 passes the gate
+    only once the manifest and directories are durable, just before the rename: rank 1's claim
+    of the gate wins, every rank raises saying step 1 is not committed, and nothing is. Before
+    (beat56's ``Gated`` batch, whose drain passed the gate beside the manifest's fsync), rank 1
+    found the gate passed, waited on in vain and said step 1 'is committed unless that commit
+    failed, and rank 0 says which', though it never was (not false, but not known)."""
+    import os
+    import threading
+
+    from torch.distributed import HashStore
+
+    from llmtailor.constants import MANIFEST_FILE
+    from llmtailor.store.storage import local_durable
+
+    from helpers import on_threads
+
+    gave_up = threading.Event()  # rank 1's save ended
+    real, hung = os.fsync, []
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(f"/{MANIFEST_FILE}") and not hung:
+            hung.append(path)
+            assert gave_up.wait(60), "rank 1 never gave up"
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(local_durable.os, "fsync", fsync)
+    store = HashStore()
+
+    def save(rank: int):
+        try:
+            return persist(Run(tmp_path), ddp_part(rank), coordinator=StoreCoordinator.over(store, rank, 2, timeout=1))
+        finally:
+            if rank == 1:
+                gave_up.set()
+
+    outcomes = on_threads(2, save)
+    monkeypatch.undo()
+    assert hung, "rank 0's manifest was never fsynced"
+    assert all(isinstance(o, TailorError) for o in outcomes), outcomes
+    assert "input/output error" in str(outcomes[0]).lower(), [str(o) for o in outcomes]
+    assert "rank 1 gave up on rank 0's commit of step 1, which never commits it" in str(outcomes[1]), outcomes
+    assert_nothing_committed(tmp_path)
+
+
+@pytest.mark.parametrize("held", ["indexes until rank 1 claimed the gate", "manifest until rank 1 claimed the gate",
+                                  "manifest until rank 1's save ended"])
+def test_a_rank_giving_up_while_rank_0s_upload_is_held_agrees_with_it_on_an_object_store(monkeypatch, held):
+    """The save's gate over an object store (moto behind ``faulty_moto``), two ranks (threads over
+    one c10d store, timeout 1 s) saving step 1: the server holds one of rank 0's PUTs unanswered
+    until rank 1 has given up on rank 0's outcome (its claim of the gate made, or its save over),
+    then acts on it. Held before the gate (the unit indexes, which rank 0's commit waits for):
+    rank 1's claim wins, every rank raises, no manifest is ever sent. Held past it (the manifest's
+    conditional PUT: the gate is passed just before it), the PUT lands after rank 1's claim:
+    rank 0 committed, and rank 1 either waited on and returned the save, or (its second wait over
+    first) says step 1 is committed unless rank 0's commit failed; no rank says it failed. Before
+    the gate (4310fc5), rank 1 gave up and raised while rank 0 went on and committed step 1, the
+    indexes' case too."""
+    import threading
+
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import faulty_moto, keys, new_bucket, set_environment
+    from torch.distributed import HashStore
+
+    from llmtailor.constants import INDEXES_FILE, MANIFEST_FILE
+
+    from helpers import on_threads
+
+    claimed, ended = threading.Event(), threading.Event()
+    gave_up = ended if held.endswith("save ended") else claimed
+    target = f"/{INDEXES_FILE if held.startswith('indexes') else MANIFEST_FILE}"
+
+    Watched = claims_told(claimed)
+
+    kept: list[str] = []
+
+    def hold(method, key):
+        if method == "PUT" and key.endswith(target) and not kept:
+            kept.append(key)
+            assert gave_up.wait(60), "rank 1 never gave up"
+        return None  # then moto acts on it
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        bucket = new_bucket(endpoint)
+        url = f"s3://{bucket}/run"
+        faults.rule = hold
+        store = HashStore()
+
+        def save(rank: int):
+            try:
+                coord = (Watched if rank else StoreCoordinator).over(store, rank, 2, timeout=1)
+                return persist(Run(url), ddp_part(rank), coordinator=coord)
+            finally:
+                if rank == 1:
+                    claimed.set()
+                    ended.set()
+
+        outcomes = on_threads(2, save)
+        assert kept, f"no PUT of {target} was sent"
+        manifests = [key for key in keys(endpoint, bucket) if key.endswith(f"/{MANIFEST_FILE}")]
+        puts = [key for method, key, _ in faults.seen if method == "PUT" and key.endswith(f"/{MANIFEST_FILE}")]
+        said = [str(o) for o in outcomes]
+        if held.startswith("indexes"):
+            assert all(isinstance(o, TailorError) for o in outcomes), outcomes
+            assert said[0] == "step 1 was not committed: rank 1 gave up waiting for rank 0's commit first", said
+            assert "rank 1 gave up on rank 0's commit of step 1, which never commits it" in said[1], said
+            assert manifests == [] and puts == [] and Run(url).steps() == [], (manifests, puts)
+        else:
+            assert type(outcomes[0]).__name__ == "PersistResult", outcomes
+            assert manifests == ["run/snapshots/step-00000001/manifest.json"] and Run(url).steps() == [1], manifests
+            assert Run(url).verify() == []
+            maybe = "rank 0 passed the last step before committing step 1: it is committed unless that commit failed"
+            if held.endswith("save ended"):
+                assert isinstance(outcomes[1], TailorError) and maybe in said[1], said
+            else:  # rank 0's word in rank 1's second wait, or (a slow commit) the same doubt
+                assert type(outcomes[1]).__name__ == "PersistResult" or maybe in said[1], said
