@@ -98,13 +98,13 @@ def die_in_commit(step: int, out: Path, in_flight: bool) -> threading.Event | No
     behind it), as ``die_once_announced``."""
     real, next_staged = SnapshotCommit.commit, threading.Event() if in_flight else None
 
-    def commit(self, manifest, confirm=None, latest=False, pending=None):
+    def commit(self, manifest, *args, **kwargs):
         if self.step == step:
             if next_staged is not None:
                 next_staged.wait(300)
                 (out / f"staged-{step + 1}").write_text(str(next_staged.is_set()))
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, manifest, confirm, latest, pending)
+        return real(self, manifest, *args, **kwargs)
 
     SnapshotCommit.commit = commit
     return next_staged

@@ -84,7 +84,8 @@ class Job:
     def lose(self, node: int) -> None:
         """Once ``node``'s ranks killed themselves (its launch ends), SIGKILL what is left of the
         others (their ranks by pid, then their launches): every node is down."""
-        wait_launches([self.launches[node]])
+        (out, err), = wait_launches([self.launches[node]])
+        assert f"exited with {-signal.SIGKILL}" in out + (err or ""), f"node {node} was to kill itself; it ended so:\n{out}{err or ''}"
         for other in range(self.nodes):
             for rank in self.ranks(other):
                 pid = self.own(other) / f"pid-{rank}"
