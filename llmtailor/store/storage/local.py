@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -98,7 +99,7 @@ class LocalStorage(Storage):
             raise StorageError(describe_os_error(err, path), err) from None
 
     def size(self, key: str) -> int | None:
-        return self._look(key, lambda path: path.stat().st_size if path.is_file() else None)
+        return self._look(key, _file_size)
 
     def exists(self, key: str) -> bool:
         return self._look(key, Path.exists)
@@ -339,3 +340,14 @@ class LocalBatch(Batch):
 
     def __exit__(self, *exc: object) -> None:
         self._syncer.__exit__(*exc)
+
+
+def _file_size(path: Path) -> int | None:
+    """The size of the file at ``path``, None where there is none (as ``Path.is_file``: missing,
+    or not a regular file): one look, so a file removed meanwhile (retention under a reader) is
+    None, not an error between two looks."""
+    try:
+        status = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
