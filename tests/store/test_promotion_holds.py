@@ -58,6 +58,21 @@ def promote_together(source: Run, follower_copy: Run, target: Level, step: int) 
     return outcome, reports
 
 
+class _JoinsCounted(threading.Event):
+    """An uploader's ``_stopped`` that releases ``looks`` at each of its waits on the thread
+    named "close" (``NodeUploader.join``'s looks)."""
+
+    def __init__(self, looks: threading.Semaphore):
+        super().__init__()
+        self.looks = looks
+
+    def wait(self, timeout=None):
+        done = super().wait(timeout)
+        if threading.current_thread().name == "close":
+            self.looks.release()
+        return done
+
+
 def test_a_follower_whose_copy_dropped_the_composite_reports_it_gone(copies):
     """Node 1's retention removed step 1 before the order reached it: it says so without reading
     anything, and rank 0 fails the promotion with SnapshotNotFoundError (the promoter passes over
@@ -296,14 +311,7 @@ def test_a_close_after_rank_0_was_silent_longer_than_the_timeout_still_serves_th
     uploader._serve = lambda order: {"bytes": 0}
     looks = threading.Semaphore(0)
 
-    class Watched(threading.Event):  # counts join's looks (the waits of the thread named "close")
-        def wait(self, timeout=None):
-            done = super().wait(timeout)
-            if threading.current_thread().name == "close":
-                looks.release()
-            return done
-
-    uploader._stopped = Watched()
+    uploader._stopped = _JoinsCounted(looks)
     uploader._heard -= 2 * 3600  # rank 0's last order, two hours ago
     uploader.start()
     served: list = []
@@ -473,14 +481,7 @@ def test_a_followers_close_waits_on_while_rank_0s_close_advances_past_the_timeou
     uploader = collective.NodeUploader(None, None, 1, follower)
     looks, joined = threading.Semaphore(0), threading.Event()
 
-    class Watched(threading.Event):  # join's looks (the waits of the thread named "close")
-        def wait(self, timeout=None):
-            done = super().wait(timeout)
-            if threading.current_thread().name == "close":
-                looks.release()
-            return done
-
-    uploader._stopped = Watched()
+    uploader._stopped = _JoinsCounted(looks)
 
     def close():
         try:
