@@ -51,6 +51,7 @@ from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
 from llmtailor.layouts import name_units
 from llmtailor.store.manifest import Manifest, parse_manifest
 from llmtailor.store.storage import Lease, Storage, open_storage
+from llmtailor.store.storage.object_lock import is_committed
 
 _RESOLVE_ATTEMPTS = 50
 """How often the newest composite is resolved again when retention removed part of it before
@@ -277,10 +278,16 @@ class Catalog:
     def _list_steps(self) -> list[int]:
         named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
         # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side);
-        # there an empty one is no manifest (a tombstone: ``object_commit.TOMBSTONE``).
+        # there a tombstone is no manifest (``object_commit.tombstone``).
         sizes = self.storage.together(*(functools.partial(self.storage.size, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
                                         for _, name in named))
-        return sorted(step for (step, _), size in zip(named, sizes) if size or size == 0 and not self.storage.remote)
+        return sorted(step for (step, _), size in zip(named, sizes) if self._marks_commit(size))
+
+    def _marks_commit(self, size: int | None) -> bool:
+        """Whether a manifest of ``size`` bytes (None: none) commits its snapshot: any one there on
+        a local disk (an empty one is a damaged snapshot, said by ``verify``), no tombstone on an
+        object store (``object_lock.is_committed``)."""
+        return is_committed(size) if self.storage.remote else size is not None
 
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:
@@ -293,7 +300,7 @@ class Catalog:
                     if not self.storage.is_file(key):  # not there (never committed, or removed by retention)
                         raise SnapshotNotFoundError(self._no_snapshot_message(step)) from None
                     raise
-            if not raw and self.storage.remote:  # a tombstone (``object_commit.TOMBSTONE``): no snapshot
+            if not self._marks_commit(len(raw)):  # a tombstone (``object_commit.tombstone``): no snapshot
                 raise SnapshotNotFoundError(self._no_snapshot_message(step))
             manifest = parse_manifest(bytes(raw), self.storage.where(key))
             if manifest.step != step:

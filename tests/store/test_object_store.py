@@ -40,7 +40,7 @@ from llmtailor.cli import app  # noqa: E402
 from llmtailor.errors import ConfigError, IntegrityError, TailorError  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.store.storage.object_options import OPTIONS_ENV, load_obstore  # noqa: E402
-from llmtailor.store.storage.object_lock import ObjectWriterLock  # noqa: E402
+from llmtailor.store.storage.object_lock import ObjectWriterLock, is_committed  # noqa: E402
 from llmtailor.store.storage.object_store import Version  # noqa: E402
 from llmtailor.store.storage.objects import ObjectStorage  # noqa: E402
 
@@ -743,11 +743,12 @@ def test_a_crash_before_the_manifest_leaves_nothing_readable_and_the_next_writer
 
 
 def tombstone_only(emulator, bucket: str, snapshot: str) -> bool:
-    """Whether all that is left of ``snapshot`` is its manifest key's tombstone (``object_commit.TOMBSTONE``,
-    empty), which the next writer claimed before it removed the files, so that a manifest write
-    still on its way is refused."""
+    """Whether all that is left of ``snapshot`` is its manifest key's tombstone (``object_commit.tombstone``,
+    a few bytes of its own), which the next writer claimed before it removed the files, so that a
+    manifest write still on its way is refused."""
     left = [k for k in emulator.keys(bucket) if f"/{snapshot}/" in k]
-    return len(left) == 1 and left[0].endswith(f"/{snapshot}/manifest.json") and emulator.read(bucket, left[0]) == b""
+    return (len(left) == 1 and left[0].endswith(f"/{snapshot}/manifest.json")
+            and not is_committed(len(emulator.read(bucket, left[0]))))
 
 
 def test_retention_keeps_what_composites_need_and_never_what_a_reader_holds(url, tokens):
@@ -1119,3 +1120,42 @@ def test_a_manifest_put_still_held_when_its_writer_closed_with_the_store_unreach
             tailor.save(2)
         run = Run(url)
         assert run.steps() == [1, 2] and run.latest_step() == 2 and run.verify() == []
+
+
+def test_a_save_over_a_tombstone_whose_manifest_put_is_still_held_is_refused_once_the_next_writer_cleared_it(tokens, monkeypatch):
+    """The tombstone's second round: step 2's first manifest PUT is held through its writer's
+    close (the next writer claims step 2 with a tombstone, as above); a save of step 2 over that
+    tombstone (its PUT conditional on the tombstone's version) then has its PUT held through its
+    writer's close too. The writer after clears step 2's files again: the held PUT, landing
+    after, must be refused, so step 2 is no snapshot. An empty tombstone's version on S3 is the
+    ETag of no bytes, the same for every tombstone: the held PUT, matching it, landed (200) and
+    made step 2 a committed snapshot whose files were gone."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        manifest = "snapshots/step-00000002/manifest.json"
+        options = {"retry_config": FAST_RETRY}
+
+        def save_2_held(restore: bool) -> None:
+            hold_manifest_put(faults, manifest)
+            model, opt, sched = tiny()
+            with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+                if restore:
+                    assert tailor.restore().step == 1
+                else:
+                    train(model, opt, sched, tokens, [1])
+                    tailor.save(1)
+                train(model, opt, sched, tokens, [2])
+                with pytest.raises(TailorError, match=r"step 2 may be committed or not"):
+                    tailor.save(2)
+            assert len(faults.held) == 1
+            faults.rule = faults.hold = lambda method, key: None
+
+        save_2_held(restore=False)
+        with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # claims step 2 with a tombstone
+            assert [status.split()[0] for status in faults.land()] == ["412"]
+        save_2_held(restore=True)  # over the tombstone
+        with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # clears step 2's files again
+            assert [status.split()[0] for status in faults.land()] == ["412"]
+        run = Run(url)
+        assert run.steps() == [1] and run.verify() == []

@@ -8,36 +8,38 @@ first (it stops being a snapshot at once), then the rest.
 
 A manifest PUT whose client gave up (a crash, a store unreachable through the writer's close)
 may still be on its way, or queued at the server, and be stored later. So before the next writer
-removes a snapshot without manifest, it claims the manifest's key with a tombstone (``TOMBSTONE``,
-an empty object, written only if absent): the late PUT, conditional too, is then refused, and
-never makes a snapshot whose files are gone. A tombstone is no commit marker (``is_committed``);
-it stays until a save of that step replaces it (a conditional write over that very object).
+removes a snapshot without manifest, it claims the manifest's key with a tombstone (``tombstone``,
+a few bytes of its own, written only if absent): the late PUT, conditional too, is then refused,
+and never makes a snapshot whose files are gone. A tombstone is no commit marker (``is_committed``);
+it stays until a save of that step replaces it (a conditional write over that very object). Where
+such a save left files beside the tombstone, its PUT (conditional on that tombstone) may be on its
+way too: the next writer replaces the tombstone with a new one, only over it, before it removes
+them. A tombstone's bytes are its own: an empty one's version (S3's ETag, the MD5 of no bytes)
+was every empty tombstone's, so a PUT over one landed over any later one.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 
 from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
 from llmtailor.errors import TailorError
-from llmtailor.store.storage.object_lock import ObjectLocks
+from llmtailor.store.storage.object_lock import ObjectLocks, is_committed
 from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore, Version
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
 log = logging.getLogger(__name__)
 
-TOMBSTONE = b""
-"""What a manifest key holds where the next writer cleared a snapshot without manifest (module
-docstring): a manifest is never empty."""
 
-
-def is_committed(size: int | None) -> bool:
-    """Whether a manifest object of ``size`` bytes (None: missing) commits its snapshot: a
-    tombstone does not."""
-    return bool(size)
+def tombstone() -> bytes:
+    """What a manifest key holds where the next writer cleared a snapshot without manifest (module
+    docstring): bytes of its own (``object_lock.TOMBSTONE_BYTES``), so that its version (an S3 ETag: the bytes'
+    MD5) is this write's alone, and a PUT conditional on a tombstone replaced since is refused."""
+    return uuid.uuid4().bytes
 
 
 class ObjectCommits(SnapshotCommits):
@@ -47,7 +49,7 @@ class ObjectCommits(SnapshotCommits):
     def __init__(self, storage: ObjectStore, locks: ObjectLocks):
         self.storage, self.locks = storage, locks
         self._over: dict[str, Version] = {}
-        """Snapshot -> the tombstone at its manifest's key (``TOMBSTONE``) a save there replaces."""
+        """Snapshot -> the tombstone at its manifest's key (``tombstone``) a save there replaces."""
         self._unsettled: dict[str, bytes] = {}
         """Snapshot -> the manifest whose write this process could not settle (``_written_after_all``):
         its files stay, and no save writes there again before it is settled (``begin``)."""
@@ -61,7 +63,7 @@ class ObjectCommits(SnapshotCommits):
             self._settle(final)
         self._over.pop(final, None)
         if size is not None:  # a tombstone: the manifest replaces that very object (``_write``)
-            self._over[final] = self.storage.version_if_holding(key, TOMBSTONE)
+            self._over[final] = self.storage.version_if(key, _is_tombstone)
         return final  # the files go to their final keys; the manifest commits them
 
     def settle(self) -> None:
@@ -201,12 +203,28 @@ class ObjectCommits(SnapshotCommits):
             snapshot = f"{SNAPSHOTS_DIR}/{name}"
             key = f"{snapshot}/{MANIFEST_FILE}"
             size = storage.size(key)
-            if is_committed(size) or size is None and storage.put_if(key, TOMBSTONE, None) is None:
+            if is_committed(size) or not self._claimed(snapshot, key, size):
                 continue  # committed (a manifest stored just now: the tombstone refused)
             objects += storage.remove_tree(snapshot, keep=key)
         for leftover in (TMP_DIR, TRASH_DIR):
             objects += storage.remove_tree(leftover)
         return Leftovers(files=objects, uploads=abort_multipart_uploads(storage), noun="object")
+
+    def _claimed(self, snapshot: str, key: str, size: int | None) -> bool:
+        """``key`` (the manifest's of ``snapshot``, none there) claimed with a new tombstone: only
+        if absent, or, where a tombstone is there and other objects beside it (a save over that
+        tombstone, whose manifest PUT, conditional on it, may still be on its way), only over
+        that very tombstone, so that PUT is refused. False where a manifest got there first."""
+        if size is None:
+            return self.storage.put_if(key, tombstone(), None) is not None
+        if all(found == key for found, _ in self.storage.walk(snapshot)):
+            return True  # the tombstone alone: no save over it
+        found = self.storage.version_if(key, _is_tombstone)
+        return found is not None and self.storage.put_if(key, tombstone(), found) is not None
+
+
+def _is_tombstone(data: bytes) -> bool:
+    return not is_committed(len(data))
 
 
 def abort_multipart_uploads(storage: ObjectStore) -> int:

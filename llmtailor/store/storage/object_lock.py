@@ -49,6 +49,16 @@ REMOVING_MARK = ".removing"
 READER_LEASE_SECONDS = 6 * 3600.0
 """How long a reader's lease holds if the reader never releases it (it died)."""
 
+TOMBSTONE_BYTES = 16
+"""At most this many bytes at a manifest's key are a tombstone, no manifest (``object_commit``:
+each one's bytes its own, so each write of one is another version); a manifest is longer."""
+
+
+def is_committed(size: int | None) -> bool:
+    """Whether a manifest object of ``size`` bytes (None: missing) commits its snapshot: a
+    tombstone (``TOMBSTONE_BYTES``; an empty one, as the tombstones written first) does not."""
+    return size is not None and size > TOMBSTONE_BYTES
+
 
 class ObjectLocks(RunLocks):
     """The writer lock and reader leases of a run on an object store (module docstring)."""
@@ -91,14 +101,15 @@ class ObjectLocks(RunLocks):
         by a HEAD), or None when it has none."""
         key = f"{snapshot}/{MANIFEST_FILE}"
         if not read:
-            return b"" if self.storage.size(key) else None  # an empty one: a tombstone (``object_commit``)
+            return b"" if is_committed(self.storage.size(key)) else None
         try:
-            return bytes(self.storage.read(key)) or None
+            raw = bytes(self.storage.read(key))
+            return raw if is_committed(len(raw)) else None
         except IntegrityError:  # the object store's read says so of a missing object only
             return None
 
     def lease_for_removal(self, snapshot: str) -> Lease | None:
-        if not self.storage.size(f"{snapshot}/{MANIFEST_FILE}"):
+        if not is_committed(self.storage.size(f"{snapshot}/{MANIFEST_FILE}")):
             return None
         mark = f"{snapshot}/{REMOVING_MARK}"
         self.storage.put(mark, this_process().encode())

@@ -278,19 +278,24 @@ class ObjectStore(Storage):
 
     def holds(self, key: str, data: bytes) -> bool | None:
         """Whether ``key`` holds exactly ``data``: None when it cannot be read now."""
-        return self._read_back(key, data)[0]
+        return self._read_back(key, lambda found: found == data)[0]
 
     def version_if_holding(self, key: str, data: bytes) -> Version | None:
         """The version of ``key`` when it holds exactly ``data``; None when it does not, is
         missing, or cannot be read now (the caller reports its own failure then)."""
-        return self._read_back(key, data)[1]
+        return self.version_if(key, lambda found: found == data)
 
-    def _read_back(self, key: str, data: bytes) -> tuple[bool | None, Version | None]:
-        """Whether ``key`` holds exactly ``data`` (False where it is missing, None where it
+    def version_if(self, key: str, test: Callable[[bytes], bool]) -> Version | None:
+        """The version of ``key`` when its bytes pass ``test``; None when they do not, it is
+        missing, or it cannot be read now."""
+        return self._read_back(key, test)[1]
+
+    def _read_back(self, key: str, test: Callable[[bytes], bool]) -> tuple[bool | None, Version | None]:
+        """Whether ``key``'s bytes pass ``test`` (False where it is missing, None where it
         cannot be read now), and then its version."""
         try:
             result = load_obstore().get(self.store, key)
-            same = bytes(result.bytes()) == data
+            same = test(bytes(result.bytes()))
             return same, Version.of(result.meta) if same else None
         except FileNotFoundError:
             return False, None
