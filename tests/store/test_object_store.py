@@ -1099,17 +1099,8 @@ def test_a_manifest_put_still_held_when_its_writer_closed_with_the_store_unreach
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
-        hold_manifest_put(faults, "snapshots/step-00000002/manifest.json")
         options = {"retry_config": FAST_RETRY}
-        model, opt, sched = tiny()
-        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
-            train(model, opt, sched, tokens, [1])
-            tailor.save(1)
-            train(model, opt, sched, tokens, [2])
-            with pytest.raises(TailorError, match=r"step 2 may be committed or not"):
-                tailor.save(2)
-        assert len(faults.held) == 1
-        faults.rule = lambda method, key: None
+        _save_2_held_through_close(faults, url, options, tokens, first=True)
         model, opt, sched = tiny()
         with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
             assert [status.split()[0] for status in faults.land()] == ["412"]
@@ -1133,29 +1124,31 @@ def test_a_save_over_a_tombstone_whose_manifest_put_is_still_held_is_refused_onc
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         url = f"s3://{new_bucket(endpoint)}/run"
-        manifest = "snapshots/step-00000002/manifest.json"
         options = {"retry_config": FAST_RETRY}
-
-        def save_2_held(restore: bool) -> None:
-            hold_manifest_put(faults, manifest)
-            model, opt, sched = tiny()
-            with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
-                if restore:
-                    assert tailor.restore().step == 1
-                else:
-                    train(model, opt, sched, tokens, [1])
-                    tailor.save(1)
-                train(model, opt, sched, tokens, [2])
-                with pytest.raises(TailorError, match=r"step 2 may be committed or not"):
-                    tailor.save(2)
-            assert len(faults.held) == 1
-            faults.rule = faults.hold = lambda method, key: None
-
-        save_2_held(restore=False)
+        _save_2_held_through_close(faults, url, options, tokens, first=True)
         with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # claims step 2 with a tombstone
             assert [status.split()[0] for status in faults.land()] == ["412"]
-        save_2_held(restore=True)  # over the tombstone
+        _save_2_held_through_close(faults, url, options, tokens, first=False)  # over the tombstone
         with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # clears step 2's files again
             assert [status.split()[0] for status in faults.land()] == ["412"]
         run = Run(url)
         assert run.steps() == [1] and run.verify() == []
+
+
+def _save_2_held_through_close(faults, url: str, options: dict, tokens, first: bool) -> None:
+    """A writer saves step 2 (``first``: after step 1; else restored from step 1) with its
+    manifest's first PUT held (``hold_manifest_put``) and every later one failing through its
+    close; then the store answers again."""
+    hold_manifest_put(faults, "snapshots/step-00000002/manifest.json")
+    model, opt, sched = tiny()
+    with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+        if first:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        else:
+            assert tailor.restore().step == 1
+        train(model, opt, sched, tokens, [2])
+        with pytest.raises(TailorError, match=r"step 2 may be committed or not"):
+            tailor.save(2)
+    assert len(faults.held) == 1
+    faults.rule = faults.hold = lambda method, key: None
