@@ -176,7 +176,7 @@ def _outcome(coord: Coordinator, round_: str, step: int) -> dict[str, Any]:
         return coord.broadcast(tag, None, patience=2.0)
     except CoordinationError as silent:
         if _announced(coord, tag, silent):
-            raise  # rank 0's own failure
+            return coord.broadcast(tag, None)  # its word: an outcome announced since this rank stopped waiting, or its failure
         if coord.claim(_gate_tag(round_), {"gave_up": coord.rank}) != "go":
             raise CoordinationError(f"{silent}; rank {coord.rank} gave up on rank 0's commit of step {step}, which "
                                     "never commits it") from None
@@ -184,14 +184,15 @@ def _outcome(coord: Coordinator, round_: str, step: int) -> dict[str, Any]:
         return coord.broadcast(tag, None, patience=2.0)
     except CoordinationError as late:
         if _announced(coord, tag, late):
-            raise
+            return coord.broadcast(tag, None)
         raise CoordinationError(f"{late}; rank 0 passed the last step before committing step {step}: it is committed "
                                 "unless that commit failed, and rank 0 says which") from None
 
 
 def _announced(coord: Coordinator, tag: str, silent: CoordinationError) -> bool:
-    """Whether rank 0 announced ``tag`` (its failure: ``silent`` is what it said); ``silent``
-    raised where the store cannot be reached (gone with rank 0's process)."""
+    """Whether rank 0 announced ``tag`` (its failure, which ``silent`` said; or its outcome, just
+    after this rank stopped waiting for it); ``silent`` raised where the store cannot be reached
+    (gone with rank 0's process)."""
     try:
         return coord.poll(tag)[0]
     except CoordinationError:

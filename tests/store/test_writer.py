@@ -359,6 +359,48 @@ def test_a_rank_that_gives_up_on_rank_0s_commit_and_rank_0_agree_on_the_save(tmp
         assert Run(tmp_path).steps() == [1]
 
 
+def test_rank_0s_outcome_announced_just_after_rank_1_stopped_waiting_for_it_is_taken(tmp_path, monkeypatch):
+    """Two ranks (threads over one c10d store, timeout 1 s) save step 1; rank 0 passed its gate
+    and renamed the snapshot in, then stalls without progress until rank 1 has given up waiting
+    for its outcome, and announces it (committed) just before rank 1 looks whether it announced
+    one. Rank 1 takes that word: both return the committed save. Before, rank 1 took any outcome
+    found announced then for rank 0's failure and raised its silence ('did not announce'), while
+    rank 0 had committed step 1."""
+    import threading
+    import time
+
+    from torch.distributed import HashStore
+
+    from llmtailor.store.storage.local_commit import LocalCommits
+
+    from helpers import on_threads
+
+    looking = threading.Event()  # rank 1 stopped waiting, and looks whether rank 0 announced its outcome
+
+    class Late(StoreCoordinator):
+        def poll(self, tag):
+            if tag.endswith("/outcome") and not looking.is_set():
+                looking.set()
+                deadline = time.monotonic() + 60
+                while not super().poll(tag)[0]:  # rank 0 announces it meanwhile
+                    assert time.monotonic() < deadline, "rank 0 never announced its outcome"
+                    time.sleep(0.01)
+            return super().poll(tag)
+
+    real = LocalCommits._named
+    monkeypatch.setattr(LocalCommits, "_named", lambda self, *args: (looking.wait(60), real(self, *args))[1])
+    store = HashStore()
+
+    def save(rank: int):
+        coord = (Late if rank else StoreCoordinator).over(store, rank, 2, timeout=1)
+        return persist(Run(tmp_path), ddp_part(rank), coordinator=coord)
+
+    outcomes = on_threads(2, save)
+    assert looking.is_set()
+    assert [type(o).__name__ for o in outcomes] == ["PersistResult"] * 2, outcomes
+    assert Run(tmp_path).steps() == [1]
+
+
 def test_a_manifest_fsync_that_hangs_until_rank_1_gave_up_then_fails_leaves_every_rank_failed_alike(tmp_path, monkeypatch):
     """The shared tier's twin of node_commit's (tests/store/test_node_commit_rounds.py): two
     ranks (threads over one c10d store, timeout 1 s) save step 1; rank 0's commit has its files
