@@ -26,17 +26,20 @@ from llmtailor.integrations.accelerate import TailorAccelerator  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 
 JOB = Path(__file__).with_name("accelerate_job.py")
+LAUNCH = Path(__file__).with_name("accelerate_launch.py")
 LAST = 10
 
 
 def launcher(kind: str) -> list[str] | None:
-    """``accelerate launch`` for 2 CPU processes (DDP) or a DeepSpeed engine on each; None: one
+    """``accelerate launch`` for 2 CPU processes (DDP) or a DeepSpeed engine on each, its ranks
+    forked from one interpreter that imported the job (accelerate_launch.py: accelerate's own
+    launch command and environment, torchrun's agent and fresh interpreters left out); None: one
     plain process."""
     if kind == "single":
         return None
     flags = {"ddp": ["--multi_gpu"], "deepspeed": ["--use_deepspeed"]}[kind]
     # A port of its own: two launches at once (another test run) must not meet on the default one.
-    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2", "--num_machines", "1",
+    return [sys.executable, LAUNCH, *flags, "--num_processes", "2", "--num_machines", "1",
             "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
