@@ -159,15 +159,9 @@ def main(argv: list[str] | None = None, last: bool = True):
     return accelerator, model
 
 
-def launch() -> None:
-    """A launch of this script (a rank of ``accelerate launch``'s, or one forked by
-    ``accelerate_launch.py``): every job of the command line in turn (``--then``), then exit."""
+if __name__ == "__main__":
     lines, made = job_lines(sys.argv[1:]), []
     for number, argv in enumerate(lines):
         made.append(main(argv, last=number == len(lines) - 1))
         said_done(number)
     leave()  # the DDP models still referenced: freeing one can deadlock (hf_job.leave)
-
-
-if __name__ == "__main__":
-    launch()
