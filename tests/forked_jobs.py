@@ -120,6 +120,19 @@ def rank_launch(ranks: int, statuses: Path | None = None) -> list[str]:
             *(["--statuses", str(statuses)] if statuses is not None else [])]
 
 
+def served_launch(servers, ranks: int, port: int | None = None) -> list[str]:
+    """``rank_launch``'s twin for a test module's fork server (``servers``, a
+    forked_nodes.ForkServers that imported the job's modules once for every launch of the
+    module): the command line of a one-node launch (forked_nodes.node_command: torchrun's
+    environment and agent store) whose ``ranks`` ranks are all forked from that one server, on
+    ``port`` (a free one by default), before the script and its arguments."""
+    from forked_nodes import node_command
+    from helpers import free_port
+
+    [address] = servers.addresses(1)
+    return node_command([address] * ranks, 1, 0, ranks, "127.0.0.1", free_port() if port is None else port)
+
+
 def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[str], Path]],
                 ranks: int, env: dict[str, str] | None = None) -> dict[str, Finished]:
     """Run ``jobs`` (as ``run_jobs``) one after another in one launch of ``ranks`` ranks

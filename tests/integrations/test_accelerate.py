@@ -18,8 +18,8 @@ from unittest import mock
 
 import pytest
 import torch
-from forked_jobs import launched, run_in_turn, run_jobs
-from forked_nodes import ForkServers, node_command
+from forked_jobs import launched, run_in_turn, run_jobs, served_launch
+from forked_nodes import ForkServers
 from helpers import assert_composite_loaded, assert_same_training_state, free_port, tree_digest
 
 accelerate = pytest.importorskip("accelerate")
@@ -53,7 +53,7 @@ def launcher(kind: str) -> tuple[list[str], dict[str, str]] | None:
     the agent it hands the ranks to, ``torch.distributed.run.run`` (torchrun's, which would start
     each rank as a fresh interpreter): what it was handed (the port, the number of ranks, that
     environment) starts a one-node launch whose ranks are forked from ``SERVER``
-    (forked_nodes.node_command: torchrun's environment and agent store)."""
+    (forked_jobs.served_launch)."""
     if kind == "single":
         return None
     from accelerate.commands.launch import launch_command, launch_command_parser
@@ -69,8 +69,7 @@ def launcher(kind: str) -> tuple[list[str], dict[str, str]] | None:
         launch_command(args)
     [(agent_args, env)] = handed
     assert (agent_args.nproc_per_node, str(agent_args.nnodes), agent_args.training_script) == ("2", "1:1", str(JOB))
-    [address] = SERVER.addresses(1)  # both ranks from it, as forked_jobs.rank_launch forks them from one launch
-    return node_command([address, address], 1, 0, 2, "127.0.0.1", int(agent_args.master_port)), env
+    return served_launch(SERVER, 2, int(agent_args.master_port)), env
 
 
 def continues(reference: dict, resumed: dict, after: int) -> None:
