@@ -94,12 +94,14 @@ def run_jobs(script: Path, jobs: dict[str, tuple[list[str], Path]], work: Path,
     return finished
 
 
-def launched(command: list[str], name: str, result: Path) -> Finished:
+def launched(command: list[str], name: str, result: Path, env: dict[str, str] | None = None) -> Finished:
     """A job launched on its own (``command``: a launcher of several ranks and the job's command
-    line), as ``Finished``; a rank SIGKILLed makes the launcher stop the others and exit 1."""
+    line; ``env``: its environment, this process's by default), as ``Finished``; a rank
+    SIGKILLed makes the launcher stop the others and exit 1."""
     from helpers import run_launch
 
-    status, stdout, stderr = run_launch(command, {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    status, stdout, stderr = run_launch(command, {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1",
+                                                  "DS_ACCELERATOR": "cpu"})
     return Finished(name, status, stdout, stderr, result, killed=1)
 
 
@@ -118,10 +120,24 @@ def rank_launch(ranks: int, statuses: Path | None = None) -> list[str]:
             *(["--statuses", str(statuses)] if statuses is not None else [])]
 
 
+def served_launch(servers, ranks: int, port: int | None = None) -> list[str]:
+    """``rank_launch``'s twin for a test module's fork server (``servers``, a
+    forked_nodes.ForkServers that imported the job's modules once for every launch of the
+    module): the command line of a one-node launch (forked_nodes.node_command: torchrun's
+    environment and agent store) whose ``ranks`` ranks are all forked from that one server, on
+    ``port`` (a free one by default), before the script and its arguments."""
+    from forked_nodes import node_command
+    from helpers import free_port
+
+    [address] = servers.addresses(1)
+    return node_command([address] * ranks, 1, 0, ranks, "127.0.0.1", free_port() if port is None else port)
+
+
 def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[str], Path]],
-                ranks: int) -> dict[str, Finished]:
+                ranks: int, env: dict[str, str] | None = None) -> dict[str, Finished]:
     """Run ``jobs`` (as ``run_jobs``) one after another in one launch of ``ranks`` ranks
-    (``launcher``, e.g. torchrun): ``script`` takes their command lines separated by ``--then``
+    (``launcher``, e.g. torchrun; ``env``: its environment, this process's by default):
+    ``script`` takes their command lines separated by ``--then``
     and prints ``job N done on rank R`` as each ends. A job is done (status 0) once every rank
     said so; the first that is not gets the launch's status (a launcher exits 1 when a rank was
     SIGKILLed), and those after it None (not run). The output of every job is the launch's."""
@@ -130,7 +146,8 @@ def run_in_turn(launcher: list[str], script: Path, jobs: dict[str, tuple[list[st
         command += [*(["--then"] if number else []), *map(str, args)]
     from helpers import run_launch
 
-    returncode, stdout, stderr = run_launch(command, {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    returncode, stdout, stderr = run_launch(command, {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1",
+                                                      "DS_ACCELERATOR": "cpu"})
     finished, status = {}, 0
     for number, (name, (_, result)) in enumerate(jobs.items()):
         if status == 0:

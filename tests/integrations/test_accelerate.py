@@ -9,14 +9,17 @@ too; a second accelerator on a run being written fails when it is built."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from forked_jobs import launched, run_in_turn, run_jobs
+from forked_jobs import launched, run_in_turn, run_jobs, served_launch
+from forked_nodes import ForkServers
 from helpers import assert_composite_loaded, assert_same_training_state, free_port, tree_digest
 
 accelerate = pytest.importorskip("accelerate")
@@ -29,15 +32,44 @@ JOB = Path(__file__).with_name("accelerate_job.py")
 LAST = 10
 
 
-def launcher(kind: str) -> list[str] | None:
-    """``accelerate launch`` for 2 CPU processes (DDP) or a DeepSpeed engine on each; None: one
-    plain process."""
+SERVER = ForkServers(preload=("torch", "torch.distributed", "transformers.models.llama.modeling_llama", "accelerate",
+                             "accelerate.utils", "llmtailor", "llmtailor.integrations.accelerate"),
+                     env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+"""The fork server the ranks of this module's launches are forked from (forked_nodes.py): the
+imports of torch, transformers' Llama, accelerate and llmtailor paid once for the module, not in
+each rank of each launch; ended after the module's last test (``fork_server``)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    yield
+    SERVER.stop()
+
+
+def launcher(kind: str) -> tuple[list[str], dict[str, str]] | None:
+    """``accelerate launch`` for 2 CPU processes (DDP) or a DeepSpeed engine on each, and its
+    environment; None: one plain process. accelerate's own launch command runs here (its parser,
+    its checks of the flags, the environment it prepares for the ranks: ``ACCELERATE_*``) up to
+    the agent it hands the ranks to, ``torch.distributed.run.run`` (torchrun's, which would start
+    each rank as a fresh interpreter): what it was handed (the port, the number of ranks, that
+    environment) starts a one-node launch whose ranks are forked from ``SERVER``
+    (forked_jobs.served_launch)."""
     if kind == "single":
         return None
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
     flags = {"ddp": ["--multi_gpu"], "deepspeed": ["--use_deepspeed"]}[kind]
     # A port of its own: two launches at once (another test run) must not meet on the default one.
-    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_processes", "2", "--num_machines", "1",
-            "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no"]
+    args = launch_command_parser().parse_args(
+        [*flags, "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port()),
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(JOB)])
+    handed = []
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}), \
+            mock.patch("torch.distributed.run.run", lambda agent_args: handed.append((agent_args, dict(os.environ)))):
+        launch_command(args)
+    [(agent_args, env)] = handed
+    assert (agent_args.nproc_per_node, str(agent_args.nnodes), agent_args.training_script) == ("2", "1:1", str(JOB))
+    return served_launch(SERVER, 2, int(agent_args.master_port)), env
 
 
 def continues(reference: dict, resumed: dict, after: int) -> None:
@@ -78,8 +110,10 @@ def run_scenarios(kind: str, root: Path, scenarios: list[str]) -> dict:
             done |= run_jobs(JOB, jobs, root / f"stage-{stage}", together=True)  # each job a run directory of its own
         else:
             with ThreadPoolExecutor(len(jobs)) as pool:  # at once: each its own processes, port and run
-                launches = {name: pool.submit(launched, [*launcher(kind), JOB, *args], name, result)
-                            for name, (args, result) in jobs.items()}
+                launches = {}
+                for name, (args, result) in jobs.items():
+                    command, env = launcher(kind)
+                    launches[name] = pool.submit(launched, [*command, JOB, *args], name, result, env)
                 done |= {name: launch.result() for name, launch in launches.items()}
         for scenario in scenarios if stage == 0 else ():
             run = Run(root / f"{scenario}-crashed")
@@ -138,7 +172,8 @@ def two_processes(tmp_path_factory):
         return (steps, Run(root / run).resolve(), Run(root / run).manifest(steps[-1]).world_size) if steps else None
 
     def launch(jobs: dict) -> dict:
-        return run_in_turn(launcher("ddp"), JOB, jobs, ranks=2)
+        command, env = launcher("ddp")
+        return run_in_turn(command, JOB, jobs, ranks=2, env=env)
 
     done = launch({"reference": job("reference", "reference", *DROPOUT),
                    "parity-crashed": job("parity-crashed", "parity-crashed", "--policy", "parity", "--crash-at", "8")})

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import rank_launch, run_in_turn, run_jobs
+from forked_jobs import run_in_turn, run_jobs, served_launch
+from forked_nodes import ForkServers
 from helpers import standalone_launch, tree_digest
 from typer.testing import CliRunner
 
@@ -26,6 +27,17 @@ from llmtailor.store.run import Run
 JOB = Path(__file__).with_name("hf_job.py")
 MODELS = {"llama": [], "qwen2": ["--tie"]}  # untied Llama, Qwen2 with tied embeddings
 CRASH_AT, LAST = 8, 12
+SERVER = ForkServers(preload=("torch", "torch.distributed", "transformers.trainer", "transformers.models.llama.modeling_llama",
+                              "deepspeed", "llmtailor", "llmtailor.integrations.hf"),
+                     env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+"""The fork server of the DeepSpeed test's ranks (forked_nodes.py), ended after the module's
+last test (``fork_server``)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    yield
+    SERVER.stop()
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +165,13 @@ def two_ranks(tmp_path: Path, *flags: str, shared: bool = True, forked: bool = F
     """Under torchrun with 2 ranks, each with ``flags``: "reference" (uninterrupted) and "crashed"
     (SIGKILLed after its save of 8), in one launch that runs them in turn in one process group
     (forked_jobs.run_in_turn) if ``shared``, else one each, both at once; then "resumed" in a launch of its own.
-    And the steps the killed run held. ``forked``: each launch's 2 ranks forked from one
-    interpreter that imported the job, with torchrun's environment (``forked_jobs.rank_launch``),
-    not a torchrun agent and two fresh interpreters."""
+    And the steps the killed run held. ``forked``: each launch's 2 ranks forked from the
+    module's fork server, which imported torch, transformers and DeepSpeed once, with torchrun's
+    environment and agent store (``forked_jobs.served_launch``), not a torchrun agent and two
+    fresh interpreters."""
 
-    def torchrun() -> list[str]:  # a port of its own each launch (rank_launch picks one)
-        return rank_launch(2) if forked else standalone_launch(2)
+    def torchrun() -> list[str]:  # a port of its own each launch
+        return served_launch(SERVER, 2) if forked else standalone_launch(2)
 
     def spec(name: str, out: str, *more: str) -> tuple[list[str], Path]:
         return ["--out", str(tmp_path / out), "--result", str(tmp_path / f"{name}.json"), *flags, *more], \

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import rank_launch, run_in_turn, run_jobs
+from forked_jobs import run_in_turn, run_jobs, served_launch
+from forked_nodes import ForkServers
 from helpers import assert_composite_loaded, assert_same_training_state
 
 L = pytest.importorskip("lightning")
@@ -128,6 +129,16 @@ def test_assembled_ckpt_resumes_in_plain_lightning_bit_for_bit(one_device):
 
 
 DROPOUT = ["--every", "2", "--dropout", "0.1"]
+SERVER = ForkServers(preload=("torch", "torch.distributed", "lightning", "transformers.models.llama.modeling_llama",
+                              "llmtailor", "llmtailor.integrations.lightning"))
+"""The fork server the DDP ranks are forked from (forked_nodes.py, one thread a rank), ended
+after the module's last test (``fork_server``)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    yield
+    SERVER.stop()
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +149,10 @@ def two_ranks(tmp_path_factory):
     8)], ["crashed" (dropout, killed after 6)], ["parity-resumed" (to 12, dumping what it
     loaded), "again" (resumed, killed after 8)], ["resumed" (to 10, eager loader)]. The Parity
     run's composite after its crash is recorded in "after-crash". Each launch's ranks are forked
-    from one interpreter that imported the job (``forked_jobs.rank_launch``: torchrun's
-    environment, which Lightning's DDP reads, and a failed or killed rank ending the others, as
-    torchrun's agent does), not a torchrun agent and two fresh interpreters importing Lightning
-    and transformers each: what is tested is the ranks' training, saves and resumes, not torchrun
+    from the module's fork server, which imported Lightning and transformers once
+    (``forked_jobs.served_launch``: torchrun's environment, which Lightning's DDP reads, its agent
+    store, and a failed or killed rank ending the others, as torchrun's agent does), not a
+    torchrun agent and two fresh interpreters importing Lightning and transformers each: what is tested is the ranks' training, saves and resumes, not torchrun
     (tests/distributed/test_torchrun.py and test_hf_trainer.py's DDP test run under torchrun itself).
     The ranks of a launch share their ``str`` hash seed."""
     root = tmp_path_factory.mktemp("ddp")
@@ -150,18 +161,18 @@ def two_ranks(tmp_path_factory):
         return ["--run-dir", str(root / run), "--result", str(root / f"{name}.json"), "--devices", "2", *flags], \
             root / f"{name}.json"
 
-    done = run_in_turn(rank_launch(2), JOB, {
+    done = run_in_turn(served_launch(SERVER, 2), JOB, {
         "reference": job("reference", "reference", *DROPOUT),
         "parity-crashed": job("parity-crashed", "parity", "--policy", "parity", "--crash-at", "8"),
     }, ranks=2)
     after_crash = Run(root / "parity").resolve() if (root / "parity").is_dir() and Run(root / "parity").steps() else None
-    done |= run_in_turn(rank_launch(2), JOB, {"crashed": job("crashed", "crashed", *DROPOUT, "--crash-at", "6")}, ranks=2)
-    done |= run_in_turn(rank_launch(2), JOB, {
+    done |= run_in_turn(served_launch(SERVER, 2), JOB, {"crashed": job("crashed", "crashed", *DROPOUT, "--crash-at", "6")}, ranks=2)
+    done |= run_in_turn(served_launch(SERVER, 2), JOB, {
         "parity-resumed": job("parity-resumed", "parity", "--policy", "parity", "--resume", str(root / "parity"),
                               "--dump", str(root / "dump.pt"), "--max-steps", "12"),
         "again": job("again", "crashed", *DROPOUT, "--resume", str(root / "crashed"), "--crash-at", "8"),
     }, ranks=2)
-    done |= run_in_turn(rank_launch(2), JOB, {
+    done |= run_in_turn(served_launch(SERVER, 2), JOB, {
         "resumed": job("resumed", "crashed", *DROPOUT, "--loader", "eager", "--resume", str(root / "crashed")),
     }, ranks=2)
     return {"root": root, "jobs": done, "after-crash": after_crash}
