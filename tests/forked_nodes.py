@@ -205,7 +205,7 @@ def _connect(address: str, patience: float = 0.0) -> socket.socket:
 
 def serve(address: str, preload: list[str]) -> dict:
     """Listen at ``address`` (before the imports: a node may ask at once, it waits), import
-    ``preload``, then fork a process for each request. In the server this returns only to exit
+    ``preload`` (and the modules the ``PRELOAD`` of each names), then fork a process for each request. In the server this returns only to exit
     (its parent gone, or SIGTERM); in a forked process, it returns the request."""
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listening.bind("\0" + address)
@@ -214,7 +214,8 @@ def serve(address: str, preload: list[str]) -> dict:
 
     sys.path.append(str(Path(__file__).parent / "distributed"))  # the node jobs, for ``preload``
     for name in preload:
-        importlib.import_module(name)
+        for also in getattr(importlib.import_module(name), "PRELOAD", ()):  # a job's own list (forked_jobs' too)
+            importlib.import_module(also)
     import gc
 
     gc.freeze()  # the imports' objects out of the collector's sight: a fork's collections copy none of their pages
