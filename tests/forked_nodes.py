@@ -52,9 +52,15 @@ from forked_jobs import _TERM_GRACE, _signal_all  # a node ends its ranks as ran
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.nn.parallel", "llmtailor",
            "llmtailor.distributed.courier", "llmtailor.store.tiers.collective", "llmtailor.store.node_commit",
-           "torch_job", "node_recovery_job", "boto3")
+           "torch_job", "node_recovery_job", "boto3", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen2.configuration_qwen2", "llmtailor.cli", "llmtailor.providers.fsdp",
+           "llmtailor.store.reader", "llmtailor.store.shared_ranges", "test_readme")
 """What each fork server imports before its first fork: what the node jobs (tests/distributed/)
-import, most of their imports' cost (boto3: an S3 run's commit checks for uploads left)."""
+import, most of their imports' cost (boto3: an S3 run's commit checks for uploads left), and what
+their ranks import lazily: transformers' Llama (the first ``tiny()`` of a rank, about 3 s of CPU on
+the project's VM, with torch's DTensor and dynamo modules it pulls in: 765 of the 961 modules a rank
+of test_torchrun's 2-rank launch imported after its fork), the restore's readers, the CLI
+(typer, rich) and test_readme (pytest: the pipeline scenarios' documented blocks)."""
 
 _EXIT_BARRIER = 300.0
 """Seconds node 0 waits, once its ranks ended, for the other nodes' (torchrun's exit barrier)."""
@@ -199,7 +205,7 @@ def _connect(address: str, patience: float = 0.0) -> socket.socket:
 
 def serve(address: str, preload: list[str]) -> dict:
     """Listen at ``address`` (before the imports: a node may ask at once, it waits), import
-    ``preload``, then fork a process for each request. In the server this returns only to exit
+    ``preload`` (and the modules the ``PRELOAD`` of each names), then fork a process for each request. In the server this returns only to exit
     (its parent gone, or SIGTERM); in a forked process, it returns the request."""
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listening.bind("\0" + address)
@@ -208,7 +214,8 @@ def serve(address: str, preload: list[str]) -> dict:
 
     sys.path.append(str(Path(__file__).parent / "distributed"))  # the node jobs, for ``preload``
     for name in preload:
-        importlib.import_module(name)
+        for also in getattr(importlib.import_module(name), "PRELOAD", ()):  # a job's own list (forked_jobs' too)
+            importlib.import_module(also)
     import gc
 
     gc.freeze()  # the imports' objects out of the collector's sight: a fork's collections copy none of their pages

@@ -63,6 +63,13 @@ from llmtailor.training_example import batch_at, corpus_tokens, hf_param_groups 
 
 TOKENS = corpus_tokens()
 SHAPE = "plain"
+PRELOAD = ("transformers.models.llama.modeling_llama", "deepspeed.runtime.zero.muon.muon_optimizer",
+           "deepspeed.module_inject.auto_ep_layer", "llmtailor.providers.deepspeed.zero12",
+           "llmtailor.providers.deepspeed.zero3", "llmtailor.store.reader", "boto3")
+"""What the fork server of test_deepspeed.py (forked_nodes.py, which imports this module first)
+imports once before it forks the ranks: what each rank imported on first use otherwise (the
+model's code, what ``deepspeed.initialize`` and the restore import: 1864 modules, about 5.5 of a
+ZeRO-2 ``save`` rank's 7.5 s of CPU on the project's VM; 3 modules after)."""
 SUB_GROUP_SIZE = 500  # elements: under ZeRO-3 with the odd shape, one or two parameters per sub-group
 
 

@@ -11,11 +11,15 @@ under ZeRO-2, then the ZeRO-2 run under ZeRO-3. The plain ZeRO-3 run is restored
 one process, each plain run into a plain torch model. One more launch at 2 ranks, on what the
 first made: a restore that fails on one rank, a universal checkpoint loaded by DeepSpeed and an
 imported DeepSpeed checkpoint resumed under ZeRO-3. The ranks of ``ds_job.py``'s launches are
-forked from one process that imported it (``forked_jobs.rank_launch``: DeepSpeed, transformers and
-torch imported once a launch), and so are the Trainer's (``hf_job.py``, its ``launch()``: the
-vanilla run, then its import resumed by a TailorTrainer): what that test checks is the checkpoint
-the Trainer writes and its import, not torchrun (tests/integrations launch the Trainer under
-torchrun). Forked ranks share Python's ``str`` hash seed, where torchrun's draw their own."""
+forked from one fork server for the module that imported it (``DS_SERVER``: DeepSpeed,
+transformers' Llama, torch and the ``PRELOAD`` of ds_job.py imported once for the module, not once
+a launch), each launch one node as ``torchrun --standalone`` starts one (forked_nodes.py: torchrun's
+environment and agent store); the Trainer's are forked from one process that imported its job
+(``forked_jobs.rank_launch`` of ``hf_job.py``, its ``launch()``: the vanilla run, then its import
+resumed by a TailorTrainer): what that test checks is the checkpoint the Trainer writes and its
+import, not torchrun (tests/integrations launch the Trainer under torchrun). The ranks of a launch
+share Python's ``str`` hash seed (one server, or one process, forks them all), where torchrun's
+draw their own."""
 
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 from forked_jobs import rank_launch
-from helpers import flip_unit_byte, tiny
+from forked_nodes import ForkServers, node_command
+from helpers import flip_unit_byte, free_port, tiny
 
 from llmtailor import Tailor
 from llmtailor.store.run import Run
@@ -35,6 +40,15 @@ from llmtailor.store.run import Run
 pytest.importorskip("deepspeed")
 JOB = Path(__file__).with_name("ds_job.py")
 pytestmark = pytest.mark.slow
+DS_SERVER = ForkServers(preload=("ds_job",), env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+"""The fork server of this module's launches (module docstring), started on the first, ended after
+the module's last test (``ds_server``)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_server():
+    yield
+    DS_SERVER.stop()
 
 
 def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float = 600) -> None:
@@ -44,8 +58,9 @@ def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float 
         for name in scenario.split("+"):  # a result read later is this launch's, never an earlier one's
             for stale in out.glob(f"result-{name}-*.json"):
                 stale.unlink()
+    [address] = DS_SERVER.addresses(1)  # every rank forked from it, as rank_launch forks them from one process
     proc = subprocess.run(
-        [*rank_launch(nproc), str(JOB),
+        [*node_command([address] * nproc, 1, 0, nproc, "127.0.0.1", free_port()), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
