@@ -44,11 +44,15 @@ $(EMUSTAMP):
 
 emulators: $(STAMP) $(EMUSTAMP)
 
+# Two workers (pytest-xdist), each test file whole on one of them, the multi-process launches'
+# directories together on one (tests/conftest.py: pytest_xdist_make_scheduler).
+XDIST := -n 2 --dist loadfile
+
 test: $(STAMP) $(MKSTAMP) $(EMUSTAMP)
-	LLMTAILOR_MERGEKIT=$(CURDIR)/$(MKVENV)/bin/python $(PY) -m pytest -q
+	LLMTAILOR_MERGEKIT=$(CURDIR)/$(MKVENV)/bin/python $(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP) $(EMUSTAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) bench/bench_save.py

@@ -51,6 +51,31 @@ def pytest_configure(config):
         os.environ["PYTEST_DEBUG_TEMPROOT"] = str(MEMORY_TEMP)  # read once, by the first tmp_path
 
 
+LAUNCHES = ("tests/distributed/", "tests/e2e/", "tests/integrations/")
+"""The directories whose tests start multi-process launches (torchrun, forked ranks, several jobs at
+once): each launch takes both cores of the project's VM, and their directories' fork servers
+(conftest.py there) serve each directory's tests in turn."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n 2 --dist loadfile`` (``make test``): each test file is a unit a worker takes whole
+    (its module fixtures set up once), and the ``LAUNCHES`` directories together are one unit: their
+    launches run one at a time, on one worker, in collection order (each directory's fork servers
+    started once), while the other worker takes the other files. Units go out largest first
+    (pytest-xdist's ``--loadscope-reorder``), so the launches start at once. Other ``--dist``
+    modes are pytest-xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "launches" if nodeid.startswith(LAUNCHES) else super()._split_scope(nodeid)
+
+    return Scheduling(config, log)
+
+
 @pytest.fixture
 def disk_path():
     """A fresh directory on the disk (``TMPDIR``), removed afterwards: for a test whose check needs

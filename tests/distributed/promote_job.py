@@ -255,7 +255,7 @@ def dropped(kind: str, out: Path) -> dict:
             tailor.save(1)
             if i == 0:
                 tailor.close()
-                more.append(connections() - connected)
+                more.append(len(connections() - connected))
                 closed = tailor  # kept (a script's global): a closed writer holds no connection
             del tailor, model, optimizer, scheduler
         # The events: rank 0's promotions in flight end, then what they held goes (their tier's
@@ -264,7 +264,7 @@ def dropped(kind: str, out: Path) -> dict:
         for names in (("llmtailor-promote",), WRITERS_THREADS):
             for thread in [t for t in threading.enumerate() if t.name in names and t not in before]:
                 thread.join(max(deadline - time.monotonic(), 0))
-        more.append(connections() - connected)
+        more.append(len(connections() - connected))
         left = [t for t in threading.enumerate() if t not in before]
     finally:
         gc.enable()
@@ -273,11 +273,13 @@ def dropped(kind: str, out: Path) -> dict:
             "threads": sorted(t.name for t in left if t.name in WRITERS_THREADS), "connections": more}
 
 
-def connections() -> int:
+def connections() -> set[str]:
     """This process's TCP connections and listening sockets (its own: a dropped writer's gloo
     group, a coordinator's clients of the job's store), but those to moto's server (the
     process's pool of HTTP connections) and those the job's store accepted (its peers close
-    them in their own time)."""
+    them in their own time): their sockets' inodes. A writer holds the ones not there before
+    it; one there before that closed meanwhile (an earlier job's, on a busy machine) is no
+    connection less of the writer's (counted as one, it read -2 at load 30)."""
     moto = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1].split("/")[0])
     store = int(os.environ["MASTER_PORT"])
     inodes = set()
@@ -286,13 +288,14 @@ def connections() -> int:
             target = os.readlink(f"/proc/self/fd/{fd}")
             if target.startswith("socket:["):
                 inodes.add(target[len("socket:["):-1])
-    count = 0
+    found = set()
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             local, remote = (int(end.rsplit(":", 1)[1], 16) for end in fields[1:3])
-            count += fields[9] in inodes and moto not in (local, remote) and local != store
-    return count
+            if fields[9] in inodes and moto not in (local, remote) and local != store:
+                found.add(fields[9])
+    return found
 
 
 WRITERS_THREADS = ("llmtailor-node-upload", "llmtailor-promote", "llmtailor-lock")
