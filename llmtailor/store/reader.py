@@ -15,6 +15,7 @@ either way: done here, on the bytes as read.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -239,13 +240,18 @@ class ChunkReader:
         landed = isinstance(segments, list)
         if not landed:  # read, or received as one buffer
             segments = [memoryview(self._fetch(storage, key, begin + low, high - low))]
+        ends = list(itertools.accumulate(len(s) for s in segments))  # where each segment ends in [low, high)
+        first = 0  # the segment the page begins in
         for at in range(low, high, page):
-            pieces = list(_spanning(segments, at - low, min(at + page, high) - low))
-            if len(pieces) == 1:
-                found = checksum(pieces[0])
+            a, b = at - low, min(at + page, high) - low
+            while ends[first] <= a:
+                first += 1
+            if b <= ends[first]:  # the page lies in one segment
+                base = ends[first] - len(segments[first])
+                found = checksum(segments[first][a - base : b - base])
             else:  # a page across a margin and the box: one hash fed both
                 hasher = xxhash.xxh3_64()
-                for piece in pieces:
+                for piece in _spanning(segments, a, b):
                     hasher.update(piece)
                 found = hasher.hexdigest()
             if found != chunk.pages[at // page]:

@@ -107,29 +107,17 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     them, once every byte of the group is in. Raises what a fetch or a load raised (module
     docstring).
 
-    ``landing``: range of ``needs`` -> ``((start, length), memory)``: bytes of it (a box, inside
-    the range) that go straight into ``memory`` (a contiguous uint8 tensor of that length: the
-    box's live target), no buffer and no copy after: the range is asked for in up to three
-    slices (margin, box, margin), the box's sent apart and received into that memory (where it
-    lies whole in one piece; else put there from the pieces it was cut over), and ``load`` is
-    given the range as the list of its slices' bytes, in order. The bytes land there before
-    ``load`` checks them: a damaged range is refused then, its box left holding what came."""
+    ``landing``: range of ``needs`` -> ``((start, length), memory)``: the bytes of a box inside
+    it go straight into ``memory`` (contiguous uint8: the box's live target), no buffer, no
+    copy after: asked for as margin | box | margin, the box sent apart and received there;
+    ``load`` is given the range as the list of its slices' bytes. They land before ``load``
+    checks them: a damaged range is refused then, its box left holding what came."""
     import torch  # a distributed restore: torch is loaded already
 
-    landing = landing or {}
-    cut = {group: {r: _cut(r, landing[r][0] if r in landing else None) for r in ranges} for group, ranges in needs.items()}
-    apart = sorted({(r[0], *landing[r][0]) for r in landing})
-    said = coordinator.exchange(f"{tag}/ranges", {"needs": {group: [list(s) for r in cuts.values() for s in r]
-                                                           for group, cuts in cut.items()}, "apart": apart})
-    everyone = [rank["needs"] for rank in said]
-    aparts = [{tuple(r) for r in rank["apart"]} for rank in said]
+    cut, everyone, aparts = _said(coordinator, needs, landing := landing or {}, f"{tag}/ranges")
     groups = list(dict.fromkeys(group for ranks in everyone for group in ranks))
     batches = _batches(groups, everyone)
-    pieces: dict[str, tuple[tuple[str, ...], Range]] = {}
-    for batch in batches:
-        for piece in _pieces(tuple(r) for ranks in everyone for group in batch for r in ranks.get(group, ())):
-            name = f"bytes {piece[1]}-{piece[1] + piece[2]} of {storage.where(piece[0])}"
-            pieces[name if name not in pieces else f"{name} (for {batch[-1]})"] = (batch, piece)
+    pieces = _named_pieces(batches, everyone, storage)
     last = {batch: name for name, (batch, _) in pieces.items()}
     by_rank = {batch: [_by_file((r for group in batch for r in ranks.get(group, ())), aparts[rank])
                        for rank, ranks in enumerate(everyone)] for batch in batches}  # sorted once
@@ -149,16 +137,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
         return {rank: _within(piece, ranges) for rank, ranges in enumerate(by_rank[batch])}
 
     def into(name: str) -> dict[tuple[int, int], torch.Tensor]:
-        """The slices of piece ``name`` this rank is sent that lie inside a box it lands, each
-        with the part of that box's memory they are (``ReadPlan.deliver``'s ``into``)."""
-        key, start, _ = pieces[name][1]
-        found = {}
-        for offset, length in wanted(name).get(coordinator.rank, ()) if targets else ():
-            for (k, s, n), memory in targets.items():
-                if k == key and s <= start + offset and start + offset + length <= s + n:
-                    found[(offset, length)] = memory[start + offset - s : start + offset + length - s]
-                    break
-        return found
+        return _landing_slices(pieces[name][1], wanted(name).get(coordinator.rank, ()), targets) if targets else {}
 
     received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]] = []  # the pieces of the batch being sent
     loading: Future | None = None  # the batch before it, its bytes awaited and loaded on a thread
@@ -198,6 +177,42 @@ def _arrive_and_load(waiting: _Groups, batch: tuple[str, ...], received: list[tu
         _settle(received[1:])
         raise
     waiting.load_through(batch[-1])
+
+
+def _named_pieces(batches: list[tuple[str, ...]], everyone: list[dict[str, list]],
+                  storage: Storage) -> dict[str, tuple[tuple[str, ...], Range]]:
+    """Each batch's pieces (``_pieces`` of every rank's ranges of its groups), by a name saying
+    which bytes of which file they are, with their batch."""
+    pieces: dict[str, tuple[tuple[str, ...], Range]] = {}
+    for batch in batches:
+        for piece in _pieces(tuple(r) for ranks in everyone for group in batch for r in ranks.get(group, ())):
+            name = f"bytes {piece[1]}-{piece[1] + piece[2]} of {storage.where(piece[0])}"
+            pieces[name if name not in pieces else f"{name} (for {batch[-1]})"] = (batch, piece)
+    return pieces
+
+
+def _said(coordinator: Coordinator, needs: dict[str, list[Range]], landing: dict[Range, tuple[tuple[int, int], Any]],
+          tag: str) -> tuple[dict[str, dict[Range, list[Range]]], list[dict[str, list]], list[set[Range]]]:
+    """This rank's ranges as asked for (``_cut``: group -> range -> its slices), and what every
+    rank asks for, exchanged: its groups' slices, and those sent apart (its landing boxes)."""
+    cut = {group: {r: _cut(r, landing[r][0] if r in landing else None) for r in ranges} for group, ranges in needs.items()}
+    said = coordinator.exchange(tag, {"needs": {group: [list(s) for r in cuts.values() for s in r] for group, cuts in cut.items()},
+                                      "apart": sorted({(r[0], *landing[r][0]) for r in landing})})
+    return cut, [rank["needs"] for rank in said], [{tuple(r) for r in rank["apart"]} for rank in said]
+
+
+def _landing_slices(piece: Range, parts: Iterable[tuple[int, int]], targets: dict[Range, torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
+    """The ``parts`` of ``piece`` (``(offset in the piece, length)``, those this rank is sent)
+    that lie inside a box it lands (``targets``: its range -> its memory), each with the part of
+    that memory it is: ``ReadPlan.deliver``'s ``into``."""
+    key, start, _ = piece
+    found = {}
+    for offset, length in parts:
+        for (k, s, n), memory in targets.items():
+            if k == key and s <= start + offset and start + offset + length <= s + n:
+                found[(offset, length)] = memory[start + offset - s : start + offset + length - s]
+                break
+    return found
 
 
 def _settle(received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]]) -> None:
