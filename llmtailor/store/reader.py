@@ -10,7 +10,9 @@ Each box is one read of a byte range (``span`` says which, before it is read); a
 restore may fetch those ranges ahead, once in the job and in large requests
 (``store.shared_ranges``), and hand them over in ``ChunkReader.received``: a read finds its
 bytes there and goes to the store only for those it does not find. The checks are the same
-either way: done here, on the bytes as read.
+either way: done here, on the bytes as read. A box received straight into its live target
+(``landing``) is handed over as segments, margin | box | margin: each page is checked across
+them before the box is given where it lies; a page that fails says the target holds its bytes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ before: up to a part and a half, ``_pieces``); each piece is one item of a read 
 threads) in one request, and sent to each rank that needs part of it, only the parts its
 ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
 every piece); each rank uses its parts where they were received (a range cut over two
-pieces is copied together). A file is then fetched in about its size
+pieces is copied together). A rank's box whose live target takes its bytes as they are
+(FSDP2's shards: ``read_once``'s ``landing``) is sent apart from the page margins around it
+and received straight into the target: no buffer and no copy for those bytes. A file is then fetched in about its size
 / ``PART`` requests in all, each byte once (plus what the joined gaps hold). A batch's groups
 are loaded on a thread of its own while the next batch's pieces are read and sent.
 
@@ -43,8 +45,8 @@ with the same tags.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
 
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.progress import carried
