@@ -44,6 +44,7 @@ with the same tags.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -123,7 +124,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     last = {batch: name for name, (batch, _) in pieces.items()}
     by_rank = {batch: [_by_file((r for group in batch for r in ranks.get(group, ())), aparts[rank])
                        for rank, ranks in enumerate(everyone)] for batch in batches}  # sorted once
-    targets = {(r[0], *box): memory for r, (box, memory) in landing.items()}
+    by_key = _by_key(targets := {(r[0], *box): memory for r, (box, memory) in landing.items()})  # by the box's range
     waiting = _Groups(groups, {group: [s for r in cuts.values() for s in r] for group, cuts in cut.items()},
                       _joined_load(load, cut, landing), targets)
     plan = ReadPlan(coordinator, {name: piece[2] for name, (_, piece) in pieces.items()})
@@ -139,7 +140,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
         return {rank: _within(piece, ranges) for rank, ranges in enumerate(by_rank[batch])}
 
     def into(name: str) -> dict[tuple[int, int], torch.Tensor]:
-        return _landing_slices(pieces[name][1], wanted(name).get(coordinator.rank, ()), targets) if targets else {}
+        return _landing_slices(pieces[name][1], wanted(name).get(coordinator.rank, ()), by_key) if targets else {}
 
     received: list[tuple[tuple[str, ...], Range, Callable[[], dict]]] = []  # the pieces of the batch being sent
     loading: Future | None = None  # the batch before it, its bytes awaited and loaded on a thread
@@ -203,15 +204,24 @@ def _said(coordinator: Coordinator, needs: dict[str, list[Range]], landing: dict
     return cut, [rank["needs"] for rank in said], [{tuple(r) for r in rank["apart"]} for rank in said]
 
 
-def _landing_slices(piece: Range, parts: Iterable[tuple[int, int]], targets: dict[Range, torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
+def _by_key(targets: dict[Range, torch.Tensor]) -> dict[str, list[tuple[Range, torch.Tensor]]]:
+    """``targets`` by file key."""
+    by_key: dict[str, list[tuple[Range, torch.Tensor]]] = {}
+    for r, memory in targets.items():
+        by_key.setdefault(r[0], []).append((r, memory))
+    return by_key
+
+
+def _landing_slices(piece: Range, parts: Iterable[tuple[int, int]],
+                    targets: dict[str, list[tuple[Range, torch.Tensor]]]) -> dict[tuple[int, int], torch.Tensor]:
     """The ``parts`` of ``piece`` (``(offset in the piece, length)``, those this rank is sent)
-    that lie inside a box it lands (``targets``: its range -> its memory), each with the part of
-    that memory it is: ``ReadPlan.deliver``'s ``into``."""
+    that lie inside a box it lands (``targets``: by file, its boxes' ranges and memory), each
+    with the part of that memory it is: ``ReadPlan.deliver``'s ``into``."""
     key, start, _ = piece
     found = {}
     for offset, length in parts:
-        for (k, s, n), memory in targets.items():
-            if k == key and s <= start + offset and start + offset + length <= s + n:
+        for (k, s, n), memory in targets.get(key, ()):
+            if s <= start + offset and start + offset + length <= s + n:
                 found[(offset, length)] = memory[start + offset - s : start + offset + length - s]
                 break
     return found
@@ -333,6 +343,7 @@ class _Groups:
                  targets: dict[Range, torch.Tensor] | None = None):
         self.order, self.needs, self.load = order, needs, load
         self.targets = targets or {}  # ranges received into their live targets (``read_once``'s ``landing``)
+        self._files: dict[str, dict[str, list[Range]]] = {}
         self.next = 0
         self.received: dict[str, dict[Range, bytearray | memoryview]] = {}
         self.failure: BaseException | None = None
@@ -350,12 +361,14 @@ class _Groups:
             return
         held = self.received.setdefault(group, {})  # a group's bytes held from its first piece on: one group's at a time
         key, start, _ = piece
-        for k, s, n in dict.fromkeys(self.needs[group]):
-            for (offset, length), data in parts.items():
+        placed = sorted(parts)  # disjoint (``_within``): the parts a range overlaps found by bisection
+        starts = [start + offset for offset, _ in placed]
+        for k, s, n in self._of_file(group, key):
+            for offset, length in placed[max(0, bisect.bisect_right(starts, s) - 1) : bisect.bisect_left(starts, s + n)]:
                 low, high = max(s, start + offset), min(s + n, start + offset + length)
-                if k != key or low >= high:
+                if low >= high:
                     continue
-                bytes_ = data[low - start - offset : high - start - offset]
+                bytes_ = parts[(offset, length)][low - start - offset : high - start - offset]
                 target = self.targets.get((k, s, n))
                 if target is not None:
                     held[(k, s, n)] = memoryview(target.numpy())
@@ -368,6 +381,14 @@ class _Groups:
                 if (k, s, n) not in held:
                     held[(k, s, n)] = _scratch(n)
                 memoryview(held[(k, s, n)])[low - s : high - s] = bytes_
+
+    def _of_file(self, group: str, key: str) -> list[Range]:
+        """This rank's ranges of ``group`` in file ``key``, each once (made once per group)."""
+        if group not in self._files:
+            self._files[group] = {}
+            for r in dict.fromkeys(self.needs[group]):
+                self._files[group].setdefault(r[0], []).append(r)
+        return self._files[group].get(key, [])
 
     def load_through(self, group: str | None) -> None:
         """Load this rank's groups up to ``group`` (None: every one left), in order."""
