@@ -64,6 +64,13 @@ if TYPE_CHECKING:
 Range = tuple[str, int, int]
 """``(key, start, length)``: bytes of one file of the storage."""
 
+LANDS_FROM = 1 << 20
+"""A box smaller than this is not received into its live target (``read_once``'s ``landing``)
+but with its page margins in one message, then copied there: cut from its margins it costs two
+messages more (gloo's per message work on both ranks), more than copying this much (the
+bench's FSDP2 restore, 2 to 3 ranks, every box landed: 2.3x the messages, more CPU on every rank;
+bench/RESULTS.md, session 57)."""
+
 GAP = 64 << 10
 """Ranges of a file closer than this are fetched as one (the bytes between them with them):
 a request costs more than reading this much more."""
@@ -113,11 +120,11 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
     ``landing``: range of ``needs`` -> ``((start, length), memory)``: the bytes of a box inside
     it go straight into ``memory`` (contiguous uint8: the box's live target), no buffer, no
     copy after: asked for as margin | box | margin, the box sent apart and received there;
-    ``load`` is given the range as the list of its slices' bytes. They land before ``load``
-    checks them: a damaged range is refused then, its box left holding what came."""
+    ``load`` is given the range as the list of its slices' bytes (boxes of ``LANDS_FROM`` bytes
+    on). They land before ``load`` checks them: a damaged range is refused, its box left as it came."""
     import torch  # a distributed restore: torch is loaded already
 
-    cut, everyone, aparts = _said(coordinator, needs, landing := landing or {}, f"{tag}/ranges")
+    cut, everyone, aparts, landing = _said(coordinator, needs, landing or {}, f"{tag}/ranges")
     groups = list(dict.fromkeys(group for ranks in everyone for group in ranks))
     batches = _batches(groups, everyone)
     pieces = _named_pieces(batches, everyone, storage)
@@ -195,13 +202,15 @@ def _named_pieces(batches: list[tuple[str, ...]], everyone: list[dict[str, list]
 
 
 def _said(coordinator: Coordinator, needs: dict[str, list[Range]], landing: dict[Range, tuple[tuple[int, int], Any]],
-          tag: str) -> tuple[dict[str, dict[Range, list[Range]]], list[dict[str, list]], list[set[Range]]]:
-    """This rank's ranges as asked for (``_cut``: group -> range -> its slices), and what every
-    rank asks for, exchanged: its groups' slices, and those sent apart (its landing boxes)."""
+          tag: str) -> tuple[dict[str, dict[Range, list[Range]]], list[dict[str, list]], list[set[Range]], dict[Range, Any]]:
+    """This rank's ranges as asked for (``_cut``: group -> range -> its slices), what every rank
+    asks for, exchanged: its groups' slices, and those sent apart (its landing boxes), and this
+    rank's ``landing`` kept: its boxes of ``LANDS_FROM`` bytes on."""
+    landing = {r: (box, memory) for r, (box, memory) in landing.items() if box[1] >= LANDS_FROM}
     cut = {group: {r: _cut(r, landing[r][0] if r in landing else None) for r in ranges} for group, ranges in needs.items()}
     said = coordinator.exchange(tag, {"needs": {group: [list(s) for r in cuts.values() for s in r] for group, cuts in cut.items()},
                                       "apart": sorted({(r[0], *landing[r][0]) for r in landing})})
-    return cut, [rank["needs"] for rank in said], [{tuple(r) for r in rank["apart"]} for rank in said]
+    return cut, [rank["needs"] for rank in said], [{tuple(r) for r in rank["apart"]} for rank in said], landing
 
 
 def _by_key(targets: dict[Range, torch.Tensor]) -> dict[str, list[tuple[Range, torch.Tensor]]]:

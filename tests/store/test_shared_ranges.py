@@ -238,6 +238,7 @@ def test_boxes_that_land_are_received_straight_into_their_live_targets_and_loade
             super().__init__(coordinator, items, group=groups[coordinator.rank])
 
     monkeypatch.setattr(shared_ranges, "ReadPlan", OnGroup)
+    monkeypatch.setattr(shared_ranges, "LANDS_FROM", 1000)  # the boxes here are of 2003 and 5037 bytes
     spans = [("f", 0, 4099), ("f", 5003, 5037)]
     boxes = [(1001, 2003), (5003, 5037)]  # odd sizes; the second is its whole span
     targets = [torch.zeros(n, dtype=torch.uint8) for _, n in boxes]
