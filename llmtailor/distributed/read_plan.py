@@ -384,7 +384,8 @@ class ReadPlan:
             self._wait(item, rank, work, what)
 
     def deliver(self, read: Callable[[str], torch.Tensor], wanted: Callable[[str], dict[int, list[Slice]]],
-                threads: int = _AHEAD, tag: str | None = None) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
+                threads: int = _AHEAD, tag: str | None = None,
+                into: Callable[[str], dict[Slice, torch.Tensor]] | None = None) -> Iterator[tuple[str, Callable[[], dict[Slice, memoryview]]]]:
         """Every item in plan order, each with a function that waits for the slices of its bytes
         this rank wants and returns them (slice -> its bytes; none where it wants none). An
         item is one byte tensor, ``read(item)`` on its reader; ``wanted(item)``: global rank ->
@@ -394,6 +395,11 @@ class ReadPlan:
         copy; received at aligned offsets of one buffer, where the caller may use them in
         place), not the whole item to the whole group: a rank receives what it uses, and waits
         only for its own reads and the items it wants, never for the group at each item.
+        ``into(item)``: slices of an item this rank is sent -> the memory each is received in
+        (a contiguous uint8 CPU tensor of its length: a live tensor's, no buffer and no copy
+        after); they are then returned as views of that memory. Over a GPU group (nccl) it is
+        not used. What lands there is as the reader sent it: zeros where its read failed (the
+        function raises), unchecked bytes otherwise (the caller checks them where they are).
 
         Failures: a read that fails is sent as such to the ranks wanting part of the item (their
         function raises ``ReadRefused``), and every rank goes on to the end of the plan, so no
@@ -430,7 +436,8 @@ class ReadPlan:
                     advance()
                     if reader != self.coordinator.rank:
                         receipts = [r for r in receipts if not r.waited]  # the caller's waited: their buffers its own
-                        receipts.append(self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device))
+                        receipts.append(self._receive_slices(item, reader, slices.get(self.coordinator.rank, []), index, device,
+                                                             {} if into is None or device.type != "cpu" else into(item)))
                         if not stopped:
                             try:
                                 yield item, failing.watch(receipts[-1])
@@ -528,25 +535,33 @@ class ReadPlan:
         return works
 
     def _receive_slices(self, item: str, reader: int, parts: list[Slice], tag: int,
-                        device: torch.device) -> _Receipt:
+                        device: torch.device, into: dict[Slice, torch.Tensor] | None = None) -> _Receipt:
         """Post the receipts of the ``parts`` of an item this rank wants from its ``reader``
         (``_send_slices``: the head, then each part, into one buffer at aligned offsets, so the
-        bytes of a part can be used where they land); a function that waits for them all and
-        returns each part's bytes, or raises ``ReadRefused`` where the read failed."""
+        bytes of a part can be used where they land; a part ``into`` gives memory for, of its
+        length, into that memory instead); a function that waits for them all and returns each
+        part's bytes, or raises ``ReadRefused`` where the read failed."""
         if not parts:
             return _Receipt(dict, posted=False)
-        placed = _packed_slices(parts)
+        into = {part: memory for part, memory in (into or {}).items() if part in parts and memory.numel() == part[1]}
+        placed = _packed_slices([part for part in parts if part not in into])
         head = torch.empty(_HEAD, dtype=torch.uint8, device=device)
-        buffer = torch.empty(placed[-1][1][0] + placed[-1][1][1], dtype=torch.uint8, device=device)
+        buffer = torch.empty(placed[-1][1][0] + placed[-1][1][1] if placed else 0, dtype=torch.uint8, device=device)
         works = [(reader, self._receive_into(item, reader, head, tag))]
-        works += [(reader, (self._receive_into(item, reader, buffer[at : at + length], tag), buffer))
-                  for _, (at, length) in placed]
+        at_place = dict(placed)
+        for part in parts:  # in the order they are sent
+            memory = into.get(part)
+            if memory is None:
+                at, length = at_place[part]
+                memory = buffer[at : at + length]
+            works.append((reader, (self._receive_into(item, reader, memory, tag), memory)))
 
         def wait() -> dict[Slice, memoryview]:
             self._wait_all(item, works, "receipt")
             if head.cpu().view(torch.int64)[0].item() != _SENT:
                 _refused(item, reader)
-            return _slices(memoryview(buffer.cpu().numpy()), placed)
+            return {**_slices(memoryview(buffer.cpu().numpy()), placed),
+                    **{part: memoryview(memory.numpy()) for part, memory in into.items()}}
 
         return _Receipt(wait)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -249,6 +250,12 @@ class FSDPProvider(LocalProvider):
             reader.take_headers(run.storage, headers.result())
         needs = {unit: [(key, start, length) for where, key, start, length in planned.spans(unit) if where.same_place(run.storage)]
                  for unit in planned.items}
+        # Boxes whose bytes go straight into their live shards (no buffer, no copy after): where
+        # a span is one box's alone (two boxes reading the same span are put in place from it).
+        spans = Counter(r for ranges in needs.values() for r in ranges)
+        landing = {(key, start, length): (box, memory) for unit in planned.items
+                   for (where, key, start, length), box, memory in planned.landings(unit)
+                   if where.same_place(run.storage) and spans[(key, start, length)] == 1}
 
         def load_received(unit: str, received: dict[tuple[str, int, int], bytearray]) -> None:
             reader.received = {(run.storage.identity(), *r): data for r, data in received.items()}
@@ -257,7 +264,7 @@ class FSDPProvider(LocalProvider):
             finally:
                 reader.received = {}
 
-        read_once(self.coordinator, run.storage, needs, load_received, f"{self.coordinator.round}/ranges")
+        read_once(self.coordinator, run.storage, needs, load_received, f"{self.coordinator.round}/ranges", landing=landing)
 
     def _state_target(self, param: torch.Tensor, state_key: str, saved: TensorEntry) -> torch.Tensor:
         """Where a saved optimizer state tensor is loaded: the live one if it has the saved

@@ -72,6 +72,24 @@ class SnapshotReader(StorageReader):
                 found.append(span)
         return found
 
+    def landings(self, items: list[ReadItem], planner: LoadPlanner) -> list[tuple[Span, tuple[int, int], torch.Tensor]]:
+        """``(span, box, memory)`` for each box of ``items`` whose bytes may be fetched straight
+        into its target (``ChunkReader.landing``): ``box`` the ``(start, length)`` of the file
+        that are its elements, ``memory`` the target's, as contiguous uint8 on the CPU, where the
+        target is that (a non-contiguous shard, one on a GPU: none)."""
+        found = []
+        for item in items:
+            tensor, chunk = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset))]
+            landing = self.reader.landing(self.step, self.unit, tensor, chunk, tuple(item.storage_offsets), tuple(item.lengths))
+            if landing is None:
+                continue
+            target = planner.resolve_tensor(item).detach()
+            span, box = landing
+            if (target.device.type == "cpu" and target.is_contiguous() and target.dtype == tensor.torch_dtype
+                    and target.numel() * target.element_size() == box[1]):
+                found.append((span, box, target.reshape(-1).view(torch.uint8)))
+        return found
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
 
@@ -86,7 +104,8 @@ class SnapshotReader(StorageReader):
             tensor, chunk = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset))]
             data = self.reader.read_box(self.step, self.unit, tensor, chunk, tuple(item.storage_offsets), tuple(item.lengths))
             target = planner.resolve_tensor(item).detach()
-            target.copy_(data)
+            if not _same_memory(data, target):  # a box received straight into its target: there already
+                target.copy_(data)
             planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
@@ -124,6 +143,16 @@ class PlannedLoad:
         """The byte ranges the boxes of ``unit`` read (``SnapshotReader.spans``)."""
         return self.readers[unit].spans(self.items[unit])
 
+    def landings(self, unit: str) -> list[tuple[Span, tuple[int, int], torch.Tensor]]:
+        """Where the boxes of ``unit`` may be fetched straight into their targets (``SnapshotReader.landings``)."""
+        return self.readers[unit].landings(self.items[unit], self.planner)
+
     def load(self, unit: str) -> None:
         """Each box of ``unit``'s plan read (``SnapshotReader.read_data``: checked as there) into its target."""
         self.readers[unit].read_data(LoadPlan(self.items[unit]), self.planner).wait()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (same place, dtype, shape and strides)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())

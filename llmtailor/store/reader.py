@@ -10,11 +10,14 @@ Each box is one read of a byte range (``span`` says which, before it is read); a
 restore may fetch those ranges ahead, once in the job and in large requests
 (``store.shared_ranges``), and hand them over in ``ChunkReader.received``: a read finds its
 bytes there and goes to the store only for those it does not find. The checks are the same
-either way: done here, on the bytes as read.
+either way: done here, on the bytes as read. A box received straight into its live target
+(``landing``) is handed over as segments, margin | box | margin: each page is checked across
+them before the box is given where it lies; a page that fails says the target holds its bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -30,6 +33,8 @@ from llmtailor.store.storage import Storage
 
 if TYPE_CHECKING:
     import torch
+
+_LANDED = "; its bytes were received into the live tensor before this check: that tensor holds them, not restored"
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offsets, shape)`` of a box inside a tensor."""
@@ -85,9 +90,11 @@ class ChunkReader:
         self.verify = verify
         self._headers: dict[tuple[str, str], tuple[int, dict]] = {}
         self._checked: dict[tuple, torch.Tensor] = {}
-        self.received: dict[tuple[str, str, int, int], bytearray] = {}
+        self.received: dict[tuple[str, str, int, int], bytearray | memoryview | list[memoryview]] = {}
         """Bytes fetched ahead (module docstring), by ``(storage identity, key, start, length)``
-        of the ``span`` they are: a read of exactly that range takes them instead of fetching."""
+        of the ``span`` they are: a read of exactly that range takes them instead of fetching.
+        A list: the span's bytes in consecutive segments, as ``landing`` cut it (the box's
+        bytes received into its live target, the page margins around it elsewhere)."""
 
     def close(self) -> None:
         self._headers.clear()
@@ -115,12 +122,33 @@ class ChunkReader:
             start, end = _pages_around(tensor, chunk, start, end)
         return storage, key, begin + start, end - start
 
-    def _fetch(self, storage: Storage, key: str, start: int, length: int, hasher=None) -> bytearray:
+    def landing(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk,
+                offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Span, tuple[int, int]] | None:
+        """``(span, (start, length))``: the ``span`` a read of the box takes and the bytes of the
+        file that are the box's elements alone, in their row-major order (a box of whole rows,
+        or inside one row), which may be fetched straight into the box's live target (``received``
+        as segments: margin, box, margin); None where they are not one run of bytes, or where the
+        read checks the whole chunk and the box is not all of it (the chunk is then checked and
+        sliced as one buffer)."""
+        span = self.span(step, unit, tensor, chunk, offsets, shape)
+        if span is None:
+            return None
+        storage, key, begin = self._located(step, unit, tensor, chunk)
+        start, end = _box_bytes(tensor, chunk, offsets, shape)
+        if end - start != _numel(shape) * dtypes.itemsize(tensor.dtype):
+            return None
+        if self.verify and chunk.pages is None and (start, end) != (0, _chunk_bytes(tensor, chunk)):
+            return None
+        return span, (begin + start, end - start)
+
+    def _fetch(self, storage: Storage, key: str, start: int, length: int, hasher=None) -> bytearray | memoryview:
         """``length`` bytes of ``key`` from ``start``: those received ahead when they are there
-        (``hasher`` fed them), else fetched (``store.fetch``)."""
+        (``hasher`` fed them; received in segments, put together), else fetched (``store.fetch``)."""
         data = self.received.get((storage.identity(), key, start, length))
         if data is None:
             return fetch(storage, key, start, length, hasher)
+        if isinstance(data, list):
+            data = data[0] if len(data) == 1 else bytearray().join(data)
         if hasher is not None:
             hasher.update(data)
         return data
@@ -210,12 +238,29 @@ class ChunkReader:
         and a pass over the bytes more)."""
         page = chunk.page_bytes
         low, high = _pages_around(tensor, chunk, start, end)
-        raw = memoryview(self._fetch(storage, key, begin + low, high - low))
+        segments = self.received.get((storage.identity(), key, begin + low, high - low))
+        landed = isinstance(segments, list)
+        if not landed:  # read, or received as one buffer
+            segments = [memoryview(self._fetch(storage, key, begin + low, high - low))]
+        ends = list(itertools.accumulate(len(s) for s in segments))  # where each segment ends in [low, high)
+        first = 0  # the segment the page begins in
         for at in range(low, high, page):
-            if checksum(raw[at - low : min(at + page, high) - low]) != chunk.pages[at // page]:
+            a, b = at - low, min(at + page, high) - low
+            while ends[first] <= a:
+                first += 1
+            if b <= ends[first]:  # the page lies in one segment
+                base = ends[first] - len(segments[first])
+                found = checksum(segments[first][a - base : b - base])
+            else:  # a page across a margin and the box: one hash fed both
+                hasher = xxhash.xxh3_64()
+                for piece in _spanning(segments, a, b):
+                    hasher.update(piece)
+                found = hasher.hexdigest()
+            if found != chunk.pages[at // page]:
                 raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
-                                     f"bytes {at}-{min(at + page, high)} (file is corrupted)")
-        return raw[start - low : end - low]
+                                     f"bytes {at}-{min(at + page, high)} (file is corrupted){_LANDED if landed else ''}")
+        box = list(_spanning(segments, start - low, end - low))
+        return box[0] if len(box) == 1 else memoryview(bytearray().join(box))
 
     def _checked_chunk(self, step: int, unit: UnitEntry, tensor: TensorEntry, chunk: Chunk) -> torch.Tensor:
         import torch
@@ -231,15 +276,28 @@ class ChunkReader:
                 data = data[begin : begin + length]
             else:
                 hasher = xxhash.xxh3_64()
+                landed = isinstance(self.received.get((storage.identity(), key, begin, length)), list)
                 data = self._fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
                 if hasher.hexdigest() != chunk.xxh3_64:
                     raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
-                                         "(file is corrupted)")
+                                         f"(file is corrupted){_LANDED if landed else ''}")
             whole = (torch.frombuffer(data, dtype=tensor.torch_dtype).reshape(chunk.shape) if length
                      else torch.empty(chunk.shape, dtype=tensor.torch_dtype))
             # One chunk is kept: consecutive boxes of a tensor come from the same chunk.
             self._checked = {cache_key: whole}
         return self._checked[cache_key]
+
+
+def _spanning(segments: list[memoryview], start: int, end: int):
+    """Views of bytes ``[start, end)`` of ``segments`` taken one after another, in order."""
+    at = 0
+    for segment in segments:
+        low, high = max(start, at), min(end, at + len(segment))
+        if low < high:
+            yield segment[low - at : high - at]
+        at += len(segment)
+        if at >= end:
+            break
 
 
 def _chunk_bytes(tensor: TensorEntry, chunk: Chunk) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from llmtailor.store.fetch import PART
-from llmtailor.store.shared_ranges import GAP, _batches, _by_file, _pieces, _within
+from llmtailor.store.shared_ranges import GAP, _batches, _by_file, _cut, _pieces, _within
 
 
 def covered(pieces: list[tuple[str, int, int]], key: str) -> set[int]:
@@ -47,7 +47,24 @@ def test_each_rank_is_sent_only_the_parts_of_a_piece_its_ranges_cover():
     assert _within(piece, _by_file([("f", 0, 1500), ("f", 1500, 500), ("g", 1000, 100)])) == [(0, 1000)]
     assert _within(piece, _by_file([("f", 8200, 5000), ("f", 3000, 2000), ("f", 4000, 100)])) == [(2000, 2000), (7200, 1800)]
     assert _within(piece, _by_file([("f", 20000, 10), ("f", 500, 400)])) == []
-    assert _by_file([("f", 9, 1), ("g", 0, 2), ("f", 3, 4)]) == {"f": [(3, 4), (9, 1)], "g": [(0, 2)]}
+    assert _by_file([("f", 9, 1), ("g", 0, 2), ("f", 3, 4)]) == {"f": [(3, 4, False), (9, 1, False)], "g": [(0, 2, False)]}
+
+
+def test_a_box_received_into_its_live_target_is_sent_apart_from_the_margins_it_touches():
+    # A rank's span cut margin | box | margin (``_cut``), the box sent apart (it lands in its live
+    # target): not joined to the margins it touches; overlapping ranges are still joined, and a
+    # box with no margin on one side, or all of its span, is one part on its own.
+    piece = ("f", 1000, 9000)
+    margin_box_margin = _cut(("f", 2000, 3000), (2500, 1000))
+    assert margin_box_margin == [("f", 2000, 500), ("f", 2500, 1000), ("f", 3500, 1500)]
+    apart = {("f", 2500, 1000)}
+    assert _within(piece, _by_file(margin_box_margin, apart)) == [(1000, 500), (1500, 1000), (2500, 1500)]
+    assert _within(piece, _by_file(margin_box_margin)) == [(1000, 3000)]  # none apart: one part, as before
+    assert _cut(("f", 2000, 3000), (2000, 3000)) == [("f", 2000, 3000)]
+    assert _cut(("f", 2000, 3000), (2000, 1000)) == [("f", 2000, 1000), ("f", 3000, 2000)]
+    assert _within(piece, _by_file(_cut(("f", 2000, 3000), (2000, 1000)), {("f", 2000, 1000)})) == [(1000, 1000), (2000, 2000)]
+    # a box cut by the piece's end: the part inside the piece, apart still
+    assert _within(("f", 1000, 2000), _by_file(margin_box_margin, apart)) == [(1000, 500), (1500, 500)]
 
 
 def test_consecutive_small_groups_are_fetched_together_up_to_a_part_and_a_half_per_file():
@@ -178,3 +195,68 @@ def _options(dist, op):
     options = dist.AllreduceOptions()
     options.reduceOp = op
     return options
+
+
+def test_boxes_that_land_are_received_straight_into_their_live_targets_and_loaded_as_their_slices(tmp_path, monkeypatch):
+    """``read_once``'s ``landing``: a rank's box (here one with a margin on each side, and one
+    that is all of its span) is received straight into the memory given for it (its live
+    target), not into a buffer to be copied from; the reader's own box is put there from its
+    read. ``load`` is given each such range as the list of its slices' bytes in order (the box's
+    slice that memory), which together are the file's bytes of the range. Two ranks of a real
+    gloo group, each on a thread of this process."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import HashStore
+
+    from helpers import on_threads
+    from llmtailor.distributed.coordinator import StoreCoordinator
+    from llmtailor.distributed.read_plan import ReadPlan
+    from llmtailor.store import shared_ranges
+    from llmtailor.store.storage.local import LocalStorage
+
+    file = bytes(range(251)) * 40  # an odd length: 10040 bytes
+    (tmp_path / "f").write_bytes(file)
+    store = HashStore()
+    groups = on_threads(2, lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("landing", store), rank, 2,
+                                                              timedelta(seconds=30)))
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=30) for rank in range(2)]
+    received_into: list[list[int]] = [[], []]
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None, tag=0: group.send([tensor], dst, tag))
+
+    def irecv(tensor, src, group=None, tag=0):
+        received_into[1 - src].append(tensor.data_ptr())
+        return group.recv([tensor], src, tag)
+
+    monkeypatch.setattr(dist, "irecv", irecv)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op, group, async_op: group.allreduce([tensor], _options(dist, op)))
+
+    class OnGroup(ReadPlan):
+        def __init__(self, coordinator, items):
+            super().__init__(coordinator, items, group=groups[coordinator.rank])
+
+    monkeypatch.setattr(shared_ranges, "ReadPlan", OnGroup)
+    monkeypatch.setattr(shared_ranges, "LANDS_FROM", 1000)  # the boxes here are of 2003 and 5037 bytes
+    spans = [("f", 0, 4099), ("f", 5003, 5037)]
+    boxes = [(1001, 2003), (5003, 5037)]  # odd sizes; the second is its whole span
+    targets = [torch.zeros(n, dtype=torch.uint8) for _, n in boxes]
+    loaded: list[dict] = [{}, {}]
+
+    def run(rank: int) -> None:
+        shared_ranges.read_once(coordinators[rank], LocalStorage(tmp_path), {f"g{rank}": [spans[rank]]},
+                                lambda group, got: loaded[rank].update(got), "landing",
+                                landing={spans[rank]: (boxes[rank], targets[rank])})
+
+    assert on_threads(2, run) == [None, None]
+    for rank in range(2):
+        (key, start, length), (at, n) = spans[rank], boxes[rank]
+        assert bytes(targets[rank].numpy()) == file[at : at + n]
+        slices = loaded[rank][spans[rank]]
+        assert isinstance(slices, list) and b"".join(bytes(s) for s in slices) == file[start : start + length]
+        [box] = [s for s in slices if torch.frombuffer(s, dtype=torch.uint8).data_ptr() == targets[rank].data_ptr()]
+        assert len(box) == n
+    receivers = [rank for rank in range(2) if len(received_into[rank]) > 1]  # more than the head: sent its parts
+    assert len(receivers) == 1, received_into  # one piece, one reader
+    assert targets[receivers[0]].data_ptr() in received_into[receivers[0]], "received into a buffer, then copied"
