@@ -459,8 +459,8 @@ def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: st
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         gave_up = f"{silent}; rank 0 gave up on the commit of node(s) {abandoned}, which never commit it; " if abandoned else ""
         return {"failed": f"{gave_up}step {step} was not saved: node(s) {sorted([*failed, *abandoned])} could not commit "
-                          f"it{f' ({where})' if where else ''}; the nodes that did removed their copy, and every earlier "
-                          "snapshot is intact", "silent": bool(abandoned)}
+                          f"it{f' ({where})' if where else ''}", "silent": bool(abandoned),
+                "committed": sorted(nodes.node_of_rank(rank) for rank in outcomes if "error" not in outcomes[rank])}
     return {"unconfirmed": {str(nodes.node_of_rank(rank)): o["unconfirmed"] for rank, o in outcomes.items()},
             "spare": committed.get("spare", [])}
 
@@ -470,7 +470,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
     """Step 4's outcome on every rank, rank 0's word (``_verdict``): each other node's leader
     reports how its commit went (``committed``: this rank's node's, on its leader), rank 0 says
     how the save went. When a node failed (or rank 0 gave up on it), the nodes that committed
-    remove their copy again and every rank raises alike, naming each failed node and why.
+    remove their copy again and every rank raises alike, naming each failed node and why, and
+    which node kept its copy (``_undo``).
     Returns what each node's commit could not confirm once committed (``PersistResult.unconfirmed``:
     the same on every rank, so every rank raises it alike) and rank 0's ``spare``. A rank that
     loses rank 0 here keeps its node's copy as it is (a crash between the nodes' commits)."""
@@ -481,10 +482,38 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
     verdict = coord.broadcast(f"{round_}/settled", functools.partial(_verdict, staged.step, placement, coord, round_,
                                                                       committed) if coord.is_leader else None, patience=2.0)
     if "failed" in verdict:
-        kept = _uncommit(snapshot.run, staged, node) if committed is not None and "error" not in committed else None
-        raise (CoordinationError if verdict["silent"] else TailorError)(verdict["failed"] + (f"; but {kept}" if kept else ""))
+        undone = _undo(snapshot.run, staged, placement, coord, round_, verdict["committed"], committed)
+        raise (CoordinationError if verdict["silent"] else TailorError)(f"{verdict['failed']}; {undone}")
     unconfirmed = {int(n): why for n, why in verdict["unconfirmed"].items()}
     return "; ".join(f"node {n}: {why}" for n, why in sorted(unconfirmed.items()) if why) or None, tuple(verdict["spare"])
+
+
+def _undo(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
+          committed: list[int], mine: dict[str, Any] | None) -> str:
+    """A save that failed on some node: each node of ``committed`` (rank 0's word) removes its
+    copy again (``_uncommit``, on its leader: ``mine``, how its own commit went; one that failed
+    after rank 0 gave up waiting for it holds no copy) and says how that went; every rank returns the
+    same account of every such node for its error. A node whose copy stayed is named on every
+    rank, not only on its own (the others would otherwise say its copy was removed, where it is
+    that node's newest composite); a node whose leader does not say within the timeout is named
+    as one that did not say."""
+    nodes = placement.nodes
+    node, tags = nodes.node_of_rank(coord.rank), {nodes.leader_of(n): f"{round_}/undone/{n}" for n in committed}
+    if coord.rank in tags:
+        assert mine is not None  # a node's leader
+        coord.post(tags[coord.rank], _uncommit(run, staged, node) if "error" not in mine
+                   else f"node {node} holds no copy (its commit failed: {mine['error']})")
+    try:
+        said = coord.collect(tags, f"whether it removed its copy of step {staged.step}")
+    except CoordinationError:  # the ones that did say, then
+        said = {rank: value for rank, tag in tags.items() for posted, value in [coord.poll(tag)] if posted}
+    removed = [n for n in committed if nodes.leader_of(n) in said and said[nodes.leader_of(n)] is None]
+    unsaid = [n for n in committed if nodes.leader_of(n) not in said]
+    account = [f"node(s) {removed} removed their copy"] if removed else []
+    account += [said[nodes.leader_of(n)] for n in committed if said.get(nodes.leader_of(n)) is not None]
+    if unsaid:
+        account.append(f"node(s) {unsaid} did not say within {coord.timeout:g} s whether they removed their copy")
+    return "; ".join([*account, "every earlier snapshot is intact"])
 
 
 def _uncommit(run: Run, staged: StagedSnapshot, node: int) -> str | None:
@@ -492,8 +521,7 @@ def _uncommit(run: Run, staged: StagedSnapshot, node: int) -> str | None:
     ``latest`` back at its parent (the newest composite is the same on every node again).
     Where the copy could not be removed (a reader holds it, the disk refused the rename), it
     stays committed there, this node's newest composite (``latest`` is followed forward to it):
-    returns that, and why, for this rank's error to say, not "the nodes that did removed their
-    copy"."""
+    returns that, and why, for every rank's error to say (``_undo``), not that it removed it."""
     outcome = discard_snapshots(run, [staged.step])
     if staged.step not in outcome.deleted:
         why = "; ".join(outcome.problems) or "a reader holds it"
