@@ -530,7 +530,10 @@ class StoreCoordinator(Coordinator):
         leader's gather under its broadcast, one step, never a relay of a relay); each
         ``timeout / _LOOKS`` it looks (``ranks``: the rank of each key, where its name does not end
         with it; only those of the keys not set yet are looked at; ``lane``: whose beats,
-        ``working``; None: the lane of the calling thread's block). Blocks in the store's own ``wait`` (woken
+        ``working``; None: the lane of the calling thread's block). The relay goes into the lane
+        of the calling thread's block, where the ranks waiting for this one look, whichever lane
+        it watches (rank 0's wait for the nodes' uploads, in their lane, relays into its close's:
+        into theirs no rank looks at rank 0). Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
@@ -538,7 +541,8 @@ class StoreCoordinator(Coordinator):
         A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``).
         A store that went away (the process hosting it died) is a CoordinationError too, naming
         ``ranks`` (default: those of the keys), whichever client met it."""
-        lane = current_lane() if lane is None else lane
+        relay = current_lane()
+        lane = relay if lane is None else lane
         limit = self.timeout * patience
         silent_until, seen, shown = time.monotonic() + limit, None, set()
         owner = dict(zip(keys, ranks or _ranks_of(keys), strict=True))
@@ -553,7 +557,7 @@ class StoreCoordinator(Coordinator):
                     silent_until = time.monotonic() + limit
                     shown.update(moved)
                     if any((beats[r] - seen.get(r, 0)) % _RELAY for r in moved):
-                        self._store.add(self._beat_key(self.rank, lane), _RELAY)
+                        self._store.add(self._beat_key(self.rank, relay), _RELAY)
                 elif time.monotonic() >= silent_until:  # ``describe`` may read what the other ranks reported
                     since = " of its last sign of progress" if shown & {owner[k] for k in pending} else ""
                     raise CoordinationError(f"{describe(_ranks_of(pending))} within {limit:g} s{since}: a rank died or "
