@@ -535,3 +535,61 @@ def test_an_fsync_outside_a_syncer_longer_than_the_timeout_keeps_the_others_wait
         return None
 
     assert on_threads(2, rank) == [{1: "durable"}, None]
+
+
+@pytest.mark.parametrize("removal", ["abandon", "purge", "object abandon", "object purge", "object manifest"])
+def test_a_removal_or_a_manifest_write_longer_than_the_timeout_keeps_the_others_waiting(tmp_path, monkeypatch, removal):
+    """Rank 1, inside ``working``, removes a snapshot's files (an abandoned save's staging, a
+    synchronous purge; locally a ``shutil.rmtree``, on an object store a LIST and DELETEs) or
+    writes a manifest to an object store (its client retrying a 503 for up to 2 minutes), and that
+    one call outlasts the timeout (a slow disk, a throttling store): rank 0 waits on, as for a long
+    fsync (the tests above). Before, a removal or a store's answer was no progress: rank 0 called
+    rank 1 dead after the timeout. Ranks as threads over one store, timeout 1 s."""
+    import shutil
+
+    import llmtailor.store.commit  # noqa: F401 - the storage's progress hooks (``report_progress``)
+    from llmtailor.distributed.coordinator import _LOOKS
+    from llmtailor.store.storage.local_commit import LocalCommits
+    from llmtailor.store.storage.object_commit import ObjectCommits
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    stopped = []
+
+    def slow(*_, **__):  # one long call: until rank 0 saw rank 1 live _LOOKS + 2 times, or gave up
+        before = relayed(store, 0)
+        while relayed(store, 0) - before < _LOOKS + 2 and not stopped:
+            time.sleep(0.01)
+        return 0
+
+    class Store:  # an object store whose every call but the slow one answers at once
+        def where(self, key):
+            return key
+
+        def size(self, key):
+            return None
+
+        remove_tree = put = remove = slow
+
+    real_rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: (slow(), real_rmtree(*args, **kwargs))[1])
+    (tmp_path / "snapshots" / "step-00000001").mkdir(parents=True)
+    local, remote = LocalCommits(tmp_path), ObjectCommits(Store(), None)
+    remove = {"abandon": lambda: local.abandon("snapshots/step-00000001"),
+              "purge": lambda: local.purge(local.discard("snapshots/step-00000001")),
+              "object abandon": lambda: remote.abandon("snapshots/step-00000001"),
+              "object purge": lambda: remote.purge(".trash/step-00000001"),
+              "object manifest": lambda: remote.commit("snapshots/step-00000001", "snapshots/step-00000001", b"{}")}[removal]
+
+    def rank(number: int):
+        if number == 0:
+            try:
+                return ranks[0].collect({1: "part"}, "its part")
+            finally:
+                stopped.append(0)
+        with ranks[1].working():
+            remove()
+        ranks[1].post("part", "removed")
+        return None
+
+    assert on_threads(2, rank) == [{1: "removed"}, None]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
 from llmtailor.errors import TailorError
+from llmtailor.store.storage.local_durable import waited_on_for_work
 from llmtailor.store.storage.object_lock import ObjectLocks
 from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore, Version
@@ -114,13 +115,15 @@ class ObjectCommits(SnapshotCommits):
         if publish is not None:
             publish()
         key = f"{staging}/{MANIFEST_FILE}"
-        try:
-            self._write(staging, key, manifest)
-        except TailorError as err:
-            self._written_after_all(key, manifest, err)
+        with waited_on_for_work():  # its client's retries (2 minutes by default) and the read-back: a wait on the store
+            try:
+                self._write(staging, key, manifest)
+            except TailorError as err:
+                self._written_after_all(key, manifest, err)
         if pointer is not None:
             try:
-                self.storage.replace(*pointer)
+                with waited_on_for_work():
+                    self.storage.replace(*pointer)
             except OSError as err:
                 return Unconfirmed(pointer=err)
         return None
@@ -176,18 +179,21 @@ class ObjectCommits(SnapshotCommits):
             size = self.storage.size(key)
             if is_committed(size):
                 return  # committed after all (an answer lost after the write): never remove it
-            self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
+            with waited_on_for_work():  # a LIST and a DELETE per 1000 objects, each through its retries
+                self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
         except TailorError:
             pass  # left for the next writer or gc: no reader trusts a snapshot without manifest
 
     def discard(self, snapshot: str) -> str:
         # The manifest goes first: from then on the snapshot is not one, at once.
-        self.storage.remove(f"{snapshot}/{MANIFEST_FILE}")
+        with waited_on_for_work():
+            self.storage.remove(f"{snapshot}/{MANIFEST_FILE}")
         self.locks.discarding.discard(snapshot)
         return snapshot
 
     def purge(self, token: str) -> None:
-        self.storage.remove_tree(token)
+        with waited_on_for_work():
+            self.storage.remove_tree(token)
 
     def clear_leftovers(self) -> Leftovers:
         """Snapshots without a manifest (a crashed save, a removal cut short, a save whose
