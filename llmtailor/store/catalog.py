@@ -275,12 +275,24 @@ class Catalog:
         return "; ".join(failures) if failures else None
 
     def _list_steps(self) -> list[int]:
+        # On an object store an empty manifest is no manifest (a tombstone: ``object_commit.TOMBSTONE``).
+        return sorted(step for step, size in self._manifest_sizes() if size or size == 0 and not self.storage.remote)
+
+    def tombstones(self) -> list[int]:
+        """The steps whose manifest key holds a tombstone (on an object store: ``object_commit``),
+        ascending: no snapshot, and kept for good (``object_commit.TOMBSTONES``). Listed anew at
+        each call (``inspect``, ``verify``: a LIST and a HEAD per snapshot)."""
+        if not self.storage.remote:
+            return []
+        return sorted(step for step, size in self._manifest_sizes() if size == 0)
+
+    def _manifest_sizes(self) -> list[tuple[int, int | None]]:
+        """Each snapshot directory's step and the size of its manifest (None: none there)."""
         named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
-        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side);
-        # there an empty one is no manifest (a tombstone: ``object_commit.TOMBSTONE``).
+        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side).
         sizes = self.storage.together(*(functools.partial(self.storage.size, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
                                         for _, name in named))
-        return sorted(step for (step, _), size in zip(named, sizes) if size or size == 0 and not self.storage.remote)
+        return [(step, size) for (step, _), size in zip(named, sizes)]
 
     def manifest(self, step: int) -> Manifest:
         if step not in self._manifests:

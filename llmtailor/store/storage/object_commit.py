@@ -12,6 +12,9 @@ removes a snapshot without manifest, it claims the manifest's key with a tombsto
 an empty object, written only if absent): the late PUT, conditional too, is then refused, and
 never makes a snapshot whose files are gone. A tombstone is no commit marker (``is_committed``);
 it stays until a save of that step replaces it (a conditional write over that very object).
+
+Neither gc nor retention removes a tombstone (``TOMBSTONES``): a manifest write still on its way
+is refused only while an object holds its key, and nothing bounds when one may land.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ log = logging.getLogger(__name__)
 TOMBSTONE = b""
 """What a manifest key holds where the next writer cleared a snapshot without manifest (module
 docstring): a manifest is never empty."""
+
+
+TOMBSTONES = ("a tombstone each (an empty manifest: no snapshot), claimed by a writer before it removed the files "
+              "of a snapshot left without manifest, so that a manifest write still on its way (its writer closed "
+              "with the store unreachable) is refused; kept for good: a write a client gave up on may still be "
+              "stored at any later time (queued at the server, or behind a proxy, and the client cannot take it "
+              "back), and without the tombstone it would commit a snapshot whose files are gone. A save of that "
+              "step replaces it. An llmtailor from before tombstones (2026-11-28) reads one as a damaged manifest")
+"""What ``inspect`` and ``verify`` say of a run's tombstones (after the steps: ``tombstones_note``)."""
+
+
+def tombstones_note(steps: list[int]) -> str:
+    """The line ``inspect`` and ``verify`` print for the tombstones at ``steps``."""
+    return f"step(s) {', '.join(map(str, steps))}: {TOMBSTONES}"
 
 
 def is_committed(size: int | None) -> bool:
