@@ -57,6 +57,8 @@ longer than that (a hung disk) is silence, and the ranks waiting for it give up 
 _RELAY = 1 << 32
 """What a rank adds to its beat for the progress of the ranks it waits for (``_wait_all``), beside
 the 1 it adds for its own: a waiter tells the two apart, so a relay never answers a relay."""
+_GO = "go"
+"""What the committing party claims a commit's gate with (``Coordinator.claim_gate``)."""
 _lanes = threading.local()
 """The lane of the block of work the calling thread is in (``Coordinator.working``): its waits
 watch that lane's beats and relay into it (``StoreCoordinator._wait_all``)."""
@@ -248,6 +250,21 @@ class Coordinator(ABC):
             return first
         self.post(tag, value)
         return value
+
+    def claim_gate(self, tag: str, refused: Callable[[int], BaseException]) -> None:
+        """The committing party, just before its commit publishes a snapshot (everything else
+        durable): it passes the commit's gate ``tag`` (``gate_tag``), unless a party waiting for
+        that commit gave up first (``give_up_gate``), and then raises ``refused(the rank that gave
+        up)``: nothing may be published. Of the two claims exactly one wins, so no rank reports
+        failed a commit that published after it stopped waiting."""
+        if (said := self.claim(tag, _GO)) != _GO:
+            raise refused(said["gave_up"])
+
+    def give_up_gate(self, tag: str) -> bool:
+        """A party giving up on the commit behind the gate ``tag`` claims it for this rank: True
+        where it won (that commit never publishes: ``claim_gate`` raises), False where the
+        committing party passed it first (its commit publishes, or did)."""
+        return self.claim(tag, {"gave_up": self.rank}) != _GO
 
     def collect(self, tags: dict[int, str], what: str, lane: str | None = None) -> dict[int, Any]:
         """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
@@ -615,6 +632,12 @@ def _ranks_of(keys: list[str]) -> list[int]:
     return [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in keys]
 
 
+def gate_tag(round_: str, node: int | None = None) -> str:
+    """The key of a commit's gate (``Coordinator.claim_gate``): a shared save's (its round's), or
+    one node's commit of a save into its own copy (``node``)."""
+    return f"{round_}/gate" if node is None else f"{round_}/gate/{node}"
+
+
 def current_lane() -> str:
     """The lane of the block of work (``Coordinator.working``) the calling thread is in ("": none,
     or the default lane)."""
@@ -650,6 +673,7 @@ __all__ = [
     "current_lane",
     "describe_error",
     "first_line",
+    "gate_tag",
     "make_coordinator",
     "spoil",
     "usable",

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
-from llmtailor.distributed.coordinator import ALIKE, CoordinationError, Coordinator, describe_error
+from llmtailor.distributed.coordinator import ALIKE, CoordinationError, Coordinator, describe_error, gate_tag
 from llmtailor.distributed.courier import Courier, Packed, unpacked
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
@@ -143,7 +143,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
                 if leads and snapshot is not None:
                     snapshot.abandon()
                 raise
-            gate = None if coord.is_leader else functools.partial(_gate, coord, round_, placement, staged.step)
+            gate = None if coord.is_leader else _gate(coord, round_, placement, staged.step)
             committed = _commit_node(snapshot, plan, confirm, staged.turn, files, gate) if leads else None
         if committed is not None and coord.is_leader and spare is not None:
             committed["spare"] = spare()
@@ -415,18 +415,13 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
     return {"unconfirmed": unconfirmed}
 
 
-def _gate_tag(round_: str, node: int) -> str:
-    return f"{round_}/gate/{node}"
-
-
-def _gate(coord: Coordinator, round_: str, placement: NodePlacement, step: int) -> None:
-    """A node's leader (not rank 0's), just before its commit publishes the snapshot: it claims
-    the node's gate (``go``), unless rank 0 gave up on this node's commit first (``abandoned``,
-    ``_verdict``), and then raises: nothing is committed here. Of the two, exactly one wins, so
-    rank 0 never reports failed a save that a node committed after it stopped waiting."""
+def _gate(coord: Coordinator, round_: str, placement: NodePlacement, step: int) -> Callable[[], None]:
+    """The node's gate (``Coordinator.claim_gate``), passed by a node's leader (not rank 0's)
+    just before its commit publishes the snapshot, unless rank 0 gave up on this node's commit
+    first (``_verdict``): then it raises, and nothing is committed here."""
     node = placement.nodes.node_of_rank(coord.rank)
-    if coord.claim(_gate_tag(round_, node), "go") != "go":
-        raise TailorError(f"step {step} was not committed on node {node}: rank 0 gave up waiting for its commit first")
+    return functools.partial(coord.claim_gate, gate_tag(round_, node), lambda rank: TailorError(
+        f"step {step} was not committed on node {node}: rank {rank} gave up waiting for its commit first"))
 
 
 def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: str,
@@ -434,7 +429,7 @@ def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: st
     """Rank 0's step 4: how every node's commit went (``committed``: its own node's), the same
     word for every rank (``_settle``). Each other node's leader's report is waited for while it
     advances (``collect``); one silent for the timeout is given up on: rank 0 claims its gate
-    (``abandoned``), so it never commits the snapshot, and the save fails on every rank; where
+    (``Coordinator.give_up_gate``), so it never commits the snapshot, and the save fails on every rank; where
     the node passed its gate first, it commits (or did), and the save counts as committed there,
     unconfirmed. ``{"failed": why, "silent": bool}`` or ``{"unconfirmed": {node: why}, "spare": ...}``."""
     nodes = placement.nodes
@@ -446,7 +441,7 @@ def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: st
         silent = str(err)
         for rank, tag in leaders.items():
             posted, said = coord.poll(tag)
-            if not posted and coord.claim(_gate_tag(round_, nodes.node_of_rank(rank)), "abandoned") == "go":
+            if not posted and not coord.give_up_gate(gate_tag(round_, nodes.node_of_rank(rank))):
                 posted, said = coord.poll(tag)  # past its gate: it commits there (or did)
                 if not posted:
                     posted, said = True, {"unconfirmed": f"its commit was not confirmed within {coord.timeout:g} s "
