@@ -499,7 +499,7 @@ def _undo(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coo
         coord.post(tags[coord.rank], _uncommit(run, staged, node) if "error" not in mine
                    else f"node {node} holds no copy (its commit failed: {mine['error']})")
     try:
-        said = coord.collect(tags, f"whether it removed its copy of step {staged.step}")
+        said = coord.collect(tags, f"whether it removed its copy of step {staged.step}") if tags else {}
     except CoordinationError:  # the ones that did say, then
         said = {rank: value for rank, tag in tags.items() for posted, value in [coord.poll(tag)] if posted}
     removed = [n for n in committed if nodes.leader_of(n) in said and said[nodes.leader_of(n)] is None]
