@@ -496,12 +496,18 @@ def _undo(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coo
     node, tags = nodes.node_of_rank(coord.rank), {nodes.leader_of(n): f"{round_}/undone/{n}" for n in committed}
     if coord.rank in tags:
         assert mine is not None  # a node's leader
-        coord.post(tags[coord.rank], _uncommit(run, staged, node) if "error" not in mine
-                   else f"node {node} holds no copy (its commit failed: {mine['error']})")
+        try:
+            undone = _uncommit(run, staged, node) if "error" not in mine else \
+                f"node {node} holds no copy (its commit failed: {mine['error']})"
+        except Exception as err:  # said on every rank, as a copy kept
+            undone = f"node {node} may keep its copy of step {staged.step} in {run.root}: removing it failed ({describe_error(err)})"
+        coord.post(tags[coord.rank], undone)
+    said: dict[int, Any] = {}
     try:
         said = coord.collect(tags, f"whether it removed its copy of step {staged.step}") if tags else {}
-    except CoordinationError:  # the ones that did say, then
-        said = {rank: value for rank, tag in tags.items() for posted, value in [coord.poll(tag)] if posted}
+    except CoordinationError:  # the ones that did say, then (none where the job's store is gone)
+        with contextlib.suppress(CoordinationError):
+            said = {rank: value for rank, tag in tags.items() for posted, value in [coord.poll(tag)] if posted}
     removed = [n for n in committed if nodes.leader_of(n) in said and said[nodes.leader_of(n)] is None]
     unsaid = [n for n in committed if nodes.leader_of(n) not in said]
     account = [f"node(s) {removed} removed their copy"] if removed else []
