@@ -128,6 +128,10 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
         run.load_manifests()
         console.print(snapshots_table(run, composite.step, console.width), soft_wrap=False)
         console.print(composite_table(run, composite))
+    if tombstones := run.tombstones():
+        from llmtailor.store.storage.object_commit import tombstones_note
+
+        console.print(f"[yellow]note:[/] {escape(tombstones_note(tombstones))}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -57,6 +57,8 @@ longer than that (a hung disk) is silence, and the ranks waiting for it give up 
 _RELAY = 1 << 32
 """What a rank adds to its beat for the progress of the ranks it waits for (``_wait_all``), beside
 the 1 it adds for its own: a waiter tells the two apart, so a relay never answers a relay."""
+_GO = "go"
+"""What the committing party claims a commit's gate with (``Coordinator.claim_gate``)."""
 _lanes = threading.local()
 """The lane of the block of work the calling thread is in (``Coordinator.working``): its waits
 watch that lane's beats and relay into it (``StoreCoordinator._wait_all``)."""
@@ -248,6 +250,21 @@ class Coordinator(ABC):
             return first
         self.post(tag, value)
         return value
+
+    def claim_gate(self, tag: str, refused: Callable[[int], BaseException]) -> None:
+        """The committing party, just before its commit publishes a snapshot (everything else
+        durable): it passes the commit's gate ``tag`` (``gate_tag``), unless a party waiting for
+        that commit gave up first (``give_up_gate``), and then raises ``refused(the rank that gave
+        up)``: nothing may be published. Of the two claims exactly one wins, so no rank reports
+        failed a commit that published after it stopped waiting."""
+        if (said := self.claim(tag, _GO)) != _GO:
+            raise refused(said["gave_up"])
+
+    def give_up_gate(self, tag: str) -> bool:
+        """A party giving up on the commit behind the gate ``tag`` claims it for this rank: True
+        where it won (that commit never publishes: ``claim_gate`` raises), False where the
+        committing party passed it first (its commit publishes, or did)."""
+        return self.claim(tag, {"gave_up": self.rank}) != _GO
 
     def collect(self, tags: dict[int, str], what: str, lane: str | None = None) -> dict[int, Any]:
         """What each rank of ``tags`` (rank -> its tag) posted, waiting up to the timeout: a
@@ -530,7 +547,10 @@ class StoreCoordinator(Coordinator):
         leader's gather under its broadcast, one step, never a relay of a relay); each
         ``timeout / _LOOKS`` it looks (``ranks``: the rank of each key, where its name does not end
         with it; only those of the keys not set yet are looked at; ``lane``: whose beats,
-        ``working``; None: the lane of the calling thread's block). Blocks in the store's own ``wait`` (woken
+        ``working``; None: the lane of the calling thread's block). The relay goes into the lane
+        of the calling thread's block, where the ranks waiting for this one look, whichever lane
+        it watches (rank 0's wait for the nodes' uploads, in their lane, relays into its close's:
+        into theirs no rank looks at rank 0). Blocks in the store's own ``wait`` (woken
         when the last key is set: no polling, nothing to oversleep), on a client of the waiting
         thread's own (``Store.clone``): a wait on the shared client would hold it, and with it
         every other thread's store calls (the training thread's), for as long as it waits. The
@@ -538,7 +558,8 @@ class StoreCoordinator(Coordinator):
         A store that cannot be cloned (a custom one) is polled with growing pauses (``pauses``).
         A store that went away (the process hosting it died) is a CoordinationError too, naming
         ``ranks`` (default: those of the keys), whichever client met it."""
-        lane = current_lane() if lane is None else lane
+        relay = current_lane()
+        lane = relay if lane is None else lane
         limit = self.timeout * patience
         silent_until, seen, shown = time.monotonic() + limit, None, set()
         owner = dict(zip(keys, ranks or _ranks_of(keys), strict=True))
@@ -553,7 +574,7 @@ class StoreCoordinator(Coordinator):
                     silent_until = time.monotonic() + limit
                     shown.update(moved)
                     if any((beats[r] - seen.get(r, 0)) % _RELAY for r in moved):
-                        self._store.add(self._beat_key(self.rank, lane), _RELAY)
+                        self._store.add(self._beat_key(self.rank, relay), _RELAY)
                 elif time.monotonic() >= silent_until:  # ``describe`` may read what the other ranks reported
                     since = " of its last sign of progress" if shown & {owner[k] for k in pending} else ""
                     raise CoordinationError(f"{describe(_ranks_of(pending))} within {limit:g} s{since}: a rank died or "
@@ -611,6 +632,12 @@ def _ranks_of(keys: list[str]) -> list[int]:
     return [int(k.rsplit("/", 1)[1]) if k.rsplit("/", 1)[1].isdigit() else 0 for k in keys]
 
 
+def gate_tag(round_: str, node: int | None = None) -> str:
+    """The key of a commit's gate (``Coordinator.claim_gate``): a shared save's (its round's), or
+    one node's commit of a save into its own copy (``node``)."""
+    return f"{round_}/gate" if node is None else f"{round_}/gate/{node}"
+
+
 def current_lane() -> str:
     """The lane of the block of work (``Coordinator.working``) the calling thread is in ("": none,
     or the default lane)."""
@@ -646,6 +673,7 @@ __all__ = [
     "current_lane",
     "describe_error",
     "first_line",
+    "gate_tag",
     "make_coordinator",
     "spoil",
     "usable",

@@ -276,12 +276,24 @@ class Catalog:
         return "; ".join(failures) if failures else None
 
     def _list_steps(self) -> list[int]:
+        # On an object store a tombstone is no manifest (``object_commit.tombstone``).
+        return sorted(step for step, size in self._manifest_sizes() if self._marks_commit(size))
+
+    def tombstones(self) -> list[int]:
+        """The steps whose manifest key holds a tombstone (on an object store: ``object_commit``),
+        ascending: no snapshot, and kept for good (``object_commit.TOMBSTONES``). Listed anew at
+        each call (``inspect``, ``verify``: a LIST and a HEAD per snapshot)."""
+        if not self.storage.remote:
+            return []
+        return sorted(step for step, size in self._manifest_sizes() if size is not None and not is_committed(size))
+
+    def _manifest_sizes(self) -> list[tuple[int, int | None]]:
+        """Each snapshot directory's step and the size of its manifest (None: none there)."""
         named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
-        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side);
-        # there a tombstone is no manifest (``object_commit.tombstone``).
+        # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side).
         sizes = self.storage.together(*(functools.partial(self.storage.size, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
                                         for _, name in named))
-        return sorted(step for (step, _), size in zip(named, sizes) if self._marks_commit(size))
+        return [(step, size) for (step, _), size in zip(named, sizes)]
 
     def _marks_commit(self, size: int | None) -> bool:
         """Whether a manifest of ``size`` bytes (None: none) commits its snapshot: any one there on

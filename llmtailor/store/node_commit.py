@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmtailor.constants import MANIFEST_FILE, writer_rank
-from llmtailor.distributed.coordinator import ALIKE, CoordinationError, Coordinator, describe_error
+from llmtailor.distributed.coordinator import ALIKE, CoordinationError, Coordinator, describe_error, gate_tag
 from llmtailor.distributed.courier import Courier, Packed, unpacked
 from llmtailor.distributed.nodes import Nodes
 from llmtailor.errors import IntegrityError, NodeTierError, TailorError
@@ -143,7 +143,7 @@ def persist_on_nodes(run: Run, staged: StagedSnapshot, placement: NodePlacement,
                 if leads and snapshot is not None:
                     snapshot.abandon()
                 raise
-            gate = None if coord.is_leader else functools.partial(_gate, coord, round_, placement, staged.step)
+            gate = None if coord.is_leader else _gate(coord, round_, placement, staged.step)
             committed = _commit_node(snapshot, plan, confirm, staged.turn, files, gate) if leads else None
         if committed is not None and coord.is_leader and spare is not None:
             committed["spare"] = spare()
@@ -415,18 +415,13 @@ def _commit_node(snapshot: SnapshotCommit, plan: dict[str, Any], confirm: Callab
     return {"unconfirmed": unconfirmed}
 
 
-def _gate_tag(round_: str, node: int) -> str:
-    return f"{round_}/gate/{node}"
-
-
-def _gate(coord: Coordinator, round_: str, placement: NodePlacement, step: int) -> None:
-    """A node's leader (not rank 0's), just before its commit publishes the snapshot: it claims
-    the node's gate (``go``), unless rank 0 gave up on this node's commit first (``abandoned``,
-    ``_verdict``), and then raises: nothing is committed here. Of the two, exactly one wins, so
-    rank 0 never reports failed a save that a node committed after it stopped waiting."""
+def _gate(coord: Coordinator, round_: str, placement: NodePlacement, step: int) -> Callable[[], None]:
+    """The node's gate (``Coordinator.claim_gate``), passed by a node's leader (not rank 0's)
+    just before its commit publishes the snapshot, unless rank 0 gave up on this node's commit
+    first (``_verdict``): then it raises, and nothing is committed here."""
     node = placement.nodes.node_of_rank(coord.rank)
-    if coord.claim(_gate_tag(round_, node), "go") != "go":
-        raise TailorError(f"step {step} was not committed on node {node}: rank 0 gave up waiting for its commit first")
+    return functools.partial(coord.claim_gate, gate_tag(round_, node), lambda rank: TailorError(
+        f"step {step} was not committed on node {node}: rank {rank} gave up waiting for its commit first"))
 
 
 def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: str,
@@ -434,7 +429,7 @@ def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: st
     """Rank 0's step 4: how every node's commit went (``committed``: its own node's), the same
     word for every rank (``_settle``). Each other node's leader's report is waited for while it
     advances (``collect``); one silent for the timeout is given up on: rank 0 claims its gate
-    (``abandoned``), so it never commits the snapshot, and the save fails on every rank; where
+    (``Coordinator.give_up_gate``), so it never commits the snapshot, and the save fails on every rank; where
     the node passed its gate first, it commits (or did), and the save counts as committed there,
     unconfirmed. ``{"failed": why, "silent": bool}`` or ``{"unconfirmed": {node: why}, "spare": ...}``."""
     nodes = placement.nodes
@@ -446,7 +441,7 @@ def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: st
         silent = str(err)
         for rank, tag in leaders.items():
             posted, said = coord.poll(tag)
-            if not posted and coord.claim(_gate_tag(round_, nodes.node_of_rank(rank)), "abandoned") == "go":
+            if not posted and not coord.give_up_gate(gate_tag(round_, nodes.node_of_rank(rank))):
                 posted, said = coord.poll(tag)  # past its gate: it commits there (or did)
                 if not posted:
                     posted, said = True, {"unconfirmed": f"its commit was not confirmed within {coord.timeout:g} s "
@@ -459,8 +454,8 @@ def _verdict(step: int, placement: NodePlacement, coord: Coordinator, round_: st
         where = "; ".join(f"node {node}: {why}" for node, why in sorted(failed.items()))
         gave_up = f"{silent}; rank 0 gave up on the commit of node(s) {abandoned}, which never commit it; " if abandoned else ""
         return {"failed": f"{gave_up}step {step} was not saved: node(s) {sorted([*failed, *abandoned])} could not commit "
-                          f"it{f' ({where})' if where else ''}; the nodes that did removed their copy, and every earlier "
-                          "snapshot is intact", "silent": bool(abandoned)}
+                          f"it{f' ({where})' if where else ''}", "silent": bool(abandoned),
+                "committed": sorted(nodes.node_of_rank(rank) for rank in outcomes if "error" not in outcomes[rank])}
     return {"unconfirmed": {str(nodes.node_of_rank(rank)): o["unconfirmed"] for rank, o in outcomes.items()},
             "spare": committed.get("spare", [])}
 
@@ -470,7 +465,8 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
     """Step 4's outcome on every rank, rank 0's word (``_verdict``): each other node's leader
     reports how its commit went (``committed``: this rank's node's, on its leader), rank 0 says
     how the save went. When a node failed (or rank 0 gave up on it), the nodes that committed
-    remove their copy again and every rank raises alike, naming each failed node and why.
+    remove their copy again and every rank raises alike, naming each failed node and why, and
+    which node kept its copy (``_undo``).
     Returns what each node's commit could not confirm once committed (``PersistResult.unconfirmed``:
     the same on every rank, so every rank raises it alike) and rank 0's ``spare``. A rank that
     loses rank 0 here keeps its node's copy as it is (a crash between the nodes' commits)."""
@@ -481,10 +477,44 @@ def _settle(snapshot: SnapshotCommit, staged: StagedSnapshot, placement: NodePla
     verdict = coord.broadcast(f"{round_}/settled", functools.partial(_verdict, staged.step, placement, coord, round_,
                                                                       committed) if coord.is_leader else None, patience=2.0)
     if "failed" in verdict:
-        kept = _uncommit(snapshot.run, staged, node) if committed is not None and "error" not in committed else None
-        raise (CoordinationError if verdict["silent"] else TailorError)(verdict["failed"] + (f"; but {kept}" if kept else ""))
+        undone = _undo(snapshot.run, staged, placement, coord, round_, verdict["committed"], committed)
+        raise (CoordinationError if verdict["silent"] else TailorError)(f"{verdict['failed']}; {undone}")
     unconfirmed = {int(n): why for n, why in verdict["unconfirmed"].items()}
     return "; ".join(f"node {n}: {why}" for n, why in sorted(unconfirmed.items()) if why) or None, tuple(verdict["spare"])
+
+
+def _undo(run: Run, staged: StagedSnapshot, placement: NodePlacement, coord: Coordinator, round_: str,
+          committed: list[int], mine: dict[str, Any] | None) -> str:
+    """A save that failed on some node: each node of ``committed`` (rank 0's word) removes its
+    copy again (``_uncommit``, on its leader: ``mine``, how its own commit went; one that failed
+    after rank 0 gave up waiting for it holds no copy) and says how that went; every rank returns the
+    same account of every such node for its error. A node whose copy stayed is named on every
+    rank, not only on its own (the others would otherwise say its copy was removed, where it is
+    that node's newest composite); a node whose leader does not say within the timeout is named
+    as one that did not say."""
+    nodes = placement.nodes
+    node, tags = nodes.node_of_rank(coord.rank), {nodes.leader_of(n): f"{round_}/undone/{n}" for n in committed}
+    if coord.rank in tags:
+        assert mine is not None  # a node's leader
+        try:
+            undone = _uncommit(run, staged, node) if "error" not in mine else \
+                f"node {node} holds no copy (its commit failed: {mine['error']})"
+        except Exception as err:  # said on every rank, as a copy kept
+            undone = f"node {node} may keep its copy of step {staged.step} in {run.root}: removing it failed ({describe_error(err)})"
+        coord.post(tags[coord.rank], undone)
+    said: dict[int, Any] = {}
+    try:
+        said = coord.collect(tags, f"whether it removed its copy of step {staged.step}") if tags else {}
+    except CoordinationError:  # the ones that did say, then (none where the job's store is gone)
+        with contextlib.suppress(CoordinationError):
+            said = {rank: value for rank, tag in tags.items() for posted, value in [coord.poll(tag)] if posted}
+    removed = [n for n in committed if nodes.leader_of(n) in said and said[nodes.leader_of(n)] is None]
+    unsaid = [n for n in committed if nodes.leader_of(n) not in said]
+    account = [f"node(s) {removed} removed their copy"] if removed else []
+    account += [said[nodes.leader_of(n)] for n in committed if said.get(nodes.leader_of(n)) is not None]
+    if unsaid:
+        account.append(f"node(s) {unsaid} did not say within {coord.timeout:g} s whether they removed their copy")
+    return "; ".join([*account, "every earlier snapshot is intact"])
 
 
 def _uncommit(run: Run, staged: StagedSnapshot, node: int) -> str | None:
@@ -492,8 +522,7 @@ def _uncommit(run: Run, staged: StagedSnapshot, node: int) -> str | None:
     ``latest`` back at its parent (the newest composite is the same on every node again).
     Where the copy could not be removed (a reader holds it, the disk refused the rename), it
     stays committed there, this node's newest composite (``latest`` is followed forward to it):
-    returns that, and why, for this rank's error to say, not "the nodes that did removed their
-    copy"."""
+    returns that, and why, for every rank's error to say (``_undo``), not that it removed it."""
     outcome = discard_snapshots(run, [staged.step])
     if staged.step not in outcome.deleted:
         why = "; ".join(outcome.problems) or "a reader holds it"

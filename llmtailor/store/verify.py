@@ -18,6 +18,7 @@ from llmtailor.store.checked import read_stored, stored_problem
 from llmtailor.store.keys import lacking_weights
 from llmtailor.store.manifest import FileEntry, Manifest
 from llmtailor.store.node_parts import copy_node, parts_elsewhere
+from llmtailor.store.storage.object_commit import tombstones_note
 from llmtailor.store.units import UnitReader
 
 
@@ -57,6 +58,8 @@ class RunCheck:
         checked composite is leased for the whole check, each other snapshot while its files
         are checked; a snapshot removed by retention before it was leased is a note."""
         result = Verification()
+        if step is None and (tombstones := self.catalog.tombstones()):
+            result.notes.append(tombstones_note(tombstones))
         if step is None and not self.catalog.steps():
             return result  # nothing committed (yet): nothing to be wrong
         with ReadLeases(self.catalog) as leases:

@@ -31,7 +31,7 @@ A failure on any rank, or a rank that does not report in time, makes the save ra
 rank; the leader removes what was staged, and every earlier snapshot and the previous composite
 stay as they were. The leader's word settles the save: a rank that gives up waiting for it
 claims the save's gate first, and the leader passes that gate just before it commits
-(``_gate``, ``_outcome``). A crash at any instant has the same effect (what a crash leaves is never
+(``_gated``, ``_outcome``). A crash at any instant has the same effect (what a crash leaves is never
 read: no manifest, no snapshot; the next writer or ``gc`` removes it).
 """
 
@@ -54,7 +54,7 @@ from llmtailor.constants import (
     GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE, PACK_FILE_BYTES, PACK_UNIT_BYTES, SCHEMA_VERSION,
     pack_filename, rank_state_files, unit_filename,
 )
-from llmtailor.distributed.coordinator import CoordinationError, Coordinator, LocalCoordinator
+from llmtailor.distributed.coordinator import CoordinationError, Coordinator, LocalCoordinator, gate_tag
 from llmtailor.errors import StorageError, TailorError, describe_os_error, describe_validation
 from llmtailor.layouts import name_units
 from llmtailor.store import Progress, dtypes
@@ -147,28 +147,19 @@ def persist(
 
 
 def _gated(coord: Coordinator, round_: str, step: int) -> Callable[[], None] | None:
-    """The save's gate (``_gate``), passed just before rank 0's commit publishes the snapshot,
-    everything else durable (``SnapshotCommit.commit``'s ``publish``); a world of one has none."""
-    return None if coord.world_size == 1 else functools.partial(_gate, coord, round_, step)
-
-
-def _gate_tag(round_: str) -> str:
-    return f"{round_}/gate"
-
-
-def _gate(coord: Coordinator, round_: str, step: int) -> None:
-    """Rank 0, just before its commit publishes the snapshot: it claims the save's gate (``go``),
-    unless a rank gave up waiting for its outcome first (``_outcome``), and then raises: nothing
-    is committed. Of the two, exactly one wins, so no rank reports failed a save that rank 0
-    committed after that rank stopped waiting."""
-    if (said := coord.claim(_gate_tag(round_), "go")) != "go":
-        raise CoordinationError(f"step {step} was not committed: rank {said['gave_up']} gave up waiting for rank 0's "
-                                "commit first")
+    """The save's gate (``Coordinator.claim_gate``), passed by rank 0 just before its commit
+    publishes the snapshot, everything else durable (``SnapshotCommit.commit``'s ``publish``),
+    unless a rank gave up waiting for its outcome first (``_outcome``): then it raises, and
+    nothing is committed. A world of one has none."""
+    if coord.world_size == 1:
+        return None
+    return functools.partial(coord.claim_gate, gate_tag(round_), lambda rank: CoordinationError(
+        f"step {step} was not committed: rank {rank} gave up waiting for rank 0's commit first"))
 
 
 def _outcome(coord: Coordinator, round_: str, step: int) -> dict[str, Any]:
     """A follower's wait for rank 0's outcome, on while rank 0's commit advances. Rank 0 silent
-    for twice the timeout is given up on: this rank claims the save's gate first (``_gate``), so
+    for twice the timeout is given up on: this rank claims the save's gate first (``_gated``), so
     rank 0 never commits it, and raises; where rank 0 passed its gate first, it commits (or did):
     this rank waits on for its word, once more, and says the step may be committed without it."""
     tag = f"{round_}/outcome"
@@ -177,7 +168,7 @@ def _outcome(coord: Coordinator, round_: str, step: int) -> dict[str, Any]:
     except CoordinationError as silent:
         if _announced(coord, tag, silent):
             return coord.broadcast(tag, None)  # its word: an outcome announced since this rank stopped waiting, or its failure
-        if coord.claim(_gate_tag(round_), {"gave_up": coord.rank}) != "go":
+        if coord.give_up_gate(gate_tag(round_)):
             raise CoordinationError(f"{silent}; rank {coord.rank} gave up on rank 0's commit of step {step}, which "
                                     "never commits it") from None
     try:  # rank 0 passed its gate: the snapshot is published unless that commit fails

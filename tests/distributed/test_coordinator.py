@@ -491,6 +491,36 @@ def test_one_fsync_longer_than_the_timeout_keeps_the_others_waiting_and_one_hung
     assert re.match(r"rank\(s\) \[1\] did not report its part within 1 s of its last sign of progress", str(outcome)), outcome
 
 
+def one_long_call_inside_working(call) -> list:
+    """Ranks 0 and 1 as threads over one store (timeout 1 s): rank 1 runs ``call(slow)`` inside
+    ``working`` and then posts its part, where ``slow()`` is one long step of it (until rank 0 saw
+    rank 1 live ``_LOOKS + 2`` times, or gave up); rank 0 collects rank 1's part. The outcomes."""
+    from llmtailor.distributed.coordinator import _LOOKS
+
+    store = HashStore()
+    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
+    stopped = []
+
+    def slow(*_, **__):
+        before = relayed(store, 0)
+        while relayed(store, 0) - before < _LOOKS + 2 and not stopped:
+            time.sleep(0.01)
+        return 0
+
+    def rank(number: int):
+        if number == 0:
+            try:
+                return ranks[0].collect({1: "part"}, "its part")
+            finally:
+                stopped.append(0)
+        with ranks[1].working():
+            call(slow)
+        ranks[1].post("part", "done")
+        return None
+
+    return on_threads(2, rank)
+
+
 @pytest.mark.parametrize("durable", ["directory", "file", "replaced", "put"])
 def test_an_fsync_outside_a_syncer_longer_than_the_timeout_keeps_the_others_waiting(tmp_path, monkeypatch, durable):
     """Rank 1, inside ``working``, makes a name or a small file durable on its own thread, not
@@ -502,36 +532,55 @@ def test_an_fsync_outside_a_syncer_longer_than_the_timeout_keeps_the_others_wait
     import os
 
     import llmtailor.store.commit  # noqa: F401 - the storage's progress hooks (``report_progress``)
-    from llmtailor.distributed.coordinator import _LOOKS
     from llmtailor.store.storage import local_durable
     from llmtailor.store.storage.local import LocalStorage
 
-    store = HashStore()
-    ranks = [StoreCoordinator.over(store, rank, 2, timeout=1) for rank in range(2)]
-    real, stopped = os.fsync, []
-
-    def fsync(fd):  # one slow fsync: until rank 0 saw rank 1 live _LOOKS + 2 times, or gave up
-        before = relayed(store, 0)
-        while relayed(store, 0) - before < _LOOKS + 2 and not stopped:
-            time.sleep(0.01)
-        real(fd)
-
-    monkeypatch.setattr(local_durable.os, "fsync", fsync)
     (tmp_path / "kept.json").write_text("{}")
     make_durable = {"directory": lambda: local_durable.fsync_dir(tmp_path),
                     "file": lambda: local_durable.fsync_file(tmp_path / "kept.json"),
                     "replaced": lambda: local_durable.replace_text_atomically(tmp_path / "kept.json", "{1}"),
                     "put": lambda: LocalStorage(tmp_path).put("put.json", b"{}")}[durable]
 
-    def rank(number: int):
-        if number == 0:
-            try:
-                return ranks[0].collect({1: "part"}, "its part")
-            finally:
-                stopped.append(0)
-        with ranks[1].working():
-            make_durable()
-        ranks[1].post("part", "durable")
-        return None
+    def call(slow):  # one slow fsync
+        real = os.fsync
+        monkeypatch.setattr(local_durable.os, "fsync", lambda fd: (slow(), real(fd)))
+        make_durable()
 
-    assert on_threads(2, rank) == [{1: "durable"}, None]
+    assert one_long_call_inside_working(call) == [{1: "done"}, None]
+
+
+@pytest.mark.parametrize("removal", ["abandon", "purge", "object abandon", "object purge", "object manifest"])
+def test_a_removal_or_a_manifest_write_longer_than_the_timeout_keeps_the_others_waiting(tmp_path, monkeypatch, removal):
+    """Rank 1, inside ``working``, removes a snapshot's files (an abandoned save's staging, a
+    synchronous purge; locally a ``shutil.rmtree``, on an object store a LIST and DELETEs) or
+    writes a manifest to an object store (its client retrying a 503 for up to 2 minutes), and that
+    one call outlasts the timeout (a slow disk, a throttling store): rank 0 waits on, as for a long
+    fsync (the tests above). Before, a removal or a store's answer was no progress: rank 0 called
+    rank 1 dead after the timeout. Ranks as threads over one store, timeout 1 s."""
+    import shutil
+
+    import llmtailor.store.commit  # noqa: F401 - the storage's progress hooks (``report_progress``)
+    from llmtailor.store.storage.local_commit import LocalCommits
+    from llmtailor.store.storage.object_commit import ObjectCommits
+
+    def call(slow):
+        class Store:  # an object store whose every call but the slow one answers at once
+            def where(self, key):
+                return key
+
+            def size(self, key):
+                return None
+
+            remove_tree = put = remove = staticmethod(slow)
+
+        real_rmtree = shutil.rmtree
+        monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: (slow(), real_rmtree(*args, **kwargs))[1])
+        (tmp_path / "snapshots" / "step-00000001").mkdir(parents=True)
+        local, remote = LocalCommits(tmp_path), ObjectCommits(Store(), None)
+        {"abandon": lambda: local.abandon("snapshots/step-00000001"),
+         "purge": lambda: local.purge(local.discard("snapshots/step-00000001")),
+         "object abandon": lambda: remote.abandon("snapshots/step-00000001"),
+         "object purge": lambda: remote.purge(".trash/step-00000001"),
+         "object manifest": lambda: remote.commit("snapshots/step-00000001", "snapshots/step-00000001", b"{}")}[removal]()
+
+    assert one_long_call_inside_working(call) == [{1: "done"}, None]

@@ -393,8 +393,9 @@ def test_a_node_that_cannot_remove_its_copy_of_a_save_another_node_failed_says_s
     """Node 1 fails its commit (its ``confirm``, before its manifest: a disk error) after node 0
     committed step 1: node 0 removes its copy again (``_uncommit``). Where that removal fails too
     (here the rename into the trash: a read-only remount), node 0 keeps step 1 committed, its
-    newest composite, while every rank said "the nodes that did removed their copy": node 0's
-    rank now says that its copy stayed, and why."""
+    newest composite, while every rank said "the nodes that did removed their copy": every rank
+    now says that node 0's copy stayed, and why, node 1's too (before, only node 0's rank did:
+    rank 1's error said node 0 removed it)."""
     from llmtailor.store.storage.local_commit import LocalCommits
 
     real_discard = LocalCommits.discard
@@ -413,3 +414,4 @@ def test_a_node_that_cannot_remove_its_copy_of_a_save_another_node_failed_says_s
     assert [type(o).__name__ for o in outcomes] == ["TailorError"] * 2, outcomes
     assert [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[1], []]
     assert "node 0 kept its copy of step 1" in str(outcomes[0]) and "read-only file system" in str(outcomes[0]).lower(), outcomes
+    assert str(outcomes[1]) == str(outcomes[0]) and "removed their copy" not in str(outcomes[0]), outcomes

@@ -735,6 +735,14 @@ def test_a_crash_before_the_manifest_leaves_nothing_readable_and_the_next_writer
     assert result.exit_code == 0, result.output
     assert tombstone_only(emulator, bucket, "step-00000002")
     assert not s3 or not uploads(emulator.endpoint, bucket)
+    # inspect and verify show the tombstone, say it is no snapshot and why it stays (gc removes none)
+    for command in (["inspect", url], ["verify", url], ["gc", url, "--keep", "1"], ["verify", url]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "step(s) 2: a tombstone each (a manifest of a few bytes of its own: no snapshot)" in said and "kept for good" in said, said
+    assert "step(s) 2: a tombstone" in " ".join(runner.invoke(app, ["inspect", url]).output.split())
+    assert tombstone_only(emulator, bucket, "step-00000002")
     model, opt, sched = tiny(hidden=256)
     with Tailor(url, model, opt, sched) as tailor:
         assert tailor.restore().step == 1

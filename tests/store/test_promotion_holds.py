@@ -440,29 +440,73 @@ def test_the_ranks_wait_on_while_rank_0s_last_promotion_at_close_goes_on_past_th
     Before, rank 0's close showed no progress: rank 1 raised that rank 0 did not announce it
     while rank 0 went on and promoted (a close failed on every other rank whenever the last
     promotion took longer than the timeout)."""
-    from helpers import on_threads, progressing
+    from helpers import progressing
 
     from llmtailor.distributed.coordinator import _LOOKS
+
+    store, gave_up = HashStore(), []
+    promotion = lambda coord: progressing(store, [1], _LOOKS + 2, gave_up)  # noqa: E731
+    assert close_two_ranks(tmp_path, store, promotion, gave_up) == [None, None]
+
+
+def close_two_ranks(tmp_path, store, promotion, gave_up: list, beside=None) -> list:
+    """Two ranks (threads over one c10d ``store``, timeout 1 s) close a writer with a second
+    tier, rank 0's last promotion being ``promotion(its coordinator)``, and wait for rank 0's
+    word on it (``raise_failure``); ``beside(rank 1's coordinator)`` runs on a thread of rank 1
+    meanwhile. A rank that raised is added to ``gave_up``. Each rank's outcome."""
+    from helpers import on_threads
+
     from llmtailor.store.tiers.config import Tier
     from llmtailor.store.tiers.promote import Promoter
     from llmtailor.store.tiers.runtime import Tiers
-
-    store, gave_up = HashStore(), []
 
     def close(rank: int):
         coord = StoreCoordinator.over(store, rank, 2, timeout=1)
         tiers = Tiers(tmp_path / "home", [Tier(location=str(tmp_path / "fast"))])
         if rank == 0:
             tiers.promoter = Promoter(tiers.levels, [1, None])
-            tiers.promoter._pass = lambda target, final: progressing(store, [1], _LOOKS + 2, gave_up)
+            tiers.promoter._pass = lambda target, final: promotion(coord)
+        elif beside is not None:
+            meanwhile = threading.Thread(target=beside, args=(coord,), daemon=True)
+            meanwhile.start()
         try:
             tiers.close(coord)
             tiers.raise_failure(coord)
         except Exception:
             gave_up.append(rank)
             raise
+        finally:
+            if rank == 1 and beside is not None:
+                meanwhile.join(120)
 
-    assert on_threads(2, close) == [None, None]
+    return on_threads(2, close)
+
+
+def test_the_ranks_wait_on_while_rank_0s_last_promotion_at_close_waits_for_node_1s_upload_past_the_timeout(tmp_path):
+    """Rank 0's last promotion at close (``Tiers.close``) waits for node 1's part of it
+    (``Crew._await_nodes``), which goes on past the timeout, advancing (node 1's uploader inside
+    ``working`` in its lane, until rank 1's close saw rank 0 live ``_LOOKS + 2`` times); rank 1
+    waits for rank 0's word on the promotion (``raise_failure``) and gets it: rank 0's wait
+    relays node 1's progress into the lane of its own work (its close's), where the ranks waiting
+    for rank 0 look. Before, the relay went into the uploader's lane, where no rank looks at rank
+    0: rank 1 raised that rank 0 did not announce 'r1/promotion' while rank 0 went on and promoted.
+    Two ranks as threads over one c10d store, timeout 1 s."""
+    from helpers import relayed
+
+    from llmtailor.distributed.coordinator import _LOOKS
+    from llmtailor.distributed.progress import advance
+
+    store, gave_up = HashStore(), []
+
+    def upload(coord):  # node 1's part of promotion 1: advancing until rank 0 relayed it where rank 1 looks
+        with coord.working(lane=collective._LANE):
+            while relayed(store, 0) < _LOOKS + 2 and not gave_up:
+                advance()
+                threading.Event().wait(0.01)
+        coord.post(collective.report_tag(1, 1), {"bytes": 1})
+
+    promotion = lambda coord: collective.Crew(Nodes((0, 1)), coord)._await_nodes(1)  # noqa: E731
+    assert close_two_ranks(tmp_path, store, promotion, gave_up, beside=upload) == [None, None]
 
 
 def test_a_followers_close_waits_on_while_rank_0s_close_advances_past_the_timeout(caplog):

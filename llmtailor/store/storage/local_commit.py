@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
 import sys
 import threading
 import uuid
@@ -32,7 +31,7 @@ from pathlib import Path
 from llmtailor.constants import MANIFEST_FILE, RANKS_DIR, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
 from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.local_durable import (create_file, create_replacement, fsync_beside, fsync_dir, fsync_together,
-                                                   replace_with)
+                                                   remove_tree_for_work, replace_with)
 from llmtailor.store.storage.local_lock import LEASE_FILE
 from llmtailor.store.storage.strategies import Leftovers, SnapshotCommits, Unconfirmed
 
@@ -212,7 +211,7 @@ class LocalCommits(SnapshotCommits):
                 _PURGER.submit(kept, None)
 
     def abandon(self, staging: str) -> None:
-        shutil.rmtree(self.root / staging, ignore_errors=True)
+        remove_tree_for_work(self.root / staging, ignore_errors=True)
 
     def discard(self, snapshot: str) -> str:
         source = self.root / snapshot
@@ -244,7 +243,7 @@ class LocalCommits(SnapshotCommits):
         files = 0
         for leftover in (TMP_DIR, TRASH_DIR):
             files += sum(len(names) for _, _, names in os.walk(self.root / leftover))  # unreadable: not counted
-            shutil.rmtree(self.root / leftover, ignore_errors=True)
+            remove_tree_for_work(self.root / leftover, ignore_errors=True)
         return Leftovers(files=files)
 
 
@@ -339,7 +338,7 @@ def _remove(target: Path) -> None:
     """Remove ``target``: a directory with its files, a file, or a link as a link (never what it
     points to: a snapshot linked outside the run is not this run's to delete)."""
     if target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target)
+        remove_tree_for_work(target)
     else:
         target.unlink()
 

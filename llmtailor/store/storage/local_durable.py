@@ -10,11 +10,12 @@ import collections
 import mmap
 import os
 import queue
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,31 @@ def carried(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _carried(fn)
 
 
-def fsync_for_work(fd: int) -> None:
-    """fsync ``fd`` for the calling thread's work: a wait on the disk (``_waiting``), then a
-    piece of work done (``_durable_one``). Every fsync of this floor goes through it, a
-    directory's too (a commit's rename made durable): one outside it that outlasts the timeout
-    was silence, and the ranks waiting for this one called it dead."""
+@contextmanager
+def waited_on_for_work() -> Iterator[None]:
+    """``with waited_on_for_work():`` the calling thread waits on the system for its work (a
+    disk's fsync or removal of a tree, a remote store's answer through its client's retries):
+    shown live meanwhile for a bounded time (``_waiting``), then a piece of work done
+    (``_durable_one``). A wait outside it that outlasts the timeout is silence, and the ranks
+    waiting for this one call it dead."""
     with _waiting():
-        os.fsync(fd)
+        yield
     _durable_one()
+
+
+def fsync_for_work(fd: int) -> None:
+    """fsync ``fd`` for the calling thread's work (``waited_on_for_work``). Every fsync of this
+    floor goes through it, a directory's too (a commit's rename made durable)."""
+    with waited_on_for_work():
+        os.fsync(fd)
+
+
+def remove_tree_for_work(path: Path, ignore_errors: bool = False) -> None:
+    """``shutil.rmtree(path)`` for the calling thread's work (``waited_on_for_work``): a
+    snapshot's many files on a slow disk (an abandoned save's, a synchronous purge's) can take
+    longer than the timeout."""
+    with waited_on_for_work():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 def make_durable(fd: int, start: int = 0, end: int | None = None, drop: bool = True,

@@ -16,6 +16,9 @@ such a save left files beside the tombstone, its PUT (conditional on that tombst
 way too: the next writer replaces the tombstone with a new one, only over it, before it removes
 them. A tombstone's bytes are its own: an empty one's version (S3's ETag, the MD5 of no bytes)
 was every empty tombstone's, so a PUT over one landed over any later one.
+
+Neither gc nor retention removes a tombstone (``TOMBSTONES``): a manifest write still on its way
+is refused only while an object holds its key, and nothing bounds when one may land.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 
 from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
 from llmtailor.errors import TailorError
+from llmtailor.store.storage.local_durable import waited_on_for_work
 from llmtailor.store.storage.object_lock import ObjectLocks, is_committed
 from llmtailor.store.storage.object_options import env_endpoint
 from llmtailor.store.storage.object_store import ObjectStore, Version
@@ -40,6 +44,20 @@ def tombstone() -> bytes:
     docstring): bytes of its own (``object_lock.TOMBSTONE_BYTES``), so that its version (an S3 ETag: the bytes'
     MD5) is this write's alone, and a PUT conditional on a tombstone replaced since is refused."""
     return uuid.uuid4().bytes
+
+
+TOMBSTONES = ("a tombstone each (a manifest of a few bytes of its own: no snapshot), claimed by a writer before it "
+              "removed the files of a snapshot left without manifest, so that a manifest write still on its way (its writer closed "
+              "with the store unreachable) is refused; kept for good: a write a client gave up on may still be "
+              "stored at any later time (queued at the server, or behind a proxy, and the client cannot take it "
+              "back), and without the tombstone it would commit a snapshot whose files are gone. A save of that "
+              "step replaces it. An llmtailor from before tombstones (2026-11-28) reads one as a damaged manifest")
+"""What ``inspect`` and ``verify`` say of a run's tombstones (after the steps: ``tombstones_note``)."""
+
+
+def tombstones_note(steps: list[int]) -> str:
+    """The line ``inspect`` and ``verify`` print for the tombstones at ``steps``."""
+    return f"step(s) {', '.join(map(str, steps))}: {TOMBSTONES}"
 
 
 class ObjectCommits(SnapshotCommits):
@@ -116,13 +134,15 @@ class ObjectCommits(SnapshotCommits):
         if publish is not None:
             publish()
         key = f"{staging}/{MANIFEST_FILE}"
-        try:
-            self._write(staging, key, manifest)
-        except TailorError as err:
-            self._written_after_all(key, manifest, err)
+        with waited_on_for_work():  # its client's retries (2 minutes by default) and the read-back: a wait on the store
+            try:
+                self._write(staging, key, manifest)
+            except TailorError as err:
+                self._written_after_all(key, manifest, err)
         if pointer is not None:
             try:
-                self.storage.replace(*pointer)
+                with waited_on_for_work():
+                    self.storage.replace(*pointer)
             except OSError as err:
                 return Unconfirmed(pointer=err)
         return None
@@ -178,18 +198,21 @@ class ObjectCommits(SnapshotCommits):
             size = self.storage.size(key)
             if is_committed(size):
                 return  # committed after all (an answer lost after the write): never remove it
-            self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
+            with waited_on_for_work():  # a LIST and a DELETE per 1000 objects, each through its retries
+                self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
         except TailorError:
             pass  # left for the next writer or gc: no reader trusts a snapshot without manifest
 
     def discard(self, snapshot: str) -> str:
         # The manifest goes first: from then on the snapshot is not one, at once.
-        self.storage.remove(f"{snapshot}/{MANIFEST_FILE}")
+        with waited_on_for_work():
+            self.storage.remove(f"{snapshot}/{MANIFEST_FILE}")
         self.locks.discarding.discard(snapshot)
         return snapshot
 
     def purge(self, token: str) -> None:
-        self.storage.remove_tree(token)
+        with waited_on_for_work():
+            self.storage.remove_tree(token)
 
     def clear_leftovers(self) -> Leftovers:
         """Snapshots without a manifest (a crashed save, a removal cut short, a save whose
