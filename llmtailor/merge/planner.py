@@ -289,6 +289,14 @@ def _assign(spec: PlanSpec, sources: dict[str, Source], slices: list[Slice], lay
             f"{', '.join(named.units[HEAD])} to {', '.join(template.units.get(EMBED, []))}, taken from {aux[EMBED]!r}: "
             f"the head of {aux[HEAD]!r} would be lost; take the embedding from {aux[HEAD]!r} too, or the config "
             "(state_from) from a model with a head of its own")
+    if HEAD in template.units and HEAD not in named.units:
+        # An untied output whose head source ties its head: the output's lm_head would be missing
+        # (mergekit 0.1.5 writes no head then, and the model loads with a newly initialised one).
+        found.problems.append(
+            f"the output's model (the config of {state_label!r}) has an LM head of its own "
+            f"({', '.join(template.units[HEAD])}), but its source {aux[HEAD]!r} ties its head to its embedding and "
+            f"holds none: the output's head would be missing; take the head from a model with one of its own "
+            f"(head: SRC), or the config (state_from) from a model that ties its head too")
     for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
         label = aux.get(unit, first)
         # mergekit: the embeddings take the first slice's parameters, the final norm and head the

@@ -368,3 +368,25 @@ def test_a_head_named_into_a_tied_model_from_another_source_is_refused_not_dropp
     got = load_file(out / "model.safetensors")
     other = load_file(tmp_path / "other" / "model.safetensors")
     assert torch.equal(got["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("form", ["slices with base_model", "models with state_from"])
+def test_an_untied_output_whose_head_source_ties_its_head_is_refused_not_left_headless(models, tmp_path, form):
+    """The output's config (base_model / state_from) has an LM head of its own, the head's source
+    (the last slice's model) ties it to its embedding and holds no head: the output would load
+    with a newly initialised head (mergekit 0.1.5 writes it so), so the plan is refused, naming
+    the fix; with the head taken from the untied model it merges, and loads with nothing missing."""
+    from llmtailor.errors import ConfigError
+
+    root, made = models
+    tied = tmp_path / "tied-llama"
+    save_model(tied, "llama", 4, seed=5, tie=True)
+    spec = ({"slices": slices((root / "a", (0, 2)), (tied, (2, 4))), "base_model": str(root / "a")}
+            if form == "slices with base_model" else {"models": [{"model": str(tied)}], "state_from": str(root / "a")})
+    with pytest.raises(ConfigError, match=r"has an LM head of its own \(lm_head.weight\), but its source .* ties its head"):
+        merge(plan(tmp_path / "p.yaml", spec), tmp_path / "out", format="model")
+    assert not (tmp_path / "out").exists()
+    out = merge(plan(tmp_path / "fixed.yaml", {**spec, "head": str(root / "a")}), tmp_path / "fixed", format="model")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert torch.equal(model.state_dict()["lm_head.weight"], made["a"].state_dict()["lm_head.weight"])
