@@ -390,3 +390,25 @@ def test_an_untied_output_whose_head_source_ties_its_head_is_refused_not_left_he
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert torch.equal(model.state_dict()["lm_head.weight"], made["a"].state_dict()["lm_head.weight"])
+
+
+def test_each_layer_keeps_its_attention_kind_wherever_a_plan_puts_it(tmp_path):
+    """A gemma2 alternates sliding-window and full attention (``layer_types`` in its config): an
+    output layer is its source layer, so its kind is the source layer's, in a reordered stack of
+    the same depth (where the config's own list would give it the other kind) and in a deeper one."""
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    kinds = json.loads((tmp_path / "g" / "config.json").read_text())["layer_types"]
+    assert len(set(kinds)) == 2, kinds
+    for name, ranges, order in (("reordered", [(1, 2), (0, 1), (2, 4)], [1, 0, 2, 3]),
+                                ("deeper", [(0, 4), (2, 4)], [0, 1, 2, 3, 2, 3])):
+        out = merge(plan(tmp_path / f"{name}.yaml", {"slices": slices(*((tmp_path / "g", r) for r in ranges))}),
+                    tmp_path / name, format="model")
+        written = json.loads((out / "config.json").read_text())
+        assert written["layer_types"] == [kinds[j] for j in order], name
+        assert written["num_hidden_layers"] == len(order)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info.values()), info
+        assert model.config.layer_types == [kinds[j] for j in order]
