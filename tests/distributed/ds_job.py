@@ -250,10 +250,11 @@ def universal_scenario(out: Path, stage: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "checkpoint": {"load_universal": True}}
     e, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    path, _ = e.load_checkpoint(str(out / "universal"))
+    path, client_state = e.load_checkpoint(str(out / "universal"))
     values = versions(e)
     reference = load_file(str(out / "ds" / "versions.safetensors"))
     return {"loaded": path is not None, "global_steps": e.global_steps,
+            "client_state": {k: client_state.get(k) for k in ("epoch", "samples")},
             "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 

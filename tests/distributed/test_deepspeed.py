@@ -247,6 +247,7 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
     # restored into a ZeRO-3 engine at 2 ranks, which trained on as the uninterrupted engine did, bit for bit.
     for loaded in results(made, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
+        assert loaded["client_state"] == {"epoch": 1, "samples": 6}  # save_checkpoint's, through import and assemble
     uninterrupted = results(zero3[0], "checkpoint", 2)
     for rank, resumed in enumerate(results(made, "resume_imported", 2)):
         assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed

@@ -182,7 +182,7 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
     trainer = _trainer_files(step_dir, step, _world_size(model_states))
     rngs = trainer.get("rngs") or [None]
     client, not_kept = _client_state(model_states)
-    extra = {**client, "imported_from": str(step_dir), **trainer.get("extra", {})}
+    extra = {**client, IMPORT_NOTES[0]: str(step_dir), **trainer.get("extra", {})}
     state = {
         "step": step,
         "optimizer_groups": [{**h, "params": list(g)} for h, g in zip(hyper, groups_shapes)],
@@ -207,6 +207,11 @@ DEEPSPEED_KEYS = frozenset({
 """The keys of a model-states file the engine writes itself (``DeepSpeedEngine._save_checkpoint``:
 ``_common_checkpoint_state``, the parallel and universal metadata, a MoE save's); every other key
 is the ``client_state`` the user passed to ``save_checkpoint``."""
+
+
+IMPORT_NOTES = ("imported_from", "trainer_state")
+"""The extras an import adds beside the ``client_state``: where it came from, and a Trainer
+checkpoint's ``trainer_state.json`` (``_trainer_files``)."""
 
 
 def _client_state(model_states: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
