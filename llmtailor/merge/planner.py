@@ -327,13 +327,17 @@ def _actions(spec: PlanSpec, sources: dict[str, Source], assignment: _Assignment
             continue
         got, renames[unit] = _unit_actions(spec, label, source, source_unit, unit, params, t, family, optimizer, vocab,
                                            actions, found)
-        misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
+        misfit = _misfit(source_unit if source_unit == unit else f"{source_unit} (put at {unit})", got,
+                         _expected(sources[state_label], unit, family, optimizer))
         if misfit:
             misfits.setdefault(label, []).append(misfit)
         dest_units[unit] = list(unit_weights(got))  # a DeepSpeed source holds fp32 masters, no weights
     for label, lines in misfits.items():
         more = f" (and {len(lines) - 1} more units like it)" if len(lines) > 1 else ""
-        found.problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")
+        # Of the state source itself: its layers differ from one another (a gemma's sliding and full attention).
+        whom = ("the output's layers, as the config of that source has them" if label == state_label else
+                f"the state source {state_label!r}")
+        found.problems.append(f"source {label!r} does not fit {whom}: {lines[0]}{more}")
     changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
         found.problems.append(

@@ -4,6 +4,7 @@ own semantics, depth changes and overlapping slices, ``models:``, casts, tokeniz
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -412,3 +413,22 @@ def test_each_layer_keeps_its_attention_kind_wherever_a_plan_puts_it(tmp_path):
         model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info.values()), info
         assert model.config.layer_types == [kinds[j] for j in order]
+
+
+def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_place(tmp_path):
+    """A gemma4's full-attention layers are wider than its sliding ones: one moved to a sliding
+    layer's place does not fit there, and the refusal says so, naming where it was put, not that
+    the model does not fit itself."""
+    from llmtailor.errors import ConfigError
+
+    config = transformers.CONFIG_MAPPING["gemma4_text"](vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                          vocab_size_per_layer_input=64, hidden_size_per_layer_input=8)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    with pytest.raises(ConfigError) as refused:
+        merge(plan(tmp_path / "p.yaml", {"slices": slices((tmp_path / "g", (2, 4)), (tmp_path / "g", (0, 2)))}),
+              tmp_path / "out", format="model")
+    message = str(refused.value)
+    assert "does not fit the output's layers, as the config of that source has them" in message, message
+    assert re.search(r"its layer\.\d \(put at layer\.\d\) differ in shape", message), message
+    assert not (tmp_path / "out").exists()
