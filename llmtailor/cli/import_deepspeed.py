@@ -34,6 +34,8 @@ def import_deepspeed(
         f"[green]imported[/] step {step}: {len(manifest.units)} units, {manifest.total_bytes() / 2**20:.1f} MiB "
         f"from {checkpoint} into {out}"
     )
+    for line in manifest.notes.get("client_state_not_kept", []):
+        console.print(f"[yellow]not kept[/]: {line}")
 
 
 def register(app: typer.Typer) -> None:

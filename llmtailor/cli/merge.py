@@ -68,7 +68,8 @@ def actions_table(plan, verbose: bool = False):
     )
     table = Table(title=title)
     for column in ("destination unit", "destination tensor", "source", "source tensor"):
-        table.add_column(column)
+        # Folded, never cut to "…": two sources whose paths differ at their end must stay apart.
+        table.add_column(column, overflow="fold")
     for unit, actions in plan.actions_by_unit().items():
         first = actions[0]
         step = plan.sources[first.source].step

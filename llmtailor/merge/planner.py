@@ -206,7 +206,8 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, Source], writes_o
     aliases = {a: t for a, t in template.aliases.items() if t in canonical and a not in canonical}
     layout = Layout(family_name, dest_units, aliases)
     groups = _optimizer_groups(sources, state_label, layout, assignment, renames, found.where) if optimizer else None
-    config = _model_config(sources, state_label, first, family.num_layers_key, layout.num_layers, spec.output_dtype, found.where)
+    config = _model_config(sources, state_label, first, family.num_layers_key, [(label, j) for label, j, *_ in layers],
+                           spec.output_dtype, found.where)
     if config is not None and vocab is not None:
         config["vocab_size"] = vocab.size  # mergekit: the output tokenizer's size
     return MergePlan(plan_file, spec, sources, state_label, layout, actions, renames, optimizer, groups, config,
@@ -289,6 +290,14 @@ def _assign(spec: PlanSpec, sources: dict[str, Source], slices: list[Slice], lay
             f"{', '.join(named.units[HEAD])} to {', '.join(template.units.get(EMBED, []))}, taken from {aux[EMBED]!r}: "
             f"the head of {aux[HEAD]!r} would be lost; take the embedding from {aux[HEAD]!r} too, or the config "
             "(state_from) from a model with a head of its own")
+    if HEAD in template.units and HEAD not in named.units:
+        # An untied output whose head source ties its head: the output's lm_head would be missing
+        # (mergekit 0.1.5 writes no head then, and the model loads with a newly initialised one).
+        found.problems.append(
+            f"the output's model (the config of {state_label!r}) has an LM head of its own "
+            f"({', '.join(template.units[HEAD])}), but its source {aux[HEAD]!r} ties its head to its embedding and "
+            f"holds none: the output's head would be missing; take the head from a model with one of its own "
+            f"(head: SRC), or the config (state_from) from a model that ties its head too")
     for unit in (u for u in template.aux_units() if u not in (EMBED, NORM, HEAD) or u in sources[aux[u]].layout.units):
         label = aux.get(unit, first)
         # mergekit: the embeddings take the first slice's parameters, the final norm and head the
@@ -318,13 +327,17 @@ def _actions(spec: PlanSpec, sources: dict[str, Source], assignment: _Assignment
             continue
         got, renames[unit] = _unit_actions(spec, label, source, source_unit, unit, params, t, family, optimizer, vocab,
                                            actions, found)
-        misfit = _misfit(source_unit, got, _expected(sources[state_label], unit, family, optimizer))
+        misfit = _misfit(source_unit if source_unit == unit else f"{source_unit} (put at {unit})", got,
+                         _expected(sources[state_label], unit, family, optimizer))
         if misfit:
             misfits.setdefault(label, []).append(misfit)
         dest_units[unit] = list(unit_weights(got))  # a DeepSpeed source holds fp32 masters, no weights
     for label, lines in misfits.items():
         more = f" (and {len(lines) - 1} more units like it)" if len(lines) > 1 else ""
-        found.problems.append(f"source {label!r} does not fit the state source {state_label!r}: {lines[0]}{more}")
+        # Of the state source itself: its layers differ from one another (a gemma's sliding and full attention).
+        whom = ("the output's layers, as the config of that source has them" if label == state_label else
+                f"the state source {state_label!r}")
+        found.problems.append(f"source {label!r} does not fit {whom}: {lines[0]}{more}")
     changed = sorted({f"{a.dest_key} ({a.describe()})" for a in actions if not a.unchanged})
     if optimizer and changed:
         found.problems.append(
@@ -496,20 +509,37 @@ def _optimizer_groups(sources, state_label, layout, assignment, renames, where) 
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(state_groups, members)]
 
 
-def _model_config(sources, state_label, first, num_layers_key, num_layers, cast, where) -> dict[str, Any] | None:
+def _model_config(sources, state_label, first, num_layers_key, layers: list[tuple[str, int]], cast,
+                  where) -> dict[str, Any] | None:
     """The output's HF config: the state source's (else the first slice's), its layer count
-    under the family's own key, its ``layer_types`` (per layer) resized, its dtype the cast's."""
+    under the family's own key, its dtype the cast's, and its ``layer_types`` (per layer: sliding
+    or full attention, ...) those of the output's layers (``layers``: output layer i is layer j
+    of a source) as their sources' configs give them, so each layer keeps the attention it was
+    trained with wherever a plan puts it."""
     config = sources[state_label].config or sources[first].config
     if config is None:
         return None
     config = dict(config)
-    if num_layers_key is not None and config.get(num_layers_key) not in (None, num_layers):
-        config[num_layers_key] = num_layers
-        if isinstance(config.get("layer_types"), list):
-            kinds = set(config["layer_types"])
-            if len(kinds) != 1:
-                raise ConfigError(f"{where}: cannot change the depth of a model whose config mixes layer_types {sorted(kinds)}")
-            config["layer_types"] = [kinds.pop()] * num_layers
+    if num_layers_key is not None and config.get(num_layers_key) not in (None, len(layers)):
+        config[num_layers_key] = len(layers)
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = _layer_types(sources, config["layer_types"], layers, where)
     if cast is not None:
         config["torch_dtype"] = config["dtype"] = cast
     return config
+
+
+def _layer_types(sources, own: list, layers: list[tuple[str, int]], where) -> list:
+    """Each output layer's kind (``layer_types``): its source layer's, from that source's config;
+    where a source's config gives none, the kind every layer of the output's config has."""
+    kinds = []
+    for label, j in layers:
+        types = (sources[label].config or {}).get("layer_types")
+        if isinstance(types, list) and j < len(types):
+            kinds.append(types[j])
+        elif len(set(own)) == 1:
+            kinds.append(own[0])
+        else:
+            raise ConfigError(f"{where}: the output's config mixes layer_types {sorted(set(own))}, and the config of "
+                              f"{label!r} gives none for its layer {j}: which attention that layer had is unknown")
+    return kinds

@@ -40,6 +40,7 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -225,7 +226,8 @@ def bf16_scenario(out: Path, stage: int) -> dict:
 def checkpoint_scenario(out: Path, stage: int) -> dict:
     e = engine(stage, seed=0)
     train(e, [1, 2, 3])
-    e.save_checkpoint(str(out / "ds"))
+    # What DeepSpeed users keep beside the engine's state (Megatron-DeepSpeed: its args, a Namespace).
+    e.save_checkpoint(str(out / "ds"), client_state={"epoch": 1, "samples": 6, "args": argparse.Namespace(lr=3e-3)})
     values = versions(e)
     if rank() == 0:
         model_config().to_json_file(str(out / "ds" / "config.json"))
@@ -244,7 +246,7 @@ def resume_imported_scenario(out: Path, stage: int) -> dict:
     losses = train(e, [4, 5, 6])
     reference = load_file(str(out / "ds" / "versions-6.safetensors"))
     values = versions(e)
-    return {"restored": report.step, "losses": losses, "global_steps": e.global_steps,
+    return {"restored": report.step, "losses": losses, "global_steps": e.global_steps, "extra": report.extra,
             "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 
@@ -255,10 +257,11 @@ def universal_scenario(out: Path, stage: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "checkpoint": {"load_universal": True}}
     e, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    path, _ = e.load_checkpoint(str(out / "universal"))
+    path, client_state = e.load_checkpoint(str(out / "universal"))
     values = versions(e)
     reference = load_file(str(out / "ds" / "versions.safetensors"))
     return {"loaded": path is not None, "global_steps": e.global_steps,
+            "client_state": {k: client_state.get(k) for k in ("epoch", "samples")},
             "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 

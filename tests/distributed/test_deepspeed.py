@@ -212,6 +212,7 @@ def later_launch(zero3, zero2, tmp_path_factory) -> dict[str, Path]:
     runner = CliRunner()
     result = runner.invoke(app, ["import-deepspeed", str(universal / "ds"), "-o", str(universal / "run")])
     assert result.exit_code == 0, result.output
+    assert "not kept: client_state['args'] is a argparse.Namespace" in result.output, result.output
     result = runner.invoke(app, ["assemble", str(universal / "run"), "--format", "deepspeed", "-o",
                                  str(universal / "universal")])
     assert result.exit_code == 0, result.output
@@ -261,9 +262,12 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
     # restored into a ZeRO-3 engine at 2 ranks, which trained on as the uninterrupted engine did, bit for bit.
     for loaded in results(made, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
+        assert loaded["client_state"] == {"epoch": 1, "samples": 6}  # save_checkpoint's, through import and assemble
     uninterrupted = results(zero3[0], "checkpoint", 2)
     for rank, resumed in enumerate(results(made, "resume_imported", 2)):
         assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed
+        # save_checkpoint's client_state comes back as restore()'s extra (its Namespace left out, named)
+        assert {k: resumed["extra"].get(k) for k in ("epoch", "samples", "args")} == {"epoch": 1, "samples": 6, "args": None}
         assert resumed["losses"] == uninterrupted[rank]["continued"] and resumed["mismatches"] == []
 
 
@@ -282,6 +286,9 @@ def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2
 
     shutil.copytree(zero2[0] / "ds", tmp_path / "ds")  # ZeRO-2's own checkpoint, made by the zero2 launch
     import_deepspeed(tmp_path / "ds", tmp_path / "imported")
+    imported = Run(tmp_path / "imported")
+    assert {k: imported.read_global(3)["extra"].get(k) for k in ("epoch", "samples")} == {"epoch": 1, "samples": 6}
+    assert imported.manifest(3).notes["client_state_not_kept"] == ["client_state['args'] is a argparse.Namespace"]
     written, made = [], []
     write, mkdir = RunSink.write, os.mkdir
     monkeypatch.setattr(RunSink, "write", lambda sink, *a, **k: written.append(sink.run.root) or write(sink, *a, **k))

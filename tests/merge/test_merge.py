@@ -293,6 +293,28 @@ def test_dry_run_lists_the_actions_and_writes_nothing(root, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
 
 
+def test_dry_run_at_80_columns_names_each_units_source_whole(root, tmp_path):
+    """Two sources whose paths differ only at their end (two steps of one run): at 80 columns
+    each row still names its whole source, folded over lines, never cut to the common prefix."""
+    plan = write_plan(tmp_path / "p.yaml", {"slices": layers((root / "full@4", (0, 2)), (root / "full@6", (2, 4)))})
+    for verbose in ([], ["--verbose"]):
+        result = runner.invoke(app, ["merge", str(plan), "-o", str(tmp_path / "out"), "--dry-run", *verbose],
+                               env={"COLUMNS": "80"})
+        assert result.exit_code == 0, result.output
+        table = [line for line in result.output.splitlines() if line[:1] in "┏┃┡│└"]  # the title is a result line
+        assert "…" not in result.output and max(map(len, table)) <= 80, result.output
+        rows: list[list[str]] = []  # [destination unit, source] of each row, its cells' lines joined
+        for line in result.output.splitlines():
+            cells = [c.strip() for c in line.split("│")[1:-1]]
+            if len(cells) == 4 and cells[0] != "destination unit":
+                if cells[0] and (not verbose or cells[1].startswith(("weight/", "optim/"))):
+                    rows.append([cells[0], cells[2]])
+                else:
+                    rows[-1][1] += cells[2]
+        sources = {unit: source for unit, source in rows}
+        assert sources["layer.1"] == str(root / "full@4") and sources["layer.2"] == str(root / "full@6"), rows
+
+
 def hf_job(tmp_path: Path, name: str, *flags: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(HF_JOB), "--out", str(tmp_path / name), "--result", str(tmp_path / f"{name}.json"),

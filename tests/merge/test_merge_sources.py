@@ -4,6 +4,7 @@ own semantics, depth changes and overlapping slices, ``models:``, casts, tokeniz
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -368,3 +369,66 @@ def test_a_head_named_into_a_tied_model_from_another_source_is_refused_not_dropp
     got = load_file(out / "model.safetensors")
     other = load_file(tmp_path / "other" / "model.safetensors")
     assert torch.equal(got["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("form", ["slices with base_model", "models with state_from"])
+def test_an_untied_output_whose_head_source_ties_its_head_is_refused_not_left_headless(models, tmp_path, form):
+    """The output's config (base_model / state_from) has an LM head of its own, the head's source
+    (the last slice's model) ties it to its embedding and holds no head: the output would load
+    with a newly initialised head (mergekit 0.1.5 writes it so), so the plan is refused, naming
+    the fix; with the head taken from the untied model it merges, and loads with nothing missing."""
+    from llmtailor.errors import ConfigError
+
+    root, made = models
+    tied = tmp_path / "tied-llama"
+    save_model(tied, "llama", 4, seed=5, tie=True)
+    spec = ({"slices": slices((root / "a", (0, 2)), (tied, (2, 4))), "base_model": str(root / "a")}
+            if form == "slices with base_model" else {"models": [{"model": str(tied)}], "state_from": str(root / "a")})
+    with pytest.raises(ConfigError, match=r"has an LM head of its own \(lm_head.weight\), but its source .* ties its head"):
+        merge(plan(tmp_path / "p.yaml", spec), tmp_path / "out", format="model")
+    assert not (tmp_path / "out").exists()
+    out = merge(plan(tmp_path / "fixed.yaml", {**spec, "head": str(root / "a")}), tmp_path / "fixed", format="model")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert torch.equal(model.state_dict()["lm_head.weight"], made["a"].state_dict()["lm_head.weight"])
+
+
+def test_each_layer_keeps_its_attention_kind_wherever_a_plan_puts_it(tmp_path):
+    """A gemma2 alternates sliding-window and full attention (``layer_types`` in its config): an
+    output layer is its source layer, so its kind is the source layer's, in a reordered stack of
+    the same depth (where the config's own list would give it the other kind) and in a deeper one."""
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    kinds = json.loads((tmp_path / "g" / "config.json").read_text())["layer_types"]
+    assert len(set(kinds)) == 2, kinds
+    for name, ranges, order in (("reordered", [(1, 2), (0, 1), (2, 4)], [1, 0, 2, 3]),
+                                ("deeper", [(0, 4), (2, 4)], [0, 1, 2, 3, 2, 3])):
+        out = merge(plan(tmp_path / f"{name}.yaml", {"slices": slices(*((tmp_path / "g", r) for r in ranges))}),
+                    tmp_path / name, format="model")
+        written = json.loads((out / "config.json").read_text())
+        assert written["layer_types"] == [kinds[j] for j in order], name
+        assert written["num_hidden_layers"] == len(order)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info.values()), info
+        assert model.config.layer_types == [kinds[j] for j in order]
+
+
+def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_place(tmp_path):
+    """A gemma4's full-attention layers are wider than its sliding ones: one moved to a sliding
+    layer's place does not fit there, and the refusal says so, naming where it was put, not that
+    the model does not fit itself."""
+    from llmtailor.errors import ConfigError
+
+    config = transformers.CONFIG_MAPPING["gemma4_text"](vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                          vocab_size_per_layer_input=64, hidden_size_per_layer_input=8)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    with pytest.raises(ConfigError) as refused:
+        merge(plan(tmp_path / "p.yaml", {"slices": slices((tmp_path / "g", (2, 4)), (tmp_path / "g", (0, 2)))}),
+              tmp_path / "out", format="model")
+    message = str(refused.value)
+    assert "does not fit the output's layers, as the config of that source has them" in message, message
+    assert re.search(r"its layer\.\d \(put at layer\.\d\) differ in shape", message), message
+    assert not (tmp_path / "out").exists()

@@ -8,7 +8,9 @@ it; ``.pt`` files written with ``torch.save``, as DeepSpeed reads them)::
     OUT/latest_universal                            the tag, ``global_step<N>``
     OUT/global_step<N>/mp_rank_00_model_states.pt   module weights (the fp32 masters), parameter
                                                     names and shapes by optimizer group, tied
-                                                    names, buffers, LR scheduler, global step
+                                                    names, buffers, LR scheduler, global step,
+                                                    the snapshot's extras as the client_state
+                                                    load_checkpoint returns
     OUT/global_step<N>/zero/<name>/fp32.pt          {"param": master, "cat_dim": 0}
     OUT/global_step<N>/zero/<name>/<key>.pt         each optimizer state tensor, likewise
     OUT/global_step<N>/zero/<name>/step.pt          the optimizer step of the parameter's group
@@ -143,7 +145,19 @@ def _model_states(module: _Module, groups, layout: Layout, state: dict[str, Any]
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "ds_config": {},
         "ds_version": _ds_version(),
+        **_client_state(state.get("extra")),
     }
+
+
+def _client_state(extra: Any) -> dict[str, Any]:
+    """The snapshot's extras (a dict of them) as ``save_checkpoint``'s ``client_state``, which
+    ``engine.load_checkpoint`` gives back (an import keeps it so: ``importer._client_state``);
+    without the keys the engine writes itself, and the note of where an import came from."""
+    from llmtailor.interop.deepspeed.importer import DEEPSPEED_KEYS, IMPORT_NOTES
+
+    if not isinstance(extra, dict):
+        return {}
+    return {k: v for k, v in extra.items() if isinstance(k, str) and k not in DEEPSPEED_KEYS and k not in IMPORT_NOTES}
 
 
 def _save(path: Path, obj: Any) -> None:

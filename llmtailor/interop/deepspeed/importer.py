@@ -15,8 +15,12 @@ loaded with ``weights_only=False``; a restore never reads them):
   beside the run, removed afterwards (one temporary copy of the checkpoint, memory-mapped as it
   is read);
 - the model-states file gives the global step, the LR scheduler's state, the parameter names by
-  group in order (``param_shapes``), tied names (``shared_params``) and buffers; the rank-0
-  optimizer-states file gives each group's hyperparameters and step.
+  group in order (``param_shapes``), tied names (``shared_params``) and buffers, and the user's
+  ``client_state`` of ``save_checkpoint`` (every key the engine does not write itself), kept as
+  the snapshot's extras, as ``Tailor.save(step, extra=...)`` keeps them, so ``restore()`` gives
+  them back in its report's ``extra`` (a value llmtailor does not store, never pickled, is left
+  out and named in the manifest's notes); the rank-0 optimizer-states file gives each group's
+  hyperparameters and step.
 
 The layout comes from a Hugging Face ``config.json`` when one is given or found beside the
 checkpoint (an HF Trainer + DeepSpeed ``checkpoint-N/`` holds one); otherwise from the names
@@ -50,7 +54,7 @@ from typing import Any
 import torch
 
 from llmtailor.constants import KIND_OPTIM
-from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError
+from llmtailor.errors import ConfigError, IncompatibleModelError, IntegrityError, UnsupportedStateError
 from llmtailor.interop.deepspeed.files import find_step_dir
 from llmtailor.interop.formats import describe_other_format
 from llmtailor.interop.hf.files import CONFIG_FILE
@@ -79,6 +83,8 @@ class _Checkpoint:
     stage: int
     rank_states: list[dict[str, Any]]
     """The own states of ranks 1, 2, ... (a Trainer run of several processes: their RNG)."""
+    not_kept: list[str]
+    """The ``client_state`` values left out (``_client_state``), one line each."""
 
 
 def import_deepspeed(
@@ -99,7 +105,9 @@ def import_deepspeed(
         folder = _to_universal(found, scratch.get())
         sink = RunSink(run.storage, step=found.step, layout=found.layout.to_record(), state=found.state,
                        origin=f"imported from {found.step_dir}", provider="deepspeed",
-                       notes={"imported_from": str(found.step_dir), "zero_stage": found.stage}, rank_states=found.rank_states)
+                       notes={"imported_from": str(found.step_dir), "zero_stage": found.stage,
+                              **({"client_state_not_kept": found.not_kept} if found.not_kept else {})},
+                       rank_states=found.rank_states)
         sink.write((OutputUnit(unit, *_unit_tensors(found, folder, unit)) for unit in found.layout.units),
                    len(found.layout.units), progress)
     return found.step
@@ -173,7 +181,8 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
         raise IntegrityError(f"{step_dir}: {len(hyper)} optimizer groups but {len(groups_shapes)} groups of parameters")
     trainer = _trainer_files(step_dir, step, _world_size(model_states))
     rngs = trainer.get("rngs") or [None]
-    extra = {"imported_from": str(step_dir), **trainer.get("extra", {})}
+    client, not_kept = _client_state(model_states)
+    extra = {**client, IMPORT_NOTES[0]: str(step_dir), **trainer.get("extra", {})}
     state = {
         "step": step,
         "optimizer_groups": [{**h, "params": list(g)} for h, g in zip(hyper, groups_shapes)],
@@ -185,7 +194,42 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
     }
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
     return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage,
-                       [{"rng": rng, "extra": extra} for rng in rngs[1:]])
+                       [{"rng": rng, "extra": extra} for rng in rngs[1:]], not_kept)
+
+
+DEEPSPEED_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers", "autoep_layers", "folding",
+})
+"""The keys of a model-states file the engine writes itself (``DeepSpeedEngine._save_checkpoint``:
+``_common_checkpoint_state``, the parallel and universal metadata, a MoE save's); every other key
+is the ``client_state`` the user passed to ``save_checkpoint``."""
+
+
+IMPORT_NOTES = ("imported_from", "trainer_state")
+"""The extras an import adds beside the ``client_state``: where it came from, and a Trainer
+checkpoint's ``trainer_state.json`` (``_trainer_files``)."""
+
+
+def _client_state(model_states: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The ``client_state`` of ``save_checkpoint`` (what ``engine.load_checkpoint`` gives back), the
+    snapshot's extras as a Tailor's ``save(step, extra=...)`` keeps them, so ``restore()`` gives them
+    back; and a line for each key whose value llmtailor does not store (never pickled: an
+    ``argparse.Namespace``, say), left out."""
+    kept, not_kept = {}, []
+    for key, value in model_states.items():
+        if key in DEEPSPEED_KEYS:
+            continue
+        try:
+            codec.encode(value, where=f"client_state[{key!r}]")
+        except UnsupportedStateError as err:
+            not_kept.append(str(err).split(";")[0])
+            continue
+        kept[key] = value
+    return kept, not_kept
 
 
 def _counters(model_states: dict[str, Any]) -> dict[str, int]:
