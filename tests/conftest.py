@@ -28,6 +28,14 @@ MEMORY_TEMP_FREE = 8 << 30
 module-scoped fixtures' runs there (0.25 GiB for tests/cli, distributed and e2e, session 49) and
 one test's at a time (the crash test's reference run, 1 GiB, the largest)."""
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # A pytest-xdist worker starts with COLUMNS=80 and LINES=24 in its environment (not the
+    # controller's): the CLI's console (rich) fixes its width from COLUMNS when it is built, at
+    # import, so the tests that give each command its width (CliRunner's env, tests/cli) would
+    # all get 80 columns. A process started from a terminal or a pipe has neither set.
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
 DISK_TEMP = Path(tempfile.gettempdir())
 """The temporary directory of this process (``TMPDIR``), on the disk here, before the tests'
 directories move to memory."""

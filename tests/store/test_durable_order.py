@@ -23,7 +23,7 @@ from llmtailor import Full, Tailor
 from llmtailor.constants import (GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, LATEST_FILE, MANIFEST_FILE, PACKS_DIR, TMP_DIR,
                                  pack_filename, snapshot_dirname)
 from llmtailor.store.run import Run
-from llmtailor.store.storage import local_commit
+from llmtailor.store.storage import local_durable
 from llmtailor.store.storage.local_lock import LEASE_FILE
 
 
@@ -238,13 +238,13 @@ def test_retention_makes_its_rename_durable_on_the_purgers_thread_before_removin
     root, tailor = _saved_once(tmp_path, tokens)
     with tailor:
         recorder = Recorder(monkeypatch)
-        real_rmtree = local_commit.shutil.rmtree
+        real_rmtree = local_durable.shutil.rmtree
 
         def rmtree(path, *args, **kwargs):
             recorder.add("rmtree", os.path.realpath(path))
             return real_rmtree(path, *args, **kwargs)
 
-        monkeypatch.setattr(local_commit.shutil, "rmtree", rmtree)
+        monkeypatch.setattr(local_durable.shutil, "rmtree", rmtree)
         tailor.save(2)
         tailor.run.storage.commits.wait_purged()
         monkeypatch.undo()
