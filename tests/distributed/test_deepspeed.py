@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_jobs import rank_launch
-from forked_nodes import ForkServers, node_command
-from helpers import flip_unit_byte, free_port, tiny
+from forked_jobs import rank_launch, served_launch
+from forked_nodes import ForkServers
+from helpers import flip_unit_byte, tiny
 
 from llmtailor import Tailor
 from llmtailor.store.run import Run
@@ -58,9 +58,8 @@ def run_jobs(nproc: int, jobs: list[tuple[str, Path, int, str]], timeout: float 
         for name in scenario.split("+"):  # a result read later is this launch's, never an earlier one's
             for stale in out.glob(f"result-{name}-*.json"):
                 stale.unlink()
-    [address] = DS_SERVER.addresses(1)  # every rank forked from it, as rank_launch forks them from one process
-    proc = subprocess.run(
-        [*node_command([address] * nproc, 1, 0, nproc, "127.0.0.1", free_port()), str(JOB),
+    proc = subprocess.run(  # every rank forked from the module's server, as rank_launch forks them from one process
+        [*served_launch(DS_SERVER, nproc), str(JOB),
          *(str(arg) for job in jobs for arg in job)],
         capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
