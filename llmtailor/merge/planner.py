@@ -522,8 +522,11 @@ def _model_config(sources, state_label, first, num_layers_key, layers: list[tupl
     config = dict(config)
     if num_layers_key is not None and config.get(num_layers_key) not in (None, len(layers)):
         config[num_layers_key] = len(layers)
-    if isinstance(config.get("layer_types"), list):
-        config["layer_types"] = _layer_types(sources, config["layer_types"], layers, where)
+    moved = any(j != i for i, (_, j) in enumerate(layers))  # a config without the list: derived only then (torch)
+    if (own := _kinds(config, derive=moved)) is not None:
+        kinds = _layer_types(sources, own, layers, where)
+        if "layer_types" in config or kinds != own:  # none written where the config's own class derives these
+            config["layer_types"] = kinds
     if cast is not None:
         config["torch_dtype"] = config["dtype"] = cast
     return config
@@ -534,7 +537,7 @@ def _layer_types(sources, own: list, layers: list[tuple[str, int]], where) -> li
     where a source's config gives none, the kind every layer of the output's config has."""
     kinds = []
     for label, j in layers:
-        types = (sources[label].config or {}).get("layer_types")
+        types = _kinds(sources[label].config)
         if isinstance(types, list) and j < len(types):
             kinds.append(types[j])
         elif len(set(own)) == 1:
@@ -543,3 +546,24 @@ def _layer_types(sources, own: list, layers: list[tuple[str, int]], where) -> li
             raise ConfigError(f"{where}: the output's config mixes layer_types {sorted(set(own))}, and the config of "
                               f"{label!r} gives none for its layer {j}: which attention that layer had is unknown")
     return kinds
+
+
+def _kinds(config: dict[str, Any] | None, derive: bool = True) -> list | None:
+    """A config's ``layer_types``: its own list, else (``derive``) the one its transformers config
+    class derives from it where it has none (a gemma2 config.json saved before transformers wrote
+    the list: its layers alternate sliding and full attention by position; transformers' config
+    classes import torch, which a plan that moves no layer does without); None where neither gives
+    one (no such attribute, transformers not installed, a config it does not know)."""
+    if not config:
+        return None
+    if isinstance(config.get("layer_types"), list):
+        return config["layer_types"]
+    if not derive:
+        return None
+    try:
+        import transformers
+
+        derived = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(config).layer_types
+    except Exception:  # none there (a family without layer kinds), or a config transformers refuses
+        return None
+    return list(derived) if isinstance(derived, (list, tuple)) else None
