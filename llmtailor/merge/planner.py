@@ -535,9 +535,11 @@ def _model_config(sources, state_label, first, num_layers_key, layers: list[tupl
 def _layer_types(sources, own: list, layers: list[tuple[str, int]], where) -> list:
     """Each output layer's kind (``layer_types``): its source layer's, from that source's config;
     where a source's config gives none, the kind every layer of the output's config has."""
-    kinds = []
+    kinds, known = [], {}
     for label, j in layers:
-        types = _kinds(sources[label].config)
+        if label not in known:  # each source's config once (a transformers config built where it lists none)
+            known[label] = _kinds(sources[label].config)
+        types = known[label]
         if isinstance(types, list) and j < len(types):
             kinds.append(types[j])
         elif len(set(own)) == 1:
