@@ -2,23 +2,20 @@
 every command is on its line of docs/command-line.md, the ``Tailor`` line of
 docs/training-loops.md names every option with its default, the snippets that build a ``Tailor``
 with options build a valid configuration, the merge plan of docs/merge.md is a valid plan, and
-every name the pages import from llmtailor is public. And what a newcomer meets first at a URL
-with no credentials says so (tests/test_readme.py runs the examples themselves)."""
+every name the pages import from llmtailor is public (tests/test_readme.py runs the examples
+themselves)."""
 
 from __future__ import annotations
 
 import ast
-import http.server
 import inspect
 import re
-import threading
 from pathlib import Path
 
 import pytest
 import typer
 import yaml
 from test_readme import FENCED, PAGES, ROOT, block
-from typer.testing import CliRunner
 
 import llmtailor
 from llmtailor.cli import app
@@ -129,42 +126,6 @@ def test_every_name_the_pages_import_from_llmtailor_is_public():
                     imported.update(alias.name for alias in node.names)
     assert imported and sorted(imported - set(llmtailor.__all__)) == []
     assert all(getattr(llmtailor, name) is not None for name in llmtailor.__all__)
-
-
-class Refusing(http.server.BaseHTTPRequestHandler):
-    """An instance metadata service that gives no credentials (HTTP 403 to every request)."""
-
-    def refuse(self) -> None:
-        self.send_response(403)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    do_GET = do_PUT = refuse
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-def test_a_run_at_a_url_without_credentials_says_so_and_what_to_set(monkeypatch):
-    """BEFORE: ``error: s3://b/run: permission denied (HTTP 403 from http://169.254.169.254)``:
-    obstore, given no credentials, asks the instance metadata service, and its refusal read as
-    the bucket's."""
-    for name in [n for n in __import__("os").environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        result = CliRunner().invoke(app, ["-S", f"metadata_endpoint=http://127.0.0.1:{server.server_port}",
-                                          "-S", "region=us-east-1", "inspect", "s3://b/run"], env={"COLUMNS": "80"})
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert result.exit_code == 2
-    assert result.output.startswith("error: s3://b/run: no credentials (none in the environment or the options, none from "
-                                    f"the instance metadata service at http://127.0.0.1:{server.server_port}: HTTP 403)")
-    assert result.output.rstrip().endswith("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or give the credentials as "
-                                           "storage options")
-    assert "Traceback" not in result.output
 
 
 def test_every_option_of_the_trainer_integration_is_on_its_page():
