@@ -205,7 +205,9 @@ def test_every_command_line_runs_as_written(tmp_path, tokens):
             continue
         assert line.startswith("llmtailor "), line
         for optional in (False, True):  # without the [options], then with them
-            text = re.sub(r"\[([^\[\]]*)\]", (lambda m: m.group(1).split("|")[0]) if optional else "", line)
+            text = line
+            while "[" in text:  # the innermost first: [--dry-run [--verbose]]
+                text = re.sub(r"\[([^\[\]]*)\]", (lambda m: m.group(1).split("|")[0]) if optional else "", text)
             text = text.replace("hf|model", "hf")
             args = [values.get(word, word) for word in shlex.split(text)[1:]]
             for fmt, other, save in (("peft", peft_run, save_lora_run), ("lightning", lightning_run, save_lightning_run)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from llmtailor.store.storage.objects import ObjectStorage
 
 URL_SCHEMES = ("s3", "gs", "az", "abfs", "abfss", "memory")
 """Schemes of object stores (``file://`` is the local filesystem)."""
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def is_url(location: str | Path) -> bool:
@@ -30,6 +32,10 @@ def open_storage(location: str | Path | Storage, options: Mapping[str, Any] | No
     if isinstance(location, Storage):
         return location
     text = str(location)
+    scheme = _SCHEME.match(text)
+    if scheme and not is_url(text):  # not a local path either: "https://host/run" is no directory "https:"
+        raise ConfigError(f"{text}: {scheme.group(1)}:// is not a storage llmtailor opens; give a local path, "
+                          "or an s3://, gs://, az:// (abfs://, abfss://) or file:// URL")
     if is_url(text) and not text.lower().startswith("file://"):
         return ObjectStorage(text, options)
     if options:

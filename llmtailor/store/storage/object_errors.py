@@ -27,6 +27,12 @@ AUTH_CODES = frozenset({
 """Error codes of S3 and Azure that mean the credentials or their rights are wrong."""
 NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
 _AUTH_STATUSES = {401, 403}
+_CREDENTIAL_SERVICES = re.compile(r"Error performing [A-Z]+ \S*(/latest/api/token|/latest/meta-data/|/computeMetadata/"
+                                  r"|/metadata/identity/|/v2/credentials)")
+"""Where the client asks for credentials when none are given (the instance metadata services of
+AWS, GCP and Azure, ECS's task credentials): a request there failing means none were found."""
+_CREDENTIAL_VARIABLES = {"S3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "GCS": "GOOGLE_APPLICATION_CREDENTIALS",
+                         "MicrosoftAzure": "AZURE_STORAGE_ACCOUNT_KEY"}
 _LONGEST = 300
 
 
@@ -51,6 +57,13 @@ def explain(err: BaseException, denied: bool = False, missing: bool = False) -> 
     else:
         said = _json_message(text) or ""
     where = f"HTTP {status} from {origin}" if status else f"from {origin}"
+    if _CREDENTIAL_SERVICES.search(text):
+        why = f"HTTP {status}" if status else _unanswered(text, origin) or _first_line(err)
+        store = re.search(r"Generic (\w+) error", text)
+        variables = _CREDENTIAL_VARIABLES.get(store.group(1) if store else "", "the cloud's credential variables")
+        return Explained(DENIED, _shorten(
+            f"no credentials (none in the environment or the options, none from the instance metadata service at "
+            f"{origin}: {why}): set {variables}, or give the credentials as storage options"))
     retries = _number(r"after (\d+) retries", text)
     if retries:
         where += f", after {retries} retries"
