@@ -170,14 +170,7 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
     # The client's own timeout bounds how long its wait on a store that died may take to say so.
     client = TCPStore("127.0.0.1", server[0].port, 2, False, timeout=datetime.timedelta(seconds=5))
     leader = StoreCoordinator.over(server[0], 0, 2, timeout=3600)
-    uploader = collective.NodeUploader(None, None, 1, StoreCoordinator.over(client, 1, 2, timeout=3600))
-    waiting, collect = threading.Event(), uploader.coordinator.collect
-
-    def collect_seen(tags, what):
-        waiting.set()
-        return collect(tags, what)
-
-    uploader.coordinator.collect = collect_seen
+    uploader, waiting = watched_uploader(client, 3600)
     died: list = []
     monkeypatch.setattr(threading, "excepthook", died.append)
     with caplog.at_level(logging.WARNING, logger=collective.__name__):
@@ -191,6 +184,20 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
         uploader.join()
     assert died == []
     assert "node 1's uploader stops waiting for promotion order 1: the job's store went away" in caplog.text, caplog.text
+
+
+def watched_uploader(client, timeout: float) -> tuple[collective.NodeUploader, threading.Event]:
+    """Node 1's uploader over ``client`` (a client of the job's store; the coordinator's
+    ``timeout``), and an event set once it waits for an order (its coordinator's ``collect``)."""
+    uploader = collective.NodeUploader(None, None, 1, StoreCoordinator.over(client, 1, 2, timeout=timeout))
+    waiting, collect = threading.Event(), uploader.coordinator.collect
+
+    def collect_seen(tags, what):
+        waiting.set()
+        return collect(tags, what)
+
+    uploader.coordinator.collect = collect_seen
+    return uploader, waiting
 
 
 @pytest.mark.parametrize("failure", ["gone", "timed out", "client"])
@@ -571,14 +578,7 @@ def test_a_followers_close_gives_up_after_the_timeout_on_a_jobs_store_that_stops
                                "print(s.port, flush=True)\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         client = TCPStore("127.0.0.1", int(server.stdout.readline()), 2, False, timeout=datetime.timedelta(seconds=1))
-        uploader = collective.NodeUploader(None, None, 1, StoreCoordinator.over(client, 1, 2, timeout=1))
-        waiting, collect = threading.Event(), uploader.coordinator.collect
-
-        def collect_seen(tags, what):
-            waiting.set()
-            return collect(tags, what)
-
-        uploader.coordinator.collect = collect_seen
+        uploader, waiting = watched_uploader(client, 1)
         with caplog.at_level(logging.WARNING, logger=collective.__name__):
             uploader.start()
             assert waiting.wait(60)  # idle: waiting for order 1
