@@ -150,6 +150,9 @@ class Catalog:
         self._committing: dict[int, Future[None]] = {}
         """Step -> the commit of that snapshot this process runs in the background (``commit_later``)."""
         self._commit_failures: list[str] = []
+        self._tombstoned: list[int] | None = None
+        """The steps whose manifest key held a tombstone at the last listing (``_list_steps``;
+        None: not listed yet), for ``tombstones``."""
         self._held_back: list[threading.Event] = []
         """Gates of background commits' writes not yet opened (``hold_back``)."""
 
@@ -276,16 +279,24 @@ class Catalog:
         return "; ".join(failures) if failures else None
 
     def _list_steps(self) -> list[int]:
-        # On an object store a tombstone is no manifest (``object_commit.tombstone``).
-        return sorted(step for step, size in self._manifest_sizes() if self._marks_commit(size))
+        # On an object store a tombstone is no manifest (``object_commit.tombstone``): kept aside.
+        sizes = self._manifest_sizes()
+        if self.storage.remote:
+            self._tombstoned = sorted(step for step, size in sizes if size is not None and not is_committed(size))
+        return sorted(step for step, size in sizes if self._marks_commit(size))
 
     def tombstones(self) -> list[int]:
         """The steps whose manifest key holds a tombstone (on an object store: ``object_commit``),
-        ascending: no snapshot, and kept for good (``object_commit.TOMBSTONES``). Listed anew at
-        each call (``inspect``, ``verify``: a LIST and a HEAD per snapshot)."""
+        ascending: no snapshot, and kept for good (``object_commit.TOMBSTONES``). As the last
+        listing of the snapshots here found them (``steps``), the run listed now where it was not
+        yet: ``inspect`` and ``verify`` ask after they listed it, and list it (a LIST and a HEAD per
+        snapshot) no more for this (before, once more). A save of such a step since replaced its
+        tombstone: the next listing no longer names it."""
         if not self.storage.remote:
             return []
-        return sorted(step for step, size in self._manifest_sizes() if size is not None and not is_committed(size))
+        if self._tombstoned is None:
+            self._list_steps()
+        return list(self._tombstoned or [])
 
     def _manifest_sizes(self) -> list[tuple[int, int | None]]:
         """Each snapshot directory's step and the size of its manifest (None: none there)."""

@@ -58,10 +58,12 @@ class RunCheck:
         checked composite is leased for the whole check, each other snapshot while its files
         are checked; a snapshot removed by retention before it was leased is a note."""
         result = Verification()
-        if step is None and (tombstones := self.catalog.tombstones()):
-            result.notes.append(tombstones_note(tombstones))
-        if step is None and not self.catalog.steps():
-            return result  # nothing committed (yet): nothing to be wrong
+        if step is None:
+            committed = self.catalog.steps()
+            if tombstones := self.catalog.tombstones():  # as that listing found them
+                result.notes.append(tombstones_note(tombstones))
+            if not committed:
+                return result  # nothing committed (yet): nothing to be wrong
         with ReadLeases(self.catalog) as leases:
             try:
                 composite, lost = self.catalog.lease_composite(leases, step, follow=step is None)

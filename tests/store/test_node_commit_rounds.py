@@ -415,3 +415,48 @@ def test_a_node_that_cannot_remove_its_copy_of_a_save_another_node_failed_says_s
     assert [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[1], []]
     assert "node 0 kept its copy of step 1" in str(outcomes[0]) and "read-only file system" in str(outcomes[0]).lower(), outcomes
     assert str(outcomes[1]) == str(outcomes[0]) and "removed their copy" not in str(outcomes[0]), outcomes
+
+
+def test_a_node_that_does_not_say_whether_it_removed_its_copy_of_a_failed_save_is_named_so_on_the_ranks_that_waited(
+        tmp_path, monkeypatch):
+    """Node 0's commit fails (its ``confirm``: a disk error) after node 1 committed step 1: node 1
+    removes its copy again (``_uncommit``), and that removal stays in the rename into the trash
+    (a hung disk) until rank 0 gave up on its word (the event: rank 0's ``_undo`` returned).
+    Rank 0 names node 1 as one that did not say within the timeout whether it removed its
+    copy, never that it did, nor that it kept it; node 1, whose removal then went through, says
+    it removed it; both say node 0's commit failed and that every earlier snapshot is intact. On
+    disk, neither copy keeps step 1, and a restore finds no composite there. Timeout 1 s."""
+    from llmtailor.store import node_commit
+    from llmtailor.store.storage.local_commit import LocalCommits
+
+    real_discard, real_undo, accounted = LocalCommits.discard, node_commit._undo, threading.Event()
+
+    def discard(self, snapshot):
+        if self.root.name == "node1":
+            assert accounted.wait(60), "rank 0 never gave up on node 1's word"  # a bound on a hang
+        return real_discard(self, snapshot)
+
+    def undo(run, staged, placement, coord, *args):
+        try:
+            return real_undo(run, staged, placement, coord, *args)
+        finally:
+            if coord.rank == 0:
+                accounted.set()
+
+    def failing(rank, store):
+        if rank == 0:
+            raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(LocalCommits, "discard", discard)
+    monkeypatch.setattr(node_commit, "_undo", undo)
+    outcomes = save_on_two_nodes(tmp_path, confirm=failing, timeout=1)
+    assert [type(o).__name__ for o in outcomes] == ["TailorError"] * 2, outcomes
+    said = [str(o) for o in outcomes]
+    for rank in range(2):
+        assert "step 1 was not saved: node(s) [0] could not commit it" in said[rank], said
+        assert "input/output error" in said[rank].lower() and said[rank].endswith("every earlier snapshot is intact"), said
+    assert "node(s) [1] did not say within 1 s whether they removed their copy" in said[0], said
+    assert "node(s) [1] removed" not in said[0] and "kept its copy" not in said[0], said
+    assert "node(s) [1] removed their copy" in said[1] and "did not say" not in said[1], said
+    assert [Run(tmp_path / f"node{node}").steps() for node in range(2)] == [[], []]
+    assert [Run(tmp_path / f"node{node}").latest_step() for node in range(2)] == [None, None]

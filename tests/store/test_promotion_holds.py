@@ -170,14 +170,7 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
     # The client's own timeout bounds how long its wait on a store that died may take to say so.
     client = TCPStore("127.0.0.1", server[0].port, 2, False, timeout=datetime.timedelta(seconds=5))
     leader = StoreCoordinator.over(server[0], 0, 2, timeout=3600)
-    uploader = collective.NodeUploader(None, None, 1, StoreCoordinator.over(client, 1, 2, timeout=3600))
-    waiting, collect = threading.Event(), uploader.coordinator.collect
-
-    def collect_seen(tags, what):
-        waiting.set()
-        return collect(tags, what)
-
-    uploader.coordinator.collect = collect_seen
+    uploader, waiting = watched_uploader(client, 3600)
     died: list = []
     monkeypatch.setattr(threading, "excepthook", died.append)
     with caplog.at_level(logging.WARNING, logger=collective.__name__):
@@ -191,6 +184,20 @@ def test_an_idle_follower_whose_jobs_store_goes_away_stops_saying_so(monkeypatch
         uploader.join()
     assert died == []
     assert "node 1's uploader stops waiting for promotion order 1: the job's store went away" in caplog.text, caplog.text
+
+
+def watched_uploader(client, timeout: float) -> tuple[collective.NodeUploader, threading.Event]:
+    """Node 1's uploader over ``client`` (a client of the job's store; the coordinator's
+    ``timeout``), and an event set once it waits for an order (its coordinator's ``collect``)."""
+    uploader = collective.NodeUploader(None, None, 1, StoreCoordinator.over(client, 1, 2, timeout=timeout))
+    waiting, collect = threading.Event(), uploader.coordinator.collect
+
+    def collect_seen(tags, what):
+        waiting.set()
+        return collect(tags, what)
+
+    uploader.coordinator.collect = collect_seen
+    return uploader, waiting
 
 
 @pytest.mark.parametrize("failure", ["gone", "timed out", "client"])
@@ -547,3 +554,46 @@ def test_a_followers_close_waits_on_while_rank_0s_close_advances_past_the_timeou
         leader.post(collective.order_tag(1), {"stop": True})
         joining.join(120)
     assert not stopped_early and "heard nothing" not in caplog.text, caplog.text
+
+
+def test_a_followers_close_gives_up_after_the_timeout_on_a_jobs_store_that_stops_answering(caplog):
+    """Rank 0's host stops answering (partitioned; here the process serving the job's real
+    TCPStore stopped with SIGSTOP) while node 1's uploader waits for an order and its close waits
+    for rank 0's stop (``NodeUploader.join``, timeout 1 s). torch's client calls on that store
+    never return, whatever its own timeout (the uploader's wait stays in one): ``join`` gives up
+    after the coordinator's timeout, saying so, as it promises for a silent rank 0. Before, it
+    looked at rank 0's beat itself, on the closing (training) thread, and never returned (still
+    blocked after the bound below, a bound on a hang)."""
+    import datetime
+    import logging
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed import TCPStore
+
+    server = subprocess.Popen([sys.executable, "-c", "import datetime, sys, torch.distributed as d\n"
+                               "s = d.TCPStore('127.0.0.1', 0, 2, True, datetime.timedelta(seconds=60), wait_for_workers=False)\n"
+                               "print(s.port, flush=True)\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        client = TCPStore("127.0.0.1", int(server.stdout.readline()), 2, False, timeout=datetime.timedelta(seconds=1))
+        uploader, waiting = watched_uploader(client, 1)
+        with caplog.at_level(logging.WARNING, logger=collective.__name__):
+            uploader.start()
+            assert waiting.wait(60)  # idle: waiting for order 1
+            os.kill(server.pid, signal.SIGSTOP)
+            joining = threading.Thread(target=uploader.join, name="close", daemon=True)
+            joining.start()
+            joining.join(60)
+            assert not joining.is_alive(), "join still waits on the store that stopped answering"
+            assert uploader._thread.is_alive()  # its wait for an order holds it: the store does not answer
+        assert "node 1's uploader heard nothing from rank 0 for 1 s; it stops" in caplog.text, caplog.text
+        os.kill(server.pid, signal.SIGCONT)  # it answers again: the uploader takes a stop and ends
+        uploader.coordinator.post(collective.order_tag(1), {"stop": True})
+        uploader._thread.join(60)
+        assert not uploader._thread.is_alive()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()
