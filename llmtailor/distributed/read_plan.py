@@ -4,10 +4,11 @@ Ranks that need the same bytes (DDP replicas: every rank needs every unit whole)
 reader per item (a unit's tensors, say): ``balance`` spreads the items over the group's ranks by
 bytes, the same on every rank from the composite's index alone, so agreeing takes no message.
 The reader reads its items through the store's own checked reads (every file against its
-checksum) and sends each, packed into one byte buffer, to the others of the group point to point
-(gloo on CPU) as soon as it has it; the others receive it instead of fetching it again. Each
-item is one message to each rank: the buffer's first bytes say whether the read succeeded
-(``_HEAD``), so no status goes in a message of its own. Each rank takes the items as they come
+checksum) and sends each to the others of the group point to point (gloo on CPU) as soon as it
+has it; the others receive it instead of fetching it again. An item is a few messages to each
+rank: a head (``_HEAD``: whether the read succeeded, and the tensors' sizes), then its large
+tensors one by one, straight from and into the live tensors, and its small ones in one message
+(``ReadPlan.fetch``). Each rank takes the items as they come
 in (``ReadPlan.fetch``), so no rank waits for a slow read while others' items are in; the
 readers read in turns (``ReadPlan.turns``) ordered by when each, reading its own items smallest
 first, is expected to have them, and the ranks wait for items in that order, a few at a time.
@@ -57,6 +58,14 @@ _ROOM = 4 << 10  # bytes after the head every item's broadcast has at least: roo
 _AHEAD = 2  # items a rank reads ahead (``deliver``), or has read and not yet delivered to every rank (``fetch``): memory
 _WINDOW = 4  # items of others a rank of ``fetch`` waits for at a time (receive buffers posted)
 _WINDOW_BYTES = 512 << 20  # and their bytes at most, but for the first
+_TOGETHER_UNDER = 64 << 10
+"""An item's tensors under this many bytes go to each rank in one message (``fetch``), copied into
+it by the reader and out of it by the others: a message costs gloo's and Python's work on both
+ranks, more than copying this much (a Llama layer's unit with AdamW state has 36 tensors, 15 of
+them norms and step counters of a few bytes; the bench's DDP restore made 676 sends and
+receives on its 3 ranks, 440 so). Larger ones go alone, from and into the live tensors'
+memory, no copy: at 1 MiB (the bench's 720 KB projections joined too) the copies cost more than
+the messages they saved (bench/RESULTS.md, session 58)."""
 
 
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
@@ -131,8 +140,10 @@ class ReadPlan:
 
         A reader sends each item to every other rank of the group point to point as soon as it
         has read it: a head (``_HEAD``: its status and bytes, with room for a failed read's
-        error), then each tensor from where the read left it (no copy); each rank takes the
-        items in the order they come in, not in turns: no rank waits for an item whose read is
+        error), then each tensor of ``_TOGETHER_UNDER`` bytes on from where the read left it,
+        received straight where it goes (no copy), the smaller ones together in one message
+        (``_Body``: copied in and out, fewer messages); each rank takes the items in the order
+        they come in, not in turns: no rank waits for an item whose read is
         slow while others are in, and the readers' sends run side by side. A rank reads its own
         items on a thread of its own in the plan's turns (``turns``), one after another: the
         first two queued as the plan starts (``_ReadAhead``), so the second is read as soon as
@@ -258,13 +269,13 @@ class ReadPlan:
                                 receiving -= 1
                                 continue
                             reader = self.readers[item]
-                            works = [(reader, (self._receive_into(item, reader, _bytes_of(t), tags[item]), t))
-                                     for t in [*_sizes(held, drained), *(t for t, _ in targets)] if t.numel()]
+                            works = [(reader, (self._receive_into(item, reader, message, tags[item]), message))
+                                     for message in [*_sizes(held, drained), *targets.messages]]
                             pending[waits.submit(self._wait_all, item, works, "receipt")] = ("body", item, targets)
                         else:
                             future.result()
                             receiving -= 1
-                            tensors = [t if live else t.cpu() for t, live in held]
+                            tensors = held.arrived()
                         if tensors is not None and not failed and not stopped:
                             try:
                                 yield item, tensors
@@ -319,24 +330,24 @@ class ReadPlan:
             return None, [head]
         _put_head(head, _SENT, nbytes(shapes))
         sent = [_bytes_of(t) for t in tensors if t.numel()]
-        # How many messages follow and each one's bytes, so that a rank that disagrees on them
-        # still takes them (``_Disagreed``); where they do not fit, minus how many, and their
-        # bytes in a message of their own after the head (``_sizes``).
+        # How many tensors follow and each one's bytes, so that a rank that disagrees on them
+        # still takes their messages (``_Disagreed``, ``_messages``); where they do not fit, minus
+        # how many, and their bytes in a message of their own after the head (``_sizes``).
         sizes = torch.tensor([len(part) for part in sent], dtype=torch.int64)
         if len(sent) < _ROOM // 8:
             head[_HEAD : _HEAD + 8 * (1 + len(sent))].view(torch.int64)[:] = torch.cat([torch.tensor([len(sent)]), sizes])
-            return tensors, [head, *sent]
+            return tensors, [head, *_joined(sent)]
         head[_HEAD : _HEAD + 8].view(torch.int64)[0] = -len(sent)
-        return tensors, [head, _bytes_of(sizes), *sent]
+        return tensors, [head, _bytes_of(sizes), *_joined(sent)]
 
     def _targets(self, item: str, head: torch.Tensor, shapes: list[Spec], into: Callable[[str], list[torch.Tensor | None]] | None,
                  device: torch.device, failed: dict[str, tuple[int, int, str]], skipped: dict[str, int],
-                 failing: _Failing) -> list[tuple[torch.Tensor, bool]] | None:
-        """The tensors to receive an item into once its head is in (``fetch``), each with whether it
-        is ``into``'s (where its memory takes the bytes as they are; new ones elsewhere); None
-        where its reader's read failed (noted in ``failed``) or it sent the item unread (a failure
-        known: this rank then reads nothing more either; where a rank's caller stopped, noted in
-        ``skipped`` with that rank)."""
+                 failing: _Failing) -> _Body | None:
+        """Where an item's messages are received once its head is in (``fetch``): its tensors,
+        ``into``'s where their memory takes the bytes as they are, new ones elsewhere (``_Body``);
+        None where its reader's read failed (noted in ``failed``) or it sent the item unread (a
+        failure known: this rank then reads nothing more either; where a rank's caller stopped,
+        noted in ``skipped`` with that rank)."""
         reader = self.readers[item]
         status, length = head[:_HEAD].cpu().view(torch.int64).tolist()
         if status == _SKIPPED:
@@ -361,14 +372,14 @@ class ReadPlan:
             raise _Disagreed(f"rank {reader} sent the {length} bytes of {item} as {split(sent)}, this rank expected "
                              f"{split(wanted)}: the ranks disagree on what the composite holds")
         given = into(item) if into is not None else [None] * len(shapes)
-        return [(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
-                for live, (dtype, shape) in zip(given, shapes, strict=True)]
+        return _Body([(live, True) if _takes(live, dtype, shape, device) else (torch.empty(shape, dtype=dtype, device=device), False)
+                      for live, (dtype, shape) in zip(given, shapes, strict=True)], device)
 
-    def _drain(self, item: str, head: torch.Tensor, tag: int, device: torch.device) -> list[tuple[torch.Tensor, bool]]:
+    def _drain(self, item: str, head: torch.Tensor, tag: int, device: torch.device) -> _Body:
         """Memory of the plan's own to receive the messages of an item this rank disagrees on
         (``_Disagreed``), so that its reader's sends end and the plan goes on without this rank's
-        caller: their sizes as its reader listed them (``_sent_read``), in its head or, for an
-        item of too many tensors for it, in the message after it (received here)."""
+        caller: their tensors' sizes as its reader listed them (``_sent_read``), in its head or,
+        for an item of too many tensors for it, in the message after it (received here)."""
         count = _listed(head)
         if count >= 0:
             sizes = head[_HEAD + 8 : _HEAD + 8 * (1 + count)].cpu().view(torch.int64).tolist()
@@ -376,7 +387,7 @@ class ReadPlan:
             listed, reader = torch.empty(-count, dtype=torch.int64, device=device), self.readers[item]
             self._wait(item, reader, self._receive_into(item, reader, _bytes_of(listed), tag), "receipt")
             sizes = listed.cpu().tolist()
-        return [(torch.empty(size, dtype=torch.uint8, device=device), False) for size in sizes]
+        return _Body([(torch.empty(size, dtype=torch.uint8, device=device), False) for size in sizes], device)
 
     def _wait_all(self, item: str, works: list[tuple[int, tuple[Any, torch.Tensor]]], what: str) -> None:
         """Wait for the sends or receives of one item (``fetch``), naming the first peer that fails."""
@@ -710,6 +721,59 @@ class _Receipt:
         if not self.waited:
             with contextlib.suppress(Exception):
                 self()
+
+
+class _Body:
+    """Where the messages of an item's tensors are received (``fetch``): ``targets``, each tensor
+    with whether it is a live one (``into``'s), each received into its own memory; those under
+    ``_TOGETHER_UNDER`` bytes as their reader sends them (``_joined``), in one message, then
+    copied out to the live ones (``arrived``), the others left as views of it (no copy)."""
+
+    def __init__(self, targets: list[tuple[torch.Tensor, bool]], device: torch.device):
+        sizes = [t.numel() * t.element_size() for t, _ in targets]
+        sent = [index for index, size in enumerate(sizes) if size]
+        placed, length = _together([sizes[index] for index in sent])
+        joined = torch.empty(length, dtype=torch.uint8, device=device)
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a live tensor, its bytes in ``joined``)
+        for at, index in ((at, sent[k]) for k, at in placed.items()):
+            tensor, live = targets[index]
+            received = joined[at : at + sizes[index]]
+            if live:
+                self.copies.append((tensor, received))
+            else:
+                targets[index] = (received.view(tensor.dtype).reshape(tensor.shape), False)
+        self.targets = targets
+        self.messages = ([joined] if placed else []) + [_bytes_of(targets[index][0]) for k, index in enumerate(sent) if k not in placed]
+        """What is received, in the order the reader sends it."""
+
+    def arrived(self) -> list[torch.Tensor]:
+        """The item's tensors, once every message is in."""
+        for tensor, received in self.copies:
+            _bytes_of(tensor).copy_(received)
+        return [t if live else t.cpu() for t, live in self.targets]
+
+
+def _together(sizes: list[int]) -> tuple[dict[int, int], int]:
+    """Of the bytes of an item's tensors as sent (``fetch``: none empty), those sent in one message,
+    the ones under ``_TOGETHER_UNDER`` bytes: index -> its offset there (aligned for any dtype),
+    and that message's length."""
+    placed, at = {}, 0
+    for index, size in enumerate(sizes):
+        if size < _TOGETHER_UNDER:
+            placed[index], at = at, at + -(-size // ALIGN) * ALIGN
+    return placed, at
+
+
+def _joined(sent: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The messages of an item's tensors' bytes (``_sent_read``): the small ones copied into one
+    (``_together``), first; each larger one as it is (no copy)."""
+    placed, length = _together([len(part) for part in sent])
+    if not placed:
+        return sent
+    joined = torch.empty(length, dtype=torch.uint8, device=sent[0].device)
+    for index, at in placed.items():
+        joined[at : at + len(sent[index])] = sent[index]
+    return [joined, *(part for index, part in enumerate(sent) if index not in placed)]
 
 
 class _Disagreed(CoordinationError):

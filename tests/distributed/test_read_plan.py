@@ -389,6 +389,46 @@ def _over_the_group(monkeypatch) -> None:
     monkeypatch.setattr(dist, "irecv", lambda tensor, src, group=None, tag=0: group.recv([tensor], src, tag))
 
 
+def test_an_item_s_small_tensors_go_in_one_message_and_land_in_their_live_tensors_bit_for_bit(monkeypatch):
+    """``fetch`` sent each tensor of an item in a message of its own: a Llama layer's unit of
+    AdamW state is 36 tensors (norms and step counters of a few bytes), so the bench's DDP
+    restore made 338 messages (676 sends and receives), each work on both ranks. The
+    reader now sends the tensors under ``_TOGETHER_UNDER`` bytes in one message (after the
+    head, before the larger ones, each of which still goes alone): here a head, one message for
+    the six small ones and one for the large one. Every dtype and shape arrives bit for bit, a
+    live tensor given by ``into`` is the one returned, holding the bytes (the large one received
+    straight into its memory), the others new. Two ranks of a real gloo group, on threads."""
+    from llmtailor.distributed import read_plan
+    from llmtailor.distributed.coordinator import StoreCoordinator
+
+    _over_the_group(monkeypatch)
+    sends: list[int] = []
+    send = dist.isend
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None, tag=0: sends.append(tensor.numel()) or send(tensor, dst, group, tag))
+    store, *groups = _gloo_group("together", 60, 2)
+    coordinators = [StoreCoordinator.over(store, rank, 2, timeout=60) for rank in range(2)]
+    large = read_plan._TOGETHER_UNDER // 4 + 3  # float32 elements: just over the limit
+    sent = [torch.randn(3, 5), torch.tensor(7, dtype=torch.int64), torch.randn(2, 3).to(torch.bfloat16), torch.empty(0, 4),
+            torch.randn(large), torch.tensor([True, False, True]), torch.arange(5, dtype=torch.int16), torch.randn(1)]
+    specs = [(t.dtype, list(t.shape)) for t in sent]
+    live = {2: torch.zeros(2, 3, dtype=torch.bfloat16), 4: torch.zeros(large), 6: torch.zeros(5, dtype=torch.int16)}
+    pointers = {at: t.data_ptr() for at, t in live.items()}
+
+    def run(rank: int) -> list[torch.Tensor]:
+        plan = ReadPlan(coordinators[rank], {"a": nbytes(specs)}, group=groups[rank], candidates={"a": [0]})
+        into = (lambda item: [live.get(at) for at in range(len(specs))]) if rank == 1 else None
+        return [tensors for _, tensors in plan.fetch(lambda item: [t.clone() for t in sent], lambda item: specs, into=into)][0]
+
+    got = on_threads(2, run)
+    assert not any(isinstance(outcome, BaseException) for outcome in got), got
+    for tensors in got:
+        assert [(t.dtype, list(t.shape)) for t in tensors] == specs
+        assert all(torch.equal(t, s) for t, s in zip(tensors, sent))
+    assert all(got[1][at] is live[at] and live[at].data_ptr() == pointers[at] for at in live)
+    assert len(sends) == 3, sends  # the head, the six small tensors, the large one
+    assert sends[2] == large * 4
+
+
 def test_a_rank_whose_caller_stops_part_way_fails_the_others_promptly_and_the_group_serves_the_next_plan(monkeypatch):
     """A caller of ``fetch`` that stops taking the items on one rank (an error of its own, an
     interrupt) left the others waiting for its messages: they sat in their sends to it for the
