@@ -559,8 +559,11 @@ class Phases:
         "llmtailor.store.tiers.healing:recover", "llmtailor.store.tiers.healing:settle",
         "llmtailor.store.tiers.healing:_Staged.result", "llmtailor.store.tiers.healing:_Following.outcome",
         "llmtailor.store.tiers.healing:Healing._run", "llmtailor.store.tiers.runtime:Tiers.healed",
-        "llmtailor.store.units:UnitReader.arrival",
+        "llmtailor.store.units:UnitReader.arrival", "llmtailor.store.units:UnitReader._checked",
         "llmtailor.distributed.courier:Courier.stream", "llmtailor.distributed.courier:Courier._hand_over",
+        "llmtailor.store.tiers.healing:_Sender.hand_over", "llmtailor.store.tiers.healing:_Sender._hand",
+        "llmtailor.distributed.courier:_Incoming._next", "llmtailor.store.tiers.healing:Receiving.land",
+        "llmtailor.store.tiers.healing:_Landed.put",  # the last two: branch rec55's ring (825d8f4), where run against it
         "llmtailor.store.tiers.healing:Receiving.take", "llmtailor.store.tiers.healing:Receiving.finish",
         "llmtailor.store.tiers.healing:Receiving._write", "llmtailor.store.tiers.healing:Receiving._commit_written",
         "llmtailor.store.storage.local:LocalStorage.mapped", "llmtailor.tailor:_Restoring.attempt",
