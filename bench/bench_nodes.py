@@ -44,7 +44,10 @@ committed is printed beside it). The two restored
 states must be equal (a digest of every weight and optimizer tensor). After each restore, out of
 its time, every rank trains a step and each node's leader verifies its node's copy (``Run.verify``):
 a copy that fails (a healed one training wrote into) ends the bench before its figure is printed.
-Target: from memory >= 5x faster.
+Target: from memory >= 5x faster. ``--lanes N`` (repeatable) adds this checkout's restore from
+memory with the courier's lanes at N (``LLMTAILOR_COURIER_LANES``; the default is 4) to the
+alternation, against this checkout's S3 restores: on a host with cores to spare, the stream's
+lanes are what bounds the restore from memory.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         help="recovery: train only ours (--steps steps, one round) to have a composite, no comparison")
     parser.add_argument("--against", type=Path, action="append", default=[],
                         help="another checkout whose llmtailor also restores, alternated with this one's (repeatable)")
+    parser.add_argument("--lanes", type=int, action="append", default=[],
+                        help="this checkout's restore from memory again with the courier's lanes at this count "
+                             "(LLMTAILOR_COURIER_LANES), alternated with the others; its ratio against this "
+                             "checkout's S3 restores (repeatable)")
     parser.add_argument("--profile", action="store_true", help="cProfile each restore; the top of it printed")
     parser.add_argument("--phases", action="store_true",
                         help="time each restore's phases per node (wall and thread CPU, calls), with byte and message counts")
@@ -161,21 +168,25 @@ def main() -> None:
         if args.only is None:
             report_training(trained, args)
         print(f"\nstate: {trained[0]['params'] / 1e6:.1f} M parameters; weights + optimizer state {trained[0]['composite_bytes'] / 1e6:.1f} MB per rank")
-        codes = {"": HERE.parent, **{f" [{path}]": path for path in args.against}}
-        restores = {f"{way}{label}": [] for label in codes for way in ("from memory", "from S3")}
+        codes = {"": (HERE.parent, {}), **{f" [{path}]": (path, {}) for path in args.against},
+                 **{f" [lanes {count}]": (HERE.parent, {"LLMTAILOR_COURIER_LANES": str(count)}) for count in args.lanes}}
+        ways = {label: ("from memory",) if lanes else ("from memory", "from S3") for label, (_, lanes) in codes.items()}
+        restores = {f"{way}{label}": [] for label in codes for way in ways[label]}
         digests: set[str] = set()
         kept = root / "memory-as-trained"  # each trial starts from the nodes' memory as training left it
         shutil.copytree(memory(0).parent, kept)
         for trial in range(args.restores):
             order = list(codes.items()) if trial % 2 == 0 else list(reversed(codes.items()))
             for way in ("from memory", "from S3"):
-                for label, code in order:
+                for label, (code, lanes) in order:
+                    if way not in ways[label]:
+                        continue
                     shutil.rmtree(memory(0).parent, ignore_errors=True)
                     shutil.copytree(kept, memory(0).parent)
                     shutil.rmtree(memory(1), ignore_errors=True)  # node 1 lost: a replacement with empty memory
                     if way == "from S3":
                         shutil.rmtree(memory(0), ignore_errors=True)
-                    results = launch(args, "restore", root, url, env, code)
+                    results = launch(args, "restore", root, url, {**env, **lanes}, code)
                     name = f"{way}{label}"
                     corrupted = {rank: r["problems"] for rank, r in enumerate(results) if r.get("problems")}
                     if corrupted:  # no figure for a restore that left a node's copy failing its checksums
@@ -192,8 +203,9 @@ def main() -> None:
                             print(f"--- node {node} rank {rank} profile ---\n{result['profile']}")
                         if result.get("phases"):
                             print(f"--- node {node} rank {rank} phases ---\n{result['phases']}")
-        for label in codes if args.restores else ():
-            report_restores({way: restores[f"{way}{label}"] for way in ("from memory", "from S3")}, label)
+        for label in codes if args.restores else ():  # a count of lanes against this checkout's S3 restores
+            report_restores({"from memory": restores[f"from memory{label}"],
+                             "from S3": restores[f"from S3{label if 'from S3' in ways[label] else ''}"]}, label)
         if args.restores:
             print(f"restored states equal: {len(digests) == 1}")
     finally:
@@ -547,8 +559,11 @@ class Phases:
         "llmtailor.store.tiers.healing:recover", "llmtailor.store.tiers.healing:settle",
         "llmtailor.store.tiers.healing:_Staged.result", "llmtailor.store.tiers.healing:_Following.outcome",
         "llmtailor.store.tiers.healing:Healing._run", "llmtailor.store.tiers.runtime:Tiers.healed",
-        "llmtailor.store.units:UnitReader.arrival",
+        "llmtailor.store.units:UnitReader.arrival", "llmtailor.store.units:UnitReader._checked",
         "llmtailor.distributed.courier:Courier.stream", "llmtailor.distributed.courier:Courier._hand_over",
+        "llmtailor.store.tiers.healing:_Sender.hand_over", "llmtailor.store.tiers.healing:_Sender._hand",
+        "llmtailor.distributed.courier:_Incoming._next", "llmtailor.store.tiers.healing:Receiving.land",
+        "llmtailor.store.tiers.healing:_Landed.put",  # the last two: branch rec55's ring (825d8f4), where run against it
         "llmtailor.store.tiers.healing:Receiving.take", "llmtailor.store.tiers.healing:Receiving.finish",
         "llmtailor.store.tiers.healing:Receiving._write", "llmtailor.store.tiers.healing:Receiving._commit_written",
         "llmtailor.store.storage.local:LocalStorage.mapped", "llmtailor.tailor:_Restoring.attempt",

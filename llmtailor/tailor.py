@@ -417,7 +417,7 @@ class _Restoring:
         skipped, floor)``. With ``fallback`` (no ``step``), every byte read is verified: a damaged
         composite fails while it loads and the next is tried (each byte read once)."""
         for tier in self.tiers.levels:  # what a healing hands over (``UnitReader.arrived``) serves this restore only;
-            held.callback(tier.run.units.arrived.clear)  # the healed copy's writes wait for its end (``Catalog.hold_back``)
+            held.callback(tier.run.units.clear_arrivals)  # the healed copy's writes wait for its end (``Catalog.hold_back``)
             held.callback(tier.run.units.coming.clear)
             held.callback(tier.run.release_held)
         held.callback(self._healing_ended)

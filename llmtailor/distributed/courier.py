@@ -55,6 +55,7 @@ import torch
 
 from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator, first_line
 from llmtailor.distributed.progress import carried
+from llmtailor.errors import ConfigError
 
 Files = list[tuple[str, bytes]]
 """Named byte strings: ``(relpath, content)``."""
@@ -87,7 +88,14 @@ LANES = 4
 """Connections between each pair of ranks in a courier's group (gloo devices: a socket and a
 thread each): a stream's pieces go round them in turn, so that what receiving costs (the copies
 out of the sockets, the faults of fresh memory) runs on as many threads. Fewer in a large job
-(at most ``SOCKETS`` in all per rank): gloo connects every pair of every device at once."""
+(at most ``SOCKETS`` in all per rank): gloo connects every pair of every device at once. Set
+per job by ``LANES_ENV`` (``_agreed_lanes``)."""
+LANES_ENV = "LLMTAILOR_COURIER_LANES"
+"""An environment variable: the lanes of the job's couriers (``LANES`` when unset), 1 to
+``MOST_LANES``. Rank 0's value is the job's: every rank must make its group with the same count
+(a piece's tag names its lane, ``_lane``), so each courier's rank 0 posts its count in the job's
+store before the group is made and every rank takes that one, whatever its own environment says."""
+MOST_LANES = 64
 SOCKETS = 256
 LATE = 1.0
 """Seconds a wait for a peer's first message of an exchange is given at least, once the
@@ -139,8 +147,8 @@ class Courier:
         import torch.distributed as dist
 
         number, world = next(_opened), dist.get_world_size()
-        lanes = max(1, min(LANES, SOCKETS // max(1, world - 1)))
         try:
+            lanes = max(1, min(_agreed_lanes(f"llmtailor/courier/{number}", timeout), SOCKETS // max(1, world - 1)))
             group = _gloo_group(f"llmtailor/courier/{number}", lanes, timeout)
         except RuntimeError as err:  # gloo's rendezvous on the job's store timed out, or a peer's connection failed
             raise CoordinationError(f"rank {dist.get_rank()}: the courier's gloo group could not be made within "
@@ -451,6 +459,27 @@ def _lost(what: str, err: RuntimeError) -> CoordinationError:
     that rank closed: the rank died), naming the rank (``what``)."""
     return CoordinationError(f"{what} failed: the rank died or its connection failed "
                              f"({first_line(err)})")
+
+
+def _agreed_lanes(prefix: str, timeout: float) -> int:
+    """Collective: the lanes of a courier's group, rank 0's (``LANES_ENV``), posted under
+    ``prefix`` in the job's store; ConfigError on every rank where rank 0's value is not one.
+    RuntimeError where rank 0 does not post it within ``timeout``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = dist.PrefixStore(prefix, distributed_c10d._get_default_store())
+    if dist.get_rank() == 0:
+        given = os.environ.get(LANES_ENV, "").strip() or str(LANES)
+        agreed = given if given.isdigit() and 1 <= int(given) <= MOST_LANES else (
+            f"{LANES_ENV}={given!r} on rank 0: give a whole number of lanes from 1 to {MOST_LANES}")
+        store.set("lanes", agreed)
+    else:
+        store.wait(["lanes"], timedelta(seconds=timeout))
+        agreed = store.get("lanes").decode()
+    if not agreed.isdigit():
+        raise ConfigError(agreed)
+    return int(agreed)
 
 
 def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:

@@ -91,13 +91,22 @@ class UnitReader:
         """Key -> ``(size, xxh3, bytes)`` of whole files of the run this process received and
         checked against that size and checksum as they arrived, then wrote (a node-local tier's
         healing: ``tiers.healing.Receiving``), or, on the node that sent them, its own files as
-        mapped and checked while they were sent (``tiers.healing._sender``), kept for the restore
+        mapped while they were sent, once a read checked them (``unchecked``), kept for the restore
         that follows: a read of such a file whose entry records the same size and checksum takes
         these very bytes (``arrival``) instead of reading the file back and hashing it a second
         time. Emptied when that restore ends (``Tailor``), and for a snapshot forgotten (``forget``).
         The bytes must be private to this process (a fresh buffer, a copy-on-write mapping): the
         restore may hand them on as live tensors, which training then writes into; a shared
         mapping of a committed file would then change under its recorded checksum."""
+        self.unchecked: dict[str, tuple[int, str, memoryview]] = {}
+        """Key -> ``(size, xxh3, bytes)`` as ``arrived``, of this node's own files as mapped while a
+        healing sent them (``tiers.healing._Sender``), not checked yet: the first read of one
+        checks those bytes against that size and checksum (``arrival``) and takes them as
+        ``arrived``'s where they match, else reads the file; one this restore never reads is
+        never hashed. Emptied with ``arrived``."""
+        self._unchecked_lock = threading.Lock()
+        self._checking: dict[str, threading.Lock] = {}
+        """Key -> held while a reader checks ``unchecked``'s bytes of it (``_checked``)."""
         self.coming: dict[str, Future[None]] = {}
         """Key -> the arrival of a file a healing still moves (``tiers.healing``: its stream runs
         beside the restore that follows): a read of it waits for it first (``arrival``), then
@@ -118,8 +127,9 @@ class UnitReader:
         self._pack_sizes = {k: v for k, v in self._pack_sizes.items() if k[0] not in steps}
         self.received.clear()
         prefixes = tuple(f"{self.catalog.snapshot_key(step)}/" for step in steps)
-        for key in [key for key in self.arrived if key.startswith(prefixes)]:  # in place: a restore empties this dict
-            del self.arrived[key]
+        for held in (self.arrived, self.unchecked):  # in place: a restore empties these dicts
+            for key in [key for key in held if key.startswith(prefixes)]:
+                del held[key]
 
     def arrival(self, storage: Storage, key: str, entry: FileEntry) -> memoryview | None:
         """The bytes of the run's file ``key`` as they arrived here, checked then against the
@@ -131,7 +141,30 @@ class UnitReader:
         if coming is not None:
             coming.result()  # arrived (or it never will: the healing's error raised)
         kept = self.arrived.get(key)
+        if kept is None and (key in self.unchecked or key in self._checking):  # checked here, or by a reader now
+            kept = self._checked(key)
         return kept[2] if kept is not None and kept[:2] == (entry.bytes, entry.xxh3_64) else None
+
+    def _checked(self, key: str) -> tuple[int, str, memoryview] | None:
+        """``unchecked``'s bytes of ``key`` checked once, by whichever reader comes first (the
+        others of that file wait for it; readers of other files do not): then ``arrived``'s
+        where they match their size and checksum; None where they do not."""
+        with self._unchecked_lock:
+            one = self._checking.setdefault(key, threading.Lock())
+        with one:
+            with self._unchecked_lock:
+                sent = self.unchecked.pop(key, None)
+            with contextlib.suppress(TailorError, OSError, ValueError):  # not checked: the file is read, and checked there
+                if sent is not None and len(sent[2]) == sent[0] and checksum(sent[2]) == sent[1]:
+                    self.arrived[key] = sent
+            return self.arrived.get(key)
+
+    def clear_arrivals(self) -> None:
+        """What healings handed over (``arrived``, ``unchecked``) dropped: the restore it served ended."""
+        self.arrived.clear()
+        with self._unchecked_lock:
+            self.unchecked.clear()
+            self._checking.clear()
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked

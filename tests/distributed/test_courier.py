@@ -214,7 +214,11 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
     courier = Courier.open(timeout=20 if mode == "ok" else 5)
     _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
     if mode == "ok":
-        _stream(Courier.open(timeout=20), rank, world, str(Path(out, "stream")))
+        # Each rank's environment asks for its own count of lanes: rank 0's is the job's (``LANES_ENV``)
+        os.environ.update({"LLMTAILOR_COURIER_LANES": ["2", "3", "4"][rank]})
+        streaming = Courier.open(timeout=20)
+        del os.environ["LLMTAILOR_COURIER_LANES"]
+        _stream(streaming, rank, world, str(Path(out, "stream")))
         dying, holders = Courier.open(timeout=20), Courier.open(timeout=20)
         _stall(rank, str(Path(out, "stall")))
         _two_holders(holders, rank, str(Path(out, "holders")))
@@ -278,7 +282,7 @@ def test_streamed_files_reach_their_partner_whole_in_order_in_pieces_every_rank_
         said, sent = Path(out, f"{rank}.txt").read_text().split("\nsent=")
         assert eval(said) == [(source, f"packs/rank-{source:05d}.0.safetensors", _pieces(source)),
                               (source, "ranks/empty.json", b""), (source, "manifest.json", b"{}")]
-        assert sent.split("\nlanes=") == ["2502", "4"]
+        assert sent.split("\nlanes=") == ["2502", "2"]  # rank 0's count, on every rank (``_courier_job``)
 
 
 @pytest.mark.slow
@@ -583,6 +587,22 @@ def test_a_courier_whose_group_cannot_be_made_fails_as_a_coordination_error(monk
             Courier.open(timeout=1)
     finally:
         monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("given", ["0", "many", str(65)])
+def test_a_count_of_lanes_that_is_not_one_fails_the_courier_naming_the_setting(monkeypatch, given):
+    """``LANES_ENV`` is checked on rank 0 and its verdict posted: every rank raises the same
+    ConfigError (here, a job of one)."""
+    from torch.distributed import HashStore
+
+    monkeypatch.setenv("LLMTAILOR_COURIER_LANES", given)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=rf"^LLMTAILOR_COURIER_LANES='{given}' on rank 0: give a whole number of "
+                                              r"lanes from 1 to 64$"):
+            Courier.open(timeout=5)
+    finally:
         dist.destroy_process_group()
 
 

@@ -143,13 +143,17 @@ def test_bytes_checked_against_another_record_than_the_entry_are_not_taken(run):
 
 
 def test_a_restore_empties_what_was_handed_over(tmp_path, tokens):
+    """Checked (a receiver's) or not yet (a sender's own files, ``unchecked``): a mapping of the
+    node's copy is not held past the restore it served."""
     path = parity_run(tmp_path / "run", tokens, 2)
     model, opt, sched = tiny()
     with Tailor(path, model, opt, sched, policy=Parity()) as tailor:
-        arrived = tailor.tiers.levels[0].run.units.arrived
+        units = tailor.tiers.levels[0].run.units
+        arrived, unchecked = units.arrived, units.unchecked
         arrived["snapshots/step-00000002/not-read"] = (1, "0", memoryview(b"x"))
+        unchecked["snapshots/step-00000002/not-read-either"] = (1, "0", memoryview(b"x"))
         assert tailor.restore().step == 2
-        assert arrived == {}
+        assert arrived == {} and unchecked == {}
 
 
 def test_a_restore_empties_what_a_healing_handed_over_after_forgetting_its_snapshot(tmp_path, tokens, monkeypatch):

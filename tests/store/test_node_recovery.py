@@ -824,39 +824,56 @@ class SendingCourier:
                 buffer = bytearray(size)
                 filled = fill(dest, path, memoryview(buffer))
                 self.sent[path.partition(":")[2]] = bytes(filled if filled is not None else buffer)  # named "<step>:<path>"
-                self.handed_at_fill[path.partition(":")[2]] = sorted(self.run.units.arrived)
-        self.handed_while_posting = sorted(self.run.units.arrived)
+                self.handed_at_fill[path.partition(":")[2]] = sorted([*self.run.units.arrived, *self.run.units.unchecked])
+        self.handed_while_posting = sorted([*self.run.units.arrived, *self.run.units.unchecked])
         if meanwhile is not None:
             meanwhile()
 
 
-def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_and_a_damaged_one_not(tmp_path):
-    """The sending node's own restore takes the bytes of the files it sent, mapped and checked
-    against their records while they went out (``UnitReader.arrived``), instead of reading and
-    checking them again; a file of its copy that does not match its record goes out (its
-    receiver refuses it) and is not handed over: its restore reads it, and the check fails there.
-    The parts' checks run once every send is posted, so that none of them holds up a send; the
-    small files of no rank's part (manifest, indexes, global state: the restore's first reads,
-    shared with the other ranks before any part is read) are checked and handed over as each
-    goes out, so that the sending node's restore does not wait for every part's send to be posted."""
+def test_a_healing_sender_hands_its_own_restore_the_files_it_sent_checked_by_their_reads_and_a_damaged_one_not(
+        tmp_path, monkeypatch):
+    """The sending node's own restore takes the bytes of the files it sent, as mapped while they
+    went out (``UnitReader.unchecked``), instead of reading them again: the first read of one
+    checks them against its record (``UnitReader.arrival``); one that does not match is not
+    taken: its restore reads the file, and the check fails there. A file that restore never
+    reads (a partner's part) is never hashed by the sender: before, each file was hashed as it
+    was handed over, read or not (here the sizes of every file sent). The small files of no
+    rank's part (manifest, indexes, global state: the restore's first reads, shared with the
+    other ranks before any part is read) are handed over as each goes out, so that the sending
+    node's restore does not wait for every part's send to be posted."""
+    from llmtailor.store import units as units_module
+
     copies, runs, held = node_one_wiped(tmp_path)
     moves = healing(held, 2)
     damaged = "units/layer.0.rank-00000.safetensors"
     path = copies[0] / "snapshots" / "step-00000002" / damaged
     path.write_bytes(bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:])
+    hashed: list[int] = []
+    for module in (recovery_healing, units_module):
+        monkeypatch.setattr(module, "checksum", lambda data, real=module.checksum: hashed.append(len(data)) or real(data))
     courier = SendingCourier(runs[0])
     recovery_healing.heal(runs[0], moves, Nodes((0, 1)), courier, LocalCoordinator(), "t")
     prefix = "snapshots/step-00000002/"
     small = sorted(prefix + m.path for m in moves if writer_rank(m.path) is None)
     assert small and courier.handed_while_posting == small
     assert all(prefix + name in handed for name, handed in courier.handed_at_fill.items() if writer_rank(name) is None)
-    handed = {key[len(prefix):]: kept for key, kept in runs[0].units.arrived.items()}
-    assert sorted(handed) == sorted(m.path for m in moves if m.path != damaged)
-    for move in moves:
-        if move.path != damaged:
-            assert handed[move.path][:2] == (move.bytes, move.xxh3)
-            sent = (copies[0] / prefix / move.path).read_bytes()
-            assert bytes(handed[move.path][2]) == courier.sent[move.path] == sent
+    assert hashed == [] and runs[0].units.arrived == {}
+    assert sorted(runs[0].units.unchecked) == sorted(prefix + m.path for m in moves)
+    read = [move for move in moves if move.path == damaged or writer_rank(move.path) is None]  # a restore's reads
+    for move in read:
+        got = runs[0].units.arrival(runs[0].storage, prefix + move.path,
+                                    FileEntry(path=move.path, bytes=move.bytes, xxh3_64=move.xxh3))
+        sent = (copies[0] / prefix / move.path).read_bytes()
+        if move.path == damaged:
+            assert got is None  # read from the file, where its check fails
+        else:
+            assert bytes(got) == courier.sent[move.path] == sent
+            assert runs[0].units.arrived[prefix + move.path][:2] == (move.bytes, move.xxh3)
+    again = next(move for move in read if move.path != damaged)
+    assert bytes(runs[0].units.arrival(runs[0].storage, prefix + again.path, FileEntry(
+        path=again.path, bytes=again.bytes, xxh3_64=again.xxh3))) == courier.sent[again.path]
+    assert sorted(hashed) == sorted(move.bytes for move in read)  # each read checked once; the others never hashed
+    assert sorted(runs[0].units.unchecked) == sorted(prefix + m.path for m in moves if m not in read)
 
 
 # -- the restore reads each file as it arrives (``healing.Healing``, ``UnitReader.coming``) ---------

@@ -360,11 +360,12 @@ class _Sender:
     Nothing is checked before it goes: what is sent is checked where it arrives, against the
     checksum its move records (``Receiving``), the record this node checks against too.
     ``hand_over`` (``meanwhile``), once every send is posted and while they travel: each mapped
-    file whose bytes match what its move records (``moves``: this node, ``node``, sends those
-    whose ``source`` it is) is handed to this node's own restore, which runs meanwhile, as a
-    healing's receiver hands over what it checked (``UnitReader.arrived``), so that restore
-    copies those bytes into its live tensors instead of reading and checking the file; one
-    that does not match is not handed over (its restore reads it, and the check fails there).
+    file (``moves``: this node, ``node``, sends those whose ``source`` it is) is handed to this
+    node's own restore, which runs meanwhile, unchecked (``UnitReader.unchecked``): the first
+    read of it checks those bytes against what its move records, then copies them into its live
+    tensors instead of reading and checking the file; one that does not match is read as any
+    other (and the check fails there); one that restore never reads (a partner's part) is never
+    hashed here.
     Every file this node sends is registered as coming for that restore (``UnitReader.coming``)
     until then: ``settle`` releases what was not handed over (read as any other file). A small
     file of no rank's part (the manifest, unit indexes, global state: ``writer_rank`` None) is
@@ -411,16 +412,15 @@ class _Sender:
         self.settle()
 
     def _hand(self, path: str) -> None:
-        """The file ``path`` handed to this node's restore if sent from a mapping that matches
-        its record, then released (its readers go on: from those bytes, else reading it); once."""
+        """The file ``path`` handed to this node's restore, unchecked, if sent from a mapping of
+        the size its record says, then released (its readers go on: from those bytes where they
+        check out, else reading it); once."""
         coming = self.coming.get(path)
         if coming is None or coming.done():
             return
         mapped = self.sent.get(path)
-        if mapped is not None:
-            with contextlib.suppress(TailorError, OSError, ValueError):
-                if checksum(mapped) == self.records[path][1]:
-                    self.run.units.arrived[self._key(path)] = (*self.records[path], memoryview(mapped))
+        if mapped is not None:  # checked by its first reader, if any (``UnitReader.arrival``)
+            self.run.units.unchecked[self._key(path)] = (*self.records[path], memoryview(mapped))
         _resolve(coming)
 
     def settle(self) -> None:
