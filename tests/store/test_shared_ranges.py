@@ -180,6 +180,8 @@ def test_a_batch_loaded_after_the_read_plan_ended_takes_its_bytes_without_waitin
     monkeypatch.setattr(shared_ranges, "_arrive_and_load", late)
     needs = [{"g0": [("f", 0, 2048)]}, {"g1": [("f", 2048, 2048)]}]
     loaded: list[dict] = [{}, {}]
+    gave_back: list[int] = []  # how many ranks had loaded each time a rank gave its heap back
+    monkeypatch.setattr(shared_ranges, "_give_back_heap", lambda: gave_back.append(sum(map(bool, loaded))))
 
     def run(rank: int) -> None:
         shared_ranges.read_once(coordinators[rank], LocalStorage(tmp_path), needs[rank],
@@ -189,6 +191,40 @@ def test_a_batch_loaded_after_the_read_plan_ended_takes_its_bytes_without_waitin
     assert on_threads(2, run) == [None, None]
     file = (tmp_path / "f").read_bytes()
     assert loaded == [{r: file[r[1] : r[1] + r[2]] for group in mine.values() for r in group} for mine in needs]
+    assert len(gave_back) == 2 and min(gave_back) >= 1  # once per rank, after its own load
+
+
+def test_the_heap_memory_a_restores_scratch_buffers_left_free_goes_back_to_the_system():
+    """Buffers of MBs taken on four threads in batches, as a restore's pieces are
+    (``shared_ranges._scratch``), then dropped: glibc keeps the freed memory in its arenas
+    (bench/scratch_heap.py); ``_give_back_heap``, called at the end of ``read_once``, returns it.
+    In a fresh process, whose heap holds nothing else."""
+    import subprocess
+    import sys
+
+    script = '''
+import gc
+from concurrent.futures import ThreadPoolExecutor
+from llmtailor.store import shared_ranges
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+
+def one(_):
+    buffer = shared_ranges._scratch(8 << 20)
+    buffer[::4096] = b"\\1" * len(buffer[::4096])
+    return buffer
+
+start, pool = rss(), ThreadPoolExecutor(4)
+for _ in range(6):
+    held = list(pool.map(one, range(16)))
+    del held
+    gc.collect()
+shared_ranges._give_back_heap()
+print(rss() - start)
+'''
+    grown = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout)
+    assert grown < 48, f"{grown} MiB more than at the start after the scratch buffers were freed"
 
 
 def _options(dist, op):
