@@ -139,8 +139,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
 
     def read(name: str) -> torch.Tensor:
         key, start, length = pieces[name][1]
-        buffer = _scratch(length)
-        fetch_into(storage, key, start, [buffer])
+        fetch_into(storage, key, start, [buffer := _scratch(length)])
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def wanted(name: str) -> dict[int, list[tuple[int, int]]]:
