@@ -223,7 +223,10 @@ def later_launch(zero3, zero2, tmp_path_factory) -> dict[str, Path]:
 def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, later_launch, tmp_path):
     """engine.save_checkpoint (ZeRO-3, 2 ranks) -> import-deepspeed -> tensors equal DeepSpeed's
     own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it;
-    the imported run restored at 2 ranks trains on as the uninterrupted engine did."""
+    the imported run restored at 2 ranks trains on as the uninterrupted engine did. The engines
+    draw from DeepSpeed's curriculum sampler: its state (data position, difficulty, numpy RNG)
+    comes back through both (before: the import dropped it, so the assembled checkpoint held
+    None, which DeepSpeed's load_checkpoint hands to the sampler: a TypeError)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
@@ -259,15 +262,22 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
 
     # The later launch: DeepSpeed loaded the universal checkpoint (ZeRO-2); the imported run was
     # restored into a ZeRO-3 engine at 2 ranks, which trained on as the uninterrupted engine did, bit for bit.
+    uninterrupted = results(zero3[0], "checkpoint", 2)
+    sampler = uninterrupted[0]["sampler"]  # DeepSpeed's curriculum sampler as rank 0 saved it (what a load sets)
+    assert sampler["curriculum_step"] > 0 and sampler["data_cluster_paths"], sampler
     for loaded in results(made, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
         assert loaded["client_state"] == {"epoch": 1, "samples": 6}  # save_checkpoint's, through import and assemble
-    uninterrupted = results(zero3[0], "checkpoint", 2)
-    for rank, resumed in enumerate(results(made, "resume_imported", 2)):
+        assert loaded["sampler"] == sampler  # the data position, through import and assemble
+    resumed_ranks = results(made, "resume_imported", 2)
+    for rank, resumed in enumerate(resumed_ranks):
         assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed
         # save_checkpoint's client_state comes back as restore()'s extra (its Namespace left out, named)
         assert {k: resumed["extra"].get(k) for k in ("epoch", "samples", "args")} == {"epoch": 1, "samples": 6, "args": None}
         assert resumed["losses"] == uninterrupted[rank]["continued"] and resumed["mismatches"] == []
+        assert resumed["sampler"] == sampler  # the curriculum sampler's position, through the import
+        # and through a Tailor's save (rank 0's, as DeepSpeed keeps it)
+        assert resumed["restored_sampler"] == resumed_ranks[0]["saved_sampler"] != sampler
 
 
 def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2, tmp_path, monkeypatch):

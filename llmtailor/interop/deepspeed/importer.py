@@ -15,7 +15,9 @@ loaded with ``weights_only=False``; a restore never reads them):
   beside the run, removed afterwards (one temporary copy of the checkpoint, memory-mapped as it
   is read);
 - the model-states file gives the global step, the LR scheduler's state, the parameter names by
-  group in order (``param_shapes``), tied names (``shared_params``) and buffers, and the user's
+  group in order (``param_shapes``), tied names (``shared_params``) and buffers, the engine's
+  data-efficiency states (the curriculum sampler's position, random-LTD's scheduler: kept as a
+  Tailor on that engine keeps them, ``providers.deepspeed.base.DATA_STATES``), and the user's
   ``client_state`` of ``save_checkpoint`` (every key the engine does not write itself), kept as
   the snapshot's extras, as ``Tailor.save(step, extra=...)`` keeps them, so ``restore()`` gives
   them back in its report's ``extra`` (a value llmtailor does not store, never pickled, is left
@@ -182,6 +184,7 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
     trainer = _trainer_files(step_dir, step, _world_size(model_states))
     rngs = trainer.get("rngs") or [None]
     client, not_kept = _client_state(model_states)
+    data, data_not_kept = _data_states(model_states)
     extra = {**client, IMPORT_NOTES[0]: str(step_dir), **trainer.get("extra", {})}
     state = {
         "step": step,
@@ -189,12 +192,12 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
         "lr_scheduler": model_states.get("lr_scheduler") or trainer.get("lr_scheduler"),
         "rng": rngs[0],
         "model_config": hf_config,
-        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps), "counters": _counters(model_states)},
+        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps), "counters": _counters(model_states), **data},
         "extra": extra,
     }
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
     return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage,
-                       [{"rng": rng, "extra": extra} for rng in rngs[1:]], not_kept)
+                       [{"rng": rng, "extra": extra} for rng in rngs[1:]], [*data_not_kept, *not_kept])
 
 
 DEEPSPEED_KEYS = frozenset({
@@ -219,12 +222,26 @@ def _client_state(model_states: dict[str, Any]) -> tuple[dict[str, Any], list[st
     snapshot's extras as a Tailor's ``save(step, extra=...)`` keeps them, so ``restore()`` gives them
     back; and a line for each key whose value llmtailor does not store (never pickled: an
     ``argparse.Namespace``, say), left out."""
+    return _storable({key: value for key, value in model_states.items() if key not in DEEPSPEED_KEYS}, "client_state[{!r}]")
+
+
+def _data_states(model_states: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The engine's data-efficiency states the model states hold (``DATA_STATES``: the curriculum
+    sampler's position and RNG, random-LTD's scheduler), kept in the global state as the provider
+    keeps them, so a restore into an engine and ``assemble --format deepspeed`` give them back; a
+    line for one llmtailor does not store, left out."""
+    from llmtailor.providers.deepspeed.base import DATA_STATES
+
+    return _storable({key: model_states[key] for key in DATA_STATES if model_states.get(key) is not None}, "{}")
+
+
+def _storable(values: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """``values`` llmtailor stores (``codec``), and a line for each one it does not (never
+    pickled), left out; ``where`` spells a key's name in that line."""
     kept, not_kept = {}, []
-    for key, value in model_states.items():
-        if key in DEEPSPEED_KEYS:
-            continue
+    for key, value in values.items():
         try:
-            codec.encode(value, where=f"client_state[{key!r}]")
+            codec.encode(value, where=where.format(key))
         except UnsupportedStateError as err:
             not_kept.append(str(err).split(";")[0])
             continue
