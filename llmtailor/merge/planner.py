@@ -261,7 +261,8 @@ def _layers_kept_in_place(sources: dict[str, Source], layers: list[_Layer], foun
     output only a stack of its own depth, each layer at its own place."""
     for label in dict.fromkeys(label for label, *_ in layers):
         config = sources[label].config or {}
-        bound = [why for key, why in PLACE_BOUND.items() if config.get(key)]
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal model's
+        bound = [why for key, why in PLACE_BOUND.items() if config.get(key) or text.get(key)]
         depth = sources[label].layout.num_layers
         moved = [(i, j) for i, (other, j, *_) in enumerate(layers) if other == label and i != j]
         if bound and (moved or len(layers) != depth):
