@@ -35,6 +35,9 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     Full ``Tailor(DIR/again)`` save at 6 restored into a fresh engine: the sampler's states.
 ``universal``  ZeRO-STAGE with the curriculum sampler: ``engine.load_checkpoint(DIR/universal)`` with DeepSpeed's
     ``load_universal``; every master and state compared with ``DIR/ds/versions``; the sampler's state.
+``frozen``  ZeRO-STAGE, partly frozen: 2 steps, then DeepSpeed's own
+    ``engine.save_checkpoint(DIR/frozen)`` with config.json, and every weight in
+    ``DIR/frozen/weights.safetensors``.
 ``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
     damaged: every rank must raise within the timeout (none blocked in a collective), and a
     save afterwards must be refused.
@@ -96,12 +99,19 @@ def zero_config(stage: int) -> dict:
     return {"stage": stage}
 
 
-def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None):
+FROZEN = ("model.embed_tokens.", "model.layers.0.mlp.")
+"""The parameters a partly frozen fine-tuning keeps frozen (``engine(frozen=True)``)."""
+
+
+def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None, frozen: bool = False):
     """A ZeRO-``stage`` engine of the tiny Llama; with ``curriculum`` (a directory for its
     clusters), DeepSpeed's data-efficiency curriculum sampler over ``Samples`` too
-    (``engine.training_dataloader``: ``draw`` takes its batches)."""
+    (``engine.training_dataloader``: ``draw`` takes its batches); ``frozen``: the ``FROZEN``
+    parameters do not train."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(model_config())
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (frozen and name.startswith(FROZEN)))
     optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -288,6 +298,21 @@ def checkpoint_scenario(out: Path, stage: int) -> dict:
     return {"global_steps": global_steps, "continued": continued, "sampler": sampler}
 
 
+def frozen_scenario(out: Path, stage: int) -> dict:
+    """Partly frozen: 2 steps, DeepSpeed's own ``save_checkpoint(DIR/frozen)`` (its frozen
+    parameters in ``frozen_param_fragments``) with config.json, and the model's every weight then,
+    gathered, in ``DIR/frozen/weights.safetensors``."""
+    e = engine(stage, seed=0, frozen=True)
+    train(e, [1, 2])
+    e.save_checkpoint(str(out / "frozen"))
+    with deepspeed.zero.GatheredParameters(list(e.module.parameters()), enabled=stage == 3):
+        weights = {name: param.detach().clone() for name, param in e.module.named_parameters()}
+    if rank() == 0:
+        model_config().to_json_file(str(out / "frozen" / "config.json"))
+        save_file(weights, str(out / "frozen" / "weights.safetensors"))
+    return {"frozen": sorted(name for name, param in e.module.named_parameters() if not param.requires_grad)}
+
+
 def resume_imported_scenario(out: Path, stage: int) -> dict:
     e = engine(stage, seed=5, curriculum=out / "ds" / "clusters")
     report = Tailor(out / "run", e, timeout=60).restore()
@@ -323,7 +348,7 @@ def universal_scenario(out: Path, stage: int) -> dict:
 
 SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
              "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
-             "universal": universal_scenario, "resume_imported": resume_imported_scenario}
+             "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario}
 
 
 def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:

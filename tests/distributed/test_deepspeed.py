@@ -84,7 +84,7 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     checkpoint in its DIR/ds; the ZeRO-3 run of the odd shapes (``save``). By name, the directory
     of each."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "odd-zero3")}
-    run_jobs(2, [("save+checkpoint+bf16", dirs["zero2"], 2, "plain"), ("save+checkpoint", dirs["zero3"], 3, "plain"),
+    run_jobs(2, [("save+checkpoint+bf16+frozen", dirs["zero2"], 2, "plain"), ("save+checkpoint+frozen", dirs["zero3"], 3, "plain"),
                  ("save", dirs["odd-zero3"], 3, "odd")])
     return dirs
 
@@ -313,6 +313,48 @@ def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2
     assert direct.steps() == via_run.steps() == [3]
     assert_same_training_state(direct, via_run, 3)
     assert_same_tree(direct.read_global(3), via_run.read_global(3), "global state")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("config", ["config.json beside", "no config"])
+def test_frozen_parameters_of_a_deepspeed_checkpoint_are_imported_as_zero_to_fp32_reads_them(two_rank_runs, tmp_path, stage, config):
+    """A partly frozen model's checkpoint (engine.save_checkpoint, 2 ranks) keeps its frozen
+    parameters apart (frozen_param_fragments: no master, no optimizer state): the import holds
+    each, equal to the engine's weight and to DeepSpeed's zero_to_fp32, and a restore into a plain
+    model gives them back (before: refused as not fitting its own config.json, "lacks
+    ['model.embed_tokens.weight', ...]"; without the config, imported without them)."""
+    import shutil
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from llmtailor.interop.deepspeed.importer import import_deepspeed
+
+    out = two_rank_runs[f"zero{stage}"]
+    [made] = results(out, "frozen", 2)[:1]
+    assert made["frozen"] and all(name.startswith(("model.embed_tokens.", "model.layers.0.mlp.")) for name in made["frozen"])
+    shutil.copytree(out / "frozen", tmp_path / "ds")
+    if config == "no config":
+        (tmp_path / "ds" / "config.json").unlink()
+    import_deepspeed(tmp_path / "ds", tmp_path / "run")
+    weights = load_file(str(tmp_path / "ds" / "weights.safetensors"))
+    peer = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds"))
+    run = Run(tmp_path / "run")
+    imported = {key: tensor for unit in run.manifest(2).units for key, tensor in run.read_unit(2, unit)[0].items()}
+    for name in made["frozen"]:
+        assert torch.equal(imported[f"weight/{name}"], weights[name]) and torch.equal(imported[f"weight/{name}"], peer[name]), name
+    assert {key.split("/", 1)[1] for key in imported if key.startswith(("master/", "weight/"))} == set(weights)
+    if config == "config.json beside":
+        import transformers
+
+        from llmtailor.training_example import hf_param_groups
+
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "ds"))
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in made["frozen"])
+        Tailor(tmp_path / "run", model, torch.optim.AdamW(hf_param_groups(model))).restore()
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), weights[name]), name
 
 
 def test_import_deepspeed_refuses_what_is_not_a_checkpoint(tmp_path):
