@@ -188,6 +188,7 @@ def _build(plan_file: Path, spec: PlanSpec, sources: dict[str, Source], writes_o
     if not sources:
         _refuse(found.where, found.problems)
     slices, layers = _slices_and_layers(spec, sources, found)
+    _layers_kept_in_place(sources, layers, found)
     first, last = slices[0].sources[0].model, slices[-1].sources[0].model
     family_name, state_label, optimizer = _state_and_optimizer(spec, sources, first, last, writes_optimizer, found)
     found.refuse_if_any()
@@ -243,6 +244,32 @@ def _slices_and_layers(spec: PlanSpec, sources: dict[str, Source], found: _Findi
     if not layers and not found.problems:
         found.problems.append("every slice is empty: the plan names no layer")
     return slices, layers
+
+
+PLACE_BOUND = {
+    "hidden_size_per_layer_input": "per-layer inputs (embed_tokens_per_layer and per_layer_model_projection hold "
+                                   "one block per layer, by its place)",
+    "num_kv_shared_layers": "KV sharing (its last layers reuse the cache of an earlier layer, by place)",
+}
+"""Config keys whose non-zero value binds a model's layers to their places (gemma3n, gemma4):
+a layer moved, or a stack of another depth, would meet another layer's per-layer input block
+or cache, which no tensor of the layer's own unit says; the plan is refused, never merged wrong."""
+
+
+def _layers_kept_in_place(sources: dict[str, Source], layers: list[_Layer], found: _Findings) -> None:
+    """A source whose config binds its layers to their places (``PLACE_BOUND``) may give the
+    output only a stack of its own depth, each layer at its own place."""
+    for label in dict.fromkeys(label for label, *_ in layers):
+        config = sources[label].config or {}
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal model's
+        bound = [why for key, why in PLACE_BOUND.items() if config.get(key) or text.get(key)]
+        depth = sources[label].layout.num_layers
+        moved = [(i, j) for i, (other, j, *_) in enumerate(layers) if other == label and i != j]
+        if bound and (moved or len(layers) != depth):
+            change = (f"puts its layer {moved[0][1]} at layer {moved[0][0]}" if moved
+                      else f"makes a stack of {len(layers)} layers from its {depth}")
+            found.problems.append(f"source {label!r} has {' and '.join(bound)}; the plan {change}: llmtailor cannot move "
+                                  "its layers exactly, so each must stay at its own place in a stack of its depth")
 
 
 def _state_and_optimizer(spec: PlanSpec, sources: dict[str, Source], first: str, last: str, writes_optimizer: bool,

@@ -25,14 +25,19 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``bf16``  ZeRO-STAGE with bf16 weights and fp32 masters: Parity saves into ``DIR/bf16``, a
     restore into a fresh engine; masters compared with the versions, and the bf16 weights with
     the masters cast.
-``checkpoint``  ZeRO-STAGE: 3 steps, then DeepSpeed's own ``engine.save_checkpoint(DIR/ds)``
+``checkpoint``  ZeRO-STAGE with DeepSpeed's curriculum sampler (3 batches drawn, its state in
+    the result): 3 steps, then DeepSpeed's own ``engine.save_checkpoint(DIR/ds)``
     (with the model's ``config.json`` beside it, as HF Trainer writes one) and the versions;
     then steps 4..6 go on (their losses, and the versions after them in ``DIR/ds/versions-6``).
-``resume_imported``  ZeRO-STAGE: restore ``DIR/run`` (``DIR/ds`` imported with import-deepspeed)
+``resume_imported``  ZeRO-STAGE with the curriculum sampler: restore ``DIR/run`` (``DIR/ds`` imported with import-deepspeed)
     into a fresh engine, train 4..6: losses, and every master and state compared with
-    ``DIR/ds/versions-6``.
-``universal``  ZeRO-STAGE: ``engine.load_checkpoint(DIR/universal)`` with DeepSpeed's
-    ``load_universal``; every master and state compared with ``DIR/ds/versions``.
+    ``DIR/ds/versions-6``; the sampler's state after the restore; then 2 more batches drawn, a
+    Full ``Tailor(DIR/again)`` save at 6 restored into a fresh engine: the sampler's states.
+``universal``  ZeRO-STAGE with the curriculum sampler: ``engine.load_checkpoint(DIR/universal)`` with DeepSpeed's
+    ``load_universal``; every master and state compared with ``DIR/ds/versions``; the sampler's state.
+``frozen``  ZeRO-STAGE, partly frozen: 2 steps, then DeepSpeed's own
+    ``engine.save_checkpoint(DIR/frozen)`` with config.json, and every weight in
+    ``DIR/frozen/weights.safetensors``.
 ``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
     damaged: every rank must raise within the timeout (none blocked in a collective), and a
     save afterwards must be refused.
@@ -94,15 +99,66 @@ def zero_config(stage: int) -> dict:
     return {"stage": stage}
 
 
-def engine(stage: int, seed: int, bf16: bool = False):
+FROZEN = ("model.embed_tokens.", "model.layers.0.mlp.")
+"""The parameters a partly frozen fine-tuning keeps frozen (``engine(frozen=True)``)."""
+
+
+def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None, frozen: bool = False):
+    """A ZeRO-``stage`` engine of the tiny Llama; with ``curriculum`` (a directory for its
+    clusters), DeepSpeed's data-efficiency curriculum sampler over ``Samples`` too
+    (``engine.training_dataloader``: ``draw`` takes its batches); ``frozen``: the ``FROZEN``
+    parameters do not train."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(model_config())
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (frozen and name.startswith(FROZEN)))
     optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": zero_config(stage), "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    if curriculum is not None:
+        config["data_efficiency"] = curriculum_config(curriculum)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+                                      training_data=Samples() if curriculum is not None else None)
     return engine
+
+
+class Samples(torch.utils.data.Dataset):
+    """What the curriculum sampler draws from: 64 token rows of the corpus."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return batch_at(TOKENS, index, 1, 16)[0] % model_config().vocab_size
+
+
+def curriculum_config(clusters: Path) -> dict:
+    """DeepSpeed's data-efficiency curriculum (one cluster per difficulty: no analysed index files
+    needed), its difficulty rising each step."""
+    metric = {"index_to_sample_path": "", "index_to_metric_path": "", "difficulty_type": "value",
+              "clustering_type": "single_cluster", "min_difficulty": 2, "max_difficulty": 16,
+              "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 8, "difficulty_step": 2}}
+    return {"enabled": True, "seed": 1234, "data_sampling": {"enabled": True, "num_workers": 0, "curriculum_learning": {
+        "enabled": True, "data_cluster_path": str(clusters), "curriculum_metrics": {"seqlen": metric}}}}
+
+
+def draw(engine, count: int) -> None:
+    """``count`` batches from the engine's curriculum loader (the sampler's position moves on)."""
+    batches = iter(engine.training_dataloader)
+    for _ in range(count):
+        next(batches)
+
+
+def sampler_state(engine) -> dict:
+    """The curriculum sampler's state as DeepSpeed saves it (``state_dict``), its numpy RNG state
+    as a digest: what a restore must give back."""
+    import hashlib
+
+    state = engine.training_dataloader.data_sampler.state_dict()
+    kind, keys, pos, *rest = state.pop("np_rng_state")
+    return {**json.loads(json.dumps(state, default=int)),
+            "np_rng_state": [kind, hashlib.sha256(keys.tobytes()).hexdigest(), int(pos), *rest]}
 
 
 def train(engine, steps) -> list[str]:
@@ -224,8 +280,10 @@ def bf16_scenario(out: Path, stage: int) -> dict:
 
 
 def checkpoint_scenario(out: Path, stage: int) -> dict:
-    e = engine(stage, seed=0)
+    e = engine(stage, seed=0, curriculum=out / "ds" / "clusters")
     train(e, [1, 2, 3])
+    draw(e, 3)
+    sampler = sampler_state(e)
     # What DeepSpeed users keep beside the engine's state (Megatron-DeepSpeed: its args, a Namespace).
     e.save_checkpoint(str(out / "ds"), client_state={"epoch": 1, "samples": 6, "args": argparse.Namespace(lr=3e-3)})
     values = versions(e)
@@ -237,16 +295,38 @@ def checkpoint_scenario(out: Path, stage: int) -> dict:
     values = versions(e)
     if rank() == 0:
         save_file(values, str(out / "ds" / "versions-6.safetensors"))
-    return {"global_steps": global_steps, "continued": continued}
+    return {"global_steps": global_steps, "continued": continued, "sampler": sampler}
+
+
+def frozen_scenario(out: Path, stage: int) -> dict:
+    """Partly frozen: 2 steps, DeepSpeed's own ``save_checkpoint(DIR/frozen)`` (its frozen
+    parameters in ``frozen_param_fragments``) with config.json, and the model's every weight then,
+    gathered, in ``DIR/frozen/weights.safetensors``."""
+    e = engine(stage, seed=0, frozen=True)
+    train(e, [1, 2])
+    e.save_checkpoint(str(out / "frozen"))
+    with deepspeed.zero.GatheredParameters(list(e.module.parameters()), enabled=stage == 3):
+        weights = {name: param.detach().clone() for name, param in e.module.named_parameters()}
+    if rank() == 0:
+        model_config().to_json_file(str(out / "frozen" / "config.json"))
+        save_file(weights, str(out / "frozen" / "weights.safetensors"))
+    return {"frozen": sorted(name for name, param in e.module.named_parameters() if not param.requires_grad)}
 
 
 def resume_imported_scenario(out: Path, stage: int) -> dict:
-    e = engine(stage, seed=5)
+    e = engine(stage, seed=5, curriculum=out / "ds" / "clusters")
     report = Tailor(out / "run", e, timeout=60).restore()
+    sampler = sampler_state(e)
     losses = train(e, [4, 5, 6])
     reference = load_file(str(out / "ds" / "versions-6.safetensors"))
     values = versions(e)
+    draw(e, 2)
+    with Tailor(out / "again", e, policy=Full(), timeout=60) as tailor:  # the sampler, saved by a Tailor
+        tailor.save(6)
+    again = engine(stage, seed=5, curriculum=out / "ds" / "clusters")
+    Tailor(out / "again", again, timeout=60).restore()
     return {"restored": report.step, "losses": losses, "global_steps": e.global_steps, "extra": report.extra,
+            "sampler": sampler, "saved_sampler": sampler_state(e), "restored_sampler": sampler_state(again),
             "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 
@@ -256,18 +336,19 @@ def universal_scenario(out: Path, stage: int) -> dict:
     optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "checkpoint": {"load_universal": True}}
-    e, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    config["data_efficiency"] = curriculum_config(out / "ds" / "clusters")
+    e, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, training_data=Samples())
     path, client_state = e.load_checkpoint(str(out / "universal"))
     values = versions(e)
     reference = load_file(str(out / "ds" / "versions.safetensors"))
     return {"loaded": path is not None, "global_steps": e.global_steps,
-            "client_state": {k: client_state.get(k) for k in ("epoch", "samples")},
+            "client_state": {k: client_state.get(k) for k in ("epoch", "samples")}, "sampler": sampler_state(e),
             "mismatches": [k for k in reference if not torch.equal(reference[k], values[k])]}
 
 
 SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
              "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
-             "universal": universal_scenario, "resume_imported": resume_imported_scenario}
+             "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario}
 
 
 def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:

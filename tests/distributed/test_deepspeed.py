@@ -84,7 +84,7 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     checkpoint in its DIR/ds; the ZeRO-3 run of the odd shapes (``save``). By name, the directory
     of each."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "odd-zero3")}
-    run_jobs(2, [("save+checkpoint+bf16", dirs["zero2"], 2, "plain"), ("save+checkpoint", dirs["zero3"], 3, "plain"),
+    run_jobs(2, [("save+checkpoint+bf16+frozen", dirs["zero2"], 2, "plain"), ("save+checkpoint+frozen", dirs["zero3"], 3, "plain"),
                  ("save", dirs["odd-zero3"], 3, "odd")])
     return dirs
 
@@ -223,7 +223,10 @@ def later_launch(zero3, zero2, tmp_path_factory) -> dict[str, Path]:
 def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3, later_launch, tmp_path):
     """engine.save_checkpoint (ZeRO-3, 2 ranks) -> import-deepspeed -> tensors equal DeepSpeed's
     own accessors and zero_to_fp32; -> assemble --format deepspeed -> a ZeRO-2 engine loads it;
-    the imported run restored at 2 ranks trains on as the uninterrupted engine did."""
+    the imported run restored at 2 ranks trains on as the uninterrupted engine did. The engines
+    draw from DeepSpeed's curriculum sampler: its state (data position, difficulty, numpy RNG)
+    comes back through both (before: the import dropped it, so the assembled checkpoint held
+    None, which DeepSpeed's load_checkpoint hands to the sampler: a TypeError)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
@@ -259,15 +262,22 @@ def test_import_deepspeed_checkpoint_then_assemble_a_universal_checkpoint(zero3,
 
     # The later launch: DeepSpeed loaded the universal checkpoint (ZeRO-2); the imported run was
     # restored into a ZeRO-3 engine at 2 ranks, which trained on as the uninterrupted engine did, bit for bit.
+    uninterrupted = results(zero3[0], "checkpoint", 2)
+    sampler = uninterrupted[0]["sampler"]  # DeepSpeed's curriculum sampler as rank 0 saved it (what a load sets)
+    assert sampler["curriculum_step"] > 0 and sampler["data_cluster_paths"], sampler
     for loaded in results(made, "universal", 2):
         assert loaded["loaded"] and loaded["global_steps"] == 3 and loaded["mismatches"] == []
         assert loaded["client_state"] == {"epoch": 1, "samples": 6}  # save_checkpoint's, through import and assemble
-    uninterrupted = results(zero3[0], "checkpoint", 2)
-    for rank, resumed in enumerate(results(made, "resume_imported", 2)):
+        assert loaded["sampler"] == sampler  # the data position, through import and assemble
+    resumed_ranks = results(made, "resume_imported", 2)
+    for rank, resumed in enumerate(resumed_ranks):
         assert resumed["restored"] == 3 and resumed["global_steps"] == 6, resumed
         # save_checkpoint's client_state comes back as restore()'s extra (its Namespace left out, named)
         assert {k: resumed["extra"].get(k) for k in ("epoch", "samples", "args")} == {"epoch": 1, "samples": 6, "args": None}
         assert resumed["losses"] == uninterrupted[rank]["continued"] and resumed["mismatches"] == []
+        assert resumed["sampler"] == sampler  # the curriculum sampler's position, through the import
+        # and through a Tailor's save (rank 0's, as DeepSpeed keeps it)
+        assert resumed["restored_sampler"] == resumed_ranks[0]["saved_sampler"] != sampler
 
 
 def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2, tmp_path, monkeypatch):
@@ -303,6 +313,48 @@ def test_a_deepspeed_merge_source_is_converted_once_never_written_as_a_run(zero2
     assert direct.steps() == via_run.steps() == [3]
     assert_same_training_state(direct, via_run, 3)
     assert_same_tree(direct.read_global(3), via_run.read_global(3), "global state")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("config", ["config.json beside", "no config"])
+def test_frozen_parameters_of_a_deepspeed_checkpoint_are_imported_as_zero_to_fp32_reads_them(two_rank_runs, tmp_path, stage, config):
+    """A partly frozen model's checkpoint (engine.save_checkpoint, 2 ranks) keeps its frozen
+    parameters apart (frozen_param_fragments: no master, no optimizer state): the import holds
+    each, equal to the engine's weight and to DeepSpeed's zero_to_fp32, and a restore into a plain
+    model gives them back (before: refused as not fitting its own config.json, "lacks
+    ['model.embed_tokens.weight', ...]"; without the config, imported without them)."""
+    import shutil
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from llmtailor.interop.deepspeed.importer import import_deepspeed
+
+    out = two_rank_runs[f"zero{stage}"]
+    [made] = results(out, "frozen", 2)[:1]
+    assert made["frozen"] and all(name.startswith(("model.embed_tokens.", "model.layers.0.mlp.")) for name in made["frozen"])
+    shutil.copytree(out / "frozen", tmp_path / "ds")
+    if config == "no config":
+        (tmp_path / "ds" / "config.json").unlink()
+    import_deepspeed(tmp_path / "ds", tmp_path / "run")
+    weights = load_file(str(tmp_path / "ds" / "weights.safetensors"))
+    peer = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ds"))
+    run = Run(tmp_path / "run")
+    imported = {key: tensor for unit in run.manifest(2).units for key, tensor in run.read_unit(2, unit)[0].items()}
+    for name in made["frozen"]:
+        assert torch.equal(imported[f"weight/{name}"], weights[name]) and torch.equal(imported[f"weight/{name}"], peer[name]), name
+    assert {key.split("/", 1)[1] for key in imported if key.startswith(("master/", "weight/"))} == set(weights)
+    if config == "config.json beside":
+        import transformers
+
+        from llmtailor.training_example import hf_param_groups
+
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "ds"))
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in made["frozen"])
+        Tailor(tmp_path / "run", model, torch.optim.AdamW(hf_param_groups(model))).restore()
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), weights[name]), name
 
 
 def test_import_deepspeed_refuses_what_is_not_a_checkpoint(tmp_path):

@@ -429,8 +429,8 @@ def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_pla
 
     config = transformers.CONFIG_MAPPING["gemma4_text"](vocab_size=64, hidden_size=32, intermediate_size=64,
                                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                                          vocab_size_per_layer_input=64, hidden_size_per_layer_input=8)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+                                                          hidden_size_per_layer_input=0)  # no per-layer inputs:
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")  # its layers may move
     with pytest.raises(ConfigError) as refused:
         merge(plan(tmp_path / "p.yaml", {"slices": slices((tmp_path / "g", (2, 4)), (tmp_path / "g", (0, 2)))}),
               tmp_path / "out", format="model")
@@ -438,3 +438,38 @@ def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_pla
     assert "does not fit the output's layers, as the config of that source has them" in message, message
     assert re.search(r"its layer\.\d \(put at layer\.\d\) differ in shape", message), message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bound,multimodal", [("per-layer inputs", False), ("KV sharing", False), ("per-layer inputs", True)])
+def test_layers_bound_to_their_places_are_not_moved_but_stay_mixable_in_place(tmp_path, bound, multimodal):
+    """A gemma4 with per-layer inputs holds one block per layer, by its place, in tensors outside
+    the layers (embed_tokens_per_layer, per_layer_model_projection); one with KV sharing has its
+    last layers reuse an earlier layer's cache, by place. Two sliding layers of the same shape
+    (neither sharing another's cache) swapped would meet each other's block or cache: the plan is
+    refused, naming why (before: it merged, and the output loaded with nothing missing, every
+    layer given the wrong block). A multimodal gemma4's text config is its ``text_config`` (before:
+    refused as a misfit of its vision layers). Each layer at its own place, taken from another
+    model of the same config, merges."""
+    from llmtailor.errors import ConfigError
+
+    sizes = ({"vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 8} if bound == "per-layer inputs"
+             else {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2})
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, layer_types=["sliding_attention", "full_attention"] * 3, **sizes)
+    config = (transformers.CONFIG_MAPPING["gemma4"](text_config=text, audio_config=None, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+        if multimodal else transformers.CONFIG_MAPPING["gemma4_text"](**text))
+    auto = transformers.AutoModelForImageTextToText if multimodal else transformers.AutoModelForCausalLM
+    for name, seed in (("g", 0), ("h", 1)):
+        torch.manual_seed(seed)
+        auto.from_config(config).save_pretrained(tmp_path / name)
+    g, h = tmp_path / "g", tmp_path / "h"
+    with pytest.raises(ConfigError, match=rf"has {bound} .*; the plan puts its layer 2 at layer 0: llmtailor cannot move"):
+        merge(plan(tmp_path / "p.yaml", {"slices": slices((g, (2, 3)), (g, (1, 2)), (g, (0, 1)), (g, (3, 6)))}),
+              tmp_path / "out", format="model")
+    assert not (tmp_path / "out").exists()
+    out = merge(plan(tmp_path / "mix.yaml", {"slices": slices((g, (0, 2)), (h, (2, 6)))}), tmp_path / "mix", format="model")
+    model, info = auto.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    other, name = load_file(h / "model.safetensors"), next(n for n in model.state_dict() if "layers.3.mlp.up_proj" in n)
+    assert torch.equal(model.state_dict()[name], other[name])

@@ -134,8 +134,8 @@ def _model_states(module: _Module, groups, layout: Layout, state: dict[str, Any]
         "shared_params": dict(layout.aliases),
         "frozen_param_fragments": None,
         "lr_scheduler": state.get("lr_scheduler"),
-        "data_sampler": None,
-        "random_ltd": None,
+        "data_sampler": (state.get("deepspeed") or {}).get("data_sampler"),  # an engine's own, where a run kept it
+        "random_ltd": (state.get("deepspeed") or {}).get("random_ltd"),
         "skipped_steps": 0,
         "global_steps": step,
         "global_samples": 0,

@@ -13,9 +13,13 @@ loaded with ``weights_only=False``; a restore never reads them):
 - ``deepspeed.checkpoint.ds_to_universal`` turns the ZeRO-1/2/3 shards into one file per
   parameter and state (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...), in a scratch directory
   beside the run, removed afterwards (one temporary copy of the checkpoint, memory-mapped as it
-  is read);
+  is read); a partly frozen model's frozen parameters (no master, no optimizer state, which the
+  conversion leaves out) are read as ``zero_to_fp32`` reads them and kept as ``weight/<name>``,
+  as a Tailor on that engine keeps them;
 - the model-states file gives the global step, the LR scheduler's state, the parameter names by
-  group in order (``param_shapes``), tied names (``shared_params``) and buffers, and the user's
+  group in order (``param_shapes``), tied names (``shared_params``) and buffers, the engine's
+  data-efficiency states (the curriculum sampler's position, random-LTD's scheduler: kept as a
+  Tailor on that engine keeps them, ``providers.deepspeed.base.DATA_STATES``), and the user's
   ``client_state`` of ``save_checkpoint`` (every key the engine does not write itself), kept as
   the snapshot's extras, as ``Tailor.save(step, extra=...)`` keeps them, so ``restore()`` gives
   them back in its report's ``extra`` (a value llmtailor does not store, never pickled, is left
@@ -78,6 +82,8 @@ class _Checkpoint:
     state: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     buffers: dict[str, torch.Tensor]
+    frozen: dict[str, torch.Tensor]
+    """The frozen parameters (no master, no optimizer state), whole (``_frozen_params``)."""
     group_of: dict[str, int]
     group_steps: list[Any]
     stage: int
@@ -174,14 +180,17 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
     shapes = {name: tuple(shape) for group in groups_shapes for name, shape in group.items()}
     aliases = {alias: target for alias, target in (model_states.get("shared_params") or {}).items() if target in shapes}
     buffers = {n: t for n, t in (model_states.get("module") or {}).items() if n in set(model_states.get("buffer_names") or [])}
-    hf_config = _find_config(checkpoint, step_dir, config)
-    layout = _layout(hf_config, [*names, *buffers], aliases, family, step_dir)
     hyper, group_steps, stage = _optimizer_groups(step_dir)
+    frozen = _frozen_params(step_dir, stage) if model_states.get("frozen_param_shapes") else {}
+    shapes.update({name: tuple(tensor.shape) for name, tensor in frozen.items()})
+    hf_config = _find_config(checkpoint, step_dir, config)
+    layout = _layout(hf_config, [*names, *frozen, *buffers], aliases, family, step_dir)
     if len(hyper) != len(groups_shapes):
         raise IntegrityError(f"{step_dir}: {len(hyper)} optimizer groups but {len(groups_shapes)} groups of parameters")
     trainer = _trainer_files(step_dir, step, _world_size(model_states))
     rngs = trainer.get("rngs") or [None]
     client, not_kept = _client_state(model_states)
+    data, data_not_kept = _data_states(model_states)
     extra = {**client, IMPORT_NOTES[0]: str(step_dir), **trainer.get("extra", {})}
     state = {
         "step": step,
@@ -189,12 +198,12 @@ def _read(checkpoint: Path, config: str | Path | None, family: str | None) -> _C
         "lr_scheduler": model_states.get("lr_scheduler") or trainer.get("lr_scheduler"),
         "rng": rngs[0],
         "model_config": hf_config,
-        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps), "counters": _counters(model_states)},
+        "deepspeed": {"stage": stage, "steps": [None] * len(group_steps), "counters": _counters(model_states), **data},
         "extra": extra,
     }
     group_of = {name: i for i, group in enumerate(groups_shapes) for name in group}
-    return _Checkpoint(step_dir, step, layout, state, shapes, buffers, group_of, group_steps, stage,
-                       [{"rng": rng, "extra": extra} for rng in rngs[1:]], not_kept)
+    return _Checkpoint(step_dir, step, layout, state, shapes, buffers, frozen, group_of, group_steps, stage,
+                       [{"rng": rng, "extra": extra} for rng in rngs[1:]], [*data_not_kept, *not_kept])
 
 
 DEEPSPEED_KEYS = frozenset({
@@ -219,12 +228,26 @@ def _client_state(model_states: dict[str, Any]) -> tuple[dict[str, Any], list[st
     snapshot's extras as a Tailor's ``save(step, extra=...)`` keeps them, so ``restore()`` gives them
     back; and a line for each key whose value llmtailor does not store (never pickled: an
     ``argparse.Namespace``, say), left out."""
+    return _storable({key: value for key, value in model_states.items() if key not in DEEPSPEED_KEYS}, "client_state[{!r}]")
+
+
+def _data_states(model_states: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The engine's data-efficiency states the model states hold (``DATA_STATES``: the curriculum
+    sampler's position and RNG, random-LTD's scheduler), kept in the global state as the provider
+    keeps them, so a restore into an engine and ``assemble --format deepspeed`` give them back; a
+    line for one llmtailor does not store, left out."""
+    from llmtailor.providers.deepspeed.base import DATA_STATES
+
+    return _storable({key: model_states[key] for key in DATA_STATES if model_states.get(key) is not None}, "{}")
+
+
+def _storable(values: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """``values`` llmtailor stores (``codec``), and a line for each one it does not (never
+    pickled), left out; ``where`` spells a key's name in that line."""
     kept, not_kept = {}, []
-    for key, value in model_states.items():
-        if key in DEEPSPEED_KEYS:
-            continue
+    for key, value in values.items():
         try:
-            codec.encode(value, where=f"client_state[{key!r}]")
+            codec.encode(value, where=where.format(key))
         except UnsupportedStateError as err:
             not_kept.append(str(err).split(";")[0])
             continue
@@ -315,6 +338,28 @@ def _trainer_files(step_dir: Path, step: int, world_size: int | None) -> dict[st
     return found
 
 
+def _frozen_params(step_dir: Path, stage: int) -> dict[str, torch.Tensor]:
+    """The frozen parameters (``frozen_param_shapes``: no master, no optimizer state, so
+    ``ds_to_universal`` leaves them out), whole, as DeepSpeed's ``zero_to_fp32`` reads them:
+    rank 0's fragments (ZeRO-1/2: whole tensors), or every rank's ZeRO-3 partitions joined."""
+    from deepspeed.utils import zero_to_fp32
+
+    merged: dict[str, torch.Tensor] = {}
+    noise = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(noise):
+            files = zero_to_fp32.get_model_state_files(str(step_dir))
+            states = zero_to_fp32.parse_model_states(files)
+            if stage == 3:
+                zero_to_fp32._zero3_merge_frozen_params(merged, len(files), states)
+            else:
+                zero_to_fp32._zero2_merge_frozen_params(merged, states)
+    except Exception as err:  # DeepSpeed's reader refusing the checkpoint
+        raise IntegrityError(f"{step_dir}: DeepSpeed's zero_to_fp32 cannot read its frozen parameters "
+                             f"({type(err).__name__}: {err})") from None
+    return merged
+
+
 def _to_universal(found: _Checkpoint, scratch: Path) -> Path:
     """Convert the checkpoint with DeepSpeed's ``ds_to_universal`` into ``scratch``; return the
     folder of its per-parameter files."""
@@ -376,8 +421,8 @@ def _unit_tensors(found: _Checkpoint, folder: Path, unit: str) -> tuple[dict[str
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, dict[str, Any]] = {}
     for name in found.layout.units[unit]:
-        if name in found.buffers:
-            tensors[weight_key(name)] = found.buffers[name].detach().contiguous()
+        if name in found.buffers or name in found.frozen:
+            tensors[weight_key(name)] = (found.buffers.get(name, found.frozen.get(name))).detach().contiguous()
             continue
         master = _universal_tensor(folder, name, "fp32", found.shapes[name])
         if master is None:

@@ -3,6 +3,7 @@ unit holds and how steps are kept)."""
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -34,6 +35,27 @@ NOTES = {
 
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 """The engine's counters a snapshot keeps and a restore sets back (as DeepSpeed's own checkpoints do)."""
+
+
+DATA_STATES = {
+    "data_sampler": lambda engine: engine.training_dataloader.data_sampler
+    if engine.training_dataloader is not None and engine.curriculum_learning_enabled() else None,
+    "random_ltd": lambda engine: engine.random_ltd_scheduler if engine.random_ltd_enabled() else None,
+}
+"""The engine's data-efficiency states, by the key of DeepSpeed's model states, and what holds
+each in an engine where it is enabled (``DeepSpeedEngine._common_checkpoint_state``): the
+curriculum sampler (its position, difficulties and numpy RNG) and random-LTD's scheduler. Kept
+in the global state (``deepspeed.<key>``) and set back on restore, as DeepSpeed's own checkpoints do."""
+
+
+def _data_holders(engine: Any) -> dict[str, Any]:
+    """``DATA_STATES``' holders this engine has (an engine of another DeepSpeed, or a plain
+    stand-in, may lack the accessors: none)."""
+    try:
+        found = {key: holder(engine) for key, holder in DATA_STATES.items()}
+    except AttributeError:
+        return {}
+    return {key: holder for key, holder in found.items() if holder is not None}
 
 
 def is_engine(model: Any) -> bool:
@@ -175,7 +197,9 @@ class DeepSpeedProvider(StateProvider, ABC):
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "model_config": hf_config(self.module),
             "deepspeed": {"stage": self.stage, "steps": [_plain_step(s) for s in steps],
-                          "counters": {name: int(getattr(self.engine, name)) for name in ENGINE_COUNTERS}},
+                          "counters": {name: int(getattr(self.engine, name)) for name in ENGINE_COUNTERS},
+                          # copied: a sampler's state holds its live lists
+                          **{key: copy.deepcopy(holder.state_dict()) for key, holder in _data_holders(self.engine).items()}},
         }
 
     def notes(self) -> dict[str, Any]:
@@ -220,6 +244,10 @@ class DeepSpeedProvider(StateProvider, ABC):
         for name in ENGINE_COUNTERS:
             if isinstance(counters.get(name), int):
                 setattr(self.engine, name, counters[name])
+        for key, holder in _data_holders(self.engine).items():  # a snapshot without one leaves the engine's
+            if (shared.get("deepspeed") or {}).get(key) is not None:
+                with loading(f"DeepSpeed's {key} state", shared.get("step")):
+                    holder.load_state_dict(shared["deepspeed"][key])
         if self.lr_scheduler is not None:
             with loading("LR scheduler state", shared.get("step")):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])
