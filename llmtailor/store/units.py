@@ -127,9 +127,9 @@ class UnitReader:
         self._pack_sizes = {k: v for k, v in self._pack_sizes.items() if k[0] not in steps}
         self.received.clear()
         prefixes = tuple(f"{self.catalog.snapshot_key(step)}/" for step in steps)
-        for held in (self.arrived, self.unchecked):  # in place: a restore empties these dicts
-            for key in [key for key in held if key.startswith(prefixes)]:
-                del held[key]
+        for held in (self.arrived, self.unchecked):  # in place: a restore empties these dicts; a copy
+            for key in [key for key in list(held) if key.startswith(prefixes)]:  # of the keys (others add
+                held.pop(key, None)  # and take entries on the courier's and the readers' threads)
 
     def arrival(self, storage: Storage, key: str, entry: FileEntry) -> memoryview | None:
         """The bytes of the run's file ``key`` as they arrived here, checked then against the
