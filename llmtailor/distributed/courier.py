@@ -471,7 +471,7 @@ def _agreed_lanes(prefix: str, timeout: float) -> int:
     store = dist.PrefixStore(prefix, distributed_c10d._get_default_store())
     if dist.get_rank() == 0:
         given = os.environ.get(LANES_ENV, "").strip() or str(LANES)
-        agreed = given if given.isdigit() and 1 <= int(given) <= MOST_LANES else (
+        agreed = given if given.isascii() and given.isdigit() and 1 <= int(given) <= MOST_LANES else (
             f"{LANES_ENV}={given!r} on rank 0: give a whole number of lanes from 1 to {MOST_LANES}")
         store.set("lanes", agreed)
     else:

@@ -14,6 +14,7 @@ from typing import Any
 
 from llmtailor.errors import ConfigError
 from llmtailor.store.storage import is_url
+from llmtailor.store.storage.location import refuse_other_schemes
 
 
 def run_location(location: Any, name: str = "run_dir") -> str | Path:
@@ -23,6 +24,7 @@ def run_location(location: Any, name: str = "run_dir") -> str | Path:
         location = os.fspath(location)
     if not isinstance(location, str) or not location.strip():
         raise ConfigError(f"{name}={location!r}: expected a local path or a URL (s3://, gs://, az://, file://)")
+    refuse_other_schemes(location)  # before a Path folds its // into a local directory's name
     return location if is_url(location) else Path(location)
 
 

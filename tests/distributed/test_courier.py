@@ -590,7 +590,7 @@ def test_a_courier_whose_group_cannot_be_made_fails_as_a_coordination_error(monk
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("given", ["0", "many", str(65)])
+@pytest.mark.parametrize("given", ["0", "many", str(65), "²"])  # "²": a digit to str.isdigit, not to int()
 def test_a_count_of_lanes_that_is_not_one_fails_the_courier_naming_the_setting(monkeypatch, given):
     """``LANES_ENV`` is checked on rank 0 and its verdict posted: every rank raises the same
     ConfigError (here, a job of one)."""

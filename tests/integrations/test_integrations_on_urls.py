@@ -220,3 +220,18 @@ def test_storage_options_for_a_local_run_are_refused_when_each_integration_is_bu
     with pytest.raises(ConfigError, match=refused):
         _hf_trainer(tmp_path / "out", 4, tailor_config=config)
     assert not (tmp_path / "run").exists() and not (tmp_path / "out" / "tailored").exists()
+
+
+@pytest.mark.parametrize("url", ["https://example.com/runs/exp1", "s4://bucket/runs/exp1"])
+def test_a_url_of_a_scheme_llmtailor_does_not_open_is_refused_when_each_integration_is_built(tmp_path, url):
+    """As ``Tailor`` refuses it (``open_storage``), not taken for the local path its folded ``//``
+    names. BEFORE: each integration built, on a local directory ``https:/example.com/runs/exp1``
+    (the accelerator's writer lock made it at once)."""
+    refused = f"{url}: {url.split('://')[0]}:// is not a storage llmtailor opens"
+    with pytest.raises(ConfigError, match=refused):
+        TailorCheckpoint(url)
+    with pytest.raises(ConfigError, match=refused):
+        TailorAccelerator(cpu=True, tailor_run_dir=url)
+    with pytest.raises(ConfigError, match=refused):
+        _hf_trainer(tmp_path / "out", 4, tailor_run_dir=url)
+    nothing_local()

@@ -914,6 +914,25 @@ def test_credentials_refused_say_permission_denied_with_the_servers_code(guarded
     assert "permission denied" in one_line_error(runner.invoke(app, ["verify", url]))
 
 
+@pytest.mark.parametrize("prefix", ["latest/meta-data/run", "v2/credentials/run"])
+def test_a_run_whose_prefix_reads_as_a_credential_service_path_is_denied_not_said_without_credentials(guarded, monkeypatch,
+                                                                                                  prefix):
+    """Only a request to an instance metadata service itself (its path right after the host) says
+    no credentials were found; a run at such a prefix of the bucket keeps the server's refusal.
+    BEFORE: ``no credentials (none in the environment or the options, none from the instance
+    metadata service at http://127.0.0.1:...: HTTP 403)``, with the credentials set."""
+    endpoint, bucket, key = guarded
+    set_environment(monkeypatch, endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    url = f"s3://{bucket}/{prefix}"
+    with pytest.raises(TailorError, match=rf"^{url}/manifest.json: permission denied \(AccessDenied: .*; HTTP 403 "
+                                          rf"from {endpoint}\)$"):
+        from llmtailor.store.storage import open_storage
+
+        open_storage(url, {"retry_config": FAST_RETRY}).read("manifest.json")  # its path holds the prefix (a LIST's query not)
+
+
 @S3_ONLY
 def test_an_http_endpoint_from_the_environment_needs_no_aws_allow_http(url, endpoint, monkeypatch, tokens):
     """AWS_ENDPOINT_URL=http://... alone: the run is written and read (as with the endpoint

@@ -24,6 +24,15 @@ def is_url(location: str | Path) -> bool:
     return "://" in text and text.split("://", 1)[0].lower() in (*URL_SCHEMES, "file")
 
 
+def refuse_other_schemes(text: str) -> None:
+    """A ConfigError where ``text`` is a URL of a scheme llmtailor does not open (``https://``, a
+    mistyped ``s4://``): not a local path either ("https://host/run" is no directory "https:")."""
+    scheme = _SCHEME.match(text)
+    if scheme and not is_url(text):
+        raise ConfigError(f"{text}: {scheme.group(1)}:// is not a storage llmtailor opens; give a local path, "
+                          "or an s3://, gs://, az:// (abfs://, abfss://) or file:// URL")
+
+
 def open_storage(location: str | Path | Storage, options: Mapping[str, Any] | None = None) -> Storage:
     """The storage of ``location``: a local path or ``file://`` URL (``LocalStorage``), or an
     object-store URL (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://``:
@@ -32,10 +41,7 @@ def open_storage(location: str | Path | Storage, options: Mapping[str, Any] | No
     if isinstance(location, Storage):
         return location
     text = str(location)
-    scheme = _SCHEME.match(text)
-    if scheme and not is_url(text):  # not a local path either: "https://host/run" is no directory "https:"
-        raise ConfigError(f"{text}: {scheme.group(1)}:// is not a storage llmtailor opens; give a local path, "
-                          "or an s3://, gs://, az:// (abfs://, abfss://) or file:// URL")
+    refuse_other_schemes(text)
     if is_url(text) and not text.lower().startswith("file://"):
         return ObjectStorage(text, options)
     if options:

@@ -27,10 +27,11 @@ AUTH_CODES = frozenset({
 """Error codes of S3 and Azure that mean the credentials or their rights are wrong."""
 NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
 _AUTH_STATUSES = {401, 403}
-_CREDENTIAL_SERVICES = re.compile(r"Error performing [A-Z]+ \S*(/latest/api/token|/latest/meta-data/|/computeMetadata/"
+_CREDENTIAL_SERVICES = re.compile(r"Error performing [A-Z]+ \w+://[^/\s]+(/latest/api/token|/latest/meta-data/|/computeMetadata/"
                                   r"|/metadata/identity/|/v2/credentials)")
 """Where the client asks for credentials when none are given (the instance metadata services of
-AWS, GCP and Azure, ECS's task credentials): a request there failing means none were found."""
+AWS, GCP and Azure, ECS's task credentials), their paths right after the host (a bucket's
+object at such a prefix is no credential service): a request there failing means none were found."""
 _CREDENTIAL_VARIABLES = {"S3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "GCS": "GOOGLE_APPLICATION_CREDENTIALS",
                          "MicrosoftAzure": "AZURE_STORAGE_ACCOUNT_KEY"}
 _LONGEST = 300
