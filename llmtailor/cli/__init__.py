@@ -21,7 +21,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from llmtailor.cli.common import STEP_HELP, as_of, console, errors, existing_run, fail, user_errors
-from llmtailor.errors import TailorError
+from llmtailor.errors import SnapshotNotFoundError, TailorError
+from llmtailor.store.catalog import empty_run
 from llmtailor.store.run import Run
 from llmtailor.store.storage.object_options import OPTIONS_ENV
 
@@ -144,7 +145,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
     run = existing_run(run_dir)
     steps = run.steps()
     if not steps:
-        raise TailorError(f"{run_dir}: no committed snapshot in this run directory")
+        raise SnapshotNotFoundError(empty_run(run_dir))
     step = as_of(run, step)
     result = run.check(step)
     for note in result.notes:
@@ -153,6 +154,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
         for problem in result.problems:
             errors.print(f"[red]bad:[/] {escape(problem)}", highlight=False, soft_wrap=True)
         errors.print(f"[bold red]{len(result.problems)} problem(s)[/]")
+        errors.print("restore what is named from a copy of the run, or use a --step that verifies", highlight=False)
         raise typer.Exit(1)
     scope = f"composite of step {step}" if step is not None else f"{len(result.checked)} snapshot(s)"
     bases = sorted({str(base) for base, _ in result.base_checked})
