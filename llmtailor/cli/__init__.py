@@ -48,6 +48,26 @@ class ReflowingGroup(TyperGroup):
         for command in self.commands.values():
             command.help = reflow(command.help)
 
+    # Typer 0.29's rich help shows every flag's type, so --dry-run read `<bool>` as if it took a
+    # value: a flag (--help included, made when first asked for) is given an empty metavar here,
+    # where the group hands out its commands, instead of one on every option.
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _no_flag_types(command.get_params(ctx))
+        return command
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        _no_flag_types([option])
+        return option
+
+
+def _no_flag_types(params: list[Any]) -> None:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
 
 app = typer.Typer(
     cls=ReflowingGroup,

@@ -1,6 +1,7 @@
 """The CLI's answer to a user's mistake: one line of cause (``error: ...``), one of what to do
 (indented under it), exit codes as before, no traceback; at 80 columns. The library raises the
-same text. And ``merge --verbose`` without ``--dry-run``, which said nothing."""
+same text. And the options that said nothing: ``merge --verbose`` without ``--dry-run``, the
+flags shown as if they took a value."""
 
 from __future__ import annotations
 
@@ -127,3 +128,12 @@ def test_a_note_of_several_missing_steps_reads_in_the_plural():
     assert not_restorable(9, {7: ["layer.0"]}).endswith("needs step 7 (units layer.0), which is not in the run")
     assert not_restorable(9, {7: ["layer.0"], 8: ["layer.1"]}).endswith(
         "needs step 7 (units layer.0); step 8 (units layer.1), which are not in the run")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["merge", "--help"], ["gc", "--help"]])
+def test_a_flag_is_not_shown_as_taking_a_value(args):
+    """BEFORE: ``--dry-run  <bool>``, ``--help  <bool>`` (typer 0.29 shows every flag's type)."""
+    result = invoke(*args)
+    assert result.exit_code == 0 and "--help" in result.output
+    assert "<bool>" not in result.output
+    assert invoke("merge", "plan.yaml", "-o", "out", "--dry-run=yes").exit_code == 2  # still a flag
