@@ -73,7 +73,7 @@ def plan_advice(plan_file: Path, message: str) -> str:
         return message  # not the plan's (the output, a damaged source), or it says what to do itself
     if message == f"{plan_file}: no such plan file":
         return f"{message}\ncheck the path: a YAML file, mergekit's form or LLMTailor's"
-    return f"{message}\nfix the plan and run again (nothing was written); --dry-run just checks it"
+    return f"{message}\nfix the plan and run again (nothing was written); --dry-run checks a plan"
 
 
 def actions_table(plan, verbose: bool = False):

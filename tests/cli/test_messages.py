@@ -90,7 +90,7 @@ def test_a_bad_plan_says_to_fix_it_and_that_nothing_was_written(runs, tmp_path):
     plan.write_text(yaml.safe_dump({"slices": [{"sources": [{"model": f"{runs}/run", "layer_range": [0, 9]}]}]}))
     cause_then_what_to_do(invoke("merge", str(plan), "-o", str(tmp_path / "out")), 2,
                           f"{plan}: slices[0]: source '{runs}/run' has 2 layers; layer_range [0, 9] names its layer 2",
-                          "fix the plan and run again (nothing was written); --dry-run just checks it")
+                          "fix the plan and run again (nothing was written); --dry-run checks a plan")
     assert not (tmp_path / "out").exists()
     cause_then_what_to_do(invoke("merge", str(tmp_path / "none.yaml"), "-o", str(tmp_path / "out")), 2,
                           f"{tmp_path}/none.yaml: no such plan file",
