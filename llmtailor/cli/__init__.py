@@ -21,7 +21,8 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from llmtailor.cli.common import STEP_HELP, as_of, console, errors, existing_run, fail, user_errors
-from llmtailor.errors import TailorError
+from llmtailor.errors import SnapshotNotFoundError, TailorError
+from llmtailor.store.catalog import empty_run
 from llmtailor.store.run import Run
 from llmtailor.store.storage.object_options import OPTIONS_ENV
 
@@ -46,6 +47,26 @@ class ReflowingGroup(TyperGroup):
         self.help = reflow(self.help)
         for command in self.commands.values():
             command.help = reflow(command.help)
+
+    # Typer 0.29's rich help shows every flag's type, so --dry-run read `<bool>` as if it took a
+    # value: a flag (--help included, made when first asked for) is given an empty metavar here,
+    # where the group hands out its commands, instead of one on every option.
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _no_flag_types(command.get_params(ctx))
+        return command
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        _no_flag_types([option])
+        return option
+
+
+def _no_flag_types(params: list[Any]) -> None:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
 
 
 app = typer.Typer(
@@ -144,7 +165,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
     run = existing_run(run_dir)
     steps = run.steps()
     if not steps:
-        raise TailorError(f"{run_dir}: no committed snapshot in this run directory")
+        raise SnapshotNotFoundError(empty_run(run_dir))
     step = as_of(run, step)
     result = run.check(step)
     for note in result.notes:
@@ -153,6 +174,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
         for problem in result.problems:
             errors.print(f"[red]bad:[/] {escape(problem)}", highlight=False, soft_wrap=True)
         errors.print(f"[bold red]{len(result.problems)} problem(s)[/]")
+        errors.print("restore what is named from a copy of the run, or use a --step that verifies", highlight=False)
         raise typer.Exit(1)
     scope = f"composite of step {step}" if step is not None else f"{len(result.checked)} snapshot(s)"
     bases = sorted({str(base) for base, _ in result.base_checked})

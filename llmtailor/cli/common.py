@@ -14,12 +14,15 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmtailor.errors import TailorError, describe_os_error
+from llmtailor.errors import SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.store.catalog import empty_run
 from llmtailor.store.run import Run
 
 console = Console(soft_wrap=True)  # a path in a result line is never broken in two
 errors = Console(stderr=True, soft_wrap=True)
 
+CORRUPTED = "(file is corrupted)"  # how the store's checksum mismatches end (store/checked.py)
+DAMAGED_ADVICE = "llmtailor verify RUN names every damaged file; an older --step may not read it"
 STEP_HELP = "Composite as of this step: the newest committed snapshot at or before it (default: the newest)."
 
 
@@ -29,7 +32,7 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except TailorError as err:
-            fail(str(err))
+            fail(str(err) + (f"\n{DAMAGED_ADVICE}" if CORRUPTED in str(err) else ""))
         except OSError as err:  # the last line of defence: the library names paths itself
             fail(describe_os_error(err))
 
@@ -37,8 +40,12 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def fail(message: str) -> None:
-    """Print ``message`` (plain text) as the CLI's one error line and exit with status 2."""
-    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """Print ``message`` (plain text) as the CLI's error and exit with status 2: its first line
+    (the cause) after ``error:``, each further line (what to do) indented under it."""
+    cause, *rest = message.split("\n")
+    errors.print(f"[bold red]error:[/] {escape(cause)}", highlight=False, soft_wrap=True)
+    for line in rest:
+        errors.print(f"       {escape(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2) from None
 
 
@@ -52,11 +59,17 @@ def add_command(target: typer.Typer, name: str, command: Callable[..., Any]) -> 
 def existing_run(location: str | Path) -> Run:
     """The run at ``location`` (a path or URL); TailorError saying what it is when it is not
     a run (a file, another kind of checkpoint; an empty directory passes: it reports no
-    snapshot later)."""
+    snapshot later), and what to do."""
+    from llmtailor.interop.formats import describe_other_format
+
     run = Run(location)
     why = run.storage.detection.describe_non_run()
     if why is not None and not (run.is_local and Path(run.root).is_dir() and run.storage.detection.is_fresh()):
-        raise TailorError(why)
+        if not run.is_local or not Path(run.root).exists():
+            raise TailorError(f"{why}\ncheck the path: give the directory (or URL) that a Tailor saved into")
+        if describe_other_format(Path(run.root)):
+            raise TailorError(why)  # it names the command that takes it
+        raise TailorError(f"{why}\ngive a run, or make one of a checkpoint: llmtailor import-hf, import-deepspeed")
     return run
 
 
@@ -66,10 +79,13 @@ def as_of(run: Run, step: int | None) -> int | None:
     if step is None:
         return None
     steps = run.steps()
+    if not steps:
+        raise SnapshotNotFoundError(empty_run(run.root))
     before = [s for s in steps if s <= step]
     if not before:
         shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
-        raise TailorError(f"{run.root}: no committed snapshot at or before step {step} (committed steps: {shown or 'none'})")
+        raise TailorError(f"{run.root}: no committed snapshot at or before step {step} (committed steps: {shown})\n"
+                          f"give --step {steps[0]} or later, or no --step for the newest")
     if before[-1] != step:
         errors.print(f"note: step {step} falls between snapshots; using the composite as of step {before[-1]}",
                      highlight=False, soft_wrap=True)

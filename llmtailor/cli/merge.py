@@ -1,15 +1,18 @@
-"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf|model] [--max-shard-size 5GB] [--dry-run [--verbose]]``:
+"""``llmtailor merge PLAN.yaml -o OUT [--format tailor|hf|model] [--max-shard-size 5GB] [--dry-run] [--verbose]``:
 assemble layers and their optimizer state from several checkpoints, as a YAML plan says.
 
 Registered on the app by ``register(app)`` (called from ``llmtailor.cli``)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from llmtailor.errors import TailorError
 
 
 class MergeFormat(str, Enum):
@@ -33,7 +36,8 @@ def merge(
                           "larger weights are split into shards with an index, as save_pretrained does.")
     ] = "5GB",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the planned actions; write nothing.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", help="With --dry-run: one row per tensor.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Print the planned actions one row per tensor (with "
+                                          "--dry-run: instead of one per unit; without it: before merging).")] = False,
 ) -> None:
     """Plan the merge (every check made from headers and manifests, before any tensor byte is
     read), then stream it unit by unit into the output, committed atomically. A bad plan
@@ -45,15 +49,31 @@ def merge(
     from llmtailor.outputs.sink import parse_size
 
     shard_bytes = parse_size(max_shard_size)  # refused before the plan is read
-    with open_plan(plan_file, out, format.value) as plan:
+    with ExitStack() as stack:
+        try:
+            plan = stack.enter_context(open_plan(plan_file, out, format.value))
+        except TailorError as err:
+            raise TailorError(plan_advice(plan_file, str(err))) from None
         for warning in plan.warnings:
             errors.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
-        if dry_run:
+        if dry_run or verbose:
             console.print(actions_table(plan, verbose))
+        if dry_run:
             return
         with unit_progress(console, "merging units") as progress:
             target = execute(plan, out, format=format.value, progress=progress, max_shard_size=shard_bytes)
     console.print(f"[green]wrote[/] {target} ({len(plan.layout.units)} units, step {plan.step})")
+
+
+def plan_advice(plan_file: Path, message: str) -> str:
+    """``message`` (why the plan was refused) and, where it is the plan's fault, what to do."""
+    from llmtailor.cli.common import CORRUPTED
+
+    if "\n" in message or CORRUPTED in message or not message.startswith(f"{plan_file}:"):
+        return message  # not the plan's (the output, a damaged source), or it says what to do itself
+    if message == f"{plan_file}: no such plan file":
+        return f"{message}\ncheck the path: a YAML file, mergekit's form or LLMTailor's"
+    return f"{message}\nfix the plan and run again (nothing was written); --dry-run checks a plan"
 
 
 def actions_table(plan, verbose: bool = False):

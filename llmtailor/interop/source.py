@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmtailor.errors import IntegrityError
+from llmtailor.constants import SNAPSHOTS_DIR
+from llmtailor.errors import ConfigError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.store import dtypes
 from llmtailor.store.tensor_files import ByteSource, read_header
@@ -97,3 +98,10 @@ def layout_of(path: Path) -> tuple[int, dict[str, Any]]:
     except (OSError, ValueError) as err:
         raise IntegrityError(f"{path}: not a readable safetensors file ({err})") from None
 
+
+def refuse_a_run(path: Path, format: str, what: str) -> None:
+    """ConfigError when ``path`` is already an llmtailor run (it holds ``snapshots/``), saying
+    that the import is not needed and that ``assemble --format FORMAT`` writes ``what`` of it."""
+    if (path / SNAPSHOTS_DIR).is_dir():
+        raise ConfigError(f"{path} is already an llmtailor run: inspect, verify, assemble and merge read it as it is\n"
+                          f"`llmtailor assemble {path} --format {format} -o OUT` writes {what} of it")

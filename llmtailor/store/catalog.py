@@ -532,15 +532,21 @@ class Catalog:
     def _no_snapshot_message(self, step: int | None) -> str:
         steps = self.steps()
         if not steps:
-            return f"{self.root}: no committed snapshot in this run directory"
+            return empty_run(self.root)
         if step is None:
             return f"{self.root}: no committed snapshot"
         return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
 
 
+def empty_run(root: object) -> str:
+    """What a run directory with no committed snapshot is, and what to do (two lines)."""
+    return (f"{root}: no committed snapshot in this run directory\n"
+            "give a run that has saved, or call Tailor.save() into this one first")
+
+
 def not_restorable(step: int, lost: dict[int, list[str]]) -> str:
     needs = "; ".join(f"step {source} (units {name_units(units)})" for source, units in sorted(lost.items()))
-    return f"the composite of step {step} needs {needs}, which is not in the run"
+    return f"the composite of step {step} needs {needs}, which {'is' if len(lost) == 1 else 'are'} not in the run"
 
 
 def _ranges(steps: list[int]) -> str:

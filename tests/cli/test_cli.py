@@ -119,7 +119,10 @@ def test_inspect_and_verify_of_what_is_not_a_run_say_what_it_is_in_one_line(trai
     }[target]
     result = runner.invoke(app, [command, str(path)])
     _one_line_error(result, str(path), *fragments)
-    assert len(result.output.strip().splitlines()) == 1, result.output
+    # A checkpoint's line names the commands that take it; a file's is followed by what to do.
+    what_to_do = [] if target == "checkpoint" else ["       give a run, or make one of a checkpoint: llmtailor import-hf, "
+                                                    "import-deepspeed"]
+    assert result.output.splitlines()[1:] == what_to_do, result.output
 
 
 def _one_line_error(result, *fragments):
@@ -209,7 +212,7 @@ def test_a_step_between_snapshots_means_the_composite_as_of_it(run_dir, command)
         assert "composite as of step 4" in between.output
     before = runner.invoke(app, [command, str(run_dir), "--step", "1"])
     assert before.exit_code == 2 and "no committed snapshot at or before step 1 (committed steps: 2, 4, 6)" in before.output
-    assert len(before.output.strip().splitlines()) == 1
+    assert before.output.splitlines()[1:] == ["       give --step 2 or later, or no --step for the newest"]
 
 
 @pytest.mark.slow

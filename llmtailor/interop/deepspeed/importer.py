@@ -63,7 +63,7 @@ from llmtailor.interop.deepspeed.files import find_step_dir
 from llmtailor.interop.formats import describe_other_format
 from llmtailor.interop.hf.files import CONFIG_FILE
 from llmtailor.interop.hf.model import meta_model
-from llmtailor.interop.source import Source, TensorInfo
+from llmtailor.interop.source import Source, TensorInfo, refuse_a_run
 from llmtailor.layouts import Layout, build_layout, layout_from_names
 from llmtailor.outputs.directory import Scratch
 from llmtailor.outputs.run import RunSink, refuse_holding_snapshots
@@ -103,6 +103,7 @@ def import_deepspeed(
 ) -> int:
     """Write the DeepSpeed checkpoint ``checkpoint`` into ``run_dir`` (new or without snapshots)
     as one committed snapshot and return its step (module docstring)."""
+    refuse_a_run(Path(checkpoint), "deepspeed", "a DeepSpeed checkpoint")
     run = Run(run_dir)
     refuse_holding_snapshots(run)
     found = _read(Path(checkpoint), config, family)
@@ -155,14 +156,19 @@ class DeepSpeedSource(Source):
         return self._found.state
 
 
+_WHAT_TO_GIVE = "give the folder engine.save_checkpoint wrote into, or its global_stepN/"
+
+
 def _step_dir(checkpoint: Path) -> Path:
     """``find_step_dir``; a directory of another format named as what it is, with its way in."""
     try:
         return find_step_dir(checkpoint)
-    except ConfigError:
+    except ConfigError as find_error:
+        if not checkpoint.exists():
+            raise ConfigError(f"{checkpoint}: no such checkpoint directory\n{_WHAT_TO_GIVE}") from None
         kind = describe_other_format(checkpoint) if checkpoint.is_dir() else None
         if kind is None:
-            raise
+            raise ConfigError(f"{find_error}\n{_WHAT_TO_GIVE}") from None
         raise ConfigError(f"{checkpoint} is {kind}; import-deepspeed reads a DeepSpeed checkpoint (global_stepN/)") from None
 
 

@@ -45,7 +45,7 @@ from llmtailor.interop.hf.files import (
     step_of,
 )
 from llmtailor.interop.hf.weights import BinWeights, ModelWeights, has_bin_weights, has_weights, model_weights
-from llmtailor.interop.source import Source, TensorInfo
+from llmtailor.interop.source import Source, TensorInfo, refuse_a_run
 from llmtailor.layouts import Layout, layout_from_names
 from llmtailor.store import dtypes
 from llmtailor.store.tensor_files import ByteSource
@@ -158,10 +158,16 @@ def family_of(config: dict[str, Any]) -> str:
     return served[0] if served else "generic"
 
 
+_WHAT_TO_GIVE = "give a checkpoint-N/ directory that Trainer saved (in its output_dir)"
+
+
 def require_importable(source: Path) -> None:
+    refuse_a_run(source, "hf", "a Trainer checkpoint")
     if not source.is_dir():
         kind = describe_other_format(source) if source.is_file() else None
-        raise ConfigError(f"{source} is {kind}" if kind else f"{source}: no such checkpoint directory")
+        raise ConfigError(f"{source} is {kind}" if kind else f"{source}: no such checkpoint directory\n{_WHAT_TO_GIVE}")
+    if not any(source.iterdir()):
+        raise ConfigError(f"{source}: an empty directory, not a Trainer checkpoint\n{_WHAT_TO_GIVE}")
     if is_deepspeed_checkpoint(source):
         raise ConfigError(f"{source}: a Trainer checkpoint saved under DeepSpeed (its optimizer state is in "
                           f"{find_step_dir(source).name}/, not {OPTIMIZER_FILE}): import it with "

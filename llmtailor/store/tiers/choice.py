@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from llmtailor.constants import CARRIED_FOR
 from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
-from llmtailor.store.catalog import LeasedComposite
+from llmtailor.store.catalog import LeasedComposite, empty_run
 from llmtailor.store.run import Run
 from llmtailor.store.tiers.levels import Level
 from llmtailor.store.tiers.recovery import NodeChoice
@@ -116,7 +116,7 @@ def candidates(levels: list[Level], offer: NodeChoice | None = None) -> Candidat
                     raise
                 unread.append(f"{level.name} could not be read: {err}")
         if len(levels) == 1 and not attempts:
-            raise IntegrityError(f"{levels[0].run.root}: no committed snapshot in this run directory")
+            raise IntegrityError(empty_run(levels[0].run.root))
         if not attempts:
             raise SnapshotNotFoundError(f"no tier holds a committed composite whole ({'; '.join(unread) or 'every tier is empty'})")
         attempts.sort(key=lambda attempt: (-attempt[1], attempt[0]))
