@@ -26,6 +26,7 @@ means the same save on every rank.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import json
 import os
@@ -240,11 +241,13 @@ class Deadlined:
     was asked may still take effect there."""
 
     def __init__(self, store: Any, owner: Coordinator) -> None:
-        self.store, self._owner = store, owner
+        # The owner held weakly: a coordinator dropped unclosed goes with its clients at once, no
+        # cycle to collect first (each client a connection).
+        self.store, self._owner = store, weakref.ref(owner)
 
     def _ask(self, op: str, *args: Any) -> Any:
-        store = self.store
-        limit = self._owner.timeout + _GRACE
+        store, owner = self.store, self._owner()
+        limit = (DEFAULT_TIMEOUT if owner is None else owner.timeout) + _GRACE
         if (held := _given_up.get(id(store))) is not None and held[0] is store:
             raise Unanswered(f"the job's store ({_where(store)}) has not answered a call of this rank for {limit:g} s "
                              f"or more (it is not asked again until it does); {op} {_keys(args)} not asked")
@@ -284,7 +287,9 @@ class Deadlined:
         self._ask("wait", keys, timeout)
 
     def clone(self) -> Deadlined:
-        return Deadlined(self._ask("clone"), self._owner)
+        clone = copy.copy(self)  # the same owner
+        clone.store = self._ask("clone")
+        return clone
 
 
 def _where(store: Any) -> str:
