@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -601,3 +603,25 @@ def failing_fsync_of(monkeypatch, directory: Path, once_renamed: Path) -> list[s
 
     monkeypatch.setattr(os, "fsync", fsync)
     return failed
+
+
+@contextmanager
+def stopped_store(timeout: float = 1.0) -> Iterator[tuple[object, int]]:
+    """A client (its own ``timeout``) of a real TCPStore served by a process of its own, and
+    that process's id: ``os.kill(pid, signal.SIGSTOP)`` makes the store stop answering as one on
+    a partitioned host does (the kernel still takes the bytes; no answer, no reset). Its server
+    goes on (SIGCONT) and ends as the block ends."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    server = subprocess.Popen([sys.executable, "-c", "import datetime, sys, torch.distributed as d\n"
+                               "s = d.TCPStore('127.0.0.1', 0, 2, True, datetime.timedelta(seconds=60), wait_for_workers=False)\n"
+                               "print(s.port, flush=True)\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        port = int(server.stdout.readline())
+        yield TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=timeout)), server.pid
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()

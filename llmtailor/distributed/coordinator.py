@@ -14,6 +14,9 @@ hangs makes the others fail with an error naming it, never hang. The deadline is
 not on total time: a rank inside ``Coordinator.working`` (a restore's load, a save's part)
 shows its progress (``advance``: the reads and copies call it) in the store, and a rank waiting
 for it waits on while that progress advances; a rank that shows none for the timeout is lost.
+Every call to the store has a deadline too (``Deadlined``): a store that stops answering (its
+host partitioned or stopped: torch's client then waits for ever, whatever its own timeout) is a
+CoordinationError after the timeout, naming the store and the call.
 
 Invariant: each message tag is used once per coordinator (tags carry the save's sequence
 number), and every rank of a job creates its coordinators in the same order, so the same tag
@@ -23,8 +26,11 @@ means the same save on every rank.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import json
+import os
+import queue
 import threading
 import time
 import weakref
@@ -134,6 +140,170 @@ def _group_key(group: Any) -> Any:
     import torch.distributed as dist
 
     return group if group is not None else dist.group.WORLD
+
+
+_GRACE = 2.0
+"""Seconds a store call may take past the coordinator's timeout before it is given up on
+(``Deadlined``): a loaded machine's slow answer is not taken for a store that stopped answering."""
+_given_up: dict[int, list[Any]] = {}
+"""id(a store client) -> [the client, the calls on it given up on and not answered yet]: while
+one is, the client is not asked again (``Deadlined``). The client is held here, so its id is not
+reused meanwhile."""
+_given_up_lock = threading.Lock()
+
+
+class Unanswered(Exception):
+    """A call to the job's store that did not answer within its deadline (``Deadlined``); the
+    coordinator raises it as a CoordinationError saying what the rank was doing (``_reaching``)."""
+
+
+class _Asker:
+    """A daemon thread that makes the store calls handed to it, one at a time, while the thread
+    that handed one waits for the answer up to a deadline (``Deadlined``). Idle ones wait in
+    ``_askers``; one whose call was given up on is never handed another: it ends once that call
+    returns (never, where the store never answers: the one thread a stuck call costs)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._given_up: Any = None
+        threading.Thread(target=self._serve, name="llmtailor-store-call", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, args = self._calls.get()
+            try:
+                answer = (True, call(*args))
+            except BaseException as err:
+                answer = (False, err)
+            del call, args  # an idle asker holds no store: one dropped by its owners goes (its server stops)
+            with self._lock:
+                if self._given_up is not None:  # nobody waits for it: the client may be asked again
+                    _answered(self._given_up)
+                    return
+                self._answers.put(answer)
+                del answer
+
+    def ask(self, store: Any, call: Callable[..., Any], args: tuple[Any, ...], limit: float) -> tuple[bool, Any] | None:
+        """``(True, call(*args))`` or ``(False, what it raised)``; None where it did not return
+        within ``limit`` seconds: it is given up on (``store``: the client it is a call of)."""
+        self._calls.put((call, args))
+        try:
+            return self._answers.get(timeout=limit)
+        except queue.Empty:
+            with self._lock:
+                if not self._answers.empty():  # it answered just now
+                    return self._answers.get()
+                self._given_up = store
+                with _given_up_lock:
+                    _given_up.setdefault(id(store), [store, 0])[1] += 1
+            return None
+
+
+_askers: list[_Asker] = []
+"""The idle ``_Asker``s of this process: as many as calls were made at once, at most."""
+os.register_at_fork(after_in_child=_askers.clear)  # their threads are not in a forked child
+
+
+def _answered(store: Any) -> None:
+    """A call on ``store`` given up on returned: one fewer holds the client."""
+    with _given_up_lock:
+        held = _given_up[id(store)]
+        held[1] -= 1
+        if not held[1]:
+            del _given_up[id(store)]
+
+
+class Deadlined:
+    """A client of the job's c10d store (``store``) whose every call returns or raises within
+    the coordinator's timeout (``owner.timeout``, plus ``_GRACE``), on a store that stopped
+    answering too: each call runs on a thread of its own (an idle ``_Asker``) while the calling
+    thread waits for its answer with that deadline, and raises ``Unanswered`` (naming the store
+    and the call) past it. torch's TCPStore client waits for ever for the answer to a request
+    sent to a server that stopped answering (its host partitioned, or its process stopped: the
+    kernel still takes the bytes), whatever its own timeout (measured, torch 2.13: ``add``,
+    ``check``, ``get``, ``set``, a clone's ``wait``).
+
+    A call given up on keeps its thread until it returns (never, where the store never answers
+    again) and nothing else: while it is out, the client is not asked again (its calls would
+    queue behind it in torch's client, each holding a thread): ``Unanswered`` at once. Once it
+    returns (the store answers again), its answer is dropped and the client is asked again.
+    What cannot be undone: its request may have reached the store, or reach it once it answers
+    again, after this rank raised. A late ``set`` of a report or an announcement is as if this
+    rank had reported and then failed (the others may go on with it: a save's leader may commit
+    with this rank's part, which was durable before its report); a late ``add`` to a beat makes a
+    waiter wait one look longer; a late claim (``compare_set``: a commit's gate) is as if this
+    party had claimed and then failed: a committer's late ``go`` is a gate passed by a commit that
+    then failed, which the waiting parties already count as unconfirmed, never as failed, and a
+    waiter's late give-up is one that won, so the committer refuses to publish; a late
+    ``delete_key`` deletes a report already read (each tag is used once). The error says so: what
+    was asked may still take effect there."""
+
+    def __init__(self, store: Any, owner: Coordinator) -> None:
+        # The owner held weakly: a coordinator dropped unclosed goes with its clients at once, no
+        # cycle to collect first (each client a connection).
+        self.store, self._owner = store, weakref.ref(owner)
+
+    def _ask(self, op: str, *args: Any) -> Any:
+        store, owner = self.store, self._owner()
+        limit = (DEFAULT_TIMEOUT if owner is None else owner.timeout) + _GRACE
+        if (held := _given_up.get(id(store))) is not None and held[0] is store:
+            raise Unanswered(f"the job's store ({_where(store)}) has not answered a call of this rank for {limit:g} s "
+                             f"or more (it is not asked again until it does); {op} {_keys(args)} not asked")
+        try:
+            asker = _askers.pop()  # atomic: several threads ask at once
+        except IndexError:
+            asker = _Asker()
+        answer = asker.ask(store, getattr(store, op), args, limit)
+        if answer is None:
+            raise Unanswered(f"the job's store ({_where(store)}) did not answer {op} {_keys(args)} within {limit:g} s "
+                             "(what was asked may still take effect there if it answers again)")
+        _askers.append(asker)
+        ok, value = answer
+        if not ok:
+            raise value
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return self._ask("add", key, amount)
+
+    def get(self, key: str) -> bytes:
+        return self._ask("get", key)
+
+    def set(self, key: str, value: str) -> None:
+        self._ask("set", key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._ask("check", keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._ask("compare_set", key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._ask("delete_key", key)
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self._ask("wait", keys, timeout)
+
+    def clone(self) -> Deadlined:
+        clone = copy.copy(self)  # the same owner
+        clone.store = self._ask("clone")
+        return clone
+
+
+def _where(store: Any) -> str:
+    """A store as its error names it: its type, and its server's address where it has one (a
+    TCPStore under the process group's prefixes)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    address = f" at {store.host}:{store.port}" if hasattr(store, "host") and hasattr(store, "port") else ""
+    return type(store).__name__ + address
+
+
+def _keys(args: tuple[Any, ...]) -> str:
+    """The key(s) of a store call, as its error names them."""
+    return repr(args[0]) if args else "(no key)"
 
 
 class PeerStopped(CoordinationError):
@@ -353,7 +523,7 @@ class StoreCoordinator(Coordinator):
         self.world_size = dist.get_world_size(group)
         self.timeout = float(timeout)
         # The store the process group was set up with; every rank reaches the same one.
-        self._store = distributed_c10d._get_default_store()
+        self._store = Deadlined(distributed_c10d._get_default_store(), self)
         self._prefix = f"llmtailor/{next(_instances)}/"
         self._waiters: list[Any] = []
 
@@ -415,7 +585,8 @@ class StoreCoordinator(Coordinator):
         test's ranks as threads over one ``HashStore``); every rank passes the same ``prefix``."""
         coordinator = cls.__new__(cls)
         coordinator.rank, coordinator.world_size, coordinator.timeout = rank, world_size, float(timeout)
-        coordinator._dist, coordinator._group, coordinator._store, coordinator._prefix = None, None, store, prefix
+        coordinator._dist, coordinator._group, coordinator._prefix = None, None, prefix
+        coordinator._store = Deadlined(store, coordinator)
         coordinator._waiters = []
         return coordinator
 
@@ -532,12 +703,16 @@ class StoreCoordinator(Coordinator):
     @contextmanager
     def _reaching(self, what: str) -> Iterator[None]:
         """A block of store calls: a store that went away (the process hosting it died, rank 0's
-        or the launcher's) is a CoordinationError saying what this rank was doing, as every wait's
-        is (``_wait_all``), not torch's network error."""
+        or the launcher's), or that stopped answering (``Deadlined``), is a CoordinationError
+        saying what this rank was doing, as every wait's is (``_wait_all``), not torch's network
+        error."""
         try:
             yield
         except self._dist_errors()[1] as err:
             raise _gone(what, err) from None
+        except Unanswered as err:
+            raise CoordinationError(f"rank {self.rank}: {err}, while this rank {what}: its host is stopped or cut off "
+                                    "from this one (timeout: Tailor(..., timeout=...))") from None
 
     def _wait_all(self, keys: list[str], describe: Callable[[list[int]], str], patience: float = 1.0,
                   ranks: list[int] | None = None, lane: str | None = None) -> None:

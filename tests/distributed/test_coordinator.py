@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from torch.distributed import HashStore
 from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
 from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
-from helpers import on_threads, progressing, relayed
+from helpers import on_threads, progressing, relayed, stopped_store
 
 
 def on_every_rank(world_size, work):
@@ -177,6 +179,107 @@ def test_a_rank_waiting_when_the_process_hosting_the_store_dies_gets_a_coordinat
     # A rank reporting its own failure raises that, not the store's.
     with pytest.raises(ValueError, match="its own"):
         rank.gather("r6/held", ValueError("its own"))
+
+
+class Watched:
+    """A client of a store (``underlying_store``, as torch's PrefixStore names it) that says
+    when a rank asks it for an ``add`` (a beat)."""
+
+    def __init__(self, store):
+        self.underlying_store, self.added = store, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.underlying_store, name)
+
+    def add(self, key, amount):
+        self.added.set()
+        return self.underlying_store.add(key, amount)
+
+
+def ends_a_block_of_work(coordinator, watched):
+    """A block of work (``working``) whose rank showed progress: its beat thread asks the store
+    (``watched``), and the block ends (it waits for that thread) once it has."""
+    from llmtailor.distributed.progress import advance
+
+    with coordinator.working():
+        advance()
+        assert watched.added.wait(60)
+
+
+STOPPED_CALLS = {
+    "exchange": (1, lambda c, _: c.exchange("r1/loaded", {"touched": False})),
+    "leader's gather": (0, lambda c, _: c.gather("r1/held", {})),
+    "follower's broadcast (a close's raise_failure)": (1, lambda c, _: c.broadcast("r1/promotion", None)),
+    "wait on a kept client (a collect)": (1, lambda c, _: c.collect({0: "order/1"}, "order 1")),
+    "look at a beat": (1, lambda c, _: c.beat(0)),
+    "a block's beat": (1, ends_a_block_of_work),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", list(STOPPED_CALLS))
+def test_every_call_on_a_jobs_store_that_stops_answering_ends_within_the_deadline(call):
+    """The job's real TCPStore served by a process that stops (SIGSTOP: its host partitioned;
+    the kernel still takes the bytes, nothing answers): torch's client calls on it never return,
+    whatever its own timeout (1 s here). Each kind of call of the coordinator (timeout 1 s)
+    returns or raises within its deadline: a CoordinationError naming the store, the call and
+    what the rank was doing; a block of work's beat gives up on its own, and the block ends. (A
+    ``set`` alone, a leader's broadcast, returns: torch's client sends it and waits for no answer.)
+    Watched for 30 s (10 x the deadline: a bound on a hang). Before: each was still blocked."""
+    rank, work = STOPPED_CALLS[call]
+    with stopped_store() as (client, server):
+        coordinator = StoreCoordinator.over(watched := Watched(client), rank, 2, timeout=1)
+        if call == "wait on a kept client (a collect)":
+            coordinator._waiters.append(coordinator._clone())
+        os.kill(server, signal.SIGSTOP)
+        outcome = []
+        calling = threading.Thread(target=lambda: outcome.append(_outcome_of(work, coordinator, watched)), daemon=True)
+        calling.start()
+        calling.join(30)
+        assert not calling.is_alive(), f"{call}: still blocked on the store that stopped answering"
+    if call == "a block's beat":
+        assert outcome == [None]
+        return
+    assert isinstance(outcome[0], CoordinationError), outcome
+    assert re.search(rf"^rank {rank}: the job's store \(TCPStore at 127.0.0.1:{client.port}\) did not answer "
+                     r"\w+ .* within 3 s \(what was asked may still take effect there if it answers again\), while "
+                     r"this rank .*: its host is stopped or cut off from this one", str(outcome[0])), outcome[0]
+
+
+def _outcome_of(work, coordinator, watched):
+    try:
+        return work(coordinator, watched)
+    except Exception as err:
+        return err
+
+
+@pytest.mark.slow
+def test_a_client_given_up_on_is_not_asked_again_until_its_call_returns():
+    """A call on a store that stopped answering given up on keeps its own thread, and nothing
+    more: the next calls on that client are refused at once (each would otherwise queue behind
+    it in torch's client, holding a thread of its own), saying so; once the store answers again
+    (SIGCONT) and that call returned, the client is asked again."""
+    with stopped_store() as (client, server):
+        coordinator = StoreCoordinator.over(client, 1, 2, timeout=1)
+        coordinator.post("before", 1)
+        os.kill(server, signal.SIGSTOP)
+        with pytest.raises(CoordinationError, match="did not answer compare_set 'llmtailor/0/r1/gate'"):
+            coordinator.claim("r1/gate", "go")
+        threads = threading.active_count()
+        for tag in ("r1/a", "r1/b"):
+            refused = rf"not asked again until it does\); set 'llmtailor/0/{tag}' not asked"
+            with pytest.raises(CoordinationError, match=r"has not answered a call of this rank for 3 s or more \(it is " + refused):
+                coordinator.post(tag, 1)
+        assert threading.active_count() == threads
+        os.kill(server, signal.SIGCONT)
+        for _ in range(600):  # until the stuck call returned (the store answers again)
+            try:
+                assert coordinator.poll("before") == (True, 1)
+                break
+            except CoordinationError:
+                time.sleep(0.1)
+        assert coordinator.poll("r1/gate") == (True, "go")  # the call given up on took effect late
+        assert coordinator.poll("r1/a") == (False, None)  # one refused did not
 
 
 def test_a_free_port_for_a_launch_lies_outside_the_kernels_ports_for_outgoing_connections():

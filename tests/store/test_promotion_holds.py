@@ -6,11 +6,13 @@ rank 0 fails the promotion as a source that moved on, leaving nothing in the sha
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import threading
 
 import pytest
-from helpers import failing_fsync_of, tiny, train
+from helpers import failing_fsync_of, stopped_store, tiny, train
 from torch.distributed import HashStore
 
 from llmtailor import Full, Run, Tailor
@@ -560,40 +562,24 @@ def test_a_followers_close_gives_up_after_the_timeout_on_a_jobs_store_that_stops
     """Rank 0's host stops answering (partitioned; here the process serving the job's real
     TCPStore stopped with SIGSTOP) while node 1's uploader waits for an order and its close waits
     for rank 0's stop (``NodeUploader.join``, timeout 1 s). torch's client calls on that store
-    never return, whatever its own timeout (the uploader's wait stays in one): ``join`` gives up
-    after the coordinator's timeout, saying so, as it promises for a silent rank 0. Before, it
-    looked at rank 0's beat itself, on the closing (training) thread, and never returned (still
-    blocked after the bound below, a bound on a hang)."""
-    import datetime
+    never return, whatever its own timeout; the coordinator's give up after its timeout: ``join``
+    gives up, saying so, as it promises for a silent rank 0, and the uploader's wait for an order
+    gives up too, then its looks, and it stops on its own, saying so, the store still stopped.
+    Before left58's fix, ``join`` never returned (it looked at rank 0's beat itself); before this
+    one, the uploader's wait never returned (still blocked after the bounds below, bounds on a hang)."""
     import logging
-    import os
-    import signal
-    import subprocess
-    import sys
 
-    from torch.distributed import TCPStore
-
-    server = subprocess.Popen([sys.executable, "-c", "import datetime, sys, torch.distributed as d\n"
-                               "s = d.TCPStore('127.0.0.1', 0, 2, True, datetime.timedelta(seconds=60), wait_for_workers=False)\n"
-                               "print(s.port, flush=True)\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        client = TCPStore("127.0.0.1", int(server.stdout.readline()), 2, False, timeout=datetime.timedelta(seconds=1))
+    with stopped_store() as (client, server), caplog.at_level(logging.WARNING, logger=collective.__name__):
         uploader, waiting = watched_uploader(client, 1)
-        with caplog.at_level(logging.WARNING, logger=collective.__name__):
-            uploader.start()
-            assert waiting.wait(60)  # idle: waiting for order 1
-            os.kill(server.pid, signal.SIGSTOP)
-            joining = threading.Thread(target=uploader.join, name="close", daemon=True)
-            joining.start()
-            joining.join(60)
-            assert not joining.is_alive(), "join still waits on the store that stopped answering"
-            assert uploader._thread.is_alive()  # its wait for an order holds it: the store does not answer
+        uploader.start()
+        assert waiting.wait(60)  # idle: waiting for order 1
+        os.kill(server, signal.SIGSTOP)
+        joining = threading.Thread(target=uploader.join, name="close", daemon=True)
+        joining.start()
+        joining.join(60)
+        assert not joining.is_alive(), "join still waits on the store that stopped answering"
         assert "node 1's uploader heard nothing from rank 0 for 1 s; it stops" in caplog.text, caplog.text
-        os.kill(server.pid, signal.SIGCONT)  # it answers again: the uploader takes a stop and ends
-        uploader.coordinator.post(collective.order_tag(1), {"stop": True})
         uploader._thread.join(60)
-        assert not uploader._thread.is_alive()
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.kill()
-        server.wait()
+        assert not uploader._thread.is_alive(), "the uploader still waits on the store that stopped answering"
+    assert "node 1's uploader stops waiting for promotion order 1: rank 1: the job's store (TCPStore at" in caplog.text, \
+        caplog.text

@@ -248,41 +248,27 @@ class NodeUploader:
     def join(self) -> None:
         """Wait until rank 0 said stop (it does once its last promotion is committed), or until
         rank 0 was silent for the coordinator's timeout (no order, and no progress of its close's
-        block: ``Coordinator.beat``, looked at on a thread of its own, ``_look``; its last
-        promotion may outlast the timeout, node 0 uploading most of it), counted from this call
+        block: ``Coordinator.beat``, a look that gives up within the timeout on a store that stopped
+        answering, as every store call of the coordinator does; its last promotion may outlast
+        the timeout, node 0 uploading most of it), counted from this call
         at the earliest and never while this node serves an order (a rank 0 that died says nothing: logged, not
         raised), or the thread ended on its own (its wait for an order, or its report, found the
         job's store gone: logged there; no order follows). Rank 0 orders the promotion of the
         last composite as its writer closes, while this one waits here: a silence before this
         call (promotions far apart) is no sign of its death (before, a close after an idle
         timeout returned at once, and the process could exit before its part was uploaded)."""
-        since, done = time.monotonic(), threading.Event()
-        threading.Thread(target=self._look, args=(done,), name="llmtailor-node-upload-look", daemon=True).start()
-        try:
-            while not self._stopped.wait(IDLE_WAIT):
-                if self._thread.ident is not None and not self._thread.is_alive():
-                    return
-                if not self._serving and time.monotonic() - max(self._heard, since) > self.coordinator.timeout:
-                    log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
-                                self.node, self.coordinator.timeout)
-                    return
-        finally:
-            done.set()
-
-    def _look(self, done: threading.Event) -> None:
-        """Rank 0's beat (``Coordinator.beat``), looked at each ``IDLE_WAIT`` until ``done`` (``join``
-        returned): rank 0 heard where it changed. On a thread of its own, never the caller's of
-        ``join`` (the training thread's close): a call to a store that stopped answering (rank 0's
-        host partitioned, its process stopped) does not return, whatever the store's own timeout
-        (torch's TCPStore: its ``add``, ``check``, ``get``, and a clone's ``wait`` past its own
-        timeout, measured), where ``join`` gives up after the coordinator's timeout. Before, ``join``
-        looked itself and never returned. A look that does not return holds only this thread."""
-        beat = None
-        while not done.wait(IDLE_WAIT):
+        since, beat = time.monotonic(), None
+        while not self._stopped.wait(IDLE_WAIT):
+            if self._thread.ident is not None and not self._thread.is_alive():
+                return
             with contextlib.suppress(*_STORE_FAILED):  # rank 0's close advancing (its last promotion): heard
                 beat, before = self.coordinator.beat(0), beat
                 if before is not None and beat != before:
                     self._heard = time.monotonic()
+            if not self._serving and time.monotonic() - max(self._heard, since) > self.coordinator.timeout:
+                log.warning("llmtailor: node %d's uploader heard nothing from rank 0 for %g s; it stops",
+                            self.node, self.coordinator.timeout)
+                return
 
     def stopped(self, then: Callable[[], None]) -> bool:
         """Whether this uploader stopped: rank 0 said stop, or it stopped on its own (no order
