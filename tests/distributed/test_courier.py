@@ -212,6 +212,10 @@ def _courier_job(rank: int, world: int, init: str, out: str, mode: str) -> None:
     "dies": an exchange where rank 1 dies first."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     courier = Courier.open(timeout=20 if mode == "ok" else 5)
+    # Every rank's courier made before rank 1 dies ("dies"): its group is whole on rank 1's side a
+    # moment before rank 0's connections finish, and a rank that left then fails rank 0's open
+    # (rightly, "a rank of the job died before it"), not the exchange this job is about.
+    dist.barrier()
     _exchange(courier, rank, world, str(Path(out, "exchange")), mode)
     if mode == "ok":
         # Each rank's environment asks for its own count of lanes: rank 0's is the job's (``LANES_ENV``)
