@@ -157,8 +157,9 @@ class Courier:
                                     f"{timeout:g} s: a rank of the job died before it, or is stuck "
                                     f"({type(err).__name__}: {first_line(err)})") from None
         except Unanswered as err:
-            raise CoordinationError(f"rank {dist.get_rank()}: {err}, while this rank made the courier's gloo group: its "
-                                    "host is stopped or cut off from this one (timeout: Tailor(..., timeout=...))") from None
+            raise CoordinationError(f"rank {dist.get_rank()}: {err}, while this rank made the courier's gloo group: "
+                                    "its host is stopped or cut off from this one (timeout: Tailor(..., timeout=...))"
+                                    ) from None
         # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
         # its rank in the group, which the group's own send and receive take (``_send``).
         if (group.rank(), group.size()) != (dist.get_rank(), world):
@@ -484,7 +485,8 @@ def _agreed_lanes(prefix: str, timeout: float) -> int:
     else:
         ask_within(job, store.wait, (["lanes"], timedelta(seconds=timeout)), timeout,
                    f"wait for rank 0's count of lanes ({prefix!r})")
-        agreed = ask_within(job, store.get, ("lanes",), timeout, f"get of rank 0's count of lanes ({prefix!r})").decode()
+        answer = ask_within(job, store.get, ("lanes",), timeout, f"get of rank 0's count of lanes ({prefix!r})")
+        agreed = answer.decode()
     if not agreed.isdigit():
         raise ConfigError(agreed)
     return int(agreed)
