@@ -152,6 +152,19 @@ reused meanwhile."""
 _given_up_lock = threading.Lock()
 
 
+def _fresh_lock_in_the_child() -> None:
+    """A forked child's own lock of the calls given up on: a thread of the parent that held it at
+    the fork (giving a call up, or one returning) is not in the child to release it, and the
+    child's first call given up on would wait for it for ever. The calls the parent gave up on
+    stay given up on in the child (none of them returns there: no thread of theirs is in it), so
+    the child never asks a client whose connection holds a request left unanswered."""
+    global _given_up_lock
+    _given_up_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_the_child)
+
+
 class Unanswered(Exception):
     """A call to the job's store that did not answer within its deadline (``Deadlined``); the
     coordinator raises it as a CoordinationError saying what the rank was doing (``_reaching``)."""
@@ -161,26 +174,32 @@ class _Asker:
     """A daemon thread that makes the store calls handed to it, one at a time, while the thread
     that handed one waits for the answer up to a deadline (``Deadlined``). Idle ones wait in
     ``_askers``; one whose call was given up on is never handed another: it ends once that call
-    returns (never, where the store never answers: the one thread a stuck call costs)."""
+    returns (never, where the store never answers: the one thread a stuck call costs). So does one
+    whose caller stopped waiting for another reason (Ctrl-C's KeyboardInterrupt, any
+    BaseException), its answer dropped; its client is not given up on: the next call asks it."""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._given_up: Any = None
+        self._left = False
+        """Set when the caller stopped waiting (not given up on): the call's answer is dropped."""
         threading.Thread(target=self._serve, name="llmtailor-store-call", daemon=True).start()
 
     def _serve(self) -> None:
-        while True:
-            call, args = self._calls.get()
+        while (asked := self._calls.get()) is not None:  # None: the caller left (``ask``)
+            call, args = asked
             try:
                 answer = (True, call(*args))
             except BaseException as err:
                 answer = (False, err)
-            del call, args  # an idle asker holds no store: one dropped by its owners goes (its server stops)
+            del call, args, asked  # an idle asker holds no store: one dropped by its owners goes (its server stops)
             with self._lock:
                 if self._given_up is not None:  # nobody waits for it: the client may be asked again
                     _answered(self._given_up)
+                    return
+                if self._left:
                     return
                 self._answers.put(answer)
                 del answer
@@ -199,6 +218,11 @@ class _Asker:
                 with _given_up_lock:
                     _given_up.setdefault(id(store), [store, 0])[1] += 1
             return None
+        except BaseException:  # the caller's own (Ctrl-C): nobody takes the answer, nor hands it another call
+            with self._lock:
+                self._left = True
+            self._calls.put(None)  # its thread ends: once the call returns, or at once where it has
+            raise
 
 
 _askers: list[_Asker] = []
@@ -213,6 +237,31 @@ def _answered(store: Any) -> None:
         held[1] -= 1
         if not held[1]:
             del _given_up[id(store)]
+
+
+def ask_within(store: Any, call: Callable[..., T], args: tuple[Any, ...], timeout: float, what: str) -> T:
+    """``call(*args)``, a call on the job's c10d ``store`` (or one that asks it, a gloo group's
+    rendezvous), on a thread of its own (an idle ``_Asker``) while this thread waits for its
+    answer up to ``timeout`` + ``_GRACE`` seconds: its value, or what it raised; past that
+    ``Unanswered`` naming the store and ``what``, and the call given up on (``Deadlined``):
+    ``store`` is not asked again until that call returns (``Unanswered`` at once)."""
+    limit = timeout + _GRACE
+    if (held := _given_up.get(id(store))) is not None and held[0] is store:
+        raise Unanswered(f"the job's store ({_where(store)}) has not answered a call of this rank for {limit:g} s "
+                         f"or more (it is not asked again until it does); {what} not asked")
+    try:
+        asker = _askers.pop()  # atomic: several threads ask at once
+    except IndexError:
+        asker = _Asker()
+    answer = asker.ask(store, call, args, limit)
+    if answer is None:
+        raise Unanswered(f"the job's store ({_where(store)}) did not answer {what} within {limit:g} s "
+                         "(what was asked may still take effect there if it answers again)")
+    _askers.append(asker)
+    ok, value = answer
+    if not ok:
+        raise value
+    return value
 
 
 class Deadlined:
@@ -246,24 +295,9 @@ class Deadlined:
         self.store, self._owner = store, weakref.ref(owner)
 
     def _ask(self, op: str, *args: Any) -> Any:
-        store, owner = self.store, self._owner()
-        limit = (DEFAULT_TIMEOUT if owner is None else owner.timeout) + _GRACE
-        if (held := _given_up.get(id(store))) is not None and held[0] is store:
-            raise Unanswered(f"the job's store ({_where(store)}) has not answered a call of this rank for {limit:g} s "
-                             f"or more (it is not asked again until it does); {op} {_keys(args)} not asked")
-        try:
-            asker = _askers.pop()  # atomic: several threads ask at once
-        except IndexError:
-            asker = _Asker()
-        answer = asker.ask(store, getattr(store, op), args, limit)
-        if answer is None:
-            raise Unanswered(f"the job's store ({_where(store)}) did not answer {op} {_keys(args)} within {limit:g} s "
-                             "(what was asked may still take effect there if it answers again)")
-        _askers.append(asker)
-        ok, value = answer
-        if not ok:
-            raise value
-        return value
+        owner = self._owner()
+        timeout = DEFAULT_TIMEOUT if owner is None else owner.timeout
+        return ask_within(self.store, getattr(self.store, op), args, timeout, f"{op} {_keys(args)}")
 
     def add(self, key: str, amount: int) -> int:
         return self._ask("add", key, amount)
@@ -845,6 +879,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "LocalCoordinator",
     "StoreCoordinator",
+    "Unanswered",
+    "ask_within",
     "current_lane",
     "describe_error",
     "first_line",

@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 
-from llmtailor.distributed.coordinator import DEFAULT_TIMEOUT, CoordinationError, Coordinator, first_line
+from llmtailor.distributed.coordinator import (DEFAULT_TIMEOUT, CoordinationError, Coordinator, Unanswered, ask_within,
+                                               first_line)
 from llmtailor.distributed.progress import carried
 from llmtailor.errors import ConfigError
 
@@ -143,7 +144,8 @@ class Courier:
         """Collective on every rank of the job (training thread): a courier with a gloo group of
         its own, whatever backend training uses; ``board``: where the ranks' couriers say they
         broke (module docstring). CoordinationError when a rank does not come within ``timeout``
-        (it died before, or is stuck)."""
+        (it died before, or is stuck), or the job's store does not answer within it (``Deadlined``:
+        every call on it is deadlined, gloo's rendezvous included)."""
         import torch.distributed as dist
 
         number, world = next(_opened), dist.get_world_size()
@@ -154,6 +156,10 @@ class Courier:
             raise CoordinationError(f"rank {dist.get_rank()}: the courier's gloo group could not be made within "
                                     f"{timeout:g} s: a rank of the job died before it, or is stuck "
                                     f"({type(err).__name__}: {first_line(err)})") from None
+        except Unanswered as err:
+            raise CoordinationError(f"rank {dist.get_rank()}: {err}, while this rank made the courier's gloo group: "
+                                    "its host is stopped or cut off from this one (timeout: Tailor(..., timeout=...))"
+                                    ) from None
         # Every rank of the job is in the group, in the job's order: a peer's rank in the job is
         # its rank in the group, which the group's own send and receive take (``_send``).
         if (group.rank(), group.size()) != (dist.get_rank(), world):
@@ -464,19 +470,23 @@ def _lost(what: str, err: RuntimeError) -> CoordinationError:
 def _agreed_lanes(prefix: str, timeout: float) -> int:
     """Collective: the lanes of a courier's group, rank 0's (``LANES_ENV``), posted under
     ``prefix`` in the job's store; ConfigError on every rank where rank 0's value is not one.
-    RuntimeError where rank 0 does not post it within ``timeout``."""
+    RuntimeError where rank 0 does not post it within ``timeout``; ``Unanswered`` where the store
+    does not answer (``ask_within``)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    store = dist.PrefixStore(prefix, distributed_c10d._get_default_store())
+    job = distributed_c10d._get_default_store()  # the client the coordinator's calls are deadlined on too
+    store = dist.PrefixStore(prefix, job)
     if dist.get_rank() == 0:
         given = os.environ.get(LANES_ENV, "").strip() or str(LANES)
         agreed = given if given.isascii() and given.isdigit() and 1 <= int(given) <= MOST_LANES else (
             f"{LANES_ENV}={given!r} on rank 0: give a whole number of lanes from 1 to {MOST_LANES}")
-        store.set("lanes", agreed)
+        ask_within(job, store.set, ("lanes", agreed), timeout, f"set of the count of lanes ({prefix!r})")
     else:
-        store.wait(["lanes"], timedelta(seconds=timeout))
-        agreed = store.get("lanes").decode()
+        ask_within(job, store.wait, (["lanes"], timedelta(seconds=timeout)), timeout,
+                   f"wait for rank 0's count of lanes ({prefix!r})")
+        answer = ask_within(job, store.get, ("lanes",), timeout, f"get of rank 0's count of lanes ({prefix!r})")
+        agreed = answer.decode()
     if not agreed.isdigit():
         raise ConfigError(agreed)
     return int(agreed)
@@ -484,8 +494,10 @@ def _agreed_lanes(prefix: str, timeout: float) -> int:
 
 def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:
     """Collective: a gloo group of every rank of the job, in its order, with ``lanes`` devices
-    (``LANES``), rendezvous under ``prefix`` in the job's store. Each device as gloo makes its
-    default one: on the interfaces ``GLOO_SOCKET_IFNAME`` lists (in turn), else the host's."""
+    (``LANES``), rendezvous under ``prefix`` in the job's store (deadlined: ``ask_within``; gloo's
+    own timeout bounds a rendezvous with a rank that does not come, not one with a store that
+    stopped answering). Each device as gloo makes its default one: on the interfaces
+    ``GLOO_SOCKET_IFNAME`` lists (in turn), else the host's."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -495,8 +507,10 @@ def _gloo_group(prefix: str, lanes: int, timeout: float) -> Any:
     options._devices = [gloo.create_device(interface=interfaces[lane % len(interfaces)]) if interfaces
                         else gloo.create_default_device() for lane in range(lanes)]
     options._timeout = timedelta(seconds=timeout)
-    store = dist.PrefixStore(prefix, distributed_c10d._get_default_store())
-    return gloo(store, dist.get_rank(), dist.get_world_size(), options)
+    job = distributed_c10d._get_default_store()
+    store = dist.PrefixStore(prefix, job)
+    return ask_within(job, gloo, (store, dist.get_rank(), dist.get_world_size(), options), timeout,
+                      f"the rendezvous of the courier's gloo group ({prefix!r})")
 
 
 def packed(files: Files) -> Packed:

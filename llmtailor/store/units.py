@@ -127,6 +127,9 @@ class UnitReader:
         self._pack_sizes = {k: v for k, v in self._pack_sizes.items() if k[0] not in steps}
         self.received.clear()
         prefixes = tuple(f"{self.catalog.snapshot_key(step)}/" for step in steps)
+        with self._unchecked_lock:  # first: a check of one under way keeps nothing once it ends (``_checked``)
+            for key in [key for key in self._checking if key.startswith(prefixes)]:
+                del self._checking[key]
         for held in (self.arrived, self.unchecked):  # in place: a restore empties these dicts; a copy
             for key in [key for key in list(held) if key.startswith(prefixes)]:  # of the keys (others add
                 held.pop(key, None)  # and take entries on the courier's and the readers' threads)
@@ -148,23 +151,30 @@ class UnitReader:
     def _checked(self, key: str) -> tuple[int, str, memoryview] | None:
         """``unchecked``'s bytes of ``key`` checked once, by whichever reader comes first (the
         others of that file wait for it; readers of other files do not): then ``arrived``'s
-        where they match their size and checksum; None where they do not."""
+        where they match their size and checksum; None where they do not. A check that ends
+        after the restore it served ended (``clear_arrivals``), or its snapshot was forgotten
+        (``forget``), keeps nothing: the next restore would take its bytes unhashed, and this one
+        may have handed them on as live tensors that training wrote into since."""
         with self._unchecked_lock:
             one = self._checking.setdefault(key, threading.Lock())
         with one:
             with self._unchecked_lock:
                 sent = self.unchecked.pop(key, None)
+            matches = False
             with contextlib.suppress(TailorError, OSError, ValueError):  # not checked: the file is read, and checked there
-                if sent is not None and len(sent[2]) == sent[0] and checksum(sent[2]) == sent[1]:
+                matches = sent is not None and len(sent[2]) == sent[0] and checksum(sent[2]) == sent[1]
+            with self._unchecked_lock:
+                if matches and self._checking.get(key) is one:
                     self.arrived[key] = sent
             return self.arrived.get(key)
 
     def clear_arrivals(self) -> None:
-        """What healings handed over (``arrived``, ``unchecked``) dropped: the restore it served ended."""
-        self.arrived.clear()
+        """What healings handed over (``arrived``, ``unchecked``) dropped: the restore it served
+        ended. ``_checking`` first: a check under way keeps nothing once it ends (``_checked``)."""
         with self._unchecked_lock:
-            self.unchecked.clear()
             self._checking.clear()
+            self.unchecked.clear()
+        self.arrived.clear()
 
     def entry(self, step: int, unit: str) -> UnitEntry:
         """The index of ``unit`` as saved at ``step`` (its files, tensors and chunks), checked

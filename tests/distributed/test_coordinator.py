@@ -282,6 +282,89 @@ def test_a_client_given_up_on_is_not_asked_again_until_its_call_returns():
         assert coordinator.poll("r1/a") == (False, None)  # one refused did not
 
 
+class Held:
+    """A store whose ``check`` answers only once ``release`` is set (a store that stopped
+    answering, in one process), saying when it is asked (``asked``)."""
+
+    def __init__(self):
+        self.asked, self.release = threading.Event(), threading.Event()
+
+    def check(self, keys):
+        self.asked.set()
+        self.release.wait(60)
+        return False
+
+
+class Interrupted(BaseException):
+    """What a signal's handler raises in the main thread, as Ctrl-C's KeyboardInterrupt does."""
+
+
+def _store_callers() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == "llmtailor-store-call"}
+
+
+def test_a_store_call_whose_caller_is_interrupted_ends_its_thread_and_the_client_is_asked_again(monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt, or any BaseException) in the thread waiting for a store call's
+    answer (``Deadlined``): the thread making the call (an ``_Asker``) ends once the call returns,
+    its answer dropped, and the client is not taken for one that stopped answering: the next call
+    asks it. Before: that thread lived on for the process's life, idle, out of the pool, holding
+    the answer nobody took (a thread lost per interrupt)."""
+    from llmtailor.distributed import coordinator as coordinator_module
+
+    assert threading.current_thread() is threading.main_thread()  # where a signal's handler runs
+    monkeypatch.setattr(coordinator_module, "_askers", [])  # the call's thread a fresh one
+    held, main = Held(), threading.get_ident()
+
+    def interrupt(*_):
+        raise Interrupted
+
+    coordinator, before = StoreCoordinator.over(held, 1, 2, timeout=60), _store_callers()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Thread(target=lambda: held.asked.wait(60) and signal.pthread_kill(main, signal.SIGUSR1), daemon=True).start()
+        with pytest.raises(Interrupted):
+            coordinator.poll("r1/a")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    (asker,) = _store_callers() - before
+    held.release.set()
+    asker.join(30)
+    assert not asker.is_alive(), "the thread of the interrupted call lives on"
+    assert coordinator.poll("r1/a") == (False, None)
+
+
+def test_a_forked_child_gives_up_on_a_store_call_though_a_thread_of_its_parent_was_giving_up_on_one():
+    """A fork (a DataLoader's worker, a launcher's rank) while another thread of the parent held
+    the lock of the calls given up on (``Deadlined``: it gives one up, or one returns): the child's
+    copy of that lock stayed held, nobody in the child to release it, and the child's first call
+    given up on (a store that stopped answering) hung on it for ever. The child's first call given
+    up on is a CoordinationError, within its deadline."""
+    from llmtailor.distributed import coordinator as coordinator_module
+
+    held = Held()
+    with coordinator_module._given_up_lock:  # as a thread of the parent giving up on a call at the fork
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                StoreCoordinator.over(held, 1, 2, timeout=0.1).poll("r1/a")
+            except CoordinationError as err:
+                code = 0 if "did not answer check ['llmtailor/0/r1/a'] within 2.1 s" in str(err) else 2
+            finally:
+                os._exit(code)
+    for _ in range(300):  # 30 s: 14 x the deadline, a bound on a hang
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung giving up on its store call")
+    held.release.set()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_free_port_for_a_launch_lies_outside_the_kernels_ports_for_outgoing_connections():
     """``helpers.free_port`` (a launch's rendezvous, a test server): a port bound as 0 comes from
     the range outgoing connections take theirs from, where one of the many a busy machine's

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -592,6 +593,49 @@ def test_a_courier_whose_group_cannot_be_made_fails_as_a_coordination_error(monk
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_courier_whose_jobs_store_stops_answering_fails_within_its_deadline(monkeypatch, rank):
+    """``Courier.open`` asks the job's store: rank 0 posts the count of lanes and the others wait
+    for it (``_agreed_lanes``), then gloo's rendezvous of the group. A store that stops answering
+    (SIGSTOP: its host partitioned; torch's client then waits for ever, whatever its own timeout)
+    hung the Tailor's constructor for ever: rank 0 in gloo's rendezvous, the others in their wait
+    for the count. Now a CoordinationError within timeout + 2 s naming the store and what the rank
+    asked, as the coordinator's calls are (``Deadlined``). One process, in a job of one told the
+    job has two; watched for 30 s (10 x the deadline: a bound on a hang)."""
+    from helpers import stopped_store
+
+    with stopped_store() as (client, server):
+        dist.init_process_group("gloo", store=client, rank=0, world_size=1)
+        try:
+            monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+            monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+            os.kill(server, signal.SIGSTOP)
+            outcome = []
+            opening = threading.Thread(target=lambda: outcome.append(_opened(1)), daemon=True)
+            opening.start()
+            opening.join(30)
+            assert not opening.is_alive(), f"rank {rank}: the courier's open still blocked on the store"
+        finally:
+            os.kill(server, signal.SIGCONT)
+            monkeypatch.undo()
+            dist.destroy_process_group()
+    asked = "the rendezvous of the courier's gloo group" if rank == 0 else "wait for rank 0's count of lanes"
+    assert isinstance(outcome[0], CoordinationError), outcome
+    assert re.search(rf"^rank {rank}: the job's store \(TCPStore at 127.0.0.1:{client.port}\) did not answer "
+                     rf"{asked} .* within 3 s \(what was asked may still take effect there if it answers again\), "
+                     r"while this rank made the courier's gloo group: its host is stopped or cut off from this one",
+                     str(outcome[0])), outcome[0]
+
+
+def _opened(timeout: float) -> object:
+    """``Courier.open(timeout)``'s courier, or what it raised."""
+    try:
+        return Courier.open(timeout=timeout)
+    except Exception as err:
+        return err
 
 
 @pytest.mark.parametrize("given", ["0", "many", str(65), "²"])  # "²": a digit to str.isdigit, not to int()

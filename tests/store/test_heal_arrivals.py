@@ -190,3 +190,41 @@ def test_a_local_file_mapped_reads_its_bytes_and_writes_to_the_mapping_stay_priv
     mapped[0:1] = b"X"
     assert (tmp_path / "file").read_bytes() == b"0123456789"
     assert storage.mapped("empty") is None
+
+
+@pytest.mark.parametrize("ended_by", ["the restore's end", "its snapshot forgotten"])
+def test_bytes_whose_check_ends_after_the_restore_they_served_are_not_kept_for_the_next(tmp_path, monkeypatch, ended_by):
+    """A sender's own file handed to its restore unchecked (``UnitReader.unchecked``) is checked
+    by its first reader; where that check was still under way as the restore ended
+    (``clear_arrivals``) or the snapshot was forgotten (``forget``), its end put the bytes into
+    ``arrived``, held past the restore they served: the next restore took them for the file
+    without hashing them again, though the first may have handed them on as live tensors that
+    training then wrote into. Now that check keeps nothing, and the next read reads the file.
+    (The check's lock of that file, ``_checking``, went with neither; it is dropped with them.)"""
+    from llmtailor.store import units as units_module
+    from llmtailor.store.manifest import FileEntry
+
+    run = Run(tmp_path / "run")
+    content = bytearray(b"\x07" * 64)
+    key, entry = "snapshots/step-00000002/units/u.safetensors", FileEntry(path="units/u.safetensors", bytes=64,
+                                                                          xxh3_64=checksum(content))
+    run.units.unchecked[key] = (64, entry.xxh3_64, memoryview(content))
+    hashing, go, real = threading.Event(), threading.Event(), units_module.checksum
+
+    def held_checksum(data):
+        hashing.set()
+        go.wait(60)
+        return real(data)
+
+    monkeypatch.setattr(units_module, "checksum", held_checksum)
+    reading = threading.Thread(target=run.units.arrival, args=(run.storage, key, entry))
+    reading.start()
+    assert hashing.wait(60)
+    if ended_by == "the restore's end":
+        run.units.clear_arrivals()
+    else:
+        run.forget([2])
+    go.set()
+    reading.join(60)
+    assert run.units.arrival(run.storage, key, entry) is None, "bytes of a restore that ended taken for the file"
+    assert run.units._checking == {}
