@@ -630,6 +630,41 @@ def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how
         assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
 
 
+def test_a_lock_whose_clearing_of_leftovers_fails_is_not_kept_and_the_next_acquire_clears_them(tokens, monkeypatch):
+    """A writer lock taken where a crashed save left step 2 without manifest, and the claim of
+    step 2's manifest key (its tombstone, written before the files go) failing every try: the
+    acquire raises, and lets the lock go again (nothing else would: its caller saw a failure).
+    The store answering again, the next acquire takes it and clears step 2. BEFORE: the failed
+    acquire kept the lease (held, recorded in this process, renewed at the server); the next
+    acquire returned at once, holding it already, and step 2's files stayed."""
+    from llmtailor.store.lock import WriterLock
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url, options = f"s3://{new_bucket(endpoint)}/run", {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Full(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        Run(url).storage.put("snapshots/step-00000002/global.safetensors", b"a crashed save's file")
+        claim = "/run/snapshots/step-00000002/manifest.json"
+        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(claim) else None
+        lock = WriterLock(url, storage_options=options)
+        with pytest.raises(TailorError, match="step-00000002/manifest.json"):
+            lock.acquire()
+        assert not lock.held
+        assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
+        faults.rule = lambda method, key: None
+        lock.acquire()
+        try:
+            assert lock.cleared.files == 1
+            assert [k.rsplit("/", 1)[1] for k in keys(endpoint, bucket_of(url), "run/snapshots/step-00000002/")] == [
+                "manifest.json"]  # the tombstone alone
+        finally:
+            lock.release()
+        assert Run(url).steps() == [1] and not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
+
+
 def test_a_reader_lease_whose_manifest_read_fails_is_released_and_fails_the_read(tokens, monkeypatch):
     """The reader lease's checks, asked side by side (``Storage.together``: the HEAD of the removal
     mark, the GET of the manifest its reader reads), one of them failing every try: the read
