@@ -952,10 +952,10 @@ def test_credentials_refused_say_permission_denied_with_the_servers_code(guarded
 @pytest.mark.parametrize("prefix", ["latest/meta-data/run", "v2/credentials/run"])
 def test_a_run_whose_prefix_reads_as_a_credential_service_path_is_denied_not_said_without_credentials(guarded, monkeypatch,
                                                                                                   prefix):
-    """Only a request to an instance metadata service itself (its path right after the host) says
-    no credentials were found; a run at such a prefix of the bucket keeps the server's refusal.
-    BEFORE: ``no credentials (none in the environment or the options, none from the instance
-    metadata service at http://127.0.0.1:...: HTTP 403)``, with the credentials set."""
+    """Only a request to a credential service itself (its host) says no credentials were found;
+    a run at such a prefix of the bucket keeps the server's refusal. BEFORE (session 58): ``no
+    credentials (none in the environment or the options, none from the instance metadata service
+    at http://127.0.0.1:...: HTTP 403)``, with the credentials set."""
     endpoint, bucket, key = guarded
     set_environment(monkeypatch, endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
@@ -966,6 +966,29 @@ def test_a_run_whose_prefix_reads_as_a_credential_service_path_is_denied_not_sai
         from llmtailor.store.storage import open_storage
 
         open_storage(url, {"retry_config": FAST_RETRY}).read("manifest.json")  # its path holds the prefix (a LIST's query not)
+
+
+@pytest.mark.parametrize("prefix", ["latest/meta-data/run", "latest/api/token/run", "computeMetadata/run"])
+def test_a_virtual_hosted_bucket_whose_run_prefix_reads_as_a_credential_service_path_is_denied(monkeypatch, prefix):
+    """A virtual-hosted bucket (its name in the endpoint's host, so the request's path starts with
+    the run's prefix, as AWS's own endpoints are asked) whose run is at a prefix that reads as a
+    metadata service's path, the server refusing (HTTP 403; moto behind a layer that answers, as
+    moto itself takes a path ``/latest/meta-data/...`` for its own metadata service): the refusal
+    is the store's, said so, never "no credentials", which only a credential service's own host
+    says (``object_errors._SERVICE_HOSTS``, or one the options move it to:
+    ``test_newcomer``). BEFORE (session 59): ``no credentials (none in the environment or the
+    options, none from the instance metadata service at http://127.0.0.1:...: HTTP 403)``."""
+    from llmtailor.store.storage import open_storage
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        faults.rule = lambda method, key: 403 if key.startswith(f"/{prefix}/") else None
+        url = f"s3://{new_bucket(endpoint)}/{prefix}"
+        storage = open_storage(url, {"retry_config": FAST_RETRY, "virtual_hosted_style_request": True})
+        with pytest.raises(TailorError, match=rf"^{url}/manifest.json: permission denied \(SlowDown: .*; HTTP 403 "
+                                              rf"from {endpoint}\)$"):
+            storage.read("manifest.json")
+        assert ("GET", f"/{prefix}/manifest.json", 403) in faults.seen  # asked as a virtual-hosted bucket is
 
 
 @S3_ONLY
