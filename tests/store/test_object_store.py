@@ -1220,6 +1220,67 @@ def test_a_save_over_a_tombstone_whose_manifest_put_is_still_held_is_refused_onc
         assert run.steps() == [1] and run.verify() == []
 
 
+def test_a_tombstone_alone_is_left_as_it_is_and_a_save_over_it_commits_while_a_late_put_is_refused(tokens, monkeypatch):
+    """A tombstone left alone (the next writer claimed step 2 and saved nothing there) is left as it
+    is by the writer after (no request writes it: one fewer PUT per tombstone at every start),
+    and that is sound: a manifest PUT conditional on it comes only from a save over it, whose files
+    are there before it (the next writer replaces the tombstone then: the test above). That
+    writer's save of step 2 then commits over it (its PUT conditional on the tombstone as it found
+    it at ``begin``), and the PUT of the first writer, landing after, is refused."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        options = {"retry_config": FAST_RETRY}
+        _save_2_held_through_close(faults, url, options, tokens, first=True)
+        with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # claims step 2 with a tombstone
+            pass
+        key = "/run/snapshots/step-00000002/manifest.json"
+        faults.seen.clear()
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            assert tailor.restore().step == 1
+            assert not [seen for seen in faults.seen if seen[0] == "PUT" and seen[1].endswith(key)]  # left as it is
+            train(model, opt, sched, tokens, [2])
+            tailor.save(2)
+        assert [status.split()[0] for status in faults.land()] == ["412"]
+        run = Run(url)
+        assert run.steps() == [1, 2] and run.latest_step() == 2 and run.verify() == []
+
+
+def test_an_empty_tombstone_alone_is_replaced_so_a_put_conditional_on_an_empty_one_is_refused(tokens, monkeypatch):
+    """A run from before tombstones had bytes of their own: step 2 was claimed with an empty one;
+    a save over it then had its manifest PUT (conditional on the empty tombstone's version: on S3
+    the ETag of no bytes, every empty tombstone's) held through its writer's close, and the
+    writer after (that llmtailor) replaced the tombstone with another empty one and removed the
+    files: the tombstone is alone, and the held PUT still matches it. The next writer must
+    replace an empty tombstone even alone (one with bytes of its own is left: the test above).
+    BEFORE: the held PUT landed (200) and made step 2 a committed snapshot whose files were gone."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        options = {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        # What that llmtailor did (it would claim an empty tombstone alone anew, as this one does):
+        storage, key = Run(url).storage, "snapshots/step-00000002/manifest.json"
+        assert storage.put_if(key, b"", None) is not None  # step 2 claimed
+        empty = storage.version_if(key, lambda data: not data)
+        storage.put("snapshots/step-00000002/global.safetensors", b"a save over it")  # its files, then its manifest
+        hold_manifest_put(faults, key)
+        with pytest.raises(TailorError, match="HTTP 503"):
+            storage.put_if(key, bytes(storage.read("snapshots/step-00000001/manifest.json")), empty)
+        faults.rule = faults.hold = lambda method, key: None
+        assert storage.put_if(key, b"", empty) is not None  # the next writer's claim, over that very tombstone
+        storage.remove_tree("snapshots/step-00000002", keep=key)
+        with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # this llmtailor's next writer
+            pass
+        assert [status.split()[0] for status in faults.land()] == ["412"]
+        run = Run(url)
+        assert run.steps() == [1] and run.verify() == []
+
+
 def _save_2_held_through_close(faults, url: str, options: dict, tokens, first: bool) -> None:
     """A writer saves step 2 (``first``: after step 1; else restored from step 1) with its
     manifest's first PUT held (``hold_manifest_put``) and every later one failing through its
