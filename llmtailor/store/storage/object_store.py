@@ -126,7 +126,8 @@ class ObjectStore(Storage):
             self.store = _store_for(self.url, resolved.retry, resolved.client, given)
         except Exception as err:  # obstore's configuration errors: a value it cannot parse, a bad URL
             named = f" with storage options {sorted(self.options)}" if self.options else ""
-            raise ConfigError(f"{self.url}: cannot use this location{named} ({explain(err, services=self._services).text})") from None
+            said = explain(err, services=self._services).text
+            raise ConfigError(f"{self.url}: cannot use this location{named} ({said})") from None
         except BaseException as err:  # an option obstore's Rust side does not know panics (not an Exception)
             if type(err).__name__ != "PanicException":
                 raise
