@@ -46,7 +46,8 @@ class WriterLock:
 
     def acquire(self) -> None:
         """Take the lock or raise TailorError naming the holder (or saying why the location
-        is not a run); then clear what crashed writers left behind.
+        is not a run); then clear what crashed writers left behind. A failure to clear them is
+        raised with the lock let go again: the next ``acquire`` takes it and clears anew.
 
         Within one process the lock is shared: a second ``Tailor`` of the same run (one that
         saved, another that restores) holds it too, and only the first clears leftovers (the
@@ -71,7 +72,13 @@ class WriterLock:
         backend.take()
         self._backend, self._owner = backend, os.getpid()
         _HELD[key] = [backend, 1, None]
-        self.cleared = self.storage.commits.clear_leftovers()
+        try:
+            self.cleared = self.storage.commits.clear_leftovers()
+        except BaseException:
+            # Not taken after all: a lock kept, with nobody to release it (the caller saw a failure),
+            # held this process's writers to leftovers never cleared and others off the run.
+            self._let_go_held(abandon=False)
+            raise
 
     def claim(self) -> None:
         """``acquire``, and be the one writer of this process's share of the lock: another

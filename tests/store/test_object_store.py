@@ -630,6 +630,41 @@ def test_a_lock_whose_answers_are_lost_stays_held_by_its_writer(monkeypatch, how
         assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
 
 
+def test_a_lock_whose_clearing_of_leftovers_fails_is_not_kept_and_the_next_acquire_clears_them(tokens, monkeypatch):
+    """A writer lock taken where a crashed save left step 2 without manifest, and the claim of
+    step 2's manifest key (its tombstone, written before the files go) failing every try: the
+    acquire raises, and lets the lock go again (nothing else would: its caller saw a failure).
+    The store answering again, the next acquire takes it and clears step 2. BEFORE: the failed
+    acquire kept the lease (held, recorded in this process, renewed at the server); the next
+    acquire returned at once, holding it already, and step 2's files stayed."""
+    from llmtailor.store.lock import WriterLock
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url, options = f"s3://{new_bucket(endpoint)}/run", {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Full(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        Run(url).storage.put("snapshots/step-00000002/global.safetensors", b"a crashed save's file")
+        claim = "/run/snapshots/step-00000002/manifest.json"
+        faults.rule = lambda method, key: 503 if method == "PUT" and key.endswith(claim) else None
+        lock = WriterLock(url, storage_options=options)
+        with pytest.raises(TailorError, match="step-00000002/manifest.json"):
+            lock.acquire()
+        assert not lock.held
+        assert not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
+        faults.rule = lambda method, key: None
+        lock.acquire()
+        try:
+            assert lock.cleared.files == 1
+            assert [k.rsplit("/", 1)[1] for k in keys(endpoint, bucket_of(url), "run/snapshots/step-00000002/")] == [
+                "manifest.json"]  # the tombstone alone
+        finally:
+            lock.release()
+        assert Run(url).steps() == [1] and not any(k.endswith("/.lock") for k in keys(endpoint, bucket_of(url)))
+
+
 def test_a_reader_lease_whose_manifest_read_fails_is_released_and_fails_the_read(tokens, monkeypatch):
     """The reader lease's checks, asked side by side (``Storage.together``: the HEAD of the removal
     mark, the GET of the manifest its reader reads), one of them failing every try: the read
@@ -917,10 +952,10 @@ def test_credentials_refused_say_permission_denied_with_the_servers_code(guarded
 @pytest.mark.parametrize("prefix", ["latest/meta-data/run", "v2/credentials/run"])
 def test_a_run_whose_prefix_reads_as_a_credential_service_path_is_denied_not_said_without_credentials(guarded, monkeypatch,
                                                                                                   prefix):
-    """Only a request to an instance metadata service itself (its path right after the host) says
-    no credentials were found; a run at such a prefix of the bucket keeps the server's refusal.
-    BEFORE: ``no credentials (none in the environment or the options, none from the instance
-    metadata service at http://127.0.0.1:...: HTTP 403)``, with the credentials set."""
+    """Only a request to a credential service itself (its host) says no credentials were found;
+    a run at such a prefix of the bucket keeps the server's refusal. BEFORE (session 58): ``no
+    credentials (none in the environment or the options, none from the instance metadata service
+    at http://127.0.0.1:...: HTTP 403)``, with the credentials set."""
     endpoint, bucket, key = guarded
     set_environment(monkeypatch, endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
@@ -931,6 +966,29 @@ def test_a_run_whose_prefix_reads_as_a_credential_service_path_is_denied_not_sai
         from llmtailor.store.storage import open_storage
 
         open_storage(url, {"retry_config": FAST_RETRY}).read("manifest.json")  # its path holds the prefix (a LIST's query not)
+
+
+@pytest.mark.parametrize("prefix", ["latest/meta-data/run", "latest/api/token/run", "computeMetadata/run"])
+def test_a_virtual_hosted_bucket_whose_run_prefix_reads_as_a_credential_service_path_is_denied(monkeypatch, prefix):
+    """A virtual-hosted bucket (its name in the endpoint's host, so the request's path starts with
+    the run's prefix, as AWS's own endpoints are asked) whose run is at a prefix that reads as a
+    metadata service's path, the server refusing (HTTP 403; moto behind a layer that answers, as
+    moto itself takes a path ``/latest/meta-data/...`` for its own metadata service): the refusal
+    is the store's, said so, never "no credentials", which only a credential service's own host
+    says (``object_errors._SERVICE_HOSTS``, or one the options move it to:
+    ``test_newcomer``). BEFORE (session 59): ``no credentials (none in the environment or the
+    options, none from the instance metadata service at http://127.0.0.1:...: HTTP 403)``."""
+    from llmtailor.store.storage import open_storage
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        faults.rule = lambda method, key: 403 if key.startswith(f"/{prefix}/") else None
+        url = f"s3://{new_bucket(endpoint)}/{prefix}"
+        storage = open_storage(url, {"retry_config": FAST_RETRY, "virtual_hosted_style_request": True})
+        with pytest.raises(TailorError, match=rf"^{url}/manifest.json: permission denied \(SlowDown: .*; HTTP 403 "
+                                              rf"from {endpoint}\)$"):
+            storage.read("manifest.json")
+        assert ("GET", f"/{prefix}/manifest.json", 403) in faults.seen  # asked as a virtual-hosted bucket is
 
 
 @S3_ONLY
@@ -1158,6 +1216,70 @@ def test_a_save_over_a_tombstone_whose_manifest_put_is_still_held_is_refused_onc
         _save_2_held_through_close(faults, url, options, tokens, first=False)  # over the tombstone
         with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # clears step 2's files again
             assert [status.split()[0] for status in faults.land()] == ["412"]
+        run = Run(url)
+        assert run.steps() == [1] and run.verify() == []
+
+
+def test_a_tombstone_alone_is_left_as_it_is_and_a_save_over_it_commits_while_a_late_put_is_refused(tokens, monkeypatch):
+    """A tombstone left alone (the next writer claimed step 2 and saved nothing there) is left as it
+    is by the writer after (no request writes it: one fewer PUT per tombstone at every start),
+    and that is sound: a manifest PUT conditional on it comes only from a save over it, whose files
+    are there before it (the next writer replaces the tombstone then: the test above). That
+    writer's save of step 2 then commits over it (its PUT conditional on the tombstone as it found
+    it at ``begin``), and the PUT of the first writer, landing after, is refused."""
+    from llmtailor.store.lock import WriterLock
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        options = {"retry_config": FAST_RETRY}
+        _save_2_held_through_close(faults, url, options, tokens, first=True)
+        claims = WriterLock(url, storage_options=options)  # the next writer, which saves nothing
+        claims.acquire()
+        claims.release()
+        key = "/run/snapshots/step-00000002/manifest.json"
+        faults.seen.clear()
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            assert tailor.restore().step == 1
+            assert not [seen for seen in faults.seen if seen[0] == "PUT" and seen[1].endswith(key)]  # left as it is
+            train(model, opt, sched, tokens, [2])
+            tailor.save(2)
+        assert [status.split()[0] for status in faults.land()] == ["412"]
+        run = Run(url)
+        assert run.steps() == [1, 2] and run.latest_step() == 2 and run.verify() == []
+
+
+def test_an_empty_tombstone_alone_is_replaced_so_a_put_conditional_on_an_empty_one_is_refused(tokens, monkeypatch):
+    """A run from before tombstones had bytes of their own: step 2 was claimed with an empty one;
+    a save over it then had its manifest PUT (conditional on the empty tombstone's version: on S3
+    the ETag of no bytes, every empty tombstone's) held through its writer's close, and the
+    writer after (that llmtailor) replaced the tombstone with another empty one and removed the
+    files: the tombstone is alone, and the held PUT still matches it. The next writer must
+    replace an empty tombstone even alone (one with bytes of its own is left: the test above).
+    BEFORE: the held PUT landed (200) and made step 2 a committed snapshot whose files were gone."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        options = {"retry_config": FAST_RETRY}
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, policy=Parity(), storage_options=options) as tailor:
+            train(model, opt, sched, tokens, [1])
+            tailor.save(1)
+        # What that llmtailor did (it would claim an empty tombstone alone anew, as this one does):
+        storage, key = Run(url).storage, "snapshots/step-00000002/manifest.json"
+        assert storage.put_if(key, b"", None) is not None  # step 2 claimed
+        empty = storage.version_if(key, lambda data: not data)
+        storage.put("snapshots/step-00000002/global.safetensors", b"a save over it")  # its files, then its manifest
+        hold_manifest_put(faults, key)
+        with pytest.raises(TailorError, match="HTTP 503"):
+            storage.put_if(key, bytes(storage.read("snapshots/step-00000001/manifest.json")), empty)
+        faults.rule = faults.hold = lambda method, key: None
+        assert storage.put_if(key, b"", empty) is not None  # the next writer's claim, over that very tombstone
+        storage.remove_tree("snapshots/step-00000002", keep=key)
+        with Tailor(url, *tiny(), policy=Parity(), storage_options=options):  # this llmtailor's next writer
+            pass
+        assert [status.split()[0] for status in faults.land()] == ["412"]
         run = Run(url)
         assert run.steps() == [1] and run.verify() == []
 

@@ -237,11 +237,15 @@ class ObjectCommits(SnapshotCommits):
         """``key`` (the manifest's of ``snapshot``, none there) claimed with a new tombstone: only
         if absent, or, where a tombstone is there and other objects beside it (a save over that
         tombstone, whose manifest PUT, conditional on it, may still be on its way), only over
-        that very tombstone, so that PUT is refused. False where a manifest got there first."""
+        that very tombstone, so that PUT is refused. A tombstone alone is claimed already: a PUT
+        conditional on it comes only from a save over it, whose files come first. Not an empty
+        one (an llmtailor's from before 2026-11-28): its version was every empty tombstone's, so a
+        PUT over another one, whose files that llmtailor removed, matches it too; it is replaced
+        once. False where a manifest got there first."""
         if size is None:
             return self.storage.put_if(key, tombstone(), None) is not None
-        if all(found == key for found, _ in self.storage.walk(snapshot)):
-            return True  # the tombstone alone: no save over it
+        if size and all(found == key for found, _ in self.storage.walk(snapshot)):
+            return True  # a tombstone of its own bytes alone: no save over it
         found = self.storage.version_if(key, _is_tombstone)
         return found is not None and self.storage.put_if(key, tombstone(), found) is not None
 

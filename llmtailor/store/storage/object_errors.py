@@ -12,8 +12,11 @@ error the storage raises, naming the object.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from llmtailor.errors import IntegrityError, StorageError, TailorError
@@ -27,11 +30,18 @@ AUTH_CODES = frozenset({
 """Error codes of S3 and Azure that mean the credentials or their rights are wrong."""
 NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
 _AUTH_STATUSES = {401, 403}
-_CREDENTIAL_SERVICES = re.compile(r"Error performing [A-Z]+ \w+://[^/\s]+(/latest/api/token|/latest/meta-data/|/computeMetadata/"
-                                  r"|/metadata/identity/|/v2/credentials)")
-"""Where the client asks for credentials when none are given (the instance metadata services of
-AWS, GCP and Azure, ECS's task credentials), their paths right after the host (a bucket's
-object at such a prefix is no credential service): a request there failing means none were found."""
+_SERVICE_HOSTS = frozenset({"169.254.169.254", "fd00:ec2::254", "169.254.170.2", "169.254.170.23", "fd00:ec2::23",
+                            "metadata.google.internal", "metadata"})
+"""The hosts of the credential services a client asks when it is given no credentials: the
+instance metadata services of AWS (IPv4 and IPv6), GCP and Azure, ECS's task credentials, EKS's
+pod identity agent. A request there failing means none were found. Told by the host, never by
+the path: a request of the store itself may have any path (a virtual-hosted bucket's starts with
+the run's prefix, a path-style one's with the bucket's name: ``s3://latest/meta-data/run``)."""
+_SERVICE_OPTIONS = ("metadata_endpoint", "container_credentials_full_uri", "msi_endpoint", "identity_endpoint")
+"""obstore's options (with or without their ``aws_`` / ``azure_`` prefix) that move a credential
+service elsewhere; ``_SERVICE_VARIABLES``: the environment variables that do."""
+_SERVICE_VARIABLES = ("AWS_METADATA_ENDPOINT", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AZURE_MSI_ENDPOINT",
+                      "AZURE_IDENTITY_ENDPOINT", "GCE_METADATA_HOST")
 _CREDENTIAL_VARIABLES = {"S3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", "GCS": "GOOGLE_APPLICATION_CREDENTIALS",
                          "MicrosoftAzure": "AZURE_STORAGE_ACCOUNT_KEY"}
 _LONGEST = 300
@@ -46,9 +56,25 @@ class Explained:
     text: str
 
 
-def explain(err: BaseException, denied: bool = False, missing: bool = False) -> Explained:
+def credential_services(options: Mapping[str, Any]) -> frozenset[str]:
+    """Where ``options`` (a store's, lowercased) and the environment move a credential service:
+    each ``host[:port]`` (``_SERVICE_OPTIONS``, ``_SERVICE_VARIABLES``), for ``explain``."""
+    values = [value for name, value in options.items()
+              if name.removeprefix("aws_").removeprefix("azure_") in _SERVICE_OPTIONS and isinstance(value, str)]
+    values += [os.environ[name] for name in _SERVICE_VARIABLES if os.environ.get(name)]
+    return frozenset(_host(value) for value in values)
+
+
+def _host(location: str) -> str:
+    """``host[:port]`` of a URL, or of a bare ``host[:port]`` (``GCE_METADATA_HOST``'s), lowercased."""
+    return (urlsplit(location).netloc if "://" in location else location.split("/", 1)[0]).lower()
+
+
+def explain(err: BaseException, denied: bool = False, missing: bool = False,
+            services: frozenset[str] = frozenset()) -> Explained:
     """``err`` (an obstore error) explained; ``denied`` / ``missing``: obstore classed it so
-    (its permission or not-found exception types)."""
+    (its permission or not-found exception types); ``services``: where the store's options or
+    the environment moved a credential service (``credential_services``)."""
     text = str(err)
     code, message = _tag(text, "Code"), _tag(text, "Message")
     status = _number(r"status code: (\d{3})", text)
@@ -58,7 +84,7 @@ def explain(err: BaseException, denied: bool = False, missing: bool = False) -> 
     else:
         said = _json_message(text) or ""
     where = f"HTTP {status} from {origin}" if status else f"from {origin}"
-    if _CREDENTIAL_SERVICES.search(text):
+    if _asks_credentials(text, services):
         why = f"HTTP {status}" if status else _unanswered(text, origin) or _first_line(err)
         store = re.search(r"Generic (\w+) error", text)
         variables = _CREDENTIAL_VARIABLES.get(store.group(1) if store else "", "the cloud's credential variables")
@@ -77,6 +103,16 @@ def explain(err: BaseException, denied: bool = False, missing: bool = False) -> 
     if said:
         return Explained(OTHER, _shorten(f"{said} ({where})"))
     return Explained(OTHER, _shorten(_unanswered(text, origin) or _first_line(err)))
+
+
+def _asks_credentials(text: str, services: frozenset[str]) -> bool:
+    """Whether the request that failed went to a credential service (``_SERVICE_HOSTS``, or one
+    of ``services``), not to the store."""
+    match = re.search(r"Error performing [A-Z]+ (\S+)", text)
+    if not match:
+        return False
+    parts = urlsplit(match.group(1))
+    return (parts.hostname or "") in _SERVICE_HOSTS or parts.netloc.lower() in services
 
 
 def _unanswered(text: str, origin: str) -> str | None:
@@ -134,13 +170,15 @@ def _shorten(text: str) -> str:
     return text if len(text) <= _LONGEST else text[: _LONGEST - 3] + "..."
 
 
-def failure(err: Exception, where: str, missing: str = "file is missing") -> TailorError:
+def failure(err: Exception, where: str, missing: str = "file is missing",
+            services: frozenset[str] = frozenset()) -> TailorError:
     """An obstore error as one line naming the object ``where``: IntegrityError when it is
-    missing, StorageError otherwise (after obstore's retries of transient errors)."""
+    missing, StorageError otherwise (after obstore's retries of transient errors); ``services``:
+    as ``explain``'s."""
     from obstore import exceptions  # loaded: obstore raised ``err``
 
     denied = isinstance(err, exceptions.PermissionDeniedError | exceptions.UnauthenticatedError)
-    explained = explain(err, denied=denied, missing=isinstance(err, FileNotFoundError))
+    explained = explain(err, denied=denied, missing=isinstance(err, FileNotFoundError), services=services)
     if explained.kind == MISSING:
         return IntegrityError(f"{where}: {missing}")
     return StorageError(f"{where}: {explained.text}")

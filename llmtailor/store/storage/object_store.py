@@ -23,7 +23,7 @@ from typing import Any
 
 from llmtailor.errors import ConfigError, IntegrityError, TailorError
 from llmtailor.store.storage.base import PIECE, LazyPool, Storage
-from llmtailor.store.storage.object_errors import explain, failure
+from llmtailor.store.storage.object_errors import credential_services, explain, failure
 from llmtailor.store.storage.object_options import load_obstore, resolve_options
 from llmtailor.store.storage.object_uploads import ObjectBatch
 
@@ -121,11 +121,13 @@ class ObjectStore(Storage):
         self.bucket, _, self.prefix = rest.partition("/")
         resolved = resolve_options(self.scheme, options)
         self.options, self.lock_ttl, given = resolved.given, resolved.lock_ttl, resolved.store
+        self._services = credential_services(given)
         try:
             self.store = _store_for(self.url, resolved.retry, resolved.client, given)
         except Exception as err:  # obstore's configuration errors: a value it cannot parse, a bad URL
             named = f" with storage options {sorted(self.options)}" if self.options else ""
-            raise ConfigError(f"{self.url}: cannot use this location{named} ({explain(err).text})") from None
+            said = explain(err, services=self._services).text
+            raise ConfigError(f"{self.url}: cannot use this location{named} ({said})") from None
         except BaseException as err:  # an option obstore's Rust side does not know panics (not an Exception)
             if type(err).__name__ != "PanicException":
                 raise
@@ -156,7 +158,7 @@ class ObjectStore(Storage):
 
     def failure(self, err: Exception, key: str, missing: str = "file is missing") -> TailorError:
         """An obstore error as one line naming the object ``key`` (``object_errors.failure``)."""
-        return failure(err, self.where(key), missing)
+        return failure(err, self.where(key), missing, self._services)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -246,7 +248,7 @@ class ObjectStore(Storage):
     # -- writing ------------------------------------------------------------------------------
 
     def batch(self) -> ObjectBatch:
-        return ObjectBatch(self.store, self.where)
+        return ObjectBatch(self.store, self.failure)
 
     def put(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         if exclusive:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmtailor.store.storage.base import Batch, Sink
-from llmtailor.store.storage.object_errors import failure
+from llmtailor.errors import TailorError
 from llmtailor.store.storage.object_options import load_obstore
 
 UPLOAD_PART = 16 << 20
@@ -22,13 +22,13 @@ class ObjectSink(Sink):
     ``UPLOAD_CONCURRENCY`` in flight (one PUT for a small file); durable once closed (in a
     batch: once the batch drains, its last parts finishing while the next file is written)."""
 
-    def __init__(self, store: Any, key: str, where: str, batch: ObjectBatch):
-        self.key, self.where, self._batch = key, where, batch
+    def __init__(self, store: Any, key: str, batch: ObjectBatch):
+        self.key, self._batch = key, batch
         try:
             self._writer = load_obstore().open_writer(store, key, buffer_size=UPLOAD_PART,
                                                       max_concurrency=UPLOAD_CONCURRENCY)
         except Exception as err:
-            raise failure(err, where) from None
+            raise batch.failure(err, key) from None
 
     def write(self, data: memoryview | bytes) -> None:
         """Take ``data`` for upload. obstore keeps a reference to the buffer it is given, not a
@@ -37,7 +37,7 @@ class ObjectSink(Sink):
         try:
             self._writer.write(bytes(data) if isinstance(data, memoryview) else data)
         except Exception as err:
-            raise failure(err, self.where) from None
+            raise self._batch.failure(err, self.key) from None
 
     def close(self) -> None:
         self._batch.closing(self)
@@ -47,7 +47,7 @@ class ObjectSink(Sink):
         try:
             self._writer.close()
         except Exception as err:
-            raise failure(err, self.where) from None
+            raise self._batch.failure(err, self.key) from None
 
     def abort(self) -> None:
         # obstore aborts no upload it was not told to complete; an unfinished multipart upload
@@ -66,16 +66,17 @@ class ObjectBatch(Batch):
 
     CLOSING = 3
 
-    def __init__(self, store: Any, where: Callable[[str], str]):
-        """``store``: obstore's store; ``where(key)``: how a message names the file ``key``."""
-        self._store, self._where = store, where
+    def __init__(self, store: Any, failure: Callable[[Exception, str], TailorError]):
+        """``store``: obstore's store; ``failure(err, key)``: obstore's error ``err`` as the
+        storage raises it for the file ``key`` (``ObjectStore.failure``)."""
+        self._store, self.failure = store, failure
         self._slots = threading.BoundedSemaphore(self.CLOSING)
         self._threads: list[threading.Thread] = []
         self._errors: list[BaseException] = []
 
     def create(self, key: str) -> ObjectSink:
         self._raise_first()
-        return ObjectSink(self._store, key, self._where(key), self)
+        return ObjectSink(self._store, key, self)
 
     def closing(self, sink: ObjectSink) -> None:
         self._slots.acquire()
