@@ -137,3 +137,25 @@ def test_a_flag_is_not_shown_as_taking_a_value(args):
     assert result.exit_code == 0 and "--help" in result.output
     assert "<bool>" not in result.output
     assert invoke("merge", "plan.yaml", "-o", "out", "--dry-run=yes").exit_code == 2  # still a flag
+
+
+def test_a_path_with_brackets_is_printed_as_it_is(runs, tmp_path):
+    """Paths are text, never rich markup: ``sweep[lr=1e-4]`` keeps its brackets, and ``a[/b]``
+    (a directory ``a[`` holding ``b]``) is no closing tag. BEFORE: inspect printed the run as
+    ``sweep``; assemble said ``wrote .../out/checkpoint-6`` of what it wrote into ``out[lr=1]``;
+    inspect of ``a[/b]`` ended in a traceback (``MarkupError: closing tag '[/b]' ...``)."""
+    for name in ("sweep[lr=1e-4]", "a[/b]"):
+        shutil.copytree(runs / "run", tmp_path / name)
+        shown = CliRunner().invoke(app, ["inspect", str(tmp_path / name)], env={"COLUMNS": "300"})
+        assert shown.exit_code == 0 and "Traceback" not in shown.output, shown.output
+        assert shown.output.startswith(f"{tmp_path / name}: 3 snapshot(s)"), shown.output
+    wrote = invoke("assemble", str(tmp_path / "sweep[lr=1e-4]"), "-o", str(tmp_path / "out[lr=1]"))
+    assert wrote.exit_code == 0 and wrote.output.splitlines()[-1] == f"wrote {tmp_path}/out[lr=1]/checkpoint-6"
+    plan = tmp_path / "plan[v2].yaml"
+    source = str(tmp_path / "a[/b]")
+    plan.write_text(yaml.safe_dump({"slices": [{"sources": [{"model": source, "layer_range": [0, 2]}]},
+                                               {"sources": [{"model": source, "layer_range": [1, 1]}]}]}))
+    planned = CliRunner().invoke(app, ["merge", str(plan), "-o", str(tmp_path / "m"), "--dry-run"], env={"COLUMNS": "300"})
+    assert planned.exit_code == 0 and "Traceback" not in planned.output, planned.output
+    assert f"{plan}: " in planned.output and f"{source}@6" in planned.output, planned.output
+    assert f"warning: slices[1]: zero-width layer_range [1, 1] of '{source}' ignored" in planned.output
