@@ -54,7 +54,7 @@ def merge(
         try:
             plan = stack.enter_context(open_plan(plan_file, out, format.value))
         except TailorError as err:
-            raise TailorError(plan_advice(plan_file, str(err))) from None
+            raise TailorError(plan_advice(plan_file, err)) from err  # a damaged source's hint follows it
         for warning in plan.warnings:
             errors.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
         if dry_run or verbose:
@@ -66,11 +66,12 @@ def merge(
     console.print(f"[green]wrote[/] {escape(str(target))} ({len(plan.layout.units)} units, step {plan.step})")
 
 
-def plan_advice(plan_file: Path, message: str) -> str:
-    """``message`` (why the plan was refused) and, where it is the plan's fault, what to do."""
-    from llmtailor.cli.common import CORRUPTED
+def plan_advice(plan_file: Path, err: TailorError) -> str:
+    """Why the plan was refused (``err``'s message) and, where it is the plan's fault, what to do."""
+    from llmtailor.cli.common import damaged
 
-    if "\n" in message or CORRUPTED in message or not message.startswith(f"{plan_file}:"):
+    message = str(err)
+    if "\n" in message or damaged(err) or not message.startswith(f"{plan_file}:"):
         return message  # not the plan's (the output, a damaged source), or it says what to do itself
     if message == f"{plan_file}: no such plan file":
         return f"{message}\ncheck the path: a YAML file, mergekit's form or LLMTailor's"

@@ -84,6 +84,23 @@ def test_a_damaged_file_says_how_to_find_every_one(runs, tmp_path):
                                                 "use a --step that verifies"]
 
 
+def test_the_damaged_file_hint_follows_the_error_type_not_its_text(runs, tmp_path):
+    """A truncated file is damage too, though its message does not say "corrupted"; a path that
+    holds those words is not. BEFORE: ``error: .../global.safetensors: 7670 bytes stored, manifest
+    says 7680 (truncated or replaced)`` alone; and a missing run named ``(file is corrupted)``
+    told to run verify (a third line)."""
+    shutil.copytree(runs / "run", tmp_path / "truncated")
+    data = tmp_path / "truncated" / "snapshots" / "step-00000006" / "global.safetensors"
+    data.write_bytes(data.read_bytes()[:-10])
+    result = invoke("assemble", str(tmp_path / "truncated"), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2 and "(truncated or replaced)" in result.output.splitlines()[0], result.output
+    assert result.output.splitlines()[1:] == [INDENT + "llmtailor verify RUN names every damaged file; an older "
+                                              "--step may not read it"]
+    cause_then_what_to_do(invoke("inspect", f"{tmp_path}/(file is corrupted)"), 2,
+                          f"{tmp_path}/(file is corrupted): no such run directory",
+                          "check the path: give the directory (or URL) that a Tailor saved into")
+
+
 def test_a_bad_plan_says_to_fix_it_and_that_nothing_was_written(runs, tmp_path):
     """BEFORE: the plan's fault alone."""
     plan = tmp_path / "plan.yaml"
