@@ -253,16 +253,23 @@ PLACE_BOUND = {
 }
 """Config keys whose non-zero value binds a model's layers to their places (gemma3n, gemma4):
 a layer moved, or a stack of another depth, would meet another layer's per-layer input block
-or cache, which no tensor of the layer's own unit says; the plan is refused, never merged wrong."""
+or cache, which no tensor of the layer's own unit says; the plan is refused, never merged wrong.
+So are the layers of a model whose layer units hold several stacks (a multimodal model's text
+and vision towers, ``Layout.layer_stacks``): a plan names layers of one stack, and moving a
+unit would move the other stacks' layers with it (mergekit 0.1.5 refuses ``slices`` for such a
+model, asking for its per-module syntax, which llmtailor does not take)."""
 
 
 def _layers_kept_in_place(sources: dict[str, Source], layers: list[_Layer], found: _Findings) -> None:
-    """A source whose config binds its layers to their places (``PLACE_BOUND``) may give the
-    output only a stack of its own depth, each layer at its own place."""
+    """A source whose config binds its layers to their places (``PLACE_BOUND``), or whose layer
+    units hold several stacks of layers, may give the output only a stack of its own depth,
+    each layer at its own place."""
     for label in dict.fromkeys(label for label, *_ in layers):
         config = sources[label].config or {}
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal model's
         bound = [why for key, why in PLACE_BOUND.items() if config.get(key) or text.get(key)]
+        if len(stacks := sources[label].layout.layer_stacks()) > 1:
+            bound.append(f"{len(stacks)} stacks of layers ({', '.join(stacks)}), layer i of each in its unit layer.i")
         depth = sources[label].layout.num_layers
         moved = [(i, j) for i, (other, j, *_) in enumerate(layers) if other == label and i != j]
         if bound and (moved or len(layers) != depth):

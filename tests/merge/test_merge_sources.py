@@ -440,6 +440,35 @@ def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_pla
     assert not (tmp_path / "out").exists()
 
 
+def test_a_multimodal_models_layer_units_hold_each_towers_layer_and_stay_in_place(tmp_path):
+    """A multimodal gemma4 (the name-based layout) holds text layer i and vision layer i in its
+    unit layer.i: a plan names text layers, so a stack of the text's depth would drop the deeper
+    vision tower's last layers, and a layer moved would move a vision layer with it. Both are
+    refused, naming the stacks; the whole model merges. BEFORE: the text-depth plan merged an
+    output missing vision layers 2 and 3 (transformers initialised them at random); the swap
+    was refused as ``lacks 13 tensors (...vision_tower...): another architecture``."""
+    from llmtailor.errors import ConfigError
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                hidden_size_per_layer_input=0)
+    config = transformers.CONFIG_MAPPING["gemma4"](text_config=text, audio_config=None, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2))
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "g")
+    g = tmp_path / "g"
+    stacks = r"has 2 stacks of layers \(model\.language_model\.layers, model\.vision_tower\.encoder\.layers\)"
+    for name, ranges, change in (("text-depth", [(0, 3)], "makes a stack of 3 layers from its 5"),
+                                 ("swap", [(1, 2), (0, 1), (2, 5)], "puts its layer 1 at layer 0")):
+        with pytest.raises(ConfigError, match=rf"{stacks}, layer i of each in its unit layer\.i; the plan {change}:"):
+            merge(plan(tmp_path / f"{name}.yaml", {"slices": slices(*((g, r) for r in ranges))}), tmp_path / name,
+                  format="model")
+        assert not (tmp_path / name).exists()
+    out = merge(plan(tmp_path / "whole.yaml", {"models": [{"model": str(g)}]}), tmp_path / "whole", format="model")
+    _, info = transformers.AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+
+
 @pytest.mark.parametrize("bound,multimodal", [("per-layer inputs", False), ("KV sharing", False), ("per-layer inputs", True)])
 def test_layers_bound_to_their_places_are_not_moved_but_stay_mixable_in_place(tmp_path, bound, multimodal):
     """A gemma4 with per-layer inputs holds one block per layer, by its place, in tensors outside
