@@ -176,3 +176,11 @@ def test_a_path_with_brackets_is_printed_as_it_is(runs, tmp_path):
     assert planned.exit_code == 0 and "Traceback" not in planned.output, planned.output
     assert f"{plan}: " in planned.output and f"{source}@6" in planned.output, planned.output
     assert f"warning: slices[1]: zero-width layer_range [1, 1] of '{source}' ignored" in planned.output
+
+
+def test_drift_writes_its_plot_where_it_says(runs, tmp_path):
+    """BEFORE: ``--plot DIR/plot`` wrote ``DIR/plot.png`` (matplotlib added the suffix) and said
+    ``wrote DIR/plot``."""
+    result = invoke("drift", f"{runs}/run", "--plot", str(tmp_path / "plot"))
+    assert result.exit_code == 0 and result.output.splitlines()[-1] == f"wrote {tmp_path}/plot", result.output
+    assert (tmp_path / "plot").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()
