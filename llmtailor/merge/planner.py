@@ -578,7 +578,7 @@ def _model_config(sources, state_label, first, num_layers_key, layers: list[tupl
         config["layer_types"] = kinds
     if isinstance(config.get("per_layer_config"), dict):
         config["per_layer_config"] = _per_layer_config(sources, layers, where)
-    if kinds is not None and kinds != own:
+    if kinds is not None and kinds != own and len(set(kinds)) > 1:  # one kind throughout: nothing to force
         _refuse_changed_kinds(config, kinds, layers, where)
     if cast is not None:
         config["torch_dtype"] = config["dtype"] = cast
@@ -607,7 +607,7 @@ def _refuse_changed_kinds(config: dict[str, Any], kinds: list, layers: list[tupl
     """ConfigError where the output config's transformers class would not keep ``kinds`` (the
     output's layers' own): gemma4's makes its last layer full attention whatever the list says,
     so a stack ending in a sliding layer would load that layer as another kind (of another
-    shape). Checked only for a stack whose kinds changed (transformers' config classes import
+    shape). Checked only for a stack of mixed kinds that changed (transformers' config classes import
     torch); nothing to check where transformers does not know the config."""
     try:
         import transformers
