@@ -20,6 +20,7 @@ from statistics import mean, median
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -143,9 +144,9 @@ def run_demo(
     plot_drift(drift_history(Run(run_dirs["adaptive"])), "weight", Path(out_dir) / "drift.png")
     plot_demo(result, Path(out_dir) / "demo.png")
     console.print(
-        f"The four policies side by side (bytes per save; loss after the resume): [bold]{Path(out_dir) / 'demo.png'}[/]\n"
-        f"Drift of the Adaptive run, per unit and save: {Path(out_dir) / 'drift.png'} "
-        f"(llmtailor drift {run_dirs['adaptive']} --plot FILE)"
+        f"The four policies side by side (bytes per save; loss after the resume): [bold]{escape(str(Path(out_dir) / 'demo.png'))}[/]\n"
+        f"Drift of the Adaptive run, per unit and save: {escape(str(Path(out_dir) / 'drift.png'))} "
+        f"(llmtailor drift {escape(str(run_dirs['adaptive']))} --plot FILE)"
     )
     return result
 

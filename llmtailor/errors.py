@@ -32,6 +32,12 @@ class IntegrityError(TailorError):
     """A file is missing, truncated, or its checksum differs from the manifest's."""
 
 
+class DamagedFileError(IntegrityError):
+    """A file a committed snapshot records is missing, of another size, or its bytes differ from
+    the checksum its manifest records: the run is damaged there. The CLI adds how to find every
+    such file (``llmtailor verify``), by this type, whatever the message says."""
+
+
 class IncompatibleModelError(TailorError):
     """The live model or optimizer does not match what the snapshot holds."""
 

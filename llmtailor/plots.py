@@ -18,11 +18,13 @@ def plot_drift(history: DriftHistory, kind: str, out: Path) -> None:
 
 
 def save_png(fig, out: Path) -> None:
-    """Write the matplotlib figure ``fig`` to ``out`` (PNG) and close it."""
+    """Write the matplotlib figure ``fig`` to ``out`` (PNG), that very path, and close it
+    (matplotlib, left to choose, would add ``.png`` to a name without a suffix, and write a PDF
+    to ``x.pdf``: the file said written would not be the one written, nor a PNG)."""
     import matplotlib.pyplot as plt
 
     try:
-        fig.savefig(out, dpi=120)
+        fig.savefig(out, dpi=120, format="png")
     except OSError as err:
         raise TailorError(f"{out}: cannot write the plot ({err.strerror})") from None
     finally:

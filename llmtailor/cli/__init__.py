@@ -142,7 +142,7 @@ def inspect(run_dir: RunArg, step: StepOpt = None) -> None:
     if tiers is not None:
         console.print(tiers_table(tiers))
         if not run.steps():
-            console.print(f"{run.root}: no composite in this tier yet (* above); inspect a faster one")
+            console.print(f"{escape(str(run.root))}: no composite in this tier yet (* above); inspect a faster one")
             return
     step = as_of(run, step)
     with run.reading(step) as composite:  # its snapshots stay while they are shown
@@ -177,7 +177,7 @@ def verify(run_dir: RunArg, step: StepOpt = None) -> None:
         errors.print("restore what is named from a copy of the run, or use a --step that verifies", highlight=False)
         raise typer.Exit(1)
     scope = f"composite of step {step}" if step is not None else f"{len(result.checked)} snapshot(s)"
-    bases = sorted({str(base) for base, _ in result.base_checked})
+    bases = sorted({escape(str(base)) for base, _ in result.base_checked})
     if bases:
         scope += f"; and the base model directory {', '.join(bases)} ({len(result.base_checked)} file(s))"
     console.print(f"[green]ok[/]: every checksum matches ({scope})")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from llmtailor.cli.common import STEP_HELP
 
@@ -75,7 +76,7 @@ def assemble(
         else:
             target = export_hf(run, composite.step, out, progress=progress, train_batch_size=train_batch_size,
                                max_shard_size=shard_bytes)
-    console.print(f"[green]wrote[/] {target}")
+    console.print(f"[green]wrote[/] {escape(str(target))}")
 
 
 def register(app: typer.Typer) -> None:

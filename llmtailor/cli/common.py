@@ -14,14 +14,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmtailor.errors import SnapshotNotFoundError, TailorError, describe_os_error
+from llmtailor.errors import DamagedFileError, SnapshotNotFoundError, TailorError, describe_os_error
 from llmtailor.store.catalog import empty_run
 from llmtailor.store.run import Run
 
 console = Console(soft_wrap=True)  # a path in a result line is never broken in two
 errors = Console(stderr=True, soft_wrap=True)
 
-CORRUPTED = "(file is corrupted)"  # how the store's checksum mismatches end (store/checked.py)
 DAMAGED_ADVICE = "llmtailor verify RUN names every damaged file; an older --step may not read it"
 STEP_HELP = "Composite as of this step: the newest committed snapshot at or before it (default: the newest)."
 
@@ -32,11 +31,23 @@ def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return command(*args, **kwargs)
         except TailorError as err:
-            fail(str(err) + (f"\n{DAMAGED_ADVICE}" if CORRUPTED in str(err) else ""))
+            fail(str(err) + (f"\n{DAMAGED_ADVICE}" if damaged(err) else ""))
         except OSError as err:  # the last line of defence: the library names paths itself
             fail(describe_os_error(err))
 
     return wrapper
+
+
+def damaged(err: BaseException | None) -> bool:
+    """Whether ``err`` is a DamagedFileError (a file of a run missing, truncated or corrupted),
+    or was raised from one (a message that wraps it), as its traceback would chain them."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, DamagedFileError):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ if err.__cause__ is not None or err.__suppress_context__ else err.__context__
+    return False
 
 
 def fail(message: str) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from llmtailor.cli.common import STEP_HELP
 
@@ -44,7 +45,7 @@ def drift(
         from llmtailor.plots import plot_drift
 
         plot_drift(history, kind.value, plot)
-        console.print(f"[green]wrote[/] {plot}")
+        console.print(f"[green]wrote[/] {escape(str(plot))}")
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 
 def import_deepspeed(
@@ -32,10 +33,10 @@ def import_deepspeed(
     manifest = Run(out).manifest(step)
     console.print(
         f"[green]imported[/] step {step}: {len(manifest.units)} units, {manifest.total_bytes() / 2**20:.1f} MiB "
-        f"from {checkpoint} into {out}"
+        f"from {escape(str(checkpoint))} into {escape(out)}"
     )
     for line in manifest.notes.get("client_state_not_kept", []):
-        console.print(f"[yellow]not kept[/]: {line}")
+        console.print(f"[yellow]not kept[/]: {escape(line)}")
 
 
 def register(app: typer.Typer) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 
 def import_hf(
@@ -30,7 +31,7 @@ def import_hf(
     size = manifest.total_bytes()
     console.print(
         f"[green]imported[/] step {step}: {len(manifest.units)} units, {size / 2**20:.1f} MiB "
-        f"from {checkpoint_dir} into {out}"
+        f"from {escape(str(checkpoint_dir))} into {escape(out)}"
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from llmtailor.errors import TailorError
 
@@ -53,23 +54,24 @@ def merge(
         try:
             plan = stack.enter_context(open_plan(plan_file, out, format.value))
         except TailorError as err:
-            raise TailorError(plan_advice(plan_file, str(err))) from None
+            raise TailorError(plan_advice(plan_file, err)) from err  # a damaged source's hint follows it
         for warning in plan.warnings:
-            errors.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+            errors.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
         if dry_run or verbose:
             console.print(actions_table(plan, verbose))
         if dry_run:
             return
         with unit_progress(console, "merging units") as progress:
             target = execute(plan, out, format=format.value, progress=progress, max_shard_size=shard_bytes)
-    console.print(f"[green]wrote[/] {target} ({len(plan.layout.units)} units, step {plan.step})")
+    console.print(f"[green]wrote[/] {escape(str(target))} ({len(plan.layout.units)} units, step {plan.step})")
 
 
-def plan_advice(plan_file: Path, message: str) -> str:
-    """``message`` (why the plan was refused) and, where it is the plan's fault, what to do."""
-    from llmtailor.cli.common import CORRUPTED
+def plan_advice(plan_file: Path, err: TailorError) -> str:
+    """Why the plan was refused (``err``'s message) and, where it is the plan's fault, what to do."""
+    from llmtailor.cli.common import damaged
 
-    if "\n" in message or CORRUPTED in message or not message.startswith(f"{plan_file}:"):
+    message = str(err)
+    if "\n" in message or damaged(err) or not message.startswith(f"{plan_file}:"):
         return message  # not the plan's (the output, a damaged source), or it says what to do itself
     if message == f"{plan_file}: no such plan file":
         return f"{message}\ncheck the path: a YAML file, mergekit's form or LLMTailor's"
@@ -86,7 +88,7 @@ def actions_table(plan, verbose: bool = False):
         f"{plan.plan_file}: {len(plan.actions)} tensor actions into {len(plan.layout.units)} units; "
         f"state (step {plan.step}) from {plan.state_from}; optimizer state {'moved' if plan.optimizer else 'dropped'}"
     )
-    table = Table(title=title)
+    table = Table(title=escape(title))  # cells and title are markup: a path's [...] is text
     for column in ("destination unit", "destination tensor", "source", "source tensor"):
         # Folded, never cut to "…": two sources whose paths differ at their end must stay apart.
         table.add_column(column, overflow="fold")
@@ -97,10 +99,10 @@ def actions_table(plan, verbose: bool = False):
         if verbose:
             for a in actions:
                 note = a.describe()
-                table.add_row(unit, a.dest_key, source, a.source_key + (f" ({note})" if note else ""))
+                table.add_row(unit, escape(a.dest_key), escape(source), escape(a.source_key + (f" ({note})" if note else "")))
         else:
             saved = first.source_unit + (f", saved at step {first.step}" if first.step is not None else "")
-            table.add_row(unit, f"{len(actions)} tensors", source, saved)
+            table.add_row(unit, f"{len(actions)} tensors", escape(source), escape(saved))
     return table
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -117,7 +118,7 @@ def snapshots_table(run: Run, current: int, width: int = 80) -> Group:
     tables = paged(build, units, width)
     aux = ", ".join(f"{_LETTERS[u]} {u}" for u in units if u in _LETTERS)
     head = Text.from_markup(
-        f"[bold]{run.root}[/]: {len(steps)} snapshot(s); * the composite shown below\n"
+        f"[bold]{escape(str(run.root))}[/]: {len(steps)} snapshot(s); * the composite shown below\n"
         f"● saved here; N: that composite's version is N saves old; × its snapshot is gone. "
         f"Columns: layers by index; {aux}."
     )
@@ -165,7 +166,7 @@ def composite_table(run: Run, composite: Composite) -> Table:
     table.add_row("[bold]total[/]", "", "", "", f"[bold]{human_bytes(written)}[/]", f"[bold]{human_bytes(kept)}[/]")
     base = composite.manifest.base
     if base is not None:
-        table.caption = f"frozen tensors kept from the base model directory {base.path} ({len(base.files)} file(s))"
+        table.caption = f"frozen tensors kept from the base model directory {escape(str(base.path))} ({len(base.files)} file(s))"
     return table
 
 
@@ -182,9 +183,9 @@ def tiers_table(states: list[TierState]) -> Table:
         keep = "all" if state.keep is None else str(state.keep)
         behind = "-" if state.lag is None else f"{state.lag}" + (f" of {bound}" if bound is not None else "")
         if state.steps is None:
-            table.add_row(state.location + this, keep, every, f"[yellow]{state.problem}[/]", "", "")
+            table.add_row(escape(state.location) + this, keep, every, f"[yellow]{escape(state.problem)}[/]", "", "")
         else:
-            table.add_row(state.location + this, keep, every, str(len(state.steps)),
+            table.add_row(escape(state.location) + this, keep, every, str(len(state.steps)),
                           "-" if state.newest is None else str(state.newest), behind)
         bound = state.max_lag
     table.caption = "behind: steps behind the newest composite of the tier above (of N: its max_lag)"

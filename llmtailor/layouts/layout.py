@@ -100,11 +100,24 @@ class FamilySpec(_Strict):
 
     def unit_for(self, name: str) -> str:
         """The unit of tensor ``name`` under this family's patterns (``other`` if none match)."""
+        hit = self._hit(name)
+        if hit is None:
+            return OTHER
+        key, m = hit
+        return layer_unit(int(m.group(1))) if key == _LAYER_KEY else key
+
+    def stack_of(self, name: str) -> str | None:
+        """The stack of layers tensor ``name`` is a layer of, named by what precedes its index
+        (``model.layers``); None for a tensor of no layer."""
+        hit = self._hit(name)
+        return name[:hit[1].start(1)].rstrip(".") if hit is not None and hit[0] == _LAYER_KEY else None
+
+    def _hit(self, name: str) -> tuple[str, re.Match[str]] | None:
         hits = [(m.start(), key, m) for key, regex in self.matchers if (m := regex.search(name))]
         if not hits:
-            return OTHER
+            return None
         _, key, m = min(hits, key=lambda hit: hit[0])  # min keeps the first of equal starts
-        return layer_unit(int(m.group(1))) if key == _LAYER_KEY else key
+        return key, m
 
 
 def list_families() -> list[str]:
@@ -167,6 +180,15 @@ class Layout:
 
     def layer_units(self) -> list[str]:
         return [u for u in self.units if u.startswith(LAYER_PREFIX)]
+
+    def layer_stacks(self) -> list[str]:
+        """The stacks of layers the layer units hold, in model order, each named by what
+        precedes the layer index: one for a language model (``model.layers``); several for a
+        multimodal one under the name-based fallback (``model.language_model.layers``,
+        ``model.vision_tower.encoder.layers``), whose unit ``layer.<i>`` holds layer i of each."""
+        spec = load_family(self.family)
+        stacks = (spec.stack_of(name) for unit in self.layer_units() for name in self.units[unit])
+        return list(dict.fromkeys(s for s in stacks if s is not None))
 
     def aux_units(self) -> list[str]:
         return [u for u in self.units if not u.startswith(LAYER_PREFIX)]

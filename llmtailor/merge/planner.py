@@ -25,6 +25,7 @@ Invariants of a ``MergePlan``:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -253,16 +254,23 @@ PLACE_BOUND = {
 }
 """Config keys whose non-zero value binds a model's layers to their places (gemma3n, gemma4):
 a layer moved, or a stack of another depth, would meet another layer's per-layer input block
-or cache, which no tensor of the layer's own unit says; the plan is refused, never merged wrong."""
+or cache, which no tensor of the layer's own unit says; the plan is refused, never merged wrong.
+So are the layers of a model whose layer units hold several stacks (a multimodal model's text
+and vision towers, ``Layout.layer_stacks``): a plan names layers of one stack, and moving a
+unit would move the other stacks' layers with it (mergekit 0.1.5 refuses ``slices`` for such a
+model, asking for its per-module syntax, which llmtailor does not take)."""
 
 
 def _layers_kept_in_place(sources: dict[str, Source], layers: list[_Layer], found: _Findings) -> None:
-    """A source whose config binds its layers to their places (``PLACE_BOUND``) may give the
-    output only a stack of its own depth, each layer at its own place."""
+    """A source whose config binds its layers to their places (``PLACE_BOUND``), or whose layer
+    units hold several stacks of layers, may give the output only a stack of its own depth,
+    each layer at its own place."""
     for label in dict.fromkeys(label for label, *_ in layers):
         config = sources[label].config or {}
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal model's
         bound = [why for key, why in PLACE_BOUND.items() if config.get(key) or text.get(key)]
+        if len(stacks := sources[label].layout.layer_stacks()) > 1:
+            bound.append(f"{len(stacks)} stacks of layers ({', '.join(stacks)}), layer i of each in its unit layer.i")
         depth = sources[label].layout.num_layers
         moved = [(i, j) for i, (other, j, *_) in enumerate(layers) if other == label and i != j]
         if bound and (moved or len(layers) != depth):
@@ -536,24 +544,42 @@ def _optimizer_groups(sources, state_label, layout, assignment, renames, where) 
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": m} for g, m in zip(state_groups, members)]
 
 
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+"""Where transformers' configs hold their number of layers, for a model no family file
+describes (gemma3, gemma4, ...): the first that holds the source's number of layer units is
+its layer count, updated where a plan changes the depth (before, a cut gemma4 kept its old
+count beside the cut layer_types, and transformers refused to load it)."""
+
+
 def _model_config(sources, state_label, first, num_layers_key, layers: list[tuple[str, int]], cast,
                   where) -> dict[str, Any] | None:
     """The output's HF config: the state source's (else the first slice's), its layer count
-    under the family's own key, its dtype the cast's, and its ``layer_types`` (per layer: sliding
+    under the family's own key (a family without one, as the name-based fallback: the usual key
+    that holds the source's number of layers, ``LAYER_COUNT_KEYS``), its dtype the cast's, and its ``layer_types`` (per layer: sliding
     or full attention, ...) those of the output's layers (``layers``: output layer i is layer j
     of a source) as their sources' configs give them, so each layer keeps the attention it was
     trained with wherever a plan puts it."""
-    config = sources[state_label].config or sources[first].config
+    label = state_label if sources[state_label].config else first
+    config = sources[label].config
     if config is None:
         return None
     config = dict(config)
+    if num_layers_key is None:
+        depth = sources[label].layout.num_layers
+        num_layers_key = next((key for key in LAYER_COUNT_KEYS if config.get(key) == depth), None)
     if num_layers_key is not None and config.get(num_layers_key) not in (None, len(layers)):
         config[num_layers_key] = len(layers)
-    moved = any(j != i for i, (_, j) in enumerate(layers))  # a config without the list: derived only then (torch)
-    if (own := _kinds(config, derive=moved)) is not None:
-        kinds = _layer_types(sources, own, layers, where)
-        if "layer_types" in config or kinds != own:  # none written where the config's own class derives these
-            config["layer_types"] = kinds
+    # A config without the list: derived (transformers' config classes import torch) only where
+    # a layer moved or comes from a source of another config, whose kinds may differ at a place.
+    moved = any(j != i for i, (_, j) in enumerate(layers))
+    own = _kinds(config, derive=moved or any(sources[other].config != sources[label].config for other, _ in layers))
+    kinds = _layer_types(sources, own, layers, where) if own is not None else None
+    if kinds is not None and ("layer_types" in config or kinds != own):  # none written where its class derives them
+        config["layer_types"] = kinds
+    if isinstance(config.get("per_layer_config"), dict):
+        config["per_layer_config"] = _per_layer_config(sources, layers, where)
+    if kinds is not None and kinds != own and len(set(kinds)) > 1:  # one kind throughout: nothing to force
+        _refuse_changed_kinds(config, kinds, layers, where)
     if cast is not None:
         config["torch_dtype"] = config["dtype"] = cast
     return config
@@ -575,6 +601,45 @@ def _layer_types(sources, own: list, layers: list[tuple[str, int]], where) -> li
             raise ConfigError(f"{where}: the output's config mixes layer_types {sorted(set(own))}, and the config of "
                               f"{label!r} gives none for its layer {j}: which attention that layer had is unknown")
     return kinds
+
+
+def _refuse_changed_kinds(config: dict[str, Any], kinds: list, layers: list[tuple[str, int]], where) -> None:
+    """ConfigError where the output config's transformers class would not keep ``kinds`` (the
+    output's layers' own): gemma4's makes its last layer full attention whatever the list says,
+    so a stack ending in a sliding layer would load that layer as another kind (of another
+    shape). Checked only for a stack of mixed kinds that changed (transformers' config classes import
+    torch); nothing to check where transformers does not know the config."""
+    try:
+        import transformers
+
+        kept = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(copy.deepcopy(config)).layer_types  # it edits its input
+    except Exception:  # no such class or attribute, or a config it refuses (as loading the output would say)
+        return
+    changed = [i for i, (ours, theirs) in enumerate(zip(kinds, kept)) if ours != theirs]
+    if changed:
+        i = changed[0]
+        label, j = layers[i]
+        raise ConfigError(f"{where}: the output's layer {i} is layer {j} of {label!r}, a {kinds[i]} layer, which "
+                          f"transformers' {config['model_type']!r} config makes a {kept[i]} layer there: it would not "
+                          f"load as it was trained; put a {kept[i]} layer there")
+
+
+def _per_layer_config(sources, layers: list[tuple[str, int]], where) -> dict[str, Any]:
+    """The output's ``per_layer_config`` (gemma4's: the overrides of some layers, as a
+    full-attention layer's wider ``head_dim``, keyed by layer index): each output layer's entry
+    is its source layer's, from that source's config, so the entries follow their layers as
+    ``layer_types`` do (before, a cut gemma4 kept an entry for a layer it no longer had, which
+    transformers refuses, and a layer moved met its new place's overrides)."""
+    entries: dict[str, Any] = {}
+    for i, (label, j) in enumerate(layers):
+        own = (sources[label].config or {}).get("per_layer_config")
+        if not isinstance(own, dict):
+            raise ConfigError(f"{where}: the output's config has a per_layer_config, and the config of {label!r} has "
+                              f"none: which overrides its layer {j} had is unknown")
+        entry = own.get(str(j), own.get(j))  # JSON's keys are strings; a config object's may be ints
+        if entry is not None:
+            entries[str(i)] = entry
+    return entries
 
 
 def _kinds(config: dict[str, Any] | None, derive: bool = True) -> list | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from llmtailor.distributed.progress import advance, carried
-from llmtailor.errors import IntegrityError, TailorError
+from llmtailor.errors import DamagedFileError, IntegrityError, TailorError
 from llmtailor.store import dtypes
 from llmtailor.store.fetch import fetch, fetch_into, new_buffer, request_parts
 from llmtailor.store.manifest import FileEntry
@@ -54,9 +54,9 @@ def closed(sink: Sink) -> None:
 def _check_found_size(storage: Storage, key: str, entry: FileEntry, size: int | None) -> None:
     """The file ``key``, of ``size`` bytes as the store answered (None: missing), against ``entry``."""
     if size is None:
-        raise IntegrityError(f"{storage.where(key)}: file is missing")
+        raise DamagedFileError(f"{storage.where(key)}: file is missing")
     if size != entry.bytes:
-        raise IntegrityError(f"{storage.where(key)}: {size} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
+        raise DamagedFileError(f"{storage.where(key)}: {size} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
 
 
 def verify_stored(storage: Storage, key: str, entry: FileEntry) -> None:
@@ -71,7 +71,7 @@ def verify_stored(storage: Storage, key: str, entry: FileEntry) -> None:
     if seen != entry.bytes:
         raise IntegrityError(f"{storage.where(key)}: {seen} bytes read, manifest says {entry.bytes} (changed while read)")
     if hasher.hexdigest() != entry.xxh3_64:
-        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+        raise DamagedFileError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
 
 
 def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
@@ -92,9 +92,9 @@ def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray | mma
 def check_stored(data: bytes | bytearray | mmap.mmap, entry: FileEntry, where: str) -> bytearray | mmap.mmap:
     """``data``, the bytes of the file ``where``, once checked against ``entry`` (size and checksum)."""
     if len(data) != entry.bytes:
-        raise IntegrityError(f"{where}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
+        raise DamagedFileError(f"{where}: {len(data)} bytes stored, manifest says {entry.bytes} (truncated or replaced)")
     if checksum(data) != entry.xxh3_64:
-        raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+        raise DamagedFileError(f"{where}: checksum mismatch (file is corrupted)")
     return data if isinstance(data, (bytearray, mmap.mmap)) else bytearray(data)
 
 
@@ -120,7 +120,7 @@ def fetch_stored_tensors(storage: Storage, key: str, entry: FileEntry, expected:
             return _fetch_into(storage, key, entry, layout, into, hasher)
     data = fetch(storage, key, 0, entry.bytes, hasher, sized=lambda size: _check_found_size(storage, key, entry, size))
     if hasher.hexdigest() != entry.xxh3_64:
-        raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+        raise DamagedFileError(f"{where}: checksum mismatch (file is corrupted)")
     view = memoryview(data)
     check_header(parse_header(lambda start, length: view[start : start + length], len(data), where)[1], where, expected)
     return decode_tensors(data, where)
@@ -135,12 +135,12 @@ def _fetch_parts_into(storage: Storage, key: str, entry: FileEntry, expected: di
     header, got = _landed(storage, key, entry, expected, into, hasher)
     if header is None:
         if checksum(got) != entry.xxh3_64:
-            raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+            raise DamagedFileError(f"{where}: checksum mismatch (file is corrupted)")
         view = memoryview(got)
         check_header(parse_header(lambda start, length: view[start : start + length], len(got), where)[1], where, expected)
         return decode_tensors(got, where)
     if hasher.hexdigest() != entry.xxh3_64:
-        raise IntegrityError(f"{where}: checksum mismatch (file is corrupted)")
+        raise DamagedFileError(f"{where}: checksum mismatch (file is corrupted)")
     return got
 
 
@@ -166,7 +166,7 @@ def checked_landed(tensors: dict[str, torch.Tensor], names: dict[str, str], wher
         if name not in tensors:
             raise IntegrityError(f"{where}: tensor {name!r} is missing")
         if checksum(byte_view(tensors[name])) != expected:
-            raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
+            raise DamagedFileError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
         out[name] = tensors[name]
     return out
 
@@ -384,7 +384,7 @@ def _fetch_into(storage: Storage, key: str, entry: FileEntry, layout: tuple[byte
     hasher.update(head)
     fetch_into(storage, key, len(head), views, hasher)
     if hasher.hexdigest() != entry.xxh3_64:
-        raise IntegrityError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
+        raise DamagedFileError(f"{storage.where(key)}: checksum mismatch (file is corrupted)")
     return out
 def read_stored_tensors(storage: Storage, key: str, entry: FileEntry) -> dict[str, torch.Tensor]:
     """Every tensor of a checked safetensors file (``read_stored``); never unpickles."""
@@ -451,7 +451,7 @@ def read_checked_tensors(storage: Storage, key: str, names: dict[str, str]) -> d
 
     size = storage.size(key)
     if size is None:
-        raise IntegrityError(f"{storage.where(key)}: file is missing")
+        raise DamagedFileError(f"{storage.where(key)}: file is missing")
     where = storage.where(key)
     offset, header = parse_header(lambda start, length: storage.read_range(key, start, length), size, where)
     out = {}
@@ -462,7 +462,7 @@ def read_checked_tensors(storage: Storage, key: str, names: dict[str, str]) -> d
         begin, end = info["data_offsets"]
         data = bytearray(storage.read_range(key, offset + begin, end - begin))
         if checksum(data) != expected:
-            raise IntegrityError(f"{where}: tensor {name!r} differs from the one the run recorded (checksum mismatch)")
+            raise DamagedFileError(f"{where}: tensor {name!r} differs from the one the run recorded (checksum mismatch)")
         dtype = dtypes.to_torch(dtypes.from_code(info["dtype"]))
         shape = [int(d) for d in info["shape"]]
         out[name] = torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
@@ -515,7 +515,7 @@ def read_stored_parts(storage: Storage, key: str, header: tuple[int, dict[str, d
         fetch_into(storage, key, offset + run_begin, views)
         for (begin, end, name), view in zip(members, views):
             if checksum(view) != names[name]:
-                raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
+                raise DamagedFileError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
     return out
 
 
@@ -547,7 +547,7 @@ def checked_parts(data: bytearray | mmap.mmap, header: tuple[int, dict[str, dict
             raise IntegrityError(f"{where}: tensor {name!r} is missing")
         begin, end = info["data_offsets"]
         if checksum(view[offset + begin : offset + end]) != expected:
-            raise IntegrityError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
+            raise DamagedFileError(f"{where}: checksum mismatch in tensor {name!r} (file is corrupted)")
         code = dtypes.from_code(info["dtype"])
         shape, count = [int(d) for d in info["shape"]], (end - begin) // dtypes.itemsize(code)
         out[name] = (torch.frombuffer(data, dtype=dtypes.to_torch(code), count=count, offset=offset + begin).reshape(shape)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from llmtailor.errors import IntegrityError
+from llmtailor.errors import DamagedFileError, IntegrityError
 from llmtailor.store import dtypes
 from llmtailor.store.checked import stored_header
 from llmtailor.store.fetch import fetch
@@ -257,7 +257,7 @@ class ChunkReader:
                     hasher.update(piece)
                 found = hasher.hexdigest()
             if found != chunk.pages[at // page]:
-                raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
+                raise DamagedFileError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r}, "
                                      f"bytes {at}-{min(at + page, high)} (file is corrupted){_LANDED if landed else ''}")
         box = list(_spanning(segments, start - low, end - low))
         return box[0] if len(box) == 1 else memoryview(bytearray().join(box))
@@ -279,7 +279,7 @@ class ChunkReader:
                 landed = isinstance(self.received.get((storage.identity(), key, begin, length)), list)
                 data = self._fetch(storage, key, begin, length, hasher)  # checksummed while it is fetched
                 if hasher.hexdigest() != chunk.xxh3_64:
-                    raise IntegrityError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
+                    raise DamagedFileError(f"{storage.where(key)}: checksum mismatch in tensor {tensor.chunk_key(chunk)!r} "
                                          f"(file is corrupted){_LANDED if landed else ''}")
             whole = (torch.frombuffer(data, dtype=tensor.torch_dtype).reshape(chunk.shape) if length
                      else torch.empty(chunk.shape, dtype=tensor.torch_dtype))

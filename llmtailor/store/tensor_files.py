@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from llmtailor.distributed.progress import advance
-from llmtailor.errors import IntegrityError, describe_os_error
+from llmtailor.errors import DamagedFileError, IntegrityError, describe_os_error
 from llmtailor.store import dtypes
 from llmtailor.store.manifest import FileEntry
 from llmtailor.store.storage.base import PIECE
@@ -199,7 +199,7 @@ def stream_tensors(
             if paged is not None:
                 pages[key] = {"page_bytes": page, "pages": paged.finish()}
             if isinstance(tensor, ByteSource) and tensor.expect_xxh3 not in (None, sums[key]):
-                raise IntegrityError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
+                raise DamagedFileError(f"{tensor.path}: checksum mismatch in the bytes of {key!r} (file is corrupted)")
         sink.close()
     except BaseException:
         sink.abort()

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, STATEFUL_KEY, is_pack, rank_state_files
-from llmtailor.errors import IntegrityError, TailorError, UnsupportedLayoutError
+from llmtailor.errors import DamagedFileError, IntegrityError, TailorError, UnsupportedLayoutError
 from llmtailor.store.catalog import Catalog, Composite
 from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_landed, checked_parts,
                                      checked_tensors, fetch_stored_tensors, fetch_whole, fetch_whole_into, read_checked_tensors,
@@ -226,7 +226,7 @@ class UnitReader:
         else:
             line = bytes(self.catalog.storage.read_range(where, start, end - start))
         if len(line) != ref.index.bytes or checksum(line) != ref.index.xxh3_64:
-            raise IntegrityError(f"{self.catalog.storage.where(where)}: the index of unit {unit!r} (bytes {start} to "
+            raise DamagedFileError(f"{self.catalog.storage.where(where)}: the index of unit {unit!r} (bytes {start} to "
                                  f"{end}) does not match its checksum (file is corrupted)")
         return line
 

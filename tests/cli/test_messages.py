@@ -84,6 +84,23 @@ def test_a_damaged_file_says_how_to_find_every_one(runs, tmp_path):
                                                 "use a --step that verifies"]
 
 
+def test_the_damaged_file_hint_follows_the_error_type_not_its_text(runs, tmp_path):
+    """A truncated file is damage too, though its message does not say "corrupted"; a path that
+    holds those words is not. BEFORE: ``error: .../global.safetensors: 7670 bytes stored, manifest
+    says 7680 (truncated or replaced)`` alone; and a missing run named ``(file is corrupted)``
+    told to run verify (a third line)."""
+    shutil.copytree(runs / "run", tmp_path / "truncated")
+    data = tmp_path / "truncated" / "snapshots" / "step-00000006" / "global.safetensors"
+    data.write_bytes(data.read_bytes()[:-10])
+    result = invoke("assemble", str(tmp_path / "truncated"), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2 and "(truncated or replaced)" in result.output.splitlines()[0], result.output
+    assert result.output.splitlines()[1:] == [INDENT + "llmtailor verify RUN names every damaged file; an older "
+                                              "--step may not read it"]
+    cause_then_what_to_do(invoke("inspect", f"{tmp_path}/(file is corrupted)"), 2,
+                          f"{tmp_path}/(file is corrupted): no such run directory",
+                          "check the path: give the directory (or URL) that a Tailor saved into")
+
+
 def test_a_bad_plan_says_to_fix_it_and_that_nothing_was_written(runs, tmp_path):
     """BEFORE: the plan's fault alone."""
     plan = tmp_path / "plan.yaml"
@@ -137,3 +154,33 @@ def test_a_flag_is_not_shown_as_taking_a_value(args):
     assert result.exit_code == 0 and "--help" in result.output
     assert "<bool>" not in result.output
     assert invoke("merge", "plan.yaml", "-o", "out", "--dry-run=yes").exit_code == 2  # still a flag
+
+
+def test_a_path_with_brackets_is_printed_as_it_is(runs, tmp_path):
+    """Paths are text, never rich markup: ``sweep[lr=1e-4]`` keeps its brackets, and ``a[/b]``
+    (a directory ``a[`` holding ``b]``) is no closing tag. BEFORE: inspect printed the run as
+    ``sweep``; assemble said ``wrote .../out/checkpoint-6`` of what it wrote into ``out[lr=1]``;
+    inspect of ``a[/b]`` ended in a traceback (``MarkupError: closing tag '[/b]' ...``)."""
+    for name in ("sweep[lr=1e-4]", "a[/b]"):
+        shutil.copytree(runs / "run", tmp_path / name)
+        shown = CliRunner().invoke(app, ["inspect", str(tmp_path / name)], env={"COLUMNS": "300"})
+        assert shown.exit_code == 0 and "Traceback" not in shown.output, shown.output
+        assert shown.output.startswith(f"{tmp_path / name}: 3 snapshot(s)"), shown.output
+    wrote = invoke("assemble", str(tmp_path / "sweep[lr=1e-4]"), "-o", str(tmp_path / "out[lr=1]"))
+    assert wrote.exit_code == 0 and wrote.output.splitlines()[-1] == f"wrote {tmp_path}/out[lr=1]/checkpoint-6"
+    plan = tmp_path / "plan[v2].yaml"
+    source = str(tmp_path / "a[/b]")
+    plan.write_text(yaml.safe_dump({"slices": [{"sources": [{"model": source, "layer_range": [0, 2]}]},
+                                               {"sources": [{"model": source, "layer_range": [1, 1]}]}]}))
+    planned = CliRunner().invoke(app, ["merge", str(plan), "-o", str(tmp_path / "m"), "--dry-run"], env={"COLUMNS": "300"})
+    assert planned.exit_code == 0 and "Traceback" not in planned.output, planned.output
+    assert f"{plan}: " in planned.output and f"{source}@6" in planned.output, planned.output
+    assert f"warning: slices[1]: zero-width layer_range [1, 1] of '{source}' ignored" in planned.output
+
+
+def test_drift_writes_its_plot_where_it_says(runs, tmp_path):
+    """BEFORE: ``--plot DIR/plot`` wrote ``DIR/plot.png`` (matplotlib added the suffix) and said
+    ``wrote DIR/plot``."""
+    result = invoke("drift", f"{runs}/run", "--plot", str(tmp_path / "plot"))
+    assert result.exit_code == 0 and result.output.splitlines()[-1] == f"wrote {tmp_path}/plot", result.output
+    assert (tmp_path / "plot").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()

@@ -421,6 +421,54 @@ def test_each_layer_keeps_its_attention_kind_wherever_a_plan_puts_it(tmp_path, l
         assert model.config.layer_types == [kinds[j] for j in order]
 
 
+def test_a_cut_gemma4_keeps_its_layers_overrides_and_a_last_layer_transformers_would_change_is_refused(tmp_path):
+    """A gemma4 (no family file: the name-based layout) cut to 4 of its 6 layers: its config's
+    layer count and per_layer_config (a full-attention layer's wider head_dim, by layer index)
+    follow the layers kept, and transformers loads it whole. Cut to 5, its last layer would be a
+    sliding one, which transformers' gemma4 config makes full attention (of another shape): refused.
+    BEFORE: the cut to 4 kept ``num_hidden_layers`` 6 and the entry of layer 5, and transformers
+    refused to load it (``num_hidden_layers (6) must be equal to the number of layer_types (4)``);
+    the cut to 5 merged as well."""
+    from llmtailor.errors import ConfigError
+
+    config = transformers.CONFIG_MAPPING["gemma4_text"](vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                                          layer_types=["sliding_attention", "full_attention"] * 3,
+                                                          hidden_size_per_layer_input=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    out = merge(plan(tmp_path / "cut.yaml", {"slices": slices((tmp_path / "g", (0, 4)))}), tmp_path / "cut", format="model")
+    written = json.loads((out / "config.json").read_text())
+    assert (written["num_hidden_layers"], sorted(written["per_layer_config"])) == (4, ["1", "3"])
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    with pytest.raises(ConfigError, match=r"the output's layer 4 is layer 4 of .*, a sliding_attention layer, which "
+                                          r"transformers' 'gemma4_text' config makes a full_attention layer there"):
+        merge(plan(tmp_path / "odd.yaml", {"slices": slices((tmp_path / "g", (0, 5)))}), tmp_path / "odd", format="model")
+    assert not (tmp_path / "odd").exists()
+
+
+def test_a_layer_in_place_keeps_its_kind_when_its_source_lists_other_kinds_than_the_state_source(tmp_path):
+    """The state source's config.json has no layer_types (a gemma2 saved before transformers
+    wrote it: sliding and full in turn); the other source lists its own (all sliding). No layer
+    moves, yet the output's layer 1, from the other source, is a sliding one. BEFORE: the output
+    config had no list, and transformers gave layer 1 the state source's kind (full attention)."""
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8)
+    for name, kinds in (("a", None), ("b", ["sliding_attention"] * 4)):
+        torch.manual_seed(0)
+        made = transformers.Gemma2Config(**config, **({"layer_types": kinds} if kinds else {}))
+        transformers.AutoModelForCausalLM.from_config(made).save_pretrained(tmp_path / name)
+        if kinds is None:
+            saved = json.loads((tmp_path / name / "config.json").read_text())
+            del saved["layer_types"]
+            (tmp_path / name / "config.json").write_text(json.dumps(saved))
+    out = merge(plan(tmp_path / "p.yaml", {"slices": slices((tmp_path / "b", (0, 2)), (tmp_path / "a", (2, 4)))}),
+                tmp_path / "out", format="model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.layer_types == ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+
 def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_place(tmp_path):
     """A gemma4's full-attention layers are wider than its sliding ones: one moved to a sliding
     layer's place does not fit there, and the refusal says so, naming where it was put, not that
@@ -438,6 +486,35 @@ def test_layers_of_another_shape_moved_within_one_model_are_named_with_their_pla
     assert "does not fit the output's layers, as the config of that source has them" in message, message
     assert re.search(r"its layer\.\d \(put at layer\.\d\) differ in shape", message), message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_multimodal_models_layer_units_hold_each_towers_layer_and_stay_in_place(tmp_path):
+    """A multimodal gemma4 (the name-based layout) holds text layer i and vision layer i in its
+    unit layer.i: a plan names text layers, so a stack of the text's depth would drop the deeper
+    vision tower's last layers, and a layer moved would move a vision layer with it. Both are
+    refused, naming the stacks; the whole model merges. BEFORE: the text-depth plan merged an
+    output missing vision layers 2 and 3 (transformers initialised them at random); the swap
+    was refused as ``lacks 13 tensors (...vision_tower...): another architecture``."""
+    from llmtailor.errors import ConfigError
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                hidden_size_per_layer_input=0)
+    config = transformers.CONFIG_MAPPING["gemma4"](text_config=text, audio_config=None, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=5, num_attention_heads=2))
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "g")
+    g = tmp_path / "g"
+    stacks = r"has 2 stacks of layers \(model\.language_model\.layers, model\.vision_tower\.encoder\.layers\)"
+    for name, ranges, change in (("text-depth", [(0, 3)], "makes a stack of 3 layers from its 5"),
+                                 ("swap", [(1, 2), (0, 1), (2, 5)], "puts its layer 1 at layer 0")):
+        with pytest.raises(ConfigError, match=rf"{stacks}, layer i of each in its unit layer\.i; the plan {change}:"):
+            merge(plan(tmp_path / f"{name}.yaml", {"slices": slices(*((g, r) for r in ranges))}), tmp_path / name,
+                  format="model")
+        assert not (tmp_path / name).exists()
+    out = merge(plan(tmp_path / "whole.yaml", {"models": [{"model": str(g)}]}), tmp_path / "whole", format="model")
+    _, info = transformers.AutoModelForImageTextToText.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
 
 
 @pytest.mark.parametrize("bound,multimodal", [("per-layer inputs", False), ("KV sharing", False), ("per-layer inputs", True)])

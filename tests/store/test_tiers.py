@@ -775,3 +775,21 @@ def test_a_close_interrupted_twice_leaves_no_lock_and_its_promotion_takes_none_b
     assert [level.lock.held for level in tailor.tiers.levels] == [False, False]
     for where in ("home", "memory"):
         assert WriterLock(tmp_path / where).storage.locks.writer().holder_if_other() is None
+
+
+def test_an_empty_run_is_named_once_per_tier_and_is_no_damage(tmp_path):
+    """Restoring a step from tiers that hold nothing names each tier's cause on one line (an
+    empty run's what-to-do line is the single run's message, not a tier's part of this one);
+    restore(fallback=True) of an empty run says it has no snapshot, as restore() does. BEFORE:
+    ``no tier holds the composite of step 4 whole (.../fast: .../fast: no committed snapshot in
+    this run directory\\ngive a run that has saved, ...; .../slow: ...)``; and an IntegrityError."""
+    from llmtailor.errors import SnapshotNotFoundError
+
+    tailor = Tailor(tmp_path / "slow", *tiny(layers=2, hidden=16), tiers=[Tier(tmp_path / "fast", keep=2)])
+    with pytest.raises(SnapshotNotFoundError) as raised:
+        tailor.restore(4)
+    assert str(raised.value) == (f"no tier holds the composite of step 4 whole ({tmp_path}/fast: no committed snapshot "
+                                 f"in this run directory; {tmp_path}/slow: no committed snapshot in this run directory)")
+    tailor.close()
+    with pytest.raises(SnapshotNotFoundError, match="no committed snapshot in this run directory\ngive a run"):
+        Tailor(tmp_path / "single", *tiny(layers=2, hidden=16)).restore(fallback=True)

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from typing import NamedTuple
 
 from llmtailor.constants import CARRIED_FOR
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, TailorError
+from llmtailor.errors import SnapshotNotFoundError, TailorError
 from llmtailor.store.catalog import LeasedComposite, empty_run
 from llmtailor.store.run import Run
 from llmtailor.store.tiers.levels import Level
@@ -62,8 +62,8 @@ def _choose_among(levels: list[Level], step: int | None, offer: NodeChoice | Non
             try:  # whole in this tier: every snapshot it needs is there
                 held = levels[i].run.lease(offer.step if offer is not None and i == 0 else step)
             except TailorError as err:
-                why.append(f"{levels[i].name}: {err}")
-                passed.setdefault(newest, f"{levels[i].name}: {err}")
+                why.append(f"{levels[i].name}: {tier_reason(levels[i], err)}")
+                passed.setdefault(newest, why[-1])
                 continue
             if best is None or held.composite.step > best[0].step:
                 if best is not None:
@@ -114,13 +114,20 @@ def candidates(levels: list[Level], offer: NodeChoice | None = None) -> Candidat
             except TailorError as err:
                 if len(levels) == 1:
                     raise
-                unread.append(f"{level.name} could not be read: {err}")
-        if len(levels) == 1 and not attempts:
-            raise IntegrityError(empty_run(levels[0].run.root))
+                unread.append(f"{level.name} could not be read: {tier_reason(level, err)}")
+        if len(levels) == 1 and not attempts:  # no snapshot, as restore() says: not damage
+            raise SnapshotNotFoundError(empty_run(levels[0].run.root))
         if not attempts:
             raise SnapshotNotFoundError(f"no tier holds a committed composite whole ({'; '.join(unread) or 'every tier is empty'})")
         attempts.sort(key=lambda attempt: (-attempt[1], attempt[0]))
         return Candidates(attempts, unread, newest_held(levels))
+
+
+def tier_reason(level: Level, err: TailorError) -> str:
+    """``err`` as one tier's part of a message about several: its cause only (its first line:
+    a what-to-do line, as an empty run's, is not one tier's), without the tier's name where it
+    begins with it (the message names the tier before it)."""
+    return str(err).split("\n", 1)[0].removeprefix(f"{level.name}: ")
 
 
 def newest_steps(levels: list[Level], on_problem: Callable[[int, TailorError], None]) -> list[tuple[int, int]]:

@@ -832,7 +832,8 @@ class NodePosts:
     def failed(self, node: int, step: int, paths: list[str], failure: BaseException) -> None:
         """Every file of ``paths`` not posted yet fails its readers with ``failure``."""
         for path in paths:
-            self.file(node, step, path, {"error": str(failure), "kind": type(failure).__name__})
+            kind = IntegrityError if isinstance(failure, IntegrityError) else type(failure)  # a DamagedFileError too
+            self.file(node, step, path, {"error": str(failure), "kind": kind.__name__})
 
     def end(self, node: int, error: str | None, failure: BaseException | None) -> None:
         self._post(f"{node}/end", {"error": error, "failure": None if failure is None else str(failure)})
