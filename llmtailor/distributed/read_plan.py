@@ -68,6 +68,11 @@ memory, no copy: at 1 MiB (the bench's 720 KB projections joined too) the copies
 the messages they saved (bench/RESULTS.md, session 58)."""
 
 
+_SLACK = 32
+"""``balance``'s ``together`` lets a rank take 1/this more bytes than the bound to read an item with
+the others of its object (as ``store.units.TOGETHER_GAP`` lets a read take in bytes between two ranges)."""
+
+
 def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None,
             together: Mapping[K, Hashable] | None = None) -> dict[K, int]:
     """Item -> rank, balancing bytes: items by size, largest first (equal sizes in the given
@@ -81,9 +86,11 @@ def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[i
     a reader reads the items of one object it has together, in one request (``Run.reading_together``):
     an item then goes to a rank that has an item of its object already (the fewest bytes of those
     first) while that rank's bytes stay within the fair share (all bytes / ``world``) or the most
-    any rank has so far, whichever is more; else as above. So an object's items are on as few
-    readers as the balance allows (before, a pack's equal layers went round the ranks, each rank
-    a request of it), and no rank ends with more than that bound or the greedy rule's own."""
+    any rank has so far, whichever is more, and 1/``_SLACK`` of it (a unit's norm of a few KB
+    joins the rank reading its pack even where that rank has the most: a request costs more than
+    reading that much more); else as above. So an object's items are on as few readers as the
+    balance allows (before, a pack's equal layers went round the ranks, each rank a request of
+    it), and no rank ends with more than that bound or the greedy rule's own."""
     load = [0] * world
     owners: dict[K, int] = {}
     order = list(sizes)
@@ -94,7 +101,7 @@ def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[i
         allowed = sorted(set((candidates or {}).get(item) or ())) or range(world)
         rank = min(allowed, key=lambda r: (load[r], r))
         if together is not None and together.get(item) is not None:
-            bound = max(fair, max(load))
+            bound = max(fair, max(load)) * (1 + 1 / _SLACK)
             joined = [r for r in allowed if r in readers.get(together[item], ()) and load[r] + sizes[item] <= bound]
             if joined:
                 rank = min(joined, key=lambda r: (load[r], r))
