@@ -117,6 +117,8 @@ class Faults:
         server, or queued there, when its client gave up)."""
         self.held: list[dict] = []
         self.seen: list[tuple[str, str, int | str | None]] = []
+        self.ranges: list[tuple[str, str, str | None]] = []
+        """``(method, key, its Range header or None)`` of every request, as ``seen``."""
         self._app: Callable | None = None
 
     def land(self) -> list[str]:
@@ -153,6 +155,7 @@ def faulty_moto() -> Iterator[tuple[str, Faults]]:
                 pass
             status = lost
         faults.seen.append((method, key, status))
+        faults.ranges.append((method, key, environ.get("HTTP_RANGE")))
         if status == DROP:
             start_response("500 Dropped", [("Content-Length", "0")])
             environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)

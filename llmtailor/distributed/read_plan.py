@@ -68,20 +68,44 @@ memory, no copy: at 1 MiB (the bench's 720 KB projections joined too) the copies
 the messages they saved (bench/RESULTS.md, session 58)."""
 
 
-def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None) -> dict[K, int]:
+_SLACK = 32
+"""``balance``'s ``together`` lets a rank take 1/this more bytes than the bound to read an item with
+the others of its object (as ``store.units.TOGETHER_GAP`` lets a read take in bytes between two ranges)."""
+
+
+def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[int]] | None = None,
+            together: Mapping[K, Hashable] | None = None) -> dict[K, int]:
     """Item -> rank, balancing bytes: items by size, largest first (equal sizes in the given
     order), each to the rank with the fewest bytes so far (ties to the lowest rank) among its
     ``candidates`` (those that can read it: the ranks whose node holds its files, in a node-local
     tier), every rank for an item without any. The one rule for who writes which unit at a save
     and who reads which at a restore, so every provider balances alike; deterministic, so every
-    rank computes the same without a message."""
+    rank computes the same without a message.
+
+    ``together``: item -> the object it is read from (a pack file holding several units), where
+    a reader reads the items of one object it has together, in one request (``Run.reading_together``):
+    an item then goes to a rank that has an item of its object already (the fewest bytes of those
+    first) while that rank's bytes stay within the fair share (all bytes / ``world``) or the most
+    any rank has so far, whichever is more, and 1/``_SLACK`` of it (a unit's norm of a few KB
+    joins the rank reading its pack even where that rank has the most: a request costs more than
+    reading that much more); else as above. So an object's items are on as few readers as the
+    balance allows (before, a pack's equal layers went round the ranks, each rank a request of
+    it), and no rank ends with more than that bound or the greedy rule's own."""
     load = [0] * world
     owners: dict[K, int] = {}
     order = list(sizes)
     position = {item: at for at, item in enumerate(order)}
+    fair = sum(sizes.values()) / max(world, 1)
+    readers: dict[Hashable, set[int]] = {}  # object -> the ranks given an item of it so far
     for item in sorted(order, key=lambda i: (-sizes[i], position[i])):
         allowed = sorted(set((candidates or {}).get(item) or ())) or range(world)
         rank = min(allowed, key=lambda r: (load[r], r))
+        if together is not None and together.get(item) is not None:
+            bound = max(fair, max(load)) * (1 + 1 / _SLACK)
+            joined = [r for r in allowed if r in readers.get(together[item], ()) and load[r] + sizes[item] <= bound]
+            if joined:
+                rank = min(joined, key=lambda r: (load[r], r))
+            readers.setdefault(together[item], set()).add(rank)
         load[rank] += sizes[item]
         owners[item] = rank
     return owners
@@ -98,16 +122,17 @@ class ReadPlan:
     ``items``: name (what an error calls it, e.g. ``unit 'layer.1' of step 4``) -> bytes, in an
     order every rank shares; ``ranks``: the group's global ranks (all of the job's by default)
     and ``group`` its process group (None: the default one); ``candidates``: item -> the global
-    ranks that can read it (``balance``; none given: any rank of the group)."""
+    ranks that can read it (``balance``; none given: any rank of the group); ``together``: item
+    -> the object its reader reads it from with the others of that object it reads (``balance``)."""
 
     def __init__(self, coordinator: Coordinator, items: dict[str, int], ranks: list[int] | None = None, group: Any = None,
-                 candidates: Mapping[str, Collection[int]] | None = None):
+                 candidates: Mapping[str, Collection[int]] | None = None, together: Mapping[str, Hashable] | None = None):
         self.coordinator = coordinator
         self.ranks = list(range(coordinator.world_size)) if ranks is None else list(ranks)
         self.group = group
         positions = {item: [self.ranks.index(r) for r in allowed if r in self.ranks]
                      for item, allowed in (candidates or {}).items()}
-        owners = balance(items, len(self.ranks), positions)
+        owners = balance(items, len(self.ranks), positions, together)
         self.readers = {item: self.ranks[owners[item]] for item in items}
         """Item -> the global rank that reads it from the store, in the items' order."""
         self.sizes = dict(items)

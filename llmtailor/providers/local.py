@@ -28,7 +28,7 @@ from llmtailor.layouts import Layout
 from llmtailor.providers import optimizer as optim_state
 from llmtailor.providers.base import ConfigRecord, StateProvider, copy_into, loading, peft_config, unwrap
 from llmtailor.store.codec import plain_value
-from llmtailor.constants import KIND_WEIGHT
+from llmtailor.constants import KIND_WEIGHT, is_pack
 from llmtailor.store.tensor_files import tensor_checksum
 from llmtailor.store.keys import optim_key, split_key, split_unit, weight_key
 from llmtailor.store.manifest import UnitEntry, dtype_name
@@ -296,7 +296,7 @@ class LocalProvider(StateProvider):
         specs = {unit: [(t.torch_dtype, t.shape) for t in wanted[unit]] for unit in sources}
         units = {f"unit {unit!r} of step {source}": unit for unit, source in sources.items()}
         plan = ReadPlan(self.coordinator, {item: nbytes(specs[unit]) for item, unit in units.items()}, ranks, group,
-                        candidates=self._readable(run, sources, entries, units))
+                        candidates=self._readable(run, sources, entries, units), together=self._packs(run, sources, entries, units))
 
         skipped = {unit: {t.key for t in entries[unit].tensors} - {t.key for t in wanted[unit]} for unit in sources}
 
@@ -316,6 +316,21 @@ class LocalProvider(StateProvider):
                 unit = units[item]
                 values = {name: dict(plain) for name, plain in entries[unit].values.items()}
                 yield unit, {**dict(zip((t.key for t in wanted[unit]), tensors)), **held[unit]}, values
+
+    @staticmethod
+    def _packs(run: Run, sources: dict[str, int], entries: dict[str, UnitEntry], units: dict[str, str]) -> dict[str, tuple[int, str]]:
+        """Item -> the pack file its unit's tensors lie in (``(step, path)``), for a unit in one
+        pack of a remote store: a reader reads the units of a pack it has together, in one
+        request (``Run.reading_together``), so the plan keeps a pack's units on as few readers
+        as the byte balance allows (``balance``'s ``together``)."""
+        if not run.storage.remote:
+            return {}
+        packs = {}
+        for item, unit in units.items():
+            held = {(f.origin if f.origin is not None else sources[unit], f.path) for f in entries[unit].files if f.origin != "base"}
+            if len(held) == 1 and is_pack(next(iter(held))[1]):
+                packs[item] = next(iter(held))
+        return packs
 
     def _readable(self, run: Run, sources: dict[str, int], entries: dict[str, UnitEntry],
                   units: dict[str, str], keys: dict[str, Collection[str]] | None = None) -> dict[str, list[int]]:

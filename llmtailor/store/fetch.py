@@ -14,7 +14,8 @@ file fastest as one stream, and the checksum of each part then overlaps the read
 ``_read_in_order``). The bytes are returned only after every part is in; the caller
 compares the checksum before it uses them. From a remote store, where a request costs a round
 trip whatever its size, a fetch's short last part (under half a part) comes with the part before
-it, in one request of up to a part and a half (``_joined``).
+it, in one request of up to a part and a half (``_joined``). A part is ``PART`` bytes, or the
+storage's own request size (``Storage.request_bytes``: an object store's is larger, ``part_bytes``).
 
 A whole file read from its start (``sized``) has its size checked by the request of its first
 part where the store's ranged read answers it (an object store's GET: ``Storage.read_start``),
@@ -50,6 +51,12 @@ _SMALL = 256 << 10
 _workers = LazyPool(WORKERS, "llmtailor-fetch")
 
 
+def part_bytes(storage: Storage) -> int:
+    """Bytes of one request of a large range of ``storage``: its own request size where it has
+    one (``Storage.request_bytes``), else ``PART``."""
+    return storage.request_bytes or PART
+
+
 def new_buffer(length: int) -> bytearray | mmap.mmap:
     """A writable buffer of ``length`` bytes (``torch.frombuffer`` takes either kind)."""
     return mmap.mmap(-1, length) if length >= _LARGE else bytearray(length)
@@ -83,13 +90,14 @@ def fetch_into(storage: Storage, key: str, start: int, views: list[memoryview], 
         raise ValueError("fetch_into: a size is checked only on a read from the file's start")
     # A remote store pays a round trip per request whatever its size: there consecutive views
     # are read together up to a whole part (one copy out of the store's answer costs less).
-    parts = _parts(start, views, PART if storage.remote else _SMALL, join=storage.remote)
+    request = part_bytes(storage)
+    parts = _parts(start, views, request if storage.remote else _SMALL, join=storage.remote, part=request)
     if sized is not None:
         if storage.remote and parts:
             parts[0].sized = sized
         else:  # a local file's size costs no round trip; its reads go straight into the views
             sized(storage.size(key))
-    if sum(part.length for part in parts) <= PART:  # small: one thread, no hand-over
+    if sum(part.length for part in parts) <= request:  # small: one thread, no hand-over
         for part in parts:
             part.read(storage, key)
             part.done(hasher)
@@ -168,7 +176,7 @@ def request_parts(storage: Storage, key: str, length: int, sized: Sized) -> tupl
     requests (``Requests``: at most ``storage.reads_in_flight`` in flight ahead of the caller, as
     ``fetch_into``'s). ``sized``: as ``fetch_into``'s, called from the first part's request
     before its bytes are given."""
-    cuts = part_cuts(length)
+    cuts = part_cuts(length, part=part_bytes(storage))
     parts = [_Part(start, None, [], end - start) for start, end in zip(cuts, [*cuts[1:], length])]
     parts[0].sized = sized
 
@@ -256,16 +264,18 @@ class _Part:
             self.answer = None
 
 
-def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join: bool = False) -> list[_Part]:
-    """The requests filling ``views`` from ``start``: a view over ``PART`` bytes cut into parts of
-    ``PART``, views of under ``small_under`` bytes next to each other read as one, up to that
-    many bytes (a Llama unit's norms and step counters are a few bytes each: one request, not
-    one each). ``join`` (a remote store): no request ends a fetch or a view under half a part
-    after a full one: it is joined to that one (``_joined``), so requests are of up to a part
-    and a half."""
+def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join: bool = False,
+           part: int | None = None) -> list[_Part]:
+    """The requests filling ``views`` from ``start``: a view over ``part`` bytes (``PART`` where
+    not given) cut into parts of ``part``, views of under ``small_under`` bytes next to each other
+    read as one, up to that many bytes (a Llama unit's norms and step counters are a few bytes
+    each: one request, not one each). ``join`` (a remote store): no request ends a fetch or a
+    view under half a part after a full one: it is joined to that one (``_joined``), so requests
+    are of up to a part and a half."""
+    part = part or PART
     parts: list[_Part] = []
     small: list[memoryview] = []
-    at, limit = start, min(small_under, PART)
+    at, limit = start, min(small_under, part)
 
     def flush() -> None:
         if small:
@@ -279,32 +289,34 @@ def _parts(start: int, views: list[memoryview], small_under: int = _SMALL, join:
         if len(view) < limit:
             small.append(view)
         else:
-            cuts = part_cuts(len(view), join)
+            cuts = part_cuts(len(view), join, part)
             parts += [_Part(at + cut, view[cut : end]) for cut, end in zip(cuts, [*cuts[1:], len(view)])]
         at += len(view)
     flush()
     if join:  # a short last request joins the one before it
-        parts[-2:] = _joined(parts[-2:])
+        parts[-2:] = _joined(parts[-2:], part)
     return parts
 
 
-def part_cuts(length: int, join: bool = True) -> list[int]:
-    """Where the requests of ``length`` bytes start (offsets from 0): every ``PART`` bytes; with
-    ``join`` (a remote store), a last one under half a part is left to the one before it (no short
-    last request: ``_joined``), so requests are of up to a part and a half."""
-    cuts = list(range(0, length, PART))
-    if join and len(cuts) > 1 and length - cuts[-1] < PART // 2:
+def part_cuts(length: int, join: bool = True, part: int | None = None) -> list[int]:
+    """Where the requests of ``length`` bytes start (offsets from 0): every ``part`` bytes
+    (``PART`` where not given); with ``join`` (a remote store), a last one under half a part is
+    left to the one before it (no short last request: ``_joined``), so requests are of up to a
+    part and a half."""
+    part = part or PART
+    cuts = list(range(0, length, part))
+    if join and len(cuts) > 1 and length - cuts[-1] < part // 2:
         cuts.pop()
     return cuts
 
 
-def _joined(last: list[_Part]) -> list[_Part]:
+def _joined(last: list[_Part], part: int) -> list[_Part]:
     """The last two requests of a remote fetch, joined into one (its answer copied out to the
     views they fill) when together they are under a part and a half. A request costs a
     round trip whatever its size (and an S3 emulator such as moto reads the whole object for
     each ranged GET), so a range a little over a part's size (a Llama layer's 8.9 MB in a pack:
     8 MiB and 0.9 MB) is one request, not two; a copy of its bytes costs less."""
-    if len(last) < 2 or last[0].length + last[1].length >= PART + PART // 2:
+    if len(last) < 2 or last[0].length + last[1].length >= part + part // 2:
         return last
     first, second = last
     return [_Part(first.at, None, (first.scatter or [first.view]) + (second.scatter or [second.view]))]

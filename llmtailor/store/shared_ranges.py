@@ -11,8 +11,9 @@ group (a unit's: a group is loaded once its bytes are in), and exchange them
 most a part and a half per file (``_batches``: a pack's layer shards, a few MB each, are then a
 request for two, not one each), so a rank holds one batch's bytes at a time besides the reads
 ahead. The union of every rank's ranges of a file in a batch, ranges less than ``GAP`` bytes
-apart joined, is cut into pieces of ``fetch.PART`` bytes (a short last one joined to the one
-before: up to a part and a half, ``_pieces``); each piece is one item of a read plan
+apart joined, is cut into pieces of a part, the storage's request size (``fetch.part_bytes``:
+16 MiB from an object store; a short last one joined to the one before: up to a part and a
+half, ``_pieces``); each piece is one item of a read plan
 (``distributed.read_plan``): fetched by one rank (balanced by bytes, two read ahead on two
 threads) in one request, and sent to each rank that needs part of it, only the parts its
 ranges cover (``ReadPlan.deliver``, point to point: a rank receives about what it uses, not
@@ -20,7 +21,7 @@ every piece); each rank uses its parts where they were received (a range cut ove
 pieces is copied together). A rank's box whose live target takes its bytes as they are
 (FSDP2's shards: ``read_once``'s ``landing``) is sent apart from the page margins around it
 and received straight into the target: no buffer and no copy for those bytes. A file is then fetched in about its size
-/ ``PART`` requests in all, each byte once (plus what the joined gaps hold). A batch's groups
+/ a part's requests in all, each byte once (plus what the joined gaps hold). A batch's groups
 are loaded on a thread of its own while the next batch's pieces are read and sent.
 
 Checks: none here. The reads that take the bytes (``ChunkReader``, its ``received``) check
@@ -56,7 +57,7 @@ from llmtailor.distributed.read_plan import ALIGN, ReadPlan, ReadRefused, balanc
 from llmtailor.errors import IntegrityError
 from llmtailor.store.checked import stored_header
 from llmtailor.store.manifest import FileEntry
-from llmtailor.store.fetch import PART, fetch_into, part_cuts
+from llmtailor.store.fetch import PART, fetch_into, part_bytes, part_cuts
 from llmtailor.store.storage import Storage
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ def read_once(coordinator: Coordinator, storage: Storage, needs: dict[str, list[
 
     cut, everyone, aparts, landing = _said(coordinator, needs, landing or {}, f"{tag}/ranges")
     groups = list(dict.fromkeys(group for ranks in everyone for group in ranks))
-    batches = _batches(groups, everyone)
+    batches = _batches(groups, everyone, part_bytes(storage))
     pieces = _named_pieces(batches, everyone, storage)
     last = {batch: name for name, (batch, _) in pieces.items()}
     by_rank = {batch: [_by_file((r for group in batch for r in ranks.get(group, ())), aparts[rank])
@@ -196,7 +197,7 @@ def _named_pieces(batches: list[tuple[str, ...]], everyone: list[dict[str, list]
     which bytes of which file they are, with their batch."""
     pieces: dict[str, tuple[tuple[str, ...], Range]] = {}
     for batch in batches:
-        for piece in _pieces(tuple(r) for ranks in everyone for group in batch for r in ranks.get(group, ())):
+        for piece in _pieces((tuple(r) for ranks in everyone for group in batch for r in ranks.get(group, ())), part_bytes(storage)):
             name = f"bytes {piece[1]}-{piece[1] + piece[2]} of {storage.where(piece[0])}"
             pieces[name if name not in pieces else f"{name} (for {batch[-1]})"] = (batch, piece)
     return pieces
@@ -290,11 +291,12 @@ def _address(data: memoryview) -> int | None:
     return torch.frombuffer(data, dtype=torch.uint8).data_ptr() if len(data) else None
 
 
-def _batches(groups: list[str], everyone: list[dict[str, list]]) -> list[tuple[str, ...]]:
+def _batches(groups: list[str], everyone: list[dict[str, list]], part: int = PART) -> list[tuple[str, ...]]:
     """``groups`` in order, consecutive ones together while each file's bytes of them (every
-    rank's ranges, summed) stay under a part and a half: fetched together, a file's ranges of
-    small groups (a 4.45 MB layer shard each, in a pack) are one request, not one each (a
-    request costs a round trip whatever its size). A group larger than that is a batch alone."""
+    rank's ranges, summed) stay under a part and a half (``part``: the storage's request size,
+    ``fetch.part_bytes``): fetched together, a file's ranges of small groups (a 4.45 MB layer
+    shard each, in a pack) are one request, not one each (a request costs a round trip whatever
+    its size). A group larger than that is a batch alone."""
     batches: list[tuple[str, ...]] = []
     current: list[str] = []
     held: dict[str, int] = {}  # bytes of the current batch, by file
@@ -303,7 +305,7 @@ def _batches(groups: list[str], everyone: list[dict[str, list]]) -> list[tuple[s
         for ranks in everyone:
             for key, _, length in ranks.get(group, ()):
                 sizes[key] = sizes.get(key, 0) + length
-        if current and any(held.get(key, 0) + n >= PART + PART // 2 for key, n in sizes.items()):
+        if current and any(held.get(key, 0) + n >= part + part // 2 for key, n in sizes.items()):
             batches.append(tuple(current))
             current, held = [], {}
         current.append(group)
@@ -436,11 +438,12 @@ class _Groups:
             raise self.failure
 
 
-def _pieces(ranges: Iterable[Range]) -> list[Range]:
+def _pieces(ranges: Iterable[Range], part: int = PART) -> list[Range]:
     """The union of ``ranges``, per file: ranges overlapping or less than ``GAP`` bytes apart
-    joined, each cut into pieces of ``PART`` bytes, the last one joined to the one before when
-    under half a part (a request costs a round trip whatever its size: ``fetch._joined``), so
-    pieces are of up to a part and a half; sorted by key and start."""
+    joined, each cut into pieces of ``part`` bytes (the storage's request size,
+    ``fetch.part_bytes``), the last one joined to the one before when under half a part (a
+    request costs a round trip whatever its size: ``fetch._joined``), so pieces are of up to a
+    part and a half; sorted by key and start."""
     joined: list[list] = []
     for key, start, length in sorted(r for r in ranges if r[2] > 0):
         if joined and joined[-1][0] == key and start <= joined[-1][2] + GAP:
@@ -449,6 +452,6 @@ def _pieces(ranges: Iterable[Range]) -> list[Range]:
             joined.append([key, start, start + length])
     pieces = []
     for key, start, end in joined:
-        cuts = [start + cut for cut in part_cuts(end - start)]
+        cuts = [start + cut for cut in part_cuts(end - start, part=part)]
         pieces += [(key, at, until - at) for at, until in zip(cuts, [*cuts[1:], end])]
     return pieces

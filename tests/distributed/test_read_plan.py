@@ -68,6 +68,35 @@ def test_an_item_is_read_by_one_of_its_candidates_the_ranks_whose_node_holds_its
     assert plan.readers == {"a": 7, "b": 4, "c": 1, "d": 1}
 
 
+def test_the_items_of_one_object_stay_on_as_few_readers_as_the_byte_balance_allows():
+    """Items read from one object together (a pack's units: ``Run.reading_together``, one request
+    for all a reader has of it) go to a rank that has one of them already while its bytes stay
+    within the fair share or the most any rank has: two packs of four equal layers at two ranks,
+    each pack on one reader, where the greedy rule alone sent the layers round the ranks (each
+    rank a request of each pack). A pack larger than a fair share is spread still, and no rank
+    ends with more bytes than the fair share or the greedy rule's most."""
+    def loads(owners, sizes, world):
+        return [sum(n for i, n in sizes.items() if owners[i] == r) for r in range(world)]
+
+    sizes = {f"{pack}{k}": 10 for pack in "ab" for k in range(4)}
+    packs = {item: item[0] for item in sizes}
+    greedy = balance(sizes, 2)
+    assert {greedy["a0"], greedy["a1"]} == {0, 1}  # round the ranks
+    owners = balance(sizes, 2, together=packs)
+    assert [{owners[f"{pack}{k}"] for k in range(4)} for pack in "ab"] == [{0}, {1}], owners
+    sizes = {f"p{k}": 10 for k in range(8)} | {"x": 20, "y": 20, "z": 1}
+    owners = balance(sizes, 3, together={f"p{k}": "P" for k in range(8)})
+    assert len({owners[f"p{k}"] for k in range(8)}) > 1, owners
+    assert max(loads(owners, sizes, 3)) <= max(sum(sizes.values()) / 3, max(loads(balance(sizes, 3), sizes, 3))), owners
+    # A norm of a few bytes joins its layer's reader even where that rank has the most bytes
+    # (within 1/32 of them), where the greedy rule sent it to the other rank: its pack then two requests.
+    sizes = {"embed": 2000, "layer.0": 1000, "layer.1": 1000, "norm": 4}
+    assert balance(sizes, 2)["norm"] == 0
+    assert balance(sizes, 2, together={"layer.0": "A", "norm": "A", "layer.1": "B"}) == {"embed": 0, "layer.0": 1, "layer.1": 1, "norm": 1}
+    # Candidates still bound where an item goes.
+    assert balance({"a0": 10, "a1": 10}, 2, {"a1": [1]}, together={"a0": "A", "a1": "A"}) == {"a0": 0, "a1": 1}
+
+
 def test_the_ranks_that_can_read_files_of_a_node_local_snapshot_are_those_on_the_nodes_holding_them():
     from llmtailor.constants import pack_filename, unit_filename
     from llmtailor.store.node_parts import reading_ranks

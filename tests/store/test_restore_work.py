@@ -559,3 +559,45 @@ def test_a_readers_caches_kept_from_several_threads_at_once_drop_their_oldest_wi
     finally:
         sys.setswitchinterval(interval)
     assert failures == [] and len(reader._units) <= units._UNIT_CACHE
+
+
+def test_on_an_object_store_a_unit_file_of_up_to_a_large_part_and_a_half_is_read_in_one_get_counted_at_the_server(tokens, monkeypatch):
+    """S3's server counts the requests: a restore reads a unit file of 18 MB (a 6000 x 256
+    embedding with AdamW's two moments) in one ranged GET, into the live tensors or, as a rank
+    of a read plan reads, into new buffers. It was two GETs of 8 MiB parts (three for the bench's
+    24.6 MB units), and a server such as moto reads the whole object for each. Every weight is
+    the saved one."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from objectstore import faulty_moto, new_bucket, set_environment
+
+    from llmtailor.training_example import TinyConfig, build_model, hf_param_groups
+
+    def trained(seed: int):
+        model = build_model(TinyConfig(hidden_size=256, layers=1, intermediate_size=64, vocab_size=6000), seed=seed)
+        optimizer = torch.optim.AdamW(hf_param_groups(model), lr=1e-3)
+        batch = torch.randint(0, 6000, (1, 16))
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        return model, optimizer
+
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        url = f"s3://{new_bucket(endpoint)}/run"
+        with Tailor(url, *trained(0), policy=Parity(), track_drift=False) as tailor:
+            tailor.save(1)
+        run = Run(url)
+        sizes = {key: n for key, n in run.storage.walk("snapshots") if "/units/" in key}
+        assert sizes and all(12 << 20 < n <= 24 << 20 for n in sizes.values()), sizes  # embed and head
+        for into in (True, False):
+            if not into:  # as ``_read_once``'s readers read: nothing to read into
+                from llmtailor.store import units
+                real = units.UnitReader.read
+                monkeypatch.setattr(units.UnitReader, "read", lambda self, step, unit, skip=frozenset(), into=None:
+                                    real(self, step, unit, skip))
+            fresh = trained(3)
+            faults.ranges.clear()
+            Tailor(url, *fresh, policy=Parity(), read_only=True, track_drift=False).restore()
+            gets = {key: [r for method, asked, r in faults.ranges if method == "GET" and asked.endswith(f"/{key}")] for key in sizes}
+            assert all(len(ranges) == 1 for ranges in gets.values()), gets
+            assert_weights_of(run, 1, fresh[0])

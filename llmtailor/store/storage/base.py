@@ -142,6 +142,8 @@ class Storage(ABC):
     reads_in_flight: int | None = None
     """Parts of one range a fetch keeps requested at once (``store.fetch``); None: as many as
     its pool runs (an object store serves ranged requests side by side)."""
+    request_bytes: int | None = None
+    """Bytes of one request of a large range (``store.fetch.part_bytes``); None: ``fetch.PART``."""
 
     remote = False
     """Whether each read is a request over the network (an object store): a read then costs a
