@@ -30,6 +30,10 @@ with its own code; at ``on_fit_start``, ``Tailor.restore`` of that composite the
 in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
 starts the next snapshots from that composite's lineage). A directory with no committed composite
 is refused naming it; any other ``ckpt_path`` goes to the strategy's checkpoint I/O unchanged.
+A fit from step 0 (no ``ckpt_path``, or ``"last"``, which Lightning answers from
+``ModelCheckpoint`` files only) into a run holding a composite is refused at ``on_fit_start``,
+before training: its first save would start a lineage of its own there, and retention then
+deleted what the run held.
 Which run a ``ckpt_path`` names is the storage's identity (``file:///data/exp`` is ``/data/exp``).
 ``llmtailor assemble RUN --format lightning`` writes the same dict as a ``.ckpt`` file plain
 Lightning resumes from.
@@ -169,6 +173,8 @@ class TailorCheckpoint(Checkpoint):
         # Before Lightning sets up the training data: the DataLoader iterator it makes then draws its
         # base seed from the RNG streams restored here, as the uninterrupted run's next epoch did.
         live = (pl_module, *_one_optimizer(trainer))
+        if self._resume is None and not trainer.ckpt_path:
+            self._refuse_a_fresh_start()
         stateful = {LIGHTNING_KEY: Recorded(lambda: self._lightning_state(trainer))}
         self._tailor = Tailor(self.run_dir, *live, config=self.config, stateful=stateful)
         if self._resume is None:
@@ -220,6 +226,21 @@ class TailorCheckpoint(Checkpoint):
             if shared:
                 raise ConfigError(f"two TailorCheckpoint callbacks of this Trainer write to {shared[0]}: a run has "
                                   "one writer; give each callback its own run directory and tiers")
+
+    def _refuse_a_fresh_start(self) -> None:
+        """Refuse, before training, a fit from step 0 (no ``ckpt_path``; ``ckpt_path="last"`` is
+        one: Lightning asks only ``ModelCheckpoint`` callbacks for it) into a run holding a
+        composite: its saves would start a lineage of their own there, so the first becomes the
+        run's newest and retention (``save_top_k``) deletes the snapshots the run held, the newest
+        state of the training it was; without retention a later save's step is one the run holds,
+        refused mid-training."""
+        newest = self.tiers().latest_step()
+        if newest is not None:
+            raise ConfigError(
+                f"{self.run_dir} holds the composite of step {newest}: fit(..., ckpt_path=checkpoint.resume_path()) "
+                "resumes from it (ckpt_path=\"last\" finds only ModelCheckpoint files); to train from step 0, give "
+                "TailorCheckpoint another run directory (or delete that run)"
+            )
 
     # -- saving ------------------------------------------------------------------------------
 
