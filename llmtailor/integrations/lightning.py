@@ -181,8 +181,10 @@ class TailorCheckpoint(Checkpoint):
             return
         run, step = self._resume
         report = restore_composite(self._tailor, run, step, live)
-        if self.tiers().index_of(run) is not None:  # its lineage goes on: that step is saved
-            self._last_saved = report.step
+        # That step is saved (in this run, whose lineage goes on, or in the other run): no save of it
+        # again, which with accumulate_grad_batches came at the next batch's end, in the middle of an
+        # accumulation whose gradients no snapshot holds.
+        self._last_saved = report.step
         self._resumed_rng = capture_rng()
         if trainer.is_global_zero:
             announce(report, run)

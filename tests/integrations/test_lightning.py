@@ -544,3 +544,23 @@ def test_a_fit_from_step_0_into_a_run_holding_a_composite_is_refused_before_it_t
     trainer = _trainer(callback, max_steps=6)
     trainer.fit(_Tiny(), ckpt_path=callback.resume_path())
     assert trainer.global_step == 6 and run.steps() == [6]
+
+
+def test_a_fit_from_another_run_with_gradient_accumulation_saves_only_at_accumulation_boundaries(tmp_path):
+    """Resumed from another run's step 2 with accumulate_grad_batches=2, the global step stays 2
+    for the next batch: the save of step 2 made at that batch's end held the weights of step 2 and
+    the loops past a batch whose gradients it did not hold (a resume from it skipped that batch's
+    contribution). Its saves are at the steps it trains to, each after an accumulation's last batch."""
+
+    def fit(run_dir: Path, max_steps: int, ckpt_path: str | None = None) -> L.Trainer:
+        trainer = _trainer(TailorCheckpoint(run_dir, every_n_train_steps=2), max_steps=max_steps,
+                           accumulate_grad_batches=2)
+        trainer.fit(_Tiny(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(tmp_path / "a", 2)
+    fit(tmp_path / "b", 4, str(tmp_path / "a"))
+    run = Run(tmp_path / "b")
+    batches = {step: run.read_global(step)["stateful"]["lightning"]["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+               ["total"]["processed"] for step in run.steps()}
+    assert batches == {4: 8}
