@@ -65,7 +65,7 @@ from accelerate import Accelerator
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.integrations.location import run_location
-from llmtailor.integrations.resume import restore_composite
+from llmtailor.integrations.resume import refuse_a_fresh_start, restore_composite
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
 from llmtailor.providers.stateful import not_saved
@@ -117,8 +117,10 @@ class TailorAccelerator(Accelerator):
                 "resume from it would step without them; save after the optimizer step of an accumulation's last "
                 "micro step (if accelerator.sync_gradients: accelerator.save_state(...))"
             )
-        if self._tailor is None:  # no tailored save_state or load_state yet
-            self._refuse_a_new_lineage()
+        if self._tailor is None:  # no tailored save_state or load_state yet (module docstring)
+            refuse_a_fresh_start(self._tiers(), self.tailor_run_dir,
+                                 ", which this accelerator did not load: load_state() resumes from it "
+                                 "(tailor_resumable() says whether there is one)", "give another tailor_run_dir")
         tailor = self._tailor_for_run()
         if step is None:
             step = (tailor.latest_step() or 0) + 1
@@ -165,20 +167,6 @@ class TailorAccelerator(Accelerator):
                 self._lock.release()
             finally:
                 super().end_training()
-
-    def _refuse_a_new_lineage(self) -> None:
-        """Refuse the first save of an accelerator that loaded nothing into a run holding a
-        composite (a restart that left out ``load_state``): it would start a lineage of its own
-        there, become the run's newest composite, and retention (``keep``) would delete the
-        snapshots the run held, the newest state of the training it was; without retention a later
-        save's step could be one the run holds, refused then."""
-        newest = self._tiers().latest_step()
-        if newest is not None:
-            raise ConfigError(
-                f"{self.tailor_run_dir} holds the composite of step {newest}, which this accelerator did not load: "
-                "load_state() resumes from it (tailor_resumable() says whether there is one); to save a run from "
-                "scratch, give another tailor_run_dir (or delete that run)"
-            )
 
     # -- the accelerator's own state -------------------------------------------------------
 

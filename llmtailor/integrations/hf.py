@@ -62,7 +62,7 @@ from llmtailor.errors import ConfigError
 from llmtailor.integrations.location import child_location, run_location
 from llmtailor.interop.hf.files import TAILOR_TRAINER_RUN as RUN_DIRNAME
 from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
-from llmtailor.integrations.resume import Recorded, announce, restore_composite
+from llmtailor.integrations.resume import Recorded, announce, refuse_a_fresh_start, restore_composite
 from llmtailor.interop.hf.export import TRAINER_STATE_KEY, trainer_state_json
 from llmtailor.config import TailorConfig
 from llmtailor.policies import Policy
@@ -173,8 +173,10 @@ class TailorTrainer(transformers.Trainer):
             if run is None:
                 if resume_from_checkpoint is True and get_last_checkpoint(self.args.output_dir) is None:
                     resume_from_checkpoint = None  # nothing saved yet: a first run starts fresh
-                if not resume_from_checkpoint:
-                    self._refuse_a_fresh_start()
+                if not resume_from_checkpoint:  # from step 0 (module docstring)
+                    refuse_a_fresh_start(self._tiers(), self.tailor_run_dir,
+                                         ": train(resume_from_checkpoint=True) resumes from it",
+                                         "give another output_dir or tailor_run_dir")
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             step = run.latest_step()
             scratch = self._scratch_dir()
@@ -222,19 +224,6 @@ class TailorTrainer(transformers.Trainer):
 
     def _tiers(self) -> Tiers:
         return Tiers.of(self.tailor_run_dir, self.tailor_config)
-
-    def _refuse_a_fresh_start(self) -> None:
-        """Refuse, before training, to train from step 0 into a run holding a composite: its saves
-        would start a lineage of their own there, so the first (of step ``save_steps``) becomes the
-        run's newest and retention (``save_total_limit``) deletes the snapshots the run held, the
-        newest state of the training it was (a restart that left out ``resume_from_checkpoint``);
-        without retention a later save's step is one the run holds, refused mid-training."""
-        newest = self._tiers().latest_step()
-        if newest is not None:
-            raise ConfigError(
-                f"{self.tailor_run_dir} holds the composite of step {newest}: train(resume_from_checkpoint=True) "
-                "resumes from it; to train from step 0, give another output_dir or tailor_run_dir (or delete that run)"
-            )
 
     def _scratch_dir(self) -> Path:
         """A new local directory for the resume's ``trainer_state.json``: in ``output_dir``, or

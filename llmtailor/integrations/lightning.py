@@ -65,7 +65,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.integrations.location import run_location
-from llmtailor.integrations.resume import Recorded, announce, restore_composite
+from llmtailor.integrations.resume import Recorded, announce, refuse_a_fresh_start, restore_composite
 from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
@@ -173,8 +173,10 @@ class TailorCheckpoint(Checkpoint):
         # Before Lightning sets up the training data: the DataLoader iterator it makes then draws its
         # base seed from the RNG streams restored here, as the uninterrupted run's next epoch did.
         live = (pl_module, *_one_optimizer(trainer))
-        if self._resume is None and not trainer.ckpt_path:
-            self._refuse_a_fresh_start()
+        if self._resume is None and not trainer.ckpt_path:  # from step 0 (module docstring)
+            refuse_a_fresh_start(self.tiers(), self.run_dir,
+                                 ": fit(..., ckpt_path=checkpoint.resume_path()) resumes from it (ckpt_path=\"last\" "
+                                 "finds only ModelCheckpoint files)", "give TailorCheckpoint another run directory")
         stateful = {LIGHTNING_KEY: Recorded(lambda: self._lightning_state(trainer))}
         self._tailor = Tailor(self.run_dir, *live, config=self.config, stateful=stateful)
         if self._resume is None:
@@ -228,21 +230,6 @@ class TailorCheckpoint(Checkpoint):
             if shared:
                 raise ConfigError(f"two TailorCheckpoint callbacks of this Trainer write to {shared[0]}: a run has "
                                   "one writer; give each callback its own run directory and tiers")
-
-    def _refuse_a_fresh_start(self) -> None:
-        """Refuse, before training, a fit from step 0 (no ``ckpt_path``; ``ckpt_path="last"`` is
-        one: Lightning asks only ``ModelCheckpoint`` callbacks for it) into a run holding a
-        composite: its saves would start a lineage of their own there, so the first becomes the
-        run's newest and retention (``save_top_k``) deletes the snapshots the run held, the newest
-        state of the training it was; without retention a later save's step is one the run holds,
-        refused mid-training."""
-        newest = self.tiers().latest_step()
-        if newest is not None:
-            raise ConfigError(
-                f"{self.run_dir} holds the composite of step {newest}: fit(..., ckpt_path=checkpoint.resume_path()) "
-                "resumes from it (ckpt_path=\"last\" finds only ModelCheckpoint files); to train from step 0, give "
-                "TailorCheckpoint another run directory (or delete that run)"
-            )
 
     # -- saving ------------------------------------------------------------------------------
 
