@@ -26,7 +26,12 @@ before stateful objects (its extras ``{"accelerate": state, "user": yours}``) lo
 returned) and all of that, and returns the ``RestoreReport`` (``step``, ``extra``: yours).
 ``load_state(RUN)`` of another tailored run loads from there (this run's own snapshots then
 start a lineage of their own); any other directory, and ``save_state(DIR)`` of a directory
-other than the run's, are ``Accelerator``'s own, unchanged.
+other than the run's, are ``Accelerator``'s own, unchanged. The first ``save_state`` of an
+accelerator that loaded nothing from the run is refused when the run holds a composite (a
+restart that left out ``load_state``): it would start a lineage of its own there, and retention
+then deleted what the run held. A ``save_state`` in the middle of a gradient accumulation
+(``accelerator.sync_gradients`` False: the gradients accumulated so far are in no snapshot) is
+refused: save after the optimizer step of an accumulation's last micro step.
 
 The run is what ``Tailor`` takes: a local path or an object-store URL
 (``tailor_run_dir="s3://bucket/exp"``, with ``TailorConfig(storage_options=...)``); a directory
@@ -60,7 +65,7 @@ from accelerate import Accelerator
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.integrations.location import run_location
-from llmtailor.integrations.resume import restore_composite
+from llmtailor.integrations.resume import refuse_a_fresh_start, restore_composite
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
 from llmtailor.providers.stateful import not_saved
@@ -105,6 +110,17 @@ class TailorAccelerator(Accelerator):
         accelerator's state and ``extra``; ``output_dir`` other than the run: accelerate's own save."""
         if not self._ours(output_dir):
             return super().save_state(output_dir, safe_serialization, **kwargs)
+        if not self.sync_gradients:
+            raise ConfigError(
+                f"save_state in the middle of a gradient accumulation (micro step {self.step}, accumulating "
+                f"{self.gradient_accumulation_steps}): the gradients accumulated so far are in no snapshot, so a "
+                "resume from it would step without them; save after the optimizer step of an accumulation's last "
+                "micro step (if accelerator.sync_gradients: accelerator.save_state(...))"
+            )
+        if self._tailor is None:  # no tailored save_state or load_state yet (module docstring)
+            refuse_a_fresh_start(self._tiers(), self.tailor_run_dir,
+                                 ", which this accelerator did not load: load_state() resumes from it "
+                                 "(tailor_resumable() says whether there is one)", "give another tailor_run_dir")
         tailor = self._tailor_for_run()
         if step is None:
             step = (tailor.latest_step() or 0) + 1

@@ -8,9 +8,10 @@
     trainer.train(resume_from_checkpoint=True)                   # 3: resume after a crash
 
 On Trainer's own save schedule (``save_strategy`` / ``save_steps``) ``TailorTrainer`` writes one
-tailored snapshot (the units the policy picks, plus optimizer groups, LR scheduler, RNG, and the
+tailored snapshot (the units the policy picks, plus optimizer groups, LR scheduler, RNG, the
 TrainerState and TrainingArguments as JSON, stateful objects of its Tailor named
-``trainer_state`` and ``training_args``: ``integrations/resume.py``) to its run instead of a
+``trainer_state`` and ``training_args``: ``integrations/resume.py``, and with fp16 mixed
+precision the gradient scaler, ``grad_scaler``) to its run instead of a
 ``checkpoint-N/`` directory:
 ``args.output_dir/tailored``, or ``tailor_run_dir``, a local path or an object-store URL as
 ``Tailor`` takes it (``TailorConfig.storage_options`` for the store, ``TailorConfig.tiers`` in
@@ -34,7 +35,9 @@ scheduler instead (under DeepSpeed: into the engine Trainer built, in place of
 states are set. No full checkpoint is exported. Without a committed snapshot, ``resume_from_checkpoint=True``
 falls back to Trainer's own ``checkpoint-N/`` directories in ``output_dir`` and, if there are
 none, starts from scratch (so one script serves the first run and every restart); a path to an
-ordinary ``checkpoint-N/`` directory goes to Trainer unchanged.
+ordinary ``checkpoint-N/`` directory goes to Trainer unchanged. Training from step 0 (no
+``resume_from_checkpoint``) into a run that holds a composite is refused before training: its
+first save would start a lineage of its own there, and retention then deleted what the run held.
 
 Limits: ``load_best_model_at_end`` is refused (it needs Trainer's checkpoint directories).
 """
@@ -59,7 +62,7 @@ from llmtailor.errors import ConfigError
 from llmtailor.integrations.location import child_location, run_location
 from llmtailor.interop.hf.files import TAILOR_TRAINER_RUN as RUN_DIRNAME
 from llmtailor.interop.hf.files import TRAINER_STATE_FILE as TRAINER_STATE_NAME
-from llmtailor.integrations.resume import Recorded, announce, restore_composite
+from llmtailor.integrations.resume import Recorded, announce, refuse_a_fresh_start, restore_composite
 from llmtailor.interop.hf.export import TRAINER_STATE_KEY, trainer_state_json
 from llmtailor.config import TailorConfig
 from llmtailor.policies import Policy
@@ -72,6 +75,9 @@ from llmtailor.tailor import Tailor
 
 TRAINING_ARGS_KEY = "training_args"
 """The stateful object of the Tailor recording the TrainingArguments (as JSON) at each save."""
+GRAD_SCALER_KEY = "grad_scaler"
+"""The stateful object of the Tailor holding the gradient scaler of fp16 mixed precision (what
+Trainer keeps in ``scaler.pt``), where Trainer's accelerator has one."""
 
 
 class TailorTrainer(transformers.Trainer):
@@ -138,6 +144,9 @@ class TailorTrainer(transformers.Trainer):
             # JSON round trips: only plain dicts, lists, numbers and strings go into the snapshot.
             stateful = {TRAINER_STATE_KEY: Recorded(lambda: json.loads(json.dumps(asdict(self.state)))),
                         TRAINING_ARGS_KEY: Recorded(lambda: json.loads(self.args.to_json_string()))}
+            scaler = getattr(self.accelerator, "scaler", None)  # fp16 mixed precision: Trainer's scaler.pt
+            if scaler is not None:
+                stateful[GRAD_SCALER_KEY] = scaler  # its loss scale and growth tracker, restored in place
             self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config,
                                   stateful=stateful)
         return self._tailor
@@ -164,6 +173,10 @@ class TailorTrainer(transformers.Trainer):
             if run is None:
                 if resume_from_checkpoint is True and get_last_checkpoint(self.args.output_dir) is None:
                     resume_from_checkpoint = None  # nothing saved yet: a first run starts fresh
+                if not resume_from_checkpoint:  # from step 0 (module docstring)
+                    refuse_a_fresh_start(self._tiers(), self.tailor_run_dir,
+                                         ": train(resume_from_checkpoint=True) resumes from it",
+                                         "give another output_dir or tailor_run_dir")
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             step = run.latest_step()
             scratch = self._scratch_dir()

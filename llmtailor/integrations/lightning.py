@@ -30,6 +30,10 @@ with its own code; at ``on_fit_start``, ``Tailor.restore`` of that composite the
 in place (the same values: it sets each rank's RNG streams, which Lightning does not keep, and
 starts the next snapshots from that composite's lineage). A directory with no committed composite
 is refused naming it; any other ``ckpt_path`` goes to the strategy's checkpoint I/O unchanged.
+A fit from step 0 (no ``ckpt_path``, or ``"last"``, which Lightning answers from
+``ModelCheckpoint`` files only) into a run holding a composite is refused at ``on_fit_start``,
+before training: its first save would start a lineage of its own there, and retention then
+deleted what the run held.
 Which run a ``ckpt_path`` names is the storage's identity (``file:///data/exp`` is ``/data/exp``).
 ``llmtailor assemble RUN --format lightning`` writes the same dict as a ``.ckpt`` file plain
 Lightning resumes from.
@@ -61,7 +65,7 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from llmtailor.config import TailorConfig
 from llmtailor.errors import ConfigError, UnsupportedStateError
 from llmtailor.integrations.location import run_location
-from llmtailor.integrations.resume import Recorded, announce, restore_composite
+from llmtailor.integrations.resume import Recorded, announce, refuse_a_fresh_start, restore_composite
 from llmtailor.interop.lightning import LIGHTNING_KEY, TENSOR_KEYS, lightning_checkpoint
 from llmtailor.policies import Policy
 from llmtailor.providers.rng import capture_rng, restore_rng
@@ -169,14 +173,20 @@ class TailorCheckpoint(Checkpoint):
         # Before Lightning sets up the training data: the DataLoader iterator it makes then draws its
         # base seed from the RNG streams restored here, as the uninterrupted run's next epoch did.
         live = (pl_module, *_one_optimizer(trainer))
+        if self._resume is None and not trainer.ckpt_path:  # from step 0 (module docstring)
+            refuse_a_fresh_start(self.tiers(), self.run_dir,
+                                 ": fit(..., ckpt_path=checkpoint.resume_path()) resumes from it (ckpt_path=\"last\" "
+                                 "finds only ModelCheckpoint files)", "give TailorCheckpoint another run directory")
         stateful = {LIGHTNING_KEY: Recorded(lambda: self._lightning_state(trainer))}
         self._tailor = Tailor(self.run_dir, *live, config=self.config, stateful=stateful)
         if self._resume is None:
             return
         run, step = self._resume
         report = restore_composite(self._tailor, run, step, live)
-        if self.tiers().index_of(run) is not None:  # its lineage goes on: that step is saved
-            self._last_saved = report.step
+        # That step is saved (in this run, whose lineage goes on, or in the other run): no save of it
+        # again, which with accumulate_grad_batches came at the next batch's end, in the middle of an
+        # accumulation whose gradients no snapshot holds.
+        self._last_saved = report.step
         self._resumed_rng = capture_rng()
         if trainer.is_global_zero:
             announce(report, run)

@@ -6,7 +6,9 @@ counters and registered objects load back through ``Tailor.restore``; Trainer's
 ``TrainerState`` and Lightning's loop state are ``Recorded``: Trainer and Lightning restore them
 with their own code, from what the integration hands them (a ``trainer_state.json``, a
 checkpoint dict) before the Tailor restores. Each resumes with ``restore_composite``: from its
-own run (the run directory or one of its tiers) or from another tailored run.
+own run (the run directory or one of its tiers) or from another tailored run; training that
+restored nothing is refused, before its first save, in a run holding a composite
+(``refuse_a_fresh_start``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from llmtailor.errors import ConfigError
 from llmtailor.reports import RestoreReport, describe_sources
 from llmtailor.store.run import Run
+from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
 
 
@@ -55,3 +59,16 @@ def announce(report: RestoreReport, run: Run) -> None:
     """Print, for the log, which composite a resume loaded and where each unit came from."""
     print(f"llmtailor: resumed from the composite of step {report.step} in {run.root} "
           f"({describe_sources(report.sources)})", flush=True)
+
+
+def refuse_a_fresh_start(tiers: Tiers, run_dir: Any, resume: str, instead: str) -> None:
+    """Refuse training that restored nothing from ``tiers`` (a restart that left out its resume
+    line) once they hold a composite, before its first save: that save would start a lineage of
+    its own there and become the run's newest composite, so retention (``keep``) deleted the
+    snapshots the run held, the newest state of the training it was; without retention a later
+    save's step could be one the run holds, refused mid-training. ``resume``: how the framework
+    resumes from it; ``instead``: how to train from scratch."""
+    newest = tiers.latest_step()
+    if newest is not None:
+        raise ConfigError(f"{run_dir} holds the composite of step {newest}{resume}; to train from scratch, {instead} "
+                          "(or delete that run)")

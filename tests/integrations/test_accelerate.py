@@ -457,3 +457,70 @@ def test_a_plain_accelerate_save_state_directory_comes_in_through_load_state_bit
     restored = state(model, optimizer)
     assert restored.keys() == ours[1].keys() and all(torch.equal(restored[k], ours[1][k]) for k in restored)
     again.end_training()
+
+
+def test_the_first_save_into_a_run_holding_a_composite_this_accelerator_did_not_load_is_refused(tmp_path):
+    """A restart that left out ``load_state``: its first save (step 2) would start a lineage of its
+    own, become the run's newest composite, and retention (keep=1) would delete step 4, the newest
+    state of the training the run held."""
+    from llmtailor import TailorConfig
+
+    def accelerator() -> TailorAccelerator:
+        return TailorAccelerator(cpu=True, tailor_run_dir=tmp_path / "run", tailor_config=TailorConfig(keep=1))
+
+    first = accelerator()
+    model, optimizer = _prepared(first)
+    _step(model, optimizer)
+    first.save_state(step=4)
+    first.end_training()
+    run = Run(tmp_path / "run")
+    restart = accelerator()
+    model, optimizer = _prepared(restart)
+    _step(model, optimizer)
+    with pytest.raises(ConfigError, match=r"holds the composite of step 4, which this accelerator did not load: load_state"):
+        restart.save_state(step=2)
+    assert run.steps() == [4]
+    assert restart.load_state().step == 4  # the resume goes on
+    _step(model, optimizer)
+    restart.save_state(step=5)
+    assert run.steps() == [5]
+    restart.end_training()
+
+
+def test_a_save_in_the_middle_of_a_gradient_accumulation_is_refused(tmp_path):
+    """The gradients accumulated so far are in no snapshot: a resume from a save after micro step 3
+    of accumulations of 2 steps the optimizer with micro step 4's gradient alone, and its weights
+    differ from the uninterrupted run's. Refused; the save after micro step 4 (an accumulation's
+    last) resumes as the run went on."""
+    data = torch.randn(6, 2, 4, generator=torch.Generator().manual_seed(1))
+
+    def prepared(run: str):
+        accelerator = TailorAccelerator(cpu=True, gradient_accumulation_steps=2, tailor_run_dir=tmp_path / run)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        return accelerator, *accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def micro_steps(accelerator, model, optimizer, batches) -> None:
+        for batch in batches:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+
+    accelerator, model, optimizer = prepared("reference")
+    micro_steps(accelerator, model, optimizer, data)
+    reference = model.weight.detach().clone()
+    accelerator.end_training()
+    accelerator, model, optimizer = prepared("run")
+    micro_steps(accelerator, model, optimizer, data[:3])
+    with pytest.raises(ConfigError, match=r"save_state in the middle of a gradient accumulation \(micro step 3, accumulating 2\)"):
+        accelerator.save_state(step=3)
+    assert Run(tmp_path / "run").steps() == []
+    micro_steps(accelerator, model, optimizer, data[3:4])
+    accelerator.save_state(step=4)
+    accelerator.end_training()
+    accelerator, model, optimizer = prepared("run")
+    accelerator.load_state()
+    micro_steps(accelerator, model, optimizer, data[4:])
+    assert torch.equal(model.weight, reference)
+    accelerator.end_training()

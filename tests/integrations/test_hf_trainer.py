@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from forked_jobs import run_in_turn, run_jobs, served_launch
 from forked_nodes import ForkServers
 from helpers import standalone_launch, tree_digest
@@ -434,3 +435,59 @@ def test_resuming_from_another_run_reads_it_and_saves_a_lineage_of_its_own(tmp_p
 
 def _logged_until(run: Run, step: int) -> list:
     return run.read_global(step)["stateful"]["trainer_state"]["log_history"]
+
+
+def test_training_from_step_0_into_a_run_holding_a_composite_is_refused_before_it_trains(tmp_path):
+    """A restart that left out ``resume_from_checkpoint``: its first save (step 2) would start a
+    lineage of its own, become the run's newest composite, and retention (save_total_limit=1)
+    would delete step 4, the newest state of the training the run held."""
+    _trainer(tmp_path, 4, tailor_keep=1).train()
+    run = Run(tmp_path / "tailored")
+    assert run.steps() == [4]
+    for resume in (None, False):
+        restart = _trainer(tmp_path, 2, tailor_keep=1)
+        with pytest.raises(ConfigError, match=r"holds the composite of step 4: train\(resume_from_checkpoint=True\)"):
+            restart.train(resume_from_checkpoint=resume)
+        assert restart.state.global_step == 0
+        assert run.steps() == [4] and run.latest_step() == 4
+    resumed = _trainer(tmp_path, 6, tailor_keep=1)  # the lock was released: the resume goes on
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6 and run.steps() == [6]
+
+
+class _Scales(transformers.TrainerCallback):
+    """The loss scale of the scaler after each optimizer step; training stops after ``stop_at``."""
+
+    def __init__(self, scaler, stop_at: int | None):
+        self.scaler, self.stop_at, self.scales = scaler, stop_at, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.scales[state.global_step] = (self.scaler.get_scale(), self.scaler._get_growth_tracker())
+        if state.global_step == self.stop_at:
+            control.should_training_stop = True
+
+
+def _fp16_trainer(out: Path, stop_at: int | None = None) -> tuple[TailorTrainer, _Scales]:
+    """A TailorTrainer of 6 steps whose accelerator has the gradient scaler fp16 mixed precision
+    gives it on a GPU (made by hand: accelerate makes none on CPU), growing its scale every third
+    step."""
+    trainer = _trainer(out, 6)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=3)
+    scales = _Scales(trainer.accelerator.scaler, stop_at)
+    trainer.add_callback(scales)
+    return trainer, scales
+
+
+def test_the_gradient_scaler_of_fp16_training_is_saved_and_restored(tmp_path):
+    from integrations.hf_job import params_digest
+
+    reference, reference_scales = _fp16_trainer(tmp_path / "reference")
+    reference.train()
+    first, first_scales = _fp16_trainer(tmp_path / "run", stop_at=4)
+    first.train()
+    assert Run(tmp_path / "run" / "tailored").latest_step() == 4
+    assert first_scales.scales[4] == (2.0**5, 1)  # saved at step 4: grown once, one step towards the next growth
+    resumed, resumed_scales = _fp16_trainer(tmp_path / "run")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed_scales.scales == {step: reference_scales.scales[step] for step in (5, 6)}
+    assert params_digest(resumed.model) == params_digest(reference.model)

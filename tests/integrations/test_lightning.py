@@ -525,3 +525,42 @@ def test_fit_from_another_run_reads_it_and_saves_a_lineage_of_its_own(tmp_path, 
     run = Run(tmp_path / "b")
     assert trainer.global_step == 6 and run.steps() == [6] and run.manifest(6).parent is None  # full: its own lineage
     assert tree_digest(tmp_path / "a") == before  # read only
+
+
+@pytest.mark.parametrize("ckpt_path", [None, "last"])
+def test_a_fit_from_step_0_into_a_run_holding_a_composite_is_refused_before_it_trains(tmp_path, ckpt_path):
+    """A restart without ``ckpt_path=checkpoint.resume_path()`` (``"last"``: Lightning asks only
+    ModelCheckpoint callbacks for it, and fits from step 0): its first save (step 2) would start a
+    lineage of its own, become the run's newest composite, and retention (save_top_k=1) would
+    delete step 4, the newest state of the training the run held."""
+    _fit(_Tiny(), TailorCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=1))
+    run = Run(tmp_path)
+    assert run.steps() == [4]
+    trainer = _trainer(TailorCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=1), max_steps=2)
+    with pytest.raises(ConfigError, match=r"holds the composite of step 4: fit\(\.\.\., ckpt_path=checkpoint\.resume_path"):
+        trainer.fit(_Tiny(), ckpt_path=ckpt_path)
+    assert trainer.global_step == 0 and run.steps() == [4]
+    callback = TailorCheckpoint(tmp_path, every_n_train_steps=2, save_top_k=1)  # the resume goes on
+    trainer = _trainer(callback, max_steps=6)
+    trainer.fit(_Tiny(), ckpt_path=callback.resume_path())
+    assert trainer.global_step == 6 and run.steps() == [6]
+
+
+def test_a_fit_from_another_run_with_gradient_accumulation_saves_only_at_accumulation_boundaries(tmp_path):
+    """Resumed from another run's step 2 with accumulate_grad_batches=2, the global step stays 2
+    for the next batch: the save of step 2 made at that batch's end held the weights of step 2 and
+    the loops past a batch whose gradients it did not hold (a resume from it skipped that batch's
+    contribution). Its saves are at the steps it trains to, each after an accumulation's last batch."""
+
+    def fit(run_dir: Path, max_steps: int, ckpt_path: str | None = None) -> L.Trainer:
+        trainer = _trainer(TailorCheckpoint(run_dir, every_n_train_steps=2), max_steps=max_steps,
+                           accumulate_grad_batches=2)
+        trainer.fit(_Tiny(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(tmp_path / "a", 2)
+    fit(tmp_path / "b", 4, str(tmp_path / "a"))
+    run = Run(tmp_path / "b")
+    batches = {step: run.read_global(step)["stateful"]["lightning"]["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+               ["total"]["processed"] for step in run.steps()}
+    assert batches == {4: 8}
