@@ -38,6 +38,12 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``frozen``  ZeRO-STAGE, partly frozen: 2 steps, then DeepSpeed's own
     ``engine.save_checkpoint(DIR/frozen)`` with config.json, and every weight in
     ``DIR/frozen/weights.safetensors``.
+``ltd``  ZeRO-STAGE with random-LTD on (layers wrapped by ``convert_to_random_ltd``, its scheduler
+    keeping all 32 tokens, so the layers compute what they would without it): 3 steps, a Full
+    ``Tailor(DIR/ltd)`` save and DeepSpeed's own ``engine.save_checkpoint(DIR/ltd-ds)`` (with
+    config.json), imported by rank 0 into ``DIR/ltd-imported``; steps 4..5 go on. Then fresh engines
+    restore: ``DIR/ltd`` without random-LTD and with it, ``DIR/ltd-imported`` with it, each trained
+    4..5: each restore's error, losses and random-LTD state after the restore.
 ``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
     damaged: every rank must raise within the timeout (none blocked in a collective), and a
     save afterwards must be refused.
@@ -103,11 +109,12 @@ FROZEN = ("model.embed_tokens.", "model.layers.0.mlp.")
 """The parameters a partly frozen fine-tuning keeps frozen (``engine(frozen=True)``)."""
 
 
-def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None, frozen: bool = False):
+def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None, frozen: bool = False,
+           ltd: bool = False):
     """A ZeRO-``stage`` engine of the tiny Llama; with ``curriculum`` (a directory for its
     clusters), DeepSpeed's data-efficiency curriculum sampler over ``Samples`` too
     (``engine.training_dataloader``: ``draw`` takes its batches); ``frozen``: the ``FROZEN``
-    parameters do not train."""
+    parameters do not train; ``ltd``: random-LTD on (``LTD``), its decoder layers wrapped."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(model_config())
     for name, param in model.named_parameters():
@@ -118,9 +125,24 @@ def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = 
               "zero_optimization": zero_config(stage), "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
     if curriculum is not None:
         config["data_efficiency"] = curriculum_config(curriculum)
+    if ltd:
+        config["data_efficiency"] = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": LTD}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
                                       training_data=Samples() if curriculum is not None else None)
+    if ltd:
+        from deepspeed.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
+
+        convert_to_random_ltd(engine, transformers.models.llama.modeling_llama.LlamaDecoderLayer)
     return engine
+
+
+LTD = {"enabled": True, "model_mask_name": "attention_mask", "model_type": "decoder",
+       "hidden_state_order": "batch_seq_dim", "total_layer_num": 4, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
+       "layer_token_lr_schedule": {"enabled": False},
+       "random_ltd_schedule": {"min_value": 32, "max_value": 32, "schedule_type": "fixed_linear",
+                               "schedule_config": {"require_steps": 4, "seq_per_step": 8}}}
+"""DeepSpeed's random-LTD over layers 1 and 2, keeping all of ``train``'s 32 tokens (a Llama layer
+given fewer tokens than its rotary embeddings fails): its scheduler's state moves on each step."""
 
 
 class Samples(torch.utils.data.Dataset):
@@ -313,6 +335,33 @@ def frozen_scenario(out: Path, stage: int) -> dict:
     return {"frozen": sorted(name for name, param in e.module.named_parameters() if not param.requires_grad)}
 
 
+def ltd_scenario(out: Path, stage: int) -> dict:
+    from llmtailor.interop.deepspeed.importer import import_deepspeed
+
+    e = engine(stage, seed=0, ltd=True)
+    train(e, [1, 2, 3])
+    with Tailor(out / "ltd", e, policy=Full(), timeout=60) as tailor:
+        tailor.save(3)
+    e.save_checkpoint(str(out / "ltd-ds"))
+    saved = e.random_ltd_scheduler.state_dict()
+    continued = train(e, [4, 5])
+    if rank() == 0:
+        model_config().to_json_file(str(out / "ltd-ds" / "config.json"))
+        import_deepspeed(out / "ltd-ds", out / "ltd-imported")
+    torch.distributed.barrier()
+    restores = {}
+    for run, ltd in (("ltd", False), ("ltd", True), ("ltd-imported", True)):
+        fresh = engine(stage, seed=5, ltd=ltd)
+        try:
+            Tailor(out / run, fresh, timeout=60).restore()
+        except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+            restores[f"{run} ltd={ltd}"] = {"error": f"{type(err).__name__}: {err}"[:600]}
+            continue
+        ltd_state = fresh.random_ltd_scheduler.state_dict() if ltd else None
+        restores[f"{run} ltd={ltd}"] = {"error": None, "ltd": ltd_state, "losses": train(fresh, [4, 5])}
+    return {"saved_ltd": saved, "continued": continued, "restores": restores}
+
+
 def resume_imported_scenario(out: Path, stage: int) -> dict:
     e = engine(stage, seed=5, curriculum=out / "ds" / "clusters")
     report = Tailor(out / "run", e, timeout=60).restore()
@@ -348,7 +397,7 @@ def universal_scenario(out: Path, stage: int) -> dict:
 
 SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
              "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
-             "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario}
+             "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario, "ltd": ltd_scenario}
 
 
 def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:

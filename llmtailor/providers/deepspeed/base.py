@@ -4,6 +4,7 @@ unit holds and how steps are kept)."""
 from __future__ import annotations
 
 import copy
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -58,6 +59,24 @@ def _data_holders(engine: Any) -> dict[str, Any]:
     return {key: holder for key, holder in found.items() if holder is not None}
 
 
+RANDOM_LTD_WRAPPER = re.compile(r"(\.random_ltd_layer)+(?=\.)")
+"""Where random-LTD puts its wrapper in a layer's names (``convert_to_random_ltd`` replaces each
+layer by a ``RandomLayerTokenDrop`` holding it as ``random_ltd_layer``)."""
+
+
+def canonical_name(name: str) -> str:
+    """A tensor's name without random-LTD's wrapper, as DeepSpeed's own checkpoints name it
+    (``DeepSpeedEngine.module_state_dict``): the model's own name, the same with random-LTD on
+    or off, and in a Hugging Face or plain model."""
+    return RANDOM_LTD_WRAPPER.sub("", name)
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and persistent buffers (``state_dict(keep_vars=True)``) by
+    canonical name (``canonical_name``)."""
+    return {canonical_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
 def is_engine(model: Any) -> bool:
     return type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine") and hasattr(model, "zero_optimization_stage")
 
@@ -85,7 +104,7 @@ class DeepSpeedProvider(StateProvider, ABC):
         self.stage = int(engine.zero_optimization_stage())
         # The engine's scheduler, or one the caller steps itself (HF Trainer keeps its own).
         self.lr_scheduler = engine.lr_scheduler if engine.lr_scheduler is not None else lr_scheduler
-        self.params = dict(self.module.named_parameters())
+        self.params = {canonical_name(n): p for n, p in self.module.named_parameters()}
         self.names = {id(p): n for n, p in self.params.items()}
         """id(parameter) -> canonical name, made once."""
 
@@ -150,7 +169,7 @@ class DeepSpeedProvider(StateProvider, ABC):
 
     def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         specs = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
+        for name, tensor in module_tensors(self.module).items():
             if name in self.layout.tensor_names():
                 shape = self._global_shape(tensor) if name in self.params else tuple(tensor.shape)
                 specs[name] = (list(shape), tensor.dtype)
@@ -165,7 +184,7 @@ class DeepSpeedProvider(StateProvider, ABC):
             param = self.params.get(name)
             if param is None:  # a persistent buffer: the same on every rank, written once
                 if owner:
-                    buffers = buffers or self.module.state_dict(keep_vars=True)
+                    buffers = buffers or module_tensors(self.module)
                     pieces.append(Piece.whole(weight_key(name), buffers[name].detach(), stable=False))
                 continue
             shape = self._global_shape(param)
@@ -259,7 +278,7 @@ class DeepSpeedProvider(StateProvider, ABC):
         if master is None:
             raise IntegrityError(f"snapshot {step}: unit {entry.unit!r} lacks the weights of {name!r}")
         if param is None:  # a buffer
-            buffer = self.module.state_dict(keep_vars=True)[name]
+            buffer = module_tensors(self.module)[name]
             with torch.no_grad():
                 buffer.copy_(read_flat(reader, step, entry, master, 0, buffer.numel()).view(buffer.shape))
             return
