@@ -81,10 +81,12 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     """The runs at 2 ranks, in turn in one launch (ZeRO-3 after ZeRO-2, as the universal
     checkpoint's launch has them): the ZeRO-2 run (``save``), DeepSpeed's own ZeRO-2 checkpoint
     in its DIR/ds and the bf16 run; the ZeRO-3 run (``save``), DeepSpeed's own ZeRO-3 checkpoint
-    in its DIR/ds and the random-LTD runs (``ltd``); the ZeRO-3 run of the odd shapes (``save``).
-    By name, the directory of each."""
+    in its DIR/ds and the random-LTD runs (``ltd``); at each stage a run whose optimizer leaves
+    out the embedding (``omitted``); the ZeRO-3 run of the odd shapes (``save``). By name, the
+    directory of each."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "odd-zero3")}
-    run_jobs(2, [("save+checkpoint+bf16+frozen", dirs["zero2"], 2, "plain"), ("save+checkpoint+frozen+ltd", dirs["zero3"], 3, "plain"),
+    run_jobs(2, [("save+checkpoint+bf16+frozen+omitted", dirs["zero2"], 2, "plain"),
+                 ("save+checkpoint+frozen+ltd+omitted", dirs["zero3"], 3, "plain"),
                  ("save", dirs["odd-zero3"], 3, "odd")])
     return dirs
 
@@ -182,6 +184,20 @@ def test_a_random_ltd_engines_run_has_the_models_names_and_restores_with_or_with
         assert result["restores"]["ltd ltd=True"]["ltd"] == result["saved_ltd"]
     model, _, _ = tiny(layers=4, hidden=32)
     assert Layout.from_record(Run(out / "ltd").manifest(3).layout).units == build_layout(model).units
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_no_optimizer_group_holds_is_saved_as_frozen_and_restored(two_rank_runs, stage):
+    """An optimizer built over part of the model (here all but the embedding, which still requires
+    grad): DeepSpeed trains the rest and leaves it out of its partitions, so it has no master and
+    no optimizer state; a Tailor saves it as a frozen weight, restores it into a fresh engine and
+    training goes on bit for bit (before: a KeyError from the provider's look-up of its partition
+    at the first save, at both stages)."""
+    out = two_rank_runs[f"zero{stage}"]
+    for result in results(out, "omitted", 2):
+        assert result["error"] is None, result["error"]
+        assert result["mismatches"] == [] and result["resumed"] == result["continued"]
+    assert Run(out / "omitted").unit_entry(3, "embed").tensors[0].key == "weight/model.embed_tokens.weight"
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ unit holds and how steps are kept)."""
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from abc import ABC, abstractmethod
 from typing import Any
@@ -164,6 +165,16 @@ class DeepSpeedProvider(StateProvider, ABC):
     def named_parameters(self):
         return iter(self.params.items())
 
+    @functools.cached_property
+    def _trained(self) -> set[int]:
+        """The ids of the parameters DeepSpeed's optimizer trains: those of the user's param groups
+        that require grad. Any other parameter is frozen (no master, no optimizer state): one that
+        requires grad but no group holds too, as DeepSpeed leaves it out of its partitions."""
+        return {id(p) for params in self._groups() for p in params}
+
+    def trained_names(self) -> set[str]:
+        return {self.names[i] for i in self._trained}
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.zero.optimizer]  # its step changes the masters and moments
 
@@ -188,7 +199,7 @@ class DeepSpeedProvider(StateProvider, ABC):
                     pieces.append(Piece.whole(weight_key(name), buffers[name].detach(), stable=False))
                 continue
             shape = self._global_shape(param)
-            if not param.requires_grad:  # frozen: no master, no optimizer state
+            if id(param) not in self._trained:  # frozen: no master, no optimizer state
                 pieces += self._frozen_pieces(name, param, shape, owner)
                 continue
             fragment = self._fragment(param)
@@ -282,7 +293,7 @@ class DeepSpeedProvider(StateProvider, ABC):
             with torch.no_grad():
                 buffer.copy_(read_flat(reader, step, entry, master, 0, buffer.numel()).view(buffer.shape))
             return
-        if not param.requires_grad:
+        if id(param) not in self._trained:
             self._load_frozen(reader, step, entry, weight or master, param)
             return
         fragment = self._fragment(param)
