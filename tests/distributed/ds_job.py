@@ -48,6 +48,12 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
     grad (``engine(omitted=True)``: DeepSpeed trains the rest and never changes it): 3 steps, a Full
     ``Tailor(DIR/omitted)`` save, steps 4..5 go on; a fresh engine of another seed restores and
     trains 4..5: the error if any, the weights that differ after the restore, the losses.
+``held``  ZeRO-STAGE, the embedding frozen and held by the optimizer all the same
+    (``AdamW(model.parameters())``; DeepSpeed leaves it out of its groups): a plain model of the
+    same optimizer trained 1..3 (the same batches on every rank) and saved Full by a Tailor
+    (``DIR/held-plain``), restored into an engine; an engine trained 1..3, saved
+    (``DIR/held-engine``), restored into a plain model: each restore's error and the weights
+    that differ from the saved ones.
 ``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
     damaged: every rank must raise within the timeout (none blocked in a collective), and a
     save afterwards must be refused.
@@ -394,6 +400,46 @@ def omitted_scenario(out: Path, stage: int) -> dict:
             "continued": continued, "resumed": train(fresh, [4, 5])}
 
 
+def held_model(seed: int):
+    """The tiny Llama with its embedding frozen, and ``AdamW(model.parameters())``, which holds it."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(model_config())
+    model.get_input_embeddings().weight.requires_grad_(False)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def held_engine(stage: int, seed: int):
+    model, optimizer = held_model(seed)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": zero_config(stage), "steps_per_print": 10**9}
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def held_scenario(out: Path, stage: int) -> dict:
+    def restored(run: Path, live, optimizer, saved: dict[str, torch.Tensor]) -> dict:
+        try:
+            Tailor(run, live, optimizer, timeout=60).restore()
+        except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+            return {"error": f"{type(err).__name__}: {err}"[:600]}
+        now = gathered(live, stage) if optimizer is None else {n: p.detach() for n, p in live.named_parameters()}
+        return {"error": None, "mismatches": [name for name in saved if not torch.equal(saved[name], now[name])]}
+
+    plain, optimizer = held_model(0)
+    for step in (1, 2, 3):  # the same batches on every rank: the ranks' plain models stay alike, as DDP's
+        batch = batch_at(TOKENS, step, 2, 32) % model_config().vocab_size
+        plain(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    Tailor(out / "held-plain", plain, optimizer, policy=Full(), timeout=60).save(3)
+    into_engine = restored(out / "held-plain", held_engine(stage, seed=5), None,
+                           {n: p.detach() for n, p in plain.named_parameters()})
+    e = held_engine(stage, seed=0)
+    train(e, [1, 2, 3])
+    Tailor(out / "held-engine", e, policy=Full(), timeout=60).save(3)
+    into_plain = restored(out / "held-engine", *held_model(5), gathered(e, stage))
+    return {"into_engine": into_engine, "into_plain": into_plain}
+
+
 def resume_imported_scenario(out: Path, stage: int) -> dict:
     e = engine(stage, seed=5, curriculum=out / "ds" / "clusters")
     report = Tailor(out / "run", e, timeout=60).restore()
@@ -430,7 +476,7 @@ def universal_scenario(out: Path, stage: int) -> dict:
 SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
              "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
              "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario, "ltd": ltd_scenario,
-             "omitted": omitted_scenario}
+             "omitted": omitted_scenario, "held": held_scenario}
 
 
 def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:

@@ -82,11 +82,11 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     checkpoint's launch has them): the ZeRO-2 run (``save``), DeepSpeed's own ZeRO-2 checkpoint
     in its DIR/ds and the bf16 run; the ZeRO-3 run (``save``), DeepSpeed's own ZeRO-3 checkpoint
     in its DIR/ds and the random-LTD runs (``ltd``); at each stage a run whose optimizer leaves
-    out the embedding (``omitted``); the ZeRO-3 run of the odd shapes (``save``). By name, the
+    out the embedding (``omitted``) and runs whose optimizer holds it frozen (``held``); the ZeRO-3 run of the odd shapes (``save``). By name, the
     directory of each."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "odd-zero3")}
-    run_jobs(2, [("save+checkpoint+bf16+frozen+omitted", dirs["zero2"], 2, "plain"),
-                 ("save+checkpoint+frozen+ltd+omitted", dirs["zero3"], 3, "plain"),
+    run_jobs(2, [("save+checkpoint+bf16+frozen+omitted+held", dirs["zero2"], 2, "plain"),
+                 ("save+checkpoint+frozen+ltd+omitted+held", dirs["zero3"], 3, "plain"),
                  ("save", dirs["odd-zero3"], 3, "odd")])
     return dirs
 
@@ -198,6 +198,19 @@ def test_a_parameter_no_optimizer_group_holds_is_saved_as_frozen_and_restored(tw
         assert result["error"] is None, result["error"]
         assert result["mismatches"] == [] and result["resumed"] == result["continued"]
     assert Run(out / "omitted").unit_entry(3, "embed").tensors[0].key == "weight/model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_held_by_a_plain_optimizer_and_left_out_by_deepspeeds_restore_both_ways(two_rank_runs, stage):
+    """``AdamW(model.parameters())`` over a model with a frozen embedding holds it; DeepSpeed's
+    groups leave it out, and so does the record of a Tailor on the engine. A run of the plain
+    model restores into the engine and one of the engine into the plain model, every weight the
+    saved one (before: refused both ways, 'param groups differ')."""
+    out = two_rank_runs[f"zero{stage}"]
+    for result in results(out, "held", 2):
+        for way in ("into_engine", "into_plain"):
+            assert result[way]["error"] is None, f"{way}: {result[way]['error']}"
+            assert result[way]["mismatches"] == [], way
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ parameter's optimizer state must be in the composite (one optimizer group per sa
 group, matched by names), and every tensor must be a trained parameter: a universal checkpoint's
 load sets those alone (a composite holding frozen parameters or buffers is refused). ZeRO-3
 engines load universal checkpoints through per-rank optimizer files this layout does not have:
-restore those with ``Tailor(run, engine).restore()`` (any stage, any world size) instead. The directory appears whole (written under a temporary name,
-renamed) or not at all.
+restore those with ``Tailor(run, engine).restore()`` (any stage, any world size) instead. The
+directory appears whole (written under a temporary name, renamed) or not at all.
 """
 
 from __future__ import annotations

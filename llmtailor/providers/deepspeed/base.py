@@ -15,7 +15,7 @@ from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
-from llmtailor.providers.optimizer import check_classes, check_state_keys, class_name
+from llmtailor.providers.optimizer import check_classes, check_state_keys, class_name, match_groups
 from llmtailor.store import codec
 from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.manifest import TensorEntry, UnitEntry
@@ -248,7 +248,7 @@ class DeepSpeedProvider(StateProvider, ABC):
         check_state_keys({name: keys - {STEP} for name, keys in saved_state.items()}, self._live_state_keys(),
                          type(self.zero.optimizer).__name__)
         with loading("optimizer groups", shared.get("step")):
-            self._check_groups(shared["optimizer_groups"])
+            self._matched_groups(shared["optimizer_groups"])
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
             raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but the engine has one")
 
@@ -320,14 +320,12 @@ class DeepSpeedProvider(StateProvider, ABC):
             keys.update({self.names[id(p)]: held for p in groups[self._group_of_partition(index)]})
         return keys
 
-    def _check_groups(self, groups: list[dict[str, Any]]) -> None:
-        live = [[self.names[id(p)] for p in params] for params in self._groups()]
-        saved = [list(g.get("params", [])) for g in groups]
-        if [sorted(g) for g in live] != [sorted(g) for g in saved]:
-            raise IncompatibleModelError(
-                f"the engine's param groups ({[len(g) for g in live]} parameters) differ from the snapshot's "
-                f"({[len(g) for g in saved]}); llmtailor matches groups by their parameters' names"
-            )
+    def _matched_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The saved ``groups`` matched to the engine's by their parameters' names, those requiring
+        no grad aside (``optimizer.match_groups``: DeepSpeed's groups leave them out; a plain
+        optimizer's may hold them); IncompatibleModelError where they differ."""
+        frozen = {name for name, p in self.params.items() if not p.requires_grad}
+        return match_groups([[self.names[id(p)] for p in params] for params in self._groups()], groups, frozen)
 
     def _ensure_state(self, keys: list[str]) -> None:
         """Create the optimizer state of every flat partition that has none yet (a fresh
@@ -340,9 +338,7 @@ class DeepSpeedProvider(StateProvider, ABC):
     def _load_groups(self, groups, shared, sources, unit_steps) -> None:
         """Hyperparameters by group (matched by parameter names); each flat partition's step
         from the composite's own step (module docstring)."""
-        by_members = {frozenset(g["params"]): g for g in groups}
-        for index, params in enumerate(self._groups()):
-            saved = by_members[frozenset(self.names[id(p)] for p in params)]
+        for index, saved in enumerate(self._matched_groups(groups)):
             with loading("optimizer groups", shared.get("step")):
                 self.zero.optimizer.param_groups[index].update({k: v for k, v in saved.items() if k != "params"})
         saved_steps = (shared.get("deepspeed") or {}).get("steps")
