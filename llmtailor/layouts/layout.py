@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 from pathlib import Path
@@ -227,8 +228,11 @@ class Layout:
         return out
 
 
-def build_layout(model: torch.nn.Module, family: str | None = None) -> Layout:
-    """Map every tensor of ``model.state_dict()`` (persistent buffers included) to a unit.
+def build_layout(model: torch.nn.Module, family: str | None = None,
+                 tensors: Mapping[str, torch.Tensor] | None = None) -> Layout:
+    """Map every tensor of ``model.state_dict()`` (persistent buffers included) to a unit;
+    ``tensors``: the model's tensors under the names a provider gives them, where those differ
+    from its state dict's (a DeepSpeed engine's random-LTD wrappers left out, say).
 
     Family: ``family``, else the first HF ``config.model_type`` on the model or a wrapped module
     if a family serves it, else ``generic``. A tensor object under several names (tied weights)
@@ -237,7 +241,7 @@ def build_layout(model: torch.nn.Module, family: str | None = None) -> Layout:
     units: dict[str, list[str]] = {}
     aliases: dict[str, str] = {}
     canonical_by_id: dict[int, str] = {}  # ids stay unique: the state dict keeps every tensor alive
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in (model.state_dict(keep_vars=True) if tensors is None else tensors).items():
         canonical = canonical_by_id.setdefault(id(tensor), name)
         if canonical != name:
             aliases[name] = canonical

@@ -38,7 +38,7 @@ def make_provider(
 
 def _provider(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any | None, coordinator: Coordinator,
               family: str | None) -> StateProvider:
-    from llmtailor.providers.deepspeed import deepspeed_provider, is_engine
+    from llmtailor.providers.deepspeed import deepspeed_provider, is_engine, module_tensors
 
     if is_engine(model):
         if optimizer is not None or (lr_scheduler is not None and model.lr_scheduler not in (None, lr_scheduler)):
@@ -46,7 +46,8 @@ def _provider(model: Any, optimizer: torch.optim.Optimizer | None, lr_scheduler:
                 "a DeepSpeed engine brings its own optimizer and LR scheduler: pass Tailor(run_dir, engine, policy=...) "
                 "(an LR scheduler only when the engine has none)"
             )
-        return deepspeed_provider(model, build_layout(unwrap(model.module), family), coordinator, lr_scheduler)
+        module = unwrap(model.module)
+        return deepspeed_provider(model, build_layout(module, family, module_tensors(module)), coordinator, lr_scheduler)
     module = unwrap(model)
     layout = build_layout(module, family)
     if coordinator.world_size > 1 or torch.distributed.is_initialized():

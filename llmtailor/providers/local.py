@@ -88,6 +88,11 @@ class LocalProvider(StateProvider):
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return self.chain.hookable() if self.chain is not None else []
 
+    def _requiring_no_grad(self) -> set[str]:
+        """The parameters that require no grad, by name: an optimizer's groups may hold them or
+        not (``optimizer.match_groups``)."""
+        return {name for name, p in self.named_parameters() if not p.requires_grad}
+
     def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         return {name: (list(t.shape), t.dtype) for name, t in self.tensors().items()}
 
@@ -184,7 +189,8 @@ class LocalProvider(StateProvider):
                 raise IncompatibleModelError("the snapshot was saved without an optimizer, but one was given")
             with loading("optimizer groups", shared.get("step")):
                 self.chain.check_restorable(shared, saved_state, self.tensors())
-                self.chain.check_groups(shared["optimizer_groups"], {id(t): name for name, t in self.tensors().items()})
+                self.chain.check_groups(shared["optimizer_groups"], {id(t): name for name, t in self.tensors().items()},
+                                        self._requiring_no_grad())
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
             raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but one was given")
 
@@ -395,7 +401,7 @@ class LocalProvider(StateProvider):
             groups = shared.get("optimizer_groups")
             with loading("optimizer state", step):
                 name_of = {id(t): name for name, t in live.items()}
-                self.chain.load_by_name(groups, optimizer_state, name_of)
+                self.chain.load_by_name(groups, optimizer_state, name_of, self._requiring_no_grad())
         if self.lr_scheduler is not None:
             with loading("LR scheduler state", step):
                 self.lr_scheduler.load_state_dict(shared["lr_scheduler"])

@@ -19,6 +19,7 @@ of its own, state not keyed by parameters, a sharded optimizer such as
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -113,12 +114,13 @@ class OptimizerChain:
     def group_records(self, name_of: dict[int, str]) -> list[dict[str, Any]]:
         return group_records(self.innermost, name_of)
 
-    def load_by_name(self, groups: list[dict[str, Any]], state: dict[str, ParamState], name_of: dict[int, str]) -> None:
+    def load_by_name(self, groups: list[dict[str, Any]], state: dict[str, ParamState], name_of: dict[int, str],
+                     frozen: Set[str] = frozenset()) -> None:
         """The innermost optimizer's groups and state through ``load_by_name``; each wrapper's
         per-parameter state set directly (its own ``load_state_dict`` has a format of its own)."""
         prefixes = [prefix for prefix, _ in self.levels if prefix]
         own = {name: {k: v for k, v in entries.items() if not k.startswith(tuple(prefixes))} for name, entries in state.items()}
-        load_by_name(self.innermost, groups, own, name_of)
+        load_by_name(self.innermost, groups, own, name_of, frozen)
         params = {name: p for g in self.innermost.param_groups for p in g["params"] if (name := name_of.get(id(p)))}
         for prefix, level in self.levels:
             if not prefix:
@@ -131,9 +133,11 @@ class OptimizerChain:
                         k: v.to(param.device) if isinstance(v, torch.Tensor) else v for k, v in values.items()
                     }
 
-    def check_groups(self, groups: list[dict[str, Any]], name_of: dict[int, str]) -> None:
-        """Refuse saved ``groups`` that do not hold the live groups' parameters (names)."""
-        _match_groups([[_name(name_of, p, i) for p in g["params"]] for i, g in enumerate(self.innermost.param_groups)], groups)
+    def check_groups(self, groups: list[dict[str, Any]], name_of: dict[int, str], frozen: Set[str] = frozenset()) -> None:
+        """Refuse saved ``groups`` that do not hold the live groups' parameters (names), the
+        model's ``frozen`` ones aside (``match_groups``)."""
+        match_groups([[_name(name_of, p, i) for p in g["params"]] for i, g in enumerate(self.innermost.param_groups)], groups,
+                      frozen)
 
     def check_restorable(
         self, shared: dict[str, Any], saved_state: dict[str, set[str]], tensors: dict[str, torch.Tensor]
@@ -247,14 +251,16 @@ def load_by_name(
     groups: list[dict[str, Any]],
     state: dict[str, ParamState],
     name_of: dict[int, str],
+    frozen: Set[str] = frozenset(),
 ) -> None:
     """Load saved ``groups`` (names in ``params``) and per-name ``state`` into ``optimizer``.
 
     The live optimizer must hold the same parameters in the same grouping (group order and
-    order within a group may differ). Goes through ``Optimizer.load_state_dict`` so torch's
-    own rules (dtype and device of state, hooks) apply."""
+    order within a group may differ), the model's ``frozen`` parameters aside (``match_groups``).
+    Goes through ``Optimizer.load_state_dict`` so torch's own rules (dtype and device of state,
+    hooks) apply."""
     live = [[_name(name_of, p, i) for p in g["params"]] for i, g in enumerate(optimizer.param_groups)]
-    ordered = _match_groups(live, groups)
+    ordered = match_groups(live, groups, frozen)
     live_order = [{**saved, "params": names} for saved, names in zip(ordered, live)]
     optimizer.load_state_dict(positional_state_dict(live_order, state))
 
@@ -299,12 +305,19 @@ def positional_state_dict(groups: list[dict[str, Any]], state: dict[str, ParamSt
     return {"state": dict(sorted(numbered.items())), "param_groups": param_groups}
 
 
-def _match_groups(live: list[list[str]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each live group, the saved group holding exactly its parameters."""
-    by_members = {frozenset(g["params"]): g for g in saved}
+def match_groups(live: list[list[str]], saved: list[dict[str, Any]], frozen: Set[str] = frozenset()) -> list[dict[str, Any]]:
+    """For each live group, the saved group holding exactly its parameters, the model's
+    ``frozen`` ones (requiring no grad) aside on both sides: an optimizer may hold them or not (DeepSpeed's
+    records of its groups leave them out, as it does; HF Trainer builds its groups without them;
+    ``AdamW(model.parameters())`` holds them), and no step changes them. Saved groups holding the
+    same parameters (frozen-only ones: none) match the live ones in order."""
+    by_members: dict[frozenset[str], list[dict[str, Any]]] = {}
+    for group in saved:
+        by_members.setdefault(frozenset(group["params"]) - frozen, []).append(group)
     ordered, problems = [], []
     for index, names in enumerate(live):
-        match = by_members.get(frozenset(names))
+        candidates = by_members.get(frozenset(names) - frozen)
+        match = candidates.pop(0) if candidates else None
         if match is None:
             problems.append(_describe_mismatch(index, names, saved))
         ordered.append(match)

@@ -38,6 +38,22 @@ Scenarios (each rank writes ``DIR/result-<scenario>-<rank>.json``):
 ``frozen``  ZeRO-STAGE, partly frozen: 2 steps, then DeepSpeed's own
     ``engine.save_checkpoint(DIR/frozen)`` with config.json, and every weight in
     ``DIR/frozen/weights.safetensors``.
+``ltd``  ZeRO-STAGE with random-LTD on (layers wrapped by ``convert_to_random_ltd``, its scheduler
+    keeping all 32 tokens, so the layers compute what they would without it): 3 steps, a Full
+    ``Tailor(DIR/ltd)`` save and DeepSpeed's own ``engine.save_checkpoint(DIR/ltd-ds)`` (with
+    config.json), imported by rank 0 into ``DIR/ltd-imported``; steps 4..5 go on. Then fresh engines
+    restore: ``DIR/ltd`` without random-LTD and with it, ``DIR/ltd-imported`` with it, each trained
+    4..5: each restore's error, losses and random-LTD state after the restore.
+``omitted``  ZeRO-STAGE, an optimizer whose groups leave out the embedding, which still requires
+    grad (``engine(omitted=True)``: DeepSpeed trains the rest and never changes it): 3 steps, a Full
+    ``Tailor(DIR/omitted)`` save, steps 4..5 go on; a fresh engine of another seed restores and
+    trains 4..5: the error if any, the weights that differ after the restore, the losses.
+``held``  ZeRO-STAGE, the embedding frozen and held by the optimizer all the same
+    (``AdamW(model.parameters())``; DeepSpeed leaves it out of its groups): a plain model of the
+    same optimizer trained 1..3 (the same batches on every rank) and saved Full by a Tailor
+    (``DIR/held-plain``), restored into an engine; an engine trained 1..3, saved
+    (``DIR/held-engine``), restored into a plain model: each restore's error and the weights
+    that differ from the saved ones.
 ``restore_fail``  ZeRO-STAGE: restore ``DIR/parity``, one of whose files only rank 1 reads is
     damaged: every rank must raise within the timeout (none blocked in a collective), and a
     save afterwards must be refused.
@@ -103,24 +119,45 @@ FROZEN = ("model.embed_tokens.", "model.layers.0.mlp.")
 """The parameters a partly frozen fine-tuning keeps frozen (``engine(frozen=True)``)."""
 
 
-def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None, frozen: bool = False):
+def engine(stage: int, seed: int, bf16: bool = False, curriculum: Path | None = None, frozen: bool = False,
+           ltd: bool = False, omitted: bool = False):
     """A ZeRO-``stage`` engine of the tiny Llama; with ``curriculum`` (a directory for its
     clusters), DeepSpeed's data-efficiency curriculum sampler over ``Samples`` too
     (``engine.training_dataloader``: ``draw`` takes its batches); ``frozen``: the ``FROZEN``
-    parameters do not train."""
+    parameters do not train; ``ltd``: random-LTD on (``LTD``), its decoder layers wrapped;
+    ``omitted``: the optimizer's groups leave out the embedding (it requires grad all the same)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(model_config())
     for name, param in model.named_parameters():
         param.requires_grad_(not (frozen and name.startswith(FROZEN)))
-    optimizer = torch.optim.AdamW(hf_param_groups(model), lr=3e-3)
+    groups = hf_param_groups(model)
+    if omitted:
+        embedding = model.get_input_embeddings().weight
+        groups = [{**group, "params": [p for p in group["params"] if p is not embedding]} for group in groups]
+    optimizer = torch.optim.AdamW(groups, lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": zero_config(stage), "bf16": {"enabled": bf16}, "steps_per_print": 10**9}
     if curriculum is not None:
         config["data_efficiency"] = curriculum_config(curriculum)
+    if ltd:
+        config["data_efficiency"] = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": LTD}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
                                       training_data=Samples() if curriculum is not None else None)
+    if ltd:
+        from deepspeed.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
+
+        convert_to_random_ltd(engine, transformers.models.llama.modeling_llama.LlamaDecoderLayer)
     return engine
+
+
+LTD = {"enabled": True, "model_mask_name": "attention_mask", "model_type": "decoder",
+       "hidden_state_order": "batch_seq_dim", "total_layer_num": 4, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
+       "layer_token_lr_schedule": {"enabled": False},
+       "random_ltd_schedule": {"min_value": 32, "max_value": 32, "schedule_type": "fixed_linear",
+                               "schedule_config": {"require_steps": 4, "seq_per_step": 8}}}
+"""DeepSpeed's random-LTD over layers 1 and 2, keeping all of ``train``'s 32 tokens (a Llama layer
+given fewer tokens than its rotary embeddings fails): its scheduler's state moves on each step."""
 
 
 class Samples(torch.utils.data.Dataset):
@@ -313,6 +350,96 @@ def frozen_scenario(out: Path, stage: int) -> dict:
     return {"frozen": sorted(name for name, param in e.module.named_parameters() if not param.requires_grad)}
 
 
+def ltd_scenario(out: Path, stage: int) -> dict:
+    from llmtailor.interop.deepspeed.importer import import_deepspeed
+
+    e = engine(stage, seed=0, ltd=True)
+    train(e, [1, 2, 3])
+    with Tailor(out / "ltd", e, policy=Full(), timeout=60) as tailor:
+        tailor.save(3)
+    e.save_checkpoint(str(out / "ltd-ds"))
+    saved = e.random_ltd_scheduler.state_dict()
+    continued = train(e, [4, 5])
+    if rank() == 0:
+        model_config().to_json_file(str(out / "ltd-ds" / "config.json"))
+        import_deepspeed(out / "ltd-ds", out / "ltd-imported")
+    torch.distributed.barrier()
+    restores = {}
+    for run, ltd in (("ltd", False), ("ltd", True), ("ltd-imported", True)):
+        fresh = engine(stage, seed=5, ltd=ltd)
+        try:
+            Tailor(out / run, fresh, timeout=60).restore()
+        except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+            restores[f"{run} ltd={ltd}"] = {"error": f"{type(err).__name__}: {err}"[:600]}
+            continue
+        ltd_state = fresh.random_ltd_scheduler.state_dict() if ltd else None
+        restores[f"{run} ltd={ltd}"] = {"error": None, "ltd": ltd_state, "losses": train(fresh, [4, 5])}
+    return {"saved_ltd": saved, "continued": continued, "restores": restores}
+
+
+def gathered(e, stage: int) -> dict[str, torch.Tensor]:
+    """Every weight of the engine's model, whole (gathered under ZeRO-3)."""
+    with deepspeed.zero.GatheredParameters(list(e.module.parameters()), enabled=stage == 3):
+        return {name: param.detach().clone() for name, param in e.module.named_parameters()}
+
+
+def omitted_scenario(out: Path, stage: int) -> dict:
+    e = engine(stage, seed=0, omitted=True)
+    train(e, [1, 2, 3])
+    saved = gathered(e, stage)
+    try:
+        with Tailor(out / "omitted", e, policy=Full(), timeout=60) as tailor:
+            tailor.save(3)
+        continued = train(e, [4, 5])
+        fresh = engine(stage, seed=5, omitted=True)
+        Tailor(out / "omitted", fresh, timeout=60).restore()
+    except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+        return {"error": f"{type(err).__name__}: {err}"[:600]}
+    restored = gathered(fresh, stage)
+    return {"error": None, "mismatches": [name for name in saved if not torch.equal(saved[name], restored[name])],
+            "continued": continued, "resumed": train(fresh, [4, 5])}
+
+
+def held_model(seed: int):
+    """The tiny Llama with its embedding frozen, and ``AdamW(model.parameters())``, which holds it."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(model_config())
+    model.get_input_embeddings().weight.requires_grad_(False)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def held_engine(stage: int, seed: int):
+    model, optimizer = held_model(seed)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": zero_config(stage), "steps_per_print": 10**9}
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+
+def held_scenario(out: Path, stage: int) -> dict:
+    def restored(run: Path, live, optimizer, saved: dict[str, torch.Tensor]) -> dict:
+        try:
+            Tailor(run, live, optimizer, timeout=60).restore()
+        except Exception as err:  # noqa: BLE001 - the test looks at what each rank raised
+            return {"error": f"{type(err).__name__}: {err}"[:600]}
+        now = gathered(live, stage) if optimizer is None else {n: p.detach() for n, p in live.named_parameters()}
+        return {"error": None, "mismatches": [name for name in saved if not torch.equal(saved[name], now[name])]}
+
+    plain, optimizer = held_model(0)
+    for step in (1, 2, 3):  # the same batches on every rank: the ranks' plain models stay alike, as DDP's
+        batch = batch_at(TOKENS, step, 2, 32) % model_config().vocab_size
+        plain(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    Tailor(out / "held-plain", plain, optimizer, policy=Full(), timeout=60).save(3)
+    into_engine = restored(out / "held-plain", held_engine(stage, seed=5), None,
+                           {n: p.detach() for n, p in plain.named_parameters()})
+    e = held_engine(stage, seed=0)
+    train(e, [1, 2, 3])
+    Tailor(out / "held-engine", e, policy=Full(), timeout=60).save(3)
+    into_plain = restored(out / "held-engine", *held_model(5), gathered(e, stage))
+    return {"into_engine": into_engine, "into_plain": into_plain}
+
+
 def resume_imported_scenario(out: Path, stage: int) -> dict:
     e = engine(stage, seed=5, curriculum=out / "ds" / "clusters")
     report = Tailor(out / "run", e, timeout=60).restore()
@@ -348,7 +475,8 @@ def universal_scenario(out: Path, stage: int) -> dict:
 
 SCENARIOS = {"save": save_scenario, "restore": restore_scenario, "bf16": bf16_scenario,
              "restore_fail": restore_fail_scenario, "checkpoint": checkpoint_scenario,
-             "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario}
+             "universal": universal_scenario, "resume_imported": resume_imported_scenario, "frozen": frozen_scenario, "ltd": ltd_scenario,
+             "omitted": omitted_scenario, "held": held_scenario}
 
 
 def jobs(argv: list[str]) -> list[tuple[str, Path, int, str]]:

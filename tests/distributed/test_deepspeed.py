@@ -4,9 +4,9 @@ restores at another world size and ZeRO stage, into one plain process, bf16 with
 Launches are few (each costs 10-20 s, most of it the start of its processes), and tests that
 need the same processes share one (``ds_job.py`` runs several jobs in turn, a fresh engine
 each). One launch at 2 ranks: ZeRO-2 saves, resumes bitwise and restores, then writes DeepSpeed's
-own checkpoint, then bf16 with fp32 masters; then ZeRO-3 likewise and its own checkpoint; then
-the odd shapes that end ZeRO partitions mid-row (several chunks of a tensor in one rank's file)
-with several ZeRO-3 sub-groups per param group. One launch at 3 ranks restores both ZeRO-3 runs
+own checkpoint, then bf16 with fp32 masters; then ZeRO-3 likewise and its own checkpoint, and an
+engine with random-LTD on; then the odd shapes that end ZeRO partitions mid-row (several chunks
+of a tensor in one rank's file) with several ZeRO-3 sub-groups per param group. One launch at 3 ranks restores both ZeRO-3 runs
 under ZeRO-2, then the ZeRO-2 run under ZeRO-3. The plain ZeRO-3 run is restored under ZeRO-1 in
 one process, each plain run into a plain torch model. One more launch at 2 ranks, on what the
 first made: a restore that fails on one rank, a universal checkpoint loaded by DeepSpeed and an
@@ -80,11 +80,13 @@ def launch(nproc: int, scenario: str, out: Path, stage: int, shape: str = "plain
 def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     """The runs at 2 ranks, in turn in one launch (ZeRO-3 after ZeRO-2, as the universal
     checkpoint's launch has them): the ZeRO-2 run (``save``), DeepSpeed's own ZeRO-2 checkpoint
-    in its DIR/ds and the bf16 run; the ZeRO-3 run (``save``) and DeepSpeed's own ZeRO-3
-    checkpoint in its DIR/ds; the ZeRO-3 run of the odd shapes (``save``). By name, the directory
-    of each."""
+    in its DIR/ds and the bf16 run; the ZeRO-3 run (``save``), DeepSpeed's own ZeRO-3 checkpoint
+    in its DIR/ds and the random-LTD runs (``ltd``); at each stage a run whose optimizer leaves
+    out the embedding (``omitted``) and runs whose optimizer holds it frozen (``held``); the ZeRO-3 run of the odd shapes (``save``). By name, the
+    directory of each."""
     dirs = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "odd-zero3")}
-    run_jobs(2, [("save+checkpoint+bf16+frozen", dirs["zero2"], 2, "plain"), ("save+checkpoint+frozen", dirs["zero3"], 3, "plain"),
+    run_jobs(2, [("save+checkpoint+bf16+frozen+omitted+held", dirs["zero2"], 2, "plain"),
+                 ("save+checkpoint+frozen+ltd+omitted+held", dirs["zero3"], 3, "plain"),
                  ("save", dirs["odd-zero3"], 3, "odd")])
     return dirs
 
@@ -159,6 +161,56 @@ def assert_plain_torch_restore_matches(out: Path) -> None:
 
 def test_restore_into_a_plain_torch_model_uses_each_units_own_step(zero3):
     assert_plain_torch_restore_matches(zero3[0])
+
+
+def test_a_random_ltd_engines_run_has_the_models_names_and_restores_with_or_without_it(zero3):
+    """random-LTD wraps each decoder layer (``model.layers.1.random_ltd_layer.self_attn...``);
+    DeepSpeed's own checkpoints leave the wrapper out of the names, and so does a Tailor: the run
+    of a ZeRO-3 engine with random-LTD on holds the model's own names (what an HF export or a
+    plain model takes), restores into an engine without random-LTD (it is turned off for the end
+    of a training) and with it (its scheduler's state back), and DeepSpeed's own checkpoint of
+    it, imported, restores into an engine with it; each trains on as the uninterrupted one did.
+    Before, the run held the wrapper's names: refused by the engine without random-LTD, and the
+    imported checkpoint refused by the one with it."""
+    from llmtailor.layouts import Layout, build_layout
+
+    out, _ = zero3
+    for result in results(out, "ltd", 2):
+        assert result["saved_ltd"]["consumed_layer_tokens"] > 0, result["saved_ltd"]
+        for label, restored in result["restores"].items():
+            assert restored["error"] is None, f"{label}: {restored['error']}"
+            assert restored["losses"] == result["continued"], label
+            assert restored["ltd"] in (None, result["saved_ltd"]), label
+        assert result["restores"]["ltd ltd=True"]["ltd"] == result["saved_ltd"]
+    model, _, _ = tiny(layers=4, hidden=32)
+    assert Layout.from_record(Run(out / "ltd").manifest(3).layout).units == build_layout(model).units
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_no_optimizer_group_holds_is_saved_as_frozen_and_restored(two_rank_runs, stage):
+    """An optimizer built over part of the model (here all but the embedding, which still requires
+    grad): DeepSpeed trains the rest and leaves it out of its partitions, so it has no master and
+    no optimizer state; a Tailor saves it as a frozen weight, restores it into a fresh engine and
+    training goes on bit for bit (before: a KeyError from the provider's look-up of its partition
+    at the first save, at both stages)."""
+    out = two_rank_runs[f"zero{stage}"]
+    for result in results(out, "omitted", 2):
+        assert result["error"] is None, result["error"]
+        assert result["mismatches"] == [] and result["resumed"] == result["continued"]
+    assert Run(out / "omitted").unit_entry(3, "embed").tensors[0].key == "weight/model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_held_by_a_plain_optimizer_and_left_out_by_deepspeeds_restore_both_ways(two_rank_runs, stage):
+    """``AdamW(model.parameters())`` over a model with a frozen embedding holds it; DeepSpeed's
+    groups leave it out, and so does the record of a Tailor on the engine. A run of the plain
+    model restores into the engine and one of the engine into the plain model, every weight the
+    saved one (before: refused both ways, 'param groups differ')."""
+    out = two_rank_runs[f"zero{stage}"]
+    for result in results(out, "held", 2):
+        for way in ("into_engine", "into_plain"):
+            assert result[way]["error"] is None, f"{way}: {result[way]['error']}"
+            assert result[way]["mismatches"] == [], way
 
 
 @pytest.fixture(scope="module")

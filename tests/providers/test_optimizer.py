@@ -192,3 +192,38 @@ def test_the_groups_of_pipeline_stages_are_cut_along_the_live_groups_by_name():
         regroup(saved, [["a.w", "a.n", "b.w", "c.w", "c.n"]], {"a.w"})
     with pytest.raises(IncompatibleModelError, match=r"the snapshot's param groups hold \['c.n'\], which no live"):
         regroup(saved, live[:1], {"a.w", "b.w", "c.w", "c.n"})
+
+
+def frozen_embedding_optimizer(model, with_frozen: bool) -> torch.optim.AdamW:
+    """AdamW over ``model`` with its embedding frozen: decay and no-decay groups, and a group of
+    its own for the embedding (lr 0.5) holding it (``with_frozen``, as ``AdamW(model.parameters())``
+    holds frozen parameters) or not (as HF Trainer and DeepSpeed's records of their groups leave
+    them out), the rest the same."""
+    embedding = model.get_input_embeddings().weight
+    embedding.requires_grad_(False)
+    groups = [{**g, "params": [p for p in g["params"] if p is not embedding]} for g in hf_param_groups(model)]
+    return torch.optim.AdamW([groups[0], {"params": [embedding] if with_frozen else [], "lr": 0.5}, groups[1]], lr=3e-3)
+
+
+@pytest.mark.parametrize("saved_with", [True, False])
+def test_groups_holding_frozen_parameters_or_not_restore_into_each_other(tmp_path, tokens, saved_with):
+    """Frozen parameters (no grad: no step changes them) in an optimizer's groups or not is how it
+    was built, not state: a run saved with them restores into an optimizer without them and back,
+    every group's hyperparameters (the embedding's own group included, empty or not) and the
+    trained state by name, and training goes on bit for bit. The case met: a ZeRO-3 engine whose
+    optimizer had a group of frozen parameters records it empty, as DeepSpeed keeps it, and its
+    run restored into the plain model built the same way was refused ('live group 1 (1 params)
+    matches no saved group'), as a run whose groups held the embedding was into HF Trainer's."""
+    model, _, _ = tiny()
+    opt = frozen_embedding_optimizer(model, saved_with)
+    train(model, opt, None, tokens, range(1, 4))
+    Tailor(tmp_path, model, opt, policy=Full()).save(3)
+    expected = train(model, opt, None, tokens, range(4, 7))
+
+    fresh, _, _ = tiny(seed=9)
+    fresh_opt = frozen_embedding_optimizer(fresh, not saved_with)
+    for group in fresh_opt.param_groups:
+        group["lr"] = 1.0  # every one must come from the run
+    Tailor(tmp_path, fresh, fresh_opt).restore()
+    assert [g["lr"] for g in fresh_opt.param_groups] == [3e-3, 0.5, 3e-3]
+    assert train(fresh, fresh_opt, None, tokens, range(4, 7)) == expected

@@ -513,7 +513,7 @@ def _bug(id: str, damage, reason: str):
         _bug(
             "global-optimizer-group-not-an-object",
             _global(3, Edit("replace", ("optimizer_groups", 0), 1)),
-            "TypeError in optimizer._match_groups (g['params'] on a non-dict)",
+            "TypeError in optimizer.match_groups (g['params'] on a non-dict)",
         ),
         _bug(
             "global-scheduler-not-an-object",

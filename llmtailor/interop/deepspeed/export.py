@@ -8,7 +8,7 @@ it; ``.pt`` files written with ``torch.save``, as DeepSpeed reads them)::
     OUT/latest_universal                            the tag, ``global_step<N>``
     OUT/global_step<N>/mp_rank_00_model_states.pt   module weights (the fp32 masters), parameter
                                                     names and shapes by optimizer group, tied
-                                                    names, buffers, LR scheduler, global step,
+                                                    names, LR scheduler, global step,
                                                     the snapshot's extras as the client_state
                                                     load_checkpoint returns
     OUT/global_step<N>/zero/<name>/fp32.pt          {"param": master, "cat_dim": 0}
@@ -19,10 +19,11 @@ it; ``.pt`` files written with ``torch.save``, as DeepSpeed reads them)::
 DeepSpeed keeps one step per group: each group gets the composite's own step (the step of its
 parameters saved at the composite's step), as a restore into an engine does. Every
 parameter's optimizer state must be in the composite (one optimizer group per saved
-group, matched by names). ZeRO-3 engines load universal checkpoints through per-rank optimizer
-files this layout does not have: restore those with ``Tailor(run, engine).restore()`` (any
-stage, any world size) instead. The directory appears whole (written under a temporary name,
-renamed) or not at all.
+group, matched by names), and every tensor must be a trained parameter: a universal checkpoint's
+load sets those alone (a composite holding frozen parameters or buffers is refused). ZeRO-3
+engines load universal checkpoints through per-rank optimizer files this layout does not have:
+restore those with ``Tailor(run, engine).restore()`` (any stage, any world size) instead. The
+directory appears whole (written under a temporary name, renamed) or not at all.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class _Module:
     """What ``mp_rank_00_model_states.pt`` gathers while the units are written."""
 
     weights: dict[str, torch.Tensor] = field(default_factory=OrderedDict)
-    buffers: list[str] = field(default_factory=list)
     steps: dict[str, float] = field(default_factory=dict)  # optimizer step of each parameter
 
 
@@ -68,18 +68,16 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
     groups = state.get("optimizer_groups")
     if not groups:
         raise ConfigError(f"{run.root}: the snapshot of step {step} holds no optimizer state; a DeepSpeed checkpoint needs it")
+    trainable = {name for group in groups for name in group["params"]}
+    _refuse_untrained(layout, trainable, step)
     tag = f"global_step{step}"
     with publishing(out_dir, tag) as tmp:
         module = _Module()
-        trainable = {name for group in groups for name in group["params"]}
         for done, unit in enumerate(layout.units, start=1):
             weights, per_param = split_unit(unit, layout.units[unit], *run.read_unit(composite.sources[unit], unit))
-            for name, weight in weights.items():
+            for name, weight in weights.items():  # every one trained (_refuse_untrained)
                 module.weights[name] = weight
-                if name in trainable:
-                    _write_parameter(tmp / "zero" / name, weight, per_param.get(name), module, step)
-                else:
-                    module.buffers.append(name)
+                _write_parameter(tmp / "zero" / name, weight, per_param.get(name), module, step)
             if progress is not None:
                 progress(unit, done, len(layout.units))
         _write_steps(tmp, groups, module.steps, composite, layout)
@@ -91,6 +89,22 @@ def export_deepspeed(run: Run, step: int | None, out_dir: str | Path, *, progres
     replace_text_atomically(out_dir / LATEST, tag)
     fsync_dir(out_dir)
     return out_dir / tag
+
+
+def _refuse_untrained(layout: Layout, trainable: set[str], step: int) -> None:
+    """Refuse a composite holding tensors no optimizer group holds (frozen parameters, persistent
+    buffers): DeepSpeed's ``load_checkpoint`` of a universal checkpoint sets the trained
+    parameters alone, from ``zero/`` (it never loads the module's state dict), so it would report
+    the checkpoint loaded and leave those tensors as the engine had them."""
+    untrained = [name for name in layout.tensor_names() if name not in trainable]
+    if untrained:
+        shown = ", ".join(map(repr, untrained[:3])) + (f", ... ({len(untrained)} in all)" if len(untrained) > 3 else "")
+        raise IncompatibleModelError(
+            f"the composite of step {step} holds tensors no optimizer group holds ({shown}: frozen parameters or "
+            "buffers), which DeepSpeed's load_checkpoint of a universal checkpoint does not load (it sets only the "
+            "trained parameters) and would leave as the engine has them: restore the run into the engine with "
+            "Tailor(run, engine).restore() (any ZeRO stage, frozen parameters included), or assemble --format hf"
+        )
 
 
 def _write_parameter(folder: Path, weight: torch.Tensor, entries: dict[str, Any] | None, module: _Module, step: int) -> None:
@@ -127,7 +141,7 @@ def _model_states(module: _Module, groups, layout: Layout, state: dict[str, Any]
     shapes = {name: weight.shape for name, weight in module.weights.items()}
     return {
         "module": module.weights,
-        "buffer_names": module.buffers,
+        "buffer_names": [],  # none: a composite holding any is refused (_refuse_untrained)
         "optimizer": None,
         "param_shapes": [OrderedDict((name, shapes[name]) for name in group["params"]) for group in groups],
         "frozen_param_shapes": None,

@@ -9,6 +9,10 @@ What a unit holds (per parameter, by canonical name):
   ``exp_avg_sq``, ...);
 - ``optim/<name>/step``: the step of the parameter's optimizer group (see below).
 
+Names are the model's own: random-LTD's wrapper (``...layers.1.random_ltd_layer.self_attn...``)
+is left out, as DeepSpeed's own checkpoints leave it out (``base.canonical_name``), so a run of an
+engine with random-LTD on restores into one without it, or into a plain model.
+
 Each rank writes only the fragments it owns, straight from DeepSpeed's own partitions (no
 gather): under ZeRO-1/2 the fragment a parameter's ``_hp_mapping`` names (a contiguous range of
 the flattened parameter, possibly empty, possibly split between ranks), under ZeRO-3 the
@@ -43,7 +47,7 @@ from typing import Any
 from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError
 from llmtailor.layouts import Layout
-from llmtailor.providers.deepspeed.base import DeepSpeedProvider, is_engine
+from llmtailor.providers.deepspeed.base import DeepSpeedProvider, is_engine, module_tensors
 
 
 def deepspeed_provider(engine: Any, layout: Layout, coordinator: Coordinator, lr_scheduler: Any = None) -> DeepSpeedProvider:
@@ -61,4 +65,4 @@ def deepspeed_provider(engine: Any, layout: Layout, coordinator: Coordinator, lr
     return kind(engine, layout, coordinator, lr_scheduler)
 
 
-__all__ = ["DeepSpeedProvider", "deepspeed_provider", "is_engine"]
+__all__ = ["DeepSpeedProvider", "deepspeed_provider", "is_engine", "module_tensors"]

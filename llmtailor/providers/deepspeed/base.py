@@ -4,6 +4,8 @@ unit holds and how steps are kept)."""
 from __future__ import annotations
 
 import copy
+import functools
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -13,7 +15,7 @@ from llmtailor.distributed.coordinator import Coordinator
 from llmtailor.errors import IncompatibleModelError, IntegrityError
 from llmtailor.layouts import Layout
 from llmtailor.providers.base import StateProvider, hf_config, loading, unwrap
-from llmtailor.providers.optimizer import check_classes, check_state_keys, class_name
+from llmtailor.providers.optimizer import check_classes, check_state_keys, class_name, match_groups
 from llmtailor.store import codec
 from llmtailor.store.keys import master_key, optim_key, weight_key
 from llmtailor.store.manifest import TensorEntry, UnitEntry
@@ -58,6 +60,24 @@ def _data_holders(engine: Any) -> dict[str, Any]:
     return {key: holder for key, holder in found.items() if holder is not None}
 
 
+RANDOM_LTD_WRAPPER = re.compile(r"(\.random_ltd_layer)+(?=\.)")
+"""Where random-LTD puts its wrapper in a layer's names (``convert_to_random_ltd`` replaces each
+layer by a ``RandomLayerTokenDrop`` holding it as ``random_ltd_layer``)."""
+
+
+def canonical_name(name: str) -> str:
+    """A tensor's name without random-LTD's wrapper, as DeepSpeed's own checkpoints name it
+    (``DeepSpeedEngine.module_state_dict``): the model's own name, the same with random-LTD on
+    or off, and in a Hugging Face or plain model."""
+    return RANDOM_LTD_WRAPPER.sub("", name)
+
+
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and persistent buffers (``state_dict(keep_vars=True)``) by
+    canonical name (``canonical_name``)."""
+    return {canonical_name(name): tensor for name, tensor in module.state_dict(keep_vars=True).items()}
+
+
 def is_engine(model: Any) -> bool:
     return type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine") and hasattr(model, "zero_optimization_stage")
 
@@ -85,7 +105,7 @@ class DeepSpeedProvider(StateProvider, ABC):
         self.stage = int(engine.zero_optimization_stage())
         # The engine's scheduler, or one the caller steps itself (HF Trainer keeps its own).
         self.lr_scheduler = engine.lr_scheduler if engine.lr_scheduler is not None else lr_scheduler
-        self.params = dict(self.module.named_parameters())
+        self.params = {canonical_name(n): p for n, p in self.module.named_parameters()}
         self.names = {id(p): n for n, p in self.params.items()}
         """id(parameter) -> canonical name, made once."""
 
@@ -145,12 +165,22 @@ class DeepSpeedProvider(StateProvider, ABC):
     def named_parameters(self):
         return iter(self.params.items())
 
+    @functools.cached_property
+    def _trained(self) -> set[int]:
+        """The ids of the parameters DeepSpeed's optimizer trains: those of the user's param groups
+        that require grad. Any other parameter is frozen (no master, no optimizer state): one that
+        requires grad but no group holds too, as DeepSpeed leaves it out of its partitions."""
+        return {id(p) for params in self._groups() for p in params}
+
+    def trained_names(self) -> set[str]:
+        return {self.names[i] for i in self._trained}
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.zero.optimizer]  # its step changes the masters and moments
 
     def live_specs(self) -> dict[str, tuple[list[int], torch.dtype]]:
         specs = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
+        for name, tensor in module_tensors(self.module).items():
             if name in self.layout.tensor_names():
                 shape = self._global_shape(tensor) if name in self.params else tuple(tensor.shape)
                 specs[name] = (list(shape), tensor.dtype)
@@ -165,11 +195,11 @@ class DeepSpeedProvider(StateProvider, ABC):
             param = self.params.get(name)
             if param is None:  # a persistent buffer: the same on every rank, written once
                 if owner:
-                    buffers = buffers or self.module.state_dict(keep_vars=True)
+                    buffers = buffers or module_tensors(self.module)
                     pieces.append(Piece.whole(weight_key(name), buffers[name].detach(), stable=False))
                 continue
             shape = self._global_shape(param)
-            if not param.requires_grad:  # frozen: no master, no optimizer state
+            if id(param) not in self._trained:  # frozen: no master, no optimizer state
                 pieces += self._frozen_pieces(name, param, shape, owner)
                 continue
             fragment = self._fragment(param)
@@ -218,7 +248,7 @@ class DeepSpeedProvider(StateProvider, ABC):
         check_state_keys({name: keys - {STEP} for name, keys in saved_state.items()}, self._live_state_keys(),
                          type(self.zero.optimizer).__name__)
         with loading("optimizer groups", shared.get("step")):
-            self._check_groups(shared["optimizer_groups"])
+            self._matched_groups(shared["optimizer_groups"])
         if self.lr_scheduler is not None and shared.get("lr_scheduler") is None:
             raise IncompatibleModelError("the snapshot was saved without an LR scheduler, but the engine has one")
 
@@ -259,11 +289,11 @@ class DeepSpeedProvider(StateProvider, ABC):
         if master is None:
             raise IntegrityError(f"snapshot {step}: unit {entry.unit!r} lacks the weights of {name!r}")
         if param is None:  # a buffer
-            buffer = self.module.state_dict(keep_vars=True)[name]
+            buffer = module_tensors(self.module)[name]
             with torch.no_grad():
                 buffer.copy_(read_flat(reader, step, entry, master, 0, buffer.numel()).view(buffer.shape))
             return
-        if not param.requires_grad:
+        if id(param) not in self._trained:
             self._load_frozen(reader, step, entry, weight or master, param)
             return
         fragment = self._fragment(param)
@@ -290,14 +320,12 @@ class DeepSpeedProvider(StateProvider, ABC):
             keys.update({self.names[id(p)]: held for p in groups[self._group_of_partition(index)]})
         return keys
 
-    def _check_groups(self, groups: list[dict[str, Any]]) -> None:
-        live = [[self.names[id(p)] for p in params] for params in self._groups()]
-        saved = [list(g.get("params", [])) for g in groups]
-        if [sorted(g) for g in live] != [sorted(g) for g in saved]:
-            raise IncompatibleModelError(
-                f"the engine's param groups ({[len(g) for g in live]} parameters) differ from the snapshot's "
-                f"({[len(g) for g in saved]}); llmtailor matches groups by their parameters' names"
-            )
+    def _matched_groups(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The saved ``groups`` matched to the engine's by their parameters' names, those requiring
+        no grad aside (``optimizer.match_groups``: DeepSpeed's groups leave them out; a plain
+        optimizer's may hold them); IncompatibleModelError where they differ."""
+        frozen = {name for name, p in self.params.items() if not p.requires_grad}
+        return match_groups([[self.names[id(p)] for p in params] for params in self._groups()], groups, frozen)
 
     def _ensure_state(self, keys: list[str]) -> None:
         """Create the optimizer state of every flat partition that has none yet (a fresh
@@ -310,9 +338,7 @@ class DeepSpeedProvider(StateProvider, ABC):
     def _load_groups(self, groups, shared, sources, unit_steps) -> None:
         """Hyperparameters by group (matched by parameter names); each flat partition's step
         from the composite's own step (module docstring)."""
-        by_members = {frozenset(g["params"]): g for g in groups}
-        for index, params in enumerate(self._groups()):
-            saved = by_members[frozenset(self.names[id(p)] for p in params)]
+        for index, saved in enumerate(self._matched_groups(groups)):
             with loading("optimizer groups", shared.get("step")):
                 self.zero.optimizer.param_groups[index].update({k: v for k, v in saved.items() if k != "params"})
         saved_steps = (shared.get("deepspeed") or {}).get("steps")
