@@ -86,28 +86,35 @@ def balance(sizes: dict[K, int], world: int, candidates: Mapping[K, Collection[i
     a reader reads the items of one object it has together, in one request (``Run.reading_together``):
     an item then goes to a rank that has an item of its object already (the fewest bytes of those
     first) while that rank's bytes stay within the fair share (all bytes / ``world``) or the most
-    any rank has so far, whichever is more, and 1/``_SLACK`` of it (a unit's norm of a few KB
-    joins the rank reading its pack even where that rank has the most: a request costs more than
-    reading that much more); else as above. So an object's items are on as few readers as the
-    balance allows (before, a pack's equal layers went round the ranks, each rank a request of
-    it), and no rank ends with more than that bound or the greedy rule's own."""
+    bytes a rank had once the greedy rule gave it an item, whichever is more, and 1/``_SLACK`` of
+    it (a unit's norm of a few KB joins the rank reading its pack even where that rank has the
+    most: a request costs more than reading that much more); else as above. Bytes an item took
+    by joining never raise that bound: each join would let the next one in, and a pack of many
+    units each under 1/``_SLACK`` of a fair share (a deep model's layers) would all go to one or
+    two ranks. So an object's items are on as few readers as the balance allows (before, a
+    pack's equal layers went round the ranks, each rank a request of it), and no item joins a
+    rank past that bound."""
     load = [0] * world
     owners: dict[K, int] = {}
     order = list(sizes)
     position = {item: at for at, item in enumerate(order)}
     fair = sum(sizes.values()) / max(world, 1)
     readers: dict[Hashable, set[int]] = {}  # object -> the ranks given an item of it so far
+    chosen = 0  # the most bytes of a rank the greedy rule gave an item to (joins not counted: ``together``)
     for item in sorted(order, key=lambda i: (-sizes[i], position[i])):
         allowed = sorted(set((candidates or {}).get(item) or ())) or range(world)
         rank = min(allowed, key=lambda r: (load[r], r))
+        joined: list[int] = []
         if together is not None and together.get(item) is not None:
-            bound = max(fair, max(load)) * (1 + 1 / _SLACK)
+            bound = max(fair, chosen) * (1 + 1 / _SLACK)
             joined = [r for r in allowed if r in readers.get(together[item], ()) and load[r] + sizes[item] <= bound]
             if joined:
                 rank = min(joined, key=lambda r: (load[r], r))
             readers.setdefault(together[item], set()).add(rank)
         load[rank] += sizes[item]
         owners[item] = rank
+        if not joined:
+            chosen = max(chosen, load[rank])
     return owners
 
 

@@ -47,7 +47,8 @@ class WriterLock:
     def acquire(self) -> None:
         """Take the lock or raise TailorError naming the holder (or saying why the location
         is not a run); then clear what crashed writers left behind. A failure to clear them is
-        raised with the lock let go again: the next ``acquire`` takes it and clears anew.
+        raised with the lock let go again, what taking it created removed (``abandon``): the next
+        ``acquire`` takes it and clears anew.
 
         Within one process the lock is shared: a second ``Tailor`` of the same run (one that
         saved, another that restores) holds it too, and only the first clears leftovers (the
@@ -76,8 +77,11 @@ class WriterLock:
             self.cleared = self.storage.commits.clear_leftovers()
         except BaseException:
             # Not taken after all: a lock kept, with nobody to release it (the caller saw a failure),
-            # held this process's writers to leftovers never cleared and others off the run.
-            self._let_go_held(abandon=False)
+            # held this process's writers to leftovers never cleared and others off the run. Let go
+            # as a failed start is (``abandon``): what this take created goes too (a new run's
+            # ``.lock`` and directories), as the caller's own ``abandon`` would have removed it had
+            # the lock still been held; a run found there keeps all it had.
+            self._let_go_held(abandon=True)
             raise
 
     def claim(self) -> None:

@@ -97,6 +97,23 @@ def test_the_items_of_one_object_stay_on_as_few_readers_as_the_byte_balance_allo
     assert balance({"a0": 10, "a1": 10}, 2, {"a1": [1]}, together={"a0": "A", "a1": "A"}) == {"a0": 0, "a1": 1}
 
 
+@pytest.mark.parametrize("layers, world", [(64, 2), (128, 4), (48, 2)])
+def test_a_pack_of_many_small_units_is_still_spread_over_the_ranks_by_bytes(layers, world):
+    """A deep model's layer units, each under 1/32 of a rank's fair share, all in one pack (units
+    under 16 MiB are packed, up to 256 MiB a pack): a rank reading the pack takes its units while
+    its bytes stay within the fair share or the most a rank had by the greedy rule's own choice,
+    and 1/32 of it; bytes taken by joining never raise that bound. BEFORE (session 59, read59's
+    ``together``): every unit on rank 0 (64 layers at 2 ranks: bytes [72, 0]; 128 at 4: [136, 0,
+    0, 0]), the bound taken from the most any rank had, the joining rank's own, so each join let
+    the next one in (from the most of another rank: [68, 68, 0, 0], two ranks leapfrogging)."""
+    sizes = {"embed": 4, "head": 4, **{f"layer.{i}": 1 for i in range(layers)}}
+    owners = balance(sizes, world, together={item: "pack" for item in sizes})
+    loads = [sum(n for item, n in sizes.items() if owners[item] == rank) for rank in range(world)]
+    greedy = balance(sizes, world)
+    most = max(sum(sizes.values()) / world, max(sum(n for i, n in sizes.items() if greedy[i] == r) for r in range(world)))
+    assert max(loads) <= most * (1 + 1 / 32), loads
+
+
 def test_the_ranks_that_can_read_files_of_a_node_local_snapshot_are_those_on_the_nodes_holding_them():
     from llmtailor.constants import pack_filename, unit_filename
     from llmtailor.store.node_parts import reading_ranks

@@ -254,3 +254,28 @@ def test_a_holder_whose_lock_file_names_this_process_is_refused_all_the_same(tmp
         holder.kill()
         holder.wait(timeout=30)
     WriterLock(tmp_path).refuse_if_held()  # released: nothing to refuse
+
+
+def test_a_writer_whose_start_fails_clearing_leftovers_leaves_a_new_location_as_it_found_it(tmp_path, monkeypatch):
+    """A Tailor built on a missing directory takes the run's lock (creating the directory and its
+    .lock), then clearing crashed writers' leftovers fails: the Tailor raises, and the location
+    is as it was, no directory made (as before session 59's doubt59, whose fix lets the lock go
+    inside ``acquire`` when clearing fails: the Tailor's own ``abandon`` then found nothing held
+    to remove). The next writer, clearing well, makes the run. BEFORE (15e7ecd): the directory
+    made, holding a ``.lock``, after the Tailor raised."""
+    import torch
+
+    from llmtailor.store.storage.local_commit import LocalCommits
+
+    def failing(self):
+        raise OSError(5, "Input/output error")
+
+    root = tmp_path / "new" / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalCommits, "clear_leftovers", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            Tailor(root, torch.nn.Linear(2, 2))
+    assert not (tmp_path / "new").exists(), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with Tailor(root, torch.nn.Linear(2, 2)) as tailor:
+        tailor.save(1)
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == ["step-00000001"]
