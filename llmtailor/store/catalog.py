@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -91,6 +91,7 @@ class ReadLeases:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False
         self._held[step] = lease
+        self.run._doubted.discard(step)  # committed after all: a snapshot saved again at a step removed before
         if lease.marker is not None:  # the manifest as read once the lease was written: not read again
             self.run.manifest_read(step, lease.marker)
         return True
@@ -155,6 +156,9 @@ class Catalog:
         None: not listed yet), for ``tombstones``."""
         self._held_back: list[threading.Event] = []
         """Gates of background commits' writes not yet opened (``hold_back``)."""
+        self._doubted: set[int] = set()
+        """Steps forgotten (``forget``: a lease found no committed snapshot there, or it was removed):
+        a listing for a lease looks for their manifest first (``_newest_to_lease``)."""
 
     @property
     def is_local(self) -> bool:
@@ -195,7 +199,13 @@ class Catalog:
         listing = getattr(self._listed, "listing", None)
         if listing:
             return list(listing[0])
-        found = sorted({*self._list_steps(), *(step for step in list(self._committing) if self.committing_here(step))})
+        return self._listed_steps(self._list_steps())
+
+    def _listed_steps(self, committed: list[int]) -> list[int]:
+        """``steps`` from the ``committed`` steps just listed: with those this process commits in
+        the background, kept inside ``listed``."""
+        found = sorted({*committed, *(step for step in list(self._committing) if self.committing_here(step))})
+        listing = getattr(self._listed, "listing", None)
         if listing is not None:
             listing.append(found)
         return list(found)
@@ -298,9 +308,14 @@ class Catalog:
             self._list_steps()
         return list(self._tombstoned or [])
 
-    def _manifest_sizes(self) -> list[tuple[int, int | None]]:
-        """Each snapshot directory's step and the size of its manifest (None: none there)."""
-        named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
+    def _snapshot_names(self) -> list[tuple[int, str]]:
+        """Each snapshot directory's step and name (one listing: a LIST on an object store)."""
+        return [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
+
+    def _manifest_sizes(self, named: list[tuple[int, str]] | None = None) -> list[tuple[int, int | None]]:
+        """Each snapshot directory's step and the size of its manifest (None: none there), of the
+        directories ``named`` (default: listed now)."""
+        named = self._snapshot_names() if named is None else named
         # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side).
         sizes = self.storage.together(*(functools.partial(self.storage.size, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
                                         for _, name in named))
@@ -360,6 +375,7 @@ class Catalog:
         for step in steps:
             self._manifests.pop(step, None)
             self._manifest_bytes.pop(step, None)
+            self._doubted.add(step)
         listing = getattr(self._listed, "listing", None)
         if listing:
             listing.clear()
@@ -371,16 +387,24 @@ class Catalog:
         # The pointer read while the snapshots are listed (on an object store, side by side):
         # either order is handled below (a pointer newer than the listing counts as absent).
         steps, pointer = self.storage.together(self.steps, self._read_pointer)
-        if not steps:
-            return None
-        if pointer is None or pointer not in steps:
-            return steps[-1]
-        current = pointer
-        while True:
-            children = [s for s in steps if s > current and self._parent_if_present(s) == current]
-            if not children:
-                return current
-            current = max(children)
+        return _followed(steps, pointer, self._parent_if_present)
+
+    def _newest_to_lease(self) -> int | None:
+        """``latest_step`` for ``lease_composite``, which leases the step it returns at once. On
+        an object store, the manifest of the snapshot ``latest`` names is not looked for while
+        the run is listed (a HEAD): its lease looks for it once written (a GET, which gives its
+        bytes too: ``ObjectLocks.lease_for_reading``), so one request does for both. The other
+        snapshots listed are looked for as ``steps`` does (those newer than the pointer are
+        followed: a crash between a commit and the pointer's update). Where that lease finds no
+        committed snapshot (``forget``), the next listing looks for it first and passes it over."""
+        if not self.storage.locks.checks_committed or getattr(self._listed, "listing", None):
+            return self.latest_step()  # a lease that checks nothing (a local run's), or listed already in this block
+        named, pointer = self.storage.together(self._snapshot_names, self._read_pointer)
+        # A pointer not listed is newer than the listing (as in ``latest_step``): counted absent.
+        unchecked = [pointer] if pointer not in self._doubted and any(step == pointer for step, _ in named) else []
+        sizes = self._manifest_sizes([(step, name) for step, name in named if step not in unchecked])
+        steps = self._listed_steps([*unchecked, *(step for step, size in sizes if self._marks_commit(size))])
+        return _followed(steps, pointer, self._parent_if_present)
 
     def lineage(self, step: int | None = None, *, through_damage: bool = False) -> Iterator[int]:
         """The composite of ``step`` (default: the newest) and its ancestors, newest first,
@@ -487,7 +511,7 @@ class Catalog:
         the run leased, and those that are not (step -> the units it should give)."""
         wanted = step
         for _ in range(_RESOLVE_ATTEMPTS):
-            target = self.latest_step() if wanted is None else wanted
+            target = self._newest_to_lease() if wanted is None else wanted
             if target is None:
                 raise SnapshotNotFoundError(self._no_snapshot_message(None))
             composite, lost = None, {}
@@ -536,6 +560,23 @@ class Catalog:
         if step is None:
             return f"{self.root}: no committed snapshot"
         return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
+
+
+def _followed(steps: list[int], pointer: int | None, parent_of: Callable[[int], int | None]) -> int | None:
+    """The newest committed composite among ``steps`` (committed, ascending) where the ``latest``
+    pointer names ``pointer`` (None: none, or damaged): it, followed forward through the
+    snapshots whose parent it is (``Catalog.latest_step``); the newest step where it names none
+    of them (newer than the listing, or removed)."""
+    if not steps:
+        return None
+    if pointer is None or pointer not in steps:
+        return steps[-1]
+    current = pointer
+    while True:
+        children = [s for s in steps if s > current and parent_of(s) == current]
+        if not children:
+            return current
+        current = max(children)
 
 
 def empty_run(root: object) -> str:

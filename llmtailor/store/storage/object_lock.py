@@ -38,7 +38,7 @@ from llmtailor.constants import LOCK_FILE, MANIFEST_FILE
 from llmtailor.errors import IntegrityError, StorageError, TailorError
 from llmtailor.store.storage.object_options import DEFAULT_LOCK_TTL, load_obstore
 from llmtailor.store.storage.object_store import ObjectStore, Version
-from llmtailor.store.storage.strategies import Lease, RunLocks, WriterLockBackend, this_process
+from llmtailor.store.storage.strategies import CANNOT_CREATE, Lease, RunLocks, WriterLockBackend, this_process
 
 READERS_DIR = ".readers"
 
@@ -79,9 +79,9 @@ class ObjectLocks(RunLocks):
         try:
             self.storage.put(key, json.dumps(record).encode())
         except StorageError as err:
-            if "permission denied" in str(err):
-                return _ObjectLease(self.storage, None) if self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
-            raise
+            if err.errno not in CANNOT_CREATE:  # read-only credentials: read without a lease (as a local read-only run)
+                raise
+            return _ObjectLease(self.storage, None) if self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
         lease = _ObjectLease(self.storage, key)
         # Written first, then read: retention writes its mark first, then reads the leases.
         try:
