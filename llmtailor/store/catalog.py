@@ -195,7 +195,7 @@ class Catalog:
     def steps(self) -> list[int]:
         """Steps of the committed snapshots (those whose manifest exists, and those this process
         commits in the background: ``commit_later``), ascending (inside ``listed``: as first
-        listed there)."""
+        listed there; by a lease's listing, ``_newest_to_lease``, those up to ``latest`` as listed)."""
         listing = getattr(self._listed, "listing", None)
         if listing:
             return list(listing[0])
@@ -390,20 +390,27 @@ class Catalog:
         return _followed(steps, pointer, self._parent_if_present)
 
     def _newest_to_lease(self) -> int | None:
-        """``latest_step`` for ``lease_composite``, which leases the step it returns at once. On
-        an object store, the manifest of the snapshot ``latest`` names is not looked for while
-        the run is listed (a HEAD): its lease looks for it once written (a GET, which gives its
-        bytes too: ``ObjectLocks.lease_for_reading``), so one request does for both. The other
-        snapshots listed are looked for as ``steps`` does (those newer than the pointer are
-        followed: a crash between a commit and the pointer's update). Where that lease finds no
-        committed snapshot (``forget``), the next listing looks for it first and passes it over."""
+        """``latest_step`` for ``lease_composite``, which leases the step it returns at once (and
+        each snapshot its composite needs, each lease looking for that snapshot's manifest once
+        written). On an object store the listing therefore looks for the manifests of the
+        snapshots newer than ``latest`` alone (a HEAD each: a crash between a commit and the
+        pointer's update leaves one, followed as ``latest_step`` does): the pointer's own is
+        read by its lease (a GET, the check that it is committed and its bytes at once:
+        ``ObjectLocks.lease_for_reading``), and the older ones are counted as listed, each
+        looked for by its lease if the composite needs it. So a restore costs the same requests
+        whatever the number of snapshots. Inside ``listed`` the steps so listed are the block's
+        (``newest_held`` looks no further back than the newest non-carrier). A pointer whose lease
+        found no committed snapshot (``forget``), or none listed (newer than the listing, or no
+        ``latest``), is looked for as every snapshot is, and passed over."""
         if not self.storage.locks.checks_committed or getattr(self._listed, "listing", None):
             return self.latest_step()  # a lease that checks nothing (a local run's), or listed already in this block
         named, pointer = self.storage.together(self._snapshot_names, self._read_pointer)
-        # A pointer not listed is newer than the listing (as in ``latest_step``): counted absent.
-        unchecked = [pointer] if pointer not in self._doubted and any(step == pointer for step, _ in named) else []
-        sizes = self._manifest_sizes([(step, name) for step, name in named if step not in unchecked])
-        steps = self._listed_steps([*unchecked, *(step for step, size in sizes if self._marks_commit(size))])
+        if pointer is None or pointer in self._doubted or all(step != pointer for step, _ in named):
+            sizes, older = self._manifest_sizes(named), []
+        else:
+            sizes = self._manifest_sizes([(step, name) for step, name in named if step > pointer])
+            older = [step for step, _ in named if step <= pointer]
+        steps = self._listed_steps([*older, *(step for step, size in sizes if self._marks_commit(size))])
         return _followed(steps, pointer, self._parent_if_present)
 
     def lineage(self, step: int | None = None, *, through_damage: bool = False) -> Iterator[int]:

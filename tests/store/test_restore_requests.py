@@ -16,7 +16,7 @@ pytest.importorskip("moto")
 
 from objectstore import client, faulty_moto, new_bucket, set_environment  # noqa: E402
 
-from llmtailor import Full, Tailor  # noqa: E402
+from llmtailor import Full, Parity, Tailor  # noqa: E402
 from llmtailor.errors import StorageError  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.store.storage.object_commit import tombstone  # noqa: E402
@@ -41,47 +41,70 @@ def small_requests(seen: list, run_prefix: str) -> Counter:
     return counted
 
 
-def saved_twice(url: str, tokens) -> None:
+def saved(url: str, tokens, steps: tuple[int, ...] = (1, 2), policy=None) -> None:
     model, opt, sched = tiny()
-    with Tailor(url, model, opt, sched, policy=Full()) as tailor:
-        for step in (1, 2):
+    with Tailor(url, model, opt, sched, policy=policy or Full()) as tailor:
+        for step in steps:
             train(model, opt, sched, tokens, [step])
             tailor.save(step)
 
 
-def test_a_restore_asks_each_small_request_once_and_looks_for_the_newest_manifest_by_its_lease_alone(tokens, monkeypatch):
-    """A restore of a run of steps 1 and 2 (``latest`` names 2), counted at the server. Rank 0's
-    choice: the listing of the snapshots (a LIST), the pointer (a GET), step 1's manifest looked
-    for (a HEAD: a snapshot of the run); the lease on step 2: its PUT, then the removal mark
-    looked for and the manifest read (a GET, which is also the check that step 2 is committed),
-    and its DELETE (a bulk one) at the end; the unit indexes and the global state, a GET each.
-    BEFORE: step 2's manifest was also looked for while the run was listed, a HEAD the lease's GET
-    makes needless (``{('HEAD', 'snapshots/step-00000002/manifest.json'): 1}`` more). The same
-    for a reader of the composite alone (``Run.reading``: ``export``, ``merge``)."""
+def test_a_restore_asks_each_small_request_once_whatever_the_number_of_snapshots(tokens, monkeypatch):
+    """A restore of a run of steps 1 to 3 (``latest`` names 3), counted at the server. Rank 0's
+    choice: the listing of the snapshots (a LIST) and the pointer (a GET); the lease on step 3:
+    its PUT, then the removal mark looked for and the manifest read (a GET, which is also the
+    check that step 3 is committed), and its DELETE (a bulk one) at the end; the unit indexes and
+    the global state, a GET each. BEFORE: every snapshot's manifest was also looked for while the
+    run was listed, step 3's too, which its lease's GET makes needless, and steps 1 and 2's,
+    which the composite does not need (a HEAD each: ``{('HEAD', 'snapshots/step-00000001/
+    manifest.json'): 1, ...2..., ...3...}`` more, one per snapshot of the run). The same for a
+    reader of the composite alone (``Run.reading``: ``export``, ``merge``, the CLI)."""
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         bucket = new_bucket(endpoint)
         url = f"s3://{bucket}/run"
-        saved_twice(url, tokens)
+        saved(url, tokens, (1, 2, 3))
         model, opt, sched = tiny()
         tailor = Tailor(url, model, opt, sched, read_only=True)
         faults.seen.clear()
-        assert tailor.restore().step == 2
+        assert tailor.restore().step == 3
         restored = small_requests(faults.seen, f"/{bucket}/run")
-        step2 = "snapshots/step-00000002"
-        lease = {("PUT", f"{step2}/.readers/<id>"): 1, ("HEAD", f"{step2}/.removing"): 1,
-                 ("GET", f"{step2}/manifest.json"): 1, ("POST", ""): 1}
-        assert restored == Counter({("LIST", ""): 1, ("GET", "latest"): 1, ("HEAD", "snapshots/step-00000001/manifest.json"): 1,
-                                    **lease, ("GET", f"{step2}/indexes.json"): 1, ("GET", f"{step2}/global.json"): 1,
-                                    ("GET", f"{step2}/global.safetensors"): 1}), restored
+        step3 = "snapshots/step-00000003"
+        lease = {("PUT", f"{step3}/.readers/<id>"): 1, ("HEAD", f"{step3}/.removing"): 1,
+                 ("GET", f"{step3}/manifest.json"): 1, ("POST", ""): 1}
+        assert restored == Counter({("LIST", ""): 1, ("GET", "latest"): 1, **lease, ("GET", f"{step3}/indexes.json"): 1,
+                                    ("GET", f"{step3}/global.json"): 1, ("GET", f"{step3}/global.safetensors"): 1}), restored
         tailor.close()
 
         faults.seen.clear()
         with Run(url).reading() as composite:
-            assert composite.step == 2
+            assert composite.step == 3
         read = small_requests(faults.seen, f"/{bucket}/run")
-        assert read == Counter({("LIST", ""): 1, ("GET", "latest"): 1, ("HEAD", "snapshots/step-00000001/manifest.json"): 1,
-                                **lease}), read
+        assert read == Counter({("LIST", ""): 1, ("GET", "latest"): 1, **lease}), read
+
+
+def test_a_snapshot_newer_than_latest_is_looked_for_and_followed_and_an_older_one_the_composite_needs_is_leased(
+        tokens, monkeypatch):
+    """Parity saves of steps 1 to 3, then ``latest`` put back to name step 2 (a crash between the
+    commit of 3 and the pointer's update): the restore looks for step 3's manifest (a HEAD: newer
+    than the pointer), follows it (its parent is 2) and loads the composite of 3, leasing step 2,
+    whose units it needs (its lease reads its manifest), without looking for step 1's."""
+    with faulty_moto() as (endpoint, faults):
+        set_environment(monkeypatch, endpoint)
+        bucket = new_bucket(endpoint)
+        url = f"s3://{bucket}/run"
+        saved(url, tokens, (1, 2, 3), Parity())
+        client(endpoint).put_object(Bucket=bucket, Key="run/latest", Body=b"step-00000002")
+        model, opt, sched = tiny()
+        with Tailor(url, model, opt, sched, read_only=True) as tailor:
+            faults.seen.clear()
+            report = tailor.restore()
+        assert report.step == 3 and set(report.sources.values()) == {2, 3}
+        asked = small_requests(faults.seen, f"/{bucket}/run")
+        # Looked for while listing and by its lease (its manifest read in between, to follow it).
+        assert asked["HEAD", "snapshots/step-00000003/manifest.json"] == 2
+        assert asked["PUT", "snapshots/step-00000002/.readers/<id>"] == 1
+        assert not any("step-00000001" in key for _, key in asked), asked
 
 
 @pytest.mark.parametrize("gone", ["removed", "tombstone"])
@@ -94,7 +117,7 @@ def test_a_pointer_to_a_snapshot_that_is_not_committed_restores_the_newest_commi
         set_environment(monkeypatch, endpoint)
         bucket = new_bucket(endpoint)
         url = f"s3://{bucket}/run"
-        saved_twice(url, tokens)
+        saved(url, tokens)
         key = "run/snapshots/step-00000002/manifest.json"
         if gone == "removed":
             client(endpoint).delete_object(Bucket=bucket, Key=key)
@@ -122,7 +145,7 @@ def test_a_lease_refused_for_want_of_rights_reads_without_one_and_a_failure_whos
         bucket = new_bucket(endpoint)
         for prefix, status in (("run", 403), ("permission denied/run", 503)):
             url = f"s3://{bucket}/{prefix}"
-            saved_twice(url, tokens)
+            saved(url, tokens)
             faults.rule = lambda method, key, status=status: status if method == "PUT" and "/.readers/" in key else None
             run = Run(url, {"retry_config": FAST_RETRY})
             if status == 403:
