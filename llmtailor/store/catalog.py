@@ -32,6 +32,23 @@ Invariants of reading:
   every snapshot of its composite (``reading``): retention leaves leased snapshots in place.
   A composite that lost a snapshot before its lease was taken is never read in part: it is
   resolved again (the newest) or refused, before any tensor byte is read.
+
+The small requests of a restore from an object store (each a round trip, and on a server such
+as moto some milliseconds of its CPU whatever its size), each asked once in the job (rank 0
+lists, reads the pointer and leases; ``store.shared_reads`` sends what one rank read to the
+others), and why each is needed:
+
+- a LIST of ``snapshots/``: a snapshot committed after the one ``latest`` names (a crash between
+  a commit and the pointer's update) is followed (``latest_step``); a HEAD of the manifest of each
+  one listed newer than the pointer, none of the others (``_newest_to_lease``);
+- a GET of ``latest``: a branch left by a restore of an older step is not followed;
+- the reader lease (``ObjectLocks.lease_for_reading``) of each snapshot the composite needs: its
+  PUT, then a HEAD of the removal mark and a GET of the manifest, after the PUT (retention writes
+  its mark, then looks for leases: one of the two sides sees the other), the GET also giving the
+  manifest read; and its DELETE (a bulk one) once the restore's reads are done;
+- a GET of the composite's unit indexes (``indexes.json``) and of its global state
+  (``global.json``, ``global.safetensors``), by whichever rank the read plan picks;
+- a GET of each rank's own state (``ranks/rank-N.json`` and ``.safetensors``), by that rank.
 """
 
 from __future__ import annotations
@@ -524,8 +541,11 @@ class Catalog:
             composite, lost = None, {}
             if leases.take(target):
                 composite = self.resolve(target)
+                # Each unit's version leased before its manifest is read (``needs``): its lease reads
+                # it once written (on an object store, not looked for by a HEAD after a GET).
+                refused = {source for source in sorted(set(composite.sources.values())) if not leases.take(source)}
                 for source, units in self.needs(composite).items():
-                    if not leases.take(source):
+                    if source in refused or not leases.take(source):
                         lost.setdefault(source, []).extend(units)
                 if not lost:
                     return composite, lost

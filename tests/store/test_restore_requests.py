@@ -88,7 +88,8 @@ def test_a_snapshot_newer_than_latest_is_looked_for_and_followed_and_an_older_on
     """Parity saves of steps 1 to 3, then ``latest`` put back to name step 2 (a crash between the
     commit of 3 and the pointer's update): the restore looks for step 3's manifest (a HEAD: newer
     than the pointer), follows it (its parent is 2) and loads the composite of 3, leasing step 2,
-    whose units it needs (its lease reads its manifest), without looking for step 1's."""
+    whose units it needs (its lease reads its manifest, not read nor looked for before), without
+    looking for step 1's."""
     with faulty_moto() as (endpoint, faults):
         set_environment(monkeypatch, endpoint)
         bucket = new_bucket(endpoint)
@@ -103,7 +104,11 @@ def test_a_snapshot_newer_than_latest_is_looked_for_and_followed_and_an_older_on
         asked = small_requests(faults.seen, f"/{bucket}/run")
         # Looked for while listing and by its lease (its manifest read in between, to follow it).
         assert asked["HEAD", "snapshots/step-00000003/manifest.json"] == 2
-        assert asked["PUT", "snapshots/step-00000002/.readers/<id>"] == 1
+        # Step 2 leased before its manifest is read: the lease's GET reads it (BEFORE: a HEAD while
+        # listing, its GET to find what it keeps, then a HEAD by its lease).
+        step2 = "snapshots/step-00000002"
+        assert (asked["PUT", f"{step2}/.readers/<id>"], asked["GET", f"{step2}/manifest.json"]) == (1, 1), asked
+        assert asked["HEAD", f"{step2}/manifest.json"] == 0, asked
         assert not any("step-00000001" in key for _, key in asked), asked
 
 

@@ -21,7 +21,10 @@
   checks that the snapshot is committed and not marked ``.removing`` (both asked at once: a GET
   of the manifest, kept for the reader as ``Lease.marker``, and a HEAD of the mark); retention writes
   ``.removing``, then looks for unexpired reader leases and backs off if it finds one. Each side
-  writes before it reads the other's mark, so at least one of them sees the other.
+  writes before it reads the other's mark, so at least one of them sees the other. A reader whose
+  lease the server refuses for want of rights (read-only credentials: ``errno.EACCES``, as
+  ``object_errors.failure`` says, never told by the error's text) reads without one, as a
+  reader of a read-only local run does; any other failure fails the read.
 """
 
 from __future__ import annotations
