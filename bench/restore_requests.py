@@ -9,6 +9,7 @@ FSDP2 save then a 3-rank restore) mark where their read-only Tailor is made, res
 own API, not counted). Counts, not times: they do not depend on the machine's load.
 
     PYTHONPATH=. .venv/bin/python bench/restore_requests.py [--layers 4 --hidden 256 --intermediate 704 --vocab 8000]
+    PYTHONPATH=. .venv/bin/python bench/restore_requests.py --snapshots 20   # one process, a run of 20 snapshots
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def arguments() -> argparse.Namespace:
     for flag, default in SIZES.items():
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--kinds", default="ddp,fsdp")
+    parser.add_argument("--snapshots", type=int, default=0,
+                        help="instead: a one-process restore of a run of this many Parity saves (tests' tiny model)")
     parser.add_argument("--json", type=Path, default=None, help="write the counts there too")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -121,9 +124,8 @@ def worker(role: str) -> None:
         optimizer = torch.optim.AdamW(hf_param_groups(model.module), lr=1e-3)
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        for module in (*model.model.layers, model):  # each layer, then the rest
+            fully_shard(module, mesh=mesh)
         optimizer = torch.optim.AdamW(hf_param_groups(model), lr=1e-3)
     batch = torch.randint(0, args["vocab"], (1, 64))
     model(input_ids=batch, labels=batch).loss.backward()
@@ -160,6 +162,25 @@ def show(counted: collections.Counter) -> None:
         print(f"   {n:>4}  {method:<14} {key}")
 
 
+def one_process(count: int, bucket: str) -> None:
+    """A one-process restore of a run of ``count`` Parity saves of the tests' tiny model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import tiny, train
+
+    from llmtailor import Parity, Tailor
+    from llmtailor.training_example import corpus_tokens
+
+    tokens, (model, opt, sched) = corpus_tokens(), tiny()
+    with Tailor(f"s3://{bucket}/one", model, opt, sched, policy=Parity()) as tailor:
+        for step in range(1, count + 1):
+            train(model, opt, sched, tokens, [step])
+            tailor.save(step)
+    with Tailor(f"s3://{bucket}/one", *tiny(), read_only=True) as tailor:
+        mark("one-restore")
+        tailor.restore()
+        mark()
+
+
 def main() -> None:
     args = arguments()
     if args.worker:
@@ -173,6 +194,12 @@ def main() -> None:
 
     bucket = f"requests-{uuid.uuid4().hex[:10]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
+    if args.snapshots:
+        one_process(args.snapshots, bucket)
+        counted = collections.Counter(kind_of(m, p, q, r) for at, m, p, q, r in seen if at == "one-restore")
+        print(f"\n== a one-process restore of a run of {args.snapshots} Parity saves: {sum(counted.values())} requests")
+        show(counted)
+        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_URL": f"s3://{bucket}",
            "BENCH_SIZES": json.dumps({k.replace("-", "_"): v for k, v in vars(args).items()}, default=str)}
     found = {}
