@@ -32,13 +32,30 @@ Invariants of reading:
   every snapshot of its composite (``reading``): retention leaves leased snapshots in place.
   A composite that lost a snapshot before its lease was taken is never read in part: it is
   resolved again (the newest) or refused, before any tensor byte is read.
+
+The small requests of a restore from an object store (each a round trip, and on a server such
+as moto some milliseconds of its CPU whatever its size), each asked once in the job (rank 0
+lists, reads the pointer and leases; ``store.shared_reads`` sends what one rank read to the
+others), and why each is needed:
+
+- a LIST of ``snapshots/``: a snapshot committed after the one ``latest`` names (a crash between
+  a commit and the pointer's update) is followed (``latest_step``); a HEAD of the manifest of each
+  one listed newer than the pointer, none of the others (``_newest_to_lease``);
+- a GET of ``latest``: a branch left by a restore of an older step is not followed;
+- the reader lease (``ObjectLocks.lease_for_reading``) of each snapshot the composite needs: its
+  PUT, then a HEAD of the removal mark and a GET of the manifest, after the PUT (retention writes
+  its mark, then looks for leases: one of the two sides sees the other), the GET also giving the
+  manifest read; and its DELETE (a bulk one) once the restore's reads are done;
+- a GET of the composite's unit indexes (``indexes.json``) and of its global state
+  (``global.json``, ``global.safetensors``), by whichever rank the read plan picks;
+- a GET of each rank's own state (``ranks/rank-N.json`` and ``.safetensors``), by that rank.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -91,6 +108,7 @@ class ReadLeases:
             self.run.forget([step])  # a snapshot of this step written later is another one
             return False
         self._held[step] = lease
+        self.run._doubted.discard(step)  # committed after all: a snapshot saved again at a step removed before
         if lease.marker is not None:  # the manifest as read once the lease was written: not read again
             self.run.manifest_read(step, lease.marker)
         return True
@@ -155,6 +173,9 @@ class Catalog:
         None: not listed yet), for ``tombstones``."""
         self._held_back: list[threading.Event] = []
         """Gates of background commits' writes not yet opened (``hold_back``)."""
+        self._doubted: set[int] = set()
+        """Steps forgotten (``forget``: a lease found no committed snapshot there, or it was removed):
+        a listing for a lease looks for their manifest first (``_newest_to_lease``)."""
 
     @property
     def is_local(self) -> bool:
@@ -191,11 +212,17 @@ class Catalog:
     def steps(self) -> list[int]:
         """Steps of the committed snapshots (those whose manifest exists, and those this process
         commits in the background: ``commit_later``), ascending (inside ``listed``: as first
-        listed there)."""
+        listed there; by a lease's listing, ``_newest_to_lease``, those up to ``latest`` as listed)."""
         listing = getattr(self._listed, "listing", None)
         if listing:
             return list(listing[0])
-        found = sorted({*self._list_steps(), *(step for step in list(self._committing) if self.committing_here(step))})
+        return self._listed_steps(self._list_steps())
+
+    def _listed_steps(self, committed: list[int]) -> list[int]:
+        """``steps`` from the ``committed`` steps just listed: with those this process commits in
+        the background, kept inside ``listed``."""
+        found = sorted({*committed, *(step for step in list(self._committing) if self.committing_here(step))})
+        listing = getattr(self._listed, "listing", None)
         if listing is not None:
             listing.append(found)
         return list(found)
@@ -298,9 +325,14 @@ class Catalog:
             self._list_steps()
         return list(self._tombstoned or [])
 
-    def _manifest_sizes(self) -> list[tuple[int, int | None]]:
-        """Each snapshot directory's step and the size of its manifest (None: none there)."""
-        named = [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
+    def _snapshot_names(self) -> list[tuple[int, str]]:
+        """Each snapshot directory's step and name (one listing: a LIST on an object store)."""
+        return [(step, name) for name in self.storage.list_dir(SNAPSHOTS_DIR) if (step := parse_snapshot_name(name)) is not None]
+
+    def _manifest_sizes(self, named: list[tuple[int, str]] | None = None) -> list[tuple[int, int | None]]:
+        """Each snapshot directory's step and the size of its manifest (None: none there), of the
+        directories ``named`` (default: listed now)."""
+        named = self._snapshot_names() if named is None else named
         # Each snapshot's manifest looked for at once (on an object store a HEAD each, side by side).
         sizes = self.storage.together(*(functools.partial(self.storage.size, f"{SNAPSHOTS_DIR}/{name}/{MANIFEST_FILE}")
                                         for _, name in named))
@@ -360,6 +392,7 @@ class Catalog:
         for step in steps:
             self._manifests.pop(step, None)
             self._manifest_bytes.pop(step, None)
+            self._doubted.add(step)
         listing = getattr(self._listed, "listing", None)
         if listing:
             listing.clear()
@@ -371,16 +404,31 @@ class Catalog:
         # The pointer read while the snapshots are listed (on an object store, side by side):
         # either order is handled below (a pointer newer than the listing counts as absent).
         steps, pointer = self.storage.together(self.steps, self._read_pointer)
-        if not steps:
-            return None
-        if pointer is None or pointer not in steps:
-            return steps[-1]
-        current = pointer
-        while True:
-            children = [s for s in steps if s > current and self._parent_if_present(s) == current]
-            if not children:
-                return current
-            current = max(children)
+        return _followed(steps, pointer, self._parent_if_present)
+
+    def _newest_to_lease(self) -> int | None:
+        """``latest_step`` for ``lease_composite``, which leases the step it returns at once (and
+        each snapshot its composite needs, each lease looking for that snapshot's manifest once
+        written). On an object store the listing therefore looks for the manifests of the
+        snapshots newer than ``latest`` alone (a HEAD each: a crash between a commit and the
+        pointer's update leaves one, followed as ``latest_step`` does): the pointer's own is
+        read by its lease (a GET, the check that it is committed and its bytes at once:
+        ``ObjectLocks.lease_for_reading``), and the older ones are counted as listed, each
+        looked for by its lease if the composite needs it. So a restore costs the same requests
+        whatever the number of snapshots. Inside ``listed`` the steps so listed are the block's
+        (``newest_held`` looks no further back than the newest non-carrier). A pointer whose lease
+        found no committed snapshot (``forget``), or none listed (newer than the listing, or no
+        ``latest``), is looked for as every snapshot is, and passed over."""
+        if not self.storage.locks.checks_committed or getattr(self._listed, "listing", None):
+            return self.latest_step()  # a lease that checks nothing (a local run's), or listed already in this block
+        named, pointer = self.storage.together(self._snapshot_names, self._read_pointer)
+        if pointer is None or pointer in self._doubted or all(step != pointer for step, _ in named):
+            sizes, older = self._manifest_sizes(named), []
+        else:
+            sizes = self._manifest_sizes([(step, name) for step, name in named if step > pointer])
+            older = [step for step, _ in named if step <= pointer]
+        steps = self._listed_steps([*older, *(step for step, size in sizes if self._marks_commit(size))])
+        return _followed(steps, pointer, self._parent_if_present)
 
     def lineage(self, step: int | None = None, *, through_damage: bool = False) -> Iterator[int]:
         """The composite of ``step`` (default: the newest) and its ancestors, newest first,
@@ -487,14 +535,17 @@ class Catalog:
         the run leased, and those that are not (step -> the units it should give)."""
         wanted = step
         for _ in range(_RESOLVE_ATTEMPTS):
-            target = self.latest_step() if wanted is None else wanted
+            target = self._newest_to_lease() if wanted is None else wanted
             if target is None:
                 raise SnapshotNotFoundError(self._no_snapshot_message(None))
             composite, lost = None, {}
             if leases.take(target):
                 composite = self.resolve(target)
+                # Each unit's version leased before its manifest is read (``needs``): its lease reads
+                # it once written (on an object store, not looked for by a HEAD after a GET).
+                refused = {source for source in sorted(set(composite.sources.values())) if not leases.take(source)}
                 for source, units in self.needs(composite).items():
-                    if not leases.take(source):
+                    if source in refused or not leases.take(source):
                         lost.setdefault(source, []).extend(units)
                 if not lost:
                     return composite, lost
@@ -536,6 +587,23 @@ class Catalog:
         if step is None:
             return f"{self.root}: no committed snapshot"
         return f"{self.root}: no committed snapshot at step {step}; committed steps: {_ranges(steps)}"
+
+
+def _followed(steps: list[int], pointer: int | None, parent_of: Callable[[int], int | None]) -> int | None:
+    """The newest committed composite among ``steps`` (committed, ascending) where the ``latest``
+    pointer names ``pointer`` (None: none, or damaged): it, followed forward through the
+    snapshots whose parent it is (``Catalog.latest_step``); the newest step where it names none
+    of them (newer than the listing, or removed)."""
+    if not steps:
+        return None
+    if pointer is None or pointer not in steps:
+        return steps[-1]
+    current = pointer
+    while True:
+        children = [s for s in steps if s > current and parent_of(s) == current]
+        if not children:
+            return current
+        current = max(children)
 
 
 def empty_run(root: object) -> str:

@@ -7,11 +7,12 @@ server's error ``Code`` and ``Message`` (``NoSuchBucket``, ``SignatureDoesNotMat
 ``InvalidAccessKeyId``, ``AccessDenied``, ...) and its HTTP status, or, when no server
 answered, why (the connection refused, the host unknown); and which endpoint was asked.
 ``explain`` finds those and says what kind of failure it was; ``failure`` turns one into the
-error the storage raises, naming the object.
+error the storage raises, naming the object (a refusal of the credentials with ``errno.EACCES``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Mapping
@@ -181,4 +182,7 @@ def failure(err: Exception, where: str, missing: str = "file is missing",
     explained = explain(err, denied=denied, missing=isinstance(err, FileNotFoundError), services=services)
     if explained.kind == MISSING:
         return IntegrityError(f"{where}: {missing}")
-    return StorageError(f"{where}: {explained.text}")
+    # Refused credentials or rights carry EACCES, as a local run's permission error does: a
+    # caller tells them by their errno (``strategies.CANNOT_CREATE``), never by their text.
+    denied_here = PermissionError(errno.EACCES, explained.text) if explained.kind == DENIED else None
+    return StorageError(f"{where}: {explained.text}", denied_here)

@@ -21,7 +21,10 @@
   checks that the snapshot is committed and not marked ``.removing`` (both asked at once: a GET
   of the manifest, kept for the reader as ``Lease.marker``, and a HEAD of the mark); retention writes
   ``.removing``, then looks for unexpired reader leases and backs off if it finds one. Each side
-  writes before it reads the other's mark, so at least one of them sees the other.
+  writes before it reads the other's mark, so at least one of them sees the other. A reader whose
+  lease the server refuses for want of rights (read-only credentials: ``errno.EACCES``, as
+  ``object_errors.failure`` says, never told by the error's text) reads without one, as a
+  reader of a read-only local run does; any other failure fails the read.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from llmtailor.constants import LOCK_FILE, MANIFEST_FILE
 from llmtailor.errors import IntegrityError, StorageError, TailorError
 from llmtailor.store.storage.object_options import DEFAULT_LOCK_TTL, load_obstore
 from llmtailor.store.storage.object_store import ObjectStore, Version
-from llmtailor.store.storage.strategies import Lease, RunLocks, WriterLockBackend, this_process
+from llmtailor.store.storage.strategies import CANNOT_CREATE, Lease, RunLocks, WriterLockBackend, this_process
 
 READERS_DIR = ".readers"
 
@@ -79,9 +82,9 @@ class ObjectLocks(RunLocks):
         try:
             self.storage.put(key, json.dumps(record).encode())
         except StorageError as err:
-            if "permission denied" in str(err):
-                return _ObjectLease(self.storage, None) if self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
-            raise
+            if err.errno not in CANNOT_CREATE:  # read-only credentials: read without a lease (as a local read-only run)
+                raise
+            return _ObjectLease(self.storage, None) if self.storage.is_file(f"{snapshot}/{MANIFEST_FILE}") else None
         lease = _ObjectLease(self.storage, key)
         # Written first, then read: retention writes its mark first, then reads the leases.
         try:
