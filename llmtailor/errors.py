@@ -33,8 +33,9 @@ class IntegrityError(TailorError):
 
 
 class DamagedFileError(IntegrityError):
-    """A file a committed snapshot records is missing, of another size, or its bytes differ from
-    the checksum its manifest records: the run is damaged there. The CLI adds how to find every
+    """A file a committed snapshot records (the run's own, or one of the base model directory it
+    keeps frozen tensors from) is missing, of another size, or its bytes differ from the checksum
+    its manifest records: the run is damaged there (``verify`` names it). The CLI adds how to find every
     such file (``llmtailor verify``), by this type, whatever the message says."""
 
 

@@ -439,8 +439,15 @@ def test_a_base_directory_is_referenced_never_copied_and_checked_on_restore(tmp_
     Tailor(tmp_path / "run", held, held_opt, read_only=True).restore()
     for (name, a), b in zip(held.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
-    weights.unlink()  # a missing base file is named, whatever the live model holds
-    with pytest.raises(IntegrityError, match="model.safetensors: file is missing"):
+    # A base file of another size, or missing, is named, whatever the live model holds: the run's
+    # damage (DamagedFileError, the CLI's verify hint), as verify names it. BEFORE: IntegrityError.
+    from llmtailor.errors import DamagedFileError
+
+    weights.write_bytes(bytes(data) + b"\0")
+    with pytest.raises(DamagedFileError, match=r"model.safetensors: \d+ bytes, the run recorded \d+ \(the base model"):
+        Tailor(tmp_path / "run", *lora(seed=7), read_only=True).restore()
+    weights.unlink()
+    with pytest.raises(DamagedFileError, match="model.safetensors: file is missing"):
         Tailor(tmp_path / "run", *lora(seed=7), read_only=True).restore()
 
 

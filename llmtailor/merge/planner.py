@@ -266,18 +266,37 @@ def _layers_kept_in_place(sources: dict[str, Source], layers: list[_Layer], foun
     units hold several stacks of layers, may give the output only a stack of its own depth,
     each layer at its own place."""
     for label in dict.fromkeys(label for label, *_ in layers):
-        config = sources[label].config or {}
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}  # a multimodal model's
-        bound = [why for key, why in PLACE_BOUND.items() if config.get(key) or text.get(key)]
-        if len(stacks := sources[label].layout.layer_stacks()) > 1:
-            bound.append(f"{len(stacks)} stacks of layers ({', '.join(stacks)}), layer i of each in its unit layer.i")
         depth = sources[label].layout.num_layers
         moved = [(i, j) for i, (other, j, *_) in enumerate(layers) if other == label and i != j]
-        if bound and (moved or len(layers) != depth):
+        if not moved and len(layers) == depth:
+            continue  # every layer at its own place in a stack of its depth: nothing to check (nor torch to import)
+        values = _place_bound_values(sources[label].config or {})
+        bound = [why for key, why in PLACE_BOUND.items() if values.get(key)]
+        if len(stacks := sources[label].layout.layer_stacks()) > 1:
+            bound.append(f"{len(stacks)} stacks of layers ({', '.join(stacks)}), layer i of each in its unit layer.i")
+        if bound:
             change = (f"puts its layer {moved[0][1]} at layer {moved[0][0]}" if moved
                       else f"makes a stack of {len(layers)} layers from its {depth}")
             found.problems.append(f"source {label!r} has {' and '.join(bound)}; the plan {change}: llmtailor cannot move "
                                   "its layers exactly, so each must stay at its own place in a stack of its depth")
+
+
+def _place_bound_values(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``PLACE_BOUND`` keys' values of a config (a multimodal model's: its ``text_config``'s)
+    as its transformers config class gives them, defaults included: transformers 4.x saved only
+    the keys that differ from the class's defaults, so a gemma3n or gemma4 config.json without
+    ``hidden_size_per_layer_input`` has per-layer inputs all the same (the default, 256). Where
+    transformers does not know the config (or refuses it), the keys written."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    written = {key: config.get(key) or text.get(key) for key in PLACE_BOUND}
+    try:
+        import transformers
+
+        made = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(copy.deepcopy(config))  # it edits its input
+        made = made.get_text_config()
+    except Exception:  # no model_type, a config transformers does not know or refuses
+        return written
+    return {key: getattr(made, key, None) or value for key, value in written.items()}
 
 
 def _state_and_optimizer(spec: PlanSpec, sources: dict[str, Source], first: str, last: str, writes_optimizer: bool,

@@ -86,7 +86,21 @@ def stored_problem(storage: Storage, key: str, entry: FileEntry) -> str | None:
 def read_stored(storage: Storage, key: str, entry: FileEntry) -> bytearray | mmap.mmap:
     """The bytes of the file ``key``, read once and checked against ``entry`` (size and
     checksum) before they are returned."""
-    return check_stored(storage.read(key), entry, storage.where(key))
+    return check_stored(read_recorded(storage, key), entry, storage.where(key))
+
+
+def read_recorded(storage: Storage, key: str, start: int = 0, length: int | None = None) -> Any:
+    """The bytes of ``key``, a file a committed manifest records (all of it, or ``length`` bytes
+    from ``start``), as the storage reads them, unchecked (the caller checks what it takes). The
+    storage's IntegrityError (the file missing, shorter than read) is then the run's damage: a
+    DamagedFileError, which the CLI follows with how to find every such file (``verify``); an
+    error reading it (a StorageError: permission denied, say) stays what it is."""
+    try:
+        return storage.read(key) if length is None else storage.read_range(key, start, length)
+    except DamagedFileError:
+        raise
+    except IntegrityError as err:
+        raise DamagedFileError(str(err)) from None
 
 
 def check_stored(data: bytes | bytearray | mmap.mmap, entry: FileEntry, where: str) -> bytearray | mmap.mmap:

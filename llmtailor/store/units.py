@@ -20,7 +20,7 @@ from llmtailor.errors import DamagedFileError, IntegrityError, TailorError, Unsu
 from llmtailor.store.catalog import Catalog, Composite
 from llmtailor.store.checked import (check_header, check_stored, check_stored_header, checked_landed, checked_parts,
                                      checked_tensors, fetch_stored_tensors, fetch_whole, fetch_whole_into, read_checked_tensors,
-                                     read_stored, read_stored_parts)
+                                     read_recorded, read_stored, read_stored_parts)
 from llmtailor.store.fetch import fetch
 from llmtailor.store.tensor_files import checksum, decode_tensors
 from llmtailor.store.manifest import Chunk, FileEntry, TensorEntry, UnitEntry, load_unit_entry
@@ -220,11 +220,11 @@ class UnitReader:
         elif whole.bytes <= INDEXES_READ_WHOLE:
             indexes = self._indexes.get(step)
             if indexes is None:
-                indexes = bytes(self.received.get(where) or self.catalog.storage.read(where))
+                indexes = bytes(self.received.get(where) or read_recorded(self.catalog.storage, where))
                 _keep(self._kept_lock, self._indexes, step, indexes, _INDEXES_KEPT)
             line = indexes[start:end]
         else:
-            line = bytes(self.catalog.storage.read_range(where, start, end - start))
+            line = bytes(read_recorded(self.catalog.storage, where, start, end - start))
         if len(line) != ref.index.bytes or checksum(line) != ref.index.xxh3_64:
             raise DamagedFileError(f"{self.catalog.storage.where(where)}: the index of unit {unit!r} (bytes {start} to "
                                  f"{end}) does not match its checksum (file is corrupted)")
@@ -468,7 +468,8 @@ class UnitReader:
     def check_base(self, composite: Composite) -> None:
         """The base model directory the composite keeps tensors from is there, every file of
         it at its recorded size (a cheap check before a restore; each tensor read from it is
-        checked against its checksum). IntegrityError naming the file otherwise."""
+        checked against its checksum). DamagedFileError naming the file otherwise (``verify``
+        checks the base files too)."""
         bases = {self.catalog.manifest(s).base.path: s for s in self.catalog.needs(composite) if self.catalog.manifest(s).base}
         for step in bases.values():
             storage = self.base_storage(step)
@@ -478,11 +479,11 @@ class UnitReader:
                 except TailorError as err:
                     raise IntegrityError(str(err)) from None
                 if size is None:
-                    raise IntegrityError(f"{storage.where(file.path)}: file is missing (the base model directory the run "
-                                         "keeps frozen tensors from)")
+                    raise DamagedFileError(f"{storage.where(file.path)}: file is missing (the base model directory the "
+                                           "run keeps frozen tensors from)")
                 if size != file.bytes:
-                    raise IntegrityError(f"{storage.where(file.path)}: {size} bytes, the run recorded {file.bytes} "
-                                         "(the base model changed)")
+                    raise DamagedFileError(f"{storage.where(file.path)}: {size} bytes, the run recorded {file.bytes} "
+                                           "(the base model changed)")
 
     def base_storage(self, step: int) -> Storage:
         """The storage of the base model directory the snapshot of ``step`` keeps tensors from

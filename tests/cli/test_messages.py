@@ -101,6 +101,22 @@ def test_the_damaged_file_hint_follows_the_error_type_not_its_text(runs, tmp_pat
                           "check the path: give the directory (or URL) that a Tailor saved into")
 
 
+@pytest.mark.parametrize("name", ["indexes.json", "global.json", "global.safetensors"])
+def test_a_missing_snapshot_file_read_through_the_storage_says_how_to_find_every_one(runs, tmp_path, name):
+    """A file the manifest records, gone: the storage's "file is missing" is the run's damage
+    (DamagedFileError), so the hint follows, as for a missing unit file. BEFORE: ``error:
+    .../step-00000006/indexes.json: file is missing`` alone (a plain IntegrityError)."""
+    shutil.copytree(runs / "run", tmp_path / "run")
+    missing = tmp_path / "run" / "snapshots" / "step-00000006" / name
+    missing.unlink()
+    result = invoke("assemble", str(tmp_path / "run"), "-o", str(tmp_path / "out"))
+    assert (result.exit_code, result.output.splitlines()) == (2, [f"error: {missing}: file is missing", INDENT +
+                                                                  "llmtailor verify RUN names every damaged file; an "
+                                                                  "older --step may not read it"]), result.output
+    checked = invoke("verify", str(tmp_path / "run"))
+    assert checked.exit_code == 1 and f"bad: {missing}: file is missing" in checked.output, checked.output
+
+
 def test_a_bad_plan_says_to_fix_it_and_that_nothing_was_written(runs, tmp_path):
     """BEFORE: the plan's fault alone."""
     plan = tmp_path / "plan.yaml"

@@ -67,3 +67,18 @@ def test_a_url_of_a_scheme_llmtailor_does_not_open_is_refused_naming_it(url, tmp
     with pytest.raises(ConfigError, match=f"{scheme}:// is not a storage"):
         Tailor(url, model, optimizer)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("url,meant", [("memory://x", "memory:///x"), ("memory://runs/exp1", "memory:///runs/exp1")])
+def test_a_memory_url_with_a_host_is_refused_saying_how_one_is_written(url, meant):
+    """obstore's in-process store (``memory:///prefix``) has no bucket: a name after ``memory://``
+    is refused in one line saying how to write it, by the CLI and by a Tailor. BEFORE:
+    ``error: memory://x: cannot use this location (Generic URL error: Unable to recognise URL
+    "memory://x")``."""
+    result = CliRunner().invoke(app, ["inspect", url], env={"COLUMNS": "80"})
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.startswith(f"error: {url}: a memory:// URL names no bucket (it is obstore's in-process store, "
+                                    f"empty each time it is opened): write {meant}"), result.output
+    model, optimizer, _ = tiny()
+    with pytest.raises(ConfigError, match=f"write {meant}"):
+        Tailor(url, model, optimizer)

@@ -550,3 +550,33 @@ def test_layers_bound_to_their_places_are_not_moved_but_stay_mixable_in_place(tm
     assert not any(info.values()), info
     other, name = load_file(h / "model.safetensors"), next(n for n in model.state_dict() if "layers.3.mlp.up_proj" in n)
     assert torch.equal(model.state_dict()[name], other[name])
+
+
+def test_per_layer_inputs_a_config_json_leaves_to_its_class_default_still_bind_the_layers(tmp_path):
+    """transformers 4.x wrote only the keys a config changed from its class's defaults: a gemma4
+    with per-layer inputs of the default size (``hidden_size_per_layer_input`` 256) has none in its
+    config.json, yet its model has them (transformers' class gives the default). Its layers are
+    still bound to their places: a plan moving them is refused, as for a config that names the key.
+    BEFORE: only the keys written were read, and the swap merged silently, each moved layer meeting
+    another layer's per-layer input block."""
+    from llmtailor.errors import ConfigError
+
+    config = transformers.CONFIG_MAPPING["gemma4_text"](vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                          layer_types=["sliding_attention", "full_attention"] * 2,
+                                                          vocab_size_per_layer_input=64)
+    assert config.hidden_size_per_layer_input == 256  # the class's default: per-layer inputs
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "g")
+    saved = json.loads((tmp_path / "g" / "config.json").read_text())
+    del saved["hidden_size_per_layer_input"]  # as transformers 4.x saved a default
+    (tmp_path / "g" / "config.json").write_text(json.dumps(saved))
+    g = tmp_path / "g"
+    with pytest.raises(ConfigError, match=r"has per-layer inputs .*; the plan puts its layer 2 at layer 0: llmtailor "
+                                          r"cannot move"):
+        merge(plan(tmp_path / "p.yaml", {"slices": slices((g, (2, 3)), (g, (1, 2)), (g, (0, 1)), (g, (3, 4)))}),
+              tmp_path / "out", format="model")
+    assert not (tmp_path / "out").exists()
+    out = merge(plan(tmp_path / "same.yaml", {"slices": slices((g, (0, 4)))}), tmp_path / "same", format="model")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
