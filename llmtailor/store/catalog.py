@@ -477,7 +477,7 @@ class Catalog:
             return Composite(step=step, manifest=manifest, sources=dict(manifest.composite))
         for _ in range(_RESOLVE_ATTEMPTS):
             newest = self.latest_step()
-            if newest is None:
+            if newest is None and (newest := self._listed_again()) is None:
                 raise SnapshotNotFoundError(self._no_snapshot_message(None))
             try:
                 return self.resolve(newest)
@@ -536,7 +536,7 @@ class Catalog:
         wanted = step
         for _ in range(_RESOLVE_ATTEMPTS):
             target = self._newest_to_lease() if wanted is None else wanted
-            if target is None:
+            if target is None and (wanted is not None or (target := self._listed_again()) is None):
                 raise SnapshotNotFoundError(self._no_snapshot_message(None))
             composite, lost = None, {}
             if leases.take(target):
@@ -558,6 +558,14 @@ class Catalog:
             leases.close()
             wanted = None
         raise SnapshotNotFoundError(self._unsettled_message())
+
+    def _listed_again(self) -> int | None:
+        """``latest_step`` once more, after a listing found no committed snapshot: a run that has
+        one can look empty to a listing that is not one request (a local run's: the directories,
+        then each one's manifest) when, in between, a writer committed a newer snapshot and its
+        retention (``keep=1``) removed the one listed. Inside ``listed`` the block's listing
+        (empty) stands."""
+        return self.latest_step()
 
     def _unsettled_message(self) -> str:
         return (

@@ -158,6 +158,32 @@ def test_a_snapshot_removed_right_after_its_manifest_was_seen_is_listed_or_not_n
     assert looked and steps in ([1, 2, 3, 4], [2, 3, 4]) and not gone.exists(), (looked, steps)
 
 
+def test_a_listing_that_met_only_a_snapshot_removed_meanwhile_is_taken_again_not_an_empty_run(parity_run, monkeypatch):
+    """A local listing is not one request: the directories, then each one's manifest. Between
+    the two a keep-1 writer can commit a newer snapshot and remove the one listed, so the run
+    looks empty (the racing test above met it: 'no committed snapshot in this run directory'
+    from ``Tailor.restore``). A reader then lists again before it calls the run empty. Here the
+    first listing names step 2 alone, which retention removed (3 and 4 are the run's)."""
+    from llmtailor.store.catalog import Catalog
+
+    run = Run(parity_run)
+    apply_retention(run, plan_retention(run, 1))
+    assert run.steps() == [3, 4]
+    real, stale = Catalog._snapshot_names, []
+
+    def listed_before_the_commit(self):
+        if not stale:
+            stale.append(True)
+            return [(2, "step-00000002")]
+        return real(self)
+
+    monkeypatch.setattr(Catalog, "_snapshot_names", listed_before_the_commit)
+    with Run(parity_run).reading() as composite:
+        assert composite.step == 4
+    stale.clear()
+    assert Run(parity_run).resolve().step == 4
+
+
 def test_a_composite_that_lost_a_snapshot_before_its_lease_gives_way_to_the_newest(parity_run):
     run = Run(parity_run)
     apply_retention(run, plan_retention(run, 1))  # removes 1 and 2: the composite of 3 needs 2
