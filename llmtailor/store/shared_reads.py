@@ -26,13 +26,13 @@ from __future__ import annotations
 from llmtailor.constants import GLOBAL_JSON, GLOBAL_TENSORS, INDEXES_FILE, MANIFEST_FILE
 from llmtailor.distributed.coordinator import CoordinationError, Coordinator, describe_error
 from llmtailor.distributed.read_plan import ReadPlan, balance
-from llmtailor.errors import IntegrityError, SnapshotNotFoundError, StorageError
+from llmtailor.errors import DamagedFileError, IntegrityError, SnapshotNotFoundError, StorageError
 from llmtailor.store.catalog import Composite, LeasedComposite, ReadLeases
 from llmtailor.store.manifest import FileEntry, parse_manifest
 from llmtailor.store.run import Run
 from llmtailor.store.units import INDEXES_READ_WHOLE
 
-_KINDS = {kind.__name__: kind for kind in (IntegrityError, SnapshotNotFoundError, StorageError)}
+_KINDS = {kind.__name__: kind for kind in (DamagedFileError, IntegrityError, SnapshotNotFoundError, StorageError)}
 """The failures of rank 0's lease that other ranks raise as their own kind (else a CoordinationError)."""
 
 
