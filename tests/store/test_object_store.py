@@ -253,6 +253,58 @@ def test_a_second_writer_is_refused_naming_the_first_and_takes_over_after_it_die
         holder.kill()
 
 
+@S3_ONLY
+def test_a_writer_paused_past_its_lease_commits_nothing_once_another_took_the_run_over(url, tokens, monkeypatch):
+    """Writer A's lease goes unrenewed past its ttl (a paused process: SIGSTOP, a long GC, a
+    suspended VM; here its renewal thread held, so A has not noticed yet). Writer B, another
+    process, takes the run over, restores step 1, saves steps 2 and 3 and closes. A then goes on
+    and saves step 4: its commit must confirm its lease (renewed once more, conditionally on its
+    own version) before the manifest's write, and refuse. Before: A's ``check_held`` only read
+    what its renewal thread had noticed: step 4 was committed over B's branch (its parent step 1)
+    and ``latest`` named it, B's steps 2 and 3 silently left behind by every restore."""
+    options = {"lock_ttl": 2}
+    resume = threading.Event()
+    renew = ObjectWriterLock._renew
+    monkeypatch.setattr(ObjectWriterLock, "_renew", lambda self: (resume.wait(), renew(self)))
+    model, opt, sched = tiny()
+    tailor = Tailor(url, model, opt, sched, storage_options=options)
+    try:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)
+        successor = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(f"""
+                import sys, time
+                sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+                from helpers import tiny
+                from llmtailor import Tailor
+                from llmtailor.errors import TailorError
+                deadline = time.monotonic() + 120  # a bound for a busy machine, not a timing assertion
+                while True:  # A's lease is refused while renewed lately, then watched for lock_ttl and taken over
+                    try:
+                        tailor = Tailor({url!r}, *tiny(), storage_options={options!r})
+                        break
+                    except TailorError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.2)
+                assert tailor.restore().step == 1
+                tailor.save(2)
+                tailor.save(3)
+                tailor.close()
+            """)],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert successor.returncode == 0, successor.stderr
+        train(model, opt, sched, tokens, [2])
+        with pytest.raises(TailorError, match=r"no longer holds the run's lock \(another writer took the run's lock over\)"):
+            tailor.save(4)
+        run = Run(url)
+        assert run.steps() == [1, 2, 3] and run.latest_step() == 3 and run.verify() == []
+    finally:
+        resume.set()
+        tailor.close()
+
+
 def test_a_lease_naming_a_live_process_here_that_no_longer_renews_it_is_watched_then_taken_over(url):
     """A writer SIGKILLed on this host leaves its lease naming its pid; once that pid is another
     live process's (pids are reused: a small pid space on a busy host, a container restarted with
