@@ -204,8 +204,8 @@ class ObjectCommits(SnapshotCommits):
             size = self.storage.size(key)
             if is_committed(size):
                 return  # committed after all (an answer lost after the write): never remove it
-            with waited_on_for_work():
-                self.locks.confirm_writer()  # lost: its successor may be writing this step; it clears what is left  # a LIST and a DELETE per 1000 objects, each through its retries
+            with waited_on_for_work():  # a LIST and a DELETE per 1000 objects, each through its retries
+                self.locks.confirm_writer()  # lost: its successor may be writing this step; it clears what is left
                 self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
         except TailorError:
             pass  # left for the next writer or gc: no reader trusts a snapshot without manifest
