@@ -39,6 +39,7 @@ from llmtailor import Full, Parity, Tailor  # noqa: E402
 from llmtailor.cli import app  # noqa: E402
 from llmtailor.errors import ConfigError, IntegrityError, TailorError  # noqa: E402
 from llmtailor.store.commit import StagedFiles  # noqa: E402
+from llmtailor.store.retention import discard_snapshots  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.store.storage.object_options import OPTIONS_ENV, load_obstore  # noqa: E402
 from llmtailor.store.storage.object_lock import ObjectWriterLock, is_committed  # noqa: E402
@@ -307,6 +308,22 @@ def test_a_writer_paused_past_its_lease_in_a_save_writes_no_file_into_its_succes
         run = Run(url)
         assert paused and run.steps() == [1, 2] and run.verify() == []
         assert "no longer holds the run's lock" in str(refused.value)
+
+
+@S3_ONLY
+def test_a_writer_whose_lease_was_taken_over_removes_nothing_of_the_run(url, monkeypatch):
+    """Writer A's lease, unrenewed (a paused process), is taken over (here written over by
+    another host's writer, as a takeover's conditional write does); A's retention then goes on:
+    it must remove nothing, the run being its successor's. Before: step 1 was removed."""
+    _renewals_held(monkeypatch)
+    with Tailor(url, *tiny(), storage_options={"lock_ttl": 2}) as tailor:
+        tailor.save(1)
+        tailor.save(2)
+        ObjectStorage(url).put(".lock", _lease_of("pid 1 on another-host", None))
+        time.sleep(1.0)  # past half the ttl since A's lease was last renewed: its commit or removal asks the store
+        outcome = discard_snapshots(Run(url), [1])
+        assert outcome.deleted == [] and "no longer holds the run's lock" in outcome.problems[0]
+        assert Run(url).steps() == [1, 2]
 
 
 def _renewals_held(monkeypatch) -> None:
