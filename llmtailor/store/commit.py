@@ -113,6 +113,9 @@ class StagedFiles:
         self.snapshot, self.batch = snapshot, batch
 
     def __call__(self, relpath: str) -> Sink:
+        # A writer paused past its object-store lease (its successor may be saving this very
+        # step, under the same names) writes no file more once it goes on (object_lock: Fenced).
+        self.snapshot.run.storage.locks.confirm_writer()
         return self.batch.create(self.snapshot.key(relpath))
 
     def drain(self) -> None:

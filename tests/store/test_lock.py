@@ -70,6 +70,26 @@ def test_a_second_writer_process_is_refused_and_a_killed_one_leaves_no_lock(tmp_
         os.kill(int(child), signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_a_writer_paused_for_long_keeps_a_local_run_no_other_writer_takes_it_over(tmp_path):
+    """A local run's lock is the kernel's ``flock``, held by its holder as long as it lives,
+    paused (SIGSTOP) however long: no other writer takes it over, so a paused writer that goes on
+    never meets a successor's snapshots (on an object store the lease is taken over once
+    unrenewed for its ttl: tests/store/test_object_store.py, ``paused_past_its_lease``)."""
+    holder = writer(tmp_path, 1, "hold")
+    said, child = holder.stdout.readline().split()
+    assert said == "saved"
+    try:
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(TailorError, match=rf"being written by another writer \(pid {holder.pid} on "):
+            Tailor(tmp_path, *tiny()).save(2)
+        holder.send_signal(signal.SIGCONT)
+    finally:
+        holder.kill()
+        holder.stdin.close()
+        os.kill(int(child), signal.SIGKILL)
+
+
 def test_a_second_writer_in_the_same_process_is_refused(tmp_path):
     first = Tailor(tmp_path, *tiny())
     first.save(1)

@@ -38,6 +38,8 @@ from typer.testing import CliRunner  # noqa: E402
 from llmtailor import Full, Parity, Tailor  # noqa: E402
 from llmtailor.cli import app  # noqa: E402
 from llmtailor.errors import ConfigError, IntegrityError, TailorError  # noqa: E402
+from llmtailor.store.commit import StagedFiles  # noqa: E402
+from llmtailor.store.retention import discard_snapshots  # noqa: E402
 from llmtailor.store.run import Run  # noqa: E402
 from llmtailor.store.storage.object_options import OPTIONS_ENV, load_obstore  # noqa: E402
 from llmtailor.store.storage.object_lock import ObjectWriterLock, is_committed  # noqa: E402
@@ -251,6 +253,112 @@ def test_a_second_writer_is_refused_naming_the_first_and_takes_over_after_it_die
         assert Run(url).steps() == [1]
     finally:
         holder.kill()
+
+
+@S3_ONLY
+def test_a_writer_paused_past_its_lease_commits_nothing_once_another_took_the_run_over(url, tokens, monkeypatch):
+    """Writer A's lease goes unrenewed past its ttl (a paused process: SIGSTOP, a long GC, a
+    suspended VM; here its renewal thread held, so A has not noticed yet). Writer B, another
+    process, takes the run over, restores step 1, saves steps 2 and 3 and closes. A then goes on
+    and saves step 4: its commit must confirm its lease (renewed once more, conditionally on its
+    own version) before the manifest's write, and refuse. Before: A's ``check_held`` only read
+    what its renewal thread had noticed: step 4 was committed over B's branch (its parent step 1)
+    and ``latest`` named it, B's steps 2 and 3 silently left behind by every restore."""
+    options = {"lock_ttl": 2}
+    model, opt, sched = tiny()
+    _renewals_held(monkeypatch)
+    with Tailor(url, model, opt, sched, storage_options=options) as tailor:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)
+        _take_over_and_save(url, options, [2, 3])
+        train(model, opt, sched, tokens, [2])
+        with pytest.raises(TailorError, match=r"no longer holds the run's lock \(another writer took the run's lock over\)"):
+            tailor.save(4)
+        run = Run(url)
+        assert run.steps() == [1, 2, 3] and run.latest_step() == 3 and run.verify() == []
+
+
+@S3_ONLY
+def test_a_writer_paused_past_its_lease_in_a_save_writes_no_file_into_its_successors_snapshot(url, tokens, monkeypatch):
+    """Writer A is paused past its lease as its save of step 2 begins (before its first file);
+    writer B takes the run over and saves step 2 (the same file names: same model, same policy,
+    other weights), and closes. A then goes on: it must write no file more (each file it stages
+    confirms its lease first), so B's step 2 stays whole. Before: A wrote all its files over
+    B's committed step 2, then its manifest was refused (B's there): ``verify`` named every
+    file's checksum mismatch, and a restore of step 2 failed."""
+    options = {"lock_ttl": 2}
+    model, opt, sched = tiny()
+    create = StagedFiles.__call__
+    paused = []
+
+    def pause_at_step_2(files, relpath):
+        if files.snapshot.step == 2 and not paused:
+            paused.append(relpath)
+            _take_over_and_save(url, options, [2])
+        return create(files, relpath)
+
+    monkeypatch.setattr(StagedFiles, "__call__", pause_at_step_2)
+    _renewals_held(monkeypatch)
+    with Tailor(url, model, opt, sched, storage_options=options) as tailor:
+        train(model, opt, sched, tokens, [1])
+        tailor.save(1)
+        train(model, opt, sched, tokens, [2])
+        with pytest.raises(TailorError) as refused:
+            tailor.save(2)
+        run = Run(url)
+        assert paused and run.steps() == [1, 2] and run.verify() == []
+        assert "no longer holds the run's lock" in str(refused.value)
+
+
+@S3_ONLY
+def test_a_writer_whose_lease_was_taken_over_removes_nothing_of_the_run(url, monkeypatch):
+    """Writer A's lease, unrenewed (a paused process), is taken over (here written over by
+    another host's writer, as a takeover's conditional write does); A's retention then goes on:
+    it must remove nothing, the run being its successor's. Before: step 1 was removed."""
+    _renewals_held(monkeypatch)
+    with Tailor(url, *tiny(), storage_options={"lock_ttl": 2}) as tailor:
+        tailor.save(1)
+        tailor.save(2)
+        ObjectStorage(url).put(".lock", _lease_of("pid 1 on another-host", None))
+        time.sleep(1.0)  # past half the ttl since A's lease was last renewed: its commit or removal asks the store
+        outcome = discard_snapshots(Run(url), [1])
+        assert outcome.deleted == [] and "no longer holds the run's lock" in outcome.problems[0]
+        assert Run(url).steps() == [1, 2]
+
+
+def _renewals_held(monkeypatch) -> None:
+    """Writer leases taken from now on are never renewed until released (a process paused past
+    its lease whose renewal thread has not woken yet)."""
+    monkeypatch.setattr(ObjectWriterLock, "_renew", lambda self: self._stop.wait())
+
+
+def _take_over_and_save(url: str, options: dict, steps: list[int]) -> None:
+    """Another process takes the run over (its holder's lease refused while renewed lately, then
+    watched for ``lock_ttl`` and taken over), restores step 1, saves ``steps`` and closes."""
+    successor = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+            from helpers import tiny
+            from llmtailor import Tailor
+            from llmtailor.errors import TailorError
+            deadline = time.monotonic() + 120  # a bound for a busy machine, not a timing assertion
+            while True:
+                try:
+                    tailor = Tailor({url!r}, *tiny(), storage_options={options!r})
+                    break
+                except TailorError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            assert tailor.restore().step == 1
+            for step in {steps!r}:
+                tailor.save(step)
+            tailor.close()
+        """)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert successor.returncode == 0, successor.stderr
 
 
 def test_a_lease_naming_a_live_process_here_that_no_longer_renews_it_is_watched_then_taken_over(url):

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 
 from llmtailor.constants import MANIFEST_FILE, SNAPSHOTS_DIR, TMP_DIR, TRASH_DIR, parse_snapshot_name
-from llmtailor.errors import TailorError
+from llmtailor.errors import StorageError, TailorError
 from llmtailor.store.storage.local_durable import waited_on_for_work
 from llmtailor.store.storage.object_lock import ObjectLocks, is_committed
 from llmtailor.store.storage.object_options import env_endpoint
@@ -126,11 +126,14 @@ class ObjectCommits(SnapshotCommits):
     def commit(self, staging: str, final: str, manifest: bytes, pointer: tuple[str, bytes] | None = None,
                pending: Callable[[], None] | None = None, parent: int | None = None,
                publish: Callable[[], None] | None = None) -> Unconfirmed | None:
-        """The manifest, written last (once every upload in flight has completed) and only if
-        absent, is the commit; then the pointer. A write that failed is looked at once more
-        (``_written_after_all``): its answer may be lost after the server stored it."""
+        """The manifest, written last (once every upload in flight has completed, and the writer's
+        lease confirmed after them: ``ObjectLocks.confirm_writer``) and only if absent, is the
+        commit; then the pointer (its lease confirmed again). A write that failed is looked at
+        once more (``_written_after_all``): its answer may be lost after the server stored it."""
         if pending is not None:
             pending()
+        with waited_on_for_work():  # a renewal of the lease where its thread fell behind
+            self.locks.confirm_writer()  # the files stored before any successor could take the run over (object_lock)
         if publish is not None:
             publish()
         key = f"{staging}/{MANIFEST_FILE}"
@@ -142,9 +145,12 @@ class ObjectCommits(SnapshotCommits):
         if pointer is not None:
             try:
                 with waited_on_for_work():
+                    self.locks.confirm_writer()  # a successor's `latest` is never replaced by this writer's
                     self.storage.replace(*pointer)
             except OSError as err:
                 return Unconfirmed(pointer=err)
+            except TailorError as err:  # the lease lost since the manifest's write: `latest` is the successor's
+                return Unconfirmed(pointer=StorageError(str(err)))
         return None
 
     def _write(self, final: str, key: str, manifest: bytes) -> None:
@@ -199,6 +205,7 @@ class ObjectCommits(SnapshotCommits):
             if is_committed(size):
                 return  # committed after all (an answer lost after the write): never remove it
             with waited_on_for_work():  # a LIST and a DELETE per 1000 objects, each through its retries
+                self.locks.confirm_writer()  # lost: its successor may be writing this step; it clears what is left
                 self.storage.remove_tree(staging, keep=key if size is not None else None)  # a tombstone stays
         except TailorError:
             pass  # left for the next writer or gc: no reader trusts a snapshot without manifest
@@ -206,12 +213,14 @@ class ObjectCommits(SnapshotCommits):
     def discard(self, snapshot: str) -> str:
         # The manifest goes first: from then on the snapshot is not one, at once.
         with waited_on_for_work():
+            self.locks.confirm_writer()  # a writer that lost the run removes nothing of it
             self.storage.remove(f"{snapshot}/{MANIFEST_FILE}")
         self.locks.discarding.discard(snapshot)
         return snapshot
 
     def purge(self, token: str) -> None:
         with waited_on_for_work():
+            self.locks.confirm_writer()
             self.storage.remove_tree(token)
 
     def clear_leftovers(self) -> Leftovers:

@@ -15,8 +15,22 @@
   is told by what this process holds (``_HOLDING``), never by its pid, which is alive: held by
   none of its writers, it was a predecessor's that died and whose pid this process now has
   (a container's first process: the same low pid each time), taken over at once where the
-  lease records this namespace, watched where it records none. A writer that lost its lease
-  refuses to commit.
+  lease records this namespace, watched where it records none.
+- **Fenced.** A writer that lost its lease refuses to commit, and removes nothing. Its renewal
+  thread may not have noticed yet (the whole process was paused past its ttl: SIGSTOP, a long
+  GC, a suspended VM), so the commit asks the lease itself (``ObjectLocks.confirm_writer``),
+  once the snapshot's files are all stored and right before its manifest's write: a lease last
+  renewed (the request sent) less than ``CONFIRMED_WITHIN`` of its ttl ago is held still, since
+  a contender takes it over only after watching that renewal's version unchanged for a whole
+  ttl; an older one is renewed there and then, conditionally on its own version, so a
+  contender's takeover and this renewal cannot both succeed. Confirmed, the files were stored
+  before any takeover: the next writer's ``clear_leftovers`` finds them and claims the
+  manifest's key with a tombstone, so the manifest's write (only if absent, or only over the
+  tombstone this writer found), whenever it lands, is refused once a successor took over, and
+  a snapshot is never committed with a successor's files, nor over its branch. What is left
+  open: what a writer sends after its confirmation and does not condition on a version, if it
+  is paused past its lease in between (``latest``'s replacement, a retention's or an abandoned
+  save's DELETEs) (docs/failures.md).
 - **Reader leases.** A reader writes ``snapshots/step-N/.readers/<id>`` (with an expiry), then
   checks that the snapshot is committed and not marked ``.removing`` (both asked at once: a GET
   of the manifest, kept for the reader as ``Lease.marker``, and a HEAD of the mark); retention writes
@@ -111,6 +125,17 @@ class ObjectLocks(RunLocks):
         except IntegrityError:  # the object store's read says so of a missing object only
             return None
 
+    def confirm_writer(self) -> None:
+        """Raise TailorError unless this process's writer lease of the run, if it holds one, is
+        held now (``ObjectWriterLock.confirm``; module docstring: Fenced): a commit asks it once
+        its files are stored, right before its manifest's write, and so does a removal. A
+        process that holds none (its caller confirmed otherwise) is let be."""
+        identity = self.storage.identity()
+        for lock in list(_HOLDING):
+            if lock.storage.identity() == identity:
+                lock.confirm()
+                return
+
     def lease_for_removal(self, snapshot: str) -> Lease | None:
         if not is_committed(self.storage.size(f"{snapshot}/{MANIFEST_FILE}")):
             return None
@@ -165,6 +190,13 @@ def _lapsed(holder: dict) -> bool:
     return time.time() - float(holder.get("renewed", 0)) > float(holder.get("ttl", DEFAULT_LOCK_TTL))
 
 
+CONFIRMED_WITHIN = 0.5
+"""A writer's lease renewed (the request sent) less than this share of its ttl ago is held still
+without asking the store (``ObjectWriterLock.confirm``): the renewal thread renews it every third
+of its ttl, so a commit asks only where renewals fell behind (a paused process); the rest of the
+ttl is the margin for clocks that run at other rates on the contender's machine."""
+
+
 class ObjectWriterLock(WriterLockBackend):
     """The run's writer lease object ``.lock`` (module docstring)."""
 
@@ -173,6 +205,10 @@ class ObjectWriterLock(WriterLockBackend):
     def __init__(self, storage: ObjectStore):
         self.storage = storage
         self._held: Version | None = None
+        self._renewed_at = 0.0
+        """When the request that wrote ``_held`` was sent (``time.monotonic``)."""
+        self._renewing = threading.Lock()
+        """One renewal at a time (the thread's, a commit's ``confirm``): each names the version the other wrote."""
         self._lost: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,6 +220,7 @@ class ObjectWriterLock(WriterLockBackend):
     def take(self) -> None:
         storage = self.storage
         while True:
+            self._renewed_at = time.monotonic()
             self._held = storage.put_if(LOCK_FILE, self._record(), None)
             if self._held is not None:
                 break
@@ -198,6 +235,7 @@ class ObjectWriterLock(WriterLockBackend):
                     "a run has one writer at a time"
                 )
             # Taken over only if nobody else did first.
+            self._renewed_at = time.monotonic()
             self._held = storage.put_if(LOCK_FILE, self._record(), version)
             if self._held is not None:
                 break
@@ -273,24 +311,48 @@ class ObjectWriterLock(WriterLockBackend):
 
     def _renew(self) -> None:
         period = self.storage.lock_ttl / 3
-        last = time.monotonic()
         while not self._stop.wait(period):
             try:
-                renewed = self.storage.put_if(LOCK_FILE, self._record(), self._held)
+                if not self._renew_once():
+                    return
             except TailorError as err:  # transient: retried at the next period while the lease holds
-                if time.monotonic() - last > self.storage.lock_ttl:
+                if time.monotonic() - self._renewed_at > self.storage.lock_ttl:
                     self._lost = f"the run's lock could not be renewed for {self.storage.lock_ttl:g} s ({err})"
                     return
-                continue
+
+    def _renew_once(self) -> bool:
+        """The lease rewritten, only over the version this writer holds: False (and lost) where
+        another writer took it over; a TailorError where the store did not answer."""
+        with self._renewing:
+            if self._lost is not None:
+                return False
+            sent = time.monotonic()
+            renewed = self.storage.put_if(LOCK_FILE, self._record(), self._held)
             if renewed is None:
                 self._lost = "another writer took the run's lock over"
-                return
-            self._held, last = renewed, time.monotonic()
+                return False
+            self._held, self._renewed_at = renewed, sent
+            return True
 
     def check_held(self) -> None:
         if self._lost is not None:
             raise TailorError(f"{self.storage.url}: this writer no longer holds the run's lock ({self._lost}); "
                               "nothing more is committed")
+
+    def confirm(self) -> None:
+        """Return where this writer holds its lease (module docstring: Fenced): renewed less than
+        ``CONFIRMED_WITHIN`` of its ttl ago, or renewed here, over its own version; else raise
+        TailorError (taken over, or the store did not answer the renewal)."""
+        self.check_held()
+        if time.monotonic() - self._renewed_at < CONFIRMED_WITHIN * self.storage.lock_ttl:
+            return
+        try:
+            renewed = self._renew_once()
+        except TailorError as err:
+            raise TailorError(f"{self.storage.url}: this writer could not confirm it still holds the run's lock ({err}); "
+                              "nothing more is committed") from None
+        if not renewed:
+            self.check_held()
 
     def release(self) -> None:
         _HOLDING.discard(self)

@@ -216,6 +216,12 @@ class RunLocks(ABC):
     def lease_for_removal(self, snapshot: str) -> Lease | None:
         """An exclusive lease, taken without waiting; None while a reader holds one."""
 
+    def confirm_writer(self) -> None:
+        """Raise TailorError where this process's writer lock of the run was lost (an object
+        store's lease another writer took over while this process was paused past it:
+        ``object_lock``); a commit asks before each file it stages and before its manifest's
+        write. A lock that cannot be lost while its holder lives (``flock``): nothing to ask."""
+
 
 # -- what a location is -------------------------------------------------------------------------
 
