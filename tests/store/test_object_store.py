@@ -1445,3 +1445,30 @@ def test_inspect_and_verify_name_the_tombstones_from_their_own_listing_of_the_sn
             train(model, opt, sched, tokens, [3])
             tailor.save(3)
         assert Run(url).steps() == [1, 2, 3] and "tombstone" not in asked(["verify", url])[2]
+
+
+def test_a_writer_whose_machine_slept_past_its_lease_asks_the_store_before_it_commits(monkeypatch):
+    """A suspended VM's monotonic clock does not count its sleep; its wall clock, set again once
+    it wakes, does. A writer's lease renewed just before such a sleep of an hour must be asked
+    about (renewed over its own version) at the commit's confirmation, not taken as fresh by the
+    monotonic count alone. Before: ``confirm`` asked nothing (monotonic: renewed a moment ago)."""
+    from llmtailor.store.storage import object_lock
+    from llmtailor.store.storage.location import open_storage
+
+    storage = open_storage("memory:///run")
+    lock = ObjectWriterLock(storage)
+    _renewals_held(monkeypatch)
+    lock.take()
+    try:
+        asked = []
+        put_if = type(storage).put_if
+        monkeypatch.setattr(type(storage), "put_if", lambda self, *a, **k: asked.append(a[0]) or put_if(self, *a, **k))
+        lock.confirm()
+        assert asked == []  # renewed a moment ago, on both clocks
+        woke = time.time() + 3600
+        monkeypatch.setattr(object_lock.time, "time", lambda: woke)
+        lock.confirm()
+        assert asked == [".lock"]
+    finally:
+        monkeypatch.undo()
+        lock.release()

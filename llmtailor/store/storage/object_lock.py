@@ -197,6 +197,19 @@ of its ttl, so a commit asks only where renewals fell behind (a paused process);
 ttl is the margin for clocks that run at other rates on the contender's machine."""
 
 
+def _now() -> tuple[float, float]:
+    """A moment, on two clocks (``_since``)."""
+    return time.monotonic(), time.time()
+
+
+def _since(then: tuple[float, float]) -> float:
+    """Seconds since ``then`` (``_now``), the longer of the two clocks' counts: the monotonic clock
+    does not count a suspended machine's sleep (a suspended VM's), the wall clock (set again once
+    it wakes) does; a clock set back counts less, the other stands. So a pause is never counted
+    shorter than it was: a writer that slept past its lease asks the store (``confirm``)."""
+    return max(time.monotonic() - then[0], time.time() - then[1])
+
+
 class ObjectWriterLock(WriterLockBackend):
     """The run's writer lease object ``.lock`` (module docstring)."""
 
@@ -205,8 +218,8 @@ class ObjectWriterLock(WriterLockBackend):
     def __init__(self, storage: ObjectStore):
         self.storage = storage
         self._held: Version | None = None
-        self._renewed_at = 0.0
-        """When the request that wrote ``_held`` was sent (``time.monotonic``)."""
+        self._renewed_at = (0.0, 0.0)
+        """When the request that wrote ``_held`` was sent (``_now``)."""
         self._renewing = threading.Lock()
         """One renewal at a time (the thread's, a commit's ``confirm``): each names the version the other wrote."""
         self._lost: str | None = None
@@ -220,7 +233,7 @@ class ObjectWriterLock(WriterLockBackend):
     def take(self) -> None:
         storage = self.storage
         while True:
-            self._renewed_at = time.monotonic()
+            self._renewed_at = _now()
             self._held = storage.put_if(LOCK_FILE, self._record(), None)
             if self._held is not None:
                 break
@@ -235,7 +248,7 @@ class ObjectWriterLock(WriterLockBackend):
                     "a run has one writer at a time"
                 )
             # Taken over only if nobody else did first.
-            self._renewed_at = time.monotonic()
+            self._renewed_at = _now()
             self._held = storage.put_if(LOCK_FILE, self._record(), version)
             if self._held is not None:
                 break
@@ -316,7 +329,7 @@ class ObjectWriterLock(WriterLockBackend):
                 if not self._renew_once():
                     return
             except TailorError as err:  # transient: retried at the next period while the lease holds
-                if time.monotonic() - self._renewed_at > self.storage.lock_ttl:
+                if _since(self._renewed_at) > self.storage.lock_ttl:
                     self._lost = f"the run's lock could not be renewed for {self.storage.lock_ttl:g} s ({err})"
                     return
 
@@ -326,7 +339,7 @@ class ObjectWriterLock(WriterLockBackend):
         with self._renewing:
             if self._lost is not None:
                 return False
-            sent = time.monotonic()
+            sent = _now()
             renewed = self.storage.put_if(LOCK_FILE, self._record(), self._held)
             if renewed is None:
                 self._lost = "another writer took the run's lock over"
@@ -344,7 +357,7 @@ class ObjectWriterLock(WriterLockBackend):
         ``CONFIRMED_WITHIN`` of its ttl ago, or renewed here, over its own version; else raise
         TailorError (taken over, or the store did not answer the renewal)."""
         self.check_held()
-        if time.monotonic() - self._renewed_at < CONFIRMED_WITHIN * self.storage.lock_ttl:
+        if _since(self._renewed_at) < CONFIRMED_WITHIN * self.storage.lock_ttl:
             return
         try:
             renewed = self._renew_once()
