@@ -744,6 +744,7 @@ def test_a_removal_or_a_manifest_write_longer_than_the_timeout_keeps_the_others_
     fsync (the tests above). Before, a removal or a store's answer was no progress: rank 0 called
     rank 1 dead after the timeout. Ranks as threads over one store, timeout 1 s."""
     import shutil
+    import types
 
     import llmtailor.store.commit  # noqa: F401 - the storage's progress hooks (``report_progress``)
     from llmtailor.store.storage.local_commit import LocalCommits
@@ -762,7 +763,8 @@ def test_a_removal_or_a_manifest_write_longer_than_the_timeout_keeps_the_others_
         real_rmtree = shutil.rmtree
         monkeypatch.setattr(shutil, "rmtree", lambda *args, **kwargs: (slow(), real_rmtree(*args, **kwargs))[1])
         (tmp_path / "snapshots" / "step-00000001").mkdir(parents=True)
-        local, remote = LocalCommits(tmp_path), ObjectCommits(Store(), None)
+        unfenced = types.SimpleNamespace(confirm_writer=lambda: None)  # a writer that holds its lease (object_lock: Fenced)
+        local, remote = LocalCommits(tmp_path), ObjectCommits(Store(), unfenced)
         {"abandon": lambda: local.abandon("snapshots/step-00000001"),
          "purge": lambda: local.purge(local.discard("snapshots/step-00000001")),
          "object abandon": lambda: remote.abandon("snapshots/step-00000001"),
