@@ -51,7 +51,7 @@ from llmtailor.providers import StateProvider, make_provider
 from llmtailor.providers.stateful import Stateful, StatefulObjects
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.catalog import Composite, LeasedComposite
-from llmtailor.store.lineage import Lineage
+from llmtailor.store.lineage import Lineage, refuse_a_fresh_start
 from llmtailor.store.run import Run
 from llmtailor.store.shared_reads import share_manifests, share_small_files
 from llmtailor.store.staged import PersistResult, StagedSnapshot
@@ -180,7 +180,25 @@ class Tailor:
         if self._partly_restored is not None:
             raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
                               "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
+        if self.lineage.parent is None and self.lineage.floor is None:  # restored nothing, saved nothing yet
+            self._check_fresh_start()
         self.lineage.check_next(step)  # the save in flight, if any, is the parent
+
+    def _check_fresh_start(self) -> None:
+        """Collective, before the first save of a Tailor that restored nothing: refused where the
+        run holds a composite, unless ``fresh_start`` (then that save comes after its newest step;
+        ``store.lineage.refuse_a_fresh_start``). The newest step is read by rank 0 (each node's
+        copy of a node-local tier), so every rank raises alike."""
+        if self.tiers.placement is not None:
+            newest = self.tiers.latest_step(self.coordinator)
+        else:
+            newest = self.coordinator.broadcast(f"{self.coordinator.new_round()}/held",
+                                                self.tiers.latest_step if self.coordinator.is_leader else None)
+        if not self.config.fresh_start:
+            refuse_a_fresh_start(self.tiers.home.run.root, newest, ", which this Tailor did not restore: restore() "
+                                 "resumes from it", "give another run directory, or fresh_start=True to start a "
+                                 "lineage of its own after it")
+        self.lineage.starts_after(newest)
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
         """Block until the async saves in flight (if any) are committed and durable; return the
