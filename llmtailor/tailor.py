@@ -188,17 +188,22 @@ class Tailor:
         """Collective, before the first save of a Tailor that restored nothing: refused where the
         run holds a composite, unless ``fresh_start`` (then that save comes after its newest step;
         ``store.lineage.refuse_a_fresh_start``). The newest step is read by rank 0 (each node's
-        copy of a node-local tier), so every rank raises alike."""
+        copy of a node-local tier), so every rank raises alike, once rank 0 holds the writer lock
+        (a second writer is refused as that, not for what the first one saved)."""
+        def newest() -> int | None:
+            self.tiers.first.lock.claim()
+            return self.tiers.latest_step()
+
         if self.tiers.placement is not None:
-            newest = self.tiers.latest_step(self.coordinator)
+            held = self.tiers.latest_step(self.coordinator)
         else:
-            newest = self.coordinator.broadcast(f"{self.coordinator.new_round()}/held",
-                                                self.tiers.latest_step if self.coordinator.is_leader else None)
+            held = self.coordinator.broadcast(f"{self.coordinator.new_round()}/held",
+                                              newest if self.coordinator.is_leader else None)
         if not self.config.fresh_start:
-            refuse_a_fresh_start(self.tiers.home.run.root, newest, ", which this Tailor did not restore: restore() "
+            refuse_a_fresh_start(self.tiers.home.run.root, held, ", which this Tailor did not restore: restore() "
                                  "resumes from it", "give another run directory, or fresh_start=True to start a "
                                  "lineage of its own after it")
-        self.lineage.starts_after(newest)
+        self.lineage.starts_after(held)
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
         """Block until the async saves in flight (if any) are committed and durable; return the
