@@ -55,6 +55,14 @@ class TailorConfig(BaseModel):
     base: str | None = None
     """A ``save_pretrained`` directory of the model being fine-tuned: frozen tensors equal to its
     own are never copied into the run, only referenced (sizes and checksums recorded)."""
+    fresh_start: bool = False
+    """Let a Tailor that restored nothing save into a run that holds a composite: its first save
+    starts a lineage of its own there (training from scratch, or resumed from another run), at a
+    step after the run's newest; the run's older lineage is then an abandoned branch, which
+    retention (``keep``) deletes at that save and ``gc`` can remove. Without
+    it that first save is refused (a restart that left out ``restore()`` would make its state the
+    run's newest and, with ``keep``, delete the training the run held). The integrations refuse a
+    fresh start on their own terms (their resume line) and set it on their Tailor."""
     read_only: bool = False
     """Only restore (an evaluation job beside the trainer, a read-only copy of a run): no
     writer lock, and ``save`` is refused."""

@@ -51,7 +51,7 @@ from llmtailor.providers import StateProvider, make_provider
 from llmtailor.providers.stateful import Stateful, StatefulObjects
 from llmtailor.reports import PendingSave, RestoreReport, SaveReport
 from llmtailor.store.catalog import Composite, LeasedComposite
-from llmtailor.store.lineage import Lineage
+from llmtailor.store.lineage import Lineage, refuse_a_fresh_start
 from llmtailor.store.run import Run
 from llmtailor.store.shared_reads import share_manifests, share_small_files
 from llmtailor.store.staged import PersistResult, StagedSnapshot
@@ -180,6 +180,8 @@ class Tailor:
         if self._partly_restored is not None:
             raise TailorError(f"{self._partly_restored}, so the live model and optimizer may hold a mix of states; saving "
                               "them is refused: restore() again (fallback=True passes over damaged composites) before saving")
+        if self.lineage.parent is None and self.lineage.floor is None:  # restored nothing, saved nothing yet
+            _check_fresh_start(self.tiers, self.coordinator, self.lineage, self.config.fresh_start)
         self.lineage.check_next(step)  # the save in flight, if any, is the parent
 
     def wait(self, *, promoted: bool = False) -> SaveReport | None:
@@ -371,6 +373,27 @@ class _Pending:
             kept, self.unconfirmed = self.unconfirmed, []
             stager.raise_failure(refused=refused, newest=self.lineage.parent, unconfirmed=kept)
             _raise_unconfirmed(*kept, refused=refused)
+
+
+def _check_fresh_start(tiers: Tiers, coordinator: Coordinator, lineage: Lineage, fresh_start: bool) -> None:
+    """Collective, before the first save of a Tailor that restored nothing: refused where the
+    run holds a composite, unless ``fresh_start`` (then that save comes after its newest step;
+    ``store.lineage.refuse_a_fresh_start``). The newest step is read by rank 0 (each node's
+    copy of a node-local tier), so every rank raises alike, once rank 0 holds the writer lock
+    (a second writer is refused as that, not for what the first one saved)."""
+    def newest() -> int | None:
+        tiers.first.lock.claim()
+        return tiers.latest_step()
+
+    if tiers.placement is not None:
+        held = tiers.latest_step(coordinator)
+    else:
+        held = coordinator.broadcast(f"{coordinator.new_round()}/held", newest if coordinator.is_leader else None)
+    if not fresh_start:
+        refuse_a_fresh_start(tiers.home.run.root, held, ", which this Tailor did not restore: restore() "
+                             "resumes from it", "give another run directory, or fresh_start=True to start a "
+                             "lineage of its own after it")
+    lineage.starts_after(held)
 
 
 def _raise_unconfirmed(*errors: str | None, refused: int | None = None) -> None:

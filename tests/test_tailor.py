@@ -252,9 +252,9 @@ def test_empty_run_and_unknown_step(tmp_path, saved_run):
 
 
 def test_saves_never_overwrite_or_go_backwards(saved_run):
-    tailor = Tailor(saved_run, *tiny())
+    tailor = Tailor(saved_run, *tiny(), fresh_start=True)
     before = tree_digest(saved_run)
-    with pytest.raises(TailorError, match="refusing to overwrite"):
+    with pytest.raises(ConfigError, match="step 2 is not after step 3, the newest snapshot this run held"):
         tailor.save(2)
     tailor.restore()
     with pytest.raises(ConfigError, match="not after the previous snapshot's step 3"):
@@ -295,6 +295,39 @@ def test_a_synchronous_save_encodes_its_global_state_once_its_units_are_written(
 def test_latest_follows_a_commit_whose_pointer_update_was_lost(saved_run):
     (saved_run / "latest").write_text("step-00000001\n")
     assert Run(saved_run).latest_step() == 3
+
+
+@pytest.mark.parametrize("keep", [None, 2])
+def test_the_first_save_of_a_tailor_that_restored_nothing_into_a_run_holding_a_composite_is_refused(
+        saved_run, tokens, keep):
+    """A restart that left out restore(): its save (at an older step here) would become the
+    run's newest composite, and retention delete the training the run held."""
+    before = tree_digest(saved_run)
+    model, opt, sched = tiny(seed=7)
+    tailor = Tailor(saved_run, model, opt, sched, policy=Parity(), keep=keep)
+    for step in (0, 4):  # older than the run's newest (3), and newer
+        with pytest.raises(ConfigError, match=rf"{saved_run} holds the composite of step 3, which this Tailor did not "
+                           r"restore: restore\(\) resumes from it; .*another run directory, or fresh_start=True"):
+            tailor.save(step)
+    assert tree_digest(saved_run) == before and Run(saved_run).latest_step() == 3
+    assert tailor.restore().step == 3  # the way out: resume, then save
+    tailor.save(4)
+    assert Run(saved_run).manifest(4).parent == 3
+
+
+def test_a_fresh_start_asked_for_saves_a_lineage_of_its_own_after_the_runs_newest_step(saved_run, tokens):
+    model, opt, sched = tiny(seed=7)
+    tailor = Tailor(saved_run, model, opt, sched, policy=Parity(), keep=2, fresh_start=True)
+    before = tree_digest(saved_run)
+    with pytest.raises(ConfigError, match="step 3 is not after step 3, the newest snapshot this run held"):
+        tailor.save(3)
+    assert tree_digest(saved_run) == before
+    train(model, opt, sched, tokens, [4])
+    assert set(tailor.save(4).units) == set(tailor.layout.units)  # its first save writes every unit
+    run = Run(saved_run)
+    assert run.manifest(4).parent is None and run.latest_step() == 4
+    assert set(run.resolve(4).sources.values()) == {4}
+    assert run.steps() == [4]  # asked for: the run's older lineage is an abandoned branch to retention
 
 
 def test_resuming_an_older_step_starts_a_branch(saved_run, tokens):
@@ -374,12 +407,12 @@ def test_a_unit_version_lacking_a_weight_is_refused_before_any_byte_is_read(tmp_
     real_read = Run.read_unit
     monkeypatch.setattr(Run, "read_unit", lambda run, step, unit, *args, **kwargs:
                         reads.append(unit) or real_read(run, step, unit, *args, **kwargs))
-    tailor = Tailor(tmp_path, *fresh)
+    tailor = Tailor(tmp_path, *fresh, fresh_start=True)  # the save below starts a lineage of its own
     with pytest.raises(IntegrityError, match=r"unit 'layer\.2' from snapshot 1, .*lacks .*'model\.layers\.2\.mlp\.up_proj\.weight'"):
         tailor.restore()
     assert reads == []
     assert_bitwise(unit_versions(fresh[0], fresh[1]), before)
-    tailor.save(2)  # nothing was touched: saving is not refused
+    tailor.save(2)  # nothing was touched: saving is not refused (as a restore that failed part-way is)
     # verify reports it too (it passed the forged snapshot: every checksum holds).
     assert "unit 'layer.2' of step 1 lacks (neither writes nor keeps) the weights of [model.layers.2.mlp.up_proj.weight]" \
         in Run(tmp_path).verify(1)

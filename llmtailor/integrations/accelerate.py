@@ -234,7 +234,7 @@ class TailorAccelerator(Accelerator):
 
     def _tailor_for_run(self) -> Tailor:
         if self._tailor is None:
-            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config,
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config, fresh_start=True,
                                   stateful={ACCELERATE_KEY: self._own})
         return self._tailor
 

@@ -147,7 +147,7 @@ class TailorTrainer(transformers.Trainer):
             scaler = getattr(self.accelerator, "scaler", None)  # fp16 mixed precision: Trainer's scaler.pt
             if scaler is not None:
                 stateful[GRAD_SCALER_KEY] = scaler  # its loss scale and growth tracker, restored in place
-            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config,
+            self._tailor = Tailor(self.tailor_run_dir, *self._live_objects(), config=self.tailor_config, fresh_start=True,
                                   stateful=stateful)
         return self._tailor
 

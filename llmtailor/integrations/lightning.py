@@ -178,7 +178,7 @@ class TailorCheckpoint(Checkpoint):
                                  ": fit(..., ckpt_path=checkpoint.resume_path()) resumes from it (ckpt_path=\"last\" "
                                  "finds only ModelCheckpoint files)", "give TailorCheckpoint another run directory")
         stateful = {LIGHTNING_KEY: Recorded(lambda: self._lightning_state(trainer))}
-        self._tailor = Tailor(self.run_dir, *live, config=self.config, stateful=stateful)
+        self._tailor = Tailor(self.run_dir, *live, config=self.config, fresh_start=True, stateful=stateful)
         if self._resume is None:
             return
         run, step = self._resume

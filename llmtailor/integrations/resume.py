@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from llmtailor.errors import ConfigError
 from llmtailor.reports import RestoreReport, describe_sources
+from llmtailor.store.lineage import refuse_a_fresh_start as refuse_fresh
 from llmtailor.store.run import Run
 from llmtailor.store.tiers import Tiers
 from llmtailor.tailor import Tailor
@@ -62,13 +62,8 @@ def announce(report: RestoreReport, run: Run) -> None:
 
 
 def refuse_a_fresh_start(tiers: Tiers, run_dir: Any, resume: str, instead: str) -> None:
-    """Refuse training that restored nothing from ``tiers`` (a restart that left out its resume
-    line) once they hold a composite, before its first save: that save would start a lineage of
-    its own there and become the run's newest composite, so retention (``keep``) deleted the
-    snapshots the run held, the newest state of the training it was; without retention a later
-    save's step could be one the run holds, refused mid-training. ``resume``: how the framework
-    resumes from it; ``instead``: how to train from scratch."""
-    newest = tiers.latest_step()
-    if newest is not None:
-        raise ConfigError(f"{run_dir} holds the composite of step {newest}{resume}; to train from scratch, {instead} "
-                          "(or delete that run)")
+    """Refuse training that restored nothing from ``tiers`` once they hold a composite, before
+    its first save (``store.lineage.refuse_a_fresh_start``, the rule a ``Tailor`` applies at its
+    own first save). ``resume``: how the framework resumes from it; ``instead``: how to train
+    from scratch."""
+    refuse_fresh(run_dir, tiers.latest_step(), resume, instead)

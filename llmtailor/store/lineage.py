@@ -5,11 +5,16 @@ extended (``Run.lineage`` walks them). A ``Tailor`` extends one: after a restore
 composite's; after its own save, that save's. ``Lineage`` is what it must know of it to choose
 and record the next save: the parent step, the next save index, the composite table, and per
 unit the save index and bytes of its newest version.
+
+A writer that restored nothing starts a lineage of its own; where the run already holds a
+composite, that start is refused unless asked for (``refuse_a_fresh_start``,
+``Lineage.starts_after``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmtailor.errors import ConfigError
 from llmtailor.store.catalog import Composite
@@ -38,6 +43,12 @@ class Lineage:
     step that a newer snapshot names as its parent would have made that snapshot the run's
     newest, and retention then removed the save."""
 
+    def starts_after(self, newest: int | None) -> None:
+        """A fresh lineage started, as asked (``fresh_start``), in a run whose newest composite is
+        of step ``newest``: its first save must come after it (``floor``), so the run's newest
+        composite never goes back to an older step and no later save's step is one the run holds."""
+        self.floor = newest
+
     def check_next(self, step: int) -> None:
         """ConfigError unless ``step`` can be the next save's: a non-negative integer after the
         parent's step."""
@@ -45,6 +56,12 @@ class Lineage:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
         if self.parent is not None and step <= self.parent:
             raise ConfigError(f"step {step} is not after the previous snapshot's step {self.parent}")
+        if self.floor is not None and step <= self.floor and self.parent is None:
+            raise ConfigError(
+                f"step {step} is not after step {self.floor}, the newest snapshot this run held when this "
+                f"fresh start began: save steps after {self.floor}, so each step names one snapshot and "
+                "the run's newest state is this training's"
+            )
         if self.floor is not None and step <= self.floor:
             raise ConfigError(
                 f"step {step} is not after step {self.floor}, the newest snapshot of this run (of the lineage "
@@ -100,3 +117,15 @@ class Lineage:
             self.saved_index[unit] = manifest.save_index
             self.unit_bytes[unit] = manifest.unit_bytes(unit)
 
+
+
+def refuse_a_fresh_start(run_dir: Any, newest: int | None, resume: str, instead: str) -> None:
+    """Refuse the first save of a writer that restored nothing into a run holding the composite
+    of step ``newest`` (a restart that left out its resume): that save would start a lineage of
+    its own there and become the run's newest composite, even at an older step, so retention
+    (``keep``) deleted the snapshots the run held, the newest state of the training it was;
+    without retention a later save's step could be one the run holds, refused mid-training.
+    ``resume``: how to resume from it; ``instead``: how to train from scratch. Nothing written."""
+    if newest is not None:
+        raise ConfigError(f"{run_dir} holds the composite of step {newest}{resume}; to train from scratch, {instead} "
+                          "(or delete that run)")

@@ -19,7 +19,9 @@ SECOND_WRITER = textwrap.dedent(
     from llmtailor.errors import TailorError
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     try:
-        tailor = Tailor(sys.argv[1], model)  # the lock lives as long as the Tailor (refused here, or at save)
+        # The lock lives as long as the Tailor (refused here, or at save); each writer after the first
+        # saves a lineage of its own (fresh_start: it restores nothing).
+        tailor = Tailor(sys.argv[1], model, fresh_start=True)
         tailor.save(int(sys.argv[2]))
     except TailorError as err:
         print(err)
