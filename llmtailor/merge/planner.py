@@ -289,14 +289,27 @@ def _place_bound_values(config: dict[str, Any]) -> dict[str, Any]:
     transformers does not know the config (or refuses it), the keys written."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     written = {key: config.get(key) or text.get(key) for key in PLACE_BOUND}
+    made = _transformers_config(config)
+    try:
+        made = made.get_text_config() if made is not None else None
+    except Exception:  # a config transformers makes but cannot name the text part of
+        made = None
+    if made is None:
+        return written
+    return {key: getattr(made, key, None) or value for key, value in written.items()}
+
+
+def _transformers_config(config: dict[str, Any]) -> Any:
+    """``config`` as its transformers config class makes it (the values it derives and its
+    defaults included; these classes import torch), from a copy (``from_dict`` edits its
+    input); None where transformers does not know the config (no ``model_type``, no such
+    class, not installed) or refuses it."""
     try:
         import transformers
 
-        made = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(copy.deepcopy(config))  # it edits its input
-        made = made.get_text_config()
-    except Exception:  # no model_type, a config transformers does not know or refuses
-        return written
-    return {key: getattr(made, key, None) or value for key, value in written.items()}
+        return transformers.CONFIG_MAPPING[config["model_type"]].from_dict(copy.deepcopy(config))
+    except Exception:
+        return None
 
 
 def _state_and_optimizer(spec: PlanSpec, sources: dict[str, Source], first: str, last: str, writes_optimizer: bool,
@@ -628,11 +641,8 @@ def _refuse_changed_kinds(config: dict[str, Any], kinds: list, layers: list[tupl
     so a stack ending in a sliding layer would load that layer as another kind (of another
     shape). Checked only for a stack of mixed kinds that changed (transformers' config classes import
     torch); nothing to check where transformers does not know the config."""
-    try:
-        import transformers
-
-        kept = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(copy.deepcopy(config)).layer_types  # it edits its input
-    except Exception:  # no such class or attribute, or a config it refuses (as loading the output would say)
+    kept = getattr(_transformers_config(config), "layer_types", None)
+    if kept is None:  # no such class or attribute, or a config it refuses (as loading the output would say)
         return
     changed = [i for i, (ours, theirs) in enumerate(zip(kinds, kept)) if ours != theirs]
     if changed:
@@ -673,10 +683,5 @@ def _kinds(config: dict[str, Any] | None, derive: bool = True) -> list | None:
         return config["layer_types"]
     if not derive:
         return None
-    try:
-        import transformers
-
-        derived = transformers.CONFIG_MAPPING[config["model_type"]].from_dict(config).layer_types
-    except Exception:  # none there (a family without layer kinds), or a config transformers refuses
-        return None
+    derived = getattr(_transformers_config(config), "layer_types", None)  # none: a family without layer kinds, or refused
     return list(derived) if isinstance(derived, (list, tuple)) else None
