@@ -605,6 +605,18 @@ def failing_fsync_of(monkeypatch, directory: Path, once_renamed: Path) -> list[s
     return failed
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped (``/proc``'s state ``T``): ``kill`` returns
+    before every thread of it has stopped, and a request sent meanwhile could still be answered."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(1000):
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s of its SIGSTOP")
+
+
 @contextmanager
 def stopped_store(timeout: float = 1.0) -> Iterator[tuple[object, int]]:
     """A client (its own ``timeout``) of a real TCPStore served by a process of its own, and

@@ -15,7 +15,7 @@ from torch.distributed import HashStore
 from llmtailor.distributed.coordinator import CoordinationError, PeerStopped, StoreCoordinator
 from llmtailor.errors import IntegrityError, PromotionError, TailorError
 
-from helpers import on_threads, progressing, relayed, stopped_store
+from helpers import on_threads, progressing, relayed, stop, stopped_store
 
 
 def on_every_rank(world_size, work):
@@ -231,7 +231,7 @@ def test_every_call_on_a_jobs_store_that_stops_answering_ends_within_the_deadlin
         coordinator = StoreCoordinator.over(watched := Watched(client), rank, 2, timeout=1)
         if call == "wait on a kept client (a collect)":
             coordinator._waiters.append(coordinator._clone())
-        os.kill(server, signal.SIGSTOP)
+        stop(server)
         outcome = []
         calling = threading.Thread(target=lambda: outcome.append(_outcome_of(work, coordinator, watched)), daemon=True)
         calling.start()
@@ -262,7 +262,7 @@ def test_a_client_given_up_on_is_not_asked_again_until_its_call_returns():
     with stopped_store() as (client, server):
         coordinator = StoreCoordinator.over(client, 1, 2, timeout=1)
         coordinator.post("before", 1)
-        os.kill(server, signal.SIGSTOP)
+        stop(server)
         with pytest.raises(CoordinationError, match="did not answer compare_set 'llmtailor/0/r1/gate'"):
             coordinator.claim("r1/gate", "go")
         threads = threading.active_count()

@@ -605,14 +605,14 @@ def test_a_courier_whose_jobs_store_stops_answering_fails_within_its_deadline(mo
     for the count. Now a CoordinationError within timeout + 2 s naming the store and what the rank
     asked, as the coordinator's calls are (``Deadlined``). One process, in a job of one told the
     job has two; watched for 30 s (10 x the deadline: a bound on a hang)."""
-    from helpers import stopped_store
+    from helpers import stop, stopped_store
 
     with stopped_store() as (client, server):
         dist.init_process_group("gloo", store=client, rank=0, world_size=1)
         try:
             monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
             monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
-            os.kill(server, signal.SIGSTOP)
+            stop(server)
             outcome = []
             opening = threading.Thread(target=lambda: outcome.append(_opened(1)), daemon=True)
             opening.start()

@@ -12,7 +12,7 @@ import signal
 import threading
 
 import pytest
-from helpers import failing_fsync_of, stopped_store, tiny, train
+from helpers import failing_fsync_of, stop, stopped_store, tiny, train
 from torch.distributed import HashStore
 
 from llmtailor import Full, Run, Tailor
@@ -573,7 +573,7 @@ def test_a_followers_close_gives_up_after_the_timeout_on_a_jobs_store_that_stops
         uploader, waiting = watched_uploader(client, 1)
         uploader.start()
         assert waiting.wait(60)  # idle: waiting for order 1
-        os.kill(server, signal.SIGSTOP)
+        stop(server)
         joining = threading.Thread(target=uploader.join, name="close", daemon=True)
         joining.start()
         joining.join(60)
